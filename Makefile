@@ -1,0 +1,35 @@
+# `make demo` and `make test` set everything up on a fresh machine: .venv, torch (CPU build from the
+# local disk where pip's constraints point at it), the project with its test extras.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.r3trace-installed
+PYTEST_ARGS ?= -m "not gpu and not slow"
+
+.PHONY: setup demo test test-all lint clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first and pinned: 2.13.0 resolves to the local CPU wheel; an open range would fetch a CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m r3trace.demo
+
+test: $(STAMP)
+	TRITON_INTERPRET=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-all: $(STAMP)
+	TRITON_INTERPRET=1 $(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy r3trace engine kernels
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,76 @@
+"""The recorder protocol: the one seam between the engine's routing op and route capture.
+
+The engine's router calls `capture(layer_id, topk_ids, topk_weights)` once per MoE layer per forward,
+between `on_forward_begin(batch)` and `on_forward_end(batch)`. Capture is injected at construction: the
+disabled case is `NullRecorder`, never a `None` check in model code.
+
+`BatchView` is the part of a forward batch a recorder may read. The engine's ForwardBatch satisfies it
+structurally, so r3trace.capture never imports the engine (dependency direction: engine -> capture).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+class BatchView(Protocol):
+    forward_id: int
+    out_cache_loc: torch.Tensor  # [T] KV slot of each new token
+    positions: torch.Tensor  # [T]
+    request_ids: list[str]
+    phases: list[str]  # per request: prefill | decode | verify
+    prefix_lens_cpu: list[int]
+    extend_lens_cpu: list[int]
+    dp_rank: int
+
+    @property
+    def num_tokens(self) -> int: ...
+
+
+@runtime_checkable
+class RouteRecorder(Protocol):
+    def on_forward_begin(self, batch: BatchView) -> None: ...
+
+    def capture(self, layer_id: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor | None = None) -> None:
+        """topk_ids: [T, K] logical ids in gate-rank order; topk_weights: [T, K] (may be None)."""
+        ...
+
+    def on_forward_end(self, batch: BatchView) -> None: ...
+
+
+class NullRecorder:
+    """Capture off: every hook is a no-op (no buffer, no copy, no sync)."""
+
+    def on_forward_begin(self, batch: BatchView) -> None:
+        return None
+
+    def capture(self, layer_id: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor | None = None) -> None:
+        return None
+
+    def on_forward_end(self, batch: BatchView) -> None:
+        return None
+
+
+class ListRecorder:
+    """Keeps every captured tensor of the last forward on its device: for tests and replay-check.
+
+    routes[layer_id] = (topk_ids [T, K], topk_weights [T, K]).
+    """
+
+    def __init__(self) -> None:
+        self.routes: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self.history: list[dict[int, tuple[torch.Tensor, torch.Tensor | None]]] = []
+
+    def on_forward_begin(self, batch: BatchView) -> None:
+        self.routes = {}
+
+    def capture(self, layer_id: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor | None = None) -> None:
+        self.routes[layer_id] = (
+            topk_ids.detach().clone(),
+            None if topk_weights is None else topk_weights.detach().clone(),
+        )
+
+    def on_forward_end(self, batch: BatchView) -> None:
+        self.history.append(self.routes)
