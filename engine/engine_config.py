@@ -1,0 +1,59 @@
+"""EngineConfig: every engine option, frozen and validated once at construction, passed downward."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+DType = Literal["float32", "bfloat16", "float16"]
+MlaPath = Literal["auto", "normal", "absorb"]
+Backend = Literal["ref", "triton"]
+
+_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class EngineConfigError(ValueError):
+    """An engine option is out of range; the message names the option, the value and the limit."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    dtype: DType = "float32"
+    device: str = "cpu"
+    # scheduling
+    chunked_prefill_size: int = 512  # max new tokens per forward (the per-step token budget)
+    max_running_requests: int = 64
+    page_size: int = 1
+    kv_pool_tokens: int = 16384  # KV slots in the paged latent pool
+    max_context_len: int | None = None  # default: the model's max_position_embeddings
+    enable_prefix_cache: bool = True
+    # math backends, chosen once here (never inside forward)
+    mla_path: MlaPath = "auto"  # auto: normal for prefix-free prefill, absorbed otherwise
+    attention_backend: Backend = "ref"
+    moe_backend: Backend = "ref"
+    topk_backend: Backend = "ref"
+    seed: int = 0
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise EngineConfigError(f"dtype={self.dtype!r}: expected one of {sorted(_DTYPES)}")
+        for name in ("chunked_prefill_size", "max_running_requests", "page_size", "kv_pool_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise EngineConfigError(f"{name}={value!r}: must be a positive integer")
+        if self.kv_pool_tokens % self.page_size:
+            raise EngineConfigError(
+                f"kv_pool_tokens={self.kv_pool_tokens} is not a multiple of page_size={self.page_size}"
+            )
+        if self.mla_path not in ("auto", "normal", "absorb"):
+            raise EngineConfigError(f"mla_path={self.mla_path!r}: expected auto, normal or absorb")
+        for name in ("attention_backend", "moe_backend", "topk_backend"):
+            if getattr(self, name) not in ("ref", "triton"):
+                raise EngineConfigError(f"{name}={getattr(self, name)!r}: expected ref or triton")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
