@@ -1,0 +1,121 @@
+"""Attention backends over the paged latent cache, chosen once at engine construction.
+
+Shape legend: T new tokens, H heads, C = kv_lora_rank + qk_rope_head_dim, S cache slots.
+- absorbed(q [T, H, C], kv_cache [S, C]) -> [T, H, kv_lora]: attention in latent space; every key
+  (prefix and the new tokens, already written) is read from the cache through req_to_token.
+- mha(q [T, H, Dqk], k [Nk, H, Dqk], v [Nk, H, Dv], k_starts, k_lens) -> [T, H, Dv]: per-head attention
+  on decompressed keys; request b's queries are the last extend_lens[b] of its k_lens[b] keys (causal).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from ..forward_batch import ForwardBatch
+
+
+class AttentionBackend(Protocol):
+    def absorbed(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, fb: ForwardBatch, kv_lora_rank: int, scale: float
+    ) -> torch.Tensor: ...
+
+    def mha(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        fb: ForwardBatch,
+        k_starts: list[int],
+        k_lens: list[int],
+        scale: float,
+    ) -> torch.Tensor: ...
+
+
+def _causal_softmax(scores: torch.Tensor, q_len: int, k_len: int) -> torch.Tensor:
+    """scores: [H, q_len, k_len] fp32; query i sits at key position k_len - q_len + i."""
+    q_pos = torch.arange(k_len - q_len, k_len, device=scores.device).unsqueeze(1)
+    k_pos = torch.arange(k_len, device=scores.device).unsqueeze(0)
+    return scores.masked_fill(k_pos > q_pos, float("-inf")).softmax(dim=-1)
+
+
+def _starts(fb: ForwardBatch) -> list[int]:
+    """First row of each request in T, from host lists (no device sync)."""
+    starts, acc = [], 0
+    for n in fb.extend_lens_cpu:
+        starts.append(acc)
+        acc += n
+    return starts
+
+
+class RefAttention:
+    """Plain torch, one request at a time, fp32 softmax: the definition the kernels are checked against."""
+
+    def absorbed(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, fb: ForwardBatch, kv_lora_rank: int, scale: float
+    ) -> torch.Tensor:
+        out = q.new_empty(q.shape[0], q.shape[1], kv_lora_rank)
+        for b, (start, n, seq_len) in enumerate(zip(_starts(fb), fb.extend_lens_cpu, fb.seq_lens_cpu)):
+            slots = fb.req_to_token[fb.req_pool_indices[b], :seq_len].long()
+            kv = kv_cache[slots].float()  # [N, C]
+            qb = q[start : start + n].float()  # [n, H, C]
+            probs = _causal_softmax(torch.einsum("nhc,kc->hnk", qb, kv) * scale, n, seq_len)
+            out[start : start + n] = torch.einsum("hnk,kc->nhc", probs, kv[:, :kv_lora_rank]).to(q.dtype)
+        return out
+
+    def mha(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        fb: ForwardBatch,
+        k_starts: list[int],
+        k_lens: list[int],
+        scale: float,
+    ) -> torch.Tensor:
+        out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
+        for start, n, ks, kl in zip(_starts(fb), fb.extend_lens_cpu, k_starts, k_lens):
+            qb, kb, vb = q[start : start + n].float(), k[ks : ks + kl].float(), v[ks : ks + kl].float()
+            probs = _causal_softmax(torch.einsum("nhd,khd->hnk", qb, kb) * scale, n, kl)
+            out[start : start + n] = torch.einsum("hnk,khd->nhd", probs, vb).to(q.dtype)
+        return out
+
+
+class TritonAttention:
+    """Triton flash-decoding / extend kernels (r3trace.kernels)."""
+
+    def __init__(self) -> None:
+        from r3trace.kernels import mla_decode, mla_extend
+
+        self._decode = mla_decode.mla_decode
+        self._extend = mla_extend.mla_extend
+        self._prefill = mla_extend.mha_prefill
+
+    def absorbed(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, fb: ForwardBatch, kv_lora_rank: int, scale: float
+    ) -> torch.Tensor:
+        if fb.mode == "decode":
+            return self._decode(q, kv_cache, fb.req_to_token, fb.req_pool_indices, fb.seq_lens, kv_lora_rank, scale)
+        return self._extend(
+            q, kv_cache, fb.req_to_token, fb.req_pool_indices, fb.prefix_lens, fb.extend_lens,
+            fb.extend_start_loc, kv_lora_rank, scale,
+        )
+
+    def mha(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        fb: ForwardBatch,
+        k_starts: list[int],
+        k_lens: list[int],
+        scale: float,
+    ) -> torch.Tensor:
+        if k_lens != fb.extend_lens_cpu:
+            raise ValueError("triton mha handles prefix-free prefill only; use mla_path='auto' or 'absorb'")
+        return self._prefill(q, k, v, fb.extend_start_loc, fb.extend_lens, scale)
+
+
+def make_attention_backend(name: str) -> AttentionBackend:
+    return RefAttention() if name == "ref" else TritonAttention()

@@ -1,0 +1,117 @@
+"""Multi-head Latent Attention with both paths, always both available.
+
+Shape legend: T new tokens, H heads, D hidden, C = kv_lora_rank + rope (one latent cache row).
+- normal:  decompress latents through kv_b_proj into per-head K/V, then MHA. Picked for prefill with no
+           cached prefix, where it costs less than attending in the 512+64-wide latent space.
+- absorb:  w_kc folded into the query and w_vc applied after attention; attention runs over the latent
+           cache directly. Picked for decode and for extend on top of a cached prefix.
+The cache row of a token is [kv_a_layernorm(c_kv), rope(k_pe)], written before attention runs.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from ..forward_batch import ForwardBatch
+from .attention_backend import AttentionBackend
+from .mlp import linear
+from .norm import RMSNorm
+from .rope import RotaryEmbedding
+
+AttnPath = Literal["normal", "absorb"]
+
+
+def select_attn_path(fb: ForwardBatch, forced: str) -> AttnPath:
+    """The one dispatch: normal for prefix-free prefill, absorbed for decode and prefix extends."""
+    if forced in ("normal", "absorb"):
+        return forced  # type: ignore[return-value]
+    return "normal" if fb.mode == "extend" and not fb.has_prefix else "absorb"
+
+
+class MLAAttention(nn.Module):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layer_id: int,
+        rope: RotaryEmbedding,
+        backend: AttentionBackend,
+        mla_path: str,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.h = cfg.num_attention_heads
+        self.nope, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.kv_lora = cfg.kv_lora_rank
+        self.scale = cfg.softmax_scale
+        self.rope = rope
+        self.backend = backend
+        self.mla_path = mla_path
+        d, qk = cfg.hidden_size, cfg.qk_head_dim
+        self.q_proj: nn.Linear | None = None
+        self.q_a_proj: nn.Linear | None = None
+        self.q_a_layernorm: RMSNorm | None = None
+        self.q_b_proj: nn.Linear | None = None
+        if cfg.q_lora_rank is None:
+            self.q_proj = linear(d, self.h * qk, dtype, device)
+        else:
+            self.q_a_proj = linear(d, cfg.q_lora_rank, dtype, device)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dtype, device)
+            self.q_b_proj = linear(cfg.q_lora_rank, self.h * qk, dtype, device)
+        self.kv_a_proj_with_mqa = linear(d, self.kv_lora + self.rope_dim, dtype, device)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora, cfg.rms_norm_eps, dtype, device)
+        self.kv_b_proj = linear(self.kv_lora, self.h * (self.nope + self.v_dim), dtype, device)
+        self.o_proj = linear(self.h * self.v_dim, d, dtype, device)
+        # Filled by post_load() from kv_b_proj: w_kc [H, nope, kv_lora], w_vc [H, v, kv_lora].
+        self.register_buffer("w_kc", torch.empty(0, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("w_vc", torch.empty(0, dtype=dtype, device=device), persistent=False)
+
+    def post_load(self) -> None:
+        w = self.kv_b_proj.weight.view(self.h, self.nope + self.v_dim, self.kv_lora)
+        self.w_kc = w[:, : self.nope].contiguous()
+        self.w_vc = w[:, self.nope :].contiguous()
+
+    def _query(self, x: torch.Tensor) -> torch.Tensor:
+        if self.q_proj is not None:
+            q = self.q_proj(x)
+        else:
+            assert self.q_a_proj is not None and self.q_a_layernorm is not None and self.q_b_proj is not None
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        return q.view(x.shape[0], self.h, self.nope + self.rope_dim)  # [T, H, qk]
+
+    def forward(self, x: torch.Tensor, fb: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
+        """x: [T, D]; kv_cache: [S, C] of this layer -> [T, D]."""
+        q = self._query(x)
+        q_nope, q_pe = q.split([self.nope, self.rope_dim], dim=-1)
+        q_pe = self.rope(fb.positions, q_pe)
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora, self.rope_dim], dim=-1)
+        latent = torch.cat([self.kv_a_layernorm(c_kv), self.rope(fb.positions, k_pe)], dim=-1)  # [T, C]
+        kv_cache[fb.out_cache_loc] = latent.to(kv_cache.dtype)
+
+        if select_attn_path(fb, self.mla_path) == "normal":
+            out = self._normal(torch.cat([q_nope, q_pe], dim=-1), latent, kv_cache, fb)
+        else:
+            q_abs = torch.einsum("thn,hnc->thc", q_nope, self.w_kc)  # [T, H, kv_lora]
+            o_lat = self.backend.absorbed(torch.cat([q_abs, q_pe], dim=-1), kv_cache, fb, self.kv_lora, self.scale)
+            out = torch.einsum("thc,hvc->thv", o_lat, self.w_vc)  # [T, H, v]
+        return self.o_proj(out.reshape(x.shape[0], self.h * self.v_dim))
+
+    def _normal(self, q: torch.Tensor, latent: torch.Tensor, kv_cache: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        if fb.has_prefix:
+            # Forced normal path on top of a cached prefix: decompress every key from the cache.
+            slots = [fb.req_to_token[fb.req_pool_indices[b], :n] for b, n in enumerate(fb.seq_lens_cpu)]
+            keys = kv_cache[torch.cat(slots).long()]  # [Nk, C]
+            k_lens = list(fb.seq_lens_cpu)
+        else:
+            keys, k_lens = latent.to(kv_cache.dtype), list(fb.extend_lens_cpu)
+        k_starts = [sum(k_lens[:b]) for b in range(len(k_lens))]
+        kv = self.kv_b_proj(keys[:, : self.kv_lora]).view(-1, self.h, self.nope + self.v_dim)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        k_pe = keys[:, self.kv_lora :].unsqueeze(1).expand(-1, self.h, -1)
+        k = torch.cat([k_nope, k_pe], dim=-1)  # [Nk, H, qk]
+        return self.backend.mha(q, k, v, fb, k_starts, k_lens, self.scale)  # [T, H, v]

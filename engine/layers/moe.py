@@ -1,0 +1,88 @@
+"""MoE layer: router -> routed experts (grouped compute) + shared experts.
+
+Shape legend: T tokens, D hidden, E routed experts, I moe_intermediate_size, K top-k.
+w13: [E, 2I, D] (gate_proj rows then up_proj rows, nn.Linear layout); w2: [E, D, I].
+An id of -1 in topk_ids means "not on this rank" (expert parallelism) and contributes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from r3trace.capture.recorder import RouteRecorder
+
+from ..config import ModelConfig
+from ..forward_batch import ForwardBatch
+from .mlp import MLP
+from .router import Router, TopkFn
+
+ExpertsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def grouped_experts_ref(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+) -> torch.Tensor:
+    """Reference grouped computation: sort (token, k) pairs by expert, one GEMM pair per expert.
+
+    x: [T, D]; topk_ids/topk_weights: [T, K] -> [T, D] in x's dtype (accumulated in fp32).
+    """
+    t, k = topk_ids.shape
+    flat_ids = topk_ids.reshape(-1).long()  # [T*K]
+    order = torch.argsort(flat_ids, stable=True)  # -1 ids sort first and are skipped
+    token_of = order // k  # [T*K] token row of each sorted pair
+    flat_w = topk_weights.reshape(-1)[order]
+    n_skipped = int((flat_ids < 0).sum())
+    counts = torch.bincount(flat_ids[flat_ids >= 0], minlength=w13.shape[0]).tolist()  # one host sync
+    out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
+    start = n_skipped
+    for expert, n in enumerate(counts):
+        if n == 0:
+            continue
+        rows = token_of[start : start + n]
+        gate, up = F.linear(x[rows], w13[expert]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2[expert])  # [n, D]
+        out.index_add_(0, rows, y.float() * flat_w[start : start + n, None])
+        start += n
+    return out.to(x.dtype)
+
+
+def make_experts_fn(backend: str) -> ExpertsFn:
+    if backend == "ref":
+        return grouped_experts_ref
+    from r3trace.kernels.fused_moe import fused_moe
+
+    return fused_moe  # type: ignore[no-any-return]
+
+
+class MoE(nn.Module):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layer_id: int,
+        recorder: RouteRecorder,
+        topk_fn: TopkFn,
+        experts_fn: ExpertsFn,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        super().__init__()
+        e, d, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate = Router(cfg, layer_id, recorder, topk_fn, device)
+        self.w13 = nn.Parameter(torch.empty(e, 2 * i, d, dtype=dtype, device=device), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(e, d, i, dtype=dtype, device=device), requires_grad=False)
+        self.shared_experts = (
+            MLP(d, i * cfg.n_shared_experts, dtype, device) if cfg.n_shared_experts > 0 else None
+        )
+        self.experts_fn = experts_fn
+
+    def forward(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        """x: [T, D] -> [T, D]."""
+        topk_weights, topk_ids = self.gate(x, fb)
+        out = self.experts_fn(x, self.w13, self.w2, topk_ids, topk_weights)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out

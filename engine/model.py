@@ -1,0 +1,124 @@
+"""DeepSeek-V2/V3 decoder stack over the paged latent cache.
+
+Shape legend: T new tokens, D hidden, V vocab, L layers, S cache slots, C latent cache row.
+Parameter names follow the Hugging Face layout (model.layers.N.self_attn.kv_b_proj.weight, ...), except
+routed experts, stacked per layer as mlp.w13 [E, 2I, D] and mlp.w2 [E, D, I] (weights.py maps them).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from r3trace.capture.recorder import RouteRecorder
+
+from .communicator import LayerCommunicator
+from .config import ModelConfig
+from .engine_config import EngineConfig
+from .forward_batch import ForwardBatch
+from .layers.attention_backend import make_attention_backend
+from .layers.mla import MLAAttention
+from .layers.mlp import MLP, linear
+from .layers.moe import MoE, make_experts_fn
+from .layers.norm import RMSNorm
+from .layers.rope import RotaryEmbedding
+from .layers.router import make_topk_fn
+from .parallel import ParallelInfo
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        ecfg: EngineConfig,
+        layer_id: int,
+        parallel: ParallelInfo,
+        recorder: RouteRecorder,
+        rope: RotaryEmbedding,
+    ) -> None:
+        super().__init__()
+        dtype, device = ecfg.torch_dtype, ecfg.device
+        self.layer_id = layer_id
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.self_attn = MLAAttention(
+            cfg, layer_id, rope, make_attention_backend(ecfg.attention_backend), ecfg.mla_path, dtype, device
+        )
+        self.is_moe = cfg.is_moe_layer(layer_id)
+        self.mlp: nn.Module
+        if self.is_moe:
+            self.mlp = MoE(
+                cfg, layer_id, recorder, make_topk_fn(ecfg.topk_backend), make_experts_fn(ecfg.moe_backend),
+                dtype, device,
+            )
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, device)
+        self.comm = LayerCommunicator(parallel, self.input_layernorm, self.post_attention_layernorm)
+
+    def forward(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, fb: ForwardBatch, kv_cache: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, residual = self.comm.prepare_attn(hidden, residual, fb)
+        hidden = self.self_attn(hidden, fb, kv_cache)
+        hidden, residual = self.comm.prepare_mlp(hidden, residual, fb)
+        hidden = self.mlp(hidden, fb) if self.is_moe else self.mlp(hidden)
+        return self.comm.postprocess_layer(hidden, residual, fb)
+
+
+class DeepseekModel(nn.Module):
+    def __init__(
+        self, cfg: ModelConfig, ecfg: EngineConfig, parallel: ParallelInfo, recorder: RouteRecorder
+    ) -> None:
+        super().__init__()
+        dtype, device = ecfg.torch_dtype, ecfg.device
+        max_pos = ecfg.max_context_len or cfg.max_position_embeddings
+        self.rotary = RotaryEmbedding(cfg, max_pos, device)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, ecfg, i, parallel, recorder, self.rotary) for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+
+    def forward(self, fb: ForwardBatch, kv_buffer: torch.Tensor) -> torch.Tensor:
+        """-> final hidden states [T, D] (after the last RMSNorm)."""
+        hidden = self.embed_tokens(fb.input_ids)
+        residual: torch.Tensor | None = None
+        for layer_id, layer in enumerate(self.layers):
+            hidden, residual = layer(hidden, residual, fb, kv_buffer[layer_id])
+        assert residual is not None
+        return self.norm(hidden + residual)
+
+
+class DeepseekForCausalLM(nn.Module):
+    def __init__(
+        self, cfg: ModelConfig, ecfg: EngineConfig, parallel: ParallelInfo, recorder: RouteRecorder
+    ) -> None:
+        super().__init__()
+        self.config = cfg
+        self.engine_config = ecfg
+        self.recorder = recorder
+        self.model = DeepseekModel(cfg, ecfg, parallel, recorder)
+        self.lm_head = linear(cfg.hidden_size, cfg.vocab_size, ecfg.torch_dtype, ecfg.device)
+        # MTP layers (index >= num_hidden_layers) as loaded, kept for the speculation issue.
+        self.mtp_weights: dict[str, torch.Tensor] = {}
+
+    @torch.no_grad()
+    def forward(self, fb: ForwardBatch, kv_buffer: torch.Tensor) -> torch.Tensor:
+        """fb: a batch of T new tokens; kv_buffer: [L, S, C] -> logits [N, V] fp32 at fb.logits_indices."""
+        self.recorder.on_forward_begin(fb)
+        hidden = self.model(fb, kv_buffer)
+        logits = self.lm_head(hidden[fb.logits_indices]).float()
+        self.recorder.on_forward_end(fb)
+        return logits
+
+    def post_load(self) -> None:
+        for layer in self.model.layers:
+            layer.self_attn.post_load()
+
+
+def build_model(
+    model_config: ModelConfig, engine_config: EngineConfig, parallel: ParallelInfo, recorder: RouteRecorder
+) -> DeepseekForCausalLM:
+    """Allocate the model (weights uninitialised: load_weights must fill every tensor)."""
+    return DeepseekForCausalLM(model_config, engine_config, parallel, recorder)

@@ -1,0 +1,132 @@
+"""Load Hugging Face-layout safetensors (one file or a sharded index) into the engine's model.
+
+Every checkpoint tensor is matched to a model tensor; missing tensors, unexpected tensors and shape
+mismatches are collected and raised together in one WeightsError. Routed experts are stacked:
+mlp.experts.E.{gate,up}_proj.weight -> mlp.w13[E], mlp.experts.E.down_proj.weight -> mlp.w2[E].
+MTP layers (model.layers.N with N >= num_hidden_layers) go to model.mtp_weights, untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from .model import DeepseekForCausalLM
+
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+# Not weights: transformers may save rotary buffers in old checkpoints.
+_IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+
+
+class WeightsError(ValueError):
+    """The checkpoint does not fit the model; the message lists every problem found."""
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as exc:
+            raise WeightsError(f"{index}: not a safetensors index ({exc})") from exc
+        files = sorted({model_dir / name for name in weight_map.values()})
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise WeightsError(f"no *.safetensors files in {model_dir}")
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise WeightsError(f"index names shard files that do not exist: {missing}")
+    return files
+
+
+def load_weights(model: DeepseekForCausalLM, model_dir: str | Path) -> None:
+    model_dir = Path(model_dir)
+    cfg = model.config
+    params = dict(model.named_parameters())
+    params.update({k: v for k, v in model.named_buffers() if k.endswith("e_score_correction_bias")})
+    filled: set[str] = set()
+    expert_parts: dict[str, set[tuple[int, str]]] = {}
+    problems: list[str] = []
+    unexpected: list[str] = []
+
+    for path in checkpoint_files(model_dir):
+        try:
+            handle = safe_open(str(path), framework="pt", device="cpu")
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise WeightsError(f"{path.name}: corrupt or unreadable safetensors file ({exc})") from exc
+        with handle as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open handles are not mappings)
+                layer = _LAYER.match(name)
+                if layer and int(layer.group(1)) >= cfg.num_hidden_layers:
+                    model.mtp_weights[name] = f.get_tensor(name)
+                    continue
+                if _IGNORED.search(name):
+                    continue
+                try:
+                    tensor = f.get_tensor(name)
+                except (SafetensorError, OSError, ValueError) as exc:
+                    raise WeightsError(f"{path.name}: tensor {name} unreadable ({exc})") from exc
+                expert = _EXPERT.match(name)
+                if expert:
+                    _load_expert(params, expert, tensor, cfg.moe_intermediate_size, expert_parts, problems, unexpected)
+                    continue
+                target = params.get(name)
+                if target is None:
+                    unexpected.append(name)
+                    continue
+                if tuple(target.shape) != tuple(tensor.shape):
+                    problems.append(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(target.shape)}")
+                    continue
+                target.data.copy_(tensor.to(target.dtype))
+                filled.add(name)
+
+    if "lm_head.weight" not in filled and cfg.tie_word_embeddings and "model.embed_tokens.weight" in filled:
+        params["lm_head.weight"].data.copy_(params["model.embed_tokens.weight"].data)
+        filled.add("lm_head.weight")
+    for prefix, parts in expert_parts.items():
+        want = {(e, p) for e in range(cfg.n_routed_experts) for p in ("gate_proj", "up_proj", "down_proj")}
+        missing_parts = sorted(want - parts)
+        if missing_parts:
+            problems.append(f"{prefix}.experts: missing {len(missing_parts)} tensors, e.g. {missing_parts[:3]}")
+        filled.update({f"{prefix}.w13", f"{prefix}.w2"})
+    missing = sorted(set(params) - filled)
+    if missing or unexpected or problems:
+        lines = [f"checkpoint {model_dir} does not fit the model ({cfg.model_type}):"]
+        lines += [f"  missing: {n}" for n in missing]
+        lines += [f"  unexpected: {n}" for n in sorted(unexpected)]
+        lines += [f"  {p}" for p in problems]
+        raise WeightsError("\n".join(lines))
+    model.post_load()
+
+
+def _load_expert(
+    params: dict[str, torch.Tensor],
+    match: re.Match[str],
+    tensor: torch.Tensor,
+    inter: int,
+    expert_parts: dict[str, set[tuple[int, str]]],
+    problems: list[str],
+    unexpected: list[str],
+) -> None:
+    prefix, expert, part = match.group(1), int(match.group(2)), match.group(3)
+    w13, w2 = params.get(f"{prefix}.w13"), params.get(f"{prefix}.w2")
+    if w13 is None or w2 is None or expert >= w13.shape[0]:
+        unexpected.append(match.group(0))
+        return
+    if part == "down_proj":
+        dest = w2.data[expert]
+    elif part == "gate_proj":
+        dest = w13.data[expert, :inter]
+    else:
+        dest = w13.data[expert, inter:]
+    if tuple(dest.shape) != tuple(tensor.shape):
+        problems.append(f"{match.group(0)}: checkpoint shape {tuple(tensor.shape)} != model {tuple(dest.shape)}")
+        return
+    dest.copy_(tensor.to(dest.dtype))
+    expert_parts.setdefault(prefix, set()).add((expert, part))
