@@ -1,0 +1,198 @@
+"""The trace contract (issue 3, point 6): Arrow schemas, the run manifest, and the on-disk layout.
+
+One dataset folder holds many runs, hive-partitioned by run id:
+
+    <root>/run_id=<id>/manifest.json        what the complete files hold (rewritten atomically)
+    <root>/run_id=<id>/part-00000.parquet   routes: one row per (request, token position, MoE layer)
+    <root>/run_id=<id>/rollup-00000.parquet per (window, layer, expert, phase): count, for heat without a scan
+    <root>/run_id=<id>/requests-00000.parquet one row per finished request: tag (domain), token counts
+
+Routes are sorted token-major (all MoE layers of a token are adjacent, in `layer_id` order). The
+per-request `tag` lives in the requests table rather than on every route row: one string per request
+instead of one per (token, layer), 58x fewer for DeepSeek-V3.
+
+The writer lives in writer.py, the readers in reader.py; this file is the schema both agree on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import pyarrow as pa
+
+SCHEMA_VERSION = 1
+PHASES = ("prefill", "decode", "verify")
+SOURCES = ("computed", "prefix_cache")
+RunKind = Literal["routes", "heat"]
+# Parquet settings measured in bench/analysis.py: zstd 3 gives ~1 byte per expert id on V3-shaped traces.
+PARQUET_COMPRESSION = "zstd"
+PARQUET_COMPRESSION_LEVEL = 3
+ROW_GROUP_ROWS = 128 * 1024
+MANIFEST_NAME = "manifest.json"
+
+
+class TraceSchemaError(ValueError):
+    """A trace, a manifest or an input batch disagrees with the contract; the message names the field."""
+
+
+def _dict_type() -> pa.DataType:
+    return pa.dictionary(pa.int32(), pa.string())
+
+
+def route_schema(k: int, with_weights: bool) -> pa.Schema:
+    """Schema of the routes files. k: top-k (K); topk_ids are logical ids in gate-rank order."""
+    fields = [
+        pa.field("run_id", _dict_type(), nullable=False),
+        pa.field("request_id", pa.string(), nullable=False),
+        pa.field("token_pos", pa.int32(), nullable=False),
+        pa.field("phase", _dict_type(), nullable=False),
+        pa.field("source", _dict_type(), nullable=False),
+        pa.field("forward_id", pa.int64(), nullable=False),
+        pa.field("ts", pa.timestamp("ns"), nullable=False),
+        pa.field("dp_rank", pa.int16(), nullable=False),
+        pa.field("layer_id", pa.int16(), nullable=False),
+        pa.field("topk_ids", pa.list_(pa.int32(), k), nullable=False),
+    ]
+    if with_weights:
+        fields.append(pa.field("topk_weights", pa.list_(pa.float16(), k), nullable=False))
+    return pa.schema(fields)
+
+
+ROLLUP_SCHEMA = pa.schema(
+    [
+        pa.field("run_id", pa.string(), nullable=False),
+        pa.field("window_start", pa.timestamp("ns"), nullable=False),
+        pa.field("layer_id", pa.int16(), nullable=False),
+        pa.field("expert_id", pa.int32(), nullable=False),
+        pa.field("phase", pa.string(), nullable=False),
+        pa.field("count", pa.int64(), nullable=False),
+    ]
+)
+
+REQUEST_SCHEMA = pa.schema(
+    [
+        pa.field("run_id", pa.string(), nullable=False),
+        pa.field("request_id", pa.string(), nullable=False),
+        pa.field("tag", pa.string()),
+        pa.field("prompt_tokens", pa.int32()),
+        pa.field("completion_tokens", pa.int32()),
+        pa.field("finish_reason", pa.string()),
+        pa.field("arrival_ts", pa.timestamp("ns")),
+        pa.field("finish_ts", pa.timestamp("ns")),
+    ]
+)
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One complete routes file and the rollup / requests files closed with it."""
+
+    name: str
+    rows: int
+    rollup: str | None = None
+    requests: str | None = None
+    min_forward_id: int = -1
+    max_forward_id: int = -1
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """manifest.json of one run. moe_layer_ids: model layer indices of the L MoE layers, ascending."""
+
+    run_id: str
+    model_name: str
+    num_hidden_layers: int
+    moe_layer_ids: tuple[int, ...]
+    num_experts: int  # E, logical routed experts per layer
+    top_k: int  # K
+    config_hash: str = ""
+    schema_version: int = SCHEMA_VERSION
+    kind: RunKind = "routes"
+    id_space: str = "logical"
+    dtype: str = "int32"
+    with_weights: bool = False
+    rollup_window_ns: int = 1_000_000_000
+    num_groups: int = 1  # expert groups of group-limited routing (DeepSeek-V3: 8)
+    engine: dict[str, Any] = field(default_factory=dict)
+    parallel: dict[str, Any] = field(default_factory=dict)
+    start_time: str = ""
+    end_time: str = ""
+    rows: int = 0
+    files: tuple[FileEntry, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.num_experts <= 0 or self.top_k <= 0 or self.top_k > self.num_experts:
+            raise TraceSchemaError(
+                f"manifest top_k={self.top_k} must be in 1..num_experts={self.num_experts}"
+            )
+        ids = list(self.moe_layer_ids)
+        if not ids or ids != sorted(set(ids)) or ids[0] < 0 or ids[-1] >= self.num_hidden_layers:
+            raise TraceSchemaError(
+                f"manifest moe_layer_ids={ids} must be ascending, unique, in 0..{self.num_hidden_layers - 1}"
+            )
+        if self.id_space != "logical":
+            raise TraceSchemaError(f"manifest id_space={self.id_space!r}, only 'logical' is defined")
+        if self.schema_version > SCHEMA_VERSION:
+            raise TraceSchemaError(
+                f"manifest schema_version={self.schema_version} is newer than this reader ({SCHEMA_VERSION})"
+            )
+        if self.num_experts % self.num_groups:
+            raise TraceSchemaError(
+                f"manifest num_groups={self.num_groups} does not divide num_experts={self.num_experts}"
+            )
+
+    @property
+    def num_moe_layers(self) -> int:
+        return len(self.moe_layer_ids)
+
+    @property
+    def file_count(self) -> int:
+        return len(self.files)
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d["file_count"] = self.file_count
+        return json.dumps(d, indent=1, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Manifest:
+        d = dict(d)
+        d.pop("file_count", None)
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise TraceSchemaError(f"manifest has unknown fields {unknown}")
+        d["moe_layer_ids"] = tuple(d.get("moe_layer_ids", ()))
+        d["files"] = tuple(FileEntry(**f) for f in d.get("files", ()))
+        return cls(**d)
+
+    @classmethod
+    def read(cls, run_dir: str | Path) -> Manifest:
+        path = Path(run_dir) / MANIFEST_NAME
+        try:
+            return cls.from_dict(json.loads(path.read_text()))
+        except (OSError, json.JSONDecodeError, TypeError) as e:
+            raise TraceSchemaError(f"manifest {path} unreadable: {e}") from e
+
+    def write(self, run_dir: str | Path) -> None:
+        """Atomic: a reader sees the old manifest or the new one, never a mix (tmp + fsync + rename)."""
+        write_atomic(Path(run_dir) / MANIFEST_NAME, self.to_json().encode())
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def run_dir_name(run_id: str) -> str:
+    if not run_id or "/" in run_id or "=" in run_id or run_id.startswith("."):
+        raise TraceSchemaError(f"run_id={run_id!r} must be non-empty without '/', '=' or a leading '.'")
+    return f"run_id={run_id}"
