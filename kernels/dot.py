@@ -1,0 +1,27 @@
+"""The one matrix-product helper every kernel here uses, so the CPU-interpreter workaround lives once.
+
+On CPU, Triton runs only under TRITON_INTERPRET=1, and its interpreter (triton 3.9, interpreter.py
+`create_dot`) multiplies bf16 operands as their raw uint16 bit patterns: results off by 1e8. Launchers
+pass UPCAST = (tensor is not on CUDA); the operands then go to fp32 before the product, which is what
+the GPU's bf16 MMA computes anyway (exact products, fp32 accumulation). On CUDA UPCAST is False and
+the product runs on the tensor cores in the operands' dtype.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def mma(a, b, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    """a @ b with fp32 accumulation; INPUT_PRECISION 'ieee' keeps fp32 operands out of tf32."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=INPUT_PRECISION)
+    else:
+        return tl.dot(a, b, input_precision=INPUT_PRECISION)
+
+
+def dot_precision(is_fp32: bool) -> str:
+    """fp32 operands: 'ieee' (exact, for tests and fp32 tiny models); 16-bit operands ignore it."""
+    return "ieee" if is_fp32 else "tf32"

@@ -1,0 +1,236 @@
+"""MLA decode attention over the paged latent KV cache: flash decoding in two launches.
+
+Shape legend: B requests (one new token each), H query heads, C = kv_lora + rope (one cache row),
+S cache slots, R request rows of req_to_token, P = num_kv_splits.
+
+    q        [B, H, C]   absorbed queries: [q_nope @ w_kc (kv_lora), q_pe roped (rope)]
+    kv_cache [S, C]      row = [c_kv (kv_lora, normed), k_pe (rope, roped)]; V = c_kv
+    out      [B, H, kv_lora]
+
+Stage 1 (`_mla_decode_kernel`): program (b, head block, split) walks its split of positions
+0..seq_len-1 in tiles of BLOCK_N keys, gathering slots through req_to_token (any page size), and keeps
+an online softmax for BLOCK_H heads at once: one latent tile loaded from HBM serves BLOCK_H query heads
+(SGLang's grouped decode kernel uses 16), which is what makes MLA decode memory-bound rather than
+re-reading the cache per head. It writes the split's normalised partial output and its log-sum-exp.
+Stage 2 (`_mla_decode_merge_kernel`): program (b, h) merges the P partials by their LSE weights.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from r3trace.kernels.contract import FLOAT_DTYPES, INDEX_DTYPES, require, require_tensor
+from r3trace.kernels.dot import dot_precision, mma
+
+LOG2E = 1.4426950408889634  # exp(x) = exp2(x * log2(e)); exp2 is the native instruction
+MIN_TOKENS_PER_SPLIT = 128  # fewer and the split's fixed cost (q load, partial write, merge) dominates
+MAX_KV_SPLITS = 64
+WAVES = 2  # stage-1 programs aimed for: this many per SM, so the tail of the last wave stays short
+
+
+@triton.jit
+def _mla_decode_kernel(
+    # pointers
+    q_ptr, kv_ptr, req_to_token_ptr, req_pool_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr,
+    # sizes
+    H, KV_LORA, ROPE, num_kv_splits, qk_scale,
+    # strides
+    stride_qb, stride_qh, stride_kvs, stride_rtr, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+    # constexpr
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
+    UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    hb = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+    req_row = tl.load(req_pool_ptr + b).to(tl.int64)
+    split_len = tl.cdiv(seq_len, num_kv_splits)
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+    if start >= end:  # short request, more splits than it needs: stage 2 skips this split too
+        return
+
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_c = tl.arange(0, BLOCK_C)
+    offs_r = tl.arange(0, BLOCK_R)
+    h_mask = offs_h < H
+    c_mask = offs_c < KV_LORA
+    r_mask = offs_r < ROPE
+    q_rows = q_ptr + b * stride_qb + offs_h[:, None] * stride_qh
+    q_nope = tl.load(q_rows + offs_c[None, :], mask=h_mask[:, None] & c_mask[None, :], other=0.0)
+    q_pe = tl.load(q_rows + KV_LORA + offs_r[None, :], mask=h_mask[:, None] & r_mask[None, :], other=0.0)
+
+    m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_H,), tl.float32)
+    acc = tl.zeros((BLOCK_H, BLOCK_C), tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
+        slots = tl.load(req_to_token_ptr + req_row * stride_rtr + offs_n, mask=n_mask, other=0).to(tl.int64)
+        kv_rows = kv_ptr + slots[:, None] * stride_kvs
+        kv = tl.load(kv_rows + offs_c[None, :], mask=n_mask[:, None] & c_mask[None, :], other=0.0)
+        k_pe = tl.load(kv_rows + KV_LORA + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0)
+        qk = mma(q_nope, tl.trans(kv), UPCAST, INPUT_PRECISION)
+        qk += mma(q_pe, tl.trans(k_pe), UPCAST, INPUT_PRECISION)
+        qk = tl.where(n_mask[None, :], qk * qk_scale, float("-inf"))  # log2 units
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + mma(p.to(kv.dtype), kv, UPCAST, INPUT_PRECISION)
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    part = part_out_ptr + b * stride_pb + offs_h[:, None] * stride_ph + split * stride_ps + offs_c[None, :]
+    tl.store(part, out, mask=h_mask[:, None] & c_mask[None, :])
+    tl.store(part_lse_ptr + b * stride_lb + offs_h * stride_lh + split, m_i + tl.log2(l_i), mask=h_mask)
+
+
+@triton.jit
+def _mla_decode_merge_kernel(
+    # pointers
+    part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr,
+    # sizes
+    KV_LORA, num_kv_splits,
+    # strides
+    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
+    # constexpr
+    BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+    split_len = tl.cdiv(seq_len, num_kv_splits)
+    offs_p = tl.arange(0, BLOCK_P)
+    offs_c = tl.arange(0, BLOCK_C)
+    # the same split ranges as stage 1: a split whose start is past seq_len wrote nothing
+    p_mask = (offs_p < num_kv_splits) & (offs_p * split_len < seq_len)
+    c_mask = offs_c < KV_LORA
+    lse = tl.load(part_lse_ptr + b * stride_lb + h * stride_lh + offs_p, mask=p_mask, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, axis=0))
+    w = tl.where(p_mask, w, 0.0)
+    part = part_out_ptr + b * stride_pb + h * stride_ph + offs_p[:, None] * stride_ps + offs_c[None, :]
+    o = tl.load(part, mask=p_mask[:, None] & c_mask[None, :], other=0.0)
+    out = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_c, out.to(out_ptr.dtype.element_ty), mask=c_mask)
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def choose_num_kv_splits(batch: int, num_head_blocks: int, max_seq_len: int, sm_count: int) -> int:
+    """Splits per request so stage 1 has about WAVES programs per SM, each >= MIN_TOKENS_PER_SPLIT keys.
+
+    Pure host arithmetic: the engine calls it with host-side lengths (no device sync) and passes the
+    result to mla_decode; under CUDA graphs it passes one fixed value per captured batch size.
+    """
+    programs = max(1, batch * num_head_blocks)
+    by_sms = triton.cdiv(WAVES * sm_count, programs)
+    by_len = triton.cdiv(max(1, max_seq_len), MIN_TOKENS_PER_SPLIT)
+    return int(max(1, min(by_sms, by_len, MAX_KV_SPLITS)))
+
+
+def _check_decode_args(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    kv_lora_rank: int,
+) -> None:
+    dev = q.device
+    require_tensor("q", q, 3, FLOAT_DTYPES, dev)
+    require_tensor("kv_cache", kv_cache, 2, (q.dtype,), dev)
+    require_tensor("req_to_token", req_to_token, 2, INDEX_DTYPES, dev)
+    require_tensor("req_pool_indices", req_pool_indices, 1, INDEX_DTYPES, dev)
+    require_tensor("seq_lens", seq_lens, 1, INDEX_DTYPES, dev)
+    B, _, C = q.shape
+    require(kv_cache.shape[1] == C, f"kv_cache row has {kv_cache.shape[1]} columns, q has C={C}")
+    require(0 < kv_lora_rank < C, f"kv_lora_rank {kv_lora_rank} must be in 1..C-1={C - 1}")
+    require(q.stride(2) == 1, f"q must be contiguous in C, strides {q.stride()}")
+    require(req_pool_indices.shape[0] == B, f"req_pool_indices has {req_pool_indices.shape[0]} rows, B={B}")
+    require(seq_lens.shape[0] == B, f"seq_lens has {seq_lens.shape[0]} rows, B={B}")
+
+
+def mla_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    kv_lora_rank: int,
+    sm_scale: float,
+    num_kv_splits: int | None = None,
+    block_h: int = 16,
+    block_n: int = 32,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """q: [B, H, C] -> out [B, H, kv_lora]; request b attends to positions 0..seq_lens[b]-1.
+
+    num_kv_splits=None picks it from max(seq_lens) (one device sync) and the SM count; pass it (see
+    choose_num_kv_splits) to stay sync-free and CUDA-graph capturable. block_h/block_n/num_warps/num_stages
+    are tuning knobs (bench/kernels.py sweeps them); the defaults are SGLang's grouped-decode tile.
+    """
+    _check_decode_args(q, kv_cache, req_to_token, req_pool_indices, seq_lens, kv_lora_rank)
+    B, H, C = q.shape
+    rope = C - kv_lora_rank
+    num_head_blocks = triton.cdiv(H, block_h)
+    if num_kv_splits is None:
+        max_len = int(seq_lens.max().item()) if B > 0 else 1
+        sms = _sm_count(q.device.index or 0) if q.is_cuda else 4  # interpret: a few splits, still > 1
+        num_kv_splits = choose_num_kv_splits(B, num_head_blocks, max_len, sms)
+    require(1 <= num_kv_splits <= 1024, f"num_kv_splits {num_kv_splits} not in 1..1024")
+    out = torch.empty((B, H, kv_lora_rank), dtype=q.dtype, device=q.device)
+    if B == 0 or H == 0:
+        return out
+    part_out = torch.empty((B, H, num_kv_splits, kv_lora_rank), dtype=torch.float32, device=q.device)
+    part_lse = torch.empty((B, H, num_kv_splits), dtype=torch.float32, device=q.device)
+    block_c = max(16, triton.next_power_of_2(kv_lora_rank))
+    block_r = max(16, triton.next_power_of_2(rope))
+    _mla_decode_kernel[(B, num_head_blocks, num_kv_splits)](
+        q, kv_cache, req_to_token, req_pool_indices, seq_lens, part_out, part_lse,
+        H, kv_lora_rank, rope, num_kv_splits, sm_scale * LOG2E,
+        q.stride(0), q.stride(1), kv_cache.stride(0), req_to_token.stride(0),
+        part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
+        BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_C=block_c, BLOCK_R=block_r, UPCAST=not q.is_cuda,
+        INPUT_PRECISION=dot_precision(q.dtype == torch.float32),
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    _mla_decode_merge_kernel[(B, H)](
+        part_out, part_lse, seq_lens, out,
+        kv_lora_rank, num_kv_splits,
+        part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
+        out.stride(0), out.stride(1),
+        BLOCK_P=max(2, triton.next_power_of_2(num_kv_splits)), BLOCK_C=block_c, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def mla_decode_ref(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    kv_lora_rank: int,
+    sm_scale: float,
+    num_kv_splits: int | None = None,
+) -> torch.Tensor:
+    """Per-request gather + softmax in fp32; num_kv_splits is accepted and ignored (same signature)."""
+    _check_decode_args(q, kv_cache, req_to_token, req_pool_indices, seq_lens, kv_lora_rank)
+    B, H, _ = q.shape
+    out = torch.empty((B, H, kv_lora_rank), dtype=q.dtype, device=q.device)
+    for b in range(B):
+        n = int(seq_lens[b])
+        slots = req_to_token[int(req_pool_indices[b]), :n].long()  # [n]
+        kv = kv_cache[slots].float()  # [n, C]
+        scores = (q[b].float() @ kv.T) * sm_scale  # [H, n]
+        out[b] = (scores.softmax(dim=-1) @ kv[:, :kv_lora_rank]).to(q.dtype)  # [H, kv_lora]
+    return out

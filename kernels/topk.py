@@ -1,0 +1,223 @@
+"""Fused gate scoring + grouped top-k: one launch from router logits to (topk_weights, topk_ids).
+
+Shape legend: T tokens, E routed experts, K experts per token (top_k), G expert groups (n_group).
+
+Semantics are DeepSeek's reference gate (DeepSeek-V2/V3 `inference/model.py`):
+    scores = softmax(logits) | sigmoid(logits)             # [T, E] float32
+    choice = scores + bias    (noaux_tc with a bias only)   # [T, E]
+    group score = max(choice in group)       (group_limited_greedy)
+                | sum(top-2 choice in group) (noaux_tc)     # [T, G]
+    keep the topk_group best groups; other groups' choice -> -inf
+    topk_ids = top-K of choice, by descending choice, ties to the lower expert id
+    topk_weights = scores[topk_ids] (no bias), / (sum + 1e-20) if norm_topk_prob, * routed_scaling_factor
+`greedy` ignores groups. The kernel picks by repeated arg-max over a row held in registers: K <= 8 and
+G <= 8 rounds over E <= 256 values cost far less than the logits read.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import triton
+import triton.language as tl
+from r3trace.kernels.contract import require, require_tensor
+
+ScoringFunc = Literal["softmax", "sigmoid"]
+TopkMethod = Literal["greedy", "group_limited_greedy", "noaux_tc"]
+
+NORM_EPS = 1e-20  # DeepSeek's reference adds this to the weight sum before dividing
+_BLOCK_T = 16  # tokens per program: [16, 256] fp32 rows fit in registers with 4 warps
+
+
+@triton.jit
+def _grouped_topk_kernel(
+    # pointers
+    logits_ptr, bias_ptr, weights_ptr, ids_ptr,
+    # sizes
+    T, E, routed_scaling_factor,
+    # strides
+    stride_lt, stride_wt, stride_it,
+    # constexpr
+    TOP_K: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr,
+    SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP_MODE: tl.constexpr, NORMALIZE: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    # GROUP_MODE: 0 = greedy (no groups), 1 = group max, 2 = group top-2 sum
+    pid = tl.program_id(0)
+    offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_e = tl.arange(0, BLOCK_E)
+    t_mask = offs_t < T
+    e_mask = offs_e < E
+    mask = t_mask[:, None] & e_mask[None, :]
+    neg_inf = float("-inf")
+
+    # rows past T load zeros (not -inf) so their softmax stays finite; their results are never stored
+    logits = tl.load(logits_ptr + offs_t[:, None] * stride_lt + offs_e[None, :], mask=mask, other=0.0)
+    logits = tl.where(e_mask[None, :], logits.to(tl.float32), neg_inf)
+    if SIGMOID:
+        scores = tl.sigmoid(logits)
+    else:
+        row_max = tl.max(logits, axis=1)
+        ex = tl.exp(logits - row_max[:, None])
+        ex = tl.where(e_mask[None, :], ex, 0.0)
+        scores = ex / tl.sum(ex, axis=1)[:, None]
+    scores = tl.where(e_mask[None, :], scores, 0.0)
+    choice = scores
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_e, mask=e_mask, other=0.0).to(tl.float32)
+        choice = choice + bias[None, :]
+    choice = tl.where(e_mask[None, :], choice, neg_inf)  # padding lanes never win
+
+    e_idx = tl.broadcast_to(offs_e[None, :], (BLOCK_T, BLOCK_E))
+    if GROUP_MODE > 0:
+        group_of = e_idx // GROUP_SIZE
+        offs_g = tl.arange(0, BLOCK_G)
+        g_idx = tl.broadcast_to(offs_g[None, :], (BLOCK_T, BLOCK_G))
+        group_score = tl.full((BLOCK_T, BLOCK_G), neg_inf, tl.float32)
+        for g in tl.static_range(N_GROUP):
+            in_g = group_of == g
+            vals = tl.where(in_g, choice, neg_inf)
+            best = tl.max(vals, axis=1)
+            if GROUP_MODE == 2:
+                # second best: drop only the first (lowest-id) maximum, so equal top-2 values count twice
+                first = tl.min(tl.where(vals == best[:, None], e_idx, BLOCK_E), axis=1)
+                second = tl.max(tl.where(e_idx == first[:, None], neg_inf, vals), axis=1)
+                best = best + second
+            group_score = tl.where(g_idx == g, best[:, None], group_score)
+        keep = tl.zeros((BLOCK_T, BLOCK_G), tl.int32)
+        for _ in tl.static_range(TOPK_GROUP):
+            gbest = tl.max(group_score, axis=1)
+            gsel = tl.min(tl.where(group_score == gbest[:, None], g_idx, BLOCK_G), axis=1)
+            keep = tl.where(g_idx == gsel[:, None], 1, keep)
+            group_score = tl.where(g_idx == gsel[:, None], neg_inf, group_score)
+        # expand the kept-group mask [T, G] to experts [T, E]
+        keep_e = tl.zeros((BLOCK_T, BLOCK_E), tl.int32)
+        for g in tl.static_range(N_GROUP):
+            kept_g = tl.max(tl.where(g_idx == g, keep, 0), axis=1)
+            keep_e = tl.where(group_of == g, kept_g[:, None], keep_e)
+        choice = tl.where(keep_e > 0, choice, neg_inf)
+
+    offs_k = tl.arange(0, BLOCK_K)
+    k_idx = tl.broadcast_to(offs_k[None, :], (BLOCK_T, BLOCK_K))
+    out_ids = tl.zeros((BLOCK_T, BLOCK_K), tl.int32)
+    out_w = tl.zeros((BLOCK_T, BLOCK_K), tl.float32)
+    for k in tl.static_range(TOP_K):
+        best = tl.max(choice, axis=1)
+        sel = tl.min(tl.where(choice == best[:, None], e_idx, BLOCK_E), axis=1)
+        hit = e_idx == sel[:, None]
+        w = tl.sum(tl.where(hit, scores, 0.0), axis=1)
+        out_ids = tl.where(k_idx == k, sel[:, None], out_ids)
+        out_w = tl.where(k_idx == k, w[:, None], out_w)
+        choice = tl.where(hit, neg_inf, choice)
+    if NORMALIZE:
+        out_w = out_w / (tl.sum(out_w, axis=1)[:, None] + 1e-20)
+    out_w = out_w * routed_scaling_factor
+
+    out_mask = t_mask[:, None] & (offs_k[None, :] < TOP_K)
+    tl.store(ids_ptr + offs_t[:, None] * stride_it + offs_k[None, :], out_ids, mask=out_mask)
+    tl.store(weights_ptr + offs_t[:, None] * stride_wt + offs_k[None, :], out_w, mask=out_mask)
+
+
+def _check_routing_args(
+    router_logits: torch.Tensor,
+    correction_bias: torch.Tensor | None,
+    top_k: int,
+    scoring_func: str,
+    topk_method: str,
+    n_group: int,
+    topk_group: int,
+) -> None:
+    require_tensor("router_logits", router_logits, 2, (torch.float32,), router_logits.device)
+    E = router_logits.shape[1]
+    require(scoring_func in ("softmax", "sigmoid"), f"scoring_func {scoring_func!r} not softmax|sigmoid")
+    require(
+        topk_method in ("greedy", "group_limited_greedy", "noaux_tc"),
+        f"topk_method {topk_method!r} not greedy|group_limited_greedy|noaux_tc",
+    )
+    require(1 <= top_k <= E, f"top_k {top_k} must be in 1..E={E}")
+    if correction_bias is not None:
+        require(topk_method == "noaux_tc", f"correction_bias is only used by noaux_tc, not {topk_method}")
+        require_tensor("correction_bias", correction_bias, 1, (torch.float32,), router_logits.device)
+        require(correction_bias.shape[0] == E, f"correction_bias has {correction_bias.shape[0]} != E={E}")
+    if topk_method != "greedy":
+        require(n_group >= 1 and E % n_group == 0, f"E={E} is not divisible by n_group={n_group}")
+        require(1 <= topk_group <= n_group, f"topk_group {topk_group} must be in 1..n_group={n_group}")
+        require(
+            top_k <= topk_group * (E // n_group),
+            f"top_k {top_k} exceeds the {topk_group * (E // n_group)} experts in {topk_group} kept groups",
+        )
+        if topk_method == "noaux_tc":
+            require(E // n_group >= 2, f"noaux_tc needs >= 2 experts per group, got {E // n_group}")
+
+
+def grouped_topk(
+    router_logits: torch.Tensor,
+    correction_bias: torch.Tensor | None,
+    top_k: int,
+    scoring_func: ScoringFunc,
+    topk_method: TopkMethod,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits: [T, E] fp32 -> (topk_weights [T, K] fp32, topk_ids [T, K] int32), one launch."""
+    _check_routing_args(router_logits, correction_bias, top_k, scoring_func, topk_method, n_group, topk_group)
+    T, E = router_logits.shape
+    require(E <= 1024 and top_k <= 16, f"E={E} > 1024 or top_k={top_k} > 16: one row no longer fits")
+    grouped = topk_method != "greedy" and n_group > 1
+    mode = 0 if not grouped else (1 if topk_method == "group_limited_greedy" else 2)
+    weights = torch.empty((T, top_k), dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty((T, top_k), dtype=torch.int32, device=router_logits.device)
+    if T == 0:
+        return weights, ids
+    bias = correction_bias if correction_bias is not None else router_logits  # unread when HAS_BIAS=0
+    n_g = n_group if grouped else 1
+    grid = (triton.cdiv(T, _BLOCK_T),)
+    _grouped_topk_kernel[grid](
+        router_logits, bias, weights, ids,
+        T, E, float(routed_scaling_factor),
+        router_logits.stride(0), weights.stride(0), ids.stride(0),
+        TOP_K=top_k, N_GROUP=n_g, TOPK_GROUP=topk_group if grouped else 1, GROUP_SIZE=E // n_g,
+        SIGMOID=scoring_func == "sigmoid", HAS_BIAS=correction_bias is not None, GROUP_MODE=mode,
+        NORMALIZE=norm_topk_prob,
+        BLOCK_T=_BLOCK_T, BLOCK_E=max(16, triton.next_power_of_2(E)),
+        BLOCK_G=max(2, triton.next_power_of_2(n_g)), BLOCK_K=max(2, triton.next_power_of_2(top_k)),
+        num_warps=4,
+    )  # fmt: skip
+    return weights, ids
+
+
+def grouped_topk_ref(
+    router_logits: torch.Tensor,
+    correction_bias: torch.Tensor | None,
+    top_k: int,
+    scoring_func: ScoringFunc,
+    topk_method: TopkMethod,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain torch, line for line DeepSeek's reference gate. Same contract as grouped_topk."""
+    _check_routing_args(router_logits, correction_bias, top_k, scoring_func, topk_method, n_group, topk_group)
+    T, E = router_logits.shape
+    logits = router_logits.float()
+    scores = logits.softmax(dim=-1) if scoring_func == "softmax" else logits.sigmoid()  # [T, E]
+    choice = scores if correction_bias is None else scores + correction_bias  # [T, E]
+    if topk_method != "greedy" and n_group > 1:
+        grouped = choice.view(T, n_group, E // n_group)  # [T, G, E/G]
+        if topk_method == "group_limited_greedy":
+            group_scores = grouped.amax(dim=-1)  # [T, G]
+        else:
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, G]
+        keep_groups = group_scores.topk(topk_group, dim=-1).indices  # [T, topk_group]
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep_groups, True)  # [T, G]
+        choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(T, E)
+    ids = choice.topk(top_k, dim=-1, sorted=True).indices  # [T, K]
+    weights = scores.gather(1, ids)  # [T, K]
+    if norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + NORM_EPS)
+    weights = weights * routed_scaling_factor
+    return weights, ids.to(torch.int32)
