@@ -1,0 +1,146 @@
+"""Device and host route buffers, and the asynchronous copy between them.
+
+Shape legend: R device rows (max tokens in one forward), S KV slots, M MoE layers, K top-k.
+- device buffer [R, M, K]: written by a slice assignment inside the routing op (no host sync, a static
+  address, so it also works inside a CUDA graph);
+- host buffer [S, M, K]: indexed by KV slot (`out_cache_loc`), so a token's route lives exactly as long
+  as its KV: prefix-cache hits and chunked prefill come out right by construction;
+- after each forward, only the rows somebody asked for are gathered on the device and copied into a
+  pinned staging buffer with non_blocking=True; an event marks completion and the rows are scattered
+  into the host buffer by slot when the engine next needs them (FIFO, so a reused slot always ends
+  with the newest route).
+Ids are stored as int16 when E <= 32767 (half the bytes of int32); -1 marks "no route".
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+
+def id_dtype(num_experts: int) -> torch.dtype:
+    return torch.int16 if num_experts <= torch.iinfo(torch.int16).max else torch.int32
+
+
+@dataclass
+class PendingCopy:
+    """One forward's rows in flight to the host. Entries: (request_id, first staging row, n, first pos)."""
+
+    forward_id: int
+    ts_ns: int
+    dp_rank: int
+    n_rows: int
+    ids: torch.Tensor  # staging view [n, M, K]
+    weights: torch.Tensor | None  # staging view [n, M, K] float16
+    slots: torch.Tensor  # staging view [n] int64
+    entries: list[tuple[str, int, int, int, str]] = field(default_factory=list)  # + phase
+    event: torch.cuda.Event | None = None
+
+
+class RouteBuffers:
+    def __init__(
+        self,
+        device_rows: int,
+        host_slots: int,
+        num_moe_layers: int,
+        top_k: int,
+        num_experts: int,
+        device: torch.device | str,
+        with_weights: bool,
+    ) -> None:
+        self.device = torch.device(device)
+        self.dtype = id_dtype(num_experts)
+        self.on_cuda = self.device.type == "cuda"
+        shape = (device_rows, num_moe_layers, top_k)
+        self.dev_ids = torch.full(shape, -1, dtype=self.dtype, device=self.device)
+        self.dev_weights = torch.zeros(shape, dtype=torch.float16, device=self.device) if with_weights else None
+        pin = self.on_cuda
+        self.host_ids = torch.full((host_slots, num_moe_layers, top_k), -1, dtype=self.dtype)
+        self.host_weights = torch.zeros((host_slots, num_moe_layers, top_k), dtype=torch.float16) if with_weights else None
+        self.host_forward = torch.full((host_slots,), -1, dtype=torch.int64)  # forward that wrote each slot
+        # Two staging sets: forward k+1 can be captured while forward k's copy is still in flight.
+        self._staging = [self._alloc_staging(shape, self.dtype, pin, with_weights) for _ in range(2)]
+        self._next_staging = 0
+        self.pending: deque[PendingCopy] = deque()
+        self.bytes_last_step = 0
+        self.bytes_total = 0
+
+    @staticmethod
+    def _alloc_staging(
+        shape: tuple[int, int, int], dtype: torch.dtype, pin: bool, with_weights: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        ids = torch.empty(shape, dtype=dtype, pin_memory=pin)
+        weights = torch.empty(shape, dtype=torch.float16, pin_memory=pin) if with_weights else None
+        slots = torch.empty(shape[0], dtype=torch.int64, pin_memory=pin)
+        return ids, weights, slots
+
+    def write(self, moe_index: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor | None) -> None:
+        """Called from the routing op: topk_ids [T, K] -> device rows [0, T) of one MoE layer."""
+        t = topk_ids.shape[0]
+        if t > self.dev_ids.shape[0]:
+            raise RuntimeError(
+                f"route capture: forward of {t} tokens exceeds the device buffer of {self.dev_ids.shape[0]} rows"
+            )
+        self.dev_ids[:t, moe_index].copy_(topk_ids)
+        if self.dev_weights is not None and topk_weights is not None:
+            self.dev_weights[:t, moe_index].copy_(topk_weights)
+
+    def start_copy(
+        self, rows: list[int] | None, n_tokens: int, out_cache_loc: torch.Tensor, pending: PendingCopy
+    ) -> None:
+        """Gather `rows` (None = all n_tokens) on the device and copy them to pinned staging, async."""
+        if len(self.pending) == len(self._staging):
+            self.drain_one()  # both staging sets in flight: wait for the oldest (rare: the engine drains)
+        ids_st, w_st, slots_st = self._staging[self._next_staging]
+        self._next_staging = (self._next_staging + 1) % len(self._staging)
+        if rows is None:
+            n = n_tokens
+            src_ids, src_slots = self.dev_ids[:n], out_cache_loc[:n]
+            src_w = None if self.dev_weights is None else self.dev_weights[:n]
+        else:
+            n = len(rows)
+            index = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
+            src_ids, src_slots = self.dev_ids.index_select(0, index), out_cache_loc.index_select(0, index)
+            src_w = None if self.dev_weights is None else self.dev_weights.index_select(0, index)
+        pending.ids = ids_st[:n]
+        pending.ids.copy_(src_ids.to(ids_st.dtype), non_blocking=True)
+        pending.slots = slots_st[:n]
+        pending.slots.copy_(src_slots, non_blocking=True)
+        if w_st is not None and src_w is not None:
+            pending.weights = w_st[:n]
+            pending.weights.copy_(src_w, non_blocking=True)
+        pending.n_rows = n
+        if self.on_cuda:
+            pending.event = torch.cuda.Event()
+            pending.event.record()
+        step_bytes = n * (self.dev_ids.shape[1] * self.dev_ids.shape[2] * self.dev_ids.element_size() + 8)
+        if src_w is not None:
+            step_bytes += n * self.dev_ids.shape[1] * self.dev_ids.shape[2] * 2
+        self.bytes_last_step = step_bytes
+        self.bytes_total += step_bytes
+        self.pending.append(pending)
+
+    def drain_one(self) -> PendingCopy:
+        """Wait for the oldest copy (already complete when the engine read its sampled tokens) and
+        scatter it into the host buffer by KV slot."""
+        p = self.pending.popleft()
+        if p.event is not None:
+            p.event.synchronize()
+        slots = p.slots.long()
+        self.host_ids[slots] = p.ids.to(self.host_ids.dtype)
+        self.host_forward[slots] = p.forward_id
+        if self.host_weights is not None and p.weights is not None:
+            self.host_weights[slots] = p.weights
+        return p
+
+    def read(self, slots: np.ndarray) -> np.ndarray:
+        """Host rows of the given slots: [n, M, K] int32."""
+        return self.host_ids[torch.from_numpy(np.asarray(slots, dtype=np.int64))].numpy().astype(np.int32)
+
+    def read_weights(self, slots: np.ndarray) -> np.ndarray | None:
+        if self.host_weights is None:
+            return None
+        return self.host_weights[torch.from_numpy(np.asarray(slots, dtype=np.int64))].numpy()

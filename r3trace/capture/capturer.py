@@ -1,0 +1,275 @@
+"""RoutedExpertsCapturer: per-token, per-MoE-layer top-k ids from the routing op to the client.
+
+Shape legend: T tokens in a forward, S KV slots, L num_hidden_layers, M MoE layers, K top-k.
+Row p of a request is the routing of input position p (the routing that produced token p+1), as in
+SGLang's wire format. What SGLang gets wrong and this gets right, each covered by a test:
+- sizing comes from constructor arguments, and a configuration that could overflow is refused here;
+- only rows of requests that asked (or every row while a trace sink records) are copied to the host;
+- rows live in a host buffer indexed by KV slot, so prefix-cache hits and chunked prefill are exact;
+- a prefill-only request (max_new_tokens = 0) returns every prompt row;
+- dense layers are -1 on the wire, never 0 ("expert 0");
+- on retraction a request's rows are kept before its KV is freed, and the re-prefill never replaces
+  them (mismatching recomputed ids are counted in `recompute_mismatches`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from .buffers import PendingCopy, RouteBuffers
+from .recorder import BatchView
+
+
+class CaptureConfigError(ValueError):
+    """A capture setting could overflow or is out of range; the message gives the numbers."""
+
+
+@dataclass(frozen=True)
+class CaptureConfig:
+    num_hidden_layers: int
+    moe_layer_ids: tuple[int, ...]
+    top_k: int
+    num_experts: int
+    kv_slots: int  # host rows: one per KV slot of the pool
+    max_batch_tokens: int  # device rows: the most tokens one forward may carry
+    chunked_prefill_size: int  # the scheduler's per-forward token budget
+    max_running_requests: int
+    dp_size: int = 1  # DP attention: the capturer sees the DP-gathered batch
+    spec_verify_tokens: int = 0  # draft tokens verified per request per forward (speculation)
+    device: str = "cpu"
+    with_weights: bool = False
+
+    def __post_init__(self) -> None:
+        need = self.required_rows
+        if self.max_batch_tokens < need:
+            raise CaptureConfigError(
+                f"max_batch_tokens={self.max_batch_tokens} could overflow: one forward may carry up to {need} tokens "
+                f"= dp_size {self.dp_size} x max(chunked_prefill_size {self.chunked_prefill_size}, "
+                f"max_running_requests {self.max_running_requests} x (1 + spec_verify_tokens "
+                f"{self.spec_verify_tokens}))"
+            )
+        if not self.moe_layer_ids or max(self.moe_layer_ids) >= self.num_hidden_layers:
+            raise CaptureConfigError(f"moe_layer_ids={self.moe_layer_ids} outside 0..{self.num_hidden_layers - 1}")
+
+    @property
+    def required_rows(self) -> int:
+        per_rank = max(self.chunked_prefill_size, self.max_running_requests * (1 + self.spec_verify_tokens))
+        return self.dp_size * per_rank
+
+
+class TraceSink(Protocol):
+    """What the capturer needs of a trace writer (r3trace.trace.writer.TraceWriter satisfies it)."""
+
+    def append_tokens(
+        self, request_id: Any, token_pos: Any, phase: Any, source: Any, forward_id: Any, ts: Any, dp_rank: Any,
+        topk_ids: np.ndarray, topk_weights: np.ndarray | None = None,
+    ) -> None: ...
+
+
+@dataclass
+class _ReqState:
+    want: bool
+    cached_len: int = 0
+    first_cached_len: int = -1  # prefix-cache hit at first admission: those rows are source=prefix_cache
+    prefix_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    kept: np.ndarray | None = None  # [n_kept, M, K] rows saved at retraction
+    kept_weights: np.ndarray | None = None
+    sink_emitted: int = 0  # positions already written to the sink
+    stream_emitted: int = 0  # positions already streamed to the client
+
+
+@dataclass(frozen=True)
+class RouteRows:
+    """Rows [offset, offset + n) of one request. ids: [n, L, K] int32 with -1 on dense layers."""
+
+    offset: int
+    ids: np.ndarray
+    weights: np.ndarray | None = None
+
+
+class RoutedExpertsCapturer:
+    def __init__(self, cfg: CaptureConfig) -> None:
+        self.cfg = cfg
+        self.moe_index = {layer: i for i, layer in enumerate(cfg.moe_layer_ids)}
+        self.buffers = RouteBuffers(
+            cfg.max_batch_tokens, cfg.kv_slots, len(cfg.moe_layer_ids), cfg.top_k, cfg.num_experts, cfg.device,
+            cfg.with_weights,
+        )
+        self.requests: dict[str, _ReqState] = {}
+        self.sink: TraceSink | None = None
+        self.recompute_mismatches = 0  # rows whose re-prefill after retraction routed differently
+        self._batch_tokens = 0
+
+    # ---------------------------------------------------------------- RouteRecorder
+    def on_forward_begin(self, batch: BatchView) -> None:
+        self._batch_tokens = batch.num_tokens
+
+    def capture(self, layer_id: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor | None = None) -> None:
+        self.buffers.write(self.moe_index[layer_id], topk_ids, topk_weights)
+
+    def on_forward_end(self, batch: BatchView) -> None:
+        entries, rows, start, wanted_all = [], [], 0, True
+        for rid, n, prefix, phase in zip(batch.request_ids, batch.extend_lens_cpu, batch.prefix_lens_cpu, batch.phases):
+            state = self.requests.get(rid)
+            if self.sink is not None or (state is not None and state.want):
+                entries.append((rid, len(rows), n, prefix, phase))
+                rows.extend(range(start, start + n))
+            else:
+                wanted_all = False
+            start += n
+        if not rows:
+            self.buffers.bytes_last_step = 0  # nobody asked: nothing crosses to the host
+            return
+        pending = PendingCopy(
+            forward_id=batch.forward_id, ts_ns=time.time_ns(), dp_rank=batch.dp_rank, n_rows=0,
+            ids=self.buffers.dev_ids, weights=None, slots=batch.out_cache_loc, entries=entries,
+        )
+        self.buffers.start_copy(None if wanted_all else rows, start, batch.out_cache_loc, pending)
+
+    # ---------------------------------------------------------------- request lifecycle
+    def add_request(self, rid: str, want: bool) -> None:
+        self.requests[rid] = _ReqState(want=want)
+
+    def on_admit(self, rid: str, cached_len: int, prefix_slots: np.ndarray) -> None:
+        """After prefix matching: positions < cached_len reuse KV (and routes) another forward wrote."""
+        state = self.requests[rid]
+        state.cached_len = cached_len
+        if state.first_cached_len < 0:
+            state.first_cached_len = cached_len
+        state.prefix_slots = np.asarray(prefix_slots, dtype=np.int64)[:cached_len]
+        if self.sink is not None and state.sink_emitted < cached_len:
+            self.drain()
+            self._emit_prefix(rid, state)
+
+    def on_retract(self, rid: str, slots: np.ndarray) -> None:
+        """Before the request's KV is freed: keep the rows of its computed positions (slots [n])."""
+        state = self.requests.get(rid)
+        if state is None or not (state.want or self.sink is not None):
+            return
+        self.drain()
+        n_kept = 0 if state.kept is None else len(state.kept)
+        if len(slots) > n_kept:
+            fresh = self.buffers.read(np.asarray(slots)[n_kept:])
+            state.kept = fresh if state.kept is None else np.concatenate([state.kept, fresh])
+            fresh_w = self.buffers.read_weights(np.asarray(slots)[n_kept:])
+            if fresh_w is not None:
+                state.kept_weights = fresh_w if state.kept_weights is None else np.concatenate([state.kept_weights, fresh_w])
+
+    def rows(self, rid: str, slots: np.ndarray, start: int, end: int) -> RouteRows:
+        """Rows of positions [start, end), slots: KV slot of every position 0..end-1 (host)."""
+        self.drain()
+        state = self.requests[rid]
+        moe = self._read(state, np.asarray(slots, dtype=np.int64), start, end, weights=False)
+        weights = self._read(state, np.asarray(slots, dtype=np.int64), start, end, weights=True)
+        return RouteRows(offset=start, ids=self._expand(moe, -1), weights=None if weights is None else self._expand(weights, 0))
+
+    def stream_rows(self, rid: str, slots: np.ndarray, start_len: int, end: int) -> RouteRows:
+        """Rows added since the previous call (never before start_len)."""
+        state = self.requests[rid]
+        begin = max(state.stream_emitted, start_len)
+        out = self.rows(rid, slots, begin, max(begin, end))
+        state.stream_emitted = max(begin, end)
+        return out
+
+    def provenance(self, rid: str, prompt_len: int, start: int, end: int) -> list[tuple[int, int, str, str]]:
+        """Run-length provenance of rows [start, end): (first, last + 1, phase, source) segments.
+
+        Rows kept across a retraction keep their first provenance, so this depends only on the first
+        admission's prefix hit and the prompt length."""
+        cached = max(self.requests[rid].first_cached_len, 0)
+        bounds = [(0, cached, "prefill", "prefix_cache"), (cached, prompt_len, "prefill", "computed"),
+                  (prompt_len, end, "decode", "computed")]
+        return [(max(a, start), min(b, end), ph, src) for a, b, ph, src in bounds if min(b, end) > max(a, start)]
+
+    def finish_request(self, rid: str) -> None:
+        self.requests.pop(rid, None)
+
+    # ---------------------------------------------------------------- sink
+    def attach_sink(self, sink: TraceSink) -> None:
+        self.drain()
+        self.sink = sink
+
+    def detach_sink(self) -> TraceSink | None:
+        self.drain()
+        sink, self.sink = self.sink, None
+        return sink
+
+    # ---------------------------------------------------------------- internals
+    @property
+    def bytes_last_step(self) -> int:
+        return self.buffers.bytes_last_step
+
+    @property
+    def bytes_total(self) -> int:
+        return self.buffers.bytes_total
+
+    def drain(self) -> None:
+        """Scatter every finished copy into the host buffer (FIFO) and feed the sink."""
+        while self.buffers.pending:
+            p = self.buffers.drain_one()
+            ids = p.ids.numpy()
+            for rid, row0, n, prefix, phase in p.entries:
+                state = self.requests.get(rid)
+                if state is not None and state.kept is not None and prefix < len(state.kept):
+                    m = min(n, len(state.kept) - prefix)
+                    fresh = ids[row0 : row0 + m].astype(np.int32)
+                    self.recompute_mismatches += int((fresh != state.kept[prefix : prefix + m]).any(axis=(1, 2)).sum())
+                if self.sink is not None and state is not None:
+                    self._emit_computed(rid, state, p, row0, n, prefix, phase)
+
+    def _read(self, state: _ReqState, slots: np.ndarray, start: int, end: int, weights: bool) -> np.ndarray | None:
+        if weights and self.buffers.host_weights is None:
+            return None
+        kept = state.kept_weights if weights else state.kept
+        n_kept = 0 if kept is None else len(kept)
+        reader = self.buffers.read_weights if weights else self.buffers.read
+        parts = []
+        if start < n_kept:
+            assert kept is not None
+            parts.append(kept[start : min(end, n_kept)])
+        if end > max(start, n_kept):
+            parts.append(reader(slots[max(start, n_kept) : end]))
+        if not parts:
+            m, k = len(self.cfg.moe_layer_ids), self.cfg.top_k
+            return np.zeros((0, m, k), np.float16 if weights else np.int32)
+        return np.concatenate(parts)  # type: ignore[arg-type]
+
+    def _expand(self, moe_rows: np.ndarray, fill: float) -> np.ndarray:
+        """[n, M, K] -> [n, L, K]: dense layers hold `fill` (-1 for ids, never 0)."""
+        out = np.full((len(moe_rows), self.cfg.num_hidden_layers, self.cfg.top_k), fill, dtype=moe_rows.dtype)
+        out[:, list(self.cfg.moe_layer_ids)] = moe_rows
+        return out
+
+    def _emit_prefix(self, rid: str, state: _ReqState) -> None:
+        assert self.sink is not None
+        lo, hi = state.sink_emitted, state.cached_len
+        slots = state.prefix_slots[lo:hi]
+        ids, w = self.buffers.read(slots), self.buffers.read_weights(slots)
+        # forward_id: the earlier forward that computed these KV slots (and their routes).
+        forward_ids = self.buffers.host_forward[torch.from_numpy(slots)].numpy()
+        self.sink.append_tokens(
+            [rid] * (hi - lo), np.arange(lo, hi, dtype=np.int32), "prefill", "prefix_cache", forward_ids,
+            time.time_ns(), 0, ids, w,
+        )
+        state.sink_emitted = hi
+
+    def _emit_computed(
+        self, rid: str, state: _ReqState, p: PendingCopy, row0: int, n: int, prefix: int, phase: str
+    ) -> None:
+        assert self.sink is not None
+        skip = max(0, state.sink_emitted - prefix)  # positions kept from before a retraction
+        if skip >= n:
+            return
+        lo = row0 + skip
+        ids = p.ids[lo : row0 + n].numpy().astype(np.int32)
+        w = None if p.weights is None else p.weights[lo : row0 + n].numpy()
+        self.sink.append_tokens(
+            [rid] * (n - skip), np.arange(prefix + skip, prefix + n, dtype=np.int32), phase, "computed",
+            p.forward_id, p.ts_ns, p.dp_rank, ids, w,
+        )
+        state.sink_emitted = prefix + n
