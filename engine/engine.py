@@ -1,0 +1,263 @@
+"""Engine: the public offline API, shaped like SGLang's `sgl.Engine`.
+
+One scheduler thread owns the model, the KV pool and every Req. Callers (any number of threads) hand
+requests over through a thread-safe inbox and wait on a per-request queue: results, or stream chunks,
+come back there. A list of requests is submitted as one inbox message, so a single-threaded offline
+caller always gets the same batches and hence the same tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import torch
+from r3trace.engine.config import ModelConfig
+from r3trace.engine.engine_config import EngineConfig, EngineConfigError
+from r3trace.engine.kv_pool import KVPool, ReqToTokenPool
+from r3trace.engine.model import build_model
+from r3trace.engine.model_runner import ModelRunner
+from r3trace.engine.parallel import ParallelInfo
+from r3trace.engine.radix_cache import RadixCache
+from r3trace.engine.request import InvalidRequestError, Req
+from r3trace.engine.request_builder import RequestBuilder, as_list
+from r3trace.engine.result import build_result, error_result
+from r3trace.engine.sampling import Sampler
+from r3trace.engine.scheduler import Scheduler
+from r3trace.engine.tokenizer import load_tokenizer
+from r3trace.engine.weights import load_weights
+
+from r3trace.capture.recorder import NullRecorder, RouteRecorder
+
+log = logging.getLogger(__name__)
+_OPTIONS = frozenset(f.name for f in fields(EngineConfig)) - {"dtype", "device", "extra"}
+_POLL_S = 0.5  # how often a waiting caller checks that the scheduler thread is still alive
+
+
+class Engine:
+    def __init__(
+        self,
+        model_path: str | Path,
+        dtype: str = "float32",
+        device: str = "cpu",
+        *,
+        recorder: RouteRecorder | None = None,
+        **options: Any,
+    ) -> None:
+        unknown = sorted(set(options) - _OPTIONS)
+        if unknown:
+            raise EngineConfigError(f"unknown engine option {unknown[0]!r}; known: {sorted(_OPTIONS)}")
+        self.config = EngineConfig(dtype=dtype, device=device, **options)  # type: ignore[arg-type]
+        self.model_config = ModelConfig.from_hf(model_path)
+        cfg, mc = self.config, self.model_config
+        self.model = build_model(mc, cfg, ParallelInfo(), recorder or NullRecorder())
+        load_weights(self.model, model_path)
+        self.model.eval()
+        self.tokenizer = load_tokenizer(model_path, mc.vocab_size)
+        self.max_context_len = cfg.max_context_len or mc.max_position_embeddings
+        self.kv_pool = KVPool(mc.num_hidden_layers, mc.kv_cache_dim, cfg.kv_pool_tokens, cfg.page_size,
+                              cfg.torch_dtype, device)
+        req_pool = ReqToTokenPool(cfg.max_running_requests, self.max_context_len, device)
+        self.cache = RadixCache(self.kv_pool) if cfg.enable_prefix_cache else None
+        self.sampler = Sampler(device, cfg.seed)
+        self.scheduler = Scheduler(cfg, self.kv_pool, req_pool, self.cache, self.tokenizer,
+                                   mc.eos_token_ids, self.max_context_len)
+        self.runner = ModelRunner(self.model, self.kv_pool, req_pool, self.sampler, device)
+        self._builder = RequestBuilder(mc.vocab_size, self.max_context_len, cfg.kv_pool_tokens,
+                                       self.tokenizer)
+        self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._sinks: dict[str, queue.Queue[dict[str, Any]]] = {}  # scheduler thread only
+        self._live_rids: set[str] = set()
+        self._rid_lock = threading.Lock()
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="r3trace-scheduler", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ public API
+    def generate(
+        self,
+        prompt: str | list[str] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
+        return_logprob: bool | list[bool] = False,
+        logprob_start_len: int | list[int] = -1,
+        top_logprobs_num: int | list[int] = 0,
+        return_routed_experts: bool = False,
+        routed_experts_start_len: int = 0,
+        stream: bool = False,
+        rid: str | list[str] | None = None,
+    ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
+        """One request (a str prompt or a flat id list) -> a dict; a list -> a list of dicts in order;
+        stream=True (one request) -> an iterator of chunks holding what each step added."""
+        if return_routed_experts:
+            raise NotImplementedError("return_routed_experts is wired by the capture issue")
+        if self._closed:
+            raise RuntimeError("the engine has been shut down")
+        single, entries = as_list(prompt, input_ids, sampling_params, return_logprob, logprob_start_len,
+                                  top_logprobs_num, rid)
+        if stream and not single:
+            raise InvalidRequestError("stream", "streams one request at a time; pass a single prompt")
+        reqs: list[Req | None] = []
+        results: list[dict[str, Any] | None] = []
+        for entry in entries:
+            entry_rid = entry.rid or uuid.uuid4().hex
+            try:
+                req = self._builder.build(entry, entry_rid, stream, self.sampler)
+                self._claim_rid(entry_rid)
+            except InvalidRequestError as exc:
+                if single:
+                    raise
+                reqs.append(None)
+                results.append(error_result(entry_rid, str(exc)))
+                continue
+            reqs.append(req)
+            results.append(None)
+        sinks: dict[str, queue.Queue[dict[str, Any]]] = {r.rid: queue.Queue() for r in reqs if r is not None}
+        live = [r for r in reqs if r is not None]
+        if live:
+            self._inbox.put(("submit", [(r, sinks[r.rid]) for r in live]))
+        if stream:
+            assert live
+            return self._stream(live[0].rid, sinks[live[0].rid])
+        for i, req in enumerate(reqs):
+            if req is not None:
+                results[i] = self._wait(sinks[req.rid])
+        out = [r for r in results if r is not None]
+        if single and "error" in out[0]:
+            raise RuntimeError(out[0]["error"])
+        return out[0] if single else out
+
+    def abort(self, rid: str) -> None:
+        """Finish a waiting or running request with finish_reason abort; unknown ids are ignored."""
+        self._inbox.put(("abort", rid))
+
+    def flush_cache(self) -> bool:
+        """Drop every unlocked prefix-cache entry; False (nothing done) while requests are in flight."""
+        return bool(self._call(self._flush_if_idle))
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._inbox.put(("shutdown", None))
+        self._thread.join()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # ------------------------------------------------------------------ caller side
+    def _claim_rid(self, rid: str) -> None:
+        with self._rid_lock:
+            if rid in self._live_rids:
+                raise InvalidRequestError("rid", f"{rid!r} is already in flight")
+            self._live_rids.add(rid)
+
+    def _wait(self, sink: queue.Queue[dict[str, Any]]) -> dict[str, Any]:
+        while True:
+            try:
+                return sink.get(timeout=_POLL_S)
+            except queue.Empty:
+                if not self._thread.is_alive():
+                    raise RuntimeError("the engine's scheduler thread has stopped") from None
+
+    def _stream(self, rid: str, sink: queue.Queue[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+        done = False
+        try:
+            while not done:
+                chunk = self._wait(sink)
+                done = chunk["meta_info"]["finish_reason"] is not None
+                yield chunk
+        finally:
+            if not done:  # the caller stopped iterating: stop generating for it
+                self.abort(rid)
+
+    def _call(self, fn: Callable[[], Any]) -> Any:
+        """Run fn on the scheduler thread (which owns all scheduling state) and return its result."""
+        box: queue.Queue[Any] = queue.Queue()
+        self._inbox.put(("call", (fn, box)))
+        ok, value = box.get()
+        if not ok:
+            raise value
+        return value
+
+    def _flush_if_idle(self) -> bool:
+        if self.scheduler.has_work():
+            return False
+        if self.cache is not None:
+            self.cache.flush()
+        return True
+
+    # ------------------------------------------------------------------ scheduler thread
+    def _loop(self) -> None:
+        with torch.inference_mode():
+            while True:
+                try:
+                    msg = self._inbox.get(block=not self.scheduler.has_work())
+                except queue.Empty:
+                    msg = None
+                while msg is not None:
+                    if not self._handle(msg):
+                        self.scheduler.abort_all("the engine was shut down")
+                        self._deliver()
+                        return
+                    try:
+                        msg = self._inbox.get_nowait()
+                    except queue.Empty:
+                        msg = None
+                if self.scheduler.has_work():
+                    self._step()
+                self._deliver()
+
+    def _handle(self, msg: tuple[str, Any]) -> bool:
+        kind, body = msg
+        if kind == "submit":
+            for req, sink in body:
+                self._sinks[req.rid] = sink
+                self.scheduler.add(req)
+        elif kind == "abort":
+            self.scheduler.abort(body)
+        elif kind == "call":
+            fn, box = body
+            try:
+                box.put((True, fn()))
+            except Exception as exc:  # handed back to the caller's thread
+                box.put((False, exc))
+        elif kind == "shutdown":
+            return False
+        return True
+
+    def _step(self) -> None:
+        try:
+            items = self.scheduler.schedule()
+            if not items:
+                # Unreachable while the pool holds any prompt it accepted; never spin on it.
+                self.scheduler.abort_all("the scheduler could not place any request", is_error=True)
+                return
+            outputs = self.runner.run(items)
+            self.scheduler.process(items, outputs)
+        except Exception as exc:
+            log.exception("engine step failed; aborting the requests in flight")
+            self.scheduler.abort_all(f"engine error: {exc!r}", is_error=True)
+
+    def _deliver(self) -> None:
+        for req in self.scheduler.take_updates():
+            sink = self._sinks.get(req.rid)
+            if sink is None:
+                continue
+            if req.stream:
+                sink.put(build_result(req, self.tokenizer, delta=True))
+            elif req.finished:
+                sink.put(build_result(req, self.tokenizer, delta=False))
+            if req.finished:
+                del self._sinks[req.rid]
+                with self._rid_lock:
+                    self._live_rids.discard(req.rid)

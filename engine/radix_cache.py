@@ -1,0 +1,157 @@
+"""Prefix cache: a radix tree over token ids whose nodes own KV pages.
+
+Matching and inserting work at page granularity (P = page_size): every node's key is a whole number
+of pages, so a shared prefix is always a list of whole pages. A request's partly filled last page is
+never shared; those tokens are recomputed by the next request (at most P - 1 per request).
+
+A node in use is locked (lock_ref > 0 on it and every ancestor) and never evicted. Unlocked leaves
+are evicted least recently used first; their pages go back to the KVPool.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+
+from r3trace.engine.kv_pool import KVPool
+
+
+class TreeNode:
+    _ids = itertools.count()
+
+    def __init__(self, key: list[int], pages: list[int], parent: TreeNode | None) -> None:
+        self.key = key  # token ids, len = P * len(pages)
+        self.pages = pages
+        self.parent = parent
+        self.children: dict[tuple[int, ...], TreeNode] = {}  # by the first page of the child's key
+        self.lock_ref = 0
+        self.last_access = 0
+        self.id = next(TreeNode._ids)  # tie-breaker in the eviction heap
+
+    def __lt__(self, other: TreeNode) -> bool:
+        return (self.last_access, self.id) < (other.last_access, other.id)
+
+
+class RadixCache:
+    def __init__(self, pool: KVPool) -> None:
+        self.pool = pool
+        self.page_size = pool.page_size
+        self.root = TreeNode([], [], None)
+        self.root.lock_ref = 1  # the root is never evicted
+        self._clock = 0  # logical LRU clock: reproducible, unlike wall time
+        self.evictable_tokens = 0
+        self.locked_tokens = 0
+
+    def _first_page(self, tokens: list[int], start: int = 0) -> tuple[int, ...]:
+        return tuple(tokens[start : start + self.page_size])
+
+    def _common_len(self, key: list[int], tokens: list[int], start: int) -> int:
+        """Whole pages shared by key and tokens[start:], in tokens."""
+        n, p = 0, self.page_size
+        limit = min(len(key), len(tokens) - start)
+        while n + p <= limit and key[n : n + p] == tokens[start + n : start + n + p]:
+            n += p
+        return n
+
+    def _split(self, node: TreeNode, at: int) -> TreeNode:
+        """Cut node's key at token `at` (a page boundary); return the new upper half."""
+        parent = node.parent
+        assert parent is not None and 0 < at < len(node.key) and at % self.page_size == 0
+        upper = TreeNode(node.key[:at], node.pages[: at // self.page_size], parent)
+        upper.lock_ref, upper.last_access = node.lock_ref, node.last_access
+        parent.children[self._first_page(upper.key)] = upper
+        node.key, node.pages, node.parent = node.key[at:], node.pages[at // self.page_size :], upper
+        upper.children[self._first_page(node.key)] = node
+        return upper
+
+    def match_prefix(self, tokens: list[int]) -> tuple[list[int], TreeNode]:
+        """The longest cached whole-page prefix of tokens: (its pages, the node where it ends)."""
+        self._clock += 1
+        node, pages, i = self.root, [], 0
+        while i + self.page_size <= len(tokens):
+            child = node.children.get(self._first_page(tokens, i))
+            if child is None:
+                break
+            n = self._common_len(child.key, tokens, i)
+            child.last_access = self._clock
+            if n < len(child.key):
+                child = self._split(child, n)
+            pages.extend(child.pages)
+            i += n
+            node = child
+        return pages, node
+
+    def insert(self, tokens: list[int], pages: list[int]) -> int:
+        """Cache tokens (whole pages) -> pages; return how many leading tokens were already cached.
+
+        The caller owns pages[:returned // P] still and must free those it did not get from the cache.
+        """
+        if len(tokens) != len(pages) * self.page_size:
+            raise ValueError(f"insert: {len(tokens)} tokens for {len(pages)} pages of {self.page_size}")
+        self._clock += 1
+        node, i = self.root, 0
+        while i < len(tokens):
+            child = node.children.get(self._first_page(tokens, i))
+            if child is None:
+                leaf = TreeNode(tokens[i:], pages[i // self.page_size :], node)
+                leaf.last_access = self._clock
+                node.children[self._first_page(leaf.key)] = leaf
+                self.evictable_tokens += len(leaf.key)
+                return i
+            n = self._common_len(child.key, tokens, i)
+            child.last_access = self._clock
+            if n < len(child.key):
+                child = self._split(child, n)
+            i += n
+            node = child
+        return i
+
+    def lock(self, node: TreeNode) -> None:
+        cur: TreeNode | None = node
+        while cur is not None and cur is not self.root:
+            if cur.lock_ref == 0:
+                self.evictable_tokens -= len(cur.key)
+                self.locked_tokens += len(cur.key)
+            cur.lock_ref += 1
+            cur = cur.parent
+
+    def unlock(self, node: TreeNode) -> None:
+        cur: TreeNode | None = node
+        while cur is not None and cur is not self.root:
+            if cur.lock_ref <= 0:
+                raise RuntimeError(f"radix node {cur.id} unlocked more often than locked")
+            cur.lock_ref -= 1
+            if cur.lock_ref == 0:
+                self.evictable_tokens += len(cur.key)
+                self.locked_tokens -= len(cur.key)
+            cur = cur.parent
+
+    def evict(self, num_pages: int) -> int:
+        """Free at least num_pages pages from unlocked leaves, least recently used first (fewer if the
+        cache has fewer unlocked). Returns the number freed."""
+        heap = [n for n in self._nodes() if not n.children and n.lock_ref == 0]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_pages and heap:
+            leaf = heapq.heappop(heap)
+            parent = leaf.parent
+            assert parent is not None
+            self.pool.free(leaf.pages)
+            freed += len(leaf.pages)
+            self.evictable_tokens -= len(leaf.key)
+            del parent.children[self._first_page(leaf.key)]
+            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(heap, parent)
+        return freed
+
+    def flush(self) -> int:
+        """Evict every unlocked node (tests use it to check that the pool is whole again)."""
+        return self.evict(self.pool.num_pages)
+
+    def _nodes(self) -> list[TreeNode]:
+        out, stack = [], list(self.root.children.values())
+        while stack:
+            n = stack.pop()
+            out.append(n)
+            stack.extend(n.children.values())
+        return out

@@ -1,0 +1,186 @@
+"""A request's inputs (SamplingParams, validated once) and its state while the scheduler runs it (Req)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
+
+import torch
+
+FinishType = Literal["length", "stop", "abort"]
+LogprobEntry = tuple[float | None, int, None]  # (logprob, token_id, None) as SGLang returns them
+
+
+class InvalidRequestError(ValueError):
+    """One request is malformed; the message names the field, the value and the limit."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 1.0  # 0 means greedy
+    top_k: int = -1  # -1 means the whole vocabulary
+    top_p: float = 1.0
+    seed: int | None = None  # a seeded request owns a torch.Generator: same tokens in any batch
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        def bad(name: str, limit: str) -> InvalidRequestError:
+            return InvalidRequestError(f"sampling_params.{name}", f"{getattr(self, name)!r} {limit}")
+
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 0:
+            raise bad("max_new_tokens", "must be an integer >= 0")
+        if not _is_real(self.temperature) or not 0 <= self.temperature < math.inf:
+            raise bad("temperature", "must be a finite number >= 0")
+        if not _is_int(self.top_k) or (self.top_k < 1 and self.top_k != -1):
+            raise bad("top_k", "must be -1 (all tokens) or an integer >= 1")
+        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
+            raise bad("top_p", "must be in (0, 1]")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
+            raise bad("seed", "must be null or an integer in [0, 2**63)")
+        if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
+            raise bad("stop", "must be a non-empty string or a list of non-empty strings")
+        ids = self.stop_token_ids
+        if not isinstance(ids, tuple) or not all(_is_int(t) and t >= 0 for t in ids):
+            raise bad("stop_token_ids", "must be a list of integers >= 0")
+        if not isinstance(self.ignore_eos, bool):
+            raise bad("ignore_eos", "must be true or false")
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any] | None) -> SamplingParams:
+        """SGLang's dict form: `stop` may be one string, lists become tuples, unknown keys are errors."""
+        raw = dict(raw or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise InvalidRequestError(f"sampling_params.{unknown[0]}", f"unknown; known: {sorted(known)}")
+        stop = raw.get("stop")
+        if isinstance(stop, str):
+            raw["stop"] = (stop,)
+        for key in ("stop", "stop_token_ids"):
+            if isinstance(raw.get(key), list):
+                raw[key] = tuple(raw[key])
+            elif raw.get(key) is None:
+                raw.pop(key, None)
+        if raw.get("max_new_tokens") is None:
+            raw.pop("max_new_tokens", None)
+        return cls(**raw)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+@dataclass
+class LogprobRequest:
+    start_len: int  # first prompt position whose logprob is returned
+    top_num: int  # 0: no top-logprob lists
+
+
+@dataclass
+class FinishReason:
+    type: FinishType
+    matched: int | str | None = None
+    length: int | None = None
+    message: str | None = None
+    is_error: bool = False  # the request failed (bad input, engine error) rather than being aborted
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"type": self.type}
+        if self.type == "length":
+            out["length"] = self.length
+        elif self.type == "stop":
+            out["matched"] = self.matched
+        else:
+            out["message"] = self.message
+        return out
+
+
+@dataclass(eq=False)
+class Req:
+    """One request's state. Survives retraction: outputs, logprobs, generator and `extras` are kept;
+    only the KV (pages, kv_len, cached prefix) is dropped, and `fill_ids` is re-prefilled later."""
+
+    rid: str
+    origin_input_ids: list[int]
+    params: SamplingParams
+    logprob: LogprobRequest | None = None
+    stream: bool = False
+    output_ids: list[int] = field(default_factory=list)
+    finish: FinishReason | None = None
+    # KV state, reset on retraction
+    pages: list[int] = field(default_factory=list)  # KV pages holding positions 0.. in order
+    kv_len: int = 0  # positions whose latent is in the pool
+    cached_len: int = 0  # of kv_len, positions matched in the prefix cache (shared, locked)
+    cache_node: Any = None  # radix node locked while this request uses the prefix
+    pool_row: int = -1  # row in req_to_token; -1 while waiting
+    cached_tokens: int = 0  # SGLang's meta_info.cached_tokens, summed over (re)admissions
+    in_decode: bool = False  # fill computed since (re)admission: each further step adds one token
+    num_retractions: int = 0
+    # logprobs; input ones are computed once (not again after a retraction)
+    input_logprobs: list[LogprobEntry] = field(default_factory=list)
+    input_top_logprobs: list[list[LogprobEntry] | None] = field(default_factory=list)
+    input_logprobs_done: bool = False
+    output_logprobs: list[LogprobEntry] = field(default_factory=list)
+    output_top_logprobs: list[list[LogprobEntry]] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    # streaming offsets: what the caller has already received
+    sent_ids: int = 0
+    sent_text: int = 0
+    sent_logprobs: int = 0
+    text: str = ""  # decoded output, trimmed before a matched stop string
+    extras: dict[str, Any] = field(default_factory=dict)  # free slot: capture attaches route rows here
+
+    @property
+    def fill_ids(self) -> list[int]:
+        """Tokens whose KV must be in the pool before the next token is sampled."""
+        return self.origin_input_ids + self.output_ids
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.origin_input_ids)
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish is not None
+
+    @property
+    def wants_input_logprobs(self) -> bool:
+        return self.logprob is not None and not self.input_logprobs_done
+
+    def reset_kv(self) -> None:
+        """Retraction: forget where the KV lived (the caller has freed it); keep everything computed."""
+        self.pages = []
+        self.kv_len = 0
+        self.cached_len = 0
+        self.cache_node = None
+        self.pool_row = -1
+        self.in_decode = False
+        if not self.input_logprobs_done:
+            self.reset_input_logprobs()  # a partly computed prompt is recomputed from its start
+
+    def reset_input_logprobs(self) -> None:
+        """The first prompt token has no logprob (nothing predicts it): SGLang reports None."""
+        self.input_logprobs, self.input_top_logprobs = [], []
+        if self.logprob is not None and self.logprob.start_len == 0:
+            self.input_logprobs.append((None, self.origin_input_ids[0], None))
+            self.input_top_logprobs.append(None)

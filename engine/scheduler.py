@@ -1,0 +1,293 @@
+"""Scheduler: which requests run in the next forward, how many tokens each, and where their KV goes.
+
+One step = one forward that mixes decode tokens and prefill chunks under a budget of
+`chunked_prefill_size` new tokens:
+  1. running requests, oldest first, each extends by what its fill still lacks (1 for decode, the rest
+     of a chunked prompt otherwise), while the budget lasts. A running request that gets no KV page,
+     even after evicting the prefix cache, retracts the newest running request (its KV freed, itself
+     re-queued at the front to re-prefill prompt + tokens generated so far).
+  2. if nothing was retracted, waiting requests are admitted first-come first-served: prefix-cache
+     match, then a prefill chunk of what the budget and the free pages allow.
+`process` then appends the sampled tokens, applies the stop rules and frees the finished requests.
+
+Hook points for capture (all on the scheduler thread): `_finish` runs while the request still holds
+its KV; `_retract` before its KV is freed; `_release_kv` is where pages leave the request.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+from r3trace.engine.engine_config import EngineConfig
+from r3trace.engine.forward_batch import Phase
+from r3trace.engine.kv_pool import KVPool, ReqToTokenPool
+from r3trace.engine.radix_cache import RadixCache
+from r3trace.engine.request import FinishReason, LogprobEntry, Req
+from r3trace.engine.tokenizer import TextTokenizer
+
+
+@dataclass
+class ScheduledReq:
+    """One request's share of a step: positions start .. start+extend_len-1 are computed."""
+
+    req: Req
+    start: int
+    extend_len: int
+    out_cache_loc: torch.Tensor  # [extend_len] int64 host: KV slot of each new position
+    sample: bool  # the chunk completes the fill: the next token is sampled from its last row
+    logprob_positions: range  # positions whose logits score the next prompt token
+    phase: Phase
+
+    @property
+    def end(self) -> int:
+        return self.start + self.extend_len
+
+
+@dataclass
+class ReqOutput:
+    """What a forward produced for one ScheduledReq (host values)."""
+
+    next_token: int | None = None
+    next_logprob: float | None = None
+    next_top: list[LogprobEntry] | None = None
+    input_logprobs: list[float] | None = None  # one per logprob_positions entry
+    input_tops: list[list[LogprobEntry]] | None = None
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: EngineConfig,
+        pool: KVPool,
+        req_pool: ReqToTokenPool,
+        cache: RadixCache | None,
+        tokenizer: TextTokenizer,
+        eos_token_ids: tuple[int, ...],
+        max_context_len: int,
+    ) -> None:
+        self.config = config
+        self.pool = pool
+        self.req_pool = req_pool
+        self.cache = cache
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_context_len = max_context_len
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []  # admission order: the last one is the newest
+        self._updates: list[Req] = []  # requests with news since the last take_updates()
+
+    # ------------------------------------------------------------------ queue
+    def add(self, req: Req) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def take_updates(self) -> list[Req]:
+        out, self._updates = self._updates, []
+        return out
+
+    def abort(self, rid: str, message: str = "aborted by the client") -> bool:
+        for req in list(self.waiting) + self.running:
+            if req.rid == rid and not req.finished:
+                self._finish(req, FinishReason("abort", message=message))
+                return True
+        return False
+
+    def abort_all(self, message: str, is_error: bool = False) -> None:
+        for req in list(self.waiting) + list(self.running):
+            self._finish(req, FinishReason("abort", message=message, is_error=is_error))
+
+    # ------------------------------------------------------------------ schedule
+    def schedule(self) -> list[ScheduledReq]:
+        budget = self.config.chunked_prefill_size
+        items: list[ScheduledReq] = []
+        retracted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            want = min(len(req.fill_ids) - req.kv_len, budget)
+            slots = self._grow(req, want)
+            while slots is None:
+                victim = self.running[-1]
+                if len(self.running) == 1:  # alone and still out of pages: the pool cannot hold it
+                    reason = FinishReason("abort", message=self._pool_full_message(req), is_error=True)
+                    self._finish(req, reason)
+                    break
+                self._retract(victim)
+                retracted = True
+                if victim is req:
+                    break
+                slots = self._grow(req, want)
+            if slots is None:
+                continue  # req left `running`; running[i] is now the next one
+            items.append(self._item(req, slots))
+            budget -= slots.numel()
+            i += 1
+        max_running = self.config.max_running_requests
+        while not retracted and self.waiting and budget > 0 and len(self.running) < max_running:
+            req = self.waiting[0]
+            slots = self._admit(req, budget)
+            if slots is None:
+                break  # first come first served: no overtaking a request that does not fit
+            self.waiting.popleft()
+            self.running.append(req)
+            items.append(self._item(req, slots))
+            budget -= slots.numel()
+        return items
+
+    def _item(self, req: Req, slots: torch.Tensor) -> ScheduledReq:
+        start, n = req.kv_len, slots.numel()
+        req.kv_len += n
+        fill_len = req.seq_len
+        positions = range(0)
+        if req.wants_input_logprobs:
+            assert req.logprob is not None
+            lo = max(req.logprob.start_len - 1, 0)  # logits at p score prompt token p + 1
+            positions = range(max(lo, start), min(req.prompt_len - 1, start + n))
+        return ScheduledReq(
+            req=req,
+            start=start,
+            extend_len=n,
+            out_cache_loc=slots,
+            sample=start + n == fill_len and len(req.output_ids) < req.params.max_new_tokens,
+            logprob_positions=positions,
+            phase="decode" if req.in_decode else "prefill",
+        )
+
+    def _admit(self, req: Req, budget: int) -> torch.Tensor | None:
+        row = self.req_pool.alloc()
+        if row is None:
+            return None
+        req.pool_row = row
+        fill = req.fill_ids
+        if self.cache is not None:
+            limit = len(fill) - 1  # the last token is always computed: its logits give the next token
+            if req.wants_input_logprobs:
+                assert req.logprob is not None
+                limit = min(limit, max(req.logprob.start_len - 1, 0))
+            pages, node = self.cache.match_prefix(fill[:limit])
+            self.cache.lock(node)
+            req.cache_node, req.pages = node, list(pages)
+            req.kv_len = req.cached_len = len(pages) * self.pool.page_size
+            if req.kv_len:
+                self.req_pool.write(row, 0, self.pool.slots(req.pages, 0, req.kv_len))
+        slots = self._grow(req, min(len(fill) - req.kv_len, budget))
+        if slots is None:
+            self._release_kv(req, cache_it=False)
+            return None
+        req.cached_tokens += req.cached_len
+        return slots
+
+    def _grow(self, req: Req, want: int) -> torch.Tensor | None:
+        """Give req KV slots for `want` more positions, or as many as whole free pages allow (a
+        chunk shrinks; a decode needs its one slot). Returns the slots [n] or None when n == 0."""
+        page = self.pool.page_size
+        need = self.pool.pages_for(req.kv_len + want) - len(req.pages)
+        if need > self.pool.num_free_pages and self.cache is not None:
+            self.cache.evict(need - self.pool.num_free_pages)
+        if need > self.pool.num_free_pages:
+            need = self.pool.num_free_pages
+            want = (len(req.pages) + need) * page - req.kv_len
+        if want <= 0:
+            return None
+        pages = self.pool.alloc(need)
+        assert pages is not None
+        req.pages.extend(pages)
+        slots = self.pool.slots(req.pages, req.kv_len, req.kv_len + want)
+        self.req_pool.write(req.pool_row, req.kv_len, slots)
+        return slots
+
+    # ------------------------------------------------------------------ results
+    def process(self, items: list[ScheduledReq], outputs: list[ReqOutput]) -> None:
+        """Fold a forward's outputs into request state; finished requests release their KV."""
+        for item, out in zip(items, outputs, strict=True):
+            req = item.req
+            if out.input_logprobs is not None:
+                tops: list[list[LogprobEntry] | None] = [None] * len(out.input_logprobs)
+                if out.input_tops is not None:
+                    tops = list(out.input_tops)
+                for p, lp, top in zip(item.logprob_positions, out.input_logprobs, tops, strict=True):
+                    req.input_logprobs.append((lp, req.origin_input_ids[p + 1], None))
+                    req.input_top_logprobs.append(top)
+            if req.logprob is not None and item.end >= req.prompt_len:
+                req.input_logprobs_done = True
+            if item.end == req.seq_len:
+                req.in_decode = True
+            if item.sample:
+                assert out.next_token is not None
+                req.output_ids.append(out.next_token)
+                if req.logprob is not None:
+                    req.output_logprobs.append((out.next_logprob, out.next_token, None))
+                    if out.next_top is not None:
+                        req.output_top_logprobs.append(out.next_top)
+                finish = self._check_finished(req)
+                if finish is not None:
+                    self._finish(req, finish)
+                else:
+                    self._updates.append(req)
+            elif item.end == req.seq_len:  # max_new_tokens == 0: prefill only
+                self._finish(req, FinishReason("length", length=len(req.output_ids)))
+
+    def _check_finished(self, req: Req) -> FinishReason | None:
+        """SGLang's order: length first, then stop token ids, eos, stop strings, context limit."""
+        p, tok = req.params, req.output_ids[-1]
+        if len(req.output_ids) >= p.max_new_tokens:
+            return FinishReason("length", length=p.max_new_tokens)
+        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids):
+            return FinishReason("stop", matched=tok)
+        if p.stop:
+            text = self.tokenizer.decode(req.output_ids)
+            hits = [(text.find(s), s) for s in p.stop if s in text]
+            if hits:
+                at, s = min(hits)
+                req.text = text[:at]
+                return FinishReason("stop", matched=s)
+        if req.seq_len >= self.max_context_len:
+            return FinishReason("length", length=len(req.output_ids))
+        return None
+
+    # ------------------------------------------------------------------ lifecycle hooks
+    def _finish(self, req: Req, reason: FinishReason) -> None:
+        """The request is done; its KV (pages, pool_row) is still valid here, freed below."""
+        req.finish = reason
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        if req.pool_row >= 0:
+            self._release_kv(req, cache_it=True)
+        self._updates.append(req)
+
+    def _retract(self, req: Req) -> None:
+        """Out of KV: drop req's KV, keep its outputs, re-queue it at the front (it is older than the
+        waiting ones). Its KV is still valid on entry."""
+        self.running.remove(req)
+        self._release_kv(req, cache_it=False)
+        req.num_retractions += 1
+        self.waiting.appendleft(req)
+
+    def _release_kv(self, req: Req, cache_it: bool) -> None:
+        """Return req's pages: whole computed pages go to the prefix cache when cache_it, the rest
+        to the pool. Pages it got from the cache stay there (unlocked)."""
+        page = self.pool.page_size
+        own_from = req.cached_len // page  # pages before this came from the cache
+        if self.cache is not None and cache_it:
+            full = req.kv_len // page
+            present = self.cache.insert(req.fill_ids[: full * page], req.pages[:full]) // page
+            self.pool.free(req.pages[own_from:present])  # the cache already held these tokens
+            self.pool.free(req.pages[full:])  # the partly filled last page is never shared
+        else:
+            self.pool.free(req.pages[own_from:])
+        if self.cache is not None and req.cache_node is not None:
+            self.cache.unlock(req.cache_node)
+        self.req_pool.free(req.pool_row)
+        req.reset_kv()
+
+    def _pool_full_message(self, req: Req) -> str:
+        return (
+            f"KV pool exhausted: the request needs {req.kv_len + 1} slots, kv_pool_tokens="
+            f"{self.pool.num_tokens} (page_size={self.pool.page_size})"
+        )
