@@ -1,0 +1,93 @@
+"""Shared pieces of the kernel tests: device choice, the tolerance table, poisoning, paged caches.
+
+Triton kernels run on CPU only under its interpreter (TRITON_INTERPRET=1, set by `make test`); on a
+CUDA machine without that variable they run compiled on the GPU. DEVICE is whichever of the two this
+process can run, and every test that is not marked `gpu` runs on it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = "cpu" if INTERPRET or not HAS_CUDA else "cuda"
+RUNNABLE = INTERPRET or HAS_CUDA
+
+requires_triton = pytest.mark.skipif(not RUNNABLE, reason="needs TRITON_INTERPRET=1 (CPU) or a CUDA device")
+gpu = pytest.mark.gpu
+requires_gpu = pytest.mark.skipif(not HAS_CUDA or INTERPRET, reason="needs CUDA, compiled (no interpreter)")
+
+# dtype -> (atol, rtol, normwise limit on ||out - ref|| / ||ref||, why). The reference runs in fp32 on the
+# same (already rounded) inputs, so the error is the kernel's own: its roundings and summation order.
+TOLERANCES: dict[torch.dtype, tuple[float, float, float, str]] = {
+    torch.float32: (
+        1e-4, 1e-4, 1e-5,
+        "fp32 operands, ieee dots (no tf32): only summation order differs; 1e-6 seen on sums of ~100 terms",
+    ),
+    torch.float16: (
+        4e-3, 4e-3, 2e-3,
+        "output rounded to fp16 (rel 2^-11) after probabilities/activations were rounded to fp16 for the "
+        "second product: a few fp16 ulps of values up to ~4",
+    ),
+    torch.bfloat16: (
+        3e-2, 2e-2, 1e-2,
+        "output rounded to bf16 (rel 2^-8 = 3.9e-3) after probabilities/activations were rounded to bf16 "
+        "for the second product: 2-3 bf16 ulps of values up to ~4 (0.029 seen at |ref| = 3)",
+    ),
+}  # fmt: skip
+
+
+def assert_close_to_ref(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    """Every element written (no NaN poison left), elementwise within the table, and normwise."""
+    atol, rtol, norm_limit, why = TOLERANCES[dtype]
+    out64, ref64 = out.double(), ref.double()
+    assert not torch.isnan(out64).any(), "NaN in the output: an element left unwritten (poison) or overflow"
+    torch.testing.assert_close(out64, ref64, atol=atol, rtol=rtol, msg=lambda m: f"{m}\n[{dtype}: {why}]")
+    rel = ((out64 - ref64).norm() / ref64.norm().clamp_min(1e-30)).item()
+    assert rel < norm_limit, f"normwise error {rel:.2e} >= {norm_limit:.0e} for {dtype} ({why})"
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """torch.empty returns NaN-filled floats and -77777-filled ints during the test, so any element a
+    kernel leaves unwritten (in its output or an intermediate it later reads) shows up. A patch, not a
+    mock: the real allocation happens, only its contents are made hostile."""
+    real_empty = torch.empty
+
+    def hostile_empty(*args: object, **kwargs: object) -> torch.Tensor:
+        t = real_empty(*args, **kwargs)  # type: ignore[call-overload]
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        elif t.dtype not in (torch.bool, torch.uint8):
+            t.fill_(-77777)
+        return t
+
+    monkeypatch.setattr(torch, "empty", hostile_empty)
+    yield
+
+
+def paged_req_to_token(
+    lens: list[int], page_size: int, gen: torch.Generator, extra_rows: int = 2
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """A req_to_token table for requests of the given lengths, pages shuffled so no request's pages are
+    contiguous, request rows shuffled too. Returns (req_to_token [R, max_ctx] int32, req_pool_indices
+    [B] int64, number of slots S)."""
+    B = len(lens)
+    pages_per_req = [(n + page_size - 1) // page_size for n in lens]
+    num_pages = sum(pages_per_req) + 3  # spare pages: slots no request owns hold random data too
+    page_order = torch.randperm(num_pages, generator=gen)
+    rows = torch.randperm(B + extra_rows, generator=gen)[:B]
+    max_ctx = max(lens) + 5
+    req_to_token = torch.full((B + extra_rows, max_ctx), -1, dtype=torch.int32)
+    next_page = 0
+    for b, n in enumerate(lens):
+        pages = page_order[next_page : next_page + pages_per_req[b]]
+        next_page += pages_per_req[b]
+        slots = (pages[:, None] * page_size + torch.arange(page_size)[None, :]).reshape(-1)[:n]
+        req_to_token[rows[b], :n] = slots.to(torch.int32)
+    return req_to_token, rows.long(), num_pages * page_size

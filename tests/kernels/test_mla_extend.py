@@ -1,0 +1,118 @@
+"""mla_extend (absorbed, over the paged cache) and mha_prefill (normal form) against their torch refs.
+
+Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest tests/kernels/test_mla_extend.py -q   (CPU)
+     python -m pytest tests/kernels/test_mla_extend.py -q                                (GPU)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from r3trace.kernels.contract import KernelInputError
+from r3trace.kernels.mla_extend import mha_prefill, mha_prefill_ref, mla_extend, mla_extend_ref
+
+from tests.kernels.conftest import (
+    DEVICE,
+    assert_close_to_ref,
+    gpu,
+    paged_req_to_token,
+    requires_gpu,
+    requires_triton,
+)
+
+pytestmark = requires_triton
+
+# (prefix, extend) per request: no prefix, a 1-token extend, one longer than the 32-row tile, none at all
+PREFIX = [0, 5, 17, 2, 9]
+EXTEND = [7, 1, 40, 0, 3]
+
+
+def _extend_case(
+    prefix: list[int], extend: list[int], H: int, kv_lora: int, rope: int, page_size: int,
+    dtype: torch.dtype, device: str, seed: int,
+) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    gen = torch.Generator().manual_seed(seed)
+    lens = [p + e for p, e in zip(prefix, extend, strict=True)]
+    req_to_token, rows, S = paged_req_to_token([max(n, 1) for n in lens], page_size, gen)
+    T = sum(extend)
+    C = kv_lora + rope
+    q = torch.randn(T, H, C, generator=gen).to(device, dtype)
+    kv = torch.randn(S, C, generator=gen).to(device, dtype)
+    ext = torch.tensor(extend, dtype=torch.int64)
+    meta = [torch.tensor(prefix), ext, torch.cumsum(ext, 0) - ext]
+    return (q, kv, req_to_token.to(device), rows.to(device), *(m.to(device) for m in meta))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("page_size", [1, 3])
+def test_mla_extend_matches_ref(dtype: torch.dtype, page_size: int, poisoned_empty: None) -> None:
+    kv_lora, rope, H = 24, 8, 3
+    args = _extend_case(PREFIX, EXTEND, H, kv_lora, rope, page_size, dtype, DEVICE, seed=page_size)
+    q, kv, *meta = args
+    out = mla_extend(q, kv, *meta, kv_lora, 0.2)
+    ref = mla_extend_ref(q.float(), kv.float(), *meta, kv_lora, 0.2)
+    assert out.shape == (sum(EXTEND), H, kv_lora)
+    assert_close_to_ref(out, ref, dtype)
+
+
+def test_mla_extend_decode_case_equals_decode(poisoned_empty: None) -> None:
+    """Extend with one new token per request is a decode step: same numbers as mla_decode's ref."""
+    from r3trace.kernels.mla_decode import mla_decode_ref
+
+    case = _extend_case([4, 30, 0], [1, 1, 1], 4, 24, 8, 2, torch.float32, DEVICE, seed=3)
+    q, kv, r2t, rows, prefix, ext, loc = case
+    out = mla_extend(q, kv, r2t, rows, prefix, ext, loc, 24, 0.3)
+    ref = mla_decode_ref(q, kv, r2t, rows, prefix + ext, 24, 0.3)
+    assert_close_to_ref(out, ref, torch.float32)
+
+
+def _prefill_case(
+    extend: list[int], H: int, dqk: int, dv: int, dtype: torch.dtype, device: str, seed: int
+) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    T = sum(extend)
+    q, k = (torch.randn(T, H, dqk, generator=gen).to(device, dtype) for _ in range(2))
+    v = torch.randn(T, H, dv, generator=gen).to(device, dtype)
+    ext = torch.tensor(extend, dtype=torch.int64)
+    return q, k, v, (torch.cumsum(ext, 0) - ext).to(device), ext.to(device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(("dqk", "dv"), [(20, 12), (24, 40)])  # neither a power of two; Dv > Dqk too
+def test_mha_prefill_matches_ref(dtype: torch.dtype, dqk: int, dv: int, poisoned_empty: None) -> None:
+    extend = [7, 1, 70, 0, 3]  # 70 crosses the 64-row tile
+    q, k, v, loc, ext = _prefill_case(extend, 3, dqk, dv, dtype, DEVICE, seed=dqk)
+    out = mha_prefill(q, k, v, loc, ext, dqk**-0.5)
+    ref = mha_prefill_ref(q.float(), k.float(), v.float(), loc, ext, dqk**-0.5)
+    assert out.shape == (sum(extend), 3, dv)
+    assert_close_to_ref(out, ref, dtype)
+
+
+def test_extend_rejects_bad_arguments() -> None:
+    q, k, v, loc, ext = _prefill_case([3, 4], 2, 20, 12, torch.float32, DEVICE, seed=0)
+    with pytest.raises(KernelInputError, match="k shape"):
+        mha_prefill(q, k[:, :, :10], v, loc, ext, 0.2)
+    with pytest.raises(KernelInputError, match="differ in length"):
+        mha_prefill(q, k, v, loc[:1], ext, 0.2)
+    qa, kv, *meta = _extend_case([1], [2], 2, 24, 8, 1, torch.float32, DEVICE, seed=0)
+    with pytest.raises(KernelInputError, match="kv_lora_rank"):
+        mla_extend(qa, kv, *meta, 32, 0.2)
+
+
+@gpu
+@requires_gpu
+def test_mla_extend_deepseek_shape_gpu() -> None:
+    args = _extend_case([0, 100, 700], [300, 37, 129], 16, 512, 64, 64, torch.bfloat16, "cuda", seed=1)
+    q, kv, *meta = args
+    out = mla_extend(q, kv, *meta, 512, 576**-0.5)
+    ref = mla_extend_ref(q.float(), kv.float(), *meta, 512, 576**-0.5)
+    assert_close_to_ref(out, ref, torch.bfloat16)
+
+
+@gpu
+@requires_gpu
+def test_mha_prefill_deepseek_shape_gpu() -> None:
+    q, k, v, loc, ext = _prefill_case([1000, 1, 257], 16, 192, 128, torch.bfloat16, "cuda", seed=2)
+    out = mha_prefill(q, k, v, loc, ext, 192**-0.5)
+    ref = mha_prefill_ref(q.float(), k.float(), v.float(), loc, ext, 192**-0.5)
+    assert_close_to_ref(out, ref, torch.bfloat16)

@@ -1,0 +1,70 @@
+"""grouped_topk (Triton) against grouped_topk_ref (DeepSeek's gate in torch).
+
+Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest tests/kernels/test_topk.py -q   (CPU)
+     python -m pytest tests/kernels/test_topk.py -q                                (GPU)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from r3trace.kernels.contract import KernelInputError
+from r3trace.kernels.topk import grouped_topk, grouped_topk_ref
+
+from tests.kernels.conftest import DEVICE, gpu, requires_gpu, requires_triton
+
+pytestmark = requires_triton
+
+# (E, K, scoring, method, n_group, topk_group, norm, scale, bias)
+CONFIGS = [
+    (256, 8, "sigmoid", "noaux_tc", 8, 4, True, 2.5, True),  # DeepSeek-V3
+    (160, 6, "softmax", "group_limited_greedy", 8, 3, False, 16.0, False),  # DeepSeek-V2
+    (64, 6, "softmax", "greedy", 1, 1, False, 1.0, False),  # DeepSeek-V2-Lite
+    (12, 3, "softmax", "group_limited_greedy", 3, 2, True, 1.0, False),  # odd: 3 groups of 4
+    (12, 4, "sigmoid", "noaux_tc", 3, 2, True, 1.5, True),
+    (20, 2, "sigmoid", "noaux_tc", 5, 1, False, 1.0, False),  # noaux_tc without a bias
+    (7, 7, "softmax", "greedy", 1, 1, True, 1.0, False),  # K = E
+]
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"E{c[0]}-K{c[1]}-{c[3]}-g{c[4]}")
+@pytest.mark.parametrize("T", [1, 37])
+def test_grouped_topk_matches_ref(cfg: tuple, T: int, poisoned_empty: None) -> None:
+    E, K, scoring, method, n_group, topk_group, norm, scale, with_bias = cfg
+    gen = torch.Generator().manual_seed(T * 1000 + E)
+    logits = torch.randn(T, E, generator=gen).to(DEVICE) * 3  # spread: softmax far from uniform
+    bias = (torch.randn(E, generator=gen) * 0.1).to(DEVICE) if with_bias else None
+    args = (bias, K, scoring, method, n_group, topk_group, norm, scale)
+    weights, ids = grouped_topk(logits, *args)
+    ref_weights, ref_ids = grouped_topk_ref(logits, *args)
+    assert ids.dtype == torch.int32 and weights.dtype == torch.float32
+    assert torch.equal(ids, ref_ids), "expert ids (and their gate-rank order) must match exactly"
+    # fp32 throughout; the kernel's softmax sums in another order: a few fp32 ulps of weights <= scale
+    torch.testing.assert_close(weights, ref_weights, atol=1e-6 * scale, rtol=1e-5)
+
+
+def test_grouped_topk_rejects_bad_arguments() -> None:
+    logits = torch.randn(4, 12, device=DEVICE)
+    bias = torch.zeros(12, device=DEVICE)
+    with pytest.raises(KernelInputError, match="correction_bias"):
+        grouped_topk(logits, bias, 2, "sigmoid", "greedy", 1, 1, False, 1.0)
+    with pytest.raises(KernelInputError, match="exceeds"):
+        grouped_topk(logits, None, 5, "softmax", "group_limited_greedy", 3, 1, False, 1.0)
+    with pytest.raises(KernelInputError, match="divisible"):
+        grouped_topk(logits, None, 2, "softmax", "group_limited_greedy", 5, 1, False, 1.0)
+    with pytest.raises(KernelInputError, match="dtype"):
+        grouped_topk(logits.half(), None, 2, "softmax", "greedy", 1, 1, False, 1.0)
+
+
+@gpu
+@requires_gpu
+def test_grouped_topk_v3_many_tokens_gpu() -> None:
+    """DeepSeek-V3 routing at prefill size: 4099 tokens crosses many programs and a ragged last one."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(4099, 256, generator=gen).cuda()
+    bias = (torch.randn(256, generator=gen) * 0.1).cuda()
+    args = (bias, 8, "sigmoid", "noaux_tc", 8, 4, True, 2.5)
+    weights, ids = grouped_topk(logits, *args)
+    ref_weights, ref_ids = grouped_topk_ref(logits, *args)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_weights, atol=2.5e-6, rtol=1e-5)
