@@ -1,0 +1,167 @@
+"""TraceStore: one or more dataset folders as DuckDB views on an explicit connection.
+
+Views (one row per ...):
+  routes    (run_id, request_id, token_pos, MoE layer): the Parquet rows as written
+  tokens    (run_id, request_id, token_pos, forward_id): routes at the run's first MoE layer
+  requests  (run_id, request_id): tag (domain), token counts, finish reason
+  runs      (run_id): the manifest fields, moe_layer_ids as a list, engine/parallel as JSON text
+  rollups   (run_id, window_start, layer_id, expert_id, phase): count
+
+Only files listed in manifests are read, so a live writer's open file is never visible. Read-only
+mode is for untrusted SQL: statements other than SELECT are refused before they run, DuckDB's external
+access is switched off except for the store folders, and the configuration (memory, threads) is locked.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import polars as pl
+import pyarrow as pa
+
+from r3trace.trace.reader import RunFiles, open_dataset
+from r3trace.trace.schema import REQUEST_SCHEMA, ROLLUP_SCHEMA, route_schema
+
+
+class StoreQueryError(PermissionError):
+    """A statement the read-only store refuses; the message names the statement type."""
+
+
+@dataclass(frozen=True)
+class ReadOnlyLimits:
+    """Limits for untrusted SQL; 2 threads and 2 GB fit the 2-core, 23 GB analysis machine."""
+
+    memory_limit: str = "2GB"
+    threads: int = 2
+    max_temp_directory_size: str = "0B"  # no spilling: a spill file would be a write outside the store
+
+
+def query_frame(
+    con: duckdb.DuckDBPyConnection, sql: str, params: Sequence[Any] | None = None
+) -> pl.DataFrame:
+    """Runs `sql` with `?` parameters on a fresh cursor of `con`; the whole result as a DataFrame."""
+    cur = con.cursor()
+    try:
+        rel = cur.sql(sql, params=list(params or []))
+        out = pl.from_arrow(rel.to_arrow_table()) if rel is not None else pl.DataFrame()
+    finally:
+        cur.close()
+    assert isinstance(out, pl.DataFrame)  # from_arrow of a Table is always a DataFrame
+    return out
+
+
+def _sql_list(paths: Sequence[Path]) -> str:
+    return "[" + ", ".join("'" + str(p).replace("'", "''") + "'" for p in paths) + "]"
+
+
+def _empty_select(schema: pa.Schema) -> str:
+    duck = {"dictionary<values=string, indices=int32, ordered=0>": "VARCHAR", "string": "VARCHAR",
+            "int16": "SMALLINT", "int32": "INTEGER", "int64": "BIGINT", "timestamp[ns]": "TIMESTAMP_NS"}
+    cols = []
+    for f in schema:
+        t = duck.get(str(f.type), "INTEGER[]")
+        cols.append(f"NULL::{t} AS {f.name}")
+    return "SELECT " + ", ".join(cols) + " WHERE false"
+
+
+class TraceStore:
+    """Views over the runs found under `paths` (dataset folders or run folders) on `self.con`."""
+
+    def __init__(
+        self,
+        paths: str | Path | Sequence[str | Path],
+        *,
+        read_only: bool = False,
+        limits: ReadOnlyLimits = ReadOnlyLimits(),
+        con: duckdb.DuckDBPyConnection | None = None,
+    ) -> None:
+        self.paths = [Path(p).resolve() for p in ([paths] if isinstance(paths, (str, Path)) else paths)]
+        self.runs: list[RunFiles] = open_dataset(self.paths)
+        self.read_only = read_only
+        self.con = con if con is not None else duckdb.connect()
+        self.con.execute("SET enable_progress_bar = false")
+        self._create_views()
+        if read_only:
+            self._lock(limits)
+
+    def run(self, run_id: str) -> RunFiles:
+        for r in self.runs:
+            if r.manifest.run_id == run_id:
+                return r
+        known = [r.manifest.run_id for r in self.runs]
+        raise KeyError(f"run_id={run_id!r} not in store {self.paths}; runs: {known}")
+
+    def _create_views(self) -> None:
+        c = self.con
+        routes = [p for r in self.runs for p in r.route_files]
+        rollups = [p for r in self.runs for p in r.rollup_files]
+        requests = [p for r in self.runs for p in r.request_files]
+        k = max((r.manifest.top_k for r in self.runs), default=8)
+
+        def source(files: list[Path], schema: pa.Schema) -> str:
+            if not files:
+                return _empty_select(schema)
+            opts = "hive_partitioning=false, union_by_name=true"
+            return f"SELECT * FROM read_parquet({_sql_list(files)}, {opts})"
+
+        c.execute(f"CREATE OR REPLACE VIEW routes AS {source(routes, route_schema(k, False))}")
+        c.execute(f"CREATE OR REPLACE VIEW rollups AS {source(rollups, ROLLUP_SCHEMA)}")
+        c.execute(f"CREATE OR REPLACE VIEW requests AS {source(requests, REQUEST_SCHEMA)}")
+        rows = []
+        for r in self.runs:
+            d = asdict(r.manifest)
+            d.pop("files")
+            d["engine"], d["parallel"] = json.dumps(d["engine"]), json.dumps(d["parallel"])
+            d["moe_layer_ids"] = list(d["moe_layer_ids"])
+            d["first_moe_layer"] = d["moe_layer_ids"][0]
+            d["file_count"] = r.manifest.file_count
+            d["run_dir"] = str(r.run_dir)
+            rows.append(d)
+        runs_table = pa.Table.from_pylist(rows) if rows else pa.table({"run_id": pa.array([], pa.string())})
+        # materialised, not a view of a Python object: replacement scans stop working once locked down
+        c.register("_runs_arrow", runs_table)
+        c.execute("CREATE OR REPLACE TABLE runs AS SELECT * FROM _runs_arrow")
+        c.unregister("_runs_arrow")
+        if rows:
+            c.execute(
+                "CREATE OR REPLACE VIEW tokens AS SELECT r.run_id, r.request_id, r.token_pos, r.phase,"
+                " r.source, r.forward_id, r.ts, r.dp_rank FROM routes r JOIN runs USING (run_id)"
+                " WHERE r.layer_id = runs.first_moe_layer"
+            )
+        else:
+            c.execute("CREATE OR REPLACE VIEW tokens AS SELECT * EXCLUDE (layer_id, topk_ids) FROM routes")
+
+    def _lock(self, limits: ReadOnlyLimits) -> None:
+        c = self.con
+        allowed = [str(p) + "/" for p in self.paths]
+        c.execute(f"SET allowed_directories = {_sql_list([Path(a) for a in allowed])}")
+        c.execute("SET autoinstall_known_extensions = false")
+        c.execute("SET autoload_known_extensions = false")
+        c.execute(f"SET memory_limit = '{limits.memory_limit}'")
+        c.execute(f"SET threads = {int(limits.threads)}")
+        c.execute(f"SET max_temp_directory_size = '{limits.max_temp_directory_size}'")
+        c.execute("SET enable_external_access = false")
+        c.execute("SET lock_configuration = true")
+
+    def check_statement(self, sql: str) -> None:
+        """Raises StoreQueryError unless every statement is a SELECT (read-only mode only)."""
+        if not self.read_only:
+            return
+        for st in self.con.extract_statements(sql):
+            if st.type != duckdb.StatementType.SELECT:
+                msg = f"statement type {st.type.name} refused: the read-only store runs SELECT only"
+                raise StoreQueryError(msg)
+
+    def query(self, sql: str, params: Sequence[Any] | None = None) -> pl.DataFrame:
+        """Runs `sql` with `?` parameters on a fresh cursor; returns its result [rows x columns]."""
+        self.check_statement(sql)
+        return query_frame(self.con, sql, params)
+
+    def cursor(self) -> duckdb.DuckDBPyConnection:
+        """A cursor for one thread (DuckDB connections are not shared across threads)."""
+        return self.con.cursor()
