@@ -1,0 +1,158 @@
+"""create_app: the FastAPI application over an engine. One request's path: BodyLimit (size, before
+parsing) -> pydantic model (types, unknown fields) -> GenerateService (worker thread -> Engine.generate,
+which checks values against the model) -> JSON, or server-sent events for a stream.
+
+Endpoints: POST /generate (SGLang), /v1/completions, /v1/chat/completions, /v1/models (OpenAI),
+GET /health, /get_model_info, /metrics (Prometheus), POST /start_trace, /stop_trace.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.responses import PlainTextResponse, StreamingResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .body_limit import BodyLimit
+from .config import ServerConfig
+from .errors import ERROR_RESPONSES, ApiError, install_handlers
+from .metrics import ServerMetrics
+from .openai_api import SSE_DONE, build_router, sse
+from .protocol import GenerateRequest, GenerateResponse, Health, StartTraceRequest, TraceStatus
+from .service import GenerateEngine, GenerateService
+
+_COUNTED = frozenset({"/generate", "/v1/completions", "/v1/chat/completions", "/health", "/metrics",
+                      "/start_trace", "/stop_trace", "/v1/models", "/get_model_info"})
+
+
+class RequestCounter:
+    """ASGI middleware: counts answered requests by (endpoint, status) into ServerMetrics."""
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"] if scope["path"] in _COUNTED else "other"
+
+        async def counting_send(msg: Message) -> None:
+            if msg["type"] == "http.response.start":
+                self.metrics.request_done(path, int(msg["status"]))
+            await send(msg)
+
+        await self.app(scope, receive, counting_send)
+
+
+def generate_kwargs(req: GenerateRequest) -> dict[str, Any]:
+    """GenerateRequest -> Engine.generate keywords (SGLang's `text` is the engine's `prompt`)."""
+    sp = req.sampling_params
+    kw: dict[str, Any] = {
+        "prompt": req.text, "input_ids": req.input_ids,
+        "sampling_params": [s.to_engine() for s in sp] if isinstance(sp, list) else (sp and sp.to_engine()),
+        "return_logprob": req.return_logprob, "logprob_start_len": req.logprob_start_len,
+        "top_logprobs_num": req.top_logprobs_num,
+    }
+    if req.rid is not None:
+        kw["rid"] = req.rid
+    if req.return_routed_experts:
+        kw["return_routed_experts"] = True
+        kw["routed_experts_start_len"] = req.routed_experts_start_len
+    elif req.routed_experts_start_len:
+        raise ApiError(400, f"routed_experts_start_len: {req.routed_experts_start_len} given without "
+                            "return_routed_experts=true", "routed_experts_start_len")
+    if req.routed_experts is not None:
+        kw["routed_experts"] = req.routed_experts
+    return kw
+
+
+def _trace_path(root: Path, trace_dir: str) -> Path:
+    root = root.resolve()
+    path = (root / trace_dir).resolve()
+    if path != root and root not in path.parents:
+        raise ApiError(400, f"trace_dir: {trace_dir!r} resolves outside the trace root {root}", "trace_dir")
+    return path
+
+
+def _jsonable(x: Any) -> Any:
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return dataclasses.asdict(x)
+    if isinstance(x, (str, int, float, bool, dict, list)) or x is None:
+        return x
+    return repr(x)
+
+
+def create_app(engine: GenerateEngine, config: ServerConfig | None = None) -> FastAPI:
+    config = config or ServerConfig()
+    metrics = ServerMetrics(config.model_name)
+    service = GenerateService(engine, metrics, config.max_concurrency)
+    app = FastAPI(title="r3trace", version="0.1.0",
+                  description="SGLang- and OpenAI-compatible generation with routed-expert capture.")
+    install_handlers(app)
+    state: dict[str, Any] = {"trace_dir": None}
+
+    @app.post("/generate", response_model=GenerateResponse | list[GenerateResponse],
+              response_model_exclude_unset=True, responses={
+        **ERROR_RESPONSES,
+        200: {"content": {"text/event-stream": {}},
+              "description": "JSON result(s), or with stream=true SSE chunks then [DONE]"}})
+    async def generate(req: GenerateRequest) -> Any:
+        kw = generate_kwargs(req)
+        if not req.stream:
+            return await service.generate(kw)
+        chunks = await service.open_stream(kw)
+
+        async def events() -> AsyncIterator[bytes]:
+            async for chunk in chunks:
+                yield sse(chunk)
+            yield SSE_DONE
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.get("/health", response_model=Health)
+    async def health() -> Health:
+        return Health(model=config.model_name, in_flight=metrics.in_flight)
+
+    @app.get("/get_model_info")
+    async def model_info() -> dict[str, Any]:
+        return {"model_path": config.model_name, "is_generation": True}
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def prometheus() -> PlainTextResponse:
+        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.post("/start_trace", response_model=TraceStatus, responses=ERROR_RESPONSES)
+    async def start_trace(req: StartTraceRequest) -> TraceStatus:
+        fn = getattr(engine, "start_trace", None)
+        if fn is None:
+            raise ApiError(501, "start_trace: this engine cannot record traces")
+        if state["trace_dir"] is not None:
+            busy = state["trace_dir"]
+            raise ApiError(409, f"trace_dir: already tracing into {busy}; stop it first", "trace_dir")
+        path = _trace_path(config.trace_root, req.trace_dir)
+        result = await service.call(fn, str(path))
+        state["trace_dir"] = str(path)
+        return TraceStatus(tracing=True, trace_dir=str(path), detail={"result": _jsonable(result)})
+
+    @app.post("/stop_trace", response_model=TraceStatus, responses=ERROR_RESPONSES)
+    async def stop_trace() -> TraceStatus:
+        fn = getattr(engine, "stop_trace", None)
+        if fn is None:
+            raise ApiError(501, "stop_trace: this engine cannot record traces")
+        if state["trace_dir"] is None:
+            raise ApiError(409, "stop_trace: no trace is being recorded; POST /start_trace first")
+        result = await service.call(fn)
+        path, state["trace_dir"] = state["trace_dir"], None
+        return TraceStatus(tracing=False, trace_dir=path, detail={"result": _jsonable(result)})
+
+    app.include_router(build_router(service, config.model_name, config.chat_template))
+    app.add_middleware(RequestCounter, metrics=metrics)
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)  # outermost: runs before anything parses
+    app.state.metrics = metrics
+    app.state.service = service
+    return app

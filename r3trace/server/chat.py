@@ -1,0 +1,37 @@
+"""Chat messages -> one prompt string, through the checkpoint's jinja chat template when it has one.
+
+The template runs in jinja's immutable sandbox: it comes from a model folder, not from us.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .protocol import ChatMessage
+
+FALLBACK_TEMPLATE = (
+    "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+def load_chat_template(model_dir: str | Path) -> str | None:
+    """The `chat_template` of tokenizer_config.json (a string, or the "default" one of a list), else None."""
+    path = Path(model_dir) / "tokenizer_config.json"
+    if not path.is_file():
+        return None
+    tpl = json.loads(path.read_text()).get("chat_template")
+    if isinstance(tpl, list):
+        by_name = {t.get("name"): t.get("template") for t in tpl if isinstance(t, dict)}
+        tpl = by_name.get("default")
+    return tpl if isinstance(tpl, str) else None
+
+
+def render_chat(messages: list[ChatMessage], template: str | None) -> str:
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    tpl = env.from_string(template or FALLBACK_TEMPLATE)
+    msgs = [m.model_dump(exclude_none=True) for m in messages]
+    return tpl.render(messages=msgs, add_generation_prompt=True, bos_token="", eos_token="")

@@ -1,0 +1,31 @@
+"""ServerConfig: every server option, frozen and checked once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024  # 8 MiB: a 32k-token prompt as JSON ids is ~200 KB
+
+
+class ServerConfigError(ValueError):
+    """A server option is out of range; the message names the option, the value and the limit."""
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model_name: str = "r3trace"
+    host: str = "127.0.0.1"  # loopback unless told otherwise: the API has no authentication
+    port: int = 30000  # SGLang's default port, so existing clients need no change
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_concurrency: int = 256  # worker threads waiting on the engine at once
+    trace_root: Path = Path("traces")  # /start_trace writes only below this folder
+    chat_template: str | None = None  # jinja source; None: the fallback "role: content" template
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ServerConfigError(f"port={self.port} must be in 0..65535")
+        if self.max_body_bytes < 1024:
+            raise ServerConfigError(f"max_body_bytes={self.max_body_bytes} must be >= 1024")
+        if self.max_concurrency < 1:
+            raise ServerConfigError(f"max_concurrency={self.max_concurrency} must be >= 1")

@@ -1,0 +1,70 @@
+"""ServerMetrics: counters and gauges rendered in Prometheus' text exposition format (version 0.0.4).
+
+Thread-safe: handlers update them from the event loop and from worker threads. Kept in-process (no
+prometheus_client dependency) because the server exposes seven series.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+
+
+class ServerMetrics:
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self._lock = threading.Lock()
+        self.requests: Counter[tuple[str, int]] = Counter()  # (endpoint, status) -> count
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.capture_bytes = 0  # decoded bytes of route payloads returned (int32 ids)
+        self.capture_rows = 0
+        self.in_flight = 0  # accepted by the server, not finished: the queue in front of the engine
+
+    def request_done(self, endpoint: str, status: int) -> None:
+        with self._lock:
+            self.requests[(endpoint, status)] += 1
+
+    def add_tokens(self, prompt: int, completion: int) -> None:
+        with self._lock:
+            self.prompt_tokens += prompt
+            self.completion_tokens += completion
+
+    def add_capture(self, payload_b64: str, rows: int) -> None:
+        """payload: base64 text; 4 characters carry 3 bytes (padding subtracted)."""
+        raw = len(payload_b64) * 3 // 4 - payload_b64[-2:].count("=")
+        with self._lock:
+            self.capture_bytes += raw
+            self.capture_rows += rows
+
+    def enter(self) -> None:
+        with self._lock:
+            self.in_flight += 1
+
+    def leave(self) -> None:
+        with self._lock:
+            self.in_flight -= 1
+
+    def render(self) -> str:
+        m = f'model="{self.model}"'
+        with self._lock:
+            lines = [
+                "# HELP r3trace_requests_total HTTP requests answered, by endpoint and status code.",
+                "# TYPE r3trace_requests_total counter",
+            ]
+            for (endpoint, status), n in sorted(self.requests.items()):
+                lines.append(f'r3trace_requests_total{{{m},endpoint="{endpoint}",status="{status}"}} {n}')
+            series = [
+                ("prompt_tokens_total", "counter", "Prompt tokens of finished requests.", self.prompt_tokens),
+                ("completion_tokens_total", "counter", "Generated tokens of finished requests.",
+                 self.completion_tokens),
+                ("capture_bytes_total", "counter", "Bytes of routed-expert ids returned (decoded int32).",
+                 self.capture_bytes),
+                ("capture_rows_total", "counter", "Token rows of routes returned.", self.capture_rows),
+                ("queue_depth", "gauge", "Requests accepted and not finished (waiting or running).",
+                 self.in_flight),
+            ]
+        for name, kind, help_text, value in series:
+            lines += [f"# HELP r3trace_{name} {help_text}", f"# TYPE r3trace_{name} {kind}",
+                      f"r3trace_{name}{{{m}}} {value}"]
+        return "\n".join(lines) + "\n"

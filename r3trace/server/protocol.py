@@ -1,0 +1,208 @@
+"""Request and response bodies of the HTTP server, as pydantic models (they are the OpenAPI spec).
+
+Requests forbid unknown fields and coerce nothing (`strict=True`): `"return_routed_experts": "yes"`
+or `"max_tokens": "8"` is a 400 naming the field, not a silent guess. Value ranges that depend on the
+model (vocabulary, context length, start_len <= prompt length) are checked by the engine, which names
+the field too. Shapes follow SGLang's /generate and the OpenAI completions API.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+_STRICT = ConfigDict(extra="forbid", strict=True)
+
+
+class SamplingParamsBody(BaseModel):
+    """SGLang's sampling_params, the subset the engine implements (engine SamplingParams, same names)."""
+
+    model_config = _STRICT
+    max_new_tokens: int | None = Field(default=None, ge=0)
+    temperature: float | None = Field(default=None, ge=0)
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = Field(default=None, ge=0)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+
+    def to_engine(self) -> dict[str, Any]:
+        return self.model_dump(exclude_none=True)
+
+
+class GenerateRequest(BaseModel):
+    """POST /generate. Exactly one of `text` / `input_ids`; a list of prompts is a batch."""
+
+    model_config = _STRICT
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: SamplingParamsBody | list[SamplingParamsBody] | None = None
+    rid: str | list[str] | None = None
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = Field(default=0, ge=0)
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = Field(default=0, ge=0)
+    routed_experts: str | None = Field(
+        default=None, description="routing replay: base64 int32 [rows, num_hidden_layers, K] to force"
+    )
+    stream: bool = False
+
+
+class MetaInfo(BaseModel):
+    """meta_info of a result or a stream chunk; route fields present when return_routed_experts was set."""
+
+    model_config = ConfigDict(extra="allow")
+    id: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    finish_reason: dict[str, Any] | None = None
+    routed_experts: str | None = Field(default=None, description="base64 of little-endian int32 [rows, L, K]")
+    routed_experts_shape: list[int] | None = None
+    routed_experts_dtype: str | None = None
+    moe_layer_ids: list[int] | None = None
+
+
+class GenerateResponse(BaseModel):
+    """One result (or one stream chunk: `text` and `output_ids` are then what the step added)."""
+
+    model_config = ConfigDict(extra="allow")
+    text: str
+    output_ids: list[int]
+    meta_info: MetaInfo
+    error: str | None = None
+
+
+class ErrorDetail(BaseModel):
+    message: str = Field(description="names the field, the value and the limit")
+    type: str
+    param: str | None = Field(default=None, description="the offending field, dotted (sampling_params.top_p)")
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    """Every 4xx/5xx body: OpenAI's error envelope (SGLang's /generate errors also sit under `error`)."""
+
+    error: ErrorDetail
+
+
+class RouteFlags(BaseModel):
+    """Extension fields the OpenAI endpoints accept, as SGLang does."""
+
+    model_config = _STRICT
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = Field(default=0, ge=0)
+    top_k: int | None = None
+    seed: int | None = Field(default=None, ge=0)
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+
+
+class CompletionRequest(RouteFlags):
+    """POST /v1/completions (n=1 only; logprobs and echo are not implemented and so refused)."""
+
+    model: str | None = None
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(default=16, ge=0)
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    n: Literal[1] = 1
+    stream: bool = False
+    user: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = _STRICT
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str
+    name: str | None = None
+
+
+class ChatCompletionRequest(RouteFlags):
+    """POST /v1/chat/completions; the prompt is the model's chat template applied to `messages`."""
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=0)
+    max_completion_tokens: int | None = Field(default=None, ge=0)
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    n: Literal[1] = 1
+    stream: bool = False
+    user: str | None = None
+
+
+class SglExt(BaseModel):
+    """SGLang's extension block on a choice: the routes of that choice's tokens."""
+
+    model_config = ConfigDict(extra="allow")
+    routed_experts: str | None = None
+    routed_experts_shape: list[int] | None = None
+    routed_experts_dtype: str | None = None
+    moe_layer_ids: list[int] | None = None
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: None = None
+    sgl_ext: SglExt | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatCompletionChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    finish_reason: str | None
+    sgl_ext: SglExt | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: Usage
+
+
+class StartTraceRequest(BaseModel):
+    model_config = _STRICT
+    trace_dir: str = Field(description="folder under the server's --trace-root (relative or absolute)")
+
+
+class TraceStatus(BaseModel):
+    tracing: bool
+    trace_dir: str | None = None
+    detail: dict[str, Any] | None = None
+
+
+class Health(BaseModel):
+    status: Literal["ok"] = "ok"
+    model: str
+    in_flight: int
