@@ -1,0 +1,286 @@
+"""Kernel benchmarks on one GPU: MLA decode, fused MoE, grouped top-k, each against its ceilings and a
+torch baseline measured in the same run. Prints a table per section and writes JSON (and a Markdown
+table) under $OUT (or ./out).
+
+Run (GPU): PYTHONPATH=.. python bench/kernels.py [--quick] [--only decode,moe,topk]
+Numbers and what they mean: BENCHMARKS.md, "## Kernels (H200)"; each run's notes: bench/NOTES.md.
+
+Timing: triton.testing.do_bench medians (CUDA events) after warm-up. Inputs that would fit in the 60 MB
+L2 are rotated among copies (or routes) so each call reads HBM, as serving does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from functools import partial
+from pathlib import Path
+
+import torch
+from r3trace.kernels.fused_moe import MoeConfig, fused_moe, fused_moe_ref, moe_config
+from r3trace.kernels.mla_decode import choose_num_kv_splits, mla_decode
+from r3trace.kernels.topk import grouped_topk, grouped_topk_ref
+from triton.testing import do_bench
+
+L2_BYTES = 60 * 2**20
+OUT = Path(os.environ.get("OUT", "out"))
+RESULTS: dict[str, object] = {}
+
+
+def ms(fn: Callable[[], object], rep: int = 100) -> float:
+    return float(do_bench(fn, warmup=25, rep=rep, return_mode="median"))
+
+
+def ms_graph(fns: Sequence[Callable[[], object]], rep: int = 100) -> float:
+    """Time CUDA-graph replays (launch gaps removed), round-robin over one graph per input set."""
+    graphs = []
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for fn in fns:
+            fn()  # warm: compile outside capture
+    torch.cuda.synchronize()
+    for fn in fns:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        graphs.append(g)
+    i = [0]
+
+    def replay() -> None:
+        graphs[i[0] % len(graphs)].replay()
+        i[0] += 1
+
+    return ms(replay, rep)
+
+
+def rotating(fns: Sequence[Callable[[], object]]) -> Callable[[], object]:
+    i = [0]
+
+    def call() -> object:
+        i[0] += 1
+        return fns[i[0] % len(fns)]()
+
+    return call
+
+
+def save() -> None:
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "kernels.json").write_text(json.dumps(RESULTS, indent=1))
+
+
+def ceilings() -> tuple[float, float]:
+    src = torch.randn(2**28, device="cuda")  # 1 GiB fp32
+    dst = torch.empty_like(src)
+    copy_gbs = 2 * src.numel() * 4 / ms(partial(dst.copy_, src)) / 1e6
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    gemm_tflops = 2 * 8192**3 / ms(partial(torch.matmul, a, b)) / 1e9
+    RESULTS["ceilings"] = {"copy_GBps": copy_gbs, "gemm_bf16_TFLOPs": gemm_tflops,
+                           "device": torch.cuda.get_device_name(), "torch": torch.__version__}  # fmt: skip
+    print(f"ceilings: device copy {copy_gbs:.0f} GB/s bf16 GEMM 8192^3 {gemm_tflops:.0f} TFLOP/s")
+    del src, dst, a, b
+    return copy_gbs, gemm_tflops
+
+
+# ---------------------------------------------------------------- MLA decode
+KV_LORA, ROPE, PAGE = 512, 64, 64
+
+
+def _decode_inputs(B: int, L: int, H: int) -> tuple[torch.Tensor, ...]:
+    pages = B * L // PAGE
+    perm = torch.randperm(pages, device="cuda")  # shuffled pages: no request is contiguous in memory
+    slots = (perm[:, None] * PAGE + torch.arange(PAGE, device="cuda")).reshape(B, L).to(torch.int32)
+    kv = torch.randn(pages * PAGE, KV_LORA + ROPE, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(B, H, KV_LORA + ROPE, device="cuda", dtype=torch.bfloat16)
+    rows = torch.arange(B, device="cuda")
+    lens = torch.full((B,), L, device="cuda", dtype=torch.int64)
+    return q, kv, slots, rows, lens
+
+
+def _naive_decode(q: torch.Tensor, kv: torch.Tensor, r2t: torch.Tensor, scale: float) -> torch.Tensor:
+    latent = kv[r2t.long()]  # [B, L, C] gathered
+    scores = torch.einsum("bhc,blc->bhl", q, latent).float() * scale
+    return torch.einsum("bhl,blc->bhc", scores.softmax(-1).to(q.dtype), latent[..., :KV_LORA])
+
+
+# (block_h, block_n, num_warps, num_stages)
+DECODE_TILES = [(16, 32, 4, 2), (16, 64, 4, 2), (32, 32, 8, 2), (64, 32, 8, 2), (64, 16, 4, 2),
+                (32, 16, 4, 3)]  # fmt: skip
+
+
+def bench_decode(copy_gbs: float, gemm_tflops: float, quick: bool) -> None:
+    scale = (KV_LORA + ROPE) ** -0.5
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    best: dict[int, tuple[int, int, int, int]] = {}
+    sweep = {}
+    for H in (16, 128):  # pick the tile per H at one mid shape, then use it for the whole table
+        q, kv, r2t, rows, lens = _decode_inputs(64, 8192, H)
+        times = {}
+        for bh, bn, w, s in DECODE_TILES if H == 128 else [t for t in DECODE_TILES if t[0] == 16]:
+            try:
+                fn = partial(mla_decode, q, kv, r2t, rows, lens, KV_LORA, scale,
+                             block_h=bh, block_n=bn, num_warps=w, num_stages=s)  # fmt: skip
+                times[(bh, bn, w, s)] = ms(fn)
+            except Exception as e:  # out of shared memory etc.: recorded, not fatal
+                print(f"  tile {(bh, bn, w, s)} failed: {type(e).__name__}: {str(e)[:120]}")
+        best[H] = min(times, key=lambda k: times[k])
+        sweep[H] = {str(k): v for k, v in times.items()}
+        swept = ", ".join(f"{k}: {v:.3f} ms" for k, v in times.items())
+        print(f"decode tile sweep H={H} (B=64, L=8k): {swept}")
+        del q, kv
+    RESULTS["decode_tile_sweep"] = {"best": {str(h): t for h, t in best.items()}, "ms": sweep}
+    rows_out = []
+    print(f"{'H':>4} {'B':>4} {'L':>6} {'splits':>6} {'triton ms':>10} {'GB/s':>7} {'%copy':>6} "
+          f"{'TFLOP/s':>8} "
+          f"{'%gemm':>6} {'naive ms':>9} {'speedup':>7}")  # fmt: skip
+    for H in (16, 128):
+        bh, bn, w, s = best[H]
+        for B in (16, 64, 256):
+            for L in (1024, 8192, 32768) if not quick else (8192,):
+                q, kv, r2t, rows, lens = _decode_inputs(B, L, H)
+                kv_bytes = kv.numel() * 2
+                copies = max(1, min(8, math.ceil(4 * L2_BYTES / kv_bytes)))
+                kvs = [kv] + [torch.randn_like(kv) for _ in range(copies - 1)]
+                tile = dict(block_h=bh, block_n=bn, num_warps=w, num_stages=s)
+                fns = [partial(mla_decode, q, kv_i, r2t, rows, lens, KV_LORA, scale, **tile) for kv_i in kvs]
+                out = fns[0]()
+                t = ms(rotating(fns))
+                naive = [partial(_naive_decode, q, kv_i, r2t, scale) for kv_i in kvs]
+                err = ((out.float() - naive[0]().float()).norm() / naive[0]().float().norm()).item()
+                tn = ms(rotating(naive), rep=50)
+                gbs = (kv_bytes + q.numel() * 2 + B * H * KV_LORA * 2) / t / 1e6
+                tflops = 2 * B * H * L * (KV_LORA + ROPE + KV_LORA) / t / 1e9
+                splits = choose_num_kv_splits(B, -(-H // bh), L, sms)
+                row = {"H": H, "B": B, "L": L, "splits": splits, "tile": [bh, bn, w, s], "ms": t,
+                       "GBps": gbs, "pct_copy": 100 * gbs / copy_gbs, "TFLOPs": tflops,
+                       "pct_gemm": 100 * tflops / gemm_tflops, "naive_ms": tn,
+                       "naive_GBps": kv_bytes / tn / 1e6,
+                       "speedup": tn / t, "rel_err_vs_naive": err}  # fmt: skip
+                rows_out.append(row)
+                print(f"{H:>4} {B:>4} {L:>6} {splits:>6} {t:>10.3f} {gbs:>7.0f} {row['pct_copy']:>5.0f}% "
+                      f"{tflops:>8.1f} {row['pct_gemm']:>5.1f}% {tn:>9.3f} {tn / t:>6.1f}x")  # fmt: skip
+                del q, kv, kvs, fns, naive
+                torch.cuda.empty_cache()
+                RESULTS["decode"] = rows_out
+                save()
+
+
+# ---------------------------------------------------------------- fused MoE
+D, K = 7168, 8
+MOE_SWEEP = [MoeConfig(16, 64, 128, 1, 4, 4), MoeConfig(16, 32, 128, 1, 4, 4),
+             MoeConfig(16, 128, 128, 1, 4, 3), MoeConfig(64, 128, 64, 8, 4, 4),
+             MoeConfig(128, 128, 64, 8, 8, 3), MoeConfig(128, 64, 64, 8, 4, 4),
+             MoeConfig(128, 256, 64, 8, 8, 3)]  # fmt: skip
+
+
+def _routes(T: int, E: int, sets: int) -> list[torch.Tensor]:
+    return [torch.rand(T, E, device="cuda").topk(K, dim=-1).indices.to(torch.int32) for _ in range(sets)]
+
+
+def bench_moe(copy_gbs: float, gemm_tflops: float, quick: bool) -> None:
+    rows_out = []
+    print(f"{'E':>4} {'I':>5} {'T':>6} {'cfg':>22} {'ms':>8} {'graph ms':>8} {'TFLOP/s':>8} {'%dense':>7} "
+          f"{'loop ms':>9} {'speedup':>7} {'touched-read ms':>15} {'x read':>7}")  # fmt: skip
+    for E, I in ((256, 256), (32, 2048)):
+        w13 = torch.randn(E, 2 * I, D, device="cuda", dtype=torch.bfloat16) / D**0.5
+        w2 = torch.randn(E, D, I, device="cuda", dtype=torch.bfloat16) / I**0.5
+        for T in (1, 16, 64, 256, 1024, 4096, 16384) if not quick else (1, 4096):
+            x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
+            sets = 8 if T <= 64 else 1  # small T: rotate routes so touched weights are not L2-resident
+            ids_sets = _routes(T, E, sets)
+            wts = torch.rand(T, K, device="cuda")
+            flops = 2 * T * K * 3 * I * D
+            cfgs = [moe_config(T * K, E)]
+            if T in (1, 4096, 16384):  # sweep tiles at a decode size and the two prefill sizes
+                cfgs += [c for c in MOE_SWEEP if c != cfgs[0] and (c.block_m == 16) == (T == 1)]
+            times = {}
+            for cfg in cfgs:
+                fns = [partial(fused_moe, x, w13, w2, ids, wts, config=cfg) for ids in ids_sets]
+                try:
+                    times[cfg] = ms(rotating(fns))
+                except Exception as e:
+                    print(f"  cfg {tuple(cfg)} failed: {type(e).__name__}: {str(e)[:120]}")
+            default_t = times[cfgs[0]]
+            cfg = min(times, key=lambda c: times[c])
+            t = times[cfg]
+            fns = [partial(fused_moe, x, w13, w2, ids, wts, config=cfg) for ids in ids_sets]
+            try:
+                tg = ms_graph(fns) if T <= 1024 else float("nan")
+            except Exception as e:  # capture failure is a finding, not a reason to lose the run
+                print(f"  graph capture failed: {type(e).__name__}: {str(e)[:160]}")
+                tg = float("nan")
+            out = fns[0]()
+            ref = fused_moe_ref(x, w13, w2, ids_sets[0], wts)
+            err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+            tl_ = ms(rotating([partial(fused_moe_ref, x, w13, w2, ids, wts) for ids in ids_sets]), rep=200)
+            dense_w = torch.randn(D, 3 * K * I, device="cuda", dtype=torch.bfloat16)
+            td = ms(partial(torch.matmul, x, dense_w))  # [T, D] @ [D, 3KI]: the same FLOPs as the MoE
+            del dense_w
+            touched = torch.unique(ids_sets[0]).numel()
+            read_ms = touched * 3 * I * D * 2 / copy_gbs / 1e6
+            best_t = min(t, tg) if not math.isnan(tg) else t
+            row = {"E": E, "I": I, "T": T, "cfg": list(cfg), "default_cfg_ms": default_t, "ms": t,
+                   "graph_ms": tg, "TFLOPs": flops / t / 1e9, "dense_ms": td,
+                   "dense_TFLOPs": flops / td / 1e9,
+                   "pct_dense": 100 * td / t, "loop_ms": tl_, "speedup_vs_loop": tl_ / t,
+                   "touched_experts": touched, "touched_read_ms": read_ms, "x_read": best_t / read_ms,
+                   "rel_err_vs_loop": err,
+                   "sweep_ms": {str(tuple(c)): v for c, v in times.items()}}  # fmt: skip
+            rows_out.append(row)
+            print(f"{E:>4} {I:>5} {T:>6} {str(tuple(cfg)):>22} {t:>8.3f} {tg:>8.3f} {row['TFLOPs']:>8.1f} "
+                  f"{row['pct_dense']:>6.0f}% {tl_:>9.3f} {tl_ / t:>6.1f}x {read_ms:>15.3f} "
+                  f"{row['x_read']:>6.2f}x")  # fmt: skip
+            RESULTS["moe"] = rows_out
+            save()
+        del w13, w2
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------- grouped top-k
+def bench_topk() -> None:
+    rows_out = []
+    args = (8, "sigmoid", "noaux_tc", 8, 4, True, 2.5)
+    bias = torch.randn(256, device="cuda") * 0.1
+    print(f"{'T':>6} {'triton ms':>10} {'torch ms':>9} {'speedup':>7}  (V3: E=256, 8 groups, 4 kept, K=8)")
+    for T in (1, 64, 1024, 16384):
+        logits = torch.randn(T, 256, device="cuda")
+        t = ms(partial(grouped_topk, logits, bias, *args))
+        tr = ms(partial(grouped_topk_ref, logits, bias, *args))
+        same = torch.equal(grouped_topk(logits, bias, *args)[1], grouped_topk_ref(logits, bias, *args)[1])
+        rows_out.append({"T": T, "ms": t, "torch_ms": tr, "speedup": tr / t, "ids_equal": same})
+        print(f"{T:>6} {t:>10.4f} {tr:>9.4f} {tr / t:>6.1f}x  ids equal: {same}")
+    RESULTS["topk"] = rows_out
+    save()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="one shape per section")
+    ap.add_argument("--only", default="decode,moe,topk")
+    a = ap.parse_args()
+    torch.manual_seed(0)
+    t0 = time.time()
+    copy_gbs, gemm_tflops = ceilings()
+    save()
+    sections: dict[str, Callable[[], None]] = {
+        "topk": bench_topk,
+        "decode": partial(bench_decode, copy_gbs, gemm_tflops, a.quick),
+        "moe": partial(bench_moe, copy_gbs, gemm_tflops, a.quick),
+    }
+    for name in a.only.split(","):
+        try:
+            sections[name]()
+        except Exception:  # one broken section must not cost the others' numbers (device time is scarce)
+            traceback.print_exc()
+            RESULTS[f"{name}_error"] = traceback.format_exc()[-2000:]
+            save()
+    print(f"bench wall time {time.time() - t0:.0f} s; JSON in {OUT / 'kernels.json'}")
+
+
+if __name__ == "__main__":
+    main()
