@@ -29,7 +29,7 @@ from r3trace.engine.request import InvalidRequestError, Req
 from r3trace.engine.request_builder import RequestBuilder, as_list
 from r3trace.engine.result import build_result, error_result
 from r3trace.engine.sampling import Sampler
-from r3trace.engine.scheduler import Scheduler
+from r3trace.engine.scheduler import RequestHooks, Scheduler
 from r3trace.engine.tokenizer import load_tokenizer
 from r3trace.engine.weights import load_weights
 
@@ -48,6 +48,7 @@ class Engine:
         device: str = "cpu",
         *,
         recorder: RouteRecorder | None = None,
+        hooks: RequestHooks | None = None,
         **options: Any,
     ) -> None:
         unknown = sorted(set(options) - _OPTIONS)
@@ -67,7 +68,7 @@ class Engine:
         self.cache = RadixCache(self.kv_pool) if cfg.enable_prefix_cache else None
         self.sampler = Sampler(device, cfg.seed)
         self.scheduler = Scheduler(cfg, self.kv_pool, req_pool, self.cache, self.tokenizer,
-                                   mc.eos_token_ids, self.max_context_len)
+                                   mc.eos_token_ids, self.max_context_len, hooks)
         self.runner = ModelRunner(self.model, self.kv_pool, req_pool, self.sampler, device)
         self._builder = RequestBuilder(mc.vocab_size, self.max_context_len, cfg.kv_pool_tokens,
                                        self.tokenizer)
@@ -129,9 +130,7 @@ class Engine:
             if req is not None:
                 results[i] = self._wait(sinks[req.rid])
         out = [r for r in results if r is not None]
-        if single and "error" in out[0]:
-            raise RuntimeError(out[0]["error"])
-        return out[0] if single else out
+        return out[0] if single else out  # a request that failed while running carries "error"
 
     def abort(self, rid: str) -> None:
         """Finish a waiting or running request with finish_reason abort; unknown ids are ignored."""

@@ -10,14 +10,17 @@ One step = one forward that mixes decode tokens and prefill chunks under a budge
      match, then a prefill chunk of what the budget and the free pages allow.
 `process` then appends the sampled tokens, applies the stop rules and frees the finished requests.
 
-Hook points for capture (all on the scheduler thread): `_finish` runs while the request still holds
-its KV; `_retract` before its KV is freed; `_release_kv` is where pages leave the request.
+Capture plugs in through `RequestHooks` (all called on the scheduler thread, KV still valid):
+on_admit after the prefix match, on_retract and on_finish before the request's KV is freed.
+`kv_slots(req)` gives the slots of its computed positions. A forward's end is the recorder's
+on_forward_end, which the model calls.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from r3trace.engine.engine_config import EngineConfig
@@ -56,6 +59,28 @@ class ReqOutput:
     input_tops: list[list[LogprobEntry]] | None = None
 
 
+class RequestHooks(Protocol):
+    def on_admit(self, req: Req) -> None:
+        """req.cached_len positions came from the prefix cache; req.kv_len == req.cached_len."""
+
+    def on_retract(self, req: Req) -> None:
+        """Before the KV is freed; req keeps outputs and extras and is re-prefilled later."""
+
+    def on_finish(self, req: Req) -> None:
+        """req.finish is set; before the KV is freed (or handed to the prefix cache)."""
+
+
+class NullHooks:
+    def on_admit(self, req: Req) -> None:
+        return None
+
+    def on_retract(self, req: Req) -> None:
+        return None
+
+    def on_finish(self, req: Req) -> None:
+        return None
+
+
 class Scheduler:
     def __init__(
         self,
@@ -66,6 +91,7 @@ class Scheduler:
         tokenizer: TextTokenizer,
         eos_token_ids: tuple[int, ...],
         max_context_len: int,
+        hooks: RequestHooks | None = None,
     ) -> None:
         self.config = config
         self.pool = pool
@@ -77,6 +103,8 @@ class Scheduler:
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []  # admission order: the last one is the newest
         self._updates: list[Req] = []  # requests with news since the last take_updates()
+        self.hooks: RequestHooks = hooks or NullHooks()
+        self.num_retractions = 0  # over the scheduler's life: tests check preemption really happened
 
     # ------------------------------------------------------------------ queue
     def add(self, req: Req) -> None:
@@ -179,6 +207,7 @@ class Scheduler:
             self._release_kv(req, cache_it=False)
             return None
         req.cached_tokens += req.cached_len
+        self.hooks.on_admit(req)
         return slots
 
     def _grow(self, req: Req, want: int) -> torch.Tensor | None:
@@ -253,6 +282,7 @@ class Scheduler:
     def _finish(self, req: Req, reason: FinishReason) -> None:
         """The request is done; its KV (pages, pool_row) is still valid here, freed below."""
         req.finish = reason
+        self.hooks.on_finish(req)
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
@@ -264,9 +294,11 @@ class Scheduler:
     def _retract(self, req: Req) -> None:
         """Out of KV: drop req's KV, keep its outputs, re-queue it at the front (it is older than the
         waiting ones). Its KV is still valid on entry."""
+        self.hooks.on_retract(req)
         self.running.remove(req)
         self._release_kv(req, cache_it=False)
         req.num_retractions += 1
+        self.num_retractions += 1
         self.waiting.appendleft(req)
 
     def _release_kv(self, req: Req, cache_it: bool) -> None:
@@ -285,6 +317,10 @@ class Scheduler:
             self.cache.unlock(req.cache_node)
         self.req_pool.free(req.pool_row)
         req.reset_kv()
+
+    def kv_slots(self, req: Req) -> torch.Tensor:
+        """[kv_len] int64 host: the KV slot of each computed position of a running request."""
+        return self.pool.slots(req.pages, 0, req.kv_len)
 
     def _pool_full_message(self, req: Req) -> str:
         return (

@@ -1,0 +1,73 @@
+"""KVPool page allocation and the radix prefix cache, without a model.
+
+Run: .venv/bin/python -m pytest -q tests/engine/test_kv_pool_radix.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from r3trace.engine.kv_pool import KVPool, ReqToTokenPool
+from r3trace.engine.radix_cache import RadixCache
+
+
+def _pool(tokens: int = 32, page: int = 4) -> KVPool:
+    return KVPool(num_layers=2, kv_dim=3, num_tokens=tokens, page_size=page, dtype=torch.float32,
+                  device="cpu")
+
+
+def test_pool_pages_slots_and_double_free() -> None:
+    pool = _pool()
+    assert pool.kv_buffer.shape == (2, 32, 3) and pool.num_pages == 8
+    pages = pool.alloc(3)
+    assert pages == [0, 1, 2] and pool.num_free_pages == 5
+    assert pool.alloc(6) is None and pool.num_free_pages == 5  # all or nothing
+    assert pool.slots([5, 2], 2, 7).tolist() == [22, 23, 8, 9, 10]
+    pool.free(pages)
+    with pytest.raises(RuntimeError, match="freed twice"):
+        pool.free([1])
+    rows = ReqToTokenPool(num_rows=2, max_context_len=8, device="cpu")
+    r = rows.alloc()
+    assert r is not None
+    rows.write(r, 2, torch.tensor([7, 9]))
+    assert rows.req_to_token[r].tolist() == [0, 0, 7, 9, 0, 0, 0, 0]
+
+
+def test_radix_matches_whole_pages_and_splits() -> None:
+    pool = _pool()
+    cache = RadixCache(pool)
+    a = list(range(10, 20))  # 10 tokens: 2 whole pages + 2 tokens in a partial page
+    pages = pool.alloc(2)
+    assert pages is not None
+    assert cache.insert(a[:8], pages) == 0
+    # a prefix that ends inside the second page matches only the first page
+    got, node = cache.match_prefix(a[:6])
+    assert got == pages[:1] and node.key == a[:4]
+    # a longer query matches both pages, never the partial third one
+    got, _ = cache.match_prefix(a + [99])
+    assert got == pages
+    # inserting a sequence sharing one page reports 4 tokens already cached
+    b = a[:4] + [1, 2, 3, 4]
+    pb = pool.alloc(2)
+    assert pb is not None
+    assert cache.insert(b, pb) == 4
+    pool.free(pb[:1])  # the caller frees the duplicate page, as the scheduler does
+    assert cache.evictable_tokens == 12
+
+
+def test_radix_lock_and_lru_eviction() -> None:
+    pool = _pool()
+    cache = RadixCache(pool)
+    seqs = [[i] * 4 for i in range(3)]
+    for s in seqs:
+        p = pool.alloc(1)
+        assert p is not None
+        cache.insert(s, p)
+    _, node0 = cache.match_prefix(seqs[0])  # touch seq 0: seq 1 is now least recently used
+    cache.lock(node0)
+    assert cache.evict(1) == 1
+    assert cache.match_prefix(seqs[1])[0] == [] and cache.match_prefix(seqs[2])[0] != []
+    assert cache.flush() == 1  # seq 2 goes; seq 0 is locked
+    assert cache.match_prefix(seqs[0])[0] != []
+    cache.unlock(node0)
+    assert cache.flush() == 1 and pool.num_free_pages == pool.num_pages
