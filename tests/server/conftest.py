@@ -44,3 +44,18 @@ def server(engine: Engine, trace_root: Path) -> Iterator[LiveServer]:
 def http(server: LiveServer) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=server.url, timeout=60) as client:
         yield client
+
+
+# Flip to a no-op marker once Engine.generate(return_routed_experts=True) is wired (capture issue):
+# until then the server answers 501 and `require_routes` raises NotImplementedError.
+routes_pending = pytest.mark.xfail(
+    strict=True, raises=NotImplementedError,
+    reason="Engine.generate(return_routed_experts=True) still raises NotImplementedError (engine owner wires it)",
+)
+
+
+def require_routes(response: httpx.Response) -> httpx.Response:
+    """A 501 from the engine's missing capture path becomes NotImplementedError (what routes_pending expects)."""
+    if response.status_code == 501:
+        raise NotImplementedError(response.json()["error"]["message"])
+    return response
