@@ -10,6 +10,8 @@ import torch
 
 FinishType = Literal["length", "stop", "abort"]
 LogprobEntry = tuple[float | None, int, None]  # (logprob, token_id, None) as SGLang returns them
+# As SGLang: a temperature this small is greedy in all but name, and logits / T could overflow to inf.
+GREEDY_TEMPERATURE = 1e-6
 
 
 class InvalidRequestError(ValueError):
@@ -75,7 +77,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
 
 def _is_int(x: object) -> bool:
@@ -130,7 +132,9 @@ class Req:
     cache_node: Any = None  # radix node locked while this request uses the prefix
     pool_row: int = -1  # row in req_to_token; -1 while waiting
     cached_tokens: int = 0  # SGLang's meta_info.cached_tokens, summed over (re)admissions
-    in_decode: bool = False  # fill computed since (re)admission: each further step adds one token
+    # The fill was computed since (re)admission: each further step adds one token. A re-prefill after
+    # retraction (prompt + outputs so far) runs with phase "prefill".
+    in_decode: bool = False
     num_retractions: int = 0
     # logprobs; input ones are computed once (not again after a retraction)
     input_logprobs: list[LogprobEntry] = field(default_factory=list)

@@ -46,7 +46,12 @@ def test_unseeded_offline_is_reproducible_and_top_k_1_is_greedy(make_engine: Eng
     assert _ids(a) == _ids(b)
     e = make_engine()
     top1 = e.generate(input_ids=PROMPTS, sampling_params={**SAMPLED, "top_k": 1, "temperature": 1.3})
-    assert _ids(top1) == _ids(e.generate(input_ids=PROMPTS, sampling_params=greedy(12)))
+    greedy_ids = _ids(e.generate(input_ids=PROMPTS, sampling_params=greedy(12)))
+    assert _ids(top1) == greedy_ids
+    # top_p this small keeps only the most likely token (always at least that one)
+    tiny_p = e.generate(input_ids=PROMPTS, sampling_params={**SAMPLED, "top_k": -1, "top_p": 1e-6})
+    assert _ids(tiny_p) == greedy_ids
+    assert _ids(a) != greedy_ids
 
 
 def _first_ascii(full: list[int]) -> int:

@@ -57,13 +57,17 @@ def test_batched_equals_alone(make_engine: EngineFactory, reference: list[list[i
 
 
 def test_arrivals_while_others_decode(make_engine: EngineFactory, reference: list[list[int]]) -> None:
-    """Requests from several threads join a batch that is already decoding."""
+    """Requests from several threads (odd ones streaming) join a batch that is already decoding."""
     e = make_engine(chunked_prefill_size=7, page_size=2)
     results: dict[int, list[int]] = {}
 
     def run(i: int) -> None:
         time.sleep(0.01 * i)
-        results[i] = e.generate(input_ids=PROMPTS[i], sampling_params=greedy(NEW))["output_ids"]
+        if i % 2:
+            chunks = e.generate(input_ids=PROMPTS[i], sampling_params=greedy(NEW), stream=True)
+            results[i] = [t for c in chunks for t in c["output_ids"]]  # type: ignore[index]
+        else:
+            results[i] = e.generate(input_ids=PROMPTS[i], sampling_params=greedy(NEW))["output_ids"]
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(PROMPTS))]
     for t in threads:
