@@ -128,13 +128,13 @@ def create_app(engine: GenerateEngine, config: ServerConfig | None = None) -> Fa
 
     @app.post("/start_trace", response_model=TraceStatus, responses=ERROR_RESPONSES)
     async def start_trace(req: StartTraceRequest) -> TraceStatus:
+        path = _trace_path(config.trace_root, req.trace_dir)
         fn = getattr(engine, "start_trace", None)
         if fn is None:
             raise ApiError(501, "start_trace: this engine cannot record traces")
         if state["trace_dir"] is not None:
             busy = state["trace_dir"]
             raise ApiError(409, f"trace_dir: already tracing into {busy}; stop it first", "trace_dir")
-        path = _trace_path(config.trace_root, req.trace_dir)
         result = await service.call(fn, str(path))
         state["trace_dir"] = str(path)
         return TraceStatus(tracing=True, trace_dir=str(path), detail={"result": _jsonable(result)})

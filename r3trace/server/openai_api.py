@@ -105,7 +105,8 @@ def build_router(service: GenerateService, model_name: str, chat_template: str |
                 "choices": choices,
                 "usage": _usage(results)}
 
-    @router.post("/v1/chat/completions", response_model=ChatCompletionResponse, response_model_exclude_unset=True,
+    @router.post("/v1/chat/completions", response_model=ChatCompletionResponse,
+                 response_model_exclude_unset=True,
                  responses={200: {"content": {"text/event-stream": {}}}})
     async def chat_completions(req: ChatCompletionRequest) -> Any:
         prompt = render_chat(req.messages, chat_template)

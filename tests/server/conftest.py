@@ -7,8 +7,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from r3trace.engine import Engine
+
 from r3trace.server import ServerConfig, create_app
 from tests.server.live_server import LiveServer
 from tests.tiny_models import make_checkpoint
@@ -50,12 +50,12 @@ def http(server: LiveServer) -> Iterator[httpx.Client]:
 # until then the server answers 501 and `require_routes` raises NotImplementedError.
 routes_pending = pytest.mark.xfail(
     strict=True, raises=NotImplementedError,
-    reason="Engine.generate(return_routed_experts=True) still raises NotImplementedError (engine owner wires it)",
+    reason="Engine.generate(return_routed_experts=True) still raises NotImplementedError",
 )
 
 
 def require_routes(response: httpx.Response) -> httpx.Response:
-    """A 501 from the engine's missing capture path becomes NotImplementedError (what routes_pending expects)."""
+    """The server's 501 for the engine's missing capture path -> NotImplementedError (see routes_pending)."""
     if response.status_code == 501:
         raise NotImplementedError(response.json()["error"]["message"])
     return response

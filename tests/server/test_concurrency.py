@@ -14,9 +14,9 @@ from typing import Any
 
 import httpx
 import torch
+from r3trace.engine import Engine
 
 from r3trace import decode_routed_experts
-from r3trace.engine import Engine
 from tests.server.conftest import require_routes, routes_pending
 from tests.server.live_server import LiveServer
 from tests.tiny_models import direct_forward, load_engine_model

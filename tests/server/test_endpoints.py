@@ -10,9 +10,9 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+from r3trace.engine import Engine
 
 from r3trace import decode_routed_experts
-from r3trace.engine import Engine
 from tests.server.conftest import require_routes, routes_pending
 
 GREEDY = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
@@ -67,7 +67,8 @@ def test_openai_completions_and_chat(http: httpx.Client) -> None:
     assert out["object"] == "text_completion" and out["usage"] == {
         "prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
     assert out["choices"][0]["finish_reason"] == "length"
-    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    hi = [{"role": "user", "content": "hi"}]
+    r = http.post("/v1/chat/completions", json={"messages": hi, "max_tokens": 2})
     assert r.status_code == 200, r.text
     chat = r.json()
     assert chat["object"] == "chat.completion" and chat["choices"][0]["message"]["role"] == "assistant"
@@ -90,8 +91,11 @@ def test_health_models_and_metrics(http: httpx.Client) -> None:
     def value(page: str, series: str) -> float:
         return sum(float(line.rsplit(" ", 1)[1]) for line in page.splitlines() if line.startswith(series))
 
-    assert value(text, "r3trace_completion_tokens_total") - value(before, "r3trace_completion_tokens_total") == 4
-    assert value(text, "r3trace_prompt_tokens_total") - value(before, "r3trace_prompt_tokens_total") == 3
+    def delta(series: str) -> float:
+        return value(text, series) - value(before, series)
+
+    assert delta("r3trace_completion_tokens_total") == 4
+    assert delta("r3trace_prompt_tokens_total") == 3
     ok = 'r3trace_requests_total{model="tiny-v3",endpoint="/generate",status="200"}'
     assert value(text, ok) == value(before, ok) + 1
     for series in ("r3trace_capture_bytes_total", "r3trace_queue_depth", "# TYPE r3trace_queue_depth gauge"):
