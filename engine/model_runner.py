@@ -14,7 +14,7 @@ from r3trace.engine.forward_batch import ForwardBatch
 from r3trace.engine.kv_pool import KVPool, ReqToTokenPool
 from r3trace.engine.request import LogprobEntry
 from r3trace.engine.sampling import Sampler
-from r3trace.engine.scheduler import ReqOutput, ScheduledReq
+from r3trace.engine.step import ReqOutput, ScheduledReq
 
 
 class CausalLM(Protocol):

@@ -19,44 +19,15 @@ on_forward_end, which the model calls.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 from r3trace.engine.engine_config import EngineConfig
-from r3trace.engine.forward_batch import Phase
 from r3trace.engine.kv_pool import KVPool, ReqToTokenPool
 from r3trace.engine.radix_cache import RadixCache
 from r3trace.engine.request import FinishReason, LogprobEntry, Req
+from r3trace.engine.step import ReqOutput, ScheduledReq
 from r3trace.engine.tokenizer import TextTokenizer
-
-
-@dataclass
-class ScheduledReq:
-    """One request's share of a step: positions start .. start+extend_len-1 are computed."""
-
-    req: Req
-    start: int
-    extend_len: int
-    out_cache_loc: torch.Tensor  # [extend_len] int64 host: KV slot of each new position
-    sample: bool  # the chunk completes the fill: the next token is sampled from its last row
-    logprob_positions: range  # positions whose logits score the next prompt token
-    phase: Phase
-
-    @property
-    def end(self) -> int:
-        return self.start + self.extend_len
-
-
-@dataclass
-class ReqOutput:
-    """What a forward produced for one ScheduledReq (host values)."""
-
-    next_token: int | None = None
-    next_logprob: float | None = None
-    next_top: list[LogprobEntry] | None = None
-    input_logprobs: list[float] | None = None  # one per logprob_positions entry
-    input_tops: list[list[LogprobEntry]] | None = None
 
 
 class RequestHooks(Protocol):
