@@ -71,6 +71,17 @@ def generate_kwargs(req: GenerateRequest) -> dict[str, Any]:
     return kw
 
 
+def routing_shape(engine: GenerateEngine) -> dict[str, Any]:
+    """What a capture client needs to write a trace manifest (SGLang does not report E): from the
+    engine's ModelConfig when it has one."""
+    mc = getattr(engine, "model_config", None)
+    if mc is None:
+        return {}
+    return {"num_hidden_layers": mc.num_hidden_layers, "moe_layer_ids": list(mc.moe_layer_ids),
+            "num_experts": mc.n_routed_experts, "top_k": mc.num_experts_per_tok, "num_groups": mc.n_group,
+            "model_type": mc.model_type}
+
+
 def _trace_path(root: Path, trace_dir: str) -> Path:
     root = root.resolve()
     path = (root / trace_dir).resolve()
@@ -120,7 +131,7 @@ def create_app(engine: GenerateEngine, config: ServerConfig | None = None) -> Fa
 
     @app.get("/get_model_info")
     async def model_info() -> dict[str, Any]:
-        return {"model_path": config.model_name, "is_generation": True}
+        return {"model_path": config.model_name, "is_generation": True, **routing_shape(engine)}
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus() -> PlainTextResponse:
