@@ -8,9 +8,13 @@ caller always gets the same batches and hence the same tokens.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 import logging
 import queue
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import fields
@@ -33,11 +37,18 @@ from r3trace.engine.scheduler import RequestHooks, Scheduler
 from r3trace.engine.tokenizer import load_tokenizer
 from r3trace.engine.weights import load_weights
 
-from r3trace.capture.recorder import NullRecorder, RouteRecorder
+from r3trace.capture.capturer import CaptureConfig, RoutedExpertsCapturer
+from r3trace.capture.recorder import RouteRecorder
+from r3trace.engine.route_capture import CaptureRequest, RouteCaptureHooks, parse_replay, route_meta
 
 log = logging.getLogger(__name__)
 _OPTIONS = frozenset(f.name for f in fields(EngineConfig)) - {"dtype", "device", "extra"}
 _POLL_S = 0.5  # how often a waiting caller checks that the scheduler thread is still alive
+
+
+def config_hash(mc: ModelConfig) -> str:
+    """Stable hash of the model config, so traces of different models are never mixed up."""
+    return hashlib.sha256(json.dumps(mc.to_dict(), sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 class Engine:
@@ -57,19 +68,35 @@ class Engine:
         self.config = EngineConfig(dtype=dtype, device=device, **options)  # type: ignore[arg-type]
         self.model_config = ModelConfig.from_hf(model_path)
         cfg, mc = self.config, self.model_config
-        self.model = build_model(mc, cfg, ParallelInfo(), recorder or NullRecorder())
+        self.model_path = Path(model_path)
+        # The capturer is always there (a slice write per MoE layer); rows cross to the host only for
+        # requests that ask, or while a trace records. A caller-supplied recorder replaces it.
+        self.capturer: RoutedExpertsCapturer | None = None
+        if recorder is None:
+            cap = CaptureConfig(
+                num_hidden_layers=mc.num_hidden_layers, moe_layer_ids=mc.moe_layer_ids,
+                top_k=mc.num_experts_per_tok, num_experts=mc.n_routed_experts, kv_slots=cfg.kv_pool_tokens,
+                max_batch_tokens=max(cfg.chunked_prefill_size, cfg.max_running_requests),
+                chunked_prefill_size=cfg.chunked_prefill_size, max_running_requests=cfg.max_running_requests,
+                device=device, with_weights=cfg.capture_weights,
+            )
+            self.capturer = recorder = RoutedExpertsCapturer(cap)
+        self.model = build_model(mc, cfg, ParallelInfo(), recorder)
         load_weights(self.model, model_path)
         self.model.eval()
         self.tokenizer = load_tokenizer(model_path, mc.vocab_size)
         self.max_context_len = cfg.max_context_len or mc.max_position_embeddings
         self.kv_pool = KVPool(mc.num_hidden_layers, mc.kv_cache_dim, cfg.kv_pool_tokens, cfg.page_size,
                               cfg.torch_dtype, device)
+        self.route_hooks = None if self.capturer is None else RouteCaptureHooks(self.capturer, self.kv_pool)
+        if hooks is None:
+            hooks = self.route_hooks
         req_pool = ReqToTokenPool(cfg.max_running_requests, self.max_context_len, device)
         self.cache = RadixCache(self.kv_pool) if cfg.enable_prefix_cache else None
         self.sampler = Sampler(device, cfg.seed)
         self.scheduler = Scheduler(cfg, self.kv_pool, req_pool, self.cache, self.tokenizer,
                                    mc.eos_token_ids, self.max_context_len, hooks)
-        self.runner = ModelRunner(self.model, self.kv_pool, req_pool, self.sampler, device)
+        self.runner = ModelRunner(self.model, self.kv_pool, req_pool, self.sampler, device, mc)
         self._builder = RequestBuilder(mc.vocab_size, self.max_context_len, cfg.kv_pool_tokens,
                                        self.tokenizer)
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
@@ -79,6 +106,8 @@ class Engine:
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="r3trace-scheduler", daemon=True)
         self._thread.start()
+        if cfg.trace_dir is not None:
+            self.start_trace(cfg.trace_dir)
 
     # ------------------------------------------------------------------ public API
     def generate(
@@ -89,15 +118,21 @@ class Engine:
         return_logprob: bool | list[bool] = False,
         logprob_start_len: int | list[int] = -1,
         top_logprobs_num: int | list[int] = 0,
-        return_routed_experts: bool = False,
-        routed_experts_start_len: int = 0,
+        return_routed_experts: bool | list[bool] = False,
+        routed_experts_start_len: int | list[int] = 0,
         stream: bool = False,
         rid: str | list[str] | None = None,
+        return_routed_weights: bool | list[bool] = False,
+        routed_experts: Any = None,
+        tag: str | list[str] | None = None,
     ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
         """One request (a str prompt or a flat id list) -> a dict; a list -> a list of dicts in order;
-        stream=True (one request) -> an iterator of chunks holding what each step added."""
-        if return_routed_experts:
-            raise NotImplementedError("return_routed_experts is wired by the capture issue")
+        stream=True (one request) -> an iterator of chunks holding what each step added.
+
+        return_routed_experts: meta_info["routed_experts"] is base64 int32 [rows - start, L, K] (row p:
+        the routing of input position p; -1 on dense layers). routed_experts: forced routes to replay
+        (base64, an array [rows, L, K], or {"trace": dir, "request_id": rid}); a list gives one per
+        request. tag: a label per request recorded in traces (e.g. the domain)."""
         if self._closed:
             raise RuntimeError("the engine has been shut down")
         single, entries = as_list(prompt, input_ids, sampling_params, return_logprob, logprob_start_len,
@@ -110,6 +145,8 @@ class Engine:
             entry_rid = entry.rid or uuid.uuid4().hex
             try:
                 req = self._builder.build(entry, entry_rid, stream, self.sampler)
+                self._attach_capture(req, len(reqs), len(entries), return_routed_experts,
+                                     routed_experts_start_len, return_routed_weights, routed_experts, tag)
                 self._claim_rid(entry_rid)
             except InvalidRequestError as exc:
                 if single:
@@ -131,6 +168,91 @@ class Engine:
                 results[i] = self._wait(sinks[req.rid])
         out = [r for r in results if r is not None]
         return out[0] if single else out  # a request that failed while running carries "error"
+
+    def _attach_capture(
+        self, req: Req, i: int, n: int, want: Any, start: Any, weights: Any, forced: Any, tag: Any
+    ) -> None:
+        """Per-request capture options and replay routes into req.extras (raises for this request only)."""
+
+        def pick(name: str, value: Any, is_list: bool) -> Any:
+            if not is_list:
+                return value
+            if len(value) != n:
+                raise InvalidRequestError(name, f"a list of {len(value)} values for {n} request(s)")
+            return value[i]
+
+        want_i = pick("return_routed_experts", want, isinstance(want, list))
+        start_i = pick("routed_experts_start_len", start, isinstance(start, list))
+        weights_i = pick("return_routed_weights", weights, isinstance(weights, list))
+        tag_i = pick("tag", tag, isinstance(tag, list))
+        # A list of per-request routes when n > 1; one request's routes may themselves be an array.
+        forced_i = forced[i] if n > 1 and isinstance(forced, list) else forced
+        for name, value in (("return_routed_experts", want_i), ("return_routed_weights", weights_i)):
+            if not isinstance(value, bool):
+                raise InvalidRequestError(name, f"{value!r} must be true or false")
+        if not isinstance(start_i, int) or isinstance(start_i, bool) or not 0 <= start_i <= req.prompt_len:
+            raise InvalidRequestError(
+                "routed_experts_start_len", f"{start_i!r} outside 0..prompt length {req.prompt_len}"
+            )
+        if (want_i or weights_i or forced_i is not None) and self.capturer is None:
+            raise InvalidRequestError("return_routed_experts", "this engine was built with a custom recorder")
+        if weights_i and not self.config.capture_weights:
+            raise InvalidRequestError("return_routed_weights", "start the engine with capture_weights=True")
+        if tag_i is not None and not isinstance(tag_i, str):
+            raise InvalidRequestError("tag", f"{tag_i!r} must be a string")
+        req.extras["capture"] = CaptureRequest(
+            want=want_i or weights_i, start_len=start_i, weights=weights_i, tag=tag_i, arrival_ns=time.time_ns()
+        )
+        if forced_i is not None:
+            req.extras["replay"] = parse_replay(forced_i, self.model_config, req.prompt_len + req.params.max_new_tokens)
+
+    # ------------------------------------------------------------------ traces
+    def start_trace(self, trace_dir: str | Path, run_id: str | None = None, **writer_options: Any) -> str:
+        """Record every request into trace_dir (a run of Parquet files + manifest.json); returns the run id.
+
+        writer_options go to TraceWriter (rows_per_file, flush_rows, max_file_age_s, ...)."""
+        from r3trace.trace.writer import TraceWriter
+
+        if self.route_hooks is None:
+            raise RuntimeError("this engine was built with a custom recorder: no trace sink")
+        mc, cfg = self.model_config, self.config
+        writer = TraceWriter(
+            trace_dir, model_name=mc.name or self.model_path.name, num_hidden_layers=mc.num_hidden_layers,
+            moe_layer_ids=mc.moe_layer_ids, num_experts=mc.n_routed_experts, top_k=mc.num_experts_per_tok,
+            run_id=run_id, with_weights=cfg.capture_weights, num_groups=mc.n_group, config_hash=config_hash(mc),
+            engine={k: getattr(cfg, k) for k in sorted(_OPTIONS) if k != "trace_dir"} | {"dtype": cfg.dtype},
+            parallel={"tp_size": 1, "dp_size": 1, "ep_size": 1}, **writer_options,
+        )
+
+        def attach() -> None:
+            assert self.route_hooks is not None and self.capturer is not None
+            if self.route_hooks.writer is not None:
+                writer.close()
+                raise RuntimeError("a trace is already being recorded: stop_trace() first")
+            self.capturer.attach_sink(writer)
+            self.route_hooks.writer = writer
+
+        self._call(attach)
+        return str(writer.run_id)
+
+    def stop_trace(self) -> dict[str, Any] | None:
+        """Flush and close the active trace; returns its manifest (None if no trace was recording)."""
+
+        def detach() -> Any:
+            assert self.route_hooks is not None and self.capturer is not None
+            writer, self.route_hooks.writer = self.route_hooks.writer, None
+            if writer is None:
+                return None
+            self.capturer.detach_sink()
+            return writer.close()
+
+        manifest = self._call(detach)
+        return None if manifest is None else dataclasses.asdict(manifest)
+
+    @property
+    def recompute_mismatches(self) -> int:
+        """Rows whose re-prefill after a retraction routed differently from the kept rows."""
+        return 0 if self.capturer is None else self.capturer.recompute_mismatches
 
     def abort(self, rid: str) -> None:
         """Finish a waiting or running request with finish_reason abort; unknown ids are ignored."""
@@ -216,6 +338,17 @@ class Engine:
                     self._step()
                 self._deliver()
 
+    def _with_routes(self, req: Req, result: dict[str, Any], delta: bool) -> dict[str, Any]:
+        opts: CaptureRequest | None = req.extras.get("capture")
+        if opts is None or not opts.want or self.route_hooks is None:
+            return result
+        rows = opts.rows if req.finished else self.route_hooks.stream_rows(req)
+        if rows is not None:
+            result["meta_info"].update(route_meta(rows, self.model_config, opts.weights, delta))
+            if req.finished:
+                result["meta_info"]["routed_experts_provenance"] = [list(seg) for seg in opts.provenance]
+        return result
+
     def _handle(self, msg: tuple[str, Any]) -> bool:
         kind, body = msg
         if kind == "submit":
@@ -253,9 +386,9 @@ class Engine:
             if sink is None:
                 continue
             if req.stream:
-                sink.put(build_result(req, self.tokenizer, delta=True))
+                sink.put(self._with_routes(req, build_result(req, self.tokenizer, delta=True), delta=True))
             elif req.finished:
-                sink.put(build_result(req, self.tokenizer, delta=False))
+                sink.put(self._with_routes(req, build_result(req, self.tokenizer, delta=False), delta=False))
             if req.finished:
                 del self._sinks[req.rid]
                 with self._rid_lock:

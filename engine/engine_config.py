@@ -35,6 +35,9 @@ class EngineConfig:
     moe_backend: Backend = "ref"
     topk_backend: Backend = "ref"
     seed: int = 0
+    # route capture
+    capture_weights: bool = False  # keep top-k weights too (return_routed_weights; +2 bytes per id)
+    trace_dir: str | None = None  # record every request into this trace folder from the start
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:

@@ -10,7 +10,9 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
+from r3trace.engine.config import ModelConfig
 from r3trace.engine.forward_batch import ForwardBatch
+from r3trace.engine.route_capture import replay_plan
 from r3trace.engine.kv_pool import KVPool, ReqToTokenPool
 from r3trace.engine.request import LogprobEntry
 from r3trace.engine.sampling import Sampler
@@ -23,8 +25,10 @@ class CausalLM(Protocol):
 
 class ModelRunner:
     def __init__(
-        self, model: CausalLM, pool: KVPool, req_pool: ReqToTokenPool, sampler: Sampler, device: str
+        self, model: CausalLM, pool: KVPool, req_pool: ReqToTokenPool, sampler: Sampler, device: str,
+        model_config: ModelConfig,
     ) -> None:
+        self.model_config = model_config
         self.model = model
         self.pool = pool
         self.req_pool = req_pool
@@ -61,6 +65,7 @@ class ModelRunner:
             device=self.device,
             request_ids=[it.req.rid for it in items],
             phases=[it.phase for it in items],
+            replay=replay_plan(items, len(input_ids), self.model_config, self.device),
         )
         self.forward_id += 1
         logits = self.model.forward(fb, self.pool.kv_buffer)  # [N, V] float32

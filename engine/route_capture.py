@@ -1,0 +1,191 @@
+"""The engine side of route capture and routing replay.
+
+RouteCaptureHooks is the scheduler's RequestHooks: it tells the capturer when a request is admitted
+(prefix hit), retracted (keep its rows before the KV is freed) and finished (assemble its rows while
+the KV is still valid). Per-request capture options live in `req.extras["capture"]`; forced routes for
+replay in `req.extras["replay"]`. Shape legend: L num_hidden_layers, K top-k, E routed experts.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from r3trace.capture.capturer import RoutedExpertsCapturer, RouteRows
+from r3trace.capture.wire import WireFormatError, decode_array, encode_float16, encode_int32
+
+from .config import ModelConfig
+from .forward_batch import ReplayPlan
+from .kv_pool import KVPool
+from .request import InvalidRequestError, Req
+from .step import ScheduledReq
+
+
+@dataclass
+class CaptureRequest:
+    """A request's capture options (req.extras["capture"])."""
+
+    want: bool
+    start_len: int = 0
+    weights: bool = False
+    tag: str | None = None
+    arrival_ns: int = 0
+    rows: RouteRows | None = None  # assembled at finish, before the KV is freed
+    provenance: list[tuple[int, int, str, str]] = field(default_factory=list)
+
+
+class RouteCaptureHooks:
+    def __init__(self, capturer: RoutedExpertsCapturer, pool: KVPool) -> None:
+        self.capturer = capturer
+        self.pool = pool
+        self.writer: Any = None  # the active TraceWriter, if a trace is being recorded
+
+    def register(self, req: Req) -> None:
+        opts: CaptureRequest | None = req.extras.get("capture")
+        self.capturer.add_request(req.rid, want=bool(opts and opts.want))
+
+    def on_admit(self, req: Req) -> None:
+        if req.rid not in self.capturer.requests:
+            self.register(req)
+        slots = self.pool.slots(req.pages, 0, req.kv_len).numpy()
+        self.capturer.on_admit(req.rid, req.cached_len, slots)
+
+    def on_retract(self, req: Req) -> None:
+        self.capturer.on_retract(req.rid, self.pool.slots(req.pages, 0, req.kv_len).numpy())
+
+    def on_finish(self, req: Req) -> None:
+        opts: CaptureRequest | None = req.extras.get("capture")
+        if opts is not None and opts.want:
+            n_rows = req.kv_len if req.pool_row >= 0 else 0
+            slots = self.pool.slots(req.pages, 0, n_rows).numpy() if n_rows else np.zeros(0, np.int64)
+            if req.stream:  # what the stream has not carried yet
+                opts.rows = self.capturer.stream_rows(req.rid, slots, opts.start_len, n_rows)
+            else:
+                start = min(opts.start_len, n_rows)
+                opts.rows = self.capturer.rows(req.rid, slots, start, max(start, n_rows))
+            opts.provenance = self.capturer.provenance(req.rid, req.prompt_len, opts.rows.offset, n_rows)
+        if self.writer is not None:
+            self.capturer.drain()
+            self.writer.add_request(
+                req.rid, tag=None if opts is None else opts.tag, prompt_tokens=req.prompt_len,
+                completion_tokens=len(req.output_ids),
+                finish_reason=None if req.finish is None else req.finish.type,
+                arrival_ts=None if opts is None else opts.arrival_ns, finish_ts=time.time_ns(),
+            )
+        self.capturer.finish_request(req.rid)
+
+    def stream_rows(self, req: Req) -> RouteRows | None:
+        """Rows computed since the previous chunk of a running streaming request."""
+        opts: CaptureRequest | None = req.extras.get("capture")
+        if opts is None or not opts.want or req.finished:
+            return None
+        slots = self.pool.slots(req.pages, 0, req.kv_len).numpy()
+        return self.capturer.stream_rows(req.rid, slots, opts.start_len, req.kv_len)
+
+
+def route_meta(rows: RouteRows, cfg: ModelConfig, with_weights: bool, delta: bool) -> dict[str, Any]:
+    """meta_info fields for a block of rows: SGLang's base64 plus the shape, dtype and layer ids."""
+    meta: dict[str, Any] = {
+        "routed_experts": encode_int32(rows.ids),
+        "routed_experts_shape": list(rows.ids.shape),
+        "routed_experts_dtype": "int32",
+        "moe_layer_ids": list(cfg.moe_layer_ids),
+    }
+    if delta:
+        meta["routed_experts_offset"] = rows.offset
+    if with_weights and rows.weights is not None:
+        meta["routed_weights"] = encode_float16(rows.weights)
+        meta["routed_weights_shape"] = list(rows.weights.shape)
+        meta["routed_weights_dtype"] = "float16"
+    return meta
+
+
+def parse_replay(value: Any, cfg: ModelConfig, max_rows: int) -> np.ndarray:
+    """Forced routes for one request -> int32 [rows, L, K]; every problem is an InvalidRequestError."""
+    name = "routed_experts"
+    shape_tail = (cfg.num_hidden_layers, cfg.num_experts_per_tok)
+    if isinstance(value, dict) and "trace" in value:
+        value = _from_trace(value, cfg)
+    if isinstance(value, (str, bytes)):
+        try:
+            flat = decode_array(value, "int32")
+        except WireFormatError as exc:
+            raise InvalidRequestError(name, str(exc)) from exc
+        per_row = int(np.prod(shape_tail))
+        if flat.size % per_row:
+            raise InvalidRequestError(
+                name, f"{flat.size} ids are not a whole number of rows of [L={shape_tail[0]}, K={shape_tail[1]}]"
+            )
+        arr = flat.reshape(-1, *shape_tail)
+    elif isinstance(value, (np.ndarray, torch.Tensor, list)):
+        arr = np.asarray(value.cpu() if isinstance(value, torch.Tensor) else value)
+        if arr.ndim != 3 or tuple(arr.shape[1:]) != shape_tail:
+            raise InvalidRequestError(
+                name, f"shape {list(arr.shape)}; expected [rows, num_hidden_layers={shape_tail[0]}, K={shape_tail[1]}]"
+            )
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise InvalidRequestError(name, f"dtype {arr.dtype}; expected integer expert ids")
+        arr = arr.astype(np.int32)
+    else:
+        raise InvalidRequestError(name, f"a {type(value).__name__}; expected base64, an array or a trace reference")
+    if len(arr) > max_rows:
+        raise InvalidRequestError(name, f"{len(arr)} rows; this request has at most {max_rows} routed positions")
+    moe = arr[:, list(cfg.moe_layer_ids)]
+    bad = (moe < 0) | (moe >= cfg.n_routed_experts)
+    if bad.any():
+        r, layer, _ = np.argwhere(bad)[0]
+        raise InvalidRequestError(
+            name, f"row {r} layer {cfg.moe_layer_ids[layer]}: expert id {int(moe[r, layer].max())} outside "
+            f"0..{cfg.n_routed_experts - 1}"
+        )
+    dup = (np.sort(moe, axis=-1)[..., 1:] == np.sort(moe, axis=-1)[..., :-1]).any(-1)
+    if dup.any():
+        r, layer = np.argwhere(dup)[0]
+        raise InvalidRequestError(name, f"row {r} layer {cfg.moe_layer_ids[layer]}: an expert id repeats")
+    return arr
+
+
+def _from_trace(ref: dict[str, Any], cfg: ModelConfig) -> np.ndarray:
+    """{"trace": dir, "request_id": rid, "run_id": optional} -> [rows, L, K] from a recorded trace."""
+    import duckdb
+
+    root, rid = Path(ref["trace"]), ref.get("request_id")
+    if not root.exists() or rid is None:
+        raise InvalidRequestError("routed_experts", f"trace reference needs an existing 'trace' dir and a 'request_id': {ref}")
+    con = duckdb.connect()
+    glob = str(root / "**" / "part-*.parquet")
+    rows = con.execute(
+        f"SELECT token_pos, layer_id, topk_ids FROM read_parquet('{glob}', hive_partitioning=true) "
+        "WHERE request_id = ? AND (? IS NULL OR run_id = ?) ORDER BY token_pos, layer_id",
+        [rid, ref.get("run_id"), ref.get("run_id")],
+    ).fetchall()
+    if not rows:
+        raise InvalidRequestError("routed_experts", f"request_id {rid!r} not found in trace {root}")
+    n = max(r[0] for r in rows) + 1
+    out = np.full((n, cfg.num_hidden_layers, cfg.num_experts_per_tok), -1, np.int32)
+    for pos, layer, ids in rows:
+        out[pos, layer] = ids
+    return out
+
+
+def replay_plan(items: list[ScheduledReq], num_tokens: int, cfg: ModelConfig, device: str) -> ReplayPlan | None:
+    """Forced ids for the rows of this forward whose request carries replay routes, else None."""
+    forced = [(it, it.req.extras.get("replay")) for it in items]
+    if all(r is None for _, r in forced):
+        return None
+    ids = np.zeros((num_tokens, cfg.num_hidden_layers, cfg.num_experts_per_tok), np.int32)
+    mask = np.zeros(num_tokens, bool)
+    row = 0
+    for it, routes in forced:
+        if routes is not None:
+            hi = min(it.end, len(routes))
+            if hi > it.start:
+                ids[row : row + hi - it.start] = routes[it.start : hi]
+                mask[row : row + hi - it.start] = True
+        row += it.extend_len
+    return ReplayPlan(topk_ids=torch.from_numpy(ids).to(device), row_mask=torch.from_numpy(mask).to(device))

@@ -1,0 +1,144 @@
+"""Returned routes equal a direct forward's, exactly, under every scheduling path.
+
+Run: .venv/bin/python -m pytest -q tests/capture/test_returned_routes.py
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from r3trace.capture.capturer import CaptureConfig, CaptureConfigError
+from tests.capture.helpers import assert_routes_exact, direct_routes, returned_routes
+from tests.engine.conftest import EngineFactory, greedy, random_prompts
+
+
+def test_one_request_and_mixed_batches(tiny_ckpt: Path, make_engine: EngineFactory) -> None:
+    engine = make_engine(chunked_prefill_size=64)
+    prompts = random_prompts(6, 3, 30, seed=1)
+    alone = [engine.generate(input_ids=p, sampling_params=greedy(7), return_routed_experts=True) for p in prompts]
+    together = engine.generate(input_ids=prompts, sampling_params=greedy(7), return_routed_experts=True)
+    for p, a, b in zip(prompts, alone, together):
+        assert_routes_exact(tiny_ckpt, p, a)
+        assert_routes_exact(tiny_ckpt, p, b)
+        meta = b["meta_info"]
+        assert meta["routed_experts_shape"] == [len(p) + 6, 3, 3] and meta["moe_layer_ids"] == [1, 2]
+        assert meta["routed_experts_dtype"] == "int32"
+
+
+def test_dense_layers_are_minus_one_never_zero(tiny_ckpt: Path, make_engine: EngineFactory) -> None:
+    out = make_engine().generate(input_ids=[5, 6, 7, 8], sampling_params=greedy(3), return_routed_experts=True)
+    routes = returned_routes(out)
+    assert (routes[:, 0] == -1).all()  # layer 0 is dense (first_k_dense_replace = 1)
+    assert (routes[:, 1:] >= 0).all()
+
+
+def test_tiny_chunks(tiny_ckpt: Path, make_engine: EngineFactory) -> None:
+    engine = make_engine(chunked_prefill_size=3)
+    for p in random_prompts(3, 10, 25, seed=2):
+        assert_routes_exact(tiny_ckpt, p, engine.generate(input_ids=p, sampling_params=greedy(5),
+                                                          return_routed_experts=True))
+
+
+def test_prefix_cache_hit_with_partial_page(tiny_ckpt: Path, make_engine: EngineFactory) -> None:
+    engine = make_engine(page_size=4)
+    shared = random_prompts(1, 10, 10, seed=3)[0]  # 10 tokens: 2 whole pages + a partly filled one
+    first = shared + [11, 12, 13]
+    second = shared + [21, 22]
+    assert_routes_exact(tiny_ckpt, first, engine.generate(input_ids=first, sampling_params=greedy(4),
+                                                          return_routed_experts=True))
+    out = engine.generate(input_ids=second, sampling_params=greedy(4), return_routed_experts=True)
+    assert out["meta_info"]["cached_tokens"] == 8  # whole pages only; the partial page is recomputed
+    assert_routes_exact(tiny_ckpt, second, out)
+    assert out["meta_info"]["routed_experts_provenance"][0] == [0, 8, "prefill", "prefix_cache"]
+
+
+def test_preemption_and_reprefill(tiny_ckpt: Path, make_engine: EngineFactory) -> None:
+    engine = make_engine(kv_pool_tokens=64, chunked_prefill_size=16)
+    prompts = random_prompts(5, 8, 14, seed=4)
+    outs = engine.generate(input_ids=prompts, sampling_params=greedy(12), return_routed_experts=True)
+    assert engine.scheduler.num_retractions > 0, "the pool must be small enough to force retraction"
+    for p, o in zip(prompts, outs):
+        assert_routes_exact(tiny_ckpt, p, o)
+    assert engine.recompute_mismatches == 0  # deterministic fp32: re-prefill routes the same way
+
+
+def test_flagged_and_unflagged_in_one_batch_copy_only_asked_rows(tiny_ckpt: Path, make_engine: EngineFactory) -> None:
+    engine = make_engine()
+    prompts = random_prompts(4, 6, 6, seed=5)
+    capturer = engine.capturer
+    assert capturer is not None
+    per_row = 2 * 3 * 2 + 8  # M=2 MoE layers x K=3 ids x int16 + an int64 KV slot
+    outs = engine.generate(input_ids=prompts, sampling_params=greedy(1),
+                           return_routed_experts=[True, False, False, False])
+    # The single forward held 4 x 6 prompt rows; only request 0's 6 rows crossed to the host.
+    assert capturer.bytes_last_step == 6 * per_row
+    assert "routed_experts" in outs[0]["meta_info"] and "routed_experts" not in outs[1]["meta_info"]
+    assert_routes_exact(tiny_ckpt, prompts[0], outs[0])
+    before = capturer.bytes_total
+    engine.generate(input_ids=prompts, sampling_params=greedy(3))
+    assert capturer.bytes_total == before  # nobody asked: nothing copied
+    assert capturer.bytes_last_step == 0
+
+
+def test_start_len_and_prefill_only(tiny_ckpt: Path, make_engine: EngineFactory) -> None:
+    engine = make_engine()
+    p = random_prompts(1, 12, 12, seed=6)[0]
+    out = engine.generate(input_ids=p, sampling_params=greedy(4), return_routed_experts=True,
+                          routed_experts_start_len=5)
+    assert_routes_exact(tiny_ckpt, p, out, start_len=5)
+    prefill_only = engine.generate(input_ids=p, sampling_params=greedy(0), return_routed_experts=True)
+    routes = returned_routes(prefill_only)
+    assert routes.shape[0] == len(p)  # every prompt position, the last one included (SGLang drops it)
+    np.testing.assert_array_equal(routes, direct_routes(tiny_ckpt, p))
+
+
+@pytest.mark.parametrize("start", [-1, 13, "3", True])
+def test_bad_start_len_fails_that_request_only(make_engine: EngineFactory, start: object) -> None:
+    engine = make_engine()
+    prompts = random_prompts(2, 12, 12, seed=7)
+    outs = engine.generate(input_ids=prompts, sampling_params=greedy(2), return_routed_experts=True,
+                           routed_experts_start_len=[start, 0])
+    assert "routed_experts_start_len" in outs[0]["error"]
+    assert "routed_experts" in outs[1]["meta_info"]
+
+
+def test_streaming_chunks_concatenate(tiny_ckpt: Path, make_engine: EngineFactory) -> None:
+    engine = make_engine(chunked_prefill_size=4)
+    p = random_prompts(1, 11, 11, seed=8)[0]
+    whole = engine.generate(input_ids=p, sampling_params=greedy(6), return_routed_experts=True)
+    chunks = list(engine.generate(input_ids=p, sampling_params=greedy(6), return_routed_experts=True, stream=True))
+    offset, parts = 0, []
+    for chunk in chunks:
+        meta = chunk["meta_info"]
+        if "routed_experts" in meta:
+            assert meta["routed_experts_offset"] == offset
+            part = returned_routes(chunk)
+            parts.append(part)
+            offset += len(part)
+    assert len(parts) > 2, "rows must arrive incrementally, not in one blob at the end"
+    np.testing.assert_array_equal(np.concatenate(parts), returned_routes(whole))
+
+
+def test_abort_mid_generation_releases_rows(make_engine: EngineFactory) -> None:
+    engine = make_engine()
+    stream = engine.generate(input_ids=[3, 4, 5, 6], sampling_params=greedy(50), return_routed_experts=True,
+                             stream=True)
+    next(stream)
+    next(stream)
+    stream.close()  # the caller walks away: the engine aborts the request
+    engine.generate(input_ids=[7, 8], sampling_params=greedy(1))  # a later step processes the abort
+    assert engine.capturer is not None and engine.capturer.requests == {}
+    assert engine.flush_cache()
+    assert engine.kv_pool.num_free_pages == engine.kv_pool.num_pages
+
+
+def test_overflowing_configuration_is_refused() -> None:
+    with pytest.raises(CaptureConfigError, match=r"max_batch_tokens=256 could overflow.*512 tokens"):
+        CaptureConfig(num_hidden_layers=4, moe_layer_ids=(1, 2, 3), top_k=8, num_experts=256, kv_slots=1024,
+                      max_batch_tokens=256, chunked_prefill_size=256, max_running_requests=128, dp_size=2)
+    with pytest.raises(CaptureConfigError, match="spec_verify_tokens 3"):
+        CaptureConfig(num_hidden_layers=4, moe_layer_ids=(1, 2, 3), top_k=8, num_experts=256, kv_slots=1024,
+                      max_batch_tokens=300, chunked_prefill_size=256, max_running_requests=100, spec_verify_tokens=3)
