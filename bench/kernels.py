@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 from r3trace.kernels.fused_moe import MoeConfig, fused_moe, fused_moe_ref, moe_config
-from r3trace.kernels.mla_decode import choose_num_kv_splits, mla_decode
+from r3trace.kernels.mla_decode import DecodeTile, choose_num_kv_splits, default_decode_tile, mla_decode
 from r3trace.kernels.topk import grouped_topk, grouped_topk_ref
 from triton.testing import do_bench
 
@@ -109,8 +109,12 @@ def _naive_decode(q: torch.Tensor, kv: torch.Tensor, r2t: torch.Tensor, scale: f
 
 
 # (block_h, block_n, num_warps, num_stages)
-DECODE_TILES = [(16, 32, 4, 2), (16, 64, 4, 2), (32, 32, 8, 2), (64, 32, 8, 2), (64, 16, 4, 2),
-                (32, 16, 4, 3)]  # fmt: skip
+DECODE_TILES = {
+    16: [(16, 32, 4, 2), (16, 64, 4, 2), (16, 32, 4, 3), (16, 64, 8, 2), (16, 32, 8, 3), (16, 16, 4, 4)],
+    128: [(16, 64, 4, 2), (64, 32, 8, 2), (64, 64, 8, 2), (64, 32, 8, 3), (64, 32, 4, 2), (32, 64, 4, 2),
+          (64, 16, 8, 3), (64, 64, 8, 1)],
+}  # fmt: skip
+SPLIT_SWEEP = [(16, 32768), (64, 8192), (64, 32768)]  # (B, L) at H = 16: is the split heuristic right?
 
 
 def bench_decode(copy_gbs: float, gemm_tflops: float, quick: bool) -> None:
@@ -121,10 +125,10 @@ def bench_decode(copy_gbs: float, gemm_tflops: float, quick: bool) -> None:
     for H in (16, 128):  # pick the tile per H at one mid shape, then use it for the whole table
         q, kv, r2t, rows, lens = _decode_inputs(64, 8192, H)
         times = {}
-        for bh, bn, w, s in DECODE_TILES if H == 128 else [t for t in DECODE_TILES if t[0] == 16]:
+        for bh, bn, w, s in DECODE_TILES[H]:
             try:
-                fn = partial(mla_decode, q, kv, r2t, rows, lens, KV_LORA, scale,
-                             block_h=bh, block_n=bn, num_warps=w, num_stages=s)  # fmt: skip
+                tile = DecodeTile(bh, bn, w, s)
+                fn = partial(mla_decode, q, kv, r2t, rows, lens, KV_LORA, scale, tile=tile)
                 times[(bh, bn, w, s)] = ms(fn)
             except Exception as e:  # out of shared memory etc.: recorded, not fatal
                 print(f"  tile {(bh, bn, w, s)} failed: {type(e).__name__}: {str(e)[:120]}")
@@ -134,20 +138,34 @@ def bench_decode(copy_gbs: float, gemm_tflops: float, quick: bool) -> None:
         print(f"decode tile sweep H={H} (B=64, L=8k): {swept}")
         del q, kv
     RESULTS["decode_tile_sweep"] = {"best": {str(h): t for h, t in best.items()}, "ms": sweep}
+    bh, bn, w, s = best[16]
+    split_rows = []
+    for B, L in SPLIT_SWEEP:
+        q, kv, r2t, rows, lens = _decode_inputs(B, L, 16)
+        auto = choose_num_kv_splits(B, 1, L, sms)
+        res = {}
+        for n in sorted({auto, 2 * auto, 4 * auto, 8 * auto, 132 // B + 1, 264 // B + 1}):
+            if n <= 64:
+                res[n] = ms(partial(mla_decode, q, kv, r2t, rows, lens, KV_LORA, scale, num_kv_splits=n,
+                                    tile=DecodeTile(bh, bn, w, s)))  # fmt: skip
+        split_rows.append({"B": B, "L": L, "auto": auto, "ms": res})
+        print(f"decode splits sweep H=16 B={B} L={L} (auto {auto}): "
+              + ", ".join(f"{n}: {t:.3f}" for n, t in res.items()))  # fmt: skip
+        del q, kv
+    RESULTS["decode_split_sweep"] = split_rows
     rows_out = []
     print(f"{'H':>4} {'B':>4} {'L':>6} {'splits':>6} {'triton ms':>10} {'GB/s':>7} {'%copy':>6} "
           f"{'TFLOP/s':>8} "
           f"{'%gemm':>6} {'naive ms':>9} {'speedup':>7}")  # fmt: skip
-    for H in (16, 128):
-        bh, bn, w, s = best[H]
+    for H in (16, 128):  # the table runs the launcher's defaults: what the engine gets
+        bh, bn, w, s = default_decode_tile(H, torch.bfloat16)
         for B in (16, 64, 256):
             for L in (1024, 8192, 32768) if not quick else (8192,):
                 q, kv, r2t, rows, lens = _decode_inputs(B, L, H)
                 kv_bytes = kv.numel() * 2
                 copies = max(1, min(8, math.ceil(4 * L2_BYTES / kv_bytes)))
                 kvs = [kv] + [torch.randn_like(kv) for _ in range(copies - 1)]
-                tile = dict(block_h=bh, block_n=bn, num_warps=w, num_stages=s)
-                fns = [partial(mla_decode, q, kv_i, r2t, rows, lens, KV_LORA, scale, **tile) for kv_i in kvs]
+                fns = [partial(mla_decode, q, kv_i, r2t, rows, lens, KV_LORA, scale) for kv_i in kvs]
                 out = fns[0]()
                 t = ms(rotating(fns))
                 naive = [partial(_naive_decode, q, kv_i, r2t, scale) for kv_i in kvs]
@@ -172,10 +190,21 @@ def bench_decode(copy_gbs: float, gemm_tflops: float, quick: bool) -> None:
 
 # ---------------------------------------------------------------- fused MoE
 D, K = 7168, 8
-MOE_SWEEP = [MoeConfig(16, 64, 128, 1, 4, 4), MoeConfig(16, 32, 128, 1, 4, 4),
-             MoeConfig(16, 128, 128, 1, 4, 3), MoeConfig(64, 128, 64, 8, 4, 4),
-             MoeConfig(128, 128, 64, 8, 8, 3), MoeConfig(128, 64, 64, 8, 4, 4),
-             MoeConfig(128, 256, 64, 8, 8, 3)]  # fmt: skip
+MOE_SWEEP = [  # (block_m, block_n, block_k, group_m, num_warps, num_stages)
+    MoeConfig(16, 64, 128, 1, 4, 4),
+    MoeConfig(16, 32, 128, 1, 4, 4),
+    MoeConfig(16, 128, 128, 1, 4, 3),
+    MoeConfig(16, 16, 256, 1, 4, 3),
+    MoeConfig(16, 32, 256, 1, 4, 3),
+    MoeConfig(64, 128, 64, 8, 4, 4),
+    MoeConfig(64, 128, 64, 8, 4, 3),
+    MoeConfig(64, 256, 64, 8, 8, 3),
+    MoeConfig(128, 128, 64, 8, 8, 3),
+    MoeConfig(128, 128, 64, 8, 4, 3),
+    MoeConfig(128, 64, 64, 8, 4, 4),
+    MoeConfig(128, 128, 128, 8, 8, 2),
+    MoeConfig(128, 128, 32, 8, 4, 4),
+]  # fmt: skip
 
 
 def _routes(T: int, E: int, sets: int) -> list[torch.Tensor]:

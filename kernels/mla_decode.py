@@ -18,6 +18,7 @@ Stage 2 (`_mla_decode_merge_kernel`): program (b, h) merges the P partials by th
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -26,9 +27,12 @@ from r3trace.kernels.contract import FLOAT_DTYPES, INDEX_DTYPES, require, requir
 from r3trace.kernels.dot import dot_precision, mma
 
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x * log2(e)); exp2 is the native instruction
-MIN_TOKENS_PER_SPLIT = 128  # fewer and the split's fixed cost (q load, partial write, merge) dominates
+MIN_TOKENS_PER_SPLIT = 256  # fewer and the split's fixed cost (q load, partial write, merge) dominates
 MAX_KV_SPLITS = 64
-WAVES = 2  # stage-1 programs aimed for: this many per SM, so the tail of the last wave stays short
+# Stage-1 programs aimed for: WAVES per SM. A 64-key bf16 tile double-buffered is 144 KB of shared
+# memory, so one program per SM: with few waves the last one's tail shows. H200, H=16, B=64, L=32k:
+# 5 splits (2.4 waves) 0.965 ms, 20 splits (9.7 waves) 0.700 ms (bench/NOTES.md, run 2).
+WAVES = 8
 
 
 @triton.jit
@@ -136,6 +140,24 @@ def choose_num_kv_splits(batch: int, num_head_blocks: int, max_seq_len: int, sm_
     return int(max(1, min(by_sms, by_len, MAX_KV_SPLITS)))
 
 
+class DecodeTile(NamedTuple):
+    block_h: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def default_decode_tile(num_heads: int, dtype: torch.dtype) -> DecodeTile:
+    """The tile the H200 sweep picked (bench/NOTES.md, run 2, B=64, L=8k): 16 heads x 64 keys at H=16
+    (0.384 ms vs 0.465 for 32 keys); at H >= 64, 64 heads x 64 keys over 8 warps (0.715 ms vs 1.213 for
+    16 heads: the 64-row product runs on wgmma and each latent tile serves 4x the heads). fp32 halves
+    the keys so two 32-key fp32 tiles still fit in shared memory."""
+    block_n = 64 if dtype.itemsize <= 2 else 32
+    if num_heads >= 64:
+        return DecodeTile(64, block_n, 8, 2)
+    return DecodeTile(16, block_n, 4, 2)
+
+
 def _check_decode_args(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -167,19 +189,17 @@ def mla_decode(
     kv_lora_rank: int,
     sm_scale: float,
     num_kv_splits: int | None = None,
-    block_h: int = 16,
-    block_n: int = 32,
-    num_warps: int = 4,
-    num_stages: int = 2,
+    tile: DecodeTile | None = None,
 ) -> torch.Tensor:
     """q: [B, H, C] -> out [B, H, kv_lora]; request b attends to positions 0..seq_lens[b]-1.
 
     num_kv_splits=None picks it from max(seq_lens) (one device sync) and the SM count; pass it (see
-    choose_num_kv_splits) to stay sync-free and CUDA-graph capturable. block_h/block_n/num_warps/num_stages
-    are tuning knobs (bench/kernels.py sweeps them); the defaults are SGLang's grouped-decode tile.
+    choose_num_kv_splits) to stay sync-free and CUDA-graph capturable. tile=None: default_decode_tile
+    (bench/kernels.py sweeps others).
     """
     _check_decode_args(q, kv_cache, req_to_token, req_pool_indices, seq_lens, kv_lora_rank)
     B, H, C = q.shape
+    block_h, block_n, num_warps, num_stages = tile or default_decode_tile(H, q.dtype)
     rope = C - kv_lora_rank
     num_head_blocks = triton.cdiv(H, block_h)
     if num_kv_splits is None:

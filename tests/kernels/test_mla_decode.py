@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from r3trace.kernels.contract import KernelInputError
-from r3trace.kernels.mla_decode import choose_num_kv_splits, mla_decode, mla_decode_ref
+from r3trace.kernels.mla_decode import DecodeTile, choose_num_kv_splits, mla_decode, mla_decode_ref
 
 from tests.kernels.conftest import (
     DEVICE,
@@ -62,15 +62,16 @@ def test_mla_decode_fixed_splits(num_kv_splits: int, poisoned_empty: None) -> No
 def test_mla_decode_head_block_and_tile_knobs(poisoned_empty: None) -> None:
     """The tuning knobs bench sweeps (32 heads a program, 16-key tiles) compute the same function."""
     q, kv, r2t, rows, seq_lens = _case(LENS, 40, 24, 8, 2, torch.bfloat16, DEVICE, seed=7)
-    out = mla_decode(q, kv, r2t, rows, seq_lens, 24, 0.2, num_kv_splits=3, block_h=32, block_n=16)
+    out = mla_decode(q, kv, r2t, rows, seq_lens, 24, 0.2, num_kv_splits=3, tile=DecodeTile(32, 16, 4, 2))
     ref = mla_decode_ref(q.float(), kv.float(), r2t, rows, seq_lens, 24, 0.2)
     assert_close_to_ref(out, ref, torch.bfloat16)
 
 
 def test_choose_num_kv_splits() -> None:
     assert choose_num_kv_splits(batch=256, num_head_blocks=8, max_seq_len=32768, sm_count=132) == 1
-    assert choose_num_kv_splits(batch=16, num_head_blocks=1, max_seq_len=32768, sm_count=132) == 17
-    assert choose_num_kv_splits(batch=16, num_head_blocks=1, max_seq_len=100, sm_count=132) == 1
+    assert choose_num_kv_splits(batch=64, num_head_blocks=1, max_seq_len=32768, sm_count=132) == 17
+    assert choose_num_kv_splits(batch=16, num_head_blocks=1, max_seq_len=32768, sm_count=132) == 64
+    assert choose_num_kv_splits(batch=16, num_head_blocks=1, max_seq_len=300, sm_count=132) == 2
     assert choose_num_kv_splits(batch=1, num_head_blocks=1, max_seq_len=10**6, sm_count=1000) == 64
 
 
