@@ -205,6 +205,7 @@ class Engine:
         )
         if forced_i is not None:
             req.extras["replay"] = parse_replay(forced_i, self.model_config, req.prompt_len + req.params.max_new_tokens)
+            req.use_prefix_cache = False
 
     # ------------------------------------------------------------------ traces
     def start_trace(self, trace_dir: str | Path, run_id: str | None = None, **writer_options: Any) -> str:

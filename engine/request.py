@@ -149,6 +149,9 @@ class Req:
     sent_logprobs: int = 0
     text: str = ""  # decoded output, trimmed before a matched stop string
     extras: dict[str, Any] = field(default_factory=dict)  # free slot: capture attaches route rows here
+    # False for routing replay: cached KV was computed with other routes, and KV computed with forced
+    # routes must not be served to requests that route freely.
+    use_prefix_cache: bool = True
 
     @property
     def fill_ids(self) -> list[int]:

@@ -162,7 +162,7 @@ class Scheduler:
             return None
         req.pool_row = row
         fill = req.fill_ids
-        if self.cache is not None:
+        if self.cache is not None and req.use_prefix_cache:
             limit = len(fill) - 1  # the last token is always computed: its logits give the next token
             if req.wants_input_logprobs:
                 assert req.logprob is not None
@@ -277,7 +277,7 @@ class Scheduler:
         to the pool. Pages it got from the cache stay there (unlocked)."""
         page = self.pool.page_size
         own_from = req.cached_len // page  # pages before this came from the cache
-        if self.cache is not None and cache_it:
+        if self.cache is not None and cache_it and req.use_prefix_cache:
             full = req.kv_len // page
             present = self.cache.insert(req.fill_ids[: full * page], req.pages[:full]) // page
             self.pool.free(req.pages[own_from:present])  # the cache already held these tokens

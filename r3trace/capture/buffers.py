@@ -92,8 +92,8 @@ class RouteBuffers:
         self, rows: list[int] | None, n_tokens: int, out_cache_loc: torch.Tensor, pending: PendingCopy
     ) -> None:
         """Gather `rows` (None = all n_tokens) on the device and copy them to pinned staging, async."""
-        if len(self.pending) == len(self._staging):
-            self.drain_one()  # both staging sets in flight: wait for the oldest (rare: the engine drains)
+        if self.full:
+            raise RuntimeError("route capture: every staging buffer is in flight; drain_one() first")
         ids_st, w_st, slots_st = self._staging[self._next_staging]
         self._next_staging = (self._next_staging + 1) % len(self._staging)
         if rows is None:
@@ -122,6 +122,10 @@ class RouteBuffers:
         self.bytes_last_step = step_bytes
         self.bytes_total += step_bytes
         self.pending.append(pending)
+
+    @property
+    def full(self) -> bool:
+        return len(self.pending) == len(self._staging)
 
     def drain_one(self) -> PendingCopy:
         """Wait for the oldest copy (already complete when the engine read its sampled tokens) and

@@ -129,6 +129,10 @@ class RoutedExpertsCapturer:
             forward_id=batch.forward_id, ts_ns=time.time_ns(), dp_rank=batch.dp_rank, n_rows=0,
             ids=self.buffers.dev_ids, weights=None, slots=batch.out_cache_loc, entries=entries,
         )
+        if self.buffers.full:
+            # Both staging sets in flight: the oldest belongs to a forward whose sampled tokens the
+            # engine already read, so it is complete and this costs no wait on the device.
+            self._process(self.buffers.drain_one())
         self.buffers.start_copy(None if wanted_all else rows, start, batch.out_cache_loc, pending)
 
     # ---------------------------------------------------------------- request lifecycle
@@ -211,16 +215,19 @@ class RoutedExpertsCapturer:
     def drain(self) -> None:
         """Scatter every finished copy into the host buffer (FIFO) and feed the sink."""
         while self.buffers.pending:
-            p = self.buffers.drain_one()
-            ids = p.ids.numpy()
-            for rid, row0, n, prefix, phase in p.entries:
-                state = self.requests.get(rid)
-                if state is not None and state.kept is not None and prefix < len(state.kept):
-                    m = min(n, len(state.kept) - prefix)
-                    fresh = ids[row0 : row0 + m].astype(np.int32)
-                    self.recompute_mismatches += int((fresh != state.kept[prefix : prefix + m]).any(axis=(1, 2)).sum())
-                if self.sink is not None and state is not None:
-                    self._emit_computed(rid, state, p, row0, n, prefix, phase)
+            self._process(self.buffers.drain_one())
+
+    def _process(self, p: PendingCopy) -> None:
+        """A copy that reached the host: count re-prefill mismatches and feed the sink."""
+        ids = p.ids.numpy()
+        for rid, row0, n, prefix, phase in p.entries:
+            state = self.requests.get(rid)
+            if state is not None and state.kept is not None and prefix < len(state.kept):
+                m = min(n, len(state.kept) - prefix)
+                fresh = ids[row0 : row0 + m].astype(np.int32)
+                self.recompute_mismatches += int((fresh != state.kept[prefix : prefix + m]).any(axis=(1, 2)).sum())
+            if self.sink is not None and state is not None:
+                self._emit_computed(rid, state, p, row0, n, prefix, phase)
 
     def _read(self, state: _ReqState, slots: np.ndarray, start: int, end: int, weights: bool) -> np.ndarray | None:
         if weights and self.buffers.host_weights is None:

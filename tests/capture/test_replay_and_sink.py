@@ -1,0 +1,137 @@
+"""Routing replay (R3) and the trace sink.
+
+Run: .venv/bin/python -m pytest -q tests/capture/test_replay_and_sink.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import duckdb
+import numpy as np
+import pyarrow.parquet as pq
+import pybase64
+import pytest
+
+from r3trace.engine import InvalidRequestError
+from tests.capture.helpers import returned_routes
+from tests.engine.conftest import EngineFactory, greedy, random_prompts
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_replaying_own_routes_reproduces_logprobs_and_tokens(make_engine: EngineFactory) -> None:
+    engine = make_engine()
+    p = random_prompts(1, 15, 15, seed=10)[0]
+    kw = dict(sampling_params=greedy(8), return_logprob=True, logprob_start_len=0, return_routed_experts=True)
+    first = engine.generate(input_ids=p, **kw)
+    replayed = engine.generate(input_ids=p, routed_experts=first["meta_info"]["routed_experts"], **kw)
+    assert replayed["output_ids"] == first["output_ids"]
+    assert replayed["meta_info"]["input_token_logprobs"] == first["meta_info"]["input_token_logprobs"]
+    assert replayed["meta_info"]["output_token_logprobs"] == first["meta_info"]["output_token_logprobs"]
+    np.testing.assert_array_equal(returned_routes(replayed), returned_routes(first))
+
+
+def test_replay_forces_different_routes(make_engine: EngineFactory) -> None:
+    engine = make_engine()
+    p = random_prompts(1, 12, 12, seed=11)[0]
+    natural = returned_routes(engine.generate(input_ids=p, sampling_params=greedy(0), return_routed_experts=True))
+    forced = natural.copy()
+    moe = forced[:, 1:]  # rotate every MoE layer's ids to other experts: a route the gate never picked
+    forced[:, 1:] = (moe + 1) % 8
+    out = engine.generate(input_ids=p, sampling_params=greedy(0), return_routed_experts=True, routed_experts=forced)
+    np.testing.assert_array_equal(returned_routes(out), forced)
+    # A partial replay forces only the rows it covers; the rest route freely.
+    part = engine.generate(input_ids=p, sampling_params=greedy(0), return_routed_experts=True,
+                           routed_experts=forced[:5])
+    got = returned_routes(part)
+    np.testing.assert_array_equal(got[:5], forced[:5])
+
+
+@pytest.mark.parametrize(
+    ("payload", "needle"),
+    [
+        ("not base64!!", "not valid base64"),
+        (pybase64.b64encode(np.zeros(7, "<i4").tobytes()).decode(), "not a whole number of rows"),
+        (np.zeros((3, 2, 3), np.int32), "shape [3, 2, 3]"),  # wrong layer count
+        (np.full((3, 3, 3), 8, np.int32), "expert id 8 outside 0..7"),
+        (np.array([[[-1, -1, -1], [0, 0, 1], [1, 2, 3]]] * 2, np.int32), "repeats"),
+        (np.zeros((99, 3, 3), np.int32), "99 rows"),
+    ],
+)
+def test_bad_replay_input_fails_that_request_only(make_engine: EngineFactory, payload: object, needle: str) -> None:
+    engine = make_engine()
+    prompts = random_prompts(2, 6, 6, seed=12)
+    with pytest.raises(InvalidRequestError, match="routed_experts") as info:
+        engine.generate(input_ids=prompts[0], sampling_params=greedy(2), routed_experts=payload)
+    assert needle in str(info.value)
+    outs = engine.generate(input_ids=prompts, sampling_params=greedy(2), routed_experts=[payload, None])
+    assert needle in outs[0]["error"] and "error" not in outs[1]
+    assert len(outs[1]["output_ids"]) == 2
+
+
+def test_sink_records_every_request_with_provenance(make_engine: EngineFactory, tmp_path: Path) -> None:
+    engine = make_engine(page_size=4)
+    shared = random_prompts(1, 9, 9, seed=13)[0]
+    run_id = engine.start_trace(tmp_path / "trace", run_id="t1")
+    a = engine.generate(input_ids=shared + [30], sampling_params=greedy(3), return_routed_experts=True, tag="code")
+    b = engine.generate(input_ids=shared + [40, 41], sampling_params=greedy(3), tag="prose")
+    manifest = engine.stop_trace()
+    assert manifest is not None and manifest["run_id"] == run_id == "t1"
+    assert list(manifest["moe_layer_ids"]) == [1, 2] and manifest["top_k"] == 3 and manifest["num_experts"] == 8
+    con = duckdb.connect()
+    glob = str(tmp_path / "trace" / "**" / "part-*.parquet")
+    rows = con.execute(
+        f"SELECT request_id, token_pos, layer_id, topk_ids, phase, source FROM read_parquet('{glob}') "
+        "ORDER BY request_id, token_pos, layer_id"
+    ).fetchall()
+    by_req: dict[str, list[tuple]] = {}
+    for r in rows:
+        by_req.setdefault(r[0], []).append(r)
+    ra = by_req[a["meta_info"]["id"]]
+    got = np.array([r[3] for r in ra]).reshape(-1, 2, 3)
+    np.testing.assert_array_equal(got, returned_routes(a)[:, 1:])
+    rb = by_req[b["meta_info"]["id"]]
+    assert {r[5] for r in rb if r[1] < 8} == {"prefix_cache"} and {r[5] for r in rb if r[1] >= 8} == {"computed"}
+    assert {r[4] for r in rb if r[1] >= len(shared) + 2} == {"decode"}
+    assert len(rb) == 2 * (len(shared) + 2 + 2)  # rows = seq_len - 1, two MoE layers each
+    tags = dict(con.execute(f"SELECT request_id, tag FROM read_parquet('{tmp_path}/trace/**/requests-*.parquet')").fetchall())
+    assert tags == {a["meta_info"]["id"]: "code", b["meta_info"]["id"]: "prose"}
+
+
+def test_sink_killed_mid_run_leaves_only_complete_files(tiny_ckpt: Path, tmp_path: Path) -> None:
+    trace = tmp_path / "trace"
+    script = textwrap.dedent(f"""
+        import itertools, sys
+        from r3trace.engine import Engine
+        engine = Engine({str(tiny_ckpt)!r})
+        engine.start_trace({str(trace)!r}, run_id="killed", rows_per_file=400, flush_rows=100)
+        for i in itertools.count():
+            engine.generate(input_ids=[(i * 7 + j) % 300 + 2 for j in range(12)],
+                            sampling_params={{"max_new_tokens": 6, "temperature": 0}})
+            if i == 3:
+                print("ready", flush=True)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    time.sleep(1.0)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    run = trace / "run_id=killed"
+    manifest = json.loads((run / "manifest.json").read_text())
+    listed = {f["name"]: f["rows"] for f in manifest["files"]}
+    on_disk = sorted(p.name for p in run.glob("part-*.parquet"))
+    assert listed and sorted(listed) == on_disk, "the manifest names exactly the complete files"
+    for name, n in listed.items():
+        assert pq.read_table(run / name).num_rows == n
+    assert manifest["rows"] == sum(listed.values())
+    # what was not flushed when the process died sits only in *.tmp files, which readers skip
+    assert all(p.suffix == ".tmp" for p in run.iterdir() if p.name not in listed and p.name != "manifest.json"
+               and not p.name.startswith(("rollup-", "requests-")))
