@@ -1,0 +1,111 @@
+"""Scoring a placement on routed tokens: per-GPU load and nodes per token under node-limited dispatch.
+
+Two load models:
+  even           each replica of e gets count_e / logcnt_e (EPLB's own assumption; needs only heat)
+  node_limited   per token and layer the dispatcher first picks nodes by greedy set cover over the nodes that
+                 hold its K experts (ties broken at random), then splits each expert's unit of work evenly
+                 over that expert's replicas on the chosen nodes. Nodes per token = the cover's size.
+Shape legend: T tokens, L layers, K top-k, E experts, P slots, G GPUs, N nodes, R max replicas.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from r3trace.eplb.placement import Cluster, Placement
+
+
+def node_counts(pl: Placement, cluster: Cluster) -> np.ndarray:
+    """Replicas per (layer, expert, node): [L, E, N]."""
+    n_layers, e = pl.logcnt.shape
+    node = np.broadcast_to(cluster.slot_node(), pl.phy2log.shape)  # [L, P]
+    cnt = np.zeros((n_layers, e, cluster.num_nodes), dtype=np.int64)
+    np.add.at(cnt, (np.arange(n_layers)[:, None], pl.phy2log, node), 1)
+    return cnt
+
+
+def even_gpu_load(pl: Placement, heat: np.ndarray, cluster: Cluster) -> np.ndarray:
+    """heat [L, E] -> per-GPU load [L, G] when every replica gets an equal share."""
+    n_layers = heat.shape[0]
+    per_slot = np.take_along_axis(heat / pl.logcnt, pl.phy2log, 1)  # [L, P]
+    return per_slot.reshape(n_layers, cluster.num_gpus, cluster.slots_per_gpu).sum(-1)
+
+
+class Dispatch(NamedTuple):
+    slot_load: np.ndarray  # [L, P] token-expert units handled per slot
+    gpu_load: np.ndarray  # [L, G] the same per GPU
+    nodes: np.ndarray  # [T, L] distinct nodes each token reaches
+    remote: np.ndarray  # [T, L] of those, nodes other than the token's own
+
+
+def node_limited(
+    pl: Placement, topk_ids: np.ndarray, cluster: Cluster, token_node: np.ndarray | None = None, seed: int = 0,
+    chunk: int = 2048,
+) -> Dispatch:
+    """topk_ids [T, L, K] -> Dispatch under greedy node cover (see module doc); token_node [T] or None.
+
+    Works on `chunk` tokens at a time: the [T, L, K, N] masks of 8K V3 tokens on 18 nodes are 68 MB each.
+    """
+    parts = [
+        _node_limited(pl, topk_ids[i:i + chunk], cluster,
+                      None if token_node is None else token_node[i:i + chunk], seed + i)
+        for i in range(0, len(topk_ids), chunk)
+    ]
+    slot = np.sum([p.slot_load for p in parts], axis=0)
+    return Dispatch(slot, slot.reshape(len(slot), cluster.num_gpus, -1).sum(-1),
+                    np.concatenate([p.nodes for p in parts]), np.concatenate([p.remote for p in parts]))
+
+
+def _node_limited(
+    pl: Placement, topk_ids: np.ndarray, cluster: Cluster, token_node: np.ndarray | None, seed: int
+) -> Dispatch:
+    t, n_layers, k = topk_ids.shape
+    n = cluster.num_nodes
+    rng = np.random.default_rng(seed)
+    cnt = node_counts(pl, cluster)  # [L, E, N]
+    lrow = np.arange(n_layers)[None, :, None]
+    has = cnt[lrow, topk_ids] > 0  # [T, L, K, N]
+    uncovered = np.ones((t, n_layers, k), dtype=bool)
+    chosen = np.zeros((t, n_layers, n), dtype=bool)
+    jitter = rng.random((t, n_layers, n)) * 0.5  # breaks ties between equal gains only
+    for _ in range(k):
+        gain = (has & uncovered[..., None]).sum(2)  # [T, L, N]
+        if not gain.any():
+            break
+        best = np.argmax(gain + jitter, axis=2)  # [T, L]
+        active = np.take_along_axis(gain, best[..., None], 2)[..., 0] > 0
+        chosen[np.arange(t)[:, None], np.arange(n_layers)[None, :], best] |= active
+        took = np.take_along_axis(has, best[..., None, None].repeat(k, 2), 3)[..., 0]  # [T, L, K]
+        uncovered &= ~(took & active[..., None])
+    # split each (token, layer, k) unit over its replicas on chosen nodes
+    slots = pl.log2phy[lrow, topk_ids]  # [T, L, K, R]
+    valid = slots >= 0
+    slot_node = cluster.slot_node()[np.where(valid, slots, 0)]
+    on = valid & np.take_along_axis(chosen[:, :, None, :].repeat(k, 2), slot_node, 3)
+    share = on / np.maximum(on.sum(3, keepdims=True), 1)
+    flat = np.where(valid, slots, 0) + np.arange(n_layers)[None, :, None, None] * cluster.num_slots
+    load = np.bincount(flat.ravel(), weights=share.ravel(), minlength=n_layers * cluster.num_slots)
+    nodes = chosen.sum(2)
+    if token_node is None:
+        remote = nodes.copy()
+    else:
+        remote = nodes - np.take_along_axis(chosen, token_node[:, None, None].repeat(n_layers, 1), 2)[..., 0]
+    slot_load = load.reshape(n_layers, cluster.num_slots)
+    return Dispatch(slot_load, slot_load.reshape(n_layers, cluster.num_gpus, -1).sum(-1), nodes, remote)
+
+
+def balancedness(gpu_load: np.ndarray) -> float:
+    """mean over layers of mean/max GPU load ([L, G] -> scalar in (0, 1]; 1 = perfectly balanced)."""
+    mx = gpu_load.max(1)
+    ok = mx > 0
+    return float((gpu_load.mean(1)[ok] / mx[ok]).mean()) if ok.any() else 1.0
+
+
+def heat_of(topk_ids: np.ndarray, num_experts: int) -> np.ndarray:
+    """topk_ids [T, L, K] -> selections per (layer, expert) [L, E]."""
+    t, n_layers, _ = topk_ids.shape
+    flat = topk_ids + (np.arange(n_layers) * num_experts)[None, :, None]
+    counts = np.bincount(flat.ravel(), minlength=n_layers * num_experts)
+    return counts.reshape(n_layers, num_experts).astype(float)
