@@ -1,0 +1,24 @@
+"""Overview: what the run holds (tokens, requests, layers, experts, bytes) and its per-layer imbalance."""
+
+from __future__ import annotations
+
+import streamlit as st
+
+from dashboards import figures
+from dashboards import store_cache as sc
+
+path, run_id = st.session_state["store"], st.session_state["run_id"]
+st.header(f"Overview of {run_id}")
+o = sc.overview(path, run_id)
+cols = st.columns(6)
+shown = [("Tokens", "tokens"), ("Requests", "requests"), ("MoE layers", "layers"), ("Experts", "experts"),
+         ("Top-k", "top_k"), ("Bytes", "bytes")]
+for col, (label, key) in zip(cols, shown, strict=True):
+    col.metric(label, f"{o[key]:,}")
+per_id = o["bytes"] / max(o["rows"] * o["top_k"], 1)
+st.caption(f"{o['rows']:,} route rows; {per_id:.2f} bytes per expert id on disk (routes, rollups, requests)")
+imb = sc.imbalance(path, run_id)
+st.plotly_chart(figures.bars(imb["layer_id"].to_list(), {"max/mean": imb["max_over_mean"].to_numpy()},
+                             "Expert load imbalance per layer (max/mean, whole run)", "layer", "max / mean"),
+                key="overview_imbalance")
+st.dataframe(imb, hide_index=True)

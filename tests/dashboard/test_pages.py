@@ -1,0 +1,206 @@
+"""Every dashboard page driven by Streamlit's AppTest on a small synthetic store; each test checks the
+numbers and chart specs the page shows against numpy over the same trace.
+
+Run: .venv/bin/python -m pytest -q tests/dashboard/test_pages.py
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from r3trace.eplb import deepseek, score
+from r3trace.eplb.placement import Cluster
+from r3trace.trace import open_dataset, read_token_routes
+from tests.dashboard.conftest import CFG, Store
+
+APP = str(Path(__file__).resolve().parents[2] / "dashboards" / "app.py")
+WINDOW_NS = 1_000_000_000  # the writer's default rollup window
+FORWARD_NS = int(CFG.forward_ms * 1e6)
+
+
+@pytest.fixture()
+def app(store: Store, monkeypatch: pytest.MonkeyPatch) -> AppTest:
+    monkeypatch.setenv("R3TRACE_STORE", str(store.path))
+    at = AppTest.from_file(APP, default_timeout=60)
+    at.query_params["run"] = "base"
+    return at
+
+
+@pytest.fixture(scope="module")
+def routes(store: Store) -> Any:
+    [base] = [r for r in open_dataset(store.path) if r.manifest.run_id == "base"]
+    return read_token_routes(base)
+
+
+def open_page(at: AppTest, page: str, **params: str) -> AppTest:
+    at.query_params.update(params)
+    at.run()
+    if page != "overview":
+        at.switch_page(f"pages/{page}.py").run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert not at.error, [e.value for e in at.error]
+    return at
+
+
+def metrics(at: AppTest) -> dict[str, str]:
+    return {m.label: m.value for m in at.metric}
+
+
+def charts(at: AppTest) -> list[dict[str, Any]]:
+    return [json.loads(c.proto.spec) for c in at.get("plotly_chart")]
+
+
+def arr(x: Any) -> np.ndarray:
+    """A Plotly spec array: a plain list, or the typed form {"dtype", "bdata" (base64), "shape"}."""
+    if isinstance(x, dict) and "bdata" in x:
+        import base64
+
+        flat = np.frombuffer(base64.b64decode(x["bdata"]), dtype=np.dtype(x["dtype"]))
+        shape = x.get("shape")
+        return flat.reshape([int(n) for n in str(shape).split(",")]) if shape else flat
+    if isinstance(x, list) and x and isinstance(x[0], dict):
+        return np.stack([arr(r) for r in x])
+    return np.asarray(x, dtype=float if x and x[0] is None else None)
+
+
+def heat_of(ids: np.ndarray) -> np.ndarray:
+    """[T, L, K] -> [L, E] counts."""
+    out = np.zeros((ids.shape[1], CFG.num_experts), dtype=np.int64)
+    for layer in range(ids.shape[1]):
+        out[layer] = np.bincount(ids[:, layer].ravel(), minlength=CFG.num_experts)
+    return out
+
+
+def test_overview(app: AppTest, store: Store, routes: Any) -> None:
+    at = open_page(app, "overview")
+    assert at.title[0].value.startswith("r3trace")
+    m = metrics(at)
+    assert m["Tokens"] == f"{store.tokens:,}"
+    assert m["Requests"] == f"{len(np.unique(routes.request_id)):,}"
+    assert (m["MoE layers"], m["Experts"], m["Top-k"]) == (str(len(CFG.moe_layer_ids)), "16", "4")
+    [bars] = charts(at)
+    h = heat_of(routes.topk_ids)
+    np.testing.assert_allclose(arr(bars["data"][0]["y"]), h.max(1) / h.mean(1), rtol=1e-9)
+
+
+def test_heat_map_and_time_window(app: AppTest, routes: Any) -> None:
+    at = open_page(app, "heat")
+    [fig] = charts(at)
+    assert fig["data"][0]["type"] == "heatmap" and fig["data"][0]["y"] == list(CFG.moe_layer_ids)
+    np.testing.assert_array_equal(arr(fig["data"][0]["z"]), heat_of(routes.topk_ids))
+    window = routes.forward_id * FORWARD_NS // WINDOW_NS  # synth stamps forward f at f * forward_ms
+    second = heat_of(routes.topk_ids[window == window.min() + 1])
+    at.slider[0].set_value((1, 1)).run()  # the time-window slider
+    [fig] = charts(at)
+    np.testing.assert_array_equal(arr(fig["data"][0]["z"]), second)
+    assert at.query_params["hwin"] in ("1-1", ["1-1"])  # the state is in the URL...
+    fresh = AppTest.from_file(APP, default_timeout=60)  # ...so a new session opened on it shows the same
+    [fig] = charts(open_page(fresh, "heat", run="base", hwin="1-1"))
+    np.testing.assert_array_equal(arr(fig["data"][0]["z"]), second)
+
+
+def test_imbalance_over_time(app: AppTest, routes: Any) -> None:
+    at = open_page(app, "imbalance")
+    heat_fig, line_fig = charts(at)
+    z = arr(heat_fig["data"][0]["z"]).astype(float)  # [L, W]
+    window = routes.forward_id * FORWARD_NS // WINDOW_NS
+    wins = np.unique(window)
+    assert z.shape == (len(CFG.moe_layer_ids), len(wins))
+    for i, w in enumerate(wins):
+        h = heat_of(routes.topk_ids[window == w])
+        np.testing.assert_allclose(z[:, i], h.max(1) / h.mean(1), rtol=1e-9)
+    assert [d["name"] for d in line_fig["data"]] == ["mean over layers", "worst layer"]
+    assert metrics(at)["Worst window-layer max/mean"] == f"{z.max():.2f}"
+
+
+def test_coactivation(app: AppTest, routes: Any) -> None:
+    layer = CFG.moe_layer_ids[1]
+    at = open_page(app, "coactivation", cl=str(layer))
+    [fig] = charts(at)
+    lift = arr(fig["data"][0]["z"]).astype(float)
+    ids = routes.topk_ids[:, 1]  # [T, K] at the second MoE layer
+    t = len(ids)
+    p = np.bincount(ids.ravel(), minlength=CFG.num_experts) / t
+    both = np.zeros((CFG.num_experts, CFG.num_experts))
+    for row in ids:
+        for i in range(len(row)):
+            for j in range(i + 1, len(row)):
+                both[row[i], row[j]] += 1
+                both[row[j], row[i]] += 1
+    expect = np.where(both > 0, both / t / np.maximum(np.outer(p, p), 1e-300), np.nan)
+    np.testing.assert_allclose(lift, expect, rtol=1e-9)
+    table = at.dataframe[0].value
+    assert int(table["count"].iloc[0]) == int(both.max())
+
+
+def test_request_explorer(app: AppTest, routes: Any) -> None:
+    rid = sorted(np.unique(routes.request_id))[3]
+    at = open_page(app, "requests", req=rid)
+    sel = routes.request_id == rid
+    m = metrics(at)
+    assert m["Tokens with routes"] == str(int(sel.sum()))
+    assert m["Prefill"] == str(int((routes.phase[sel] == 0).sum()))
+    assert m["Decode"] == str(int((routes.phase[sel] == 1).sum()))
+    table = at.dataframe[0].value
+    assert list(table["token_pos"]) == sorted(routes.token_pos[sel].tolist())
+    first = f"L{CFG.moe_layer_ids[0]}"
+    order = np.argsort(routes.token_pos[sel])
+    assert list(table[first]) == [" ".join(map(str, r)) for r in routes.topk_ids[sel][order, 0]]
+
+
+def test_trace_diff(app: AppTest, store: Store) -> None:
+    at = open_page(app, "diff", b="flip")
+    m = metrics(at)
+    assert m["Matched tokens"] == f"{store.tokens:,}"
+    assert m["Tokens with any layer different"] == f"{store.flipped / store.tokens:.4f}"
+    [fig] = charts(at)
+    exact = arr(fig["data"][0]["y"]).tolist()
+    assert exact[0] == pytest.approx(1 - store.flipped / store.tokens)
+    assert exact[1:] == [1.0] * (len(exact) - 1)
+    flipped = at.dataframe[0].value
+    assert len(flipped) == store.flipped and set(flipped["first_layer"]) == {CFG.moe_layer_ids[0]}
+
+
+def test_eplb_planner(app: AppTest, routes: Any) -> None:
+    at = open_page(app, "eplb", gpus="4", nodes="2", slots="20", policy="global", nlim="2")
+    cluster = Cluster(num_gpus=4, num_nodes=2, num_slots=20, num_groups=CFG.num_groups, node_limit=2)
+    weight = heat_of(routes.topk_ids).astype(float)
+    pl = deepseek.global_policy(weight, cluster)
+    m = metrics(at)
+    even = score.balancedness(score.even_gpu_load(pl, weight, cluster))
+    assert m["Balancedness (even split)"] == f"{even:.4f}"
+    replay = score.node_limited(pl, routes.topk_ids, cluster)
+    assert m["Balancedness (replayed)"] == f"{score.balancedness(replay.gpu_load):.4f}"
+    assert m["Nodes per token (mean)"] == f"{replay.nodes.mean():.3f}"
+    [grid] = charts(at)
+    z = arr(grid["data"][0]["z"])
+    assert z.shape == (4, 5)
+    np.testing.assert_array_equal(z.ravel(), pl.phy2log[0])
+    assert set(z.ravel()) == set(range(CFG.num_experts))
+    assert len(at.get("download_button")) == 1
+
+
+def test_eplb_planner_bad_cluster_is_an_error_not_a_crash(app: AppTest) -> None:
+    app.query_params.update(gpus="4", nodes="3")
+    app.run()
+    at = app.switch_page("pages/eplb.py").run()
+    assert not at.exception
+    assert any("num_nodes=3" in e.value for e in at.error)
+
+
+def test_sql_console_reads_and_refuses_writes(app: AppTest, store: Store) -> None:
+    at = open_page(app, "sql")
+    table = at.dataframe[0].value
+    assert len(table) == len(CFG.moe_layer_ids) and set(table["rows"]) == {2 * store.tokens}  # two runs
+    for bad, word in [("DELETE FROM runs", "DELETE"), ("CREATE TABLE x AS SELECT 1", "CREATE"),
+                      ("SELECT * FROM read_csv('/etc/passwd')", "")]:
+        at.text_area[0].set_value(bad).run()
+        assert at.error and word in at.error[0].value, (bad, [e.value for e in at.error])
+    at.text_area[0].set_value("SELECT count(*) AS n FROM tokens WHERE run_id = 'base'").run()
+    assert not at.error and int(at.dataframe[0].value["n"].iloc[0]) == store.tokens
