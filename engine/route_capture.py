@@ -76,6 +76,7 @@ class RouteCaptureHooks:
                 completion_tokens=len(req.output_ids),
                 finish_reason=None if req.finish is None else req.finish.type,
                 arrival_ts=None if opts is None else opts.arrival_ns, finish_ts=time.time_ns(),
+                token_ids=req.fill_ids,
             )
         self.capturer.finish_request(req.rid)
 

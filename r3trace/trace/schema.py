@@ -83,6 +83,8 @@ REQUEST_SCHEMA = pa.schema(
         pa.field("finish_reason", pa.string()),
         pa.field("arrival_ts", pa.timestamp("ns")),
         pa.field("finish_ts", pa.timestamp("ns")),
+        # prompt + output token ids: what `r3trace replay-check` feeds the model to recompute routes
+        pa.field("token_ids", pa.list_(pa.int32())),
     ]
 )
 

@@ -183,12 +183,13 @@ class TraceWriter:
         finish_reason: str | None = None,
         arrival_ts: int | None = None,
         finish_ts: int | None = None,
+        token_ids: list[int] | None = None,
     ) -> None:
         """One finished request; written to `requests-XXXXX.parquet` with the next routes file."""
         self._requests.append(dict(
             run_id=self.run_id, request_id=request_id, tag=tag, prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens, finish_reason=finish_reason, arrival_ts=arrival_ts,
-            finish_ts=finish_ts,
+            finish_ts=finish_ts, token_ids=None if token_ids is None else [int(t) for t in token_ids],
         ))
 
     def _flush(self) -> None:

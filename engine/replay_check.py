@@ -1,0 +1,154 @@
+"""`r3trace replay-check TRACE --model PATH`: recompute a trace's routes and say where they differ.
+
+For every request of the trace (its token ids are in the requests table) one prefix-free forward of the
+engine's model recomputes each MoE layer's top-k. Reported: per layer, the fraction of tokens whose
+top-k *set* differs from the trace; the fraction of tokens with any layer different; and the near-tie
+margin, the gap between the K-th and (K+1)-th biased gate score, over all rows and over flipped rows
+(flips concentrate where the margin is tiny: that is what explains them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import duckdb
+import numpy as np
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from r3trace.capture.recorder import ListRecorder
+
+from .config import ModelConfig
+from .engine_config import EngineConfig
+from .forward_batch import ForwardBatch
+from .layers.routing import gate_scores, group_masked_choice
+from .model import DeepseekForCausalLM, build_model
+from .parallel import ParallelInfo
+from .weights import load_weights
+
+
+@dataclass(frozen=True)
+class ReplayReport:
+    requests: int
+    tokens: int
+    layer_ids: list[int]
+    layer_flip_rate: list[float]  # per MoE layer: share of tokens whose top-k set differs
+    token_any_flip_rate: float  # share of tokens with at least one layer different
+    margin_quantiles: dict[str, float]  # near-tie margin over all (token, layer) rows
+    flipped_margin_quantiles: dict[str, float]  # ... over the rows that flipped
+
+
+def _margin_hooks(model: DeepseekForCausalLM, store: dict[int, torch.Tensor]) -> list[RemovableHandle]:
+    """Hook every router: margin [T] = K-th minus (K+1)-th masked choice score."""
+    hooks = []
+    for layer in model.model.layers:
+        if not layer.is_moe:
+            continue
+        router = layer.mlp.gate
+
+        def hook(mod: torch.nn.Module, inp: tuple[torch.Tensor, ...], _out: object, lid: int = layer.layer_id) -> None:
+            p = mod.params  # type: ignore[attr-defined]
+            scores = gate_scores(mod.logits(inp[0]), p.scoring_func)  # type: ignore[operator]
+            choice = group_masked_choice(scores, mod.e_score_correction_bias, p)  # type: ignore[arg-type]
+            top = choice.topk(p.top_k + 1, dim=-1).values
+            store[lid] = (top[:, p.top_k - 1] - top[:, p.top_k]).float().cpu()
+
+        hooks.append(router.register_forward_hook(hook))
+    return hooks
+
+
+def replay_check(trace: str | Path, model_path: str | Path, dtype: str = "float32", device: str = "cpu",
+                 run_id: str | None = None) -> ReplayReport:
+    cfg = ModelConfig.from_hf(model_path)
+    recorder = ListRecorder()
+    model = build_model(cfg, EngineConfig(dtype=dtype, device=device), ParallelInfo(), recorder)  # type: ignore[arg-type]
+    load_weights(model, model_path)
+    margins: dict[int, torch.Tensor] = {}
+    hooks = _margin_hooks(model, margins)
+    con = duckdb.connect()
+    root = Path(trace)
+    where = "WHERE token_ids IS NOT NULL AND (? IS NULL OR run_id = ?)"
+    reqs = con.execute(
+        f"SELECT request_id, token_ids FROM read_parquet('{root}/**/requests-*.parquet', hive_partitioning=true) {where}",
+        [run_id, run_id],
+    ).fetchall()
+    moe = list(cfg.moe_layer_ids)
+    flips = np.zeros(len(moe))
+    any_flip = tokens = 0
+    all_m: list[np.ndarray] = []
+    flip_m: list[np.ndarray] = []
+    for rid, token_ids in reqs:
+        rows = con.execute(
+            f"SELECT token_pos, layer_id, topk_ids FROM read_parquet('{root}/**/part-*.parquet', hive_partitioning=true) "
+            "WHERE request_id = ? AND (? IS NULL OR run_id = ?) ORDER BY token_pos, layer_id", [rid, run_id, run_id],
+        ).fetchall()
+        if not rows:
+            continue
+        n = max(r[0] for r in rows) + 1
+        recorded = np.full((n, len(moe), cfg.num_experts_per_tok), -1, np.int64)
+        for pos, layer, ids in rows:
+            recorded[pos, moe.index(layer)] = ids
+        kv = torch.zeros(cfg.num_hidden_layers, n, cfg.kv_cache_dim, dtype=model.engine_config.torch_dtype, device=device)
+        r2t = torch.arange(n, dtype=torch.int32, device=device).unsqueeze(0)
+        fb = ForwardBatch.build(forward_id=0, input_ids=list(token_ids[:n]), prefix_lens=[0], extend_lens=[n],
+                                req_pool_indices=[0], out_cache_loc=r2t[0], req_to_token=r2t, logits_rows=[n - 1],
+                                device=device)
+        model(fb, kv)
+        differ = np.zeros((n, len(moe)), bool)
+        for j, layer in enumerate(moe):
+            ours = np.sort(recorder.routes[layer][0].cpu().numpy(), axis=-1)
+            differ[:, j] = (ours != np.sort(recorded[:, j], axis=-1)).any(-1)
+            m = margins[layer].numpy()
+            all_m.append(m)
+            flip_m.append(m[differ[:, j]])
+        flips += differ.sum(0)
+        any_flip += int(differ.any(1).sum())
+        tokens += n
+    for h in hooks:
+        h.remove()
+
+    def quantiles(x: list[np.ndarray]) -> dict[str, float]:
+        v = np.concatenate(x) if x else np.zeros(0)
+        if v.size == 0:
+            return {}
+        return {f"p{q}": float(np.quantile(v, q / 100)) for q in (1, 10, 50, 90)} | {"count": float(v.size)}
+
+    return ReplayReport(
+        requests=len(reqs), tokens=tokens, layer_ids=moe,
+        layer_flip_rate=[float(f / max(tokens, 1)) for f in flips],
+        token_any_flip_rate=any_flip / max(tokens, 1),
+        margin_quantiles=quantiles(all_m), flipped_margin_quantiles=quantiles(flip_m),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="r3trace replay-check", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(ap)
+    return run(ap.parse_args(argv))
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("trace", help="trace folder (a dataset of runs)")
+    ap.add_argument("--model", required=True, help="checkpoint folder (HF layout)")
+    ap.add_argument("--run-id", default=None)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    report = replay_check(args.trace, args.model, args.dtype, args.device, args.run_id)
+    if args.json:
+        print(json.dumps(asdict(report), indent=2))
+        return 0
+    print(f"requests {report.requests}  tokens {report.tokens}  tokens with any layer flipped "
+          f"{100 * report.token_any_flip_rate:.2f}%")
+    for layer, rate in zip(report.layer_ids, report.layer_flip_rate):
+        print(f"  layer {layer:3d}: {100 * rate:6.2f}% of tokens route to a different top-k set")
+    print(f"near-tie margin (K-th minus (K+1)-th biased score), all rows: {report.margin_quantiles}")
+    print(f"... rows that flipped: {report.flipped_margin_quantiles}")
+    return 0
