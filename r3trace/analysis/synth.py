@@ -169,7 +169,8 @@ def synth_routes(cfg: SynthConfig, num_tokens: int) -> Iterator[tuple[Schedule, 
     bank = route_bank(cfg, rng)
     sched = schedule(cfg, num_tokens, rng)
     last = np.full((len(sched.prompt_len), bank.shape[1]), -1, dtype=np.int32)
-    bounds = np.searchsorted(sched.forward_id, np.arange(0, sched.forward_id[-1] + 2, 64))
+    last_fwd = int(sched.forward_id[-1])
+    bounds = np.searchsorted(sched.forward_id, np.r_[np.arange(0, last_fwd + 1, 64), last_fwd + 1])  # 64 forwards
     for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
         if hi > lo:
             yield sched, int(lo), int(hi), route_chunk(bank, sched, int(lo), int(hi), last, cfg, rng)

@@ -1,0 +1,43 @@
+"""r3trace stats TRACE: per-run summary: rows, tokens, imbalance, locality, prefill vs decode."""
+
+from __future__ import annotations
+
+import argparse
+
+HELP = "summarise a trace: rows, tokens, per-layer imbalance, temporal locality"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("trace", help="dataset folder or run folder")
+    p.add_argument("--run-id", default=None)
+    p.add_argument("--layers", action="store_true", help="print the per-layer tables too")
+
+
+def run(args: argparse.Namespace) -> int:
+    import polars as pl
+
+    from r3trace.analysis.heat import imbalance
+    from r3trace.analysis.locality import temporal_locality
+    from r3trace.analysis.store import TraceStore
+
+    store = TraceStore(args.trace)
+    for r in store.runs:
+        m = r.manifest
+        if args.run_id not in (None, m.run_id):
+            continue
+        print(f"run {m.run_id}: {m.kind}, model {m.model_name}, L={m.num_moe_layers} E={m.num_experts} "
+              f"K={m.top_k}, {m.rows} rows in {m.file_count} files, {m.rows // m.num_moe_layers} tokens")
+        source = "rollups" if m.kind == "heat" else "routes"
+        imb = imbalance(store.con, m.run_id, source=source)
+        print(imb.select(pl.exclude("layer_id", "selections").mean()).with_columns(pl.lit("mean over layers")
+              .alias("")))
+        if m.kind == "routes":
+            loc = temporal_locality(store.con, m.run_id)
+            print(f"temporal locality: mean overlap {loc['mean_overlap'].mean():.3f} "
+                  f"(independent tokens: {loc['baseline'].mean():.3f})")
+            if args.layers:
+                print(loc)
+        if args.layers:
+            with pl.Config(tbl_rows=-1):
+                print(imb)
+    return 0
