@@ -32,6 +32,7 @@ from r3trace.engine.radix_cache import RadixCache
 from r3trace.engine.request import InvalidRequestError, Req
 from r3trace.engine.request_builder import RequestBuilder, as_list
 from r3trace.engine.result import build_result, error_result
+from r3trace.engine.route_capture import CaptureRequest, RouteCaptureHooks, parse_replay, route_meta
 from r3trace.engine.sampling import Sampler
 from r3trace.engine.scheduler import RequestHooks, Scheduler
 from r3trace.engine.tokenizer import load_tokenizer
@@ -39,7 +40,6 @@ from r3trace.engine.weights import load_weights
 
 from r3trace.capture.capturer import CaptureConfig, RoutedExpertsCapturer
 from r3trace.capture.recorder import RouteRecorder
-from r3trace.engine.route_capture import CaptureRequest, RouteCaptureHooks, parse_replay, route_meta
 
 log = logging.getLogger(__name__)
 _OPTIONS = frozenset(f.name for f in fields(EngineConfig)) - {"dtype", "device", "extra"}

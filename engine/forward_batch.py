@@ -84,10 +84,10 @@ class ForwardBatch:
         replay: ReplayPlan | None = None,
     ) -> ForwardBatch:
         """Build a batch from host lists (one host->device copy per field, no device->host sync)."""
-        seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+        seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=False)]
         starts, acc = [], 0
         positions: list[int] = []
-        for p, e in zip(prefix_lens, extend_lens):
+        for p, e in zip(prefix_lens, extend_lens, strict=False):
             starts.append(acc)
             acc += e
             positions.extend(range(p, p + e))

@@ -12,9 +12,9 @@ from typing import Protocol
 import torch
 from r3trace.engine.config import ModelConfig
 from r3trace.engine.forward_batch import ForwardBatch
-from r3trace.engine.route_capture import replay_plan
 from r3trace.engine.kv_pool import KVPool, ReqToTokenPool
 from r3trace.engine.request import LogprobEntry
+from r3trace.engine.route_capture import replay_plan
 from r3trace.engine.sampling import Sampler
 from r3trace.engine.step import ReqOutput, ScheduledReq
 

@@ -147,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(f"requests {report.requests}  tokens {report.tokens}  tokens with any layer flipped "
           f"{100 * report.token_any_flip_rate:.2f}%")
-    for layer, rate in zip(report.layer_ids, report.layer_flip_rate):
+    for layer, rate in zip(report.layer_ids, report.layer_flip_rate, strict=False):
         print(f"  layer {layer:3d}: {100 * rate:6.2f}% of tokens route to a different top-k set")
     print(f"near-tie margin (K-th minus (K+1)-th biased score), all rows: {report.margin_quantiles}")
     print(f"... rows that flipped: {report.flipped_margin_quantiles}")

@@ -56,7 +56,7 @@ class RefAttention:
         self, q: torch.Tensor, kv_cache: torch.Tensor, fb: ForwardBatch, kv_lora_rank: int, scale: float
     ) -> torch.Tensor:
         out = q.new_empty(q.shape[0], q.shape[1], kv_lora_rank)
-        for b, (start, n, seq_len) in enumerate(zip(_starts(fb), fb.extend_lens_cpu, fb.seq_lens_cpu)):
+        for b, (start, n, seq_len) in enumerate(zip(_starts(fb), fb.extend_lens_cpu, fb.seq_lens_cpu, strict=False)):
             slots = fb.req_to_token[fb.req_pool_indices[b], :seq_len].long()
             kv = kv_cache[slots].float()  # [N, C]
             qb = q[start : start + n].float()  # [n, H, C]
@@ -75,7 +75,7 @@ class RefAttention:
         scale: float,
     ) -> torch.Tensor:
         out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
-        for start, n, ks, kl in zip(_starts(fb), fb.extend_lens_cpu, k_starts, k_lens):
+        for start, n, ks, kl in zip(_starts(fb), fb.extend_lens_cpu, k_starts, k_lens, strict=False):
             qb, kb, vb = q[start : start + n].float(), k[ks : ks + kl].float(), v[ks : ks + kl].float()
             probs = _causal_softmax(torch.einsum("nhd,khd->hnk", qb, kb) * scale, n, kl)
             out[start : start + n] = torch.einsum("hnk,khd->nhd", probs, vb).to(q.dtype)

@@ -114,7 +114,7 @@ class RoutedExpertsCapturer:
 
     def on_forward_end(self, batch: BatchView) -> None:
         entries, rows, start, wanted_all = [], [], 0, True
-        for rid, n, prefix, phase in zip(batch.request_ids, batch.extend_lens_cpu, batch.prefix_lens_cpu, batch.phases):
+        for rid, n, prefix, phase in zip(batch.request_ids, batch.extend_lens_cpu, batch.prefix_lens_cpu, batch.phases, strict=False):
             state = self.requests.get(rid)
             if self.sink is not None or (state is not None and state.want):
                 entries.append((rid, len(rows), n, prefix, phase))

@@ -19,8 +19,8 @@ import numpy as np
 import pyarrow.parquet as pq
 import pybase64
 import pytest
-
 from r3trace.engine import InvalidRequestError
+
 from tests.capture.helpers import returned_routes
 from tests.engine.conftest import EngineFactory, greedy, random_prompts
 

@@ -20,7 +20,7 @@ def test_one_request_and_mixed_batches(tiny_ckpt: Path, make_engine: EngineFacto
     prompts = random_prompts(6, 3, 30, seed=1)
     alone = [engine.generate(input_ids=p, sampling_params=greedy(7), return_routed_experts=True) for p in prompts]
     together = engine.generate(input_ids=prompts, sampling_params=greedy(7), return_routed_experts=True)
-    for p, a, b in zip(prompts, alone, together):
+    for p, a, b in zip(prompts, alone, together, strict=False):
         assert_routes_exact(tiny_ckpt, p, a)
         assert_routes_exact(tiny_ckpt, p, b)
         meta = b["meta_info"]
@@ -60,7 +60,7 @@ def test_preemption_and_reprefill(tiny_ckpt: Path, make_engine: EngineFactory) -
     prompts = random_prompts(5, 8, 14, seed=4)
     outs = engine.generate(input_ids=prompts, sampling_params=greedy(12), return_routed_experts=True)
     assert engine.scheduler.num_retractions > 0, "the pool must be small enough to force retraction"
-    for p, o in zip(prompts, outs):
+    for p, o in zip(prompts, outs, strict=False):
         assert_routes_exact(tiny_ckpt, p, o)
     assert engine.recompute_mismatches == 0  # deterministic fp32: re-prefill routes the same way
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from r3trace.engine import Engine
+from r3trace.engine import Engine, InvalidRequestError
 from r3trace.engine.engine_config import EngineConfigError
 
 from tests.engine.conftest import VOCAB, EngineFactory, assert_pool_whole, greedy, random_prompts
@@ -173,8 +173,8 @@ def test_api_errors(make_engine: EngineFactory, tiny_ckpt: Path) -> None:
     with pytest.raises(EngineConfigError, match="page_size"):
         Engine(tiny_ckpt, page_size=0)
     e = make_engine()
-    with pytest.raises(NotImplementedError):
-        e.generate(input_ids=[3, 4], return_routed_experts=True)
+    with pytest.raises(InvalidRequestError, match="return_routed_weights"):
+        e.generate(input_ids=[3, 4], return_routed_weights=True)  # needs capture_weights=True
     e.shutdown()
     with pytest.raises(RuntimeError, match="shut down"):
         e.generate(input_ids=[3, 4])

@@ -1,0 +1,214 @@
+"""Capture overhead, wire-format throughput and trace-sink throughput.
+
+Run (GPU): python bench/capture.py --device cuda --out $OUT/capture.json
+Run (CPU, wire + sink only): python bench/capture.py --device cpu --parts wire,sink
+
+Decode-step time with route capture on (every request asks) vs off, on a random model with DeepSeek-V3
+routing dims (E=256, K=8, 8 groups, top-4 groups) at batch 1, 64 and 256; capture's own host syncs are
+counted with torch.cuda.set_sync_debug_mode("error") around every capturer call. Wire: base64 encode and
+decode of a 32k-token x 58-layer x top-8 route array with pybase64 vs the standard library, same run.
+Sink: tokens/s through TraceWriter and bytes per token on disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from r3trace.engine.config import ModelConfig
+from r3trace.engine.engine_config import EngineConfig
+from r3trace.engine.forward_batch import ForwardBatch
+from r3trace.engine.model import build_model
+from r3trace.engine.parallel import ParallelInfo
+
+from r3trace.capture.capturer import CaptureConfig, RoutedExpertsCapturer
+from r3trace.capture.recorder import NullRecorder
+
+
+def v3_routing_config(layers: int) -> ModelConfig:
+    """DeepSeek-V3 routing and MLA dims, a narrower hidden size so `layers` MoE layers fit quickly."""
+    return ModelConfig.from_dict(dict(
+        model_type="deepseek_v3", vocab_size=32000, hidden_size=2048, num_hidden_layers=layers,
+        intermediate_size=4096, num_attention_heads=16, q_lora_rank=768, kv_lora_rank=512,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, moe_intermediate_size=256,
+        n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8, n_group=8, topk_group=4,
+        topk_method="noaux_tc", scoring_func="sigmoid", norm_topk_prob=True, routed_scaling_factor=2.5,
+        first_k_dense_replace=1, max_position_embeddings=4096,
+    ), name="bench-v3-routing")
+
+
+def random_model(cfg: ModelConfig, ecfg: EngineConfig, recorder: Any) -> torch.nn.Module:
+    model = build_model(cfg, ecfg, ParallelInfo(), recorder)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            p.data.fill_(1.0)
+        else:
+            p.data.copy_((torch.randn(p.shape, generator=gen) * 0.02).to(p.dtype))
+    model.post_load()
+    return model
+
+
+class _SyncChecked:
+    """Wraps a capturer: every call runs under set_sync_debug_mode('error') (a host sync raises)."""
+
+    def __init__(self, inner: RoutedExpertsCapturer) -> None:
+        self.inner = inner
+
+    def _guard(self, fn: Any, *args: Any) -> None:
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            fn(*args)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    def on_forward_begin(self, batch: Any) -> None:
+        self._guard(self.inner.on_forward_begin, batch)
+
+    def capture(self, layer_id: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor | None = None) -> None:
+        self._guard(self.inner.capture, layer_id, topk_ids, topk_weights)
+
+    def on_forward_end(self, batch: Any) -> None:
+        self._guard(self.inner.on_forward_end, batch)
+
+
+def set_recorder(model: torch.nn.Module, recorder: Any) -> None:
+    """Bench only: swap the injected recorder so one set of weights serves both runs."""
+    model.recorder = recorder
+    for layer in model.model.layers:
+        if layer.is_moe:
+            layer.mlp.gate.recorder = recorder
+
+
+def decode_step_times(args: argparse.Namespace) -> list[dict[str, Any]]:
+    cfg = v3_routing_config(args.layers)
+    backend = "triton" if args.device == "cuda" else "ref"
+    ecfg = EngineConfig(dtype="bfloat16", device=args.device, attention_backend=backend, moe_backend=backend,
+                        topk_backend=backend, kv_pool_tokens=max(args.batches) * args.context, chunked_prefill_size=512,
+                        max_running_requests=max(args.batches))
+    model = random_model(cfg, ecfg, NullRecorder())
+    slots = ecfg.kv_pool_tokens
+    kv = torch.randn(cfg.num_hidden_layers, slots, cfg.kv_cache_dim, dtype=torch.bfloat16, device=args.device) * 0.1
+    capturer = RoutedExpertsCapturer(CaptureConfig(
+        num_hidden_layers=cfg.num_hidden_layers, moe_layer_ids=cfg.moe_layer_ids, top_k=8, num_experts=256,
+        kv_slots=slots, max_batch_tokens=max(512, max(args.batches)), chunked_prefill_size=512,
+        max_running_requests=max(args.batches), device=args.device,
+    ))
+    rows = []
+    for b in args.batches:
+        r2t = torch.arange(b * args.context, dtype=torch.int32, device=args.device).view(b, args.context)
+        fb = ForwardBatch.build(
+            forward_id=0, input_ids=list(range(7, 7 + b)), prefix_lens=[args.context - 1] * b, extend_lens=[1] * b,
+            req_pool_indices=list(range(b)), out_cache_loc=r2t[:, -1].long(), req_to_token=r2t,
+            logits_rows=list(range(b)), device=args.device, request_ids=[f"r{i}" for i in range(b)],
+            phases=["decode"] * b,
+        )
+        for i in range(b):
+            capturer.add_request(f"r{i}", want=True)
+        result: dict[str, Any] = {"batch": b, "context": args.context, "layers": args.layers}
+        for mode in ("off", "on", "off", "on"):  # interleaved, twice: the spread shows the noise
+            set_recorder(model, NullRecorder() if mode == "off" else (_SyncChecked(capturer) if args.device == "cuda" else capturer))
+            times = []
+            for it in range(args.warmup + args.iters):
+                if args.device == "cuda":
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                model(fb, kv)
+                capturer.drain()
+                if args.device == "cuda":
+                    torch.cuda.synchronize()
+                if it >= args.warmup:
+                    times.append(time.perf_counter() - t0)
+            result.setdefault(f"step_ms_{mode}", []).append(1e3 * statistics.median(times))
+        off, on = min(result["step_ms_off"]), min(result["step_ms_on"])
+        result["overhead_pct"] = 100 * (on - off) / off
+        result["bytes_copied_per_step"] = capturer.bytes_last_step
+        rows.append(result)
+        print(f"decode B={b:4d}: off {off:8.3f} ms  on {on:8.3f} ms  overhead {result['overhead_pct']:+.2f}%  "
+              f"copied {capturer.bytes_last_step} B/step", flush=True)
+    return rows
+
+
+def wire_throughput(tokens: int = 32768, layers: int = 58, k: int = 8) -> dict[str, float]:
+    import pybase64
+
+    ids = np.random.default_rng(0).integers(0, 256, size=(tokens, layers, k), dtype=np.int32)
+    raw = ids.astype("<i4").tobytes()
+    out: dict[str, float] = {"payload_mb": len(raw) / 1e6}
+    for name, enc, dec in (("pybase64", pybase64.b64encode, pybase64.b64decode),
+                           ("stdlib", base64.b64encode, base64.b64decode)):
+        encoded = enc(raw)
+        t_enc = min(_timeit(lambda: enc(raw)) for _ in range(3))  # noqa: B023
+        t_dec = min(_timeit(lambda: dec(encoded)) for _ in range(3))  # noqa: B023
+        out[f"{name}_encode_mb_s"] = len(raw) / 1e6 / t_enc
+        out[f"{name}_decode_mb_s"] = len(raw) / 1e6 / t_dec
+    out["encode_ratio"] = out["pybase64_encode_mb_s"] / out["stdlib_encode_mb_s"]
+    out["decode_ratio"] = out["pybase64_decode_mb_s"] / out["stdlib_decode_mb_s"]
+    print("wire:", json.dumps({k_: round(v, 1) for k_, v in out.items()}), flush=True)
+    return out
+
+
+def sink_throughput(tokens: int = 200_000, layers: int = 58, k: int = 8) -> dict[str, float]:
+    from r3trace.trace.writer import TraceWriter
+
+    rng = np.random.default_rng(1)
+    # Zipf-skewed ids, like a trained router's, so compression is not flattered by uniform noise.
+    ids = (rng.zipf(1.3, size=(tokens, layers, k)) % 256).astype(np.int32)
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        with TraceWriter(tmp, model_name="bench", num_hidden_layers=layers + 3, moe_layer_ids=range(3, layers + 3),
+                         num_experts=256, top_k=k) as w:
+            step = 4096
+            for s in range(0, tokens, step):
+                n = min(step, tokens - s)
+                w.append_tokens([f"req{(s + i) // 1024}" for i in range(n)], np.arange(s, s + n) % 1024, "decode",
+                                "computed", s // step, time.time_ns(), 0, ids[s : s + n])
+        dt = time.perf_counter() - t0
+        size = sum(p.stat().st_size for p in Path(tmp).rglob("part-*.parquet"))
+    out = {"tokens": tokens, "tokens_per_s": tokens / dt, "bytes_per_token": size / tokens,
+           "bytes_per_expert_id": size / (tokens * layers * k)}
+    print("sink:", json.dumps({k_: round(v, 3) for k_, v in out.items()}), flush=True)
+    return out
+
+
+def _timeit(fn: Any) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--parts", default="decode,wire,sink")
+    ap.add_argument("--batches", default="1,64,256")
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    args.batches = [int(x) for x in args.batches.split(",")]
+    parts = set(args.parts.split(","))
+    report: dict[str, Any] = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+                              "torch": torch.__version__}
+    if "decode" in parts:
+        report["decode"] = decode_step_times(args)
+    if "wire" in parts:
+        report["wire"] = wire_throughput()
+    if "sink" in parts:
+        report["sink"] = sink_throughput()
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

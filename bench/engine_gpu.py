@@ -1,0 +1,124 @@
+"""The engine on a GPU: exactness of captured routes, ref vs triton backends, decode throughput.
+
+Run: python bench/engine_gpu.py --out $OUT/engine_gpu.json   (needs CUDA and transformers)
+
+1. A tiny random V3 checkpoint (transformers save_pretrained): the engine on CUDA in fp32 returns routes
+   equal to a direct forward's, and the same greedy tokens as on the CPU.
+2. The same with attention/MoE/top-k triton backends: same greedy tokens and routes as ref.
+3. Decode tokens/s of Engine.generate at batch 64 on a larger random V3-shaped checkpoint, bf16,
+   ref vs triton backends, capture off vs on (every request asks for routes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from r3trace.engine import Engine  # noqa: E402
+
+import r3trace  # noqa: E402
+from tests.tiny_models import direct_forward, load_engine_model, make_checkpoint  # noqa: E402
+
+
+def exactness(tmp: Path, backend: str) -> dict[str, Any]:
+    ckpt = make_checkpoint(tmp / "tiny", "v3_noaux_groups", seed=3)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(2, 320, size=int(n)).tolist() for n in rng.integers(4, 40, size=16)]
+    params = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+    out: dict[str, Any] = {"backend": backend}
+    results = {}
+    for device in ("cpu", "cuda"):
+        opts = {} if device == "cpu" else dict(attention_backend=backend, moe_backend=backend, topk_backend=backend)
+        with Engine(ckpt, device=device, chunked_prefill_size=64, **opts) as eng:
+            results[device] = eng.generate(input_ids=prompts, sampling_params=params, return_routed_experts=True)
+    out["same_tokens_cpu_vs_cuda"] = all(a["output_ids"] == b["output_ids"] for a, b in zip(results["cpu"], results["cuda"], strict=False))
+    model = load_engine_model(ckpt, device="cuda")
+    mismatched = total = 0
+    for p, r in zip(prompts, results["cuda"], strict=False):
+        seq = p + r["output_ids"]
+        _, routes = direct_forward(model, seq[:-1])
+        got = r3trace.decode_routed_experts(r["meta_info"])
+        for layer, ids in routes.items():
+            mismatched += int((got[:, layer] != ids.cpu().numpy()).any(-1).sum())
+            total += len(ids)
+    out["route_rows_mismatched_vs_direct_forward"] = mismatched
+    out["route_rows"] = total
+    print(f"[{backend}] exactness: {out}", flush=True)
+    return out
+
+
+def throughput(tmp: Path, backend: str, capture: bool, batch: int, new_tokens: int) -> dict[str, Any]:
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    ckpt = tmp / "mid"
+    if not (ckpt / "config.json").exists():
+        torch.manual_seed(0)
+        cfg = DeepseekV3Config(
+            vocab_size=32000, hidden_size=1024, intermediate_size=2816, moe_intermediate_size=512,
+            num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=16, n_routed_experts=64,
+            n_shared_experts=1, num_experts_per_tok=6, n_group=8, topk_group=4, first_k_dense_replace=1,
+            q_lora_rank=512, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+            max_position_embeddings=4096, dtype="bfloat16",
+        )
+        DeepseekV3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(ckpt)
+    opts = dict(attention_backend=backend, moe_backend=backend, topk_backend=backend)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(2, 32000, size=128).tolist() for _ in range(batch)]
+    params = {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}
+    with Engine(ckpt, dtype="bfloat16", device="cuda", chunked_prefill_size=8192, max_running_requests=batch,
+                kv_pool_tokens=batch * (128 + new_tokens + 8), **opts) as eng:
+        eng.generate(input_ids=prompts[:2], sampling_params={**params, "max_new_tokens": 2})  # warm-up
+        t0 = time.perf_counter()
+        eng.generate(input_ids=prompts, sampling_params={**params, "max_new_tokens": 1}, return_routed_experts=capture)
+        prefill_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        eng.generate(input_ids=prompts, sampling_params=params, return_routed_experts=capture)
+        total_s = time.perf_counter() - t0
+    decode_s = max(total_s - prefill_s, 1e-9)
+    out = {"backend": backend, "capture": capture, "batch": batch, "new_tokens": new_tokens,
+           "decode_tokens_per_s": batch * (new_tokens - 1) / decode_s, "prefill_s": prefill_s, "total_s": total_s}
+    print(f"throughput: {out}", flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--backends", default="ref,triton")
+    args = ap.parse_args()
+    report: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    backends = args.backends.split(",")
+    with tempfile.TemporaryDirectory() as tmp:
+        report["exactness"] = []
+        for b in backends:
+            try:
+                report["exactness"].append(exactness(Path(tmp), b))
+            except Exception as exc:  # a broken backend is a finding, not a reason to lose the rest
+                report["exactness"].append({"backend": b, "error": repr(exc)})
+                print(f"[{b}] exactness failed: {exc!r}", flush=True)
+        report["throughput"] = []
+        for b in backends:
+            for capture in (False, True):
+                try:
+                    report["throughput"].append(throughput(Path(tmp), b, capture, args.batch, args.new_tokens))
+                except Exception as exc:
+                    report["throughput"].append({"backend": b, "capture": capture, "error": repr(exc)})
+                    print(f"[{b}] throughput failed: {exc!r}", flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
