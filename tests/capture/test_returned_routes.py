@@ -142,3 +142,21 @@ def test_overflowing_configuration_is_refused() -> None:
     with pytest.raises(CaptureConfigError, match="spec_verify_tokens 3"):
         CaptureConfig(num_hidden_layers=4, moe_layer_ids=(1, 2, 3), top_k=8, num_experts=256, kv_slots=1024,
                       max_batch_tokens=300, chunked_prefill_size=256, max_running_requests=100, spec_verify_tokens=3)
+
+
+def test_routed_weights_are_the_gate_weights(tiny_ckpt: Path, make_engine: EngineFactory) -> None:
+    import r3trace
+    from tests.tiny_models import direct_forward, load_engine_model
+
+    engine = make_engine(capture_weights=True)
+    p = random_prompts(1, 9, 9, seed=9)[0]
+    out = engine.generate(input_ids=p, sampling_params=greedy(3), return_routed_weights=True)
+    weights = r3trace.decode_routed_weights(out["meta_info"])
+    ids = returned_routes(out)
+    assert weights.dtype == np.float16 and weights.shape == ids.shape
+    model = load_engine_model(tiny_ckpt)
+    direct_forward(model, (p + out["output_ids"])[:-1])
+    for layer, (_, w) in model.recorder.routes.items():
+        # float16 on the wire: 11 significant bits, so 1e-3 relative (weights are O(1) after scaling)
+        np.testing.assert_allclose(weights[:, layer], w.numpy(), rtol=1e-3, atol=1e-3)
+    assert (weights[:, 0] == 0).all()  # dense layer: no weights
