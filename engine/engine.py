@@ -32,7 +32,7 @@ from r3trace.engine.radix_cache import RadixCache
 from r3trace.engine.request import InvalidRequestError, Req
 from r3trace.engine.request_builder import RequestBuilder, as_list
 from r3trace.engine.result import build_result, error_result
-from r3trace.engine.route_capture import CaptureRequest, RouteCaptureHooks, parse_replay, route_meta
+from r3trace.engine.route_capture import CaptureRequest, RouteCaptureHooks, TeeSink, parse_replay, route_meta
 from r3trace.engine.sampling import Sampler
 from r3trace.engine.scheduler import RequestHooks, Scheduler
 from r3trace.engine.tokenizer import load_tokenizer
@@ -208,10 +208,15 @@ class Engine:
             req.use_prefix_cache = False
 
     # ------------------------------------------------------------------ traces
-    def start_trace(self, trace_dir: str | Path, run_id: str | None = None, **writer_options: Any) -> str:
+    def start_trace(
+        self, trace_dir: str | Path, run_id: str | None = None, stream_to: Any = None, **writer_options: Any
+    ) -> str:
         """Record every request into trace_dir (a run of Parquet files + manifest.json); returns the run id.
 
-        writer_options go to TraceWriter (rows_per_file, flush_rows, max_file_age_s, ...)."""
+        stream_to: also write every batch of rows, as it is captured, to an Arrow IPC stream (a path or a
+        binary file object such as a pipe). writer_options go to TraceWriter (rows_per_file, flush_rows,
+        max_file_age_s, ...)."""
+        from r3trace.trace.stream import TraceStreamWriter
         from r3trace.trace.writer import TraceWriter
 
         if self.route_hooks is None:
@@ -225,12 +230,14 @@ class Engine:
             parallel={"tp_size": 1, "dp_size": 1, "ep_size": 1}, **writer_options,
         )
 
+        stream = None if stream_to is None else TraceStreamWriter(stream_to, writer.manifest)
+
         def attach() -> None:
             assert self.route_hooks is not None and self.capturer is not None
             if self.route_hooks.writer is not None:
                 writer.close()
                 raise RuntimeError("a trace is already being recorded: stop_trace() first")
-            self.capturer.attach_sink(writer)
+            self.capturer.attach_sink(writer if stream is None else TeeSink(writer, stream))
             self.route_hooks.writer = writer
 
         self._call(attach)
@@ -244,7 +251,9 @@ class Engine:
             writer, self.route_hooks.writer = self.route_hooks.writer, None
             if writer is None:
                 return None
-            self.capturer.detach_sink()
+            sink = self.capturer.detach_sink()
+            if isinstance(sink, TeeSink):
+                sink.stream.close()
             return writer.close()
 
         manifest = self._call(detach)

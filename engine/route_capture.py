@@ -39,6 +39,18 @@ class CaptureRequest:
     provenance: list[tuple[int, int, str, str]] = field(default_factory=list)
 
 
+class TeeSink:
+    """Rows to the Parquet writer and, as they are captured, to an Arrow IPC stream."""
+
+    def __init__(self, writer: Any, stream: Any) -> None:
+        self.writer = writer
+        self.stream = stream
+
+    def append_tokens(self, *args: Any, **kwargs: Any) -> None:
+        self.writer.append_tokens(*args, **kwargs)
+        self.stream.append_tokens(*args, **kwargs)
+
+
 class RouteCaptureHooks:
     def __init__(self, capturer: RoutedExpertsCapturer, pool: KVPool) -> None:
         self.capturer = capturer

@@ -135,3 +135,22 @@ def test_sink_killed_mid_run_leaves_only_complete_files(tiny_ckpt: Path, tmp_pat
     # what was not flushed when the process died sits only in *.tmp files, which readers skip
     assert all(p.suffix == ".tmp" for p in run.iterdir() if p.name not in listed and p.name != "manifest.json"
                and not p.name.startswith(("rollup-", "requests-")))
+
+
+def test_arrow_ipc_stream_carries_the_same_rows(make_engine: EngineFactory, tmp_path: Path) -> None:
+    import pyarrow as pa
+
+    from r3trace.trace.stream import read_stream
+
+    engine = make_engine()
+    engine.start_trace(tmp_path / "trace", run_id="s1", stream_to=str(tmp_path / "routes.arrows"))
+    engine.generate(input_ids=random_prompts(3, 4, 9, seed=14), sampling_params=greedy(4))
+    engine.stop_trace()
+    manifest, batches = read_stream(str(tmp_path / "routes.arrows"))
+    streamed = pa.Table.from_batches(list(batches))
+    assert manifest.run_id == "s1" and list(manifest.moe_layer_ids) == [1, 2]
+    parquet = pq.read_table(next((tmp_path / "trace" / "run_id=s1").glob("part-*.parquet")))
+    key = ["request_id", "token_pos", "layer_id"]
+    a = streamed.select([*key, "topk_ids"]).sort_by([(k, "ascending") for k in key]).to_pylist()
+    b = parquet.select([*key, "topk_ids"]).sort_by([(k, "ascending") for k in key]).to_pylist()
+    assert a == b and len(a) > 0
