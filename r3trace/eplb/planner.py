@@ -109,7 +109,7 @@ def plan(
         cnt_prev = node_counts(prev, cluster)
         keep_home = np.take_along_axis(cnt_prev, home[..., None], 2)[..., 0] > 0
         if not keep_home.all():
-            home = np.where(keep_home.all(1, keepdims=True), home, _prev_home(prev, cluster, e))
+            home = np.where(keep_home.all(1, keepdims=True), home, _prev_home(cnt_prev, cluster))
     logcnt = replica_counts(w, cluster.num_slots)
     cnt = spread_replicas(w, logcnt, home, cluster)
     fresh = from_phy2log(pack_nodes(w, logcnt, cnt, cluster), e)
@@ -127,6 +127,11 @@ def plan(
     return from_phy2log(phy2log, e)
 
 
-def _prev_home(prev: Placement, cluster: Cluster, e: int) -> np.ndarray:
-    """[L, E] a node holding each expert in `prev` (its first replica's node)."""
-    return cluster.slot_node()[prev.log2phy[:, :, 0]]
+def _prev_home(cnt_prev: np.ndarray, cluster: Cluster) -> np.ndarray:
+    """[L, E] home node of each expert in a previous placement with replicas per node cnt_prev [L, E, N]:
+    the node holding the most distinct experts of its group (the home holds all of them; other nodes
+    only the group's hot extras)."""
+    n_layers, e, n = cnt_prev.shape
+    gr = cluster.num_groups
+    present = (cnt_prev > 0).reshape(n_layers, gr, e // gr, n).sum(2)  # [L, groups, N]
+    return np.repeat(present.argmax(2), e // gr, axis=1)

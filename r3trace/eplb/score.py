@@ -2,8 +2,9 @@
 
 Two load models:
   even           each replica of e gets count_e / logcnt_e (EPLB's own assumption; needs only heat)
-  node_limited   per token and layer the dispatcher first picks nodes by greedy set cover over the nodes that
-                 hold its K experts (ties broken at random), then splits each expert's unit of work evenly
+  node_limited   per token and layer the dispatcher first picks the fewest nodes that hold all its K experts
+                 (exact minimum cover for N <= 8 nodes, 2^N subsets; greedy set cover above; ties broken at
+                 random so no node is favoured), then splits each expert's unit of work evenly
                  over that expert's replicas on the chosen nodes. Nodes per token = the cover's size.
 Shape legend: T tokens, L layers, K top-k, E experts, P slots, G GPUs, N nodes, R max replicas.
 """
@@ -67,18 +68,10 @@ def _node_limited(
     cnt = node_counts(pl, cluster)  # [L, E, N]
     lrow = np.arange(n_layers)[None, :, None]
     has = cnt[lrow, topk_ids] > 0  # [T, L, K, N]
-    uncovered = np.ones((t, n_layers, k), dtype=bool)
-    chosen = np.zeros((t, n_layers, n), dtype=bool)
-    jitter = rng.random((t, n_layers, n)) * 0.5  # breaks ties between equal gains only
-    for _ in range(k):
-        gain = (has & uncovered[..., None]).sum(2)  # [T, L, N]
-        if not gain.any():
-            break
-        best = np.argmax(gain + jitter, axis=2)  # [T, L]
-        active = np.take_along_axis(gain, best[..., None], 2)[..., 0] > 0
-        chosen[np.arange(t)[:, None], np.arange(n_layers)[None, :], best] |= active
-        took = np.take_along_axis(has, best[..., None, None].repeat(k, 2), 3)[..., 0]  # [T, L, K]
-        uncovered &= ~(took & active[..., None])
+    if n <= EXACT_COVER_NODES:
+        chosen = _min_cover(has, rng)
+    else:
+        chosen = _greedy_cover(has, rng)
     # split each (token, layer, k) unit over its replicas on chosen nodes
     slots = pl.log2phy[lrow, topk_ids]  # [T, L, K, R]
     valid = slots >= 0
@@ -94,6 +87,44 @@ def _node_limited(
         remote = nodes - np.take_along_axis(chosen, token_node[:, None, None].repeat(n_layers, 1), 2)[..., 0]
     slot_load = load.reshape(n_layers, cluster.num_slots)
     return Dispatch(slot_load, slot_load.reshape(n_layers, cluster.num_gpus, -1).sum(-1), nodes, remote)
+
+
+EXACT_COVER_NODES = 8  # 255 subsets: exact; 18 nodes would be 262K subsets, so greedy there
+
+
+def _min_cover(has: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """has [T, L, K, N] -> chosen [T, L, N]: a smallest node set covering all K experts."""
+    t, n_layers, k, n = has.shape
+    masks = ((np.arange(1, 2**n)[:, None] >> np.arange(n)) & 1).astype(bool)  # [S, N]
+    size = masks.sum(1)
+    best = np.full((t, n_layers), -1)
+    best_score = np.full((t, n_layers), np.inf)
+    bits = (has.astype(np.int64) << np.arange(n)).sum(-1)  # [T, L, K] node bitmask of each expert
+    for s in np.argsort(size, kind="stable"):
+        covers = ((bits & (s + 1)) != 0).all(-1)  # [T, L]; subset s is the bitmask s + 1
+        score = np.where(covers, size[s] + rng.random((t, n_layers)) * 0.5, np.inf)
+        better = score < best_score
+        best = np.where(better, s, best)
+        best_score = np.where(better, score, best_score)
+    return masks[np.maximum(best, 0)] & (best >= 0)[..., None]
+
+
+def _greedy_cover(has: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """has [T, L, K, N] -> chosen [T, L, N]: greedy set cover, most uncovered experts first."""
+    t, n_layers, k, n = has.shape
+    uncovered = np.ones((t, n_layers, k), dtype=bool)
+    chosen = np.zeros((t, n_layers, n), dtype=bool)
+    jitter = rng.random((t, n_layers, n)) * 0.5  # breaks ties between equal gains only
+    for _ in range(k):
+        gain = (has & uncovered[..., None]).sum(2)  # [T, L, N]
+        if not gain.any():
+            break
+        best = np.argmax(gain + jitter, axis=2)  # [T, L]
+        active = np.take_along_axis(gain, best[..., None], 2)[..., 0] > 0
+        chosen[np.arange(t)[:, None], np.arange(n_layers)[None, :], best] |= active
+        took = np.take_along_axis(has, best[..., None, None].repeat(k, 2), 3)[..., 0]  # [T, L, K]
+        uncovered &= ~(took & active[..., None])
+    return chosen
 
 
 def balancedness(gpu_load: np.ndarray) -> float:

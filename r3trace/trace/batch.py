@@ -95,6 +95,7 @@ def route_rows(
     topk_weights: np.ndarray | None,
     *,
     num_experts: int,
+    top_k: int,
     with_weights: bool,
 ) -> pa.Table:
     """One entry per row (N rows): topk_ids [N, K], topk_weights [N, K] or None -> routes table [N]."""
@@ -102,7 +103,7 @@ def route_rows(
     if ids.ndim != 2:
         raise TraceSchemaError(f"column topk_ids has shape {ids.shape}, expected [N, K]")
     n, k = ids.shape
-    ids = check_ids(ids, num_experts, k)
+    ids = check_ids(ids, num_experts, top_k)
     if isinstance(request_id, str):
         rid: pa.Array = pa.array([request_id], pa.string()).take(np.zeros(n, dtype=np.int64))
     else:

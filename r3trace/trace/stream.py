@@ -47,7 +47,8 @@ class TraceStreamWriter:
         m = self.manifest
         kw = expand_tokens(m.moe_layer_ids, request_id, token_pos, phase, source, forward_id, ts, dp_rank,
                            topk_ids, topk_weights)
-        table = route_rows(m.run_id, **kw, num_experts=m.num_experts, with_weights=m.with_weights)
+        table = route_rows(m.run_id, **kw, num_experts=m.num_experts, top_k=m.top_k,
+                           with_weights=m.with_weights)
         self._writer.write_table(table)
         self.rows += table.num_rows
 

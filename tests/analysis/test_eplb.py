@@ -1,0 +1,81 @@
+"""EPLB policies and our planner: invariants, a known case, node limit, churn.
+Run: .venv/bin/python -m pytest tests/analysis/test_eplb.py -q"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from r3trace.eplb import Cluster, churn, cross_node, global_policy, hierarchical, plan
+from r3trace.eplb.packing import balanced_packing, replicate_experts
+from r3trace.eplb.placement import check_placement, from_json, to_json, to_sglang
+from r3trace.eplb.score import balancedness, even_gpu_load, heat_of, node_limited
+
+POLICIES = {"hierarchical": hierarchical, "global": global_policy, "cross_node": cross_node,
+            "ours": lambda w, c: plan(w, c)}
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_invariants_on_random_loads(name: str) -> None:
+    rng = np.random.default_rng()
+    cl = Cluster(num_gpus=8, num_nodes=2, num_slots=40, num_groups=4)
+    w = rng.pareto(1.2, (5, 32)) + 0.01
+    pl = POLICIES[name](w, cl)
+    check_placement(pl, cl)
+    assert (pl.logcnt >= 1).all() and (pl.logcnt.sum(1) == 40).all()
+    for layer in range(5):  # log2phy points back at slots holding that expert, -1 only as padding
+        for e in range(32):
+            slots = pl.log2phy[layer, e]
+            real = slots[slots >= 0]
+            assert len(real) == pl.logcnt[layer, e] and (pl.phy2log[layer, real] == e).all()
+            assert (slots[len(real):] == -1).all()
+
+
+def test_known_small_case() -> None:
+    # 4 items onto 2 packs: 10 alone with 1; 6 with 5 -> loads 11 and 11
+    idx, rank = balanced_packing(np.array([[10.0, 6.0, 5.0, 1.0]]), 2)
+    assert idx.tolist() == [[0, 1, 1, 0]] and sorted(rank[0].tolist()) == [0, 0, 1, 1]
+    # 2 extra slots go to the 9 (9 -> 4.5) then the 9 again (-> 3): max load per replica 4 (the 4)
+    _, _, cnt = replicate_experts(np.array([[9.0, 4.0, 1.0]]), 5)
+    assert cnt.tolist() == [[3, 1, 1]]
+    # two experts of load 3 and 1 on 2 GPUs with 4 slots: each GPU gets half of every... best = 1.0
+    cl = Cluster(2, 1, 4, num_groups=1)
+    pl = global_policy(np.array([[3.0, 1.0]]), cl)
+    assert balancedness(even_gpu_load(pl, np.array([[3.0, 1.0]]), cl)) == pytest.approx(1.0)
+
+
+def test_node_limit_and_hierarchical_locality() -> None:
+    rng = np.random.default_rng()
+    e, groups, k = 32, 8, 4
+    cl = Cluster(8, 4, 40, num_groups=groups, node_limit=2)
+    t = 400
+    # group-limited tokens: each picks 2 of 8 groups (4 experts each), then 4 experts inside them
+    tok = np.empty((t, 3, k), dtype=np.int64)
+    for i in range(t):
+        for li in range(3):
+            gs = rng.choice(groups, 2, replace=False)
+            tok[i, li] = rng.choice(np.concatenate([np.arange(g * 4, g * 4 + 4) for g in gs]), k, replace=False)
+    w = heat_of(tok, e)
+    for name in ("hierarchical", "cross_node", "ours"):
+        d = node_limited(POLICIES[name](w, cl), tok, cl)
+        assert d.nodes.max() <= 2, name  # 2 groups -> at most 2 home nodes (2 groups per node)
+        assert d.gpu_load.sum() == pytest.approx(t * 3 * k)
+
+
+def test_replan_on_same_loads_moves_nothing_and_exports(tmp_path: Path) -> None:
+    rng = np.random.default_rng()
+    cl = Cluster(16, 4, 80, num_groups=8)
+    hist = rng.pareto(1.0, (3, 6, 64)) + 0.1
+    first = plan(hist, cl)
+    again = plan(hist, cl, prev=first)
+    assert churn(first, again) == 0.0
+    moved = plan(hist[:, :, ::-1].copy(), cl, prev=first)  # a different workload does move replicas
+    assert churn(first, moved) > 0
+    back, cl2 = from_json(to_json(moved, cl))
+    assert cl2 == cl and np.array_equal(back.phy2log, moved.phy2log)
+    to_sglang(moved, tmp_path / "s.json")
+    doc = json.loads((tmp_path / "s.json").read_text())
+    assert np.array_equal(np.asarray(doc["physical_to_logical_map"]), moved.phy2log)

@@ -1,0 +1,93 @@
+"""Ingest: responses JSON lines, malformed input, expert-distribution dumps, npz, native.
+Run: .venv/bin/python -m pytest tests/analysis/test_ingest.py -q"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pybase64
+import pytest
+import torch
+
+from r3trace.analysis.ingest import (
+    IngestError,
+    ModelShape,
+    ingest_expert_distribution,
+    ingest_native,
+    ingest_numpy,
+    ingest_responses,
+)
+from r3trace.analysis.store import TraceStore
+
+SHAPE = ModelShape(num_hidden_layers=4, moe_layer_ids=(1, 2, 3), num_experts=16, top_k=2)
+
+
+def b64(a: np.ndarray) -> str:
+    return pybase64.b64encode(a.astype("<i4").tobytes()).decode()
+
+
+def response(rng: np.random.Generator, rid: str, rows: int, dense_fill: int) -> tuple[dict, np.ndarray]:
+    full = rng.integers(0, 16, (rows, 4, 2)).astype(np.int32)
+    full[:, 0] = dense_fill  # layer 0 dense: SGLang writes 0, we write -1
+    meta = {"id": rid, "routed_experts": b64(full), "prompt_tokens": 3, "completion_tokens": rows - 2,
+            "finish_reason": {"type": "length"}}
+    return {"text": "x", "meta_info": meta}, full[:, 1:]
+
+
+def test_responses_roundtrip(tmp_path: Path) -> None:
+    rng = np.random.default_rng()
+    a, ida = response(rng, "ra", 5, 0)
+    b, idb = response(rng, "rb", 7, -1)
+    src = tmp_path / "resp.jsonl"
+    src.write_text(json.dumps(a) + "\n\n" + json.dumps({"id": "x", "choices": [b]}) + "\n")
+    store = tmp_path / "store"
+    m = ingest_responses(src, store, SHAPE, run_id="resp")
+    assert m.rows == (5 + 7) * 3
+    s = TraceStore(store)
+    got = s.query("select request_id, token_pos, layer_id, topk_ids, phase from routes order by all")
+    ra = got.filter(got["request_id"] == "ra")
+    assert np.array_equal(np.stack(ra["topk_ids"].to_list()).reshape(5, 3, 2), ida)
+    assert ra.filter(ra["token_pos"] < 3)["phase"].unique().to_list() == ["prefill"]
+    assert s.query("select finish_reason from requests where request_id = 'rb'").item() == "length"
+
+
+@pytest.mark.parametrize("bad,message", [
+    ("not json", r"resp.jsonl:2: not JSON"),
+    (json.dumps({"meta_info": {"routed_experts": "!!!"}}), r"resp.jsonl:2: field meta_info.routed_experts is not valid"),
+    (json.dumps({"meta_info": {"routed_experts": b64(np.zeros(5))}}), r"resp.jsonl:2: .* 5 ids, not a multiple of .* 8"),
+    (json.dumps({"meta_info": {"routed_experts": b64(np.full(8, 16))}}), r"resp.jsonl:2: .* holds id 16 .* 0..15"),
+    (json.dumps({"meta_info": {}}), r"resp.jsonl:2: field meta_info.routed_experts missing"),
+])
+def test_malformed_line_names_line_and_field_and_leaves_nothing(tmp_path: Path, bad: str, message: str) -> None:
+    rng = np.random.default_rng()
+    good, _ = response(rng, "ok", 4, 0)
+    src = tmp_path / "resp.jsonl"
+    src.write_text(json.dumps(good) + "\n" + bad + "\n")
+    store = tmp_path / "store"
+    store.mkdir()
+    with pytest.raises(IngestError, match=message):
+        ingest_responses(src, store, SHAPE, run_id="r")
+    assert list(store.iterdir()) == []  # no run folder, no staging folder
+
+
+def test_expert_distribution_numpy_and_native(tmp_path: Path, tiny_trace: dict) -> None:
+    rng = np.random.default_rng()
+    counts = torch.from_numpy(rng.integers(0, 100, (2, 4, 16)))  # per-pass dump over all 4 layers
+    torch.save({"logical_count": counts}, tmp_path / "dump.pt")
+    store = tmp_path / "store"
+    ingest_expert_distribution(tmp_path / "dump.pt", store, SHAPE, run_id="heat")
+    s = TraceStore(store)
+    got = s.query("select layer_id, expert_id, count from rollups order by all")
+    want = counts.sum(0).numpy()[1:]
+    for lid, e, c in got.iter_rows():
+        assert c == want[lid - 1, e]
+    assert got["count"].sum() == want.sum()
+    ids = rng.integers(0, 16, (9, 3, 2))
+    np.savez(tmp_path / "a.npz", topk_ids=ids)
+    assert ingest_numpy(tmp_path / "a.npz", store, SHAPE, run_id="np").rows == 27
+    assert ingest_native(tiny_trace["root"], store) == ["a"]
+    assert sorted(r.manifest.run_id for r in TraceStore(store).runs) == ["a", "heat", "np"]
+    with pytest.raises(IngestError, match="already exists"):
+        ingest_native(tiny_trace["root"], store)
