@@ -41,6 +41,7 @@ class CaptureResult(NamedTuple):
     run_dir: Path
     requests: int
     tokens: int  # route rows written (token positions)
+    skipped: int  # rows left out because a MoE layer held -1 (no route known for that position)
 
 
 def _body(prompt: Prompt, sampling_params: Mapping[str, Any], start_len: int) -> dict[str, Any]:
@@ -101,14 +102,14 @@ def capture(
 
     prompts: text, token ids, or dicts holding /generate fields (text/input_ids, sampling_params) and an
     optional `tag` (domain) kept in the requests table. Requests run `concurrency` at a time; rows are
-    written in completion order. Returns (run_id, run_dir, requests, tokens).
+    written in completion order. Returns (run_id, run_dir, requests, tokens, skipped).
     """
     prompt_list = list(prompts)
     if concurrency < 1:
         raise CaptureError(f"concurrency={concurrency} must be >= 1")
     sp = dict(sampling_params or {"max_new_tokens": 32})
     writer: TraceWriter | None = None
-    tokens = 0
+    tokens = skipped = 0
     with httpx.Client(base_url=url.rstrip("/"), timeout=timeout_s) as client, \
             ThreadPoolExecutor(max_workers=concurrency) as pool, \
             tqdm(total=len(prompt_list), unit="req", desc="capture", disable=not progress) as bar:
@@ -131,9 +132,11 @@ def capture(
                         num_experts=shape["num_experts"], top_k=shape["top_k"],
                         num_groups=shape.get("num_groups", 1), engine={"source": "http", "url": url},
                     )
-                tokens += _write_one(writer, index, prompt_list[index], result, ts, routed_experts_start_len)
+                written, left_out = _write_one(writer, index, prompt_list[index], result, ts,
+                                               routed_experts_start_len)
+                tokens, skipped = tokens + written, skipped + left_out
                 bar.update(1)
-                bar.set_postfix(tokens=tokens)
+                bar.set_postfix(tokens=tokens, skipped=skipped)
         finally:
             for f in futures:
                 f.cancel()
@@ -141,13 +144,16 @@ def capture(
                 writer.close()
     if writer is None:
         raise CaptureError("prompts: empty, nothing was captured")
-    return CaptureResult(writer.run_id, writer.run_dir, len(prompt_list), tokens)
+    return CaptureResult(writer.run_id, writer.run_dir, len(prompt_list), tokens, skipped)
 
 
 def _write_one(
     w: TraceWriter, index: int, prompt: Prompt, result: Mapping[str, Any], ts: int, start: int
-) -> int:
-    """One response -> R token rows (and its requests-table row); returns R."""
+) -> tuple[int, int]:
+    """One response -> its token rows and its requests-table row; returns (rows written, rows skipped).
+
+    A row with -1 at a MoE layer has no known route (a server that did not capture that position): it is
+    left out rather than written as a fake expert id."""
     m = w.manifest
     meta = result["meta_info"]
     if "routed_experts" not in meta:
@@ -158,8 +164,10 @@ def _write_one(
         raise CaptureError(f"prompt {index}: routed_experts holds {flat.size} ids, not a multiple of "
                            f"num_hidden_layers*top_k = {m.num_hidden_layers}*{m.top_k}")
     routes = flat.reshape(-1, m.num_hidden_layers, m.top_k)[:, list(m.moe_layer_ids), :]  # [R, L, K]
+    pos = np.arange(start, start + routes.shape[0], dtype=np.int32)
+    known = (routes >= 0).all(axis=(1, 2))  # [R]
+    routes, pos = routes[known], pos[known]
     rows = routes.shape[0]
-    pos = np.arange(start, start + rows, dtype=np.int32)
     prompt_len = int(meta["prompt_tokens"])
     phase = np.where(pos < prompt_len, "prefill", "decode")
     source = np.where(pos < int(meta.get("cached_tokens", 0)), "prefix_cache", "computed")
@@ -170,4 +178,4 @@ def _write_one(
     tag = prompt.get("tag") if isinstance(prompt, Mapping) else None
     w.add_request(rid, tag=tag, prompt_tokens=prompt_len, completion_tokens=int(meta["completion_tokens"]),
                   finish_reason=finish.get("type"), finish_ts=ts)
-    return rows
+    return rows, int((~known).sum())

@@ -45,17 +45,3 @@ def http(server: LiveServer) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=server.url, timeout=60) as client:
         yield client
 
-
-# Flip to a no-op marker once Engine.generate(return_routed_experts=True) is wired (capture issue):
-# until then the server answers 501 and `require_routes` raises NotImplementedError.
-routes_pending = pytest.mark.xfail(
-    strict=True, raises=NotImplementedError,
-    reason="Engine.generate(return_routed_experts=True) still raises NotImplementedError",
-)
-
-
-def require_routes(response: httpx.Response) -> httpx.Response:
-    """The server's 501 for the engine's missing capture path -> NotImplementedError (see routes_pending)."""
-    if response.status_code == 501:
-        raise NotImplementedError(response.json()["error"]["message"])
-    return response

@@ -13,11 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
+import pytest
 import torch
 from r3trace.engine import Engine
 
 from r3trace import decode_routed_experts
-from tests.server.conftest import require_routes, routes_pending
 from tests.server.live_server import LiveServer
 from tests.tiny_models import direct_forward, load_engine_model
 
@@ -60,12 +61,12 @@ def test_concurrent_outputs_match_sequential(server: LiveServer, engine: Engine)
     assert worst_health < 2.0, f"/health took {worst_health:.2f} s while 50 generations ran"
 
 
-@routes_pending
 def test_concurrent_routes_equal_direct_forward(server: LiveServer, engine: Engine, tiny_model: Path) -> None:
+    # Start from an empty prefix cache: a hit on KV written by an earlier request that did not ask for
+    # routes returns -1 rows (the capture bug pinned by test_prefix_hit_on_uncaptured_kv below).
+    assert engine.flush_cache()
     reqs = bodies(seed=2, return_routed_experts=True)
     responses, _ = asyncio.run(post_all(server.url, reqs))
-    for r in responses:
-        require_routes(r)
     assert [r.status_code for r in responses] == [200] * CLIENTS
     model = load_engine_model(tiny_model)
     mc = engine.model_config
@@ -85,3 +86,20 @@ def test_concurrent_routes_equal_direct_forward(server: LiveServer, engine: Engi
                 else:
                     assert (routes[:, layer] == -1).all(), f"dense layer {layer} is not -1"
     assert mismatches == 0, f"{mismatches} token-layer rows differ from the direct forward"
+
+
+@pytest.mark.xfail(strict=True, reason="capture bug: a prefix-cache hit on KV computed by a request that did "
+                   "not set return_routed_experts returns -1 rows (those rows were never copied to host)")
+def test_prefix_hit_on_uncaptured_kv(http: httpx.Client, engine: Engine, tiny_model: Path) -> None:
+    assert engine.flush_cache()
+    shared = [7, 8, 9, 10, 11, 12]
+    sp = {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True}
+    assert http.post("/generate", json={"input_ids": shared + [13], "sampling_params": sp}).status_code == 200
+    out = http.post("/generate", json={"input_ids": shared + [14], "sampling_params": sp,
+                                       "return_routed_experts": True}).json()
+    assert out["meta_info"]["cached_tokens"] > 0
+    routes = decode_routed_experts(out["meta_info"])
+    with torch.inference_mode():
+        _, direct = direct_forward(load_engine_model(tiny_model), (shared + [14] + out["output_ids"])[:-1])
+    for layer in out["meta_info"]["moe_layer_ids"]:
+        np.testing.assert_array_equal(routes[:, layer], direct[layer].numpy())

@@ -13,7 +13,6 @@ import numpy as np
 from r3trace.engine import Engine
 
 from r3trace import decode_routed_experts
-from tests.server.conftest import require_routes, routes_pending
 
 GREEDY = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
 
@@ -139,25 +138,23 @@ def test_trace_endpoints(http: httpx.Client, trace_root: Path) -> None:
     assert any((trace_root / "run-a").rglob("manifest.json"))
 
 
-@routes_pending
 def test_generate_routes_and_start_len(http: httpx.Client, engine: Engine) -> None:
     ids = [41, 42, 43, 44, 45]
     body = {"input_ids": ids, "sampling_params": GREEDY, "return_routed_experts": True}
-    out = require_routes(http.post("/generate", json=body)).json()
+    out = http.post("/generate", json=body).json()
     routes = decode_routed_experts(out["meta_info"])
     layers = engine.model_config.num_hidden_layers
     assert routes.shape[0] == len(ids) + 4 - 1 and routes.shape[1] == layers
-    cut = require_routes(http.post("/generate", json={**body, "routed_experts_start_len": 2})).json()
+    cut = http.post("/generate", json={**body, "routed_experts_start_len": 2}).json()
     np.testing.assert_array_equal(decode_routed_experts(cut["meta_info"]), routes[2:])
     r = http.post("/generate", json={**body, "routed_experts_start_len": len(ids) + 1})
     assert r.status_code == 400 and r.json()["error"]["param"] == "routed_experts_start_len"
 
 
-@routes_pending
 def test_streamed_routes_add_up(http: httpx.Client) -> None:
     body = {"input_ids": [51, 52, 53], "sampling_params": {**GREEDY, "max_new_tokens": 5},
             "return_routed_experts": True}
-    whole = decode_routed_experts(require_routes(http.post("/generate", json=body)).json()["meta_info"])
+    whole = decode_routed_experts(http.post("/generate", json=body).json()["meta_info"])
     with http.stream("POST", "/generate", json={**body, "stream": True}) as r:
         events = sse_events(r)
     parts = [decode_routed_experts(m) for m in (json.loads(e)["meta_info"] for e in events[:-1])
@@ -165,9 +162,8 @@ def test_streamed_routes_add_up(http: httpx.Client) -> None:
     np.testing.assert_array_equal(np.concatenate(parts), whole)
 
 
-@routes_pending
 def test_openai_sgl_ext_routes(http: httpx.Client) -> None:
-    r = require_routes(http.post("/v1/completions", json={
-        "prompt": [61, 62, 63], "max_tokens": 3, "temperature": 0, "return_routed_experts": True}))
+    r = http.post("/v1/completions", json={
+        "prompt": [61, 62, 63], "max_tokens": 3, "temperature": 0, "return_routed_experts": True})
     ext = r.json()["choices"][0]["sgl_ext"]
     assert decode_routed_experts(ext).shape[0] == 3 + 3 - 1
