@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from r3trace.engine.forward_batch import ForwardBatch
 
 from r3trace.capture.capturer import CaptureConfig, RoutedExpertsCapturer
-from r3trace.engine.forward_batch import ForwardBatch
 from tests.tiny_models import load_engine_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -45,7 +45,8 @@ def test_graph_replay_routes_equal_eager(tiny_ckpt: Path) -> None:
         for r in routers:
             r(static_x, fb)
     for seed in range(3):
-        static_x.copy_(torch.randn(t, cfg.hidden_size, device="cuda", generator=torch.Generator("cuda").manual_seed(seed)))
+        gen = torch.Generator("cuda").manual_seed(seed)
+        static_x.copy_(torch.randn(t, cfg.hidden_size, device="cuda", generator=gen))
         capturer.buffers.dev_ids.fill_(-1)
         graph.replay()
         replayed = capturer.buffers.dev_ids[:t].clone()
