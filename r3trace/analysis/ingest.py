@@ -200,7 +200,7 @@ def ingest_numpy(
         raise IngestError(f"{path}: field topk_ids missing (found {list(data.keys())})")
     ids = data["topk_ids"]
     t = len(ids)
-    rid = data["request_id"] if "request_id" in data else (request_ids or "r0")
+    rid = data.get("request_id", request_ids or "r0")
     pos = data["token_pos"] if "token_pos" in data else np.arange(t)
     fwd = data["forward_id"] if "forward_id" in data else np.arange(t)
     with staged(store) as stage:

@@ -170,10 +170,11 @@ def synth_routes(cfg: SynthConfig, num_tokens: int) -> Iterator[tuple[Schedule, 
     sched = schedule(cfg, num_tokens, rng)
     last = np.full((len(sched.prompt_len), bank.shape[1]), -1, dtype=np.int32)
     last_fwd = int(sched.forward_id[-1])
-    bounds = np.searchsorted(sched.forward_id, np.r_[np.arange(0, last_fwd + 1, 64), last_fwd + 1])  # 64 forwards
+    edges = np.r_[np.arange(0, last_fwd + 1, 64), last_fwd + 1]  # chunks of 64 forwards
+    bounds = [int(b) for b in np.searchsorted(sched.forward_id, edges)]
     for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
         if hi > lo:
-            yield sched, int(lo), int(hi), route_chunk(bank, sched, int(lo), int(hi), last, cfg, rng)
+            yield sched, lo, hi, route_chunk(bank, sched, lo, hi, last, cfg, rng)
 
 
 def write_synth(root: str | Path, cfg: SynthConfig, num_tokens: int, run_id: str | None = None,

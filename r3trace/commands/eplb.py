@@ -25,7 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from r3trace.analysis.heat import heat, heat_windows
+    from r3trace.analysis.heat import HeatSource, heat, heat_windows
     from r3trace.analysis.store import TraceStore
     from r3trace.eplb import Cluster, cross_node, global_policy, hierarchical, plan, to_json, to_sglang
     from r3trace.eplb.score import balancedness, even_gpu_load
@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     if run_id is None:
         raise SystemExit(f"{args.trace} holds runs {run_ids}; pick one with --run-id")
     m = store.run(run_id).manifest
-    source = "rollups" if m.kind == "heat" else "routes"
+    source: HeatSource = "rollups" if m.kind == "heat" else "routes"
     layer_index = {lid: i for i, lid in enumerate(m.moe_layer_ids)}
 
     def dense(df: object) -> np.ndarray:

@@ -31,7 +31,8 @@ def run(args: argparse.Namespace) -> int:
     if args.manifest:
         import json
 
-        m = Manifest.from_dict(json.load(open(args.manifest)))
+        with open(args.manifest) as f:
+            m = Manifest.from_dict(json.load(f))
         shape = ing.ModelShape(m.num_hidden_layers, m.moe_layer_ids, m.num_experts, m.top_k, m.model_name,
                                m.num_groups)
     else:

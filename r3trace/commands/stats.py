@@ -16,7 +16,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import polars as pl
 
-    from r3trace.analysis.heat import imbalance
+    from r3trace.analysis.heat import HeatSource, imbalance
     from r3trace.analysis.locality import temporal_locality
     from r3trace.analysis.store import TraceStore
 
@@ -27,14 +27,14 @@ def run(args: argparse.Namespace) -> int:
             continue
         print(f"run {m.run_id}: {m.kind}, model {m.model_name}, L={m.num_moe_layers} E={m.num_experts} "
               f"K={m.top_k}, {m.rows} rows in {m.file_count} files, {m.rows // m.num_moe_layers} tokens")
-        source = "rollups" if m.kind == "heat" else "routes"
+        source: HeatSource = "rollups" if m.kind == "heat" else "routes"
         imb = imbalance(store.con, m.run_id, source=source)
         print(imb.select(pl.exclude("layer_id", "selections").mean()).with_columns(pl.lit("mean over layers")
               .alias("")))
         if m.kind == "routes":
             loc = temporal_locality(store.con, m.run_id)
-            print(f"temporal locality: mean overlap {loc['mean_overlap'].mean():.3f} "
-                  f"(independent tokens: {loc['baseline'].mean():.3f})")
+            ov, base = loc["mean_overlap"].to_numpy().mean(), loc["baseline"].to_numpy().mean()
+            print(f"temporal locality: mean overlap {ov:.3f} (independent tokens: {base:.3f})")
             if args.layers:
                 print(loc)
         if args.layers:

@@ -11,7 +11,8 @@
    re-packed onto GPUs by the load the node-limited dispatcher actually sends them (a replica on a foreign
    node only serves tokens that go to that node anyway).
 4. Migration: per layer, the previous placement is kept unless the new plan lowers the forecast max GPU
-   load by more than `keep_tolerance` (6%: a re-plan on an unchanged workload moved 35% of slots at 3%, 5% at 6%); a changed layer is aligned to the previous one (GPUs matched by
+   load by more than `keep_tolerance` (6%: a re-plan on an unchanged workload moved 35% of slots at 3%,
+   5% at 6%); a changed layer is aligned to the previous one (GPUs matched by
    shared experts, experts kept in their slots) so only replicas that really move are transferred.
 """
 
@@ -59,14 +60,14 @@ def _align(new: np.ndarray, prev: np.ndarray, cluster: Cluster) -> np.ndarray:
         new_sets = [new[g * spg:(g + 1) * spg] for g in gpus]
         prev_sets = [prev[g * spg:(g + 1) * spg] for g in gpus]
         overlap = np.array([[len(np.intersect1d(a, b)) for b in prev_sets] for a in new_sets])
-        target = np.full(gpn, -1)
+        target = [-1] * gpn
         for _ in range(gpn):  # greedy matching, largest overlap first
-            i, j = np.unravel_index(np.argmax(overlap), overlap.shape)
-            target[i] = j
-            overlap[i, :] = -1
-            overlap[:, j] = -1
-        for i, j in enumerate(target):
-            old = list(prev_sets[j])
+            a, b = np.unravel_index(np.argmax(overlap), overlap.shape)
+            target[int(a)] = int(b)
+            overlap[a, :] = -1
+            overlap[:, b] = -1
+        for i, tgt in enumerate(target):
+            old = list(prev_sets[tgt])
             slots = [-1] * spg
             rest = []
             for x in new_sets[i]:
@@ -78,7 +79,7 @@ def _align(new: np.ndarray, prev: np.ndarray, cluster: Cluster) -> np.ndarray:
             free = [s for s in range(spg) if slots[s] == -1]
             for s, x in zip(free, rest, strict=True):
                 slots[s] = x
-            g = node * gpn + j
+            g = node * gpn + tgt
             out[g * spg:(g + 1) * spg] = slots
     return out
 

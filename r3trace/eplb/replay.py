@@ -84,7 +84,8 @@ def replay(
         if policy is not None and (step + 1) % cfg.window_steps == 0:
             window_heat = [*window_heat, acc][-cfg.history_windows:]
             acc = np.zeros_like(acc)
-            pending, next_layer = policy(np.stack(window_heat), current, routes.topk_ids[starts[step + 1 - cfg.window_steps]:hi]), 0
+            window_tokens = routes.topk_ids[starts[step + 1 - cfg.window_steps]:hi]
+            pending, next_layer = policy(np.stack(window_heat), current, window_tokens), 0
     return pl.DataFrame(rows, orient="row", schema=[
         "forward_id", "window", "tokens", "max_over_mean", "balancedness", "mean_nodes", "max_nodes",
         "over_limit", "mean_remote", "replicas", "migration_bytes"])

@@ -68,10 +68,7 @@ def _node_limited(
     cnt = node_counts(pl, cluster)  # [L, E, N]
     lrow = np.arange(n_layers)[None, :, None]
     has = cnt[lrow, topk_ids] > 0  # [T, L, K, N]
-    if n <= EXACT_COVER_NODES:
-        chosen = _min_cover(has, rng)
-    else:
-        chosen = _greedy_cover(has, rng)
+    chosen = _min_cover(has, rng) if n <= EXACT_COVER_NODES else _greedy_cover(has, rng)
     # split each (token, layer, k) unit over its replicas on chosen nodes
     slots = pl.log2phy[lrow, topk_ids]  # [T, L, K, R]
     valid = slots >= 0

@@ -133,8 +133,9 @@ class TraceWriter:
         topk_weights: np.ndarray | None = None,
     ) -> None:
         """T tokens: per-token columns [T] (or scalars), topk_ids [T, L, K] over the manifest's MoE layers."""
-        self.append(**expand_tokens(self.manifest.moe_layer_ids, request_id, token_pos, phase, source,
-                                    forward_id, ts, dp_rank, topk_ids, topk_weights))
+        kw = expand_tokens(self.manifest.moe_layer_ids, request_id, token_pos, phase, source, forward_id, ts,
+                           dp_rank, topk_ids, topk_weights)
+        self.append(**kw)
 
     def append(
         self,
@@ -154,7 +155,8 @@ class TraceWriter:
             raise TraceSchemaError(f"run_id={self.run_id!r} writer is closed")
         m = self.manifest
         table = route_rows(m.run_id, request_id, token_pos, phase, source, forward_id, ts, dp_rank, layer_id,
-                           topk_ids, topk_weights, num_experts=m.num_experts, top_k=m.top_k, with_weights=m.with_weights)
+                           topk_ids, topk_weights, num_experts=m.num_experts, top_k=m.top_k,
+                           with_weights=m.with_weights)
         if table.num_rows == 0:
             return
         ts_ns = table.column("ts").combine_chunks().cast(pa.int64()).to_numpy()

@@ -49,7 +49,7 @@ def test_sigkill_leaves_only_complete_files(tmp_path: Path) -> None:
     assert listed <= on_disk and len(on_disk - listed) <= 1
     for f in m.files:
         assert pq.read_metadata(run_dir / f.name).num_rows == f.rows  # complete and readable
-        assert (run_dir / f.rollup).exists()
+        assert f.rollup is not None and (run_dir / f.rollup).exists()
     assert m.rows == sum(f.rows for f in m.files)
     assert open_dataset(root)[0].manifest.rows == m.rows  # readers go by the manifest
     after = recover_run(run_dir)

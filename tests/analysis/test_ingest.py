@@ -55,8 +55,8 @@ def test_responses_roundtrip(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("bad,message", [
     ("not json", r"resp.jsonl:2: not JSON"),
-    (json.dumps({"meta_info": {"routed_experts": "!!!"}}), r"resp.jsonl:2: field meta_info.routed_experts is not valid"),
-    (json.dumps({"meta_info": {"routed_experts": b64(np.zeros(5))}}), r"resp.jsonl:2: .* 5 ids, not a multiple of .* 8"),
+    (json.dumps({"meta_info": {"routed_experts": "!!!"}}), r"resp.jsonl:2: field meta_info.routed_experts is not"),
+    (json.dumps({"meta_info": {"routed_experts": b64(np.zeros(5))}}), r"resp.jsonl:2: .* 5 ids, not a multiple"),
     (json.dumps({"meta_info": {"routed_experts": b64(np.full(8, 16))}}), r"resp.jsonl:2: .* holds id 16 .* 0..15"),
     (json.dumps({"meta_info": {}}), r"resp.jsonl:2: field meta_info.routed_experts missing"),
 ])

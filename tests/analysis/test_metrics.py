@@ -10,7 +10,7 @@ import pytest
 
 from r3trace.analysis import agreement, coactivation, heat, locality
 from r3trace.analysis.store import TraceStore
-from tests.analysis.conftest import E, K, MOE, write_run
+from tests.analysis.conftest import MOE, E, K, write_run
 
 
 def np_heat(ids: np.ndarray) -> np.ndarray:
@@ -33,7 +33,8 @@ def test_heat_and_rollups_and_windows(tiny_trace: dict) -> None:
     pos = tiny_trace["pos"]
     assert w0["count"].sum() == int((pos < 4).sum()) * 3 * K
     rolled = heat.heat_windows(s.con, 4.0, "a", source="rollups")
-    assert rolled.sort(["window_start", "layer_id", "expert_id"]).equals(win.sort(["window_start", "layer_id", "expert_id"]))
+    keys = ["window_start", "layer_id", "expert_id"]
+    assert rolled.sort(keys).equals(win.sort(keys))
     decode = heat.heat(s.con, "a", phase="decode")
     assert decode["count"].sum() == int((tiny_trace["phase"] == "decode").sum()) * 3 * K
 
@@ -122,7 +123,8 @@ def test_agreement_against_perturbed_copy(tiny_trace: dict, tmp_path: Path) -> N
         other[t, li, rng.integers(K)] = rng.choice(free)
     write_run(tiny_trace["root"], "b", other, req, pos, phase, fwd)
     s = TraceStore(tiny_trace["root"])
-    inter = np.array([[len(set(a) & set(b)) for a, b in zip(x, y, strict=True)] for x, y in zip(ids, other, strict=True)])
+    inter = np.array([[len(set(a) & set(b)) for a, b in zip(x, y, strict=True)]
+                      for x, y in zip(ids, other, strict=True)])
     by = agreement.agreement_by_layer(s.con, "a", "b")
     assert by["overlap"].to_numpy() == pytest.approx(inter.mean(0) / K)
     assert by["jaccard"].to_numpy() == pytest.approx((inter / (2 * K - inter)).mean(0))

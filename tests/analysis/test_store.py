@@ -29,7 +29,8 @@ def test_read_only_refuses_writes_and_outside_files(tiny_trace: dict, tmp_path_f
     (outside / "secret.csv").write_text("a\n1\n")
     s = TraceStore(root, read_only=True)
     assert s.query("select count(*) from routes").item() == len(tiny_trace["ids"]) * 3
-    for sql in [f"copy (select 1) to '{root}/x.csv'", "create table t as select 1", "insert into runs select * from runs",
+    for sql in [f"copy (select 1) to '{root}/x.csv'", "create table t as select 1",
+                "insert into runs select * from runs",
                 "set threads = 8", f"attach '{root}/db.duckdb'", "install httpfs"]:
         with pytest.raises(StoreQueryError):
             s.query(sql)

@@ -19,7 +19,7 @@ from r3trace.trace import (
     read_stream,
     read_token_routes,
 )
-from tests.analysis.conftest import E, K, MOE
+from tests.analysis.conftest import MOE, E, K
 
 
 def test_roundtrip_rows_files_manifest(tiny_trace: dict) -> None:
