@@ -53,6 +53,7 @@ class ForwardBatch:
     phases: list[Phase] = field(default_factory=list)  # per request
     replay: ReplayPlan | None = None
     dp_rank: int = 0
+    out_cache_loc_cpu: torch.Tensor | None = None  # [T] int64 host copy (the scheduler has it anyway)
 
     @property
     def num_tokens(self) -> int:
@@ -104,6 +105,7 @@ class ForwardBatch:
             input_ids=t(input_ids),
             positions=t(positions),
             out_cache_loc=out_cache_loc.to(device=device, dtype=torch.int64),
+            out_cache_loc_cpu=out_cache_loc.to(dtype=torch.int64) if out_cache_loc.device.type == "cpu" else None,
             req_pool_indices=t(req_pool_indices),
             seq_lens=t(seq_lens),
             prefix_lens=t(prefix_lens),

@@ -61,6 +61,11 @@ class RouteCaptureHooks:
         opts: CaptureRequest | None = req.extras.get("capture")
         self.capturer.add_request(req.rid, want=bool(opts and opts.want))
 
+    def usable_prefix(self, req: Req, slots: torch.Tensor) -> int:
+        if req.rid not in self.capturer.requests:
+            self.register(req)
+        return self.capturer.usable_prefix(req.rid, slots.numpy())
+
     def on_admit(self, req: Req) -> None:
         if req.rid not in self.capturer.requests:
             self.register(req)

@@ -40,6 +40,10 @@ class RequestHooks(Protocol):
     def on_finish(self, req: Req) -> None:
         """req.finish is set; before the KV is freed (or handed to the prefix cache)."""
 
+    def usable_prefix(self, req: Req, slots: torch.Tensor) -> int:
+        """Of a prefix-cache match (slots [n] host), how many leading positions req may reuse."""
+        ...
+
 
 class NullHooks:
     def on_admit(self, req: Req) -> None:
@@ -50,6 +54,9 @@ class NullHooks:
 
     def on_finish(self, req: Req) -> None:
         return None
+
+    def usable_prefix(self, req: Req, slots: torch.Tensor) -> int:
+        return int(slots.numel())
 
 
 class Scheduler:
@@ -168,7 +175,11 @@ class Scheduler:
                 assert req.logprob is not None
                 limit = min(limit, max(req.logprob.start_len - 1, 0))
             pages, node = self.cache.match_prefix(fill[:limit])
-            self.cache.lock(node)
+            if pages:  # route capture may need the prefix cut where its routes are not on the host
+                page = self.pool.page_size
+                usable = self.hooks.usable_prefix(req, self.pool.slots(list(pages), 0, len(pages) * page))
+                pages = pages[: usable // page]
+            self.cache.lock(node)  # the whole match stays locked; only its usable pages are reused
             req.cache_node, req.pages = node, list(pages)
             req.kv_len = req.cached_len = len(pages) * self.pool.page_size
             if req.kv_len:

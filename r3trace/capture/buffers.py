@@ -38,6 +38,8 @@ class PendingCopy:
     slots: torch.Tensor  # staging view [n] int64
     entries: list[tuple[str, int, int, int, str]] = field(default_factory=list)  # + phase
     event: torch.cuda.Event | None = None
+    # The batch had no host copy of its slots: record KV ownership from the staged slots at drain time.
+    claim_slots: bool = False
 
 
 class RouteBuffers:
@@ -60,7 +62,11 @@ class RouteBuffers:
         pin = self.on_cuda
         self.host_ids = torch.full((host_slots, num_moe_layers, top_k), -1, dtype=self.dtype)
         self.host_weights = torch.zeros((host_slots, num_moe_layers, top_k), dtype=torch.float16) if with_weights else None
-        self.host_forward = torch.full((host_slots,), -1, dtype=torch.int64)  # forward that wrote each slot
+        # Which forward last wrote each slot's KV, and which forward's routes host_ids holds for it: the
+        # host row of a slot is valid only when the two agree (rows of requests that did not ask for
+        # routes are never copied, and a freed slot is soon rewritten by another request).
+        self.kv_forward = torch.full((host_slots,), -1, dtype=torch.int64)
+        self.rows_forward = torch.full((host_slots,), -1, dtype=torch.int64)
         # Two staging sets: forward k+1 can be captured while forward k's copy is still in flight.
         self._staging = [self._alloc_staging(shape, self.dtype, pin, with_weights) for _ in range(2)]
         self._next_staging = 0
@@ -134,11 +140,23 @@ class RouteBuffers:
         if p.event is not None:
             p.event.synchronize()
         slots = p.slots.long()
-        self.host_ids[slots] = p.ids.to(self.host_ids.dtype)
-        self.host_forward[slots] = p.forward_id
+        if p.claim_slots:
+            self.kv_forward[slots] = p.forward_id
+        # A slot rewritten by a later forward since this copy started keeps its newer state.
+        current = self.kv_forward[slots] == p.forward_id
+        slots = slots[current]
+        self.host_ids[slots] = p.ids[current].to(self.host_ids.dtype)
+        self.rows_forward[slots] = p.forward_id
         if self.host_weights is not None and p.weights is not None:
-            self.host_weights[slots] = p.weights
+            self.host_weights[slots] = p.weights[current]
         return p
+
+    def valid_prefix(self, slots: torch.Tensor) -> int:
+        """How many leading slots hold host routes of the KV currently in them."""
+        slots = slots.long()
+        ok = (self.rows_forward[slots] == self.kv_forward[slots]) & (self.kv_forward[slots] >= 0)
+        bad = (~ok).nonzero()
+        return int(bad[0, 0]) if len(bad) else int(slots.numel())
 
     def read(self, slots: np.ndarray) -> np.ndarray:
         """Host rows of the given slots: [n, M, K] int32."""

@@ -113,6 +113,8 @@ class RoutedExpertsCapturer:
         self.buffers.write(self.moe_index[layer_id], topk_ids, topk_weights)
 
     def on_forward_end(self, batch: BatchView) -> None:
+        if batch.out_cache_loc_cpu is not None:  # host bookkeeping: which forward owns each slot's KV now
+            self.buffers.kv_forward[batch.out_cache_loc_cpu] = batch.forward_id
         entries, rows, start, wanted_all = [], [], 0, True
         for rid, n, prefix, phase in zip(batch.request_ids, batch.extend_lens_cpu, batch.prefix_lens_cpu, batch.phases, strict=False):
             state = self.requests.get(rid)
@@ -128,6 +130,7 @@ class RoutedExpertsCapturer:
         pending = PendingCopy(
             forward_id=batch.forward_id, ts_ns=time.time_ns(), dp_rank=batch.dp_rank, n_rows=0,
             ids=self.buffers.dev_ids, weights=None, slots=batch.out_cache_loc, entries=entries,
+            claim_slots=batch.out_cache_loc_cpu is None,
         )
         if self.buffers.full:
             # Both staging sets in flight: the oldest belongs to a forward whose sampled tokens the
@@ -149,6 +152,16 @@ class RoutedExpertsCapturer:
         if self.sink is not None and state.sink_emitted < cached_len:
             self.drain()
             self._emit_prefix(rid, state)
+
+    def usable_prefix(self, rid: str, slots: np.ndarray) -> int:
+        """Leading positions of a prefix-cache match whose routes are on the host (all of them when
+        the request does not capture). A capturing request recomputes the rest instead of returning
+        rows nobody copied."""
+        state = self.requests.get(rid)
+        if self.sink is None and (state is None or not state.want):
+            return len(slots)
+        self.drain()
+        return self.buffers.valid_prefix(torch.from_numpy(np.asarray(slots, dtype=np.int64)))
 
     def on_retract(self, rid: str, slots: np.ndarray) -> None:
         """Before the request's KV is freed: keep the rows of its computed positions (slots [n])."""
@@ -258,7 +271,7 @@ class RoutedExpertsCapturer:
         slots = state.prefix_slots[lo:hi]
         ids, w = self.buffers.read(slots), self.buffers.read_weights(slots)
         # forward_id: the earlier forward that computed these KV slots (and their routes).
-        forward_ids = self.buffers.host_forward[torch.from_numpy(slots)].numpy()
+        forward_ids = self.buffers.rows_forward[torch.from_numpy(slots)].numpy()
         self.sink.append_tokens(
             [rid] * (hi - lo), np.arange(lo, hi, dtype=np.int32), "prefill", "prefix_cache", forward_ids,
             time.time_ns(), 0, ids, w,

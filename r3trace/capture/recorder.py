@@ -18,6 +18,7 @@ import torch
 class BatchView(Protocol):
     forward_id: int
     out_cache_loc: torch.Tensor  # [T] KV slot of each new token
+    out_cache_loc_cpu: torch.Tensor | None  # [T] the same on the host, when the engine has it
     positions: torch.Tensor  # [T]
     request_ids: list[str]
     phases: list[str]  # per request: prefill | decode | verify

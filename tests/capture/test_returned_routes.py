@@ -160,3 +160,21 @@ def test_routed_weights_are_the_gate_weights(tiny_ckpt: Path, make_engine: Engin
         # float16 on the wire: 11 significant bits, so 1e-3 relative (weights are O(1) after scaling)
         np.testing.assert_allclose(weights[:, layer], w.numpy(), rtol=1e-3, atol=1e-3)
     assert (weights[:, 0] == 0).all()  # dense layer: no weights
+
+
+def test_prefix_hit_on_kv_of_a_request_that_did_not_capture(tiny_ckpt: Path, make_engine: EngineFactory) -> None:
+    """Only asked-for rows reach the host, so a cached prefix computed without capture has no host
+    routes: the capturing request must recompute those positions rather than return stale rows."""
+    engine = make_engine(page_size=2)
+    shared = random_prompts(1, 10, 10, seed=15)[0]
+    engine.generate(input_ids=shared + [40], sampling_params=greedy(2))  # no capture: rows never copied
+    # Another uncaptured request reuses and then frees slots, so stale host rows would be wrong rows.
+    engine.generate(input_ids=random_prompts(1, 30, 30, seed=16)[0], sampling_params=greedy(4))
+    out = engine.generate(input_ids=shared + [41], sampling_params=greedy(3), return_routed_experts=True)
+    assert_routes_exact(tiny_ckpt, shared + [41], out)
+    plain = engine.generate(input_ids=shared + [42], sampling_params=greedy(1))
+    assert plain["meta_info"]["cached_tokens"] == 10  # requests without capture still reuse the prefix
+    # The cache keeps the first (uncaptured) copy of the prefix, so capturing requests recompute it
+    # each time: a cost, never a wrong row.
+    again = engine.generate(input_ids=shared + [43], sampling_params=greedy(2), return_routed_experts=True)
+    assert_routes_exact(tiny_ckpt, shared + [43], again)
