@@ -47,12 +47,12 @@ def v3_routing_config(layers: int) -> ModelConfig:
 
 def random_model(cfg: ModelConfig, ecfg: EngineConfig, recorder: Any) -> torch.nn.Module:
     model = build_model(cfg, ecfg, ParallelInfo(), recorder)
-    gen = torch.Generator(device="cpu").manual_seed(0)
+    gen = torch.Generator(device=ecfg.device).manual_seed(0)  # init where the weights live: GBs of them
     for name, p in model.named_parameters():
         if "norm" in name:
             p.data.fill_(1.0)
         else:
-            p.data.copy_((torch.randn(p.shape, generator=gen) * 0.02).to(p.dtype))
+            p.data.normal_(0.0, 0.02, generator=gen)
     model.post_load()
     return model
 
@@ -190,7 +190,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--parts", default="decode,wire,sink")
     ap.add_argument("--batches", default="1,64,256")
-    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--iters", type=int, default=30)
