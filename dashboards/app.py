@@ -36,7 +36,8 @@ st.session_state["store"] = path
 st.session_state["run_id"] = query_state.select("Run", run_ids, "run", where=st.sidebar)
 st.sidebar.caption(f"store: {path}")
 
-_PAGES = Path(__file__).parent / "pages"
+# not "pages/": streamlit would also auto-register that folder as a second, unwired set of pages
+_PAGES = Path(__file__).parent / "views"
 nav = st.navigation([
     st.Page(_PAGES / "overview.py", title="Overview", url_path="overview", default=True),
     st.Page(_PAGES / "heat.py", title="Heat map", url_path="heat"),

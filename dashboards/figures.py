@@ -12,13 +12,15 @@ _LAYOUT = dict(margin=dict(l=40, r=10, t=40, b=40), height=420)
 
 def heatmap(
     z: np.ndarray, x: Sequence[object], y: Sequence[object], title: str, x_title: str, y_title: str,
-    colorbar: str, colorscale: str = "Inferno", text: np.ndarray | None = None,
+    colorbar: str, colorscale: str = "Viridis", text: np.ndarray | None = None,
 ) -> go.Figure:
     """z [len(y), len(x)]."""
     hover = f"{x_title} %{{x}}<br>{y_title} %{{y}}<br>{colorbar} %{{z}}<extra></extra>"
     fig = go.Figure(go.Heatmap(z=z, x=list(x), y=list(y), colorscale=colorscale, text=text,
                                colorbar=dict(title=colorbar), hovertemplate=hover))
     fig.update_layout(title=title, xaxis_title=x_title, yaxis_title=y_title, **_LAYOUT)
+    fig.update_xaxes(type="category")  # layer and expert ids are labels, not quantities
+    fig.update_yaxes(type="category")
     return fig
 
 

@@ -42,7 +42,7 @@ def open_page(at: AppTest, page: str, **params: str) -> AppTest:
     at.query_params.update(params)
     at.run()
     if page != "overview":
-        at.switch_page(f"pages/{page}.py").run()
+        at.switch_page(f"views/{page}.py").run()
     assert not at.exception, [e.value for e in at.exception]
     assert not at.error, [e.value for e in at.error]
     return at
@@ -189,7 +189,7 @@ def test_eplb_planner(app: AppTest, routes: Any) -> None:
 def test_eplb_planner_bad_cluster_is_an_error_not_a_crash(app: AppTest) -> None:
     app.query_params.update(gpus="4", nodes="3")
     app.run()
-    at = app.switch_page("pages/eplb.py").run()
+    at = app.switch_page("views/eplb.py").run()
     assert not at.exception
     assert any("num_nodes=3" in e.value for e in at.error)
 

@@ -19,7 +19,7 @@ if not windows:
     st.info("This run has no routed tokens yet.")
     st.stop()
 st.plotly_chart(figures.heatmap(mat.T, windows, layers, "max/mean expert load per layer and window",
-                                "window", "layer", "max/mean", colorscale="Viridis"), key="imbalance_map")
+                                "window", "layer", "max/mean", colorscale="Cividis"), key="imbalance_map")
 worst = np.nanmax(mat, axis=1)
 st.plotly_chart(figures.lines(windows, {"mean over layers": np.nanmean(mat, axis=1), "worst layer": worst},
                               "Imbalance over time", "window", "max / mean"), key="imbalance_lines")
