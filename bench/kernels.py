@@ -165,7 +165,11 @@ def bench_decode(copy_gbs: float, gemm_tflops: float, quick: bool) -> None:
                 kv_bytes = kv.numel() * 2
                 copies = max(1, min(8, math.ceil(4 * L2_BYTES / kv_bytes)))
                 kvs = [kv] + [torch.randn_like(kv) for _ in range(copies - 1)]
-                fns = [partial(mla_decode, q, kv_i, r2t, rows, lens, KV_LORA, scale) for kv_i in kvs]
+                # splits from host lengths, as the engine passes them: num_kv_splits=None would add a
+                # device sync per call (seq_lens.max()), 0.1-0.2 ms of host gap on this machine (run 3)
+                splits = choose_num_kv_splits(B, -(-H // bh), L, sms)
+                fns = [partial(mla_decode, q, kv_i, r2t, rows, lens, KV_LORA, scale, num_kv_splits=splits)
+                       for kv_i in kvs]  # fmt: skip
                 out = fns[0]()
                 t = ms(rotating(fns))
                 naive = [partial(_naive_decode, q, kv_i, r2t, scale) for kv_i in kvs]
@@ -173,7 +177,6 @@ def bench_decode(copy_gbs: float, gemm_tflops: float, quick: bool) -> None:
                 tn = ms(rotating(naive), rep=50)
                 gbs = (kv_bytes + q.numel() * 2 + B * H * KV_LORA * 2) / t / 1e6
                 tflops = 2 * B * H * L * (KV_LORA + ROPE + KV_LORA) / t / 1e9
-                splits = choose_num_kv_splits(B, -(-H // bh), L, sms)
                 row = {"H": H, "B": B, "L": L, "splits": splits, "tile": [bh, bn, w, s], "ms": t,
                        "GBps": gbs, "pct_copy": 100 * gbs / copy_gbs, "TFLOPs": tflops,
                        "pct_gemm": 100 * tflops / gemm_tflops, "naive_ms": tn,
@@ -287,11 +290,38 @@ def bench_topk() -> None:
     save()
 
 
+def markdown(res: dict) -> str:
+    """The BENCHMARKS.md tables from one run's JSON (python bench/kernels.py --report kernels.json)."""
+    c = res["ceilings"]
+    lines = [f"Ceilings in the same run: device copy {c['copy_GBps']:.0f} GB/s, bf16 GEMM 8192^3 "
+             f"{c['gemm_bf16_TFLOPs']:.0f} TFLOP/s ({c['device']}, torch {c['torch']}).", "",
+             "| H | B | kv_len | splits | triton ms | GB/s | % copy | TFLOP/s | % GEMM | naive ms | speedup |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in res.get("decode", []):
+        lines.append(f"| {r['H']} | {r['B']} | {r['L']} | {r['splits']} | {r['ms']:.3f} | {r['GBps']:.0f} | "
+                     f"{r['pct_copy']:.0f}% | {r['TFLOPs']:.0f} | {r['pct_gemm']:.0f}% | {r['naive_ms']:.3f} | "
+                     f"{r['speedup']:.1f}x |")  # fmt: skip
+    lines += ["", "| E | I | T | tiles (bm,bn,bk,g,w,s) | eager ms | graph ms | TFLOP/s | % dense | "
+              "loop ms | vs loop | touched-read ms | x read |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in res.get("moe", []):
+        lines.append(f"| {r['E']} | {r['I']} | {r['T']} | {tuple(r['cfg'])} | {r['ms']:.3f} | "
+                     f"{r['graph_ms']:.3f} | {r['TFLOPs']:.0f} | {r['pct_dense']:.0f}% | {r['loop_ms']:.2f} | "
+                     f"{r['speedup_vs_loop']:.1f}x | {r['touched_read_ms']:.3f} | {r['x_read']:.2f}x |")  # fmt: skip
+    lines += ["", "| T | triton ms | torch ms | speedup | ids equal |", "|---|---|---|---|---|"]
+    for r in res.get("topk", []):
+        lines.append(f"| {r['T']} | {r['ms']:.4f} | {r['torch_ms']:.4f} | {r['speedup']:.1f}x | {r['ids_equal']} |")
+    return "\n".join(lines).replace("| nan |", "| - |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="one shape per section")
     ap.add_argument("--only", default="decode,moe,topk")
+    ap.add_argument("--report", help="print the Markdown tables of a saved kernels.json and exit")
     a = ap.parse_args()
+    if a.report:
+        print(markdown(json.loads(Path(a.report).read_text())))
+        return
     torch.manual_seed(0)
     t0 = time.time()
     copy_gbs, gemm_tflops = ceilings()
@@ -308,6 +338,7 @@ def main() -> None:
             traceback.print_exc()
             RESULTS[f"{name}_error"] = traceback.format_exc()[-2000:]
             save()
+    (OUT / "kernels.md").write_text(markdown(RESULTS))
     print(f"bench wall time {time.time() - t0:.0f} s; JSON in {OUT / 'kernels.json'}")
 
 
