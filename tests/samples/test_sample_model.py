@@ -1,4 +1,4 @@
-"""The bundled sample model (samples/model): spec, MTP tensors, and transformers == engine greedy text.
+"""The bundled sample (samples/): model spec, MTP tensors, transformers == engine greedy text, traces.
 
 Run: .venv/bin/python -m pytest -q tests/samples/test_sample_model.py
 (SAMPLE_MODEL_DIR=<folder> points it at another checkpoint made by bench/train_sample.py.)
@@ -72,3 +72,17 @@ def test_transformers_and_engine_continue_a_prompt_identically() -> None:
         ids.append(int(logits[-1].argmax()))
     n = len(prompt)
     assert ids == hf_ids, f"engine {tok.decode(ids[n:])!r} != transformers {tok.decode(hf_ids[n:])!r}"
+
+
+def test_sample_traces_tag_every_prompt_with_its_domain() -> None:
+    import pyarrow.parquet as pq
+
+    from r3trace.trace.schema import Manifest
+
+    run = ROOT / "samples" / "traces" / "run_id=sample"
+    manifest = Manifest.read(run)
+    prompts = [json.loads(line) for line in (ROOT / "samples" / "prompts.jsonl").read_text().splitlines()]
+    requests = pq.read_table(run / manifest.files[0].requests).to_pylist()
+    assert {r["request_id"]: r["tag"] for r in requests} == {p["id"]: p["domain"] for p in prompts}
+    assert manifest.num_experts == 32 and manifest.top_k == 4
+    assert sum(f.stat().st_size for f in run.rglob("*") if f.is_file()) <= 10 * 2**20
