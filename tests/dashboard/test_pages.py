@@ -204,3 +204,31 @@ def test_sql_console_reads_and_refuses_writes(app: AppTest, store: Store) -> Non
         assert at.error and word in at.error[0].value, (bad, [e.value for e in at.error])
     at.text_area[0].set_value("SELECT count(*) AS n FROM tokens WHERE run_id = 'base'").run()
     assert not at.error and int(at.dataframe[0].value["n"].iloc[0]) == store.tokens
+
+
+SAMPLE_TRACES = Path(__file__).resolve().parents[2] / "samples" / "traces"
+
+
+@pytest.mark.skipif(not (SAMPLE_TRACES / "run_id=sample" / "manifest.json").exists(),
+                    reason="samples/traces is not in this checkout")
+@pytest.mark.parametrize("page", ["overview", "heat", "imbalance", "coactivation", "requests", "eplb", "sql"])
+def test_every_page_on_the_sample_trace(page: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bundled engine trace (trained model, real prompts): each page renders, with the trace's numbers."""
+    [run] = open_dataset(SAMPLE_TRACES)
+    tr = read_token_routes(run)
+    monkeypatch.setenv("R3TRACE_STORE", str(SAMPLE_TRACES))
+    at = AppTest.from_file(APP, default_timeout=60)
+    params = {"run": run.manifest.run_id}
+    if page == "eplb":  # a cluster that fits this model: E experts on 4 GPUs, 2 nodes, 4 spare slots
+        params.update(gpus="4", nodes="2", slots=str(run.manifest.num_experts + 4), nlim="2")
+    at = open_page(at, page, **params)
+    if page == "overview":
+        m = metrics(at)
+        assert m["Tokens"] == f"{len(tr.topk_ids):,}" and m["Experts"] == str(run.manifest.num_experts)
+    if page == "heat":
+        [fig] = charts(at)
+        assert arr(fig["data"][0]["z"]).sum() == tr.topk_ids.size
+    if page in ("imbalance", "coactivation", "eplb"):
+        assert charts(at), f"{page} drew no chart"
+    if page == "requests":
+        assert len(at.dataframe[0].value) > 0

@@ -1,0 +1,68 @@
+"""`r3trace serve` as a real subprocess on the bundled sample model, and `capture()` against it.
+
+Run: .venv/bin/python -m pytest -q tests/server/test_cli.py
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from r3trace.client import capture
+from r3trace.trace import open_dataset, read_token_routes
+
+ROOT = Path(__file__).resolve().parents[2]
+SAMPLE = ROOT / "samples" / "model"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.skipif(not (SAMPLE / "config.json").exists(), reason="samples/model is not in this checkout")
+def test_serve_subprocess_and_capture(tmp_path: Path) -> None:
+    port = free_port()
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "r3trace.cli", "serve", str(SAMPLE), "--port", str(port),
+                                 "--trace-root", str(tmp_path / "traces"), "--log-level", "warning"],
+                                stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 120
+            while True:
+                try:
+                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+                time.sleep(0.25)
+            prompts = [json.loads(line) for line in (ROOT / "samples" / "prompts.jsonl").read_text().splitlines()]
+            bodies = [{"text": p["text"][:200], "tag": p["domain"]} for p in prompts[:4]]
+            res = capture(url, bodies, out=tmp_path / "store", sampling_params={"max_new_tokens": 8,
+                          "temperature": 0}, run_id="cli", concurrency=4, progress=False)
+            [run] = open_dataset(tmp_path / "store")
+            tr = read_token_routes(run)
+            assert tr.topk_ids.shape[0] == res.tokens > 4 * 8 and res.skipped == 0
+            assert (tr.topk_ids >= 0).all() and (tr.topk_ids < run.manifest.num_experts).all()
+            info = httpx.get(f"{url}/get_model_info").json()
+            assert info["moe_layer_ids"] == list(run.manifest.moe_layer_ids)
+            metrics = httpx.get(f"{url}/metrics").text
+            assert 'endpoint="/generate",status="200"} 4' in metrics
+        finally:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
