@@ -82,6 +82,7 @@ def test_sample_traces_tag_every_prompt_with_its_domain() -> None:
     run = ROOT / "samples" / "traces" / "run_id=sample"
     manifest = Manifest.read(run)
     prompts = [json.loads(line) for line in (ROOT / "samples" / "prompts.jsonl").read_text().splitlines()]
+    assert manifest.files[0].requests is not None
     requests = pq.read_table(run / manifest.files[0].requests).to_pylist()
     assert {r["request_id"]: r["tag"] for r in requests} == {p["id"]: p["domain"] for p in prompts}
     assert manifest.num_experts == 32 and manifest.top_k == 4
