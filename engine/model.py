@@ -42,7 +42,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.self_attn = MLAAttention(
-            cfg, layer_id, rope, make_attention_backend(ecfg.attention_backend), ecfg.mla_path, dtype, device
+            cfg, layer_id, rope, make_attention_backend(ecfg.attention_backend, ecfg.device), ecfg.mla_path, dtype, device
         )
         self.is_moe = cfg.is_moe_layer(layer_id)
         self.mlp: nn.Module

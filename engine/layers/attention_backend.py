@@ -83,23 +83,32 @@ class RefAttention:
 
 
 class TritonAttention:
-    """Triton flash-decoding / extend kernels (r3trace.kernels)."""
+    """Triton flash-decoding / extend kernels (r3trace.kernels). Split counts and max lengths come from
+    the batch's host lists, so no kernel launch needs a device sync (and decode is graph-capturable)."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: str) -> None:
         from r3trace.kernels import mla_decode, mla_extend
 
+        self._mod = mla_decode
         self._decode = mla_decode.mla_decode
         self._extend = mla_extend.mla_extend
         self._prefill = mla_extend.mha_prefill
+        dev = torch.device(device)
+        # Read once at construction: 132 on an H200. The interpreter on CPU gets a few splits, still > 1.
+        self._sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
 
     def absorbed(
         self, q: torch.Tensor, kv_cache: torch.Tensor, fb: ForwardBatch, kv_lora_rank: int, scale: float
     ) -> torch.Tensor:
         if fb.mode == "decode":
-            return self._decode(q, kv_cache, fb.req_to_token, fb.req_pool_indices, fb.seq_lens, kv_lora_rank, scale)
+            tile = self._mod.default_decode_tile(q.shape[1], q.dtype)
+            head_blocks = -(-q.shape[1] // tile.block_h)
+            splits = self._mod.choose_num_kv_splits(fb.batch_size, head_blocks, max(fb.seq_lens_cpu), self._sms)
+            return self._decode(q, kv_cache, fb.req_to_token, fb.req_pool_indices, fb.seq_lens, kv_lora_rank, scale,
+                                num_kv_splits=splits, tile=tile)
         return self._extend(
             q, kv_cache, fb.req_to_token, fb.req_pool_indices, fb.prefix_lens, fb.extend_lens,
-            fb.extend_start_loc, kv_lora_rank, scale,
+            fb.extend_start_loc, kv_lora_rank, scale, max_extend_len=max(fb.extend_lens_cpu),
         )
 
     def mha(
@@ -114,8 +123,8 @@ class TritonAttention:
     ) -> torch.Tensor:
         if k_lens != fb.extend_lens_cpu:
             raise ValueError("triton mha handles prefix-free prefill only; use mla_path='auto' or 'absorb'")
-        return self._prefill(q, k, v, fb.extend_start_loc, fb.extend_lens, scale)
+        return self._prefill(q, k, v, fb.extend_start_loc, fb.extend_lens, scale, max_extend_len=max(k_lens))
 
 
-def make_attention_backend(name: str) -> AttentionBackend:
-    return RefAttention() if name == "ref" else TritonAttention()
+def make_attention_backend(name: str, device: str) -> AttentionBackend:
+    return RefAttention() if name == "ref" else TritonAttention(device)

@@ -2,10 +2,19 @@
 
 from .capturer import CaptureConfig, CaptureConfigError, RoutedExpertsCapturer, RouteRows
 from .recorder import ListRecorder, NullRecorder, RouteRecorder
-from .wire import WireFormatError, decode_routed_experts, decode_routed_weights, encode_float16, encode_int32
 
 __all__ = [
     "CaptureConfig", "CaptureConfigError", "ListRecorder", "NullRecorder", "RouteRecorder", "RouteRows",
     "RoutedExpertsCapturer", "WireFormatError", "decode_routed_experts", "decode_routed_weights",
     "encode_float16", "encode_int32",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # The wire format needs pybase64; the engine imports this package for the recorder protocol and
+    # must load where pybase64 is absent (a bare GPU image), so the codec is imported on first use.
+    if name in ("WireFormatError", "decode_routed_experts", "decode_routed_weights", "encode_float16", "encode_int32"):
+        from . import wire
+
+        return getattr(wire, name)
+    raise AttributeError(f"module 'r3trace.capture' has no attribute {name!r}")

@@ -180,14 +180,14 @@ class RoutedExpertsCapturer:
     def rows(self, rid: str, slots: np.ndarray, start: int, end: int) -> RouteRows:
         """Rows of positions [start, end), slots: KV slot of every position 0..end-1 (host)."""
         self.drain()
-        state = self.requests[rid]
+        state = self._state(rid)
         moe = self._read(state, np.asarray(slots, dtype=np.int64), start, end, weights=False)
         weights = self._read(state, np.asarray(slots, dtype=np.int64), start, end, weights=True)
         return RouteRows(offset=start, ids=self._expand(moe, -1), weights=None if weights is None else self._expand(weights, 0))
 
     def stream_rows(self, rid: str, slots: np.ndarray, start_len: int, end: int) -> RouteRows:
         """Rows added since the previous call (never before start_len)."""
-        state = self.requests[rid]
+        state = self._state(rid)
         begin = max(state.stream_emitted, start_len)
         out = self.rows(rid, slots, begin, max(begin, end))
         state.stream_emitted = max(begin, end)
@@ -198,7 +198,7 @@ class RoutedExpertsCapturer:
 
         Rows kept across a retraction keep their first provenance, so this depends only on the first
         admission's prefix hit and the prompt length."""
-        cached = max(self.requests[rid].first_cached_len, 0)
+        cached = max(self._state(rid).first_cached_len, 0)
         bounds = [(0, cached, "prefill", "prefix_cache"), (cached, prompt_len, "prefill", "computed"),
                   (prompt_len, end, "decode", "computed")]
         return [(max(a, start), min(b, end), ph, src) for a, b, ph, src in bounds if min(b, end) > max(a, start)]
@@ -217,6 +217,11 @@ class RoutedExpertsCapturer:
         return sink
 
     # ---------------------------------------------------------------- internals
+    def _state(self, rid: str) -> _ReqState:
+        """A request that finished before it was ever admitted (aborted while waiting) has no rows."""
+        state = self.requests.get(rid)
+        return state if state is not None else _ReqState(want=False)
+
     @property
     def bytes_last_step(self) -> int:
         return self.buffers.bytes_last_step
