@@ -114,26 +114,28 @@ def decode_step_times(args: argparse.Namespace) -> list[dict[str, Any]]:
         for i in range(b):
             capturer.add_request(f"r{i}", want=True)
         result: dict[str, Any] = {"batch": b, "context": args.context, "layers": args.layers}
-        for mode in ("off", "on", "off", "on"):  # interleaved, twice: the spread shows the noise
-            set_recorder(model, NullRecorder() if mode == "off" else (_SyncChecked(capturer) if args.device == "cuda" else capturer))
-            times = []
-            for it in range(args.warmup + args.iters):
+        recorders = {"off": NullRecorder(), "on": _SyncChecked(capturer) if args.device == "cuda" else capturer}
+        times: dict[str, list[float]] = {"off": [], "on": []}
+        # Off and on alternate step by step, so clock and thermal drift hit both alike.
+        for it in range(args.warmup + args.iters):
+            for mode in ("off", "on"):
+                set_recorder(model, recorders[mode])
                 if args.device == "cuda":
                     torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 model(fb, kv)
-                capturer.drain()
+                capturer.drain()  # the engine does this when it next needs rows: count it here
                 if args.device == "cuda":
                     torch.cuda.synchronize()
                 if it >= args.warmup:
-                    times.append(time.perf_counter() - t0)
-            result.setdefault(f"step_ms_{mode}", []).append(1e3 * statistics.median(times))
-        off, on = min(result["step_ms_off"]), min(result["step_ms_on"])
-        result["overhead_pct"] = 100 * (on - off) / off
+                    times[mode].append(time.perf_counter() - t0)
+        off, on = (1e3 * statistics.median(times[m]) for m in ("off", "on"))
+        spread = 1e3 * (statistics.quantiles(times["off"], n=4)[2] - statistics.quantiles(times["off"], n=4)[0])
+        result.update(step_ms_off=off, step_ms_on=on, step_ms_off_iqr=spread, overhead_pct=100 * (on - off) / off)
         result["bytes_copied_per_step"] = capturer.bytes_last_step
         rows.append(result)
-        print(f"decode B={b:4d}: off {off:8.3f} ms  on {on:8.3f} ms  overhead {result['overhead_pct']:+.2f}%  "
-              f"copied {capturer.bytes_last_step} B/step", flush=True)
+        print(f"decode B={b:4d}: off {off:8.3f} ms (IQR {spread:.3f})  on {on:8.3f} ms  overhead "
+              f"{result['overhead_pct']:+.2f}%  copied {capturer.bytes_last_step} B/step", flush=True)
     return rows
 
 

@@ -76,8 +76,9 @@ def throughput(tmp: Path, backend: str, capture: bool, batch: int, new_tokens: i
     prompts = [rng.integers(2, 32000, size=128).tolist() for _ in range(batch)]
     params = {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}
     with Engine(ckpt, dtype="bfloat16", device="cuda", chunked_prefill_size=8192, max_running_requests=batch,
-                kv_pool_tokens=batch * (128 + new_tokens + 8), **opts) as eng:
-        eng.generate(input_ids=prompts[:2], sampling_params={**params, "max_new_tokens": 2})  # warm-up
+                kv_pool_tokens=batch * (128 + new_tokens + 8), enable_prefix_cache=False, **opts) as eng:
+        # Warm-up with the timed shapes: Triton compiles per shape, and that must stay out of the numbers.
+        eng.generate(input_ids=prompts, sampling_params=params, return_routed_experts=capture)
         t0 = time.perf_counter()
         eng.generate(input_ids=prompts, sampling_params={**params, "max_new_tokens": 1}, return_routed_experts=capture)
         prefill_s = time.perf_counter() - t0
@@ -91,6 +92,31 @@ def throughput(tmp: Path, backend: str, capture: bool, batch: int, new_tokens: i
     return out
 
 
+def transformers_baseline(tmp: Path, batch: int, new_tokens: int) -> dict[str, Any]:
+    """transformers' generate on the same checkpoint and batch (greedy, bf16, its default cache)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tmp / "mid", dtype=torch.bfloat16).cuda().eval()
+    rng = np.random.default_rng(1)
+    ids = torch.tensor(rng.integers(2, 32000, size=(batch, 128)), device="cuda")
+    kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+    with torch.inference_mode():
+        model.generate(ids, max_new_tokens=4, min_new_tokens=4, **kw)  # warm-up
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
+        torch.cuda.synchronize()
+        prefill_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
+        torch.cuda.synchronize()
+        total_s = time.perf_counter() - t0
+    out = {"backend": "transformers", "batch": batch, "new_tokens": new_tokens,
+           "decode_tokens_per_s": batch * (new_tokens - 1) / max(total_s - prefill_s, 1e-9)}
+    print(f"throughput: {out}", flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="")
@@ -98,17 +124,24 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--backends", default="ref,triton")
     args = ap.parse_args()
+    import logging
+
+    logging.basicConfig(level=logging.WARNING)  # an engine step's exception is logged, not raised
     report: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     backends = args.backends.split(",")
     with tempfile.TemporaryDirectory() as tmp:
         report["exactness"] = []
-        for b in backends:
+        for b in [x for x in backends if x != "transformers"]:
             try:
                 report["exactness"].append(exactness(Path(tmp), b))
             except Exception as exc:  # a broken backend is a finding, not a reason to lose the rest
                 report["exactness"].append({"backend": b, "error": repr(exc)})
                 print(f"[{b}] exactness failed: {exc!r}", flush=True)
         report["throughput"] = []
+        if "transformers" in backends:
+            backends.remove("transformers")
+            throughput(Path(tmp), "ref", False, 1, 2)  # writes the checkpoint
+            report["throughput"].append(transformers_baseline(Path(tmp), args.batch, args.new_tokens))
         for b in backends:
             for capture in (False, True):
                 try:

@@ -115,16 +115,20 @@ class RoutedExpertsCapturer:
     def on_forward_end(self, batch: BatchView) -> None:
         if batch.out_cache_loc_cpu is not None:  # host bookkeeping: which forward owns each slot's KV now
             self.buffers.kv_forward[batch.out_cache_loc_cpu] = batch.forward_id
-        entries, rows, start, wanted_all = [], [], 0, True
-        for rid, n, prefix, phase in zip(batch.request_ids, batch.extend_lens_cpu, batch.prefix_lens_cpu, batch.phases, strict=False):
+        entries: list[tuple[str, int, int, int, str]] = []
+        spans: list[tuple[int, int]] = []  # (first row in T, n) of each wanted request
+        start = copied = 0
+        everyone = self.sink is not None
+        for rid, n, prefix, phase in zip(
+            batch.request_ids, batch.extend_lens_cpu, batch.prefix_lens_cpu, batch.phases, strict=True
+        ):
             state = self.requests.get(rid)
-            if self.sink is not None or (state is not None and state.want):
-                entries.append((rid, len(rows), n, prefix, phase))
-                rows.extend(range(start, start + n))
-            else:
-                wanted_all = False
+            if everyone or (state is not None and state.want):
+                entries.append((rid, copied, n, prefix, phase))
+                spans.append((start, n))
+                copied += n
             start += n
-        if not rows:
+        if not copied:
             self.buffers.bytes_last_step = 0  # nobody asked: nothing crosses to the host
             return
         pending = PendingCopy(
@@ -136,7 +140,8 @@ class RoutedExpertsCapturer:
             # Both staging sets in flight: the oldest belongs to a forward whose sampled tokens the
             # engine already read, so it is complete and this costs no wait on the device.
             self._process(self.buffers.drain_one())
-        self.buffers.start_copy(None if wanted_all else rows, start, batch.out_cache_loc, pending)
+        rows = None if copied == start else [r for s0, n in spans for r in range(s0, s0 + n)]
+        self.buffers.start_copy(rows, start, batch.out_cache_loc, pending)
 
     # ---------------------------------------------------------------- request lifecycle
     def add_request(self, rid: str, want: bool) -> None:
