@@ -171,7 +171,7 @@ def synth_routes(cfg: SynthConfig, num_tokens: int) -> Iterator[tuple[Schedule, 
     last = np.full((len(sched.prompt_len), bank.shape[1]), -1, dtype=np.int32)
     last_fwd = int(sched.forward_id[-1])
     edges = np.r_[np.arange(0, last_fwd + 1, 64), last_fwd + 1]  # chunks of 64 forwards
-    bounds = [int(b) for b in np.searchsorted(sched.forward_id, edges)]
+    bounds = [int(b) for b in np.asarray(np.searchsorted(sched.forward_id, edges))]
     for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
         if hi > lo:
             yield sched, lo, hi, route_chunk(bank, sched, lo, hi, last, cfg, rng)

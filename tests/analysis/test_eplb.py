@@ -79,3 +79,13 @@ def test_replan_on_same_loads_moves_nothing_and_exports(tmp_path: Path) -> None:
     to_sglang(moved, tmp_path / "s.json")
     doc = json.loads((tmp_path / "s.json").read_text())
     assert np.array_equal(np.asarray(doc["physical_to_logical_map"]), moved.phy2log)
+
+
+def test_hierarchical_reproduces_deepseek_readme_example() -> None:
+    # the example of github.com/deepseek-ai/EPLB's README (2 layers x 12 experts, 16 slots, 4 groups, 2 nodes,
+    # 8 GPUs) with its printed output; written from the description, same greedy order, same answer
+    w = np.array([[90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86],
+                  [20, 107, 104, 64, 19, 197, 187, 157, 172, 86, 16, 27]], dtype=float)
+    pl = hierarchical(w, Cluster(num_gpus=8, num_nodes=2, num_slots=16, num_groups=4))
+    assert pl.phy2log.tolist() == [[5, 6, 5, 7, 8, 4, 3, 4, 10, 9, 10, 2, 0, 1, 11, 1],
+                                   [7, 10, 6, 8, 6, 11, 8, 9, 2, 4, 5, 1, 5, 0, 3, 1]]

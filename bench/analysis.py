@@ -1,0 +1,233 @@
+"""Analysis benchmarks on this 2-core CPU: trace size and write rate, queries in DuckDB / Polars / numpy, EPLB.
+
+Run: .venv/bin/python bench/analysis.py --rows 100000000 --eplb-ref /tmp/eplbref [--out /tmp/bench]
+`--eplb-ref` is a folder holding DeepSeek's eplb.py (github.com/deepseek-ai/EPLB, never committed here);
+without it the reference column is skipped. Prints markdown tables for BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import polars as pl
+import pyarrow.parquet as pq
+
+from r3trace.analysis import agreement, coactivation, heat
+from r3trace.analysis.store import TraceStore
+from r3trace.analysis.synth import SynthConfig, route_bank, route_chunk, schedule, write_synth
+from r3trace.eplb import Cluster, churn, cross_node, global_policy, hierarchical, plan
+from r3trace.eplb.placement import from_phy2log
+from r3trace.eplb.score import balancedness, even_gpu_load, heat_of, node_limited
+from r3trace.trace import open_dataset
+
+E, K = 256, 8
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    t = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t, out
+
+
+def trace_section(out: Path, rows: int, agree_rows: int) -> list[str]:
+    shutil.rmtree(out, ignore_errors=True)
+    cfg = SynthConfig(seed=7)
+    n_layers = len(cfg.moe_layer_ids)
+    dt, w = timed(lambda: write_synth(out / "big", cfg, rows // n_layers, run_id="big", progress=False))
+    m = w.manifest
+    size = sum(p.stat().st_size for p in (out / "big").rglob("part-*.parquet"))
+    lines = [f"- trace: {m.rows / 1e6:.1f}M rows ({m.rows // n_layers:,} tokens x {n_layers} layers x top-{K}) "
+             f"in {m.file_count} files, {size / 2**20:.0f} MiB = {size / (m.rows * K):.2f} bytes per expert id",
+             f"- synth + write: {dt:.1f} s = {m.rows / dt / 1e6:.2f}M rows/s "
+             f"({m.rows * K / dt / 1e6:.1f}M ids/s, generation included)"]
+    # two runs of the same tokens for agreement: B flips one expert of ~10% of A's (token, layer) sets
+    a_cfg = SynthConfig(seed=11)
+    write_synth(out / "agree", a_cfg, agree_rows // n_layers, run_id="A", progress=False)
+    ra = open_dataset(out / "agree")[0]
+    rng = np.random.default_rng(0)
+    dst = out / "agree" / "run_id=B"
+    dst.mkdir()
+    for f in ra.route_files:
+        t = pq.read_table(f)
+        ids = t.column("topk_ids").combine_chunks().flatten().to_numpy().reshape(-1, K).copy()
+        flip = rng.random(len(ids)) < 0.1
+        ids[flip, 0] = (ids[flip, 0] + 1 + rng.integers(0, E - 1, flip.sum())) % E  # may collide: rare
+        import pyarrow as pa
+
+        t = t.set_column(t.schema.get_field_index("topk_ids"), "topk_ids",
+                         pa.FixedSizeListArray.from_arrays(pa.array(ids.ravel()), K))
+        t = t.set_column(0, "run_id", pa.array(["B"] * t.num_rows).dictionary_encode())
+        pq.write_table(t, dst / f.name, compression="zstd", compression_level=3)
+    from dataclasses import replace
+
+    replace(ra.manifest, run_id="B", files=tuple(replace(x, rollup=None, requests=None) for x in ra.manifest.files)
+            ).write(dst)
+    store = TraceStore([out / "big", out / "agree"])
+    c = store.con
+    big_files = [str(p) for p in open_dataset(out / "big")[0].route_files]
+    res: dict[str, dict[str, float]] = {}
+
+    def np_ids(files: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        ids, lay = [], []
+        for f in files:
+            t = pq.read_table(f, columns=["layer_id", "topk_ids"])
+            ids.append(t.column("topk_ids").combine_chunks().flatten().to_numpy().reshape(-1, K))
+            lay.append(t.column("layer_id").to_numpy())
+        return np.concatenate(lay), np.concatenate(ids)
+
+    # heat
+    t_pl, pl_heat = timed(lambda: pl.scan_parquet(big_files, hive_partitioning=False).select("layer_id", "topk_ids")
+                          .explode("topk_ids").group_by("layer_id", "topk_ids").len().collect())
+    res["heat (L x E counts)"] = {"duckdb": timed(lambda: heat.heat(c, "big"))[0], "polars": t_pl}
+    t_np, (lay, ids) = timed(lambda: np_ids(big_files))
+    t_bc, _ = timed(lambda: np.bincount((((lay.astype(np.int32) - 3) * E)[:, None] + ids).ravel(), minlength=58 * E))
+    res["heat (L x E counts)"]["numpy"] = t_np + t_bc
+    res["heat from rollups"] = {"duckdb": timed(lambda: heat.heat(c, "big", source="rollups"))[0]}
+    res["imbalance (per layer)"] = {"duckdb": timed(lambda: heat.imbalance(c, "big"))[0]}
+
+    def np_imbalance() -> np.ndarray:
+        h = np.bincount((((lay.astype(np.int32) - 3) * E)[:, None] + ids).ravel(), minlength=58 * E).reshape(58, E)
+        x = np.sort(h, 1).astype(float)
+        gini = ((2 * np.arange(1, E + 1) - E - 1) * x).sum(1) / (E * x.sum(1))
+        p = x / x.sum(1, keepdims=True)
+        ent = -(np.where(p > 0, p * np.log(np.where(p > 0, p, 1)), 0)).sum(1) / np.log(E)
+        return np.stack([x.max(1) / x.mean(1), x.std(1) / x.mean(1), ent, gini])
+
+    res["imbalance (per layer)"]["numpy"] = t_np + timed(np_imbalance)[0]
+    res["imbalance (per layer)"]["polars"] = t_pl + timed(  # every expert is selected here, so no zero padding
+        lambda: pl_heat.group_by("layer_id").agg(
+            (pl.col("len").max() / pl.col("len").mean()).alias("max_over_mean"),
+            (pl.col("len").std(ddof=0) / pl.col("len").mean()).alias("cv"),
+            (-(pl.col("len") / pl.col("len").sum() * (pl.col("len") / pl.col("len").sum()).log()).sum()
+             / np.log(E)).alias("norm_entropy"),
+            ((2 * pl.col("len").rank("ordinal") - E - 1) * pl.col("len")).sum() / (E * pl.col("len").sum())))[0]
+    co = "co-activation (1 layer, 28 pairs/token)"
+    res[co] = {"duckdb": timed(lambda: coactivation.coactivation(c, 30, "big"))[0]}
+    one = ids[lay == 30]
+    iu, ju = np.triu_indices(K, 1)
+
+    def np_coact() -> np.ndarray:
+        a, b = np.minimum(one[:, iu], one[:, ju]), np.maximum(one[:, iu], one[:, ju])
+        return np.bincount((a * E + b).ravel(), minlength=E * E)
+
+    res["co-activation (1 layer, 28 pairs/token)"]["numpy"] = timed(np_coact)[0] + t_np / 58
+    res["co-activation (1 layer, 28 pairs/token)"]["polars"] = timed(
+        lambda: pl.scan_parquet(big_files, hive_partitioning=False).filter(pl.col("layer_id") == 30)
+        .with_columns(pl.col("topk_ids").cast(pl.List(pl.Int32)))
+        .select(pl.concat_list([pl.min_horizontal(pl.col("topk_ids").list.get(int(i)),
+                                                  pl.col("topk_ids").list.get(int(j)))
+                                * E + pl.max_horizontal(pl.col("topk_ids").list.get(int(i)),
+                                                        pl.col("topk_ids").list.get(int(j)))
+                                for i, j in zip(iu, ju, strict=True)]).alias("p"))
+        .explode("p").group_by("p").len().collect())[0]
+    res[f"agreement ({agree_rows / 1e6:.0f}M vs {agree_rows / 1e6:.0f}M rows)"] = {
+        "duckdb": timed(lambda: (agreement.agreement_by_layer(c, "A", "B"),
+                                 agreement.agreement_summary(c, "A", "B")))[0]}
+    summ = agreement.agreement_summary(c, "A", "B").row(0, named=True)
+    fa = [str(p) for p in open_dataset(out / "agree")[0].route_files]
+    fb = [str(dst / Path(p).name) for p in fa]
+
+    def np_agree() -> float:
+        (_, x), (_, y) = np_ids(fa), np_ids(fb)  # same files, same row order: positional match
+        inter = (x[:, :, None] == y[:, None, :]).sum((1, 2))
+        return float((inter == K).mean())
+
+    res[f"agreement ({agree_rows / 1e6:.0f}M vs {agree_rows / 1e6:.0f}M rows)"]["numpy"] = timed(np_agree)[0]
+    res[f"agreement ({agree_rows / 1e6:.0f}M vs {agree_rows / 1e6:.0f}M rows)"]["polars"] = timed(
+        lambda: pl.scan_parquet(fa, hive_partitioning=False)
+        .select("request_id", "token_pos", "layer_id", pl.col("topk_ids").cast(pl.List(pl.Int32)))
+        .join(pl.scan_parquet(fb, hive_partitioning=False).select("request_id", "token_pos", "layer_id",
+                                                                  pl.col("topk_ids").cast(pl.List(pl.Int32)).alias("b")),
+              on=["request_id", "token_pos", "layer_id"])
+        .select((pl.col("topk_ids").list.set_intersection("b").list.len() == K).mean()).collect())[0]
+    lines.append(f"- agreement check: exact-match rate {summ['exact_match_rate']:.3f}, tokens with any layer "
+                 f"different {summ['tokens_any_layer_different']:.3f} (10% of sets perturbed)")
+    lines += ["", "| query | DuckDB s | Polars s | numpy s |", "|---|---|---|---|"]
+    for q, r in res.items():
+        lines.append(f"| {q} | " + " | ".join(f"{r[k]:.2f}" if k in r else "-" for k in ("duckdb", "polars", "numpy"))
+                     + " |")
+    lines.append(f"\nnumpy columns include reading the ids from Parquet ({t_np:.1f} s for the big trace); "
+                 f"raw heat scan rate in DuckDB {m.rows * K / res['heat (L x E counts)']['duckdb'] / 1e6:.0f}M ids/s.")
+    return lines
+
+
+def load_ref(path: str | None) -> Any:
+    if not path or not (Path(path) / "eplb.py").exists():
+        return None
+    spec = importlib.util.spec_from_file_location("eplb_ref", Path(path) / "eplb.py")
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def eplb_section(ref: Any, tokens_per_window: int) -> list[str]:
+    import torch
+
+    clusters = [Cluster(32, 4, 288), Cluster(32, 4, 320), Cluster(144, 18, 288)]
+    lines = ["| s | GPUs/nodes/slots | policy | plan s | held-out bal. (even) | held-out bal. (node-limited) "
+             "| nodes/token mean | > 4 nodes | re-plan churn |", "|---|---|---|---|---|---|---|---|---|"]
+    print("\n".join(lines), flush=True)  # rows are printed as they come: the whole section takes minutes
+    for s in (0.3, 0.6, 1.0):
+        cfg = SynthConfig(zipf_s=s, seed=3)
+        rng = np.random.default_rng(0)
+        bank = route_bank(cfg, rng)
+        sched = schedule(cfg, 4 * tokens_per_window, rng)
+        last = np.full((len(sched.prompt_len), 58), -1, np.int32)
+        ids = route_chunk(bank, sched, 0, 4 * tokens_per_window, last, cfg, rng)
+        wins = ids.reshape(4, tokens_per_window, 58, K)
+        heats = np.stack([heat_of(w, E) for w in wins])
+        for cl in clusters:
+            def ref_plan(h: np.ndarray, c: Cluster = cl, groups: int = 1, nodes: int = 1) -> Any:
+                p2l, _, _ = ref.rebalance_experts(torch.tensor(h), c.num_slots, groups, nodes, c.num_gpus)
+                return from_phy2log(p2l.numpy(), E)
+
+            pols: dict[str, Callable[[np.ndarray, Any], Any]] = {
+                "global (ours)": lambda h, p, c=cl: global_policy(h[-1], c),
+                "cross-node": lambda h, p, c=cl: cross_node(h[-1], c),
+                "r3 planner": lambda h, p, c=cl: plan(h, c, p),
+            }
+            if cl.num_groups % cl.num_nodes == 0:
+                pols["hierarchical (ours)"] = lambda h, p, c=cl: hierarchical(h[-1], c)
+            if ref is not None:
+                pols["DeepSeek ref global"] = lambda h, p, c=cl: ref_plan(h[-1], c)
+                if cl.num_groups % cl.num_nodes == 0:
+                    pols["DeepSeek ref hierarchical"] = lambda h, p, c=cl: ref_plan(h[-1], c, 8, c.num_nodes)
+            for name, f in pols.items():
+                first = f(heats[:2], None)  # planned on windows 0-1
+                dt, second = timed(lambda f=f, first=first, h=heats: f(h[:3], first))  # re-plan on 0-2, score on 3
+                d = node_limited(second, wins[3], cl)
+                lines.append(
+                    f"| {s} | {cl.num_gpus}/{cl.num_nodes}/{cl.num_slots} | {name} | {dt:.3f} | "
+                    f"{balancedness(even_gpu_load(second, heats[3], cl)):.3f} | {balancedness(d.gpu_load):.3f} | "
+                    f"{d.nodes.mean():.2f} | {(d.nodes > 4).mean():.1%} | {churn(first, second):.1%} |")
+                print(lines[-1], flush=True)
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", type=int, default=100_000_000)
+    ap.add_argument("--agree-rows", type=int, default=10_000_000)
+    ap.add_argument("--eplb-ref", default=None)
+    ap.add_argument("--window-tokens", type=int, default=16384)
+    ap.add_argument("--out", default="/tmp/r3trace-bench")
+    ap.add_argument("--skip-trace", action="store_true")
+    args = ap.parse_args()
+    if not args.skip_trace:
+        print("\n".join(trace_section(Path(args.out), args.rows, args.agree_rows)), flush=True)
+    ref = load_ref(args.eplb_ref)
+    if ref is None:
+        print("(DeepSeek reference not given: its columns are skipped)")
+    eplb_section(ref, args.window_tokens)
+
+
+if __name__ == "__main__":
+    main()
