@@ -41,7 +41,8 @@ def exactness(tmp: Path, backend: str) -> dict[str, Any]:
         opts = {} if device == "cpu" else dict(attention_backend=backend, moe_backend=backend, topk_backend=backend)
         with Engine(ckpt, device=device, chunked_prefill_size=64, **opts) as eng:
             results[device] = eng.generate(input_ids=prompts, sampling_params=params, return_routed_experts=True)
-    out["same_tokens_cpu_vs_cuda"] = all(a["output_ids"] == b["output_ids"] for a, b in zip(results["cpu"], results["cuda"], strict=False))
+    pairs = zip(results["cpu"], results["cuda"], strict=True)
+    out["same_tokens_cpu_vs_cuda"] = all(a["output_ids"] == b["output_ids"] for a, b in pairs)
     model = load_engine_model(ckpt, device="cuda")
     mismatched = total = 0
     for p, r in zip(prompts, results["cuda"], strict=False):
@@ -57,7 +58,8 @@ def exactness(tmp: Path, backend: str) -> dict[str, Any]:
     return out
 
 
-def throughput(tmp: Path, backend: str, capture: bool, batch: int, new_tokens: int) -> dict[str, Any]:
+def mid_checkpoint(tmp: Path) -> Path:
+    """A 1.1B-parameter random V3-shaped checkpoint (hidden 1024, 8 layers, 64 experts top-6), bf16."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     ckpt = tmp / "mid"
@@ -71,24 +73,37 @@ def throughput(tmp: Path, backend: str, capture: bool, batch: int, new_tokens: i
             max_position_embeddings=4096, dtype="bfloat16",
         )
         DeepseekV3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(ckpt)
+    return ckpt
+
+
+def throughput(tmp: Path, backend: str, batch: int, new_tokens: int, reps: int = 3) -> list[dict[str, Any]]:
+    """Decode tokens/s, capture off and on alternating in one engine (same compiled kernels), `reps` times."""
+    ckpt = mid_checkpoint(tmp)
     opts = dict(attention_backend=backend, moe_backend=backend, topk_backend=backend)
     rng = np.random.default_rng(1)
     prompts = [rng.integers(2, 32000, size=128).tolist() for _ in range(batch)]
     params = {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}
+    one = {**params, "max_new_tokens": 1}
+    samples: dict[bool, list[float]] = {False: [], True: []}
     with Engine(ckpt, dtype="bfloat16", device="cuda", chunked_prefill_size=8192, max_running_requests=batch,
                 kv_pool_tokens=batch * (128 + new_tokens + 8), enable_prefix_cache=False, **opts) as eng:
-        # Warm-up with the timed shapes: Triton compiles per shape, and that must stay out of the numbers.
-        eng.generate(input_ids=prompts, sampling_params=params, return_routed_experts=capture)
-        t0 = time.perf_counter()
-        eng.generate(input_ids=prompts, sampling_params={**params, "max_new_tokens": 1}, return_routed_experts=capture)
-        prefill_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        eng.generate(input_ids=prompts, sampling_params=params, return_routed_experts=capture)
-        total_s = time.perf_counter() - t0
-    decode_s = max(total_s - prefill_s, 1e-9)
-    out = {"backend": backend, "capture": capture, "batch": batch, "new_tokens": new_tokens,
-           "decode_tokens_per_s": batch * (new_tokens - 1) / decode_s, "prefill_s": prefill_s, "total_s": total_s}
-    print(f"throughput: {out}", flush=True)
+        for capture in (False, True):  # warm-up with the timed shapes: Triton compiles per shape
+            eng.generate(input_ids=prompts, sampling_params=params, return_routed_experts=capture)
+        for _ in range(reps):
+            for capture in (False, True):
+                t0 = time.perf_counter()
+                eng.generate(input_ids=prompts, sampling_params=one, return_routed_experts=capture)
+                prefill_s = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                eng.generate(input_ids=prompts, sampling_params=params, return_routed_experts=capture)
+                decode_s = max(time.perf_counter() - t0 - prefill_s, 1e-9)
+                samples[capture].append(batch * (new_tokens - 1) / decode_s)
+    out = []
+    for capture, tps in samples.items():
+        row = {"backend": backend, "capture": capture, "batch": batch, "new_tokens": new_tokens,
+               "decode_tokens_per_s": float(np.median(tps)), "runs": tps}
+        print(f"throughput: {row}", flush=True)
+        out.append(row)
     return out
 
 
@@ -122,7 +137,8 @@ def main() -> None:
     ap.add_argument("--out", default="")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--backends", default="ref,triton")
+    ap.add_argument("--backends", default="ref,triton,transformers")
+    ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
     import logging
 
@@ -140,15 +156,14 @@ def main() -> None:
         report["throughput"] = []
         if "transformers" in backends:
             backends.remove("transformers")
-            throughput(Path(tmp), "ref", False, 1, 2)  # writes the checkpoint
+            mid_checkpoint(Path(tmp))
             report["throughput"].append(transformers_baseline(Path(tmp), args.batch, args.new_tokens))
         for b in backends:
-            for capture in (False, True):
-                try:
-                    report["throughput"].append(throughput(Path(tmp), b, capture, args.batch, args.new_tokens))
-                except Exception as exc:
-                    report["throughput"].append({"backend": b, "capture": capture, "error": repr(exc)})
-                    print(f"[{b}] throughput failed: {exc!r}", flush=True)
+            try:
+                report["throughput"].extend(throughput(Path(tmp), b, args.batch, args.new_tokens, args.reps))
+            except Exception as exc:
+                report["throughput"].append({"backend": b, "error": repr(exc)})
+                print(f"[{b}] throughput failed: {exc!r}", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2))
 
