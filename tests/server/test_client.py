@@ -83,7 +83,7 @@ def test_capture_from_plain_sglang_with_manifest(engine: Engine, tiny_model: Pat
 
 
 def test_capture_from_r3trace_server(server: LiveServer, engine: Engine, tmp_path: Path) -> None:
-    assert engine.flush_cache()  # earlier tests' uncaptured KV would be hit (see test_concurrency's xfail)
+    assert engine.flush_cache()  # start from an empty cache so the counts below are this test's alone
     res = capture(server.url, PROMPTS, out=tmp_path, sampling_params=SP, run_id="own", progress=False)
     [run] = open_dataset(tmp_path)
     assert run.manifest.num_experts == engine.model_config.n_routed_experts

@@ -88,8 +88,6 @@ def test_concurrent_routes_equal_direct_forward(server: LiveServer, engine: Engi
     assert mismatches == 0, f"{mismatches} token-layer rows differ from the direct forward"
 
 
-@pytest.mark.xfail(strict=True, reason="capture bug: a prefix-cache hit on KV computed by a request that did "
-                   "not set return_routed_experts returns -1 rows (those rows were never copied to host)")
 def test_prefix_hit_on_uncaptured_kv(http: httpx.Client, engine: Engine, tiny_model: Path) -> None:
     assert engine.flush_cache()
     shared = [7, 8, 9, 10, 11, 12]
@@ -97,7 +95,9 @@ def test_prefix_hit_on_uncaptured_kv(http: httpx.Client, engine: Engine, tiny_mo
     assert http.post("/generate", json={"input_ids": shared + [13], "sampling_params": sp}).status_code == 200
     out = http.post("/generate", json={"input_ids": shared + [14], "sampling_params": sp,
                                        "return_routed_experts": True}).json()
-    assert out["meta_info"]["cached_tokens"] > 0
+    # The cached prefix has no host routes (its request did not ask): the engine recomputes it for
+    # this request instead of reusing it, so cached_tokens is 0 and every row is exact.
+    assert out["meta_info"]["cached_tokens"] == 0
     routes = decode_routed_experts(out["meta_info"])
     with torch.inference_mode():
         _, direct = direct_forward(load_engine_model(tiny_model), (shared + [14] + out["output_ids"])[:-1])
