@@ -21,15 +21,19 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) -m r3trace.demo
 
+# Kernels run in Triton's interpreter on CPU; the dashboard's browser test needs Debian's chromium
+# (installed when missing, as root; the test skips and says why if that fails).
 test: $(STAMP)
+	bash tests/dashboard/ensure_chromium.sh
 	TRITON_INTERPRET=1 $(PY) -m pytest -q $(PYTEST_ARGS)
 
 test-all: $(STAMP)
+	bash tests/dashboard/ensure_chromium.sh
 	TRITON_INTERPRET=1 $(PY) -m pytest -q
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy r3trace engine kernels
+	$(VENV)/bin/mypy r3trace engine kernels dashboards bench
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -173,7 +173,7 @@ def eplb_plan(path: str, run_id: str, gpus: int, nodes: int, slots: int, policy:
     """Plan on the run's heat (rollups), replay the run's first `max_tokens` tokens through node-limited
     dispatch. Returns phy2log [L, P], logcnt [L, E], balancedness (even split and replayed), nodes per
     token (mean, max), tokens replayed."""
-    from r3trace.eplb import deepseek, planner, score
+    from r3trace.eplb.evaluate import evaluate_policy
     from r3trace.eplb.placement import Cluster
 
     run = runs(path).filter(pl.col("run_id") == run_id).row(0, named=True)
@@ -182,16 +182,6 @@ def eplb_plan(path: str, run_id: str, gpus: int, nodes: int, slots: int, policy:
                       node_limit=node_limit)
     rolled = heat.heat(open_store(path).con, run_id=run_id, source="rollups")
     weight = heat_matrix(rolled, layers, e).astype(float)  # [L, E]
-    tokens = token_routes(path, run_id, max_tokens)
-    policies = {"ours": lambda: planner.plan(weight, cluster, tokens=tokens),
-                "global": lambda: deepseek.global_policy(weight, cluster),
-                "hierarchical": lambda: deepseek.hierarchical(weight, cluster),
-                "cross_node": lambda: deepseek.cross_node(weight, cluster)}
-    pl_ = policies[policy]()
-    dispatch = score.node_limited(pl_, tokens, cluster)
-    return {"phy2log": pl_.phy2log, "logcnt": pl_.logcnt, "layers": layers,
-            "balancedness_even": score.balancedness(score.even_gpu_load(pl_, weight, cluster)),
-            "balancedness_replay": score.balancedness(dispatch.gpu_load),
-            "nodes_mean": float(dispatch.nodes.mean()) if dispatch.nodes.size else 0.0,
-            "nodes_max": int(dispatch.nodes.max()) if dispatch.nodes.size else 0,
-            "tokens": int(tokens.shape[0]), "slots_per_gpu": cluster.slots_per_gpu}
+    result = evaluate_policy(policy, weight, token_routes(path, run_id, max_tokens), cluster)  # type: ignore[arg-type]
+    result.pop("placement")
+    return {**result, "layers": layers}

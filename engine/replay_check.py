@@ -124,22 +124,6 @@ def replay_check(trace: str | Path, model_path: str | Path, dtype: str = "float3
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="r3trace replay-check", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(ap)
-    return run(ap.parse_args(argv))
-
-
-def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("trace", help="trace folder (a dataset of runs)")
-    ap.add_argument("--model", required=True, help="checkpoint folder (HF layout)")
-    ap.add_argument("--run-id", default=None)
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--json", action="store_true", help="print the report as JSON")
-
-
 def run(args: argparse.Namespace) -> int:
     report = replay_check(args.trace, args.model, args.dtype, args.device, args.run_id)
     if args.json:

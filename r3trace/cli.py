@@ -21,6 +21,8 @@ COMMANDS: list[tuple[str, str]] = [
     ("diff", "r3trace.commands.diff"),
     ("synth", "r3trace.commands.synth"),
     ("ingest", "r3trace.commands.ingest"),
+    ("replay-check", "r3trace.commands.replay_check"),
+    ("demo", "r3trace.demo"),
 ]
 
 

@@ -68,6 +68,8 @@ def generate_kwargs(req: GenerateRequest) -> dict[str, Any]:
                             "return_routed_experts=true", "routed_experts_start_len")
     if req.routed_experts is not None:
         kw["routed_experts"] = req.routed_experts
+    if req.tag is not None:
+        kw["tag"] = req.tag
     return kw
 
 
@@ -146,7 +148,7 @@ def create_app(engine: GenerateEngine, config: ServerConfig | None = None) -> Fa
         if state["trace_dir"] is not None:
             busy = state["trace_dir"]
             raise ApiError(409, f"trace_dir: already tracing into {busy}; stop it first", "trace_dir")
-        result = await service.call(fn, str(path))
+        result = await service.call(fn, str(path), run_id=req.run_id)
         state["trace_dir"] = str(path)
         return TraceStatus(tracing=True, trace_dir=str(path), detail={"result": _jsonable(result)})
 

@@ -49,6 +49,9 @@ class GenerateRequest(BaseModel):
         default=None, description="routing replay: base64 int32 [rows, num_hidden_layers, K] to force"
     )
     stream: bool = False
+    tag: str | list[str] | None = Field(
+        default=None, description="r3trace extension: a label per request (e.g. its domain), kept in traces"
+    )
 
 
 class MetaInfo(BaseModel):
@@ -194,6 +197,8 @@ class ChatCompletionResponse(BaseModel):
 class StartTraceRequest(BaseModel):
     model_config = _STRICT
     trace_dir: str = Field(description="folder under the server's --trace-root (relative or absolute)")
+    run_id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9._-]{1,128}$",
+                               description="the run's id (default: a timestamp and random suffix)")
 
 
 class TraceStatus(BaseModel):
