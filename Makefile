@@ -33,7 +33,7 @@ test-all: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy r3trace engine kernels dashboards bench
+	$(VENV)/bin/mypy r3trace engine kernels dashboards  # bench/ and tests/: scripts, ruff only
 
 clean:
 	rm -rf $(VENV) build *.egg-info

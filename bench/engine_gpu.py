@@ -24,9 +24,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from r3trace.engine import Engine  # noqa: E402
-
 import r3trace  # noqa: E402
+from r3trace.engine import Engine  # noqa: E402
 from tests.tiny_models import direct_forward, load_engine_model, make_checkpoint  # noqa: E402
 
 

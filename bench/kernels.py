@@ -22,10 +22,11 @@ from functools import partial
 from pathlib import Path
 
 import torch
+from triton.testing import do_bench
+
 from r3trace.kernels.fused_moe import MoeConfig, fused_moe, fused_moe_ref, moe_config
 from r3trace.kernels.mla_decode import DecodeTile, choose_num_kv_splits, default_decode_tile, mla_decode
 from r3trace.kernels.topk import grouped_topk, grouped_topk_ref
-from triton.testing import do_bench
 
 L2_BYTES = 60 * 2**20
 OUT = Path(os.environ.get("OUT", "out"))

@@ -22,6 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from r3trace.capture.capturer import CaptureConfig, RoutedExpertsCapturer
+from r3trace.capture.recorder import RouteRecorder
 from r3trace.engine.config import ModelConfig
 from r3trace.engine.engine_config import EngineConfig, EngineConfigError
 from r3trace.engine.kv_pool import KVPool, ReqToTokenPool
@@ -37,9 +40,6 @@ from r3trace.engine.sampling import Sampler
 from r3trace.engine.scheduler import RequestHooks, Scheduler
 from r3trace.engine.tokenizer import load_tokenizer
 from r3trace.engine.weights import load_weights
-
-from r3trace.capture.capturer import CaptureConfig, RoutedExpertsCapturer
-from r3trace.capture.recorder import RouteRecorder
 
 log = logging.getLogger(__name__)
 _OPTIONS = frozenset(f.name for f in fields(EngineConfig)) - {"dtype", "device", "extra"}

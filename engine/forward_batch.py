@@ -98,7 +98,8 @@ class ForwardBatch:
         def t(x: list[int]) -> torch.Tensor:
             return torch.tensor(x, dtype=torch.int64, device=device)
 
-        mode: ForwardMode = "decode" if all(e == 1 for e in extend_lens) and all(p > 0 for p in prefix_lens) else "extend"
+        is_decode = all(e == 1 for e in extend_lens) and all(p > 0 for p in prefix_lens)
+        mode: ForwardMode = "decode" if is_decode else "extend"
         return cls(
             forward_id=forward_id,
             mode=mode,

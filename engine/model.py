@@ -42,7 +42,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.self_attn = MLAAttention(
-            cfg, layer_id, rope, make_attention_backend(ecfg.attention_backend, ecfg.device), ecfg.mla_path, dtype, device
+            cfg, layer_id, rope, make_attention_backend(ecfg.attention_backend, ecfg.device), ecfg.mla_path,
+            dtype, device,
         )
         self.is_moe = cfg.is_moe_layer(layer_id)
         self.mlp: nn.Module
@@ -112,8 +113,11 @@ class DeepseekForCausalLM(nn.Module):
         self.recorder.on_forward_end(fb)
         return logits
 
+    def decoder_layers(self) -> list[DecoderLayer]:
+        return [layer for layer in self.model.layers if isinstance(layer, DecoderLayer)]
+
     def post_load(self) -> None:
-        for layer in self.model.layers:
+        for layer in self.decoder_layers():
             layer.self_attn.post_load()
 
 

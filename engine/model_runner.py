@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
+
 from r3trace.engine.config import ModelConfig
 from r3trace.engine.forward_batch import ForwardBatch
 from r3trace.engine.kv_pool import KVPool, ReqToTokenPool

@@ -24,6 +24,8 @@ from r3trace.capture.recorder import ListRecorder
 from .config import ModelConfig
 from .engine_config import EngineConfig
 from .forward_batch import ForwardBatch
+from .layers.moe import MoE
+from .layers.router import Router
 from .layers.routing import gate_scores, group_masked_choice
 from .model import DeepseekForCausalLM, build_model
 from .parallel import ParallelInfo
@@ -44,19 +46,18 @@ class ReplayReport:
 def _margin_hooks(model: DeepseekForCausalLM, store: dict[int, torch.Tensor]) -> list[RemovableHandle]:
     """Hook every router: margin [T] = K-th minus (K+1)-th masked choice score."""
     hooks = []
-    for layer in model.model.layers:
-        if not layer.is_moe:
+    for layer in model.decoder_layers():
+        if not isinstance(layer.mlp, MoE):
             continue
-        router = layer.mlp.gate
 
-        def hook(mod: torch.nn.Module, inp: tuple[torch.Tensor, ...], _out: object, lid: int = layer.layer_id) -> None:
-            p = mod.params  # type: ignore[attr-defined]
-            scores = gate_scores(mod.logits(inp[0]), p.scoring_func)  # type: ignore[operator]
-            choice = group_masked_choice(scores, mod.e_score_correction_bias, p)  # type: ignore[arg-type]
+        def hook(router: Router, inp: tuple[torch.Tensor, ...], _out: object, lid: int = layer.layer_id) -> None:
+            p = router.params
+            scores = gate_scores(router.logits(inp[0]), p.scoring_func)
+            choice = group_masked_choice(scores, router.e_score_correction_bias, p)
             top = choice.topk(p.top_k + 1, dim=-1).values
             store[lid] = (top[:, p.top_k - 1] - top[:, p.top_k]).float().cpu()
 
-        hooks.append(router.register_forward_hook(hook))
+        hooks.append(layer.mlp.gate.register_forward_hook(hook))
     return hooks
 
 
@@ -72,7 +73,8 @@ def replay_check(trace: str | Path, model_path: str | Path, dtype: str = "float3
     root = Path(trace)
     where = "WHERE token_ids IS NOT NULL AND (? IS NULL OR run_id = ?)"
     reqs = con.execute(
-        f"SELECT request_id, token_ids FROM read_parquet('{root}/**/requests-*.parquet', hive_partitioning=true) {where}",
+        f"SELECT request_id, token_ids FROM read_parquet('{root}/**/requests-*.parquet', "
+        f"hive_partitioning=true) {where}",
         [run_id, run_id],
     ).fetchall()
     moe = list(cfg.moe_layer_ids)
@@ -82,7 +84,8 @@ def replay_check(trace: str | Path, model_path: str | Path, dtype: str = "float3
     flip_m: list[np.ndarray] = []
     for rid, token_ids in reqs:
         rows = con.execute(
-            f"SELECT token_pos, layer_id, topk_ids FROM read_parquet('{root}/**/part-*.parquet', hive_partitioning=true) "
+            f"SELECT token_pos, layer_id, topk_ids FROM read_parquet('{root}/**/part-*.parquet', "
+            "hive_partitioning=true) "
             "WHERE request_id = ? AND (? IS NULL OR run_id = ?) ORDER BY token_pos, layer_id", [rid, run_id, run_id],
         ).fetchall()
         if not rows:
@@ -91,7 +94,8 @@ def replay_check(trace: str | Path, model_path: str | Path, dtype: str = "float3
         recorded = np.full((n, len(moe), cfg.num_experts_per_tok), -1, np.int64)
         for pos, layer, ids in rows:
             recorded[pos, moe.index(layer)] = ids
-        kv = torch.zeros(cfg.num_hidden_layers, n, cfg.kv_cache_dim, dtype=model.engine_config.torch_dtype, device=device)
+        kv = torch.zeros(cfg.num_hidden_layers, n, cfg.kv_cache_dim, dtype=model.engine_config.torch_dtype,
+                         device=device)
         r2t = torch.arange(n, dtype=torch.int32, device=device).unsqueeze(0)
         fb = ForwardBatch.build(forward_id=0, input_ids=list(token_ids[:n]), prefix_lens=[0], extend_lens=[n],
                                 req_pool_indices=[0], out_cache_loc=r2t[0], req_to_token=r2t, logits_rows=[n - 1],

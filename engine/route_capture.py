@@ -174,7 +174,9 @@ def _from_trace(ref: dict[str, Any], cfg: ModelConfig) -> np.ndarray:
 
     root, rid = Path(ref["trace"]), ref.get("request_id")
     if not root.exists() or rid is None:
-        raise InvalidRequestError("routed_experts", f"trace reference needs an existing 'trace' dir and a 'request_id': {ref}")
+        raise InvalidRequestError(
+            "routed_experts", f"trace reference needs an existing 'trace' dir and a 'request_id': {ref}"
+        )
     con = duckdb.connect()
     glob = str(root / "**" / "part-*.parquet")
     rows = con.execute(

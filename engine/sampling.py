@@ -9,6 +9,7 @@ batch; unseeded rows share the engine's generator in one call. Nothing here sync
 from __future__ import annotations
 
 import torch
+
 from r3trace.engine.request import SamplingParams
 
 

@@ -22,6 +22,7 @@ from collections import deque
 from typing import Protocol
 
 import torch
+
 from r3trace.engine.engine_config import EngineConfig
 from r3trace.engine.kv_pool import KVPool, ReqToTokenPool
 from r3trace.engine.radix_cache import RadixCache

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from r3trace.engine.forward_batch import Phase
 from r3trace.engine.request import LogprobEntry, Req
 

@@ -48,7 +48,7 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 def load_weights(model: DeepseekForCausalLM, model_dir: str | Path) -> None:
     model_dir = Path(model_dir)
     cfg = model.config
-    params = dict(model.named_parameters())
+    params: dict[str, torch.Tensor] = dict(model.named_parameters())
     params.update({k: v for k, v in model.named_buffers() if k.endswith("e_score_correction_bias")})
     filled: set[str] = set()
     expert_parts: dict[str, set[tuple[int, str]]] = {}

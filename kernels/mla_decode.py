@@ -23,6 +23,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+
 from r3trace.kernels.contract import FLOAT_DTYPES, INDEX_DTYPES, require, require_tensor
 from r3trace.kernels.dot import dot_precision, mma
 

@@ -21,6 +21,7 @@ from typing import Literal
 import torch
 import triton
 import triton.language as tl
+
 from r3trace.kernels.contract import require, require_tensor
 
 ScoringFunc = Literal["softmax", "sigmoid"]

@@ -11,14 +11,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from r3trace.capture.recorder import ListRecorder
 from r3trace.engine.config import ModelConfig
 from r3trace.engine.engine_config import EngineConfig
 from r3trace.engine.forward_batch import ForwardBatch
 from r3trace.engine.model import DeepseekForCausalLM, build_model
 from r3trace.engine.parallel import ParallelInfo
 from r3trace.engine.weights import load_weights
-
-from r3trace.capture.recorder import ListRecorder
 
 _BASE: dict[str, Any] = dict(
     vocab_size=320, hidden_size=48, intermediate_size=96, moe_intermediate_size=24, num_hidden_layers=3,

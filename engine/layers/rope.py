@@ -21,7 +21,7 @@ def _yarn_inv_freq(dim: int, base: float, rs: RopeScaling) -> torch.Tensor:
         return dim * math.log(rs.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
     low = max(math.floor(correction_dim(rs.beta_fast)), 0)
-    high = min(math.ceil(correction_dim(rs.beta_slow)), dim - 1)
+    high: float = min(math.ceil(correction_dim(rs.beta_slow)), dim - 1)
     if low == high:
         high += 0.001  # a zero-width ramp would divide by zero
     pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
@@ -46,6 +46,8 @@ class RotaryEmbedding(nn.Module):
             attn_factor = yarn_mscale(rs.factor, rs.mscale) / yarn_mscale(rs.factor, rs.mscale_all_dim)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)  # [P, rope/2]
         self.max_positions = max_positions
+        self.cos: torch.Tensor
+        self.sin: torch.Tensor
         self.register_buffer("cos", (freqs.cos() * attn_factor).to(device), persistent=False)
         self.register_buffer("sin", (freqs.sin() * attn_factor).to(device), persistent=False)
 

@@ -27,7 +27,9 @@ def make_topk_fn(backend: str) -> TopkFn:
         return grouped_topk_ref
     from r3trace.kernels.topk import grouped_topk
 
-    def triton_topk(logits: torch.Tensor, bias: torch.Tensor | None, p: RoutingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    def triton_topk(
+        logits: torch.Tensor, bias: torch.Tensor | None, p: RoutingParams
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return grouped_topk(
             logits, bias, p.top_k, p.scoring_func, p.topk_method, p.n_group, p.topk_group,
             p.norm_topk_prob, p.routed_scaling_factor,

@@ -61,7 +61,9 @@ class RouteBuffers:
         self.dev_weights = torch.zeros(shape, dtype=torch.float16, device=self.device) if with_weights else None
         pin = self.on_cuda
         self.host_ids = torch.full((host_slots, num_moe_layers, top_k), -1, dtype=self.dtype)
-        self.host_weights = torch.zeros((host_slots, num_moe_layers, top_k), dtype=torch.float16) if with_weights else None
+        self.host_weights = (
+            torch.zeros((host_slots, num_moe_layers, top_k), dtype=torch.float16) if with_weights else None
+        )
         # Which forward last wrote each slot's KV, and which forward's routes host_ids holds for it: the
         # host row of a slot is valid only when the two agree (rows of requests that did not ask for
         # routes are never copied, and a freed slot is soon rewritten by another request).

@@ -180,7 +180,8 @@ class RoutedExpertsCapturer:
             state.kept = fresh if state.kept is None else np.concatenate([state.kept, fresh])
             fresh_w = self.buffers.read_weights(np.asarray(slots)[n_kept:])
             if fresh_w is not None:
-                state.kept_weights = fresh_w if state.kept_weights is None else np.concatenate([state.kept_weights, fresh_w])
+                kept_w = state.kept_weights
+                state.kept_weights = fresh_w if kept_w is None else np.concatenate([kept_w, fresh_w])
 
     def rows(self, rid: str, slots: np.ndarray, start: int, end: int) -> RouteRows:
         """Rows of positions [start, end), slots: KV slot of every position 0..end-1 (host)."""
@@ -188,7 +189,10 @@ class RoutedExpertsCapturer:
         state = self._state(rid)
         moe = self._read(state, np.asarray(slots, dtype=np.int64), start, end, weights=False)
         weights = self._read(state, np.asarray(slots, dtype=np.int64), start, end, weights=True)
-        return RouteRows(offset=start, ids=self._expand(moe, -1), weights=None if weights is None else self._expand(weights, 0))
+        assert moe is not None  # ids always exist; only weights may be absent
+        return RouteRows(
+            offset=start, ids=self._expand(moe, -1), weights=None if weights is None else self._expand(weights, 0)
+        )
 
     def stream_rows(self, rid: str, slots: np.ndarray, start_len: int, end: int) -> RouteRows:
         """Rows added since the previous call (never before start_len)."""
@@ -263,7 +267,9 @@ class RoutedExpertsCapturer:
             assert kept is not None
             parts.append(kept[start : min(end, n_kept)])
         if end > max(start, n_kept):
-            parts.append(reader(slots[max(start, n_kept) : end]))
+            fresh = reader(slots[max(start, n_kept) : end])
+            assert fresh is not None  # weights are read only when the host keeps them (checked above)
+            parts.append(fresh)
         if not parts:
             m, k = len(self.cfg.moe_layer_ids), self.cfg.top_k
             return np.zeros((0, m, k), np.float16 if weights else np.int32)

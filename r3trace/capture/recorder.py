@@ -10,6 +10,7 @@ structurally, so r3trace.capture never imports the engine (dependency direction:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -21,10 +22,14 @@ class BatchView(Protocol):
     out_cache_loc_cpu: torch.Tensor | None  # [T] the same on the host, when the engine has it
     positions: torch.Tensor  # [T]
     request_ids: list[str]
-    phases: list[str]  # per request: prefill | decode | verify
     prefix_lens_cpu: list[int]
     extend_lens_cpu: list[int]
     dp_rank: int
+
+    @property
+    def phases(self) -> Sequence[str]:
+        """Per request: prefill | decode | verify."""
+        ...
 
     @property
     def num_tokens(self) -> int: ...

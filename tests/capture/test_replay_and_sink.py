@@ -19,8 +19,8 @@ import numpy as np
 import pyarrow.parquet as pq
 import pybase64
 import pytest
-from r3trace.engine import InvalidRequestError
 
+from r3trace.engine import InvalidRequestError
 from tests.capture.helpers import returned_routes
 from tests.engine.conftest import EngineFactory, greedy, random_prompts
 
@@ -102,7 +102,8 @@ def test_sink_records_every_request_with_provenance(make_engine: EngineFactory, 
     assert {r[5] for r in rb if r[1] < 8} == {"prefix_cache"} and {r[5] for r in rb if r[1] >= 8} == {"computed"}
     assert {r[4] for r in rb if r[1] >= len(shared) + 2} == {"decode"}
     assert len(rb) == 2 * (len(shared) + 2 + 2)  # rows = seq_len - 1, two MoE layers each
-    tags = dict(con.execute(f"SELECT request_id, tag FROM read_parquet('{tmp_path}/trace/**/requests-*.parquet')").fetchall())
+    requests_glob = f"{tmp_path}/trace/**/requests-*.parquet"
+    tags = dict(con.execute(f"SELECT request_id, tag FROM read_parquet('{requests_glob}')").fetchall())
     assert tags == {a["meta_info"]["id"]: "code", b["meta_info"]["id"]: "prose"}
 
 

@@ -9,7 +9,6 @@ from pathlib import Path
 
 from r3trace.engine import Engine
 from r3trace.engine.replay_check import replay_check
-
 from tests.engine.conftest import greedy, random_prompts
 from tests.tiny_models import make_checkpoint
 

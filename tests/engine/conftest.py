@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from r3trace.engine import Engine
 
+from r3trace.engine import Engine
 from tests.tiny_models import make_checkpoint
 
 VOCAB = 320  # tests/tiny_models.py _BASE vocab_size

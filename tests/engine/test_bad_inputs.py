@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from r3trace.engine import Engine, InvalidRequestError
 
+from r3trace.engine import Engine, InvalidRequestError
 from tests.engine.conftest import VOCAB, EngineFactory, assert_pool_whole, greedy
 from tests.tiny_models import make_checkpoint
 

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from r3trace.engine.config import ConfigError, ModelConfig
-from r3trace.engine.weights import WeightsError
 from safetensors.torch import load_file, save_file
 
+from r3trace.engine.config import ConfigError, ModelConfig
+from r3trace.engine.weights import WeightsError
 from tests.tiny_models import load_engine_model, make_checkpoint
 
 

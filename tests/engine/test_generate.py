@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 import torch
+
 from r3trace.engine import Engine, InvalidRequestError
 from r3trace.engine.engine_config import EngineConfigError
-
 from tests.engine.conftest import VOCAB, EngineFactory, assert_pool_whole, greedy, random_prompts
 from tests.tiny_models import direct_forward, load_engine_model, make_checkpoint
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from r3trace.engine.kv_pool import KVPool, ReqToTokenPool
 from r3trace.engine.radix_cache import RadixCache
 

@@ -12,8 +12,8 @@ import time
 from typing import Any
 
 import pytest
-from r3trace.engine import Engine
 
+from r3trace.engine import Engine
 from tests.engine.conftest import EngineFactory, assert_pool_whole, greedy, random_prompts
 
 NEW = 10

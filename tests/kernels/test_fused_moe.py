@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from r3trace.kernels.contract import KernelInputError
 from r3trace.kernels.fused_moe import MoeConfig, fused_moe, fused_moe_ref, moe_align
-
 from tests.kernels.conftest import DEVICE, assert_close_to_ref, gpu, requires_gpu, requires_triton
 
 pytestmark = requires_triton

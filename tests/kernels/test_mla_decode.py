@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from r3trace.kernels.contract import KernelInputError
 from r3trace.kernels.mla_decode import DecodeTile, choose_num_kv_splits, mla_decode, mla_decode_ref
-
 from tests.kernels.conftest import (
     DEVICE,
     assert_close_to_ref,

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from r3trace.kernels.contract import KernelInputError
 from r3trace.kernels.mla_extend import mha_prefill, mha_prefill_ref, mla_extend, mla_extend_ref
-
 from tests.kernels.conftest import (
     DEVICE,
     assert_close_to_ref,

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from r3trace.kernels.contract import KernelInputError
 from r3trace.kernels.topk import grouped_topk, grouped_topk_ref
-
 from tests.kernels.conftest import DEVICE, gpu, requires_gpu, requires_triton
 
 pytestmark = requires_triton

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from r3trace.engine import Engine
 
+from r3trace.engine import Engine
 from r3trace.server import ServerConfig, create_app
 from tests.server.live_server import LiveServer
 from tests.tiny_models import make_checkpoint

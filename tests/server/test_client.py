@@ -17,10 +17,10 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 from fastapi import FastAPI
-from r3trace.engine import Engine
 
 from r3trace.capture.wire import encode_int32
 from r3trace.client import capture
+from r3trace.engine import Engine
 from r3trace.trace import Manifest, open_dataset, read_token_routes
 from tests.server.live_server import LiveServer
 from tests.tiny_models import direct_forward, load_engine_model

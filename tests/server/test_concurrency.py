@@ -14,11 +14,10 @@ from typing import Any
 
 import httpx
 import numpy as np
-import pytest
 import torch
-from r3trace.engine import Engine
 
 from r3trace import decode_routed_experts
+from r3trace.engine import Engine
 from tests.server.live_server import LiveServer
 from tests.tiny_models import direct_forward, load_engine_model
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-from r3trace.engine import Engine
 
 from r3trace import decode_routed_experts
+from r3trace.engine import Engine
 
 GREEDY = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
 
