@@ -29,6 +29,16 @@ from r3trace.engine import Engine  # noqa: E402
 from tests.tiny_models import direct_forward, load_engine_model, make_checkpoint  # noqa: E402
 
 
+def backend_options(backend: str) -> dict[str, Any]:
+    """ref | triton (CUDA-graph decode, the engine's default on CUDA) | triton-eager (graphs off)."""
+    if backend == "ref":
+        return dict(attention_backend="ref", moe_backend="ref", topk_backend="ref")
+    opts: dict[str, Any] = dict(attention_backend="triton", moe_backend="triton", topk_backend="triton")
+    if backend == "triton-eager":
+        opts["cuda_graph_batch_sizes"] = ()
+    return opts
+
+
 def exactness(tmp: Path, backend: str) -> dict[str, Any]:
     ckpt = make_checkpoint(tmp / "tiny", "v3_noaux_groups", seed=3)
     rng = np.random.default_rng(0)
@@ -37,7 +47,7 @@ def exactness(tmp: Path, backend: str) -> dict[str, Any]:
     out: dict[str, Any] = {"backend": backend}
     results = {}
     for device in ("cpu", "cuda"):
-        opts = {} if device == "cpu" else dict(attention_backend=backend, moe_backend=backend, topk_backend=backend)
+        opts = {} if device == "cpu" else backend_options(backend)
         with Engine(ckpt, device=device, chunked_prefill_size=64, **opts) as eng:
             results[device] = eng.generate(input_ids=prompts, sampling_params=params, return_routed_experts=True)
     pairs = zip(results["cpu"], results["cuda"], strict=True)
@@ -78,7 +88,7 @@ def mid_checkpoint(tmp: Path) -> Path:
 def throughput(tmp: Path, backend: str, batch: int, new_tokens: int, reps: int = 3) -> list[dict[str, Any]]:
     """Decode tokens/s, capture off and on alternating in one engine (same compiled kernels), `reps` times."""
     ckpt = mid_checkpoint(tmp)
-    opts = dict(attention_backend=backend, moe_backend=backend, topk_backend=backend)
+    opts = backend_options(backend)
     rng = np.random.default_rng(1)
     prompts = [rng.integers(2, 32000, size=128).tolist() for _ in range(batch)]
     params = {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}
@@ -136,7 +146,7 @@ def main() -> None:
     ap.add_argument("--out", default="")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--backends", default="ref,triton,transformers")
+    ap.add_argument("--backends", default="ref,triton-eager,triton,transformers")
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
     import logging

@@ -96,7 +96,13 @@ class Engine:
         self.sampler = Sampler(device, cfg.seed)
         self.scheduler = Scheduler(cfg, self.kv_pool, req_pool, self.cache, self.tokenizer,
                                    mc.eos_token_ids, self.max_context_len, hooks)
-        self.runner = ModelRunner(self.model, self.kv_pool, req_pool, self.sampler, device, mc)
+        graphs = None
+        if cfg.graph_batch_sizes:
+            from r3trace.engine.cuda_graph import DecodeGraphs
+
+            graphs = DecodeGraphs(self.model, self.kv_pool.kv_buffer, req_pool.req_to_token, cfg.graph_batch_sizes,
+                                  self.max_context_len, self.kv_pool.pad_slot)
+        self.runner = ModelRunner(self.model, self.kv_pool, req_pool, self.sampler, device, mc, graphs)
         self._builder = RequestBuilder(mc.vocab_size, self.max_context_len, cfg.kv_pool_tokens,
                                        self.tokenizer)
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()

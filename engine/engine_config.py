@@ -34,6 +34,10 @@ class EngineConfig:
     attention_backend: Backend = "ref"
     moe_backend: Backend = "ref"
     topk_backend: Backend = "ref"
+    # Decode batch sizes captured as CUDA graphs. None: a default ladder up to max_running_requests when
+    # on CUDA with all three triton backends (the ref backends loop over host values and cannot be
+    # captured); () turns graphs off.
+    cuda_graph_batch_sizes: tuple[int, ...] | None = None
     seed: int = 0
     # route capture
     capture_weights: bool = False  # keep top-k weights too (return_routed_weights; +2 bytes per id)
@@ -56,6 +60,32 @@ class EngineConfig:
         for name in ("attention_backend", "moe_backend", "topk_backend"):
             if getattr(self, name) not in ("ref", "triton"):
                 raise EngineConfigError(f"{name}={getattr(self, name)!r}: expected ref or triton")
+        if self.cuda_graph_batch_sizes:
+            if not self.device.startswith("cuda") or not self.all_triton:
+                raise EngineConfigError(
+                    f"cuda_graph_batch_sizes={self.cuda_graph_batch_sizes}: needs device cuda and the triton "
+                    "attention, moe and topk backends"
+                )
+            bad = [b for b in self.cuda_graph_batch_sizes if not 0 < b <= self.max_running_requests]
+            if bad:
+                raise EngineConfigError(
+                    f"cuda_graph_batch_sizes has {bad} outside 1..max_running_requests={self.max_running_requests}"
+                )
+
+    @property
+    def all_triton(self) -> bool:
+        return self.attention_backend == self.moe_backend == self.topk_backend == "triton"
+
+    @property
+    def graph_batch_sizes(self) -> tuple[int, ...]:
+        """The decode batch sizes to capture (empty: eager decode)."""
+        if self.cuda_graph_batch_sizes is not None:
+            return tuple(self.cuda_graph_batch_sizes)
+        if self.device.startswith("cuda") and self.all_triton:
+            from .cuda_graph import default_batch_sizes
+
+            return default_batch_sizes(self.max_running_requests)
+        return ()
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -21,7 +21,9 @@ class KVPool:
             raise ValueError(f"num_tokens={num_tokens} is not a multiple of page_size={page_size}")
         self.page_size = page_size
         self.num_pages = num_tokens // page_size
-        self.kv_buffer = torch.zeros(num_layers, num_tokens, kv_dim, dtype=dtype, device=device)  # [L, S, C]
+        # [L, S + 1, C]: slot S is never handed out; CUDA-graph decode writes its padding rows there.
+        self.kv_buffer = torch.zeros(num_layers, num_tokens + 1, kv_dim, dtype=dtype, device=device)
+        self.pad_slot = num_tokens
         # Reversed so pop() hands out the lowest page first: allocation order is reproducible.
         self._free: list[int] = list(range(self.num_pages - 1, -1, -1))
         self._is_free = bytearray(b"\x01") * self.num_pages  # catches double frees (a scheduler bug)

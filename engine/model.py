@@ -108,10 +108,15 @@ class DeepseekForCausalLM(nn.Module):
     def forward(self, fb: ForwardBatch, kv_buffer: torch.Tensor) -> torch.Tensor:
         """fb: a batch of T new tokens; kv_buffer: [L, S, C] -> logits [N, V] fp32 at fb.logits_indices."""
         self.recorder.on_forward_begin(fb)
-        hidden = self.model(fb, kv_buffer)
-        logits = self.lm_head(hidden[fb.logits_indices]).float()
+        logits = self.compute_logits(fb, kv_buffer)
         self.recorder.on_forward_end(fb)
         return logits
+
+    @torch.no_grad()
+    def compute_logits(self, fb: ForwardBatch, kv_buffer: torch.Tensor) -> torch.Tensor:
+        """The forward without the recorder's begin/end hooks (what a CUDA graph captures)."""
+        hidden = self.model(fb, kv_buffer)
+        return self.lm_head(hidden[fb.logits_indices]).float()
 
     def decoder_layers(self) -> list[DecoderLayer]:
         return [layer for layer in self.model.layers if isinstance(layer, DecoderLayer)]

@@ -11,7 +11,9 @@ from typing import Protocol
 
 import torch
 
+from r3trace.capture.recorder import RouteRecorder
 from r3trace.engine.config import ModelConfig
+from r3trace.engine.cuda_graph import DecodeGraphs
 from r3trace.engine.forward_batch import ForwardBatch
 from r3trace.engine.kv_pool import KVPool, ReqToTokenPool
 from r3trace.engine.request import LogprobEntry
@@ -21,15 +23,18 @@ from r3trace.engine.step import ReqOutput, ScheduledReq
 
 
 class CausalLM(Protocol):
+    recorder: RouteRecorder
+
     def forward(self, fb: ForwardBatch, kv_buffer: torch.Tensor) -> torch.Tensor: ...
 
 
 class ModelRunner:
     def __init__(
         self, model: CausalLM, pool: KVPool, req_pool: ReqToTokenPool, sampler: Sampler, device: str,
-        model_config: ModelConfig,
+        model_config: ModelConfig, graphs: DecodeGraphs | None = None,
     ) -> None:
         self.model_config = model_config
+        self.graphs = graphs  # CUDA-graph decode, when the engine captured graphs
         self.model = model
         self.pool = pool
         self.req_pool = req_pool
@@ -69,7 +74,13 @@ class ModelRunner:
             replay=replay_plan(items, len(input_ids), self.model_config, self.device),
         )
         self.forward_id += 1
-        logits = self.model.forward(fb, self.pool.kv_buffer)  # [N, V] float32
+        if self.graphs is not None and self.graphs.can_run(fb):
+            recorder = self.model.recorder
+            recorder.on_forward_begin(fb)
+            logits = self.graphs.run(fb)  # [B, V] float32; the capturer's slice writes are in the graph
+            recorder.on_forward_end(fb)
+        else:
+            logits = self.model.forward(fb, self.pool.kv_buffer)  # [N, V] float32
         return self._outputs(items, logits, lp_rows, lp_targets, sample_rows)
 
     def _outputs(

@@ -185,3 +185,17 @@ def test_engine_dtype_bfloat16_runs(make_engine: EngineFactory) -> None:
     assert e.kv_pool.kv_buffer.dtype == torch.bfloat16
     out = e.generate(input_ids=PROMPTS[:2], sampling_params=greedy(5))
     assert [r["meta_info"]["completion_tokens"] for r in out] == [5, 5]
+
+
+def test_cuda_graph_options_are_checked(tiny_ckpt: Path) -> None:
+    """Graphs need CUDA and the triton backends; on a CPU engine they are off by default."""
+    from r3trace.engine.engine_config import EngineConfig, EngineConfigError
+
+    with pytest.raises(EngineConfigError, match="needs device cuda"):
+        EngineConfig(cuda_graph_batch_sizes=(1, 2))
+    with pytest.raises(EngineConfigError, match=r"\[128\] outside 1..max_running_requests=64"):
+        EngineConfig(device="cuda", attention_backend="triton", moe_backend="triton", topk_backend="triton",
+                     cuda_graph_batch_sizes=(1, 128))
+    assert EngineConfig().graph_batch_sizes == ()
+    cfg = EngineConfig(device="cuda", attention_backend="triton", moe_backend="triton", topk_backend="triton")
+    assert cfg.graph_batch_sizes[:4] == (1, 2, 4, 8) and cfg.graph_batch_sizes[-1] == 64

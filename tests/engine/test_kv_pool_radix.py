@@ -19,7 +19,8 @@ def _pool(tokens: int = 32, page: int = 4) -> KVPool:
 
 def test_pool_pages_slots_and_double_free() -> None:
     pool = _pool()
-    assert pool.kv_buffer.shape == (2, 32, 3) and pool.num_pages == 8
+    assert pool.kv_buffer.shape == (2, 33, 3) and pool.num_pages == 8  # + the CUDA-graph padding slot
+    assert pool.pad_slot == 32
     pages = pool.alloc(3)
     assert pages == [0, 1, 2] and pool.num_free_pages == 5
     assert pool.alloc(6) is None and pool.num_free_pages == 5  # all or nothing
