@@ -34,14 +34,15 @@ from r3trace.engine.parallel import ParallelInfo
 
 
 def v3_routing_config(layers: int) -> ModelConfig:
-    """DeepSeek-V3 routing and MLA dims, a narrower hidden size so `layers` MoE layers fit quickly."""
+    """DeepSeek-V3 routing and MLA dims (E = 256, K = 8, 8 groups, top-4 groups, kv_lora 512 + 64), hidden
+    2048 instead of 7168 so that V3's 61 layers fit one GPU (58 MoE layers: 47 GB of bf16 experts)."""
     return ModelConfig.from_dict(dict(
         model_type="deepseek_v3", vocab_size=32000, hidden_size=2048, num_hidden_layers=layers,
         intermediate_size=4096, num_attention_heads=16, q_lora_rank=768, kv_lora_rank=512,
         qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, moe_intermediate_size=256,
         n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8, n_group=8, topk_group=4,
         topk_method="noaux_tc", scoring_func="sigmoid", norm_topk_prob=True, routed_scaling_factor=2.5,
-        first_k_dense_replace=1, max_position_embeddings=4096,
+        first_k_dense_replace=3 if layers > 8 else 1, max_position_embeddings=4096,
     ), name="bench-v3-routing")
 
 
@@ -96,7 +97,9 @@ def decode_step_times(args: argparse.Namespace) -> list[dict[str, Any]]:
                         max_running_requests=max(args.batches))
     model = random_model(cfg, ecfg, NullRecorder())
     slots = ecfg.kv_pool_tokens
-    kv = torch.randn(cfg.num_hidden_layers, slots, cfg.kv_cache_dim, dtype=torch.bfloat16, device=args.device) * 0.1
+    # slots + 1: the last row is the padding slot CUDA-graph decode writes its padding rows to
+    kv = torch.randn(cfg.num_hidden_layers, slots + 1, cfg.kv_cache_dim, dtype=torch.bfloat16, device=args.device)
+    kv *= 0.1
     capturer = RoutedExpertsCapturer(CaptureConfig(
         num_hidden_layers=cfg.num_hidden_layers, moe_layer_ids=cfg.moe_layer_ids, top_k=8, num_experts=256,
         kv_slots=slots, max_batch_tokens=max(512, max(args.batches)), chunked_prefill_size=512,
@@ -129,14 +132,50 @@ def decode_step_times(args: argparse.Namespace) -> list[dict[str, Any]]:
                     torch.cuda.synchronize()
                 if it >= args.warmup:
                     times[mode].append(time.perf_counter() - t0)
-        off, on = (1e3 * statistics.median(times[m]) for m in ("off", "on"))
-        spread = 1e3 * (statistics.quantiles(times["off"], n=4)[2] - statistics.quantiles(times["off"], n=4)[0])
-        result.update(step_ms_off=off, step_ms_on=on, step_ms_off_iqr=spread, overhead_pct=100 * (on - off) / off)
+        result.update(summarise(times, "eager"))
+        if args.graphs:
+            result.update(summarise(graph_step_times(args, model, kv, fb, capturer, b, recorders), "graph"))
         result["bytes_copied_per_step"] = capturer.bytes_last_step
         rows.append(result)
-        print(f"decode B={b:4d}: off {off:8.3f} ms (IQR {spread:.3f})  on {on:8.3f} ms  overhead "
-              f"{result['overhead_pct']:+.2f}%  copied {capturer.bytes_last_step} B/step", flush=True)
+        for mode in ("eager", "graph") if args.graphs else ("eager",):
+            print(f"decode B={b:4d} {mode:5s}: off {result[f'{mode}_ms_off']:8.3f} ms (IQR "
+                  f"{result[f'{mode}_ms_off_iqr']:.3f})  on {result[f'{mode}_ms_on']:8.3f} ms  overhead "
+                  f"{result[f'{mode}_overhead_pct']:+.2f}%  copied {capturer.bytes_last_step} B/step", flush=True)
     return rows
+
+
+def summarise(times: dict[str, list[float]], mode: str) -> dict[str, float]:
+    off, on = (1e3 * statistics.median(times[m]) for m in ("off", "on"))
+    q = statistics.quantiles(times["off"], n=4)
+    return {f"{mode}_ms_off": off, f"{mode}_ms_on": on, f"{mode}_ms_off_iqr": 1e3 * (q[2] - q[0]),
+            f"{mode}_overhead_pct": 100 * (on - off) / off}
+
+
+def graph_step_times(args: argparse.Namespace, model: Any, kv: torch.Tensor, fb: ForwardBatch,
+                     capturer: RoutedExpertsCapturer, b: int, recorders: dict[str, Any]) -> dict[str, list[float]]:
+    """The same decode step replayed from CUDA graphs: one graph captured with capture off (NullRecorder),
+    one with the capturer writing inside the graph; its host copy runs after the replay, as in the engine."""
+    from r3trace.engine.cuda_graph import DecodeGraphs
+
+    graphs = {}
+    for mode in ("off", "on"):
+        set_recorder(model, NullRecorder() if mode == "off" else capturer)
+        graphs[mode] = DecodeGraphs(model, kv, fb.req_to_token, (b,), args.context, kv.shape[1] - 1)
+    times: dict[str, list[float]] = {"off": [], "on": []}
+    for it in range(args.warmup + args.iters):
+        for mode in ("off", "on"):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            if mode == "on":
+                recorders["on"].on_forward_begin(fb)
+            graphs[mode].run(fb)
+            if mode == "on":
+                recorders["on"].on_forward_end(fb)  # under sync-debug "error": a host sync would raise
+                capturer.drain()
+            torch.cuda.synchronize()
+            if it >= args.warmup:
+                times[mode].append(time.perf_counter() - t0)
+    return times
 
 
 def wire_throughput(tokens: int = 32768, layers: int = 58, k: int = 8) -> dict[str, float]:
@@ -192,13 +231,15 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--parts", default="decode,wire,sink")
     ap.add_argument("--batches", default="1,64,256")
-    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--layers", type=int, default=61)  # DeepSeek-V3: 61 layers, 58 of them MoE
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--out", default="")
+    ap.add_argument("--no-graphs", dest="graphs", action="store_false", help="skip the CUDA-graph timing")
     args = ap.parse_args()
     args.batches = [int(x) for x in args.batches.split(",")]
+    args.graphs = args.graphs and args.device == "cuda"
     parts = set(args.parts.split(","))
     report: dict[str, Any] = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                               "torch": torch.__version__}
