@@ -162,15 +162,27 @@ def grouped_topk(
     topk_group: int,
     norm_topk_prob: bool,
     routed_scaling_factor: float,
+    ids_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """router_logits: [T, E] fp32 -> (topk_weights [T, K] fp32, topk_ids [T, K] int32), one launch."""
+    """router_logits: [T, E] fp32 -> (topk_weights [T, K] fp32, topk_ids [T, K] int32), one launch.
+
+    ids_out: where to write topk_ids (int32 [T, K], rows contiguous; e.g. the route capturer's buffer),
+    returned as topk_ids; None allocates."""
     _check_routing_args(router_logits, correction_bias, top_k, scoring_func, topk_method, n_group, topk_group)
     T, E = router_logits.shape
     require(E <= 1024 and top_k <= 16, f"E={E} > 1024 or top_k={top_k} > 16: one row no longer fits")
     grouped = topk_method != "greedy" and n_group > 1
     mode = 0 if not grouped else (1 if topk_method == "group_limited_greedy" else 2)
     weights = torch.empty((T, top_k), dtype=torch.float32, device=router_logits.device)
-    ids = torch.empty((T, top_k), dtype=torch.int32, device=router_logits.device)
+    if ids_out is None:
+        ids = torch.empty((T, top_k), dtype=torch.int32, device=router_logits.device)
+    else:
+        require(tuple(ids_out.shape) == (T, top_k) and ids_out.dtype == torch.int32, (
+            f"ids_out: shape {tuple(ids_out.shape)} {ids_out.dtype}, expected ({T}, {top_k}) int32"))
+        require(ids_out.stride(1) == 1 and ids_out.device == router_logits.device,
+                f"ids_out: strides {ids_out.stride()} on {ids_out.device}; rows must be contiguous, on the "
+                "logits' device")
+        ids = ids_out
     if T == 0:
         return weights, ids
     bias = correction_bias if correction_bias is not None else router_logits  # unread when HAS_BIAS=0

@@ -19,20 +19,29 @@ from ..config import ModelConfig
 from ..forward_batch import ForwardBatch
 from .routing import RoutingParams, gate_scores, grouped_topk_ref, weights_for_ids
 
-TopkFn = Callable[[torch.Tensor, "torch.Tensor | None", RoutingParams], "tuple[torch.Tensor, torch.Tensor]"]
+# (logits [T, E], correction bias [E] | None, params, ids_out [T, K] int32 | None) -> (weights, ids);
+# a backend may write the ids into ids_out (the capture buffer) and return it, or ignore it.
+TopkFn = Callable[
+    [torch.Tensor, "torch.Tensor | None", RoutingParams, "torch.Tensor | None"], "tuple[torch.Tensor, torch.Tensor]"
+]
 
 
 def make_topk_fn(backend: str) -> TopkFn:
     if backend == "ref":
-        return grouped_topk_ref
+        def ref_topk(
+            logits: torch.Tensor, bias: torch.Tensor | None, p: RoutingParams, ids_out: torch.Tensor | None
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            return grouped_topk_ref(logits, bias, p)  # new tensors; capture copies them
+
+        return ref_topk
     from r3trace.kernels.topk import grouped_topk
 
     def triton_topk(
-        logits: torch.Tensor, bias: torch.Tensor | None, p: RoutingParams
+        logits: torch.Tensor, bias: torch.Tensor | None, p: RoutingParams, ids_out: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return grouped_topk(
             logits, bias, p.top_k, p.scoring_func, p.topk_method, p.n_group, p.topk_group,
-            p.norm_topk_prob, p.routed_scaling_factor,
+            p.norm_topk_prob, p.routed_scaling_factor, ids_out=ids_out,
         )
 
     return triton_topk
@@ -77,7 +86,8 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, D] -> (topk_weights [T, K] fp32, topk_ids [T, K] int32)."""
         logits = self.logits(x)
-        topk_weights, topk_ids = self.topk_fn(logits, self.e_score_correction_bias, self.params)
+        ids_out = self.recorder.route_buffer(self.layer_id, x.shape[0])
+        topk_weights, topk_ids = self.topk_fn(logits, self.e_score_correction_bias, self.params, ids_out)
         if fb.replay is not None:
             topk_weights, topk_ids = self._apply_replay(logits, topk_weights, topk_ids, fb)
         self.recorder.capture(self.layer_id, topk_ids, topk_weights)

@@ -1,15 +1,17 @@
 """Device and host route buffers, and the asynchronous copy between them.
 
 Shape legend: R device rows (max tokens in one forward), S KV slots, M MoE layers, K top-k.
-- device buffer [R, M, K]: written by a slice assignment inside the routing op (no host sync, a static
-  address, so it also works inside a CUDA graph);
+- device buffer [M, R, K] int32: layer-major, so one layer's rows [:T] are a contiguous [T, K] block the
+  fused top-k kernel writes its ids into directly (the MoE then reads them from there): capture costs no
+  kernel of its own; other top-k backends copy into it with a slice assignment. No host sync, a static
+  address, so it also works inside a CUDA graph;
 - host buffer [S, M, K]: indexed by KV slot (`out_cache_loc`), so a token's route lives exactly as long
   as its KV: prefix-cache hits and chunked prefill come out right by construction;
 - after each forward, only the rows somebody asked for are gathered on the device and copied into a
   pinned staging buffer with non_blocking=True; an event marks completion and the rows are scattered
   into the host buffer by slot when the engine next needs them (FIFO, so a reused slot always ends
   with the newest route).
-Ids are stored as int16 when E <= 32767 (half the bytes of int32); -1 marks "no route".
+Ids cross to the host as int16 when E <= 32767 (half the bytes of int32); -1 marks "no route".
 """
 
 from __future__ import annotations
@@ -54,11 +56,14 @@ class RouteBuffers:
         with_weights: bool,
     ) -> None:
         self.device = torch.device(device)
-        self.dtype = id_dtype(num_experts)
+        self.dtype = id_dtype(num_experts)  # host dtype
         self.on_cuda = self.device.type == "cuda"
         shape = (device_rows, num_moe_layers, top_k)
-        self.dev_ids = torch.full(shape, -1, dtype=self.dtype, device=self.device)
-        self.dev_weights = torch.zeros(shape, dtype=torch.float16, device=self.device) if with_weights else None
+        dev_shape = (num_moe_layers, device_rows, top_k)
+        self.dev_ids = torch.full(dev_shape, -1, dtype=torch.int32, device=self.device)
+        self.dev_weights = (
+            torch.zeros(dev_shape, dtype=torch.float16, device=self.device) if with_weights else None
+        )
         pin = self.on_cuda
         self.host_ids = torch.full((host_slots, num_moe_layers, top_k), -1, dtype=self.dtype)
         self.host_weights = (
@@ -85,16 +90,28 @@ class RouteBuffers:
         slots = torch.empty(shape[0], dtype=torch.int64, pin_memory=pin)
         return ids, weights, slots
 
-    def write(self, moe_index: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor | None) -> None:
-        """Called from the routing op: topk_ids [T, K] -> device rows [0, T) of one MoE layer."""
-        t = topk_ids.shape[0]
-        if t > self.dev_ids.shape[0]:
+    def ids_view(self, moe_index: int, t: int) -> torch.Tensor:
+        """Rows [0, t) of one MoE layer: a contiguous int32 [t, K] block a top-k kernel may write into."""
+        if t > self.dev_ids.shape[1]:
             raise RuntimeError(
-                f"route capture: forward of {t} tokens exceeds the device buffer of {self.dev_ids.shape[0]} rows"
+                f"route capture: forward of {t} tokens exceeds the device buffer of {self.dev_ids.shape[1]} rows"
             )
-        self.dev_ids[:t, moe_index].copy_(topk_ids)
+        return self.dev_ids[moe_index, :t]
+
+    def write(self, moe_index: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor | None) -> None:
+        """Called from the routing op: topk_ids [T, K] -> device rows [0, T) of one MoE layer (no copy when
+        the top-k kernel already wrote them there)."""
+        dst = self.ids_view(moe_index, topk_ids.shape[0])
+        if dst.data_ptr() != topk_ids.data_ptr():
+            dst.copy_(topk_ids)
         if self.dev_weights is not None and topk_weights is not None:
-            self.dev_weights[:t, moe_index].copy_(topk_weights)
+            self.dev_weights[moe_index, : topk_ids.shape[0]].copy_(topk_weights)
+
+    @staticmethod
+    def _token_major(src: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """[M, n, K] device -> contiguous [n, M, K] of `dtype` (one kernel: transpose and narrow)."""
+        out = torch.empty((src.shape[1], src.shape[0], src.shape[2]), dtype=dtype, device=src.device)
+        return out.copy_(src.transpose(0, 1))
 
     def start_copy(
         self, rows: list[int] | None, n_tokens: int, out_cache_loc: torch.Tensor, pending: PendingCopy
@@ -106,27 +123,28 @@ class RouteBuffers:
         self._next_staging = (self._next_staging + 1) % len(self._staging)
         if rows is None:
             n = n_tokens
-            src_ids, src_slots = self.dev_ids[:n], out_cache_loc[:n]
-            src_w = None if self.dev_weights is None else self.dev_weights[:n]
+            src_ids, src_slots = self.dev_ids[:, :n], out_cache_loc[:n]
+            src_w = None if self.dev_weights is None else self.dev_weights[:, :n]
         else:
             n = len(rows)
             index = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
-            src_ids, src_slots = self.dev_ids.index_select(0, index), out_cache_loc.index_select(0, index)
-            src_w = None if self.dev_weights is None else self.dev_weights.index_select(0, index)
+            src_ids, src_slots = self.dev_ids.index_select(1, index), out_cache_loc.index_select(0, index)
+            src_w = None if self.dev_weights is None else self.dev_weights.index_select(1, index)
         pending.ids = ids_st[:n]
-        pending.ids.copy_(src_ids.to(ids_st.dtype), non_blocking=True)
+        pending.ids.copy_(self._token_major(src_ids, ids_st.dtype), non_blocking=True)
         pending.slots = slots_st[:n]
         pending.slots.copy_(src_slots, non_blocking=True)
         if w_st is not None and src_w is not None:
             pending.weights = w_st[:n]
-            pending.weights.copy_(src_w, non_blocking=True)
+            pending.weights.copy_(self._token_major(src_w, torch.float16), non_blocking=True)
         pending.n_rows = n
         if self.on_cuda:
             pending.event = torch.cuda.Event()
             pending.event.record()
-        step_bytes = n * (self.dev_ids.shape[1] * self.dev_ids.shape[2] * self.dev_ids.element_size() + 8)
+        per_row = self.dev_ids.shape[0] * self.dev_ids.shape[2]  # M x K ids
+        step_bytes = n * (per_row * ids_st.element_size() + 8)  # + the int64 KV slot
         if src_w is not None:
-            step_bytes += n * self.dev_ids.shape[1] * self.dev_ids.shape[2] * 2
+            step_bytes += n * per_row * 2
         self.bytes_last_step = step_bytes
         self.bytes_total += step_bytes
         self.pending.append(pending)

@@ -109,6 +109,9 @@ class RoutedExpertsCapturer:
     def on_forward_begin(self, batch: BatchView) -> None:
         self._batch_tokens = batch.num_tokens
 
+    def route_buffer(self, layer_id: int, num_tokens: int) -> torch.Tensor | None:
+        return self.buffers.ids_view(self.moe_index[layer_id], num_tokens)
+
     def capture(self, layer_id: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor | None = None) -> None:
         self.buffers.write(self.moe_index[layer_id], topk_ids, topk_weights)
 

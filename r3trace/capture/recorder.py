@@ -39,6 +39,11 @@ class BatchView(Protocol):
 class RouteRecorder(Protocol):
     def on_forward_begin(self, batch: BatchView) -> None: ...
 
+    def route_buffer(self, layer_id: int, num_tokens: int) -> torch.Tensor | None:
+        """Where the routing op may write topk_ids directly (int32 [T, K], contiguous), or None: a fused
+        top-k kernel writing there makes capture cost no kernel of its own."""
+        ...
+
     def capture(self, layer_id: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor | None = None) -> None:
         """topk_ids: [T, K] logical ids in gate-rank order; topk_weights: [T, K] (may be None)."""
         ...
@@ -50,6 +55,9 @@ class NullRecorder:
     """Capture off: every hook is a no-op (no buffer, no copy, no sync)."""
 
     def on_forward_begin(self, batch: BatchView) -> None:
+        return None
+
+    def route_buffer(self, layer_id: int, num_tokens: int) -> torch.Tensor | None:
         return None
 
     def capture(self, layer_id: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor | None = None) -> None:
@@ -71,6 +79,9 @@ class ListRecorder:
 
     def on_forward_begin(self, batch: BatchView) -> None:
         self.routes = {}
+
+    def route_buffer(self, layer_id: int, num_tokens: int) -> torch.Tensor | None:
+        return None
 
     def capture(self, layer_id: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor | None = None) -> None:
         self.routes[layer_id] = (

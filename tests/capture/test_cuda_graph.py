@@ -49,10 +49,10 @@ def test_graph_replay_routes_equal_eager(tiny_ckpt: Path) -> None:
         static_x.copy_(torch.randn(t, cfg.hidden_size, device="cuda", generator=gen))
         capturer.buffers.dev_ids.fill_(-1)
         graph.replay()
-        replayed = capturer.buffers.dev_ids[:t].clone()
+        replayed = capturer.buffers.dev_ids[:, :t].clone()  # [M, T, K]
         capturer.buffers.dev_ids.fill_(-1)
         for r in routers:
             r(static_x, fb)
-        eager = capturer.buffers.dev_ids[:t].clone()
+        eager = capturer.buffers.dev_ids[:, :t].clone()
         assert (eager >= 0).all()
         assert torch.equal(replayed, eager)

@@ -68,3 +68,18 @@ def test_grouped_topk_v3_many_tokens_gpu() -> None:
     ref_weights, ref_ids = grouped_topk_ref(logits, *args)
     assert torch.equal(ids, ref_ids)
     torch.testing.assert_close(weights, ref_weights, atol=2.5e-6, rtol=1e-5)
+
+
+def test_ids_out_is_written_in_place() -> None:
+    """The route capturer hands the kernel a [T, K] view of its layer-major buffer: ids land there."""
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(13, 16, generator=gen).to(DEVICE)
+    bias = (torch.randn(16, generator=gen) * 0.1).to(DEVICE)
+    buf = torch.full((3, 20, 4), -7, dtype=torch.int32, device=DEVICE)  # [M, R, K], layer 1 rows [:13]
+    args = (4, "sigmoid", "noaux_tc", 4, 2, True, 2.5)
+    weights, ids = grouped_topk(logits, bias, *args, ids_out=buf[1, :13])
+    assert ids.data_ptr() == buf[1, :13].data_ptr()
+    ref_w, ref_ids = grouped_topk_ref(logits, bias, *args)
+    assert torch.equal(buf[1, :13].long(), ref_ids.long())
+    assert (buf[1, 13:] == -7).all() and (buf[0] == -7).all() and (buf[2] == -7).all()  # nothing else written
+    torch.testing.assert_close(weights, ref_w)
