@@ -117,7 +117,7 @@ class RoutedExpertsCapturer:
 
     def on_forward_end(self, batch: BatchView) -> None:
         if batch.out_cache_loc_cpu is not None:  # host bookkeeping: which forward owns each slot's KV now
-            self.buffers.kv_forward[batch.out_cache_loc_cpu] = batch.forward_id
+            self.buffers.claim(batch.out_cache_loc_cpu.numpy(), batch.forward_id)
         entries: list[tuple[str, int, int, int, str]] = []
         spans: list[tuple[int, int]] = []  # (first row in T, n) of each wanted request
         start = copied = 0
@@ -169,7 +169,7 @@ class RoutedExpertsCapturer:
         if self.sink is None and (state is None or not state.want):
             return len(slots)
         self.drain()
-        return self.buffers.valid_prefix(torch.from_numpy(np.asarray(slots, dtype=np.int64)))
+        return self.buffers.valid_prefix(np.asarray(slots, dtype=np.int64))
 
     def on_retract(self, rid: str, slots: np.ndarray) -> None:
         """Before the request's KV is freed: keep the rows of its computed positions (slots [n])."""
@@ -290,7 +290,7 @@ class RoutedExpertsCapturer:
         slots = state.prefix_slots[lo:hi]
         ids, w = self.buffers.read(slots), self.buffers.read_weights(slots)
         # forward_id: the earlier forward that computed these KV slots (and their routes).
-        forward_ids = self.buffers.rows_forward[torch.from_numpy(slots)].numpy()
+        forward_ids = self.buffers.forwards_of(slots)
         self.sink.append_tokens(
             [rid] * (hi - lo), np.arange(lo, hi, dtype=np.int32), "prefill", "prefix_cache", forward_ids,
             time.time_ns(), 0, ids, w,
