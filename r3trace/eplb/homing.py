@@ -22,7 +22,9 @@ def expert_nodes(weight: np.ndarray, logcnt: np.ndarray, home: np.ndarray, clust
     its replicas, or onto its home node when that is at most slack x the mean node load heavier.
 
     weight [L, E] forecast loads; logcnt [L, E] replicas (sum P per layer); home [L, E] preferred node (its
-    group's, or its node in the previous placement). Ordering by load per replica is balanced packing of the
+    group's, or its node in the previous placement). Where no node has room for an expert's replicas (a
+    bin-packing dead end) it goes to node 0 anyway and that layer's node totals overflow: callers check.
+    Ordering by load per replica is balanced packing of the
     P replicas with an expert's replicas kept together: ordering by expert load instead left nodes 13% apart
     (slot-bound nodes took the cold tail), this leaves them ~1% apart at s = 1.0 on 4 nodes.
     """

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from r3trace.eplb.deepseek import group_nodes, hierarchical, pack_nodes
+from r3trace.eplb.deepseek import group_nodes, hierarchical, pack_nodes, spread_replicas
 from r3trace.eplb.homing import capped_counts, expert_nodes
 from r3trace.eplb.placement import Cluster, Placement, PlacementError, from_phy2log
 from r3trace.eplb.refine import swap_refine
@@ -77,6 +77,9 @@ def fresh_plan(w: np.ndarray, home: np.ndarray, cluster: Cluster, cfg: PlannerCo
     node = expert_nodes(w, logcnt, home, cluster, cfg.home_slack)
     cnt = np.zeros((n_layers, e, cluster.num_nodes), dtype=np.int64)
     cnt[np.arange(n_layers)[:, None], np.arange(e)[None, :], node] = logcnt
+    split = (cnt.sum(1) != cluster.slots_per_node).any(1)  # [L] replica counts that no node split fits
+    if split.any():  # e.g. counts 3, 3, 2 on two 4-slot nodes: replicas spread over nodes (cross-node layout)
+        cnt[split] = spread_replicas(w[split], logcnt[split], group_nodes(w[split], cluster), cluster)
     phy2log = swap_refine(pack_nodes(w, logcnt, cnt, cluster), w, logcnt, cluster, cfg.fresh_swaps, cfg.min_gain)
     return from_phy2log(phy2log, e)
 
