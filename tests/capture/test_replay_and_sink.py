@@ -155,3 +155,29 @@ def test_arrow_ipc_stream_carries_the_same_rows(make_engine: EngineFactory, tmp_
     a = streamed.select([*key, "topk_ids"]).sort_by([(k, "ascending") for k in key]).to_pylist()
     b = parquet.select([*key, "topk_ids"]).sort_by([(k, "ascending") for k in key]).to_pylist()
     assert a == b and len(a) > 0
+
+
+def test_sink_under_preemption_has_each_row_once_and_exact(tiny_ckpt: Path, make_engine: EngineFactory,
+                                                          tmp_path: Path) -> None:
+    """Retracted requests are re-prefilled; the trace keeps the first computation of every position and
+    never writes a (request, position, layer) twice."""
+    from tests.capture.helpers import direct_routes
+
+    engine = make_engine(kv_pool_tokens=64, chunked_prefill_size=16)
+    engine.start_trace(tmp_path / "trace", run_id="p")
+    prompts = random_prompts(5, 8, 14, seed=4)
+    outs = engine.generate(input_ids=prompts, sampling_params=greedy(12))
+    engine.stop_trace()
+    assert engine.scheduler.num_retractions > 0
+    con = duckdb.connect()
+    glob = str(tmp_path / "trace" / "**" / "part-*.parquet")
+    dup = con.execute(f"SELECT count(*) FROM (SELECT request_id, token_pos, layer_id, count(*) c "
+                      f"FROM read_parquet('{glob}') GROUP BY ALL HAVING c > 1)").fetchone()
+    assert dup == (0,)
+    for p, o in zip(prompts, outs, strict=True):
+        rows = con.execute(f"SELECT token_pos, layer_id, topk_ids FROM read_parquet('{glob}') "
+                           "WHERE request_id = ? ORDER BY token_pos, layer_id", [o["meta_info"]["id"]]).fetchall()
+        seq = p + o["output_ids"]
+        want = direct_routes(tiny_ckpt, seq[:-1])
+        got = np.array([r[2] for r in rows]).reshape(len(seq) - 1, 2, 3)
+        np.testing.assert_array_equal(got, want[:, 1:])
