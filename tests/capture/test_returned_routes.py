@@ -178,3 +178,40 @@ def test_prefix_hit_on_kv_of_a_request_that_did_not_capture(tiny_ckpt: Path, mak
     # each time: a cost, never a wrong row.
     again = engine.generate(input_ids=shared + [43], sampling_params=greedy(2), return_routed_experts=True)
     assert_routes_exact(tiny_ckpt, shared + [43], again)
+
+
+def _waiting_rids(engine: object) -> set[str]:
+    """Test only: peek at the scheduler's waiting queue from another thread (copy, retry on a race)."""
+    for _ in range(100):
+        try:
+            return {r.rid for r in list(engine.scheduler.waiting)}  # type: ignore[attr-defined]
+        except RuntimeError:  # deque mutated during iteration
+            continue
+    return set()
+
+
+def test_abort_before_admission_with_capture(make_engine: EngineFactory) -> None:
+    """A capturing request aborted while it still waits (no KV, no rows) finishes cleanly; the engine
+    keeps serving (this once killed the scheduler thread with a KeyError)."""
+    import threading
+    import time
+
+    engine = make_engine(max_running_requests=1)
+    stream = engine.generate(input_ids=[3, 4, 5], sampling_params=greedy(40), return_routed_experts=True,
+                             stream=True)
+    next(stream)  # the long request now holds the only running slot
+    result: dict[str, object] = {}
+    waiter = threading.Thread(target=lambda: result.update(engine.generate(
+        input_ids=[6, 7, 8], sampling_params=greedy(5), return_routed_experts=True, rid="waiting")))
+    waiter.start()
+    deadline = time.monotonic() + 30
+    while "waiting" not in _waiting_rids(engine):  # the abort must reach it after its submission
+        assert time.monotonic() < deadline, "the request never reached the waiting queue"
+        time.sleep(0.005)
+    engine.abort("waiting")
+    waiter.join(timeout=60)
+    meta = result["meta_info"]
+    assert isinstance(meta, dict) and meta["finish_reason"]["type"] == "abort"
+    assert len(list(stream)) > 0  # the running request completes
+    out = engine.generate(input_ids=[9, 10], sampling_params=greedy(2), return_routed_experts=True)
+    assert returned_routes(out).shape == (3, 3, 3)
