@@ -168,12 +168,13 @@ def load_ref(path: str | None) -> Any:
     return mod
 
 
-def eplb_section(ref: Any, tokens_per_window: int) -> list[str]:
+def eplb_section(ref: Any, tokens_per_window: int, nodes: tuple[int, ...] = ()) -> list[str]:
     import torch
 
     clusters = [Cluster(32, 4, 288), Cluster(32, 4, 320), Cluster(144, 18, 288)]
     lines = ["| s | GPUs/nodes/slots | policy | plan s | held-out bal. (even) | held-out bal. (node-limited) "
              "| nodes/token mean | > 4 nodes | re-plan churn |", "|---|---|---|---|---|---|---|---|---|"]
+    only = [c for c in clusters if c.num_nodes in nodes] if nodes else clusters
     print("\n".join(lines), flush=True)  # rows are printed as they come: the whole section takes minutes
     for s in (0.3, 0.6, 1.0):
         cfg = SynthConfig(zipf_s=s, seed=3)
@@ -184,25 +185,27 @@ def eplb_section(ref: Any, tokens_per_window: int) -> list[str]:
         ids = route_chunk(bank, sched, 0, 4 * tokens_per_window, last, cfg, rng)
         wins = ids.reshape(4, tokens_per_window, 58, K)
         heats = np.stack([heat_of(w, E) for w in wins])
-        for cl in clusters:
+        for cl in only:
             def ref_plan(h: np.ndarray, c: Cluster = cl, groups: int = 1, nodes: int = 1) -> Any:
                 p2l, _, _ = ref.rebalance_experts(torch.tensor(h), c.num_slots, groups, nodes, c.num_gpus)
                 return from_phy2log(p2l.numpy(), E)
 
-            pols: dict[str, Callable[[np.ndarray, Any], Any]] = {
-                "global (ours)": lambda h, p, c=cl: global_policy(h[-1], c),
-                "cross-node": lambda h, p, c=cl: cross_node(h[-1], c),
-                "r3 planner": lambda h, p, c=cl: plan(h, c, p),
+            # (loads [W, L, E], previous placement, newest window's tokens [T, L, K]) -> placement
+            pols: dict[str, Callable[[np.ndarray, Any, np.ndarray], Any]] = {
+                "global (ours)": lambda h, p, t, c=cl: global_policy(h[-1], c),
+                "cross-node": lambda h, p, t, c=cl: cross_node(h[-1], c),
+                "r3 planner": lambda h, p, t, c=cl: plan(h, c, p, tokens=t),
             }
             if cl.num_groups % cl.num_nodes == 0:
-                pols["hierarchical (ours)"] = lambda h, p, c=cl: hierarchical(h[-1], c)
+                pols["hierarchical (ours)"] = lambda h, p, t, c=cl: hierarchical(h[-1], c)
             if ref is not None:
-                pols["DeepSeek ref global"] = lambda h, p, c=cl: ref_plan(h[-1], c)
+                pols["DeepSeek ref global"] = lambda h, p, t, c=cl: ref_plan(h[-1], c)
                 if cl.num_groups % cl.num_nodes == 0:
-                    pols["DeepSeek ref hierarchical"] = lambda h, p, c=cl: ref_plan(h[-1], c, 8, c.num_nodes)
+                    pols["DeepSeek ref hierarchical"] = lambda h, p, t, c=cl: ref_plan(h[-1], c, 8, c.num_nodes)
             for name, f in pols.items():
-                first = f(heats[:2], None)  # planned on windows 0-1
-                dt, second = timed(lambda f=f, first=first, h=heats: f(h[:3], first))  # re-plan on 0-2, score on 3
+                first = f(heats[:2], None, wins[1])  # planned on windows 0-1
+                # re-plan on windows 0-2 (tokens of window 2), score on window 3
+                dt, second = timed(lambda f=f, first=first, h=heats, t=wins[2]: f(h[:3], first, t))
                 d = node_limited(second, wins[3], cl)
                 lines.append(
                     f"| {s} | {cl.num_gpus}/{cl.num_nodes}/{cl.num_slots} | {name} | {dt:.3f} | "
@@ -220,13 +223,14 @@ def main() -> None:
     ap.add_argument("--window-tokens", type=int, default=16384)
     ap.add_argument("--out", default="/tmp/r3trace-bench")
     ap.add_argument("--skip-trace", action="store_true")
+    ap.add_argument("--eplb-nodes", type=int, nargs="*", default=[], help="only clusters with these node counts")
     args = ap.parse_args()
     if not args.skip_trace:
         print("\n".join(trace_section(Path(args.out), args.rows, args.agree_rows)), flush=True)
     ref = load_ref(args.eplb_ref)
     if ref is None:
         print("(DeepSeek reference not given: its columns are skipped)")
-    eplb_section(ref, args.window_tokens)
+    eplb_section(ref, args.window_tokens, tuple(args.eplb_nodes))
 
 
 if __name__ == "__main__":

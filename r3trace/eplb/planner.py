@@ -11,6 +11,10 @@
    token, groups % N == 0) groups stay whole on their nodes instead (DeepSeek's hierarchical layout).
    A node-limited dispatcher then has a single cover per token, so the load it produces is the
    even-split load the plan balanced.
+   When a group cannot sit on one node (groups % N != 0, 144 GPUs on 18 nodes) one node per expert
+   reached 6.7-7.1 nodes per token; there groups get home runs of whole nodes and extra replicas go to
+   the nodes of the experts they are chosen with in the window's tokens (affinity.py): 4.8-5.8 nodes,
+   at the price of node-limited balancedness below the even one (`spread_by_affinity`).
 4. Each node's replicas are packed onto its GPUs (balanced packing), then up to `fresh_swaps` swaps
    lower the hottest GPUs (refine.swap_refine; 0.925 -> 0.944 held out on 32 GPUs).
 5. Migration: with a previous placement, a layer is re-placed only when the fresh plan lowers its forecast
@@ -27,6 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from r3trace.eplb.affinity import affinity_replicas, coactivation_counts, home_primaries
 from r3trace.eplb.deepseek import group_nodes, hierarchical, pack_nodes, spread_replicas
 from r3trace.eplb.homing import capped_counts, expert_nodes
 from r3trace.eplb.placement import Cluster, Placement, PlacementError, from_phy2log
@@ -43,6 +48,7 @@ class PlannerConfig:
     min_gain: float = 0.002  # of the mean GPU load: smaller gains are noise in the next window
     keep_tolerance: float = 0.06  # re-place a layer only for a >6% lower forecast max GPU load
     churn_budget: float = 0.08  # share of all L*P slots one re-plan may move (goal: <= 10%)
+    spread_by_affinity: bool = True  # groups % N != 0: group homes + co-activation replicas (affinity.py)
 
     def __post_init__(self) -> None:
         if not 0 < self.ema_alpha <= 1 or min(self.keep_tolerance, self.home_slack, self.min_gain) < 0:
@@ -66,9 +72,17 @@ def limit_binds(cluster: Cluster) -> bool:
     return cluster.node_limit < cluster.num_nodes and cluster.num_groups % cluster.num_nodes == 0
 
 
-def fresh_plan(w: np.ndarray, home: np.ndarray, cluster: Cluster, cfg: PlannerConfig) -> Placement:
-    """Forecast loads w [L, E] and preferred nodes home [L, E] -> Placement with one node per expert."""
+def fresh_plan(w: np.ndarray, home: np.ndarray, cluster: Cluster, cfg: PlannerConfig,
+               tokens: np.ndarray | None = None) -> Placement:
+    """Forecast loads w [L, E], preferred nodes home [L, E], tokens [T, L, K] or None -> Placement with one
+    node per expert, or group homes plus co-activation replicas where groups do not fit nodes."""
     n_layers, e = w.shape
+    if cfg.spread_by_affinity and cluster.num_groups % cluster.num_nodes and cluster.num_groups <= cluster.num_nodes:
+        logcnt = capped_counts(w, cluster.num_slots, cluster.gpus_per_node)
+        coact = np.zeros((n_layers, e, e)) if tokens is None or not len(tokens) else coactivation_counts(tokens, e)
+        cnt = affinity_replicas(w, logcnt, home_primaries(w, cluster), coact, cluster)
+        phy2log = swap_refine(pack_nodes(w, logcnt, cnt, cluster), w, logcnt, cluster, cfg.fresh_swaps, cfg.min_gain)
+        return from_phy2log(phy2log, e)
     if limit_binds(cluster):  # groups stay on their nodes: DeepSeek's hierarchical policy, then swaps in nodes
         pl = hierarchical(w, cluster)
         return from_phy2log(swap_refine(pl.phy2log, w, pl.logcnt, cluster, cfg.fresh_swaps, cfg.min_gain,
@@ -93,13 +107,14 @@ def plan(
 ) -> Placement:
     """loads [W, L, E] (oldest first) or [L, E]; prev Placement or None -> Placement.
 
-    tokens [T, L, K] is accepted for the policy signature of replay.py and not used: packing by replayed
-    dispatch over-fitted a 2,048-token sample (0.887 vs 0.934 held out), and with one node per expert the
-    dispatcher's load is the even-split load anyway.
+    tokens [T, L, K] (the newest window's routes) place extra replicas by co-activation where groups do not
+    fit nodes (affinity.py); elsewhere they are unused: packing by replayed dispatch over-fitted a
+    2,048-token sample (0.887 vs 0.934 held out), and with one node per expert the dispatcher's load is
+    the even-split load anyway.
     """
     w = forecast(loads, cfg.ema_alpha)
     home = group_nodes(w, cluster) if prev is None else node_counts(prev, cluster).argmax(2)
-    fresh = fresh_plan(w, home, cluster, cfg)
+    fresh = fresh_plan(w, home, cluster, cfg, tokens)
     if prev is None:
         return fresh
     swaps = int(cfg.replan_swap_share * cluster.num_slots / 2)

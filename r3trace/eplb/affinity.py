@@ -1,0 +1,118 @@
+"""Group homes and co-activation replicas: the planner's layout when a group does not fit one node.
+
+On 18 nodes of 16 slots (144 GPUs, 288 slots) each of the 8 groups of 32 experts needs 2-3 nodes, so a
+token that picks 4 groups cannot stay within 4 nodes by placement alone. Two things bring it closer
+(window 3 of the s = 0.6 benchmark, nodes per token-layer; one node per expert reached 6.77):
+1. Group homes: each group gets a contiguous run of whole nodes, as many as its share of the load
+   (largest remainder), and every expert's first replica goes to the lightest home node with room. A
+   group then spans 2-3 nodes instead of the 3 that contiguous expert order gave it: 6.31 -> 6.19.
+2. Extra replicas by co-activation: each extra replica of a hot expert goes to a node without one, the
+   node whose homed experts the expert is chosen with most often in the window's tokens, so a token that
+   picks the expert with those experts skips its home node: 6.19 -> 5.34 (cross-node policy 5.47).
+Tried and dropped: swaps that raise within-node co-activation (6.31 -> 6.22 at 3-13 s per plan: inside a
+group the synthetic experts co-activate little beyond chance); keeping the hottest experts' replicas home
+(node-limited balancedness fell, 0.605 -> 0.43-0.48, and nodes rose to 5.4-5.7).
+Cost: replicas on several nodes let the dispatcher's cover load some of them more than their even share,
+so node-limited balancedness falls below the even one (s = 0.6: 0.744 even, 0.605 node-limited).
+
+Shape legend: T tokens, L layers, K top-k, E experts, N nodes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from r3trace.eplb.placement import Cluster, PlacementError
+
+COACT_TOKENS = 2048  # newest tokens counted: 2048 x 58 layers x 28 pairs is ~0.09 s of bincount on 2 cores
+
+
+def coactivation_counts(tokens: np.ndarray, num_experts: int) -> np.ndarray:
+    """tokens [T, L, K] -> [L, E, E] symmetric counts of tokens choosing both experts (zero diagonal)."""
+    tok = np.asarray(tokens[-COACT_TOKENS:], dtype=np.int64)
+    _, n_layers, k = tok.shape
+    iu, ju = np.triu_indices(k, 1)
+    off = (np.arange(n_layers) * num_experts * num_experts)[None, :, None]
+    flat = off + tok[:, :, iu] * num_experts + tok[:, :, ju]
+    c = np.bincount(flat.ravel(), minlength=n_layers * num_experts**2).reshape(n_layers, num_experts, num_experts)
+    c = c.astype(np.float64)
+    return c + c.transpose(0, 2, 1)
+
+
+def group_home_nodes(weight: np.ndarray, cluster: Cluster) -> tuple[np.ndarray, np.ndarray]:
+    """weight [L, E] -> (first node [L, groups], node count [L, groups]): contiguous runs of whole nodes,
+    >= 1 per group, counts proportional to group load by largest remainder (sum N per layer)."""
+    n_layers, e = weight.shape
+    gr, n = cluster.num_groups, cluster.num_nodes
+    if e % gr or gr > n:
+        raise PlacementError(f"num_groups={gr} must divide E={e} and be <= num_nodes={n}")
+    gl = weight.reshape(n_layers, gr, e // gr).sum(-1)
+    quota = gl / np.maximum(gl.sum(1, keepdims=True), 1e-12) * n
+    count = np.maximum(np.floor(quota).astype(np.int64), 1)
+    for layer in range(n_layers):  # at most `gr` corrections per layer
+        while count[layer].sum() < n:
+            count[layer, np.argmax(quota[layer] - count[layer])] += 1
+        while count[layer].sum() > n:
+            count[layer, np.argmin(np.where(count[layer] > 1, quota[layer] - count[layer], np.inf))] -= 1
+    return np.cumsum(count, 1) - count, count
+
+
+def home_primaries(weight: np.ndarray, cluster: Cluster) -> np.ndarray:
+    """weight [L, E] -> node of each expert's first replica [L, E]: heaviest first onto the lightest home
+    node with a free primary slot, else the lightest node with one. Each node keeps room for its share of
+    the P - E extra replicas, so nodes hold E primaries in all and the extras fill the rest exactly.
+
+    Node loads are left unbalanced on purpose: the hottest replicas cap balancedness (0.54-0.84 on 144
+    GPUs), and GPU packing inside a node plus swaps reach that cap while nodes differ by up to 20-80%.
+    """
+    n_layers, e = weight.shape
+    n = cluster.num_nodes
+    first, count = group_home_nodes(weight, cluster)
+    extra = cluster.num_slots - e
+    cap = np.full(n, cluster.slots_per_node - extra // n)
+    cap[: extra % n] -= 1
+    rows, nid = np.arange(n_layers), np.arange(n)
+    load = np.zeros((n_layers, n))
+    free = np.tile(cap, (n_layers, 1))
+    node = np.empty((n_layers, e), dtype=np.int64)
+    gsize = e // cluster.num_groups
+    for ex in np.argsort(-weight, axis=1, kind="stable").T:  # [L] per step
+        g = ex // gsize
+        lo = first[rows, g][:, None]
+        home = (nid >= lo) & (nid < lo + count[rows, g][:, None])  # [L, N]
+        room = np.where(free > 0, load, np.inf)
+        k = np.where(np.isfinite(np.where(home, room, np.inf)).any(1),
+                     np.argmin(np.where(home, room, np.inf), 1), np.argmin(room, 1))
+        node[rows, ex] = k
+        load[rows, k] += weight[rows, ex]
+        free[rows, k] -= 1
+    return node
+
+
+def affinity_replicas(weight: np.ndarray, logcnt: np.ndarray, node: np.ndarray, coact: np.ndarray,
+                      cluster: Cluster) -> np.ndarray:
+    """Replicas per (layer, expert, node) [L, E, N]: the first on node [L, E], each extra (highest load per
+    replica first) on a node with a free slot and no replica of it yet, the one whose homed experts it is
+    chosen with most (coact [L, E, E]); a node holding it only when every free node does already. Ties
+    (no tokens: coact all zero) go to the node with the least load per replica placed so far."""
+    n_layers, e = weight.shape
+    rows = np.arange(n_layers)
+    cnt = np.zeros((n_layers, e, cluster.num_nodes), dtype=np.int64)
+    cnt[rows[:, None], np.arange(e)[None, :], node] = 1
+    free = cluster.slots_per_node - cnt.sum(1)  # [L, N]
+    if (free < 0).any():
+        raise PlacementError(f"a node holds more first replicas than its {cluster.slots_per_node} slots")
+    aff = coact @ cnt.astype(np.float64)  # [L, E, N] co-choices of each expert with each node's experts
+    per_rep = weight / logcnt
+    load = np.einsum("le,len->ln", per_rep, cnt.astype(np.float64))  # [L, N]
+    tie = 1e-6 / np.maximum(weight.sum(1, keepdims=True), 1e-12)  # below one co-choice
+    ids = np.stack([np.repeat(np.arange(e), logcnt[i] - 1) for i in range(n_layers)])  # [L, P - E]
+    ids = np.take_along_axis(ids, np.argsort(-np.take_along_axis(per_rep, ids, 1), 1, kind="stable"), 1)
+    for ex in ids.T:
+        held = cnt[rows, ex] > 0
+        score = aff[rows, ex] - tie * load - np.where(held, 1e18, 0.0) + np.where(free > 0, 0.0, -np.inf)
+        k = np.argmax(score, 1)
+        cnt[rows, ex, k] += 1
+        load[rows, k] += per_rep[rows, ex]
+        free[rows, k] -= 1
+    return cnt
