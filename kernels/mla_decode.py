@@ -26,6 +26,7 @@ import triton.language as tl
 
 from r3trace.kernels.contract import FLOAT_DTYPES, INDEX_DTYPES, require, require_tensor
 from r3trace.kernels.dot import dot_precision, mma
+from r3trace.kernels.flash import online_softmax_step
 
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x * log2(e)); exp2 is the native instruction
 MIN_TOKENS_PER_SPLIT = 256  # fewer and the split's fixed cost (q load, partial write, merge) dominates
@@ -82,12 +83,7 @@ def _mla_decode_kernel(
         qk = mma(q_nope, tl.trans(kv), UPCAST, INPUT_PRECISION)
         qk += mma(q_pe, tl.trans(k_pe), UPCAST, INPUT_PRECISION)
         qk = tl.where(n_mask[None, :], qk * qk_scale, float("-inf"))  # log2 units
-        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + mma(p.to(kv.dtype), kv, UPCAST, INPUT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(qk, kv, m_i, l_i, acc, UPCAST, INPUT_PRECISION)
 
     out = acc / l_i[:, None]
     part = part_out_ptr + b * stride_pb + offs_h[:, None] * stride_ph + split * stride_ps + offs_c[None, :]

@@ -23,6 +23,7 @@ import triton.language as tl
 
 from r3trace.kernels.contract import FLOAT_DTYPES, INDEX_DTYPES, require, require_tensor
 from r3trace.kernels.dot import dot_precision, mma
+from r3trace.kernels.flash import online_softmax_step
 from r3trace.kernels.mla_decode import LOG2E
 
 
@@ -75,12 +76,7 @@ def _mla_extend_kernel(
         qk += mma(q_pe, tl.trans(k_pe), UPCAST, INPUT_PRECISION)
         visible = n_mask[None, :] & (offs_n[None, :] <= pos_q[:, None])
         qk = tl.where(visible, qk * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + mma(p.to(kv.dtype), kv, UPCAST, INPUT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(qk, kv, m_i, l_i, acc, UPCAST, INPUT_PRECISION)
 
     out = acc / l_i[:, None]
     o_rows = out_ptr + (start_loc + offs_m)[:, None] * stride_ot + h * stride_oh
@@ -134,12 +130,7 @@ def _mha_prefill_kernel(
         # rows past ext compare against offs_m >= ext > every offs_n: never all-masked
         visible = n_mask[None, :] & (offs_n[None, :] <= offs_m[:, None])
         qk = tl.where(visible, qk * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, UPCAST, INPUT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, UPCAST, INPUT_PRECISION)
 
     out = acc / l_i[:, None]
     o_rows = out_ptr + (start_loc + offs_m)[:, None] * stride_ot + h * stride_oh
