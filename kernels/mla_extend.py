@@ -23,7 +23,7 @@ import triton.language as tl
 
 from r3trace.kernels.contract import FLOAT_DTYPES, INDEX_DTYPES, require, require_tensor
 from r3trace.kernels.dot import dot_precision, mma
-from r3trace.kernels.flash import online_softmax_step
+from r3trace.kernels.flash import latent_tile_scores, online_softmax_step
 from r3trace.kernels.mla_decode import LOG2E
 
 
@@ -68,12 +68,10 @@ def _mla_extend_kernel(
     for n0 in range(0, kv_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < kv_end
-        slots = tl.load(req_to_token_ptr + req_row * stride_rtr + offs_n, mask=n_mask, other=0).to(tl.int64)
-        kv_rows = kv_ptr + slots[:, None] * stride_kvs
-        kv = tl.load(kv_rows + offs_c[None, :], mask=n_mask[:, None] & c_mask[None, :], other=0.0)
-        k_pe = tl.load(kv_rows + KV_LORA + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0)
-        qk = mma(q_nope, tl.trans(kv), UPCAST, INPUT_PRECISION)
-        qk += mma(q_pe, tl.trans(k_pe), UPCAST, INPUT_PRECISION)
+        qk, kv = latent_tile_scores(
+            q_nope, q_pe, kv_ptr, req_to_token_ptr, req_row, offs_n, n_mask, offs_c, c_mask, offs_r, r_mask,
+            stride_kvs, stride_rtr, KV_LORA, UPCAST, INPUT_PRECISION,
+        )
         visible = n_mask[None, :] & (offs_n[None, :] <= pos_q[:, None])
         qk = tl.where(visible, qk * qk_scale, float("-inf"))
         m_i, l_i, acc = online_softmax_step(qk, kv, m_i, l_i, acc, UPCAST, INPUT_PRECISION)
