@@ -1,0 +1,111 @@
+"""Where a decode step's time goes: GPU time of the graph replay vs the engine's host loop.
+
+Run (GPU): python bench/step_profile.py --out $OUT/step_profile.json [--shape v3-2.5b --batch 64]
+
+1. Decode tokens/s of Engine.generate (triton backends, CUDA-graph decode), capture off and on.
+2. The graph replay alone, timed with CUDA events over 50 back-to-back replays: the GPU's share of a step.
+3. cProfile of the scheduler thread over one decode run: the host's share, by function.
+4. torch.profiler over a few replays: GPU time by kernel (CUPTI traces kernels inside graphs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from engine_gpu import backend_options, bench_checkpoint  # noqa: E402
+
+from r3trace.engine import Engine  # noqa: E402
+
+
+def decode_run(eng: Engine, prompts: list[list[int]], new_tokens: int, capture: bool) -> float:
+    """Decode tokens/s: a run of new_tokens minus a run of one token (its prefill)."""
+    params = {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}
+    t0 = time.perf_counter()
+    eng.generate(input_ids=prompts, sampling_params={**params, "max_new_tokens": 1}, return_routed_experts=capture)
+    prefill_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    eng.generate(input_ids=prompts, sampling_params=params, return_routed_experts=capture)
+    return len(prompts) * (new_tokens - 1) / max(time.perf_counter() - t0 - prefill_s, 1e-9)
+
+
+def replay_ms(eng: Engine, batch: int, n: int = 50) -> float:
+    graph, _ = eng.runner.graphs.graphs[batch]  # type: ignore[union-attr]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(5):
+        graph.replay()
+    start.record()
+    for _ in range(n):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / n
+
+
+def kernel_table(eng: Engine, batch: int) -> str:
+    graph, _ = eng.runner.graphs.graphs[batch]  # type: ignore[union-attr]
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            graph.replay()
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="")
+    ap.add_argument("--shape", default="v3-2.5b")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    args = ap.parse_args()
+    b, n = args.batch, args.new_tokens
+    report: dict[str, Any] = {"device": torch.cuda.get_device_name(), "shape": args.shape, "batch": b}
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(2, 32000, size=128).tolist() for _ in range(b)]
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = bench_checkpoint(Path(tmp), args.shape)
+        opts = backend_options("triton")
+        opts["cuda_graph_batch_sizes"] = (b,)
+        with Engine(ckpt, dtype="bfloat16", device="cuda", chunked_prefill_size=8192, max_running_requests=b,
+                    kv_pool_tokens=b * (128 + n + 8), enable_prefix_cache=False, **opts) as eng:
+            for capture in (False, True):
+                decode_run(eng, prompts, n, capture)  # warm-up
+            for capture in (False, True):
+                tps = [decode_run(eng, prompts, n, capture) for _ in range(2)]
+                report[f"decode_tok_s_capture_{'on' if capture else 'off'}"] = tps
+                report[f"step_ms_capture_{'on' if capture else 'off'}"] = 1e3 * b / float(np.median(tps))
+            report["graph_replay_ms"] = eng._call(lambda: replay_ms(eng, b))
+            prof = cProfile.Profile()
+            eng._call(prof.enable)  # profiles the thread that calls it: the scheduler's
+            decode_run(eng, prompts, n, True)
+            eng._call(prof.disable)
+            buf = io.StringIO()
+            stats = pstats.Stats(prof, stream=buf)
+            stats.sort_stats("tottime").print_stats(30)
+            stats.sort_stats("cumtime").print_stats(40)
+            report["host_profile"] = buf.getvalue()
+            report["kernels"] = eng._call(lambda: kernel_table(eng, b))
+    for k, v in report.items():
+        print(f"== {k}\n{v}" if isinstance(v, str) and "\n" in v else f"{k}: {v}", flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
