@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+import numpy as np
 import torch
 
 ForwardMode = Literal["extend", "decode"]
@@ -53,7 +54,7 @@ class ForwardBatch:
     phases: list[Phase] = field(default_factory=list)  # per request
     replay: ReplayPlan | None = None
     dp_rank: int = 0
-    out_cache_loc_cpu: torch.Tensor | None = None  # [T] int64 host copy (the scheduler has it anyway)
+    out_cache_loc_cpu: np.ndarray | None = None  # [T] int64 host copy (the scheduler has it anyway)
 
     @property
     def num_tokens(self) -> int:
@@ -76,7 +77,7 @@ class ForwardBatch:
         prefix_lens: list[int],
         extend_lens: list[int],
         req_pool_indices: list[int],
-        out_cache_loc: torch.Tensor,
+        out_cache_loc: torch.Tensor | np.ndarray,
         req_to_token: torch.Tensor,
         logits_rows: list[int],
         device: torch.device | str,
@@ -84,37 +85,43 @@ class ForwardBatch:
         phases: list[Phase] | None = None,
         replay: ReplayPlan | None = None,
     ) -> ForwardBatch:
-        """Build a batch from host lists (one host->device copy per field, no device->host sync)."""
-        seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=False)]
-        starts, acc = [], 0
-        positions: list[int] = []
-        for p, e in zip(prefix_lens, extend_lens, strict=False):
-            starts.append(acc)
-            acc += e
-            positions.extend(range(p, p + e))
-        if acc != len(input_ids):
-            raise ValueError(f"sum(extend_lens)={acc} != len(input_ids)={len(input_ids)}")
-
-        def t(x: list[int]) -> torch.Tensor:
-            return torch.tensor(x, dtype=torch.int64, device=device)
-
-        is_decode = all(e == 1 for e in extend_lens) and all(p > 0 for p in prefix_lens)
+        """Build a batch from host lists: every int64 field goes to the device in ONE copy (views of one
+        packed buffer). Per-field copies were 9 cudaMemcpy calls a step, ~0.2 ms of host time on the H200."""
+        ext = np.asarray(extend_lens, dtype=np.int64)  # [B]
+        pre = np.asarray(prefix_lens, dtype=np.int64)
+        if int(ext.sum()) != len(input_ids):
+            raise ValueError(f"sum(extend_lens)={int(ext.sum())} != len(input_ids)={len(input_ids)}")
+        t, b = len(input_ids), len(ext)
+        starts = np.cumsum(ext) - ext  # [B] first row of each request
+        positions = np.repeat(pre - starts, ext) + np.arange(t, dtype=np.int64)  # [T] pre[b] + (row - start[b])
+        loc_host = out_cache_loc if isinstance(out_cache_loc, np.ndarray) else (
+            out_cache_loc.numpy() if out_cache_loc.device.type == "cpu" else None)
+        parts = [np.asarray(input_ids, dtype=np.int64), positions, np.asarray(req_pool_indices, dtype=np.int64),
+                 pre + ext, pre, ext, starts, np.asarray(logits_rows, dtype=np.int64)]
+        if loc_host is not None:
+            parts.append(np.asarray(loc_host, dtype=np.int64))
+        packed = torch.from_numpy(np.concatenate(parts)).to(device, non_blocking=True)
+        sizes = [t, t, b, b, b, b, b, len(logits_rows)] + ([t] if loc_host is not None else [])
+        views = packed.split(sizes)
+        assert isinstance(out_cache_loc, torch.Tensor) or loc_host is not None
+        loc = views[8] if loc_host is not None else out_cache_loc.to(device=device, dtype=torch.int64)  # type: ignore[union-attr]
+        is_decode = bool((ext == 1).all() and (pre > 0).all())
         mode: ForwardMode = "decode" if is_decode else "extend"
         return cls(
             forward_id=forward_id,
             mode=mode,
-            input_ids=t(input_ids),
-            positions=t(positions),
-            out_cache_loc=out_cache_loc.to(device=device, dtype=torch.int64),
-            out_cache_loc_cpu=out_cache_loc.to(dtype=torch.int64) if out_cache_loc.device.type == "cpu" else None,
-            req_pool_indices=t(req_pool_indices),
-            seq_lens=t(seq_lens),
-            prefix_lens=t(prefix_lens),
-            extend_lens=t(extend_lens),
-            extend_start_loc=t(starts),
+            input_ids=views[0],
+            positions=views[1],
+            out_cache_loc=loc,
+            out_cache_loc_cpu=None if loc_host is None else np.asarray(loc_host, dtype=np.int64),
+            req_pool_indices=views[2],
+            seq_lens=views[3],
+            prefix_lens=views[4],
+            extend_lens=views[5],
+            extend_start_loc=views[6],
             req_to_token=req_to_token,
-            logits_indices=t(logits_rows),
-            seq_lens_cpu=seq_lens,
+            logits_indices=views[7],
+            seq_lens_cpu=(pre + ext).tolist(),
             prefix_lens_cpu=list(prefix_lens),
             extend_lens_cpu=list(extend_lens),
             request_ids=list(request_ids or []),

@@ -8,6 +8,7 @@ Bookkeeping (free lists, page lists) is on the host, so allocating never syncs w
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -55,11 +56,19 @@ class KVPool:
             self._is_free[p] = 1
             self._free.append(p)
 
-    def slots(self, pages: list[int], start: int, end: int) -> torch.Tensor:
-        """[end - start] int64 on the host: the KV slot of each position start..end-1."""
-        pos = torch.arange(start, end, dtype=torch.int64)
-        page_ids = torch.tensor(pages, dtype=torch.int64)
-        return page_ids[pos // self.page_size] * self.page_size + pos % self.page_size
+    def slots(self, pages: list[int], start: int, end: int) -> np.ndarray:
+        """[end - start] int64 on the host: the KV slot of each position start..end-1.
+
+        numpy, not torch: a decode step asks this once per running request, and each tiny torch CPU op
+        costs 5-10 us (64 requests x 5 ops was ~2 ms of a 12 ms step on the H200 host); numpy costs ~1 us.
+        """
+        p = self.page_size
+        if end - start == 1:  # the decode case
+            return np.array([pages[start // p] * p + start % p], dtype=np.int64)
+        first = start // p
+        pos = np.arange(start, end, dtype=np.int64)
+        page_ids = np.asarray(pages[first : -(-end // p)], dtype=np.int64)  # only the pages touched
+        return page_ids[pos // p - first] * p + pos % p
 
 
 class ReqToTokenPool:
@@ -72,6 +81,7 @@ class ReqToTokenPool:
     def __init__(self, num_rows: int, max_context_len: int, device: str) -> None:
         self.req_to_token = torch.zeros(num_rows, max_context_len, dtype=torch.int32, device=device)
         self._free: list[int] = list(range(num_rows - 1, -1, -1))
+        self._pending: list[tuple[int, int, np.ndarray]] = []  # (row, start, slots) not yet on the device
 
     @property
     def num_free_rows(self) -> int:
@@ -83,7 +93,19 @@ class ReqToTokenPool:
     def free(self, row: int) -> None:
         self._free.append(row)
 
-    def write(self, row: int, start: int, slots: torch.Tensor) -> None:
-        """Positions start.. of `row` point at `slots` (one host->device copy, no sync)."""
-        dst = self.req_to_token[row, start : start + slots.numel()]
-        dst.copy_(slots.to(dtype=torch.int32), non_blocking=True)
+    def write(self, row: int, start: int, slots: np.ndarray) -> None:
+        """Positions start.. of `row` will point at `slots` once flush() runs (before the next forward)."""
+        if len(slots):
+            self._pending.append((row, start, np.asarray(slots, dtype=np.int64)))
+
+    def flush(self) -> None:
+        """Apply every pending write with one host->device copy and one scatter (no sync). Per-write
+        copies cost one cudaMemcpy each: 64 decoding requests made 64 of them a step (~1 ms)."""
+        if not self._pending:
+            return
+        width = self.req_to_token.shape[1]
+        flat = np.concatenate([row * width + start + np.arange(len(s)) for row, start, s in self._pending])
+        vals = np.concatenate([s for _, _, s in self._pending])
+        self._pending.clear()
+        packed = torch.from_numpy(np.stack([flat, vals])).to(self.req_to_token.device, non_blocking=True)  # [2, n]
+        self.req_to_token.view(-1).index_copy_(0, packed[0], packed[1].to(torch.int32))

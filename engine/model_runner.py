@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from r3trace.capture.recorder import RouteRecorder
@@ -59,13 +60,14 @@ class ModelRunner:
             if it.sample:
                 sample_rows.append(len(logits_rows))
                 logits_rows.append(base + it.extend_len - 1)
+        self.req_pool.flush()  # the scheduler's req_to_token writes, one copy, before anything reads them
         fb = ForwardBatch.build(
             forward_id=self.forward_id,
             input_ids=input_ids,
             prefix_lens=[it.start for it in items],
             extend_lens=[it.extend_len for it in items],
             req_pool_indices=[it.req.pool_row for it in items],
-            out_cache_loc=torch.cat([it.out_cache_loc for it in items]),
+            out_cache_loc=np.concatenate([it.out_cache_loc for it in items]),
             req_to_token=self.req_pool.req_to_token,
             logits_rows=logits_rows,
             device=self.device,
@@ -95,9 +97,12 @@ class ModelRunner:
         dev = logits.device
         on_device: dict[str, torch.Tensor] = {}
         next_ids = None
+        # Decode: every logits row samples; indexing by a host list would cost a copy and a gather kernel.
+        every_row = len(sample_rows) == logits.shape[0] and sample_rows == list(range(len(sample_rows)))
         if sample_rows:
             next_ids = self.sampler.sample(
-                logits[sample_rows], [it.req.params for it in samplers], [it.req.generator for it in samplers]
+                logits if every_row else logits[sample_rows],
+                [it.req.params for it in samplers], [it.req.generator for it in samplers],
             )  # [B]
             on_device["next"] = next_ids
         want_lp = any(it.req.logprob is not None for it in items)
@@ -109,7 +114,8 @@ class ModelRunner:
                 targets = torch.tensor(lp_targets, device=dev)[:, None]
                 on_device["in_lp"] = logprobs[rows].gather(1, targets)[:, 0]
             if next_ids is not None:
-                on_device["next_lp"] = logprobs[sample_rows].gather(1, next_ids[:, None])[:, 0]
+                sampled_lp = logprobs if every_row else logprobs[sample_rows]  # [B, V]
+                on_device["next_lp"] = sampled_lp.gather(1, next_ids[:, None])[:, 0]
             if top_num:
                 top = logprobs.topk(min(top_num, logprobs.shape[1]), dim=-1)  # [N, top]
                 on_device["top_v"], on_device["top_i"] = top.values, top.indices

@@ -61,25 +61,25 @@ class RouteCaptureHooks:
         opts: CaptureRequest | None = req.extras.get("capture")
         self.capturer.add_request(req.rid, want=bool(opts and opts.want))
 
-    def usable_prefix(self, req: Req, slots: torch.Tensor) -> int:
+    def usable_prefix(self, req: Req, slots: np.ndarray) -> int:
         if req.rid not in self.capturer.requests:
             self.register(req)
-        return self.capturer.usable_prefix(req.rid, slots.numpy())
+        return self.capturer.usable_prefix(req.rid, slots)
 
     def on_admit(self, req: Req) -> None:
         if req.rid not in self.capturer.requests:
             self.register(req)
-        slots = self.pool.slots(req.pages, 0, req.kv_len).numpy()
+        slots = self.pool.slots(req.pages, 0, req.kv_len)
         self.capturer.on_admit(req.rid, req.cached_len, slots)
 
     def on_retract(self, req: Req) -> None:
-        self.capturer.on_retract(req.rid, self.pool.slots(req.pages, 0, req.kv_len).numpy())
+        self.capturer.on_retract(req.rid, self.pool.slots(req.pages, 0, req.kv_len))
 
     def on_finish(self, req: Req) -> None:
         opts: CaptureRequest | None = req.extras.get("capture")
         if opts is not None and opts.want:
             n_rows = req.kv_len if req.pool_row >= 0 else 0
-            slots = self.pool.slots(req.pages, 0, n_rows).numpy() if n_rows else np.zeros(0, np.int64)
+            slots = self.pool.slots(req.pages, 0, n_rows) if n_rows else np.zeros(0, np.int64)
             if req.stream:  # what the stream has not carried yet
                 opts.rows = self.capturer.stream_rows(req.rid, slots, opts.start_len, n_rows)
             else:
@@ -102,7 +102,7 @@ class RouteCaptureHooks:
         opts: CaptureRequest | None = req.extras.get("capture")
         if opts is None or not opts.want or req.finished:
             return None
-        slots = self.pool.slots(req.pages, 0, req.kv_len).numpy()
+        slots = self.pool.slots(req.pages, 0, req.kv_len)
         return self.capturer.stream_rows(req.rid, slots, opts.start_len, req.kv_len)
 
 

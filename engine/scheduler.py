@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Protocol
 
-import torch
+import numpy as np
 
 from r3trace.engine.engine_config import EngineConfig
 from r3trace.engine.kv_pool import KVPool, ReqToTokenPool
@@ -41,7 +41,7 @@ class RequestHooks(Protocol):
     def on_finish(self, req: Req) -> None:
         """req.finish is set; before the KV is freed (or handed to the prefix cache)."""
 
-    def usable_prefix(self, req: Req, slots: torch.Tensor) -> int:
+    def usable_prefix(self, req: Req, slots: np.ndarray) -> int:
         """Of a prefix-cache match (slots [n] host), how many leading positions req may reuse."""
         ...
 
@@ -56,8 +56,8 @@ class NullHooks:
     def on_finish(self, req: Req) -> None:
         return None
 
-    def usable_prefix(self, req: Req, slots: torch.Tensor) -> int:
-        return int(slots.numel())
+    def usable_prefix(self, req: Req, slots: np.ndarray) -> int:
+        return int(len(slots))
 
 
 class Scheduler:
@@ -115,7 +115,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            want = min(len(req.fill_ids) - req.kv_len, budget)
+            want = min(req.seq_len - req.kv_len, budget)
             slots = self._grow(req, want)
             while slots is None:
                 victim = self.running[-1]
@@ -131,7 +131,7 @@ class Scheduler:
             if slots is None:
                 continue  # req left `running`; running[i] is now the next one
             items.append(self._item(req, slots))
-            budget -= slots.numel()
+            budget -= len(slots)
             i += 1
         max_running = self.config.max_running_requests
         while not retracted and self.waiting and budget > 0 and len(self.running) < max_running:
@@ -142,11 +142,11 @@ class Scheduler:
             self.waiting.popleft()
             self.running.append(req)
             items.append(self._item(req, slots))
-            budget -= slots.numel()
+            budget -= len(slots)
         return items
 
-    def _item(self, req: Req, slots: torch.Tensor) -> ScheduledReq:
-        start, n = req.kv_len, slots.numel()
+    def _item(self, req: Req, slots: np.ndarray) -> ScheduledReq:
+        start, n = req.kv_len, len(slots)
         req.kv_len += n
         fill_len = req.seq_len
         positions = range(0)
@@ -164,7 +164,7 @@ class Scheduler:
             phase="decode" if req.in_decode else "prefill",
         )
 
-    def _admit(self, req: Req, budget: int) -> torch.Tensor | None:
+    def _admit(self, req: Req, budget: int) -> np.ndarray | None:
         row = self.req_pool.alloc()
         if row is None:
             return None
@@ -193,7 +193,7 @@ class Scheduler:
         self.hooks.on_admit(req)
         return slots
 
-    def _grow(self, req: Req, want: int) -> torch.Tensor | None:
+    def _grow(self, req: Req, want: int) -> np.ndarray | None:
         """Give req KV slots for `want` more positions, or as many as whole free pages allow (a
         chunk shrinks; a decode needs its one slot). Returns the slots [n] or None when n == 0."""
         page = self.pool.page_size
@@ -301,7 +301,7 @@ class Scheduler:
         self.req_pool.free(req.pool_row)
         req.reset_kv()
 
-    def kv_slots(self, req: Req) -> torch.Tensor:
+    def kv_slots(self, req: Req) -> np.ndarray:
         """[kv_len] int64 host: the KV slot of each computed position of a running request."""
         return self.pool.slots(req.pages, 0, req.kv_len)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
+import numpy as np
 
 from r3trace.engine.forward_batch import Phase
 from r3trace.engine.request import LogprobEntry, Req
@@ -17,7 +17,7 @@ class ScheduledReq:
     req: Req
     start: int
     extend_len: int
-    out_cache_loc: torch.Tensor  # [extend_len] int64 host: KV slot of each new position
+    out_cache_loc: np.ndarray  # [extend_len] int64 host: KV slot of each new position
     sample: bool  # the chunk completes the fill: the next token is sampled from its last row
     logprob_positions: range  # positions whose logits score the next prompt token
     phase: Phase

@@ -117,7 +117,7 @@ class RoutedExpertsCapturer:
 
     def on_forward_end(self, batch: BatchView) -> None:
         if batch.out_cache_loc_cpu is not None:  # host bookkeeping: which forward owns each slot's KV now
-            self.buffers.claim(batch.out_cache_loc_cpu.numpy(), batch.forward_id)
+            self.buffers.claim(batch.out_cache_loc_cpu, batch.forward_id)
         entries: list[tuple[str, int, int, int, str]] = []
         spans: list[tuple[int, int]] = []  # (first row in T, n) of each wanted request
         start = copied = 0

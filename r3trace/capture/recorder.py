@@ -13,13 +13,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 
 class BatchView(Protocol):
     forward_id: int
     out_cache_loc: torch.Tensor  # [T] KV slot of each new token
-    out_cache_loc_cpu: torch.Tensor | None  # [T] the same on the host, when the engine has it
+    out_cache_loc_cpu: np.ndarray | None  # [T] int64, the same on the host, when the engine has it
     positions: torch.Tensor  # [T]
     request_ids: list[str]
     prefix_lens_cpu: list[int]

@@ -5,6 +5,7 @@ Run: .venv/bin/python -m pytest -q tests/engine/test_kv_pool_radix.py
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -25,14 +26,23 @@ def test_pool_pages_slots_and_double_free() -> None:
     assert pages == [0, 1, 2] and pool.num_free_pages == 5
     assert pool.alloc(6) is None and pool.num_free_pages == 5  # all or nothing
     assert pool.slots([5, 2], 2, 7).tolist() == [22, 23, 8, 9, 10]
+    assert pool.slots([5, 2, 7], 6, 7).tolist() == [10]  # the one-position (decode) path
+    assert pool.slots([5, 2, 7], 5, 10).tolist() == [9, 10, 11, 28, 29]  # starts mid-page, skips page 5
     pool.free(pages)
     with pytest.raises(RuntimeError, match="freed twice"):
         pool.free([1])
     rows = ReqToTokenPool(num_rows=2, max_context_len=8, device="cpu")
     r = rows.alloc()
     assert r is not None
-    rows.write(r, 2, torch.tensor([7, 9]))
-    assert rows.req_to_token[r].tolist() == [0, 0, 7, 9, 0, 0, 0, 0]
+    rows.write(r, 2, np.array([7, 9]))
+    assert rows.req_to_token[r].tolist() == [0] * 8  # deferred: one copy for the whole step at flush()
+    rows.write(r, 5, np.array([3]))
+    rows.write(1 - r, 0, np.array([4, 5, 6]))
+    rows.flush()
+    assert rows.req_to_token[r].tolist() == [0, 0, 7, 9, 0, 3, 0, 0]
+    assert rows.req_to_token[1 - r].tolist() == [4, 5, 6, 0, 0, 0, 0, 0]
+    rows.flush()  # nothing pending: a no-op
+    assert rows.req_to_token[r].tolist() == [0, 0, 7, 9, 0, 3, 0, 0]
 
 
 def test_radix_matches_whole_pages_and_splits() -> None:
