@@ -21,6 +21,7 @@ import pybase64
 import pytest
 
 from r3trace.engine import InvalidRequestError
+from r3trace.trace import recover_run
 from tests.capture.helpers import returned_routes
 from tests.engine.conftest import EngineFactory, greedy, random_prompts
 
@@ -129,7 +130,15 @@ def test_sink_killed_mid_run_leaves_only_complete_files(tiny_ckpt: Path, tmp_pat
     manifest = json.loads((run / "manifest.json").read_text())
     listed = {f["name"]: f["rows"] for f in manifest["files"]}
     on_disk = sorted(p.name for p in run.glob("part-*.parquet"))
-    assert listed and sorted(listed) == on_disk, "the manifest names exactly the complete files"
+    # A kill between a file's rename and the manifest rewrite (microseconds apart) leaves one complete
+    # file unlisted; the writer's documented recovery lists it. Every listed file exists either way.
+    unlisted = sorted(set(on_disk) - set(listed))
+    assert listed and set(listed) <= set(on_disk) and len(unlisted) <= 1, (listed, on_disk)
+    if unlisted:
+        recovered = recover_run(run)
+        assert [f.name for f in recovered.files] == on_disk
+        manifest = json.loads((run / "manifest.json").read_text())
+        listed = {f["name"]: f["rows"] for f in manifest["files"]}
     for name, n in listed.items():
         assert pq.read_table(run / name).num_rows == n
     assert manifest["rows"] == sum(listed.values())
