@@ -35,7 +35,8 @@ def backend_options(backend: str) -> dict[str, Any]:
     """ref | triton (CUDA-graph decode, the engine's default on CUDA) | triton-eager (graphs off)."""
     if backend == "ref":
         return dict(attention_backend="ref", moe_backend="ref", topk_backend="ref")
-    opts: dict[str, Any] = dict(attention_backend="triton", moe_backend="triton", topk_backend="triton")
+    opts: dict[str, Any] = dict(attention_backend="triton", moe_backend="triton", topk_backend="triton",
+                                norm_backend="triton", rope_backend="triton")
     if backend == "triton-eager":
         opts["cuda_graph_batch_sizes"] = ()
     return opts

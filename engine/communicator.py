@@ -29,14 +29,14 @@ class LayerCommunicator:
         self, hidden: torch.Tensor, residual: torch.Tensor | None, fb: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden: [T, D] -> (normed input to attention, residual)."""
-        residual = hidden if residual is None else hidden + residual
-        return self.input_layernorm(residual), residual
+        if residual is None:
+            return self.input_layernorm(hidden), hidden
+        return self.input_layernorm.add_forward(hidden, residual)
 
     def prepare_mlp(
         self, hidden: torch.Tensor, residual: torch.Tensor, fb: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        residual = hidden + residual
-        return self.post_attention_layernorm(residual), residual
+        return self.post_attention_layernorm.add_forward(hidden, residual)
 
     def postprocess_layer(
         self, hidden: torch.Tensor, residual: torch.Tensor, fb: ForwardBatch

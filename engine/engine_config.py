@@ -34,6 +34,8 @@ class EngineConfig:
     attention_backend: Backend = "ref"
     moe_backend: Backend = "ref"
     topk_backend: Backend = "ref"
+    norm_backend: Backend = "ref"  # RMSNorm (+ the residual add before it): torch or one triton launch
+    rope_backend: Backend = "ref"
     # Decode batch sizes captured as CUDA graphs. None: a default ladder up to max_running_requests when
     # on CUDA with all three triton backends (the ref backends loop over host values and cannot be
     # captured); () turns graphs off.
@@ -57,7 +59,7 @@ class EngineConfig:
             )
         if self.mla_path not in ("auto", "normal", "absorb"):
             raise EngineConfigError(f"mla_path={self.mla_path!r}: expected auto, normal or absorb")
-        for name in ("attention_backend", "moe_backend", "topk_backend"):
+        for name in ("attention_backend", "moe_backend", "topk_backend", "norm_backend", "rope_backend"):
             if getattr(self, name) not in ("ref", "triton"):
                 raise EngineConfigError(f"{name}={getattr(self, name)!r}: expected ref or triton")
         if self.cuda_graph_batch_sizes:

@@ -39,11 +39,11 @@ class DecoderLayer(nn.Module):
         super().__init__()
         dtype, device = ecfg.torch_dtype, ecfg.device
         self.layer_id = layer_id
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, ecfg.norm_backend)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, ecfg.norm_backend)
         self.self_attn = MLAAttention(
             cfg, layer_id, rope, make_attention_backend(ecfg.attention_backend, ecfg.device), ecfg.mla_path,
-            dtype, device,
+            dtype, device, ecfg.norm_backend,
         )
         self.is_moe = cfg.is_moe_layer(layer_id)
         self.mlp: nn.Module
@@ -73,13 +73,13 @@ class DeepseekModel(nn.Module):
         super().__init__()
         dtype, device = ecfg.torch_dtype, ecfg.device
         max_pos = ecfg.max_context_len or cfg.max_position_embeddings
-        self.rotary = RotaryEmbedding(cfg, max_pos, device)
+        self.rotary = RotaryEmbedding(cfg, max_pos, device, ecfg.rope_backend)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, ecfg, i, parallel, recorder, self.rotary) for i in range(cfg.num_hidden_layers)
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, ecfg.norm_backend)
 
     def forward(self, fb: ForwardBatch, kv_buffer: torch.Tensor) -> torch.Tensor:
         """-> final hidden states [T, D] (after the last RMSNorm)."""
@@ -88,7 +88,7 @@ class DeepseekModel(nn.Module):
         for layer_id, layer in enumerate(self.layers):
             hidden, residual = layer(hidden, residual, fb, kv_buffer[layer_id])
         assert residual is not None
-        return self.norm(hidden + residual)
+        return self.norm.add_forward(hidden, residual)[0]
 
 
 class DeepseekForCausalLM(nn.Module):

@@ -42,6 +42,7 @@ class MLAAttention(nn.Module):
         mla_path: str,
         dtype: torch.dtype,
         device: torch.device | str,
+        norm_backend: str = "ref",
     ) -> None:
         super().__init__()
         self.layer_id = layer_id
@@ -61,10 +62,10 @@ class MLAAttention(nn.Module):
             self.q_proj = linear(d, self.h * qk, dtype, device)
         else:
             self.q_a_proj = linear(d, cfg.q_lora_rank, dtype, device)
-            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dtype, device)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dtype, device, norm_backend)
             self.q_b_proj = linear(cfg.q_lora_rank, self.h * qk, dtype, device)
         self.kv_a_proj_with_mqa = linear(d, self.kv_lora + self.rope_dim, dtype, device)
-        self.kv_a_layernorm = RMSNorm(self.kv_lora, cfg.rms_norm_eps, dtype, device)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora, cfg.rms_norm_eps, dtype, device, norm_backend)
         self.kv_b_proj = linear(self.kv_lora, self.h * (self.nope + self.v_dim), dtype, device)
         self.o_proj = linear(self.h * self.v_dim, d, dtype, device)
         # Filled by post_load() from kv_b_proj: w_kc [H, nope, kv_lora], w_vc [H, v, kv_lora].

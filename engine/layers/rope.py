@@ -13,6 +13,8 @@ import math
 import torch
 from torch import nn
 
+from r3trace.kernels.rope import rope, rope_ref
+
 from ..config import ModelConfig, RopeScaling, yarn_mscale
 
 
@@ -34,7 +36,9 @@ def _yarn_inv_freq(dim: int, base: float, rs: RopeScaling) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """Precomputed cos/sin for positions 0..max_positions-1: cos_sin [P, rope/2, 2] fp32."""
 
-    def __init__(self, cfg: ModelConfig, max_positions: int, device: torch.device | str) -> None:
+    def __init__(
+        self, cfg: ModelConfig, max_positions: int, device: torch.device | str, backend: str = "ref"
+    ) -> None:
         super().__init__()
         dim = cfg.qk_rope_head_dim
         if cfg.rope_scaling is None:
@@ -50,14 +54,8 @@ class RotaryEmbedding(nn.Module):
         self.sin: torch.Tensor
         self.register_buffer("cos", (freqs.cos() * attn_factor).to(device), persistent=False)
         self.register_buffer("sin", (freqs.sin() * attn_factor).to(device), persistent=False)
+        self._fn = rope if backend == "triton" else rope_ref  # r3trace.kernels.rope: one launch vs ~12
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """x: [T, ..., rope] (pairs interleaved) rotated by positions: [T]; computed in fp32."""
-        cos = self.cos[positions]  # [T, rope/2]
-        sin = self.sin[positions]
-        while cos.dim() < x.dim():
-            cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-        xf = x.float()
-        x1, x2 = xf[..., 0::2], xf[..., 1::2]
-        out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
-        return out.to(x.dtype)
+        return self._fn(x, positions, self.cos, self.sin)

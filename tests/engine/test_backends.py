@@ -1,4 +1,5 @@
-"""End to end: the triton backends (attention, MoE, top-k) give the ref backends' greedy tokens and routes.
+"""End to end: the triton backends (attention, MoE, top-k, RMSNorm, RoPE) give the ref backends' greedy
+tokens and routes.
 
 Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/engine/test_backends.py
 On CPU the Triton kernels run in the interpreter (TRITON_INTERPRET=1, set by `make test`); on a GPU
@@ -26,11 +27,13 @@ if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
 @pytest.mark.parametrize(
     "backends",
     [
-        dict(attention_backend="triton", moe_backend="triton", topk_backend="triton"),
+        dict(attention_backend="triton", moe_backend="triton", topk_backend="triton", norm_backend="triton",
+             rope_backend="triton"),
         dict(attention_backend="triton"),
         dict(moe_backend="triton", topk_backend="triton"),
+        dict(norm_backend="triton", rope_backend="triton"),
     ],
-    ids=["all", "attention", "moe+topk"],
+    ids=["all", "attention", "moe+topk", "norm+rope"],
 )
 @pytest.mark.parametrize("page_size", [1, 3])
 def test_triton_backends_match_ref(make_engine: EngineFactory, backends: dict[str, str], page_size: int) -> None:

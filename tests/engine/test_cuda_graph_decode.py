@@ -15,7 +15,8 @@ import r3trace
 from tests.engine.conftest import EngineFactory, greedy, random_prompts
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-TRITON = dict(attention_backend="triton", moe_backend="triton", topk_backend="triton", device="cuda")
+TRITON = dict(attention_backend="triton", moe_backend="triton", topk_backend="triton", norm_backend="triton",
+              rope_backend="triton", device="cuda")
 
 
 @pytest.mark.parametrize("n_requests", [1, 3, 8])
