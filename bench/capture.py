@@ -96,7 +96,8 @@ def decode_step_times(args: argparse.Namespace) -> list[dict[str, Any]]:
     cfg = v3_routing_config(args.layers)
     backend = "triton" if args.device == "cuda" else "ref"
     ecfg = EngineConfig(dtype="bfloat16", device=args.device, attention_backend=backend, moe_backend=backend,
-                        topk_backend=backend, kv_pool_tokens=max(args.batches) * args.context, chunked_prefill_size=512,
+                        topk_backend=backend, norm_backend=backend, rope_backend=backend,
+                        kv_pool_tokens=max(args.batches) * args.context, chunked_prefill_size=512,
                         max_running_requests=max(args.batches))
     model = random_model(cfg, ecfg, NullRecorder())
     slots = ecfg.kv_pool_tokens
@@ -137,7 +138,10 @@ def decode_step_times(args: argparse.Namespace) -> list[dict[str, Any]]:
                     times[mode].append(time.perf_counter() - t0)
         result.update(summarise(times, "eager"))
         if args.graphs:
-            result.update(summarise(graph_step_times(args, model, kv, fb, capturer, b, recorders), "graph"))
+            graph_times, breakdown = graph_step_times(args, model, kv, fb, capturer, b, recorders)
+            result.update(summarise(graph_times, "graph"))
+            result["graph_breakdown"] = breakdown
+            print(f"decode B={b:4d} graph breakdown: {json.dumps(breakdown)}", flush=True)
         result["bytes_copied_per_step"] = capturer.bytes_last_step
         rows.append(result)
         for mode in ("eager", "graph") if args.graphs else ("eager",):
@@ -155,7 +159,8 @@ def summarise(times: dict[str, list[float]], mode: str) -> dict[str, float]:
 
 
 def graph_step_times(args: argparse.Namespace, model: Any, kv: torch.Tensor, fb: ForwardBatch,
-                     capturer: RoutedExpertsCapturer, b: int, recorders: dict[str, Any]) -> dict[str, list[float]]:
+                     capturer: RoutedExpertsCapturer, b: int, recorders: dict[str, Any]
+                     ) -> tuple[dict[str, list[float]], dict[str, float]]:
     """The same decode step replayed from CUDA graphs: one graph captured with capture off (NullRecorder),
     one with the capturer writing inside the graph; its host copy runs after the replay, as in the engine."""
     from r3trace.engine.cuda_graph import DecodeGraphs
@@ -178,7 +183,42 @@ def graph_step_times(args: argparse.Namespace, model: Any, kv: torch.Tensor, fb:
             torch.cuda.synchronize()
             if it >= args.warmup:
                 times[mode].append(time.perf_counter() - t0)
-    return times
+    return times, capture_breakdown(graphs, fb, capturer, b)
+
+
+def capture_breakdown(graphs: dict[str, Any], fb: ForwardBatch, capturer: RoutedExpertsCapturer, b: int
+                      ) -> dict[str, float]:
+    """Where capture's cost sits: GPU time of each graph alone (CUDA events over 20 back-to-back replays),
+    and the host time of the capturer's calls with the GPU idle (so nothing else is in the number)."""
+    out: dict[str, float] = {}
+    for mode, g in graphs.items():
+        graph = g.graphs[b][0]
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        out[f"replay_gpu_ms_{mode}"] = start.elapsed_time(end) / 20
+    host: dict[str, list[float]] = {"begin_end_ms": [], "copy_gpu_ms": [], "drain_ms": []}
+    for _ in range(20):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        capturer.on_forward_begin(fb)
+        ev0 = torch.cuda.Event(enable_timing=True)
+        ev0.record()
+        capturer.on_forward_end(fb)  # queues the gather and the device-to-host copy
+        ev1 = torch.cuda.Event(enable_timing=True)
+        ev1.record()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        capturer.drain()  # the copy is complete: only the host scatter is left
+        host["begin_end_ms"].append(1e3 * (t1 - t0))
+        host["copy_gpu_ms"].append(ev0.elapsed_time(ev1))
+        host["drain_ms"].append(1e3 * (time.perf_counter() - t2))
+    out.update({k: statistics.median(v) for k, v in host.items()})
+    return out
 
 
 def wire_throughput(tokens: int = 32768, layers: int = 58, k: int = 8) -> dict[str, float]:
