@@ -14,15 +14,22 @@
    When a group cannot sit on one node (groups % N != 0, 144 GPUs on 18 nodes) one node per expert
    reached 6.7-7.1 nodes per token; there groups get home runs of whole nodes and extra replicas go to
    the nodes of the experts they are chosen with in the window's tokens (affinity.py): 4.8-5.8 nodes,
-   at the price of node-limited balancedness below the even one (`spread_by_affinity`).
+   at the price of node-limited balancedness below the even one (`spread_by_affinity`). There replicas
+   sit on distinct nodes anyway, so counts are capped at N, not at one node's GPUs (s = 1.0: 0.535 ->
+   0.539 held out on 144 GPUs).
 4. Each node's replicas are packed onto its GPUs (balanced packing), then up to `fresh_swaps` swaps
-   lower the hottest GPUs (refine.swap_refine; 0.925 -> 0.944 held out on 32 GPUs).
+   lower the hottest GPUs (refine.swap_refine; 0.925 -> 0.944 held out on 32 GPUs). In the spread layout
+   leveling swaps lower the sum of squared GPU loads instead (leveling.py: 0.835 / 0.744 / 0.535 ->
+   0.837 / 0.749 / 0.543 held out at s = 0.3 / 0.6 / 1.0).
 5. Migration: with a previous placement, a layer is re-placed only when the fresh plan lowers its forecast
    max GPU load by more than `keep_tolerance`; otherwise the previous layer is kept and gets at most
    `replan_swap_share` of its slots in swaps (2 slots each). Layers are re-placed biggest gain first
    while the moved slots stay within `churn_budget` of all slots. A re-placed layer is aligned to the
    previous one (GPUs matched by shared experts, experts kept in their slots) so only replicas that really
-   move are transferred.
+   move are transferred. In the spread layout a re-placed layer moved 154-247 of 288 slots, so there the
+   re-plan is seeded instead (seeded_plan): every layer takes its fresh counts by moving only the replicas
+   whose count changed (reseat.py: 1-3 slots per layer), then leveling swaps use the rest of
+   `seeded_churn_budget`.
 """
 
 from __future__ import annotations
@@ -34,8 +41,10 @@ import numpy as np
 from r3trace.eplb.affinity import affinity_replicas, coactivation_counts, home_primaries
 from r3trace.eplb.deepseek import group_nodes, hierarchical, pack_nodes, spread_replicas
 from r3trace.eplb.homing import capped_counts, expert_nodes
+from r3trace.eplb.leveling import level_refine
 from r3trace.eplb.placement import Cluster, Placement, PlacementError, from_phy2log
 from r3trace.eplb.refine import swap_refine
+from r3trace.eplb.reseat import reseat
 from r3trace.eplb.score import even_gpu_load, node_counts
 
 
@@ -49,6 +58,10 @@ class PlannerConfig:
     keep_tolerance: float = 0.06  # re-place a layer only for a >6% lower forecast max GPU load
     churn_budget: float = 0.08  # share of all L*P slots one re-plan may move (goal: <= 10%)
     spread_by_affinity: bool = True  # groups % N != 0: group homes + co-activation replicas (affinity.py)
+    level_swaps: int = 150  # leveling swaps after a fresh spread plan (layers stop at level_min_gain)
+    level_min_gain: float = 1e-4  # of the squared mean GPU load; 1e-3 lost 0.002-0.004 held out
+    level_cold: float = 0.5  # lone replicas below this x the mean slot load may leave their group's nodes
+    seeded_churn_budget: float = 0.095  # spread layout: reseated counts + leveling swaps (goal: <= 10%)
 
     def __post_init__(self) -> None:
         if not 0 < self.ema_alpha <= 1 or min(self.keep_tolerance, self.home_slack, self.min_gain) < 0:
@@ -72,16 +85,26 @@ def limit_binds(cluster: Cluster) -> bool:
     return cluster.node_limit < cluster.num_nodes and cluster.num_groups % cluster.num_nodes == 0
 
 
+def spreads(cluster: Cluster, cfg: PlannerConfig) -> bool:
+    """True for the layout of affinity.py: groups do not fit nodes (groups % N != 0) and N >= groups."""
+    return (cfg.spread_by_affinity and cluster.num_groups % cluster.num_nodes != 0
+            and cluster.num_groups <= cluster.num_nodes)
+
+
+def _coact(tokens: np.ndarray | None, n_layers: int, e: int) -> np.ndarray:
+    return np.zeros((n_layers, e, e)) if tokens is None or not len(tokens) else coactivation_counts(tokens, e)
+
+
 def fresh_plan(w: np.ndarray, home: np.ndarray, cluster: Cluster, cfg: PlannerConfig,
                tokens: np.ndarray | None = None) -> Placement:
     """Forecast loads w [L, E], preferred nodes home [L, E], tokens [T, L, K] or None -> Placement with one
     node per expert, or group homes plus co-activation replicas where groups do not fit nodes."""
     n_layers, e = w.shape
-    if cfg.spread_by_affinity and cluster.num_groups % cluster.num_nodes and cluster.num_groups <= cluster.num_nodes:
-        logcnt = capped_counts(w, cluster.num_slots, cluster.gpus_per_node)
-        coact = np.zeros((n_layers, e, e)) if tokens is None or not len(tokens) else coactivation_counts(tokens, e)
-        cnt = affinity_replicas(w, logcnt, home_primaries(w, cluster), coact, cluster)
-        phy2log = swap_refine(pack_nodes(w, logcnt, cnt, cluster), w, logcnt, cluster, cfg.fresh_swaps, cfg.min_gain)
+    if spreads(cluster, cfg):
+        logcnt = capped_counts(w, cluster.num_slots, cluster.num_nodes)
+        cnt = affinity_replicas(w, logcnt, home_primaries(w, cluster), _coact(tokens, n_layers, e), cluster)
+        phy2log = level_refine(pack_nodes(w, logcnt, cnt, cluster), w, logcnt, cluster, cfg.level_swaps,
+                               cfg.level_min_gain, cfg.level_cold)
         return from_phy2log(phy2log, e)
     if limit_binds(cluster):  # groups stay on their nodes: DeepSeek's hierarchical policy, then swaps in nodes
         pl = hierarchical(w, cluster)
@@ -114,6 +137,8 @@ def plan(
     """
     w = forecast(loads, cfg.ema_alpha)
     home = group_nodes(w, cluster) if prev is None else node_counts(prev, cluster).argmax(2)
+    if prev is not None and spreads(cluster, cfg):
+        return from_phy2log(seeded_plan(w, prev, cluster, cfg, tokens), w.shape[1])
     fresh = fresh_plan(w, home, cluster, cfg, tokens)
     if prev is None:
         return fresh
@@ -133,6 +158,31 @@ def plan(
             kept[layer] = moved
             budget -= cost
     return from_phy2log(kept, w.shape[1])
+
+
+def seeded_plan(w: np.ndarray, prev: Placement, cluster: Cluster, cfg: PlannerConfig,
+                tokens: np.ndarray | None = None) -> np.ndarray:
+    """Forecast w [L, E], previous placement -> phy2log [L, P]: the fresh replica counts reseated into prev
+    (reseat.py), then leveling swaps with what is left of the churn budget, spread evenly over layers.
+
+    Where the counts alone would move more than the budget, layers take them in order of the largest drop
+    in forecast max load per replica and the rest keep their previous counts.
+    """
+    n_layers, e = w.shape
+    logcnt = capped_counts(w, cluster.num_slots, cluster.num_nodes)
+    moved = np.abs(logcnt - prev.logcnt).sum(1) // 2  # [L] slots reseating changes in each layer
+    budget = int(cfg.seeded_churn_budget * prev.phy2log.size)
+    if moved.sum() > budget:
+        gain = (w / prev.logcnt).max(1) / (w / logcnt).max(1)
+        take = np.zeros(n_layers, dtype=bool)
+        for layer in np.argsort(-gain, kind="stable"):
+            if moved[take].sum() + moved[layer] <= budget:
+                take[layer] = True
+        logcnt = np.where(take[:, None], logcnt, prev.logcnt)
+        moved = np.where(take, moved, 0)
+    phy2log = reseat(prev.phy2log, logcnt, w, _coact(tokens, n_layers, e), cluster)
+    swaps = int(budget - moved.sum()) // (2 * n_layers)
+    return level_refine(phy2log, w, logcnt, cluster, swaps, cfg.level_min_gain, cfg.level_cold)
 
 
 def _align(new: np.ndarray, prev: np.ndarray, cluster: Cluster) -> np.ndarray:

@@ -1,0 +1,127 @@
+"""Seeded re-plans of the spread layout (groups wider than a node): reseat, leveling swaps, plan contract."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from r3trace.eplb import Cluster, PlannerConfig, churn, plan
+from r3trace.eplb.homing import capped_counts
+from r3trace.eplb.leveling import level_refine
+from r3trace.eplb.placement import PlacementError, check_placement, from_phy2log
+from r3trace.eplb.reseat import reseat
+
+CL = Cluster(72, 18, 144, num_groups=8)  # 144/18/288 scaled down: 128 experts, 2 slots per GPU
+L, E = 5, 128
+
+
+def _random_layout(rng: np.random.Generator, cl: Cluster = CL) -> np.ndarray:
+    """[L, P]: every expert once, the extra slots random, shuffled over slots."""
+    rows = [rng.permutation(np.concatenate([np.arange(E), rng.integers(0, E, cl.num_slots - E)])) for _ in range(L)]
+    return np.stack(rows)
+
+
+def _coact(rng: np.random.Generator) -> np.ndarray:
+    c = rng.integers(0, 20, (L, E, E)).astype(float)
+    c = c + c.transpose(0, 2, 1)
+    c[:, np.arange(E), np.arange(E)] = 0
+    return c
+
+
+def test_reseat_moves_exactly_the_changed_counts() -> None:
+    rng = np.random.default_rng()
+    prev = _random_layout(rng)
+    w = rng.pareto(1.0, (L, E)) + 0.1
+    new = capped_counts(w, CL.num_slots, CL.num_nodes)
+    out = reseat(prev, new, w, _coact(rng), CL)
+    pl = from_phy2log(out, E)
+    np.testing.assert_array_equal(pl.logcnt, new)
+    old = from_phy2log(prev, E).logcnt
+    np.testing.assert_array_equal((out != prev).sum(1), np.abs(new - old).sum(1) // 2)
+    kept = out == prev  # an unchanged slot keeps its expert; a changed one held a loser, now a gainer
+    assert ((old - new)[np.arange(L)[:, None], prev][~kept] > 0).all()
+    assert ((new - old)[np.arange(L)[:, None], out][~kept] > 0).all()
+
+
+def test_reseat_unchanged_counts_is_identity_and_bad_counts_raise() -> None:
+    rng = np.random.default_rng()
+    prev = _random_layout(rng)
+    w = rng.random((L, E)) + 0.1
+    same = from_phy2log(prev, E).logcnt
+    np.testing.assert_array_equal(reseat(prev, same, w, _coact(rng), CL), prev)
+    bad = same.copy()
+    bad[0, 0] += 1  # sums to P + 1
+    with pytest.raises(PlacementError):
+        reseat(prev, bad, w, _coact(rng), CL)
+
+
+def test_reseat_drops_and_adds_replicas_by_co_activation() -> None:
+    # one layer: experts 0..127 on slots 0..127 (nodes 0-15), extras on nodes 16 and 17; expert 0 has copies
+    # on nodes 0, 16, 17 and drops two, experts 1 and 50 gain one each
+    extras = [0, 2, 3, 4, 5, 6, 7, 8, 0, 9, 10, 11, 12, 13, 14, 15]
+    prev = np.array([list(range(E)) + extras])
+    have = np.bincount(prev[0], minlength=E)
+    new = have.copy()
+    new[0], new[1], new[50] = 1, 2, 2
+    coact = np.zeros((1, E, E))
+    coact[0, 0, 1] = coact[0, 1, 0] = 10.0  # expert 0 keeps its copy on node 0 (with expert 1)
+    coact[0, 1, 9] = coact[0, 9, 1] = 10.0  # expert 1 goes to node 17, where expert 9 has a copy
+    rng = np.random.default_rng()
+    w = np.ones((1, E)) + rng.random((1, E)) * 1e-3
+    w[0, 1] = w[0, 50] = 2.0  # both gain before any tie-break by load
+    out = reseat(prev, new[None, :], w, coact, CL)[0]
+    assert out[0] == 0 and out[128] == 50 and out[136] == 1
+    np.testing.assert_array_equal(np.bincount(out, minlength=E), new)
+
+
+def test_level_refine_keeps_counts_lowers_squares_and_respects_swap_budget() -> None:
+    rng = np.random.default_rng()
+    prev = _random_layout(rng)
+    pl = from_phy2log(prev, E)
+    w = rng.pareto(1.0, (L, E)) + 0.1
+    out = level_refine(prev, w, pl.logcnt, CL, 6, 0.0)
+    np.testing.assert_array_equal(from_phy2log(out, E).logcnt, pl.logcnt)
+    assert ((out != prev).sum(1) <= 12).all()
+
+    def gpu(p: np.ndarray) -> np.ndarray:
+        return np.take_along_axis(w / pl.logcnt, p, 1).reshape(L, CL.num_gpus, -1).sum(-1)
+
+    assert ((gpu(out) ** 2).sum(1) <= (gpu(prev) ** 2).sum(1) + 1e-9).all()
+    assert ((gpu(out) ** 2).sum(1) < (gpu(prev) ** 2).sum(1)).any()
+    # a hot expert's only replica stays on a node that held its group before (nodes per token)
+    per_slot = np.take_along_axis(w / pl.logcnt, out, 1)
+    mean_slot = w.sum(1, keepdims=True) / CL.num_slots
+    gsize = E // CL.num_groups
+    node = CL.slot_node()
+    for li in range(L):
+        groups_on = {(int(node[s]), int(prev[li, s]) // gsize) for s in range(CL.num_slots)}
+        for s in np.flatnonzero((pl.logcnt[li, out[li]] == 1) & (per_slot[li] >= 0.5 * mean_slot[li])):
+            assert (int(node[s]), int(out[li, s]) // gsize) in groups_on
+
+
+def test_seeded_plan_contract_zero_move_on_same_loads_and_churn_budget() -> None:
+    rng = np.random.default_rng()
+    hist = rng.pareto(1.0, (3, L, E)) + 0.1
+    tok = np.stack([np.stack([rng.choice(E, 8, replace=False) for _ in range(L)]) for _ in range(256)])
+    first = plan(hist, CL, tokens=tok)
+    check_placement(first, CL)
+    r = int(first.logcnt.max())
+    assert first.phy2log.shape == (L, CL.num_slots) and first.logcnt.shape == (L, E)
+    assert first.log2phy.shape == (L, E, r) and (first.logcnt >= 1).all()
+    assert ((first.log2phy >= 0).sum(2) == first.logcnt).all() and (first.log2phy[first.log2phy < 0] == -1).all()
+    again = plan(hist, CL, prev=first, tokens=tok)
+    assert churn(first, again) <= 0.01  # same counts: nothing to reseat, only swaps above the gain floor
+    shifted = rng.pareto(1.0, (3, L, E)) + 0.1
+    cfg = PlannerConfig()
+    moved = plan(shifted, CL, prev=first, tokens=tok, cfg=cfg)
+    check_placement(moved, CL)
+    assert churn(first, moved) == pytest.approx(float((first.phy2log != moved.phy2log).mean()))
+    assert 0 < churn(first, moved) <= cfg.seeded_churn_budget
+    np.testing.assert_array_equal(moved.logcnt.sum(1), CL.num_slots)
+
+
+def test_churn_counts_changed_slots() -> None:
+    a = from_phy2log(np.array([[0, 1, 2, 3], [3, 2, 1, 0]]), 4)
+    b = from_phy2log(np.array([[0, 1, 3, 2], [3, 2, 1, 0]]), 4)
+    assert churn(a, b) == pytest.approx(2 / 8)
+    assert churn(a, a) == 0.0
