@@ -1,5 +1,6 @@
 """What the attention kernels share: the latent-tile gather with its scores (decode and extend), and the
-online-softmax step (all three; flash attention's running max and sum).
+online-softmax step (all three; flash attention's running max and sum), in two orientations: query rows
+major (scores [M, N]) and keys major (scores [N, M], the transposed product decode can use).
 
 qk arrives in log2 units (scores x sm_scale x log2 e) with invisible keys at -inf; m_i [M] is the running
 maximum, l_i [M] the running sum of exp2, acc [M, C] the running weighted sum of values, all fp32.
@@ -39,3 +40,39 @@ def latent_tile_scores(
     qk = mma(q_nope, tl.trans(kv), UPCAST, INPUT_PRECISION)
     qk += mma(q_pe, tl.trans(k_pe), UPCAST, INPUT_PRECISION)
     return qk, kv
+
+
+@triton.jit
+def online_softmax_step_keys_major(st, v, m_i, l_i, acc, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    """online_softmax_step on transposed scores st [N, M] (keys major): the same (m_i, l_i, acc [M, C])."""
+    m_new = tl.maximum(m_i, tl.max(st, axis=0))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(st - m_new[None, :])
+    l_i = l_i * alpha + tl.sum(p, axis=0)
+    acc = acc * alpha[:, None] + mma(tl.trans(p.to(v.dtype)), v, UPCAST, INPUT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def latent_tile_split_scores(
+    q_v, q_o, q_pe, rows, offs_v, v_mask, offs_o, o_mask, offs_r, r_mask, n_mask,
+    V_SPLITS: tl.constexpr, KEYS_MAJOR: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Decode's tile: gathered rows [N, 1] (pointers) of the latent cache -> (unscaled scores, this program's
+    value columns kv [N, V]). Scores are [M, N] or, KEYS_MAJOR, [N, M]; with V_SPLITS = 2 the other half of
+    c_kv (offs_o, q_o) is loaded for the scores only. Masked keys load zeros; the caller masks their scores."""
+    kv = tl.load(rows + offs_v[None, :], mask=n_mask[:, None] & v_mask[None, :], other=0.0)
+    k_pe = tl.load(rows + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0)
+    if KEYS_MAJOR:
+        s = mma(kv, tl.trans(q_v), UPCAST, INPUT_PRECISION)
+        s += mma(k_pe, tl.trans(q_pe), UPCAST, INPUT_PRECISION)
+    else:
+        s = mma(q_v, tl.trans(kv), UPCAST, INPUT_PRECISION)
+        s += mma(q_pe, tl.trans(k_pe), UPCAST, INPUT_PRECISION)
+    if V_SPLITS == 2:
+        kv_o = tl.load(rows + offs_o[None, :], mask=n_mask[:, None] & o_mask[None, :], other=0.0)
+        if KEYS_MAJOR:
+            s += mma(kv_o, tl.trans(q_o), UPCAST, INPUT_PRECISION)
+        else:
+            s += mma(q_o, tl.trans(kv_o), UPCAST, INPUT_PRECISION)
+    return s, kv

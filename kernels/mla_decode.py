@@ -26,7 +26,7 @@ import triton.language as tl
 
 from r3trace.kernels.contract import FLOAT_DTYPES, INDEX_DTYPES, require, require_tensor
 from r3trace.kernels.dot import dot_precision
-from r3trace.kernels.flash import latent_tile_scores, online_softmax_step
+from r3trace.kernels.flash import latent_tile_split_scores, online_softmax_step, online_softmax_step_keys_major
 
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x * log2(e)); exp2 is the native instruction
 MIN_TOKENS_PER_SPLIT = 256  # fewer and the split's fixed cost (q load, partial write, merge) dominates
@@ -42,15 +42,19 @@ def _mla_decode_kernel(
     # pointers
     q_ptr, kv_ptr, req_to_token_ptr, req_pool_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr,
     # sizes
-    H, KV_LORA, ROPE, num_kv_splits, qk_scale,
+    H, num_kv_splits, qk_scale,
     # strides
     stride_qb, stride_qh, stride_kvs, stride_rtr, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     # constexpr
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
-    UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    KV_LORA: tl.constexpr, ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, V_SPLITS: tl.constexpr, KEYS_MAJOR: tl.constexpr,
+    EARLY_SLOTS: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    b = tl.program_id(0)
-    hb = tl.program_id(1)
+    # axis 0 = (head block, value split), fastest: the programs that read the same latent tiles start
+    # side by side, so all but the first find the tile in L2 (H = 128, 64-head blocks: HBM read once).
+    hb = tl.program_id(0) // V_SPLITS
+    vs = tl.program_id(0) % V_SPLITS
+    b = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
     req_row = tl.load(req_pool_ptr + b).to(tl.int64)
@@ -61,32 +65,54 @@ def _mla_decode_kernel(
         return
 
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    offs_c = tl.arange(0, BLOCK_C)
+    offs_v = vs * BLOCK_V + tl.arange(0, BLOCK_V)  # the c_kv columns this program outputs
+    offs_o = (1 - vs) * BLOCK_V + tl.arange(0, BLOCK_V)  # V_SPLITS = 2: the other half (scores only)
     offs_r = tl.arange(0, BLOCK_R)
     h_mask = offs_h < H
-    c_mask = offs_c < KV_LORA
+    v_mask = offs_v < KV_LORA
+    o_mask = offs_o < KV_LORA
     r_mask = offs_r < ROPE
     q_rows = q_ptr + b * stride_qb + offs_h[:, None] * stride_qh
-    q_nope = tl.load(q_rows + offs_c[None, :], mask=h_mask[:, None] & c_mask[None, :], other=0.0)
+    q_v = tl.load(q_rows + offs_v[None, :], mask=h_mask[:, None] & v_mask[None, :], other=0.0)
+    q_o = q_v
+    if V_SPLITS == 2:
+        q_o = tl.load(q_rows + offs_o[None, :], mask=h_mask[:, None] & o_mask[None, :], other=0.0)
     q_pe = tl.load(q_rows + KV_LORA + offs_r[None, :], mask=h_mask[:, None] & r_mask[None, :], other=0.0)
 
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_H,), tl.float32)
-    acc = tl.zeros((BLOCK_H, BLOCK_C), tl.float32)
+    acc = tl.zeros((BLOCK_H, BLOCK_V), tl.float32)
+    r2t_row = req_to_token_ptr + req_row * stride_rtr
+    offs_n = start + tl.arange(0, BLOCK_N)
+    slots = tl.load(r2t_row + offs_n, mask=offs_n < end, other=0)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
-        qk, kv = latent_tile_scores(
-            q_nope, q_pe, kv_ptr, req_to_token_ptr, req_row, offs_n, n_mask, offs_c, c_mask, offs_r, r_mask,
-            stride_kvs, stride_rtr, KV_LORA, UPCAST, INPUT_PRECISION,
-        )
-        qk = tl.where(n_mask[None, :], qk * qk_scale, float("-inf"))  # log2 units
-        m_i, l_i, acc = online_softmax_step(qk, kv, m_i, l_i, acc, UPCAST, INPUT_PRECISION)
+        if not EARLY_SLOTS:
+            slots = tl.load(r2t_row + offs_n, mask=n_mask, other=0)
+        rows = kv_ptr + slots.to(tl.int64)[:, None] * stride_kvs
+        if EARLY_SLOTS:
+            # The next tile's slots, one iteration early: the tile's gather then depends on no load of
+            # its own iteration, and with num_stages >= 3 Triton issues it two tiles ahead (async_wait
+            # num=2 in the TTGIR); loaded in-iteration, the copy went out at the end of the previous
+            # iteration and was awaited (num=0) at the top of this one: no overlap with the products.
+            slots = tl.load(r2t_row + offs_n + BLOCK_N, mask=offs_n + BLOCK_N < end, other=0)
+        s, kv = latent_tile_split_scores(
+            q_v, q_o, q_pe, rows, offs_v, v_mask, offs_o, o_mask, KV_LORA + offs_r, r_mask, n_mask,
+            V_SPLITS, KEYS_MAJOR, UPCAST, INPUT_PRECISION,
+        )  # fmt: skip
+        if KEYS_MAJOR:
+            s = tl.where(n_mask[:, None], s * qk_scale, float("-inf"))  # [N, M], log2 units
+            m_i, l_i, acc = online_softmax_step_keys_major(s, kv, m_i, l_i, acc, UPCAST, INPUT_PRECISION)
+        else:
+            s = tl.where(n_mask[None, :], s * qk_scale, float("-inf"))  # [M, N], log2 units
+            m_i, l_i, acc = online_softmax_step(s, kv, m_i, l_i, acc, UPCAST, INPUT_PRECISION)
 
     out = acc / l_i[:, None]
-    part = part_out_ptr + b * stride_pb + offs_h[:, None] * stride_ph + split * stride_ps + offs_c[None, :]
-    tl.store(part, out, mask=h_mask[:, None] & c_mask[None, :])
-    tl.store(part_lse_ptr + b * stride_lb + offs_h * stride_lh + split, m_i + tl.log2(l_i), mask=h_mask)
+    part = part_out_ptr + b * stride_pb + offs_h[:, None] * stride_ph + split * stride_ps + offs_v[None, :]
+    tl.store(part, out, mask=h_mask[:, None] & v_mask[None, :])
+    if vs == 0:  # every value split computed the same scores: one writes the LSE
+        tl.store(part_lse_ptr + b * stride_lb + offs_h * stride_lh + split, m_i + tl.log2(l_i), mask=h_mask)
 
 
 @triton.jit
@@ -125,6 +151,7 @@ def _sm_count(device_index: int) -> int:
 
 def choose_num_kv_splits(batch: int, num_head_blocks: int, max_seq_len: int, sm_count: int) -> int:
     """Splits per request so stage 1 has about WAVES programs per SM, each >= MIN_TOKENS_PER_SPLIT keys.
+    num_head_blocks: stage-1 programs per request and split, tile.head_programs(H).
 
     Pure host arithmetic: the engine calls it with host-side lengths (no device sync) and passes the
     result to mla_decode; under CUDA graphs it passes one fixed value per captured batch size.
@@ -136,10 +163,20 @@ def choose_num_kv_splits(batch: int, num_head_blocks: int, max_seq_len: int, sm_
 
 
 class DecodeTile(NamedTuple):
+    """block_h heads x block_n keys per stage-1 program; v_splits 2 gives each half of the c_kv output
+    columns its own program (a [block_h, kv_lora / 2] accumulator; both recompute the scores);
+    keys_major computes scores as [keys, heads] (kv tile as the product's M side)."""
+
     block_h: int
     block_n: int
     num_warps: int
     num_stages: int
+    v_splits: int = 1
+    keys_major: bool = False
+
+    def head_programs(self, num_heads: int) -> int:
+        """Stage-1 programs per (request, split): head blocks x value splits."""
+        return triton.cdiv(num_heads, self.block_h) * self.v_splits
 
 
 def default_decode_tile(num_heads: int, dtype: torch.dtype) -> DecodeTile:
@@ -194,13 +231,14 @@ def mla_decode(
     """
     _check_decode_args(q, kv_cache, req_to_token, req_pool_indices, seq_lens, kv_lora_rank)
     B, H, C = q.shape
-    block_h, block_n, num_warps, num_stages = tile or default_decode_tile(H, q.dtype)
+    tile = tile or default_decode_tile(H, q.dtype)
+    require(tile.v_splits in (1, 2), f"v_splits {tile.v_splits} not in (1, 2)")
     rope = C - kv_lora_rank
-    num_head_blocks = triton.cdiv(H, block_h)
+    head_programs = tile.head_programs(H)
     if num_kv_splits is None:
         max_len = int(seq_lens.max().item()) if B > 0 else 1
         sms = _sm_count(q.device.index or 0) if q.is_cuda else 4  # interpret: a few splits, still > 1
-        num_kv_splits = choose_num_kv_splits(B, num_head_blocks, max_len, sms)
+        num_kv_splits = choose_num_kv_splits(B, head_programs, max_len, sms)
     require(1 <= num_kv_splits <= 1024, f"num_kv_splits {num_kv_splits} not in 1..1024")
     out = torch.empty((B, H, kv_lora_rank), dtype=q.dtype, device=q.device)
     if B == 0 or H == 0:
@@ -209,14 +247,16 @@ def mla_decode(
     part_lse = torch.empty((B, H, num_kv_splits), dtype=torch.float32, device=q.device)
     block_c = max(16, triton.next_power_of_2(kv_lora_rank))
     block_r = max(16, triton.next_power_of_2(rope))
-    _mla_decode_kernel[(B, num_head_blocks, num_kv_splits)](
+    require(block_c // tile.v_splits >= 16, f"kv_lora {kv_lora_rank} too small for {tile.v_splits} value splits")
+    _mla_decode_kernel[(head_programs, B, num_kv_splits)](
         q, kv_cache, req_to_token, req_pool_indices, seq_lens, part_out, part_lse,
-        H, kv_lora_rank, rope, num_kv_splits, sm_scale * LOG2E,
+        H, num_kv_splits, sm_scale * LOG2E,
         q.stride(0), q.stride(1), kv_cache.stride(0), req_to_token.stride(0),
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
-        BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_C=block_c, BLOCK_R=block_r, UPCAST=not q.is_cuda,
-        INPUT_PRECISION=dot_precision(q.dtype == torch.float32),
-        num_warps=num_warps, num_stages=num_stages,
+        KV_LORA=kv_lora_rank, ROPE=rope, BLOCK_H=tile.block_h, BLOCK_N=tile.block_n,
+        BLOCK_V=block_c // tile.v_splits, BLOCK_R=block_r, V_SPLITS=tile.v_splits, KEYS_MAJOR=tile.keys_major,
+        EARLY_SLOTS=tile.num_stages >= 3, UPCAST=not q.is_cuda, INPUT_PRECISION=dot_precision(q.dtype == torch.float32),
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
     )  # fmt: skip
     _mla_decode_merge_kernel[(B, H)](
         part_out, part_lse, seq_lens, out,

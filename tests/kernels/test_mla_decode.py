@@ -67,6 +67,24 @@ def test_mla_decode_head_block_and_tile_knobs(poisoned_empty: None) -> None:
     assert_close_to_ref(out, ref, torch.bfloat16)
 
 
+@pytest.mark.parametrize(
+    "tile",
+    [DecodeTile(16, 16, 4, 3, v_splits=2), DecodeTile(16, 32, 4, 2, keys_major=True),
+     DecodeTile(32, 16, 4, 4, v_splits=2, keys_major=True)],
+    ids=["v_splits+early_slots", "keys_major", "both+early_slots"],
+)  # fmt: skip
+@pytest.mark.parametrize("page_size", [1, 64])
+def test_mla_decode_split_and_transposed_tiles(tile: DecodeTile, page_size: int, poisoned_empty: None) -> None:
+    """The H = 128 candidates (value columns split over two programs; scores as [keys, heads]) compute the
+    same function: fresh data, 19 heads (a ragged head block), kv_lora 40 (not a power of two: each half
+    of the 64 padded columns is masked differently), mixed lengths, splits that leave some empty; num_stages
+    >= 3 takes the path that loads each tile's slots one iteration early."""
+    q, kv, r2t, rows, seq_lens = _case(LENS, 19, 40, 8, page_size, torch.bfloat16, DEVICE, seed=page_size + 11)
+    out = mla_decode(q, kv, r2t, rows, seq_lens, 40, 0.15, num_kv_splits=4, tile=tile)
+    ref = mla_decode_ref(q.float(), kv.float(), r2t, rows, seq_lens, 40, 0.15)
+    assert_close_to_ref(out, ref, torch.bfloat16)
+
+
 def test_choose_num_kv_splits() -> None:
     assert choose_num_kv_splits(batch=256, num_head_blocks=8, max_seq_len=32768, sm_count=132) == 1
     assert choose_num_kv_splits(batch=64, num_head_blocks=1, max_seq_len=32768, sm_count=132) == 17
@@ -83,6 +101,8 @@ def test_mla_decode_rejects_bad_arguments() -> None:
         mla_decode(q, kv.half(), r2t, rows, seq_lens, 24, 0.2)
     with pytest.raises(KernelInputError, match="seq_lens"):
         mla_decode(q, kv, r2t, rows, seq_lens[:1], 24, 0.2)
+    with pytest.raises(KernelInputError, match="value splits"):  # 16 columns split in two: below a dot's K
+        mla_decode(q[..., 8:], kv[:, 8:], r2t, rows, seq_lens, 16, 0.2, tile=DecodeTile(16, 16, 4, 2, 2))
 
 
 @gpu

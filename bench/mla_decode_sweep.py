@@ -1,0 +1,109 @@
+"""MLA decode stage-1 tile sweep on one GPU, sync-free (splits from host lengths, as the engine passes them).
+
+Run (GPU): python bench/mla_decode_sweep.py [--quick]   -> table on stdout, JSON in $OUT/mla_decode_sweep.json
+
+Every tile is first checked against the fp32 torch reference on a mixed-length batch (page size 1, odd
+lengths), then timed with triton.testing.do_bench (median) at a few (H, B, L) shapes. FLOPs = 2 B H L
+(576 + 512), bytes = the latent cache once (B L 1152). The cache at these shapes (>= 600 MB) is 10x the
+60 MB L2, so no rotation is needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import traceback
+from functools import partial
+from pathlib import Path
+
+import torch
+from triton.testing import do_bench
+
+from r3trace.kernels.mla_decode import DecodeTile, choose_num_kv_splits, mla_decode, mla_decode_ref
+
+KV_LORA, ROPE, PAGE = 512, 64, 64
+
+# H = 128 candidates. 64-head tiles at 8 warps compute the scores twice (Triton puts both warpgroups on
+# the 64 rows of a chained product); v_splits 2 at 4 warps computes them once per value half. Stages >= 3
+# issue the gather two tiles ahead (EARLY_SLOTS); at 2 the copy is awaited right after it is issued.
+D = DecodeTile
+TILES_128 = [
+    D(64, 64, 8, 2), D(64, 32, 8, 3), D(64, 32, 8, 4), D(64, 32, 4, 3, 2), D(64, 32, 4, 4, 2),
+    D(64, 64, 4, 2, 2), D(32, 32, 4, 3), D(16, 64, 4, 2), D(64, 128, 8, 1, 1, True),
+]  # fmt: skip
+TILES_16 = [D(16, 64, 4, 2), D(16, 32, 4, 3), D(16, 32, 4, 4), D(16, 32, 8, 3)]
+SHAPES = {128: [(64, 8192), (256, 8192), (16, 32768)], 16: [(64, 8192), (16, 32768)]}
+
+
+def ms(fn: partial[torch.Tensor]) -> float:
+    return float(do_bench(fn, warmup=25, rep=60, return_mode="median"))
+
+
+def inputs(B: int, L: int, H: int) -> tuple[torch.Tensor, ...]:
+    pages = B * L // PAGE
+    perm = torch.randperm(pages, device="cuda")  # shuffled pages: no request is contiguous in memory
+    slots = (perm[:, None] * PAGE + torch.arange(PAGE, device="cuda")).reshape(B, L).to(torch.int32)
+    kv = torch.randn(pages * PAGE, KV_LORA + ROPE, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(B, H, KV_LORA + ROPE, device="cuda", dtype=torch.bfloat16)
+    return q, kv, slots, torch.arange(B, device="cuda"), torch.full((B,), L, device="cuda", dtype=torch.int64)
+
+
+def check(tile: DecodeTile, H: int) -> float:
+    """Normwise error vs the fp32 reference: 9 requests of mixed odd lengths, page size 1, splits 7."""
+    g = torch.Generator(device="cuda").manual_seed(tile.block_h * 7 + tile.block_n + H)
+    lens = [1, 700, 3001, 64, 1500, 33, 2049, 5, 999]
+    S = sum(lens) + 100
+    perm = torch.randperm(S, device="cuda", generator=g)
+    # width 3008: a multiple of 16 like the timed tables' (else Triton specialises the stride apart: a 2nd compile)
+    r2t = torch.zeros(len(lens), 3008, dtype=torch.int32, device="cuda")
+    off = 0
+    for b, n in enumerate(lens):
+        r2t[b, :n] = perm[off : off + n]
+        off += n
+    q = torch.randn(len(lens), H, KV_LORA + ROPE, device="cuda", generator=g).bfloat16()
+    kv = torch.randn(S, KV_LORA + ROPE, device="cuda", generator=g).bfloat16()
+    rows = torch.arange(len(lens), device="cuda")
+    seq = torch.tensor(lens, device="cuda")
+    out = mla_decode(q, kv, r2t, rows, seq, KV_LORA, 576**-0.5, num_kv_splits=7, tile=tile).float()
+    ref = mla_decode_ref(q.float(), kv.float(), r2t, rows, seq, KV_LORA, 576**-0.5).float()
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    a = ap.parse_args()
+    out_dir = Path(os.environ.get("OUT", "out"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    res: list[dict[str, object]] = []
+    for H, tiles in ((128, TILES_128), (16, TILES_16)):
+        shapes = SHAPES[H][:1] if a.quick else SHAPES[H]
+        for tile in tiles:
+            row: dict[str, object] = {"H": H, "tile": list(tile)}
+            try:
+                row["rel_err"] = check(tile, H)
+                for B, L in shapes:
+                    q, kv, r2t, rows, lens = inputs(B, L, H)
+                    splits = choose_num_kv_splits(B, tile.head_programs(H), L, sms)
+                    t = ms(partial(mla_decode, q, kv, r2t, rows, lens, KV_LORA, 576**-0.5, splits, tile))
+                    tflops = 2 * B * H * L * (KV_LORA + ROPE + KV_LORA) / t / 1e9
+                    gbs = B * L * (KV_LORA + ROPE) * 2 / t / 1e6
+                    row[f"B{B}_L{L}"] = {"splits": splits, "ms": t, "TFLOPs": tflops, "GBps": gbs}
+                    del q, kv
+            except Exception as e:  # out of shared memory, compile failure: recorded, not fatal
+                row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                traceback.print_exc(limit=1)
+            res.append(row)
+            cells = " ".join(
+                f"B{k}: {v['ms']:.3f} ms {v['TFLOPs']:.0f} TF {v['GBps']:.0f} GB/s"  # type: ignore[index]
+                for k, v in row.items() if k.startswith("B")
+            )  # fmt: skip
+            print(f"H={H} {tuple(tile)} err {row.get('rel_err', float('nan')):.1e} {cells} {row.get('error', '')}",
+                  flush=True)  # fmt: skip
+            (out_dir / "mla_decode_sweep.json").write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
