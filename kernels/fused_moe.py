@@ -7,18 +7,22 @@ Shape legend: T tokens, D hidden, E local experts, I moe_intermediate_size, K to
     out [T, D] = sum_k topk_weights[t, k] * w2[e] @ (silu(w13[e, :I] @ x) * (w13[e, I:] @ x)),
                  e = topk_ids[t, k]
 
-Pipeline (SGLang's fused_moe layout, four launches, no host sync, so it can sit inside a CUDA graph):
-  1. moe_align: pair indices sorted by expert, each expert's run padded to BLOCK_M with the sentinel M,
-     and the expert of every BLOCK_M block (-1 past the end). Each GEMM block then has one expert.
-  2. _fused_moe_kernel GATE_UP: act [M, I] = silu(x W_gate^T) * (x W_up^T), both products in one program
-     (the A tile is loaded once for both), written in the activation dtype.
-  3. _fused_moe_kernel DOWN: y [M, D] = topk_weight * (act W2^T).
-  4. _moe_sum_kernel: out [T, D] = sum over k of y, fp32 accumulation, skipping ids of -1.
+Pipeline (SGLang's fused_moe layout, 4-5 launches, no host sync, so it can sit inside a CUDA graph):
+  1. moe_align (kernels/moe_align.py, 1-2 launches): pair indices sorted by expert, each expert's run
+     padded to BLOCK_M with the sentinel M, the expert of every BLOCK_M block, and the rows used.
+  2. moe_gate_up: act [M, I] = silu(x W_gate^T) * (x W_up^T), both products in one program (the A tile
+     is loaded once for both), written in the activation dtype.
+  3. moe_down: y [M, D] = topk_weight * (act W2^T). Its own tiles: N = D is long and K = I short.
+  4. moe_sum: out [T, D] = sum over k of y, fp32 accumulation, skipping ids of -1.
+The y [M, D] round trip stays: fusing the sum into the down epilogue needs fp32 atomics into [T, D],
+and a token's K pairs sit in K different experts' blocks far apart in launch order, so at T = 16k
+([T, D] fp32 = 470 MB, 8x the L2) each add would re-read and re-write its line from HBM: ~7.5 GB
+against the round trip's 3.8 GB.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import torch
 import triton
@@ -26,21 +30,30 @@ import triton.language as tl
 
 from r3trace.kernels.contract import FLOAT_DTYPES, require, require_tensor
 from r3trace.kernels.dot import dot_precision, mma
+from r3trace.kernels.moe_align import MoeAlignment, moe_align, moe_align_ref
 
 
-class MoeAlignment(NamedTuple):
-    sorted_ids: torch.Tensor  # [P] int32, pair index t*K+k, grouped by expert; padding = M
-    block_expert: torch.Tensor  # [P / block_m] int32, expert of each block; -1 past the last block
-    num_padded: torch.Tensor  # [1] int32, P actually used (on the device: no host sync)
+class GemmTile(NamedTuple):
+    """One grouped GEMM's tiles; BLOCK_M is shared (it is the alignment's padding unit)."""
 
-
-class MoeConfig(NamedTuple):
-    block_m: int
     block_n: int
     block_k: int
     group_m: int  # blocks of M walked together so their weight tiles stay in L2
     num_warps: int
     num_stages: int
+    interleave: bool = False  # gate_up only: one N = 2 BLOCK_N product instead of two of BLOCK_N
+
+
+class MoeConfig(NamedTuple):
+    block_m: int
+    gate_up: GemmTile
+    down: GemmTile
+
+
+def same_tiles(block_m: int, block_n: int, block_k: int, group_m: int, warps: int, stages: int) -> MoeConfig:
+    """One tile for both GEMMs (the layout before the GEMMs were tuned apart)."""
+    tile = GemmTile(block_n, block_k, group_m, warps, stages)
+    return MoeConfig(block_m, tile, tile)
 
 
 def moe_config(num_pairs: int, num_experts: int, itemsize: int = 2) -> MoeConfig:
@@ -52,50 +65,17 @@ def moe_config(num_pairs: int, num_experts: int, itemsize: int = 2) -> MoeConfig
     (seen on the H200: OutOfResources, required 245760)."""
     rows = num_pairs / max(1, num_experts)
     if rows <= 16:
-        cfg = MoeConfig(16, 64, 128, 1, 4, 4)
+        cfg = same_tiles(16, 64, 128, 1, 4, 4)
     elif rows <= 64:
-        cfg = MoeConfig(32, 64, 128, 4, 4, 4)
+        cfg = same_tiles(32, 64, 128, 4, 4, 4)
     elif rows <= 256:
-        cfg = MoeConfig(64, 128, 64, 8, 4, 4)
+        cfg = same_tiles(64, 128, 64, 8, 4, 4)
     else:
-        cfg = MoeConfig(128, 128, 64, 8, 8, 3)
-    return cfg._replace(block_k=cfg.block_k // 2) if itemsize >= 4 else cfg
-
-
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoeAlignment:
-    """topk_ids [T, K] -> pairs sorted by expert, each expert padded to a multiple of block_m.
-
-    All device ops with static output sizes: P = M + min(E, M) * (block_m - 1) rounded up to block_m
-    bounds sum_e ceil(count_e / block_m) * block_m.
-    """
-    require_tensor("topk_ids", topk_ids, 2, (torch.int32, torch.int64), topk_ids.device)
-    require(block_m >= 1, f"block_m {block_m} must be >= 1")
-    require(num_experts >= 1, f"num_experts {num_experts} must be >= 1")
-    dev = topk_ids.device
-    flat = topk_ids.reshape(-1).long()  # [M]
-    M = flat.numel()
-    cap = triton.cdiv(M + min(num_experts, M) * (block_m - 1), block_m) * block_m
-    key = torch.where(flat >= 0, flat, num_experts)  # [M], skipped pairs go to a last bucket
-    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=dev).scatter_add_(
-        0, key, torch.ones_like(key)
-    )  # [E+1]
-    padded = (counts[:num_experts] + block_m - 1) // block_m * block_m  # [E]
-    pad_end = padded.cumsum(0)  # [E]
-    pad_start = pad_end - padded  # [E]
-    order = torch.argsort(key, stable=True)  # [M] pair indices grouped by expert
-    sorted_key = key[order]  # [M]
-    count_start = counts.cumsum(0) - counts  # [E+1]
-    rank = torch.arange(M, device=dev) - count_start[sorted_key]  # [M] rank within its expert
-    dest = torch.where(
-        sorted_key < num_experts, pad_start[sorted_key.clamp(max=num_experts - 1)] + rank, cap
-    )  # [M], skipped pairs land in a dump slot past the end
-    sorted_ids = torch.full((cap + 1,), M, dtype=torch.int32, device=dev)
-    sorted_ids.scatter_(0, dest, order.to(torch.int32))
-    block_starts = torch.arange(0, cap, block_m, device=dev)  # [P / block_m]
-    block_expert = torch.searchsorted(pad_end, block_starts, right=True)  # [P / block_m]
-    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
-    num_padded = pad_end[-1:].to(torch.int32)  # [1]
-    return MoeAlignment(sorted_ids[:cap], block_expert, num_padded)
+        cfg = same_tiles(128, 128, 64, 8, 8, 3)
+    if itemsize >= 4:
+        cfg = cfg._replace(gate_up=cfg.gate_up._replace(block_k=cfg.gate_up.block_k // 2),
+                           down=cfg.down._replace(block_k=cfg.down.block_k // 2))  # fmt: skip
+    return cfg
 
 
 @triton.jit
@@ -107,12 +87,14 @@ def _fused_moe_kernel(
     # strides
     stride_am, stride_we, stride_wn, stride_om,
     # constexpr
-    GATE_UP: tl.constexpr, EVEN_K: tl.constexpr,
+    GATE_UP: tl.constexpr, EVEN_K: tl.constexpr, INTERLEAVE: tl.constexpr, W_COLS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     # GATE_UP: out[pair, n] = silu(a W[n]) * (a W[N + n]), a = hidden[pair // K]   (N = I, KDIM = D)
     # DOWN:    out[pair, n] = topk_weight[pair] * (a W[n]), a = act[pair]         (N = D, KDIM = I)
+    # INTERLEAVE (gate_up only): one [K, 2 BLOCK_N] weight tile, columns gate n, up n alternating, so one
+    # N = 2 BLOCK_N product replaces two; the pairs sit side by side in the accumulator, split at the end
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(cap, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -121,31 +103,40 @@ def _fused_moe_kernel(
     group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
     pid_m = first_m + (pid % per_group) % group_rows
     pid_n = (pid % per_group) // group_rows
-    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
-        return
+    # three independent loads issued together (in bounds for every pid_m < P / BLOCK_M), then the exit:
+    # at T = 1 each dependent load would add ~1 us of latency before the weight stream starts
+    num_padded = tl.load(num_padded_ptr)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pairs = tl.load(sorted_ids_ptr + offs_m)
+    if pid_m * BLOCK_M >= num_padded:  # past the device-side row count: unused block, garbage ids
+        return
     pair_mask = pairs < num_pairs
     a_rows = (pairs // a_row_div).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
-    w_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [K, N]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    if INTERLEAVE:
+        j = tl.arange(0, W_COLS)
+        w_rows = pid_n * BLOCK_N + j // 2 + (j % 2) * N  # [2 BLOCK_N]: gate n, up n, gate n+1, ...
+        w_mask = (pid_n * BLOCK_N + j // 2) < N
+    else:
+        w_rows = offs_n
+        w_mask = n_mask
+    w_ptrs = w_ptr + expert * stride_we + w_rows[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [K, W]
+    acc = tl.zeros((BLOCK_M, W_COLS), tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, KDIM, BLOCK_K):
         if EVEN_K:
             a = tl.load(a_ptrs, mask=pair_mask[:, None], other=0.0)
-            w = tl.load(w_ptrs, mask=n_mask[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=w_mask[None, :], other=0.0)
         else:
             k_mask = (k0 + offs_k) < KDIM
             a = tl.load(a_ptrs, mask=pair_mask[:, None] & k_mask[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_mask[:, None] & w_mask[None, :], other=0.0)
         acc += mma(a, w, UPCAST, INPUT_PRECISION)
-        if GATE_UP:
+        if GATE_UP and not INTERLEAVE:
             if EVEN_K:
                 w_up = tl.load(w_ptrs + N * stride_wn, mask=n_mask[None, :], other=0.0)
             else:
@@ -154,7 +145,10 @@ def _fused_moe_kernel(
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
 
-    if GATE_UP:
+    if INTERLEAVE:
+        gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+        acc = gate * tl.sigmoid(gate) * up
+    elif GATE_UP:
         acc = acc * tl.sigmoid(acc) * acc_up  # silu(gate) * up, in fp32 before the one rounding
     else:
         acc = acc * tl.load(topk_weights_ptr + pairs, mask=pair_mask, other=0.0)[:, None]
@@ -212,6 +206,62 @@ def _check_moe_args(
     require(topk_ids.is_contiguous() and topk_weights.is_contiguous(), "topk_ids/weights: not contiguous")
 
 
+AlignBackend = Literal["triton", "ref"]
+
+
+def _launch_gemm(
+    a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, align: MoeAlignment, topk_weights: torch.Tensor,
+    block_m: int, tile: GemmTile, gate_up: bool, a_row_div: int,
+) -> None:  # fmt: skip
+    N = out.shape[1]
+    kdim = a.shape[1]
+    cap = align.sorted_ids.shape[0]
+    # grid from the host-side bound P; programs past the device-side num_padded return after one load
+    grid = ((cap // block_m) * triton.cdiv(N, tile.block_n),)
+    _fused_moe_kernel[grid](
+        a, w, out, align.sorted_ids, align.block_expert, align.num_padded, topk_weights,
+        N, kdim, out.shape[0], cap, a_row_div,
+        a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        GATE_UP=gate_up, EVEN_K=kdim % tile.block_k == 0, INTERLEAVE=gate_up and tile.interleave,
+        W_COLS=tile.block_n * (2 if gate_up and tile.interleave else 1),
+        BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
+        UPCAST=not a.is_cuda, INPUT_PRECISION=dot_precision(a.dtype == torch.float32),
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
+    )  # fmt: skip
+
+
+def moe_gate_up(
+    hidden: torch.Tensor, w13: torch.Tensor, align: MoeAlignment, top_k: int, block_m: int, tile: GemmTile
+) -> torch.Tensor:
+    """hidden [T, D] -> act [M, I] = silu(x W_gate^T) * (x W_up^T) per pair (rows of skipped pairs unset)."""
+    act = torch.empty((hidden.shape[0] * top_k, w13.shape[1] // 2), dtype=hidden.dtype, device=hidden.device)
+    _launch_gemm(hidden, w13, act, align, act, block_m, tile, True, top_k)  # weights unused: act as dummy
+    return act
+
+
+def moe_down(
+    act: torch.Tensor, w2: torch.Tensor, align: MoeAlignment, topk_weights: torch.Tensor, block_m: int,
+    tile: GemmTile,
+) -> torch.Tensor:  # fmt: skip
+    """act [M, I] -> y [M, D] = topk_weight * (act W2^T) per pair (rows of skipped pairs unset)."""
+    y = torch.empty((act.shape[0], w2.shape[1]), dtype=act.dtype, device=act.device)
+    _launch_gemm(act, w2, y, align, topk_weights, block_m, tile, False, 1)
+    return y
+
+
+def moe_sum(y: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """y [T*K, D] -> out [T, D] = sum over k, fp32 accumulation, ids of -1 contribute nothing."""
+    T, K = topk_ids.shape
+    D = y.shape[1]
+    out = torch.empty((T, D), dtype=y.dtype, device=y.device)
+    block_d = 1024
+    _moe_sum_kernel[(T, triton.cdiv(D, block_d))](
+        y, topk_ids, out, D, y.stride(0), topk_ids.stride(0), out.stride(0),
+        TOP_K=K, BLOCK_D=block_d, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
 def fused_moe(
     hidden: torch.Tensor,
     w13: torch.Tensor,
@@ -219,47 +269,22 @@ def fused_moe(
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
     config: MoeConfig | None = None,
+    align: AlignBackend = "triton",
 ) -> torch.Tensor:
-    """hidden [T, D] -> [T, D]; see the module docstring. config=None picks tiles by rows per expert."""
+    """hidden [T, D] -> [T, D]; see the module docstring. config=None picks tiles by rows per expert;
+    align picks the alignment twin (same result bit for bit; "ref" is the torch one)."""
     _check_moe_args(hidden, w13, w2, topk_ids, topk_weights)
+    require(align in ("triton", "ref"), f"align {align!r} not in ('triton', 'ref')")
     T, D = hidden.shape
-    E, two_i, _ = w13.shape
-    I = two_i // 2
+    E = w13.shape[0]
     K = topk_ids.shape[1]
-    M = T * K
-    out = torch.empty((T, D), dtype=hidden.dtype, device=hidden.device)
-    if M == 0:
-        return out
-    cfg = config or moe_config(M, E, hidden.element_size())
-    align = moe_align(topk_ids, E, cfg.block_m)
-    cap = align.sorted_ids.shape[0]
-    act = torch.empty((M, I), dtype=hidden.dtype, device=hidden.device)
-    y = torch.empty((M, D), dtype=hidden.dtype, device=hidden.device)
-    precision = dot_precision(hidden.dtype == torch.float32)
-    common = dict(
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        UPCAST=not hidden.is_cuda, INPUT_PRECISION=precision,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
-    blocks_m = cap // cfg.block_m
-    _fused_moe_kernel[(blocks_m * triton.cdiv(I, cfg.block_n),)](
-        hidden, w13, act, align.sorted_ids, align.block_expert, align.num_padded, topk_weights,
-        I, D, M, cap, K,
-        hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        GATE_UP=True, EVEN_K=D % cfg.block_k == 0, **common,
-    )  # fmt: skip
-    _fused_moe_kernel[(blocks_m * triton.cdiv(D, cfg.block_n),)](
-        act, w2, y, align.sorted_ids, align.block_expert, align.num_padded, topk_weights,
-        D, I, M, cap, 1,
-        act.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
-        GATE_UP=False, EVEN_K=I % cfg.block_k == 0, **common,
-    )  # fmt: skip
-    block_d = 1024
-    _moe_sum_kernel[(T, triton.cdiv(D, block_d))](
-        y, topk_ids, out, D, y.stride(0), topk_ids.stride(0), out.stride(0),
-        TOP_K=K, BLOCK_D=block_d, num_warps=4,
-    )  # fmt: skip
-    return out
+    if T * K == 0:
+        return torch.empty((T, D), dtype=hidden.dtype, device=hidden.device)
+    cfg = config or moe_config(T * K, E, hidden.element_size())
+    alignment = (moe_align if align == "triton" else moe_align_ref)(topk_ids, E, cfg.block_m)
+    act = moe_gate_up(hidden, w13, alignment, K, cfg.block_m, cfg.gate_up)
+    y = moe_down(act, w2, alignment, topk_weights, cfg.block_m, cfg.down)
+    return moe_sum(y, topk_ids)
 
 
 def fused_moe_ref(

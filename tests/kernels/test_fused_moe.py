@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from r3trace.kernels.contract import KernelInputError
-from r3trace.kernels.fused_moe import MoeConfig, fused_moe, fused_moe_ref, moe_align
+from r3trace.kernels.fused_moe import GemmTile, MoeConfig, fused_moe, fused_moe_ref, same_tiles
 from tests.kernels.conftest import DEVICE, assert_close_to_ref, gpu, requires_gpu, requires_triton
 
 pytestmark = requires_triton
@@ -36,28 +36,6 @@ def _moe_case(
     return hidden, w13, w2, ids, weights
 
 
-@pytest.mark.parametrize("block_m", [1, 4, 16])
-def test_moe_align_invariants(block_m: int) -> None:
-    gen = torch.Generator().manual_seed(block_m)
-    T, E, K = 29, 9, 3
-    ids = _routes(T, E, K, gen, empty=(4,)).to(DEVICE)
-    a = moe_align(ids, E, block_m)
-    flat = ids.reshape(-1).cpu()
-    used = int(a.num_padded.item())
-    sorted_ids = a.sorted_ids.cpu()
-    assert used % block_m == 0 and used <= sorted_ids.numel()
-    real = sorted_ids[:used][sorted_ids[:used] < flat.numel()].long()
-    routed = torch.nonzero(flat >= 0).reshape(-1).tolist()
-    assert sorted(real.tolist()) == routed, "each routed pair exactly once"
-    assert (sorted_ids[used:] == flat.numel()).all(), "past num_padded only padding"
-    for blk in range(used // block_m):
-        pairs = sorted_ids[blk * block_m : (blk + 1) * block_m].long()
-        pairs = pairs[pairs < flat.numel()]
-        assert len(pairs) > 0, "no all-padding block before num_padded"
-        assert (flat[pairs] == int(a.block_expert[blk])).all(), "one expert per block"
-    assert (a.block_expert.cpu()[used // block_m :] == -1).all()
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("T", [1, 13])
 def test_fused_moe_matches_ref(dtype: torch.dtype, T: int, poisoned_empty: None) -> None:
@@ -66,13 +44,24 @@ def test_fused_moe_matches_ref(dtype: torch.dtype, T: int, poisoned_empty: None)
     ref = fused_moe_ref(hidden.float(), w13.float(), w2.float(), ids, weights)
     assert out.shape == hidden.shape and out.dtype == dtype
     assert_close_to_ref(out, ref, dtype)
+    # the torch align twin gives the same sorted pairs, so the same GEMM programs: bitwise equal
+    assert torch.equal(fused_moe(hidden, w13, w2, ids, weights, align="ref"), out)
 
 
 @pytest.mark.parametrize(
-    "config", [MoeConfig(32, 32, 16, 2, 4, 2), MoeConfig(16, 16, 32, 1, 4, 2)], ids=["bm32-bk16", "bm16-bk32"]
+    "config",
+    [
+        same_tiles(32, 32, 16, 2, 4, 2),
+        same_tiles(16, 16, 32, 1, 4, 2),
+        MoeConfig(16, GemmTile(32, 16, 2, 4, 2), GemmTile(64, 32, 4, 4, 2)),
+        MoeConfig(32, GemmTile(16, 32, 2, 4, 2, True), GemmTile(32, 16, 1, 4, 2)),
+    ],
+    ids=["bm32-bk16", "bm16-bk32", "bm16-down-apart", "bm32-interleaved"],
 )
 def test_fused_moe_tile_configs(config: MoeConfig, poisoned_empty: None) -> None:
-    """Tiles that divide D (EVEN_K) and tiles that don't, several M blocks per expert, grouped order."""
+    """Tiles that divide D (EVEN_K) and tiles that don't, several M blocks per expert, grouped order,
+    gate_up and down tiled apart (down's BLOCK_K 32 does not divide I = 20), gate and up weights
+    interleaved into one product (I = 20 over BLOCK_N 16: a masked second tile)."""
     hidden, w13, w2, ids, weights = _moe_case(50, 64, 5, 20, 2, torch.bfloat16, DEVICE, seed=5)
     out = fused_moe(hidden, w13, w2, ids, weights, config=config)
     ref = fused_moe_ref(hidden.float(), w13.float(), w2.float(), ids, weights)
@@ -93,6 +82,8 @@ def test_fused_moe_rejects_bad_arguments() -> None:
         fused_moe(hidden, w13, w2, ids.long(), weights)
     with pytest.raises(KernelInputError, match="w13 dtype"):
         fused_moe(hidden, w13.half(), w2, ids, weights)
+    with pytest.raises(KernelInputError, match="align"):
+        fused_moe(hidden, w13, w2, ids, weights, align="torch")  # type: ignore[arg-type]
 
 
 @gpu
@@ -103,3 +94,27 @@ def test_fused_moe_deepseek_like_gpu(T: int) -> None:
     out = fused_moe(hidden, w13, w2, ids, weights)
     ref = fused_moe_ref(hidden.float(), w13.float(), w2.float(), ids, weights)
     assert_close_to_ref(out, ref, torch.bfloat16)
+
+
+@gpu
+@requires_gpu
+@pytest.mark.parametrize("T", [1, 64])
+def test_fused_moe_cuda_graph_no_sync_gpu(T: int) -> None:
+    """No host sync (sync-debug mode raises on one), and a captured graph replayed on new routes
+    written in place gives what eager gives on them: the block count is read on the device."""
+    hidden, w13, w2, ids, weights = _moe_case(T, 1024, 256, 128, 8, torch.bfloat16, "cuda", seed=T)
+    fused_moe(hidden, w13, w2, ids, weights)  # compile outside capture
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fused_moe(hidden, w13, w2, ids, weights)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    stream = torch.cuda.Stream()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph):
+        out = fused_moe(hidden, w13, w2, ids, weights)
+    new_ids = _routes(T, 256, 8, torch.Generator().manual_seed(99)).cuda()
+    ids.copy_(new_ids)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, fused_moe(hidden, w13, w2, ids, weights))
