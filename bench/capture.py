@@ -5,9 +5,12 @@ Run (CPU, wire + sink only): python bench/capture.py --device cpu --parts wire,s
 
 Decode-step time with route capture on (every request asks) vs off, on a random model with DeepSeek-V3
 routing dims (E=256, K=8, 8 groups, top-4 groups) at batch 1, 64 and 256; capture's own host syncs are
-counted with torch.cuda.set_sync_debug_mode("error") around every capturer call. Wire: base64 encode and
-decode of a 32k-token x 58-layer x top-8 route array with pybase64 vs the standard library, same run.
-Sink: tokens/s through TraceWriter and bytes per token on disk.
+counted with torch.cuda.set_sync_debug_mode("error") around every capturer call. A step is timed as the
+engine runs it: launch, capture hooks, then a wait on the main stream (the engine's wait for its sampled
+tokens); the capture copy runs on its own stream and its host scatter happens two steps later inside
+on_forward_end, while the GPU runs that step. `graph_breakdown` prices each part with the GPU idle.
+Wire: base64 encode and decode of a 32k-token x 58-layer x top-8 route array with pybase64 vs the
+standard library, same run. Sink: tokens/s through TraceWriter and bytes per token on disk.
 """
 
 from __future__ import annotations
@@ -130,10 +133,9 @@ def decode_step_times(args: argparse.Namespace) -> list[dict[str, Any]]:
                 if args.device == "cuda":
                     torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                model(fb, kv)
-                capturer.drain()  # the engine does this when it next needs rows: count it here
+                model(fb, kv)  # as in the engine: the forward's end drains the copy of two steps ago
                 if args.device == "cuda":
-                    torch.cuda.synchronize()
+                    torch.cuda.current_stream().synchronize()  # the engine's wait for its sampled tokens
                 if it >= args.warmup:
                     times[mode].append(time.perf_counter() - t0)
         result.update(summarise(times, "eager"))
@@ -178,9 +180,10 @@ def graph_step_times(args: argparse.Namespace, model: Any, kv: torch.Tensor, fb:
                 recorders["on"].on_forward_begin(fb)
             graphs[mode].run(fb)
             if mode == "on":
-                recorders["on"].on_forward_end(fb)  # under sync-debug "error": a host sync would raise
-                capturer.drain()
-            torch.cuda.synchronize()
+                # under sync-debug "error" (a host sync would raise); as in the engine, the host scatter of
+                # the copy of two steps ago runs here, while the GPU runs this step
+                recorders["on"].on_forward_end(fb)
+            torch.cuda.current_stream().synchronize()  # the engine's wait for its sampled tokens
             if it >= args.warmup:
                 times[mode].append(time.perf_counter() - t0)
     return times, capture_breakdown(graphs, fb, capturer, b)

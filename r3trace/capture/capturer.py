@@ -108,6 +108,7 @@ class RoutedExpertsCapturer:
     # ---------------------------------------------------------------- RouteRecorder
     def on_forward_begin(self, batch: BatchView) -> None:
         self._batch_tokens = batch.num_tokens
+        self.buffers.before_forward()
 
     def route_buffer(self, layer_id: int, num_tokens: int) -> torch.Tensor | None:
         return self.buffers.ids_view(self.moe_index[layer_id], num_tokens)
