@@ -42,6 +42,7 @@ class GemmTile(NamedTuple):
     num_warps: int
     num_stages: int
     interleave: bool = False  # gate_up only: one N = 2 BLOCK_N product instead of two of BLOCK_N
+    n_split: int = 0  # down only, used when block_k >= I: A read once, n_split programs per block walk N
 
 
 class MoeConfig(NamedTuple):
@@ -57,21 +58,26 @@ def same_tiles(block_m: int, block_n: int, block_k: int, group_m: int, warps: in
 
 
 def moe_config(num_pairs: int, num_experts: int, itemsize: int = 2) -> MoeConfig:
-    """Tile by the mean rows per expert: decode-sized runs want BLOCK_M 16 (the tensor cores' minimum)
-    and many programs over N; prefill-sized runs want 128x128 tiles for arithmetic intensity.
+    """Tile by the mean rows per expert (H200 sweeps, bench/NOTES.md "Fused MoE" run 1, bf16, D = 7168).
+
+    Decode-sized runs (<= 16 rows) want BLOCK_M 16 (the tensor cores' minimum) and many programs
+    streaming weights: gate_up (32, 256) 0.033 ms vs (64, 128) 0.040 ms at E = 256, T = 1. From 128
+    rows on BLOCK_M 128 beat 64 at both shapes despite more padding (E = 256, T = 4k: 1.26 vs 1.39 ms
+    for the two GEMMs); gate_up with gate and up interleaved into one N = 256 product (E = 32, T = 16k:
+    13.55 vs 14.20 ms), down with 128 x 256 tiles (7.22 vs 8.37 ms).
 
     fp32 halves BLOCK_K: the gate_up kernel stages an A tile and two B tiles per pipeline stage, and
     at 4 bytes (16, 64, 128) x 4 stages needs 295 KB of shared memory, over the H200's 227 KB
     (seen on the H200: OutOfResources, required 245760)."""
     rows = num_pairs / max(1, num_experts)
     if rows <= 16:
-        cfg = same_tiles(16, 64, 128, 1, 4, 4)
+        cfg = MoeConfig(16, GemmTile(32, 256, 1, 4, 3), GemmTile(64, 128, 1, 4, 4))
     elif rows <= 64:
         cfg = same_tiles(32, 64, 128, 4, 4, 4)
-    elif rows <= 256:
-        cfg = same_tiles(64, 128, 64, 8, 4, 4)
+    elif rows < 128:
+        cfg = MoeConfig(64, GemmTile(256, 64, 8, 8, 3), GemmTile(128, 64, 8, 4, 4))
     else:
-        cfg = same_tiles(128, 128, 64, 8, 8, 3)
+        cfg = MoeConfig(128, GemmTile(128, 64, 8, 8, 3, True), GemmTile(256, 64, 8, 8, 3))
     if itemsize >= 4:
         cfg = cfg._replace(gate_up=cfg.gate_up._replace(block_k=cfg.gate_up.block_k // 2),
                            down=cfg.down._replace(block_k=cfg.down.block_k // 2))  # fmt: skip
@@ -88,6 +94,7 @@ def _fused_moe_kernel(
     stride_am, stride_we, stride_wn, stride_om,
     # constexpr
     GATE_UP: tl.constexpr, EVEN_K: tl.constexpr, INTERLEAVE: tl.constexpr, W_COLS: tl.constexpr,
+    N_SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -95,9 +102,15 @@ def _fused_moe_kernel(
     # DOWN:    out[pair, n] = topk_weight[pair] * (a W[n]), a = act[pair]         (N = D, KDIM = I)
     # INTERLEAVE (gate_up only): one [K, 2 BLOCK_N] weight tile, columns gate n, up n alternating, so one
     # N = 2 BLOCK_N product replaces two; the pairs sit side by side in the accumulator, split at the end
+    # N_SPLIT > 0 (down, BLOCK_K >= KDIM): the A tile is loaded once and the program walks every N_SPLIT-th
+    # N tile, so the weight loads of one tile pipeline under the product and store of the previous: with
+    # K = I = 256 a one-tile program is mostly prologue and epilogue (1.72 ms at E = 256, T = 16k: 314 TF/s)
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(cap, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
+    if N_SPLIT > 0:  # noqa: SIM108 (a constexpr branch, resolved when the kernel compiles)
+        num_pid_n = N_SPLIT
+    else:
+        num_pid_n = tl.cdiv(N, BLOCK_N)
     per_group = GROUP_M * num_pid_n
     first_m = (pid // per_group) * GROUP_M
     group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
@@ -113,47 +126,62 @@ def _fused_moe_kernel(
         return
     pair_mask = pairs < num_pairs
     a_rows = (pairs // a_row_div).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
-    if INTERLEAVE:
-        j = tl.arange(0, W_COLS)
-        w_rows = pid_n * BLOCK_N + j // 2 + (j % 2) * N  # [2 BLOCK_N]: gate n, up n, gate n+1, ...
-        w_mask = (pid_n * BLOCK_N + j // 2) < N
+    if N_SPLIT > 0:
+        k_mask = offs_k < KDIM
+        a = tl.load(a_ptr + a_rows[:, None] * stride_am + offs_k[None, :], mask=pair_mask[:, None] & k_mask[None, :],
+                    other=0.0)  # fmt: skip
+        wt = tl.load(topk_weights_ptr + pairs, mask=pair_mask, other=0.0)
+        w_base = w_ptr + expert * stride_we + offs_k[:, None]
+        for n0 in range(pid_n * BLOCK_N, N, N_SPLIT * BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < N
+            w = tl.load(w_base + offs_n[None, :].to(tl.int64) * stride_wn, mask=k_mask[:, None] & n_mask[None, :],
+                        other=0.0)  # fmt: skip
+            acc = mma(a, w, UPCAST, INPUT_PRECISION) * wt[:, None]
+            tl.store(out_ptr + pairs[:, None].to(tl.int64) * stride_om + offs_n[None, :],
+                     acc.to(out_ptr.dtype.element_ty), mask=pair_mask[:, None] & n_mask[None, :])  # fmt: skip
     else:
-        w_rows = offs_n
-        w_mask = n_mask
-    w_ptrs = w_ptr + expert * stride_we + w_rows[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [K, W]
-    acc = tl.zeros((BLOCK_M, W_COLS), tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k0 in range(0, KDIM, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=pair_mask[:, None], other=0.0)
-            w = tl.load(w_ptrs, mask=w_mask[None, :], other=0.0)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
+        if INTERLEAVE:
+            j = tl.arange(0, W_COLS)
+            w_rows = pid_n * BLOCK_N + j // 2 + (j % 2) * N  # [2 BLOCK_N]: gate n, up n, gate n+1, ...
+            w_mask = (pid_n * BLOCK_N + j // 2) < N
         else:
-            k_mask = (k0 + offs_k) < KDIM
-            a = tl.load(a_ptrs, mask=pair_mask[:, None] & k_mask[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=k_mask[:, None] & w_mask[None, :], other=0.0)
-        acc += mma(a, w, UPCAST, INPUT_PRECISION)
-        if GATE_UP and not INTERLEAVE:
+            w_rows = offs_n
+            w_mask = n_mask
+        w_ptrs = w_ptr + expert * stride_we + w_rows[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [K, W]
+        acc = tl.zeros((BLOCK_M, W_COLS), tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for k0 in range(0, KDIM, BLOCK_K):
             if EVEN_K:
-                w_up = tl.load(w_ptrs + N * stride_wn, mask=n_mask[None, :], other=0.0)
+                a = tl.load(a_ptrs, mask=pair_mask[:, None], other=0.0)
+                w = tl.load(w_ptrs, mask=w_mask[None, :], other=0.0)
             else:
-                w_up = tl.load(w_ptrs + N * stride_wn, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-            acc_up += mma(a, w_up, UPCAST, INPUT_PRECISION)
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+                k_mask = (k0 + offs_k) < KDIM
+                a = tl.load(a_ptrs, mask=pair_mask[:, None] & k_mask[None, :], other=0.0)
+                w = tl.load(w_ptrs, mask=k_mask[:, None] & w_mask[None, :], other=0.0)
+            acc += mma(a, w, UPCAST, INPUT_PRECISION)
+            if GATE_UP and not INTERLEAVE:
+                if EVEN_K:
+                    w_up = tl.load(w_ptrs + N * stride_wn, mask=n_mask[None, :], other=0.0)
+                else:
+                    w_up = tl.load(w_ptrs + N * stride_wn, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+                acc_up += mma(a, w_up, UPCAST, INPUT_PRECISION)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
 
-    if INTERLEAVE:
-        gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
-        acc = gate * tl.sigmoid(gate) * up
-    elif GATE_UP:
-        acc = acc * tl.sigmoid(acc) * acc_up  # silu(gate) * up, in fp32 before the one rounding
-    else:
-        acc = acc * tl.load(topk_weights_ptr + pairs, mask=pair_mask, other=0.0)[:, None]
-    o_ptrs = out_ptr + pairs[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=pair_mask[:, None] & n_mask[None, :])
+        if INTERLEAVE:
+            gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+            acc = gate * tl.sigmoid(gate) * up
+        elif GATE_UP:
+            acc = acc * tl.sigmoid(acc) * acc_up  # silu(gate) * up, in fp32 before the one rounding
+        else:
+            acc = acc * tl.load(topk_weights_ptr + pairs, mask=pair_mask, other=0.0)[:, None]
+        o_ptrs = out_ptr + pairs[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=pair_mask[:, None] & n_mask[None, :])
 
 
 @triton.jit
@@ -217,13 +245,14 @@ def _launch_gemm(
     kdim = a.shape[1]
     cap = align.sorted_ids.shape[0]
     # grid from the host-side bound P; programs past the device-side num_padded return after one load
-    grid = ((cap // block_m) * triton.cdiv(N, tile.block_n),)
+    n_split = tile.n_split if not gate_up and 0 < kdim <= tile.block_k else 0
+    grid = ((cap // block_m) * (n_split or triton.cdiv(N, tile.block_n)),)
     _fused_moe_kernel[grid](
         a, w, out, align.sorted_ids, align.block_expert, align.num_padded, topk_weights,
         N, kdim, out.shape[0], cap, a_row_div,
         a.stride(0), w.stride(0), w.stride(1), out.stride(0),
         GATE_UP=gate_up, EVEN_K=kdim % tile.block_k == 0, INTERLEAVE=gate_up and tile.interleave,
-        W_COLS=tile.block_n * (2 if gate_up and tile.interleave else 1),
+        W_COLS=tile.block_n * (2 if gate_up and tile.interleave else 1), N_SPLIT=n_split,
         BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
         UPCAST=not a.is_cuda, INPUT_PRECISION=dot_precision(a.dtype == torch.float32),
         num_warps=tile.num_warps, num_stages=tile.num_stages,

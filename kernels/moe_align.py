@@ -29,9 +29,12 @@ import triton.language as tl
 
 from r3trace.kernels.contract import INDEX_DTYPES, require, require_tensor
 
-ONE_HOT_ELEMS = 4096  # [SUB, BLOCK_E] one-hot tile: 32 int32 per thread at 4 warps, no spills
-SUBS_PER_CHUNK = 8  # a chunk is 8 one-hot tiles: 128 pairs at E = 256, 4096 at E = 8
-MAX_CHUNKS = 128  # each chunk program re-reads all [C, E] counts: C^2 * E * 4 B = 16 MB of L2 at E = 256
+ONE_HOT_ELEMS = 8192  # [SUB, BLOCK_E] one-hot tile: 32 int32 per thread at 8 warps, no spills
+NUM_WARPS = 8  # a tile step is bound by its cross-warp reductions' latency, not its size: wide tiles pay
+SUBS_PER_CHUNK = 8  # a chunk is 8 one-hot tiles: 256 pairs at E = 256, 8192 at E = 8
+# each chunk program re-reads all [C, E] counts: C^2 * E * 4 B = 64 MB of L2 at E = 256; with 128 chunks
+# the H200 took 0.20 ms at T = 16k, E = 256 (64 serial 16-pair tiles a pass), as long as the torch twin
+MAX_CHUNKS = 256
 
 
 class MoeAlignment(NamedTuple):
@@ -157,13 +160,13 @@ def moe_align(
     num_chunks = triton.cdiv(M, chunk)
     counts = torch.empty((num_chunks, E), dtype=torch.int32, device=dev) if num_chunks > 1 else num_padded
     if num_chunks > 1:
-        _align_count_kernel[(num_chunks,)](topk_ids, counts, M, E, chunk, SUB=sub, BLOCK_E=block_e, num_warps=4)
+        _align_count_kernel[(num_chunks,)](topk_ids, counts, M, E, chunk, SUB=sub, BLOCK_E=block_e, num_warps=NUM_WARPS)
     _align_scatter_kernel[(num_chunks,)](
         topk_ids, counts, sorted_ids, block_expert, num_padded,
         M, E, num_chunks, chunk, cap // block_m,
         SINGLE=num_chunks == 1, BLOCK_M=block_m, BLOCK_E=block_e,
-        BLOCK_C=max(1, min(triton.next_power_of_2(num_chunks), ONE_HOT_ELEMS // block_e)), SUB=sub,
-        PAD_ROWS=min(triton.next_power_of_2(block_m), sub), BLOCK_B=sub, num_warps=4,
+        BLOCK_C=min(MAX_CHUNKS, ONE_HOT_ELEMS // block_e), SUB=sub,  # fixed: no recompiles across T
+        PAD_ROWS=min(triton.next_power_of_2(block_m), sub), BLOCK_B=sub, num_warps=NUM_WARPS,
     )  # fmt: skip
     return MoeAlignment(sorted_ids, block_expert, num_padded)
 

@@ -55,13 +55,15 @@ def test_fused_moe_matches_ref(dtype: torch.dtype, T: int, poisoned_empty: None)
         same_tiles(16, 16, 32, 1, 4, 2),
         MoeConfig(16, GemmTile(32, 16, 2, 4, 2), GemmTile(64, 32, 4, 4, 2)),
         MoeConfig(32, GemmTile(16, 32, 2, 4, 2, True), GemmTile(32, 16, 1, 4, 2)),
+        MoeConfig(16, GemmTile(32, 16, 2, 4, 2), GemmTile(16, 32, 2, 4, 2, n_split=3)),
     ],
-    ids=["bm32-bk16", "bm16-bk32", "bm16-down-apart", "bm32-interleaved"],
+    ids=["bm32-bk16", "bm16-bk32", "bm16-down-apart", "bm32-interleaved", "bm16-down-n-split"],
 )
 def test_fused_moe_tile_configs(config: MoeConfig, poisoned_empty: None) -> None:
     """Tiles that divide D (EVEN_K) and tiles that don't, several M blocks per expert, grouped order,
     gate_up and down tiled apart (down's BLOCK_K 32 does not divide I = 20), gate and up weights
-    interleaved into one product (I = 20 over BLOCK_N 16: a masked second tile)."""
+    interleaved into one product (I = 20 over BLOCK_N 16: a masked second tile), down with the whole
+    K = I = 20 in one masked tile and 3 programs per block walking D = 64's four N tiles unevenly."""
     hidden, w13, w2, ids, weights = _moe_case(50, 64, 5, 20, 2, torch.bfloat16, DEVICE, seed=5)
     out = fused_moe(hidden, w13, w2, ids, weights, config=config)
     ref = fused_moe_ref(hidden.float(), w13.float(), w2.float(), ids, weights)
