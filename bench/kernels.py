@@ -109,11 +109,11 @@ def _naive_decode(q: torch.Tensor, kv: torch.Tensor, r2t: torch.Tensor, scale: f
     return torch.einsum("bhl,blc->bhc", scores.softmax(-1).to(q.dtype), latent[..., :KV_LORA])
 
 
-# (block_h, block_n, num_warps, num_stages)
+# DecodeTile(block_h, block_n, num_warps, num_stages[, v_splits, keys_major]); the launcher default per H
+# is timed here too, so each table row's tile is compared with its alternatives in the same run
 DECODE_TILES = {
-    16: [(16, 32, 4, 2), (16, 64, 4, 2), (16, 32, 4, 3), (16, 64, 8, 2), (16, 32, 8, 3), (16, 16, 4, 4)],
-    128: [(16, 64, 4, 2), (64, 32, 8, 2), (64, 64, 8, 2), (64, 32, 8, 3), (64, 32, 4, 2), (32, 64, 4, 2),
-          (64, 16, 8, 3), (64, 64, 8, 1)],
+    16: [DecodeTile(16, 64, 4, 2), DecodeTile(16, 32, 4, 3), DecodeTile(16, 32, 4, 4)],
+    128: [DecodeTile(64, 64, 8, 2), DecodeTile(64, 32, 8, 3), DecodeTile(64, 32, 4, 3, 2), DecodeTile(64, 32, 4, 4, 2)],
 }  # fmt: skip
 SPLIT_SWEEP = [(16, 32768), (64, 8192), (64, 32768)]  # (B, L) at H = 16: is the split heuristic right?
 
@@ -121,25 +121,24 @@ SPLIT_SWEEP = [(16, 32768), (64, 8192), (64, 32768)]  # (B, L) at H = 16: is the
 def bench_decode(copy_gbs: float, gemm_tflops: float, quick: bool) -> None:
     scale = (KV_LORA + ROPE) ** -0.5
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    best: dict[int, tuple[int, int, int, int]] = {}
+    best: dict[int, DecodeTile] = {}
     sweep = {}
-    for H in (16, 128):  # pick the tile per H at one mid shape, then use it for the whole table
+    for H in (16, 128):  # time the tiles per H at one mid shape, sync-free (splits from host lengths)
         q, kv, r2t, rows, lens = _decode_inputs(64, 8192, H)
         times = {}
-        for bh, bn, w, s in DECODE_TILES[H]:
+        for tile in DECODE_TILES[H] + [default_decode_tile(H, torch.bfloat16)]:
             try:
-                tile = DecodeTile(bh, bn, w, s)
-                fn = partial(mla_decode, q, kv, r2t, rows, lens, KV_LORA, scale, tile=tile)
-                times[(bh, bn, w, s)] = ms(fn)
+                n = choose_num_kv_splits(64, tile.head_programs(H), 8192, sms)
+                fn = partial(mla_decode, q, kv, r2t, rows, lens, KV_LORA, scale, num_kv_splits=n, tile=tile)
+                times[tile] = ms(fn)
             except Exception as e:  # out of shared memory etc.: recorded, not fatal
-                print(f"  tile {(bh, bn, w, s)} failed: {type(e).__name__}: {str(e)[:120]}")
+                print(f"  tile {tuple(tile)} failed: {type(e).__name__}: {str(e)[:120]}")
         best[H] = min(times, key=lambda k: times[k])
-        sweep[H] = {str(k): v for k, v in times.items()}
-        swept = ", ".join(f"{k}: {v:.3f} ms" for k, v in times.items())
+        sweep[H] = {str(tuple(k)): v for k, v in times.items()}
+        swept = ", ".join(f"{tuple(k)}: {v:.3f} ms" for k, v in times.items())
         print(f"decode tile sweep H={H} (B=64, L=8k): {swept}")
         del q, kv
-    RESULTS["decode_tile_sweep"] = {"best": {str(h): t for h, t in best.items()}, "ms": sweep}
-    bh, bn, w, s = best[16]
+    RESULTS["decode_tile_sweep"] = {"best": {str(h): tuple(t) for h, t in best.items()}, "ms": sweep}
     split_rows = []
     for B, L in SPLIT_SWEEP:
         q, kv, r2t, rows, lens = _decode_inputs(B, L, 16)
@@ -148,7 +147,7 @@ def bench_decode(copy_gbs: float, gemm_tflops: float, quick: bool) -> None:
         for n in sorted({auto, 2 * auto, 4 * auto, 8 * auto, 132 // B + 1, 264 // B + 1}):
             if n <= 64:
                 res[n] = ms(partial(mla_decode, q, kv, r2t, rows, lens, KV_LORA, scale, num_kv_splits=n,
-                                    tile=DecodeTile(bh, bn, w, s)))  # fmt: skip
+                                    tile=best[16]))  # fmt: skip
         split_rows.append({"B": B, "L": L, "auto": auto, "ms": res})
         print(f"decode splits sweep H=16 B={B} L={L} (auto {auto}): "
               + ", ".join(f"{n}: {t:.3f}" for n, t in res.items()))  # fmt: skip
@@ -159,7 +158,7 @@ def bench_decode(copy_gbs: float, gemm_tflops: float, quick: bool) -> None:
           f"{'TFLOP/s':>8} "
           f"{'%gemm':>6} {'naive ms':>9} {'speedup':>7}")  # fmt: skip
     for H in (16, 128):  # the table runs the launcher's defaults: what the engine gets
-        bh, bn, w, s = default_decode_tile(H, torch.bfloat16)
+        tile = default_decode_tile(H, torch.bfloat16)
         for B in (16, 64, 256):
             for L in (1024, 8192, 32768) if not quick else (8192,):
                 q, kv, r2t, rows, lens = _decode_inputs(B, L, H)
@@ -168,7 +167,7 @@ def bench_decode(copy_gbs: float, gemm_tflops: float, quick: bool) -> None:
                 kvs = [kv] + [torch.randn_like(kv) for _ in range(copies - 1)]
                 # splits from host lengths, as the engine passes them: num_kv_splits=None would add a
                 # device sync per call (seq_lens.max()), 0.1-0.2 ms of host gap on this machine (run 3)
-                splits = choose_num_kv_splits(B, -(-H // bh), L, sms)
+                splits = choose_num_kv_splits(B, tile.head_programs(H), L, sms)
                 fns = [partial(mla_decode, q, kv_i, r2t, rows, lens, KV_LORA, scale, num_kv_splits=splits)
                        for kv_i in kvs]  # fmt: skip
                 out = fns[0]()
@@ -178,7 +177,7 @@ def bench_decode(copy_gbs: float, gemm_tflops: float, quick: bool) -> None:
                 tn = ms(rotating(naive), rep=50)
                 gbs = (kv_bytes + q.numel() * 2 + B * H * KV_LORA * 2) / t / 1e6
                 tflops = 2 * B * H * L * (KV_LORA + ROPE + KV_LORA) / t / 1e9
-                row = {"H": H, "B": B, "L": L, "splits": splits, "tile": [bh, bn, w, s], "ms": t,
+                row = {"H": H, "B": B, "L": L, "splits": splits, "tile": list(tile), "ms": t,
                        "GBps": gbs, "pct_copy": 100 * gbs / copy_gbs, "TFLOPs": tflops,
                        "pct_gemm": 100 * tflops / gemm_tflops, "naive_ms": tn,
                        "naive_GBps": kv_bytes / tn / 1e6,

@@ -11,11 +11,13 @@ lengths), then timed with triton.testing.do_bench (median) at a few (H, B, L) sh
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import traceback
 from functools import partial
 from pathlib import Path
+from types import ModuleType
 
 import torch
 from triton.testing import do_bench
@@ -28,12 +30,16 @@ KV_LORA, ROPE, PAGE = 512, 64, 64
 # the 64 rows of a chained product); v_splits 2 at 4 warps computes them once per value half. Stages >= 3
 # issue the gather two tiles ahead (EARLY_SLOTS); at 2 the copy is awaited right after it is issued.
 D = DecodeTile
+# Run 1 (bench/NOTES.md) timed 64x64x8w,2st; 64x32x8w at 3-4 stages; 64x32x4w v_splits 2 at 3-4 stages;
+# 64x64x4w v_splits 2; 32x32x4w,3st; 16x64x4w; keys-major 64x128x8w,1st: none beat 64x64x8w,2st. With one
+# program per SM every warp waits out its own latencies, so run 2 adds tiles that fit two programs per SM
+# (<= 113 KB shared memory, <= 255 registers at 4 warps) and 128-head tiles (no score recompute inside).
 TILES_128 = [
-    D(64, 64, 8, 2), D(64, 32, 8, 3), D(64, 32, 8, 4), D(64, 32, 4, 3, 2), D(64, 32, 4, 4, 2),
-    D(64, 64, 4, 2, 2), D(32, 32, 4, 3), D(16, 64, 4, 2), D(64, 128, 8, 1, 1, True),
+    D(64, 64, 8, 2), D(128, 32, 8, 2, 2), D(128, 16, 8, 3, 2), D(64, 16, 4, 2, 2), D(32, 16, 4, 3),
+    D(32, 16, 4, 4), D(64, 32, 4, 4, 2),
 ]  # fmt: skip
-TILES_16 = [D(16, 64, 4, 2), D(16, 32, 4, 3), D(16, 32, 4, 4), D(16, 32, 8, 3)]
-SHAPES = {128: [(64, 8192), (256, 8192), (16, 32768)], 16: [(64, 8192), (16, 32768)]}
+TILES_16 = [D(16, 64, 4, 2), D(16, 32, 4, 3)]
+SHAPES = {128: [(64, 8192), (256, 8192), (16, 32768), (256, 32768)], 16: [(64, 8192), (16, 32768), (256, 32768)]}
 
 
 def ms(fn: partial[torch.Tensor]) -> float:
@@ -70,24 +76,41 @@ def check(tile: DecodeTile, H: int) -> float:
     return ((out - ref).norm() / ref.norm()).item()
 
 
+def load_old(path: str) -> ModuleType:
+    """A previous mla_decode.py (e.g. `git show REV:kernels/mla_decode.py`), timed in the same run."""
+    spec = importlib.util.spec_from_file_location("old_mla_decode", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--old", help="path of a previous mla_decode.py whose default tile is timed too")
     a = ap.parse_args()
+    old = load_old(a.old) if a.old else None
     out_dir = Path(os.environ.get("OUT", "out"))
     out_dir.mkdir(parents=True, exist_ok=True)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     res: list[dict[str, object]] = []
     for H, tiles in ((128, TILES_128), (16, TILES_16)):
         shapes = SHAPES[H][:1] if a.quick else SHAPES[H]
-        for tile in tiles:
-            row: dict[str, object] = {"H": H, "tile": list(tile)}
+        runs: list[tuple[str, DecodeTile | None]] = [("new", t) for t in tiles]
+        runs += [("old", None)] if old is not None else []
+        for kind, tile in runs:
+            decode = mla_decode if tile is not None else old.mla_decode  # type: ignore[union-attr]
+            row: dict[str, object] = {"H": H, "kernel": kind, "tile": list(tile) if tile else "old default"}
             try:
-                row["rel_err"] = check(tile, H)
+                if tile is not None:
+                    row["rel_err"] = check(tile, H)
                 for B, L in shapes:
                     q, kv, r2t, rows, lens = inputs(B, L, H)
-                    splits = choose_num_kv_splits(B, tile.head_programs(H), L, sms)
-                    t = ms(partial(mla_decode, q, kv, r2t, rows, lens, KV_LORA, 576**-0.5, splits, tile))
+                    old_bh = old.default_decode_tile(H, q.dtype)[0] if old is not None else 1
+                    programs = tile.head_programs(H) if tile is not None else -(-H // old_bh)
+                    splits = choose_num_kv_splits(B, programs, L, sms)
+                    t = ms(partial(decode, q, kv, r2t, rows, lens, KV_LORA, 576**-0.5, splits, tile))
                     tflops = 2 * B * H * L * (KV_LORA + ROPE + KV_LORA) / t / 1e9
                     gbs = B * L * (KV_LORA + ROPE) * 2 / t / 1e6
                     row[f"B{B}_L{L}"] = {"splits": splits, "ms": t, "TFLOPs": tflops, "GBps": gbs}
@@ -100,7 +123,8 @@ def main() -> None:
                 f"B{k}: {v['ms']:.3f} ms {v['TFLOPs']:.0f} TF {v['GBps']:.0f} GB/s"  # type: ignore[index]
                 for k, v in row.items() if k.startswith("B")
             )  # fmt: skip
-            print(f"H={H} {tuple(tile)} err {row.get('rel_err', float('nan')):.1e} {cells} {row.get('error', '')}",
+            err = row.get("rel_err", float("nan"))
+            print(f"H={H} {kind} {tuple(tile) if tile else ''} err {err:.1e} {cells} {row.get('error', '')}",
                   flush=True)  # fmt: skip
             (out_dir / "mla_decode_sweep.json").write_text(json.dumps(res, indent=1))
 

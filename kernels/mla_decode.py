@@ -180,10 +180,10 @@ class DecodeTile(NamedTuple):
 
 
 def default_decode_tile(num_heads: int, dtype: torch.dtype) -> DecodeTile:
-    """The tile the H200 sweep picked (bench/NOTES.md, run 2, B=64, L=8k): 16 heads x 64 keys at H=16
-    (0.384 ms vs 0.465 for 32 keys); at H >= 64, 64 heads x 64 keys over 8 warps (0.715 ms vs 1.213 for
-    16 heads: the 64-row product runs on wgmma and each latent tile serves 4x the heads). fp32 halves
-    the keys so two 32-key fp32 tiles still fit in shared memory."""
+    """The tile the H200 sweeps picked: 16 heads x 64 keys at H < 64 (0.221 ms at B=64, L=8k; 3 stages of
+    32 keys equal); at H >= 64, 64 heads x 64 keys over 8 warps (B=64 / B=256, L=8k: 0.732 / 2.442 ms; the
+    best of 13 tiles incl. value splits, 128 heads, keys-major scores, two programs per SM: BENCHMARKS.md,
+    "### MLA decode"). fp32 halves the keys so two 32-key fp32 tiles still fit in shared memory."""
     block_n = 64 if dtype.itemsize <= 2 else 32
     if num_heads >= 64:
         return DecodeTile(64, block_n, 8, 2)
