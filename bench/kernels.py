@@ -14,18 +14,30 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import multiprocessing
 import os
 import time
 import traceback
 from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from functools import partial
 from pathlib import Path
 
 import torch
 from triton.testing import do_bench
 
-from r3trace.kernels.fused_moe import MoeConfig, fused_moe, fused_moe_ref, moe_config
+from r3trace.kernels.fused_moe import (
+    GemmTile,
+    MoeConfig,
+    fused_moe,
+    fused_moe_ref,
+    moe_config,
+    moe_down,
+    moe_gate_up,
+    moe_sum,
+)
 from r3trace.kernels.mla_decode import DecodeTile, choose_num_kv_splits, default_decode_tile, mla_decode
+from r3trace.kernels.moe_align import moe_align, moe_align_ref
 from r3trace.kernels.topk import grouped_topk, grouped_topk_ref
 
 L2_BYTES = 60 * 2**20
@@ -193,80 +205,184 @@ def bench_decode(copy_gbs: float, gemm_tflops: float, quick: bool) -> None:
 
 # ---------------------------------------------------------------- fused MoE
 D, K = 7168, 8
-MOE_SWEEP = [  # (block_m, block_n, block_k, group_m, num_warps, num_stages)
-    MoeConfig(16, 64, 128, 1, 4, 4),
-    MoeConfig(16, 32, 128, 1, 4, 4),
-    MoeConfig(16, 128, 128, 1, 4, 3),
-    MoeConfig(16, 16, 256, 1, 4, 3),
-    MoeConfig(16, 32, 256, 1, 4, 3),
-    MoeConfig(64, 128, 64, 8, 4, 4),
-    MoeConfig(64, 128, 64, 8, 4, 3),
-    MoeConfig(64, 256, 64, 8, 8, 3),
-    MoeConfig(128, 128, 64, 8, 8, 3),
-    MoeConfig(128, 128, 64, 8, 4, 3),
-    MoeConfig(128, 64, 64, 8, 4, 4),
-    MoeConfig(128, 128, 128, 8, 8, 2),
-    MoeConfig(128, 128, 32, 8, 4, 4),
-]  # fmt: skip
+DEV = "cuda"  # bench/kernels.py's MoE part also runs on CPU under TRITON_INTERPRET=1 as a smoke test
+MOE_T = (1, 16, 64, 256, 1024, 4096, 16384)
+MOE_SHAPES = ((256, 256), (32, 2048))  # (E, I): V3 per rank under TP8 and under EP8
+# Tiles swept per GEMM (gate_up and down timed apart on one alignment, best of each composed), at the
+# launcher's BLOCK_M. Shared memory per stage: gate_up (BM + 2 BN) * BK * 2 B, down (BM + BN) * BK * 2 B;
+# the H200 allows 227 KB. GemmTile = (block_n, block_k, group_m, num_warps, num_stages[, interleave
+# gate/up into one product][, n_split]). Run 1's lists and times: bench/NOTES.md, "Fused MoE".
+# run 2: the n_split down (whole K = I <= 256 in one tile, programs walk N; swept only where I <= block_k)
+# and the run-1 winners, at the T of each tier
+UP_TILES = {
+    16: [GemmTile(32, 256, 1, 4, 3), GemmTile(32, 256, 1, 4, 3, True), GemmTile(16, 512, 1, 4, 3)],
+    32: [GemmTile(64, 128, 4, 4, 4), GemmTile(128, 64, 4, 4, 4, True), GemmTile(64, 128, 4, 4, 3, True)],
+    64: [GemmTile(256, 64, 8, 8, 3), GemmTile(128, 64, 8, 4, 4, True)],
+    128: [GemmTile(128, 64, 8, 8, 3, True), GemmTile(128, 64, 8, 8, 4, True), GemmTile(128, 64, 8, 8, 3)],
+}  # fmt: skip
+DOWN_TILES = {
+    16: [GemmTile(64, 128, 1, 4, 4), GemmTile(64, 256, 1, 4, 3, n_split=16), GemmTile(32, 256, 1, 4, 4, n_split=32),
+         GemmTile(128, 256, 1, 4, 2, n_split=8)],
+    32: [GemmTile(64, 128, 4, 4, 4), GemmTile(128, 128, 4, 4, 3), GemmTile(64, 256, 4, 4, 3, n_split=8)],
+    64: [GemmTile(256, 64, 8, 8, 3), GemmTile(128, 64, 8, 4, 4), GemmTile(64, 256, 8, 4, 3, n_split=4)],
+    128: [GemmTile(256, 64, 8, 8, 3), GemmTile(64, 256, 8, 8, 3, n_split=4), GemmTile(64, 256, 8, 8, 3, n_split=8),
+          GemmTile(128, 256, 8, 8, 2, n_split=4), GemmTile(64, 256, 8, 4, 3, n_split=8)],
+}  # fmt: skip
 
 
 def _routes(T: int, E: int, sets: int) -> list[torch.Tensor]:
-    return [torch.rand(T, E, device="cuda").topk(K, dim=-1).indices.to(torch.int32) for _ in range(sets)]
+    return [torch.rand(T, E, device=DEV).topk(K, dim=-1).indices.to(torch.int32) for _ in range(sets)]
 
 
-def bench_moe(copy_gbs: float, gemm_tflops: float, quick: bool) -> None:
+def _sweep_bms(T: int, E: int) -> list[int]:
+    return [moe_config(T * K, E).block_m]
+
+
+def _prewarm_job(job: tuple[int, GemmTile, str, int, str, int]) -> str:
+    """Compile one (BLOCK_M, tile, GEMM, T-class) into Triton's disk cache in a worker process. E, I and T
+    do not enter the kernel's cache key here (all sizes are multiples of 16 except M = 8 at T = 1)."""
+    bm, tile, part, T, dev, D = job
+    E, I = 8, 256
+    x = torch.randn(T, D, device=dev, dtype=torch.bfloat16)
+    ids = _routes(T, E, 1)[0]
+    align = moe_align(ids, E, bm)
+    if part == "up":
+        w13 = torch.randn(E, 2 * I, D, device=dev, dtype=torch.bfloat16)
+        moe_gate_up(x, w13, align, K, bm, tile)
+    else:
+        act = torch.randn(T * K, I, device=dev, dtype=torch.bfloat16)
+        w2 = torch.randn(E, D, I, device=dev, dtype=torch.bfloat16)
+        moe_down(act, w2, align, torch.rand(T, K, device=dev), bm, tile)
+    if dev == "cuda":
+        torch.cuda.synchronize()
+    return f"{bm} {part} {tuple(tile)} T={T}"
+
+
+def prewarm(ts: Sequence[int], sweep_ts: Sequence[int], workers: int) -> None:
+    """Compile every tile this run will time in parallel processes (~2 s per GEMM compile, ~40 of them:
+    serially most of a device call). Failures only cost the parallelism."""
+    jobs = set()
+    for T in ts:
+        for E, I in MOE_SHAPES:
+            cfg = moe_config(T * K, E, 2, I)
+            tc = 1 if T == 1 else 64
+            todo = [(cfg.block_m, cfg.gate_up, "up"), (cfg.block_m, cfg.down, "down")]
+            for bm in _sweep_bms(T, E) if T in sweep_ts else []:
+                todo += [(bm, t, "up") for t in UP_TILES[bm]]
+                todo += [(bm, t, "down") for t in DOWN_TILES[bm] if t.n_split == 0 or E == 256]  # I = 256 there
+            jobs |= {(bm, tile, part, tc, DEV, D) for bm, tile, part in todo}
+    t0 = time.time()
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+        for job, fut in [(j, pool.submit(_prewarm_job, j)) for j in sorted(jobs, key=str)]:
+            try:
+                fut.result(timeout=300)
+            except Exception as e:  # out of shared memory etc.: the timed run reports it again
+                print(f"  prewarm {job} failed: {type(e).__name__}: {str(e)[:100]}")
+    print(f"prewarm: {len(jobs)} kernels in {time.time() - t0:.0f} s on {workers} processes")
+
+
+def _parts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids_sets: list[torch.Tensor],
+           wts: torch.Tensor, bm: int, up_tiles: list[GemmTile], down_tiles: list[GemmTile],
+           E: int) -> dict[str, dict[GemmTile, float]]:  # fmt: skip
+    """Each GEMM's time per tile on the same alignments (rotated over route sets)."""
+    aligns = [moe_align(ids, E, bm) for ids in ids_sets]
+    act = moe_gate_up(x, w13, aligns[0], K, bm, up_tiles[0])
+    out: dict[str, dict[GemmTile, float]] = {"up": {}, "down": {}}
+    for part, tiles in (("up", up_tiles), ("down", down_tiles)):
+        for tile in tiles:
+            if part == "up":
+                fns = [partial(moe_gate_up, x, w13, a, K, bm, tile) for a in aligns]
+            else:
+                fns = [partial(moe_down, act, w2, a, wts, bm, tile) for a in aligns]
+            try:
+                out[part][tile] = ms(rotating(fns))
+            except Exception as e:
+                print(f"  bm {bm} {part} {tuple(tile)} failed: {type(e).__name__}: {str(e)[:120]}")
+    return out
+
+
+def _cfg_str(c: MoeConfig) -> str:
+    return f"{c.block_m}: {tuple(c.gate_up)} / {tuple(c.down)}"
+
+
+def bench_moe(copy_gbs: float, ts: Sequence[int], sweep_ts: Sequence[int], workers: int) -> None:
+    if workers > 0:
+        prewarm(ts, sweep_ts, workers)
     rows_out = []
-    print(f"{'E':>4} {'I':>5} {'T':>6} {'cfg':>22} {'ms':>8} {'graph ms':>8} {'TFLOP/s':>8} {'%dense':>7} "
-          f"{'loop ms':>9} {'speedup':>7} {'touched-read ms':>15} {'x read':>7}")  # fmt: skip
-    for E, I in ((256, 256), (32, 2048)):
-        w13 = torch.randn(E, 2 * I, D, device="cuda", dtype=torch.bfloat16) / D**0.5
-        w2 = torch.randn(E, D, I, device="cuda", dtype=torch.bfloat16) / I**0.5
-        for T in (1, 16, 64, 256, 1024, 4096, 16384) if not quick else (1, 4096):
-            x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
+    print(f"{'E':>4} {'I':>5} {'T':>6} {'cfg':>44} {'ms':>8} {'graph':>7} {'TFLOP/s':>7} {'%dense':>6} "
+          f"{'loop ms':>8} {'read ms':>7} {'x read':>6} {'align/ref graph ms':>18}")  # fmt: skip
+    for E, I in MOE_SHAPES:
+        w13 = torch.randn(E, 2 * I, D, device=DEV, dtype=torch.bfloat16) / D**0.5
+        w2 = torch.randn(E, D, I, device=DEV, dtype=torch.bfloat16) / I**0.5
+        for T in ts:
+            x = torch.randn(T, D, device=DEV, dtype=torch.bfloat16)
             sets = 8 if T <= 64 else 1  # small T: rotate routes so touched weights are not L2-resident
             ids_sets = _routes(T, E, sets)
-            wts = torch.rand(T, K, device="cuda")
+            wts = torch.rand(T, K, device=DEV)
             flops = 2 * T * K * 3 * I * D
-            cfgs = [moe_config(T * K, E)]
-            if T in (1, 4096, 16384):  # sweep tiles at a decode size and the two prefill sizes
-                cfgs += [c for c in MOE_SWEEP if c != cfgs[0] and (c.block_m == 16) == (T == 1)]
+            default = moe_config(T * K, E, 2, I)
+            cfgs = [default]
+            sweep: dict[str, object] = {}
+            if T in sweep_ts:  # best gate_up and best down tile per BLOCK_M, composed
+                for bm in _sweep_bms(T, E):
+                    downs = [t for t in DOWN_TILES[bm] if t.n_split == 0 or t.block_k >= I]
+                    p = _parts(x, w13, w2, ids_sets, wts, bm, UP_TILES[bm], downs, E)
+                    sweep[str(bm)] = {k: {str(tuple(t)): v for t, v in d.items()} for k, d in p.items()}
+                    if p["up"] and p["down"]:
+                        best = MoeConfig(bm, min(p["up"], key=p["up"].__getitem__),
+                                         min(p["down"], key=p["down"].__getitem__))  # fmt: skip
+                        cfgs += [best] if best != default else []
             times = {}
             for cfg in cfgs:
                 fns = [partial(fused_moe, x, w13, w2, ids, wts, config=cfg) for ids in ids_sets]
                 try:
                     times[cfg] = ms(rotating(fns))
                 except Exception as e:
-                    print(f"  cfg {tuple(cfg)} failed: {type(e).__name__}: {str(e)[:120]}")
-            default_t = times[cfgs[0]]
-            cfg = min(times, key=lambda c: times[c])
+                    print(f"  cfg {_cfg_str(cfg)} failed: {type(e).__name__}: {str(e)[:120]}")
+            sweep["pipeline_ms"] = {_cfg_str(c): v for c, v in times.items()}
+            cfg = min(times, key=times.__getitem__)
             t = times[cfg]
             fns = [partial(fused_moe, x, w13, w2, ids, wts, config=cfg) for ids in ids_sets]
-            try:
-                tg = ms_graph(fns) if T <= 1024 else float("nan")
-            except Exception as e:  # capture failure is a finding, not a reason to lose the run
-                print(f"  graph capture failed: {type(e).__name__}: {str(e)[:160]}")
-                tg = float("nan")
+            tg = ms_graph(fns) if T <= 1024 else float("nan")
+            # the align twins alone, graph-timed (no host sync in either), and their outputs compared
+            al = [partial(moe_align, ids, E, cfg.block_m) for ids in ids_sets]
+            al_ref = [partial(moe_align_ref, ids, E, cfg.block_m) for ids in ids_sets]
+            a, r = al[0](), al_ref[0]()
+            used = int(r.num_padded.item())
+            align_same = torch.equal(a.sorted_ids[:used], r.sorted_ids[:used]) and torch.equal(
+                a.block_expert, r.block_expert)  # fmt: skip
+            t_al, t_al_ref = ms_graph(al), ms_graph(al_ref)
+            parts = _parts(x, w13, w2, ids_sets, wts, cfg.block_m, [cfg.gate_up], [cfg.down], E)
+            y = torch.randn(T * K, D, device=DEV, dtype=torch.bfloat16)
+            t_sum = ms(partial(moe_sum, y, ids_sets[0]))
             out = fns[0]()
             ref = fused_moe_ref(x, w13, w2, ids_sets[0], wts)
             err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+            same_ref_align = torch.equal(out, fused_moe(x, w13, w2, ids_sets[0], wts, config=cfg, align="ref"))
             tl_ = ms(rotating([partial(fused_moe_ref, x, w13, w2, ids, wts) for ids in ids_sets]), rep=200)
-            dense_w = torch.randn(D, 3 * K * I, device="cuda", dtype=torch.bfloat16)
+            dense_w = torch.randn(D, 3 * K * I, device=DEV, dtype=torch.bfloat16)
             td = ms(partial(torch.matmul, x, dense_w))  # [T, D] @ [D, 3KI]: the same FLOPs as the MoE
-            del dense_w
+            del dense_w, y
             touched = torch.unique(ids_sets[0]).numel()
             read_ms = touched * 3 * I * D * 2 / copy_gbs / 1e6
             best_t = min(t, tg) if not math.isnan(tg) else t
-            row = {"E": E, "I": I, "T": T, "cfg": list(cfg), "default_cfg_ms": default_t, "ms": t,
-                   "graph_ms": tg, "TFLOPs": flops / t / 1e9, "dense_ms": td,
-                   "dense_TFLOPs": flops / td / 1e9,
+            row = {"E": E, "I": I, "T": T, "cfg": [cfg.block_m, list(cfg.gate_up), list(cfg.down)],
+                   "default_cfg": [default.block_m, list(default.gate_up), list(default.down)],
+                   "default_cfg_ms": times.get(default, float("nan")), "ms": t, "graph_ms": tg,
+                   "TFLOPs": flops / t / 1e9, "dense_ms": td, "dense_TFLOPs": flops / td / 1e9,
                    "pct_dense": 100 * td / t, "loop_ms": tl_, "speedup_vs_loop": tl_ / t,
                    "touched_experts": touched, "touched_read_ms": read_ms, "x_read": best_t / read_ms,
-                   "rel_err_vs_loop": err,
-                   "sweep_ms": {str(tuple(c)): v for c, v in times.items()}}  # fmt: skip
+                   "rel_err_vs_loop": err, "bitwise_same_with_ref_align": same_ref_align,
+                   "align_graph_ms": t_al, "align_ref_graph_ms": t_al_ref, "align_equal_ref": align_same,
+                   "gate_up_ms": next(iter(parts["up"].values()), float("nan")),
+                   "down_ms": next(iter(parts["down"].values()), float("nan")), "sum_ms": t_sum,
+                   "sweep_ms": sweep}  # fmt: skip
             rows_out.append(row)
-            print(f"{E:>4} {I:>5} {T:>6} {str(tuple(cfg)):>22} {t:>8.3f} {tg:>8.3f} {row['TFLOPs']:>8.1f} "
-                  f"{row['pct_dense']:>6.0f}% {tl_:>9.3f} {tl_ / t:>6.1f}x {read_ms:>15.3f} "
-                  f"{row['x_read']:>6.2f}x")  # fmt: skip
+            print(f"{E:>4} {I:>5} {T:>6} {_cfg_str(cfg):>44} {t:>8.3f} {tg:>7.3f} {row['TFLOPs']:>7.0f} "
+                  f"{row['pct_dense']:>5.0f}% {tl_:>8.2f} {read_ms:>7.3f} {row['x_read']:>5.2f}x "
+                  f"{t_al:>8.4f}/{t_al_ref:.4f}  up {row['gate_up_ms']:.3f} down {row['down_ms']:.3f} "
+                  f"sum {t_sum:.3f} err {err:.1e} same {same_ref_align and align_same}")  # fmt: skip
             RESULTS["moe"] = rows_out
             save()
         del w13, w2
@@ -301,12 +417,22 @@ def markdown(res: dict) -> str:
         lines.append(f"| {r['H']} | {r['B']} | {r['L']} | {r['splits']} | {r['ms']:.3f} | {r['GBps']:.0f} | "
                      f"{r['pct_copy']:.0f}% | {r['TFLOPs']:.0f} | {r['pct_gemm']:.0f}% | {r['naive_ms']:.3f} | "
                      f"{r['speedup']:.1f}x |")  # fmt: skip
-    lines += ["", "| E | I | T | tiles (bm,bn,bk,g,w,s) | eager ms | graph ms | TFLOP/s | % dense | "
+    lines += ["", "| E | I | T | BM: gate_up / down (bn,bk,g,w,s) | eager ms | graph ms | TFLOP/s | % dense | "
               "loop ms | vs loop | touched-read ms | x read |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    def tile(t: list) -> str:  # (bn, bk, g, w, s[, il][, split n]), as BENCHMARKS.md prints them
+        return "(" + ", ".join([*map(str, t[:5])] + ["il"] * bool(t[5]) + [f"split {t[6]}"] * bool(t[6])) + ")"
+
     for r in res.get("moe", []):
-        lines.append(f"| {r['E']} | {r['I']} | {r['T']} | {tuple(r['cfg'])} | {r['ms']:.3f} | "
+        bm, up, down = r["cfg"]
+        lines.append(f"| {r['E']} | {r['I']} | {r['T']} | {bm}: {tile(up)} / {tile(down)} | {r['ms']:.3f} | "
                      f"{r['graph_ms']:.3f} | {r['TFLOPs']:.0f} | {r['pct_dense']:.0f}% | {r['loop_ms']:.2f} | "
                      f"{r['speedup_vs_loop']:.1f}x | {r['touched_read_ms']:.3f} | {r['x_read']:.2f}x |")  # fmt: skip
+    lines += ["", "| E | I | T | align graph ms | torch align graph ms | gate_up ms | down ms | sum ms | dense ms | "
+              "same as ref align |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in res.get("moe", []):
+        lines.append(f"| {r['E']} | {r['I']} | {r['T']} | {r['align_graph_ms']:.4f} | {r['align_ref_graph_ms']:.4f} | "
+                     f"{r['gate_up_ms']:.3f} | {r['down_ms']:.3f} | {r['sum_ms']:.3f} | {r['dense_ms']:.3f} | "
+                     f"{r['bitwise_same_with_ref_align'] and r['align_equal_ref']} |")  # fmt: skip
     lines += ["", "| T | triton ms | torch ms | speedup | ids equal |", "|---|---|---|---|---|"]
     for r in res.get("topk", []):
         lines.append(f"| {r['T']} | {r['ms']:.4f} | {r['torch_ms']:.4f} | {r['speedup']:.1f}x | {r['ids_equal']} |")
@@ -318,10 +444,15 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="one shape per section")
     ap.add_argument("--only", default="decode,moe,topk")
     ap.add_argument("--report", help="print the Markdown tables of a saved kernels.json and exit")
+    ap.add_argument("--moe-t", default=",".join(map(str, MOE_T)), help="MoE token counts")
+    ap.add_argument("--moe-sweep", default="1,1024,4096,16384", help="MoE token counts with a tile sweep ('' none)")
+    ap.add_argument("--prewarm", type=int, default=8, help="processes compiling the MoE tiles first (0: off)")
     a = ap.parse_args()
     if a.report:
         print(markdown(json.loads(Path(a.report).read_text())))
         return
+    moe_ts = [int(t) for t in a.moe_t.split(",")] if not a.quick else [1, 4096]
+    sweep_ts = [int(t) for t in a.moe_sweep.split(",") if t]
     torch.manual_seed(0)
     t0 = time.time()
     copy_gbs, gemm_tflops = ceilings()
@@ -329,7 +460,7 @@ def main() -> None:
     sections: dict[str, Callable[[], None]] = {
         "topk": bench_topk,
         "decode": partial(bench_decode, copy_gbs, gemm_tflops, a.quick),
-        "moe": partial(bench_moe, copy_gbs, gemm_tflops, a.quick),
+        "moe": partial(bench_moe, copy_gbs, moe_ts, sweep_ts, a.prewarm),
     }
     for name in a.only.split(","):
         try:

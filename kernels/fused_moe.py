@@ -57,31 +57,34 @@ def same_tiles(block_m: int, block_n: int, block_k: int, group_m: int, warps: in
     return MoeConfig(block_m, tile, tile)
 
 
-def moe_config(num_pairs: int, num_experts: int, itemsize: int = 2) -> MoeConfig:
-    """Tile by the mean rows per expert (H200 sweeps, bench/NOTES.md "Fused MoE" run 1, bf16, D = 7168).
+def moe_config(num_pairs: int, num_experts: int, itemsize: int = 2, inter: int = 0) -> MoeConfig:
+    """Tile by the mean rows per expert (H200 sweeps, bench/NOTES.md "Fused MoE" runs 1-2, bf16, D = 7168).
 
     Decode-sized runs (<= 16 rows) want BLOCK_M 16 (the tensor cores' minimum) and many programs
     streaming weights: gate_up (32, 256) 0.033 ms vs (64, 128) 0.040 ms at E = 256, T = 1. From 128
     rows on BLOCK_M 128 beat 64 at both shapes despite more padding (E = 256, T = 4k: 1.26 vs 1.39 ms
     for the two GEMMs); gate_up with gate and up interleaved into one N = 256 product (E = 32, T = 16k:
-    13.55 vs 14.20 ms), down with 128 x 256 tiles (7.22 vs 8.37 ms).
+    13.55 vs 14.20 ms), down with 128 x 256 tiles (7.22 vs 8.37 ms). inter = I <= 256: down holds the
+    whole K in one tile and walks N (E = 256: 1.36 vs 1.71 ms at T = 16k, 0.29 vs 0.49 ms at T = 1k).
 
-    fp32 halves BLOCK_K: the gate_up kernel stages an A tile and two B tiles per pipeline stage, and
-    at 4 bytes (16, 64, 128) x 4 stages needs 295 KB of shared memory, over the H200's 227 KB
-    (seen on the H200: OutOfResources, required 245760)."""
+    fp32 halves BLOCK_K and never takes the whole-K down: the gate_up kernel stages an A tile and two B
+    tiles per pipeline stage, and at 4 bytes (16, 64, 128) x 4 stages needs 295 KB of shared memory,
+    over the H200's 227 KB (seen on the H200: OutOfResources, required 245760)."""
     rows = num_pairs / max(1, num_experts)
     if rows <= 16:
-        cfg = MoeConfig(16, GemmTile(32, 256, 1, 4, 3), GemmTile(64, 128, 1, 4, 4))
-    elif rows <= 64:
-        cfg = same_tiles(32, 64, 128, 4, 4, 4)
-    elif rows < 128:
-        cfg = MoeConfig(64, GemmTile(256, 64, 8, 8, 3), GemmTile(128, 64, 8, 4, 4))
+        bm, up, down, whole_k = 16, GemmTile(32, 256, 1, 4, 3), GemmTile(64, 128, 1, 4, 4), 16
+    elif rows <= 64:  # gate_up interleaved measured only at I = 256 (E = 256, T = 1k: 0.50 vs 0.53 ms)
+        up = GemmTile(128, 64, 4, 4, 4, True) if 0 < inter <= 256 else GemmTile(64, 128, 4, 4, 4)
+        bm, down, whole_k = 32, GemmTile(64, 128, 4, 4, 4), 8
+    elif rows < 128:  # not swept at its own T: run 1's BLOCK_M 64 winners
+        bm, up, down, whole_k = 64, GemmTile(256, 64, 8, 8, 3), GemmTile(128, 64, 8, 4, 4), 4
     else:
-        cfg = MoeConfig(128, GemmTile(128, 64, 8, 8, 3, True), GemmTile(256, 64, 8, 8, 3))
+        bm, up, down, whole_k = 128, GemmTile(128, 64, 8, 8, 3, True), GemmTile(256, 64, 8, 8, 3), 4
     if itemsize >= 4:
-        cfg = cfg._replace(gate_up=cfg.gate_up._replace(block_k=cfg.gate_up.block_k // 2),
-                           down=cfg.down._replace(block_k=cfg.down.block_k // 2))  # fmt: skip
-    return cfg
+        up, down = up._replace(block_k=up.block_k // 2), down._replace(block_k=down.block_k // 2)
+    elif 0 < inter <= 256:
+        down = GemmTile(64, 256, min(8, up.group_m), up.num_warps, 3, n_split=whole_k)
+    return MoeConfig(bm, up, down)
 
 
 @triton.jit
@@ -309,7 +312,7 @@ def fused_moe(
     K = topk_ids.shape[1]
     if T * K == 0:
         return torch.empty((T, D), dtype=hidden.dtype, device=hidden.device)
-    cfg = config or moe_config(T * K, E, hidden.element_size())
+    cfg = config or moe_config(T * K, E, hidden.element_size(), w2.shape[2])
     alignment = (moe_align if align == "triton" else moe_align_ref)(topk_ids, E, cfg.block_m)
     act = moe_gate_up(hidden, w13, alignment, K, cfg.block_m, cfg.gate_up)
     y = moe_down(act, w2, alignment, topk_weights, cfg.block_m, cfg.down)
