@@ -107,5 +107,11 @@ class ReqToTokenPool:
         flat = np.concatenate([row * width + start + np.arange(len(s)) for row, start, s in self._pending])
         vals = np.concatenate([s for _, _, s in self._pending])
         self._pending.clear()
+        # A row freed and handed to another request within one schedule (retraction, then admission) is
+        # written twice; the later write must win, and index_copy_ with repeated indices picks any of them
+        # on CUDA. Keep the last write of each position.
+        last = len(flat) - 1 - np.unique(flat[::-1], return_index=True)[1]
+        if len(last) != len(flat):
+            flat, vals = flat[last], vals[last]
         packed = torch.from_numpy(np.stack([flat, vals])).to(self.req_to_token.device, non_blocking=True)  # [2, n]
         self.req_to_token.view(-1).index_copy_(0, packed[0], packed[1].to(torch.int32))
