@@ -28,9 +28,11 @@ from triton.testing import do_bench
 
 from r3trace.kernels.fused_moe import (
     GemmTile,
+    GemvTile,
     MoeConfig,
     fused_moe,
     fused_moe_ref,
+    grouped_config,
     moe_config,
     moe_down,
     moe_gate_up,
@@ -38,6 +40,7 @@ from r3trace.kernels.fused_moe import (
 )
 from r3trace.kernels.mla_decode import DecodeTile, choose_num_kv_splits, default_decode_tile, mla_decode
 from r3trace.kernels.moe_align import moe_align, moe_align_ref
+from r3trace.kernels.moe_gemv import gemv_down_sum, gemv_gate_up
 from r3trace.kernels.topk import grouped_topk, grouped_topk_ref
 
 L2_BYTES = 60 * 2**20
@@ -264,22 +267,39 @@ def prewarm(ts: Sequence[int], sweep_ts: Sequence[int], workers: int) -> None:
     jobs = set()
     for T in ts:
         for E, I in MOE_SHAPES:
-            cfg = moe_config(T * K, E, 2, I)
+            cfg = moe_config(T * K, E, 2, I, tokens=T)
             tc = 1 if T == 1 else 64
             todo = [(cfg.block_m, cfg.gate_up, "up"), (cfg.block_m, cfg.down, "down")]
             for bm in _sweep_bms(T, E) if T in sweep_ts else []:
                 todo += [(bm, t, "up") for t in UP_TILES[bm]]
                 todo += [(bm, t, "down") for t in DOWN_TILES[bm] if t.n_split == 0 or E == 256]  # I = 256 there
             jobs |= {(bm, tile, part, tc, DEV, D) for bm, tile, part in todo}
+    _prewarm_pool(_prewarm_job, sorted(jobs, key=str), workers)
+
+
+def _prewarm_pipe(job: tuple[MoeConfig, int, int]) -> str:
+    """Compile one whole pipeline (align, GEMMs or gemv kernels, sum) at T tokens and I in a worker."""
+    cfg, T, I = job
+    E = 8
+    x = torch.randn(T, D, device=DEV, dtype=torch.bfloat16)
+    w13 = torch.randn(E, 2 * I, D, device=DEV, dtype=torch.bfloat16)
+    w2 = torch.randn(E, D, I, device=DEV, dtype=torch.bfloat16)
+    fused_moe(x, w13, w2, _routes(T, E, 1)[0], torch.rand(T, K, device=DEV), config=cfg)
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+    return f"{_cfg_str(cfg)} T={T} I={I}"
+
+
+def _prewarm_pool(fn: Callable[[tuple], str], jobs: Sequence[tuple], workers: int) -> None:
     t0 = time.time()
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
-        for job, fut in [(j, pool.submit(_prewarm_job, j)) for j in sorted(jobs, key=str)]:
+        for job, fut in [(j, pool.submit(fn, j)) for j in jobs]:
             try:
                 fut.result(timeout=300)
             except Exception as e:  # out of shared memory etc.: the timed run reports it again
                 print(f"  prewarm {job} failed: {type(e).__name__}: {str(e)[:100]}")
-    print(f"prewarm: {len(jobs)} kernels in {time.time() - t0:.0f} s on {workers} processes")
+    print(f"prewarm: {len(jobs)} jobs in {time.time() - t0:.0f} s on {workers} processes")
 
 
 def _parts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids_sets: list[torch.Tensor],
@@ -303,7 +323,102 @@ def _parts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids_sets: list[
 
 
 def _cfg_str(c: MoeConfig) -> str:
+    if c.gemv is not None:
+        return f"gemv {tuple(c.gemv)}"
     return f"{c.block_m}: {tuple(c.gate_up)} / {tuple(c.down)}"
+
+
+def _baseline_config(T: int, E: int, I: int) -> MoeConfig:
+    """The defaults before the gemv path and split-K (commit 9faa7dc: grouped tiles at every T), timed in
+    the same run as the baseline of every row."""
+    return grouped_config(T * K, E, 2, I)
+
+
+# ---- exploration (--only moe_explore): candidates graph-timed per (E, I, T), each checked against the ref
+# GemvTile(up_n, up_k, up_warps, down_n, down_k, down_warps, up_stages, down_stages); at T = 1 the up and
+# down kernels are graph-timed apart per tile and the best of each composed
+GEMV_TILES = [
+    GemvTile(8, 512, 4, 16, 256, 4), GemvTile(4, 512, 4, 8, 256, 4), GemvTile(4, 1024, 4, 32, 256, 8),
+    GemvTile(16, 512, 8, 16, 512, 8), GemvTile(8, 1024, 8, 8, 512, 4), GemvTile(2, 1024, 4, 4, 256, 4),
+    GemvTile(8, 512, 4, 16, 256, 4, 3, 3), GemvTile(4, 256, 4, 16, 128, 4, 4, 4),
+]  # fmt: skip
+
+
+def _explore_cands(T: int, E: int, I: int, best_gemv: GemvTile | None) -> list[MoeConfig]:
+    base = _baseline_config(T, E, I)
+    cands = [base]
+    if T <= 16:
+        g = [moe_config(T * K, E, 2, I)._replace(gemv=GEMV_TILES[0])]
+        g += [base._replace(gemv=best_gemv)] if best_gemv is not None and best_gemv != GEMV_TILES[0] else []
+        cands += g
+    if base.block_m == 16:  # split-K gate_up (the down finishes the partials)
+        cands += [base._replace(gate_up=base.gate_up._replace(k_split=s)) for s in (2, 4, 8)]
+    if E == 32 and T >= 64:  # fewer, larger M blocks: weights read by fewer programs, wgmma from BLOCK_M 64
+        cands += [
+            MoeConfig(32, GemmTile(64, 128, 4, 4, 4), GemmTile(64, 128, 4, 4, 4)),
+            MoeConfig(64, GemmTile(256, 64, 8, 8, 3), GemmTile(128, 64, 8, 4, 4)),
+            MoeConfig(64, GemmTile(128, 64, 8, 4, 4, True), GemmTile(128, 64, 8, 4, 4)),
+            MoeConfig(64, GemmTile(128, 64, 8, 8, 3, True), GemmTile(256, 64, 8, 8, 3)),
+            MoeConfig(128, GemmTile(128, 64, 8, 8, 3, True), GemmTile(256, 64, 8, 8, 3)),
+        ]  # fmt: skip
+    return list(dict.fromkeys(cands))
+
+
+def bench_moe_explore(copy_gbs: float, ts: Sequence[int], workers: int) -> None:
+    if workers > 0:
+        jobs = {(c, min(T, 2), I) for T in ts for E, I in MOE_SHAPES
+                for c in _explore_cands(T, E, I, None) + [MoeConfig(16, *_baseline_config(1, E, I)[1:3], g)
+                                                        for g in GEMV_TILES]}  # fmt: skip
+        _prewarm_pool(_prewarm_pipe, sorted(jobs, key=str), workers)
+    out = []
+    for E, I in MOE_SHAPES:
+        w13 = torch.randn(E, 2 * I, D, device=DEV, dtype=torch.bfloat16) / D**0.5
+        w2 = torch.randn(E, D, I, device=DEV, dtype=torch.bfloat16) / I**0.5
+        best_gemv = None
+        for T in ts:
+            x = torch.randn(T, D, device=DEV, dtype=torch.bfloat16)
+            ids_sets = _routes(T, E, 8 if T <= 64 else 1)
+            wts = torch.rand(T, K, device=DEV)
+            touched = torch.unique(ids_sets[0]).numel()
+            read_ms = touched * 3 * I * D * 2 / copy_gbs / 1e6
+            ref = fused_moe_ref(x, w13, w2, ids_sets[0], wts).float()
+            cell: dict[str, object] = {"E": E, "I": I, "T": T, "touched_read_ms": read_ms}
+            if T == 1:  # gemv tiles: up and down graph-timed apart
+                ups, downs = {}, {}
+                for g in GEMV_TILES:
+                    acts = [gemv_gate_up(x, w13, ids, g) for ids in ids_sets]
+                    ups[g] = ms_graph([partial(gemv_gate_up, x, w13, ids, g) for ids in ids_sets])
+                    downs[g] = ms_graph([partial(gemv_down_sum, a, w2, ids, wts, g)
+                                         for a, ids in zip(acts, ids_sets, strict=True)])  # fmt: skip
+                bu, bd = min(ups, key=ups.__getitem__), min(downs, key=downs.__getitem__)
+                best_gemv = GemvTile(*bu[:3], *bd[3:6], bu.up_stages, bd.down_stages)
+                cell["gemv_up_ms"] = {str(tuple(g)[:3] + (g.up_stages,)): v for g, v in ups.items()}
+                cell["gemv_down_ms"] = {str(tuple(g)[3:6] + (g.down_stages,)): v for g, v in downs.items()}
+                for part in ("up", "down"):
+                    times_ = cell[f"gemv_{part}_ms"]
+                    assert isinstance(times_, dict)
+                    print(f"E={E} T=1 gemv {part} graph ms: " + ", ".join(f"{k}: {v:.4f}" for k, v in times_.items()))
+            res = {}
+            for cfg in _explore_cands(T, E, I, best_gemv):
+                fns = [partial(fused_moe, x, w13, w2, ids, wts, config=cfg) for ids in ids_sets]
+                try:
+                    o = fns[0]().float()
+                    err = ((o - ref).norm() / ref.norm()).item()
+                    t_e = ms(rotating(fns))
+                    t_g = ms_graph(fns) if T <= 1024 else float("nan")
+                except Exception as e:  # out of shared memory etc.: recorded, not fatal
+                    print(f"  E={E} T={T} {_cfg_str(cfg)} failed: {type(e).__name__}: {str(e)[:120]}")
+                    continue
+                res[_cfg_str(cfg)] = {"eager_ms": t_e, "graph_ms": t_g, "rel_err": err,
+                                      "x_read": min(t_e, t_g) / read_ms}  # fmt: skip
+                print(f"E={E:>3} I={I:>4} T={T:>4} {_cfg_str(cfg):>70} eager {t_e:.4f} graph {t_g:.4f} "
+                      f"x read {res[_cfg_str(cfg)]['x_read']:.2f} err {err:.1e}")  # fmt: skip
+            cell["cands"] = res
+            out.append(cell)
+            RESULTS["moe_explore"] = out
+            save()
+        del w13, w2
+        torch.cuda.empty_cache()
 
 
 def bench_moe(copy_gbs: float, ts: Sequence[int], sweep_ts: Sequence[int], workers: int) -> None:
@@ -321,7 +436,7 @@ def bench_moe(copy_gbs: float, ts: Sequence[int], sweep_ts: Sequence[int], worke
             ids_sets = _routes(T, E, sets)
             wts = torch.rand(T, K, device=DEV)
             flops = 2 * T * K * 3 * I * D
-            default = moe_config(T * K, E, 2, I)
+            default = moe_config(T * K, E, 2, I, tokens=T)
             cfgs = [default]
             sweep: dict[str, object] = {}
             if T in sweep_ts:  # best gate_up and best down tile per BLOCK_M, composed
@@ -353,7 +468,18 @@ def bench_moe(copy_gbs: float, ts: Sequence[int], sweep_ts: Sequence[int], worke
             align_same = torch.equal(a.sorted_ids[:used], r.sorted_ids[:used]) and torch.equal(
                 a.block_expert, r.block_expert)  # fmt: skip
             t_al, t_al_ref = ms_graph(al), ms_graph(al_ref)
-            parts = _parts(x, w13, w2, ids_sets, wts, cfg.block_m, [cfg.gate_up], [cfg.down], E)
+            if cfg.gemv is not None:  # the gemv path's two kernels, graph-timed (no align, no sum launch)
+                g = cfg.gemv
+                acts = [gemv_gate_up(x, w13, ids, g) for ids in ids_sets]
+                parts = {"up": {cfg.gate_up: ms_graph([partial(gemv_gate_up, x, w13, ids, g) for ids in ids_sets])},
+                         "down": {cfg.down: ms_graph([partial(gemv_down_sum, a, w2, ids, wts, g)
+                                                      for a, ids in zip(acts, ids_sets, strict=True)])}}  # fmt: skip
+            else:
+                parts = _parts(x, w13, w2, ids_sets, wts, cfg.block_m, [cfg.gate_up], [cfg.down], E)
+            base = _baseline_config(T, E, I)  # the previous defaults, timed in this run
+            fb = [partial(fused_moe, x, w13, w2, ids, wts, config=base) for ids in ids_sets]
+            tb = times[base] if base in times else ms(rotating(fb))
+            tbg = ms_graph(fb) if T <= 1024 else float("nan")
             y = torch.randn(T * K, D, device=DEV, dtype=torch.bfloat16)
             t_sum = ms(partial(moe_sum, y, ids_sets[0]))
             out = fns[0]()
@@ -368,6 +494,7 @@ def bench_moe(copy_gbs: float, ts: Sequence[int], sweep_ts: Sequence[int], worke
             read_ms = touched * 3 * I * D * 2 / copy_gbs / 1e6
             best_t = min(t, tg) if not math.isnan(tg) else t
             row = {"E": E, "I": I, "T": T, "cfg": [cfg.block_m, list(cfg.gate_up), list(cfg.down)],
+                   "gemv": list(cfg.gemv) if cfg.gemv is not None else None,
                    "default_cfg": [default.block_m, list(default.gate_up), list(default.down)],
                    "default_cfg_ms": times.get(default, float("nan")), "ms": t, "graph_ms": tg,
                    "TFLOPs": flops / t / 1e9, "dense_ms": td, "dense_TFLOPs": flops / td / 1e9,
@@ -377,12 +504,14 @@ def bench_moe(copy_gbs: float, ts: Sequence[int], sweep_ts: Sequence[int], worke
                    "align_graph_ms": t_al, "align_ref_graph_ms": t_al_ref, "align_equal_ref": align_same,
                    "gate_up_ms": next(iter(parts["up"].values()), float("nan")),
                    "down_ms": next(iter(parts["down"].values()), float("nan")), "sum_ms": t_sum,
-                   "sweep_ms": sweep}  # fmt: skip
+                   "sweep_ms": sweep, "baseline_cfg": _cfg_str(base), "baseline_ms": tb, "baseline_graph_ms": tbg,
+                   "x_read_baseline": (min(tb, tbg) if not math.isnan(tbg) else tb) / read_ms}  # fmt: skip
             rows_out.append(row)
             print(f"{E:>4} {I:>5} {T:>6} {_cfg_str(cfg):>44} {t:>8.3f} {tg:>7.3f} {row['TFLOPs']:>7.0f} "
                   f"{row['pct_dense']:>5.0f}% {tl_:>8.2f} {read_ms:>7.3f} {row['x_read']:>5.2f}x "
                   f"{t_al:>8.4f}/{t_al_ref:.4f}  up {row['gate_up_ms']:.3f} down {row['down_ms']:.3f} "
-                  f"sum {t_sum:.3f} err {err:.1e} same {same_ref_align and align_same}")  # fmt: skip
+                  f"sum {t_sum:.3f} err {err:.1e} same {same_ref_align and align_same} | baseline {tb:.3f} / "
+                  f"graph {tbg:.3f} ({row['x_read_baseline']:.2f}x read)")  # fmt: skip
             RESULTS["moe"] = rows_out
             save()
         del w13, w2
@@ -419,12 +548,14 @@ def markdown(res: dict) -> str:
                      f"{r['speedup']:.1f}x |")  # fmt: skip
     lines += ["", "| E | I | T | BM: gate_up / down (bn,bk,g,w,s) | eager ms | graph ms | TFLOP/s | % dense | "
               "loop ms | vs loop | touched-read ms | x read |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    def tile(t: list) -> str:  # (bn, bk, g, w, s[, il][, split n]), as BENCHMARKS.md prints them
-        return "(" + ", ".join([*map(str, t[:5])] + ["il"] * bool(t[5]) + [f"split {t[6]}"] * bool(t[6])) + ")"
+    def tile(t: list) -> str:  # (bn, bk, g, w, s[, il][, split n][, k-split n]), as BENCHMARKS.md prints them
+        return "(" + ", ".join([*map(str, t[:5])] + ["il"] * bool(t[5]) + [f"split {t[6]}"] * bool(t[6])
+                               + [f"k-split {t[7]}"] * (len(t) > 7 and t[7] > 1)) + ")"  # fmt: skip
 
     for r in res.get("moe", []):
         bm, up, down = r["cfg"]
-        lines.append(f"| {r['E']} | {r['I']} | {r['T']} | {bm}: {tile(up)} / {tile(down)} | {r['ms']:.3f} | "
+        tiles = f"gemv {tuple(r['gemv'])}" if r.get("gemv") else f"{bm}: {tile(up)} / {tile(down)}"
+        lines.append(f"| {r['E']} | {r['I']} | {r['T']} | {tiles} | {r['ms']:.3f} | "
                      f"{r['graph_ms']:.3f} | {r['TFLOPs']:.0f} | {r['pct_dense']:.0f}% | {r['loop_ms']:.2f} | "
                      f"{r['speedup_vs_loop']:.1f}x | {r['touched_read_ms']:.3f} | {r['x_read']:.2f}x |")  # fmt: skip
     lines += ["", "| E | I | T | align graph ms | torch align graph ms | gate_up ms | down ms | sum ms | dense ms | "
@@ -461,6 +592,7 @@ def main() -> None:
         "topk": bench_topk,
         "decode": partial(bench_decode, copy_gbs, gemm_tflops, a.quick),
         "moe": partial(bench_moe, copy_gbs, moe_ts, sweep_ts, a.prewarm),
+        "moe_explore": partial(bench_moe_explore, copy_gbs, moe_ts, a.prewarm),
     }
     for name in a.only.split(","):
         try:

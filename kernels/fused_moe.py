@@ -14,6 +14,9 @@ Pipeline (SGLang's fused_moe layout, 4-5 launches, no host sync, so it can sit i
      is loaded once for both), written in the activation dtype.
   3. moe_down: y [M, D] = topk_weight * (act W2^T). Its own tiles: N = D is long and K = I short.
   4. moe_sum: out [T, D] = sum over k of y, fp32 accumulation, skipping ids of -1.
+A gate_up tile with k_split S > 1 writes fp32 gate/up partials [S, M, 2I] instead of act; the down sums
+them and applies SiLU-and-mul while loading its A tile. moe_config (kernels/moe_config.py) may instead
+pick the gemv path (kernels/moe_gemv.py): no align, two launches, for T = 1.
 The y [M, D] round trip stays: fusing the sum into the down epilogue needs fp32 atomics into [T, D],
 and a token's K pairs sit in K different experts' blocks far apart in launch order, so at T = 16k
 ([T, D] fp32 = 470 MB, 8x the L2) each add would re-read and re-write its line from HBM: ~7.5 GB
@@ -22,7 +25,7 @@ against the round trip's 3.8 GB.
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple
+from typing import Literal
 
 import torch
 import triton
@@ -31,60 +34,30 @@ import triton.language as tl
 from r3trace.kernels.contract import FLOAT_DTYPES, require, require_tensor
 from r3trace.kernels.dot import dot_precision, mma
 from r3trace.kernels.moe_align import MoeAlignment, moe_align, moe_align_ref
+from r3trace.kernels.moe_config import GemmTile, GemvTile, MoeConfig, grouped_config, moe_config, same_tiles
+from r3trace.kernels.moe_gemv import gemv_down_sum, gemv_gate_up
+
+__all__ = [
+    "GemmTile", "GemvTile", "MoeConfig", "fused_moe", "fused_moe_ref", "grouped_config", "moe_config",
+    "moe_down", "moe_gate_up", "moe_sum", "same_tiles",
+]  # fmt: skip
 
 
-class GemmTile(NamedTuple):
-    """One grouped GEMM's tiles; BLOCK_M is shared (it is the alignment's padding unit)."""
-
-    block_n: int
-    block_k: int
-    group_m: int  # blocks of M walked together so their weight tiles stay in L2
-    num_warps: int
-    num_stages: int
-    interleave: bool = False  # gate_up only: one N = 2 BLOCK_N product instead of two of BLOCK_N
-    n_split: int = 0  # down only, used when block_k >= I: A read once, n_split programs per block walk N
-
-
-class MoeConfig(NamedTuple):
-    block_m: int
-    gate_up: GemmTile
-    down: GemmTile
-
-
-def same_tiles(block_m: int, block_n: int, block_k: int, group_m: int, warps: int, stages: int) -> MoeConfig:
-    """One tile for both GEMMs (the layout before the GEMMs were tuned apart)."""
-    tile = GemmTile(block_n, block_k, group_m, warps, stages)
-    return MoeConfig(block_m, tile, tile)
-
-
-def moe_config(num_pairs: int, num_experts: int, itemsize: int = 2, inter: int = 0) -> MoeConfig:
-    """Tile by the mean rows per expert (H200 sweeps, bench/NOTES.md "Fused MoE" runs 1-2, bf16, D = 7168).
-
-    Decode-sized runs (<= 16 rows) want BLOCK_M 16 (the tensor cores' minimum) and many programs
-    streaming weights: gate_up (32, 256) 0.033 ms vs (64, 128) 0.040 ms at E = 256, T = 1. From 128
-    rows on BLOCK_M 128 beat 64 at both shapes despite more padding (E = 256, T = 4k: 1.26 vs 1.39 ms
-    for the two GEMMs); gate_up with gate and up interleaved into one N = 256 product (E = 32, T = 16k:
-    13.55 vs 14.20 ms), down with 128 x 256 tiles (7.22 vs 8.37 ms). inter = I <= 256: down holds the
-    whole K in one tile and walks N (E = 256: 1.36 vs 1.71 ms at T = 16k, 0.29 vs 0.49 ms at T = 1k).
-
-    fp32 halves BLOCK_K and never takes the whole-K down: the gate_up kernel stages an A tile and two B
-    tiles per pipeline stage, and at 4 bytes (16, 64, 128) x 4 stages needs 295 KB of shared memory,
-    over the H200's 227 KB (seen on the H200: OutOfResources, required 245760)."""
-    rows = num_pairs / max(1, num_experts)
-    if rows <= 16:
-        bm, up, down, whole_k = 16, GemmTile(32, 256, 1, 4, 3), GemmTile(64, 128, 1, 4, 4), 16
-    elif rows <= 64:  # gate_up interleaved measured only at I = 256 (E = 256, T = 1k: 0.50 vs 0.53 ms)
-        up = GemmTile(128, 64, 4, 4, 4, True) if 0 < inter <= 256 else GemmTile(64, 128, 4, 4, 4)
-        bm, down, whole_k = 32, GemmTile(64, 128, 4, 4, 4), 8
-    elif rows < 128:  # not swept at its own T: run 1's BLOCK_M 64 winners
-        bm, up, down, whole_k = 64, GemmTile(256, 64, 8, 8, 3), GemmTile(128, 64, 8, 4, 4), 4
+@triton.jit
+def _a_tile(a_ptr, rows, offs_k, mask, stride_am, part_stride, KDIM, ACT_SPLIT: tl.constexpr, dtype: tl.constexpr):
+    """The down's A tile: act rows, or with ACT_SPLIT > 0 silu(sum of gate partials) * (sum of up partials)
+    from a split-K gate_up's fp32 partials [ACT_SPLIT, M, 2I], rounded to the act dtype as act is."""
+    ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
+    if ACT_SPLIT == 0:
+        a = tl.load(ptrs, mask=mask, other=0.0)
     else:
-        bm, up, down, whole_k = 128, GemmTile(128, 64, 8, 8, 3, True), GemmTile(256, 64, 8, 8, 3), 4
-    if itemsize >= 4:
-        up, down = up._replace(block_k=up.block_k // 2), down._replace(block_k=down.block_k // 2)
-    elif 0 < inter <= 256:
-        down = GemmTile(64, 256, min(8, up.group_m), up.num_warps, 3, n_split=whole_k)
-    return MoeConfig(bm, up, down)
+        gate = tl.load(ptrs, mask=mask, other=0.0)
+        up = tl.load(ptrs + KDIM, mask=mask, other=0.0)
+        for s in tl.static_range(1, ACT_SPLIT):
+            gate += tl.load(ptrs + s * part_stride, mask=mask, other=0.0)
+            up += tl.load(ptrs + s * part_stride + KDIM, mask=mask, other=0.0)
+        a = (gate * tl.sigmoid(gate) * up).to(dtype)
+    return a
 
 
 @triton.jit
@@ -97,7 +70,7 @@ def _fused_moe_kernel(
     stride_am, stride_we, stride_wn, stride_om,
     # constexpr
     GATE_UP: tl.constexpr, EVEN_K: tl.constexpr, INTERLEAVE: tl.constexpr, W_COLS: tl.constexpr,
-    N_SPLIT: tl.constexpr,
+    N_SPLIT: tl.constexpr, K_SPLIT: tl.constexpr, ACT_SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -108,7 +81,13 @@ def _fused_moe_kernel(
     # N_SPLIT > 0 (down, BLOCK_K >= KDIM): the A tile is loaded once and the program walks every N_SPLIT-th
     # N tile, so the weight loads of one tile pipeline under the product and store of the previous: with
     # K = I = 256 a one-tile program is mostly prologue and epilogue (1.72 ms at E = 256, T = 16k: 314 TF/s)
+    # K_SPLIT > 1 (gate_up): K_SPLIT programs per output tile, each over a BLOCK_K-aligned chunk of K,
+    # store fp32 gate and up partials to out [K_SPLIT, M, 2N]; ACT_SPLIT = K_SPLIT (down): a_ptr is that
+    # buffer and _a_tile finishes the activation while loading
     pid = tl.program_id(0)
+    if K_SPLIT > 1:
+        pid_k = pid % K_SPLIT
+        pid = pid // K_SPLIT
     num_pid_m = tl.cdiv(cap, BLOCK_M)
     if N_SPLIT > 0:  # noqa: SIM108 (a constexpr branch, resolved when the kernel compiles)
         num_pid_n = N_SPLIT
@@ -129,11 +108,13 @@ def _fused_moe_kernel(
         return
     pair_mask = pairs < num_pairs
     a_rows = (pairs // a_row_div).to(tl.int64)
+    part_stride = num_pairs.to(tl.int64) * stride_am  # ACT_SPLIT only: one partial's [M, 2I]
+    a_dtype = w_ptr.dtype.element_ty
     offs_k = tl.arange(0, BLOCK_K)
     if N_SPLIT > 0:
         k_mask = offs_k < KDIM
-        a = tl.load(a_ptr + a_rows[:, None] * stride_am + offs_k[None, :], mask=pair_mask[:, None] & k_mask[None, :],
-                    other=0.0)  # fmt: skip
+        a = _a_tile(a_ptr, a_rows, offs_k, pair_mask[:, None] & k_mask[None, :], stride_am, part_stride, KDIM,
+                    ACT_SPLIT, a_dtype)  # fmt: skip
         wt = tl.load(topk_weights_ptr + pairs, mask=pair_mask, other=0.0)
         w_base = w_ptr + expert * stride_we + offs_k[:, None]
         for n0 in range(pid_n * BLOCK_N, N, N_SPLIT * BLOCK_N):
@@ -145,9 +126,16 @@ def _fused_moe_kernel(
             tl.store(out_ptr + pairs[:, None].to(tl.int64) * stride_om + offs_n[None, :],
                      acc.to(out_ptr.dtype.element_ty), mask=pair_mask[:, None] & n_mask[None, :])  # fmt: skip
     else:
+        if K_SPLIT > 1:  # chunks of whole BLOCK_K steps, so EVEN_K holds in every chunk when it holds for K
+            k_per = tl.cdiv(tl.cdiv(KDIM, K_SPLIT), BLOCK_K) * BLOCK_K
+            k_lo = pid_k * k_per
+            k_hi = tl.minimum(KDIM, k_lo + k_per)
+        else:
+            k_lo = 0
+            k_hi = KDIM
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
-        a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
+        a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] + k_lo
         if INTERLEAVE:
             j = tl.arange(0, W_COLS)
             w_rows = pid_n * BLOCK_N + j // 2 + (j % 2) * N  # [2 BLOCK_N]: gate n, up n, gate n+1, ...
@@ -155,11 +143,16 @@ def _fused_moe_kernel(
         else:
             w_rows = offs_n
             w_mask = n_mask
-        w_ptrs = w_ptr + expert * stride_we + w_rows[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [K, W]
+        w_ptrs = w_ptr + expert * stride_we + w_rows[None, :].to(tl.int64) * stride_wn + offs_k[:, None] + k_lo
         acc = tl.zeros((BLOCK_M, W_COLS), tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        for k0 in range(0, KDIM, BLOCK_K):
-            if EVEN_K:
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            if ACT_SPLIT > 0:
+                k_mask = (k0 + offs_k) < KDIM
+                a = _a_tile(a_ptr, a_rows, k0 + offs_k, pair_mask[:, None] & k_mask[None, :], stride_am, part_stride,
+                            KDIM, ACT_SPLIT, a_dtype)  # fmt: skip
+                w = tl.load(w_ptrs, mask=k_mask[:, None] & w_mask[None, :], other=0.0)
+            elif EVEN_K:
                 a = tl.load(a_ptrs, mask=pair_mask[:, None], other=0.0)
                 w = tl.load(w_ptrs, mask=w_mask[None, :], other=0.0)
             else:
@@ -178,13 +171,20 @@ def _fused_moe_kernel(
 
         if INTERLEAVE:
             gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
-            acc = gate * tl.sigmoid(gate) * up
-        elif GATE_UP:
-            acc = acc * tl.sigmoid(acc) * acc_up  # silu(gate) * up, in fp32 before the one rounding
         else:
-            acc = acc * tl.load(topk_weights_ptr + pairs, mask=pair_mask, other=0.0)[:, None]
+            gate, up = acc, acc_up
         o_ptrs = out_ptr + pairs[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=pair_mask[:, None] & n_mask[None, :])
+        o_mask = pair_mask[:, None] & n_mask[None, :]
+        if K_SPLIT > 1:  # fp32 partials, summed and activated by the down's A load
+            o_ptrs += pid_k * num_pairs.to(tl.int64) * stride_om
+            tl.store(o_ptrs, gate, mask=o_mask)
+            tl.store(o_ptrs + N, up, mask=o_mask)
+        else:
+            if GATE_UP:
+                acc = gate * tl.sigmoid(gate) * up  # silu(gate) * up, in fp32 before the one rounding
+            else:
+                acc = acc * tl.load(topk_weights_ptr + pairs, mask=pair_mask, other=0.0)[:, None]
+            tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
 @triton.jit
@@ -242,22 +242,24 @@ AlignBackend = Literal["triton", "ref"]
 
 def _launch_gemm(
     a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, align: MoeAlignment, topk_weights: torch.Tensor,
-    block_m: int, tile: GemmTile, gate_up: bool, a_row_div: int,
+    block_m: int, tile: GemmTile, gate_up: bool, a_row_div: int, num_pairs: int, act_split: int = 0,
 ) -> None:  # fmt: skip
-    N = out.shape[1]
-    kdim = a.shape[1]
+    N = w.shape[1] // 2 if gate_up else w.shape[1]
+    kdim = w.shape[2]
     cap = align.sorted_ids.shape[0]
+    k_split = tile.k_split if gate_up and tile.k_split > 1 else 1
     # grid from the host-side bound P; programs past the device-side num_padded return after one load
     n_split = tile.n_split if not gate_up and 0 < kdim <= tile.block_k else 0
-    grid = ((cap // block_m) * (n_split or triton.cdiv(N, tile.block_n)),)
+    grid = ((cap // block_m) * (n_split or triton.cdiv(N, tile.block_n)) * k_split,)
     _fused_moe_kernel[grid](
         a, w, out, align.sorted_ids, align.block_expert, align.num_padded, topk_weights,
-        N, kdim, out.shape[0], cap, a_row_div,
+        N, kdim, num_pairs, cap, a_row_div,
         a.stride(0), w.stride(0), w.stride(1), out.stride(0),
         GATE_UP=gate_up, EVEN_K=kdim % tile.block_k == 0, INTERLEAVE=gate_up and tile.interleave,
         W_COLS=tile.block_n * (2 if gate_up and tile.interleave else 1), N_SPLIT=n_split,
+        K_SPLIT=k_split, ACT_SPLIT=act_split,
         BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
-        UPCAST=not a.is_cuda, INPUT_PRECISION=dot_precision(a.dtype == torch.float32),
+        UPCAST=not a.is_cuda, INPUT_PRECISION=dot_precision(w.dtype == torch.float32),
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )  # fmt: skip
 
@@ -265,19 +267,28 @@ def _launch_gemm(
 def moe_gate_up(
     hidden: torch.Tensor, w13: torch.Tensor, align: MoeAlignment, top_k: int, block_m: int, tile: GemmTile
 ) -> torch.Tensor:
-    """hidden [T, D] -> act [M, I] = silu(x W_gate^T) * (x W_up^T) per pair (rows of skipped pairs unset)."""
-    act = torch.empty((hidden.shape[0] * top_k, w13.shape[1] // 2), dtype=hidden.dtype, device=hidden.device)
-    _launch_gemm(hidden, w13, act, align, act, block_m, tile, True, top_k)  # weights unused: act as dummy
+    """hidden [T, D] -> act [M, I] = silu(x W_gate^T) * (x W_up^T) per pair (rows of skipped pairs unset);
+    with tile.k_split > 1 instead fp32 partials [k_split * M, 2I] (gate | up), which moe_down(act_split=
+    k_split) finishes."""
+    M, two_i = hidden.shape[0] * top_k, w13.shape[1]
+    if tile.k_split > 1:
+        act = torch.empty((tile.k_split * M, two_i), dtype=torch.float32, device=hidden.device)
+    else:
+        act = torch.empty((M, two_i // 2), dtype=hidden.dtype, device=hidden.device)
+    _launch_gemm(hidden, w13, act, align, act, block_m, tile, True, top_k, M)  # weights unused: act as dummy
     return act
 
 
 def moe_down(
     act: torch.Tensor, w2: torch.Tensor, align: MoeAlignment, topk_weights: torch.Tensor, block_m: int,
-    tile: GemmTile,
+    tile: GemmTile, act_split: int = 0,
 ) -> torch.Tensor:  # fmt: skip
-    """act [M, I] -> y [M, D] = topk_weight * (act W2^T) per pair (rows of skipped pairs unset)."""
-    y = torch.empty((act.shape[0], w2.shape[1]), dtype=act.dtype, device=act.device)
-    _launch_gemm(act, w2, y, align, topk_weights, block_m, tile, False, 1)
+    """act [M, I] -> y [M, D] = topk_weight * (act W2^T) per pair (rows of skipped pairs unset).
+    act_split > 1: act is moe_gate_up's fp32 partials, summed and activated here."""
+    act_split = act_split if act_split > 1 else 0
+    M = act.shape[0] // max(1, act_split)
+    y = torch.empty((M, w2.shape[1]), dtype=w2.dtype, device=act.device)
+    _launch_gemm(act, w2, y, align, topk_weights, block_m, tile, False, 1, M, act_split)
     return y
 
 
@@ -303,8 +314,9 @@ def fused_moe(
     config: MoeConfig | None = None,
     align: AlignBackend = "triton",
 ) -> torch.Tensor:
-    """hidden [T, D] -> [T, D]; see the module docstring. config=None picks tiles by rows per expert;
-    align picks the alignment twin (same result bit for bit; "ref" is the torch one)."""
+    """hidden [T, D] -> [T, D]; see the module docstring. config=None: moe_config's choice (the gemv path
+    at T = 1, else grouped tiles by rows per expert); align picks the alignment twin of the grouped path
+    (same result bit for bit; "ref" is the torch one)."""
     _check_moe_args(hidden, w13, w2, topk_ids, topk_weights)
     require(align in ("triton", "ref"), f"align {align!r} not in ('triton', 'ref')")
     T, D = hidden.shape
@@ -312,10 +324,12 @@ def fused_moe(
     K = topk_ids.shape[1]
     if T * K == 0:
         return torch.empty((T, D), dtype=hidden.dtype, device=hidden.device)
-    cfg = config or moe_config(T * K, E, hidden.element_size(), w2.shape[2])
+    cfg = config or moe_config(T * K, E, hidden.element_size(), w2.shape[2], tokens=T)
+    if cfg.gemv is not None:  # kernels/moe_gemv.py: no alignment (the align argument has nothing to pick)
+        return gemv_down_sum(gemv_gate_up(hidden, w13, topk_ids, cfg.gemv), w2, topk_ids, topk_weights, cfg.gemv)
     alignment = (moe_align if align == "triton" else moe_align_ref)(topk_ids, E, cfg.block_m)
     act = moe_gate_up(hidden, w13, alignment, K, cfg.block_m, cfg.gate_up)
-    y = moe_down(act, w2, alignment, topk_weights, cfg.block_m, cfg.down)
+    y = moe_down(act, w2, alignment, topk_weights, cfg.block_m, cfg.down, cfg.gate_up.k_split)
     return moe_sum(y, topk_ids)
 
 

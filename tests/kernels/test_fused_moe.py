@@ -10,7 +10,16 @@ import pytest
 import torch
 
 from r3trace.kernels.contract import KernelInputError
-from r3trace.kernels.fused_moe import GemmTile, MoeConfig, fused_moe, fused_moe_ref, same_tiles
+from r3trace.kernels.fused_moe import (
+    GemmTile,
+    GemvTile,
+    MoeConfig,
+    fused_moe,
+    fused_moe_ref,
+    grouped_config,
+    moe_config,
+    same_tiles,
+)
 from tests.kernels.conftest import DEVICE, assert_close_to_ref, gpu, requires_gpu, requires_triton
 
 pytestmark = requires_triton
@@ -70,8 +79,56 @@ def test_fused_moe_tile_configs(config: MoeConfig, poisoned_empty: None) -> None
     assert_close_to_ref(out, ref, torch.bfloat16)
 
 
-def test_fused_moe_all_ids_off_rank_gives_zeros() -> None:
-    hidden, w13, w2, ids, weights = _moe_case(4, 40, 6, 24, 3, torch.float32, DEVICE, seed=0)
+# The three paths on odd shapes. Tolerances: the conftest table (output roundings dominate). What the
+# paths change is only the fp32 summation order: split-K sums each gate/up dot product over D as S chunk
+# sums (chunks of whole BLOCK_K steps; with D = 40, BLOCK_K 16 and S = 4 the last chunk is empty and
+# contributes zeros); gemv sums in BLOCK_K lanes reduced by a tree at the end, and sums the K experts of
+# a token in fp32 without rounding y [M, D] to the activation dtype first. Reordering a D = 40 fp32 sum
+# moves it by a few ulps (2^-24 relative each): ~1e-7 of values up to ~3 here, far below the fp32 row
+# (1e-4) and 1e5 times below a bf16 ulp; gemv is closer to the fp32 reference than grouped in bf16 (one
+# rounding less: max error 0.023 vs 0.038 at T = 17 in the interpreter).
+PATHS = {
+    "grouped": MoeConfig(16, GemmTile(32, 16, 2, 4, 2), GemmTile(16, 32, 2, 4, 2, n_split=3)),
+    "split-k": MoeConfig(16, GemmTile(32, 16, 2, 4, 2, k_split=4), GemmTile(16, 32, 2, 4, 2, n_split=3)),
+    "split-k-il-down-k-loop": MoeConfig(32, GemmTile(16, 16, 2, 4, 2, True, k_split=2), GemmTile(32, 16, 1, 4, 2)),
+    "gemv": MoeConfig(16, GemmTile(32, 16, 2, 4, 2), GemmTile(16, 32, 2, 4, 2), GemvTile(8, 16, 4, 16, 16, 4)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("T, E", [(1, 256), (3, 33), (17, 8)])
+def test_fused_moe_paths_match_ref(T: int, E: int, dtype: torch.dtype, path: str, poisoned_empty: None) -> None:
+    """grouped, split-K gate_up (down finishing the partials in its whole-K tile or in its K loop, gate/up
+    interleaved or not) and gemv, each forced, against the reference; D = 40 and I = 24 are no powers of 2
+    and BLOCK_K 16 does not divide D; ids of -1 and an empty expert as in every case here."""
+    hidden, w13, w2, ids, weights = _moe_case(T, 40, E, 24, 3, dtype, DEVICE, seed=T + E)
+    out = fused_moe(hidden, w13, w2, ids, weights, config=PATHS[path])
+    ref = fused_moe_ref(hidden.float(), w13.float(), w2.float(), ids, weights)
+    assert out.shape == hidden.shape and out.dtype == dtype
+    assert_close_to_ref(out, ref, dtype)
+
+
+def test_fused_moe_split_k_moves_fp32_by_summation_order_only() -> None:
+    """fp32, ieee dots: split-K against the unsplit grouped path differs by the reordered sums alone."""
+    hidden, w13, w2, ids, weights = _moe_case(17, 40, 8, 24, 3, torch.float32, DEVICE, seed=7)
+    plain = fused_moe(hidden, w13, w2, ids, weights, config=PATHS["grouped"])
+    split = fused_moe(hidden, w13, w2, ids, weights, config=PATHS["split-k"])
+    rel = ((split.double() - plain.double()).norm() / plain.double().norm()).item()
+    assert rel < 1e-6, f"split-K moved the fp32 output by {rel:.1e} (a few ulps expected)"
+
+
+def test_moe_config_picks_gemv_at_one_token_only() -> None:
+    assert moe_config(8, 256, 2, 256, tokens=1).gemv is not None
+    assert moe_config(8, 32, 2, 2048, tokens=1).gemv is not None
+    for tokens in (0, 2, 16):
+        assert moe_config(8 * max(tokens, 1), 256, 2, 256, tokens=tokens).gemv is None
+    assert moe_config(16, 256, 2, 256, tokens=2)[:3] == grouped_config(16, 256, 2, 256)[:3]
+
+
+@pytest.mark.parametrize("T", [1, 4])  # T = 1: the default gemv path
+def test_fused_moe_all_ids_off_rank_gives_zeros(T: int) -> None:
+    hidden, w13, w2, ids, weights = _moe_case(T, 40, 6, 24, 3, torch.float32, DEVICE, seed=0)
     out = fused_moe(hidden, w13, w2, torch.full_like(ids, -1), weights)
     assert torch.equal(out, torch.zeros_like(out))
 
@@ -98,25 +155,42 @@ def test_fused_moe_deepseek_like_gpu(T: int) -> None:
     assert_close_to_ref(out, ref, torch.bfloat16)
 
 
+GPU_SPLIT_K = MoeConfig(16, GemmTile(32, 256, 1, 4, 3, k_split=4), GemmTile(64, 256, 1, 4, 3, n_split=16))
+GPU_SPLIT_K_LOOP = MoeConfig(16, GemmTile(32, 256, 1, 4, 3, k_split=4), GemmTile(64, 128, 1, 4, 4))
+GPU_GEMV = moe_config(8, 256, 2, 256, tokens=1)
+
+
 @gpu
 @requires_gpu
+@pytest.mark.parametrize("config", [GPU_SPLIT_K, GPU_SPLIT_K_LOOP, GPU_GEMV], ids=["split-k", "split-k-loop", "gemv"])
+@pytest.mark.parametrize("T", [1, 5])
+def test_fused_moe_forced_paths_gpu(T: int, config: MoeConfig) -> None:
+    hidden, w13, w2, ids, weights = _moe_case(T, 1024, 32, 256, 8, torch.bfloat16, "cuda", seed=T)
+    out = fused_moe(hidden, w13, w2, ids, weights, config=config)
+    ref = fused_moe_ref(hidden.float(), w13.float(), w2.float(), ids, weights)
+    assert_close_to_ref(out, ref, torch.bfloat16)
+
+
+@gpu
+@requires_gpu
+@pytest.mark.parametrize("config", [None, GPU_SPLIT_K, GPU_GEMV], ids=["default", "split-k", "gemv"])
 @pytest.mark.parametrize("T", [1, 64])
-def test_fused_moe_cuda_graph_no_sync_gpu(T: int) -> None:
+def test_fused_moe_cuda_graph_no_sync_gpu(T: int, config: MoeConfig | None) -> None:
     """No host sync (sync-debug mode raises on one), and a captured graph replayed on new routes
     written in place gives what eager gives on them: the block count is read on the device."""
     hidden, w13, w2, ids, weights = _moe_case(T, 1024, 256, 128, 8, torch.bfloat16, "cuda", seed=T)
-    fused_moe(hidden, w13, w2, ids, weights)  # compile outside capture
+    fused_moe(hidden, w13, w2, ids, weights, config=config)  # compile outside capture
     torch.cuda.set_sync_debug_mode("error")
     try:
-        fused_moe(hidden, w13, w2, ids, weights)
+        fused_moe(hidden, w13, w2, ids, weights, config=config)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     stream = torch.cuda.Stream()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream), torch.cuda.graph(graph):
-        out = fused_moe(hidden, w13, w2, ids, weights)
+        out = fused_moe(hidden, w13, w2, ids, weights, config=config)
     new_ids = _routes(T, 256, 8, torch.Generator().manual_seed(99)).cuda()
     ids.copy_(new_ids)
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(out, fused_moe(hidden, w13, w2, ids, weights))
+    assert torch.equal(out, fused_moe(hidden, w13, w2, ids, weights, config=config))
