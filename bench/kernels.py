@@ -32,7 +32,6 @@ from r3trace.kernels.fused_moe import (
     MoeConfig,
     fused_moe,
     fused_moe_ref,
-    grouped_config,
     moe_config,
     moe_down,
     moe_gate_up,
@@ -329,9 +328,21 @@ def _cfg_str(c: MoeConfig) -> str:
 
 
 def _baseline_config(T: int, E: int, I: int) -> MoeConfig:
-    """The defaults before the gemv path and split-K (commit 9faa7dc: grouped tiles at every T), timed in
-    the same run as the baseline of every row."""
-    return grouped_config(T * K, E, 2, I)
+    """The defaults before the gemv path and the moved BLOCK_M tier edges (commit 9faa7dc's moe_config, bf16),
+    timed in the same run as the baseline of every row."""
+    rows = T * K / E
+    if rows <= 16:
+        bm, up, down, whole_k = 16, GemmTile(32, 256, 1, 4, 3), GemmTile(64, 128, 1, 4, 4), 16
+    elif rows <= 64:
+        up = GemmTile(128, 64, 4, 4, 4, True) if I <= 256 else GemmTile(64, 128, 4, 4, 4)
+        bm, down, whole_k = 32, GemmTile(64, 128, 4, 4, 4), 8
+    elif rows < 128:
+        bm, up, down, whole_k = 64, GemmTile(256, 64, 8, 8, 3), GemmTile(128, 64, 8, 4, 4), 4
+    else:
+        bm, up, down, whole_k = 128, GemmTile(128, 64, 8, 8, 3, True), GemmTile(256, 64, 8, 8, 3), 4
+    if I <= 256:
+        down = GemmTile(64, 256, min(8, up.group_m), up.num_warps, 3, n_split=whole_k)
+    return MoeConfig(bm, up, down)
 
 
 # ---- exploration (--only moe_explore): candidates graph-timed per (E, I, T), each checked against the ref
@@ -351,8 +362,6 @@ def _explore_cands(T: int, E: int, I: int, best_gemv: GemvTile | None) -> list[M
         g = [moe_config(T * K, E, 2, I)._replace(gemv=GEMV_TILES[0])]
         g += [base._replace(gemv=best_gemv)] if best_gemv is not None and best_gemv != GEMV_TILES[0] else []
         cands += g
-    if base.block_m == 16:  # split-K gate_up (the down finishes the partials)
-        cands += [base._replace(gate_up=base.gate_up._replace(k_split=s)) for s in (2, 4, 8)]
     if E == 32 and T >= 64:  # fewer, larger M blocks: weights read by fewer programs, wgmma from BLOCK_M 64
         cands += [
             MoeConfig(32, GemmTile(64, 128, 4, 4, 4), GemmTile(64, 128, 4, 4, 4)),
@@ -548,9 +557,8 @@ def markdown(res: dict) -> str:
                      f"{r['speedup']:.1f}x |")  # fmt: skip
     lines += ["", "| E | I | T | BM: gate_up / down (bn,bk,g,w,s) | eager ms | graph ms | TFLOP/s | % dense | "
               "loop ms | vs loop | touched-read ms | x read |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    def tile(t: list) -> str:  # (bn, bk, g, w, s[, il][, split n][, k-split n]), as BENCHMARKS.md prints them
-        return "(" + ", ".join([*map(str, t[:5])] + ["il"] * bool(t[5]) + [f"split {t[6]}"] * bool(t[6])
-                               + [f"k-split {t[7]}"] * (len(t) > 7 and t[7] > 1)) + ")"  # fmt: skip
+    def tile(t: list) -> str:  # (bn, bk, g, w, s[, il][, split n]), as BENCHMARKS.md prints them
+        return "(" + ", ".join([*map(str, t[:5])] + ["il"] * bool(t[5]) + [f"split {t[6]}"] * bool(t[6])) + ")"
 
     for r in res.get("moe", []):
         bm, up, down = r["cfg"]

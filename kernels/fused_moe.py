@@ -14,9 +14,8 @@ Pipeline (SGLang's fused_moe layout, 4-5 launches, no host sync, so it can sit i
      is loaded once for both), written in the activation dtype.
   3. moe_down: y [M, D] = topk_weight * (act W2^T). Its own tiles: N = D is long and K = I short.
   4. moe_sum: out [T, D] = sum over k of y, fp32 accumulation, skipping ids of -1.
-A gate_up tile with k_split S > 1 writes fp32 gate/up partials [S, M, 2I] instead of act; the down sums
-them and applies SiLU-and-mul while loading its A tile. moe_config (kernels/moe_config.py) may instead
-pick the gemv path (kernels/moe_gemv.py): no align, two launches, for T = 1.
+moe_config (kernels/moe_config.py) may instead pick the gemv path (kernels/moe_gemv.py): no align, two
+launches (T = 1 at I <= 256).
 The y [M, D] round trip stays: fusing the sum into the down epilogue needs fp32 atomics into [T, D],
 and a token's K pairs sit in K different experts' blocks far apart in launch order, so at T = 16k
 ([T, D] fp32 = 470 MB, 8x the L2) each add would re-read and re-write its line from HBM: ~7.5 GB
@@ -44,23 +43,6 @@ __all__ = [
 
 
 @triton.jit
-def _a_tile(a_ptr, rows, offs_k, mask, stride_am, part_stride, KDIM, ACT_SPLIT: tl.constexpr, dtype: tl.constexpr):
-    """The down's A tile: act rows, or with ACT_SPLIT > 0 silu(sum of gate partials) * (sum of up partials)
-    from a split-K gate_up's fp32 partials [ACT_SPLIT, M, 2I], rounded to the act dtype as act is."""
-    ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
-    if ACT_SPLIT == 0:
-        a = tl.load(ptrs, mask=mask, other=0.0)
-    else:
-        gate = tl.load(ptrs, mask=mask, other=0.0)
-        up = tl.load(ptrs + KDIM, mask=mask, other=0.0)
-        for s in tl.static_range(1, ACT_SPLIT):
-            gate += tl.load(ptrs + s * part_stride, mask=mask, other=0.0)
-            up += tl.load(ptrs + s * part_stride + KDIM, mask=mask, other=0.0)
-        a = (gate * tl.sigmoid(gate) * up).to(dtype)
-    return a
-
-
-@triton.jit
 def _fused_moe_kernel(
     # pointers
     a_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, topk_weights_ptr,
@@ -70,7 +52,7 @@ def _fused_moe_kernel(
     stride_am, stride_we, stride_wn, stride_om,
     # constexpr
     GATE_UP: tl.constexpr, EVEN_K: tl.constexpr, INTERLEAVE: tl.constexpr, W_COLS: tl.constexpr,
-    N_SPLIT: tl.constexpr, K_SPLIT: tl.constexpr, ACT_SPLIT: tl.constexpr,
+    N_SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -81,13 +63,7 @@ def _fused_moe_kernel(
     # N_SPLIT > 0 (down, BLOCK_K >= KDIM): the A tile is loaded once and the program walks every N_SPLIT-th
     # N tile, so the weight loads of one tile pipeline under the product and store of the previous: with
     # K = I = 256 a one-tile program is mostly prologue and epilogue (1.72 ms at E = 256, T = 16k: 314 TF/s)
-    # K_SPLIT > 1 (gate_up): K_SPLIT programs per output tile, each over a BLOCK_K-aligned chunk of K,
-    # store fp32 gate and up partials to out [K_SPLIT, M, 2N]; ACT_SPLIT = K_SPLIT (down): a_ptr is that
-    # buffer and _a_tile finishes the activation while loading
     pid = tl.program_id(0)
-    if K_SPLIT > 1:
-        pid_k = pid % K_SPLIT
-        pid = pid // K_SPLIT
     num_pid_m = tl.cdiv(cap, BLOCK_M)
     if N_SPLIT > 0:  # noqa: SIM108 (a constexpr branch, resolved when the kernel compiles)
         num_pid_n = N_SPLIT
@@ -108,13 +84,11 @@ def _fused_moe_kernel(
         return
     pair_mask = pairs < num_pairs
     a_rows = (pairs // a_row_div).to(tl.int64)
-    part_stride = num_pairs.to(tl.int64) * stride_am  # ACT_SPLIT only: one partial's [M, 2I]
-    a_dtype = w_ptr.dtype.element_ty
     offs_k = tl.arange(0, BLOCK_K)
     if N_SPLIT > 0:
         k_mask = offs_k < KDIM
-        a = _a_tile(a_ptr, a_rows, offs_k, pair_mask[:, None] & k_mask[None, :], stride_am, part_stride, KDIM,
-                    ACT_SPLIT, a_dtype)  # fmt: skip
+        a = tl.load(a_ptr + a_rows[:, None] * stride_am + offs_k[None, :], mask=pair_mask[:, None] & k_mask[None, :],
+                    other=0.0)  # fmt: skip
         wt = tl.load(topk_weights_ptr + pairs, mask=pair_mask, other=0.0)
         w_base = w_ptr + expert * stride_we + offs_k[:, None]
         for n0 in range(pid_n * BLOCK_N, N, N_SPLIT * BLOCK_N):
@@ -126,16 +100,9 @@ def _fused_moe_kernel(
             tl.store(out_ptr + pairs[:, None].to(tl.int64) * stride_om + offs_n[None, :],
                      acc.to(out_ptr.dtype.element_ty), mask=pair_mask[:, None] & n_mask[None, :])  # fmt: skip
     else:
-        if K_SPLIT > 1:  # chunks of whole BLOCK_K steps, so EVEN_K holds in every chunk when it holds for K
-            k_per = tl.cdiv(tl.cdiv(KDIM, K_SPLIT), BLOCK_K) * BLOCK_K
-            k_lo = pid_k * k_per
-            k_hi = tl.minimum(KDIM, k_lo + k_per)
-        else:
-            k_lo = 0
-            k_hi = KDIM
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
-        a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] + k_lo
+        a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
         if INTERLEAVE:
             j = tl.arange(0, W_COLS)
             w_rows = pid_n * BLOCK_N + j // 2 + (j % 2) * N  # [2 BLOCK_N]: gate n, up n, gate n+1, ...
@@ -143,16 +110,11 @@ def _fused_moe_kernel(
         else:
             w_rows = offs_n
             w_mask = n_mask
-        w_ptrs = w_ptr + expert * stride_we + w_rows[None, :].to(tl.int64) * stride_wn + offs_k[:, None] + k_lo
+        w_ptrs = w_ptr + expert * stride_we + w_rows[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [K, W]
         acc = tl.zeros((BLOCK_M, W_COLS), tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            if ACT_SPLIT > 0:
-                k_mask = (k0 + offs_k) < KDIM
-                a = _a_tile(a_ptr, a_rows, k0 + offs_k, pair_mask[:, None] & k_mask[None, :], stride_am, part_stride,
-                            KDIM, ACT_SPLIT, a_dtype)  # fmt: skip
-                w = tl.load(w_ptrs, mask=k_mask[:, None] & w_mask[None, :], other=0.0)
-            elif EVEN_K:
+        for k0 in range(0, KDIM, BLOCK_K):
+            if EVEN_K:
                 a = tl.load(a_ptrs, mask=pair_mask[:, None], other=0.0)
                 w = tl.load(w_ptrs, mask=w_mask[None, :], other=0.0)
             else:
@@ -171,20 +133,13 @@ def _fused_moe_kernel(
 
         if INTERLEAVE:
             gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+            acc = gate * tl.sigmoid(gate) * up
+        elif GATE_UP:
+            acc = acc * tl.sigmoid(acc) * acc_up  # silu(gate) * up, in fp32 before the one rounding
         else:
-            gate, up = acc, acc_up
+            acc = acc * tl.load(topk_weights_ptr + pairs, mask=pair_mask, other=0.0)[:, None]
         o_ptrs = out_ptr + pairs[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-        o_mask = pair_mask[:, None] & n_mask[None, :]
-        if K_SPLIT > 1:  # fp32 partials, summed and activated by the down's A load
-            o_ptrs += pid_k * num_pairs.to(tl.int64) * stride_om
-            tl.store(o_ptrs, gate, mask=o_mask)
-            tl.store(o_ptrs + N, up, mask=o_mask)
-        else:
-            if GATE_UP:
-                acc = gate * tl.sigmoid(gate) * up  # silu(gate) * up, in fp32 before the one rounding
-            else:
-                acc = acc * tl.load(topk_weights_ptr + pairs, mask=pair_mask, other=0.0)[:, None]
-            tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=pair_mask[:, None] & n_mask[None, :])
 
 
 @triton.jit
@@ -242,24 +197,22 @@ AlignBackend = Literal["triton", "ref"]
 
 def _launch_gemm(
     a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, align: MoeAlignment, topk_weights: torch.Tensor,
-    block_m: int, tile: GemmTile, gate_up: bool, a_row_div: int, num_pairs: int, act_split: int = 0,
+    block_m: int, tile: GemmTile, gate_up: bool, a_row_div: int,
 ) -> None:  # fmt: skip
-    N = w.shape[1] // 2 if gate_up else w.shape[1]
-    kdim = w.shape[2]
+    N = out.shape[1]
+    kdim = a.shape[1]
     cap = align.sorted_ids.shape[0]
-    k_split = tile.k_split if gate_up and tile.k_split > 1 else 1
     # grid from the host-side bound P; programs past the device-side num_padded return after one load
     n_split = tile.n_split if not gate_up and 0 < kdim <= tile.block_k else 0
-    grid = ((cap // block_m) * (n_split or triton.cdiv(N, tile.block_n)) * k_split,)
+    grid = ((cap // block_m) * (n_split or triton.cdiv(N, tile.block_n)),)
     _fused_moe_kernel[grid](
         a, w, out, align.sorted_ids, align.block_expert, align.num_padded, topk_weights,
-        N, kdim, num_pairs, cap, a_row_div,
+        N, kdim, out.shape[0], cap, a_row_div,
         a.stride(0), w.stride(0), w.stride(1), out.stride(0),
         GATE_UP=gate_up, EVEN_K=kdim % tile.block_k == 0, INTERLEAVE=gate_up and tile.interleave,
         W_COLS=tile.block_n * (2 if gate_up and tile.interleave else 1), N_SPLIT=n_split,
-        K_SPLIT=k_split, ACT_SPLIT=act_split,
         BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
-        UPCAST=not a.is_cuda, INPUT_PRECISION=dot_precision(w.dtype == torch.float32),
+        UPCAST=not a.is_cuda, INPUT_PRECISION=dot_precision(a.dtype == torch.float32),
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )  # fmt: skip
 
@@ -267,28 +220,19 @@ def _launch_gemm(
 def moe_gate_up(
     hidden: torch.Tensor, w13: torch.Tensor, align: MoeAlignment, top_k: int, block_m: int, tile: GemmTile
 ) -> torch.Tensor:
-    """hidden [T, D] -> act [M, I] = silu(x W_gate^T) * (x W_up^T) per pair (rows of skipped pairs unset);
-    with tile.k_split > 1 instead fp32 partials [k_split * M, 2I] (gate | up), which moe_down(act_split=
-    k_split) finishes."""
-    M, two_i = hidden.shape[0] * top_k, w13.shape[1]
-    if tile.k_split > 1:
-        act = torch.empty((tile.k_split * M, two_i), dtype=torch.float32, device=hidden.device)
-    else:
-        act = torch.empty((M, two_i // 2), dtype=hidden.dtype, device=hidden.device)
-    _launch_gemm(hidden, w13, act, align, act, block_m, tile, True, top_k, M)  # weights unused: act as dummy
+    """hidden [T, D] -> act [M, I] = silu(x W_gate^T) * (x W_up^T) per pair (rows of skipped pairs unset)."""
+    act = torch.empty((hidden.shape[0] * top_k, w13.shape[1] // 2), dtype=hidden.dtype, device=hidden.device)
+    _launch_gemm(hidden, w13, act, align, act, block_m, tile, True, top_k)  # weights unused: act as dummy
     return act
 
 
 def moe_down(
     act: torch.Tensor, w2: torch.Tensor, align: MoeAlignment, topk_weights: torch.Tensor, block_m: int,
-    tile: GemmTile, act_split: int = 0,
+    tile: GemmTile,
 ) -> torch.Tensor:  # fmt: skip
-    """act [M, I] -> y [M, D] = topk_weight * (act W2^T) per pair (rows of skipped pairs unset).
-    act_split > 1: act is moe_gate_up's fp32 partials, summed and activated here."""
-    act_split = act_split if act_split > 1 else 0
-    M = act.shape[0] // max(1, act_split)
-    y = torch.empty((M, w2.shape[1]), dtype=w2.dtype, device=act.device)
-    _launch_gemm(act, w2, y, align, topk_weights, block_m, tile, False, 1, M, act_split)
+    """act [M, I] -> y [M, D] = topk_weight * (act W2^T) per pair (rows of skipped pairs unset)."""
+    y = torch.empty((act.shape[0], w2.shape[1]), dtype=act.dtype, device=act.device)
+    _launch_gemm(act, w2, y, align, topk_weights, block_m, tile, False, 1)
     return y
 
 
@@ -329,7 +273,7 @@ def fused_moe(
         return gemv_down_sum(gemv_gate_up(hidden, w13, topk_ids, cfg.gemv), w2, topk_ids, topk_weights, cfg.gemv)
     alignment = (moe_align if align == "triton" else moe_align_ref)(topk_ids, E, cfg.block_m)
     act = moe_gate_up(hidden, w13, alignment, K, cfg.block_m, cfg.gate_up)
-    y = moe_down(act, w2, alignment, topk_weights, cfg.block_m, cfg.down, cfg.gate_up.k_split)
+    y = moe_down(act, w2, alignment, topk_weights, cfg.block_m, cfg.down)
     return moe_sum(y, topk_ids)
 
 

@@ -2,8 +2,6 @@
 
 Two paths:
   grouped (any T): align pairs by expert, grouped GEMMs gate_up and down over BLOCK_M blocks, sum over K.
-    GemmTile.k_split > 1 (gate_up only) splits K = D over programs that write fp32 partials; the down
-    sums them and applies SiLU-and-mul as it loads its A tile (no extra launch).
   gemv (decode): no align, no sum launch. One program per (pair, BLOCK_N rows of w13) streams D, then one
     per (token, BLOCK_N rows of w2) loops over the token's K experts, weights them and sums: 2 launches.
     Each pair reads its expert's weights itself, so it only pays where pairs rarely share an expert.
@@ -24,7 +22,6 @@ class GemmTile(NamedTuple):
     num_stages: int
     interleave: bool = False  # gate_up only: one N = 2 BLOCK_N product instead of two of BLOCK_N
     n_split: int = 0  # down only, used when block_k >= I: A read once, n_split programs per block walk N
-    k_split: int = 0  # gate_up only, > 1: that many programs along K = D, fp32 partials summed by the down
 
 
 class GemvTile(NamedTuple):
@@ -63,17 +60,19 @@ def grouped_config(num_pairs: int, num_experts: int, itemsize: int = 2, inter: i
     for the two GEMMs); gate_up with gate and up interleaved into one N = 256 product (E = 32, T = 16k:
     13.55 vs 14.20 ms), down with 128 x 256 tiles (7.22 vs 8.37 ms). inter = I <= 256: down holds the
     whole K in one tile and walks N (E = 256: 1.36 vs 1.71 ms at T = 16k, 0.29 vs 0.49 ms at T = 1k).
+    Tier edges moved in "Fused MoE at small T" run 1 (E = 32 / I = 2048, graph ms): 16 rows (T = 64) BLOCK_M
+    32 0.680 vs 16 0.800 (64: 0.711, 128: 0.78); 64 rows (T = 256) BLOCK_M 64 0.849 vs 32 1.311 (128: 0.836).
 
     fp32 halves BLOCK_K and never takes the whole-K down: the gate_up kernel stages an A tile and two B
     tiles per pipeline stage, and at 4 bytes (16, 64, 128) x 4 stages needs 295 KB of shared memory,
     over the H200's 227 KB (seen on the H200: OutOfResources, required 245760)."""
     rows = num_pairs / max(1, num_experts)
-    if rows <= 16:
+    if rows < 16:
         bm, up, down, whole_k = 16, GemmTile(32, 256, 1, 4, 3), GemmTile(64, 128, 1, 4, 4), 16
-    elif rows <= 64:  # gate_up interleaved measured only at I = 256 (E = 256, T = 1k: 0.50 vs 0.53 ms)
+    elif rows < 64:  # gate_up interleaved measured only at I = 256 (E = 256, T = 1k: 0.50 vs 0.53 ms)
         up = GemmTile(128, 64, 4, 4, 4, True) if 0 < inter <= 256 else GemmTile(64, 128, 4, 4, 4)
         bm, down, whole_k = 32, GemmTile(64, 128, 4, 4, 4), 8
-    elif rows < 128:  # not swept at its own T: run 1's BLOCK_M 64 winners
+    elif rows < 128:  # run 1's BLOCK_M 64 winners
         bm, up, down, whole_k = 64, GemmTile(256, 64, 8, 8, 3), GemmTile(128, 64, 8, 4, 4), 4
     else:
         bm, up, down, whole_k = 128, GemmTile(128, 64, 8, 8, 3, True), GemmTile(256, 64, 8, 8, 3), 4
@@ -84,13 +83,19 @@ def grouped_config(num_pairs: int, num_experts: int, itemsize: int = 2, inter: i
     return MoeConfig(bm, up, down)
 
 
-DEFAULT_GEMV = GemvTile(8, 512, 4, 16, 256, 4)
-GEMV_MAX_TOKENS = 1  # the gemv path up to this many tokens (pairs re-read shared experts past it)
+# "Fused MoE at small T" run 1 (E = 256 / I = 256, T = 1, graph ms): up (4 rows, BLOCK_K 1024, 4 warps) 0.027
+# of 8 tiles (0.028-0.036); down (4 rows, 256, 4 warps) 0.018 (0.018-0.023); num_stages changed nothing
+DEFAULT_GEMV = GemvTile(4, 1024, 4, 4, 256, 4)
 
 
 def moe_config(num_pairs: int, num_experts: int, itemsize: int = 2, inter: int = 0, tokens: int = 0) -> MoeConfig:
-    """The tiles fused_moe runs by default: the gemv path for 1 <= tokens <= GEMV_MAX_TOKENS, else
-    grouped_config's. tokens = 0 (unknown) always gives the grouped path."""
-    if 0 < tokens <= GEMV_MAX_TOKENS:
+    """The tiles fused_moe runs by default: the gemv path at tokens = 1 where 0 < inter = I <= 256, else
+    grouped_config's. tokens = 0 (unknown) always gives the grouped path.
+
+    Measured on the H200 (bench/NOTES.md, "Fused MoE at small T", run 1; graph ms, D = 7168, K = 8): E = 256
+    / I = 256, T = 1: gemv 0.039 vs grouped 0.052 (T = 2: 0.064 vs 0.067, T = 16: 0.32 vs 0.28); E = 32 /
+    I = 2048, T = 1: 0.190 vs 0.189 (a tie: the align and sum launches are small next to 176 MB of
+    weights), T = 2: 0.337 vs 0.310."""
+    if tokens == 1 and 0 < inter <= 256:
         return grouped_config(num_pairs, num_experts, itemsize, inter)._replace(gemv=DEFAULT_GEMV)
     return grouped_config(num_pairs, num_experts, itemsize, inter)
