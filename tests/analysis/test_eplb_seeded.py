@@ -9,7 +9,7 @@ from r3trace.eplb import Cluster, PlannerConfig, churn, plan
 from r3trace.eplb.homing import capped_counts
 from r3trace.eplb.leveling import level_refine
 from r3trace.eplb.placement import PlacementError, check_placement, from_phy2log
-from r3trace.eplb.reseat import reseat
+from r3trace.eplb.reseat import _node_affinity, reseat
 
 CL = Cluster(72, 18, 144, num_groups=8)  # 144/18/288 scaled down: 128 experts, 2 slots per GPU
 L, E = 5, 128
@@ -125,3 +125,15 @@ def test_churn_counts_changed_slots() -> None:
     b = from_phy2log(np.array([[0, 1, 3, 2], [3, 2, 1, 0]]), 4)
     assert churn(a, b) == pytest.approx(2 / 8)
     assert churn(a, a) == 0.0
+
+
+def test_node_affinity_equals_the_matrix_product() -> None:
+    # reseat sums one expert's co-choices per node elementwise (no threaded BLAS); same numbers as coact @ on
+    rng = np.random.default_rng()
+    coact = _coact(rng)[0]  # [E, E]
+    on = rng.integers(0, 3, (E, CL.num_nodes)) * (rng.random((E, CL.num_nodes)) < 0.2)  # [E, N] replicas
+    want = coact @ (on > 0)
+    for x in rng.choice(E, 8, replace=False):
+        np.testing.assert_array_equal(_node_affinity(coact[x], on), want[x])
+    on[:, 3] = 0  # a node without replicas: no co-choices with it
+    assert (_node_affinity(coact[int(rng.integers(E))], on)[3] == 0).all()
