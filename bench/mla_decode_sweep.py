@@ -46,13 +46,16 @@ def ms(fn: partial[torch.Tensor]) -> float:
     return float(do_bench(fn, warmup=25, rep=60, return_mode="median"))
 
 
-def inputs(B: int, L: int, H: int) -> tuple[torch.Tensor, ...]:
-    pages = B * L // PAGE
-    perm = torch.randperm(pages, device="cuda")  # shuffled pages: no request is contiguous in memory
-    slots = (perm[:, None] * PAGE + torch.arange(PAGE, device="cuda")).reshape(B, L).to(torch.int32)
-    kv = torch.randn(pages * PAGE, KV_LORA + ROPE, device="cuda", dtype=torch.bfloat16)
-    q = torch.randn(B, H, KV_LORA + ROPE, device="cuda", dtype=torch.bfloat16)
-    return q, kv, slots, torch.arange(B, device="cuda"), torch.full((B,), L, device="cuda", dtype=torch.int64)
+def _bench_kernels() -> ModuleType:
+    """bench/kernels.py by path ("kernels" alone would find the repository's kernels/ package first)."""
+    spec = importlib.util.spec_from_file_location("bench_kernels", Path(__file__).with_name("kernels.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+inputs = _bench_kernels()._decode_inputs  # the table's inputs: shuffled 64-slot pages, every request L long
 
 
 def check(tile: DecodeTile, H: int) -> float:
