@@ -90,17 +90,17 @@ def main() -> None:
                 tps = [decode_run(eng, prompts, n, capture) for _ in range(2)]
                 report[f"decode_tok_s_capture_{'on' if capture else 'off'}"] = tps
                 report[f"step_ms_capture_{'on' if capture else 'off'}"] = 1e3 * b / float(np.median(tps))
-            report["graph_replay_ms"] = eng._call(lambda: replay_ms(eng, b))
+            report["graph_replay_ms"] = eng.run_on_scheduler(lambda: replay_ms(eng, b))
             prof = cProfile.Profile()
-            eng._call(prof.enable)  # profiles the thread that calls it: the scheduler's
+            eng.run_on_scheduler(prof.enable)  # profiles the thread that calls it: the scheduler's
             decode_run(eng, prompts, n, True)
-            eng._call(prof.disable)
+            eng.run_on_scheduler(prof.disable)
             buf = io.StringIO()
             stats = pstats.Stats(prof, stream=buf)
             stats.sort_stats("tottime").print_stats(30)
             stats.sort_stats("cumtime").print_stats(40)
             report["host_profile"] = buf.getvalue()
-            report["kernels"] = eng._call(lambda: kernel_table(eng, b))
+            report["kernels"] = eng.run_on_scheduler(lambda: kernel_table(eng, b))
     for k, v in report.items():
         print(f"== {k}\n{v}" if isinstance(v, str) and "\n" in v else f"{k}: {v}", flush=True)
     if args.out:

@@ -1,9 +1,9 @@
 """Engine: the public offline API, shaped like SGLang's `sgl.Engine`.
 
-One scheduler thread owns the model, the KV pool and every Req. Callers (any number of threads) hand
-requests over through a thread-safe inbox and wait on a per-request queue: results, or stream chunks,
-come back there. A list of requests is submitted as one inbox message, so a single-threaded offline
-caller always gets the same batches and hence the same tokens.
+One scheduler thread (engine/event_loop.py) owns the model, the KV pool and every Req. Callers (any
+number of threads) hand requests over through a thread-safe inbox and wait on a per-request queue:
+results, or stream chunks, come back there. This module builds everything, validates requests and
+their capture options, and starts and stops traces.
 """
 
 from __future__ import annotations
@@ -11,9 +11,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import logging
-import queue
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -21,12 +18,11 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from r3trace.capture.capturer import CaptureConfig, RoutedExpertsCapturer
 from r3trace.capture.recorder import RouteRecorder
 from r3trace.engine.config import ModelConfig
 from r3trace.engine.engine_config import EngineConfig, EngineConfigError
+from r3trace.engine.event_loop import EventLoop, Sink
 from r3trace.engine.kv_pool import KVPool, ReqToTokenPool
 from r3trace.engine.model import build_model
 from r3trace.engine.model_runner import ModelRunner
@@ -34,14 +30,13 @@ from r3trace.engine.parallel import ParallelInfo
 from r3trace.engine.radix_cache import RadixCache
 from r3trace.engine.request import InvalidRequestError, Req
 from r3trace.engine.request_builder import RequestBuilder, as_list
-from r3trace.engine.result import build_result, error_result
-from r3trace.engine.route_capture import CaptureRequest, RouteCaptureHooks, TeeSink, parse_replay, route_meta
+from r3trace.engine.result import error_result
+from r3trace.engine.route_capture import CaptureRequest, RouteCaptureHooks, TeeSink, parse_replay
 from r3trace.engine.sampling import Sampler
 from r3trace.engine.scheduler import RequestHooks, Scheduler
 from r3trace.engine.tokenizer import load_tokenizer
 from r3trace.engine.weights import load_weights
 
-log = logging.getLogger(__name__)
 _OPTIONS = frozenset(f.name for f in fields(EngineConfig)) - {"dtype", "device", "extra"}
 _POLL_S = 0.5  # how often a waiting caller checks that the scheduler thread is still alive
 
@@ -105,13 +100,8 @@ class Engine:
         self.runner = ModelRunner(self.model, self.kv_pool, req_pool, self.sampler, device, mc, graphs)
         self._builder = RequestBuilder(mc.vocab_size, self.max_context_len, cfg.kv_pool_tokens,
                                        self.tokenizer)
-        self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
-        self._sinks: dict[str, queue.Queue[dict[str, Any]]] = {}  # scheduler thread only
-        self._live_rids: set[str] = set()
-        self._rid_lock = threading.Lock()
         self._closed = False
-        self._thread = threading.Thread(target=self._loop, name="r3trace-scheduler", daemon=True)
-        self._thread.start()
+        self._loop = EventLoop(self.scheduler, self.runner, self.cache, self.route_hooks, mc, self.tokenizer)
         if cfg.trace_dir is not None:
             self.start_trace(cfg.trace_dir)
 
@@ -153,7 +143,7 @@ class Engine:
                 req = self._builder.build(entry, entry_rid, stream, self.sampler)
                 self._attach_capture(req, len(reqs), len(entries), return_routed_experts,
                                      routed_experts_start_len, return_routed_weights, routed_experts, tag)
-                self._claim_rid(entry_rid)
+                self._loop.claim_rid(entry_rid)
             except InvalidRequestError as exc:
                 if single:
                     raise
@@ -162,16 +152,16 @@ class Engine:
                 continue
             reqs.append(req)
             results.append(None)
-        sinks: dict[str, queue.Queue[dict[str, Any]]] = {r.rid: queue.Queue() for r in reqs if r is not None}
+        sinks: dict[str, Sink[dict[str, Any]]] = {r.rid: Sink() for r in reqs if r is not None}
         live = [r for r in reqs if r is not None]
         if live:
-            self._inbox.put(("submit", [(r, sinks[r.rid]) for r in live]))
+            self._loop.submit([(r, sinks[r.rid]) for r in live])
         if stream:
             assert live
-            return self._stream(live[0].rid, sinks[live[0].rid])
+            return self._loop.stream(live[0].rid, sinks[live[0].rid])
         for i, req in enumerate(reqs):
             if req is not None:
-                results[i] = self._wait(sinks[req.rid])
+                results[i] = self._loop.wait(sinks[req.rid])
         out = [r for r in results if r is not None]
         return out[0] if single else out  # a request that failed while running carries "error"
 
@@ -246,7 +236,7 @@ class Engine:
             self.capturer.attach_sink(writer if stream is None else TeeSink(writer, stream))
             self.route_hooks.writer = writer
 
-        self._call(attach)
+        self._loop.call(attach)
         return str(writer.run_id)
 
     def stop_trace(self) -> dict[str, Any] | None:
@@ -262,7 +252,7 @@ class Engine:
                 sink.stream.close()
             return writer.close()
 
-        manifest = self._call(detach)
+        manifest = self._loop.call(detach)
         return None if manifest is None else dataclasses.asdict(manifest)
 
     @property
@@ -272,18 +262,17 @@ class Engine:
 
     def abort(self, rid: str) -> None:
         """Finish a waiting or running request with finish_reason abort; unknown ids are ignored."""
-        self._inbox.put(("abort", rid))
+        self._loop.abort(rid)
 
     def flush_cache(self) -> bool:
         """Drop every unlocked prefix-cache entry; False (nothing done) while requests are in flight."""
-        return bool(self._call(self._flush_if_idle))
+        return bool(self._loop.call(self._loop.flush_if_idle))
 
     def shutdown(self) -> None:
         if self._closed:
             return
         self._closed = True
-        self._inbox.put(("shutdown", None))
-        self._thread.join()
+        self._loop.shutdown()
 
     def __enter__(self) -> Engine:
         return self
@@ -291,121 +280,7 @@ class Engine:
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
-    # ------------------------------------------------------------------ caller side
-    def _claim_rid(self, rid: str) -> None:
-        with self._rid_lock:
-            if rid in self._live_rids:
-                raise InvalidRequestError("rid", f"{rid!r} is already in flight")
-            self._live_rids.add(rid)
-
-    def _wait(self, sink: queue.Queue[dict[str, Any]]) -> dict[str, Any]:
-        while True:
-            try:
-                return sink.get(timeout=_POLL_S)
-            except queue.Empty:
-                if not self._thread.is_alive():
-                    raise RuntimeError("the engine's scheduler thread has stopped") from None
-
-    def _stream(self, rid: str, sink: queue.Queue[dict[str, Any]]) -> Iterator[dict[str, Any]]:
-        done = False
-        try:
-            while not done:
-                chunk = self._wait(sink)
-                done = chunk["meta_info"]["finish_reason"] is not None
-                yield chunk
-        finally:
-            if not done:  # the caller stopped iterating: stop generating for it
-                self.abort(rid)
-
-    def _call(self, fn: Callable[[], Any]) -> Any:
-        """Run fn on the scheduler thread (which owns all scheduling state) and return its result."""
-        box: queue.Queue[Any] = queue.Queue()
-        self._inbox.put(("call", (fn, box)))
-        ok, value = box.get()
-        if not ok:
-            raise value
-        return value
-
-    def _flush_if_idle(self) -> bool:
-        if self.scheduler.has_work():
-            return False
-        if self.cache is not None:
-            self.cache.flush()
-        return True
-
-    # ------------------------------------------------------------------ scheduler thread
-    def _loop(self) -> None:
-        with torch.inference_mode():
-            while True:
-                try:
-                    msg = self._inbox.get(block=not self.scheduler.has_work())
-                except queue.Empty:
-                    msg = None
-                while msg is not None:
-                    if not self._handle(msg):
-                        self.scheduler.abort_all("the engine was shut down")
-                        self._deliver()
-                        return
-                    try:
-                        msg = self._inbox.get_nowait()
-                    except queue.Empty:
-                        msg = None
-                if self.scheduler.has_work():
-                    self._step()
-                self._deliver()
-
-    def _with_routes(self, req: Req, result: dict[str, Any], delta: bool) -> dict[str, Any]:
-        opts: CaptureRequest | None = req.extras.get("capture")
-        if opts is None or not opts.want or self.route_hooks is None:
-            return result
-        rows = opts.rows if req.finished else self.route_hooks.stream_rows(req)
-        if rows is not None:
-            result["meta_info"].update(route_meta(rows, self.model_config, opts.weights, delta))
-            if req.finished:
-                result["meta_info"]["routed_experts_provenance"] = [list(seg) for seg in opts.provenance]
-        return result
-
-    def _handle(self, msg: tuple[str, Any]) -> bool:
-        kind, body = msg
-        if kind == "submit":
-            for req, sink in body:
-                self._sinks[req.rid] = sink
-                self.scheduler.add(req)
-        elif kind == "abort":
-            self.scheduler.abort(body)
-        elif kind == "call":
-            fn, box = body
-            try:
-                box.put((True, fn()))
-            except Exception as exc:  # handed back to the caller's thread
-                box.put((False, exc))
-        elif kind == "shutdown":
-            return False
-        return True
-
-    def _step(self) -> None:
-        try:
-            items = self.scheduler.schedule()
-            if not items:
-                # Unreachable while the pool holds any prompt it accepted; never spin on it.
-                self.scheduler.abort_all("the scheduler could not place any request", is_error=True)
-                return
-            outputs = self.runner.run(items)
-            self.scheduler.process(items, outputs)
-        except Exception as exc:
-            log.exception("engine step failed; aborting the requests in flight")
-            self.scheduler.abort_all(f"engine error: {exc!r}", is_error=True)
-
-    def _deliver(self) -> None:
-        for req in self.scheduler.take_updates():
-            sink = self._sinks.get(req.rid)
-            if sink is None:
-                continue
-            if req.stream:
-                sink.put(self._with_routes(req, build_result(req, self.tokenizer, delta=True), delta=True))
-            elif req.finished:
-                sink.put(self._with_routes(req, build_result(req, self.tokenizer, delta=False), delta=False))
-            if req.finished:
-                del self._sinks[req.rid]
-                with self._rid_lock:
-                    self._live_rids.discard(req.rid)
+    def run_on_scheduler(self, fn: Callable[[], Any]) -> Any:
+        """Run fn on the scheduler thread, which owns the model and every request (benchmarks and tools
+        use it to time or profile that thread), and return its result."""
+        return self._loop.call(fn)

@@ -1,0 +1,178 @@
+"""EventLoop: the scheduler thread, the only owner of scheduling state (requests, KV, the model).
+
+Callers (any number of threads) reach it through one thread-safe inbox: submit a list of requests as one
+message (so a single-threaded offline caller always gets the same batches, hence the same tokens), abort,
+run a function on the thread, shut down. Results, or stream chunks, come back on a per-request queue.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from r3trace.engine.config import ModelConfig
+from r3trace.engine.model_runner import ModelRunner
+from r3trace.engine.radix_cache import RadixCache
+from r3trace.engine.request import InvalidRequestError, Req
+from r3trace.engine.result import build_result
+from r3trace.engine.route_capture import CaptureRequest, RouteCaptureHooks, route_meta
+from r3trace.engine.scheduler import Scheduler
+from r3trace.engine.tokenizer import TextTokenizer
+
+log = logging.getLogger(__name__)
+Sink = queue.Queue  # per request: result dicts (or stream chunks) back to the caller's thread
+_POLL_S = 0.5  # how often a waiting caller checks that the scheduler thread is still alive
+
+
+class EventLoop:
+    def __init__(
+        self, scheduler: Scheduler, runner: ModelRunner, cache: RadixCache | None,
+        route_hooks: RouteCaptureHooks | None, model_config: ModelConfig, tokenizer: TextTokenizer,
+    ) -> None:
+        self.scheduler = scheduler
+        self.runner = runner
+        self.cache = cache
+        self.route_hooks = route_hooks
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._sinks: dict[str, Sink[dict[str, Any]]] = {}  # scheduler thread only
+        self._live_rids: set[str] = set()
+        self._rid_lock = threading.Lock()
+        self._thread = threading.Thread(target=self._loop, name="r3trace-scheduler", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ caller side
+    def claim_rid(self, rid: str) -> None:
+        with self._rid_lock:
+            if rid in self._live_rids:
+                raise InvalidRequestError("rid", f"{rid!r} is already in flight")
+            self._live_rids.add(rid)
+
+    def submit(self, reqs: list[tuple[Req, Sink[dict[str, Any]]]]) -> None:
+        self._inbox.put(("submit", reqs))
+
+    def abort(self, rid: str) -> None:
+        self._inbox.put(("abort", rid))
+
+    def shutdown(self) -> None:
+        self._inbox.put(("shutdown", None))
+        self._thread.join()
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """Run fn on the scheduler thread and return its result (or raise its exception here)."""
+        box: queue.Queue[Any] = queue.Queue()
+        self._inbox.put(("call", (fn, box)))
+        ok, value = box.get()
+        if not ok:
+            raise value
+        return value
+
+    def wait(self, sink: Sink[dict[str, Any]]) -> dict[str, Any]:
+        while True:
+            try:
+                return sink.get(timeout=_POLL_S)
+            except queue.Empty:
+                if not self._thread.is_alive():
+                    raise RuntimeError("the engine's scheduler thread has stopped") from None
+
+    def stream(self, rid: str, sink: Sink[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+        done = False
+        try:
+            while not done:
+                chunk = self.wait(sink)
+                done = chunk["meta_info"]["finish_reason"] is not None
+                yield chunk
+        finally:
+            if not done:  # the caller stopped iterating: stop generating for it
+                self.abort(rid)
+
+    def flush_if_idle(self) -> bool:
+        """On the scheduler thread: drop the prefix cache's unlocked entries unless requests are in flight."""
+        if self.scheduler.has_work():
+            return False
+        if self.cache is not None:
+            self.cache.flush()
+        return True
+
+    # ------------------------------------------------------------------ scheduler thread
+    def _loop(self) -> None:
+        with torch.inference_mode():
+            while True:
+                try:
+                    msg = self._inbox.get(block=not self.scheduler.has_work())
+                except queue.Empty:
+                    msg = None
+                while msg is not None:
+                    if not self._handle(msg):
+                        self.scheduler.abort_all("the engine was shut down")
+                        self._deliver()
+                        return
+                    try:
+                        msg = self._inbox.get_nowait()
+                    except queue.Empty:
+                        msg = None
+                if self.scheduler.has_work():
+                    self._step()
+                self._deliver()
+
+    def _handle(self, msg: tuple[str, Any]) -> bool:
+        kind, body = msg
+        if kind == "submit":
+            for req, sink in body:
+                self._sinks[req.rid] = sink
+                self.scheduler.add(req)
+        elif kind == "abort":
+            self.scheduler.abort(body)
+        elif kind == "call":
+            fn, box = body
+            try:
+                box.put((True, fn()))
+            except Exception as exc:  # handed back to the caller's thread
+                box.put((False, exc))
+        elif kind == "shutdown":
+            return False
+        return True
+
+    def _step(self) -> None:
+        try:
+            items = self.scheduler.schedule()
+            if not items:
+                # Unreachable while the pool holds any prompt it accepted; never spin on it.
+                self.scheduler.abort_all("the scheduler could not place any request", is_error=True)
+                return
+            outputs = self.runner.run(items)
+            self.scheduler.process(items, outputs)
+        except Exception as exc:
+            log.exception("engine step failed; aborting the requests in flight")
+            self.scheduler.abort_all(f"engine error: {exc!r}", is_error=True)
+
+    def _with_routes(self, req: Req, result: dict[str, Any], delta: bool) -> dict[str, Any]:
+        opts: CaptureRequest | None = req.extras.get("capture")
+        if opts is None or not opts.want or self.route_hooks is None:
+            return result
+        rows = opts.rows if req.finished else self.route_hooks.stream_rows(req)
+        if rows is not None:
+            result["meta_info"].update(route_meta(rows, self.model_config, opts.weights, delta))
+            if req.finished:
+                result["meta_info"]["routed_experts_provenance"] = [list(seg) for seg in opts.provenance]
+        return result
+
+    def _deliver(self) -> None:
+        for req in self.scheduler.take_updates():
+            sink = self._sinks.get(req.rid)
+            if sink is None:
+                continue
+            if req.stream:
+                sink.put(self._with_routes(req, build_result(req, self.tokenizer, delta=True), delta=True))
+            elif req.finished:
+                sink.put(self._with_routes(req, build_result(req, self.tokenizer, delta=False), delta=False))
+            if req.finished:
+                del self._sinks[req.rid]
+                with self._rid_lock:
+                    self._live_rids.discard(req.rid)
