@@ -136,9 +136,9 @@ def plan(
     the even-split load anyway.
     """
     w = forecast(loads, cfg.ema_alpha)
-    home = group_nodes(w, cluster) if prev is None else node_counts(prev, cluster).argmax(2)
     if prev is not None and spreads(cluster, cfg):
         return from_phy2log(seeded_plan(w, prev, cluster, cfg, tokens), w.shape[1])
+    home = group_nodes(w, cluster) if prev is None else node_counts(prev, cluster).argmax(2)
     fresh = fresh_plan(w, home, cluster, cfg, tokens)
     if prev is None:
         return fresh
