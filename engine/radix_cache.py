@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Callable
 
 from r3trace.engine.kv_pool import KVPool
 
@@ -105,6 +106,40 @@ class RadixCache:
             i += n
             node = child
         return i
+
+    def adopt(
+        self, tokens: list[int], pages: list[int], start: int, prefer: Callable[[list[int], list[int]], bool]
+    ) -> list[int]:
+        """A request's own pages for tokens the cache already holds (all of `tokens`, whole pages; the
+        request computed tokens[start:] itself): every unlocked node in that range whose pages
+        `prefer(cached, own)` rejects in favour of the request's takes them instead. Returns the pages the
+        caller must free: the replaced ones, and its own ones the cache did not take.
+
+        Route capture uses it: a prefix first cached by a request that did not capture has no routes on the
+        host, so every capturing request would recompute it; the first one's pages replace it."""
+        p = self.page_size
+        node, i, to_free = self.root, 0, []
+        while i < len(tokens):
+            child = node.children.get(self._first_page(tokens, i))
+            assert child is not None, "adopt: tokens must be cached (insert them first)"
+            n = self._common_len(child.key, tokens, i)
+            if n < len(child.key):
+                child = self._split(child, n)
+            if i < start < i + n:  # the request's own range starts inside this node: cut it there
+                child = self._split(child, start - i)
+                i, node = start, child
+                child = node.children[self._first_page(tokens, i)]
+                n = len(child.key)
+            if i >= start:
+                own = pages[i // p : (i + n) // p]
+                if child.lock_ref == 0 and prefer(child.pages, own):
+                    to_free.extend(child.pages)
+                    child.pages = list(own)
+                else:
+                    to_free.extend(own)
+            i += n
+            node = child
+        return to_free
 
     def lock(self, node: TreeNode) -> None:
         cur: TreeNode | None = node

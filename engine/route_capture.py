@@ -61,6 +61,10 @@ class RouteCaptureHooks:
         opts: CaptureRequest | None = req.extras.get("capture")
         self.capturer.add_request(req.rid, want=bool(opts and opts.want))
 
+    def prefer_pages(self, cached: np.ndarray, own: np.ndarray) -> bool:
+        """Cache the finished request's copy of a prefix when only its routes are on the host."""
+        return self.capturer.host_prefix(cached) < len(cached) and self.capturer.host_prefix(own) == len(own)
+
     def usable_prefix(self, req: Req, slots: np.ndarray) -> int:
         if req.rid not in self.capturer.requests:
             self.register(req)

@@ -45,6 +45,11 @@ class RequestHooks(Protocol):
         """Of a prefix-cache match (slots [n] host), how many leading positions req may reuse."""
         ...
 
+    def prefer_pages(self, cached: np.ndarray, own: np.ndarray) -> bool:
+        """A finished request computed KV (slots `own`) for tokens the prefix cache holds (slots `cached`):
+        True to cache its copy instead (e.g. only its routes are on the host)."""
+        ...
+
 
 class NullHooks:
     def on_admit(self, req: Req) -> None:
@@ -58,6 +63,9 @@ class NullHooks:
 
     def usable_prefix(self, req: Req, slots: np.ndarray) -> int:
         return int(len(slots))
+
+    def prefer_pages(self, cached: np.ndarray, own: np.ndarray) -> bool:
+        return False
 
 
 class Scheduler:
@@ -289,17 +297,24 @@ class Scheduler:
         to the pool. Pages it got from the cache stay there (unlocked)."""
         page = self.pool.page_size
         own_from = req.cached_len // page  # pages before this came from the cache
+        if self.cache is not None and req.cache_node is not None:
+            self.cache.unlock(req.cache_node)  # first: adopt() may replace nodes nobody else holds
         if self.cache is not None and cache_it and req.use_prefix_cache:
             full = req.kv_len // page
             present = self.cache.insert(req.fill_ids[: full * page], req.pages[:full]) // page
-            self.pool.free(req.pages[own_from:present])  # the cache already held these tokens
+            if present > own_from:  # the cache already held these tokens: keep the better copy, free the other
+                self.pool.free(self.cache.adopt(req.fill_ids[: present * page], req.pages[:present],
+                                                own_from * page, self._prefer_pages))
             self.pool.free(req.pages[full:])  # the partly filled last page is never shared
         else:
             self.pool.free(req.pages[own_from:])
-        if self.cache is not None and req.cache_node is not None:
-            self.cache.unlock(req.cache_node)
         self.req_pool.free(req.pool_row)
         req.reset_kv()
+
+    def _prefer_pages(self, cached: list[int], own: list[int]) -> bool:
+        page = self.pool.page_size
+        return self.hooks.prefer_pages(self.pool.slots(cached, 0, len(cached) * page),
+                                       self.pool.slots(own, 0, len(own) * page))
 
     def kv_slots(self, req: Req) -> np.ndarray:
         """[kv_len] int64 host: the KV slot of each computed position of a running request."""

@@ -169,6 +169,10 @@ class RoutedExpertsCapturer:
         state = self.requests.get(rid)
         if self.sink is None and (state is None or not state.want):
             return len(slots)
+        return self.host_prefix(slots)
+
+    def host_prefix(self, slots: np.ndarray) -> int:
+        """How many leading slots hold host routes of the KV currently in them."""
         self.drain()
         return self.buffers.valid_prefix(np.asarray(slots, dtype=np.int64))
 

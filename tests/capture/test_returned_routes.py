@@ -172,12 +172,17 @@ def test_prefix_hit_on_kv_of_a_request_that_did_not_capture(tiny_ckpt: Path, mak
     engine.generate(input_ids=random_prompts(1, 30, 30, seed=16)[0], sampling_params=greedy(4))
     out = engine.generate(input_ids=shared + [41], sampling_params=greedy(3), return_routed_experts=True)
     assert_routes_exact(tiny_ckpt, shared + [41], out)
+    assert out["meta_info"]["cached_tokens"] == 0  # recomputed: the cached copy had no host routes
     plain = engine.generate(input_ids=shared + [42], sampling_params=greedy(1))
     assert plain["meta_info"]["cached_tokens"] == 10  # requests without capture still reuse the prefix
-    # The cache keeps the first (uncaptured) copy of the prefix, so capturing requests recompute it
-    # each time: a cost, never a wrong row.
+    # The capturing request's copy of the prefix replaced the uncaptured one in the cache (adopt), so the
+    # next capturing request reuses it, with the first one's routes as source=prefix_cache rows.
     again = engine.generate(input_ids=shared + [43], sampling_params=greedy(2), return_routed_experts=True)
+    assert again["meta_info"]["cached_tokens"] == 10
     assert_routes_exact(tiny_ckpt, shared + [43], again)
+    np.testing.assert_array_equal(returned_routes(again)[:10], returned_routes(out)[:10])
+    engine.flush_cache()
+    assert engine.kv_pool.num_free_pages == engine.kv_pool.num_pages  # adopt freed exactly the replaced pages
 
 
 def _waiting_rids(engine: object) -> set[str]:

@@ -87,3 +87,58 @@ def test_radix_lock_and_lru_eviction() -> None:
     assert cache.match_prefix(seqs[0])[0] != []
     cache.unlock(node0)
     assert cache.flush() == 1 and pool.num_free_pages == pool.num_pages
+
+
+def test_radix_adopt_replaces_unlocked_nodes_the_caller_prefers() -> None:
+    """adopt(): a request's own copy of cached tokens replaces the cached one node by node where `prefer`
+    says so and nobody holds the node; the caller frees exactly the pages that lost (no leak, no double
+    free)."""
+    pool = _pool(tokens=48, page=4)
+    cache = RadixCache(pool)
+    toks = list(range(100, 116))  # 4 pages
+    old = pool.alloc(4)
+    assert old is not None and cache.insert(toks, old) == 0
+    _, held = cache.match_prefix(toks[:4])  # another running request holds the first page
+    cache.lock(held)
+    cache.match_prefix(toks[:12])  # node boundaries at 4 and 12: nodes [0, 4), [4, 12), [12, 16)
+    mine = pool.alloc(3)  # a request recomputed toks[4:] itself; its first page came from the cache
+    assert mine is not None
+    own = [old[0], *mine]
+    assert cache.insert(toks, own) == 16  # everything was cached already
+    to_free = cache.adopt(toks, own, start=4, prefer=lambda cached, new: cached[0] != old[1])
+    assert cache.match_prefix(toks)[0] == [old[0], old[1], old[2], own[3]]  # [4, 12) kept, [12, 16) replaced
+    assert sorted(to_free) == sorted([own[1], own[2], old[3]])
+    pool.free(to_free)
+    cache.unlock(held)
+    cache.flush()
+    assert pool.num_free_pages == pool.num_pages
+
+
+def test_radix_adopt_skips_locked_nodes() -> None:
+    pool = _pool(tokens=32, page=4)
+    cache = RadixCache(pool)
+    toks = list(range(8))
+    old = pool.alloc(2)
+    assert old is not None and cache.insert(toks, old) == 0
+    _, node = cache.match_prefix(toks)
+    cache.lock(node)  # a running request uses the whole prefix: its pages must stay
+    own = pool.alloc(2)
+    assert own is not None
+    assert sorted(cache.adopt(toks, own, start=0, prefer=lambda cached, mine: True)) == sorted(own)
+    assert cache.match_prefix(toks)[0] == old
+
+
+def test_radix_adopt_cuts_a_node_where_the_requests_own_pages_start() -> None:
+    pool = _pool(tokens=32, page=4)
+    cache = RadixCache(pool)
+    toks = list(range(12))
+    old = pool.alloc(3)
+    assert old is not None and cache.insert(toks, old) == 0  # one node [0, 12)
+    mine = pool.alloc(2)
+    assert mine is not None
+    own = [old[0], *mine]  # the request reused page 0 from the cache and computed the rest
+    to_free = cache.adopt(toks, own, start=4, prefer=lambda cached, new: True)
+    assert cache.match_prefix(toks)[0] == own and sorted(to_free) == sorted(old[1:])
+    pool.free(to_free)
+    cache.flush()
+    assert pool.num_free_pages == pool.num_pages
