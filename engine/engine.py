@@ -30,10 +30,11 @@ from r3trace.engine.parallel import ParallelInfo
 from r3trace.engine.radix_cache import RadixCache
 from r3trace.engine.request import InvalidRequestError, Req
 from r3trace.engine.request_builder import RequestBuilder, as_list
+from r3trace.engine.request_hooks import RequestHooks
 from r3trace.engine.result import error_result
 from r3trace.engine.route_capture import CaptureRequest, RouteCaptureHooks, TeeSink, parse_replay
 from r3trace.engine.sampling import Sampler
-from r3trace.engine.scheduler import RequestHooks, Scheduler
+from r3trace.engine.scheduler import Scheduler
 from r3trace.engine.tokenizer import load_tokenizer
 from r3trace.engine.weights import load_weights
 

@@ -19,7 +19,6 @@ on_forward_end, which the model calls.
 from __future__ import annotations
 
 from collections import deque
-from typing import Protocol
 
 import numpy as np
 
@@ -27,45 +26,9 @@ from r3trace.engine.engine_config import EngineConfig
 from r3trace.engine.kv_pool import KVPool, ReqToTokenPool
 from r3trace.engine.radix_cache import RadixCache
 from r3trace.engine.request import FinishReason, LogprobEntry, Req
+from r3trace.engine.request_hooks import NullHooks, RequestHooks
 from r3trace.engine.step import ReqOutput, ScheduledReq
 from r3trace.engine.tokenizer import TextTokenizer
-
-
-class RequestHooks(Protocol):
-    def on_admit(self, req: Req) -> None:
-        """req.cached_len positions came from the prefix cache; req.kv_len == req.cached_len."""
-
-    def on_retract(self, req: Req) -> None:
-        """Before the KV is freed; req keeps outputs and extras and is re-prefilled later."""
-
-    def on_finish(self, req: Req) -> None:
-        """req.finish is set; before the KV is freed (or handed to the prefix cache)."""
-
-    def usable_prefix(self, req: Req, slots: np.ndarray) -> int:
-        """Of a prefix-cache match (slots [n] host), how many leading positions req may reuse."""
-        ...
-
-    def prefer_pages(self, cached: np.ndarray, own: np.ndarray) -> bool:
-        """A finished request computed KV (slots `own`) for tokens the prefix cache holds (slots `cached`):
-        True to cache its copy instead (e.g. only its routes are on the host)."""
-        ...
-
-
-class NullHooks:
-    def on_admit(self, req: Req) -> None:
-        return None
-
-    def on_retract(self, req: Req) -> None:
-        return None
-
-    def on_finish(self, req: Req) -> None:
-        return None
-
-    def usable_prefix(self, req: Req, slots: np.ndarray) -> int:
-        return int(len(slots))
-
-    def prefer_pages(self, cached: np.ndarray, own: np.ndarray) -> bool:
-        return False
 
 
 class Scheduler:
