@@ -1,6 +1,7 @@
 """Route capture: the recorder protocol, the capturer with its device/host buffers, and the wire format."""
 
-from .capturer import CaptureConfig, CaptureConfigError, RoutedExpertsCapturer, RouteRows
+from .capturer import RoutedExpertsCapturer, RouteRows
+from .config import CaptureConfig, CaptureConfigError
 from .recorder import ListRecorder, NullRecorder, RouteRecorder
 
 __all__ = [
