@@ -39,7 +39,6 @@ from r3trace.engine.tokenizer import load_tokenizer
 from r3trace.engine.weights import load_weights
 
 _OPTIONS = frozenset(f.name for f in fields(EngineConfig)) - {"dtype", "device", "extra"}
-_POLL_S = 0.5  # how often a waiting caller checks that the scheduler thread is still alive
 
 
 def config_hash(mc: ModelConfig) -> str:

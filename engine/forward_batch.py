@@ -94,17 +94,17 @@ class ForwardBatch:
         t, b = len(input_ids), len(ext)
         starts = np.cumsum(ext) - ext  # [B] first row of each request
         positions = np.repeat(pre - starts, ext) + np.arange(t, dtype=np.int64)  # [T] pre[b] + (row - start[b])
-        loc_host = out_cache_loc if isinstance(out_cache_loc, np.ndarray) else (
-            out_cache_loc.numpy() if out_cache_loc.device.type == "cpu" else None)
+        # Slots already on the device (a caller's tensor) stay there; host slots travel in the packed copy.
+        on_device = isinstance(out_cache_loc, torch.Tensor) and out_cache_loc.device.type != "cpu"
+        loc_host = None if on_device else np.asarray(out_cache_loc, dtype=np.int64)
         parts = [np.asarray(input_ids, dtype=np.int64), positions, np.asarray(req_pool_indices, dtype=np.int64),
                  pre + ext, pre, ext, starts, np.asarray(logits_rows, dtype=np.int64)]
         if loc_host is not None:
-            parts.append(np.asarray(loc_host, dtype=np.int64))
+            parts.append(loc_host)
         packed = torch.from_numpy(np.concatenate(parts)).to(device, non_blocking=True)
         sizes = [t, t, b, b, b, b, b, len(logits_rows)] + ([t] if loc_host is not None else [])
         views = packed.split(sizes)
-        assert isinstance(out_cache_loc, torch.Tensor) or loc_host is not None
-        loc = views[8] if loc_host is not None else out_cache_loc.to(device=device, dtype=torch.int64)  # type: ignore[union-attr]
+        loc = views[8] if loc_host is not None else torch.as_tensor(out_cache_loc).to(device=device, dtype=torch.int64)
         is_decode = bool((ext == 1).all() and (pre > 0).all())
         mode: ForwardMode = "decode" if is_decode else "extend"
         return cls(
@@ -113,7 +113,7 @@ class ForwardBatch:
             input_ids=views[0],
             positions=views[1],
             out_cache_loc=loc,
-            out_cache_loc_cpu=None if loc_host is None else np.asarray(loc_host, dtype=np.int64),
+            out_cache_loc_cpu=loc_host,
             req_pool_indices=views[2],
             seq_lens=views[3],
             prefix_lens=views[4],
