@@ -78,31 +78,46 @@ def bench_checkpoint(tmp: Path, shape: str) -> Path:
     return ckpt if (ckpt / "config.json").exists() else write_random_checkpoint(ckpt, shape)
 
 
+def bench_prompts(batch: int) -> list[list[int]]:
+    """batch random 128-token prompts (seed 1), the same in every engine bench."""
+    rng = np.random.default_rng(1)
+    return [rng.integers(2, 32000, size=128).tolist() for _ in range(batch)]
+
+
+def open_engine(ckpt: Path, backend: str, batch: int, new_tokens: int) -> Engine:
+    """The timed engine: bf16 on CUDA, KV for batch x (128 + new_tokens) tokens, no prefix cache; with
+    CUDA graphs, one graph of the full batch (every timed decode step has it)."""
+    opts = backend_options(backend)
+    if backend == "triton":
+        opts["cuda_graph_batch_sizes"] = (batch,)
+    return Engine(ckpt, dtype="bfloat16", device="cuda", chunked_prefill_size=8192, max_running_requests=batch,
+                  kv_pool_tokens=batch * (128 + new_tokens + 8), enable_prefix_cache=False, **opts)
+
+
+def decode_tokens_per_s(eng: Engine, prompts: list[list[int]], new_tokens: int, capture: bool) -> float:
+    """Decode tokens/s: a run of new_tokens greedy tokens minus a run of one token (its prefill)."""
+    params = {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}
+    t0 = time.perf_counter()
+    eng.generate(input_ids=prompts, sampling_params={**params, "max_new_tokens": 1}, return_routed_experts=capture)
+    prefill_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    eng.generate(input_ids=prompts, sampling_params=params, return_routed_experts=capture)
+    return len(prompts) * (new_tokens - 1) / max(time.perf_counter() - t0 - prefill_s, 1e-9)
+
+
 def throughput(
     ckpt: Path, backend: str, batch: int, new_tokens: int, reps: int = 3
 ) -> list[dict[str, Any]]:
     """Decode tokens/s, capture off and on alternating in one engine (same compiled kernels), `reps` times."""
-    opts = backend_options(backend)
-    if backend == "triton":
-        opts["cuda_graph_batch_sizes"] = (batch,)  # every timed decode step has the full batch
-    rng = np.random.default_rng(1)
-    prompts = [rng.integers(2, 32000, size=128).tolist() for _ in range(batch)]
+    prompts = bench_prompts(batch)
     params = {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}
-    one = {**params, "max_new_tokens": 1}
     samples: dict[bool, list[float]] = {False: [], True: []}
-    with Engine(ckpt, dtype="bfloat16", device="cuda", chunked_prefill_size=8192, max_running_requests=batch,
-                kv_pool_tokens=batch * (128 + new_tokens + 8), enable_prefix_cache=False, **opts) as eng:
+    with open_engine(ckpt, backend, batch, new_tokens) as eng:
         for capture in (False, True):  # warm-up with the timed shapes: Triton compiles per shape
             eng.generate(input_ids=prompts, sampling_params=params, return_routed_experts=capture)
         for _ in range(reps):
             for capture in (False, True):
-                t0 = time.perf_counter()
-                eng.generate(input_ids=prompts, sampling_params=one, return_routed_experts=capture)
-                prefill_s = time.perf_counter() - t0
-                t0 = time.perf_counter()
-                eng.generate(input_ids=prompts, sampling_params=params, return_routed_experts=capture)
-                decode_s = max(time.perf_counter() - t0 - prefill_s, 1e-9)
-                samples[capture].append(batch * (new_tokens - 1) / decode_s)
+                samples[capture].append(decode_tokens_per_s(eng, prompts, new_tokens, capture))
     out = []
     for capture, tps in samples.items():
         row = {"backend": backend, "capture": capture, "batch": batch, "new_tokens": new_tokens,

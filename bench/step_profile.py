@@ -17,7 +17,6 @@ import json
 import pstats
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -27,20 +26,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from engine_gpu import backend_options, bench_checkpoint  # noqa: E402
+from engine_gpu import bench_checkpoint, bench_prompts, decode_tokens_per_s, open_engine  # noqa: E402
 
 from r3trace.engine import Engine  # noqa: E402
-
-
-def decode_run(eng: Engine, prompts: list[list[int]], new_tokens: int, capture: bool) -> float:
-    """Decode tokens/s: a run of new_tokens minus a run of one token (its prefill)."""
-    params = {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}
-    t0 = time.perf_counter()
-    eng.generate(input_ids=prompts, sampling_params={**params, "max_new_tokens": 1}, return_routed_experts=capture)
-    prefill_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    eng.generate(input_ids=prompts, sampling_params=params, return_routed_experts=capture)
-    return len(prompts) * (new_tokens - 1) / max(time.perf_counter() - t0 - prefill_s, 1e-9)
 
 
 def replay_ms(eng: Engine, batch: int, n: int = 50) -> float:
@@ -76,24 +64,20 @@ def main() -> None:
     args = ap.parse_args()
     b, n = args.batch, args.new_tokens
     report: dict[str, Any] = {"device": torch.cuda.get_device_name(), "shape": args.shape, "batch": b}
-    rng = np.random.default_rng(1)
-    prompts = [rng.integers(2, 32000, size=128).tolist() for _ in range(b)]
+    prompts = bench_prompts(b)
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = bench_checkpoint(Path(tmp), args.shape)
-        opts = backend_options("triton")
-        opts["cuda_graph_batch_sizes"] = (b,)
-        with Engine(ckpt, dtype="bfloat16", device="cuda", chunked_prefill_size=8192, max_running_requests=b,
-                    kv_pool_tokens=b * (128 + n + 8), enable_prefix_cache=False, **opts) as eng:
+        with open_engine(ckpt, "triton", b, n) as eng:
             for capture in (False, True):
-                decode_run(eng, prompts, n, capture)  # warm-up
+                decode_tokens_per_s(eng, prompts, n, capture)  # warm-up
             for capture in (False, True):
-                tps = [decode_run(eng, prompts, n, capture) for _ in range(2)]
+                tps = [decode_tokens_per_s(eng, prompts, n, capture) for _ in range(2)]
                 report[f"decode_tok_s_capture_{'on' if capture else 'off'}"] = tps
                 report[f"step_ms_capture_{'on' if capture else 'off'}"] = 1e3 * b / float(np.median(tps))
             report["graph_replay_ms"] = eng.run_on_scheduler(lambda: replay_ms(eng, b))
             prof = cProfile.Profile()
             eng.run_on_scheduler(prof.enable)  # profiles the thread that calls it: the scheduler's
-            decode_run(eng, prompts, n, True)
+            decode_tokens_per_s(eng, prompts, n, True)
             eng.run_on_scheduler(prof.disable)
             buf = io.StringIO()
             stats = pstats.Stats(prof, stream=buf)
