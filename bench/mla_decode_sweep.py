@@ -88,15 +88,73 @@ def load_old(path: str) -> ModuleType:
     return mod
 
 
+# H = 16 split-count sweep (session 3): the memory-bound cells below 75% of copy run 8-16 programs per SM,
+# one at a time (a 64-key tile double-buffered is 144 KB): each program's q load, first-tile latency and
+# partial write are not overlapped by another program, and the last wave is partly empty (B = 64 / 8k:
+# 1088 programs = 8.24 waves of 132). Candidates: splits that fill whole waves, and 32-key tiles (72 KB at
+# 2 stages: 2-3 programs per SM, so one program's prologue/epilogue hides under another's loop).
+TILES_16_SPLITS = [D(16, 64, 4, 2), D(16, 32, 4, 2), D(16, 32, 4, 3), D(16, 64, 4, 3), D(16, 32, 8, 2)]
+SHAPES_16_SPLITS = [(64, 8192), (16, 32768), (256, 32768), (64, 32768), (16, 8192)]
+SPLITS_16 = {64: [8, 12, 16, 17, 22, 24, 33, 44, 66], 16: [16, 24, 32, 33, 48, 64, 66, 99, 132, 198, 264],
+             256: [1, 2, 3, 4, 5, 6, 8, 11]}  # fmt: skip
+
+
+def merge_ms(B: int, H: int, splits: int) -> float:
+    """Stage 2 alone on [B, H, splits, 512] fp32 partials: the merge's share of a decode call."""
+    from r3trace.kernels.mla_decode import _mla_decode_merge_kernel
+
+    part = torch.randn(B, H, splits, KV_LORA, device="cuda")
+    lse = torch.randn(B, H, splits, device="cuda")
+    lens = torch.full((B,), 1 << 20, device="cuda", dtype=torch.int64)
+    out = torch.empty(B, H, KV_LORA, device="cuda", dtype=torch.bfloat16)
+
+    def run() -> None:
+        _mla_decode_merge_kernel[(B, H)](
+            part, lse, lens, out, KV_LORA, splits, part.stride(0), part.stride(1), part.stride(2),
+            lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
+            BLOCK_P=max(2, 1 << (splits - 1).bit_length()), BLOCK_C=KV_LORA, num_warps=4,
+        )  # fmt: skip
+
+    return float(do_bench(run, warmup=25, rep=60, return_mode="median"))
+
+
+def sweep_h16_splits(out_dir: Path, sms: int) -> None:
+    """Every (tile, splits) at the H = 16 shapes; the launcher default (tile and choose_num_kv_splits)
+    is among them, so each cell's gain is against the default in the same run."""
+    res: list[dict[str, object]] = []
+    errs = {tuple(t): check(t, 16) for t in TILES_16_SPLITS}
+    print("H=16 errors:", {k: f"{v:.1e}" for k, v in errs.items()}, flush=True)
+    for B, L in SHAPES_16_SPLITS:
+        q, kv, r2t, rows, lens = inputs(B, L, 16)
+        auto = choose_num_kv_splits(B, 1, L, sms)
+        cands = sorted({auto, *SPLITS_16.get(B, [])})
+        gb = B * L * (KV_LORA + ROPE) * 2 / 1e6
+        for tile in TILES_16_SPLITS:
+            times = {n: ms(partial(mla_decode, q, kv, r2t, rows, lens, KV_LORA, 576**-0.5, n, tile)) for n in cands}
+            best = min(times, key=lambda n: times[n])
+            res.append({"B": B, "L": L, "tile": list(tile), "auto": auto, "ms": times, "err": errs[tuple(tile)],
+                        "merge_ms_auto": merge_ms(B, 16, auto)})  # fmt: skip
+            print(f"H=16 B={B} L={L} tile {tuple(tile)} auto {auto}: {times[auto]:.4f} ms ({gb / times[auto]:.0f} GB/s)"
+                  f" best {best}: {times[best]:.4f} ms ({gb / times[best]:.0f} GB/s) | "
+                  + " ".join(f"{n}:{t:.4f}" for n, t in times.items()), flush=True)  # fmt: skip
+            (out_dir / "mla_decode_h16_splits.json").write_text(json.dumps(res, indent=1))
+        print(f"  merge alone at auto splits: {res[-1]['merge_ms_auto']:.4f} ms", flush=True)
+        del q, kv
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--h16-splits", action="store_true", help="only the H = 16 (tile, split count) sweep")
     ap.add_argument("--old", help="path of a previous mla_decode.py whose default tile is timed too")
     a = ap.parse_args()
     old = load_old(a.old) if a.old else None
     out_dir = Path(os.environ.get("OUT", "out"))
     out_dir.mkdir(parents=True, exist_ok=True)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
+    if a.h16_splits:
+        sweep_h16_splits(out_dir, sms)
+        return
     res: list[dict[str, object]] = []
     for H, tiles in ((128, TILES_128), (16, TILES_16)):
         shapes = SHAPES[H][:1] if a.quick else SHAPES[H]
