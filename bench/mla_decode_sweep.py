@@ -50,6 +50,9 @@ def ms(fn: partial[torch.Tensor]) -> float:
     session 3 run 1 timed B = 16 / 8k (151 MB) at 0.177 ms whatever the split count, so eager times of
     the small H = 16 cells are a host floor, not the kernel; graph replays remove it."""
     if GRAPH:
+        # do_bench_cudagraph runs fn on a side stream that does not wait for the default stream: without
+        # this sync it read req_to_token before randperm had written it (illegal address, session 3 run 2)
+        torch.cuda.synchronize()
         return float(do_bench_cudagraph(fn, rep=60, return_mode="median"))
     return float(do_bench(fn, warmup=25, rep=60, return_mode="median"))
 
@@ -119,7 +122,7 @@ def merge_ms(B: int, H: int, splits: int) -> float:
 
     def run() -> None:
         _mla_decode_merge_kernel[(B, H)](
-            part, lse, lens, out, KV_LORA, splits, part.stride(0), part.stride(1), part.stride(2),
+            part, lse, lens, out, KV_LORA, splits, 64, part.stride(0), part.stride(1), part.stride(2),
             lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
             BLOCK_P=max(2, 1 << (splits - 1).bit_length()), BLOCK_C=KV_LORA, num_warps=4,
         )  # fmt: skip
