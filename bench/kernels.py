@@ -142,7 +142,7 @@ def bench_decode(copy_gbs: float, gemm_tflops: float, quick: bool) -> None:
         times = {}
         for tile in DECODE_TILES[H] + [default_decode_tile(H, torch.bfloat16)]:
             try:
-                n = choose_num_kv_splits(64, tile.head_programs(H), 8192, sms)
+                n = choose_num_kv_splits(64, tile.head_programs(H), 8192, sms, tile.waves)
                 fn = partial(mla_decode, q, kv, r2t, rows, lens, KV_LORA, scale, num_kv_splits=n, tile=tile)
                 times[tile] = ms(fn)
             except Exception as e:  # out of shared memory etc.: recorded, not fatal
@@ -181,7 +181,7 @@ def bench_decode(copy_gbs: float, gemm_tflops: float, quick: bool) -> None:
                 kvs = [kv] + [torch.randn_like(kv) for _ in range(copies - 1)]
                 # splits from host lengths, as the engine passes them: num_kv_splits=None would add a
                 # device sync per call (seq_lens.max()), 0.1-0.2 ms of host gap on this machine (run 3)
-                splits = choose_num_kv_splits(B, tile.head_programs(H), L, sms)
+                splits = choose_num_kv_splits(B, tile.head_programs(H), L, sms, tile.waves)
                 fns = [partial(mla_decode, q, kv_i, r2t, rows, lens, KV_LORA, scale, num_kv_splits=splits)
                        for kv_i in kvs]  # fmt: skip
                 out = fns[0]()

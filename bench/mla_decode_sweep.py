@@ -105,10 +105,11 @@ def load_old(path: str) -> ModuleType:
 # 1088 programs = 8.24 waves of 132). Candidates: splits that fill whole waves, and 32-key tiles (72 KB at
 # 2 stages: 2-3 programs per SM, so one program's prologue/epilogue hides under another's loop).
 # Run 1 (eager): 16x64x4w,2st and 16x32x4w,3st best; 8 warps, 16x32 at 2 stages, 16x64 at 3 stages 5-50% slower.
-# Run 2: graph-timed, splits cut to whole 64-key tiles (this commit), fewer split counts.
+# Run 3: graph-timed, splits cut to whole tiles: 16x32x4w,3st at 8 splits best at B = 64 / 8k. Run 4: all
+# nine H = 16 cells, the launcher's split count at 8 waves and at 4 (the tile's `waves`) among the candidates.
 TILES_16_SPLITS = [D(16, 64, 4, 2), D(16, 32, 4, 3)]
-SHAPES_16_SPLITS = [(64, 8192), (16, 32768), (256, 32768), (64, 32768), (16, 8192), (256, 8192)]
-SPLITS_16 = {64: [8, 12, 16, 17, 24, 32], 16: [16, 32, 33, 48, 64], 256: [2, 3, 4, 5, 8]}
+SHAPES_16_SPLITS = [(B, L) for B in (16, 64, 256) for L in (1024, 8192, 32768)]
+SPLITS_16 = {64: [8, 12, 16], 16: [16, 32], 256: [1, 2, 3]}
 
 
 def merge_ms(B: int, H: int, splits: int) -> float:
@@ -140,14 +141,16 @@ def sweep_h16_splits(out_dir: Path, sms: int, old: ModuleType | None) -> None:
     for B, L in SHAPES_16_SPLITS:
         q, kv, r2t, rows, lens = inputs(B, L, 16)
         auto = choose_num_kv_splits(B, 1, L, sms)
-        cands = sorted({auto, *SPLITS_16.get(B, [])})
+        auto4 = choose_num_kv_splits(B, 1, L, sms, waves=4)
+        cands = sorted({auto, auto4, *(n for n in SPLITS_16.get(B, []) if n <= choose_num_kv_splits(1, 1, L, 10**6))})
         gb = B * L * (KV_LORA + ROPE) * 2 / 1e6
         for tile in TILES_16_SPLITS:
             times = {n: ms(partial(mla_decode, q, kv, r2t, rows, lens, KV_LORA, 576**-0.5, n, tile)) for n in cands}
             best = min(times, key=lambda n: times[n])
-            res.append({"B": B, "L": L, "tile": list(tile), "auto": auto, "ms": times, "err": errs[tuple(tile)],
-                        "merge_ms_auto": merge_ms(B, 16, auto)})  # fmt: skip
+            res.append({"B": B, "L": L, "tile": list(tile), "auto": auto, "auto4": auto4, "ms": times,
+                        "err": errs[tuple(tile)]})  # fmt: skip
             print(f"H=16 B={B} L={L} tile {tuple(tile)} auto {auto}: {times[auto]:.4f} ms ({gb / times[auto]:.0f} GB/s)"
+                  f" 4-wave auto {auto4}: {times[auto4]:.4f} ms ({gb / times[auto4]:.0f} GB/s)"
                   f" best {best}: {times[best]:.4f} ms ({gb / times[best]:.0f} GB/s) | "
                   + " ".join(f"{n}:{t:.4f}" for n, t in times.items()), flush=True)  # fmt: skip
             (out_dir / "mla_decode_h16_splits.json").write_text(json.dumps(res, indent=1))
@@ -156,7 +159,7 @@ def sweep_h16_splits(out_dir: Path, sms: int, old: ModuleType | None) -> None:
             t = ms(partial(old.mla_decode, q, kv, r2t, rows, lens, KV_LORA, 576**-0.5, n))
             res.append({"B": B, "L": L, "tile": "old default", "auto": n, "ms": {n: t}})
             print(f"H=16 B={B} L={L} old kernel, its default, {n} splits: {t:.4f} ms ({gb / t:.0f} GB/s)", flush=True)
-        print(f"  merge alone at auto splits: {res[-1]['merge_ms_auto']:.4f} ms", flush=True)
+        print(f"  merge alone at {auto} splits: {merge_ms(B, 16, auto):.4f} ms", flush=True)
         del q, kv
 
 

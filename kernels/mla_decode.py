@@ -38,6 +38,9 @@ MAX_KV_SPLITS = 64
 # memory, so one program per SM: with few waves the last one's tail shows. H200, H=16, B=64, L=32k:
 # 5 splits (2.4 waves) 0.965 ms, 20 splits (9.7 waves) 0.700 ms (bench/NOTES.md, run 2).
 WAVES = 8
+# Session 3 (graph-timed, bench/NOTES.md "MLA decode, session 3"): at H = 16 fewer, longer splits win
+# (B = 64 / 8k: 8-9 splits 0.176 ms vs 17 0.192), so the H < 64 tile asks for 4 waves; at H >= 64 (one
+# program per SM, compute-bound) 8 waves keep the last wave's tail small.
 
 
 @triton.jit
@@ -152,15 +155,17 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def choose_num_kv_splits(batch: int, num_head_blocks: int, max_seq_len: int, sm_count: int) -> int:
-    """Splits per request so stage 1 has about WAVES programs per SM, each >= MIN_TOKENS_PER_SPLIT keys.
-    num_head_blocks: stage-1 programs per request and split, tile.head_programs(H).
+def choose_num_kv_splits(
+    batch: int, num_head_blocks: int, max_seq_len: int, sm_count: int, waves: int = WAVES
+) -> int:
+    """Splits per request so stage 1 has about `waves` programs per SM (tile.waves), each >=
+    MIN_TOKENS_PER_SPLIT keys. num_head_blocks: stage-1 programs per request and split, tile.head_programs(H).
 
     Pure host arithmetic: the engine calls it with host-side lengths (no device sync) and passes the
     result to mla_decode; under CUDA graphs it passes one fixed value per captured batch size.
     """
     programs = max(1, batch * num_head_blocks)
-    by_sms = triton.cdiv(WAVES * sm_count, programs)
+    by_sms = triton.cdiv(waves * sm_count, programs)
     by_len = triton.cdiv(max(1, max_seq_len), MIN_TOKENS_PER_SPLIT)
     return int(max(1, min(by_sms, by_len, MAX_KV_SPLITS)))
 
@@ -178,21 +183,32 @@ class DecodeTile(NamedTuple):
     v_splits: int = 1
     keys_major: bool = False
     kernel: str = "triton"
+    waves: int = WAVES  # stage-1 programs per SM the split count aims for (choose_num_kv_splits)
 
     def head_programs(self, num_heads: int) -> int:
         """Stage-1 programs per (request, split): head blocks x value splits."""
         return triton.cdiv(num_heads, self.block_h) * self.v_splits
 
 
-def default_decode_tile(num_heads: int, dtype: torch.dtype) -> DecodeTile:
-    """The tile the H200 sweeps picked: 16 heads x 64 keys at H < 64 (0.221 ms at B=64, L=8k; 3 stages of
-    32 keys equal); at H >= 64, 64 heads x 64 keys over 8 warps (B=64 / B=256, L=8k: 0.732 / 2.442 ms; the
-    best of 13 tiles incl. value splits, 128 heads, keys-major scores, two programs per SM: BENCHMARKS.md,
-    "### MLA decode"). fp32 halves the keys so two 32-key fp32 tiles still fit in shared memory."""
-    block_n = 64 if dtype.itemsize <= 2 else 32
+def default_decode_tile(
+    num_heads: int, dtype: torch.dtype, use_gluon: bool = False, kv_lora: int = 512, rope: int = 64
+) -> DecodeTile:
+    """The tile the H200 sweeps picked (BENCHMARKS.md, "### MLA decode"). H < 64: 16 heads x 32 keys, 3
+    stages, 4 waves (B = 64, L = 8k graph-timed: 0.176 ms vs 0.192 for 16 x 64 x 2 stages at 8 waves).
+    H >= 64: use_gluon (the caller is on a Hopper GPU) and a shape the Gluon kernel takes: its two-warpgroup
+    64 x 64 tile (B = 256, L = 32k: 6.86 vs 9.47 ms); else Triton's 64 heads x 64 keys over 8 warps (the best
+    of 13 Triton tiles incl. value splits, 128 heads, keys-major scores, two programs per SM). fp32 halves
+    the keys so two fp32 tiles still fit in shared memory."""
     if num_heads >= 64:
-        return DecodeTile(64, block_n, 8, 2)
-    return DecodeTile(16, block_n, 4, 2)
+        if use_gluon and dtype.itemsize == 2:
+            from r3trace.kernels.mla_decode_gluon import GLUON_KV_LORA, GLUON_ROPE
+
+            if kv_lora in GLUON_KV_LORA and rope in GLUON_ROPE:
+                return DecodeTile(64, 64, 8, 2, kernel="gluon")
+        return DecodeTile(64, 64 if dtype.itemsize <= 2 else 32, 8, 2)
+    if dtype.itemsize <= 2:
+        return DecodeTile(16, 32, 4, 3, waves=4)
+    return DecodeTile(16, 32, 4, 2, waves=4)
 
 
 def _check_decode_args(
@@ -232,7 +248,7 @@ def mla_decode(
 
     num_kv_splits=None picks it from max(seq_lens) (one device sync) and the SM count; pass it (see
     choose_num_kv_splits) to stay sync-free and CUDA-graph capturable. tile=None: default_decode_tile
-    (bench/kernels.py sweeps others).
+    without Gluon (bench/kernels.py sweeps others; the engine's backend asks for Gluon on Hopper).
     """
     _check_decode_args(q, kv_cache, req_to_token, req_pool_indices, seq_lens, kv_lora_rank)
     B, H, C = q.shape
@@ -244,7 +260,7 @@ def mla_decode(
     if num_kv_splits is None:
         max_len = int(seq_lens.max().item()) if B > 0 else 1
         sms = _sm_count(q.device.index or 0) if q.is_cuda else 4  # interpret: a few splits, still > 1
-        num_kv_splits = choose_num_kv_splits(B, head_programs, max_len, sms)
+        num_kv_splits = choose_num_kv_splits(B, head_programs, max_len, sms, tile.waves)
     require(1 <= num_kv_splits <= 1024, f"num_kv_splits {num_kv_splits} not in 1..1024")
     out = torch.empty((B, H, kv_lora_rank), dtype=q.dtype, device=q.device)
     if B == 0 or H == 0:

@@ -33,6 +33,8 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 BLOCK_H = 64  # one wgmma M: 4 warps x 16 rows
 BLOCK_N = 64  # keys a tile: S is 64 x 64, each warpgroup's half an instruction of N = 32
 NUM_WARPS = 8  # two warpgroups, [4, 2]: M over the warps of a group, N over the groups
+GLUON_KV_LORA = (128, 256, 512)  # each warpgroup's half of O: one wgmma of N = kv_lora / 2 <= 256
+GLUON_ROPE = (16, 32, 64, 128)  # a power of two (Gluon tensor shapes), >= one 16-wide wgmma K step
 
 
 @gluon.jit
@@ -173,7 +175,7 @@ def gluon_supported(q: torch.Tensor, kv_lora: int) -> str | None:
         return "the Gluon decode kernel needs a Hopper (sm_90) GPU"
     if q.dtype not in (torch.bfloat16, torch.float16):
         return f"the Gluon decode kernel takes bf16/fp16, not {q.dtype}"
-    if kv_lora not in (128, 256, 512) or rope not in (16, 32, 64, 128):
+    if kv_lora not in GLUON_KV_LORA or rope not in GLUON_ROPE:
         return f"the Gluon decode kernel needs kv_lora in (128, 256, 512) and rope in (16..128), got {kv_lora}, {rope}"
     return None
 

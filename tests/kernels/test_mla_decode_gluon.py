@@ -60,3 +60,25 @@ def test_gluon_rejects_what_it_cannot_run() -> None:
     q, kv = torch.randn(2, 64, 576, device="cuda").bfloat16(), torch.randn(10, 576, device="cuda").bfloat16()
     with pytest.raises(KernelInputError, match="fixed"):
         mla_decode(q, kv, *args[1:], 512, 0.2, tile=DecodeTile(64, 32, 8, 2, kernel="gluon"))
+
+
+@pytest.mark.skipif(not _hopper(), reason="the Gluon decode kernel is sm_90 only")
+def test_gluon_under_cuda_graph() -> None:
+    """The engine replays decode from CUDA graphs: a captured call, replayed on new lengths and new cache
+    contents, equals an eager call on them."""
+    gen = torch.Generator().manual_seed(3)
+    lens = [900, 17, 2100]
+    r2t, rows, S = paged_req_to_token([max(lens)] * 3, 64, gen)
+    q = torch.randn(3, 128, 576, generator=gen).cuda().bfloat16()
+    kv = torch.randn(S, 576, generator=gen).cuda().bfloat16()
+    seq = torch.tensor(lens, device="cuda")
+    r2t, rows = r2t.cuda(), rows.cuda()
+    mla_decode(q, kv, r2t, rows, seq, 512, 0.05, num_kv_splits=4, tile=GLUON)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = mla_decode(q, kv, r2t, rows, seq, 512, 0.05, num_kv_splits=4, tile=GLUON)
+    seq.copy_(torch.tensor([1, 2049, 64]))
+    kv.copy_(torch.randn(S, 576, generator=gen).bfloat16())
+    graph.replay()
+    eager = mla_decode(q, kv, r2t, rows, seq, 512, 0.05, num_kv_splits=4, tile=GLUON)
+    assert torch.equal(out, eager)
