@@ -22,7 +22,13 @@ from types import ModuleType
 import torch
 from triton.testing import do_bench, do_bench_cudagraph
 
-from r3trace.kernels.mla_decode import DecodeTile, choose_num_kv_splits, mla_decode, mla_decode_ref
+from r3trace.kernels.mla_decode import (
+    DecodeTile,
+    choose_num_kv_splits,
+    default_decode_tile,
+    mla_decode,
+    mla_decode_ref,
+)
 
 KV_LORA, ROPE, PAGE = 512, 64, 64
 
@@ -163,12 +169,43 @@ def sweep_h16_splits(out_dir: Path, sms: int, old: ModuleType | None) -> None:
         del q, kv
 
 
+def table(out_dir: Path, sms: int, old: ModuleType) -> None:
+    """The 18 cells of issue 6 point 8: the defaults the engine gets on this GPU (default_decode_tile with
+    use_gluon, the tile's split count) against `old`'s defaults, each timed eagerly and as graph replays."""
+    global GRAPH
+    res: list[dict[str, object]] = []
+    for H in (16, 128):
+        tile = default_decode_tile(H, torch.bfloat16, use_gluon=True)
+        err = check(tile, H)
+        print(f"H={H} default {tuple(tile)} err {err:.1e}", flush=True)
+        for B in (16, 64, 256):
+            for L in (1024, 8192, 32768):
+                q, kv, r2t, rows, lens = inputs(B, L, H)
+                n_new = tile.num_kv_splits(B, H, L, sms)
+                old_bh = old.default_decode_tile(H, q.dtype)[0]
+                n_old = old.choose_num_kv_splits(B, -(-H // old_bh), L, sms)
+                row: dict[str, object] = {"H": H, "B": B, "L": L, "tile": list(tile), "err": err,
+                                          "splits_new": n_new, "splits_old": n_old}  # fmt: skip
+                for GRAPH in (False, True):
+                    mode = "graph" if GRAPH else "eager"
+                    args = (q, kv, r2t, rows, lens, KV_LORA, 576**-0.5)
+                    row[f"new_{mode}"] = ms(partial(mla_decode, *args, n_new, tile))
+                    row[f"old_{mode}"] = ms(partial(old.mla_decode, *args, n_old))
+                res.append(row)
+                print(" ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()
+                               if k not in ("tile", "err")), flush=True)  # fmt: skip
+                (out_dir / "mla_decode_table.json").write_text(json.dumps(res, indent=1))
+                del q, kv
+                torch.cuda.empty_cache()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--h16-splits", action="store_true", help="only the H = 16 (tile, split count) sweep")
     ap.add_argument("--h128-gluon", action="store_true", help="only H = 128: the Gluon stage 1 vs the default")
     ap.add_argument("--graph", action="store_true", help="time CUDA-graph replays")
+    ap.add_argument("--table", action="store_true", help="the 18 cells, new defaults vs --old, eager and graph")
     ap.add_argument("--old", help="path of a previous mla_decode.py whose default tile is timed too")
     a = ap.parse_args()
     old = load_old(a.old) if a.old else None
@@ -177,10 +214,14 @@ def main() -> None:
     out_dir = Path(os.environ.get("OUT", "out"))
     out_dir.mkdir(parents=True, exist_ok=True)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
+    if a.table:
+        assert old is not None, "--table times the --old kernel too"
+        table(out_dir, sms, old)
+        return
     if a.h16_splits:
         sweep_h16_splits(out_dir, sms, old)
         return
-    groups = ((128, TILES_128), (16, TILES_16))
+    groups: tuple[tuple[int, list[DecodeTile]], ...] = ((128, TILES_128), (16, TILES_16))
     if a.h128_gluon:  # session 3: FlashMLA's two-warpgroup split in Gluon against the Triton default
         groups = ((128, [D(64, 64, 8, 2), D(64, 64, 8, 2, kernel="gluon")]),)
     res: list[dict[str, object]] = []

@@ -38,9 +38,10 @@ MAX_KV_SPLITS = 64
 # memory, so one program per SM: with few waves the last one's tail shows. H200, H=16, B=64, L=32k:
 # 5 splits (2.4 waves) 0.965 ms, 20 splits (9.7 waves) 0.700 ms (bench/NOTES.md, run 2).
 WAVES = 8
-# Session 3 (graph-timed, bench/NOTES.md "MLA decode, session 3"): at H = 16 fewer, longer splits win
-# (B = 64 / 8k: 8-9 splits 0.176 ms vs 17 0.192), so the H < 64 tile asks for 4 waves; at H >= 64 (one
-# program per SM, compute-bound) 8 waves keep the last wave's tail small.
+# Session 3 (graph-timed, bench/NOTES.md "MLA decode, session 3", run 4): at H = 16 fewer, longer splits
+# win, but only if they fill whole waves: B = 64 / 8k, 16x32x4w,3st: 8 splits (512 programs) 0.176 ms, 9
+# (576: a 0.4 wave tail) 0.212, 17 0.193. So the H < 64 tile asks for 4 programs per SM rounded down
+# (whole_waves); at H >= 64 (one program per SM, compute-bound) 8 waves rounded up, as measured.
 
 
 @triton.jit
@@ -156,16 +157,17 @@ def _sm_count(device_index: int) -> int:
 
 
 def choose_num_kv_splits(
-    batch: int, num_head_blocks: int, max_seq_len: int, sm_count: int, waves: int = WAVES
+    batch: int, num_head_blocks: int, max_seq_len: int, sm_count: int, waves: int = WAVES, whole_waves: bool = False
 ) -> int:
-    """Splits per request so stage 1 has about `waves` programs per SM (tile.waves), each >=
-    MIN_TOKENS_PER_SPLIT keys. num_head_blocks: stage-1 programs per request and split, tile.head_programs(H).
+    """Splits per request so stage 1 has about `waves` programs per SM (at most that many if whole_waves),
+    each >= MIN_TOKENS_PER_SPLIT keys. num_head_blocks: stage-1 programs per request and split,
+    tile.head_programs(H); DecodeTile.num_kv_splits passes the tile's own waves.
 
     Pure host arithmetic: the engine calls it with host-side lengths (no device sync) and passes the
     result to mla_decode; under CUDA graphs it passes one fixed value per captured batch size.
     """
     programs = max(1, batch * num_head_blocks)
-    by_sms = triton.cdiv(waves * sm_count, programs)
+    by_sms = (waves * sm_count) // programs if whole_waves else triton.cdiv(waves * sm_count, programs)
     by_len = triton.cdiv(max(1, max_seq_len), MIN_TOKENS_PER_SPLIT)
     return int(max(1, min(by_sms, by_len, MAX_KV_SPLITS)))
 
@@ -184,17 +186,25 @@ class DecodeTile(NamedTuple):
     keys_major: bool = False
     kernel: str = "triton"
     waves: int = WAVES  # stage-1 programs per SM the split count aims for (choose_num_kv_splits)
+    whole_waves: bool = False  # round the split count down (no partial last wave), not up
 
     def head_programs(self, num_heads: int) -> int:
         """Stage-1 programs per (request, split): head blocks x value splits."""
         return triton.cdiv(num_heads, self.block_h) * self.v_splits
+
+    def num_kv_splits(self, batch: int, num_heads: int, max_seq_len: int, sm_count: int) -> int:
+        """choose_num_kv_splits for this tile's programs and waves (host arithmetic, no device sync)."""
+        return choose_num_kv_splits(
+            batch, self.head_programs(num_heads), max_seq_len, sm_count, self.waves, self.whole_waves
+        )
 
 
 def default_decode_tile(
     num_heads: int, dtype: torch.dtype, use_gluon: bool = False, kv_lora: int = 512, rope: int = 64
 ) -> DecodeTile:
     """The tile the H200 sweeps picked (BENCHMARKS.md, "### MLA decode"). H < 64: 16 heads x 32 keys, 3
-    stages, 4 waves (B = 64, L = 8k graph-timed: 0.176 ms vs 0.192 for 16 x 64 x 2 stages at 8 waves).
+    stages, 4 programs per SM rounded down (B = 64, L = 8k graph-timed: 0.176 ms vs 0.192 for 16 x 64 x 2
+    stages at 8 waves rounded up).
     H >= 64: use_gluon (the caller is on a Hopper GPU) and a shape the Gluon kernel takes: its two-warpgroup
     64 x 64 tile (B = 256, L = 32k: 6.86 vs 9.47 ms); else Triton's 64 heads x 64 keys over 8 warps (the best
     of 13 Triton tiles incl. value splits, 128 heads, keys-major scores, two programs per SM). fp32 halves
@@ -207,8 +217,8 @@ def default_decode_tile(
                 return DecodeTile(64, 64, 8, 2, kernel="gluon")
         return DecodeTile(64, 64 if dtype.itemsize <= 2 else 32, 8, 2)
     if dtype.itemsize <= 2:
-        return DecodeTile(16, 32, 4, 3, waves=4)
-    return DecodeTile(16, 32, 4, 2, waves=4)
+        return DecodeTile(16, 32, 4, 3, waves=4, whole_waves=True)
+    return DecodeTile(16, 32, 4, 2, waves=4, whole_waves=True)
 
 
 def _check_decode_args(
@@ -256,11 +266,10 @@ def mla_decode(
     require(tile.v_splits in (1, 2), f"v_splits {tile.v_splits} not in (1, 2)")
     require(tile.kernel in ("triton", "gluon"), f"kernel {tile.kernel!r} not in ('triton', 'gluon')")
     rope = C - kv_lora_rank
-    head_programs = tile.head_programs(H)
     if num_kv_splits is None:
         max_len = int(seq_lens.max().item()) if B > 0 else 1
         sms = _sm_count(q.device.index or 0) if q.is_cuda else 4  # interpret: a few splits, still > 1
-        num_kv_splits = choose_num_kv_splits(B, head_programs, max_len, sms, tile.waves)
+        num_kv_splits = tile.num_kv_splits(B, H, max_len, sms)
     require(1 <= num_kv_splits <= 1024, f"num_kv_splits {num_kv_splits} not in 1..1024")
     out = torch.empty((B, H, kv_lora_rank), dtype=q.dtype, device=q.device)
     if B == 0 or H == 0:

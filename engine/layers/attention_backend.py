@@ -105,9 +105,8 @@ class TritonAttention:
         if fb.mode == "decode":
             tile = self._mod.default_decode_tile(q.shape[1], q.dtype, self._gluon, kv_lora_rank,
                                                  q.shape[2] - kv_lora_rank)
-            # programs per (request, split): head blocks x value-column splits, as the kernel launches them
-            splits = self._mod.choose_num_kv_splits(fb.batch_size, tile.head_programs(q.shape[1]),
-                                                    max(fb.seq_lens_cpu), self._sms, tile.waves)
+            # programs per (request, split) and per SM as the kernel launches them, from host lengths
+            splits = tile.num_kv_splits(fb.batch_size, q.shape[1], max(fb.seq_lens_cpu), self._sms)
             return self._decode(q, kv_cache, fb.req_to_token, fb.req_pool_indices, fb.seq_lens, kv_lora_rank, scale,
                                 num_kv_splits=splits, tile=tile)
         return self._extend(

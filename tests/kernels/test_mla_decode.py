@@ -97,8 +97,12 @@ def test_choose_num_kv_splits() -> None:
     assert choose_num_kv_splits(batch=16, num_head_blocks=1, max_seq_len=32768, sm_count=132) == 64
     assert choose_num_kv_splits(batch=16, num_head_blocks=1, max_seq_len=300, sm_count=132) == 2
     assert choose_num_kv_splits(batch=1, num_head_blocks=1, max_seq_len=10**6, sm_count=1000) == 64
-    # the H < 64 tile's 4 waves: about half the splits (B = 64 / 8k: 9, not 17)
-    assert choose_num_kv_splits(batch=64, num_head_blocks=1, max_seq_len=8192, sm_count=132, waves=4) == 9
+    # the H < 64 default: 4 programs per SM rounded down (B = 64 / 8k: 8 splits = 512 programs, not 9)
+    tile = default_decode_tile(16, torch.bfloat16)
+    assert [tile.num_kv_splits(B, 16, L, 132) for B, L in [(64, 8192), (16, 32768), (256, 32768), (16, 8192)]] == [
+        8, 33, 2, 32
+    ]
+    assert choose_num_kv_splits(64, 1, 8192, 132, waves=4) == 9  # rounded up: a 0.36-wave tail
 
 
 def test_default_tile_takes_gluon_only_where_it_runs() -> None:
