@@ -142,7 +142,7 @@ def bench_decode(copy_gbs: float, gemm_tflops: float, quick: bool) -> None:
         times = {}
         for tile in DECODE_TILES[H] + [default_decode_tile(H, torch.bfloat16)]:
             try:
-                n = choose_num_kv_splits(64, tile.head_programs(H), 8192, sms)
+                n = tile.num_kv_splits(64, H, 8192, sms)
                 fn = partial(mla_decode, q, kv, r2t, rows, lens, KV_LORA, scale, num_kv_splits=n, tile=tile)
                 times[tile] = ms(fn)
             except Exception as e:  # out of shared memory etc.: recorded, not fatal
@@ -172,7 +172,8 @@ def bench_decode(copy_gbs: float, gemm_tflops: float, quick: bool) -> None:
           f"{'TFLOP/s':>8} "
           f"{'%gemm':>6} {'naive ms':>9} {'speedup':>7}")  # fmt: skip
     for H in (16, 128):  # the table runs the launcher's defaults: what the engine gets
-        tile = default_decode_tile(H, torch.bfloat16)
+        # as the engine's backend picks it: the Gluon stage 1 at H >= 64 on Hopper
+        tile = default_decode_tile(H, torch.bfloat16, use_gluon=torch.cuda.get_device_capability()[0] == 9)
         for B in (16, 64, 256):
             for L in (1024, 8192, 32768) if not quick else (8192,):
                 q, kv, r2t, rows, lens = _decode_inputs(B, L, H)
@@ -181,8 +182,8 @@ def bench_decode(copy_gbs: float, gemm_tflops: float, quick: bool) -> None:
                 kvs = [kv] + [torch.randn_like(kv) for _ in range(copies - 1)]
                 # splits from host lengths, as the engine passes them: num_kv_splits=None would add a
                 # device sync per call (seq_lens.max()), 0.1-0.2 ms of host gap on this machine (run 3)
-                splits = choose_num_kv_splits(B, tile.head_programs(H), L, sms)
-                fns = [partial(mla_decode, q, kv_i, r2t, rows, lens, KV_LORA, scale, num_kv_splits=splits)
+                splits = tile.num_kv_splits(B, H, L, sms)
+                fns = [partial(mla_decode, q, kv_i, r2t, rows, lens, KV_LORA, scale, num_kv_splits=splits, tile=tile)
                        for kv_i in kvs]  # fmt: skip
                 out = fns[0]()
                 t = ms(rotating(fns))

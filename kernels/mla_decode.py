@@ -13,28 +13,28 @@ an online softmax for BLOCK_H heads at once: one latent tile loaded from HBM ser
 (SGLang's grouped decode kernel uses 16), which is what makes MLA decode memory-bound rather than
 re-reading the cache per head. It writes the split's normalised partial output and its log-sum-exp.
 Stage 2 (`_mla_decode_merge_kernel`): program (b, h) merges the P partials by their LSE weights.
+A split covers a whole number of BLOCK_N tiles (all but a request's last split), so no program pays for a
+partly empty tile mid-request. decode_tile.py holds the tiles and split counts (re-exported here);
+DecodeTile(kernel="gluon") runs stage 1 as mla_decode_gluon.py's kernel
+(H >= 64 on Hopper; the same partials, the same merge).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from r3trace.kernels.contract import FLOAT_DTYPES, INDEX_DTYPES, require, require_tensor
+from r3trace.kernels.decode_tile import DecodeTile, choose_num_kv_splits, default_decode_tile
+
+__all__ = ["DecodeTile", "choose_num_kv_splits", "default_decode_tile", "mla_decode", "mla_decode_ref"]
 from r3trace.kernels.dot import dot_precision
 from r3trace.kernels.flash import latent_tile_split_scores, online_softmax_step, online_softmax_step_keys_major
 
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x * log2(e)); exp2 is the native instruction
-MIN_TOKENS_PER_SPLIT = 256  # fewer and the split's fixed cost (q load, partial write, merge) dominates
-MAX_KV_SPLITS = 64
-# Stage-1 programs aimed for: WAVES per SM. A 64-key bf16 tile double-buffered is 144 KB of shared
-# memory, so one program per SM: with few waves the last one's tail shows. H200, H=16, B=64, L=32k:
-# 5 splits (2.4 waves) 0.965 ms, 20 splits (9.7 waves) 0.700 ms (bench/NOTES.md, run 2).
-WAVES = 8
 
 
 @triton.jit
@@ -42,7 +42,7 @@ def _mla_decode_kernel(
     # pointers
     q_ptr, kv_ptr, req_to_token_ptr, req_pool_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr,
     # sizes
-    H, num_kv_splits, qk_scale,
+    H, num_kv_splits, split_align, qk_scale,
     # strides
     stride_qb, stride_qh, stride_kvs, stride_rtr, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     # constexpr
@@ -58,7 +58,7 @@ def _mla_decode_kernel(
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
     req_row = tl.load(req_pool_ptr + b).to(tl.int64)
-    split_len = tl.cdiv(seq_len, num_kv_splits)
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_kv_splits), split_align) * split_align  # whole tiles
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
     if start >= end:  # short request, more splits than it needs: stage 2 skips this split too
@@ -120,7 +120,7 @@ def _mla_decode_merge_kernel(
     # pointers
     part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr,
     # sizes
-    KV_LORA, num_kv_splits,
+    KV_LORA, num_kv_splits, split_align,
     # strides
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
     # constexpr
@@ -129,7 +129,7 @@ def _mla_decode_merge_kernel(
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
-    split_len = tl.cdiv(seq_len, num_kv_splits)
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_kv_splits), split_align) * split_align
     offs_p = tl.arange(0, BLOCK_P)
     offs_c = tl.arange(0, BLOCK_C)
     # the same split ranges as stage 1: a split whose start is past seq_len wrote nothing
@@ -147,47 +147,6 @@ def _mla_decode_merge_kernel(
 @functools.lru_cache(maxsize=8)
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def choose_num_kv_splits(batch: int, num_head_blocks: int, max_seq_len: int, sm_count: int) -> int:
-    """Splits per request so stage 1 has about WAVES programs per SM, each >= MIN_TOKENS_PER_SPLIT keys.
-    num_head_blocks: stage-1 programs per request and split, tile.head_programs(H).
-
-    Pure host arithmetic: the engine calls it with host-side lengths (no device sync) and passes the
-    result to mla_decode; under CUDA graphs it passes one fixed value per captured batch size.
-    """
-    programs = max(1, batch * num_head_blocks)
-    by_sms = triton.cdiv(WAVES * sm_count, programs)
-    by_len = triton.cdiv(max(1, max_seq_len), MIN_TOKENS_PER_SPLIT)
-    return int(max(1, min(by_sms, by_len, MAX_KV_SPLITS)))
-
-
-class DecodeTile(NamedTuple):
-    """block_h heads x block_n keys per stage-1 program; v_splits 2 gives each half of the c_kv output
-    columns its own program (a [block_h, kv_lora / 2] accumulator; both recompute the scores);
-    keys_major computes scores as [keys, heads] (kv tile as the product's M side)."""
-
-    block_h: int
-    block_n: int
-    num_warps: int
-    num_stages: int
-    v_splits: int = 1
-    keys_major: bool = False
-
-    def head_programs(self, num_heads: int) -> int:
-        """Stage-1 programs per (request, split): head blocks x value splits."""
-        return triton.cdiv(num_heads, self.block_h) * self.v_splits
-
-
-def default_decode_tile(num_heads: int, dtype: torch.dtype) -> DecodeTile:
-    """The tile the H200 sweeps picked: 16 heads x 64 keys at H < 64 (0.221 ms at B=64, L=8k; 3 stages of
-    32 keys equal); at H >= 64, 64 heads x 64 keys over 8 warps (B=64 / B=256, L=8k: 0.732 / 2.442 ms; the
-    best of 13 tiles incl. value splits, 128 heads, keys-major scores, two programs per SM: BENCHMARKS.md,
-    "### MLA decode"). fp32 halves the keys so two 32-key fp32 tiles still fit in shared memory."""
-    block_n = 64 if dtype.itemsize <= 2 else 32
-    if num_heads >= 64:
-        return DecodeTile(64, block_n, 8, 2)
-    return DecodeTile(16, block_n, 4, 2)
 
 
 def _check_decode_args(
@@ -227,18 +186,18 @@ def mla_decode(
 
     num_kv_splits=None picks it from max(seq_lens) (one device sync) and the SM count; pass it (see
     choose_num_kv_splits) to stay sync-free and CUDA-graph capturable. tile=None: default_decode_tile
-    (bench/kernels.py sweeps others).
+    without Gluon (bench/kernels.py sweeps others; the engine's backend asks for Gluon on Hopper).
     """
     _check_decode_args(q, kv_cache, req_to_token, req_pool_indices, seq_lens, kv_lora_rank)
     B, H, C = q.shape
     tile = tile or default_decode_tile(H, q.dtype)
     require(tile.v_splits in (1, 2), f"v_splits {tile.v_splits} not in (1, 2)")
+    require(tile.kernel in ("triton", "gluon"), f"kernel {tile.kernel!r} not in ('triton', 'gluon')")
     rope = C - kv_lora_rank
-    head_programs = tile.head_programs(H)
     if num_kv_splits is None:
         max_len = int(seq_lens.max().item()) if B > 0 else 1
         sms = _sm_count(q.device.index or 0) if q.is_cuda else 4  # interpret: a few splits, still > 1
-        num_kv_splits = choose_num_kv_splits(B, head_programs, max_len, sms)
+        num_kv_splits = tile.num_kv_splits(B, H, max_len, sms)
     require(1 <= num_kv_splits <= 1024, f"num_kv_splits {num_kv_splits} not in 1..1024")
     out = torch.empty((B, H, kv_lora_rank), dtype=q.dtype, device=q.device)
     if B == 0 or H == 0:
@@ -248,24 +207,54 @@ def mla_decode(
     block_c = max(16, triton.next_power_of_2(kv_lora_rank))
     block_r = max(16, triton.next_power_of_2(rope))
     require(block_c // tile.v_splits >= 16, f"kv_lora {kv_lora_rank} too small for {tile.v_splits} value splits")
-    _mla_decode_kernel[(head_programs, B, num_kv_splits)](
-        q, kv_cache, req_to_token, req_pool_indices, seq_lens, part_out, part_lse,
-        H, num_kv_splits, sm_scale * LOG2E,
-        q.stride(0), q.stride(1), kv_cache.stride(0), req_to_token.stride(0),
-        part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
-        KV_LORA=kv_lora_rank, ROPE=rope, BLOCK_H=tile.block_h, BLOCK_N=tile.block_n,
-        BLOCK_V=block_c // tile.v_splits, BLOCK_R=block_r, V_SPLITS=tile.v_splits, KEYS_MAJOR=tile.keys_major,
-        EARLY_SLOTS=tile.num_stages >= 3, UPCAST=not q.is_cuda, INPUT_PRECISION=dot_precision(q.dtype == torch.float32),
-        num_warps=tile.num_warps, num_stages=tile.num_stages,
-    )  # fmt: skip
+    if tile.kernel == "gluon":
+        from r3trace.kernels import mla_decode_gluon as mg  # imports Gluon only when asked for
+
+        why = mg.gluon_supported(q, kv_lora_rank)
+        require(why is None, str(why))
+        require(tile[:5] == (mg.BLOCK_H, mg.BLOCK_N, mg.NUM_WARPS, 2, 1) and not tile.keys_major,
+                f"the Gluon kernel's tile is fixed: 64 heads x 64 keys x 8 warps, 2 stages, got {tile}")  # fmt: skip
+        mg.mla_decode_stage1_gluon(q, kv_cache, req_to_token, req_pool_indices, seq_lens, part_out, part_lse,
+                                   kv_lora_rank, sm_scale * LOG2E, tile.block_n)  # fmt: skip
+    else:
+        _stage1_triton(q, kv_cache, req_to_token, req_pool_indices, seq_lens, part_out, part_lse, kv_lora_rank,
+                       sm_scale, tile, block_c, block_r)  # fmt: skip
     _mla_decode_merge_kernel[(B, H)](
         part_out, part_lse, seq_lens, out,
-        kv_lora_rank, num_kv_splits,
+        kv_lora_rank, num_kv_splits, tile.block_n,
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1),
         BLOCK_P=max(2, triton.next_power_of_2(num_kv_splits)), BLOCK_C=block_c, num_warps=4,
     )  # fmt: skip
     return out
+
+
+def _stage1_triton(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    part_out: torch.Tensor,
+    part_lse: torch.Tensor,
+    kv_lora_rank: int,
+    sm_scale: float,
+    tile: DecodeTile,
+    block_c: int,
+    block_r: int,
+) -> None:
+    B, H, C = q.shape
+    num_kv_splits = part_out.shape[2]
+    _mla_decode_kernel[(tile.head_programs(H), B, num_kv_splits)](
+        q, kv_cache, req_to_token, req_pool_indices, seq_lens, part_out, part_lse,
+        H, num_kv_splits, tile.block_n, sm_scale * LOG2E,
+        q.stride(0), q.stride(1), kv_cache.stride(0), req_to_token.stride(0),
+        part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
+        KV_LORA=kv_lora_rank, ROPE=C - kv_lora_rank, BLOCK_H=tile.block_h, BLOCK_N=tile.block_n,
+        BLOCK_V=block_c // tile.v_splits, BLOCK_R=block_r, V_SPLITS=tile.v_splits, KEYS_MAJOR=tile.keys_major,
+        EARLY_SLOTS=tile.num_stages >= 3, UPCAST=not q.is_cuda, INPUT_PRECISION=dot_precision(q.dtype == torch.float32),
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
+    )  # fmt: skip
 
 
 def mla_decode_ref(

@@ -96,15 +96,17 @@ class TritonAttention:
         dev = torch.device(device)
         # Read once at construction: 132 on an H200. The interpreter on CPU gets a few splits, still > 1.
         self._sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
+        # Hopper: the Gluon decode kernel at H >= 64 (1.35x the Triton one on an H200; mla_decode_gluon.py)
+        self._gluon = dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] == 9
 
     def absorbed(
         self, q: torch.Tensor, kv_cache: torch.Tensor, fb: ForwardBatch, kv_lora_rank: int, scale: float
     ) -> torch.Tensor:
         if fb.mode == "decode":
-            tile = self._mod.default_decode_tile(q.shape[1], q.dtype)
-            # programs per (request, split): head blocks x value-column splits, as the kernel launches them
-            splits = self._mod.choose_num_kv_splits(fb.batch_size, tile.head_programs(q.shape[1]),
-                                                    max(fb.seq_lens_cpu), self._sms)
+            tile = self._mod.default_decode_tile(q.shape[1], q.dtype, self._gluon, kv_lora_rank,
+                                                 q.shape[2] - kv_lora_rank)
+            # programs per (request, split) and per SM as the kernel launches them, from host lengths
+            splits = tile.num_kv_splits(fb.batch_size, q.shape[1], max(fb.seq_lens_cpu), self._sms)
             return self._decode(q, kv_cache, fb.req_to_token, fb.req_pool_indices, fb.seq_lens, kv_lora_rank, scale,
                                 num_kv_splits=splits, tile=tile)
         return self._extend(

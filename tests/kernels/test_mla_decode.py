@@ -10,7 +10,13 @@ import pytest
 import torch
 
 from r3trace.kernels.contract import KernelInputError
-from r3trace.kernels.mla_decode import DecodeTile, choose_num_kv_splits, mla_decode, mla_decode_ref
+from r3trace.kernels.mla_decode import (
+    DecodeTile,
+    choose_num_kv_splits,
+    default_decode_tile,
+    mla_decode,
+    mla_decode_ref,
+)
 from tests.kernels.conftest import (
     DEVICE,
     assert_close_to_ref,
@@ -91,6 +97,22 @@ def test_choose_num_kv_splits() -> None:
     assert choose_num_kv_splits(batch=16, num_head_blocks=1, max_seq_len=32768, sm_count=132) == 64
     assert choose_num_kv_splits(batch=16, num_head_blocks=1, max_seq_len=300, sm_count=132) == 2
     assert choose_num_kv_splits(batch=1, num_head_blocks=1, max_seq_len=10**6, sm_count=1000) == 64
+    # the H < 64 default: 4 programs per SM rounded down (B = 64 / 8k: 8 splits = 512 programs, not 9)
+    tile = default_decode_tile(16, torch.bfloat16)
+    assert [tile.num_kv_splits(B, 16, L, 132) for B, L in [(64, 8192), (16, 32768), (256, 32768), (16, 8192)]] == [
+        8, 33, 2, 32
+    ]
+    assert choose_num_kv_splits(64, 1, 8192, 132, waves=4) == 9  # rounded up: a 0.36-wave tail
+
+
+def test_default_tile_takes_gluon_only_where_it_runs() -> None:
+    """use_gluon (the engine sets it on Hopper) picks the Gluon stage 1 at H >= 64, bf16/fp16, DeepSeek's
+    latent; any other shape or dtype keeps the Triton kernel (the tiny models' kv_lora 24 included)."""
+    assert default_decode_tile(128, torch.bfloat16, use_gluon=True).kernel == "gluon"
+    assert default_decode_tile(128, torch.bfloat16).kernel == "triton"
+    assert default_decode_tile(128, torch.bfloat16, use_gluon=True, kv_lora=24, rope=8).kernel == "triton"
+    assert default_decode_tile(128, torch.float32, use_gluon=True).kernel == "triton"
+    assert default_decode_tile(16, torch.bfloat16, use_gluon=True).kernel == "triton"
 
 
 def test_mla_decode_rejects_bad_arguments() -> None:

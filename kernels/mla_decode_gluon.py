@@ -1,0 +1,207 @@
+"""MLA decode stage 1 in Gluon for H >= 64 on Hopper: FlashMLA's split of one 64-head tile over two warpgroups.
+
+Shape legend as in mla_decode.py: B requests, H heads, C = kv_lora + rope, P = num_kv_splits; one program =
+(64-head block, request, split), 8 warps. Per 64-key tile:
+
+    S [64 heads, 64 keys]  = q_nope @ c_kv^T + q_pe @ k_pe^T   warpgroup w computes keys 32w..32w+31
+    P = exp2(S - m)        -> shared memory (bf16), read by both warpgroups
+    O [64, kv_lora]       += P @ c_kv                          warpgroup w accumulates columns 256w..256w+255
+
+The Triton kernel cannot lay the products out this way: tl.dot puts both warpgroups of a chained product
+along M, so at 64 heads both compute the same scores (576 of every 1088 FLOPs twice; bench/NOTES.md). Here
+each FLOP is done once, the wgmmas read q and the latent tile from shared memory (q 72 KB, two stages of the
+tile 144 KB, P 8 KB: 224 KB of the 227 KB allowed), and the gather is cp.async row copies through
+req_to_token (any page size) issued one tile ahead. It writes the same partial outputs and log-sum-exps as
+the Triton stage 1, so mla_decode's merge (stage 2) is shared.
+
+Gluon kernels do not run under TRITON_INTERPRET=1 (triton 3.6: gluon.jit launches through the active GPU
+driver, "0 active drivers" on CPU), so this path is covered by `gpu`-marked tests only; the CPU interpreter
+tests cover the Triton kernel. Requires sm_90, bf16/fp16, kv_lora in {128, 256, 512}, rope a power of two
+in 16..128.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+
+BLOCK_H = 64  # one wgmma M: 4 warps x 16 rows
+BLOCK_N = 64  # keys a tile: S is 64 x 64, each warpgroup's half an instruction of N = 32
+NUM_WARPS = 8  # two warpgroups, [4, 2]: M over the warps of a group, N over the groups
+GLUON_KV_LORA = (128, 256, 512)  # each warpgroup's half of O: one wgmma of N = kv_lora / 2 <= 256
+GLUON_ROPE = (16, 32, 64, 128)  # a power of two (Gluon tensor shapes), >= one 16-wide wgmma K step
+
+
+@gluon.jit
+def _mla_decode_gluon_kernel(
+    # pointers
+    q_ptr, kv_ptr, req_to_token_ptr, req_pool_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr,
+    # sizes
+    H, num_kv_splits, split_align, qk_scale,
+    # strides
+    stride_qb, stride_qh, stride_kvs, stride_rtr, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+    # constexpr
+    KV_LORA: gl.constexpr, ROPE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
+    GATHER_V: gl.constexpr, GATHER_R: gl.constexpr, S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr,
+    QV_SMEM: gl.constexpr, QR_SMEM: gl.constexpr, KV_SMEM: gl.constexpr, KR_SMEM: gl.constexpr,
+    P_SMEM: gl.constexpr,
+):  # fmt: skip
+    hb = gl.program_id(0)  # fastest axis: both head blocks of a (request, split) read each tile, via L2
+    b = gl.program_id(1)
+    split = gl.program_id(2)
+    seq_len = gl.load(seq_lens_ptr + b).to(gl.int32)
+    req_row = gl.load(req_pool_ptr + b).to(gl.int64)
+    split_len = gl.cdiv(gl.cdiv(seq_len, num_kv_splits), split_align) * split_align
+    start = split * split_len
+    end = gl.minimum(start + split_len, seq_len)
+    if start < end:  # else: more splits than this request needs; stage 2 skips the split too
+        dtype: gl.constexpr = q_ptr.dtype.element_ty
+        # q [64, kv_lora] and [64, rope] into shared memory once (masked heads: zeros, never stored)
+        rows_v = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, GATHER_V))
+        cols_v = gl.arange(0, KV_LORA, layout=gl.SliceLayout(0, GATHER_V))
+        rows_r = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, GATHER_R))
+        cols_r = KV_LORA + gl.arange(0, ROPE, layout=gl.SliceLayout(0, GATHER_R))
+        h_v = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, GATHER_V))
+        h_r = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, GATHER_R))
+        q_b = q_ptr + b * stride_qb
+        q_v = gl.load(q_b + h_v[:, None] * stride_qh + cols_v[None, :], mask=(h_v < H)[:, None], other=0.0)
+        q_r = gl.load(q_b + h_r[:, None] * stride_qh + cols_r[None, :], mask=(h_r < H)[:, None], other=0.0)
+        qv_s = gl.allocate_shared_memory(dtype, [BLOCK_H, KV_LORA], QV_SMEM, q_v)
+        qr_s = gl.allocate_shared_memory(dtype, [BLOCK_H, ROPE], QR_SMEM, q_r)
+        kv_s = gl.allocate_shared_memory(dtype, [2, BLOCK_N, KV_LORA], KV_SMEM)
+        kr_s = gl.allocate_shared_memory(dtype, [2, BLOCK_N, ROPE], KR_SMEM)
+        p_s = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], P_SMEM)
+
+        r2t = req_to_token_ptr + req_row * stride_rtr
+        # tile 0's gather; masked rows (past end) are zero-filled by cp.async and read no memory
+        m_v = (start + rows_v) < end
+        m_r = (start + rows_r) < end
+        sl_v = gl.load(r2t + start + rows_v, mask=m_v, other=0).to(gl.int64)
+        sl_r = gl.load(r2t + start + rows_r, mask=m_r, other=0).to(gl.int64)
+        async_copy.async_copy_global_to_shared(
+            kv_s.index(0), kv_ptr + sl_v[:, None] * stride_kvs + cols_v[None, :], mask=m_v[:, None])
+        async_copy.async_copy_global_to_shared(
+            kr_s.index(0), kv_ptr + sl_r[:, None] * stride_kvs + cols_r[None, :], mask=m_r[:, None])
+        async_copy.commit_group()
+        # tile 1's slots, one iteration early: the gather issued at the top of an iteration then waits
+        # on no load of its own (the Triton kernel's EARLY_SLOTS, for the same reason)
+        m_v = (start + BLOCK_N + rows_v) < end
+        m_r = (start + BLOCK_N + rows_r) < end
+        sl_v = gl.load(r2t + start + BLOCK_N + rows_v, mask=m_v, other=0).to(gl.int64)
+        sl_r = gl.load(r2t + start + BLOCK_N + rows_r, mask=m_r, other=0).to(gl.int64)
+
+        m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_LAYOUT))
+        l_i = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(1, S_LAYOUT))
+        acc = gl.zeros([BLOCK_H, KV_LORA], gl.float32, layout=O_LAYOUT)
+        s_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=S_LAYOUT)
+        keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
+        num_tiles = gl.cdiv(end - start, BLOCK_N)
+        for t in range(num_tiles):
+            cur = t % 2
+            n1 = start + (t + 1) * BLOCK_N
+            # every warpgroup has waited for its wgmmas of tile t-1 (the buffer refilled below) and of P
+            gl.thread_barrier()
+            async_copy.async_copy_global_to_shared(
+                kv_s.index(1 - cur), kv_ptr + sl_v[:, None] * stride_kvs + cols_v[None, :], mask=m_v[:, None])
+            async_copy.async_copy_global_to_shared(
+                kr_s.index(1 - cur), kv_ptr + sl_r[:, None] * stride_kvs + cols_r[None, :], mask=m_r[:, None])
+            async_copy.commit_group()
+            m_v = (n1 + BLOCK_N + rows_v) < end
+            m_r = (n1 + BLOCK_N + rows_r) < end
+            sl_v = gl.load(r2t + n1 + BLOCK_N + rows_v, mask=m_v, other=0).to(gl.int64)
+            sl_r = gl.load(r2t + n1 + BLOCK_N + rows_r, mask=m_r, other=0).to(gl.int64)
+            async_copy.wait_group(1)  # this thread's copies of tile t landed (tile t+1's may fly)
+            fence_async_shared()  # cp.async and q/P stores are generic-proxy writes; wgmma reads async
+            gl.thread_barrier()  # ... and every thread's copies landed
+
+            kv_t = kv_s.index(cur)
+            s = warpgroup_mma(qv_s, kv_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s = warpgroup_mma(qr_s, kr_s.index(cur).permute((1, 0)), s, is_async=True)
+            s = warpgroup_mma_wait(0, deps=(s,))
+            visible = (start + t * BLOCK_N + keys) < end
+            s = gl.where(visible[None, :], s * qk_scale, float("-inf"))  # log2 units
+            m_new = gl.maximum(m_i, gl.max(s, axis=1))
+            alpha = gl.exp2(m_i - m_new)
+            p = gl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + gl.sum(p, axis=1)
+            m_i = m_new
+            p_s.store(p.to(dtype))
+            fence_async_shared()
+            gl.thread_barrier()  # both halves of P (one per warpgroup) written before either reads all of it
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]
+            acc = warpgroup_mma(p_s, kv_t, acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+        async_copy.wait_group(0)
+
+        out = acc / gl.convert_layout(l_i, gl.SliceLayout(1, O_LAYOUT))[:, None]
+        h_o = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, O_LAYOUT))
+        c_o = gl.arange(0, KV_LORA, layout=gl.SliceLayout(0, O_LAYOUT))
+        part = part_out_ptr + b * stride_pb + h_o[:, None] * stride_ph + split * stride_ps + c_o[None, :]
+        gl.store(part, out, mask=(h_o < H)[:, None])
+        h_s = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, S_LAYOUT))
+        gl.store(part_lse_ptr + b * stride_lb + h_s * stride_lh + split, m_i + gl.log2(l_i), mask=h_s < H)
+
+
+def _gather_layout(cols: int) -> gl.BlockedLayout:
+    """16-byte cp.async per thread along a row, as many threads along the row as it has 8-column chunks."""
+    tc = min(32, cols // 8)
+    return gl.BlockedLayout([1, 8], [32 // tc, tc], [NUM_WARPS, 1], [1, 0])
+
+
+def _layouts(kv_lora: int, rope: int, dtype: Any) -> dict[str, Any]:
+    nvmma = gl.NVMMASharedLayout.get_default_for
+    return {
+        "GATHER_V": _gather_layout(kv_lora),
+        "GATHER_R": _gather_layout(rope),
+        "S_LAYOUT": gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_N // 2, 16]),
+        "O_LAYOUT": gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, kv_lora // 2, 16]),
+        "QV_SMEM": nvmma([BLOCK_H, kv_lora], dtype),
+        "QR_SMEM": nvmma([BLOCK_H, rope], dtype),
+        "KV_SMEM": nvmma([BLOCK_N, kv_lora], dtype),
+        "KR_SMEM": nvmma([BLOCK_N, rope], dtype),
+        "P_SMEM": nvmma([BLOCK_H, BLOCK_N], dtype),
+    }  # fmt: skip
+
+
+def gluon_supported(q: torch.Tensor, kv_lora: int) -> str | None:
+    """None when the Gluon stage 1 can run these inputs, else why not (the launcher raises it)."""
+    rope = q.shape[2] - kv_lora
+    if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
+        return "the Gluon decode kernel needs a Hopper (sm_90) GPU"
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return f"the Gluon decode kernel takes bf16/fp16, not {q.dtype}"
+    if kv_lora not in GLUON_KV_LORA or rope not in GLUON_ROPE:
+        return f"the Gluon decode kernel needs kv_lora in (128, 256, 512) and rope in (16..128), got {kv_lora}, {rope}"
+    return None
+
+
+def mla_decode_stage1_gluon(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    part_out: torch.Tensor,
+    part_lse: torch.Tensor,
+    kv_lora_rank: int,
+    qk_scale: float,
+    split_align: int,
+) -> None:
+    """Fills part_out [B, H, P, kv_lora] fp32 and part_lse [B, H, P] (log2 units) as the Triton stage 1."""
+    B, H, C = q.shape
+    num_kv_splits = part_out.shape[2]
+    gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    grid = ((H + BLOCK_H - 1) // BLOCK_H, B, num_kv_splits)
+    _mla_decode_gluon_kernel[grid](
+        q, kv_cache, req_to_token, req_pool_indices, seq_lens, part_out, part_lse,
+        H, num_kv_splits, split_align, qk_scale,
+        q.stride(0), q.stride(1), kv_cache.stride(0), req_to_token.stride(0),
+        part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
+        KV_LORA=kv_lora_rank, ROPE=C - kv_lora_rank, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N,
+        **_layouts(kv_lora_rank, C - kv_lora_rank, gdt), num_warps=NUM_WARPS,
+    )  # fmt: skip

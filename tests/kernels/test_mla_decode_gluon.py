@@ -1,0 +1,84 @@
+"""mla_decode with the Gluon stage 1 (DecodeTile(kernel="gluon")) against mla_decode_ref, on the GPU only.
+
+Gluon kernels do not run under TRITON_INTERPRET=1 (gluon.jit launches through the GPU driver), so these
+tests are `gpu`-marked; test_mla_decode.py covers the Triton kernel on CPU. Run on an H100/H200:
+     python -m pytest tests/kernels/test_mla_decode_gluon.py -q -m gpu
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from r3trace.kernels.contract import KernelInputError
+from r3trace.kernels.mla_decode import DecodeTile, mla_decode, mla_decode_ref
+from tests.kernels.conftest import assert_close_to_ref, gpu, paged_req_to_token, requires_gpu, requires_triton
+
+pytestmark = [requires_triton, gpu, requires_gpu]
+
+GLUON = DecodeTile(64, 64, 8, 2, kernel="gluon")
+# mixed, 1 included, none a multiple of the 64-key tile but 64 and 128 themselves
+LENS = [1, 700, 3001, 64, 1500, 33, 2049, 5, 999, 128, 65]
+
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.skipif(not _hopper(), reason="the Gluon decode kernel is sm_90 only")
+@pytest.mark.parametrize("page_size", [1, 64])
+@pytest.mark.parametrize(
+    ("H", "kv_lora", "rope", "splits"),
+    [(128, 512, 64, 7), (64, 512, 64, 1), (80, 512, 64, 5), (128, 256, 32, 3), (16, 512, 64, 64)],
+    ids=["H128-7splits", "H64-1split", "H80-ragged", "kv256-rope32", "H16-64splits"],
+)  # fmt: skip
+def test_gluon_matches_ref(H: int, kv_lora: int, rope: int, splits: int, page_size: int) -> None:
+    """Fresh data; H = 80 leaves a ragged second head block (16 of 64 rows live); 64 splits leave most of
+    the short requests' splits empty; page size 1 makes every row of a tile a separate gather."""
+    gen = torch.Generator().manual_seed(H + kv_lora + page_size)
+    r2t, rows, S = paged_req_to_token(LENS, page_size, gen)
+    q = torch.randn(len(LENS), H, kv_lora + rope, generator=gen).cuda().bfloat16()
+    kv = torch.randn(S, kv_lora + rope, generator=gen).cuda().bfloat16()
+    seq = torch.tensor(LENS, device="cuda")
+    r2t, rows = r2t.cuda(), rows.cuda()
+    scale = (kv_lora + rope) ** -0.5
+    out = mla_decode(q, kv, r2t, rows, seq, kv_lora, scale, num_kv_splits=splits, tile=GLUON)
+    ref = mla_decode_ref(q.float(), kv.float(), r2t, rows, seq, kv_lora, scale)
+    assert_close_to_ref(out, ref, torch.bfloat16)
+    triton_out = mla_decode(q, kv, r2t, rows, seq, kv_lora, scale, num_kv_splits=splits)
+    # the same bf16 rounding of P and of the output as the Triton kernel: within a few bf16 ulps of it
+    torch.testing.assert_close(out.float(), triton_out.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_gluon_rejects_what_it_cannot_run() -> None:
+    q = torch.randn(2, 64, 24 + 8, device="cuda").bfloat16()
+    kv = torch.randn(10, 32, device="cuda").bfloat16()
+    r2t = torch.arange(10, device="cuda").view(2, 5).int()
+    args = (kv, r2t, torch.arange(2, device="cuda"), torch.tensor([5, 3], device="cuda"))
+    with pytest.raises(KernelInputError, match="kv_lora"):
+        mla_decode(q, *args, 24, 0.2, tile=GLUON)
+    q, kv = torch.randn(2, 64, 576, device="cuda").bfloat16(), torch.randn(10, 576, device="cuda").bfloat16()
+    with pytest.raises(KernelInputError, match="fixed"):
+        mla_decode(q, kv, *args[1:], 512, 0.2, tile=DecodeTile(64, 32, 8, 2, kernel="gluon"))
+
+
+@pytest.mark.skipif(not _hopper(), reason="the Gluon decode kernel is sm_90 only")
+def test_gluon_under_cuda_graph() -> None:
+    """The engine replays decode from CUDA graphs: a captured call, replayed on new lengths and new cache
+    contents, equals an eager call on them."""
+    gen = torch.Generator().manual_seed(3)
+    lens = [900, 17, 2100]
+    r2t, rows, S = paged_req_to_token([max(lens)] * 3, 64, gen)
+    q = torch.randn(3, 128, 576, generator=gen).cuda().bfloat16()
+    kv = torch.randn(S, 576, generator=gen).cuda().bfloat16()
+    seq = torch.tensor(lens, device="cuda")
+    r2t, rows = r2t.cuda(), rows.cuda()
+    mla_decode(q, kv, r2t, rows, seq, 512, 0.05, num_kv_splits=4, tile=GLUON)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = mla_decode(q, kv, r2t, rows, seq, 512, 0.05, num_kv_splits=4, tile=GLUON)
+    seq.copy_(torch.tensor([1, 2049, 64]))
+    kv.copy_(torch.randn(S, 576, generator=gen).bfloat16())
+    graph.replay()
+    eager = mla_decode(q, kv, r2t, rows, seq, 512, 0.05, num_kv_splits=4, tile=GLUON)
+    assert torch.equal(out, eager)
