@@ -18,7 +18,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from r3trace.kernels.dot import dot_precision, mma
 from r3trace.kernels.moe_config import GemvTile
 
 
@@ -31,10 +33,12 @@ def _gemv_gate_up_kernel(
     # strides
     stride_xt, stride_we, stride_wn, stride_am,
     # constexpr
-    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
+    if PDL:
+        gdc_launch_dependents()
     expert = tl.load(ids_ptr + pair)
     if expert < 0:  # expert on another rank: the act row stays unset, the down masks it out
         return
@@ -99,6 +103,97 @@ def _gemv_down_sum_kernel(
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
+@triton.jit
+def _gemv_gate_up_dot_kernel(
+    # pointers
+    x_ptr, w_ptr, ids_ptr, act_ptr,
+    # sizes
+    N, KDIM,
+    # strides
+    stride_xt, stride_we, stride_wn, stride_am,
+    # constexpr
+    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    # the same product as _gemv_gate_up_kernel as a tensor-core product with M padded to 16 (row 0 the pair's
+    # token, rows 1-15 masked: no traffic): loads that feed a dot are what Triton's pipeliner keeps
+    # num_stages deep in flight (cp.async into shared memory), where plain loads wait one at a time
+    pair = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if PDL:  # the down may start now: its weight loads overlap this kernel, its act loads wait for it
+        gdc_launch_dependents()
+    expert = tl.load(ids_ptr + pair)
+    if expert < 0:
+        return
+    offs_m = tl.arange(0, 16)
+    row0 = offs_m[:, None] == 0  # [16, 1]
+    offs_k = tl.arange(0, BLOCK_K)
+    j = tl.arange(0, 2 * BLOCK_N)  # weight columns: gate n, up n, gate n + 1, ... (split in the epilogue)
+    n_of_j = pid_n * BLOCK_N + j // 2
+    w_mask = n_of_j < N
+    a_ptrs = x_ptr + (pair // TOP_K).to(tl.int64) * stride_xt + offs_m[:, None] * 0 + offs_k[None, :]  # [16, BK]
+    w_rows = (n_of_j + (j % 2) * N).to(tl.int64)
+    w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + w_rows[None, :] * stride_wn + offs_k[:, None]  # [BK, 2 BN]
+    acc = tl.zeros((16, 2 * BLOCK_N), tl.float32)
+    for k0 in range(0, KDIM, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row0, other=0.0)
+            w = tl.load(w_ptrs, mask=w_mask[None, :], other=0.0)
+        else:
+            k_mask = (k0 + offs_k) < KDIM
+            a = tl.load(a_ptrs, mask=row0 & k_mask[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_mask[:, None] & w_mask[None, :], other=0.0)
+        acc += mma(a, w, UPCAST, INPUT_PRECISION)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    gate, up = tl.split(tl.reshape(acc, (16, BLOCK_N, 2)))
+    act = gate * tl.sigmoid(gate) * up  # [16, BN], row 0 real
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    o_ptrs = act_ptr + pair.to(tl.int64) * stride_am + offs_m[:, None] * 0 + offs_n[None, :]
+    tl.store(o_ptrs, act.to(act_ptr.dtype.element_ty), mask=row0 & (offs_n < N)[None, :])
+
+
+@triton.jit
+def _gemv_down_gather_kernel(
+    # pointers
+    act_ptr, w_ptr, ids_ptr, wts_ptr, out_ptr,
+    # sizes
+    N, KDIM,
+    # strides
+    stride_am, stride_we, stride_wn, stride_ot,
+    # constexpr
+    TOP_K: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
+):  # fmt: skip
+    # _gemv_down_sum_kernel's sum with the K experts as a tile dimension: one [K, BLOCK_N, BLOCK_K] weight load
+    # per step, so all K experts' rows are in flight together (there each expert's K loop waited for the last)
+    t = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_e = tl.arange(0, BLOCK_TOPK)
+    pairs = t * TOP_K + offs_e  # [BT]
+    experts = tl.load(ids_ptr + pairs, mask=offs_e < TOP_K, other=-1)
+    on = experts >= 0  # id -1 (another rank) or padding of K to a power of 2: masked, no traffic
+    wts = tl.load(wts_ptr + pairs, mask=on, other=0.0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    w_base = (w_ptr + tl.maximum(experts, 0).to(tl.int64)[:, None, None] * stride_we
+              + offs_n[None, :, None].to(tl.int64) * stride_wn)  # [BT, BN, 1]  # fmt: skip
+    w_mask = on[:, None, None] & n_mask[None, :, None]
+    a_base = act_ptr + pairs.to(tl.int64)[:, None] * stride_am  # [BT, 1]
+    acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+    for k0 in range(0, KDIM, BLOCK_K):
+        kk = k0 + offs_k
+        k_mask = kk < KDIM
+        w = tl.load(w_base + kk[None, None, :], mask=w_mask & k_mask[None, None, :], other=0.0)
+        if PDL:  # weights are static: loaded before the up kernel's act is known complete
+            gdc_wait()
+        a = tl.load(a_base + kk[None, :], mask=on[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(w.to(tl.float32) * (a * wts[:, None])[:, None, :], axis=0)
+    out = tl.sum(acc, axis=1)
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
 def gemv_gate_up(hidden: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor, tile: GemvTile) -> torch.Tensor:
     """hidden [T, D] -> act [T K, I] (rows of pairs with id -1 unset); arguments checked by fused_moe."""
     T, D = hidden.shape
@@ -106,12 +201,19 @@ def gemv_gate_up(hidden: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor
     inter = w13.shape[1] // 2
     act = torch.empty((T * K, inter), dtype=hidden.dtype, device=hidden.device)
     block_k = min(tile.up_k, triton.next_power_of_2(D))
-    _gemv_gate_up_kernel[(T * K, triton.cdiv(inter, tile.up_n))](
-        hidden, w13, topk_ids, act, inter, D,
-        hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        TOP_K=K, BLOCK_N=tile.up_n, BLOCK_K=block_k, EVEN_K=D % block_k == 0,
-        num_warps=tile.up_warps, num_stages=tile.up_stages,
-    )  # fmt: skip
+    grid = (T * K, triton.cdiv(inter, tile.up_n))
+    args = (hidden, w13, topk_ids, act, inter, D, hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0))
+    if tile.up_dot:
+        _gemv_gate_up_dot_kernel[grid](
+            *args, TOP_K=K, BLOCK_N=tile.up_n, BLOCK_K=max(16, block_k), EVEN_K=D % max(16, block_k) == 0,
+            UPCAST=not hidden.is_cuda, INPUT_PRECISION=dot_precision(hidden.dtype == torch.float32),
+            PDL=tile.pdl and hidden.is_cuda, num_warps=tile.up_warps, num_stages=tile.up_stages,
+        )  # fmt: skip
+    else:
+        _gemv_gate_up_kernel[grid](
+            *args, TOP_K=K, BLOCK_N=tile.up_n, BLOCK_K=block_k, EVEN_K=D % block_k == 0,
+            PDL=tile.pdl and hidden.is_cuda, num_warps=tile.up_warps, num_stages=tile.up_stages,
+        )  # fmt: skip
     return act
 
 
@@ -122,10 +224,18 @@ def gemv_down_sum(
     T, K = topk_ids.shape
     D, inter = w2.shape[1], w2.shape[2]
     out = torch.empty((T, D), dtype=act.dtype, device=act.device)
-    _gemv_down_sum_kernel[(T, triton.cdiv(D, tile.down_n))](
-        act, w2, topk_ids, topk_weights, out, D, inter,
-        act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-        TOP_K=K, BLOCK_N=tile.down_n, BLOCK_K=min(tile.down_k, triton.next_power_of_2(inter)),
-        num_warps=tile.down_warps, num_stages=tile.down_stages,
-    )  # fmt: skip
+    grid = (T, triton.cdiv(D, tile.down_n))
+    args = (act, w2, topk_ids, topk_weights, out, D, inter, act.stride(0), w2.stride(0), w2.stride(1), out.stride(0))
+    block_k = min(tile.down_k, triton.next_power_of_2(inter))
+    if tile.down_gather:
+        pdl = tile.pdl and act.is_cuda
+        _gemv_down_gather_kernel[grid](
+            *args, TOP_K=K, BLOCK_TOPK=triton.next_power_of_2(K), BLOCK_N=tile.down_n, BLOCK_K=block_k, PDL=pdl,
+            num_warps=tile.down_warps, num_stages=tile.down_stages, **({"launch_pdl": True} if pdl else {}),
+        )  # fmt: skip
+    else:
+        _gemv_down_sum_kernel[grid](
+            *args, TOP_K=K, BLOCK_N=tile.down_n, BLOCK_K=block_k, num_warps=tile.down_warps,
+            num_stages=tile.down_stages,
+        )  # fmt: skip
     return out

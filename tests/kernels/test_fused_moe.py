@@ -90,6 +90,13 @@ PATHS = {
     "grouped": MoeConfig(16, GemmTile(32, 16, 2, 4, 2), GemmTile(16, 32, 2, 4, 2, n_split=3)),
     "gemv": MoeConfig(16, GemmTile(32, 16, 2, 4, 2), GemmTile(16, 32, 2, 4, 2), GemvTile(8, 16, 4, 16, 16, 4)),
     "gemv-2-rows": MoeConfig(16, GemmTile(32, 16, 2, 4, 2), GemmTile(16, 32, 2, 4, 2), GemvTile(2, 32, 1, 4, 8, 2)),
+    # gate_up as an M-16 dot (I = 24 over 16 gate rows: a masked second tile; D = 40 over 16: masked last
+    # step), down with the K = 3 experts as a tile dimension padded to 4 (D = 40 over 16 rows, I = 24 over
+    # 16: a masked second step; over 32: one masked step)
+    "gemv-dot-gather": MoeConfig(16, GemmTile(32, 16, 2, 4, 2), GemmTile(16, 32, 2, 4, 2),
+                                 GemvTile(16, 16, 4, 16, 16, 4, 2, 1, up_dot=True, down_gather=True)),
+    "gemv-dot-gather-8": MoeConfig(16, GemmTile(32, 16, 2, 4, 2), GemmTile(16, 32, 2, 4, 2),
+                                   GemvTile(8, 32, 4, 4, 32, 2, 3, 1, up_dot=True, down_gather=True, pdl=True)),
 }  # fmt: skip
 
 
@@ -154,21 +161,23 @@ def test_fused_moe_deepseek_like_gpu(T: int) -> None:
 
 
 GPU_GEMV = moe_config(8, 256, 2, 256, tokens=1)
+GPU_GEMV_PDL = GPU_GEMV._replace(gemv=GemvTile(16, 256, 4, 4, 256, 4, 4, 1, up_dot=True, down_gather=True, pdl=True))
 
 
 @gpu
 @requires_gpu
+@pytest.mark.parametrize("config", [GPU_GEMV, GPU_GEMV_PDL], ids=["gemv", "gemv-dot-pdl"])
 @pytest.mark.parametrize("T", [1, 5])
-def test_fused_moe_gemv_gpu(T: int) -> None:
+def test_fused_moe_gemv_gpu(T: int, config: MoeConfig) -> None:
     hidden, w13, w2, ids, weights = _moe_case(T, 1024, 32, 256, 8, torch.bfloat16, "cuda", seed=T)
-    out = fused_moe(hidden, w13, w2, ids, weights, config=GPU_GEMV)
+    out = fused_moe(hidden, w13, w2, ids, weights, config=config)
     ref = fused_moe_ref(hidden.float(), w13.float(), w2.float(), ids, weights)
     assert_close_to_ref(out, ref, torch.bfloat16)
 
 
 @gpu
 @requires_gpu
-@pytest.mark.parametrize("config", [None, GPU_GEMV], ids=["default", "gemv"])
+@pytest.mark.parametrize("config", [None, GPU_GEMV, GPU_GEMV_PDL], ids=["default", "gemv", "gemv-dot-pdl"])
 @pytest.mark.parametrize("T", [1, 64])
 def test_fused_moe_cuda_graph_no_sync_gpu(T: int, config: MoeConfig | None) -> None:
     """No host sync (sync-debug mode raises on one), and a captured graph replayed on new routes
