@@ -1,7 +1,7 @@
 """Fused MoE decode sweep (the gemv path, D = 7168, K = 8, bf16) on one GPU, graph-timed.
 
 Run (GPU): python bench/moe_gemv_sweep.py [--t 1,2,4] [--shapes 256x256,32x2048]
-           -> table on stdout, JSON in $OUT/moe_gemv_sweep.json
+           -> table on stdout, JSON in $OUT/moe_gemv_sweep[--tag].json
 
 Per (E, I, T): each gate_up variant and each down variant graph-timed alone (the down on the act the
 committed default computed), the best of each composed, then whole pipelines, the committed default
@@ -22,6 +22,7 @@ from types import ModuleType
 
 import torch
 
+from r3trace.kernels import moe_gemv as MG
 from r3trace.kernels.fused_moe import GemvTile, MoeConfig, fused_moe, fused_moe_ref, moe_config
 from r3trace.kernels.moe_gemv import gemv_down_sum, gemv_gate_up
 
@@ -29,32 +30,54 @@ D, K = 7168, 8
 OUT = Path(os.environ.get("OUT", "out"))
 
 G = GemvTile
-# gate_up variants: (up_n, up_k, up_warps, up_stages, up_dot); the rest of the tile is unused by the up
-UPS = [(4, 1024, 4, 1, False)] + [
-    (bn, bk, w, s, True)
-    for bn, bk, w, s in [
-        (8, 256, 4, 4), (8, 256, 4, 6), (8, 512, 4, 3), (8, 512, 4, 4), (8, 128, 4, 8), (8, 256, 2, 4),
-        (16, 256, 4, 4), (16, 256, 4, 6), (16, 512, 4, 3), (16, 128, 4, 8), (16, 256, 8, 4), (32, 256, 4, 4),
-    ]
+# gate_up variants: (up_n, up_k, up_warps, up_stages, up_dot, unroll); the rest of the tile is unused by the up
+UPS = [(4, 1024, 4, 1, False, False)] + [
+    (bn, bk, w, 1, False, True)
+    for bn, bk, w in [(4, 1024, 4), (4, 512, 4), (2, 1024, 4), (8, 512, 8), (8, 256, 4), (4, 256, 2), (2, 512, 2),
+                      (16, 512, 8), (2, 2048, 8), (1, 1024, 2)]
+] + [
+    (bn, bk, w, st, True, False)
+    for bn, bk, w, st in [(16, 256, 4, 4), (16, 256, 4, 6), (8, 256, 2, 4), (16, 512, 4, 3), (32, 256, 4, 4)]
 ]  # fmt: skip
-# down variants: (down_n, down_k, down_warps, down_gather)
+# down variants: (down_n, down_k, down_warps, unroll)
 DOWNS = [(4, 256, 4, False)] + [
     (bn, bk, w, True)
-    for bn, bk, w in [(2, 256, 4), (4, 256, 4), (8, 256, 4), (8, 256, 8), (4, 128, 4), (16, 128, 4), (16, 256, 8),
-                      (2, 256, 2), (1, 256, 1)]
+    for bn, bk, w in [(4, 256, 4), (2, 256, 2), (8, 256, 4), (4, 256, 2), (2, 256, 1), (8, 256, 8), (16, 256, 8),
+                      (1, 256, 1), (4, 128, 4), (8, 128, 4)]
 ]  # fmt: skip
 
 
 def up_tile(u: tuple) -> GemvTile:
-    return G(u[0], u[1], u[2], 4, 256, 4, up_stages=u[3], up_dot=u[4])
+    return G(u[0], u[1], u[2], 4, 256, 4, up_stages=u[3], up_dot=u[4], unroll=u[5])
 
 
 def down_tile(d: tuple) -> GemvTile:
-    return G(4, 1024, 4, d[0], d[1], d[2], down_gather=d[3])
+    return G(4, 1024, 4, d[0], d[1], d[2], unroll=d[3])
 
 
-def compose(u: tuple, d: tuple, pdl: bool) -> GemvTile:
-    return G(u[0], u[1], u[2], d[0], d[1], d[2], up_stages=u[3], up_dot=u[4], down_gather=d[3], pdl=pdl)
+def compose(u: tuple, d: tuple) -> GemvTile | None:
+    """One tile for both kernels; None where they disagree on `unroll` (one flag drives both)."""
+    if not u[4] and u[5] != d[3]:
+        return None
+    return G(u[0], u[1], u[2], d[0], d[1], d[2], up_stages=u[3], up_dot=u[4], unroll=d[3])
+
+
+def regs() -> dict[str, list[int]]:
+    """Registers and spills of every gemv kernel compiled in this process (best effort: Triton internals)."""
+    out: dict[str, list[int]] = {}
+    for fn in (MG._gemv_gate_up_kernel, MG._gemv_gate_up_dot_kernel, MG._gemv_down_sum_kernel):
+        try:
+            for cache in fn.device_caches.values():
+                for k in cache[0].values():
+                    c = getattr(k.src, "constants", {}) or {}
+                    keys = ("BLOCK_N", "BLOCK_K", "KDIM_UNROLL")
+                    sel = [v for key, v in c.items() if str(key[-1] if isinstance(key, tuple) else key) in keys]
+                    name = f"{k.name} {sel} w{k.metadata.num_warps} s{k.metadata.num_stages}"
+                    out[name] = [k.n_regs, k.n_spills]
+        except Exception as e:  # internals moved: skip, the timings stand alone
+            out[f"{fn.__name__} error"] = [0, 0]
+            print(f"regs: {type(e).__name__}: {e}")
+    return out
 
 
 def _bench_kernels() -> ModuleType:
@@ -131,11 +154,20 @@ def sweep(E: int, I: int, T: int, copy_gbs: float, out: list) -> None:
     cell["down_ms"] = {str(k): v for k, v in downs.items()}
     cands = [default]
     if ups and downs:
-        bu, bd = min(ups, key=ups.__getitem__), min(downs, key=downs.__getitem__)
-        fixed = [((16, 256, 4, 4, True), (4, 256, 4, True)), ((8, 256, 4, 4, True), (4, 256, 4, True))]
-        for u, d in [(bu, bd), *fixed, (UPS[0], bd)]:
-            for pdl in (False, True):
-                cands.append(default._replace(gemv=compose(u, d, pdl)))
+        bd = min(downs, key=downs.__getitem__)
+        bu = min((u for u in ups if compose(u, bd)), key=ups.__getitem__, default=UPS[0])
+        bu_lanes = min((u for u in ups if not u[4] and u[5]), key=ups.__getitem__, default=UPS[0])
+        bd_roll = min((d for d in downs if not d[3]), key=downs.__getitem__, default=DOWNS[0])
+        bu_dot = min((u for u in ups if u[4]), key=ups.__getitem__, default=UPS[0])
+        for u, d in [
+            (bu, bd),
+            (bu_lanes, bd),
+            (bu_dot, bd),
+            (bu_dot, bd_roll),
+            ((4, 512, 4, 1, False, True), (4, 256, 4, True)),
+        ]:
+            g = compose(u, d)
+            cands += [default._replace(gemv=g)] if g is not None else []
     res = {}
     for cfg in dict.fromkeys(cands):
         fns = [partial(fused_moe, x, w13, w2, ids, wts, config=cfg) for ids in ids_sets]
@@ -168,6 +200,7 @@ def main() -> None:
     ap.add_argument("--t", default="1", help="token counts")
     ap.add_argument("--shapes", default="256x256", help="ExI list")
     ap.add_argument("--prewarm", type=int, default=12, help="compile processes (0: off)")
+    ap.add_argument("--tag", default="", help="suffix of the JSON file name")
     a = ap.parse_args()
     t0 = time.time()
     copy_gbs, _ = BK.ceilings()
@@ -182,7 +215,8 @@ def main() -> None:
         for T in [int(t) for t in a.t.split(",")]:
             sweep(E, I, T, copy_gbs, cells)
             OUT.mkdir(parents=True, exist_ok=True)
-            (OUT / "moe_gemv_sweep.json").write_text(json.dumps(res, indent=1))
+            res["regs"] = regs()
+            (OUT / f"moe_gemv_sweep{a.tag}.json").write_text(json.dumps(res, indent=1))
     print(f"sweep wall time {time.time() - t0:.0f} s")
 
 

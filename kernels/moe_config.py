@@ -36,8 +36,7 @@ class GemvTile(NamedTuple):
     up_stages: int = 1
     down_stages: int = 1
     up_dot: bool = False  # gate_up as a tensor-core product, M padded to 16: pipelined num_stages deep
-    down_gather: bool = False  # down loads all K experts' [BLOCK_N, BLOCK_K] tiles as one [K, BN, BK] tile
-    pdl: bool = False  # CUDA: down launched with programmatic dependent launch (weights before the up ends)
+    unroll: bool = False  # lanes gate_up and down: loops unrolled, the next step's loads before this products
 
 
 class MoeConfig(NamedTuple):

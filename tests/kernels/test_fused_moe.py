@@ -91,12 +91,14 @@ PATHS = {
     "gemv": MoeConfig(16, GemmTile(32, 16, 2, 4, 2), GemmTile(16, 32, 2, 4, 2), GemvTile(8, 16, 4, 16, 16, 4)),
     "gemv-2-rows": MoeConfig(16, GemmTile(32, 16, 2, 4, 2), GemmTile(16, 32, 2, 4, 2), GemvTile(2, 32, 1, 4, 8, 2)),
     # gate_up as an M-16 dot (I = 24 over 16 gate rows: a masked second tile; D = 40 over 16: masked last
-    # step), down with the K = 3 experts as a tile dimension padded to 4 (D = 40 over 16 rows, I = 24 over
-    # 16: a masked second step; over 32: one masked step)
-    "gemv-dot-gather": MoeConfig(16, GemmTile(32, 16, 2, 4, 2), GemmTile(16, 32, 2, 4, 2),
-                                 GemvTile(16, 16, 4, 16, 16, 4, 2, 1, up_dot=True, down_gather=True)),
-    "gemv-dot-gather-8": MoeConfig(16, GemmTile(32, 16, 2, 4, 2), GemmTile(16, 32, 2, 4, 2),
-                                   GemvTile(8, 32, 4, 4, 32, 2, 3, 1, up_dot=True, down_gather=True, pdl=True)),
+    # step); the lanes kernels unrolled (D = 40 over 16: three steps, the last masked; the down's K = 3
+    # experts x I = 24 over 16: six steps, every second masked; over 32: three one-step experts)
+    "gemv-dot": MoeConfig(16, GemmTile(32, 16, 2, 4, 2), GemmTile(16, 32, 2, 4, 2),
+                          GemvTile(16, 16, 4, 16, 16, 4, 2, 1, up_dot=True)),
+    "gemv-unrolled": MoeConfig(16, GemmTile(32, 16, 2, 4, 2), GemmTile(16, 32, 2, 4, 2),
+                               GemvTile(8, 16, 4, 16, 16, 4, unroll=True)),
+    "gemv-unrolled-2": MoeConfig(16, GemmTile(32, 16, 2, 4, 2), GemmTile(16, 32, 2, 4, 2),
+                                 GemvTile(2, 32, 1, 4, 32, 2, unroll=True)),
 }  # fmt: skip
 
 
@@ -161,12 +163,12 @@ def test_fused_moe_deepseek_like_gpu(T: int) -> None:
 
 
 GPU_GEMV = moe_config(8, 256, 2, 256, tokens=1)
-GPU_GEMV_PDL = GPU_GEMV._replace(gemv=GemvTile(16, 256, 4, 4, 256, 4, 4, 1, up_dot=True, down_gather=True, pdl=True))
+GPU_GEMV_NEW = GPU_GEMV._replace(gemv=GemvTile(4, 512, 4, 4, 256, 4, unroll=True))
 
 
 @gpu
 @requires_gpu
-@pytest.mark.parametrize("config", [GPU_GEMV, GPU_GEMV_PDL], ids=["gemv", "gemv-dot-pdl"])
+@pytest.mark.parametrize("config", [GPU_GEMV, GPU_GEMV_NEW], ids=["gemv", "gemv-unrolled"])
 @pytest.mark.parametrize("T", [1, 5])
 def test_fused_moe_gemv_gpu(T: int, config: MoeConfig) -> None:
     hidden, w13, w2, ids, weights = _moe_case(T, 1024, 32, 256, 8, torch.bfloat16, "cuda", seed=T)
@@ -177,7 +179,7 @@ def test_fused_moe_gemv_gpu(T: int, config: MoeConfig) -> None:
 
 @gpu
 @requires_gpu
-@pytest.mark.parametrize("config", [None, GPU_GEMV, GPU_GEMV_PDL], ids=["default", "gemv", "gemv-dot-pdl"])
+@pytest.mark.parametrize("config", [None, GPU_GEMV, GPU_GEMV_NEW], ids=["default", "gemv", "gemv-unrolled"])
 @pytest.mark.parametrize("T", [1, 64])
 def test_fused_moe_cuda_graph_no_sync_gpu(T: int, config: MoeConfig | None) -> None:
     """No host sync (sync-debug mode raises on one), and a captured graph replayed on new routes
