@@ -99,6 +99,15 @@ PATHS = {
                                GemvTile(8, 16, 4, 16, 16, 4, unroll=True)),
     "gemv-unrolled-2": MoeConfig(16, GemmTile(32, 16, 2, 4, 2), GemmTile(16, 32, 2, 4, 2),
                                  GemvTile(2, 32, 1, 4, 32, 2, unroll=True)),
+    # the down's K = 3 experts stacked as rows (padded to 4) x 16 / 4 output rows (D = 40: a masked last
+    # tile), I = 24 over 16: two steps, the second masked; fused: both in one launch (gate_up programs
+    # first, the down waiting on their count), unrolled and not
+    "gemv-rows": MoeConfig(16, GemmTile(32, 16, 2, 4, 2), GemmTile(16, 32, 2, 4, 2),
+                           GemvTile(8, 16, 4, 16, 16, 4, down_rows=True)),
+    "gemv-fused": MoeConfig(16, GemmTile(32, 16, 2, 4, 2), GemmTile(16, 32, 2, 4, 2),
+                            GemvTile(8, 16, 4, 4, 16, 4, unroll=True, down_rows=True, fused=True)),
+    "gemv-fused-2": MoeConfig(16, GemmTile(32, 16, 2, 4, 2), GemmTile(16, 32, 2, 4, 2),
+                              GemvTile(2, 32, 2, 16, 32, 2, down_rows=True, fused=True)),
 }  # fmt: skip
 
 
@@ -125,10 +134,25 @@ def test_fused_moe_gemv_moves_fp32_by_summation_order_only() -> None:
     assert rel < 1e-6, f"gemv moved the fp32 output by {rel:.1e} (a few ulps expected)"
 
 
-def test_moe_config_picks_gemv_at_one_token_and_small_inter_only() -> None:
-    assert moe_config(8, 256, 2, 256, tokens=1).gemv is not None
-    assert moe_config(8, 32, 2, 2048, tokens=1).gemv is None  # a tie on the H200: grouped kept
-    for tokens in (0, 2, 16):
+def test_fused_gemv_leaves_its_counts_zero() -> None:
+    """The fused launch re-zeroes its two counts itself (no memset node in a graph): a second call and a
+    call after it on other routes give the reference again, and the counts read zero after each."""
+    from r3trace.kernels.moe_gemv import _SYNC_COUNTS
+
+    cfg = PATHS["gemv-fused"]
+    for seed in (1, 2):
+        hidden, w13, w2, ids, weights = _moe_case(3, 40, 9, 24, 3, torch.float32, DEVICE, seed=seed)
+        out = fused_moe(hidden, w13, w2, ids, weights, config=cfg)
+        assert_close_to_ref(out, fused_moe_ref(hidden, w13, w2, ids, weights), torch.float32)
+        assert torch.equal(_SYNC_COUNTS[hidden.device].cpu(), torch.zeros(2, dtype=torch.int32))
+
+
+def test_moe_config_picks_gemv_at_few_tokens_only() -> None:
+    for tokens in (1, 2, 4):
+        assert moe_config(8 * tokens, 256, 2, 256, tokens=tokens).gemv is not None
+    assert moe_config(8, 32, 2, 2048, tokens=1).gemv is not None
+    assert moe_config(16, 32, 2, 2048, tokens=2).gemv is None  # I = 2048 at T = 2: grouped was faster
+    for tokens in (0, 5, 16):
         assert moe_config(8 * max(tokens, 1), 256, 2, 256, tokens=tokens).gemv is None
     assert moe_config(16, 256, 2, 256, tokens=2)[:3] == grouped_config(16, 256, 2, 256)[:3]
 
@@ -163,12 +187,12 @@ def test_fused_moe_deepseek_like_gpu(T: int) -> None:
 
 
 GPU_GEMV = moe_config(8, 256, 2, 256, tokens=1)
-GPU_GEMV_NEW = GPU_GEMV._replace(gemv=GemvTile(4, 512, 4, 4, 256, 4, unroll=True))
+GPU_GEMV_NEW = GPU_GEMV._replace(gemv=GemvTile(1, 1024, 2, 4, 256, 2, unroll=True, down_rows=True, fused=True))
 
 
 @gpu
 @requires_gpu
-@pytest.mark.parametrize("config", [GPU_GEMV, GPU_GEMV_NEW], ids=["gemv", "gemv-unrolled"])
+@pytest.mark.parametrize("config", [GPU_GEMV, GPU_GEMV_NEW], ids=["gemv", "gemv-fused"])
 @pytest.mark.parametrize("T", [1, 5])
 def test_fused_moe_gemv_gpu(T: int, config: MoeConfig) -> None:
     hidden, w13, w2, ids, weights = _moe_case(T, 1024, 32, 256, 8, torch.bfloat16, "cuda", seed=T)
@@ -179,7 +203,7 @@ def test_fused_moe_gemv_gpu(T: int, config: MoeConfig) -> None:
 
 @gpu
 @requires_gpu
-@pytest.mark.parametrize("config", [None, GPU_GEMV, GPU_GEMV_NEW], ids=["default", "gemv", "gemv-unrolled"])
+@pytest.mark.parametrize("config", [None, GPU_GEMV, GPU_GEMV_NEW], ids=["default", "gemv", "gemv-fused"])
 @pytest.mark.parametrize("T", [1, 64])
 def test_fused_moe_cuda_graph_no_sync_gpu(T: int, config: MoeConfig | None) -> None:
     """No host sync (sync-debug mode raises on one), and a captured graph replayed on new routes
