@@ -30,38 +30,33 @@ D, K = 7168, 8
 OUT = Path(os.environ.get("OUT", "out"))
 
 G = GemvTile
-# gate_up variants: (up_n, up_k, up_warps, up_stages, up_dot, unroll); the rest of the tile is unused by the up
-UPS = [(4, 1024, 4, 1, False, False), (1, 1024, 2, 1, False, True), (2, 1024, 4, 1, False, True),
-       (2, 2048, 8, 1, False, True), (1, 2048, 4, 1, False, True), (1, 512, 1, 1, False, True)]  # fmt: skip
-# down variants: (down_n, down_k, down_warps, unroll, rows)
-DOWNS = [(4, 256, 4, False, False), (4, 256, 2, True, False), (1, 256, 1, True, False)] + [
-    (bn, 256, w, False, True) for bn, w in [(1, 1), (2, 1), (2, 2), (4, 2), (4, 4), (8, 4), (16, 8)]
-]  # fmt: skip
-# fused (one launch, one num_warps): (up tile, down rows per program)
-FUSED = [((1, 1024, 2), 1), ((1, 1024, 2), 2), ((1, 1024, 2), 4), ((2, 1024, 4), 2), ((2, 1024, 4), 4),
-         ((2, 1024, 4), 8)]  # fmt: skip
+# gate_up variants: (up_n, up_k, up_warps, unroll); the rest of the tile is unused by the up. Run 1-3 of
+# bench/NOTES.md "Fused MoE, session 3" also timed an M-16 tl.dot gate_up, a down gathering the K experts as a
+# 3D tile or as stacked rows, programmatic dependent launch and a one-launch fused gemv: none won (removed)
+UPS = [(4, 1024, 4, False), (1, 1024, 2, True), (2, 1024, 4, True), (2, 2048, 8, True), (1, 2048, 4, True),
+       (4, 1024, 4, True), (1, 512, 1, True)]  # fmt: skip
+# down variants: (down_n, down_k, down_warps, unroll)
+DOWNS = [(4, 256, 4, False), (4, 256, 2, True), (8, 256, 4, True), (4, 256, 4, True), (1, 256, 1, True),
+         (2, 256, 1, True)]  # fmt: skip
 
 
 def up_tile(u: tuple) -> GemvTile:
-    return G(u[0], u[1], u[2], 4, 256, 4, up_stages=u[3], up_dot=u[4], unroll=u[5])
+    return G(u[0], u[1], u[2], 4, 256, 4, unroll=u[3])
 
 
 def down_tile(d: tuple) -> GemvTile:
-    return G(4, 1024, 4, d[0], d[1], d[2], unroll=d[3], down_rows=d[4])
+    return G(4, 1024, 4, d[0], d[1], d[2], unroll=d[3])
 
 
 def compose(u: tuple, d: tuple) -> GemvTile | None:
-    """One tile for both kernels; None where they disagree on `unroll` (one flag drives both lanes kernels)."""
-    if not u[4] and not d[4] and u[5] != d[3]:
-        return None
-    return G(u[0], u[1], u[2], d[0], d[1], d[2], up_stages=u[3], up_dot=u[4], unroll=u[5] or d[3], down_rows=d[4])
+    """One tile for both kernels; None where they disagree on `unroll` (one flag drives both)."""
+    return G(*u[:3], *d[:3], unroll=d[3]) if u[3] == d[3] else None
 
 
 def regs() -> dict[str, list[int]]:
     """Registers and spills of every gemv kernel compiled in this process (best effort: Triton internals)."""
     out: dict[str, list[int]] = {}
-    for fn in (MG._gemv_gate_up_kernel, MG._gemv_down_sum_kernel, MG._gemv_down_rows_kernel,
-               MG._gemv_fused_kernel):
+    for fn in (MG._gemv_gate_up_kernel, MG._gemv_down_sum_kernel):
         try:
             for cache in fn.device_caches.values():
                 for k in cache[0].values():
@@ -152,12 +147,8 @@ def sweep(E: int, I: int, T: int, copy_gbs: float, out: list) -> None:
     if ups and downs:
         bd = min(downs, key=downs.__getitem__)
         bu = min((u for u in ups if compose(u, bd)), key=ups.__getitem__, default=UPS[0])
-        bd_rows = min((d for d in downs if d[4]), key=downs.__getitem__, default=DOWNS[0])
-        for u, d in [(bu, bd), (bu, bd_rows)]:
-            g = compose(u, d)
-            cands += [default._replace(gemv=g)] if g is not None else []
-        for (un, uk, w), dn in FUSED:
-            cands.append(default._replace(gemv=G(un, uk, w, dn, 256, w, unroll=True, down_rows=True, fused=True)))
+        g = compose(bu, bd)
+        cands += [default._replace(gemv=g)] if g is not None else []
     res = {}
     for cfg in dict.fromkeys(cands):
         fns = [partial(fused_moe, x, w13, w2, ids, wts, config=cfg) for ids in ids_sets]
@@ -196,8 +187,7 @@ def main() -> None:
     copy_gbs, _ = BK.ceilings()
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
     if a.prewarm:
-        fused = {G(un, uk, w, dn, 256, w, unroll=True, down_rows=True, fused=True) for (un, uk, w), dn in FUSED}
-        tiles = {up_tile(u) for u in UPS} | {down_tile(d) for d in DOWNS} | fused
+        tiles = {up_tile(u) for u in UPS} | {down_tile(d) for d in DOWNS}
         BK._prewarm_pool(_prewarm, sorted({(t, I) for t in tiles for _, I in shapes}, key=str), a.prewarm)
     res: dict[str, object] = {"ceilings": BK.RESULTS["ceilings"], "floors": floors()}
     cells: list = []

@@ -35,10 +35,7 @@ class GemvTile(NamedTuple):
     down_warps: int
     up_stages: int = 1
     down_stages: int = 1
-    up_dot: bool = False  # gate_up as a tensor-core product, M padded to 16: pipelined num_stages deep
-    unroll: bool = False  # lanes gate_up and down: loops unrolled, the next step's loads before this products
-    down_rows: bool = False  # down: the K experts' rows stacked into one [K BLOCK_N, BLOCK_K] tile per step
-    fused: bool = False  # one launch: lanes gate_up + rows down (down_warps unused), synchronised by a count
+    unroll: bool = False  # loops unrolled (D, I constexpr), each step's loads issued before the last's products
 
 
 class MoeConfig(NamedTuple):

@@ -90,24 +90,12 @@ PATHS = {
     "grouped": MoeConfig(16, GemmTile(32, 16, 2, 4, 2), GemmTile(16, 32, 2, 4, 2, n_split=3)),
     "gemv": MoeConfig(16, GemmTile(32, 16, 2, 4, 2), GemmTile(16, 32, 2, 4, 2), GemvTile(8, 16, 4, 16, 16, 4)),
     "gemv-2-rows": MoeConfig(16, GemmTile(32, 16, 2, 4, 2), GemmTile(16, 32, 2, 4, 2), GemvTile(2, 32, 1, 4, 8, 2)),
-    # gate_up as an M-16 dot (I = 24 over 16 gate rows: a masked second tile; D = 40 over 16: masked last
-    # step); the lanes kernels unrolled (D = 40 over 16: three steps, the last masked; the down's K = 3
-    # experts x I = 24 over 16: six steps, every second masked; over 32: three one-step experts)
-    "gemv-dot": MoeConfig(16, GemmTile(32, 16, 2, 4, 2), GemmTile(16, 32, 2, 4, 2),
-                          GemvTile(16, 16, 4, 16, 16, 4, 2, 1, up_dot=True)),
+    # the lanes kernels unrolled (D = 40 over 16: three steps, the last masked; the down's K = 3 experts
+    # x I = 24 over 16: six steps, every second masked; over 32: three one-step experts)
     "gemv-unrolled": MoeConfig(16, GemmTile(32, 16, 2, 4, 2), GemmTile(16, 32, 2, 4, 2),
                                GemvTile(8, 16, 4, 16, 16, 4, unroll=True)),
     "gemv-unrolled-2": MoeConfig(16, GemmTile(32, 16, 2, 4, 2), GemmTile(16, 32, 2, 4, 2),
                                  GemvTile(2, 32, 1, 4, 32, 2, unroll=True)),
-    # the down's K = 3 experts stacked as rows (padded to 4) x 16 / 4 output rows (D = 40: a masked last
-    # tile), I = 24 over 16: two steps, the second masked; fused: both in one launch (gate_up programs
-    # first, the down waiting on their count), unrolled and not
-    "gemv-rows": MoeConfig(16, GemmTile(32, 16, 2, 4, 2), GemmTile(16, 32, 2, 4, 2),
-                           GemvTile(8, 16, 4, 16, 16, 4, down_rows=True)),
-    "gemv-fused": MoeConfig(16, GemmTile(32, 16, 2, 4, 2), GemmTile(16, 32, 2, 4, 2),
-                            GemvTile(8, 16, 4, 4, 16, 4, unroll=True, down_rows=True, fused=True)),
-    "gemv-fused-2": MoeConfig(16, GemmTile(32, 16, 2, 4, 2), GemmTile(16, 32, 2, 4, 2),
-                              GemvTile(2, 32, 2, 16, 32, 2, down_rows=True, fused=True)),
 }  # fmt: skip
 
 
@@ -132,19 +120,6 @@ def test_fused_moe_gemv_moves_fp32_by_summation_order_only() -> None:
     gemv = fused_moe(hidden, w13, w2, ids, weights, config=PATHS["gemv"])
     rel = ((gemv.double() - plain.double()).norm() / plain.double().norm()).item()
     assert rel < 1e-6, f"gemv moved the fp32 output by {rel:.1e} (a few ulps expected)"
-
-
-def test_fused_gemv_leaves_its_counts_zero() -> None:
-    """The fused launch re-zeroes its two counts itself (no memset node in a graph): a second call and a
-    call after it on other routes give the reference again, and the counts read zero after each."""
-    from r3trace.kernels.moe_gemv import _SYNC_COUNTS
-
-    cfg = PATHS["gemv-fused"]
-    for seed in (1, 2):
-        hidden, w13, w2, ids, weights = _moe_case(3, 40, 9, 24, 3, torch.float32, DEVICE, seed=seed)
-        out = fused_moe(hidden, w13, w2, ids, weights, config=cfg)
-        assert_close_to_ref(out, fused_moe_ref(hidden, w13, w2, ids, weights), torch.float32)
-        assert torch.equal(_SYNC_COUNTS[hidden.device].cpu(), torch.zeros(2, dtype=torch.int32))
 
 
 def test_moe_config_picks_gemv_at_few_tokens_only() -> None:
@@ -187,12 +162,13 @@ def test_fused_moe_deepseek_like_gpu(T: int) -> None:
 
 
 GPU_GEMV = moe_config(8, 256, 2, 256, tokens=1)
-GPU_GEMV_NEW = GPU_GEMV._replace(gemv=GemvTile(1, 1024, 2, 4, 256, 2, unroll=True, down_rows=True, fused=True))
+GPU_GEMV_LOOP = GPU_GEMV._replace(gemv=GemvTile(4, 1024, 4, 4, 256, 4))  # the runtime loops (before session 3)
+GPU_GEMV_WIDE = moe_config(8, 32, 2, 2048, tokens=1)  # the default at I = 2048: 1 row, 1 warp per down program
 
 
 @gpu
 @requires_gpu
-@pytest.mark.parametrize("config", [GPU_GEMV, GPU_GEMV_NEW], ids=["gemv", "gemv-fused"])
+@pytest.mark.parametrize("config", [GPU_GEMV, GPU_GEMV_LOOP, GPU_GEMV_WIDE], ids=["gemv", "gemv-loop", "gemv-wide"])
 @pytest.mark.parametrize("T", [1, 5])
 def test_fused_moe_gemv_gpu(T: int, config: MoeConfig) -> None:
     hidden, w13, w2, ids, weights = _moe_case(T, 1024, 32, 256, 8, torch.bfloat16, "cuda", seed=T)
@@ -203,7 +179,7 @@ def test_fused_moe_gemv_gpu(T: int, config: MoeConfig) -> None:
 
 @gpu
 @requires_gpu
-@pytest.mark.parametrize("config", [None, GPU_GEMV, GPU_GEMV_NEW], ids=["default", "gemv", "gemv-fused"])
+@pytest.mark.parametrize("config", [None, GPU_GEMV, GPU_GEMV_LOOP], ids=["default", "gemv", "gemv-loop"])
 @pytest.mark.parametrize("T", [1, 64])
 def test_fused_moe_cuda_graph_no_sync_gpu(T: int, config: MoeConfig | None) -> None:
     """No host sync (sync-debug mode raises on one), and a captured graph replayed on new routes
