@@ -32,6 +32,7 @@ from r3trace.kernels.fused_moe import (
     MoeConfig,
     fused_moe,
     fused_moe_ref,
+    grouped_config,
     moe_config,
     moe_down,
     moe_gate_up,
@@ -329,21 +330,11 @@ def _cfg_str(c: MoeConfig) -> str:
 
 
 def _baseline_config(T: int, E: int, I: int) -> MoeConfig:
-    """The defaults before the gemv path and the moved BLOCK_M tier edges (commit 9faa7dc's moe_config, bf16),
-    timed in the same run as the baseline of every row."""
-    rows = T * K / E
-    if rows <= 16:
-        bm, up, down, whole_k = 16, GemmTile(32, 256, 1, 4, 3), GemmTile(64, 128, 1, 4, 4), 16
-    elif rows <= 64:
-        up = GemmTile(128, 64, 4, 4, 4, True) if I <= 256 else GemmTile(64, 128, 4, 4, 4)
-        bm, down, whole_k = 32, GemmTile(64, 128, 4, 4, 4), 8
-    elif rows < 128:
-        bm, up, down, whole_k = 64, GemmTile(256, 64, 8, 8, 3), GemmTile(128, 64, 8, 4, 4), 4
-    else:
-        bm, up, down, whole_k = 128, GemmTile(128, 64, 8, 8, 3, True), GemmTile(256, 64, 8, 8, 3), 4
-    if I <= 256:
-        down = GemmTile(64, 256, min(8, up.group_m), up.num_warps, 3, n_split=whole_k)
-    return MoeConfig(bm, up, down)
+    """The defaults before session 3's gemv work (commit 5267bf3's moe_config, bf16): gemv (4 rows x 1024, 4
+    warps; down 4 rows x 256, 4 warps; runtime loops) at T = 1 where I <= 256, else the grouped tiles (unchanged
+    since), timed in the same run as the baseline of every row."""
+    grouped = grouped_config(T * K, E, 2, I)
+    return grouped._replace(gemv=GemvTile(4, 1024, 4, 4, 256, 4)) if T == 1 and I <= 256 else grouped
 
 
 # ---- exploration (--only moe_explore): candidates graph-timed per (E, I, T), each checked against the ref

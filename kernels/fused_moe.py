@@ -34,7 +34,7 @@ from r3trace.kernels.contract import FLOAT_DTYPES, require, require_tensor
 from r3trace.kernels.dot import dot_precision, mma
 from r3trace.kernels.moe_align import MoeAlignment, moe_align, moe_align_ref
 from r3trace.kernels.moe_config import GemmTile, GemvTile, MoeConfig, grouped_config, moe_config, same_tiles
-from r3trace.kernels.moe_gemv import gemv_down_sum, gemv_gate_up
+from r3trace.kernels.moe_gemv import gemv_moe
 
 __all__ = [
     "GemmTile", "GemvTile", "MoeConfig", "fused_moe", "fused_moe_ref", "grouped_config", "moe_config",
@@ -270,7 +270,7 @@ def fused_moe(
         return torch.empty((T, D), dtype=hidden.dtype, device=hidden.device)
     cfg = config or moe_config(T * K, E, hidden.element_size(), w2.shape[2], tokens=T)
     if cfg.gemv is not None:  # kernels/moe_gemv.py: no alignment (the align argument has nothing to pick)
-        return gemv_down_sum(gemv_gate_up(hidden, w13, topk_ids, cfg.gemv), w2, topk_ids, topk_weights, cfg.gemv)
+        return gemv_moe(hidden, w13, w2, topk_ids, topk_weights, cfg.gemv)
     alignment = (moe_align if align == "triton" else moe_align_ref)(topk_ids, E, cfg.block_m)
     act = moe_gate_up(hidden, w13, alignment, K, cfg.block_m, cfg.gate_up)
     y = moe_down(act, w2, alignment, topk_weights, cfg.block_m, cfg.down)

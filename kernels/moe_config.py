@@ -35,6 +35,7 @@ class GemvTile(NamedTuple):
     down_warps: int
     up_stages: int = 1
     down_stages: int = 1
+    unroll: bool = False  # loops unrolled (D, I constexpr), each step's loads issued before the last's products
 
 
 class MoeConfig(NamedTuple):
@@ -83,19 +84,27 @@ def grouped_config(num_pairs: int, num_experts: int, itemsize: int = 2, inter: i
     return MoeConfig(bm, up, down)
 
 
-# "Fused MoE at small T" run 1 (E = 256 / I = 256, T = 1, graph ms): up (4 rows, BLOCK_K 1024, 4 warps) 0.027
-# of 8 tiles (0.028-0.036); down (4 rows, 256, 4 warps) 0.018 (0.018-0.023); num_stages changed nothing
-DEFAULT_GEMV = GemvTile(4, 1024, 4, 4, 256, 4)
+# Session 3 run 2 (bench/NOTES.md "Fused MoE, session 3"; graph ms, D = 7168, K = 8, each kernel alone): the
+# unrolled lanes kernels; E = 256 / I = 256, T = 1: up 1 row x 1024, 2 warps 0.0242 (the committed 4 x 1024, 4
+# warps 0.0275; 16 tiles 0.024-0.062), down 4 rows, 2 warps 0.0162 (0.0184; 10 tiles); pipeline 0.0363 vs
+# 0.0398. T = 4: up 2 rows x 1024, 4 warps (0.0638, tied with 1 row), pipeline 0.0936. E = 32 / I = 2048,
+# T = 1: down 1 row, 1 warp 0.0661 (4 rows, 4 warps 0.0790), pipeline 0.1718 vs grouped 0.1888
+GEMV_T1 = GemvTile(1, 1024, 2, 4, 256, 2, unroll=True)
+GEMV_T4 = GemvTile(2, 1024, 4, 4, 256, 2, unroll=True)
+GEMV_WIDE = GemvTile(1, 1024, 2, 1, 256, 1, unroll=True)  # I = 2048: 8 down steps per expert
 
 
 def moe_config(num_pairs: int, num_experts: int, itemsize: int = 2, inter: int = 0, tokens: int = 0) -> MoeConfig:
-    """The tiles fused_moe runs by default: the gemv path at tokens = 1 where 0 < inter = I <= 256, else
-    grouped_config's. tokens = 0 (unknown) always gives the grouped path.
+    """The tiles fused_moe runs by default: the gemv path at tokens = 1 (any I > 0) and at tokens <= 4 where
+    I <= 256, else grouped_config's. tokens = 0 (unknown) always gives the grouped path.
 
-    Measured on the H200 (bench/NOTES.md, "Fused MoE at small T", run 1; graph ms, D = 7168, K = 8): E = 256
-    / I = 256, T = 1: gemv 0.039 vs grouped 0.052 (T = 2: 0.064 vs 0.067, T = 16: 0.32 vs 0.28); E = 32 /
-    I = 2048, T = 1: 0.190 vs 0.189 (a tie: the align and sum launches are small next to 176 MB of
-    weights), T = 2: 0.337 vs 0.310."""
-    if tokens == 1 and 0 < inter <= 256:
-        return grouped_config(num_pairs, num_experts, itemsize, inter)._replace(gemv=DEFAULT_GEMV)
-    return grouped_config(num_pairs, num_experts, itemsize, inter)
+    Measured on the H200 (bench/NOTES.md, "Fused MoE, session 3", run 2; graph ms, D = 7168, K = 8, gemv vs
+    grouped): E = 256 / I = 256, T = 1 0.036 vs 0.052 (earlier run), T = 2 0.057 vs 0.067, T = 4 0.094 vs
+    0.109 (T = 3 not measured: between the two); T = 16 went to grouped before (0.32 vs 0.28, "Fused MoE at
+    small T" run 1). E = 32 / I = 2048, T = 1: 0.172 vs 0.189 (T = 2 grouped: 0.310 vs 0.337 then)."""
+    grouped = grouped_config(num_pairs, num_experts, itemsize, inter)
+    if tokens == 1 and inter > 256:
+        return grouped._replace(gemv=GEMV_WIDE)
+    if 1 <= tokens <= 4 and 0 < inter <= 256:
+        return grouped._replace(gemv=GEMV_T1 if tokens <= 2 else GEMV_T4)
+    return grouped

@@ -8,9 +8,13 @@ Shapes as in kernels/fused_moe.py (T tokens, D hidden, I intermediate, K top-k, 
                  the K experts of token t in one program (ids of -1 masked), fp32, rounded once.
 
 At T = 1 (E = 256, I = 256, D = 7168) the grouped path's align, sum and two GEMMs over 8 16-row blocks give
-64-128 programs streaming 88 MB; here 256-512 programs stream it and two of the four launches are gone.
+64-128 programs streaming 88 MB; here 1792-2048 programs stream it and two of the four launches are gone.
 Products are elementwise multiply-adds into [BLOCK_N, BLOCK_K] fp32 lanes (a row per pair: the tensor
-cores would pad it to 16), reduced along K once after the loop.
+cores would pad it to 16), reduced along K once after the loop. These loads feed no dot, so Triton does not
+pipeline them: with a runtime loop each step waits out a memory latency before the next is issued. The
+tiles' `unroll` makes D and I compile-time sizes and issues each step's loads before the previous step's
+products (E = 256, T = 1, graph ms alone: up 0.0275 -> 0.0243, down 0.0184 -> 0.0161; bench/NOTES.md,
+"Fused MoE, session 3").
 """
 
 from __future__ import annotations
@@ -23,6 +27,60 @@ from r3trace.kernels.moe_config import GemvTile
 
 
 @triton.jit
+def _lanes_load(x_ptrs, w_ptrs, up_off, k0, offs_k, n_mask, KDIM, EVEN_K: tl.constexpr):
+    """One D step of the gate_up: x [BK] fp32, gate and up weight tiles [BN, BK] (masked past D and N)."""
+    if EVEN_K:
+        x = tl.load(x_ptrs).to(tl.float32)
+        g = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
+        u = tl.load(w_ptrs + up_off, mask=n_mask[:, None], other=0.0)
+    else:
+        k_mask = (k0 + offs_k) < KDIM
+        x = tl.load(x_ptrs, mask=k_mask, other=0.0).to(tl.float32)
+        g = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        u = tl.load(w_ptrs + up_off, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+    return x, g, u
+
+
+@triton.jit
+def _gate_up_program(
+    x_ptr, w_ptr, ids_ptr, act_ptr, pair, pid_n, N, KDIM, stride_xt, stride_we, stride_wn, stride_am,
+    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    KDIM_UNROLL: tl.constexpr,
+):  # fmt: skip
+    """act[pair, BLOCK_N rows from pid_n] (see _gemv_gate_up_kernel); nothing written for an id of -1."""
+    expert = tl.load(ids_ptr + pair)
+    if expert >= 0:  # else: expert on another rank, the act row stays unset and the down masks it out
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        offs_k = tl.arange(0, BLOCK_K)
+        x_ptrs = x_ptr + (pair // TOP_K).to(tl.int64) * stride_xt + offs_k
+        w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+        up_off = N * stride_wn
+        acc_g = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+        acc_u = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+        if KDIM_UNROLL > 0:
+            x, g, u = _lanes_load(x_ptrs, w_ptrs, up_off, 0, offs_k, n_mask, KDIM_UNROLL, EVEN_K)
+            for k0 in tl.static_range(BLOCK_K, KDIM_UNROLL, BLOCK_K):
+                x2, g2, u2 = _lanes_load(x_ptrs + k0, w_ptrs + k0, up_off, k0, offs_k, n_mask, KDIM_UNROLL, EVEN_K)
+                acc_g += g.to(tl.float32) * x[None, :]
+                acc_u += u.to(tl.float32) * x[None, :]
+                x, g, u = x2, g2, u2
+            acc_g += g.to(tl.float32) * x[None, :]
+            acc_u += u.to(tl.float32) * x[None, :]
+        else:
+            for k0 in range(0, KDIM, BLOCK_K):
+                x, g, u = _lanes_load(x_ptrs, w_ptrs, up_off, k0, offs_k, n_mask, KDIM, EVEN_K)
+                acc_g += g.to(tl.float32) * x[None, :]
+                acc_u += u.to(tl.float32) * x[None, :]
+                x_ptrs += BLOCK_K
+                w_ptrs += BLOCK_K
+        gate = tl.sum(acc_g, axis=1)
+        up = tl.sum(acc_u, axis=1)
+        act = gate * tl.sigmoid(gate) * up  # silu(gate) * up in fp32, one rounding (as the grouped path)
+        tl.store(act_ptr + pair.to(tl.int64) * stride_am + offs_n, act.to(act_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
 def _gemv_gate_up_kernel(
     # pointers
     x_ptr, w_ptr, ids_ptr, act_ptr,
@@ -32,37 +90,24 @@ def _gemv_gate_up_kernel(
     stride_xt, stride_we, stride_wn, stride_am,
     # constexpr
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    KDIM_UNROLL: tl.constexpr,
 ):  # fmt: skip
-    pair = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    expert = tl.load(ids_ptr + pair)
-    if expert < 0:  # expert on another rank: the act row stays unset, the down masks it out
-        return
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + (pair // TOP_K).to(tl.int64) * stride_xt + offs_k
-    w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
-    acc_g = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
-    acc_u = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
-    for k0 in range(0, KDIM, BLOCK_K):
-        if EVEN_K:
-            x = tl.load(x_ptrs).to(tl.float32)
-            g = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
-            u = tl.load(w_ptrs + N * stride_wn, mask=n_mask[:, None], other=0.0)
-        else:
-            k_mask = (k0 + offs_k) < KDIM
-            x = tl.load(x_ptrs, mask=k_mask, other=0.0).to(tl.float32)
-            g = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            u = tl.load(w_ptrs + N * stride_wn, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        acc_g += g.to(tl.float32) * x[None, :]
-        acc_u += u.to(tl.float32) * x[None, :]
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-    gate = tl.sum(acc_g, axis=1)
-    up = tl.sum(acc_u, axis=1)
-    act = gate * tl.sigmoid(gate) * up  # silu(gate) * up in fp32, one rounding (as the grouped path)
-    tl.store(act_ptr + pair.to(tl.int64) * stride_am + offs_n, act.to(act_ptr.dtype.element_ty), mask=n_mask)
+    # KDIM_UNROLL = D (0: a runtime loop): the D loop unrolled, each step's loads issued before the previous
+    # step's products, so two steps are in flight per program (the runtime loop waits one latency per step)
+    _gate_up_program(x_ptr, w_ptr, ids_ptr, act_ptr, tl.program_id(0), tl.program_id(1), N, KDIM, stride_xt,
+                     stride_we, stride_wn, stride_am, TOP_K, BLOCK_N, BLOCK_K, EVEN_K, KDIM_UNROLL)  # fmt: skip
+
+
+@triton.jit
+def _down_load(act_ptr, w_ptr, expert, wt, pair, k0, offs_k, w_rows, n_mask, stride_am, stride_we, KDIM):
+    """One (expert, I step) of the down: act [BK] fp32 times the routed weight, w2 tile [BN, BK]; id -1 masked
+    (no traffic, adds zeros)."""
+    kk = k0 + offs_k
+    k_mask = (kk < KDIM) & ((kk * 0 + expert) >= 0)
+    a = tl.load(act_ptr + pair.to(tl.int64) * stride_am + kk, mask=k_mask, other=0.0).to(tl.float32) * wt
+    w_base = w_ptr + tl.maximum(expert, 0).to(tl.int64) * stride_we + w_rows
+    w = tl.load(w_base + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+    return a, w
 
 
 @triton.jit
@@ -74,8 +119,12 @@ def _gemv_down_sum_kernel(
     # strides
     stride_am, stride_we, stride_wn, stride_ot,
     # constexpr
-    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    TOP_K: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    KDIM_UNROLL: tl.constexpr,
 ):  # fmt: skip
+    # KDIM_UNROLL = I (0: a runtime loop per expert): the K experts x I steps unrolled into one chain, the
+    # ids of all K experts loaded as one vector first, each step's loads issued before the previous step's
+    # products (with a runtime loop per expert, a program waits K latencies one after another)
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -83,18 +132,32 @@ def _gemv_down_sum_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     w_rows = offs_n[:, None].to(tl.int64) * stride_wn
     acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
-    for k in tl.static_range(TOP_K):  # unrolled: every expert's loads can be in flight together
-        pair = t * TOP_K + k
-        expert = tl.load(ids_ptr + pair)
-        wt = tl.load(wts_ptr + pair)
-        w_base = w_ptr + tl.maximum(expert, 0).to(tl.int64) * stride_we + w_rows
-        a_base = act_ptr + pair.to(tl.int64) * stride_am
-        for k0 in range(0, KDIM, BLOCK_K):
-            kk = k0 + offs_k
-            k_mask = (kk < KDIM) & ((kk * 0 + expert) >= 0)  # id -1: masked loads, no traffic, adds zeros
-            a = tl.load(a_base + kk, mask=k_mask, other=0.0).to(tl.float32) * wt
-            w = tl.load(w_base + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+    if KDIM_UNROLL > 0:
+        NK: tl.constexpr = (KDIM_UNROLL + BLOCK_K - 1) // BLOCK_K
+        offs_e = tl.arange(0, BLOCK_TOPK)  # K padded to a power of 2; the padding is never read back
+        experts = tl.load(ids_ptr + t * TOP_K + offs_e, mask=offs_e < TOP_K, other=-1)  # [BLOCK_TOPK]
+        wts = tl.load(wts_ptr + t * TOP_K + offs_e, mask=offs_e < TOP_K, other=0.0)
+        e0 = tl.sum(tl.where(offs_e == 0, experts, 0))
+        w0 = tl.sum(tl.where(offs_e == 0, wts, 0.0))
+        a, w = _down_load(act_ptr, w_ptr, e0, w0, t * TOP_K, 0, offs_k, w_rows, n_mask, stride_am, stride_we,
+                          KDIM_UNROLL)  # fmt: skip
+        for step in tl.static_range(1, TOP_K * NK):
+            e = tl.sum(tl.where(offs_e == step // NK, experts, 0))
+            wt = tl.sum(tl.where(offs_e == step // NK, wts, 0.0))
+            a2, w2 = _down_load(act_ptr, w_ptr, e, wt, t * TOP_K + step // NK, (step % NK) * BLOCK_K, offs_k, w_rows,
+                                n_mask, stride_am, stride_we, KDIM_UNROLL)  # fmt: skip
             acc += w.to(tl.float32) * a[None, :]
+            a, w = a2, w2
+        acc += w.to(tl.float32) * a[None, :]
+    else:
+        for k in tl.static_range(TOP_K):
+            pair = t * TOP_K + k
+            expert = tl.load(ids_ptr + pair)
+            wt = tl.load(wts_ptr + pair)
+            for k0 in range(0, KDIM, BLOCK_K):
+                a, w = _down_load(act_ptr, w_ptr, expert, wt, pair, k0, offs_k, w_rows, n_mask, stride_am, stride_we,
+                                  KDIM)  # fmt: skip
+                acc += w.to(tl.float32) * a[None, :]
     out = tl.sum(acc, axis=1)
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
 
@@ -105,11 +168,11 @@ def gemv_gate_up(hidden: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor
     K = topk_ids.shape[1]
     inter = w13.shape[1] // 2
     act = torch.empty((T * K, inter), dtype=hidden.dtype, device=hidden.device)
+    grid = (T * K, triton.cdiv(inter, tile.up_n))
     block_k = min(tile.up_k, triton.next_power_of_2(D))
-    _gemv_gate_up_kernel[(T * K, triton.cdiv(inter, tile.up_n))](
-        hidden, w13, topk_ids, act, inter, D,
-        hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        TOP_K=K, BLOCK_N=tile.up_n, BLOCK_K=block_k, EVEN_K=D % block_k == 0,
+    _gemv_gate_up_kernel[grid](
+        hidden, w13, topk_ids, act, inter, D, hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+        TOP_K=K, BLOCK_N=tile.up_n, BLOCK_K=block_k, EVEN_K=D % block_k == 0, KDIM_UNROLL=D if tile.unroll else 0,
         num_warps=tile.up_warps, num_stages=tile.up_stages,
     )  # fmt: skip
     return act
@@ -123,9 +186,17 @@ def gemv_down_sum(
     D, inter = w2.shape[1], w2.shape[2]
     out = torch.empty((T, D), dtype=act.dtype, device=act.device)
     _gemv_down_sum_kernel[(T, triton.cdiv(D, tile.down_n))](
-        act, w2, topk_ids, topk_weights, out, D, inter,
-        act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-        TOP_K=K, BLOCK_N=tile.down_n, BLOCK_K=min(tile.down_k, triton.next_power_of_2(inter)),
+        act, w2, topk_ids, topk_weights, out, D, inter, act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
+        TOP_K=K, BLOCK_TOPK=triton.next_power_of_2(K), BLOCK_N=tile.down_n,
+        BLOCK_K=min(tile.down_k, triton.next_power_of_2(inter)), KDIM_UNROLL=inter if tile.unroll else 0,
         num_warps=tile.down_warps, num_stages=tile.down_stages,
     )  # fmt: skip
     return out
+
+
+def gemv_moe(
+    hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+    tile: GemvTile,
+) -> torch.Tensor:  # fmt: skip
+    """hidden [T, D] -> out [T, D]: the gemv path (gate_up, then down and sum), two launches."""
+    return gemv_down_sum(gemv_gate_up(hidden, w13, topk_ids, tile), w2, topk_ids, topk_weights, tile)

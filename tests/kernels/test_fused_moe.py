@@ -90,6 +90,12 @@ PATHS = {
     "grouped": MoeConfig(16, GemmTile(32, 16, 2, 4, 2), GemmTile(16, 32, 2, 4, 2, n_split=3)),
     "gemv": MoeConfig(16, GemmTile(32, 16, 2, 4, 2), GemmTile(16, 32, 2, 4, 2), GemvTile(8, 16, 4, 16, 16, 4)),
     "gemv-2-rows": MoeConfig(16, GemmTile(32, 16, 2, 4, 2), GemmTile(16, 32, 2, 4, 2), GemvTile(2, 32, 1, 4, 8, 2)),
+    # the lanes kernels unrolled (D = 40 over 16: three steps, the last masked; the down's K = 3 experts
+    # x I = 24 over 16: six steps, every second masked; over 32: three one-step experts)
+    "gemv-unrolled": MoeConfig(16, GemmTile(32, 16, 2, 4, 2), GemmTile(16, 32, 2, 4, 2),
+                               GemvTile(8, 16, 4, 16, 16, 4, unroll=True)),
+    "gemv-unrolled-2": MoeConfig(16, GemmTile(32, 16, 2, 4, 2), GemmTile(16, 32, 2, 4, 2),
+                                 GemvTile(2, 32, 1, 4, 32, 2, unroll=True)),
 }  # fmt: skip
 
 
@@ -116,10 +122,12 @@ def test_fused_moe_gemv_moves_fp32_by_summation_order_only() -> None:
     assert rel < 1e-6, f"gemv moved the fp32 output by {rel:.1e} (a few ulps expected)"
 
 
-def test_moe_config_picks_gemv_at_one_token_and_small_inter_only() -> None:
-    assert moe_config(8, 256, 2, 256, tokens=1).gemv is not None
-    assert moe_config(8, 32, 2, 2048, tokens=1).gemv is None  # a tie on the H200: grouped kept
-    for tokens in (0, 2, 16):
+def test_moe_config_picks_gemv_at_few_tokens_only() -> None:
+    for tokens in (1, 2, 4):
+        assert moe_config(8 * tokens, 256, 2, 256, tokens=tokens).gemv is not None
+    assert moe_config(8, 32, 2, 2048, tokens=1).gemv is not None
+    assert moe_config(16, 32, 2, 2048, tokens=2).gemv is None  # I = 2048 at T = 2: grouped was faster
+    for tokens in (0, 5, 16):
         assert moe_config(8 * max(tokens, 1), 256, 2, 256, tokens=tokens).gemv is None
     assert moe_config(16, 256, 2, 256, tokens=2)[:3] == grouped_config(16, 256, 2, 256)[:3]
 
@@ -154,21 +162,24 @@ def test_fused_moe_deepseek_like_gpu(T: int) -> None:
 
 
 GPU_GEMV = moe_config(8, 256, 2, 256, tokens=1)
+GPU_GEMV_LOOP = GPU_GEMV._replace(gemv=GemvTile(4, 1024, 4, 4, 256, 4))  # the runtime loops (before session 3)
+GPU_GEMV_WIDE = moe_config(8, 32, 2, 2048, tokens=1)  # the default at I = 2048: 1 row, 1 warp per down program
 
 
 @gpu
 @requires_gpu
+@pytest.mark.parametrize("config", [GPU_GEMV, GPU_GEMV_LOOP, GPU_GEMV_WIDE], ids=["gemv", "gemv-loop", "gemv-wide"])
 @pytest.mark.parametrize("T", [1, 5])
-def test_fused_moe_gemv_gpu(T: int) -> None:
+def test_fused_moe_gemv_gpu(T: int, config: MoeConfig) -> None:
     hidden, w13, w2, ids, weights = _moe_case(T, 1024, 32, 256, 8, torch.bfloat16, "cuda", seed=T)
-    out = fused_moe(hidden, w13, w2, ids, weights, config=GPU_GEMV)
+    out = fused_moe(hidden, w13, w2, ids, weights, config=config)
     ref = fused_moe_ref(hidden.float(), w13.float(), w2.float(), ids, weights)
     assert_close_to_ref(out, ref, torch.bfloat16)
 
 
 @gpu
 @requires_gpu
-@pytest.mark.parametrize("config", [None, GPU_GEMV], ids=["default", "gemv"])
+@pytest.mark.parametrize("config", [None, GPU_GEMV, GPU_GEMV_LOOP], ids=["default", "gemv", "gemv-loop"])
 @pytest.mark.parametrize("T", [1, 64])
 def test_fused_moe_cuda_graph_no_sync_gpu(T: int, config: MoeConfig | None) -> None:
     """No host sync (sync-debug mode raises on one), and a captured graph replayed on new routes
