@@ -41,7 +41,8 @@ class DecodeTile(NamedTuple):
     """block_h heads x block_n keys per stage-1 program; v_splits 2 gives each half of the c_kv output
     columns its own program (a [block_h, kv_lora / 2] accumulator; both recompute the scores);
     keys_major computes scores as [keys, heads] (kv tile as the product's M side); kernel "gluon" runs
-    stage 1 as mla_decode_gluon.py's two-warpgroup kernel (64 x 64 x 8 warps, 2 stages only)."""
+    stage 1 as mla_decode_gluon.py's two-warpgroup kernel (64 heads x 8 warps; 64 keys x 2 stages, or 32 x 4
+    stages with the next tile's scores and softmax under this tile's P V)."""
 
     block_h: int
     block_n: int
