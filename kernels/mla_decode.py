@@ -212,11 +212,10 @@ def mla_decode(
 
         why = mg.gluon_supported(q, kv_lora_rank)
         require(why is None, str(why))
-        fixed = (tile.block_h, tile.num_warps, tile.v_splits, tile.keys_major) == (mg.BLOCK_H, mg.NUM_WARPS, 1, False)
-        require(fixed and (tile.block_n, tile.num_stages) in mg.GLUON_TILES,
-                f"the Gluon kernel's tiles are fixed: 64 heads, 8 warps, (64 keys, 2 stages | 32, 4), got {tile}")
+        require(tile[:5] == (mg.BLOCK_H, mg.BLOCK_N, mg.NUM_WARPS, 2, 1) and not tile.keys_major,
+                f"the Gluon kernel's tile is fixed: 64 heads x 64 keys x 8 warps, 2 stages, got {tile}")  # fmt: skip
         mg.mla_decode_stage1_gluon(q, kv_cache, req_to_token, req_pool_indices, seq_lens, part_out, part_lse,
-                                   kv_lora_rank, sm_scale * LOG2E, tile.block_n, tile.num_stages)  # fmt: skip
+                                   kv_lora_rank, sm_scale * LOG2E, tile.block_n)  # fmt: skip
     else:
         _stage1_triton(q, kv_cache, req_to_token, req_pool_indices, seq_lens, part_out, part_lse, kv_lora_rank,
                        sm_scale, tile, block_c, block_r)  # fmt: skip

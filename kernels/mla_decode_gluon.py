@@ -7,17 +7,12 @@ Shape legend as in mla_decode.py: B requests, H heads, C = kv_lora + rope, P = n
     P = exp2(S - m)        -> shared memory (bf16), read by both warpgroups
     O [64, kv_lora]       += P @ c_kv                          warpgroup w accumulates columns 256w..256w+255
 
-Two schedules (GLUON_TILES, picked by DecodeTile.block_n / num_stages): 64-key tiles, two stages, the three
-steps of a tile one after another (the tensor cores idle through the softmax and the waits); or 32-key tiles,
-four stages, FA3's intra-warpgroup overlap: tile t+1's S wgmmas issued ahead of tile t's P V and its softmax
-computed while P V runs (each warpgroup's S is then N = 16).
-
 The Triton kernel cannot lay the products out this way: tl.dot puts both warpgroups of a chained product
 along M, so at 64 heads both compute the same scores (576 of every 1088 FLOPs twice; bench/NOTES.md). Here
 each FLOP is done once, the wgmmas read q and the latent tile from shared memory (q 72 KB, two stages of the
-tile 144 KB, P 8 KB: 224 KB of the 227 KB allowed; 32 keys x 4 stages: 220 KB), and the gather is cp.async
-row copies through req_to_token (any page size) issued one tile (64 keys) ahead. It writes the same partial
-outputs and log-sum-exps as the Triton stage 1, so mla_decode's merge (stage 2) is shared.
+tile 144 KB, P 8 KB: 224 KB of the 227 KB allowed), and the gather is cp.async row copies through
+req_to_token (any page size) issued one tile ahead. It writes the same partial outputs and log-sum-exps as
+the Triton stage 1, so mla_decode's merge (stage 2) is shared.
 
 Gluon kernels do not run under TRITON_INTERPRET=1 (triton 3.6: gluon.jit launches through the active GPU
 driver, "0 active drivers" on CPU), so this path is covered by `gpu`-marked tests only; the CPU interpreter
@@ -36,43 +31,10 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 BLOCK_H = 64  # one wgmma M: 4 warps x 16 rows
-# (BLOCK_N, NUM_STAGES) of the two schedules (DecodeTile.block_n / num_stages pick one): 64 keys x 2 stages,
-# S then softmax then P V per tile; 32 keys x 4 stages, S(t+1) and its softmax under P V(t) (a third resident
-# tile: 3 x 72 KB + q does not fit in 227 KB, 4 x 36 KB does). Each warpgroup's S is N = BLOCK_N / 2.
-GLUON_TILES = ((64, 2), (32, 4))
+BLOCK_N = 64  # keys a tile: S is 64 x 64, each warpgroup's half an instruction of N = 32
 NUM_WARPS = 8  # two warpgroups, [4, 2]: M over the warps of a group, N over the groups
 GLUON_KV_LORA = (128, 256, 512)  # each warpgroup's half of O: one wgmma of N = kv_lora / 2 <= 256
 GLUON_ROPE = (16, 32, 64, 128)  # a power of two (Gluon tensor shapes), >= one 16-wide wgmma K step
-
-
-@gluon.jit
-def _slots(r2t, n0, end, rows_v, rows_r):
-    """Cache slots of keys n0.. for the two gather layouts, and which are live (< end)."""
-    m_v = (n0 + rows_v) < end
-    m_r = (n0 + rows_r) < end
-    sl_v = gl.load(r2t + n0 + rows_v, mask=m_v, other=0).to(gl.int64)
-    sl_r = gl.load(r2t + n0 + rows_r, mask=m_r, other=0).to(gl.int64)
-    return sl_v, sl_r, m_v, m_r
-
-
-@gluon.jit
-def _gather(kv_s, kr_s, stage, kv_ptr, stride_kvs, sl_v, sl_r, m_v, m_r, cols_v, cols_r):
-    """One tile's rows (c_kv and k_pe parts) into a stage by cp.async: one commit group."""
-    async_copy.async_copy_global_to_shared(
-        kv_s.index(stage), kv_ptr + sl_v[:, None] * stride_kvs + cols_v[None, :], mask=m_v[:, None])
-    async_copy.async_copy_global_to_shared(
-        kr_s.index(stage), kv_ptr + sl_r[:, None] * stride_kvs + cols_r[None, :], mask=m_r[:, None])
-    async_copy.commit_group()
-
-
-@gluon.jit
-def _softmax_tile(s, m_i, l_i, n0, end, keys, qk_scale):
-    """Online softmax of one tile's scores (keys n0.., log2 units): P, the old-max rescale, new m and l."""
-    s = gl.where(((n0 + keys) < end)[None, :], s * qk_scale, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, axis=1))
-    alpha = gl.exp2(m_i - m_new)
-    p = gl.exp2(s - m_new[:, None])
-    return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
 
 
 @gluon.jit
@@ -87,7 +49,7 @@ def _mla_decode_gluon_kernel(
     KV_LORA: gl.constexpr, ROPE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
     GATHER_V: gl.constexpr, GATHER_R: gl.constexpr, S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr,
     QV_SMEM: gl.constexpr, QR_SMEM: gl.constexpr, KV_SMEM: gl.constexpr, KR_SMEM: gl.constexpr,
-    P_SMEM: gl.constexpr, NUM_STAGES: gl.constexpr,
+    P_SMEM: gl.constexpr,
 ):  # fmt: skip
     hb = gl.program_id(0)  # fastest axis: both head blocks of a (request, split) read each tile, via L2
     b = gl.program_id(1)
@@ -111,79 +73,68 @@ def _mla_decode_gluon_kernel(
         q_r = gl.load(q_b + h_r[:, None] * stride_qh + cols_r[None, :], mask=(h_r < H)[:, None], other=0.0)
         qv_s = gl.allocate_shared_memory(dtype, [BLOCK_H, KV_LORA], QV_SMEM, q_v)
         qr_s = gl.allocate_shared_memory(dtype, [BLOCK_H, ROPE], QR_SMEM, q_r)
-        kv_s = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, KV_LORA], KV_SMEM)
-        kr_s = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, ROPE], KR_SMEM)
+        kv_s = gl.allocate_shared_memory(dtype, [2, BLOCK_N, KV_LORA], KV_SMEM)
+        kr_s = gl.allocate_shared_memory(dtype, [2, BLOCK_N, ROPE], KR_SMEM)
         p_s = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], P_SMEM)
 
         r2t = req_to_token_ptr + req_row * stride_rtr
+        # tile 0's gather; masked rows (past end) are zero-filled by cp.async and read no memory
+        m_v = (start + rows_v) < end
+        m_r = (start + rows_r) < end
+        sl_v = gl.load(r2t + start + rows_v, mask=m_v, other=0).to(gl.int64)
+        sl_r = gl.load(r2t + start + rows_r, mask=m_r, other=0).to(gl.int64)
+        async_copy.async_copy_global_to_shared(
+            kv_s.index(0), kv_ptr + sl_v[:, None] * stride_kvs + cols_v[None, :], mask=m_v[:, None])
+        async_copy.async_copy_global_to_shared(
+            kr_s.index(0), kv_ptr + sl_r[:, None] * stride_kvs + cols_r[None, :], mask=m_r[:, None])
+        async_copy.commit_group()
+        # tile 1's slots, one iteration early: the gather issued at the top of an iteration then waits
+        # on no load of its own (the Triton kernel's EARLY_SLOTS, for the same reason)
+        m_v = (start + BLOCK_N + rows_v) < end
+        m_r = (start + BLOCK_N + rows_r) < end
+        sl_v = gl.load(r2t + start + BLOCK_N + rows_v, mask=m_v, other=0).to(gl.int64)
+        sl_r = gl.load(r2t + start + BLOCK_N + rows_r, mask=m_r, other=0).to(gl.int64)
+
         m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_LAYOUT))
         l_i = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(1, S_LAYOUT))
         acc = gl.zeros([BLOCK_H, KV_LORA], gl.float32, layout=O_LAYOUT)
         s_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=S_LAYOUT)
         keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
         num_tiles = gl.cdiv(end - start, BLOCK_N)
-        # tiles 0..NUM_STAGES-2 in flight; masked rows (past end) are zero-filled by cp.async, read no memory.
-        # The slots of the next tile to gather are loaded one iteration early: its gather then waits on no
-        # load of its own (the Triton kernel's EARLY_SLOTS, for the same reason)
-        for i in gl.static_range(NUM_STAGES - 1):
-            sl_v, sl_r, m_v, m_r = _slots(r2t, start + i * BLOCK_N, end, rows_v, rows_r)
-            _gather(kv_s, kr_s, i, kv_ptr, stride_kvs, sl_v, sl_r, m_v, m_r, cols_v, cols_r)
-        sl_v, sl_r, m_v, m_r = _slots(r2t, start + (NUM_STAGES - 1) * BLOCK_N, end, rows_v, rows_r)
-        if NUM_STAGES == 2:  # S, softmax, P V of one tile after another; the next tile's gather under them
-            for t in range(num_tiles):
-                cur = t % 2
-                # every warpgroup has waited for its wgmmas of tile t-1 (the buffer refilled below) and of P
-                gl.thread_barrier()
-                _gather(kv_s, kr_s, 1 - cur, kv_ptr, stride_kvs, sl_v, sl_r, m_v, m_r, cols_v, cols_r)
-                sl_v, sl_r, m_v, m_r = _slots(r2t, start + (t + 2) * BLOCK_N, end, rows_v, rows_r)
-                async_copy.wait_group(1)  # this thread's copies of tile t landed (tile t+1's may fly)
-                fence_async_shared()  # cp.async and q/P stores are generic-proxy writes; wgmma reads async
-                gl.thread_barrier()  # ... and every thread's copies landed
-                kv_t = kv_s.index(cur)
-                s = warpgroup_mma(qv_s, kv_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                s = warpgroup_mma(qr_s, kr_s.index(cur).permute((1, 0)), s, is_async=True)
-                s = warpgroup_mma_wait(0, deps=(s,))
-                p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, start + t * BLOCK_N, end, keys, qk_scale)
-                p_s.store(p.to(dtype))
-                fence_async_shared()
-                gl.thread_barrier()  # both halves of P (one per warpgroup) written before either reads all of it
-                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]
-                acc = warpgroup_mma(p_s, kv_t, acc, is_async=True)
-                acc = warpgroup_mma_wait(0, deps=(acc,))
-        else:
-            # FA3's intra-warpgroup overlap: tile t+1's S wgmmas are issued before tile t's P V, and its
-            # softmax runs while P V is on the tensor cores. Resident: tile t (P V), t+1 (S), and
-            # NUM_STAGES-2 tiles in flight; P is stored after P V(t-1) is done, so one P buffer serves
-            async_copy.wait_group(NUM_STAGES - 2)
-            fence_async_shared()
+        for t in range(num_tiles):
+            cur = t % 2
+            n1 = start + (t + 1) * BLOCK_N
+            # every warpgroup has waited for its wgmmas of tile t-1 (the buffer refilled below) and of P
             gl.thread_barrier()
-            s = warpgroup_mma(qv_s, kv_s.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            s = warpgroup_mma(qr_s, kr_s.index(0).permute((1, 0)), s, is_async=True)
+            async_copy.async_copy_global_to_shared(
+                kv_s.index(1 - cur), kv_ptr + sl_v[:, None] * stride_kvs + cols_v[None, :], mask=m_v[:, None])
+            async_copy.async_copy_global_to_shared(
+                kr_s.index(1 - cur), kv_ptr + sl_r[:, None] * stride_kvs + cols_r[None, :], mask=m_r[:, None])
+            async_copy.commit_group()
+            m_v = (n1 + BLOCK_N + rows_v) < end
+            m_r = (n1 + BLOCK_N + rows_r) < end
+            sl_v = gl.load(r2t + n1 + BLOCK_N + rows_v, mask=m_v, other=0).to(gl.int64)
+            sl_r = gl.load(r2t + n1 + BLOCK_N + rows_r, mask=m_r, other=0).to(gl.int64)
+            async_copy.wait_group(1)  # this thread's copies of tile t landed (tile t+1's may fly)
+            fence_async_shared()  # cp.async and q/P stores are generic-proxy writes; wgmma reads async
+            gl.thread_barrier()  # ... and every thread's copies landed
+
+            kv_t = kv_s.index(cur)
+            s = warpgroup_mma(qv_s, kv_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s = warpgroup_mma(qr_s, kr_s.index(cur).permute((1, 0)), s, is_async=True)
             s = warpgroup_mma_wait(0, deps=(s,))
-            p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, start, end, keys, qk_scale)
-            for t in range(num_tiles - 1):
-                # the stage of tile t-1, free since the barrier that ended the previous iteration
-                _gather(kv_s, kr_s, (t + NUM_STAGES - 1) % NUM_STAGES, kv_ptr, stride_kvs, sl_v, sl_r, m_v, m_r,
-                        cols_v, cols_r)  # fmt: skip
-                sl_v, sl_r, m_v, m_r = _slots(r2t, start + (t + NUM_STAGES) * BLOCK_N, end, rows_v, rows_r)
-                p_s.store(p.to(dtype))
-                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]
-                async_copy.wait_group(NUM_STAGES - 2)  # tile t+1 landed (this thread's copies)
-                fence_async_shared()
-                gl.thread_barrier()  # every thread's copies of tile t+1 and both halves of P(t) written
-                nxt = (t + 1) % NUM_STAGES
-                s = warpgroup_mma(qv_s, kv_s.index(nxt).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                s = warpgroup_mma(qr_s, kr_s.index(nxt).permute((1, 0)), s, is_async=True)
-                acc = warpgroup_mma(p_s, kv_s.index(t % NUM_STAGES), acc, is_async=True)
-                s = warpgroup_mma_wait(1, deps=(s,))  # in order: S(t+1) done, P V(t) may still run
-                p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, start + (t + 1) * BLOCK_N, end, keys, qk_scale)
-                acc = warpgroup_mma_wait(0, deps=(acc,))
-                gl.thread_barrier()  # every warpgroup's P V(t) done: P and tile t's stage may be rewritten
+            visible = (start + t * BLOCK_N + keys) < end
+            s = gl.where(visible[None, :], s * qk_scale, float("-inf"))  # log2 units
+            m_new = gl.maximum(m_i, gl.max(s, axis=1))
+            alpha = gl.exp2(m_i - m_new)
+            p = gl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + gl.sum(p, axis=1)
+            m_i = m_new
             p_s.store(p.to(dtype))
-            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]
             fence_async_shared()
-            gl.thread_barrier()
-            acc = warpgroup_mma(p_s, kv_s.index((num_tiles - 1) % NUM_STAGES), acc, is_async=True)
+            gl.thread_barrier()  # both halves of P (one per warpgroup) written before either reads all of it
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]
+            acc = warpgroup_mma(p_s, kv_t, acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=(acc,))
         async_copy.wait_group(0)
 
@@ -202,18 +153,18 @@ def _gather_layout(cols: int) -> gl.BlockedLayout:
     return gl.BlockedLayout([1, 8], [32 // tc, tc], [NUM_WARPS, 1], [1, 0])
 
 
-def _layouts(kv_lora: int, rope: int, dtype: Any, block_n: int) -> dict[str, Any]:
+def _layouts(kv_lora: int, rope: int, dtype: Any) -> dict[str, Any]:
     nvmma = gl.NVMMASharedLayout.get_default_for
     return {
         "GATHER_V": _gather_layout(kv_lora),
         "GATHER_R": _gather_layout(rope),
-        "S_LAYOUT": gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, block_n // 2, 16]),
+        "S_LAYOUT": gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_N // 2, 16]),
         "O_LAYOUT": gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, kv_lora // 2, 16]),
         "QV_SMEM": nvmma([BLOCK_H, kv_lora], dtype),
         "QR_SMEM": nvmma([BLOCK_H, rope], dtype),
-        "KV_SMEM": nvmma([block_n, kv_lora], dtype),
-        "KR_SMEM": nvmma([block_n, rope], dtype),
-        "P_SMEM": nvmma([BLOCK_H, block_n], dtype),
+        "KV_SMEM": nvmma([BLOCK_N, kv_lora], dtype),
+        "KR_SMEM": nvmma([BLOCK_N, rope], dtype),
+        "P_SMEM": nvmma([BLOCK_H, BLOCK_N], dtype),
     }  # fmt: skip
 
 
@@ -239,20 +190,18 @@ def mla_decode_stage1_gluon(
     part_lse: torch.Tensor,
     kv_lora_rank: int,
     qk_scale: float,
-    block_n: int,
-    num_stages: int,
+    split_align: int,
 ) -> None:
-    """Fills part_out [B, H, P, kv_lora] fp32 and part_lse [B, H, P] (log2 units) as the Triton stage 1;
-    (block_n, num_stages) in GLUON_TILES picks the schedule, splits cut at whole block_n tiles."""
+    """Fills part_out [B, H, P, kv_lora] fp32 and part_lse [B, H, P] (log2 units) as the Triton stage 1."""
     B, H, C = q.shape
     num_kv_splits = part_out.shape[2]
     gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     grid = ((H + BLOCK_H - 1) // BLOCK_H, B, num_kv_splits)
     _mla_decode_gluon_kernel[grid](
         q, kv_cache, req_to_token, req_pool_indices, seq_lens, part_out, part_lse,
-        H, num_kv_splits, block_n, qk_scale,
+        H, num_kv_splits, split_align, qk_scale,
         q.stride(0), q.stride(1), kv_cache.stride(0), req_to_token.stride(0),
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
-        KV_LORA=kv_lora_rank, ROPE=C - kv_lora_rank, BLOCK_H=BLOCK_H, BLOCK_N=block_n,
-        **_layouts(kv_lora_rank, C - kv_lora_rank, gdt, block_n), NUM_STAGES=num_stages, num_warps=NUM_WARPS,
+        KV_LORA=kv_lora_rank, ROPE=C - kv_lora_rank, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N,
+        **_layouts(kv_lora_rank, C - kv_lora_rank, gdt), num_warps=NUM_WARPS,
     )  # fmt: skip
