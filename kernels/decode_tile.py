@@ -19,6 +19,12 @@ WAVES = 8
 # win, but only if they fill whole waves: B = 64 / 8k, 16x32x4w,3st: 8 splits (512 programs) 0.176 ms, 9
 # (576: a 0.4 wave tail) 0.212, 17 0.193. So the H < 64 tile asks for 4 programs per SM rounded down
 # (whole_waves); at H >= 64 (one program per SM, compute-bound) 8 waves rounded up, as measured.
+# Session 3b (run 6, Gluon 64 x 64 tile, graph-timed): fewer, longer splits win at every H = 128 cell, as long
+# as the waves stay whole: B = 64 / 8k, 1 split (128 programs, 1 wave of 128 tiles) 0.414 ms, 2 0.428, 4 0.454,
+# 9 (the 8-wave default) 0.510. A program's fixed cost F (q load 72 KB, first tile's latency, 128 KB partial
+# write) in tiles, fitted as time ~ waves x (tiles + F): 128 + 9F = 1.232 (128 + F) -> F = 3.8, which then
+# predicts 4 splits 0.450 and 2 splits 0.426. splits_by_cost minimises that model.
+GLUON_FIXED_TILES = 4
 
 
 def choose_num_kv_splits(
@@ -37,6 +43,25 @@ def choose_num_kv_splits(
     return int(max(1, min(by_sms, by_len, MAX_KV_SPLITS)))
 
 
+def splits_by_cost(
+    batch: int, num_head_blocks: int, max_seq_len: int, sm_count: int, block_n: int, fixed_tiles: int
+) -> int:
+    """Splits per request minimising waves x (tiles per split + fixed_tiles) for a kernel of one program per
+    SM: whole waves of long splits, more splits only where they fill SMs left idle (B = 16, H = 128: 32
+    programs a split, so 4 splits; B = 48: 96 programs, 4 splits make 2.9 waves and beat both 1 split,
+    0.73 of a wave, and 8 waves rounded up). Fewest splits on ties; >= MIN_TOKENS_PER_SPLIT keys each.
+    Host arithmetic, no device sync (as choose_num_kv_splits)."""
+    programs = max(1, batch * num_head_blocks)
+    length = max(1, max_seq_len)
+    most = max(1, min(triton.cdiv(length, MIN_TOKENS_PER_SPLIT), MAX_KV_SPLITS))
+
+    def cost(splits: int) -> int:  # the kernel cuts splits at whole tiles: cdiv(cdiv(L, P), block_n) each
+        tiles = triton.cdiv(triton.cdiv(length, splits), block_n)
+        return triton.cdiv(programs * splits, sm_count) * (tiles + fixed_tiles)
+
+    return min(range(1, most + 1), key=cost)
+
+
 class DecodeTile(NamedTuple):
     """block_h heads x block_n keys per stage-1 program; v_splits 2 gives each half of the c_kv output
     columns its own program (a [block_h, kv_lora / 2] accumulator; both recompute the scores);
@@ -52,13 +77,19 @@ class DecodeTile(NamedTuple):
     kernel: str = "triton"
     waves: int = WAVES  # stage-1 programs per SM the split count aims for (choose_num_kv_splits)
     whole_waves: bool = False  # round the split count down (no partial last wave), not up
+    fixed_tiles: int = 0  # > 0: split count by splits_by_cost with this per-program cost in tiles, not waves
 
     def head_programs(self, num_heads: int) -> int:
         """Stage-1 programs per (request, split): head blocks x value splits."""
         return triton.cdiv(num_heads, self.block_h) * self.v_splits
 
     def num_kv_splits(self, batch: int, num_heads: int, max_seq_len: int, sm_count: int) -> int:
-        """choose_num_kv_splits for this tile's programs and waves (host arithmetic, no device sync)."""
+        """splits_by_cost (fixed_tiles > 0) or choose_num_kv_splits for this tile's programs and waves (host
+        arithmetic, no device sync)."""
+        if self.fixed_tiles > 0:
+            return splits_by_cost(
+                batch, self.head_programs(num_heads), max_seq_len, sm_count, self.block_n, self.fixed_tiles
+            )
         return choose_num_kv_splits(
             batch, self.head_programs(num_heads), max_seq_len, sm_count, self.waves, self.whole_waves
         )
@@ -71,7 +102,8 @@ def default_decode_tile(
     stages, 4 programs per SM rounded down (B = 64, L = 8k graph-timed: 0.176 ms vs 0.192 for 16 x 64 x 2
     stages at 8 waves rounded up).
     H >= 64: use_gluon (the caller is on a Hopper GPU) and a shape the Gluon kernel takes: its two-warpgroup
-    64 x 64 tile (B = 256, L = 32k: 6.86 vs 9.47 ms); else Triton's 64 heads x 64 keys over 8 warps (the best
+    64 x 64 tile (B = 256, L = 32k: 6.86 vs 9.47 ms), its split count by splits_by_cost (run 6: 1.03-1.28x
+    over 8 waves rounded up at kv_len >= 8k); else Triton's 64 heads x 64 keys over 8 warps (the best
     of 13 Triton tiles incl. value splits, 128 heads, keys-major scores, two programs per SM). fp32 halves
     the keys so two fp32 tiles still fit in shared memory."""
     if num_heads >= 64:
@@ -79,7 +111,7 @@ def default_decode_tile(
             from r3trace.kernels.mla_decode_gluon import GLUON_KV_LORA, GLUON_ROPE
 
             if kv_lora in GLUON_KV_LORA and rope in GLUON_ROPE:
-                return DecodeTile(64, 64, 8, 2, kernel="gluon")
+                return DecodeTile(64, 64, 8, 2, kernel="gluon", fixed_tiles=GLUON_FIXED_TILES)
         return DecodeTile(64, 64 if dtype.itemsize <= 2 else 32, 8, 2)
     if dtype.itemsize <= 2:
         return DecodeTile(16, 32, 4, 3, waves=4, whole_waves=True)

@@ -105,6 +105,18 @@ def test_choose_num_kv_splits() -> None:
     assert choose_num_kv_splits(64, 1, 8192, 132, waves=4) == 9  # rounded up: a 0.36-wave tail
 
 
+def test_gluon_default_splits_by_cost() -> None:
+    """The H = 128 Gluon default's split count is the fastest measured on the H200 at all nine cells of issue 6
+    (bench/NOTES.md, "MLA decode, session 3", run 6: 4 splits at B = 16, 1 at B = 64 and 256), and fills idle
+    SMs where one split leaves most of them empty (B = 48: 96 of 132 SMs; the model's 4 splits = 2.9 waves)."""
+    tile = default_decode_tile(128, torch.bfloat16, use_gluon=True, kv_lora=512, rope=64)
+    cells = [(B, L) for B in (16, 64, 256) for L in (1024, 8192, 32768)]
+    assert [tile.num_kv_splits(B, 128, L, 132) for B, L in cells] == [4, 4, 4, 1, 1, 1, 1, 1, 1]
+    assert tile.num_kv_splits(48, 128, 8192, 132) == 4
+    assert tile.num_kv_splits(1, 128, 300, 132) == 2  # >= 256 keys a split (MIN_TOKENS_PER_SPLIT)
+    assert tile.num_kv_splits(1, 128, 10**6, 132) == 64  # MAX_KV_SPLITS
+
+
 def test_default_tile_takes_gluon_only_where_it_runs() -> None:
     """use_gluon (the engine sets it on Hopper) picks the Gluon stage 1 at H >= 64, bf16/fp16, DeepSeek's
     latent; any other shape or dtype keeps the Triton kernel (the tiny models' kv_lora 24 included)."""
