@@ -35,7 +35,6 @@ from r3trace.kernels.fused_moe import (
     grouped_config,
     moe_config,
     moe_down,
-    moe_down_add,
     moe_gate_up,
     moe_sum,
 )
@@ -257,14 +256,13 @@ def _prewarm_job(job: tuple[int, GemmTile, str, int, str, int]) -> str:
     else:
         act = torch.randn(T * K, I, device=dev, dtype=torch.bfloat16)
         w2 = torch.randn(E, D, I, device=dev, dtype=torch.bfloat16)
-        (moe_down_add if part == "down_add" else moe_down)(act, w2, align, torch.rand(T, K, device=dev), bm, tile)
+        moe_down(act, w2, align, torch.rand(T, K, device=dev), bm, tile)
     if dev == "cuda":
         torch.cuda.synchronize()
     return f"{bm} {part} {tuple(tile)} T={T}"
 
 
-def prewarm(ts: Sequence[int], sweep_ts: Sequence[int], workers: int, shapes: Sequence[tuple[int, int]],
-            reduces: Sequence[str]) -> None:  # fmt: skip
+def prewarm(ts: Sequence[int], sweep_ts: Sequence[int], workers: int, shapes: Sequence[tuple[int, int]]) -> None:
     """Compile every tile this run will time in parallel processes (~2 s per GEMM compile, ~40 of them:
     serially most of a device call). Failures only cost the parallelism."""
     jobs = set()
@@ -273,7 +271,6 @@ def prewarm(ts: Sequence[int], sweep_ts: Sequence[int], workers: int, shapes: Se
             cfg = moe_config(T * K, E, 2, I, tokens=T)
             tc = 1 if T == 1 else 64
             todo = [(cfg.block_m, cfg.gate_up, "up"), (cfg.block_m, cfg.down, "down")]
-            todo += [(cfg.block_m, cfg.down, "down_add")] if "atomic" in reduces and cfg.gemv is None else []
             for bm in _sweep_bms(T, E) if T in sweep_ts else []:
                 todo += [(bm, t, "up") for t in UP_TILES[bm]]
                 todo += [(bm, t, "down") for t in DOWN_TILES[bm] if t.n_split == 0 or E == 256]  # I = 256 there
@@ -308,20 +305,17 @@ def _prewarm_pool(fn: Callable[[tuple], str], jobs: Sequence[tuple], workers: in
 
 def _parts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids_sets: list[torch.Tensor],
            wts: torch.Tensor, bm: int, up_tiles: list[GemmTile], down_tiles: list[GemmTile],
-           E: int, add: bool = False) -> dict[str, dict[GemmTile, float]]:  # fmt: skip
-    """Each GEMM's time per tile on the same alignments (rotated over route sets); add: also the down
-    adding into [T, D] fp32 with atomics (its zeroing included, not the cast)."""
+           E: int) -> dict[str, dict[GemmTile, float]]:  # fmt: skip
+    """Each GEMM's time per tile on the same alignments (rotated over route sets)."""
     aligns = [moe_align(ids, E, bm) for ids in ids_sets]
     act = moe_gate_up(x, w13, aligns[0], K, bm, up_tiles[0])
-    out: dict[str, dict[GemmTile, float]] = {"up": {}, "down": {}, "down_add": {}}
-    for part, tiles in (("up", up_tiles), ("down", down_tiles), ("down_add", down_tiles if add else [])):
+    out: dict[str, dict[GemmTile, float]] = {"up": {}, "down": {}}
+    for part, tiles in (("up", up_tiles), ("down", down_tiles)):
         for tile in tiles:
             if part == "up":
                 fns = [partial(moe_gate_up, x, w13, a, K, bm, tile) for a in aligns]
-            elif part == "down":
-                fns = [partial(moe_down, act, w2, a, wts, bm, tile) for a in aligns]
             else:
-                fns = [partial(moe_down_add, act, w2, a, wts, bm, tile) for a in aligns]
+                fns = [partial(moe_down, act, w2, a, wts, bm, tile) for a in aligns]
             try:
                 out[part][tile] = ms(rotating(fns))
             except Exception as e:
@@ -332,7 +326,7 @@ def _parts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids_sets: list[
 def _cfg_str(c: MoeConfig) -> str:
     if c.gemv is not None:
         return f"gemv {tuple(c.gemv)}"
-    return f"{c.block_m}: {tuple(c.gate_up)} / {tuple(c.down)}" + " atomic" * (c.reduce == "atomic")
+    return f"{c.block_m}: {tuple(c.gate_up)} / {tuple(c.down)}"
 
 
 def _baseline_config(T: int, E: int, I: int) -> MoeConfig:
@@ -429,11 +423,9 @@ def bench_moe_explore(copy_gbs: float, ts: Sequence[int], workers: int) -> None:
 
 
 def bench_moe(copy_gbs: float, ts: Sequence[int], sweep_ts: Sequence[int], workers: int,
-              shapes: Sequence[tuple[int, int]] = MOE_SHAPES, reduces: Sequence[str] = ("sum",)) -> None:  # fmt: skip
-    """reduces: the grouped path's sum over K timed per row ("sum" and/or "atomic", MoeConfig.reduce) on the
-    default tiles; the row's cfg is the fastest."""
+              shapes: Sequence[tuple[int, int]] = MOE_SHAPES) -> None:  # fmt: skip
     if workers > 0:
-        prewarm(ts, sweep_ts, workers, shapes, reduces)
+        prewarm(ts, sweep_ts, workers, shapes)
     rows_out = []
     print(f"{'E':>4} {'I':>5} {'T':>6} {'cfg':>44} {'ms':>8} {'graph':>7} {'TFLOP/s':>7} {'%dense':>6} "
           f"{'loop ms':>8} {'read ms':>7} {'x read':>6} {'align/ref graph ms':>18}")  # fmt: skip
@@ -447,8 +439,7 @@ def bench_moe(copy_gbs: float, ts: Sequence[int], sweep_ts: Sequence[int], worke
             wts = torch.rand(T, K, device=DEV)
             flops = 2 * T * K * 3 * I * D
             default = moe_config(T * K, E, 2, I, tokens=T)
-            cfgs = [default] + [default._replace(reduce=r) for r in reduces  # type: ignore[arg-type]
-                                if r != default.reduce and default.gemv is None]  # fmt: skip
+            cfgs = [default]
             sweep: dict[str, object] = {}
             if T in sweep_ts:  # best gate_up and best down tile per BLOCK_M, composed
                 for bm in _sweep_bms(T, E):
@@ -486,8 +477,7 @@ def bench_moe(copy_gbs: float, ts: Sequence[int], sweep_ts: Sequence[int], worke
                          "down": {cfg.down: ms_graph([partial(gemv_down_sum, a, w2, ids, wts, g)
                                                       for a, ids in zip(acts, ids_sets, strict=True)])}}  # fmt: skip
             else:
-                parts = _parts(x, w13, w2, ids_sets, wts, cfg.block_m, [cfg.gate_up], [cfg.down], E,
-                               add="atomic" in reduces)  # fmt: skip
+                parts = _parts(x, w13, w2, ids_sets, wts, cfg.block_m, [cfg.gate_up], [cfg.down], E)
             base = _baseline_config(T, E, I)  # the previous defaults, timed in this run
             fb = [partial(fused_moe, x, w13, w2, ids, wts, config=base) for ids in ids_sets]
             tb = times[base] if base in times else ms(rotating(fb))
@@ -497,14 +487,7 @@ def bench_moe(copy_gbs: float, ts: Sequence[int], sweep_ts: Sequence[int], worke
             out = fns[0]()
             ref = fused_moe_ref(x, w13, w2, ids_sets[0], wts)
             err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-            errs, repeat_equal = {}, {}  # each reduce's error, and whether two calls gave the same bits
-            for c in times:
-                o1, o2 = (fused_moe(x, w13, w2, ids_sets[0], wts, config=c) for _ in range(2))
-                errs[c.reduce] = ((o1.float() - ref.float()).norm() / ref.float().norm()).item()
-                repeat_equal[c.reduce] = torch.equal(o1, o2)
-            sc = cfg._replace(reduce="sum")  # the atomic reduce is not bitwise reproducible: compare aligns on sum
-            same_ref_align = torch.equal(fused_moe(x, w13, w2, ids_sets[0], wts, config=sc),
-                                         fused_moe(x, w13, w2, ids_sets[0], wts, config=sc, align="ref"))  # fmt: skip
+            same_ref_align = torch.equal(out, fused_moe(x, w13, w2, ids_sets[0], wts, config=cfg, align="ref"))
             tl_ = ms(rotating([partial(fused_moe_ref, x, w13, w2, ids, wts) for ids in ids_sets]), rep=200)
             dense_w = torch.randn(D, 3 * K * I, device=DEV, dtype=torch.bfloat16)
             td = ms(partial(torch.matmul, x, dense_w))  # [T, D] @ [D, 3KI]: the same FLOPs as the MoE
@@ -523,9 +506,6 @@ def bench_moe(copy_gbs: float, ts: Sequence[int], sweep_ts: Sequence[int], worke
                    "align_graph_ms": t_al, "align_ref_graph_ms": t_al_ref, "align_equal_ref": align_same,
                    "gate_up_ms": next(iter(parts["up"].values()), float("nan")),
                    "down_ms": next(iter(parts["down"].values()), float("nan")), "sum_ms": t_sum,
-                   "reduce": cfg.reduce, "reduce_ms": {c.reduce: v for c, v in times.items() if c[:4] == default[:4]},
-                   "rel_err_by_reduce": errs, "repeat_bitwise_equal": repeat_equal,
-                   "down_add_ms": next(iter(parts.get("down_add", {}).values()), float("nan")),
                    "sweep_ms": sweep, "baseline_cfg": _cfg_str(base), "baseline_ms": tb, "baseline_graph_ms": tbg,
                    "x_read_baseline": (min(tb, tbg) if not math.isnan(tbg) else tb) / read_ms}  # fmt: skip
             rows_out.append(row)
@@ -533,8 +513,7 @@ def bench_moe(copy_gbs: float, ts: Sequence[int], sweep_ts: Sequence[int], worke
                   f"{row['pct_dense']:>5.0f}% {tl_:>8.2f} {read_ms:>7.3f} {row['x_read']:>5.2f}x "
                   f"{t_al:>8.4f}/{t_al_ref:.4f}  up {row['gate_up_ms']:.3f} down {row['down_ms']:.3f} "
                   f"sum {t_sum:.3f} err {err:.1e} same {same_ref_align and align_same} | baseline {tb:.3f} / "
-                  f"graph {tbg:.3f} ({row['x_read_baseline']:.2f}x read) | by reduce {row['reduce_ms']} "
-                  f"down_add {row['down_add_ms']:.3f} err {errs} repeat equal {repeat_equal}")  # fmt: skip
+                  f"graph {tbg:.3f} ({row['x_read_baseline']:.2f}x read)")  # fmt: skip
             RESULTS["moe"] = rows_out
             save()
         del w13, w2
@@ -577,7 +556,6 @@ def markdown(res: dict) -> str:
     for r in res.get("moe", []):
         bm, up, down = r["cfg"]
         tiles = f"gemv {tuple(r['gemv'])}" if r.get("gemv") else f"{bm}: {tile(up)} / {tile(down)}"
-        tiles += " atomic" * (r.get("reduce") == "atomic")
         lines.append(f"| {r['E']} | {r['I']} | {r['T']} | {tiles} | {r['ms']:.3f} | "
                      f"{r['graph_ms']:.3f} | {r['TFLOPs']:.0f} | {r['pct_dense']:.0f}% | {r['loop_ms']:.2f} | "
                      f"{r['speedup_vs_loop']:.1f}x | {r['touched_read_ms']:.3f} | {r['x_read']:.2f}x |")  # fmt: skip
@@ -602,7 +580,6 @@ def main() -> None:
     ap.add_argument("--moe-sweep", default="1,1024,4096,16384", help="MoE token counts with a tile sweep ('' none)")
     ap.add_argument("--prewarm", type=int, default=8, help="processes compiling the MoE tiles first (0: off)")
     ap.add_argument("--moe-shapes", default="256x256,32x2048", help="MoE (E x I) shapes, in this order")
-    ap.add_argument("--moe-reduce", default="sum", help="grouped sums over K timed per row: sum,atomic")
     a = ap.parse_args()
     if a.report:
         print(markdown(json.loads(Path(a.report).read_text())))
@@ -617,7 +594,7 @@ def main() -> None:
     sections: dict[str, Callable[[], None]] = {
         "topk": bench_topk,
         "decode": partial(bench_decode, copy_gbs, gemm_tflops, a.quick),
-        "moe": partial(bench_moe, copy_gbs, moe_ts, sweep_ts, a.prewarm, shapes, a.moe_reduce.split(",")),
+        "moe": partial(bench_moe, copy_gbs, moe_ts, sweep_ts, a.prewarm, shapes),
         "moe_explore": partial(bench_moe_explore, copy_gbs, moe_ts, a.prewarm),
     }
     for name in a.only.split(","):

@@ -14,13 +14,15 @@ Pipeline (SGLang's fused_moe layout, 4-5 launches, no host sync, so it can sit i
      is loaded once for both), written in the activation dtype.
   3. moe_down: y [M, D] = topk_weight * (act W2^T). Its own tiles: N = D is long and K = I short.
   4. moe_sum: out [T, D] = sum over k of y, fp32 accumulation, skipping ids of -1.
-MoeConfig.reduce = "atomic" replaces 3-4 by moe_down_add: the down's epilogue adds topk_weight * (act W2^T)
-in fp32 into a zeroed [T, D] buffer with atomics, then one cast. It saves y's write and read (2 x 470 MB at
-E = 32, T = 4k) but a token's K pairs sit in K experts' blocks far apart in launch order, so each add may
-re-read its line from HBM ([T, D] fp32 is 117 MB at 4k, 2x the L2); and the order of the K adds varies
-from run to run (not bitwise reproducible). bench/NOTES.md "Fused MoE, session 3" has the timings.
 moe_config (kernels/moe_config.py) may instead pick the gemv path (kernels/moe_gemv.py): no align, two
 launches (T = 1 at I <= 256).
+The y [M, D] round trip stays. Measured (bench/NOTES.md "Fused MoE, session 3" run 5, commit 6c060c6): the
+down's epilogue adding its weighted rows in fp32 into a zeroed [T, D] buffer with tl.atomic_add (then one cast)
+was slower everywhere on the H200: down + adds 2.24 ms vs down 1.85 + sum 0.13 at E = 32 / T = 4k (pipeline
+5.78 vs 5.75 ms), 8.68 vs 7.01 + 0.49 at 16k, 0.79 vs 0.48 + 0.13 at E = 256 / 4k (1.52 vs 1.27 ms). A
+token's K pairs sit in K experts' blocks far apart in launch order: the adds (940 MB of fp32 at 4k) cost the
+down 0.32-0.39 ms more than its bf16 y store (2.2-3.0 TB/s of adds at 4k and 16k), not hidden under the
+product; and their order varies (two calls at E = 256 gave different bits).
 """
 
 from __future__ import annotations
@@ -39,19 +41,8 @@ from r3trace.kernels.moe_gemv import gemv_moe
 
 __all__ = [
     "GemmTile", "GemvTile", "MoeConfig", "fused_moe", "fused_moe_ref", "grouped_config", "moe_config",
-    "moe_down", "moe_down_add", "moe_gate_up", "moe_sum", "same_tiles",
+    "moe_down", "moe_gate_up", "moe_sum", "same_tiles",
 ]  # fmt: skip
-
-
-@triton.jit
-def _write_rows(out_ptr, rows, offs_n, stride_om, acc, mask, ATOMIC: tl.constexpr):
-    """acc [BLOCK_M, BLOCK_N] fp32 into out[rows, offs_n]: stored in out's dtype, or added in fp32 (relaxed:
-    nothing reads the sum before the kernel ends)."""
-    ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-    if ATOMIC:
-        tl.atomic_add(ptrs, acc, mask=mask, sem="relaxed")
-    else:
-        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -59,18 +50,17 @@ def _fused_moe_kernel(
     # pointers
     a_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, topk_weights_ptr,
     # sizes
-    N, KDIM, num_pairs, cap, a_row_div, o_row_div,
+    N, KDIM, num_pairs, cap, a_row_div,
     # strides
     stride_am, stride_we, stride_wn, stride_om,
     # constexpr
-    ATOMIC: tl.constexpr, GATE_UP: tl.constexpr, EVEN_K: tl.constexpr, INTERLEAVE: tl.constexpr, W_COLS: tl.constexpr,
+    GATE_UP: tl.constexpr, EVEN_K: tl.constexpr, INTERLEAVE: tl.constexpr, W_COLS: tl.constexpr,
     N_SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     # GATE_UP: out[pair, n] = silu(a W[n]) * (a W[N + n]), a = hidden[pair // K]   (N = I, KDIM = D)
     # DOWN:    out[pair, n] = topk_weight[pair] * (a W[n]), a = act[pair]         (N = D, KDIM = I)
-    #          ATOMIC: out[pair // o_row_div, n] += ... in fp32 (out is the [T, D] sum, o_row_div = K)
     # INTERLEAVE (gate_up only): one [K, 2 BLOCK_N] weight tile, columns gate n, up n alternating, so one
     # N = 2 BLOCK_N product replaces two; the pairs sit side by side in the accumulator, split at the end
     # N_SPLIT > 0 (down, BLOCK_K >= KDIM): the A tile is loaded once and the program walks every N_SPLIT-th
@@ -110,8 +100,8 @@ def _fused_moe_kernel(
             w = tl.load(w_base + offs_n[None, :].to(tl.int64) * stride_wn, mask=k_mask[:, None] & n_mask[None, :],
                         other=0.0)  # fmt: skip
             acc = mma(a, w, UPCAST, INPUT_PRECISION) * wt[:, None]
-            _write_rows(out_ptr, pairs // o_row_div, offs_n, stride_om, acc, pair_mask[:, None] & n_mask[None, :],
-                        ATOMIC)  # fmt: skip
+            tl.store(out_ptr + pairs[:, None].to(tl.int64) * stride_om + offs_n[None, :],
+                     acc.to(out_ptr.dtype.element_ty), mask=pair_mask[:, None] & n_mask[None, :])  # fmt: skip
     else:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
@@ -151,7 +141,8 @@ def _fused_moe_kernel(
             acc = acc * tl.sigmoid(acc) * acc_up  # silu(gate) * up, in fp32 before the one rounding
         else:
             acc = acc * tl.load(topk_weights_ptr + pairs, mask=pair_mask, other=0.0)[:, None]
-        _write_rows(out_ptr, pairs // o_row_div, offs_n, stride_om, acc, pair_mask[:, None] & n_mask[None, :], ATOMIC)
+        o_ptrs = out_ptr + pairs[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=pair_mask[:, None] & n_mask[None, :])
 
 
 @triton.jit
@@ -209,9 +200,8 @@ AlignBackend = Literal["triton", "ref"]
 
 def _launch_gemm(
     a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, align: MoeAlignment, topk_weights: torch.Tensor,
-    block_m: int, tile: GemmTile, gate_up: bool, a_row_div: int, o_row_div: int = 0,
+    block_m: int, tile: GemmTile, gate_up: bool, a_row_div: int,
 ) -> None:  # fmt: skip
-    """o_row_div > 0 (down only): out [T, D] fp32, rows added atomically at pair // o_row_div."""
     N = out.shape[1]
     kdim = a.shape[1]
     cap = align.sorted_ids.shape[0]
@@ -220,9 +210,9 @@ def _launch_gemm(
     grid = ((cap // block_m) * (n_split or triton.cdiv(N, tile.block_n)),)
     _fused_moe_kernel[grid](
         a, w, out, align.sorted_ids, align.block_expert, align.num_padded, topk_weights,
-        N, kdim, a.shape[0] * a_row_div, cap, a_row_div, max(o_row_div, 1),
+        N, kdim, out.shape[0], cap, a_row_div,
         a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        ATOMIC=o_row_div > 0, GATE_UP=gate_up, EVEN_K=kdim % tile.block_k == 0, INTERLEAVE=gate_up and tile.interleave,
+        GATE_UP=gate_up, EVEN_K=kdim % tile.block_k == 0, INTERLEAVE=gate_up and tile.interleave,
         W_COLS=tile.block_n * (2 if gate_up and tile.interleave else 1), N_SPLIT=n_split,
         BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
         UPCAST=not a.is_cuda, INPUT_PRECISION=dot_precision(a.dtype == torch.float32),
@@ -247,18 +237,6 @@ def moe_down(
     y = torch.empty((act.shape[0], w2.shape[1]), dtype=act.dtype, device=act.device)
     _launch_gemm(act, w2, y, align, topk_weights, block_m, tile, False, 1)
     return y
-
-
-def moe_down_add(
-    act: torch.Tensor, w2: torch.Tensor, align: MoeAlignment, topk_weights: torch.Tensor, block_m: int,
-    tile: GemmTile,
-) -> torch.Tensor:  # fmt: skip
-    """act [M, I] -> out [T, D] fp32 = sum over k of topk_weight * (act W2^T), added atomically (the order of
-    a token's K adds is not fixed); tokens whose ids are all -1 stay 0."""
-    T, K = topk_weights.shape
-    out = torch.zeros((T, w2.shape[1]), dtype=torch.float32, device=act.device)
-    _launch_gemm(act, w2, out, align, topk_weights, block_m, tile, False, 1, o_row_div=K)
-    return out
 
 
 def moe_sum(y: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
@@ -294,13 +272,10 @@ def fused_moe(
     if T * K == 0:
         return torch.empty((T, D), dtype=hidden.dtype, device=hidden.device)
     cfg = config or moe_config(T * K, E, hidden.element_size(), w2.shape[2], tokens=T)
-    require(cfg.reduce in ("sum", "atomic"), f"reduce {cfg.reduce!r} not in ('sum', 'atomic')")
-    if cfg.gemv is not None:  # kernels/moe_gemv.py: no alignment, no y (align and reduce have nothing to pick)
+    if cfg.gemv is not None:  # kernels/moe_gemv.py: no alignment (the align argument has nothing to pick)
         return gemv_moe(hidden, w13, w2, topk_ids, topk_weights, cfg.gemv)
     alignment = (moe_align if align == "triton" else moe_align_ref)(topk_ids, E, cfg.block_m)
     act = moe_gate_up(hidden, w13, alignment, K, cfg.block_m, cfg.gate_up)
-    if cfg.reduce == "atomic":
-        return moe_down_add(act, w2, alignment, topk_weights, cfg.block_m, cfg.down).to(hidden.dtype)
     y = moe_down(act, w2, alignment, topk_weights, cfg.block_m, cfg.down)
     return moe_sum(y, topk_ids)
 

@@ -9,7 +9,7 @@ Two paths:
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 
 class GemmTile(NamedTuple):
@@ -38,19 +38,11 @@ class GemvTile(NamedTuple):
     unroll: bool = False  # loops unrolled (D, I constexpr), each step's loads issued before the last's products
 
 
-Reduce = Literal["sum", "atomic"]
-
-
 class MoeConfig(NamedTuple):
     block_m: int
     gate_up: GemmTile
     down: GemmTile
     gemv: GemvTile | None = None  # set: the align-free decode path (block_m, gate_up, down unused)
-    # grouped path's sum over K. "sum": the down writes y [M, D] in the activation dtype, a sum kernel adds a
-    # token's K rows in a fixed order (deterministic). "atomic": the down's epilogue adds its weighted rows in
-    # fp32 into a zeroed [T, D] buffer (tl.atomic_add), cast once: no y round trip, one rounding fewer, but
-    # the order of the K adds follows the programs' timing, so the low bits can change from run to run
-    reduce: Reduce = "sum"
 
 
 def same_tiles(block_m: int, block_n: int, block_k: int, group_m: int, warps: int, stages: int) -> MoeConfig:

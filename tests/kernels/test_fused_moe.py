@@ -96,11 +96,6 @@ PATHS = {
                                GemvTile(8, 16, 4, 16, 16, 4, unroll=True)),
     "gemv-unrolled-2": MoeConfig(16, GemmTile(32, 16, 2, 4, 2), GemmTile(16, 32, 2, 4, 2),
                                  GemvTile(2, 32, 1, 4, 32, 2, unroll=True)),
-    # the down adding into [T, D] fp32 with atomics (no y, no sum kernel): the whole-K n_split down, and the
-    # K-loop down (BLOCK_K 16 over I = 24: a masked second step) at BLOCK_M 32 (two experts' rows never share
-    # a block, several blocks per expert at T = 17, E = 8)
-    "grouped-atomic": MoeConfig(16, GemmTile(32, 16, 2, 4, 2), GemmTile(16, 32, 2, 4, 2, n_split=3), reduce="atomic"),
-    "loop-atomic": MoeConfig(32, GemmTile(16, 32, 2, 4, 2, True), GemmTile(32, 16, 1, 4, 2), reduce="atomic"),
 }  # fmt: skip
 
 
@@ -127,18 +122,6 @@ def test_fused_moe_gemv_moves_fp32_by_summation_order_only() -> None:
     assert rel < 1e-6, f"gemv moved the fp32 output by {rel:.1e} (a few ulps expected)"
 
 
-@pytest.mark.parametrize("down", ["grouped", "loop"])
-def test_fused_moe_atomic_moves_fp32_by_summation_order_only(down: str) -> None:
-    """fp32: the atomic reduce against the sum kernel differs by the order of a token's K = 3 adds alone (y in
-    fp32 is not rounded in either path): a few ulps (2^-24 relative each) of values up to ~3, so < 1e-6."""
-    hidden, w13, w2, ids, weights = _moe_case(17, 40, 8, 24, 3, torch.float32, DEVICE, seed=11)
-    atomic = PATHS[f"{down}-atomic"]
-    summed = fused_moe(hidden, w13, w2, ids, weights, config=atomic._replace(reduce="sum"))
-    added = fused_moe(hidden, w13, w2, ids, weights, config=atomic)
-    rel = ((added.double() - summed.double()).norm() / summed.double().norm()).item()
-    assert rel < 1e-6, f"the atomic reduce moved the fp32 output by {rel:.1e} (a few ulps expected)"
-
-
 def test_moe_config_picks_gemv_at_few_tokens_only() -> None:
     for tokens in (1, 2, 4):
         assert moe_config(8 * tokens, 256, 2, 256, tokens=tokens).gemv is not None
@@ -149,11 +132,10 @@ def test_moe_config_picks_gemv_at_few_tokens_only() -> None:
     assert moe_config(16, 256, 2, 256, tokens=2)[:3] == grouped_config(16, 256, 2, 256)[:3]
 
 
-@pytest.mark.parametrize("config", [None, PATHS["loop-atomic"]], ids=["default", "atomic"])
 @pytest.mark.parametrize("T", [1, 4])  # T = 1: the default gemv path
-def test_fused_moe_all_ids_off_rank_gives_zeros(T: int, config: MoeConfig | None) -> None:
+def test_fused_moe_all_ids_off_rank_gives_zeros(T: int) -> None:
     hidden, w13, w2, ids, weights = _moe_case(T, 40, 6, 24, 3, torch.float32, DEVICE, seed=0)
-    out = fused_moe(hidden, w13, w2, torch.full_like(ids, -1), weights, config=config)
+    out = fused_moe(hidden, w13, w2, torch.full_like(ids, -1), weights)
     assert torch.equal(out, torch.zeros_like(out))
 
 
@@ -167,20 +149,14 @@ def test_fused_moe_rejects_bad_arguments() -> None:
         fused_moe(hidden, w13.half(), w2, ids, weights)
     with pytest.raises(KernelInputError, match="align"):
         fused_moe(hidden, w13, w2, ids, weights, align="torch")  # type: ignore[arg-type]
-    with pytest.raises(KernelInputError, match="reduce"):
-        fused_moe(hidden, w13, w2, ids, weights, config=PATHS["grouped"]._replace(reduce="atomics"))  # type: ignore[arg-type]
 
 
 @gpu
 @requires_gpu
-@pytest.mark.parametrize("reduce", ["sum", "atomic"])
 @pytest.mark.parametrize("T", [1, 200, 700, 3000])  # each of moe_config's four tile tiers at E=32, K=8
-def test_fused_moe_deepseek_like_gpu(T: int, reduce: str) -> None:
-    """Both reduces on the default tiles (I = 256: the whole-K n_split down; T = 1 is the gemv path either
-    way). Atomic bf16 rounds once instead of twice (y is never stored), so the table's bf16 row holds."""
+def test_fused_moe_deepseek_like_gpu(T: int) -> None:
     hidden, w13, w2, ids, weights = _moe_case(T, 1024, 32, 256, 8, torch.bfloat16, "cuda", seed=T)
-    config = moe_config(T * 8, 32, 2, 256, tokens=T)._replace(reduce=reduce)
-    out = fused_moe(hidden, w13, w2, ids, weights, config=config)
+    out = fused_moe(hidden, w13, w2, ids, weights)
     ref = fused_moe_ref(hidden.float(), w13.float(), w2.float(), ids, weights)
     assert_close_to_ref(out, ref, torch.bfloat16)
 
@@ -188,7 +164,6 @@ def test_fused_moe_deepseek_like_gpu(T: int, reduce: str) -> None:
 GPU_GEMV = moe_config(8, 256, 2, 256, tokens=1)
 GPU_GEMV_LOOP = GPU_GEMV._replace(gemv=GemvTile(4, 1024, 4, 4, 256, 4))  # the runtime loops (before session 3)
 GPU_GEMV_WIDE = moe_config(8, 32, 2, 2048, tokens=1)  # the default at I = 2048: 1 row, 1 warp per down program
-GPU_ATOMIC = moe_config(64 * 8, 256)._replace(reduce="atomic")  # grouped, the K-loop down (inter unknown)
 
 
 @gpu
@@ -204,15 +179,11 @@ def test_fused_moe_gemv_gpu(T: int, config: MoeConfig) -> None:
 
 @gpu
 @requires_gpu
-@pytest.mark.parametrize("config", [None, GPU_GEMV, GPU_GEMV_LOOP, GPU_ATOMIC],
-                         ids=["default", "gemv", "gemv-loop", "atomic"])  # fmt: skip
+@pytest.mark.parametrize("config", [None, GPU_GEMV, GPU_GEMV_LOOP], ids=["default", "gemv", "gemv-loop"])
 @pytest.mark.parametrize("T", [1, 64])
 def test_fused_moe_cuda_graph_no_sync_gpu(T: int, config: MoeConfig | None) -> None:
     """No host sync (sync-debug mode raises on one), and a captured graph replayed on new routes
-    written in place gives what eager gives on them: the block count is read on the device. The atomic
-    reduce (zeroing and cast captured too) is compared within the bf16 table instead of bitwise: the order
-    of a token's K fp32 adds can differ between the two runs, moving a sum near a bf16 rounding boundary
-    by one ulp."""
+    written in place gives what eager gives on them: the block count is read on the device."""
     hidden, w13, w2, ids, weights = _moe_case(T, 1024, 256, 128, 8, torch.bfloat16, "cuda", seed=T)
     fused_moe(hidden, w13, w2, ids, weights, config=config)  # compile outside capture
     torch.cuda.set_sync_debug_mode("error")
@@ -228,8 +199,4 @@ def test_fused_moe_cuda_graph_no_sync_gpu(T: int, config: MoeConfig | None) -> N
     ids.copy_(new_ids)
     graph.replay()
     torch.cuda.synchronize()
-    eager = fused_moe(hidden, w13, w2, ids, weights, config=config)
-    if config is not None and config.reduce == "atomic":
-        assert_close_to_ref(out, eager.float(), torch.bfloat16)
-    else:
-        assert torch.equal(out, eager)
+    assert torch.equal(out, fused_moe(hidden, w13, w2, ids, weights, config=config))
