@@ -262,12 +262,12 @@ def _prewarm_job(job: tuple[int, GemmTile, str, int, str, int]) -> str:
     return f"{bm} {part} {tuple(tile)} T={T}"
 
 
-def prewarm(ts: Sequence[int], sweep_ts: Sequence[int], workers: int) -> None:
+def prewarm(ts: Sequence[int], sweep_ts: Sequence[int], workers: int, shapes: Sequence[tuple[int, int]]) -> None:
     """Compile every tile this run will time in parallel processes (~2 s per GEMM compile, ~40 of them:
     serially most of a device call). Failures only cost the parallelism."""
     jobs = set()
     for T in ts:
-        for E, I in MOE_SHAPES:
+        for E, I in shapes:
             cfg = moe_config(T * K, E, 2, I, tokens=T)
             tc = 1 if T == 1 else 64
             todo = [(cfg.block_m, cfg.gate_up, "up"), (cfg.block_m, cfg.down, "down")]
@@ -422,13 +422,14 @@ def bench_moe_explore(copy_gbs: float, ts: Sequence[int], workers: int) -> None:
         torch.cuda.empty_cache()
 
 
-def bench_moe(copy_gbs: float, ts: Sequence[int], sweep_ts: Sequence[int], workers: int) -> None:
+def bench_moe(copy_gbs: float, ts: Sequence[int], sweep_ts: Sequence[int], workers: int,
+              shapes: Sequence[tuple[int, int]] = MOE_SHAPES) -> None:  # fmt: skip
     if workers > 0:
-        prewarm(ts, sweep_ts, workers)
+        prewarm(ts, sweep_ts, workers, shapes)
     rows_out = []
     print(f"{'E':>4} {'I':>5} {'T':>6} {'cfg':>44} {'ms':>8} {'graph':>7} {'TFLOP/s':>7} {'%dense':>6} "
           f"{'loop ms':>8} {'read ms':>7} {'x read':>6} {'align/ref graph ms':>18}")  # fmt: skip
-    for E, I in MOE_SHAPES:
+    for E, I in shapes:
         w13 = torch.randn(E, 2 * I, D, device=DEV, dtype=torch.bfloat16) / D**0.5
         w2 = torch.randn(E, D, I, device=DEV, dtype=torch.bfloat16) / I**0.5
         for T in ts:
@@ -578,12 +579,14 @@ def main() -> None:
     ap.add_argument("--moe-t", default=",".join(map(str, MOE_T)), help="MoE token counts")
     ap.add_argument("--moe-sweep", default="1,1024,4096,16384", help="MoE token counts with a tile sweep ('' none)")
     ap.add_argument("--prewarm", type=int, default=8, help="processes compiling the MoE tiles first (0: off)")
+    ap.add_argument("--moe-shapes", default="256x256,32x2048", help="MoE (E x I) shapes, in this order")
     a = ap.parse_args()
     if a.report:
         print(markdown(json.loads(Path(a.report).read_text())))
         return
     moe_ts = [int(t) for t in a.moe_t.split(",")] if not a.quick else [1, 4096]
     sweep_ts = [int(t) for t in a.moe_sweep.split(",") if t]
+    shapes = [(int(e), int(i)) for e, i in (s.split("x") for s in a.moe_shapes.split(","))]
     torch.manual_seed(0)
     t0 = time.time()
     copy_gbs, gemm_tflops = ceilings()
@@ -591,7 +594,7 @@ def main() -> None:
     sections: dict[str, Callable[[], None]] = {
         "topk": bench_topk,
         "decode": partial(bench_decode, copy_gbs, gemm_tflops, a.quick),
-        "moe": partial(bench_moe, copy_gbs, moe_ts, sweep_ts, a.prewarm),
+        "moe": partial(bench_moe, copy_gbs, moe_ts, sweep_ts, a.prewarm, shapes),
         "moe_explore": partial(bench_moe_explore, copy_gbs, moe_ts, a.prewarm),
     }
     for name in a.only.split(","):

@@ -16,10 +16,13 @@ Pipeline (SGLang's fused_moe layout, 4-5 launches, no host sync, so it can sit i
   4. moe_sum: out [T, D] = sum over k of y, fp32 accumulation, skipping ids of -1.
 moe_config (kernels/moe_config.py) may instead pick the gemv path (kernels/moe_gemv.py): no align, two
 launches (T = 1 at I <= 256).
-The y [M, D] round trip stays: fusing the sum into the down epilogue needs fp32 atomics into [T, D],
-and a token's K pairs sit in K different experts' blocks far apart in launch order, so at T = 16k
-([T, D] fp32 = 470 MB, 8x the L2) each add would re-read and re-write its line from HBM: ~7.5 GB
-against the round trip's 3.8 GB.
+The y [M, D] round trip stays. Measured (bench/NOTES.md "Fused MoE, session 3" run 5, commit 6c060c6): the
+down's epilogue adding its weighted rows in fp32 into a zeroed [T, D] buffer with tl.atomic_add (then one cast)
+was slower everywhere on the H200: down + adds 2.24 ms vs down 1.85 + sum 0.13 at E = 32 / T = 4k (pipeline
+5.78 vs 5.75 ms), 8.68 vs 7.01 + 0.49 at 16k, 0.79 vs 0.48 + 0.13 at E = 256 / 4k (1.52 vs 1.27 ms). A
+token's K pairs sit in K experts' blocks far apart in launch order: the adds (940 MB of fp32 at 4k) cost the
+down 0.32-0.39 ms more than its bf16 y store (2.2-3.0 TB/s of adds at 4k and 16k), not hidden under the
+product; and their order varies (two calls at E = 256 gave different bits).
 """
 
 from __future__ import annotations
