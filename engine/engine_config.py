@@ -36,6 +36,10 @@ class EngineConfig:
     topk_backend: Backend = "ref"
     norm_backend: Backend = "ref"  # RMSNorm (+ the residual add before it): torch or one triton launch
     rope_backend: Backend = "ref"
+    # MLA decode stage 1 of the triton attention backend: auto = the Gluon kernel where it runs (Hopper,
+    # bf16/fp16, >= 64 heads, kv_lora 128/256/512; 1.35x the Triton kernel at H = 128 on an H200), Triton
+    # elsewhere; triton = always the Triton kernel (the one the CPU interpreter tests).
+    decode_kernel: str = "auto"
     # Decode batch sizes captured as CUDA graphs. None: a default ladder up to max_running_requests when
     # on CUDA with all three triton backends (the ref backends loop over host values and cannot be
     # captured); () turns graphs off.
@@ -62,6 +66,8 @@ class EngineConfig:
         for name in ("attention_backend", "moe_backend", "topk_backend", "norm_backend", "rope_backend"):
             if getattr(self, name) not in ("ref", "triton"):
                 raise EngineConfigError(f"{name}={getattr(self, name)!r}: expected ref or triton")
+        if self.decode_kernel not in ("auto", "triton"):
+            raise EngineConfigError(f"decode_kernel={self.decode_kernel!r}: expected auto or triton")
         if self.cuda_graph_batch_sizes:
             if not self.device.startswith("cuda") or not self.all_triton:
                 raise EngineConfigError(

@@ -41,9 +41,9 @@ class DecoderLayer(nn.Module):
         self.layer_id = layer_id
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, ecfg.norm_backend)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, ecfg.norm_backend)
+        attn_backend = make_attention_backend(ecfg.attention_backend, ecfg.device, ecfg.decode_kernel)
         self.self_attn = MLAAttention(
-            cfg, layer_id, rope, make_attention_backend(ecfg.attention_backend, ecfg.device), ecfg.mla_path,
-            dtype, device, ecfg.norm_backend,
+            cfg, layer_id, rope, attn_backend, ecfg.mla_path, dtype, device, ecfg.norm_backend,
         )
         self.is_moe = cfg.is_moe_layer(layer_id)
         self.mlp: nn.Module

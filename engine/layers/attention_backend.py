@@ -86,7 +86,7 @@ class TritonAttention:
     """Triton flash-decoding / extend kernels (r3trace.kernels). Split counts and max lengths come from
     the batch's host lists, so no kernel launch needs a device sync (and decode is graph-capturable)."""
 
-    def __init__(self, device: str) -> None:
+    def __init__(self, device: str, decode_kernel: str = "auto") -> None:
         from r3trace.kernels import mla_decode, mla_extend
 
         self._mod = mla_decode
@@ -97,7 +97,9 @@ class TritonAttention:
         # Read once at construction: 132 on an H200. The interpreter on CPU gets a few splits, still > 1.
         self._sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
         # Hopper: the Gluon decode kernel at H >= 64 (1.35x the Triton one on an H200; mla_decode_gluon.py)
-        self._gluon = dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] == 9
+        # unless EngineConfig.decode_kernel pins the Triton one
+        self._gluon = (decode_kernel == "auto" and dev.type == "cuda"
+                       and torch.cuda.get_device_capability(dev)[0] == 9)
 
     def absorbed(
         self, q: torch.Tensor, kv_cache: torch.Tensor, fb: ForwardBatch, kv_lora_rank: int, scale: float
@@ -129,5 +131,5 @@ class TritonAttention:
         return self._prefill(q, k, v, fb.extend_start_loc, fb.extend_lens, scale, max_extend_len=max(k_lens))
 
 
-def make_attention_backend(name: str, device: str) -> AttentionBackend:
-    return RefAttention() if name == "ref" else TritonAttention(device)
+def make_attention_backend(name: str, device: str, decode_kernel: str = "auto") -> AttentionBackend:
+    return RefAttention() if name == "ref" else TritonAttention(device, decode_kernel)

@@ -172,6 +172,8 @@ def test_api_errors(make_engine: EngineFactory, tiny_ckpt: Path) -> None:
         Engine(tiny_ckpt, chunk_size=3)
     with pytest.raises(EngineConfigError, match="page_size"):
         Engine(tiny_ckpt, page_size=0)
+    with pytest.raises(EngineConfigError, match="decode_kernel='gluon': expected auto or triton"):
+        Engine(tiny_ckpt, decode_kernel="gluon")
     e = make_engine()
     with pytest.raises(InvalidRequestError, match="return_routed_weights"):
         e.generate(input_ids=[3, 4], return_routed_weights=True)  # needs capture_weights=True
