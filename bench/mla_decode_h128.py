@@ -13,14 +13,13 @@ B <= 64, 19-75 MB, partly hit L2: not goal cells).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 from functools import partial
 from pathlib import Path
-from types import ModuleType
 
 import torch
+from sibling import load_sibling  # bench/sibling.py: python bench/<script>.py puts bench/ on the path
 from triton.testing import do_bench
 
 from r3trace.kernels.mla_decode import DecodeTile, default_decode_tile, mla_decode
@@ -30,17 +29,8 @@ CELLS = [(B, L) for B in (16, 64, 256) for L in (1024, 8192, 32768)] + [(48, 819
 WAVES = [(8, False), (4, True), (2, True), (1, True)]  # (programs per SM, whole waves)
 
 
-def _sweep() -> ModuleType:
-    """bench/mla_decode_sweep.py by path: its graph timer, inputs and reference check."""
-    spec = importlib.util.spec_from_file_location("mla_sweep", Path(__file__).with_name("mla_decode_sweep.py"))
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def main() -> None:
-    sw = _sweep()
+    sw = load_sibling("mla_decode_sweep.py", "mla_sweep")
     sw.GRAPH = True  # CUDA-graph replays, as the engine decodes
     out_dir = Path(os.environ.get("OUT", "out"))
     out_dir.mkdir(parents=True, exist_ok=True)

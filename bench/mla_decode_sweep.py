@@ -11,7 +11,6 @@ lengths), then timed with triton.testing.do_bench (median) at a few (H, B, L) sh
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import traceback
@@ -20,6 +19,7 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
+from sibling import load_path, load_sibling  # bench/sibling.py: python bench/<script>.py puts bench/ on the path
 from triton.testing import do_bench, do_bench_cudagraph
 
 from r3trace.kernels.mla_decode import (
@@ -63,16 +63,8 @@ def ms(fn: partial[torch.Tensor]) -> float:
     return float(do_bench(fn, warmup=25, rep=60, return_mode="median"))
 
 
-def _bench_kernels() -> ModuleType:
-    """bench/kernels.py by path ("kernels" alone would find the repository's kernels/ package first)."""
-    spec = importlib.util.spec_from_file_location("bench_kernels", Path(__file__).with_name("kernels.py"))
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-inputs = _bench_kernels()._decode_inputs  # the table's inputs: shuffled 64-slot pages, every request L long
+# the table's inputs: shuffled 64-slot pages, every request L long
+inputs = load_sibling("kernels.py", "bench_kernels")._decode_inputs
 
 
 def check(tile: DecodeTile, H: int) -> float:
@@ -98,11 +90,7 @@ def check(tile: DecodeTile, H: int) -> float:
 
 def load_old(path: str) -> ModuleType:
     """A previous mla_decode.py (e.g. `git show REV:kernels/mla_decode.py`), timed in the same run."""
-    spec = importlib.util.spec_from_file_location("old_mla_decode", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_path(path, "old_mla_decode")
 
 
 # H = 16 split-count sweep (session 3): the memory-bound cells below 75% of copy run 8-16 programs per SM,

@@ -12,15 +12,14 @@ sets so the touched weights (88 MB per call at E = 256) come from HBM, as bench/
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import time
 from functools import partial
 from pathlib import Path
-from types import ModuleType
 
 import torch
+from sibling import load_sibling  # bench/sibling.py: python bench/<script>.py puts bench/ on the path
 
 from r3trace.kernels import moe_gemv as MG
 from r3trace.kernels.fused_moe import GemvTile, MoeConfig, fused_moe, fused_moe_ref, moe_config
@@ -71,16 +70,7 @@ def regs() -> dict[str, list[int]]:
     return out
 
 
-def _bench_kernels() -> ModuleType:
-    """bench/kernels.py by path ("kernels" alone would find the repository's kernels/ package first)."""
-    spec = importlib.util.spec_from_file_location("bench_kernels", Path(__file__).with_name("kernels.py"))
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-BK = _bench_kernels()
+BK = load_sibling("kernels.py", "bench_kernels")
 
 
 def _prewarm(job: tuple[GemvTile, int]) -> str:
