@@ -186,7 +186,8 @@ def _diff(a: list[float], b: list[float]) -> str:
     return f"{d.mean():+.3f} +- {d.std(ddof=1) / np.sqrt(len(d)):.3f}"
 
 
-def eplb_section(ref: Any, tokens_per_window: int, nodes: tuple[int, ...] = (), n_windows: int = 12) -> list[str]:
+def eplb_section(ref: Any, tokens_per_window: int, nodes: tuple[int, ...] = (), n_windows: int = 12,
+                 skews: tuple[float, ...] = (0.3, 0.6, 1.0)) -> list[str]:
     """Rolling EPLB comparison: every policy plans at the end of window t (from its previous placement where it
     keeps one) and is scored on window t + 1, for t = 1 .. W - 2; the first plan (windows 0-1, no previous
     placement) is a cold start and is not scored. One held-out window is a noisy judge: the same policy's
@@ -201,7 +202,7 @@ def eplb_section(ref: Any, tokens_per_window: int, nodes: tuple[int, ...] = (), 
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     only = [c for c in clusters if c.num_nodes in nodes] if nodes else clusters
     print("\n".join(lines), flush=True)  # rows are printed as they come: the whole section takes ~30 minutes
-    for s in (0.3, 0.6, 1.0):
+    for s in skews:
         wins, heats = _windows(s, n_windows, tokens_per_window)
         for cl in only:
             def ref_plan(h: np.ndarray, c: Cluster = cl, groups: int = 1, nodes: int = 1) -> Any:
@@ -255,6 +256,7 @@ def main() -> None:
     ap.add_argument("--eplb-ref", default=None)
     ap.add_argument("--window-tokens", type=int, default=16384)
     ap.add_argument("--eplb-windows", type=int, default=12, help="consecutive windows of the rolling EPLB run")
+    ap.add_argument("--eplb-s", type=float, nargs="*", default=[0.3, 0.6, 1.0], help="Zipf skews of the EPLB run")
     ap.add_argument("--out", default="/tmp/r3trace-bench")
     ap.add_argument("--skip-trace", action="store_true")
     ap.add_argument("--eplb-nodes", type=int, nargs="*", default=[], help="only clusters with these node counts")
@@ -264,7 +266,7 @@ def main() -> None:
     ref = load_ref(args.eplb_ref)
     if ref is None:
         print("(DeepSeek reference not given: its columns are skipped)")
-    eplb_section(ref, args.window_tokens, tuple(args.eplb_nodes), args.eplb_windows)
+    eplb_section(ref, args.window_tokens, tuple(args.eplb_nodes), args.eplb_windows, tuple(args.eplb_s))
 
 
 if __name__ == "__main__":
