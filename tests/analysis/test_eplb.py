@@ -120,6 +120,28 @@ def test_ours_beats_global_held_out_and_replans_with_low_churn() -> None:
     np.testing.assert_allclose(d_ours.gpu_load, even_gpu_load(ours, heats[3], cl))
 
 
+@pytest.mark.parametrize("experts,k,cluster", [(64, 6, Cluster(16, 4, 80, num_groups=8)),
+                                               (128, 8, Cluster(72, 18, 144, num_groups=8))],
+                         ids=["4-nodes", "18-nodes"])
+def test_rolling_replans_beat_global_on_average_with_low_churn(experts: int, k: int, cluster: Cluster) -> None:
+    # bench/analysis.py's protocol scaled down: plan at the end of window t (ours from its previous placement),
+    # score on window t + 1, t = 2..8 (t = 1 is the cold start). One window is a noisy judge (ours minus
+    # global per window: -0.03 to +0.12 here), so the mean decides. Measured: 0.868 vs 0.829 on 4 nodes,
+    # 0.574 vs 0.548 on 18; churn at most 5.0% / 8.3% of slots per re-plan.
+    wins = _skewed_windows(10, 2048, experts=experts, k=k)
+    heats = np.stack([heat_of(w, experts) for w in wins])
+    prev, ours, theirs = None, [], []
+    for t in range(1, 9):
+        pl = plan(heats[:t + 1], cluster, prev, tokens=wins[t])
+        check_placement(pl, cluster)
+        if prev is not None:
+            assert churn(prev, pl) <= 0.10
+            ours.append(balancedness(even_gpu_load(pl, heats[t + 1], cluster)))
+            theirs.append(balancedness(even_gpu_load(global_policy(heats[t], cluster), heats[t + 1], cluster)))
+        prev = pl
+    assert np.mean(ours) >= np.mean(theirs)
+
+
 def test_many_nodes_fewer_nodes_per_token_than_global_and_one_node_per_expert() -> None:
     # 144/18/288 scaled down: a group (16 experts) needs 2 nodes of 8 slots, 12.5% extra slots, 4 GPUs per node.
     # Plan on windows 0-2 with window 2's tokens, score on window 3.
