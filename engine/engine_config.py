@@ -10,6 +10,7 @@ import torch
 DType = Literal["float32", "bfloat16", "float16"]
 MlaPath = Literal["auto", "normal", "absorb"]
 Backend = Literal["ref", "triton"]
+DecodeKernel = Literal["auto", "triton"]
 
 _DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -39,7 +40,7 @@ class EngineConfig:
     # MLA decode stage 1 of the triton attention backend: auto = the Gluon kernel where it runs (Hopper,
     # bf16/fp16, >= 64 heads, kv_lora 128/256/512; 1.35x the Triton kernel at H = 128 on an H200), Triton
     # elsewhere; triton = always the Triton kernel (the one the CPU interpreter tests).
-    decode_kernel: str = "auto"
+    decode_kernel: DecodeKernel = "auto"
     # Decode batch sizes captured as CUDA graphs. None: a default ladder up to max_running_requests when
     # on CUDA with all three triton backends (the ref backends loop over host values and cannot be
     # captured); () turns graphs off.
