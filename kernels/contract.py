@@ -37,3 +37,10 @@ def require_tensor(
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def grid_len(lens: torch.Tensor, given: int | None) -> int:
+    """Grid bound: given by the caller (host-side lengths, no sync) or read once from the device."""
+    if given is not None:
+        return given
+    return int(lens.max().item()) if lens.numel() > 0 else 0

@@ -87,12 +87,12 @@ class TritonAttention:
     the batch's host lists, so no kernel launch needs a device sync (and decode is graph-capturable)."""
 
     def __init__(self, device: str, decode_kernel: str = "auto") -> None:
-        from r3trace.kernels import mla_decode, mla_extend
+        from r3trace.kernels import mha_prefill, mla_decode, mla_extend
 
         self._mod = mla_decode
         self._decode = mla_decode.mla_decode
         self._extend = mla_extend.mla_extend
-        self._prefill = mla_extend.mha_prefill
+        self._prefill = mha_prefill.mha_prefill
         dev = torch.device(device)
         # Read once at construction: 132 on an H200. The interpreter on CPU gets a few splits, still > 1.
         self._sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from r3trace.kernels.contract import KernelInputError
-from r3trace.kernels.mla_extend import mha_prefill, mha_prefill_ref, mla_extend, mla_extend_ref
+from r3trace.kernels.mha_prefill import mha_prefill, mha_prefill_ref
+from r3trace.kernels.mla_extend import mla_extend, mla_extend_ref
 from tests.kernels.conftest import (
     DEVICE,
     assert_close_to_ref,
