@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 
 from r3trace.analysis import agreement, coactivation, heat
 from r3trace.analysis.store import TraceStore
-from r3trace.analysis.synth import SynthConfig, route_bank, route_chunk, schedule, write_synth
+from r3trace.analysis.synth import SynthConfig, route_windows, write_synth
 from r3trace.eplb import Cluster, churn, cross_node, global_policy, hierarchical, plan
 from r3trace.eplb.placement import from_phy2log
 from r3trace.eplb.score import balancedness, even_gpu_load, heat_of, node_limited
@@ -170,13 +170,7 @@ def load_ref(path: str | None) -> Any:
 
 def _windows(s: float, n_windows: int, tokens_per_window: int) -> tuple[np.ndarray, np.ndarray]:
     """Synthetic V3 routes at Zipf s -> (routes [W, T, L, K], heat [W, L, E]) of consecutive windows."""
-    cfg = SynthConfig(zipf_s=s, seed=3)
-    rng = np.random.default_rng(0)
-    bank = route_bank(cfg, rng)
-    sched = schedule(cfg, n_windows * tokens_per_window, rng)
-    last = np.full((len(sched.prompt_len), 58), -1, np.int32)
-    ids = route_chunk(bank, sched, 0, n_windows * tokens_per_window, last, cfg, rng)
-    wins = ids.reshape(n_windows, tokens_per_window, 58, K)
+    wins = route_windows(SynthConfig(zipf_s=s, seed=3), n_windows, tokens_per_window, np.random.default_rng(0))
     return wins, np.stack([heat_of(w, E) for w in wins])
 
 

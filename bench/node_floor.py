@@ -20,7 +20,7 @@ import argparse
 
 import numpy as np
 
-from r3trace.analysis.synth import SynthConfig, route_bank, route_chunk, schedule
+from r3trace.analysis.synth import SynthConfig, route_windows
 from r3trace.eplb import Cluster
 from r3trace.eplb.placement import from_phy2log
 from r3trace.eplb.score import node_limited
@@ -85,13 +85,8 @@ def main() -> None:
     layers = np.linspace(0, 57, args.layers).round().astype(int)
     print("| s | placement | nodes/token mean | > 4 nodes |\n|---|---|---|---|")
     for s in (0.3, 0.6, 1.0):
-        cfg = SynthConfig(zipf_s=s, seed=3)
-        rng = np.random.default_rng(0)
-        bank = route_bank(cfg, rng)
-        sched = schedule(cfg, 2 * args.window_tokens, rng)
-        last = np.full((len(sched.prompt_len), 58), -1, np.int32)
-        ids = route_chunk(bank, sched, 0, 2 * args.window_tokens, last, cfg, rng)
-        train, test = ids[: args.window_tokens, layers], ids[args.window_tokens:, layers]  # [T, L', K]
+        wins = route_windows(SynthConfig(zipf_s=s, seed=3), 2, args.window_tokens, np.random.default_rng(0))
+        train, test = wins[0][:, layers], wins[1][:, layers]  # [T, L', K]
         for name, replicas in (("partition", False), ("partition + co-chosen replicas", True)):
             phy = np.stack([layer_slots(co_choices(train[:, i]), cl, np.random.default_rng(i), replicas)
                             for i in range(len(layers))])

@@ -163,6 +163,16 @@ def route_chunk(
     return out
 
 
+def route_windows(cfg: SynthConfig, num_windows: int, window_tokens: int, rng: np.random.Generator) -> np.ndarray:
+    """Routes of num_windows consecutive windows in schedule order: [W, window_tokens, L, K] (EPLB benches/tests)."""
+    bank = route_bank(cfg, rng)
+    total = num_windows * window_tokens
+    sched = schedule(cfg, total, rng)
+    last = np.full((len(sched.prompt_len), bank.shape[1]), -1, dtype=np.int32)
+    ids = route_chunk(bank, sched, 0, total, last, cfg, rng)
+    return ids.reshape(num_windows, window_tokens, *ids.shape[1:])
+
+
 def synth_routes(cfg: SynthConfig, num_tokens: int) -> Iterator[tuple[Schedule, int, int, np.ndarray]]:
     """Yields (schedule, lo, hi, topk_ids [hi-lo, L, K]) chunks of about 16K tokens, in forward order."""
     rng = np.random.default_rng(cfg.seed)

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from r3trace.analysis.synth import SynthConfig, route_bank, route_chunk, schedule
+from r3trace.analysis.synth import SynthConfig, route_windows
 from r3trace.eplb import Cluster, PlannerConfig, churn, cross_node, global_policy, hierarchical, plan
 from r3trace.eplb.packing import balanced_packing, replicate_experts
 from r3trace.eplb.placement import check_placement, from_json, to_json, to_sglang
@@ -96,11 +96,7 @@ def _skewed_windows(windows: int, tokens: int, experts: int = 64, k: int = 6) ->
     """[W, T, L, K] routes of a small V3-shaped synthetic router (8 groups, top-4 groups, Zipf s = 1)."""
     cfg = SynthConfig(num_hidden_layers=7, first_k_dense=1, num_experts=experts, top_k=k, zipf_s=1.0,
                       bank_size=1024, seed=5)
-    rng = np.random.default_rng(5)
-    bank = route_bank(cfg, rng)
-    sched = schedule(cfg, windows * tokens, rng)
-    last = np.full((len(sched.prompt_len), 6), -1, np.int32)
-    return route_chunk(bank, sched, 0, windows * tokens, last, cfg, rng).reshape(windows, tokens, 6, k)
+    return route_windows(cfg, windows, tokens, np.random.default_rng(5))
 
 
 def test_ours_beats_global_held_out_and_replans_with_low_churn() -> None:
