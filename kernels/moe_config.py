@@ -9,7 +9,9 @@ Two paths:
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Literal, NamedTuple
+
+W2Prefetch = Literal["", "bulk", "bulk_last", "lines"]
 
 
 class GemmTile(NamedTuple):
@@ -36,6 +38,12 @@ class GemvTile(NamedTuple):
     up_stages: int = 1
     down_stages: int = 1
     unroll: bool = False  # loops unrolled (D, I constexpr), each step's loads issued before the last's products
+    # the up asks the L2 for its pair's expert's w2 (a 1/(I/up_n) slice per program) while it streams w13, so
+    # the down reads w2 from L2: "bulk" cp.async.bulk.prefetch.L2 by one thread per program, "bulk_last" the
+    # same with an evict_last hint, "lines" prefetch.global.L2::evict_last per 128-byte line; "" off. CUDA
+    # only (the interpreter has no L2 and no inline PTX: off there); pays where the touched w2 fits the L2
+    w2_prefetch: W2Prefetch = ""
+    up_evict_first: bool = False  # w13 loads hinted evict_first: streamed once, they give way to w2 in L2
 
 
 class MoeConfig(NamedTuple):

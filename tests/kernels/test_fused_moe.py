@@ -20,6 +20,7 @@ from r3trace.kernels.fused_moe import (
     moe_config,
     same_tiles,
 )
+from r3trace.kernels.moe_config import GEMV_T1
 from tests.kernels.conftest import DEVICE, assert_close_to_ref, gpu, requires_gpu, requires_triton
 
 pytestmark = requires_triton
@@ -96,6 +97,11 @@ PATHS = {
                                GemvTile(8, 16, 4, 16, 16, 4, unroll=True)),
     "gemv-unrolled-2": MoeConfig(16, GemmTile(32, 16, 2, 4, 2), GemmTile(16, 32, 2, 4, 2),
                                  GemvTile(2, 32, 1, 4, 32, 2, unroll=True)),
+    # w2 asked into the L2 by the up (compiled: w2[e] is 1920 bytes in bf16, 12 programs per pair ask 160 each;
+    # in the interpreter the launcher leaves the inline PTX off and only the evict_first hint is traced)
+    "gemv-prefetch": MoeConfig(16, GemmTile(32, 16, 2, 4, 2), GemmTile(16, 32, 2, 4, 2),
+                               GemvTile(2, 32, 1, 4, 32, 2, unroll=True, w2_prefetch="bulk_last",
+                                        up_evict_first=True)),
 }  # fmt: skip
 
 
@@ -164,11 +170,17 @@ def test_fused_moe_deepseek_like_gpu(T: int) -> None:
 GPU_GEMV = moe_config(8, 256, 2, 256, tokens=1)
 GPU_GEMV_LOOP = GPU_GEMV._replace(gemv=GemvTile(4, 1024, 4, 4, 256, 4))  # the runtime loops (before session 3)
 GPU_GEMV_WIDE = moe_config(8, 32, 2, 2048, tokens=1)  # the default at I = 2048: 1 row, 1 warp per down program
+# each w2 prefetch (inline PTX, compiled only): a prefetch moves no value, so each must match the ref as gemv does
+GPU_GEMV_PF = {
+    f"gemv-{pf}{'-evict' if ev else ''}": GPU_GEMV._replace(gemv=GEMV_T1._replace(w2_prefetch=pf, up_evict_first=ev))
+    for pf, ev in (("bulk", False), ("bulk_last", True), ("lines", True))
+}  # fmt: skip
+GPU_GEMVS = {"gemv": GPU_GEMV, "gemv-loop": GPU_GEMV_LOOP, "gemv-wide": GPU_GEMV_WIDE, **GPU_GEMV_PF}
 
 
 @gpu
 @requires_gpu
-@pytest.mark.parametrize("config", [GPU_GEMV, GPU_GEMV_LOOP, GPU_GEMV_WIDE], ids=["gemv", "gemv-loop", "gemv-wide"])
+@pytest.mark.parametrize("config", list(GPU_GEMVS.values()), ids=list(GPU_GEMVS))
 @pytest.mark.parametrize("T", [1, 5])
 def test_fused_moe_gemv_gpu(T: int, config: MoeConfig) -> None:
     hidden, w13, w2, ids, weights = _moe_case(T, 1024, 32, 256, 8, torch.bfloat16, "cuda", seed=T)
@@ -179,7 +191,10 @@ def test_fused_moe_gemv_gpu(T: int, config: MoeConfig) -> None:
 
 @gpu
 @requires_gpu
-@pytest.mark.parametrize("config", [None, GPU_GEMV, GPU_GEMV_LOOP], ids=["default", "gemv", "gemv-loop"])
+@pytest.mark.parametrize(
+    "config", [None, GPU_GEMV, GPU_GEMV_LOOP, GPU_GEMV_PF["gemv-bulk_last-evict"]],
+    ids=["default", "gemv", "gemv-loop", "gemv-prefetch"],
+)  # fmt: skip
 @pytest.mark.parametrize("T", [1, 64])
 def test_fused_moe_cuda_graph_no_sync_gpu(T: int, config: MoeConfig | None) -> None:
     """No host sync (sync-debug mode raises on one), and a captured graph replayed on new routes
