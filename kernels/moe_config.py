@@ -43,7 +43,8 @@ class GemvTile(NamedTuple):
     # same with an evict_last hint, "lines" prefetch.global.L2::evict_last per 128-byte line; "" off. CUDA
     # only (the interpreter has no L2 and no inline PTX: off there); pays where the touched w2 fits the L2
     w2_prefetch: W2Prefetch = ""
-    up_evict_first: bool = False  # w13 loads hinted evict_first: streamed once, they give way to w2 in L2
+    up_evict_first: bool = False  # w13 loads hinted evict_first (L2 policy): streamed once, others keep the L2
+    down_evict_first: bool = False  # the same for the down's w2 loads
 
 
 class MoeConfig(NamedTuple):

@@ -148,14 +148,15 @@ def _gemv_gate_up_kernel(
 
 
 @triton.jit
-def _down_load(act_ptr, w_ptr, expert, wt, pair, k0, offs_k, w_rows, n_mask, stride_am, stride_we, KDIM):
+def _down_load(act_ptr, w_ptr, expert, wt, pair, k0, offs_k, w_rows, n_mask, stride_am, stride_we, KDIM,
+               EVICT: tl.constexpr):  # fmt: skip
     """One (expert, I step) of the down: act [BK] fp32 times the routed weight, w2 tile [BN, BK]; id -1 masked
     (no traffic, adds zeros)."""
     kk = k0 + offs_k
     k_mask = (kk < KDIM) & ((kk * 0 + expert) >= 0)
     a = tl.load(act_ptr + pair.to(tl.int64) * stride_am + kk, mask=k_mask, other=0.0).to(tl.float32) * wt
     w_base = w_ptr + tl.maximum(expert, 0).to(tl.int64) * stride_we + w_rows
-    w = tl.load(w_base + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+    w = tl.load(w_base + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0, eviction_policy=EVICT)
     return a, w
 
 
@@ -169,7 +170,7 @@ def _gemv_down_sum_kernel(
     stride_am, stride_we, stride_wn, stride_ot,
     # constexpr
     TOP_K: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    KDIM_UNROLL: tl.constexpr,
+    KDIM_UNROLL: tl.constexpr, EVICT: tl.constexpr,
 ):  # fmt: skip
     # KDIM_UNROLL = I (0: a runtime loop per expert): the K experts x I steps unrolled into one chain, the
     # ids of all K experts loaded as one vector first, each step's loads issued before the previous step's
@@ -189,12 +190,12 @@ def _gemv_down_sum_kernel(
         e0 = tl.sum(tl.where(offs_e == 0, experts, 0))
         w0 = tl.sum(tl.where(offs_e == 0, wts, 0.0))
         a, w = _down_load(act_ptr, w_ptr, e0, w0, t * TOP_K, 0, offs_k, w_rows, n_mask, stride_am, stride_we,
-                          KDIM_UNROLL)  # fmt: skip
+                          KDIM_UNROLL, EVICT)  # fmt: skip
         for step in tl.static_range(1, TOP_K * NK):
             e = tl.sum(tl.where(offs_e == step // NK, experts, 0))
             wt = tl.sum(tl.where(offs_e == step // NK, wts, 0.0))
             a2, w2 = _down_load(act_ptr, w_ptr, e, wt, t * TOP_K + step // NK, (step % NK) * BLOCK_K, offs_k, w_rows,
-                                n_mask, stride_am, stride_we, KDIM_UNROLL)  # fmt: skip
+                                n_mask, stride_am, stride_we, KDIM_UNROLL, EVICT)  # fmt: skip
             acc += w.to(tl.float32) * a[None, :]
             a, w = a2, w2
         acc += w.to(tl.float32) * a[None, :]
@@ -205,7 +206,7 @@ def _gemv_down_sum_kernel(
             wt = tl.load(wts_ptr + pair)
             for k0 in range(0, KDIM, BLOCK_K):
                 a, w = _down_load(act_ptr, w_ptr, expert, wt, pair, k0, offs_k, w_rows, n_mask, stride_am, stride_we,
-                                  KDIM)  # fmt: skip
+                                  KDIM, EVICT)  # fmt: skip
                 acc += w.to(tl.float32) * a[None, :]
     out = tl.sum(acc, axis=1)
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
@@ -249,7 +250,7 @@ def gemv_down_sum(
         act, w2, topk_ids, topk_weights, out, D, inter, act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
         TOP_K=K, BLOCK_TOPK=triton.next_power_of_2(K), BLOCK_N=tile.down_n,
         BLOCK_K=min(tile.down_k, triton.next_power_of_2(inter)), KDIM_UNROLL=inter if tile.unroll else 0,
-        num_warps=tile.down_warps, num_stages=tile.down_stages,
+        EVICT="evict_first" if tile.down_evict_first else "", num_warps=tile.down_warps, num_stages=tile.down_stages,
     )  # fmt: skip
     return out
 

@@ -101,7 +101,7 @@ PATHS = {
     # in the interpreter the launcher leaves the inline PTX off and only the evict_first hint is traced)
     "gemv-prefetch": MoeConfig(16, GemmTile(32, 16, 2, 4, 2), GemmTile(16, 32, 2, 4, 2),
                                GemvTile(2, 32, 1, 4, 32, 2, unroll=True, w2_prefetch="bulk_last",
-                                        up_evict_first=True)),
+                                        up_evict_first=True, down_evict_first=True)),
 }  # fmt: skip
 
 
@@ -170,10 +170,12 @@ def test_fused_moe_deepseek_like_gpu(T: int) -> None:
 GPU_GEMV = moe_config(8, 256, 2, 256, tokens=1)
 GPU_GEMV_LOOP = GPU_GEMV._replace(gemv=GemvTile(4, 1024, 4, 4, 256, 4))  # the runtime loops (before session 3)
 GPU_GEMV_WIDE = moe_config(8, 32, 2, 2048, tokens=1)  # the default at I = 2048: 1 row, 1 warp per down program
-# each w2 prefetch (inline PTX, compiled only): a prefetch moves no value, so each must match the ref as gemv does
+# each w2 prefetch (inline PTX, compiled only) and each evict_first hint: a prefetch or a cache hint moves no
+# value, so each must match the ref as gemv does
 GPU_GEMV_PF = {
-    f"gemv-{pf}{'-evict' if ev else ''}": GPU_GEMV._replace(gemv=GEMV_T1._replace(w2_prefetch=pf, up_evict_first=ev))
-    for pf, ev in (("bulk", False), ("bulk_last", True), ("lines", True))
+    f"gemv-{pf or 'no-prefetch'}-{int(up)}{int(down)}": GPU_GEMV._replace(
+        gemv=GEMV_T1._replace(w2_prefetch=pf, up_evict_first=up, down_evict_first=down))
+    for pf, up, down in (("bulk", False, False), ("bulk_last", True, False), ("lines", True, True), ("", True, True))
 }  # fmt: skip
 GPU_GEMVS = {"gemv": GPU_GEMV, "gemv-loop": GPU_GEMV_LOOP, "gemv-wide": GPU_GEMV_WIDE, **GPU_GEMV_PF}
 
@@ -192,7 +194,7 @@ def test_fused_moe_gemv_gpu(T: int, config: MoeConfig) -> None:
 @gpu
 @requires_gpu
 @pytest.mark.parametrize(
-    "config", [None, GPU_GEMV, GPU_GEMV_LOOP, GPU_GEMV_PF["gemv-bulk_last-evict"]],
+    "config", [None, GPU_GEMV, GPU_GEMV_LOOP, GPU_GEMV_PF["gemv-bulk_last-10"]],
     ids=["default", "gemv", "gemv-loop", "gemv-prefetch"],
 )  # fmt: skip
 @pytest.mark.parametrize("T", [1, 64])
