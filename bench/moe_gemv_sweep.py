@@ -1,14 +1,14 @@
 """Fused MoE decode sweep (the gemv path, D = 7168, K = 8, bf16) on one GPU, graph-timed.
 
-Run (GPU): python bench/moe_gemv_sweep.py [--cells 256x256x1,256x256x2,256x256x4,32x2048x1] [--tag -x]
+Run (GPU): python bench/moe_gemv_sweep.py [--cells 256x256x1,256x256x2,256x256x4,32x2048x1] [--tag=-x]
            -> table on stdout, JSON in $OUT/moe_gemv_sweep[--tag].json
 
 Per cell (E x I x T): whole pipelines, the committed default (`moe_config`) first, then the default's tile
-with each variant of (`w2_prefetch`, `up_evict_first`, `down_evict_first`), each checked against fused_moe_ref
-before it is timed. At E = 256 / T = 1 also: up tiles alone (incl. a whole w13 row in flight per program), down
-tiles alone from HBM and as the second of two back-to-back calls on the same inputs (its w2 then sits in L2),
-and the best up + best down composed. Floors: graphs of one and two tiny kernels, and the gemv pipeline on
-all-(-1) routes (both grids launched, every program returns or masks its loads: no weight traffic).
+with each pair of (`up_evict_first`, `down_evict_first`), each checked against fused_moe_ref before it is
+timed. At E = 256 / T = 1 also: up tiles alone, down tiles alone from HBM and as the second of two
+back-to-back calls on the same inputs (its w2 then sits in L2), and the best up + best down composed.
+Floors: graphs of one and two tiny kernels, and the gemv pipeline on all-(-1) routes (both grids launched,
+every program returns or masks its loads: no weight traffic).
 
 Two timings of the same graphs, routes rotated over 8 sets so the touched weights (88 MB per call at E = 256)
 come from HBM: `graph_ms`, bench/kernels.py's (do_bench: the L2 cleared before each replay by zeroing 256 MB,
@@ -40,19 +40,20 @@ OUT = Path(os.environ.get("OUT", "out"))
 G = GemvTile
 # Session 3 (bench/NOTES.md "Fused MoE, session 3", runs 1-3) swept 16 up and 10 down tiles, an M-16 tl.dot
 # gate_up, a down gathering the K experts as a 3D tile or as stacked rows, programmatic dependent launch and a
-# one-launch fused gemv: none beat the committed tiles (removed). Session 4 run 1: the up asking w2 into the
-# L2 (bulk, bulk evict_last, per line) lost in every cell; w13 loads hinted evict_first won at E = 256 / T = 1.
-# (w2_prefetch, up_evict_first, down_evict_first); the first is the session 3 default's
-VARIANTS = [("", False, False), ("", True, False), ("", False, True), ("", True, True), ("bulk_last", True, True)]
-# up tiles at E = 256 / T = 1: (up_n, up_k, up_warps); the first is the session 3 default's. BLOCK_K 4096 / 8192
-# over D = 7168: the whole gate and up rows in flight per program (two steps, or one masked step)
-UPS = [(1, 1024, 2), (1, 4096, 4), (1, 4096, 8), (1, 8192, 8), (2, 4096, 8)]
-# down tiles: (down_n, down_k, down_warps); the first is the committed T = 1 down
-DOWNS = [(4, 256, 2), (8, 256, 4), (8, 256, 2), (2, 256, 1)]
+# one-launch fused gemv: none beat the committed tiles (removed). Session 4 (bench/NOTES.md "moet1, session 4")
+# runs 1-2: the up asking w2 into the L2 (cp.async.bulk.prefetch.L2, with evict_last, per-line prefetch) lost in
+# every cell, dirty and clean (E = 256 / T = 1: 0.038-0.042 vs 0.036 / 0.034 vs 0.029 ms); up tiles with a whole
+# w13 row in flight per program ((1, 4096, 4 / 8 warps), (1, 8192, 8), (2, 4096, 8)) 0.0246-0.0260 alone vs
+# 0.0242; downs (8, 256, 2), (2, 256, 1) no better than (4, 256, 2): removed from the lists.
+# (up_evict_first, down_evict_first); the first is the session 3 default's
+VARIANTS = [(False, False), (True, False), (False, True), (True, True)]
+# up tiles at E = 256 / T = 1: (up_n, up_k, up_warps); down tiles: (down_n, down_k, down_warps)
+UPS = [(1, 1024, 2)]
+DOWNS = [(4, 256, 2), (8, 256, 4)]
 
 
-def variant(tile: GemvTile, v: tuple[str, bool, bool]) -> GemvTile:
-    return tile._replace(w2_prefetch=v[0], up_evict_first=v[1], down_evict_first=v[2])
+def variant(tile: GemvTile, v: tuple[bool, bool]) -> GemvTile:
+    return tile._replace(up_evict_first=v[0], down_evict_first=v[1])
 
 
 def up_tile(base: GemvTile, u: tuple) -> GemvTile:
@@ -63,11 +64,8 @@ def down_tile(base: GemvTile, d: tuple) -> GemvTile:
     return base._replace(down_n=d[0], down_k=d[1], down_warps=d[2])
 
 
-def v_str(v: tuple[str, bool, bool]) -> str:
-    parts = [v[0] + " prefetch"] if v[0] else []
-    parts += ["w13 evict_first"] if v[1] else []
-    parts += ["w2 evict_first"] if v[2] else []
-    return " + ".join(parts) or "no hints"
+def v_str(v: tuple[bool, bool]) -> str:
+    return " + ".join(["w13 evict_first"] * v[0] + ["w2 evict_first"] * v[1]) or "no hints"
 
 
 def graphs(fns: list) -> list[torch.cuda.CUDAGraph]:
@@ -121,7 +119,7 @@ def regs() -> dict[str, list[int]]:
             for cache in fn.device_caches.values():
                 for k in cache[0].values():
                     c = getattr(k.src, "constants", {}) or {}
-                    keys = ("BLOCK_N", "BLOCK_K", "KDIM_UNROLL", "PREFETCH", "EVICT")
+                    keys = ("BLOCK_N", "BLOCK_K", "KDIM_UNROLL", "EVICT")
                     sel = [v for key, v in c.items() if str(key[-1] if isinstance(key, tuple) else key) in keys]
                     name = f"{k.name} {getattr(k, 'hash', '')[:8]} {sel} w{k.metadata.num_warps}"
                     out[name] = [k.n_regs, k.n_spills]

@@ -15,6 +15,13 @@ pipeline them: with a runtime loop each step waits out a memory latency before t
 tiles' `unroll` makes D and I compile-time sizes and issues each step's loads before the previous step's
 products (E = 256, T = 1, graph ms alone: up 0.0275 -> 0.0243, down 0.0184 -> 0.0161; bench/NOTES.md,
 "Fused MoE, session 3").
+
+The tiles' `up_evict_first` / `down_evict_first` hint the weight loads evict_first in the L2: each weight line
+is read once, so it should make way before lines someone may read again. When the L2 holds dirty lines (as
+do_bench leaves it, having zeroed 256 MB), unhinted weights displace them and pay their write-back; hinted
+ones displace each other. E = 256, T = 1, graph ms with the L2 dirty / clean: 0.0364 -> 0.0320 / 0.0289 ->
+0.0285 (bench/NOTES.md "moet1, session 4" run 2). Asking w2 into the L2 from the up (bulk or per-line
+prefetch, inline PTX) lost there in every cell: 0.0380 / 0.0337 (runs 1-2; commit bfc9301 has it).
 """
 
 from __future__ import annotations
@@ -41,62 +48,15 @@ def _lanes_load(x_ptrs, w_ptrs, up_off, k0, offs_k, n_mask, KDIM, EVEN_K: tl.con
     return x, g, u
 
 
-# Inline PTX (sm_90). Thread 0 of the program asks for the whole slice: the bulk copy engine walks it, so
-# the program's other threads issue nothing and keep their registers for the w13 stream. $0 is a dummy
-# result (inline_asm_elementwise must return one); is_pure=False keeps the statement. tl.constexpr: a global
-# a kernel reads must be one.
-_BULK_PREFETCH = tl.constexpr("""{
-.reg .pred pf_p;
-.reg .b32 pf_t;
-mov.u32 pf_t, %tid.x;
-setp.eq.u32 pf_p, pf_t, 0;
-@pf_p cp.async.bulk.prefetch.L2.global [$1], $2;
-mov.u32 $0, 0;
-}""")
-_BULK_PREFETCH_LAST = tl.constexpr("""{
-.reg .pred pf_p;
-.reg .b32 pf_t;
-.reg .b64 pf_pol;
-mov.u32 pf_t, %tid.x;
-setp.eq.u32 pf_p, pf_t, 0;
-createpolicy.fractional.L2::evict_last.b64 pf_pol, 1.0;
-@pf_p cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], $2, pf_pol;
-mov.u32 $0, 0;
-}""")
-_LINE_PREFETCH = tl.constexpr("prefetch.global.L2::evict_last [$1];\nmov.u32 $0, 0;")
-
-
-@triton.jit
-def _prefetch_w2(w2_ptr, expert, pid_n, stride_w2e, pf_chunk, pf_expert_bytes, MODE: tl.constexpr,
-                 PF_LINES: tl.constexpr):  # fmt: skip
-    """Ask the L2 for bytes [pid_n pf_chunk, +pf_chunk) of w2[expert] (contiguous, pf_expert_bytes long):
-    the I / BLOCK_N programs of a pair cover its expert's w2 once between them."""
-    start = pid_n * pf_chunk
-    if start < pf_expert_bytes:
-        size = tl.minimum(pf_chunk, pf_expert_bytes - start)
-        addr = (w2_ptr + expert.to(tl.int64) * stride_w2e).to(tl.int64) + start
-        if MODE == "lines":
-            lines = addr + tl.minimum(tl.arange(0, PF_LINES) * 128, size - 1)  # [PF_LINES] byte addresses
-            tl.inline_asm_elementwise(_LINE_PREFETCH, "=r,l", [lines], dtype=tl.int32, is_pure=False, pack=1)
-        elif MODE == "bulk_last":
-            tl.inline_asm_elementwise(_BULK_PREFETCH_LAST, "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False,
-                                      pack=1)  # fmt: skip
-        else:
-            tl.inline_asm_elementwise(_BULK_PREFETCH, "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False, pack=1)
-
-
 @triton.jit
 def _gate_up_program(
-    x_ptr, w_ptr, ids_ptr, act_ptr, w2_ptr, pair, pid_n, N, KDIM, pf_chunk, pf_expert_bytes, stride_xt,
-    stride_we, stride_wn, stride_am, stride_w2e,
+    x_ptr, w_ptr, ids_ptr, act_ptr, pair, pid_n, N, KDIM, stride_xt, stride_we, stride_wn, stride_am,
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    KDIM_UNROLL: tl.constexpr, PREFETCH: tl.constexpr, PF_LINES: tl.constexpr, EVICT: tl.constexpr,
+    KDIM_UNROLL: tl.constexpr, EVICT: tl.constexpr,
 ):  # fmt: skip
     """act[pair, BLOCK_N rows from pid_n] (see _gemv_gate_up_kernel); nothing written for an id of -1."""
     expert = tl.load(ids_ptr + pair)
     if expert >= 0:  # else: expert on another rank, the act row stays unset and the down masks it out
-        if PREFETCH != "":  # before the w13 loads: the slice is in flight while this program streams D
-            _prefetch_w2(w2_ptr, expert, pid_n, stride_w2e, pf_chunk, pf_expert_bytes, PREFETCH, PF_LINES)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
         offs_k = tl.arange(0, BLOCK_K)
@@ -131,20 +91,19 @@ def _gate_up_program(
 @triton.jit
 def _gemv_gate_up_kernel(
     # pointers
-    x_ptr, w_ptr, ids_ptr, act_ptr, w2_ptr,
-    # sizes (pf_*: bytes of the w2 prefetch, per program and per expert)
-    N, KDIM, pf_chunk, pf_expert_bytes,
+    x_ptr, w_ptr, ids_ptr, act_ptr,
+    # sizes
+    N, KDIM,
     # strides
-    stride_xt, stride_we, stride_wn, stride_am, stride_w2e,
+    stride_xt, stride_we, stride_wn, stride_am,
     # constexpr
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    KDIM_UNROLL: tl.constexpr, PREFETCH: tl.constexpr, PF_LINES: tl.constexpr, EVICT: tl.constexpr,
+    KDIM_UNROLL: tl.constexpr, EVICT: tl.constexpr,
 ):  # fmt: skip
     # KDIM_UNROLL = D (0: a runtime loop): the D loop unrolled, each step's loads issued before the previous
     # step's products, so two steps are in flight per program (the runtime loop waits one latency per step)
-    _gate_up_program(x_ptr, w_ptr, ids_ptr, act_ptr, w2_ptr, tl.program_id(0), tl.program_id(1), N, KDIM,
-                     pf_chunk, pf_expert_bytes, stride_xt, stride_we, stride_wn, stride_am, stride_w2e, TOP_K,
-                     BLOCK_N, BLOCK_K, EVEN_K, KDIM_UNROLL, PREFETCH, PF_LINES, EVICT)  # fmt: skip
+    _gate_up_program(x_ptr, w_ptr, ids_ptr, act_ptr, tl.program_id(0), tl.program_id(1), N, KDIM, stride_xt,
+                     stride_we, stride_wn, stride_am, TOP_K, BLOCK_N, BLOCK_K, EVEN_K, KDIM_UNROLL, EVICT)  # fmt: skip
 
 
 @triton.jit
@@ -212,29 +171,23 @@ def _gemv_down_sum_kernel(
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
-def gemv_gate_up(
-    hidden: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor, tile: GemvTile, w2: torch.Tensor | None = None
-) -> torch.Tensor:
-    """hidden [T, D] -> act [T K, I] (rows of pairs with id -1 unset); arguments checked by fused_moe.
-    w2 [E, D, I] given and tile.w2_prefetch set: each pair's w2[e] is asked into the L2 on the way."""
+def _evict(first: bool) -> str:
+    """tl.load's eviction_policy: on sm_90 "evict_first" becomes an L2 cache-policy hint on every weight load."""
+    return "evict_first" if first else ""
+
+
+def gemv_gate_up(hidden: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor, tile: GemvTile) -> torch.Tensor:
+    """hidden [T, D] -> act [T K, I] (rows of pairs with id -1 unset); arguments checked by fused_moe."""
     T, D = hidden.shape
     K = topk_ids.shape[1]
     inter = w13.shape[1] // 2
     act = torch.empty((T * K, inter), dtype=hidden.dtype, device=hidden.device)
     grid = (T * K, triton.cdiv(inter, tile.up_n))
     block_k = min(tile.up_k, triton.next_power_of_2(D))
-    prefetch, chunk, expert_bytes, lines = "", 0, 0, 1
-    # bulk prefetch sizes and addresses are multiples of 16 bytes; w2 is contiguous (fused_moe checks it)
-    if tile.w2_prefetch and w2 is not None and hidden.is_cuda and (w2.stride(0) * w2.element_size()) % 16 == 0:
-        expert_bytes = w2.stride(0) * w2.element_size()
-        chunk = triton.cdiv(triton.cdiv(expert_bytes, grid[1]), 16) * 16  # E = 256: 3.67 MB / 256 = 14 KB
-        prefetch, lines = tile.w2_prefetch, triton.next_power_of_2(triton.cdiv(chunk, 128))
     _gemv_gate_up_kernel[grid](
-        hidden, w13, topk_ids, act, w13 if w2 is None else w2, inter, D, chunk, expert_bytes, hidden.stride(0),
-        w13.stride(0), w13.stride(1), act.stride(0), 0 if w2 is None else w2.stride(0),
+        hidden, w13, topk_ids, act, inter, D, hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
         TOP_K=K, BLOCK_N=tile.up_n, BLOCK_K=block_k, EVEN_K=D % block_k == 0, KDIM_UNROLL=D if tile.unroll else 0,
-        PREFETCH=prefetch, PF_LINES=lines, EVICT="evict_first" if tile.up_evict_first else "",
-        num_warps=tile.up_warps, num_stages=tile.up_stages,
+        EVICT=_evict(tile.up_evict_first), num_warps=tile.up_warps, num_stages=tile.up_stages,
     )  # fmt: skip
     return act
 
@@ -250,7 +203,7 @@ def gemv_down_sum(
         act, w2, topk_ids, topk_weights, out, D, inter, act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
         TOP_K=K, BLOCK_TOPK=triton.next_power_of_2(K), BLOCK_N=tile.down_n,
         BLOCK_K=min(tile.down_k, triton.next_power_of_2(inter)), KDIM_UNROLL=inter if tile.unroll else 0,
-        EVICT="evict_first" if tile.down_evict_first else "", num_warps=tile.down_warps, num_stages=tile.down_stages,
+        EVICT=_evict(tile.down_evict_first), num_warps=tile.down_warps, num_stages=tile.down_stages,
     )  # fmt: skip
     return out
 
@@ -260,4 +213,4 @@ def gemv_moe(
     tile: GemvTile,
 ) -> torch.Tensor:  # fmt: skip
     """hidden [T, D] -> out [T, D]: the gemv path (gate_up, then down and sum), two launches."""
-    return gemv_down_sum(gemv_gate_up(hidden, w13, topk_ids, tile, w2), w2, topk_ids, topk_weights, tile)
+    return gemv_down_sum(gemv_gate_up(hidden, w13, topk_ids, tile), w2, topk_ids, topk_weights, tile)
