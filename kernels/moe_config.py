@@ -36,6 +36,8 @@ class GemvTile(NamedTuple):
     up_stages: int = 1
     down_stages: int = 1
     unroll: bool = False  # loops unrolled (D, I constexpr), each step's loads issued before the last's products
+    up_evict_first: bool = False  # w13 loads hinted evict_first in the L2 (read once: they make way first)
+    down_evict_first: bool = False  # the same for the down's w2 loads
 
 
 class MoeConfig(NamedTuple):
@@ -88,8 +90,12 @@ def grouped_config(num_pairs: int, num_experts: int, itemsize: int = 2, inter: i
 # unrolled lanes kernels; E = 256 / I = 256, T = 1: up 1 row x 1024, 2 warps 0.0242 (the committed 4 x 1024, 4
 # warps 0.0275; 16 tiles 0.024-0.062), down 4 rows, 2 warps 0.0162 (0.0184; 10 tiles); pipeline 0.0363 vs
 # 0.0398. T = 4: up 2 rows x 1024, 4 warps (0.0638, tied with 1 row), pipeline 0.0936. E = 32 / I = 2048,
-# T = 1: down 1 row, 1 warp 0.0661 (4 rows, 4 warps 0.0790), pipeline 0.1718 vs grouped 0.1888
-GEMV_T1 = GemvTile(1, 1024, 2, 4, 256, 2, unroll=True)
+# T = 1: down 1 row, 1 warp 0.0661 (4 rows, 4 warps 0.0790), pipeline 0.1718 vs grouped 0.1888.
+# Session 4 run 2 ("moet1, session 4"; graph ms with the L2 dirty as do_bench leaves it / clean): weight loads
+# hinted evict_first in both kernels at E = 256, T = 1 0.0320 vs 0.0364 / 0.0285 vs 0.0289, T = 2 0.0534 vs
+# 0.0558 / 0.0475 vs 0.0477; at T = 4 (0.0957 vs 0.0933) and E = 32 / I = 2048 (0.1796 vs 0.1716) they lose
+# dirty and tie clean, so GEMV_T4 and GEMV_WIDE stay unhinted
+GEMV_T1 = GemvTile(1, 1024, 2, 4, 256, 2, unroll=True, up_evict_first=True, down_evict_first=True)
 GEMV_T4 = GemvTile(2, 1024, 4, 4, 256, 2, unroll=True)
 GEMV_WIDE = GemvTile(1, 1024, 2, 1, 256, 1, unroll=True)  # I = 2048: 8 down steps per expert
 
@@ -101,7 +107,8 @@ def moe_config(num_pairs: int, num_experts: int, itemsize: int = 2, inter: int =
     Measured on the H200 (bench/NOTES.md, "Fused MoE, session 3", run 2; graph ms, D = 7168, K = 8, gemv vs
     grouped): E = 256 / I = 256, T = 1 0.036 vs 0.052 (earlier run), T = 2 0.057 vs 0.067, T = 4 0.094 vs
     0.109 (T = 3 not measured: between the two); T = 16 went to grouped before (0.32 vs 0.28, "Fused MoE at
-    small T" run 1). E = 32 / I = 2048, T = 1: 0.172 vs 0.189 (T = 2 grouped: 0.310 vs 0.337 then)."""
+    small T" run 1). E = 32 / I = 2048, T = 1: 0.172 vs 0.189 (T = 2 grouped: 0.310 vs 0.337 then). Session 4
+    ("moet1, session 4" run 2): evict_first weight loads at T <= 2, E = 256 T = 1 0.032, T = 2 0.053."""
     grouped = grouped_config(num_pairs, num_experts, itemsize, inter)
     if tokens == 1 and inter > 256:
         return grouped._replace(gemv=GEMV_WIDE)

@@ -15,6 +15,13 @@ pipeline them: with a runtime loop each step waits out a memory latency before t
 tiles' `unroll` makes D and I compile-time sizes and issues each step's loads before the previous step's
 products (E = 256, T = 1, graph ms alone: up 0.0275 -> 0.0243, down 0.0184 -> 0.0161; bench/NOTES.md,
 "Fused MoE, session 3").
+
+The tiles' `up_evict_first` / `down_evict_first` hint the weight loads evict_first in the L2: each weight line
+is read once, so it should make way before lines someone may read again. When the L2 holds dirty lines (as
+do_bench leaves it, having zeroed 256 MB), unhinted weights displace them and pay their write-back; hinted
+ones displace each other. E = 256, T = 1, graph ms with the L2 dirty / clean: 0.0364 -> 0.0320 / 0.0289 ->
+0.0285 (bench/NOTES.md "moet1, session 4" run 2). Asking w2 into the L2 from the up (bulk or per-line
+prefetch, inline PTX) lost there in every cell: 0.0380 / 0.0337 (runs 1-2; commit bfc9301 has it).
 """
 
 from __future__ import annotations
@@ -27,17 +34,17 @@ from r3trace.kernels.moe_config import GemvTile
 
 
 @triton.jit
-def _lanes_load(x_ptrs, w_ptrs, up_off, k0, offs_k, n_mask, KDIM, EVEN_K: tl.constexpr):
+def _lanes_load(x_ptrs, w_ptrs, up_off, k0, offs_k, n_mask, KDIM, EVEN_K: tl.constexpr, EVICT: tl.constexpr):
     """One D step of the gate_up: x [BK] fp32, gate and up weight tiles [BN, BK] (masked past D and N)."""
     if EVEN_K:
         x = tl.load(x_ptrs).to(tl.float32)
-        g = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
-        u = tl.load(w_ptrs + up_off, mask=n_mask[:, None], other=0.0)
+        g = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0, eviction_policy=EVICT)
+        u = tl.load(w_ptrs + up_off, mask=n_mask[:, None], other=0.0, eviction_policy=EVICT)
     else:
         k_mask = (k0 + offs_k) < KDIM
         x = tl.load(x_ptrs, mask=k_mask, other=0.0).to(tl.float32)
-        g = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        u = tl.load(w_ptrs + up_off, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        g = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0, eviction_policy=EVICT)
+        u = tl.load(w_ptrs + up_off, mask=n_mask[:, None] & k_mask[None, :], other=0.0, eviction_policy=EVICT)
     return x, g, u
 
 
@@ -45,7 +52,7 @@ def _lanes_load(x_ptrs, w_ptrs, up_off, k0, offs_k, n_mask, KDIM, EVEN_K: tl.con
 def _gate_up_program(
     x_ptr, w_ptr, ids_ptr, act_ptr, pair, pid_n, N, KDIM, stride_xt, stride_we, stride_wn, stride_am,
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    KDIM_UNROLL: tl.constexpr,
+    KDIM_UNROLL: tl.constexpr, EVICT: tl.constexpr,
 ):  # fmt: skip
     """act[pair, BLOCK_N rows from pid_n] (see _gemv_gate_up_kernel); nothing written for an id of -1."""
     expert = tl.load(ids_ptr + pair)
@@ -59,9 +66,10 @@ def _gate_up_program(
         acc_g = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
         acc_u = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
         if KDIM_UNROLL > 0:
-            x, g, u = _lanes_load(x_ptrs, w_ptrs, up_off, 0, offs_k, n_mask, KDIM_UNROLL, EVEN_K)
+            x, g, u = _lanes_load(x_ptrs, w_ptrs, up_off, 0, offs_k, n_mask, KDIM_UNROLL, EVEN_K, EVICT)
             for k0 in tl.static_range(BLOCK_K, KDIM_UNROLL, BLOCK_K):
-                x2, g2, u2 = _lanes_load(x_ptrs + k0, w_ptrs + k0, up_off, k0, offs_k, n_mask, KDIM_UNROLL, EVEN_K)
+                x2, g2, u2 = _lanes_load(x_ptrs + k0, w_ptrs + k0, up_off, k0, offs_k, n_mask, KDIM_UNROLL, EVEN_K,
+                                         EVICT)  # fmt: skip
                 acc_g += g.to(tl.float32) * x[None, :]
                 acc_u += u.to(tl.float32) * x[None, :]
                 x, g, u = x2, g2, u2
@@ -69,7 +77,7 @@ def _gate_up_program(
             acc_u += u.to(tl.float32) * x[None, :]
         else:
             for k0 in range(0, KDIM, BLOCK_K):
-                x, g, u = _lanes_load(x_ptrs, w_ptrs, up_off, k0, offs_k, n_mask, KDIM, EVEN_K)
+                x, g, u = _lanes_load(x_ptrs, w_ptrs, up_off, k0, offs_k, n_mask, KDIM, EVEN_K, EVICT)
                 acc_g += g.to(tl.float32) * x[None, :]
                 acc_u += u.to(tl.float32) * x[None, :]
                 x_ptrs += BLOCK_K
@@ -90,23 +98,24 @@ def _gemv_gate_up_kernel(
     stride_xt, stride_we, stride_wn, stride_am,
     # constexpr
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    KDIM_UNROLL: tl.constexpr,
+    KDIM_UNROLL: tl.constexpr, EVICT: tl.constexpr,
 ):  # fmt: skip
     # KDIM_UNROLL = D (0: a runtime loop): the D loop unrolled, each step's loads issued before the previous
     # step's products, so two steps are in flight per program (the runtime loop waits one latency per step)
     _gate_up_program(x_ptr, w_ptr, ids_ptr, act_ptr, tl.program_id(0), tl.program_id(1), N, KDIM, stride_xt,
-                     stride_we, stride_wn, stride_am, TOP_K, BLOCK_N, BLOCK_K, EVEN_K, KDIM_UNROLL)  # fmt: skip
+                     stride_we, stride_wn, stride_am, TOP_K, BLOCK_N, BLOCK_K, EVEN_K, KDIM_UNROLL, EVICT)  # fmt: skip
 
 
 @triton.jit
-def _down_load(act_ptr, w_ptr, expert, wt, pair, k0, offs_k, w_rows, n_mask, stride_am, stride_we, KDIM):
+def _down_load(act_ptr, w_ptr, expert, wt, pair, k0, offs_k, w_rows, n_mask, stride_am, stride_we, KDIM,
+               EVICT: tl.constexpr):  # fmt: skip
     """One (expert, I step) of the down: act [BK] fp32 times the routed weight, w2 tile [BN, BK]; id -1 masked
     (no traffic, adds zeros)."""
     kk = k0 + offs_k
     k_mask = (kk < KDIM) & ((kk * 0 + expert) >= 0)
     a = tl.load(act_ptr + pair.to(tl.int64) * stride_am + kk, mask=k_mask, other=0.0).to(tl.float32) * wt
     w_base = w_ptr + tl.maximum(expert, 0).to(tl.int64) * stride_we + w_rows
-    w = tl.load(w_base + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+    w = tl.load(w_base + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0, eviction_policy=EVICT)
     return a, w
 
 
@@ -120,7 +129,7 @@ def _gemv_down_sum_kernel(
     stride_am, stride_we, stride_wn, stride_ot,
     # constexpr
     TOP_K: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    KDIM_UNROLL: tl.constexpr,
+    KDIM_UNROLL: tl.constexpr, EVICT: tl.constexpr,
 ):  # fmt: skip
     # KDIM_UNROLL = I (0: a runtime loop per expert): the K experts x I steps unrolled into one chain, the
     # ids of all K experts loaded as one vector first, each step's loads issued before the previous step's
@@ -140,12 +149,12 @@ def _gemv_down_sum_kernel(
         e0 = tl.sum(tl.where(offs_e == 0, experts, 0))
         w0 = tl.sum(tl.where(offs_e == 0, wts, 0.0))
         a, w = _down_load(act_ptr, w_ptr, e0, w0, t * TOP_K, 0, offs_k, w_rows, n_mask, stride_am, stride_we,
-                          KDIM_UNROLL)  # fmt: skip
+                          KDIM_UNROLL, EVICT)  # fmt: skip
         for step in tl.static_range(1, TOP_K * NK):
             e = tl.sum(tl.where(offs_e == step // NK, experts, 0))
             wt = tl.sum(tl.where(offs_e == step // NK, wts, 0.0))
             a2, w2 = _down_load(act_ptr, w_ptr, e, wt, t * TOP_K + step // NK, (step % NK) * BLOCK_K, offs_k, w_rows,
-                                n_mask, stride_am, stride_we, KDIM_UNROLL)  # fmt: skip
+                                n_mask, stride_am, stride_we, KDIM_UNROLL, EVICT)  # fmt: skip
             acc += w.to(tl.float32) * a[None, :]
             a, w = a2, w2
         acc += w.to(tl.float32) * a[None, :]
@@ -156,10 +165,15 @@ def _gemv_down_sum_kernel(
             wt = tl.load(wts_ptr + pair)
             for k0 in range(0, KDIM, BLOCK_K):
                 a, w = _down_load(act_ptr, w_ptr, expert, wt, pair, k0, offs_k, w_rows, n_mask, stride_am, stride_we,
-                                  KDIM)  # fmt: skip
+                                  KDIM, EVICT)  # fmt: skip
                 acc += w.to(tl.float32) * a[None, :]
     out = tl.sum(acc, axis=1)
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+def _evict(first: bool) -> str:
+    """tl.load's eviction_policy: on sm_90 "evict_first" becomes an L2 cache-policy hint on every weight load."""
+    return "evict_first" if first else ""
 
 
 def gemv_gate_up(hidden: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor, tile: GemvTile) -> torch.Tensor:
@@ -173,7 +187,7 @@ def gemv_gate_up(hidden: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor
     _gemv_gate_up_kernel[grid](
         hidden, w13, topk_ids, act, inter, D, hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
         TOP_K=K, BLOCK_N=tile.up_n, BLOCK_K=block_k, EVEN_K=D % block_k == 0, KDIM_UNROLL=D if tile.unroll else 0,
-        num_warps=tile.up_warps, num_stages=tile.up_stages,
+        EVICT=_evict(tile.up_evict_first), num_warps=tile.up_warps, num_stages=tile.up_stages,
     )  # fmt: skip
     return act
 
@@ -189,7 +203,7 @@ def gemv_down_sum(
         act, w2, topk_ids, topk_weights, out, D, inter, act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
         TOP_K=K, BLOCK_TOPK=triton.next_power_of_2(K), BLOCK_N=tile.down_n,
         BLOCK_K=min(tile.down_k, triton.next_power_of_2(inter)), KDIM_UNROLL=inter if tile.unroll else 0,
-        num_warps=tile.down_warps, num_stages=tile.down_stages,
+        EVICT=_evict(tile.down_evict_first), num_warps=tile.down_warps, num_stages=tile.down_stages,
     )  # fmt: skip
     return out
 

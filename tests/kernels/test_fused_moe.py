@@ -20,6 +20,7 @@ from r3trace.kernels.fused_moe import (
     moe_config,
     same_tiles,
 )
+from r3trace.kernels.moe_config import GEMV_T1
 from tests.kernels.conftest import DEVICE, assert_close_to_ref, gpu, requires_gpu, requires_triton
 
 pytestmark = requires_triton
@@ -96,6 +97,10 @@ PATHS = {
                                GemvTile(8, 16, 4, 16, 16, 4, unroll=True)),
     "gemv-unrolled-2": MoeConfig(16, GemmTile(32, 16, 2, 4, 2), GemmTile(16, 32, 2, 4, 2),
                                  GemvTile(2, 32, 1, 4, 32, 2, unroll=True)),
+    # weight loads hinted evict_first (an L2 policy compiled; the interpreter traces the argument only)
+    "gemv-evict-first": MoeConfig(16, GemmTile(32, 16, 2, 4, 2), GemmTile(16, 32, 2, 4, 2),
+                                  GemvTile(2, 32, 1, 4, 32, 2, unroll=True, up_evict_first=True,
+                                           down_evict_first=True)),
 }  # fmt: skip
 
 
@@ -164,11 +169,18 @@ def test_fused_moe_deepseek_like_gpu(T: int) -> None:
 GPU_GEMV = moe_config(8, 256, 2, 256, tokens=1)
 GPU_GEMV_LOOP = GPU_GEMV._replace(gemv=GemvTile(4, 1024, 4, 4, 256, 4))  # the runtime loops (before session 3)
 GPU_GEMV_WIDE = moe_config(8, 32, 2, 2048, tokens=1)  # the default at I = 2048: 1 row, 1 warp per down program
+# the T = 1 tile without and with each evict_first hint: a cache hint moves no value, so each must match the ref
+GPU_GEMV_HINTS = {
+    f"gemv-evict-{int(up)}{int(down)}": GPU_GEMV._replace(
+        gemv=GEMV_T1._replace(up_evict_first=up, down_evict_first=down))
+    for up, down in ((False, False), (True, False), (False, True))
+}  # fmt: skip
+GPU_GEMVS = {"gemv": GPU_GEMV, "gemv-loop": GPU_GEMV_LOOP, "gemv-wide": GPU_GEMV_WIDE, **GPU_GEMV_HINTS}
 
 
 @gpu
 @requires_gpu
-@pytest.mark.parametrize("config", [GPU_GEMV, GPU_GEMV_LOOP, GPU_GEMV_WIDE], ids=["gemv", "gemv-loop", "gemv-wide"])
+@pytest.mark.parametrize("config", list(GPU_GEMVS.values()), ids=list(GPU_GEMVS))
 @pytest.mark.parametrize("T", [1, 5])
 def test_fused_moe_gemv_gpu(T: int, config: MoeConfig) -> None:
     hidden, w13, w2, ids, weights = _moe_case(T, 1024, 32, 256, 8, torch.bfloat16, "cuda", seed=T)
