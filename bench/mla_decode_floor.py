@@ -1,14 +1,16 @@
 """MLA decode at H = 16 against what the H200 allows at each cell's byte count (issue 6 point 8).
 
-Run (GPU): python bench/mla_decode_floor.py [--cells 16x1024,64x8192] [--rep 20]   -> $OUT/mla16_floor.json
+Run (GPU): python bench/mla_decode_floor.py [--sweep] [--cells 16x1024,64x8192] [--rep 20]  -> $OUT/mla16_floor.json
 
 Per cell (B, L; bytes = B L 1152, the latent cache read once), all timed the same way: CUDA-graph replays of
 back-to-back calls (triton's do_bench_cudagraph, graph launch amortised: what a kernel costs inside the
 engine's decode graph), inputs under 4 x the 60 MB L2 rotated among copies so every call reads HBM:
   read    a Triton kernel streaming the same bytes (contiguous, grid-stride, best of 4 grid sizes)
   copy    torch's device copy of the same bytes (read + write)
-  decode  mla_decode: the current default (merge "launch", its split count) and candidates: split counts x
-          merge "launch" / "last" (no stage-2 launch), a few tiles at the small cells
+  decode  --sweep (session 4 run 1): the default then in place (OLD) and candidates: split counts x merge
+          "launch" / "last" (no stage-2 launch), a few tiles at the small cells. Without --sweep: OLD and the
+          current default alternately, twice each (drift shows as a gap between the pairs), merge "last"
+          at the default's split count, and a few tiles at the small cells
 Once per run: the graph floor (one and two tiny kernels per call, and one graph replay of one kernel),
 and the 1 GiB copy ceiling as bench/kernels.py measures it.
 """
@@ -43,6 +45,10 @@ SPLITS = {16: {1024: [4, 8, 16, 32], 8192: [8, 16, 32], 32768: [16, 33]}, 64: {1
 # (4 x 18 KB), 64-key tiles one (2 x 74 KB); the default 16 x 32 x 3 stages fits two
 SMALL_TILES = [DecodeTile(16, 16, 4, 4, merge="last"), DecodeTile(16, 64, 4, 2, merge="last"),
                DecodeTile(16, 32, 8, 3, merge="last")]  # fmt: skip
+OLD = DecodeTile(16, 32, 4, 3, waves=4, whole_waves=True)  # the H < 64 bf16 default before session 4 (cdd240e)
+# tiles tried at the small cells without --sweep (merge "launch"): 16-key tiles (164 registers, 3 programs per
+# SM), value columns in two programs (155 registers, both halves score all 576 columns), 64-key tiles
+FINAL_TILES = [DecodeTile(16, 16, 4, 4), DecodeTile(16, 32, 4, 3, v_splits=2), DecodeTile(16, 64, 4, 2)]
 inputs = load_sibling("kernels.py", "bench_kernels")._decode_inputs  # shuffled 64-slot pages, all length L
 
 
@@ -78,10 +84,10 @@ def copies_for(nbytes: int) -> int:
     return max(1, min(8, math.ceil(4 * L2_BYTES / nbytes)))
 
 
-def read_ms(bufs: list[torch.Tensor], sms: int, rep: int) -> dict[str, float]:
-    """The streaming read at 2-16 programs per SM (4 warps, 16 KB a load)."""
+def read_ms(bufs: list[torch.Tensor], sms: int, rep: int, grids: Sequence[int]) -> dict[str, float]:
+    """The streaming read at `grids` programs per SM (4 warps, 16 KB a load)."""
     res = {}
-    for per_sm in (2, 4, 8, 16):
+    for per_sm in grids:
         out = torch.empty(sms * per_sm, dtype=torch.int32, device="cuda")
         flat = [b.view(torch.int32).view(-1) for b in bufs]
         fns = [partial(_read_kernel[(sms * per_sm,)], x, out, x.numel(), BLOCK=4096, num_warps=4) for x in flat]
@@ -123,17 +129,19 @@ def check(tile: DecodeTile) -> float:
     return ((out - ref).norm() / ref.norm()).item()
 
 
-def cell(B: int, L: int, sms: int, rep: int, base: DecodeTile) -> dict[str, object]:
+def cell(B: int, L: int, sms: int, rep: int, base: DecodeTile, sweep: bool) -> dict[str, object]:
     nbytes = B * L * ROW_BYTES
     q, kv, r2t, rows, lens = inputs(B, L, 16)
     n = copies_for(nbytes)
     kvs = [kv] + [torch.randn_like(kv) for _ in range(n - 1)]
     row: dict[str, object] = {"B": B, "L": L, "MB": nbytes / 1e6, "copies": n}
-    t: dict[str, float] = read_ms(kvs, sms, rep)
+    # run 1: 16 programs per SM best or within 0.5% of 8 at every cell; 2 and 4 1.2-1.9x slower
+    t: dict[str, float] = read_ms(kvs, sms, rep, (2, 4, 8, 16) if sweep else (8, 16))
     row["read_ms"] = min(t.values())
-    dsts = [torch.empty_like(k) for k in kvs]
-    t["copy"] = graph_ms([partial(d.copy_, k) for d, k in zip(dsts, kvs, strict=True)], rep)
-    del dsts
+    if sweep:
+        dsts = [torch.empty_like(k) for k in kvs]
+        t["copy"] = graph_ms([partial(d.copy_, k) for d, k in zip(dsts, kvs, strict=True)], rep)
+        del dsts
 
     def decode(tile: DecodeTile, splits: int, rotate: bool = True) -> float:
         caches = kvs if rotate else kvs[:1]
@@ -142,6 +150,17 @@ def cell(B: int, L: int, sms: int, rep: int, base: DecodeTile) -> dict[str, obje
 
     auto = base.num_kv_splits(B, 16, L, sms)
     row["default_splits"] = auto
+    if not sweep:
+        old = OLD.num_kv_splits(B, 16, L, sms)
+        row["old_splits"] = old
+        for i in (1, 2):  # alternately: a drift during the cell shows as a gap between the two pairs
+            t[f"old/{old}/#{i}"] = decode(OLD, old)
+            t[f"new/{auto}/#{i}"] = decode(base, auto)
+        t[f"last/{auto}"] = decode(base._replace(merge="last"), auto)
+        if nbytes < 600e6:
+            for tile in FINAL_TILES:
+                t[f"launch/{auto}/{'x'.join(str(x) for x in tile[:4])}/v{tile.v_splits}"] = decode(tile, auto)
+        return _report(row, t, nbytes)
     t[f"default/{auto}"] = decode(base, auto)
     if nbytes < 4 * L2_BYTES:  # as session 3's table timed it: one cache, L2-warm at 19 MB
         t[f"default/{auto}/no-rotation"] = decode(base, auto, rotate=False)
@@ -155,12 +174,17 @@ def cell(B: int, L: int, sms: int, rep: int, base: DecodeTile) -> dict[str, obje
         s = int(best.split("/")[1])
         for tile in SMALL_TILES:
             t[f"last/{s}/{tile.block_h}x{tile.block_n}x{tile.num_warps}w{tile.num_stages}st"] = decode(tile, s)
+    return _report(row, t, nbytes)
+
+
+def _report(row: dict[str, object], t: dict[str, float], nbytes: int) -> dict[str, object]:
     row["ms"] = t
+    B, L, read = row["B"], row["L"], float(row["read_ms"])  # type: ignore[arg-type]
     for k, v in t.items():
         if not k.startswith("read_"):
             print(f"B={B} L={L} {k}: {v:.4f} ms {nbytes / v / 1e6:.0f} GB/s {100 * nbytes / v / 1e6 / COPY_GBS:.0f}% "
-                  f"of {COPY_GBS:.0f}, {100 * row['read_ms'] / v:.0f}% of read", flush=True)  # fmt: skip
-    print(f"B={B} L={L} read floor {row['read_ms']:.4f} ms ({nbytes / row['read_ms'] / 1e6:.0f} GB/s) "
+                  f"of {COPY_GBS:.0f}, {100 * read / v:.0f}% of read", flush=True)  # fmt: skip
+    print(f"B={B} L={L} read floor {read:.4f} ms ({nbytes / read / 1e6:.0f} GB/s) "
           + " ".join(f"{k}:{v:.4f}" for k, v in t.items() if k.startswith("read_")), flush=True)  # fmt: skip
     return row
 
@@ -169,19 +193,21 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cells", default="", help="BxL,... (default: the nine issue-6 cells)")
     ap.add_argument("--rep", type=int, default=20, help="ms of replays per retry (do_bench_cudagraph)")
+    ap.add_argument("--sweep", action="store_true", help="run 1's split x merge sweep (OLD as the default)")
     a = ap.parse_args()
     cells = [tuple(int(x) for x in c.split("x")) for c in a.cells.split(",")] if a.cells else CELLS
     out_dir = Path(os.environ.get("OUT", "out"))
     out_dir.mkdir(parents=True, exist_ok=True)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    base = default_decode_tile(16, torch.bfloat16, use_gluon=True)
+    base = OLD if a.sweep else default_decode_tile(16, torch.bfloat16, use_gluon=True)
     res: dict[str, object] = {"device": torch.cuda.get_device_name(), "base_tile": list(base)}
-    res["errors"] = {str(tuple(t)): check(t) for t in [base, base._replace(merge="last"), *SMALL_TILES]}
+    tiles = [base, base._replace(merge="last"), *(SMALL_TILES if a.sweep else [OLD, *FINAL_TILES])]
+    res["errors"] = {str(tuple(t)): check(t) for t in tiles}
     res["floors"] = floors(a.rep)
     print(json.dumps(res), flush=True)
     rows = []
     for B, L in cells:
-        rows.append(cell(B, L, sms, a.rep, base))
+        rows.append(cell(B, L, sms, a.rep, base, a.sweep))
         res["cells"] = rows
         (out_dir / "mla16_floor.json").write_text(json.dumps(res, indent=1))
         torch.cuda.empty_cache()

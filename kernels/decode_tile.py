@@ -25,6 +25,14 @@ WAVES = 8
 # write) in tiles, fitted as time ~ waves x (tiles + F): 128 + 9F = 1.232 (128 + F) -> F = 3.8, which then
 # predicts 4 splits 0.450 and 2 splits 0.426. splits_by_cost minimises that model.
 GLUON_FIXED_TILES = 4
+# Session 4 (mla16 run 1, graph-timed, caches rotated past L2): the H < 64 bf16 tile (16 x 32 x 4 warps, 3 stages)
+# compiles to 190 registers and 93 KB of shared memory (triton 3.6, sm_90): 2 programs per SM. Under that wave,
+# splits_by_cost with F = 4 tiles picked the fastest split count measured at all nine cells (B = 16: 8 / 16 / 16
+# at 1k / 8k / 32k, B = 64: 4, B = 256: 1), e.g. B = 16 / 1k 0.0144 ms at 8 splits vs 0.0189 at the 4 of 4
+# programs per SM rounded down, B = 256 / 1k 0.0893 at 1 vs 0.1006 at 2. min_split 128 keys (4 tiles):
+# 16 splits of 64 keys at B = 16 / 1k took 0.0155 ms, 8 of 128 0.0144, though the model prefers 16.
+H16_FIXED_TILES = 4
+H16_MIN_SPLIT = 128
 
 
 def choose_num_kv_splits(
@@ -44,20 +52,27 @@ def choose_num_kv_splits(
 
 
 def splits_by_cost(
-    batch: int, num_head_blocks: int, max_seq_len: int, sm_count: int, block_n: int, fixed_tiles: int
+    batch: int,
+    num_head_blocks: int,
+    max_seq_len: int,
+    sm_count: int,
+    block_n: int,
+    fixed_tiles: int,
+    per_sm: int = 1,
+    min_split: int = MIN_TOKENS_PER_SPLIT,
 ) -> int:
-    """Splits per request minimising waves x (tiles per split + fixed_tiles) for a kernel of one program per
-    SM: whole waves of long splits, more splits only where they fill SMs left idle (B = 16, H = 128: 32
+    """Splits per request minimising waves x (tiles per split + fixed_tiles), a wave being per_sm programs on
+    every SM: whole waves of long splits, more splits only where they fill SMs left idle (B = 16, H = 128: 32
     programs a split, so 4 splits; B = 48: 96 programs, 4 splits make 2.9 waves and beat both 1 split,
-    0.73 of a wave, and 8 waves rounded up). Fewest splits on ties; >= MIN_TOKENS_PER_SPLIT keys each.
+    0.73 of a wave, and 8 waves rounded up). Fewest splits on ties; >= min_split keys each.
     Host arithmetic, no device sync (as choose_num_kv_splits)."""
     programs = max(1, batch * num_head_blocks)
     length = max(1, max_seq_len)
-    most = max(1, min(triton.cdiv(length, MIN_TOKENS_PER_SPLIT), MAX_KV_SPLITS))
+    most = max(1, min(triton.cdiv(length, min_split), MAX_KV_SPLITS))
 
     def cost(splits: int) -> int:  # the kernel cuts splits at whole tiles: cdiv(cdiv(L, P), block_n) each
         tiles = triton.cdiv(triton.cdiv(length, splits), block_n)
-        return triton.cdiv(programs * splits, sm_count) * (tiles + fixed_tiles)
+        return triton.cdiv(programs * splits, sm_count * per_sm) * (tiles + fixed_tiles)
 
     return min(range(1, most + 1), key=cost)
 
@@ -81,6 +96,8 @@ class DecodeTile(NamedTuple):
     whole_waves: bool = False  # round the split count down (no partial last wave), not up
     fixed_tiles: int = 0  # > 0: split count by splits_by_cost with this per-program cost in tiles, not waves
     merge: Literal["launch", "last"] = "launch"
+    per_sm: int = 1  # programs resident per SM (registers, shared memory): a wave for splits_by_cost
+    min_split: int = MIN_TOKENS_PER_SPLIT  # fewest keys a split gets (splits_by_cost)
 
     def head_programs(self, num_heads: int) -> int:
         """Stage-1 programs per (request, split): head blocks x value splits."""
@@ -91,8 +108,9 @@ class DecodeTile(NamedTuple):
         arithmetic, no device sync)."""
         if self.fixed_tiles > 0:
             return splits_by_cost(
-                batch, self.head_programs(num_heads), max_seq_len, sm_count, self.block_n, self.fixed_tiles
-            )
+                batch, self.head_programs(num_heads), max_seq_len, sm_count, self.block_n, self.fixed_tiles,
+                self.per_sm, self.min_split,
+            )  # fmt: skip
         return choose_num_kv_splits(
             batch, self.head_programs(num_heads), max_seq_len, sm_count, self.waves, self.whole_waves
         )
@@ -117,5 +135,5 @@ def default_decode_tile(
                 return DecodeTile(64, 64, 8, 2, kernel="gluon", fixed_tiles=GLUON_FIXED_TILES)
         return DecodeTile(64, 64 if dtype.itemsize <= 2 else 32, 8, 2)
     if dtype.itemsize <= 2:
-        return DecodeTile(16, 32, 4, 3, waves=4, whole_waves=True)
+        return DecodeTile(16, 32, 4, 3, fixed_tiles=H16_FIXED_TILES, per_sm=2, min_split=H16_MIN_SPLIT)
     return DecodeTile(16, 32, 4, 2, waves=4, whole_waves=True)
