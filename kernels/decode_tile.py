@@ -17,8 +17,9 @@ MAX_KV_SPLITS = 64
 WAVES = 8
 # Session 3 (graph-timed, bench/NOTES.md "MLA decode, session 3", run 4): at H = 16 fewer, longer splits
 # win, but only if they fill whole waves: B = 64 / 8k, 16x32x4w,3st: 8 splits (512 programs) 0.176 ms, 9
-# (576: a 0.4 wave tail) 0.212, 17 0.193. So the H < 64 tile asks for 4 programs per SM rounded down
-# (whole_waves); at H >= 64 (one program per SM, compute-bound) 8 waves rounded up, as measured.
+# (576: a 0.4 wave tail) 0.212, 17 0.193. So the H < 64 tile asked for 4 programs per SM rounded down
+# (whole_waves; the H < 64 fp32 tile still does; bf16 moved to splits_by_cost in session 4, below); at H >= 64
+# (one program per SM, compute-bound) 8 waves rounded up, as measured.
 # Session 3b (run 6, Gluon 64 x 64 tile, graph-timed): fewer, longer splits win at every H = 128 cell, as long
 # as the waves stay whole: B = 64 / 8k, 1 split (128 programs, 1 wave of 128 tiles) 0.414 ms, 2 0.428, 4 0.454,
 # 9 (the 8-wave default) 0.510. A program's fixed cost F (q load 72 KB, first tile's latency, 128 KB partial
@@ -120,8 +121,9 @@ def default_decode_tile(
     num_heads: int, dtype: torch.dtype, use_gluon: bool = False, kv_lora: int = 512, rope: int = 64
 ) -> DecodeTile:
     """The tile the H200 sweeps picked (BENCHMARKS.md, "### MLA decode"). H < 64: 16 heads x 32 keys, 3
-    stages, 4 programs per SM rounded down (B = 64, L = 8k graph-timed: 0.176 ms vs 0.192 for 16 x 64 x 2
-    stages at 8 waves rounded up).
+    stages (B = 64, L = 8k graph-timed: 0.176 ms vs 0.192 for 16 x 64 x 2 stages at 8 waves rounded up); bf16
+    splits by splits_by_cost over 2 programs per SM (session 4: 1.03-1.32x at seven of the nine cells, a tie
+    at B = 64 / 1k and 32k), fp32 4 programs per SM rounded down.
     H >= 64: use_gluon (the caller is on a Hopper GPU) and a shape the Gluon kernel takes: its two-warpgroup
     64 x 64 tile (B = 256, L = 32k: 6.86 vs 9.47 ms), its split count by splits_by_cost (run 6: 1.03-1.28x
     over 8 waves rounded up at kv_len >= 8k); else Triton's 64 heads x 64 keys over 8 warps (the best

@@ -14,9 +14,12 @@ an online softmax for BLOCK_H heads at once: one latent tile loaded from HBM ser
 re-reading the cache per head. It writes the split's normalised partial output and its log-sum-exp.
 Stage 2 (`_mla_decode_merge_kernel`): program (b, h) merges the P partials by their LSE weights.
 A split covers a whole number of BLOCK_N tiles (all but a request's last split), so no program pays for a
-partly empty tile mid-request. decode_tile.py holds the tiles and split counts (re-exported here);
-DecodeTile(kernel="gluon") runs stage 1 as mla_decode_gluon.py's kernel
-(H >= 64 on Hopper; the same partials, the same merge).
+partly empty tile mid-request. DecodeTile(merge="last") drops the stage-2 launch: the program that finishes a
+request last (a per-request count, reset by that program, so graph replays need no memset) merges it; with one
+split stage 1 writes the output. Opt-in: on the H200 it loses where a request has >= 8 splits (one program
+reads all the partials) and wins 2-3% only with a few long splits (BENCHMARKS.md, "mla16, session 4").
+decode_tile.py holds the tiles and split counts (re-exported here); DecodeTile(kernel="gluon") runs stage 1
+as mla_decode_gluon.py's kernel (H >= 64 on Hopper; the same partials, the same merge).
 """
 
 from __future__ import annotations
