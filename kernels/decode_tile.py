@@ -4,7 +4,7 @@ no device sync: the engine calls it with host-side lengths, once per step or per
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import torch
 import triton
@@ -17,14 +17,23 @@ MAX_KV_SPLITS = 64
 WAVES = 8
 # Session 3 (graph-timed, bench/NOTES.md "MLA decode, session 3", run 4): at H = 16 fewer, longer splits
 # win, but only if they fill whole waves: B = 64 / 8k, 16x32x4w,3st: 8 splits (512 programs) 0.176 ms, 9
-# (576: a 0.4 wave tail) 0.212, 17 0.193. So the H < 64 tile asks for 4 programs per SM rounded down
-# (whole_waves); at H >= 64 (one program per SM, compute-bound) 8 waves rounded up, as measured.
+# (576: a 0.4 wave tail) 0.212, 17 0.193. So the H < 64 tile asked for 4 programs per SM rounded down
+# (whole_waves; the H < 64 fp32 tile still does; bf16 moved to splits_by_cost in session 4, below); at H >= 64
+# (one program per SM, compute-bound) 8 waves rounded up, as measured.
 # Session 3b (run 6, Gluon 64 x 64 tile, graph-timed): fewer, longer splits win at every H = 128 cell, as long
 # as the waves stay whole: B = 64 / 8k, 1 split (128 programs, 1 wave of 128 tiles) 0.414 ms, 2 0.428, 4 0.454,
 # 9 (the 8-wave default) 0.510. A program's fixed cost F (q load 72 KB, first tile's latency, 128 KB partial
 # write) in tiles, fitted as time ~ waves x (tiles + F): 128 + 9F = 1.232 (128 + F) -> F = 3.8, which then
 # predicts 4 splits 0.450 and 2 splits 0.426. splits_by_cost minimises that model.
 GLUON_FIXED_TILES = 4
+# Session 4 (mla16 run 1, graph-timed, caches rotated past L2): the H < 64 bf16 tile (16 x 32 x 4 warps, 3 stages)
+# compiles to 190 registers and 93 KB of shared memory (triton 3.6, sm_90): 2 programs per SM. Under that wave,
+# splits_by_cost with F = 4 tiles picked the fastest split count measured at all nine cells (B = 16: 8 / 16 / 16
+# at 1k / 8k / 32k, B = 64: 4, B = 256: 1), e.g. B = 16 / 1k 0.0144 ms at 8 splits vs 0.0189 at the 4 of 4
+# programs per SM rounded down, B = 256 / 1k 0.0893 at 1 vs 0.1006 at 2. min_split 128 keys (4 tiles):
+# 16 splits of 64 keys at B = 16 / 1k took 0.0155 ms, 8 of 128 0.0144, though the model prefers 16.
+H16_FIXED_TILES = 4
+H16_MIN_SPLIT = 128
 
 
 def choose_num_kv_splits(
@@ -44,20 +53,27 @@ def choose_num_kv_splits(
 
 
 def splits_by_cost(
-    batch: int, num_head_blocks: int, max_seq_len: int, sm_count: int, block_n: int, fixed_tiles: int
+    batch: int,
+    num_head_blocks: int,
+    max_seq_len: int,
+    sm_count: int,
+    block_n: int,
+    fixed_tiles: int,
+    per_sm: int = 1,
+    min_split: int = MIN_TOKENS_PER_SPLIT,
 ) -> int:
-    """Splits per request minimising waves x (tiles per split + fixed_tiles) for a kernel of one program per
-    SM: whole waves of long splits, more splits only where they fill SMs left idle (B = 16, H = 128: 32
+    """Splits per request minimising waves x (tiles per split + fixed_tiles), a wave being per_sm programs on
+    every SM: whole waves of long splits, more splits only where they fill SMs left idle (B = 16, H = 128: 32
     programs a split, so 4 splits; B = 48: 96 programs, 4 splits make 2.9 waves and beat both 1 split,
-    0.73 of a wave, and 8 waves rounded up). Fewest splits on ties; >= MIN_TOKENS_PER_SPLIT keys each.
+    0.73 of a wave, and 8 waves rounded up). Fewest splits on ties; >= min_split keys each.
     Host arithmetic, no device sync (as choose_num_kv_splits)."""
     programs = max(1, batch * num_head_blocks)
     length = max(1, max_seq_len)
-    most = max(1, min(triton.cdiv(length, MIN_TOKENS_PER_SPLIT), MAX_KV_SPLITS))
+    most = max(1, min(triton.cdiv(length, min_split), MAX_KV_SPLITS))
 
     def cost(splits: int) -> int:  # the kernel cuts splits at whole tiles: cdiv(cdiv(L, P), block_n) each
         tiles = triton.cdiv(triton.cdiv(length, splits), block_n)
-        return triton.cdiv(programs * splits, sm_count) * (tiles + fixed_tiles)
+        return triton.cdiv(programs * splits, sm_count * per_sm) * (tiles + fixed_tiles)
 
     return min(range(1, most + 1), key=cost)
 
@@ -66,7 +82,9 @@ class DecodeTile(NamedTuple):
     """block_h heads x block_n keys per stage-1 program; v_splits 2 gives each half of the c_kv output
     columns its own program (a [block_h, kv_lora / 2] accumulator; both recompute the scores);
     keys_major computes scores as [keys, heads] (kv tile as the product's M side); kernel "gluon" runs
-    stage 1 as mla_decode_gluon.py's two-warpgroup kernel (64 x 64 x 8 warps, 2 stages only)."""
+    stage 1 as mla_decode_gluon.py's two-warpgroup kernel (64 x 64 x 8 warps, 2 stages only). merge "last"
+    (Triton, v_splits 1): no stage-2 launch; the last split program of each request merges it (one split:
+    stage 1 writes the output itself); "launch": stage 2 as its own kernel."""
 
     block_h: int
     block_n: int
@@ -78,6 +96,9 @@ class DecodeTile(NamedTuple):
     waves: int = WAVES  # stage-1 programs per SM the split count aims for (choose_num_kv_splits)
     whole_waves: bool = False  # round the split count down (no partial last wave), not up
     fixed_tiles: int = 0  # > 0: split count by splits_by_cost with this per-program cost in tiles, not waves
+    merge: Literal["launch", "last"] = "launch"
+    per_sm: int = 1  # programs resident per SM (registers, shared memory): a wave for splits_by_cost
+    min_split: int = MIN_TOKENS_PER_SPLIT  # fewest keys a split gets (splits_by_cost)
 
     def head_programs(self, num_heads: int) -> int:
         """Stage-1 programs per (request, split): head blocks x value splits."""
@@ -88,8 +109,9 @@ class DecodeTile(NamedTuple):
         arithmetic, no device sync)."""
         if self.fixed_tiles > 0:
             return splits_by_cost(
-                batch, self.head_programs(num_heads), max_seq_len, sm_count, self.block_n, self.fixed_tiles
-            )
+                batch, self.head_programs(num_heads), max_seq_len, sm_count, self.block_n, self.fixed_tiles,
+                self.per_sm, self.min_split,
+            )  # fmt: skip
         return choose_num_kv_splits(
             batch, self.head_programs(num_heads), max_seq_len, sm_count, self.waves, self.whole_waves
         )
@@ -99,8 +121,9 @@ def default_decode_tile(
     num_heads: int, dtype: torch.dtype, use_gluon: bool = False, kv_lora: int = 512, rope: int = 64
 ) -> DecodeTile:
     """The tile the H200 sweeps picked (BENCHMARKS.md, "### MLA decode"). H < 64: 16 heads x 32 keys, 3
-    stages, 4 programs per SM rounded down (B = 64, L = 8k graph-timed: 0.176 ms vs 0.192 for 16 x 64 x 2
-    stages at 8 waves rounded up).
+    stages (B = 64, L = 8k graph-timed: 0.176 ms vs 0.192 for 16 x 64 x 2 stages at 8 waves rounded up); bf16
+    splits by splits_by_cost over 2 programs per SM (session 4: 1.03-1.32x at seven of the nine cells, a tie
+    at B = 64 / 1k and 32k), fp32 4 programs per SM rounded down.
     H >= 64: use_gluon (the caller is on a Hopper GPU) and a shape the Gluon kernel takes: its two-warpgroup
     64 x 64 tile (B = 256, L = 32k: 6.86 vs 9.47 ms), its split count by splits_by_cost (run 6: 1.03-1.28x
     over 8 waves rounded up at kv_len >= 8k); else Triton's 64 heads x 64 keys over 8 warps (the best
@@ -114,5 +137,5 @@ def default_decode_tile(
                 return DecodeTile(64, 64, 8, 2, kernel="gluon", fixed_tiles=GLUON_FIXED_TILES)
         return DecodeTile(64, 64 if dtype.itemsize <= 2 else 32, 8, 2)
     if dtype.itemsize <= 2:
-        return DecodeTile(16, 32, 4, 3, waves=4, whole_waves=True)
+        return DecodeTile(16, 32, 4, 3, fixed_tiles=H16_FIXED_TILES, per_sm=2, min_split=H16_MIN_SPLIT)
     return DecodeTile(16, 32, 4, 2, waves=4, whole_waves=True)

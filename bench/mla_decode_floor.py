@@ -1,0 +1,221 @@
+"""MLA decode at H = 16 against what the H200 allows at each cell's byte count (issue 6 point 8).
+
+Run (GPU): python bench/mla_decode_floor.py [--sweep] [--cells 16x1024,64x8192] [--rep 20]  -> $OUT/mla16_floor.json
+
+Per cell (B, L; bytes = B L 1152, the latent cache read once), all timed the same way: CUDA-graph replays of
+back-to-back calls (triton's do_bench_cudagraph, graph launch amortised: what a kernel costs inside the
+engine's decode graph), inputs under 4 x the 60 MB L2 rotated among copies so every call reads HBM:
+  read    a Triton kernel streaming the same bytes (contiguous, grid-stride, best of 4 grid sizes)
+  copy    torch's device copy of the same bytes (read + write)
+  decode  --sweep (session 4 run 1): the default then in place (OLD) and candidates: split counts x merge
+          "launch" / "last" (no stage-2 launch), a few tiles at the small cells. Without --sweep: OLD and the
+          current default alternately, twice each (drift shows as a gap between the pairs), merge "last"
+          at the default's split count, and a few tiles at the small cells
+Once per run: the graph floor (one and two tiny kernels per call, and one graph replay of one kernel),
+and the 1 GiB copy ceiling as bench/kernels.py measures it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from collections.abc import Callable, Sequence
+from functools import partial
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+from sibling import load_sibling  # bench/sibling.py: python bench/<script>.py puts bench/ on the path
+from triton.testing import do_bench, do_bench_cudagraph
+
+from r3trace.kernels.mla_decode import DecodeTile, default_decode_tile, mla_decode, mla_decode_ref
+
+KV_LORA, ROPE = 512, 64
+ROW_BYTES = (KV_LORA + ROPE) * 2
+L2_BYTES = 60 * 2**20
+COPY_GBS = 4220.0  # the goal's copy bandwidth (BENCHMARKS.md: 4222-4245 GB/s measured in sessions 3-4)
+CELLS = [(B, L) for B in (16, 64, 256) for L in (1024, 8192, 32768)]
+# split counts tried per (B, L), besides the default's: fewer and more programs per SM (bench/NOTES.md)
+SPLITS = {16: {1024: [4, 8, 16, 32], 8192: [8, 16, 32], 32768: [16, 33]}, 64: {1024: [2, 4], 8192: [4, 8],
+          32768: [4, 8]}, 256: {1024: [1, 2], 8192: [1, 2], 32768: [1, 2]}}  # fmt: skip
+# tiles tried at the cells under 600 MB (merge "last"): 16-key tiles fit 3 programs per SM at 4 stages
+# (4 x 18 KB), 64-key tiles one (2 x 74 KB); the default 16 x 32 x 3 stages fits two
+SMALL_TILES = [DecodeTile(16, 16, 4, 4, merge="last"), DecodeTile(16, 64, 4, 2, merge="last"),
+               DecodeTile(16, 32, 8, 3, merge="last")]  # fmt: skip
+OLD = DecodeTile(16, 32, 4, 3, waves=4, whole_waves=True)  # the H < 64 bf16 default before session 4 (cdd240e)
+# tiles tried at the small cells without --sweep (merge "launch"): 16-key tiles (164 registers, 3 programs per
+# SM), value columns in two programs (155 registers, both halves score all 576 columns), 64-key tiles
+FINAL_TILES = [DecodeTile(16, 16, 4, 4), DecodeTile(16, 32, 4, 3, v_splits=2), DecodeTile(16, 64, 4, 2)]
+inputs = load_sibling("kernels.py", "bench_kernels")._decode_inputs  # shuffled 64-slot pages, all length L
+
+
+@triton.jit
+def _read_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    """Stream x [n] int32 once, grid-stride in BLOCK-element chunks; one sum per program keeps the loads."""
+    offs = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], tl.int32)
+    # int64: the 32k x 256 cache is 2.4e9 int32 elements
+    for start in range(tl.program_id(0).to(tl.int64) * BLOCK, n, tl.num_programs(0) * BLOCK):
+        acc += tl.load(x_ptr + start + offs, mask=start + offs < n, other=0)
+    tl.store(out_ptr + tl.program_id(0), tl.sum(acc, axis=0))
+
+
+@triton.jit
+def _tiny_kernel(out_ptr):
+    tl.store(out_ptr + tl.program_id(0), 1)
+
+
+def graph_ms(fns: Sequence[Callable[[], object]], rep: int) -> float:
+    """Median ms per call of CUDA-graph replays that call fns in turn (one graph, calls back to back)."""
+    torch.cuda.synchronize()  # do_bench_cudagraph's side stream does not wait for the default one
+
+    def each() -> None:
+        for fn in fns:
+            fn()
+
+    return float(do_bench_cudagraph(each, rep=rep, return_mode="median")) / len(fns)
+
+
+def copies_for(nbytes: int) -> int:
+    """Rotated copies so the set spans >= 4 x L2 (capped at 8, as bench/kernels.py)."""
+    return max(1, min(8, math.ceil(4 * L2_BYTES / nbytes)))
+
+
+def read_ms(bufs: list[torch.Tensor], sms: int, rep: int, grids: Sequence[int]) -> dict[str, float]:
+    """The streaming read at `grids` programs per SM (4 warps, 16 KB a load)."""
+    res = {}
+    for per_sm in grids:
+        out = torch.empty(sms * per_sm, dtype=torch.int32, device="cuda")
+        flat = [b.view(torch.int32).view(-1) for b in bufs]
+        fns = [partial(_read_kernel[(sms * per_sm,)], x, out, x.numel(), BLOCK=4096, num_warps=4) for x in flat]
+        res[f"read_{per_sm}_per_sm"] = graph_ms(fns, rep)
+    return res
+
+
+def floors(rep: int) -> dict[str, float]:
+    out = torch.zeros(4, dtype=torch.int32, device="cuda")
+    one = partial(_tiny_kernel[(1,)], out)
+    res = {"graph_1_kernel": graph_ms([one], rep), "graph_2_kernels": graph_ms([one, one], rep) * 2}
+    g = torch.cuda.CUDAGraph()
+    one()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(g):
+        one()
+    res["replay_1_graph"] = float(do_bench(g.replay, warmup=25, rep=rep, return_mode="median"))
+    src = torch.randn(2**28, device="cuda")  # 1 GiB fp32, bench/kernels.py's ceiling
+    dst = torch.empty_like(src)
+    res["copy_1GiB_GBps"] = 2 * src.numel() * 4 / float(do_bench(partial(dst.copy_, src), rep=100)) / 1e6
+    return res
+
+
+def check(tile: DecodeTile) -> float:
+    """Normwise error vs the fp32 reference: mixed odd lengths, page size 1, 7 splits."""
+    g = torch.Generator(device="cuda").manual_seed(7)
+    lens = [1, 700, 3001, 64, 1500, 33, 2049, 5, 999]
+    perm = torch.randperm(sum(lens) + 100, device="cuda", generator=g)
+    r2t = torch.zeros(len(lens), 3008, dtype=torch.int32, device="cuda")
+    off = 0
+    for b, n in enumerate(lens):
+        r2t[b, :n] = perm[off : off + n]
+        off += n
+    q = torch.randn(len(lens), 16, KV_LORA + ROPE, device="cuda", generator=g).bfloat16()
+    kv = torch.randn(perm.numel(), KV_LORA + ROPE, device="cuda", generator=g).bfloat16()
+    rows, seq = torch.arange(len(lens), device="cuda"), torch.tensor(lens, device="cuda")
+    out = mla_decode(q, kv, r2t, rows, seq, KV_LORA, 576**-0.5, num_kv_splits=7, tile=tile).float()
+    ref = mla_decode_ref(q.float(), kv.float(), r2t, rows, seq, KV_LORA, 576**-0.5).float()
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+def cell(B: int, L: int, sms: int, rep: int, base: DecodeTile, sweep: bool, pairs: int = 2) -> dict[str, object]:
+    nbytes = B * L * ROW_BYTES
+    q, kv, r2t, rows, lens = inputs(B, L, 16)
+    n = copies_for(nbytes)
+    kvs = [kv] + [torch.randn_like(kv) for _ in range(n - 1)]
+    row: dict[str, object] = {"B": B, "L": L, "MB": nbytes / 1e6, "copies": n}
+    # run 1: 16 programs per SM best or within 0.5% of 8 at every cell; 2 and 4 1.2-1.9x slower
+    t: dict[str, float] = read_ms(kvs, sms, rep, (2, 4, 8, 16) if sweep else (8, 16))
+    row["read_ms"] = min(t.values())
+    if sweep:
+        dsts = [torch.empty_like(k) for k in kvs]
+        t["copy"] = graph_ms([partial(d.copy_, k) for d, k in zip(dsts, kvs, strict=True)], rep)
+        del dsts
+
+    def decode(tile: DecodeTile, splits: int, rotate: bool = True) -> float:
+        caches = kvs if rotate else kvs[:1]
+        return graph_ms([partial(mla_decode, q, c, r2t, rows, lens, KV_LORA, 576**-0.5, splits, tile) for c in caches],
+                        rep)  # fmt: skip
+
+    auto = base.num_kv_splits(B, 16, L, sms)
+    row["default_splits"] = auto
+    if not sweep:
+        old = OLD.num_kv_splits(B, 16, L, sms)
+        row["old_splits"] = old
+        for i in range(1, pairs + 1):  # alternately: run 2 saw the pairs drift 1-10% slower within a cell
+            t[f"old/{old}/#{i}"] = decode(OLD, old)
+            t[f"new/{auto}/#{i}"] = decode(base, auto)
+            if i == 1 or pairs > 2:
+                t[f"last/{auto}" + (f"/#{i}" if pairs > 2 else "")] = decode(base._replace(merge="last"), auto)
+        if nbytes < 600e6 and pairs <= 2:
+            for tile in FINAL_TILES:
+                t[f"launch/{auto}/{'x'.join(str(x) for x in tile[:4])}/v{tile.v_splits}"] = decode(tile, auto)
+        return _report(row, t, nbytes)
+    t[f"default/{auto}"] = decode(base, auto)
+    if nbytes < 4 * L2_BYTES:  # as session 3's table timed it: one cache, L2-warm at 19 MB
+        t[f"default/{auto}/no-rotation"] = decode(base, auto, rotate=False)
+    last = base._replace(merge="last")
+    for s in sorted({auto, *SPLITS[B][L]}):
+        if s != auto:
+            t[f"launch/{s}"] = decode(base, s)
+        t[f"last/{s}"] = decode(last, s)
+    if nbytes < 600e6:
+        best = min((k for k in t if k.startswith("last/")), key=lambda k: t[k])
+        s = int(best.split("/")[1])
+        for tile in SMALL_TILES:
+            t[f"last/{s}/{tile.block_h}x{tile.block_n}x{tile.num_warps}w{tile.num_stages}st"] = decode(tile, s)
+    return _report(row, t, nbytes)
+
+
+def _report(row: dict[str, object], t: dict[str, float], nbytes: int) -> dict[str, object]:
+    row["ms"] = t
+    B, L, read = row["B"], row["L"], float(row["read_ms"])  # type: ignore[arg-type]
+    for k, v in t.items():
+        if not k.startswith("read_"):
+            print(f"B={B} L={L} {k}: {v:.4f} ms {nbytes / v / 1e6:.0f} GB/s {100 * nbytes / v / 1e6 / COPY_GBS:.0f}% "
+                  f"of {COPY_GBS:.0f}, {100 * read / v:.0f}% of read", flush=True)  # fmt: skip
+    print(f"B={B} L={L} read floor {read:.4f} ms ({nbytes / read / 1e6:.0f} GB/s) "
+          + " ".join(f"{k}:{v:.4f}" for k, v in t.items() if k.startswith("read_")), flush=True)  # fmt: skip
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cells", default="", help="BxL,... (default: the nine issue-6 cells)")
+    ap.add_argument("--rep", type=int, default=20, help="ms of replays per retry (do_bench_cudagraph)")
+    ap.add_argument("--sweep", action="store_true", help="run 1's split x merge sweep (OLD as the default)")
+    ap.add_argument("--pairs", type=int, default=2, help="old/new pairs per cell; > 2: merge 'last' in each round")
+    ap.add_argument("--no-floors", action="store_true", help="skip the error checks and graph floors")
+    a = ap.parse_args()
+    cells = [tuple(int(x) for x in c.split("x")) for c in a.cells.split(",")] if a.cells else CELLS
+    out_dir = Path(os.environ.get("OUT", "out"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    base = OLD if a.sweep else default_decode_tile(16, torch.bfloat16, use_gluon=True)
+    res: dict[str, object] = {"device": torch.cuda.get_device_name(), "base_tile": list(base)}
+    tiles = [base, base._replace(merge="last"), *(SMALL_TILES if a.sweep else [OLD, *FINAL_TILES])]
+    if not a.no_floors:
+        res["errors"] = {str(tuple(t)): check(t) for t in tiles}
+        res["floors"] = floors(a.rep)
+    print(json.dumps(res), flush=True)
+    rows = []
+    for B, L in cells:
+        rows.append(cell(B, L, sms, a.rep, base, a.sweep, a.pairs))
+        res["cells"] = rows
+        (out_dir / "mla16_floor.json").write_text(json.dumps(res, indent=1))
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
