@@ -7,10 +7,11 @@ back-to-back calls (triton's do_bench_cudagraph, graph launch amortised: what a 
 engine's decode graph), inputs under 4 x the 60 MB L2 rotated among copies so every call reads HBM:
   read    a Triton kernel streaming the same bytes (contiguous, grid-stride, best of 4 grid sizes)
   copy    torch's device copy of the same bytes (read + write)
-  decode  --sweep (session 4 run 1): the default then in place (OLD) and candidates: split counts x merge
-          "launch" / "last" (no stage-2 launch), a few tiles at the small cells. Without --sweep: OLD and the
-          current default alternately, twice each (drift shows as a gap between the pairs), merge "last"
-          at the default's split count, and a few tiles at the small cells
+  decode  --sweep: the default then in place (OLD) and candidates: split counts and a few tiles at the small
+          cells. Without --sweep: OLD and the current default alternately, twice each (drift shows as a gap
+          between the pairs), and a few tiles at the small cells. Session 4's runs 1-3 also timed a merge
+          "last" variant (no stage-2 launch: the last split program of a request merged it); it lost wherever
+          a request had >= 8 splits and was removed (commit 54b98eb has it and this script's use of it)
 Once per run: the graph floor (one and two tiny kernels per call, and one graph replay of one kernel),
 and the 1 GiB copy ceiling as bench/kernels.py measures it.
 """
@@ -41,12 +42,11 @@ CELLS = [(B, L) for B in (16, 64, 256) for L in (1024, 8192, 32768)]
 # split counts tried per (B, L), besides the default's: fewer and more programs per SM (bench/NOTES.md)
 SPLITS = {16: {1024: [4, 8, 16, 32], 8192: [8, 16, 32], 32768: [16, 33]}, 64: {1024: [2, 4], 8192: [4, 8],
           32768: [4, 8]}, 256: {1024: [1, 2], 8192: [1, 2], 32768: [1, 2]}}  # fmt: skip
-# tiles tried at the cells under 600 MB (merge "last"): 16-key tiles fit 3 programs per SM at 4 stages
+# tiles tried at the cells under 600 MB: 16-key tiles fit 3 programs per SM at 4 stages
 # (4 x 18 KB), 64-key tiles one (2 x 74 KB); the default 16 x 32 x 3 stages fits two
-SMALL_TILES = [DecodeTile(16, 16, 4, 4, merge="last"), DecodeTile(16, 64, 4, 2, merge="last"),
-               DecodeTile(16, 32, 8, 3, merge="last")]  # fmt: skip
+SMALL_TILES = [DecodeTile(16, 16, 4, 4), DecodeTile(16, 64, 4, 2), DecodeTile(16, 32, 8, 3)]
 OLD = DecodeTile(16, 32, 4, 3, waves=4, whole_waves=True)  # the H < 64 bf16 default before session 4 (cdd240e)
-# tiles tried at the small cells without --sweep (merge "launch"): 16-key tiles (164 registers, 3 programs per
+# tiles tried at the small cells without --sweep: 16-key tiles (164 registers, 3 programs per
 # SM), value columns in two programs (155 registers, both halves score all 576 columns), 64-key tiles
 FINAL_TILES = [DecodeTile(16, 16, 4, 4), DecodeTile(16, 32, 4, 3, v_splits=2), DecodeTile(16, 64, 4, 2)]
 inputs = load_sibling("kernels.py", "bench_kernels")._decode_inputs  # shuffled 64-slot pages, all length L
@@ -156,8 +156,6 @@ def cell(B: int, L: int, sms: int, rep: int, base: DecodeTile, sweep: bool, pair
         for i in range(1, pairs + 1):  # alternately: run 2 saw the pairs drift 1-10% slower within a cell
             t[f"old/{old}/#{i}"] = decode(OLD, old)
             t[f"new/{auto}/#{i}"] = decode(base, auto)
-            if i == 1 or pairs > 2:
-                t[f"last/{auto}" + (f"/#{i}" if pairs > 2 else "")] = decode(base._replace(merge="last"), auto)
         if nbytes < 600e6 and pairs <= 2:
             for tile in FINAL_TILES:
                 t[f"launch/{auto}/{'x'.join(str(x) for x in tile[:4])}/v{tile.v_splits}"] = decode(tile, auto)
@@ -165,16 +163,13 @@ def cell(B: int, L: int, sms: int, rep: int, base: DecodeTile, sweep: bool, pair
     t[f"default/{auto}"] = decode(base, auto)
     if nbytes < 4 * L2_BYTES:  # as session 3's table timed it: one cache, L2-warm at 19 MB
         t[f"default/{auto}/no-rotation"] = decode(base, auto, rotate=False)
-    last = base._replace(merge="last")
-    for s in sorted({auto, *SPLITS[B][L]}):
-        if s != auto:
-            t[f"launch/{s}"] = decode(base, s)
-        t[f"last/{s}"] = decode(last, s)
+    for s in sorted(set(SPLITS[B][L]) - {auto}):
+        t[f"launch/{s}"] = decode(base, s)
     if nbytes < 600e6:
-        best = min((k for k in t if k.startswith("last/")), key=lambda k: t[k])
+        best = min((k for k in t if k.startswith(("launch/", "default/"))), key=lambda k: t[k])
         s = int(best.split("/")[1])
         for tile in SMALL_TILES:
-            t[f"last/{s}/{tile.block_h}x{tile.block_n}x{tile.num_warps}w{tile.num_stages}st"] = decode(tile, s)
+            t[f"launch/{s}/{tile.block_h}x{tile.block_n}x{tile.num_warps}w{tile.num_stages}st"] = decode(tile, s)
     return _report(row, t, nbytes)
 
 
@@ -194,8 +189,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cells", default="", help="BxL,... (default: the nine issue-6 cells)")
     ap.add_argument("--rep", type=int, default=20, help="ms of replays per retry (do_bench_cudagraph)")
-    ap.add_argument("--sweep", action="store_true", help="run 1's split x merge sweep (OLD as the default)")
-    ap.add_argument("--pairs", type=int, default=2, help="old/new pairs per cell; > 2: merge 'last' in each round")
+    ap.add_argument("--sweep", action="store_true", help="run 1's split sweep (OLD as the default)")
+    ap.add_argument("--pairs", type=int, default=2, help="old/new pairs per cell")
     ap.add_argument("--no-floors", action="store_true", help="skip the error checks and graph floors")
     a = ap.parse_args()
     cells = [tuple(int(x) for x in c.split("x")) for c in a.cells.split(",")] if a.cells else CELLS
@@ -204,7 +199,7 @@ def main() -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     base = OLD if a.sweep else default_decode_tile(16, torch.bfloat16, use_gluon=True)
     res: dict[str, object] = {"device": torch.cuda.get_device_name(), "base_tile": list(base)}
-    tiles = [base, base._replace(merge="last"), *(SMALL_TILES if a.sweep else [OLD, *FINAL_TILES])]
+    tiles = [base, *(SMALL_TILES if a.sweep else [OLD, *FINAL_TILES])]
     if not a.no_floors:
         res["errors"] = {str(tuple(t)): check(t) for t in tiles}
         res["floors"] = floors(a.rep)

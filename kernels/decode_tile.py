@@ -4,7 +4,7 @@ no device sync: the engine calls it with host-side lengths, once per step or per
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 import torch
 import triton
@@ -82,9 +82,7 @@ class DecodeTile(NamedTuple):
     """block_h heads x block_n keys per stage-1 program; v_splits 2 gives each half of the c_kv output
     columns its own program (a [block_h, kv_lora / 2] accumulator; both recompute the scores);
     keys_major computes scores as [keys, heads] (kv tile as the product's M side); kernel "gluon" runs
-    stage 1 as mla_decode_gluon.py's two-warpgroup kernel (64 x 64 x 8 warps, 2 stages only). merge "last"
-    (Triton, v_splits 1): no stage-2 launch; the last split program of each request merges it (one split:
-    stage 1 writes the output itself); "launch": stage 2 as its own kernel."""
+    stage 1 as mla_decode_gluon.py's two-warpgroup kernel (64 x 64 x 8 warps, 2 stages only)."""
 
     block_h: int
     block_n: int
@@ -96,7 +94,6 @@ class DecodeTile(NamedTuple):
     waves: int = WAVES  # stage-1 programs per SM the split count aims for (choose_num_kv_splits)
     whole_waves: bool = False  # round the split count down (no partial last wave), not up
     fixed_tiles: int = 0  # > 0: split count by splits_by_cost with this per-program cost in tiles, not waves
-    merge: Literal["launch", "last"] = "launch"
     per_sm: int = 1  # programs resident per SM (registers, shared memory): a wave for splits_by_cost
     min_split: int = MIN_TOKENS_PER_SPLIT  # fewest keys a split gets (splits_by_cost)
 

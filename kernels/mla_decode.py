@@ -14,12 +14,9 @@ an online softmax for BLOCK_H heads at once: one latent tile loaded from HBM ser
 re-reading the cache per head. It writes the split's normalised partial output and its log-sum-exp.
 Stage 2 (`_mla_decode_merge_kernel`): program (b, h) merges the P partials by their LSE weights.
 A split covers a whole number of BLOCK_N tiles (all but a request's last split), so no program pays for a
-partly empty tile mid-request. DecodeTile(merge="last") drops the stage-2 launch: the program that finishes a
-request last (a per-request count, reset by that program, so graph replays need no memset) merges it; with one
-split stage 1 writes the output. Opt-in: on the H200 it loses where a request has >= 8 splits (one program
-reads all the partials) and wins 2-3% only with a few long splits (BENCHMARKS.md, "mla16, session 4").
-decode_tile.py holds the tiles and split counts (re-exported here); DecodeTile(kernel="gluon") runs stage 1
-as mla_decode_gluon.py's kernel (H >= 64 on Hopper; the same partials, the same merge).
+partly empty tile mid-request. decode_tile.py holds the tiles and split counts (re-exported here);
+DecodeTile(kernel="gluon") runs stage 1 as mla_decode_gluon.py's kernel
+(H >= 64 on Hopper; the same partials, the same merge).
 """
 
 from __future__ import annotations
@@ -43,16 +40,15 @@ LOG2E = 1.4426950408889634  # exp(x) = exp2(x * log2(e)); exp2 is the native ins
 @triton.jit
 def _mla_decode_kernel(
     # pointers
-    q_ptr, kv_ptr, req_to_token_ptr, req_pool_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr, out_ptr, count_ptr,
+    q_ptr, kv_ptr, req_to_token_ptr, req_pool_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr,
     # sizes
     H, num_kv_splits, split_align, qk_scale,
     # strides
     stride_qb, stride_qh, stride_kvs, stride_rtr, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-    stride_ob, stride_oh,
     # constexpr
     KV_LORA: tl.constexpr, ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, V_SPLITS: tl.constexpr, KEYS_MAJOR: tl.constexpr,
-    EARLY_SLOTS: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, MERGE: tl.constexpr,
+    EARLY_SLOTS: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     # axis 0 = (head block, value split), fastest: the programs that read the same latent tiles start
     # side by side, so all but the first find the tile in L2 (H = 128, 64-head blocks: HBM read once).
@@ -113,53 +109,10 @@ def _mla_decode_kernel(
             m_i, l_i, acc = online_softmax_step(s, kv, m_i, l_i, acc, UPCAST, INPUT_PRECISION)
 
     out = acc / l_i[:, None]
-    hv_mask = h_mask[:, None] & v_mask[None, :]
-    if MERGE == "direct":  # one split: the normalised tile is the answer; no partials, no stage 2
-        o_rows = out_ptr + b * stride_ob + offs_h[:, None] * stride_oh
-        tl.store(o_rows + offs_v[None, :], out.to(out_ptr.dtype.element_ty), mask=hv_mask)
-        return
-    part = part_out_ptr + b * stride_pb + offs_h[:, None] * stride_ph + offs_v[None, :]
-    tl.store(part + split * stride_ps, out, mask=hv_mask)
-    lse = part_lse_ptr + b * stride_lb + offs_h * stride_lh
+    part = part_out_ptr + b * stride_pb + offs_h[:, None] * stride_ph + split * stride_ps + offs_v[None, :]
+    tl.store(part, out, mask=h_mask[:, None] & v_mask[None, :])
     if vs == 0:  # every value split computed the same scores: one writes the LSE
-        tl.store(lse + split, m_i + tl.log2(l_i), mask=h_mask)
-    if MERGE == "last":
-        # The request's last split program to finish merges its head block (v_splits 1 only): one launch
-        # fewer, and each merge starts as soon as its request is done instead of after the whole grid.
-        # bar.sync, then thread 0's acq_rel add (Triton runs a scalar atomic on one thread and broadcasts
-        # it): every thread's partial stores are released before the count moves (CUTLASS's semaphore).
-        tl.debug_barrier()
-        counter = count_ptr + b * tl.num_programs(0) + hb
-        live = tl.cdiv(seq_len, split_len)  # splits that wrote partials (stage 1's early return above)
-        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == live - 1:
-            o_rows = out_ptr + b * stride_ob + offs_h[:, None] * stride_oh
-            _merge_splits(part, lse, o_rows, live, stride_ps, offs_v, hv_mask, h_mask)
-            tl.store(counter, 0)  # left at zero for the next launch (eager or a graph replay): no memset
-
-
-@triton.jit
-def _merge_splits(part, lse, o_rows, live, stride_ps, offs_v, hv_mask, h_mask):
-    """out = sum_p exp2(lse_p) o_p / sum_p exp2(lse_p) over splits 0..live-1, for a [M, V] block of rows; a
-    running maximum keeps the weights <= 1. Split p + 1 is loaded while split p is summed (two 32 KB tiles
-    in flight at 16 heads x 512 columns); .cg reads L2, where the other programs' partials are. The order is
-    fixed (p = 0, 1, ...), so the bits do not depend on which program merges."""
-    o_next = tl.load(part, mask=hv_mask, other=0.0, cache_modifier=".cg")
-    l_next = tl.load(lse, mask=h_mask, other=0.0, cache_modifier=".cg")
-    m = tl.full(l_next.shape, float("-inf"), tl.float32)
-    w_sum = tl.zeros(l_next.shape, tl.float32)
-    acc = tl.zeros(o_next.shape, tl.float32)
-    for p in range(live):
-        o_p, l_p = o_next, l_next
-        nxt = tl.minimum(p + 1, live - 1)  # the last iteration re-reads its own split: no mask to build
-        o_next = tl.load(part + nxt * stride_ps, mask=hv_mask, other=0.0, cache_modifier=".cg")
-        l_next = tl.load(lse + nxt, mask=h_mask, other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m, l_p)
-        alpha = tl.exp2(m - m_new)
-        w = tl.exp2(l_p - m_new)
-        acc = acc * alpha[:, None] + o_p * w[:, None]
-        w_sum = w_sum * alpha + w
-        m = m_new
-    tl.store(o_rows + offs_v[None, :], (acc / w_sum[:, None]).to(o_rows.dtype.element_ty), mask=hv_mask)
+        tl.store(part_lse_ptr + b * stride_lb + offs_h * stride_lh + split, m_i + tl.log2(l_i), mask=h_mask)
 
 
 @triton.jit
@@ -249,14 +202,8 @@ def mla_decode(
     out = torch.empty((B, H, kv_lora_rank), dtype=q.dtype, device=q.device)
     if B == 0 or H == 0:
         return out
-    require(tile.merge in ("launch", "last"), f"merge {tile.merge!r} not in ('launch', 'last')")
-    merge = tile.merge if tile.kernel == "triton" else "launch"
-    if merge != "launch":
-        require(tile.v_splits == 1, f"merge {merge!r} needs v_splits 1, got {tile.v_splits}")
-        merge = "direct" if num_kv_splits == 1 else "last"
-    parts = 0 if merge == "direct" else num_kv_splits  # direct: stage 1 writes out, no partials
-    part_out = torch.empty((B, H, parts, kv_lora_rank), dtype=torch.float32, device=q.device)
-    part_lse = torch.empty((B, H, parts), dtype=torch.float32, device=q.device)
+    part_out = torch.empty((B, H, num_kv_splits, kv_lora_rank), dtype=torch.float32, device=q.device)
+    part_lse = torch.empty((B, H, num_kv_splits), dtype=torch.float32, device=q.device)
     block_c = max(16, triton.next_power_of_2(kv_lora_rank))
     block_r = max(16, triton.next_power_of_2(rope))
     require(block_c // tile.v_splits >= 16, f"kv_lora {kv_lora_rank} too small for {tile.v_splits} value splits")
@@ -270,34 +217,16 @@ def mla_decode(
         mg.mla_decode_stage1_gluon(q, kv_cache, req_to_token, req_pool_indices, seq_lens, part_out, part_lse,
                                    kv_lora_rank, sm_scale * LOG2E, tile.block_n)  # fmt: skip
     else:
-        counts = _merge_counts(q.device, B * tile.head_programs(H)) if merge == "last" else seq_lens
-        _stage1_triton(q, kv_cache, req_to_token, req_pool_indices, seq_lens, part_out, part_lse, out, counts,
-                       kv_lora_rank, sm_scale, num_kv_splits, tile, merge, block_c, block_r)  # fmt: skip
-    if merge == "launch":
-        _mla_decode_merge_kernel[(B, H)](
-            part_out, part_lse, seq_lens, out,
-            kv_lora_rank, num_kv_splits, tile.block_n,
-            part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
-            out.stride(0), out.stride(1),
-            BLOCK_P=max(2, triton.next_power_of_2(num_kv_splits)), BLOCK_C=block_c, num_warps=4,
-        )  # fmt: skip
+        _stage1_triton(q, kv_cache, req_to_token, req_pool_indices, seq_lens, part_out, part_lse, kv_lora_rank,
+                       sm_scale, tile, block_c, block_r)  # fmt: skip
+    _mla_decode_merge_kernel[(B, H)](
+        part_out, part_lse, seq_lens, out,
+        kv_lora_rank, num_kv_splits, tile.block_n,
+        part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
+        out.stride(0), out.stride(1),
+        BLOCK_P=max(2, triton.next_power_of_2(num_kv_splits)), BLOCK_C=block_c, num_warps=4,
+    )  # fmt: skip
     return out
-
-
-# merge="last" counters, per device: int32 zeros, one per (request, head block). Every launch leaves them at
-# zero (the merging program resets its count), so eager calls and graph replays share them with no memset.
-# Buffers are never freed once made: a captured graph keeps the address it was captured with.
-_COUNTS: dict[torch.device, list[torch.Tensor]] = {}
-
-
-def _merge_counts(device: torch.device, n: int) -> torch.Tensor:
-    bufs = _COUNTS.setdefault(device, [])
-    if not bufs or bufs[-1].numel() < n:
-        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        # zeros made inside a capture would be zeroed only when the graph replays, not for eager calls
-        require(not capturing, f"merge='last' needs {n} counters: call mla_decode once at this batch before capture")
-        bufs.append(torch.zeros(max(n, 1024), dtype=torch.int32, device=device))
-    return bufs[-1]
 
 
 def _stage1_triton(
@@ -308,27 +237,23 @@ def _stage1_triton(
     seq_lens: torch.Tensor,
     part_out: torch.Tensor,
     part_lse: torch.Tensor,
-    out: torch.Tensor,
-    counts: torch.Tensor,
     kv_lora_rank: int,
     sm_scale: float,
-    num_kv_splits: int,
     tile: DecodeTile,
-    merge: str,
     block_c: int,
     block_r: int,
 ) -> None:
     B, H, C = q.shape
+    num_kv_splits = part_out.shape[2]
     _mla_decode_kernel[(tile.head_programs(H), B, num_kv_splits)](
-        q, kv_cache, req_to_token, req_pool_indices, seq_lens, part_out, part_lse, out, counts,
+        q, kv_cache, req_to_token, req_pool_indices, seq_lens, part_out, part_lse,
         H, num_kv_splits, tile.block_n, sm_scale * LOG2E,
         q.stride(0), q.stride(1), kv_cache.stride(0), req_to_token.stride(0),
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
-        out.stride(0), out.stride(1),
         KV_LORA=kv_lora_rank, ROPE=C - kv_lora_rank, BLOCK_H=tile.block_h, BLOCK_N=tile.block_n,
         BLOCK_V=block_c // tile.v_splits, BLOCK_R=block_r, V_SPLITS=tile.v_splits, KEYS_MAJOR=tile.keys_major,
         EARLY_SLOTS=tile.num_stages >= 3, UPCAST=not q.is_cuda, INPUT_PRECISION=dot_precision(q.dtype == torch.float32),
-        MERGE=merge, num_warps=tile.num_warps, num_stages=tile.num_stages,
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
     )  # fmt: skip
 
 
