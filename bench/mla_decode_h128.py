@@ -1,7 +1,10 @@
 """H = 128 MLA decode on Hopper: the Gluon stage 1 at several split policies, graph-timed, against a bf16
 GEMM ceiling measured in the same run (issue 6 point 8: >= 50% of it at kv_len >= 8k).
 
-Run (GPU): python bench/mla_decode_h128.py   -> table on stdout, JSON in $OUT/mla_decode_h128.json
+Run (GPU): python bench/mla_decode_h128.py [--old-gluon PATH]   -> table on stdout, JSON in $OUT/mla_decode_h128.json
+
+--old-gluon: a previous kernels/mla_decode_gluon.py (e.g. `git show <rev>:kernels/mla_decode_gluon.py`), timed
+at the default's split count in the same run, its stage 1 swapped in for the installed one.
 
 Split policies (decode_tile.py): the launcher default (splits_by_cost), 8 programs per SM rounded up (the
 session-3 default) and 4 / 2 / 1 rounded down (whole waves). Run 6 also timed a 32-key x 4-stage schedule
@@ -13,15 +16,18 @@ B <= 64, 19-75 MB, partly hit L2: not goal cells).
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 from functools import partial
 from pathlib import Path
+from types import ModuleType
 
 import torch
-from sibling import load_sibling  # bench/sibling.py: python bench/<script>.py puts bench/ on the path
+from sibling import load_path, load_sibling  # bench/sibling.py: python bench/<script>.py puts bench/ on the path
 from triton.testing import do_bench
 
+from r3trace.kernels import mla_decode_gluon
 from r3trace.kernels.mla_decode import DecodeTile, default_decode_tile, mla_decode
 
 H, KV_LORA, ROPE = 128, 512, 64
@@ -29,7 +35,21 @@ CELLS = [(B, L) for B in (16, 64, 256) for L in (1024, 8192, 32768)] + [(48, 819
 WAVES = [(8, False), (4, True), (2, True), (1, True)]  # (programs per SM, whole waves)
 
 
+def old_gluon_ms(sw: ModuleType, old: ModuleType, fn: partial[torch.Tensor]) -> float:
+    """fn timed with the old stage 1 in place of mla_decode_gluon's (mla_decode looks it up per call)."""
+    new = mla_decode_gluon.mla_decode_stage1_gluon
+    mla_decode_gluon.mla_decode_stage1_gluon = old.mla_decode_stage1_gluon
+    try:
+        return float(sw.ms(fn))
+    finally:
+        mla_decode_gluon.mla_decode_stage1_gluon = new
+
+
 def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--old-gluon", default="", help="a previous mla_decode_gluon.py, timed at the default splits")
+    args = ap.parse_args()
+    old = load_path(args.old_gluon, "old_gluon") if args.old_gluon else None
     sw = load_sibling("mla_decode_sweep.py", "mla_sweep")
     sw.GRAPH = True  # CUDA-graph replays, as the engine decodes
     out_dir = Path(os.environ.get("OUT", "out"))
@@ -56,7 +76,14 @@ def main() -> None:
                 timed[splits] = sw.ms(partial(mla_decode, q, kv, r2t, rows, lens, KV_LORA, 576**-0.5, splits, default))
         rows_out = [{"splits": p, "ms": t, "TFLOPs": flops / t / 1e9, "pct_gemm": 100 * flops / t / 1e9 / gemm}
                     for p, t in timed.items()]  # fmt: skip
-        res["cells"].append({"B": B, "L": L, "policies": policies, "runs": rows_out})  # type: ignore[union-attr]
+        cell: dict[str, object] = {"B": B, "L": L, "policies": policies, "runs": rows_out}
+        if old is not None:
+            p = policies["default"]
+            t_old = old_gluon_ms(sw, old, partial(mla_decode, q, kv, r2t, rows, lens, KV_LORA, 576**-0.5, p, default))
+            cell["old"] = {"splits": p, "ms": t_old, "TFLOPs": flops / t_old / 1e9, "speedup": t_old / timed[p]}
+            print(f"B={B} L={L} old kernel at {p} splits: {t_old:.4f} ms, new {timed[p]:.4f} "
+                  f"({t_old / timed[p]:.2f}x)", flush=True)  # fmt: skip
+        res["cells"].append(cell)  # type: ignore[union-attr]
         best = min(rows_out, key=lambda r: r["ms"])
         print(f"B={B} L={L} splits {policies} | "
               + " ".join(f"{r['splits']}: {r['ms']:.4f} ({r['pct_gemm']:.1f}%)" for r in rows_out)
