@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from types import ModuleType
@@ -35,10 +36,10 @@ CELLS = [(B, L) for B in (16, 64, 256) for L in (1024, 8192, 32768)] + [(48, 819
 WAVES = [(8, False), (4, True), (2, True), (1, True)]  # (programs per SM, whole waves)
 
 
-def old_gluon_ms(sw: ModuleType, old: ModuleType, fn: partial[torch.Tensor]) -> float:
-    """fn timed with the old stage 1 in place of mla_decode_gluon's (mla_decode looks it up per call)."""
+def stage1_ms(sw: ModuleType, stage1: Callable[..., None], fn: partial[torch.Tensor]) -> float:
+    """fn timed with `stage1` in place of mla_decode_gluon's stage 1 (mla_decode looks it up per call)."""
     new = mla_decode_gluon.mla_decode_stage1_gluon
-    mla_decode_gluon.mla_decode_stage1_gluon = old.mla_decode_stage1_gluon
+    mla_decode_gluon.mla_decode_stage1_gluon = stage1
     try:
         return float(sw.ms(fn))
     finally:
@@ -49,7 +50,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--old-gluon", default="", help="a previous mla_decode_gluon.py, timed at the default splits")
     args = ap.parse_args()
-    old = load_path(args.old_gluon, "old_gluon") if args.old_gluon else None
+    variants: dict[str, Callable[..., None]] = {}  # stage 1s timed at the default's splits beside it
+    if args.old_gluon:
+        variants["old"] = load_path(args.old_gluon, "old_gluon").mla_decode_stage1_gluon
+    other = not mla_decode_gluon.PV_UNDER_S
+    variants[f"pv_under_s={other}"] = partial(mla_decode_gluon.mla_decode_stage1_gluon, pv_under_s=other)
     sw = load_sibling("mla_decode_sweep.py", "mla_sweep")
     sw.GRAPH = True  # CUDA-graph replays, as the engine decodes
     out_dir = Path(os.environ.get("OUT", "out"))
@@ -77,12 +82,13 @@ def main() -> None:
         rows_out = [{"splits": p, "ms": t, "TFLOPs": flops / t / 1e9, "pct_gemm": 100 * flops / t / 1e9 / gemm}
                     for p, t in timed.items()]  # fmt: skip
         cell: dict[str, object] = {"B": B, "L": L, "policies": policies, "runs": rows_out}
-        if old is not None:
-            p = policies["default"]
-            t_old = old_gluon_ms(sw, old, partial(mla_decode, q, kv, r2t, rows, lens, KV_LORA, 576**-0.5, p, default))
-            cell["old"] = {"splits": p, "ms": t_old, "TFLOPs": flops / t_old / 1e9, "speedup": t_old / timed[p]}
-            print(f"B={B} L={L} old kernel at {p} splits: {t_old:.4f} ms, new {timed[p]:.4f} "
-                  f"({t_old / timed[p]:.2f}x)", flush=True)  # fmt: skip
+        p = policies["default"]
+        call = partial(mla_decode, q, kv, r2t, rows, lens, KV_LORA, 576**-0.5, p, default)
+        for name, stage1 in variants.items():
+            t_v = stage1_ms(sw, stage1, call)
+            cell[name] = {"splits": p, "ms": t_v, "TFLOPs": flops / t_v / 1e9, "default_speedup": t_v / timed[p]}
+            print(f"B={B} L={L} {name} at {p} splits: {t_v:.4f} ms ({100 * flops / t_v / 1e9 / gemm:.1f}%), "
+                  f"default {timed[p]:.4f}: default {t_v / timed[p]:.2f}x faster", flush=True)  # fmt: skip
         res["cells"].append(cell)  # type: ignore[union-attr]
         best = min(rows_out, key=lambda r: r["ms"])
         print(f"B={B} L={L} splits {policies} | "
