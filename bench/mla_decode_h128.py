@@ -53,8 +53,6 @@ def main() -> None:
     variants: dict[str, Callable[..., None]] = {}  # stage 1s timed at the default's splits beside it
     if args.old_gluon:
         variants["old"] = load_path(args.old_gluon, "old_gluon").mla_decode_stage1_gluon
-    other = not mla_decode_gluon.PV_UNDER_S
-    variants[f"pv_under_s={other}"] = partial(mla_decode_gluon.mla_decode_stage1_gluon, pv_under_s=other)
     sw = load_sibling("mla_decode_sweep.py", "mla_sweep")
     sw.GRAPH = True  # CUDA-graph replays, as the engine decodes
     out_dir = Path(os.environ.get("OUT", "out"))

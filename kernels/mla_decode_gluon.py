@@ -35,35 +35,27 @@ BLOCK_N = 64  # keys a tile: S is 64 x 64, each warpgroup's half an instruction 
 NUM_WARPS = 8  # two warpgroups, [4, 2]: M over the warps of a group, N over the groups
 GLUON_KV_LORA = (128, 256, 512)  # each warpgroup's half of O: one wgmma of N = kv_lora / 2 <= 256
 GLUON_ROPE = (16, 32, 64, 128)  # a power of two (Gluon tensor shapes), >= one 16-wide wgmma K step
-PV_UNDER_S = False  # the default schedule (see _tile); bench/mla_decode_h128.py times both
 
 
 @gluon.jit
 def _tile(
     t, start, end, qk_scale, qv_s, qr_s, kv_t, kr_t, kv_n, kr_n, p_s, kv_ptr, r2t, stride_kvs,
     sl_v, sl_r, m_v, m_r, rows_v, rows_r, cols_v, cols_r, keys, s_zero, m_i, l_e, acc,
-    BLOCK_N: gl.constexpr, O_LAYOUT: gl.constexpr, PV_IN: gl.constexpr, PV_OUT: gl.constexpr,
+    BLOCK_N: gl.constexpr, O_LAYOUT: gl.constexpr,
 ):  # fmt: skip
     """One 64-key tile t from (kv_t, kr_t), with tile t+1's gather issued into (kv_n, kr_n). The two buffers
     are separate allocations, and the loop calls this twice an iteration with them swapped: with one
     [2, ...] allocation indexed by t % 2, the compiler's shared-memory hazard analysis cannot tell the
     buffer being filled from the one being read and adds a barrier between the gather and the scores
     (and one more before the wait; 6 barriers a tile with one allocation, 4 with two: SASS, bench/NOTES.md).
-
-    PV_UNDER_S: tile t-1's P V is left running when this call starts and tile t's scores queue behind it,
-    so the tensor cores go from one to the other without the drain, barrier and gather issue between
-    them; the gather of tile t+1 (into tile t-1's buffer) then waits for that P V, under the scores."""
+    Leaving a tile's P V running under the next tile's scores (one transition in two: across the loop's
+    back edge ptxas serialises every wgmma) was 1-4% slower (bench/NOTES.md, "mla128, session 4")."""
     dtype: gl.constexpr = kv_t.dtype
     async_copy.wait_group(0)  # this thread's copies of tile t (and q) landed: the only group in flight
     fence_async_shared()  # cp.async and P stores are generic-proxy writes; wgmma reads async
-    # every thread's copies of tile t landed, and every warpgroup waited for its P V of tile t-1 (without
-    # PV_UNDER_S), so the other buffer and P are free: one barrier where there were two (refill, data)
+    # every thread's copies of tile t landed, and every warpgroup waited for its P V of tile t-1, so the
+    # other buffer and P are free: one barrier where there were two (refill, then data)
     gl.thread_barrier()
-    if PV_IN:
-        s = warpgroup_mma(qv_s, kv_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s = warpgroup_mma(qr_s, kr_t.permute((1, 0)), s, is_async=True)
-        acc = warpgroup_mma_wait(2, deps=(acc,))  # tile t-1's P V done; the scores' two groups may run
-        gl.thread_barrier()  # ... in every warpgroup: its buffer (refilled next) is free
     async_copy.async_copy_global_to_shared(
         kv_n, kv_ptr + sl_v[:, None] * stride_kvs + cols_v[None, :], mask=m_v[:, None]
     )
@@ -77,9 +69,8 @@ def _tile(
     sl_v = gl.load(r2t + n2 + rows_v, mask=m_v, other=0).to(gl.int64)
     sl_r = gl.load(r2t + n2 + rows_r, mask=m_r, other=0).to(gl.int64)
 
-    if not PV_IN:
-        s = warpgroup_mma(qv_s, kv_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s = warpgroup_mma(qr_s, kr_t.permute((1, 0)), s, is_async=True)
+    s = warpgroup_mma(qv_s, kv_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    s = warpgroup_mma(qr_s, kr_t.permute((1, 0)), s, is_async=True)
     s = warpgroup_mma_wait(0, deps=(s,))
     visible = (start + t * BLOCK_N + keys) < end
     s = gl.where(visible[None, :], s * qk_scale, float("-inf"))  # log2 units
@@ -92,8 +83,7 @@ def _tile(
     gl.thread_barrier()  # both halves of P (one per warpgroup) written before either reads all of it
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]
     acc = warpgroup_mma(p_s, kv_t, acc, is_async=True)
-    # PV_UNDER_S: one group (this P V) left outstanding, waited for under the next call's scores
-    acc = warpgroup_mma_wait(1 if PV_OUT else 0, deps=(acc,))
+    acc = warpgroup_mma_wait(0, deps=(acc,))
     return sl_v, sl_r, m_v, m_r, m_new, l_e, acc
 
 
@@ -109,7 +99,7 @@ def _mla_decode_gluon_kernel(
     KV_LORA: gl.constexpr, ROPE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
     GATHER_V: gl.constexpr, GATHER_R: gl.constexpr, S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr,
     QV_SMEM: gl.constexpr, QR_SMEM: gl.constexpr, KV_SMEM: gl.constexpr, KR_SMEM: gl.constexpr,
-    P_SMEM: gl.constexpr, PV_UNDER_S: gl.constexpr,
+    P_SMEM: gl.constexpr,
 ):  # fmt: skip
     hb = gl.program_id(0)  # fastest axis: both head blocks of a (request, split) read each tile, via L2
     b = gl.program_id(1)
@@ -178,14 +168,12 @@ def _mla_decode_gluon_kernel(
             sl_v, sl_r, m_v, m_r, m_i, l_e, acc = _tile(
                 t, start, end, qk_scale, qv_s, qr_s, kv_a, kr_a, kv_b, kr_b, p_s, kv_ptr, r2t, stride_kvs,
                 sl_v, sl_r, m_v, m_r, rows_v, rows_r, cols_v, cols_r, keys, s_zero, m_i, l_e, acc,
-                BLOCK_N, O_LAYOUT, False, PV_UNDER_S)  # fmt: skip
+                BLOCK_N, O_LAYOUT)  # fmt: skip
             if t + 1 < num_tiles:
                 sl_v, sl_r, m_v, m_r, m_i, l_e, acc = _tile(
                     t + 1, start, end, qk_scale, qv_s, qr_s, kv_b, kr_b, kv_a, kr_a, p_s, kv_ptr, r2t, stride_kvs,
                     sl_v, sl_r, m_v, m_r, rows_v, rows_r, cols_v, cols_r, keys, s_zero, m_i, l_e, acc,
-                    BLOCK_N, O_LAYOUT, PV_UNDER_S, False)  # fmt: skip
-            else:
-                acc = warpgroup_mma_wait(0, deps=(acc,))
+                    BLOCK_N, O_LAYOUT)  # fmt: skip
         async_copy.wait_group(0)
 
         l_i = gl.sum(l_e, axis=1)
@@ -242,7 +230,6 @@ def mla_decode_stage1_gluon(
     kv_lora_rank: int,
     qk_scale: float,
     split_align: int,
-    pv_under_s: bool = PV_UNDER_S,
 ) -> None:
     """Fills part_out [B, H, P, kv_lora] fp32 and part_lse [B, H, P] (log2 units) as the Triton stage 1."""
     B, H, C = q.shape
@@ -255,5 +242,5 @@ def mla_decode_stage1_gluon(
         q.stride(0), q.stride(1), kv_cache.stride(0), req_to_token.stride(0),
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
         KV_LORA=kv_lora_rank, ROPE=C - kv_lora_rank, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N,
-        **_layouts(kv_lora_rank, C - kv_lora_rank, gdt), PV_UNDER_S=pv_under_s, num_warps=NUM_WARPS,
+        **_layouts(kv_lora_rank, C - kv_lora_rank, gdt), num_warps=NUM_WARPS,
     )  # fmt: skip
