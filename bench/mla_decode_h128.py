@@ -6,6 +6,12 @@ Run (GPU): python bench/mla_decode_h128.py [--old-gluon PATH]   -> table on stdo
 --old-gluon: a previous kernels/mla_decode_gluon.py (e.g. `git show <rev>:kernels/mla_decode_gluon.py`), timed
 at the default's split count in the same run, its stage 1 swapped in for the installed one.
 
+--parts: where a tile's time goes. The kernel's source with one part cut out (the P V wgmmas, the row max
+across the warpgroups, the exponentials, the score wgmmas, the in-loop gathers, the rescale of O), each
+timed at B = 16 / 8k and 64 / 8k beside the whole kernel; the results are wrong, only the times count. Also
+stage 2 (the merge) alone, graph-timed, at every cell's default split count. --variants NAME=0|1,...: the
+stage 1 with those constexpr flags (mla_decode_gluon.FLAGS) too, at the default splits.
+
 Split policies (decode_tile.py): the launcher default (splits_by_cost), 8 programs per SM rounded up (the
 session-3 default) and 4 / 2 / 1 rounded down (whole waves). Run 6 also timed a 32-key x 4-stage schedule
 with the next tile's scores under P V (17-22% slower; removed). B = 48 / 8k checks the cost model off the
@@ -46,13 +52,76 @@ def stage1_ms(sw: ModuleType, stage1: Callable[..., None], fn: partial[torch.Ten
         mla_decode_gluon.mla_decode_stage1_gluon = new
 
 
+# (name, source text, replacement): one part of _tile cut out; the replaced text must occur exactly once
+WAIT_S = "    s = warpgroup_mma_wait(0, deps=(s,))\n"
+GATHER = "    async_copy.async_copy_global_to_shared(\n        kv_n,"
+PARTS = [
+    ("no_pv", "    acc = warpgroup_mma(p_s, kv_t, acc, is_async=True)\n", ""),
+    ("no_rowmax", "    m_new = gl.maximum(m_i, gl.max(s, axis=1))\n", "    m_new = m_i * 0.0 + 8.0\n"),
+    ("no_exp", "    p = gl.exp2(s - m_new[:, None])\n", "    p = s - m_new[:, None]\n"),
+    ("no_scores", WAIT_S, WAIT_S.replace("\n", " * 0.0 + s_zero\n")),
+    ("no_gather", GATHER, "    if t < 0:\n      " + GATHER.lstrip()),
+    ("no_rescale", "    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]\n", ""),
+]
+
+
+def merge_ms(sw: ModuleType, B: int, L: int, splits: int) -> float:
+    """Stage 2 alone on [B, H, splits, kv_lora] fp32 partials, graph-timed like the whole call."""
+    from r3trace.kernels.mla_decode import _mla_decode_merge_kernel
+
+    part = torch.randn(B, H, splits, KV_LORA, device="cuda")
+    lse = torch.randn(B, H, splits, device="cuda")
+    lens = torch.full((B,), L, device="cuda", dtype=torch.int64)
+    o = torch.empty(B, H, KV_LORA, device="cuda", dtype=torch.bfloat16)
+
+    def merge() -> None:
+        _mla_decode_merge_kernel[(B, H)](
+            part, lse, lens, o, KV_LORA, splits, 64, part.stride(0), part.stride(1), part.stride(2),
+            lse.stride(0), lse.stride(1), o.stride(0), o.stride(1),
+            BLOCK_P=max(2, 1 << (splits - 1).bit_length()), BLOCK_C=KV_LORA, num_warps=4,
+        )  # fmt: skip
+
+    return float(sw.ms(merge))
+
+
+def parts(sw: ModuleType, out_dir: Path, res: dict[str, object]) -> None:
+    """Each PARTS cut timed against the whole kernel at two cells, then stage 2 alone at every cell."""
+    src = Path(mla_decode_gluon.__file__).read_text()
+    out: dict[str, object] = {}
+    mods = {"whole": mla_decode_gluon.mla_decode_stage1_gluon}
+    for name, old, new in PARTS:
+        assert src.count(old) == 1, name
+        path = out_dir / f"gluon_{name}.py"
+        path.write_text(src.replace(old, new))
+        mods[name] = load_path(path, f"gluon_{name}").mla_decode_stage1_gluon
+    default = default_decode_tile(H, torch.bfloat16, use_gluon=True)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for B, L in [(16, 8192), (64, 8192)]:
+        q, kv, r2t, rows, lens = sw.inputs(B, L, H)
+        p = default.num_kv_splits(B, H, L, sms)
+        call = partial(mla_decode, q, kv, r2t, rows, lens, KV_LORA, 576**-0.5, p, default)
+        times = {name: stage1_ms(sw, fn, call) for name, fn in mods.items()}
+        out[f"{B}/{L}"] = times
+        print(f"parts B={B} L={L} splits {p}: " + " ".join(f"{k} {v:.4f}" for k, v in times.items()), flush=True)
+    for B, L in CELLS:
+        p = default.num_kv_splits(B, H, L, sms)
+        out[f"merge {B}/{L}"] = t = merge_ms(sw, B, L, p)
+        print(f"stage 2 alone B={B} L={L} splits {p}: {t:.4f} ms", flush=True)
+    res["parts"] = out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--old-gluon", default="", help="a previous mla_decode_gluon.py, timed at the default splits")
+    ap.add_argument("--parts", action="store_true", help="time the kernel with parts cut out; stage 2 alone")
+    ap.add_argument("--variants", default="", help="NAME=0|1,...: the stage 1 with these constexpr flags too")
     args = ap.parse_args()
     variants: dict[str, Callable[..., None]] = {}  # stage 1s timed at the default's splits beside it
     if args.old_gluon:
         variants["old"] = load_path(args.old_gluon, "old_gluon").mla_decode_stage1_gluon
+    for flag in filter(None, args.variants.split(",")):
+        name, value = flag.split("=")
+        variants[flag] = partial(mla_decode_gluon.mla_decode_stage1_gluon, flags={name: bool(int(value))})
     sw = load_sibling("mla_decode_sweep.py", "mla_sweep")
     sw.GRAPH = True  # CUDA-graph replays, as the engine decodes
     out_dir = Path(os.environ.get("OUT", "out"))
@@ -67,8 +136,18 @@ def main() -> None:
     res: dict[str, object] = {"gemm_TFLOPs": gemm, "default": list(default), "cells": []}
     tiles = {"default": default} | {f"{w}w" + ("" if ww else "-up"): DecodeTile(64, 64, 8, 2, kernel="gluon",
              waves=w, whole_waves=ww) for w, ww in WAVES}  # fmt: skip
+    if args.parts:
+        parts(sw, out_dir, res)
     res["rel_err"] = sw.check(default, H)
     print(f"normwise error vs fp32 ref (page 1, mixed lengths, 7 splits): {res['rel_err']:.1e}", flush=True)
+    for name, stage1 in variants.items():
+        new = mla_decode_gluon.mla_decode_stage1_gluon
+        mla_decode_gluon.mla_decode_stage1_gluon = stage1
+        try:
+            res[f"rel_err {name}"] = err = sw.check(default, H)
+        finally:
+            mla_decode_gluon.mla_decode_stage1_gluon = new
+        print(f"  {name}: {err:.1e}", flush=True)
     for B, L in CELLS:
         q, kv, r2t, rows, lens = sw.inputs(B, L, H)
         flops = 2 * B * H * L * (KV_LORA + ROPE + KV_LORA)
