@@ -110,6 +110,15 @@ def parts(sw: ModuleType, out_dir: Path, res: dict[str, object]) -> None:
     res["parts"] = out
 
 
+def gemm_tflops() -> float:
+    """The ceiling: bf16 8192^3 torch.matmul, median TFLOP/s. It moved between runs on the same kind of
+    machine (795-796 in session 3b, 741-777 in session 4's first runs, the kernel's times within 1%), so
+    main() measures it before and after the cells."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    return 2 * 8192**3 / float(do_bench(partial(torch.matmul, a, b), warmup=25, rep=100, return_mode="median")) / 1e9
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--old-gluon", default="", help="a previous mla_decode_gluon.py, timed at the default splits")
@@ -127,10 +136,7 @@ def main() -> None:
     out_dir = Path(os.environ.get("OUT", "out"))
     out_dir.mkdir(parents=True, exist_ok=True)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    gemm = 2 * 8192**3 / float(do_bench(partial(torch.matmul, a, b), warmup=25, rep=100, return_mode="median")) / 1e9
-    del a, b
+    gemm = gemm_tflops()
     default = default_decode_tile(H, torch.bfloat16, use_gluon=True)
     print(f"bf16 GEMM 8192^3 {gemm:.0f} TFLOP/s; default tile {tuple(default)}", flush=True)
     res: dict[str, object] = {"gemm_TFLOPs": gemm, "default": list(default), "cells": []}
@@ -174,6 +180,9 @@ def main() -> None:
         (out_dir / "mla_decode_h128.json").write_text(json.dumps(res, indent=1))
         del q, kv
         torch.cuda.empty_cache()
+    res["gemm_TFLOPs_after"] = after = gemm_tflops()
+    print(f"bf16 GEMM 8192^3 after the cells: {after:.0f} TFLOP/s", flush=True)
+    (out_dir / "mla_decode_h128.json").write_text(json.dumps(res, indent=1))
 
 
 if __name__ == "__main__":

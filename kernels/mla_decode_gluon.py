@@ -36,16 +36,16 @@ NUM_WARPS = 8  # two warpgroups, [4, 2]: M over the warps of a group, N over the
 GLUON_KV_LORA = (128, 256, 512)  # each warpgroup's half of O: one wgmma of N = kv_lora / 2 <= 256
 GLUON_ROPE = (16, 32, 64, 128)  # a power of two (Gluon tensor shapes), >= one 16-wide wgmma K step
 # constexpr switches of the kernel, at their defaults; bench/mla_decode_h128.py --variants times others.
-# QR_REGS: q's rope columns held in registers (the A operand of their 4 score wgmmas), not re-read from
-# shared memory every tile.
-FLAGS = {"QR_REGS": False}
+# MAX_XCHG: the row max over a tile's 64 keys from each warpgroup's max over its 32, swapped through 512 B
+# of shared memory with one barrier, not gl.max's cross-warp reduction (two barriers).
+FLAGS = {"MAX_XCHG": False}
 
 
 @gluon.jit
 def _tile(
-    t, start, end, qk_scale, qv_s, qr_s, q_r, kv_t, kr_t, kv_n, kr_n, p_s, kv_ptr, r2t, stride_kvs,
+    t, start, end, qk_scale, qv_s, qr_s, mx_s, kv_t, kr_t, kv_n, kr_n, p_s, kv_ptr, r2t, stride_kvs,
     sl_v, sl_r, m_v, m_r, rows_v, rows_r, cols_v, cols_r, keys, s_zero, m_i, l_e, acc,
-    BLOCK_N: gl.constexpr, O_LAYOUT: gl.constexpr, QR_REGS: gl.constexpr,
+    BLOCK_N: gl.constexpr, O_LAYOUT: gl.constexpr, MAX_XCHG: gl.constexpr,
 ):  # fmt: skip
     """One 64-key tile t from (kv_t, kr_t), with tile t+1's gather issued into (kv_n, kr_n). The two buffers
     are separate allocations, and the loop calls this twice an iteration with them swapped: with one
@@ -74,11 +74,21 @@ def _tile(
     sl_r = gl.load(r2t + n2 + rows_r, mask=m_r, other=0).to(gl.int64)
 
     s = warpgroup_mma(qv_s, kv_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    s = warpgroup_mma(qr_s if not QR_REGS else q_r, kr_t.permute((1, 0)), s, is_async=True)
+    s = warpgroup_mma(qr_s, kr_t.permute((1, 0)), s, is_async=True)
     s = warpgroup_mma_wait(0, deps=(s,))
     visible = (start + t * BLOCK_N + keys) < end
     s = gl.where(visible[None, :], s * qk_scale, float("-inf"))  # log2 units
-    m_new = gl.maximum(m_i, gl.max(s, axis=1))
+    if MAX_XCHG:
+        # [64 heads, 2]: each warpgroup's max over its own 32 keys (a reduction inside each warp), stored
+        # warpgroup-major to mx_s [2 x 64], then both halves read back in the rows' own layout
+        half = gl.max(gl.reshape(s, [s.shape[0], 2, BLOCK_N // 2]), axis=2)
+        mx_s.store(gl.reshape(gl.permute(half, (1, 0)), [2 * s.shape[0]]))
+        gl.thread_barrier()
+        row: gl.constexpr = m_i.type.layout
+        m_tile = gl.maximum(mx_s.slice(0, s.shape[0]).load(row), mx_s.slice(s.shape[0], s.shape[0]).load(row))
+        m_new = gl.maximum(m_i, m_tile)
+    else:
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
     alpha = gl.exp2(m_i - m_new)
     p = gl.exp2(s - m_new[:, None])
     l_e = l_e * alpha[:, None] + p
@@ -103,7 +113,7 @@ def _mla_decode_gluon_kernel(
     KV_LORA: gl.constexpr, ROPE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
     GATHER_V: gl.constexpr, GATHER_R: gl.constexpr, S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr,
     QV_SMEM: gl.constexpr, QR_SMEM: gl.constexpr, KV_SMEM: gl.constexpr, KR_SMEM: gl.constexpr,
-    P_SMEM: gl.constexpr, QR_REGS: gl.constexpr,
+    P_SMEM: gl.constexpr, MAX_XCHG: gl.constexpr,
 ):  # fmt: skip
     hb = gl.program_id(0)  # fastest axis: both head blocks of a (request, split) read each tile, via L2
     b = gl.program_id(1)
@@ -128,6 +138,7 @@ def _mla_decode_gluon_kernel(
         kv_b = gl.allocate_shared_memory(dtype, [BLOCK_N, KV_LORA], KV_SMEM)  # odd tiles
         kr_b = gl.allocate_shared_memory(dtype, [BLOCK_N, ROPE], KR_SMEM)
         p_s = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], P_SMEM)
+        mx_s = gl.allocate_shared_memory(gl.float32, [2 * BLOCK_H], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
 
         # q [64, kv_lora + rope] by cp.async in the same group as tile 0's gather: the two latencies overlap
         # (a register load then a store put q's ~1 us ahead of the first gather: part of the ~4 tiles of
@@ -159,12 +170,6 @@ def _mla_decode_gluon_kernel(
         sl_v = gl.load(r2t + start + BLOCK_N + rows_v, mask=m_v, other=0).to(gl.int64)
         sl_r = gl.load(r2t + start + BLOCK_N + rows_r, mask=m_r, other=0).to(gl.int64)
 
-        if QR_REGS:
-            async_copy.wait_group(0)
-            gl.thread_barrier()
-            q_r = qr_s.load(gl.DotOperandLayout(0, S_LAYOUT, 2))
-        else:
-            q_r = 0
         m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_LAYOUT))
         # the row sums kept element-wise, [64 heads, 64 keys] (16 registers a thread), summed over keys once
         # after the loop: gl.sum over the keys each tile crossed the two warpgroups (each holds 32 keys of a
@@ -176,14 +181,14 @@ def _mla_decode_gluon_kernel(
         num_tiles = gl.cdiv(end - start, BLOCK_N)
         for t in range(0, num_tiles, 2):
             sl_v, sl_r, m_v, m_r, m_i, l_e, acc = _tile(
-                t, start, end, qk_scale, qv_s, qr_s, q_r, kv_a, kr_a, kv_b, kr_b, p_s, kv_ptr, r2t, stride_kvs,
+                t, start, end, qk_scale, qv_s, qr_s, mx_s, kv_a, kr_a, kv_b, kr_b, p_s, kv_ptr, r2t, stride_kvs,
                 sl_v, sl_r, m_v, m_r, rows_v, rows_r, cols_v, cols_r, keys, s_zero, m_i, l_e, acc,
-                BLOCK_N, O_LAYOUT, QR_REGS)  # fmt: skip
+                BLOCK_N, O_LAYOUT, MAX_XCHG)  # fmt: skip
             if t + 1 < num_tiles:
                 sl_v, sl_r, m_v, m_r, m_i, l_e, acc = _tile(
-                    t + 1, start, end, qk_scale, qv_s, qr_s, q_r, kv_b, kr_b, kv_a, kr_a, p_s, kv_ptr, r2t, stride_kvs,
+                    t + 1, start, end, qk_scale, qv_s, qr_s, mx_s, kv_b, kr_b, kv_a, kr_a, p_s, kv_ptr, r2t, stride_kvs,
                     sl_v, sl_r, m_v, m_r, rows_v, rows_r, cols_v, cols_r, keys, s_zero, m_i, l_e, acc,
-                    BLOCK_N, O_LAYOUT, QR_REGS)  # fmt: skip
+                    BLOCK_N, O_LAYOUT, MAX_XCHG)  # fmt: skip
         async_copy.wait_group(0)
 
         l_i = gl.sum(l_e, axis=1)
