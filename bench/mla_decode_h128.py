@@ -53,13 +53,17 @@ def stage1_ms(sw: ModuleType, stage1: Callable[..., None], fn: partial[torch.Ten
 
 
 # (name, source text, replacement): one part of _tile cut out; the replaced text must occur exactly once
-WAIT_S = "    s = warpgroup_mma_wait(0, deps=(s,))\n"
+SCORES = (
+    "    s = warpgroup_mma(qv_s, kv_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)\n"
+    "    s = warpgroup_mma(qr_s, kr_t.permute((1, 0)), s, is_async=True)\n"
+    "    s = warpgroup_mma_wait(0, deps=(s,))\n"
+)
 GATHER = "    async_copy.async_copy_global_to_shared(\n        kv_n,"
 PARTS = [
     ("no_pv", "    acc = warpgroup_mma(p_s, kv_t, acc, is_async=True)\n", ""),
     ("no_rowmax", "    m_new = gl.maximum(m_i, gl.max(s, axis=1))\n", "    m_new = m_i * 0.0 + 8.0\n"),
     ("no_exp", "    p = gl.exp2(s - m_new[:, None])\n", "    p = s - m_new[:, None]\n"),
-    ("no_scores", WAIT_S, WAIT_S.replace("\n", " * 0.0 + s_zero\n")),
+    ("no_scores", SCORES, "    s = s_zero + 0.0\n"),
     ("no_gather", GATHER, "    if t < 0:\n      " + GATHER.lstrip()),
     ("no_rescale", "    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]\n", ""),
 ]
