@@ -37,15 +37,17 @@ GLUON_KV_LORA = (128, 256, 512)  # each warpgroup's half of O: one wgmma of N = 
 GLUON_ROPE = (16, 32, 64, 128)  # a power of two (Gluon tensor shapes), >= one 16-wide wgmma K step
 # constexpr switches of the kernel, at their defaults; bench/mla_decode_h128.py --variants times others.
 # MAX_XCHG: the row max over a tile's 64 keys from each warpgroup's max over its 32, swapped through 512 B
-# of shared memory with one barrier, not gl.max's cross-warp reduction (two barriers).
-FLAGS = {"MAX_XCHG": False}
+# of shared memory with one barrier, not gl.max's cross-warp reduction (two barriers): 1-4% faster at
+# every H = 128 cell (bench/NOTES.md, "mla128, session 4", run 3).
+# GATHER_UNDER_S: the score wgmmas issued before the next tile's gather, not after it.
+FLAGS = {"MAX_XCHG": True, "GATHER_UNDER_S": False}
 
 
 @gluon.jit
 def _tile(
     t, start, end, qk_scale, qv_s, qr_s, mx_s, kv_t, kr_t, kv_n, kr_n, p_s, kv_ptr, r2t, stride_kvs,
     sl_v, sl_r, m_v, m_r, rows_v, rows_r, cols_v, cols_r, keys, s_zero, m_i, l_e, acc,
-    BLOCK_N: gl.constexpr, O_LAYOUT: gl.constexpr, MAX_XCHG: gl.constexpr,
+    BLOCK_N: gl.constexpr, O_LAYOUT: gl.constexpr, MAX_XCHG: gl.constexpr, GATHER_UNDER_S: gl.constexpr,
 ):  # fmt: skip
     """One 64-key tile t from (kv_t, kr_t), with tile t+1's gather issued into (kv_n, kr_n). The two buffers
     are separate allocations, and the loop calls this twice an iteration with them swapped: with one
@@ -60,6 +62,9 @@ def _tile(
     # every thread's copies of tile t landed, and every warpgroup waited for its P V of tile t-1, so the
     # other buffer and P are free: one barrier where there were two (refill, then data)
     gl.thread_barrier()
+    if GATHER_UNDER_S:  # the scores first: the gather's ~20 instructions a thread issue while they run
+        s = warpgroup_mma(qv_s, kv_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma(qr_s, kr_t.permute((1, 0)), s, is_async=True)
     async_copy.async_copy_global_to_shared(
         kv_n, kv_ptr + sl_v[:, None] * stride_kvs + cols_v[None, :], mask=m_v[:, None]
     )
@@ -73,8 +78,9 @@ def _tile(
     sl_v = gl.load(r2t + n2 + rows_v, mask=m_v, other=0).to(gl.int64)
     sl_r = gl.load(r2t + n2 + rows_r, mask=m_r, other=0).to(gl.int64)
 
-    s = warpgroup_mma(qv_s, kv_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    s = warpgroup_mma(qr_s, kr_t.permute((1, 0)), s, is_async=True)
+    if not GATHER_UNDER_S:
+        s = warpgroup_mma(qv_s, kv_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma(qr_s, kr_t.permute((1, 0)), s, is_async=True)
     s = warpgroup_mma_wait(0, deps=(s,))
     visible = (start + t * BLOCK_N + keys) < end
     s = gl.where(visible[None, :], s * qk_scale, float("-inf"))  # log2 units
@@ -113,7 +119,7 @@ def _mla_decode_gluon_kernel(
     KV_LORA: gl.constexpr, ROPE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
     GATHER_V: gl.constexpr, GATHER_R: gl.constexpr, S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr,
     QV_SMEM: gl.constexpr, QR_SMEM: gl.constexpr, KV_SMEM: gl.constexpr, KR_SMEM: gl.constexpr,
-    P_SMEM: gl.constexpr, MAX_XCHG: gl.constexpr,
+    P_SMEM: gl.constexpr, MAX_XCHG: gl.constexpr, GATHER_UNDER_S: gl.constexpr,
 ):  # fmt: skip
     hb = gl.program_id(0)  # fastest axis: both head blocks of a (request, split) read each tile, via L2
     b = gl.program_id(1)
@@ -183,12 +189,12 @@ def _mla_decode_gluon_kernel(
             sl_v, sl_r, m_v, m_r, m_i, l_e, acc = _tile(
                 t, start, end, qk_scale, qv_s, qr_s, mx_s, kv_a, kr_a, kv_b, kr_b, p_s, kv_ptr, r2t, stride_kvs,
                 sl_v, sl_r, m_v, m_r, rows_v, rows_r, cols_v, cols_r, keys, s_zero, m_i, l_e, acc,
-                BLOCK_N, O_LAYOUT, MAX_XCHG)  # fmt: skip
+                BLOCK_N, O_LAYOUT, MAX_XCHG, GATHER_UNDER_S)  # fmt: skip
             if t + 1 < num_tiles:
                 sl_v, sl_r, m_v, m_r, m_i, l_e, acc = _tile(
                     t + 1, start, end, qk_scale, qv_s, qr_s, mx_s, kv_b, kr_b, kv_a, kr_a, p_s, kv_ptr, r2t, stride_kvs,
                     sl_v, sl_r, m_v, m_r, rows_v, rows_r, cols_v, cols_r, keys, s_zero, m_i, l_e, acc,
-                    BLOCK_N, O_LAYOUT, MAX_XCHG)  # fmt: skip
+                    BLOCK_N, O_LAYOUT, MAX_XCHG, GATHER_UNDER_S)  # fmt: skip
         async_copy.wait_group(0)
 
         l_i = gl.sum(l_e, axis=1)

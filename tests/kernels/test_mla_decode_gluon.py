@@ -29,7 +29,9 @@ def _hopper() -> bool:
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Gluon decode kernel is sm_90 only")
-@pytest.mark.parametrize("max_xchg", [False, True], ids=["gl-max", "max-xchg"])
+@pytest.mark.parametrize(
+    "flags", [{}, {"MAX_XCHG": False}, {"GATHER_UNDER_S": True}], ids=["default", "gl-max", "gather-under-s"]
+)
 @pytest.mark.parametrize("page_size", [1, 64])
 @pytest.mark.parametrize(
     ("H", "kv_lora", "rope", "splits"),
@@ -37,13 +39,19 @@ def _hopper() -> bool:
     ids=["H128-7splits", "H64-1split", "H80-ragged", "kv256-rope32", "H16-64splits"],
 )  # fmt: skip
 def test_gluon_matches_ref(
-    H: int, kv_lora: int, rope: int, splits: int, page_size: int, max_xchg: bool, monkeypatch: pytest.MonkeyPatch
+    H: int,
+    kv_lora: int,
+    rope: int,
+    splits: int,
+    page_size: int,
+    flags: dict[str, bool],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Fresh data; H = 80 leaves a ragged second head block (16 of 64 rows live); 64 splits leave most of
-    the short requests' splits empty; page size 1 makes every row of a tile a separate gather. Both ways of
-    taking the row max (FLAGS["MAX_XCHG"]); the lengths give splits of odd and even tile counts (the loop
-    takes tiles in pairs)."""
-    stage1 = partial(mla_decode_gluon.mla_decode_stage1_gluon, flags={"MAX_XCHG": max_xchg})
+    the short requests' splits empty; page size 1 makes every row of a tile a separate gather. The default
+    FLAGS and each switch flipped; the lengths give splits of odd and even tile counts (the loop takes tiles
+    in pairs)."""
+    stage1 = partial(mla_decode_gluon.mla_decode_stage1_gluon, flags=flags)
     monkeypatch.setattr(mla_decode_gluon, "mla_decode_stage1_gluon", stage1)
     gen = torch.Generator().manual_seed(H + kv_lora + page_size)
     r2t, rows, S = paged_req_to_token(LENS, page_size, gen)
