@@ -14,6 +14,12 @@ tile 144 KB, P 8 KB: 224 KB of the 227 KB allowed), and the gather is cp.async r
 req_to_token (any page size) issued one tile ahead. It writes the same partial outputs and log-sum-exps as
 the Triton stage 1, so mla_decode's merge (stage 2) is shared.
 
+Barriers a tile: 4 (session 3's kernel: 9). Two written here (tile t landed and P V of tile t-1 done in
+every warpgroup; P stored), one the compiler adds after the cp.async wait, one in the row max (MAX_XCHG).
+The row sums need none (kept element-wise, summed once after the loop). Where a tile's time goes (H200,
+B = 64 / 8k, 3.0 us a tile, bench/NOTES.md "mla128, session 4"): scores 27%, P V 21%, gathers 21% (their
+74 KB of shared-memory writes compete with the wgmmas' operand reads), the rest softmax, barriers, waits.
+
 Gluon kernels do not run under TRITON_INTERPRET=1 (triton 3.6: gluon.jit launches through the active GPU
 driver, "0 active drivers" on CPU), so this path is covered by `gpu`-marked tests only; the CPU interpreter
 tests cover the Triton kernel. Requires sm_90, bf16/fp16, kv_lora in {128, 256, 512}, rope a power of two
@@ -39,8 +45,9 @@ GLUON_ROPE = (16, 32, 64, 128)  # a power of two (Gluon tensor shapes), >= one 1
 # MAX_XCHG: the row max over a tile's 64 keys from each warpgroup's max over its 32, swapped through 512 B
 # of shared memory with one barrier, not gl.max's cross-warp reduction (two barriers): 1-4% faster at
 # every H = 128 cell (bench/NOTES.md, "mla128, session 4", run 3).
-# GATHER_UNDER_S: the score wgmmas issued before the next tile's gather, not after it.
-FLAGS = {"MAX_XCHG": True, "GATHER_UNDER_S": False}
+# GATHER_UNDER_S: the score wgmmas issued before the next tile's gather, so its ~20 instructions a thread
+# issue while they run: 0.3-4% faster at 9 of the 10 H = 128 cells, 0.4% slower at B = 256 / 8k (run 4).
+FLAGS = {"MAX_XCHG": True, "GATHER_UNDER_S": True}
 
 
 @gluon.jit

@@ -30,7 +30,7 @@ def _hopper() -> bool:
 
 @pytest.mark.skipif(not _hopper(), reason="the Gluon decode kernel is sm_90 only")
 @pytest.mark.parametrize(
-    "flags", [{}, {"MAX_XCHG": False}, {"GATHER_UNDER_S": True}], ids=["default", "gl-max", "gather-under-s"]
+    "flags", [{}, {"MAX_XCHG": False}, {"GATHER_UNDER_S": False}], ids=["default", "gl-max", "gather-after-s"]
 )
 @pytest.mark.parametrize("page_size", [1, 64])
 @pytest.mark.parametrize(
