@@ -25,6 +25,9 @@ WAVES = 8
 # 9 (the 8-wave default) 0.510. A program's fixed cost F (q load 72 KB, first tile's latency, 128 KB partial
 # write) in tiles, fitted as time ~ waves x (tiles + F): 128 + 9F = 1.232 (128 + F) -> F = 3.8, which then
 # predicts 4 splits 0.450 and 2 splits 0.426. splits_by_cost minimises that model.
+# Session 4 (bench/NOTES.md, "mla128, session 4", runs 1-4; the kernel 1.06-1.13x faster, 4 barriers a tile):
+# the policy's split count was still the fastest of those timed (8 waves up, 4 / 2 / 1 whole waves) at all
+# ten cells in every run, so F = 4 stays.
 GLUON_FIXED_TILES = 4
 # Session 4 (mla16 run 1, graph-timed, caches rotated past L2): the H < 64 bf16 tile (16 x 32 x 4 warps, 3 stages)
 # compiles to 190 registers and 93 KB of shared memory (triton 3.6, sm_90): 2 programs per SM. Under that wave,

@@ -14,6 +14,12 @@ tile 144 KB, P 8 KB: 224 KB of the 227 KB allowed), and the gather is cp.async r
 req_to_token (any page size) issued one tile ahead. It writes the same partial outputs and log-sum-exps as
 the Triton stage 1, so mla_decode's merge (stage 2) is shared.
 
+Barriers a tile: 4 (session 3's kernel: 9). Two written here (tile t landed and P V of tile t-1 done in
+every warpgroup; P stored), one the compiler adds after the cp.async wait, one in the row max (MAX_XCHG).
+The row sums need none (kept element-wise, summed once after the loop). Where a tile's time goes (H200,
+B = 64 / 8k, 3.0 us a tile, bench/NOTES.md "mla128, session 4"): scores 27%, P V 21%, gathers 21% (their
+74 KB of shared-memory writes compete with the wgmmas' operand reads), the rest softmax, barriers, waits.
+
 Gluon kernels do not run under TRITON_INTERPRET=1 (triton 3.6: gluon.jit launches through the active GPU
 driver, "0 active drivers" on CPU), so this path is covered by `gpu`-marked tests only; the CPU interpreter
 tests cover the Triton kernel. Requires sm_90, bf16/fp16, kv_lora in {128, 256, 512}, rope a power of two
@@ -35,6 +41,77 @@ BLOCK_N = 64  # keys a tile: S is 64 x 64, each warpgroup's half an instruction 
 NUM_WARPS = 8  # two warpgroups, [4, 2]: M over the warps of a group, N over the groups
 GLUON_KV_LORA = (128, 256, 512)  # each warpgroup's half of O: one wgmma of N = kv_lora / 2 <= 256
 GLUON_ROPE = (16, 32, 64, 128)  # a power of two (Gluon tensor shapes), >= one 16-wide wgmma K step
+# constexpr switches of the kernel, at their defaults; bench/mla_decode_h128.py --variants times others.
+# MAX_XCHG: the row max over a tile's 64 keys from each warpgroup's max over its 32, swapped through 512 B
+# of shared memory with one barrier, not gl.max's cross-warp reduction (two barriers): 1-4% faster at
+# every H = 128 cell (bench/NOTES.md, "mla128, session 4", run 3).
+# GATHER_UNDER_S: the score wgmmas issued before the next tile's gather, so its ~20 instructions a thread
+# issue while they run: 0.3-4% faster at 9 of the 10 H = 128 cells, 0.4% slower at B = 256 / 8k (run 4).
+FLAGS = {"MAX_XCHG": True, "GATHER_UNDER_S": True}
+
+
+@gluon.jit
+def _tile(
+    t, start, end, qk_scale, qv_s, qr_s, mx_s, kv_t, kr_t, kv_n, kr_n, p_s, kv_ptr, r2t, stride_kvs,
+    sl_v, sl_r, m_v, m_r, rows_v, rows_r, cols_v, cols_r, keys, s_zero, m_i, l_e, acc,
+    BLOCK_N: gl.constexpr, O_LAYOUT: gl.constexpr, MAX_XCHG: gl.constexpr, GATHER_UNDER_S: gl.constexpr,
+):  # fmt: skip
+    """One 64-key tile t from (kv_t, kr_t), with tile t+1's gather issued into (kv_n, kr_n). The two buffers
+    are separate allocations, and the loop calls this twice an iteration with them swapped: with one
+    [2, ...] allocation indexed by t % 2, the compiler's shared-memory hazard analysis cannot tell the
+    buffer being filled from the one being read and adds a barrier between the gather and the scores
+    (and one more before the wait; 6 barriers a tile with one allocation, 4 with two: SASS, bench/NOTES.md).
+    Leaving a tile's P V running under the next tile's scores (one transition in two: across the loop's
+    back edge ptxas serialises every wgmma) was 1-4% slower (bench/NOTES.md, "mla128, session 4")."""
+    dtype: gl.constexpr = kv_t.dtype
+    async_copy.wait_group(0)  # this thread's copies of tile t (and q) landed: the only group in flight
+    fence_async_shared()  # cp.async and P stores are generic-proxy writes; wgmma reads async
+    # every thread's copies of tile t landed, and every warpgroup waited for its P V of tile t-1, so the
+    # other buffer and P are free: one barrier where there were two (refill, then data)
+    gl.thread_barrier()
+    if GATHER_UNDER_S:  # the scores first: the gather's ~20 instructions a thread issue while they run
+        s = warpgroup_mma(qv_s, kv_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma(qr_s, kr_t.permute((1, 0)), s, is_async=True)
+    async_copy.async_copy_global_to_shared(
+        kv_n, kv_ptr + sl_v[:, None] * stride_kvs + cols_v[None, :], mask=m_v[:, None]
+    )
+    async_copy.async_copy_global_to_shared(
+        kr_n, kv_ptr + sl_r[:, None] * stride_kvs + cols_r[None, :], mask=m_r[:, None]
+    )
+    async_copy.commit_group()
+    n2 = start + (t + 2) * BLOCK_N  # tile t+2's slots, for the gather the next call issues
+    m_v = (n2 + rows_v) < end
+    m_r = (n2 + rows_r) < end
+    sl_v = gl.load(r2t + n2 + rows_v, mask=m_v, other=0).to(gl.int64)
+    sl_r = gl.load(r2t + n2 + rows_r, mask=m_r, other=0).to(gl.int64)
+
+    if not GATHER_UNDER_S:
+        s = warpgroup_mma(qv_s, kv_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma(qr_s, kr_t.permute((1, 0)), s, is_async=True)
+    s = warpgroup_mma_wait(0, deps=(s,))
+    visible = (start + t * BLOCK_N + keys) < end
+    s = gl.where(visible[None, :], s * qk_scale, float("-inf"))  # log2 units
+    if MAX_XCHG:
+        # [64 heads, 2]: each warpgroup's max over its own 32 keys (a reduction inside each warp), stored
+        # warpgroup-major to mx_s [2 x 64], then both halves read back in the rows' own layout
+        half = gl.max(gl.reshape(s, [s.shape[0], 2, BLOCK_N // 2]), axis=2)
+        mx_s.store(gl.reshape(gl.permute(half, (1, 0)), [2 * s.shape[0]]))
+        gl.thread_barrier()
+        row: gl.constexpr = m_i.type.layout
+        m_tile = gl.maximum(mx_s.slice(0, s.shape[0]).load(row), mx_s.slice(s.shape[0], s.shape[0]).load(row))
+        m_new = gl.maximum(m_i, m_tile)
+    else:
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(s - m_new[:, None])
+    l_e = l_e * alpha[:, None] + p
+    p_s.store(p.to(dtype))
+    fence_async_shared()
+    gl.thread_barrier()  # both halves of P (one per warpgroup) written before either reads all of it
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]
+    acc = warpgroup_mma(p_s, kv_t, acc, is_async=True)
+    acc = warpgroup_mma_wait(0, deps=(acc,))
+    return sl_v, sl_r, m_v, m_r, m_new, l_e, acc
 
 
 @gluon.jit
@@ -49,7 +126,7 @@ def _mla_decode_gluon_kernel(
     KV_LORA: gl.constexpr, ROPE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
     GATHER_V: gl.constexpr, GATHER_R: gl.constexpr, S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr,
     QV_SMEM: gl.constexpr, QR_SMEM: gl.constexpr, KV_SMEM: gl.constexpr, KR_SMEM: gl.constexpr,
-    P_SMEM: gl.constexpr,
+    P_SMEM: gl.constexpr, MAX_XCHG: gl.constexpr, GATHER_UNDER_S: gl.constexpr,
 ):  # fmt: skip
     hb = gl.program_id(0)  # fastest axis: both head blocks of a (request, split) read each tile, via L2
     b = gl.program_id(1)
@@ -61,22 +138,31 @@ def _mla_decode_gluon_kernel(
     end = gl.minimum(start + split_len, seq_len)
     if start < end:  # else: more splits than this request needs; stage 2 skips the split too
         dtype: gl.constexpr = q_ptr.dtype.element_ty
-        # q [64, kv_lora] and [64, rope] into shared memory once (masked heads: zeros, never stored)
         rows_v = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, GATHER_V))
         cols_v = gl.arange(0, KV_LORA, layout=gl.SliceLayout(0, GATHER_V))
         rows_r = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, GATHER_R))
         cols_r = KV_LORA + gl.arange(0, ROPE, layout=gl.SliceLayout(0, GATHER_R))
         h_v = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, GATHER_V))
         h_r = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, GATHER_R))
-        q_b = q_ptr + b * stride_qb
-        q_v = gl.load(q_b + h_v[:, None] * stride_qh + cols_v[None, :], mask=(h_v < H)[:, None], other=0.0)
-        q_r = gl.load(q_b + h_r[:, None] * stride_qh + cols_r[None, :], mask=(h_r < H)[:, None], other=0.0)
-        qv_s = gl.allocate_shared_memory(dtype, [BLOCK_H, KV_LORA], QV_SMEM, q_v)
-        qr_s = gl.allocate_shared_memory(dtype, [BLOCK_H, ROPE], QR_SMEM, q_r)
-        kv_s = gl.allocate_shared_memory(dtype, [2, BLOCK_N, KV_LORA], KV_SMEM)
-        kr_s = gl.allocate_shared_memory(dtype, [2, BLOCK_N, ROPE], KR_SMEM)
+        qv_s = gl.allocate_shared_memory(dtype, [BLOCK_H, KV_LORA], QV_SMEM)
+        qr_s = gl.allocate_shared_memory(dtype, [BLOCK_H, ROPE], QR_SMEM)
+        kv_a = gl.allocate_shared_memory(dtype, [BLOCK_N, KV_LORA], KV_SMEM)  # even tiles
+        kr_a = gl.allocate_shared_memory(dtype, [BLOCK_N, ROPE], KR_SMEM)
+        kv_b = gl.allocate_shared_memory(dtype, [BLOCK_N, KV_LORA], KV_SMEM)  # odd tiles
+        kr_b = gl.allocate_shared_memory(dtype, [BLOCK_N, ROPE], KR_SMEM)
         p_s = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], P_SMEM)
+        mx_s = gl.allocate_shared_memory(gl.float32, [2 * BLOCK_H], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
 
+        # q [64, kv_lora + rope] by cp.async in the same group as tile 0's gather: the two latencies overlap
+        # (a register load then a store put q's ~1 us ahead of the first gather: part of the ~4 tiles of
+        # fixed cost per program that bench/NOTES.md fitted). Masked heads are zero-filled, never stored.
+        q_b = q_ptr + b * stride_qb
+        async_copy.async_copy_global_to_shared(
+            qv_s, q_b + h_v[:, None] * stride_qh + cols_v[None, :], mask=(h_v < H)[:, None]
+        )
+        async_copy.async_copy_global_to_shared(
+            qr_s, q_b + h_r[:, None] * stride_qh + cols_r[None, :], mask=(h_r < H)[:, None]
+        )
         r2t = req_to_token_ptr + req_row * stride_rtr
         # tile 0's gather; masked rows (past end) are zero-filled by cp.async and read no memory
         m_v = (start + rows_v) < end
@@ -84,60 +170,41 @@ def _mla_decode_gluon_kernel(
         sl_v = gl.load(r2t + start + rows_v, mask=m_v, other=0).to(gl.int64)
         sl_r = gl.load(r2t + start + rows_r, mask=m_r, other=0).to(gl.int64)
         async_copy.async_copy_global_to_shared(
-            kv_s.index(0), kv_ptr + sl_v[:, None] * stride_kvs + cols_v[None, :], mask=m_v[:, None])
+            kv_a, kv_ptr + sl_v[:, None] * stride_kvs + cols_v[None, :], mask=m_v[:, None]
+        )
         async_copy.async_copy_global_to_shared(
-            kr_s.index(0), kv_ptr + sl_r[:, None] * stride_kvs + cols_r[None, :], mask=m_r[:, None])
+            kr_a, kv_ptr + sl_r[:, None] * stride_kvs + cols_r[None, :], mask=m_r[:, None]
+        )
         async_copy.commit_group()
-        # tile 1's slots, one iteration early: the gather issued at the top of an iteration then waits
-        # on no load of its own (the Triton kernel's EARLY_SLOTS, for the same reason)
+        # tile 1's slots, one iteration early: the gather issued in an iteration then waits on no load of
+        # its own (the Triton kernel's EARLY_SLOTS, for the same reason)
         m_v = (start + BLOCK_N + rows_v) < end
         m_r = (start + BLOCK_N + rows_r) < end
         sl_v = gl.load(r2t + start + BLOCK_N + rows_v, mask=m_v, other=0).to(gl.int64)
         sl_r = gl.load(r2t + start + BLOCK_N + rows_r, mask=m_r, other=0).to(gl.int64)
 
         m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_LAYOUT))
-        l_i = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(1, S_LAYOUT))
+        # the row sums kept element-wise, [64 heads, 64 keys] (16 registers a thread), summed over keys once
+        # after the loop: gl.sum over the keys each tile crossed the two warpgroups (each holds 32 keys of a
+        # row) through shared memory and a barrier, one of the two cross-warpgroup reductions a tile
+        l_e = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=S_LAYOUT)
         acc = gl.zeros([BLOCK_H, KV_LORA], gl.float32, layout=O_LAYOUT)
         s_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=S_LAYOUT)
         keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
         num_tiles = gl.cdiv(end - start, BLOCK_N)
-        for t in range(num_tiles):
-            cur = t % 2
-            n1 = start + (t + 1) * BLOCK_N
-            # every warpgroup has waited for its wgmmas of tile t-1 (the buffer refilled below) and of P
-            gl.thread_barrier()
-            async_copy.async_copy_global_to_shared(
-                kv_s.index(1 - cur), kv_ptr + sl_v[:, None] * stride_kvs + cols_v[None, :], mask=m_v[:, None])
-            async_copy.async_copy_global_to_shared(
-                kr_s.index(1 - cur), kv_ptr + sl_r[:, None] * stride_kvs + cols_r[None, :], mask=m_r[:, None])
-            async_copy.commit_group()
-            m_v = (n1 + BLOCK_N + rows_v) < end
-            m_r = (n1 + BLOCK_N + rows_r) < end
-            sl_v = gl.load(r2t + n1 + BLOCK_N + rows_v, mask=m_v, other=0).to(gl.int64)
-            sl_r = gl.load(r2t + n1 + BLOCK_N + rows_r, mask=m_r, other=0).to(gl.int64)
-            async_copy.wait_group(1)  # this thread's copies of tile t landed (tile t+1's may fly)
-            fence_async_shared()  # cp.async and q/P stores are generic-proxy writes; wgmma reads async
-            gl.thread_barrier()  # ... and every thread's copies landed
-
-            kv_t = kv_s.index(cur)
-            s = warpgroup_mma(qv_s, kv_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            s = warpgroup_mma(qr_s, kr_s.index(cur).permute((1, 0)), s, is_async=True)
-            s = warpgroup_mma_wait(0, deps=(s,))
-            visible = (start + t * BLOCK_N + keys) < end
-            s = gl.where(visible[None, :], s * qk_scale, float("-inf"))  # log2 units
-            m_new = gl.maximum(m_i, gl.max(s, axis=1))
-            alpha = gl.exp2(m_i - m_new)
-            p = gl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + gl.sum(p, axis=1)
-            m_i = m_new
-            p_s.store(p.to(dtype))
-            fence_async_shared()
-            gl.thread_barrier()  # both halves of P (one per warpgroup) written before either reads all of it
-            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]
-            acc = warpgroup_mma(p_s, kv_t, acc, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=(acc,))
+        for t in range(0, num_tiles, 2):
+            sl_v, sl_r, m_v, m_r, m_i, l_e, acc = _tile(
+                t, start, end, qk_scale, qv_s, qr_s, mx_s, kv_a, kr_a, kv_b, kr_b, p_s, kv_ptr, r2t, stride_kvs,
+                sl_v, sl_r, m_v, m_r, rows_v, rows_r, cols_v, cols_r, keys, s_zero, m_i, l_e, acc,
+                BLOCK_N, O_LAYOUT, MAX_XCHG, GATHER_UNDER_S)  # fmt: skip
+            if t + 1 < num_tiles:
+                sl_v, sl_r, m_v, m_r, m_i, l_e, acc = _tile(
+                    t + 1, start, end, qk_scale, qv_s, qr_s, mx_s, kv_b, kr_b, kv_a, kr_a, p_s, kv_ptr, r2t, stride_kvs,
+                    sl_v, sl_r, m_v, m_r, rows_v, rows_r, cols_v, cols_r, keys, s_zero, m_i, l_e, acc,
+                    BLOCK_N, O_LAYOUT, MAX_XCHG, GATHER_UNDER_S)  # fmt: skip
         async_copy.wait_group(0)
 
+        l_i = gl.sum(l_e, axis=1)
         out = acc / gl.convert_layout(l_i, gl.SliceLayout(1, O_LAYOUT))[:, None]
         h_o = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, O_LAYOUT))
         c_o = gl.arange(0, KV_LORA, layout=gl.SliceLayout(0, O_LAYOUT))
@@ -191,6 +258,7 @@ def mla_decode_stage1_gluon(
     kv_lora_rank: int,
     qk_scale: float,
     split_align: int,
+    flags: dict[str, bool] | None = None,
 ) -> None:
     """Fills part_out [B, H, P, kv_lora] fp32 and part_lse [B, H, P] (log2 units) as the Triton stage 1."""
     B, H, C = q.shape
@@ -203,5 +271,5 @@ def mla_decode_stage1_gluon(
         q.stride(0), q.stride(1), kv_cache.stride(0), req_to_token.stride(0),
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
         KV_LORA=kv_lora_rank, ROPE=C - kv_lora_rank, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N,
-        **_layouts(kv_lora_rank, C - kv_lora_rank, gdt), num_warps=NUM_WARPS,
+        **_layouts(kv_lora_rank, C - kv_lora_rank, gdt), **(FLAGS | (flags or {})), num_warps=NUM_WARPS,
     )  # fmt: skip

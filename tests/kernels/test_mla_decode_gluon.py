@@ -7,9 +7,12 @@ tests are `gpu`-marked; test_mla_decode.py covers the Triton kernel on CPU. Run 
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
+from r3trace.kernels import mla_decode_gluon
 from r3trace.kernels.contract import KernelInputError
 from r3trace.kernels.mla_decode import DecodeTile, mla_decode, mla_decode_ref
 from tests.kernels.conftest import assert_close_to_ref, gpu, paged_req_to_token, requires_gpu, requires_triton
@@ -26,15 +29,30 @@ def _hopper() -> bool:
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Gluon decode kernel is sm_90 only")
+@pytest.mark.parametrize(
+    "flags", [{}, {"MAX_XCHG": False}, {"GATHER_UNDER_S": False}], ids=["default", "gl-max", "gather-after-s"]
+)
 @pytest.mark.parametrize("page_size", [1, 64])
 @pytest.mark.parametrize(
     ("H", "kv_lora", "rope", "splits"),
     [(128, 512, 64, 7), (64, 512, 64, 1), (80, 512, 64, 5), (128, 256, 32, 3), (16, 512, 64, 64)],
     ids=["H128-7splits", "H64-1split", "H80-ragged", "kv256-rope32", "H16-64splits"],
 )  # fmt: skip
-def test_gluon_matches_ref(H: int, kv_lora: int, rope: int, splits: int, page_size: int) -> None:
+def test_gluon_matches_ref(
+    H: int,
+    kv_lora: int,
+    rope: int,
+    splits: int,
+    page_size: int,
+    flags: dict[str, bool],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Fresh data; H = 80 leaves a ragged second head block (16 of 64 rows live); 64 splits leave most of
-    the short requests' splits empty; page size 1 makes every row of a tile a separate gather."""
+    the short requests' splits empty; page size 1 makes every row of a tile a separate gather. The default
+    FLAGS and each switch flipped; the lengths give splits of odd and even tile counts (the loop takes tiles
+    in pairs)."""
+    stage1 = partial(mla_decode_gluon.mla_decode_stage1_gluon, flags=flags)
+    monkeypatch.setattr(mla_decode_gluon, "mla_decode_stage1_gluon", stage1)
     gen = torch.Generator().manual_seed(H + kv_lora + page_size)
     r2t, rows, S = paged_req_to_token(LENS, page_size, gen)
     q = torch.randn(len(LENS), H, kv_lora + rope, generator=gen).cuda().bfloat16()
