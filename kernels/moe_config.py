@@ -22,6 +22,7 @@ class GemmTile(NamedTuple):
     num_stages: int
     interleave: bool = False  # gate_up only: one N = 2 BLOCK_N product instead of two of BLOCK_N
     n_split: int = 0  # down only, used when block_k >= I: A read once, n_split programs per block walk N
+    tma: bool = False  # weight tiles (and the down's A tiles when act is sorted) through TMA descriptors
 
 
 class GemvTile(NamedTuple):
@@ -43,6 +44,7 @@ class MoeConfig(NamedTuple):
     gate_up: GemmTile
     down: GemmTile
     gemv: GemvTile | None = None  # set: the align-free decode path (block_m, gate_up, down unused)
+    sorted_act: bool = False  # act [P, I] at the pairs' sorted positions: contiguous gate_up stores, down A rows
 
 
 def same_tiles(block_m: int, block_n: int, block_k: int, group_m: int, warps: int, stages: int) -> MoeConfig:
