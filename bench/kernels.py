@@ -227,7 +227,8 @@ UP_TILES = {
 # session 4 (large T): weights through TMA descriptors (interleaved: one [1, BN, 2, BK] box; plain: two boxes)
 UP_TILES[128] = [GemmTile(128, 64, 8, 8, 3, True), GemmTile(128, 64, 8, 8, 3, True, tma=True),
                  GemmTile(128, 64, 8, 8, 4, True, tma=True), GemmTile(128, 64, 8, 8, 3, tma=True),
-                 GemmTile(128, 64, 8, 8, 4, tma=True)]  # fmt: skip
+                 GemmTile(128, 64, 8, 8, 4, tma=True), GemmTile(128, 64, 8, 8, 3, True, half_tail=True),
+                 GemmTile(128, 64, 8, 8, 3, True, tma=True, half_tail=True)]  # fmt: skip
 DOWN_TILES = {
     16: [GemmTile(64, 128, 1, 4, 4), GemmTile(64, 256, 1, 4, 3, n_split=16), GemmTile(32, 256, 1, 4, 4, n_split=32),
          GemmTile(128, 256, 1, 4, 2, n_split=8)],
@@ -239,7 +240,9 @@ DOWN_TILES = {
 DOWN_TILES[128] = [GemmTile(256, 64, 8, 8, 3), GemmTile(256, 64, 8, 8, 3, tma=True),
                    GemmTile(256, 64, 8, 8, 4, tma=True),
                    GemmTile(64, 256, 8, 8, 3, n_split=4), GemmTile(64, 256, 8, 8, 3, n_split=4, tma=True),
-                   GemmTile(128, 256, 8, 8, 2, n_split=4, tma=True)]  # fmt: skip
+                   GemmTile(128, 256, 8, 8, 2, n_split=4, tma=True),
+                   GemmTile(256, 64, 8, 8, 3, tma=True, half_tail=True),
+                   GemmTile(64, 256, 8, 8, 3, n_split=4, tma=True, half_tail=True)]  # fmt: skip
 # act at the sorted positions (MoeConfig.sorted_act) changes the gate_up's store and the down's A: swept as
 # both values at BLOCK_M 128, each GEMM's best composed per value
 SORTED_SWEEP = {128: (False, True)}
@@ -583,6 +586,7 @@ def markdown(res: dict) -> str:
               "loop ms | vs loop | touched-read ms | x read |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     def tile(t: list) -> str:  # (bn, bk, g, w, s[, il][, split n]), as BENCHMARKS.md prints them
         flags = ["il"] * bool(t[5]) + [f"split {t[6]}"] * bool(t[6]) + ["tma"] * bool(t[7:8] and t[7])
+        flags += ["half"] * bool(t[8:9] and t[8])
         return "(" + ", ".join([*map(str, t[:5]), *flags]) + ")"
 
     for r in res.get("moe", []):

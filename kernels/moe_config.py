@@ -23,6 +23,7 @@ class GemmTile(NamedTuple):
     interleave: bool = False  # gate_up only: one N = 2 BLOCK_N product instead of two of BLOCK_N
     n_split: int = 0  # down only, used when block_k >= I: A read once, n_split programs per block walk N
     tma: bool = False  # weight tiles (and the down's A tiles when act is sorted) through TMA descriptors
+    half_tail: bool = False  # blocks padded from row BLOCK_M / 2 on run a BLOCK_M / 2 body
 
 
 class GemvTile(NamedTuple):
