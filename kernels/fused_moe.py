@@ -14,6 +14,10 @@ Pipeline (SGLang's fused_moe layout, 4-5 launches, no host sync, so it can sit i
      is loaded once for both), written in the activation dtype.
   3. moe_down: y [M, D] = topk_weight * (act W2^T). Its own tiles: N = D is long and K = I short.
   4. moe_sum: out [T, D] = sum over k of y, fp32 accumulation, skipping ids of -1.
+Options (kernels/moe_config.py): weight tiles through TMA descriptors (GemmTile.tma, the default from 128 rows
+per expert on: no per-thread address math for 2/3 of each stage's bytes; the gate_up's A is a row gather, which
+Hopper's TMA cannot do); act stored at the pairs' sorted positions (MoeConfig.sorted_act: contiguous rows, the
+down's A through TMA too; a tie with the default in session 4's runs, so off).
 moe_config (kernels/moe_config.py) may instead pick the gemv path (kernels/moe_gemv.py): no align, two
 launches (T = 1 at I <= 256).
 The y [M, D] round trip stays. Measured (bench/NOTES.md "Fused MoE, session 3" run 5, commit 6c060c6): the
@@ -47,27 +51,57 @@ __all__ = [
 
 
 @triton.jit
-def _moe_block(
-    # pointers
-    a_ptr, w_ptr, out_ptr, topk_weights_ptr, a_desc, w_desc,
-    # this program's block: BLOCK_M rows from row0 (pairs: their pair ids), expert, N tile
-    pairs, row0, expert, pid_n,
+def _fused_moe_kernel(
+    # pointers (a_desc / w_desc: TMA descriptors of a and w when A_TMA / W_TMA, else unused)
+    a_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, topk_weights_ptr, a_desc, w_desc,
     # sizes
-    N, KDIM, num_pairs, a_row_div,
+    N, KDIM, num_pairs, cap, a_row_div,
     # strides
     stride_am, stride_we, stride_wn, stride_om,
     # constexpr
     GATE_UP: tl.constexpr, EVEN_K: tl.constexpr, INTERLEAVE: tl.constexpr, W_COLS: tl.constexpr,
     N_SPLIT: tl.constexpr, SORTED: tl.constexpr, A_TMA: tl.constexpr, W_TMA: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    offs_m = row0 + tl.arange(0, BLOCK_M)
+    # GATE_UP: out[pair, n] = silu(a W[n]) * (a W[N + n]), a = hidden[pair // K]   (N = I, KDIM = D)
+    # DOWN:    out[pair, n] = topk_weight[pair] * (a W[n]), a = act[pair]         (N = D, KDIM = I)
+    # INTERLEAVE (gate_up only): one [K, 2 BLOCK_N] weight tile, columns gate n, up n alternating, so one
+    # N = 2 BLOCK_N product replaces two; the pairs sit side by side in the accumulator, split at the end
+    # N_SPLIT > 0 (down, BLOCK_K >= KDIM): the A tile is loaded once and the program walks every N_SPLIT-th
+    # N tile, so the weight loads of one tile pipeline under the product and store of the previous: with
+    # K = I = 256 a one-tile program is mostly prologue and epilogue (1.72 ms at E = 256, T = 16k: 314 TF/s)
+    # SORTED: act rows live at their sorted (padded) position, [P, I]: gate_up stores whole tiles there (padding
+    # rows are silu(0) * 0 = 0) and the down reads its A rows contiguously instead of gathering them by pair
+    # W_TMA: weight tiles through a TMA descriptor (no per-thread address math, out-of-range rows and K read as
+    # zeros); w_desc is [E, I, 2, D] interleaved (box [1, BN, 2, BK]) or [E 2I, D] for gate_up, [E D, I] for down
+    # A_TMA (down, SORTED only): A tiles through a descriptor over act [P, I]. The gate_up's A is a row gather
+    # (hidden[pair // K]): Hopper's TMA has no gather, so it stays a pointer load
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(cap, BLOCK_M)
+    if N_SPLIT > 0:  # noqa: SIM108 (a constexpr branch, resolved when the kernel compiles)
+        num_pid_n = N_SPLIT
+    else:
+        num_pid_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_pid_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+    # three independent loads issued together (in bounds for every pid_m < P / BLOCK_M), then the exit:
+    # at T = 1 each dependent load would add ~1 us of latency before the weight stream starts
+    num_padded = tl.load(num_padded_ptr)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_ids_ptr + offs_m)
+    if pid_m * BLOCK_M >= num_padded:  # past the device-side row count: unused block, garbage ids
+        return
     pair_mask = pairs < num_pairs
     if SORTED and not GATE_UP:  # noqa: SIM108 (constexpr branch)
         a_rows = offs_m.to(tl.int64)  # act [P, I] in sorted order: padding rows hold zeros
     else:
         a_rows = (pairs // a_row_div).to(tl.int64)
+    row0 = pid_m * BLOCK_M
     w_row0 = expert.to(tl.int32) * N  # first row of this expert in the [E N, KDIM] weight descriptor
     offs_k = tl.arange(0, BLOCK_K)
     if N_SPLIT > 0:
@@ -154,74 +188,6 @@ def _moe_block(
 
 
 @triton.jit
-def _fused_moe_kernel(
-    # pointers (a_desc / w_desc: TMA descriptors of a and w when A_TMA / W_TMA, else unused)
-    a_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, topk_weights_ptr, a_desc, w_desc,
-    # sizes
-    N, KDIM, num_pairs, cap, a_row_div,
-    # strides
-    stride_am, stride_we, stride_wn, stride_om,
-    # constexpr
-    GATE_UP: tl.constexpr, EVEN_K: tl.constexpr, INTERLEAVE: tl.constexpr, W_COLS: tl.constexpr,
-    N_SPLIT: tl.constexpr, SORTED: tl.constexpr, A_TMA: tl.constexpr, W_TMA: tl.constexpr, HALF_TAIL: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-):  # fmt: skip
-    # GATE_UP: out[pair, n] = silu(a W[n]) * (a W[N + n]), a = hidden[pair // K]   (N = I, KDIM = D)
-    # DOWN:    out[pair, n] = topk_weight[pair] * (a W[n]), a = act[pair]         (N = D, KDIM = I)
-    # INTERLEAVE (gate_up only): one [K, 2 BLOCK_N] weight tile, columns gate n, up n alternating, so one
-    # N = 2 BLOCK_N product replaces two; the pairs sit side by side in the accumulator, split at the end
-    # N_SPLIT > 0 (down, BLOCK_K >= KDIM): the A tile is loaded once and the program walks every N_SPLIT-th
-    # N tile, so the weight loads of one tile pipeline under the product and store of the previous: with
-    # K = I = 256 a one-tile program is mostly prologue and epilogue (1.72 ms at E = 256, T = 16k: 314 TF/s)
-    # SORTED: act rows live at their sorted (padded) position, [P, I]: gate_up stores whole tiles there (padding
-    # rows are silu(0) * 0 = 0) and the down reads its A rows contiguously instead of gathering them by pair
-    # W_TMA: weight tiles through a TMA descriptor (no per-thread address math, out-of-range rows and K read as
-    # zeros); w_desc is [E, I, 2, D] interleaved (box [1, BN, 2, BK]) or [E 2I, D] for gate_up, [E D, I] for down
-    # A_TMA (down, SORTED only): A tiles through a descriptor over act [P, I]. The gate_up's A is a row gather
-    # (hidden[pair // K]): Hopper's TMA has no gather, so it stays a pointer load
-    # HALF_TAIL: a block whose rows BLOCK_M / 2 on are all padding (an expert's run is padded at its end, so
-    # row BLOCK_M / 2 tells) runs a BLOCK_M / 2 body: the last block of an expert holds ~BLOCK_M / 2 real rows
-    # on average, and at BLOCK_M 128 such blocks are ~6% of the rows at E = 32 / T = 4k, ~1/3 at E = 256
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(cap, BLOCK_M)
-    if N_SPLIT > 0:  # noqa: SIM108 (a constexpr branch, resolved when the kernel compiles)
-        num_pid_n = N_SPLIT
-    else:
-        num_pid_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * num_pid_n
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
-    # three independent loads issued together (in bounds for every pid_m < P / BLOCK_M), then the exit:
-    # at T = 1 each dependent load would add ~1 us of latency before the weight stream starts
-    num_padded = tl.load(num_padded_ptr)
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    row0 = pid_m * BLOCK_M
-    pairs = tl.load(sorted_ids_ptr + row0 + tl.arange(0, BLOCK_M))
-    if row0 >= num_padded:  # past the device-side row count: unused block, garbage ids
-        return
-    # HALF_TAIL: one more load after the exit (rows BLOCK_M / 2 on of a block are all padding when that row is);
-    # that body reads A through pointers (the descriptor's box has BLOCK_M rows) and, sorted, leaves the act
-    # rows BLOCK_M / 2 on unwritten: the down never stores their rows (padding), whatever they hold
-    half_empty = False
-    if HALF_TAIL:
-        half_empty = tl.load(sorted_ids_ptr + row0 + BLOCK_M // 2) >= num_pairs
-    if half_empty:
-        _moe_block(a_ptr, w_ptr, out_ptr, topk_weights_ptr, a_desc, w_desc,
-                   tl.load(sorted_ids_ptr + row0 + tl.arange(0, BLOCK_M // 2)), row0, expert, pid_n,
-                   N, KDIM, num_pairs, a_row_div, stride_am, stride_we, stride_wn, stride_om,
-                   GATE_UP, EVEN_K, INTERLEAVE, W_COLS, N_SPLIT, SORTED, False, W_TMA,
-                   BLOCK_M // 2, BLOCK_N, BLOCK_K, UPCAST, INPUT_PRECISION)  # fmt: skip
-    else:
-        _moe_block(a_ptr, w_ptr, out_ptr, topk_weights_ptr, a_desc, w_desc, pairs, row0, expert, pid_n,
-                   N, KDIM, num_pairs, a_row_div, stride_am, stride_we, stride_wn, stride_om,
-                   GATE_UP, EVEN_K, INTERLEAVE, W_COLS, N_SPLIT, SORTED, A_TMA, W_TMA,
-                   BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, INPUT_PRECISION)  # fmt: skip
-
-
-@triton.jit
 def _moe_sum_kernel(
     # pointers
     y_ptr, ids_ptr, out_ptr,
@@ -300,7 +266,6 @@ def _launch_gemm(
     n_split = tile.n_split if not gate_up and 0 < kdim <= tile.block_k else 0
     grid = ((cap // block_m) * (n_split or triton.cdiv(N, tile.block_n)),)
     interleave = gate_up and tile.interleave
-    require(not tile.half_tail or block_m >= 32, f"half_tail needs BLOCK_M >= 32 (a 16-row product), got {block_m}")
     # tile.tma is a request: strides that are not 16-byte multiples (odd tiny models) keep the pointer loads
     w_tma = tile.tma and _tma_ok(w, kdim)
     a_tma = tile.tma and sorted_act and not gate_up and _tma_ok(a, a.stride(0))
@@ -312,8 +277,7 @@ def _launch_gemm(
         a.stride(0), w.stride(0), w.stride(1), out.stride(0),
         GATE_UP=gate_up, EVEN_K=kdim % tile.block_k == 0, INTERLEAVE=interleave,
         W_COLS=tile.block_n * (2 if interleave else 1), N_SPLIT=n_split, SORTED=sorted_act, A_TMA=a_tma,
-        W_TMA=w_tma, HALF_TAIL=tile.half_tail, BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        GROUP_M=tile.group_m,
+        W_TMA=w_tma, BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
         UPCAST=not a.is_cuda, INPUT_PRECISION=dot_precision(a.dtype == torch.float32),
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )  # fmt: skip

@@ -110,12 +110,6 @@ PATHS = {
                             sorted_act=True),
     "tma-plain-sorted-split": MoeConfig(32, GemmTile(16, 16, 2, 4, 2, tma=True),
                                         GemmTile(16, 32, 2, 4, 2, n_split=2, tma=True), sorted_act=True),
-    # blocks padded from row BLOCK_M / 2 = 16 on run a 16-row body (T = 1 and 3: every block; T = 17 at E = 8:
-    # ~6 rows per expert, so every block again; the E = 256 / T = 1 case has 3 one-row blocks)
-    "half-tail-tma-sorted": MoeConfig(32, GemmTile(16, 16, 2, 4, 2, True, tma=True, half_tail=True),
-                                      GemmTile(16, 16, 2, 4, 2, tma=True, half_tail=True), sorted_act=True),
-    "half-tail-split": MoeConfig(32, GemmTile(16, 16, 2, 4, 2, half_tail=True),
-                                 GemmTile(16, 32, 2, 4, 2, n_split=2, half_tail=True)),
 }  # fmt: skip
 
 
@@ -153,9 +147,6 @@ TWINS = {
     "tma-sorted": ("tma-sorted", MoeConfig(16, GemmTile(16, 16, 2, 4, 2, True), GemmTile(16, 16, 2, 4, 2))),
     "tma-plain-split": ("tma-plain-sorted-split",
                         MoeConfig(32, GemmTile(16, 16, 2, 4, 2), GemmTile(16, 32, 2, 4, 2, n_split=2))),
-    "half-tail": ("half-tail-tma-sorted", MoeConfig(32, GemmTile(16, 16, 2, 4, 2, True), GemmTile(16, 16, 2, 4, 2))),
-    "half-tail-split": ("half-tail-split", MoeConfig(32, GemmTile(16, 16, 2, 4, 2),
-                                                     GemmTile(16, 32, 2, 4, 2, n_split=2))),
 }  # fmt: skip
 
 
@@ -170,17 +161,6 @@ def test_fused_moe_tma_and_sorted_match_pointer_twin(twin: str, dtype: torch.dty
     assert not torch.isnan(out).any()
     assert ((out - ref).norm() / ref.norm()).item() < (1e-6 if dtype == torch.float32 else 2**-7)
     assert ((out - ref).abs() <= 2**-7 * ref.abs() + 1e-6).all()
-
-
-def test_fused_moe_half_tail_mixes_both_bodies(poisoned_empty: None) -> None:
-    """Experts with 19, 38 and 41 rows (and one empty) over BLOCK_M 32: a one-block expert whose tail of 19
-    rows takes the full body, two whose second blocks (6 and 9 rows) take the 16-row body."""
-    hidden, w13, w2, ids, weights = _moe_case(60, 40, 4, 24, 2, torch.bfloat16, DEVICE, seed=0)
-    tails = {int((ids == e).sum()) % 32 for e in range(3)}
-    assert any(0 < t <= 16 for t in tails) and any(t > 16 for t in tails), tails
-    cfg = PATHS["half-tail-tma-sorted"]
-    out = fused_moe(hidden, w13, w2, ids, weights, config=cfg)
-    assert_close_to_ref(out, fused_moe_ref(hidden.float(), w13.float(), w2.float(), ids, weights), torch.bfloat16)
 
 
 def test_moe_down_needs_num_pairs_for_a_sorted_act() -> None:
@@ -235,9 +215,9 @@ def test_fused_moe_deepseek_like_gpu(T: int) -> None:
     assert_close_to_ref(out, ref, torch.bfloat16)
 
 
-# session 4's large-T variants on the GPU (real TMA descriptors, wgmma): BLOCK_M 128 at E = 32, the interleaved
-# [1, BN, 2, BK] box reshaped for one product, the two-product gate_up, the down reading a sorted act through
-# TMA, the whole-K (I = 256) split down, and 64-row bodies for blocks padded from row 64 on (T = 3000, seed 4: ~660 rows per expert, last blocks of 3-126)
+# session 4's large-T variants on the GPU (real TMA descriptors, wgmma): BLOCK_M 128 at E = 32 (~94 rows per
+# expert at T = 3000: one block each plus padding), the interleaved [1, BN, 2, BK] box reshaped for one product,
+# the two-product gate_up, the down reading a sorted act through TMA, and the whole-K (I = 256) split down
 GPU_TMA = {
     "il-tma": MoeConfig(128, GemmTile(128, 64, 8, 8, 3, True, tma=True), GemmTile(256, 64, 8, 8, 3, tma=True)),
     "il-tma-sorted": MoeConfig(128, GemmTile(128, 64, 8, 8, 3, True, tma=True), GemmTile(256, 64, 8, 8, 3, tma=True),
@@ -247,10 +227,6 @@ GPU_TMA = {
     "sorted": MoeConfig(128, GemmTile(128, 64, 8, 8, 3, True), GemmTile(256, 64, 8, 8, 3), sorted_act=True),
     "split-tma-sorted": MoeConfig(128, GemmTile(128, 64, 8, 8, 3, True, tma=True),
                                   GemmTile(64, 256, 8, 8, 3, n_split=4, tma=True), sorted_act=True),
-    "half-tail": MoeConfig(128, GemmTile(128, 64, 8, 8, 3, True, tma=True, half_tail=True),
-                           GemmTile(256, 64, 8, 8, 3, tma=True, half_tail=True), sorted_act=True),
-    "half-tail-split": MoeConfig(128, GemmTile(128, 64, 8, 8, 3, True, half_tail=True),
-                                 GemmTile(64, 256, 8, 8, 3, n_split=4, tma=True, half_tail=True), sorted_act=True),
 }  # fmt: skip
 
 
@@ -262,6 +238,16 @@ def test_fused_moe_tma_sorted_gpu(name: str) -> None:
     out = fused_moe(hidden, w13, w2, ids, weights, config=GPU_TMA[name])
     ref = fused_moe_ref(hidden.float(), w13.float(), w2.float(), ids, weights)
     assert_close_to_ref(out, ref, torch.bfloat16)
+
+
+@gpu
+@requires_gpu
+def test_fused_moe_default_fp32_large_t_gpu() -> None:
+    """fp32 on the default BLOCK_M 128 tiles (TMA weights at BLOCK_K 32; ~370 rows per expert here)."""
+    hidden, w13, w2, ids, weights = _moe_case(800, 512, 16, 384, 8, torch.float32, "cuda", seed=2)
+    assert moe_config(800 * 8, 16, 4, 384, tokens=800).gate_up.tma
+    out = fused_moe(hidden, w13, w2, ids, weights)
+    assert_close_to_ref(out, fused_moe_ref(hidden, w13, w2, ids, weights), torch.float32)
 
 
 @gpu
