@@ -282,7 +282,7 @@ def prewarm(ts: Sequence[int], sweep_ts: Sequence[int], workers: int, shapes: Se
             cfg = moe_config(T * K, E, 2, I, tokens=T)
             tc = 1 if T == 1 else 64
             base = _baseline_config(T, E, I)
-            todo = [(c.block_m, t, p, c.sorted_act) for c in (cfg, base)
+            todo = [(c.block_m, t, p, c.sorted_act) for c in (cfg, base, *_extras(cfg, I))
                     for t, p in ((c.gate_up, "up"), (c.down, "down"))]  # fmt: skip
             for bm in _sweep_bms(T, E) if T in sweep_ts else []:
                 for srt in SORTED_SWEEP.get(bm, (False,)):
@@ -335,6 +335,18 @@ def _parts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids_sets: list[
                 out[part][tile] = ms(rotating(fns))
             except Exception as e:
                 print(f"  bm {bm} {part} {tuple(tile)} failed: {type(e).__name__}: {str(e)[:120]}")
+    return out
+
+
+def _extras(default: MoeConfig, I: int) -> list[MoeConfig]:
+    """Pipelines timed beside a BLOCK_M 128 default: session 4 run 1's near-ties (act sorted, a 4-stage gate_up)
+    and, at I <= 256, BLOCK_M 64 (padding 1.25x instead of 1.5x at E = 256 / 4k) with the TMA weights."""
+    if default.block_m != 128 or default.gemv is not None:
+        return []
+    out = [default._replace(sorted_act=True), default._replace(gate_up=default.gate_up._replace(num_stages=4))]
+    if I <= 256:
+        up, down = GemmTile(128, 64, 8, 4, 4, True, tma=True), GemmTile(64, 256, 8, 4, 3, n_split=4, tma=True)
+        out += [MoeConfig(64, up, down)]
     return out
 
 
@@ -466,9 +478,7 @@ def bench_moe(copy_gbs: float, ts: Sequence[int], sweep_ts: Sequence[int], worke
             sweep: dict[str, object] = {}
             base = _baseline_config(T, E, I)  # the previous defaults, timed in this run
             cfgs += [base] if base != default else []
-            if default.block_m == 128 and default.gemv is None:  # the near-tied alternatives of session 4 run 1
-                up4 = default.gate_up._replace(num_stages=4)
-                cfgs += [default._replace(sorted_act=True), default._replace(gate_up=up4)]
+            cfgs += _extras(default, I)
             if T in sweep_ts:  # best gate_up and best down tile per BLOCK_M (and act order), composed
                 for bm in _sweep_bms(T, E):
                     for srt in SORTED_SWEEP.get(bm, (False,)):
