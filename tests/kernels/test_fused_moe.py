@@ -227,6 +227,8 @@ GPU_TMA = {
     "sorted": MoeConfig(128, GemmTile(128, 64, 8, 8, 3, True), GemmTile(256, 64, 8, 8, 3), sorted_act=True),
     "split-tma-sorted": MoeConfig(128, GemmTile(128, 64, 8, 8, 3, True, tma=True),
                                   GemmTile(64, 256, 8, 8, 3, n_split=4, tma=True), sorted_act=True),
+    "wide-16-warps": MoeConfig(128, GemmTile(256, 32, 8, 16, 3, True, tma=True),
+                               GemmTile(64, 256, 8, 8, 3, n_split=4, tma=True)),
 }  # fmt: skip
 
 
