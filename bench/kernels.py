@@ -347,10 +347,6 @@ def _extras(default: MoeConfig, I: int) -> list[MoeConfig]:
     if I <= 256:
         up, down = GemmTile(128, 64, 8, 4, 4, True, tma=True), GemmTile(64, 256, 8, 4, 3, n_split=4, tma=True)
         out += [MoeConfig(64, up, down)]
-        # the whole I = 256 in one gate_up program (W_COLS 512, 16 warps: 128 accumulator registers a thread): A
-        # read once per block instead of once per N tile (at E = 256 / 4k a (block, N tile) program moves 5.5 MB
-        # from L2 for 470 MFLOP; this one 9.1 MB for 940 MFLOP)
-        out += [default._replace(gate_up=GemmTile(256, 32, 8, 16, s, True, tma=True)) for s in (3, 4)]
     return out
 
 

@@ -217,8 +217,7 @@ def test_fused_moe_deepseek_like_gpu(T: int) -> None:
 
 # session 4's large-T variants on the GPU (real TMA descriptors, wgmma): BLOCK_M 128 at E = 32 (T = 3000: ~660
 # rows per expert, 6 blocks, the last partly padding), the interleaved [1, BN, 2, BK] box reshaped for one product,
-# the two-product gate_up, the down reading a sorted act through TMA, the whole-K (I = 256) split down, and the
-# whole I = 256 in one 16-warp gate_up program (W_COLS 512)
+# the two-product gate_up, the down reading a sorted act through TMA, and the whole-K (I = 256) split down
 GPU_TMA = {
     "il-tma": MoeConfig(128, GemmTile(128, 64, 8, 8, 3, True, tma=True), GemmTile(256, 64, 8, 8, 3, tma=True)),
     "il-tma-sorted": MoeConfig(128, GemmTile(128, 64, 8, 8, 3, True, tma=True), GemmTile(256, 64, 8, 8, 3, tma=True),
@@ -228,8 +227,6 @@ GPU_TMA = {
     "sorted": MoeConfig(128, GemmTile(128, 64, 8, 8, 3, True), GemmTile(256, 64, 8, 8, 3), sorted_act=True),
     "split-tma-sorted": MoeConfig(128, GemmTile(128, 64, 8, 8, 3, True, tma=True),
                                   GemmTile(64, 256, 8, 8, 3, n_split=4, tma=True), sorted_act=True),
-    "wide-16-warps": MoeConfig(128, GemmTile(256, 32, 8, 16, 3, True, tma=True),
-                               GemmTile(64, 256, 8, 8, 3, n_split=4, tma=True)),
 }  # fmt: skip
 
 
