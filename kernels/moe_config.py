@@ -22,6 +22,7 @@ class GemmTile(NamedTuple):
     num_stages: int
     interleave: bool = False  # gate_up only: one N = 2 BLOCK_N product instead of two of BLOCK_N
     n_split: int = 0  # down only, used when block_k >= I: A read once, n_split programs per block walk N
+    tma: bool = False  # weight tiles (and the down's A tiles when act is sorted) through TMA descriptors
 
 
 class GemvTile(NamedTuple):
@@ -45,6 +46,7 @@ class MoeConfig(NamedTuple):
     gate_up: GemmTile
     down: GemmTile
     gemv: GemvTile | None = None  # set: the align-free decode path (block_m, gate_up, down unused)
+    sorted_act: bool = False  # act [P, I] at the pairs' sorted positions: contiguous gate_up stores, down A rows
 
 
 def same_tiles(block_m: int, block_n: int, block_k: int, group_m: int, warps: int, stages: int) -> MoeConfig:
@@ -66,6 +68,11 @@ def grouped_config(num_pairs: int, num_experts: int, itemsize: int = 2, inter: i
     Tier edges moved in "Fused MoE at small T" run 1 (E = 32 / I = 2048, graph ms): 16 rows (T = 64) BLOCK_M
     32 0.680 vs 16 0.800 (64: 0.711, 128: 0.78); 64 rows (T = 256) BLOCK_M 64 0.849 vs 32 1.311 (128: 0.836).
 
+    From 128 rows on the weights come through TMA descriptors (bench/NOTES.md "moebig, session 4" run 1, each
+    GEMM alone, ms at T = 4k / 16k): gate_up interleaved 3.18 / 11.81 vs 3.63 / 13.38 with pointer loads at
+    E = 32 / I = 2048, 0.667 / 1.772 vs 0.699 / 1.984 at E = 256 / I = 256; down 1.73 / 6.89 vs 1.93 / 7.48
+    at E = 32, whole-K split down 0.457 / 1.377 vs 0.470 / 1.392 at E = 256 (the other tiers: not measured).
+
     fp32 halves BLOCK_K and never takes the whole-K down: the gate_up kernel stages an A tile and two B
     tiles per pipeline stage, and at 4 bytes (16, 64, 128) x 4 stages needs 295 KB of shared memory,
     over the H200's 227 KB (seen on the H200: OutOfResources, required 245760)."""
@@ -77,12 +84,12 @@ def grouped_config(num_pairs: int, num_experts: int, itemsize: int = 2, inter: i
         bm, down, whole_k = 32, GemmTile(64, 128, 4, 4, 4), 8
     elif rows < 128:  # run 1's BLOCK_M 64 winners
         bm, up, down, whole_k = 64, GemmTile(256, 64, 8, 8, 3), GemmTile(128, 64, 8, 4, 4), 4
-    else:
-        bm, up, down, whole_k = 128, GemmTile(128, 64, 8, 8, 3, True), GemmTile(256, 64, 8, 8, 3), 4
+    else:  # weights through TMA descriptors (moebig session 4 run 1): see the docstring
+        bm, up, down, whole_k = 128, GemmTile(128, 64, 8, 8, 3, True, tma=True), GemmTile(256, 64, 8, 8, 3, tma=True), 4
     if itemsize >= 4:
         up, down = up._replace(block_k=up.block_k // 2), down._replace(block_k=down.block_k // 2)
     elif 0 < inter <= 256:
-        down = GemmTile(64, 256, min(8, up.group_m), up.num_warps, 3, n_split=whole_k)
+        down = GemmTile(64, 256, min(8, up.group_m), up.num_warps, 3, n_split=whole_k, tma=bm == 128)
     return MoeConfig(bm, up, down)
 
 

@@ -18,6 +18,8 @@ from r3trace.kernels.fused_moe import (
     fused_moe_ref,
     grouped_config,
     moe_config,
+    moe_down,
+    moe_gate_up,
     same_tiles,
 )
 from r3trace.kernels.moe_config import GEMV_T1
@@ -66,14 +68,17 @@ def test_fused_moe_matches_ref(dtype: torch.dtype, T: int, poisoned_empty: None)
         MoeConfig(16, GemmTile(32, 16, 2, 4, 2), GemmTile(64, 32, 4, 4, 2)),
         MoeConfig(32, GemmTile(16, 32, 2, 4, 2, True), GemmTile(32, 16, 1, 4, 2)),
         MoeConfig(16, GemmTile(32, 16, 2, 4, 2), GemmTile(16, 32, 2, 4, 2, n_split=3)),
+        MoeConfig(32, GemmTile(16, 32, 2, 4, 2, True, tma=True), GemmTile(32, 16, 1, 4, 2, tma=True), sorted_act=True),
     ],
-    ids=["bm32-bk16", "bm16-bk32", "bm16-down-apart", "bm32-interleaved", "bm16-down-n-split"],
+    ids=["bm32-bk16", "bm16-bk32", "bm16-down-apart", "bm32-interleaved", "bm16-down-n-split", "bm32-tma-unaligned"],
 )
 def test_fused_moe_tile_configs(config: MoeConfig, poisoned_empty: None) -> None:
     """Tiles that divide D (EVEN_K) and tiles that don't, several M blocks per expert, grouped order,
     gate_up and down tiled apart (down's BLOCK_K 32 does not divide I = 20), gate and up weights
     interleaved into one product (I = 20 over BLOCK_N 16: a masked second tile), down with the whole
-    K = I = 20 in one masked tile and 3 programs per block walking D = 64's four N tiles unevenly."""
+    K = I = 20 in one masked tile and 3 programs per block walking D = 64's four N tiles unevenly; TMA asked
+    for where only w13's rows (64 x 2 B) are 16-byte multiples: the gate_up takes it, the down (w2 rows and act
+    rows of 20 x 2 B) keeps its pointer loads, on a sorted act."""
     hidden, w13, w2, ids, weights = _moe_case(50, 64, 5, 20, 2, torch.bfloat16, DEVICE, seed=5)
     out = fused_moe(hidden, w13, w2, ids, weights, config=config)
     ref = fused_moe_ref(hidden.float(), w13.float(), w2.float(), ids, weights)
@@ -101,6 +106,15 @@ PATHS = {
     "gemv-evict-first": MoeConfig(16, GemmTile(32, 16, 2, 4, 2), GemmTile(16, 32, 2, 4, 2),
                                   GemvTile(2, 32, 1, 4, 32, 2, unroll=True, up_evict_first=True,
                                            down_evict_first=True)),
+    # session 4: act at the sorted positions ([P, I]), weights (and the sorted act) through TMA descriptors:
+    # D = 40 and I = 24 rows are 16-byte multiples in bf16 and fp32, so every descriptor is taken; boxes past
+    # D = 40 (BK 16: the third step) and I = 24 (BN 16: the second tile) read zeros or the next expert's rows
+    "sorted": MoeConfig(16, GemmTile(16, 16, 2, 4, 2, True), GemmTile(16, 32, 2, 4, 2), sorted_act=True),
+    "tma-interleaved": MoeConfig(16, GemmTile(16, 16, 2, 4, 2, True, tma=True), GemmTile(16, 16, 2, 4, 2, tma=True)),
+    "tma-sorted": MoeConfig(16, GemmTile(16, 16, 2, 4, 2, True, tma=True), GemmTile(16, 16, 2, 4, 2, tma=True),
+                            sorted_act=True),
+    "tma-plain-sorted-split": MoeConfig(32, GemmTile(16, 16, 2, 4, 2, tma=True),
+                                        GemmTile(16, 32, 2, 4, 2, n_split=2, tma=True), sorted_act=True),
 }  # fmt: skip
 
 
@@ -125,6 +139,46 @@ def test_fused_moe_gemv_moves_fp32_by_summation_order_only() -> None:
     gemv = fused_moe(hidden, w13, w2, ids, weights, config=PATHS["gemv"])
     rel = ((gemv.double() - plain.double()).norm() / plain.double().norm()).item()
     assert rel < 1e-6, f"gemv moved the fp32 output by {rel:.1e} (a few ulps expected)"
+
+
+# Each TMA / sorted variant against the pointer-load twin with the same tiles: the same K steps on the same
+# values. Not always the same bits: a TMA weight tile is a transposed view, and the interpreter's numpy product
+# can take another BLAS path for it (seen: the whole-K down, BK 32, 4.8e-5 relative on one fp32 element, 1.2e-7
+# normwise; the other three twins equal bit for bit). So: fp32 within a few ulps normwise (1e-6; a wrong row,
+# column or K step is O(1)), bf16 within one rounding step (2^-7 relative) per element.
+TWINS = {
+    "sorted": ("sorted", MoeConfig(16, GemmTile(16, 16, 2, 4, 2, True), GemmTile(16, 32, 2, 4, 2))),
+    "tma": ("tma-interleaved", MoeConfig(16, GemmTile(16, 16, 2, 4, 2, True), GemmTile(16, 16, 2, 4, 2))),
+    "tma-sorted": ("tma-sorted", MoeConfig(16, GemmTile(16, 16, 2, 4, 2, True), GemmTile(16, 16, 2, 4, 2))),
+    "tma-plain-split": ("tma-plain-sorted-split",
+                        MoeConfig(32, GemmTile(16, 16, 2, 4, 2), GemmTile(16, 32, 2, 4, 2, n_split=2))),
+}  # fmt: skip
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="near-bitwise twins in the interpreter; on the GPU: against the reference")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("twin", list(TWINS))
+def test_fused_moe_tma_and_sorted_match_pointer_twin(twin: str, dtype: torch.dtype, poisoned_empty: None) -> None:
+    hidden, w13, w2, ids, weights = _moe_case(19, 40, 7, 24, 3, dtype, DEVICE, seed=11)
+    path, plain = TWINS[twin]
+    out = fused_moe(hidden, w13, w2, ids, weights, config=PATHS[path]).double()
+    ref = fused_moe(hidden, w13, w2, ids, weights, config=plain).double()
+    assert not torch.isnan(out).any()
+    assert ((out - ref).norm() / ref.norm()).item() < (1e-6 if dtype == torch.float32 else 2**-7)
+    assert ((out - ref).abs() <= 2**-7 * ref.abs() + 1e-6).all()
+
+
+def test_moe_down_needs_num_pairs_for_a_sorted_act() -> None:
+    hidden, w13, w2, ids, weights = _moe_case(5, 40, 6, 24, 3, torch.float32, DEVICE, seed=0)
+    from r3trace.kernels.moe_align import moe_align
+
+    align = moe_align(ids, 6, 16)
+    act = moe_gate_up(hidden, w13, align, 3, 16, GemmTile(16, 16, 1, 4, 2), sorted_act=True)
+    assert act.shape == (align.sorted_ids.shape[0], 24)
+    with pytest.raises(KernelInputError, match="num_pairs"):
+        moe_down(act, w2, align, weights, 16, GemmTile(16, 16, 1, 4, 2), sorted_act=True)
+    with pytest.raises(KernelInputError, match="num_pairs"):
+        moe_down(act, w2, align, weights, 16, GemmTile(16, 16, 1, 4, 2), num_pairs=15)
 
 
 def test_moe_config_picks_gemv_at_few_tokens_only() -> None:
@@ -164,6 +218,51 @@ def test_fused_moe_deepseek_like_gpu(T: int) -> None:
     out = fused_moe(hidden, w13, w2, ids, weights)
     ref = fused_moe_ref(hidden.float(), w13.float(), w2.float(), ids, weights)
     assert_close_to_ref(out, ref, torch.bfloat16)
+
+
+# session 4's large-T variants on the GPU (real TMA descriptors, wgmma): BLOCK_M 128 at E = 32 (T = 3000: ~660
+# rows per expert, 6 blocks, the last partly padding), the interleaved [1, BN, 2, BK] box reshaped for one product,
+# the two-product gate_up, the down reading a sorted act through TMA, and the whole-K (I = 256) split down
+GPU_TMA = {
+    "il-tma": MoeConfig(128, GemmTile(128, 64, 8, 8, 3, True, tma=True), GemmTile(256, 64, 8, 8, 3, tma=True)),
+    "il-tma-sorted": MoeConfig(128, GemmTile(128, 64, 8, 8, 3, True, tma=True), GemmTile(256, 64, 8, 8, 3, tma=True),
+                               sorted_act=True),
+    "plain-tma-sorted": MoeConfig(128, GemmTile(128, 64, 8, 8, 3, tma=True), GemmTile(256, 64, 8, 8, 4, tma=True),
+                                  sorted_act=True),
+    "sorted": MoeConfig(128, GemmTile(128, 64, 8, 8, 3, True), GemmTile(256, 64, 8, 8, 3), sorted_act=True),
+    "split-tma-sorted": MoeConfig(128, GemmTile(128, 64, 8, 8, 3, True, tma=True),
+                                  GemmTile(64, 256, 8, 8, 3, n_split=4, tma=True), sorted_act=True),
+}  # fmt: skip
+
+
+@gpu
+@requires_gpu
+@pytest.mark.parametrize("name", list(GPU_TMA))
+def test_fused_moe_tma_sorted_gpu(name: str) -> None:
+    hidden, w13, w2, ids, weights = _moe_case(3000, 1024, 32, 256, 8, torch.bfloat16, "cuda", seed=4)
+    out = fused_moe(hidden, w13, w2, ids, weights, config=GPU_TMA[name])
+    ref = fused_moe_ref(hidden.float(), w13.float(), w2.float(), ids, weights)
+    assert_close_to_ref(out, ref, torch.bfloat16)
+
+
+@gpu
+@requires_gpu
+def test_fused_moe_default_fp32_large_t_gpu() -> None:
+    """fp32 on the default BLOCK_M 128 tiles (TMA weights at BLOCK_K 32; ~370 rows per expert here)."""
+    hidden, w13, w2, ids, weights = _moe_case(800, 512, 16, 384, 8, torch.float32, "cuda", seed=2)
+    assert moe_config(800 * 8, 16, 4, 384, tokens=800).gate_up.tma
+    out = fused_moe(hidden, w13, w2, ids, weights)
+    assert_close_to_ref(out, fused_moe_ref(hidden, w13, w2, ids, weights), torch.float32)
+
+
+@gpu
+@requires_gpu
+def test_fused_moe_tma_fp32_gpu() -> None:
+    """fp32 through the descriptors (ieee dots, no wgmma): D = 200, I = 72 are not tile multiples."""
+    hidden, w13, w2, ids, weights = _moe_case(300, 200, 8, 72, 4, torch.float32, "cuda", seed=6)
+    cfg = MoeConfig(64, GemmTile(32, 32, 4, 4, 2, True, tma=True), GemmTile(64, 32, 4, 4, 2, tma=True), sorted_act=True)
+    out = fused_moe(hidden, w13, w2, ids, weights, config=cfg)
+    assert_close_to_ref(out, fused_moe_ref(hidden, w13, w2, ids, weights), torch.float32)
 
 
 GPU_GEMV = moe_config(8, 256, 2, 256, tokens=1)
