@@ -99,6 +99,7 @@ class DecodeTile(NamedTuple):
     fixed_tiles: int = 0  # > 0: split count by splits_by_cost with this per-program cost in tiles, not waves
     per_sm: int = 1  # programs resident per SM (registers, shared memory): a wave for splits_by_cost
     min_split: int = MIN_TOKENS_PER_SPLIT  # fewest keys a split gets (splits_by_cost)
+    direct: bool = True  # one split: stage 1 writes the output, no merge launch (False: the two-stage twin)
 
     def head_programs(self, num_heads: int) -> int:
         """Stage-1 programs per (request, split): head blocks x value splits."""

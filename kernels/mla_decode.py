@@ -110,7 +110,8 @@ def _mla_decode_kernel(
 
     out = acc / l_i[:, None]
     part = part_out_ptr + b * stride_pb + offs_h[:, None] * stride_ph + split * stride_ps + offs_v[None, :]
-    tl.store(part, out, mask=h_mask[:, None] & v_mask[None, :])
+    tl.store(part, out.to(part_out_ptr.dtype.element_ty), mask=h_mask[:, None] & v_mask[None, :])  # fp32, or
+    # the output dtype when the launcher points part_out at out (one split, no merge)
     if vs == 0:  # every value split computed the same scores: one writes the LSE
         tl.store(part_lse_ptr + b * stride_lb + offs_h * stride_lh + split, m_i + tl.log2(l_i), mask=h_mask)
 
@@ -202,8 +203,14 @@ def mla_decode(
     out = torch.empty((B, H, kv_lora_rank), dtype=q.dtype, device=q.device)
     if B == 0 or H == 0:
         return out
-    part_out = torch.empty((B, H, num_kv_splits, kv_lora_rank), dtype=torch.float32, device=q.device)
-    part_lse = torch.empty((B, H, num_kv_splits), dtype=torch.float32, device=q.device)
+    # One split: stage 1's normalised tile is the answer. It is stored straight into out (rounded once, as the
+    # merge would: its weight is exp2(0) = 1, so the bits are the same) and stage 2 is skipped. At H = 128,
+    # B = 256 that merge cost 0.027 ms of a 0.234 ms call (bench/NOTES.md "mla128, session 4", run 3), plus
+    # stage 1's 67 MB of fp32 partials; splits_by_cost picks one split at B >= 64 there.
+    direct = num_kv_splits == 1 and tile.direct
+    part_out = out.unsqueeze(2) if direct else torch.empty(
+        (B, H, num_kv_splits, kv_lora_rank), dtype=torch.float32, device=q.device)  # fmt: skip
+    part_lse = torch.empty((B, H, num_kv_splits), dtype=torch.float32, device=q.device)  # direct: unread
     block_c = max(16, triton.next_power_of_2(kv_lora_rank))
     block_r = max(16, triton.next_power_of_2(rope))
     require(block_c // tile.v_splits >= 16, f"kv_lora {kv_lora_rank} too small for {tile.v_splits} value splits")
@@ -219,6 +226,8 @@ def mla_decode(
     else:
         _stage1_triton(q, kv_cache, req_to_token, req_pool_indices, seq_lens, part_out, part_lse, kv_lora_rank,
                        sm_scale, tile, block_c, block_r)  # fmt: skip
+    if direct:
+        return out
     _mla_decode_merge_kernel[(B, H)](
         part_out, part_lse, seq_lens, out,
         kv_lora_rank, num_kv_splits, tile.block_n,

@@ -209,7 +209,7 @@ def _mla_decode_gluon_kernel(
         h_o = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, O_LAYOUT))
         c_o = gl.arange(0, KV_LORA, layout=gl.SliceLayout(0, O_LAYOUT))
         part = part_out_ptr + b * stride_pb + h_o[:, None] * stride_ph + split * stride_ps + c_o[None, :]
-        gl.store(part, out, mask=(h_o < H)[:, None])
+        gl.store(part, out.to(part_out_ptr.dtype.element_ty), mask=(h_o < H)[:, None])  # one split: out itself
         h_s = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, S_LAYOUT))
         gl.store(part_lse_ptr + b * stride_lb + h_s * stride_lh + split, m_i + gl.log2(l_i), mask=h_s < H)
 
@@ -260,7 +260,8 @@ def mla_decode_stage1_gluon(
     split_align: int,
     flags: dict[str, bool] | None = None,
 ) -> None:
-    """Fills part_out [B, H, P, kv_lora] fp32 and part_lse [B, H, P] (log2 units) as the Triton stage 1."""
+    """Fills part_out [B, H, P, kv_lora] fp32 and part_lse [B, H, P] (log2 units) as the Triton stage 1 (P = 1:
+    part_out may be the output [B, H, 1, kv_lora] in q's dtype, which then needs no merge)."""
     B, H, C = q.shape
     num_kv_splits = part_out.shape[2]
     gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16

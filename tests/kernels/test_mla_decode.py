@@ -57,6 +57,22 @@ def test_mla_decode_matches_ref(dtype: torch.dtype, page_size: int, H: int, pois
     assert_close_to_ref(out, ref, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("v_splits", [1, 2])
+def test_one_split_writes_out_directly_same_bits(dtype: torch.dtype, v_splits: int, poisoned_empty: None) -> None:
+    """One split: stage 1 stores the output itself (no merge). The merge of one split weighs it by exp2(0) = 1,
+    so the two-stage twin (direct=False) must give the same bits; NaN-filled allocations catch a row or a
+    value half left unwritten."""
+    q, kv, r2t, rows, seq_lens = _case(LENS, 7, 40, 8, 3, dtype, DEVICE, seed=23 + v_splits)
+    tile = DecodeTile(16, 16, 4, 2, v_splits=v_splits)
+    out = mla_decode(q, kv, r2t, rows, seq_lens, 40, 0.3, num_kv_splits=1, tile=tile)
+    twin = mla_decode(q, kv, r2t, rows, seq_lens, 40, 0.3, num_kv_splits=1, tile=tile._replace(direct=False))
+    assert not out.isnan().any()
+    assert torch.equal(out, twin)
+    ref = mla_decode_ref(q.float(), kv.float(), r2t, rows, seq_lens, 40, 0.3)
+    assert_close_to_ref(out, ref, dtype)
+
+
 @pytest.mark.parametrize("num_kv_splits", [1, 5])  # 5: more splits than the short requests need
 def test_mla_decode_fixed_splits(num_kv_splits: int, poisoned_empty: None) -> None:
     q, kv, r2t, rows, seq_lens = _case(LENS, 5, 24, 8, 3, torch.bfloat16, DEVICE, seed=num_kv_splits)

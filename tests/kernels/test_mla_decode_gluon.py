@@ -68,6 +68,21 @@ def test_gluon_matches_ref(
     torch.testing.assert_close(out.float(), triton_out.float(), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.skipif(not _hopper(), reason="the Gluon decode kernel is sm_90 only")
+@pytest.mark.parametrize("page_size", [1, 64])
+def test_gluon_one_split_direct_same_bits_as_merge(page_size: int) -> None:
+    """One split: the Gluon stage 1 stores the bf16 output itself; the two-stage twin (fp32 partial, merge with
+    weight exp2(0) = 1) must give the same bits. H = 80 leaves a ragged second head block."""
+    gen = torch.Generator().manual_seed(5 + page_size)
+    r2t, rows, S = paged_req_to_token(LENS, page_size, gen)
+    q = torch.randn(len(LENS), 80, 576, generator=gen).cuda().bfloat16()
+    kv = torch.randn(S, 576, generator=gen).cuda().bfloat16()
+    args = (q, kv, r2t.cuda(), rows.cuda(), torch.tensor(LENS, device="cuda"), 512, 576**-0.5, 1)
+    out = mla_decode(*args, tile=GLUON)
+    assert torch.equal(out, mla_decode(*args, tile=GLUON._replace(direct=False)))
+    assert_close_to_ref(out, mla_decode_ref(q.float(), kv.float(), *args[2:7]), torch.bfloat16)
+
+
 def test_gluon_rejects_what_it_cannot_run() -> None:
     q = torch.randn(2, 64, 24 + 8, device="cuda").bfloat16()
     kv = torch.randn(10, 32, device="cuda").bfloat16()
