@@ -6,6 +6,9 @@ Run (GPU): python bench/mla_decode_h128.py [--old-gluon PATH]   -> table on stdo
 --old-gluon: a previous kernels/mla_decode_gluon.py (e.g. `git show <rev>:kernels/mla_decode_gluon.py`), timed
 at the default's split count in the same run, its stage 1 swapped in for the installed one.
 
+At the cells where the default takes one split, the same call through the two-stage twin
+(DecodeTile.direct=False: fp32 partial, then the merge launch) is timed too.
+
 --parts: where a tile's time goes. The kernel's source with one part cut out (the P V wgmmas, the row max
 across the warpgroups, the exponentials, the score wgmmas, the in-loop gathers, the rescale of O), each
 timed at B = 16 / 8k and 64 / 8k beside the whole kernel; the results are wrong, only the times count. Also
@@ -171,6 +174,11 @@ def main() -> None:
         cell: dict[str, object] = {"B": B, "L": L, "policies": policies, "runs": rows_out}
         p = policies["default"]
         call = partial(mla_decode, q, kv, r2t, rows, lens, KV_LORA, 576**-0.5, p, default)
+        if p == 1:  # the same split count through the two-stage twin (fp32 partial + merge launch)
+            two = default._replace(direct=False)
+            t_2 = sw.ms(partial(mla_decode, q, kv, r2t, rows, lens, KV_LORA, 576**-0.5, 1, two))
+            cell["two_stage"] = {"splits": 1, "ms": t_2, "default_speedup": t_2 / timed[p]}
+            print(f"B={B} L={L} two-stage at 1 split: {t_2:.4f} ms; direct {t_2 / timed[p]:.3f}x faster", flush=True)
         for name, stage1 in variants.items():
             t_v = stage1_ms(sw, stage1, call)
             cell[name] = {"splits": p, "ms": t_v, "TFLOPs": flops / t_v / 1e9, "default_speedup": t_v / timed[p]}
