@@ -156,8 +156,8 @@ def cell(B: int, L: int, sms: int, rep: int, base: DecodeTile, sweep: bool, pair
         for i in range(1, pairs + 1):  # alternately: run 2 saw the pairs drift 1-10% slower within a cell
             t[f"old/{old}/#{i}"] = decode(OLD, old)
             t[f"new/{auto}/#{i}"] = decode(base, auto)
-            if auto == 1:  # the same split through the two-stage twin: what writing out from stage 1 saves
-                t[f"two-stage/{auto}/#{i}"] = decode(base._replace(direct=False), auto)
+            if auto == 1:  # the same split written out by stage 1 (direct; session 4: 2% slower at B256/1k)
+                t[f"direct/{auto}/#{i}"] = decode(base._replace(direct=True), auto)
         if nbytes < 600e6 and pairs <= 2:
             for tile in FINAL_TILES:
                 t[f"launch/{auto}/{'x'.join(str(x) for x in tile[:4])}/v{tile.v_splits}"] = decode(tile, auto)

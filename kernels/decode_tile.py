@@ -99,7 +99,7 @@ class DecodeTile(NamedTuple):
     fixed_tiles: int = 0  # > 0: split count by splits_by_cost with this per-program cost in tiles, not waves
     per_sm: int = 1  # programs resident per SM (registers, shared memory): a wave for splits_by_cost
     min_split: int = MIN_TOKENS_PER_SPLIT  # fewest keys a split gets (splits_by_cost)
-    direct: bool = True  # one split: stage 1 writes the output, no merge launch (False: the two-stage twin)
+    direct: bool = False  # one split: stage 1 writes the output, no merge launch (the Gluon tile's default)
 
     def head_programs(self, num_heads: int) -> int:
         """Stage-1 programs per (request, split): head blocks x value splits."""
@@ -127,7 +127,9 @@ def default_decode_tile(
     at B = 64 / 1k and 32k), fp32 4 programs per SM rounded down.
     H >= 64: use_gluon (the caller is on a Hopper GPU) and a shape the Gluon kernel takes: its two-warpgroup
     64 x 64 tile (B = 256, L = 32k: 6.86 vs 9.47 ms), its split count by splits_by_cost (run 6: 1.03-1.28x
-    over 8 waves rounded up at kv_len >= 8k); else Triton's 64 heads x 64 keys over 8 warps (the best
+    over 8 waves rounded up at kv_len >= 8k), and with one split stage 1 writes the output (direct: 1.01-1.10x at
+    B >= 64, no merge launch; at H = 16 it was 2% slower at B = 256 / 1k, so the Triton tiles keep the merge:
+    bench/NOTES.md "Engine owner, session 4"); else Triton's 64 heads x 64 keys over 8 warps (the best
     of 13 Triton tiles incl. value splits, 128 heads, keys-major scores, two programs per SM). fp32 halves
     the keys so two fp32 tiles still fit in shared memory."""
     if num_heads >= 64:
@@ -135,7 +137,7 @@ def default_decode_tile(
             from r3trace.kernels.mla_decode_gluon import GLUON_KV_LORA, GLUON_ROPE
 
             if kv_lora in GLUON_KV_LORA and rope in GLUON_ROPE:
-                return DecodeTile(64, 64, 8, 2, kernel="gluon", fixed_tiles=GLUON_FIXED_TILES)
+                return DecodeTile(64, 64, 8, 2, kernel="gluon", fixed_tiles=GLUON_FIXED_TILES, direct=True)
         return DecodeTile(64, 64 if dtype.itemsize <= 2 else 32, 8, 2)
     if dtype.itemsize <= 2:
         return DecodeTile(16, 32, 4, 3, fixed_tiles=H16_FIXED_TILES, per_sm=2, min_split=H16_MIN_SPLIT)

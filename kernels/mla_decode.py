@@ -206,7 +206,8 @@ def mla_decode(
     # One split: stage 1's normalised tile is the answer. It is stored straight into out (rounded once, as the
     # merge would: its weight is exp2(0) = 1, so the bits are the same) and stage 2 is skipped. At H = 128,
     # B = 256 that merge cost 0.027 ms of a 0.234 ms call (bench/NOTES.md "mla128, session 4", run 3), plus
-    # stage 1's 67 MB of fp32 partials; splits_by_cost picks one split at B >= 64 there.
+    # stage 1's 67 MB of fp32 partials; splits_by_cost picks one split at B >= 64 there. Opt-in per tile
+    # (DecodeTile.direct; the Gluon default has it): the H = 16 Triton tile measured 2% slower with it.
     direct = num_kv_splits == 1 and tile.direct
     part_out = out.unsqueeze(2) if direct else torch.empty(
         (B, H, num_kv_splits, kv_lora_rank), dtype=torch.float32, device=q.device)  # fmt: skip

@@ -64,7 +64,7 @@ def test_one_split_writes_out_directly_same_bits(dtype: torch.dtype, v_splits: i
     so the two-stage twin (direct=False) must give the same bits; NaN-filled allocations catch a row or a
     value half left unwritten."""
     q, kv, r2t, rows, seq_lens = _case(LENS, 7, 40, 8, 3, dtype, DEVICE, seed=23 + v_splits)
-    tile = DecodeTile(16, 16, 4, 2, v_splits=v_splits)
+    tile = DecodeTile(16, 16, 4, 2, v_splits=v_splits, direct=True)
     out = mla_decode(q, kv, r2t, rows, seq_lens, 40, 0.3, num_kv_splits=1, tile=tile)
     twin = mla_decode(q, kv, r2t, rows, seq_lens, 40, 0.3, num_kv_splits=1, tile=tile._replace(direct=False))
     assert not out.isnan().any()
