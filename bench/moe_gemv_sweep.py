@@ -27,7 +27,8 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from sibling import load_sibling  # bench/sibling.py: python bench/<script>.py puts bench/ on the path
+from moe_bench import _cfg_str, _prewarm_pool, _routes  # bench/: python bench/<script>.py puts it on the path
+from timing import RESULTS, ceilings, ms, ms_graph
 
 from r3trace.kernels import moe_gemv as MG
 from r3trace.kernels.fused_moe import GemvTile, MoeConfig, fused_moe, fused_moe_ref, moe_config
@@ -97,7 +98,7 @@ def times(fns: list, reps: int = 200) -> tuple[float, float]:
         gs[i[0] % len(gs)].replay()
         i[0] += 1
 
-    dirty = BK.ms(replay)
+    dirty = ms(replay)
     if not FLUSH:
         FLUSH.extend([torch.ones(2**26, device="cuda"), torch.empty((), device="cuda")])  # 256 MB fp32, a sink
     ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps + 10)]
@@ -129,7 +130,6 @@ def regs() -> dict[str, list[int]]:
     return out
 
 
-BK = load_sibling("kernels.py", "bench_kernels")
 
 
 def _prewarm(job: tuple[GemvTile, int]) -> str:
@@ -139,7 +139,7 @@ def _prewarm(job: tuple[GemvTile, int]) -> str:
     x = torch.randn(1, D, device="cuda", dtype=torch.bfloat16)
     w13 = torch.randn(E, 2 * I, D, device="cuda", dtype=torch.bfloat16)
     w2 = torch.randn(E, D, I, device="cuda", dtype=torch.bfloat16)
-    fused_moe(x, w13, w2, BK._routes(1, E, 1)[0], torch.rand(1, K, device="cuda"), config=MoeConfig(16, *_g(), tile))
+    fused_moe(x, w13, w2, _routes(1, E, 1)[0], torch.rand(1, K, device="cuda"), config=MoeConfig(16, *_g(), tile))
     torch.cuda.synchronize()
     return str(tile)
 
@@ -167,7 +167,7 @@ def _pipeline(name: str, cfg: MoeConfig, x, w13, w2, ids_sets, wts, ref, read_ms
     except Exception as e:
         print(f"  {name} failed: {type(e).__name__}: {str(e)[:160]}")
         return
-    res[name] = {"config": BK._cfg_str(cfg), "graph_ms": tg, "clean_ms": tc, "x_read": tg / read_ms,
+    res[name] = {"config": _cfg_str(cfg), "graph_ms": tg, "clean_ms": tc, "x_read": tg / read_ms,
                  "x_read_clean": tc / read_ms, "rel_err": err}  # fmt: skip
     print(f"{tag} {name:>52} graph {tg:.4f} ms ({tg / read_ms:.2f}x) clean {tc:.4f} ms ({tc / read_ms:.2f}x) "
           f"err {err:.1e}")  # fmt: skip
@@ -177,14 +177,14 @@ def sweep(E: int, I: int, T: int, copy_gbs: float, out: list) -> None:
     w13 = torch.randn(E, 2 * I, D, device="cuda", dtype=torch.bfloat16) / D**0.5
     w2 = torch.randn(E, D, I, device="cuda", dtype=torch.bfloat16) / I**0.5
     x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
-    ids_sets = BK._routes(T, E, 8)
+    ids_sets = _routes(T, E, 8)
     wts = torch.rand(T, K, device="cuda")
     touched = torch.unique(ids_sets[0]).numel()
     read_ms = touched * 3 * I * D * 2 / copy_gbs / 1e6
     ref = fused_moe_ref(x, w13, w2, ids_sets[0], wts)
     default = moe_config(T * K, E, 2, I, tokens=T)
     tag = f"E={E:>3} I={I:>4} T={T}"
-    cell: dict[str, object] = {"E": E, "I": I, "T": T, "touched_read_ms": read_ms, "default": BK._cfg_str(default)}
+    cell: dict[str, object] = {"E": E, "I": I, "T": T, "touched_read_ms": read_ms, "default": _cfg_str(default)}
     base = default.gemv or GEMV_T1
     res: dict[str, dict] = {}
     _pipeline("default", default, x, w13, w2, ids_sets, wts, ref, read_ms, res, tag)
@@ -212,7 +212,7 @@ def sweep(E: int, I: int, T: int, copy_gbs: float, out: list) -> None:
                 g = down_tile(base, d)._replace(down_evict_first=ef)
                 err = rel(gemv_down_sum(acts[0], w2, ids_sets[0], wts, g), down_ref)
                 one = times([partial(_downs, 1, a, w2, ids, wts, g) for a, ids in pairs])
-                two = BK.ms_graph([partial(_downs, 2, a, w2, ids, wts, g) for a, ids in pairs])
+                two = ms_graph([partial(_downs, 2, a, w2, ids, wts, g) for a, ids in pairs])
                 downs[f"{d} {ef}"] = [*one, two - one[0]]
                 print(
                     f"{tag} down alone {d} evict_first {ef}: {one[0]:.4f} ms ({mb_down / 1e3 / one[0]:.2f} TB/s) "
@@ -254,15 +254,15 @@ def main() -> None:
     ap.add_argument("--tag", default="", help="suffix of the JSON file name")
     a = ap.parse_args()
     t0 = time.time()
-    copy_gbs, _ = BK.ceilings()
+    copy_gbs, _ = ceilings()
     cells_in = [tuple(int(v) for v in c.split("x")) for c in a.cells.split(",")]
     if a.prewarm:
         jobs = {(variant(moe_config(K * T, E, 2, I, tokens=T).gemv or GEMV_T1, v), I) for E, I, T in cells_in
                 for v in VARIANTS}  # fmt: skip
         jobs |= {(up_tile(GEMV_T1, u)._replace(up_evict_first=ef), 256) for u in UPS for ef in (False, True)}
         jobs |= {(down_tile(GEMV_T1, d)._replace(down_evict_first=ef), 256) for d in DOWNS for ef in (False, True)}
-        BK._prewarm_pool(_prewarm, sorted(jobs, key=str), a.prewarm)
-    res: dict[str, object] = {"ceilings": BK.RESULTS["ceilings"], "floors": floors(256)}
+        _prewarm_pool(_prewarm, sorted(jobs, key=str), a.prewarm)
+    res: dict[str, object] = {"ceilings": RESULTS["ceilings"], "floors": floors(256)}
     cells: list = []
     res["cells"] = cells
     for E, I, T in cells_in:
