@@ -31,7 +31,7 @@ from r3trace.kernels.moe_gemv import gemv_down_sum, gemv_gate_up
 
 # ---------------------------------------------------------------- fused MoE
 D, K = 7168, 8
-DEV = "cuda"  # the tensors' device; set to "cpu" (TRITON_INTERPRET=1) for a smoke test of the code paths
+DEV = "cuda"  # the device of every tensor the MoE sections make
 MOE_T = (1, 16, 64, 256, 1024, 4096, 16384)
 MOE_SHAPES = ((256, 256), (32, 2048))  # (E, I): V3 per rank under TP8 and under EP8
 # Tiles swept per GEMM (gate_up and down timed apart on one alignment, best of each composed), at the
