@@ -5,7 +5,9 @@ of pages, so a shared prefix is always a list of whole pages. A request's partly
 never shared; those tokens are recomputed by the next request (at most P - 1 per request).
 
 A node in use is locked (lock_ref > 0 on it and every ancestor) and never evicted. Unlocked leaves
-are evicted least recently used first; their pages go back to the KVPool.
+are evicted least recently used first; their pages go back to the KVPool. adopt() may give a locked node
+new pages: the old ones are retired on the node (its holders still read them) and go back to the pool
+when its last lock is released.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class TreeNode:
         self.parent = parent
         self.children: dict[tuple[int, ...], TreeNode] = {}  # by the first page of the child's key
         self.lock_ref = 0
+        self.retired: list[int] = []  # pages adopt() replaced while the node was locked: freed at lock_ref 0
         self.last_access = 0
         self.id = next(TreeNode._ids)  # tie-breaker in the eviction heap
 
@@ -55,7 +58,8 @@ class RadixCache:
         return n
 
     def _split(self, node: TreeNode, at: int) -> TreeNode:
-        """Cut node's key at token `at` (a page boundary); return the new upper half."""
+        """Cut node's key at token `at` (a page boundary); return the new upper half. Retired pages stay on
+        the lower half: every request holding them locked the whole node, so its lock passes through both."""
         parent = node.parent
         assert parent is not None and 0 < at < len(node.key) and at % self.page_size == 0
         upper = TreeNode(node.key[:at], node.pages[: at // self.page_size], parent)
@@ -111,14 +115,17 @@ class RadixCache:
         self, tokens: list[int], pages: list[int], start: int, prefer: Callable[[list[int], list[int]], bool]
     ) -> list[int]:
         """A request's own pages for tokens the cache already holds (all of `tokens`, whole pages; the
-        request computed tokens[start:] itself): every unlocked node in that range whose pages
-        `prefer(cached, own)` rejects in favour of the request's takes them instead. Returns the pages the
-        caller must free: the replaced ones, and its own ones the cache did not take.
+        request computed tokens[start:] itself): every node in that range whose pages `prefer(cached, own)`
+        rejects in favour of the request's takes them instead. Returns the pages the caller must free: the
+        replaced pages of unlocked nodes, and its own ones the cache did not take. A locked node's replaced
+        pages are still read by the requests holding it: they are retired on the node and freed by unlock().
 
         Route capture uses it: a prefix first cached by a request that did not capture has no routes on the
-        host, so every capturing request would recompute it; the first one's pages replace it."""
+        host, so every capturing request would recompute it; the first one's pages replace it, even while
+        other requests (a long uncaptured decode sharing a system prompt) still hold the old copy."""
         p = self.page_size
-        node, i, to_free = self.root, 0, []
+        node, i = self.root, 0
+        to_free: list[int] = []
         while i < len(tokens):
             child = node.children.get(self._first_page(tokens, i))
             assert child is not None, "adopt: tokens must be cached (insert them first)"
@@ -132,8 +139,8 @@ class RadixCache:
                 n = len(child.key)
             if i >= start:
                 own = pages[i // p : (i + n) // p]
-                if child.lock_ref == 0 and prefer(child.pages, own):
-                    to_free.extend(child.pages)
+                if prefer(child.pages, own):
+                    (child.retired if child.lock_ref > 0 else to_free).extend(child.pages)
                     child.pages = list(own)
                 else:
                     to_free.extend(own)
@@ -159,6 +166,9 @@ class RadixCache:
             if cur.lock_ref == 0:
                 self.evictable_tokens += len(cur.key)
                 self.locked_tokens -= len(cur.key)
+                if cur.retired:  # the last holder of the pages adopt() replaced is done with them
+                    self.pool.free(cur.retired)
+                    cur.retired = []
             cur = cur.parent
 
     def evict(self, num_pages: int) -> int:

@@ -261,7 +261,7 @@ class Scheduler:
         page = self.pool.page_size
         own_from = req.cached_len // page  # pages before this came from the cache
         if self.cache is not None and req.cache_node is not None:
-            self.cache.unlock(req.cache_node)  # first: adopt() may replace nodes nobody else holds
+            self.cache.unlock(req.cache_node)  # first: adopt() frees at once the pages of nodes nobody holds
         if self.cache is not None and cache_it and req.use_prefix_cache:
             full = req.kv_len // page
             present = self.cache.insert(req.fill_ids[: full * page], req.pages[:full]) // page

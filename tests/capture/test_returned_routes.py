@@ -185,6 +185,33 @@ def test_prefix_hit_on_kv_of_a_request_that_did_not_capture(tiny_ckpt: Path, mak
     assert engine.kv_pool.num_free_pages == engine.kv_pool.num_pages  # adopt freed exactly the replaced pages
 
 
+def test_capturing_copy_replaces_a_prefix_another_request_still_holds(
+    tiny_ckpt: Path, make_engine: EngineFactory
+) -> None:
+    """The cached prefix without host routes is held by a long uncaptured decode when the capturing request
+    that recomputed it finishes: its copy still replaces the cached one (so the next capturing request reuses
+    it), while the old pages stay allocated until the long request is done. A third request, admitted when
+    the capturing one leaves, allocates pages then: had the old pages gone back to the pool early it would
+    overwrite the long request's prefix, and its tokens would differ from a run of its own."""
+    engine = make_engine(page_size=2, max_running_requests=2)
+    shared = random_prompts(1, 10, 10, seed=15)[0]
+    other = random_prompts(1, 12, 12, seed=17)[0]
+    engine.generate(input_ids=shared + [40], sampling_params=greedy(2))  # cached without host routes
+    outs = engine.generate(input_ids=[shared + [50], shared + [41], other],
+                           sampling_params=[greedy(24), greedy(2), greedy(8)],
+                           return_routed_experts=[False, True, False])  # fmt: skip
+    assert outs[0]["meta_info"]["cached_tokens"] == 10 and outs[1]["meta_info"]["cached_tokens"] == 0
+    assert_routes_exact(tiny_ckpt, shared + [41], outs[1])
+    again = engine.generate(input_ids=shared + [43], sampling_params=greedy(2), return_routed_experts=True)
+    assert again["meta_info"]["cached_tokens"] == 10  # the capturing copy took the held node's place
+    assert_routes_exact(tiny_ckpt, shared + [43], again)
+    np.testing.assert_array_equal(returned_routes(again)[:10], returned_routes(outs[1])[:10])
+    engine.flush_cache()
+    assert engine.kv_pool.num_free_pages == engine.kv_pool.num_pages  # the retired pages came back, once
+    alone = make_engine(page_size=2).generate(input_ids=shared + [50], sampling_params=greedy(24))
+    assert outs[0]["output_ids"] == alone["output_ids"]
+
+
 def _waiting_rids(engine: object) -> set[str]:
     """Test only: peek at the scheduler's waiting queue from another thread (copy, retry on a race)."""
     for _ in range(100):

@@ -114,18 +114,32 @@ def test_radix_adopt_replaces_unlocked_nodes_the_caller_prefers() -> None:
     assert pool.num_free_pages == pool.num_pages
 
 
-def test_radix_adopt_skips_locked_nodes() -> None:
+def test_radix_adopt_retires_a_locked_nodes_pages_until_its_last_holder_goes() -> None:
+    """A locked node takes the preferred pages too (the next request matching it gets them), but its old
+    pages are still read by the requests holding it: they go back to the pool only when the last of them
+    unlocks, once, even if the node was split in between."""
     pool = _pool(tokens=32, page=4)
     cache = RadixCache(pool)
     toks = list(range(8))
     old = pool.alloc(2)
     assert old is not None and cache.insert(toks, old) == 0
     _, node = cache.match_prefix(toks)
-    cache.lock(node)  # a running request uses the whole prefix: its pages must stay
+    cache.lock(node)  # two running requests use the whole prefix
+    cache.lock(node)
     own = pool.alloc(2)
     assert own is not None
-    assert sorted(cache.adopt(toks, own, start=0, prefer=lambda cached, mine: True)) == sorted(own)
-    assert cache.match_prefix(toks)[0] == old
+    free_before = pool.num_free_pages
+    assert cache.adopt(toks, own, start=0, prefer=lambda cached, mine: True) == []  # nothing to free yet
+    assert cache.match_prefix(toks)[0] == own  # new matches get the preferred copy
+    _, upper = cache.match_prefix(toks[:4])  # a shorter match splits the node: [0, 4) above [4, 8)
+    cache.lock(upper)
+    cache.unlock(node)
+    assert pool.num_free_pages == free_before  # one holder of the old pages is left
+    cache.unlock(node)
+    assert pool.num_free_pages == free_before + 2 and not set(old) & set(cache.match_prefix(toks)[0])
+    cache.unlock(upper)
+    cache.flush()
+    assert pool.num_free_pages == pool.num_pages  # old pages freed once, own pages by the flush
 
 
 def test_radix_adopt_cuts_a_node_where_the_requests_own_pages_start() -> None:
