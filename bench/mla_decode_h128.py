@@ -72,25 +72,6 @@ PARTS = [
 ]
 
 
-def merge_ms(sw: ModuleType, B: int, L: int, splits: int) -> float:
-    """Stage 2 alone on [B, H, splits, kv_lora] fp32 partials, graph-timed like the whole call."""
-    from r3trace.kernels.mla_decode import _mla_decode_merge_kernel
-
-    part = torch.randn(B, H, splits, KV_LORA, device="cuda")
-    lse = torch.randn(B, H, splits, device="cuda")
-    lens = torch.full((B,), L, device="cuda", dtype=torch.int64)
-    o = torch.empty(B, H, KV_LORA, device="cuda", dtype=torch.bfloat16)
-
-    def merge() -> None:
-        _mla_decode_merge_kernel[(B, H)](
-            part, lse, lens, o, KV_LORA, splits, 64, part.stride(0), part.stride(1), part.stride(2),
-            lse.stride(0), lse.stride(1), o.stride(0), o.stride(1),
-            BLOCK_P=max(2, 1 << (splits - 1).bit_length()), BLOCK_C=KV_LORA, num_warps=4,
-        )  # fmt: skip
-
-    return float(sw.ms(merge))
-
-
 def parts(sw: ModuleType, out_dir: Path, res: dict[str, object]) -> None:
     """Each PARTS cut timed against the whole kernel at two cells, then stage 2 alone at every cell."""
     src = Path(mla_decode_gluon.__file__).read_text()
@@ -112,7 +93,7 @@ def parts(sw: ModuleType, out_dir: Path, res: dict[str, object]) -> None:
         print(f"parts B={B} L={L} splits {p}: " + " ".join(f"{k} {v:.4f}" for k, v in times.items()), flush=True)
     for B, L in CELLS:
         p = default.num_kv_splits(B, H, L, sms)
-        out[f"merge {B}/{L}"] = t = merge_ms(sw, B, L, p)
+        out[f"merge {B}/{L}"] = t = sw.merge_ms(B, H, p, L, sw.ms)  # graph-timed like the whole call
         print(f"stage 2 alone B={B} L={L} splits {p}: {t:.4f} ms", flush=True)
     res["parts"] = out
 

@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import traceback
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from types import ModuleType
@@ -106,13 +107,17 @@ SHAPES_16_SPLITS = [(B, L) for B in (16, 64, 256) for L in (1024, 8192, 32768)]
 SPLITS_16 = {64: [8, 12, 16], 16: [16, 32], 256: [1, 2, 3]}
 
 
-def merge_ms(B: int, H: int, splits: int) -> float:
-    """Stage 2 alone on [B, H, splits, 512] fp32 partials: the merge's share of a decode call."""
+def merge_ms(
+    B: int, H: int, splits: int, seq_len: int = 1 << 20, timer: Callable[[Callable[[], None]], float] | None = None
+) -> float:
+    """Stage 2 alone on [B, H, splits, 512] fp32 partials: the merge's share of a decode call. Requests of
+    seq_len keys (the default keeps every split live); timed eagerly unless a timer is given (bench/
+    mla_decode_h128.py passes `ms` with GRAPH on)."""
     from r3trace.kernels.mla_decode import _mla_decode_merge_kernel
 
     part = torch.randn(B, H, splits, KV_LORA, device="cuda")
     lse = torch.randn(B, H, splits, device="cuda")
-    lens = torch.full((B,), 1 << 20, device="cuda", dtype=torch.int64)
+    lens = torch.full((B,), seq_len, device="cuda", dtype=torch.int64)
     out = torch.empty(B, H, KV_LORA, device="cuda", dtype=torch.bfloat16)
 
     def run() -> None:
@@ -122,6 +127,8 @@ def merge_ms(B: int, H: int, splits: int) -> float:
             BLOCK_P=max(2, 1 << (splits - 1).bit_length()), BLOCK_C=KV_LORA, num_warps=4,
         )  # fmt: skip
 
+    if timer is not None:
+        return float(timer(run))
     return float(do_bench(run, warmup=25, rep=60, return_mode="median"))
 
 
