@@ -127,11 +127,15 @@ def throughput(
     return out
 
 
-def transformers_baseline(ckpt: Path, batch: int, new_tokens: int) -> dict[str, Any]:
-    """transformers' generate on the same checkpoint and batch (greedy, bf16, its default cache)."""
+def transformers_baseline(ckpt: Path, batch: int, new_tokens: int, experts: str = "default") -> dict[str, Any]:
+    """transformers' generate on the same checkpoint and batch (greedy, bf16, its default cache). experts:
+    the MoE backend transformers >= 5 offers (`experts_implementation`: eager loops over experts, grouped_mm one
+    torch._grouped_mm, batched_mm one bmm over copied weights); "default" leaves the library's choice."""
+    import transformers
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16).cuda().eval()
+    kw_load: dict[str, Any] = {} if experts == "default" else {"experts_implementation": experts}
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16, **kw_load).cuda().eval()
     rng = np.random.default_rng(1)
     ids = torch.tensor(rng.integers(2, 32000, size=(batch, 128)), device="cuda")
     kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
@@ -146,9 +150,12 @@ def transformers_baseline(ckpt: Path, batch: int, new_tokens: int) -> dict[str, 
         model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
         torch.cuda.synchronize()
         total_s = time.perf_counter() - t0
-    out = {"backend": "transformers", "batch": batch, "new_tokens": new_tokens,
-           "decode_tokens_per_s": batch * (new_tokens - 1) / max(total_s - prefill_s, 1e-9)}
+    out = {"backend": "transformers", "version": transformers.__version__, "experts": experts,
+           "experts_applied": getattr(model.config, "_experts_implementation", None), "batch": batch,
+           "new_tokens": new_tokens, "decode_tokens_per_s": batch * (new_tokens - 1) / max(total_s - prefill_s, 1e-9)}
     print(f"throughput: {out}", flush=True)
+    del model
+    torch.cuda.empty_cache()
     return out
 
 
@@ -161,6 +168,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--shape", default="v3-2.5b", help="bench/random_checkpoint.py shape")
     ap.add_argument("--skip-exactness", action="store_true")
+    ap.add_argument("--hf-experts", default="default",
+                    help="transformers' experts_implementation values to time (default,eager,grouped_mm,batched_mm)")
     args = ap.parse_args()
     import logging
 
@@ -180,7 +189,12 @@ def main() -> None:
         report["shape"] = args.shape
         if "transformers" in backends:
             backends.remove("transformers")
-            report["throughput"].append(transformers_baseline(ckpt, args.batch, args.new_tokens))
+            for experts in args.hf_experts.split(","):
+                try:
+                    report["throughput"].append(transformers_baseline(ckpt, args.batch, args.new_tokens, experts))
+                except Exception as exc:  # a backend this transformers lacks is a finding
+                    report["throughput"].append({"backend": "transformers", "experts": experts, "error": repr(exc)})
+                    print(f"[transformers {experts}] failed: {exc!r}", flush=True)
         for b in backends:
             try:
                 report["throughput"].extend(throughput(ckpt, b, args.batch, args.new_tokens, args.reps))
