@@ -87,20 +87,27 @@ class MLAAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
         """x: [T, D]; kv_cache: [S, C] of this layer -> [T, D]."""
+        t = x.shape[0]
         q = self._query(x)
         q_nope, q_pe = q.split([self.nope, self.rope_dim], dim=-1)
-        q_pe = self.rope(fb.positions, q_pe)
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora, self.rope_dim], dim=-1)
         latent = torch.cat([self.kv_a_layernorm(c_kv), self.rope(fb.positions, k_pe)], dim=-1)  # [T, C]
         kv_cache[fb.out_cache_loc] = latent.to(kv_cache.dtype)
 
         if select_attn_path(fb, self.mla_path) == "normal":
-            out = self._normal(torch.cat([q_nope, q_pe], dim=-1), latent, kv_cache, fb)
+            out = self._normal(torch.cat([q_nope, self.rope(fb.positions, q_pe)], dim=-1), latent, kv_cache, fb)
         else:
-            q_abs = torch.einsum("thn,hnc->thc", q_nope, self.w_kc)  # [T, H, kv_lora]
-            o_lat = self.backend.absorbed(torch.cat([q_abs, q_pe], dim=-1), kv_cache, fb, self.kv_lora, self.scale)
-            out = torch.einsum("thc,hvc->thv", o_lat, self.w_vc)  # [T, H, v]
-        return self.o_proj(out.reshape(x.shape[0], self.h * self.v_dim))
+            # The absorbed query [T, H, kv_lora + rope] built in place: the bmm and the rope store into its two
+            # column ranges through strided views, and the value projection stores [T, H, v] rows o_proj reads
+            # as they are. einsum + cat cost a cat (4.6 us) and a permute copy a layer at batch 64 on the H200
+            # (bench/NOTES.md, "Engine owner, session 5", run 2's kernel table).
+            q_lat = q.new_empty(t, self.h, self.kv_lora + self.rope_dim)
+            torch.bmm(q_nope.transpose(0, 1), self.w_kc, out=q_lat[:, :, : self.kv_lora].transpose(0, 1))
+            self.rope(fb.positions, q_pe, out=q_lat[:, :, self.kv_lora :])
+            o_lat = self.backend.absorbed(q_lat, kv_cache, fb, self.kv_lora, self.scale)  # [T, H, kv_lora]
+            out = o_lat.new_empty(t, self.h, self.v_dim)
+            torch.bmm(o_lat.transpose(0, 1), self.w_vc.transpose(1, 2), out=out.transpose(0, 1))  # [T, H, v]
+        return self.o_proj(out.reshape(t, self.h * self.v_dim))
 
     def _normal(self, q: torch.Tensor, latent: torch.Tensor, kv_cache: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         if fb.has_prefix:

@@ -56,6 +56,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", (freqs.sin() * attn_factor).to(device), persistent=False)
         self._fn = rope if backend == "triton" else rope_ref  # r3trace.kernels.rope: one launch vs ~12
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, ..., rope] (pairs interleaved) rotated by positions: [T]; computed in fp32."""
-        return self._fn(x, positions, self.cos, self.sin)
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [T, ..., rope] (pairs interleaved) rotated by positions: [T]; computed in fp32. out: where to write
+        it (x's shape, e.g. the rope columns of a wider buffer), else a new tensor."""
+        return self._fn(x, positions, self.cos, self.sin, out)

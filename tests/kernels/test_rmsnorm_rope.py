@@ -89,6 +89,24 @@ def test_rope_matches_ref(shape: tuple[int, ...], dtype: torch.dtype) -> None:
     _close(rope(x, pos, cos, sin), rope_ref(x, pos, cos, sin), dtype)
 
 
+@pytest.mark.parametrize("fn", [rope, rope_ref])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_writes_into_a_slice(fn, dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
+    """out=: the rope columns of the absorbed query [T, H, kv_lora + R] (a strided slice), other columns kept."""
+    gen = torch.Generator().manual_seed(11)
+    cos, sin = _tables(50, 32)
+    x = torch.randn(7, 3, 192, generator=gen).to(dtype).to(DEVICE)[..., 128:]  # q_pe: a strided view
+    pos = torch.randint(0, 50, (7,), generator=gen).to(DEVICE)
+    buf = torch.randn(7, 3, 40 + 64, generator=gen).to(dtype).to(DEVICE)
+    keep = buf[..., :40].clone()
+    got = fn(x, pos, cos, sin, out=buf[..., 40:])
+    assert got.data_ptr() == buf[..., 40:].data_ptr()
+    _close(buf[..., 40:], rope_ref(x, pos, cos, sin), dtype)
+    assert torch.equal(buf[..., :40], keep)
+    with pytest.raises(KernelInputError, match="out: shape"):
+        fn(x, pos, cos, sin, out=buf[..., 41:])
+
+
 def test_rope_rejects_bad_arguments() -> None:
     cos, sin = _tables(10, 32)
     x = torch.randn(3, 64, device=DEVICE)
