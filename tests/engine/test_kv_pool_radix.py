@@ -43,10 +43,17 @@ def test_pool_pages_slots_and_double_free() -> None:
     assert rows.req_to_token[1 - r].tolist() == [4, 5, 6, 0, 0, 0, 0, 0]
     rows.flush()  # nothing pending: a no-op
     assert rows.req_to_token[r].tolist() == [0, 0, 7, 9, 0, 3, 0, 0]
-    rows.write(r, 0, np.array([11, 12, 13]))  # a retracted request's row ...
-    rows.write(r, 1, np.array([21, 22]))  # ... handed to another request in the same step: last write wins
+    rows.write(r, 0, np.array([11, 12, 13]))  # a request's row written, then retracted (freed) ...
+    rows.free(r)
+    assert rows.alloc() == r  # ... and handed to another request in the same step: only its writes land
+    rows.write(r, 1, np.array([21, 22]))
     rows.flush()
-    assert rows.req_to_token[r].tolist() == [11, 21, 22, 9, 0, 3, 0, 0]
+    assert rows.req_to_token[r].tolist() == [0, 21, 22, 9, 0, 3, 0, 0]
+    for row in (0, 1):  # a decode step: one slot a row (the flush's one-slot path)
+        rows.write(row, 6, np.array([40 + row]))
+    rows.write(1, 7, np.array([50]))
+    rows.flush()
+    assert rows.req_to_token[:, 6:].tolist() == [[40, 0], [41, 50]]
 
 
 def test_radix_matches_whole_pages_and_splits() -> None:
