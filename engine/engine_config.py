@@ -11,6 +11,7 @@ DType = Literal["float32", "bfloat16", "float16"]
 MlaPath = Literal["auto", "normal", "absorb"]
 Backend = Literal["ref", "triton"]
 DecodeKernel = Literal["auto", "triton"]
+SharedExperts = Literal["auto", "fused", "separate"]
 
 _DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -41,6 +42,10 @@ class EngineConfig:
     # bf16/fp16, >= 64 heads, kv_lora 128/256/512; 1.35x the Triton kernel at H = 128 on an H200), Triton
     # elsewhere; triton = always the Triton kernel (the one the CPU interpreter tests).
     decode_kernel: DecodeKernel = "auto"
+    # Shared experts: fused = extra experts of the routed MoE (ids E..E+S-1, weight 1 for every token: one
+    # grouped pass instead of an MLP's 3 GEMMs, 2 elementwise kernels and an add a layer); separate = the MLP
+    # beside it (the reference twin). auto: fused with the triton moe backend.
+    shared_experts: SharedExperts = "auto"
     # Decode batch sizes captured as CUDA graphs. None: a default ladder up to max_running_requests when
     # on CUDA with all three triton backends (the ref backends loop over host values and cannot be
     # captured); () turns graphs off.
@@ -67,6 +72,8 @@ class EngineConfig:
         for name in ("attention_backend", "moe_backend", "topk_backend", "norm_backend", "rope_backend"):
             if getattr(self, name) not in ("ref", "triton"):
                 raise EngineConfigError(f"{name}={getattr(self, name)!r}: expected ref or triton")
+        if self.shared_experts not in ("auto", "fused", "separate"):
+            raise EngineConfigError(f"shared_experts={self.shared_experts!r}: expected auto, fused or separate")
         if self.decode_kernel not in ("auto", "triton"):
             raise EngineConfigError(f"decode_kernel={self.decode_kernel!r}: expected auto or triton")
         if self.cuda_graph_batch_sizes:
@@ -84,6 +91,10 @@ class EngineConfig:
     @property
     def all_triton(self) -> bool:
         return self.attention_backend == self.moe_backend == self.topk_backend == "triton"
+
+    @property
+    def fuse_shared_experts(self) -> bool:
+        return self.shared_experts == "fused" or (self.shared_experts == "auto" and self.moe_backend == "triton")
 
     @property
     def graph_batch_sizes(self) -> tuple[int, ...]:

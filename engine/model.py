@@ -50,7 +50,7 @@ class DecoderLayer(nn.Module):
         if self.is_moe:
             self.mlp = MoE(
                 cfg, layer_id, recorder, make_topk_fn(ecfg.topk_backend), make_experts_fn(ecfg.moe_backend),
-                dtype, device,
+                dtype, device, ecfg.fuse_shared_experts,
             )
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, device)
@@ -124,6 +124,8 @@ class DeepseekForCausalLM(nn.Module):
     def post_load(self) -> None:
         for layer in self.decoder_layers():
             layer.self_attn.post_load()
+            if isinstance(layer.mlp, MoE):
+                layer.mlp.post_load()
 
 
 def build_model(

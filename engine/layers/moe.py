@@ -1,8 +1,13 @@
 """MoE layer: router -> routed experts (grouped compute) + shared experts.
 
-Shape legend: T tokens, D hidden, E routed experts, I moe_intermediate_size, K top-k.
+Shape legend: T tokens, D hidden, E routed experts, I moe_intermediate_size, K top-k, S shared experts.
 w13: [E, 2I, D] (gate_proj rows then up_proj rows, nn.Linear layout); w2: [E, D, I].
 An id of -1 in topk_ids means "not on this rank" (expert parallelism) and contributes nothing.
+
+Shared experts fused (EngineConfig.shared_experts): the shared MLP of intermediate S*I is S experts of I
+(silu(gate) * up is elementwise over the intermediate, and the down sums over it), so after loading they
+are copied into w13/w2 rows E..E+S-1 and every token gets them as S more pairs of weight 1: [T, K + S].
+The router's ids (what the capturer records) are taken before they are appended.
 """
 
 from __future__ import annotations
@@ -68,20 +73,48 @@ class MoE(nn.Module):
         experts_fn: ExpertsFn,
         dtype: torch.dtype,
         device: torch.device | str,
+        fuse_shared: bool = False,
     ) -> None:
         super().__init__()
         e, d, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.num_routed = e
+        self.num_fused = cfg.n_shared_experts if fuse_shared else 0  # S rows after the E routed ones
         self.gate = Router(cfg, layer_id, recorder, topk_fn, device)
-        self.w13 = nn.Parameter(torch.empty(e, 2 * i, d, dtype=dtype, device=device), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(e, d, i, dtype=dtype, device=device), requires_grad=False)
+        rows = e + self.num_fused
+        self.w13 = nn.Parameter(torch.empty(rows, 2 * i, d, dtype=dtype, device=device), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(rows, d, i, dtype=dtype, device=device), requires_grad=False)
         self.shared_experts = (
             MLP(d, i * cfg.n_shared_experts, dtype, device) if cfg.n_shared_experts > 0 else None
         )
         self.experts_fn = experts_fn
+        # [1, S] ids E..E+S-1 and weights 1.0 (fp32, as the router's), expanded to [T, S] per forward
+        self.shared_ids: torch.Tensor
+        self.shared_weights: torch.Tensor
+        self.register_buffer(
+            "shared_ids", torch.arange(e, rows, dtype=torch.int32, device=device)[None], persistent=False
+        )
+        self.register_buffer("shared_weights", torch.ones(1, self.num_fused, device=device), persistent=False)
+
+    def post_load(self) -> None:
+        """Fused shared experts: copy the loaded shared MLP into w13/w2 rows E.. and drop the MLP."""
+        if not self.num_fused or self.shared_experts is None:
+            return
+        i, e = self.w2.shape[2], self.num_routed
+        mlp = self.shared_experts
+        for s in range(self.num_fused):
+            cols = slice(s * i, (s + 1) * i)
+            self.w13.data[e + s, :i].copy_(mlp.gate_proj.weight.data[cols])
+            self.w13.data[e + s, i:].copy_(mlp.up_proj.weight.data[cols])
+            self.w2.data[e + s].copy_(mlp.down_proj.weight.data[:, cols])
+        self.shared_experts = None
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         """x: [T, D] -> [T, D]."""
-        topk_weights, topk_ids = self.gate(x, fb)
+        topk_weights, topk_ids = self.gate(x, fb)  # [T, K]: the routes, captured inside the router
+        if self.num_fused:
+            t = x.shape[0]
+            topk_ids = torch.cat([topk_ids, self.shared_ids.expand(t, -1)], dim=1)  # [T, K + S]
+            topk_weights = torch.cat([topk_weights, self.shared_weights.expand(t, -1)], dim=1)
         out = self.experts_fn(x, self.w13, self.w2, topk_ids, topk_weights)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)

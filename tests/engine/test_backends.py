@@ -46,3 +46,39 @@ def test_triton_backends_match_ref(make_engine: EngineFactory, backends: dict[st
         assert a["output_ids"] == b["output_ids"]
         np.testing.assert_array_equal(r3trace.decode_routed_experts(a["meta_info"]),
                                       r3trace.decode_routed_experts(b["meta_info"]))
+
+
+@pytest.mark.parametrize("moe_backend", ["ref", "triton"])
+@pytest.mark.parametrize("n_shared", [1, 2])
+def test_fused_shared_experts_match_separate(
+    tmp_path, moe_backend: str, n_shared: int  # type: ignore[no-untyped-def]
+) -> None:
+    """Shared experts as S extra experts of the routed MoE (EngineConfig.shared_experts="fused") against the MLP
+    beside it: the same greedy tokens and routes, logprobs within 2e-5 in fp32. The tolerance: the fused path
+    adds the shared output inside the fp32 sum over pairs, the separate one adds two fp32->fp32 results, so
+    the sums may round differently in the last fp32 bits (2^-23 relative) per layer; 2e-5 on logprobs of
+    order 1-6 leaves room for 3 layers of that and catches a wrongly split expert (errors of order 1e-1).
+    n_shared = 2 (V2's layout): one MLP of 2 I split into two experts of I."""
+    from r3trace.engine import Engine
+    from tests.tiny_models import make_checkpoint
+
+    ckpt = make_checkpoint(tmp_path / "ck", "v3_noaux_groups", seed=5, n_shared_experts=n_shared)
+    prompts = random_prompts(3, 4, 13, seed=31)
+    params = greedy(6)
+    outs = {}
+    for mode in ("separate", "fused"):
+        eng = Engine(ckpt, moe_backend=moe_backend, topk_backend=moe_backend, shared_experts=mode, device=DEVICE,
+                     kv_pool_tokens=240, chunked_prefill_size=8)  # fmt: skip
+        moe = [m for m in eng.model.modules() if type(m).__name__ == "MoE"]
+        assert moe and all((m.shared_experts is None) == (mode == "fused") for m in moe)
+        assert all(m.w13.shape[0] == 8 + (n_shared if mode == "fused" else 0) for m in moe)
+        outs[mode] = eng.generate(input_ids=prompts, sampling_params=params, return_routed_experts=True,
+                                  return_logprob=True)
+        eng.shutdown()
+    for a, b in zip(outs["separate"], outs["fused"], strict=True):
+        assert a["output_ids"] == b["output_ids"]
+        np.testing.assert_array_equal(r3trace.decode_routed_experts(a["meta_info"]),
+                                      r3trace.decode_routed_experts(b["meta_info"]))
+        lp_a = [x[0] for x in a["meta_info"]["output_token_logprobs"]]
+        lp_b = [x[0] for x in b["meta_info"]["output_token_logprobs"]]
+        np.testing.assert_allclose(lp_b, lp_a, rtol=0, atol=2e-5)
