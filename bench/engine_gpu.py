@@ -78,10 +78,14 @@ def bench_checkpoint(tmp: Path, shape: str) -> Path:
     return ckpt if (ckpt / "config.json").exists() else write_random_checkpoint(ckpt, shape)
 
 
-def bench_prompts(batch: int) -> list[list[int]]:
-    """batch random 128-token prompts (seed 1), the same in every engine bench."""
+def bench_prompts(batch: int, vocab: int = 32000) -> list[list[int]]:
+    """batch random 128-token prompts (seed 1, ids below vocab), the same in every engine bench."""
     rng = np.random.default_rng(1)
-    return [rng.integers(2, 32000, size=128).tolist() for _ in range(batch)]
+    return [rng.integers(2, vocab, size=128).tolist() for _ in range(batch)]
+
+
+def vocab_size(ckpt: Path) -> int:
+    return int(json.loads((ckpt / "config.json").read_text())["vocab_size"])
 
 
 def open_engine(ckpt: Path, backend: str, batch: int, new_tokens: int) -> Engine:
@@ -109,7 +113,7 @@ def throughput(
     ckpt: Path, backend: str, batch: int, new_tokens: int, reps: int = 3
 ) -> list[dict[str, Any]]:
     """Decode tokens/s, capture off and on alternating in one engine (same compiled kernels), `reps` times."""
-    prompts = bench_prompts(batch)
+    prompts = bench_prompts(batch, vocab_size(ckpt))
     params = {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}
     samples: dict[bool, list[float]] = {False: [], True: []}
     with open_engine(ckpt, backend, batch, new_tokens) as eng:
@@ -140,7 +144,7 @@ def transformers_baseline(
     kw_load: dict[str, Any] = {} if experts == "default" else {"experts_implementation": experts}
     model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16, **kw_load).cuda().eval()
     rng = np.random.default_rng(1)
-    ids = torch.tensor(rng.integers(2, 32000, size=(batch, 128)), device="cuda")
+    ids = torch.tensor(rng.integers(2, vocab_size(ckpt), size=(batch, 128)), device="cuda")
     kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
     runs = []
     with torch.inference_mode():
@@ -176,6 +180,7 @@ def main() -> None:
     ap.add_argument("--backends", default="ref,triton-eager,triton,transformers")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--shape", default="v3-2.5b", help="bench/random_checkpoint.py shape")
+    ap.add_argument("--model", default="", help="a local checkpoint instead (e.g. samples/model)")
     ap.add_argument("--skip-exactness", action="store_true")
     ap.add_argument("--hf-experts", default="default,grouped_mm,eager",
                     help="transformers' experts_implementation values to time (default,eager,grouped_mm,batched_mm)")
@@ -194,8 +199,8 @@ def main() -> None:
                 report["exactness"].append({"backend": b, "error": repr(exc)})
                 print(f"[{b}] exactness failed: {exc!r}", flush=True)
         report["throughput"] = []
-        ckpt = bench_checkpoint(Path(tmp), args.shape)
-        report["shape"] = args.shape
+        ckpt = Path(args.model) if args.model else bench_checkpoint(Path(tmp), args.shape)
+        report["shape"] = args.model or args.shape
         if "transformers" in backends:
             backends.remove("transformers")
             for experts in args.hf_experts.split(","):
