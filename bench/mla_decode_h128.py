@@ -150,7 +150,7 @@ def check_paged(tile: DecodeTile, page: int = 64) -> float:
 def errors(sw: ModuleType, default: DecodeTile, variants: dict[str, Callable[..., None]]) -> dict[str, float]:
     """The default and each variant: page size 1 (sw.check; the cp.async form) and 64 (the TMA form)."""
     out: dict[str, float] = {}
-    for name, stage1 in {"default": mla_decode_gluon.mla_decode_stage1_gluon} | variants.items():
+    for name, stage1 in ({"default": mla_decode_gluon.mla_decode_stage1_gluon} | variants).items():
         new = mla_decode_gluon.mla_decode_stage1_gluon
         mla_decode_gluon.mla_decode_stage1_gluon = stage1
         try:
