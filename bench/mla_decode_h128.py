@@ -175,7 +175,7 @@ def main() -> None:
     if args.old_gluon:  # its launcher predates page_size: the first 10 arguments
         old = load_path(args.old_gluon, "old_gluon").mla_decode_stage1_gluon
         variants["old"] = lambda *a: old(*a[:10])
-    for spec in filter(None, args.variants.split(",")):  # e.g. TMA=0 or REFILL_LATE=1+MAX_XCHG=0
+    for spec in filter(None, args.variants.split(",")):  # e.g. TMA=0 or COPY_EARLY=1+MAX_XCHG=0
         flags = {name: bool(int(value)) for name, value in (f.split("=") for f in spec.split("+"))}
         variants[spec] = partial(mla_decode_gluon.mla_decode_stage1_gluon, flags=flags)
     sw = load_sibling("mla_decode_sweep.py", "mla_sweep")
