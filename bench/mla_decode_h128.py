@@ -19,8 +19,8 @@ at the default's split count in the same run, its stage 1 swapped in for the ins
 At the cells where the default takes one split, the same call through the two-stage twin
 (DecodeTile.direct=False: fp32 partial, then the merge launch) is timed too.
 
---parts: where a tile's time goes. The kernel's source with one part cut out (the P V wgmmas, the row max
-across the warpgroups, the exponentials, the score wgmmas, the in-loop gathers, the rescale of O), each
+--parts: where a tile's time goes. The TMA form's source with one part cut out (PARTS: the score wgmmas,
+the P V wgmmas, the exponentials, the rescale of O, or every tile loaded from the same L2-hot rows), each
 timed at B = 16 / 8k and 64 / 8k beside the whole kernel; the results are wrong, only the times count. Also
 stage 2 (the merge) alone, graph-timed, at every cell's default split count. --variants NAME=0|1,...: the
 stage 1 with those constexpr flags (mla_decode_gluon.FLAGS) too, at the default splits.
@@ -67,20 +67,21 @@ def stage1_ms(sw: ModuleType, stage1: Callable[..., None], fn: partial[torch.Ten
         mla_decode_gluon.mla_decode_stage1_gluon = new
 
 
-# (name, source text, replacement): one part of _tile cut out; the replaced text must occur exactly once
+# (name, [(source text, replacement), ...]): one part of the TMA form's tile cut out (each replaced text must
+# occur exactly once); the results are wrong, only the times count
 SCORES = (
     "    s = warpgroup_mma(qv_s, kv_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)\n"
     "    return warpgroup_mma(qr_s, kr_t.permute((1, 0)), s, is_async=True)\n"
 )
-SCORES_WAIT = "    s = warpgroup_mma_wait(0, deps=(s,))\n"
-GATHER = "    async_copy.async_copy_global_to_shared(\n        kv_n,"
 PARTS: list[tuple[str, list[tuple[str, str]]]] = [
+    ("no_scores", [(SCORES, "    return s_zero + 0.0\n"), ("    s = warpgroup_mma_wait(0, deps=(s,))\n", "")]),
     ("no_pv", [("    acc = warpgroup_mma(p_s, kv_t, acc, is_async=True)\n", "")]),
     ("no_exp", [("    p = gl.exp2(s - m_new[:, None])\n", "    p = s - m_new[:, None]\n")]),
-    ("no_scores", [(SCORES, "    return s_zero + 0.0\n"), (SCORES_WAIT, "")]),
-    ("no_gather", [(GATHER, "    if t < 0:\n      " + GATHER.lstrip())]),
     ("no_rescale", [("    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]\n", "")]),
-]  # the cp.async form (page size 1); session 4's row-max cut went with MAX_XCHG (its barrier is in the exchange)
+    # every tile loads tile 1's rows (L2-hot after the first): what HBM latency and bandwidth cost
+    ("l2_tiles", [("    slot_n2 = gl.load(r2t + n2, mask=n2 < end, other=0)", "    slot_n2 = (slot_n + 0 * n2)")]),
+]  # fmt: skip
+# No barrier cuts: with any of the 3 removed, triton 3.6's barrier analysis puts one back (PTX: 3 a tile still).
 
 
 def parts(sw: ModuleType, out_dir: Path, res: dict[str, object]) -> None:
@@ -96,7 +97,7 @@ def parts(sw: ModuleType, out_dir: Path, res: dict[str, object]) -> None:
         path = out_dir / f"gluon_{name}.py"
         path.write_text(cut)
         mods[name] = load_path(path, f"gluon_{name}").mla_decode_stage1_gluon
-    default = default_decode_tile(H, torch.bfloat16, use_gluon=True)
+    default = default_decode_tile(H, torch.bfloat16, use_gluon=True, page_size=sw.PAGE)  # the TMA form
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for B, L in [(16, 8192), (64, 8192)]:
         q, kv, r2t, rows, lens = sw.inputs(B, L, H)
@@ -175,7 +176,7 @@ def main() -> None:
     if args.old_gluon:  # its launcher predates page_size: the first 10 arguments
         old = load_path(args.old_gluon, "old_gluon").mla_decode_stage1_gluon
         variants["old"] = lambda *a: old(*a[:10])
-    for spec in filter(None, args.variants.split(",")):  # e.g. TMA=0 or COPY_EARLY=1+MAX_XCHG=0
+    for spec in filter(None, args.variants.split(",")):  # e.g. TMA=0 or TMA=0+MAX_XCHG=0
         flags = {name: bool(int(value)) for name, value in (f.split("=") for f in spec.split("+"))}
         variants[spec] = partial(mla_decode_gluon.mla_decode_stage1_gluon, flags=flags)
     sw = load_sibling("mla_decode_sweep.py", "mla_sweep")

@@ -54,9 +54,7 @@ GLUON_ROPE = (16, 32, 64, 128)  # a power of two (Gluon tensor shapes), >= one 1
 # every H = 128 cell (bench/NOTES.md, "mla128, session 4", run 3).
 # GATHER_UNDER_S: the score wgmmas issued before the next tile's gather, so its ~20 instructions a thread
 # issue while they run: 0.3-4% faster at 9 of the 10 H = 128 cells, 0.4% slower at B = 256 / 8k (run 4).
-# COPY_EARLY (TMA form only): the next tile's boxes issued before the wait for this tile, not after its
-# score wgmmas.
-FLAGS = {"MAX_XCHG": True, "GATHER_UNDER_S": True, "COPY_EARLY": False}
+FLAGS = {"MAX_XCHG": True, "GATHER_UNDER_S": True}
 # The TMA form (a tile's 64 keys as one [64, kv_lora] and one [64, rope] box, one thread issuing them) needs a
 # tile's keys on consecutive cache rows: pages of a multiple of 64 slots (tiles start at multiples of 64).
 TMA_PAGE = BLOCK_N
@@ -150,7 +148,6 @@ def _tile_tma(
     t, start, end, num_tiles, qk_scale, qv_s, qr_s, mx_s, kv_t, kr_t, bv_t, br_t, kv_n, kr_n, bv_n, br_n, p_s,
     kv_desc, kr_desc, r2t, slot_n, keys, s_zero, m_i, l_e, acc,
     KV_LORA: gl.constexpr, BLOCK_N: gl.constexpr, O_LAYOUT: gl.constexpr, MAX_XCHG: gl.constexpr,
-    COPY_EARLY: gl.constexpr,
 ):  # fmt: skip
     """TMA form (page size a multiple of 64: a tile's 64 keys are 64 consecutive cache rows, slot_n.. for tile
     t+1): tile t waited on its mbarriers, tile t+1 loaded as two TMA boxes (c_kv [64, kv_lora], k_pe [64,
@@ -158,19 +155,17 @@ def _tile_tma(
     no cp.async wait and no barrier for the data: each thread waits on the mbarriers. 3 barriers a tile: the
     refill must follow one (the other warpgroup may be reading that buffer in its P V of tile t-1); issuing
     it after the row max's instead (2 barriers, ~half a tile less lead) was 0-6% slower at 9 of 10 cells
-    (bench/NOTES.md, "mla128b, session 5", run 2). Triton 3.6's barrier analysis puts a barrier between any
+    (bench/NOTES.md, "mla128b, session 5", run 2); issuing it before the wait for tile t was 0-3% slower at
+    9 of 10 (run 3). Triton 3.6's barrier analysis puts a barrier between any
     two accesses of one mbarrier allocation (3.7 skips them again, its release notes: canSkipBarSync), so each
     box has its own mbarrier and the expects come before the CTA barrier the copies follow (PTX checked)."""
     more = t + 1 < num_tiles
     _expect(bv_n, br_n, kv_desc, kr_desc, more)
     gl.thread_barrier()  # every warpgroup waited for its P V of tile t-1: the other buffer is free
-    if COPY_EARLY:  # before the wait for tile t: two tiles in flight while it has not landed
-        _copy(kv_desc, kr_desc, bv_n, br_n, kv_n, kr_n, slot_n, more, KV_LORA)
     mbarrier.wait(bv_t, (t // 2) & 1)  # tile t's boxes (and q's, with tile 0) landed: the (t // 2)-th phase
     mbarrier.wait(br_t, (t // 2) & 1)
     s = _scores(qv_s, qr_s, kv_t, kr_t, s_zero)
-    if not COPY_EARLY:
-        _copy(kv_desc, kr_desc, bv_n, br_n, kv_n, kr_n, slot_n, more, KV_LORA)
+    _copy(kv_desc, kr_desc, bv_n, br_n, kv_n, kr_n, slot_n, more, KV_LORA)  # under the score wgmmas
     n2 = start + (t + 2) * BLOCK_N  # tile t+2's first slot, for the refill the next call issues
     slot_n2 = gl.load(r2t + n2, mask=n2 < end, other=0).to(gl.int32)
     s, m_new = _row_max(t, start, end, qk_scale, s, keys, m_i, mx_s, BLOCK_N, MAX_XCHG)
@@ -207,7 +202,6 @@ def _mla_decode_gluon_kernel(
     GATHER_V: gl.constexpr, GATHER_R: gl.constexpr, S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr,
     QV_SMEM: gl.constexpr, QR_SMEM: gl.constexpr, KV_SMEM: gl.constexpr, KR_SMEM: gl.constexpr,
     P_SMEM: gl.constexpr, TMA: gl.constexpr, MAX_XCHG: gl.constexpr, GATHER_UNDER_S: gl.constexpr,
-    COPY_EARLY: gl.constexpr,
 ):  # fmt: skip
     hb = gl.program_id(0)  # fastest axis: both head blocks of a (request, split) read each tile, via L2
     b = gl.program_id(1)
@@ -265,12 +259,12 @@ def _mla_decode_gluon_kernel(
                 slot_n, m_i, l_e, acc = _tile_tma(
                     t, start, end, num_tiles, qk_scale, qv_s, qr_s, mx_s, kv_a, kr_a, bv_a, br_a, kv_b, kr_b, bv_b,
                     br_b, p_s, kv_desc, kr_desc, r2t, slot_n, keys, s_zero, m_i, l_e, acc,
-                    KV_LORA, BLOCK_N, O_LAYOUT, MAX_XCHG, COPY_EARLY)  # fmt: skip
+                    KV_LORA, BLOCK_N, O_LAYOUT, MAX_XCHG)  # fmt: skip
                 if t + 1 < num_tiles:
                     slot_n, m_i, l_e, acc = _tile_tma(
                         t + 1, start, end, num_tiles, qk_scale, qv_s, qr_s, mx_s, kv_b, kr_b, bv_b, br_b, kv_a, kr_a,
                         bv_a, br_a, p_s, kv_desc, kr_desc, r2t, slot_n, keys, s_zero, m_i, l_e, acc,
-                        KV_LORA, BLOCK_N, O_LAYOUT, MAX_XCHG, COPY_EARLY)  # fmt: skip
+                        KV_LORA, BLOCK_N, O_LAYOUT, MAX_XCHG)  # fmt: skip
         else:
             rows_v = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, GATHER_V))
             cols_v = gl.arange(0, KV_LORA, layout=gl.SliceLayout(0, GATHER_V))

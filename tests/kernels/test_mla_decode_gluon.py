@@ -28,13 +28,12 @@ def _hopper() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
-# (flags, the page sizes they apply to): GATHER_UNDER_S is the cp.async form's (page 1), COPY_EARLY the TMA
-# form's (pages of 64 and 128 slots); TMA=False runs the cp.async form on 64-slot pages
+# (flags, the page sizes they apply to): GATHER_UNDER_S is the cp.async form's (page 1); pages of 64 and 128
+# slots take the TMA form; TMA=False runs the cp.async form on 64-slot pages
 FLAG_CASES = {
     "default": ({}, (1, 64, 128)),
     "gl-max": ({"MAX_XCHG": False}, (1, 64)),
     "gather-after-s": ({"GATHER_UNDER_S": False}, (1,)),
-    "copy-early": ({"COPY_EARLY": True}, (64, 128)),
     "cp-async": ({"TMA": False}, (64,)),
 }
 SHAPES = {  # (H, kv_lora, rope, splits)
