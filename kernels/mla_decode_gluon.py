@@ -10,15 +10,19 @@ Shape legend as in mla_decode.py: B requests, H heads, C = kv_lora + rope, P = n
 The Triton kernel cannot lay the products out this way: tl.dot puts both warpgroups of a chained product
 along M, so at 64 heads both compute the same scores (576 of every 1088 FLOPs twice; bench/NOTES.md). Here
 each FLOP is done once, the wgmmas read q and the latent tile from shared memory (q 72 KB, two stages of the
-tile 144 KB, P 8 KB: 224 KB of the 227 KB allowed), and the gather is cp.async row copies through
-req_to_token (any page size) issued one tile ahead. It writes the same partial outputs and log-sum-exps as
-the Triton stage 1, so mla_decode's merge (stage 2) is shared.
-
-Barriers a tile: 4 (session 3's kernel: 9). Two written here (tile t landed and P V of tile t-1 done in
-every warpgroup; P stored), one the compiler adds after the cp.async wait, one in the row max (MAX_XCHG).
-The row sums need none (kept element-wise, summed once after the loop). Where a tile's time goes (H200,
-B = 64 / 8k, 3.0 us a tile, bench/NOTES.md "mla128, session 4"): scores 27%, P V 21%, gathers 21% (their
-74 KB of shared-memory writes compete with the wgmmas' operand reads), the rest softmax, barriers, waits.
+tile 144 KB, P 8 KB: 224 KB of the 227 KB allowed), and the next tile is loaded one tile ahead in one of two
+forms (constexpr TMA, picked by the launcher from the caller's page size):
+- TMA (pages of a multiple of 64 slots, so a tile's keys are 64 consecutive cache rows): a [64, kv_lora] and
+  a [64, rope] box on an mbarrier each; q the same way beside tile 0. 3 barriers a tile (the refill's, the
+  row max's, P's). 1.08-1.12x the cp.async form at every H = 128 cell (bench/NOTES.md, "mla128b, session 5").
+- cp.async row copies through req_to_token (any page size), one per key: 4 barriers a tile (the refill's and
+  the data's in one, one the compiler adds after the cp.async wait, the row max's, P's).
+It writes the same partial outputs and log-sum-exps as the Triton stage 1, so mla_decode's merge (stage 2)
+is shared. The row sums need no barrier (kept element-wise, summed once after the loop). Where a TMA tile's
+time goes (H200, B = 64 / 8k, 2.5 us a tile; each part cut from the source, the rest timed: bench/NOTES.md
+"mla128b, session 5", run 4): the score wgmmas 40% (both warpgroups read all of q: 216 KB of shared-memory
+reads a tile of the ~375 KB it moves), P V 18%, HBM (every tile from L2-hot rows instead) 8%, the
+exponentials and the rescale of O 3% each; the rest is the softmax, the barriers and waits.
 
 Gluon kernels do not run under TRITON_INTERPRET=1 (triton 3.6: gluon.jit launches through the active GPU
 driver, "0 active drivers" on CPU), so this path is covered by `gpu`-marked tests only; the CPU interpreter
@@ -52,11 +56,12 @@ GLUON_ROPE = (16, 32, 64, 128)  # a power of two (Gluon tensor shapes), >= one 1
 # MAX_XCHG: the row max over a tile's 64 keys from each warpgroup's max over its 32, swapped through 512 B
 # of shared memory with one barrier, not gl.max's cross-warp reduction (two barriers): 1-4% faster at
 # every H = 128 cell (bench/NOTES.md, "mla128, session 4", run 3).
-# GATHER_UNDER_S: the score wgmmas issued before the next tile's gather, so its ~20 instructions a thread
-# issue while they run: 0.3-4% faster at 9 of the 10 H = 128 cells, 0.4% slower at B = 256 / 8k (run 4).
+# GATHER_UNDER_S (cp.async form): the score wgmmas issued before the next tile's gather, so its ~20
+# instructions a thread issue while they run: 0.3-4% faster at 9 of the 10 H = 128 cells, 0.4% slower at
+# B = 256 / 8k (run 4). The TMA form always issues its boxes after the score wgmmas.
 FLAGS = {"MAX_XCHG": True, "GATHER_UNDER_S": True}
-# The TMA form (a tile's 64 keys as one [64, kv_lora] and one [64, rope] box, one thread issuing them) needs a
-# tile's keys on consecutive cache rows: pages of a multiple of 64 slots (tiles start at multiples of 64).
+# The TMA form (a tile's 64 keys as one [64, kv_lora] and one [64, rope] box) needs a tile's keys on
+# consecutive cache rows: pages of a multiple of 64 slots (tiles start at multiples of 64).
 TMA_PAGE = BLOCK_N
 
 
@@ -375,8 +380,10 @@ def _tma_descriptors(
 
 def tma_usable(q: torch.Tensor, kv_cache: torch.Tensor, page_size: int) -> bool:
     """The TMA form's conditions: whole 64-key tiles on consecutive rows (page_size), q rows contiguous as
-    [B H, C] (its descriptor's view), 16-byte aligned bases and row strides (TMA's rule)."""
-    B, H, C = q.shape
+    [B H, C] (its descriptor's view), 16-byte aligned bases and row strides (TMA's rule). A last tile's rows
+    past the request's end are then loaded too (real slots of its page, where cp.async zero-fills): their
+    scores are masked, P = 0, so they must hold finite values (0 x NaN is NaN). The engine's pool starts
+    zeroed and only ever holds latents written by the model."""
     return (
         page_size % TMA_PAGE == 0
         and q.is_contiguous()
