@@ -3,14 +3,24 @@ GEMM ceiling measured in the same run (issue 6 point 8: >= 50% of it at kv_len >
 
 Run (GPU): python bench/mla_decode_h128.py [--old-gluon PATH]   -> table on stdout, JSON in $OUT/mla_decode_h128.json
 
+The ceiling: the 8192^3 bf16 GEMM is timed right before and right after every cell (each cell's "after" is
+the next one's "before"), with the UTC time of each; every cell is reported against both adjacent figures and
+judged against the higher (same clocks, the stricter). --smi: nvidia-smi samples the SM clock, power and
+temperature every 200 ms into $OUT/smi.csv meanwhile (read-only queries), to tell clock throttling from
+other drift.
+
+The default tile is the engine's for 64-slot pages (default_decode_tile(..., page_size=64): the TMA form of
+the Gluon stage 1); `--variants TMA=0` times the cp.async form (the session-4 default) beside it. Error checks:
+page size 1 (cp.async) and 64 (TMA) against the fp32 reference.
+
 --old-gluon: a previous kernels/mla_decode_gluon.py (e.g. `git show <rev>:kernels/mla_decode_gluon.py`), timed
 at the default's split count in the same run, its stage 1 swapped in for the installed one.
 
 At the cells where the default takes one split, the same call through the two-stage twin
 (DecodeTile.direct=False: fp32 partial, then the merge launch) is timed too.
 
---parts: where a tile's time goes. The kernel's source with one part cut out (the P V wgmmas, the row max
-across the warpgroups, the exponentials, the score wgmmas, the in-loop gathers, the rescale of O), each
+--parts: where a tile's time goes. The TMA form's source with one part cut out (PARTS: the score wgmmas,
+the P V wgmmas, the exponentials, the rescale of O, or every tile loaded from the same L2-hot rows), each
 timed at B = 16 / 8k and 64 / 8k beside the whole kernel; the results are wrong, only the times count. Also
 stage 2 (the merge) alone, graph-timed, at every cell's default split count. --variants NAME=0|1,...: the
 stage 1 with those constexpr flags (mla_decode_gluon.FLAGS) too, at the default splits.
@@ -28,6 +38,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
+import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -38,7 +50,7 @@ from sibling import load_path, load_sibling  # bench/sibling.py: python bench/<s
 from triton.testing import do_bench
 
 from r3trace.kernels import mla_decode_gluon
-from r3trace.kernels.mla_decode import DecodeTile, default_decode_tile, mla_decode
+from r3trace.kernels.mla_decode import DecodeTile, default_decode_tile, mla_decode, mla_decode_ref
 
 H, KV_LORA, ROPE = 128, 512, 64
 CELLS = [(B, L) for B in (16, 64, 256) for L in (1024, 8192, 32768)] + [(48, 8192)]
@@ -55,21 +67,21 @@ def stage1_ms(sw: ModuleType, stage1: Callable[..., None], fn: partial[torch.Ten
         mla_decode_gluon.mla_decode_stage1_gluon = new
 
 
-# (name, source text, replacement): one part of _tile cut out; the replaced text must occur exactly once
+# (name, [(source text, replacement), ...]): one part of the TMA form's tile cut out (each replaced text must
+# occur exactly once); the results are wrong, only the times count
 SCORES = (
     "    s = warpgroup_mma(qv_s, kv_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)\n"
-    "    s = warpgroup_mma(qr_s, kr_t.permute((1, 0)), s, is_async=True)\n"
-    "    s = warpgroup_mma_wait(0, deps=(s,))\n"
+    "    return warpgroup_mma(qr_s, kr_t.permute((1, 0)), s, is_async=True)\n"
 )
-GATHER = "    async_copy.async_copy_global_to_shared(\n        kv_n,"
-PARTS = [
-    ("no_pv", "    acc = warpgroup_mma(p_s, kv_t, acc, is_async=True)\n", ""),
-    ("no_rowmax", "    m_new = gl.maximum(m_i, gl.max(s, axis=1))\n", "    m_new = m_i * 0.0 + 8.0\n"),
-    ("no_exp", "    p = gl.exp2(s - m_new[:, None])\n", "    p = s - m_new[:, None]\n"),
-    ("no_scores", SCORES, "    s = s_zero + 0.0\n"),
-    ("no_gather", GATHER, "    if t < 0:\n      " + GATHER.lstrip()),
-    ("no_rescale", "    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]\n", ""),
-]
+PARTS: list[tuple[str, list[tuple[str, str]]]] = [
+    ("no_scores", [(SCORES, "    return s_zero + 0.0\n"), ("    s = warpgroup_mma_wait(0, deps=(s,))\n", "")]),
+    ("no_pv", [("    acc = warpgroup_mma(p_s, kv_t, acc, is_async=True)\n", "")]),
+    ("no_exp", [("    p = gl.exp2(s - m_new[:, None])\n", "    p = s - m_new[:, None]\n")]),
+    ("no_rescale", [("    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]\n", "")]),
+    # every tile loads tile 1's rows (L2-hot after the first): what HBM latency and bandwidth cost
+    ("l2_tiles", [("    slot_n2 = gl.load(r2t + n2, mask=n2 < end, other=0)", "    slot_n2 = (slot_n + 0 * n2)")]),
+]  # fmt: skip
+# No barrier cuts: with any of the 3 removed, triton 3.6's barrier analysis puts one back (PTX: 3 a tile still).
 
 
 def parts(sw: ModuleType, out_dir: Path, res: dict[str, object]) -> None:
@@ -77,12 +89,15 @@ def parts(sw: ModuleType, out_dir: Path, res: dict[str, object]) -> None:
     src = Path(mla_decode_gluon.__file__).read_text()
     out: dict[str, object] = {}
     mods = {"whole": mla_decode_gluon.mla_decode_stage1_gluon}
-    for name, old, new in PARTS:
-        assert src.count(old) == 1, name
+    for name, cuts in PARTS:
+        cut = src
+        for old, new in cuts:
+            assert cut.count(old) == 1, name
+            cut = cut.replace(old, new)
         path = out_dir / f"gluon_{name}.py"
-        path.write_text(src.replace(old, new))
+        path.write_text(cut)
         mods[name] = load_path(path, f"gluon_{name}").mla_decode_stage1_gluon
-    default = default_decode_tile(H, torch.bfloat16, use_gluon=True)
+    default = default_decode_tile(H, torch.bfloat16, use_gluon=True, page_size=sw.PAGE)  # the TMA form
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for B, L in [(16, 8192), (64, 8192)]:
         q, kv, r2t, rows, lens = sw.inputs(B, L, H)
@@ -98,83 +113,131 @@ def parts(sw: ModuleType, out_dir: Path, res: dict[str, object]) -> None:
     res["parts"] = out
 
 
-def gemm_tflops() -> float:
-    """The ceiling: bf16 8192^3 torch.matmul, median TFLOP/s. It moved between runs on the same kind of
-    machine (795-796 in session 3b, 741-777 in session 4's first runs, the kernel's times within 1%), so
-    main() measures it before and after the cells."""
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    return 2 * 8192**3 / float(do_bench(partial(torch.matmul, a, b), warmup=25, rep=100, return_mode="median")) / 1e9
+class Gemm:
+    """The ceiling: bf16 8192^3 torch.matmul, median TFLOP/s, with the UTC time it was taken. It moved 15%
+    within one run (789 before the cells, 666 after: session 4, run 4) while the decode kernel repeated
+    within 1%, so main() takes it before and after every cell. Operands allocated once (256 MB)."""
+
+    def __init__(self) -> None:
+        self.a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+        self.b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+
+    def __call__(self) -> dict[str, float | str]:
+        t = float(do_bench(partial(torch.matmul, self.a, self.b), warmup=25, rep=100, return_mode="median"))
+        return {"TFLOPs": 2 * 8192**3 / t / 1e9, "utc": time.strftime("%H:%M:%S", time.gmtime())}
+
+
+def check_paged(tile: DecodeTile, page: int = 64) -> float:
+    """Normwise error vs the fp32 reference on `page`-slot shuffled pages (the TMA form's case; sw.check
+    uses page size 1): 9 requests of mixed odd lengths, 7 splits."""
+    g = torch.Generator(device="cuda").manual_seed(page)
+    lens = [1, 700, 3001, 64, 1500, 33, 2049, 5, 999]
+    npages = [-(-n // page) for n in lens]
+    perm = torch.randperm(sum(npages) + 3, device="cuda", generator=g)  # 3 spare pages of random data
+    r2t = torch.zeros(len(lens), 3008, dtype=torch.int32, device="cuda")
+    off = 0
+    for b, n in enumerate(lens):
+        slots = perm[off : off + npages[b], None] * page + torch.arange(page, device="cuda")
+        r2t[b, :n] = slots.reshape(-1)[:n].to(torch.int32)
+        off += npages[b]
+    q = torch.randn(len(lens), H, KV_LORA + ROPE, device="cuda", generator=g).bfloat16()
+    kv = torch.randn(perm.numel() * page, KV_LORA + ROPE, device="cuda", generator=g).bfloat16()
+    rows, seq = torch.arange(len(lens), device="cuda"), torch.tensor(lens, device="cuda")
+    out = mla_decode(q, kv, r2t, rows, seq, KV_LORA, 576**-0.5, num_kv_splits=7, tile=tile).float()
+    ref = mla_decode_ref(q.float(), kv.float(), r2t, rows, seq, KV_LORA, 576**-0.5).float()
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+def errors(sw: ModuleType, default: DecodeTile, variants: dict[str, Callable[..., None]]) -> dict[str, float]:
+    """The default and each variant: page size 1 (sw.check; the cp.async form) and 64 (the TMA form)."""
+    out: dict[str, float] = {}
+    for name, stage1 in ({"default": mla_decode_gluon.mla_decode_stage1_gluon} | variants).items():
+        new = mla_decode_gluon.mla_decode_stage1_gluon
+        mla_decode_gluon.mla_decode_stage1_gluon = stage1
+        try:
+            out[f"{name} page 1"] = sw.check(default._replace(page_size=1), H)
+            out[f"{name} page 64"] = check_paged(default)
+        finally:
+            mla_decode_gluon.mla_decode_stage1_gluon = new
+        print(f"normwise error vs fp32 ref, {name}: page 1 {out[f'{name} page 1']:.1e}, "
+              f"page 64 {out[f'{name} page 64']:.1e}", flush=True)  # fmt: skip
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--old-gluon", default="", help="a previous mla_decode_gluon.py, timed at the default splits")
     ap.add_argument("--parts", action="store_true", help="time the kernel with parts cut out; stage 2 alone")
-    ap.add_argument("--variants", default="", help="NAME=0|1,...: the stage 1 with these constexpr flags too")
+    ap.add_argument("--variants", default="", help="NAME=0|1[+NAME=0|1],...: the stage 1 with these flags too")
+    ap.add_argument("--policies", action="store_true", help="also the other split policies (WAVES)")
+    ap.add_argument("--smi", action="store_true", help="sample clocks / power to $OUT/smi.csv (nvidia-smi)")
     args = ap.parse_args()
     variants: dict[str, Callable[..., None]] = {}  # stage 1s timed at the default's splits beside it
-    if args.old_gluon:
-        variants["old"] = load_path(args.old_gluon, "old_gluon").mla_decode_stage1_gluon
-    for flag in filter(None, args.variants.split(",")):
-        name, value = flag.split("=")
-        variants[flag] = partial(mla_decode_gluon.mla_decode_stage1_gluon, flags={name: bool(int(value))})
+    if args.old_gluon:  # its launcher predates page_size: the first 10 arguments
+        old = load_path(args.old_gluon, "old_gluon").mla_decode_stage1_gluon
+        variants["old"] = lambda *a: old(*a[:10])
+    for spec in filter(None, args.variants.split(",")):  # e.g. TMA=0 or TMA=0+MAX_XCHG=0
+        flags = {name: bool(int(value)) for name, value in (f.split("=") for f in spec.split("+"))}
+        variants[spec] = partial(mla_decode_gluon.mla_decode_stage1_gluon, flags=flags)
     sw = load_sibling("mla_decode_sweep.py", "mla_sweep")
     sw.GRAPH = True  # CUDA-graph replays, as the engine decodes
     out_dir = Path(os.environ.get("OUT", "out"))
     out_dir.mkdir(parents=True, exist_ok=True)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    gemm = gemm_tflops()
-    default = default_decode_tile(H, torch.bfloat16, use_gluon=True)
-    print(f"bf16 GEMM 8192^3 {gemm:.0f} TFLOP/s; default tile {tuple(default)}", flush=True)
-    res: dict[str, object] = {"gemm_TFLOPs": gemm, "default": list(default), "cells": []}
-    tiles = {"default": default} | {f"{w}w" + ("" if ww else "-up"): DecodeTile(64, 64, 8, 2, kernel="gluon",
-             waves=w, whole_waves=ww) for w, ww in WAVES}  # fmt: skip
+    smi = None
+    if args.smi:  # read-only queries; its timestamps are the host's clock, the GEMMs' utc the same clock
+        fields = "timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active"
+        smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={fields}", "--format=csv", "-lms", "200"],
+                               stdout=(out_dir / "smi.csv").open("w"), stderr=subprocess.STDOUT)  # fmt: skip
+    gemm = Gemm()
+    gemms = [gemm()]
+    default = default_decode_tile(H, torch.bfloat16, use_gluon=True, page_size=sw.PAGE)
+    print(f"bf16 GEMM 8192^3 {gemms[0]['TFLOPs']:.0f} TFLOP/s; default tile {tuple(default)}", flush=True)
+    res: dict[str, object] = {"default": list(default), "cells": [], "gemms": gemms}
+    tiles = {"default": default} | {f"{w}w" + ("" if ww else "-up"): default._replace(fixed_tiles=0, direct=False,
+             waves=w, whole_waves=ww) for w, ww in (WAVES if args.policies else [])}  # fmt: skip
     if args.parts:
         parts(sw, out_dir, res)
-    res["rel_err"] = sw.check(default, H)
-    print(f"normwise error vs fp32 ref (page 1, mixed lengths, 7 splits): {res['rel_err']:.1e}", flush=True)
-    for name, stage1 in variants.items():
-        new = mla_decode_gluon.mla_decode_stage1_gluon
-        mla_decode_gluon.mla_decode_stage1_gluon = stage1
-        try:
-            res[f"rel_err {name}"] = err = sw.check(default, H)
-        finally:
-            mla_decode_gluon.mla_decode_stage1_gluon = new
-        print(f"  {name}: {err:.1e}", flush=True)
+    res["rel_err"] = errors(sw, default, variants)
     for B, L in CELLS:
         q, kv, r2t, rows, lens = sw.inputs(B, L, H)
         flops = 2 * B * H * L * (KV_LORA + ROPE + KV_LORA)
         timed: dict[int, float] = {}  # splits -> ms (the same kernel: policies of equal splits timed once)
         policies = {name: tile.num_kv_splits(B, H, L, sms) for name, tile in tiles.items()}
-        for splits in policies.values():
+        for name, splits in policies.items():
             if splits not in timed:
-                timed[splits] = sw.ms(partial(mla_decode, q, kv, r2t, rows, lens, KV_LORA, 576**-0.5, splits, default))
-        rows_out = [{"splits": p, "ms": t, "TFLOPs": flops / t / 1e9, "pct_gemm": 100 * flops / t / 1e9 / gemm}
-                    for p, t in timed.items()]  # fmt: skip
-        cell: dict[str, object] = {"B": B, "L": L, "policies": policies, "runs": rows_out}
+                call = partial(mla_decode, q, kv, r2t, rows, lens, KV_LORA, 576**-0.5, splits, tiles[name])
+                timed[splits] = sw.ms(call)
+        before = float(gemms[-1]["TFLOPs"])
         p = policies["default"]
         call = partial(mla_decode, q, kv, r2t, rows, lens, KV_LORA, 576**-0.5, p, default)
+        extra: dict[str, dict[str, float]] = {}  # variants (and the two-stage twin) at the default's splits
         if p == 1:  # the same split count through the two-stage twin (fp32 partial + merge launch)
             two = default._replace(direct=False)
             t_2 = sw.ms(partial(mla_decode, q, kv, r2t, rows, lens, KV_LORA, 576**-0.5, 1, two))
-            cell["two_stage"] = {"splits": 1, "ms": t_2, "default_speedup": t_2 / timed[p]}
-            print(f"B={B} L={L} two-stage at 1 split: {t_2:.4f} ms; direct {t_2 / timed[p]:.3f}x faster", flush=True)
+            extra["two_stage"] = {"splits": 1, "ms": t_2, "default_speedup": t_2 / timed[p]}
         for name, stage1 in variants.items():
             t_v = stage1_ms(sw, stage1, call)
-            cell[name] = {"splits": p, "ms": t_v, "TFLOPs": flops / t_v / 1e9, "default_speedup": t_v / timed[p]}
-            print(f"B={B} L={L} {name} at {p} splits: {t_v:.4f} ms ({100 * flops / t_v / 1e9 / gemm:.1f}%), "
-                  f"default {timed[p]:.4f}: default {t_v / timed[p]:.2f}x faster", flush=True)  # fmt: skip
-        res["cells"].append(cell)  # type: ignore[union-attr]
-        best = min(rows_out, key=lambda r: r["ms"])
-        print(f"B={B} L={L} splits {policies} | "
-              + " ".join(f"{r['splits']}: {r['ms']:.4f} ({r['pct_gemm']:.1f}%)" for r in rows_out)
-              + f" | best {best['splits']}", flush=True)  # fmt: skip
+            extra[name] = {"splits": p, "ms": t_v, "TFLOPs": flops / t_v / 1e9, "default_speedup": t_v / timed[p]}
+        gemms.append(gemm())  # right after the cell: its "after", the next cell's "before"
+        after = float(gemms[-1]["TFLOPs"])
+        tf = flops / timed[p] / 1e9
+        res["cells"].append({  # type: ignore[attr-defined]
+            "B": B, "L": L, "policies": policies, "gemm_before": before, "gemm_after": after,
+            "verdict_pct": 100 * tf / max(before, after),  # the stricter of the two adjacent ceilings
+            "runs": [{"splits": s, "ms": t, "TFLOPs": flops / t / 1e9, "pct_before": 100 * flops / t / 1e9 / before,
+                      "pct_after": 100 * flops / t / 1e9 / after} for s, t in timed.items()],
+        } | extra)  # fmt: skip
+        print(f"B={B} L={L} splits {p}: {timed[p]:.4f} ms {tf:.0f} TFLOP/s = {100 * tf / before:.1f}% of {before:.0f} "
+              f"(before) / {100 * tf / after:.1f}% of {after:.0f} (after) at {gemms[-1]['utc']}"
+              + "".join(f" | {n} {e['ms']:.4f} (default {e['default_speedup']:.3f}x)" for n, e in extra.items())
+              + (" | policies " + " ".join(f"{s}: {t:.4f}" for s, t in timed.items()) if args.policies else ""),
+              flush=True)  # fmt: skip
         (out_dir / "mla_decode_h128.json").write_text(json.dumps(res, indent=1))
         del q, kv
         torch.cuda.empty_cache()
-    res["gemm_TFLOPs_after"] = after = gemm_tflops()
-    print(f"bf16 GEMM 8192^3 after the cells: {after:.0f} TFLOP/s", flush=True)
+    if smi is not None:
+        smi.terminate()
     (out_dir / "mla_decode_h128.json").write_text(json.dumps(res, indent=1))
 
 

@@ -100,6 +100,9 @@ class DecodeTile(NamedTuple):
     per_sm: int = 1  # programs resident per SM (registers, shared memory): a wave for splits_by_cost
     min_split: int = MIN_TOKENS_PER_SPLIT  # fewest keys a split gets (splits_by_cost)
     direct: bool = False  # one split: stage 1 writes the output, no merge launch (the Gluon tile's default)
+    # the caller's KV pages (slots in runs of page_size): a multiple of 64 lets the Gluon kernel load a tile
+    # as TMA boxes (mla_decode_gluon.tma_usable), else row by row; the Triton kernel ignores it
+    page_size: int = 1
 
     def head_programs(self, num_heads: int) -> int:
         """Stage-1 programs per (request, split): head blocks x value splits."""
@@ -119,7 +122,12 @@ class DecodeTile(NamedTuple):
 
 
 def default_decode_tile(
-    num_heads: int, dtype: torch.dtype, use_gluon: bool = False, kv_lora: int = 512, rope: int = 64
+    num_heads: int,
+    dtype: torch.dtype,
+    use_gluon: bool = False,
+    kv_lora: int = 512,
+    rope: int = 64,
+    page_size: int = 1,
 ) -> DecodeTile:
     """The tile the H200 sweeps picked (BENCHMARKS.md, "### MLA decode"). H < 64: 16 heads x 32 keys, 3
     stages (B = 64, L = 8k graph-timed: 0.176 ms vs 0.192 for 16 x 64 x 2 stages at 8 waves rounded up); bf16
@@ -131,13 +139,15 @@ def default_decode_tile(
     B >= 64, no merge launch; at H = 16 it was 2% slower at B = 256 / 1k, so the Triton tiles keep the merge:
     bench/NOTES.md "Engine owner, session 4"); else Triton's 64 heads x 64 keys over 8 warps (the best
     of 13 Triton tiles incl. value splits, 128 heads, keys-major scores, two programs per SM). fp32 halves
-    the keys so two fp32 tiles still fit in shared memory."""
+    the keys so two fp32 tiles still fit in shared memory. page_size (the KV pool's) goes to the Gluon tile only."""
     if num_heads >= 64:
         if use_gluon and dtype.itemsize == 2:
             from r3trace.kernels.mla_decode_gluon import GLUON_KV_LORA, GLUON_ROPE
 
             if kv_lora in GLUON_KV_LORA and rope in GLUON_ROPE:
-                return DecodeTile(64, 64, 8, 2, kernel="gluon", fixed_tiles=GLUON_FIXED_TILES, direct=True)
+                return DecodeTile(
+                    64, 64, 8, 2, kernel="gluon", fixed_tiles=GLUON_FIXED_TILES, direct=True, page_size=page_size
+                )
         return DecodeTile(64, 64 if dtype.itemsize <= 2 else 32, 8, 2)
     if dtype.itemsize <= 2:
         return DecodeTile(16, 32, 4, 3, fixed_tiles=H16_FIXED_TILES, per_sm=2, min_split=H16_MIN_SPLIT)

@@ -223,7 +223,7 @@ def mla_decode(
         require(tile[:5] == (mg.BLOCK_H, mg.BLOCK_N, mg.NUM_WARPS, 2, 1) and not tile.keys_major,
                 f"the Gluon kernel's tile is fixed: 64 heads x 64 keys x 8 warps, 2 stages, got {tile}")  # fmt: skip
         mg.mla_decode_stage1_gluon(q, kv_cache, req_to_token, req_pool_indices, seq_lens, part_out, part_lse,
-                                   kv_lora_rank, sm_scale * LOG2E, tile.block_n)  # fmt: skip
+                                   kv_lora_rank, sm_scale * LOG2E, tile.block_n, tile.page_size)  # fmt: skip
     else:
         _stage1_triton(q, kv_cache, req_to_token, req_pool_indices, seq_lens, part_out, part_lse, kv_lora_rank,
                        sm_scale, tile, block_c, block_r)  # fmt: skip

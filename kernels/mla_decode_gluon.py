@@ -10,15 +10,19 @@ Shape legend as in mla_decode.py: B requests, H heads, C = kv_lora + rope, P = n
 The Triton kernel cannot lay the products out this way: tl.dot puts both warpgroups of a chained product
 along M, so at 64 heads both compute the same scores (576 of every 1088 FLOPs twice; bench/NOTES.md). Here
 each FLOP is done once, the wgmmas read q and the latent tile from shared memory (q 72 KB, two stages of the
-tile 144 KB, P 8 KB: 224 KB of the 227 KB allowed), and the gather is cp.async row copies through
-req_to_token (any page size) issued one tile ahead. It writes the same partial outputs and log-sum-exps as
-the Triton stage 1, so mla_decode's merge (stage 2) is shared.
-
-Barriers a tile: 4 (session 3's kernel: 9). Two written here (tile t landed and P V of tile t-1 done in
-every warpgroup; P stored), one the compiler adds after the cp.async wait, one in the row max (MAX_XCHG).
-The row sums need none (kept element-wise, summed once after the loop). Where a tile's time goes (H200,
-B = 64 / 8k, 3.0 us a tile, bench/NOTES.md "mla128, session 4"): scores 27%, P V 21%, gathers 21% (their
-74 KB of shared-memory writes compete with the wgmmas' operand reads), the rest softmax, barriers, waits.
+tile 144 KB, P 8 KB: 224 KB of the 227 KB allowed), and the next tile is loaded one tile ahead in one of two
+forms (constexpr TMA, picked by the launcher from the caller's page size):
+- TMA (pages of a multiple of 64 slots, so a tile's keys are 64 consecutive cache rows): a [64, kv_lora] and
+  a [64, rope] box on an mbarrier each; q the same way beside tile 0. 3 barriers a tile (the refill's, the
+  row max's, P's). 1.08-1.12x the cp.async form at every H = 128 cell (bench/NOTES.md, "mla128b, session 5").
+- cp.async row copies through req_to_token (any page size), one per key: 4 barriers a tile (the refill's and
+  the data's in one, one the compiler adds after the cp.async wait, the row max's, P's).
+It writes the same partial outputs and log-sum-exps as the Triton stage 1, so mla_decode's merge (stage 2)
+is shared. The row sums need no barrier (kept element-wise, summed once after the loop). Where a TMA tile's
+time goes (H200, B = 64 / 8k, 2.5 us a tile; each part cut from the source, the rest timed: bench/NOTES.md
+"mla128b, session 5", run 4): the score wgmmas 40% (both warpgroups read all of q: 216 KB of shared-memory
+reads a tile of the ~375 KB it moves), P V 18%, HBM (every tile from L2-hot rows instead) 8%, the
+exponentials and the rescale of O 3% each; the rest is the softmax, the barriers and waits.
 
 Gluon kernels do not run under TRITON_INTERPRET=1 (triton 3.6: gluon.jit launches through the active GPU
 driver, "0 active drivers" on CPU), so this path is covered by `gpu`-marked tests only; the CPU interpreter
@@ -34,7 +38,14 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 BLOCK_H = 64  # one wgmma M: 4 warps x 16 rows
 BLOCK_N = 64  # keys a tile: S is 64 x 64, each warpgroup's half an instruction of N = 32
@@ -45,49 +56,26 @@ GLUON_ROPE = (16, 32, 64, 128)  # a power of two (Gluon tensor shapes), >= one 1
 # MAX_XCHG: the row max over a tile's 64 keys from each warpgroup's max over its 32, swapped through 512 B
 # of shared memory with one barrier, not gl.max's cross-warp reduction (two barriers): 1-4% faster at
 # every H = 128 cell (bench/NOTES.md, "mla128, session 4", run 3).
-# GATHER_UNDER_S: the score wgmmas issued before the next tile's gather, so its ~20 instructions a thread
-# issue while they run: 0.3-4% faster at 9 of the 10 H = 128 cells, 0.4% slower at B = 256 / 8k (run 4).
+# GATHER_UNDER_S (cp.async form): the score wgmmas issued before the next tile's gather, so its ~20
+# instructions a thread issue while they run: 0.3-4% faster at 9 of the 10 H = 128 cells, 0.4% slower at
+# B = 256 / 8k (run 4). The TMA form always issues its boxes after the score wgmmas.
 FLAGS = {"MAX_XCHG": True, "GATHER_UNDER_S": True}
+# The TMA form (a tile's 64 keys as one [64, kv_lora] and one [64, rope] box) needs a tile's keys on
+# consecutive cache rows: pages of a multiple of 64 slots (tiles start at multiples of 64).
+TMA_PAGE = BLOCK_N
 
 
 @gluon.jit
-def _tile(
-    t, start, end, qk_scale, qv_s, qr_s, mx_s, kv_t, kr_t, kv_n, kr_n, p_s, kv_ptr, r2t, stride_kvs,
-    sl_v, sl_r, m_v, m_r, rows_v, rows_r, cols_v, cols_r, keys, s_zero, m_i, l_e, acc,
-    BLOCK_N: gl.constexpr, O_LAYOUT: gl.constexpr, MAX_XCHG: gl.constexpr, GATHER_UNDER_S: gl.constexpr,
-):  # fmt: skip
-    """One 64-key tile t from (kv_t, kr_t), with tile t+1's gather issued into (kv_n, kr_n). The two buffers
-    are separate allocations, and the loop calls this twice an iteration with them swapped: with one
-    [2, ...] allocation indexed by t % 2, the compiler's shared-memory hazard analysis cannot tell the
-    buffer being filled from the one being read and adds a barrier between the gather and the scores
-    (and one more before the wait; 6 barriers a tile with one allocation, 4 with two: SASS, bench/NOTES.md).
-    Leaving a tile's P V running under the next tile's scores (one transition in two: across the loop's
-    back edge ptxas serialises every wgmma) was 1-4% slower (bench/NOTES.md, "mla128, session 4")."""
-    dtype: gl.constexpr = kv_t.dtype
-    async_copy.wait_group(0)  # this thread's copies of tile t (and q) landed: the only group in flight
-    fence_async_shared()  # cp.async and P stores are generic-proxy writes; wgmma reads async
-    # every thread's copies of tile t landed, and every warpgroup waited for its P V of tile t-1, so the
-    # other buffer and P are free: one barrier where there were two (refill, then data)
-    gl.thread_barrier()
-    if GATHER_UNDER_S:  # the scores first: the gather's ~20 instructions a thread issue while they run
-        s = warpgroup_mma(qv_s, kv_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s = warpgroup_mma(qr_s, kr_t.permute((1, 0)), s, is_async=True)
-    async_copy.async_copy_global_to_shared(
-        kv_n, kv_ptr + sl_v[:, None] * stride_kvs + cols_v[None, :], mask=m_v[:, None]
-    )
-    async_copy.async_copy_global_to_shared(
-        kr_n, kv_ptr + sl_r[:, None] * stride_kvs + cols_r[None, :], mask=m_r[:, None]
-    )
-    async_copy.commit_group()
-    n2 = start + (t + 2) * BLOCK_N  # tile t+2's slots, for the gather the next call issues
-    m_v = (n2 + rows_v) < end
-    m_r = (n2 + rows_r) < end
-    sl_v = gl.load(r2t + n2 + rows_v, mask=m_v, other=0).to(gl.int64)
-    sl_r = gl.load(r2t + n2 + rows_r, mask=m_r, other=0).to(gl.int64)
+def _scores(qv_s, qr_s, kv_t, kr_t, s_zero):
+    """S [64 heads, 64 keys] = q_nope c_kv^T + q_pe k_pe^T, issued asynchronously (warpgroup w: keys 32w..)."""
+    s = warpgroup_mma(qv_s, kv_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    return warpgroup_mma(qr_s, kr_t.permute((1, 0)), s, is_async=True)
 
-    if not GATHER_UNDER_S:
-        s = warpgroup_mma(qv_s, kv_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s = warpgroup_mma(qr_s, kr_t.permute((1, 0)), s, is_async=True)
+
+@gluon.jit
+def _row_max(t, start, end, qk_scale, s, keys, m_i, mx_s, BLOCK_N: gl.constexpr, MAX_XCHG: gl.constexpr):
+    """Waits for the scores, masks keys past `end`, and returns them (log2 units) with the new row max. Its
+    barrier (MAX_XCHG) also means every warpgroup finished the previous tile's P V."""
     s = warpgroup_mma_wait(0, deps=(s,))
     visible = (start + t * BLOCK_N + keys) < end
     s = gl.where(visible[None, :], s * qk_scale, float("-inf"))  # log2 units
@@ -102,22 +90,114 @@ def _tile(
         m_new = gl.maximum(m_i, m_tile)
     else:
         m_new = gl.maximum(m_i, gl.max(s, axis=1))
+    return s, m_new
+
+
+@gluon.jit
+def _probs_pv(s, m_i, m_new, l_e, acc, p_s, kv_t, O_LAYOUT: gl.constexpr):
+    """P = exp2(S - m) through shared memory to both warpgroups, O rescaled, O += P c_kv (waited)."""
     alpha = gl.exp2(m_i - m_new)
     p = gl.exp2(s - m_new[:, None])
     l_e = l_e * alpha[:, None] + p
-    p_s.store(p.to(dtype))
+    p_s.store(p.to(kv_t.dtype))
     fence_async_shared()
     gl.thread_barrier()  # both halves of P (one per warpgroup) written before either reads all of it
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]
     acc = warpgroup_mma(p_s, kv_t, acc, is_async=True)
     acc = warpgroup_mma_wait(0, deps=(acc,))
+    return l_e, acc
+
+
+@gluon.jit
+def _tile(
+    t, start, end, qk_scale, qv_s, qr_s, mx_s, kv_t, kr_t, kv_n, kr_n, p_s, kv_ptr, r2t, stride_kvs,
+    sl_v, sl_r, m_v, m_r, rows_v, rows_r, cols_v, cols_r, keys, s_zero, m_i, l_e, acc,
+    BLOCK_N: gl.constexpr, O_LAYOUT: gl.constexpr, MAX_XCHG: gl.constexpr, GATHER_UNDER_S: gl.constexpr,
+):  # fmt: skip
+    """cp.async form (any page size): one 64-key tile t from (kv_t, kr_t), with tile t+1's gather, one row
+    copy per key, issued into (kv_n, kr_n). The two buffers are separate allocations, and the loop calls this
+    twice an iteration with them swapped: with one [2, ...] allocation indexed by t % 2, the compiler's
+    shared-memory hazard analysis cannot tell the buffer being filled from the one being read and adds a
+    barrier between the gather and the scores (and one more before the wait; 6 barriers a tile with one
+    allocation, 4 with two: SASS, bench/NOTES.md). Leaving a tile's P V running under the next tile's
+    scores (one transition in two: across the loop's back edge ptxas serialises every wgmma) was 1-4% slower
+    (bench/NOTES.md, "mla128, session 4")."""
+    async_copy.wait_group(0)  # this thread's copies of tile t (and q) landed: the only group in flight
+    fence_async_shared()  # cp.async and P stores are generic-proxy writes; wgmma reads async
+    # every thread's copies of tile t landed, and every warpgroup waited for its P V of tile t-1, so the
+    # other buffer and P are free: one barrier where there were two (refill, then data)
+    gl.thread_barrier()
+    if GATHER_UNDER_S:  # the scores first: the gather's ~20 instructions a thread issue while they run
+        s = _scores(qv_s, qr_s, kv_t, kr_t, s_zero)
+    async_copy.async_copy_global_to_shared(
+        kv_n, kv_ptr + sl_v[:, None] * stride_kvs + cols_v[None, :], mask=m_v[:, None]
+    )
+    async_copy.async_copy_global_to_shared(
+        kr_n, kv_ptr + sl_r[:, None] * stride_kvs + cols_r[None, :], mask=m_r[:, None]
+    )
+    async_copy.commit_group()
+    n2 = start + (t + 2) * BLOCK_N  # tile t+2's slots, for the gather the next call issues
+    m_v = (n2 + rows_v) < end
+    m_r = (n2 + rows_r) < end
+    sl_v = gl.load(r2t + n2 + rows_v, mask=m_v, other=0).to(gl.int64)
+    sl_r = gl.load(r2t + n2 + rows_r, mask=m_r, other=0).to(gl.int64)
+    if not GATHER_UNDER_S:
+        s = _scores(qv_s, qr_s, kv_t, kr_t, s_zero)
+    s, m_new = _row_max(t, start, end, qk_scale, s, keys, m_i, mx_s, BLOCK_N, MAX_XCHG)
+    l_e, acc = _probs_pv(s, m_i, m_new, l_e, acc, p_s, kv_t, O_LAYOUT)
     return sl_v, sl_r, m_v, m_r, m_new, l_e, acc
 
 
 @gluon.jit
+def _tile_tma(
+    t, start, end, num_tiles, qk_scale, qv_s, qr_s, mx_s, kv_t, kr_t, bv_t, br_t, kv_n, kr_n, bv_n, br_n, p_s,
+    kv_desc, kr_desc, r2t, slot_n, keys, s_zero, m_i, l_e, acc,
+    KV_LORA: gl.constexpr, BLOCK_N: gl.constexpr, O_LAYOUT: gl.constexpr, MAX_XCHG: gl.constexpr,
+):  # fmt: skip
+    """TMA form (page size a multiple of 64: a tile's 64 keys are 64 consecutive cache rows, slot_n.. for tile
+    t+1): tile t waited on its mbarriers, tile t+1 loaded as two TMA boxes (c_kv [64, kv_lora], k_pe [64,
+    rope]) completing on bv_n / br_n. No per-thread gather (cp.async took ~20 instructions a thread a tile),
+    no cp.async wait and no barrier for the data: each thread waits on the mbarriers. 3 barriers a tile: the
+    refill must follow one (the other warpgroup may be reading that buffer in its P V of tile t-1); issuing
+    it after the row max's instead (2 barriers, ~half a tile less lead) was 0-6% slower at 9 of 10 cells
+    (bench/NOTES.md, "mla128b, session 5", run 2); issuing it before the wait for tile t was 0-3% slower at
+    9 of 10 (run 3). Triton 3.6's barrier analysis puts a barrier between any
+    two accesses of one mbarrier allocation (3.7 skips them again, its release notes: canSkipBarSync), so each
+    box has its own mbarrier and the expects come before the CTA barrier the copies follow (PTX checked)."""
+    more = t + 1 < num_tiles
+    _expect(bv_n, br_n, kv_desc, kr_desc, more)
+    gl.thread_barrier()  # every warpgroup waited for its P V of tile t-1: the other buffer is free
+    mbarrier.wait(bv_t, (t // 2) & 1)  # tile t's boxes (and q's, with tile 0) landed: the (t // 2)-th phase
+    mbarrier.wait(br_t, (t // 2) & 1)
+    s = _scores(qv_s, qr_s, kv_t, kr_t, s_zero)
+    _copy(kv_desc, kr_desc, bv_n, br_n, kv_n, kr_n, slot_n, more, KV_LORA)  # under the score wgmmas
+    n2 = start + (t + 2) * BLOCK_N  # tile t+2's first slot, for the refill the next call issues
+    slot_n2 = gl.load(r2t + n2, mask=n2 < end, other=0).to(gl.int32)
+    s, m_new = _row_max(t, start, end, qk_scale, s, keys, m_i, mx_s, BLOCK_N, MAX_XCHG)
+    l_e, acc = _probs_pv(s, m_i, m_new, l_e, acc, p_s, kv_t, O_LAYOUT)
+    return slot_n2, m_new, l_e, acc
+
+
+@gluon.jit
+def _expect(bv, br, kv_desc, kr_desc, pred):
+    """Arms one tile's two mbarriers with their boxes' bytes (one thread; before the copies' CTA barrier)."""
+    mbarrier.expect(bv, kv_desc.block_type.nbytes, pred=pred)
+    mbarrier.expect(br, kr_desc.block_type.nbytes, pred=pred)
+
+
+@gluon.jit
+def _copy(kv_desc, kr_desc, bv, br, kv_s, kr_s, slot, pred, KV_LORA: gl.constexpr):
+    """One tile's two TMA boxes from cache row `slot` on (triton 3.6 splits the [64, 512] box into one
+    [64, 64] box per warp, along the 128 B swizzle)."""
+    tma.async_copy_global_to_shared(kv_desc, [slot, 0], bv, kv_s, pred=pred)
+    tma.async_copy_global_to_shared(kr_desc, [slot, KV_LORA], br, kr_s, pred=pred)
+
+
+@gluon.jit
 def _mla_decode_gluon_kernel(
-    # pointers
+    # pointers and TMA descriptors (None in the cp.async form)
     q_ptr, kv_ptr, req_to_token_ptr, req_pool_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr,
+    qv_desc, qr_desc, kv_desc, kr_desc,
     # sizes
     H, num_kv_splits, split_align, qk_scale,
     # strides
@@ -126,7 +206,7 @@ def _mla_decode_gluon_kernel(
     KV_LORA: gl.constexpr, ROPE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
     GATHER_V: gl.constexpr, GATHER_R: gl.constexpr, S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr,
     QV_SMEM: gl.constexpr, QR_SMEM: gl.constexpr, KV_SMEM: gl.constexpr, KR_SMEM: gl.constexpr,
-    P_SMEM: gl.constexpr, MAX_XCHG: gl.constexpr, GATHER_UNDER_S: gl.constexpr,
+    P_SMEM: gl.constexpr, TMA: gl.constexpr, MAX_XCHG: gl.constexpr, GATHER_UNDER_S: gl.constexpr,
 ):  # fmt: skip
     hb = gl.program_id(0)  # fastest axis: both head blocks of a (request, split) read each tile, via L2
     b = gl.program_id(1)
@@ -138,12 +218,6 @@ def _mla_decode_gluon_kernel(
     end = gl.minimum(start + split_len, seq_len)
     if start < end:  # else: more splits than this request needs; stage 2 skips the split too
         dtype: gl.constexpr = q_ptr.dtype.element_ty
-        rows_v = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, GATHER_V))
-        cols_v = gl.arange(0, KV_LORA, layout=gl.SliceLayout(0, GATHER_V))
-        rows_r = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, GATHER_R))
-        cols_r = KV_LORA + gl.arange(0, ROPE, layout=gl.SliceLayout(0, GATHER_R))
-        h_v = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, GATHER_V))
-        h_r = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, GATHER_R))
         qv_s = gl.allocate_shared_memory(dtype, [BLOCK_H, KV_LORA], QV_SMEM)
         qr_s = gl.allocate_shared_memory(dtype, [BLOCK_H, ROPE], QR_SMEM)
         kv_a = gl.allocate_shared_memory(dtype, [BLOCK_N, KV_LORA], KV_SMEM)  # even tiles
@@ -152,37 +226,7 @@ def _mla_decode_gluon_kernel(
         kr_b = gl.allocate_shared_memory(dtype, [BLOCK_N, ROPE], KR_SMEM)
         p_s = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], P_SMEM)
         mx_s = gl.allocate_shared_memory(gl.float32, [2 * BLOCK_H], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-
-        # q [64, kv_lora + rope] by cp.async in the same group as tile 0's gather: the two latencies overlap
-        # (a register load then a store put q's ~1 us ahead of the first gather: part of the ~4 tiles of
-        # fixed cost per program that bench/NOTES.md fitted). Masked heads are zero-filled, never stored.
-        q_b = q_ptr + b * stride_qb
-        async_copy.async_copy_global_to_shared(
-            qv_s, q_b + h_v[:, None] * stride_qh + cols_v[None, :], mask=(h_v < H)[:, None]
-        )
-        async_copy.async_copy_global_to_shared(
-            qr_s, q_b + h_r[:, None] * stride_qh + cols_r[None, :], mask=(h_r < H)[:, None]
-        )
         r2t = req_to_token_ptr + req_row * stride_rtr
-        # tile 0's gather; masked rows (past end) are zero-filled by cp.async and read no memory
-        m_v = (start + rows_v) < end
-        m_r = (start + rows_r) < end
-        sl_v = gl.load(r2t + start + rows_v, mask=m_v, other=0).to(gl.int64)
-        sl_r = gl.load(r2t + start + rows_r, mask=m_r, other=0).to(gl.int64)
-        async_copy.async_copy_global_to_shared(
-            kv_a, kv_ptr + sl_v[:, None] * stride_kvs + cols_v[None, :], mask=m_v[:, None]
-        )
-        async_copy.async_copy_global_to_shared(
-            kr_a, kv_ptr + sl_r[:, None] * stride_kvs + cols_r[None, :], mask=m_r[:, None]
-        )
-        async_copy.commit_group()
-        # tile 1's slots, one iteration early: the gather issued in an iteration then waits on no load of
-        # its own (the Triton kernel's EARLY_SLOTS, for the same reason)
-        m_v = (start + BLOCK_N + rows_v) < end
-        m_r = (start + BLOCK_N + rows_r) < end
-        sl_v = gl.load(r2t + start + BLOCK_N + rows_v, mask=m_v, other=0).to(gl.int64)
-        sl_r = gl.load(r2t + start + BLOCK_N + rows_r, mask=m_r, other=0).to(gl.int64)
-
         m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_LAYOUT))
         # the row sums kept element-wise, [64 heads, 64 keys] (16 registers a thread), summed over keys once
         # after the loop: gl.sum over the keys each tile crossed the two warpgroups (each holds 32 keys of a
@@ -192,17 +236,86 @@ def _mla_decode_gluon_kernel(
         s_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=S_LAYOUT)
         keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
         num_tiles = gl.cdiv(end - start, BLOCK_N)
-        for t in range(0, num_tiles, 2):
-            sl_v, sl_r, m_v, m_r, m_i, l_e, acc = _tile(
-                t, start, end, qk_scale, qv_s, qr_s, mx_s, kv_a, kr_a, kv_b, kr_b, p_s, kv_ptr, r2t, stride_kvs,
-                sl_v, sl_r, m_v, m_r, rows_v, rows_r, cols_v, cols_r, keys, s_zero, m_i, l_e, acc,
-                BLOCK_N, O_LAYOUT, MAX_XCHG, GATHER_UNDER_S)  # fmt: skip
-            if t + 1 < num_tiles:
+        if TMA:
+            bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+            # one mbarrier a box and stage, each its own allocation (see _tile_tma): c_kv and k_pe of even
+            # tiles (a), odd tiles (b); q's two boxes complete on tile 0's
+            bv_a = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+            br_a = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+            bv_b = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+            br_b = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+            mbarrier.init(bv_a, count=1)
+            mbarrier.init(br_a, count=1)
+            mbarrier.init(bv_b, count=1)
+            mbarrier.init(br_b, count=1)
+            fence_async_shared()  # the inits visible to the TMA unit before it signals them
+            mbarrier.expect(bv_a, qv_desc.block_type.nbytes + kv_desc.block_type.nbytes)
+            mbarrier.expect(br_a, qr_desc.block_type.nbytes + kr_desc.block_type.nbytes)
+            gl.thread_barrier()
+            # q [64 heads, C] as rows b H + 64 hb of q viewed [B H, C], beside tile 0: one latency. Rows past
+            # this request's heads (H = 80: the next request's; past B H: zero-filled by TMA) never store.
+            q_row = b * H + hb * BLOCK_H
+            tma.async_copy_global_to_shared(qv_desc, [q_row, 0], bv_a, qv_s)
+            tma.async_copy_global_to_shared(qr_desc, [q_row, KV_LORA], br_a, qr_s)
+            _copy(kv_desc, kr_desc, bv_a, br_a, kv_a, kr_a, gl.load(r2t + start).to(gl.int32), True, KV_LORA)
+            n1 = start + BLOCK_N  # tile 1's first slot, one tile early (the refill waits on no load)
+            slot_n = gl.load(r2t + n1, mask=n1 < end, other=0).to(gl.int32)
+            for t in range(0, num_tiles, 2):
+                slot_n, m_i, l_e, acc = _tile_tma(
+                    t, start, end, num_tiles, qk_scale, qv_s, qr_s, mx_s, kv_a, kr_a, bv_a, br_a, kv_b, kr_b, bv_b,
+                    br_b, p_s, kv_desc, kr_desc, r2t, slot_n, keys, s_zero, m_i, l_e, acc,
+                    KV_LORA, BLOCK_N, O_LAYOUT, MAX_XCHG)  # fmt: skip
+                if t + 1 < num_tiles:
+                    slot_n, m_i, l_e, acc = _tile_tma(
+                        t + 1, start, end, num_tiles, qk_scale, qv_s, qr_s, mx_s, kv_b, kr_b, bv_b, br_b, kv_a, kr_a,
+                        bv_a, br_a, p_s, kv_desc, kr_desc, r2t, slot_n, keys, s_zero, m_i, l_e, acc,
+                        KV_LORA, BLOCK_N, O_LAYOUT, MAX_XCHG)  # fmt: skip
+        else:
+            rows_v = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, GATHER_V))
+            cols_v = gl.arange(0, KV_LORA, layout=gl.SliceLayout(0, GATHER_V))
+            rows_r = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, GATHER_R))
+            cols_r = KV_LORA + gl.arange(0, ROPE, layout=gl.SliceLayout(0, GATHER_R))
+            h_v = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, GATHER_V))
+            h_r = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, GATHER_R))
+            # q [64, kv_lora + rope] by cp.async in the same group as tile 0's gather: the two latencies
+            # overlap (a register load then a store put q's ~1 us ahead of the first gather: part of the ~4
+            # tiles of fixed cost per program that bench/NOTES.md fitted). Masked heads are zero-filled.
+            q_b = q_ptr + b * stride_qb
+            async_copy.async_copy_global_to_shared(
+                qv_s, q_b + h_v[:, None] * stride_qh + cols_v[None, :], mask=(h_v < H)[:, None]
+            )
+            async_copy.async_copy_global_to_shared(
+                qr_s, q_b + h_r[:, None] * stride_qh + cols_r[None, :], mask=(h_r < H)[:, None]
+            )
+            # tile 0's gather; masked rows (past end) are zero-filled by cp.async and read no memory
+            m_v = (start + rows_v) < end
+            m_r = (start + rows_r) < end
+            sl_v = gl.load(r2t + start + rows_v, mask=m_v, other=0).to(gl.int64)
+            sl_r = gl.load(r2t + start + rows_r, mask=m_r, other=0).to(gl.int64)
+            async_copy.async_copy_global_to_shared(
+                kv_a, kv_ptr + sl_v[:, None] * stride_kvs + cols_v[None, :], mask=m_v[:, None]
+            )
+            async_copy.async_copy_global_to_shared(
+                kr_a, kv_ptr + sl_r[:, None] * stride_kvs + cols_r[None, :], mask=m_r[:, None]
+            )
+            async_copy.commit_group()
+            # tile 1's slots, one iteration early: the gather issued in an iteration then waits on no load of
+            # its own (the Triton kernel's EARLY_SLOTS, for the same reason)
+            m_v = (start + BLOCK_N + rows_v) < end
+            m_r = (start + BLOCK_N + rows_r) < end
+            sl_v = gl.load(r2t + start + BLOCK_N + rows_v, mask=m_v, other=0).to(gl.int64)
+            sl_r = gl.load(r2t + start + BLOCK_N + rows_r, mask=m_r, other=0).to(gl.int64)
+            for t in range(0, num_tiles, 2):
                 sl_v, sl_r, m_v, m_r, m_i, l_e, acc = _tile(
-                    t + 1, start, end, qk_scale, qv_s, qr_s, mx_s, kv_b, kr_b, kv_a, kr_a, p_s, kv_ptr, r2t, stride_kvs,
+                    t, start, end, qk_scale, qv_s, qr_s, mx_s, kv_a, kr_a, kv_b, kr_b, p_s, kv_ptr, r2t, stride_kvs,
                     sl_v, sl_r, m_v, m_r, rows_v, rows_r, cols_v, cols_r, keys, s_zero, m_i, l_e, acc,
                     BLOCK_N, O_LAYOUT, MAX_XCHG, GATHER_UNDER_S)  # fmt: skip
-        async_copy.wait_group(0)
+                if t + 1 < num_tiles:
+                    sl_v, sl_r, m_v, m_r, m_i, l_e, acc = _tile(
+                        t + 1, start, end, qk_scale, qv_s, qr_s, mx_s, kv_b, kr_b, kv_a, kr_a, p_s, kv_ptr, r2t,
+                        stride_kvs, sl_v, sl_r, m_v, m_r, rows_v, rows_r, cols_v, cols_r, keys, s_zero, m_i, l_e,
+                        acc, BLOCK_N, O_LAYOUT, MAX_XCHG, GATHER_UNDER_S)  # fmt: skip
+            async_copy.wait_group(0)
 
         l_i = gl.sum(l_e, axis=1)
         out = acc / gl.convert_layout(l_i, gl.SliceLayout(1, O_LAYOUT))[:, None]
@@ -247,6 +360,40 @@ def gluon_supported(q: torch.Tensor, kv_lora: int) -> str | None:
     return None
 
 
+def _tma_descriptors(
+    q: torch.Tensor, kv_cache: torch.Tensor, kv_lora: int, layouts: dict[str, Any]
+) -> dict[str, TensorDescriptor | None]:
+    """q viewed [B H, C] and the cache [S, C], each with a [64, kv_lora] and a [64, rope] box (the rope box at
+    column kv_lora). Block shapes past 128 bytes: triton 3.6 splits the box along the 128 B swizzle (8 copies
+    of [64, 64] for kv_lora 512), as the wgmma's NVMMASharedLayout stores it."""
+    B, H, C = q.shape
+    qf, rope = q.view(B * H, C), C - kv_lora
+    return {
+        "qv_desc": TensorDescriptor(qf, [B * H, C], [C, 1], [BLOCK_H, kv_lora], layouts["QV_SMEM"]),
+        "qr_desc": TensorDescriptor(qf, [B * H, C], [C, 1], [BLOCK_H, rope], layouts["QR_SMEM"]),
+        "kv_desc": TensorDescriptor(kv_cache, [kv_cache.shape[0], C], [kv_cache.stride(0), 1], [BLOCK_N, kv_lora],
+                                    layouts["KV_SMEM"]),
+        "kr_desc": TensorDescriptor(kv_cache, [kv_cache.shape[0], C], [kv_cache.stride(0), 1], [BLOCK_N, rope],
+                                    layouts["KR_SMEM"]),
+    }  # fmt: skip
+
+
+def tma_usable(q: torch.Tensor, kv_cache: torch.Tensor, page_size: int) -> bool:
+    """The TMA form's conditions: whole 64-key tiles on consecutive rows (page_size), q rows contiguous as
+    [B H, C] (its descriptor's view), 16-byte aligned bases and row strides (TMA's rule). A last tile's rows
+    past the request's end are then loaded too (real slots of its page, where cp.async zero-fills): their
+    scores are masked, P = 0, so they must hold finite values (0 x NaN is NaN). The engine's pool starts
+    zeroed and only ever holds latents written by the model."""
+    return (
+        page_size % TMA_PAGE == 0
+        and q.is_contiguous()
+        and kv_cache.stride(1) == 1
+        and q.data_ptr() % 16 == 0
+        and kv_cache.data_ptr() % 16 == 0
+        and (kv_cache.stride(0) * kv_cache.element_size()) % 16 == 0
+    )
+
+
 def mla_decode_stage1_gluon(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -258,19 +405,27 @@ def mla_decode_stage1_gluon(
     kv_lora_rank: int,
     qk_scale: float,
     split_align: int,
+    page_size: int = 1,
     flags: dict[str, bool] | None = None,
 ) -> None:
     """Fills part_out [B, H, P, kv_lora] fp32 and part_lse [B, H, P] (log2 units) as the Triton stage 1 (P = 1:
-    part_out may be the output [B, H, 1, kv_lora] in q's dtype, which then needs no merge)."""
+    part_out may be the output [B, H, 1, kv_lora] in q's dtype, which then needs no merge). page_size: the
+    caller's guarantee on req_to_token (slots in runs of page_size, each run starting at a multiple of it);
+    a multiple of 64 picks the TMA form (tma_usable), else cp.async row copies. flags["TMA"] overrides."""
     B, H, C = q.shape
     num_kv_splits = part_out.shape[2]
     gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     grid = ((H + BLOCK_H - 1) // BLOCK_H, B, num_kv_splits)
+    layouts = _layouts(kv_lora_rank, C - kv_lora_rank, gdt)
+    flags = FLAGS | {"TMA": tma_usable(q, kv_cache, page_size)} | (flags or {})
+    none: dict[str, TensorDescriptor | None] = dict.fromkeys(("qv_desc", "qr_desc", "kv_desc", "kr_desc"))
+    descs = _tma_descriptors(q, kv_cache, kv_lora_rank, layouts) if flags["TMA"] else none
     _mla_decode_gluon_kernel[grid](
         q, kv_cache, req_to_token, req_pool_indices, seq_lens, part_out, part_lse,
+        descs["qv_desc"], descs["qr_desc"], descs["kv_desc"], descs["kr_desc"],
         H, num_kv_splits, split_align, qk_scale,
         q.stride(0), q.stride(1), kv_cache.stride(0), req_to_token.stride(0),
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
         KV_LORA=kv_lora_rank, ROPE=C - kv_lora_rank, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N,
-        **_layouts(kv_lora_rank, C - kv_lora_rank, gdt), **(FLAGS | (flags or {})), num_warps=NUM_WARPS,
+        **layouts, **flags, num_warps=NUM_WARPS,
     )  # fmt: skip

@@ -151,6 +151,20 @@ def test_default_tile_takes_gluon_only_where_it_runs() -> None:
     assert default_decode_tile(16, torch.bfloat16, use_gluon=True).kernel == "triton"
 
 
+def test_gluon_tile_carries_page_size_and_tma_form_needs_it() -> None:
+    """The Gluon tile takes the caller's page size (the TMA form needs whole 64-key tiles on consecutive
+    rows: pages of a multiple of 64), and tma_usable (host logic, no GPU) also wants q contiguous as [B H, C]
+    and 16-byte cache rows."""
+    from r3trace.kernels import mla_decode_gluon as mg
+
+    assert default_decode_tile(128, torch.bfloat16, use_gluon=True, page_size=64).page_size == 64
+    assert default_decode_tile(128, torch.bfloat16, use_gluon=True).page_size == 1
+    q, kv = torch.randn(3, 16, 576).bfloat16(), torch.randn(640, 576).bfloat16()
+    assert [mg.tma_usable(q, kv, p) for p in (1, 16, 32, 64, 128, 96)] == [False] * 3 + [True, True, False]
+    assert not mg.tma_usable(q.transpose(0, 1).contiguous().transpose(0, 1), kv, 64)  # heads-major q
+    assert not mg.tma_usable(q, torch.randn(640, 580).bfloat16()[:, :576], 64)  # 1160 B rows: not 16-aligned
+
+
 def test_mla_decode_rejects_bad_arguments() -> None:
     q, kv, r2t, rows, seq_lens = _case([3, 4], 2, 24, 8, 1, torch.float32, DEVICE, seed=0)
     with pytest.raises(KernelInputError, match="kv_cache row"):

@@ -28,16 +28,32 @@ def _hopper() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
+# (flags, the page sizes they apply to): GATHER_UNDER_S is the cp.async form's (page 1); pages of 64 and 128
+# slots take the TMA form; TMA=False runs the cp.async form on 64-slot pages
+FLAG_CASES = {
+    "default": ({}, (1, 64, 128)),
+    "gl-max": ({"MAX_XCHG": False}, (1, 64)),
+    "gather-after-s": ({"GATHER_UNDER_S": False}, (1,)),
+    "cp-async": ({"TMA": False}, (64,)),
+}
+SHAPES = {  # (H, kv_lora, rope, splits)
+    "H128-7splits": (128, 512, 64, 7),
+    "H80-ragged": (80, 512, 64, 5),
+    "H64-1split": (64, 512, 64, 1),
+    "kv256-rope32": (128, 256, 32, 3),
+    "H16-64splits": (16, 512, 64, 64),
+}
+# every shape at the defaults, the switches at the first two (each flag set x shape is a ~4 s compile)
+CASES = [
+    pytest.param(*shape, f, p, id=f"{sname}-{name}-page{p}")
+    for name, (f, pages) in FLAG_CASES.items()
+    for sname, shape in (SHAPES.items() if name == "default" else list(SHAPES.items())[:2])
+    for p in pages
+]
+
+
 @pytest.mark.skipif(not _hopper(), reason="the Gluon decode kernel is sm_90 only")
-@pytest.mark.parametrize(
-    "flags", [{}, {"MAX_XCHG": False}, {"GATHER_UNDER_S": False}], ids=["default", "gl-max", "gather-after-s"]
-)
-@pytest.mark.parametrize("page_size", [1, 64])
-@pytest.mark.parametrize(
-    ("H", "kv_lora", "rope", "splits"),
-    [(128, 512, 64, 7), (64, 512, 64, 1), (80, 512, 64, 5), (128, 256, 32, 3), (16, 512, 64, 64)],
-    ids=["H128-7splits", "H64-1split", "H80-ragged", "kv256-rope32", "H16-64splits"],
-)  # fmt: skip
+@pytest.mark.parametrize(("H", "kv_lora", "rope", "splits", "flags", "page_size"), CASES)
 def test_gluon_matches_ref(
     H: int,
     kv_lora: int,
@@ -47,12 +63,17 @@ def test_gluon_matches_ref(
     flags: dict[str, bool],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Fresh data; H = 80 leaves a ragged second head block (16 of 64 rows live); 64 splits leave most of
-    the short requests' splits empty; page size 1 makes every row of a tile a separate gather. The default
+    """Fresh data; H = 80 leaves a ragged second head block (16 of 64 rows live; in the TMA form its q box
+    reads the next request's heads, or zero-fills past the last); 64 splits leave most of the short requests'
+    splits empty; page size 1 makes every row of a tile a separate gather, 64 and 128 take the TMA form
+    (a tile's last rows past the request's end are real slots of its page, masked in the scores). The default
     FLAGS and each switch flipped; the lengths give splits of odd and even tile counts (the loop takes tiles
     in pairs)."""
     stage1 = partial(mla_decode_gluon.mla_decode_stage1_gluon, flags=flags)
     monkeypatch.setattr(mla_decode_gluon, "mla_decode_stage1_gluon", stage1)
+    picked: list[bool] = []  # what the launcher chose from the tile's page size (flags["TMA"] overrides it)
+    usable = mla_decode_gluon.tma_usable
+    monkeypatch.setattr(mla_decode_gluon, "tma_usable", lambda *a: picked.append(usable(*a)) or picked[-1])
     gen = torch.Generator().manual_seed(H + kv_lora + page_size)
     r2t, rows, S = paged_req_to_token(LENS, page_size, gen)
     q = torch.randn(len(LENS), H, kv_lora + rope, generator=gen).cuda().bfloat16()
@@ -60,8 +81,10 @@ def test_gluon_matches_ref(
     seq = torch.tensor(LENS, device="cuda")
     r2t, rows = r2t.cuda(), rows.cuda()
     scale = (kv_lora + rope) ** -0.5
-    out = mla_decode(q, kv, r2t, rows, seq, kv_lora, scale, num_kv_splits=splits, tile=GLUON)
+    tile = GLUON._replace(page_size=page_size)
+    out = mla_decode(q, kv, r2t, rows, seq, kv_lora, scale, num_kv_splits=splits, tile=tile)
     ref = mla_decode_ref(q.float(), kv.float(), r2t, rows, seq, kv_lora, scale)
+    assert picked == [page_size % 64 == 0]
     assert_close_to_ref(out, ref, torch.bfloat16)
     triton_out = mla_decode(q, kv, r2t, rows, seq, kv_lora, scale, num_kv_splits=splits)
     # the same bf16 rounding of P and of the output as the Triton kernel: within a few bf16 ulps of it
@@ -78,8 +101,9 @@ def test_gluon_one_split_direct_same_bits_as_merge(page_size: int) -> None:
     q = torch.randn(len(LENS), 80, 576, generator=gen).cuda().bfloat16()
     kv = torch.randn(S, 576, generator=gen).cuda().bfloat16()
     args = (q, kv, r2t.cuda(), rows.cuda(), torch.tensor(LENS, device="cuda"), 512, 576**-0.5, 1)
-    out = mla_decode(*args, tile=GLUON._replace(direct=True))  # the default Gluon tile's setting
-    assert torch.equal(out, mla_decode(*args, tile=GLUON))
+    tile = GLUON._replace(page_size=page_size)  # 64: the TMA form
+    out = mla_decode(*args, tile=tile._replace(direct=True))  # the default Gluon tile's setting
+    assert torch.equal(out, mla_decode(*args, tile=tile))
     assert_close_to_ref(out, mla_decode_ref(q.float(), kv.float(), *args[2:7]), torch.bfloat16)
 
 
@@ -96,9 +120,12 @@ def test_gluon_rejects_what_it_cannot_run() -> None:
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Gluon decode kernel is sm_90 only")
-def test_gluon_under_cuda_graph() -> None:
+@pytest.mark.parametrize("page_size", [1, 64])
+def test_gluon_under_cuda_graph(page_size: int) -> None:
     """The engine replays decode from CUDA graphs: a captured call, replayed on new lengths and new cache
-    contents, equals an eager call on them."""
+    contents, equals an eager call on them (page_size 64: the TMA form, its descriptors captured as launch
+    arguments; the cache is 64-slot pages either way)."""
+    tile = GLUON._replace(page_size=page_size)
     gen = torch.Generator().manual_seed(3)
     lens = [900, 17, 2100]
     r2t, rows, S = paged_req_to_token([max(lens)] * 3, 64, gen)
@@ -106,12 +133,12 @@ def test_gluon_under_cuda_graph() -> None:
     kv = torch.randn(S, 576, generator=gen).cuda().bfloat16()
     seq = torch.tensor(lens, device="cuda")
     r2t, rows = r2t.cuda(), rows.cuda()
-    mla_decode(q, kv, r2t, rows, seq, 512, 0.05, num_kv_splits=4, tile=GLUON)  # compile outside the capture
+    mla_decode(q, kv, r2t, rows, seq, 512, 0.05, num_kv_splits=4, tile=tile)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = mla_decode(q, kv, r2t, rows, seq, 512, 0.05, num_kv_splits=4, tile=GLUON)
+        out = mla_decode(q, kv, r2t, rows, seq, 512, 0.05, num_kv_splits=4, tile=tile)
     seq.copy_(torch.tensor([1, 2049, 64]))
     kv.copy_(torch.randn(S, 576, generator=gen).bfloat16())
     graph.replay()
-    eager = mla_decode(q, kv, r2t, rows, seq, 512, 0.05, num_kv_splits=4, tile=GLUON)
+    eager = mla_decode(q, kv, r2t, rows, seq, 512, 0.05, num_kv_splits=4, tile=tile)
     assert torch.equal(out, eager)
