@@ -41,7 +41,7 @@ class DecoderLayer(nn.Module):
         self.layer_id = layer_id
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, ecfg.norm_backend)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, ecfg.norm_backend)
-        attn_backend = make_attention_backend(ecfg.attention_backend, ecfg.device, ecfg.decode_kernel)
+        attn_backend = make_attention_backend(ecfg.attention_backend, ecfg.device, ecfg.decode_kernel, ecfg.page_size)
         self.self_attn = MLAAttention(
             cfg, layer_id, rope, attn_backend, ecfg.mla_path, dtype, device, ecfg.norm_backend,
         )

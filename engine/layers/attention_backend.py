@@ -86,8 +86,12 @@ class TritonAttention:
     """Triton flash-decoding / extend kernels (r3trace.kernels). Split counts and max lengths come from
     the batch's host lists, so no kernel launch needs a device sync (and decode is graph-capturable)."""
 
-    def __init__(self, device: str, decode_kernel: str = "auto") -> None:
+    def __init__(self, device: str, decode_kernel: str = "auto", page_size: int = 1) -> None:
         from r3trace.kernels import mha_prefill, mla_decode, mla_extend
+
+        # The KV pool's page size: the Gluon decode loads a 64-key tile as TMA boxes when pages hold
+        # whole tiles (a multiple of 64 slots: 1.08-1.12x the cp.async gather, BENCHMARKS.md "mla128b")
+        self._page_size = page_size
 
         self._mod = mla_decode
         self._decode = mla_decode.mla_decode
@@ -106,7 +110,7 @@ class TritonAttention:
     ) -> torch.Tensor:
         if fb.mode == "decode":
             tile = self._mod.default_decode_tile(q.shape[1], q.dtype, self._gluon, kv_lora_rank,
-                                                 q.shape[2] - kv_lora_rank)
+                                                 q.shape[2] - kv_lora_rank, self._page_size)
             # programs per (request, split) and per SM as the kernel launches them, from host lengths
             splits = tile.num_kv_splits(fb.batch_size, q.shape[1], max(fb.seq_lens_cpu), self._sms)
             return self._decode(q, kv_cache, fb.req_to_token, fb.req_pool_indices, fb.seq_lens, kv_lora_rank, scale,
@@ -131,5 +135,7 @@ class TritonAttention:
         return self._prefill(q, k, v, fb.extend_start_loc, fb.extend_lens, scale, max_extend_len=max(k_lens))
 
 
-def make_attention_backend(name: str, device: str, decode_kernel: str = "auto") -> AttentionBackend:
-    return RefAttention() if name == "ref" else TritonAttention(device, decode_kernel)
+def make_attention_backend(
+    name: str, device: str, decode_kernel: str = "auto", page_size: int = 1
+) -> AttentionBackend:
+    return RefAttention() if name == "ref" else TritonAttention(device, decode_kernel, page_size)

@@ -62,13 +62,17 @@ def test_gluon_decode_matches_triton_kernel(tmp_path: Path) -> None:
         np.testing.assert_allclose(lg, lt, atol=0.08)
 
 
+@pytest.mark.parametrize("page_size", [1, 64])
 @pytest.mark.parametrize("kernel", ["auto", "triton"])
-def test_every_decode_call_matches_torch_reference(tmp_path: Path, kernel: str) -> None:
+def test_every_decode_call_matches_torch_reference(tmp_path: Path, kernel: str, page_size: int) -> None:
     """The end-to-end test above is weak (a tiny random model's logprobs are flat); this one checks each decode
     attention call the engine makes, every layer and step, against RefAttention (fp32 softmax) on the very
-    same q and latent cache, eager (no graphs, so the wrapper sees every call)."""
+    same q and latent cache, eager (no graphs, so the wrapper sees every call). Page size 64: the Gluon
+    kernel loads whole pages as TMA boxes (the engine passes its pool's page size to the decode tile)."""
     errors: list[float] = []
-    with Engine(_checkpoint(tmp_path), decode_kernel=kernel, cuda_graph_batch_sizes=(), **TRITON) as eng:
+    with Engine(_checkpoint(tmp_path), decode_kernel=kernel, cuda_graph_batch_sizes=(), page_size=page_size,
+                **TRITON) as eng:
+        assert all(layer.self_attn.backend._page_size == page_size for layer in eng.model.model.layers)
         ref = RefAttention()
         for layer in eng.model.model.layers:
             backend = layer.self_attn.backend
