@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
-from sibling import load_sibling  # bench/sibling.py: python bench/<script>.py puts bench/ on the path
+from sibling import load_path, load_sibling  # bench/sibling.py: python bench/<script>.py puts bench/ on the path
 from triton.testing import do_bench, do_bench_cudagraph
 
 from r3trace.kernels.mla_decode import DecodeTile, default_decode_tile, mla_decode, mla_decode_ref
@@ -187,6 +187,70 @@ def _report(row: dict[str, object], t: dict[str, float], nbytes: int) -> dict[st
     return row
 
 
+# Session 5 (--parts): stage 1 with one part cut out of kernels/mla_decode.py's source (the results are wrong;
+# only the times count), each timed alone as graph replays beside the whole stage 1, to see where the time above
+# the read floor goes. (name, text, replacement); the text must occur exactly once.
+SOFTMAX = "            m_i, l_i, acc = online_softmax_step(s, kv, m_i, l_i, acc, UPCAST, INPUT_PRECISION)\n"
+PARTS = [
+    # P V, the exponentials and the rescale cut: the gather, the score dots and the row max stay
+    ("no_pv_exp", SOFTMAX, "            m_i = tl.maximum(m_i, tl.max(s, axis=1))\n"),
+    # the softmax cut (max, exp, rescale), both dots stay: P = S
+    ("no_softmax", SOFTMAX, "            acc += tl.dot(s.to(kv.dtype), kv)\n            l_i += tl.sum(s, axis=1)\n"),
+    # the partial store masked off (the value test keeps the loop's work live)
+    (
+        "no_write",
+        "mask=h_mask[:, None] & v_mask[None, :])  # fp32",
+        "mask=h_mask[:, None] & v_mask[None, :] & (out == 1234.5))  # fp32",
+    ),
+    ("no_loop", "    for n0 in range(start, end, BLOCK_N):", "    for n0 in range(start, start, BLOCK_N):"),
+    # every program returns after loading its length and request row: the launch and one load
+    ("launch", "    if start >= end:  # short request", "    if start >= 0:  # short request"),
+]
+# the launch options timed against the default, alternately (DecodeTile fields)
+OPTIONS = {"pdl": {"pdl": True}, "half": {"half_partial": True}, "pdl+half": {"pdl": True, "half_partial": True}}
+
+
+def cut_modules(out_dir: Path) -> dict[str, object]:
+    """kernels/mla_decode.py with each PARTS cut, loaded as modules (their own JIT cache entries)."""
+    import r3trace.kernels.mla_decode as md
+
+    src = Path(md.__file__).read_text()
+    mods: dict[str, object] = {"whole": md}
+    for name, old, new in PARTS:
+        assert src.count(old) == 1, name
+        path = out_dir / f"mla_decode_{name}.py"
+        path.write_text(src.replace(old, new))
+        mods[name] = load_path(path, f"mla_decode_{name}")
+    return mods
+
+
+def parts_cell(B: int, L: int, sms: int, rep: int, base: DecodeTile, mods: dict[str, object]) -> dict[str, object]:
+    """Stage 1 whole and cut, stage 2 alone, and OPTIONS against the default (two pairs) at one cell."""
+    nbytes = B * L * ROW_BYTES
+    q, kv, r2t, rows, lens = inputs(B, L, 16)
+    kvs = [kv] + [torch.randn_like(kv) for _ in range(copies_for(nbytes) - 1)]
+    splits = base.num_kv_splits(B, 16, L, sms)
+    row: dict[str, object] = {"B": B, "L": L, "MB": nbytes / 1e6, "splits": splits}
+    t: dict[str, float] = read_ms(kvs, sms, rep, (8, 16))
+    row["read_ms"] = min(t.values())
+    part = torch.empty(B, 16, splits, KV_LORA, device="cuda")
+    lse = torch.empty(B, 16, splits, device="cuda")
+    for name, mod in mods.items():
+        fns = [partial(mod._stage1_triton, q, c, r2t, rows, lens, part, lse, KV_LORA, 576**-0.5, base, KV_LORA, ROPE)
+               for c in kvs]  # type: ignore[attr-defined]  # fmt: skip
+        t[f"stage1/{name}"] = graph_ms(fns, rep)
+    sw = load_sibling("mla_decode_sweep.py", "mla_decode_sweep")
+    t["stage2"] = sw.merge_ms(B, 16, splits, L, lambda fn: graph_ms([fn], rep))
+    calls = {k: base._replace(**v) for k, v in OPTIONS.items()}
+    for i in (1, 2):
+        for k, tile in calls.items():
+            for name, tl_ in (("default", base), (k, tile)):
+                t[f"{name}/#{i}/{k}" if name == "default" else f"{name}/#{i}"] = graph_ms(
+                    [partial(mla_decode, q, c, r2t, rows, lens, KV_LORA, 576**-0.5, splits, tl_) for c in kvs], rep
+                )
+    return _report(row, t, nbytes)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cells", default="", help="BxL,... (default: the nine issue-6 cells)")
@@ -194,6 +258,7 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="run 1's split sweep (OLD as the default)")
     ap.add_argument("--pairs", type=int, default=2, help="old/new pairs per cell")
     ap.add_argument("--no-floors", action="store_true", help="skip the error checks and graph floors")
+    ap.add_argument("--parts", action="store_true", help="stage 1 with parts cut, stage 2 alone, OPTIONS")
     a = ap.parse_args()
     cells = [tuple(int(x) for x in c.split("x")) for c in a.cells.split(",")] if a.cells else CELLS
     out_dir = Path(os.environ.get("OUT", "out"))
@@ -202,13 +267,19 @@ def main() -> None:
     base = OLD if a.sweep else default_decode_tile(16, torch.bfloat16, use_gluon=True)
     res: dict[str, object] = {"device": torch.cuda.get_device_name(), "base_tile": list(base)}
     tiles = [base, *(SMALL_TILES if a.sweep else [OLD, *FINAL_TILES])]
+    if a.parts:
+        tiles = [base, *(base._replace(**v) for v in OPTIONS.values())]
     if not a.no_floors:
         res["errors"] = {str(tuple(t)): check(t) for t in tiles}
         res["floors"] = floors(a.rep)
     print(json.dumps(res), flush=True)
     rows = []
+    mods = cut_modules(out_dir) if a.parts else {}
     for B, L in cells:
-        rows.append(cell(B, L, sms, a.rep, base, a.sweep, a.pairs))
+        if a.parts:
+            rows.append(parts_cell(B, L, sms, a.rep, base, mods))
+        else:
+            rows.append(cell(B, L, sms, a.rep, base, a.sweep, a.pairs))
         res["cells"] = rows
         (out_dir / "mla16_floor.json").write_text(json.dumps(res, indent=1))
         torch.cuda.empty_cache()

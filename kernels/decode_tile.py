@@ -100,6 +100,14 @@ class DecodeTile(NamedTuple):
     per_sm: int = 1  # programs resident per SM (registers, shared memory): a wave for splits_by_cost
     min_split: int = MIN_TOKENS_PER_SPLIT  # fewest keys a split gets (splits_by_cost)
     direct: bool = False  # one split: stage 1 writes the output, no merge launch (the Gluon tile's default)
+    # Programmatic dependent launch (sm_90+, Triton stage 1 and the merge): each kernel is launched while the one
+    # before it still runs and waits (griddepcontrol.wait) before its first global access, so its launch and
+    # block scheduling overlap the previous kernel's tail; graph-capturable.
+    pdl: bool = False
+    # Partials stored in q's dtype, not fp32: half the bytes stage 1 writes and the merge reads (32 -> 16 KB a
+    # split at 16 heads x 512). Each partial is a normalised output, rounded once more (bf16: 2^-9 relative)
+    # before the merge's convex combination: about one more rounding of the output's size.
+    half_partial: bool = False
 
     def head_programs(self, num_heads: int) -> int:
         """Stage-1 programs per (request, split): head blocks x value splits."""

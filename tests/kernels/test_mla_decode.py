@@ -174,3 +174,58 @@ def test_mla_decode_deepseek_shape_gpu(H: int, page_size: int) -> None:
     out = mla_decode(q, kv, r2t, rows, seq_lens, 512, 576**-0.5)
     ref = mla_decode_ref(q.float(), kv.float(), r2t, rows, seq_lens, 512, 576**-0.5)
     assert_close_to_ref(out, ref, torch.bfloat16)
+
+
+@pytest.mark.parametrize("page_size", [1, 64])
+@pytest.mark.parametrize("num_kv_splits", [1, 3, 6])  # 6: more splits than the short requests need
+def test_half_partial_matches_ref(page_size: int, num_kv_splits: int, poisoned_empty: None) -> None:
+    """Partials stored in bf16 (DecodeTile.half_partial): the same function within bf16's tolerance. Each
+    partial is a normalised output rounded once more (2^-9 relative) before the merge's convex combination,
+    so the error stays a few bf16 ulps, inside the table's bf16 entry (the output itself is rounded to bf16).
+    Odd head count (19: a ragged 16-head block), kv_lora 40 (padded to 64 columns), mixed lengths."""
+    lens = [1, 37, 130, 16, 29, 2, 95]
+    q, kv, r2t, rows, seq_lens = _case(lens, 19, 40, 8, page_size, torch.bfloat16, DEVICE, seed=page_size * 7 + 1)
+    tile = default_decode_tile(19, torch.bfloat16)._replace(half_partial=True)
+    out = mla_decode(q, kv, r2t, rows, seq_lens, 40, 0.15, num_kv_splits=num_kv_splits, tile=tile)
+    ref = mla_decode_ref(q.float(), kv.float(), r2t, rows, seq_lens, 40, 0.15)
+    assert_close_to_ref(out, ref, torch.bfloat16)
+    fp32 = mla_decode(q, kv, r2t, rows, seq_lens, 40, 0.15, num_kv_splits, tile._replace(half_partial=False))
+    if num_kv_splits == 1:  # one split, weight exp2(0) = 1: the bf16 partial is the output, same rounding
+        assert torch.equal(out, fp32)
+    else:  # the extra rounding shows somewhere (else the flag changed nothing), and stays within ~2 ulps
+        assert not torch.equal(out, fp32)
+        torch.testing.assert_close(out.float(), fp32.float(), atol=2e-2, rtol=1.6e-2)
+
+
+@gpu
+@requires_gpu
+@pytest.mark.parametrize("half_partial", [False, True])
+@pytest.mark.parametrize("page_size", [1, 64])
+def test_pdl_under_cuda_graph_same_bits(half_partial: bool, page_size: int) -> None:
+    """Programmatic dependent launch (DecodeTile.pdl): stage 1 and the merge start before the kernel ahead of
+    them ends and wait before their first global access. The same bits as the plain launch, eagerly and
+    replayed from a CUDA graph on new lengths and new cache contents (the engine decodes from graphs); three
+    calls captured back to back, so each stage 1 overwrites partials right after a merge read them."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("griddepcontrol needs sm_90+")
+    gen = torch.Generator().manual_seed(page_size + 2 * half_partial)
+    r2t, rows, S = paged_req_to_token([3000] * 5, page_size, gen)
+    q = torch.randn(5, 16, 576, generator=gen).cuda().bfloat16()
+    kv = torch.randn(S, 576, generator=gen).cuda().bfloat16()
+    seq = torch.tensor([900, 17, 2100, 1, 3000], device="cuda")
+    r2t, rows = r2t.cuda(), rows.cuda()
+    plain = default_decode_tile(16, torch.bfloat16)._replace(half_partial=half_partial)
+    tile = plain._replace(pdl=True)
+    args = (q, kv, r2t, rows, seq, 512, 0.05, 7)
+    assert torch.equal(mla_decode(*args, tile=tile), mla_decode(*args, tile=plain))  # also compiles both
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [mla_decode(*args, tile=tile) for _ in range(3)]
+    seq.copy_(torch.tensor([1, 2049, 64, 3000, 333]))
+    kv.copy_(torch.randn(S, 576, generator=gen).bfloat16())
+    graph.replay()
+    eager = mla_decode(*args, tile=plain)
+    for out in outs:
+        assert torch.equal(out, eager)
+    ref = mla_decode_ref(q.float(), kv.float(), r2t, rows, seq, 512, 0.05)
+    assert_close_to_ref(eager, ref, torch.bfloat16)
