@@ -206,8 +206,23 @@ PARTS = [
     # every program returns after loading its length and request row: the launch and one load
     ("launch", "    if start >= end:  # short request", "    if start >= 0:  # short request"),
 ]
-# the launch options timed against the default, alternately (DecodeTile fields)
-OPTIONS = {"pdl": {"pdl": True}, "half": {"half_partial": True}, "pdl+half": {"pdl": True, "half_partial": True}}
+# the launch options timed against the default, alternately (DecodeTile fields); --options replaces them.
+# Run 1: pdl 1.0-1.4 us faster at all three small cells; half 1.2-1.6 us faster at B16/8k but 1.7 slower at
+# B64/1k, pdl+half 7-8 us slower everywhere (both kept selectable, off)
+OPTIONS: dict[str, dict[str, object]] = {
+    "pdl": {"pdl": True},
+    "half": {"half_partial": True},
+    "pdl+half": {"pdl": True, "half_partial": True},
+}
+
+
+def parse_options(text: str) -> dict[str, dict[str, object]]:
+    """'pf2=l2_prefetch:2,pdl=pdl:1+l2_prefetch:2' -> {"pf2": {"l2_prefetch": 2}, ...} (ints; DecodeTile casts)."""
+    out: dict[str, dict[str, object]] = {}
+    for item in text.split(","):
+        name, fields = item.split("=")
+        out[name] = {k: int(v) for k, v in (f.split(":") for f in fields.split("+"))}
+    return out
 
 
 def cut_modules(out_dir: Path) -> dict[str, object]:
@@ -224,7 +239,9 @@ def cut_modules(out_dir: Path) -> dict[str, object]:
     return mods
 
 
-def parts_cell(B: int, L: int, sms: int, rep: int, base: DecodeTile, mods: dict[str, object]) -> dict[str, object]:
+def parts_cell(
+    B: int, L: int, sms: int, rep: int, base: DecodeTile, mods: dict[str, object], options: dict[str, dict[str, object]]
+) -> dict[str, object]:
     """Stage 1 whole and cut, stage 2 alone, and OPTIONS against the default (two pairs) at one cell."""
     nbytes = B * L * ROW_BYTES
     q, kv, r2t, rows, lens = inputs(B, L, 16)
@@ -239,9 +256,10 @@ def parts_cell(B: int, L: int, sms: int, rep: int, base: DecodeTile, mods: dict[
         fns = [partial(mod._stage1_triton, q, c, r2t, rows, lens, part, lse, KV_LORA, 576**-0.5, base, KV_LORA, ROPE)
                for c in kvs]  # type: ignore[attr-defined]  # fmt: skip
         t[f"stage1/{name}"] = graph_ms(fns, rep)
-    sw = load_sibling("mla_decode_sweep.py", "mla_decode_sweep")
-    t["stage2"] = sw.merge_ms(B, 16, splits, L, lambda fn: graph_ms([fn], rep))
-    calls = {k: base._replace(**v) for k, v in OPTIONS.items()}
+    if mods:
+        sw = load_sibling("mla_decode_sweep.py", "mla_decode_sweep")
+        t["stage2"] = sw.merge_ms(B, 16, splits, L, lambda fn: graph_ms([fn], rep))
+    calls = {k: base._replace(**v) for k, v in options.items()}
     for i in (1, 2):
         for k, tile in calls.items():
             for name, tl_ in (("default", base), (k, tile)):
@@ -259,6 +277,8 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=2, help="old/new pairs per cell")
     ap.add_argument("--no-floors", action="store_true", help="skip the error checks and graph floors")
     ap.add_argument("--parts", action="store_true", help="stage 1 with parts cut, stage 2 alone, OPTIONS")
+    ap.add_argument("--options", default="", help="with --parts: these options instead (parse_options)")
+    ap.add_argument("--no-cuts", action="store_true", help="with --parts: only the options, no cuts")
     a = ap.parse_args()
     cells = [tuple(int(x) for x in c.split("x")) for c in a.cells.split(",")] if a.cells else CELLS
     out_dir = Path(os.environ.get("OUT", "out"))
@@ -267,17 +287,18 @@ def main() -> None:
     base = OLD if a.sweep else default_decode_tile(16, torch.bfloat16, use_gluon=True)
     res: dict[str, object] = {"device": torch.cuda.get_device_name(), "base_tile": list(base)}
     tiles = [base, *(SMALL_TILES if a.sweep else [OLD, *FINAL_TILES])]
+    options = parse_options(a.options) if a.options else OPTIONS
     if a.parts:
-        tiles = [base, *(base._replace(**v) for v in OPTIONS.values())]
+        tiles = [base, *(base._replace(**v) for v in options.values())]
     if not a.no_floors:
         res["errors"] = {str(tuple(t)): check(t) for t in tiles}
         res["floors"] = floors(a.rep)
     print(json.dumps(res), flush=True)
     rows = []
-    mods = cut_modules(out_dir) if a.parts else {}
+    mods = cut_modules(out_dir) if a.parts and not a.no_cuts else {}
     for B, L in cells:
         if a.parts:
-            rows.append(parts_cell(B, L, sms, a.rep, base, mods))
+            rows.append(parts_cell(B, L, sms, a.rep, base, mods, options))
         else:
             rows.append(cell(B, L, sms, a.rep, base, a.sweep, a.pairs))
         res["cells"] = rows

@@ -108,6 +108,9 @@ class DecodeTile(NamedTuple):
     # split at 16 heads x 512). Each partial is a normalised output, rounded once more (bf16: 2^-9 relative)
     # before the merge's convex combination: about one more rounding of the output's size.
     half_partial: bool = False
+    # > 0: each stage-1 program also asks L2 for the rows this many tiles past the next one (bulk prefetch, sm_90+,
+    # no shared memory): more bytes in flight than the stages' buffers hold
+    l2_prefetch: int = 0
 
     def head_programs(self, num_heads: int) -> int:
         """Stage-1 programs per (request, split): head blocks x value splits."""

@@ -199,23 +199,30 @@ def test_half_partial_matches_ref(page_size: int, num_kv_splits: int, poisoned_e
 
 @gpu
 @requires_gpu
-@pytest.mark.parametrize("half_partial", [False, True])
+@pytest.mark.parametrize(
+    "options",
+    [{"pdl": True}, {"pdl": True, "half_partial": True}, {"l2_prefetch": 2}, {"pdl": True, "l2_prefetch": 3}],
+    ids=["pdl", "pdl+half", "prefetch2", "pdl+prefetch3"],
+)  # fmt: skip
 @pytest.mark.parametrize("page_size", [1, 64])
-def test_pdl_under_cuda_graph_same_bits(half_partial: bool, page_size: int) -> None:
-    """Programmatic dependent launch (DecodeTile.pdl): stage 1 and the merge start before the kernel ahead of
-    them ends and wait before their first global access. The same bits as the plain launch, eagerly and
-    replayed from a CUDA graph on new lengths and new cache contents (the engine decodes from graphs); three
-    calls captured back to back, so each stage 1 overwrites partials right after a merge read them."""
+def test_launch_options_under_cuda_graph_same_bits(options: dict[str, object], page_size: int) -> None:
+    """Programmatic dependent launch (DecodeTile.pdl: stage 1 and the merge start before the kernel ahead of them
+    ends and wait before their first global access) and the L2 prefetch (DecodeTile.l2_prefetch: it moves no
+    data a kernel reads) give the same bits as the plain launch, eagerly and replayed from a CUDA graph on new
+    lengths and new cache contents (the engine decodes from graphs); three calls captured back to back, so
+    each stage 1 overwrites partials right after a merge read them. Lengths end mid-tile and past the split
+    count's prefetch distance (prefetched rows past a split's end read slot 0)."""
     if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("griddepcontrol needs sm_90+")
-    gen = torch.Generator().manual_seed(page_size + 2 * half_partial)
+        pytest.skip("griddepcontrol and the bulk prefetch need sm_90+")
+    half_partial = bool(options.get("half_partial", False))
+    gen = torch.Generator().manual_seed(page_size + len(options))
     r2t, rows, S = paged_req_to_token([3000] * 5, page_size, gen)
     q = torch.randn(5, 16, 576, generator=gen).cuda().bfloat16()
     kv = torch.randn(S, 576, generator=gen).cuda().bfloat16()
     seq = torch.tensor([900, 17, 2100, 1, 3000], device="cuda")
     r2t, rows = r2t.cuda(), rows.cuda()
     plain = default_decode_tile(16, torch.bfloat16)._replace(half_partial=half_partial)
-    tile = plain._replace(pdl=True)
+    tile = plain._replace(**options)
     args = (q, kv, r2t, rows, seq, 512, 0.05, 7)
     assert torch.equal(mla_decode(*args, tile=tile), mla_decode(*args, tile=plain))  # also compiles both
     graph = torch.cuda.CUDAGraph()
