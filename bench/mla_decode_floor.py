@@ -240,7 +240,14 @@ def cut_modules(out_dir: Path) -> dict[str, object]:
 
 
 def parts_cell(
-    B: int, L: int, sms: int, rep: int, base: DecodeTile, mods: dict[str, object], options: dict[str, dict[str, object]]
+    B: int,
+    L: int,
+    sms: int,
+    rep: int,
+    base: DecodeTile,
+    mods: dict[str, object],
+    options: dict[str, dict[str, object]],
+    pairs: int = 2,
 ) -> dict[str, object]:
     """Stage 1 whole and cut, stage 2 alone, and OPTIONS against the default (two pairs) at one cell."""
     nbytes = B * L * ROW_BYTES
@@ -260,7 +267,13 @@ def parts_cell(
         sw = load_sibling("mla_decode_sweep.py", "mla_decode_sweep")
         t["stage2"] = sw.merge_ms(B, 16, splits, L, lambda fn: graph_ms([fn], rep))
     calls = {k: base._replace(**v) for k, v in options.items()}
-    for i in (1, 2):
+    if nbytes < 200e6:  # how much the shuffled pages cost: the same call on requests laid out contiguously
+        flat = torch.arange(B * L, device="cuda", dtype=r2t.dtype).view(B, L)
+        for name, table in (("default", r2t), ("contiguous", flat)):
+            t[f"{name}/slots"] = graph_ms(
+                [partial(mla_decode, q, c, table, rows, lens, KV_LORA, 576**-0.5, splits, base) for c in kvs], rep
+            )
+    for i in range(1, pairs + 1):
         for k, tile in calls.items():
             for name, tl_ in (("default", base), (k, tile)):
                 t[f"{name}/#{i}/{k}" if name == "default" else f"{name}/#{i}"] = graph_ms(
@@ -298,7 +311,7 @@ def main() -> None:
     mods = cut_modules(out_dir) if a.parts and not a.no_cuts else {}
     for B, L in cells:
         if a.parts:
-            rows.append(parts_cell(B, L, sms, a.rep, base, mods, options))
+            rows.append(parts_cell(B, L, sms, a.rep, base, mods, options, a.pairs))
         else:
             rows.append(cell(B, L, sms, a.rep, base, a.sweep, a.pairs))
         res["cells"] = rows
