@@ -217,11 +217,11 @@ OPTIONS: dict[str, dict[str, object]] = {
 
 
 def parse_options(text: str) -> dict[str, dict[str, object]]:
-    """'pf2=l2_prefetch:2,pdl=pdl:1+l2_prefetch:2' -> {"pf2": {"l2_prefetch": 2}, ...} (ints; DecodeTile casts)."""
+    """'sa2=slots_ahead:2,x=pdl:0+slot_policy:evict_last' -> {"sa2": {"slots_ahead": 2}, ...} (digits as ints)."""
     out: dict[str, dict[str, object]] = {}
     for item in text.split(","):
         name, fields = item.split("=")
-        out[name] = {k: int(v) for k, v in (f.split(":") for f in fields.split("+"))}
+        out[name] = {k: int(v) if v.isdigit() else v for k, v in (f.split(":") for f in fields.split("+"))}
     return out
 
 

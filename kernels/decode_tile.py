@@ -104,13 +104,10 @@ class DecodeTile(NamedTuple):
     # before it still runs and waits (griddepcontrol.wait) before its first global access, so its launch and
     # block scheduling overlap the previous kernel's tail; graph-capturable.
     pdl: bool = False
-    # Partials stored in q's dtype, not fp32: half the bytes stage 1 writes and the merge reads (32 -> 16 KB a
-    # split at 16 heads x 512). Each partial is a normalised output, rounded once more (bf16: 2^-9 relative)
-    # before the merge's convex combination: about one more rounding of the output's size.
-    half_partial: bool = False
-    # > 0: each stage-1 program also asks L2 for the rows this many tiles past the next one (bulk prefetch, sm_90+,
-    # no shared memory): more bytes in flight than the stages' buffers hold
-    l2_prefetch: int = 0
+    # num_stages >= 3: a tile's slots (req_to_token) are loaded this many tiles before the tile (1: one iteration early)
+    slots_ahead: int = 1
+    slot_prefetch: int = 0  # > 0: a program first asks L2 for this many 128-byte lines of its split's slots (CUDA)
+    slot_policy: str = ""  # the slot loads' eviction_policy ("", "evict_last": keep req_to_token in L2)
 
     def head_programs(self, num_heads: int) -> int:
         """Stage-1 programs per (request, split): head blocks x value splits."""

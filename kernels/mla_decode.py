@@ -39,14 +39,10 @@ LOG2E = 1.4426950408889634  # exp(x) = exp2(x * log2(e)); exp2 is the native ins
 
 
 @triton.jit
-def _prefetch_rows_l2(rows, ROW_BYTES: tl.constexpr, LINES: tl.constexpr):
-    """prefetch.global.L2 of every 128-byte line of rows [N] (LINES = the row's lines rounded up to a power of
-    two; the extra ones repeat the last line): no register or shared memory waits for them, so the bytes in
-    flight grow past what the stages hold. Run 2's cp.async.bulk.prefetch (one a row) was 1.6x slower."""
-    offs = tl.minimum(tl.arange(0, LINES) * 128, ROW_BYTES - 128)
-    lines = rows.to(tl.pointer_type(tl.int8))[:, None] + offs[None, :]  # [N, LINES]
+def _prefetch_l2(ptrs):
+    """prefetch.global.L2 at each of ptrs: the line is asked for and nothing waits for it."""
     tl.inline_asm_elementwise(
-        "prefetch.global.L2 [$1]; // dummy $0", "=r,l", [lines], dtype=tl.int32, is_pure=False, pack=1
+        "prefetch.global.L2 [$1]; // dummy $0", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
     )
 
 
@@ -62,7 +58,7 @@ def _mla_decode_kernel(
     KV_LORA: tl.constexpr, ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, V_SPLITS: tl.constexpr, KEYS_MAJOR: tl.constexpr,
     EARLY_SLOTS: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, PDL: tl.constexpr,
-    PREFETCH: tl.constexpr, ROW_BYTES: tl.constexpr, LINES: tl.constexpr,
+    SLOTS_AHEAD: tl.constexpr, SLOT_PREFETCH: tl.constexpr, SLOT_POLICY: tl.constexpr,
 ):  # fmt: skip
     if PDL:  # launched as a programmatic dependent: the previous kernel may still run; it may have written q,
         # kv, req_to_token or seq_lens, and the previous call's merge may still read the partials this
@@ -102,25 +98,17 @@ def _mla_decode_kernel(
     l_i = tl.zeros((BLOCK_H,), tl.float32)
     acc = tl.zeros((BLOCK_H, BLOCK_V), tl.float32)
     r2t_row = req_to_token_ptr + req_row * stride_rtr
+    if SLOT_PREFETCH > 0:  # the split's first SLOT_PREFETCH 128-byte lines of req_to_token (32 slots each)
+        _prefetch_l2(r2t_row + tl.minimum(start + tl.arange(0, SLOT_PREFETCH) * 32, end - 1))
     offs_n = start + tl.arange(0, BLOCK_N)
-    slots = tl.load(r2t_row + offs_n, mask=offs_n < end, other=0)
-    if PREFETCH > 0:
-        # Tiles 1..PREFETCH into L2 now, then one tile PREFETCH + 1 ahead each iteration (its slots loaded an
-        # iteration early, as EARLY_SLOTS): the stages' cp.async then mostly hit L2. Keys past the split's end
-        # read slot 0: one row, fetched once.
-        for k in tl.static_range(1, PREFETCH + 1):
-            offs_p = start + k * BLOCK_N + tl.arange(0, BLOCK_N)
-            pf = tl.load(r2t_row + offs_p, mask=offs_p < end, other=0)
-            _prefetch_rows_l2(kv_ptr + pf.to(tl.int64) * stride_kvs, ROW_BYTES, LINES)
-        offs_p = start + (PREFETCH + 1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        pf = tl.load(r2t_row + offs_p, mask=offs_p < end, other=0)
+    slots = tl.load(r2t_row + offs_n, mask=offs_n < end, other=0, eviction_policy=SLOT_POLICY)
+    if SLOTS_AHEAD >= 2:  # the slots of tiles 1 .. SLOTS_AHEAD - 1 now; then one tile SLOTS_AHEAD ahead a tile
+        slots1 = tl.load(r2t_row + offs_n + BLOCK_N, mask=offs_n + BLOCK_N < end, other=0)
+    if SLOTS_AHEAD >= 3:
+        slots2 = tl.load(r2t_row + offs_n + 2 * BLOCK_N, mask=offs_n + 2 * BLOCK_N < end, other=0)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
-        if PREFETCH > 0:
-            _prefetch_rows_l2(kv_ptr + pf.to(tl.int64) * stride_kvs, ROW_BYTES, LINES)  # tile n0 + PREFETCH + 1
-            pf = tl.load(r2t_row + offs_n + (PREFETCH + 2) * BLOCK_N, mask=offs_n + (PREFETCH + 2) * BLOCK_N < end,
-                         other=0)  # fmt: skip
         if not EARLY_SLOTS:
             slots = tl.load(r2t_row + offs_n, mask=n_mask, other=0)
         rows = kv_ptr + slots.to(tl.int64)[:, None] * stride_kvs
@@ -129,7 +117,19 @@ def _mla_decode_kernel(
             # its own iteration, and with num_stages >= 3 Triton issues it two tiles ahead (async_wait
             # num=2 in the TTGIR); loaded in-iteration, the copy went out at the end of the previous
             # iteration and was awaited (num=0) at the top of this one: no overlap with the products.
-            slots = tl.load(r2t_row + offs_n + BLOCK_N, mask=offs_n + BLOCK_N < end, other=0)
+            # SLOTS_AHEAD > 1: req_to_token is evicted from L2 by the cache stream, so each slot load is an HBM
+            # round trip that the next gather waits for; loaded further ahead, it is not on the loop's path.
+            ahead = offs_n + SLOTS_AHEAD * BLOCK_N
+            later = tl.load(r2t_row + ahead, mask=ahead < end, other=0, eviction_policy=SLOT_POLICY)
+            if SLOTS_AHEAD == 1:
+                slots = later
+            elif SLOTS_AHEAD == 2:
+                slots = slots1
+                slots1 = later
+            else:
+                slots = slots1
+                slots1 = slots2
+                slots2 = later
         s, kv = latent_tile_split_scores(
             q_v, q_o, q_pe, rows, offs_v, v_mask, offs_o, o_mask, KV_LORA + offs_r, r_mask, n_mask,
             V_SPLITS, KEYS_MAJOR, UPCAST, INPUT_PRECISION,
@@ -176,7 +176,7 @@ def _mla_decode_merge_kernel(
     w = tl.exp2(lse - tl.max(lse, axis=0))
     w = tl.where(p_mask, w, 0.0)
     part = part_out_ptr + b * stride_pb + h * stride_ph + offs_p[:, None] * stride_ps + offs_c[None, :]
-    o = tl.load(part, mask=p_mask[:, None] & c_mask[None, :], other=0.0).to(tl.float32)  # fp32 or bf16/fp16
+    o = tl.load(part, mask=p_mask[:, None] & c_mask[None, :], other=0.0)
     out = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_c, out.to(out_ptr.dtype.element_ty), mask=c_mask)
 
@@ -235,6 +235,7 @@ def mla_decode(
     B, H, C = q.shape
     tile = tile or default_decode_tile(H, q.dtype)
     require(tile.v_splits in (1, 2), f"v_splits {tile.v_splits} not in (1, 2)")
+    require(tile.slots_ahead in (1, 2, 3), f"slots_ahead {tile.slots_ahead} not in (1, 2, 3)")
     require(tile.kernel in ("triton", "gluon"), f"kernel {tile.kernel!r} not in ('triton', 'gluon')")
     rope = C - kv_lora_rank
     if num_kv_splits is None:
@@ -251,11 +252,8 @@ def mla_decode(
     # stage 1's 67 MB of fp32 partials; splits_by_cost picks one split at B >= 64 there. Opt-in per tile
     # (DecodeTile.direct; the Gluon default has it): the H = 16 Triton tile measured 2% slower with it.
     direct = num_kv_splits == 1 and tile.direct
-    require(tile.kernel == "triton" or not tile.half_partial, "half_partial is a Triton stage-1 option")
-    # half_partial: the partials in q's dtype, half the bytes stage 1 writes and the merge reads (see DecodeTile)
-    part_dtype = q.dtype if tile.half_partial else torch.float32
     part_out = out.unsqueeze(2) if direct else torch.empty(
-        (B, H, num_kv_splits, kv_lora_rank), dtype=part_dtype, device=q.device)  # fmt: skip
+        (B, H, num_kv_splits, kv_lora_rank), dtype=torch.float32, device=q.device)  # fmt: skip
     pdl = tile.pdl and q.is_cuda and _has_pdl(q.device.index or 0)  # interpret: no griddepcontrol
     part_lse = torch.empty((B, H, num_kv_splits), dtype=torch.float32, device=q.device)  # direct: unread
     block_c = max(16, triton.next_power_of_2(kv_lora_rank))
@@ -303,9 +301,6 @@ def _stage1_triton(
 ) -> None:
     B, H, C = q.shape
     num_kv_splits = part_out.shape[2]
-    row_bytes = kv_cache.stride(0) * kv_cache.element_size()
-    # prefetch.global.L2 is sm_80+ PTX but only timed on sm_90 (pdl's test); interpret: no inline PTX
-    prefetch = tile.l2_prefetch if q.is_cuda and _has_pdl(q.device.index or 0) and row_bytes >= 128 else 0
     _mla_decode_kernel[(tile.head_programs(H), B, num_kv_splits)](
         q, kv_cache, req_to_token, req_pool_indices, seq_lens, part_out, part_lse,
         H, num_kv_splits, tile.block_n, sm_scale * LOG2E,
@@ -314,7 +309,8 @@ def _stage1_triton(
         KV_LORA=kv_lora_rank, ROPE=C - kv_lora_rank, BLOCK_H=tile.block_h, BLOCK_N=tile.block_n,
         BLOCK_V=block_c // tile.v_splits, BLOCK_R=block_r, V_SPLITS=tile.v_splits, KEYS_MAJOR=tile.keys_major,
         EARLY_SLOTS=tile.num_stages >= 3, UPCAST=not q.is_cuda, INPUT_PRECISION=dot_precision(q.dtype == torch.float32),
-        PDL=pdl, PREFETCH=prefetch, ROW_BYTES=row_bytes, LINES=triton.next_power_of_2(triton.cdiv(row_bytes, 128)),
+        PDL=pdl, SLOTS_AHEAD=tile.slots_ahead, SLOT_PREFETCH=tile.slot_prefetch if q.is_cuda else 0,
+        SLOT_POLICY=tile.slot_policy,
         num_warps=tile.num_warps, num_stages=tile.num_stages, launch_pdl=pdl,
     )  # fmt: skip
 

@@ -177,51 +177,46 @@ def test_mla_decode_deepseek_shape_gpu(H: int, page_size: int) -> None:
 
 
 @pytest.mark.parametrize("page_size", [1, 64])
-@pytest.mark.parametrize("num_kv_splits", [1, 3, 6])  # 6: more splits than the short requests need
-def test_half_partial_matches_ref(page_size: int, num_kv_splits: int, poisoned_empty: None) -> None:
-    """Partials stored in bf16 (DecodeTile.half_partial): the same function within bf16's tolerance. Each
-    partial is a normalised output rounded once more (2^-9 relative) before the merge's convex combination,
-    so the error stays a few bf16 ulps, inside the table's bf16 entry (the output itself is rounded to bf16).
-    Odd head count (19: a ragged 16-head block), kv_lora 40 (padded to 64 columns), mixed lengths."""
+@pytest.mark.parametrize("slots_ahead", [2, 3])
+def test_slots_ahead_matches_ref(page_size: int, slots_ahead: int, poisoned_empty: None) -> None:
+    """Slots loaded 2-3 tiles before their tile (DecodeTile.slots_ahead): the same function. Lengths end
+    mid-tile, some splits hold fewer tiles than the distance (1, 2, 16 keys) and some many (130 keys at 16-key
+    tiles, 3 splits: 3 tiles a split), so the rotation of the slot registers and its masks are all taken;
+    odd head count (19), kv_lora 40 (padded to 64 columns)."""
     lens = [1, 37, 130, 16, 29, 2, 95]
-    q, kv, r2t, rows, seq_lens = _case(lens, 19, 40, 8, page_size, torch.bfloat16, DEVICE, seed=page_size * 7 + 1)
-    tile = default_decode_tile(19, torch.bfloat16)._replace(half_partial=True)
-    out = mla_decode(q, kv, r2t, rows, seq_lens, 40, 0.15, num_kv_splits=num_kv_splits, tile=tile)
+    q, kv, r2t, rows, seq_lens = _case(lens, 19, 40, 8, page_size, torch.bfloat16, DEVICE, seed=page_size + slots_ahead)
+    tile = DecodeTile(16, 16, 4, 3, slots_ahead=slots_ahead)
+    out = mla_decode(q, kv, r2t, rows, seq_lens, 40, 0.15, num_kv_splits=3, tile=tile)
     ref = mla_decode_ref(q.float(), kv.float(), r2t, rows, seq_lens, 40, 0.15)
     assert_close_to_ref(out, ref, torch.bfloat16)
-    fp32 = mla_decode(q, kv, r2t, rows, seq_lens, 40, 0.15, num_kv_splits, tile._replace(half_partial=False))
-    if num_kv_splits == 1:  # one split, weight exp2(0) = 1: the bf16 partial is the output, same rounding
-        assert torch.equal(out, fp32)
-    else:  # the extra rounding shows somewhere (else the flag changed nothing), and stays within ~2 ulps
-        assert not torch.equal(out, fp32)
-        torch.testing.assert_close(out.float(), fp32.float(), atol=2e-2, rtol=1.6e-2)
+    assert torch.equal(out, mla_decode(q, kv, r2t, rows, seq_lens, 40, 0.15, 3, tile._replace(slots_ahead=1)))
 
 
 @gpu
 @requires_gpu
 @pytest.mark.parametrize(
     "options",
-    [{"pdl": True}, {"pdl": True, "half_partial": True}, {"l2_prefetch": 2}, {"pdl": True, "l2_prefetch": 3}],
-    ids=["pdl", "pdl+half", "prefetch2", "pdl+prefetch3"],
+    [{"pdl": False}, {"pdl": True}, {"pdl": True, "slots_ahead": 2}, {"pdl": True, "slots_ahead": 3},
+     {"pdl": True, "slot_prefetch": 64}, {"pdl": True, "slot_policy": "evict_last"}],
+    ids=["plain", "pdl", "pdl+slots2", "pdl+slots3", "pdl+slot_prefetch", "pdl+evict_last"],
 )  # fmt: skip
 @pytest.mark.parametrize("page_size", [1, 64])
 def test_launch_options_under_cuda_graph_same_bits(options: dict[str, object], page_size: int) -> None:
     """Programmatic dependent launch (DecodeTile.pdl: stage 1 and the merge start before the kernel ahead of them
-    ends and wait before their first global access) and the L2 prefetch (DecodeTile.l2_prefetch: it moves no
-    data a kernel reads) give the same bits as the plain launch, eagerly and replayed from a CUDA graph on new
-    lengths and new cache contents (the engine decodes from graphs); three calls captured back to back, so
-    each stage 1 overwrites partials right after a merge read them. Lengths end mid-tile and past the split
-    count's prefetch distance (prefetched rows past a split's end read slot 0)."""
+    ends and wait before their first global access) and the slot-load options (slots_ahead, slot_prefetch,
+    slot_policy: only the loads' timing and caching move) give the same bits as the plain launch (pdl off, slots one tile ahead), eagerly and
+    replayed from a CUDA graph on new lengths and new cache contents (the engine decodes from graphs); three
+    calls captured back to back, so each stage 1 overwrites partials right after a merge read them. Lengths
+    end mid-tile; 7 splits leave some empty and some shorter than the slot distance."""
     if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("griddepcontrol and the bulk prefetch need sm_90+")
-    half_partial = bool(options.get("half_partial", False))
+        pytest.skip("griddepcontrol needs sm_90+")
     gen = torch.Generator().manual_seed(page_size + len(options))
     r2t, rows, S = paged_req_to_token([3000] * 5, page_size, gen)
     q = torch.randn(5, 16, 576, generator=gen).cuda().bfloat16()
     kv = torch.randn(S, 576, generator=gen).cuda().bfloat16()
     seq = torch.tensor([900, 17, 2100, 1, 3000], device="cuda")
     r2t, rows = r2t.cuda(), rows.cuda()
-    plain = default_decode_tile(16, torch.bfloat16)._replace(half_partial=half_partial)
+    plain = default_decode_tile(16, torch.bfloat16)._replace(pdl=False, slots_ahead=1)
     tile = plain._replace(**options)
     args = (q, kv, r2t, rows, seq, 512, 0.05, 7)
     assert torch.equal(mla_decode(*args, tile=tile), mla_decode(*args, tile=plain))  # also compiles both
