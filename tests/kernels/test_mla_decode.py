@@ -204,10 +204,10 @@ def test_slots_ahead_matches_ref(page_size: int, slots_ahead: int, poisoned_empt
 def test_launch_options_under_cuda_graph_same_bits(options: dict[str, object], page_size: int) -> None:
     """Programmatic dependent launch (DecodeTile.pdl: stage 1 and the merge start before the kernel ahead of them
     ends and wait before their first global access) and the slot-load options (slots_ahead, slot_prefetch,
-    slot_policy: only the loads' timing and caching move) give the same bits as the plain launch (pdl off, slots one tile ahead), eagerly and
-    replayed from a CUDA graph on new lengths and new cache contents (the engine decodes from graphs); three
-    calls captured back to back, so each stage 1 overwrites partials right after a merge read them. Lengths
-    end mid-tile; 7 splits leave some empty and some shorter than the slot distance."""
+    slot_policy: only the loads' timing and caching move) give the same bits as the plain launch (pdl off, slots
+    one tile ahead), eagerly and replayed from a CUDA graph on new lengths and new cache contents (the engine
+    decodes from graphs); three calls captured back to back, so each stage 1 overwrites partials right after a
+    merge read them. Lengths end mid-tile; 7 splits leave some empty and some shorter than the slot distance."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("griddepcontrol needs sm_90+")
     gen = torch.Generator().manual_seed(page_size + len(options))
