@@ -12,6 +12,9 @@ engine's decode graph), inputs under 4 x the 60 MB L2 rotated among copies so ev
           between the pairs), and a few tiles at the small cells. Session 4's runs 1-3 also timed a merge
           "last" variant (no stage-2 launch: the last split program of a request merged it); it lost wherever
           a request had >= 8 splits and was removed (commit 54b98eb has it and this script's use of it)
+--parts (session 5): stage 1 alone, whole and with one part cut from its source (PARTS), stage 2 alone, the
+same call on contiguous slots (cells < 200 MB), and launch options (OPTIONS or --options) each paired with
+the default timed just before it (--pairs alternations).
 Once per run: the graph floor (one and two tiny kernels per call, and one graph replay of one kernel),
 and the 1 GiB copy ceiling as bench/kernels.py measures it.
 """
@@ -207,13 +210,12 @@ PARTS = [
     ("launch", "    if start >= end:  # short request", "    if start >= 0:  # short request"),
 ]
 # the launch options timed against the default, alternately (DecodeTile fields); --options replaces them.
-# Run 1: pdl 1.0-1.4 us faster at all three small cells; half 1.2-1.6 us faster at B16/8k but 1.7 slower at
-# B64/1k, pdl+half 7-8 us slower everywhere (both kept selectable, off)
-OPTIONS: dict[str, dict[str, object]] = {
-    "pdl": {"pdl": True},
-    "half": {"half_partial": True},
-    "pdl+half": {"pdl": True, "half_partial": True},
-}
+# Session 5 (bench/NOTES.md "mla16b, session 5"), each slower than the default and removed after its run:
+# partials in bf16 (B64/1k +5%; with pdl +7-8 us everywhere), an L2 prefetch of kv rows 1-3 tiles ahead (a bulk
+# request a row, or a line at a time: 1.3-2.2x), 16-key tiles at 5-6 stages (1.25-1.36x), slots loaded two
+# tiles ahead (the gather stopped being cp.async: 1.5-1.7x), req_to_token prefetched to L2 (a tie) or
+# loaded evict_last (+2-4%). pdl is the default since run 4.
+OPTIONS: dict[str, dict[str, object]] = {"nopdl": {"pdl": False}}
 
 
 def parse_options(text: str) -> dict[str, dict[str, object]]:

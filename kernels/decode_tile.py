@@ -104,10 +104,6 @@ class DecodeTile(NamedTuple):
     # before it still runs and waits (griddepcontrol.wait) before its first global access, so its launch and
     # block scheduling overlap the previous kernel's tail; graph-capturable.
     pdl: bool = False
-    # num_stages >= 3: a tile's slots (req_to_token) are loaded this many tiles before the tile (1: one iteration early)
-    slots_ahead: int = 1
-    slot_prefetch: int = 0  # > 0: a program first asks L2 for this many 128-byte lines of its split's slots (CUDA)
-    slot_policy: str = ""  # the slot loads' eviction_policy ("", "evict_last": keep req_to_token in L2)
 
     def head_programs(self, num_heads: int) -> int:
         """Stage-1 programs per (request, split): head blocks x value splits."""

@@ -16,7 +16,8 @@ Stage 2 (`_mla_decode_merge_kernel`): program (b, h) merges the P partials by th
 A split covers a whole number of BLOCK_N tiles (all but a request's last split), so no program pays for a
 partly empty tile mid-request. decode_tile.py holds the tiles and split counts (re-exported here);
 DecodeTile(kernel="gluon") runs stage 1 as mla_decode_gluon.py's kernel
-(H >= 64 on Hopper; the same partials, the same merge).
+(H >= 64 on Hopper; the same partials, the same merge). DecodeTile.pdl launches the Triton stage 1 and the merge
+as programmatic dependents (sm_90+): each waits (griddepcontrol.wait) before its first global access.
 """
 
 from __future__ import annotations
@@ -39,14 +40,6 @@ LOG2E = 1.4426950408889634  # exp(x) = exp2(x * log2(e)); exp2 is the native ins
 
 
 @triton.jit
-def _prefetch_l2(ptrs):
-    """prefetch.global.L2 at each of ptrs: the line is asked for and nothing waits for it."""
-    tl.inline_asm_elementwise(
-        "prefetch.global.L2 [$1]; // dummy $0", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
-    )
-
-
-@triton.jit
 def _mla_decode_kernel(
     # pointers
     q_ptr, kv_ptr, req_to_token_ptr, req_pool_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr,
@@ -58,7 +51,6 @@ def _mla_decode_kernel(
     KV_LORA: tl.constexpr, ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, V_SPLITS: tl.constexpr, KEYS_MAJOR: tl.constexpr,
     EARLY_SLOTS: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, PDL: tl.constexpr,
-    SLOTS_AHEAD: tl.constexpr, SLOT_PREFETCH: tl.constexpr, SLOT_POLICY: tl.constexpr,
 ):  # fmt: skip
     if PDL:  # launched as a programmatic dependent: the previous kernel may still run; it may have written q,
         # kv, req_to_token or seq_lens, and the previous call's merge may still read the partials this
@@ -98,14 +90,8 @@ def _mla_decode_kernel(
     l_i = tl.zeros((BLOCK_H,), tl.float32)
     acc = tl.zeros((BLOCK_H, BLOCK_V), tl.float32)
     r2t_row = req_to_token_ptr + req_row * stride_rtr
-    if SLOT_PREFETCH > 0:  # the split's first SLOT_PREFETCH 128-byte lines of req_to_token (32 slots each)
-        _prefetch_l2(r2t_row + tl.minimum(start + tl.arange(0, SLOT_PREFETCH) * 32, end - 1))
     offs_n = start + tl.arange(0, BLOCK_N)
-    slots = tl.load(r2t_row + offs_n, mask=offs_n < end, other=0, eviction_policy=SLOT_POLICY)
-    if SLOTS_AHEAD >= 2:  # the slots of tiles 1 .. SLOTS_AHEAD - 1 now; then one tile SLOTS_AHEAD ahead a tile
-        slots1 = tl.load(r2t_row + offs_n + BLOCK_N, mask=offs_n + BLOCK_N < end, other=0)
-    if SLOTS_AHEAD >= 3:
-        slots2 = tl.load(r2t_row + offs_n + 2 * BLOCK_N, mask=offs_n + 2 * BLOCK_N < end, other=0)
+    slots = tl.load(r2t_row + offs_n, mask=offs_n < end, other=0)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
@@ -117,19 +103,7 @@ def _mla_decode_kernel(
             # its own iteration, and with num_stages >= 3 Triton issues it two tiles ahead (async_wait
             # num=2 in the TTGIR); loaded in-iteration, the copy went out at the end of the previous
             # iteration and was awaited (num=0) at the top of this one: no overlap with the products.
-            # SLOTS_AHEAD > 1: req_to_token is evicted from L2 by the cache stream, so each slot load is an HBM
-            # round trip that the next gather waits for; loaded further ahead, it is not on the loop's path.
-            ahead = offs_n + SLOTS_AHEAD * BLOCK_N
-            later = tl.load(r2t_row + ahead, mask=ahead < end, other=0, eviction_policy=SLOT_POLICY)
-            if SLOTS_AHEAD == 1:
-                slots = later
-            elif SLOTS_AHEAD == 2:
-                slots = slots1
-                slots1 = later
-            else:
-                slots = slots1
-                slots1 = slots2
-                slots2 = later
+            slots = tl.load(r2t_row + offs_n + BLOCK_N, mask=offs_n + BLOCK_N < end, other=0)
         s, kv = latent_tile_split_scores(
             q_v, q_o, q_pe, rows, offs_v, v_mask, offs_o, o_mask, KV_LORA + offs_r, r_mask, n_mask,
             V_SPLITS, KEYS_MAJOR, UPCAST, INPUT_PRECISION,
@@ -235,7 +209,6 @@ def mla_decode(
     B, H, C = q.shape
     tile = tile or default_decode_tile(H, q.dtype)
     require(tile.v_splits in (1, 2), f"v_splits {tile.v_splits} not in (1, 2)")
-    require(tile.slots_ahead in (1, 2, 3), f"slots_ahead {tile.slots_ahead} not in (1, 2, 3)")
     require(tile.kernel in ("triton", "gluon"), f"kernel {tile.kernel!r} not in ('triton', 'gluon')")
     rope = C - kv_lora_rank
     if num_kv_splits is None:
@@ -309,9 +282,7 @@ def _stage1_triton(
         KV_LORA=kv_lora_rank, ROPE=C - kv_lora_rank, BLOCK_H=tile.block_h, BLOCK_N=tile.block_n,
         BLOCK_V=block_c // tile.v_splits, BLOCK_R=block_r, V_SPLITS=tile.v_splits, KEYS_MAJOR=tile.keys_major,
         EARLY_SLOTS=tile.num_stages >= 3, UPCAST=not q.is_cuda, INPUT_PRECISION=dot_precision(q.dtype == torch.float32),
-        PDL=pdl, SLOTS_AHEAD=tile.slots_ahead, SLOT_PREFETCH=tile.slot_prefetch if q.is_cuda else 0,
-        SLOT_POLICY=tile.slot_policy,
-        num_warps=tile.num_warps, num_stages=tile.num_stages, launch_pdl=pdl,
+        PDL=pdl, num_warps=tile.num_warps, num_stages=tile.num_stages, launch_pdl=pdl,
     )  # fmt: skip
 
 

@@ -176,48 +176,26 @@ def test_mla_decode_deepseek_shape_gpu(H: int, page_size: int) -> None:
     assert_close_to_ref(out, ref, torch.bfloat16)
 
 
-@pytest.mark.parametrize("page_size", [1, 64])
-@pytest.mark.parametrize("slots_ahead", [2, 3])
-def test_slots_ahead_matches_ref(page_size: int, slots_ahead: int, poisoned_empty: None) -> None:
-    """Slots loaded 2-3 tiles before their tile (DecodeTile.slots_ahead): the same function. Lengths end
-    mid-tile, some splits hold fewer tiles than the distance (1, 2, 16 keys) and some many (130 keys at 16-key
-    tiles, 3 splits: 3 tiles a split), so the rotation of the slot registers and its masks are all taken;
-    odd head count (19), kv_lora 40 (padded to 64 columns)."""
-    lens = [1, 37, 130, 16, 29, 2, 95]
-    q, kv, r2t, rows, seq_lens = _case(lens, 19, 40, 8, page_size, torch.bfloat16, DEVICE, seed=page_size + slots_ahead)
-    tile = DecodeTile(16, 16, 4, 3, slots_ahead=slots_ahead)
-    out = mla_decode(q, kv, r2t, rows, seq_lens, 40, 0.15, num_kv_splits=3, tile=tile)
-    ref = mla_decode_ref(q.float(), kv.float(), r2t, rows, seq_lens, 40, 0.15)
-    assert_close_to_ref(out, ref, torch.bfloat16)
-    assert torch.equal(out, mla_decode(q, kv, r2t, rows, seq_lens, 40, 0.15, 3, tile._replace(slots_ahead=1)))
-
-
 @gpu
 @requires_gpu
-@pytest.mark.parametrize(
-    "options",
-    [{"pdl": False}, {"pdl": True}, {"pdl": True, "slots_ahead": 2}, {"pdl": True, "slots_ahead": 3},
-     {"pdl": True, "slot_prefetch": 64}, {"pdl": True, "slot_policy": "evict_last"}],
-    ids=["plain", "pdl", "pdl+slots2", "pdl+slots3", "pdl+slot_prefetch", "pdl+evict_last"],
-)  # fmt: skip
+@pytest.mark.parametrize("pdl", [False, True])
 @pytest.mark.parametrize("page_size", [1, 64])
-def test_launch_options_under_cuda_graph_same_bits(options: dict[str, object], page_size: int) -> None:
+def test_pdl_under_cuda_graph_same_bits(pdl: bool, page_size: int) -> None:
     """Programmatic dependent launch (DecodeTile.pdl: stage 1 and the merge start before the kernel ahead of them
-    ends and wait before their first global access) and the slot-load options (slots_ahead, slot_prefetch,
-    slot_policy: only the loads' timing and caching move) give the same bits as the plain launch (pdl off, slots
-    one tile ahead), eagerly and replayed from a CUDA graph on new lengths and new cache contents (the engine
-    decodes from graphs); three calls captured back to back, so each stage 1 overwrites partials right after a
-    merge read them. Lengths end mid-tile; 7 splits leave some empty and some shorter than the slot distance."""
+    ends and wait before their first global access) gives the same bits as the plain launch, eagerly and
+    replayed from a CUDA graph on new lengths and new cache contents (the engine decodes from graphs); three
+    calls captured back to back, so each stage 1 overwrites partials right after a merge read them. Lengths end
+    mid-tile; 7 splits leave some empty. pdl=False: the plain launch under the same graph replay."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("griddepcontrol needs sm_90+")
-    gen = torch.Generator().manual_seed(page_size + len(options))
+    gen = torch.Generator().manual_seed(page_size + pdl)
     r2t, rows, S = paged_req_to_token([3000] * 5, page_size, gen)
     q = torch.randn(5, 16, 576, generator=gen).cuda().bfloat16()
     kv = torch.randn(S, 576, generator=gen).cuda().bfloat16()
     seq = torch.tensor([900, 17, 2100, 1, 3000], device="cuda")
     r2t, rows = r2t.cuda(), rows.cuda()
-    plain = default_decode_tile(16, torch.bfloat16)._replace(pdl=False, slots_ahead=1)
-    tile = plain._replace(**options)
+    plain = default_decode_tile(16, torch.bfloat16)._replace(pdl=False)
+    tile = plain._replace(pdl=pdl)
     args = (q, kv, r2t, rows, seq, 512, 0.05, 7)
     assert torch.equal(mla_decode(*args, tile=tile), mla_decode(*args, tile=plain))  # also compiles both
     graph = torch.cuda.CUDAGraph()
