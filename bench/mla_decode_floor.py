@@ -12,6 +12,9 @@ engine's decode graph), inputs under 4 x the 60 MB L2 rotated among copies so ev
           between the pairs), and a few tiles at the small cells. Session 4's runs 1-3 also timed a merge
           "last" variant (no stage-2 launch: the last split program of a request merged it); it lost wherever
           a request had >= 8 splits and was removed (commit 54b98eb has it and this script's use of it)
+--parts (session 5): stage 1 alone, whole and with one part cut from its source (PARTS), stage 2 alone, the
+same call on contiguous slots (cells < 200 MB), and launch options (OPTIONS or --options) each paired with
+the default timed just before it (--pairs alternations).
 Once per run: the graph floor (one and two tiny kernels per call, and one graph replay of one kernel),
 and the 1 GiB copy ceiling as bench/kernels.py measures it.
 """
@@ -29,7 +32,7 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
-from sibling import load_sibling  # bench/sibling.py: python bench/<script>.py puts bench/ on the path
+from sibling import load_path, load_sibling  # bench/sibling.py: python bench/<script>.py puts bench/ on the path
 from triton.testing import do_bench, do_bench_cudagraph
 
 from r3trace.kernels.mla_decode import DecodeTile, default_decode_tile, mla_decode, mla_decode_ref
@@ -187,6 +190,100 @@ def _report(row: dict[str, object], t: dict[str, float], nbytes: int) -> dict[st
     return row
 
 
+# Session 5 (--parts): stage 1 with one part cut out of kernels/mla_decode.py's source (the results are wrong;
+# only the times count), each timed alone as graph replays beside the whole stage 1, to see where the time above
+# the read floor goes. (name, text, replacement); the text must occur exactly once.
+SOFTMAX = "            m_i, l_i, acc = online_softmax_step(s, kv, m_i, l_i, acc, UPCAST, INPUT_PRECISION)\n"
+PARTS = [
+    # P V, the exponentials and the rescale cut: the gather, the score dots and the row max stay
+    ("no_pv_exp", SOFTMAX, "            m_i = tl.maximum(m_i, tl.max(s, axis=1))\n"),
+    # the softmax cut (max, exp, rescale), both dots stay: P = S
+    ("no_softmax", SOFTMAX, "            acc += tl.dot(s.to(kv.dtype), kv)\n            l_i += tl.sum(s, axis=1)\n"),
+    # the partial store masked off (the value test keeps the loop's work live)
+    (
+        "no_write",
+        "mask=h_mask[:, None] & v_mask[None, :])  # fp32",
+        "mask=h_mask[:, None] & v_mask[None, :] & (out == 1234.5))  # fp32",
+    ),
+    ("no_loop", "    for n0 in range(start, end, BLOCK_N):", "    for n0 in range(start, start, BLOCK_N):"),
+    # every program returns after loading its length and request row: the launch and one load
+    ("launch", "    if start >= end:  # short request", "    if start >= 0:  # short request"),
+]
+# the launch options timed against the default, alternately (DecodeTile fields); --options replaces them.
+# Session 5 (bench/NOTES.md "mla16b, session 5"), each slower than the default and removed after its run:
+# partials in bf16 (B64/1k +5%; with pdl +7-8 us everywhere), an L2 prefetch of kv rows 1-3 tiles ahead (a bulk
+# request a row, or a line at a time: 1.3-2.2x), 16-key tiles at 5-6 stages (1.25-1.36x), slots loaded two
+# tiles ahead (the gather stopped being cp.async: 1.5-1.7x), req_to_token prefetched to L2 (a tie) or
+# loaded evict_last (+2-4%). pdl is the default since run 4.
+OPTIONS: dict[str, dict[str, object]] = {"nopdl": {"pdl": False}}
+
+
+def parse_options(text: str) -> dict[str, dict[str, object]]:
+    """'sa2=slots_ahead:2,x=pdl:0+slot_policy:evict_last' -> {"sa2": {"slots_ahead": 2}, ...} (digits as ints)."""
+    out: dict[str, dict[str, object]] = {}
+    for item in text.split(","):
+        name, fields = item.split("=")
+        out[name] = {k: int(v) if v.isdigit() else v for k, v in (f.split(":") for f in fields.split("+"))}
+    return out
+
+
+def cut_modules(out_dir: Path) -> dict[str, object]:
+    """kernels/mla_decode.py with each PARTS cut, loaded as modules (their own JIT cache entries)."""
+    import r3trace.kernels.mla_decode as md
+
+    src = Path(md.__file__).read_text()
+    mods: dict[str, object] = {"whole": md}
+    for name, old, new in PARTS:
+        assert src.count(old) == 1, name
+        path = out_dir / f"mla_decode_{name}.py"
+        path.write_text(src.replace(old, new))
+        mods[name] = load_path(path, f"mla_decode_{name}")
+    return mods
+
+
+def parts_cell(
+    B: int,
+    L: int,
+    sms: int,
+    rep: int,
+    base: DecodeTile,
+    mods: dict[str, object],
+    options: dict[str, dict[str, object]],
+    pairs: int = 2,
+) -> dict[str, object]:
+    """Stage 1 whole and cut, stage 2 alone, and OPTIONS against the default (two pairs) at one cell."""
+    nbytes = B * L * ROW_BYTES
+    q, kv, r2t, rows, lens = inputs(B, L, 16)
+    kvs = [kv] + [torch.randn_like(kv) for _ in range(copies_for(nbytes) - 1)]
+    splits = base.num_kv_splits(B, 16, L, sms)
+    row: dict[str, object] = {"B": B, "L": L, "MB": nbytes / 1e6, "splits": splits}
+    t: dict[str, float] = read_ms(kvs, sms, rep, (8, 16))
+    row["read_ms"] = min(t.values())
+    part = torch.empty(B, 16, splits, KV_LORA, device="cuda")
+    lse = torch.empty(B, 16, splits, device="cuda")
+    for name, mod in mods.items():
+        fns = [partial(mod._stage1_triton, q, c, r2t, rows, lens, part, lse, KV_LORA, 576**-0.5, base, KV_LORA, ROPE)
+               for c in kvs]  # type: ignore[attr-defined]  # fmt: skip
+        t[f"stage1/{name}"] = graph_ms(fns, rep)
+    if mods:
+        sw = load_sibling("mla_decode_sweep.py", "mla_decode_sweep")
+        t["stage2"] = sw.merge_ms(B, 16, splits, L, lambda fn: graph_ms([fn], rep))
+    calls = {k: base._replace(**v) for k, v in options.items()}
+    if nbytes < 200e6:  # how much the shuffled pages cost: the same call on requests laid out contiguously
+        flat = torch.arange(B * L, device="cuda", dtype=r2t.dtype).view(B, L)
+        for name, table in (("default", r2t), ("contiguous", flat)):
+            t[f"{name}/slots"] = graph_ms(
+                [partial(mla_decode, q, c, table, rows, lens, KV_LORA, 576**-0.5, splits, base) for c in kvs], rep
+            )
+    for i in range(1, pairs + 1):
+        for k, tile in calls.items():
+            for name, tl_ in (("default", base), (k, tile)):
+                t[f"{name}/#{i}/{k}" if name == "default" else f"{name}/#{i}"] = graph_ms(
+                    [partial(mla_decode, q, c, r2t, rows, lens, KV_LORA, 576**-0.5, splits, tl_) for c in kvs], rep
+                )
+    return _report(row, t, nbytes)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cells", default="", help="BxL,... (default: the nine issue-6 cells)")
@@ -194,6 +291,9 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="run 1's split sweep (OLD as the default)")
     ap.add_argument("--pairs", type=int, default=2, help="old/new pairs per cell")
     ap.add_argument("--no-floors", action="store_true", help="skip the error checks and graph floors")
+    ap.add_argument("--parts", action="store_true", help="stage 1 with parts cut, stage 2 alone, OPTIONS")
+    ap.add_argument("--options", default="", help="with --parts: these options instead (parse_options)")
+    ap.add_argument("--no-cuts", action="store_true", help="with --parts: only the options, no cuts")
     a = ap.parse_args()
     cells = [tuple(int(x) for x in c.split("x")) for c in a.cells.split(",")] if a.cells else CELLS
     out_dir = Path(os.environ.get("OUT", "out"))
@@ -202,13 +302,20 @@ def main() -> None:
     base = OLD if a.sweep else default_decode_tile(16, torch.bfloat16, use_gluon=True)
     res: dict[str, object] = {"device": torch.cuda.get_device_name(), "base_tile": list(base)}
     tiles = [base, *(SMALL_TILES if a.sweep else [OLD, *FINAL_TILES])]
+    options = parse_options(a.options) if a.options else OPTIONS
+    if a.parts:
+        tiles = [base, *(base._replace(**v) for v in options.values())]
     if not a.no_floors:
         res["errors"] = {str(tuple(t)): check(t) for t in tiles}
         res["floors"] = floors(a.rep)
     print(json.dumps(res), flush=True)
     rows = []
+    mods = cut_modules(out_dir) if a.parts and not a.no_cuts else {}
     for B, L in cells:
-        rows.append(cell(B, L, sms, a.rep, base, a.sweep, a.pairs))
+        if a.parts:
+            rows.append(parts_cell(B, L, sms, a.rep, base, mods, options, a.pairs))
+        else:
+            rows.append(cell(B, L, sms, a.rep, base, a.sweep, a.pairs))
         res["cells"] = rows
         (out_dir / "mla16_floor.json").write_text(json.dumps(res, indent=1))
         torch.cuda.empty_cache()

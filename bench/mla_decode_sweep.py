@@ -124,7 +124,7 @@ def merge_ms(
         _mla_decode_merge_kernel[(B, H)](
             part, lse, lens, out, KV_LORA, splits, 64, part.stride(0), part.stride(1), part.stride(2),
             lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
-            BLOCK_P=max(2, 1 << (splits - 1).bit_length()), BLOCK_C=KV_LORA, num_warps=4,
+            BLOCK_P=max(2, 1 << (splits - 1).bit_length()), BLOCK_C=KV_LORA, PDL=False, num_warps=4,
         )  # fmt: skip
 
     if timer is not None:

@@ -103,6 +103,10 @@ class DecodeTile(NamedTuple):
     # the caller's KV pages (slots in runs of page_size): a multiple of 64 lets the Gluon kernel load a tile
     # as TMA boxes (mla_decode_gluon.tma_usable), else row by row; the Triton kernel ignores it
     page_size: int = 1
+    # Programmatic dependent launch (sm_90+, Triton stage 1 and the merge): each kernel is launched while the one
+    # before it still runs and waits (griddepcontrol.wait) before its first global access, so its launch and
+    # block scheduling overlap the previous kernel's tail; graph-capturable.
+    pdl: bool = False
 
     def head_programs(self, num_heads: int) -> int:
         """Stage-1 programs per (request, split): head blocks x value splits."""
@@ -132,7 +136,8 @@ def default_decode_tile(
     """The tile the H200 sweeps picked (BENCHMARKS.md, "### MLA decode"). H < 64: 16 heads x 32 keys, 3
     stages (B = 64, L = 8k graph-timed: 0.176 ms vs 0.192 for 16 x 64 x 2 stages at 8 waves rounded up); bf16
     splits by splits_by_cost over 2 programs per SM (session 4: 1.03-1.32x at seven of the nine cells, a tie
-    at B = 64 / 1k and 32k), fp32 4 programs per SM rounded down.
+    at B = 64 / 1k and 32k), fp32 4 programs per SM rounded down; bf16 launches both kernels as programmatic
+    dependents (pdl; session 5: 0.6-1.4 us a call faster at the 19-151 MB cells, bench/NOTES.md "mla16b, session 5").
     H >= 64: use_gluon (the caller is on a Hopper GPU) and a shape the Gluon kernel takes: its two-warpgroup
     64 x 64 tile (B = 256, L = 32k: 6.86 vs 9.47 ms), its split count by splits_by_cost (run 6: 1.03-1.28x
     over 8 waves rounded up at kv_len >= 8k), and with one split stage 1 writes the output (direct: 1.01-1.10x at
@@ -150,5 +155,5 @@ def default_decode_tile(
                 )
         return DecodeTile(64, 64 if dtype.itemsize <= 2 else 32, 8, 2)
     if dtype.itemsize <= 2:
-        return DecodeTile(16, 32, 4, 3, fixed_tiles=H16_FIXED_TILES, per_sm=2, min_split=H16_MIN_SPLIT)
+        return DecodeTile(16, 32, 4, 3, fixed_tiles=H16_FIXED_TILES, per_sm=2, min_split=H16_MIN_SPLIT, pdl=True)
     return DecodeTile(16, 32, 4, 2, waves=4, whole_waves=True)

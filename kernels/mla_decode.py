@@ -16,7 +16,8 @@ Stage 2 (`_mla_decode_merge_kernel`): program (b, h) merges the P partials by th
 A split covers a whole number of BLOCK_N tiles (all but a request's last split), so no program pays for a
 partly empty tile mid-request. decode_tile.py holds the tiles and split counts (re-exported here);
 DecodeTile(kernel="gluon") runs stage 1 as mla_decode_gluon.py's kernel
-(H >= 64 on Hopper; the same partials, the same merge).
+(H >= 64 on Hopper; the same partials, the same merge). DecodeTile.pdl launches the Triton stage 1 and the merge
+as programmatic dependents (sm_90+): each waits (griddepcontrol.wait) before its first global access.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from r3trace.kernels.contract import FLOAT_DTYPES, INDEX_DTYPES, require, require_tensor
 from r3trace.kernels.decode_tile import DecodeTile, choose_num_kv_splits, default_decode_tile
@@ -48,8 +50,13 @@ def _mla_decode_kernel(
     # constexpr
     KV_LORA: tl.constexpr, ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, V_SPLITS: tl.constexpr, KEYS_MAJOR: tl.constexpr,
-    EARLY_SLOTS: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    EARLY_SLOTS: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    if PDL:  # launched as a programmatic dependent: the previous kernel may still run; it may have written q,
+        # kv, req_to_token or seq_lens, and the previous call's merge may still read the partials this
+        # program overwrites, so nothing global is read or written before the wait
+        gdc_wait()
+        gdc_launch_dependents()  # the merge may launch (and wait) once every program of this grid is here
     # axis 0 = (head block, value split), fastest: the programs that read the same latent tiles start
     # side by side, so all but the first find the tile in L2 (H = 128, 64-head blocks: HBM read once).
     hb = tl.program_id(0) // V_SPLITS
@@ -125,8 +132,11 @@ def _mla_decode_merge_kernel(
     # strides
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
     # constexpr
-    BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    if PDL:  # launched while stage 1 may still run: its partials are complete and visible after the wait
+        gdc_wait()
+        gdc_launch_dependents()
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
@@ -148,6 +158,12 @@ def _mla_decode_merge_kernel(
 @functools.lru_cache(maxsize=8)
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.lru_cache(maxsize=8)
+def _has_pdl(device_index: int) -> bool:
+    """griddepcontrol (programmatic dependent launch) needs sm_90+."""
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
 def _check_decode_args(
@@ -211,6 +227,7 @@ def mla_decode(
     direct = num_kv_splits == 1 and tile.direct
     part_out = out.unsqueeze(2) if direct else torch.empty(
         (B, H, num_kv_splits, kv_lora_rank), dtype=torch.float32, device=q.device)  # fmt: skip
+    pdl = tile.pdl and q.is_cuda and _has_pdl(q.device.index or 0)  # interpret: no griddepcontrol
     part_lse = torch.empty((B, H, num_kv_splits), dtype=torch.float32, device=q.device)  # direct: unread
     block_c = max(16, triton.next_power_of_2(kv_lora_rank))
     block_r = max(16, triton.next_power_of_2(rope))
@@ -226,7 +243,7 @@ def mla_decode(
                                    kv_lora_rank, sm_scale * LOG2E, tile.block_n, tile.page_size)  # fmt: skip
     else:
         _stage1_triton(q, kv_cache, req_to_token, req_pool_indices, seq_lens, part_out, part_lse, kv_lora_rank,
-                       sm_scale, tile, block_c, block_r)  # fmt: skip
+                       sm_scale, tile, block_c, block_r, pdl)  # fmt: skip
     if direct:
         return out
     _mla_decode_merge_kernel[(B, H)](
@@ -234,7 +251,8 @@ def mla_decode(
         kv_lora_rank, num_kv_splits, tile.block_n,
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1),
-        BLOCK_P=max(2, triton.next_power_of_2(num_kv_splits)), BLOCK_C=block_c, num_warps=4,
+        BLOCK_P=max(2, triton.next_power_of_2(num_kv_splits)), BLOCK_C=block_c, PDL=pdl, num_warps=4,
+        launch_pdl=pdl,
     )  # fmt: skip
     return out
 
@@ -252,6 +270,7 @@ def _stage1_triton(
     tile: DecodeTile,
     block_c: int,
     block_r: int,
+    pdl: bool = False,
 ) -> None:
     B, H, C = q.shape
     num_kv_splits = part_out.shape[2]
@@ -263,7 +282,7 @@ def _stage1_triton(
         KV_LORA=kv_lora_rank, ROPE=C - kv_lora_rank, BLOCK_H=tile.block_h, BLOCK_N=tile.block_n,
         BLOCK_V=block_c // tile.v_splits, BLOCK_R=block_r, V_SPLITS=tile.v_splits, KEYS_MAJOR=tile.keys_major,
         EARLY_SLOTS=tile.num_stages >= 3, UPCAST=not q.is_cuda, INPUT_PRECISION=dot_precision(q.dtype == torch.float32),
-        num_warps=tile.num_warps, num_stages=tile.num_stages,
+        PDL=pdl, num_warps=tile.num_warps, num_stages=tile.num_stages, launch_pdl=pdl,
     )  # fmt: skip
 
 

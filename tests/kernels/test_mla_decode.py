@@ -188,3 +188,38 @@ def test_mla_decode_deepseek_shape_gpu(H: int, page_size: int) -> None:
     out = mla_decode(q, kv, r2t, rows, seq_lens, 512, 576**-0.5)
     ref = mla_decode_ref(q.float(), kv.float(), r2t, rows, seq_lens, 512, 576**-0.5)
     assert_close_to_ref(out, ref, torch.bfloat16)
+
+
+@gpu
+@requires_gpu
+@pytest.mark.parametrize("pdl", [False, True])
+@pytest.mark.parametrize("page_size", [1, 64])
+def test_pdl_under_cuda_graph_same_bits(pdl: bool, page_size: int) -> None:
+    """Programmatic dependent launch (DecodeTile.pdl: stage 1 and the merge start before the kernel ahead of them
+    ends and wait before their first global access) gives the same bits as the plain launch, eagerly and
+    replayed from a CUDA graph on new lengths and new cache contents (the engine decodes from graphs); three
+    calls captured back to back, so each stage 1 overwrites partials right after a merge read them. Lengths end
+    mid-tile; 7 splits leave some empty. pdl=False: the plain launch under the same graph replay."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("griddepcontrol needs sm_90+")
+    gen = torch.Generator().manual_seed(page_size + pdl)
+    r2t, rows, S = paged_req_to_token([3000] * 5, page_size, gen)
+    q = torch.randn(5, 16, 576, generator=gen).cuda().bfloat16()
+    kv = torch.randn(S, 576, generator=gen).cuda().bfloat16()
+    seq = torch.tensor([900, 17, 2100, 1, 3000], device="cuda")
+    r2t, rows = r2t.cuda(), rows.cuda()
+    plain = default_decode_tile(16, torch.bfloat16)._replace(pdl=False)
+    tile = plain._replace(pdl=pdl)
+    args = (q, kv, r2t, rows, seq, 512, 0.05, 7)
+    assert torch.equal(mla_decode(*args, tile=tile), mla_decode(*args, tile=plain))  # also compiles both
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [mla_decode(*args, tile=tile) for _ in range(3)]
+    seq.copy_(torch.tensor([1, 2049, 64, 3000, 333]))
+    kv.copy_(torch.randn(S, 576, generator=gen).bfloat16())
+    graph.replay()
+    eager = mla_decode(*args, tile=plain)
+    for out in outs:
+        assert torch.equal(out, eager)
+    ref = mla_decode_ref(q.float(), kv.float(), r2t, rows, seq, 512, 0.05)
+    assert_close_to_ref(eager, ref, torch.bfloat16)
