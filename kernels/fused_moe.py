@@ -39,12 +39,20 @@ import triton.language as tl
 
 from r3trace.kernels.contract import FLOAT_DTYPES, require, require_tensor
 from r3trace.kernels.moe_align import moe_align, moe_align_ref
-from r3trace.kernels.moe_config import GemmTile, GemvTile, MoeConfig, grouped_config, moe_config, same_tiles
+from r3trace.kernels.moe_config import (
+    AlignTile,
+    GemmTile,
+    GemvTile,
+    MoeConfig,
+    grouped_config,
+    moe_config,
+    same_tiles,
+)
 from r3trace.kernels.moe_gemm import moe_down, moe_gate_up
 from r3trace.kernels.moe_gemv import gemv_moe
 
 __all__ = [
-    "GemmTile", "GemvTile", "MoeConfig", "fused_moe", "fused_moe_ref", "grouped_config", "moe_config",
+    "AlignTile", "GemmTile", "GemvTile", "MoeConfig", "fused_moe", "fused_moe_ref", "grouped_config", "moe_config",
     "moe_down", "moe_gate_up", "moe_sum", "same_tiles",
 ]  # fmt: skip
 
@@ -138,7 +146,10 @@ def fused_moe(
     cfg = config or moe_config(T * K, E, hidden.element_size(), w2.shape[2], tokens=T)
     if cfg.gemv is not None:  # kernels/moe_gemv.py: no alignment (the align argument has nothing to pick)
         return gemv_moe(hidden, w13, w2, topk_ids, topk_weights, cfg.gemv)
-    alignment = (moe_align if align == "triton" else moe_align_ref)(topk_ids, E, cfg.block_m)
+    if align == "triton":
+        alignment = moe_align(topk_ids, E, cfg.block_m, tile=cfg.align)
+    else:
+        alignment = moe_align_ref(topk_ids, E, cfg.block_m)
     act = moe_gate_up(hidden, w13, alignment, K, cfg.block_m, cfg.gate_up, cfg.sorted_act)
     y = moe_down(act, w2, alignment, topk_weights, cfg.block_m, cfg.down, cfg.sorted_act, T * K)
     return moe_sum(y, topk_ids)

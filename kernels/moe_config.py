@@ -41,12 +41,22 @@ class GemvTile(NamedTuple):
     down_evict_first: bool = False  # the same for the down's w2 loads
 
 
+class AlignTile(NamedTuple):
+    """moe_align's launch shape (kernels/moe_align.py); AlignTile() is the layout before session 5."""
+
+    one_tile_pairs: int = 0  # M <= this: one program counts and scatters from one [M, E] one-hot tile
+    sub: int = 0  # else: one-hot tile rows per step (0: ONE_HOT_ELEMS // BLOCK_E)
+    chunk: int = 0  # else: pairs per program (0: 8 tiles, at most MAX_CHUNKS programs)
+    num_warps: int = 8  # before session 5 always 8: a tile step is bound by its cross-warp reductions' latency
+
+
 class MoeConfig(NamedTuple):
     block_m: int
     gate_up: GemmTile
     down: GemmTile
     gemv: GemvTile | None = None  # set: the align-free decode path (block_m, gate_up, down unused)
     sorted_act: bool = False  # act [P, I] at the pairs' sorted positions: contiguous gate_up stores, down A rows
+    align: AlignTile | None = None  # None: AlignTile(), the align launch before session 5
 
 
 def same_tiles(block_m: int, block_n: int, block_k: int, group_m: int, warps: int, stages: int) -> MoeConfig:
@@ -107,7 +117,9 @@ GEMV_T4 = GemvTile(2, 1024, 4, 4, 256, 2, unroll=True)
 GEMV_WIDE = GemvTile(1, 1024, 2, 1, 256, 1, unroll=True)  # I = 2048: 8 down steps per expert
 
 
-def moe_config(num_pairs: int, num_experts: int, itemsize: int = 2, inter: int = 0, tokens: int = 0) -> MoeConfig:
+def moe_config(
+    num_pairs: int, num_experts: int, itemsize: int = 2, inter: int = 0, tokens: int = 0, hidden: int = 0
+) -> MoeConfig:
     """The tiles fused_moe runs by default: the gemv path at tokens = 1 (any I > 0) and at tokens <= 4 where
     I <= 256, else grouped_config's. tokens = 0 (unknown) always gives the grouped path.
 

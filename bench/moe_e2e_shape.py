@@ -1,0 +1,306 @@
+"""The fused MoE at the end-to-end model's shape (issue 6's 2.5B V3-shaped model: D = 2048, E = 64, I = 512, K = 6,
+bf16) at decode batches T = 16..256: each part alone, a tile sweep per GEMM, the align's launch shapes, and the
+default against the previous one; D = 7168 cells re-timed old vs new.
+
+Run (GPU): python bench/moe_e2e_shape.py --phase sweep     -> $OUT/moe_e2e_sweep.json
+           python bench/moe_e2e_shape.py --phase compare   -> $OUT/moe_e2e_compare.json
+
+Timer: one CUDA graph holding CALLS calls in turn, call i on route set i % CALLS and weight set i % WSETS, replayed
+back to back (events around n replays, median of reps) / CALLS. As in the engine's graph: no flush between calls,
+each call's weights come from HBM (a weight set is 403 MB at D = 2048, 2.8 GB at D = 7168, the L2 60 MB; the down
+alone streams 134 MB a set), the kernel boundaries and tails are counted, the graph launch is amortized over CALLS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+from collections.abc import Callable, Sequence
+from functools import partial
+from pathlib import Path
+
+import torch
+from moe_bench import _cfg_str, _prewarm_pool  # bench/: python bench/<script>.py puts it on the path
+from timing import ceilings
+
+from r3trace.kernels.fused_moe import AlignTile, GemmTile, MoeConfig, fused_moe, fused_moe_ref, moe_config, moe_sum
+from r3trace.kernels.moe_align import MoeAlignment, moe_align, moe_align_ref
+from r3trace.kernels.moe_gemm import moe_down, moe_gate_up
+
+OUT = Path(os.environ.get("OUT", "out"))
+E2E = (2048, 64, 512, 6)  # (D, E, I, K) of the end-to-end model
+TS = (16, 32, 64, 128, 256)
+CELLS_7168 = [(7168, 256, 256, 8, T) for T in (16, 64, 256)] + [(7168, 32, 2048, 8, T) for T in (16, 64, 256)]
+CALLS = 8
+# GemmTile(bn, bk, group_m, warps, stages[, interleave][, n_split][, tma]). gate_up: N = I = 512, K = D = 2048;
+# shared memory per stage (BM + 2 BN) BK 2 B: the committed (32, 256, 3 stages) holds 120 KB at BM 16 (one program
+# per SM); the smaller ones let 2-3 programs share an SM so one's pipeline fill overlaps another's stream
+UP = [GemmTile(32, 256, 1, 4, 3), GemmTile(32, 128, 1, 4, 4), GemmTile(32, 128, 1, 4, 3), GemmTile(64, 128, 1, 4, 3),
+      GemmTile(64, 64, 1, 4, 4), GemmTile(32, 64, 1, 4, 6), GemmTile(16, 256, 1, 4, 3), GemmTile(64, 128, 1, 8, 3),
+      GemmTile(32, 256, 1, 4, 3, True), GemmTile(64, 128, 1, 4, 3, True), GemmTile(128, 64, 1, 8, 4, True),
+      GemmTile(32, 128, 1, 4, 4, tma=True), GemmTile(64, 128, 1, 4, 3, tma=True), GemmTile(32, 256, 1, 4, 3, tma=True),
+      GemmTile(64, 128, 1, 4, 3, True, tma=True), GemmTile(32, 128, 1, 2, 4), GemmTile(64, 128, 4, 4, 4)]  # fmt: skip
+# down: N = D = 2048, K = I = 512 (4 steps at BK 128); n_split: the whole K in one tile, programs walk N
+DOWN = [GemmTile(64, 128, 1, 4, 4), GemmTile(64, 256, 1, 4, 3), GemmTile(128, 128, 1, 4, 3), GemmTile(32, 256, 1, 4, 3),
+        GemmTile(64, 64, 1, 4, 6), GemmTile(128, 64, 1, 4, 4), GemmTile(256, 64, 1, 8, 3), GemmTile(64, 128, 1, 2, 4),
+        GemmTile(64, 128, 1, 4, 4, tma=True), GemmTile(128, 128, 1, 4, 3, tma=True),
+        GemmTile(64, 256, 1, 4, 3, tma=True),
+        GemmTile(32, 512, 1, 4, 3, n_split=16), GemmTile(32, 512, 1, 4, 2, n_split=32),
+        GemmTile(16, 512, 1, 4, 3, n_split=32), GemmTile(64, 512, 1, 4, 2, n_split=8),
+        GemmTile(32, 512, 1, 4, 3, n_split=16, tma=True), GemmTile(64, 128, 4, 4, 4)]  # fmt: skip
+
+
+def align_tiles(M: int, E: int) -> list[AlignTile]:
+    """AlignTile(one_tile_pairs, sub, chunk, warps): the old launch, one [M, E] tile (when <= 64k int32), single
+    programs on narrower tiles with fewer warps, and several chunk programs (two launches)."""
+    out = [AlignTile()]
+    if triton_pow2(M) * triton_pow2(E) <= 65536:
+        out += [AlignTile(M, 0, 0, w) for w in (4, 8, 16)]
+    out += [AlignTile(0, s, 0, w) for s, w in ((32, 2), (32, 4), (64, 4), (128, 4))]
+    out += [AlignTile(0, s, c, w) for s, c, w in ((64, 64, 4), (128, 128, 4), (128, 128, 8), (64, 256, 4))]
+    return out
+
+
+def triton_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def graph_ms(fns: Sequence[Callable[[], object]], n: int = 20, reps: int = 7) -> float:
+    """ms per call: one graph with every fn in turn, replayed back to back n times, median over reps."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for f in fns:
+            f()  # compile outside capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in fns:
+            f()
+    for _ in range(3):
+        g.replay()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(n):
+            g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) / n / len(fns))
+    return statistics.median(times)
+
+
+def safe(fn: Callable[[], float], what: str) -> float:
+    try:
+        return fn()
+    except Exception as e:  # out of shared memory etc.: reported, the sweep goes on
+        print(f"  {what} failed: {type(e).__name__}: {str(e)[:150]}")
+        return float("nan")
+
+
+class Case:
+    """CALLS route sets (x, ids, weights) and WSETS weight sets at one (D, E, I, K, T)."""
+
+    def __init__(self, D: int, E: int, I: int, K: int, T: int, wsets: int) -> None:
+        bf, dev = torch.bfloat16, "cuda"
+        self.D, self.E, self.I, self.K, self.T = D, E, I, K, T
+        self.w13 = [torch.randn(E, 2 * I, D, device=dev, dtype=bf) / D**0.5 for _ in range(wsets)]
+        self.w2 = [torch.randn(E, D, I, device=dev, dtype=bf) / I**0.5 for _ in range(wsets)]
+        self.x = [torch.randn(T, D, device=dev, dtype=bf) for _ in range(CALLS)]
+        self.ids = [torch.rand(T, E, device=dev).topk(K, dim=-1).indices.to(torch.int32) for _ in range(CALLS)]
+        self.wts = [torch.rand(T, K, device=dev) for _ in range(CALLS)]
+
+    def w(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.w13[i % len(self.w13)], self.w2[i % len(self.w2)]
+
+    def pipeline_ms(self, cfg: MoeConfig) -> float:
+        return graph_ms([partial(fused_moe, self.x[i], *self.w(i), self.ids[i], self.wts[i], config=cfg)
+                         for i in range(CALLS)])  # fmt: skip
+
+    def parts_ms(self, cfg: MoeConfig, ups: Sequence[GemmTile], downs: Sequence[GemmTile]) -> dict[str, object]:
+        """align, each gate_up tile, each down tile (on the gate_up's act) and the sum, each graph-timed alone."""
+        bm, K, M = cfg.block_m, self.K, self.T * self.K
+        al = [moe_align(ids, self.E, bm, tile=cfg.align) for ids in self.ids]
+        act = [moe_gate_up(self.x[i], self.w(i)[0], al[i], K, bm, cfg.gate_up) for i in range(CALLS)]
+        ys = [torch.randn(M, self.D, device="cuda", dtype=torch.bfloat16) for _ in range(CALLS)]
+        r: dict[str, object] = {
+            "align": graph_ms([partial(moe_align, ids, self.E, bm, tile=cfg.align) for ids in self.ids]),
+            "sum": graph_ms([partial(moe_sum, ys[i], self.ids[i]) for i in range(CALLS)]),
+        }
+        up: dict[str, float] = {}
+        for t in ups:
+            fns = [partial(moe_gate_up, self.x[i], self.w(i)[0], al[i], K, bm, t) for i in range(CALLS)]
+            up[str(tuple(t))] = safe(partial(graph_ms, fns), f"bm {bm} up {tuple(t)}")
+        down: dict[str, float] = {}
+        for t in downs:
+            fns = [partial(moe_down, act[i], self.w(i)[1], al[i], self.wts[i], bm, t, False, M) for i in range(CALLS)]
+            down[str(tuple(t))] = safe(partial(graph_ms, fns), f"bm {bm} down {tuple(t)}")
+        r["up"], r["down"] = up, down
+        return r
+
+    def check(self, cfg: MoeConfig) -> dict[str, object]:
+        """rel. error vs fused_moe_ref, bitwise equality with the torch align twin, the alignments equal."""
+        w13, w2 = self.w(0)
+        out = fused_moe(self.x[0], w13, w2, self.ids[0], self.wts[0], config=cfg)
+        ref = fused_moe_ref(self.x[0], w13, w2, self.ids[0], self.wts[0])
+        same = torch.equal(out, fused_moe(self.x[0], w13, w2, self.ids[0], self.wts[0], config=cfg, align="ref"))
+        return {"rel_err": ((out.float() - ref.float()).norm() / ref.float().norm()).item(), "same_ref_align": same}
+
+    def touched_read_ms(self, copy_gbs: float) -> float:
+        touched = statistics.mean(torch.unique(ids).numel() for ids in self.ids)
+        return touched * 3 * self.I * self.D * 2 / copy_gbs / 1e6
+
+
+def previous_default(D: int, E: int, I: int, K: int, T: int) -> MoeConfig:
+    """moe_config as committed before session 5 (80a576d): no hidden size, the old align launch."""
+    return moe_config(T * K, E, 2, I, tokens=T)._replace(align=None)
+
+
+def new_default(D: int, E: int, I: int, K: int, T: int) -> MoeConfig:
+    return moe_config(T * K, E, 2, I, tokens=T, hidden=D)
+
+
+def _prewarm_job(job: tuple) -> str:
+    """Compile one GEMM tile or align launch at the sizes the run uses (E = 8 experts for the GEMMs: E does not
+    enter their cache key, every size is a multiple of 16 or the same as at E = 64)."""
+    kind, D, E, I, K, T, bm, tile = job
+    ids = torch.rand(T, E, device="cuda").topk(K, dim=-1).indices.to(torch.int32)
+    if kind == "align":
+        moe_align(ids, E, bm, tile=tile)
+    else:
+        ids = torch.rand(T, 8, device="cuda").topk(K, dim=-1).indices.to(torch.int32)
+        al = moe_align(ids, 8, bm)
+        x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
+        if kind == "up":
+            moe_gate_up(x, torch.randn(8, 2 * I, D, device="cuda", dtype=torch.bfloat16), al, K, bm, tile)
+        else:
+            act = torch.randn(T * K, I, device="cuda", dtype=torch.bfloat16)
+            w2 = torch.randn(8, D, I, device="cuda", dtype=torch.bfloat16)
+            moe_down(act, w2, al, torch.rand(T, K, device="cuda"), bm, tile, False, T * K)
+    torch.cuda.synchronize()
+    return str(job)
+
+
+def sweep_bms(T: int) -> tuple[int, ...]:
+    return (16, 32)
+
+
+def sweep(copy_gbs: float, ts: Sequence[int], workers: int, res: dict[str, object]) -> None:
+    D, E, I, K = E2E
+    jobs = {("align", D, e, I, k, T, moe_config(T * k, e, 2, i, tokens=T).block_m, a)
+            for T in ts for e, i, k in ((E, I, K), (256, 256, 8), (32, 2048, 8)) for a in align_tiles(T * k, e)}
+    # GEMMs: one T (every M = T K and every padded P is a multiple of 16: the same specialization at each T)
+    jobs |= {(p, D, E, I, K, 64, bm, t) for T in ts for bm in sweep_bms(T) for p, ts_ in (("up", UP), ("down", DOWN))
+             for t in ts_}  # fmt: skip
+    if workers:
+        _prewarm_pool(_prewarm_job, sorted(jobs, key=str), workers)
+    rows: list[dict[str, object]] = []
+    res["sweep"] = rows
+    for T in ts:
+        for e, i, k in ((E, I, K), (256, 256, 8), (32, 2048, 8)):  # the align alone: ids only
+            ids = [torch.rand(T, e, device="cuda").topk(k, dim=-1).indices.to(torch.int32) for _ in range(CALLS)]
+            bm = moe_config(T * k, e, 2, i, tokens=T).block_m
+            al: dict[str, float] = {}
+            r = moe_align_ref(ids[0], e, bm)
+            for a in align_tiles(T * k, e):
+                al[str(tuple(a))] = safe(partial(graph_ms, [partial(moe_align, x, e, bm, tile=a) for x in ids]), str(a))
+                ok = al[str(tuple(a))] == al[str(tuple(a))]  # timed (not NaN): then check it, compiled
+                if ok and not _align_same(moe_align(ids[0], e, bm, tile=a), r):
+                    print(f"  MISMATCH align {a} E={e} T={T}")
+                    al[str(tuple(a))] = float("nan")
+            ref = graph_ms([partial(moe_align_ref, x, e, bm) for x in ids])
+            rows.append({"E": e, "I": i, "K": k, "T": T, "block_m": bm, "align_ms": al, "align_ref_ms": ref})
+            print(f"align E={e} K={k} T={T} bm={bm}: ref {ref * 1e3:.1f} us; " +
+                  ", ".join(f"{a} {v * 1e3:.1f}" for a, v in al.items()))  # fmt: skip
+        cs = Case(D, E, I, K, T, wsets=4)
+        base = previous_default(D, E, I, K, T)
+        row: dict[str, object] = {"D": D, "E": E, "I": I, "K": K, "T": T, "default": _cfg_str(base),
+                                  "touched_read_ms": cs.touched_read_ms(copy_gbs), "default_ms": cs.pipeline_ms(base)}
+        best: list[MoeConfig] = []
+        for bm in sweep_bms(T):
+            p = cs.parts_ms(MoeConfig(bm, UP[0], DOWN[0]), UP, DOWN)
+            row[f"parts_bm{bm}"] = p
+            up = min(UP, key=lambda t: _nan_inf(p["up"][str(tuple(t))]))  # type: ignore[index]
+            down = min(DOWN, key=lambda t: _nan_inf(p["down"][str(tuple(t))]))  # type: ignore[index]
+            best.append(MoeConfig(bm, up, down))
+            print(f"T={T} bm={bm}: align {p['align']*1e3:.1f} us sum {p['sum']*1e3:.1f} us; up " +
+                  ", ".join(f"{t} {v*1e3:.1f}" for t, v in p["up"].items()) + "; down " +  # type: ignore[union-attr]
+                  ", ".join(f"{t} {v*1e3:.1f}" for t, v in p["down"].items()))  # type: ignore[union-attr]  # fmt: skip
+        row["best_ms"] = {_cfg_str(c): safe(partial(cs.pipeline_ms, c), _cfg_str(c)) for c in best}
+        row["base_parts"] = cs.parts_ms(base, [base.gate_up], [base.down])
+        print(f"T={T}: default {_cfg_str(base)} {row['default_ms']:.4f} ms, touched-read {row['touched_read_ms']:.4f};"
+              f" best composed {row['best_ms']}")  # fmt: skip
+        rows.append(row)
+        del cs
+        torch.cuda.empty_cache()
+        save(res, "moe_e2e_sweep.json")
+
+
+def _align_same(a: MoeAlignment, r: MoeAlignment) -> bool:
+    used = int(r.num_padded.item())
+    return (int(a.num_padded.item()) == used and torch.equal(a.sorted_ids[:used], r.sorted_ids[:used])
+            and torch.equal(a.block_expert, r.block_expert))  # fmt: skip
+
+
+def _nan_inf(v: object) -> float:
+    f = float(v)  # type: ignore[arg-type]
+    return float("inf") if f != f else f
+
+
+def compare(copy_gbs: float, ts: Sequence[int], res: dict[str, object]) -> None:
+    """previous vs new default, ABAB (old, new, old, new: drift shows as the two old figures apart)."""
+    rows: list[dict[str, object]] = []
+    res["compare"] = rows
+    cells = [(*E2E, T) for T in ts] + CELLS_7168
+    for D, E, I, K, T in cells:
+        cs = Case(D, E, I, K, T, wsets=4 if D == 2048 else 2)
+        old, new = previous_default(D, E, I, K, T), new_default(D, E, I, K, T)
+        t_old = [cs.pipeline_ms(old)]
+        t_new = [cs.pipeline_ms(new)]
+        t_old.append(cs.pipeline_ms(old))
+        t_new.append(cs.pipeline_ms(new))
+        row = {"D": D, "E": E, "I": I, "K": K, "T": T, "old": _cfg_str(old), "new": _cfg_str(new),
+               "old_align": str(old.align), "new_align": str(new.align), "old_ms": t_old, "new_ms": t_new,
+               "touched_read_ms": cs.touched_read_ms(copy_gbs), "new_check": cs.check(new)}  # fmt: skip
+        if D == 2048:
+            row["old_parts"] = cs.parts_ms(old, [old.gate_up], [old.down])
+            row["new_parts"] = cs.parts_ms(new, [new.gate_up], [new.down])
+        rows.append(row)
+        o, n = min(t_old), min(t_new)
+        print(f"D={D} E={E} I={I} T={T}: old {t_old[0]:.4f}/{t_old[1]:.4f} new {t_new[0]:.4f}/{t_new[1]:.4f} ms "
+              f"({n / o:.3f}x), read {row['touched_read_ms']:.4f} -> {n / row['touched_read_ms']:.2f}x "  # type: ignore[operator]
+              f"(old {o / row['touched_read_ms']:.2f}x); {row['new_check']}; new {row['new']} {row['new_align']}")  # type: ignore[operator]  # fmt: skip
+        if D == 2048:
+            for k in ("old_parts", "new_parts"):
+                p = row[k]
+                print(f"   {k}: align {p['align']*1e3:.1f} us, up {list(p['up'].values())[0]*1e3:.1f}, down "  # type: ignore[index]
+                      f"{list(p['down'].values())[0]*1e3:.1f}, sum {p['sum']*1e3:.1f}")  # type: ignore[index]  # fmt: skip
+        del cs
+        torch.cuda.empty_cache()
+        save(res, "moe_e2e_compare.json")
+
+
+def save(res: dict[str, object], name: str) -> None:
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / name).write_text(json.dumps(res, indent=1))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--phase", choices=("sweep", "compare"), default="compare")
+    ap.add_argument("--ts", default=",".join(map(str, TS)))
+    ap.add_argument("--workers", type=int, default=12, help="prewarm processes (sweep); 0: compile inline")
+    a = ap.parse_args()
+    ts = [int(t) for t in a.ts.split(",")]
+    copy_gbs, gemm = ceilings()
+    res: dict[str, object] = {"ceilings": {"copy_GBps": copy_gbs, "gemm_TFLOPs": gemm}}
+    if a.phase == "sweep":
+        sweep(copy_gbs, ts, a.workers, res)
+    else:
+        compare(copy_gbs, ts, res)
+
+
+if __name__ == "__main__":
+    main()
