@@ -2,8 +2,8 @@
 bf16) at decode batches T = 16..256: each part alone, a tile sweep per GEMM, the align's launch shapes, and the
 default against the previous one; D = 7168 cells re-timed old vs new.
 
-Run (GPU): python bench/moe_e2e_shape.py --phase sweep     -> $OUT/moe_e2e_sweep.json
-           python bench/moe_e2e_shape.py --phase compare   -> $OUT/moe_e2e_compare.json
+Run (GPU): python bench/moe_e2e_shape.py --phase sweep                -> $OUT/moe_e2e_sweep.json
+           python bench/moe_e2e_shape.py --phase compare[+extras]     -> $OUT/moe_e2e_compare.json
 
 Timer: one CUDA graph holding CALLS calls in turn, call i on route set i % CALLS and weight set i % WSETS, replayed
 back to back (events around n replays, median of reps) / CALLS. As in the engine's graph: no flush between calls,
@@ -27,6 +27,7 @@ from timing import ceilings
 
 from r3trace.kernels.fused_moe import AlignTile, GemmTile, MoeConfig, fused_moe, fused_moe_ref, moe_config, moe_sum
 from r3trace.kernels.moe_align import MoeAlignment, moe_align, moe_align_ref
+from r3trace.kernels.moe_config import SHORT_D_DOWN, SHORT_D_UP_BM32
 from r3trace.kernels.moe_gemm import moe_down, moe_gate_up
 
 OUT = Path(os.environ.get("OUT", "out"))
@@ -154,7 +155,7 @@ class Case:
 
 
 def previous_default(D: int, E: int, I: int, K: int, T: int) -> MoeConfig:
-    """moe_config as committed before session 5 (80a576d): no hidden size, the old align launch."""
+    """moe_config as committed before session 5 (80a576d): hidden unknown (the D = 7168 tiles), the old align."""
     return moe_config(T * K, E, 2, I, tokens=T)._replace(align=None)
 
 
@@ -162,13 +163,33 @@ def new_default(D: int, E: int, I: int, K: int, T: int) -> MoeConfig:
     return moe_config(T * K, E, 2, I, tokens=T, hidden=D)
 
 
+# run 2 extras, around run 1's winners: align launches, down and gate_up tiles (TMA, stages, warps)
+ALIGN2 = [AlignTile(0, 32, 32, 4), AlignTile(0, 32, 32, 2), AlignTile(0, 64, 64, 2), AlignTile(0, 64, 64, 8),
+          AlignTile(0, 32, 64, 4), AlignTile(0, 64, 128, 4), AlignTile(0, 16, 32, 2)]  # fmt: skip
+DOWN2 = [SHORT_D_DOWN, GemmTile(128, 128, 1, 4, 4, tma=True), GemmTile(128, 128, 1, 8, 3, tma=True),
+         GemmTile(256, 128, 1, 8, 2, tma=True), GemmTile(128, 256, 1, 4, 2, tma=True),
+         GemmTile(256, 64, 1, 8, 4, tma=True), GemmTile(128, 64, 1, 4, 4, tma=True),
+         GemmTile(128, 64, 1, 4, 6, tma=True), GemmTile(256, 64, 1, 8, 3, tma=True),
+         GemmTile(128, 128, 1, 4, 2, tma=True)]  # fmt: skip
+UP2 = {16: [GemmTile(32, 256, 1, 4, 3), GemmTile(32, 256, 1, 4, 4, tma=True), GemmTile(32, 256, 1, 4, 2, tma=True),
+            GemmTile(32, 512, 1, 4, 2, tma=True), GemmTile(64, 256, 1, 8, 2, True, tma=True)],
+       32: [SHORT_D_UP_BM32, GemmTile(64, 128, 1, 4, 4, True, tma=True), GemmTile(64, 256, 1, 8, 2, True, tma=True),
+            GemmTile(32, 256, 1, 4, 3, True, tma=True), GemmTile(64, 128, 1, 8, 3, True, tma=True)]}  # fmt: skip
+
+
 def _prewarm_job(job: tuple) -> str:
-    """Compile one GEMM tile or align launch at the sizes the run uses (E = 8 experts for the GEMMs: E does not
-    enter their cache key, every size is a multiple of 16 or the same as at E = 64)."""
-    kind, D, E, I, K, T, bm, tile = job
+    """Compile one GEMM tile, align launch or whole pipeline at the sizes the run uses (E = 8 experts for the GEMMs
+    alone: E does not enter their cache key, every size is a multiple of 16 or the same as at E = 64; a pipeline
+    on uninitialized weights at the real E: values do not enter a compile)."""
+    kind, D, E, I, K, T, bm, tile, *pdl = job
     ids = torch.rand(T, E, device="cuda").topk(K, dim=-1).indices.to(torch.int32)
     if kind == "align":
-        moe_align(ids, E, bm, tile=tile)
+        moe_align(ids, E, bm, tile=tile, pdl=bool(pdl and pdl[0]))
+    elif kind == "pipe":
+        w13 = torch.empty(E, 2 * I, D, device="cuda", dtype=torch.bfloat16)
+        w2 = torch.empty(E, D, I, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
+        fused_moe(x, w13, w2, ids, torch.rand(T, K, device="cuda"), config=tile)
     else:
         ids = torch.rand(T, 8, device="cuda").topk(K, dim=-1).indices.to(torch.int32)
         al = moe_align(ids, 8, bm)
@@ -249,21 +270,49 @@ def _nan_inf(v: object) -> float:
     return float("inf") if f != f else f
 
 
+def prewarm_compare(ts: Sequence[int], workers: int, with_extras: bool) -> None:
+    """Every kernel compare (and extras) will run, compiled in parallel processes first."""
+    jobs: set[tuple] = set()
+    for D, E, I, K, T in [(*E2E, T) for T in ts] + CELLS_7168:
+        new = new_default(D, E, I, K, T)
+        cfgs = [previous_default(D, E, I, K, T), new, new._replace(pdl=True)]
+        cfgs += [moe_config(T * K, E, 2, I, tokens=T, hidden=2048)] if D > 4096 and I >= 512 else []
+        jobs |= {("pipe", D, E, I, K, T, 0, c) for c in cfgs}
+    D, E, I, K = E2E
+    for T in ts if with_extras else []:
+        for e, i, k in ((E, I, K), (256, 256, 8), (32, 2048, 8)):
+            new = moe_config(T * k, e, 2, i, tokens=T, hidden=D if e == E else 7168)
+            al = [(AlignTile(), False), (new.align, False), (new.align, True)] + [(a, False) for a in ALIGN2]
+            jobs |= {("align", D, e, i, k, T, new.block_m, a, pdl) for a, pdl in al}
+        bm = new_default(D, E, I, K, T).block_m
+        jobs |= {("up", D, E, I, K, 64, bm, t) for t in UP2[bm]} | {("down", D, E, I, K, 64, bm, t) for t in DOWN2}
+    if workers:
+        _prewarm_pool(_prewarm_job, sorted(jobs, key=str), workers)
+
+
 def compare(copy_gbs: float, ts: Sequence[int], res: dict[str, object]) -> None:
-    """previous vs new default, ABAB (old, new, old, new: drift shows as the two old figures apart)."""
+    """previous vs new default (and new with pdl), ABCABC: drift shows as the two figures of one config apart."""
     rows: list[dict[str, object]] = []
     res["compare"] = rows
     cells = [(*E2E, T) for T in ts] + CELLS_7168
     for D, E, I, K, T in cells:
         cs = Case(D, E, I, K, T, wsets=4 if D == 2048 else 2)
         old, new = previous_default(D, E, I, K, T), new_default(D, E, I, K, T)
-        t_old = [cs.pipeline_ms(old)]
-        t_new = [cs.pipeline_ms(new)]
-        t_old.append(cs.pipeline_ms(old))
-        t_new.append(cs.pipeline_ms(new))
+        pdl = new._replace(pdl=True)  # programmatic dependent launches: timed beside, with its own check
+        t_old, t_new, t_pdl = [], [], []
+        for _ in range(2):
+            t_old.append(cs.pipeline_ms(old))
+            t_new.append(cs.pipeline_ms(new))
+            t_pdl.append(safe(partial(cs.pipeline_ms, pdl), "pdl"))
         row = {"D": D, "E": E, "I": I, "K": K, "T": T, "old": _cfg_str(old), "new": _cfg_str(new),
                "old_align": str(old.align), "new_align": str(new.align), "old_ms": t_old, "new_ms": t_new,
                "touched_read_ms": cs.touched_read_ms(copy_gbs), "new_check": cs.check(new)}  # fmt: skip
+        row["new_pdl_ms"], row["new_pdl_check"] = t_pdl, cs.check(pdl)
+        if D > 4096 and I >= 512:  # would the short-D tiles (gated off at D = 7168) help here too? (not the default)
+            short = moe_config(T * K, E, 2, I, tokens=T, hidden=2048)
+            row["short_d_tiles"] = _cfg_str(short)
+            row["short_d_tiles_ms"] = safe(partial(cs.pipeline_ms, short), "short")
+        print(f"   pdl {t_pdl} ms {row['new_pdl_check']}; short-D tiles {row.get('short_d_tiles_ms')}")
         if D == 2048:
             row["old_parts"] = cs.parts_ms(old, [old.gate_up], [old.down])
             row["new_parts"] = cs.parts_ms(new, [new.gate_up], [new.down])
@@ -282,6 +331,37 @@ def compare(copy_gbs: float, ts: Sequence[int], res: dict[str, object]) -> None:
         save(res, "moe_e2e_compare.json")
 
 
+def extras(ts: Sequence[int], res: dict[str, object]) -> None:
+    """Run 2's extra launches around run 1's winners (module lists ALIGN2, DOWN2, UP2), each part alone."""
+    D, E, I, K = E2E
+    rows: list[dict[str, object]] = []
+    res["extras"] = rows
+    for T in ts:
+        for e, i, k in ((E, I, K), (256, 256, 8), (32, 2048, 8)):
+            ids = [torch.rand(T, e, device="cuda").topk(k, dim=-1).indices.to(torch.int32) for _ in range(CALLS)]
+            new = moe_config(T * k, e, 2, i, tokens=T, hidden=D if e == E else 7168)
+            r = moe_align_ref(ids[0], e, new.block_m)
+            al: dict[str, float] = {}
+            for a, pdl in [(AlignTile(), False), (new.align, False), (new.align, True)] + [(a, False) for a in ALIGN2]:
+                key = f"{tuple(a) if a else None}{' pdl' * pdl}"
+                fns = [partial(moe_align, x, e, new.block_m, tile=a, pdl=pdl) for x in ids]
+                al[key] = safe(partial(graph_ms, fns), key)
+                if al[key] == al[key] and not _align_same(moe_align(ids[0], e, new.block_m, tile=a, pdl=pdl), r):
+                    print(f"  MISMATCH align {key} E={e} T={T}")
+                    al[key] = float("nan")
+            rows.append({"E": e, "K": k, "T": T, "block_m": new.block_m, "align_ms": al})
+            print(f"align E={e} T={T}: " + ", ".join(f"{a} {v * 1e3:.1f}" for a, v in al.items()))
+        cs = Case(D, E, I, K, T, wsets=4)
+        new = new_default(D, E, I, K, T)
+        p = cs.parts_ms(new, UP2[new.block_m], DOWN2)
+        rows.append({"D": D, "E": E, "I": I, "K": K, "T": T, "block_m": new.block_m, "parts": p})
+        print(f"T={T} bm={new.block_m}: up " + ", ".join(f"{t} {v * 1e3:.1f}" for t, v in p["up"].items())  # type: ignore[union-attr]
+              + "; down " + ", ".join(f"{t} {v * 1e3:.1f}" for t, v in p["down"].items()))  # type: ignore[union-attr]  # fmt: skip
+        del cs
+        torch.cuda.empty_cache()
+        save(res, "moe_e2e_compare.json")
+
+
 def save(res: dict[str, object], name: str) -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / name).write_text(json.dumps(res, indent=1))
@@ -289,7 +369,7 @@ def save(res: dict[str, object], name: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--phase", choices=("sweep", "compare"), default="compare")
+    ap.add_argument("--phase", choices=("sweep", "compare", "compare+extras"), default="compare")
     ap.add_argument("--ts", default=",".join(map(str, TS)))
     ap.add_argument("--workers", type=int, default=12, help="prewarm processes (sweep); 0: compile inline")
     a = ap.parse_args()
@@ -299,7 +379,10 @@ def main() -> None:
     if a.phase == "sweep":
         sweep(copy_gbs, ts, a.workers, res)
     else:
+        prewarm_compare(ts, a.workers, a.phase == "compare+extras")
         compare(copy_gbs, ts, res)
+        if a.phase == "compare+extras":
+            extras(ts, res)
 
 
 if __name__ == "__main__":

@@ -21,11 +21,13 @@ built on either is bitwise the same):
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from r3trace.kernels.contract import INDEX_DTYPES, require, require_tensor
 from r3trace.kernels.moe_config import AlignTile
@@ -49,6 +51,16 @@ def align_capacity(num_pairs: int, num_experts: int, block_m: int) -> int:
     return triton.cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1), block_m) * block_m
 
 
+@functools.lru_cache(maxsize=8)
+def _sm90(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def has_pdl(t: torch.Tensor) -> bool:
+    """Programmatic dependent launch (griddepcontrol) runs compiled on sm_90+ only; the interpreter has none."""
+    return t.is_cuda and _sm90(t.device.index or 0)
+
+
 def _check(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> None:
     require_tensor("topk_ids", topk_ids, 2, INDEX_DTYPES, topk_ids.device)
     require(topk_ids.is_contiguous(), "topk_ids must be contiguous")
@@ -67,7 +79,12 @@ def _chunk_counts(ids_ptr, start, end, offs_e, e_mask, SUB: tl.constexpr, BLOCK_
 
 
 @triton.jit
-def _align_count_kernel(ids_ptr, counts_ptr, M, E, chunk, SUB: tl.constexpr, BLOCK_E: tl.constexpr):
+def _align_count_kernel(
+    ids_ptr, counts_ptr, M, E, chunk, SUB: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr
+):  # fmt: skip
+    if PDL:  # a programmatic dependent: the kernel ahead (top-k, the last call's sum) may still run
+        gdc_wait()
+        gdc_launch_dependents()
     c = tl.program_id(0)
     offs_e = tl.arange(0, BLOCK_E)
     e_mask = offs_e < E
@@ -84,8 +101,11 @@ def _align_scatter_kernel(
     M, E, num_chunks, chunk, num_blocks,
     # constexpr
     SINGLE: tl.constexpr, ONE_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
-    BLOCK_C: tl.constexpr, SUB: tl.constexpr, PAD_ROWS: tl.constexpr, BLOCK_B: tl.constexpr,
+    BLOCK_C: tl.constexpr, SUB: tl.constexpr, PAD_ROWS: tl.constexpr, BLOCK_B: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    if PDL:  # nothing global is read or written before the kernel ahead is complete
+        gdc_wait()
+        gdc_launch_dependents()
     c = tl.program_id(0)
     offs_e = tl.arange(0, BLOCK_E)
     e_mask = offs_e < E
@@ -150,12 +170,17 @@ def _align_scatter_kernel(
 
 
 def moe_align(
-    topk_ids: torch.Tensor, num_experts: int, block_m: int, chunk: int | None = None, tile: AlignTile | None = None
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    block_m: int,
+    chunk: int | None = None,
+    tile: AlignTile | None = None,
+    pdl: bool = False,
 ) -> MoeAlignment:
     """topk_ids [T, K] -> MoeAlignment (module docstring); Triton, 1-2 launches, no host sync.
     tile: the launch shape (kernels/moe_config.py AlignTile; None: AlignTile(), the layout before session 5).
     chunk: pairs per program, over tile.chunk (None: 8 one-hot tiles, at most MAX_CHUNKS programs); tests
-    pass odd ones."""
+    pass odd ones. pdl: launched as programmatic dependents (sm_90+ compiled; ignored elsewhere)."""
     _check(topk_ids, num_experts, block_m)
     tile = tile or AlignTile()
     require(tile.num_warps in (1, 2, 4, 8, 16), f"align num_warps {tile.num_warps} not a power of 2 <= 16")
@@ -180,14 +205,16 @@ def moe_align(
     num_chunks = triton.cdiv(M, chunk)
     counts = torch.empty((num_chunks, E), dtype=torch.int32, device=dev) if num_chunks > 1 else num_padded
     warps = tile.num_warps
+    pdl = pdl and has_pdl(topk_ids)
     if num_chunks > 1:
-        _align_count_kernel[(num_chunks,)](topk_ids, counts, M, E, chunk, SUB=sub, BLOCK_E=block_e, num_warps=warps)
+        _align_count_kernel[(num_chunks,)](topk_ids, counts, M, E, chunk, SUB=sub, BLOCK_E=block_e, PDL=pdl,
+                                           num_warps=warps, launch_pdl=pdl)  # fmt: skip
     _align_scatter_kernel[(num_chunks,)](
         topk_ids, counts, sorted_ids, block_expert, num_padded,
         M, E, num_chunks, chunk, cap // block_m,
         SINGLE=num_chunks == 1, ONE_TILE=one_tile, BLOCK_M=block_m, BLOCK_E=block_e,
         BLOCK_C=min(MAX_CHUNKS, ONE_HOT_ELEMS // block_e), SUB=sub,  # fixed per tile: no recompiles across T
-        PAD_ROWS=min(triton.next_power_of_2(block_m), sub), BLOCK_B=sub, num_warps=warps,
+        PAD_ROWS=min(triton.next_power_of_2(block_m), sub), BLOCK_B=sub, PDL=pdl, num_warps=warps, launch_pdl=pdl,
     )  # fmt: skip
     return MoeAlignment(sorted_ids, block_expert, num_padded)
 

@@ -57,6 +57,7 @@ class MoeConfig(NamedTuple):
     gemv: GemvTile | None = None  # set: the align-free decode path (block_m, gate_up, down unused)
     sorted_act: bool = False  # act [P, I] at the pairs' sorted positions: contiguous gate_up stores, down A rows
     align: AlignTile | None = None  # None: AlignTile(), the align launch before session 5
+    pdl: bool = False  # align, GEMMs and sum launched as programmatic dependents (sm_90+): each waits first
 
 
 def same_tiles(block_m: int, block_n: int, block_k: int, group_m: int, warps: int, stages: int) -> MoeConfig:
@@ -65,7 +66,33 @@ def same_tiles(block_m: int, block_n: int, block_k: int, group_m: int, warps: in
     return MoeConfig(block_m, tile, tile)
 
 
-def grouped_config(num_pairs: int, num_experts: int, itemsize: int = 2, inter: int = 0) -> MoeConfig:
+# Session 5 (bench/NOTES.md "moee2e, session 5" run 1; the end-to-end model's D = 2048, E = 64, I = 512, K = 6,
+# bf16; us per call, 8 calls in one graph, weights from HBM; touched-read 95 us from T = 32 on). With D = 2048
+# the gate_up is 8 steps of BLOCK_K 256, so each program's pipeline fill and drain weigh more than at D = 7168.
+# gate_up: the committed (32, 256, 1, 4, 3) at BLOCK_M 16 is within 1% of the best of 17 tiles up to T = 64
+# (66.1 us at T = 64 for 268 MB: 4.06 TB/s); at 12 rows per expert (T = 128) BLOCK_M 32 with gate/up interleaved
+# and TMA weights 66.4 vs 69.6, at 24 rows (T = 256) 69.4 vs the committed (64, 128, 4, 4, 4) 73.5. down: 128 x 128
+# tiles, 3 stages, TMA weights won at every T and both BLOCK_M of 17 tiles: T = 64 36.0 vs 38.3, T = 16 29.4 vs
+# 31.1, T = 256 (BLOCK_M 32) 40.4 vs 42.8. Measured only at D = 2048 / I = 512: SHORT_D and inter >= 512 bound it
+SHORT_D = 4096
+SHORT_D_UP_BM32 = GemmTile(64, 128, 1, 4, 3, True, tma=True)
+SHORT_D_DOWN = GemmTile(128, 128, 1, 4, 3, tma=True)
+
+
+def align_tile(num_pairs: int, num_experts: int) -> AlignTile | None:
+    """moe_align's launch at decode sizes (session 5 run 1, graph us, 8 route sets): up to 2048 pairs and 256
+    experts, several 64-pair programs (two launches) instead of one program walking every pair twice: E = 64,
+    K = 6: T = 64 7.9 vs 14.2, T = 256 8.0 vs 43.5; E = 256, K = 8, T = 64 14.5 vs 38.4; E = 32, T = 64 5.3 vs 8.4.
+    Where all pairs fit one [M, E] one-hot tile of 8192 ints, one program counts and ranks from that one tile:
+    E = 32, T = 16 2.6 vs 5.1 (chunks 5.2); E = 64, T = 16 5.8 vs 6.6 (chunks 7.4). None (the old launch) above
+    2048 pairs: there 64-pair chunks would be many programs each re-reading every chunk's counts (a C^2 E read)."""
+    if num_pairs > 2048 or num_experts > 256:
+        return None
+    block_e = 1 << (num_experts - 1).bit_length()
+    return AlignTile(one_tile_pairs=8192 // block_e, sub=64, chunk=64, num_warps=4)
+
+
+def grouped_config(num_pairs: int, num_experts: int, itemsize: int = 2, inter: int = 0, hidden: int = 0) -> MoeConfig:
     """Grouped-path tiles by the mean rows per expert (H200 sweeps, bench/NOTES.md "Fused MoE" runs 1-2,
     bf16, D = 7168).
 
@@ -85,8 +112,16 @@ def grouped_config(num_pairs: int, num_experts: int, itemsize: int = 2, inter: i
 
     fp32 halves BLOCK_K and never takes the whole-K down: the gate_up kernel stages an A tile and two B
     tiles per pipeline stage, and at 4 bytes (16, 64, 128) x 4 stages needs 295 KB of shared memory,
-    over the H200's 227 KB (seen on the H200: OutOfResources, required 245760)."""
+    over the H200's 227 KB (seen on the H200: OutOfResources, required 245760).
+
+    hidden = D <= SHORT_D with I >= 512 in bf16 below 64 rows: the session 5 tiles (comment above SHORT_D); hidden
+    = 0 (unknown) keeps the tiles above. The align launch: align_tile's, by pairs and experts."""
     rows = num_pairs / max(1, num_experts)
+    align = align_tile(num_pairs, num_experts)
+    if itemsize == 2 and 0 < hidden <= SHORT_D and inter >= 512 and rows < 64:
+        if rows < 8:
+            return MoeConfig(16, GemmTile(32, 256, 1, 4, 3), SHORT_D_DOWN, align=align)
+        return MoeConfig(32, SHORT_D_UP_BM32, SHORT_D_DOWN, align=align)
     if rows < 16:
         bm, up, down, whole_k = 16, GemmTile(32, 256, 1, 4, 3), GemmTile(64, 128, 1, 4, 4), 16
     elif rows < 64:  # gate_up interleaved measured only at I = 256 (E = 256, T = 1k: 0.50 vs 0.53 ms)
@@ -100,7 +135,7 @@ def grouped_config(num_pairs: int, num_experts: int, itemsize: int = 2, inter: i
         up, down = up._replace(block_k=up.block_k // 2), down._replace(block_k=down.block_k // 2)
     elif 0 < inter <= 256:
         down = GemmTile(64, 256, min(8, up.group_m), up.num_warps, 3, n_split=whole_k, tma=bm == 128)
-    return MoeConfig(bm, up, down)
+    return MoeConfig(bm, up, down, align=align)
 
 
 # Session 3 run 2 (bench/NOTES.md "Fused MoE, session 3"; graph ms, D = 7168, K = 8, each kernel alone): the
@@ -127,8 +162,9 @@ def moe_config(
     grouped): E = 256 / I = 256, T = 1 0.036 vs 0.052 (earlier run), T = 2 0.057 vs 0.067, T = 4 0.094 vs
     0.109 (T = 3 not measured: between the two); T = 16 went to grouped before (0.32 vs 0.28, "Fused MoE at
     small T" run 1). E = 32 / I = 2048, T = 1: 0.172 vs 0.189 (T = 2 grouped: 0.310 vs 0.337 then). Session 4
-    ("moet1, session 4" run 2): evict_first weight loads at T <= 2, E = 256 T = 1 0.032, T = 2 0.053."""
-    grouped = grouped_config(num_pairs, num_experts, itemsize, inter)
+    ("moet1, session 4" run 2): evict_first weight loads at T <= 2, E = 256 T = 1 0.032, T = 2 0.053. hidden: D, for
+    grouped_config's short-D tiles (0: unknown, the tiles measured at D = 7168)."""
+    grouped = grouped_config(num_pairs, num_experts, itemsize, inter, hidden)
     if tokens == 1 and inter > 256:
         return grouped._replace(gemv=GEMV_WIDE)
     if 1 <= tokens <= 4 and 0 < inter <= 256:
