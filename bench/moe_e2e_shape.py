@@ -156,7 +156,7 @@ class Case:
 
 def previous_default(D: int, E: int, I: int, K: int, T: int) -> MoeConfig:
     """moe_config as committed before session 5 (80a576d): hidden unknown (the D = 7168 tiles), the old align."""
-    return moe_config(T * K, E, 2, I, tokens=T)._replace(align=None)
+    return moe_config(T * K, E, 2, I, tokens=T)._replace(align=None, pdl=False)
 
 
 def new_default(D: int, E: int, I: int, K: int, T: int) -> MoeConfig:
@@ -270,12 +270,12 @@ def _nan_inf(v: object) -> float:
     return float("inf") if f != f else f
 
 
-def prewarm_compare(ts: Sequence[int], workers: int, with_extras: bool) -> None:
+def prewarm_compare(ts: Sequence[int], workers: int, with_extras: bool, cells_7168: Sequence[tuple]) -> None:
     """Every kernel compare (and extras) will run, compiled in parallel processes first."""
     jobs: set[tuple] = set()
-    for D, E, I, K, T in [(*E2E, T) for T in ts] + CELLS_7168:
+    for D, E, I, K, T in [(*E2E, T) for T in ts] + list(cells_7168):
         new = new_default(D, E, I, K, T)
-        cfgs = [previous_default(D, E, I, K, T), new, new._replace(pdl=True)]
+        cfgs = [previous_default(D, E, I, K, T), new, new._replace(pdl=not new.pdl)]
         cfgs += [moe_config(T * K, E, 2, I, tokens=T, hidden=2048)] if D > 4096 and I >= 512 else []
         jobs |= {("pipe", D, E, I, K, T, 0, c) for c in cfgs}
     D, E, I, K = E2E
@@ -290,15 +290,15 @@ def prewarm_compare(ts: Sequence[int], workers: int, with_extras: bool) -> None:
         _prewarm_pool(_prewarm_job, sorted(jobs, key=str), workers)
 
 
-def compare(copy_gbs: float, ts: Sequence[int], res: dict[str, object]) -> None:
+def compare(copy_gbs: float, ts: Sequence[int], res: dict[str, object], cells_7168: Sequence[tuple]) -> None:
     """previous vs new default (and new with pdl), ABCABC: drift shows as the two figures of one config apart."""
     rows: list[dict[str, object]] = []
     res["compare"] = rows
-    cells = [(*E2E, T) for T in ts] + CELLS_7168
+    cells = [(*E2E, T) for T in ts] + list(cells_7168)
     for D, E, I, K, T in cells:
         cs = Case(D, E, I, K, T, wsets=4 if D == 2048 else 2)
         old, new = previous_default(D, E, I, K, T), new_default(D, E, I, K, T)
-        pdl = new._replace(pdl=True)  # programmatic dependent launches: timed beside, with its own check
+        pdl = new._replace(pdl=not new.pdl)  # run 2: pdl timed beside (off in new); run 3: pdl off beside (on in new)
         t_old, t_new, t_pdl = [], [], []
         for _ in range(2):
             t_old.append(cs.pipeline_ms(old))
@@ -307,12 +307,12 @@ def compare(copy_gbs: float, ts: Sequence[int], res: dict[str, object]) -> None:
         row = {"D": D, "E": E, "I": I, "K": K, "T": T, "old": _cfg_str(old), "new": _cfg_str(new),
                "old_align": str(old.align), "new_align": str(new.align), "old_ms": t_old, "new_ms": t_new,
                "touched_read_ms": cs.touched_read_ms(copy_gbs), "new_check": cs.check(new)}  # fmt: skip
-        row["new_pdl_ms"], row["new_pdl_check"] = t_pdl, cs.check(pdl)
+        row["new_pdl_flipped_ms"], row["new_pdl_flipped_check"] = t_pdl, cs.check(pdl)
         if D > 4096 and I >= 512:  # would the short-D tiles (gated off at D = 7168) help here too? (not the default)
             short = moe_config(T * K, E, 2, I, tokens=T, hidden=2048)
             row["short_d_tiles"] = _cfg_str(short)
             row["short_d_tiles_ms"] = safe(partial(cs.pipeline_ms, short), "short")
-        print(f"   pdl {t_pdl} ms {row['new_pdl_check']}; short-D tiles {row.get('short_d_tiles_ms')}")
+        print(f"   pdl={pdl.pdl}: {t_pdl} ms {row['new_pdl_flipped_check']}; short-D {row.get('short_d_tiles_ms')}")
         if D == 2048:
             row["old_parts"] = cs.parts_ms(old, [old.gate_up], [old.down])
             row["new_parts"] = cs.parts_ms(new, [new.gate_up], [new.down])
@@ -371,16 +371,18 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--phase", choices=("sweep", "compare", "compare+extras"), default="compare")
     ap.add_argument("--ts", default=",".join(map(str, TS)))
-    ap.add_argument("--workers", type=int, default=12, help="prewarm processes (sweep); 0: compile inline")
+    ap.add_argument("--workers", type=int, default=12, help="prewarm processes; 0: compile inline")
+    ap.add_argument("--d7168", default="", help="ExIxT list of D = 7168 cells (K = 8); default: CELLS_7168")
     a = ap.parse_args()
     ts = [int(t) for t in a.ts.split(",")]
+    cells = [(7168, *(int(v) for v in c.split("x")[:2]), 8, int(c.split("x")[2])) for c in a.d7168.split(",") if c]
     copy_gbs, gemm = ceilings()
     res: dict[str, object] = {"ceilings": {"copy_GBps": copy_gbs, "gemm_TFLOPs": gemm}}
     if a.phase == "sweep":
         sweep(copy_gbs, ts, a.workers, res)
     else:
-        prewarm_compare(ts, a.workers, a.phase == "compare+extras")
-        compare(copy_gbs, ts, res)
+        prewarm_compare(ts, a.workers, a.phase == "compare+extras", cells or CELLS_7168)
+        compare(copy_gbs, ts, res, cells or CELLS_7168)
         if a.phase == "compare+extras":
             extras(ts, res)
 
