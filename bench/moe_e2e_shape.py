@@ -163,6 +163,20 @@ def new_default(D: int, E: int, I: int, K: int, T: int) -> MoeConfig:
     return moe_config(T * K, E, 2, I, tokens=T, hidden=D)
 
 
+def candidate(D: int, E: int, I: int, K: int, T: int) -> MoeConfig:
+    """Run 2's part winners composed into the default (not default: timed beside it by --candidate): the align on
+    32-pair chunks of [32, E] tiles, gate_up (32, 256, 1, 4, 2, tma) at BLOCK_M 16, down (128, 128, 1, 4, 2, tma) at
+    BLOCK_M 32."""
+    c = new_default(D, E, I, K, T)
+    if c.align is not None:
+        c = c._replace(align=c.align._replace(sub=32, chunk=32))
+    if c.down == SHORT_D_DOWN and c.block_m == 16:
+        c = c._replace(gate_up=GemmTile(32, 256, 1, 4, 2, tma=True))
+    elif c.down == SHORT_D_DOWN:
+        c = c._replace(down=GemmTile(128, 128, 1, 4, 2, tma=True))
+    return c
+
+
 # run 2 extras, around run 1's winners: align launches, down and gate_up tiles (TMA, stages, warps)
 ALIGN2 = [AlignTile(0, 32, 32, 4), AlignTile(0, 32, 32, 2), AlignTile(0, 64, 64, 2), AlignTile(0, 64, 64, 8),
           AlignTile(0, 32, 64, 4), AlignTile(0, 64, 128, 4), AlignTile(0, 16, 32, 2)]  # fmt: skip
@@ -270,12 +284,15 @@ def _nan_inf(v: object) -> float:
     return float("inf") if f != f else f
 
 
-def prewarm_compare(ts: Sequence[int], workers: int, with_extras: bool, cells_7168: Sequence[tuple]) -> None:
+def prewarm_compare(
+    ts: Sequence[int], workers: int, with_extras: bool, cells_7168: Sequence[tuple], with_candidate: bool
+) -> None:
     """Every kernel compare (and extras) will run, compiled in parallel processes first."""
     jobs: set[tuple] = set()
     for D, E, I, K, T in [(*E2E, T) for T in ts] + list(cells_7168):
         new = new_default(D, E, I, K, T)
-        cfgs = [previous_default(D, E, I, K, T), new, new._replace(pdl=not new.pdl)]
+        third = candidate(D, E, I, K, T) if with_candidate else new._replace(pdl=not new.pdl)
+        cfgs = [previous_default(D, E, I, K, T), new, third]
         cfgs += [moe_config(T * K, E, 2, I, tokens=T, hidden=2048)] if D > 4096 and I >= 512 else []
         jobs |= {("pipe", D, E, I, K, T, 0, c) for c in cfgs}
     D, E, I, K = E2E
@@ -290,7 +307,9 @@ def prewarm_compare(ts: Sequence[int], workers: int, with_extras: bool, cells_71
         _prewarm_pool(_prewarm_job, sorted(jobs, key=str), workers)
 
 
-def compare(copy_gbs: float, ts: Sequence[int], res: dict[str, object], cells_7168: Sequence[tuple]) -> None:
+def compare(
+    copy_gbs: float, ts: Sequence[int], res: dict[str, object], cells_7168: Sequence[tuple], with_candidate: bool
+) -> None:
     """previous vs new default (and new with pdl), ABCABC: drift shows as the two figures of one config apart."""
     rows: list[dict[str, object]] = []
     res["compare"] = rows
@@ -298,7 +317,8 @@ def compare(copy_gbs: float, ts: Sequence[int], res: dict[str, object], cells_71
     for D, E, I, K, T in cells:
         cs = Case(D, E, I, K, T, wsets=4 if D == 2048 else 2)
         old, new = previous_default(D, E, I, K, T), new_default(D, E, I, K, T)
-        pdl = new._replace(pdl=not new.pdl)  # run 2: pdl timed beside (off in new); run 3: pdl off beside (on in new)
+        # run 2: pdl timed beside (off in new); run 3: the candidate beside (pdl on in both)
+        pdl = candidate(D, E, I, K, T) if with_candidate else new._replace(pdl=not new.pdl)
         t_old, t_new, t_pdl = [], [], []
         for _ in range(2):
             t_old.append(cs.pipeline_ms(old))
@@ -307,12 +327,13 @@ def compare(copy_gbs: float, ts: Sequence[int], res: dict[str, object], cells_71
         row = {"D": D, "E": E, "I": I, "K": K, "T": T, "old": _cfg_str(old), "new": _cfg_str(new),
                "old_align": str(old.align), "new_align": str(new.align), "old_ms": t_old, "new_ms": t_new,
                "touched_read_ms": cs.touched_read_ms(copy_gbs), "new_check": cs.check(new)}  # fmt: skip
-        row["new_pdl_flipped_ms"], row["new_pdl_flipped_check"] = t_pdl, cs.check(pdl)
+        row["third"] = _cfg_str(pdl) + f" pdl={pdl.pdl} align={pdl.align}"
+        row["third_ms"], row["third_check"] = t_pdl, cs.check(pdl)
         if D > 4096 and I >= 512:  # would the short-D tiles (gated off at D = 7168) help here too? (not the default)
             short = moe_config(T * K, E, 2, I, tokens=T, hidden=2048)
             row["short_d_tiles"] = _cfg_str(short)
             row["short_d_tiles_ms"] = safe(partial(cs.pipeline_ms, short), "short")
-        print(f"   pdl={pdl.pdl}: {t_pdl} ms {row['new_pdl_flipped_check']}; short-D {row.get('short_d_tiles_ms')}")
+        print(f"   third {row['third']}: {t_pdl} ms {row['third_check']}; short-D {row.get('short_d_tiles_ms')}")
         if D == 2048:
             row["old_parts"] = cs.parts_ms(old, [old.gate_up], [old.down])
             row["new_parts"] = cs.parts_ms(new, [new.gate_up], [new.down])
@@ -374,6 +395,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=12, help="prewarm processes; 0: compile inline")
     ap.add_argument("--d7168", default="", help="ExIxT list of D = 7168 cells (K = 8); default: CELLS_7168")
     ap.add_argument("--copy-gbs", type=float, default=0.0, help="copy rate of an earlier run (skips the ceilings)")
+    ap.add_argument("--candidate", action="store_true", help="compare: time candidate() beside, not pdl flipped")
     a = ap.parse_args()
     ts = [int(t) for t in a.ts.split(",")]
     cells = [(7168, *(int(v) for v in c.split("x")[:2]), 8, int(c.split("x")[2])) for c in a.d7168.split(",") if c]
@@ -382,8 +404,8 @@ def main() -> None:
     if a.phase == "sweep":
         sweep(copy_gbs, ts, a.workers, res)
     else:
-        prewarm_compare(ts, a.workers, a.phase == "compare+extras", cells or CELLS_7168)
-        compare(copy_gbs, ts, res, cells or CELLS_7168)
+        prewarm_compare(ts, a.workers, a.phase == "compare+extras", cells or CELLS_7168, a.candidate)
+        compare(copy_gbs, ts, res, cells or CELLS_7168, a.candidate)
         if a.phase == "compare+extras":
             extras(ts, res)
 

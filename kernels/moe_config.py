@@ -66,36 +66,34 @@ def same_tiles(block_m: int, block_n: int, block_k: int, group_m: int, warps: in
     return MoeConfig(block_m, tile, tile)
 
 
-# Session 5 (bench/NOTES.md "moee2e, session 5" runs 1-2; the end-to-end model's D = 2048, E = 64, I = 512, K = 6,
+# Session 5 (bench/NOTES.md "moee2e, session 5" run 1; the end-to-end model's D = 2048, E = 64, I = 512, K = 6,
 # bf16; us per call, 8 calls in one graph, weights from HBM; touched-read 95 us from T = 32 on). With D = 2048
 # the gate_up is 8 steps of BLOCK_K 256, so each program's pipeline fill and drain weigh more than at D = 7168.
-# gate_up, BLOCK_M 16: the committed (32, 256, 1, 4, 3) was within 1% of the best of 17 tiles in run 1; in run 2
-# the same tile with 2 stages and TMA weights (80 KB of shared memory: two programs an SM) 64.4 vs 65.8 at T = 64
-# (268 MB: 4.17 TB/s), 50.9 vs 53.4 at T = 16. From 12 rows per expert (T = 128) BLOCK_M 32 with gate/up
-# interleaved and TMA weights: 66.4 vs 69.6 (BLOCK_M 16), at T = 256 69.4 vs the committed (64, 128, 4, 4, 4) 73.5.
-# down: 128 x 128 TMA tiles won at every T and both BLOCK_M among 17 (run 1: T = 64 36.0 vs 38.3, T = 16 29.4 vs
-# 31.1); at BLOCK_M 32 with 2 stages (run 2: T = 128 37.5 vs 38.5, T = 256 38.7 vs 40.4; at BLOCK_M 16 3 stages
-# 35.6 tied 2). Measured only at D = 2048 / I = 512: SHORT_D and inter >= 512 bound it
+# gate_up: the committed (32, 256, 1, 4, 3) at BLOCK_M 16 is within 1% of the best of 17 tiles up to T = 64
+# (66.1 us at T = 64 for 268 MB: 4.06 TB/s); at 12 rows per expert (T = 128) BLOCK_M 32 with gate/up interleaved
+# and TMA weights 66.4 vs 69.6, at 24 rows (T = 256) 69.4 vs the committed (64, 128, 4, 4, 4) 73.5. down: 128 x 128
+# tiles, 3 stages, TMA weights won at every T and both BLOCK_M of 17 tiles: T = 64 36.0 vs 38.3, T = 16 29.4 vs
+# 31.1, T = 256 (BLOCK_M 32) 40.4 vs 42.8. Measured only at D = 2048 / I = 512: SHORT_D and inter >= 512 bound it.
+# Run 2 found, each GEMM alone, gate_up (32, 256, 1, 4, 2, tma) 64.4 vs 65.8 at T = 64 and down (128, 128, 1, 4, 2,
+# tma) at BLOCK_M 32 38.7 vs 40.4 at T = 256: not yet timed inside the pipeline, so not taken
 SHORT_D = 4096
-SHORT_D_UP_BM16 = GemmTile(32, 256, 1, 4, 2, tma=True)
 SHORT_D_UP_BM32 = GemmTile(64, 128, 1, 4, 3, True, tma=True)
 SHORT_D_DOWN = GemmTile(128, 128, 1, 4, 3, tma=True)
-SHORT_D_DOWN_BM32 = GemmTile(128, 128, 1, 4, 2, tma=True)
 
 
 def align_tile(num_pairs: int, num_experts: int) -> AlignTile | None:
     """moe_align's launch at decode sizes (bench/NOTES.md "moee2e, session 5" runs 1-2, graph us, 8 route sets): up
-    to 2048 pairs and 256 experts, 32-pair programs on [32, E] one-hot tiles, 4 warps (two launches) instead of one
-    program walking every pair twice (run 2): E = 64, K = 6: T = 64 6.1 vs 17.3, T = 256 6.3 vs 43.5; E = 256, K = 8:
-    T = 16 8.8 vs 14.6, T = 64 9.1 vs 38.9; E = 32: T = 64 4.6 vs 8.5. 64-pair chunks on [64, E] tiles were 8.3 /
-    14.5 / 5.2 at T = 64 and, at E = 256 / T = 16, 2% slower than the old launch inside the pipeline (294.4 vs 288.7
-    us at D = 7168) though tied alone. Where all pairs fit one [M, E] tile of 8192 ints, one program counts and
-    ranks from that tile: E = 32, T = 16 2.7 vs 5.1 (32-pair chunks 4.5); E = 64, T = 16 6.1 vs 6.7 (5.9). None (the
-    old launch) above 2048 pairs: there small chunks are many programs each re-reading every chunk's counts."""
+    to 2048 pairs and 256 experts, 64-pair programs on [64, E] one-hot tiles, 4 warps (two launches) instead of one
+    program walking every pair twice (run 1): E = 64, K = 6: T = 64 7.9 vs 14.2, T = 256 8.0 vs 43.5; E = 256, K = 8:
+    T = 64 14.5 vs 38.4 (T = 16: 14.2 vs 14.5); E = 32: T = 64 5.3 vs 8.4. Where all pairs fit one [M, E] tile of 8192
+    ints, one program counts and ranks from that tile: E = 32, T = 16 2.6 vs 5.1; E = 64, T = 16 5.8 vs 6.6. None
+    (the old launch) above 2048 pairs: there small chunks are many programs each re-reading every chunk's counts.
+    Run 2 measured 32-pair chunks on [32, E] tiles faster alone (E = 64 T = 64 6.1 vs 8.3, E = 256 T = 16 8.8 vs 14.3)
+    but not yet inside the pipeline, where the 64-pair launch costs E = 256 / T = 16 1-2% (BENCHMARKS.md)."""
     if num_pairs > 2048 or num_experts > 256:
         return None
     block_e = 1 << (num_experts - 1).bit_length()
-    return AlignTile(one_tile_pairs=8192 // block_e, sub=32, chunk=32, num_warps=4)
+    return AlignTile(one_tile_pairs=8192 // block_e, sub=64, chunk=64, num_warps=4)
 
 
 def grouped_config(num_pairs: int, num_experts: int, itemsize: int = 2, inter: int = 0, hidden: int = 0) -> MoeConfig:
@@ -126,11 +124,11 @@ def grouped_config(num_pairs: int, num_experts: int, itemsize: int = 2, inter: i
     D = 2048, T = 16..256 2.3-3.0% less (T = 64 109.2 vs 112.1), D = 7168 cells 0.1-0.9% less, one +0.15%."""
     rows = num_pairs / max(1, num_experts)
     align = align_tile(num_pairs, num_experts)
-    pdl = align is not None  # decode sizes: every kernel a programmatic dependent (MoeConfig.pdl; runs 2-3)
+    pdl = align is not None  # decode sizes: every kernel a programmatic dependent (MoeConfig.pdl; run 2)
     if itemsize == 2 and 0 < hidden <= SHORT_D and inter >= 512 and rows < 64:
         if rows < 8:
-            return MoeConfig(16, SHORT_D_UP_BM16, SHORT_D_DOWN, align=align, pdl=pdl)
-        return MoeConfig(32, SHORT_D_UP_BM32, SHORT_D_DOWN_BM32, align=align, pdl=pdl)
+            return MoeConfig(16, GemmTile(32, 256, 1, 4, 3), SHORT_D_DOWN, align=align, pdl=pdl)
+        return MoeConfig(32, SHORT_D_UP_BM32, SHORT_D_DOWN, align=align, pdl=pdl)
     if rows < 16:
         bm, up, down, whole_k = 16, GemmTile(32, 256, 1, 4, 3), GemmTile(64, 128, 1, 4, 4), 16
     elif rows < 64:  # gate_up interleaved measured only at I = 256 (E = 256, T = 1k: 0.50 vs 0.53 ms)

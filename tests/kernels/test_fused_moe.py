@@ -23,7 +23,7 @@ from r3trace.kernels.fused_moe import (
     moe_gate_up,
     same_tiles,
 )
-from r3trace.kernels.moe_config import GEMV_T1, SHORT_D_DOWN, SHORT_D_DOWN_BM32, SHORT_D_UP_BM32, align_tile
+from r3trace.kernels.moe_config import GEMV_T1, SHORT_D_DOWN, SHORT_D_UP_BM32, align_tile
 from tests.kernels.conftest import DEVICE, assert_close_to_ref, gpu, requires_gpu, requires_triton
 
 pytestmark = requires_triton
@@ -162,7 +162,7 @@ def test_moe_config_short_d_tiles_by_hidden() -> None:
     tiles; D = 7168, D unknown (0), I = 256 or fp32 keep the earlier ones (align_tile's launch in all of them)."""
     short = moe_config(64 * 6, 64, 2, 512, tokens=64, hidden=2048)
     assert short.block_m == 16 and short.down == SHORT_D_DOWN and short.align == align_tile(384, 64)
-    assert moe_config(256 * 6, 64, 2, 512, tokens=256, hidden=2048)[:3] == (32, SHORT_D_UP_BM32, SHORT_D_DOWN_BM32)
+    assert moe_config(256 * 6, 64, 2, 512, tokens=256, hidden=2048)[:3] == (32, SHORT_D_UP_BM32, SHORT_D_DOWN)
     for hidden, inter, itemsize in ((7168, 512, 2), (0, 512, 2), (2048, 256, 2), (2048, 512, 4)):
         cfg = moe_config(384, 64, itemsize, inter, tokens=64, hidden=hidden)
         assert cfg[:3] == grouped_config(384, 64, itemsize, inter)[:3] and cfg.down != SHORT_D_DOWN
@@ -255,7 +255,7 @@ def test_fused_moe_e2e_shape_gpu(T: int) -> None:
     the same bits (the same kernels in the same order), and the default replayed from a CUDA graph too."""
     hidden, w13, w2, ids, weights = _moe_case(T, 2048, 64, 512, 6, torch.bfloat16, "cuda", seed=T)
     cfg = moe_config(T * 6, 64, 2, 512, tokens=T, hidden=2048)
-    assert cfg.pdl and cfg.down in (SHORT_D_DOWN, SHORT_D_DOWN_BM32)
+    assert cfg.pdl and cfg.down == SHORT_D_DOWN
     out = fused_moe(hidden, w13, w2, ids, weights)
     assert torch.equal(out, fused_moe(hidden, w13, w2, ids, weights, config=cfg))
     assert_close_to_ref(out, fused_moe_ref(hidden.float(), w13.float(), w2.float(), ids, weights), torch.bfloat16)
