@@ -17,6 +17,9 @@ built on either is bitwise the same):
     every chunk program derives totals, padded prefix sums and its chunk's offsets from the counts and
     scatters its pairs. Ranks within an expert come from a one-hot [SUB, E] cumulative sum, so no
     atomics: deterministic, which the engine's exact-routes guarantee needs (a route can flip on an ulp).
+    The launch shape is an AlignTile (kernels/moe_config.py): pairs per chunk program, one-hot rows, warps,
+    or one [M, E] tile that gives both the counts and the ranks (one pass, one launch). At decode sizes the
+    default is 64-pair chunks (session 5: 7.9 vs 14.2 us at 384 pairs, E = 64; BENCHMARKS.md "### Fused MoE").
 """
 
 from __future__ import annotations
@@ -213,7 +216,7 @@ def moe_align(
         topk_ids, counts, sorted_ids, block_expert, num_padded,
         M, E, num_chunks, chunk, cap // block_m,
         SINGLE=num_chunks == 1, ONE_TILE=one_tile, BLOCK_M=block_m, BLOCK_E=block_e,
-        BLOCK_C=min(MAX_CHUNKS, ONE_HOT_ELEMS // block_e), SUB=sub,  # fixed per tile: no recompiles across T
+        BLOCK_C=min(MAX_CHUNKS, ONE_HOT_ELEMS // block_e), SUB=sub,  # fixed per tile (one tile: per pow2 of M)
         PAD_ROWS=min(triton.next_power_of_2(block_m), sub), BLOCK_B=sub, PDL=pdl, num_warps=warps, launch_pdl=pdl,
     )  # fmt: skip
     return MoeAlignment(sorted_ids, block_expert, num_padded)
