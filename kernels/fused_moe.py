@@ -17,7 +17,9 @@ Pipeline (SGLang's fused_moe layout, 4-5 launches, no host sync, so it can sit i
 Options (kernels/moe_config.py): weight tiles through TMA descriptors (GemmTile.tma, the default from 128 rows
 per expert on: no per-thread address math for 2/3 of each stage's bytes; the gate_up's A is a row gather, which
 Hopper's TMA cannot do); act stored at the pairs' sorted positions (MoeConfig.sorted_act: contiguous rows, the
-down's A through TMA too; a tie with the default in session 4's runs, so off).
+down's A through TMA too; a tie with the default in session 4's runs, so off); every kernel launched as a programmatic
+dependent (MoeConfig.pdl: it may start while the kernel ahead finishes and waits for it before any global access;
+on at decode sizes, session 5: 109.2 vs 112.1 us at D = 2048, T = 64).
 moe_config (kernels/moe_config.py) may instead pick the gemv path (kernels/moe_gemv.py): no align, two
 launches (T = 1 at I <= 256).
 The y [M, D] round trip stays. Measured (bench/NOTES.md "Fused MoE, session 3" run 5, commit 6c060c6): the
@@ -36,15 +38,24 @@ from typing import Literal
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from r3trace.kernels.contract import FLOAT_DTYPES, require, require_tensor
-from r3trace.kernels.moe_align import moe_align, moe_align_ref
-from r3trace.kernels.moe_config import GemmTile, GemvTile, MoeConfig, grouped_config, moe_config, same_tiles
+from r3trace.kernels.moe_align import has_pdl, moe_align, moe_align_ref
+from r3trace.kernels.moe_config import (
+    AlignTile,
+    GemmTile,
+    GemvTile,
+    MoeConfig,
+    grouped_config,
+    moe_config,
+    same_tiles,
+)
 from r3trace.kernels.moe_gemm import moe_down, moe_gate_up
 from r3trace.kernels.moe_gemv import gemv_moe
 
 __all__ = [
-    "GemmTile", "GemvTile", "MoeConfig", "fused_moe", "fused_moe_ref", "grouped_config", "moe_config",
+    "AlignTile", "GemmTile", "GemvTile", "MoeConfig", "fused_moe", "fused_moe_ref", "grouped_config", "moe_config",
     "moe_down", "moe_gate_up", "moe_sum", "same_tiles",
 ]  # fmt: skip
 
@@ -58,8 +69,11 @@ def _moe_sum_kernel(
     # strides
     stride_ym, stride_it, stride_ot,
     # constexpr
-    TOP_K: tl.constexpr, BLOCK_D: tl.constexpr,
+    TOP_K: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    if PDL:  # a programmatic dependent of the down: y is complete after the wait
+        gdc_wait()
+        gdc_launch_dependents()
     t = tl.program_id(0)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_mask = offs_d < D
@@ -102,16 +116,17 @@ def _check_moe_args(
 AlignBackend = Literal["triton", "ref"]
 
 
-
-def moe_sum(y: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-    """y [T*K, D] -> out [T, D] = sum over k, fp32 accumulation, ids of -1 contribute nothing."""
+def moe_sum(y: torch.Tensor, topk_ids: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+    """y [T*K, D] -> out [T, D] = sum over k, fp32 accumulation, ids of -1 contribute nothing; pdl: launched as a
+    programmatic dependent (sm_90+ compiled)."""
     T, K = topk_ids.shape
     D = y.shape[1]
     out = torch.empty((T, D), dtype=y.dtype, device=y.device)
     block_d = 1024
+    pdl = pdl and has_pdl(y)
     _moe_sum_kernel[(T, triton.cdiv(D, block_d))](
         y, topk_ids, out, D, y.stride(0), topk_ids.stride(0), out.stride(0),
-        TOP_K=K, BLOCK_D=block_d, num_warps=4,
+        TOP_K=K, BLOCK_D=block_d, PDL=pdl, num_warps=4, launch_pdl=pdl,
     )  # fmt: skip
     return out
 
@@ -135,13 +150,16 @@ def fused_moe(
     K = topk_ids.shape[1]
     if T * K == 0:
         return torch.empty((T, D), dtype=hidden.dtype, device=hidden.device)
-    cfg = config or moe_config(T * K, E, hidden.element_size(), w2.shape[2], tokens=T)
+    cfg = config or moe_config(T * K, E, hidden.element_size(), w2.shape[2], tokens=T, hidden=D)
     if cfg.gemv is not None:  # kernels/moe_gemv.py: no alignment (the align argument has nothing to pick)
         return gemv_moe(hidden, w13, w2, topk_ids, topk_weights, cfg.gemv)
-    alignment = (moe_align if align == "triton" else moe_align_ref)(topk_ids, E, cfg.block_m)
-    act = moe_gate_up(hidden, w13, alignment, K, cfg.block_m, cfg.gate_up, cfg.sorted_act)
-    y = moe_down(act, w2, alignment, topk_weights, cfg.block_m, cfg.down, cfg.sorted_act, T * K)
-    return moe_sum(y, topk_ids)
+    if align == "triton":
+        alignment = moe_align(topk_ids, E, cfg.block_m, tile=cfg.align, pdl=cfg.pdl)
+    else:
+        alignment = moe_align_ref(topk_ids, E, cfg.block_m)
+    act = moe_gate_up(hidden, w13, alignment, K, cfg.block_m, cfg.gate_up, cfg.sorted_act, cfg.pdl)
+    y = moe_down(act, w2, alignment, topk_weights, cfg.block_m, cfg.down, cfg.sorted_act, T * K, cfg.pdl)
+    return moe_sum(y, topk_ids, cfg.pdl)
 
 
 def fused_moe_ref(

@@ -17,20 +17,25 @@ built on either is bitwise the same):
     every chunk program derives totals, padded prefix sums and its chunk's offsets from the counts and
     scatters its pairs. Ranks within an expert come from a one-hot [SUB, E] cumulative sum, so no
     atomics: deterministic, which the engine's exact-routes guarantee needs (a route can flip on an ulp).
+    The launch shape is an AlignTile (kernels/moe_config.py): pairs per chunk program, one-hot rows, warps,
+    or one [M, E] tile that gives both the counts and the ranks (one pass, one launch). At decode sizes the
+    default is 64-pair chunks (session 5: 7.9 vs 14.2 us at 384 pairs, E = 64; BENCHMARKS.md "### Fused MoE").
 """
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from r3trace.kernels.contract import INDEX_DTYPES, require, require_tensor
+from r3trace.kernels.moe_config import AlignTile
 
 ONE_HOT_ELEMS = 8192  # [SUB, BLOCK_E] one-hot tile: 32 int32 per thread at 8 warps, no spills
-NUM_WARPS = 8  # a tile step is bound by its cross-warp reductions' latency, not its size: wide tiles pay
 SUBS_PER_CHUNK = 8  # a chunk is 8 one-hot tiles: 256 pairs at E = 256, 8192 at E = 8
 # each chunk program re-reads all [C, E] counts: C^2 * E * 4 B = 64 MB of L2 at E = 256; with 128 chunks
 # the H200 took 0.20 ms at T = 16k, E = 256 (64 serial 16-pair tiles a pass), as long as the torch twin
@@ -47,6 +52,16 @@ def align_capacity(num_pairs: int, num_experts: int, block_m: int) -> int:
     """P = M + min(E, M) * (BM - 1) rounded up to BM: at most min(E, M) experts are non-empty and each
     wastes at most BM - 1 rows of padding."""
     return triton.cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1), block_m) * block_m
+
+
+@functools.lru_cache(maxsize=8)
+def _sm90(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def has_pdl(t: torch.Tensor) -> bool:
+    """Programmatic dependent launch (griddepcontrol) runs compiled on sm_90+ only; the interpreter has none."""
+    return t.is_cuda and _sm90(t.device.index or 0)
 
 
 def _check(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> None:
@@ -67,7 +82,12 @@ def _chunk_counts(ids_ptr, start, end, offs_e, e_mask, SUB: tl.constexpr, BLOCK_
 
 
 @triton.jit
-def _align_count_kernel(ids_ptr, counts_ptr, M, E, chunk, SUB: tl.constexpr, BLOCK_E: tl.constexpr):
+def _align_count_kernel(
+    ids_ptr, counts_ptr, M, E, chunk, SUB: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr
+):  # fmt: skip
+    if PDL:  # a programmatic dependent: the kernel ahead (top-k, the last call's sum) may still run
+        gdc_wait()
+        gdc_launch_dependents()
     c = tl.program_id(0)
     offs_e = tl.arange(0, BLOCK_E)
     e_mask = offs_e < E
@@ -83,15 +103,24 @@ def _align_scatter_kernel(
     # sizes
     M, E, num_chunks, chunk, num_blocks,
     # constexpr
-    SINGLE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr,
-    SUB: tl.constexpr, PAD_ROWS: tl.constexpr, BLOCK_B: tl.constexpr,
+    SINGLE: tl.constexpr, ONE_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_C: tl.constexpr, SUB: tl.constexpr, PAD_ROWS: tl.constexpr, BLOCK_B: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    if PDL:  # nothing global is read or written before the kernel ahead is complete
+        gdc_wait()
+        gdc_launch_dependents()
     c = tl.program_id(0)
     offs_e = tl.arange(0, BLOCK_E)
     e_mask = offs_e < E
     start = c * chunk
     end = tl.minimum(start + chunk, M)
-    if SINGLE:  # one program owns all M pairs: count them here, nothing before it
+    if ONE_TILE:  # all M <= SUB pairs in one one-hot tile: the counts and the ranks come from the same tile
+        offs_all = tl.arange(0, SUB)
+        ids_all = tl.load(ids_ptr + offs_all, mask=offs_all < M, other=-1).to(tl.int32)
+        hit_all = ((ids_all[:, None] == offs_e[None, :]) & e_mask[None, :]).to(tl.int32)  # [SUB, BLOCK_E]
+        totals = tl.sum(hit_all, axis=0)
+        before = tl.zeros((BLOCK_E,), tl.int32)
+    elif SINGLE:  # one program owns all M pairs: count them here, nothing before it
         totals = _chunk_counts(ids_ptr, 0, M, offs_e, e_mask, SUB, BLOCK_E)
         before = tl.zeros((BLOCK_E,), tl.int32)
     else:
@@ -110,6 +139,11 @@ def _align_scatter_kernel(
 
     # scatter: dest = pad_start[e] + pairs of e in earlier chunks + rank of the pair within its tile
     running = pad_start + before  # [BLOCK_E]
+    if ONE_TILE:
+        rank_all = tl.cumsum(hit_all, axis=0) - hit_all  # exclusive: earlier pairs of the same expert
+        dest_all = tl.sum(hit_all * (rank_all + running[None, :]), axis=1)  # [SUB]
+        tl.store(sorted_ids_ptr + dest_all, offs_all, mask=tl.sum(hit_all, axis=1) > 0)
+        end = start  # the tile loop below has nothing left to scatter
     for s in range(start, end, SUB):
         offs = s + tl.arange(0, SUB)
         ids = tl.load(ids_ptr + offs, mask=offs < end, other=-1).to(tl.int32)
@@ -139,11 +173,20 @@ def _align_scatter_kernel(
 
 
 def moe_align(
-    topk_ids: torch.Tensor, num_experts: int, block_m: int, chunk: int | None = None
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    block_m: int,
+    chunk: int | None = None,
+    tile: AlignTile | None = None,
+    pdl: bool = False,
 ) -> MoeAlignment:
     """topk_ids [T, K] -> MoeAlignment (module docstring); Triton, 1-2 launches, no host sync.
-    chunk: pairs per program (None: 8 one-hot tiles, at most MAX_CHUNKS programs); tests pass odd ones."""
+    tile: the launch shape (kernels/moe_config.py AlignTile; None: AlignTile(), the layout before session 5).
+    chunk: pairs per program, over tile.chunk (None: 8 one-hot tiles, at most MAX_CHUNKS programs); tests
+    pass odd ones. pdl: launched as programmatic dependents (sm_90+ compiled; ignored elsewhere)."""
     _check(topk_ids, num_experts, block_m)
+    tile = tile or AlignTile()
+    require(tile.num_warps in (1, 2, 4, 8, 16), f"align num_warps {tile.num_warps} not a power of 2 <= 16")
     dev, E = topk_ids.device, num_experts
     M = topk_ids.numel()
     cap = align_capacity(M, E, block_m)
@@ -153,20 +196,28 @@ def moe_align(
         return MoeAlignment(sorted_ids, block_expert, torch.zeros(1, dtype=torch.int32, device=dev))
     num_padded = torch.empty(1, dtype=torch.int32, device=dev)
     block_e = triton.next_power_of_2(E)
-    sub = max(1, ONE_HOT_ELEMS // block_e)
+    one_tile = chunk is None and tile.one_tile_pairs >= M
+    if one_tile:  # at least 16 rows: Triton's layouts want a tile of a warp's width or more
+        sub, chunk = max(16, triton.next_power_of_2(M)), M
+    else:
+        sub = tile.sub or max(1, ONE_HOT_ELEMS // block_e)
+        require(sub & (sub - 1) == 0, f"align sub {sub} must be a power of 2")
     if chunk is None:
-        chunk = max(SUBS_PER_CHUNK * sub, triton.cdiv(M, MAX_CHUNKS))
+        chunk = tile.chunk or max(SUBS_PER_CHUNK * sub, triton.cdiv(M, MAX_CHUNKS))
     require(chunk >= 1, f"chunk {chunk} must be >= 1")
     num_chunks = triton.cdiv(M, chunk)
     counts = torch.empty((num_chunks, E), dtype=torch.int32, device=dev) if num_chunks > 1 else num_padded
+    warps = tile.num_warps
+    pdl = pdl and has_pdl(topk_ids)
     if num_chunks > 1:
-        _align_count_kernel[(num_chunks,)](topk_ids, counts, M, E, chunk, SUB=sub, BLOCK_E=block_e, num_warps=NUM_WARPS)
+        _align_count_kernel[(num_chunks,)](topk_ids, counts, M, E, chunk, SUB=sub, BLOCK_E=block_e, PDL=pdl,
+                                           num_warps=warps, launch_pdl=pdl)  # fmt: skip
     _align_scatter_kernel[(num_chunks,)](
         topk_ids, counts, sorted_ids, block_expert, num_padded,
         M, E, num_chunks, chunk, cap // block_m,
-        SINGLE=num_chunks == 1, BLOCK_M=block_m, BLOCK_E=block_e,
-        BLOCK_C=min(MAX_CHUNKS, ONE_HOT_ELEMS // block_e), SUB=sub,  # fixed: no recompiles across T
-        PAD_ROWS=min(triton.next_power_of_2(block_m), sub), BLOCK_B=sub, num_warps=NUM_WARPS,
+        SINGLE=num_chunks == 1, ONE_TILE=one_tile, BLOCK_M=block_m, BLOCK_E=block_e,
+        BLOCK_C=min(MAX_CHUNKS, ONE_HOT_ELEMS // block_e), SUB=sub,  # fixed per tile (one tile: per pow2 of M)
+        PAD_ROWS=min(triton.next_power_of_2(block_m), sub), BLOCK_B=sub, PDL=pdl, num_warps=warps, launch_pdl=pdl,
     )  # fmt: skip
     return MoeAlignment(sorted_ids, block_expert, num_padded)
 

@@ -41,12 +41,23 @@ class GemvTile(NamedTuple):
     down_evict_first: bool = False  # the same for the down's w2 loads
 
 
+class AlignTile(NamedTuple):
+    """moe_align's launch shape (kernels/moe_align.py); AlignTile() is the layout before session 5."""
+
+    one_tile_pairs: int = 0  # M <= this: one program counts and scatters from one [M, E] one-hot tile
+    sub: int = 0  # else: one-hot tile rows per step (0: ONE_HOT_ELEMS // BLOCK_E)
+    chunk: int = 0  # else: pairs per program (0: 8 tiles, at most MAX_CHUNKS programs)
+    num_warps: int = 8  # before session 5 always 8: a tile step is bound by its cross-warp reductions' latency
+
+
 class MoeConfig(NamedTuple):
     block_m: int
     gate_up: GemmTile
     down: GemmTile
     gemv: GemvTile | None = None  # set: the align-free decode path (block_m, gate_up, down unused)
     sorted_act: bool = False  # act [P, I] at the pairs' sorted positions: contiguous gate_up stores, down A rows
+    align: AlignTile | None = None  # None: AlignTile(), the align launch before session 5
+    pdl: bool = False  # align, GEMMs and sum launched as programmatic dependents (sm_90+): each waits first
 
 
 def same_tiles(block_m: int, block_n: int, block_k: int, group_m: int, warps: int, stages: int) -> MoeConfig:
@@ -55,7 +66,37 @@ def same_tiles(block_m: int, block_n: int, block_k: int, group_m: int, warps: in
     return MoeConfig(block_m, tile, tile)
 
 
-def grouped_config(num_pairs: int, num_experts: int, itemsize: int = 2, inter: int = 0) -> MoeConfig:
+# Session 5 (bench/NOTES.md "moee2e, session 5" run 1; the end-to-end model's D = 2048, E = 64, I = 512, K = 6,
+# bf16; us per call, 8 calls in one graph, weights from HBM; touched-read 95 us from T = 32 on). With D = 2048
+# the gate_up is 8 steps of BLOCK_K 256, so each program's pipeline fill and drain weigh more than at D = 7168.
+# gate_up: the committed (32, 256, 1, 4, 3) at BLOCK_M 16 is within 1% of the best of 17 tiles up to T = 64
+# (66.1 us at T = 64 for 268 MB: 4.06 TB/s); at 12 rows per expert (T = 128) BLOCK_M 32 with gate/up interleaved
+# and TMA weights 66.4 vs 69.6, at 24 rows (T = 256) 69.4 vs the committed (64, 128, 4, 4, 4) 73.5. down: 128 x 128
+# tiles, 3 stages, TMA weights won at every T and both BLOCK_M of 17 tiles: T = 64 36.0 vs 38.3, T = 16 29.4 vs
+# 31.1, T = 256 (BLOCK_M 32) 40.4 vs 42.8. Measured only at D = 2048 / I = 512: SHORT_D and inter >= 512 bound it.
+# Run 2 found, each GEMM alone, gate_up (32, 256, 1, 4, 2, tma) 64.4 vs 65.8 at T = 64 and down (128, 128, 1, 4, 2,
+# tma) at BLOCK_M 32 38.7 vs 40.4 at T = 256: not yet timed inside the pipeline, so not taken
+SHORT_D = 4096
+SHORT_D_UP_BM32 = GemmTile(64, 128, 1, 4, 3, True, tma=True)
+SHORT_D_DOWN = GemmTile(128, 128, 1, 4, 3, tma=True)
+
+
+def align_tile(num_pairs: int, num_experts: int) -> AlignTile | None:
+    """moe_align's launch at decode sizes (bench/NOTES.md "moee2e, session 5" runs 1-2, graph us, 8 route sets): up
+    to 2048 pairs and 256 experts, 64-pair programs on [64, E] one-hot tiles, 4 warps (two launches) instead of one
+    program walking every pair twice (run 1): E = 64, K = 6: T = 64 7.9 vs 14.2, T = 256 8.0 vs 43.5; E = 256, K = 8:
+    T = 64 14.5 vs 38.4 (T = 16: 14.2 vs 14.5); E = 32: T = 64 5.3 vs 8.4. Where all pairs fit one [M, E] tile of 8192
+    ints, one program counts and ranks from that tile: E = 32, T = 16 2.6 vs 5.1; E = 64, T = 16 5.8 vs 6.6. None
+    (the old launch) above 2048 pairs: there small chunks are many programs each re-reading every chunk's counts.
+    Run 2 measured 32-pair chunks on [32, E] tiles faster alone (E = 64 T = 64 6.1 vs 8.3, E = 256 T = 16 8.8 vs 14.3)
+    but not yet inside the pipeline, where the 64-pair launch costs E = 256 / T = 16 1-2% (BENCHMARKS.md)."""
+    if num_pairs > 2048 or num_experts > 256:
+        return None
+    block_e = 1 << (num_experts - 1).bit_length()
+    return AlignTile(one_tile_pairs=8192 // block_e, sub=64, chunk=64, num_warps=4)
+
+
+def grouped_config(num_pairs: int, num_experts: int, itemsize: int = 2, inter: int = 0, hidden: int = 0) -> MoeConfig:
     """Grouped-path tiles by the mean rows per expert (H200 sweeps, bench/NOTES.md "Fused MoE" runs 1-2,
     bf16, D = 7168).
 
@@ -75,8 +116,19 @@ def grouped_config(num_pairs: int, num_experts: int, itemsize: int = 2, inter: i
 
     fp32 halves BLOCK_K and never takes the whole-K down: the gate_up kernel stages an A tile and two B
     tiles per pipeline stage, and at 4 bytes (16, 64, 128) x 4 stages needs 295 KB of shared memory,
-    over the H200's 227 KB (seen on the H200: OutOfResources, required 245760)."""
+    over the H200's 227 KB (seen on the H200: OutOfResources, required 245760).
+
+    hidden = D <= SHORT_D with I >= 512 in bf16 below 64 rows: the session 5 tiles (comment above SHORT_D); hidden
+    = 0 (unknown) keeps the tiles above. The align launch: align_tile's, by pairs and experts. Where it applies (<=
+    2048 pairs) the kernels launch as programmatic dependents (pdl; session 5 run 2, us, the same tiles without):
+    D = 2048, T = 16..256 2.3-3.0% less (T = 64 109.2 vs 112.1), D = 7168 cells 0.1-0.9% less, one +0.15%."""
     rows = num_pairs / max(1, num_experts)
+    align = align_tile(num_pairs, num_experts)
+    pdl = align is not None  # decode sizes: every kernel a programmatic dependent (MoeConfig.pdl; run 2)
+    if itemsize == 2 and 0 < hidden <= SHORT_D and inter >= 512 and rows < 64:
+        if rows < 8:
+            return MoeConfig(16, GemmTile(32, 256, 1, 4, 3), SHORT_D_DOWN, align=align, pdl=pdl)
+        return MoeConfig(32, SHORT_D_UP_BM32, SHORT_D_DOWN, align=align, pdl=pdl)
     if rows < 16:
         bm, up, down, whole_k = 16, GemmTile(32, 256, 1, 4, 3), GemmTile(64, 128, 1, 4, 4), 16
     elif rows < 64:  # gate_up interleaved measured only at I = 256 (E = 256, T = 1k: 0.50 vs 0.53 ms)
@@ -90,7 +142,7 @@ def grouped_config(num_pairs: int, num_experts: int, itemsize: int = 2, inter: i
         up, down = up._replace(block_k=up.block_k // 2), down._replace(block_k=down.block_k // 2)
     elif 0 < inter <= 256:
         down = GemmTile(64, 256, min(8, up.group_m), up.num_warps, 3, n_split=whole_k, tma=bm == 128)
-    return MoeConfig(bm, up, down)
+    return MoeConfig(bm, up, down, align=align, pdl=pdl)
 
 
 # Session 3 run 2 (bench/NOTES.md "Fused MoE, session 3"; graph ms, D = 7168, K = 8, each kernel alone): the
@@ -107,7 +159,9 @@ GEMV_T4 = GemvTile(2, 1024, 4, 4, 256, 2, unroll=True)
 GEMV_WIDE = GemvTile(1, 1024, 2, 1, 256, 1, unroll=True)  # I = 2048: 8 down steps per expert
 
 
-def moe_config(num_pairs: int, num_experts: int, itemsize: int = 2, inter: int = 0, tokens: int = 0) -> MoeConfig:
+def moe_config(
+    num_pairs: int, num_experts: int, itemsize: int = 2, inter: int = 0, tokens: int = 0, hidden: int = 0
+) -> MoeConfig:
     """The tiles fused_moe runs by default: the gemv path at tokens = 1 (any I > 0) and at tokens <= 4 where
     I <= 256, else grouped_config's. tokens = 0 (unknown) always gives the grouped path.
 
@@ -115,8 +169,9 @@ def moe_config(num_pairs: int, num_experts: int, itemsize: int = 2, inter: int =
     grouped): E = 256 / I = 256, T = 1 0.036 vs 0.052 (earlier run), T = 2 0.057 vs 0.067, T = 4 0.094 vs
     0.109 (T = 3 not measured: between the two); T = 16 went to grouped before (0.32 vs 0.28, "Fused MoE at
     small T" run 1). E = 32 / I = 2048, T = 1: 0.172 vs 0.189 (T = 2 grouped: 0.310 vs 0.337 then). Session 4
-    ("moet1, session 4" run 2): evict_first weight loads at T <= 2, E = 256 T = 1 0.032, T = 2 0.053."""
-    grouped = grouped_config(num_pairs, num_experts, itemsize, inter)
+    ("moet1, session 4" run 2): evict_first weight loads at T <= 2, E = 256 T = 1 0.032, T = 2 0.053. hidden: D, for
+    grouped_config's short-D tiles (0: unknown, the tiles measured at D = 7168)."""
+    grouped = grouped_config(num_pairs, num_experts, itemsize, inter, hidden)
     if tokens == 1 and inter > 256:
         return grouped._replace(gemv=GEMV_WIDE)
     if 1 <= tokens <= 4 and 0 < inter <= 256:

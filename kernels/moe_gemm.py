@@ -11,14 +11,16 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from r3trace.kernels.contract import require
 from r3trace.kernels.dot import dot_precision, mma
-from r3trace.kernels.moe_align import MoeAlignment
+from r3trace.kernels.moe_align import MoeAlignment, has_pdl
 from r3trace.kernels.moe_config import GemmTile
 
 __all__ = ["moe_down", "moe_gate_up"]
+
 
 @triton.jit
 def _fused_moe_kernel(
@@ -32,7 +34,7 @@ def _fused_moe_kernel(
     GATE_UP: tl.constexpr, EVEN_K: tl.constexpr, INTERLEAVE: tl.constexpr, W_COLS: tl.constexpr,
     N_SPLIT: tl.constexpr, SORTED: tl.constexpr, A_TMA: tl.constexpr, W_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # GATE_UP: out[pair, n] = silu(a W[n]) * (a W[N + n]), a = hidden[pair // K]   (N = I, KDIM = D)
     # DOWN:    out[pair, n] = topk_weight[pair] * (a W[n]), a = act[pair]         (N = D, KDIM = I)
@@ -47,6 +49,9 @@ def _fused_moe_kernel(
     # zeros); w_desc is [E, I, 2, D] interleaved (box [1, BN, 2, BK]) or [E 2I, D] for gate_up, [E D, I] for down
     # A_TMA (down, SORTED only): A tiles through a descriptor over act [P, I]. The gate_up's A is a row gather
     # (hidden[pair // K]): Hopper's TMA has no gather, so it stays a pointer load
+    if PDL:  # a programmatic dependent: nothing global is touched before the kernel ahead is complete
+        gdc_wait()
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(cap, BLOCK_M)
     if N_SPLIT > 0:  # noqa: SIM108 (a constexpr branch, resolved when the kernel compiles)
@@ -174,7 +179,7 @@ def _weight_desc(w: torch.Tensor, tile: GemmTile, gate_up: bool, interleave: boo
 
 def _launch_gemm(
     a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, align: MoeAlignment, topk_weights: torch.Tensor,
-    block_m: int, tile: GemmTile, gate_up: bool, a_row_div: int, sorted_act: bool,
+    block_m: int, tile: GemmTile, gate_up: bool, a_row_div: int, sorted_act: bool, pdl: bool,
 ) -> None:  # fmt: skip
     N = out.shape[1]
     kdim = a.shape[1]
@@ -184,6 +189,7 @@ def _launch_gemm(
     grid = ((cap // block_m) * (n_split or triton.cdiv(N, tile.block_n)),)
     interleave = gate_up and tile.interleave
     # tile.tma is a request: strides that are not 16-byte multiples (odd tiny models) keep the pointer loads
+    pdl = pdl and has_pdl(a)
     w_tma = tile.tma and _tma_ok(w, kdim)
     a_tma = tile.tma and sorted_act and not gate_up and _tma_ok(a, a.stride(0))
     w_desc = _weight_desc(w, tile, gate_up, interleave) if w_tma else w
@@ -196,26 +202,26 @@ def _launch_gemm(
         W_COLS=tile.block_n * (2 if interleave else 1), N_SPLIT=n_split, SORTED=sorted_act, A_TMA=a_tma,
         W_TMA=w_tma, BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
         UPCAST=not a.is_cuda, INPUT_PRECISION=dot_precision(a.dtype == torch.float32),
-        num_warps=tile.num_warps, num_stages=tile.num_stages,
+        PDL=pdl, num_warps=tile.num_warps, num_stages=tile.num_stages, launch_pdl=pdl,
     )  # fmt: skip
 
 
 def moe_gate_up(
     hidden: torch.Tensor, w13: torch.Tensor, align: MoeAlignment, top_k: int, block_m: int, tile: GemmTile,
-    sorted_act: bool = False,
+    sorted_act: bool = False, pdl: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """hidden [T, D] -> act = silu(x W_gate^T) * (x W_up^T) per pair: [M, I] at the pair index (rows of skipped
     pairs unset), or sorted_act: [P, I] at the pair's sorted position (padding rows 0, rows past the used
     blocks unset)."""
     rows = align.sorted_ids.shape[0] if sorted_act else hidden.shape[0] * top_k
     act = torch.empty((rows, w13.shape[1] // 2), dtype=hidden.dtype, device=hidden.device)
-    _launch_gemm(hidden, w13, act, align, act, block_m, tile, True, top_k, sorted_act)  # weights unused: act
+    _launch_gemm(hidden, w13, act, align, act, block_m, tile, True, top_k, sorted_act, pdl)  # weights unused: act
     return act
 
 
 def moe_down(
     act: torch.Tensor, w2: torch.Tensor, align: MoeAlignment, topk_weights: torch.Tensor, block_m: int,
-    tile: GemmTile, sorted_act: bool = False, num_pairs: int | None = None,
+    tile: GemmTile, sorted_act: bool = False, num_pairs: int | None = None, pdl: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """act [M, I] (or [P, I] in sorted order) -> y [M, D] = topk_weight * (act W2^T) per pair (rows of skipped
     pairs unset); num_pairs: M, needed when act is sorted (its rows are then P)."""
@@ -223,5 +229,5 @@ def moe_down(
     ok = num_pairs is not None if sorted_act else act.shape[0] == M
     require(ok, f"num_pairs {num_pairs}: act has {act.shape[0]} rows (a sorted act [P, I] needs num_pairs = M)")
     y = torch.empty((M, w2.shape[1]), dtype=act.dtype, device=act.device)
-    _launch_gemm(act, w2, y, align, topk_weights, block_m, tile, False, 1, sorted_act)
+    _launch_gemm(act, w2, y, align, topk_weights, block_m, tile, False, 1, sorted_act, pdl)
     return y

@@ -11,6 +11,7 @@ import torch
 
 from r3trace.kernels.contract import KernelInputError
 from r3trace.kernels.fused_moe import (
+    AlignTile,
     GemmTile,
     GemvTile,
     MoeConfig,
@@ -22,7 +23,7 @@ from r3trace.kernels.fused_moe import (
     moe_gate_up,
     same_tiles,
 )
-from r3trace.kernels.moe_config import GEMV_T1
+from r3trace.kernels.moe_config import GEMV_T1, SHORT_D_DOWN, SHORT_D_UP_BM32, align_tile
 from tests.kernels.conftest import DEVICE, assert_close_to_ref, gpu, requires_gpu, requires_triton
 
 pytestmark = requires_triton
@@ -132,6 +133,41 @@ def test_fused_moe_paths_match_ref(T: int, E: int, dtype: torch.dtype, path: str
     assert_close_to_ref(out, ref, dtype)
 
 
+# Session 5's short-D path, scaled to the interpreter: gate_up at BLOCK_M 16 (plain) or 32 (interleaved, TMA), the
+# TMA down, the align launches of align_tile (one tile; 8-pair chunks), pdl asked for (a no-op without sm_90: the
+# same kernels run). D = 40 / I = 24 rows are 16-byte multiples: every descriptor is taken; the down's BLOCK_N 32
+# over D = 40 leaves a second tile mostly past the end (read as zeros / the next expert's rows, not stored).
+SHORT_D = {
+    "bm16": MoeConfig(16, GemmTile(32, 32, 1, 4, 3), GemmTile(32, 16, 1, 4, 3, tma=True),
+                      align=AlignTile(512, 64, 64, 4)),
+    "bm32-il-tma": MoeConfig(32, GemmTile(16, 16, 1, 4, 3, True, tma=True), GemmTile(32, 16, 1, 4, 3, tma=True),
+                             align=AlignTile(0, 16, 8, 4)),
+    "bm32-pdl": MoeConfig(32, GemmTile(16, 16, 1, 4, 3, True, tma=True), GemmTile(32, 16, 1, 4, 3, tma=True),
+                          align=AlignTile(0, 16, 8, 4), pdl=True),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(SHORT_D))
+@pytest.mark.parametrize("T, E", [(3, 33), (17, 8)])
+def test_fused_moe_short_d_paths_match_ref(T: int, E: int, name: str, poisoned_empty: None) -> None:
+    """bf16 (the tiles' dtype) against the reference: the conftest's bf16 row; expert 2 never routed, 15% ids -1."""
+    hidden, w13, w2, ids, weights = _moe_case(T, 40, E, 24, 3, torch.bfloat16, DEVICE, seed=3 * T + E)
+    out = fused_moe(hidden, w13, w2, ids, weights, config=SHORT_D[name])
+    assert_close_to_ref(out, fused_moe_ref(hidden.float(), w13.float(), w2.float(), ids, weights), torch.bfloat16)
+    assert torch.equal(fused_moe(hidden, w13, w2, ids, weights, config=SHORT_D[name], align="ref"), out)
+
+
+def test_moe_config_short_d_tiles_by_hidden() -> None:
+    """A pure function of the shapes: D <= 4096 with I >= 512 in bf16 below 64 rows per expert takes the session 5
+    tiles; D = 7168, D unknown (0), I = 256 or fp32 keep the earlier ones (align_tile's launch in all of them)."""
+    short = moe_config(64 * 6, 64, 2, 512, tokens=64, hidden=2048)
+    assert short.block_m == 16 and short.down == SHORT_D_DOWN and short.align == align_tile(384, 64)
+    assert moe_config(256 * 6, 64, 2, 512, tokens=256, hidden=2048)[:3] == (32, SHORT_D_UP_BM32, SHORT_D_DOWN)
+    for hidden, inter, itemsize in ((7168, 512, 2), (0, 512, 2), (2048, 256, 2), (2048, 512, 4)):
+        cfg = moe_config(384, 64, itemsize, inter, tokens=64, hidden=hidden)
+        assert cfg[:3] == grouped_config(384, 64, itemsize, inter)[:3] and cfg.down != SHORT_D_DOWN
+
+
 def test_fused_moe_gemv_moves_fp32_by_summation_order_only() -> None:
     """fp32, ieee dots: gemv against grouped differs by the reordered sums alone (a few ulps)."""
     hidden, w13, w2, ids, weights = _moe_case(17, 40, 8, 24, 3, torch.float32, DEVICE, seed=7)
@@ -208,6 +244,28 @@ def test_fused_moe_rejects_bad_arguments() -> None:
         fused_moe(hidden, w13.half(), w2, ids, weights)
     with pytest.raises(KernelInputError, match="align"):
         fused_moe(hidden, w13, w2, ids, weights, align="torch")  # type: ignore[arg-type]
+
+
+@gpu
+@requires_gpu
+@pytest.mark.parametrize("T", [16, 64, 128, 256])
+def test_fused_moe_e2e_shape_gpu(T: int) -> None:
+    """The end-to-end model's MoE (D = 2048, E = 64, I = 512, K = 6) on its default (short-D tiles, align_tile's
+    launch: one tile at T = 16, chunks above; BLOCK_M 32 from T = 128; pdl) against the reference; pdl off gives
+    the same bits (the same kernels in the same order), and the default replayed from a CUDA graph too."""
+    hidden, w13, w2, ids, weights = _moe_case(T, 2048, 64, 512, 6, torch.bfloat16, "cuda", seed=T)
+    cfg = moe_config(T * 6, 64, 2, 512, tokens=T, hidden=2048)
+    assert cfg.pdl and cfg.down == SHORT_D_DOWN
+    out = fused_moe(hidden, w13, w2, ids, weights)
+    assert torch.equal(out, fused_moe(hidden, w13, w2, ids, weights, config=cfg))
+    assert_close_to_ref(out, fused_moe_ref(hidden.float(), w13.float(), w2.float(), ids, weights), torch.bfloat16)
+    assert torch.equal(fused_moe(hidden, w13, w2, ids, weights, config=cfg._replace(pdl=False)), out)
+    stream, graph = torch.cuda.Stream(), torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph):
+        replayed = fused_moe(hidden, w13, w2, ids, weights, config=cfg)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(replayed, out)
 
 
 @gpu

@@ -13,6 +13,7 @@ import torch
 
 from r3trace.kernels.contract import KernelInputError
 from r3trace.kernels.moe_align import MoeAlignment, align_capacity, moe_align, moe_align_ref
+from r3trace.kernels.moe_config import AlignTile, align_tile
 from tests.kernels.conftest import DEVICE, requires_triton
 
 pytestmark = requires_triton
@@ -92,3 +93,31 @@ def test_moe_align_rejects_bad_arguments() -> None:
         moe_align(ids, 0, 16)
     with pytest.raises(KernelInputError, match="contiguous"):
         moe_align(ids.repeat(2, 1)[::2], 8, 16)  # rows strided: the kernel reads the ids flat
+
+
+# Session 5 launch shapes (kernels/moe_config.py AlignTile): one [M, E] one-hot tile counting and ranking at once,
+# narrower tiles, fewer warps, 64- and 37-pair chunk programs; odd E (33: BLOCK_E 64 with 31 masked columns), ids of
+# -1 (15%), experts with no pairs (E = 256 with 17 x 4 pairs leaves most empty), pairs of one expert split across
+# chunks. Integer outputs: exact.
+TILES = [AlignTile(512, 0, 0, 4), AlignTile(0, 32, 0, 2), AlignTile(0, 64, 64, 4), AlignTile(0, 16, 37, 1),
+         AlignTile(0, 32, 32, 8)]  # fmt: skip
+
+
+@pytest.mark.parametrize("tile", TILES, ids=[str(tuple(t)) for t in TILES])
+@pytest.mark.parametrize(
+    ("T", "E", "K", "block_m"), [(1, 8, 8, 16), (17, 256, 4, 16), (23, 33, 6, 32), (50, 64, 6, 16)]
+)
+def test_moe_align_launch_shapes(T: int, E: int, K: int, block_m: int, tile: AlignTile, poisoned_empty: None) -> None:
+    ids = _ids(T, E, K, seed=7 * T + E + tile.chunk).to(DEVICE)
+    _assert_same(moe_align(ids, E, block_m, tile=tile, pdl=True), moe_align_ref(ids, E, block_m), ids, E, block_m)
+
+
+def test_align_tile_default_by_pairs_and_experts(poisoned_empty: None) -> None:
+    """align_tile: None (the old launch) above 2048 pairs or 256 experts; else one tile up to 8192 one-hot ints,
+    64-pair chunks beyond. Both picks give the reference's alignment at E = 64, K = 6 (the end-to-end model)."""
+    assert align_tile(2049, 64) is None and align_tile(64, 257) is None
+    assert align_tile(96, 64) == AlignTile(128, 64, 64, 4) and align_tile(384, 256) == AlignTile(32, 64, 64, 4)
+    for T in (16, 64):  # 96 pairs: one tile; 384: six chunk programs
+        ids = _ids(T, 64, 6, seed=T, off_rank=0.05).to(DEVICE)
+        tile = align_tile(T * 6, 64)
+        _assert_same(moe_align(ids, 64, 16, tile=tile), moe_align_ref(ids, 64, 16), ids, 64, 16)

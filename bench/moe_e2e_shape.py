@@ -1,0 +1,414 @@
+"""The fused MoE at the end-to-end model's shape (issue 6's 2.5B V3-shaped model: D = 2048, E = 64, I = 512, K = 6,
+bf16) at decode batches T = 16..256: each part alone, a tile sweep per GEMM, the align's launch shapes, and the
+default against the previous one; D = 7168 cells re-timed old vs new.
+
+Run (GPU): python bench/moe_e2e_shape.py --phase sweep                -> $OUT/moe_e2e_sweep.json
+           python bench/moe_e2e_shape.py --phase compare[+extras]     -> $OUT/moe_e2e_compare.json
+
+Timer: one CUDA graph holding CALLS calls in turn, call i on route set i % CALLS and weight set i % WSETS, replayed
+back to back (events around n replays, median of reps) / CALLS. As in the engine's graph: no flush between calls,
+each call's weights come from HBM (a weight set is 403 MB at D = 2048, 2.8 GB at D = 7168, the L2 60 MB; the down
+alone streams 134 MB a set), the kernel boundaries and tails are counted, the graph launch is amortized over CALLS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+from collections.abc import Callable, Sequence
+from functools import partial
+from pathlib import Path
+
+import torch
+from moe_bench import _cfg_str, _prewarm_pool  # bench/: python bench/<script>.py puts it on the path
+from timing import ceilings
+
+from r3trace.kernels.fused_moe import AlignTile, GemmTile, MoeConfig, fused_moe, fused_moe_ref, moe_config, moe_sum
+from r3trace.kernels.moe_align import MoeAlignment, moe_align, moe_align_ref
+from r3trace.kernels.moe_config import SHORT_D_DOWN, SHORT_D_UP_BM32
+from r3trace.kernels.moe_gemm import moe_down, moe_gate_up
+
+OUT = Path(os.environ.get("OUT", "out"))
+E2E = (2048, 64, 512, 6)  # (D, E, I, K) of the end-to-end model
+TS = (16, 32, 64, 128, 256)
+CELLS_7168 = [(7168, 256, 256, 8, T) for T in (16, 64, 256)] + [(7168, 32, 2048, 8, T) for T in (16, 64, 256)]
+CALLS = 8
+# GemmTile(bn, bk, group_m, warps, stages[, interleave][, n_split][, tma]). gate_up: N = I = 512, K = D = 2048;
+# shared memory per stage (BM + 2 BN) BK 2 B: the committed (32, 256, 3 stages) holds 120 KB at BM 16 (one program
+# per SM); the smaller ones let 2-3 programs share an SM so one's pipeline fill overlaps another's stream
+UP = [GemmTile(32, 256, 1, 4, 3), GemmTile(32, 128, 1, 4, 4), GemmTile(32, 128, 1, 4, 3), GemmTile(64, 128, 1, 4, 3),
+      GemmTile(64, 64, 1, 4, 4), GemmTile(32, 64, 1, 4, 6), GemmTile(16, 256, 1, 4, 3), GemmTile(64, 128, 1, 8, 3),
+      GemmTile(32, 256, 1, 4, 3, True), GemmTile(64, 128, 1, 4, 3, True), GemmTile(128, 64, 1, 8, 4, True),
+      GemmTile(32, 128, 1, 4, 4, tma=True), GemmTile(64, 128, 1, 4, 3, tma=True), GemmTile(32, 256, 1, 4, 3, tma=True),
+      GemmTile(64, 128, 1, 4, 3, True, tma=True), GemmTile(32, 128, 1, 2, 4), GemmTile(64, 128, 4, 4, 4)]  # fmt: skip
+# down: N = D = 2048, K = I = 512 (4 steps at BK 128); n_split: the whole K in one tile, programs walk N
+DOWN = [GemmTile(64, 128, 1, 4, 4), GemmTile(64, 256, 1, 4, 3), GemmTile(128, 128, 1, 4, 3), GemmTile(32, 256, 1, 4, 3),
+        GemmTile(64, 64, 1, 4, 6), GemmTile(128, 64, 1, 4, 4), GemmTile(256, 64, 1, 8, 3), GemmTile(64, 128, 1, 2, 4),
+        GemmTile(64, 128, 1, 4, 4, tma=True), GemmTile(128, 128, 1, 4, 3, tma=True),
+        GemmTile(64, 256, 1, 4, 3, tma=True),
+        GemmTile(32, 512, 1, 4, 3, n_split=16), GemmTile(32, 512, 1, 4, 2, n_split=32),
+        GemmTile(16, 512, 1, 4, 3, n_split=32), GemmTile(64, 512, 1, 4, 2, n_split=8),
+        GemmTile(32, 512, 1, 4, 3, n_split=16, tma=True), GemmTile(64, 128, 4, 4, 4)]  # fmt: skip
+
+
+def align_tiles(M: int, E: int) -> list[AlignTile]:
+    """AlignTile(one_tile_pairs, sub, chunk, warps): the old launch, one [M, E] tile (when <= 64k int32), single
+    programs on narrower tiles with fewer warps, and several chunk programs (two launches)."""
+    out = [AlignTile()]
+    if triton_pow2(M) * triton_pow2(E) <= 65536:
+        out += [AlignTile(M, 0, 0, w) for w in (4, 8, 16)]
+    out += [AlignTile(0, s, 0, w) for s, w in ((32, 2), (32, 4), (64, 4), (128, 4))]
+    out += [AlignTile(0, s, c, w) for s, c, w in ((64, 64, 4), (128, 128, 4), (128, 128, 8), (64, 256, 4))]
+    return out
+
+
+def triton_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def graph_ms(fns: Sequence[Callable[[], object]], n: int = 20, reps: int = 7) -> float:
+    """ms per call: one graph with every fn in turn, replayed back to back n times, median over reps."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for f in fns:
+            f()  # compile outside capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in fns:
+            f()
+    for _ in range(3):
+        g.replay()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(n):
+            g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) / n / len(fns))
+    return statistics.median(times)
+
+
+def safe(fn: Callable[[], float], what: str) -> float:
+    try:
+        return fn()
+    except Exception as e:  # out of shared memory etc.: reported, the sweep goes on
+        print(f"  {what} failed: {type(e).__name__}: {str(e)[:150]}")
+        return float("nan")
+
+
+class Case:
+    """CALLS route sets (x, ids, weights) and WSETS weight sets at one (D, E, I, K, T)."""
+
+    def __init__(self, D: int, E: int, I: int, K: int, T: int, wsets: int) -> None:
+        bf, dev = torch.bfloat16, "cuda"
+        self.D, self.E, self.I, self.K, self.T = D, E, I, K, T
+        self.w13 = [torch.randn(E, 2 * I, D, device=dev, dtype=bf) / D**0.5 for _ in range(wsets)]
+        self.w2 = [torch.randn(E, D, I, device=dev, dtype=bf) / I**0.5 for _ in range(wsets)]
+        self.x = [torch.randn(T, D, device=dev, dtype=bf) for _ in range(CALLS)]
+        self.ids = [torch.rand(T, E, device=dev).topk(K, dim=-1).indices.to(torch.int32) for _ in range(CALLS)]
+        self.wts = [torch.rand(T, K, device=dev) for _ in range(CALLS)]
+
+    def w(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.w13[i % len(self.w13)], self.w2[i % len(self.w2)]
+
+    def pipeline_ms(self, cfg: MoeConfig) -> float:
+        return graph_ms([partial(fused_moe, self.x[i], *self.w(i), self.ids[i], self.wts[i], config=cfg)
+                         for i in range(CALLS)])  # fmt: skip
+
+    def parts_ms(self, cfg: MoeConfig, ups: Sequence[GemmTile], downs: Sequence[GemmTile]) -> dict[str, object]:
+        """align, each gate_up tile, each down tile (on the gate_up's act) and the sum, each graph-timed alone."""
+        bm, K, M = cfg.block_m, self.K, self.T * self.K
+        al = [moe_align(ids, self.E, bm, tile=cfg.align) for ids in self.ids]
+        act = [moe_gate_up(self.x[i], self.w(i)[0], al[i], K, bm, cfg.gate_up) for i in range(CALLS)]
+        ys = [torch.randn(M, self.D, device="cuda", dtype=torch.bfloat16) for _ in range(CALLS)]
+        r: dict[str, object] = {
+            "align": graph_ms([partial(moe_align, ids, self.E, bm, tile=cfg.align) for ids in self.ids]),
+            "sum": graph_ms([partial(moe_sum, ys[i], self.ids[i]) for i in range(CALLS)]),
+        }
+        up: dict[str, float] = {}
+        for t in ups:
+            fns = [partial(moe_gate_up, self.x[i], self.w(i)[0], al[i], K, bm, t) for i in range(CALLS)]
+            up[str(tuple(t))] = safe(partial(graph_ms, fns), f"bm {bm} up {tuple(t)}")
+        down: dict[str, float] = {}
+        for t in downs:
+            fns = [partial(moe_down, act[i], self.w(i)[1], al[i], self.wts[i], bm, t, False, M) for i in range(CALLS)]
+            down[str(tuple(t))] = safe(partial(graph_ms, fns), f"bm {bm} down {tuple(t)}")
+        r["up"], r["down"] = up, down
+        return r
+
+    def check(self, cfg: MoeConfig) -> dict[str, object]:
+        """rel. error vs fused_moe_ref, bitwise equality with the torch align twin, the alignments equal."""
+        w13, w2 = self.w(0)
+        out = fused_moe(self.x[0], w13, w2, self.ids[0], self.wts[0], config=cfg)
+        ref = fused_moe_ref(self.x[0], w13, w2, self.ids[0], self.wts[0])
+        same = torch.equal(out, fused_moe(self.x[0], w13, w2, self.ids[0], self.wts[0], config=cfg, align="ref"))
+        return {"rel_err": ((out.float() - ref.float()).norm() / ref.float().norm()).item(), "same_ref_align": same}
+
+    def touched_read_ms(self, copy_gbs: float) -> float:
+        touched = statistics.mean(torch.unique(ids).numel() for ids in self.ids)
+        return touched * 3 * self.I * self.D * 2 / copy_gbs / 1e6
+
+
+def previous_default(D: int, E: int, I: int, K: int, T: int) -> MoeConfig:
+    """moe_config as committed before session 5 (80a576d): hidden unknown (the D = 7168 tiles), the old align."""
+    return moe_config(T * K, E, 2, I, tokens=T)._replace(align=None, pdl=False)
+
+
+def new_default(D: int, E: int, I: int, K: int, T: int) -> MoeConfig:
+    return moe_config(T * K, E, 2, I, tokens=T, hidden=D)
+
+
+def candidate(D: int, E: int, I: int, K: int, T: int) -> MoeConfig:
+    """Run 2's part winners composed into the default (not default: timed beside it by --candidate): the align on
+    32-pair chunks of [32, E] tiles, gate_up (32, 256, 1, 4, 2, tma) at BLOCK_M 16, down (128, 128, 1, 4, 2, tma) at
+    BLOCK_M 32."""
+    c = new_default(D, E, I, K, T)
+    if c.align is not None:
+        c = c._replace(align=c.align._replace(sub=32, chunk=32))
+    if c.down == SHORT_D_DOWN and c.block_m == 16:
+        c = c._replace(gate_up=GemmTile(32, 256, 1, 4, 2, tma=True))
+    elif c.down == SHORT_D_DOWN:
+        c = c._replace(down=GemmTile(128, 128, 1, 4, 2, tma=True))
+    return c
+
+
+# run 2 extras, around run 1's winners: align launches, down and gate_up tiles (TMA, stages, warps)
+ALIGN2 = [AlignTile(0, 32, 32, 4), AlignTile(0, 32, 32, 2), AlignTile(0, 64, 64, 2), AlignTile(0, 64, 64, 8),
+          AlignTile(0, 32, 64, 4), AlignTile(0, 64, 128, 4), AlignTile(0, 16, 32, 2)]  # fmt: skip
+DOWN2 = [SHORT_D_DOWN, GemmTile(128, 128, 1, 4, 4, tma=True), GemmTile(128, 128, 1, 8, 3, tma=True),
+         GemmTile(256, 128, 1, 8, 2, tma=True), GemmTile(128, 256, 1, 4, 2, tma=True),
+         GemmTile(256, 64, 1, 8, 4, tma=True), GemmTile(128, 64, 1, 4, 4, tma=True),
+         GemmTile(128, 64, 1, 4, 6, tma=True), GemmTile(256, 64, 1, 8, 3, tma=True),
+         GemmTile(128, 128, 1, 4, 2, tma=True)]  # fmt: skip
+UP2 = {16: [GemmTile(32, 256, 1, 4, 3), GemmTile(32, 256, 1, 4, 4, tma=True), GemmTile(32, 256, 1, 4, 2, tma=True),
+            GemmTile(32, 512, 1, 4, 2, tma=True), GemmTile(64, 256, 1, 8, 2, True, tma=True)],
+       32: [SHORT_D_UP_BM32, GemmTile(64, 128, 1, 4, 4, True, tma=True), GemmTile(64, 256, 1, 8, 2, True, tma=True),
+            GemmTile(32, 256, 1, 4, 3, True, tma=True), GemmTile(64, 128, 1, 8, 3, True, tma=True)]}  # fmt: skip
+
+
+def _prewarm_job(job: tuple) -> str:
+    """Compile one GEMM tile, align launch or whole pipeline at the sizes the run uses (E = 8 experts for the GEMMs
+    alone: E does not enter their cache key, every size is a multiple of 16 or the same as at E = 64; a pipeline
+    on uninitialized weights at the real E: values do not enter a compile)."""
+    kind, D, E, I, K, T, bm, tile, *pdl = job
+    ids = torch.rand(T, E, device="cuda").topk(K, dim=-1).indices.to(torch.int32)
+    if kind == "align":
+        moe_align(ids, E, bm, tile=tile, pdl=bool(pdl and pdl[0]))
+    elif kind == "pipe":
+        w13 = torch.empty(E, 2 * I, D, device="cuda", dtype=torch.bfloat16)
+        w2 = torch.empty(E, D, I, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
+        fused_moe(x, w13, w2, ids, torch.rand(T, K, device="cuda"), config=tile)
+    else:
+        ids = torch.rand(T, 8, device="cuda").topk(K, dim=-1).indices.to(torch.int32)
+        al = moe_align(ids, 8, bm)
+        x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
+        if kind == "up":
+            moe_gate_up(x, torch.randn(8, 2 * I, D, device="cuda", dtype=torch.bfloat16), al, K, bm, tile)
+        else:
+            act = torch.randn(T * K, I, device="cuda", dtype=torch.bfloat16)
+            w2 = torch.randn(8, D, I, device="cuda", dtype=torch.bfloat16)
+            moe_down(act, w2, al, torch.rand(T, K, device="cuda"), bm, tile, False, T * K)
+    torch.cuda.synchronize()
+    return str(job)
+
+
+def sweep_bms(T: int) -> tuple[int, ...]:
+    return (16, 32)
+
+
+def sweep(copy_gbs: float, ts: Sequence[int], workers: int, res: dict[str, object]) -> None:
+    D, E, I, K = E2E
+    jobs = {("align", D, e, I, k, T, moe_config(T * k, e, 2, i, tokens=T).block_m, a)
+            for T in ts for e, i, k in ((E, I, K), (256, 256, 8), (32, 2048, 8)) for a in align_tiles(T * k, e)}
+    # GEMMs: one T (every M = T K and every padded P is a multiple of 16: the same specialization at each T)
+    jobs |= {(p, D, E, I, K, 64, bm, t) for T in ts for bm in sweep_bms(T) for p, ts_ in (("up", UP), ("down", DOWN))
+             for t in ts_}  # fmt: skip
+    if workers:
+        _prewarm_pool(_prewarm_job, sorted(jobs, key=str), workers)
+    rows: list[dict[str, object]] = []
+    res["sweep"] = rows
+    for T in ts:
+        for e, i, k in ((E, I, K), (256, 256, 8), (32, 2048, 8)):  # the align alone: ids only
+            ids = [torch.rand(T, e, device="cuda").topk(k, dim=-1).indices.to(torch.int32) for _ in range(CALLS)]
+            bm = moe_config(T * k, e, 2, i, tokens=T).block_m
+            al: dict[str, float] = {}
+            r = moe_align_ref(ids[0], e, bm)
+            for a in align_tiles(T * k, e):
+                al[str(tuple(a))] = safe(partial(graph_ms, [partial(moe_align, x, e, bm, tile=a) for x in ids]), str(a))
+                ok = al[str(tuple(a))] == al[str(tuple(a))]  # timed (not NaN): then check it, compiled
+                if ok and not _align_same(moe_align(ids[0], e, bm, tile=a), r):
+                    print(f"  MISMATCH align {a} E={e} T={T}")
+                    al[str(tuple(a))] = float("nan")
+            ref = graph_ms([partial(moe_align_ref, x, e, bm) for x in ids])
+            rows.append({"E": e, "I": i, "K": k, "T": T, "block_m": bm, "align_ms": al, "align_ref_ms": ref})
+            print(f"align E={e} K={k} T={T} bm={bm}: ref {ref * 1e3:.1f} us; " +
+                  ", ".join(f"{a} {v * 1e3:.1f}" for a, v in al.items()))  # fmt: skip
+        cs = Case(D, E, I, K, T, wsets=4)
+        base = previous_default(D, E, I, K, T)
+        row: dict[str, object] = {"D": D, "E": E, "I": I, "K": K, "T": T, "default": _cfg_str(base),
+                                  "touched_read_ms": cs.touched_read_ms(copy_gbs), "default_ms": cs.pipeline_ms(base)}
+        best: list[MoeConfig] = []
+        for bm in sweep_bms(T):
+            p = cs.parts_ms(MoeConfig(bm, UP[0], DOWN[0]), UP, DOWN)
+            row[f"parts_bm{bm}"] = p
+            up = min(UP, key=lambda t: _nan_inf(p["up"][str(tuple(t))]))  # type: ignore[index]
+            down = min(DOWN, key=lambda t: _nan_inf(p["down"][str(tuple(t))]))  # type: ignore[index]
+            best.append(MoeConfig(bm, up, down))
+            print(f"T={T} bm={bm}: align {p['align']*1e3:.1f} us sum {p['sum']*1e3:.1f} us; up " +
+                  ", ".join(f"{t} {v*1e3:.1f}" for t, v in p["up"].items()) + "; down " +  # type: ignore[union-attr]
+                  ", ".join(f"{t} {v*1e3:.1f}" for t, v in p["down"].items()))  # type: ignore[union-attr]  # fmt: skip
+        row["best_ms"] = {_cfg_str(c): safe(partial(cs.pipeline_ms, c), _cfg_str(c)) for c in best}
+        row["base_parts"] = cs.parts_ms(base, [base.gate_up], [base.down])
+        print(f"T={T}: default {_cfg_str(base)} {row['default_ms']:.4f} ms, touched-read {row['touched_read_ms']:.4f};"
+              f" best composed {row['best_ms']}")  # fmt: skip
+        rows.append(row)
+        del cs
+        torch.cuda.empty_cache()
+        save(res, "moe_e2e_sweep.json")
+
+
+def _align_same(a: MoeAlignment, r: MoeAlignment) -> bool:
+    used = int(r.num_padded.item())
+    return (int(a.num_padded.item()) == used and torch.equal(a.sorted_ids[:used], r.sorted_ids[:used])
+            and torch.equal(a.block_expert, r.block_expert))  # fmt: skip
+
+
+def _nan_inf(v: object) -> float:
+    f = float(v)  # type: ignore[arg-type]
+    return float("inf") if f != f else f
+
+
+def prewarm_compare(
+    ts: Sequence[int], workers: int, with_extras: bool, cells_7168: Sequence[tuple], with_candidate: bool
+) -> None:
+    """Every kernel compare (and extras) will run, compiled in parallel processes first."""
+    jobs: set[tuple] = set()
+    for D, E, I, K, T in [(*E2E, T) for T in ts] + list(cells_7168):
+        new = new_default(D, E, I, K, T)
+        third = candidate(D, E, I, K, T) if with_candidate else new._replace(pdl=not new.pdl)
+        cfgs = [previous_default(D, E, I, K, T), new, third]
+        cfgs += [moe_config(T * K, E, 2, I, tokens=T, hidden=2048)] if D > 4096 and I >= 512 else []
+        jobs |= {("pipe", D, E, I, K, T, 0, c) for c in cfgs}
+    D, E, I, K = E2E
+    for T in ts if with_extras else []:
+        for e, i, k in ((E, I, K), (256, 256, 8), (32, 2048, 8)):
+            new = moe_config(T * k, e, 2, i, tokens=T, hidden=D if e == E else 7168)
+            al = [(AlignTile(), False), (new.align, False), (new.align, True)] + [(a, False) for a in ALIGN2]
+            jobs |= {("align", D, e, i, k, T, new.block_m, a, pdl) for a, pdl in al}
+        bm = new_default(D, E, I, K, T).block_m
+        jobs |= {("up", D, E, I, K, 64, bm, t) for t in UP2[bm]} | {("down", D, E, I, K, 64, bm, t) for t in DOWN2}
+    if workers:
+        _prewarm_pool(_prewarm_job, sorted(jobs, key=str), workers)
+
+
+def compare(
+    copy_gbs: float, ts: Sequence[int], res: dict[str, object], cells_7168: Sequence[tuple], with_candidate: bool
+) -> None:
+    """previous vs new default (and new with pdl), ABCABC: drift shows as the two figures of one config apart."""
+    rows: list[dict[str, object]] = []
+    res["compare"] = rows
+    cells = [(*E2E, T) for T in ts] + list(cells_7168)
+    for D, E, I, K, T in cells:
+        cs = Case(D, E, I, K, T, wsets=4 if D == 2048 else 2)
+        old, new = previous_default(D, E, I, K, T), new_default(D, E, I, K, T)
+        # run 2: pdl timed beside (off in new); run 3: the candidate beside (pdl on in both)
+        pdl = candidate(D, E, I, K, T) if with_candidate else new._replace(pdl=not new.pdl)
+        t_old, t_new, t_pdl = [], [], []
+        for _ in range(2):
+            t_old.append(cs.pipeline_ms(old))
+            t_new.append(cs.pipeline_ms(new))
+            t_pdl.append(safe(partial(cs.pipeline_ms, pdl), "pdl"))
+        row = {"D": D, "E": E, "I": I, "K": K, "T": T, "old": _cfg_str(old), "new": _cfg_str(new),
+               "old_align": str(old.align), "new_align": str(new.align), "old_ms": t_old, "new_ms": t_new,
+               "touched_read_ms": cs.touched_read_ms(copy_gbs), "new_check": cs.check(new)}  # fmt: skip
+        row["third"] = _cfg_str(pdl) + f" pdl={pdl.pdl} align={pdl.align}"
+        row["third_ms"], row["third_check"] = t_pdl, cs.check(pdl)
+        if D > 4096 and I >= 512:  # would the short-D tiles (gated off at D = 7168) help here too? (not the default)
+            short = moe_config(T * K, E, 2, I, tokens=T, hidden=2048)
+            row["short_d_tiles"] = _cfg_str(short)
+            row["short_d_tiles_ms"] = safe(partial(cs.pipeline_ms, short), "short")
+        print(f"   third {row['third']}: {t_pdl} ms {row['third_check']}; short-D {row.get('short_d_tiles_ms')}")
+        if D == 2048:
+            row["old_parts"] = cs.parts_ms(old, [old.gate_up], [old.down])
+            row["new_parts"] = cs.parts_ms(new, [new.gate_up], [new.down])
+        rows.append(row)
+        o, n = min(t_old), min(t_new)
+        print(f"D={D} E={E} I={I} T={T}: old {t_old[0]:.4f}/{t_old[1]:.4f} new {t_new[0]:.4f}/{t_new[1]:.4f} ms "
+              f"({n / o:.3f}x), read {row['touched_read_ms']:.4f} -> {n / row['touched_read_ms']:.2f}x "  # type: ignore[operator]
+              f"(old {o / row['touched_read_ms']:.2f}x); {row['new_check']}; new {row['new']} {row['new_align']}")  # type: ignore[operator]  # fmt: skip
+        if D == 2048:
+            for k in ("old_parts", "new_parts"):
+                p = row[k]
+                print(f"   {k}: align {p['align']*1e3:.1f} us, up {list(p['up'].values())[0]*1e3:.1f}, down "  # type: ignore[index]
+                      f"{list(p['down'].values())[0]*1e3:.1f}, sum {p['sum']*1e3:.1f}")  # type: ignore[index]  # fmt: skip
+        del cs
+        torch.cuda.empty_cache()
+        save(res, "moe_e2e_compare.json")
+
+
+def extras(ts: Sequence[int], res: dict[str, object]) -> None:
+    """Run 2's extra launches around run 1's winners (module lists ALIGN2, DOWN2, UP2), each part alone."""
+    D, E, I, K = E2E
+    rows: list[dict[str, object]] = []
+    res["extras"] = rows
+    for T in ts:
+        for e, i, k in ((E, I, K), (256, 256, 8), (32, 2048, 8)):
+            ids = [torch.rand(T, e, device="cuda").topk(k, dim=-1).indices.to(torch.int32) for _ in range(CALLS)]
+            new = moe_config(T * k, e, 2, i, tokens=T, hidden=D if e == E else 7168)
+            r = moe_align_ref(ids[0], e, new.block_m)
+            al: dict[str, float] = {}
+            for a, pdl in [(AlignTile(), False), (new.align, False), (new.align, True)] + [(a, False) for a in ALIGN2]:
+                key = f"{tuple(a) if a else None}{' pdl' * pdl}"
+                fns = [partial(moe_align, x, e, new.block_m, tile=a, pdl=pdl) for x in ids]
+                al[key] = safe(partial(graph_ms, fns), key)
+                if al[key] == al[key] and not _align_same(moe_align(ids[0], e, new.block_m, tile=a, pdl=pdl), r):
+                    print(f"  MISMATCH align {key} E={e} T={T}")
+                    al[key] = float("nan")
+            rows.append({"E": e, "K": k, "T": T, "block_m": new.block_m, "align_ms": al})
+            print(f"align E={e} T={T}: " + ", ".join(f"{a} {v * 1e3:.1f}" for a, v in al.items()))
+        cs = Case(D, E, I, K, T, wsets=4)
+        new = new_default(D, E, I, K, T)
+        p = cs.parts_ms(new, UP2[new.block_m], DOWN2)
+        rows.append({"D": D, "E": E, "I": I, "K": K, "T": T, "block_m": new.block_m, "parts": p})
+        print(f"T={T} bm={new.block_m}: up " + ", ".join(f"{t} {v * 1e3:.1f}" for t, v in p["up"].items())  # type: ignore[union-attr]
+              + "; down " + ", ".join(f"{t} {v * 1e3:.1f}" for t, v in p["down"].items()))  # type: ignore[union-attr]  # fmt: skip
+        del cs
+        torch.cuda.empty_cache()
+        save(res, "moe_e2e_compare.json")
+
+
+def save(res: dict[str, object], name: str) -> None:
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / name).write_text(json.dumps(res, indent=1))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--phase", choices=("sweep", "compare", "compare+extras"), default="compare")
+    ap.add_argument("--ts", default=",".join(map(str, TS)))
+    ap.add_argument("--workers", type=int, default=12, help="prewarm processes; 0: compile inline")
+    ap.add_argument("--d7168", default="", help="ExIxT list of D = 7168 cells (K = 8); default: CELLS_7168")
+    ap.add_argument("--copy-gbs", type=float, default=0.0, help="copy rate of an earlier run (skips the ceilings)")
+    ap.add_argument("--candidate", action="store_true", help="compare: time candidate() beside, not pdl flipped")
+    a = ap.parse_args()
+    ts = [int(t) for t in a.ts.split(",")]
+    cells = [(7168, *(int(v) for v in c.split("x")[:2]), 8, int(c.split("x")[2])) for c in a.d7168.split(",") if c]
+    copy_gbs, gemm = (a.copy_gbs, float("nan")) if a.copy_gbs else ceilings()
+    res: dict[str, object] = {"ceilings": {"copy_GBps": copy_gbs, "gemm_TFLOPs": gemm, "measured": not a.copy_gbs}}
+    if a.phase == "sweep":
+        sweep(copy_gbs, ts, a.workers, res)
+    else:
+        prewarm_compare(ts, a.workers, a.phase == "compare+extras", cells or CELLS_7168, a.candidate)
+        compare(copy_gbs, ts, res, cells or CELLS_7168, a.candidate)
+        if a.phase == "compare+extras":
+            extras(ts, res)
+
+
+if __name__ == "__main__":
+    main()
