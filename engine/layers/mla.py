@@ -99,8 +99,8 @@ class MLAAttention(nn.Module):
         else:
             # The absorbed query [T, H, kv_lora + rope] built in place: the bmm and the rope store into its two
             # column ranges through strided views, and the value projection stores [T, H, v] rows o_proj reads
-            # as they are. einsum + cat cost a cat (4.6 us) and a permute copy a layer at batch 64 on the H200
-            # (bench/NOTES.md, "Engine owner, session 5", run 2's kernel table).
+            # as they are. einsum + cat cost a cat a layer (4.6 us at batch 64 on the H200: bench/NOTES.md,
+            # "Engine owner, session 5", run 2's kernel table), and the reshape of einsum's permuted output a copy.
             q_lat = q.new_empty(t, self.h, self.kv_lora + self.rope_dim)
             torch.bmm(q_nope.transpose(0, 1), self.w_kc, out=q_lat[:, :, : self.kv_lora].transpose(0, 1))
             self.rope(fb.positions, q_pe, out=q_lat[:, :, self.kv_lora :])
