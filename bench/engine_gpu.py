@@ -143,8 +143,7 @@ def transformers_baseline(
 
     kw_load: dict[str, Any] = {} if experts == "default" else {"experts_implementation": experts}
     model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16, **kw_load).cuda().eval()
-    rng = np.random.default_rng(1)
-    ids = torch.tensor(rng.integers(2, vocab_size(ckpt), size=(batch, 128)), device="cuda")
+    ids = torch.tensor(bench_prompts(batch, vocab_size(ckpt)), device="cuda")  # the engines' own prompts
     kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
     runs = []
     with torch.inference_mode():
