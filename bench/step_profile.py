@@ -52,7 +52,7 @@ def kernel_table(eng: Engine, batch: int) -> str:
         for _ in range(5):
             graph.replay()
         torch.cuda.synchronize()
-    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=45)
 
 
 def main() -> None:
