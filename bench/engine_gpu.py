@@ -88,10 +88,10 @@ def vocab_size(ckpt: Path) -> int:
     return int(json.loads((ckpt / "config.json").read_text())["vocab_size"])
 
 
-def open_engine(ckpt: Path, backend: str, batch: int, new_tokens: int) -> Engine:
+def open_engine(ckpt: Path, backend: str, batch: int, new_tokens: int, **extra: Any) -> Engine:
     """The timed engine: bf16 on CUDA, KV for batch x (128 + new_tokens) tokens, no prefix cache; with
-    CUDA graphs, one graph of the full batch (every timed decode step has it)."""
-    opts = backend_options(backend)
+    CUDA graphs, one graph of the full batch (every timed decode step has it). extra: more EngineConfig options."""
+    opts = {**backend_options(backend), **extra}
     if backend == "triton":
         opts["cuda_graph_batch_sizes"] = (batch,)
     return Engine(ckpt, dtype="bfloat16", device="cuda", chunked_prefill_size=8192, max_running_requests=batch,

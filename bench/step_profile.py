@@ -55,18 +55,42 @@ def kernel_table(eng: Engine, batch: int) -> str:
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=45)
 
 
+def overlap_ab(ckpt: Path, prompts: list[list[int]], b: int, n: int, reps: int = 3) -> dict[str, list[float]]:
+    """Decode tokens/s with the overlapped scheduler off and on (capture off and on), alternating engines so
+    that drift (power cap, clocks) hits both alike."""
+    out: dict[str, list[float]] = {}
+    engines = {ov: open_engine(ckpt, "triton", b, n, overlap_schedule=ov) for ov in (False, True)}
+    try:
+        for eng in engines.values():
+            for capture in (False, True):
+                decode_tokens_per_s(eng, prompts, n, capture)  # warm-up
+        for _ in range(reps):
+            for ov, eng in engines.items():
+                for capture in (False, True):
+                    key = f"overlap_{'on' if ov else 'off'}_capture_{'on' if capture else 'off'}"
+                    out.setdefault(key, []).append(decode_tokens_per_s(eng, prompts, n, capture))
+    finally:
+        for eng in engines.values():
+            eng.shutdown()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="")
     ap.add_argument("--shape", default="v3-2.5b")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--ab-overlap", action="store_true",
+                    help="first time decode with overlap_schedule off then on, alternating, in one process")
     args = ap.parse_args()
     b, n = args.batch, args.new_tokens
     report: dict[str, Any] = {"device": torch.cuda.get_device_name(), "shape": args.shape, "batch": b}
     prompts = bench_prompts(b)
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = bench_checkpoint(Path(tmp), args.shape)
+        if args.ab_overlap:
+            report["overlap_ab"] = overlap_ab(ckpt, prompts, b, n)
         with open_engine(ckpt, "triton", b, n) as eng:
             for capture in (False, True):
                 decode_tokens_per_s(eng, prompts, n, capture)  # warm-up

@@ -101,7 +101,8 @@ class Engine:
         self._builder = RequestBuilder(mc.vocab_size, self.max_context_len, cfg.kv_pool_tokens,
                                        self.tokenizer)
         self._closed = False
-        self._loop = EventLoop(self.scheduler, self.runner, self.cache, self.route_hooks, mc, self.tokenizer)
+        self._loop = EventLoop(self.scheduler, self.runner, self.cache, self.route_hooks, mc, self.tokenizer,
+                               overlap=cfg.overlap_schedule)
         if cfg.trace_dir is not None:
             self.start_trace(cfg.trace_dir)
 

@@ -31,6 +31,9 @@ class EngineConfig:
     kv_pool_tokens: int = 16384  # KV slots in the paged latent pool
     max_context_len: int | None = None  # default: the model's max_position_embeddings
     enable_prefix_cache: bool = True
+    # Overlapped scheduler (engine/event_loop.py): the host prepares step i+1 while the GPU runs step i. Same
+    # batches and tokens as without it; off serializes host and device (a debugging aid, and the A/B baseline).
+    overlap_schedule: bool = True
     # math backends, chosen once here (never inside forward)
     mla_path: MlaPath = "auto"  # auto: normal for prefix-free prefill, absorbed otherwise
     attention_backend: Backend = "ref"

@@ -3,6 +3,14 @@
 Callers (any number of threads) reach it through one thread-safe inbox: submit a list of requests as one
 message (so a single-threaded offline caller always gets the same batches, hence the same tokens), abort,
 run a function on the thread, shut down. Results, or stream chunks, come back on a per-request queue.
+
+Overlap (EngineConfig.overlap_schedule, SGLang's overlap scheduler): while the GPU runs step i, the host
+processes step i-1 and schedules and launches step i+1, whose decode inputs are step i's tokens read on the
+device. A request that stops on a token sampled at step i was already given a position in step i+1: process
+drops that position (Scheduler._drop_ahead) and ignores the step's row for it. Steps that need the host to
+see step i first (admissions, chunked prefill, retraction) are scheduled after it is processed. A message
+from a caller (abort, call, shutdown, a new submission) is handled after the step in flight is processed,
+so nothing else ever sees a request with positions in flight.
 """
 
 from __future__ import annotations
@@ -16,7 +24,7 @@ from typing import Any
 import torch
 
 from r3trace.engine.config import ModelConfig
-from r3trace.engine.model_runner import ModelRunner
+from r3trace.engine.model_runner import Launched, ModelRunner
 from r3trace.engine.radix_cache import RadixCache
 from r3trace.engine.request import InvalidRequestError, Req
 from r3trace.engine.result import build_result
@@ -33,8 +41,11 @@ class EventLoop:
     def __init__(
         self, scheduler: Scheduler, runner: ModelRunner, cache: RadixCache | None,
         route_hooks: RouteCaptureHooks | None, model_config: ModelConfig, tokenizer: TextTokenizer,
+        overlap: bool = False,
     ) -> None:
         self.scheduler = scheduler
+        self.overlap = overlap
+        self._inflight: Launched | None = None  # the step launched and not yet processed
         self.runner = runner
         self.cache = cache
         self.route_hooks = route_hooks
@@ -94,7 +105,7 @@ class EventLoop:
 
     def flush_if_idle(self) -> bool:
         """On the scheduler thread: drop the prefix cache's unlocked entries unless requests are in flight."""
-        if self.scheduler.has_work():
+        if self._inflight is not None or self.scheduler.has_work():
             return False
         if self.cache is not None:
             self.cache.flush()
@@ -104,10 +115,13 @@ class EventLoop:
     def _loop(self) -> None:
         with torch.inference_mode():
             while True:
+                busy = self._inflight is not None or self.scheduler.has_work()
                 try:
-                    msg = self._inbox.get(block=not self.scheduler.has_work())
+                    msg = self._inbox.get(block=not busy)
                 except queue.Empty:
                     msg = None
+                if msg is not None and self._inflight is not None:
+                    self._settle()  # messages see no request with positions in flight
                 while msg is not None:
                     if not self._handle(msg):
                         self.scheduler.abort_all("the engine was shut down")
@@ -117,7 +131,7 @@ class EventLoop:
                         msg = self._inbox.get_nowait()
                     except queue.Empty:
                         msg = None
-                if self.scheduler.has_work():
+                if self._inflight is not None or self.scheduler.has_work():
                     self._step()
                 self._deliver()
 
@@ -141,16 +155,35 @@ class EventLoop:
 
     def _step(self) -> None:
         try:
-            items = self.scheduler.schedule()
-            if not items:
-                # Unreachable while the pool holds any prompt it accepted; never spin on it.
-                self.scheduler.abort_all("the scheduler could not place any request", is_error=True)
+            if self._inflight is None:
+                items = self.scheduler.schedule()
+                if not items:
+                    # Unreachable while the pool holds any prompt it accepted; never spin on it.
+                    self.scheduler.abort_all("the scheduler could not place any request", is_error=True)
+                    return
+                self._inflight = self.runner.launch(items)
+                if not self.overlap:
+                    self._settle()
                 return
-            outputs = self.runner.run(items)
-            self.scheduler.process(items, outputs)
+            ahead = self.scheduler.schedule_ahead(self._inflight.items)
+            done, self._inflight = self._inflight, None
+            if ahead:
+                self._inflight = self.runner.launch(ahead)  # queued behind `done` on the GPU
+            self.scheduler.process(done.items, self.runner.collect(done))
         except Exception as exc:
             log.exception("engine step failed; aborting the requests in flight")
+            self._inflight = None
             self.scheduler.abort_all(f"engine error: {exc!r}", is_error=True)
+
+    def _settle(self) -> None:
+        """Process the step in flight (waits for it on the device)."""
+        done, self._inflight = self._inflight, None
+        if done is not None:
+            try:
+                self.scheduler.process(done.items, self.runner.collect(done))
+            except Exception as exc:
+                log.exception("engine step failed; aborting the requests in flight")
+                self.scheduler.abort_all(f"engine error: {exc!r}", is_error=True)
 
     def _with_routes(self, req: Req, result: dict[str, Any], delta: bool) -> dict[str, Any]:
         opts: CaptureRequest | None = req.extras.get("capture")

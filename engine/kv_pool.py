@@ -8,6 +8,8 @@ Bookkeeping (free lists, page lists) is on the host, so allocating never syncs w
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -103,11 +105,12 @@ class ReqToTokenPool:
         if len(slots):
             self._pending.append((row, start, np.asarray(slots, dtype=np.int64)))
 
-    def flush(self) -> None:
+    def flush(self, stage: Callable[[np.ndarray], torch.Tensor] | None = None) -> None:
         """Apply every pending write with one host->device copy and one scatter (no sync). Per-write
         copies cost one cudaMemcpy each: 64 decoding requests made 64 of them a step (~1 ms). Positions are
         distinct (free() drops a freed row's writes), so no deduplication; a decode step's 64 one-slot
-        writes build their indices without a per-write arange (210 -> ~50 us a step on a 2-core host)."""
+        writes build their indices without a per-write arange (210 -> ~50 us a step on a 2-core host). stage: as in
+        ForwardBatch.build."""
         if not self._pending:
             return
         width = self.req_to_token.shape[1]
@@ -117,5 +120,7 @@ class ReqToTokenPool:
             flat = np.fromiter((row * width + start for row, start, _ in pending), np.int64, len(pending))
         else:
             flat = np.concatenate([row * width + start + np.arange(len(s)) for row, start, s in pending])
-        packed = torch.from_numpy(np.stack([flat, vals])).to(self.req_to_token.device, non_blocking=True)  # [2, n]
+        both = np.concatenate([flat, vals])
+        dev = self.req_to_token.device
+        packed = (stage(both) if stage is not None else torch.from_numpy(both).to(dev, non_blocking=True)).view(2, -1)
         self.req_to_token.view(-1).index_copy_(0, packed[0], packed[1].to(torch.int32))

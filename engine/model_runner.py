@@ -2,11 +2,18 @@
 
 Logits are computed only for the rows that need them: the last row of each request that samples,
 plus prompt rows whose input logprobs were asked. N = len(logits_rows), V vocabulary. Every result
-is copied to the host in one batch at the end: one device sync per step.
+is copied to the host in one batch at the end: one wait per step.
+
+A step is launched, then collected. `launch` queues the forward, the sampling and the copies of the results to
+the host, and returns without waiting; `collect` waits for those copies. Between the two the overlapped
+scheduler launches the next step. Its decode inputs are this step's sampled tokens, which never cross to the
+host first: every step whose requests all sample scatters its tokens into `next_tokens` by request row, and
+a step scheduled ahead gathers its input ids from there on the device.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -16,6 +23,7 @@ from r3trace.capture.recorder import RouteRecorder
 from r3trace.engine.config import ModelConfig
 from r3trace.engine.cuda_graph import DecodeGraphs
 from r3trace.engine.forward_batch import ForwardBatch
+from r3trace.engine.host_staging import HostStaging
 from r3trace.engine.kv_pool import KVPool, ReqToTokenPool
 from r3trace.engine.request import LogprobEntry
 from r3trace.engine.route_capture import replay_plan
@@ -27,6 +35,17 @@ class CausalLM(Protocol):
     recorder: RouteRecorder
 
     def forward(self, fb: ForwardBatch, kv_buffer: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass
+class Launched:
+    """A step on its way: the host copies of its results land in `host` once `event` has passed."""
+
+    items: list[ScheduledReq]
+    host: dict[str, torch.Tensor] = field(default_factory=dict)
+    event: torch.cuda.Event | None = None
+    lp_rows: list[int] = field(default_factory=list)
+    sample_rows: list[int] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -42,8 +61,18 @@ class ModelRunner:
         self.sampler = sampler
         self.device = device
         self.forward_id = 0
+        self.staging = HostStaging(device)
+        # [R] int64: the token each request row sampled last (read by steps scheduled ahead, see the docstring)
+        self.next_tokens = torch.zeros(req_pool.req_to_token.shape[0], dtype=torch.int64, device=device)
 
     def run(self, items: list[ScheduledReq]) -> list[ReqOutput]:
+        return self.collect(self.launch(items))
+
+    def launch(self, items: list[ScheduledReq]) -> Launched:
+        """Queue the step's forward, sampling and result copies; no wait on the device."""
+        ahead = sum(it.ahead for it in items)
+        if ahead not in (0, len(items)):
+            raise ValueError(f"a step has {ahead} of {len(items)} requests scheduled ahead: all or none")
         input_ids: list[int] = []
         logits_rows: list[int] = []
         lp_rows: list[int] = []  # indices into logits for input-logprob rows
@@ -52,7 +81,7 @@ class ModelRunner:
         for it in items:
             base = len(input_ids)
             fill = it.req.fill_ids
-            input_ids.extend(fill[it.start : it.end])
+            input_ids.extend(fill[it.start : it.end] if not it.ahead else [0])  # ahead: gathered on the device
             for p in it.logprob_positions:
                 lp_rows.append(len(logits_rows))
                 lp_targets.append(fill[p + 1])
@@ -60,7 +89,7 @@ class ModelRunner:
             if it.sample:
                 sample_rows.append(len(logits_rows))
                 logits_rows.append(base + it.extend_len - 1)
-        self.req_pool.flush()  # the scheduler's req_to_token writes, one copy, before anything reads them
+        self.req_pool.flush(self.staging.to_device)  # the scheduler's req_to_token writes, before anything reads them
         fb = ForwardBatch.build(
             forward_id=self.forward_id,
             input_ids=input_ids,
@@ -74,7 +103,10 @@ class ModelRunner:
             request_ids=[it.req.rid for it in items],
             phases=[it.phase for it in items],
             replay=replay_plan(items, len(input_ids), self.model_config, self.device),
+            stage=self.staging.to_device,
         )
+        if ahead:
+            torch.index_select(self.next_tokens, 0, fb.req_pool_indices, out=fb.input_ids)
         self.forward_id += 1
         if self.graphs is not None and self.graphs.can_run(fb):
             recorder = self.model.recorder
@@ -83,16 +115,31 @@ class ModelRunner:
             recorder.on_forward_end(fb)
         else:
             logits = self.model.forward(fb, self.pool.kv_buffer)  # [N, V] float32
-        return self._outputs(items, logits, lp_rows, lp_targets, sample_rows)
+        on_device = self._results(items, fb, logits, lp_rows, lp_targets, sample_rows)
+        launched = Launched(items=items, lp_rows=lp_rows, sample_rows=sample_rows)
+        launched.host = {k: v.to("cpu", non_blocking=True) for k, v in on_device.items()}  # pinned, queued
+        if any(v.is_cuda for v in on_device.values()):
+            launched.event = torch.cuda.Event()
+            launched.event.record()
+        return launched
 
-    def _outputs(
+    def collect(self, launched: Launched) -> list[ReqOutput]:
+        """Wait for a launched step's results (the step's one wait) and hand each request its rows."""
+        if launched.event is not None:
+            launched.event.synchronize()
+        host = {k: v.tolist() for k, v in launched.host.items()}
+        return _split(launched.items, host, launched.lp_rows, launched.sample_rows)
+
+    def _results(
         self,
         items: list[ScheduledReq],
+        fb: ForwardBatch,
         logits: torch.Tensor,
         lp_rows: list[int],
         lp_targets: list[int],
         sample_rows: list[int],
-    ) -> list[ReqOutput]:
+    ) -> dict[str, torch.Tensor]:
+        """Sampled tokens and logprobs of the step, on the device."""
         samplers = [it for it in items if it.sample]
         dev = logits.device
         on_device: dict[str, torch.Tensor] = {}
@@ -105,6 +152,8 @@ class ModelRunner:
                 [it.req.params for it in samplers], [it.req.generator for it in samplers],
             )  # [B]
             on_device["next"] = next_ids
+            if len(samplers) == len(items):  # every request samples: the rows a step ahead reads
+                self.next_tokens.index_copy_(0, fb.req_pool_indices, next_ids)
         want_lp = any(it.req.logprob is not None for it in items)
         top_num = max((it.req.logprob.top_num for it in items if it.req.logprob is not None), default=0)
         if want_lp and logits.shape[0]:
@@ -119,16 +168,7 @@ class ModelRunner:
             if top_num:
                 top = logprobs.topk(min(top_num, logprobs.shape[1]), dim=-1)  # [N, top]
                 on_device["top_v"], on_device["top_i"] = top.values, top.indices
-        host = _to_host(on_device)
-        return _split(items, host, lp_rows, sample_rows)
-
-
-def _to_host(tensors: dict[str, torch.Tensor]) -> dict[str, list]:
-    """The step's one device->host sync: every copy queued, then one wait."""
-    staged = {k: v.to("cpu", non_blocking=True) for k, v in tensors.items()}
-    if any(v.is_cuda for v in tensors.values()):
-        torch.cuda.current_stream().synchronize()
-    return {k: v.tolist() for k, v in staged.items()}
+        return on_device
 
 
 def _split(

@@ -132,6 +132,9 @@ class Req:
     cache_node: Any = None  # radix node locked while this request uses the prefix
     pool_row: int = -1  # row in req_to_token; -1 while waiting
     cached_tokens: int = 0  # SGLang's meta_info.cached_tokens, summed over (re)admissions
+    # Of kv_len, positions in forwards launched but not yet processed (the overlapped scheduler runs one step
+    # ahead): their KV and routes are not on the host yet, so the computed positions are kv_len - inflight.
+    inflight: int = 0
     # The fill was computed since (re)admission: each further step adds one token. A re-prefill after
     # retraction (prompt + outputs so far) runs with phase "prefill".
     in_decode: bool = False
@@ -167,6 +170,11 @@ class Req:
         return len(self.origin_input_ids) + len(self.output_ids)
 
     @property
+    def computed_len(self) -> int:
+        """Positions whose forward has been processed: their KV is in the pool and their routes can be read."""
+        return self.kv_len - self.inflight
+
+    @property
     def finished(self) -> bool:
         return self.finish is not None
 
@@ -181,6 +189,7 @@ class Req:
         self.cached_len = 0
         self.cache_node = None
         self.pool_row = -1
+        self.inflight = 0
         self.in_decode = False
         if not self.input_logprobs_done:
             self.reset_input_logprobs()  # a partly computed prompt is recomputed from its start

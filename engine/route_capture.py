@@ -81,17 +81,17 @@ class RouteCaptureHooks:
 
     def on_finish(self, req: Req) -> None:
         opts: CaptureRequest | None = req.extras.get("capture")
+        n_rows = req.kv_len if req.pool_row >= 0 else 0
+        slots = self.pool.slots(req.pages, 0, n_rows) if n_rows else np.zeros(0, np.int64)
         if opts is not None and opts.want:
-            n_rows = req.kv_len if req.pool_row >= 0 else 0
-            slots = self.pool.slots(req.pages, 0, n_rows) if n_rows else np.zeros(0, np.int64)
             if req.stream:  # what the stream has not carried yet
                 opts.rows = self.capturer.stream_rows(req.rid, slots, opts.start_len, n_rows)
             else:
                 start = min(opts.start_len, n_rows)
                 opts.rows = self.capturer.rows(req.rid, slots, start, max(start, n_rows))
             opts.provenance = self.capturer.provenance(req.rid, req.prompt_len, opts.rows.offset, n_rows)
-        if self.writer is not None:
-            self.capturer.drain()
+        if self.writer is not None:  # the request's rows reach the sink before its summary
+            self.capturer.drain_for(slots)
             self.writer.add_request(
                 req.rid, tag=None if opts is None else opts.tag, prompt_tokens=req.prompt_len,
                 completion_tokens=len(req.output_ids),
@@ -106,8 +106,8 @@ class RouteCaptureHooks:
         opts: CaptureRequest | None = req.extras.get("capture")
         if opts is None or not opts.want or req.finished:
             return None
-        slots = self.pool.slots(req.pages, 0, req.kv_len)
-        return self.capturer.stream_rows(req.rid, slots, opts.start_len, req.kv_len)
+        n = req.computed_len  # not kv_len: a step launched ahead holds a position whose row is still on the GPU
+        return self.capturer.stream_rows(req.rid, self.pool.slots(req.pages, 0, n), opts.start_len, n)
 
 
 def route_meta(rows: RouteRows, cfg: ModelConfig, with_weights: bool, delta: bool) -> dict[str, Any]:

@@ -55,6 +55,7 @@ class Scheduler:
         self._updates: list[Req] = []  # requests with news since the last take_updates()
         self.hooks: RequestHooks = hooks or NullHooks()
         self.num_retractions = 0  # over the scheduler's life: tests check preemption really happened
+        self.num_dropped_ahead = 0  # positions computed ahead for requests that had stopped (tests check it)
 
     # ------------------------------------------------------------------ queue
     def add(self, req: Req) -> None:
@@ -116,9 +117,38 @@ class Scheduler:
             budget -= len(slots)
         return items
 
+    def schedule_ahead(self, prev: list[ScheduledReq]) -> list[ScheduledReq] | None:
+        """The overlapped scheduler's next step, built while `prev` (launched, not yet processed) runs: the
+        decode step `schedule` would return once prev is processed, assuming no request stops on a sampled
+        token (process rolls those back). Every running request sampled in prev and continues by one position
+        whose input is prev's token; those prev surely finishes (length, context) are left out, as process
+        would. None when the step needs prev's results first: an admission, a chunked prefill, a retraction
+        or a cache eviction (the caller then processes prev and calls schedule)."""
+        if self.waiting and len(self.running) < self.config.max_running_requests:
+            return None
+        prev_reqs = {id(it.req) for it in prev if it.sample}
+        if len(prev_reqs) != len(self.running) or any(id(r) not in prev_reqs for r in self.running):
+            return None
+        keep = [r for r in self.running
+                if len(r.output_ids) + 1 < r.params.max_new_tokens and r.seq_len + 1 < self.max_context_len]
+        if not keep or len(keep) > self.config.chunked_prefill_size:
+            return None
+        if sum(self.pool.pages_for(r.kv_len + 1) - len(r.pages) for r in keep) > self.pool.num_free_pages:
+            return None
+        items = []
+        for req in keep:
+            slots = self._grow(req, 1)  # free pages suffice (checked above): no eviction
+            assert slots is not None
+            items.append(ScheduledReq(req=req, start=req.kv_len, extend_len=1, out_cache_loc=slots, sample=True,
+                                      logprob_positions=range(0), phase="decode", ahead=True))
+            req.kv_len += 1
+            req.inflight += 1
+        return items
+
     def _item(self, req: Req, slots: np.ndarray) -> ScheduledReq:
         start, n = req.kv_len, len(slots)
         req.kv_len += n
+        req.inflight += n
         fill_len = req.seq_len
         positions = range(0)
         if req.wants_input_logprobs:
@@ -188,6 +218,9 @@ class Scheduler:
         """Fold a forward's outputs into request state; finished requests release their KV."""
         for item, out in zip(items, outputs, strict=True):
             req = item.req
+            if req.finished:  # stopped at the step before, after this one was launched for it: dropped
+                continue
+            req.inflight -= item.extend_len
             if out.input_logprobs is not None:
                 tops: list[list[LogprobEntry] | None] = [None] * len(out.input_logprobs)
                 if out.input_tops is not None:
@@ -236,6 +269,7 @@ class Scheduler:
     def _finish(self, req: Req, reason: FinishReason) -> None:
         """The request is done; its KV (pages, pool_row) is still valid here, freed below."""
         req.finish = reason
+        self._drop_ahead(req)
         self.hooks.on_finish(req)
         if req in self.running:
             self.running.remove(req)
@@ -248,12 +282,21 @@ class Scheduler:
     def _retract(self, req: Req) -> None:
         """Out of KV: drop req's KV, keep its outputs, re-queue it at the front (it is older than the
         waiting ones). Its KV is still valid on entry."""
+        self._drop_ahead(req)
         self.hooks.on_retract(req)
         self.running.remove(req)
         self._release_kv(req, cache_it=False)
         req.num_retractions += 1
         self.num_retractions += 1
         self.waiting.appendleft(req)
+
+    def _drop_ahead(self, req: Req) -> None:
+        """Positions of a step launched ahead were not computed for the request's history: forget them, so
+        the hooks read only computed rows and the prefix cache never holds them (their pages go back to
+        the pool with the rest; the step still writes them, before any later step reuses them)."""
+        self.num_dropped_ahead += req.inflight
+        req.kv_len -= req.inflight
+        req.inflight = 0
 
     def _release_kv(self, req: Req, cache_it: bool) -> None:
         """Return req's pages: whole computed pages go to the prefix cache when cache_it, the rest

@@ -21,6 +21,9 @@ class ScheduledReq:
     sample: bool  # the chunk completes the fill: the next token is sampled from its last row
     logprob_positions: range  # positions whose logits score the next prompt token
     phase: Phase
+    # Scheduled one step ahead: the input is the token the previous, still running, step samples; the runner
+    # reads it on the device (the host does not know it yet).
+    ahead: bool = False
 
     @property
     def end(self) -> int:

@@ -138,7 +138,7 @@ class RoutedExpertsCapturer:
 
     def host_prefix(self, slots: np.ndarray) -> int:
         """How many leading slots hold host routes of the KV currently in them."""
-        self.drain()
+        self.drain_for(slots)
         return self.buffers.valid_prefix(np.asarray(slots, dtype=np.int64))
 
     def on_retract(self, rid: str, slots: np.ndarray) -> None:
@@ -158,7 +158,7 @@ class RoutedExpertsCapturer:
 
     def rows(self, rid: str, slots: np.ndarray, start: int, end: int) -> RouteRows:
         """Rows of positions [start, end), slots: KV slot of every position 0..end-1 (host)."""
-        self.drain()
+        self.drain_for(np.asarray(slots)[start:end])
         state = self._state(rid)
         moe = self._read(state, np.asarray(slots, dtype=np.int64), start, end, weights=False)
         weights = self._read(state, np.asarray(slots, dtype=np.int64), start, end, weights=True)
@@ -215,6 +215,19 @@ class RoutedExpertsCapturer:
     def drain(self) -> None:
         """Scatter every finished copy into the host buffer (FIFO) and feed the sink."""
         while self.buffers.pending:
+            self._process(self.buffers.drain_one())
+
+    def drain_for(self, slots: np.ndarray) -> None:
+        """Drain (FIFO) up to the newest forward that wrote one of these slots' KV, and no further: a later
+        forward may still be running (the overlapped scheduler's step ahead), and waiting for its copy would
+        stall the host on the GPU for a row nobody asked for."""
+        pending = self.buffers.pending
+        if any(p.claim_slots for p in pending):  # ownership known only once drained: drain everything
+            self.drain()
+            return
+        slots = np.asarray(slots, dtype=np.int64)
+        newest = int(self.buffers.kv_forward[slots].max()) if len(slots) else -1
+        while pending and pending[0].forward_id <= newest:
             self._process(self.buffers.drain_one())
 
     def _process(self, p: PendingCopy) -> None:
