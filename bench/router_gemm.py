@@ -62,7 +62,7 @@ def main() -> None:
     args = ap.parse_args()
     res: dict[str, object] = {"device": torch.cuda.get_device_name(), "layers": LAYERS, "shapes": {}}
     tiles = [RouterTile(bt, be, bd, wp, st) for bt, be, bd, (wp, st) in itertools.product(
-        (16, 32, 64), (16, 32), (64, 128, 256), ((4, 2), (4, 3), (2, 3), (8, 3)))]
+        (16, 32, 64), (16, 32, 64), (64, 128), ((4, 2), (4, 3), (8, 3)))]
     for n, (t, d, e) in enumerate(SHAPES):
         gen = torch.Generator(device="cuda").manual_seed(t + d)
         x = torch.randn(t, d, device="cuda", generator=gen).to(torch.bfloat16)
