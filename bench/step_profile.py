@@ -75,6 +75,24 @@ def overlap_ab(ckpt: Path, prompts: list[list[int]], b: int, n: int, reps: int =
     return out
 
 
+def step_trace(eng: Engine, prompts: list[list[int]], n: int) -> dict[str, Any]:
+    """torch.profiler over a whole decode run (capture on): the GPU's busy and idle time between kernels, and the
+    kernels of the step outside the graph (copies, scatters, sampling), by name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    params = {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        eng.generate(input_ids=prompts, sampling_params=params, return_routed_experts=True)
+    events = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
+    busy = sum(e.time_range.elapsed_us() for e in events)
+    span = events[-1].time_range.end - events[0].time_range.start if events else 0
+    gaps = [b.time_range.start - a.time_range.end for a, b in zip(events, events[1:], strict=False)]
+    big = sorted(g for g in gaps if g > 20)
+    return {"span_us": span, "busy_us": busy, "kernels": len(events), "gaps_over_20us": len(big),
+            "gap_us_total": sum(g for g in gaps if g > 0), "largest_gaps_us": big[-10:],
+            "table": prof.key_averages().table(sort_by="count", row_limit=40)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="")
@@ -99,6 +117,7 @@ def main() -> None:
                 report[f"decode_tok_s_capture_{'on' if capture else 'off'}"] = tps
                 report[f"step_ms_capture_{'on' if capture else 'off'}"] = 1e3 * b / float(np.median(tps))
             report["graph_replay_ms"] = eng.run_on_scheduler(lambda: replay_ms(eng, b))
+            report["step_trace"] = step_trace(eng, prompts, n)
             prof = cProfile.Profile()
             eng.run_on_scheduler(prof.enable)  # profiles the thread that calls it: the scheduler's
             decode_tokens_per_s(eng, prompts, n, True)
