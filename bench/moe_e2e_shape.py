@@ -7,9 +7,10 @@ rows and every token has K + S = 8 pairs, the last S on experts 64, 65 with weig
 tokens). Shape "real" is that: the kernels see E = 66, K = 8; shape "k6" is the routed part alone (E = 64, K = 6).
 
 Run (GPU): python bench/moe_e2e_shape.py --phase sweep                -> $OUT/moe_e2e_sweep.json
-           python bench/moe_e2e_shape.py --phase compare[+extras] --configs default,candidate --shapes real,k6
+           python bench/moe_e2e_shape.py --phase compare[+extras] --configs s5,default --shapes real,k6
                                                                       -> $OUT/moe_e2e_compare.json
-           (session 5 run 2: --configs pre_s5,nopdl,default --shapes k6)
+           (session 5 run 2: --configs pre_s5,nopdl,s5 --shapes k6; session 6 run 1: --configs
+            s5,candidate,cand_align,cand_tiles,other_bm --shapes real,k6)
 
 Timer: one CUDA graph holding CALLS calls in turn, call i on route set i % CALLS and weight set i % WSETS, replayed
 back to back (events around n replays, median of reps) / CALLS. As in the engine's graph: no flush between calls,
@@ -34,7 +35,7 @@ from timing import ceilings
 
 from r3trace.kernels.fused_moe import AlignTile, GemmTile, MoeConfig, fused_moe, fused_moe_ref, moe_config, moe_sum
 from r3trace.kernels.moe_align import MoeAlignment, moe_align, moe_align_ref
-from r3trace.kernels.moe_config import SHORT_D_DOWN, SHORT_D_UP_BM32
+from r3trace.kernels.moe_config import SHORT_D_DOWN, SHORT_D_DOWN_BM32, SHORT_D_UP_BM16, SHORT_D_UP_BM32
 from r3trace.kernels.moe_gemm import moe_down, moe_gate_up
 
 OUT = Path(os.environ.get("OUT", "out"))
@@ -176,8 +177,18 @@ def new_default(D: int, E: int, I: int, K: int, T: int) -> MoeConfig:
     return moe_config(T * K, E, 2, I, tokens=T, hidden=D)
 
 
+def s5_default(D: int, E: int, I: int, K: int, T: int) -> MoeConfig:
+    """moe_config as committed after session 5 (b7869c4): 64-pair align chunks, the 3-stage short-D tiles."""
+    c = new_default(D, E, I, K, T)
+    if c.align is not None:
+        c = c._replace(align=c.align._replace(sub=64, chunk=64))
+    if c.down in (SHORT_D_DOWN, SHORT_D_DOWN_BM32):  # the short-D tiers (BLOCK_M 16 / 32 as now)
+        c = c._replace(gate_up=SHORT_D_UP_BM16 if c.block_m == 16 else SHORT_D_UP_BM32, down=SHORT_D_DOWN)
+    return c
+
+
 # session 5 run 2's part winners, each alone (not yet in the pipeline then): gate_up at BLOCK_M 16 and the down at
-# BLOCK_M 32 with 2 stages, TMA weights
+# BLOCK_M 32 with 2 stages, TMA weights (session 6's defaults: SHORT_D_UP_FEW below 7 rows, SHORT_D_DOWN_BM32)
 UP16_S2 = GemmTile(32, 256, 1, 4, 2, tma=True)
 DOWN_S2 = GemmTile(128, 128, 1, 4, 2, tma=True)
 
@@ -195,27 +206,28 @@ def _tiles_s2(c: MoeConfig) -> MoeConfig:
 
 
 def candidate(D: int, E: int, I: int, K: int, T: int) -> MoeConfig:
-    """Run 2's part winners composed into the default: the 32-pair align and the 2-stage GEMM tiles."""
-    return _tiles_s2(_align32(new_default(D, E, I, K, T)))
+    """Session 5 run 2's part winners composed into the session 5 default: the 32-pair align, the 2-stage tiles."""
+    return _tiles_s2(_align32(s5_default(D, E, I, K, T)))
 
 
 def other_bm(D: int, E: int, I: int, K: int, T: int) -> MoeConfig:
     """The candidate at the other short-D tier (BLOCK_M 16 <-> 32): does the 8-rows edge hold when 2 of the 66 experts
     get all T rows (real shape, T = 64: 7.8 rows per expert on average, 6 on the routed ones, 64 on the shared)?"""
-    c = new_default(D, E, I, K, T)
+    c = s5_default(D, E, I, K, T)
     if c.down != SHORT_D_DOWN:
         return c
-    bm, up = (32, SHORT_D_UP_BM32) if c.block_m == 16 else (16, GemmTile(32, 256, 1, 4, 3))
+    bm, up = (32, SHORT_D_UP_BM32) if c.block_m == 16 else (16, SHORT_D_UP_BM16)
     return _tiles_s2(_align32(c._replace(block_m=bm, gate_up=up)))
 
 
 CONFIGS: dict[str, Callable[[int, int, int, int, int], MoeConfig]] = {
     "pre_s5": previous_default,
-    "nopdl": lambda *shape: new_default(*shape)._replace(pdl=False),
+    "nopdl": lambda *shape: s5_default(*shape)._replace(pdl=False),  # session 5 run 2's "new"
+    "s5": s5_default,
     "default": new_default,
     "candidate": candidate,
-    "cand_align": lambda *shape: _align32(new_default(*shape)),
-    "cand_tiles": lambda *shape: _tiles_s2(new_default(*shape)),
+    "cand_align": lambda *shape: _align32(s5_default(*shape)),
+    "cand_tiles": lambda *shape: _tiles_s2(s5_default(*shape)),
     "other_bm": other_bm,
 }
 
@@ -427,7 +439,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=12, help="prewarm processes; 0: compile inline")
     ap.add_argument("--d7168", default="all", help="ExIxT list of D = 7168 cells (K = 8), 'all' (CELLS_7168), 'none'")
     ap.add_argument("--copy-gbs", type=float, default=0.0, help="copy rate of an earlier run (skips the ceilings)")
-    ap.add_argument("--configs", default="default,candidate", help=f"compare: names from {','.join(CONFIGS)}")
+    ap.add_argument("--configs", default="s5,default", help=f"compare: names from {','.join(CONFIGS)}")
     ap.add_argument("--shapes", default="real,k6", help=f"compare: D = 2048 shapes from {','.join(SHAPES)}")
     ap.add_argument("--parts-ts", default="64", help="compare: T at which each config's parts are timed alone")
     a = ap.parse_args()
