@@ -1,14 +1,22 @@
 """The fused MoE at the end-to-end model's shape (issue 6's 2.5B V3-shaped model: D = 2048, E = 64, I = 512, K = 6,
-bf16) at decode batches T = 16..256: each part alone, a tile sweep per GEMM, the align's launch shapes, and the
-default against the previous one; D = 7168 cells re-timed old vs new.
+bf16) at decode batches T = 16..256: each part alone, a tile sweep per GEMM, the align's launch shapes, and named
+default / candidate configs timed side by side; D = 7168 cells beside them.
+
+The engine runs its S = 2 shared experts fused into the routed MoE (engine/layers/moe.py): w13 / w2 hold E + S = 66
+rows and every token has K + S = 8 pairs, the last S on experts 64, 65 with weight 1.0 (each of those gets all T
+tokens). Shape "real" is that: the kernels see E = 66, K = 8; shape "k6" is the routed part alone (E = 64, K = 6).
 
 Run (GPU): python bench/moe_e2e_shape.py --phase sweep                -> $OUT/moe_e2e_sweep.json
-           python bench/moe_e2e_shape.py --phase compare[+extras]     -> $OUT/moe_e2e_compare.json
+           python bench/moe_e2e_shape.py --phase compare[+extras] --configs s5,default --shapes real,k6
+                                                                      -> $OUT/moe_e2e_compare.json
+           (session 5 run 2: --configs pre_s5,nopdl,s5 --shapes k6; session 6 run 1: --configs
+            s5,candidate,cand_align,cand_tiles,other_bm --shapes real,k6)
 
 Timer: one CUDA graph holding CALLS calls in turn, call i on route set i % CALLS and weight set i % WSETS, replayed
 back to back (events around n replays, median of reps) / CALLS. As in the engine's graph: no flush between calls,
-each call's weights come from HBM (a weight set is 403 MB at D = 2048, 2.8 GB at D = 7168, the L2 60 MB; the down
-alone streams 134 MB a set), the kernel boundaries and tails are counted, the graph launch is amortized over CALLS.
+each call's weights come from HBM (a weight set is 403 MB at D = 2048, 415 MB with the 2 shared rows, 2.8 GB at
+D = 7168, the L2 60 MB; the down alone streams 134 MB a set), the kernel boundaries and tails are counted, the
+graph launch is amortized over CALLS.
 """
 
 from __future__ import annotations
@@ -27,11 +35,13 @@ from timing import ceilings
 
 from r3trace.kernels.fused_moe import AlignTile, GemmTile, MoeConfig, fused_moe, fused_moe_ref, moe_config, moe_sum
 from r3trace.kernels.moe_align import MoeAlignment, moe_align, moe_align_ref
-from r3trace.kernels.moe_config import SHORT_D_DOWN, SHORT_D_UP_BM32
+from r3trace.kernels.moe_config import SHORT_D_DOWN, SHORT_D_DOWN_BM32, SHORT_D_UP_BM16, SHORT_D_UP_BM32
 from r3trace.kernels.moe_gemm import moe_down, moe_gate_up
 
 OUT = Path(os.environ.get("OUT", "out"))
-E2E = (2048, 64, 512, 6)  # (D, E, I, K) of the end-to-end model
+E2E = (2048, 64, 512, 6)  # (D, E, I, K) of the end-to-end model's routed experts
+# (D, E, I, K, S) as the kernels see them: E and K count the S shared experts' rows and pairs
+SHAPES = {"k6": (*E2E, 0), "real": (2048, 66, 512, 8, 2)}
 TS = (16, 32, 64, 128, 256)
 CELLS_7168 = [(7168, 256, 256, 8, T) for T in (16, 64, 256)] + [(7168, 32, 2048, 8, T) for T in (16, 64, 256)]
 CALLS = 8
@@ -102,16 +112,19 @@ def safe(fn: Callable[[], float], what: str) -> float:
 
 
 class Case:
-    """CALLS route sets (x, ids, weights) and WSETS weight sets at one (D, E, I, K, T)."""
+    """CALLS route sets (x, ids, weights) and WSETS weight sets at one (D, E, I, K, T); the last `shared` of the E
+    experts are the fused shared ones (engine/layers/moe.py): every token's last `shared` of its K pairs, weight 1."""
 
-    def __init__(self, D: int, E: int, I: int, K: int, T: int, wsets: int) -> None:
-        bf, dev = torch.bfloat16, "cuda"
+    def __init__(self, D: int, E: int, I: int, K: int, T: int, wsets: int, shared: int = 0) -> None:
+        bf, dev, S = torch.bfloat16, "cuda", shared
         self.D, self.E, self.I, self.K, self.T = D, E, I, K, T
         self.w13 = [torch.randn(E, 2 * I, D, device=dev, dtype=bf) / D**0.5 for _ in range(wsets)]
         self.w2 = [torch.randn(E, D, I, device=dev, dtype=bf) / I**0.5 for _ in range(wsets)]
         self.x = [torch.randn(T, D, device=dev, dtype=bf) for _ in range(CALLS)]
-        self.ids = [torch.rand(T, E, device=dev).topk(K, dim=-1).indices.to(torch.int32) for _ in range(CALLS)]
-        self.wts = [torch.rand(T, K, device=dev) for _ in range(CALLS)]
+        shared_ids = torch.arange(E - S, E, device=dev, dtype=torch.int32).expand(T, S)  # [T, S]
+        routed = [torch.rand(T, E - S, device=dev).topk(K - S, dim=-1).indices.to(torch.int32) for _ in range(CALLS)]
+        self.ids = [torch.cat([r, shared_ids], dim=1) for r in routed]  # [T, K]: K - S distinct routed, then S
+        self.wts = [torch.cat([torch.rand(T, K - S, device=dev), torch.ones(T, S, device=dev)], 1) for _ in routed]
 
     def w(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.w13[i % len(self.w13)], self.w2[i % len(self.w2)]
@@ -160,22 +173,63 @@ def previous_default(D: int, E: int, I: int, K: int, T: int) -> MoeConfig:
 
 
 def new_default(D: int, E: int, I: int, K: int, T: int) -> MoeConfig:
+    """What fused_moe runs at this shape (moe_config as committed now)."""
     return moe_config(T * K, E, 2, I, tokens=T, hidden=D)
 
 
-def candidate(D: int, E: int, I: int, K: int, T: int) -> MoeConfig:
-    """Run 2's part winners composed into the default (not default: timed beside it by --candidate): the align on
-    32-pair chunks of [32, E] tiles, gate_up (32, 256, 1, 4, 2, tma) at BLOCK_M 16, down (128, 128, 1, 4, 2, tma) at
-    BLOCK_M 32."""
+def s5_default(D: int, E: int, I: int, K: int, T: int) -> MoeConfig:
+    """moe_config as committed after session 5 (b7869c4): 64-pair align chunks, the 3-stage short-D tiles."""
     c = new_default(D, E, I, K, T)
     if c.align is not None:
-        c = c._replace(align=c.align._replace(sub=32, chunk=32))
-    if c.down == SHORT_D_DOWN and c.block_m == 16:
-        c = c._replace(gate_up=GemmTile(32, 256, 1, 4, 2, tma=True))
-    elif c.down == SHORT_D_DOWN:
-        c = c._replace(down=GemmTile(128, 128, 1, 4, 2, tma=True))
+        c = c._replace(align=c.align._replace(sub=64, chunk=64))
+    if c.down in (SHORT_D_DOWN, SHORT_D_DOWN_BM32):  # the short-D tiers (BLOCK_M 16 / 32 as now)
+        c = c._replace(gate_up=SHORT_D_UP_BM16 if c.block_m == 16 else SHORT_D_UP_BM32, down=SHORT_D_DOWN)
     return c
 
+
+# session 5 run 2's part winners, each alone (not yet in the pipeline then): gate_up at BLOCK_M 16 and the down at
+# BLOCK_M 32 with 2 stages, TMA weights (session 6's defaults: SHORT_D_UP_FEW below 7 rows, SHORT_D_DOWN_BM32)
+UP16_S2 = GemmTile(32, 256, 1, 4, 2, tma=True)
+DOWN_S2 = GemmTile(128, 128, 1, 4, 2, tma=True)
+
+
+def _align32(c: MoeConfig) -> MoeConfig:
+    """32-pair chunks on [32, E] one-hot tiles (alone: E = 64 T = 64 6.1 vs 8.3 us, E = 256 T = 16 8.8 vs 14.3)."""
+    return c._replace(align=c.align._replace(sub=32, chunk=32)) if c.align is not None else c
+
+
+def _tiles_s2(c: MoeConfig) -> MoeConfig:
+    """The short-D tiers with run 2's GEMM winners: gate_up UP16_S2 at BLOCK_M 16, down DOWN_S2 at BLOCK_M 32."""
+    if c.down != SHORT_D_DOWN:
+        return c
+    return c._replace(gate_up=UP16_S2) if c.block_m == 16 else c._replace(down=DOWN_S2)
+
+
+def candidate(D: int, E: int, I: int, K: int, T: int) -> MoeConfig:
+    """Session 5 run 2's part winners composed into the session 5 default: the 32-pair align, the 2-stage tiles."""
+    return _tiles_s2(_align32(s5_default(D, E, I, K, T)))
+
+
+def other_bm(D: int, E: int, I: int, K: int, T: int) -> MoeConfig:
+    """The candidate at the other short-D tier (BLOCK_M 16 <-> 32): does the 8-rows edge hold when 2 of the 66 experts
+    get all T rows (real shape, T = 64: 7.8 rows per expert on average, 6 on the routed ones, 64 on the shared)?"""
+    c = s5_default(D, E, I, K, T)
+    if c.down != SHORT_D_DOWN:
+        return c
+    bm, up = (32, SHORT_D_UP_BM32) if c.block_m == 16 else (16, SHORT_D_UP_BM16)
+    return _tiles_s2(_align32(c._replace(block_m=bm, gate_up=up)))
+
+
+CONFIGS: dict[str, Callable[[int, int, int, int, int], MoeConfig]] = {
+    "pre_s5": previous_default,
+    "nopdl": lambda *shape: s5_default(*shape)._replace(pdl=False),  # session 5 run 2's "new"
+    "s5": s5_default,
+    "default": new_default,
+    "candidate": candidate,
+    "cand_align": lambda *shape: _align32(s5_default(*shape)),
+    "cand_tiles": lambda *shape: _tiles_s2(s5_default(*shape)),
+    "other_bm": other_bm,
+}
 
 # run 2 extras, around run 1's winners: align launches, down and gate_up tiles (TMA, stages, warps)
 ALIGN2 = [AlignTile(0, 32, 32, 4), AlignTile(0, 32, 32, 2), AlignTile(0, 64, 64, 2), AlignTile(0, 64, 64, 8),
@@ -284,17 +338,15 @@ def _nan_inf(v: object) -> float:
     return float("inf") if f != f else f
 
 
-def prewarm_compare(
-    ts: Sequence[int], workers: int, with_extras: bool, cells_7168: Sequence[tuple], with_candidate: bool
-) -> None:
+def compare_cells(shapes: Sequence[str], ts: Sequence[int], cells_7168: Sequence[tuple]) -> list[tuple[int, ...]]:
+    """(D, E, I, K, T, S) per cell: each named shape at every T, then the D = 7168 cells (no shared experts)."""
+    return [(*SHAPES[s][:4], T, SHAPES[s][4]) for s in shapes for T in ts] + [(*c, 0) for c in cells_7168]
+
+
+def prewarm_compare(cells: Sequence[tuple], names: Sequence[str], ts: Sequence[int], workers: int,
+                    with_extras: bool) -> None:  # fmt: skip
     """Every kernel compare (and extras) will run, compiled in parallel processes first."""
-    jobs: set[tuple] = set()
-    for D, E, I, K, T in [(*E2E, T) for T in ts] + list(cells_7168):
-        new = new_default(D, E, I, K, T)
-        third = candidate(D, E, I, K, T) if with_candidate else new._replace(pdl=not new.pdl)
-        cfgs = [previous_default(D, E, I, K, T), new, third]
-        cfgs += [moe_config(T * K, E, 2, I, tokens=T, hidden=2048)] if D > 4096 and I >= 512 else []
-        jobs |= {("pipe", D, E, I, K, T, 0, c) for c in cfgs}
+    jobs = {("pipe", D, E, I, K, T, 0, CONFIGS[n](D, E, I, K, T)) for D, E, I, K, T, _ in cells for n in names}
     D, E, I, K = E2E
     for T in ts if with_extras else []:
         for e, i, k in ((E, I, K), (256, 256, 8), (32, 2048, 8)):
@@ -308,45 +360,37 @@ def prewarm_compare(
 
 
 def compare(
-    copy_gbs: float, ts: Sequence[int], res: dict[str, object], cells_7168: Sequence[tuple], with_candidate: bool
+    copy_gbs: float, cells: Sequence[tuple], names: Sequence[str], parts_ts: Sequence[int], res: dict[str, object]
 ) -> None:
-    """previous vs new default (and new with pdl), ABCABC: drift shows as the two figures of one config apart."""
+    """The named configs (CONFIGS) at each cell; names giving the same MoeConfig are timed once. Each distinct config
+    twice, in turn (ABCABC): drift shows as one config's two figures apart. Ratios are to the first name's min."""
     rows: list[dict[str, object]] = []
     res["compare"] = rows
-    cells = [(*E2E, T) for T in ts] + list(cells_7168)
-    for D, E, I, K, T in cells:
-        cs = Case(D, E, I, K, T, wsets=4 if D == 2048 else 2)
-        old, new = previous_default(D, E, I, K, T), new_default(D, E, I, K, T)
-        # run 2: pdl timed beside (off in new); run 3: the candidate beside (pdl on in both)
-        pdl = candidate(D, E, I, K, T) if with_candidate else new._replace(pdl=not new.pdl)
-        t_old, t_new, t_pdl = [], [], []
+    for D, E, I, K, T, S in cells:
+        cs = Case(D, E, I, K, T, wsets=4 if D == 2048 else 2, shared=S)
+        cfgs = {n: CONFIGS[n](D, E, I, K, T) for n in names}
+        distinct = list(dict.fromkeys(cfgs.values()))
+        times: dict[MoeConfig, list[float]] = {c: [] for c in distinct}
         for _ in range(2):
-            t_old.append(cs.pipeline_ms(old))
-            t_new.append(cs.pipeline_ms(new))
-            t_pdl.append(safe(partial(cs.pipeline_ms, pdl), "pdl"))
-        row = {"D": D, "E": E, "I": I, "K": K, "T": T, "old": _cfg_str(old), "new": _cfg_str(new),
-               "old_align": str(old.align), "new_align": str(new.align), "old_ms": t_old, "new_ms": t_new,
-               "touched_read_ms": cs.touched_read_ms(copy_gbs), "new_check": cs.check(new)}  # fmt: skip
-        row["third"] = _cfg_str(pdl) + f" pdl={pdl.pdl} align={pdl.align}"
-        row["third_ms"], row["third_check"] = t_pdl, cs.check(pdl)
-        if D > 4096 and I >= 512:  # would the short-D tiles (gated off at D = 7168) help here too? (not the default)
-            short = moe_config(T * K, E, 2, I, tokens=T, hidden=2048)
-            row["short_d_tiles"] = _cfg_str(short)
-            row["short_d_tiles_ms"] = safe(partial(cs.pipeline_ms, short), "short")
-        print(f"   third {row['third']}: {t_pdl} ms {row['third_check']}; short-D {row.get('short_d_tiles_ms')}")
-        if D == 2048:
-            row["old_parts"] = cs.parts_ms(old, [old.gate_up], [old.down])
-            row["new_parts"] = cs.parts_ms(new, [new.gate_up], [new.down])
+            for c in distinct:
+                times[c].append(safe(partial(cs.pipeline_ms, c), _cfg_str(c)))
+        checks = {c: cs.check(c) for c in distinct}
+        read = cs.touched_read_ms(copy_gbs)
+        row: dict[str, object] = {"D": D, "E": E, "I": I, "K": K, "T": T, "S": S, "touched_read_ms": read, "configs": {
+            n: {"cfg": f"{_cfg_str(c)} align={c.align} pdl={c.pdl}", "ms": times[c], "check": checks[c]}
+            for n, c in cfgs.items()}}  # fmt: skip
+        if D == 2048 and T in parts_ts:  # align / gate_up / down / sum, each alone
+            row["parts"] = {n: cs.parts_ms(c, [c.gate_up], [c.down]) for n, c in cfgs.items() if c in distinct}
         rows.append(row)
-        o, n = min(t_old), min(t_new)
-        print(f"D={D} E={E} I={I} T={T}: old {t_old[0]:.4f}/{t_old[1]:.4f} new {t_new[0]:.4f}/{t_new[1]:.4f} ms "
-              f"({n / o:.3f}x), read {row['touched_read_ms']:.4f} -> {n / row['touched_read_ms']:.2f}x "  # type: ignore[operator]
-              f"(old {o / row['touched_read_ms']:.2f}x); {row['new_check']}; new {row['new']} {row['new_align']}")  # type: ignore[operator]  # fmt: skip
-        if D == 2048:
-            for k in ("old_parts", "new_parts"):
-                p = row[k]
-                print(f"   {k}: align {p['align']*1e3:.1f} us, up {list(p['up'].values())[0]*1e3:.1f}, down "  # type: ignore[index]
-                      f"{list(p['down'].values())[0]*1e3:.1f}, sum {p['sum']*1e3:.1f}")  # type: ignore[index]  # fmt: skip
+        base = min(times[cfgs[names[0]]])
+        print(f"D={D} E={E} I={I} K={K} S={S} T={T}: read {read * 1e3:.1f} us; " + ", ".join(
+            f"{n} {min(times[c]) * 1e3:.1f} ({'/'.join(f'{v * 1e3:.1f}' for v in times[c])}; "
+            f"{min(times[c]) / base:.3f})" for n, c in cfgs.items()))  # fmt: skip
+        for c in distinct:
+            print(f"   {_cfg_str(c)} align={c.align} pdl={c.pdl}: {checks[c]}")
+        for n, p in row.get("parts", {}).items():  # type: ignore[attr-defined]
+            print(f"   parts {n}: align {p['align']*1e3:.1f} us, up {list(p['up'].values())[0]*1e3:.1f}, down "
+                  f"{list(p['down'].values())[0]*1e3:.1f}, sum {p['sum']*1e3:.1f}")  # fmt: skip
         del cs
         torch.cuda.empty_cache()
         save(res, "moe_e2e_compare.json")
@@ -393,19 +437,25 @@ def main() -> None:
     ap.add_argument("--phase", choices=("sweep", "compare", "compare+extras"), default="compare")
     ap.add_argument("--ts", default=",".join(map(str, TS)))
     ap.add_argument("--workers", type=int, default=12, help="prewarm processes; 0: compile inline")
-    ap.add_argument("--d7168", default="", help="ExIxT list of D = 7168 cells (K = 8); default: CELLS_7168")
+    ap.add_argument("--d7168", default="all", help="ExIxT list of D = 7168 cells (K = 8), 'all' (CELLS_7168), 'none'")
     ap.add_argument("--copy-gbs", type=float, default=0.0, help="copy rate of an earlier run (skips the ceilings)")
-    ap.add_argument("--candidate", action="store_true", help="compare: time candidate() beside, not pdl flipped")
+    ap.add_argument("--configs", default="s5,default", help=f"compare: names from {','.join(CONFIGS)}")
+    ap.add_argument("--shapes", default="real,k6", help=f"compare: D = 2048 shapes from {','.join(SHAPES)}")
+    ap.add_argument("--parts-ts", default="64", help="compare: T at which each config's parts are timed alone")
     a = ap.parse_args()
     ts = [int(t) for t in a.ts.split(",")]
-    cells = [(7168, *(int(v) for v in c.split("x")[:2]), 8, int(c.split("x")[2])) for c in a.d7168.split(",") if c]
+    given = [(7168, *(int(v) for v in c.split("x")[:2]), 8, int(c.split("x")[2])) for c in a.d7168.split(",")
+             if c not in ("all", "none")]  # fmt: skip
+    cells = CELLS_7168 if a.d7168 == "all" else given
+    names = a.configs.split(",")
     copy_gbs, gemm = (a.copy_gbs, float("nan")) if a.copy_gbs else ceilings()
     res: dict[str, object] = {"ceilings": {"copy_GBps": copy_gbs, "gemm_TFLOPs": gemm, "measured": not a.copy_gbs}}
     if a.phase == "sweep":
         sweep(copy_gbs, ts, a.workers, res)
     else:
-        prewarm_compare(ts, a.workers, a.phase == "compare+extras", cells or CELLS_7168, a.candidate)
-        compare(copy_gbs, ts, res, cells or CELLS_7168, a.candidate)
+        all_cells = compare_cells(a.shapes.split(",") if a.shapes else [], ts, cells)
+        prewarm_compare(all_cells, names, ts, a.workers, a.phase == "compare+extras")
+        compare(copy_gbs, all_cells, names, [int(t) for t in a.parts_ts.split(",") if t], res)
         if a.phase == "compare+extras":
             extras(ts, res)
 

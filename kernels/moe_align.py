@@ -19,7 +19,8 @@ built on either is bitwise the same):
     atomics: deterministic, which the engine's exact-routes guarantee needs (a route can flip on an ulp).
     The launch shape is an AlignTile (kernels/moe_config.py): pairs per chunk program, one-hot rows, warps,
     or one [M, E] tile that gives both the counts and the ranks (one pass, one launch). At decode sizes the
-    default is 64-pair chunks (session 5: 7.9 vs 14.2 us at 384 pairs, E = 64; BENCHMARKS.md "### Fused MoE").
+    default is 32-pair chunks (session 6, moecand: 6.3 vs 8.5 us for 64-pair chunks at T = 64 of the end-to-end
+    model, 512 pairs over 66 experts; BENCHMARKS.md "### Fused MoE").
 """
 
 from __future__ import annotations

@@ -74,11 +74,22 @@ def same_tiles(block_m: int, block_n: int, block_k: int, group_m: int, warps: in
 # and TMA weights 66.4 vs 69.6, at 24 rows (T = 256) 69.4 vs the committed (64, 128, 4, 4, 4) 73.5. down: 128 x 128
 # tiles, 3 stages, TMA weights won at every T and both BLOCK_M of 17 tiles: T = 64 36.0 vs 38.3, T = 16 29.4 vs
 # 31.1, T = 256 (BLOCK_M 32) 40.4 vs 42.8. Measured only at D = 2048 / I = 512: SHORT_D and inter >= 512 bound it.
-# Run 2 found, each GEMM alone, gate_up (32, 256, 1, 4, 2, tma) 64.4 vs 65.8 at T = 64 and down (128, 128, 1, 4, 2,
-# tma) at BLOCK_M 32 38.7 vs 40.4 at T = 256: not yet timed inside the pipeline, so not taken
+# Session 6 (bench/NOTES.md "moecand, session 6" run 1; us per call in the same graph timer) timed run 2's part
+# winners inside the pipeline at the engine's real shape (the 2 shared experts fused: 66 expert rows, 8 pairs a
+# token, experts 64 and 65 on every token) and at K = 6. Down (128, 128, 1, 4, 2, tma) at BLOCK_M 32
+# (SHORT_D_DOWN_BM32): real T = 128 / 256 125.1 / 133.3 vs 126.0 / 134.1 with the 3-stage down, K = 6 110.7 / 115.2
+# vs 111.6 / 116.7. gate_up (32, 256, 1, 4, 2, tma) at BLOCK_M 16 (SHORT_D_UP_FEW) wins or ties up to 6 rows per
+# expert and loses at 7.8: K = 6 T = 16 / 32 / 64 (1.5 / 3 / 6 rows) 87.7 / 104.8 / 108.6 vs 90.5 / 105.0 / 109.5,
+# real T = 16 / 32 (1.9 / 3.9) 91.6 / 110.4 vs 94.8 / 111.5, but real T = 64 (7.8 rows: the routed experts' 6 and
+# the shared ones' 64) 118.0 vs 116.9 with the 3-stage tile (both on the 32-pair align; 120.8 vs 120.0 on the
+# 64-pair one). SHORT_D_FEW_ROWS = 7 splits the two measurements (6 and 7.8 rows); nothing between them was timed
 SHORT_D = 4096
+SHORT_D_FEW_ROWS = 7
+SHORT_D_UP_FEW = GemmTile(32, 256, 1, 4, 2, tma=True)
+SHORT_D_UP_BM16 = GemmTile(32, 256, 1, 4, 3)
 SHORT_D_UP_BM32 = GemmTile(64, 128, 1, 4, 3, True, tma=True)
 SHORT_D_DOWN = GemmTile(128, 128, 1, 4, 3, tma=True)
+SHORT_D_DOWN_BM32 = GemmTile(128, 128, 1, 4, 2, tma=True)
 
 
 def align_tile(num_pairs: int, num_experts: int) -> AlignTile | None:
@@ -88,12 +99,16 @@ def align_tile(num_pairs: int, num_experts: int) -> AlignTile | None:
     T = 64 14.5 vs 38.4 (T = 16: 14.2 vs 14.5); E = 32: T = 64 5.3 vs 8.4. Where all pairs fit one [M, E] tile of 8192
     ints, one program counts and ranks from that tile: E = 32, T = 16 2.6 vs 5.1; E = 64, T = 16 5.8 vs 6.6. None
     (the old launch) above 2048 pairs: there small chunks are many programs each re-reading every chunk's counts.
-    Run 2 measured 32-pair chunks on [32, E] tiles faster alone (E = 64 T = 64 6.1 vs 8.3, E = 256 T = 16 8.8 vs 14.3)
-    but not yet inside the pipeline, where the 64-pair launch costs E = 256 / T = 16 1-2% (BENCHMARKS.md)."""
+    Chunks of 32 pairs on [32, E] tiles since session 6 ("moecand, session 6" run 1, whole pipeline, us, 32 vs 64):
+    E = 66 / K = 8 (the engine's 2 shared experts fused) T = 64 116.9 vs 120.0, T = 16 91.5 vs 94.8, T = 256 134.1
+    vs 137.2; E = 64 / K = 6 T = 64 107.7 vs 109.5; E = 256 / K = 8 / D = 7168 T = 16 278.5 vs 289.8 (the 64-pair
+    tile's +2% over the old launch there is gone), T = 256 682.9 vs 690.5; E = 32 / I = 2048 T = 64 671.1 vs 671.4,
+    T = 256 850.2 vs 844.2 (+0.7%, a cell whose two timings of one config differ by 1%). Alone (session 5 run 2):
+    E = 64 T = 64 6.1 vs 8.3, E = 256 T = 16 8.8 vs 14.3."""
     if num_pairs > 2048 or num_experts > 256:
         return None
     block_e = 1 << (num_experts - 1).bit_length()
-    return AlignTile(one_tile_pairs=8192 // block_e, sub=64, chunk=64, num_warps=4)
+    return AlignTile(one_tile_pairs=8192 // block_e, sub=32, chunk=32, num_warps=4)
 
 
 def grouped_config(num_pairs: int, num_experts: int, itemsize: int = 2, inter: int = 0, hidden: int = 0) -> MoeConfig:
@@ -118,7 +133,7 @@ def grouped_config(num_pairs: int, num_experts: int, itemsize: int = 2, inter: i
     tiles per pipeline stage, and at 4 bytes (16, 64, 128) x 4 stages needs 295 KB of shared memory,
     over the H200's 227 KB (seen on the H200: OutOfResources, required 245760).
 
-    hidden = D <= SHORT_D with I >= 512 in bf16 below 64 rows: the session 5 tiles (comment above SHORT_D); hidden
+    hidden = D <= SHORT_D with I >= 512 in bf16 below 64 rows: the session 5-6 tiles (comment above SHORT_D); hidden
     = 0 (unknown) keeps the tiles above. The align launch: align_tile's, by pairs and experts. Where it applies (<=
     2048 pairs) the kernels launch as programmatic dependents (pdl; session 5 run 2, us, the same tiles without):
     D = 2048, T = 16..256 2.3-3.0% less (T = 64 109.2 vs 112.1), D = 7168 cells 0.1-0.9% less, one +0.15%."""
@@ -127,8 +142,9 @@ def grouped_config(num_pairs: int, num_experts: int, itemsize: int = 2, inter: i
     pdl = align is not None  # decode sizes: every kernel a programmatic dependent (MoeConfig.pdl; run 2)
     if itemsize == 2 and 0 < hidden <= SHORT_D and inter >= 512 and rows < 64:
         if rows < 8:
-            return MoeConfig(16, GemmTile(32, 256, 1, 4, 3), SHORT_D_DOWN, align=align, pdl=pdl)
-        return MoeConfig(32, SHORT_D_UP_BM32, SHORT_D_DOWN, align=align, pdl=pdl)
+            up = SHORT_D_UP_FEW if rows < SHORT_D_FEW_ROWS else SHORT_D_UP_BM16
+            return MoeConfig(16, up, SHORT_D_DOWN, align=align, pdl=pdl)
+        return MoeConfig(32, SHORT_D_UP_BM32, SHORT_D_DOWN_BM32, align=align, pdl=pdl)
     if rows < 16:
         bm, up, down, whole_k = 16, GemmTile(32, 256, 1, 4, 3), GemmTile(64, 128, 1, 4, 4), 16
     elif rows < 64:  # gate_up interleaved measured only at I = 256 (E = 256, T = 1k: 0.50 vs 0.53 ms)

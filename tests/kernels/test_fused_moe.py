@@ -24,9 +24,17 @@ from r3trace.kernels.fused_moe import (
     moe_gate_up,
     same_tiles,
 )
-from r3trace.kernels.moe_config import SHORT_D_DOWN, SHORT_D_UP_BM32, align_tile
+from r3trace.kernels.moe_config import (
+    SHORT_D_DOWN,
+    SHORT_D_DOWN_BM32,
+    SHORT_D_UP_BM16,
+    SHORT_D_UP_BM32,
+    SHORT_D_UP_FEW,
+    align_tile,
+)
 from tests.kernels.conftest import DEVICE, assert_close_to_ref, requires_triton
 from tests.kernels.moe_cases import moe_case as _moe_case
+from tests.kernels.moe_cases import routes as _routes
 
 pytestmark = requires_triton
 
@@ -140,14 +148,51 @@ def test_fused_moe_short_d_paths_match_ref(T: int, E: int, name: str, poisoned_e
 
 
 def test_moe_config_short_d_tiles_by_hidden() -> None:
-    """A pure function of the shapes: D <= 4096 with I >= 512 in bf16 below 64 rows per expert takes the session 5
+    """A pure function of the shapes: D <= 4096 with I >= 512 in bf16 below 64 rows per expert takes the session 5-6
     tiles; D = 7168, D unknown (0), I = 256 or fp32 keep the earlier ones (align_tile's launch in all of them)."""
     short = moe_config(64 * 6, 64, 2, 512, tokens=64, hidden=2048)
     assert short.block_m == 16 and short.down == SHORT_D_DOWN and short.align == align_tile(384, 64)
-    assert moe_config(256 * 6, 64, 2, 512, tokens=256, hidden=2048)[:3] == (32, SHORT_D_UP_BM32, SHORT_D_DOWN)
+    assert short.gate_up == SHORT_D_UP_FEW  # 6 rows per expert
+    assert moe_config(256 * 6, 64, 2, 512, tokens=256, hidden=2048)[:3] == (32, SHORT_D_UP_BM32, SHORT_D_DOWN_BM32)
+    # the engine's real shape (2 shared experts fused: 66 rows, 8 pairs a token): 3.9 rows at T = 32, 7.8 at T = 64
+    assert moe_config(32 * 8, 66, 2, 512, tokens=32, hidden=2048)[:3] == (16, SHORT_D_UP_FEW, SHORT_D_DOWN)
+    assert moe_config(64 * 8, 66, 2, 512, tokens=64, hidden=2048)[:3] == (16, SHORT_D_UP_BM16, SHORT_D_DOWN)
     for hidden, inter, itemsize in ((7168, 512, 2), (0, 512, 2), (2048, 256, 2), (2048, 512, 4)):
         cfg = moe_config(384, 64, itemsize, inter, tokens=64, hidden=hidden)
         assert cfg[:3] == grouped_config(384, 64, itemsize, inter)[:3] and cfg.down != SHORT_D_DOWN
+
+
+def with_shared(ids: torch.Tensor, weights: torch.Tensor, first: int, S: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The engine's fused shared experts (engine/layers/moe.py): ids first..first+S-1 after every token's routed
+    ones, weight 1.0. [T, K], [T, K] -> [T, K + S], [T, K + S]."""
+    T = ids.shape[0]
+    shared = torch.arange(first, first + S, dtype=ids.dtype, device=ids.device).expand(T, S)
+    ones = torch.ones(T, S, dtype=weights.dtype, device=weights.device)
+    return torch.cat([ids, shared], dim=1), torch.cat([weights, ones], dim=1)
+
+
+# Session 6's tiles at the interpreter's scale on the real shape's routes: 8 routed experts (K = 3) + 2 shared rows
+# on every token, so the shared experts fill several BLOCK_M blocks (T = 37: 3 at BLOCK_M 16) while the routed
+# ones fill about one. BLOCK_M 16 with the 2-stage TMA gate_up (BLOCK_N 16 over I = 24: a masked second tile),
+# BLOCK_M 32 with the 2-stage TMA down; 32- and 8-pair align chunks (T = 37: 185 pairs, 6 and 24 chunk programs)
+SHARED = {
+    "bm16-up-s2": MoeConfig(16, GemmTile(16, 32, 1, 4, 2, tma=True), GemmTile(32, 16, 1, 4, 3, tma=True),
+                            align=AlignTile(0, 32, 32, 4), pdl=True),
+    "bm32-down-s2": MoeConfig(32, GemmTile(16, 16, 1, 4, 3, True, tma=True), GemmTile(32, 16, 1, 4, 2, tma=True),
+                              align=AlignTile(0, 8, 8, 4), pdl=True),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(SHARED))
+@pytest.mark.parametrize("T", [5, 37])
+def test_fused_moe_shared_rows_match_ref(T: int, name: str, poisoned_empty: None) -> None:
+    """bf16 against the reference (the conftest's bf16 row); routed ids of -1 (15%), expert 2 never routed."""
+    hidden, w13, w2, _, weights = _moe_case(T, 40, 10, 24, 3, torch.bfloat16, DEVICE, seed=5 * T + len(name))
+    routed = _routes(T, 8, 3, torch.Generator().manual_seed(T), empty=(2,)).to(DEVICE)
+    ids, weights = with_shared(routed, weights, 8, 2)
+    out = fused_moe(hidden, w13, w2, ids, weights, config=SHARED[name])
+    assert_close_to_ref(out, fused_moe_ref(hidden.float(), w13.float(), w2.float(), ids, weights), torch.bfloat16)
+    assert torch.equal(fused_moe(hidden, w13, w2, ids, weights, config=SHARED[name], align="ref"), out)
 
 
 def test_fused_moe_gemv_moves_fp32_by_summation_order_only() -> None:

@@ -11,24 +11,31 @@ import pytest
 import torch
 
 from r3trace.kernels.fused_moe import GemmTile, GemvTile, MoeConfig, fused_moe, fused_moe_ref, moe_config
-from r3trace.kernels.moe_config import GEMV_T1, SHORT_D_DOWN
+from r3trace.kernels.moe_config import GEMV_T1, SHORT_D_DOWN, SHORT_D_DOWN_BM32
 from tests.kernels.conftest import assert_close_to_ref, gpu, requires_gpu, requires_triton
 from tests.kernels.moe_cases import moe_case as _moe_case
 from tests.kernels.moe_cases import routes as _routes
+from tests.kernels.test_fused_moe import with_shared
 
 pytestmark = requires_triton
 
 
 @gpu
 @requires_gpu
+@pytest.mark.parametrize("S", [0, 2], ids=["k6", "shared2"])
 @pytest.mark.parametrize("T", [16, 64, 128, 256])
-def test_fused_moe_e2e_shape_gpu(T: int) -> None:
-    """The end-to-end model's MoE (D = 2048, E = 64, I = 512, K = 6) on its default (short-D tiles, align_tile's
-    launch: one tile at T = 16, chunks above; BLOCK_M 32 from T = 128; pdl) against the reference; pdl off gives
-    the same bits (the same kernels in the same order), and the default replayed from a CUDA graph too."""
-    hidden, w13, w2, ids, weights = _moe_case(T, 2048, 64, 512, 6, torch.bfloat16, "cuda", seed=T)
-    cfg = moe_config(T * 6, 64, 2, 512, tokens=T, hidden=2048)
-    assert cfg.pdl and cfg.down == SHORT_D_DOWN
+def test_fused_moe_e2e_shape_gpu(T: int, S: int) -> None:
+    """The end-to-end model's MoE (D = 2048, E = 64, I = 512, K = 6; S = 2: the engine's real shape, its 2 shared
+    experts fused as rows 64, 65 on every token with weight 1, so 66 rows and 8 pairs a token) on its default
+    (short-D tiles, align_tile's launch; BLOCK_M 32 from T = 128; pdl) against the reference; pdl off gives the same
+    bits (the same kernels in the same order), and the default replayed from a CUDA graph too."""
+    hidden, w13, w2, ids, weights = _moe_case(T, 2048, 64 + S, 512, 6, torch.bfloat16, "cuda", seed=T + S)
+    if S:
+        routed = _routes(T, 64, 6, torch.Generator().manual_seed(T)).cuda()  # [T, 6] of the 64 routed experts
+        ids, weights = with_shared(routed, weights, 64, S)
+    K = 6 + S
+    cfg = moe_config(T * K, 64 + S, 2, 512, tokens=T, hidden=2048)
+    assert cfg.pdl and cfg.down == (SHORT_D_DOWN if cfg.block_m == 16 else SHORT_D_DOWN_BM32)
     out = fused_moe(hidden, w13, w2, ids, weights)
     assert torch.equal(out, fused_moe(hidden, w13, w2, ids, weights, config=cfg))
     assert_close_to_ref(out, fused_moe_ref(hidden.float(), w13.float(), w2.float(), ids, weights), torch.bfloat16)

@@ -114,10 +114,18 @@ def test_moe_align_launch_shapes(T: int, E: int, K: int, block_m: int, tile: Ali
 
 def test_align_tile_default_by_pairs_and_experts(poisoned_empty: None) -> None:
     """align_tile: None (the old launch) above 2048 pairs or 256 experts; else one tile up to 8192 one-hot ints,
-    64-pair chunks beyond. Both picks give the reference's alignment at E = 64, K = 6 (the end-to-end model)."""
+    32-pair chunks beyond (session 6). Both picks give the reference's alignment at E = 64, K = 6 (the end-to-end
+    model's routed experts) and at the engine's real shape: 66 rows, the 2 shared experts (64, 65) on every token,
+    so each of them fills several blocks while most routed ones fill one."""
     assert align_tile(2049, 64) is None and align_tile(64, 257) is None
-    assert align_tile(96, 64) == AlignTile(128, 64, 64, 4) and align_tile(384, 256) == AlignTile(32, 64, 64, 4)
-    for T in (16, 64):  # 96 pairs: one tile; 384: six chunk programs
+    assert align_tile(96, 64) == AlignTile(128, 32, 32, 4) and align_tile(384, 256) == AlignTile(32, 32, 32, 4)
+    for T in (16, 64):  # 96 pairs: one tile; 384: twelve chunk programs
         ids = _ids(T, 64, 6, seed=T, off_rank=0.05).to(DEVICE)
         tile = align_tile(T * 6, 64)
         _assert_same(moe_align(ids, 64, 16, tile=tile), moe_align_ref(ids, 64, 16), ids, 64, 16)
+    for T in (5, 37):  # 40 pairs: one [40, 128] tile; 296 pairs: 10 chunk programs (the last one 8 pairs)
+        shared = torch.tensor([[64, 65]], dtype=torch.int32).expand(T, 2)
+        ids = torch.cat([_ids(T, 64, 6, seed=3 * T, off_rank=0.05), shared], dim=1).to(DEVICE)  # [T, 8]
+        tile = align_tile(T * 8, 66)
+        assert tile is not None and (tile.one_tile_pairs >= T * 8) == (T == 5)
+        _assert_same(moe_align(ids, 66, 16, tile=tile), moe_align_ref(ids, 66, 16), ids, 66, 16)
