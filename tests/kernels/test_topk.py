@@ -83,3 +83,28 @@ def test_ids_out_is_written_in_place() -> None:
     assert torch.equal(buf[1, :13].long(), ref_ids.long())
     assert (buf[1, 13:] == -7).all() and (buf[0] == -7).all() and (buf[2] == -7).all()  # nothing else written
     torch.testing.assert_close(weights, ref_w)
+
+
+@pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS[2], CONFIGS[3]], ids=lambda c: f"E{c[0]}-K{c[1]}-{c[3]}")
+@pytest.mark.parametrize("n_shared", [1, 2])
+@pytest.mark.parametrize("capture", [False, True])
+def test_shared_columns_appended(cfg: tuple, n_shared: int, capture: bool, poisoned_empty: None) -> None:
+    """n_shared = S: [T, K + S] routes for the fused MoE (the ref's routes, then ids E..E+S-1 of weight 1.0);
+    with a capture buffer, it gets the [T, K] routed ids alone and nothing else of it is written."""
+    E, K, scoring, method, n_group, topk_group, norm, scale, with_bias = cfg
+    T = 37
+    gen = torch.Generator().manual_seed(E + n_shared)
+    logits = torch.randn(T, E, generator=gen).to(DEVICE) * 3
+    bias = (torch.randn(E, generator=gen) * 0.1).to(DEVICE) if with_bias else None
+    args = (bias, K, scoring, method, n_group, topk_group, norm, scale)
+    buf = torch.full((2, T + 3, K), -7, dtype=torch.int32, device=DEVICE)  # [M, R, K], layer 1 rows [:T]
+    weights, ids = grouped_topk(logits, *args, ids_out=buf[1, :T] if capture else None, n_shared=n_shared)
+    ref_w, ref_ids = grouped_topk_ref(logits, *args)
+    assert ids.shape == weights.shape == (T, K + n_shared)
+    shared_ids = torch.arange(E, E + n_shared, dtype=torch.int32, device=DEVICE).expand(T, -1)
+    assert torch.equal(ids, torch.cat([ref_ids, shared_ids], dim=1))
+    assert torch.equal(weights[:, K:], torch.ones(T, n_shared, device=DEVICE))
+    torch.testing.assert_close(weights[:, :K], ref_w, atol=1e-6 * scale, rtol=1e-5)  # as in the test above
+    if capture:
+        assert torch.equal(buf[1, :T], ref_ids)
+        assert (buf[1, T:] == -7).all() and (buf[0] == -7).all()
