@@ -22,7 +22,7 @@ from .layers.mlp import MLP, linear
 from .layers.moe import MoE, make_experts_fn
 from .layers.norm import RMSNorm
 from .layers.rope import RotaryEmbedding
-from .layers.router import make_topk_fn
+from .layers.router import make_routing_ops
 from .parallel import ParallelInfo
 
 
@@ -49,7 +49,7 @@ class DecoderLayer(nn.Module):
         self.mlp: nn.Module
         if self.is_moe:
             self.mlp = MoE(
-                cfg, layer_id, recorder, make_topk_fn(ecfg.topk_backend, ecfg.fuse_step_glue),
+                cfg, layer_id, recorder, make_routing_ops(ecfg.topk_backend, ecfg.fuse_step_glue),
                 make_experts_fn(ecfg.moe_backend), dtype, device, ecfg.fuse_shared_experts,
             )
         else:

@@ -23,7 +23,7 @@ from r3trace.capture.recorder import RouteRecorder
 from ..config import ModelConfig
 from ..forward_batch import ForwardBatch
 from .mlp import MLP
-from .router import Router, TopkFn
+from .router import Router, RoutingOps
 
 ExpertsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -69,7 +69,7 @@ class MoE(nn.Module):
         cfg: ModelConfig,
         layer_id: int,
         recorder: RouteRecorder,
-        topk_fn: TopkFn,
+        routing: RoutingOps,
         experts_fn: ExpertsFn,
         dtype: torch.dtype,
         device: torch.device | str,
@@ -79,7 +79,7 @@ class MoE(nn.Module):
         e, d, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.num_routed = e
         self.num_fused = cfg.n_shared_experts if fuse_shared else 0  # S rows after the E routed ones
-        self.gate = Router(cfg, layer_id, recorder, topk_fn, device, self.num_fused)
+        self.gate = Router(cfg, layer_id, recorder, routing, device, self.num_fused)
         rows = e + self.num_fused
         self.w13 = nn.Parameter(torch.empty(rows, 2 * i, d, dtype=dtype, device=device), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(rows, d, i, dtype=dtype, device=device), requires_grad=False)

@@ -50,9 +50,31 @@ def append_shared(weights: torch.Tensor, ids: torch.Tensor, shared: SharedTail |
     return Routes(torch.cat([weights, shared.weights.expand(t, -1)], dim=1), all_ids, ids)
 
 
-def make_topk_fn(backend: str, fuse_shared_tail: bool = True) -> TopkFn:
-    """fuse_shared_tail (triton only): the top-k kernel stores the [T, K + S] routes itself; else
-    append_shared's two cats after it (session 5's path, kept as the A/B baseline)."""
+# (x [T, D], gate weight [E, D] fp32) -> router logits [T, E] fp32
+LogitsFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class RoutingOps(NamedTuple):
+    logits: LogitsFn
+    topk: TopkFn
+
+
+def logits_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return F.linear(x.float(), weight)
+
+
+def make_routing_ops(backend: str, fuse: bool = True) -> RoutingOps:
+    """The gate's two ops for a top-k backend. fuse (triton only): router_logits reads x without a cast
+    kernel, and the top-k kernel stores the [T, K + S] routes itself; else the cast + cuBLAS and
+    append_shared's two cats (session 5's path, kept as the A/B baseline)."""
+    if backend == "ref":
+        return RoutingOps(logits_ref, _make_topk_fn(backend, False))
+    from r3trace.kernels.topk import router_logits
+
+    return RoutingOps(router_logits if fuse else logits_ref, _make_topk_fn(backend, fuse))
+
+
+def _make_topk_fn(backend: str, fuse_shared_tail: bool) -> TopkFn:
     if backend == "ref":
         def ref_topk(
             logits: torch.Tensor, bias: torch.Tensor | None, p: RoutingParams, ids_out: torch.Tensor | None,
@@ -87,14 +109,14 @@ class Router(nn.Module):
         cfg: ModelConfig,
         layer_id: int,
         recorder: RouteRecorder,
-        topk_fn: TopkFn,
+        ops: RoutingOps,
         device: torch.device | str,
         n_shared: int = 0,
     ) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.recorder = recorder
-        self.topk_fn = topk_fn
+        self._logits_fn, self.topk_fn = ops
         self.params = RoutingParams(
             top_k=cfg.num_experts_per_tok,
             scoring_func=cfg.scoring_func,
@@ -126,7 +148,7 @@ class Router(nn.Module):
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, D] -> router logits [T, E] fp32."""
-        return F.linear(x.float(), self.weight)
+        return self._logits_fn(x, self.weight)
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, D] -> (topk_weights [T, K + S] fp32, topk_ids [T, K + S] int32); S = 0 without fused shared

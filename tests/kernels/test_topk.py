@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from r3trace.kernels.contract import KernelInputError
-from r3trace.kernels.topk import grouped_topk, grouped_topk_ref
+from r3trace.kernels.topk import grouped_topk, grouped_topk_ref, router_logits, router_logits_ref
 from tests.kernels.conftest import DEVICE, gpu, requires_gpu, requires_triton
 
 pytestmark = requires_triton
@@ -108,3 +108,19 @@ def test_shared_columns_appended(cfg: tuple, n_shared: int, capture: bool, poiso
     if capture:
         assert torch.equal(buf[1, :T], ref_ids)
         assert (buf[1, T:] == -7).all() and (buf[0] == -7).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t,e,d", [(1, 64, 2048), (37, 12, 100), (64, 160, 384), (300, 20, 72)])
+def test_router_logits_matches_ref(t: int, e: int, d: int, dtype: torch.dtype, poisoned_empty: None) -> None:
+    """x [T, D] (a row-strided view) . W [E, D] fp32 in fp32. T=300 is past the kernel's limit (torch's path).
+    Bound: each side is a sum of D fp32 products in some order, off the exact sum by at most D * 2^-24 *
+    sum|x w| (recursive summation's worst case), so the two differ by at most twice that; a dropped 128-wide
+    chunk or a wrong row would miss by ~1/16 of sum|x w| at D=2048, far outside it."""
+    gen = torch.Generator().manual_seed(t + e + d)
+    x = torch.randn(t, d + 5, generator=gen).to(dtype).to(DEVICE)[:, :d]
+    w = (torch.randn(e, d, generator=gen) * 0.05).to(DEVICE)
+    out, ref = router_logits(x, w), router_logits_ref(x, w)
+    assert out.shape == (t, e) and out.dtype == torch.float32
+    bound = 2 * d * 2.0**-24 * (x.float().abs() @ w.abs().T)
+    assert bool(((out - ref).abs() <= bound).all()), f"max excess {((out - ref).abs() - bound).max().item():.3e}"
