@@ -42,9 +42,9 @@ def _grouped_topk_kernel(
     # sizes
     T, E, routed_scaling_factor,
     # strides
-    stride_lt, stride_wt, stride_rt, stride_it,
+    stride_lp, stride_lt, stride_wt, stride_rt, stride_it,
     # constexpr
-    TOP_K: tl.constexpr, N_SHARED: tl.constexpr, SPLIT_IDS: tl.constexpr,
+    N_PART: tl.constexpr, TOP_K: tl.constexpr, N_SHARED: tl.constexpr, SPLIT_IDS: tl.constexpr,
     N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr,
     SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP_MODE: tl.constexpr, NORMALIZE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -59,9 +59,13 @@ def _grouped_topk_kernel(
     mask = t_mask[:, None] & e_mask[None, :]
     neg_inf = float("-inf")
 
-    # rows past T load zeros (not -inf) so their softmax stays finite; their results are never stored
-    logits = tl.load(logits_ptr + offs_t[:, None] * stride_lt + offs_e[None, :], mask=mask, other=0.0)
-    logits = tl.where(e_mask[None, :], logits.to(tl.float32), neg_inf)
+    # rows past T load zeros (not -inf) so their softmax stays finite; their results are never stored.
+    # N_PART > 1: the logits arrive as partial sums over slices of D (router_logits), added here in order.
+    tile = logits_ptr + offs_t[:, None] * stride_lt + offs_e[None, :]
+    logits = tl.load(tile, mask=mask, other=0.0).to(tl.float32)
+    for part in tl.static_range(1, N_PART):
+        logits += tl.load(tile + part * stride_lp, mask=mask, other=0.0).to(tl.float32)
+    logits = tl.where(e_mask[None, :], logits, neg_inf)
     if SIGMOID:
         scores = tl.sigmoid(logits)
     else:
@@ -142,8 +146,10 @@ def _check_routing_args(
     n_group: int,
     topk_group: int,
 ) -> None:
-    require_tensor("router_logits", router_logits, 2, (torch.float32,), router_logits.device)
-    E = router_logits.shape[1]
+    require(router_logits.dim() in (2, 3),
+            f"router_logits must be [T, E] or [P, T, E], got shape {tuple(router_logits.shape)}")
+    require_tensor("router_logits", router_logits, router_logits.dim(), (torch.float32,), router_logits.device)
+    E = router_logits.shape[-1]
     require(scoring_func in ("softmax", "sigmoid"), f"scoring_func {scoring_func!r} not softmax|sigmoid")
     require(
         topk_method in ("greedy", "group_limited_greedy", "noaux_tc"),
@@ -178,13 +184,15 @@ def grouped_topk(
     ids_out: torch.Tensor | None = None,
     n_shared: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """router_logits: [T, E] fp32 -> (topk_weights [T, K] fp32, topk_ids [T, K] int32), one launch.
+    """router_logits: [T, E] fp32, or [P, T, E] partial sums (router_logits over P slices of D, summed here in
+    order p = 0..P-1) -> (topk_weights [T, K] fp32, topk_ids [T, K] int32), one launch.
 
     ids_out: where to write topk_ids (int32 [T, K], rows contiguous; e.g. the route capturer's buffer),
     returned as topk_ids; None allocates. n_shared = S > 0: the results are [T, K + S] instead, their last
     S columns the fused shared experts (ids E..E+S-1, weight 1.0); ids_out then gets the [T, K] routed ids too."""
     _check_routing_args(router_logits, correction_bias, top_k, scoring_func, topk_method, n_group, topk_group)
-    T, E = router_logits.shape
+    parts = router_logits if router_logits.dim() == 3 else router_logits.unsqueeze(0)  # [P, T, E]
+    _, T, E = parts.shape
     require(E <= 1024 and top_k + n_shared <= 16,
             f"E={E} > 1024 or top_k + n_shared = {top_k + n_shared} > 16: one row no longer fits")
     require(n_shared >= 0, f"n_shared={n_shared}: must be >= 0")
@@ -207,14 +215,14 @@ def grouped_topk(
     ids = ids_out if ids_out is not None and split else routes  # the routed [T, K] store, read only when split
     if T == 0:
         return weights, routes
-    bias = correction_bias if correction_bias is not None else router_logits  # unread when HAS_BIAS=0
+    bias = correction_bias if correction_bias is not None else parts  # unread when HAS_BIAS=0
     n_g = n_group if grouped else 1
     grid = (triton.cdiv(T, _BLOCK_T),)
     _grouped_topk_kernel[grid](
-        router_logits, bias, weights, routes, ids,
+        parts, bias, weights, routes, ids,
         T, E, float(routed_scaling_factor),
-        router_logits.stride(0), weights.stride(0), routes.stride(0), ids.stride(0),
-        TOP_K=top_k, N_SHARED=n_shared, SPLIT_IDS=split,
+        parts.stride(0), parts.stride(1), weights.stride(0), routes.stride(0), ids.stride(0),
+        N_PART=parts.shape[0], TOP_K=top_k, N_SHARED=n_shared, SPLIT_IDS=split,
         N_GROUP=n_g, TOPK_GROUP=topk_group if grouped else 1, GROUP_SIZE=E // n_g,
         SIGMOID=scoring_func == "sigmoid", HAS_BIAS=correction_bias is not None, GROUP_MODE=mode,
         NORMALIZE=norm_topk_prob,
@@ -238,8 +246,8 @@ def grouped_topk_ref(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain torch, line for line DeepSeek's reference gate. Same contract as grouped_topk."""
     _check_routing_args(router_logits, correction_bias, top_k, scoring_func, topk_method, n_group, topk_group)
-    T, E = router_logits.shape
-    logits = router_logits.float()
+    logits = sum_partials(router_logits)
+    T, E = logits.shape
     scores = logits.softmax(dim=-1) if scoring_func == "softmax" else logits.sigmoid()  # [T, E]
     choice = scores if correction_bias is None else scores + correction_bias  # [T, E]
     if topk_method != "greedy" and n_group > 1:
@@ -259,59 +267,78 @@ def grouped_topk_ref(
     return weights, ids.to(torch.int32)
 
 
+def sum_partials(router_logits: torch.Tensor) -> torch.Tensor:
+    """[T, E] -> itself; [P, T, E] partial sums -> [T, E], added in order p = 0..P-1 as the top-k kernel does."""
+    if router_logits.dim() == 2:
+        return router_logits
+    total = router_logits[0]
+    for part in router_logits[1:]:
+        total = total + part
+    return total
+
+
 # Router logits [T, E] = x [T, D] (bf16/fp16/fp32) . weight [E, D] fp32, in fp32 (DeepSeek and transformers keep
-# the gate in fp32). torch needs x cast first: a cast kernel, then cuBLAS's SIMT sgemm + split-K reduce at
-# decode sizes (3.1 + 5.9 + 2.5 us a layer at T=64, D=2048, E=64 on an H200: step_profile-session6-run1.json).
-# The kernel reads x as it is and converts in registers; [4 x 8] outputs a program keep ~128 programs busy at
-# T=64, E=64. Each output is fp32 FMAs: 16-term running sums per lane, then a tree over 128 lanes.
-_LOGITS_T, _LOGITS_E, _LOGITS_D = 4, 8, 128
-# Above this many tokens (prefill) every program re-reading its W rows costs more than the cast saves: torch.
+# the gate in fp32). torch casts x first: a cast kernel, then cuBLAS's SIMT sgemm + split-K reduce at decode
+# sizes (2.8 + 6.0 + 2.4 us a layer at T=64, D=2048, E=64 on an H200: bench/NOTES.md "kvfuse, session 6").
+# This kernel reads x as it is and splits D over _LOGITS_SPLIT programs too, so T=64, E=64 runs 4 x 4 x 8 = 128
+# programs of one 256-wide slice each, all loads in flight at once (a 16-step loop over D instead, one program
+# per [4, 8] outputs, took 14.2 us: each step waits for its loads). The top-k kernel adds the partial sums.
+_LOGITS_T, _LOGITS_E, _LOGITS_K = 16, 16, 64
+_LOGITS_SPLIT = 8
+# Above this many tokens (prefill) programs re-reading W cost more than the cast saves: torch, one part.
 _LOGITS_MAX_T = 256
 
 
 @triton.jit
 def _router_logits_kernel(
-    x_ptr, w_ptr, out_ptr,
-    T, E, D,
-    stride_xt, stride_we, stride_ot,
-    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
+    x_ptr, w_ptr, part_ptr,
+    T, E, D, D_SLICE,
+    stride_xt, stride_we, stride_pp, stride_pt,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    part = tl.program_id(2)
     t_mask, e_mask = offs_t < T, offs_e < E
-    acc = tl.zeros((BLOCK_T, BLOCK_E, BLOCK_D), tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        offs_d = d0 + tl.arange(0, BLOCK_D)
-        d_mask = offs_d < D
+    d_lo = part * D_SLICE
+    d_hi = tl.minimum(d_lo + D_SLICE, D)
+    acc = tl.zeros((BLOCK_T, BLOCK_E), tl.float32)
+    for d0 in range(d_lo, d_hi, BLOCK_K):
+        offs_d = d0 + tl.arange(0, BLOCK_K)
+        d_mask = offs_d < d_hi
         x = tl.load(x_ptr + offs_t[:, None] * stride_xt + offs_d[None, :], mask=t_mask[:, None] & d_mask[None, :],
                     other=0.0).to(tl.float32)  # fmt: skip
         w = tl.load(w_ptr + offs_e[:, None] * stride_we + offs_d[None, :], mask=e_mask[:, None] & d_mask[None, :],
                     other=0.0)  # fmt: skip
-        acc += x[:, None, :] * w[None, :, :]
-    logits = tl.sum(acc, axis=2)
-    tl.store(out_ptr + offs_t[:, None] * stride_ot + offs_e[None, :], logits, mask=t_mask[:, None] & e_mask[None, :])
+        acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")  # fp32 FMAs, no tf32
+    dst = part_ptr + part * stride_pp + offs_t[:, None] * stride_pt + offs_e[None, :]
+    tl.store(dst, acc, mask=t_mask[:, None] & e_mask[None, :])
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x: [T, D] float; weight: [E, D] fp32 -> logits [T, E] fp32, one launch for T <= 256 (torch above)."""
+    """x: [T, D] float; weight: [E, D] fp32 -> logits as partial sums [P, T, E] fp32 over P slices of D (what
+    grouped_topk takes; sum_partials adds them). One launch for T <= 256, P = 8; torch above, P = 1."""
     require_tensor("x", x, 2, FLOAT_DTYPES, x.device)
     require_tensor("weight", weight, 2, (torch.float32,), x.device)
     T, D = x.shape
     E = weight.shape[0]
     require(weight.shape[1] == D, f"weight has {weight.shape[1]} features, x has D={D}")
     if T > _LOGITS_MAX_T:
-        return router_logits_ref(x, weight)
-    out = torch.empty((T, E), dtype=torch.float32, device=x.device)
+        return router_logits_ref(x, weight).unsqueeze(0)
+    # slices of whole BLOCK_K steps; a narrow D gets fewer parts rather than empty ones
+    d_slice = triton.cdiv(triton.cdiv(D, _LOGITS_SPLIT), _LOGITS_K) * _LOGITS_K
+    n_part = triton.cdiv(D, d_slice)
+    parts = torch.empty((n_part, T, E), dtype=torch.float32, device=x.device)
     if T == 0:
-        return out
-    grid = (triton.cdiv(T, _LOGITS_T), triton.cdiv(E, _LOGITS_E))
+        return parts
+    grid = (triton.cdiv(T, _LOGITS_T), triton.cdiv(E, _LOGITS_E), n_part)
     _router_logits_kernel[grid](
-        x, weight, out, T, E, D, x.stride(0), weight.stride(0), out.stride(0),
-        BLOCK_T=_LOGITS_T, BLOCK_E=_LOGITS_E, BLOCK_D=_LOGITS_D, num_warps=4,
+        x, weight, parts, T, E, D, d_slice, x.stride(0), weight.stride(0), parts.stride(0), parts.stride(1),
+        BLOCK_T=_LOGITS_T, BLOCK_E=_LOGITS_E, BLOCK_K=_LOGITS_K, num_warps=4,
     )
-    return out
+    return parts
 
 
 def router_logits_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Same contract as router_logits: the gate's fp32 linear of x cast to fp32."""
+    """The gate's fp32 linear of x cast to fp32: [T, E] (router_logits' parts summed, up to fp32 order)."""
     return F.linear(x.float(), weight)

@@ -7,6 +7,7 @@ construction (`ref` torch or `triton` fused), never inside forward.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -50,7 +51,7 @@ def append_shared(weights: torch.Tensor, ids: torch.Tensor, shared: SharedTail |
     return Routes(torch.cat([weights, shared.weights.expand(t, -1)], dim=1), all_ids, ids)
 
 
-# (x [T, D], gate weight [E, D] fp32) -> router logits [T, E] fp32
+# (x [T, D], gate weight [E, D] fp32) -> router logits [T, E] fp32, or [P, T, E] partial sums the top-k adds
 LogitsFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -169,6 +170,8 @@ class Router(nn.Module):
         # Forced ids take the gate's own weights for those ids (Megatron's RouterReplay does the same),
         # so the replayed forward differs from the recorded one only where routes differ.
         assert fb.replay is not None
+        if logits.dim() == 3:  # router_logits' partial sums over slices of D, added in the top-k kernel's order
+            logits = functools.reduce(torch.add, logits.unbind(0))
         forced = fb.replay.topk_ids[:, self.layer_id].to(ids.dtype)  # [T, K]
         mask = fb.replay.row_mask.unsqueeze(-1)  # [T, 1]
         new_ids = torch.where(mask, forced, ids)

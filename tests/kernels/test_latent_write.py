@@ -87,6 +87,26 @@ def test_latent_write_matches_ref(
         assert lat is None and lat_ref is None
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_latent_write_equals_the_triton_norm_rope_store(dtype: torch.dtype) -> None:
+    """At the model's row (kv_lora 512, rope 64) the kernel does rmsnorm.py's and rope.py's arithmetic in the
+    same layout (one warp over 512 values): the cache rows are bit-identical to the unfused triton path's."""
+    from r3trace.kernels.rmsnorm import rmsnorm
+    from r3trace.kernels.rope import rope
+
+    gen = torch.Generator().manual_seed(17)
+    t = 37
+    kv_a = (torch.randn(t, 576, generator=gen) * 3).to(dtype).to(DEVICE)
+    w = (1 + 0.2 * torch.randn(512, generator=gen)).to(dtype).to(DEVICE)
+    cos, sin = _tables(300, 32)
+    pos = torch.randint(0, 300, (t,), generator=gen).to(DEVICE)
+    loc = torch.randperm(100, generator=gen)[:t].to(DEVICE)
+    cache = torch.randn(100, 576, generator=gen).to(dtype).to(DEVICE)
+    latent_write(kv_a, w, 1e-6, pos, cos, sin, loc, cache)
+    unfused = torch.cat([rmsnorm(kv_a[:, :512], w, 1e-6)[0], rope(kv_a[:, 512:], pos, cos, sin)], dim=-1)
+    assert torch.equal(cache[loc], unfused)
+
+
 def test_latent_write_no_tokens() -> None:
     cos, sin = _tables(4, 8)
     cache = torch.randn(6, 48, device=DEVICE)
