@@ -64,6 +64,11 @@ def logits_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x.float(), weight)
 
 
+def summed(logits: torch.Tensor) -> torch.Tensor:
+    """[T, E] -> itself; [P, T, E] partial sums (router_logits) -> [T, E], added p = 0..P-1 as the top-k does."""
+    return logits if logits.dim() == 2 else functools.reduce(torch.add, logits.unbind(0))
+
+
 def make_routing_ops(backend: str, fuse: bool = True) -> RoutingOps:
     """The gate's two ops for a top-k backend. fuse (triton only): router_logits reads x without a cast
     kernel, and the top-k kernel stores the [T, K + S] routes itself; else the cast + cuBLAS and
@@ -148,18 +153,18 @@ class Router(nn.Module):
         return SharedTail(self.shared_ids, self.shared_weights) if self.n_shared else None
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, D] -> router logits [T, E] fp32."""
-        return self._logits_fn(x, self.weight)
+        """x: [T, D] -> router logits [T, E] fp32 (partial sums added in the top-k kernel's order)."""
+        return summed(self._logits_fn(x, self.weight))
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, D] -> (topk_weights [T, K + S] fp32, topk_ids [T, K + S] int32); S = 0 without fused shared
         experts. The capturer records the [T, K] routed part."""
-        logits = self.logits(x)
+        logits = self._logits_fn(x, self.weight)  # [T, E], or [P, T, E] partial sums the top-k adds
         ids_out = self.recorder.route_buffer(self.layer_id, x.shape[0])
         weights, ids, routed_ids = self.topk_fn(logits, self.e_score_correction_bias, self.params, ids_out, self.shared)
         k = self.params.top_k
         if fb.replay is not None:
-            routed_weights, routed_ids = self._apply_replay(logits, weights[:, :k], routed_ids, fb)
+            routed_weights, routed_ids = self._apply_replay(summed(logits), weights[:, :k], routed_ids, fb)
             weights, ids, _ = append_shared(routed_weights, routed_ids, self.shared)
         self.recorder.capture(self.layer_id, routed_ids, weights[:, :k])
         return weights, ids
@@ -170,8 +175,6 @@ class Router(nn.Module):
         # Forced ids take the gate's own weights for those ids (Megatron's RouterReplay does the same),
         # so the replayed forward differs from the recorded one only where routes differ.
         assert fb.replay is not None
-        if logits.dim() == 3:  # router_logits' partial sums over slices of D, added in the top-k kernel's order
-            logits = functools.reduce(torch.add, logits.unbind(0))
         forced = fb.replay.topk_ids[:, self.layer_id].to(ids.dtype)  # [T, K]
         mask = fb.replay.row_mask.unsqueeze(-1)  # [T, 1]
         new_ids = torch.where(mask, forced, ids)

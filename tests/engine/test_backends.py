@@ -115,3 +115,17 @@ def test_replay_through_fused_shared_tail(make_engine: EngineFactory) -> None:
     np.testing.assert_allclose(logprobs(b), logprobs(a), rtol=0, atol=1e-4)
     natural = tri.generate(input_ids=p, **{**kw, "routed_experts": None})
     assert np.abs(np.subtract(logprobs(natural), logprobs(b))).max() > 0.1, "the forced routes reached the MoE"
+
+
+def test_router_logits_are_whole_with_the_split_kernel(make_engine: EngineFactory) -> None:
+    """Router.logits (replay_check's margin hook calls it) is [T, E] whatever the kernel hands the top-k
+    (router_logits: [P, T, E] partial sums; one part at this D = 64, several in tests/kernels/test_topk.py). fp32
+    on both sides: within 2 * D * 2^-24 * sum|x w| (two summation orders, test_topk.py's bound)."""
+    gate = next(m for m in make_engine(device=DEVICE, topk_backend="triton").model.modules()
+                if type(m).__name__ == "Router")
+    x = torch.randn(7, gate.weight.shape[1], generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    got = gate.logits(x)
+    want = torch.nn.functional.linear(x, gate.weight)
+    assert got.shape == want.shape == (7, gate.weight.shape[0])
+    bound = 2 * x.shape[1] * 2.0**-24 * (x.abs() @ gate.weight.abs().T)
+    assert bool(((got - want).abs() <= bound).all())
