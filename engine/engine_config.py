@@ -58,6 +58,7 @@ class EngineConfig:
     capture_weights: bool = False  # keep top-k weights too (return_routed_weights; +2 bytes per id)
     trace_dir: str | None = None  # record every request into this trace folder from the start
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
+    fuse_step_glue: bool = True  # latent write, router logits, [T, K + S] routes fused (triton); False: A/B baseline
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

@@ -22,7 +22,7 @@ from .layers.mlp import MLP, linear
 from .layers.moe import MoE, make_experts_fn
 from .layers.norm import RMSNorm
 from .layers.rope import RotaryEmbedding
-from .layers.router import make_topk_fn
+from .layers.router import make_routing_ops
 from .parallel import ParallelInfo
 
 
@@ -43,14 +43,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, ecfg.norm_backend)
         attn_backend = make_attention_backend(ecfg.attention_backend, ecfg.device, ecfg.decode_kernel, ecfg.page_size)
         self.self_attn = MLAAttention(
-            cfg, layer_id, rope, attn_backend, ecfg.mla_path, dtype, device, ecfg.norm_backend,
+            cfg, layer_id, rope, attn_backend, ecfg.mla_path, dtype, device, ecfg.norm_backend, ecfg.fuse_step_glue,
         )
         self.is_moe = cfg.is_moe_layer(layer_id)
         self.mlp: nn.Module
         if self.is_moe:
             self.mlp = MoE(
-                cfg, layer_id, recorder, make_topk_fn(ecfg.topk_backend), make_experts_fn(ecfg.moe_backend),
-                dtype, device, ecfg.fuse_shared_experts,
+                cfg, layer_id, recorder, make_routing_ops(ecfg.topk_backend, ecfg.fuse_step_glue),
+                make_experts_fn(ecfg.moe_backend), dtype, device, ecfg.fuse_shared_experts,
             )
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, device)

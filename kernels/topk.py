@@ -12,6 +12,9 @@ Semantics are DeepSeek's reference gate (DeepSeek-V2/V3 `inference/model.py`):
     topk_weights = scores[topk_ids] (no bias), / (sum + 1e-20) if norm_topk_prob, * routed_scaling_factor
 `greedy` ignores groups. The kernel picks by repeated arg-max over a row held in registers: K <= 8 and
 G <= 8 rounds over E <= 256 values cost far less than the logits read.
+With S fused shared experts (n_shared) it also appends their S pairs, ids E..E+S-1 and weight 1.0, giving the
+fused MoE its [T, K + S] routes directly: two torch.cat kernels less per MoE layer (1.5 us each at batch 64
+on an H200), while the route capturer's [T, K] buffer (ids_out) still receives the routed ids alone.
 """
 
 from __future__ import annotations
@@ -19,10 +22,11 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from r3trace.kernels.contract import require, require_tensor
+from r3trace.kernels.contract import FLOAT_DTYPES, require, require_tensor
 
 ScoringFunc = Literal["softmax", "sigmoid"]
 TopkMethod = Literal["greedy", "group_limited_greedy", "noaux_tc"]
@@ -34,17 +38,19 @@ _BLOCK_T = 16  # tokens per program: [16, 256] fp32 rows fit in registers with 4
 @triton.jit
 def _grouped_topk_kernel(
     # pointers
-    logits_ptr, bias_ptr, weights_ptr, ids_ptr,
+    logits_ptr, bias_ptr, weights_ptr, routes_ptr, ids_ptr,
     # sizes
     T, E, routed_scaling_factor,
     # strides
-    stride_lt, stride_wt, stride_it,
+    stride_lp, stride_lt, stride_wt, stride_rt, stride_it,
     # constexpr
-    TOP_K: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr,
+    N_PART: tl.constexpr, TOP_K: tl.constexpr, N_SHARED: tl.constexpr, SPLIT_IDS: tl.constexpr,
+    N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr,
     SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP_MODE: tl.constexpr, NORMALIZE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    # GROUP_MODE: 0 = greedy (no groups), 1 = group max, 2 = group top-2 sum
+    # GROUP_MODE: 0 = greedy (no groups), 1 = group max, 2 = group top-2 sum. Outputs: weights and routes
+    # [T, K + N_SHARED]; with SPLIT_IDS the routed ids also go to ids [T, K] (the capturer's buffer).
     pid = tl.program_id(0)
     offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_e = tl.arange(0, BLOCK_E)
@@ -53,9 +59,13 @@ def _grouped_topk_kernel(
     mask = t_mask[:, None] & e_mask[None, :]
     neg_inf = float("-inf")
 
-    # rows past T load zeros (not -inf) so their softmax stays finite; their results are never stored
-    logits = tl.load(logits_ptr + offs_t[:, None] * stride_lt + offs_e[None, :], mask=mask, other=0.0)
-    logits = tl.where(e_mask[None, :], logits.to(tl.float32), neg_inf)
+    # rows past T load zeros (not -inf) so their softmax stays finite; their results are never stored.
+    # N_PART > 1: the logits arrive as partial sums over slices of D (router_logits), added here in order.
+    tile = logits_ptr + offs_t[:, None] * stride_lt + offs_e[None, :]
+    logits = tl.load(tile, mask=mask, other=0.0).to(tl.float32)
+    for part in tl.static_range(1, N_PART):
+        logits += tl.load(tile + part * stride_lp, mask=mask, other=0.0).to(tl.float32)
+    logits = tl.where(e_mask[None, :], logits, neg_inf)
     if SIGMOID:
         scores = tl.sigmoid(logits)
     else:
@@ -115,8 +125,15 @@ def _grouped_topk_kernel(
         out_w = out_w / (tl.sum(out_w, axis=1)[:, None] + 1e-20)
     out_w = out_w * routed_scaling_factor
 
-    out_mask = t_mask[:, None] & (offs_k[None, :] < TOP_K)
-    tl.store(ids_ptr + offs_t[:, None] * stride_it + offs_k[None, :], out_ids, mask=out_mask)
+    routed_mask = t_mask[:, None] & (offs_k[None, :] < TOP_K)
+    if SPLIT_IDS:
+        tl.store(ids_ptr + offs_t[:, None] * stride_it + offs_k[None, :], out_ids, mask=routed_mask)
+    if N_SHARED > 0:
+        shared = k_idx >= TOP_K  # columns K..K+S-1: shared expert E + (k - K), weight 1 for every token
+        out_ids = tl.where(shared, E + k_idx - TOP_K, out_ids)
+        out_w = tl.where(shared, 1.0, out_w)
+    out_mask = t_mask[:, None] & (offs_k[None, :] < TOP_K + N_SHARED)
+    tl.store(routes_ptr + offs_t[:, None] * stride_rt + offs_k[None, :], out_ids, mask=out_mask)
     tl.store(weights_ptr + offs_t[:, None] * stride_wt + offs_k[None, :], out_w, mask=out_mask)
 
 
@@ -129,8 +146,10 @@ def _check_routing_args(
     n_group: int,
     topk_group: int,
 ) -> None:
-    require_tensor("router_logits", router_logits, 2, (torch.float32,), router_logits.device)
-    E = router_logits.shape[1]
+    require(router_logits.dim() in (2, 3),
+            f"router_logits must be [T, E] or [P, T, E], got shape {tuple(router_logits.shape)}")
+    require_tensor("router_logits", router_logits, router_logits.dim(), (torch.float32,), router_logits.device)
+    E = router_logits.shape[-1]
     require(scoring_func in ("softmax", "sigmoid"), f"scoring_func {scoring_func!r} not softmax|sigmoid")
     require(
         topk_method in ("greedy", "group_limited_greedy", "noaux_tc"),
@@ -163,43 +182,55 @@ def grouped_topk(
     norm_topk_prob: bool,
     routed_scaling_factor: float,
     ids_out: torch.Tensor | None = None,
+    n_shared: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """router_logits: [T, E] fp32 -> (topk_weights [T, K] fp32, topk_ids [T, K] int32), one launch.
+    """router_logits: [T, E] fp32, or [P, T, E] partial sums (router_logits over P slices of D, summed here in
+    order p = 0..P-1) -> (topk_weights [T, K] fp32, topk_ids [T, K] int32), one launch.
 
     ids_out: where to write topk_ids (int32 [T, K], rows contiguous; e.g. the route capturer's buffer),
-    returned as topk_ids; None allocates."""
+    returned as topk_ids; None allocates. n_shared = S > 0: the results are [T, K + S] instead, their last
+    S columns the fused shared experts (ids E..E+S-1, weight 1.0); ids_out then gets the [T, K] routed ids too."""
     _check_routing_args(router_logits, correction_bias, top_k, scoring_func, topk_method, n_group, topk_group)
-    T, E = router_logits.shape
-    require(E <= 1024 and top_k <= 16, f"E={E} > 1024 or top_k={top_k} > 16: one row no longer fits")
+    parts = router_logits if router_logits.dim() == 3 else router_logits.unsqueeze(0)  # [P, T, E]
+    _, T, E = parts.shape
+    require(E <= 1024 and top_k + n_shared <= 16,
+            f"E={E} > 1024 or top_k + n_shared = {top_k + n_shared} > 16: one row no longer fits")
+    require(n_shared >= 0, f"n_shared={n_shared}: must be >= 0")
     grouped = topk_method != "greedy" and n_group > 1
     mode = 0 if not grouped else (1 if topk_method == "group_limited_greedy" else 2)
-    weights = torch.empty((T, top_k), dtype=torch.float32, device=router_logits.device)
-    if ids_out is None:
-        ids = torch.empty((T, top_k), dtype=torch.int32, device=router_logits.device)
-    else:
+    width = top_k + n_shared
+    weights = torch.empty((T, width), dtype=torch.float32, device=router_logits.device)
+    if ids_out is not None:
         require(tuple(ids_out.shape) == (T, top_k) and ids_out.dtype == torch.int32, (
             f"ids_out: shape {tuple(ids_out.shape)} {ids_out.dtype}, expected ({T}, {top_k}) int32"))
         require(ids_out.stride(1) == 1 and ids_out.device == router_logits.device,
                 f"ids_out: strides {ids_out.stride()} on {ids_out.device}; rows must be contiguous, on the "
                 "logits' device")
-        ids = ids_out
+    # routes: the [T, K + S] ids returned; without shared experts, ids_out itself (one store, no copy)
+    split = ids_out is not None and n_shared > 0
+    if ids_out is not None and not split:
+        routes = ids_out
+    else:
+        routes = torch.empty((T, width), dtype=torch.int32, device=router_logits.device)
+    ids = ids_out if ids_out is not None and split else routes  # the routed [T, K] store, read only when split
     if T == 0:
-        return weights, ids
-    bias = correction_bias if correction_bias is not None else router_logits  # unread when HAS_BIAS=0
+        return weights, routes
+    bias = correction_bias if correction_bias is not None else parts  # unread when HAS_BIAS=0
     n_g = n_group if grouped else 1
     grid = (triton.cdiv(T, _BLOCK_T),)
     _grouped_topk_kernel[grid](
-        router_logits, bias, weights, ids,
+        parts, bias, weights, routes, ids,
         T, E, float(routed_scaling_factor),
-        router_logits.stride(0), weights.stride(0), ids.stride(0),
-        TOP_K=top_k, N_GROUP=n_g, TOPK_GROUP=topk_group if grouped else 1, GROUP_SIZE=E // n_g,
+        parts.stride(0), parts.stride(1), weights.stride(0), routes.stride(0), ids.stride(0),
+        N_PART=parts.shape[0], TOP_K=top_k, N_SHARED=n_shared, SPLIT_IDS=split,
+        N_GROUP=n_g, TOPK_GROUP=topk_group if grouped else 1, GROUP_SIZE=E // n_g,
         SIGMOID=scoring_func == "sigmoid", HAS_BIAS=correction_bias is not None, GROUP_MODE=mode,
         NORMALIZE=norm_topk_prob,
         BLOCK_T=_BLOCK_T, BLOCK_E=max(16, triton.next_power_of_2(E)),
-        BLOCK_G=max(2, triton.next_power_of_2(n_g)), BLOCK_K=max(2, triton.next_power_of_2(top_k)),
+        BLOCK_G=max(2, triton.next_power_of_2(n_g)), BLOCK_K=max(2, triton.next_power_of_2(width)),
         num_warps=4,
     )  # fmt: skip
-    return weights, ids
+    return weights, routes
 
 
 def grouped_topk_ref(
@@ -215,8 +246,8 @@ def grouped_topk_ref(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain torch, line for line DeepSeek's reference gate. Same contract as grouped_topk."""
     _check_routing_args(router_logits, correction_bias, top_k, scoring_func, topk_method, n_group, topk_group)
-    T, E = router_logits.shape
-    logits = router_logits.float()
+    logits = sum_partials(router_logits)
+    T, E = logits.shape
     scores = logits.softmax(dim=-1) if scoring_func == "softmax" else logits.sigmoid()  # [T, E]
     choice = scores if correction_bias is None else scores + correction_bias  # [T, E]
     if topk_method != "greedy" and n_group > 1:
@@ -234,3 +265,80 @@ def grouped_topk_ref(
         weights = weights / (weights.sum(dim=-1, keepdim=True) + NORM_EPS)
     weights = weights * routed_scaling_factor
     return weights, ids.to(torch.int32)
+
+
+def sum_partials(router_logits: torch.Tensor) -> torch.Tensor:
+    """[T, E] -> itself; [P, T, E] partial sums -> [T, E], added in order p = 0..P-1 as the top-k kernel does."""
+    if router_logits.dim() == 2:
+        return router_logits
+    total = router_logits[0]
+    for part in router_logits[1:]:
+        total = total + part
+    return total
+
+
+# Router logits [T, E] = x [T, D] (bf16/fp16/fp32) . weight [E, D] fp32, in fp32 (DeepSeek and transformers keep
+# the gate in fp32). torch casts x first: a cast kernel, then cuBLAS's SIMT sgemm + split-K reduce at decode
+# sizes (2.8 + 6.0 + 2.4 us a layer at T=64, D=2048, E=64 on an H200: bench/NOTES.md "kvfuse, session 6").
+# This kernel reads x as it is and splits D over _LOGITS_SPLIT programs too, so T=64, E=64 runs 4 x 4 x 8 = 128
+# programs of one 256-wide slice each, all loads in flight at once (a 16-step loop over D instead, one program
+# per [4, 8] outputs, took 14.2 us: each step waits for its loads). The top-k kernel adds the partial sums.
+_LOGITS_T, _LOGITS_E, _LOGITS_K = 16, 16, 64
+_LOGITS_SPLIT = 8
+# Above this many tokens (prefill) programs re-reading W cost more than the cast saves: torch, one part.
+_LOGITS_MAX_T = 256
+
+
+@triton.jit
+def _router_logits_kernel(
+    x_ptr, w_ptr, part_ptr,
+    T, E, D, D_SLICE,
+    stride_xt, stride_we, stride_pp, stride_pt,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    part = tl.program_id(2)
+    t_mask, e_mask = offs_t < T, offs_e < E
+    d_lo = part * D_SLICE
+    d_hi = tl.minimum(d_lo + D_SLICE, D)
+    acc = tl.zeros((BLOCK_T, BLOCK_E), tl.float32)
+    for d0 in range(d_lo, d_hi, BLOCK_K):
+        offs_d = d0 + tl.arange(0, BLOCK_K)
+        d_mask = offs_d < d_hi
+        x = tl.load(x_ptr + offs_t[:, None] * stride_xt + offs_d[None, :], mask=t_mask[:, None] & d_mask[None, :],
+                    other=0.0).to(tl.float32)  # fmt: skip
+        w = tl.load(w_ptr + offs_e[:, None] * stride_we + offs_d[None, :], mask=e_mask[:, None] & d_mask[None, :],
+                    other=0.0)  # fmt: skip
+        acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")  # fp32 FMAs, no tf32
+    dst = part_ptr + part * stride_pp + offs_t[:, None] * stride_pt + offs_e[None, :]
+    tl.store(dst, acc, mask=t_mask[:, None] & e_mask[None, :])
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x: [T, D] float; weight: [E, D] fp32 -> logits as partial sums [P, T, E] fp32 over P slices of D (what
+    grouped_topk takes; sum_partials adds them). One launch for T <= 256, P = 8; torch above, P = 1."""
+    require_tensor("x", x, 2, FLOAT_DTYPES, x.device)
+    require_tensor("weight", weight, 2, (torch.float32,), x.device)
+    T, D = x.shape
+    E = weight.shape[0]
+    require(weight.shape[1] == D, f"weight has {weight.shape[1]} features, x has D={D}")
+    if T > _LOGITS_MAX_T:
+        return router_logits_ref(x, weight).unsqueeze(0)
+    # slices of whole BLOCK_K steps; a narrow D gets fewer parts rather than empty ones
+    d_slice = triton.cdiv(triton.cdiv(D, _LOGITS_SPLIT), _LOGITS_K) * _LOGITS_K
+    n_part = triton.cdiv(D, d_slice)
+    parts = torch.empty((n_part, T, E), dtype=torch.float32, device=x.device)
+    if T == 0:
+        return parts
+    grid = (triton.cdiv(T, _LOGITS_T), triton.cdiv(E, _LOGITS_E), n_part)
+    _router_logits_kernel[grid](
+        x, weight, parts, T, E, D, d_slice, x.stride(0), weight.stride(0), parts.stride(0), parts.stride(1),
+        BLOCK_T=_LOGITS_T, BLOCK_E=_LOGITS_E, BLOCK_K=_LOGITS_K, num_warps=4,
+    )
+    return parts
+
+
+def router_logits_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The gate's fp32 linear of x cast to fp32: [T, E] (router_logits' parts summed, up to fp32 order)."""
+    return F.linear(x.float(), weight)

@@ -6,8 +6,8 @@ An id of -1 in topk_ids means "not on this rank" (expert parallelism) and contri
 
 Shared experts fused (EngineConfig.shared_experts): the shared MLP of intermediate S*I is S experts of I
 (silu(gate) * up is elementwise over the intermediate, and the down sums over it), so after loading they
-are copied into w13/w2 rows E..E+S-1 and every token gets them as S more pairs of weight 1: [T, K + S].
-The router's ids (what the capturer records) are taken before they are appended.
+are copied into w13/w2 rows E..E+S-1 and every token gets them as S more pairs of weight 1: [T, K + S],
+appended by the router (router.py: by the top-k kernel itself, or two cats); the capturer records the [T, K].
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from r3trace.capture.recorder import RouteRecorder
 from ..config import ModelConfig
 from ..forward_batch import ForwardBatch
 from .mlp import MLP
-from .router import Router, TopkFn
+from .router import Router, RoutingOps
 
 ExpertsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -69,7 +69,7 @@ class MoE(nn.Module):
         cfg: ModelConfig,
         layer_id: int,
         recorder: RouteRecorder,
-        topk_fn: TopkFn,
+        routing: RoutingOps,
         experts_fn: ExpertsFn,
         dtype: torch.dtype,
         device: torch.device | str,
@@ -79,7 +79,7 @@ class MoE(nn.Module):
         e, d, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.num_routed = e
         self.num_fused = cfg.n_shared_experts if fuse_shared else 0  # S rows after the E routed ones
-        self.gate = Router(cfg, layer_id, recorder, topk_fn, device)
+        self.gate = Router(cfg, layer_id, recorder, routing, device, self.num_fused)
         rows = e + self.num_fused
         self.w13 = nn.Parameter(torch.empty(rows, 2 * i, d, dtype=dtype, device=device), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(rows, d, i, dtype=dtype, device=device), requires_grad=False)
@@ -87,13 +87,6 @@ class MoE(nn.Module):
             MLP(d, i * cfg.n_shared_experts, dtype, device) if cfg.n_shared_experts > 0 else None
         )
         self.experts_fn = experts_fn
-        # [1, S] ids E..E+S-1 and weights 1.0 (fp32, as the router's), expanded to [T, S] per forward
-        self.shared_ids: torch.Tensor
-        self.shared_weights: torch.Tensor
-        self.register_buffer(
-            "shared_ids", torch.arange(e, rows, dtype=torch.int32, device=device)[None], persistent=False
-        )
-        self.register_buffer("shared_weights", torch.ones(1, self.num_fused, device=device), persistent=False)
 
     def post_load(self) -> None:
         """Fused shared experts: copy the loaded shared MLP into w13/w2 rows E.. and drop the MLP."""
@@ -110,11 +103,7 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         """x: [T, D] -> [T, D]."""
-        topk_weights, topk_ids = self.gate(x, fb)  # [T, K]: the routes, captured inside the router
-        if self.num_fused:
-            t = x.shape[0]
-            topk_ids = torch.cat([topk_ids, self.shared_ids.expand(t, -1)], dim=1)  # [T, K + S]
-            topk_weights = torch.cat([topk_weights, self.shared_weights.expand(t, -1)], dim=1)
+        topk_weights, topk_ids = self.gate(x, fb)  # [T, K + S]: the routes (captured inside) + the fused shared
         out = self.experts_fn(x, self.w13, self.w2, topk_ids, topk_weights)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)

@@ -54,6 +54,7 @@ class RotaryEmbedding(nn.Module):
         self.sin: torch.Tensor
         self.register_buffer("cos", (freqs.cos() * attn_factor).to(device), persistent=False)
         self.register_buffer("sin", (freqs.sin() * attn_factor).to(device), persistent=False)
+        self.backend = backend
         self._fn = rope if backend == "triton" else rope_ref  # r3trace.kernels.rope: one launch vs ~12
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

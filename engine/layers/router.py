@@ -7,7 +7,9 @@ construction (`ref` torch or `triton` fused), never inside forward.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -19,30 +21,88 @@ from ..config import ModelConfig
 from ..forward_batch import ForwardBatch
 from .routing import RoutingParams, gate_scores, grouped_topk_ref, weights_for_ids
 
-# (logits [T, E], correction bias [E] | None, params, ids_out [T, K] int32 | None) -> (weights, ids);
-# a backend may write the ids into ids_out (the capture buffer) and return it, or ignore it.
+
+class SharedTail(NamedTuple):
+    """The fused shared experts' pairs every token gets: ids [1, S] int32 (E..E+S-1), weights [1, S] fp32 (1.0)."""
+
+    ids: torch.Tensor
+    weights: torch.Tensor
+
+
+class Routes(NamedTuple):
+    weights: torch.Tensor  # [T, K + S] fp32: the routed pairs, then the shared tail's (S = 0 without one)
+    ids: torch.Tensor  # [T, K + S] int32: what the MoE computes over
+    routed_ids: torch.Tensor  # [T, K] int32: what the capturer records (its own buffer when the kernel wrote it)
+
+
+# (logits [T, E], correction bias [E] | None, params, ids_out [T, K] int32 | None, shared tail | None) -> Routes;
+# a backend may write the routed ids into ids_out (the capture buffer) and return it as routed_ids, or ignore it.
 TopkFn = Callable[
-    [torch.Tensor, "torch.Tensor | None", RoutingParams, "torch.Tensor | None"], "tuple[torch.Tensor, torch.Tensor]"
+    [torch.Tensor, "torch.Tensor | None", RoutingParams, "torch.Tensor | None", "SharedTail | None"], Routes
 ]
 
 
-def make_topk_fn(backend: str) -> TopkFn:
+def append_shared(weights: torch.Tensor, ids: torch.Tensor, shared: SharedTail | None) -> Routes:
+    """[T, K] routes -> [T, K + S] with the shared tail: two torch.cat kernels (the fused top-k's twin)."""
+    if shared is None:
+        return Routes(weights, ids, ids)
+    t = ids.shape[0]
+    all_ids = torch.cat([ids, shared.ids.expand(t, -1)], dim=1)  # [T, K + S]
+    return Routes(torch.cat([weights, shared.weights.expand(t, -1)], dim=1), all_ids, ids)
+
+
+# (x [T, D], gate weight [E, D] fp32) -> router logits [T, E] fp32, or [P, T, E] partial sums the top-k adds
+LogitsFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class RoutingOps(NamedTuple):
+    logits: LogitsFn
+    topk: TopkFn
+
+
+def logits_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return F.linear(x.float(), weight)
+
+
+def summed(logits: torch.Tensor) -> torch.Tensor:
+    """[T, E] -> itself; [P, T, E] partial sums (router_logits) -> [T, E], added p = 0..P-1 as the top-k does."""
+    return logits if logits.dim() == 2 else functools.reduce(torch.add, logits.unbind(0))
+
+
+def make_routing_ops(backend: str, fuse: bool = True) -> RoutingOps:
+    """The gate's two ops for a top-k backend. fuse (triton only): router_logits reads x without a cast
+    kernel, and the top-k kernel stores the [T, K + S] routes itself; else the cast + cuBLAS and
+    append_shared's two cats (session 5's path, kept as the A/B baseline)."""
+    if backend == "ref":
+        return RoutingOps(logits_ref, _make_topk_fn(backend, False))
+    from r3trace.kernels.topk import router_logits
+
+    return RoutingOps(router_logits if fuse else logits_ref, _make_topk_fn(backend, fuse))
+
+
+def _make_topk_fn(backend: str, fuse_shared_tail: bool) -> TopkFn:
     if backend == "ref":
         def ref_topk(
-            logits: torch.Tensor, bias: torch.Tensor | None, p: RoutingParams, ids_out: torch.Tensor | None
-        ) -> tuple[torch.Tensor, torch.Tensor]:
-            return grouped_topk_ref(logits, bias, p)  # new tensors; capture copies them
+            logits: torch.Tensor, bias: torch.Tensor | None, p: RoutingParams, ids_out: torch.Tensor | None,
+            shared: SharedTail | None,
+        ) -> Routes:
+            return append_shared(*grouped_topk_ref(logits, bias, p), shared)  # new tensors; capture copies them
 
         return ref_topk
     from r3trace.kernels.topk import grouped_topk
 
     def triton_topk(
-        logits: torch.Tensor, bias: torch.Tensor | None, p: RoutingParams, ids_out: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return grouped_topk(
+        logits: torch.Tensor, bias: torch.Tensor | None, p: RoutingParams, ids_out: torch.Tensor | None,
+        shared: SharedTail | None,
+    ) -> Routes:
+        n_shared = shared.ids.shape[1] if shared is not None and fuse_shared_tail else 0
+        weights, ids = grouped_topk(
             logits, bias, p.top_k, p.scoring_func, p.topk_method, p.n_group, p.topk_group,
-            p.norm_topk_prob, p.routed_scaling_factor, ids_out=ids_out,
+            p.norm_topk_prob, p.routed_scaling_factor, ids_out=ids_out, n_shared=n_shared,
         )
+        if n_shared:
+            return Routes(weights, ids, ids_out if ids_out is not None else ids[:, : p.top_k])
+        return append_shared(weights, ids, shared)
 
     return triton_topk
 
@@ -55,13 +115,14 @@ class Router(nn.Module):
         cfg: ModelConfig,
         layer_id: int,
         recorder: RouteRecorder,
-        topk_fn: TopkFn,
+        ops: RoutingOps,
         device: torch.device | str,
+        n_shared: int = 0,
     ) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.recorder = recorder
-        self.topk_fn = topk_fn
+        self._logits_fn, self.topk_fn = ops
         self.params = RoutingParams(
             top_k=cfg.num_experts_per_tok,
             scoring_func=cfg.scoring_func,
@@ -78,20 +139,35 @@ class Router(nn.Module):
             self.register_buffer("e_score_correction_bias", torch.zeros(e, dtype=torch.float32, device=device))
         else:
             self.e_score_correction_bias = None
+        # n_shared = S fused shared experts (moe.py): ids E..E+S-1 of weight 1.0 appended to every token's routes
+        self.n_shared = n_shared
+        self.shared_ids: torch.Tensor
+        self.shared_weights: torch.Tensor
+        self.register_buffer(
+            "shared_ids", torch.arange(e, e + n_shared, dtype=torch.int32, device=device)[None], persistent=False
+        )
+        self.register_buffer("shared_weights", torch.ones(1, n_shared, device=device), persistent=False)
+
+    @property
+    def shared(self) -> SharedTail | None:
+        return SharedTail(self.shared_ids, self.shared_weights) if self.n_shared else None
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, D] -> router logits [T, E] fp32."""
-        return F.linear(x.float(), self.weight)
+        """x: [T, D] -> router logits [T, E] fp32 (partial sums added in the top-k kernel's order)."""
+        return summed(self._logits_fn(x, self.weight))
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [T, D] -> (topk_weights [T, K] fp32, topk_ids [T, K] int32)."""
-        logits = self.logits(x)
+        """x: [T, D] -> (topk_weights [T, K + S] fp32, topk_ids [T, K + S] int32); S = 0 without fused shared
+        experts. The capturer records the [T, K] routed part."""
+        logits = self._logits_fn(x, self.weight)  # [T, E], or [P, T, E] partial sums the top-k adds
         ids_out = self.recorder.route_buffer(self.layer_id, x.shape[0])
-        topk_weights, topk_ids = self.topk_fn(logits, self.e_score_correction_bias, self.params, ids_out)
+        weights, ids, routed_ids = self.topk_fn(logits, self.e_score_correction_bias, self.params, ids_out, self.shared)
+        k = self.params.top_k
         if fb.replay is not None:
-            topk_weights, topk_ids = self._apply_replay(logits, topk_weights, topk_ids, fb)
-        self.recorder.capture(self.layer_id, topk_ids, topk_weights)
-        return topk_weights, topk_ids
+            routed_weights, routed_ids = self._apply_replay(summed(logits), weights[:, :k], routed_ids, fb)
+            weights, ids, _ = append_shared(routed_weights, routed_ids, self.shared)
+        self.recorder.capture(self.layer_id, routed_ids, weights[:, :k])
+        return weights, ids
 
     def _apply_replay(
         self, logits: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, fb: ForwardBatch

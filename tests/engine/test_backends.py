@@ -32,8 +32,11 @@ if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         dict(attention_backend="triton"),
         dict(moe_backend="triton", topk_backend="triton"),
         dict(norm_backend="triton", rope_backend="triton"),
+        # session 5's path: norm, rope, cat, index store for the latent; two cats for the shared tail
+        dict(attention_backend="triton", moe_backend="triton", topk_backend="triton", norm_backend="triton",
+             rope_backend="triton", fuse_step_glue=False),
     ],
-    ids=["all", "attention", "moe+topk", "norm+rope"],
+    ids=["all", "attention", "moe+topk", "norm+rope", "all-unfused"],
 )
 @pytest.mark.parametrize("page_size", [1, 3])
 def test_triton_backends_match_ref(make_engine: EngineFactory, backends: dict[str, str], page_size: int) -> None:
@@ -82,3 +85,47 @@ def test_fused_shared_experts_match_separate(
         lp_a = [x[0] for x in a["meta_info"]["output_token_logprobs"]]
         lp_b = [x[0] for x in b["meta_info"]["output_token_logprobs"]]
         np.testing.assert_allclose(lp_b, lp_a, rtol=0, atol=2e-5)
+
+
+def test_replay_through_fused_shared_tail(make_engine: EngineFactory) -> None:
+    """Routing replay when the top-k kernel writes the [T, K + S] routes: the forced ids replace the routed
+    columns (the shared tail appended after them), reach the capturer, and give the ref backends' tokens."""
+    from tests.capture.helpers import returned_routes
+
+    p = random_prompts(1, 12, 12, seed=11)[0]
+    ref = make_engine(device=DEVICE)
+    tri = make_engine(device=DEVICE, moe_backend="triton", topk_backend="triton")
+    moe = [m for m in tri.model.modules() if type(m).__name__ == "MoE"]
+    assert moe and all(m.num_fused == 1 for m in moe)  # the tiny model's one shared expert, fused
+    forced = returned_routes(ref.generate(input_ids=p, sampling_params=greedy(0), return_routed_experts=True))
+    forced[:, 1:] = (forced[:, 1:] + 1) % 8  # every MoE layer's ids moved to experts the gate did not pick
+    kw = dict(sampling_params=greedy(4), return_routed_experts=True, routed_experts=forced, return_logprob=True,
+              logprob_start_len=0)
+    a, b = ref.generate(input_ids=p, **kw), tri.generate(input_ids=p, **kw)
+    assert a["output_ids"] == b["output_ids"]
+    np.testing.assert_array_equal(returned_routes(b)[: len(p)], forced)
+    np.testing.assert_array_equal(returned_routes(a), returned_routes(b))
+    # The tokens alone do not tell the forced routes from the gate's on this tiny model (same 4 tokens), the
+    # logprobs do: the gate's own routes move them by up to 0.68, the kernels' fp32 summation order by 5e-7
+    # (both measured); 1e-4 sits between with 200x room on the one side and 6800x on the other.
+    def logprobs(r: dict) -> list[float]:  # type: ignore[type-arg]
+        m = r["meta_info"]
+        return [x[0] for x in m["input_token_logprobs"][1:] + m["output_token_logprobs"]]
+
+    np.testing.assert_allclose(logprobs(b), logprobs(a), rtol=0, atol=1e-4)
+    natural = tri.generate(input_ids=p, **{**kw, "routed_experts": None})
+    assert np.abs(np.subtract(logprobs(natural), logprobs(b))).max() > 0.1, "the forced routes reached the MoE"
+
+
+def test_router_logits_are_whole_with_the_split_kernel(make_engine: EngineFactory) -> None:
+    """Router.logits (replay_check's margin hook calls it) is [T, E] whatever the kernel hands the top-k
+    (router_logits: [P, T, E] partial sums; one part at this D = 64, several in tests/kernels/test_topk.py). fp32
+    on both sides: within 2 * D * 2^-24 * sum|x w| (two summation orders, test_topk.py's bound)."""
+    gate = next(m for m in make_engine(device=DEVICE, topk_backend="triton").model.modules()
+                if type(m).__name__ == "Router")
+    x = torch.randn(7, gate.weight.shape[1], generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    got = gate.logits(x)
+    want = torch.nn.functional.linear(x, gate.weight)
+    assert got.shape == want.shape == (7, gate.weight.shape[0])
+    bound = 2 * x.shape[1] * 2.0**-24 * (x.abs() @ gate.weight.abs().T)
+    assert bool(((got - want).abs() <= bound).all())

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from r3trace.kernels.contract import KernelInputError
-from r3trace.kernels.topk import grouped_topk, grouped_topk_ref
+from r3trace.kernels.topk import grouped_topk, grouped_topk_ref, router_logits, router_logits_ref, sum_partials
 from tests.kernels.conftest import DEVICE, gpu, requires_gpu, requires_triton
 
 pytestmark = requires_triton
@@ -83,3 +83,62 @@ def test_ids_out_is_written_in_place() -> None:
     assert torch.equal(buf[1, :13].long(), ref_ids.long())
     assert (buf[1, 13:] == -7).all() and (buf[0] == -7).all() and (buf[2] == -7).all()  # nothing else written
     torch.testing.assert_close(weights, ref_w)
+
+
+@pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS[2], CONFIGS[3]], ids=lambda c: f"E{c[0]}-K{c[1]}-{c[3]}")
+@pytest.mark.parametrize("n_shared", [1, 2])
+@pytest.mark.parametrize("capture", [False, True])
+def test_shared_columns_appended(cfg: tuple, n_shared: int, capture: bool, poisoned_empty: None) -> None:
+    """n_shared = S: [T, K + S] routes for the fused MoE (the ref's routes, then ids E..E+S-1 of weight 1.0);
+    with a capture buffer, it gets the [T, K] routed ids alone and nothing else of it is written."""
+    E, K, scoring, method, n_group, topk_group, norm, scale, with_bias = cfg
+    T = 37
+    gen = torch.Generator().manual_seed(E + n_shared)
+    logits = torch.randn(T, E, generator=gen).to(DEVICE) * 3
+    bias = (torch.randn(E, generator=gen) * 0.1).to(DEVICE) if with_bias else None
+    args = (bias, K, scoring, method, n_group, topk_group, norm, scale)
+    buf = torch.full((2, T + 3, K), -7, dtype=torch.int32, device=DEVICE)  # [M, R, K], layer 1 rows [:T]
+    weights, ids = grouped_topk(logits, *args, ids_out=buf[1, :T] if capture else None, n_shared=n_shared)
+    ref_w, ref_ids = grouped_topk_ref(logits, *args)
+    assert ids.shape == weights.shape == (T, K + n_shared)
+    shared_ids = torch.arange(E, E + n_shared, dtype=torch.int32, device=DEVICE).expand(T, -1)
+    assert torch.equal(ids, torch.cat([ref_ids, shared_ids], dim=1))
+    assert torch.equal(weights[:, K:], torch.ones(T, n_shared, device=DEVICE))
+    torch.testing.assert_close(weights[:, :K], ref_w, atol=1e-6 * scale, rtol=1e-5)  # as in the test above
+    if capture:
+        assert torch.equal(buf[1, :T], ref_ids)
+        assert (buf[1, T:] == -7).all() and (buf[0] == -7).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t,e,d", [(1, 64, 2048), (37, 12, 100), (64, 160, 384), (300, 20, 72)])
+def test_router_logits_matches_ref(t: int, e: int, d: int, dtype: torch.dtype, poisoned_empty: None) -> None:
+    """x [T, D] (a row-strided view) . W [E, D] fp32 in fp32, as partial sums over slices of D (two for
+    D=100; T=300 is past the kernel's limit: torch, one part). Bound: each side is a sum of D fp32 products in
+    some order, off the exact sum by at most D * 2^-24 * sum|x w| (recursive summation's worst case), so the two
+    differ by at most twice that; a dropped 64-wide step or slice, or a wrong row, misses by ~1/32 of sum|x w|
+    at D=2048, far outside it."""
+    gen = torch.Generator().manual_seed(t + e + d)
+    x = torch.randn(t, d + 5, generator=gen).to(dtype).to(DEVICE)[:, :d]
+    w = (torch.randn(e, d, generator=gen) * 0.05).to(DEVICE)
+    parts = router_logits(x, w)
+    assert parts.dim() == 3 and parts.shape[1:] == (t, e) and parts.dtype == torch.float32
+    assert parts.shape[0] == {2048: 8, 384: 6, 100: 2, 72: 1}[d]  # slices of whole 64-wide steps, at most 8
+    out, ref = sum_partials(parts), router_logits_ref(x, w)
+    bound = 2 * d * 2.0**-24 * (x.float().abs() @ w.abs().T)
+    assert bool(((out - ref).abs() <= bound).all()), f"max excess {((out - ref).abs() - bound).max().item():.3e}"
+
+
+@pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS[3]], ids=lambda c: f"E{c[0]}-K{c[1]}-{c[3]}")
+def test_grouped_topk_adds_partial_logits(cfg: tuple, poisoned_empty: None) -> None:
+    """[P, T, E] partial sums: the kernel adds them in the order sum_partials does, so the ids equal the ref's
+    on the summed logits exactly and the weights as in test_grouped_topk_matches_ref."""
+    E, K, scoring, method, n_group, topk_group, norm, scale, with_bias = cfg
+    gen = torch.Generator().manual_seed(E)
+    parts = torch.randn(5, 19, E, generator=gen).to(DEVICE)  # 5 parts of ~N(0, 1): summed logits spread ~2.2
+    bias = (torch.randn(E, generator=gen) * 0.1).to(DEVICE) if with_bias else None
+    args = (bias, K, scoring, method, n_group, topk_group, norm, scale)
+    weights, ids = grouped_topk(parts, *args)
+    ref_w, ref_ids = grouped_topk_ref(sum_partials(parts), *args)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_w, atol=1e-6 * scale, rtol=1e-5)
