@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from r3trace.kernels.latent_write import latent_write
@@ -74,6 +75,12 @@ class MLAAttention(nn.Module):
         # The latent write as one kernel (r3trace.kernels.latent_write) with the triton norm and rope backends;
         # its twin is the norm, the rope, a cat and an index store (4 kernels: 8.8 us a layer at batch 64).
         self.fused_latent = fuse_latent_write and norm_backend == "triton" and rope.backend == "triton"
+        # q_a_proj and kv_a_proj_with_mqa read the same x: one GEMM of their stacked weights (post_load) is one
+        # launch instead of two (two 5.7 us nvjet calls a layer at batch 64 on the H200, D = 2048, N = 768 and
+        # 576). Its columns are the two projections' dot products over the same D; only cuBLAS's kernel choice
+        # for the wider N may differ. Off with fuse_step_glue=False (the A/B baseline).
+        self.fuse_qkv_a = fuse_latent_write and self.q_a_proj is not None
+        self.qkv_a_weight: torch.Tensor | None = None
         # Filled by post_load() from kv_b_proj: w_kc [H, nope, kv_lora], w_vc [H, v, kv_lora].
         self.register_buffer("w_kc", torch.empty(0, dtype=dtype, device=device), persistent=False)
         self.register_buffer("w_vc", torch.empty(0, dtype=dtype, device=device), persistent=False)
@@ -82,22 +89,35 @@ class MLAAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.h, self.nope + self.v_dim, self.kv_lora)
         self.w_kc = w[:, : self.nope].contiguous()
         self.w_vc = w[:, self.nope :].contiguous()
+        if self.fuse_qkv_a:
+            assert self.q_a_proj is not None
+            kv_a = self.kv_a_proj_with_mqa
+            stacked = torch.cat([self.q_a_proj.weight.data, kv_a.weight.data])  # [q_lora + C, D]
+            r = self.q_a_proj.weight.shape[0]
+            self.q_a_proj.weight.data, kv_a.weight.data = stacked[:r], stacked[r:]  # views: no second copy
+            self.qkv_a_weight = stacked
 
-    def _query(self, x: torch.Tensor) -> torch.Tensor:
+    def _projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, D] -> (q [T, H, qk], kv_a [T, C])."""
         if self.q_proj is not None:
-            q = self.q_proj(x)
+            q, kv_a = self.q_proj(x), self.kv_a_proj_with_mqa(x)
         else:
             assert self.q_a_proj is not None and self.q_a_layernorm is not None and self.q_b_proj is not None
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        return q.view(x.shape[0], self.h, self.nope + self.rope_dim)  # [T, H, qk]
+            if self.qkv_a_weight is not None:
+                q_lora = self.qkv_a_weight.shape[0] - self.kv_lora - self.rope_dim
+                q_a, kv_a = F.linear(x, self.qkv_a_weight).split([q_lora, self.kv_lora + self.rope_dim], dim=-1)
+            else:
+                q_a, kv_a = self.q_a_proj(x), self.kv_a_proj_with_mqa(x)
+            q = self.q_b_proj(self.q_a_layernorm(q_a))
+        return q.view(x.shape[0], self.h, self.nope + self.rope_dim), kv_a
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
         """x: [T, D]; kv_cache: [S, C] of this layer -> [T, D]."""
         t = x.shape[0]
-        q = self._query(x)
+        q, kv_a = self._projections(x)
         q_nope, q_pe = q.split([self.nope, self.rope_dim], dim=-1)
         normal = select_attn_path(fb, self.mla_path) == "normal"
-        latent = self._write_latent(self.kv_a_proj_with_mqa(x), fb, kv_cache, normal and not fb.has_prefix)
+        latent = self._write_latent(kv_a, fb, kv_cache, normal and not fb.has_prefix)
 
         if normal:
             out = self._normal(torch.cat([q_nope, self.rope(fb.positions, q_pe)], dim=-1), latent, kv_cache, fb)
