@@ -28,6 +28,7 @@ from r3trace.engine.radix_cache import RadixCache
 from r3trace.engine.request import FinishReason, LogprobEntry, Req
 from r3trace.engine.request_hooks import NullHooks, RequestHooks
 from r3trace.engine.step import ReqOutput, ScheduledReq
+from r3trace.engine.stop_rules import finish_reason
 from r3trace.engine.tokenizer import TextTokenizer
 
 
@@ -239,31 +240,13 @@ class Scheduler:
                     req.output_logprobs.append((out.next_logprob, out.next_token, None))
                     if out.next_top is not None:
                         req.output_top_logprobs.append(out.next_top)
-                finish = self._check_finished(req)
+                finish = finish_reason(req, self.eos_token_ids, self.tokenizer, self.max_context_len)
                 if finish is not None:
                     self._finish(req, finish)
                 else:
                     self._updates.append(req)
             elif item.end == req.seq_len:  # max_new_tokens == 0: prefill only
                 self._finish(req, FinishReason("length", length=len(req.output_ids)))
-
-    def _check_finished(self, req: Req) -> FinishReason | None:
-        """SGLang's order: length first, then stop token ids, eos, stop strings, context limit."""
-        p, tok = req.params, req.output_ids[-1]
-        if len(req.output_ids) >= p.max_new_tokens:
-            return FinishReason("length", length=p.max_new_tokens)
-        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids):
-            return FinishReason("stop", matched=tok)
-        if p.stop:
-            text = self.tokenizer.decode(req.output_ids)
-            hits = [(text.find(s), s) for s in p.stop if s in text]
-            if hits:
-                at, s = min(hits)
-                req.text = text[:at]
-                return FinishReason("stop", matched=s)
-        if req.seq_len >= self.max_context_len:
-            return FinishReason("length", length=len(req.output_ids))
-        return None
 
     # ------------------------------------------------------------------ lifecycle hooks
     def _finish(self, req: Req, reason: FinishReason) -> None:

@@ -75,7 +75,7 @@ def make_routing_ops(backend: str, fuse: bool = True) -> RoutingOps:
     append_shared's two cats (session 5's path, kept as the A/B baseline)."""
     if backend == "ref":
         return RoutingOps(logits_ref, _make_topk_fn(backend, False))
-    from r3trace.kernels.topk import router_logits
+    from r3trace.kernels.router_logits import router_logits
 
     return RoutingOps(router_logits if fuse else logits_ref, _make_topk_fn(backend, fuse))
 

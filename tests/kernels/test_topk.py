@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from r3trace.kernels.contract import KernelInputError
-from r3trace.kernels.topk import grouped_topk, grouped_topk_ref, router_logits, router_logits_ref, sum_partials
+from r3trace.kernels.router_logits import router_logits, router_logits_ref
+from r3trace.kernels.topk import grouped_topk, grouped_topk_ref, sum_partials
 from tests.kernels.conftest import DEVICE, gpu, requires_gpu, requires_triton
 
 pytestmark = requires_triton
