@@ -268,7 +268,9 @@ def parts_cell(
     if mods:
         sw = load_sibling("mla_decode_sweep.py", "mla_decode_sweep")
         t["stage2"] = sw.merge_ms(B, 16, splits, L, lambda fn: graph_ms([fn], rep))
-    calls = {k: base._replace(**v) for k, v in options.items()}
+    # an option may set "splits" too (the split count is not a tile field): {name: (tile, splits)}
+    calls = {k: (base._replace(**{f: x for f, x in v.items() if f != "splits"}), int(v.get("splits", splits)))  # type: ignore[call-overload]
+             for k, v in options.items()}
     if nbytes < 200e6:  # how much the shuffled pages cost: the same call on requests laid out contiguously
         flat = torch.arange(B * L, device="cuda", dtype=r2t.dtype).view(B, L)
         for name, table in (("default", r2t), ("contiguous", flat)):
@@ -276,10 +278,10 @@ def parts_cell(
                 [partial(mla_decode, q, c, table, rows, lens, KV_LORA, 576**-0.5, splits, base) for c in kvs], rep
             )
     for i in range(1, pairs + 1):
-        for k, tile in calls.items():
-            for name, tl_ in (("default", base), (k, tile)):
+        for k, (tile, n_split) in calls.items():
+            for name, tl_, ns in (("default", base, splits), (k, tile, n_split)):
                 t[f"{name}/#{i}/{k}" if name == "default" else f"{name}/#{i}"] = graph_ms(
-                    [partial(mla_decode, q, c, r2t, rows, lens, KV_LORA, 576**-0.5, splits, tl_) for c in kvs], rep
+                    [partial(mla_decode, q, c, r2t, rows, lens, KV_LORA, 576**-0.5, ns, tl_) for c in kvs], rep
                 )
     return _report(row, t, nbytes)
 
@@ -304,7 +306,7 @@ def main() -> None:
     tiles = [base, *(SMALL_TILES if a.sweep else [OLD, *FINAL_TILES])]
     options = parse_options(a.options) if a.options else OPTIONS
     if a.parts:
-        tiles = [base, *(base._replace(**v) for v in options.values())]
+        tiles = [base, *(base._replace(**{f: x for f, x in v.items() if f != "splits"}) for v in options.values())]
     if not a.no_floors:
         res["errors"] = {str(tuple(t)): check(t) for t in tiles}
         res["floors"] = floors(a.rep)
