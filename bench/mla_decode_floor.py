@@ -215,6 +215,8 @@ PARTS = [
 # request a row, or a line at a time: 1.3-2.2x), 16-key tiles at 5-6 stages (1.25-1.36x), slots loaded two
 # tiles ahead (the gather stopped being cp.async: 1.5-1.7x), req_to_token prefetched to L2 (a tie) or
 # loaded evict_last (+2-4%). pdl is the default since run 4.
+# Session 6 run 6: three programs an SM (a register cap of 168 through triton's maxnreg, 2 stages, 24 splits at
+# B16/8k) 0.0585 ms vs 0.0497 for the default; 2 stages alone 0.077 (bench/NOTES.md "Engine owner, session 6").
 OPTIONS: dict[str, dict[str, object]] = {"nopdl": {"pdl": False}}
 
 

@@ -107,9 +107,6 @@ class DecodeTile(NamedTuple):
     # before it still runs and waits (griddepcontrol.wait) before its first global access, so its launch and
     # block scheduling overlap the previous kernel's tail; graph-capturable.
     pdl: bool = False
-    # Register cap per thread for the Triton stage 1 (0: the compiler's choice, 189 for the H < 64 bf16 tile, so
-    # two 4-warp programs an SM). A cap <= 168 with 2 stages of shared memory lets three programs share an SM.
-    maxnreg: int = 0
 
     def head_programs(self, num_heads: int) -> int:
         """Stage-1 programs per (request, split): head blocks x value splits."""

@@ -283,7 +283,6 @@ def _stage1_triton(
         BLOCK_V=block_c // tile.v_splits, BLOCK_R=block_r, V_SPLITS=tile.v_splits, KEYS_MAJOR=tile.keys_major,
         EARLY_SLOTS=tile.num_stages >= 3, UPCAST=not q.is_cuda, INPUT_PRECISION=dot_precision(q.dtype == torch.float32),
         PDL=pdl, num_warps=tile.num_warps, num_stages=tile.num_stages, launch_pdl=pdl,
-        **({"maxnreg": tile.maxnreg} if tile.maxnreg and q.is_cuda else {}),
     )  # fmt: skip
 
 
