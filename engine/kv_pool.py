@@ -84,6 +84,7 @@ class ReqToTokenPool:
         self.req_to_token = torch.zeros(num_rows, max_context_len, dtype=torch.int32, device=device)
         self._free: list[int] = list(range(num_rows - 1, -1, -1))
         self._pending: list[tuple[int, int, np.ndarray]] = []  # (row, start, slots) not yet on the device
+        self._pending_ones: list[tuple[np.ndarray, np.ndarray]] = []  # (flat index [n], slot [n]): one slot a row
 
     @property
     def num_free_rows(self) -> int:
@@ -98,6 +99,10 @@ class ReqToTokenPool:
         new ones (index_copy_ with repeated indices keeps any of them on CUDA)."""
         if any(w[0] == row for w in self._pending):
             self._pending = [w for w in self._pending if w[0] != row]
+        if self._pending_ones:
+            width = self.req_to_token.shape[1]
+            kept = [(f[f // width != row], v[f // width != row]) for f, v in self._pending_ones]
+            self._pending_ones = [(f, v) for f, v in kept if len(f)]
         self._free.append(row)
 
     def write(self, row: int, start: int, slots: np.ndarray) -> None:
@@ -105,22 +110,32 @@ class ReqToTokenPool:
         if len(slots):
             self._pending.append((row, start, np.asarray(slots, dtype=np.int64)))
 
+    def write_ones(self, rows: list[int], starts: list[int], slots: np.ndarray) -> None:
+        """Position starts[i] of rows[i] will point at slots[i]: a decode step's writes as one block."""
+        if len(rows):
+            width = self.req_to_token.shape[1]
+            flat = np.asarray(rows, dtype=np.int64) * width + np.asarray(starts, dtype=np.int64)
+            self._pending_ones.append((flat, np.asarray(slots, dtype=np.int64)))
+
     def flush(self, stage: Callable[[np.ndarray], torch.Tensor] | None = None) -> None:
         """Apply every pending write with one host->device copy and one scatter (no sync). Per-write
         copies cost one cudaMemcpy each: 64 decoding requests made 64 of them a step (~1 ms). Positions are
         distinct (free() drops a freed row's writes), so no deduplication; a decode step's 64 one-slot
         writes build their indices without a per-write arange (210 -> ~50 us a step on a 2-core host). stage: as in
         ForwardBatch.build."""
-        if not self._pending:
+        if not self._pending and not self._pending_ones:
             return
         width = self.req_to_token.shape[1]
         pending, self._pending = self._pending, []
-        vals = np.concatenate([s for _, _, s in pending])
-        if len(vals) == len(pending):  # one slot each: the decode step
-            flat = np.fromiter((row * width + start for row, start, _ in pending), np.int64, len(pending))
-        else:
-            flat = np.concatenate([row * width + start + np.arange(len(s)) for row, start, s in pending])
-        both = np.concatenate([flat, vals])
+        ones, self._pending_ones = self._pending_ones, []
+        flats, vals = [f for f, _ in ones], [v for _, v in ones]
+        if pending:
+            vals.append(np.concatenate([s for _, _, s in pending]))
+            if len(vals[-1]) == len(pending):  # one slot each: the decode step
+                flats.append(np.fromiter((row * width + start for row, start, _ in pending), np.int64, len(pending)))
+            else:
+                flats.append(np.concatenate([row * width + start + np.arange(len(s)) for row, start, s in pending]))
+        both = np.concatenate(flats + vals)
         dev = self.req_to_token.device
         packed = (stage(both) if stage is not None else torch.from_numpy(both).to(dev, non_blocking=True)).view(2, -1)
         self.req_to_token.view(-1).index_copy_(0, packed[0], packed[1].to(torch.int32))

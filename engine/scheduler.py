@@ -134,14 +134,25 @@ class Scheduler:
                 if len(r.output_ids) + 1 < r.params.max_new_tokens and r.seq_len + 1 < self.max_context_len]
         if not keep or len(keep) > self.config.chunked_prefill_size:
             return None
-        if sum(self.pool.pages_for(r.kv_len + 1) - len(r.pages) for r in keep) > self.pool.num_free_pages:
-            return None
-        items = []
+        # One position each, for all requests at once (a per-request _grow was ~8 us a request on a 2-core host:
+        # 1 ms a step at 128 requests). A running request holds exactly pages_for(kv_len) pages, so its next
+        # position opens a page when kv_len // page reaches len(pages).
+        page = self.pool.page_size
+        opening = [r for r in keep if r.kv_len // page >= len(r.pages)]
+        if len(opening) > self.pool.num_free_pages:
+            return None  # the serial path evicts or retracts
+        new_pages = self.pool.alloc(len(opening))
+        assert new_pages is not None
+        for req, pg in zip(opening, new_pages, strict=True):
+            req.pages.append(pg)
+        starts = [r.kv_len for r in keep]
+        slots = np.fromiter((r.pages[p // page] * page + p % page for r, p in zip(keep, starts, strict=True)),
+                            np.int64, len(keep))  # [B]
+        self.req_pool.write_ones([r.pool_row for r in keep], starts, slots)
+        items = [ScheduledReq(req=r, start=p, extend_len=1, out_cache_loc=slots[i : i + 1], sample=True,
+                              logprob_positions=range(0), phase="decode", ahead=True)
+                 for i, (r, p) in enumerate(zip(keep, starts, strict=True))]
         for req in keep:
-            slots = self._grow(req, 1)  # free pages suffice (checked above): no eviction
-            assert slots is not None
-            items.append(ScheduledReq(req=req, start=req.kv_len, extend_len=1, out_cache_loc=slots, sample=True,
-                                      logprob_positions=range(0), phase="decode", ahead=True))
             req.kv_len += 1
             req.inflight += 1
         return items

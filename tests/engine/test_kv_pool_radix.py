@@ -54,6 +54,15 @@ def test_pool_pages_slots_and_double_free() -> None:
     rows.write(1, 7, np.array([50]))
     rows.flush()
     assert rows.req_to_token[:, 6:].tolist() == [[40, 0], [41, 50]]
+    # a step scheduled ahead writes its one slot a row as one block, mixed with ordinary writes in one flush
+    rows.write_ones([0, 1], [5, 5], np.array([60, 61]))
+    rows.write(0, 3, np.array([70]))
+    rows.flush()
+    assert rows.req_to_token[:, 3:7].tolist() == [[70, 0, 60, 40], [0, 0, 61, 41]]
+    rows.write_ones([0, 1], [1, 1], np.array([80, 81]))
+    rows.free(1)  # a freed row's part of a block is dropped, the other row's kept
+    rows.flush()
+    assert rows.req_to_token[:, 1].tolist() == [80, 5]  # row 1 keeps its earlier 5, not the dropped 81
 
 
 def test_radix_matches_whole_pages_and_splits() -> None:
