@@ -154,36 +154,41 @@ class EventLoop:
         return True
 
     def _step(self) -> None:
+        self._guarded(self._advance)
+
+    def _settle(self) -> None:
+        """Process the step in flight (waits for it on the device)."""
+        self._guarded(self._process_inflight)
+
+    def _guarded(self, fn: Callable[[], None]) -> None:
         try:
-            if self._inflight is None:
-                items = self.scheduler.schedule()
-                if not items:
-                    # Unreachable while the pool holds any prompt it accepted; never spin on it.
-                    self.scheduler.abort_all("the scheduler could not place any request", is_error=True)
-                    return
-                self._inflight = self.runner.launch(items)
-                if not self.overlap:
-                    self._settle()
-                return
-            ahead = self.scheduler.schedule_ahead(self._inflight.items)
-            done, self._inflight = self._inflight, None
-            if ahead:
-                self._inflight = self.runner.launch(ahead)  # queued behind `done` on the GPU
-            self.scheduler.process(done.items, self.runner.collect(done))
+            fn()
         except Exception as exc:
             log.exception("engine step failed; aborting the requests in flight")
             self._inflight = None
             self.scheduler.abort_all(f"engine error: {exc!r}", is_error=True)
 
-    def _settle(self) -> None:
-        """Process the step in flight (waits for it on the device)."""
+    def _advance(self) -> None:
+        if self._inflight is None:
+            items = self.scheduler.schedule()
+            if not items:
+                # Unreachable while the pool holds any prompt it accepted; never spin on it.
+                self.scheduler.abort_all("the scheduler could not place any request", is_error=True)
+                return
+            self._inflight = self.runner.launch(items)
+            if not self.overlap:
+                self._process_inflight()
+            return
+        ahead = self.scheduler.schedule_ahead(self._inflight.items)
+        done, self._inflight = self._inflight, None
+        if ahead:
+            self._inflight = self.runner.launch(ahead)  # queued behind `done` on the GPU
+        self.scheduler.process(done.items, self.runner.collect(done))
+
+    def _process_inflight(self) -> None:
         done, self._inflight = self._inflight, None
         if done is not None:
-            try:
-                self.scheduler.process(done.items, self.runner.collect(done))
-            except Exception as exc:
-                log.exception("engine step failed; aborting the requests in flight")
-                self.scheduler.abort_all(f"engine error: {exc!r}", is_error=True)
+            self.scheduler.process(done.items, self.runner.collect(done))
 
     def _with_routes(self, req: Req, result: dict[str, Any], delta: bool) -> dict[str, Any]:
         opts: CaptureRequest | None = req.extras.get("capture")
