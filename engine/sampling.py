@@ -3,13 +3,18 @@
 B rows (one per request that samples this step), V vocabulary. Sampling is an exponential race,
 argmax(probs / q) with q ~ Exp(1), which draws exactly from `probs`. Each seeded request draws its
 V exponentials from its own torch.Generator, so its tokens do not depend on the other rows of the
-batch; unseeded rows share the engine's generator in one call. Nothing here syncs with the host.
+batch; unseeded rows share the engine's generator in one call. Nothing here syncs with the host: the per-row
+parameters go to the device through pinned staging (engine/host_staging.py), never `torch.tensor(..., device=)`,
+a blocking copy that would make the overlapped scheduler wait for the step before (temperature sampling is the
+common case of RL rollouts).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from r3trace.engine.host_staging import HostStaging
 from r3trace.engine.request import SamplingParams
 
 
@@ -18,6 +23,9 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        # up to 5 copies a sampling step (temperatures, top-k, top-p, the shared rows, the greedy mask): 16 buffers
+        # come back after 3 steps, when the host has long waited for those steps' results (no wait on reuse)
+        self.staging = HostStaging(device, num_buffers=16)
 
     def request_generator(self, seed: int) -> torch.Generator:
         g = torch.Generator(device=self.device)
@@ -31,32 +39,33 @@ class Sampler:
         greedy_ids = logits.argmax(dim=-1)  # [B]
         if all(p.is_greedy for p in params):
             return greedy_ids
-        device = logits.device
-        temps = torch.tensor([p.temperature if not p.is_greedy else 1.0 for p in params], device=device)
+        device, vocab = logits.device, logits.shape[1]
+        stage = self.staging.to_device
+        temps = stage(np.array([p.temperature if not p.is_greedy else 1.0 for p in params], np.float32))  # [B]
         logits = logits / temps[:, None]  # [B, V]
         if any(p.top_k != -1 for p in params):
-            logits = _apply_top_k(logits, [p.top_k for p in params])
+            logits = _apply_top_k(logits, stage(np.array([vocab if p.top_k == -1 else min(p.top_k, vocab)
+                                                          for p in params], np.int64)))
         probs = torch.softmax(logits, dim=-1)  # [B, V]
         if any(p.top_p < 1.0 for p in params):
-            probs = _apply_top_p(probs, torch.tensor([p.top_p for p in params], device=device))
+            probs = _apply_top_p(probs, stage(np.array([p.top_p for p in params], np.float32)))
         q = torch.empty_like(probs)  # [B, V] Exp(1) noise
         shared_rows = [i for i, g in enumerate(generators) if g is None]
-        if shared_rows:
-            q[shared_rows] = torch.empty(len(shared_rows), probs.shape[1], device=device).exponential_(
-                generator=self.generator
-            )
+        if len(shared_rows) == len(generators):  # the same draws as the branch below, without an index
+            q.exponential_(generator=self.generator)
+        elif shared_rows:
+            draws = torch.empty(len(shared_rows), vocab, device=device).exponential_(generator=self.generator)
+            q.index_copy_(0, stage(np.array(shared_rows, np.int64)), draws)
         for i, g in enumerate(generators):
             if g is not None:
                 q[i].exponential_(generator=g)
         sampled = (probs / q).argmax(dim=-1)  # [B]
-        is_greedy = torch.tensor([p.is_greedy for p in params], device=device)
+        is_greedy = stage(np.array([p.is_greedy for p in params], np.bool_))  # [B]
         return torch.where(is_greedy, greedy_ids, sampled)
 
 
-def _apply_top_k(logits: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
-    """Keep the k largest logits per row (-1: all); ties at the k-th value are kept too."""
-    vocab = logits.shape[1]
-    k = torch.tensor([vocab if t == -1 else min(t, vocab) for t in top_ks], device=logits.device)  # [B]
+def _apply_top_k(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Keep the k[b] largest logits of row b (k: [B] int64, 1..V); ties at the k-th value are kept too."""
     sorted_logits = logits.sort(dim=-1, descending=True).values  # [B, V]
     kth = sorted_logits.gather(1, (k - 1)[:, None])  # [B, 1]
     return logits.masked_fill(logits < kth, float("-inf"))

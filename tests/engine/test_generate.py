@@ -40,6 +40,18 @@ def test_seeded_sampling_is_independent_of_the_batch(make_engine: EngineFactory)
     assert len({tuple(x) for x in expected}) == len(expected)
 
 
+def test_seeded_rows_beside_unseeded_ones_keep_their_tokens(make_engine: EngineFactory) -> None:
+    """A batch mixing seeded and unseeded rows: the unseeded rows' noise lands in their rows only (an indexed
+    copy), so every seeded row still samples what it samples alone."""
+    params = [{**SAMPLED, "seed": 300 + i} if i % 2 == 0 else dict(SAMPLED) for i in range(len(PROMPTS))]
+    alone = make_engine(enable_prefix_cache=False)
+    expected = [alone.generate(input_ids=p, sampling_params=s)["output_ids"]
+                for p, s in zip(PROMPTS, params, strict=True) if "seed" in s]
+    mixed = _ids(make_engine().generate(input_ids=PROMPTS, sampling_params=params))
+    assert mixed[0::2] == expected
+    assert all(len(x) == SAMPLED["max_new_tokens"] for x in mixed[1::2])
+
+
 def test_unseeded_offline_is_reproducible_and_top_k_1_is_greedy(make_engine: EngineFactory) -> None:
     a = make_engine().generate(input_ids=PROMPTS, sampling_params=SAMPLED)
     b = make_engine().generate(input_ids=PROMPTS, sampling_params=SAMPLED)
