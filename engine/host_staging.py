@@ -5,9 +5,10 @@ is queued behind ~2.4 ms of kernels (batch 64, the 2.5B model on the H200). Two 
 obvious `torch.from_numpy(a).to(device, non_blocking=True)`: from pageable memory the driver may stage the copy
 synchronously with the stream (the host then waits for step i, and the overlap is gone), and a pinned buffer
 rewritten by the host before the queued copy ran would send the wrong step's values. So each copy goes from its
-own pinned buffer, and a buffer is reused only after the event recorded behind its copy has passed. With 4
-buffers and 2 copies a step (the batch's packed fields, the req_to_token writes), a buffer comes back two steps
-later, after the host already waited for a later step's results: the event check never blocks in steady state.
+own pinned buffer, and a buffer is reused only after the event recorded behind its copy has passed. The ring
+is sized so a buffer comes back at least two steps later (the runner: 8 buffers for up to 4 copies a step, the
+batch's packed fields, the req_to_token writes and a replay plan's two), after the host already waited for a
+later step's results: the event check never blocks in steady state.
 Buffers hold bytes, so any dtype travels (int64 fields, the sampler's float32 temperatures, bool masks).
 """
 
@@ -26,7 +27,7 @@ class _Buffer:
 
 
 class HostStaging:
-    def __init__(self, device: torch.device | str, num_buffers: int = 4, capacity: int = 32768) -> None:
+    def __init__(self, device: torch.device | str, num_buffers: int = 8, capacity: int = 32768) -> None:
         self.device = torch.device(device)
         self.on_cuda = self.device.type == "cuda"
         self._ring = [_Buffer(self._alloc(capacity)) for _ in range(num_buffers)] if self.on_cuda else []

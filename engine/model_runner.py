@@ -102,7 +102,7 @@ class ModelRunner:
             device=self.device,
             request_ids=[it.req.rid for it in items],
             phases=[it.phase for it in items],
-            replay=replay_plan(items, len(input_ids), self.model_config, self.device),
+            replay=replay_plan(items, len(input_ids), self.model_config, self.device, self.staging.to_device),
             stage=self.staging.to_device,
         )
         if ahead:

@@ -9,6 +9,7 @@ replay in `req.extras["replay"]`. Shape legend: L num_hidden_layers, K top-k, E 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -197,8 +198,12 @@ def _from_trace(ref: dict[str, Any], cfg: ModelConfig) -> np.ndarray:
     return out
 
 
-def replay_plan(items: list[ScheduledReq], num_tokens: int, cfg: ModelConfig, device: str) -> ReplayPlan | None:
-    """Forced ids for the rows of this forward whose request carries replay routes, else None."""
+def replay_plan(
+    items: list[ScheduledReq], num_tokens: int, cfg: ModelConfig, device: str,
+    stage: Callable[[np.ndarray], torch.Tensor] | None = None,
+) -> ReplayPlan | None:
+    """Forced ids for the rows of this forward whose request carries replay routes, else None. stage: how host
+    arrays reach the device (the runner's HostStaging: no wait on the step in flight); default a plain copy."""
     forced = [(it, it.req.extras.get("replay")) for it in items]
     if all(r is None for _, r in forced):
         return None
@@ -212,4 +217,6 @@ def replay_plan(items: list[ScheduledReq], num_tokens: int, cfg: ModelConfig, de
                 ids[row : row + hi - it.start] = routes[it.start : hi]
                 mask[row : row + hi - it.start] = True
         row += it.extend_len
-    return ReplayPlan(topk_ids=torch.from_numpy(ids).to(device), row_mask=torch.from_numpy(mask).to(device))
+    if stage is None:
+        return ReplayPlan(topk_ids=torch.from_numpy(ids).to(device), row_mask=torch.from_numpy(mask).to(device))
+    return ReplayPlan(topk_ids=stage(ids).view(ids.shape), row_mask=stage(mask))
