@@ -101,8 +101,8 @@ class ReqToTokenPool:
             self._pending = [w for w in self._pending if w[0] != row]
         if self._pending_ones:
             width = self.req_to_token.shape[1]
-            kept = [(f[f // width != row], v[f // width != row]) for f, v in self._pending_ones]
-            self._pending_ones = [(f, v) for f, v in kept if len(f)]
+            keep = [(f, v, f // width != row) for f, v in self._pending_ones]
+            self._pending_ones = [(f[m], v[m]) for f, v, m in keep if m.any()]
         self._free.append(row)
 
     def write(self, row: int, start: int, slots: np.ndarray) -> None:

@@ -82,8 +82,10 @@ class RouteCaptureHooks:
 
     def on_finish(self, req: Req) -> None:
         opts: CaptureRequest | None = req.extras.get("capture")
+        want = opts is not None and opts.want
         n_rows = req.kv_len if req.pool_row >= 0 else 0
-        slots = self.pool.slots(req.pages, 0, n_rows) if n_rows else np.zeros(0, np.int64)
+        needed = n_rows and (want or self.writer is not None)  # most finishes capture nothing: no slot list
+        slots = self.pool.slots(req.pages, 0, n_rows) if needed else np.zeros(0, np.int64)
         if opts is not None and opts.want:
             if req.stream:  # what the stream has not carried yet
                 opts.rows = self.capturer.stream_rows(req.rid, slots, opts.start_len, n_rows)

@@ -7,7 +7,6 @@ construction (`ref` torch or `triton` fused), never inside forward.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -16,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from r3trace.capture.recorder import RouteRecorder
+from r3trace.kernels.topk import sum_partials  # the top-k kernel's order of adding partial logits
 
 from ..config import ModelConfig
 from ..forward_batch import ForwardBatch
@@ -62,11 +62,6 @@ class RoutingOps(NamedTuple):
 
 def logits_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x.float(), weight)
-
-
-def summed(logits: torch.Tensor) -> torch.Tensor:
-    """[T, E] -> itself; [P, T, E] partial sums (router_logits) -> [T, E], added p = 0..P-1 as the top-k does."""
-    return logits if logits.dim() == 2 else functools.reduce(torch.add, logits.unbind(0))
 
 
 def make_routing_ops(backend: str, fuse: bool = True) -> RoutingOps:
@@ -154,7 +149,7 @@ class Router(nn.Module):
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, D] -> router logits [T, E] fp32 (partial sums added in the top-k kernel's order)."""
-        return summed(self._logits_fn(x, self.weight))
+        return sum_partials(self._logits_fn(x, self.weight))
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, D] -> (topk_weights [T, K + S] fp32, topk_ids [T, K + S] int32); S = 0 without fused shared
@@ -164,7 +159,7 @@ class Router(nn.Module):
         weights, ids, routed_ids = self.topk_fn(logits, self.e_score_correction_bias, self.params, ids_out, self.shared)
         k = self.params.top_k
         if fb.replay is not None:
-            routed_weights, routed_ids = self._apply_replay(summed(logits), weights[:, :k], routed_ids, fb)
+            routed_weights, routed_ids = self._apply_replay(sum_partials(logits), weights[:, :k], routed_ids, fb)
             weights, ids, _ = append_shared(routed_weights, routed_ids, self.shared)
         self.recorder.capture(self.layer_id, routed_ids, weights[:, :k])
         return weights, ids
