@@ -119,3 +119,36 @@ def test_streamed_routes_and_the_trace_sink_see_only_computed_rows(make_engine: 
         if overlap:
             assert engine.scheduler.num_dropped_ahead > 0
     assert traces[True] == traces[False]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_step_ahead_launches_without_blocking_the_host(make_engine: EngineFactory,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every launch of a step scheduled ahead runs under torch's sync debug mode "error": any blocking copy or
+    device sync (a torch.tensor(..., device=) of sampling parameters, an .item()) raises. Sampling with
+    temperature, top-k, top-p and seeds (the RL rollout case) exercises the sampler's staged copies."""
+    from r3trace.engine.model_runner import ModelRunner
+
+    launch = ModelRunner.launch
+    checked = []
+
+    def strict_launch(self: ModelRunner, items: list[Any]) -> Any:
+        if not items or not all(it.ahead for it in items):
+            return launch(self, items)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return launch(self, items)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            checked.append(len(items))
+
+    monkeypatch.setattr(ModelRunner, "launch", strict_launch)
+    engine = make_engine(attention_backend="triton", moe_backend="triton", topk_backend="triton",
+                         norm_backend="triton", rope_backend="triton", device="cuda",
+                         cuda_graph_batch_sizes=(1, 2, 4, 8), max_running_requests=8)
+    params = [{"temperature": 0.8, "top_k": 20, "top_p": 0.9, "max_new_tokens": 12, "ignore_eos": True,
+               **({"seed": i} if i % 2 else {})} for i in range(len(PROMPTS))]
+    outs = engine.generate(input_ids=PROMPTS, sampling_params=params)
+    assert all(len(o["output_ids"]) == 12 for o in outs)
+    assert len(checked) >= 8  # most of the 11 decode steps were scheduled ahead and checked
