@@ -115,15 +115,21 @@ def floors(rep: int) -> dict[str, float]:
 
 
 def check(tile: DecodeTile) -> float:
-    """Normwise error vs the fp32 reference: mixed odd lengths, page size 1, 7 splits."""
+    """Normwise error vs the fp32 reference: mixed odd lengths, 7 splits, the tile's page size (1: every slot
+    shuffled; 64k: shuffled pages of that many slots)."""
     g = torch.Generator(device="cuda").manual_seed(7)
     lens = [1, 700, 3001, 64, 1500, 33, 2049, 5, 999]
-    perm = torch.randperm(sum(lens) + 100, device="cuda", generator=g)
-    r2t = torch.zeros(len(lens), 3008, dtype=torch.int32, device="cuda")
+    page = tile.page_size
+    npages = sum(-(-n // page) for n in lens) + 2
+    perm = torch.randperm(npages, device="cuda", generator=g)
+    r2t = torch.zeros(len(lens), 3008 + page, dtype=torch.int32, device="cuda")
     off = 0
     for b, n in enumerate(lens):
-        r2t[b, :n] = perm[off : off + n]
-        off += n
+        k = -(-n // page)
+        slots = (perm[off : off + k, None] * page + torch.arange(page, device="cuda")).reshape(-1)
+        r2t[b, : k * page] = slots.to(torch.int32)
+        off += k
+    perm = torch.arange(npages * page, device="cuda")  # the cache's row count
     q = torch.randn(len(lens), 16, KV_LORA + ROPE, device="cuda", generator=g).bfloat16()
     kv = torch.randn(perm.numel(), KV_LORA + ROPE, device="cuda", generator=g).bfloat16()
     rows, seq = torch.arange(len(lens), device="cuda"), torch.tensor(lens, device="cuda")
@@ -243,6 +249,32 @@ def cut_modules(out_dir: Path) -> dict[str, object]:
     return mods
 
 
+def option_tile(base: DecodeTile, option: dict[str, object]) -> DecodeTile:
+    """The tile an option names: its DecodeTile fields (not "splits", not the narrow kernel's flag_ keys)."""
+    return base._replace(**{f: x for f, x in option.items() if f != "splits" and not f.startswith("flag_")})
+
+
+def narrow_flags(option: dict[str, object]) -> dict[str, bool]:
+    """flag_EARLY_REFILL:1 -> {"EARLY_REFILL": True}: mla_decode_narrow's constexpr switches."""
+    return {f[5:]: bool(x) for f, x in option.items() if f.startswith("flag_")}
+
+
+def call_with_flags(flags: dict[str, bool], *args: object) -> torch.Tensor:
+    """mla_decode(*args) with the narrow kernel's FLAGS updated for this call (read at launch, so a CUDA graph
+    captured through this keeps them)."""
+    if not flags:
+        return mla_decode(*args)  # type: ignore[arg-type]
+    from r3trace.kernels import mla_decode_narrow as mn
+
+    saved = dict(mn.FLAGS)
+    mn.FLAGS.update(flags)
+    try:
+        return mla_decode(*args)  # type: ignore[arg-type]
+    finally:
+        mn.FLAGS.clear()
+        mn.FLAGS.update(saved)
+
+
 def parts_cell(
     B: int,
     L: int,
@@ -271,7 +303,8 @@ def parts_cell(
         sw = load_sibling("mla_decode_sweep.py", "mla_decode_sweep")
         t["stage2"] = sw.merge_ms(B, 16, splits, L, lambda fn: graph_ms([fn], rep))
     # an option may set "splits" too (the split count is not a tile field): {name: (tile, splits)}
-    calls = {k: (base._replace(**{f: x for f, x in v.items() if f != "splits"}), int(v.get("splits", splits)))  # type: ignore[call-overload]
+    # (an option's own tile picks its count otherwise: the narrow kernel's one program an SM)
+    calls = {k: (tile := option_tile(base, v), int(v.get("splits", tile.num_kv_splits(B, 16, L, sms))))  # type: ignore[call-overload]
              for k, v in options.items()}
     if nbytes < 200e6:  # how much the shuffled pages cost: the same call on requests laid out contiguously
         flat = torch.arange(B * L, device="cuda", dtype=r2t.dtype).view(B, L)
@@ -282,8 +315,10 @@ def parts_cell(
     for i in range(1, pairs + 1):
         for k, (tile, n_split) in calls.items():
             for name, tl_, ns in (("default", base, splits), (k, tile, n_split)):
+                flags = narrow_flags(options[k]) if name == k else {}
                 t[f"{name}/#{i}/{k}" if name == "default" else f"{name}/#{i}"] = graph_ms(
-                    [partial(mla_decode, q, c, r2t, rows, lens, KV_LORA, 576**-0.5, ns, tl_) for c in kvs], rep
+                    [partial(call_with_flags, flags, q, c, r2t, rows, lens, KV_LORA, 576**-0.5, ns, tl_) for c in kvs],
+                    rep,
                 )
     return _report(row, t, nbytes)
 
@@ -308,7 +343,7 @@ def main() -> None:
     tiles = [base, *(SMALL_TILES if a.sweep else [OLD, *FINAL_TILES])]
     options = parse_options(a.options) if a.options else OPTIONS
     if a.parts:
-        tiles = [base, *(base._replace(**{f: x for f, x in v.items() if f != "splits"}) for v in options.values())]
+        tiles = [base, *(option_tile(base, v) for v in options.values())]
     if not a.no_floors:
         res["errors"] = {str(tuple(t)): check(t) for t in tiles}
         res["floors"] = floors(a.rep)

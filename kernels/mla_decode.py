@@ -16,8 +16,10 @@ Stage 2 (`_mla_decode_merge_kernel`): program (b, h) merges the P partials by th
 A split covers a whole number of BLOCK_N tiles (all but a request's last split), so no program pays for a
 partly empty tile mid-request. decode_tile.py holds the tiles and split counts (re-exported here);
 DecodeTile(kernel="gluon") runs stage 1 as mla_decode_gluon.py's kernel
-(H >= 64 on Hopper; the same partials, the same merge). DecodeTile.pdl launches the Triton stage 1 and the merge
-as programmatic dependents (sm_90+): each waits (griddepcontrol.wait) before its first global access.
+(H >= 64 on Hopper; the same partials, the same merge), kernel="narrow" as mla_decode_narrow.py's (16-head
+blocks on Hopper, keys-major wgmma, TMA tiles: pages of a multiple of 64 slots). DecodeTile.pdl launches the
+Triton stage 1 and the merge as programmatic dependents (sm_90+): each waits (griddepcontrol.wait) before its
+first global access.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ __all__ = ["DecodeTile", "choose_num_kv_splits", "default_decode_tile", "mla_dec
 from r3trace.kernels.dot import dot_precision
 from r3trace.kernels.flash import latent_tile_split_scores, online_softmax_step, online_softmax_step_keys_major
 
+# DecodeTile.kernel: this file's stage 1, mla_decode_gluon.py's, mla_decode_narrow.py's
+KERNELS = ("triton", "gluon", "narrow")
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x * log2(e)); exp2 is the native instruction
 
 
@@ -209,7 +213,7 @@ def mla_decode(
     B, H, C = q.shape
     tile = tile or default_decode_tile(H, q.dtype)
     require(tile.v_splits in (1, 2), f"v_splits {tile.v_splits} not in (1, 2)")
-    require(tile.kernel in ("triton", "gluon"), f"kernel {tile.kernel!r} not in ('triton', 'gluon')")
+    require(tile.kernel in KERNELS, f"kernel {tile.kernel!r} not in {KERNELS}")
     rope = C - kv_lora_rank
     if num_kv_splits is None:
         max_len = int(seq_lens.max().item()) if B > 0 else 1
@@ -241,6 +245,15 @@ def mla_decode(
                 f"the Gluon kernel's tile is fixed: 64 heads x 64 keys x 8 warps, 2 stages, got {tile}")  # fmt: skip
         mg.mla_decode_stage1_gluon(q, kv_cache, req_to_token, req_pool_indices, seq_lens, part_out, part_lse,
                                    kv_lora_rank, sm_scale * LOG2E, tile.block_n, tile.page_size)  # fmt: skip
+    elif tile.kernel == "narrow":
+        from r3trace.kernels import mla_decode_narrow as mn  # imports Gluon only when asked for
+
+        why = mn.narrow_supported(q, kv_cache, kv_lora_rank, tile.page_size)
+        require(why is None, str(why))
+        require(tile[:5] == (mn.BLOCK_H, mn.BLOCK_N, mn.NUM_WARPS, 2, 1) and not tile.keys_major,
+                f"the narrow Gluon kernel's tile is fixed: 16 heads x 64 keys x 4 warps, 2 stages; got {tile}")
+        mn.mla_decode_stage1_narrow(q, kv_cache, req_to_token, req_pool_indices, seq_lens, part_out, part_lse,
+                                    kv_lora_rank, sm_scale * LOG2E, tile.block_n)  # fmt: skip
     else:
         _stage1_triton(q, kv_cache, req_to_token, req_pool_indices, seq_lens, part_out, part_lse, kv_lora_rank,
                        sm_scale, tile, block_c, block_r, pdl)  # fmt: skip

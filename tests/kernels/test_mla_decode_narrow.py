@@ -1,0 +1,110 @@
+"""mla_decode with the narrow Gluon stage 1 (DecodeTile(kernel="narrow"), 16-head keys-major wgmma) against
+mla_decode_ref, on a Hopper GPU only (Gluon does not run under TRITON_INTERPRET=1; test_mla_decode.py covers
+the Triton kernel on CPU). Run on an H100/H200:
+     python -m pytest tests/kernels/test_mla_decode_narrow.py -q -m gpu
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+import torch
+
+from r3trace.kernels import mla_decode_narrow
+from r3trace.kernels.contract import KernelInputError
+from r3trace.kernels.mla_decode import DecodeTile, mla_decode, mla_decode_ref
+from tests.kernels.conftest import assert_close_to_ref, gpu, paged_req_to_token, requires_gpu, requires_triton
+
+pytestmark = [requires_triton, gpu, requires_gpu]
+
+NARROW = DecodeTile(16, 64, 4, 2, kernel="narrow", page_size=64)
+# mixed, 1 included; 64, 128 and 65 at tile edges; the long ones give splits of odd and even tile counts
+LENS = [1, 700, 3001, 64, 1500, 33, 2049, 5, 999, 128, 65]
+
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+def _inputs(H: int, kv_lora: int, rope: int, page_size: int, dtype: torch.dtype, seed: int) -> tuple:
+    gen = torch.Generator().manual_seed(seed)
+    r2t, rows, S = paged_req_to_token(LENS, page_size, gen)
+    q = torch.randn(len(LENS), H, kv_lora + rope, generator=gen).cuda().to(dtype)
+    kv = torch.randn(S, kv_lora + rope, generator=gen).cuda().to(dtype)
+    return q, kv, r2t.cuda(), rows.cuda(), torch.tensor(LENS, device="cuda")
+
+
+SHAPES = {  # (H, kv_lora, rope, splits)
+    "H16-7splits": (16, 512, 64, 7),
+    "H16-1split": (16, 512, 64, 1),
+    "H16-64splits": (16, 512, 64, 64),  # most of the short requests' splits empty
+    "H8": (8, 512, 64, 3),  # a ragged head block: the q box reads the next request's heads (or zero-fills)
+    "H40": (40, 512, 64, 5),  # three head blocks, the last half empty
+    "kv256-rope32": (16, 256, 32, 3),
+}
+
+
+@pytest.mark.skipif(not _hopper(), reason="the narrow Gluon decode kernel is sm_90 only")
+@pytest.mark.parametrize("early_refill", [False, True], ids=["refill-after-max", "early-refill"])
+@pytest.mark.parametrize("page_size", [64, 128])
+@pytest.mark.parametrize(("H", "kv_lora", "rope", "splits"), list(SHAPES.values()), ids=list(SHAPES))
+def test_narrow_matches_ref(
+    H: int, kv_lora: int, rope: int, splits: int, page_size: int, early_refill: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fresh data, pages shuffled; a tile's last rows past the request's end are real slots of its page, masked
+    in the scores. Within the bf16 table of the fp32 reference, and within a few bf16 ulps of the Triton kernel
+    (the same bf16 rounding of P and of the output, a different summation order)."""
+    stage1 = partial(mla_decode_narrow.mla_decode_stage1_narrow, flags={"EARLY_REFILL": early_refill})
+    monkeypatch.setattr(mla_decode_narrow, "mla_decode_stage1_narrow", stage1)
+    q, kv, r2t, rows, seq = _inputs(H, kv_lora, rope, page_size, torch.bfloat16, H + kv_lora + page_size)
+    scale = (kv_lora + rope) ** -0.5
+    out = mla_decode(q, kv, r2t, rows, seq, kv_lora, scale, num_kv_splits=splits,
+                     tile=NARROW._replace(page_size=page_size))  # fmt: skip
+    ref = mla_decode_ref(q.float(), kv.float(), r2t, rows, seq, kv_lora, scale)
+    assert_close_to_ref(out, ref, torch.bfloat16)
+    triton_out = mla_decode(q, kv, r2t, rows, seq, kv_lora, scale, num_kv_splits=splits)
+    torch.testing.assert_close(out.float(), triton_out.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(not _hopper(), reason="the narrow Gluon decode kernel is sm_90 only")
+def test_narrow_fp16_and_one_split_direct() -> None:
+    """fp16 inputs; one split stored straight into the output (direct) gives the bits the merge would."""
+    q, kv, r2t, rows, seq = _inputs(16, 512, 64, 64, torch.float16, 9)
+    args = (q, kv, r2t, rows, seq, 512, 576**-0.5, 1)
+    out = mla_decode(*args, tile=NARROW._replace(direct=True))
+    assert torch.equal(out, mla_decode(*args, tile=NARROW))
+    assert_close_to_ref(out, mla_decode_ref(q.float(), kv.float(), *args[2:7]), torch.float16)
+
+
+@pytest.mark.skipif(not _hopper(), reason="the narrow Gluon decode kernel is sm_90 only")
+def test_narrow_rejects_what_it_cannot_run() -> None:
+    q, kv, r2t, rows, seq = _inputs(16, 512, 64, 64, torch.bfloat16, 4)
+    with pytest.raises(KernelInputError, match="page_size 1 must be a multiple of 64"):
+        mla_decode(q, kv, r2t, rows, seq, 512, 0.05, tile=NARROW._replace(page_size=1))
+    with pytest.raises(KernelInputError, match="fixed"):
+        mla_decode(q, kv, r2t, rows, seq, 512, 0.05, tile=NARROW._replace(block_n=32))
+    with pytest.raises(KernelInputError, match="bf16/fp16"):
+        mla_decode(q.float(), kv.float(), r2t, rows, seq, 512, 0.05, tile=NARROW)
+
+
+@pytest.mark.skipif(not _hopper(), reason="the narrow Gluon decode kernel is sm_90 only")
+def test_narrow_under_cuda_graph() -> None:
+    """A captured call, replayed on new lengths and new cache contents, equals an eager call on them (the TMA
+    descriptors are captured as launch arguments)."""
+    gen = torch.Generator().manual_seed(3)
+    lens = [900, 17, 2100]
+    r2t, rows, S = paged_req_to_token([max(lens)] * 3, 64, gen)
+    q = torch.randn(3, 16, 576, generator=gen).cuda().bfloat16()
+    kv = torch.randn(S, 576, generator=gen).cuda().bfloat16()
+    seq = torch.tensor(lens, device="cuda")
+    r2t, rows = r2t.cuda(), rows.cuda()
+    mla_decode(q, kv, r2t, rows, seq, 512, 0.05, num_kv_splits=4, tile=NARROW)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = mla_decode(q, kv, r2t, rows, seq, 512, 0.05, num_kv_splits=4, tile=NARROW)
+    seq.copy_(torch.tensor([1, 2049, 64]))
+    kv.copy_(torch.randn(S, 576, generator=gen).bfloat16())
+    graph.replay()
+    eager = mla_decode(q, kv, r2t, rows, seq, 512, 0.05, num_kv_splits=4, tile=NARROW)
+    assert torch.equal(out, eager)
