@@ -110,13 +110,14 @@ def decode_tokens_per_s(eng: Engine, prompts: list[list[int]], new_tokens: int, 
 
 
 def throughput(
-    ckpt: Path, backend: str, batch: int, new_tokens: int, reps: int = 3
+    ckpt: Path, backend: str, batch: int, new_tokens: int, reps: int = 3, **extra: Any
 ) -> list[dict[str, Any]]:
-    """Decode tokens/s, capture off and on alternating in one engine (same compiled kernels), `reps` times."""
+    """Decode tokens/s, capture off and on alternating in one engine (same compiled kernels), `reps` times.
+    extra: more EngineConfig options (--engine-opts), recorded in each row."""
     prompts = bench_prompts(batch, vocab_size(ckpt))
     params = {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}
     samples: dict[bool, list[float]] = {False: [], True: []}
-    with open_engine(ckpt, backend, batch, new_tokens) as eng:
+    with open_engine(ckpt, backend, batch, new_tokens, **extra) as eng:
         for capture in (False, True):  # warm-up with the timed shapes: Triton compiles per shape
             eng.generate(input_ids=prompts, sampling_params=params, return_routed_experts=capture)
         for _ in range(reps):
@@ -125,7 +126,7 @@ def throughput(
     out = []
     for capture, tps in samples.items():
         row = {"backend": backend, "capture": capture, "batch": batch, "new_tokens": new_tokens,
-               "decode_tokens_per_s": float(np.median(tps)), "runs": tps}
+               "decode_tokens_per_s": float(np.median(tps)), "runs": tps, "engine_opts": extra}
         print(f"throughput: {row}", flush=True)
         out.append(row)
     return out
@@ -183,7 +184,10 @@ def main() -> None:
     ap.add_argument("--skip-exactness", action="store_true")
     ap.add_argument("--hf-experts", default="default,grouped_mm,eager",
                     help="transformers' experts_implementation values to time (default,eager,grouped_mm,batched_mm)")
+    ap.add_argument("--engine-opts", default="{}",
+                    help='JSON of more EngineConfig options for the r3trace engines, e.g. {"page_size": 64}')
     args = ap.parse_args()
+    engine_opts = json.loads(args.engine_opts)
     import logging
 
     logging.basicConfig(level=logging.WARNING)  # an engine step's exception is logged, not raised
@@ -212,7 +216,7 @@ def main() -> None:
                     print(f"[transformers {experts}] failed: {exc!r}", flush=True)
         for b in backends:
             try:
-                report["throughput"].extend(throughput(ckpt, b, args.batch, args.new_tokens, args.reps))
+                report["throughput"].extend(throughput(ckpt, b, args.batch, args.new_tokens, args.reps, **engine_opts))
             except Exception as exc:
                 report["throughput"].append({"backend": b, "error": repr(exc)})
                 print(f"[{b}] throughput failed: {exc!r}", flush=True)

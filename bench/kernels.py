@@ -100,8 +100,9 @@ def bench_decode(copy_gbs: float, gemm_tflops: float, quick: bool) -> None:
           f"{'TFLOP/s':>8} "
           f"{'%gemm':>6} {'naive ms':>9} {'speedup':>7}")  # fmt: skip
     for H in (16, 128):  # the table runs the launcher's defaults: what the engine gets
-        # as the engine's backend picks it: the Gluon stage 1 at H >= 64 on Hopper
-        tile = default_decode_tile(H, torch.bfloat16, use_gluon=torch.cuda.get_device_capability()[0] == 9)
+        # as the engine's backend picks it for a pool of PAGE-slot pages: the Gluon stage 1s on Hopper
+        hopper = torch.cuda.get_device_capability()[0] == 9
+        tile = default_decode_tile(H, torch.bfloat16, use_gluon=hopper, page_size=PAGE)
         for B in (16, 64, 256):
             for L in (1024, 8192, 32768) if not quick else (8192,):
                 q, kv, r2t, rows, lens = _decode_inputs(B, L, H)

@@ -333,12 +333,15 @@ def main() -> None:
     ap.add_argument("--parts", action="store_true", help="stage 1 with parts cut, stage 2 alone, OPTIONS")
     ap.add_argument("--options", default="", help="with --parts: these options instead (parse_options)")
     ap.add_argument("--no-cuts", action="store_true", help="with --parts: only the options, no cuts")
+    ap.add_argument("--gluon", action="store_true", help="the default tile as the engine picks it on Hopper")
     a = ap.parse_args()
     cells = [tuple(int(x) for x in c.split("x")) for c in a.cells.split(",")] if a.cells else CELLS
     out_dir = Path(os.environ.get("OUT", "out"))
     out_dir.mkdir(parents=True, exist_ok=True)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    base = OLD if a.sweep else default_decode_tile(16, torch.bfloat16, use_gluon=True)
+    # the Triton tile (the engine's off Hopper, and the baseline the narrow Gluon tile is timed against), or
+    # --gluon: the engine's Hopper default for these 64-slot pages (the narrow Gluon tile, TMA form)
+    base = OLD if a.sweep else default_decode_tile(16, torch.bfloat16, use_gluon=a.gluon, page_size=64)
     res: dict[str, object] = {"device": torch.cuda.get_device_name(), "base_tile": list(base)}
     tiles = [base, *(SMALL_TILES if a.sweep else [OLD, *FINAL_TILES])]
     options = parse_options(a.options) if a.options else OPTIONS

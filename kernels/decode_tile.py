@@ -37,6 +37,12 @@ GLUON_FIXED_TILES = 4
 # 16 splits of 64 keys at B = 16 / 1k took 0.0155 ms, 8 of 128 0.0144, though the model prefers 16.
 H16_FIXED_TILES = 4
 H16_MIN_SPLIT = 128
+# Session 7 (bench/NOTES.md "Session 7", run 2): the narrow Gluon tile (16 heads x 64 keys, one warpgroup, 168 KB
+# of shared memory: one program an SM). splits_by_cost picks one wave of 128 programs at all nine cells for any
+# fixed cost of 1-8 tiles (8 splits at B = 16, 2 at 64, 1 at 256); doubling them (2 waves) was 1.12-1.26x slower
+# at B16/1k, B16/8k and B64/1k.
+NARROW_FIXED_TILES = 2
+NARROW_MIN_SPLIT = 64
 
 
 def choose_num_kv_splits(
@@ -138,6 +144,9 @@ def default_decode_tile(
     splits by splits_by_cost over 2 programs per SM (session 4: 1.03-1.32x at seven of the nine cells, a tie
     at B = 64 / 1k and 32k), fp32 4 programs per SM rounded down; bf16 launches both kernels as programmatic
     dependents (pdl; session 5: 0.6-1.4 us a call faster at the 19-151 MB cells, bench/NOTES.md "mla16b, session 5").
+    H < 64, use_gluon and a shape the Gluon kernels take: the narrow Gluon tile (mla_decode_narrow.py; session 7:
+    1.05-1.17x the Triton tile at eight of the nine cells on 64-slot pages, 0.95x at B16/1k), one wave of
+    programs, the merge launched as a programmatic dependent, and one split written directly.
     H >= 64: use_gluon (the caller is on a Hopper GPU) and a shape the Gluon kernel takes: its two-warpgroup
     64 x 64 tile (B = 256, L = 32k: 6.86 vs 9.47 ms), its split count by splits_by_cost (run 6: 1.03-1.28x
     over 8 waves rounded up at kv_len >= 8k), and with one split stage 1 writes the output (direct: 1.01-1.10x at
@@ -145,15 +154,20 @@ def default_decode_tile(
     bench/NOTES.md "Engine owner, session 4"); else Triton's 64 heads x 64 keys over 8 warps (the best
     of 13 Triton tiles incl. value splits, 128 heads, keys-major scores, two programs per SM). fp32 halves
     the keys so two fp32 tiles still fit in shared memory. page_size (the KV pool's) goes to the Gluon tile only."""
-    if num_heads >= 64:
-        if use_gluon and dtype.itemsize == 2:
-            from r3trace.kernels.mla_decode_gluon import GLUON_KV_LORA, GLUON_ROPE
+    gluon_shape = False
+    if use_gluon and dtype.itemsize == 2:
+        from r3trace.kernels.mla_decode_gluon import GLUON_KV_LORA, GLUON_ROPE
 
-            if kv_lora in GLUON_KV_LORA and rope in GLUON_ROPE:
-                return DecodeTile(
-                    64, 64, 8, 2, kernel="gluon", fixed_tiles=GLUON_FIXED_TILES, direct=True, page_size=page_size
-                )
+        gluon_shape = kv_lora in GLUON_KV_LORA and rope in GLUON_ROPE
+    if num_heads >= 64:
+        if gluon_shape:
+            return DecodeTile(
+                64, 64, 8, 2, kernel="gluon", fixed_tiles=GLUON_FIXED_TILES, direct=True, page_size=page_size
+            )
         return DecodeTile(64, 64 if dtype.itemsize <= 2 else 32, 8, 2)
+    if gluon_shape:
+        return DecodeTile(16, 64, 4, 2, kernel="narrow", fixed_tiles=NARROW_FIXED_TILES, min_split=NARROW_MIN_SPLIT,
+                          direct=True, page_size=page_size, pdl=True)  # fmt: skip
     if dtype.itemsize <= 2:
         return DecodeTile(16, 32, 4, 3, fixed_tiles=H16_FIXED_TILES, per_sm=2, min_split=H16_MIN_SPLIT, pdl=True)
     return DecodeTile(16, 32, 4, 2, waves=4, whole_waves=True)

@@ -12,14 +12,13 @@ Stage 1 (`_mla_decode_kernel`): program (b, head block, split) walks its split o
 an online softmax for BLOCK_H heads at once: one latent tile loaded from HBM serves BLOCK_H query heads
 (SGLang's grouped decode kernel uses 16), which is what makes MLA decode memory-bound rather than
 re-reading the cache per head. It writes the split's normalised partial output and its log-sum-exp.
-Stage 2 (`_mla_decode_merge_kernel`): program (b, h) merges the P partials by their LSE weights.
-A split covers a whole number of BLOCK_N tiles (all but a request's last split), so no program pays for a
-partly empty tile mid-request. decode_tile.py holds the tiles and split counts (re-exported here);
-DecodeTile(kernel="gluon") runs stage 1 as mla_decode_gluon.py's kernel
-(H >= 64 on Hopper; the same partials, the same merge), kernel="narrow" as mla_decode_narrow.py's (16-head
-blocks on Hopper, keys-major wgmma, TMA tiles: pages of a multiple of 64 slots). DecodeTile.pdl launches the
-Triton stage 1 and the merge as programmatic dependents (sm_90+): each waits (griddepcontrol.wait) before its
-first global access.
+Stage 2 (`_mla_decode_merge_kernel`): program (b, h) merges the P partials by their LSE weights. A split covers a
+whole number of BLOCK_N tiles (all but a request's last split), so no program pays for a partly empty tile mid-
+request. decode_tile.py holds the tiles and split counts (re-exported here); DecodeTile(kernel="gluon") runs stage
+1 as mla_decode_gluon.py's kernel (H >= 64 on Hopper; the same partials, the same merge), kernel="narrow" as
+mla_decode_narrow.py's (16-head blocks on Hopper, keys-major wgmma; TMA tiles on pages of a multiple of 64 slots,
+else cp.async row copies). DecodeTile.pdl launches the Triton stage 1 and the merge as programmatic dependents
+(sm_90+): each waits (griddepcontrol.wait) before its first global access.
 """
 
 from __future__ import annotations
@@ -248,12 +247,12 @@ def mla_decode(
     elif tile.kernel == "narrow":
         from r3trace.kernels import mla_decode_narrow as mn  # imports Gluon only when asked for
 
-        why = mn.narrow_supported(q, kv_cache, kv_lora_rank, tile.page_size)
+        why = mn.narrow_supported(q, kv_lora_rank)
         require(why is None, str(why))
         require(tile[:5] == (mn.BLOCK_H, mn.BLOCK_N, mn.NUM_WARPS, 2, 1) and not tile.keys_major,
                 f"the narrow Gluon kernel's tile is fixed: 16 heads x 64 keys x 4 warps, 2 stages; got {tile}")
         mn.mla_decode_stage1_narrow(q, kv_cache, req_to_token, req_pool_indices, seq_lens, part_out, part_lse,
-                                    kv_lora_rank, sm_scale * LOG2E, tile.block_n)  # fmt: skip
+                                    kv_lora_rank, sm_scale * LOG2E, tile.block_n, tile.page_size)  # fmt: skip
     else:
         _stage1_triton(q, kv_cache, req_to_token, req_pool_indices, seq_lens, part_out, part_lse, kv_lora_rank,
                        sm_scale, tile, block_c, block_r, pdl)  # fmt: skip

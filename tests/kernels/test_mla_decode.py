@@ -129,6 +129,16 @@ def test_h16_default_splits_by_cost() -> None:
     assert tile.num_kv_splits(20, 16, 8192, 132) == 13  # 260 programs: one wave of 264 slots
 
 
+def test_narrow_default_splits_by_cost() -> None:
+    """The narrow Gluon default: one program an SM, one wave of 128 programs at all nine cells (session 7, run 2:
+    twice the splits was slower at B16/1k, B16/8k, B64/1k), >= 64 keys a split."""
+    tile = default_decode_tile(16, torch.bfloat16, use_gluon=True, page_size=64)
+    cells = [(B, L) for B in (16, 64, 256) for L in (1024, 8192, 32768)]
+    assert [tile.num_kv_splits(B, 16, L, 132) for B, L in cells] == [8, 8, 8, 2, 2, 2, 1, 1, 1]
+    assert tile.num_kv_splits(1, 16, 300, 132) == 5  # >= 64 keys a split (min_split)
+    assert tile.num_kv_splits(64, 16, 190, 132) == 2  # the 2.5B e2e step: 128 programs of 2 tiles
+
+
 def test_gluon_default_splits_by_cost() -> None:
     """The H = 128 Gluon default's split count is the fastest measured on the H200 at all nine cells of issue 6
     (bench/NOTES.md, "MLA decode, session 3", run 6: 4 splits at B = 16, 1 at B = 64 and 256), and fills idle
@@ -142,13 +152,19 @@ def test_gluon_default_splits_by_cost() -> None:
 
 
 def test_default_tile_takes_gluon_only_where_it_runs() -> None:
-    """use_gluon (the engine sets it on Hopper) picks the Gluon stage 1 at H >= 64, bf16/fp16, DeepSeek's
-    latent; any other shape or dtype keeps the Triton kernel (the tiny models' kv_lora 24 included)."""
+    """use_gluon (the engine sets it on Hopper) picks the Gluon stage 1 at H >= 64 and the narrow Gluon one below,
+    bf16/fp16, DeepSeek's latent; any other shape or dtype keeps the Triton kernel (the tiny models' kv_lora 24
+    included)."""
     assert default_decode_tile(128, torch.bfloat16, use_gluon=True).kernel == "gluon"
     assert default_decode_tile(128, torch.bfloat16).kernel == "triton"
     assert default_decode_tile(128, torch.bfloat16, use_gluon=True, kv_lora=24, rope=8).kernel == "triton"
     assert default_decode_tile(128, torch.float32, use_gluon=True).kernel == "triton"
-    assert default_decode_tile(16, torch.bfloat16, use_gluon=True).kernel == "triton"
+    narrow = default_decode_tile(16, torch.bfloat16, use_gluon=True, page_size=64)
+    assert (narrow.kernel, narrow.page_size, narrow.direct) == ("narrow", 64, True)
+    assert default_decode_tile(16, torch.float16, use_gluon=True).kernel == "narrow"
+    assert default_decode_tile(16, torch.bfloat16, use_gluon=True, kv_lora=24, rope=8).kernel == "triton"
+    assert default_decode_tile(16, torch.float32, use_gluon=True).kernel == "triton"
+    assert default_decode_tile(16, torch.bfloat16).kernel == "triton"
 
 
 def test_gluon_tile_carries_page_size_and_tma_form_needs_it() -> None:

@@ -45,22 +45,31 @@ SHAPES = {  # (H, kv_lora, rope, splits)
 }
 
 
+# (page size, flags): 64 and 128 take the TMA form; 1 and 3 the cp.async row copies; 64 forced to cp.async
+FORMS = {"tma-page64": (64, {}), "tma-page128": (128, {}), "rows-page1": (1, {}), "rows-page3": (3, {}),
+         "rows-page64": (64, {"TMA": False})}  # fmt: skip
+
+
 @pytest.mark.skipif(not _hopper(), reason="the narrow Gluon decode kernel is sm_90 only")
-@pytest.mark.parametrize("early_refill", [False, True], ids=["refill-after-max", "early-refill"])
-@pytest.mark.parametrize("page_size", [64, 128])
+@pytest.mark.parametrize(("page_size", "flags"), list(FORMS.values()), ids=list(FORMS))
 @pytest.mark.parametrize(("H", "kv_lora", "rope", "splits"), list(SHAPES.values()), ids=list(SHAPES))
 def test_narrow_matches_ref(
-    H: int, kv_lora: int, rope: int, splits: int, page_size: int, early_refill: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Fresh data, pages shuffled; a tile's last rows past the request's end are real slots of its page, masked
-    in the scores. Within the bf16 table of the fp32 reference, and within a few bf16 ulps of the Triton kernel
-    (the same bf16 rounding of P and of the output, a different summation order)."""
-    stage1 = partial(mla_decode_narrow.mla_decode_stage1_narrow, flags={"EARLY_REFILL": early_refill})
+    H: int, kv_lora: int, rope: int, splits: int, page_size: int, flags: dict[str, bool],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """Fresh data, pages shuffled; in the TMA form a tile's last rows past the request's end are real slots of its
+    page, masked in the scores; cp.async zero-fills them. Within the bf16 table of the fp32 reference, and within a
+    few bf16 ulps of the Triton kernel (the same bf16 rounding of P and of the output, another summation order)."""
+    picked: list[bool] = []  # what the launcher chose from the page size (flags["TMA"] overrides it)
+    usable = mla_decode_narrow.tma_usable
+    monkeypatch.setattr(mla_decode_narrow, "tma_usable", lambda *a: picked.append(usable(*a)) or picked[-1])
+    stage1 = partial(mla_decode_narrow.mla_decode_stage1_narrow, flags=flags)
     monkeypatch.setattr(mla_decode_narrow, "mla_decode_stage1_narrow", stage1)
     q, kv, r2t, rows, seq = _inputs(H, kv_lora, rope, page_size, torch.bfloat16, H + kv_lora + page_size)
     scale = (kv_lora + rope) ** -0.5
     out = mla_decode(q, kv, r2t, rows, seq, kv_lora, scale, num_kv_splits=splits,
                      tile=NARROW._replace(page_size=page_size))  # fmt: skip
+    assert picked == [page_size % 64 == 0]
     ref = mla_decode_ref(q.float(), kv.float(), r2t, rows, seq, kv_lora, scale)
     assert_close_to_ref(out, ref, torch.bfloat16)
     triton_out = mla_decode(q, kv, r2t, rows, seq, kv_lora, scale, num_kv_splits=splits)
@@ -70,28 +79,32 @@ def test_narrow_matches_ref(
 @pytest.mark.skipif(not _hopper(), reason="the narrow Gluon decode kernel is sm_90 only")
 def test_narrow_fp16_and_one_split_direct() -> None:
     """fp16 inputs; one split stored straight into the output (direct) gives the bits the merge would."""
-    q, kv, r2t, rows, seq = _inputs(16, 512, 64, 64, torch.float16, 9)
-    args = (q, kv, r2t, rows, seq, 512, 576**-0.5, 1)
-    out = mla_decode(*args, tile=NARROW._replace(direct=True))
-    assert torch.equal(out, mla_decode(*args, tile=NARROW))
-    assert_close_to_ref(out, mla_decode_ref(q.float(), kv.float(), *args[2:7]), torch.float16)
+    for page_size in (1, 64):
+        q, kv, r2t, rows, seq = _inputs(16, 512, 64, page_size, torch.float16, 9)
+        args = (q, kv, r2t, rows, seq, 512, 576**-0.5, 1)
+        tile = NARROW._replace(page_size=page_size)
+        out = mla_decode(*args, tile=tile._replace(direct=True))
+        assert torch.equal(out, mla_decode(*args, tile=tile))
+        assert_close_to_ref(out, mla_decode_ref(q.float(), kv.float(), *args[2:7]), torch.float16)
 
 
 @pytest.mark.skipif(not _hopper(), reason="the narrow Gluon decode kernel is sm_90 only")
 def test_narrow_rejects_what_it_cannot_run() -> None:
     q, kv, r2t, rows, seq = _inputs(16, 512, 64, 64, torch.bfloat16, 4)
-    with pytest.raises(KernelInputError, match="page_size 1 must be a multiple of 64"):
-        mla_decode(q, kv, r2t, rows, seq, 512, 0.05, tile=NARROW._replace(page_size=1))
     with pytest.raises(KernelInputError, match="fixed"):
         mla_decode(q, kv, r2t, rows, seq, 512, 0.05, tile=NARROW._replace(block_n=32))
     with pytest.raises(KernelInputError, match="bf16/fp16"):
         mla_decode(q.float(), kv.float(), r2t, rows, seq, 512, 0.05, tile=NARROW)
+    with pytest.raises(KernelInputError, match="kv_lora in"):
+        mla_decode(q[..., :544], kv[:, :544], r2t, rows, seq, 480, 0.05, tile=NARROW)
 
 
 @pytest.mark.skipif(not _hopper(), reason="the narrow Gluon decode kernel is sm_90 only")
-def test_narrow_under_cuda_graph() -> None:
-    """A captured call, replayed on new lengths and new cache contents, equals an eager call on them (the TMA
-    descriptors are captured as launch arguments)."""
+@pytest.mark.parametrize("page_size", [1, 64])
+def test_narrow_under_cuda_graph(page_size: int) -> None:
+    """A captured call, replayed on new lengths and new cache contents, equals an eager call on them (page 64: the
+    TMA form, its descriptors captured as launch arguments; the cache is 64-slot pages either way)."""
+    tile = NARROW._replace(page_size=page_size)
     gen = torch.Generator().manual_seed(3)
     lens = [900, 17, 2100]
     r2t, rows, S = paged_req_to_token([max(lens)] * 3, 64, gen)
@@ -99,12 +112,12 @@ def test_narrow_under_cuda_graph() -> None:
     kv = torch.randn(S, 576, generator=gen).cuda().bfloat16()
     seq = torch.tensor(lens, device="cuda")
     r2t, rows = r2t.cuda(), rows.cuda()
-    mla_decode(q, kv, r2t, rows, seq, 512, 0.05, num_kv_splits=4, tile=NARROW)  # compile outside the capture
+    mla_decode(q, kv, r2t, rows, seq, 512, 0.05, num_kv_splits=4, tile=tile)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = mla_decode(q, kv, r2t, rows, seq, 512, 0.05, num_kv_splits=4, tile=NARROW)
+        out = mla_decode(q, kv, r2t, rows, seq, 512, 0.05, num_kv_splits=4, tile=tile)
     seq.copy_(torch.tensor([1, 2049, 64]))
     kv.copy_(torch.randn(S, 576, generator=gen).bfloat16())
     graph.replay()
-    eager = mla_decode(q, kv, r2t, rows, seq, 512, 0.05, num_kv_splits=4, tile=NARROW)
+    eager = mla_decode(q, kv, r2t, rows, seq, 512, 0.05, num_kv_splits=4, tile=tile)
     assert torch.equal(out, eager)
