@@ -1,6 +1,6 @@
-"""The engine's MLA decode with the Gluon stage 1 (decode_kernel="auto" on Hopper) against the Triton kernel
-(decode_kernel="triton"): bf16, 64 heads, kv_lora 128, rope 16, so the default picks Gluon. GPU (sm_90) only:
-Gluon kernels do not run under TRITON_INTERPRET=1 (kernels/mla_decode_gluon.py).
+"""The engine's MLA decode with the Gluon stage 1s (decode_kernel="auto" on Hopper) against the Triton kernel
+(decode_kernel="triton"): bf16, kv_lora 128, rope 16, 64 heads (the wide kernel, mla_decode_gluon.py) or 16 (the
+narrow one, mla_decode_narrow.py). GPU (sm_90) only: Gluon kernels do not run under TRITON_INTERPRET=1.
 
 Run: .venv/bin/python -m pytest -q -m gpu tests/engine/test_gluon_decode.py
 """
@@ -30,10 +30,19 @@ def _uses_gluon(eng: Engine) -> bool:
     return all(layer.self_attn.backend._gluon for layer in eng.model.model.layers)
 
 
-def _checkpoint(tmp_path: Path) -> Path:
-    return make_checkpoint(tmp_path / "h64", "v3_noaux_groups", seed=7, num_attention_heads=64,
-                           num_key_value_heads=64, kv_lora_rank=128, qk_rope_head_dim=16, qk_nope_head_dim=16,
+def _checkpoint(tmp_path: Path, heads: int = 64) -> Path:
+    return make_checkpoint(tmp_path / f"h{heads}", "v3_noaux_groups", seed=7, num_attention_heads=heads,
+                           num_key_value_heads=heads, kv_lora_rank=128, qk_rope_head_dim=16, qk_nope_head_dim=16,
                            v_head_dim=16, hidden_size=128, max_position_embeddings=1024)
+
+
+def _decode_kernels(eng: Engine) -> set[str]:
+    """The stage-1 kernel each layer's decode tile names (as the backend builds it for this model's heads)."""
+    from r3trace.kernels.decode_tile import default_decode_tile
+
+    attn = eng.model.model.layers[0].self_attn
+    backend = attn.backend
+    return {default_decode_tile(attn.h, torch.bfloat16, backend._gluon, 128, 16, backend._page_size).kernel}
 
 
 def _prompts() -> list[list[int]]:
@@ -42,13 +51,16 @@ def _prompts() -> list[list[int]]:
     return [rng.integers(2, 320, size=int(n)).tolist() for n in (5, 63, 64, 130, 300, 700)]
 
 
-def test_gluon_decode_matches_triton_kernel(tmp_path: Path) -> None:
-    ckpt, prompts = _checkpoint(tmp_path), _prompts()
+@pytest.mark.parametrize("heads", [64, 16])
+def test_gluon_decode_matches_triton_kernel(tmp_path: Path, heads: int) -> None:
+    ckpt, prompts = _checkpoint(tmp_path, heads), _prompts()
     params = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
     out = {}
     for kernel in ("auto", "triton"):
         with Engine(ckpt, decode_kernel=kernel, **TRITON) as eng:
             assert _uses_gluon(eng) == (kernel == "auto")
+            want = {"auto": "gluon" if heads == 64 else "narrow", "triton": "triton"}[kernel]
+            assert _decode_kernels(eng) == {want}
             out[kernel] = eng.generate(input_ids=prompts, sampling_params=params, return_logprob=True,
                                        top_logprobs_num=5)
     for g, t in zip(out["auto"], out["triton"], strict=True):
@@ -62,15 +74,16 @@ def test_gluon_decode_matches_triton_kernel(tmp_path: Path) -> None:
         np.testing.assert_allclose(lg, lt, atol=0.08)
 
 
+@pytest.mark.parametrize("heads", [64, 16])
 @pytest.mark.parametrize("page_size", [1, 64])
 @pytest.mark.parametrize("kernel", ["auto", "triton"])
-def test_every_decode_call_matches_torch_reference(tmp_path: Path, kernel: str, page_size: int) -> None:
+def test_every_decode_call_matches_torch_reference(tmp_path: Path, kernel: str, page_size: int, heads: int) -> None:
     """The end-to-end test above is weak (a tiny random model's logprobs are flat); this one checks each decode
     attention call the engine makes, every layer and step, against RefAttention (fp32 softmax) on the very
     same q and latent cache, eager (no graphs, so the wrapper sees every call). Page size 64: the Gluon
     kernel loads whole pages as TMA boxes (the engine passes its pool's page size to the decode tile)."""
     errors: list[float] = []
-    with Engine(_checkpoint(tmp_path), decode_kernel=kernel, cuda_graph_batch_sizes=(), page_size=page_size,
+    with Engine(_checkpoint(tmp_path, heads), decode_kernel=kernel, cuda_graph_batch_sizes=(), page_size=page_size,
                 **TRITON) as eng:
         assert all(layer.self_attn.backend._page_size == page_size for layer in eng.model.model.layers)
         ref = RefAttention()
