@@ -144,9 +144,11 @@ def default_decode_tile(
     splits by splits_by_cost over 2 programs per SM (session 4: 1.03-1.32x at seven of the nine cells, a tie
     at B = 64 / 1k and 32k), fp32 4 programs per SM rounded down; bf16 launches both kernels as programmatic
     dependents (pdl; session 5: 0.6-1.4 us a call faster at the 19-151 MB cells, bench/NOTES.md "mla16b, session 5").
-    H < 64, use_gluon and a shape the Gluon kernels take: the narrow Gluon tile (mla_decode_narrow.py; session 7:
-    1.05-1.17x the Triton tile at eight of the nine cells on 64-slot pages, 0.95x at B16/1k), one wave of
-    programs, the merge launched as a programmatic dependent, and one split written directly.
+    H < 64, use_gluon, a shape the Gluon kernels take and pages of a multiple of 64 slots: the narrow Gluon tile in
+    its TMA form (mla_decode_narrow.py; session 7 run 3, graph-timed on shuffled 64-slot pages: 1.03-1.21x the
+    Triton tile at all nine cells, 80% of copy at B16/8k, 92-109% at the >= 300 MB cells), one wave of
+    programs, the merge launched as a programmatic dependent, one split written directly. Its cp.async form
+    (other page sizes) was 0.88-1.04x the Triton tile (B16/1k 0.88x), so smaller pages keep the Triton tile.
     H >= 64: use_gluon (the caller is on a Hopper GPU) and a shape the Gluon kernel takes: its two-warpgroup
     64 x 64 tile (B = 256, L = 32k: 6.86 vs 9.47 ms), its split count by splits_by_cost (run 6: 1.03-1.28x
     over 8 waves rounded up at kv_len >= 8k), and with one split stage 1 writes the output (direct: 1.01-1.10x at
@@ -165,7 +167,7 @@ def default_decode_tile(
                 64, 64, 8, 2, kernel="gluon", fixed_tiles=GLUON_FIXED_TILES, direct=True, page_size=page_size
             )
         return DecodeTile(64, 64 if dtype.itemsize <= 2 else 32, 8, 2)
-    if gluon_shape:
+    if gluon_shape and page_size % 64 == 0:  # the TMA form; its cp.async form only ties the Triton tile (run 3)
         return DecodeTile(16, 64, 4, 2, kernel="narrow", fixed_tiles=NARROW_FIXED_TILES, min_split=NARROW_MIN_SPLIT,
                           direct=True, page_size=page_size, pdl=True)  # fmt: skip
     if dtype.itemsize <= 2:

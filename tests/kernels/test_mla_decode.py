@@ -152,16 +152,17 @@ def test_gluon_default_splits_by_cost() -> None:
 
 
 def test_default_tile_takes_gluon_only_where_it_runs() -> None:
-    """use_gluon (the engine sets it on Hopper) picks the Gluon stage 1 at H >= 64 and the narrow Gluon one below,
-    bf16/fp16, DeepSeek's latent; any other shape or dtype keeps the Triton kernel (the tiny models' kv_lora 24
-    included)."""
+    """use_gluon (the engine sets it on Hopper) picks the Gluon stage 1 at H >= 64 and the narrow Gluon one below
+    (on pages of a multiple of 64 slots: its TMA form), bf16/fp16, DeepSeek's latent; any other shape, dtype or
+    page size keeps the Triton kernel (the tiny models' kv_lora 24 included)."""
     assert default_decode_tile(128, torch.bfloat16, use_gluon=True).kernel == "gluon"
     assert default_decode_tile(128, torch.bfloat16).kernel == "triton"
     assert default_decode_tile(128, torch.bfloat16, use_gluon=True, kv_lora=24, rope=8).kernel == "triton"
     assert default_decode_tile(128, torch.float32, use_gluon=True).kernel == "triton"
     narrow = default_decode_tile(16, torch.bfloat16, use_gluon=True, page_size=64)
     assert (narrow.kernel, narrow.page_size, narrow.direct) == ("narrow", 64, True)
-    assert default_decode_tile(16, torch.float16, use_gluon=True).kernel == "narrow"
+    assert default_decode_tile(16, torch.float16, use_gluon=True, page_size=128).kernel == "narrow"
+    assert default_decode_tile(16, torch.bfloat16, use_gluon=True, page_size=1).kernel == "triton"  # cp.async form
     assert default_decode_tile(16, torch.bfloat16, use_gluon=True, kv_lora=24, rope=8).kernel == "triton"
     assert default_decode_tile(16, torch.float32, use_gluon=True).kernel == "triton"
     assert default_decode_tile(16, torch.bfloat16).kernel == "triton"
