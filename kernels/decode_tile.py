@@ -113,6 +113,9 @@ class DecodeTile(NamedTuple):
     # before it still runs and waits (griddepcontrol.wait) before its first global access, so its launch and
     # block scheduling overlap the previous kernel's tail; graph-capturable.
     pdl: bool = False
+    # the narrow kernel only: the last split program of each (request, head block) merges the partials (no merge
+    # launch); needs a zeroed int32 counter a (request, head block), which it leaves zero (mla_decode's counters)
+    last_merges: bool = False
 
     def head_programs(self, num_heads: int) -> int:
         """Stage-1 programs per (request, split): head blocks x value splits."""
