@@ -259,16 +259,9 @@ def narrow_flags(option: dict[str, object]) -> dict[str, bool]:
     return {f[5:]: bool(x) for f, x in option.items() if f.startswith("flag_")}
 
 
-COUNTERS: dict[int, torch.Tensor] = {}  # last_merges tiles: one zeroed counter buffer, as the engine would keep it
-
-
 def call_with_flags(flags: dict[str, bool], *args: object) -> torch.Tensor:
     """mla_decode(*args) with the narrow kernel's FLAGS updated for this call (read at launch, so a CUDA graph
-    captured through this keeps them); a last_merges tile gets a persistent counter buffer (no memset a call)."""
-    tile = args[-1]
-    if isinstance(tile, DecodeTile) and tile.last_merges:
-        buf = COUNTERS.setdefault(0, torch.zeros(1 << 16, dtype=torch.int32, device="cuda"))
-        return mla_decode(*args, counters=buf)  # type: ignore[arg-type]
+    captured through this keeps them)."""
     if not flags:
         return mla_decode(*args)  # type: ignore[arg-type]
     from r3trace.kernels import mla_decode_narrow as mn

@@ -113,9 +113,6 @@ class DecodeTile(NamedTuple):
     # before it still runs and waits (griddepcontrol.wait) before its first global access, so its launch and
     # block scheduling overlap the previous kernel's tail; graph-capturable.
     pdl: bool = False
-    # the narrow kernel only: the last split program of each (request, head block) merges the partials (no merge
-    # launch); needs a zeroed int32 counter a (request, head block), which it leaves zero (mla_decode's counters)
-    last_merges: bool = False
 
     def head_programs(self, num_heads: int) -> int:
         """Stage-1 programs per (request, split): head blocks x value splits."""
@@ -150,7 +147,8 @@ def default_decode_tile(
     H < 64, use_gluon, a shape the Gluon kernels take and pages of a multiple of 64 slots: the narrow Gluon tile in
     its TMA form (mla_decode_narrow.py; session 7 run 3, graph-timed on shuffled 64-slot pages: 1.03-1.21x the
     Triton tile at all nine cells, 80% of copy at B16/8k, 92-109% at the >= 300 MB cells), one wave of
-    programs, the merge launched as a programmatic dependent, one split written directly. Its cp.async form
+    programs, stage 1 and the merge launched as programmatic dependents (run 4: 82% at B16/8k), one split written
+    directly. Its cp.async form
     (other page sizes) was 0.88-1.04x the Triton tile (B16/1k 0.88x), so smaller pages keep the Triton tile.
     H >= 64: use_gluon (the caller is on a Hopper GPU) and a shape the Gluon kernel takes: its two-warpgroup
     64 x 64 tile (B = 256, L = 32k: 6.86 vs 9.47 ms), its split count by splits_by_cost (run 6: 1.03-1.28x

@@ -201,15 +201,12 @@ def mla_decode(
     sm_scale: float,
     num_kv_splits: int | None = None,
     tile: DecodeTile | None = None,
-    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [B, H, C] -> out [B, H, kv_lora]; request b attends to positions 0..seq_lens[b]-1.
 
     num_kv_splits=None picks it from max(seq_lens) (one device sync) and the SM count; pass it (see
     choose_num_kv_splits) to stay sync-free and CUDA-graph capturable. tile=None: default_decode_tile
     without Gluon (bench/kernels.py sweeps others; the engine's backend asks for Gluon on Hopper).
-    counters: with tile.last_merges, int32 zeros, one per (request, head block) at least, kept by the caller across
-    calls (the kernel leaves them zero; one stream at a time); None allocates zeros for the call.
     """
     _check_decode_args(q, kv_cache, req_to_token, req_pool_indices, seq_lens, kv_lora_rank)
     B, H, C = q.shape
@@ -254,19 +251,8 @@ def mla_decode(
         require(why is None, str(why))
         require(tile[:5] == (mn.BLOCK_H, mn.BLOCK_N, mn.NUM_WARPS, 2, 1) and not tile.keys_major,
                 f"the narrow Gluon kernel's tile is fixed: 16 heads x 64 keys x 4 warps, 2 stages; got {tile}")
-        last = tile.last_merges and not direct
-        need = B * tile.head_programs(H)
-        if last and counters is None:
-            counters = torch.zeros(need, dtype=torch.int32, device=q.device)
-        if last and counters is not None:
-            require(counters.dtype == torch.int32 and counters.numel() >= need and counters.device == q.device,
-                    f"counters must be int32 on {q.device} with >= {need} entries, got {counters.dtype} "
-                    f"{counters.numel()} on {counters.device}")  # fmt: skip
         mn.mla_decode_stage1_narrow(q, kv_cache, req_to_token, req_pool_indices, seq_lens, part_out, part_lse,
-                                    kv_lora_rank, sm_scale * LOG2E, tile.block_n, tile.page_size, pdl=pdl,
-                                    out=out if last else None, counters=counters if last else None)  # fmt: skip
-        if last:
-            return out
+                                    kv_lora_rank, sm_scale * LOG2E, tile.block_n, tile.page_size, pdl=pdl)  # fmt: skip
     else:
         _stage1_triton(q, kv_cache, req_to_token, req_pool_indices, seq_lens, part_out, part_lse, kv_lora_rank,
                        sm_scale, tile, block_c, block_r, pdl)  # fmt: skip

@@ -21,7 +21,11 @@ SM, 72 KB in flight per SM while it computes the other stage. The O^T accumulato
 The next tile is loaded one tile ahead in one of two forms, as in the wide kernel (mla_decode_gluon.py), picked
 by the launcher from the caller's page size: TMA boxes on mbarriers (pages of a multiple of 64 slots: a tile's
 keys are 64 consecutive cache rows) or cp.async row copies through req_to_token (any page size).
-Writes the same partials and LSEs as the Triton stage 1 (mla_decode's merge is shared). Not under
+Writes the same partials and LSEs as the Triton stage 1 (mla_decode's merge is shared). With DecodeTile.pdl it is
+launched as a programmatic dependent and waits (griddepcontrol.wait) before its first global access: 3-8% faster at
+B16/1k, B16/8k and B64/1k (bench/NOTES.md, "Session 7", run 4). The merge done in-kernel by the last split program
+of each (request, head block) instead of a second launch lost everywhere (run 4: 1.05-1.8x slower; its serial
+reads of the other programs' partials outweigh the launch). Not under
 TRITON_INTERPRET (Gluon); covered by gpu-marked tests. Requires sm_90, bf16/fp16, kv_lora in {128, 256, 512},
 rope a power of two in 16..128.
 """
@@ -174,18 +178,17 @@ def _launch_dependents():
 @gluon.jit
 def _mla_decode_narrow_kernel(
     # pointers and TMA descriptors (None in the cp.async form)
-    q_ptr, kv_ptr, req_to_token_ptr, req_pool_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr, out_ptr, counters_ptr,
+    q_ptr, kv_ptr, req_to_token_ptr, req_pool_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr,
     qv_desc, qr_desc, kv_desc, kr_desc,
     # sizes
     H, num_kv_splits, split_align, qk_scale,
     # strides
     stride_qb, stride_qh, stride_kvs, stride_rtr, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-    stride_ob, stride_oh,
     # constexpr
     KV_LORA: gl.constexpr, ROPE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
     S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr, OUT_LAYOUT: gl.constexpr, GATHER_V: gl.constexpr,
     GATHER_R: gl.constexpr, QV_SMEM: gl.constexpr, QR_SMEM: gl.constexpr, KV_SMEM: gl.constexpr,
-    KR_SMEM: gl.constexpr, P_SMEM: gl.constexpr, TMA: gl.constexpr, PDL: gl.constexpr, LAST_MERGES: gl.constexpr,
+    KR_SMEM: gl.constexpr, P_SMEM: gl.constexpr, TMA: gl.constexpr, PDL: gl.constexpr,
 ):  # fmt: skip
     if PDL:
         _grid_dependency_wait()
@@ -300,44 +303,6 @@ def _mla_decode_narrow_kernel(
         gl.store(part, out, mask=(h_o < H)[None, :])  # one split: part_out is the output itself
         h_s = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, S_LAYOUT))
         gl.store(part_lse_ptr + b * stride_lb + h_s * stride_lh + split, m_i + gl.log2(l_i), mask=h_s < H)
-        if LAST_MERGES:
-            _merge_if_last(part_out_ptr, part_lse_ptr, out_ptr, counters_ptr + b * gl.num_programs(0) + hb, b, hb, H,
-                           gl.cdiv(seq_len, split_len), stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-                           stride_ob, stride_oh, KV_LORA, BLOCK_H, OUT_LAYOUT)  # fmt: skip
-
-
-@gluon.jit
-def _merge_if_last(
-    part_out_ptr, part_lse_ptr, out_ptr, counter_ptr, b, hb, H, active, stride_pb, stride_ph, stride_ps,
-    stride_lb, stride_lh, stride_ob, stride_oh, KV_LORA: gl.constexpr, BLOCK_H: gl.constexpr, OUT_LAYOUT: gl.constexpr,
-):  # fmt: skip
-    """The last of the `active` split programs of (request b, head block hb) to get here merges their partials into
-    the output (mla_decode's stage 2 for these 16 heads), so no merge launch follows. Each program's partial and
-    LSE stores are fenced at gpu scope and the CTA barrier orders them before its one ticket (an acq_rel atomic);
-    the last program (ticket active - 1) resets the counter for the next call and reads the others' partials from
-    L2 (.cg). counter_ptr: one int32 per (request, head block), zero before the call, zero after it."""
-    gl.inline_asm_elementwise("fence.acq_rel.gpu; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-    gl.thread_barrier()
-    ticket = gl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
-    if ticket == active - 1:
-        gl.store(counter_ptr, 0)
-        c_o = gl.arange(0, KV_LORA, layout=gl.SliceLayout(1, OUT_LAYOUT))
-        h_o = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, OUT_LAYOUT))
-        h_mask = h_o < H
-        lse_row = part_lse_ptr + b * stride_lb + h_o * stride_lh
-        m = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(0, OUT_LAYOUT))
-        for p in range(active):
-            m = gl.maximum(m, gl.load(lse_row + p, mask=h_mask, other=0.0, cache_modifier=".cg"))
-        acc = gl.zeros([KV_LORA, BLOCK_H], gl.float32, layout=OUT_LAYOUT)
-        w_sum = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(0, OUT_LAYOUT))
-        part = part_out_ptr + b * stride_pb + h_o[None, :] * stride_ph + c_o[:, None]
-        for p in range(active):
-            w = gl.exp2(gl.load(lse_row + p, mask=h_mask, other=0.0, cache_modifier=".cg") - m)
-            acc += w[None, :] * gl.load(part + p * stride_ps, mask=h_mask[None, :], other=0.0, cache_modifier=".cg")
-            w_sum += w
-        out = acc / w_sum[None, :]
-        gl.store(out_ptr + b * stride_ob + h_o[None, :] * stride_oh + c_o[:, None],
-                 out.to(out_ptr.dtype.element_ty), mask=h_mask[None, :])  # fmt: skip
 
 
 def _gather_layout(cols: int) -> gl.BlockedLayout:
@@ -391,16 +356,12 @@ def mla_decode_stage1_narrow(
     page_size: int = 1,
     flags: dict[str, bool] | None = None,
     pdl: bool = False,
-    out: torch.Tensor | None = None,
-    counters: torch.Tensor | None = None,
 ) -> None:
     """Fills part_out [B, H, P, kv_lora] (fp32, or the output itself at P = 1) and part_lse [B, H, P] (log2 units)
     as the Triton stage 1. page_size: the caller's guarantee on req_to_token (slots in runs of page_size, each
     starting at a multiple of it); a multiple of 64 picks the TMA form (tma_usable), else cp.async row copies;
     flags["TMA"] overrides. split_align must be a multiple of 64 (each split whole tiles). pdl: launched as a
-    programmatic dependent (sm_90), waiting before its first global access (mla_decode's DecodeTile.pdl).
-    counters (int32, >= B x head blocks, zero): the last split program of each (request, head block) merges the
-    partials into out [B, H, kv_lora] itself (DecodeTile.last_merges) and leaves the counters zero again."""
+    programmatic dependent (sm_90), waiting before its first global access (mla_decode's DecodeTile.pdl)."""
     B, H, C = q.shape
     rope = C - kv_lora_rank
     num_kv_splits = part_out.shape[2]
@@ -418,15 +379,11 @@ def mla_decode_stage1_narrow(
             TensorDescriptor(kv_cache, [rows, C], [kv_cache.stride(0), 1], [BLOCK_N, rope], layouts["KR_SMEM"]),
         )
     grid = ((H + BLOCK_H - 1) // BLOCK_H, B, num_kv_splits)
-    last = counters is not None and out is not None  # mla_decode checked both
-    dst = out if out is not None else part_out  # unread unless last
     _mla_decode_narrow_kernel[grid](
-        q, kv_cache, req_to_token, req_pool_indices, seq_lens, part_out, part_lse, dst,
-        counters if last else part_lse, *descs,
+        q, kv_cache, req_to_token, req_pool_indices, seq_lens, part_out, part_lse, *descs,
         H, num_kv_splits, split_align, qk_scale,
         q.stride(0), q.stride(1), kv_cache.stride(0), req_to_token.stride(0),
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
-        dst.stride(0), dst.stride(1),
         KV_LORA=kv_lora_rank, ROPE=rope, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, **layouts, TMA=bool(use_tma), PDL=pdl,
-        LAST_MERGES=last, num_warps=NUM_WARPS, launch_pdl=pdl,
+        num_warps=NUM_WARPS, launch_pdl=pdl,
     )  # fmt: skip

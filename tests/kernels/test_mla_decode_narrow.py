@@ -122,28 +122,3 @@ def test_narrow_under_cuda_graph(page_size: int) -> None:
     eager = mla_decode(q, kv, r2t, rows, seq, 512, 0.05, num_kv_splits=4, tile=tile)
     assert torch.equal(out, eager)
 
-
-@pytest.mark.skipif(not _hopper(), reason="the narrow Gluon decode kernel is sm_90 only")
-@pytest.mark.parametrize("page_size", [1, 64])
-@pytest.mark.parametrize(("H", "splits"), [(16, 7), (40, 3), (8, 64)], ids=["H16-7", "H40-3", "H8-64"])
-def test_last_merges_matches_the_merge_launch(H: int, splits: int, page_size: int) -> None:
-    """DecodeTile.last_merges: the last split program of each (request, head block) merges in-kernel. The same
-    formula as stage 2 in another fp32 order: within 2 bf16 ulps of the launched merge and within the table of the
-    fp32 reference; the counters (caller-kept, reused by a CUDA graph) are zero after every call."""
-    q, kv, r2t, rows, seq = _inputs(H, 512, 64, page_size, torch.bfloat16, 11 + H)
-    tile = NARROW._replace(page_size=page_size)
-    args = (q, kv, r2t, rows, seq, 512, 576**-0.5, splits)
-    counters = torch.zeros(len(LENS) * 3, dtype=torch.int32, device="cuda")
-    last = mla_decode(*args, tile=tile._replace(last_merges=True), counters=counters)
-    assert not counters.any()
-    launched = mla_decode(*args, tile=tile)
-    torch.testing.assert_close(last.float(), launched.float(), atol=1e-2, rtol=2**-7)
-    assert_close_to_ref(last, mla_decode_ref(q.float(), kv.float(), *args[2:7]), torch.bfloat16)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = mla_decode(*args, tile=tile._replace(last_merges=True), counters=counters)
-    for _ in range(3):
-        out.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, last) and not counters.any()
