@@ -47,9 +47,10 @@ class EngineConfig:
     topk_backend: Backend = "ref"
     norm_backend: Backend = "ref"  # RMSNorm (+ the residual add before it): torch or one triton launch
     rope_backend: Backend = "ref"
-    # MLA decode stage 1 of the triton attention backend: auto = the Gluon kernel where it runs (Hopper,
-    # bf16/fp16, >= 64 heads, kv_lora 128/256/512; 1.35x the Triton kernel at H = 128 on an H200), Triton
-    # elsewhere; triton = always the Triton kernel (the one the CPU interpreter tests).
+    # MLA decode stage 1 of the triton attention backend: auto = a Gluon kernel where one runs (Hopper, bf16/fp16,
+    # kv_lora 128/256/512: >= 64 heads, 1.35x the Triton kernel at H = 128 on an H200; fewer heads on pages of a
+    # multiple of 64 slots, 1.10-1.18x), Triton elsewhere; triton = always the Triton kernel (the one the CPU
+    # interpreter tests).
     decode_kernel: DecodeKernel = "auto"
     # Shared experts: fused = extra experts of the routed MoE (ids E..E+S-1, weight 1 for every token: one
     # grouped pass instead of an MLP's 3 GEMMs, 2 elementwise kernels and an add a layer); separate = the MLP

@@ -66,3 +66,36 @@ def test_serve_subprocess_and_capture(tmp_path: Path) -> None:
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 proc.kill()
+
+
+def test_serve_engine_flags_reach_engine_config() -> None:
+    """`r3trace serve`'s engine flags map onto EngineConfig fields; --cuda-graphs takes auto, off or a list."""
+    import argparse
+
+    from r3trace.commands import serve
+    from r3trace.engine.engine_config import EngineConfig
+
+    p = argparse.ArgumentParser()
+    serve.add_arguments(p)
+    opts = serve.engine_options(p.parse_args(["m", "--backend", "triton", "--device", "cuda", "--dtype", "bfloat16",
+                                              "--page-size", "64", "--cuda-graphs", "1,2,4", "--no-overlap"]))
+    cfg = EngineConfig(**opts)  # type: ignore[arg-type]
+    assert (cfg.attention_backend, cfg.moe_backend, cfg.topk_backend, cfg.norm_backend, cfg.rope_backend) == \
+        ("triton",) * 5
+    assert (cfg.page_size, cfg.cuda_graph_batch_sizes, cfg.overlap_schedule, cfg.enable_prefix_cache) == \
+        (64, (1, 2, 4), False, True)
+    defaults = EngineConfig(**serve.engine_options(p.parse_args(["m"])))  # type: ignore[arg-type]
+    assert defaults.cuda_graph_batch_sizes is None and defaults.overlap_schedule and defaults.page_size == 1
+    assert serve.engine_options(p.parse_args(["m", "--cuda-graphs", "off"]))["cuda_graph_batch_sizes"] == ()
+    with pytest.raises(SystemExit, match="--cuda-graphs 'x2'"):
+        serve.engine_options(p.parse_args(["m", "--cuda-graphs", "x2"]))
+
+
+@pytest.mark.skipif(not (SAMPLE / "config.json").exists(), reason="samples/model is not in this checkout")
+def test_serve_rejects_a_bad_engine_flag_by_name() -> None:
+    """A bad flag stops the server before it binds, naming the field and its limit (no traceback)."""
+    proc = subprocess.run([sys.executable, "-m", "r3trace.cli", "serve", str(SAMPLE), "--page-size", "64",
+                           "--kv-pool-tokens", "100"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode != 0
+    assert "kv_pool_tokens=100 is not a multiple of page_size=64" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
