@@ -24,6 +24,7 @@ else cp.async row copies). DecodeTile.pdl launches the Triton stage 1 and the me
 from __future__ import annotations
 
 import functools
+import importlib
 
 import torch
 import triton
@@ -37,8 +38,13 @@ __all__ = ["DecodeTile", "choose_num_kv_splits", "default_decode_tile", "mla_dec
 from r3trace.kernels.dot import dot_precision
 from r3trace.kernels.flash import latent_tile_split_scores, online_softmax_step, online_softmax_step_keys_major
 
-# DecodeTile.kernel: this file's stage 1, mla_decode_gluon.py's, mla_decode_narrow.py's
-KERNELS = ("triton", "gluon", "narrow")
+# DecodeTile.kernel: this file's stage 1, or a Gluon one: (module, its support check, its stage-1 launcher), looked
+# up by name at each call
+GLUON_STAGE1 = {
+    "gluon": ("mla_decode_gluon", "gluon_supported", "mla_decode_stage1_gluon"),
+    "narrow": ("mla_decode_narrow", "narrow_supported", "mla_decode_stage1_narrow"),
+}
+KERNELS = ("triton", *GLUON_STAGE1)
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x * log2(e)); exp2 is the native instruction
 
 
@@ -235,24 +241,17 @@ def mla_decode(
     block_c = max(16, triton.next_power_of_2(kv_lora_rank))
     block_r = max(16, triton.next_power_of_2(rope))
     require(block_c // tile.v_splits >= 16, f"kv_lora {kv_lora_rank} too small for {tile.v_splits} value splits")
-    if tile.kernel == "gluon":
-        from r3trace.kernels import mla_decode_gluon as mg  # imports Gluon only when asked for
-
-        why = mg.gluon_supported(q, kv_lora_rank)
+    if tile.kernel in GLUON_STAGE1:
+        name, check, launch = GLUON_STAGE1[tile.kernel]
+        gk = importlib.import_module(f"r3trace.kernels.{name}")  # imports Gluon only when asked for
+        why = getattr(gk, check)(q, kv_lora_rank)
         require(why is None, str(why))
-        require(tile[:5] == (mg.BLOCK_H, mg.BLOCK_N, mg.NUM_WARPS, 2, 1) and not tile.keys_major,
-                f"the Gluon kernel's tile is fixed: 64 heads x 64 keys x 8 warps, 2 stages, got {tile}")  # fmt: skip
-        mg.mla_decode_stage1_gluon(q, kv_cache, req_to_token, req_pool_indices, seq_lens, part_out, part_lse,
-                                   kv_lora_rank, sm_scale * LOG2E, tile.block_n, tile.page_size)  # fmt: skip
-    elif tile.kernel == "narrow":
-        from r3trace.kernels import mla_decode_narrow as mn  # imports Gluon only when asked for
-
-        why = mn.narrow_supported(q, kv_lora_rank)
-        require(why is None, str(why))
-        require(tile[:5] == (mn.BLOCK_H, mn.BLOCK_N, mn.NUM_WARPS, 2, 1) and not tile.keys_major,
-                f"the narrow Gluon kernel's tile is fixed: 16 heads x 64 keys x 4 warps, 2 stages; got {tile}")
-        mn.mla_decode_stage1_narrow(q, kv_cache, req_to_token, req_pool_indices, seq_lens, part_out, part_lse,
-                                    kv_lora_rank, sm_scale * LOG2E, tile.block_n, tile.page_size, pdl=pdl)  # fmt: skip
+        fixed = (gk.BLOCK_H, gk.BLOCK_N, gk.NUM_WARPS, 2, 1)
+        require(tile[:5] == fixed and not tile.keys_major,
+                f"the {tile.kernel} Gluon kernel's tile is fixed: {fixed[0]} heads x {fixed[1]} keys x {fixed[2]} "
+                f"warps, 2 stages; got {tile}")  # fmt: skip
+        getattr(gk, launch)(q, kv_cache, req_to_token, req_pool_indices, seq_lens, part_out, part_lse, kv_lora_rank,
+                            sm_scale * LOG2E, tile.block_n, tile.page_size, pdl=pdl)  # fmt: skip
     else:
         _stage1_triton(q, kv_cache, req_to_token, req_pool_indices, seq_lens, part_out, part_lse, kv_lora_rank,
                        sm_scale, tile, block_c, block_r, pdl)  # fmt: skip

@@ -41,11 +41,24 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
-    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from r3trace.kernels.latent_tiles import (
+    copy_tile,
+    expect_tile,
+    first_slot,
+    gather_first_tile,
+    gather_layout,
+    gather_rows,
+    grid_dependency_wait,
+    launch_dependents,
+    row_slots,
+    stage_barriers,
+    tma_first_tile,
+)
 
 BLOCK_H = 64  # one wgmma M: 4 warps x 16 rows
 BLOCK_N = 64  # keys a tile: S is 64 x 64, each warpgroup's half an instruction of N = 32
@@ -129,18 +142,10 @@ def _tile(
     gl.thread_barrier()
     if GATHER_UNDER_S:  # the scores first: the gather's ~20 instructions a thread issue while they run
         s = _scores(qv_s, qr_s, kv_t, kr_t, s_zero)
-    async_copy.async_copy_global_to_shared(
-        kv_n, kv_ptr + sl_v[:, None] * stride_kvs + cols_v[None, :], mask=m_v[:, None]
-    )
-    async_copy.async_copy_global_to_shared(
-        kr_n, kv_ptr + sl_r[:, None] * stride_kvs + cols_r[None, :], mask=m_r[:, None]
-    )
+    gather_rows(kv_n, kr_n, kv_ptr, sl_v, sl_r, m_v, m_r, cols_v, cols_r, stride_kvs)
     async_copy.commit_group()
     n2 = start + (t + 2) * BLOCK_N  # tile t+2's slots, for the gather the next call issues
-    m_v = (n2 + rows_v) < end
-    m_r = (n2 + rows_r) < end
-    sl_v = gl.load(r2t + n2 + rows_v, mask=m_v, other=0).to(gl.int64)
-    sl_r = gl.load(r2t + n2 + rows_r, mask=m_r, other=0).to(gl.int64)
+    sl_v, sl_r, m_v, m_r = row_slots(r2t, n2, rows_v, rows_r, end, gl.int64)
     if not GATHER_UNDER_S:
         s = _scores(qv_s, qr_s, kv_t, kr_t, s_zero)
     s, m_new = _row_max(t, start, end, qk_scale, s, keys, m_i, mx_s, BLOCK_N, MAX_XCHG)
@@ -165,32 +170,17 @@ def _tile_tma(
     two accesses of one mbarrier allocation (3.7 skips them again, its release notes: canSkipBarSync), so each
     box has its own mbarrier and the expects come before the CTA barrier the copies follow (PTX checked)."""
     more = t + 1 < num_tiles
-    _expect(bv_n, br_n, kv_desc, kr_desc, more)
+    expect_tile(kv_desc, kr_desc, bv_n, br_n, more)
     gl.thread_barrier()  # every warpgroup waited for its P V of tile t-1: the other buffer is free
     mbarrier.wait(bv_t, (t // 2) & 1)  # tile t's boxes (and q's, with tile 0) landed: the (t // 2)-th phase
     mbarrier.wait(br_t, (t // 2) & 1)
     s = _scores(qv_s, qr_s, kv_t, kr_t, s_zero)
-    _copy(kv_desc, kr_desc, bv_n, br_n, kv_n, kr_n, slot_n, more, KV_LORA)  # under the score wgmmas
+    copy_tile(kv_desc, kr_desc, bv_n, br_n, kv_n, kr_n, slot_n, more, KV_LORA)  # under the score wgmmas
     n2 = start + (t + 2) * BLOCK_N  # tile t+2's first slot, for the refill the next call issues
-    slot_n2 = gl.load(r2t + n2, mask=n2 < end, other=0).to(gl.int32)
+    slot_n2 = first_slot(r2t, n2, end)
     s, m_new = _row_max(t, start, end, qk_scale, s, keys, m_i, mx_s, BLOCK_N, MAX_XCHG)
     l_e, acc = _probs_pv(s, m_i, m_new, l_e, acc, p_s, kv_t, O_LAYOUT)
     return slot_n2, m_new, l_e, acc
-
-
-@gluon.jit
-def _expect(bv, br, kv_desc, kr_desc, pred):
-    """Arms one tile's two mbarriers with their boxes' bytes (one thread; before the copies' CTA barrier)."""
-    mbarrier.expect(bv, kv_desc.block_type.nbytes, pred=pred)
-    mbarrier.expect(br, kr_desc.block_type.nbytes, pred=pred)
-
-
-@gluon.jit
-def _copy(kv_desc, kr_desc, bv, br, kv_s, kr_s, slot, pred, KV_LORA: gl.constexpr):
-    """One tile's two TMA boxes from cache row `slot` on (triton 3.6 splits the [64, 512] box into one
-    [64, 64] box per warp, along the 128 B swizzle)."""
-    tma.async_copy_global_to_shared(kv_desc, [slot, 0], bv, kv_s, pred=pred)
-    tma.async_copy_global_to_shared(kr_desc, [slot, KV_LORA], br, kr_s, pred=pred)
 
 
 @gluon.jit
@@ -206,8 +196,11 @@ def _mla_decode_gluon_kernel(
     KV_LORA: gl.constexpr, ROPE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
     GATHER_V: gl.constexpr, GATHER_R: gl.constexpr, S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr,
     QV_SMEM: gl.constexpr, QR_SMEM: gl.constexpr, KV_SMEM: gl.constexpr, KR_SMEM: gl.constexpr,
-    P_SMEM: gl.constexpr, TMA: gl.constexpr, MAX_XCHG: gl.constexpr, GATHER_UNDER_S: gl.constexpr,
+    P_SMEM: gl.constexpr, TMA: gl.constexpr, MAX_XCHG: gl.constexpr, GATHER_UNDER_S: gl.constexpr, PDL: gl.constexpr,
 ):  # fmt: skip
+    if PDL:  # launched as a programmatic dependent: nothing global before the wait
+        grid_dependency_wait()
+        launch_dependents()
     hb = gl.program_id(0)  # fastest axis: both head blocks of a (request, split) read each tile, via L2
     b = gl.program_id(1)
     split = gl.program_id(2)
@@ -237,29 +230,12 @@ def _mla_decode_gluon_kernel(
         keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
         num_tiles = gl.cdiv(end - start, BLOCK_N)
         if TMA:
-            bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
-            # one mbarrier a box and stage, each its own allocation (see _tile_tma): c_kv and k_pe of even
-            # tiles (a), odd tiles (b); q's two boxes complete on tile 0's
-            bv_a = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
-            br_a = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
-            bv_b = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
-            br_b = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
-            mbarrier.init(bv_a, count=1)
-            mbarrier.init(br_a, count=1)
-            mbarrier.init(bv_b, count=1)
-            mbarrier.init(br_b, count=1)
-            fence_async_shared()  # the inits visible to the TMA unit before it signals them
-            mbarrier.expect(bv_a, qv_desc.block_type.nbytes + kv_desc.block_type.nbytes)
-            mbarrier.expect(br_a, qr_desc.block_type.nbytes + kr_desc.block_type.nbytes)
-            gl.thread_barrier()
-            # q [64 heads, C] as rows b H + 64 hb of q viewed [B H, C], beside tile 0: one latency. Rows past
-            # this request's heads (H = 80: the next request's; past B H: zero-filled by TMA) never store.
-            q_row = b * H + hb * BLOCK_H
-            tma.async_copy_global_to_shared(qv_desc, [q_row, 0], bv_a, qv_s)
-            tma.async_copy_global_to_shared(qr_desc, [q_row, KV_LORA], br_a, qr_s)
-            _copy(kv_desc, kr_desc, bv_a, br_a, kv_a, kr_a, gl.load(r2t + start).to(gl.int32), True, KV_LORA)
+            bv_a, br_a, bv_b, br_b = stage_barriers()  # see _tile_tma for why four allocations
+            # q [64 heads, C] as rows b H + 64 hb of q viewed [B H, C], beside tile 0: one latency
+            tma_first_tile(qv_desc, qr_desc, kv_desc, kr_desc, qv_s, qr_s, kv_a, kr_a, bv_a, br_a, b * H + hb * BLOCK_H,
+                           r2t, start, KV_LORA)  # fmt: skip
             n1 = start + BLOCK_N  # tile 1's first slot, one tile early (the refill waits on no load)
-            slot_n = gl.load(r2t + n1, mask=n1 < end, other=0).to(gl.int32)
+            slot_n = first_slot(r2t, n1, end)
             for t in range(0, num_tiles, 2):
                 slot_n, m_i, l_e, acc = _tile_tma(
                     t, start, end, num_tiles, qk_scale, qv_s, qr_s, mx_s, kv_a, kr_a, bv_a, br_a, kv_b, kr_b, bv_b,
@@ -271,40 +247,15 @@ def _mla_decode_gluon_kernel(
                         bv_a, br_a, p_s, kv_desc, kr_desc, r2t, slot_n, keys, s_zero, m_i, l_e, acc,
                         KV_LORA, BLOCK_N, O_LAYOUT, MAX_XCHG)  # fmt: skip
         else:
-            rows_v = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, GATHER_V))
-            cols_v = gl.arange(0, KV_LORA, layout=gl.SliceLayout(0, GATHER_V))
-            rows_r = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, GATHER_R))
-            cols_r = KV_LORA + gl.arange(0, ROPE, layout=gl.SliceLayout(0, GATHER_R))
-            h_v = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, GATHER_V))
-            h_r = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, GATHER_R))
-            # q [64, kv_lora + rope] by cp.async in the same group as tile 0's gather: the two latencies
-            # overlap (a register load then a store put q's ~1 us ahead of the first gather: part of the ~4
-            # tiles of fixed cost per program that bench/NOTES.md fitted). Masked heads are zero-filled.
-            q_b = q_ptr + b * stride_qb
-            async_copy.async_copy_global_to_shared(
-                qv_s, q_b + h_v[:, None] * stride_qh + cols_v[None, :], mask=(h_v < H)[:, None]
-            )
-            async_copy.async_copy_global_to_shared(
-                qr_s, q_b + h_r[:, None] * stride_qh + cols_r[None, :], mask=(h_r < H)[:, None]
-            )
-            # tile 0's gather; masked rows (past end) are zero-filled by cp.async and read no memory
-            m_v = (start + rows_v) < end
-            m_r = (start + rows_r) < end
-            sl_v = gl.load(r2t + start + rows_v, mask=m_v, other=0).to(gl.int64)
-            sl_r = gl.load(r2t + start + rows_r, mask=m_r, other=0).to(gl.int64)
-            async_copy.async_copy_global_to_shared(
-                kv_a, kv_ptr + sl_v[:, None] * stride_kvs + cols_v[None, :], mask=m_v[:, None]
-            )
-            async_copy.async_copy_global_to_shared(
-                kr_a, kv_ptr + sl_r[:, None] * stride_kvs + cols_r[None, :], mask=m_r[:, None]
-            )
-            async_copy.commit_group()
+            # q [64, kv_lora + rope] by cp.async in the same group as tile 0's gather: the two latencies overlap (a
+            # register load then a store put q's ~1 us ahead of the first gather: part of the ~4 tiles of fixed
+            # cost per program that bench/NOTES.md fitted)
+            rows_v, rows_r, cols_v, cols_r = gather_first_tile(
+                q_ptr, kv_ptr, r2t, qv_s, qr_s, kv_a, kr_a, b, hb * BLOCK_H, H, start, end, stride_qb, stride_qh,
+                stride_kvs, BLOCK_H, BLOCK_N, KV_LORA, ROPE, GATHER_V, GATHER_R)  # fmt: skip
             # tile 1's slots, one iteration early: the gather issued in an iteration then waits on no load of
             # its own (the Triton kernel's EARLY_SLOTS, for the same reason)
-            m_v = (start + BLOCK_N + rows_v) < end
-            m_r = (start + BLOCK_N + rows_r) < end
-            sl_v = gl.load(r2t + start + BLOCK_N + rows_v, mask=m_v, other=0).to(gl.int64)
-            sl_r = gl.load(r2t + start + BLOCK_N + rows_r, mask=m_r, other=0).to(gl.int64)
+            sl_v, sl_r, m_v, m_r = row_slots(r2t, start + BLOCK_N, rows_v, rows_r, end, gl.int64)
             for t in range(0, num_tiles, 2):
                 sl_v, sl_r, m_v, m_r, m_i, l_e, acc = _tile(
                     t, start, end, qk_scale, qv_s, qr_s, mx_s, kv_a, kr_a, kv_b, kr_b, p_s, kv_ptr, r2t, stride_kvs,
@@ -327,17 +278,11 @@ def _mla_decode_gluon_kernel(
         gl.store(part_lse_ptr + b * stride_lb + h_s * stride_lh + split, m_i + gl.log2(l_i), mask=h_s < H)
 
 
-def _gather_layout(cols: int) -> gl.BlockedLayout:
-    """16-byte cp.async per thread along a row, as many threads along the row as it has 8-column chunks."""
-    tc = min(32, cols // 8)
-    return gl.BlockedLayout([1, 8], [32 // tc, tc], [NUM_WARPS, 1], [1, 0])
-
-
 def _layouts(kv_lora: int, rope: int, dtype: Any) -> dict[str, Any]:
     nvmma = gl.NVMMASharedLayout.get_default_for
     return {
-        "GATHER_V": _gather_layout(kv_lora),
-        "GATHER_R": _gather_layout(rope),
+        "GATHER_V": gather_layout(kv_lora, NUM_WARPS),
+        "GATHER_R": gather_layout(rope, NUM_WARPS),
         "S_LAYOUT": gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_N // 2, 16]),
         "O_LAYOUT": gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, kv_lora // 2, 16]),
         "QV_SMEM": nvmma([BLOCK_H, kv_lora], dtype),
@@ -407,11 +352,13 @@ def mla_decode_stage1_gluon(
     split_align: int,
     page_size: int = 1,
     flags: dict[str, bool] | None = None,
+    pdl: bool = False,
 ) -> None:
     """Fills part_out [B, H, P, kv_lora] fp32 and part_lse [B, H, P] (log2 units) as the Triton stage 1 (P = 1:
     part_out may be the output [B, H, 1, kv_lora] in q's dtype, which then needs no merge). page_size: the
     caller's guarantee on req_to_token (slots in runs of page_size, each run starting at a multiple of it);
-    a multiple of 64 picks the TMA form (tma_usable), else cp.async row copies. flags["TMA"] overrides."""
+    a multiple of 64 picks the TMA form (tma_usable), else cp.async row copies. flags["TMA"] overrides. pdl: launched
+    as a programmatic dependent (sm_90; DecodeTile.pdl, off in this kernel's default tile: not timed here)."""
     B, H, C = q.shape
     num_kv_splits = part_out.shape[2]
     gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
@@ -427,5 +374,5 @@ def mla_decode_stage1_gluon(
         q.stride(0), q.stride(1), kv_cache.stride(0), req_to_token.stride(0),
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
         KV_LORA=kv_lora_rank, ROPE=C - kv_lora_rank, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N,
-        **layouts, **flags, num_warps=NUM_WARPS,
+        **layouts, **flags, PDL=pdl, num_warps=NUM_WARPS, launch_pdl=pdl,
     )  # fmt: skip

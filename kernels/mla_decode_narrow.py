@@ -41,12 +41,24 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
-    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from r3trace.kernels.latent_tiles import (
+    copy_tile,
+    expect_tile,
+    first_slot,
+    gather_first_tile,
+    gather_layout,
+    gather_rows,
+    grid_dependency_wait,
+    launch_dependents,
+    row_slots,
+    stage_barriers,
+    tma_first_tile,
+)
 from r3trace.kernels.mla_decode_gluon import GLUON_KV_LORA, GLUON_ROPE, tma_usable
 
 BLOCK_H = 16  # the wgmma's N: 16 heads, no padding
@@ -54,21 +66,6 @@ BLOCK_N = 64  # keys a tile: the wgmma's M, 16 per warp
 NUM_WARPS = 4  # one warpgroup
 # TMA: the form, which the launcher picks from the caller's page size (tma_usable); the flag overrides it
 FLAGS: dict[str, bool] = {}
-
-
-@gluon.jit
-def _expect(kv_desc, kr_desc, bv, br, pred):
-    """Arms a stage's two mbarriers with its boxes' bytes (before the CTA barrier that its copies follow: triton
-    3.6 puts a barrier between any two accesses of one mbarrier allocation that no barrier separates)."""
-    mbarrier.expect(bv, kv_desc.block_type.nbytes, pred=pred)
-    mbarrier.expect(br, kr_desc.block_type.nbytes, pred=pred)
-
-
-@gluon.jit
-def _copy(kv_desc, kr_desc, bv, br, kv_s, kr_s, slot, pred, KV_LORA: gl.constexpr):
-    """A stage's two TMA boxes (c_kv [64, kv_lora], k_pe [64, rope]) from cache row `slot` on."""
-    tma.async_copy_global_to_shared(kv_desc, [slot, 0], bv, kv_s, pred=pred)
-    tma.async_copy_global_to_shared(kr_desc, [slot, KV_LORA], br, kr_s, pred=pred)
 
 
 @gluon.jit
@@ -120,14 +117,14 @@ def _tile_tma(
     tile, the refill the score wgmmas later) was 3-11% slower at B16/1k, B16/8k and B64/1k (bench/NOTES.md,
     "Session 7", run 2)."""
     more = t + 1 < num_tiles
-    _expect(kv_desc, kr_desc, bv_n, br_n, more)
+    expect_tile(kv_desc, kr_desc, bv_n, br_n, more)
     gl.thread_barrier()  # every warp waited for its P V of tile t-1: the other stage is free
-    _copy(kv_desc, kr_desc, bv_n, br_n, kv_n, kr_n, slot_n, more, KV_LORA)
+    copy_tile(kv_desc, kr_desc, bv_n, br_n, kv_n, kr_n, slot_n, more, KV_LORA)
     mbarrier.wait(bv_t, (t // 2) & 1)  # tile t's boxes (and q's, with tile 0) landed: the (t // 2)-th phase
     mbarrier.wait(br_t, (t // 2) & 1)
     s = _scores(kv_t, kr_t, qv_s, qr_s, s_zero)
     n2 = start + (t + 2) * BLOCK_N  # tile t+2's first slot, for the refill of the next call
-    slot_n2 = gl.load(r2t + n2, mask=n2 < end, other=0).to(gl.int32)
+    slot_n2 = first_slot(r2t, n2, end)
     m_new, l_e, acc = _softmax_pv(t, start, end, qk_scale, s, mx_s, p_s, kv_t, keys, m_i, l_e, acc,
                                   BLOCK_N, BLOCK_H, O_LAYOUT)  # fmt: skip
     return slot_n2, m_new, l_e, acc
@@ -145,34 +142,13 @@ def _tile_gather(
     fence_async_shared()  # cp.async and P stores are generic-proxy writes; wgmma reads async
     gl.thread_barrier()  # every thread's copies landed; every warp waited for its P V of t-1: the other stage free
     s = _scores(kv_t, kr_t, qv_s, qr_s, s_zero)
-    async_copy.async_copy_global_to_shared(kv_n, kv_ptr + sl_v.to(gl.int64)[:, None] * stride_kvs + cols_v[None, :],
-                                           mask=m_v[:, None])  # fmt: skip
-    async_copy.async_copy_global_to_shared(kr_n, kv_ptr + sl_r.to(gl.int64)[:, None] * stride_kvs + cols_r[None, :],
-                                           mask=m_r[:, None])  # fmt: skip
+    gather_rows(kv_n, kr_n, kv_ptr, sl_v, sl_r, m_v, m_r, cols_v, cols_r, stride_kvs)
     async_copy.commit_group()
     n2 = start + (t + 2) * BLOCK_N  # tile t+2's slots, for the gather the next call issues
-    m_v = (n2 + rows_v) < end
-    m_r = (n2 + rows_r) < end
-    sl_v = gl.load(r2t + n2 + rows_v, mask=m_v, other=0).to(gl.int32)  # int32 held: 16 rows a thread at 4 warps
-    sl_r = gl.load(r2t + n2 + rows_r, mask=m_r, other=0).to(gl.int32)
+    sl_v, sl_r, m_v, m_r = row_slots(r2t, n2, rows_v, rows_r, end, gl.int32)
     m_new, l_e, acc = _softmax_pv(t, start, end, qk_scale, s, mx_s, p_s, kv_t, keys, m_i, l_e, acc,
                                   BLOCK_N, BLOCK_H, O_LAYOUT)  # fmt: skip
     return sl_v, sl_r, m_v, m_r, m_new, l_e, acc
-
-
-@gluon.jit
-def _grid_dependency_wait():
-    """griddepcontrol.wait (triton.language.extra.cuda.gdc_wait for Gluon): under programmatic dependent launch the
-    kernel before may still run; it may have written q, the cache or the tables, and the previous call's merge
-    may still read the partials this program overwrites, so nothing global is touched before this."""
-    gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _launch_dependents():
-    """griddepcontrol.launch_dependents: the merge may launch (and wait) once every program here has called it."""
-    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
-                              is_pure=False, pack=1)  # fmt: skip
 
 
 @gluon.jit
@@ -190,9 +166,9 @@ def _mla_decode_narrow_kernel(
     GATHER_R: gl.constexpr, QV_SMEM: gl.constexpr, QR_SMEM: gl.constexpr, KV_SMEM: gl.constexpr,
     KR_SMEM: gl.constexpr, P_SMEM: gl.constexpr, TMA: gl.constexpr, PDL: gl.constexpr,
 ):  # fmt: skip
-    if PDL:
-        _grid_dependency_wait()
-        _launch_dependents()
+    if PDL:  # launched as a programmatic dependent: nothing global before the wait
+        grid_dependency_wait()
+        launch_dependents()
     hb = gl.program_id(0)
     b = gl.program_id(1)
     split = gl.program_id(2)
@@ -221,28 +197,12 @@ def _mla_decode_narrow_kernel(
         keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, S_LAYOUT))
         num_tiles = gl.cdiv(end - start, BLOCK_N)
         if TMA:
-            bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
-            bv_a = gl.allocate_shared_memory(gl.int64, [1], bar_layout)  # one mbarrier a box and stage
-            br_a = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
-            bv_b = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
-            br_b = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
-            mbarrier.init(bv_a, count=1)
-            mbarrier.init(br_a, count=1)
-            mbarrier.init(bv_b, count=1)
-            mbarrier.init(br_b, count=1)
-            fence_async_shared()  # the inits visible to the TMA unit before it signals them
-            mbarrier.expect(bv_a, qv_desc.block_type.nbytes + kv_desc.block_type.nbytes)
-            mbarrier.expect(br_a, qr_desc.block_type.nbytes + kr_desc.block_type.nbytes)
-            gl.thread_barrier()
-            # q [16 heads, C] as rows b H + 16 hb of q viewed [B H, C], on tile 0's mbarriers: one latency. Rows
-            # past this request's heads (H < 16: the next request's; past B H: zero-filled) are columns never
-            # stored.
-            q_row = b * H + hb * BLOCK_H
-            tma.async_copy_global_to_shared(qv_desc, [q_row, 0], bv_a, qv_s)
-            tma.async_copy_global_to_shared(qr_desc, [q_row, KV_LORA], br_a, qr_s)
-            _copy(kv_desc, kr_desc, bv_a, br_a, kv_a, kr_a, gl.load(r2t + start).to(gl.int32), True, KV_LORA)
+            bv_a, br_a, bv_b, br_b = stage_barriers()
+            # q [16 heads, C] as rows b H + 16 hb of q viewed [B H, C], beside tile 0 on its mbarriers
+            tma_first_tile(qv_desc, qr_desc, kv_desc, kr_desc, qv_s, qr_s, kv_a, kr_a, bv_a, br_a, b * H + hb * BLOCK_H,
+                           r2t, start, KV_LORA)  # fmt: skip
             n1 = start + BLOCK_N  # tile 1's first slot, one tile early (the refill waits on no load)
-            slot_n = gl.load(r2t + n1, mask=n1 < end, other=0).to(gl.int32)
+            slot_n = first_slot(r2t, n1, end)
             for t in range(0, num_tiles, 2):
                 slot_n, m_i, l_e, acc = _tile_tma(
                     t, start, end, num_tiles, qk_scale, qv_s, qr_s, mx_s, p_s, kv_a, kr_a, bv_a, br_a, kv_b, kr_b,
@@ -254,33 +214,11 @@ def _mla_decode_narrow_kernel(
                         kr_a, bv_a, br_a, kv_desc, kr_desc, r2t, slot_n, keys, s_zero, m_i, l_e, acc,
                         KV_LORA, BLOCK_N, BLOCK_H, O_LAYOUT)  # fmt: skip
         else:
-            rows_v = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, GATHER_V))
-            cols_v = gl.arange(0, KV_LORA, layout=gl.SliceLayout(0, GATHER_V))
-            rows_r = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, GATHER_R))
-            cols_r = KV_LORA + gl.arange(0, ROPE, layout=gl.SliceLayout(0, GATHER_R))
-            h_v = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, GATHER_V))
-            h_r = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, GATHER_R))
-            # q [16, C] by cp.async in tile 0's group (masked heads zero-filled); then tile 0's rows, one copy a row
-            # (masked rows past end are zero-filled and read no memory)
-            q_b = q_ptr + b * stride_qb
-            async_copy.async_copy_global_to_shared(qv_s, q_b + h_v[:, None] * stride_qh + cols_v[None, :],
-                                                   mask=(h_v < H)[:, None])  # fmt: skip
-            async_copy.async_copy_global_to_shared(qr_s, q_b + h_r[:, None] * stride_qh + cols_r[None, :],
-                                                   mask=(h_r < H)[:, None])  # fmt: skip
-            m_v = (start + rows_v) < end
-            m_r = (start + rows_r) < end
-            sl_v = gl.load(r2t + start + rows_v, mask=m_v, other=0).to(gl.int64)
-            sl_r = gl.load(r2t + start + rows_r, mask=m_r, other=0).to(gl.int64)
-            async_copy.async_copy_global_to_shared(kv_a, kv_ptr + sl_v[:, None] * stride_kvs + cols_v[None, :],
-                                                   mask=m_v[:, None])  # fmt: skip
-            async_copy.async_copy_global_to_shared(kr_a, kv_ptr + sl_r[:, None] * stride_kvs + cols_r[None, :],
-                                                   mask=m_r[:, None])  # fmt: skip
-            async_copy.commit_group()
+            rows_v, rows_r, cols_v, cols_r = gather_first_tile(
+                q_ptr, kv_ptr, r2t, qv_s, qr_s, kv_a, kr_a, b, hb * BLOCK_H, H, start, end, stride_qb, stride_qh,
+                stride_kvs, BLOCK_H, BLOCK_N, KV_LORA, ROPE, GATHER_V, GATHER_R)  # fmt: skip
             # tile 1's slots, one iteration early: the gather issued in an iteration waits on no load of its own
-            m_v = (start + BLOCK_N + rows_v) < end
-            m_r = (start + BLOCK_N + rows_r) < end
-            sl_v = gl.load(r2t + start + BLOCK_N + rows_v, mask=m_v, other=0).to(gl.int32)
-            sl_r = gl.load(r2t + start + BLOCK_N + rows_r, mask=m_r, other=0).to(gl.int32)
+            sl_v, sl_r, m_v, m_r = row_slots(r2t, start + BLOCK_N, rows_v, rows_r, end, gl.int32)
             for t in range(0, num_tiles, 2):
                 sl_v, sl_r, m_v, m_r, m_i, l_e, acc = _tile_gather(
                     t, start, end, qk_scale, qv_s, qr_s, mx_s, p_s, kv_a, kr_a, kv_b, kr_b, kv_ptr, r2t, stride_kvs,
@@ -305,12 +243,6 @@ def _mla_decode_narrow_kernel(
         gl.store(part_lse_ptr + b * stride_lb + h_s * stride_lh + split, m_i + gl.log2(l_i), mask=h_s < H)
 
 
-def _gather_layout(cols: int) -> gl.BlockedLayout:
-    """16-byte cp.async per thread along a row, as many threads along the row as it has 8-column chunks."""
-    tc = min(32, cols // 8)
-    return gl.BlockedLayout([1, 8], [32 // tc, tc], [NUM_WARPS, 1], [1, 0])
-
-
 def _layouts(kv_lora: int, rope: int, dtype: Any, out_bytes: int) -> dict[str, Any]:
     acc = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, BLOCK_H, 16])
     vec = 16 // out_bytes  # 16-byte stores: 4 fp32 partials, 8 bf16 outputs
@@ -320,8 +252,8 @@ def _layouts(kv_lora: int, rope: int, dtype: Any, out_bytes: int) -> dict[str, A
         "S_LAYOUT": acc,  # S^T [64, 16]: one wgmma M block, 16 keys a warp
         "O_LAYOUT": acc,  # O^T [kv_lora, 16]: kv_lora / 64 M blocks
         "OUT_LAYOUT": gl.BlockedLayout([vec, 1], [tc, 32 // tc], [1, NUM_WARPS], [0, 1]),
-        "GATHER_V": _gather_layout(kv_lora),
-        "GATHER_R": _gather_layout(rope),
+        "GATHER_V": gather_layout(kv_lora, NUM_WARPS),
+        "GATHER_R": gather_layout(rope, NUM_WARPS),
         "QV_SMEM": nvmma([BLOCK_H, kv_lora], dtype),
         "QR_SMEM": nvmma([BLOCK_H, rope], dtype),
         "KV_SMEM": nvmma([BLOCK_N, kv_lora], dtype),

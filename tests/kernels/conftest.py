@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -91,3 +92,26 @@ def paged_req_to_token(
         slots = (pages[:, None] * page_size + torch.arange(page_size)[None, :]).reshape(-1)[:n]
         req_to_token[rows[b], :n] = slots.to(torch.int32)
     return req_to_token, rows.long(), num_pages * page_size
+
+
+def assert_graph_replay_matches_eager(tile: Any, heads: int) -> None:
+    """A captured mla_decode call, replayed on new lengths and new cache contents, equals an eager call on them (the
+    Gluon kernels' TMA descriptors are captured as launch arguments; the cache is 64-slot pages either way)."""
+    from r3trace.kernels.mla_decode import mla_decode
+
+    gen = torch.Generator().manual_seed(3)
+    lens = [900, 17, 2100]
+    r2t, rows, S = paged_req_to_token([max(lens)] * 3, 64, gen)
+    q = torch.randn(3, heads, 576, generator=gen).cuda().bfloat16()
+    kv = torch.randn(S, 576, generator=gen).cuda().bfloat16()
+    seq = torch.tensor(lens, device="cuda")
+    r2t, rows = r2t.cuda(), rows.cuda()
+    mla_decode(q, kv, r2t, rows, seq, 512, 0.05, num_kv_splits=4, tile=tile)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = mla_decode(q, kv, r2t, rows, seq, 512, 0.05, num_kv_splits=4, tile=tile)
+    seq.copy_(torch.tensor([1, 2049, 64]))
+    kv.copy_(torch.randn(S, 576, generator=gen).bfloat16())
+    graph.replay()
+    eager = mla_decode(q, kv, r2t, rows, seq, 512, 0.05, num_kv_splits=4, tile=tile)
+    assert torch.equal(out, eager)

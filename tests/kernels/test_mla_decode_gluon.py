@@ -15,7 +15,14 @@ import torch
 from r3trace.kernels import mla_decode_gluon
 from r3trace.kernels.contract import KernelInputError
 from r3trace.kernels.mla_decode import DecodeTile, mla_decode, mla_decode_ref
-from tests.kernels.conftest import assert_close_to_ref, gpu, paged_req_to_token, requires_gpu, requires_triton
+from tests.kernels.conftest import (
+    assert_close_to_ref,
+    assert_graph_replay_matches_eager,
+    gpu,
+    paged_req_to_token,
+    requires_gpu,
+    requires_triton,
+)
 
 pytestmark = [requires_triton, gpu, requires_gpu]
 
@@ -120,25 +127,10 @@ def test_gluon_rejects_what_it_cannot_run() -> None:
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Gluon decode kernel is sm_90 only")
+@pytest.mark.parametrize("pdl", [False, True])
 @pytest.mark.parametrize("page_size", [1, 64])
-def test_gluon_under_cuda_graph(page_size: int) -> None:
-    """The engine replays decode from CUDA graphs: a captured call, replayed on new lengths and new cache
-    contents, equals an eager call on them (page_size 64: the TMA form, its descriptors captured as launch
-    arguments; the cache is 64-slot pages either way)."""
-    tile = GLUON._replace(page_size=page_size)
-    gen = torch.Generator().manual_seed(3)
-    lens = [900, 17, 2100]
-    r2t, rows, S = paged_req_to_token([max(lens)] * 3, 64, gen)
-    q = torch.randn(3, 128, 576, generator=gen).cuda().bfloat16()
-    kv = torch.randn(S, 576, generator=gen).cuda().bfloat16()
-    seq = torch.tensor(lens, device="cuda")
-    r2t, rows = r2t.cuda(), rows.cuda()
-    mla_decode(q, kv, r2t, rows, seq, 512, 0.05, num_kv_splits=4, tile=tile)  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = mla_decode(q, kv, r2t, rows, seq, 512, 0.05, num_kv_splits=4, tile=tile)
-    seq.copy_(torch.tensor([1, 2049, 64]))
-    kv.copy_(torch.randn(S, 576, generator=gen).bfloat16())
-    graph.replay()
-    eager = mla_decode(q, kv, r2t, rows, seq, 512, 0.05, num_kv_splits=4, tile=tile)
-    assert torch.equal(out, eager)
+def test_gluon_under_cuda_graph(page_size: int, pdl: bool) -> None:
+    """The engine replays decode from CUDA graphs: a captured call, replayed on new lengths and new cache contents,
+    equals an eager call on them (page 64: the TMA form); with and without programmatic dependent launch (not the
+    default here, a launch option the tile carries)."""
+    assert_graph_replay_matches_eager(GLUON._replace(page_size=page_size, pdl=pdl), 128)

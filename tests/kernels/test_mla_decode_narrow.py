@@ -14,7 +14,14 @@ import torch
 from r3trace.kernels import mla_decode_narrow
 from r3trace.kernels.contract import KernelInputError
 from r3trace.kernels.mla_decode import DecodeTile, mla_decode, mla_decode_ref
-from tests.kernels.conftest import assert_close_to_ref, gpu, paged_req_to_token, requires_gpu, requires_triton
+from tests.kernels.conftest import (
+    assert_close_to_ref,
+    assert_graph_replay_matches_eager,
+    gpu,
+    paged_req_to_token,
+    requires_gpu,
+    requires_triton,
+)
 
 pytestmark = [requires_triton, gpu, requires_gpu]
 
@@ -100,25 +107,16 @@ def test_narrow_rejects_what_it_cannot_run() -> None:
 
 
 @pytest.mark.skipif(not _hopper(), reason="the narrow Gluon decode kernel is sm_90 only")
+@pytest.mark.parametrize("pdl", [True, False])
 @pytest.mark.parametrize("page_size", [1, 64])
-def test_narrow_under_cuda_graph(page_size: int) -> None:
-    """A captured call, replayed on new lengths and new cache contents, equals an eager call on them (page 64: the
-    TMA form, its descriptors captured as launch arguments; the cache is 64-slot pages either way)."""
-    tile = NARROW._replace(page_size=page_size)
-    gen = torch.Generator().manual_seed(3)
-    lens = [900, 17, 2100]
-    r2t, rows, S = paged_req_to_token([max(lens)] * 3, 64, gen)
-    q = torch.randn(3, 16, 576, generator=gen).cuda().bfloat16()
-    kv = torch.randn(S, 576, generator=gen).cuda().bfloat16()
-    seq = torch.tensor(lens, device="cuda")
-    r2t, rows = r2t.cuda(), rows.cuda()
-    mla_decode(q, kv, r2t, rows, seq, 512, 0.05, num_kv_splits=4, tile=tile)  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = mla_decode(q, kv, r2t, rows, seq, 512, 0.05, num_kv_splits=4, tile=tile)
-    seq.copy_(torch.tensor([1, 2049, 64]))
-    kv.copy_(torch.randn(S, 576, generator=gen).bfloat16())
-    graph.replay()
-    eager = mla_decode(q, kv, r2t, rows, seq, 512, 0.05, num_kv_splits=4, tile=tile)
-    assert torch.equal(out, eager)
+def test_narrow_under_cuda_graph(page_size: int, pdl: bool) -> None:
+    """Graph replay equals eager (page 64: the TMA form); with and without programmatic dependent launch."""
+    assert_graph_replay_matches_eager(NARROW._replace(page_size=page_size, pdl=pdl), 16)
 
+
+@pytest.mark.skipif(not _hopper(), reason="the narrow Gluon decode kernel is sm_90 only")
+def test_narrow_pdl_same_bits() -> None:
+    """Programmatic dependent launch changes when the kernels start, not what they compute."""
+    q, kv, r2t, rows, seq = _inputs(16, 512, 64, 64, torch.bfloat16, 21)
+    args = (q, kv, r2t, rows, seq, 512, 576**-0.5, 5)
+    assert torch.equal(mla_decode(*args, tile=NARROW._replace(pdl=True)), mla_decode(*args, tile=NARROW))
