@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from engine_gpu import bench_checkpoint, bench_prompts, decode_tokens_per_s, open_engine  # noqa: E402
+from engine_gpu import bench_checkpoint, bench_prompts, decode_tokens_per_s, open_engine, vocab_size  # noqa: E402
 
 from r3trace.engine import Engine  # noqa: E402
 
@@ -97,16 +97,17 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="")
     ap.add_argument("--shape", default="v3-2.5b")
+    ap.add_argument("--model", default="", help="a local checkpoint instead (e.g. samples/model)")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--ab-overlap", action="store_true",
                     help="first time decode with overlap_schedule off then on, alternating, in one process")
     args = ap.parse_args()
     b, n = args.batch, args.new_tokens
-    report: dict[str, Any] = {"device": torch.cuda.get_device_name(), "shape": args.shape, "batch": b}
-    prompts = bench_prompts(b)
+    report: dict[str, Any] = {"device": torch.cuda.get_device_name(), "shape": args.model or args.shape, "batch": b}
     with tempfile.TemporaryDirectory() as tmp:
-        ckpt = bench_checkpoint(Path(tmp), args.shape)
+        ckpt = Path(args.model) if args.model else bench_checkpoint(Path(tmp), args.shape)
+        prompts = bench_prompts(b, vocab_size(ckpt))
         if args.ab_overlap:
             report["overlap_ab"] = overlap_ab(ckpt, prompts, b, n)
         with open_engine(ckpt, "triton", b, n) as eng:
@@ -118,15 +119,16 @@ def main() -> None:
                 report[f"step_ms_capture_{'on' if capture else 'off'}"] = 1e3 * b / float(np.median(tps))
             report["graph_replay_ms"] = eng.run_on_scheduler(lambda: replay_ms(eng, b))
             report["step_trace"] = step_trace(eng, prompts, n)
-            prof = cProfile.Profile()
-            eng.run_on_scheduler(prof.enable)  # profiles the thread that calls it: the scheduler's
-            decode_tokens_per_s(eng, prompts, n, True)
-            eng.run_on_scheduler(prof.disable)
-            buf = io.StringIO()
-            stats = pstats.Stats(prof, stream=buf)
-            stats.sort_stats("tottime").print_stats(30)
-            stats.sort_stats("cumtime").print_stats(40)
-            report["host_profile"] = buf.getvalue()
+            for capture in (True, False):  # the scheduler thread's host time by function, with and without capture
+                prof = cProfile.Profile()
+                eng.run_on_scheduler(prof.enable)  # profiles the thread that calls it: the scheduler's
+                decode_tokens_per_s(eng, prompts, n, capture)
+                eng.run_on_scheduler(prof.disable)
+                buf = io.StringIO()
+                stats = pstats.Stats(prof, stream=buf)
+                stats.sort_stats("tottime").print_stats(30)
+                stats.sort_stats("cumtime").print_stats(40)
+                report["host_profile" if capture else "host_profile_capture_off"] = buf.getvalue()
             report["kernels"] = eng.run_on_scheduler(lambda: kernel_table(eng, b))
     for k, v in report.items():
         print(f"== {k}\n{v}" if isinstance(v, str) and "\n" in v else f"{k}: {v}", flush=True)
