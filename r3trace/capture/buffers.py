@@ -86,6 +86,15 @@ class RouteBuffers:
         self.pending: deque[PendingCopy] = deque()
         self._copy_stream = torch.cuda.Stream(self.device) if self.on_cuda else None
         self._last_copy: torch.cuda.Event | None = None  # the newest copy still reading dev_ids
+        # Per step on CUDA, no allocation and no event creation (each a few us of host time on a step that can be
+        # host-bound: bench/NOTES.md "Session 7", run 6): the token-major source of the pinned copy is one device
+        # buffer (the copy stream orders a step's write after the previous step's read), one event a staging set.
+        self._dev_major = (
+            (torch.empty(shape, dtype=self.dtype, device=self.device),
+             torch.empty(shape, dtype=torch.float16, device=self.device) if with_weights else None)
+            if self.on_cuda else None
+        )  # fmt: skip
+        self._events = [torch.cuda.Event() for _ in self._staging] if self.on_cuda else []
         self.bytes_last_step = 0
         self.bytes_total = 0
 
@@ -121,47 +130,54 @@ class RouteBuffers:
         if self.dev_weights is not None and topk_weights is not None:
             self.dev_weights[moe_index, : topk_ids.shape[0]].copy_(topk_weights)
 
-    @staticmethod
-    def _token_major(src: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """[M, n, K] device -> contiguous [n, M, K] of `dtype` (one kernel: transpose and narrow)."""
-        out = torch.empty((src.shape[1], src.shape[0], src.shape[2]), dtype=dtype, device=src.device)
-        return out.copy_(src.transpose(0, 1))
-
     def start_copy(
-        self, rows: list[int] | None, n_tokens: int, out_cache_loc: torch.Tensor, pending: PendingCopy
+        self,
+        rows: list[int] | None,
+        n_tokens: int,
+        out_cache_loc: torch.Tensor,
+        pending: PendingCopy,
+        host_slots: np.ndarray | None = None,
     ) -> None:
-        """Gather `rows` (None = all n_tokens) on the device and copy them to pinned staging, async."""
+        """Gather `rows` (None = all n_tokens) on the device and copy them to pinned staging, async. host_slots: the
+        batch's out_cache_loc on the host (the engine has it), which then needs no copy back."""
         if self.full:
             raise RuntimeError("route capture: every staging buffer is in flight; drain_one() first")
-        ids_st, w_st, slots_st = self._staging[self._next_staging]
+        which = self._next_staging
+        ids_st, w_st, slots_st = self._staging[which]
         self._next_staging = (self._next_staging + 1) % len(self._staging)
         if not self.on_cuda:  # host tensors already: no staging, no copy engine
             self._start_copy_host(rows, n_tokens, out_cache_loc, pending)
             return
-        assert self._copy_stream is not None
+        assert self._copy_stream is not None and self._dev_major is not None
         stream = self._copy_stream
+        major_ids, major_w = self._dev_major
         stream.wait_stream(torch.cuda.current_stream(self.device))  # the forward has written its ids
+        n = n_tokens if rows is None else len(rows)
+        pending.slots = slots_st[:n]
+        if host_slots is not None:
+            np.copyto(pending.slots.numpy(), host_slots[:n] if rows is None else host_slots[rows])
         with torch.cuda.stream(stream):
             if rows is None:
-                n = n_tokens
                 src_ids, src_slots = self.dev_ids[:, :n], out_cache_loc[:n]
                 src_w = None if self.dev_weights is None else self.dev_weights[:, :n]
             else:
-                n = len(rows)
                 index = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
-                src_ids, src_slots = self.dev_ids.index_select(1, index), out_cache_loc.index_select(0, index)
+                src_ids = self.dev_ids.index_select(1, index)
+                src_slots = out_cache_loc.index_select(0, index) if host_slots is None else out_cache_loc
                 src_w = None if self.dev_weights is None else self.dev_weights.index_select(1, index)
+            # [M, n, K] -> [n, M, K] in the host dtype (one kernel: transpose and narrow), then to pinned memory
             pending.ids = ids_st[:n]
-            pending.ids.copy_(self._token_major(src_ids, ids_st.dtype), non_blocking=True)
-            pending.slots = slots_st[:n]
-            pending.slots.copy_(src_slots, non_blocking=True)
-            if w_st is not None and src_w is not None:
+            pending.ids.copy_(major_ids[:n].copy_(src_ids.transpose(0, 1)), non_blocking=True)
+            if host_slots is None:
+                pending.slots.copy_(src_slots, non_blocking=True)
+            if w_st is not None and src_w is not None and major_w is not None:
                 pending.weights = w_st[:n]
-                pending.weights.copy_(self._token_major(src_w, torch.float16), non_blocking=True)
+                pending.weights.copy_(major_w[:n].copy_(src_w.transpose(0, 1)), non_blocking=True)
             pending.n_rows = n
-            pending.event = torch.cuda.Event()
+            pending.event = self._events[which]  # its last use was drained: this set was not in flight
             pending.event.record(stream)
-        out_cache_loc.record_stream(stream)  # allocated on the main stream, read here: keep it until done
+        if host_slots is None:
+            out_cache_loc.record_stream(stream)  # allocated on the main stream, read here: keep it until done
         self._last_copy = pending.event
         self._account(n, src_w is not None)
         self.pending.append(pending)

@@ -110,7 +110,7 @@ class RoutedExpertsCapturer:
             # engine already read, so it is complete and this costs no wait on the device.
             self._process(self.buffers.drain_one())
         rows = None if copied == start else [r for s0, n in spans for r in range(s0, s0 + n)]
-        self.buffers.start_copy(rows, start, batch.out_cache_loc, pending)
+        self.buffers.start_copy(rows, start, batch.out_cache_loc, pending, batch.out_cache_loc_cpu)
 
     # ---------------------------------------------------------------- request lifecycle
     def add_request(self, rid: str, want: bool) -> None:

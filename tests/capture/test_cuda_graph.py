@@ -56,3 +56,26 @@ def test_graph_replay_routes_equal_eager(tiny_ckpt: Path) -> None:
         eager = capturer.buffers.dev_ids[:, :t].clone()
         assert (eager >= 0).all()
         assert torch.equal(replayed, eager)
+
+
+@pytest.mark.parametrize("wanted", ["all", "every-other"])
+def test_engine_on_cuda_returns_the_direct_forwards_routes(tiny_ckpt: Path, wanted: str) -> None:
+    """The CUDA copy path end to end (pinned staging, the copy stream, the reused device buffer and events, slots
+    from the host): every returned route row equals a direct forward's, with all requests asking (all rows copied)
+    and with every other one asking (a subset of rows gathered on the device), under CUDA graphs and overlap."""
+    from r3trace.engine import Engine
+    from tests.capture.helpers import assert_routes_exact
+    from tests.engine.conftest import greedy, random_prompts
+
+    prompts = random_prompts(7, 4, 30, seed=5)
+    opts = dict(attention_backend="triton", moe_backend="triton", topk_backend="triton", norm_backend="triton",
+                rope_backend="triton", device="cuda", cuda_graph_batch_sizes=(1, 2, 4, 8), max_running_requests=8)
+    with Engine(tiny_ckpt, **opts) as eng:  # type: ignore[arg-type]
+        for _ in range(2):  # the second round reuses both staging sets and their events
+            wants = [wanted == "all" or i % 2 == 0 for i in range(len(prompts))]
+            outs = eng.generate(input_ids=prompts, sampling_params=greedy(9), return_routed_experts=wants)
+            for p, o, w in zip(prompts, outs, wants, strict=True):
+                if w:
+                    assert_routes_exact(tiny_ckpt, p, o)
+                else:
+                    assert "routed_experts" not in o["meta_info"]
