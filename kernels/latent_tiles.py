@@ -10,10 +10,47 @@ the same instructions with other register numbers).
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+GLUON_KV_LORA = (128, 256, 512)  # the wide kernel: each warpgroup's half of O, one wgmma of N = kv_lora / 2 <= 256
+GLUON_ROPE = (16, 32, 64, 128)  # a power of two (Gluon tensor shapes), >= one 16-wide wgmma K step
+
+
+def unsupported(q: torch.Tensor, kv_lora: int, kernel: str) -> str | None:
+    """None when a Gluon decode stage 1 can run these inputs, else why not (mla_decode raises it)."""
+    rope = q.shape[2] - kv_lora
+    if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
+        return f"the {kernel} decode kernel needs a Hopper (sm_90) GPU"
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return f"the {kernel} decode kernel takes bf16/fp16, not {q.dtype}"
+    if kv_lora not in GLUON_KV_LORA or rope not in GLUON_ROPE:
+        return (f"the {kernel} decode kernel needs kv_lora in {GLUON_KV_LORA} and rope in {GLUON_ROPE}, "
+                f"got {kv_lora}, {rope}")  # fmt: skip
+    return None
+
+
+def tile_descriptors(
+    q: torch.Tensor, kv_cache: torch.Tensor, kv_lora: int, block_h: int, block_n: int, layouts: dict[str, Any]
+) -> tuple[TensorDescriptor, ...]:
+    """The TMA form's four descriptors: q viewed [B H, C] with a [block_h, kv_lora] and a [block_h, rope] box, the
+    cache [S, C] with a [block_n, kv_lora] and a [block_n, rope] box (rope boxes at column kv_lora). Boxes past 128
+    bytes a row: triton 3.6 splits them along the 128 B swizzle (8 copies of [rows, 64] at kv_lora 512), as the
+    wgmma's NVMMASharedLayout stores them."""
+    B, H, C = q.shape
+    qf, rope, rows = q.view(B * H, C), C - kv_lora, kv_cache.shape[0]
+    return (
+        TensorDescriptor(qf, [B * H, C], [C, 1], [block_h, kv_lora], layouts["QV_SMEM"]),
+        TensorDescriptor(qf, [B * H, C], [C, 1], [block_h, rope], layouts["QR_SMEM"]),
+        TensorDescriptor(kv_cache, [rows, C], [kv_cache.stride(0), 1], [block_n, kv_lora], layouts["KV_SMEM"]),
+        TensorDescriptor(kv_cache, [rows, C], [kv_cache.stride(0), 1], [block_n, rope], layouts["KR_SMEM"]),
+    )
 
 
 @gluon.jit

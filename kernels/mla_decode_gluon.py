@@ -47,6 +47,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from r3trace.kernels.latent_tiles import (
+    GLUON_KV_LORA,
+    GLUON_ROPE,
     copy_tile,
     expect_tile,
     first_slot,
@@ -57,14 +59,16 @@ from r3trace.kernels.latent_tiles import (
     launch_dependents,
     row_slots,
     stage_barriers,
+    tile_descriptors,
     tma_first_tile,
+    unsupported,
 )
+
+__all__ = ["GLUON_KV_LORA", "GLUON_ROPE", "gluon_supported", "mla_decode_stage1_gluon", "tma_usable"]
 
 BLOCK_H = 64  # one wgmma M: 4 warps x 16 rows
 BLOCK_N = 64  # keys a tile: S is 64 x 64, each warpgroup's half an instruction of N = 32
 NUM_WARPS = 8  # two warpgroups, [4, 2]: M over the warps of a group, N over the groups
-GLUON_KV_LORA = (128, 256, 512)  # each warpgroup's half of O: one wgmma of N = kv_lora / 2 <= 256
-GLUON_ROPE = (16, 32, 64, 128)  # a power of two (Gluon tensor shapes), >= one 16-wide wgmma K step
 # constexpr switches of the kernel, at their defaults; bench/mla_decode_h128.py --variants times others.
 # MAX_XCHG: the row max over a tile's 64 keys from each warpgroup's max over its 32, swapped through 512 B
 # of shared memory with one barrier, not gl.max's cross-warp reduction (two barriers): 1-4% faster at
@@ -295,32 +299,7 @@ def _layouts(kv_lora: int, rope: int, dtype: Any) -> dict[str, Any]:
 
 def gluon_supported(q: torch.Tensor, kv_lora: int) -> str | None:
     """None when the Gluon stage 1 can run these inputs, else why not (the launcher raises it)."""
-    rope = q.shape[2] - kv_lora
-    if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
-        return "the Gluon decode kernel needs a Hopper (sm_90) GPU"
-    if q.dtype not in (torch.bfloat16, torch.float16):
-        return f"the Gluon decode kernel takes bf16/fp16, not {q.dtype}"
-    if kv_lora not in GLUON_KV_LORA or rope not in GLUON_ROPE:
-        return f"the Gluon decode kernel needs kv_lora in (128, 256, 512) and rope in (16..128), got {kv_lora}, {rope}"
-    return None
-
-
-def _tma_descriptors(
-    q: torch.Tensor, kv_cache: torch.Tensor, kv_lora: int, layouts: dict[str, Any]
-) -> dict[str, TensorDescriptor | None]:
-    """q viewed [B H, C] and the cache [S, C], each with a [64, kv_lora] and a [64, rope] box (the rope box at
-    column kv_lora). Block shapes past 128 bytes: triton 3.6 splits the box along the 128 B swizzle (8 copies
-    of [64, 64] for kv_lora 512), as the wgmma's NVMMASharedLayout stores it."""
-    B, H, C = q.shape
-    qf, rope = q.view(B * H, C), C - kv_lora
-    return {
-        "qv_desc": TensorDescriptor(qf, [B * H, C], [C, 1], [BLOCK_H, kv_lora], layouts["QV_SMEM"]),
-        "qr_desc": TensorDescriptor(qf, [B * H, C], [C, 1], [BLOCK_H, rope], layouts["QR_SMEM"]),
-        "kv_desc": TensorDescriptor(kv_cache, [kv_cache.shape[0], C], [kv_cache.stride(0), 1], [BLOCK_N, kv_lora],
-                                    layouts["KV_SMEM"]),
-        "kr_desc": TensorDescriptor(kv_cache, [kv_cache.shape[0], C], [kv_cache.stride(0), 1], [BLOCK_N, rope],
-                                    layouts["KR_SMEM"]),
-    }  # fmt: skip
+    return unsupported(q, kv_lora, "Gluon")
 
 
 def tma_usable(q: torch.Tensor, kv_cache: torch.Tensor, page_size: int) -> bool:
@@ -365,11 +344,11 @@ def mla_decode_stage1_gluon(
     grid = ((H + BLOCK_H - 1) // BLOCK_H, B, num_kv_splits)
     layouts = _layouts(kv_lora_rank, C - kv_lora_rank, gdt)
     flags = FLAGS | {"TMA": tma_usable(q, kv_cache, page_size)} | (flags or {})
-    none: dict[str, TensorDescriptor | None] = dict.fromkeys(("qv_desc", "qr_desc", "kv_desc", "kr_desc"))
-    descs = _tma_descriptors(q, kv_cache, kv_lora_rank, layouts) if flags["TMA"] else none
+    descs: tuple[TensorDescriptor | None, ...] = (None,) * 4
+    if flags["TMA"]:
+        descs = tile_descriptors(q, kv_cache, kv_lora_rank, BLOCK_H, BLOCK_N, layouts)
     _mla_decode_gluon_kernel[grid](
-        q, kv_cache, req_to_token, req_pool_indices, seq_lens, part_out, part_lse,
-        descs["qv_desc"], descs["qr_desc"], descs["kv_desc"], descs["kr_desc"],
+        q, kv_cache, req_to_token, req_pool_indices, seq_lens, part_out, part_lse, *descs,
         H, num_kv_splits, split_align, qk_scale,
         q.stride(0), q.stride(1), kv_cache.stride(0), req_to_token.stride(0),
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),

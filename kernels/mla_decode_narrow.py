@@ -57,9 +57,11 @@ from r3trace.kernels.latent_tiles import (
     launch_dependents,
     row_slots,
     stage_barriers,
+    tile_descriptors,
     tma_first_tile,
+    unsupported,
 )
-from r3trace.kernels.mla_decode_gluon import GLUON_KV_LORA, GLUON_ROPE, tma_usable
+from r3trace.kernels.mla_decode_gluon import tma_usable
 
 BLOCK_H = 16  # the wgmma's N: 16 heads, no padding
 BLOCK_N = 64  # keys a tile: the wgmma's M, 16 per warp
@@ -264,14 +266,7 @@ def _layouts(kv_lora: int, rope: int, dtype: Any, out_bytes: int) -> dict[str, A
 
 def narrow_supported(q: torch.Tensor, kv_lora: int) -> str | None:
     """None when this kernel can run these inputs, else why not (the launcher raises it)."""
-    rope = q.shape[2] - kv_lora
-    if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
-        return "the narrow Gluon decode kernel needs a Hopper (sm_90) GPU"
-    if q.dtype not in (torch.bfloat16, torch.float16):
-        return f"the narrow Gluon decode kernel takes bf16/fp16, not {q.dtype}"
-    if kv_lora not in GLUON_KV_LORA or rope not in GLUON_ROPE:
-        return f"the narrow Gluon decode kernel needs kv_lora in {GLUON_KV_LORA} and rope in {GLUON_ROPE}"
-    return None
+    return unsupported(q, kv_lora, "narrow Gluon")
 
 
 def mla_decode_stage1_narrow(
@@ -302,14 +297,7 @@ def mla_decode_stage1_narrow(
     use_tma = (flags or {}).get("TMA", FLAGS.get("TMA", tma_usable(q, kv_cache, page_size)))
     descs: tuple[TensorDescriptor | None, ...] = (None,) * 4
     if use_tma:
-        qf, rows = q.view(B * H, C), kv_cache.shape[0]
-        descs = (
-            TensorDescriptor(qf, [B * H, C], [C, 1], [BLOCK_H, kv_lora_rank], layouts["QV_SMEM"]),
-            TensorDescriptor(qf, [B * H, C], [C, 1], [BLOCK_H, rope], layouts["QR_SMEM"]),
-            TensorDescriptor(kv_cache, [rows, C], [kv_cache.stride(0), 1], [BLOCK_N, kv_lora_rank],
-                             layouts["KV_SMEM"]),  # fmt: skip
-            TensorDescriptor(kv_cache, [rows, C], [kv_cache.stride(0), 1], [BLOCK_N, rope], layouts["KR_SMEM"]),
-        )
+        descs = tile_descriptors(q, kv_cache, kv_lora_rank, BLOCK_H, BLOCK_N, layouts)
     grid = ((H + BLOCK_H - 1) // BLOCK_H, B, num_kv_splits)
     _mla_decode_narrow_kernel[grid](
         q, kv_cache, req_to_token, req_pool_indices, seq_lens, part_out, part_lse, *descs,
