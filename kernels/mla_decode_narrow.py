@@ -23,11 +23,13 @@ by the launcher from the caller's page size: TMA boxes on mbarriers (pages of a 
 keys are 64 consecutive cache rows) or cp.async row copies through req_to_token (any page size).
 Writes the same partials and LSEs as the Triton stage 1 (mla_decode's merge is shared). With DecodeTile.pdl it is
 launched as a programmatic dependent and waits (griddepcontrol.wait) before its first global access: 3-8% faster at
-B16/1k, B16/8k and B64/1k (bench/NOTES.md, "Session 7", run 4). The merge done in-kernel by the last split program
-of each (request, head block) instead of a second launch lost everywhere (run 4: 1.05-1.8x slower; its serial
-reads of the other programs' partials outweigh the launch). Not under
-TRITON_INTERPRET (Gluon); covered by gpu-marked tests. Requires sm_90, bf16/fp16, kv_lora in {128, 256, 512},
-rope a power of two in 16..128.
+B16/1k, B16/8k and B64/1k (bench/NOTES.md, "Session 7", run 4). Measured against the Triton tile on 64-slot pages
+(run 5, BENCHMARKS.md "mla16c"): 1.10-1.18x at all nine cells of issue 6, 82% of copy bandwidth at B16/8k, 93-108%
+at the >= 300 MB cells; the cp.async form only ties the Triton tile, so the default takes this kernel on 64-slot
+pages only. The merge done in-kernel by the last split program of each (request, head block) lost everywhere (run 4:
+1.05-1.8x slower; its serial reads of the other programs' partials outweigh the launch). Not under TRITON_INTERPRET
+(Gluon); covered by gpu-marked tests. Requires sm_90, bf16/fp16, kv_lora in {128, 256, 512}, rope a power of two in
+16..128.
 """
 
 from __future__ import annotations
