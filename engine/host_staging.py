@@ -6,9 +6,9 @@ obvious `torch.from_numpy(a).to(device, non_blocking=True)`: from pageable memor
 synchronously with the stream (the host then waits for step i, and the overlap is gone), and a pinned buffer
 rewritten by the host before the queued copy ran would send the wrong step's values. So each copy goes from its
 own pinned buffer, and a buffer is reused only after the event recorded behind its copy has passed. The ring
-is sized so a buffer comes back at least two steps later (the runner: 8 buffers for up to 4 copies a step, the
-batch's packed fields, the req_to_token writes and a replay plan's two), after the host already waited for a
-later step's results: the event check never blocks in steady state.
+is sized so a buffer comes back at least two steps later (the runner: 10 buffers for up to 5 copies a step, the
+batch's packed fields, the req_to_token writes, a replay plan's two and the input-logprob rows), after the host
+already waited for a later step's results: the event check never blocks in steady state.
 Buffers hold bytes, so any dtype travels (int64 fields, the sampler's float32 temperatures, bool masks).
 """
 

@@ -61,7 +61,7 @@ class ModelRunner:
         self.sampler = sampler
         self.device = device
         self.forward_id = 0
-        self.staging = HostStaging(device)
+        self.staging = HostStaging(device, num_buffers=10)  # up to 5 copies a step: host_staging.py
         # [R] int64: the token each request row sampled last (read by steps scheduled ahead, see the docstring)
         self.next_tokens = torch.zeros(req_pool.req_to_token.shape[0], dtype=torch.int64, device=device)
 
@@ -141,7 +141,6 @@ class ModelRunner:
     ) -> dict[str, torch.Tensor]:
         """Sampled tokens and logprobs of the step, on the device."""
         samplers = [it for it in items if it.sample]
-        dev = logits.device
         on_device: dict[str, torch.Tensor] = {}
         next_ids = None
         # Decode: every logits row samples; indexing by a host list would cost a copy and a gather kernel.
@@ -158,10 +157,10 @@ class ModelRunner:
         top_num = max((it.req.logprob.top_num for it in items if it.req.logprob is not None), default=0)
         if want_lp and logits.shape[0]:
             logprobs = torch.log_softmax(logits.float(), dim=-1)  # [N, V]
-            if lp_rows:
-                rows = torch.tensor(lp_rows, device=dev)
-                targets = torch.tensor(lp_targets, device=dev)[:, None]
-                on_device["in_lp"] = logprobs[rows].gather(1, targets)[:, 0]
+            if lp_rows:  # the input-logprob rows and the prompt tokens they score: one staged copy, no blocking one
+                n = len(lp_rows)
+                packed = self.staging.to_device(np.asarray(lp_rows + lp_targets, dtype=np.int64))
+                on_device["in_lp"] = logprobs[packed[:n]].gather(1, packed[n:, None])[:, 0]
             if next_ids is not None:
                 sampled_lp = logprobs if every_row else logprobs[sample_rows]  # [B, V]
                 on_device["next_lp"] = sampled_lp.gather(1, next_ids[:, None])[:, 0]
