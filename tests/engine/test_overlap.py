@@ -152,3 +152,20 @@ def test_a_step_ahead_launches_without_blocking_the_host(make_engine: EngineFact
     outs = engine.generate(input_ids=PROMPTS, sampling_params=params)
     assert all(len(o["output_ids"]) == 12 for o in outs)
     assert len(checked) >= 8  # most of the 11 decode steps were scheduled ahead and checked
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_input_logprobs_on_the_gpu_match_the_cpu(make_engine: EngineFactory) -> None:
+    """Input-logprob rows reach the device through the runner's pinned staging (one packed copy of rows and
+    targets): the prompt tokens' logprobs on CUDA equal the CPU engine's (fp32, 1e-4: a GEMM's blocking)."""
+    params = greedy(3)
+    kw = dict(return_logprob=True, logprob_start_len=0)
+    cpu = make_engine().generate(input_ids=PROMPTS, sampling_params=params, **kw)
+    gpu = make_engine(device="cuda", attention_backend="triton", moe_backend="triton", topk_backend="triton",
+                      cuda_graph_batch_sizes=()).generate(input_ids=PROMPTS, sampling_params=params, **kw)
+    for a, b in zip(cpu, gpu, strict=True):
+        la = [x[0] for x in a["meta_info"]["input_token_logprobs"] if x[0] is not None]
+        lb = [x[0] for x in b["meta_info"]["input_token_logprobs"] if x[0] is not None]
+        assert len(la) == len(lb) > 3
+        np.testing.assert_allclose(la, lb, atol=1e-4)
