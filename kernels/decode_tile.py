@@ -145,11 +145,10 @@ def default_decode_tile(
     at B = 64 / 1k and 32k), fp32 4 programs per SM rounded down; bf16 launches both kernels as programmatic
     dependents (pdl; session 5: 0.6-1.4 us a call faster at the 19-151 MB cells, bench/NOTES.md "mla16b, session 5").
     H < 64, use_gluon, a shape the Gluon kernels take and pages of a multiple of 64 slots: the narrow Gluon tile in
-    its TMA form (mla_decode_narrow.py; session 7 run 3, graph-timed on shuffled 64-slot pages: 1.03-1.21x the
-    Triton tile at all nine cells, 80% of copy at B16/8k, 92-109% at the >= 300 MB cells), one wave of
-    programs, stage 1 and the merge launched as programmatic dependents (run 4: 82% at B16/8k), one split written
-    directly. Its cp.async form
-    (other page sizes) was 0.88-1.04x the Triton tile (B16/1k 0.88x), so smaller pages keep the Triton tile.
+    its TMA form (mla_decode_narrow.py; session 7 run 5, graph-timed on shuffled 64-slot pages: 1.10-1.18x the
+    Triton tile at all nine cells, 82% of copy at B16/8k, 93-108% at the >= 300 MB cells), one wave of programs,
+    stage 1 and the merge launched as programmatic dependents, one split written directly. Its cp.async form (other
+    page sizes) was 0.88-1.04x the Triton tile (run 3; B16/1k 0.88x), so smaller pages keep the Triton tile.
     H >= 64: use_gluon (the caller is on a Hopper GPU) and a shape the Gluon kernel takes: its two-warpgroup
     64 x 64 tile (B = 256, L = 32k: 6.86 vs 9.47 ms), its split count by splits_by_cost (run 6: 1.03-1.28x
     over 8 waves rounded up at kv_len >= 8k), and with one split stage 1 writes the output (direct: 1.01-1.10x at
@@ -159,7 +158,7 @@ def default_decode_tile(
     the keys so two fp32 tiles still fit in shared memory. page_size (the KV pool's) goes to the Gluon tile only."""
     gluon_shape = False
     if use_gluon and dtype.itemsize == 2:
-        from r3trace.kernels.mla_decode_gluon import GLUON_KV_LORA, GLUON_ROPE
+        from r3trace.kernels.latent_tiles import GLUON_KV_LORA, GLUON_ROPE
 
         gluon_shape = kv_lora in GLUON_KV_LORA and rope in GLUON_ROPE
     if num_heads >= 64:
