@@ -43,6 +43,14 @@ H16_MIN_SPLIT = 128
 # at B16/1k, B16/8k and B64/1k.
 NARROW_FIXED_TILES = 2
 NARROW_MIN_SPLIT = 64
+# DecodeTile.cluster: split counts the narrow kernel can merge inside a thread-block cluster (cluster_merge.py): 8 is
+# the portable cluster limit, powers of two so each rank's kv_lora / P output columns are a Gluon shape
+CLUSTER_SIZES = (2, 4, 8)
+# Session 8 (bench/NOTES.md "Session 8", runs 1-2, graph-timed): 2 splits merged in clusters of 2 took B64/1k from
+# 0.0262-0.0265 ms to 0.0243-0.0250; clusters of 8 (8 splits at B = 16, 1 CTA an SM) did not all fit at once and
+# took 1.5-1.8x longer (B16/1k 0.0192-0.0201 vs 0.0110-0.0113, B16/8k 0.065 vs 0.0437). So the default merges in
+# clusters of 2 only.
+NARROW_CLUSTER = 2
 
 
 def choose_num_kv_splits(
@@ -113,6 +121,10 @@ class DecodeTile(NamedTuple):
     # before it still runs and waits (griddepcontrol.wait) before its first global access, so its launch and
     # block scheduling overlap the previous kernel's tail; graph-capturable.
     pdl: bool = False
+    # the narrow Gluon kernel only: a split count in CLUSTER_SIZES up to this runs each (request, head block)'s splits
+    # as one thread-block cluster that merges in distributed shared memory and stores the output (no fp32 partials,
+    # no merge launch); other split counts (and 0) take the merge kernel
+    cluster: int = 0
 
     def head_programs(self, num_heads: int) -> int:
         """Stage-1 programs per (request, split): head blocks x value splits."""
@@ -169,7 +181,7 @@ def default_decode_tile(
         return DecodeTile(64, 64 if dtype.itemsize <= 2 else 32, 8, 2)
     if gluon_shape and page_size % 64 == 0:  # the TMA form; its cp.async form only ties the Triton tile (run 3)
         return DecodeTile(16, 64, 4, 2, kernel="narrow", fixed_tiles=NARROW_FIXED_TILES, min_split=NARROW_MIN_SPLIT,
-                          direct=True, page_size=page_size, pdl=True)  # fmt: skip
+                          direct=True, page_size=page_size, pdl=True, cluster=NARROW_CLUSTER)  # fmt: skip
     if dtype.itemsize <= 2:
         return DecodeTile(16, 32, 4, 3, fixed_tiles=H16_FIXED_TILES, per_sm=2, min_split=H16_MIN_SPLIT, pdl=True)
     return DecodeTile(16, 32, 4, 2, waves=4, whole_waves=True)

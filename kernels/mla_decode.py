@@ -32,7 +32,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from r3trace.kernels.contract import FLOAT_DTYPES, INDEX_DTYPES, require, require_tensor
-from r3trace.kernels.decode_tile import DecodeTile, choose_num_kv_splits, default_decode_tile
+from r3trace.kernels.decode_tile import CLUSTER_SIZES, DecodeTile, choose_num_kv_splits, default_decode_tile
 
 __all__ = ["DecodeTile", "choose_num_kv_splits", "default_decode_tile", "mla_decode", "mla_decode_ref"]
 from r3trace.kernels.dot import dot_precision
@@ -234,6 +234,9 @@ def mla_decode(
     # stage 1's 67 MB of fp32 partials; splits_by_cost picks one split at B >= 64 there. Opt-in per tile
     # (DecodeTile.direct; the Gluon default has it): the H = 16 Triton tile measured 2% slower with it.
     direct = num_kv_splits == 1 and tile.direct
+    # the splits merged inside a cluster (narrow kernel): stage 1 stores the output as in `direct`
+    cluster = tile.kernel == "narrow" and num_kv_splits in CLUSTER_SIZES and num_kv_splits <= tile.cluster
+    direct = direct or cluster
     part_out = out.unsqueeze(2) if direct else torch.empty(
         (B, H, num_kv_splits, kv_lora_rank), dtype=torch.float32, device=q.device)  # fmt: skip
     pdl = tile.pdl and q.is_cuda and _has_pdl(q.device.index or 0)  # interpret: no griddepcontrol
@@ -251,7 +254,8 @@ def mla_decode(
                 f"the {tile.kernel} Gluon kernel's tile is fixed: {fixed[0]} heads x {fixed[1]} keys x {fixed[2]} "
                 f"warps, 2 stages; got {tile}")  # fmt: skip
         getattr(gk, launch)(q, kv_cache, req_to_token, req_pool_indices, seq_lens, part_out, part_lse, kv_lora_rank,
-                            sm_scale * LOG2E, tile.block_n, tile.page_size, pdl=pdl)  # fmt: skip
+                            sm_scale * LOG2E, tile.block_n, tile.page_size, pdl=pdl,
+                            **({"cluster": num_kv_splits} if cluster else {}))  # fmt: skip
     else:
         _stage1_triton(q, kv_cache, req_to_token, req_pool_indices, seq_lens, part_out, part_lse, kv_lora_rank,
                        sm_scale, tile, block_c, block_r, pdl)  # fmt: skip

@@ -76,6 +76,27 @@ def test_gluon_decode_matches_triton_kernel(tmp_path: Path, heads: int) -> None:
         np.testing.assert_allclose(lg, lt, atol=0.08)
 
 
+def _decode_errors(eng: Engine, prompts: list[list[int]]) -> list[float]:
+    """Greedy generation of 4 tokens, each decode attention call checked against RefAttention (fp32 softmax) on the
+    same q and latent cache: the normwise errors (eager engines only: the wrapper must see every call)."""
+    errors: list[float] = []
+    ref = RefAttention()
+    for layer in eng.model.model.layers:
+        backend = layer.self_attn.backend
+        kernel_call = backend.absorbed
+
+        def checked(q, kv_cache, fb, kv_lora_rank, scale, kernel_call=kernel_call):  # type: ignore[no-untyped-def]
+            out = kernel_call(q, kv_cache, fb, kv_lora_rank, scale)
+            if fb.mode == "decode":
+                want = ref.absorbed(q, kv_cache, fb, kv_lora_rank, scale).float()
+                errors.append(float((out.float() - want).norm() / want.norm()))
+            return out
+
+        backend.absorbed = checked
+    eng.generate(input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": 4, "ignore_eos": True})
+    return errors
+
+
 @pytest.mark.parametrize("heads", [64, 16])
 @pytest.mark.parametrize("page_size", [1, 64])
 @pytest.mark.parametrize("kernel", ["auto", "triton"])
@@ -84,29 +105,36 @@ def test_every_decode_call_matches_torch_reference(tmp_path: Path, kernel: str, 
     attention call the engine makes, every layer and step, against RefAttention (fp32 softmax) on the very
     same q and latent cache, eager (no graphs, so the wrapper sees every call). Page size 64: the Gluon
     kernel loads whole pages as TMA boxes (the engine passes its pool's page size to the decode tile)."""
-    errors: list[float] = []
     with Engine(_checkpoint(tmp_path, heads), decode_kernel=kernel, cuda_graph_batch_sizes=(), page_size=page_size,
                 **TRITON) as eng:
         assert all(layer.self_attn.backend._page_size == page_size for layer in eng.model.model.layers)
         narrow = heads == 16 and page_size == 64
         assert _decode_kernels(eng) == {"triton" if kernel == "triton" else "narrow" if narrow else
                                         "gluon" if heads == 64 else "triton"}  # fmt: skip
-        ref = RefAttention()
-        for layer in eng.model.model.layers:
-            backend = layer.self_attn.backend
-            kernel_call = backend.absorbed
-
-            def checked(q, kv_cache, fb, kv_lora_rank, scale, kernel_call=kernel_call):  # type: ignore[no-untyped-def]
-                out = kernel_call(q, kv_cache, fb, kv_lora_rank, scale)
-                if fb.mode == "decode":
-                    want = ref.absorbed(q, kv_cache, fb, kv_lora_rank, scale).float()
-                    errors.append(float((out.float() - want).norm() / want.norm()))
-                return out
-
-            backend.absorbed = checked
-        eng.generate(input_ids=_prompts(), sampling_params={"temperature": 0, "max_new_tokens": 4,
-                                                            "ignore_eos": True})
+        errors = _decode_errors(eng, _prompts())
     # 2 layers x 3 decode steps at least; P and O are rounded to bf16 (unit roundoff 2^-9 = 2e-3 each), so
     # the normwise error is a few 1e-3; 1e-2 still fails a wrong row, mask or softmax scale (errors of O(1))
     assert len(errors) >= 6
+    assert max(errors) < 1e-2, errors
+
+
+def test_narrow_cluster_merge_in_engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batch 64 of 66-126-token contexts on 64-slot pages: the narrow tile takes 2 splits (128 programs, one wave),
+    which its default merges in clusters of 2 (kernels/cluster_merge.py); every decode call still matches the fp32
+    reference as above."""
+    from r3trace.kernels import mla_decode_narrow
+
+    clusters: list[int] = []
+    launch = mla_decode_narrow.mla_decode_stage1_narrow
+
+    def recorded(*args, cluster=1, **kwargs):  # type: ignore[no-untyped-def]
+        clusters.append(cluster)
+        return launch(*args, cluster=cluster, **kwargs)
+
+    monkeypatch.setattr(mla_decode_narrow, "mla_decode_stage1_narrow", recorded)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(2, 320, size=int(n)).tolist() for n in rng.integers(66, 124, size=64)]
+    with Engine(_checkpoint(tmp_path, 16), cuda_graph_batch_sizes=(), page_size=64, **TRITON) as eng:
+        errors = _decode_errors(eng, prompts)
+    assert clusters and set(clusters) == {2}, clusters
     assert max(errors) < 1e-2, errors

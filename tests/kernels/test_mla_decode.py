@@ -160,7 +160,7 @@ def test_default_tile_takes_gluon_only_where_it_runs() -> None:
     assert default_decode_tile(128, torch.bfloat16, use_gluon=True, kv_lora=24, rope=8).kernel == "triton"
     assert default_decode_tile(128, torch.float32, use_gluon=True).kernel == "triton"
     narrow = default_decode_tile(16, torch.bfloat16, use_gluon=True, page_size=64)
-    assert (narrow.kernel, narrow.page_size, narrow.direct) == ("narrow", 64, True)
+    assert (narrow.kernel, narrow.page_size, narrow.direct, narrow.cluster) == ("narrow", 64, True, 2)
     assert default_decode_tile(16, torch.float16, use_gluon=True, page_size=128).kernel == "narrow"
     assert default_decode_tile(16, torch.bfloat16, use_gluon=True, page_size=1).kernel == "triton"  # cp.async form
     assert default_decode_tile(16, torch.bfloat16, use_gluon=True, kv_lora=24, rope=8).kernel == "triton"
