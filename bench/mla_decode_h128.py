@@ -13,6 +13,9 @@ The default tile is the engine's for 64-slot pages (default_decode_tile(..., pag
 the Gluon stage 1); `--variants TMA=0` times the cp.async form (the session-4 default) beside it. Error checks:
 page size 1 (cp.async) and 64 (TMA) against the fp32 reference.
 
+--cluster P: the default's call with DecodeTile.cluster = P beside it (at a split count of 2, 4 or 8 up to P the
+splits merge inside thread-block clusters, kernels/cluster_merge.py; elsewhere the same call). --cells BxL,...
+
 --old-gluon: a previous kernels/mla_decode_gluon.py (e.g. `git show <rev>:kernels/mla_decode_gluon.py`), timed
 at the default's split count in the same run, its stage 1 swapped in for the installed one.
 
@@ -171,7 +174,10 @@ def main() -> None:
     ap.add_argument("--variants", default="", help="NAME=0|1[+NAME=0|1],...: the stage 1 with these flags too")
     ap.add_argument("--policies", action="store_true", help="also the other split policies (WAVES)")
     ap.add_argument("--smi", action="store_true", help="sample clocks / power to $OUT/smi.csv (nvidia-smi)")
+    ap.add_argument("--cluster", type=int, default=0, help="also the default's splits merged in clusters up to this")
+    ap.add_argument("--cells", default="", help="BxL,... (default: CELLS)")
     args = ap.parse_args()
+    cells = [tuple(int(x) for x in c.split("x")) for c in args.cells.split(",")] if args.cells else CELLS
     variants: dict[str, Callable[..., None]] = {}  # stage 1s timed at the default's splits beside it
     if args.old_gluon:  # its launcher predates page_size: the first 10 arguments
         old = load_path(args.old_gluon, "old_gluon").mla_decode_stage1_gluon
@@ -199,7 +205,7 @@ def main() -> None:
     if args.parts:
         parts(sw, out_dir, res)
     res["rel_err"] = errors(sw, default, variants)
-    for B, L in CELLS:
+    for B, L in cells:
         q, kv, r2t, rows, lens = sw.inputs(B, L, H)
         flops = 2 * B * H * L * (KV_LORA + ROPE + KV_LORA)
         timed: dict[int, float] = {}  # splits -> ms (the same kernel: policies of equal splits timed once)
@@ -216,6 +222,10 @@ def main() -> None:
             two = default._replace(direct=False)
             t_2 = sw.ms(partial(mla_decode, q, kv, r2t, rows, lens, KV_LORA, 576**-0.5, 1, two))
             extra["two_stage"] = {"splits": 1, "ms": t_2, "default_speedup": t_2 / timed[p]}
+        if args.cluster and default._replace(cluster=args.cluster) != default:  # cluster_merge.py, where p allows
+            clustered = default._replace(cluster=args.cluster)
+            t_c = sw.ms(partial(mla_decode, q, kv, r2t, rows, lens, KV_LORA, 576**-0.5, p, clustered))
+            extra["cluster"] = {"splits": p, "ms": t_c, "TFLOPs": flops / t_c / 1e9, "default_speedup": t_c / timed[p]}
         for name, stage1 in variants.items():
             t_v = stage1_ms(sw, stage1, call)
             extra[name] = {"splits": p, "ms": t_v, "TFLOPs": flops / t_v / 1e9, "default_speedup": t_v / timed[p]}

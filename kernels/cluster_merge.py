@@ -1,28 +1,34 @@
 """The split-KV merge inside stage 1: the P split programs of one (request, head block) run as one thread-block
 cluster (sm_90) and merge through distributed shared memory, so no fp32 partials reach global memory and no merge
-kernel is launched.
+kernel is launched. Used by both Gluon decode kernels (mla_decode_narrow.py's O^T [kv_lora, heads],
+mla_decode_gluon.py's O [heads, kv_lora]).
 
 Why: at the small decode cells the merge is a fixed cost the loop cannot hide. H = 16, B64/1k (2 splits of 8
-tiles): stage 1's loop runs at the read floor's rate, and ~6 us of the 0.026 ms call are launch, first-tile latency,
+tiles): stage 1's loop runs at the read floor's rate, and ~6 us of the 0.026 ms call were launch, first-tile latency,
 the 32 KB partial write a program and the merge launched after it (bench/NOTES.md, "Session 7", run 4). A merge by
 the last program through global memory (a ticket on an acq_rel atomic, then L2 reads) lost 1.05-1.8x there.
 
-Protocol, in an exchange region of its own past the kernel's shared memory (the launch asks for it on top; its
-offset is a constexpr), so a rank can push before the others have left their loops:
-0. at its top every thread arrives (relaxed) at the cluster barrier: "this CTA runs";
-1. after its loop, a rank waits for that phase (every CTA of the cluster runs, its shared memory exists), then
-   pushes its unnormalised O^T [kv_lora, heads] in slices, the columns rank p owns, [p R, p R + R) with R = kv_lora
-   / P, into rank p's region (`mapa` + `st.shared::cluster`), and its per-head log2 max m and sum l into every
-   rank's; a split with no keys pushes zeros, m = -inf and l = 0 and so weighs nothing;
-2. cluster barrier (arrive.release / wait.acquire): every push has landed. Nothing remote is touched after it, so
-   no third barrier keeps a CTA's shared memory alive;
-3. each rank merges its R columns from its own region (16-byte loads): weights exp2(m_p - max m), divided by the
+Protocol, every thread of every CTA of the cluster (a split with no keys too: zeros, m = -inf, l = 0, weighing
+nothing), in the first bytes of the kernel's own dynamic shared memory, free once its loop is done:
+1. cluster barrier: every rank is past its loop (its tiles, q and P are dead) and runs;
+2. each rank pushes the columns rank p owns, [p R, p R + R) with R = kv_lora / P, of its unnormalised O into rank
+   p's region (`mapa` + `st.shared::cluster`), and its per-head log2 max m and sum l into every rank's;
+3. cluster barrier (arrive.release / wait.acquire): every push has landed. Nothing remote is touched after it, so
+   no third barrier has to keep a CTA's shared memory alive;
+4. each rank merges its R columns from its own region (16-byte loads): weights exp2(m_p - max m), divided by the
    weighted sum of l, and stores them.
+Measured (H200, graph replays; bench/NOTES.md "Session 8"): the narrow kernel's 2 splits in clusters of 2 take B64/1k
+from 0.0259-0.0265 ms to 0.0238-0.0243 (runs 5 and 7), B64/8k 1.03x, B64/32k 1.01x; a form with a region of its own
+past the kernel's shared memory (pushing as soon as a rank's loop ends) timed the same (runs 1-2). The wide kernel
+lost even where its clusters fit (4 splits of 64 heads, 128 KB a CTA pushed: 1.09-1.46x slower, run 6), so its
+default keeps the merge kernel. Clusters resident at once on the H200 (one CTA an SM): 66 of 2, 30 of 4, 15 of 8;
+a grid of more would run in two waves (1.3-2.2x slower, runs 1 and 5), so launch_in_clusters declines it.
 
 Gluon (triton 3.6) has no API for a shared memory address, mapa or cluster barriers, so those are inline PTX
-against `global_smem`, the dynamic shared memory every Triton kernel declares. A Gluon kernel launched with
-num_ctas = P would instead split every layout across the cluster (CGA layouts), so the kernel is compiled for one
-CTA and launched with a cluster dimension (launch_in_clusters).
+against `global_smem`, the dynamic shared memory every Triton kernel declares; nothing the compiler allocates is
+live from step 1 on (the merge is elementwise and stores from registers). A Gluon kernel launched with num_ctas = P
+would instead split every layout across the cluster (CGA layouts), so the kernel is compiled for one CTA and
+launched with a cluster dimension (launch_in_clusters).
 """
 
 from __future__ import annotations
@@ -36,20 +42,14 @@ from triton.runtime.driver import driver
 
 from r3trace.kernels.decode_tile import CLUSTER_SIZES
 
-# the kernel's own shared memory per compiled configuration (its constexprs and argument dtypes), learnt once
-_OWN_SHARED: dict[tuple, int] = {}
-# (configuration, exchange offset, tail, cluster) -> clusters that fit at once (cuOccupancyMaxActiveClusters), once its
-# shared memory limit is set
-_SHARED_SET: dict[tuple, int] = {}
+# (compiled kernel, cluster size, device) -> clusters resident at once (cuOccupancyMaxActiveClusters)
+_FIT: dict[tuple, int] = {}
 EXCHANGE_PAD = 4  # floats after each head's row: 16-byte aligned rows, writers' lanes spread over the banks
 
 
-def max_shared_mem(device: int) -> int:
-    return int(driver.active.utils.get_device_properties(device)["max_shared_mem"])
-
-
 def exchange_bytes(kv_lora: int, block_h: int, cluster: int) -> int:
-    """The exchange region: every rank's slice of the owner's columns (padded rows), then m and l of every rank."""
+    """The exchange region: every rank's slice of the owner's columns (padded rows), then m and l of every rank; at
+    most the kernel's own shared memory (launch_in_clusters checks)."""
     return cluster * block_h * ((kv_lora // cluster + EXCHANGE_PAD) + 2) * 4
 
 
@@ -85,19 +85,6 @@ def _ld_shared_v4(addr):
 
 
 @gluon.jit
-def cluster_arrive():
-    """Step 0: this thread arrives at the cluster barrier (relaxed: nothing to publish yet); any thread on its own
-    path (the non-.aligned form)."""
-    gl.inline_asm_elementwise("barrier.cluster.arrive.relaxed; // dummy $0", "=r", [], dtype=gl.int32,
-                              is_pure=False, pack=1)  # fmt: skip
-
-
-@gluon.jit
-def _cluster_wait():
-    gl.inline_asm_elementwise("barrier.cluster.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
 def _cluster_sync():
     gl.inline_asm_elementwise("barrier.cluster.arrive.release; barrier.cluster.wait.acquire; // dummy $0", "=r", [],
                               dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
@@ -110,99 +97,94 @@ def _cluster_rank():
 
 @gluon.jit
 def cluster_merge_store(
-    acc, m_i, l_i, out_ptr, b, h0, H, stride_ob, stride_oh, XCHG_OFF: gl.constexpr,
-    KV_LORA: gl.constexpr, BLOCK_H: gl.constexpr, CLUSTER: gl.constexpr, MERGE_LAYOUT: gl.constexpr,
+    acc, m_i, l_i, out_ptr, b, h0, H, stride_ob, stride_oh,
+    KV_LORA: gl.constexpr, BLOCK_H: gl.constexpr, CLUSTER: gl.constexpr, HEADS_FIRST: gl.constexpr,
+    MERGE_LAYOUT: gl.constexpr,
 ):  # fmt: skip
-    """acc: this split's O^T [KV_LORA, BLOCK_H] fp32 (unnormalised, any layout); m_i, l_i [BLOCK_H]: its log2 max
-    and sum (-inf and 0 for a split with no keys). Steps 1-3 above; stores out[b, h0 + h, c] for this rank's
-    columns c. XCHG_OFF: the exchange region's byte offset in the dynamic shared memory."""
+    """acc: this split's unnormalised output, O [BLOCK_H, KV_LORA] (HEADS_FIRST) or O^T [KV_LORA, BLOCK_H], fp32 in
+    any layout; m_i, l_i [BLOCK_H]: its log2 max and sum. Steps 1-4 above; stores out[b, h0 + h, c] for this rank's
+    columns c."""
     R: gl.constexpr = KV_LORA // CLUSTER
     ROW: gl.constexpr = R + 4  # EXCHANGE_PAD: 16-byte aligned rows
     M_OFF: gl.constexpr = CLUSTER * BLOCK_H * ROW * 4  # then m [CLUSTER, BLOCK_H], then l
     L_OFF: gl.constexpr = M_OFF + CLUSTER * BLOCK_H * 4
-    base = _smem_base() + XCHG_OFF
+    base = _smem_base()
     rank = _cluster_rank()
     acc_l: gl.constexpr = acc.type.layout
-    rows = gl.arange(0, KV_LORA, layout=gl.SliceLayout(1, acc_l))
-    heads = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, acc_l))
-    owner = (rows // R)[:, None] + heads[None, :] * 0  # [KV_LORA, heads]: the rank that merges each column
-    dst = base + ((rank * BLOCK_H + heads[None, :]) * ROW + (rows % R)[:, None]) * 4
-    _cluster_wait()  # step 0's phase: every CTA of the cluster runs
-    _st_cluster(dst, owner, acc)
+    if HEADS_FIRST:
+        hh = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, acc_l))[:, None]
+        cc = gl.arange(0, KV_LORA, layout=gl.SliceLayout(0, acc_l))[None, :]
+    else:
+        cc = gl.arange(0, KV_LORA, layout=gl.SliceLayout(1, acc_l))[:, None]
+        hh = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, acc_l))[None, :]
+    owner = cc // R + hh * 0  # the rank that merges each column, broadcast to acc's shape
+    dst = base + ((rank * BLOCK_H + hh) * ROW + cc % R) * 4
     h_m = gl.arange(0, BLOCK_H, layout=m_i.type.layout)
     h_l = gl.arange(0, BLOCK_H, layout=l_i.type.layout)
+    gl.thread_barrier()  # every warp past the kernel's own last shared-memory access (the loop, the sum's scratch)
+    _cluster_sync()  # step 1
+    _st_cluster(dst, owner, acc)
     for p in gl.static_range(CLUSTER):
         _st_cluster(base + M_OFF + (rank * BLOCK_H + h_m) * 4, h_m * 0 + p, m_i)
         _st_cluster(base + L_OFF + (rank * BLOCK_H + h_l) * 4, h_l * 0 + p, l_i)
-    _cluster_sync()  # step 2: every rank's pushes landed
-    r_o = gl.arange(0, R, layout=gl.SliceLayout(1, MERGE_LAYOUT))
-    h_o = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, MERGE_LAYOUT))
-    m_max = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MERGE_LAYOUT))
+    _cluster_sync()  # step 3: every rank's pushes landed
+    h_o = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, MERGE_LAYOUT))
+    r_o = gl.arange(0, R, layout=gl.SliceLayout(0, MERGE_LAYOUT))
+    m_max = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, MERGE_LAYOUT))
     for p in gl.static_range(CLUSTER):
         m_max = gl.maximum(m_max, _ld_shared(base + M_OFF + (p * BLOCK_H + h_o) * 4))
-    o = gl.zeros([R, BLOCK_H], gl.float32, layout=MERGE_LAYOUT)
-    den = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(0, MERGE_LAYOUT))
+    o = gl.zeros([BLOCK_H, R], gl.float32, layout=MERGE_LAYOUT)
+    den = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(1, MERGE_LAYOUT))
     for p in gl.static_range(CLUSTER):
         w = gl.exp2(_ld_shared(base + M_OFF + (p * BLOCK_H + h_o) * 4) - m_max)  # 0 for a split with no keys
         den += w * _ld_shared(base + L_OFF + (p * BLOCK_H + h_o) * 4)
-        o += w[None, :] * _ld_shared_v4(base + ((p * BLOCK_H + h_o[None, :]) * ROW + r_o[:, None]) * 4)
-    out = (o / den[None, :]).to(out_ptr.dtype.element_ty)
+        o += w[:, None] * _ld_shared_v4(base + ((p * BLOCK_H + h_o[:, None]) * ROW + r_o[None, :]) * 4)
+    out = (o / den[:, None]).to(out_ptr.dtype.element_ty)
     h = h0 + h_o
-    ptr = out_ptr + b * stride_ob + h[None, :] * stride_oh + rank * R + r_o[:, None]
-    gl.store(ptr, out, mask=(h < H)[None, :])
+    ptr = out_ptr + b * stride_ob + h[:, None] * stride_oh + rank * R + r_o[None, :]
+    gl.store(ptr, out, mask=(h < H)[:, None])
 
 
-def merge_layout(kv_lora: int, cluster: int, block_h: int, num_warps: int) -> gl.BlockedLayout:
-    """[kv_lora / P, heads], columns fastest: 8 a thread (16-byte bf16 stores, two 16-byte DSMEM loads)."""
-    rows = kv_lora // cluster
-    tr = max(1, min(32, rows // 8))
-    return gl.BlockedLayout([8, 1], [tr, 32 // tr], [1, num_warps], [0, 1])
+def merge_layout(kv_lora: int, cluster: int, num_warps: int) -> gl.BlockedLayout:
+    """[heads, kv_lora / P], columns fastest: 8 a thread (16-byte bf16 stores, two 16-byte shared loads)."""
+    cols = kv_lora // cluster
+    tc = max(1, min(32, cols // 8))
+    return gl.BlockedLayout([1, 8], [32 // tc, tc], [num_warps, 1], [1, 0])
 
 
 def launch_in_clusters(
-    kernel: Any, grid: tuple[int, int, int], cluster: int, args: tuple, kwargs: dict, tail_bytes: int
-) -> None:
+    kernel: Any, grid: tuple[int, int, int], cluster: int, args: tuple, kwargs: dict, exchange: int
+) -> bool:
     """Launches a one-CTA Gluon kernel as grid[0] clusters of `cluster` CTAs along x (program_id(0) then runs over
-    grid[0] * cluster, a cluster's CTAs consecutive), with tail_bytes of dynamic shared memory past the kernel's
-    own, whose byte offset it gets as the constexpr XCHG_OFF: compiled once with 0 to learn its own size, then
-    with the offset (the same allocation; checked). Uses triton 3.6's compiled-kernel launcher with a cluster
-    dimension and the larger size in its packed metadata (num_warps, num_ctas, shared), which it turns into
-    cuLaunchKernelEx's cluster attribute and dynamic shared memory, without compiling the kernel for a CTA group
-    (what num_ctas would). Graph-capturable."""
+    grid[0] * cluster, a cluster's CTAs consecutive) and returns True; returns False, launching nothing, where the
+    grid's clusters would not all be resident at once (a second wave of clusters took 1.3-2.2x the merge kernel's
+    time in session 8's runs 1 and 5: 16 clusters of 8 where 15 fit, 32 of 4 where 30 fit, on an H200).
+    Uses triton 3.6's compiled-kernel launcher with a cluster dimension in its packed metadata (num_warps,
+    num_ctas, shared), which it turns into cuLaunchKernelEx's cluster attribute, without compiling the kernel for a
+    CTA group (what num_ctas would). exchange: the bytes cluster_merge_store uses, which must fit in the kernel's own
+    shared memory. Graph-capturable (the decision is the same at capture and at replay)."""
     if cluster not in CLUSTER_SIZES:
         raise ValueError(f"cluster {cluster} not in {CLUSTER_SIZES}")
-
-    def compiled_at(offset: int) -> Any:
-        compiled = kernel.run(*args, grid=grid, warmup=True, XCHG_OFF=offset, **kwargs)
-        compiled = compiled.result() if hasattr(compiled, "result") else compiled
-        packed = compiled.packed_metadata
-        if not (isinstance(packed, tuple) and len(packed) == 3 and packed[1] == 1):
-            raise RuntimeError(f"cluster launch: this triton's packed kernel metadata {packed!r} is not the "
-                               f"(num_warps, num_ctas=1, shared) it was written for (triton 3.6)")  # fmt: skip
-        return compiled
-
-    key = (kernel.fn.__qualname__, *sorted((k, repr(v)) for k, v in kwargs.items()),
-           *(str(a.dtype) for a in args if isinstance(a, torch.Tensor)))  # fmt: skip
-    if key not in _OWN_SHARED:  # one lookup of the compiled kernel a call, not two
-        _OWN_SHARED[key] = compiled_at(0).packed_metadata[2]
-    own = _OWN_SHARED[key]
-    offset = -(-own // 16) * 16
-    compiled = compiled_at(offset)
-    num_warps, _, shared = compiled.packed_metadata
-    limit = max_shared_mem(torch.cuda.current_device())  # the opt-in limit, which triton sets on the kernel
-    if shared != own or offset + tail_bytes > limit:
-        raise RuntimeError(f"cluster launch: the kernel's {own} B of shared memory ({shared} B with the exchange's "
-                           f"offset) and a {tail_bytes} B exchange: over the {limit} B a block may have")  # fmt: skip
-    named = dict(zip(kernel.arg_names[: len(args)], args, strict=True))
-    named |= {k: v for k, v in kwargs.items() if k in kernel.arg_names} | {"XCHG_OFF": offset}
-    bound = [named[name] for name in kernel.arg_names]
+    compiled = kernel.run(*args, grid=grid, warmup=True, **kwargs)
+    compiled = compiled.result() if hasattr(compiled, "result") else compiled
+    packed = compiled.packed_metadata
+    if not (isinstance(packed, tuple) and len(packed) == 3 and packed[1] == 1):
+        raise RuntimeError(f"cluster launch: this triton's packed kernel metadata {packed!r} is not the (num_warps, "
+                           f"num_ctas=1, shared) it was written for (triton 3.6)")  # fmt: skip
+    if exchange > packed[2]:
+        raise RuntimeError(f"cluster launch: the merge's {exchange} B exchange exceeds the kernel's {packed[2]} B of "
+                           f"shared memory")  # fmt: skip
     run = compiled.run  # loads the module on first use
-    if (key, offset, tail_bytes, cluster) not in _SHARED_SET:
-        # triton raises a kernel's dynamic shared memory limit past the default 48 KB only for its own size; the
-        # driver's cluster occupancy query sets it to ours (the tail included), and says how many clusters fit
-        _SHARED_SET[key, offset, tail_bytes, cluster] = driver.active.utils.cuOccupancyMaxActiveClusters(
-            compiled.function, offset + tail_bytes, cluster
-        )
+    key = (compiled.hash, cluster, torch.cuda.current_device())
+    if key not in _FIT:  # the driver's answer for this kernel's resources (its utility assumes 128 threads a block;
+        # shared memory binds first for the decode kernels, one or two CTAs an SM)
+        _FIT[key] = driver.active.utils.cuOccupancyMaxActiveClusters(compiled.function, packed[2], cluster)
+    if grid[0] * grid[1] * grid[2] > _FIT[key]:
+        return False
+    named = dict(zip(kernel.arg_names[: len(args)], args, strict=True))
+    named |= {k: v for k, v in kwargs.items() if k in kernel.arg_names}
+    bound = [named[name] for name in kernel.arg_names]
     stream = torch.cuda.current_stream().cuda_stream
-    run(grid[0], grid[1], grid[2], stream, compiled.function, (num_warps, cluster, offset + tail_bytes), None, None,
-        None, *bound)  # fmt: skip
+    run(grid[0], grid[1], grid[2], stream, compiled.function, (packed[0], cluster, packed[2]), None, None, None,
+        *bound)  # fmt: skip
+    return True

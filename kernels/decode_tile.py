@@ -46,10 +46,11 @@ NARROW_MIN_SPLIT = 64
 # DecodeTile.cluster: split counts the narrow kernel can merge inside a thread-block cluster (cluster_merge.py): 8 is
 # the portable cluster limit, powers of two so each rank's kv_lora / P output columns are a Gluon shape
 CLUSTER_SIZES = (2, 4, 8)
-# Session 8 (bench/NOTES.md "Session 8", runs 1-2, graph-timed): 2 splits merged in clusters of 2 took B64/1k from
-# 0.0262-0.0265 ms to 0.0243-0.0250; clusters of 8 (8 splits at B = 16, 1 CTA an SM) did not all fit at once and
-# took 1.5-1.8x longer (B16/1k 0.0192-0.0201 vs 0.0110-0.0113, B16/8k 0.065 vs 0.0437). So the default merges in
-# clusters of 2 only.
+# Session 8 (bench/NOTES.md "Session 8", runs 1-7, graph-timed): the narrow kernel's 2 splits merged in clusters of 2
+# took B64/1k from 0.0259-0.0265 ms to 0.0238-0.0250 (1.07-1.09x), B64/8k 1.02-1.03x, B64/32k 1.01x. Clusters that
+# do not all fit at once (on the H200 66 of 2, 30 of 4, 15 of 8 at one CTA an SM) come in a second wave, 1.3-2.2x
+# slower, so the launcher declines those (cluster_merge.launch_in_clusters). The wide kernel lost even where its
+# clusters fit (4 splits: B8/1k 1.46x, B15/8k 1.09x slower): its default keeps the merge kernel (cluster 0).
 NARROW_CLUSTER = 2
 
 
@@ -121,7 +122,7 @@ class DecodeTile(NamedTuple):
     # before it still runs and waits (griddepcontrol.wait) before its first global access, so its launch and
     # block scheduling overlap the previous kernel's tail; graph-capturable.
     pdl: bool = False
-    # the narrow Gluon kernel only: a split count in CLUSTER_SIZES up to this runs each (request, head block)'s splits
+    # the Gluon kernels only: a split count in CLUSTER_SIZES up to this runs each (request, head block)'s splits
     # as one thread-block cluster that merges in distributed shared memory and stores the output (no fp32 partials,
     # no merge launch); other split counts (and 0) take the merge kernel
     cluster: int = 0
@@ -159,7 +160,8 @@ def default_decode_tile(
     H < 64, use_gluon, a shape the Gluon kernels take and pages of a multiple of 64 slots: the narrow Gluon tile in
     its TMA form (mla_decode_narrow.py; session 7 run 5, graph-timed on shuffled 64-slot pages: 1.10-1.18x the
     Triton tile at all nine cells, 82% of copy at B16/8k, 93-108% at the >= 300 MB cells), one wave of programs,
-    stage 1 and the merge launched as programmatic dependents, one split written directly. Its cp.async form (other
+    stage 1 and the merge launched as programmatic dependents, one split written directly, two merged inside a
+    cluster of 2 (cluster_merge.py; session 8: B64/1k 1.07-1.09x, B64/8k 1.03x). Its cp.async form (other
     page sizes) was 0.88-1.04x the Triton tile (run 3; B16/1k 0.88x), so smaller pages keep the Triton tile.
     H >= 64: use_gluon (the caller is on a Hopper GPU) and a shape the Gluon kernel takes: its two-warpgroup
     64 x 64 tile (B = 256, L = 32k: 6.86 vs 9.47 ms), its split count by splits_by_cost (run 6: 1.03-1.28x

@@ -18,13 +18,15 @@ request. decode_tile.py holds the tiles and split counts (re-exported here); Dec
 1 as mla_decode_gluon.py's kernel (H >= 64 on Hopper; the same partials, the same merge), kernel="narrow" as
 mla_decode_narrow.py's (16-head blocks on Hopper, keys-major wgmma; TMA tiles on pages of a multiple of 64 slots,
 else cp.async row copies). DecodeTile.pdl launches the Triton stage 1 and the merge as programmatic dependents
-(sm_90+): each waits (griddepcontrol.wait) before its first global access.
+(sm_90+): each waits (griddepcontrol.wait) before its first global access. DecodeTile.cluster lets a Gluon stage 1
+merge its splits inside thread-block clusters (cluster_merge.py): no partials and no stage 2 where they fit.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+from functools import partial
 
 import torch
 import triton
@@ -234,16 +236,11 @@ def mla_decode(
     # stage 1's 67 MB of fp32 partials; splits_by_cost picks one split at B >= 64 there. Opt-in per tile
     # (DecodeTile.direct; the Gluon default has it): the H = 16 Triton tile measured 2% slower with it.
     direct = num_kv_splits == 1 and tile.direct
-    # the splits merged inside a cluster (narrow kernel): stage 1 stores the output as in `direct`
-    cluster = tile.kernel == "narrow" and num_kv_splits in CLUSTER_SIZES and num_kv_splits <= tile.cluster
-    direct = direct or cluster
-    part_out = out.unsqueeze(2) if direct else torch.empty(
-        (B, H, num_kv_splits, kv_lora_rank), dtype=torch.float32, device=q.device)  # fmt: skip
     pdl = tile.pdl and q.is_cuda and _has_pdl(q.device.index or 0)  # interpret: no griddepcontrol
-    part_lse = torch.empty((B, H, num_kv_splits), dtype=torch.float32, device=q.device)  # direct: unread
     block_c = max(16, triton.next_power_of_2(kv_lora_rank))
     block_r = max(16, triton.next_power_of_2(rope))
     require(block_c // tile.v_splits >= 16, f"kv_lora {kv_lora_rank} too small for {tile.v_splits} value splits")
+    stage1 = None
     if tile.kernel in GLUON_STAGE1:
         name, check, launch = GLUON_STAGE1[tile.kernel]
         gk = importlib.import_module(f"r3trace.kernels.{name}")  # imports Gluon only when asked for
@@ -253,9 +250,19 @@ def mla_decode(
         require(tile[:5] == fixed and not tile.keys_major,
                 f"the {tile.kernel} Gluon kernel's tile is fixed: {fixed[0]} heads x {fixed[1]} keys x {fixed[2]} "
                 f"warps, 2 stages; got {tile}")  # fmt: skip
-        getattr(gk, launch)(q, kv_cache, req_to_token, req_pool_indices, seq_lens, part_out, part_lse, kv_lora_rank,
-                            sm_scale * LOG2E, tile.block_n, tile.page_size, pdl=pdl,
-                            **({"cluster": num_kv_splits} if cluster else {}))  # fmt: skip
+        stage1 = partial(getattr(gk, launch), q, kv_cache, req_to_token, req_pool_indices, seq_lens)
+        args = (kv_lora_rank, sm_scale * LOG2E, tile.block_n, tile.page_size)
+        # the splits merged inside thread-block clusters (cluster_merge.py): stage 1 stores the output as in
+        # `direct`; the launcher declines (False) where the clusters would not all fit on the GPU at once
+        if num_kv_splits in CLUSTER_SIZES and num_kv_splits <= tile.cluster and stage1(
+            out.unsqueeze(2), out, *args, pdl=pdl, cluster=num_kv_splits
+        ):
+            return out
+    part_out = out.unsqueeze(2) if direct else torch.empty(
+        (B, H, num_kv_splits, kv_lora_rank), dtype=torch.float32, device=q.device)  # fmt: skip
+    part_lse = torch.empty((B, H, num_kv_splits), dtype=torch.float32, device=q.device)  # direct: unread
+    if stage1 is not None:
+        stage1(part_out, part_lse, *args, pdl=pdl)
     else:
         _stage1_triton(q, kv_cache, req_to_token, req_pool_indices, seq_lens, part_out, part_lse, kv_lora_rank,
                        sm_scale, tile, block_c, block_r, pdl)  # fmt: skip

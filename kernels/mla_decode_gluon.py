@@ -46,6 +46,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from r3trace.kernels.cluster_merge import cluster_merge_store, exchange_bytes, launch_in_clusters, merge_layout
 from r3trace.kernels.latent_tiles import (
     GLUON_KV_LORA,
     GLUON_ROPE,
@@ -201,13 +202,18 @@ def _mla_decode_gluon_kernel(
     GATHER_V: gl.constexpr, GATHER_R: gl.constexpr, S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr,
     QV_SMEM: gl.constexpr, QR_SMEM: gl.constexpr, KV_SMEM: gl.constexpr, KR_SMEM: gl.constexpr,
     P_SMEM: gl.constexpr, TMA: gl.constexpr, MAX_XCHG: gl.constexpr, GATHER_UNDER_S: gl.constexpr, PDL: gl.constexpr,
+    CLUSTER: gl.constexpr, MERGE_LAYOUT: gl.constexpr,
 ):  # fmt: skip
     if PDL:  # launched as a programmatic dependent: nothing global before the wait
         grid_dependency_wait()
         launch_dependents()
-    hb = gl.program_id(0)  # fastest axis: both head blocks of a (request, split) read each tile, via L2
+    if CLUSTER > 1:  # the splits of one (head block, request) are one cluster, merged in it (cluster_merge.py)
+        hb = gl.program_id(0) // CLUSTER
+        split = gl.program_id(0) % CLUSTER
+    else:
+        hb = gl.program_id(0)  # fastest axis: both head blocks of a (request, split) read each tile, via L2
+        split = gl.program_id(2)
     b = gl.program_id(1)
-    split = gl.program_id(2)
     seq_len = gl.load(seq_lens_ptr + b).to(gl.int32)
     req_row = gl.load(req_pool_ptr + b).to(gl.int64)
     split_len = gl.cdiv(gl.cdiv(seq_len, num_kv_splits), split_align) * split_align
@@ -273,13 +279,23 @@ def _mla_decode_gluon_kernel(
             async_copy.wait_group(0)
 
         l_i = gl.sum(l_e, axis=1)
-        out = acc / gl.convert_layout(l_i, gl.SliceLayout(1, O_LAYOUT))[:, None]
-        h_o = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, O_LAYOUT))
-        c_o = gl.arange(0, KV_LORA, layout=gl.SliceLayout(0, O_LAYOUT))
-        part = part_out_ptr + b * stride_pb + h_o[:, None] * stride_ph + split * stride_ps + c_o[None, :]
-        gl.store(part, out.to(part_out_ptr.dtype.element_ty), mask=(h_o < H)[:, None])  # one split: out itself
-        h_s = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, S_LAYOUT))
-        gl.store(part_lse_ptr + b * stride_lb + h_s * stride_lh + split, m_i + gl.log2(l_i), mask=h_s < H)
+        if CLUSTER > 1:  # part_out is the output; the cluster's ranks each merge and store kv_lora / CLUSTER columns
+            cluster_merge_store(acc, m_i, l_i, part_out_ptr, b, hb * BLOCK_H, H, stride_pb, stride_ph,
+                                KV_LORA, BLOCK_H, CLUSTER, True, MERGE_LAYOUT)  # fmt: skip
+        else:
+            out = acc / gl.convert_layout(l_i, gl.SliceLayout(1, O_LAYOUT))[:, None]
+            h_o = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, O_LAYOUT))
+            c_o = gl.arange(0, KV_LORA, layout=gl.SliceLayout(0, O_LAYOUT))
+            part = part_out_ptr + b * stride_pb + h_o[:, None] * stride_ph + split * stride_ps + c_o[None, :]
+            gl.store(part, out.to(part_out_ptr.dtype.element_ty), mask=(h_o < H)[:, None])  # one split: out itself
+            h_s = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, S_LAYOUT))
+            gl.store(part_lse_ptr + b * stride_lb + h_s * stride_lh + split, m_i + gl.log2(l_i), mask=h_s < H)
+    elif CLUSTER > 1:  # no keys for this split: it still takes part in the cluster's barriers, weighing nothing
+        cluster_merge_store(gl.zeros([BLOCK_H, KV_LORA], gl.float32, layout=O_LAYOUT),
+                            gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_LAYOUT)),
+                            gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(1, S_LAYOUT)), part_out_ptr, b,
+                            hb * BLOCK_H, H, stride_pb, stride_ph, KV_LORA, BLOCK_H, CLUSTER, True,
+                            MERGE_LAYOUT)  # fmt: skip
 
 
 def _layouts(kv_lora: int, rope: int, dtype: Any) -> dict[str, Any]:
@@ -332,26 +348,36 @@ def mla_decode_stage1_gluon(
     page_size: int = 1,
     flags: dict[str, bool] | None = None,
     pdl: bool = False,
-) -> None:
+    cluster: int = 1,
+) -> bool:
     """Fills part_out [B, H, P, kv_lora] fp32 and part_lse [B, H, P] (log2 units) as the Triton stage 1 (P = 1:
     part_out may be the output [B, H, 1, kv_lora] in q's dtype, which then needs no merge). page_size: the
     caller's guarantee on req_to_token (slots in runs of page_size, each run starting at a multiple of it);
     a multiple of 64 picks the TMA form (tma_usable), else cp.async row copies. flags["TMA"] overrides. pdl: launched
-    as a programmatic dependent (sm_90; DecodeTile.pdl, off in this kernel's default tile: not timed here)."""
+    as a programmatic dependent (sm_90; DecodeTile.pdl, off in this kernel's default tile: not timed here).
+    cluster = P in CLUSTER_SIZES: the P splits of a (head block, request) run as one cluster and merge in it
+    (cluster_merge.py): part_out is then the output [B, H, 1, kv_lora] and part_lse is not written. False: the
+    clusters would not all fit on the GPU at once, nothing launched (the caller takes the merge kernel)."""
     B, H, C = q.shape
-    num_kv_splits = part_out.shape[2]
+    num_kv_splits = cluster if cluster > 1 else part_out.shape[2]
     gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    grid = ((H + BLOCK_H - 1) // BLOCK_H, B, num_kv_splits)
+    n_hb = (H + BLOCK_H - 1) // BLOCK_H
     layouts = _layouts(kv_lora_rank, C - kv_lora_rank, gdt)
     flags = FLAGS | {"TMA": tma_usable(q, kv_cache, page_size)} | (flags or {})
     descs: tuple[TensorDescriptor | None, ...] = (None,) * 4
     if flags["TMA"]:
         descs = tile_descriptors(q, kv_cache, kv_lora_rank, BLOCK_H, BLOCK_N, layouts)
-    _mla_decode_gluon_kernel[grid](
+    args = (
         q, kv_cache, req_to_token, req_pool_indices, seq_lens, part_out, part_lse, *descs,
         H, num_kv_splits, split_align, qk_scale,
         q.stride(0), q.stride(1), kv_cache.stride(0), req_to_token.stride(0),
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
-        KV_LORA=kv_lora_rank, ROPE=C - kv_lora_rank, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N,
-        **layouts, **flags, PDL=pdl, num_warps=NUM_WARPS, launch_pdl=pdl,
     )  # fmt: skip
+    merge = merge_layout(kv_lora_rank, cluster, NUM_WARPS) if cluster > 1 else None
+    kwargs = dict(KV_LORA=kv_lora_rank, ROPE=C - kv_lora_rank, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, **layouts, **flags,
+                  PDL=pdl, CLUSTER=cluster, MERGE_LAYOUT=merge, num_warps=NUM_WARPS, launch_pdl=pdl)  # fmt: skip
+    if cluster > 1:
+        return launch_in_clusters(_mla_decode_gluon_kernel, (n_hb, B, 1), cluster, args, kwargs,
+                                  exchange_bytes(kv_lora_rank, BLOCK_H, cluster))  # fmt: skip
+    _mla_decode_gluon_kernel[(n_hb, B, num_kv_splits)](*args, **kwargs)
+    return True

@@ -27,7 +27,9 @@ B16/1k, B16/8k and B64/1k (bench/NOTES.md, "Session 7", run 4). Measured against
 (run 5, BENCHMARKS.md "mla16c"): 1.10-1.18x at all nine cells of issue 6, 82% of copy bandwidth at B16/8k, 93-108%
 at the >= 300 MB cells; the cp.async form only ties the Triton tile, so the default takes this kernel on 64-slot
 pages only. The merge done in-kernel by the last split program of each (request, head block) lost everywhere (run 4:
-1.05-1.8x slower; its serial reads of the other programs' partials outweigh the launch). Not under TRITON_INTERPRET
+1.05-1.8x slower; its serial reads of the other programs' partials outweigh the launch); the splits merged inside a
+thread-block cluster through distributed shared memory won (cluster_merge.py, the default at 2 splits: B64/1k
+1.07-1.09x, session 8). Not under TRITON_INTERPRET
 (Gluon); covered by gpu-marked tests. Requires sm_90, bf16/fp16, kv_lora in {128, 256, 512}, rope a power of two in
 16..128.
 """
@@ -48,13 +50,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from r3trace.kernels.cluster_merge import (
-    cluster_arrive,
-    cluster_merge_store,
-    exchange_bytes,
-    launch_in_clusters,
-    merge_layout,
-)
+from r3trace.kernels.cluster_merge import cluster_merge_store, exchange_bytes, launch_in_clusters, merge_layout
 from r3trace.kernels.latent_tiles import (
     copy_tile,
     expect_tile,
@@ -176,13 +172,12 @@ def _mla_decode_narrow_kernel(
     S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr, OUT_LAYOUT: gl.constexpr, GATHER_V: gl.constexpr,
     GATHER_R: gl.constexpr, QV_SMEM: gl.constexpr, QR_SMEM: gl.constexpr, KV_SMEM: gl.constexpr,
     KR_SMEM: gl.constexpr, P_SMEM: gl.constexpr, TMA: gl.constexpr, PDL: gl.constexpr, CLUSTER: gl.constexpr,
-    MERGE_LAYOUT: gl.constexpr, XCHG_OFF: gl.constexpr,
+    MERGE_LAYOUT: gl.constexpr,
 ):  # fmt: skip
     if PDL:  # launched as a programmatic dependent: nothing global before the wait
         grid_dependency_wait()
         launch_dependents()
     if CLUSTER > 1:  # the splits of one (head block, request) are one cluster, merged in it (cluster_merge.py)
-        cluster_arrive()
         hb = gl.program_id(0) // CLUSTER
         split = gl.program_id(0) % CLUSTER
     else:
@@ -250,8 +245,8 @@ def _mla_decode_narrow_kernel(
 
         l_i = gl.sum(l_e, axis=0)  # [heads]: the one cross-warp reduction of the sums
         if CLUSTER > 1:  # part_out is the output; the cluster's ranks each merge and store kv_lora / CLUSTER columns
-            cluster_merge_store(acc, m_i, l_i, part_out_ptr, b, hb * BLOCK_H, H, stride_pb, stride_ph, XCHG_OFF,
-                                KV_LORA, BLOCK_H, CLUSTER, MERGE_LAYOUT)  # fmt: skip
+            cluster_merge_store(acc, m_i, l_i, part_out_ptr, b, hb * BLOCK_H, H, stride_pb, stride_ph,
+                                KV_LORA, BLOCK_H, CLUSTER, False, MERGE_LAYOUT)  # fmt: skip
         else:
             out = acc / gl.convert_layout(l_i, gl.SliceLayout(0, O_LAYOUT))[None, :]  # O^T [kv_lora, heads]
             # through shared memory to a layout with the kv_lora columns fastest: 16-byte stores along a row
@@ -266,7 +261,7 @@ def _mla_decode_narrow_kernel(
         cluster_merge_store(gl.zeros([KV_LORA, BLOCK_H], gl.float32, layout=O_LAYOUT),
                             gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(0, S_LAYOUT)),
                             gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(0, S_LAYOUT)), part_out_ptr, b,
-                            hb * BLOCK_H, H, stride_pb, stride_ph, XCHG_OFF, KV_LORA, BLOCK_H, CLUSTER,
+                            hb * BLOCK_H, H, stride_pb, stride_ph, KV_LORA, BLOCK_H, CLUSTER, False,
                             MERGE_LAYOUT)  # fmt: skip
 
 
@@ -309,14 +304,15 @@ def mla_decode_stage1_narrow(
     flags: dict[str, bool] | None = None,
     pdl: bool = False,
     cluster: int = 1,
-) -> None:
+) -> bool:
     """Fills part_out [B, H, P, kv_lora] (fp32, or the output itself at P = 1) and part_lse [B, H, P] (log2 units)
     as the Triton stage 1. page_size: the caller's guarantee on req_to_token (slots in runs of page_size, each
     starting at a multiple of it); a multiple of 64 picks the TMA form (tma_usable), else cp.async row copies;
     flags["TMA"] overrides. split_align must be a multiple of 64 (each split whole tiles). pdl: launched as a
     programmatic dependent (sm_90), waiting before its first global access (mla_decode's DecodeTile.pdl).
     cluster = P in CLUSTER_SIZES: the P splits of a (head block, request) run as one cluster and merge in it
-    (cluster_merge.py): part_out is then the output [B, H, 1, kv_lora] and part_lse is not written."""
+    (cluster_merge.py): part_out is then the output [B, H, 1, kv_lora] and part_lse is not written. False: the
+    clusters would not all fit on the GPU at once, nothing launched (the caller takes the merge kernel)."""
     B, H, C = q.shape
     rope = C - kv_lora_rank
     num_kv_splits = cluster if cluster > 1 else part_out.shape[2]
@@ -334,11 +330,11 @@ def mla_decode_stage1_narrow(
         q.stride(0), q.stride(1), kv_cache.stride(0), req_to_token.stride(0),
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
     )  # fmt: skip
-    merge = merge_layout(kv_lora_rank, cluster, BLOCK_H, NUM_WARPS) if cluster > 1 else None
+    merge = merge_layout(kv_lora_rank, cluster, NUM_WARPS) if cluster > 1 else None
     kwargs = dict(KV_LORA=kv_lora_rank, ROPE=rope, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, **layouts, TMA=bool(use_tma),
                   PDL=pdl, CLUSTER=cluster, MERGE_LAYOUT=merge, num_warps=NUM_WARPS, launch_pdl=pdl)  # fmt: skip
     if cluster > 1:
-        launch_in_clusters(_mla_decode_narrow_kernel, (n_hb, B, 1), cluster, args, kwargs,
-                           exchange_bytes(kv_lora_rank, BLOCK_H, cluster))  # fmt: skip
-    else:
-        _mla_decode_narrow_kernel[(n_hb, B, num_kv_splits)](*args, XCHG_OFF=0, **kwargs)
+        return launch_in_clusters(_mla_decode_narrow_kernel, (n_hb, B, 1), cluster, args, kwargs,
+                                  exchange_bytes(kv_lora_rank, BLOCK_H, cluster))  # fmt: skip
+    _mla_decode_narrow_kernel[(n_hb, B, num_kv_splits)](*args, **kwargs)
+    return True

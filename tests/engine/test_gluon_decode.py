@@ -124,17 +124,17 @@ def test_narrow_cluster_merge_in_engine(tmp_path: Path, monkeypatch: pytest.Monk
     reference as above."""
     from r3trace.kernels import mla_decode_narrow
 
-    clusters: list[int] = []
+    clusters: list[tuple[int, bool]] = []  # (cluster size asked, launched as clusters)
     launch = mla_decode_narrow.mla_decode_stage1_narrow
 
     def recorded(*args, cluster=1, **kwargs):  # type: ignore[no-untyped-def]
-        clusters.append(cluster)
-        return launch(*args, cluster=cluster, **kwargs)
+        clusters.append((cluster, launch(*args, cluster=cluster, **kwargs)))
+        return clusters[-1][1]
 
     monkeypatch.setattr(mla_decode_narrow, "mla_decode_stage1_narrow", recorded)
     rng = np.random.default_rng(5)
     prompts = [rng.integers(2, 320, size=int(n)).tolist() for n in rng.integers(66, 124, size=64)]
     with Engine(_checkpoint(tmp_path, 16), cuda_graph_batch_sizes=(), page_size=64, **TRITON) as eng:
         errors = _decode_errors(eng, prompts)
-    assert clusters and set(clusters) == {2}, clusters
+    assert clusters and set(clusters) == {(2, True)}, clusters
     assert max(errors) < 1e-2, errors
