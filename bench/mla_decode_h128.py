@@ -14,7 +14,8 @@ the Gluon stage 1); `--variants TMA=0` times the cp.async form (the session-4 de
 page size 1 (cp.async) and 64 (TMA) against the fp32 reference.
 
 --cluster P: the default's call with DecodeTile.cluster = P beside it (at a split count of 2, 4 or 8 up to P the
-splits merge inside thread-block clusters, kernels/cluster_merge.py; elsewhere the same call). --cells BxL,...
+splits merge inside thread-block clusters, kernels/cluster_merge.py; elsewhere the same call). --pdl: the default
+launched as programmatic dependents (DecodeTile.pdl) beside it. --cells BxL,...
 
 --old-gluon: a previous kernels/mla_decode_gluon.py (e.g. `git show <rev>:kernels/mla_decode_gluon.py`), timed
 at the default's split count in the same run, its stage 1 swapped in for the installed one.
@@ -176,6 +177,7 @@ def main() -> None:
     ap.add_argument("--smi", action="store_true", help="sample clocks / power to $OUT/smi.csv (nvidia-smi)")
     ap.add_argument("--cluster", type=int, default=0, help="also the default's splits merged in clusters up to this")
     ap.add_argument("--cells", default="", help="BxL,... (default: CELLS)")
+    ap.add_argument("--pdl", action="store_true", help="also the default launched as programmatic dependents")
     args = ap.parse_args()
     cells = [tuple(int(x) for x in c.split("x")) for c in args.cells.split(",")] if args.cells else CELLS
     variants: dict[str, Callable[..., None]] = {}  # stage 1s timed at the default's splits beside it
@@ -226,6 +228,9 @@ def main() -> None:
             clustered = default._replace(cluster=args.cluster)
             t_c = sw.ms(partial(mla_decode, q, kv, r2t, rows, lens, KV_LORA, 576**-0.5, p, clustered))
             extra["cluster"] = {"splits": p, "ms": t_c, "TFLOPs": flops / t_c / 1e9, "default_speedup": t_c / timed[p]}
+        if args.pdl and not default.pdl:  # stage 1 (and the merge) as programmatic dependents (DecodeTile.pdl)
+            t_p = sw.ms(partial(mla_decode, q, kv, r2t, rows, lens, KV_LORA, 576**-0.5, p, default._replace(pdl=True)))
+            extra["pdl"] = {"splits": p, "ms": t_p, "TFLOPs": flops / t_p / 1e9, "default_speedup": t_p / timed[p]}
         for name, stage1 in variants.items():
             t_v = stage1_ms(sw, stage1, call)
             extra[name] = {"splits": p, "ms": t_v, "TFLOPs": flops / t_v / 1e9, "default_speedup": t_v / timed[p]}
