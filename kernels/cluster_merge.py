@@ -33,9 +33,11 @@ launched with a cluster dimension (launch_in_clusters).
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.runtime.driver import driver
@@ -159,18 +161,21 @@ def launch_in_clusters(
     grid[0] * cluster, a cluster's CTAs consecutive) and returns True; returns False, launching nothing, where the
     grid's clusters would not all be resident at once (a second wave of clusters took 1.3-2.2x the merge kernel's
     time in session 8's runs 1 and 5: 16 clusters of 8 where 15 fit, 32 of 4 where 30 fit, on an H200).
-    Uses triton 3.6's compiled-kernel launcher with a cluster dimension in its packed metadata (num_warps,
-    num_ctas, shared), which it turns into cuLaunchKernelEx's cluster attribute, without compiling the kernel for a
-    CTA group (what num_ctas would). exchange: the bytes cluster_merge_store uses, which must fit in the kernel's own
-    shared memory. Graph-capturable (the decision is the same at capture and at replay)."""
+    Uses triton's compiled-kernel launcher (3.6 on the H200; 3.9's has the same contract) with a cluster dimension in
+    its packed metadata (num_warps, num_ctas, shared), which it turns into cuLaunchKernelEx's cluster attribute,
+    without compiling the kernel for a CTA group (what num_ctas would); another layout warns and returns False.
+    exchange: the bytes cluster_merge_store uses, which must fit in the kernel's own shared memory.
+    Graph-capturable (the decision is the same at capture and at replay)."""
     if cluster not in CLUSTER_SIZES:
         raise ValueError(f"cluster {cluster} not in {CLUSTER_SIZES}")
     compiled = kernel.run(*args, grid=grid, warmup=True, **kwargs)
     compiled = compiled.result() if hasattr(compiled, "result") else compiled
     packed = compiled.packed_metadata
-    if not (isinstance(packed, tuple) and len(packed) == 3 and packed[1] == 1):
-        raise RuntimeError(f"cluster launch: this triton's packed kernel metadata {packed!r} is not the (num_warps, "
-                           f"num_ctas=1, shared) it was written for (triton 3.6)")  # fmt: skip
+    if not (isinstance(packed, tuple) and len(packed) == 3 and packed[1] == 1):  # another triton's launcher
+        warnings.warn(f"cluster launch: triton {triton.__version__}'s packed kernel metadata {packed!r} is not the "
+                      "(num_warps, num_ctas=1, shared) of triton 3.6-3.9; merging the splits in a second kernel",
+                      RuntimeWarning, stacklevel=2)  # fmt: skip
+        return False
     if exchange > packed[2]:
         raise RuntimeError(f"cluster launch: the merge's {exchange} B exchange exceeds the kernel's {packed[2]} B of "
                            f"shared memory")  # fmt: skip
