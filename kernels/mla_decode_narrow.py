@@ -1,12 +1,9 @@
 """MLA decode stage 1 in Gluon for few heads (H = 16, DeepSeek-V3 under TP8) on Hopper: keys-major wgmma.
 
 Shape legend as in mla_decode.py: B requests, H heads, C = kv_lora + rope, P = num_kv_splits; one program =
-(16-head block, request, split), one warpgroup (4 warps). Per 64-key tile, everything transposed so that the
-64 keys are the wgmma's M (its smallest, 64) and the 16 heads its N:
-
-    S^T [64 keys, 16 heads]   = c_kv k-tile @ q_nope^T + k_pe @ q_pe^T    A = the latent tile, B = q (smem)
-    P^T = exp2(S^T - m)       -> shared memory (bf16, 2 KB)
-    O^T [kv_lora, 16 heads]  += c_kv^T @ P^T                               A = the same tile, transposed
+(16-head block, request, split), one warpgroup (4 warps). Per 64-key tile (narrow_tile.py), everything transposed
+so that the 64 keys are the wgmma's M and the 16 heads its N: S^T = c_kv q^T, P^T through shared memory, O^T +=
+c_kv^T P^T.
 
 Why: the Triton tile (16 heads x 32 keys, mma.sync, two programs an SM) spends ~706 instructions a warp and 9
 barriers a 32-key tile and issues 0.33 instructions a cycle, latency-bound at 12.5% occupancy (bench/NOTES.md,
@@ -29,9 +26,8 @@ at the >= 300 MB cells; the cp.async form only ties the Triton tile, so the defa
 pages only. The merge done in-kernel by the last split program of each (request, head block) lost everywhere (run 4:
 1.05-1.8x slower; its serial reads of the other programs' partials outweigh the launch); the splits merged inside a
 thread-block cluster through distributed shared memory won (cluster_merge.py, the default at 2 splits: B64/1k
-1.07-1.09x, session 8). Not under TRITON_INTERPRET
-(Gluon); covered by gpu-marked tests. Requires sm_90, bf16/fp16, kv_lora in {128, 256, 512}, rope a power of two in
-16..128.
+1.07-1.09x, session 8). Not under TRITON_INTERPRET (Gluon); covered by gpu-marked tests. Requires sm_90,
+bf16/fp16, kv_lora in {128, 256, 512}, rope a power of two in 16..128.
 """
 
 from __future__ import annotations
@@ -42,22 +38,13 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
-    mbarrier,
-    warpgroup_mma,
-    warpgroup_mma_wait,
-)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from r3trace.kernels.cluster_merge import cluster_merge_store, exchange_bytes, launch_in_clusters, merge_layout
 from r3trace.kernels.latent_tiles import (
-    copy_tile,
-    expect_tile,
     first_slot,
     gather_first_tile,
     gather_layout,
-    gather_rows,
     grid_dependency_wait,
     launch_dependents,
     row_slots,
@@ -67,95 +54,13 @@ from r3trace.kernels.latent_tiles import (
     unsupported,
 )
 from r3trace.kernels.mla_decode_gluon import tma_usable
+from r3trace.kernels.narrow_tile import tile_gather, tile_tma
 
 BLOCK_H = 16  # the wgmma's N: 16 heads, no padding
 BLOCK_N = 64  # keys a tile: the wgmma's M, 16 per warp
 NUM_WARPS = 4  # one warpgroup
 # TMA: the form, which the launcher picks from the caller's page size (tma_usable); the flag overrides it
 FLAGS: dict[str, bool] = {}
-
-
-@gluon.jit
-def _softmax_pv(t, start, end, qk_scale, s, mx_s, p_s, kv_t, keys, m_i, l_e, acc, BLOCK_N: gl.constexpr,
-                BLOCK_H: gl.constexpr, O_LAYOUT: gl.constexpr):  # fmt: skip
-    """Waits for S^T, masks keys past `end`, updates the online softmax and runs O^T += c_kv^T P^T (waited).
-    Its first barrier (the column max's) also means every warp waited for its P V of tile t-1."""
-    s = warpgroup_mma_wait(0, deps=(s,))
-    visible = (start + t * BLOCK_N + keys) < end
-    s = gl.where(visible[:, None], s * qk_scale, float("-inf"))  # [keys, heads], log2 units
-    # the column max over 64 keys: each warp's over its 16 (shuffles), then the 4 swapped through 256 B of
-    # shared memory with one barrier (gl.max over axis 0 crosses the warps with two)
-    warp_max = gl.max(gl.reshape(s, [4, BLOCK_N // 4, BLOCK_H]), axis=1)  # [4 warps, heads]
-    mx_s.store(gl.reshape(warp_max, [4 * BLOCK_H]))
-    gl.thread_barrier()
-    col: gl.constexpr = m_i.type.layout
-    m_tile = gl.maximum(
-        gl.maximum(mx_s.slice(0, BLOCK_H).load(col), mx_s.slice(BLOCK_H, BLOCK_H).load(col)),
-        gl.maximum(mx_s.slice(2 * BLOCK_H, BLOCK_H).load(col), mx_s.slice(3 * BLOCK_H, BLOCK_H).load(col)),
-    )
-    m_new = gl.maximum(m_i, m_tile)
-    alpha = gl.exp2(m_i - m_new)
-    p = gl.exp2(s - m_new[None, :])
-    l_e = l_e * alpha[None, :] + p  # row sums kept element-wise, summed over the keys once after the loop
-    p_s.store(p.to(kv_t.dtype))
-    fence_async_shared()  # generic-proxy stores, read by the async proxy (wgmma)
-    gl.thread_barrier()  # all 64 keys of P^T written (and every warp read mx_s)
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(0, O_LAYOUT))[None, :]
-    acc = warpgroup_mma(kv_t.permute((1, 0)), p_s, acc, is_async=True)
-    acc = warpgroup_mma_wait(0, deps=(acc,))
-    return m_new, l_e, acc
-
-
-@gluon.jit
-def _scores(kv_t, kr_t, qv_s, qr_s, s_zero):
-    """S^T [64 keys, 16 heads] = c_kv q_nope^T + k_pe q_pe^T, issued asynchronously."""
-    s = warpgroup_mma(kv_t, qv_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    return warpgroup_mma(kr_t, qr_s.permute((1, 0)), s, is_async=True)
-
-
-@gluon.jit
-def _tile_tma(
-    t, start, end, num_tiles, qk_scale, qv_s, qr_s, mx_s, p_s, kv_t, kr_t, bv_t, br_t, kv_n, kr_n, bv_n, br_n,
-    kv_desc, kr_desc, r2t, slot_n, keys, s_zero, m_i, l_e, acc,
-    KV_LORA: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_H: gl.constexpr, O_LAYOUT: gl.constexpr,
-):  # fmt: skip
-    """TMA form: tile t from (kv_t, kr_t), tile t+1's boxes issued into (kv_n, kr_n) after a barrier at the top of
-    the tile (every warp finished P V of t-1). Issuing them after the column max's barrier instead (2 barriers a
-    tile, the refill the score wgmmas later) was 3-11% slower at B16/1k, B16/8k and B64/1k (bench/NOTES.md,
-    "Session 7", run 2)."""
-    more = t + 1 < num_tiles
-    expect_tile(kv_desc, kr_desc, bv_n, br_n, more)
-    gl.thread_barrier()  # every warp waited for its P V of tile t-1: the other stage is free
-    copy_tile(kv_desc, kr_desc, bv_n, br_n, kv_n, kr_n, slot_n, more, KV_LORA)
-    mbarrier.wait(bv_t, (t // 2) & 1)  # tile t's boxes (and q's, with tile 0) landed: the (t // 2)-th phase
-    mbarrier.wait(br_t, (t // 2) & 1)
-    s = _scores(kv_t, kr_t, qv_s, qr_s, s_zero)
-    n2 = start + (t + 2) * BLOCK_N  # tile t+2's first slot, for the refill of the next call
-    slot_n2 = first_slot(r2t, n2, end)
-    m_new, l_e, acc = _softmax_pv(t, start, end, qk_scale, s, mx_s, p_s, kv_t, keys, m_i, l_e, acc,
-                                  BLOCK_N, BLOCK_H, O_LAYOUT)  # fmt: skip
-    return slot_n2, m_new, l_e, acc
-
-
-@gluon.jit
-def _tile_gather(
-    t, start, end, qk_scale, qv_s, qr_s, mx_s, p_s, kv_t, kr_t, kv_n, kr_n, kv_ptr, r2t, stride_kvs,
-    sl_v, sl_r, m_v, m_r, rows_v, rows_r, cols_v, cols_r, keys, s_zero, m_i, l_e, acc,
-    BLOCK_N: gl.constexpr, BLOCK_H: gl.constexpr, O_LAYOUT: gl.constexpr,
-):  # fmt: skip
-    """cp.async form (any page size): tile t from (kv_t, kr_t); tile t+1 gathered row by row through req_to_token
-    into (kv_n, kr_n), issued under tile t's score wgmmas (the wide kernel's GATHER_UNDER_S)."""
-    async_copy.wait_group(0)  # this thread's copies of tile t (and q) landed: the only group in flight
-    fence_async_shared()  # cp.async and P stores are generic-proxy writes; wgmma reads async
-    gl.thread_barrier()  # every thread's copies landed; every warp waited for its P V of t-1: the other stage free
-    s = _scores(kv_t, kr_t, qv_s, qr_s, s_zero)
-    gather_rows(kv_n, kr_n, kv_ptr, sl_v, sl_r, m_v, m_r, cols_v, cols_r, stride_kvs)
-    async_copy.commit_group()
-    n2 = start + (t + 2) * BLOCK_N  # tile t+2's slots, for the gather the next call issues
-    sl_v, sl_r, m_v, m_r = row_slots(r2t, n2, rows_v, rows_r, end, gl.int32)
-    m_new, l_e, acc = _softmax_pv(t, start, end, qk_scale, s, mx_s, p_s, kv_t, keys, m_i, l_e, acc,
-                                  BLOCK_N, BLOCK_H, O_LAYOUT)  # fmt: skip
-    return sl_v, sl_r, m_v, m_r, m_new, l_e, acc
 
 
 @gluon.jit
@@ -216,12 +121,12 @@ def _mla_decode_narrow_kernel(
             n1 = start + BLOCK_N  # tile 1's first slot, one tile early (the refill waits on no load)
             slot_n = first_slot(r2t, n1, end)
             for t in range(0, num_tiles, 2):
-                slot_n, m_i, l_e, acc = _tile_tma(
+                slot_n, m_i, l_e, acc = tile_tma(
                     t, start, end, num_tiles, qk_scale, qv_s, qr_s, mx_s, p_s, kv_a, kr_a, bv_a, br_a, kv_b, kr_b,
                     bv_b, br_b, kv_desc, kr_desc, r2t, slot_n, keys, s_zero, m_i, l_e, acc,
                     KV_LORA, BLOCK_N, BLOCK_H, O_LAYOUT)  # fmt: skip
                 if t + 1 < num_tiles:
-                    slot_n, m_i, l_e, acc = _tile_tma(
+                    slot_n, m_i, l_e, acc = tile_tma(
                         t + 1, start, end, num_tiles, qk_scale, qv_s, qr_s, mx_s, p_s, kv_b, kr_b, bv_b, br_b, kv_a,
                         kr_a, bv_a, br_a, kv_desc, kr_desc, r2t, slot_n, keys, s_zero, m_i, l_e, acc,
                         KV_LORA, BLOCK_N, BLOCK_H, O_LAYOUT)  # fmt: skip
@@ -232,12 +137,12 @@ def _mla_decode_narrow_kernel(
             # tile 1's slots, one iteration early: the gather issued in an iteration waits on no load of its own
             sl_v, sl_r, m_v, m_r = row_slots(r2t, start + BLOCK_N, rows_v, rows_r, end, gl.int32)
             for t in range(0, num_tiles, 2):
-                sl_v, sl_r, m_v, m_r, m_i, l_e, acc = _tile_gather(
+                sl_v, sl_r, m_v, m_r, m_i, l_e, acc = tile_gather(
                     t, start, end, qk_scale, qv_s, qr_s, mx_s, p_s, kv_a, kr_a, kv_b, kr_b, kv_ptr, r2t, stride_kvs,
                     sl_v, sl_r, m_v, m_r, rows_v, rows_r, cols_v, cols_r, keys, s_zero, m_i, l_e, acc,
                     BLOCK_N, BLOCK_H, O_LAYOUT)  # fmt: skip
                 if t + 1 < num_tiles:
-                    sl_v, sl_r, m_v, m_r, m_i, l_e, acc = _tile_gather(
+                    sl_v, sl_r, m_v, m_r, m_i, l_e, acc = tile_gather(
                         t + 1, start, end, qk_scale, qv_s, qr_s, mx_s, p_s, kv_b, kr_b, kv_a, kr_a, kv_ptr, r2t,
                         stride_kvs, sl_v, sl_r, m_v, m_r, rows_v, rows_r, cols_v, cols_r, keys, s_zero, m_i, l_e,
                         acc, BLOCK_N, BLOCK_H, O_LAYOUT)  # fmt: skip
