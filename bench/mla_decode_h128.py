@@ -23,8 +23,8 @@ at the default's split count in the same run, its stage 1 swapped in for the ins
 At the cells where the default takes one split, the same call through the two-stage twin
 (DecodeTile.direct=False: fp32 partial, then the merge launch) is timed too.
 
---parts: where a tile's time goes. The TMA form's source with one part cut out (PARTS: the score wgmmas,
-the P V wgmmas, the exponentials, the rescale of O, or every tile loaded from the same L2-hot rows), each
+--parts: where a tile's time goes. The TMA form's tile (kernels/wide_tile.py) with one part cut out (PARTS: the
+score wgmmas, the P V wgmmas, the exponentials, the rescale of O, or every tile loaded from the same L2-hot rows), each
 timed at B = 16 / 8k and 64 / 8k beside the whole kernel; the results are wrong, only the times count. Also
 stage 2 (the merge) alone, graph-timed, at every cell's default split count. --variants NAME=0|1,...: the
 stage 1 with those constexpr flags (mla_decode_gluon.FLAGS) too, at the default splits.
@@ -43,6 +43,7 @@ import argparse
 import json
 import os
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from functools import partial
@@ -53,7 +54,7 @@ import torch
 from sibling import load_path, load_sibling  # bench/sibling.py: python bench/<script>.py puts bench/ on the path
 from triton.testing import do_bench
 
-from r3trace.kernels import mla_decode_gluon
+from r3trace.kernels import mla_decode_gluon, wide_tile
 from r3trace.kernels.mla_decode import DecodeTile, default_decode_tile, mla_decode, mla_decode_ref
 
 H, KV_LORA, ROPE = 128, 512, 64
@@ -71,8 +72,8 @@ def stage1_ms(sw: ModuleType, stage1: Callable[..., None], fn: partial[torch.Ten
         mla_decode_gluon.mla_decode_stage1_gluon = new
 
 
-# (name, [(source text, replacement), ...]): one part of the TMA form's tile cut out (each replaced text must
-# occur exactly once); the results are wrong, only the times count
+# (name, [(source text, replacement), ...]): one part of the TMA form's tile (kernels/wide_tile.py) cut out (each
+# replaced text must occur exactly once); the results are wrong, only the times count
 SCORES = (
     "    s = warpgroup_mma(qv_s, kv_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)\n"
     "    return warpgroup_mma(qr_s, kr_t.permute((1, 0)), s, is_async=True)\n"
@@ -83,24 +84,38 @@ PARTS: list[tuple[str, list[tuple[str, str]]]] = [
     ("no_exp", [("    p = gl.exp2(s - m_new[:, None])\n", "    p = s - m_new[:, None]\n")]),
     ("no_rescale", [("    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]\n", "")]),
     # every tile loads tile 1's rows (L2-hot after the first): what HBM latency and bandwidth cost
-    ("l2_tiles", [("    slot_n2 = gl.load(r2t + n2, mask=n2 < end, other=0)", "    slot_n2 = (slot_n + 0 * n2)")]),
+    ("l2_tiles", [("    slot_n2 = first_slot(r2t, n2, end)\n", "    slot_n2 = slot_n + 0 * n2\n")]),
 ]  # fmt: skip
 # No barrier cuts: with any of the 3 removed, triton 3.6's barrier analysis puts one back (PTX: 3 a tile still).
+TILE_IMPORT = "from r3trace.kernels.wide_tile import"
+
+
+def cut_stage1s(out_dir: Path) -> dict[str, Callable[..., None]]:
+    """The installed stage 1 ("whole") and one per PARTS cut: kernels/wide_tile.py with the cut, loaded as its own
+    module, and a copy of kernels/mla_decode_gluon.py importing its tile steps from it (their own JIT cache
+    entries)."""
+    tile_src = Path(wide_tile.__file__).read_text()
+    kernel_src = Path(mla_decode_gluon.__file__).read_text()
+    assert kernel_src.count(TILE_IMPORT) == 1
+    mods: dict[str, Callable[..., None]] = {"whole": mla_decode_gluon.mla_decode_stage1_gluon}
+    for name, cuts in PARTS:
+        cut = tile_src
+        for old, new in cuts:
+            assert cut.count(old) == 1, name
+            cut = cut.replace(old, new)
+        tile_name = f"wide_tile_{name}"
+        (out_dir / f"{tile_name}.py").write_text(cut)
+        sys.modules[tile_name] = load_path(out_dir / f"{tile_name}.py", tile_name)  # what the copy imports
+        path = out_dir / f"gluon_{name}.py"
+        path.write_text(kernel_src.replace(TILE_IMPORT, f"from {tile_name} import"))
+        mods[name] = load_path(path, f"gluon_{name}").mla_decode_stage1_gluon
+    return mods
 
 
 def parts(sw: ModuleType, out_dir: Path, res: dict[str, object]) -> None:
     """Each PARTS cut timed against the whole kernel at two cells, then stage 2 alone at every cell."""
-    src = Path(mla_decode_gluon.__file__).read_text()
     out: dict[str, object] = {}
-    mods = {"whole": mla_decode_gluon.mla_decode_stage1_gluon}
-    for name, cuts in PARTS:
-        cut = src
-        for old, new in cuts:
-            assert cut.count(old) == 1, name
-            cut = cut.replace(old, new)
-        path = out_dir / f"gluon_{name}.py"
-        path.write_text(cut)
-        mods[name] = load_path(path, f"gluon_{name}").mla_decode_stage1_gluon
+    mods = cut_stage1s(out_dir)
     default = default_decode_tile(H, torch.bfloat16, use_gluon=True, page_size=sw.PAGE)  # the TMA form
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for B, L in [(16, 8192), (64, 8192)]:

@@ -38,24 +38,15 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
-    mbarrier,
-    warpgroup_mma,
-    warpgroup_mma_wait,
-)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from r3trace.kernels.cluster_merge import cluster_merge_store, exchange_bytes, launch_in_clusters, merge_layout
 from r3trace.kernels.latent_tiles import (
     GLUON_KV_LORA,
     GLUON_ROPE,
-    copy_tile,
-    expect_tile,
     first_slot,
     gather_first_tile,
     gather_layout,
-    gather_rows,
     grid_dependency_wait,
     launch_dependents,
     row_slots,
@@ -64,6 +55,7 @@ from r3trace.kernels.latent_tiles import (
     tma_first_tile,
     unsupported,
 )
+from r3trace.kernels.wide_tile import tile_gather, tile_tma
 
 __all__ = ["GLUON_KV_LORA", "GLUON_ROPE", "gluon_supported", "mla_decode_stage1_gluon", "tma_usable"]
 
@@ -81,111 +73,6 @@ FLAGS = {"MAX_XCHG": True, "GATHER_UNDER_S": True}
 # The TMA form (a tile's 64 keys as one [64, kv_lora] and one [64, rope] box) needs a tile's keys on
 # consecutive cache rows: pages of a multiple of 64 slots (tiles start at multiples of 64).
 TMA_PAGE = BLOCK_N
-
-
-@gluon.jit
-def _scores(qv_s, qr_s, kv_t, kr_t, s_zero):
-    """S [64 heads, 64 keys] = q_nope c_kv^T + q_pe k_pe^T, issued asynchronously (warpgroup w: keys 32w..)."""
-    s = warpgroup_mma(qv_s, kv_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    return warpgroup_mma(qr_s, kr_t.permute((1, 0)), s, is_async=True)
-
-
-@gluon.jit
-def _row_max(t, start, end, qk_scale, s, keys, m_i, mx_s, BLOCK_N: gl.constexpr, MAX_XCHG: gl.constexpr):
-    """Waits for the scores, masks keys past `end`, and returns them (log2 units) with the new row max. Its
-    barrier (MAX_XCHG) also means every warpgroup finished the previous tile's P V."""
-    s = warpgroup_mma_wait(0, deps=(s,))
-    visible = (start + t * BLOCK_N + keys) < end
-    s = gl.where(visible[None, :], s * qk_scale, float("-inf"))  # log2 units
-    if MAX_XCHG:
-        # [64 heads, 2]: each warpgroup's max over its own 32 keys (a reduction inside each warp), stored
-        # warpgroup-major to mx_s [2 x 64], then both halves read back in the rows' own layout
-        half = gl.max(gl.reshape(s, [s.shape[0], 2, BLOCK_N // 2]), axis=2)
-        mx_s.store(gl.reshape(gl.permute(half, (1, 0)), [2 * s.shape[0]]))
-        gl.thread_barrier()
-        row: gl.constexpr = m_i.type.layout
-        m_tile = gl.maximum(mx_s.slice(0, s.shape[0]).load(row), mx_s.slice(s.shape[0], s.shape[0]).load(row))
-        m_new = gl.maximum(m_i, m_tile)
-    else:
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
-    return s, m_new
-
-
-@gluon.jit
-def _probs_pv(s, m_i, m_new, l_e, acc, p_s, kv_t, O_LAYOUT: gl.constexpr):
-    """P = exp2(S - m) through shared memory to both warpgroups, O rescaled, O += P c_kv (waited)."""
-    alpha = gl.exp2(m_i - m_new)
-    p = gl.exp2(s - m_new[:, None])
-    l_e = l_e * alpha[:, None] + p
-    p_s.store(p.to(kv_t.dtype))
-    fence_async_shared()
-    gl.thread_barrier()  # both halves of P (one per warpgroup) written before either reads all of it
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]
-    acc = warpgroup_mma(p_s, kv_t, acc, is_async=True)
-    acc = warpgroup_mma_wait(0, deps=(acc,))
-    return l_e, acc
-
-
-@gluon.jit
-def _tile(
-    t, start, end, qk_scale, qv_s, qr_s, mx_s, kv_t, kr_t, kv_n, kr_n, p_s, kv_ptr, r2t, stride_kvs,
-    sl_v, sl_r, m_v, m_r, rows_v, rows_r, cols_v, cols_r, keys, s_zero, m_i, l_e, acc,
-    BLOCK_N: gl.constexpr, O_LAYOUT: gl.constexpr, MAX_XCHG: gl.constexpr, GATHER_UNDER_S: gl.constexpr,
-):  # fmt: skip
-    """cp.async form (any page size): one 64-key tile t from (kv_t, kr_t), with tile t+1's gather, one row
-    copy per key, issued into (kv_n, kr_n). The two buffers are separate allocations, and the loop calls this
-    twice an iteration with them swapped: with one [2, ...] allocation indexed by t % 2, the compiler's
-    shared-memory hazard analysis cannot tell the buffer being filled from the one being read and adds a
-    barrier between the gather and the scores (and one more before the wait; 6 barriers a tile with one
-    allocation, 4 with two: SASS, bench/NOTES.md). Leaving a tile's P V running under the next tile's
-    scores (one transition in two: across the loop's back edge ptxas serialises every wgmma) was 1-4% slower
-    (bench/NOTES.md, "mla128, session 4")."""
-    async_copy.wait_group(0)  # this thread's copies of tile t (and q) landed: the only group in flight
-    fence_async_shared()  # cp.async and P stores are generic-proxy writes; wgmma reads async
-    # every thread's copies of tile t landed, and every warpgroup waited for its P V of tile t-1, so the
-    # other buffer and P are free: one barrier where there were two (refill, then data)
-    gl.thread_barrier()
-    if GATHER_UNDER_S:  # the scores first: the gather's ~20 instructions a thread issue while they run
-        s = _scores(qv_s, qr_s, kv_t, kr_t, s_zero)
-    gather_rows(kv_n, kr_n, kv_ptr, sl_v, sl_r, m_v, m_r, cols_v, cols_r, stride_kvs)
-    async_copy.commit_group()
-    n2 = start + (t + 2) * BLOCK_N  # tile t+2's slots, for the gather the next call issues
-    sl_v, sl_r, m_v, m_r = row_slots(r2t, n2, rows_v, rows_r, end, gl.int64)
-    if not GATHER_UNDER_S:
-        s = _scores(qv_s, qr_s, kv_t, kr_t, s_zero)
-    s, m_new = _row_max(t, start, end, qk_scale, s, keys, m_i, mx_s, BLOCK_N, MAX_XCHG)
-    l_e, acc = _probs_pv(s, m_i, m_new, l_e, acc, p_s, kv_t, O_LAYOUT)
-    return sl_v, sl_r, m_v, m_r, m_new, l_e, acc
-
-
-@gluon.jit
-def _tile_tma(
-    t, start, end, num_tiles, qk_scale, qv_s, qr_s, mx_s, kv_t, kr_t, bv_t, br_t, kv_n, kr_n, bv_n, br_n, p_s,
-    kv_desc, kr_desc, r2t, slot_n, keys, s_zero, m_i, l_e, acc,
-    KV_LORA: gl.constexpr, BLOCK_N: gl.constexpr, O_LAYOUT: gl.constexpr, MAX_XCHG: gl.constexpr,
-):  # fmt: skip
-    """TMA form (page size a multiple of 64: a tile's 64 keys are 64 consecutive cache rows, slot_n.. for tile
-    t+1): tile t waited on its mbarriers, tile t+1 loaded as two TMA boxes (c_kv [64, kv_lora], k_pe [64,
-    rope]) completing on bv_n / br_n. No per-thread gather (cp.async took ~20 instructions a thread a tile),
-    no cp.async wait and no barrier for the data: each thread waits on the mbarriers. 3 barriers a tile: the
-    refill must follow one (the other warpgroup may be reading that buffer in its P V of tile t-1); issuing
-    it after the row max's instead (2 barriers, ~half a tile less lead) was 0-6% slower at 9 of 10 cells
-    (bench/NOTES.md, "mla128b, session 5", run 2); issuing it before the wait for tile t was 0-3% slower at
-    9 of 10 (run 3). Triton 3.6's barrier analysis puts a barrier between any
-    two accesses of one mbarrier allocation (3.7 skips them again, its release notes: canSkipBarSync), so each
-    box has its own mbarrier and the expects come before the CTA barrier the copies follow (PTX checked)."""
-    more = t + 1 < num_tiles
-    expect_tile(kv_desc, kr_desc, bv_n, br_n, more)
-    gl.thread_barrier()  # every warpgroup waited for its P V of tile t-1: the other buffer is free
-    mbarrier.wait(bv_t, (t // 2) & 1)  # tile t's boxes (and q's, with tile 0) landed: the (t // 2)-th phase
-    mbarrier.wait(br_t, (t // 2) & 1)
-    s = _scores(qv_s, qr_s, kv_t, kr_t, s_zero)
-    copy_tile(kv_desc, kr_desc, bv_n, br_n, kv_n, kr_n, slot_n, more, KV_LORA)  # under the score wgmmas
-    n2 = start + (t + 2) * BLOCK_N  # tile t+2's first slot, for the refill the next call issues
-    slot_n2 = first_slot(r2t, n2, end)
-    s, m_new = _row_max(t, start, end, qk_scale, s, keys, m_i, mx_s, BLOCK_N, MAX_XCHG)
-    l_e, acc = _probs_pv(s, m_i, m_new, l_e, acc, p_s, kv_t, O_LAYOUT)
-    return slot_n2, m_new, l_e, acc
 
 
 @gluon.jit
@@ -240,19 +127,19 @@ def _mla_decode_gluon_kernel(
         keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
         num_tiles = gl.cdiv(end - start, BLOCK_N)
         if TMA:
-            bv_a, br_a, bv_b, br_b = stage_barriers()  # see _tile_tma for why four allocations
+            bv_a, br_a, bv_b, br_b = stage_barriers()  # see wide_tile.tile_tma for why four allocations
             # q [64 heads, C] as rows b H + 64 hb of q viewed [B H, C], beside tile 0: one latency
             tma_first_tile(qv_desc, qr_desc, kv_desc, kr_desc, qv_s, qr_s, kv_a, kr_a, bv_a, br_a, b * H + hb * BLOCK_H,
                            r2t, start, KV_LORA)  # fmt: skip
             n1 = start + BLOCK_N  # tile 1's first slot, one tile early (the refill waits on no load)
             slot_n = first_slot(r2t, n1, end)
             for t in range(0, num_tiles, 2):
-                slot_n, m_i, l_e, acc = _tile_tma(
+                slot_n, m_i, l_e, acc = tile_tma(
                     t, start, end, num_tiles, qk_scale, qv_s, qr_s, mx_s, kv_a, kr_a, bv_a, br_a, kv_b, kr_b, bv_b,
                     br_b, p_s, kv_desc, kr_desc, r2t, slot_n, keys, s_zero, m_i, l_e, acc,
                     KV_LORA, BLOCK_N, O_LAYOUT, MAX_XCHG)  # fmt: skip
                 if t + 1 < num_tiles:
-                    slot_n, m_i, l_e, acc = _tile_tma(
+                    slot_n, m_i, l_e, acc = tile_tma(
                         t + 1, start, end, num_tiles, qk_scale, qv_s, qr_s, mx_s, kv_b, kr_b, bv_b, br_b, kv_a, kr_a,
                         bv_a, br_a, p_s, kv_desc, kr_desc, r2t, slot_n, keys, s_zero, m_i, l_e, acc,
                         KV_LORA, BLOCK_N, O_LAYOUT, MAX_XCHG)  # fmt: skip
@@ -267,12 +154,12 @@ def _mla_decode_gluon_kernel(
             # its own (the Triton kernel's EARLY_SLOTS, for the same reason)
             sl_v, sl_r, m_v, m_r = row_slots(r2t, start + BLOCK_N, rows_v, rows_r, end, gl.int64)
             for t in range(0, num_tiles, 2):
-                sl_v, sl_r, m_v, m_r, m_i, l_e, acc = _tile(
+                sl_v, sl_r, m_v, m_r, m_i, l_e, acc = tile_gather(
                     t, start, end, qk_scale, qv_s, qr_s, mx_s, kv_a, kr_a, kv_b, kr_b, p_s, kv_ptr, r2t, stride_kvs,
                     sl_v, sl_r, m_v, m_r, rows_v, rows_r, cols_v, cols_r, keys, s_zero, m_i, l_e, acc,
                     BLOCK_N, O_LAYOUT, MAX_XCHG, GATHER_UNDER_S)  # fmt: skip
                 if t + 1 < num_tiles:
-                    sl_v, sl_r, m_v, m_r, m_i, l_e, acc = _tile(
+                    sl_v, sl_r, m_v, m_r, m_i, l_e, acc = tile_gather(
                         t + 1, start, end, qk_scale, qv_s, qr_s, mx_s, kv_b, kr_b, kv_a, kr_a, p_s, kv_ptr, r2t,
                         stride_kvs, sl_v, sl_r, m_v, m_r, rows_v, rows_r, cols_v, cols_r, keys, s_zero, m_i, l_e,
                         acc, BLOCK_N, O_LAYOUT, MAX_XCHG, GATHER_UNDER_S)  # fmt: skip
