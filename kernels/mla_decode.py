@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-from functools import partial
 
 import torch
 import triton
@@ -250,7 +249,7 @@ def mla_decode(
         require(tile[:5] == fixed and not tile.keys_major,
                 f"the {tile.kernel} Gluon kernel's tile is fixed: {fixed[0]} heads x {fixed[1]} keys x {fixed[2]} "
                 f"warps, 2 stages; got {tile}")  # fmt: skip
-        stage1 = partial(getattr(gk, launch), q, kv_cache, req_to_token, req_pool_indices, seq_lens)
+        stage1 = functools.partial(getattr(gk, launch), q, kv_cache, req_to_token, req_pool_indices, seq_lens)
         args = (kv_lora_rank, sm_scale * LOG2E, tile.block_n, tile.page_size)
         # the splits merged inside thread-block clusters (cluster_merge.py): stage 1 stores the output as in
         # `direct`; the launcher declines (False) where the clusters would not all fit on the GPU at once
