@@ -22,6 +22,8 @@ RUNNABLE = INTERPRET or HAS_CUDA
 requires_triton = pytest.mark.skipif(not RUNNABLE, reason="needs TRITON_INTERPRET=1 (CPU) or a CUDA device")
 gpu = pytest.mark.gpu
 requires_gpu = pytest.mark.skipif(not HAS_CUDA or INTERPRET, reason="needs CUDA, compiled (no interpreter)")
+# the Gluon decode kernels (wgmma, TMA, thread-block clusters) are sm_90 only
+HOPPER = HAS_CUDA and torch.cuda.get_device_capability()[0] == 9
 
 # dtype -> (atol, rtol, normwise limit on ||out - ref|| / ||ref||, why). The reference runs in fp32 on the
 # same (already rounded) inputs, so the error is the kernel's own: its roundings and summation order.

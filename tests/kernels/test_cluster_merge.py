@@ -12,6 +12,7 @@ import torch
 from r3trace.kernels.decode_tile import CLUSTER_SIZES
 from r3trace.kernels.mla_decode import DecodeTile, mla_decode, mla_decode_ref
 from tests.kernels.conftest import (
+    HOPPER,
     assert_close_to_ref,
     assert_graph_replay_matches_eager,
     gpu,
@@ -30,11 +31,7 @@ WIDE = DecodeTile(64, 64, 8, 2, kernel="gluon", page_size=64, cluster=8)
 LENS = [1, 700, 3001, 33, 130]
 
 
-def _hopper() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
-
-
-hopper_only = pytest.mark.skipif(not _hopper(), reason="thread-block clusters and the narrow kernel are sm_90")
+hopper_only = pytest.mark.skipif(not HOPPER, reason="thread-block clusters and the narrow kernel are sm_90")
 
 
 def _inputs(H: int, kv_lora: int, rope: int, page_size: int, seed: int, lens: list[int] = LENS) -> tuple:

@@ -16,6 +16,7 @@ from r3trace.kernels import mla_decode_gluon
 from r3trace.kernels.contract import KernelInputError
 from r3trace.kernels.mla_decode import DecodeTile, mla_decode, mla_decode_ref
 from tests.kernels.conftest import (
+    HOPPER,
     assert_close_to_ref,
     assert_graph_replay_matches_eager,
     gpu,
@@ -29,10 +30,6 @@ pytestmark = [requires_triton, gpu, requires_gpu]
 GLUON = DecodeTile(64, 64, 8, 2, kernel="gluon")
 # mixed, 1 included, none a multiple of the 64-key tile but 64 and 128 themselves
 LENS = [1, 700, 3001, 64, 1500, 33, 2049, 5, 999, 128, 65]
-
-
-def _hopper() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
 # (flags, the page sizes they apply to): GATHER_UNDER_S is the cp.async form's (page 1); pages of 64 and 128
@@ -59,7 +56,7 @@ CASES = [
 ]
 
 
-@pytest.mark.skipif(not _hopper(), reason="the Gluon decode kernel is sm_90 only")
+@pytest.mark.skipif(not HOPPER, reason="the Gluon decode kernel is sm_90 only")
 @pytest.mark.parametrize(("H", "kv_lora", "rope", "splits", "flags", "page_size"), CASES)
 def test_gluon_matches_ref(
     H: int,
@@ -98,7 +95,7 @@ def test_gluon_matches_ref(
     torch.testing.assert_close(out.float(), triton_out.float(), atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.skipif(not _hopper(), reason="the Gluon decode kernel is sm_90 only")
+@pytest.mark.skipif(not HOPPER, reason="the Gluon decode kernel is sm_90 only")
 @pytest.mark.parametrize("page_size", [1, 64])
 def test_gluon_one_split_direct_same_bits_as_merge(page_size: int) -> None:
     """One split: the Gluon stage 1 stores the bf16 output itself; the two-stage twin (fp32 partial, merge with
@@ -126,7 +123,7 @@ def test_gluon_rejects_what_it_cannot_run() -> None:
         mla_decode(q, kv, *args[1:], 512, 0.2, tile=DecodeTile(64, 32, 8, 2, kernel="gluon"))
 
 
-@pytest.mark.skipif(not _hopper(), reason="the Gluon decode kernel is sm_90 only")
+@pytest.mark.skipif(not HOPPER, reason="the Gluon decode kernel is sm_90 only")
 @pytest.mark.parametrize("pdl", [False, True])
 @pytest.mark.parametrize("page_size", [1, 64])
 def test_gluon_under_cuda_graph(page_size: int, pdl: bool) -> None:

@@ -15,6 +15,7 @@ from r3trace.kernels import mla_decode_narrow
 from r3trace.kernels.contract import KernelInputError
 from r3trace.kernels.mla_decode import DecodeTile, mla_decode, mla_decode_ref
 from tests.kernels.conftest import (
+    HOPPER,
     assert_close_to_ref,
     assert_graph_replay_matches_eager,
     gpu,
@@ -28,10 +29,6 @@ pytestmark = [requires_triton, gpu, requires_gpu]
 NARROW = DecodeTile(16, 64, 4, 2, kernel="narrow", page_size=64)
 # mixed, 1 included; 64, 128 and 65 at tile edges; the long ones give splits of odd and even tile counts
 LENS = [1, 700, 3001, 64, 1500, 33, 2049, 5, 999, 128, 65]
-
-
-def _hopper() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
 def _inputs(H: int, kv_lora: int, rope: int, page_size: int, dtype: torch.dtype, seed: int) -> tuple:
@@ -57,7 +54,7 @@ FORMS = {"tma-page64": (64, {}), "tma-page128": (128, {}), "rows-page1": (1, {})
          "rows-page64": (64, {"TMA": False})}  # fmt: skip
 
 
-@pytest.mark.skipif(not _hopper(), reason="the narrow Gluon decode kernel is sm_90 only")
+@pytest.mark.skipif(not HOPPER, reason="the narrow Gluon decode kernel is sm_90 only")
 @pytest.mark.parametrize(("page_size", "flags"), list(FORMS.values()), ids=list(FORMS))
 @pytest.mark.parametrize(("H", "kv_lora", "rope", "splits"), list(SHAPES.values()), ids=list(SHAPES))
 def test_narrow_matches_ref(
@@ -83,7 +80,7 @@ def test_narrow_matches_ref(
     torch.testing.assert_close(out.float(), triton_out.float(), atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.skipif(not _hopper(), reason="the narrow Gluon decode kernel is sm_90 only")
+@pytest.mark.skipif(not HOPPER, reason="the narrow Gluon decode kernel is sm_90 only")
 def test_narrow_fp16_and_one_split_direct() -> None:
     """fp16 inputs; one split stored straight into the output (direct) gives the bits the merge would."""
     for page_size in (1, 64):
@@ -95,7 +92,7 @@ def test_narrow_fp16_and_one_split_direct() -> None:
         assert_close_to_ref(out, mla_decode_ref(q.float(), kv.float(), *args[2:7]), torch.float16)
 
 
-@pytest.mark.skipif(not _hopper(), reason="the narrow Gluon decode kernel is sm_90 only")
+@pytest.mark.skipif(not HOPPER, reason="the narrow Gluon decode kernel is sm_90 only")
 def test_narrow_rejects_what_it_cannot_run() -> None:
     q, kv, r2t, rows, seq = _inputs(16, 512, 64, 64, torch.bfloat16, 4)
     with pytest.raises(KernelInputError, match="fixed"):
@@ -106,7 +103,7 @@ def test_narrow_rejects_what_it_cannot_run() -> None:
         mla_decode(q[..., :544], kv[:, :544], r2t, rows, seq, 480, 0.05, tile=NARROW)
 
 
-@pytest.mark.skipif(not _hopper(), reason="the narrow Gluon decode kernel is sm_90 only")
+@pytest.mark.skipif(not HOPPER, reason="the narrow Gluon decode kernel is sm_90 only")
 @pytest.mark.parametrize("pdl", [True, False])
 @pytest.mark.parametrize("page_size", [1, 64])
 def test_narrow_under_cuda_graph(page_size: int, pdl: bool) -> None:
@@ -114,7 +111,7 @@ def test_narrow_under_cuda_graph(page_size: int, pdl: bool) -> None:
     assert_graph_replay_matches_eager(NARROW._replace(page_size=page_size, pdl=pdl), 16)
 
 
-@pytest.mark.skipif(not _hopper(), reason="the narrow Gluon decode kernel is sm_90 only")
+@pytest.mark.skipif(not HOPPER, reason="the narrow Gluon decode kernel is sm_90 only")
 def test_narrow_pdl_same_bits() -> None:
     """Programmatic dependent launch changes when the kernels start, not what they compute."""
     q, kv, r2t, rows, seq = _inputs(16, 512, 64, 64, torch.bfloat16, 21)
