@@ -147,6 +147,25 @@ def cluster_merge_store(
     gl.store(ptr, out, mask=(h < H)[:, None])
 
 
+@gluon.jit
+def cluster_merge_nothing(
+    out_ptr, b, h0, H, stride_ob, stride_oh,
+    KV_LORA: gl.constexpr, BLOCK_H: gl.constexpr, CLUSTER: gl.constexpr, HEADS_FIRST: gl.constexpr,
+    ACC_LAYOUT: gl.constexpr, HEAD_LAYOUT: gl.constexpr, MERGE_LAYOUT: gl.constexpr,
+):  # fmt: skip
+    """cluster_merge_store for a split with no keys: it still takes part in the cluster's barriers, pushing zeros,
+    m = -inf and l = 0 (weighing nothing). ACC_LAYOUT: the kernel's accumulator layout; HEAD_LAYOUT: its [BLOCK_H]
+    row statistics' layout."""
+    if HEADS_FIRST:
+        acc = gl.zeros([BLOCK_H, KV_LORA], gl.float32, layout=ACC_LAYOUT)
+    else:
+        acc = gl.zeros([KV_LORA, BLOCK_H], gl.float32, layout=ACC_LAYOUT)
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=HEAD_LAYOUT)
+    l_i = gl.zeros([BLOCK_H], gl.float32, layout=HEAD_LAYOUT)
+    cluster_merge_store(acc, m_i, l_i, out_ptr, b, h0, H, stride_ob, stride_oh,
+                        KV_LORA, BLOCK_H, CLUSTER, HEADS_FIRST, MERGE_LAYOUT)  # fmt: skip
+
+
 def merge_layout(kv_lora: int, cluster: int, num_warps: int) -> gl.BlockedLayout:
     """[heads, kv_lora / P], columns fastest: 8 a thread (16-byte bf16 stores, two 16-byte shared loads)."""
     cols = kv_lora // cluster

@@ -40,7 +40,13 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from r3trace.kernels.cluster_merge import cluster_merge_store, exchange_bytes, launch_in_clusters, merge_layout
+from r3trace.kernels.cluster_merge import (
+    cluster_merge_nothing,
+    cluster_merge_store,
+    exchange_bytes,
+    launch_in_clusters,
+    merge_layout,
+)
 from r3trace.kernels.latent_tiles import (
     first_slot,
     gather_first_tile,
@@ -163,11 +169,8 @@ def _mla_decode_narrow_kernel(
             h_s = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, S_LAYOUT))
             gl.store(part_lse_ptr + b * stride_lb + h_s * stride_lh + split, m_i + gl.log2(l_i), mask=h_s < H)
     elif CLUSTER > 1:  # no keys for this split: it still takes part in the cluster's barriers, weighing nothing
-        cluster_merge_store(gl.zeros([KV_LORA, BLOCK_H], gl.float32, layout=O_LAYOUT),
-                            gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(0, S_LAYOUT)),
-                            gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(0, S_LAYOUT)), part_out_ptr, b,
-                            hb * BLOCK_H, H, stride_pb, stride_ph, KV_LORA, BLOCK_H, CLUSTER, False,
-                            MERGE_LAYOUT)  # fmt: skip
+        cluster_merge_nothing(part_out_ptr, b, hb * BLOCK_H, H, stride_pb, stride_ph, KV_LORA, BLOCK_H, CLUSTER, False,
+                              O_LAYOUT, gl.SliceLayout(0, S_LAYOUT), MERGE_LAYOUT)  # fmt: skip
 
 
 def _layouts(kv_lora: int, rope: int, dtype: Any, out_bytes: int) -> dict[str, Any]:
