@@ -118,9 +118,12 @@ class DecodeTile(NamedTuple):
     # the caller's KV pages (slots in runs of page_size): a multiple of 64 lets the Gluon kernel load a tile
     # as TMA boxes (mla_decode_gluon.tma_usable), else row by row; the Triton kernel ignores it
     page_size: int = 1
-    # Programmatic dependent launch (sm_90+, Triton stage 1 and the merge): each kernel is launched while the one
-    # before it still runs and waits (griddepcontrol.wait) before its first global access, so its launch and
-    # block scheduling overlap the previous kernel's tail; graph-capturable.
+    # Programmatic dependent launch (sm_90+, every stage 1 and the merge): each kernel is launched while the one
+    # before it still runs and waits (griddepcontrol.wait) before it touches q, the cache or the partials, so its
+    # launch and block scheduling overlap the previous kernel's tail; graph-capturable. The Gluon stage 1s read the
+    # index tables (seq_lens, req_pool_indices, req_to_token) before the wait (session 9: B64/1k 1.025x, B16/1k
+    # 1.05x), so the caller must not have them written by the kernel launched just before this call (the engine
+    # writes them by copies and one scatter at the start of a step, many kernels before any attention).
     pdl: bool = False
     # the Gluon kernels only: a split count in CLUSTER_SIZES up to this runs each (request, head block)'s splits
     # as one thread-block cluster that merges in distributed shared memory and stores the output (no fp32 partials,

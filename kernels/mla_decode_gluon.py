@@ -56,6 +56,7 @@ from r3trace.kernels.latent_tiles import (
     grid_dependency_wait,
     launch_dependents,
     row_slots,
+    split_bounds,
     stage_barriers,
     tile_descriptors,
     tma_first_tile,
@@ -97,9 +98,6 @@ def _mla_decode_gluon_kernel(
     P_SMEM: gl.constexpr, TMA: gl.constexpr, MAX_XCHG: gl.constexpr, GATHER_UNDER_S: gl.constexpr, PDL: gl.constexpr,
     CLUSTER: gl.constexpr, MERGE_LAYOUT: gl.constexpr,
 ):  # fmt: skip
-    if PDL:  # launched as a programmatic dependent: nothing global before the wait
-        grid_dependency_wait()
-        launch_dependents()
     if CLUSTER > 1:  # the splits of one (head block, request) are one cluster, merged in it (cluster_merge.py)
         hb = gl.program_id(0) // CLUSTER
         split = gl.program_id(0) % CLUSTER
@@ -107,11 +105,14 @@ def _mla_decode_gluon_kernel(
         hb = gl.program_id(0)  # fastest axis: both head blocks of a (request, split) read each tile, via L2
         split = gl.program_id(2)
     b = gl.program_id(1)
-    seq_len = gl.load(seq_lens_ptr + b).to(gl.int32)
-    req_row = gl.load(req_pool_ptr + b).to(gl.int64)
-    split_len = gl.cdiv(gl.cdiv(seq_len, num_kv_splits), split_align) * split_align
-    start = split * split_len
-    end = gl.minimum(start + split_len, seq_len)
+    start, end, r2t = split_bounds(seq_lens_ptr, req_pool_ptr, req_to_token_ptr, stride_rtr, b, split, num_kv_splits,
+                                   split_align)  # fmt: skip
+    if TMA:  # tiles 0 and 1's cache rows, 0 past end (the refill of tile 1 then waits on no load)
+        slot_0 = first_slot(r2t, start, end)
+        slot_n = first_slot(r2t, start + BLOCK_N, end)
+    if PDL:  # a programmatic dependent: the index tables above are read before the wait, q and the cache after it
+        grid_dependency_wait()
+        launch_dependents()
     if start < end:  # else: more splits than this request needs; stage 2 skips the split too
         dtype: gl.constexpr = q_ptr.dtype.element_ty
         qv_s = gl.allocate_shared_memory(dtype, [BLOCK_H, KV_LORA], QV_SMEM)
@@ -122,7 +123,6 @@ def _mla_decode_gluon_kernel(
         kr_b = gl.allocate_shared_memory(dtype, [BLOCK_N, ROPE], KR_SMEM)
         p_s = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], P_SMEM)
         mx_s = gl.allocate_shared_memory(gl.float32, [2 * BLOCK_H], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-        r2t = req_to_token_ptr + req_row * stride_rtr
         m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_LAYOUT))
         # the row sums kept element-wise, [64 heads, 64 keys] (16 registers a thread), summed over keys once
         # after the loop: gl.sum over the keys each tile crossed the two warpgroups (each holds 32 keys of a
@@ -136,9 +136,7 @@ def _mla_decode_gluon_kernel(
             bv_a, br_a, bv_b, br_b = stage_barriers()  # see wide_tile.tile_tma for why four allocations
             # q [64 heads, C] as rows b H + 64 hb of q viewed [B H, C], beside tile 0: one latency
             tma_first_tile(qv_desc, qr_desc, kv_desc, kr_desc, qv_s, qr_s, kv_a, kr_a, bv_a, br_a, b * H + hb * BLOCK_H,
-                           r2t, start, KV_LORA)  # fmt: skip
-            n1 = start + BLOCK_N  # tile 1's first slot, one tile early (the refill waits on no load)
-            slot_n = first_slot(r2t, n1, end)
+                           slot_0, KV_LORA)  # fmt: skip
             for t in range(0, num_tiles, 2):
                 slot_n, m_i, l_e, acc = tile_tma(
                     t, start, end, num_tiles, qk_scale, qv_s, qr_s, mx_s, kv_a, kr_a, bv_a, br_a, kv_b, kr_b, bv_b,

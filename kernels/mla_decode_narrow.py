@@ -1,34 +1,32 @@
 """MLA decode stage 1 in Gluon for few heads (H = 16, DeepSeek-V3 under TP8) on Hopper: keys-major wgmma.
 
-Shape legend as in mla_decode.py: B requests, H heads, C = kv_lora + rope, P = num_kv_splits; one program =
-(16-head block, request, split), one warpgroup (4 warps). Per 64-key tile (narrow_tile.py), everything transposed
-so that the 64 keys are the wgmma's M and the 16 heads its N: S^T = c_kv q^T, P^T through shared memory, O^T +=
-c_kv^T P^T.
+Shape legend as in mla_decode.py: B requests, H heads, C = kv_lora + rope, P = num_kv_splits; one program = (16-head
+block, request, split), one warpgroup (4 warps). Per 64-key tile (narrow_tile.py), everything transposed so that the 64
+keys are the wgmma's M and the 16 heads its N: S^T = c_kv q^T, P^T through shared memory, O^T += c_kv^T P^T.
 
-Why: the Triton tile (16 heads x 32 keys, mma.sync, two programs an SM) spends ~706 instructions a warp and 9
-barriers a 32-key tile and issues 0.33 instructions a cycle, latency-bound at 12.5% occupancy (bench/NOTES.md,
-"mla16b, session 5"): at 19-151 MB it reaches 34-74% of copy bandwidth. Here a 64-key tile is 36 + 32 wgmma
-instructions with both operands in shared memory, the tile arrives as TMA boxes on an mbarrier where the pages
-allow (no per-thread gather), and the softmax needs 2 barriers (the column max exchanged between the 4 warps, each
-holding 16 keys; P^T written), plus one before the refill. The head dimension N = 16 costs nothing extra (no
-padding of 16 heads to 64 rows).
+Why: the Triton tile (16 heads x 32 keys, mma.sync, two programs an SM) spends ~706 instructions a warp and 9 barriers
+a 32-key tile and issues 0.33 instructions a cycle, latency-bound at 12.5% occupancy (bench/NOTES.md, "mla16b, session
+5"): at 19-151 MB it reaches 34-74% of copy bandwidth. Here a 64-key tile is 36 + 32 wgmma instructions with both
+operands in shared memory, the tile arrives as TMA boxes on an mbarrier where the pages allow (no per-thread gather),
+and the softmax needs 2 barriers (the column max exchanged between the 4 warps, each holding 16 keys; P^T written),
+plus one before the refill. The head dimension N = 16 costs nothing extra (no padding of 16 heads to 64 rows).
 
-Shared memory: q 18 KB, two stages of the tile (c_kv [64, 512] + k_pe [64, 64]) 144 KB, P^T 2 KB: one program an
-SM, 72 KB in flight per SM while it computes the other stage. The O^T accumulator is 64 fp32 registers a thread.
-The next tile is loaded one tile ahead in one of two forms, as in the wide kernel (mla_decode_gluon.py), picked
-by the launcher from the caller's page size: TMA boxes on mbarriers (pages of a multiple of 64 slots: a tile's
-keys are 64 consecutive cache rows) or cp.async row copies through req_to_token (any page size).
-Writes the same partials and LSEs as the Triton stage 1 (mla_decode's merge is shared). With DecodeTile.pdl it is
-launched as a programmatic dependent and waits (griddepcontrol.wait) before its first global access: 3-8% faster at
-B16/1k, B16/8k and B64/1k (bench/NOTES.md, "Session 7", run 4). Measured against the Triton tile on 64-slot pages
-(run 5, BENCHMARKS.md "mla16c"): 1.10-1.18x at all nine cells of issue 6, 82% of copy bandwidth at B16/8k, 93-108%
-at the >= 300 MB cells; the cp.async form only ties the Triton tile, so the default takes this kernel on 64-slot
-pages only. The merge done in-kernel by the last split program of each (request, head block) lost everywhere (run 4:
-1.05-1.8x slower; its serial reads of the other programs' partials outweigh the launch); the splits merged inside a
-thread-block cluster through distributed shared memory won (cluster_merge.py, the default at 2 splits: B64/1k
-1.07-1.09x, session 8). Not under TRITON_INTERPRET (Gluon); covered by gpu-marked tests. Requires sm_90,
-bf16/fp16, kv_lora in {128, 256, 512}, rope a power of two in 16..128.
-"""
+Shared memory: q 18 KB, two stages of the tile (c_kv [64, 512] + k_pe [64, 64]) 144 KB, P^T 2 KB: one program an SM, 72
+KB in flight per SM while it computes the other stage. The O^T accumulator is 64 fp32 registers a thread. The next tile
+is loaded one tile ahead in one of two forms, as in the wide kernel (mla_decode_gluon.py), picked by the launcher from
+the caller's page size: TMA boxes on mbarriers (pages of a multiple of 64 slots: a tile's keys are 64 consecutive cache
+rows) or cp.async row copies through req_to_token (any page size). Writes the same partials and LSEs as the Triton
+stage 1 (mla_decode's merge is shared). With DecodeTile.pdl it is launched as a programmatic dependent and waits
+(griddepcontrol.wait) before it reads q or the cache: 3-8% faster at B16/1k, B16/8k and B64/1k (bench/NOTES.md,
+"Session 7", run 4); the index tables and the first two tiles' cache rows are read before the wait (session 9, run 1:
+B64/1k 1.025x, B16/1k 1.05x, B16/8k 1.01x). Measured against the Triton tile on 64-slot pages (run 5, BENCHMARKS.md
+"mla16c"): 1.10-1.18x at all nine cells of issue 6, 82% of copy bandwidth at B16/8k, 93-108% at the >= 300 MB cells;
+the cp.async form only ties the Triton tile, so the default takes this kernel on 64-slot pages only. The merge done in-
+kernel by the last split program of each (request, head block) lost everywhere (run 4: 1.05-1.8x slower; its serial
+reads of the other programs' partials outweigh the launch); the splits merged inside a thread-block cluster through
+distributed shared memory won (cluster_merge.py, the default at 2 splits: B64/1k 1.07-1.09x, session 8). Not under
+TRITON_INTERPRET (Gluon); covered by gpu-marked tests. Requires sm_90, bf16/fp16, kv_lora in {128, 256, 512}, rope a
+power of two in 16..128."""
 
 from __future__ import annotations
 
@@ -54,6 +52,7 @@ from r3trace.kernels.latent_tiles import (
     grid_dependency_wait,
     launch_dependents,
     row_slots,
+    split_bounds,
     stage_barriers,
     tile_descriptors,
     tma_first_tile,
@@ -85,9 +84,6 @@ def _mla_decode_narrow_kernel(
     KR_SMEM: gl.constexpr, P_SMEM: gl.constexpr, TMA: gl.constexpr, PDL: gl.constexpr, CLUSTER: gl.constexpr,
     MERGE_LAYOUT: gl.constexpr,
 ):  # fmt: skip
-    if PDL:  # launched as a programmatic dependent: nothing global before the wait
-        grid_dependency_wait()
-        launch_dependents()
     if CLUSTER > 1:  # the splits of one (head block, request) are one cluster, merged in it (cluster_merge.py)
         hb = gl.program_id(0) // CLUSTER
         split = gl.program_id(0) % CLUSTER
@@ -95,11 +91,14 @@ def _mla_decode_narrow_kernel(
         hb = gl.program_id(0)
         split = gl.program_id(2)
     b = gl.program_id(1)
-    seq_len = gl.load(seq_lens_ptr + b).to(gl.int32)
-    req_row = gl.load(req_pool_ptr + b).to(gl.int64)
-    split_len = gl.cdiv(gl.cdiv(seq_len, num_kv_splits), split_align) * split_align
-    start = split * split_len
-    end = gl.minimum(start + split_len, seq_len)
+    start, end, r2t = split_bounds(seq_lens_ptr, req_pool_ptr, req_to_token_ptr, stride_rtr, b, split, num_kv_splits,
+                                   split_align)  # fmt: skip
+    if TMA:  # tiles 0 and 1's cache rows, 0 past end (the refill of tile 1 then waits on no load)
+        slot_0 = first_slot(r2t, start, end)
+        slot_n = first_slot(r2t, start + BLOCK_N, end)
+    if PDL:  # a programmatic dependent: the index tables above are read before the wait, q and the cache after it
+        grid_dependency_wait()
+        launch_dependents()
     if start < end:  # else: more splits than this request needs; stage 2 skips the split too
         dtype: gl.constexpr = q_ptr.dtype.element_ty
         qv_s = gl.allocate_shared_memory(dtype, [BLOCK_H, KV_LORA], QV_SMEM)
@@ -112,7 +111,6 @@ def _mla_decode_narrow_kernel(
         kr_b = gl.allocate_shared_memory(dtype, [BLOCK_N, ROPE], KR_SMEM)
         p_s = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_H], P_SMEM)
         mx_s = gl.allocate_shared_memory(gl.float32, [4 * BLOCK_H], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-        r2t = req_to_token_ptr + req_row * stride_rtr
         m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(0, S_LAYOUT))
         l_e = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=S_LAYOUT)
         acc = gl.zeros([KV_LORA, BLOCK_H], gl.float32, layout=O_LAYOUT)
@@ -123,9 +121,7 @@ def _mla_decode_narrow_kernel(
             bv_a, br_a, bv_b, br_b = stage_barriers()
             # q [16 heads, C] as rows b H + 16 hb of q viewed [B H, C], beside tile 0 on its mbarriers
             tma_first_tile(qv_desc, qr_desc, kv_desc, kr_desc, qv_s, qr_s, kv_a, kr_a, bv_a, br_a, b * H + hb * BLOCK_H,
-                           r2t, start, KV_LORA)  # fmt: skip
-            n1 = start + BLOCK_N  # tile 1's first slot, one tile early (the refill waits on no load)
-            slot_n = first_slot(r2t, n1, end)
+                           slot_0, KV_LORA)  # fmt: skip
             for t in range(0, num_tiles, 2):
                 slot_n, m_i, l_e, acc = tile_tma(
                     t, start, end, num_tiles, qk_scale, qv_s, qr_s, mx_s, p_s, kv_a, kr_a, bv_a, br_a, kv_b, kr_b,
@@ -217,7 +213,8 @@ def mla_decode_stage1_narrow(
     as the Triton stage 1. page_size: the caller's guarantee on req_to_token (slots in runs of page_size, each
     starting at a multiple of it); a multiple of 64 picks the TMA form (tma_usable), else cp.async row copies;
     flags["TMA"] overrides. split_align must be a multiple of 64 (each split whole tiles). pdl: launched as a
-    programmatic dependent (sm_90), waiting before its first global access (mla_decode's DecodeTile.pdl).
+    programmatic dependent (sm_90), waiting before it reads q or the cache (mla_decode's DecodeTile.pdl: the index
+    tables are read before the wait).
     cluster = P in CLUSTER_SIZES: the P splits of a (head block, request) run as one cluster and merge in it
     (cluster_merge.py): part_out is then the output [B, H, 1, kv_lora] and part_lse is not written. False: the
     clusters would not all fit on the GPU at once, nothing launched (the caller takes the merge kernel)."""
