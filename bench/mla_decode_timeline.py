@@ -9,7 +9,10 @@ output stored; and %smid. They go to a buffer passed as part_lse, which the clus
 calls back to back in one CUDA graph over caches rotated past L2 (as the floor bench times them), replayed; per
 middle call: the span (first t0 to last t3), the gap from the previous call's last t3 to this call's first t1 and
 last t1, the spread of t1 / t2 / t3 over the CTAs, each CTA's loop (t2 - t1) and tail (t3 - t2) as min / median /
-max. The cut costs a few stores a CTA; the graph time of the cut and uncut kernels is printed beside it.
+max; and the cluster merge's steps (a copy of cluster_merge_store with %globaltimer stamps: the row sums,
+barrier 1, the pushes, barrier 2, the merge, the normalisation, the store) per CTA. The stamps are held in registers
+and stored at the end (stored where taken, ptxas spilled ~2 KB a thread); the graph time of the cut and uncut kernels
+is printed beside them.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 from functools import partial
 from pathlib import Path
 
@@ -48,19 +52,12 @@ def _cycles():
 def _smid():
     return gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32, is_pure=True, pack=1)
 """
-STORE = """        _g3 = _now()
-        _c3 = _cycles()
-        _tp = part_lse_ptr + (gl.program_id(0) + gl.program_id(1) * gl.num_programs(0)) * 16
-        gl.store(_tp + 0, _g0)
-        gl.store(_tp + 1, _g1)
-        gl.store(_tp + 2, _g2)
-        gl.store(_tp + 3, _g3)
-        gl.store(_tp + 4, _c0)
-        gl.store(_tp + 5, _c1)
-        gl.store(_tp + 6, _c2)
-        gl.store(_tp + 7, _c3)
-        gl.store(_tp + 8, _smid().to(gl.int64))
-"""
+# the kernel's stamps, held in registers (a store of each where it is taken made ptxas spill ~2 KB a thread)
+STORE = "".join(
+    f"        gl.store(_tp + {i}, {v})\n"
+    for i, v in enumerate(["_g0", "_g1", "_g2", "_g3", "_c0", "_c1", "_c2", "_c3"])
+)
+TP = "part_lse_ptr + (gl.program_id(0) + gl.program_id(1) * gl.num_programs(0)) * 16"
 # (text, replacement): each text must occur exactly once in the kernel's source
 CUTS = [
     ("    b = gl.program_id(1)\n", "    b = gl.program_id(1)\n    _g0 = _now()\n    _c0 = _cycles()\n"),
@@ -69,15 +66,54 @@ CUTS = [
         "        l_i = gl.sum(l_e, axis=0)",
         "        _g2 = _now()\n        _c2 = _cycles()\n        l_i = gl.sum(l_e, axis=0)",
     ),
-    ("    elif CLUSTER > 1:  # no keys", STORE + "    elif CLUSTER > 1:  # no keys"),
+    (
+        "    elif CLUSTER > 1:  # no keys",
+        f"        _g3 = _now()\n        _c3 = _cycles()\n        _tp = {TP}\n"
+        + STORE
+        + "        gl.store(_tp + 8, _smid().to(gl.int64))\n    elif CLUSTER > 1:  # no keys",
+    ),
+    ("            cluster_merge_store(acc,", f"            cluster_merge_store_t({TP}, acc,"),
+    (
+        "from r3trace.kernels.cluster_merge import (",
+        "from mla_cluster_merge_timeline import (\n    cluster_merge_store_t,",
+    ),
 ]
+# the cluster merge's steps: a copy of cluster_merge.cluster_merge_store with stamps, called by the cut kernel
+MERGE_STAMPS = [  # (slot, text it goes before)
+    (13, "    R: gl.constexpr = KV_LORA // CLUSTER"),  # entry: the row sums summed
+    (9, "    _st_cluster(dst, owner, acc)"),  # past barrier 1
+    (10, "    _cluster_sync()  # step 3"),  # pushes issued
+    (11, "    h_o = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, MERGE_LAYOUT))"),  # past barrier 2
+    (14, "    out = (o / den[:, None])"),  # merged, not normalised
+    (12, "    gl.store(ptr, out, mask=(h < H)[:, None])"),  # normalised, converted
+]
+MERGE_STORE = "".join(f"    gl.store(tp + {slot}, _s{slot})\n" for slot, _ in MERGE_STAMPS)
+# per-CTA durations reported, ns between two slots: (name, from, to)
+STEPS = [("l_sum", 2, 13), ("barrier_1", 13, 9), ("push", 9, 10), ("barrier_2", 10, 11), ("merge", 11, 14),
+         ("normalise", 14, 12), ("store", 12, 3)]  # fmt: skip
+
+
+def _cut(src: str, cuts: list[tuple[str, str]]) -> str:
+    for old, new in cuts:
+        assert src.count(old) == 1, old
+        src = src.replace(old, new)
+    return src
 
 
 def timed_module(out_dir: Path) -> object:
-    src = Path(mn.__file__).read_text()
-    for old, new in CUTS:
-        assert src.count(old) == 1, old
-        src = src.replace(old, new)
+    import r3trace.kernels.cluster_merge as cm
+
+    msrc = Path(cm.__file__).read_text()
+    first, last = "@gluon.jit\ndef cluster_merge_store(", "@gluon.jit\ndef cluster_merge_nothing("
+    body = msrc[msrc.index(first) : msrc.index(last)].replace(
+        "def cluster_merge_store(\n", "def cluster_merge_store_t(\n    tp,\n"
+    )
+    body = _cut(body, [(text, f"    _s{slot} = _now()\n" + text) for slot, text in MERGE_STAMPS])
+    body = body.rstrip("\n") + "\n" + MERGE_STORE
+    mpath = out_dir / "mla_cluster_merge_timeline.py"
+    mpath.write_text(msrc + "\n\n" + body + CLOCKS)
+    sys.modules["mla_cluster_merge_timeline"] = load_path(mpath, "mla_cluster_merge_timeline")
+    src = _cut(Path(mn.__file__).read_text(), CUTS)
     path = out_dir / "mla_decode_narrow_timeline.py"
     path.write_text(src + CLOCKS)
     return load_path(path, "mla_decode_narrow_timeline")
@@ -140,6 +176,7 @@ def cell(mod: object, B: int, L: int, calls: int, rep: int) -> dict[str, object]
                 "loop_us": summary([(c[2] - c[1]) / 1e3 for c in ctas]),
                 "tail_us": summary([(c[3] - c[2]) / 1e3 for c in ctas]),
                 "distinct_sms": len({c[8] for c in ctas}),
+                **{f"{name}_ns": summary([c[j] - c[i] for c in ctas if c[i] and c[j]]) for name, i, j in STEPS},
             }
         )
     res["calls"] = rows_out
