@@ -122,8 +122,11 @@ class DecodeTile(NamedTuple):
     # before it still runs and waits (griddepcontrol.wait) before it touches q, the cache or the partials, so its
     # launch and block scheduling overlap the previous kernel's tail; graph-capturable. The Gluon stage 1s read the
     # index tables (seq_lens, req_pool_indices, req_to_token) before the wait (session 9: B64/1k 1.025x, B16/1k
-    # 1.05x), so the caller must not have them written by the kernel launched just before this call (the engine
-    # writes them by copies and one scatter at the start of a step, many kernels before any attention).
+    # 1.05x), and the narrow one's TMA form a split's first tile unless it holds the request's last position
+    # (run 9: B64/1k 1.05x more, B16/1k 1.06x), so the kernel launched just before the call may write q and each
+    # request's newest cache row (seq_len - 1: the decode step's latent write), nothing else the call reads (the
+    # engine writes the tables by copies and one scatter at the start of a step, many kernels before any
+    # attention). Speculative decoding that writes several new rows a request must revisit the latter.
     pdl: bool = False
     # the Gluon kernels only: a split count in CLUSTER_SIZES up to this runs each (request, head block)'s splits
     # as one thread-block cluster that merges in distributed shared memory and stores the output (no fp32 partials,

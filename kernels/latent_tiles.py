@@ -56,11 +56,11 @@ def tile_descriptors(
 @gluon.jit
 def grid_dependency_wait():
     """griddepcontrol.wait (triton.language.extra.cuda.gdc_wait, for Gluon): under programmatic dependent launch the
-    kernel before may still run; it may have written q or the cache, and the previous call's merge may still read
-    the partials this program overwrites, so none of those is touched before this. The index tables (seq_lens,
-    req_pool_indices, req_to_token) are read before it (split_bounds, the TMA form's first two slots): DecodeTile.pdl's
-    contract is that the kernel launched just before did not write them (the engine writes them by copies and a
-    scatter at the start of a step, many kernels before the first attention)."""
+    kernel before may still run; it may have written q and each request's newest cache row, and the previous call's
+    merge may still read the partials this program overwrites, so none of those is touched before this. The index
+    tables (seq_lens, req_pool_indices, req_to_token) are read before it (split_bounds, the TMA form's first two
+    slots), and so is, in the narrow kernel's TMA form, a tile 0 that holds no request's last position
+    (tma_first_tile): DecodeTile.pdl's contract."""
     gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
 
@@ -112,29 +112,40 @@ def stage_barriers():
 
 @gluon.jit
 def split_bounds(seq_lens_ptr, req_pool_ptr, req_to_token_ptr, stride_rtr, b, split, num_kv_splits, split_align):
-    """Split `split` of request b: its first and past-the-end positions (start >= end: no keys) and the request's
-    req_to_token row. The splits of a request are split_align-aligned ceil(seq_len / num_kv_splits) runs."""
+    """Split `split` of request b: its first and past-the-end positions (start >= end: no keys), the request's length
+    and its req_to_token row. The splits of a request are split_align-aligned ceil(seq_len / num_kv_splits) runs."""
     seq_len = gl.load(seq_lens_ptr + b).to(gl.int32)
     req_row = gl.load(req_pool_ptr + b).to(gl.int64)
     split_len = gl.cdiv(gl.cdiv(seq_len, num_kv_splits), split_align) * split_align
     start = split * split_len
     end = gl.minimum(start + split_len, seq_len)
-    return start, end, req_to_token_ptr + req_row * stride_rtr
+    return start, end, seq_len, req_to_token_ptr + req_row * stride_rtr
 
 
 @gluon.jit
 def tma_first_tile(
-    qv_desc, qr_desc, kv_desc, kr_desc, qv_s, qr_s, kv_s, kr_s, bv, br, q_row, slot, KV_LORA: gl.constexpr
+    qv_desc, qr_desc, kv_desc, kr_desc, qv_s, qr_s, kv_s, kr_s, bv, br, q_row, slot, early, PDL: gl.constexpr,
+    KV_LORA: gl.constexpr,
 ):  # fmt: skip
     """q's rows q_row.. of q viewed [B H, C] and tile 0 (from cache row `slot`, first_slot of the split's start), all
     on tile 0's two mbarriers. Rows past the request's heads (the next request's, or zero-filled past B H) are heads
-    never stored."""
+    never stored. PDL: the caller has not waited yet; tile 0 is issued before griddepcontrol.wait where `early` (its
+    keys hold none of the request's last position, the one row the kernel launched just before may have written:
+    DecodeTile.pdl), q and a late tile 0 after it. Without PDL `early` is unused."""
     mbarrier.expect(bv, qv_desc.block_type.nbytes + kv_desc.block_type.nbytes)
     mbarrier.expect(br, qr_desc.block_type.nbytes + kr_desc.block_type.nbytes)
     gl.thread_barrier()
-    tma.async_copy_global_to_shared(qv_desc, [q_row, 0], bv, qv_s)
-    tma.async_copy_global_to_shared(qr_desc, [q_row, KV_LORA], br, qr_s)
-    copy_tile(kv_desc, kr_desc, bv, br, kv_s, kr_s, slot, True, KV_LORA)
+    if PDL:
+        copy_tile(kv_desc, kr_desc, bv, br, kv_s, kr_s, slot, early, KV_LORA)
+        grid_dependency_wait()
+        launch_dependents()
+        tma.async_copy_global_to_shared(qv_desc, [q_row, 0], bv, qv_s)
+        tma.async_copy_global_to_shared(qr_desc, [q_row, KV_LORA], br, qr_s)
+        copy_tile(kv_desc, kr_desc, bv, br, kv_s, kr_s, slot, early == 0, KV_LORA)
+    else:
+        tma.async_copy_global_to_shared(qv_desc, [q_row, 0], bv, qv_s)
+        tma.async_copy_global_to_shared(qr_desc, [q_row, KV_LORA], br, qr_s)
+        copy_tile(kv_desc, kr_desc, bv, br, kv_s, kr_s, slot, True, KV_LORA)
 
 
 @gluon.jit

@@ -105,8 +105,8 @@ def _mla_decode_gluon_kernel(
         hb = gl.program_id(0)  # fastest axis: both head blocks of a (request, split) read each tile, via L2
         split = gl.program_id(2)
     b = gl.program_id(1)
-    start, end, r2t = split_bounds(seq_lens_ptr, req_pool_ptr, req_to_token_ptr, stride_rtr, b, split, num_kv_splits,
-                                   split_align)  # fmt: skip
+    start, end, seq_len, r2t = split_bounds(seq_lens_ptr, req_pool_ptr, req_to_token_ptr, stride_rtr, b, split,
+                                            num_kv_splits, split_align)  # fmt: skip
     if TMA:  # tiles 0 and 1's cache rows, 0 past end (the refill of tile 1 then waits on no load)
         slot_0 = first_slot(r2t, start, end)
         slot_n = first_slot(r2t, start + BLOCK_N, end)
@@ -136,7 +136,7 @@ def _mla_decode_gluon_kernel(
             bv_a, br_a, bv_b, br_b = stage_barriers()  # see wide_tile.tile_tma for why four allocations
             # q [64 heads, C] as rows b H + 64 hb of q viewed [B H, C], beside tile 0: one latency
             tma_first_tile(qv_desc, qr_desc, kv_desc, kr_desc, qv_s, qr_s, kv_a, kr_a, bv_a, br_a, b * H + hb * BLOCK_H,
-                           slot_0, KV_LORA)  # fmt: skip
+                           slot_0, False, False, KV_LORA)  # fmt: skip
             for t in range(0, num_tiles, 2):
                 slot_n, m_i, l_e, acc = tile_tma(
                     t, start, end, num_tiles, qk_scale, qv_s, qr_s, mx_s, kv_a, kr_a, bv_a, br_a, kv_b, kr_b, bv_b,

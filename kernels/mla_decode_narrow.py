@@ -19,14 +19,15 @@ rows) or cp.async row copies through req_to_token (any page size). Writes the sa
 stage 1 (mla_decode's merge is shared). With DecodeTile.pdl it is launched as a programmatic dependent and waits
 (griddepcontrol.wait) before it reads q or the cache: 3-8% faster at B16/1k, B16/8k and B64/1k (bench/NOTES.md,
 "Session 7", run 4); the index tables and the first two tiles' cache rows are read before the wait (session 9, run 1:
-B64/1k 1.025x, B16/1k 1.05x, B16/8k 1.01x). Measured against the Triton tile on 64-slot pages (run 5, BENCHMARKS.md
-"mla16c"): 1.10-1.18x at all nine cells of issue 6, 82% of copy bandwidth at B16/8k, 93-108% at the >= 300 MB cells;
-the cp.async form only ties the Triton tile, so the default takes this kernel on 64-slot pages only. The merge done in-
-kernel by the last split program of each (request, head block) lost everywhere (run 4: 1.05-1.8x slower; its serial
-reads of the other programs' partials outweigh the launch); the splits merged inside a thread-block cluster through
-distributed shared memory won (cluster_merge.py, the default at 2 splits: B64/1k 1.07-1.09x, session 8). Not under
-TRITON_INTERPRET (Gluon); covered by gpu-marked tests. Requires sm_90, bf16/fp16, kv_lora in {128, 256, 512}, rope a
-power of two in 16..128."""
+B64/1k 1.025x, B16/1k 1.05x, B16/8k 1.01x), and in the TMA form so is tile 0 unless it holds the request's last
+position (run 9: B64/1k 1.05x more, 79% of copy; B16/1k 1.06x). Measured against the Triton tile on 64-slot pages (run
+5, BENCHMARKS.md "mla16c"): 1.10-1.18x at all nine cells of issue 6, 82% of copy bandwidth at B16/8k, 93-108% at the >=
+300 MB cells; the cp.async form only ties the Triton tile, so the default takes this kernel on 64-slot pages only. The
+merge done in- kernel by the last split program of each (request, head block) lost everywhere (run 4: 1.05-1.8x slower;
+its serial reads of the other programs' partials outweigh the launch); the splits merged inside a thread-block cluster
+through distributed shared memory won (cluster_merge.py, the default at 2 splits: B64/1k 1.07-1.09x, session 8). Not
+under TRITON_INTERPRET (Gluon); covered by gpu-marked tests. Requires sm_90, bf16/fp16, kv_lora in {128, 256, 512},
+rope a power of two in 16..128."""
 
 from __future__ import annotations
 
@@ -91,13 +92,13 @@ def _mla_decode_narrow_kernel(
         hb = gl.program_id(0)
         split = gl.program_id(2)
     b = gl.program_id(1)
-    start, end, r2t = split_bounds(seq_lens_ptr, req_pool_ptr, req_to_token_ptr, stride_rtr, b, split, num_kv_splits,
-                                   split_align)  # fmt: skip
+    start, end, seq_len, r2t = split_bounds(seq_lens_ptr, req_pool_ptr, req_to_token_ptr, stride_rtr, b, split,
+                                            num_kv_splits, split_align)  # fmt: skip
     if TMA:  # tiles 0 and 1's cache rows, 0 past end (the refill of tile 1 then waits on no load)
         slot_0 = first_slot(r2t, start, end)
         slot_n = first_slot(r2t, start + BLOCK_N, end)
-    if PDL:  # a programmatic dependent: the index tables above are read before the wait, q and the cache after it
-        grid_dependency_wait()
+    if PDL and not TMA:  # a programmatic dependent: the index tables above read before the wait, q and the cache after
+        grid_dependency_wait()  # (the TMA form waits in tma_first_tile, after issuing an early tile 0)
         launch_dependents()
     if start < end:  # else: more splits than this request needs; stage 2 skips the split too
         dtype: gl.constexpr = q_ptr.dtype.element_ty
@@ -120,8 +121,10 @@ def _mla_decode_narrow_kernel(
         if TMA:
             bv_a, br_a, bv_b, br_b = stage_barriers()
             # q [16 heads, C] as rows b H + 16 hb of q viewed [B H, C], beside tile 0 on its mbarriers
+            # under PDL tile 0 is loaded before the wait where it holds no position past seq_len - 2 (tma_first_tile;
+            # session 9 run 9: B64/1k 1.05x, B16/1k 1.06x, B64/8k 1.012x, B16/8k 1.01x)
             tma_first_tile(qv_desc, qr_desc, kv_desc, kr_desc, qv_s, qr_s, kv_a, kr_a, bv_a, br_a, b * H + hb * BLOCK_H,
-                           slot_0, KV_LORA)  # fmt: skip
+                           slot_0, start + BLOCK_N < seq_len, PDL, KV_LORA)  # fmt: skip
             for t in range(0, num_tiles, 2):
                 slot_n, m_i, l_e, acc = tile_tma(
                     t, start, end, num_tiles, qk_scale, qv_s, qr_s, mx_s, p_s, kv_a, kr_a, bv_a, br_a, kv_b, kr_b,
@@ -165,6 +168,9 @@ def _mla_decode_narrow_kernel(
             h_s = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, S_LAYOUT))
             gl.store(part_lse_ptr + b * stride_lb + h_s * stride_lh + split, m_i + gl.log2(l_i), mask=h_s < H)
     elif CLUSTER > 1:  # no keys for this split: it still takes part in the cluster's barriers, weighing nothing
+        if PDL and TMA:  # it stores the output (its columns): the previous kernel may still read what out reuses
+            grid_dependency_wait()
+            launch_dependents()
         cluster_merge_nothing(part_out_ptr, b, hb * BLOCK_H, H, stride_pb, stride_ph, KV_LORA, BLOCK_H, CLUSTER, False,
                               O_LAYOUT, gl.SliceLayout(0, S_LAYOUT), MERGE_LAYOUT)  # fmt: skip
 
@@ -237,7 +243,8 @@ def mla_decode_stage1_narrow(
     )  # fmt: skip
     merge = merge_layout(kv_lora_rank, cluster, NUM_WARPS) if cluster > 1 else None
     kwargs = dict(KV_LORA=kv_lora_rank, ROPE=rope, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, **layouts, TMA=bool(use_tma),
-                  PDL=pdl, CLUSTER=cluster, MERGE_LAYOUT=merge, num_warps=NUM_WARPS, launch_pdl=pdl)  # fmt: skip
+                  PDL=pdl, CLUSTER=cluster, MERGE_LAYOUT=merge, num_warps=NUM_WARPS,
+                  launch_pdl=pdl)  # fmt: skip
     if cluster > 1:
         return launch_in_clusters(_mla_decode_narrow_kernel, (n_hb, B, 1), cluster, args, kwargs,
                                   exchange_bytes(kv_lora_rank, BLOCK_H, cluster))  # fmt: skip
