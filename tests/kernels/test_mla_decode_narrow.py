@@ -117,3 +117,50 @@ def test_narrow_pdl_same_bits() -> None:
     q, kv, r2t, rows, seq = _inputs(16, 512, 64, 64, torch.bfloat16, 21)
     args = (q, kv, r2t, rows, seq, 512, 576**-0.5, 5)
     assert torch.equal(mla_decode(*args, tile=NARROW._replace(pdl=True)), mla_decode(*args, tile=NARROW))
+
+
+@pytest.mark.skipif(not HOPPER, reason="the narrow Gluon decode kernel is sm_90 only")
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+@pytest.mark.parametrize(("splits", "cluster"), [(4, 0), (2, 2)], ids=["merge-kernel", "cluster-2"])
+def test_narrow_pdl_newest_row_written_just_before(splits: int, cluster: int, graph: bool) -> None:
+    """DecodeTile.pdl's contract: the kernel launched just before the call may write q and each request's newest
+    cache row. Under PDL the TMA form issues a split's tile 0 before griddepcontrol.wait unless that tile holds the
+    request's last position, so that row must still be read after the wait. Here a copy writes q and an index_copy_
+    writes the newest rows right before each call, eager and inside a CUDA graph replayed on fresh contents; the
+    output must match the reference on what was written. The lengths put the newest row in a split's tile 0 (17, 65
+    and 130 at 4 splits of 64 keys) and in later tiles (1000, 2049), beside splits whose tile 0 goes early."""
+    gen = torch.Generator().manual_seed(11)
+    lens = [17, 64, 65, 130, 1000, 2049]
+    r2t, rows, S = paged_req_to_token(lens, 64, gen)
+    r2t, rows = r2t.cuda(), rows.cuda()
+    seq = torch.tensor(lens, device="cuda")
+    newest = r2t[rows, seq - 1].long()  # [B]: the cache row of each request's last position
+    q = torch.randn(len(lens), 16, 576, generator=gen).cuda().bfloat16()
+    kv = torch.randn(S, 576, generator=gen).cuda().bfloat16()
+    q_new, rows_new = torch.empty_like(q), torch.empty(len(lens), 576, dtype=torch.bfloat16, device="cuda")
+    tile = NARROW._replace(pdl=True, cluster=cluster)
+    scale = 576**-0.5
+
+    def step() -> torch.Tensor:
+        q.copy_(q_new)
+        kv.index_copy_(0, newest, rows_new)  # the kernel launched just before the decode
+        return mla_decode(q, kv, r2t, rows, seq, 512, scale, num_kv_splits=splits, tile=tile)
+
+    def fresh() -> None:  # new contents, 2x the scale so the newest key weighs more than a typical one
+        q_new.copy_(torch.randn(q.shape, generator=gen).bfloat16())
+        rows_new.copy_(2 * torch.randn(rows_new.shape, generator=gen).bfloat16())
+
+    fresh()
+    out = step()  # compiles outside any capture
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = step()
+    for _ in range(3):
+        fresh()
+        if graph:
+            g.replay()
+        else:
+            out = step()
+        assert torch.equal(kv[newest], rows_new)
+        assert_close_to_ref(out, mla_decode_ref(q.float(), kv.float(), r2t, rows, seq, 512, scale), torch.bfloat16)
