@@ -158,17 +158,17 @@ class RouteBuffers:
             np.copyto(pending.slots.numpy(), host_slots[:n] if rows is None else host_slots[rows])
         with torch.cuda.stream(stream):
             if rows is None:
-                src_ids, src_slots = self.dev_ids[:, :n], out_cache_loc[:n]
+                src_ids = self.dev_ids[:, :n]
                 src_w = None if self.dev_weights is None else self.dev_weights[:, :n]
             else:
                 index = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
                 src_ids = self.dev_ids.index_select(1, index)
-                src_slots = out_cache_loc.index_select(0, index) if host_slots is None else out_cache_loc
                 src_w = None if self.dev_weights is None else self.dev_weights.index_select(1, index)
             # [M, n, K] -> [n, M, K] in the host dtype (one kernel: transpose and narrow), then to pinned memory
             pending.ids = ids_st[:n]
             pending.ids.copy_(major_ids[:n].copy_(src_ids.transpose(0, 1)), non_blocking=True)
-            if host_slots is None:
+            if host_slots is None:  # else the slots were filled from the host above
+                src_slots = out_cache_loc[:n] if rows is None else out_cache_loc.index_select(0, index)
                 pending.slots.copy_(src_slots, non_blocking=True)
             if w_st is not None and src_w is not None and major_w is not None:
                 pending.weights = w_st[:n]
