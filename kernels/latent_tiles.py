@@ -139,13 +139,12 @@ def tma_first_tile(
         copy_tile(kv_desc, kr_desc, bv, br, kv_s, kr_s, slot, early, KV_LORA)
         grid_dependency_wait()
         launch_dependents()
-        tma.async_copy_global_to_shared(qv_desc, [q_row, 0], bv, qv_s)
-        tma.async_copy_global_to_shared(qr_desc, [q_row, KV_LORA], br, qr_s)
-        copy_tile(kv_desc, kr_desc, bv, br, kv_s, kr_s, slot, early == 0, KV_LORA)
+        late = early == 0
     else:
-        tma.async_copy_global_to_shared(qv_desc, [q_row, 0], bv, qv_s)
-        tma.async_copy_global_to_shared(qr_desc, [q_row, KV_LORA], br, qr_s)
-        copy_tile(kv_desc, kr_desc, bv, br, kv_s, kr_s, slot, True, KV_LORA)
+        late = True
+    tma.async_copy_global_to_shared(qv_desc, [q_row, 0], bv, qv_s)
+    tma.async_copy_global_to_shared(qr_desc, [q_row, KV_LORA], br, qr_s)
+    copy_tile(kv_desc, kr_desc, bv, br, kv_s, kr_s, slot, late, KV_LORA)
 
 
 @gluon.jit

@@ -23,7 +23,7 @@ B64/1k 1.025x, B16/1k 1.05x, B16/8k 1.01x), and in the TMA form so is tile 0 unl
 position (run 9: B64/1k 1.05x more, 79% of copy; B16/1k 1.06x). Measured against the Triton tile on 64-slot pages (run
 5, BENCHMARKS.md "mla16c"): 1.10-1.18x at all nine cells of issue 6, 82% of copy bandwidth at B16/8k, 93-108% at the >=
 300 MB cells; the cp.async form only ties the Triton tile, so the default takes this kernel on 64-slot pages only. The
-merge done in- kernel by the last split program of each (request, head block) lost everywhere (run 4: 1.05-1.8x slower;
+merge done in-kernel by the last split program of each (request, head block) lost everywhere (run 4: 1.05-1.8x slower;
 its serial reads of the other programs' partials outweigh the launch); the splits merged inside a thread-block cluster
 through distributed shared memory won (cluster_merge.py, the default at 2 splits: B64/1k 1.07-1.09x, session 8). Not
 under TRITON_INTERPRET (Gluon); covered by gpu-marked tests. Requires sm_90, bf16/fp16, kv_lora in {128, 256, 512},
