@@ -30,11 +30,11 @@ from sibling import load_path, load_sibling
 from triton.testing import do_bench
 
 import r3trace.kernels.mla_decode_narrow as mn
-from r3trace.kernels.mla_decode import default_decode_tile, mla_decode
+from r3trace.kernels.mla_decode import LOG2E, default_decode_tile, mla_decode
 
 floor = load_sibling("mla_decode_floor.py", "mla_decode_floor")
 KV_LORA, ROPE = floor.KV_LORA, floor.ROPE
-SLOTS = 16  # int64 a CTA: g0..g3, c0..c3, smid
+SLOTS = 16  # int64 a CTA: g0..g3, c0..c3, smid, then the merge's steps (MERGE_STAMPS' slots 9-14)
 
 CLOCKS = """
 
@@ -132,7 +132,7 @@ def cell(mod: object, B: int, L: int, calls: int, rep: int) -> dict[str, object]
     kvs = [kv] + [torch.randn_like(kv) for _ in range(max(1, floor.copies_for(B * L * floor.ROW_BYTES)) - 1)]
     outs = [torch.empty(B, 16, KV_LORA, dtype=q.dtype, device="cuda") for _ in range(calls)]
     times = [torch.zeros(B * splits, SLOTS, dtype=torch.int64, device="cuda") for _ in range(calls)]
-    args = (KV_LORA, 576**-0.5 * 1.4426950408889634, tile.block_n, tile.page_size)
+    args = (KV_LORA, 576**-0.5 * LOG2E, tile.block_n, tile.page_size)  # as mla_decode passes them
 
     def call(i: int) -> None:
         launched = mod.mla_decode_stage1_narrow(  # type: ignore[attr-defined]
