@@ -15,7 +15,8 @@ page size 1 (cp.async) and 64 (TMA) against the fp32 reference.
 
 --cluster P: the default's call with DecodeTile.cluster = P beside it (at a split count of 2, 4 or 8 up to P the
 splits merge inside thread-block clusters, kernels/cluster_merge.py; elsewhere the same call). --pdl: the default
-launched as programmatic dependents (DecodeTile.pdl) beside it. --cells BxL,...
+launched as programmatic dependents (DecodeTile.pdl) beside it. --tiles NAME=field:value+field:value,...: the default
+with those DecodeTile fields replaced, beside it (e.g. `pdl=pdl:1,nodirect=direct:0+pdl:1`; digits are ints). --cells BxL,...
 
 --old-gluon: a previous kernels/mla_decode_gluon.py (e.g. `git show <rev>:kernels/mla_decode_gluon.py`), timed
 at the default's split count in the same run, its stage 1 swapped in for the installed one.
@@ -193,7 +194,9 @@ def main() -> None:
     ap.add_argument("--cluster", type=int, default=0, help="also the default's splits merged in clusters up to this")
     ap.add_argument("--cells", default="", help="BxL,... (default: CELLS)")
     ap.add_argument("--pdl", action="store_true", help="also the default launched as programmatic dependents")
+    ap.add_argument("--tiles", default="", help="NAME=field:value+...,...: the default with these fields too")
     args = ap.parse_args()
+    tile_options = load_sibling("mla_decode_floor.py", "mla_floor").parse_options(args.tiles) if args.tiles else {}
     cells = [tuple(int(x) for x in c.split("x")) for c in args.cells.split(",")] if args.cells else CELLS
     variants: dict[str, Callable[..., None]] = {}  # stage 1s timed at the default's splits beside it
     if args.old_gluon:  # its launcher predates page_size: the first 10 arguments
@@ -246,6 +249,9 @@ def main() -> None:
         if args.pdl and not default.pdl:  # stage 1 (and the merge) as programmatic dependents (DecodeTile.pdl)
             t_p = sw.ms(partial(mla_decode, q, kv, r2t, rows, lens, KV_LORA, 576**-0.5, p, default._replace(pdl=True)))
             extra["pdl"] = {"splits": p, "ms": t_p, "TFLOPs": flops / t_p / 1e9, "default_speedup": t_p / timed[p]}
+        for name, fields in tile_options.items():  # --tiles: DecodeTile fields replaced, at the default's splits
+            t_o = sw.ms(partial(mla_decode, q, kv, r2t, rows, lens, KV_LORA, 576**-0.5, p, default._replace(**fields)))
+            extra[name] = {"splits": p, "ms": t_o, "TFLOPs": flops / t_o / 1e9, "default_speedup": t_o / timed[p]}
         for name, stage1 in variants.items():
             t_v = stage1_ms(sw, stage1, call)
             extra[name] = {"splits": p, "ms": t_v, "TFLOPs": flops / t_v / 1e9, "default_speedup": t_v / timed[p]}
