@@ -136,10 +136,16 @@ def grouped_config(num_pairs: int, num_experts: int, itemsize: int = 2, inter: i
     hidden = D <= SHORT_D with I >= 512 in bf16 below 64 rows: the session 5-6 tiles (comment above SHORT_D); hidden
     = 0 (unknown) keeps the tiles above. The align launch: align_tile's, by pairs and experts. Where it applies (<=
     2048 pairs) the kernels launch as programmatic dependents (pdl; session 5 run 2, us, the same tiles without):
-    D = 2048, T = 16..256 2.3-3.0% less (T = 64 109.2 vs 112.1), D = 7168 cells 0.1-0.9% less, one +0.15%."""
+    D = 2048, T = 16..256 2.3-3.0% less (T = 64 109.2 vs 112.1), D = 7168 cells 0.1-0.9% less, one +0.15%.
+    bf16 at I <= 256 takes TMA weights from 32 rows per expert on (bench/NOTES.md "Session 10", run 7, E = 256,
+    pipelines, eager / graph ms): 32 rows (T = 1k) BLOCK_M 64 0.789 / 0.786 against the BLOCK_M 32 tier's 0.869 /
+    0.867 (BLOCK_M 32 with TMA 0.845, 128 0.839; SGLang's Triton MoE at its best config 0.800, run 6); 64 rows (T =
+    2k) BLOCK_M 128 0.923 / 0.915 against BLOCK_M 64 without TMA 0.992 / 0.991. 16 rows (T = 512) stays at BLOCK_M
+    32 (0.757; with TMA 0.745, within a run's spread), 8 rows at 16."""
     rows = num_pairs / max(1, num_experts)
     align = align_tile(num_pairs, num_experts)
     pdl = align is not None  # decode sizes: every kernel a programmatic dependent (MoeConfig.pdl; run 2)
+    whole_k_bf16 = itemsize == 2 and 0 < inter <= 256  # the down holds the whole K: E = 256 / I = 256 under TP8
     if itemsize == 2 and 0 < hidden <= SHORT_D and inter >= 512 and rows < 64:
         if rows < 8:
             up = SHORT_D_UP_FEW if rows < SHORT_D_FEW_ROWS else SHORT_D_UP_BM16
@@ -147,17 +153,19 @@ def grouped_config(num_pairs: int, num_experts: int, itemsize: int = 2, inter: i
         return MoeConfig(32, SHORT_D_UP_BM32, SHORT_D_DOWN_BM32, align=align, pdl=pdl)
     if rows < 16:
         bm, up, down, whole_k = 16, GemmTile(32, 256, 1, 4, 3), GemmTile(64, 128, 1, 4, 4), 16
-    elif rows < 64:  # gate_up interleaved measured only at I = 256 (E = 256, T = 1k: 0.50 vs 0.53 ms)
+    elif rows < (32 if whole_k_bf16 else 64):  # gate_up interleaved measured only at I = 256 (E = 256, T = 1k)
         up = GemmTile(128, 64, 4, 4, 4, True) if 0 < inter <= 256 else GemmTile(64, 128, 4, 4, 4)
         bm, down, whole_k = 32, GemmTile(64, 128, 4, 4, 4), 8
-    elif rows < 128:  # run 1's BLOCK_M 64 winners
+    elif whole_k_bf16 and rows < 64:  # session 10 run 7, see the docstring
+        bm, up, down, whole_k = 64, GemmTile(128, 64, 8, 8, 3, True, tma=True), GemmTile(64, 256, 8, 8, 3, tma=True), 4
+    elif rows < 128 and not whole_k_bf16:  # run 1's BLOCK_M 64 winners
         bm, up, down, whole_k = 64, GemmTile(256, 64, 8, 8, 3), GemmTile(128, 64, 8, 4, 4), 4
     else:  # weights through TMA descriptors (moebig session 4 run 1): see the docstring
         bm, up, down, whole_k = 128, GemmTile(128, 64, 8, 8, 3, True, tma=True), GemmTile(256, 64, 8, 8, 3, tma=True), 4
     if itemsize >= 4:
         up, down = up._replace(block_k=up.block_k // 2), down._replace(block_k=down.block_k // 2)
     elif 0 < inter <= 256:
-        down = GemmTile(64, 256, min(8, up.group_m), up.num_warps, 3, n_split=whole_k, tma=bm == 128)
+        down = GemmTile(64, 256, min(8, up.group_m), up.num_warps, 3, n_split=whole_k, tma=up.tma)
     return MoeConfig(bm, up, down, align=align, pdl=pdl)
 
 

@@ -271,3 +271,18 @@ def test_fused_moe_rejects_bad_arguments() -> None:
         fused_moe(hidden, w13.half(), w2, ids, weights)
     with pytest.raises(KernelInputError, match="align"):
         fused_moe(hidden, w13, w2, ids, weights, align="torch")  # type: ignore[arg-type]
+
+
+def test_whole_k_bf16_tiers_take_tma_weights_from_32_rows() -> None:
+    """bf16 at I <= 256 (E = 256 / I = 256 under TP8): BLOCK_M 16 / 32 below 32 rows per expert, BLOCK_M 64 with TMA
+    weights at 32-63 rows, 128 with TMA from 64 on (session 10 run 7); fp32 and I > 256 keep their tiers."""
+    tiers = {T: moe_config(8 * T, 256, 2, 256, tokens=T) for T in (256, 512, 1024, 2040, 2048, 4096)}
+    assert [c.block_m for c in tiers.values()] == [16, 32, 64, 64, 128, 128]
+    assert not tiers[512].gate_up.tma and not tiers[512].down.tma
+    for T in (1024, 2040, 2048, 4096):
+        assert tiers[T].gate_up.tma and tiers[T].down.tma and tiers[T].down.n_split == 4
+    assert moe_config(8 * 1024, 256, 4, 256, tokens=1024).block_m == 32  # fp32: BLOCK_M 32, no TMA
+    assert not moe_config(8 * 1024, 256, 4, 256, tokens=1024).gate_up.tma
+    assert moe_config(8 * 2048, 32, 2, 2048, tokens=2048).block_m == 128  # I = 2048: 512 rows, unchanged
+    e32 = moe_config(8 * 256, 32, 2, 2048, tokens=256)  # 64 rows at I = 2048: BLOCK_M 64 without TMA, unchanged
+    assert e32.block_m == 64 and not e32.gate_up.tma
