@@ -16,7 +16,8 @@ page size 1 (cp.async) and 64 (TMA) against the fp32 reference.
 --cluster P: the default's call with DecodeTile.cluster = P beside it (at a split count of 2, 4 or 8 up to P the
 splits merge inside thread-block clusters, kernels/cluster_merge.py; elsewhere the same call). --pdl: the default
 launched as programmatic dependents (DecodeTile.pdl) beside it. --tiles NAME=field:value+field:value,...: the default
-with those DecodeTile fields replaced, beside it (e.g. `pdl=pdl:1,nodirect=direct:0+pdl:1`; digits are ints). --cells BxL,...
+with those DecodeTile fields replaced, beside it (e.g. `pdl=pdl:1,nodirect=direct:0+pdl:1`; digits are ints).
+--cells BxL,...
 
 --old-gluon: a previous kernels/mla_decode_gluon.py (e.g. `git show <rev>:kernels/mla_decode_gluon.py`), timed
 at the default's split count in the same run, its stage 1 swapped in for the installed one.
