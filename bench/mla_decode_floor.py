@@ -35,6 +35,7 @@ import triton.language as tl
 from sibling import load_path, load_sibling  # bench/sibling.py: python bench/<script>.py puts bench/ on the path
 from triton.testing import do_bench, do_bench_cudagraph
 
+from r3trace.kernels.flash import LOG2E
 from r3trace.kernels.mla_decode import DecodeTile, default_decode_tile, mla_decode, mla_decode_ref
 
 KV_LORA, ROPE = 512, 64
@@ -196,9 +197,9 @@ def _report(row: dict[str, object], t: dict[str, float], nbytes: int) -> dict[st
     return row
 
 
-# Session 5 (--parts): stage 1 with one part cut out of kernels/mla_decode.py's source (the results are wrong;
-# only the times count), each timed alone as graph replays beside the whole stage 1, to see where the time above
-# the read floor goes. (name, text, replacement); the text must occur exactly once.
+# Session 5 (--parts): the Triton stage 1 with one part cut out of its source (kernels/mla_decode_triton.py; the
+# results are wrong, only the times count), each timed alone as graph replays beside the whole stage 1, to see where
+# the time above the read floor goes. (name, text, replacement); the text must occur exactly once.
 SOFTMAX = "            m_i, l_i, acc = online_softmax_step(s, kv, m_i, l_i, acc, UPCAST, INPUT_PRECISION)\n"
 PARTS = [
     # P V, the exponentials and the rescale cut: the gather, the score dots and the row max stay
@@ -236,16 +237,17 @@ def parse_options(text: str) -> dict[str, dict[str, object]]:
 
 
 def cut_modules(out_dir: Path) -> dict[str, object]:
-    """kernels/mla_decode.py with each PARTS cut, loaded as modules (their own JIT cache entries)."""
-    import r3trace.kernels.mla_decode as md
+    """kernels/mla_decode_triton.py (the Triton stage 1) with each PARTS cut, loaded as modules (their own JIT cache
+    entries)."""
+    import r3trace.kernels.mla_decode_triton as mt
 
-    src = Path(md.__file__).read_text()
-    mods: dict[str, object] = {"whole": md}
+    src = Path(mt.__file__).read_text()
+    mods: dict[str, object] = {"whole": mt}
     for name, old, new in PARTS:
         assert src.count(old) == 1, name
-        path = out_dir / f"mla_decode_{name}.py"
+        path = out_dir / f"mla_decode_triton_{name}.py"
         path.write_text(src.replace(old, new))
-        mods[name] = load_path(path, f"mla_decode_{name}")
+        mods[name] = load_path(path, f"mla_decode_triton_{name}")
     return mods
 
 
@@ -296,8 +298,8 @@ def parts_cell(
     part = torch.empty(B, 16, splits, KV_LORA, device="cuda")
     lse = torch.empty(B, 16, splits, device="cuda")
     for name, mod in mods.items():
-        fns = [partial(mod._stage1_triton, q, c, r2t, rows, lens, part, lse, KV_LORA, 576**-0.5, base, KV_LORA, ROPE)
-               for c in kvs]  # type: ignore[attr-defined]  # fmt: skip
+        fns = [partial(mod.mla_decode_stage1_triton, q, c, r2t, rows, lens, part, lse, KV_LORA, 576**-0.5 * LOG2E,
+                       base, KV_LORA, ROPE) for c in kvs]  # type: ignore[attr-defined]  # fmt: skip
         t[f"stage1/{name}"] = graph_ms(fns, rep)
     if mods:
         sw = load_sibling("mla_decode_sweep.py", "mla_decode_sweep")

@@ -30,7 +30,8 @@ from sibling import load_path, load_sibling
 from triton.testing import do_bench
 
 import r3trace.kernels.mla_decode_narrow as mn
-from r3trace.kernels.mla_decode import LOG2E, default_decode_tile, mla_decode
+from r3trace.kernels.flash import LOG2E
+from r3trace.kernels.mla_decode import default_decode_tile, mla_decode
 
 floor = load_sibling("mla_decode_floor.py", "mla_decode_floor")
 KV_LORA, ROPE = floor.KV_LORA, floor.ROPE

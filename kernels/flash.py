@@ -14,6 +14,8 @@ import triton.language as tl
 
 from r3trace.kernels.dot import mma
 
+LOG2E = 1.4426950408889634  # exp(x) = exp2(x * log2(e)); exp2 is the native instruction
+
 
 @triton.jit
 def online_softmax_step(qk, v, m_i, l_i, acc, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr):

@@ -16,8 +16,7 @@ import triton.language as tl
 
 from r3trace.kernels.contract import FLOAT_DTYPES, INDEX_DTYPES, grid_len, require, require_tensor
 from r3trace.kernels.dot import dot_precision, mma
-from r3trace.kernels.flash import online_softmax_step
-from r3trace.kernels.mla_decode import LOG2E
+from r3trace.kernels.flash import LOG2E, online_softmax_step
 
 
 @triton.jit

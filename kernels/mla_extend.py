@@ -19,9 +19,8 @@ import triton.language as tl
 
 from r3trace.kernels.contract import FLOAT_DTYPES, INDEX_DTYPES, grid_len, require, require_tensor
 from r3trace.kernels.dot import dot_precision
-from r3trace.kernels.flash import latent_tile_scores, online_softmax_step
+from r3trace.kernels.flash import LOG2E, latent_tile_scores, online_softmax_step
 from r3trace.kernels.mha_prefill import mha_prefill, mha_prefill_ref  # re-exported: see __all__
-from r3trace.kernels.mla_decode import LOG2E
 
 # issue 6 names this module for both forms; the normal (prefix-free MHA) one lives in mha_prefill.py
 __all__ = ["mha_prefill", "mha_prefill_ref", "mla_extend", "mla_extend_ref"]
