@@ -76,7 +76,11 @@ NUM_WARPS = 8  # two warpgroups, [4, 2]: M over the warps of a group, N over the
 # GATHER_UNDER_S (cp.async form): the score wgmmas issued before the next tile's gather, so its ~20
 # instructions a thread issue while they run: 0.3-4% faster at 9 of the 10 H = 128 cells, 0.4% slower at
 # B = 256 / 8k (run 4). The TMA form always issues its boxes after the score wgmmas.
-FLAGS = {"MAX_XCHG": True, "GATHER_UNDER_S": True}
+# COALESCED_OUT: the output (or fp32 partial) converted through shared memory (the dead tile buffers: the kernel's
+# 224 KB unchanged) to 16-byte stores along a row, not stored from the accumulator's layout (2 columns a store: half
+# a 32-byte sector in bf16). Session 10 run 10 (graph ms, paired): B64/1k 0.0461 vs 0.0517 (1.12x), B256/1k 0.1790 vs
+# 0.1957 (1.09x), B256/8k and 32k 1.03x, B16/1k 1.03x, the other cells 0.996-1.009x.
+FLAGS = {"MAX_XCHG": True, "GATHER_UNDER_S": True, "COALESCED_OUT": True}
 # The TMA form (a tile's 64 keys as one [64, kv_lora] and one [64, rope] box) needs a tile's keys on
 # consecutive cache rows: pages of a multiple of 64 slots (tiles start at multiples of 64).
 TMA_PAGE = BLOCK_N
@@ -96,7 +100,7 @@ def _mla_decode_gluon_kernel(
     GATHER_V: gl.constexpr, GATHER_R: gl.constexpr, S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr,
     QV_SMEM: gl.constexpr, QR_SMEM: gl.constexpr, KV_SMEM: gl.constexpr, KR_SMEM: gl.constexpr,
     P_SMEM: gl.constexpr, TMA: gl.constexpr, MAX_XCHG: gl.constexpr, GATHER_UNDER_S: gl.constexpr, PDL: gl.constexpr,
-    CLUSTER: gl.constexpr, MERGE_LAYOUT: gl.constexpr,
+    CLUSTER: gl.constexpr, MERGE_LAYOUT: gl.constexpr, COALESCED_OUT: gl.constexpr, OUT_LAYOUT: gl.constexpr,
 ):  # fmt: skip
     if CLUSTER > 1:  # the splits of one (head block, request) are one cluster, merged in it (cluster_merge.py)
         hb = gl.program_id(0) // CLUSTER
@@ -174,11 +178,16 @@ def _mla_decode_gluon_kernel(
             cluster_merge_store(acc, m_i, l_i, part_out_ptr, b, hb * BLOCK_H, H, stride_pb, stride_ph,
                                 KV_LORA, BLOCK_H, CLUSTER, True, MERGE_LAYOUT)  # fmt: skip
         else:
-            out = acc / gl.convert_layout(l_i, gl.SliceLayout(1, O_LAYOUT))[:, None]
-            h_o = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, O_LAYOUT))
-            c_o = gl.arange(0, KV_LORA, layout=gl.SliceLayout(0, O_LAYOUT))
+            out = (acc / gl.convert_layout(l_i, gl.SliceLayout(1, O_LAYOUT))[:, None]).to(part_out_ptr.dtype.element_ty)
+            if COALESCED_OUT:  # through shared memory (the tile buffers are dead now) to 16-byte stores along a row
+                out = gl.convert_layout(out, OUT_LAYOUT)
+                h_o = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, OUT_LAYOUT))
+                c_o = gl.arange(0, KV_LORA, layout=gl.SliceLayout(0, OUT_LAYOUT))
+            else:  # from the accumulator's layout: pairs of columns a thread, half a sector a store in bf16
+                h_o = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, O_LAYOUT))
+                c_o = gl.arange(0, KV_LORA, layout=gl.SliceLayout(0, O_LAYOUT))
             part = part_out_ptr + b * stride_pb + h_o[:, None] * stride_ph + split * stride_ps + c_o[None, :]
-            gl.store(part, out.to(part_out_ptr.dtype.element_ty), mask=(h_o < H)[:, None])  # one split: out itself
+            gl.store(part, out, mask=(h_o < H)[:, None])  # one split: part_out is the output itself
             h_s = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, S_LAYOUT))
             gl.store(part_lse_ptr + b * stride_lb + h_s * stride_lh + split, m_i + gl.log2(l_i), mask=h_s < H)
     elif CLUSTER > 1:  # no keys for this split: it still takes part in the cluster's barriers, weighing nothing
@@ -186,9 +195,11 @@ def _mla_decode_gluon_kernel(
                               O_LAYOUT, gl.SliceLayout(1, S_LAYOUT), MERGE_LAYOUT)  # fmt: skip
 
 
-def _layouts(kv_lora: int, rope: int, dtype: Any) -> dict[str, Any]:
+def _layouts(kv_lora: int, rope: int, dtype: Any, out_bytes: int = 4) -> dict[str, Any]:
     nvmma = gl.NVMMASharedLayout.get_default_for
+    vec = 16 // out_bytes  # 16-byte stores: 4 fp32 partials, 8 bf16 outputs
     return {
+        "OUT_LAYOUT": gl.BlockedLayout([1, vec], [1, 32], [NUM_WARPS, 1], [1, 0]),  # a warp: 32 x 16 B of one row
         "GATHER_V": gather_layout(kv_lora, NUM_WARPS),
         "GATHER_R": gather_layout(rope, NUM_WARPS),
         "S_LAYOUT": gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_N // 2, 16]),
@@ -250,7 +261,7 @@ def mla_decode_stage1_gluon(
     num_kv_splits = cluster if cluster > 1 else part_out.shape[2]
     gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     n_hb = (H + BLOCK_H - 1) // BLOCK_H
-    layouts = _layouts(kv_lora_rank, C - kv_lora_rank, gdt)
+    layouts = _layouts(kv_lora_rank, C - kv_lora_rank, gdt, part_out.element_size())
     flags = FLAGS | {"TMA": tma_usable(q, kv_cache, page_size)} | (flags or {})
     descs: tuple[TensorDescriptor | None, ...] = (None,) * 4
     if flags["TMA"]:
