@@ -10,8 +10,10 @@ Which swaps may cross nodes (nodes per token, s = 0.3 fresh: 5.77 with swap_refi
 replicas reached 0.849 but 5.96 nodes (an expert leaves its group's nodes); only within a node 0.790 and
 5.55. Kept: a replica may go to a node that does not hold its expert yet when it is one of several of
 its expert (extras sit on co-chosen nodes anyway), or, for an expert's only replica, when the other
-expert is of the same group (both stay on their group's nodes) or both are cold (< `cold` x the mean
-slot load: rarely chosen, so their node matters little): 0.837 and 5.67 nodes.
+expert is of the same group and both nodes held that group in the input layout (both stay on their group's
+nodes) or both are cold (< `cold` x the mean slot load: rarely chosen, so their node matters little): 0.837
+and 5.67 nodes (measured when "its group's nodes" followed the running layout; with the input layout's, session 10,
+the rolling 18-node rows moved by at most 0.001 balancedness and 0.01 nodes: BENCHMARKS.md, EPLB).
 
 Shape legend: L layers, E experts, P slots, G GPUs, N nodes, S candidate slots (on the hottest GPUs).
 """
@@ -47,6 +49,11 @@ def level_refine(phy2log: np.ndarray, weight: np.ndarray, logcnt: np.ndarray, cl
     np.add.at(cnt, (np.arange(n_layers)[:, None], out, slot_node[None, :]), 1)
     bit = np.int64(1) << np.arange(n_nodes, dtype=np.int64)  # [N]: node k is bit k (N <= 62)
     nodes_of = ((cnt > 0) * bit).sum(2)  # [L, E] bitmask of the nodes holding each expert
+    # [L, groups] bitmask of the nodes holding each group in the input: "its group's nodes" for a lone replica. Taken
+    # from the running layout instead, a chain of swaps in one call could carry a hot lone expert to a node its group
+    # had reached only through an earlier swap of a replica (seen in 1 of 300 random layouts of 18 nodes)
+    group_nodes = np.zeros((n_layers, cluster.num_groups), dtype=np.int64)
+    np.bitwise_or.at(group_nodes, (np.arange(n_layers)[:, None], out // gsize), bit[slot_node][None, :])
     r = np.arange(n_layers)  # layers still improving
     for _ in range(max_swaps):
         n = len(r)
@@ -64,7 +71,10 @@ def level_refine(phy2log: np.ndarray, weight: np.ndarray, logcnt: np.ndarray, cl
         x_at_b = (held[at, mine][:, :, None] & bit[slot_node]) != 0  # [n, S, P] a's expert on b's node
         y_at_a = (held[:, None, :] & bit[a_node][:, :, None]) != 0  # [n, S, P] b's expert on a's node
         la, lb = lo[at, mine][:, :, None], lo[:, None, :]
-        kin = (o[at, mine] // gsize)[:, :, None] == (o // gsize)[:, None, :]
+        g_a = o[at, mine] // gsize  # [n, S] group of a's expert
+        home = np.take_along_axis(group_nodes[r], g_a, 1)  # [n, S] the nodes that group held in the input
+        kin = (g_a[:, :, None] == (o // gsize)[:, None, :]) & ((home[:, :, None] & bit[slot_node]) != 0)
+        kin &= ((home & bit[a_node]) != 0)[:, :, None]  # one group, both nodes among its input nodes
         cold_b = ur < cold_slot[r, None]
         kin |= cold_b[at, mine][:, :, None] & cold_b[:, None, :]
         cross = ~x_at_b & ~y_at_a & ((~la & ~lb) | kin)
