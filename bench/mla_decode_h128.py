@@ -219,6 +219,8 @@ def main() -> None:
     gemm = Gemm()
     gemms = [gemm()]
     default = default_decode_tile(H, torch.bfloat16, use_gluon=True, page_size=sw.PAGE)
+    if args.pdl and not default.pdl:  # stage 1 (and the merge) as programmatic dependents: one more --tiles variant
+        tile_options["pdl"] = {"pdl": True}
     print(f"bf16 GEMM 8192^3 {gemms[0]['TFLOPs']:.0f} TFLOP/s; default tile {tuple(default)}", flush=True)
     res: dict[str, object] = {"default": list(default), "cells": [], "gemms": gemms}
     tiles = {"default": default} | {f"{w}w" + ("" if ww else "-up"): default._replace(fixed_tiles=0, direct=False,
@@ -247,9 +249,6 @@ def main() -> None:
             clustered = default._replace(cluster=args.cluster)
             t_c = sw.ms(partial(mla_decode, q, kv, r2t, rows, lens, KV_LORA, 576**-0.5, p, clustered))
             extra["cluster"] = {"splits": p, "ms": t_c, "TFLOPs": flops / t_c / 1e9, "default_speedup": t_c / timed[p]}
-        if args.pdl and not default.pdl:  # stage 1 (and the merge) as programmatic dependents (DecodeTile.pdl)
-            t_p = sw.ms(partial(mla_decode, q, kv, r2t, rows, lens, KV_LORA, 576**-0.5, p, default._replace(pdl=True)))
-            extra["pdl"] = {"splits": p, "ms": t_p, "TFLOPs": flops / t_p / 1e9, "default_speedup": t_p / timed[p]}
         for name, fields in tile_options.items():  # --tiles: DecodeTile fields replaced, at the default's splits
             t_o = sw.ms(partial(mla_decode, q, kv, r2t, rows, lens, KV_LORA, 576**-0.5, p, default._replace(**fields)))
             extra[name] = {"splits": p, "ms": t_o, "TFLOPs": flops / t_o / 1e9, "default_speedup": t_o / timed[p]}

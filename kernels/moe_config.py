@@ -157,7 +157,8 @@ def grouped_config(num_pairs: int, num_experts: int, itemsize: int = 2, inter: i
         up = GemmTile(128, 64, 4, 4, 4, True) if 0 < inter <= 256 else GemmTile(64, 128, 4, 4, 4)
         bm, down, whole_k = 32, GemmTile(64, 128, 4, 4, 4), 8
     elif whole_k_bf16 and rows < 64:  # session 10 run 7, see the docstring
-        bm, up, down, whole_k = 64, GemmTile(128, 64, 8, 8, 3, True, tma=True), GemmTile(64, 256, 8, 8, 3, tma=True), 4
+        bm, up, whole_k = 64, GemmTile(128, 64, 8, 8, 3, True, tma=True), 4
+        down = GemmTile(64, 256, 8, 8, 3, n_split=whole_k, tma=True)  # as the whole-K down below makes it
     elif rows < 128 and not whole_k_bf16:  # run 1's BLOCK_M 64 winners
         bm, up, down, whole_k = 64, GemmTile(256, 64, 8, 8, 3), GemmTile(128, 64, 8, 4, 4), 4
     else:  # weights through TMA descriptors (moebig session 4 run 1): see the docstring
