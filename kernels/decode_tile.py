@@ -170,7 +170,8 @@ def default_decode_tile(
     cluster of 2 (cluster_merge.py; session 8: B64/1k 1.07-1.09x, B64/8k 1.03x). Its cp.async form (other
     page sizes) was 0.88-1.04x the Triton tile (run 3; B16/1k 0.88x), so smaller pages keep the Triton tile.
     H >= 64: use_gluon (the caller is on a Hopper GPU) and a shape the Gluon kernel takes: its two-warpgroup
-    64 x 64 tile (B = 256, L = 32k: 6.86 vs 9.47 ms), its split count by splits_by_cost (run 6: 1.03-1.28x
+    64 x 64 tile (B = 256, L = 32k: 6.86 vs 9.47 ms; the seesaw schedule, mla_decode_seesaw.py, on pages of a
+    multiple of 64 slots at rope 64), its split count by splits_by_cost (run 6: 1.03-1.28x
     over 8 waves rounded up at kv_len >= 8k), and with one split stage 1 writes the output (direct: 1.01-1.10x at
     B >= 64, no merge launch; at H = 16 it was 2% slower at B = 256 / 1k, so the Triton tiles keep the merge:
     bench/NOTES.md "Engine owner, session 4"); else Triton's 64 heads x 64 keys over 8 warps (the best
@@ -183,9 +184,12 @@ def default_decode_tile(
         gluon_shape = kv_lora in GLUON_KV_LORA and rope in GLUON_ROPE
     if num_heads >= 64:
         if gluon_shape:
-            return DecodeTile(
-                64, 64, 8, 2, kernel="gluon", fixed_tiles=GLUON_FIXED_TILES, direct=True, page_size=page_size
-            )
+            # pages of a multiple of 64 slots and rope 64: the seesaw kernel (mla_decode_seesaw.py; session 11,
+            # graph-timed beside the wide kernel: 1.08-1.10x at kv_len >= 8k, 1.03x / 1.05x at B64/1k / B256/1k,
+            # 0.965x at B16/1k), at the wide kernel's split counts; else the wide kernel (its cp.async form)
+            seesaw = page_size % 64 == 0 and rope == 64
+            return DecodeTile(64, 64, 8, 2, kernel="seesaw" if seesaw else "gluon", fixed_tiles=GLUON_FIXED_TILES,
+                              direct=True, page_size=page_size)  # fmt: skip
         return DecodeTile(64, 64 if dtype.itemsize <= 2 else 32, 8, 2)
     if gluon_shape and page_size % 64 == 0:  # the TMA form; its cp.async form only ties the Triton tile (run 3)
         return DecodeTile(16, 64, 4, 2, kernel="narrow", fixed_tiles=NARROW_FIXED_TILES, min_split=NARROW_MIN_SPLIT,

@@ -17,8 +17,10 @@ whole number of BLOCK_N tiles (all but a request's last split), so no program pa
 request. decode_tile.py holds the tiles and split counts (re-exported here); DecodeTile(kernel="gluon") runs stage
 1 as mla_decode_gluon.py's kernel (H >= 64 on Hopper; the same partials, the same merge), kernel="narrow" as
 mla_decode_narrow.py's (16-head blocks on Hopper, keys-major wgmma; TMA tiles on pages of a multiple of 64 slots,
-else cp.async row copies). DecodeTile.pdl launches the Triton stage 1 and the merge as programmatic dependents
-(sm_90+): each waits (griddepcontrol.wait) before its first global access. DecodeTile.cluster lets a Gluon stage 1
+else cp.async row copies), kernel="seesaw" as mla_decode_seesaw.py's (H >= 64 on Hopper, TMA tiles only, rope 64: the
+two warpgroups take alternate tiles and pass the row max and P between them). DecodeTile.pdl launches the Triton
+stage 1 and the merge as programmatic dependents (sm_90+): each waits (griddepcontrol.wait) before its first global
+access. DecodeTile.cluster lets a Gluon stage 1
 merge its splits inside thread-block clusters (cluster_merge.py): no partials and no stage 2 where they fit.
 """
 
@@ -44,6 +46,7 @@ from r3trace.kernels.mla_decode_triton import mla_decode_stage1_triton
 GLUON_STAGE1 = {
     "gluon": ("mla_decode_gluon", "gluon_supported", "mla_decode_stage1_gluon"),
     "narrow": ("mla_decode_narrow", "narrow_supported", "mla_decode_stage1_narrow"),
+    "seesaw": ("mla_decode_seesaw", "seesaw_supported", "mla_decode_stage1_seesaw"),
 }
 KERNELS = ("triton", *GLUON_STAGE1)
 

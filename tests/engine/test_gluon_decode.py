@@ -138,3 +138,19 @@ def test_narrow_cluster_merge_in_engine(tmp_path: Path, monkeypatch: pytest.Monk
         errors = _decode_errors(eng, prompts)
     assert clusters and set(clusters) == {(2, True)}, clusters
     assert max(errors) < 1e-2, errors
+
+
+def test_seesaw_decode_in_engine(tmp_path: Path) -> None:
+    """64 heads at rope 64 on 64-slot pages: the engine's H >= 64 tile is the seesaw kernel's (mla_decode_seesaw.py;
+    it keeps P in a tile's rope rows, so rope 64 only); every decode call matches the fp32 reference as above."""
+    from r3trace.kernels.decode_tile import default_decode_tile
+
+    ckpt = make_checkpoint(tmp_path / "h64r64", "v3_noaux_groups", seed=7, num_attention_heads=64,
+                           num_key_value_heads=64, kv_lora_rank=128, qk_rope_head_dim=64, qk_nope_head_dim=16,
+                           v_head_dim=16, hidden_size=128, max_position_embeddings=1024)  # fmt: skip
+    with Engine(ckpt, cuda_graph_batch_sizes=(), page_size=64, **TRITON) as eng:
+        attn = eng.model.model.layers[0].self_attn
+        assert default_decode_tile(attn.h, torch.bfloat16, attn.backend._gluon, 128, 64, 64).kernel == "seesaw"
+        errors = _decode_errors(eng, _prompts())
+    assert len(errors) >= 6
+    assert max(errors) < 1e-2, errors

@@ -152,10 +152,14 @@ def test_gluon_default_splits_by_cost() -> None:
 
 
 def test_default_tile_takes_gluon_only_where_it_runs() -> None:
-    """use_gluon (the engine sets it on Hopper) picks the Gluon stage 1 at H >= 64 and the narrow Gluon one below
+    """use_gluon (the engine sets it on Hopper) picks the Gluon stage 1 at H >= 64 (the seesaw one on 64-slot pages at
+    rope 64, whose P lives in a tile's rope rows) and the narrow Gluon one below
     (on pages of a multiple of 64 slots: its TMA form), bf16/fp16, DeepSeek's latent; any other shape, dtype or
     page size keeps the Triton kernel (the tiny models' kv_lora 24 included)."""
-    assert default_decode_tile(128, torch.bfloat16, use_gluon=True).kernel == "gluon"
+    assert default_decode_tile(128, torch.bfloat16, use_gluon=True).kernel == "gluon"  # page 1: cp.async rows
+    assert default_decode_tile(128, torch.bfloat16, use_gluon=True, page_size=64).kernel == "seesaw"  # TMA tiles
+    rope32 = default_decode_tile(128, torch.bfloat16, use_gluon=True, kv_lora=512, rope=32, page_size=64)
+    assert rope32.kernel == "gluon"
     assert default_decode_tile(128, torch.bfloat16).kernel == "triton"
     assert default_decode_tile(128, torch.bfloat16, use_gluon=True, kv_lora=24, rope=8).kernel == "triton"
     assert default_decode_tile(128, torch.float32, use_gluon=True).kernel == "triton"
