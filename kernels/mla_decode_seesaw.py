@@ -4,29 +4,34 @@ tiles, each computing its tile's scores whole, and pass the row max and P betwee
 Shape legend as in mla_decode.py. One program = (64-head block, request, split): two warp-specialized warpgroups
 (gl.warp_specialize), WG0 the default partition, WG1 a worker, each holding one half of O [64, kv_lora / 2] in
 registers (the whole O, 128 KB of fp32, does not fit one warpgroup's registers). A split's tiles go in pairs (t0 =
-2i in buffer K0, t1 = 2i + 1 in K1); with m the running row max and Ol / Or the halves of O:
+2i in buffer K0, t1 = 2i + 1 in K1); with m the running row max and Ol / Or the halves of O (V = a tile's c_kv):
 
     WG0: S0 = q K0^T (N = 64) -> m0 = max(m, rowmax S0), a0 = exp2(m - m0)      --m0, a0-->  WG1
          P0 = exp2(S0 - m0); Ol = Ol a0 + P0 V0[:, :half]              (P0 from registers)
     WG1: S1 = q K1^T (N = 64) -> m1 = max(m0, rowmax S1), a1 = exp2(m0 - m1)    --m1, a1-->  WG0
-         P1 = exp2(S1 - m1) -> K1's rope rows (dead after S1)                   --P1------>  WG0
+         P1 = exp2(S1 - m1) -> K0's rope rows (dead once S0 is done)            --P1------>  WG0
          Or = Or a0 a1 + P1 V1[:, half:]                               (P1 from registers)
-    WG0: P0 a1 -> K0's rope rows                                                --P0 a1--->  WG1
+    WG0: P0 a1 -> its own buffer                                                --P0 a1--->  WG1
          Ol = Ol a1 + P1 V1[:, :half]                                  (P1 from shared memory)
     WG1: Or = Or + (P0 a1) V0[:, half:]                                (P0 a1 from shared memory)
 
-Both halves end each pair at the row max m1 (the same algebra as the online softmax; FlashMLA's published "seesaw"
-schedule, docs/20250422-new-kernel-deep-dive.md in deepseek-ai/FlashMLA). What it buys over mla_decode_gluon.py's
-kernel (one tile's scores split across both warpgroups at N = 32, so both read all of q from shared memory, then
-the softmax with every tensor core idle): each score wgmma is N = 64, half the q traffic per key, and one
-warpgroup's softmax runs while the other's wgmmas do. P needs no buffer of its own: a tile's rope rows [64 keys,
-rope] are dead once its scores are done and are [64, 64] like P at rope 64 (so rope must equal BLOCK_N here).
-Shared memory: q 72 KB, K0 and K1 72 KB each, 216 KB in all. K0 is refilled (tile t0 + 2) by WG1 once its P0 V0
-product is done (WG0's uses of K0 are done before it passes P0 on); K1 by WG0 once its P1 V1 product is done and
-WG1 has said its own is. Each row sum is kept by the warpgroup whose P it sums and added once at the end.
+Both halves end each pair at the row max m1 (the online softmax's algebra; the schedule is FlashMLA's published
+"seesaw", docs/20250422-new-kernel-deep-dive.md in deepseek-ai/FlashMLA, written here from that description). What
+it buys over mla_decode_gluon.py's kernel (one tile's scores split across both warpgroups at N = 32, so both read all
+of q from shared memory, then the softmax with every tensor core idle): each score wgmma is N = 64, half the q
+traffic per key, and one warpgroup's softmax runs under the other's wgmmas.
 
-TMA form only (pages of a multiple of 64 slots; the launcher checks) and no PDL, no clusters. Gluon does not run
-under TRITON_INTERPRET=1: gpu-marked tests only.
+With two tile buffers the loads are what limits it (bench/NOTES.md "Session 11", runs 3-7: refilling a whole tile
+after the pair's last product was 1.08-1.33x slower than the wide kernel). So each tile is six parts on six
+barriers, c_kv's left and right halves and the rope rows of K0 and K1, each refilled by its last reader as soon as
+it is done with it (K0: left by WG0 after P0 V0, right by WG1 after its P0 V0, rope by WG0 after its P1 V1, whose P1
+lived there; K1: rope by WG1 right after S1, right by WG1 after P1 V1, left by WG0 after its P1 V1), and each
+warpgroup's scores take the parts in that order, every product issued as its part lands. Shared memory: q 72 KB, K0
+and K1 72 KB each, P0 8 KB, 226 KB in all. Each row sum is kept by the warpgroup whose P it sums and added once at
+the end; the output goes through a dead tile buffer to 16-byte stores.
+
+TMA form only (pages of a multiple of 64 slots; the launcher checks), rope 64 (P1 lives in a tile's [64, rope] rows),
+no PDL, no clusters. Gluon does not run under TRITON_INTERPRET=1: gpu-marked tests only.
 """
 
 from __future__ import annotations
@@ -45,7 +50,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from r3trace.kernels.latent_tiles import first_slot, split_bounds, tile_descriptors, unsupported
+from r3trace.kernels.latent_tiles import split_bounds, tile_descriptors, unsupported
+from r3trace.kernels.seesaw_tile import bar, load_part, masked_scores, rows, scores, signal, store_half
 
 __all__ = ["mla_decode_stage1_seesaw", "seesaw_supported"]
 
@@ -53,112 +59,6 @@ BLOCK_H = 64  # one wgmma M
 BLOCK_N = 64  # keys a tile; each warpgroup's scores one wgmma of N = 64
 NUM_WARPS = 8  # two warpgroups: the default partition and one worker of 4 warps each
 WG_REGS = gl.constexpr(232)  # the worker's registers a thread (setmaxnreg; a multiple of 8): O's half alone is 128
-
-
-@gluon.jit
-def _bar():
-    """One count-1 mbarrier in its own allocation (triton 3.6 separates every access to a shared allocation of
-    several barriers by a CTA barrier; wide_tile.py says more)."""
-    b = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(b, count=1)
-    return b
-
-
-@gluon.jit
-def _signal(bar):
-    """Every thread of this warpgroup is done with what it wrote before (a barrier of the partition's warps), then
-    one arrival: the generic-proxy writes are fenced for the wgmmas and TMA that read after the other side waits."""
-    fence_async_shared()
-    gl.thread_barrier()
-    mbarrier.arrive(bar, count=1)
-
-
-@gluon.jit
-def _load_part(kvh_desc, kr_desc, bar, kv_s, kr_s, r2t, n0, end, COL: gl.constexpr, WITH_COLS: gl.constexpr,
-               WITH_ROPE: gl.constexpr, KV_LORA: gl.constexpr):  # fmt: skip
-    """Of the tile from position n0 (< end): columns COL..COL + kv_lora / 2 into kv_s where WITH_COLS, the rope rows
-    into kr_s where WITH_ROPE, all on `bar`. The caller's warpgroup is past a barrier after its last read."""
-    HALF: gl.constexpr = KV_LORA // 2
-    fence_async_shared()  # earlier generic stores to these rows (P) ordered before the TMA writes
-    if WITH_COLS and WITH_ROPE:
-        mbarrier.expect(bar, kvh_desc.block_type.nbytes + kr_desc.block_type.nbytes)
-    elif WITH_COLS:
-        mbarrier.expect(bar, kvh_desc.block_type.nbytes)
-    else:
-        mbarrier.expect(bar, kr_desc.block_type.nbytes)
-    slot = first_slot(r2t, n0, end)
-    if WITH_COLS:
-        tma.async_copy_global_to_shared(kvh_desc, [slot, COL], bar, kv_s.slice(COL, HALF, dim=1))
-    if WITH_ROPE:
-        tma.async_copy_global_to_shared(kr_desc, [slot, KV_LORA], bar, kr_s)
-
-
-@gluon.jit
-def _score_part(s, qv_s, qr_s, kv_s, kr_s, PART: gl.constexpr, FIRST: gl.constexpr, HALF: gl.constexpr):
-    """s += q K^T over one part of the tile: 0 the rope rows, 1 the left kv_lora / 2 columns, 2 the right ones."""
-    if PART == 0:
-        a = qr_s
-        k = kr_s
-    elif PART == 1:
-        a = qv_s.slice(0, HALF, dim=1)
-        k = kv_s.slice(0, HALF, dim=1)
-    else:
-        a = qv_s.slice(HALF, HALF, dim=1)
-        k = kv_s.slice(HALF, HALF, dim=1)
-    return warpgroup_mma(a, k.permute((1, 0)), s, use_acc=not FIRST, is_async=True)
-
-
-@gluon.jit
-def _scores(qv_s, qr_s, kv_s, kr_s, bar_x, bar_y, bar_z, ph, pred, X: gl.constexpr, Y: gl.constexpr,
-            Z: gl.constexpr, S_LAYOUT: gl.constexpr, KV_LORA: gl.constexpr):  # fmt: skip
-    """S = q K^T, waited, over the tile's parts X, Y, Z (_score_part's numbers) in the order they are refilled, each
-    product issued as soon as its part has landed (bar_x, bar_y, bar_z)."""
-    HALF: gl.constexpr = KV_LORA // 2
-    M: gl.constexpr = qv_s.shape[0]
-    N: gl.constexpr = kv_s.shape[0]
-    s = gl.zeros([M, N], gl.float32, layout=S_LAYOUT)
-    mbarrier.wait(bar_x, ph, pred=pred)
-    s = _score_part(s, qv_s, qr_s, kv_s, kr_s, X, True, HALF)
-    mbarrier.wait(bar_y, ph, pred=pred)
-    s = _score_part(s, qv_s, qr_s, kv_s, kr_s, Y, False, HALF)
-    mbarrier.wait(bar_z, ph, pred=pred)
-    s = _score_part(s, qv_s, qr_s, kv_s, kr_s, Z, False, HALF)
-    return warpgroup_mma_wait(0, deps=(s,))
-
-
-@gluon.jit
-def _masked_scores(s, t, start, end, qk_scale, BLOCK_N: gl.constexpr, S_LAYOUT: gl.constexpr):
-    """The waited scores of tile t in log2 units, keys at or past `end` at -inf."""
-    keys = start + t * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
-    return gl.where((keys < end)[None, :], s * qk_scale, float("-inf"))
-
-
-@gluon.jit
-def _store_half(acc, l_sum, buf, part_out_ptr, b, hb, H, split, stride_pb, stride_ph, stride_ps,
-                COL0: gl.constexpr, HALF: gl.constexpr, BLOCK_H: gl.constexpr, O_LAYOUT: gl.constexpr):  # fmt: skip
-    """This warpgroup's O / l through `buf` (a dead tile buffer of >= 64 KB) to 16-byte stores along a row, as the
-    wide kernel's COALESCED_OUT (session 10: 1.12x at B64/1k there): from the accumulator's layout a thread would
-    store 2 columns at a time, half a 32-byte sector in bf16."""
-    dt: gl.constexpr = part_out_ptr.dtype.element_ty
-    out = (acc / gl.convert_layout(l_sum, gl.SliceLayout(1, O_LAYOUT))[:, None]).to(dt)
-    VEC: gl.constexpr = 128 // dt.primitive_bitwidth  # 16 bytes
-    flat: gl.constexpr = gl.SwizzledSharedLayout(VEC, 1, 1, order=[1, 0])
-    stage = buf._reinterpret(dt, [BLOCK_H, HALF], flat)
-    stage.store(out)
-    gl.thread_barrier()
-    rows: gl.constexpr = gl.BlockedLayout([1, VEC], [32 * VEC // HALF if HALF < 32 * VEC else 1,
-                                          HALF // VEC if HALF < 32 * VEC else 32], [4, 1], [1, 0])  # fmt: skip
-    o = stage.load(rows)
-    h = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, rows))
-    c = COL0 + gl.arange(0, HALF, layout=gl.SliceLayout(0, rows))
-    part = part_out_ptr + b * stride_pb + h[:, None] * stride_ph + split * stride_ps + c[None, :]
-    gl.store(part, o, mask=(h < H)[:, None])
-
-
-@gluon.jit
-def _rows(v, O_LAYOUT: gl.constexpr):
-    """A per-head vector broadcast over O's columns."""
-    return gl.convert_layout(v, gl.SliceLayout(1, O_LAYOUT))[:, None]
 
 
 @gluon.jit
@@ -179,44 +79,44 @@ def _wg0(
     for i in range(gl.cdiv(num_tiles, 2)):
         ph = i & 1
         n_next = start + (2 * i + 2) * BLOCK_N  # this warpgroup's next tile (< end: there is one)
-        s = _scores(qv_s, qr_s, kv0, kr0, b0a, b0b, b0r, ph, True, 1, 2, 0, S_LAYOUT, KV_LORA)
-        s = _masked_scores(s, 2 * i, start, end, qk_scale, BLOCK_N, S_LAYOUT)
+        s = scores(qv_s, qr_s, kv0, kr0, b0a, b0b, b0r, ph, True, 1, 2, 0, S_LAYOUT, KV_LORA)
+        s = masked_scores(s, 2 * i, start, end, qk_scale, BLOCK_N, S_LAYOUT)
         m0 = gl.maximum(m_i, gl.max(s, axis=1))
         a0 = gl.exp2(m_i - m0)
         xch.slice(0, BLOCK_H).store(m0)
         xch.slice(BLOCK_H, BLOCK_H).store(a0)
-        _signal(sc0_bar)
+        signal(sc0_bar)
         p = gl.exp2(s - m0[:, None])
         pb = p.to(kv0.dtype)
         l_i = l_i * a0 + gl.sum(p, axis=1)
         p_op = gl.convert_layout(pb, P_OPND)
-        acc = warpgroup_mma(p_op, kv0.slice(0, HALF, dim=1), acc * _rows(a0, O_LAYOUT), is_async=True)
+        acc = warpgroup_mma(p_op, kv0.slice(0, HALF, dim=1), acc * rows(a0, O_LAYOUT), is_async=True)
         mbarrier.wait(sc1_bar, ph)
         m_i = xch.slice(2 * BLOCK_H, BLOCK_H).load(row)
         a1 = xch.slice(3 * BLOCK_H, BLOCK_H).load(row)
         p0_s.store((pb.to(gl.float32) * a1[:, None]).to(kv0.dtype))  # P0 at m1, for WG1's P0 V0 (after its P1 V1)
         acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
-        _signal(p0_bar)
+        signal(p0_bar)
         if n_next < end:  # K0's left columns are read by this warpgroup alone, and it is done with them
-            _load_part(kvh_desc, kr_desc, b0a, kv0, kr0, r2t, n_next, end, 0, True, False, KV_LORA)
+            load_part(kvh_desc, kr_desc, b0a, kv0, kr0, r2t, n_next, end, 0, True, False, KV_LORA)
         l_i = l_i * a1
-        acc = acc * _rows(a1, O_LAYOUT)
+        acc = acc * rows(a1, O_LAYOUT)
         if 2 * i + 1 < num_tiles:
             mbarrier.wait(p1_bar, ph)
             acc = warpgroup_mma(kr0, kv1.slice(0, HALF, dim=1), acc, is_async=True)  # P1 from K0's rope rows
             acc = warpgroup_mma_wait(0, deps=(acc,))
             gl.thread_barrier()
             if 2 * i + 3 < num_tiles:  # K1's left columns: this warpgroup was their last reader
-                _load_part(kvh_desc, kr_desc, b1b, kv1, kr1, r2t, n_next + BLOCK_N, end, 0, True, False, KV_LORA)
+                load_part(kvh_desc, kr_desc, b1b, kv1, kr1, r2t, n_next + BLOCK_N, end, 0, True, False, KV_LORA)
         if n_next < end:  # K0's rope rows, read by S0 and then (holding P1) by the product just done
-            _load_part(kvh_desc, kr_desc, b0r, kv0, kr0, r2t, n_next, end, 0, False, True, KV_LORA)
+            load_part(kvh_desc, kr_desc, b0r, kv0, kr0, r2t, n_next, end, 0, False, True, KV_LORA)
     if num_tiles > 0:
         lx.slice(0, BLOCK_H).store(l_i)
-        _signal(l0_bar)
+        signal(l0_bar)
         mbarrier.wait(l1_bar, 0)
         l_sum = l_i + lx.slice(BLOCK_H, BLOCK_H).load(row)
         # l1 arrived: both warpgroups are past their loops, every tile buffer is dead
-        _store_half(acc, l_sum, kv0, part_out_ptr, b, hb, H, split, stride_pb, stride_ph, stride_ps, 0, HALF,
+        store_half(acc, l_sum, kv0, part_out_ptr, b, hb, H, split, stride_pb, stride_ph, stride_ps, 0, HALF,
                     BLOCK_H, O_LAYOUT)  # fmt: skip
         h_s = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=row)
         gl.store(part_lse_ptr + b * stride_lb + h_s * stride_lh + split, m_i + gl.log2(l_sum), mask=h_s < H)
@@ -242,11 +142,11 @@ def _wg1(
         has1 = 2 * i + 1 < num_tiles
         n_next = start + (2 * i + 3) * BLOCK_N  # this warpgroup's next tile (< end: there is one)
         # without tile t1 (a split's odd last tile) K1 holds stale or never-written rows: every score is masked
-        s = _scores(qv_s, qr_s, kv1, kr1, b1r, b1a, b1b, ph, has1, 0, 2, 1, S_LAYOUT, KV_LORA)
+        s = scores(qv_s, qr_s, kv1, kr1, b1r, b1a, b1b, ph, has1, 0, 2, 1, S_LAYOUT, KV_LORA)
         if n_next < end:  # K1's rope rows are read by S1 alone: refilled at once
             gl.thread_barrier()
-            _load_part(kvh_desc, kr_desc, b1r, kv1, kr1, r2t, n_next, end, 0, False, True, KV_LORA)
-        s = _masked_scores(s, 2 * i + 1, start, end, qk_scale, BLOCK_N, S_LAYOUT)
+            load_part(kvh_desc, kr_desc, b1r, kv1, kr1, r2t, n_next, end, 0, False, True, KV_LORA)
+        s = masked_scores(s, 2 * i + 1, start, end, qk_scale, BLOCK_N, S_LAYOUT)
         mbarrier.wait(sc0_bar, ph)
         m0 = xch.slice(0, BLOCK_H).load(row)
         a0 = xch.slice(BLOCK_H, BLOCK_H).load(row)
@@ -254,33 +154,33 @@ def _wg1(
         a1 = gl.exp2(m0 - m1)
         xch.slice(2 * BLOCK_H, BLOCK_H).store(m1)
         xch.slice(3 * BLOCK_H, BLOCK_H).store(a1)
-        _signal(sc1_bar)
+        signal(sc1_bar)
         p = gl.exp2(s - m1[:, None])
         l_i = l_i * (a0 * a1) + gl.sum(p, axis=1)
-        acc = acc * _rows(a0 * a1, O_LAYOUT)
+        acc = acc * rows(a0 * a1, O_LAYOUT)
         if has1:
             pb = p.to(kv1.dtype)
             kr0.store(pb)  # K0's rope rows are dead once S0 is waited (sc0 says so): P1 for WG0
-            _signal(p1_bar)
+            signal(p1_bar)
             p_op = gl.convert_layout(pb, P_OPND)
             acc = warpgroup_mma(p_op, kv1.slice(HALF, HALF, dim=1), acc, is_async=True)
             acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
             if n_next < end:  # K1's right columns: read by this warpgroup alone
                 gl.thread_barrier()
-                _load_part(kvh_desc, kr_desc, b1a, kv1, kr1, r2t, n_next, end, HALF, True, False, KV_LORA)
+                load_part(kvh_desc, kr_desc, b1a, kv1, kr1, r2t, n_next, end, HALF, True, False, KV_LORA)
         mbarrier.wait(p0_bar, ph)
         acc = warpgroup_mma(p0_s, kv0.slice(HALF, HALF, dim=1), acc, is_async=True)  # P0 at m1
         acc = warpgroup_mma_wait(0, deps=(acc,))
         if 2 * i + 2 < num_tiles:  # K0's right columns: this warpgroup was their last reader
             gl.thread_barrier()
-            _load_part(kvh_desc, kr_desc, b0b, kv0, kr0, r2t, start + (2 * i + 2) * BLOCK_N, end, HALF, True, False,
+            load_part(kvh_desc, kr_desc, b0b, kv0, kr0, r2t, start + (2 * i + 2) * BLOCK_N, end, HALF, True, False,
                        KV_LORA)  # fmt: skip
     if num_tiles > 0:
         lx.slice(BLOCK_H, BLOCK_H).store(l_i)
-        _signal(l1_bar)
+        signal(l1_bar)
         mbarrier.wait(l0_bar, 0)
         l_sum = l_i + lx.slice(0, BLOCK_H).load(row)
-        _store_half(acc, l_sum, kv1, part_out_ptr, b, hb, H, split, stride_pb, stride_ph, stride_ps, HALF, HALF,
+        store_half(acc, l_sum, kv1, part_out_ptr, b, hb, H, split, stride_pb, stride_ph, stride_ps, HALF, HALF,
                     BLOCK_H, O_LAYOUT)  # fmt: skip
 
 
@@ -313,20 +213,20 @@ def _mla_decode_seesaw_kernel(
     lx = gl.allocate_shared_memory(gl.float32, [2 * BLOCK_H], flat)  # the two row sums at the end
     # q; K0's rope rows, left and right columns; K1's the same: each part on its own barrier, refilled by its last
     # reader as soon as it is done with it; then the exchanges
-    bars = (_bar(), _bar(), _bar(), _bar(), _bar(), _bar(), _bar(), _bar(), _bar(), _bar(), _bar(), _bar(), _bar())
+    bars = (bar(), bar(), bar(), bar(), bar(), bar(), bar(), bar(), bar(), bar(), bar(), bar(), bar())
     fence_async_shared()  # the inits visible to the TMA unit before it signals them
     bq, b0r, b0a, b0b, b1r, b1a, b1b = bars[0], bars[1], bars[2], bars[3], bars[4], bars[5], bars[6]
     if num_tiles > 0:  # q and tiles 0 and 1
         mbarrier.expect(bq, qv_desc.block_type.nbytes + qr_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(qv_desc, [b * H + hb * BLOCK_H, 0], bq, qv_s)
         tma.async_copy_global_to_shared(qr_desc, [b * H + hb * BLOCK_H, KV_LORA], bq, qr_s)
-        _load_part(kvh_desc, kr_desc, b0a, kv0, kr0, r2t, start, end, 0, True, False, KV_LORA)
-        _load_part(kvh_desc, kr_desc, b0b, kv0, kr0, r2t, start, end, HALF, True, False, KV_LORA)
-        _load_part(kvh_desc, kr_desc, b0r, kv0, kr0, r2t, start, end, 0, False, True, KV_LORA)
+        load_part(kvh_desc, kr_desc, b0a, kv0, kr0, r2t, start, end, 0, True, False, KV_LORA)
+        load_part(kvh_desc, kr_desc, b0b, kv0, kr0, r2t, start, end, HALF, True, False, KV_LORA)
+        load_part(kvh_desc, kr_desc, b0r, kv0, kr0, r2t, start, end, 0, False, True, KV_LORA)
         if num_tiles > 1:
-            _load_part(kvh_desc, kr_desc, b1r, kv1, kr1, r2t, start + BLOCK_N, end, 0, False, True, KV_LORA)
-            _load_part(kvh_desc, kr_desc, b1a, kv1, kr1, r2t, start + BLOCK_N, end, HALF, True, False, KV_LORA)
-            _load_part(kvh_desc, kr_desc, b1b, kv1, kr1, r2t, start + BLOCK_N, end, 0, True, False, KV_LORA)
+            load_part(kvh_desc, kr_desc, b1r, kv1, kr1, r2t, start + BLOCK_N, end, 0, False, True, KV_LORA)
+            load_part(kvh_desc, kr_desc, b1a, kv1, kr1, r2t, start + BLOCK_N, end, HALF, True, False, KV_LORA)
+            load_part(kvh_desc, kr_desc, b1b, kv1, kr1, r2t, start + BLOCK_N, end, 0, True, False, KV_LORA)
     # the layouts stay constexprs only inside the call (a tuple bound to a name first converts them to tensors)
     gl.warp_specialize([
         (_wg0, (qv_s, qr_s, kv0, kr0, kv1, kr1, p0_s, xch, lx, bars, kvh_desc, kr_desc, r2t, start, end, num_tiles,
