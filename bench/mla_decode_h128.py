@@ -9,9 +9,12 @@ judged against the higher (same clocks, the stricter). --smi: nvidia-smi samples
 temperature every 200 ms into $OUT/smi.csv meanwhile (read-only queries), to tell clock throttling from
 other drift.
 
-The default tile is the engine's for 64-slot pages (default_decode_tile(..., page_size=64): the TMA form of
-the Gluon stage 1); `--variants TMA=0` times the cp.async form (the session-4 default) beside it. Error checks:
-page size 1 (cp.async) and 64 (TMA) against the fp32 reference.
+The default tile is the engine's for 64-slot pages (default_decode_tile(..., page_size=64): since session 11 the
+seesaw stage 1, mla_decode_seesaw.py; `--tiles wide=kernel:gluon` times the wide kernel's TMA form beside it).
+--old-gluon, --variants and --parts swap parts of the wide kernel (mla_decode_gluon.py) and time them on the same
+tile run by it (cell key "wide" is that kernel unchanged); `--variants TMA=0` times its cp.async form (the session-4
+default). Error checks: page size 1 (the engine's page-1 tile: the wide kernel's cp.async form) and 64 (TMA) against
+the fp32 reference.
 
 --cluster P: the default's call with DecodeTile.cluster = P beside it (at a split count of 2, 4 or 8 up to P the
 splits merge inside thread-block clusters, kernels/cluster_merge.py; elsewhere the same call). --pdl: the default
@@ -114,11 +117,17 @@ def cut_stage1s(out_dir: Path) -> dict[str, Callable[..., None]]:
     return mods
 
 
+def wide_tile_of(tile: DecodeTile) -> DecodeTile:
+    """The same tile run by the wide kernel (mla_decode_gluon.py): what --old-gluon, --variants and --parts swap parts
+    of, since the default on 64-slot pages is the seesaw kernel."""
+    return tile._replace(kernel="gluon")
+
+
 def parts(sw: ModuleType, out_dir: Path, res: dict[str, object]) -> None:
-    """Each PARTS cut timed against the whole kernel at two cells, then stage 2 alone at every cell."""
+    """Each PARTS cut timed against the whole (wide) kernel at two cells, then stage 2 alone at every cell."""
     out: dict[str, object] = {}
     mods = cut_stage1s(out_dir)
-    default = default_decode_tile(H, torch.bfloat16, use_gluon=True, page_size=sw.PAGE)  # the TMA form
+    default = wide_tile_of(default_decode_tile(H, torch.bfloat16, use_gluon=True, page_size=sw.PAGE))  # TMA form
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for B, L in [(16, 8192), (64, 8192)]:
         q, kv, r2t, rows, lens = sw.inputs(B, L, H)
@@ -170,14 +179,16 @@ def check_paged(tile: DecodeTile, page: int = 64) -> float:
 
 
 def errors(sw: ModuleType, default: DecodeTile, variants: dict[str, Callable[..., None]]) -> dict[str, float]:
-    """The default and each variant: page size 1 (sw.check; the cp.async form) and 64 (the TMA form)."""
+    """The default and each variant (a wide-kernel stage 1, timed on the wide tile): page size 1 (sw.check; the
+    engine's page-1 tile, the wide kernel's cp.async form) and 64 (the TMA form)."""
     out: dict[str, float] = {}
+    page1 = default_decode_tile(H, torch.bfloat16, use_gluon=True, page_size=1)
     for name, stage1 in ({"default": mla_decode_gluon.mla_decode_stage1_gluon} | variants).items():
         new = mla_decode_gluon.mla_decode_stage1_gluon
         mla_decode_gluon.mla_decode_stage1_gluon = stage1
         try:
-            out[f"{name} page 1"] = sw.check(default._replace(page_size=1), H)
-            out[f"{name} page 64"] = check_paged(default)
+            out[f"{name} page 1"] = sw.check(page1, H)
+            out[f"{name} page 64"] = check_paged(default if name == "default" else wide_tile_of(default))
         finally:
             mla_decode_gluon.mla_decode_stage1_gluon = new
         print(f"normwise error vs fp32 ref, {name}: page 1 {out[f'{name} page 1']:.1e}, "
@@ -220,7 +231,7 @@ def main() -> None:
     gemms = [gemm()]
     default = default_decode_tile(H, torch.bfloat16, use_gluon=True, page_size=sw.PAGE)
     if args.pdl and not default.pdl:  # stage 1 (and the merge) as programmatic dependents: one more --tiles variant
-        tile_options["pdl"] = {"pdl": True}
+        tile_options["pdl"] = {"pdl": True, "kernel": "gluon"}  # the wide kernel's PDL (the seesaw one has none)
     print(f"bf16 GEMM 8192^3 {gemms[0]['TFLOPs']:.0f} TFLOP/s; default tile {tuple(default)}", flush=True)
     res: dict[str, object] = {"default": list(default), "cells": [], "gemms": gemms}
     tiles = {"default": default} | {f"{w}w" + ("" if ww else "-up"): default._replace(fixed_tiles=0, direct=False,
@@ -246,14 +257,18 @@ def main() -> None:
             t_2 = sw.ms(partial(mla_decode, q, kv, r2t, rows, lens, KV_LORA, 576**-0.5, 1, two))
             extra["two_stage"] = {"splits": 1, "ms": t_2, "default_speedup": t_2 / timed[p]}
         if args.cluster and default._replace(cluster=args.cluster) != default:  # cluster_merge.py, where p allows
-            clustered = default._replace(cluster=args.cluster)
+            clustered = wide_tile_of(default)._replace(cluster=args.cluster)  # the seesaw kernel takes no clusters
             t_c = sw.ms(partial(mla_decode, q, kv, r2t, rows, lens, KV_LORA, 576**-0.5, p, clustered))
             extra["cluster"] = {"splits": p, "ms": t_c, "TFLOPs": flops / t_c / 1e9, "default_speedup": t_c / timed[p]}
         for name, fields in tile_options.items():  # --tiles: DecodeTile fields replaced, at the default's splits
             t_o = sw.ms(partial(mla_decode, q, kv, r2t, rows, lens, KV_LORA, 576**-0.5, p, default._replace(**fields)))
             extra[name] = {"splits": p, "ms": t_o, "TFLOPs": flops / t_o / 1e9, "default_speedup": t_o / timed[p]}
-        for name, stage1 in variants.items():
-            t_v = stage1_ms(sw, stage1, call)
+        wide_call = partial(mla_decode, q, kv, r2t, rows, lens, KV_LORA, 576**-0.5, p, wide_tile_of(default))
+        for name, stage1 in variants.items():  # wide-kernel stage 1s: against the wide kernel's own time ("wide")
+            if "wide" not in extra:
+                t_w = sw.ms(wide_call)
+                extra["wide"] = {"splits": p, "ms": t_w, "TFLOPs": flops / t_w / 1e9, "default_speedup": t_w / timed[p]}
+            t_v = stage1_ms(sw, stage1, wide_call)
             extra[name] = {"splits": p, "ms": t_v, "TFLOPs": flops / t_v / 1e9, "default_speedup": t_v / timed[p]}
         gemms.append(gemm())  # right after the cell: its "after", the next cell's "before"
         after = float(gemms[-1]["TFLOPs"])
