@@ -63,13 +63,16 @@ WG_REGS = gl.constexpr(232)  # the worker's registers a thread (setmaxnreg; a mu
 
 @gluon.jit
 def _wg0(
-    qv_s, qr_s, kv0, kr0, kv1, kr1, p0_s, xch, lx, bars, kvh_desc, kr_desc, r2t, start, end, num_tiles, qk_scale,
-    part_out_ptr, part_lse_ptr, b, hb, H, split, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-    KV_LORA: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, S_LAYOUT: gl.constexpr,
-    O_LAYOUT: gl.constexpr, P_OPND: gl.constexpr,
+    bufs, bars, src, dst, KV_LORA: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
+    S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr, P_OPND: gl.constexpr,
 ):  # fmt: skip
-    """Even tiles' scores; the left half of O; refills K0's left columns and K1's left columns and rope rows."""
+    """Even tiles' scores; the left half of O; refills K0's left columns and rope rows and K1's left columns. The
+    arguments (both partitions take the same): the shared buffers, the barriers, where tiles come from (descriptors,
+    the request's req_to_token row, its split's bounds, the scale) and where the output goes."""
     HALF: gl.constexpr = KV_LORA // 2
+    qv_s, qr_s, kv0, kr0, kv1, kr1, p0_s, xch, lx = bufs
+    kvh_desc, kr_desc, r2t, start, end, num_tiles, qk_scale = src
+    part_out_ptr, part_lse_ptr, b, hb, H, split, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh = dst
     bq, b0r, b0a, b0b, b1r, b1a, b1b, sc0_bar, sc1_bar, p0_bar, p1_bar, l0_bar, l1_bar = bars
     row: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=row)
@@ -124,13 +127,14 @@ def _wg0(
 
 @gluon.jit
 def _wg1(
-    qv_s, qr_s, kv0, kr0, kv1, kr1, p0_s, xch, lx, bars, kvh_desc, kr_desc, r2t, start, end, num_tiles, qk_scale,
-    part_out_ptr, part_lse_ptr, b, hb, H, split, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-    KV_LORA: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, S_LAYOUT: gl.constexpr,
-    O_LAYOUT: gl.constexpr, P_OPND: gl.constexpr,
+    bufs, bars, src, dst, KV_LORA: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
+    S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr, P_OPND: gl.constexpr,
 ):  # fmt: skip
-    """Odd tiles' scores; the right half of O; refills K0's right columns and rope rows and K1's right columns."""
+    """Odd tiles' scores; the right half of O; refills K1's rope rows and right columns and K0's right columns."""
     HALF: gl.constexpr = KV_LORA // 2
+    qv_s, qr_s, kv0, kr0, kv1, kr1, p0_s, xch, lx = bufs
+    kvh_desc, kr_desc, r2t, start, end, num_tiles, qk_scale = src
+    part_out_ptr, part_lse_ptr, b, hb, H, split, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh = dst
     bq, b0r, b0a, b0b, b1r, b1a, b1b, sc0_bar, sc1_bar, p0_bar, p1_bar, l0_bar, l1_bar = bars
     row: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
     l_i = gl.zeros([BLOCK_H], gl.float32, layout=row)
@@ -227,14 +231,13 @@ def _mla_decode_seesaw_kernel(
             load_part(kvh_desc, kr_desc, b1r, kv1, kr1, r2t, start + BLOCK_N, end, 0, False, True, KV_LORA)
             load_part(kvh_desc, kr_desc, b1a, kv1, kr1, r2t, start + BLOCK_N, end, HALF, True, False, KV_LORA)
             load_part(kvh_desc, kr_desc, b1b, kv1, kr1, r2t, start + BLOCK_N, end, 0, True, False, KV_LORA)
-    # the layouts stay constexprs only inside the call (a tuple bound to a name first converts them to tensors)
+    bufs = (qv_s, qr_s, kv0, kr0, kv1, kr1, p0_s, xch, lx)
+    src = (kvh_desc, kr_desc, r2t, start, end, num_tiles, qk_scale)
+    dst = (part_out_ptr, part_lse_ptr, b, hb, H, split, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh)
+    # the layouts stay constexprs only written inside the call (a tuple bound to a name turns them into tensors)
     gl.warp_specialize([
-        (_wg0, (qv_s, qr_s, kv0, kr0, kv1, kr1, p0_s, xch, lx, bars, kvh_desc, kr_desc, r2t, start, end, num_tiles,
-                qk_scale, part_out_ptr, part_lse_ptr, b, hb, H, split, stride_pb, stride_ph, stride_ps, stride_lb,
-                stride_lh, KV_LORA, BLOCK_H, BLOCK_N, S_LAYOUT, O_LAYOUT, P_OPND)),
-        (_wg1, (qv_s, qr_s, kv0, kr0, kv1, kr1, p0_s, xch, lx, bars, kvh_desc, kr_desc, r2t, start, end, num_tiles,
-                qk_scale, part_out_ptr, part_lse_ptr, b, hb, H, split, stride_pb, stride_ph, stride_ps, stride_lb,
-                stride_lh, KV_LORA, BLOCK_H, BLOCK_N, S_LAYOUT, O_LAYOUT, P_OPND)),
+        (_wg0, (bufs, bars, src, dst, KV_LORA, BLOCK_H, BLOCK_N, S_LAYOUT, O_LAYOUT, P_OPND)),
+        (_wg1, (bufs, bars, src, dst, KV_LORA, BLOCK_H, BLOCK_N, S_LAYOUT, O_LAYOUT, P_OPND)),
     ], [4], [WG_REGS])  # fmt: skip
 
 
