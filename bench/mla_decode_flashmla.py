@@ -107,23 +107,6 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float(((out.float() - ref.float()).norm() / ref.float().norm()).item())
 
 
-def mixed_inputs(H: int) -> tuple[torch.Tensor, ...]:
-    """9 requests of mixed odd lengths on shuffled 64-slot pages: the error check's case."""
-    lens_l = [1, 700, 3001, 64, 1500, 33, 2049, 5, 999]
-    npages = [-(-n // PAGE) for n in lens_l]
-    perm = torch.randperm(sum(npages) + 3, device="cuda")
-    width = max(npages) * PAGE
-    r2t = torch.zeros(len(lens_l), width, dtype=torch.int32, device="cuda")
-    off = 0
-    for b, n in enumerate(npages):
-        r2t[b, : n * PAGE] = (perm[off : off + n, None] * PAGE + torch.arange(PAGE, device="cuda")).reshape(-1)
-        off += n
-    kv = torch.randn((sum(npages) + 3) * PAGE, KV_LORA + ROPE, device="cuda", dtype=torch.bfloat16)
-    q = torch.randn(len(lens_l), H, KV_LORA + ROPE, device="cuda", dtype=torch.bfloat16)
-    rows = torch.arange(len(lens_l), device="cuda")
-    return q, kv, r2t, rows, torch.tensor(lens_l, device="cuda")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--flashmla", required=True, help="FlashMLA checkout (csrc/ with cutlass headers)")
@@ -148,7 +131,7 @@ def main() -> None:
     print(f"copy {copy_gbs:.0f} GB/s, GEMM {res['gemms'][0]['TFLOPs']:.0f} TFLOP/s", flush=True)  # type: ignore[index]
     for H in (int(h) for h in args.heads.split(",")):
         tile = default_decode_tile(H, torch.bfloat16, use_gluon=True, page_size=PAGE)
-        q, kv, r2t, rows, lens = mixed_inputs(H)
+        q, kv, r2t, rows, lens = h128.paged_inputs(H, PAGE, seed=H)  # 9 requests of mixed lengths, 64-slot pages
         ref = mla_decode_ref(q.float(), kv.float(), r2t, rows, lens, KV_LORA, SCALE)
         errs = {"r3trace": rel_err(mla_decode(q, kv, r2t, rows, lens, KV_LORA, SCALE, 3, tile), ref),
                 "flashmla": rel_err(FlashMlaCall(fm, q, kv, r2t, lens)(), ref)}  # fmt: skip

@@ -157,22 +157,28 @@ class Gemm:
         return {"TFLOPs": 2 * 8192**3 / t / 1e9, "utc": time.strftime("%H:%M:%S", time.gmtime())}
 
 
-def check_paged(tile: DecodeTile, page: int = 64) -> float:
-    """Normwise error vs the fp32 reference on `page`-slot shuffled pages (the TMA form's case; sw.check
-    uses page size 1): 9 requests of mixed odd lengths, 7 splits."""
-    g = torch.Generator(device="cuda").manual_seed(page)
+def paged_inputs(heads: int, page: int = 64, seed: int = 64) -> tuple[torch.Tensor, ...]:
+    """q, the cache, req_to_token, rows and lengths for 9 requests of mixed odd lengths on `page`-slot shuffled pages
+    (3 spare pages of random data): the paged error checks' case."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
     lens = [1, 700, 3001, 64, 1500, 33, 2049, 5, 999]
     npages = [-(-n // page) for n in lens]
-    perm = torch.randperm(sum(npages) + 3, device="cuda", generator=g)  # 3 spare pages of random data
+    perm = torch.randperm(sum(npages) + 3, device="cuda", generator=g)
     r2t = torch.zeros(len(lens), 3008, dtype=torch.int32, device="cuda")
     off = 0
     for b, n in enumerate(lens):
         slots = perm[off : off + npages[b], None] * page + torch.arange(page, device="cuda")
         r2t[b, :n] = slots.reshape(-1)[:n].to(torch.int32)
         off += npages[b]
-    q = torch.randn(len(lens), H, KV_LORA + ROPE, device="cuda", generator=g).bfloat16()
+    q = torch.randn(len(lens), heads, KV_LORA + ROPE, device="cuda", generator=g).bfloat16()
     kv = torch.randn(perm.numel() * page, KV_LORA + ROPE, device="cuda", generator=g).bfloat16()
-    rows, seq = torch.arange(len(lens), device="cuda"), torch.tensor(lens, device="cuda")
+    return q, kv, r2t, torch.arange(len(lens), device="cuda"), torch.tensor(lens, device="cuda")
+
+
+def check_paged(tile: DecodeTile, page: int = 64) -> float:
+    """Normwise error vs the fp32 reference on `page`-slot shuffled pages (the TMA form's case; sw.check
+    uses page size 1): paged_inputs, 7 splits."""
+    q, kv, r2t, rows, seq = paged_inputs(H, page, seed=page)
     out = mla_decode(q, kv, r2t, rows, seq, KV_LORA, 576**-0.5, num_kv_splits=7, tile=tile).float()
     ref = mla_decode_ref(q.float(), kv.float(), r2t, rows, seq, KV_LORA, 576**-0.5).float()
     return ((out - ref).norm() / ref.norm()).item()
