@@ -8,7 +8,6 @@ their capture options, and starts and stops traces.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import time
@@ -32,11 +31,13 @@ from r3trace.engine.request import InvalidRequestError, Req
 from r3trace.engine.request_builder import RequestBuilder, as_list
 from r3trace.engine.request_hooks import RequestHooks
 from r3trace.engine.result import error_result
-from r3trace.engine.route_capture import CaptureRequest, RouteCaptureHooks, TeeSink, parse_replay
+from r3trace.engine.route_capture import CaptureRequest, RouteCaptureHooks, parse_replay
 from r3trace.engine.sampling import Sampler
 from r3trace.engine.scheduler import Scheduler
 from r3trace.engine.tokenizer import load_tokenizer
+from r3trace.engine.trace_control import TraceControl
 from r3trace.engine.weights import load_weights
+from r3trace.trace import lifecycle
 
 _OPTIONS = frozenset(f.name for f in fields(EngineConfig)) - {"dtype", "device", "extra"}
 
@@ -103,6 +104,16 @@ class Engine:
         self._closed = False
         self._loop = EventLoop(self.scheduler, self.runner, self.cache, self.route_hooks, mc, self.tokenizer,
                                overlap=cfg.overlap_schedule)
+        self.traces: TraceControl | None = None
+        if self.capturer is not None and self.route_hooks is not None:
+            self.traces = TraceControl(self._loop, self.capturer, self.route_hooks, dict(
+                model_name=mc.name or self.model_path.name, num_hidden_layers=mc.num_hidden_layers,
+                moe_layer_ids=mc.moe_layer_ids, num_experts=mc.n_routed_experts, top_k=mc.num_experts_per_tok,
+                with_weights=cfg.capture_weights, num_groups=mc.n_group, config_hash=config_hash(mc),
+                engine={k: getattr(cfg, k) for k in sorted(_OPTIONS) if k != "trace_dir"} | {"dtype": cfg.dtype},
+                parallel={"tp_size": 1, "dp_size": 1, "ep_size": 1},
+            ))
+        lifecycle.register_producer(self)  # interpreter exit: shutdown() before any writer closes
         if cfg.trace_dir is not None:
             self.start_trace(cfg.trace_dir)
 
@@ -210,51 +221,24 @@ class Engine:
     ) -> str:
         """Record every request into trace_dir (a run of Parquet files + manifest.json); returns the run id.
 
-        stream_to: also write every batch of rows, as it is captured, to an Arrow IPC stream (a path or a
-        binary file object such as a pipe). writer_options go to TraceWriter (rows_per_file, flush_rows,
-        max_file_age_s, ...)."""
-        from r3trace.trace.stream import TraceStreamWriter
-        from r3trace.trace.writer import TraceWriter
-
-        if self.route_hooks is None:
+        Finished requests are committed every `flush_interval_s` (default 1 s): a kill -9 loses at most those
+        that finished in the last second, and every normal stop (stop_trace, shutdown, interpreter exit,
+        SIGTERM, SIGINT) commits everything (docs/durability.md). stream_to: also write every batch of rows,
+        as it is captured, to an Arrow IPC stream (a path or a binary file object such as a pipe).
+        writer_options: rows_per_file, flush_interval_s, fsync, rollup_window_s, small_file_rows,
+        compact_fanin (TraceWriter's)."""
+        if self.traces is None:
             raise RuntimeError("this engine was built with a custom recorder: no trace sink")
-        mc, cfg = self.model_config, self.config
-        writer = TraceWriter(
-            trace_dir, model_name=mc.name or self.model_path.name, num_hidden_layers=mc.num_hidden_layers,
-            moe_layer_ids=mc.moe_layer_ids, num_experts=mc.n_routed_experts, top_k=mc.num_experts_per_tok,
-            run_id=run_id, with_weights=cfg.capture_weights, num_groups=mc.n_group, config_hash=config_hash(mc),
-            engine={k: getattr(cfg, k) for k in sorted(_OPTIONS) if k != "trace_dir"} | {"dtype": cfg.dtype},
-            parallel={"tp_size": 1, "dp_size": 1, "ep_size": 1}, **writer_options,
-        )
-
-        stream = None if stream_to is None else TraceStreamWriter(stream_to, writer.manifest)
-
-        def attach() -> None:
-            assert self.route_hooks is not None and self.capturer is not None
-            if self.route_hooks.writer is not None:
-                writer.close()
-                raise RuntimeError("a trace is already being recorded: stop_trace() first")
-            self.capturer.attach_sink(writer if stream is None else TeeSink(writer, stream))
-            self.route_hooks.writer = writer
-
-        self._loop.call(attach)
-        return str(writer.run_id)
+        return self.traces.start(trace_dir, run_id, stream_to, writer_options)
 
     def stop_trace(self) -> dict[str, Any] | None:
-        """Flush and close the active trace; returns its manifest (None if no trace was recording)."""
+        """Commit and close the active trace; returns its manifest (None if no trace was recording). Requests
+        still running are written with finish_reason "unfinished"."""
+        return None if self.traces is None else self.traces.stop()
 
-        def detach() -> Any:
-            assert self.route_hooks is not None and self.capturer is not None
-            writer, self.route_hooks.writer = self.route_hooks.writer, None
-            if writer is None:
-                return None
-            sink = self.capturer.detach_sink()
-            if isinstance(sink, TeeSink):
-                sink.stream.close()
-            return writer.close()
-
-        manifest = self._loop.call(detach)
-        return None if manifest is None else dataclasses.asdict(manifest)
+    def trace_status(self) -> dict[str, Any]:
+        """{"tracing": False}, or the recording run's rows buffered / durable, last flush age, files, errors."""
+        return {"tracing": False} if self.traces is None else self.traces.status()
 
     @property
     def recompute_mismatches(self) -> int:
@@ -270,10 +254,14 @@ class Engine:
         return bool(self._loop.call(self._loop.flush_if_idle))
 
     def shutdown(self) -> None:
+        """Abort what is in flight, stop the scheduler thread, commit and close the trace. Idempotent; also
+        run at interpreter exit and on SIGTERM while a trace records (r3trace/trace/lifecycle.py)."""
         if self._closed:
             return
         self._closed = True
         self._loop.shutdown()
+        if self.traces is not None:
+            self.traces.close_after_loop()
 
     def __enter__(self) -> Engine:
         return self

@@ -99,10 +99,11 @@ def ingest_responses(
     moe = np.asarray(shape.moe_layer_ids)
     per_row = shape.num_hidden_layers * shape.top_k
     now = time.time_ns()
-    with staged(store) as stage:
-        w = TraceWriter(stage, model_name=shape.model_name, num_hidden_layers=shape.num_hidden_layers,
-                        moe_layer_ids=shape.moe_layer_ids, num_experts=shape.num_experts, top_k=shape.top_k,
-                        run_id=run_id, num_groups=shape.num_groups, engine={"ingested_from": str(path)})
+    with staged(store) as stage, TraceWriter(  # closed on any exit, before the staging folder goes
+        stage, model_name=shape.model_name, num_hidden_layers=shape.num_hidden_layers,
+        moe_layer_ids=shape.moe_layer_ids, num_experts=shape.num_experts, top_k=shape.top_k, run_id=run_id,
+        num_groups=shape.num_groups, engine={"ingested_from": str(path)},
+    ) as w:
         with open(path, "rb") as f, tqdm(total=path.stat().st_size, unit="B", unit_scale=True, desc="ingest") as bar:
             for lineno, line in enumerate(f, start=1):
                 bar.update(len(line))
@@ -203,10 +204,11 @@ def ingest_numpy(
     rid = data.get("request_id", request_ids or "r0")
     pos = data["token_pos"] if "token_pos" in data else np.arange(t)
     fwd = data["forward_id"] if "forward_id" in data else np.arange(t)
-    with staged(store) as stage:
-        w = TraceWriter(stage, model_name=shape.model_name, num_hidden_layers=shape.num_hidden_layers,
-                        moe_layer_ids=shape.moe_layer_ids, num_experts=shape.num_experts, top_k=shape.top_k,
-                        run_id=run_id, num_groups=shape.num_groups, engine={"ingested_from": str(path)})
+    with staged(store) as stage, TraceWriter(  # offline and staged: commits on size and at close only
+        stage, model_name=shape.model_name, num_hidden_layers=shape.num_hidden_layers,
+        moe_layer_ids=shape.moe_layer_ids, num_experts=shape.num_experts, top_k=shape.top_k, run_id=run_id,
+        num_groups=shape.num_groups, engine={"ingested_from": str(path)}, flush_interval_s=None,
+    ) as w:
         try:
             for lo in tqdm(range(0, t, 16384), desc="ingest numpy", unit="chunk"):
                 sl = slice(lo, lo + 16384)
@@ -214,4 +216,4 @@ def ingest_numpy(
                                 fwd[sl], time.time_ns(), 0, ids[sl])
         except TraceSchemaError as e:
             raise IngestError(f"{path}: {e}") from e
-        return w.close()
+        return w.close(mark_unfinished=False)  # arrays carry no request summaries

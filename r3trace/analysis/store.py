@@ -111,7 +111,14 @@ class TraceStore:
 
         c.execute(f"CREATE OR REPLACE VIEW routes AS {source(routes, route_schema(k, False))}")
         c.execute(f"CREATE OR REPLACE VIEW rollups AS {source(rollups, ROLLUP_SCHEMA)}")
-        c.execute(f"CREATE OR REPLACE VIEW requests AS {source(requests, REQUEST_SCHEMA)}")
+        # Requests a crashed writer left in flight (reader.RunFiles.unfinished_requests) are rows too, with
+        # finish_reason 'unfinished': their routes are in the files, their summary never was.
+        unfinished = [row for r in self.runs for row in r.unfinished_requests()]
+        c.register("_unfinished_arrow", pa.Table.from_pylist(unfinished, schema=REQUEST_SCHEMA))
+        c.execute("CREATE OR REPLACE TABLE _unfinished_requests AS SELECT * FROM _unfinished_arrow")
+        c.unregister("_unfinished_arrow")
+        c.execute(f"CREATE OR REPLACE VIEW requests AS {source(requests, REQUEST_SCHEMA)}"
+                  " UNION ALL BY NAME SELECT * FROM _unfinished_requests")
         rows = []
         for r in self.runs:
             d = asdict(r.manifest)

@@ -194,7 +194,7 @@ def write_synth(root: str | Path, cfg: SynthConfig, num_tokens: int, run_id: str
         root, model_name="synthetic-deepseek-v3", num_hidden_layers=cfg.num_hidden_layers,
         moe_layer_ids=cfg.moe_layer_ids, num_experts=cfg.num_experts, top_k=cfg.top_k, run_id=run_id,
         num_groups=cfg.num_groups, engine={"synth": cfg.__dict__ | {"num_tokens": num_tokens}},
-        **writer_kw,  # type: ignore[arg-type]
+        **{"flush_interval_s": None, **writer_kw},  # type: ignore[arg-type]  # offline: size and close commits
     )
     t0 = np.datetime64("2026-01-01T00:00:00", "ns").astype(np.int64)
     sched: Schedule | None = None

@@ -4,10 +4,10 @@ the Arrow IPC stream (stream.py)."""
 from r3trace.trace.reader import RunFiles, TokenRoutes, open_dataset, read_token_routes, recover_run
 from r3trace.trace.schema import PHASES, SOURCES, FileEntry, Manifest, TraceSchemaError, route_schema
 from r3trace.trace.stream import TraceStreamWriter, read_stream
-from r3trace.trace.writer import TraceWriter, write_heat_run
+from r3trace.trace.writer import TraceWriter, WriterStatus, write_heat_run
 
 __all__ = [
     "PHASES", "SOURCES", "FileEntry", "Manifest", "RunFiles", "TokenRoutes", "TraceSchemaError",
-    "TraceStreamWriter", "TraceWriter", "open_dataset", "read_stream", "read_token_routes", "recover_run",
-    "route_schema", "write_heat_run",
+    "TraceStreamWriter", "TraceWriter", "WriterStatus", "open_dataset", "read_stream", "read_token_routes",
+    "recover_run", "route_schema", "write_heat_run",
 ]

@@ -1,8 +1,11 @@
 """Readers: a dataset folder of many runs, seen only through their manifests.
 
 A file is part of a run exactly when the run's manifest lists it, so a reader never sees a `.tmp`
-file or a file a live writer is still filling. `TokenRoutes` is the token-major numpy view the
-simulator and the numpy metrics use.
+file, a file a live writer is still filling, or the inputs of a compaction. A run is "recording" while
+its writer lives, "closed" once closed, and "crashed" when its writer died before closing (the kernel
+dropped its lock): the requests then in flight are in the manifest's `open_requests`, reported as
+unfinished (`unfinished_requests`) and written as such by `recover_run`. `TokenRoutes` is the token-major
+numpy view the simulator and the numpy metrics use.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -18,15 +21,32 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
-from r3trace.trace.rollup import RollupAccumulator
-from r3trace.trace.schema import MANIFEST_NAME, PHASES, FileEntry, Manifest, TraceSchemaError
-from r3trace.trace.writer import write_parquet_atomic
+from r3trace.trace.commit import now_iso, write_parquet_atomic
+from r3trace.trace.lifecycle import run_is_live
+from r3trace.trace.schema import MANIFEST_NAME, PHASES, REQUEST_SCHEMA, FileEntry, Manifest, TraceSchemaError
+
+RunState = Literal["recording", "closed", "crashed"]
+UNFINISHED = "unfinished"  # finish_reason of a request whose writer stopped before it finished
+
+
+def run_state(run_dir: Path, manifest: Manifest) -> RunState:
+    if manifest.status == "closed":
+        return "closed"
+    return "recording" if run_is_live(run_dir) else "crashed"
 
 
 @dataclass(frozen=True)
 class RunFiles:
     manifest: Manifest
     run_dir: Path
+    state: RunState = "closed"
+
+    def unfinished_requests(self) -> list[dict[str, Any]]:
+        """Requests-table rows (finish_reason "unfinished") for the requests a crashed writer left in flight."""
+        if self.state != "crashed":
+            return []
+        return [{"run_id": self.manifest.run_id, "request_id": rid, "finish_reason": UNFINISHED}
+                for rid in self.manifest.open_requests]
 
     @property
     def route_files(self) -> list[Path]:
@@ -59,7 +79,7 @@ def open_dataset(roots: str | Path | Sequence[str | Path]) -> list[RunFiles]:
             m = Manifest.read(d)
             if m.run_id in runs:
                 raise TraceSchemaError(f"run_id={m.run_id!r} appears twice: {runs[m.run_id].run_dir} and {d}")
-            runs[m.run_id] = RunFiles(m, d)
+            runs[m.run_id] = RunFiles(m, d, run_state(d, m))
     return [runs[k] for k in sorted(runs)]
 
 
@@ -118,34 +138,31 @@ def read_token_routes(run: RunFiles, max_tokens: int | None = None) -> TokenRout
 
 
 def recover_run(run_dir: str | Path) -> Manifest:
-    """After a crash: drop `.tmp` files, list complete routes files the manifest missed; returns it."""
+    """After a crash: delete what the manifest does not list (`.tmp` files, files renamed just before the kill,
+    compaction outputs or inputs), write the requests left in flight as unfinished, mark the run closed.
+
+    Files are committed only by the manifest, so this removes no committed row; what it deletes holds at most
+    the commit the kill interrupted. Refused while a live writer holds the run."""
     run_dir = Path(run_dir)
     m = Manifest.read(run_dir)
-    for tmp in run_dir.glob("*.tmp"):
-        tmp.unlink()
-    known = {f.name for f in m.files}
-    files = list(m.files)
-    rows = m.rows
-    for part in sorted(run_dir.glob("part-*.parquet")):
-        if part.name in known:
-            continue
-        table = pq.read_table(part)  # raises on a torn file: renames happen only after a complete write
-        idx = part.name.removeprefix("part-").removesuffix(".parquet")
-        rollup = run_dir / f"rollup-{idx}.parquet"
-        if not rollup.exists():
-            acc = RollupAccumulator(m.moe_layer_ids, m.num_experts, m.rollup_window_ns)
-            table = table.unify_dictionaries()
-            ph = table.column("phase").combine_chunks()
-            codes = np.asarray([PHASES.index(s) for s in ph.dictionary.to_pylist()], np.int32)[ph.indices]
-            ids = table.column("topk_ids").combine_chunks().flatten().to_numpy().reshape(table.num_rows, -1)
-            ts = table.column("ts").cast(pa.int64()).to_numpy()
-            acc.add(ts, codes, table.column("layer_id").to_numpy(), ids)
-            write_parquet_atomic(acc.table(m.run_id), rollup)
-        fwd = table.column("forward_id").to_numpy()
-        files.append(FileEntry(name=part.name, rows=table.num_rows, rollup=rollup.name,
-                               min_forward_id=int(fwd.min()) if len(fwd) else -1,
-                               max_forward_id=int(fwd.max()) if len(fwd) else -1))
-        rows += table.num_rows
-    m = replace(m, files=tuple(files), rows=rows)
+    state = run_state(run_dir, m)
+    if state == "recording":
+        raise TraceSchemaError(f"run {m.run_id}: a live writer still records it ({run_dir}); stop it first")
+    if state == "closed":
+        return m
+    listed = {n for f in m.files for n in (f.name, f.rollup, f.requests) if n}
+    for path in run_dir.iterdir():
+        stale = path.name.endswith(".tmp") or (path.suffix == ".parquet" and path.name not in listed)
+        if stale and path.is_file():
+            path.unlink()
+    files = m.files
+    if m.open_requests:
+        run = RunFiles(m, run_dir, "crashed")
+        seq = 1 + max((int(n.split("-")[1].split(".")[0]) for n in listed), default=-1)
+        name = f"requests-{seq:05d}.parquet"
+        table = pa.Table.from_pylist(run.unfinished_requests(), schema=REQUEST_SCHEMA)
+        write_parquet_atomic(table, run_dir / name, fsync=m.fsync)
+        files = (*files, FileEntry(name="", rows=0, requests=name))
+    m = replace(m, files=files, status="closed", open_requests=(), end_time=m.end_time or now_iso())
     m.write(run_dir)
     return m

@@ -28,6 +28,8 @@ SCHEMA_VERSION = 1
 PHASES = ("prefill", "decode", "verify")
 SOURCES = ("computed", "prefix_cache")
 RunKind = Literal["routes", "heat"]
+# "recording": a writer holds the run open (or died holding it: reader.run_state tells which); "closed": done.
+RunStatus = Literal["recording", "closed"]
 # Parquet settings measured in bench/analysis.py: zstd 3 gives ~1 byte per expert id on V3-shaped traces.
 PARQUET_COMPRESSION = "zstd"
 PARQUET_COMPRESSION_LEVEL = 3
@@ -99,6 +101,7 @@ class FileEntry:
     requests: str | None = None
     min_forward_id: int = -1
     max_forward_id: int = -1
+    level: int = 0  # 0: one group commit; n + 1: a compaction of level-n files (writer.py)
 
 
 @dataclass(frozen=True)
@@ -125,6 +128,12 @@ class Manifest:
     end_time: str = ""
     rows: int = 0
     files: tuple[FileEntry, ...] = ()
+    # Durability (writer.py): how often finished requests are committed, whether commits are fsynced, and the
+    # requests whose rows are in listed files with no requests-table row yet (in flight at the last commit).
+    status: RunStatus = "closed"
+    flush_interval_s: float | None = None
+    fsync: bool = True
+    open_requests: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_experts <= 0 or self.top_k <= 0 or self.top_k > self.num_experts:
@@ -142,6 +151,8 @@ class Manifest:
             raise TraceSchemaError(
                 f"manifest schema_version={self.schema_version} is newer than this reader ({SCHEMA_VERSION})"
             )
+        if self.status not in ("recording", "closed"):
+            raise TraceSchemaError(f"manifest status={self.status!r} must be 'recording' or 'closed'")
         if self.num_experts % self.num_groups:
             raise TraceSchemaError(
                 f"manifest num_groups={self.num_groups} does not divide num_experts={self.num_experts}"
@@ -170,6 +181,7 @@ class Manifest:
             raise TraceSchemaError(f"manifest has unknown fields {unknown}")
         d["moe_layer_ids"] = tuple(d.get("moe_layer_ids", ()))
         d["files"] = tuple(FileEntry(**f) for f in d.get("files", ()))
+        d["open_requests"] = tuple(d.get("open_requests", ()))
         return cls(**d)
 
     @classmethod
@@ -182,16 +194,30 @@ class Manifest:
 
     def write(self, run_dir: str | Path) -> None:
         """Atomic: a reader sees the old manifest or the new one, never a mix (tmp + fsync + rename)."""
-        write_atomic(Path(run_dir) / MANIFEST_NAME, self.to_json().encode())
+        write_atomic(Path(run_dir) / MANIFEST_NAME, self.to_json().encode(), fsync=self.fsync)
 
 
-def write_atomic(path: Path, data: bytes) -> None:
+def write_atomic(path: Path, data: bytes, fsync: bool = True) -> None:
+    """tmp + (fsync) + rename: a reader sees the old file or the new one. fsync=False keeps the kill -9
+    guarantee (the page cache outlives the process) and drops the power-loss one."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()
-        os.fsync(f.fileno())
+        if fsync:
+            os.fsync(f.fileno())
     os.replace(tmp, path)
+    if fsync:
+        fsync_dir(path.parent)
+
+
+def fsync_dir(folder: Path) -> None:
+    """Make a rename in `folder` durable across a power loss (the directory entry itself)."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def run_dir_name(run_id: str) -> str:

@@ -1,35 +1,39 @@
 """TraceWriter: the sink side of the trace contract (schema.py), one run per writer.
 
-Crash bound: files are written as `part-XXXXX.parquet.tmp` and renamed when closed, then the manifest
-is rewritten atomically. A killed writer loses the rows of the file still open plus its unflushed
-buffer: at most `rows_per_file` + one appended batch (default 1M rows = 17K tokens of a 58-layer
-model). `max_file_age_s` bounds the loss in time as well. Readers go by the manifest and never open
-`.tmp` files; a complete file renamed just before the kill but not yet in the manifest is picked up by
-`reader.recover_run`.
+Durability contract (docs/durability.md):
+- Callers hand rows (`append`, any thread) and finished requests (`add_request`) to memory; a flusher thread
+  group-commits them (commit.py): once the oldest uncommitted item is `flush_interval_s / 2` old, and at once
+  when `rows_per_file` rows are waiting. A request is committed with its rows no later than
+  flush_interval_s / 2 + one commit's write after it finished, so a kill -9 loses at most the requests that
+  finished in the last `flush_interval_s` (default 1 s), whatever the file size.
+- Every normal end commits everything and marks the run closed: `close()`, the interpreter's exit, SIGTERM and
+  SIGINT (lifecycle.py), and the engine's stop_trace / shutdown.
+- A reader never sees a partial file, and a request's row in the requests table is committed with or after
+  all of its route rows. Requests with committed rows and no requests-table row yet are listed in the
+  manifest's `open_requests`; after a crash, readers report them as unfinished (reader.py).
+- fsync (default on): each file and the run folder before the manifest names them, then the manifest.
 """
 
 from __future__ import annotations
 
-import os
+import logging
+import threading
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import replace
-from datetime import datetime, timezone
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
+from r3trace.trace import lifecycle
 from r3trace.trace.batch import Labels, expand_tokens, route_rows
+from r3trace.trace.commit import RunCommitter, now_iso, write_parquet_atomic
 from r3trace.trace.rollup import RollupAccumulator
 from r3trace.trace.schema import (
-    PARQUET_COMPRESSION,
-    PARQUET_COMPRESSION_LEVEL,
     PHASES,
-    REQUEST_SCHEMA,
     ROW_GROUP_ROWS,
     FileEntry,
     Manifest,
@@ -39,22 +43,28 @@ from r3trace.trace.schema import (
     write_atomic,
 )
 
+log = logging.getLogger("r3trace.trace")
+MAX_FLUSH_INTERVAL_S = 3600.0
 
-def _now() -> str:
-    return datetime.now(timezone.utc).isoformat()
 
+@dataclass(frozen=True)
+class WriterStatus:
+    """What /metrics and `Engine.trace_status()` report about a recording run."""
 
-def write_parquet_atomic(table: pa.Table, path: Path, row_group_rows: int = ROW_GROUP_ROWS) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    pq.write_table(
-        table, tmp, compression=PARQUET_COMPRESSION, compression_level=PARQUET_COMPRESSION_LEVEL,
-        use_dictionary=True, row_group_size=row_group_rows,
-    )
-    os.replace(tmp, path)
+    run_id: str
+    run_dir: str
+    rows_buffered: int  # captured, not yet in a committed file
+    rows_durable: int  # in files the manifest lists
+    requests_durable: int
+    last_flush_age_s: float  # since the last commit (or since the run started)
+    commits: int
+    compactions: int
+    files: int
+    last_error: str | None
 
 
 class TraceWriter:
-    """Writes one run under `<root>/run_id=<run_id>/`. Not thread-safe: one writer per sink thread."""
+    """Writes one run under `<root>/run_id=<run_id>/`. append/add_request are thread-safe."""
 
     def __init__(
         self,
@@ -72,43 +82,55 @@ class TraceWriter:
         engine: dict[str, Any] | None = None,
         parallel: dict[str, Any] | None = None,
         rows_per_file: int = 8 * ROW_GROUP_ROWS,
-        flush_rows: int = ROW_GROUP_ROWS,
+        flush_interval_s: float | None = 1.0,
+        fsync: bool = True,
         rollup_window_s: float = 1.0,
-        max_file_age_s: float | None = None,
+        small_file_rows: int = ROW_GROUP_ROWS,
+        compact_fanin: int = 8,
     ) -> None:
         run_id = run_id or time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:8]
+        if flush_interval_s is not None and not 0 < flush_interval_s <= MAX_FLUSH_INTERVAL_S:
+            raise TraceSchemaError(f"flush_interval_s={flush_interval_s} must be in (0, {MAX_FLUSH_INTERVAL_S:g}]"
+                                   " seconds, or None for commits on size and close only")
+        if compact_fanin < 2:
+            raise TraceSchemaError(f"compact_fanin={compact_fanin} must be >= 2")
         self.manifest = Manifest(
             run_id=run_id, model_name=model_name, num_hidden_layers=num_hidden_layers,
             moe_layer_ids=tuple(int(x) for x in moe_layer_ids), num_experts=num_experts, top_k=top_k,
             with_weights=with_weights, num_groups=num_groups, config_hash=config_hash,
-            engine=dict(engine or {}), parallel=dict(parallel or {}), start_time=_now(),
-            rollup_window_ns=int(rollup_window_s * 1e9),
+            engine=dict(engine or {}), parallel=dict(parallel or {}), start_time=now_iso(),
+            rollup_window_ns=int(rollup_window_s * 1e9), status="recording", flush_interval_s=flush_interval_s,
+            fsync=fsync,
         )
-        if rows_per_file < len(self.manifest.moe_layer_ids) or flush_rows <= 0:
+        if rows_per_file < len(self.manifest.moe_layer_ids):
             raise TraceSchemaError(
                 f"rows_per_file={rows_per_file} must hold one token ({len(self.manifest.moe_layer_ids)} rows)"
-                f" and flush_rows={flush_rows} must be > 0"
             )
         self.run_dir = Path(root) / run_dir_name(run_id)
         if (self.run_dir / "manifest.json").exists():
             raise TraceSchemaError(f"run_id={run_id!r} already exists under {root}")
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._run_lock = lifecycle.hold_run_lock(self.run_dir)  # released by the kernel if this process dies
         self.rows_per_file = rows_per_file
-        self.flush_rows = flush_rows
-        self.max_file_age_s = max_file_age_s
+        self.flush_interval_s = flush_interval_s
         self.schema = route_schema(top_k, with_weights)
-        self._rollup = RollupAccumulator(
-            self.manifest.moe_layer_ids, num_experts, self.manifest.rollup_window_ns
-        )
-        self._buffer: list[pa.Table] = []
-        self._buffered = 0
-        self._file: pq.ParquetWriter | None = None
-        self._file_rows = 0
-        self._file_opened = 0.0
-        self._fwd = [np.iinfo(np.int64).max, -1]
-        self._requests: list[dict[str, Any]] = []
-        self._closed = False
+        self._layer_ok = np.zeros(num_hidden_layers, dtype=bool)
+        self._layer_ok[list(self.manifest.moe_layer_ids)] = True
         self.manifest.write(self.run_dir)
+        self._committer = RunCommitter(self.run_dir, self.manifest, self.schema, fsync=fsync,
+                                       small_rows=small_file_rows, fanin=compact_fanin, max_rows=rows_per_file)
+        self._cond = threading.Condition()
+        self._rows: list[pa.Table] = []  # appended, not committed
+        self._rows_n = 0
+        self._requests: list[dict[str, Any]] = []  # finished, not committed
+        self._open: dict[str, None] = {}  # request ids with rows and no add_request yet (insertion order)
+        self._oldest: float | None = None  # monotonic time of the oldest uncommitted item
+        self._error: BaseException | None = None
+        self._closing = False
+        self._closed = False
+        self._flusher = threading.Thread(target=self._flush_loop, name=f"r3trace-trace-{run_id}", daemon=True)
+        self._flusher.start()
+        lifecycle.register_writer(self)
 
     @property
     def run_id(self) -> str:
@@ -120,17 +142,10 @@ class TraceWriter:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    # ---------------------------------------------------------------- callers (any thread)
     def append_tokens(
-        self,
-        request_id: Labels,
-        token_pos: Any,
-        phase: Labels,
-        source: Labels,
-        forward_id: Any,
-        ts: Any,
-        dp_rank: Any,
-        topk_ids: np.ndarray,
-        topk_weights: np.ndarray | None = None,
+        self, request_id: Labels, token_pos: Any, phase: Labels, source: Labels, forward_id: Any, ts: Any,
+        dp_rank: Any, topk_ids: np.ndarray, topk_weights: np.ndarray | None = None,
     ) -> None:
         """T tokens: per-token columns [T] (or scalars), topk_ids [T, L, K] over the manifest's MoE layers."""
         kw = expand_tokens(self.manifest.moe_layer_ids, request_id, token_pos, phase, source, forward_id, ts,
@@ -138,117 +153,174 @@ class TraceWriter:
         self.append(**kw)
 
     def append(
-        self,
-        request_id: Labels,
-        token_pos: Any,
-        phase: Labels,
-        source: Labels,
-        forward_id: Any,
-        ts: Any,
-        dp_rank: Any,
-        layer_id: Any,
-        topk_ids: np.ndarray,
-        topk_weights: np.ndarray | None = None,
+        self, request_id: Labels, token_pos: Any, phase: Labels, source: Labels, forward_id: Any, ts: Any,
+        dp_rank: Any, layer_id: Any, topk_ids: np.ndarray, topk_weights: np.ndarray | None = None,
     ) -> None:
         """N rows, token-major, one entry per row; topk_ids [N, K]. Validated before anything is buffered."""
-        if self._closed:
-            raise TraceSchemaError(f"run_id={self.run_id!r} writer is closed")
         m = self.manifest
         table = route_rows(m.run_id, request_id, token_pos, phase, source, forward_id, ts, dp_rank, layer_id,
                            topk_ids, topk_weights, num_experts=m.num_experts, top_k=m.top_k,
                            with_weights=m.with_weights)
         if table.num_rows == 0:
             return
-        ts_ns = table.column("ts").combine_chunks().cast(pa.int64()).to_numpy()
-        phase_codes = table.column("phase").combine_chunks().indices.to_numpy()
-        ids = np.asarray(topk_ids).astype(np.int32, copy=False).reshape(table.num_rows, m.top_k)
-        self._rollup.add(ts_ns, phase_codes, table.column("layer_id").to_numpy(), ids)
-        fwd = table.column("forward_id").to_numpy()
-        self._fwd = [min(self._fwd[0], int(fwd.min())), max(self._fwd[1], int(fwd.max()))]
-        if self._file is None and not self._buffered:  # first rows of a new file
-            self._file_opened = time.monotonic()
-        self._buffer.append(table)
-        self._buffered += table.num_rows
-        if self._buffered >= self.flush_rows:
-            self._flush()
-        aged = self.max_file_age_s is not None and time.monotonic() - self._file_opened > self.max_file_age_s
-        if self._file_rows + self._buffered >= self.rows_per_file or aged:
-            self._close_file()
+        lid = table.column("layer_id").to_numpy()
+        bad = (lid < 0) | (lid >= len(self._layer_ok))
+        if bad.any() or not self._layer_ok[lid].all():
+            value = int(lid[bad][0]) if bad.any() else int(lid[~self._layer_ok[lid]][0])
+            raise TraceSchemaError(f"column layer_id holds {value}, not one of moe_layer_ids {list(m.moe_layer_ids)}")
+        rids = [request_id] if isinstance(request_id, str) else table.column("request_id").unique().to_pylist()
+        with self._cond:
+            self._check_open()
+            self._rows.append(table)
+            self._rows_n += table.num_rows
+            for rid in rids:
+                self._open[rid] = None
+            self._pending_since_now()
+            if self._rows_n >= self.rows_per_file:
+                self._cond.notify()
 
     def add_request(
-        self,
-        request_id: str,
-        *,
-        tag: str | None = None,
-        prompt_tokens: int | None = None,
-        completion_tokens: int | None = None,
-        finish_reason: str | None = None,
-        arrival_ts: int | None = None,
-        finish_ts: int | None = None,
-        token_ids: list[int] | None = None,
+        self, request_id: str, *, tag: str | None = None, prompt_tokens: int | None = None,
+        completion_tokens: int | None = None, finish_reason: str | None = None, arrival_ts: int | None = None,
+        finish_ts: int | None = None, token_ids: list[int] | None = None,
     ) -> None:
-        """One finished request; written to `requests-XXXXX.parquet` with the next routes file."""
-        self._requests.append(dict(
+        """One finished request, committed with (or after) its rows: call it after its last `append`."""
+        row = dict(
             run_id=self.run_id, request_id=request_id, tag=tag, prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens, finish_reason=finish_reason, arrival_ts=arrival_ts,
             finish_ts=finish_ts, token_ids=None if token_ids is None else [int(t) for t in token_ids],
-        ))
-
-    def _flush(self) -> None:
-        if not self._buffered:
-            return
-        if self._file is None:
-            self._file = pq.ParquetWriter(
-                self._part_path().with_suffix(".parquet.tmp"), self.schema, compression=PARQUET_COMPRESSION,
-                compression_level=PARQUET_COMPRESSION_LEVEL, use_dictionary=True,
-            )
-        table = pa.concat_tables(self._buffer) if len(self._buffer) > 1 else self._buffer[0]
-        self._file.write_table(table, row_group_size=ROW_GROUP_ROWS)
-        self._file_rows += table.num_rows
-        self._buffer, self._buffered = [], 0
-
-    def _part_path(self) -> Path:
-        return self.run_dir / f"part-{len(self.manifest.files):05d}.parquet"
-
-    def _close_file(self) -> None:
-        self._flush()
-        if self._file is None and not self._requests:
-            return
-        idx = len(self.manifest.files)
-        part = self._part_path()
-        if self._file is None:  # requests but no rows: an empty routes file keeps the pairing simple
-            self._file = pq.ParquetWriter(part.with_suffix(".parquet.tmp"), self.schema)
-        self._file.close()
-        rollup = self.run_dir / f"rollup-{idx:05d}.parquet"
-        write_parquet_atomic(self._rollup.table(self.run_id), rollup)
-        requests = None
-        if self._requests:
-            requests = self.run_dir / f"requests-{idx:05d}.parquet"
-            write_parquet_atomic(pa.Table.from_pylist(self._requests, schema=REQUEST_SCHEMA), requests)
-        # The routes file is renamed last, right before the manifest names it: a kill in between leaves
-        # one complete file the manifest misses (recover_run lists it), never a listed file that is absent.
-        os.replace(part.with_suffix(".parquet.tmp"), part)
-        entry = FileEntry(
-            name=part.name, rows=self._file_rows, rollup=rollup.name,
-            requests=None if requests is None else requests.name,
-            min_forward_id=self._fwd[0] if self._file_rows else -1, max_forward_id=self._fwd[1],
         )
-        self.manifest = replace(
-            self.manifest, files=(*self.manifest.files, entry), rows=self.manifest.rows + self._file_rows,
-            end_time=_now(),
-        )
-        self.manifest.write(self.run_dir)
-        self._file, self._file_rows, self._requests = None, 0, []
-        self._fwd = [np.iinfo(np.int64).max, -1]
+        with self._cond:
+            self._check_open()
+            self._requests.append(row)
+            self._open.pop(request_id, None)
+            self._pending_since_now()
 
-    def close(self) -> Manifest:
-        """Flush, close the open file, write the final manifest; returns it. Idempotent."""
-        if not self._closed:
-            self._close_file()
-            self.manifest = replace(self.manifest, end_time=_now())
-            self.manifest.write(self.run_dir)
-            self._closed = True
+    def status(self) -> WriterStatus:
+        with self._cond:
+            buffered = self._rows_n
+            err = self._error
+        c = self._committer
+        m = c.manifest
+        return WriterStatus(
+            run_id=self.run_id, run_dir=str(self.run_dir), rows_buffered=buffered, rows_durable=m.rows,
+            requests_durable=c.requests_committed,
+            last_flush_age_s=time.monotonic() - c.last_commit_monotonic, commits=c.commits,
+            compactions=c.compactions, files=len(m.files), last_error=None if err is None else f"{err}",
+        )
+
+    def close(self, mark_unfinished: bool = True) -> Manifest:
+        """Commit everything, merge the trailing small files, mark the run closed; returns the manifest.
+        mark_unfinished: requests with rows and no add_request get a requests row with finish_reason
+        "unfinished" (they were still running); False leaves them without one (offline tools whose input has
+        no request summaries). Idempotent."""
+        with self._cond:
+            if self._closed:
+                return self.manifest
+            self._closing = True
+            if mark_unfinished:
+                for rid in list(self._open):
+                    self._requests.append(dict(run_id=self.run_id, request_id=rid, finish_reason="unfinished"))
+                self._open.clear()
+            self._cond.notify()
+        self._flusher.join()
+        with self._cond:
+            taken = self._take()
+        try:
+            self._commit(taken)
+        except BaseException:
+            with self._cond:  # nothing captured is dropped: a later close() tries again
+                self._put_back(taken)
+                self._closing = False
+            self._flusher = threading.Thread(target=self._flush_loop, name=self._flusher.name, daemon=True)
+            self._flusher.start()
+            raise
+        c = self._committer
+        c.compact(final=True)
+        c._publish(replace(c.manifest, status="closed", open_requests=(), end_time=now_iso()))
+        self.manifest = c.manifest
+        self._closed = True
+        lifecycle.release_run_lock(self._run_lock)
+        lifecycle.unregister_writer(self)
         return self.manifest
+
+    # ---------------------------------------------------------------- flusher thread
+    def _check_open(self) -> None:
+        if self._closed or self._closing:
+            raise TraceSchemaError(f"run_id={self.run_id!r} writer is closed")
+
+    def _pending_since_now(self) -> None:
+        if self._oldest is None:  # the flusher sleeps without a deadline while nothing waits: give it one
+            self._oldest = time.monotonic()
+            self._cond.notify()
+
+    def _due_in(self) -> float | None:
+        """Seconds until the next commit is due (<= 0: now); None: nothing waits."""
+        if self._rows_n >= self.rows_per_file:
+            return 0.0
+        if self._oldest is None or self.flush_interval_s is None:
+            return None
+        return self._oldest + self.flush_interval_s / 2 - time.monotonic()
+
+    def _take(self) -> tuple[list[pa.Table], list[dict[str, Any]], tuple[str, ...]]:
+        taken = (self._rows, self._requests, tuple(self._open))
+        self._rows, self._rows_n, self._requests, self._oldest = [], 0, [], None
+        return taken
+
+    def _put_back(self, taken: tuple[list[pa.Table], list[dict[str, Any]], tuple[str, ...]]) -> None:
+        rows, requests, _ = taken
+        self._rows = rows + self._rows
+        self._rows_n += sum(t.num_rows for t in rows)
+        self._requests = requests + self._requests
+        self._oldest = time.monotonic() if rows or requests else self._oldest
+
+    def _flush_loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closing:
+                    due = self._due_in()
+                    if due is not None and due <= 0:
+                        break
+                    self._cond.wait(timeout=due)
+                if self._closing:
+                    return
+                taken = self._take()
+            try:
+                self._commit(taken)
+                with self._cond:
+                    self._error = None
+            except Exception as exc:  # a full disk, say: keep the rows, say so once, try again later
+                with self._cond:
+                    if self._error is None:
+                        log.warning("trace %s: commit failed, will retry: %s", self.run_id, exc)
+                    self._error = exc
+                    self._put_back(taken)
+                    self._cond.wait(timeout=min(self.flush_interval_s or 1.0, 5.0))
+
+    def _commit(self, taken: tuple[list[pa.Table], list[dict[str, Any]], tuple[str, ...]]) -> None:
+        """Split the rows into files of <= rows_per_file rows (at appended-batch boundaries, so tokens stay
+        whole); the finished requests go with the last file."""
+        rows, requests, open_ids = taken
+        if not rows and not requests:
+            return
+        groups: list[list[pa.Table]] = [[]]
+        n = 0
+        for t in rows:
+            if groups[-1] and n + t.num_rows > self.rows_per_file:
+                groups.append([])
+                n = 0
+            groups[-1].append(t)
+            n += t.num_rows
+        m = self.manifest
+        rolled = []
+        for group in groups:
+            acc = RollupAccumulator(m.moe_layer_ids, m.num_experts, m.rollup_window_ns)
+            for t in group:  # route_rows encodes phase over all of PHASES: its indices are the phase codes
+                ids = t.column("topk_ids").combine_chunks().flatten().to_numpy().reshape(t.num_rows, m.top_k)
+                acc.add(t.column("ts").cast(pa.int64()).to_numpy(),
+                        t.column("phase").combine_chunks().indices.to_numpy(), t.column("layer_id").to_numpy(), ids)
+            rolled.append((group, acc.table(self.run_id)))
+        self.manifest = self._committer.commit(rolled, requests, open_ids)
 
 
 def write_heat_run(
@@ -269,3 +341,4 @@ def write_heat_run(
     done = replace(manifest, kind="heat", files=(FileEntry(name="", rows=0, rollup="rollup-00000.parquet"),))
     write_atomic(run_dir / "manifest.json", done.to_json().encode())
     return done
+
