@@ -16,14 +16,11 @@ from typing import Any
 from r3trace.capture.capturer import RoutedExpertsCapturer
 from r3trace.engine.event_loop import EventLoop
 from r3trace.engine.route_capture import RouteCaptureHooks, TeeSink
+from r3trace.trace.schema import TraceStateError
 
 # What start_trace passes on to TraceWriter (its other arguments come from the engine and the model).
 WRITER_OPTIONS = frozenset({"rows_per_file", "flush_interval_s", "fsync", "rollup_window_s", "small_file_rows",
                             "compact_fanin"})
-
-
-class TraceStateError(RuntimeError):
-    """start_trace while a trace records, or stop_trace while none does (HTTP 409)."""
 
 
 class TraceControl:

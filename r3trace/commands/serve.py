@@ -32,6 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
     p.add_argument("--trace-root", default="traces", help="POST /start_trace writes only below this folder")
     p.add_argument("--trace-dir", default=None, help="record every request from the start (under --trace-root)")
+    p.add_argument("--trace-flush-interval-s", type=float, default=None,
+                   help="with --trace-dir: commit finished requests at least this often (default 1 s)")
     p.add_argument("--log-level", default="info")
 
 
@@ -82,13 +84,14 @@ def run(args: argparse.Namespace) -> int:
     cfg = ServerConfig(model_name=args.model_name or model.resolve().name, host=args.host, port=args.port,
                        max_body_bytes=args.max_body_bytes, trace_root=Path(args.trace_root),
                        chat_template=load_chat_template(model))
-    if args.trace_dir:
-        cfg.trace_root.mkdir(parents=True, exist_ok=True)
-        engine.start_trace(cfg.trace_root / args.trace_dir)
     try:
+        if args.trace_dir:
+            cfg.trace_root.mkdir(parents=True, exist_ok=True)
+            opts = {} if args.trace_flush_interval_s is None else {"flush_interval_s": args.trace_flush_interval_s}
+            engine.start_trace(cfg.trace_root / args.trace_dir, **opts)
+        # uvicorn turns SIGINT / SIGTERM into a graceful shutdown; then the engine aborts what is still running
+        # and commits and closes the trace (also one started over HTTP).
         uvicorn.run(create_app(engine, cfg), host=args.host, port=args.port, log_level=args.log_level)
     finally:
-        if args.trace_dir:
-            engine.stop_trace()
         engine.shutdown()
     return 0

@@ -3,7 +3,8 @@ parsing) -> pydantic model (types, unknown fields) -> GenerateService (worker th
 which checks values against the model) -> JSON, or server-sent events for a stream.
 
 Endpoints: POST /generate (SGLang), /v1/completions, /v1/chat/completions, /v1/models (OpenAI),
-GET /health, /get_model_info, /metrics (Prometheus), POST /start_trace, /stop_trace.
+GET /health, /get_model_info, /metrics (Prometheus), /trace_status, POST /start_trace, /stop_trace (the
+engine's trace: one at a time, whoever started it, --trace-dir included).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse, StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from r3trace.trace.schema import TraceSchemaError, TraceStateError
+
 from .body_limit import BodyLimit
 from .config import ServerConfig
 from .errors import ERROR_RESPONSES, ApiError, install_handlers
@@ -26,7 +29,7 @@ from .protocol import GenerateRequest, GenerateResponse, Health, StartTraceReque
 from .service import GenerateEngine, GenerateService
 
 _COUNTED = frozenset({"/generate", "/v1/completions", "/v1/chat/completions", "/health", "/metrics",
-                      "/start_trace", "/stop_trace", "/v1/models", "/get_model_info"})
+                      "/start_trace", "/stop_trace", "/trace_status", "/v1/models", "/get_model_info"})
 
 
 class RequestCounter:
@@ -100,6 +103,14 @@ def _jsonable(x: Any) -> Any:
     return repr(x)
 
 
+def _trace_status(st: dict[str, Any], detail: dict[str, Any] | None = None) -> TraceStatus:
+    run_dir = st.get("run_dir")
+    fields = {k: st.get(k) for k in ("run_id", "rows_buffered", "rows_durable", "requests_durable",
+                                     "last_flush_age_s", "last_error")}
+    folder = None if run_dir is None else str(Path(run_dir).parent)
+    return TraceStatus(tracing=bool(st.get("tracing")), trace_dir=folder, detail=detail, **fields)
+
+
 def create_app(engine: GenerateEngine, config: ServerConfig | None = None) -> FastAPI:
     config = config or ServerConfig()
     metrics = ServerMetrics(config.model_name)
@@ -107,7 +118,6 @@ def create_app(engine: GenerateEngine, config: ServerConfig | None = None) -> Fa
     app = FastAPI(title="r3trace", version="0.1.0",
                   description="SGLang- and OpenAI-compatible generation with routed-expert capture.")
     install_handlers(app)
-    state: dict[str, Any] = {"trace_dir": None}
 
     @app.post("/generate", response_model=GenerateResponse | list[GenerateResponse],
               response_model_exclude_unset=True, responses={
@@ -135,9 +145,21 @@ def create_app(engine: GenerateEngine, config: ServerConfig | None = None) -> Fa
     async def model_info() -> dict[str, Any]:
         return {"model_path": config.model_name, "is_generation": True, **routing_shape(engine)}
 
+    def trace_status() -> dict[str, Any] | None:
+        """The engine's trace state (None: this engine cannot record traces)."""
+        fn = getattr(engine, "trace_status", None)
+        return None if fn is None else fn()
+
     @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus() -> PlainTextResponse:
-        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(metrics.render(trace_status()), media_type="text/plain; version=0.0.4")
+
+    @app.get("/trace_status", response_model=TraceStatus)
+    async def get_trace_status() -> TraceStatus:
+        st = trace_status()
+        if st is None:
+            raise ApiError(501, "trace_status: this engine cannot record traces")
+        return _trace_status(st)
 
     @app.post("/start_trace", response_model=TraceStatus, responses=ERROR_RESPONSES)
     async def start_trace(req: StartTraceRequest) -> TraceStatus:
@@ -145,23 +167,32 @@ def create_app(engine: GenerateEngine, config: ServerConfig | None = None) -> Fa
         fn = getattr(engine, "start_trace", None)
         if fn is None:
             raise ApiError(501, "start_trace: this engine cannot record traces")
-        if state["trace_dir"] is not None:
-            busy = state["trace_dir"]
-            raise ApiError(409, f"trace_dir: already tracing into {busy}; stop it first", "trace_dir")
-        result = await service.call(fn, str(path), run_id=req.run_id)
-        state["trace_dir"] = str(path)
-        return TraceStatus(tracing=True, trace_dir=str(path), detail={"result": _jsonable(result)})
+        st = trace_status() or {}
+        if st.get("tracing"):  # the engine's own state: a trace started by --trace-dir counts too
+            raise ApiError(409, f"trace_dir: already tracing into {Path(st['run_dir']).parent} (run {st['run_id']}); "
+                                "POST /stop_trace first", "trace_dir")
+        try:
+            result = await service.call(fn, str(path), run_id=req.run_id, **req.writer_options())
+        except TraceSchemaError as exc:  # a run id taken, a bad option value: the message names it
+            raise ApiError(400, f"start_trace: {exc}") from exc
+        except TraceStateError as exc:  # another /start_trace won the race
+            raise ApiError(409, f"start_trace: {exc}", "trace_dir") from exc
+        return _trace_status(trace_status() or {"tracing": True}, detail={"result": _jsonable(result)})
 
     @app.post("/stop_trace", response_model=TraceStatus, responses=ERROR_RESPONSES)
     async def stop_trace() -> TraceStatus:
         fn = getattr(engine, "stop_trace", None)
         if fn is None:
             raise ApiError(501, "stop_trace: this engine cannot record traces")
-        if state["trace_dir"] is None:
+        st = trace_status() or {}
+        if not st.get("tracing", True):
             raise ApiError(409, "stop_trace: no trace is being recorded; POST /start_trace first")
         result = await service.call(fn)
-        path, state["trace_dir"] = state["trace_dir"], None
-        return TraceStatus(tracing=False, trace_dir=path, detail={"result": _jsonable(result)})
+        if result is None:
+            raise ApiError(409, "stop_trace: no trace is being recorded; POST /start_trace first")
+        run_dir = st.get("run_dir")
+        return TraceStatus(tracing=False, trace_dir=None if run_dir is None else str(Path(run_dir).parent),
+                           run_id=st.get("run_id"), rows_durable=result.get("rows"), detail={"result": result})
 
     app.include_router(build_router(service, config.model_name, config.chat_template))
     app.add_middleware(RequestCounter, metrics=metrics)

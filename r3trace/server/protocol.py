@@ -199,11 +199,29 @@ class StartTraceRequest(BaseModel):
     trace_dir: str = Field(description="folder under the server's --trace-root (relative or absolute)")
     run_id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9._-]{1,128}$",
                                description="the run's id (default: a timestamp and random suffix)")
+    flush_interval_s: float | None = Field(
+        default=None, gt=0, le=3600,
+        description="commit finished requests at least this often (default 1 s): a kill -9 loses at most the "
+                    "requests that finished in the last flush_interval_s")
+    rows_per_file: int | None = Field(default=None, ge=1024, le=1 << 30,
+                                      description="rows of one routes file at most (default 1,048,576)")
+    fsync: bool | None = Field(default=None, description="fsync each commit (default true): survives power loss")
+
+    def writer_options(self) -> dict[str, Any]:
+        return self.model_dump(exclude_none=True, include={"flush_interval_s", "rows_per_file", "fsync"})
 
 
 class TraceStatus(BaseModel):
+    """The trace state: while one records, its run and how much of it is durable (WriterStatus's fields)."""
+
     tracing: bool
     trace_dir: str | None = None
+    run_id: str | None = None
+    rows_buffered: int | None = None
+    rows_durable: int | None = None
+    requests_durable: int | None = None
+    last_flush_age_s: float | None = None
+    last_error: str | None = None
     detail: dict[str, Any] | None = None
 
 

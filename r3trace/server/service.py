@@ -16,6 +16,7 @@ import anyio
 import anyio.to_thread
 
 from r3trace.engine.request import InvalidRequestError
+from r3trace.trace.schema import TraceStateError
 
 from .errors import ApiError
 from .metrics import ServerMetrics
@@ -44,7 +45,7 @@ class GenerateService:
             self._limiter = anyio.CapacityLimiter(self.max_concurrency)
         try:
             return await anyio.to_thread.run_sync(partial(fn, *args, **kwargs), limiter=self._limiter)
-        except InvalidRequestError:
+        except (InvalidRequestError, TraceStateError):  # mapped by the handler that knows the field
             raise
         except NotImplementedError as exc:
             raise ApiError(501, f"not implemented by this engine: {exc}") from exc

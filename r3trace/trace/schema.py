@@ -41,6 +41,10 @@ class TraceSchemaError(ValueError):
     """A trace, a manifest or an input batch disagrees with the contract; the message names the field."""
 
 
+class TraceStateError(RuntimeError):
+    """start_trace while a trace records, or stop_trace while none does (HTTP 409)."""
+
+
 def _dict_type() -> pa.DataType:
     return pa.dictionary(pa.int32(), pa.string())
 
