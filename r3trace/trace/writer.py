@@ -150,17 +150,20 @@ class TraceWriter:
         """T tokens: per-token columns [T] (or scalars), topk_ids [T, L, K] over the manifest's MoE layers."""
         kw = expand_tokens(self.manifest.moe_layer_ids, request_id, token_pos, phase, source, forward_id, ts,
                            dp_rank, topk_ids, topk_weights)
-        self.append(**kw)
+        self._append(kw, distinct(request_id))  # distinct over T tokens, not the T * L rows
 
     def append(
         self, request_id: Labels, token_pos: Any, phase: Labels, source: Labels, forward_id: Any, ts: Any,
         dp_rank: Any, layer_id: Any, topk_ids: np.ndarray, topk_weights: np.ndarray | None = None,
     ) -> None:
         """N rows, token-major, one entry per row; topk_ids [N, K]. Validated before anything is buffered."""
+        self._append(dict(request_id=request_id, token_pos=token_pos, phase=phase, source=source,
+                          forward_id=forward_id, ts=ts, dp_rank=dp_rank, layer_id=layer_id, topk_ids=topk_ids,
+                          topk_weights=topk_weights), distinct(request_id))
+
+    def _append(self, kw: dict[str, Any], rids: list[str]) -> None:
         m = self.manifest
-        table = route_rows(m.run_id, request_id, token_pos, phase, source, forward_id, ts, dp_rank, layer_id,
-                           topk_ids, topk_weights, num_experts=m.num_experts, top_k=m.top_k,
-                           with_weights=m.with_weights)
+        table = route_rows(m.run_id, num_experts=m.num_experts, top_k=m.top_k, with_weights=m.with_weights, **kw)
         if table.num_rows == 0:
             return
         lid = table.column("layer_id").to_numpy()
@@ -168,7 +171,6 @@ class TraceWriter:
         if bad.any() or not self._layer_ok[lid].all():
             value = int(lid[bad][0]) if bad.any() else int(lid[~self._layer_ok[lid]][0])
             raise TraceSchemaError(f"column layer_id holds {value}, not one of moe_layer_ids {list(m.moe_layer_ids)}")
-        rids = [request_id] if isinstance(request_id, str) else table.column("request_id").unique().to_pylist()
         with self._cond:
             self._check_open()
             self._rows.append(table)
@@ -321,6 +323,17 @@ class TraceWriter:
                         t.column("phase").combine_chunks().indices.to_numpy(), t.column("layer_id").to_numpy(), ids)
             rolled.append((group, acc.table(self.run_id)))
         self.manifest = self._committer.commit(rolled, requests, open_ids)
+
+
+def distinct(request_id: Labels) -> list[str]:
+    """The distinct request ids of a column (or the one id of a scalar)."""
+    if isinstance(request_id, str):
+        return [request_id]
+    if isinstance(request_id, list):
+        return list(dict.fromkeys(request_id))  # the capturer's [rid] * n: n hashes of one cached string
+    if isinstance(request_id, pa.Array):
+        return [str(x) for x in request_id.unique().to_pylist()]
+    return [str(x) for x in np.unique(np.asarray(request_id))]
 
 
 def write_heat_run(
