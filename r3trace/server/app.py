@@ -163,7 +163,7 @@ def create_app(engine: GenerateEngine, config: ServerConfig | None = None) -> Fa
         path, state["trace_dir"] = state["trace_dir"], None
         return TraceStatus(tracing=False, trace_dir=path, detail={"result": _jsonable(result)})
 
-    app.include_router(build_router(service, config.model_name, config.chat_template))
+    app.include_router(build_router(service, config.model_name, config.chat_template, config.model_names))
     app.add_middleware(RequestCounter, metrics=metrics)
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)  # outermost: runs before anything parses
     app.state.metrics = metrics
