@@ -7,6 +7,7 @@ Run: .venv/bin/python -m pytest -q tests/analysis/test_cli_errors.py
 from __future__ import annotations
 
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -140,3 +141,13 @@ def test_main_returns_the_code_in_process(store: Path, capsys: pytest.CaptureFix
     assert "does not exist" in capsys.readouterr().err
     assert main(["sql", "select count(*) as n from routes", "--store", str(store), "--format", "csv"]) == 0
     assert capsys.readouterr().out == "n\n180\n"  # 3 requests x 20 tokens x 3 MoE layers
+
+
+def test_store_commands_start_without_torch(store: Path) -> None:
+    """`r3trace --help` and the store commands import no torch, fastapi or engine (seconds per call saved)."""
+    code = ("import sys; from r3trace.cli import build_parser, main; build_parser(); "
+            f"assert main(['stats', {str(store)!r}]) == 0; "
+            "print(sorted(m for m in ('torch', 'fastapi', 'r3trace.engine') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=store, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-1] == "[]"
