@@ -26,6 +26,10 @@ def run(args: argparse.Namespace) -> int:
         df = store.query(args.query)
     except StoreQueryError as e:
         raise UsageError(f"{e}; rerun with --trusted to allow it (it may then write files)") from e
+    nested = [name for name, dtype in df.schema.items() if dtype.is_nested()]
+    if args.format == "csv" and nested:
+        raise UsageError(f"--format csv: column(s) {', '.join(nested)} hold lists, which CSV cannot; use --format "
+                         "json, or select elements (topk_ids[1]) or array_to_string(topk_ids, ' ')")
     if args.format == "csv":
         print(df.write_csv(), end="")
     elif args.format == "json":

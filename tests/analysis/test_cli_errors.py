@@ -81,6 +81,8 @@ def test_sql_typo_and_refused_statement(store: Path) -> None:
     (["synth", "S", "--tokens", "0"], ["r3trace synth: argument --tokens: 0 must be >= 1"]),
     (["eplb", "S", "--gpus", "4"], ["the following arguments are required: --nodes, --slots"]),
     (["stats", "S", "--progress", "loud"], ["argument --progress: invalid choice: 'loud'"]),
+    (["sql", "select * from routes", "--store", "S", "--format", "csv"],
+     ["--format csv: column(s) topk_ids hold lists, which CSV cannot"]),
 ])
 def test_bad_flag_values(store: Path, args: list[str], needles: list[str]) -> None:
     one_line(cli(*[str(store) if a == "S" else a for a in args], cwd=store), *needles)
