@@ -18,8 +18,11 @@ class UserError(Exception):
     """The message is the whole line the user sees: it names the path or flag and what to do."""
 
 
-class StoreError(UserError):
-    """A store path that does not exist, is a file, holds an unreadable manifest or no r3trace runs."""
+class StoreError(UserError, ValueError):
+    """A store path that does not exist, is a file, holds an unreadable manifest or no r3trace runs.
+
+    A ValueError too, as TraceSchemaError (what TraceStore raised for a bad path before) is: callers that
+    catch ValueError keep working."""
 
 
 class UsageError(UserError):

@@ -153,3 +153,13 @@ def test_store_commands_start_without_torch(store: Path) -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=store, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines()[-1] == "[]"
+
+
+def test_store_errors_stay_value_errors(tmp_path: Path) -> None:
+    """TraceStore raised TraceSchemaError (a ValueError) for a bad path; callers catching ValueError still work."""
+    from r3trace.analysis.store import TraceStore, open_store
+
+    with pytest.raises(ValueError, match="does not exist"):
+        TraceStore(tmp_path / "nope")
+    with pytest.raises(ValueError, match="no r3trace runs under"):
+        open_store(tmp_path)
