@@ -20,6 +20,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from r3trace.capture.recorder import ListRecorder
+from r3trace.progress import progress_bar
 
 from .config import ModelConfig
 from .engine_config import EngineConfig
@@ -62,7 +63,8 @@ def _margin_hooks(model: DeepseekForCausalLM, store: dict[int, torch.Tensor]) ->
 
 
 def replay_check(trace: str | Path, model_path: str | Path, dtype: str = "float32", device: str = "cpu",
-                 run_id: str | None = None) -> ReplayReport:
+                 run_id: str | None = None, progress: bool | None = False) -> ReplayReport:
+    """`progress`: a bar of the requests recomputed, on stderr (r3trace/progress.py)."""
     cfg = ModelConfig.from_hf(model_path)
     recorder = ListRecorder()
     model = build_model(cfg, EngineConfig(dtype=dtype, device=device), ParallelInfo(), recorder)  # type: ignore[arg-type]
@@ -82,7 +84,7 @@ def replay_check(trace: str | Path, model_path: str | Path, dtype: str = "float3
     any_flip = tokens = 0
     all_m: list[np.ndarray] = []
     flip_m: list[np.ndarray] = []
-    for rid, token_ids in reqs:
+    for rid, token_ids in progress_bar(progress, iterable=reqs, desc="replay-check", unit="req"):
         rows = con.execute(
             f"SELECT token_pos, layer_id, topk_ids FROM read_parquet('{root}/**/part-*.parquet', "
             "hive_partitioning=true) "
@@ -128,8 +130,8 @@ def replay_check(trace: str | Path, model_path: str | Path, dtype: str = "float3
     )
 
 
-def run(args: argparse.Namespace) -> int:
-    report = replay_check(args.trace, args.model, args.dtype, args.device, args.run_id)
+def run(args: argparse.Namespace, progress: bool | None = False) -> int:
+    report = replay_check(args.trace, args.model, args.dtype, args.device, args.run_id, progress)
     if args.json:
         print(json.dumps(asdict(report), indent=2))
         return 0

@@ -44,14 +44,16 @@ def heat(
     run_id: str | None = None,
     phase: str | None = None,
     source: HeatSource = "routes",
+    progress: bool | None = False,
 ) -> pl.DataFrame:
     """Selections per (layer, expert) over the whole trace.
 
     Returns [rows <= L*E] columns layer_id, expert_id, count; experts never selected are absent.
     `source="rollups"` reads the per-file rollup tables instead of scanning routes (same numbers).
+    `progress`: a percent bar on stderr while DuckDB scans (r3trace/progress.py).
     """
     sql, params = heat_sql(run_id, phase, source)
-    return query_frame(con, f"SELECT layer_id, expert_id, count FROM ({sql}) ORDER BY ALL", params)
+    return query_frame(con, f"SELECT layer_id, expert_id, count FROM ({sql}) ORDER BY ALL", params, progress, "heat")
 
 
 def heat_windows(
@@ -60,11 +62,12 @@ def heat_windows(
     run_id: str | None = None,
     phase: str | None = None,
     source: HeatSource = "routes",
+    progress: bool | None = False,
 ) -> pl.DataFrame:
     """Selections per (time window of `window_s` seconds by forward timestamp, layer, expert).
 
     Returns [rows <= W*L*E] columns window_start (timestamp ns), layer_id, expert_id, count.
-    From rollups, window_s must be a multiple of every selected run's rollup window.
+    From rollups, window_s must be a multiple of every selected run's rollup window. `progress` as heat's.
     """
     window_ns = int(round(window_s * 1e9))
     if window_ns <= 0:
@@ -77,7 +80,7 @@ def heat_windows(
                 msg = f"window_s={window_s} is not a multiple of run {rid}'s rollup window of {w} ns"
                 raise TraceSchemaError(msg)
     sql, params = heat_sql(run_id, phase, source, window_ns)
-    return query_frame(con, f"{sql} ORDER BY window_start, layer_id, expert_id", params)
+    return query_frame(con, f"{sql} ORDER BY window_start, layer_id, expert_id", params, progress, "heat windows")
 
 
 def num_experts(con: duckdb.DuckDBPyConnection, run_id: str | None) -> int:

@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 import pybase64
-from tqdm import tqdm
 
+from r3trace.progress import progress_bar
 from r3trace.trace.reader import open_dataset
 from r3trace.trace.schema import Manifest, TraceSchemaError, run_dir_name
 from r3trace.trace.writer import TraceWriter, write_heat_run
@@ -64,15 +64,20 @@ def staged(store: str | Path) -> Iterator[Path]:
         shutil.rmtree(stage, ignore_errors=True)
 
 
-def ingest_native(src: str | Path, store: str | Path) -> list[str]:
-    """Copies every complete run under `src` (as its manifest lists it) into `store`; returns run ids."""
+def ingest_native(src: str | Path, store: str | Path, progress: bool | None = True) -> list[str]:
+    """Copies every complete run under `src` (as its manifest lists it) into `store`; returns run ids.
+
+    `progress` (r3trace/progress.py): a bar of the files copied."""
     runs = open_dataset(src)
-    with staged(store) as stage:
-        for r in tqdm(runs, desc="ingest native", unit="run"):
+    files = {r.run_dir: [*r.route_files, *r.rollup_files, *r.request_files] for r in runs}
+    with staged(store) as stage, progress_bar(progress, total=sum(map(len, files.values())), unit="file",
+                                              desc="ingest native") as bar:
+        for r in runs:
             dst = stage / run_dir_name(r.manifest.run_id)
             dst.mkdir()
-            for p in [*r.route_files, *r.rollup_files, *r.request_files]:
+            for p in files[r.run_dir]:
                 shutil.copy2(p, dst / p.name)
+                bar.update()
             r.manifest.write(dst)
     return [r.manifest.run_id for r in runs]
 
@@ -89,11 +94,13 @@ def _meta_infos(obj: Any) -> list[tuple[dict[str, Any], dict[str, Any]]]:
 
 
 def ingest_responses(
-    path: str | Path, store: str | Path, shape: ModelShape, run_id: str | None = None
+    path: str | Path, store: str | Path, shape: ModelShape, run_id: str | None = None,
+    progress: bool | None = True,
 ) -> Manifest:
     """JSON lines of responses -> one run. Row p of a response is the routing of input position p
     (+ routed_experts_start_len); positions below prompt_tokens are prefill, later ones decode.
     forward_id is -1 and ts the ingest time: responses do not say which forward produced a row.
+    `progress`: a bar of the bytes read (r3trace/progress.py).
     """
     path = Path(path)
     moe = np.asarray(shape.moe_layer_ids)
@@ -104,7 +111,8 @@ def ingest_responses(
         moe_layer_ids=shape.moe_layer_ids, num_experts=shape.num_experts, top_k=shape.top_k, run_id=run_id,
         num_groups=shape.num_groups, engine={"ingested_from": str(path)},
     ) as w:
-        with open(path, "rb") as f, tqdm(total=path.stat().st_size, unit="B", unit_scale=True, desc="ingest") as bar:
+        with open(path, "rb") as f, progress_bar(progress, total=path.stat().st_size, unit="B", unit_scale=True,
+                                                 desc="ingest") as bar:
             for lineno, line in enumerate(f, start=1):
                 bar.update(len(line))
                 if not line.strip():
@@ -193,10 +201,15 @@ def ingest_expert_distribution(
 
 def ingest_numpy(
     path: str | Path, store: str | Path, shape: ModelShape, run_id: str | None = None,
-    request_ids: Sequence[str] | None = None,
+    request_ids: Sequence[str] | None = None, progress: bool | None = True,
 ) -> Manifest:
-    """.npz with `topk_ids` [T, L, K] (optional request_id [T], token_pos [T], forward_id [T]) -> one run."""
-    data = np.load(path, allow_pickle=False)
+    """.npz with `topk_ids` [T, L, K] (optional request_id [T], token_pos [T], forward_id [T]) -> one run.
+
+    `progress`: a bar of the tokens written (r3trace/progress.py)."""
+    try:
+        data = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as e:  # not an .npz, or one holding pickled objects
+        raise IngestError(f"{path}: not a .npz of numeric arrays ({e})") from e
     if "topk_ids" not in data:
         raise IngestError(f"{path}: field topk_ids missing (found {list(data.keys())})")
     ids = data["topk_ids"]
@@ -210,10 +223,12 @@ def ingest_numpy(
         num_groups=shape.num_groups, engine={"ingested_from": str(path)}, flush_interval_s=None,
     ) as w:
         try:
-            for lo in tqdm(range(0, t, 16384), desc="ingest numpy", unit="chunk"):
-                sl = slice(lo, lo + 16384)
-                w.append_tokens(rid if isinstance(rid, str) else rid[sl], pos[sl], "decode", "computed",
-                                fwd[sl], time.time_ns(), 0, ids[sl])
+            with progress_bar(progress, total=t, desc="ingest numpy", unit="tok") as bar:
+                for lo in range(0, t, 16384):
+                    sl = slice(lo, lo + 16384)
+                    w.append_tokens(rid if isinstance(rid, str) else rid[sl], pos[sl], "decode", "computed",
+                                    fwd[sl], time.time_ns(), 0, ids[sl])
+                    bar.update(len(ids[sl]))
         except TraceSchemaError as e:
             raise IngestError(f"{path}: {e}") from e
         return w.close(mark_unfinished=False)  # arrays carry no request summaries

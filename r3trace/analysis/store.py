@@ -7,7 +7,9 @@ Views (one row per ...):
   runs      (run_id): the manifest fields, moe_layer_ids as a list, engine/parallel as JSON text
   rollups   (run_id, window_start, layer_id, expert_id, phase): count
 
-Only files listed in manifests are read, so a live writer's open file is never visible. Read-only
+Only files listed in manifests are read, so a live writer's open file is never visible. `open_store` is
+the constructor for callers that need runs (the CLI): a missing path, a file, an unreadable manifest or a
+store without runs is a StoreError that names the path and what to do. Read-only
 mode is for untrusted SQL: statements other than SELECT are refused before they run, DuckDB's external
 access is switched off except for the store folders, and the configuration (memory, threads) is locked.
 """
@@ -24,8 +26,10 @@ import duckdb
 import polars as pl
 import pyarrow as pa
 
+from r3trace.errors import StoreError
+from r3trace.progress import duckdb_progress
 from r3trace.trace.reader import RunFiles, open_dataset
-from r3trace.trace.schema import REQUEST_SCHEMA, ROLLUP_SCHEMA, route_schema
+from r3trace.trace.schema import MANIFEST_NAME, REQUEST_SCHEMA, ROLLUP_SCHEMA, Manifest, route_schema
 
 
 class StoreQueryError(PermissionError):
@@ -42,13 +46,17 @@ class ReadOnlyLimits:
 
 
 def query_frame(
-    con: duckdb.DuckDBPyConnection, sql: str, params: Sequence[Any] | None = None
+    con: duckdb.DuckDBPyConnection, sql: str, params: Sequence[Any] | None = None,
+    progress: bool | None = False, desc: str = "query",
 ) -> pl.DataFrame:
-    """Runs `sql` with `?` parameters on a fresh cursor of `con`; the whole result as a DataFrame."""
+    """Runs `sql` with `?` parameters on a fresh cursor of `con`; the whole result as a DataFrame.
+
+    `progress` (r3trace/progress.py): a percent bar on stderr labelled `desc`, from DuckDB's estimate."""
     cur = con.cursor()
     try:
-        rel = cur.sql(sql, params=list(params or []))
-        out = pl.from_arrow(rel.to_arrow_table()) if rel is not None else pl.DataFrame()
+        with duckdb_progress(cur, progress, desc):
+            rel = cur.sql(sql, params=list(params or []))
+            out = pl.from_arrow(rel.to_arrow_table()) if rel is not None else pl.DataFrame()
     finally:
         cur.close()
     assert isinstance(out, pl.DataFrame)  # from_arrow of a Table is always a DataFrame
@@ -81,6 +89,8 @@ class TraceStore:
         con: duckdb.DuckDBPyConnection | None = None,
     ) -> None:
         self.paths = [Path(p).resolve() for p in ([paths] if isinstance(paths, (str, Path)) else paths)]
+        for p in self.paths:
+            check_store_path(p)
         self.runs: list[RunFiles] = open_dataset(self.paths)
         self.read_only = read_only
         self.con = con if con is not None else duckdb.connect()
@@ -172,3 +182,59 @@ class TraceStore:
     def cursor(self) -> duckdb.DuckDBPyConnection:
         """A cursor for one thread (DuckDB connections are not shared across threads)."""
         return self.con.cursor()
+
+
+def check_store_path(path: Path) -> None:
+    """Raises StoreError unless `path` is an existing folder; the message says what it is instead."""
+    if not path.exists():
+        raise StoreError(f"store {path} does not exist (give a dataset folder of run_id=* runs, or one run folder)")
+    if not path.is_dir():
+        what = "a run's manifest" if path.name == MANIFEST_NAME else "a file"
+        raise StoreError(f"store {path} is {what}, not a folder (give the folder that holds it: {path.parent})")
+
+
+def _run_dirs(root: Path) -> list[Path]:
+    # the discovery open_dataset does: a run folder holds manifest.json, a dataset folder holds run_id=* folders
+    return [root] if (root / MANIFEST_NAME).exists() else sorted(root.glob("run_id=*"))
+
+
+def _check_manifest(run_dir: Path) -> None:
+    path = run_dir / MANIFEST_NAME
+    if not path.exists():
+        return  # a writer that has not written its first manifest yet: skipped, as open_dataset does
+    try:
+        Manifest.read(run_dir)
+    except (ValueError, TypeError, KeyError, AttributeError) as e:  # TraceSchemaError is a ValueError
+        msg = str(e) if str(path) in str(e) else f"manifest {path}: {e}"
+        raise StoreError(f"{msg} (fix that file, or move {run_dir} out of the store)") from e
+
+
+def _no_runs_message(roots: Sequence[Path]) -> str:
+    where = str(roots[0]) if len(roots) == 1 else str([str(r) for r in roots])
+    waiting = sum(1 for r in roots for d in r.glob("run_id=*") if d.is_dir() and not (d / MANIFEST_NAME).exists())
+    other = sorted(p.name for r in roots for p in r.iterdir() if not p.name.startswith(("run_id=", ".")))
+    msg = f"no r3trace runs under {where} (expected run_id=*/manifest.json"
+    if waiting:
+        msg += f"; {waiting} run_id=* folders have no manifest.json yet"
+    if other:
+        shown = ", ".join(other[:3]) + (f", ... ({len(other)} in all)" if len(other) > 3 else "")
+        msg += f"; found other entries: {shown}"
+    return msg + ")"
+
+
+def open_store(
+    paths: str | Path | Sequence[str | Path], *, read_only: bool = False, limits: ReadOnlyLimits = ReadOnlyLimits()
+) -> TraceStore:
+    """A TraceStore that holds at least one run, for a caller that needs one (the CLI); else StoreError.
+
+    Each manifest is checked first so that an unreadable one is reported with its path (the manifest
+    reader's own schema errors do not name the file)."""
+    roots = [Path(p).resolve() for p in ([paths] if isinstance(paths, (str, Path)) else paths)]
+    for root in roots:
+        check_store_path(root)
+        for run_dir in _run_dirs(root):
+            _check_manifest(run_dir)
+    store = TraceStore(roots, read_only=read_only, limits=limits)
+    if not store.runs:
+        raise StoreError(_no_runs_message(roots))
+    return store

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
-from tqdm import tqdm
 
+from r3trace.progress import progress_bar
 from r3trace.trace.schema import TraceSchemaError
 from r3trace.trace.writer import TraceWriter
 
@@ -65,12 +65,15 @@ class SynthConfig:
         return tuple(range(self.first_k_dense, self.num_hidden_layers))
 
 
-def route_bank(cfg: SynthConfig, rng: np.random.Generator) -> np.ndarray:
-    """Bank of routed tokens: [domains, L, bank_size, K] int32 logical ids in gate-rank order."""
+def route_bank(cfg: SynthConfig, rng: np.random.Generator, progress: bool | None = False) -> np.ndarray:
+    """Bank of routed tokens: [domains, L, bank_size, K] int32 logical ids in gate-rank order.
+
+    `progress`: a bar of (domain, layer) banks drawn (r3trace/progress.py); V3's 4 x 58 take seconds."""
     n_layers, e, g = len(cfg.moe_layer_ids), cfg.num_experts, cfg.num_groups
     ranks = np.argsort(rng.random((n_layers, e)), axis=1)  # [L, E] popularity rank of each expert
     base = -cfg.zipf_s * np.log1p(ranks).astype(np.float32)  # log of Zipf(s) popularity, [L, E]
     bank = np.empty((cfg.num_domains, n_layers, cfg.bank_size, cfg.top_k), dtype=np.int32)
+    bar = progress_bar(progress, total=cfg.num_domains * n_layers, unit="layer", desc="synth bank")
     for d in range(cfg.num_domains):
         bias = rng.normal(0, cfg.domain_sigma, (n_layers, e)).astype(np.float32)
         for li in range(n_layers):
@@ -83,6 +86,8 @@ def route_bank(cfg: SynthConfig, rng: np.random.Generator) -> np.ndarray:
             top = np.argpartition(logits, e - cfg.top_k, axis=1)[:, e - cfg.top_k:]  # [B, K]
             order = np.argsort(-np.take_along_axis(logits, top, 1), axis=1)
             bank[d, li] = np.take_along_axis(top, order, 1)
+            bar.update()
+    bar.close()
     return bank
 
 
@@ -173,10 +178,12 @@ def route_windows(cfg: SynthConfig, num_windows: int, window_tokens: int, rng: n
     return ids.reshape(num_windows, window_tokens, *ids.shape[1:])
 
 
-def synth_routes(cfg: SynthConfig, num_tokens: int) -> Iterator[tuple[Schedule, int, int, np.ndarray]]:
+def synth_routes(
+    cfg: SynthConfig, num_tokens: int, progress: bool | None = False
+) -> Iterator[tuple[Schedule, int, int, np.ndarray]]:
     """Yields (schedule, lo, hi, topk_ids [hi-lo, L, K]) chunks of about 16K tokens, in forward order."""
     rng = np.random.default_rng(cfg.seed)
-    bank = route_bank(cfg, rng)
+    bank = route_bank(cfg, rng, progress)
     sched = schedule(cfg, num_tokens, rng)
     last = np.full((len(sched.prompt_len), bank.shape[1]), -1, dtype=np.int32)
     last_fwd = int(sched.forward_id[-1])
@@ -188,8 +195,10 @@ def synth_routes(cfg: SynthConfig, num_tokens: int) -> Iterator[tuple[Schedule, 
 
 
 def write_synth(root: str | Path, cfg: SynthConfig, num_tokens: int, run_id: str | None = None,
-                progress: bool = True, **writer_kw: object) -> TraceWriter:
-    """Writes a synthetic run through TraceWriter; returns the closed writer (its manifest says what)."""
+                progress: bool | None = True, **writer_kw: object) -> TraceWriter:
+    """Writes a synthetic run through TraceWriter; returns the closed writer (its manifest says what).
+
+    `progress` (r3trace/progress.py): a bar of tokens written, to the schedule's whole-forward total."""
     writer = TraceWriter(
         root, model_name="synthetic-deepseek-v3", num_hidden_layers=cfg.num_hidden_layers,
         moe_layer_ids=cfg.moe_layer_ids, num_experts=cfg.num_experts, top_k=cfg.top_k, run_id=run_id,
@@ -198,8 +207,11 @@ def write_synth(root: str | Path, cfg: SynthConfig, num_tokens: int, run_id: str
     )
     t0 = np.datetime64("2026-01-01T00:00:00", "ns").astype(np.int64)
     sched: Schedule | None = None
-    with tqdm(total=num_tokens, unit="tok", disable=not progress, desc="synth") as bar:
-        for sched, lo, hi, ids in synth_routes(cfg, num_tokens):
+    bar = None  # opened once the bank is drawn and the schedule's length known (whole forwards: a few more)
+    try:
+        for sched, lo, hi, ids in synth_routes(cfg, num_tokens, progress):
+            if bar is None:
+                bar = progress_bar(progress, total=len(sched.request), unit="tok", desc="synth")
             fwd = sched.forward_id[lo:hi]
             writer.append_tokens(
                 np.char.add("r", sched.request[lo:hi].astype(str)), sched.token_pos[lo:hi],
@@ -207,6 +219,9 @@ def write_synth(root: str | Path, cfg: SynthConfig, num_tokens: int, run_id: str
                 0, ids,
             )
             bar.update(hi - lo)
+    finally:
+        if bar is not None:
+            bar.close()
     if sched is not None:
         seen = np.unique(sched.request)
         for r in seen.tolist():

@@ -15,26 +15,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", action="store_true", help="print the per-layer table")
 
 
-def _one(store: object, path: str, run_id: str | None) -> str:
-    from r3trace.trace.reader import open_dataset
-
-    ids = [r.manifest.run_id for r in open_dataset(path)]
-    if run_id is not None:
-        return run_id
-    if len(ids) != 1:
-        raise SystemExit(f"{path} holds runs {ids}; pick one with --run-a/--run-b")
-    return ids[0]
-
-
 def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     import polars as pl
 
     from r3trace.analysis.agreement import agreement_by_layer, agreement_summary
-    from r3trace.analysis.store import TraceStore
+    from r3trace.analysis.store import TraceStore, open_store
+    from r3trace.commands.args import select_run
 
-    paths = [args.a] if args.a == args.b else [args.a, args.b]
-    store = TraceStore(paths)
-    ra, rb = _one(store, args.a, args.run_a), _one(store, args.b, args.run_b)
+    a, b = Path(args.a).resolve(), Path(args.b).resolve()
+    # each path on its own first: a missing path, a bad manifest or no runs is an error naming that path
+    ids = {p: [r.manifest.run_id for r in open_store(p).runs] for p in (a, b)}
+    ra = select_run(ids[a], args.run_a, args.a, "--run-a")
+    rb = select_run(ids[b], args.run_b, args.b, "--run-b")
+    store = TraceStore([a] if a == b else [a, b])
     with pl.Config(tbl_rows=-1, tbl_cols=-1):
         print(agreement_summary(store.con, ra, rb))
         if args.layers:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from r3trace.commands.args import positive_float, positive_int
+
 HELP = "plan an expert placement from a trace's heat and export it (JSON, SGLang init-expert-location)"
 POLICIES = ("ours", "global", "hierarchical", "cross_node")
 
@@ -11,13 +13,14 @@ POLICIES = ("ours", "global", "hierarchical", "cross_node")
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("trace", help="dataset folder or run folder")
     p.add_argument("--run-id", default=None)
-    p.add_argument("--gpus", type=int, required=True)
-    p.add_argument("--nodes", type=int, required=True)
-    p.add_argument("--slots", type=int, required=True, help="physical expert slots P in total")
-    p.add_argument("--groups", type=int, default=None, help="expert groups (default: the manifest's)")
-    p.add_argument("--node-limit", type=int, default=4)
+    p.add_argument("--gpus", type=positive_int, required=True)
+    p.add_argument("--nodes", type=positive_int, required=True)
+    p.add_argument("--slots", type=positive_int, required=True, help="physical expert slots P in total")
+    p.add_argument("--groups", type=positive_int, default=None, help="expert groups (default: the manifest's)")
+    p.add_argument("--node-limit", type=positive_int, default=4)
     p.add_argument("--policy", choices=POLICIES, default="ours")
-    p.add_argument("--window-s", type=float, default=None, help="ours: EMA over heat windows of this length")
+    p.add_argument("--window-s", type=positive_float, default=None,
+                   help="ours: EMA over heat windows of this length")
     p.add_argument("--out", default=None, help="placement JSON (all three tensors)")
     p.add_argument("--sglang", default=None, help="SGLang init-expert-location JSON")
 
@@ -26,18 +29,30 @@ def run(args: argparse.Namespace) -> int:
     import numpy as np
 
     from r3trace.analysis.heat import HeatSource, heat, heat_windows
-    from r3trace.analysis.store import TraceStore
+    from r3trace.analysis.store import open_store
+    from r3trace.commands.args import select_run
     from r3trace.eplb import Cluster, cross_node, global_policy, hierarchical, plan, to_json, to_sglang
+    from r3trace.eplb.placement import PlacementError
     from r3trace.eplb.score import balancedness, even_gpu_load
+    from r3trace.errors import StoreError, UsageError
+    from r3trace.progress import progress_flag
 
-    store = TraceStore(args.trace)
-    run_ids = [r.manifest.run_id for r in store.runs]
-    run_id = args.run_id or (run_ids[0] if len(run_ids) == 1 else None)
-    if run_id is None:
-        raise SystemExit(f"{args.trace} holds runs {run_ids}; pick one with --run-id")
+    store = open_store(args.trace)
+    run_id = select_run([r.manifest.run_id for r in store.runs], args.run_id, args.trace)
     m = store.run(run_id).manifest
+    # a cluster that cannot hold the trace's experts is refused before the trace is scanned
+    flags = f"--gpus {args.gpus} --nodes {args.nodes} --slots {args.slots}"
+    if args.slots < m.num_experts:
+        raise UsageError(f"{flags}: fewer slots than run {run_id}'s {m.num_experts} experts; give --slots >= "
+                         f"{m.num_experts}, a multiple of --gpus")
+    try:
+        cluster = Cluster(args.gpus, args.nodes, args.slots, num_groups=args.groups or m.num_groups,
+                          node_limit=args.node_limit)
+    except PlacementError as e:
+        raise UsageError(f"{flags}: {e}") from e
     source: HeatSource = "rollups" if m.kind == "heat" else "routes"
     layer_index = {lid: i for i, lid in enumerate(m.moe_layer_ids)}
+    progress = progress_flag(args.progress)
 
     def dense(df: object) -> np.ndarray:
         out = np.zeros((m.num_moe_layers, m.num_experts))
@@ -45,13 +60,13 @@ def run(args: argparse.Namespace) -> int:
             out[layer_index[lid], e] += c
         return out
 
-    total = dense(heat(store.con, run_id, source=source))
-    cluster = Cluster(args.gpus, args.nodes, args.slots, num_groups=args.groups or m.num_groups,
-                      node_limit=args.node_limit)
+    total = dense(heat(store.con, run_id, source=source, progress=progress))
+    if not total.any():
+        raise StoreError(f"run {run_id} in {args.trace} has no routes to plan from (0 rows)")
     if args.policy == "ours":
         loads = total
         if args.window_s:
-            win = heat_windows(store.con, args.window_s, run_id, source=source)
+            win = heat_windows(store.con, args.window_s, run_id, source=source, progress=progress)
             loads = np.stack([dense(g) for _, g in win.group_by("window_start", maintain_order=True)])
         placement = plan(loads, cluster)
     else:

@@ -1,20 +1,40 @@
-"""r3trace serve MODEL: the SGLang/OpenAI-compatible HTTP server with routed-expert capture."""
+"""r3trace serve MODEL: the SGLang/OpenAI-compatible HTTP server with routed-expert capture.
+
+Start-up order: the model folder is checked and the port bound before the engine loads, so a typo or a
+taken port fails in a second, not after minutes of loading weights.
+"""
 
 from __future__ import annotations
 
 import argparse
+import errno
 import ipaddress
+import socket
+
+from r3trace.commands.args import port_number
 
 HELP = "serve a DeepSeek-style checkpoint over HTTP (SGLang /generate, OpenAI endpoints, capture flag)"
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    from r3trace.server.config import DEFAULT_MAX_BODY_BYTES
+def cuda_graph_sizes(text: str) -> tuple[int, ...] | None:
+    """argparse type of --cuda-graphs: auto -> None (EngineConfig decides), off -> (), "1,2,4" -> (1, 2, 4)."""
+    if text == "auto":
+        return None
+    if text == "off":
+        return ()
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected auto, off or a list like 1,2,4,8") from None
 
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="checkpoint folder (config.json + safetensors)")
     p.add_argument("--host", default="127.0.0.1", help="bind address; loopback unless told otherwise")
-    p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--model-name", default=None, help="name reported by /v1/models (default: folder name)")
+    p.add_argument("--port", type=port_number, default=30000)
+    p.add_argument("--served-model-name", "--model-name", dest="served_model_name", default=None,
+                   help="the name /v1/models lists and requests' `model` must carry (SGLang's flag; --model-name "
+                        "is an alias). Default: the folder name. The folder's path is accepted too")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
     p.add_argument("--max-running-requests", type=int, default=64)
@@ -24,12 +44,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="KV slots a page (a multiple of 64 lets Hopper's Gluon decode load tiles by TMA)")
     p.add_argument("--backend", default="ref", choices=["ref", "triton"],
                    help="the math backends (attention, MoE, top-k, norm, RoPE); triton for a GPU")
-    p.add_argument("--cuda-graphs", default="auto",
+    p.add_argument("--cuda-graphs", type=cuda_graph_sizes, default="auto",
                    help="decode batch sizes captured as CUDA graphs: auto (a ladder up to "
                         "--max-running-requests with --backend triton on CUDA), off, or a list such as 1,2,4,8")
     p.add_argument("--no-overlap", action="store_true", help="serialize the host loop with the GPU (debugging)")
     p.add_argument("--no-prefix-cache", action="store_true")
-    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
+    p.add_argument("--max-body-bytes", type=int, default=None, help="request body limit (default 8 MiB)")
     p.add_argument("--trace-root", default="traces", help="POST /start_trace writes only below this folder")
     p.add_argument("--trace-dir", default=None, help="record every request from the start (under --trace-root)")
     p.add_argument("--trace-flush-interval-s", type=float, default=None,
@@ -42,27 +62,48 @@ BACKEND_FIELDS = ("attention_backend", "moe_backend", "topk_backend", "norm_back
 
 def engine_options(args: argparse.Namespace) -> dict[str, object]:
     """EngineConfig fields from the command line (EngineConfig validates them and names the field it rejects)."""
-    graphs: tuple[int, ...] | None
-    if args.cuda_graphs == "auto":
-        graphs = None
-    elif args.cuda_graphs == "off":
-        graphs = ()
-    else:
-        try:
-            graphs = tuple(int(x) for x in args.cuda_graphs.split(","))
-        except ValueError:
-            raise SystemExit(f"--cuda-graphs {args.cuda_graphs!r}: expected auto, off or a list like 1,2,4,8") from None
     return {
         "dtype": args.dtype, "device": args.device, "max_running_requests": args.max_running_requests,
         "chunked_prefill_size": args.chunked_prefill_size, "kv_pool_tokens": args.kv_pool_tokens,
-        "page_size": args.page_size, "cuda_graph_batch_sizes": graphs, "overlap_schedule": not args.no_overlap,
-        "enable_prefix_cache": not args.no_prefix_cache, **dict.fromkeys(BACKEND_FIELDS, args.backend),
+        "page_size": args.page_size, "cuda_graph_batch_sizes": args.cuda_graphs,
+        "overlap_schedule": not args.no_overlap, "enable_prefix_cache": not args.no_prefix_cache,
+        **dict.fromkeys(BACKEND_FIELDS, args.backend),
     }  # fmt: skip
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to (host, port), handed to uvicorn, which listens on it once the app starts."""
+    from r3trace.errors import UsageError
+
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: rebinding over TIME_WAIT works
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        fix = ("pick a free --port, or stop the process that holds it" if e.errno == errno.EADDRINUSE
+               else "check --host")
+        raise UsageError(f"--host {host} --port {port}: cannot listen ({e.strerror or e}); {fix}") from e
+    return sock
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve anywhere
+        return False
 
 
 def run(args: argparse.Namespace) -> int:
     import logging
     from pathlib import Path
+
+    from r3trace.commands.args import check_model_dir
+
+    model = check_model_dir(args.model, "model")
+    sock = listen_socket(args.host, args.port)
 
     import uvicorn
 
@@ -70,28 +111,29 @@ def run(args: argparse.Namespace) -> int:
     from r3trace.server import ServerConfig, create_app
     from r3trace.server.chat import load_chat_template
 
-    host_ip = ipaddress.ip_address(args.host) if args.host != "localhost" else ipaddress.ip_address("127.0.0.1")
-    if not host_ip.is_loopback:
-        logging.getLogger("r3trace.server").warning(
-            "binding %s: the API has no authentication; anyone who reaches this address can generate", args.host)
-    model = Path(args.model)
-    from r3trace.engine.engine_config import EngineConfigError
-
+    log = logging.getLogger("r3trace.server")
+    if not is_loopback(args.host):
+        log.warning("binding %s: the API has no authentication; anyone who reaches this address can generate",
+                    args.host)
+    engine = Engine(model, **engine_options(args))  # type: ignore[arg-type]
     try:
-        engine = Engine(model, **engine_options(args))  # type: ignore[arg-type]
-    except EngineConfigError as exc:  # a bad flag: say which, no traceback
-        raise SystemExit(f"r3trace serve: {exc}") from None
-    cfg = ServerConfig(model_name=args.model_name or model.resolve().name, host=args.host, port=args.port,
-                       max_body_bytes=args.max_body_bytes, trace_root=Path(args.trace_root),
-                       chat_template=load_chat_template(model))
-    try:
+        resolved = model.resolve()
+        cfg = ServerConfig(model_name=args.served_model_name or resolved.name, host=args.host, port=args.port,
+                           trace_root=Path(args.trace_root), chat_template=load_chat_template(model),
+                           model_aliases=(args.model, str(model), str(resolved), resolved.name),
+                           **({} if args.max_body_bytes is None else {"max_body_bytes": args.max_body_bytes}))
         if args.trace_dir:
             cfg.trace_root.mkdir(parents=True, exist_ok=True)
             opts = {} if args.trace_flush_interval_s is None else {"flush_interval_s": args.trace_flush_interval_s}
             engine.start_trace(cfg.trace_root / args.trace_dir, **opts)
-        # uvicorn turns SIGINT / SIGTERM into a graceful shutdown; then the engine aborts what is still running
-        # and commits and closes the trace (also one started over HTTP).
-        uvicorn.run(create_app(engine, cfg), host=args.host, port=args.port, log_level=args.log_level)
+        # uvicorn turns SIGINT / SIGTERM into a graceful shutdown; then engine.shutdown() aborts what still runs
+        # and commits and closes the trace (one started over HTTP too).
+        server = uvicorn.Server(uvicorn.Config(create_app(engine, cfg), log_level=args.log_level))
+        host, port = sock.getsockname()[:2]
+        logging.getLogger("uvicorn.error").info("serving %s on http://%s:%d (Ctrl-C stops)", cfg.model_name,
+                                                host, port)
+        server.run(sockets=[sock])
     finally:
         engine.shutdown()
+        sock.close()
     return 0

@@ -9,7 +9,7 @@ HELP = "summarise a trace: rows, tokens, per-layer imbalance, temporal locality"
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("trace", help="dataset folder or run folder")
-    p.add_argument("--run-id", default=None)
+    p.add_argument("--run-id", default=None, help="only this run (default: every run)")
     p.add_argument("--layers", action="store_true", help="print the per-layer tables too")
 
 
@@ -18,15 +18,21 @@ def run(args: argparse.Namespace) -> int:
 
     from r3trace.analysis.heat import HeatSource, imbalance
     from r3trace.analysis.locality import temporal_locality
-    from r3trace.analysis.store import TraceStore
+    from r3trace.analysis.store import open_store
+    from r3trace.commands.args import select_run
 
-    store = TraceStore(args.trace)
+    store = open_store(args.trace)
+    if args.run_id is not None:
+        select_run([r.manifest.run_id for r in store.runs], args.run_id, args.trace)
     for r in store.runs:
         m = r.manifest
         if args.run_id not in (None, m.run_id):
             continue
         print(f"run {m.run_id}: {m.kind}, model {m.model_name}, L={m.num_moe_layers} E={m.num_experts} "
               f"K={m.top_k}, {m.rows} rows in {m.file_count} files, {m.rows // m.num_moe_layers} tokens")
+        if m.rows == 0 and m.kind == "routes":
+            print("  no rows yet (a run that recorded nothing, or one whose writer stopped before its first file)")
+            continue
         source: HeatSource = "rollups" if m.kind == "heat" else "routes"
         imb = imbalance(store.con, m.run_id, source=source)
         print(imb.select(pl.exclude("layer_id", "selections").mean()).with_columns(pl.lit("mean over layers")

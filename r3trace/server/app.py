@@ -194,7 +194,7 @@ def create_app(engine: GenerateEngine, config: ServerConfig | None = None) -> Fa
         return TraceStatus(tracing=False, trace_dir=None if run_dir is None else str(Path(run_dir).parent),
                            run_id=st.get("run_id"), rows_durable=result.get("rows"), detail={"result": result})
 
-    app.include_router(build_router(service, config.model_name, config.chat_template))
+    app.include_router(build_router(service, config.model_name, config.chat_template, config.model_names))
     app.add_middleware(RequestCounter, metrics=metrics)
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)  # outermost: runs before anything parses
     app.state.metrics = metrics

@@ -21,6 +21,9 @@ class ServerConfig:
     max_concurrency: int = 256  # worker threads waiting on the engine at once
     trace_root: Path = Path("traces")  # /start_trace writes only below this folder
     chat_template: str | None = None  # jinja source; None: the fallback "role: content" template
+    # other names a request's `model` may carry: `r3trace serve` adds the model's path as given, resolved,
+    # and its folder name; any other name is a 404 model_not_found
+    model_aliases: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -29,3 +32,8 @@ class ServerConfig:
             raise ServerConfigError(f"max_body_bytes={self.max_body_bytes} must be >= 1024")
         if self.max_concurrency < 1:
             raise ServerConfigError(f"max_concurrency={self.max_concurrency} must be >= 1")
+
+    @property
+    def model_names(self) -> frozenset[str]:
+        """Every name the OpenAI endpoints accept in `model`: the served name and its aliases."""
+        return frozenset((self.model_name, *self.model_aliases))

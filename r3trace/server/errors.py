@@ -2,6 +2,8 @@
 
 Invalid input is a 400 (SGLang and OpenAI answer 400, not FastAPI's default 422), a body over the
 limit 413, a feature the engine lacks 501. The message names the field, the value and the limit.
+`code` is the status, except where OpenAI names the error: a `model` the server does not serve is a 404
+with type "invalid_request_error" and code "model_not_found", as OpenAI answers it.
 """
 
 from __future__ import annotations
@@ -29,20 +31,26 @@ _UNION_TAGS = frozenset({"str", "int", "float", "bool", "none", "dict"})
 class ApiError(Exception):
     """Raised by handlers; becomes a JSON error with this status."""
 
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type_: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.code = code  # OpenAI's error code where it has one ("model_not_found"); else the status
+        self.type = type_  # OpenAI's error type where it has one; else by status (_TYPES)
 
 
-def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
-    detail = {"message": message, "type": _TYPES.get(status, "Error"), "param": param, "code": status}
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None,
+               type_: str | None = None) -> dict[str, Any]:
+    detail = {"message": message, "type": type_ or _TYPES.get(status, "Error"), "param": param,
+              "code": status if code is None else code}
     return ErrorResponse.model_validate({"error": detail}).model_dump()
 
 
-def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param), status_code=status)
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                   type_: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code, type_), status_code=status)
 
 
 def _loc_name(loc: tuple[Any, ...]) -> str:
@@ -86,7 +94,7 @@ def install_handlers(app: FastAPI) -> None:
 
     async def on_api(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, ApiError)
-        return error_response(exc.status, exc.message, exc.param)
+        return error_response(exc.status, exc.message, exc.param, exc.code, exc.type)
 
     async def on_http(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)

@@ -2,7 +2,8 @@
 
 Routes come back per choice in `sgl_ext` (SGLang's extension block): the same base64 payload, shape,
 dtype and MoE layer ids as /generate's meta_info. Streams are OpenAI chunks ending with `[DONE]`; each
-chunk's `sgl_ext` holds the route rows that chunk added.
+chunk's `sgl_ext` holds the route rows that chunk added. A request's `model` must be one of the served
+names (ServerConfig.model_names) or absent; any other is OpenAI's 404 `model_not_found`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from fastapi import APIRouter
 from fastapi.responses import StreamingResponse
 
 from .chat import render_chat
-from .errors import ERROR_RESPONSES
+from .errors import ERROR_RESPONSES, ApiError
 from .protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -70,11 +71,20 @@ def _usage(results: list[dict[str, Any]]) -> dict[str, int]:
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
-def build_router(service: GenerateService, model_name: str, chat_template: str | None) -> APIRouter:
+def build_router(service: GenerateService, model_name: str, chat_template: str | None,
+                 model_names: frozenset[str] = frozenset()) -> APIRouter:
+    """The OpenAI endpoints; `model_names` are the names a request may carry besides `model_name`."""
     router = APIRouter(responses=ERROR_RESPONSES)
+    accepted = model_names | {model_name}
 
     def model_of(req: CompletionRequest | ChatCompletionRequest) -> str:
-        return req.model or model_name
+        """The request's model name (absent: the served one); a name not served is OpenAI's 404."""
+        if req.model is None:
+            return model_name
+        if req.model not in accepted:
+            raise ApiError(404, f"model: {req.model!r} is not served here; this server serves {model_name!r} "
+                                "(GET /v1/models)", "model", code="model_not_found", type_="invalid_request_error")
+        return req.model
 
     @router.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -83,6 +93,7 @@ def build_router(service: GenerateService, model_name: str, chat_template: str |
     @router.post("/v1/completions", response_model=CompletionResponse, response_model_exclude_unset=True,
                  responses={200: {"content": {"text/event-stream": {}}}})
     async def completions(req: CompletionRequest) -> Any:
+        model = model_of(req)
         kw = engine_kwargs(req, req.prompt, req.max_tokens)
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
@@ -93,7 +104,7 @@ def build_router(service: GenerateService, model_name: str, chat_template: str |
                     choice = {"index": 0, "text": ch["text"], "finish_reason": finish_reason(ch["meta_info"]),
                               "logprobs": None, "sgl_ext": sgl_ext(ch["meta_info"])}
                     yield sse({"id": cid, "object": "text_completion", "created": created,
-                               "model": model_of(req), "choices": [choice]})
+                               "model": model, "choices": [choice]})
                 yield SSE_DONE
 
             return StreamingResponse(events(), media_type="text/event-stream")
@@ -101,7 +112,7 @@ def build_router(service: GenerateService, model_name: str, chat_template: str |
         results = out if isinstance(out, list) else [out]
         choices = [{"index": i, "text": r["text"], "finish_reason": finish_reason(r["meta_info"]),
                     "logprobs": None, "sgl_ext": sgl_ext(r["meta_info"])} for i, r in enumerate(results)]
-        return {"id": cid, "object": "text_completion", "created": created, "model": model_of(req),
+        return {"id": cid, "object": "text_completion", "created": created, "model": model,
                 "choices": choices,
                 "usage": _usage(results)}
 
@@ -109,6 +120,7 @@ def build_router(service: GenerateService, model_name: str, chat_template: str |
                  response_model_exclude_unset=True,
                  responses={200: {"content": {"text/event-stream": {}}}})
     async def chat_completions(req: ChatCompletionRequest) -> Any:
+        model = model_of(req)
         prompt = render_chat(req.messages, chat_template)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         kw = engine_kwargs(req, prompt, max_tokens)
@@ -124,7 +136,7 @@ def build_router(service: GenerateService, model_name: str, chat_template: str |
                     choice = {"index": 0, "delta": delta, "finish_reason": finish_reason(ch["meta_info"]),
                               "sgl_ext": sgl_ext(ch["meta_info"])}
                     yield sse({"id": cid, "object": "chat.completion.chunk", "created": created,
-                               "model": model_of(req), "choices": [choice]})
+                               "model": model, "choices": [choice]})
                 yield SSE_DONE
 
             return StreamingResponse(events(), media_type="text/event-stream")
@@ -132,7 +144,7 @@ def build_router(service: GenerateService, model_name: str, chat_template: str |
         assert isinstance(out, dict)
         choice = {"index": 0, "message": {"role": "assistant", "content": out["text"]},
                   "finish_reason": finish_reason(out["meta_info"]), "sgl_ext": sgl_ext(out["meta_info"])}
-        return {"id": cid, "object": "chat.completion", "created": created, "model": model_of(req),
+        return {"id": cid, "object": "chat.completion", "created": created, "model": model,
                 "choices": [choice],
                 "usage": _usage([out])}
 

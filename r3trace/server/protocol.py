@@ -83,7 +83,7 @@ class ErrorDetail(BaseModel):
     message: str = Field(description="names the field, the value and the limit")
     type: str
     param: str | None = Field(default=None, description="the offending field, dotted (sampling_params.top_p)")
-    code: int
+    code: int | str = Field(description="the HTTP status, or OpenAI's code where it names one (model_not_found)")
 
 
 class ErrorResponse(BaseModel):

@@ -28,8 +28,8 @@ def test_cli_synth_stats_sql_eplb_diff(tmp_path: Path, capsys: pytest.CaptureFix
     rows = open_dataset(out)[0].manifest.rows
     assert main(["sql", "select count(*) as n from routes", "--store", str(out), "--format", "csv"]) == 0
     assert capsys.readouterr().out.strip().endswith(str(rows))
-    with pytest.raises(PermissionError):
-        main(["sql", f"copy (select 1) to '{out}/x.csv'", "--store", str(out)])
+    assert main(["sql", f"copy (select 1) to '{out}/x.csv'", "--store", str(out)]) == 2  # read-only: refused
+    assert "statement type COPY refused" in capsys.readouterr().err and not (out / "x.csv").exists()
     assert main(["stats", str(out)]) == 0
     assert main(["eplb", str(out), "--gpus", "32", "--nodes", "4", "--slots", "288",
                  "--sglang", str(tmp_path / "p.json")]) == 0

@@ -35,7 +35,8 @@ def test_serve_subprocess_and_capture(tmp_path: Path) -> None:
     log = tmp_path / "serve.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "r3trace.cli", "serve", str(SAMPLE), "--port", str(port),
-                                 "--trace-root", str(tmp_path / "traces"), "--log-level", "warning"],
+                                 "--trace-root", str(tmp_path / "traces"), "--log-level", "warning",
+                                 "--served-model-name", "sample"],
                                 stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
         url = f"http://127.0.0.1:{port}"
         try:
@@ -60,6 +61,12 @@ def test_serve_subprocess_and_capture(tmp_path: Path) -> None:
             assert info["moe_layer_ids"] == list(run.manifest.moe_layer_ids)
             metrics = httpx.get(f"{url}/metrics").text
             assert 'endpoint="/generate",status="200"} 4' in metrics
+            # --served-model-name, and the checkpoint's path and folder name, are the names OpenAI requests may use
+            assert [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]] == ["sample"]
+            for model, status in (("sample", 200), (str(SAMPLE), 200), ("model", 200), ("samples/model", 404)):
+                r = httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": "a", "max_tokens": 1})
+                assert r.status_code == status, (model, r.text)
+            assert r.json()["error"]["code"] == "model_not_found"
         finally:
             proc.send_signal(signal.SIGINT)
             try:
@@ -70,12 +77,12 @@ def test_serve_subprocess_and_capture(tmp_path: Path) -> None:
 
 def test_serve_engine_flags_reach_engine_config() -> None:
     """`r3trace serve`'s engine flags map onto EngineConfig fields; --cuda-graphs takes auto, off or a list."""
-    import argparse
-
+    from r3trace.cli import Parser
     from r3trace.commands import serve
     from r3trace.engine.engine_config import EngineConfig
+    from r3trace.errors import UsageError
 
-    p = argparse.ArgumentParser()
+    p = Parser(prog="r3trace serve")
     serve.add_arguments(p)
     opts = serve.engine_options(p.parse_args(["m", "--backend", "triton", "--device", "cuda", "--dtype", "bfloat16",
                                               "--page-size", "64", "--cuda-graphs", "1,2,4", "--no-overlap"]))
@@ -87,8 +94,8 @@ def test_serve_engine_flags_reach_engine_config() -> None:
     defaults = EngineConfig(**serve.engine_options(p.parse_args(["m"])))  # type: ignore[arg-type]
     assert defaults.cuda_graph_batch_sizes is None and defaults.overlap_schedule and defaults.page_size == 1
     assert serve.engine_options(p.parse_args(["m", "--cuda-graphs", "off"]))["cuda_graph_batch_sizes"] == ()
-    with pytest.raises(SystemExit, match="--cuda-graphs 'x2'"):
-        serve.engine_options(p.parse_args(["m", "--cuda-graphs", "x2"]))
+    with pytest.raises(UsageError, match="argument --cuda-graphs: 'x2': expected auto, off or a list"):
+        p.parse_args(["m", "--cuda-graphs", "x2"])
 
 
 @pytest.mark.skipif(not (SAMPLE / "config.json").exists(), reason="samples/model is not in this checkout")
