@@ -179,3 +179,48 @@ def expand_tokens(
         "topk_ids": ids.reshape(t * n_layers, ids.shape[2]),
         "topk_weights": None if topk_weights is None else np.asarray(topk_weights).reshape(t * n_layers, -1),
     }
+
+
+def check_tokens(
+    moe_layer_ids: Sequence[int], num_experts: int, top_k: int, with_weights: bool, request_id: Labels,
+    token_pos: Any, phase: Labels, source: Labels, forward_id: Any, ts: Any, dp_rank: Any, topk_ids: np.ndarray,
+    topk_weights: np.ndarray | None,
+) -> dict[str, Any]:
+    """expand_tokens' arguments validated at token granularity (T entries, not T * L rows) and normalised: labels
+    as codes, ids as int32. What route_rows would refuse is refused here, for the cost of a few numpy passes."""
+    ids = np.asarray(topk_ids)
+    n_layers = len(moe_layer_ids)
+    if ids.ndim != 3 or ids.shape[1] != n_layers:
+        raise TraceSchemaError(f"column topk_ids has shape {ids.shape}, expected [T, {n_layers}, K]")
+    t = ids.shape[0]
+    ids = check_ids(ids, num_experts, top_k)
+    if not isinstance(request_id, str) and len(request_id) != t:
+        raise TraceSchemaError(f"column request_id has {len(request_id)} tokens, topk_ids has {t}")
+    if with_weights:
+        if topk_weights is None:
+            raise TraceSchemaError("column topk_weights is missing, manifest says with_weights=True")
+        if np.shape(topk_weights) != ids.shape:
+            raise TraceSchemaError(f"column topk_weights has shape {np.shape(topk_weights)}, expected {ids.shape}")
+    return {
+        "request_id": request_id, "token_pos": _column(token_pos, t, np.int32, "token_pos"),
+        "phase": label_codes(phase, PHASES, t, "phase"), "source": label_codes(source, SOURCES, t, "source"),
+        "forward_id": _column(forward_id, t, np.int64, "forward_id"), "ts": _timestamps(ts, t),
+        "dp_rank": _column(dp_rank, t, np.int16, "dp_rank"), "topk_ids": ids,
+        "topk_weights": None if topk_weights is None or not with_weights else np.asarray(topk_weights, np.float16),
+    }
+
+
+def merge_tokens(batches: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """check_tokens outputs -> one, their tokens in order (the writer builds one table from many appends)."""
+    if len(batches) == 1:
+        return batches[0]
+    lens = [len(b["topk_ids"]) for b in batches]
+    rids = [np.full(n, b["request_id"], dtype=object) if isinstance(b["request_id"], str)
+            else np.asarray(b["request_id"], dtype=object) for b, n in zip(batches, lens, strict=True)]
+    out: dict[str, Any] = {"request_id": np.concatenate(rids)}
+    for key in ("token_pos", "phase", "source", "forward_id", "ts", "dp_rank", "topk_ids"):
+        out[key] = np.concatenate([b[key] for b in batches])
+    weights = [b["topk_weights"] for b in batches]
+    out["topk_weights"] = None if any(w is None for w in weights) else np.concatenate(weights)
+    return out
+

@@ -17,19 +17,20 @@ Durability contract (docs/durability.md):
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy as np
 import pyarrow as pa
 
 from r3trace.trace import lifecycle
-from r3trace.trace.batch import Labels, expand_tokens, route_rows
+from r3trace.trace.batch import Labels, check_tokens, expand_tokens, merge_tokens, route_rows
 from r3trace.trace.commit import RunCommitter, now_iso, write_parquet_atomic
 from r3trace.trace.rollup import RollupAccumulator
 from r3trace.trace.schema import (
@@ -45,6 +46,9 @@ from r3trace.trace.schema import (
 
 log = logging.getLogger("r3trace.trace")
 MAX_FLUSH_INTERVAL_S = 3600.0
+Batch: TypeAlias = "pa.Table | dict[str, Any]"  # rows as a table (append), or append_tokens' checked arguments
+# one commit's (batch, rows) pairs, finished requests, open request ids
+Taken: TypeAlias = "tuple[list[tuple[Batch, int]], list[dict[str, Any]], tuple[str, ...]]"
 
 
 @dataclass(frozen=True)
@@ -119,8 +123,15 @@ class TraceWriter:
         self.manifest.write(self.run_dir)
         self._committer = RunCommitter(self.run_dir, self.manifest, self.schema, fsync=fsync,
                                        small_rows=small_file_rows, fanin=compact_fanin, max_rows=rows_per_file)
-        self._cond = threading.Condition()
-        self._rows: list[pa.Table] = []  # appended, not committed
+        # One lock over the buffers. A caller appending in a tight loop re-takes the (unfair) lock within one GIL
+        # slice, so a flusher blocked on it starves (seen: no commit in 3 s at 180K appends/s). So when a commit is
+        # due the flusher sets `_want`, and the next caller takes the buffers for it, under the lock it holds anyway,
+        # and hands them over; with no caller around, the flusher takes them itself after 10 ms.
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._want = False
+        self._handoff: queue.SimpleQueue[Taken] = queue.SimpleQueue()
+        self._rows: list[tuple[Batch, int]] = []  # appended, not committed: (batch, rows)
         self._rows_n = 0
         self._requests: list[dict[str, Any]] = []  # finished, not committed
         self._open: dict[str, None] = {}  # request ids with rows and no add_request yet (insertion order)
@@ -147,10 +158,16 @@ class TraceWriter:
         self, request_id: Labels, token_pos: Any, phase: Labels, source: Labels, forward_id: Any, ts: Any,
         dp_rank: Any, topk_ids: np.ndarray, topk_weights: np.ndarray | None = None,
     ) -> None:
-        """T tokens: per-token columns [T] (or scalars), topk_ids [T, L, K] over the manifest's MoE layers."""
-        kw = expand_tokens(self.manifest.moe_layer_ids, request_id, token_pos, phase, source, forward_id, ts,
-                           dp_rank, topk_ids, topk_weights)
-        self._append(kw, distinct(request_id))  # distinct over T tokens, not the T * L rows
+        """T tokens: per-token columns [T] (or scalars), topk_ids [T, L, K] over the manifest's MoE layers.
+
+        Validated here, per token; expanded to T * L rows and built into Arrow by the flusher thread, so the caller
+        (the engine's scheduler thread, once per forward) pays a few numpy passes, not the table build."""
+        m = self.manifest
+        kw = check_tokens(m.moe_layer_ids, m.num_experts, m.top_k, m.with_weights, request_id, token_pos, phase,
+                          source, forward_id, ts, dp_rank, topk_ids, topk_weights)
+        # kept until the flusher builds them: copies, so a caller that reuses its buffers changes nothing here
+        kw = {k: v.copy() if isinstance(v, (np.ndarray, list)) else v for k, v in kw.items()}
+        self._stash(kw, len(kw["topk_ids"]) * m.num_moe_layers, distinct(request_id))
 
     def append(
         self, request_id: Labels, token_pos: Any, phase: Labels, source: Labels, forward_id: Any, ts: Any,
@@ -164,22 +181,34 @@ class TraceWriter:
     def _append(self, kw: dict[str, Any], rids: list[str]) -> None:
         m = self.manifest
         table = route_rows(m.run_id, num_experts=m.num_experts, top_k=m.top_k, with_weights=m.with_weights, **kw)
-        if table.num_rows == 0:
-            return
         lid = table.column("layer_id").to_numpy()
         bad = (lid < 0) | (lid >= len(self._layer_ok))
         if bad.any() or not self._layer_ok[lid].all():
             value = int(lid[bad][0]) if bad.any() else int(lid[~self._layer_ok[lid]][0])
             raise TraceSchemaError(f"column layer_id holds {value}, not one of moe_layer_ids {list(m.moe_layer_ids)}")
-        with self._cond:
+        self._stash(table, table.num_rows, rids)
+
+    def _stash(self, batch: Batch, n_rows: int, rids: list[str]) -> None:
+        if n_rows == 0:
+            return
+        with self._lock:
             self._check_open()
-            self._rows.append(table)
-            self._rows_n += table.num_rows
+            self._rows.append((batch, n_rows))
+            self._rows_n += n_rows
             for rid in rids:
                 self._open[rid] = None
             self._pending_since_now()
             if self._rows_n >= self.rows_per_file:
-                self._cond.notify()
+                self._wake.set()
+            self._hand_over()
+
+    def _table(self, batch: Batch) -> pa.Table:
+        """A stashed batch as routes rows (the flusher's side of append_tokens)."""
+        if isinstance(batch, pa.Table):
+            return batch
+        m = self.manifest
+        kw = expand_tokens(m.moe_layer_ids, **batch)
+        return route_rows(m.run_id, num_experts=m.num_experts, top_k=m.top_k, with_weights=m.with_weights, **kw)
 
     def add_request(
         self, request_id: str, *, tag: str | None = None, prompt_tokens: int | None = None,
@@ -192,14 +221,15 @@ class TraceWriter:
             completion_tokens=completion_tokens, finish_reason=finish_reason, arrival_ts=arrival_ts,
             finish_ts=finish_ts, token_ids=None if token_ids is None else [int(t) for t in token_ids],
         )
-        with self._cond:
+        with self._lock:
             self._check_open()
             self._requests.append(row)
             self._open.pop(request_id, None)
             self._pending_since_now()
+            self._hand_over()
 
     def status(self) -> WriterStatus:
-        with self._cond:
+        with self._lock:
             buffered = self._rows_n
             err = self._error
         c = self._committer
@@ -216,7 +246,7 @@ class TraceWriter:
         mark_unfinished: requests with rows and no add_request get a requests row with finish_reason
         "unfinished" (they were still running); False leaves them without one (offline tools whose input has
         no request summaries). Idempotent."""
-        with self._cond:
+        with self._lock:
             if self._closed:
                 return self.manifest
             self._closing = True
@@ -224,14 +254,16 @@ class TraceWriter:
                 for rid in list(self._open):
                     self._requests.append(dict(run_id=self.run_id, request_id=rid, finish_reason="unfinished"))
                 self._open.clear()
-            self._cond.notify()
+        self._wake.set()
         self._flusher.join()
-        with self._cond:
+        with self._lock:
+            while not self._handoff.empty():  # handed over, not yet committed by the flusher
+                self._put_back(self._handoff.get())
             taken = self._take()
         try:
             self._commit(taken)
         except BaseException:
-            with self._cond:  # nothing captured is dropped: a later close() tries again
+            with self._lock:  # nothing captured is dropped: a later close() tries again
                 self._put_back(taken)
                 self._closing = False
             self._flusher = threading.Thread(target=self._flush_loop, name=self._flusher.name, daemon=True)
@@ -251,10 +283,16 @@ class TraceWriter:
         if self._closed or self._closing:
             raise TraceSchemaError(f"run_id={self.run_id!r} writer is closed")
 
+    def _hand_over(self) -> None:
+        """Under the lock: the flusher asked for the buffers."""
+        if self._want:
+            self._want = False
+            self._handoff.put(self._take())
+
     def _pending_since_now(self) -> None:
         if self._oldest is None:  # the flusher sleeps without a deadline while nothing waits: give it one
             self._oldest = time.monotonic()
-            self._cond.notify()
+            self._wake.set()
 
     def _due_in(self) -> float | None:
         """Seconds until the next commit is due (<= 0: now); None: nothing waits."""
@@ -264,64 +302,76 @@ class TraceWriter:
             return None
         return self._oldest + self.flush_interval_s / 2 - time.monotonic()
 
-    def _take(self) -> tuple[list[pa.Table], list[dict[str, Any]], tuple[str, ...]]:
+    def _take(self) -> Taken:
         taken = (self._rows, self._requests, tuple(self._open))
         self._rows, self._rows_n, self._requests, self._oldest = [], 0, [], None
         return taken
 
-    def _put_back(self, taken: tuple[list[pa.Table], list[dict[str, Any]], tuple[str, ...]]) -> None:
+    def _put_back(self, taken: Taken) -> None:
         rows, requests, _ = taken
         self._rows = rows + self._rows
-        self._rows_n += sum(t.num_rows for t in rows)
+        self._rows_n += sum(n for _, n in rows)
         self._requests = requests + self._requests
         self._oldest = time.monotonic() if rows or requests else self._oldest
 
     def _flush_loop(self) -> None:
         while True:
-            with self._cond:
-                while not self._closing:
-                    due = self._due_in()
-                    if due is not None and due <= 0:
-                        break
-                    self._cond.wait(timeout=due)
-                if self._closing:
-                    return
-                taken = self._take()
+            if self._closing:  # read without the lock (see __init__): plain attribute reads under the GIL
+                return
+            due = self._due_in()
+            if due is None or due > 0:
+                self._wake.wait(timeout=due)
+                self._wake.clear()  # a set() between wait and clear is not lost: the state is read again above
+                continue
+            self._want = True
+            try:
+                taken = self._handoff.get(timeout=0.01)
+            except queue.Empty:
+                with self._lock:
+                    mine = self._want  # still set: no caller came by, take the buffers here
+                    self._want = False
+                    own = self._take() if mine else None
+                taken = own if own is not None else self._handoff.get()  # else a caller took them meanwhile
             try:
                 self._commit(taken)
-                with self._cond:
-                    self._error = None
+                self._error = None
             except Exception as exc:  # a full disk, say: keep the rows, say so once, try again later
-                with self._cond:
+                with self._lock:
                     if self._error is None:
                         log.warning("trace %s: commit failed, will retry: %s", self.run_id, exc)
                     self._error = exc
                     self._put_back(taken)
-                    self._cond.wait(timeout=min(self.flush_interval_s or 1.0, 5.0))
+                self._wake.wait(timeout=min(self.flush_interval_s or 1.0, 5.0))
+                self._wake.clear()
 
-    def _commit(self, taken: tuple[list[pa.Table], list[dict[str, Any]], tuple[str, ...]]) -> None:
+    def _commit(self, taken: Taken) -> None:
         """Split the rows into files of <= rows_per_file rows (at appended-batch boundaries, so tokens stay
-        whole); the finished requests go with the last file."""
+        whole); the finished requests go with the last file. append_tokens' batches of a file are merged first
+        and built as one table: one build per file, however many small appends it holds."""
         rows, requests, open_ids = taken
         if not rows and not requests:
             return
-        groups: list[list[pa.Table]] = [[]]
+        groups: list[list[Batch]] = [[]]
         n = 0
-        for t in rows:
-            if groups[-1] and n + t.num_rows > self.rows_per_file:
+        for batch, n_rows in rows:
+            if groups[-1] and n + n_rows > self.rows_per_file:
                 groups.append([])
                 n = 0
-            groups[-1].append(t)
-            n += t.num_rows
+            groups[-1].append(batch)
+            n += n_rows
         m = self.manifest
         rolled = []
         for group in groups:
+            tables = [b for b in group if isinstance(b, pa.Table)]
+            tokens = [b for b in group if not isinstance(b, pa.Table)]
+            if tokens:
+                tables.append(self._table(merge_tokens(tokens)))
             acc = RollupAccumulator(m.moe_layer_ids, m.num_experts, m.rollup_window_ns)
-            for t in group:  # route_rows encodes phase over all of PHASES: its indices are the phase codes
+            for t in tables:  # route_rows encodes phase over all of PHASES: its indices are the phase codes
                 ids = t.column("topk_ids").combine_chunks().flatten().to_numpy().reshape(t.num_rows, m.top_k)
                 acc.add(t.column("ts").cast(pa.int64()).to_numpy(),
                         t.column("phase").combine_chunks().indices.to_numpy(), t.column("layer_id").to_numpy(), ids)
-            rolled.append((group, acc.table(self.run_id)))
+            rolled.append((tables, acc.table(self.run_id)))
         self.manifest = self._committer.commit(rolled, requests, open_ids)
 
 
