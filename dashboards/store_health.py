@@ -17,7 +17,7 @@ import streamlit as st
 from dashboards import store_cache as sc
 from r3trace.trace.schema import MANIFEST_NAME
 
-_SHOWN = 3  # names listed in a message before "and N more"
+_SHOWN = 5  # names listed in a message before "and N more"
 
 
 def names(items: list[str]) -> str:
