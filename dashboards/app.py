@@ -11,6 +11,7 @@ import logging
 import sys
 from pathlib import Path
 
+import duckdb
 import streamlit as st
 
 # `streamlit run` puts this folder on sys.path, not the repo root: add it so `dashboards.*` imports work.
@@ -22,6 +23,13 @@ from dashboards import query_state, store_cache, store_health  # noqa: E402
 from r3trace.trace.schema import TraceSchemaError  # noqa: E402
 
 _LOG = logging.getLogger("r3trace.dashboard")
+
+
+def _first_line(exc: BaseException) -> str:
+    """`Type: first line` (DuckDB appends the SQL it ran, which names nothing the user can fix)."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
+
 
 st.set_page_config(page_title="r3trace", layout="wide")
 
@@ -58,8 +66,8 @@ if path is None or not Path(path).is_dir():
 assert path is not None
 try:
     runs = store_cache.runs(path)
-except (TraceSchemaError, OSError) as exc:  # a corrupt manifest, two runs with one id: named in the message
-    st.error(f"Cannot open the store {path}: {exc}")
+except (TraceSchemaError, OSError, duckdb.Error) as exc:  # a corrupt manifest or listed file: named in the message
+    st.error(f"Cannot open the store {path}: {_first_line(exc)}")
     st.stop()
 if runs.is_empty():
     st.warning(store_health.no_runs_message(path))
@@ -71,13 +79,12 @@ st.sidebar.caption(f"store: {path}")
 foreign = store_health.foreign_entries(path)
 if foreign:
     st.sidebar.info(f"Not runs, not shown: {store_health.names(foreign)}")
-problems = store_health.run_problems(path, run_id)
-if problems:
-    st.warning(f"Run {run_id} was not closed cleanly (a crash, or a writer still running): "
-               + "; ".join(problems) + ".")
 try:
+    problems = store_health.run_problems(path, run_id)
+    if problems:
+        st.warning(f"Run {run_id} was not closed cleanly (a crash, or a writer still running): "
+                   + "; ".join(problems) + ".")
     nav.run()
 except Exception as exc:  # the last net: one line on the page, the traceback in the server log
     _LOG.exception("page %s failed on run %s", st.query_params.to_dict(), run_id)
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    st.error(f"This page could not be drawn for run {run_id}: {type(exc).__name__}: {first}")
+    st.error(f"This page could not be drawn for run {run_id}: {_first_line(exc)}")

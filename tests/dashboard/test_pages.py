@@ -7,6 +7,7 @@ Run: .venv/bin/python -m pytest -q tests/dashboard/test_pages.py
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -222,7 +223,10 @@ def test_sql_console_runs_the_query_as_written_and_fetches_only_the_limit(app: A
     assert any(c.value.startswith("showing the first 10 rows") for c in at.main.caption)
 
 
-def test_store_of_foreign_entries_only_and_corrupt_manifest(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_store_of_foreign_entries_only_or_with_a_corrupt_file(
+    tmp_path: Path, store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One line each: a folder of non-runs, a corrupt manifest.json, a listed Parquet file cut short."""
     (tmp_path / "foreign" / "run_id=ghost").mkdir(parents=True)
     (tmp_path / "foreign" / "routes.csv").write_text("a\n1\n")
     (tmp_path / "corrupt" / "run_id=x").mkdir(parents=True)
@@ -236,6 +240,15 @@ def test_store_of_foreign_entries_only_and_corrupt_manifest(tmp_path: Path, monk
     assert not at.exception
     [err] = at.error
     assert f"manifest {tmp_path / 'corrupt' / 'run_id=x' / 'manifest.json'} unreadable" in err.value
+    torn = tmp_path / "torn" / "run_id=flip"
+    shutil.copytree(store.path / "run_id=flip", torn)
+    part = torn / "part-00000.parquet"
+    part.write_bytes(part.read_bytes()[:100])
+    monkeypatch.setenv("R3TRACE_STORE", str(tmp_path / "torn"))
+    at = AppTest.from_file(APP, default_timeout=60).run()
+    assert not at.exception
+    [err] = at.error
+    assert f"No magic bytes found at end of file '{part}'" in err.value and "LINE 1" not in err.value
 
 
 SAMPLE_TRACES = Path(__file__).resolve().parents[2] / "samples" / "traces"
