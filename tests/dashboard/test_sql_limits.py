@@ -34,7 +34,7 @@ def start_runaway(server: Dashboard, browser: Browser, session: str | None = Non
     running = "Array.from(document.querySelectorAll('[data-testid=stCaptionContainer]'))" \
               ".some(e => /^Running: ([1-9]|0[.][3-9])/.test(e.innerText))"
     assert browser.wait_for(running, 60, session), "the runaway query never showed 'Running: 0.3 s'"
-    assert busy_cpu_s(server, 0.3) > 0.1, "the server is not busy: the query is not running"
+    assert busy_cpu_s(server) > 0.08, "the server is not busy: the query is not running"
 
 
 def test_time_limit_is_the_cli_flag_and_interrupts_duckdb(dashboard: Dashboard, browser: Browser) -> None:
