@@ -25,7 +25,7 @@ timeout_s = query_state.number("Time limit (s)", "qto", ceiling, 1, ceiling, whe
 if query.strip():
     status = st.empty()
 
-    def show_wait(elapsed_s: float) -> None:
+    def show_wait(elapsed_s: float) -> None:  # an st call: where Streamlit raises its Stop / rerun / leave
         status.caption(f"Running: {elapsed_s:.1f} s of {timeout_s} s")
 
     try:
