@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +18,13 @@ import polars as pl
 import streamlit as st
 
 from r3trace.analysis import agreement, coactivation, heat
+from r3trace.analysis.limited_query import LimitedResult, run_limited
 from r3trace.analysis.store import TraceStore, query_frame
 from r3trace.trace import read_token_routes
 
 STORE_ENV = "R3TRACE_STORE"
+SQL_TIMEOUT_ENV = "R3TRACE_SQL_TIMEOUT_S"  # set by `r3trace dashboard --sql-timeout-s`
+SQL_TIMEOUT_S = 30
 
 
 def store_path() -> str | None:
@@ -31,6 +35,12 @@ def store_path() -> str | None:
     if len(sys.argv) > 1 and Path(sys.argv[0]).name == "app.py":
         return sys.argv[1]
     return None
+
+
+def sql_timeout_s() -> int:
+    """The SQL console's time limit: $R3TRACE_SQL_TIMEOUT_S, else 30 s. The page may lower it, not raise it."""
+    raw = os.environ.get(SQL_TIMEOUT_ENV, "")
+    return max(int(raw), 1) if raw.isdigit() else SQL_TIMEOUT_S
 
 
 @st.cache_resource(show_spinner=False)
@@ -56,13 +66,19 @@ def runs(path: str) -> pl.DataFrame:
                     " FROM runs ORDER BY run_id")
 
 
+def run_row(path: str, run_id: str) -> dict[str, Any]:
+    """The run's row of `runs` (manifest fields, file_count, run_dir)."""
+    return dict(runs(path).filter(pl.col("run_id") == run_id).row(0, named=True))
+
+
 @st.cache_data(show_spinner=False)
 def overview(path: str, run_id: str) -> dict[str, Any]:
-    """tokens, requests, layers, experts, top_k, rows, bytes on disk of one run."""
-    run = runs(path).filter(pl.col("run_id") == run_id).row(0, named=True)
+    """tokens, requests, layers, experts, top_k, rows, bytes on disk (of the files the manifest lists)."""
+    run = run_row(path, run_id)
     counts = _q(path, "SELECT count(DISTINCT (request_id, token_pos)) AS tokens,"
                       " count(DISTINCT request_id) AS requests FROM routes WHERE run_id = ?", [run_id]).row(0)
-    size = sum(p.stat().st_size for p in Path(run["run_dir"]).glob("*.parquet"))
+    files = open_store(path).run(run_id)
+    size = sum(p.stat().st_size for p in [*files.route_files, *files.rollup_files, *files.request_files])
     return {"tokens": int(counts[0]), "requests": int(counts[1]), "layers": len(run["moe_layer_ids"]),
             "experts": int(run["num_experts"]), "top_k": int(run["top_k"]), "rows": int(run["rows"]),
             "bytes": int(size)}
@@ -94,6 +110,20 @@ def request_list(path: str, run_id: str) -> pl.DataFrame:
                     " FROM (SELECT request_id, count(*) AS tokens FROM tokens WHERE run_id = ? GROUP BY 1) t"
                     " LEFT JOIN (SELECT * FROM requests WHERE run_id = ?) r USING (request_id)"
                     " ORDER BY t.request_id", [run_id, run_id])
+
+
+@st.cache_data(show_spinner=False)
+def request_counts(path: str, run_id: str) -> dict[str, int]:
+    """with_routes: requests with route rows; without_row: those with no row in the requests table;
+    unfinished: requests-table rows marked finish_reason='unfinished'."""
+    got = _q(path, "SELECT count(*) AS with_routes, count(*) FILTER (WHERE r.request_id IS NULL) AS without_row"
+                   " FROM (SELECT DISTINCT request_id FROM routes WHERE run_id = ?) t"
+                   " LEFT JOIN (SELECT DISTINCT request_id FROM requests WHERE run_id = ?) r USING (request_id)",
+             [run_id, run_id]).row(0, named=True)
+    unfinished = _q(path, "SELECT count(*) FROM requests WHERE run_id = ? AND finish_reason = 'unfinished'",
+                    [run_id]).item()
+    return {"with_routes": int(got["with_routes"]), "without_row": int(got["without_row"]),
+            "unfinished": int(unfinished)}
 
 
 @st.cache_data(show_spinner=False)
@@ -134,12 +164,15 @@ def token_routes(path: str, run_id: str, max_tokens: int) -> np.ndarray:
     return read_token_routes(open_store(path).run(run_id), max_tokens=max_tokens).topk_ids
 
 
-@st.cache_data(show_spinner=False)
-def sql(path: str, query: str, limit: int) -> pl.DataFrame:
-    """Untrusted SQL on the read-only store: SELECT only; at most `limit` rows come back."""
+def sql(path: str, query: str, limit: int, timeout_s: float, on_wait: Callable[[float], None]) -> LimitedResult:
+    """Untrusted SQL on the read-only store: SELECT only, run as written; its first `limit` rows.
+
+    Not cached: it runs when asked, and is interrupted at `timeout_s` or when `on_wait` raises (the page
+    passes a callback that draws the elapsed time, so Streamlit's Stop or leaving the page ends it).
+    """
     store = open_readonly_store(path)
     store.check_statement(query)
-    return store.query(f"SELECT * FROM ({query.strip().rstrip(';')}) LIMIT {int(limit)}")
+    return run_limited(store.con, query, max_rows=limit, timeout_s=timeout_s, on_wait=on_wait)
 
 
 def heat_matrix(frame: pl.DataFrame, layers: list[int], num_experts: int) -> np.ndarray:
@@ -155,7 +188,7 @@ def heat_matrix(frame: pl.DataFrame, layers: list[int], num_experts: int) -> np.
 @st.cache_data(show_spinner=False)
 def imbalance_windows(path: str, run_id: str, window_s: float) -> tuple[list[str], list[int], np.ndarray]:
     """(window labels [W], MoE layers [L], max/mean expert load per window and layer [W, L]) from rollups."""
-    run = runs(path).filter(pl.col("run_id") == run_id).row(0, named=True)
+    run = run_row(path, run_id)
     frame = heat_windows(path, run_id, window_s)
     layers = list(run["moe_layer_ids"])
     windows = frame["window_start"].unique().sort().to_list()
@@ -176,7 +209,7 @@ def eplb_plan(path: str, run_id: str, gpus: int, nodes: int, slots: int, policy:
     from r3trace.eplb.evaluate import evaluate_policy
     from r3trace.eplb.placement import Cluster
 
-    run = runs(path).filter(pl.col("run_id") == run_id).row(0, named=True)
+    run = run_row(path, run_id)
     layers, e = list(run["moe_layer_ids"]), int(run["num_experts"])
     cluster = Cluster(num_gpus=gpus, num_nodes=nodes, num_slots=slots, num_groups=int(run["num_groups"]),
                       node_limit=node_limit)

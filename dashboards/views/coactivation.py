@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import numpy as np
-import polars as pl
 import streamlit as st
 
-from dashboards import figures, query_state
+from dashboards import figures, query_state, store_health
 from dashboards import store_cache as sc
 
 path, run_id = st.session_state["store"], st.session_state["run_id"]
-run = sc.runs(path).filter(pl.col("run_id") == run_id).row(0, named=True)
+run = sc.run_row(path, run_id)
 st.header("Co-activation")
+store_health.require_routes(run, "Co-activation counts the experts each token chose together, from route rows.")
 layer = query_state.select("MoE layer", list(run["moe_layer_ids"]), "cl")
 min_count = query_state.number("Minimum tokens per pair", "cmin", 1, 1, 1_000_000)
 pairs = sc.coactivation_pairs(path, run_id, int(layer), min_count)

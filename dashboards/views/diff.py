@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import streamlit as st
 
-from dashboards import figures, query_state
+from dashboards import figures, query_state, store_health
 from dashboards import store_cache as sc
 
 path, run_a = st.session_state["store"], st.session_state["run_id"]
 st.header("Trace diff")
 others = [r for r in sc.runs(path)["run_id"].to_list() if r != run_a]
 if not others:
-    st.info("The store holds one run; a diff needs two runs of the same tokens.")
+    st.info(f"The store holds one run ({run_a}); a diff needs two runs of the same tokens.")
     st.stop()
+store_health.require_routes(sc.run_row(path, run_a), "A diff compares the route rows of two runs.")
 run_b = query_state.select(f"Compare {run_a} with", others, "b")
+store_health.require_routes(sc.run_row(path, str(run_b)), "A diff compares the route rows of two runs.")
 by_layer, summary, flipped = sc.diff(path, run_a, str(run_b), 500)
 s = summary.row(0, named=True)
 if not s["matched_rows"]:

@@ -7,11 +7,13 @@ import json
 import numpy as np
 import streamlit as st
 
-from dashboards import figures, query_state
+from dashboards import figures, query_state, store_health
 from dashboards import store_cache as sc
 
 path, run_id = st.session_state["store"], st.session_state["run_id"]
 st.header("EPLB planner")
+store_health.require_routes(sc.run_row(path, run_id), "The planner replays the run's route rows through a "
+                            "placement (its heat comes from the rollups).")
 o = sc.overview(path, run_id)
 c = st.columns(6)
 gpus = query_state.number("GPUs", "gpus", 8, 1, 4096, where=c[0])

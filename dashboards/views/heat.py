@@ -5,18 +5,18 @@ from __future__ import annotations
 import polars as pl
 import streamlit as st
 
-from dashboards import figures, query_state
+from dashboards import figures, query_state, store_health
 from dashboards import store_cache as sc
 
 path, run_id = st.session_state["store"], st.session_state["run_id"]
-run = sc.runs(path).filter(pl.col("run_id") == run_id).row(0, named=True)
+run = sc.run_row(path, run_id)
 base_s = run["rollup_window_ns"] / 1e9
 st.header("Layer x expert heat")
 window_s = query_state.select("Window (s)", [base_s * m for m in (1, 5, 30, 300)], "hw")
 frame = sc.heat_windows(path, run_id, window_s)
 windows = frame["window_start"].unique().sort().to_list()
 if not windows:
-    st.info("This run has no routed tokens yet.")
+    st.info(store_health.no_rollups_message(run))
     st.stop()
 lo, hi = query_state.index_range("Time windows", len(windows), "hwin")
 chosen = frame.filter(pl.col("window_start").is_between(windows[lo], windows[hi]))

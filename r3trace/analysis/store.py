@@ -77,6 +77,22 @@ def _empty_select(schema: pa.Schema) -> str:
     return "SELECT " + ", ".join(cols) + " WHERE false"
 
 
+_PLACEHOLDER = Manifest(run_id="-", model_name="", num_hidden_layers=1, moe_layer_ids=(0,), num_experts=1,
+                        top_k=1)
+
+
+def _runs_row(m: Manifest, run_dir: Path) -> dict[str, Any]:
+    """One row of the `runs` table: the manifest's fields, moe_layer_ids as a list, engine/parallel as JSON."""
+    d = asdict(m)
+    d.pop("files")
+    d["engine"], d["parallel"] = json.dumps(d["engine"]), json.dumps(d["parallel"])
+    d["moe_layer_ids"] = list(d["moe_layer_ids"])
+    d["first_moe_layer"] = d["moe_layer_ids"][0]
+    d["file_count"] = m.file_count
+    d["run_dir"] = str(run_dir)
+    return d
+
+
 class TraceStore:
     """Views over the runs found under `paths` (dataset folders or run folders) on `self.con`."""
 
@@ -129,17 +145,10 @@ class TraceStore:
         c.unregister("_unfinished_arrow")
         c.execute(f"CREATE OR REPLACE VIEW requests AS {source(requests, REQUEST_SCHEMA)}"
                   " UNION ALL BY NAME SELECT * FROM _unfinished_requests")
-        rows = []
-        for r in self.runs:
-            d = asdict(r.manifest)
-            d.pop("files")
-            d["engine"], d["parallel"] = json.dumps(d["engine"]), json.dumps(d["parallel"])
-            d["moe_layer_ids"] = list(d["moe_layer_ids"])
-            d["first_moe_layer"] = d["moe_layer_ids"][0]
-            d["file_count"] = r.manifest.file_count
-            d["run_dir"] = str(r.run_dir)
-            rows.append(d)
-        runs_table = pa.Table.from_pylist(rows) if rows else pa.table({"run_id": pa.array([], pa.string())})
+        rows = [_runs_row(r.manifest, r.run_dir) for r in self.runs]
+        # no runs: the same columns, zero rows (from a placeholder manifest), so queries on `runs` still bind
+        runs_table = pa.Table.from_pylist(rows or [_runs_row(_PLACEHOLDER, Path())])
+        runs_table = runs_table if rows else runs_table.slice(0, 0)
         # materialised, not a view of a Python object: replacement scans stop working once locked down
         c.register("_runs_arrow", runs_table)
         c.execute("CREATE OR REPLACE TABLE runs AS SELECT * FROM _runs_arrow")

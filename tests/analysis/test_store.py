@@ -43,3 +43,12 @@ def test_read_only_refuses_writes_and_outside_files(tiny_trace: dict, tmp_path_f
     part = next(root.glob("run_id=a/part-*.parquet"))
     assert s.query(f"select count(*) from read_parquet('{part}')").item() > 0
     assert np.isfinite(s.query("select avg(token_pos) from routes").item())
+
+
+def test_empty_store_has_every_view_and_column(tiny_trace: dict, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A folder with no runs: each view exists with the columns a full store has, and 0 rows."""
+    full, empty = TraceStore(tiny_trace["root"]), TraceStore(tmp_path_factory.mktemp("empty"))
+    for view in ["routes", "tokens", "requests", "runs", "rollups"]:
+        got = empty.query(f"select * from {view}")
+        assert got.height == 0 and got.columns == full.query(f"select * from {view} limit 0").columns, view
+    assert empty.query("select run_id, kind, rows, moe_layer_ids from runs").height == 0

@@ -41,9 +41,13 @@ class Browser:
                                               suppress_origin=True)
         self._ids = itertools.count(1)
 
-    def call(self, method: str, **params: Any) -> dict[str, Any]:
+    def call(self, method: str, session: str | None = None, **params: Any) -> dict[str, Any]:
+        """One DevTools command; `session` (from open_tab) sends it to another tab over this connection."""
         msg_id = next(self._ids)
-        self.ws.send(json.dumps({"id": msg_id, "method": method, "params": params}))
+        msg: dict[str, Any] = {"id": msg_id, "method": method, "params": params}
+        if session is not None:
+            msg["sessionId"] = session
+        self.ws.send(json.dumps(msg))
         while True:
             reply = json.loads(self.ws.recv())
             if reply.get("id") == msg_id:
@@ -51,20 +55,47 @@ class Browser:
                     raise RuntimeError(f"{method}: {reply['error']}")
                 return dict(reply.get("result", {}))
 
-    def evaluate(self, expression: str) -> Any:
-        out = self.call("Runtime.evaluate", expression=expression, returnByValue=True)
+    def evaluate(self, expression: str, session: str | None = None) -> Any:
+        out = self.call("Runtime.evaluate", session, expression=expression, returnByValue=True)
         return out["result"].get("value")
 
-    def wait_for(self, expression: str, timeout_s: float) -> Any:
+    def wait_for(self, expression: str, timeout_s: float, session: str | None = None) -> Any:
         """Polls a JS expression until it is truthy; returns its last value."""
         deadline = time.monotonic() + timeout_s
         value = None
         while time.monotonic() < deadline:
-            value = self.evaluate(expression)
+            value = self.evaluate(expression, session)
             if value:
                 return value
-            time.sleep(0.25)
+            time.sleep(0.1)
         return value
+
+    @staticmethod
+    def settled(expect: str) -> str:
+        """JS: the page's text once its script run has finished, nothing is still loading and `expect` is
+        shown; else ""."""
+        return (f"document.body && document.body.innerText.includes({json.dumps(expect)})"
+                " && document.querySelector('[data-testid=stApp]')?.dataset.testScriptState === 'notRunning'"
+                " && !document.querySelector('[data-testid=stSkeleton]') ? document.body.innerText : ''")
+
+    def open_page(self, url: str, expect: str, timeout_s: float = 30) -> str:
+        """Navigates this tab to `url` (a fresh Streamlit session); waits for `settled(expect)` and returns
+        the page's text ("" on timeout)."""
+        self.evaluate("window.__r3trace_old_page = true")
+        self.call("Page.navigate", url=url)
+        return str(self.wait_for(f"window.__r3trace_old_page === undefined && ({self.settled(expect)})",
+                                 timeout_s) or "")
+
+    def count(self, selector: str, session: str | None = None) -> int:
+        return int(self.evaluate(f"document.querySelectorAll({json.dumps(selector)}).length", session))
+
+    def open_tab(self, url: str) -> tuple[str, str]:
+        """A new tab on `url` (its own Streamlit session): (target id for close_tab, session for call)."""
+        target = str(self.call("Target.createTarget", url=url)["targetId"])
+        return target, str(self.call("Target.attachToTarget", targetId=target, flatten=True)["sessionId"])
+
+    def close_tab(self, target: str) -> None:
+        self.call("Target.closeTarget", targetId=target)
 
     def screenshot(self, path: Path) -> None:
         data = self.call("Page.captureScreenshot", format="png")["data"]

@@ -1,8 +1,11 @@
 """A small store for the dashboard tests: a synthetic V3-shaped run ("base") and a copy of it ("flip")
-in which a known set of tokens has one expert changed at one layer, so every number is known."""
+in which a known set of tokens has one expert changed at one layer, so every number is known. For the
+browser tests, one headless chromium and one `r3trace dashboard` process on that store serve the session."""
 
 from __future__ import annotations
 
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
@@ -11,6 +14,8 @@ import pytest
 
 from r3trace.analysis.synth import SynthConfig, write_synth
 from r3trace.trace import TraceWriter, open_dataset, read_token_routes
+from tests.dashboard.browser import CHROMIUM, Browser
+from tests.dashboard.server import Dashboard
 
 CFG = SynthConfig(num_hidden_layers=5, first_k_dense=1, num_experts=16, top_k=4, num_groups=4, topk_group=2,
                   bank_size=128, prompt_len=(4, 12), completion_len=(4, 12), max_running=8, forward_ms=40.0,
@@ -45,3 +50,41 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Store:
         ts = t0 + tr.forward_id * int(CFG.forward_ms * 1e6)
         w.append_tokens(tr.request_id, tr.token_pos, phases, "computed", tr.forward_id, ts, 0, ids)
     return Store(root, len(ids), len(flip))
+
+
+ENSURE = Path(__file__).with_name("ensure_chromium.sh")
+
+
+@pytest.fixture(scope="session")
+def chromium() -> Path:
+    """Debian's chromium, installed by ensure_chromium.sh when missing; the test skips, saying why, if it can't."""
+    if not CHROMIUM.exists():
+        subprocess.run(["bash", str(ENSURE)], check=False, timeout=600)
+    if not CHROMIUM.exists():
+        pytest.skip(f"{CHROMIUM} missing and {ENSURE.name} could not install it (needs root and apt-get)")
+    return CHROMIUM
+
+
+SQL_TIMEOUT_S = 45  # the `dashboard` fixture's --sql-timeout-s
+
+
+@pytest.fixture(scope="session")
+def browser(chromium: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Browser]:
+    b = Browser(tmp_path_factory.mktemp("profile"))
+    b.call("Page.enable")
+    try:
+        yield b
+    finally:
+        b.close()
+
+
+@pytest.fixture(scope="session")
+def dashboard(store: Store, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Dashboard]:
+    """`r3trace dashboard STORE --sql-timeout-s 45` on the synthetic store."""
+    d = Dashboard(store.path, tmp_path_factory.mktemp("dashboard") / "dashboard.log",
+                  "--sql-timeout-s", str(SQL_TIMEOUT_S))
+    try:
+        d.wait_healthy()
+        yield d
+    finally:
+        d.stop()

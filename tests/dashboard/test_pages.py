@@ -7,6 +7,7 @@ Run: .venv/bin/python -m pytest -q tests/dashboard/test_pages.py
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -204,6 +205,50 @@ def test_sql_console_reads_and_refuses_writes(app: AppTest, store: Store) -> Non
         assert at.error and word in at.error[0].value, (bad, [e.value for e in at.error])
     at.text_area[0].set_value("SELECT count(*) AS n FROM tokens WHERE run_id = 'base'").run()
     assert not at.error and int(at.dataframe[0].value["n"].iloc[0]) == store.tokens
+
+
+def test_sql_console_runs_the_query_as_written_and_fetches_only_the_limit(app: AppTest, store: Store) -> None:
+    at = open_page(app, "sql", qlim="10")
+    # each of these broke when the console wrapped the text in SELECT * FROM (...) LIMIT n
+    for query, rows in [("SELECT count(*) AS n FROM tokens -- every token of both runs", [2 * store.tokens]),
+                        ("SELECT 1 AS n; SELECT 2 AS n;", [2]),  # two statements: the last one's rows
+                        ("SELECT count(*) AS n FROM runs\n-- a comment on the last line", [2])]:
+        at.text_area[0].set_value(query).run()
+        assert not at.error, (query, [e.value for e in at.error])
+        assert list(at.dataframe[0].value["n"]) == rows, query
+        assert f"{len(rows)} rows" in [c.value.split(";")[0] for c in at.main.caption], query
+    at.text_area[0].set_value("SELECT request_id, token_pos FROM tokens ORDER BY token_pos DESC -- last first").run()
+    table = at.dataframe[0].value
+    assert len(table) == 10 and table["token_pos"].is_monotonic_decreasing
+    assert any(c.value.startswith("showing the first 10 rows") for c in at.main.caption)
+
+
+def test_store_of_foreign_entries_only_or_with_a_corrupt_file(
+    tmp_path: Path, store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One line each: a folder of non-runs, a corrupt manifest.json, a listed Parquet file cut short."""
+    (tmp_path / "foreign" / "run_id=ghost").mkdir(parents=True)
+    (tmp_path / "foreign" / "routes.csv").write_text("a\n1\n")
+    (tmp_path / "corrupt" / "run_id=x").mkdir(parents=True)
+    (tmp_path / "corrupt" / "run_id=x" / "manifest.json").write_text("{not json")
+    monkeypatch.setenv("R3TRACE_STORE", str(tmp_path / "foreign"))
+    at = AppTest.from_file(APP, default_timeout=60).run()
+    assert not at.exception and not at.error
+    assert "It holds 2 other entries: routes.csv, run_id=ghost/ (no manifest.json)" in at.warning[0].value
+    monkeypatch.setenv("R3TRACE_STORE", str(tmp_path / "corrupt"))
+    at = AppTest.from_file(APP, default_timeout=60).run()
+    assert not at.exception
+    [err] = at.error
+    assert f"manifest {tmp_path / 'corrupt' / 'run_id=x' / 'manifest.json'} unreadable" in err.value
+    torn = tmp_path / "torn" / "run_id=flip"
+    shutil.copytree(store.path / "run_id=flip", torn)
+    part = torn / "part-00000.parquet"
+    part.write_bytes(part.read_bytes()[:100])
+    monkeypatch.setenv("R3TRACE_STORE", str(tmp_path / "torn"))
+    at = AppTest.from_file(APP, default_timeout=60).run()
+    assert not at.exception
+    [err] = at.error
+    assert f"No magic bytes found at end of file '{part}'" in err.value and "LINE 1" not in err.value
 
 
 SAMPLE_TRACES = Path(__file__).resolve().parents[2] / "samples" / "traces"
