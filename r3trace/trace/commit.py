@@ -113,7 +113,7 @@ class RunCommitter:
             max_forward_id=int(pc.max(fwd).as_py()) if routes.num_rows else -1, level=level,
         )
 
-    def _publish(self, manifest: Manifest) -> None:
+    def publish(self, manifest: Manifest) -> None:
         if self.fsync:
             fsync_dir(self.run_dir)  # the renames above, before the manifest names them
         manifest.write(self.run_dir)
@@ -132,7 +132,7 @@ class RunCommitter:
             req_table = pa.Table.from_pylist(requests, schema=REQUEST_SCHEMA) if requests and last else None
             entries.append(self._write_entry(table, rollup, req_table, level=0))
         m = self.manifest
-        self._publish(replace(m, files=(*m.files, *entries), rows=m.rows + sum(e.rows for e in entries),
+        self.publish(replace(m, files=(*m.files, *entries), rows=m.rows + sum(e.rows for e in entries),
                               open_requests=open_requests, end_time=now_iso()))
         self.commits += 1
         self.requests_committed += len(requests)
@@ -170,7 +170,7 @@ class RunCommitter:
             routes.cast(self.schema) if routes.num_rows else self.schema.empty_table(), rollup,
             pa.concat_tables(reqs) if reqs else None, level=max(f.level for f in group) + 1,
         )
-        self._publish(replace(m, files=(*m.files[:lo], entry, *m.files[hi:])))
+        self.publish(replace(m, files=(*m.files[:lo], entry, *m.files[hi:])))
         for f in group:  # no longer listed: readers that go by the manifest never open them again
             for name in (f.name, f.rollup, f.requests):
                 if name:

@@ -131,6 +131,7 @@ class TraceWriter:
         self._wake = threading.Event()
         self._want = False
         self._handoff: queue.SimpleQueue[Taken] = queue.SimpleQueue()
+        self._committing = threading.Lock()  # one commit at a time: the flusher's, flush()'s or close()'s
         self._rows: list[tuple[Batch, int]] = []  # appended, not committed: (batch, rows)
         self._rows_n = 0
         self._requests: list[dict[str, Any]] = []  # finished, not committed
@@ -241,6 +242,21 @@ class TraceWriter:
             compactions=c.compactions, files=len(m.files), last_error=None if err is None else f"{err}",
         )
 
+    def flush(self) -> Manifest:
+        """Commit what was handed over so far, now, from the calling thread; returns the manifest."""
+        with self._lock:
+            self._check_open()
+            while not self._handoff.empty():
+                self._put_back(self._handoff.get())
+            taken = self._take()
+        try:
+            self._commit(taken)
+        except BaseException:
+            with self._lock:
+                self._put_back(taken)
+            raise
+        return self.manifest
+
     def close(self, mark_unfinished: bool = True) -> Manifest:
         """Commit everything, merge the trailing small files, mark the run closed; returns the manifest.
         mark_unfinished: requests with rows and no add_request get a requests row with finish_reason
@@ -270,8 +286,9 @@ class TraceWriter:
             self._flusher.start()
             raise
         c = self._committer
-        c.compact(final=True)
-        c._publish(replace(c.manifest, status="closed", open_requests=(), end_time=now_iso()))
+        with self._committing:
+            c.compact(final=True)
+            c.publish(replace(c.manifest, status="closed", open_requests=(), end_time=now_iso()))
         self.manifest = c.manifest
         self._closed = True
         lifecycle.release_run_lock(self._run_lock)
@@ -345,6 +362,10 @@ class TraceWriter:
                 self._wake.clear()
 
     def _commit(self, taken: Taken) -> None:
+        with self._committing:
+            self._commit_files(taken)
+
+    def _commit_files(self, taken: Taken) -> None:
         """Split the rows into files of <= rows_per_file rows (at appended-batch boundaries, so tokens stay
         whole); the finished requests go with the last file. append_tokens' batches of a file are merged first
         and built as one table: one build per file, however many small appends it holds."""
