@@ -91,7 +91,7 @@ class KillCase:
         rng = np.random.default_rng(seed)
         return cls(
             seed=seed, sig=sig, after_s=float(rng.uniform(0.8, 2.5)), flush_interval_s=float(rng.choice([0.4, 1.0])),
-            rows_per_file=int(rng.choice([300, 3000, 1_000_000])), small_file_rows=int(rng.choice([60, 10_000])),
+            rows_per_file=int(rng.choice([2048, 20_000, 1_000_000])), small_file_rows=int(rng.choice([60, 10_000])),
             fanin=int(rng.choice([2, 4, 8])), concurrency=int(rng.integers(1, 8)), max_tokens=int(rng.integers(1, 40)),
             step_s=float(rng.choice([0.0, 0.002, 0.01])), fsync=bool(rng.integers(0, 2)),
         )
