@@ -32,7 +32,7 @@ from r3trace.engine.request import InvalidRequestError, Req
 from r3trace.engine.request_builder import RequestBuilder, as_list
 from r3trace.engine.request_hooks import RequestHooks
 from r3trace.engine.result import error_result
-from r3trace.engine.route_capture import CaptureRequest, RouteCaptureHooks, TeeSink, parse_replay
+from r3trace.engine.route_capture import CaptureRequest, RouteCaptureHooks, TeeSink, computed_rows, replay_routes
 from r3trace.engine.sampling import Sampler
 from r3trace.engine.scheduler import Scheduler
 from r3trace.engine.tokenizer import load_tokenizer
@@ -122,6 +122,7 @@ class Engine:
         return_routed_weights: bool | list[bool] = False,
         routed_experts: Any = None,
         tag: str | list[str] | None = None,
+        routed_experts_replay_start_len: int | list[int | None] | None = None,
     ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
         """One request (a str prompt or a flat id list) -> a dict; a list -> a list of dicts in order;
         stream=True (one request) -> an iterator of chunks holding what each step added.
@@ -143,7 +144,8 @@ class Engine:
             try:
                 req = self._builder.build(entry, entry_rid, stream, self.sampler)
                 self._attach_capture(req, len(reqs), len(entries), return_routed_experts,
-                                     routed_experts_start_len, return_routed_weights, routed_experts, tag)
+                                     routed_experts_start_len, return_routed_weights, routed_experts, tag,
+                                     routed_experts_replay_start_len)
                 self._loop.claim_rid(entry_rid)
             except InvalidRequestError as exc:
                 if single:
@@ -167,7 +169,8 @@ class Engine:
         return out[0] if single else out  # a request that failed while running carries "error"
 
     def _attach_capture(
-        self, req: Req, i: int, n: int, want: Any, start: Any, weights: Any, forced: Any, tag: Any
+        self, req: Req, i: int, n: int, want: Any, start: Any, weights: Any, forced: Any, tag: Any,
+        replay_start: Any = None,
     ) -> None:
         """Per-request capture options and replay routes into req.extras (raises for this request only)."""
 
@@ -182,6 +185,7 @@ class Engine:
         start_i = pick("routed_experts_start_len", start, isinstance(start, list))
         weights_i = pick("return_routed_weights", weights, isinstance(weights, list))
         tag_i = pick("tag", tag, isinstance(tag, list))
+        replay_start_i = pick("routed_experts_replay_start_len", replay_start, isinstance(replay_start, list))
         # A list of per-request routes when n > 1; one request's routes may themselves be an array.
         forced_i = forced[i] if n > 1 and isinstance(forced, list) else forced
         for name, value in (("return_routed_experts", want_i), ("return_routed_weights", weights_i)):
@@ -200,8 +204,13 @@ class Engine:
         req.extras["capture"] = CaptureRequest(
             want=want_i or weights_i, start_len=start_i, weights=weights_i, tag=tag_i, arrival_ns=time.time_ns()
         )
+        if replay_start_i is not None and forced_i is None:
+            raise InvalidRequestError(
+                "routed_experts_replay_start_len", f"{replay_start_i!r} given without routed_experts to replay"
+            )
         if forced_i is not None:
-            req.extras["replay"] = parse_replay(forced_i, self.model_config, req.prompt_len + req.params.max_new_tokens)
+            rows = computed_rows(req.prompt_len, req.params.max_new_tokens, self.max_context_len)
+            req.extras["replay"] = replay_routes(forced_i, replay_start_i, self.model_config, rows)
             req.use_prefix_cache = False
 
     # ------------------------------------------------------------------ traces
