@@ -43,7 +43,8 @@ def turn2(engine: Engine, history: list[int], user: list[int], new1: int, new2: 
     prompt = history + one["output_ids"] + user
     t0 = time.process_time()  # CPU seconds of every thread: the scheduler thread's forwards included
     two = engine.generate(input_ids=prompt, sampling_params=greedy(new2), routed_experts=routes,
-                          routed_experts_replay_start_len=0, return_logprob=True, logprob_start_len=0)
+                          routed_experts_replay_start_len=0, return_logprob=True)  # input logprobs from 0 would
+    # make the scheduler compute every prompt token (each one's logprob needs its logits)
     assert isinstance(two, dict)
     return time.process_time() - t0, two
 
@@ -81,7 +82,7 @@ def main() -> None:
 
         def logprobs(r: dict[str, Any]) -> np.ndarray:
             m = r["meta_info"]
-            return np.array([x[0] for x in m["input_token_logprobs"][1:] + m["output_token_logprobs"]])
+            return np.array([x[0] for x in m["input_token_logprobs"] + m["output_token_logprobs"]])
 
         row = {
             "history_tokens": n, "turn2_prompt_tokens": a["meta_info"]["prompt_tokens"],
