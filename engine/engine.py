@@ -211,7 +211,9 @@ class Engine:
         if forced_i is not None:
             rows = computed_rows(req.prompt_len, req.params.max_new_tokens, self.max_context_len)
             req.extras["replay"] = replay_routes(forced_i, replay_start_i, self.model_config, rows)
-            req.use_prefix_cache = False
+            # A prefix-cache hit is reused only where the route hooks find it exact (docs/replay.md); hooks
+            # supplied by the caller cannot tell, so there the replay bypasses the cache both ways.
+            req.use_prefix_cache = self.scheduler.hooks is self.route_hooks
 
     # ------------------------------------------------------------------ traces
     def start_trace(

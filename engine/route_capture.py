@@ -57,19 +57,43 @@ class RouteCaptureHooks:
         self.capturer = capturer
         self.pool = pool
         self.writer: Any = None  # the active TraceWriter, if a trace is being recorded
+        # [S + 1] bool: the KV in slot s was computed with forced routes (routing replay). Set for a finished
+        # request's computed positions before its pages can enter the prefix cache; read on every match.
+        self.forced_kv = np.zeros(pool.num_tokens + 1, bool)
 
     def register(self, req: Req) -> None:
         opts: CaptureRequest | None = req.extras.get("capture")
         self.capturer.add_request(req.rid, want=bool(opts and opts.want))
 
     def prefer_pages(self, cached: np.ndarray, own: np.ndarray) -> bool:
-        """Cache the finished request's copy of a prefix when only its routes are on the host."""
+        """Cache the finished request's copy of a prefix when it routed freely and the cached one did not, or,
+        as forced as the cached copy, when only its routes are on the host."""
+        cached_forced, own_forced = bool(self.forced_kv[cached].any()), bool(self.forced_kv[own].any())
+        if cached_forced != own_forced:
+            return cached_forced
         return self.capturer.host_prefix(cached) < len(cached) and self.capturer.host_prefix(own) == len(own)
 
     def usable_prefix(self, req: Req, slots: np.ndarray) -> int:
+        """Of a prefix-cache match, the leading positions whose reuse gives what the request would compute:
+        position p is exact when every position before it is and, if the request forces p, the routes the
+        cached KV was computed with (on the host) are the forced ids in order, else the cached KV was computed
+        with the gate's own routes. A request that routes freely so never reuses KV computed with forced
+        routes; a replay reuses natural KV where its routes agree. Routes not on the host (nobody captured
+        them) count as different: the rest is recomputed."""
         if req.rid not in self.capturer.requests:
             self.register(req)
-        return self.capturer.usable_prefix(req.rid, slots)
+        n = self.capturer.usable_prefix(req.rid, slots)
+        replay: ReplayRoutes | None = req.extras.get("replay")
+        lo, hi = (0, 0) if replay is None else (min(replay.start, n), min(replay.end, n))
+        ok = ~self.forced_kv[slots[:n]]  # [n]: unforced positions
+        if hi > lo:
+            have = self.capturer.host_prefix(slots[lo:hi])
+            cached = self.capturer.buffers.read(slots[lo : lo + have])  # [have, M, K]
+            forced = replay.ids[lo - replay.start : lo - replay.start + have][:, list(self.capturer.cfg.moe_layer_ids)]
+            ok[lo:hi] = False
+            ok[lo : lo + have] = (cached == forced).all(axis=(1, 2))
+        bad = np.flatnonzero(~ok)
+        return int(bad[0]) if len(bad) else n
 
     def on_admit(self, req: Req) -> None:
         if req.rid not in self.capturer.requests:
@@ -81,6 +105,7 @@ class RouteCaptureHooks:
         self.capturer.on_retract(req.rid, self.pool.slots(req.pages, 0, req.kv_len))
 
     def on_finish(self, req: Req) -> None:
+        self._mark_forced(req)
         opts: CaptureRequest | None = req.extras.get("capture")
         want = opts is not None and opts.want
         n_rows = req.kv_len if req.pool_row >= 0 else 0
@@ -103,6 +128,19 @@ class RouteCaptureHooks:
                 token_ids=req.fill_ids,
             )
         self.capturer.finish_request(req.rid)
+
+    def _mark_forced(self, req: Req) -> None:
+        """Before the pages can enter the prefix cache: which of the positions this request computed (those
+        past its reused prefix) had forced routes."""
+        if req.pool_row < 0 or req.kv_len <= req.cached_len:
+            return
+        slots = self.pool.slots(req.pages, req.cached_len, req.kv_len)
+        self.forced_kv[slots] = False
+        replay: ReplayRoutes | None = req.extras.get("replay")
+        if replay is not None:
+            lo, hi = max(replay.start, req.cached_len), min(replay.end, req.kv_len)
+            if hi > lo:
+                self.forced_kv[slots[lo - req.cached_len : hi - req.cached_len]] = True
 
     def stream_rows(self, req: Req) -> RouteRows | None:
         """Rows computed since the previous chunk of a running streaming request."""
