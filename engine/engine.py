@@ -128,9 +128,18 @@ class Engine:
         stream=True (one request) -> an iterator of chunks holding what each step added.
 
         return_routed_experts: meta_info["routed_experts"] is base64 int32 [rows - start, L, K] (row p:
-        the routing of input position p; -1 on dense layers). routed_experts: forced routes to replay
-        (base64, an array [rows, L, K], or {"trace": dir, "request_id": rid}); a list gives one per
-        request. tag: a label per request recorded in traces (e.g. the domain)."""
+        the routing of input position p; -1 on dense layers). tag: a label per request recorded in traces
+        (e.g. the domain).
+
+        Routing replay (docs/replay.md; Megatron-LM's RouterReplay semantics): routed_experts (base64, an array
+        [rows, L, K], or {"trace": dir, "request_id": rid}; a list gives one per request, None routes freely)
+        forces, on each forced row and MoE layer, those expert ids with weights = the gate's own scores at
+        them, normalised (norm_topk_prob) and scaled (routed_scaling_factor) as the model's routing does.
+        Without routed_experts_replay_start_len the routes must cover every row the request computes,
+        prompt + max_new_tokens - 1 (the prompt when max_new_tokens = 0); routed_experts_replay_start_len=s
+        forces only rows [s, s + n) of the n given (partial replay, e.g. a new turn after replayed ones) and
+        the gate routes the rest. Returned routes are the forced ids on forced rows. A replay reuses the
+        prefix cache only where the cached KV was computed with the same routes."""
         if self._closed:
             raise RuntimeError("the engine has been shut down")
         single, entries = as_list(prompt, input_ids, sampling_params, return_logprob, logprob_start_len,
