@@ -28,11 +28,12 @@ from r3trace.engine.model import build_model
 from r3trace.engine.model_runner import ModelRunner
 from r3trace.engine.parallel import ParallelInfo
 from r3trace.engine.radix_cache import RadixCache
+from r3trace.engine.replay import computed_rows, replay_routes
 from r3trace.engine.request import InvalidRequestError, Req
 from r3trace.engine.request_builder import RequestBuilder, as_list
 from r3trace.engine.request_hooks import RequestHooks
 from r3trace.engine.result import error_result
-from r3trace.engine.route_capture import CaptureRequest, RouteCaptureHooks, TeeSink, computed_rows, replay_routes
+from r3trace.engine.route_capture import CaptureRequest, RouteCaptureHooks, TeeSink
 from r3trace.engine.sampling import Sampler
 from r3trace.engine.scheduler import Scheduler
 from r3trace.engine.tokenizer import load_tokenizer

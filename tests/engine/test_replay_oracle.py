@@ -2,10 +2,10 @@
 
 Semantics (docs/replay.md), as Megatron-LM's RouterReplay (megatron/core/transformer/moe/router_replay.py,
 RouterReplay.get_replay_topk, at NVIDIA/Megatron-LM@d98e8a64ddf34856e74b24714e3bedb2f5a39553) and slime's R3
-(slime/utils/routing_replay.py, get_routing_replay_compute_topk, at THUDM/slime@624b824a898ab0ec1fcb4d373004c7f3852bf515)
-use them: the forced ids on the forced rows, weights = the gate's own scores at those ids, normalised and scaled
-as the model's routing does. tests/engine/hf_forced_routes.py patches transformers' gate so that its own code
-computes those weights.
+(slime/utils/routing_replay.py, get_routing_replay_compute_topk, at
+THUDM/slime@624b824a898ab0ec1fcb4d373004c7f3852bf515) use them: the forced ids on the forced rows, weights =
+the gate's own scores at those ids, normalised and scaled as the model's routing does.
+tests/engine/hf_forced_routes.py patches transformers' gate so that its own code computes those weights.
 
 Every prompt and output logprob of every request is compared with transformers' over the final sequence,
 greedy tokens must be transformers' argmax, and the returned routes must be the forced ids, with random valid
