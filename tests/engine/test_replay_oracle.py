@@ -11,9 +11,10 @@ Every prompt and output logprob of every request is compared with transformers' 
 greedy tokens must be transformers' argmax, and the returned routes must be the forced ids, with random valid
 routes (seeded) on every prompt and decode row, through batches of different lengths, chunked prefill, pages
 of several slots, a stream beside a batch, a prefix-cache hit on forced rows, preemption, and partial replay.
-Two configs: DeepSeek-V3 sigmoid/noaux_tc with groups (norm_topk_prob, routed_scaling_factor 2.5, q_lora) and
-DeepSeek-V2 softmax/greedy (no renormalisation, no q_lora); both MLA paths (normal on prefix-free prefill,
-absorbed elsewhere, by default; all absorbed with mla_path="absorb").
+Configs: DeepSeek-V3 sigmoid/noaux_tc with groups (norm_topk_prob, routed_scaling_factor 2.5, q_lora),
+DeepSeek-V2 softmax/greedy (no renormalisation, no q_lora), DeepSeek-V3 without renormalisation (scaling 1.7,
+no q_lora), and behind the slow marker two dense layers with YaRN; both MLA paths (normal on prefix-free
+prefill, absorbed elsewhere, by default; all absorbed with mla_path="absorb"; all normal behind slow).
 
 Tolerance 1e-4 on logprobs, fp32 end to end: the engine and transformers differ only in summation order
 (KV cache, paging, chunking, batching); the worst difference over these tests was 1.9e-6 (torch 2.13, CPU),
@@ -103,7 +104,8 @@ class Oracle:
         return worst
 
 
-@pytest.fixture(scope="module", params=["v3_noaux_groups", "v2_softmax_greedy"])
+@pytest.fixture(scope="module", params=["v3_noaux_groups", "v2_softmax_greedy", "v3_qproj_nonorm",
+                                        pytest.param("v3_dense2_yarn", marks=pytest.mark.slow)])
 def oracle(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Oracle:
     return Oracle(make_checkpoint(tmp_path_factory.mktemp("oracle") / request.param, request.param, seed=5))
 
@@ -113,7 +115,7 @@ def kw(routes: Any, new: int, start: Any = None) -> dict[str, Any]:
                 return_routed_experts=True, return_logprob=True, logprob_start_len=0)
 
 
-@pytest.mark.parametrize("mla_path", ["auto", "absorb"])
+@pytest.mark.parametrize("mla_path", ["auto", "absorb", pytest.param("normal", marks=pytest.mark.slow)])
 def test_batch_stream_and_cache_hit_match_transformers(oracle: Oracle, mla_path: str) -> None:
     """Four requests of 5-17 tokens in 8-token chunks on 4-slot pages, a streamed one beside them, then a
     second turn whose first rows replay the first turn's routes and come from the prefix cache."""
