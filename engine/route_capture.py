@@ -57,6 +57,7 @@ class RouteCaptureHooks:
         # [S + 1] bool: the KV in slot s was computed with forced routes (routing replay). Set for a finished
         # request's computed positions before its pages can enter the prefix cache; read on every match.
         self.forced_kv = np.zeros(pool.num_tokens + 1, bool)
+        self.any_forced = False  # until a replay computes a position, every flag is False: nothing to read or clear
 
     def register(self, req: Req) -> None:
         opts: CaptureRequest | None = req.extras.get("capture")
@@ -81,6 +82,8 @@ class RouteCaptureHooks:
             self.register(req)
         n = self.capturer.usable_prefix(req.rid, slots)
         replay: ReplayRoutes | None = req.extras.get("replay")
+        if replay is None and not self.any_forced:
+            return n
         ok = ~self.forced_kv[slots[:n]]  # [n]: unforced positions
         lo, hi = (0, 0) if replay is None else (min(replay.start, n), min(replay.end, n))
         if replay is not None and hi > lo:
@@ -130,15 +133,16 @@ class RouteCaptureHooks:
     def _mark_forced(self, req: Req) -> None:
         """Before the pages can enter the prefix cache: which of the positions this request computed (those
         past its reused prefix) had forced routes."""
-        if req.pool_row < 0 or req.kv_len <= req.cached_len:
-            return
+        replay: ReplayRoutes | None = req.extras.get("replay")
+        if (replay is None and not self.any_forced) or req.pool_row < 0 or req.kv_len <= req.cached_len:
+            return  # (most finishes: no slot list)
         slots = self.pool.slots(req.pages, req.cached_len, req.kv_len)
         self.forced_kv[slots] = False
-        replay: ReplayRoutes | None = req.extras.get("replay")
         if replay is not None:
             lo, hi = max(replay.start, req.cached_len), min(replay.end, req.kv_len)
             if hi > lo:
                 self.forced_kv[slots[lo - req.cached_len : hi - req.cached_len]] = True
+                self.any_forced = True
 
     def stream_rows(self, req: Req) -> RouteRows | None:
         """Rows computed since the previous chunk of a running streaming request."""
