@@ -27,11 +27,12 @@ from r3trace.engine.model import build_model
 from r3trace.engine.model_runner import ModelRunner
 from r3trace.engine.parallel import ParallelInfo
 from r3trace.engine.radix_cache import RadixCache
+from r3trace.engine.replay import computed_rows, replay_routes
 from r3trace.engine.request import InvalidRequestError, Req
 from r3trace.engine.request_builder import RequestBuilder, as_list
 from r3trace.engine.request_hooks import RequestHooks
 from r3trace.engine.result import error_result
-from r3trace.engine.route_capture import CaptureRequest, RouteCaptureHooks, parse_replay
+from r3trace.engine.route_capture import CaptureRequest, RouteCaptureHooks
 from r3trace.engine.sampling import Sampler
 from r3trace.engine.scheduler import Scheduler
 from r3trace.engine.tokenizer import load_tokenizer
@@ -133,14 +134,24 @@ class Engine:
         return_routed_weights: bool | list[bool] = False,
         routed_experts: Any = None,
         tag: str | list[str] | None = None,
+        routed_experts_replay_start_len: int | list[int | None] | None = None,
     ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
         """One request (a str prompt or a flat id list) -> a dict; a list -> a list of dicts in order;
         stream=True (one request) -> an iterator of chunks holding what each step added.
 
         return_routed_experts: meta_info["routed_experts"] is base64 int32 [rows - start, L, K] (row p:
-        the routing of input position p; -1 on dense layers). routed_experts: forced routes to replay
-        (base64, an array [rows, L, K], or {"trace": dir, "request_id": rid}); a list gives one per
-        request. tag: a label per request recorded in traces (e.g. the domain)."""
+        the routing of input position p; -1 on dense layers). tag: a label per request recorded in traces
+        (e.g. the domain).
+
+        Routing replay (docs/replay.md; Megatron-LM's RouterReplay semantics): routed_experts (base64, an array
+        [rows, L, K], or {"trace": dir, "request_id": rid}; a list gives one per request, None routes freely)
+        forces, on each forced row and MoE layer, those expert ids with weights = the gate's own scores at
+        them, normalised (norm_topk_prob) and scaled (routed_scaling_factor) as the model's routing does.
+        Without routed_experts_replay_start_len the routes must cover every row the request computes,
+        prompt + max_new_tokens - 1 (the prompt when max_new_tokens = 0); routed_experts_replay_start_len=s
+        forces only rows [s, s + n) of the n given (partial replay, e.g. a new turn after replayed ones) and
+        the gate routes the rest. Returned routes are the forced ids on forced rows. A replay reuses the
+        prefix cache only where the cached KV was computed with the same routes."""
         if self._closed:
             raise RuntimeError("the engine has been shut down")
         single, entries = as_list(prompt, input_ids, sampling_params, return_logprob, logprob_start_len,
@@ -154,7 +165,8 @@ class Engine:
             try:
                 req = self._builder.build(entry, entry_rid, stream, self.sampler)
                 self._attach_capture(req, len(reqs), len(entries), return_routed_experts,
-                                     routed_experts_start_len, return_routed_weights, routed_experts, tag)
+                                     routed_experts_start_len, return_routed_weights, routed_experts, tag,
+                                     routed_experts_replay_start_len)
                 self._loop.claim_rid(entry_rid)
             except InvalidRequestError as exc:
                 if single:
@@ -178,7 +190,8 @@ class Engine:
         return out[0] if single else out  # a request that failed while running carries "error"
 
     def _attach_capture(
-        self, req: Req, i: int, n: int, want: Any, start: Any, weights: Any, forced: Any, tag: Any
+        self, req: Req, i: int, n: int, want: Any, start: Any, weights: Any, forced: Any, tag: Any,
+        replay_start: Any = None,
     ) -> None:
         """Per-request capture options and replay routes into req.extras (raises for this request only)."""
 
@@ -193,6 +206,7 @@ class Engine:
         start_i = pick("routed_experts_start_len", start, isinstance(start, list))
         weights_i = pick("return_routed_weights", weights, isinstance(weights, list))
         tag_i = pick("tag", tag, isinstance(tag, list))
+        replay_start_i = pick("routed_experts_replay_start_len", replay_start, isinstance(replay_start, list))
         # A list of per-request routes when n > 1; one request's routes may themselves be an array.
         forced_i = forced[i] if n > 1 and isinstance(forced, list) else forced
         for name, value in (("return_routed_experts", want_i), ("return_routed_weights", weights_i)):
@@ -211,9 +225,16 @@ class Engine:
         req.extras["capture"] = CaptureRequest(
             want=want_i or weights_i, start_len=start_i, weights=weights_i, tag=tag_i, arrival_ns=time.time_ns()
         )
+        if replay_start_i is not None and forced_i is None:
+            raise InvalidRequestError(
+                "routed_experts_replay_start_len", f"{replay_start_i!r} given without routed_experts to replay"
+            )
         if forced_i is not None:
-            req.extras["replay"] = parse_replay(forced_i, self.model_config, req.prompt_len + req.params.max_new_tokens)
-            req.use_prefix_cache = False
+            rows = computed_rows(req.prompt_len, req.params.max_new_tokens, self.max_context_len)
+            req.extras["replay"] = replay_routes(forced_i, replay_start_i, self.model_config, rows)
+            # A prefix-cache hit is reused only where the route hooks find it exact (docs/replay.md); hooks
+            # supplied by the caller cannot tell, so there the replay bypasses the cache both ways.
+            req.use_prefix_cache = self.scheduler.hooks is self.route_hooks
 
     # ------------------------------------------------------------------ traces
     def start_trace(

@@ -25,8 +25,8 @@ from r3trace.engine.cuda_graph import DecodeGraphs
 from r3trace.engine.forward_batch import ForwardBatch
 from r3trace.engine.host_staging import HostStaging
 from r3trace.engine.kv_pool import KVPool, ReqToTokenPool
+from r3trace.engine.replay import replay_plan
 from r3trace.engine.request import LogprobEntry
-from r3trace.engine.route_capture import replay_plan
 from r3trace.engine.sampling import Sampler
 from r3trace.engine.step import ReqOutput, ScheduledReq
 

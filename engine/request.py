@@ -152,8 +152,8 @@ class Req:
     sent_logprobs: int = 0
     text: str = ""  # decoded output, trimmed before a matched stop string
     extras: dict[str, Any] = field(default_factory=dict)  # free slot: capture attaches route rows here
-    # False for routing replay: cached KV was computed with other routes, and KV computed with forced
-    # routes must not be served to requests that route freely.
+    # False: neither reuse nor fill the prefix cache (a replay under hooks that cannot check a hit's routes).
+    # A replay under the route hooks keeps it: they reuse only exact hits (RouteCaptureHooks.usable_prefix).
     use_prefix_cache: bool = True
 
     @property

@@ -2,29 +2,26 @@
 
 RouteCaptureHooks is the scheduler's RequestHooks: it tells the capturer when a request is admitted
 (prefix hit), retracted (keep its rows before the KV is freed) and finished (assemble its rows while
-the KV is still valid). Per-request capture options live in `req.extras["capture"]`; forced routes for
-replay in `req.extras["replay"]`. Shape legend: L num_hidden_layers, K top-k, E routed experts.
+the KV is still valid), and decides which prefix-cache hits a replay may reuse. Per-request capture
+options live in `req.extras["capture"]`; forced routes for replay in `req.extras["replay"]`
+(engine/replay.py). Shape legend: L num_hidden_layers, K top-k, E routed experts.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from r3trace.capture.capturer import RoutedExpertsCapturer, RouteRows
-from r3trace.capture.wire import WireFormatError, decode_array, encode_float16, encode_int32
+from r3trace.capture.wire import encode_float16, encode_int32
 
 from .config import ModelConfig
-from .forward_batch import ReplayPlan
 from .kv_pool import KVPool
-from .request import InvalidRequestError, Req
-from .step import ScheduledReq
+from .replay import ReplayRoutes
+from .request import Req
 
 
 @dataclass
@@ -57,19 +54,47 @@ class RouteCaptureHooks:
         self.capturer = capturer
         self.pool = pool
         self.writer: Any = None  # the active TraceWriter, if a trace is being recorded
+        # [S + 1] bool: the KV in slot s was computed with forced routes (routing replay). Set for a finished
+        # request's computed positions before its pages can enter the prefix cache; read on every match.
+        self.forced_kv = np.zeros(pool.num_tokens + 1, bool)
+        self.any_forced = False  # until a replay computes a position, every flag is False: nothing to read or clear
 
     def register(self, req: Req) -> None:
         opts: CaptureRequest | None = req.extras.get("capture")
         self.capturer.add_request(req.rid, want=bool(opts and opts.want))
 
     def prefer_pages(self, cached: np.ndarray, own: np.ndarray) -> bool:
-        """Cache the finished request's copy of a prefix when only its routes are on the host."""
+        """Cache the finished request's copy of a prefix when it routed freely and the cached one did not, or,
+        as forced as the cached copy, when only its routes are on the host."""
+        cached_forced, own_forced = bool(self.forced_kv[cached].any()), bool(self.forced_kv[own].any())
+        if cached_forced != own_forced:
+            return cached_forced
         return self.capturer.host_prefix(cached) < len(cached) and self.capturer.host_prefix(own) == len(own)
 
     def usable_prefix(self, req: Req, slots: np.ndarray) -> int:
+        """Of a prefix-cache match, the leading positions whose reuse gives what the request would compute:
+        position p is exact when every position before it is and, if the request forces p, the routes the
+        cached KV was computed with (on the host) are the forced ids in order, else the cached KV was computed
+        with the gate's own routes. A request that routes freely so never reuses KV computed with forced
+        routes; a replay reuses natural KV where its routes agree. Routes not on the host (nobody captured
+        them) count as different: the rest is recomputed."""
         if req.rid not in self.capturer.requests:
             self.register(req)
-        return self.capturer.usable_prefix(req.rid, slots)
+        n = self.capturer.usable_prefix(req.rid, slots)
+        replay: ReplayRoutes | None = req.extras.get("replay")
+        if replay is None and not self.any_forced:
+            return n
+        ok = ~self.forced_kv[slots[:n]]  # [n]: unforced positions
+        lo, hi = (0, 0) if replay is None else (min(replay.start, n), min(replay.end, n))
+        if replay is not None and hi > lo:
+            have = self.capturer.host_prefix(slots[lo:hi])
+            cached = self.capturer.buffers.read(slots[lo : lo + have])  # [have, M, K]
+            first = lo - replay.start
+            forced = replay.ids[first : first + have][:, list(self.capturer.cfg.moe_layer_ids)]  # [have, M, K]
+            ok[lo:hi] = False
+            ok[lo : lo + have] = (cached == forced).all(axis=(1, 2))
+        bad = np.flatnonzero(~ok)
+        return int(bad[0]) if len(bad) else n
 
     def on_admit(self, req: Req) -> None:
         if req.rid not in self.capturer.requests:
@@ -81,6 +106,7 @@ class RouteCaptureHooks:
         self.capturer.on_retract(req.rid, self.pool.slots(req.pages, 0, req.kv_len))
 
     def on_finish(self, req: Req) -> None:
+        self._mark_forced(req)
         opts: CaptureRequest | None = req.extras.get("capture")
         want = opts is not None and opts.want
         n_rows = req.kv_len if req.pool_row >= 0 else 0
@@ -103,6 +129,20 @@ class RouteCaptureHooks:
                 token_ids=req.fill_ids,
             )
         self.capturer.finish_request(req.rid)
+
+    def _mark_forced(self, req: Req) -> None:
+        """Before the pages can enter the prefix cache: which of the positions this request computed (those
+        past its reused prefix) had forced routes."""
+        replay: ReplayRoutes | None = req.extras.get("replay")
+        if (replay is None and not self.any_forced) or req.pool_row < 0 or req.kv_len <= req.cached_len:
+            return  # (most finishes: no slot list)
+        slots = self.pool.slots(req.pages, req.cached_len, req.kv_len)
+        self.forced_kv[slots] = False
+        if replay is not None:
+            lo, hi = max(replay.start, req.cached_len), min(replay.end, req.kv_len)
+            if hi > lo:
+                self.forced_kv[slots[lo - req.cached_len : hi - req.cached_len]] = True
+                self.any_forced = True
 
     def stream_rows(self, req: Req) -> RouteRows | None:
         """Rows computed since the previous chunk of a running streaming request."""
@@ -128,97 +168,3 @@ def route_meta(rows: RouteRows, cfg: ModelConfig, with_weights: bool, delta: boo
         meta["routed_weights_shape"] = list(rows.weights.shape)
         meta["routed_weights_dtype"] = "float16"
     return meta
-
-
-def parse_replay(value: Any, cfg: ModelConfig, max_rows: int) -> np.ndarray:
-    """Forced routes for one request -> int32 [rows, L, K]; every problem is an InvalidRequestError."""
-    name = "routed_experts"
-    shape_tail = (cfg.num_hidden_layers, cfg.num_experts_per_tok)
-    if isinstance(value, dict) and "trace" in value:
-        value = _from_trace(value, cfg)
-    if isinstance(value, (str, bytes)):
-        try:
-            flat = decode_array(value, "int32")
-        except WireFormatError as exc:
-            raise InvalidRequestError(name, str(exc)) from exc
-        per_row = int(np.prod(shape_tail))
-        if flat.size % per_row:
-            raise InvalidRequestError(
-                name, f"{flat.size} ids are not a whole number of rows of [L={shape_tail[0]}, K={shape_tail[1]}]"
-            )
-        arr = flat.reshape(-1, *shape_tail)
-    elif isinstance(value, (np.ndarray, torch.Tensor, list)):
-        arr = np.asarray(value.cpu() if isinstance(value, torch.Tensor) else value)
-        if arr.ndim != 3 or tuple(arr.shape[1:]) != shape_tail:
-            raise InvalidRequestError(
-                name, f"shape {list(arr.shape)}; expected [rows, num_hidden_layers={shape_tail[0]}, K={shape_tail[1]}]"
-            )
-        if not np.issubdtype(arr.dtype, np.integer):
-            raise InvalidRequestError(name, f"dtype {arr.dtype}; expected integer expert ids")
-        arr = arr.astype(np.int32)
-    else:
-        raise InvalidRequestError(name, f"a {type(value).__name__}; expected base64, an array or a trace reference")
-    if len(arr) > max_rows:
-        raise InvalidRequestError(name, f"{len(arr)} rows; this request has at most {max_rows} routed positions")
-    moe = arr[:, list(cfg.moe_layer_ids)]
-    bad = (moe < 0) | (moe >= cfg.n_routed_experts)
-    if bad.any():
-        r, layer, _ = np.argwhere(bad)[0]
-        raise InvalidRequestError(
-            name, f"row {r} layer {cfg.moe_layer_ids[layer]}: expert id {int(moe[r, layer].max())} outside "
-            f"0..{cfg.n_routed_experts - 1}"
-        )
-    dup = (np.sort(moe, axis=-1)[..., 1:] == np.sort(moe, axis=-1)[..., :-1]).any(-1)
-    if dup.any():
-        r, layer = np.argwhere(dup)[0]
-        raise InvalidRequestError(name, f"row {r} layer {cfg.moe_layer_ids[layer]}: an expert id repeats")
-    return arr
-
-
-def _from_trace(ref: dict[str, Any], cfg: ModelConfig) -> np.ndarray:
-    """{"trace": dir, "request_id": rid, "run_id": optional} -> [rows, L, K] from a recorded trace."""
-    import duckdb
-
-    root, rid = Path(ref["trace"]), ref.get("request_id")
-    if not root.exists() or rid is None:
-        raise InvalidRequestError(
-            "routed_experts", f"trace reference needs an existing 'trace' dir and a 'request_id': {ref}"
-        )
-    con = duckdb.connect()
-    glob = str(root / "**" / "part-*.parquet")
-    rows = con.execute(
-        f"SELECT token_pos, layer_id, topk_ids FROM read_parquet('{glob}', hive_partitioning=true) "
-        "WHERE request_id = ? AND (? IS NULL OR run_id = ?) ORDER BY token_pos, layer_id",
-        [rid, ref.get("run_id"), ref.get("run_id")],
-    ).fetchall()
-    if not rows:
-        raise InvalidRequestError("routed_experts", f"request_id {rid!r} not found in trace {root}")
-    n = max(r[0] for r in rows) + 1
-    out = np.full((n, cfg.num_hidden_layers, cfg.num_experts_per_tok), -1, np.int32)
-    for pos, layer, ids in rows:
-        out[pos, layer] = ids
-    return out
-
-
-def replay_plan(
-    items: list[ScheduledReq], num_tokens: int, cfg: ModelConfig, device: str,
-    stage: Callable[[np.ndarray], torch.Tensor] | None = None,
-) -> ReplayPlan | None:
-    """Forced ids for the rows of this forward whose request carries replay routes, else None. stage: how host
-    arrays reach the device (the runner's HostStaging: no wait on the step in flight); default a plain copy."""
-    forced = [(it, it.req.extras.get("replay")) for it in items]
-    if all(r is None for _, r in forced):
-        return None
-    ids = np.zeros((num_tokens, cfg.num_hidden_layers, cfg.num_experts_per_tok), np.int32)
-    mask = np.zeros(num_tokens, bool)
-    row = 0
-    for it, routes in forced:
-        if routes is not None:
-            hi = min(it.end, len(routes))
-            if hi > it.start:
-                ids[row : row + hi - it.start] = routes[it.start : hi]
-                mask[row : row + hi - it.start] = True
-        row += it.extend_len
-    if stage is None:
-        return ReplayPlan(topk_ids=torch.from_numpy(ids).to(device), row_mask=torch.from_numpy(mask).to(device))
-    return ReplayPlan(topk_ids=stage(ids).view(ids.shape), row_mask=stage(mask))

@@ -71,6 +71,8 @@ def generate_kwargs(req: GenerateRequest) -> dict[str, Any]:
                             "return_routed_experts=true", "routed_experts_start_len")
     if req.routed_experts is not None:
         kw["routed_experts"] = req.routed_experts
+    if req.routed_experts_replay_start_len is not None:  # the engine refuses it without routed_experts
+        kw["routed_experts_replay_start_len"] = req.routed_experts_replay_start_len
     if req.tag is not None:
         kw["tag"] = req.tag
     return kw

@@ -46,7 +46,12 @@ class GenerateRequest(BaseModel):
     return_routed_experts: bool = False
     routed_experts_start_len: int = Field(default=0, ge=0)
     routed_experts: str | None = Field(
-        default=None, description="routing replay: base64 int32 [rows, num_hidden_layers, K] to force"
+        default=None, description="routing replay: base64 int32 [rows, num_hidden_layers, K] to force; without "
+        "routed_experts_replay_start_len it must cover every row the request computes (docs/replay.md)"
+    )
+    routed_experts_replay_start_len: int | None = Field(
+        default=None, ge=0, description="r3trace extension, partial replay: routed_experts forces positions "
+        "[start, start + rows) and the gate routes the others"
     )
     stream: bool = False
     tag: str | list[str] | None = Field(

@@ -43,7 +43,7 @@ def test_replay_forces_different_routes(make_engine: EngineFactory) -> None:
     np.testing.assert_array_equal(returned_routes(out), forced)
     # A partial replay forces only the rows it covers; the rest route freely.
     part = engine.generate(input_ids=p, sampling_params=greedy(0), return_routed_experts=True,
-                           routed_experts=forced[:5])
+                           routed_experts=forced[:5], routed_experts_replay_start_len=0)
     got = returned_routes(part)
     np.testing.assert_array_equal(got[:5], forced[:5])
 
@@ -54,9 +54,12 @@ def test_replay_forces_different_routes(make_engine: EngineFactory) -> None:
         ("not base64!!", "not valid base64"),
         (pybase64.b64encode(np.zeros(7, "<i4").tobytes()).decode(), "not a whole number of rows"),
         (np.zeros((3, 2, 3), np.int32), "shape [3, 2, 3]"),  # wrong layer count
-        (np.full((3, 3, 3), 8, np.int32), "expert id 8 outside 0..7"),
-        (np.array([[[-1, -1, -1], [0, 0, 1], [1, 2, 3]]] * 2, np.int32), "repeats"),
-        (np.zeros((99, 3, 3), np.int32), "99 rows"),
+        (np.full((7, 3, 3), 8, np.int32), "expert id 8 outside 0..7"),  # 7 rows: prompt 6 + 2 new - 1
+        (np.array([[[-1, -1, -1], [0, 0, 1], [1, 2, 3]]] * 7, np.int32), "repeats"),
+        (np.zeros((99, 3, 3), np.int32), "99 rows given; this request computes 7"),
+        (np.zeros((2, 3, 3), np.int32), "2 rows given, this request computes 7 (prompt 6 + max_new_tokens 2 - 1)"),
+        ("", "0 rows given"),
+        (np.zeros((0, 3, 3), np.int32), "0 rows given"),
     ],
 )
 def test_bad_replay_input_fails_that_request_only(make_engine: EngineFactory, payload: object, needle: str) -> None:

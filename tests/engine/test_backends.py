@@ -100,7 +100,7 @@ def test_replay_through_fused_shared_tail(make_engine: EngineFactory) -> None:
     forced = returned_routes(ref.generate(input_ids=p, sampling_params=greedy(0), return_routed_experts=True))
     forced[:, 1:] = (forced[:, 1:] + 1) % 8  # every MoE layer's ids moved to experts the gate did not pick
     kw = dict(sampling_params=greedy(4), return_routed_experts=True, routed_experts=forced, return_logprob=True,
-              logprob_start_len=0)
+              logprob_start_len=0, routed_experts_replay_start_len=0)  # prompt rows forced, decode rows free
     a, b = ref.generate(input_ids=p, **kw), tri.generate(input_ids=p, **kw)
     assert a["output_ids"] == b["output_ids"]
     np.testing.assert_array_equal(returned_routes(b)[: len(p)], forced)
@@ -113,7 +113,7 @@ def test_replay_through_fused_shared_tail(make_engine: EngineFactory) -> None:
         return [x[0] for x in m["input_token_logprobs"][1:] + m["output_token_logprobs"]]
 
     np.testing.assert_allclose(logprobs(b), logprobs(a), rtol=0, atol=1e-4)
-    natural = tri.generate(input_ids=p, **{**kw, "routed_experts": None})
+    natural = tri.generate(input_ids=p, **{**kw, "routed_experts": None, "routed_experts_replay_start_len": None})
     assert np.abs(np.subtract(logprobs(natural), logprobs(b))).max() > 0.1, "the forced routes reached the MoE"
 
 
