@@ -47,11 +47,26 @@ class RollupAccumulator:
         for u in uniq.tolist():
             rows = flat if len(uniq) == 1 else flat[key == u]
             c = np.bincount(rows.ravel(), minlength=n_cells).reshape(len(self.moe_layer_ids), -1)
-            slot = (u // len(PHASES), u % len(PHASES))
-            if slot in self.counts:
-                self.counts[slot] += c
-            else:
-                self.counts[slot] = c.astype(np.int64)
+            self._accumulate((u // len(PHASES), u % len(PHASES)), c)
+
+    def add_tokens(self, ts_ns: np.ndarray, phase: np.ndarray, topk_ids: np.ndarray) -> None:
+        """ts_ns, phase codes: [T]; topk_ids [T, L, K] over every MoE layer in order (checked against E)."""
+        if len(topk_ids) == 0:
+            return
+        n_layers = len(self.moe_layer_ids)
+        flat = np.arange(n_layers, dtype=np.int64)[None, :, None] * self.num_experts + topk_ids  # [T, L, K]
+        key = (np.asarray(ts_ns, dtype=np.int64) // self.window_ns) * len(PHASES) + phase  # [T]
+        uniq, inv = np.unique(key, return_inverse=True)
+        for j, u in enumerate(uniq.tolist()):
+            rows = flat if len(uniq) == 1 else flat[inv == j]
+            c = np.bincount(rows.ravel(), minlength=n_layers * self.num_experts).reshape(n_layers, -1)
+            self._accumulate((u // len(PHASES), u % len(PHASES)), c)
+
+    def _accumulate(self, slot: tuple[int, int], c: np.ndarray) -> None:
+        if slot in self.counts:
+            self.counts[slot] += c
+        else:
+            self.counts[slot] = c.astype(np.int64)
 
     def table(self, run_id: str) -> pa.Table:
         """Nonzero cells as a ROLLUP_SCHEMA table; then the accumulator is empty."""

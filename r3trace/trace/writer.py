@@ -30,7 +30,7 @@ import numpy as np
 import pyarrow as pa
 
 from r3trace.trace import lifecycle
-from r3trace.trace.batch import Labels, check_tokens, expand_tokens, merge_tokens, route_rows
+from r3trace.trace.batch import Labels, route_rows
 from r3trace.trace.commit import RunCommitter, now_iso, write_parquet_atomic
 from r3trace.trace.rollup import RollupAccumulator
 from r3trace.trace.schema import (
@@ -43,6 +43,7 @@ from r3trace.trace.schema import (
     run_dir_name,
     write_atomic,
 )
+from r3trace.trace.tokens import check_tokens, tokens_table
 
 log = logging.getLogger("r3trace.trace")
 MAX_FLUSH_INTERVAL_S = 3600.0
@@ -166,8 +167,6 @@ class TraceWriter:
         m = self.manifest
         kw = check_tokens(m.moe_layer_ids, m.num_experts, m.top_k, m.with_weights, request_id, token_pos, phase,
                           source, forward_id, ts, dp_rank, topk_ids, topk_weights)
-        # kept until the flusher builds them: copies, so a caller that reuses its buffers changes nothing here
-        kw = {k: v.copy() if isinstance(v, (np.ndarray, list)) else v for k, v in kw.items()}
         self._stash(kw, len(kw["topk_ids"]) * m.num_moe_layers, distinct(request_id))
 
     def append(
@@ -202,14 +201,6 @@ class TraceWriter:
             if self._rows_n >= self.rows_per_file:
                 self._wake.set()
             self._hand_over()
-
-    def _table(self, batch: Batch) -> pa.Table:
-        """A stashed batch as routes rows (the flusher's side of append_tokens)."""
-        if isinstance(batch, pa.Table):
-            return batch
-        m = self.manifest
-        kw = expand_tokens(m.moe_layer_ids, **batch)
-        return route_rows(m.run_id, num_experts=m.num_experts, top_k=m.top_k, with_weights=m.with_weights, **kw)
 
     def add_request(
         self, request_id: str, *, tag: str | None = None, prompt_tokens: int | None = None,
@@ -383,15 +374,17 @@ class TraceWriter:
         m = self.manifest
         rolled = []
         for group in groups:
-            tables = [b for b in group if isinstance(b, pa.Table)]
-            tokens = [b for b in group if not isinstance(b, pa.Table)]
-            if tokens:
-                tables.append(self._table(merge_tokens(tokens)))
             acc = RollupAccumulator(m.moe_layer_ids, m.num_experts, m.rollup_window_ns)
+            tables = [b for b in group if isinstance(b, pa.Table)]
             for t in tables:  # route_rows encodes phase over all of PHASES: its indices are the phase codes
                 ids = t.column("topk_ids").combine_chunks().flatten().to_numpy().reshape(t.num_rows, m.top_k)
                 acc.add(t.column("ts").cast(pa.int64()).to_numpy(),
                         t.column("phase").combine_chunks().indices.to_numpy(), t.column("layer_id").to_numpy(), ids)
+            tokens = [b for b in group if not isinstance(b, pa.Table)]
+            if tokens:
+                tables.append(tokens_table(m.run_id, m.moe_layer_ids, m.top_k, m.with_weights, tokens))
+                for b in tokens:
+                    acc.add_tokens(b["ts"], b["phase"], b["topk_ids"])
             rolled.append((tables, acc.table(self.run_id)))
         self.manifest = self._committer.commit(rolled, requests, open_ids)
 
