@@ -80,10 +80,9 @@ foreign = store_health.foreign_entries(path)
 if foreign:
     st.sidebar.info(f"Not runs, not shown: {store_health.names(foreign)}")
 try:
-    problems = store_health.run_problems(path, run_id)
-    if problems:
-        st.warning(f"Run {run_id} was not closed cleanly (a crash, or a writer still running): "
-                   + "; ".join(problems) + ".")
+    state, problems = store_health.run_problems(path, run_id)
+    if problems:  # one line each (a Markdown hard break between them)
+        (st.warning if state == "crashed" else st.info)("  \n".join(problems))
     nav.run()
 except Exception as exc:  # the last net: one line on the page, the traceback in the server log
     _LOG.exception("page %s failed on run %s", st.query_params.to_dict(), run_id)

@@ -113,20 +113,6 @@ def request_list(path: str, run_id: str) -> pl.DataFrame:
 
 
 @st.cache_data(show_spinner=False)
-def request_counts(path: str, run_id: str) -> dict[str, int]:
-    """with_routes: requests with route rows; without_row: those with no row in the requests table;
-    unfinished: requests-table rows marked finish_reason='unfinished'."""
-    got = _q(path, "SELECT count(*) AS with_routes, count(*) FILTER (WHERE r.request_id IS NULL) AS without_row"
-                   " FROM (SELECT DISTINCT request_id FROM routes WHERE run_id = ?) t"
-                   " LEFT JOIN (SELECT DISTINCT request_id FROM requests WHERE run_id = ?) r USING (request_id)",
-             [run_id, run_id]).row(0, named=True)
-    unfinished = _q(path, "SELECT count(*) FROM requests WHERE run_id = ? AND finish_reason = 'unfinished'",
-                    [run_id]).item()
-    return {"with_routes": int(got["with_routes"]), "without_row": int(got["without_row"]),
-            "unfinished": int(unfinished)}
-
-
-@st.cache_data(show_spinner=False)
 def request_routes(path: str, run_id: str, request_id: str) -> pl.DataFrame:
     """[T rows] token_pos, phase, source, forward_id, then one column per MoE layer ("L3") of expert ids."""
     long = _q(path, "SELECT token_pos, phase, source, forward_id, layer_id,"
