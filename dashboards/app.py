@@ -65,6 +65,7 @@ if path is None or not Path(path).is_dir():
     st.stop()
 assert path is not None
 try:
+    store_cache.refresh(path)  # a live writer's commits since the last rerun, a run recovered meanwhile
     runs = store_cache.runs(path)
 except (TraceSchemaError, OSError, duckdb.Error) as exc:  # a corrupt manifest or listed file: named in the message
     st.error(f"Cannot open the store {path}: {_first_line(exc)}")

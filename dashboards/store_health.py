@@ -61,7 +61,7 @@ def uncommitted_files(run: RunFiles) -> list[str]:
 
 def _interval(m: Manifest) -> str:
     if m.flush_interval_s is None:
-        return "it commits on size, flush() and close only (flush_interval_s None)"
+        return "on size, flush() and close only: its flush_interval_s is None"
     return f"within its flush_interval_s of {m.flush_interval_s:g} s"
 
 
@@ -75,8 +75,8 @@ def run_problems(path: str, run_id: str) -> tuple[str, list[str]]:
         return run.state, []
     recover = f"`r3trace.trace.recover_run('{run.run_dir}')`"
     if run.state == "recording":
-        out = [f"Run {run_id} is recording: a live writer still records it; rows appear as they are committed, "
-               f"{_interval(m)}."]
+        out = [f"Run {run_id} is recording: a live writer still records it; rows appear as they are committed "
+               f"({_interval(m)}), when the page reruns."]
         if m.open_requests:
             out.append(f"{len(m.open_requests):,} request(s) in flight at its last commit "
                        f"({names(list(m.open_requests))}) have routes and no requests-table row yet.")
