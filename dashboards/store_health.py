@@ -91,7 +91,7 @@ def run_problems(path: str, run_id: str) -> tuple[str, list[str]]:
         out.append(f"{len(stale):,} uncommitted file(s) its manifest does not list ({names(stale)}) are not "
                    f"shown; {recover} deletes them and closes the run.")
     else:
-        out.append(f"{recover} closes the run.")
+        out.append(f"{recover} {'writes their rows and ' if m.open_requests else ''}closes the run.")
     return run.state, out
 
 
