@@ -65,6 +65,7 @@ if path is None or not Path(path).is_dir():
     st.stop()
 assert path is not None
 try:
+    store_cache.refresh(path)  # a live writer's commits since the last rerun, a run recovered meanwhile
     runs = store_cache.runs(path)
 except (TraceSchemaError, OSError, duckdb.Error) as exc:  # a corrupt manifest or listed file: named in the message
     st.error(f"Cannot open the store {path}: {_first_line(exc)}")
@@ -80,10 +81,9 @@ foreign = store_health.foreign_entries(path)
 if foreign:
     st.sidebar.info(f"Not runs, not shown: {store_health.names(foreign)}")
 try:
-    problems = store_health.run_problems(path, run_id)
-    if problems:
-        st.warning(f"Run {run_id} was not closed cleanly (a crash, or a writer still running): "
-                   + "; ".join(problems) + ".")
+    state, problems = store_health.run_problems(path, run_id)
+    if problems:  # one line each (a Markdown hard break between them)
+        (st.warning if state == "crashed" else st.info)("  \n".join(problems))
     nav.run()
 except Exception as exc:  # the last net: one line on the page, the traceback in the server log
     _LOG.exception("page %s failed on run %s", st.query_params.to_dict(), run_id)

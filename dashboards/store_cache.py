@@ -3,12 +3,16 @@
 The TraceStore (a DuckDB connection) is a `st.cache_resource`, one per store path; every query result is
 a `st.cache_data` whose arguments are all of its inputs (store path first), so a widget change reruns
 only the queries that depend on it. A cursor per call: Streamlit runs sessions on several threads.
+The app calls `refresh` first on every rerun: when a run's manifest changed (a live writer committed or
+compacted, a run was added or recovered) or its writer started or stopped, every cached store and result
+is dropped, so the pages show the commits made since, and never read files a compaction deleted.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,6 +25,8 @@ from r3trace.analysis import agreement, coactivation, heat
 from r3trace.analysis.limited_query import LimitedResult, run_limited
 from r3trace.analysis.store import TraceStore, query_frame
 from r3trace.trace import read_token_routes
+from r3trace.trace.lifecycle import run_is_live
+from r3trace.trace.schema import MANIFEST_NAME
 
 STORE_ENV = "R3TRACE_STORE"
 SQL_TIMEOUT_ENV = "R3TRACE_SQL_TIMEOUT_S"  # set by `r3trace dashboard --sql-timeout-s`
@@ -52,6 +58,43 @@ def open_store(path: str) -> TraceStore:
 def open_readonly_store(path: str) -> TraceStore:
     """For the SQL console: SELECT only, no file access outside the store, memory and threads capped."""
     return TraceStore(path, read_only=True)
+
+
+Stamp = tuple[tuple[str, int, int, int, bool], ...]
+
+
+def store_stamp(path: str) -> Stamp:
+    """Per run folder: its name, its manifest's inode, size and mtime (an atomic rewrite changes the inode), and
+    whether a writer holds it. Open's discovery (reader.open_dataset); a stat and a lock probe per run."""
+    root = Path(path)
+    dirs = [root] if (root / MANIFEST_NAME).exists() else sorted(root.glob("run_id=*"))
+    out = []
+    for d in dirs:
+        try:
+            s = (d / MANIFEST_NAME).stat()
+        except FileNotFoundError:  # no manifest yet: not a run
+            continue
+        out.append((d.name, s.st_ino, s.st_size, s.st_mtime_ns, run_is_live(d)))
+    return tuple(out)
+
+
+@st.cache_resource(show_spinner=False)
+def _stamps() -> tuple[threading.Lock, dict[str, Stamp]]:
+    return threading.Lock(), {}
+
+
+def refresh(path: str) -> bool:
+    """Drops every cached store and query result if the store changed since the last rerun looked; True if so."""
+    stamp = store_stamp(path)
+    lock, seen = _stamps()
+    with lock:
+        changed = path in seen and seen[path] != stamp
+        seen[path] = stamp
+    if changed:
+        st.cache_data.clear()
+        open_store.clear()
+        open_readonly_store.clear()
+    return changed
 
 
 def _q(path: str, sql: str, params: list[Any] | None = None) -> pl.DataFrame:
@@ -110,20 +153,6 @@ def request_list(path: str, run_id: str) -> pl.DataFrame:
                     " FROM (SELECT request_id, count(*) AS tokens FROM tokens WHERE run_id = ? GROUP BY 1) t"
                     " LEFT JOIN (SELECT * FROM requests WHERE run_id = ?) r USING (request_id)"
                     " ORDER BY t.request_id", [run_id, run_id])
-
-
-@st.cache_data(show_spinner=False)
-def request_counts(path: str, run_id: str) -> dict[str, int]:
-    """with_routes: requests with route rows; without_row: those with no row in the requests table;
-    unfinished: requests-table rows marked finish_reason='unfinished'."""
-    got = _q(path, "SELECT count(*) AS with_routes, count(*) FILTER (WHERE r.request_id IS NULL) AS without_row"
-                   " FROM (SELECT DISTINCT request_id FROM routes WHERE run_id = ?) t"
-                   " LEFT JOIN (SELECT DISTINCT request_id FROM requests WHERE run_id = ?) r USING (request_id)",
-             [run_id, run_id]).row(0, named=True)
-    unfinished = _q(path, "SELECT count(*) FROM requests WHERE run_id = ? AND finish_reason = 'unfinished'",
-                    [run_id]).item()
-    return {"with_routes": int(got["with_routes"]), "without_row": int(got["without_row"]),
-            "unfinished": int(unfinished)}
 
 
 @st.cache_data(show_spinner=False)

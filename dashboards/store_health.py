@@ -1,9 +1,9 @@
 """What a store or a run lacks, said in a line a page can show instead of failing on it.
 
 - foreign entries: files and folders beside the runs that are not runs (open_dataset skips them);
-- a run not closed cleanly (a crash, or a writer still running): complete routes files its manifest does
-  not list, `.tmp` files, requests with routes but no row in the requests table, requests marked
-  `finish_reason='unfinished'`;
+- a run that is not closed (reader.RunFiles.state): "crashed", its writer died before closing it (the
+  requests then in flight read as finish_reason 'unfinished'; files its manifest does not list were never
+  committed and are not shown), or "recording", a live writer still commits to it;
 - a run without route rows (0-row runs, heat-only runs): pages that read routes stop with `require_routes`.
 """
 
@@ -15,7 +15,8 @@ from typing import Any
 import streamlit as st
 
 from dashboards import store_cache as sc
-from r3trace.trace.schema import MANIFEST_NAME
+from r3trace.trace.reader import RunFiles
+from r3trace.trace.schema import MANIFEST_NAME, Manifest
 
 _SHOWN = 5  # names listed in a message before "and N more"
 
@@ -50,27 +51,48 @@ def no_runs_message(path: str) -> str:
             "at a folder of runs.")
 
 
+def uncommitted_files(run: RunFiles) -> list[str]:
+    """Files in the run folder that its manifest does not list: what `recover_run` deletes (`.tmp` files, and
+    .parquet files renamed before a kill could write the manifest, or a compaction's inputs or output)."""
+    listed = {n for f in run.manifest.files for n in (f.name, f.rollup, f.requests) if n}
+    return [p.name for p in sorted(run.run_dir.iterdir()) if p.is_file() and (
+        p.name.endswith(".tmp") or (p.suffix == ".parquet" and p.name not in listed))]
+
+
+def _interval(m: Manifest) -> str:
+    if m.flush_interval_s is None:
+        return "on size, flush() and close only: its flush_interval_s is None"
+    return f"within its flush_interval_s of {m.flush_interval_s:g} s"
+
+
 @st.cache_data(show_spinner=False)
-def run_problems(path: str, run_id: str) -> list[str]:
-    """Signs that `run_id` was not closed cleanly, one phrase each; [] for a cleanly closed run."""
+def run_problems(path: str, run_id: str) -> tuple[str, list[str]]:
+    """(state, one line each) for a run that is not closed: its RunFiles.state, "crashed" or "recording", and
+    what that means for what the pages show; ("closed", []) for a closed run."""
     run = sc.open_store(path).run(run_id)
-    listed = {f.name for f in run.manifest.files}
-    unlisted = [p.name for p in sorted(run.run_dir.glob("part-*.parquet")) if p.name not in listed]
-    tmp = [p.name for p in sorted(run.run_dir.glob("*.tmp"))]
-    out = []
-    if unlisted:
-        out.append(f"{len(unlisted)} complete routes file(s) its manifest does not list ({names(unlisted)}), "
-                   f"not shown here: `r3trace.trace.recover_run('{run.run_dir}')` adds them")
-    if tmp:
-        out.append(f"{len(tmp)} unfinished file(s) ({names(tmp)}), never read")
-    if run.request_files:  # a writer that records requests: routes of a request without its row = unfinished
-        c = sc.request_counts(path, run_id)
-        if c["without_row"]:
-            out.append(f"{c['without_row']:,} of {c['with_routes']:,} requests with routes have no row in the "
-                       "requests table (they had not finished)")
-        if c["unfinished"]:
-            out.append(f"{c['unfinished']:,} request(s) marked finish_reason='unfinished'")
-    return out
+    m = run.manifest
+    if run.state == "closed":
+        return run.state, []
+    recover = f"`r3trace.trace.recover_run('{run.run_dir}')`"
+    if run.state == "recording":
+        out = [f"Run {run_id} is recording: a live writer still records it; rows appear as they are committed "
+               f"({_interval(m)}), when the page reruns."]
+        if m.open_requests:
+            out.append(f"{len(m.open_requests):,} request(s) in flight at its last commit "
+                       f"({names(list(m.open_requests))}) have routes and no requests-table row yet.")
+        return run.state, out
+    out = [f"Run {run_id} was not closed: its writer stopped without closing it (killed or crashed); the pages "
+           "show what its last commit wrote."]
+    if m.open_requests:
+        out.append(f"{len(m.open_requests):,} request(s) in flight at the last commit "
+                   f"({names(list(m.open_requests))}) are shown as finish_reason 'unfinished'.")
+    stale = uncommitted_files(run)
+    if stale:
+        out.append(f"{len(stale):,} uncommitted file(s) its manifest does not list ({names(stale)}) are not "
+                   f"shown; {recover} deletes them and closes the run.")
+    else:
+        out.append(f"{recover} {'writes their rows and ' if m.open_requests else ''}closes the run.")
+    return run.state, out
 
 
 def no_routes_message(run: dict[str, Any]) -> str:

@@ -12,12 +12,17 @@ path, run_id = st.session_state["store"], st.session_state["run_id"]
 st.header("Request explorer")
 store_health.require_routes(sc.run_row(path, run_id), "The explorer lists the requests that have route rows.")
 reqs = sc.request_list(path, run_id)
-# a run whose writer records requests: a request with routes but no row (null) had not finished either
+# A run whose writer records requests: a request had not finished when its row says 'unfinished' (close() writes
+# those for requests still running, and a crashed run's in-flight requests read as such, reader.py) or when it has
+# no row yet (in flight at a live writer's last commit).
 recorded = reqs["finish_reason"].is_not_null().any()
-unfinished = reqs.filter(pl.col("finish_reason").is_null() | (pl.col("finish_reason") == "unfinished")).height
-if recorded and unfinished:
-    st.caption(f"{unfinished:,} of {reqs.height:,} requests had not finished when the trace was written "
-               "(finish_reason 'unfinished' or no row in the requests table: empty tag and lengths)")
+marked = reqs.filter(pl.col("finish_reason") == "unfinished").height
+no_row = reqs.filter(pl.col("finish_reason").is_null()).height
+if recorded and (marked or no_row):
+    kinds = [f"{marked:,} with finish_reason 'unfinished'"] if marked else []
+    kinds += [f"{no_row:,} with no row in the requests table"] if no_row else []
+    st.caption(f"{marked + no_row:,} of {reqs.height:,} requests had not finished when the trace was written "
+               f"({', '.join(kinds)}: empty tag and lengths)")
 rid = query_state.select("Request", reqs["request_id"].to_list(), "req")
 info = reqs.filter(pl.col("request_id") == rid).row(0, named=True)
 routes = sc.request_routes(path, run_id, str(rid))

@@ -1,0 +1,80 @@
+"""A run's state (reader.RunFiles.state) through the dashboard (AppTest), as it changes under a running app:
+a live writer's run says it is recording and each commit shows on the next rerun (the cached store is dropped
+when a manifest or a writer lock changes), the notice goes when the writer closes the run; a crashed run's
+warning goes once `recover_run` closes it.
+
+Run: .venv/bin/python -m pytest -q tests/dashboard/test_run_state.py
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from r3trace.trace import TraceWriter, recover_run
+from tests.dashboard.odd_stores import SHAPE, _tokens, write_crashed
+
+APP = str(Path(__file__).resolve().parents[2] / "dashboards" / "app.py")
+
+
+def overview(at: AppTest, warned: bool = False) -> tuple[dict[str, str], list[str]]:
+    """(metrics, info or warning lines) of the overview page after a rerun."""
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert not at.error, [e.value for e in at.error]
+    assert bool(at.warning) == warned, [w.value for w in at.warning]
+    notes = at.warning if warned else at.info
+    return {m.label: m.value for m in at.metric}, [str(i.value) for i in notes]
+
+
+def test_live_run_shows_each_commit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = np.random.default_rng(7)
+    monkeypatch.setenv("R3TRACE_STORE", str(tmp_path))
+    # compact_fanin=2: the second commit merges both files into one and deletes them (what a cached store's views
+    # would still name)
+    w = TraceWriter(tmp_path, run_id="live", flush_interval_s=None, compact_fanin=2, **SHAPE)  # type: ignore[arg-type]
+    try:
+        _tokens(w, rng, "a", 3, 0)
+        w.add_request("a", prompt_tokens=3, completion_tokens=0, finish_reason="stop")
+        _tokens(w, rng, "b", 2, 3)  # in flight
+        w.flush()
+        at = AppTest.from_file(APP, default_timeout=60)
+        m, info = overview(at)
+        assert m["Tokens"] == "5" and m["Requests"] == "2"
+        assert [line.strip() for line in info[0].splitlines()] == [
+            "Run live is recording: a live writer still records it; rows appear as they are committed (on size, "
+            "flush() and close only: its flush_interval_s is None), when the page reruns.",
+            "1 request(s) in flight at its last commit (b) have routes and no requests-table row yet.",
+        ]
+        _tokens(w, rng, "c", 4, 5)  # not committed yet: not shown
+        m, _ = overview(at)
+        assert m["Tokens"] == "5"
+        assert [f.name for f in w.flush().files] == ["part-00002.parquet"]  # 00000 and 00001 merged, deleted
+        m, info = overview(at)
+        assert (m["Tokens"], m["Requests"]) == ("9", "3")
+        assert "2 request(s) in flight at its last commit (b, c)" in info[0]
+    finally:
+        w.close()  # "b" and "c" get finish_reason 'unfinished'
+    m, info = overview(at)
+    assert (m["Tokens"], m["Requests"]) == ("9", "3") and not info
+    at.switch_page("views/requests.py").run()
+    assert [c.value for c in at.caption][0] == ("2 of 3 requests had not finished when the trace was written "
+                                                "(2 with finish_reason 'unfinished': empty tag and lengths)")
+
+
+def test_crashed_run_recovered_under_the_app(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    write_crashed(tmp_path, np.random.default_rng(5))
+    monkeypatch.setenv("R3TRACE_STORE", str(tmp_path))
+    at = AppTest.from_file(APP, default_timeout=60)
+    m, warning = overview(at, warned=True)
+    assert (m["Tokens"], m["Requests"]) == ("5", "2")
+    assert warning[0].startswith("Run crashed was not closed: its writer stopped without closing it")
+    recover_run(tmp_path / "run_id=crashed")
+    m, info = overview(at)
+    assert (m["Tokens"], m["Requests"]) == ("5", "2") and not info
+    at.switch_page("views/requests.py").run()
+    assert [c.value for c in at.caption][0] == ("1 of 2 requests had not finished when the trace was written "
+                                                "(1 with finish_reason 'unfinished': empty tag and lengths)")
