@@ -20,7 +20,7 @@ WRITER = textwrap.dedent("""
     from r3trace.trace import TraceWriter
     w = TraceWriter(sys.argv[1], model_name="t", num_hidden_layers=4, moe_layer_ids=(1, 2, 3), num_experts=32,
                     top_k=4, run_id="k", rows_per_file=3000, flush_rows=600)
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(4)
     f = 0
     while True:  # runs until killed
         ids = rng.integers(0, 32, (50, 3, 4)).astype(np.int32)
