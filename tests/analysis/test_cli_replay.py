@@ -117,9 +117,11 @@ def test_cli_synth_stats_sql_eplb_diff(tmp_path: Path, capsys: pytest.CaptureFix
     changed = (np.arange(rows) % 5 == 0).reshape(t, n_layers)  # [T, L]
     for ti, li in zip(*np.nonzero(changed), strict=True):
         other[ti, li, 0] = np.setdiff1d(np.arange(e), other[ti, li])[0]
-    w = TraceWriter(tmp_path / "b", model_name="synthetic-deepseek-v3", num_hidden_layers=run.manifest.num_hidden_layers,
-                    moe_layer_ids=run.manifest.moe_layer_ids, num_experts=e, top_k=k, run_id="b")
-    w.append_tokens(r.request_id, r.token_pos, np.asarray(PHASES)[r.phase], "computed", r.forward_id, 0, r.dp_rank, other)
+    m = run.manifest
+    w = TraceWriter(tmp_path / "b", model_name=m.model_name, num_hidden_layers=m.num_hidden_layers,
+                    moe_layer_ids=m.moe_layer_ids, num_experts=e, top_k=k, run_id="b")
+    phases = np.asarray(PHASES)[r.phase]
+    w.append_tokens(r.request_id, r.token_pos, phases, "computed", r.forward_id, 0, r.dp_rank, other)
     w.close()
     assert main(["diff", str(out / "run_id=s"), str(tmp_path / "b")]) == 0
     cells = _table_row(capsys.readouterr().out, str(rows))

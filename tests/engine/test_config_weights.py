@@ -109,7 +109,8 @@ def test_sharded_index_and_mtp_layers_kept_aside(ckpt: Path, tmp_path: Path) -> 
     names = sorted(tensors)
     half = len(names) // 2
     gen = torch.Generator().manual_seed(0)
-    mtp = {"model.layers.3.eh_proj.weight": torch.randn(48, 96, generator=gen), "model.layers.3.enorm.weight": torch.ones(48)}
+    mtp = {"model.layers.3.eh_proj.weight": torch.randn(48, 96, generator=gen),
+           "model.layers.3.enorm.weight": torch.ones(48)}
     shards = {"a.safetensors": {n: tensors[n] for n in names[:half]},
               "b.safetensors": {**{n: tensors[n] for n in names[half:]}, **mtp}}
     weight_map = {}

@@ -73,7 +73,8 @@ def sampled_counts() -> dict[str, list[int]]:
     params = [q for t, k, p in CASES.values() for q in [SamplingParams(temperature=t, top_k=k, top_p=p)] * DRAWS]
     tokens = sampler.sample(logits, params, [None] * len(params))  # [B]
     per_case = tokens.view(len(CASES), DRAWS)
-    return {name: torch.bincount(row, minlength=len(LOGITS)).tolist() for name, row in zip(CASES, per_case)}
+    return {name: torch.bincount(row, minlength=len(LOGITS)).tolist()
+            for name, row in zip(CASES, per_case, strict=True)}
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -85,7 +86,8 @@ def test_samples_fit_the_tempered_truncated_softmax(sampled_counts: dict[str, li
         f"{name}: a token outside top-k / top-p was drawn: {counts}")
     assert min(DRAWS * q for q in probs if q > 0) >= 100
     p_value = chi_square_p(counts, probs)
-    assert p_value > P_REJECT, f"{name}: counts {counts} vs expected {[round(DRAWS * q) for q in probs]}, p={p_value:.2e}"
+    expected = [round(DRAWS * q) for q in probs]
+    assert p_value > P_REJECT, f"{name}: counts {counts} vs expected {expected}, p={p_value:.2e}"
     # the draws are enough to tell this distribution from the one without the temperature (T = 1)
     if temperature != 1.0:
         untempered = expected_probs(LOGITS, 1.0, top_k, top_p)
