@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import InitVar, dataclass, field, fields
 from typing import Any, Literal
 
 import torch
@@ -32,10 +32,26 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # SGLang's name for the per-request seed: folded into `seed` (not a field of its own); both may be given
+    # only with the same value
+    sampling_seed: InitVar[int | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, sampling_seed: int | None) -> None:
         def bad(name: str, limit: str) -> InvalidRequestError:
             return InvalidRequestError(f"sampling_params.{name}", f"{getattr(self, name)!r} {limit}")
+
+        if sampling_seed is not None:
+            if not _is_int(sampling_seed) or not 0 <= sampling_seed < 2**63:
+                raise InvalidRequestError(
+                    "sampling_params.sampling_seed", f"{sampling_seed!r} must be null or an integer in [0, 2**63)"
+                )
+            if self.seed is not None and self.seed != sampling_seed:
+                raise InvalidRequestError(
+                    "sampling_params.sampling_seed",
+                    f"{sampling_seed!r} differs from seed={self.seed!r}: give one (sampling_seed is SGLang's name for "
+                    "seed) or the same value in both",
+                )
+            object.__setattr__(self, "seed", sampling_seed)  # frozen: the one assignment __post_init__ makes
 
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 0:
             raise bad("max_new_tokens", "must be an integer >= 0")
@@ -59,7 +75,7 @@ class SamplingParams:
     def from_dict(cls, raw: dict[str, Any] | None) -> SamplingParams:
         """SGLang's dict form: `stop` may be one string, lists become tuples, unknown keys are errors."""
         raw = dict(raw or {})
-        known = {f.name for f in fields(cls)}
+        known = {f.name for f in fields(cls)} | {"sampling_seed"}
         unknown = sorted(set(raw) - known)
         if unknown:
             raise InvalidRequestError(f"sampling_params.{unknown[0]}", f"unknown; known: {sorted(known)}")

@@ -29,6 +29,7 @@ from r3trace.kernels.contract import require, require_tensor
 
 ScoringFunc = Literal["softmax", "sigmoid"]
 TopkMethod = Literal["greedy", "group_limited_greedy", "noaux_tc"]
+MaskValue = Literal["-inf", "zero"]
 
 NORM_EPS = 1e-20  # DeepSeek's reference adds this to the weight sum before dividing
 _BLOCK_T = 16  # tokens per program: [16, 256] fp32 rows fit in registers with 4 warps
@@ -242,28 +243,56 @@ def grouped_topk_ref(
     topk_group: int,
     norm_topk_prob: bool,
     routed_scaling_factor: float,
+    mask_value: MaskValue = "-inf",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain torch, line for line DeepSeek's reference gate. Same contract as grouped_topk."""
+    """Plain torch, line for line DeepSeek's reference gate. Same contract as grouped_topk.
+
+    The repository's one grouped top-k reference: the kernel's tests compare against it, the engine's ref
+    backend, routing replay and replay-check call it (through engine/layers/routing.py), and
+    tests/kernels/test_topk.py checks it against transformers' own gates. mask_value="zero" masks dropped
+    groups with 0.0 as some ports do (the tests use it to show where that differs); the engine never does."""
     _check_routing_args(router_logits, correction_bias, top_k, scoring_func, topk_method, n_group, topk_group)
-    logits = sum_partials(router_logits)
-    T, E = logits.shape
-    scores = logits.softmax(dim=-1) if scoring_func == "softmax" else logits.sigmoid()  # [T, E]
-    choice = scores if correction_bias is None else scores + correction_bias  # [T, E]
-    if topk_method != "greedy" and n_group > 1:
-        grouped = choice.view(T, n_group, E // n_group)  # [T, G, E/G]
-        if topk_method == "group_limited_greedy":
-            group_scores = grouped.amax(dim=-1)  # [T, G]
-        else:
-            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, G]
-        keep_groups = group_scores.topk(topk_group, dim=-1).indices  # [T, topk_group]
-        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep_groups, True)  # [T, G]
-        choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(T, E)
+    scores = gate_scores(sum_partials(router_logits), scoring_func)  # [T, E]
+    choice = group_masked_choice(scores, correction_bias, topk_method, n_group, topk_group, mask_value)  # [T, E]
     ids = choice.topk(top_k, dim=-1, sorted=True).indices  # [T, K]
-    weights = scores.gather(1, ids)  # [T, K]
+    return weights_for_ids(scores, ids, norm_topk_prob, routed_scaling_factor), ids.to(torch.int32)
+
+
+def gate_scores(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
+    """logits [T, E] -> scores [T, E] fp32: softmax or sigmoid."""
+    return logits.float().softmax(dim=-1) if scoring_func == "softmax" else logits.float().sigmoid()
+
+
+def group_masked_choice(
+    scores: torch.Tensor, bias: torch.Tensor | None, topk_method: str, n_group: int, topk_group: int,
+    mask_value: MaskValue = "-inf",
+) -> torch.Tensor:
+    """scores [T, E] -> choice [T, E]: scores + bias (when given), experts outside the topk_group best groups
+    masked (group score: max for group_limited_greedy, top-2 sum for noaux_tc; greedy has no groups)."""
+    choice = scores if bias is None else scores + bias  # [T, E]
+    if topk_method == "greedy" or n_group == 1:
+        return choice
+    T, E = choice.shape
+    grouped = choice.view(T, n_group, E // n_group)  # [T, G, E/G]
+    if topk_method == "group_limited_greedy":
+        group_scores = grouped.amax(dim=-1)  # [T, G]
+    else:
+        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, G]
+    keep_groups = group_scores.topk(topk_group, dim=-1).indices  # [T, topk_group]
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep_groups, True)  # [T, G]
+    fill = float("-inf") if mask_value == "-inf" else 0.0
+    return grouped.masked_fill(~keep.unsqueeze(-1), fill).view(T, E)
+
+
+def weights_for_ids(
+    scores: torch.Tensor, topk_ids: torch.Tensor, norm_topk_prob: bool, routed_scaling_factor: float
+) -> torch.Tensor:
+    """The weights of given ids (also routing replay's): scores [T, E] (no bias), topk_ids [T, K] -> [T, K] fp32,
+    divided by (their sum + 1e-20) if norm_topk_prob, times routed_scaling_factor."""
+    weights = scores.gather(1, topk_ids.long())  # [T, K]
     if norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + NORM_EPS)
-    weights = weights * routed_scaling_factor
-    return weights, ids.to(torch.int32)
+    return weights * routed_scaling_factor
 
 
 def sum_partials(router_logits: torch.Tensor) -> torch.Tensor:

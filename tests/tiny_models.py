@@ -43,22 +43,32 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def make_checkpoint(out_dir: Path, name: str = "v3_noaux_groups", seed: int = 0, **overrides: Any) -> Path:
-    """Write a tiny random checkpoint (config.json + model.safetensors) and return its folder."""
-    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
+def hf_config(name: str, **overrides: Any) -> Any:
+    """transformers' DeepseekV2Config / DeepseekV3Config of a tiny config."""
+    from transformers import DeepseekV2Config, DeepseekV3Config
 
     arch, extra = CONFIGS[name]
     kwargs = {**_BASE, **extra, **overrides}
-    torch.manual_seed(seed)
     if arch == "v3":
-        model = DeepseekV3ForCausalLM(DeepseekV3Config(**kwargs))
+        return DeepseekV3Config(**kwargs)
+    kwargs.pop("num_key_value_heads", None)
+    return DeepseekV2Config(**kwargs)
+
+
+def make_checkpoint(out_dir: Path, name: str = "v3_noaux_groups", seed: int = 0, **overrides: Any) -> Path:
+    """Write a tiny random checkpoint (config.json + model.safetensors) and return its folder."""
+    from transformers import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+
+    config = hf_config(name, **overrides)
+    torch.manual_seed(seed)
+    if CONFIGS[name][0] == "v3":
+        model = DeepseekV3ForCausalLM(config)
         with torch.no_grad():  # a non-zero correction bias, so noaux_tc's bias path is exercised
             for name_, buf in model.named_buffers():
                 if name_.endswith("e_score_correction_bias"):
                     buf.normal_(0.0, 0.05)
     else:
-        kwargs.pop("num_key_value_heads", None)
-        model = DeepseekV2ForCausalLM(DeepseekV2Config(**kwargs))
+        model = DeepseekV2ForCausalLM(config)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)
     return out_dir

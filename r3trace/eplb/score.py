@@ -125,7 +125,10 @@ def _greedy_cover(has: np.ndarray, rng: np.random.Generator) -> np.ndarray:
 
 
 def balancedness(gpu_load: np.ndarray) -> float:
-    """mean over layers of mean/max GPU load ([L, G] -> scalar in (0, 1]; 1 = perfectly balanced)."""
+    """mean over layers of mean/max GPU load ([L, G] -> scalar in (0, 1]; 1 = perfectly balanced).
+
+    SGLang's "[Expert Balancedness]" (eplb/expert_distribution.py, compute_utilization_rate), without its 1e-5
+    in both terms; a layer with no load is left out here, where SGLang counts it as 1."""
     mx = gpu_load.max(1)
     ok = mx > 0
     return float((gpu_load.mean(1)[ok] / mx[ok]).mean()) if ok.any() else 1.0

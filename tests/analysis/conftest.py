@@ -38,7 +38,7 @@ def write_run(root: Path, run_id: str, ids: np.ndarray, requests: np.ndarray, po
 @pytest.fixture
 def tiny_trace(tmp_path: Path) -> dict[str, object]:
     """One run 'a': 6 requests x 40 tokens, 2 tags; forwards of 1 token per request (prefill = pos < 10)."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(16)
     n_req, n_pos = 6, 40
     req = np.repeat([f"q{i}" for i in range(n_req)], n_pos)
     pos = np.tile(np.arange(n_pos), n_req)

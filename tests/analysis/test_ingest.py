@@ -37,7 +37,7 @@ def response(rng: np.random.Generator, rid: str, rows: int, dense_fill: int) -> 
 
 
 def test_responses_roundtrip(tmp_path: Path) -> None:
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(1)
     a, ida = response(rng, "ra", 5, 0)
     b, idb = response(rng, "rb", 7, -1)
     src = tmp_path / "resp.jsonl"
@@ -61,7 +61,7 @@ def test_responses_roundtrip(tmp_path: Path) -> None:
     (json.dumps({"meta_info": {}}), r"resp.jsonl:2: field meta_info.routed_experts missing"),
 ])
 def test_malformed_line_names_line_and_field_and_leaves_nothing(tmp_path: Path, bad: str, message: str) -> None:
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(2)
     good, _ = response(rng, "ok", 4, 0)
     src = tmp_path / "resp.jsonl"
     src.write_text(json.dumps(good) + "\n" + bad + "\n")
@@ -73,7 +73,7 @@ def test_malformed_line_names_line_and_field_and_leaves_nothing(tmp_path: Path, 
 
 
 def test_expert_distribution_numpy_and_native(tmp_path: Path, tiny_trace: dict) -> None:
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(3)
     counts = torch.from_numpy(rng.integers(0, 100, (2, 4, 16)))  # per-pass dump over all 4 layers
     torch.save({"logical_count": counts}, tmp_path / "dump.pt")
     store = tmp_path / "store"

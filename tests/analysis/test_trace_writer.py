@@ -68,7 +68,7 @@ def test_bad_input_is_refused_with_field_names(tmp_path: Path) -> None:
 
 
 def test_ipc_stream_roundtrip() -> None:
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(5)
     m = Manifest(run_id="s", model_name="t", num_hidden_layers=5, moe_layer_ids=MOE, num_experts=E, top_k=K)
     buf = io.BytesIO()
     ids = rng.integers(0, E, (7, len(MOE), K)).astype(np.int32)

@@ -33,7 +33,7 @@ def test_graph_replay_routes_equal_eager(tiny_ckpt: Path) -> None:
     fb = ForwardBatch.build(forward_id=0, input_ids=[0] * t, prefix_lens=[0], extend_lens=[t], req_pool_indices=[0],
                             out_cache_loc=torch.arange(t), req_to_token=torch.zeros(1, t, dtype=torch.int32),
                             logits_rows=[0], device="cuda")
-    static_x = torch.randn(t, cfg.hidden_size, device="cuda")
+    static_x = torch.randn(t, cfg.hidden_size, generator=torch.Generator().manual_seed(0)).cuda()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # warm-up outside the graph, as torch requires

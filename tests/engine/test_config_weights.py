@@ -89,8 +89,8 @@ def test_weights_errors_are_listed_together(ckpt: Path, tmp_path: Path) -> None:
     tensors = load_file(ckpt / "model.safetensors")
     del tensors["model.layers.0.self_attn.o_proj.weight"]  # missing
     del tensors["model.layers.2.mlp.experts.5.up_proj.weight"]  # missing expert part
-    tensors["model.layers.1.self_attn.kv_b_proj.weight"] = torch.randn(3, 3)  # shape mismatch
-    tensors["model.layers.0.mlp.surprise.weight"] = torch.randn(2)  # unexpected
+    tensors["model.layers.1.self_attn.kv_b_proj.weight"] = torch.zeros(3, 3)  # shape mismatch
+    tensors["model.layers.0.mlp.surprise.weight"] = torch.zeros(2)  # unexpected
     save_file(tensors, d / "model.safetensors")
     with pytest.raises(WeightsError) as info:
         load_engine_model(d)
@@ -108,7 +108,9 @@ def test_sharded_index_and_mtp_layers_kept_aside(ckpt: Path, tmp_path: Path) -> 
     tensors = load_file(ckpt / "model.safetensors")
     names = sorted(tensors)
     half = len(names) // 2
-    mtp = {"model.layers.3.eh_proj.weight": torch.randn(48, 96), "model.layers.3.enorm.weight": torch.ones(48)}
+    gen = torch.Generator().manual_seed(0)
+    mtp = {"model.layers.3.eh_proj.weight": torch.randn(48, 96, generator=gen),
+           "model.layers.3.enorm.weight": torch.ones(48)}
     shards = {"a.safetensors": {n: tensors[n] for n in names[:half]},
               "b.safetensors": {**{n: tensors[n] for n in names[half:]}, **mtp}}
     weight_map = {}

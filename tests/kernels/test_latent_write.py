@@ -109,7 +109,7 @@ def test_latent_write_equals_the_triton_norm_rope_store(dtype: torch.dtype) -> N
 
 def test_latent_write_no_tokens() -> None:
     cos, sin = _tables(4, 8)
-    cache = torch.randn(6, 48, device=DEVICE)
+    cache = torch.randn(6, 48, generator=torch.Generator().manual_seed(0)).to(DEVICE)
     keep = cache.clone()
     empty = torch.empty(0, dtype=torch.int64, device=DEVICE)
     lat = latent_write(torch.empty(0, 48, device=DEVICE), torch.ones(32, device=DEVICE), 1e-6, empty, cos, sin,
@@ -119,7 +119,7 @@ def test_latent_write_no_tokens() -> None:
 
 def test_latent_write_rejects_bad_arguments() -> None:
     cos, sin = _tables(10, 32)
-    kv_a = torch.randn(3, 576, device=DEVICE)
+    kv_a = torch.randn(3, 576, generator=torch.Generator().manual_seed(0)).to(DEVICE)
     w = torch.ones(512, device=DEVICE)
     pos = torch.zeros(3, dtype=torch.int64, device=DEVICE)
     loc = torch.arange(3, device=DEVICE)

@@ -63,11 +63,12 @@ def test_rmsnorm_strided_rows() -> None:
 
 
 def test_rmsnorm_rejects_bad_arguments() -> None:
-    x = torch.randn(4, 8, device=DEVICE)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 8, generator=gen).to(DEVICE)
     with pytest.raises(KernelInputError, match="weight has 7 features"):
         rmsnorm(x, torch.ones(7, device=DEVICE), 1e-6)
     with pytest.raises(KernelInputError, match="residual shape"):
-        rmsnorm(x, torch.ones(8, device=DEVICE), 1e-6, torch.randn(3, 8, device=DEVICE))
+        rmsnorm(x, torch.ones(8, device=DEVICE), 1e-6, torch.randn(3, 8, generator=gen).to(DEVICE))
 
 
 def _tables(positions: int, half: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,14 +110,15 @@ def test_rope_writes_into_a_slice(fn, dtype: torch.dtype) -> None:  # type: igno
 
 def test_rope_rejects_bad_arguments() -> None:
     cos, sin = _tables(10, 32)
-    x = torch.randn(3, 64, device=DEVICE)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 64, generator=gen).to(DEVICE)
     with pytest.raises(KernelInputError, match="positions has 2 entries"):
         rope(x, torch.zeros(2, dtype=torch.int64, device=DEVICE), cos, sin)
     pos = torch.zeros(3, dtype=torch.int64, device=DEVICE)
     with pytest.raises(KernelInputError, match="cos has 32 columns, expected R/2=16"):
-        rope(torch.randn(3, 32, device=DEVICE), pos, cos, sin)
+        rope(torch.randn(3, 32, generator=gen).to(DEVICE), pos, cos, sin)
     with pytest.raises(KernelInputError, match="R=48"):
-        rope(torch.randn(3, 48, device=DEVICE), pos, cos, sin)
+        rope(torch.randn(3, 48, generator=gen).to(DEVICE), pos, cos, sin)
 
 
 @gpu

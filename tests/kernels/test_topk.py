@@ -1,4 +1,5 @@
-"""grouped_topk (Triton) against grouped_topk_ref (DeepSeek's gate in torch).
+"""grouped_topk (Triton) against grouped_topk_ref (DeepSeek's gate in torch), and that reference (the
+repository's only one: the engine's ref backend runs it too) against transformers' own gate modules.
 
 Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest tests/kernels/test_topk.py -q   (CPU)
      python -m pytest tests/kernels/test_topk.py -q                                (GPU)
@@ -13,6 +14,8 @@ from r3trace.kernels.contract import KernelInputError
 from r3trace.kernels.router_logits import router_logits, router_logits_ref
 from r3trace.kernels.topk import grouped_topk, grouped_topk_ref, sum_partials
 from tests.kernels.conftest import DEVICE, gpu, requires_gpu, requires_triton
+from tests.tiny_models import CONFIGS as TINY_CONFIGS
+from tests.tiny_models import hf_config
 
 pytestmark = requires_triton
 
@@ -45,7 +48,7 @@ def test_grouped_topk_matches_ref(cfg: tuple, T: int, poisoned_empty: None) -> N
 
 
 def test_grouped_topk_rejects_bad_arguments() -> None:
-    logits = torch.randn(4, 12, device=DEVICE)
+    logits = torch.randn(4, 12, generator=torch.Generator().manual_seed(0)).to(DEVICE)
     bias = torch.zeros(12, device=DEVICE)
     with pytest.raises(KernelInputError, match="correction_bias"):
         grouped_topk(logits, bias, 2, "sigmoid", "greedy", 1, 1, False, 1.0)
@@ -143,3 +146,44 @@ def test_grouped_topk_adds_partial_logits(cfg: tuple, poisoned_empty: None) -> N
     ref_w, ref_ids = grouped_topk_ref(sum_partials(parts), *args)
     assert torch.equal(ids, ref_ids)
     torch.testing.assert_close(weights, ref_w, atol=1e-6 * scale, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
+def test_ref_matches_transformers_gate(name: str) -> None:
+    """grouped_topk_ref on the router logits of transformers' DeepseekV3TopkRouter / DeepseekV2TopkRouter (the
+    gate module alone, random weights and correction bias) gives their expert set and weights for every token.
+    transformers picks with sorted=False, so both sides are compared per token in ascending id order."""
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    cfg = hf_config(name)
+    v3 = TINY_CONFIGS[name][0] == "v3"
+    gate = DeepseekV3TopkRouter(cfg) if v3 else DeepseekV2TopkRouter(cfg)
+    e, t = cfg.n_routed_experts, 64
+    gen = torch.Generator().manual_seed(sorted(TINY_CONFIGS).index(name))
+    with torch.no_grad():
+        gate.weight.copy_(torch.randn(e, cfg.hidden_size, generator=gen) * 0.3)  # logits spread ~2
+        if v3:  # the same size as the spread of sigmoid scores: it decides some picks (checked below)
+            gate.e_score_correction_bias.copy_(torch.randn(e, generator=gen) * 0.1)
+        logits, hf_weights, hf_ids = gate(torch.randn(t, cfg.hidden_size, generator=gen))
+    method = "noaux_tc" if v3 else cfg.topk_method
+    grouped = method != "greedy"
+    # transformers' V2 gate never renormalises (DeepSeek-V2's does when norm_topk_prob): the V2 configs have it off
+    assert v3 or not cfg.norm_topk_prob
+    args = (cfg.num_experts_per_tok, "sigmoid" if v3 else "softmax", method, cfg.n_group if grouped else 1,
+            cfg.topk_group if grouped else 1, bool(v3 and cfg.norm_topk_prob), cfg.routed_scaling_factor)
+    bias = gate.e_score_correction_bias if v3 else None
+    weights, ids = grouped_topk_ref(logits, bias, *args)  # type: ignore[arg-type]
+
+    def by_id(w: torch.Tensor, i: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        order = i.long().argsort(dim=-1)
+        return w.gather(1, order), i.long().gather(1, order)
+
+    (w_ours, i_ours), (w_hf, i_hf) = by_id(weights, ids), by_id(hf_weights, hf_ids)
+    assert torch.equal(i_ours, i_hf), f"{(i_ours != i_hf).any(-1).sum()} of {t} tokens with another expert set"
+    # the same fp32 operations; only the order of the K-term sum in the renormalisation may differ: 1-2 ulps
+    torch.testing.assert_close(w_ours, w_hf, atol=1e-7 * cfg.routed_scaling_factor, rtol=1e-6)
+    if v3:
+        _, ids_unbiased = grouped_topk_ref(logits, None, *args)  # type: ignore[arg-type]
+        flips = (by_id(weights, ids_unbiased)[1] != i_ours).any(-1).sum().item()
+        assert flips >= t // 8, f"the bias decides only {flips} of {t} tokens here: the input cannot pin it"
