@@ -150,13 +150,18 @@ def _from_trace(ref: dict[str, Any], cfg: ModelConfig) -> np.ndarray:
         raise InvalidRequestError(
             "routed_experts", f"trace reference needs an existing 'trace' dir and a 'request_id': {ref}"
         )
-    con = duckdb.connect()
-    glob = str(root / "**" / "part-*.parquet")
-    rows = con.execute(
-        f"SELECT token_pos, layer_id, topk_ids FROM read_parquet('{glob}', hive_partitioning=true) "
-        "WHERE request_id = ? AND (? IS NULL OR run_id = ?) ORDER BY token_pos, layer_id",
-        [rid, ref.get("run_id"), ref.get("run_id")],
-    ).fetchall()
+    from r3trace.trace.reader import open_dataset
+    from r3trace.trace.schema import TraceSchemaError
+
+    try:  # only the files the manifests list: never a crashed commit's leftovers or a compaction's inputs
+        runs = [r for r in open_dataset(root) if ref.get("run_id") in (None, r.manifest.run_id)]
+    except TraceSchemaError as exc:
+        raise InvalidRequestError("routed_experts", f"trace {root}: {exc}") from exc
+    files = [str(p) for r in runs for p in r.route_files]
+    rows = duckdb.connect().execute(
+        f"SELECT token_pos, layer_id, topk_ids FROM read_parquet({files}) WHERE request_id = ? "
+        "ORDER BY token_pos, layer_id", [rid],
+    ).fetchall() if files else []
     if not rows:
         raise InvalidRequestError("routed_experts", f"request_id {rid!r} not found in trace {root}")
     n = max(r[0] for r in rows) + 1
