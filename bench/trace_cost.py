@@ -67,14 +67,14 @@ def engine_cost(ckpt: Path, batch: int, new_tokens: int, reps: int) -> dict[str,
             "off_tokens_per_s": off, "on_tokens_per_s": on, "on_vs_off": on / off, "rows_last_run": rows}
 
 
-def sink_rate(tokens: int, layers: int = 58, k: int = 8) -> dict[str, float]:
+def sink_rate(tokens: int, layers: int = 58, k: int = 8, **writer_options: Any) -> dict[str, float]:
     from r3trace.trace.writer import TraceWriter
 
     ids = (np.random.default_rng(1).zipf(1.3, size=(tokens, layers, k)) % 256).astype(np.int32)
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         with TraceWriter(tmp, model_name="bench", num_hidden_layers=layers + 3, moe_layer_ids=range(3, layers + 3),
-                         num_experts=256, top_k=k) as w:
+                         num_experts=256, top_k=k, **writer_options) as w:
             for s in range(0, tokens, 4096):
                 n = min(4096, tokens - s)
                 w.append_tokens([f"req{(s + i) // 1024}" for i in range(n)], np.arange(s, s + n) % 1024, "decode",
@@ -92,12 +92,14 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--sink-tokens", type=int, default=200_000)
     ap.add_argument("--sink-reps", type=int, default=3)
+    ap.add_argument("--no-fsync", action="store_true", help="the writer without fsync (a writer that has the option)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     import r3trace
 
     report: dict[str, Any] = {"r3trace": str(Path(r3trace.__file__).parent), "argv": sys.argv[1:]}
-    report["sink"] = [sink_rate(args.sink_tokens) for _ in range(args.sink_reps)]
+    opts = {"fsync": False} if args.no_fsync else {}
+    report["sink"] = [sink_rate(args.sink_tokens, **opts) for _ in range(args.sink_reps)]
     print("sink:", json.dumps(report["sink"]), flush=True)
     if args.ckpt:
         report["decode"] = engine_cost(Path(args.ckpt), args.batch, args.new_tokens, args.reps)
