@@ -8,30 +8,32 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from r3trace.errors import StoreError, UsageError
 
 
+def _parse(text: str, cast: type, what: str) -> Any:
+    try:
+        return cast(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid {what}: {text!r}") from None
+
+
 def positive_int(text: str) -> int:
     """argparse type: an int >= 1 (argparse names the flag in front of the message)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    value = _parse(text, int, "int value")
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} must be >= 1")
-    return value
+    return int(value)
 
 
 def positive_float(text: str) -> float:
     """argparse type: a finite float > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+    value = _parse(text, float, "float value")
     if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"{value} must be > 0")
-    return value
+    return float(value)
 
 
 def _listed(ids: Sequence[str]) -> str:
@@ -64,10 +66,7 @@ def check_model_dir(path: str | Path, flag: str = "model") -> Path:
 
 def port_number(text: str) -> int:
     """argparse type: a TCP port, 0..65535 (0: any free port)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid port: {text!r}") from None
+    value = _parse(text, int, "port")
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"{value} must be in 0..65535")
-    return value
+    return int(value)
