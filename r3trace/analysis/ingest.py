@@ -26,9 +26,10 @@ import numpy as np
 import pybase64
 
 from r3trace.progress import progress_bar
+from r3trace.trace.commit import write_heat_run
 from r3trace.trace.reader import open_dataset
 from r3trace.trace.schema import Manifest, TraceSchemaError, run_dir_name
-from r3trace.trace.writer import TraceWriter, write_heat_run
+from r3trace.trace.writer import TraceWriter
 
 
 class IngestError(ValueError):

@@ -1,10 +1,11 @@
 """The trace contract: schema and manifest (schema.py), TraceWriter (writer.py), readers (reader.py),
 the Arrow IPC stream (stream.py)."""
 
+from r3trace.trace.commit import write_heat_run
 from r3trace.trace.reader import RunFiles, TokenRoutes, open_dataset, read_token_routes, recover_run
 from r3trace.trace.schema import PHASES, SOURCES, FileEntry, Manifest, TraceSchemaError, route_schema
 from r3trace.trace.stream import TraceStreamWriter, read_stream
-from r3trace.trace.writer import TraceWriter, WriterStatus, write_heat_run
+from r3trace.trace.writer import TraceWriter, WriterStatus
 
 __all__ = [
     "PHASES", "SOURCES", "FileEntry", "Manifest", "RunFiles", "TokenRoutes", "TraceSchemaError",

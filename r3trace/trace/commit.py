@@ -22,19 +22,25 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from r3trace.trace.rollup import RollupAccumulator
 from r3trace.trace.schema import (
     PARQUET_COMPRESSION,
     PARQUET_COMPRESSION_LEVEL,
+    PHASES,
     REQUEST_SCHEMA,
     ROLLUP_SCHEMA,
     ROW_GROUP_ROWS,
     FileEntry,
     Manifest,
+    TraceSchemaError,
     fsync_dir,
+    run_dir_name,
+    write_atomic,
 )
 
 
@@ -177,3 +183,22 @@ class RunCommitter:
                     (d / name).unlink(missing_ok=True)
         self.compactions += 1
 
+
+def write_heat_run(
+    root: str | Path, manifest: Manifest, counts: np.ndarray, window_start_ns: int = 0, phase: str = "decode"
+) -> Manifest:
+    """A heat-only run (kind="heat"): counts [L, E] as one rollup file, no routes. Returns the manifest."""
+    counts = np.asarray(counts)
+    shape = (manifest.num_moe_layers, manifest.num_experts)
+    if counts.shape != shape:
+        raise TraceSchemaError(f"heat counts have shape {counts.shape}, manifest says {shape}")
+    if phase not in PHASES:
+        raise TraceSchemaError(f"heat phase {phase!r} not in {PHASES}")
+    run_dir = Path(root) / run_dir_name(manifest.run_id)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    acc = RollupAccumulator(manifest.moe_layer_ids, manifest.num_experts, manifest.rollup_window_ns)
+    acc.counts[(window_start_ns // manifest.rollup_window_ns, PHASES.index(phase))] = counts.astype(np.int64)
+    write_parquet_atomic(acc.table(manifest.run_id), run_dir / "rollup-00000.parquet")
+    done = replace(manifest, kind="heat", files=(FileEntry(name="", rows=0, rollup="rollup-00000.parquet"),))
+    write_atomic(run_dir / "manifest.json", done.to_json().encode())
+    return done

@@ -84,3 +84,14 @@ def tokens_table(run_id: str, moe_layer_ids: Sequence[int], top_k: int, with_wei
         w = np.concatenate([b["topk_weights"] for b in batches])
         cols.append(pa.FixedSizeListArray.from_arrays(pa.array(w.reshape(-1)), top_k))
     return pa.Table.from_arrays(cols, schema=route_schema(top_k, with_weights))
+
+
+def distinct(request_id: Labels) -> list[str]:
+    """The distinct request ids of a column (or the one id of a scalar)."""
+    if isinstance(request_id, str):
+        return [request_id]
+    if isinstance(request_id, list):
+        return list(dict.fromkeys(request_id))  # the capturer's [rid] * n: n hashes of one cached string
+    if isinstance(request_id, pa.Array):
+        return [str(x) for x in request_id.unique().to_pylist()]
+    return [str(x) for x in np.unique(np.asarray(request_id))]

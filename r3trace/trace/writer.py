@@ -31,19 +31,16 @@ import pyarrow as pa
 
 from r3trace.trace import lifecycle
 from r3trace.trace.batch import Labels, route_rows
-from r3trace.trace.commit import RunCommitter, now_iso, write_parquet_atomic
+from r3trace.trace.commit import RunCommitter, now_iso
 from r3trace.trace.rollup import RollupAccumulator
 from r3trace.trace.schema import (
-    PHASES,
     ROW_GROUP_ROWS,
-    FileEntry,
     Manifest,
     TraceSchemaError,
     route_schema,
     run_dir_name,
-    write_atomic,
 )
-from r3trace.trace.tokens import check_tokens, tokens_table
+from r3trace.trace.tokens import check_tokens, distinct, tokens_table
 
 log = logging.getLogger("r3trace.trace")
 MAX_FLUSH_INTERVAL_S = 3600.0
@@ -387,35 +384,3 @@ class TraceWriter:
                     acc.add_tokens(b["ts"], b["phase"], b["topk_ids"])
             rolled.append((tables, acc.table(self.run_id)))
         self.manifest = self._committer.commit(rolled, requests, open_ids)
-
-
-def distinct(request_id: Labels) -> list[str]:
-    """The distinct request ids of a column (or the one id of a scalar)."""
-    if isinstance(request_id, str):
-        return [request_id]
-    if isinstance(request_id, list):
-        return list(dict.fromkeys(request_id))  # the capturer's [rid] * n: n hashes of one cached string
-    if isinstance(request_id, pa.Array):
-        return [str(x) for x in request_id.unique().to_pylist()]
-    return [str(x) for x in np.unique(np.asarray(request_id))]
-
-
-def write_heat_run(
-    root: str | Path, manifest: Manifest, counts: np.ndarray, window_start_ns: int = 0, phase: str = "decode"
-) -> Manifest:
-    """A heat-only run (kind="heat"): counts [L, E] as one rollup file, no routes. Returns the manifest."""
-    counts = np.asarray(counts)
-    shape = (manifest.num_moe_layers, manifest.num_experts)
-    if counts.shape != shape:
-        raise TraceSchemaError(f"heat counts have shape {counts.shape}, manifest says {shape}")
-    if phase not in PHASES:
-        raise TraceSchemaError(f"heat phase {phase!r} not in {PHASES}")
-    run_dir = Path(root) / run_dir_name(manifest.run_id)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    acc = RollupAccumulator(manifest.moe_layer_ids, manifest.num_experts, manifest.rollup_window_ns)
-    acc.counts[(window_start_ns // manifest.rollup_window_ns, PHASES.index(phase))] = counts.astype(np.int64)
-    write_parquet_atomic(acc.table(manifest.run_id), run_dir / "rollup-00000.parquet")
-    done = replace(manifest, kind="heat", files=(FileEntry(name="", rows=0, rollup="rollup-00000.parquet"),))
-    write_atomic(run_dir / "manifest.json", done.to_json().encode())
-    return done
-
