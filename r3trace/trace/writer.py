@@ -24,7 +24,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, TypeAlias
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -32,6 +32,7 @@ import pyarrow as pa
 from r3trace.trace import lifecycle
 from r3trace.trace.batch import Labels, route_rows
 from r3trace.trace.commit import RunCommitter, now_iso
+from r3trace.trace.pending import Batch, Pending, Taken
 from r3trace.trace.rollup import RollupAccumulator
 from r3trace.trace.schema import (
     ROW_GROUP_ROWS,
@@ -44,9 +45,6 @@ from r3trace.trace.tokens import check_tokens, distinct, tokens_table
 
 log = logging.getLogger("r3trace.trace")
 MAX_FLUSH_INTERVAL_S = 3600.0
-Batch: TypeAlias = "pa.Table | dict[str, Any]"  # rows as a table (append), or append_tokens' checked arguments
-# one commit's (batch, rows) pairs, finished requests, open request ids
-Taken: TypeAlias = "tuple[list[tuple[Batch, int]], list[dict[str, Any]], tuple[str, ...]]"
 
 
 @dataclass(frozen=True)
@@ -130,11 +128,7 @@ class TraceWriter:
         self._want = False
         self._handoff: queue.SimpleQueue[Taken] = queue.SimpleQueue()
         self._committing = threading.Lock()  # one commit at a time: the flusher's, flush()'s or close()'s
-        self._rows: list[tuple[Batch, int]] = []  # appended, not committed: (batch, rows)
-        self._rows_n = 0
-        self._requests: list[dict[str, Any]] = []  # finished, not committed
-        self._open: dict[str, None] = {}  # request ids with rows and no add_request yet (insertion order)
-        self._oldest: float | None = None  # monotonic time of the oldest uncommitted item
+        self._pending = Pending()  # guarded by _lock
         self._error: BaseException | None = None
         self._closing = False
         self._closed = False
@@ -190,13 +184,8 @@ class TraceWriter:
             return
         with self._lock:
             self._check_open()
-            self._rows.append((batch, n_rows))
-            self._rows_n += n_rows
-            for rid in rids:
-                self._open[rid] = None
-            self._pending_since_now()
-            if self._rows_n >= self.rows_per_file:
-                self._wake.set()
+            if self._pending.add_rows(batch, n_rows, rids) or self._pending.n_rows >= self.rows_per_file:
+                self._wake.set()  # the flusher sleeps without a deadline while nothing waits
             self._hand_over()
 
     def add_request(
@@ -212,14 +201,13 @@ class TraceWriter:
         )
         with self._lock:
             self._check_open()
-            self._requests.append(row)
-            self._open.pop(request_id, None)
-            self._pending_since_now()
+            if self._pending.add_request(row):
+                self._wake.set()
             self._hand_over()
 
     def status(self) -> WriterStatus:
         with self._lock:
-            buffered = self._rows_n
+            buffered = self._pending.n_rows
             err = self._error
         c = self._committer
         m = c.manifest
@@ -235,13 +223,13 @@ class TraceWriter:
         with self._lock:
             self._check_open()
             while not self._handoff.empty():
-                self._put_back(self._handoff.get())
-            taken = self._take()
+                self._pending.put_back(self._handoff.get())
+            taken = self._pending.take()
         try:
             self._commit(taken)
         except BaseException:
             with self._lock:
-                self._put_back(taken)
+                self._pending.put_back(taken)
             raise
         return self.manifest
 
@@ -255,20 +243,18 @@ class TraceWriter:
                 return self.manifest
             self._closing = True
             if mark_unfinished:
-                for rid in list(self._open):
-                    self._requests.append(dict(run_id=self.run_id, request_id=rid, finish_reason="unfinished"))
-                self._open.clear()
+                self._pending.mark_unfinished(self.run_id)
         self._wake.set()
         self._flusher.join()
         with self._lock:
             while not self._handoff.empty():  # handed over, not yet committed by the flusher
-                self._put_back(self._handoff.get())
-            taken = self._take()
+                self._pending.put_back(self._handoff.get())
+            taken = self._pending.take()
         try:
             self._commit(taken)
         except BaseException:
             with self._lock:  # nothing captured is dropped: a later close() tries again
-                self._put_back(taken)
+                self._pending.put_back(taken)
                 self._closing = False
             self._flusher = threading.Thread(target=self._flush_loop, name=self._flusher.name, daemon=True)
             self._flusher.start()
@@ -292,38 +278,13 @@ class TraceWriter:
         """Under the lock: the flusher asked for the buffers."""
         if self._want:
             self._want = False
-            self._handoff.put(self._take())
-
-    def _pending_since_now(self) -> None:
-        if self._oldest is None:  # the flusher sleeps without a deadline while nothing waits: give it one
-            self._oldest = time.monotonic()
-            self._wake.set()
-
-    def _due_in(self) -> float | None:
-        """Seconds until the next commit is due (<= 0: now); None: nothing waits."""
-        if self._rows_n >= self.rows_per_file:
-            return 0.0
-        if self._oldest is None or self.flush_interval_s is None:
-            return None
-        return self._oldest + self.flush_interval_s / 2 - time.monotonic()
-
-    def _take(self) -> Taken:
-        taken = (self._rows, self._requests, tuple(self._open))
-        self._rows, self._rows_n, self._requests, self._oldest = [], 0, [], None
-        return taken
-
-    def _put_back(self, taken: Taken) -> None:
-        rows, requests, _ = taken
-        self._rows = rows + self._rows
-        self._rows_n += sum(n for _, n in rows)
-        self._requests = requests + self._requests
-        self._oldest = time.monotonic() if rows or requests else self._oldest
+            self._handoff.put(self._pending.take())
 
     def _flush_loop(self) -> None:
         while True:
             if self._closing:  # read without the lock (see __init__): plain attribute reads under the GIL
                 return
-            due = self._due_in()
+            due = self._pending.due_in(self.rows_per_file, self.flush_interval_s)
             if due is None or due > 0:
                 self._wake.wait(timeout=due)
                 self._wake.clear()  # a set() between wait and clear is not lost: the state is read again above
@@ -335,7 +296,7 @@ class TraceWriter:
                 with self._lock:
                     mine = self._want  # still set: no caller came by, take the buffers here
                     self._want = False
-                    own = self._take() if mine else None
+                    own = self._pending.take() if mine else None
                 taken = own if own is not None else self._handoff.get()  # else a caller took them meanwhile
             try:
                 self._commit(taken)
@@ -345,7 +306,7 @@ class TraceWriter:
                     if self._error is None:
                         log.warning("trace %s: commit failed, will retry: %s", self.run_id, exc)
                     self._error = exc
-                    self._put_back(taken)
+                    self._pending.put_back(taken)
                 self._wake.wait(timeout=min(self.flush_interval_s or 1.0, 5.0))
                 self._wake.clear()
 

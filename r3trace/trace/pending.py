@@ -1,0 +1,74 @@
+"""Pending: what a TraceWriter holds between commits (its caller's side; the writer's lock guards it).
+
+Rows are kept as appended (a routes table, or append_tokens' checked per-token batch) with their row count;
+finished requests as requests-table rows; `open` is the requests with rows and no requests-table row yet, in
+first-seen order (what the manifest's `open_requests` lists after a commit).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, TypeAlias
+
+import pyarrow as pa
+
+Batch: TypeAlias = "pa.Table | dict[str, Any]"  # rows as a table (append), or append_tokens' checked arguments
+# one commit's (batch, rows) pairs, finished requests, open request ids
+Taken: TypeAlias = "tuple[list[tuple[Batch, int]], list[dict[str, Any]], tuple[str, ...]]"
+
+
+class Pending:
+    def __init__(self) -> None:
+        self.rows: list[tuple[Batch, int]] = []
+        self.n_rows = 0
+        self.requests: list[dict[str, Any]] = []
+        self.open: dict[str, None] = {}
+        self.oldest: float | None = None  # monotonic time of the oldest uncommitted item
+
+    def add_rows(self, batch: Batch, n_rows: int, rids: list[str]) -> bool:
+        """True when this is the first uncommitted item (the flusher then has a deadline to set)."""
+        self.rows.append((batch, n_rows))
+        self.n_rows += n_rows
+        for rid in rids:
+            self.open[rid] = None
+        return self._started()
+
+    def add_request(self, row: dict[str, Any]) -> bool:
+        self.requests.append(row)
+        self.open.pop(row["request_id"], None)
+        return self._started()
+
+    def mark_unfinished(self, run_id: str) -> None:
+        """Every open request gets a requests-table row with finish_reason "unfinished"."""
+        for rid in list(self.open):
+            self.requests.append(dict(run_id=run_id, request_id=rid, finish_reason="unfinished"))
+        self.open.clear()
+
+    def _started(self) -> bool:
+        if self.oldest is None:
+            self.oldest = time.monotonic()
+            return True
+        return False
+
+    def due_in(self, rows_per_file: int, flush_interval_s: float | None) -> float | None:
+        """Seconds until the next commit is due (<= 0: now); None: nothing waits. A request is committed within
+        flush_interval_s / 2 plus one commit's write of finishing, so a kill loses at most flush_interval_s."""
+        if self.n_rows >= rows_per_file:
+            return 0.0
+        if self.oldest is None or flush_interval_s is None:
+            return None
+        return self.oldest + flush_interval_s / 2 - time.monotonic()
+
+    def take(self) -> Taken:
+        taken = (self.rows, self.requests, tuple(self.open))
+        self.rows, self.n_rows, self.requests, self.oldest = [], 0, [], None
+        return taken
+
+    def put_back(self, taken: Taken) -> None:
+        """A commit that failed: its rows and requests go back in front, due again from now."""
+        rows, requests, _ = taken
+        self.rows = rows + self.rows
+        self.n_rows += sum(n for _, n in rows)
+        self.requests = requests + self.requests
+        if rows or requests:
+            self.oldest = time.monotonic()
