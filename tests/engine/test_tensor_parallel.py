@@ -16,9 +16,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from safetensors.torch import load_file, save_file
 
 from r3trace.engine.distributed import init_parallel
+from r3trace.engine.layers.linear import VocabParallelEmbedding, shards
 from r3trace.engine.parallel import ParallelInfo, group_ranks
+from r3trace.engine.weights import WeightsError
 from tests.tiny_models import direct_forward, load_engine_model, make_checkpoint
 
 # fp32. The one-process model sums o_proj's, the dense MLP's and the shared experts' inner products over all
@@ -54,6 +57,8 @@ def _worker(rank: int, store: str, ckpts: dict[str, Path], out_dir: Path) -> Non
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=TP)
     try:
         parallel = init_parallel(TP)
+        sizes = [dist.get_world_size(g) for g in (parallel.tp_group, parallel.attn_tp_group, parallel.ep_group)]
+        assert sizes == [TP, TP, 1] and dist.get_world_size(parallel.dp_group) == 1, sizes
         torch.save(_run(ckpts, parallel), out_dir / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -107,6 +112,65 @@ def test_derived_ranks_and_groups_follow_sglang(tp: int, dp: int, ep: int) -> No
 def test_parallel_info_rejects_bad_layouts(bad: dict[str, int]) -> None:
     with pytest.raises(ValueError):
         ParallelInfo(**bad)
+
+
+# Loading needs no process group: a rank's model is built from its ParallelInfo (groups None) and only its
+# forward communicates.
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("tp") / "m", "v3_noaux_groups", seed=7)
+
+
+@pytest.mark.parametrize("rank", range(TP))
+def test_each_rank_loads_its_slice(ckpt: Path, rank: int) -> None:
+    model = load_engine_model(ckpt, parallel=ParallelInfo(rank, TP), shared_experts="separate")
+    full = load_file(ckpt / "model.safetensors")
+    params = dict(model.named_parameters())
+    sharded = shards(model)
+    kinds = {name.split(".")[-2] for name in sharded}
+    assert kinds == {"embed_tokens", "lm_head", "q_b_proj", "kv_b_proj", "o_proj", "gate_proj", "up_proj",
+                     "down_proj"}, kinds
+    assert any(".shared_experts." in name for name in sharded)
+    for name, param in params.items():
+        want = full.get(name)
+        if name in sharded:
+            dim, r, size = sharded[name]
+            n = param.shape[dim]
+            assert n * size == want.shape[dim]
+            assert torch.equal(param, want.narrow(dim, r * n, n)), name
+        elif want is not None:  # replicated: the latent path, norms, router (w13 / w2: no checkpoint name)
+            assert torch.equal(param, want), name
+    attn = model.decoder_layers()[0].self_attn
+    assert attn.h == model.config.num_attention_heads // TP and attn.w_kc.shape[0] == attn.h
+
+
+def test_sharded_load_errors_are_listed_together(ckpt: Path, tmp_path: Path) -> None:
+    d = tmp_path / "w"
+    d.mkdir()
+    (d / "config.json").write_text((ckpt / "config.json").read_text())
+    tensors = load_file(ckpt / "model.safetensors")
+    del tensors["model.layers.0.self_attn.o_proj.weight"]
+    tensors["model.layers.1.self_attn.kv_b_proj.weight"] = tensors["model.layers.1.self_attn.kv_b_proj.weight"][:40]
+    save_file(tensors, d / "model.safetensors")
+    with pytest.raises(WeightsError) as info:
+        load_engine_model(d, parallel=ParallelInfo(1, TP))
+    msg = str(info.value)
+    assert "missing: model.layers.0.self_attn.o_proj.weight" in msg
+    assert "kv_b_proj.weight: checkpoint shape (40, 16) != model (80, 16)" in msg  # the full shape, not the shard
+
+
+def test_vocab_parallel_lookups_sum_to_the_full_lookup() -> None:
+    gen = torch.Generator().manual_seed(1)
+    table = torch.randn(12, 5, generator=gen)
+    ids = torch.tensor([0, 5, 6, 11, 3, 6])
+    total = torch.zeros(len(ids), 5)
+    for rank in range(3):
+        emb = VocabParallelEmbedding(12, 5, rank, 3, torch.float32, "cpu")
+        emb.weight.data.copy_(table[rank * 4 : (rank + 1) * 4])
+        part = emb(ids)
+        assert (part.abs().sum(-1) > 0).tolist() == [(rank * 4 <= i < rank * 4 + 4) for i in ids.tolist()]
+        total += part
+    assert torch.equal(total, table[ids])
 
 
 if __name__ == "__main__":
