@@ -7,6 +7,7 @@ rank for every group, in the same order, even for groups the rank is not in: gro
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
@@ -14,9 +15,16 @@ import torch.distributed as dist
 from .parallel import ParallelInfo, group_ranks
 
 
-def init_parallel(tp_size: int, dp_size: int = 1, ep_size: int = 1, backend: str | None = None) -> ParallelInfo:
+def init_parallel(
+    tp_size: int,
+    dp_size: int = 1,
+    ep_size: int = 1,
+    backend: str | None = None,
+    timeout: timedelta | None = None,
+) -> ParallelInfo:
     """-> this rank's ParallelInfo with its tp, attention-TP, dp and ep groups. backend: None = the default
-    group's (gloo or nccl)."""
+    group's (gloo or nccl); timeout: of the subgroups' collectives (None = torch's backend default, 30 min
+    for gloo, whatever the default group was given)."""
     if not dist.is_initialized():
         raise RuntimeError("init_parallel needs torch.distributed.init_process_group first")
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -25,7 +33,7 @@ def init_parallel(tp_size: int, dp_size: int = 1, ep_size: int = 1, backend: str
     groups: dict[str, Any] = {}
     for kind, all_ranks in group_ranks(tp_size, dp_size, ep_size).items():
         for ranks in all_ranks:
-            group = dist.new_group(ranks=ranks, backend=backend)
+            group = dist.new_group(ranks=ranks, backend=backend, timeout=timeout)
             if rank in ranks:
                 groups[kind] = group
     return ParallelInfo(

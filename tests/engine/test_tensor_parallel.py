@@ -9,6 +9,7 @@ same tiny checkpoint, its weights sliced at load time, and runs the same prefix-
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -54,9 +55,11 @@ def _run(ckpts: dict[str, Path], parallel: ParallelInfo | None) -> list[dict[str
 
 def _worker(rank: int, store: str, ckpts: dict[str, Path], out_dir: Path) -> None:
     torch.set_num_threads(1)  # two ranks on two cores
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=TP)
+    # A rank that fails before a collective must not leave the other waiting for gloo's 30-minute default.
+    timeout = timedelta(seconds=60)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=TP, timeout=timeout)
     try:
-        parallel = init_parallel(TP)
+        parallel = init_parallel(TP, timeout=timeout)
         sizes = [dist.get_world_size(g) for g in (parallel.tp_group, parallel.attn_tp_group, parallel.ep_group)]
         assert sizes == [TP, TP, 1] and dist.get_world_size(parallel.dp_group) == 1, sizes
         torch.save(_run(ckpts, parallel), out_dir / f"rank{rank}.pt")
