@@ -33,12 +33,14 @@ from tests.tiny_models import direct_forward, load_engine_model, make_checkpoint
 LOGITS_ATOL = 1e-5
 TP = 2
 # (checkpoint config, mla_path, shared_experts): q_b_proj and q_proj heads, both MLA paths, split shared
-# experts (row-parallel, reduced) and fused ones (replicated with the routed experts).
+# experts (row-parallel, reduced) and fused ones (replicated with the routed experts), a V2 stack with no
+# dense layer.
 CASES = [
     ("v3_noaux_groups", "normal", "separate"),
     ("v3_noaux_groups", "absorb", "separate"),
     ("v3_qproj_nonorm", "normal", "fused"),
     ("v3_qproj_nonorm", "absorb", "separate"),
+    ("v2_group_limited", "normal", "separate"),
 ]
 TOKENS = torch.randint(2, 320, (23,), generator=torch.Generator().manual_seed(5)).tolist()
 
