@@ -3,6 +3,11 @@
 Shape legend: T new tokens, D hidden, V vocab, L layers, S cache slots, C latent cache row.
 Parameter names follow the Hugging Face layout (model.layers.N.self_attn.kv_b_proj.weight, ...), except
 routed experts, stacked per layer as mlp.w13 [E, 2I, D] and mlp.w2 [E, D, I] (weights.py maps them).
+
+Tensor parallelism (ParallelInfo.tp_size R > 1, one process per rank): attention heads, the dense MLP and
+the unfused shared experts are split (layers/linear.py), the routed experts replicated (layers/moe.py); the
+embedding holds V / R rows and lm_head V / R logits. The collectives sit in the communicators only: each
+layer's LayerCommunicator, and the VocabCommunicator at the embed and logits boundary below.
 """
 
 from __future__ import annotations
@@ -12,13 +17,14 @@ from torch import nn
 
 from r3trace.capture.recorder import RouteRecorder
 
-from .communicator import LayerCommunicator
+from .communicator import LayerCommunicator, VocabCommunicator
 from .config import ModelConfig
 from .engine_config import EngineConfig
 from .forward_batch import ForwardBatch
 from .layers.attention_backend import make_attention_backend
+from .layers.linear import ColumnParallelLinear, VocabParallelEmbedding
 from .layers.mla import MLAAttention
-from .layers.mlp import MLP, linear
+from .layers.mlp import MLP
 from .layers.moe import MoE, make_experts_fn
 from .layers.norm import RMSNorm
 from .layers.rope import RotaryEmbedding
@@ -44,6 +50,7 @@ class DecoderLayer(nn.Module):
         attn_backend = make_attention_backend(ecfg.attention_backend, ecfg.device, ecfg.decode_kernel, ecfg.page_size)
         self.self_attn = MLAAttention(
             cfg, layer_id, rope, attn_backend, ecfg.mla_path, dtype, device, ecfg.norm_backend, ecfg.fuse_step_glue,
+            parallel.attn_tp_rank, parallel.attn_tp_size,
         )
         self.is_moe = cfg.is_moe_layer(layer_id)
         self.mlp: nn.Module
@@ -51,9 +58,10 @@ class DecoderLayer(nn.Module):
             self.mlp = MoE(
                 cfg, layer_id, recorder, make_routing_ops(ecfg.topk_backend, ecfg.fuse_step_glue),
                 make_experts_fn(ecfg.moe_backend), dtype, device, ecfg.fuse_shared_experts,
+                parallel.tp_rank, parallel.tp_size,
             )
         else:
-            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, device)
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, device, parallel.tp_rank, parallel.tp_size)
         self.comm = LayerCommunicator(parallel, self.input_layernorm, self.post_attention_layernorm)
 
     def forward(
@@ -62,8 +70,10 @@ class DecoderLayer(nn.Module):
         hidden, residual = self.comm.prepare_attn(hidden, residual, fb)
         hidden = self.self_attn(hidden, fb, kv_cache)
         hidden, residual = self.comm.prepare_mlp(hidden, residual, fb)
-        hidden = self.mlp(hidden, fb) if self.is_moe else self.mlp(hidden)
-        return self.comm.postprocess_layer(hidden, residual, fb)
+        if isinstance(self.mlp, MoE):
+            routed, shared = self.mlp.forward_parts(hidden, fb)
+            return self.comm.postprocess_layer(shared, residual, fb, replicated=routed)
+        return self.comm.postprocess_layer(self.mlp(hidden), residual, fb)
 
 
 class DeepseekModel(nn.Module):
@@ -74,8 +84,10 @@ class DeepseekModel(nn.Module):
         dtype, device = ecfg.torch_dtype, ecfg.device
         max_pos = ecfg.max_context_len or cfg.max_position_embeddings
         self.rotary = RotaryEmbedding(cfg, max_pos, device, ecfg.rope_backend)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens = VocabParallelEmbedding(
+            cfg.vocab_size, cfg.hidden_size, parallel.tp_rank, parallel.tp_size, dtype, device
+        )
+        self.vocab_comm = VocabCommunicator(parallel)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, ecfg, i, parallel, recorder, self.rotary) for i in range(cfg.num_hidden_layers)
         )
@@ -83,7 +95,7 @@ class DeepseekModel(nn.Module):
 
     def forward(self, fb: ForwardBatch, kv_buffer: torch.Tensor) -> torch.Tensor:
         """-> final hidden states [T, D] (after the last RMSNorm)."""
-        hidden = self.embed_tokens(fb.input_ids)
+        hidden = self.vocab_comm.reduce_embedding(self.embed_tokens(fb.input_ids))
         residual: torch.Tensor | None = None
         for layer_id, layer in enumerate(self.layers):
             hidden, residual = layer(hidden, residual, fb, kv_buffer[layer_id])
@@ -100,7 +112,9 @@ class DeepseekForCausalLM(nn.Module):
         self.engine_config = ecfg
         self.recorder = recorder
         self.model = DeepseekModel(cfg, ecfg, parallel, recorder)
-        self.lm_head = linear(cfg.hidden_size, cfg.vocab_size, ecfg.torch_dtype, ecfg.device)
+        self.lm_head = ColumnParallelLinear(
+            cfg.hidden_size, cfg.vocab_size, parallel.tp_rank, parallel.tp_size, ecfg.torch_dtype, ecfg.device
+        )
         # MTP layers (index >= num_hidden_layers) as loaded, kept for the speculation issue.
         self.mtp_weights: dict[str, torch.Tensor] = {}
 
@@ -116,7 +130,7 @@ class DeepseekForCausalLM(nn.Module):
     def compute_logits(self, fb: ForwardBatch, kv_buffer: torch.Tensor) -> torch.Tensor:
         """The forward without the recorder's begin/end hooks (what a CUDA graph captures)."""
         hidden = self.model(fb, kv_buffer)
-        return self.lm_head(hidden[fb.logits_indices]).float()
+        return self.model.vocab_comm.gather_logits(self.lm_head(hidden[fb.logits_indices])).float()
 
     def decoder_layers(self) -> list[DecoderLayer]:
         return [layer for layer in self.model.layers if isinstance(layer, DecoderLayer)]

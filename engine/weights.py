@@ -4,6 +4,8 @@ Every checkpoint tensor is matched to a model tensor; missing tensors, unexpecte
 mismatches are collected and raised together in one WeightsError. Routed experts are stacked:
 mlp.experts.E.{gate,up}_proj.weight -> mlp.w13[E], mlp.experts.E.down_proj.weight -> mlp.w2[E].
 MTP layers (model.layers.N with N >= num_hidden_layers) go to model.mtp_weights, untouched.
+Tensor parallelism: a sharded parameter (layers/linear.py shards) holds one rank's slice; the checkpoint
+tensor is checked against the full shape and the rank's slice copied, so every rank reads the same files.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from .layers.linear import shards
 from .model import DeepseekForCausalLM
 
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -50,6 +53,7 @@ def load_weights(model: DeepseekForCausalLM, model_dir: str | Path) -> None:
     cfg = model.config
     params: dict[str, torch.Tensor] = dict(model.named_parameters())
     params.update({k: v for k, v in model.named_buffers() if k.endswith("e_score_correction_bias")})
+    sharded = shards(model)
     filled: set[str] = set()
     expert_parts: dict[str, set[tuple[int, str]]] = {}
     problems: list[str] = []
@@ -80,9 +84,16 @@ def load_weights(model: DeepseekForCausalLM, model_dir: str | Path) -> None:
                 if target is None:
                     unexpected.append(name)
                     continue
-                if tuple(target.shape) != tuple(tensor.shape):
-                    problems.append(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(target.shape)}")
+                shard = sharded.get(name)
+                full = list(target.shape)
+                if shard is not None:
+                    full[shard.dim] *= shard.size
+                if tuple(full) != tuple(tensor.shape):
+                    problems.append(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(full)}")
                     continue
+                if shard is not None:
+                    n = target.shape[shard.dim]
+                    tensor = tensor.narrow(shard.dim, shard.rank * n, n)
                 target.data.copy_(tensor.to(target.dtype))
                 filled.add(name)
 

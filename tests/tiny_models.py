@@ -81,10 +81,11 @@ def load_hf(model_dir: Path) -> torch.nn.Module:
 
 
 def load_engine_model(
-    model_dir: Path, recorder: ListRecorder | None = None, **engine_options: Any
+    model_dir: Path, recorder: ListRecorder | None = None, parallel: ParallelInfo | None = None, **engine_options: Any
 ) -> DeepseekForCausalLM:
+    """build_model + load_weights; parallel: this rank's ParallelInfo (None: one process)."""
     ecfg = EngineConfig(**engine_options)
-    model = build_model(ModelConfig.from_hf(model_dir), ecfg, ParallelInfo(), recorder or ListRecorder())
+    model = build_model(ModelConfig.from_hf(model_dir), ecfg, parallel or ParallelInfo(), recorder or ListRecorder())
     load_weights(model, model_dir)
     return model
 

@@ -6,6 +6,12 @@ Shape legend: T new tokens, H heads, D hidden, C = kv_lora_rank + rope (one late
 - absorb:  w_kc folded into the query and w_vc applied after attention; attention runs over the latent
            cache directly. Picked for decode and for extend on top of a cached prefix.
 The cache row of a token is [kv_a_layernorm(c_kv), rope(k_pe)], written before attention runs.
+
+Tensor parallelism (attention-TP size R > 1): the heads are split, H = num_attention_heads / R per rank.
+q_proj / q_b_proj and kv_b_proj are column-parallel (their rows are per-head blocks), o_proj row-parallel:
+forward returns this rank's partial sum [T, D], all-reduced by LayerCommunicator.prepare_mlp. The latent
+path (q_a_proj, kv_a_proj_with_mqa, the norms, the cache row) is replicated: every rank holds the whole
+latent cache, which all its heads read.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from r3trace.kernels.latent_write import latent_write
 from ..config import ModelConfig
 from ..forward_batch import ForwardBatch
 from .attention_backend import AttentionBackend
+from .linear import ColumnParallelLinear, RowParallelLinear
 from .mlp import linear
 from .norm import RMSNorm
 from .rope import RotaryEmbedding
@@ -47,10 +54,14 @@ class MLAAttention(nn.Module):
         device: torch.device | str,
         norm_backend: str = "ref",
         fuse_latent_write: bool = True,
+        tp_rank: int = 0,
+        tp_size: int = 1,
     ) -> None:
         super().__init__()
         self.layer_id = layer_id
-        self.h = cfg.num_attention_heads
+        if cfg.num_attention_heads % tp_size:
+            raise ValueError(f"num_attention_heads={cfg.num_attention_heads} not divisible by attention TP {tp_size}")
+        self.h = cfg.num_attention_heads // tp_size  # this rank's heads
         self.nope, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.kv_lora = cfg.kv_lora_rank
         self.scale = cfg.softmax_scale
@@ -58,20 +69,22 @@ class MLAAttention(nn.Module):
         self.backend = backend
         self.mla_path = mla_path
         d, qk = cfg.hidden_size, cfg.qk_head_dim
-        self.q_proj: nn.Linear | None = None
+        heads = cfg.num_attention_heads
+        self.q_proj: ColumnParallelLinear | None = None
         self.q_a_proj: nn.Linear | None = None
         self.q_a_layernorm: RMSNorm | None = None
-        self.q_b_proj: nn.Linear | None = None
+        self.q_b_proj: ColumnParallelLinear | None = None
         if cfg.q_lora_rank is None:
-            self.q_proj = linear(d, self.h * qk, dtype, device)
+            self.q_proj = ColumnParallelLinear(d, heads * qk, tp_rank, tp_size, dtype, device)
         else:
             self.q_a_proj = linear(d, cfg.q_lora_rank, dtype, device)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dtype, device, norm_backend)
-            self.q_b_proj = linear(cfg.q_lora_rank, self.h * qk, dtype, device)
+            self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, heads * qk, tp_rank, tp_size, dtype, device)
         self.kv_a_proj_with_mqa = linear(d, self.kv_lora + self.rope_dim, dtype, device)
         self.kv_a_layernorm = RMSNorm(self.kv_lora, cfg.rms_norm_eps, dtype, device, norm_backend)
-        self.kv_b_proj = linear(self.kv_lora, self.h * (self.nope + self.v_dim), dtype, device)
-        self.o_proj = linear(self.h * self.v_dim, d, dtype, device)
+        kv_b_out = heads * (self.nope + self.v_dim)
+        self.kv_b_proj = ColumnParallelLinear(self.kv_lora, kv_b_out, tp_rank, tp_size, dtype, device)
+        self.o_proj = RowParallelLinear(heads * self.v_dim, d, tp_rank, tp_size, dtype, device)
         # The latent write as one kernel (r3trace.kernels.latent_write) with the triton norm and rope backends;
         # its twin is the norm, the rope, a cat and an index store (4 kernels: 8.8 us a layer at batch 64).
         self.fused_latent = fuse_latent_write and norm_backend == "triton" and rope.backend == "triton"
@@ -112,7 +125,7 @@ class MLAAttention(nn.Module):
         return q.view(x.shape[0], self.h, self.nope + self.rope_dim), kv_a
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
-        """x: [T, D]; kv_cache: [S, C] of this layer -> [T, D]."""
+        """x: [T, D]; kv_cache: [S, C] of this layer -> [T, D] (partial over the attention-TP ranks)."""
         t = x.shape[0]
         q, kv_a = self._projections(x)
         q_nope, q_pe = q.split([self.nope, self.rope_dim], dim=-1)

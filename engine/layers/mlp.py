@@ -1,10 +1,17 @@
-"""Dense SwiGLU MLP (first_k_dense_replace layers and the shared experts)."""
+"""Dense SwiGLU MLP (first_k_dense_replace layers and the shared experts).
+
+Under tensor parallelism (tp_size R > 1) the intermediate I is split: gate_proj and up_proj are
+column-parallel (I / R rows each), down_proj row-parallel, so forward returns this rank's partial sum
+[T, D]; LayerCommunicator.postprocess_layer all-reduces it.
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .linear import ColumnParallelLinear, RowParallelLinear
 
 
 def _linear(in_f: int, out_f: int, dtype: torch.dtype, device: torch.device | str) -> nn.Linear:
@@ -14,13 +21,22 @@ def _linear(in_f: int, out_f: int, dtype: torch.dtype, device: torch.device | st
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
         super().__init__()
-        self.gate_proj = _linear(hidden, intermediate, dtype, device)
-        self.up_proj = _linear(hidden, intermediate, dtype, device)
-        self.down_proj = _linear(intermediate, hidden, dtype, device)
+        self.gate_proj = ColumnParallelLinear(hidden, intermediate, tp_rank, tp_size, dtype, device)
+        self.up_proj = ColumnParallelLinear(hidden, intermediate, tp_rank, tp_size, dtype, device)
+        self.down_proj = RowParallelLinear(intermediate, hidden, tp_rank, tp_size, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, D] -> [T, D], partial over the TP ranks when tp_size > 1."""
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 

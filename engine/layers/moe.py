@@ -8,6 +8,12 @@ Shared experts fused (EngineConfig.shared_experts): the shared MLP of intermedia
 (silu(gate) * up is elementwise over the intermediate, and the down sums over it), so after loading they
 are copied into w13/w2 rows E..E+S-1 and every token gets them as S more pairs of weight 1: [T, K + S],
 appended by the router (router.py: by the top-k kernel itself, or two cats); the capturer records the [T, K].
+
+Tensor parallelism (tp_size R > 1): the routed experts stay replicated (expert parallelism will shard them):
+every rank runs the router and all routed experts on the full hidden state, so their output is complete and
+needs no reduction. The unfused shared experts split their intermediate (mlp.py) and return a partial sum.
+forward_parts keeps the two apart, so LayerCommunicator.postprocess_layer reduces only the partial one;
+fused shared experts are replicated with the routed ones.
 """
 
 from __future__ import annotations
@@ -74,6 +80,8 @@ class MoE(nn.Module):
         dtype: torch.dtype,
         device: torch.device | str,
         fuse_shared: bool = False,
+        tp_rank: int = 0,
+        tp_size: int = 1,
     ) -> None:
         super().__init__()
         e, d, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
@@ -84,7 +92,9 @@ class MoE(nn.Module):
         self.w13 = nn.Parameter(torch.empty(rows, 2 * i, d, dtype=dtype, device=device), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(rows, d, i, dtype=dtype, device=device), requires_grad=False)
         self.shared_experts = (
-            MLP(d, i * cfg.n_shared_experts, dtype, device) if cfg.n_shared_experts > 0 else None
+            MLP(d, i * cfg.n_shared_experts, dtype, device, *((0, 1) if fuse_shared else (tp_rank, tp_size)))
+            if cfg.n_shared_experts > 0
+            else None
         )
         self.experts_fn = experts_fn
 
@@ -102,9 +112,13 @@ class MoE(nn.Module):
         self.shared_experts = None
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        """x: [T, D] -> [T, D]."""
+        """x: [T, D] -> [T, D] (one process: the sum of forward_parts)."""
+        routed, shared = self.forward_parts(x, fb)
+        return routed if shared is None else routed + shared
+
+    def forward_parts(self, x: torch.Tensor, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x: [T, D] -> (routed [T, D] complete on every rank, unfused shared experts [T, D] partial over the
+        TP ranks, or None)."""
         topk_weights, topk_ids = self.gate(x, fb)  # [T, K + S]: the routes (captured inside) + the fused shared
         out = self.experts_fn(x, self.w13, self.w2, topk_ids, topk_weights)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+        return out, (self.shared_experts(x) if self.shared_experts is not None else None)

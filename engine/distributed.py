@@ -1,0 +1,42 @@
+"""init_parallel: the process groups of one rank, built once over an initialized default group.
+
+The caller (a launcher, torchrun, a test) has run torch.distributed.init_process_group with world size
+tp_size; gloo on CPU and NCCL on CUDA go through this same code. dist.new_group must be entered by every
+rank for every group, in the same order, even for groups the rank is not in: group_ranks fixes that order.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from .parallel import ParallelInfo, group_ranks
+
+
+def init_parallel(
+    tp_size: int,
+    dp_size: int = 1,
+    ep_size: int = 1,
+    backend: str | None = None,
+    timeout: timedelta | None = None,
+) -> ParallelInfo:
+    """-> this rank's ParallelInfo with its tp, attention-TP, dp and ep groups. backend: None = the default
+    group's (gloo or nccl); timeout: of the subgroups' collectives (None = torch's backend default, 30 min
+    for gloo, whatever the default group was given)."""
+    if not dist.is_initialized():
+        raise RuntimeError("init_parallel needs torch.distributed.init_process_group first")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world != tp_size:
+        raise ValueError(f"tp_size={tp_size} but the world has {world} processes (one process per TP rank)")
+    groups: dict[str, Any] = {}
+    for kind, all_ranks in group_ranks(tp_size, dp_size, ep_size).items():
+        for ranks in all_ranks:
+            group = dist.new_group(ranks=ranks, backend=backend, timeout=timeout)
+            if rank in ranks:
+                groups[kind] = group
+    return ParallelInfo(
+        tp_rank=rank, tp_size=tp_size, dp_size=dp_size, ep_size=ep_size, tp_group=groups["tp"],
+        attn_tp_group=groups["attn_tp"], dp_group=groups["dp"], ep_group=groups["ep"],
+    )
