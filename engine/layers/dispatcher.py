@@ -78,6 +78,16 @@ def expert_slice(weight: torch.Tensor, experts: range) -> torch.Tensor:
     return weight[experts.start : experts.stop].contiguous()
 
 
+def make_dispatcher(
+    num_experts: int, ep_rank: int = 0, ep_size: int = 1, group: dist.ProcessGroup | None = None
+) -> TokenDispatcher:
+    """Picked once, when the MoE is built: the NullDispatcher in one process, else the all-to-all one over
+    group (the expert-parallel group; None: the default group)."""
+    if ep_size == 1:
+        return NullDispatcher(num_experts)
+    return AllToAllDispatcher(num_experts, ep_rank, ep_size, group)
+
+
 class DispatchLayout(NamedTuple):
     """Where this rank's tokens go (DeepEP's get_dispatch_layout, plus the rows to send)."""
 
@@ -126,7 +136,9 @@ class AllToAllDispatcher:
     group: the expert-parallel process group (None: the default group); ep_rank / ep_size must be this
     process's rank and the size in that group (ParallelInfo carries them; checked here once).
     Collectives per dispatch: counts [G] int64, hidden rows [N, D], ids and weights packed as [N, 2K] int32
-    (the fp32 weights travel as their bits). Per combine: rows [R, D].
+    (the fp32 weights travel as their bits). Per combine: rows [R, D] in the activation dtype, so in bf16 each
+    rank's partial sum is rounded once before the fp32 sum over ranks (DeepEP's combine does the same; fp32 is
+    exact up to the order of the additions).
     """
 
     def __init__(self, num_experts: int, ep_rank: int, ep_size: int, group: dist.ProcessGroup | None = None) -> None:
@@ -149,7 +161,7 @@ class AllToAllDispatcher:
         layout = dispatch_layout(topk_ids, topk_weights, self.num_experts, self.ep_size)
         counts_in = torch.empty_like(layout.tokens_per_rank)
         dist.all_to_all_single(counts_in, layout.tokens_per_rank, group=self.group)
-        send, recv = layout.tokens_per_rank.tolist(), counts_in.tolist()  # the one host sync
+        send, recv = layout.tokens_per_rank.tolist(), counts_in.tolist()  # host syncs: these and the layout's nonzero
         k = topk_ids.shape[1]
         meta = torch.cat([layout.send_ids, layout.send_weights.view(torch.int32)], dim=1)  # [N, 2K]
         meta_in = self._exchange(meta, send, recv)  # [R, 2K]
@@ -160,7 +172,7 @@ class AllToAllDispatcher:
     def combine(self, expert_out: torch.Tensor, handle: A2AHandle) -> torch.Tensor:
         back = self._exchange(expert_out, handle.recv_counts, handle.send_counts)  # [N, D], rank-major
         out = torch.zeros(handle.num_tokens, expert_out.shape[1], dtype=torch.float32, device=expert_out.device)
-        # One add per source rank, in rank order: a token appears at most once per rank, so each add is a plain
+        # One add per expert rank, in rank order: a token comes back at most once from each, so each add is a plain
         # scatter and the sum over ranks has a fixed order (no atomics racing on a row).
         start = 0
         for n in handle.send_counts:
