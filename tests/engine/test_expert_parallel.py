@@ -20,6 +20,8 @@ from __future__ import annotations
 import os
 import random
 import socket
+import sys
+import types
 from datetime import timedelta
 from typing import Any
 
@@ -219,7 +221,17 @@ def free_port() -> int:
 
 def run_ranks(counts: list[int], backends: tuple[str, ...]) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # 2-4 processes on 2 cores: no thread oversubscription
-    mp.spawn(_worker, args=(len(counts), free_port(), counts, backends), nprocs=len(counts), join=True)
+    # A spawned child first re-runs the parent's __main__; Streamlit's AppTest (tests/dashboard) leaves
+    # dashboards/app.py there, which fails on pytest's argv. The workers need only this module: start them
+    # from a blank __main__, put the real one back once they are started.
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        ranks = mp.spawn(_worker, args=(len(counts), free_port(), counts, backends), nprocs=len(counts), join=False)
+    finally:
+        sys.modules["__main__"] = main
+    while not ranks.join():  # a rank that fails terminates the others (no hang in a collective)
+        pass
 
 
 # the ranks run on CPU: the fused Triton MoE only under the interpreter
