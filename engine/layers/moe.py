@@ -14,6 +14,10 @@ every rank runs the router and all routed experts on the full hidden state, so t
 needs no reduction. The unfused shared experts split their intermediate (mlp.py) and return a partial sum.
 forward_parts keeps the two apart, so LayerCommunicator.postprocess_layer reduces only the partial one;
 fused shared experts are replicated with the routed ones.
+
+Expert parallelism: the TokenDispatcher (dispatcher.py), chosen at construction, moves the routed pairs to the
+ranks that hold their experts and back; w13/w2 then hold only this rank's E/ep rows (dispatcher.experts;
+expert_slice cuts them from full weights). Shared experts run here on this rank's own tokens (replicated).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from r3trace.capture.recorder import RouteRecorder
 
 from ..config import ModelConfig
 from ..forward_batch import ForwardBatch
+from .dispatcher import NullDispatcher, TokenDispatcher
 from .mlp import MLP
 from .router import Router, RoutingOps
 
@@ -82,13 +87,19 @@ class MoE(nn.Module):
         fuse_shared: bool = False,
         tp_rank: int = 0,
         tp_size: int = 1,
+        dispatcher: TokenDispatcher | None = None,
     ) -> None:
         super().__init__()
         e, d, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        self.num_routed = e
+        self.dispatcher = dispatcher or NullDispatcher(e)
+        local = len(self.dispatcher.experts)
+        if fuse_shared and local != e:
+            # fused shared pairs would be dispatched like routed ones; under EP every rank computes them itself
+            raise ValueError(f"fuse_shared_experts with expert parallelism ({local} of {e} experts on this rank)")
+        self.num_routed = local
         self.num_fused = cfg.n_shared_experts if fuse_shared else 0  # S rows after the E routed ones
         self.gate = Router(cfg, layer_id, recorder, routing, device, self.num_fused)
-        rows = e + self.num_fused
+        rows = local + self.num_fused
         self.w13 = nn.Parameter(torch.empty(rows, 2 * i, d, dtype=dtype, device=device), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(rows, d, i, dtype=dtype, device=device), requires_grad=False)
         self.shared_experts = (
@@ -120,5 +131,7 @@ class MoE(nn.Module):
         """x: [T, D] -> (routed [T, D] complete on every rank, unfused shared experts [T, D] partial over the
         TP ranks, or None)."""
         topk_weights, topk_ids = self.gate(x, fb)  # [T, K + S]: the routes (captured inside) + the fused shared
-        out = self.experts_fn(x, self.w13, self.w2, topk_ids, topk_weights)
+        d = self.dispatcher.dispatch(x, topk_ids, topk_weights)  # [R, D], [R, K + S] local ids
+        expert_out = self.experts_fn(d.hidden, self.w13, self.w2, d.topk_ids, d.topk_weights)  # [R, D]
+        out = self.dispatcher.combine(expert_out, d.handle)  # [T, D]
         return out, (self.shared_experts(x) if self.shared_experts is not None else None)

@@ -1,0 +1,247 @@
+"""Expert parallelism at the MoE layer: the dispatch layout, and ep2 / ep4 gloo processes against one process.
+
+Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/engine/test_expert_parallel.py (ep4 included; `make
+test` skips it with the slow marker).
+
+The layout is checked against pure Python loops. The distributed tests run real processes (gloo on CPU over
+127.0.0.1); every rank holds its E/ep expert slice, feeds its own tokens (one rank none at all), and its MoE
+output must match the one-process MoE with all experts on the same tokens.
+
+fp32 tolerance of the outputs (1e-6 absolute, 1e-5 relative; outputs here are O(0.1)): the same products
+are summed in another association, (p1 + p2) + (p3 + p4) across two ranks against ((p1 + p2) + p3) + p4 in one
+process, and an expert's GEMM runs over another row count (every rank's tokens for that expert), which may
+pick another BLAS blocking of the D = 48 and I = 24 dot products. Each is a few ulps of the |terms| summed
+(K + 1 = 4 terms, eps = 1.2e-7); any misrouted row, lost weight or mis-ordered token is off by O(0.1).
+The ids and weights that reach each rank are compared exactly.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import sys
+import types
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from r3trace.capture.recorder import NullRecorder
+from r3trace.engine.config import ModelConfig
+from r3trace.engine.forward_batch import ForwardBatch
+from r3trace.engine.layers.dispatcher import (
+    AllToAllDispatcher,
+    NullDispatcher,
+    dispatch_layout,
+    expert_slice,
+    local_experts,
+    make_dispatcher,
+)
+from r3trace.engine.layers.moe import MoE, grouped_experts_ref, make_experts_fn
+from r3trace.engine.layers.router import make_routing_ops
+
+E, K = 8, 3
+
+# a V3 MoE layer: sigmoid + noaux_tc, 4 groups of 2 experts, 2 groups per token, one shared expert
+CFG = ModelConfig.from_dict(dict(
+    model_type="deepseek_v3", vocab_size=64, hidden_size=48, intermediate_size=96, moe_intermediate_size=24,
+    num_hidden_layers=1, num_attention_heads=4, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+    v_head_dim=12, n_routed_experts=E, n_shared_experts=1, num_experts_per_tok=K, n_group=4, topk_group=2,
+    routed_scaling_factor=2.5,
+))  # fmt: skip
+
+
+# ---------------------------------------------------------------- the layout, against loops
+
+
+def layout_loops(ids: list[list[int]], weights: list[list[float]], num_experts: int, ep_size: int) -> dict[str, Any]:
+    """The dispatch layout by brute force: for each rank in order, each token in order that has an expert there."""
+    per = num_experts // ep_size
+    send_rank, send_token, send_ids, send_weights = [], [], [], []
+    for r in range(ep_size):
+        for t in range(len(ids)):
+            local = [e - r * per if e >= 0 and e // per == r else -1 for e in ids[t]]
+            if any(e >= 0 for e in local):
+                send_rank.append(r)
+                send_token.append(t)
+                send_ids.append(local)
+                send_weights.append([weights[t][j] if local[j] >= 0 else 0.0 for j in range(len(local))])
+    sent = set(zip(send_rank, send_token, strict=True))
+    return dict(
+        tokens_per_rank=[send_rank.count(r) for r in range(ep_size)],
+        tokens_per_expert=[sum(row.count(e) for row in ids) for e in range(num_experts)],
+        is_token_in_rank=[[(r, t) in sent for r in range(ep_size)] for t in range(len(ids))],
+        send_token=send_token,
+        send_ids=send_ids,
+        send_weights=send_weights,
+    )
+
+
+def random_routes(rng: random.Random, t: int, k: int, experts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """t tokens of k distinct experts drawn from `experts`, weights in [0, 1)."""
+    ids = torch.tensor([rng.sample(experts, k) for _ in range(t)], dtype=torch.int32).reshape(t, k)
+    weights = torch.tensor([[rng.random() for _ in range(k)] for _ in range(t)], dtype=torch.float32).reshape(t, k)
+    return ids, weights
+
+
+@pytest.mark.parametrize(
+    "t, k, num_experts, ep_size, seed",
+    [(1, 1, 2, 2, 0), (7, 3, 8, 2, 1), (13, 4, 12, 3, 2), (29, 6, 16, 4, 3), (0, 3, 8, 4, 4), (33, 2, 32, 8, 5)],
+)
+def test_layout_matches_loops(t: int, k: int, num_experts: int, ep_size: int, seed: int) -> None:
+    rng = random.Random(seed)
+    per = num_experts // ep_size
+    empty_rank = 1 if ep_size >= 3 else None  # no token has an expert there: it receives zero rows
+    experts = [e for e in range(num_experts) if e // per != empty_rank]
+    ids, weights = random_routes(rng, t, k, experts)
+    if t >= 3 and k <= per:
+        ids[0] = torch.arange(k)  # every expert of token 0 on rank 0
+        ids[1] = num_experts - 1 - torch.arange(k)  # token 1 only on the last rank
+    if t >= 3:
+        ids[2, 0] = -1  # a pair with no expert goes nowhere
+    got = dispatch_layout(ids, weights, num_experts, ep_size)
+    want = layout_loops(ids.tolist(), weights.tolist(), num_experts, ep_size)
+    if empty_rank is not None:
+        assert want["tokens_per_rank"][empty_rank] == 0
+    assert got.tokens_per_rank.tolist() == want["tokens_per_rank"]
+    assert got.tokens_per_expert.tolist() == want["tokens_per_expert"]
+    assert got.is_token_in_rank.tolist() == want["is_token_in_rank"]
+    assert got.send_token.tolist() == want["send_token"]
+    assert got.send_ids.dtype == torch.int32 and got.send_ids.reshape(-1, k).tolist() == want["send_ids"]
+    assert got.send_weights.reshape(-1, k).tolist() == want["send_weights"]  # exact: copied, never computed
+
+
+def test_local_experts_and_slice() -> None:
+    assert [local_experts(12, r, 3) for r in range(3)] == [range(0, 4), range(4, 8), range(8, 12)]
+    with pytest.raises(ValueError, match="not a multiple"):
+        local_experts(10, 0, 4)
+    w = torch.arange(12 * 2).reshape(12, 2)
+    assert torch.equal(expert_slice(w, range(4, 8)), w[4:8])
+
+
+# ---------------------------------------------------------------- the MoE layer
+
+
+def batch(t: int) -> ForwardBatch:
+    """A one-request extend of t tokens: the router reads only fb.replay."""
+    return ForwardBatch.build(
+        forward_id=0, input_ids=[0] * t, prefix_lens=[0], extend_lens=[t], req_pool_indices=[0],
+        out_cache_loc=np.arange(t), req_to_token=torch.zeros(1, t + 1, dtype=torch.int32), logits_rows=[],
+        device="cpu",
+    )  # fmt: skip
+
+
+def full_moe(backend: str = "ref", seed: int = 0) -> MoE:
+    """The one-process MoE (all E experts, shared MLP unfused), weights seeded."""
+    moe = MoE(CFG, 0, NullRecorder(), make_routing_ops("ref"), make_experts_fn(backend), torch.float32, "cpu")
+    g = torch.Generator().manual_seed(seed)
+    for _, p in sorted(moe.named_parameters()):
+        p.data.copy_(torch.randn(p.shape, generator=g) * 0.15)
+    assert moe.gate.e_score_correction_bias is not None
+    moe.gate.e_score_correction_bias.copy_(torch.randn(E, generator=g) * 0.3)
+    return moe
+
+
+def test_null_dispatcher_is_todays_path() -> None:
+    moe = full_moe()
+    x = torch.randn(11, CFG.hidden_size, generator=torch.Generator().manual_seed(1))
+    weights, ids = moe.gate(x, batch(11))
+    assert isinstance(moe.dispatcher, NullDispatcher) and moe.dispatcher.experts == range(E)
+    assert isinstance(make_dispatcher(E), NullDispatcher)
+    want = grouped_experts_ref(x, moe.w13, moe.w2, ids, weights) + moe.shared_experts(x)
+    assert torch.equal(moe(x, batch(11)), want)
+
+
+def test_fused_shared_refused_under_ep() -> None:
+    class HalfTheExperts:  # a stand-in holding 4 of 8 experts: the check is made before any collective
+        experts = range(4, 8)
+
+    with pytest.raises(ValueError, match="fuse_shared_experts"):
+        MoE(CFG, 0, NullRecorder(), make_routing_ops("ref"), make_experts_fn("ref"), torch.float32, "cpu",
+            fuse_shared=True, dispatcher=HalfTheExperts())  # type: ignore[arg-type]  # fmt: skip
+
+
+def rank_tokens(rank: int, counts: list[int]) -> torch.Tensor:
+    return torch.randn(counts[rank], CFG.hidden_size, generator=torch.Generator().manual_seed(100 + rank))
+
+
+def _worker(rank: int, world: int, port: int, counts: list[int], backends: tuple[str, ...]) -> None:
+    torch.manual_seed(0)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))  # fmt: skip
+    try:
+        full = full_moe()
+        dispatcher = make_dispatcher(E, rank, world)
+        assert isinstance(dispatcher, AllToAllDispatcher)
+
+        # what reaches this rank: from each source rank in rank order, its rows for this rank, in token order
+        routes = [full.gate(rank_tokens(r, counts), batch(counts[r])) for r in range(world)]
+        want_ids: list[list[int]] = []
+        want_weights: list[list[float]] = []
+        want_rows: list[torch.Tensor] = []
+        for r, (w, ids) in enumerate(routes):
+            lay = layout_loops(ids.tolist(), w.tolist(), E, world)
+            start = sum(lay["tokens_per_rank"][:rank])
+            rows = range(start, start + lay["tokens_per_rank"][rank])
+            want_ids += [lay["send_ids"][i] for i in rows]
+            want_weights += [lay["send_weights"][i] for i in rows]
+            want_rows += [rank_tokens(r, counts)[lay["send_token"][i]] for i in rows]
+        x = rank_tokens(rank, counts)
+        got = dispatcher.dispatch(x, routes[rank][1], routes[rank][0])
+        assert got.topk_ids.tolist() == want_ids
+        assert got.topk_weights.tolist() == want_weights
+        assert torch.equal(got.hidden, torch.stack(want_rows) if want_rows else x.new_empty(0, CFG.hidden_size))
+
+        for backend in backends:  # the experts functions the engine has: ref grouped compute, fused Triton MoE
+            full = full_moe(backend)
+            ep = MoE(CFG, 0, NullRecorder(), make_routing_ops("ref"), make_experts_fn(backend), torch.float32, "cpu",
+                     dispatcher=dispatcher)  # fmt: skip
+            state = full.state_dict()
+            for name in ("w13", "w2"):
+                state[name] = expert_slice(state[name], dispatcher.experts)
+            ep.load_state_dict(state)
+            out = ep(x, batch(x.shape[0]))
+            ref = full(x, batch(x.shape[0]))
+            assert out.shape == ref.shape == x.shape
+            torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5, msg=lambda m, b=backend: f"{b}: {m}")
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_ranks(counts: list[int], backends: tuple[str, ...]) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # 2-4 processes on 2 cores: no thread oversubscription
+    # A spawned child first re-runs the parent's __main__; Streamlit's AppTest (tests/dashboard) leaves
+    # dashboards/app.py there, which fails on pytest's argv. The workers need only this module: start them
+    # from a blank __main__, put the real one back once they are started.
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        ranks = mp.spawn(_worker, args=(len(counts), free_port(), counts, backends), nprocs=len(counts), join=False)
+    finally:
+        sys.modules["__main__"] = main
+    while not ranks.join():  # a rank that fails terminates the others (no hang in a collective)
+        pass
+
+
+# the ranks run on CPU: the fused Triton MoE only under the interpreter
+BACKENDS = ("ref", "triton") if os.environ.get("TRITON_INTERPRET") == "1" else ("ref",)
+
+
+def test_ep2_matches_one_process() -> None:
+    run_ranks([37, 0], BACKENDS)  # rank 1 has no tokens and still joins every collective
+
+
+@pytest.mark.slow
+def test_ep4_matches_one_process() -> None:
+    run_ranks([19, 0, 5, 26], BACKENDS)
