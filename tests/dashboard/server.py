@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
+from tests.health import wait_healthy
 
 TICK_S = 1 / os.sysconf("SC_CLK_TCK")
 
@@ -70,16 +70,7 @@ class Dashboard:
         return self.proc.pid
 
     def wait_healthy(self, timeout_s: float = 60) -> None:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                if httpx.get(f"{self.url}/_stcore/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline or self.proc.poll() is not None:
-                raise RuntimeError(f"dashboard did not come up: {self.log.read_text()[-2000:]}")
-            time.sleep(0.2)
+        wait_healthy(f"{self.url}/_stcore/health", self.proc, timeout_s, lambda: self.log.read_text()[-2000:])
 
     def stop(self) -> None:
         Dashboard.stop_all([self])

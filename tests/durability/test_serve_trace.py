@@ -18,6 +18,7 @@ import pytest
 
 from r3trace.trace import open_dataset
 from tests.durability.kill_harness import REPO
+from tests.health import wait_healthy
 
 SAMPLE = REPO / "samples" / "model"
 GEN = {"text": "def fib(n):", "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}}
@@ -34,16 +35,9 @@ def _serve(tmp: Path, *extra: str) -> tuple[subprocess.Popen[bytes], httpx.Clien
     proc = subprocess.Popen([sys.executable, "-m", "r3trace.cli", "serve", str(SAMPLE), "--port", str(port),
                              "--trace-root", str(tmp / "traces"), "--log-level", "warning", *extra],
                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
-    deadline = time.time() + 120
-    while True:
-        try:
-            if client.get("/health").status_code == 200:
-                return proc, client
-        except httpx.TransportError:
-            pass
-        assert proc.poll() is None and time.time() < deadline, proc.stderr.read() if proc.stderr else ""
-        time.sleep(0.2)
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(f"{url}/health", proc, 120, lambda: proc.stderr.read().decode() if proc.stderr else "")
+    return proc, httpx.Client(base_url=url, timeout=60)
 
 
 def _metric(client: httpx.Client, name: str) -> float:

@@ -10,7 +10,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -18,6 +17,7 @@ import pytest
 
 from r3trace.client import capture
 from r3trace.trace import open_dataset, read_token_routes
+from tests.health import wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLE = ROOT / "samples" / "model"
@@ -40,15 +40,7 @@ def test_serve_subprocess_and_capture(tmp_path: Path) -> None:
                                 stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
         url = f"http://127.0.0.1:{port}"
         try:
-            deadline = time.monotonic() + 120
-            while True:
-                try:
-                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-                time.sleep(0.25)
+            wait_healthy(f"{url}/health", proc, 120, lambda: log.read_text()[-3000:])
             prompts = [json.loads(line) for line in (ROOT / "samples" / "prompts.jsonl").read_text().splitlines()]
             bodies = [{"text": p["text"][:200], "tag": p["domain"]} for p in prompts[:4]]
             res = capture(url, bodies, out=tmp_path / "store", sampling_params={"max_new_tokens": 8,
