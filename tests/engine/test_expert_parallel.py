@@ -20,8 +20,6 @@ from __future__ import annotations
 import os
 import random
 import socket
-import sys
-import types
 from datetime import timedelta
 from typing import Any
 
@@ -29,7 +27,6 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from r3trace.capture.recorder import NullRecorder
 from r3trace.engine.config import ModelConfig
@@ -44,6 +41,7 @@ from r3trace.engine.layers.dispatcher import (
 )
 from r3trace.engine.layers.moe import MoE, grouped_experts_ref, make_experts_fn
 from r3trace.engine.layers.router import make_routing_ops
+from tests.spawn import spawn_ranks
 
 E, K = 8, 3
 
@@ -221,18 +219,7 @@ def free_port() -> int:
 
 def run_ranks(counts: list[int], backends: tuple[str, ...]) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # 2-4 processes on 2 cores: no thread oversubscription
-    # A spawned child first re-runs the parent's __main__; Streamlit's AppTest (tests/dashboard) leaves
-    # dashboards/app.py there, which fails on pytest's argv. The workers need only this module: start them
-    # from a blank __main__, put the real one back once they are started.
-    main = sys.modules["__main__"]
-    sys.modules["__main__"] = types.ModuleType("__main__")
-    try:
-        ranks = mp.spawn(_worker, args=(len(counts), free_port(), counts, backends), nprocs=len(counts), join=False)
-    finally:
-        sys.modules["__main__"] = main
-    while not ranks.join():  # a rank that fails terminates the others (no hang in a collective)
-        pass
-
+    spawn_ranks(_worker, (len(counts), free_port(), counts, backends), len(counts))
 
 # the ranks run on CPU: the fused Triton MoE only under the interpreter
 BACKENDS = ("ref", "triton") if os.environ.get("TRITON_INTERPRET") == "1" else ("ref",)

@@ -16,13 +16,13 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from r3trace.engine.distributed import init_parallel
 from r3trace.engine.layers.linear import VocabParallelEmbedding, shards
 from r3trace.engine.parallel import ParallelInfo, group_ranks
 from r3trace.engine.weights import WeightsError
+from tests.spawn import spawn_ranks
 from tests.tiny_models import direct_forward, load_engine_model, make_checkpoint
 
 # fp32. The one-process model sums o_proj's, the dense MLP's and the shared experts' inner products over all
@@ -71,7 +71,7 @@ def _worker(rank: int, store: str, ckpts: dict[str, Path], out_dir: Path) -> Non
 
 def test_tp2_matches_one_process(tmp_path: Path) -> None:
     ckpts = {name: make_checkpoint(tmp_path / name, name, seed=7) for name in {c[0] for c in CASES}}
-    mp.spawn(_worker, args=(str(tmp_path / "store"), ckpts, tmp_path), nprocs=TP, join=True)
+    spawn_ranks(_worker, (str(tmp_path / "store"), ckpts, tmp_path), TP)
     ref = _run(ckpts, None)
     ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(TP)]
     for case, r0, r1 in zip(CASES, *ranks, strict=True):  # every rank holds the reduced / gathered result

@@ -1,0 +1,27 @@
+"""Spawning rank processes from a test (torch.multiprocessing, start method spawn).
+
+A spawned child first re-runs the parent's `__main__`; Streamlit's AppTest (tests/dashboard) leaves
+dashboards/app.py there, which fails on pytest's argv. The ranks need only the module that defines their
+function: they start from a blank `__main__`, and the real one is put back once they have started.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch.multiprocessing as mp
+
+
+def spawn_ranks(fn: Callable[..., None], args: tuple[Any, ...], nprocs: int) -> None:
+    """fn(rank, *args) in nprocs processes; a rank that fails terminates the others (no hang in a collective)."""
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        ranks = mp.spawn(fn, args=args, nprocs=nprocs, join=False)
+    finally:
+        sys.modules["__main__"] = main
+    while not ranks.join():
+        pass
