@@ -10,17 +10,16 @@ durability contract).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from pathlib import Path
 from typing import Any
 
 from r3trace.capture.capturer import RoutedExpertsCapturer
 from r3trace.engine.event_loop import EventLoop
 from r3trace.engine.route_capture import RouteCaptureHooks, TeeSink
-from r3trace.trace.schema import TraceStateError
-
-# What start_trace passes on to TraceWriter (its other arguments come from the engine and the model).
-WRITER_OPTIONS = frozenset({"rows_per_file", "flush_interval_s", "fsync", "rollup_window_s", "small_file_rows",
-                            "compact_fanin"})
+from r3trace.trace.schema import TraceSchemaError, TraceStateError
+from r3trace.trace.stream import TraceStreamWriter
+from r3trace.trace.writer import TraceWriter
 
 
 class TraceControl:
@@ -30,23 +29,26 @@ class TraceControl:
         self.capturer = capturer
         self.hooks = hooks
         self.writer_args = writer_args  # model shape, engine options, hashes: the manifest's fixed fields
+        # what start_trace's caller may set: TraceWriter's other keywords (file size, flush interval, fsync, ...)
+        fixed = set(writer_args) | {"self", "root", "run_id"}
+        self.options = frozenset(inspect.signature(TraceWriter.__init__).parameters) - fixed
 
     @property
     def writer(self) -> Any:
         return self.hooks.writer
 
     def start(self, trace_dir: str | Path, run_id: str | None, stream_to: Any, options: dict[str, Any]) -> str:
-        from r3trace.trace.schema import TraceSchemaError
-        from r3trace.trace.stream import TraceStreamWriter
-        from r3trace.trace.writer import TraceWriter
-
-        unknown = sorted(set(options) - WRITER_OPTIONS)
+        unknown = sorted(set(options) - self.options)
         if unknown:
-            raise TraceSchemaError(f"start_trace option {unknown[0]!r} unknown; known: {sorted(WRITER_OPTIONS)}")
+            raise TraceSchemaError(f"start_trace option {unknown[0]!r} unknown; known: {sorted(self.options)}")
         if self.writer is not None:  # checked before a run folder is created for nothing
             raise TraceStateError(f"a trace is already being recorded (run {self.writer.run_id}): stop it first")
         writer = TraceWriter(trace_dir, run_id=run_id, **self.writer_args, **options)
-        stream = None if stream_to is None else TraceStreamWriter(stream_to, writer.manifest)
+        try:
+            stream = None if stream_to is None else TraceStreamWriter(stream_to, writer.manifest)
+        except BaseException:
+            writer.close()  # a stream that cannot open leaves no run marked as recording
+            raise
 
         def attach() -> None:
             if self.hooks.writer is not None:

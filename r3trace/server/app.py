@@ -186,15 +186,12 @@ def create_app(engine: GenerateEngine, config: ServerConfig | None = None) -> Fa
         fn = getattr(engine, "stop_trace", None)
         if fn is None:
             raise ApiError(501, "stop_trace: this engine cannot record traces")
-        st = trace_status() or {}
-        if not st.get("tracing", True):
-            raise ApiError(409, "stop_trace: no trace is being recorded; POST /start_trace first")
+        st = trace_status() or {}  # the run stop_trace is about to close (its folder and id)
         result = await service.call(fn)
         if result is None:
             raise ApiError(409, "stop_trace: no trace is being recorded; POST /start_trace first")
-        run_dir = st.get("run_dir")
-        return TraceStatus(tracing=False, trace_dir=None if run_dir is None else str(Path(run_dir).parent),
-                           run_id=st.get("run_id"), rows_durable=result.get("rows"), detail={"result": result})
+        return _trace_status({"run_dir": st.get("run_dir"), "run_id": result.get("run_id"),
+                              "rows_durable": result.get("rows")}, detail={"result": result})
 
     app.include_router(build_router(service, config.model_name, config.chat_template, config.model_names))
     app.add_middleware(RequestCounter, metrics=metrics)

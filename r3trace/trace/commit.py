@@ -38,7 +38,7 @@ from r3trace.trace.schema import (
     FileEntry,
     Manifest,
     TraceSchemaError,
-    fsync_dir,
+    fsync_path,
     run_dir_name,
     write_atomic,
 )
@@ -58,11 +58,7 @@ def write_parquet_atomic(
         use_dictionary=True, row_group_size=row_group_rows,
     )
     if fsync:
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_path(tmp)
     os.replace(tmp, path)
 
 
@@ -121,7 +117,7 @@ class RunCommitter:
 
     def publish(self, manifest: Manifest) -> None:
         if self.fsync:
-            fsync_dir(self.run_dir)  # the renames above, before the manifest names them
+            fsync_path(self.run_dir)  # the renames above, before the manifest names them
         manifest.write(self.run_dir)
         self.manifest = manifest
 

@@ -212,12 +212,12 @@ def write_atomic(path: Path, data: bytes, fsync: bool = True) -> None:
             os.fsync(f.fileno())
     os.replace(tmp, path)
     if fsync:
-        fsync_dir(path.parent)
+        fsync_path(path.parent)
 
 
-def fsync_dir(folder: Path) -> None:
-    """Make a rename in `folder` durable across a power loss (the directory entry itself)."""
-    fd = os.open(folder, os.O_RDONLY)
+def fsync_path(path: Path) -> None:
+    """fsync a file's data, or a folder's entries (a rename in it), so they survive a power loss."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
