@@ -21,8 +21,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", choices=POLICIES, default="ours")
     p.add_argument("--window-s", type=positive_float, default=None,
                    help="ours: EMA over heat windows of this length")
-    p.add_argument("--out", default=None, help="placement JSON (all three tensors)")
-    p.add_argument("--sglang", default=None, help="SGLang init-expert-location JSON")
+    p.add_argument("--out", default=None, help="placement JSON: DeepSeek EPLB's phy2log, log2phy, logcnt (MoE layers)")
+    p.add_argument("--sglang", default=None,
+                   help="the file SGLang's --init-expert-location loads (.json or .pt; every layer's row)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -37,6 +38,9 @@ def run(args: argparse.Namespace) -> int:
     from r3trace.errors import StoreError, UsageError
     from r3trace.progress import progress_flag
 
+    if args.sglang and not args.sglang.endswith((".json", ".pt")):  # refused before the trace is scanned
+        raise UsageError(f"--sglang {args.sglang}: must end in .json or .pt (SGLang's --init-expert-location "
+                         "parses any other value as inline JSON)")
     store = open_store(args.trace)
     run_id = select_run([r.manifest.run_id for r in store.runs], args.run_id, args.trace)
     m = store.run(run_id).manifest
@@ -77,7 +81,11 @@ def run(args: argparse.Namespace) -> int:
           f"max replicas {int(placement.logcnt.max())}")
     if args.out:
         with open(args.out, "w") as f:
-            f.write(to_json(placement, cluster, {"policy": args.policy, "run_id": run_id}))
+            f.write(to_json(placement, cluster, {"policy": args.policy, "run_id": run_id,
+                                               "moe_layer_ids": list(m.moe_layer_ids)}))
     if args.sglang:
-        to_sglang(placement, args.sglang)
+        to_sglang(placement, args.sglang, m.num_hidden_layers, m.moe_layer_ids)
+        # SGLang's slots are its logical experts plus --ep-num-redundant-experts, split over the EP ranks
+        print(f"SGLang: --init-expert-location {args.sglang} --expert-parallel-size {args.gpus} "
+              f"--ep-num-redundant-experts {args.slots - m.num_experts}")
     return 0

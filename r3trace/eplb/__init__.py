@@ -3,10 +3,19 @@ node-limited dispatch (score.py) and trace replay (replay.py). Contract: weight 
 (phy2log [L, P], log2phy [L, E, R] padded with -1, logcnt [L, E])."""
 
 from r3trace.eplb.deepseek import cross_node, global_policy, hierarchical
-from r3trace.eplb.placement import Cluster, Placement, PlacementError, churn, from_phy2log, to_json, to_sglang
+from r3trace.eplb.placement import (
+    Cluster,
+    Placement,
+    PlacementError,
+    churn,
+    from_phy2log,
+    sglang_map,
+    to_json,
+    to_sglang,
+)
 from r3trace.eplb.planner import PlannerConfig, plan
 
 __all__ = [
     "Cluster", "Placement", "PlacementError", "PlannerConfig", "churn", "cross_node", "from_phy2log",
-    "global_policy", "hierarchical", "plan", "to_json", "to_sglang",
+    "global_policy", "hierarchical", "plan", "sglang_map", "to_json", "to_sglang",
 ]

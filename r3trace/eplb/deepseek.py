@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from r3trace.eplb.packing import balanced_packing, replica_counts, replicate_experts
+from r3trace.eplb.packing import balanced_packing, replica_counts, replicate_experts, torch_order
 from r3trace.eplb.placement import Cluster, Placement, PlacementError, from_phy2log
 
 
@@ -24,17 +24,20 @@ def hierarchical(weight: np.ndarray, cluster: Cluster) -> Placement:
     if e % gr or gr % n:
         raise PlacementError(f"num_groups={gr} must divide E={e} and be a multiple of num_nodes={n}")
     gsize, gpn = e // gr, gr // n
-    gpack, grank = balanced_packing(w.reshape(n_layers, gr, gsize).sum(-1), n)  # [L, groups]
+    gw = w.reshape(n_layers, gr, gsize).sum(-1)  # [L, groups]
+    gpack, grank = balanced_packing(gw, n, torch_order(gw))  # ties as the reference breaks them
     log2mlog = (((gpack * gpn + grank) * gsize)[:, :, None] + np.arange(gsize)).reshape(n_layers, e)
     mlog2log = np.argsort(log2mlog, axis=1)
     w_mlog = np.take_along_axis(w, mlog2log, 1).reshape(n_layers * n, e // n)
-    phy2mlog, _, mlogcnt = replicate_experts(w_mlog, p // n)  # [L*N, P/N]
+    phy2mlog, phyrank, mlogcnt = replicate_experts(w_mlog, p // n)  # [L*N, P/N]
     w_phy = np.take_along_axis(w_mlog / mlogcnt, phy2mlog, 1)
-    pack, rank = balanced_packing(w_phy, cluster.gpus_per_node)
+    pack, rank = balanced_packing(w_phy, cluster.gpus_per_node, torch_order(w_phy))
     pphy2phy = np.argsort(pack * cluster.slots_per_gpu + rank, axis=1)
     pphy2mlog = np.take_along_axis(phy2mlog, pphy2phy, 1).reshape(n_layers, n, -1)
     pphy2mlog = (pphy2mlog + (np.arange(n) * (e // n))[None, :, None]).reshape(n_layers, p)
-    return from_phy2log(np.take_along_axis(mlog2log, pphy2mlog, 1), e)
+    pphyrank = np.take_along_axis(phyrank, pphy2phy, 1).reshape(n_layers, p)  # replica rank of each slot
+    # log2phy by replica rank, as rebalance_experts writes it (not by ascending slot)
+    return from_phy2log(np.take_along_axis(mlog2log, pphy2mlog, 1), e, rank=pphyrank)
 
 
 def global_policy(weight: np.ndarray, cluster: Cluster) -> Placement:

@@ -12,17 +12,35 @@ import numpy as np
 from r3trace.eplb.placement import PlacementError
 
 
-def balanced_packing(weight: np.ndarray, num_packs: int) -> tuple[np.ndarray, np.ndarray]:
+def torch_order(weight: np.ndarray) -> np.ndarray:
+    """[X, n] item order, heaviest first, by the call DeepSeek's reference makes: torch's sort of the float32
+    weights, descending. Its order among equal weights is torch's (not stable; it depends on n), and equal
+    weights are common: every replica of one expert weighs the same. Sorting the same way puts tied replicas
+    where the reference does, so DeepSeek's policies give its log2phy replica ranks, not just equal loads."""
+    import torch  # only DeepSeek's policies need it; the planner and the CLI's default stay torch-free
+
+    w = torch.from_numpy(np.ascontiguousarray(weight, dtype=np.float32))
+    return w.sort(-1, descending=True).indices.numpy()
+
+
+def balanced_packing(
+    weight: np.ndarray, num_packs: int, order: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """Heaviest item first into the lightest pack that still has room; every pack gets n/m items.
 
-    weight: [X, n]. Returns pack_index [X, n] and rank_in_pack [X, n] (0..n/m-1), both int64.
+    weight: [X, n]; order: [X, n] the items heaviest first (default: stable, equal weights by index).
+    Returns pack_index [X, n] and rank_in_pack [X, n] (0..n/m-1), both int64.
+    With one item per pack, item i goes to pack i, as in the reference.
     """
     x, n = weight.shape
     if n % num_packs:
         raise PlacementError(f"{n} items do not split evenly into num_packs={num_packs}")
     cap = n // num_packs
+    if cap == 1:
+        return np.tile(np.arange(n, dtype=np.int64), (x, 1)), np.zeros((x, n), dtype=np.int64)
     rows = np.arange(x)
-    order = np.argsort(-weight, axis=1, kind="stable")
+    if order is None:
+        order = np.argsort(-weight, axis=1, kind="stable")
     pack_w = np.zeros((x, num_packs))
     pack_n = np.zeros((x, num_packs), dtype=np.int64)
     pack_index = np.empty((x, n), dtype=np.int64)

@@ -65,8 +65,14 @@ class Placement(NamedTuple):
         return int(self.logcnt.shape[1])
 
 
-def from_phy2log(phy2log: np.ndarray, num_experts: int) -> Placement:
-    """Builds log2phy [L, E, R] and logcnt [L, E] from phy2log [L, P]; every expert needs >= 1 replica."""
+def from_phy2log(phy2log: np.ndarray, num_experts: int, rank: np.ndarray | None = None) -> Placement:
+    """Builds log2phy [L, E, R] and logcnt [L, E] from phy2log [L, P]; every expert needs >= 1 replica.
+
+    log2phy[l, e, r] is the slot of replica r of expert e: with `rank` [L, P] (each slot's replica index,
+    as DeepSeek's replicate_experts numbers them: 0 for the expert's first slot, then in the order extras
+    were added) r is that rank, which is the order DeepSeek's rebalance_experts writes; without it the
+    replicas are listed by ascending slot.
+    """
     phy2log = np.asarray(phy2log, dtype=np.int64)
     n_layers, p = phy2log.shape
     if phy2log.min() < 0 or phy2log.max() >= num_experts:
@@ -77,21 +83,41 @@ def from_phy2log(phy2log: np.ndarray, num_experts: int) -> Placement:
         layer, expert = np.argwhere(logcnt == 0)[0]
         raise PlacementError(f"expert {expert} of layer {layer} has 0 replicas; every expert needs >= 1")
     r = int(logcnt.max())
-    order = np.argsort(phy2log, axis=1, kind="stable")  # slots grouped by expert, ascending slot
-    sorted_log = np.take_along_axis(phy2log, order, 1)
-    first = np.cumsum(logcnt, axis=1) - logcnt  # [L, E] start of each expert's run
-    rank = np.arange(p)[None, :] - np.take_along_axis(first, sorted_log, 1)
+    rows = np.arange(n_layers)[:, None]
     log2phy = np.full((n_layers, num_experts, r), -1, dtype=np.int64)
-    log2phy[np.arange(n_layers)[:, None], sorted_log, rank] = order
+    if rank is None:
+        order = np.argsort(phy2log, axis=1, kind="stable")  # slots grouped by expert, ascending slot
+        sorted_log = np.take_along_axis(phy2log, order, 1)
+        first = np.cumsum(logcnt, axis=1) - logcnt  # [L, E] start of each expert's run
+        log2phy[rows, sorted_log, np.arange(p)[None, :] - np.take_along_axis(first, sorted_log, 1)] = order
+        return Placement(phy2log, log2phy, logcnt)
+    rank = np.asarray(rank, dtype=np.int64)
+    if rank.shape != phy2log.shape:
+        raise PlacementError(f"rank has shape {list(rank.shape)}, phy2log {list(phy2log.shape)}")
+    if (rank < 0).any() or (rank >= logcnt[rows, phy2log]).any():
+        raise PlacementError("rank holds a replica index outside 0..logcnt - 1 of its expert")
+    log2phy[rows, phy2log, rank] = np.arange(p)[None, :]
+    if ((log2phy >= 0).sum(2) != logcnt).any():  # two slots of one expert with the same rank
+        raise PlacementError("rank repeats a replica index within one expert")
     return Placement(phy2log, log2phy, logcnt)
 
 
 def check_placement(pl: Placement, cluster: Cluster) -> None:
-    """Raises PlacementError unless the three tensors agree with each other and with the cluster."""
+    """Raises PlacementError unless the three tensors agree with each other and with the cluster.
+
+    log2phy may list an expert's slots in any order (DeepSeek's replica rank, or ascending slot), padded
+    with -1 after the last one."""
     if pl.phy2log.shape[1] != cluster.num_slots:
         raise PlacementError(f"phy2log has {pl.phy2log.shape[1]} slots, cluster has {cluster.num_slots}")
     again = from_phy2log(pl.phy2log, pl.num_experts)
-    if not (np.array_equal(again.logcnt, pl.logcnt) and np.array_equal(again.log2phy, pl.log2phy)):
+    big = np.iinfo(np.int64).max  # sorts the -1 padding after every slot
+
+    def slot_sets(log2phy: np.ndarray) -> np.ndarray:
+        return np.sort(np.where(log2phy >= 0, log2phy, big), axis=2)
+
+    if not (np.array_equal(again.logcnt, pl.logcnt) and pl.log2phy.shape == again.log2phy.shape
+            and np.array_equal(pl.log2phy >= 0, again.log2phy >= 0)
+            and np.array_equal(slot_sets(pl.log2phy), slot_sets(again.log2phy))):
         raise PlacementError("log2phy/logcnt disagree with phy2log")
 
 
@@ -100,10 +126,36 @@ def churn(prev: Placement, new: Placement) -> float:
     return float((prev.phy2log != new.phy2log).mean())
 
 
-def to_sglang(pl: Placement, path: str | Path) -> None:
-    """SGLang's init-expert-location JSON: {"physical_to_logical_map": [L][P], "logical_count": [L][E]}."""
-    doc = {"physical_to_logical_map": pl.phy2log.tolist(), "logical_count": pl.logcnt.tolist()}
-    Path(path).write_text(json.dumps(doc))
+def sglang_map(pl: Placement, num_hidden_layers: int, moe_layer_ids: tuple[int, ...]) -> np.ndarray:
+    """[num_hidden_layers, P] physical_to_logical_map as SGLang indexes it: by real layer id, MoE rows from
+    the plan, every other row the trivial map SGLang's init_trivial builds (slot p holds expert p % E)."""
+    n_moe, p = pl.phy2log.shape
+    if len(moe_layer_ids) != n_moe:
+        raise PlacementError(f"moe_layer_ids lists {len(moe_layer_ids)} layers, the placement has {n_moe}")
+    if min(moe_layer_ids) < 0 or max(moe_layer_ids) >= num_hidden_layers:
+        raise PlacementError(f"moe_layer_ids holds {max(moe_layer_ids)}, outside 0..{num_hidden_layers - 1}")
+    full = np.tile(np.arange(p) % pl.num_experts, (num_hidden_layers, 1))
+    full[list(moe_layer_ids)] = pl.phy2log
+    return full
+
+
+def to_sglang(pl: Placement, path: str | Path, num_hidden_layers: int, moe_layer_ids: tuple[int, ...]) -> None:
+    """The file SGLang's --init-expert-location loads: {"physical_to_logical_map": [num_hidden_layers][P]}.
+
+    That one key and nothing else: SGLang passes every key to init_by_mapping, which takes no other. SGLang
+    reads a path as a file only when it ends in .json (json) or .pt (torch.load); any other string it parses
+    as inline JSON, so other names are refused here."""
+    path = Path(path)
+    full = sglang_map(pl, num_hidden_layers, moe_layer_ids)
+    if path.suffix == ".json":
+        path.write_text(json.dumps({"physical_to_logical_map": full.tolist()}))
+    elif path.suffix == ".pt":
+        import torch  # only this export needs torch
+
+        torch.save({"physical_to_logical_map": torch.from_numpy(full)}, path)
+    else:
+        raise PlacementError(f"SGLang init-expert-location file {path} must end in .json or .pt "
+                             "(SGLang parses any other value as inline JSON)")
 
 
 def to_json(pl: Placement, cluster: Cluster, meta: dict[str, object] | None = None) -> str:
@@ -117,6 +169,7 @@ def to_json(pl: Placement, cluster: Cluster, meta: dict[str, object] | None = No
 def from_json(text: str) -> tuple[Placement, Cluster]:
     doc = json.loads(text)
     cluster = Cluster(**doc["cluster"])
-    pl = from_phy2log(np.asarray(doc["phy2log"]), len(doc["logcnt"][0]))
-    check_placement(pl, cluster)
+    log2phy = np.asarray(doc["log2phy"], dtype=np.int64)
+    pl = Placement(np.asarray(doc["phy2log"], dtype=np.int64), log2phy, np.asarray(doc["logcnt"], dtype=np.int64))
+    check_placement(pl, cluster)  # log2phy kept as written: its order is the replica rank
     return pl, cluster

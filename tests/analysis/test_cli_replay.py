@@ -100,15 +100,23 @@ def test_cli_synth_stats_sql_eplb_diff(tmp_path: Path, capsys: pytest.CaptureFix
     assert main(["eplb", str(out), "--gpus", "32", "--nodes", "4", "--slots", "288",
                  "--sglang", str(tmp_path / "p.json")]) == 0
     doc = json.loads((tmp_path / "p.json").read_text())
-    p2l, cnt = np.asarray(doc["physical_to_logical_map"]), np.asarray(doc["logical_count"])
+    assert list(doc) == ["physical_to_logical_map"]  # SGLang's loader takes no other key
+    full, moe = np.asarray(doc["physical_to_logical_map"]), list(run.manifest.moe_layer_ids)
+    assert full.shape == (run.manifest.num_hidden_layers, 288)  # SGLang indexes rows by real layer id
+    dense = [li for li in range(run.manifest.num_hidden_layers) if li not in moe]
+    assert dense and (full[dense] == np.arange(288) % e).all()  # the trivial map on dense layers
+    p2l = full[moe]
+    cnt = np.stack([np.bincount(row, minlength=e) for row in p2l])
     assert p2l.shape == (n_layers, 288) and cnt.shape == (n_layers, e)
     assert all(np.array_equal(np.bincount(p2l[li], minlength=e), cnt[li]) for li in range(n_layers))
     assert (cnt >= 1).all()
     rows_ = np.arange(n_layers)[:, None]
     gpu = (_heat(r.topk_ids, e)[rows_, p2l] / cnt[rows_, p2l]).reshape(n_layers, 32, 9).sum(-1)  # [L, G]
     bal = float((gpu.mean(1) / gpu.max(1)).mean())
-    assert capsys.readouterr().out.strip() == (f"ours: P=288 on 32 GPUs / 4 nodes, in-sample balancedness {bal:.4f}, "
-                                               f"max replicas {cnt.max()}")
+    assert capsys.readouterr().out.strip().splitlines() == [
+        f"ours: P=288 on 32 GPUs / 4 nodes, in-sample balancedness {bal:.4f}, max replicas {cnt.max()}",
+        f"SGLang: --init-expert-location {tmp_path / 'p.json'} --expert-parallel-size 32 "
+        f"--ep-num-redundant-experts {288 - e}"]
 
     # diff against itself, and against a copy with one expert replaced in every 5th (token, layer) row
     assert main(["diff", str(out / "run_id=s"), str(out / "run_id=s")]) == 0

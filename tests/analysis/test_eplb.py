@@ -3,16 +3,13 @@ Run: .venv/bin/python -m pytest tests/analysis/test_eplb.py -q"""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from r3trace.analysis.synth import SynthConfig, route_windows
 from r3trace.eplb import Cluster, PlannerConfig, churn, cross_node, global_policy, hierarchical, plan
 from r3trace.eplb.packing import balanced_packing, replicate_experts
-from r3trace.eplb.placement import check_placement, from_json, to_json, to_sglang
+from r3trace.eplb.placement import check_placement, from_json, to_json
 from r3trace.eplb.score import balancedness, even_gpu_load, heat_of, node_limited
 
 POLICIES = {"hierarchical": hierarchical, "global": global_policy, "cross_node": cross_node,
@@ -66,7 +63,7 @@ def test_node_limit_and_hierarchical_locality() -> None:
         assert d.gpu_load.sum() == pytest.approx(t * 3 * k)
 
 
-def test_replan_on_same_loads_moves_nothing_and_exports(tmp_path: Path) -> None:
+def test_replan_on_same_loads_moves_nothing_and_exports() -> None:
     rng = np.random.default_rng(8)
     cl = Cluster(16, 4, 80, num_groups=8)
     hist = rng.pareto(1.0, (3, 6, 64)) + 0.1
@@ -76,10 +73,7 @@ def test_replan_on_same_loads_moves_nothing_and_exports(tmp_path: Path) -> None:
     moved = plan(hist[:, :, ::-1].copy(), cl, prev=first)  # a different workload does move replicas
     assert churn(first, moved) > 0
     back, cl2 = from_json(to_json(moved, cl))
-    assert cl2 == cl and np.array_equal(back.phy2log, moved.phy2log)
-    to_sglang(moved, tmp_path / "s.json")
-    doc = json.loads((tmp_path / "s.json").read_text())
-    assert np.array_equal(np.asarray(doc["physical_to_logical_map"]), moved.phy2log)
+    assert cl2 == cl and all(np.array_equal(a, b) for a, b in zip(back, moved, strict=True))
 
 
 def test_hierarchical_reproduces_deepseek_readme_example() -> None:
