@@ -4,10 +4,10 @@ Every ingest writes into `<store>/.staging-<id>/` (invisible to readers: they lo
 renames the finished run folders into place only after the last row validated; on any error the staging
 folder is removed, so a malformed input leaves nothing behind.
 
-Sources: our own sink's runs (native); JSON lines of SGLang /generate or OpenAI-style responses carrying
-`meta_info.routed_experts` (base64 little-endian int32, [rows, num_hidden_layers, K]; SGLang writes 0 and
-we write -1 on dense layers, both dropped here); SGLang expert-distribution dumps (.pt, per-layer logical
-counts) as heat-only runs; numpy .npz with topk_ids [T, L, K].
+Sources: our own sink's runs (native); JSON lines of response bodies from SGLang (/generate meta_info, OpenAI
+sglext), r3trace and vLLM (per-choice .npy), decoded by peer_formats.py, dense layers dropped by the model's
+layer layout; SGLang expert-distribution dumps (.pt, per-layer logical counts) as heat-only runs; numpy .npz
+with topk_ids [T, L, K].
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pybase64
 
+from r3trace.analysis.peer_formats import BodyError, Format, Routes, detect, moe_rows, routes_of
 from r3trace.progress import progress_bar
 from r3trace.trace.commit import write_heat_run
 from r3trace.trace.reader import open_dataset
@@ -83,89 +83,102 @@ def ingest_native(src: str | Path, store: str | Path, progress: bool | None = Tr
     return [r.manifest.run_id for r in runs]
 
 
-def _meta_infos(obj: Any) -> list[tuple[dict[str, Any], dict[str, Any]]]:
-    """(meta_info, container) pairs of one JSON line: /generate object or list, or OpenAI choices."""
-    if isinstance(obj, list):
-        return [m for o in obj for m in _meta_infos(o)]
-    if not isinstance(obj, dict):
-        return []
-    if "meta_info" in obj:
-        return [(obj["meta_info"], obj)]
-    return [(c.get("meta_info", c), obj) for c in obj.get("choices", []) if isinstance(c, dict)]
+def _bodies(path: Path, progress: bool | None) -> Iterator[tuple[int, Any]]:
+    """(line number, JSON body) of every body line: blank lines, SSE `event:` lines and `data: [DONE]` are
+    skipped and a `data: ` prefix is dropped, so a saved event stream reads as it was sent."""
+    with open(path, "rb") as f, progress_bar(progress, total=path.stat().st_size, unit="B", unit_scale=True,
+                                             desc="ingest") as bar:
+        for lineno, line in enumerate(f, start=1):
+            bar.update(len(line))
+            text = line.strip()
+            if text.startswith(b"data:"):
+                text = text[5:].strip()
+            if not text or text == b"[DONE]" or text.startswith((b"event:", b":")):
+                continue
+            try:
+                yield lineno, json.loads(text)
+            except json.JSONDecodeError as e:
+                raise IngestError(f"{path}:{lineno}: not JSON ({e.msg} at column {e.colno})") from e
+
+
+@dataclass
+class _Request:
+    """What the lines said about one request so far: rows waiting for the prompt length, and its summary."""
+
+    pending: list[tuple[str, Routes]]  # (file:line, rows)
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    finish_reason: str | None = None
+    rows: int = 0
 
 
 def ingest_responses(
     path: str | Path, store: str | Path, shape: ModelShape, run_id: str | None = None,
-    progress: bool | None = True,
+    progress: bool | None = True, fmt: Format | None = None, wire_dtype: str = "int32",
 ) -> Manifest:
-    """JSON lines of responses -> one run. Row p of a response is the routing of input position p
-    (+ routed_experts_start_len); positions below prompt_tokens are prefill, later ones decode.
-    forward_id is -1 and ts the ingest time: responses do not say which forward produced a row.
+    """JSON lines of response bodies -> one run (r3trace/analysis/peer_formats.py: SGLang /generate, OpenAI-shaped
+    with SGLang's sglext or r3trace's sgl_ext, vLLM's per-choice .npy). fmt None detects each line's format.
+    Row i of a request is position start + i; positions below its prompt length are prefill, later ones
+    decode (rows wait for a later line, such as a streamed usage chunk, when their own line lacks the prompt
+    length). forward_id is -1 and ts the ingest time: bodies do not say which forward produced a row.
     `progress`: a bar of the bytes read (r3trace/progress.py).
     """
     path = Path(path)
-    moe = np.asarray(shape.moe_layer_ids)
-    per_row = shape.num_hidden_layers * shape.top_k
     now = time.time_ns()
+    reqs: dict[str, _Request] = {}
     with staged(store) as stage, TraceWriter(  # closed on any exit, before the staging folder goes
         stage, model_name=shape.model_name, num_hidden_layers=shape.num_hidden_layers,
         moe_layer_ids=shape.moe_layer_ids, num_experts=shape.num_experts, top_k=shape.top_k, run_id=run_id,
         num_groups=shape.num_groups, engine={"ingested_from": str(path)},
     ) as w:
-        with open(path, "rb") as f, progress_bar(progress, total=path.stat().st_size, unit="B", unit_scale=True,
-                                                 desc="ingest") as bar:
-            for lineno, line in enumerate(f, start=1):
-                bar.update(len(line))
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise IngestError(f"{path}:{lineno}: not JSON ({e.msg} at column {e.colno})") from e
-                pairs = _meta_infos(obj)
-                if not pairs:
-                    raise IngestError(f"{path}:{lineno}: field meta_info missing (nor choices[].meta_info)")
-                for i, (meta, outer) in enumerate(pairs):
-                    _one_response(w, meta, outer, f"{path}:{lineno}", f"line{lineno}.{i}", moe, per_row, shape,
-                                  now)
+        for lineno, obj in _bodies(path, progress):
+            where = f"{path}:{lineno}"
+            kind = fmt or detect(obj)
+            if kind is None:
+                raise IngestError(f"{where}: no route field found (meta_info.routed_experts, sglext.routed_experts, "
+                                  "choices[].sgl_ext or choices[].routed_experts); give --format")
+            try:
+                found = routes_of(obj, kind, (shape.num_hidden_layers, shape.top_k), wire_dtype)
+            except BodyError as e:
+                raise IngestError(f"{where}: {e}") from e
+            for i, r in enumerate(found):
+                rid = r.request_id or f"line{lineno}.{i}"
+                req = reqs.setdefault(rid, _Request([]))
+                if r.prompt_tokens is not None:
+                    req.prompt_tokens = r.prompt_tokens
+                if r.completion_tokens is not None:
+                    req.completion_tokens = r.completion_tokens
+                req.finish_reason = r.finish_reason or req.finish_reason
+                if r.ids is not None:
+                    req.pending.append((where, r))
+                if req.prompt_tokens is not None:
+                    _write_rows(w, rid, req, shape, now)
+        for rid, req in reqs.items():
+            _write_rows(w, rid, req, shape, now)
+            if req.rows:
+                w.add_request(rid, prompt_tokens=req.prompt_tokens, completion_tokens=req.completion_tokens,
+                              finish_reason=req.finish_reason)
+        if not any(req.rows for req in reqs.values()):
+            raise IngestError(f"{path}: no routes in any line (was return_routed_experts set?)")
         manifest = w.close()
     return manifest
 
 
-def _one_response(
-    w: TraceWriter, meta: dict[str, Any], outer: dict[str, Any], where: str, fallback_id: str,
-    moe: np.ndarray, per_row: int, shape: ModelShape, now: int,
-) -> None:
-    raw = meta.get("routed_experts")
-    if not isinstance(raw, str):
-        raise IngestError(f"{where}: field meta_info.routed_experts missing or not a base64 string")
-    try:
-        flat = np.frombuffer(pybase64.b64decode(raw, validate=True), dtype="<i4")
-    except ValueError as e:
-        raise IngestError(f"{where}: field meta_info.routed_experts is not valid base64 ({e})") from e
-    if flat.size % per_row:
-        raise IngestError(
-            f"{where}: field meta_info.routed_experts has {flat.size} ids, not a multiple of "
-            f"num_hidden_layers x K = {shape.num_hidden_layers} x {shape.top_k} = {per_row}"
-        )
-    ids = flat.reshape(-1, shape.num_hidden_layers, shape.top_k)[:, moe, :]  # dense layers (0 or -1) dropped
-    if ids.size and (ids.min() < 0 or ids.max() >= shape.num_experts):
-        bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
-        raise IngestError(f"{where}: field meta_info.routed_experts holds id {bad} on a MoE layer, "
-                          f"outside 0..{shape.num_experts - 1}")
-    rid = str(meta.get("id") or outer.get("id") or fallback_id)
-    start = int(meta.get("routed_experts_start_len", 0) or 0)
-    prompt = meta.get("prompt_tokens")
-    pos = start + np.arange(len(ids), dtype=np.int32)
-    phase = np.where(pos < (prompt if isinstance(prompt, int) else len(ids) + start), 0, 1)
-    try:
-        w.append_tokens(rid, pos, phase, "computed", -1, now, 0, ids)
-    except TraceSchemaError as e:
-        raise IngestError(f"{where}: {e}") from e
-    fin = meta.get("finish_reason")
-    w.add_request(rid, prompt_tokens=prompt if isinstance(prompt, int) else None,
-                  completion_tokens=meta.get("completion_tokens"),
-                  finish_reason=fin.get("type") if isinstance(fin, dict) else fin)
+def _write_rows(w: TraceWriter, rid: str, req: _Request, shape: ModelShape, now: int) -> None:
+    """Writes the request's pending rows; without a prompt length every row counts as prefill."""
+    for where, r in req.pending:
+        try:
+            ids = moe_rows(r, shape.moe_layer_ids, shape.num_experts)  # [rows, L_moe, K]
+        except BodyError as e:
+            raise IngestError(f"{where}: {e}") from e
+        pos = r.start + np.arange(len(ids), dtype=np.int32)
+        prompt = req.prompt_tokens if req.prompt_tokens is not None else r.start + len(ids)
+        try:
+            w.append_tokens(rid, pos, np.where(pos < prompt, 0, 1), "computed", -1, now, 0, ids)
+        except TraceSchemaError as e:
+            raise IngestError(f"{where}: {e}") from e
+        req.rows += len(ids)
+    req.pending.clear()
 
 
 def ingest_expert_distribution(

@@ -57,7 +57,10 @@ def test_responses_roundtrip(tmp_path: Path) -> None:
     ("not json", r"resp.jsonl:2: not JSON"),
     (json.dumps({"meta_info": {"routed_experts": "!!!"}}), r"resp.jsonl:2: field meta_info.routed_experts is not"),
     (json.dumps({"meta_info": {"routed_experts": b64(np.zeros(5))}}), r"resp.jsonl:2: .* 5 ids, not a multiple"),
-    (json.dumps({"meta_info": {"routed_experts": b64(np.full(8, 16))}}), r"resp.jsonl:2: .* holds id 16 .* 0..15"),
+    (json.dumps({"meta_info": {"routed_experts": b64(np.r_[0, 0, np.full(6, 16)])}}),
+     r"resp.jsonl:2: .* holds id 16 .* 0..15"),
+    (json.dumps({"meta_info": {"routed_experts": b64(np.full(8, 3))}}),
+     r"resp.jsonl:2: field meta_info.routed_experts holds expert ids on layer 0, which the model layout"),
     (json.dumps({"meta_info": {}}), r"resp.jsonl:2: field meta_info.routed_experts missing"),
 ])
 def test_malformed_line_names_line_and_field_and_leaves_nothing(tmp_path: Path, bad: str, message: str) -> None:
