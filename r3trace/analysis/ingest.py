@@ -105,7 +105,9 @@ def _bodies(path: Path, progress: bool | None) -> Iterator[tuple[int, Any]]:
 class _Request:
     """What the lines said about one request so far: rows waiting for the prompt length, and its summary."""
 
+    first: str  # file:line of its first body
     pending: list[tuple[str, Routes]]  # (file:line, rows)
+    required: str = ""  # the field some body of it lacked, when that body promises rows (/generate meta_info)
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     finish_reason: str | None = None
@@ -143,7 +145,9 @@ def ingest_responses(
                 raise IngestError(f"{where}: {e}") from e
             for i, r in enumerate(found):
                 rid = r.request_id or f"line{lineno}.{i}"
-                req = reqs.setdefault(rid, _Request([]))
+                req = reqs.setdefault(rid, _Request(where, []))
+                if r.ids is None and r.field.endswith("meta_info.routed_experts"):
+                    req.required = r.field  # a /generate body; its request must get rows from some line
                 if r.prompt_tokens is not None:
                     req.prompt_tokens = r.prompt_tokens
                 if r.completion_tokens is not None:
@@ -154,6 +158,8 @@ def ingest_responses(
                 if req.prompt_tokens is not None:
                     _write_rows(w, rid, req, shape, now)
         for rid, req in reqs.items():
+            if req.required and not (req.rows or req.pending):
+                raise IngestError(f"{req.first}: field {req.required} missing (was return_routed_experts set?)")
             _write_rows(w, rid, req, shape, now)
             if req.rows:
                 w.add_request(rid, prompt_tokens=req.prompt_tokens, completion_tokens=req.completion_tokens,

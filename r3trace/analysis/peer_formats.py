@@ -41,7 +41,7 @@ class Routes:
 
     request_id: str
     field: str  # where the rows came from, for messages
-    ids: np.ndarray | None  # [rows, num_hidden_layers, K] as sent
+    ids: np.ndarray | None  # [rows, num_hidden_layers, K] as sent; None: the field is absent from this body
     start: int  # position of row 0
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
@@ -154,14 +154,18 @@ def _sglang(obj: Any, shape: tuple[int, int], wire_dtype: str) -> list[Routes]:
 
 def _sglang_block(block: dict[str, Any], field: str, rid: Any, shape: tuple[int, int], wire_dtype: str,
                   ) -> Routes:
-    """The routes of a meta_info or sglext block, with its start position and request summary."""
+    """The routes of a meta_info or sglext block, with its start position and request summary; without
+    routed_experts (a streamed chunk before the last) only the summary."""
     dtype = block.get("routed_experts_dtype", wire_dtype)
+    summary = (_int(block.get("prompt_tokens")), _int(block.get("completion_tokens")),
+               _finish(block.get("finish_reason")))
+    if block.get("routed_experts") is None:
+        return Routes(str(rid) if rid is not None else "", field, None, 0, *summary)
     ids = _flat(block.get("routed_experts"), field, str(dtype), shape, block.get("routed_experts_shape"))
     start = _int(block.get("routed_experts_offset", block.get("routed_experts_start_len", 0) or 0))
     if start is None or start < 0:
         raise BodyError(f"field {field}_start_len must be an integer >= 0")
-    return Routes(str(rid) if rid is not None else "", field, ids, start, _int(block.get("prompt_tokens")),
-                  _int(block.get("completion_tokens")), _finish(block.get("finish_reason")))
+    return Routes(str(rid) if rid is not None else "", field, ids, start, *summary)
 
 
 def _choice_id(obj: dict[str, Any], c: dict[str, Any], i: int) -> str:

@@ -235,9 +235,34 @@ def test_cli_formats_and_layout_from_flag_or_store(tmp_path: Path, capsys: pytes
     out = capsys.readouterr()
     assert "run a: routes, 10 rows" in out.out and "run b: routes, 10 rows" in out.out  # b: the layout of a
     assert "field meta_info missing" in out.err
+    assert main(["ingest", str(src), "--store", str(store), "--format", "vllm", "--moe-layer-ids", "1,3",
+                 "--run-id", "d", *flags[:-4], "--top-k", "2", "--num-experts", "24"]) == 0
+    assert main(["ingest", str(src), "--store", str(store), "--format", "vllm", "--run-id", "e"]) == 2
+    assert "holds runs of 2 model shapes; give --manifest or the shape flags" in capsys.readouterr().err
     got = TraceStore(store).query("select run_id, layer_id, topk_ids from routes order by run_id, request_id, "
                                   "token_pos, layer_id")
     for run in ("a", "b"):
         g = got.filter(got["run_id"] == run)
         assert g["layer_id"].to_list() == [1, 3] * 5
         np.testing.assert_array_equal(np.stack(g["topk_ids"].to_list()).reshape(5, 2, 2), ids[:, [1, 3]])
+
+
+def test_generate_stream_routes_in_the_last_chunk(tmp_path: Path) -> None:
+    """A saved /generate event stream whose routes come once, in the last chunk (SGLang's behaviour as issue 23
+    states it; r3trace's default): earlier chunks' meta_info has no routed_experts, and that is no error; a
+    request none of whose lines has it is one, naming its first line."""
+    rng = np.random.default_rng(27)
+    ids = routes(rng, 3 + 2 - 1)
+    def chunk(done: bool) -> str:
+        meta = {"id": "g", "prompt_tokens": 3, "completion_tokens": 2 if done else 1,
+                "finish_reason": {"type": "length"} if done else None}
+        if done:
+            meta["routed_experts"] = raw_b64(ids)
+        return f"data: {json.dumps({'text': 'ab' if done else 'a', 'meta_info': meta})}\n\n"
+    ingest_responses(lines(tmp_path, raw=(chunk(False), chunk(True), "data: [DONE]\n\n")), tmp_path / "s",
+                     SHAPE, run_id="g")
+    pos, topk, phase = stored(tmp_path / "s")["g"]
+    np.testing.assert_array_equal(topk, ids[:, MOE])
+    assert phase == ["prefill"] * 3 + ["decode"]
+    with pytest.raises(IngestError, match=r"bodies.jsonl:1: field meta_info.routed_experts missing"):
+        ingest_responses(lines(tmp_path, raw=(chunk(False),)), tmp_path / "t", SHAPE, run_id="g")
