@@ -85,13 +85,18 @@ def moe_rows(r: Routes, moe_layer_ids: tuple[int, ...], num_experts: int) -> np.
     bad = dense[((ids[:, dense] != 0) & (ids[:, dense] != -1)).any(axis=(0, 2))] if len(dense) else dense
     if len(bad):
         raise BodyError(f"field {r.field} holds expert ids on layer {int(bad[0])}, which the model layout "
-                        f"(moe_layer_ids {moe_layer_ids[0]}..{moe_layer_ids[-1]}) says is dense: give the "
-                        "model's --manifest or --first-k-dense")
+                        f"(moe_layer_ids {_span(moe_layer_ids)}) says is dense: give the model's --manifest, "
+                        "--first-k-dense or --moe-layer-ids")
     out = ids[:, list(moe_layer_ids), :]
     if out.size and (out.min() < 0 or out.max() >= num_experts):
         v = int(out.min()) if out.min() < 0 else int(out.max())
         raise BodyError(f"field {r.field} holds id {v} on a MoE layer, outside 0..{num_experts - 1}")
     return out.astype(np.int32)
+
+
+def _span(ids: tuple[int, ...]) -> str:
+    """(3, 4, ..., 60) -> '3..60'; a layout with gaps as its list."""
+    return f"{ids[0]}..{ids[-1]}" if list(ids) == list(range(ids[0], ids[-1] + 1)) else ",".join(map(str, ids))
 
 
 def _flat(payload: Any, field: str, dtype: str, shape: tuple[int, int], named: Any) -> np.ndarray:
@@ -114,7 +119,7 @@ def _flat(payload: Any, field: str, dtype: str, shape: tuple[int, int], named: A
                         f"{shape[0]} x {shape[1]} = {per_row}")
     ids = flat.reshape(-1, *shape)
     if named is not None and (not isinstance(named, list) or named != list(ids.shape)):
-        raise BodyError(f"field {field}_shape says {list(named)}, the payload is {list(ids.shape)}")
+        raise BodyError(f"field {field}_shape says {named!r}, the payload is {list(ids.shape)}")
     return ids
 
 

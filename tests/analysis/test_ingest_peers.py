@@ -201,6 +201,8 @@ def _bad(rng: np.random.Generator) -> list[tuple[dict[str, Any], str]]:
          "field meta_info.routed_experts_dtype is 'int8'; SGLang sends one of int32, uint16, uint8"),
         ({"meta_info": {"routed_experts": raw_b64(np.full((2, 4, 2), 5))}},
          "field meta_info.routed_experts holds expert ids on layer 0, which the model layout"),
+        ({"meta_info": {"routed_experts": raw_b64(ok), "routed_experts_shape": 7}},
+         "field meta_info.routed_experts_shape says 7, the payload is [4, 4, 2]"),
         ({"id": 3, "result": []}, "no route field found"),
     ]
 
