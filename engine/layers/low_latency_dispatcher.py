@@ -77,7 +77,8 @@ class LowLatencyDispatcher:
         pos = torch.gather(torch.cumsum(hits, 0) - hits, 1, slot)  # [T, K]
         send_row = torch.where(valid, slot * m + pos, p * m)  # [T, K]
         send = x.new_zeros(p * m + 1, x.shape[1])  # [P * M + 1, D]; the last row takes every pair with no expert
-        send.index_copy_(0, send_row.reshape(-1), x[:, None].expand(t, k, -1).reshape(t * k, -1))
+        d = x.shape[1]
+        send.index_copy_(0, send_row.reshape(-1), x[:, None].expand(t, k, d).reshape(t * k, d))  # T = 0: no rows
         counts = torch.empty(p, dtype=torch.int64, device=dev)
         dist.all_to_all_single(counts, hits[:, :p].sum(0), group=self.group)  # [G src, E_local] rows per slot
         recv = torch.empty(p * m, x.shape[1], dtype=x.dtype, device=dev)
