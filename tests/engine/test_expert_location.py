@@ -278,3 +278,26 @@ def test_failed_rebalance_keeps_the_old_map() -> None:
     with pytest.raises(ExpertLocationError, match="16 slots per rank"):
         moe.update_expert_placement(ExpertMap.build(wrong, 1, 0), full.w13.detach(), full.w2.detach())
     assert moe.expert_map is old
+
+
+def test_map_switches_only_after_the_copy() -> None:
+    """While the new slots' weights are read and copied, the layer still holds its old map: a forward that
+    could run then would see old weights under the old map (the switch is the last step)."""
+    a = ExpertLocation.trivial(E, 1, LAYERS, num_physical=12)
+    b = ExpertLocation.from_physical_to_logical(PHY2LOG, E, 1, LAYERS)
+    full = full_moe(seed=1)
+    moe = redundant_moe(full, a, 1, "static")
+    old = moe.expert_map
+    maps_during_copy: list[ExpertMap | None] = []
+
+    class Watched(torch.Tensor):  # full weights that note the layer's map whenever they are read
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if func is torch.Tensor.index_select:
+                maps_during_copy.append(moe.expert_map)
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    w13, w2 = full.w13.detach().as_subclass(Watched), full.w2.detach().as_subclass(Watched)
+    assert moe.update_expert_placement(ExpertMap.build(b, 1, 0), w13, w2) > 0
+    assert maps_during_copy and all(m is old for m in maps_during_copy)
+    assert moe.expert_map is not None and moe.expert_map.location is b
