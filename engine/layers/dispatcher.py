@@ -12,11 +12,11 @@ slots before dispatch, so "expert" below means a slot, and rank r holds slots [r
     experts_fn(hidden, w13_local, w2_local, topk_ids, topk_weights) -> expert_out [R, D] (weights applied)
     combine(expert_out [R, D], handle) -> [T, D], this rank's tokens in their order
 
-| dispatcher          | when                    | what it does                                                        |
-| ------------------- | ----------------------- | ------------------------------------------------------------------- |
-| NullDispatcher      | one process (ep_size 1) | nothing: the inputs are what the experts compute over; today's path |
-| AllToAllDispatcher  | ep_size > 1, "normal"   | DeepEP normal mode over torch.distributed.all_to_all_single         |
-| LowLatencyDispatcher| ep_size > 1, "low_latency" | DeepEP low-latency layout, fixed sizes (low_latency_dispatcher.py) |
+| dispatcher           | when                       | what it does                                                    |
+| -------------------- | -------------------------- | --------------------------------------------------------------- |
+| NullDispatcher       | one process (ep_size 1)    | nothing: the inputs are what the experts compute over           |
+| AllToAllDispatcher   | ep_size > 1, "normal"      | DeepEP normal mode over torch.distributed.all_to_all_single     |
+| LowLatencyDispatcher | ep_size > 1, "low_latency" | DeepEP low-latency layout, fixed sizes (low_latency_dispatcher) |
 
 DeepEP normal mode (its get_dispatch_layout / dispatch / combine): rank r owns experts [r*E_local, (r+1)*E_local),
 contiguous. A token goes once to every rank that owns at least one of its experts, with all K of its ids

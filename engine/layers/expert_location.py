@@ -68,7 +68,9 @@ class ExpertLocation:
     def row(self, layer_id: int) -> int:
         """The row of MoE layer layer_id."""
         if layer_id not in self.layer_ids:
-            raise ExpertLocationError(f"layer_id={layer_id} is not a MoE layer of this map (layer_ids={self.layer_ids})")
+            raise ExpertLocationError(
+                f"layer_id={layer_id} is not a MoE layer of this map (layer_ids={self.layer_ids})"
+            )
         return self.layer_ids.index(layer_id)
 
     def rank_slots(self, ep_rank: int) -> range:

@@ -102,7 +102,6 @@ class LowLatencyDispatcher:
         return Dispatched(hidden, row_ids, row_w, LowLatencyHandle(send_row, w, unpack_row, recv_count, t))
 
     def combine(self, expert_out: torch.Tensor, handle: LowLatencyHandle) -> torch.Tensor:
-        p, m = self.num_slots, self.max_tokens
         padded = torch.cat([expert_out, expert_out.new_zeros(1, expert_out.shape[1])])  # the zero row: unused rows
         rows = padded.index_select(0, handle.unpack_row)  # [P * M, D] back in the received layout
         back = torch.empty_like(rows)

@@ -240,7 +240,7 @@ def test_redundant_moe_matches_and_capture_stays_logical(mode: str) -> None:
     torch.testing.assert_close(moe(x, batch(29)), full(x, batch(29)), atol=ATOL, rtol=RTOL)
     _, want_ids = full.gate(x, batch(29))
     assert len(logical.seen) == 1 and torch.equal(logical.seen[0][1], want_ids)  # capture: logical ids
-    (layer, phys), = physical.seen
+    ((layer, phys),) = physical.seen
     assert layer == 1 and torch.equal(loc.physical_to_logical[0][phys.long()], want_ids.long())
     assert bool((phys >= E).any())  # some pairs really went to a redundant slot
 

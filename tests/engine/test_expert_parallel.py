@@ -32,8 +32,8 @@ from torch import nn
 
 from r3trace.capture.recorder import NullRecorder
 from r3trace.engine.config import ModelConfig
-from r3trace.engine.forward_batch import ForwardBatch
 from r3trace.engine.expert_placement import apply_expert_location, update_expert_placement
+from r3trace.engine.forward_batch import ForwardBatch
 from r3trace.engine.layers.dispatcher import (
     AllToAllDispatcher,
     NullDispatcher,
@@ -343,8 +343,10 @@ def _placement_worker(rank: int, world: int, port: int, counts: list[int], backe
         for mode in ("normal", "low_latency"):
             for dispatch in ("static", "dynamic"):
                 out = ep_moe(full, b, rank, world, mode, dispatch, m)(x, fb)
-                torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5, msg=lambda s, k=(mode, dispatch): f"{k}: {s}")
+                torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5, msg=lambda s, k=(mode, dispatch): f"{k} {s}")
                 outs[mode, dispatch] = out
+        for dispatch in ("static", "dynamic"):  # the two layouts: the same output up to the fp32 sum order
+            torch.testing.assert_close(outs["low_latency", dispatch], outs["normal", dispatch], atol=1e-6, rtol=1e-5)
         for backend in backends[1:]:  # the fused Triton MoE over the low-latency rows (padding ids -1)
             out = ep_moe(full, b, rank, world, "low_latency", "dynamic", m, make_experts_fn(backend))(x, fb)
             torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
