@@ -234,6 +234,13 @@ def _validate(loc: ExpertLocation) -> None:
         )
 
 
+def held_experts(location: ExpertLocation, layer_id: int, ep_rank: int) -> list[int]:
+    """[P/G] the logical expert each of rank ep_rank's slots holds, in w13 / w2 row order: the experts a loader
+    reads from the checkpoint for this rank (a replicated expert is read once and copied into each of its slots)."""
+    slots = location.rank_slots(ep_rank)
+    return location.physical_to_logical[location.row(layer_id), slots.start : slots.stop].tolist()
+
+
 def physical_expert_weights(
     full_w13: torch.Tensor, full_w2: torch.Tensor, location: ExpertLocation, layer_id: int, ep_rank: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -244,6 +251,5 @@ def physical_expert_weights(
         raise ExpertLocationError(
             f"full_w13 has {full_w13.shape[0]} experts, full_w2 {full_w2.shape[0]}; the map has E={e}"
         )
-    slots = location.rank_slots(ep_rank)
-    held = location.physical_to_logical[location.row(layer_id), slots.start : slots.stop].to(full_w13.device)
+    held = torch.tensor(held_experts(location, layer_id, ep_rank), device=full_w13.device)
     return full_w13.index_select(0, held), full_w2.index_select(0, held)

@@ -28,7 +28,12 @@ from r3trace.capture.recorder import NullRecorder
 from r3trace.engine.config import ModelConfig
 from r3trace.engine.expert_placement import apply_expert_location, update_chunks
 from r3trace.engine.layers.dispatcher import NullDispatcher, dispatch_layout
-from r3trace.engine.layers.expert_location import ExpertLocation, ExpertLocationError, physical_expert_weights
+from r3trace.engine.layers.expert_location import (
+    ExpertLocation,
+    ExpertLocationError,
+    held_experts,
+    physical_expert_weights,
+)
 from r3trace.engine.layers.expert_map import ExpertMap, static_choice
 from r3trace.engine.layers.moe import MoE, make_experts_fn
 from r3trace.engine.layers.router import make_routing_ops
@@ -123,6 +128,22 @@ def test_bad_sources_are_refused() -> None:
         ExpertLocation(torch.tensor(PHY2LOG), torch.tensor(LOG2PHY), torch.tensor(LOGCNT), 2, (1,))
     with pytest.raises(ExpertLocationError, match="dispatch mode='random'"):
         ExpertMap.build(hand_built(), 1, 0, "random")  # type: ignore[arg-type]
+
+
+def test_a_ranks_weights_are_its_slots_experts() -> None:
+    loc = hand_built()
+    assert held_experts(loc, 1, 0) == [0, 1, 2, 3, 0, 4] and held_experts(loc, 2, 1) == [1, 0, 1, 1, 2, 7]
+    g = torch.Generator().manual_seed(9)
+    w13, w2 = torch.randn(E, 6, 4, generator=g), torch.randn(E, 4, 3, generator=g)
+    for rank in (0, 1):
+        a, b = physical_expert_weights(w13, w2, loc, 2, rank)
+        assert a.shape == (6, 6, 4) and b.shape == (6, 4, 3)
+        for i, e in enumerate(held_experts(loc, 2, rank)):
+            assert torch.equal(a[i], w13[e]) and torch.equal(b[i], w2[e])
+    with pytest.raises(ExpertLocationError, match="full_w13 has 7 experts"):
+        physical_expert_weights(w13[:7], w2, loc, 1, 0)
+    with pytest.raises(ExpertLocationError, match="layer_id=0 is not a MoE layer"):
+        held_experts(loc, 0, 0)
 
 
 # ---------------------------------------------------------------- static and dynamic dispatch

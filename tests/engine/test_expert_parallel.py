@@ -315,6 +315,7 @@ def check_low_latency_layout(full: MoE, loc: ExpertLocation, rank: int, counts: 
                     want[slot - rank * per].append(xs[t])
         if src == rank:
             got = ll.dispatch(xs, phys, w)
+    assert got.hidden.shape == (per * m * world, CFG.hidden_size)  # fixed: set by P, M, G and D, never by routes
     recv = got.hidden.view(per, m * world, CFG.hidden_size)
     assert got.handle.recv_count.tolist() == [len(rows) for rows in want]
     for j, rows in enumerate(want):
