@@ -2,6 +2,7 @@
 
     apply_expert_location(model, location, ep_rank, mode, seed)   once, after build_model and before load
     update_expert_placement(model, location, weight_source)        between two forwards, on every EP rank
+                                                                    at the same forward boundary
 
 weight_source(layer_id) -> (w13 [E, 2I, D], w2 [E, D, I]): that MoE layer's logical weights (all E experts), from
 the checkpoint or a host copy. A rebalance goes over the MoE layers in chunks of chunk_layers: a chunk's full
@@ -9,6 +10,10 @@ weights are fetched, its layers' moved slots copied and their maps switched (moe
 weights are dropped, so at most one chunk of full weights is alive. Each layer is self-consistent after its own
 switch, so the caller may run forwards between chunks (update_chunks yields after each). Routes are logical and
 never change with the placement: requests in flight keep theirs.
+
+Every EP rank must switch a layer between the same two forwards: a rank that switched sends a pair to a slot
+under the new map, and the rank holding that slot must have copied its new weights by then. The caller (the
+engine's event loop) runs the same chunk on every rank at the same step; no collective here checks it.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ def apply_expert_location(
     layers = moe_layers(model)
     _check(layers, location)
     for moe in layers:
-        moe.expert_map = ExpertMap.build(location, moe.gate.layer_id, ep_rank, mode, seed, moe.w13.device)
+        moe.expert_map = ExpertMap(location, moe.gate.layer_id, ep_rank, mode, seed, moe.w13.device)
 
 
 class ChunkDone(NamedTuple):
@@ -55,17 +60,12 @@ def update_chunks(
         raise ExpertLocationError(f"chunk_layers={chunk_layers}; expected >= 1")
     layers = moe_layers(model)
     _check(layers, location)
+    if any(moe.expert_map is None for moe in layers):
+        raise ExpertLocationError("the model has no expert maps: apply_expert_location when it is built")
     for start in range(0, len(layers), chunk_layers):
         chunk = layers[start : start + chunk_layers]
         weights = {moe.gate.layer_id: weight_source(moe.gate.layer_id) for moe in chunk}
-        copied = 0
-        for moe in chunk:
-            old = moe.expert_map
-            # a layer without a map yet keeps static dispatch; its rank is where its dispatcher's slots start
-            rank = moe.dispatcher.experts.start // max(len(moe.dispatcher.experts), 1)
-            mode, seed = (old.mode, old.seed) if old is not None else ("static", 0)
-            new_map = ExpertMap.build(location, moe.gate.layer_id, rank, mode, seed, moe.w13.device)
-            copied += moe.update_expert_placement(new_map, *weights[moe.gate.layer_id])
+        copied = sum(moe.update_expert_placement(location, *weights[moe.gate.layer_id]) for moe in chunk)
         del weights
         yield ChunkDone(tuple(m.gate.layer_id for m in chunk), copied)
 

@@ -26,7 +26,6 @@ few elementwise kernels with no generator state (CUDA-graph safe).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -61,54 +60,52 @@ def static_choice(location: ExpertLocation, layer_id: int, ep_rank: int) -> torc
     return torch.gather(l2p, 1, pick[:, None])[:, 0]
 
 
-@dataclass(frozen=True, eq=False)
 class ExpertMap:
-    """One layer's map for one rank, its tensors on the MoE's device; rebuilt (never mutated) on a rebalance."""
+    """One layer's map for one rank. Its device tensors keep their storage for the model's life: a rebalance
+    copies the new placement into them in place (load_), so a CUDA graph captured before it reads the new map,
+    queued after the weight copies on the same stream. Their shapes depend only on E and P: the replica table
+    has P - E + 1 columns, the most replicas one expert can have."""
 
-    location: ExpertLocation  # the snapshot it was built from
-    layer_id: int
-    ep_rank: int
-    mode: DispatchMode
-    seed: int
-    identity: bool  # P == E and slot e holds expert e: to_physical returns its input
-    log2phy: torch.Tensor  # [E, R] int32
-    count: torch.Tensor  # [E] int32
-    static: torch.Tensor  # [E] int32, this rank's fixed replica (static mode)
-
-    @classmethod
-    def build(
-        cls,
+    def __init__(
+        self,
         location: ExpertLocation,
         layer_id: int,
         ep_rank: int,
         mode: DispatchMode = "static",
         seed: int = 0,
         device: torch.device | str = "cpu",
-    ) -> ExpertMap:
+    ) -> None:
         if mode not in ("static", "dynamic"):
             raise ExpertLocationError(f"dispatch mode={mode!r}; expected 'static' or 'dynamic'")
         if not 0 <= seed <= _MASK32:
             raise ExpertLocationError(f"seed={seed} outside 0..{_MASK32}")
-        row = location.row(layer_id)
-        return cls(
-            location, layer_id, ep_rank, mode, seed, location.is_identity(layer_id),
-            location.logical_to_physical[row].to(device, torch.int32),
-            location.logical_count[row].to(device, torch.int32),
-            static_choice(location, layer_id, ep_rank).to(device, torch.int32),
-        )  # fmt: skip
+        self.layer_id, self.ep_rank, self.mode, self.seed = layer_id, ep_rank, mode, seed
+        self.num_logical, self.num_physical = location.num_logical, location.num_physical
+        e, r = self.num_logical, self.num_physical - self.num_logical + 1
+        self.log2phy = torch.full((e, r), -1, dtype=torch.int32, device=device)  # [E, P - E + 1]
+        self.count = torch.ones(e, dtype=torch.int32, device=device)  # [E]
+        self.static = torch.zeros(e, dtype=torch.int32, device=device)  # [E] this rank's fixed replica
+        self.location = location
+        self.load_(location)
 
-    @property
-    def num_logical(self) -> int:
-        return self.location.num_logical
-
-    @property
-    def num_physical(self) -> int:
-        return self.location.num_physical
+    def load_(self, location: ExpertLocation) -> None:
+        """Copy location's row for this layer into the device tensors (in place), then hold the new snapshot."""
+        if (location.num_logical, location.num_physical) != (self.num_logical, self.num_physical):
+            raise ExpertLocationError(
+                f"placement has E={location.num_logical}, P={location.num_physical}; layer {self.layer_id}'s map "
+                f"was built for E={self.num_logical}, P={self.num_physical}"
+            )
+        row = location.row(self.layer_id)
+        l2p = location.logical_to_physical[row]  # [E, R]
+        table = torch.full(tuple(self.log2phy.shape), -1, dtype=torch.int32)
+        table[:, : l2p.shape[1]] = l2p[:, : table.shape[1]]  # R <= P - E + 1 always (every expert has a slot)
+        self.log2phy.copy_(table)
+        self.count.copy_(location.logical_count[row])
+        self.static.copy_(static_choice(location, self.layer_id, self.ep_rank))
+        self.location = location
 
     def to_physical(self, topk_ids: torch.Tensor) -> torch.Tensor:
         """topk_ids [T, K] logical (-1: no expert) -> [T, K] int32 physical slots (-1 kept)."""
-        if self.identity:
-            return topk_ids
         ids = topk_ids.long()  # [T, K]
         valid = ids >= 0
         safe = ids.clamp(min=0)

@@ -38,7 +38,7 @@ from r3trace.capture.recorder import NullRecorder, RouteRecorder
 from ..config import ModelConfig
 from ..forward_batch import ForwardBatch
 from .dispatcher import NullDispatcher, TokenDispatcher
-from .expert_location import ExpertLocationError
+from .expert_location import ExpertLocation, ExpertLocationError, held_experts
 from .expert_map import ExpertMap
 from .mlp import MLP
 from .router import Router, RoutingOps
@@ -154,44 +154,50 @@ class MoE(nn.Module):
         """[T, K + S] logical ids -> physical slots; the fused shared columns (E + s) move past the slots (P + s)."""
         m = self.expert_map
         k = topk_ids.shape[1] - self.num_fused
-        if m is None or m.identity:
-            self.physical_recorder.capture(self.gate.layer_id, topk_ids[:, :k])  # slot e holds expert e
+        if m is None:  # no placement: slot e is expert e, and the step costs nothing
+            self.physical_recorder.capture(self.gate.layer_id, topk_ids[:, :k])
             return topk_ids
         phys = m.to_physical(topk_ids[:, :k])  # [T, K]
         self.physical_recorder.capture(self.gate.layer_id, phys)
         if self.num_fused:
-            shift = m.num_physical - m.num_logical
-            phys = torch.cat([phys, topk_ids[:, k:] + shift], dim=1)
+            phys = torch.cat([phys, topk_ids[:, k:] + (m.num_physical - m.num_logical)], dim=1)
         return phys
 
     @torch.no_grad()
-    def update_expert_placement(self, new_map: ExpertMap, full_w13: torch.Tensor, full_w2: torch.Tensor) -> int:
-        """Between two forwards: copy the weights of the slots whose expert changed (full_w13 [E, 2I, D], full_w2
-        [E, D, I]: this layer's logical weights), then switch to new_map. Returns the slots copied.
+    def update_expert_placement(
+        self, new_location: ExpertLocation, full_w13: torch.Tensor, full_w2: torch.Tensor
+    ) -> int:
+        """Between two forwards, on every EP rank at the same forward boundary: copy the weights of this rank's
+        slots whose expert changed (full_w13 [E, 2I, D], full_w2 [E, D, I]: this layer's logical weights), then
+        switch the map. Returns the slots copied.
 
-        The copy is queued on the current stream before any later forward, and the map switch is one attribute
-        store after it, so no forward sees a slot's new weights under the old map or the reverse. Routes are
-        logical, so requests in flight keep theirs; only which slot computes a pair changes."""
-        old = self.expert_map
-        loc = new_map.location
-        if loc.slots_per_rank != self.num_routed or loc.num_logical != full_w13.shape[0]:
+        Both the weight copies and the map's (ExpertMap.load_) are in place and queued on the current stream in
+        that order, so a later forward, eager or a CUDA graph captured earlier, sees the new weights with the new
+        map; nothing runs between them. Routes are logical: requests in flight keep theirs, only the slot that
+        computes a pair changes. Every check comes before the first copy: a refused placement changes nothing."""
+        m = self.expert_map
+        if m is None:
             raise ExpertLocationError(
-                f"new placement: {loc.slots_per_rank} slots per rank and E={loc.num_logical}; layer "
-                f"{self.gate.layer_id} holds {self.num_routed} slots and full_w13 has E={full_w13.shape[0]}"
+                f"layer {self.gate.layer_id} has no expert map: apply_expert_location when the model is built"
             )
-        row = loc.row(new_map.layer_id)
-        slots = loc.rank_slots(new_map.ep_rank)
-        new_held = loc.physical_to_logical[row, slots.start : slots.stop]  # [P/G]
-        if old is not None:
-            old_row = old.location.row(old.layer_id)
-            old_held = old.location.physical_to_logical[old_row, slots.start : slots.stop]
-        else:
-            old_held = torch.arange(slots.start, slots.stop)  # without a map slot p held expert p
+        loc, lid = new_location, self.gate.layer_id
+        if (loc.num_logical, loc.num_physical, loc.ep_size) != (m.num_logical, m.num_physical, m.location.ep_size):
+            raise ExpertLocationError(
+                f"new placement has E={loc.num_logical}, P={loc.num_physical}, ep_size={loc.ep_size}; layer {lid} "
+                f"was built for E={m.num_logical}, P={m.num_physical}, ep_size={m.location.ep_size}"
+            )
+        want13, want2 = (m.num_logical, *self.w13.shape[1:]), (m.num_logical, *self.w2.shape[1:])
+        if tuple(full_w13.shape) != want13 or tuple(full_w2.shape) != want2:
+            raise ExpertLocationError(
+                f"full_w13 {tuple(full_w13.shape)}, full_w2 {tuple(full_w2.shape)}: layer {lid} needs {want13}, {want2}"
+            )
+        new_held = torch.tensor(held_experts(loc, lid, m.ep_rank))  # [P/G]
+        old_held = torch.tensor(held_experts(m.location, lid, m.ep_rank))
         moved = (new_held != old_held).nonzero()[:, 0]  # [n] local rows to rewrite
         if moved.numel():
             experts = new_held[moved].to(full_w13.device)  # the logical expert each rewritten slot now holds
             idx = moved.to(self.w13.device)
             self.w13.data.index_copy_(0, idx, full_w13.index_select(0, experts).to(self.w13.device, self.w13.dtype))
             self.w2.data.index_copy_(0, idx, full_w2.index_select(0, experts).to(self.w2.device, self.w2.dtype))
-        self.expert_map = new_map  # after the copy: the switch
+        m.load_(loc)  # after the copy: the switch
         return int(moved.numel())

@@ -127,7 +127,7 @@ def test_bad_sources_are_refused() -> None:
     with pytest.raises(ExpertLocationError, match="layer_ids has 1 entries"):
         ExpertLocation(torch.tensor(PHY2LOG), torch.tensor(LOG2PHY), torch.tensor(LOGCNT), 2, (1,))
     with pytest.raises(ExpertLocationError, match="dispatch mode='random'"):
-        ExpertMap.build(hand_built(), 1, 0, "random")  # type: ignore[arg-type]
+        ExpertMap(hand_built(), 1, 0, "random")  # type: ignore[arg-type]
 
 
 def test_a_ranks_weights_are_its_slots_experts() -> None:
@@ -185,20 +185,20 @@ def test_dynamic_choice_is_valid_seeded_and_spread() -> None:
     rng = random.Random(3)
     ids = torch.tensor([rng.sample(range(E), K) for _ in range(3000)], dtype=torch.int32)  # [T, K]
     ids[5, 1] = -1
-    m = ExpertMap.build(loc, 1, 0, "dynamic", seed=11)
+    m = ExpertMap(loc, 1, 0, "dynamic", seed=11)
     phys = m.to_physical(ids)
     assert phys.dtype == torch.int32 and phys[5, 1] == -1
     valid = ids >= 0
     assert torch.equal(loc.physical_to_logical[0][phys[valid].long()], ids[valid].long())  # a replica of its expert
     # the same on every rank and every build: a function of (seed, layer, row, expert) only
-    assert torch.equal(phys, ExpertMap.build(loc, 1, 1, "dynamic", seed=11).to_physical(ids))
-    assert not torch.equal(phys, ExpertMap.build(loc, 1, 0, "dynamic", seed=12).to_physical(ids))
-    assert not torch.equal(phys, ExpertMap.build(loc, 2, 0, "dynamic", seed=11).to_physical(ids))
+    assert torch.equal(phys, ExpertMap(loc, 1, 1, "dynamic", seed=11).to_physical(ids))
+    assert not torch.equal(phys, ExpertMap(loc, 1, 0, "dynamic", seed=12).to_physical(ids))
+    assert not torch.equal(phys, ExpertMap(loc, 2, 0, "dynamic", seed=11).to_physical(ids))
     # spread: expert 0's three replicas each take a third of its ~1100 pairs (binomial sd ~16; 60 is ~4 sd)
     zero = phys[ids == 0]
     shares = [int((zero == s).sum()) for s in (0, 4, 9)]
     assert all(abs(n - len(zero) / 3) < 60 for n in shares), shares
-    static = ExpertMap.build(loc, 1, 1, "static").to_physical(ids)
+    static = ExpertMap(loc, 1, 1, "static").to_physical(ids)
     assert set(static[ids == 0].tolist()) == {9}  # rank 1 (slots 6..11): its own replica, always
 
 
@@ -212,7 +212,7 @@ def test_layout_over_physical_slots_matches_loops(ep_size: int, mode: str) -> No
     ids = torch.tensor([rng.sample(range(E), K) for _ in range(41)], dtype=torch.int32)
     weights = torch.rand(41, K, generator=torch.Generator().manual_seed(ep_size))
     ids[2, 0] = -1
-    phys = ExpertMap.build(loc, 2, ep_size - 1, mode, seed=5).to_physical(ids)  # type: ignore[arg-type]
+    phys = ExpertMap(loc, 2, ep_size - 1, mode, seed=5).to_physical(ids)  # type: ignore[arg-type]
     got = dispatch_layout(phys, weights, loc.num_physical, ep_size)
     want = layout_loops(phys.tolist(), weights.tolist(), loc.num_physical, ep_size)
     assert got.tokens_per_rank.tolist() == want["tokens_per_rank"]
@@ -231,7 +231,7 @@ def redundant_moe(full: MoE, loc: ExpertLocation, layer_id: int, mode: str) -> M
     state = full.state_dict()
     state["w13"], state["w2"] = physical_expert_weights(state["w13"], state["w2"], loc, layer_id, 0)
     moe.load_state_dict(state)
-    moe.expert_map = ExpertMap.build(loc, layer_id, 0, mode)  # type: ignore[arg-type]
+    moe.expert_map = ExpertMap(loc, layer_id, 0, mode)  # type: ignore[arg-type]
     return moe
 
 
@@ -290,15 +290,40 @@ def test_rebalance_moves_weights_and_keeps_outputs() -> None:
         torch.testing.assert_close(two, fulls[lid](x, batch(23)), atol=ATOL, rtol=RTOL)
 
 
-def test_failed_rebalance_keeps_the_old_map() -> None:
+def test_refused_rebalance_changes_nothing() -> None:
     a = ExpertLocation.trivial(E, 1, LAYERS, num_physical=12)
+    b = ExpertLocation.from_physical_to_logical(PHY2LOG, E, 1, LAYERS)
     full = full_moe(seed=1)
     moe = redundant_moe(full, a, 1, "static")
-    old = moe.expert_map
-    wrong = ExpertLocation.trivial(E, 1, LAYERS, num_physical=16)  # 16 slots: the layer holds 12
-    with pytest.raises(ExpertLocationError, match="16 slots per rank"):
-        moe.update_expert_placement(ExpertMap.build(wrong, 1, 0), full.w13.detach(), full.w2.detach())
-    assert moe.expert_map is old
+    assert moe.expert_map is not None
+    w13, static = moe.w13.clone(), moe.expert_map.static.clone()
+    w13_full, w2_full = full.w13.detach(), full.w2.detach()
+    with pytest.raises(ExpertLocationError, match="new placement has E=8, P=16, ep_size=1; layer 1 was built for"):
+        moe.update_expert_placement(ExpertLocation.trivial(E, 1, LAYERS, num_physical=16), w13_full, w2_full)
+    with pytest.raises(ExpertLocationError, match=r"full_w13 \(8, 48, 47\), full_w2 \(8, 48, 24\): layer 1 needs"):
+        moe.update_expert_placement(b, w13_full[:, :, :47], w2_full)
+    with pytest.raises(ExpertLocationError, match="layer_id=1 is not a MoE layer"):
+        moe.update_expert_placement(ExpertLocation.trivial(E, 1, (2,), num_physical=12), w13_full, w2_full)
+    assert moe.expert_map.location is a and torch.equal(moe.expert_map.static, static) and torch.equal(moe.w13, w13)
+    bare = MoE(CFG, 1, NullRecorder(), make_routing_ops("ref"), make_experts_fn("ref"), torch.float32, "cpu")
+    with pytest.raises(ExpertLocationError, match="layer 1 has no expert map"):
+        bare.update_expert_placement(b, w13_full, w2_full)
+
+
+def test_map_tensors_keep_their_storage() -> None:
+    """A CUDA graph captured before a rebalance reads the map's tensors at their addresses: load_ writes them in
+    place, and their shapes ([E, P - E + 1], [E], [E]) do not depend on the placement."""
+    a = ExpertLocation.trivial(E, 2, LAYERS, num_physical=12)
+    b = ExpertLocation.from_physical_to_logical(PHY2LOG, E, 2, LAYERS)
+    m = ExpertMap(a, 1, 1, "dynamic", seed=4)
+    ptrs = [t.data_ptr() for t in (m.log2phy, m.count, m.static)]
+    assert m.log2phy.shape == (E, 12 - E + 1)
+    m.load_(b)
+    assert [t.data_ptr() for t in (m.log2phy, m.count, m.static)] == ptrs and m.location is b
+    fresh = ExpertMap(b, 1, 1, "dynamic", seed=4)
+    for got, want in ((m.log2phy, fresh.log2phy), (m.count, fresh.count), (m.static, fresh.static)):
+        assert torch.equal(got, want)
+    assert m.log2phy[0].tolist() == [0, 4, 9, -1, -1]  # expert 0's three replicas, padded to P - E + 1
 
 
 def test_map_switches_only_after_the_copy() -> None:
@@ -308,17 +333,18 @@ def test_map_switches_only_after_the_copy() -> None:
     b = ExpertLocation.from_physical_to_logical(PHY2LOG, E, 1, LAYERS)
     full = full_moe(seed=1)
     moe = redundant_moe(full, a, 1, "static")
-    old = moe.expert_map
-    maps_during_copy: list[ExpertMap | None] = []
+    assert moe.expert_map is not None
+    m, old_static = moe.expert_map, moe.expert_map.static.clone()
+    seen: list[tuple[ExpertLocation, bool]] = []
 
     class Watched(torch.Tensor):  # full weights that note the layer's map whenever they are read
         @classmethod
         def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
             if func is torch.Tensor.index_select:
-                maps_during_copy.append(moe.expert_map)
+                seen.append((m.location, torch.equal(m.static.as_subclass(torch.Tensor), old_static)))
             return super().__torch_function__(func, types, args, kwargs or {})
 
     w13, w2 = full.w13.detach().as_subclass(Watched), full.w2.detach().as_subclass(Watched)
-    assert moe.update_expert_placement(ExpertMap.build(b, 1, 0), w13, w2) > 0
-    assert maps_during_copy and all(m is old for m in maps_during_copy)
-    assert moe.expert_map is not None and moe.expert_map.location is b
+    assert moe.update_expert_placement(b, w13, w2) > 0
+    assert seen and all(loc is a and unchanged for loc, unchanged in seen)
+    assert m.location is b and not torch.equal(m.static, old_static)

@@ -308,7 +308,7 @@ def check_low_latency_layout(full: MoE, loc: ExpertLocation, rank: int, counts: 
     for src in range(world):
         xs = rank_tokens(src, counts)
         w, ids = full.gate(xs, batch(counts[src]))
-        phys = ExpertMap.build(loc, 0, src, "static").to_physical(ids)  # what rank src sends
+        phys = ExpertMap(loc, 0, src, "static").to_physical(ids)  # what rank src sends
         for t in range(counts[src]):
             for slot in phys[t].tolist():
                 if slot // per == rank:
