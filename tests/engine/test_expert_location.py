@@ -26,7 +26,7 @@ from torch import nn
 
 from r3trace.capture.recorder import NullRecorder
 from r3trace.engine.config import ModelConfig
-from r3trace.engine.expert_placement import apply_expert_location, update_chunks
+from r3trace.engine.expert_placement import apply_expert_location, moe_layers, update_chunks
 from r3trace.engine.layers.dispatcher import NullDispatcher, dispatch_layout
 from r3trace.engine.layers.expert_location import (
     ExpertLocation,
@@ -39,6 +39,7 @@ from r3trace.engine.layers.moe import MoE, make_experts_fn
 from r3trace.engine.layers.router import make_routing_ops
 from r3trace.eplb.placement import Cluster, from_phy2log, to_json
 from tests.engine.test_expert_parallel import CFG, E, K, batch, full_moe, layout_loops
+from tests.tiny_models import direct_forward, load_engine_model, make_checkpoint
 
 # Two MoE layers (ids 1 and 2; layer 0 is dense), E = 8 logical experts in P = 12 slots on G = 2 ranks.
 PHY2LOG = [
@@ -348,3 +349,34 @@ def test_map_switches_only_after_the_copy() -> None:
     assert moe.update_expert_placement(b, w13, w2) > 0
     assert seen and all(loc is a and unchanged for loc, unchanged in seen)
     assert m.location is b and not torch.equal(m.static, old_static)
+
+
+# ---------------------------------------------------------------- a whole model
+
+
+def test_model_rebalance_from_sglang_json_mid_run(tmp_path: Path) -> None:
+    """The tiny V3 stack (layers 0-1 dense, 2-3 MoE): a placement read from SGLang's JSON is swapped in chunk by
+    chunk, with a forward between the chunks. Every forward gives the same routes, exactly, and the same logits
+    (fp32: each token's pairs are added in slot order, which the placement permutes; 1e-5 as in the TP tests)."""
+    model_dir = make_checkpoint(tmp_path / "m", "v3_dense2_yarn")
+    model = load_engine_model(model_dir)
+    cfg = model.config
+    moes = moe_layers(model)
+    source = {m.gate.layer_id: (m.w13.detach().clone(), m.w2.detach().clone()) for m in moes}
+    tokens = [random.Random(0).randrange(cfg.vocab_size) for _ in range(19)]
+    logits0, routes0 = direct_forward(model, tokens)
+
+    apply_expert_location(model, ExpertLocation.trivial(E, 1, cfg.moe_layer_ids), 0, "static")
+    perm = [list(reversed(range(E))), [3, 1, 4, 0, 5, 7, 2, 6]]  # P = E: the rows the model was built with
+    doc = {"physical_to_logical_map": [list(range(E)), list(range(E)), *perm]}  # dense rows: trivial
+    new = ExpertLocation.from_sglang(json.dumps(doc), cfg, 1)
+    chunks = update_chunks(model, new, source.__getitem__, chunk_layers=1)
+    assert next(chunks).layer_ids == (2,)
+    mid = direct_forward(model, tokens)  # layer 2 moved, layer 3 not yet
+    assert [c.layer_ids for c in chunks] == [(3,)]
+    logits1, routes1 = direct_forward(model, tokens)
+    for logits, routes in (mid, (logits1, routes1)):
+        assert routes.keys() == routes0.keys() and all(torch.equal(routes[i], routes0[i]) for i in routes0)
+        torch.testing.assert_close(logits, logits0, atol=1e-5, rtol=0)
+    for moe, row in zip(moes, perm, strict=True):
+        assert torch.equal(moe.w13, source[moe.gate.layer_id][0][row])  # slot p holds expert perm[p]
