@@ -1,18 +1,22 @@
 """TokenDispatcher: how a MoE layer's tokens reach the experts that hold them, and come back.
 
 Shape legend: T tokens on this rank, D hidden, K pairs per token (top-k, + S fused shared), E routed experts,
-G expert-parallel ranks, E_local = E / G, N rows this rank sends (one per (token, destination rank)), R rows
-it receives.
+P physical slots (E + redundant replicas; P = E without them), G expert-parallel ranks, E_local = P / G, N rows
+this rank sends (one per (token, destination rank)), R rows it receives.
+
+The dispatcher works over physical slots: the MoE's map step (expert_map.py) turns the router's logical ids into
+slots before dispatch, so "expert" below means a slot, and rank r holds slots [r * P/G, (r + 1) * P/G).
 
     dispatch(x [T, D], topk_ids [T, K], topk_weights [T, K]) -> Dispatched:
         hidden [R, D], topk_ids [R, K] int32 local ids (-1: expert elsewhere), topk_weights [R, K] fp32, handle
     experts_fn(hidden, w13_local, w2_local, topk_ids, topk_weights) -> expert_out [R, D] (weights applied)
     combine(expert_out [R, D], handle) -> [T, D], this rank's tokens in their order
 
-| dispatcher          | when                    | what it does                                                        |
-| ------------------- | ----------------------- | ------------------------------------------------------------------- |
-| NullDispatcher      | one process (ep_size 1) | nothing: the inputs are what the experts compute over; today's path |
-| AllToAllDispatcher  | ep_size > 1             | DeepEP normal mode over torch.distributed.all_to_all_single         |
+| dispatcher           | when                       | what it does                                                    |
+| -------------------- | -------------------------- | --------------------------------------------------------------- |
+| NullDispatcher       | one process (ep_size 1)    | nothing: the inputs are what the experts compute over           |
+| AllToAllDispatcher   | ep_size > 1, "normal"      | DeepEP normal mode over torch.distributed.all_to_all_single     |
+| LowLatencyDispatcher | ep_size > 1, "low_latency" | DeepEP low-latency layout, fixed sizes (low_latency_dispatcher) |
 
 DeepEP normal mode (its get_dispatch_layout / dispatch / combine): rank r owns experts [r*E_local, (r+1)*E_local),
 contiguous. A token goes once to every rank that owns at least one of its experts, with all K of its ids
@@ -24,12 +28,17 @@ own tokens (replicated, as under DeepEP), so fused shared experts (moe.py) are r
 
 Normal mode syncs the host once per dispatch (the received row count sizes the buffers), as DeepEP's does; it
 cannot sit inside a CUDA graph. The low-latency layout ([E_local, max_tokens * G, D] with received counts) is
-the graph-safe second mode, not built yet. A rank with no tokens still joins every collective.
+the graph-safe second mode. A rank with no tokens still joins every collective.
+
+Summation order, fp32: normal mode adds a token's pairs on each rank in ascending slot order, then the ranks'
+partial sums in rank order; the one-process MoE adds them in ascending expert order. With contiguous experts and
+no replicas the two orders coincide; with replicas a token's slots follow the placement, so the sums agree to a
+few ulps, not bitwise. The low-latency combine adds the K pairs in k order, whatever the placement.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Literal, NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
@@ -68,7 +77,7 @@ def local_experts(num_experts: int, ep_rank: int, ep_size: int) -> range:
     if ep_size < 1 or not 0 <= ep_rank < ep_size:
         raise ValueError(f"ep_rank={ep_rank} outside 0..{ep_size - 1} (ep_size={ep_size})")
     if num_experts % ep_size:
-        raise ValueError(f"n_routed_experts={num_experts} is not a multiple of ep_size={ep_size}")
+        raise ValueError(f"slots={num_experts} (n_routed_experts + redundant) is not a multiple of ep_size={ep_size}")
     per_rank = num_experts // ep_size
     return range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
 
@@ -78,14 +87,38 @@ def expert_slice(weight: torch.Tensor, experts: range) -> torch.Tensor:
     return weight[experts.start : experts.stop].contiguous()
 
 
+DispatcherMode = Literal["normal", "low_latency"]
+
+
 def make_dispatcher(
-    num_experts: int, ep_rank: int = 0, ep_size: int = 1, group: dist.ProcessGroup | None = None
+    num_experts: int,
+    ep_rank: int = 0,
+    ep_size: int = 1,
+    group: dist.ProcessGroup | None = None,
+    mode: DispatcherMode = "normal",
+    max_tokens: int = 0,
 ) -> TokenDispatcher:
-    """Picked once, when the MoE is built: the NullDispatcher in one process, else the all-to-all one over
-    group (the expert-parallel group; None: the default group)."""
+    """Picked once, when the MoE is built: the NullDispatcher in one process, else DeepEP's normal or low-latency
+    mode over group (the expert-parallel group; None: the default group). num_experts: the physical slots P
+    (ExpertLocation.num_physical; E without redundant experts). max_tokens: low_latency's per-rank token bound."""
+    if mode not in ("normal", "low_latency"):
+        raise ValueError(f"mode={mode!r}; expected 'normal' or 'low_latency'")
     if ep_size == 1:
         return NullDispatcher(num_experts)
+    if mode == "low_latency":
+        from .low_latency_dispatcher import LowLatencyDispatcher  # it imports this module's Dispatched
+
+        return LowLatencyDispatcher(num_experts, ep_rank, ep_size, max_tokens, group)
     return AllToAllDispatcher(num_experts, ep_rank, ep_size, group)
+
+
+def check_group(ep_rank: int, ep_size: int, group: dist.ProcessGroup | None) -> None:
+    """The process group must agree with the ParallelInfo's ep_rank / ep_size (checked once, at construction)."""
+    if dist.get_world_size(group) != ep_size or dist.get_rank(group) != ep_rank:
+        raise ValueError(
+            f"ep_rank={ep_rank}, ep_size={ep_size}: the process group says rank {dist.get_rank(group)} "
+            f"of {dist.get_world_size(group)}"
+        )
 
 
 class DispatchLayout(NamedTuple):
@@ -143,11 +176,7 @@ class AllToAllDispatcher:
 
     def __init__(self, num_experts: int, ep_rank: int, ep_size: int, group: dist.ProcessGroup | None = None) -> None:
         self.experts = local_experts(num_experts, ep_rank, ep_size)
-        if dist.get_world_size(group) != ep_size or dist.get_rank(group) != ep_rank:
-            raise ValueError(
-                f"ep_rank={ep_rank}, ep_size={ep_size}: the process group says rank {dist.get_rank(group)} "
-                f"of {dist.get_world_size(group)}"
-            )
+        check_group(ep_rank, ep_size, group)
         self.num_experts = num_experts
         self.ep_size = ep_size
         self.group = group

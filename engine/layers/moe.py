@@ -18,6 +18,11 @@ fused shared experts are replicated with the routed ones.
 Expert parallelism: the TokenDispatcher (dispatcher.py), chosen at construction, moves the routed pairs to the
 ranks that hold their experts and back; w13/w2 then hold only this rank's E/ep rows (dispatcher.experts;
 expert_slice cuts them from full weights). Shared experts run here on this rank's own tokens (replicated).
+
+Redundant experts: with an ExpertMap (expert_map.py; set by apply_expert_location in expert_placement.py) the
+router's logical ids, which capture records, become physical slots between the router and the dispatcher, and
+w13/w2 hold this rank's P/G slots (physical_expert_weights). update_expert_placement swaps in a new placement
+between two forwards: weights first, then the map.
 """
 
 from __future__ import annotations
@@ -28,11 +33,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from r3trace.capture.recorder import RouteRecorder
+from r3trace.capture.recorder import NullRecorder, RouteRecorder
 
 from ..config import ModelConfig
 from ..forward_batch import ForwardBatch
 from .dispatcher import NullDispatcher, TokenDispatcher
+from .expert_location import ExpertLocation, ExpertLocationError, held_experts
+from .expert_map import ExpertMap
 from .mlp import MLP
 from .router import Router, RoutingOps
 
@@ -75,6 +82,12 @@ def make_experts_fn(backend: str) -> ExpertsFn:
 
 
 class MoE(nn.Module):
+    # The logical -> physical step (None: slots are the logical experts, as without a placement). A class default
+    # so the constructor stays the dispatcher's; expert_placement.apply_expert_location sets it once built.
+    expert_map: ExpertMap | None = None
+    # Sees the physical ids [T, K] of every forward (capture's optional second column); NullRecorder: off.
+    physical_recorder: RouteRecorder = NullRecorder()
+
     def __init__(
         self,
         cfg: ModelConfig,
@@ -131,7 +144,60 @@ class MoE(nn.Module):
         """x: [T, D] -> (routed [T, D] complete on every rank, unfused shared experts [T, D] partial over the
         TP ranks, or None)."""
         topk_weights, topk_ids = self.gate(x, fb)  # [T, K + S]: the routes (captured inside) + the fused shared
+        topk_ids = self.physical_ids(topk_ids)  # [T, K + S] physical slots; capture above saw the logical ids
         d = self.dispatcher.dispatch(x, topk_ids, topk_weights)  # [R, D], [R, K + S] local ids
         expert_out = self.experts_fn(d.hidden, self.w13, self.w2, d.topk_ids, d.topk_weights)  # [R, D]
         out = self.dispatcher.combine(expert_out, d.handle)  # [T, D]
         return out, (self.shared_experts(x) if self.shared_experts is not None else None)
+
+    def physical_ids(self, topk_ids: torch.Tensor) -> torch.Tensor:
+        """[T, K + S] logical ids -> physical slots; the fused shared columns (E + s) move past the slots (P + s)."""
+        m = self.expert_map
+        k = topk_ids.shape[1] - self.num_fused
+        if m is None:  # no placement: slot e is expert e, and the step costs nothing
+            self.physical_recorder.capture(self.gate.layer_id, topk_ids[:, :k])
+            return topk_ids
+        phys = m.to_physical(topk_ids[:, :k])  # [T, K]
+        self.physical_recorder.capture(self.gate.layer_id, phys)
+        if self.num_fused:
+            phys = torch.cat([phys, topk_ids[:, k:] + (m.num_physical - m.num_logical)], dim=1)
+        return phys
+
+    @torch.no_grad()
+    def update_expert_placement(
+        self, new_location: ExpertLocation, full_w13: torch.Tensor, full_w2: torch.Tensor
+    ) -> int:
+        """Between two forwards, on every EP rank at the same forward boundary: copy the weights of this rank's
+        slots whose expert changed (full_w13 [E, 2I, D], full_w2 [E, D, I]: this layer's logical weights), then
+        switch the map. Returns the slots copied.
+
+        Both the weight copies and the map's (ExpertMap.load_) are in place and queued on the current stream in
+        that order, so a later forward, eager or a CUDA graph captured earlier, sees the new weights with the new
+        map; nothing runs between them. Routes are logical: requests in flight keep theirs, only the slot that
+        computes a pair changes. Every check comes before the first copy: a refused placement changes nothing."""
+        m = self.expert_map
+        if m is None:
+            raise ExpertLocationError(
+                f"layer {self.gate.layer_id} has no expert map: apply_expert_location when the model is built"
+            )
+        loc, lid = new_location, self.gate.layer_id
+        if (loc.num_logical, loc.num_physical, loc.ep_size) != (m.num_logical, m.num_physical, m.location.ep_size):
+            raise ExpertLocationError(
+                f"new placement has E={loc.num_logical}, P={loc.num_physical}, ep_size={loc.ep_size}; layer {lid} "
+                f"was built for E={m.num_logical}, P={m.num_physical}, ep_size={m.location.ep_size}"
+            )
+        want13, want2 = (m.num_logical, *self.w13.shape[1:]), (m.num_logical, *self.w2.shape[1:])
+        if tuple(full_w13.shape) != want13 or tuple(full_w2.shape) != want2:
+            raise ExpertLocationError(
+                f"full_w13 {tuple(full_w13.shape)}, full_w2 {tuple(full_w2.shape)}: layer {lid} needs {want13}, {want2}"
+            )
+        new_held = torch.tensor(held_experts(loc, lid, m.ep_rank))  # [P/G]
+        old_held = torch.tensor(held_experts(m.location, lid, m.ep_rank))
+        moved = (new_held != old_held).nonzero()[:, 0]  # [n] local rows to rewrite
+        if moved.numel():
+            experts = new_held[moved].to(full_w13.device)  # the logical expert each rewritten slot now holds
+            idx = moved.to(self.w13.device)
+            self.w13.data.index_copy_(0, idx, full_w13.index_select(0, experts).to(self.w13.device, self.w13.dtype))
+            self.w2.data.index_copy_(0, idx, full_w2.index_select(0, experts).to(self.w2.device, self.w2.dtype))
+        m.load_(loc)  # after the copy: the switch
+        return int(moved.numel())

@@ -27,9 +27,12 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
 
 from r3trace.capture.recorder import NullRecorder
 from r3trace.engine.config import ModelConfig
+from r3trace.engine.expert_placement import apply_expert_location, update_expert_placement
 from r3trace.engine.forward_batch import ForwardBatch
 from r3trace.engine.layers.dispatcher import (
     AllToAllDispatcher,
@@ -39,6 +42,9 @@ from r3trace.engine.layers.dispatcher import (
     local_experts,
     make_dispatcher,
 )
+from r3trace.engine.layers.expert_location import ExpertLocation, physical_expert_weights
+from r3trace.engine.layers.expert_map import ExpertMap
+from r3trace.engine.layers.low_latency_dispatcher import LowLatencyDispatcher
 from r3trace.engine.layers.moe import MoE, grouped_experts_ref, make_experts_fn
 from r3trace.engine.layers.router import make_routing_ops
 from tests.spawn import spawn_ranks
@@ -232,3 +238,148 @@ def test_ep2_matches_one_process() -> None:
 @pytest.mark.slow
 def test_ep4_matches_one_process() -> None:
     run_ranks([19, 0, 5, 26], BACKENDS)
+
+
+# ---------------------------------------------------------------- redundant experts, low-latency mode, rebalance
+#
+# E = 8 experts in P = 12 slots (P/G = 6 on ep2, 3 on ep4). Placement A is SGLang's trivial one (slot p holds
+# expert p % 8), B a shuffle with other replicas. The one-process MoE is the reference for every mode and
+# dispatch, to the tolerance above: normal mode adds a token's pairs per rank in slot order, then the ranks in
+# rank order, where the one-process MoE adds them in expert order, and an expert's GEMM runs over other row
+# counts (CPU BLAS gives rows of a 1- or 2-row GEMM other bits than the same rows inside a larger one).
+# The low-latency combine adds the K pairs in k order whatever the placement, so with a batch-invariant experts
+# function (rowwise_experts: every row alone, standing in for exact mode's batch-invariant matmuls) its output is
+# bitwise the one-process k-order sum, for static and dynamic dispatch and across a rebalance.
+SLOTS = 12
+
+
+def placement_b(world: int) -> ExpertLocation:
+    rng = random.Random(world)
+    row = list(range(E)) + [rng.randrange(E) for _ in range(SLOTS - E)]
+    rng.shuffle(row)
+    return ExpertLocation.from_physical_to_logical([row], E, world, (0,))
+
+
+def rowwise_experts(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+) -> torch.Tensor:
+    """grouped_experts_ref's math with every (row, pair) computed alone (1-row GEMMs) and added in k order:
+    a row's result does not depend on which other rows share its expert."""
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32)
+    for r, k in (topk_ids >= 0).nonzero().tolist():
+        e = int(topk_ids[r, k])
+        gate, up = F.linear(x[r : r + 1], w13[e]).chunk(2, dim=-1)
+        out[r] += F.linear(F.silu(gate) * up, w2[e])[0].float() * topk_weights[r, k]
+    return out.to(x.dtype)
+
+
+def k_order_ref(full: MoE, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+    """The one-process MoE, every pair alone, added in k order (the low-latency combine's order)."""
+    weights, ids = full.gate(x, fb)
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32)
+    for k in range(ids.shape[1]):
+        y = rowwise_experts(x, full.w13, full.w2, ids[:, k : k + 1], torch.ones(x.shape[0], 1))  # unweighted
+        out += y.float() * weights[:, k, None]
+    assert full.shared_experts is not None
+    return out.to(x.dtype) + full.shared_experts(x)
+
+
+def ep_moe(full: MoE, loc: ExpertLocation, rank: int, world: int, mode: str, dispatch: str, max_tokens: int,
+           experts_fn: Any = grouped_experts_ref) -> MoE:  # fmt: skip
+    """This rank's MoE: its P/G slots' weights (physical_expert_weights), the map, the dispatcher of `mode`."""
+    dispatcher = make_dispatcher(loc.num_physical, rank, world, mode=mode, max_tokens=max_tokens)  # type: ignore[arg-type]
+    moe = MoE(CFG, 0, NullRecorder(), make_routing_ops("ref"), experts_fn, torch.float32, "cpu",
+              dispatcher=dispatcher)  # fmt: skip
+    state = full.state_dict()
+    state["w13"], state["w2"] = physical_expert_weights(state["w13"], state["w2"], loc, 0, rank)
+    moe.load_state_dict(state)
+    apply_expert_location(nn.ModuleList([moe]), loc, rank, dispatch, seed=5)  # type: ignore[arg-type]
+    return moe
+
+
+def check_low_latency_layout(full: MoE, loc: ExpertLocation, rank: int, counts: list[int]) -> None:
+    """recv_x [E_local, M * G, D] and recv_count against loops: slot j's rows from each source rank in rank order,
+    each source's in token order, packed at the front; the rest zero, with id -1."""
+    world, m = len(counts), max(counts)
+    per = loc.slots_per_rank
+    ll = make_dispatcher(loc.num_physical, rank, world, mode="low_latency", max_tokens=m)
+    assert isinstance(ll, LowLatencyDispatcher)
+    want: list[list[torch.Tensor]] = [[] for _ in range(per)]
+    for src in range(world):
+        xs = rank_tokens(src, counts)
+        w, ids = full.gate(xs, batch(counts[src]))
+        phys = ExpertMap(loc, 0, src, "static").to_physical(ids)  # what rank src sends
+        for t in range(counts[src]):
+            for slot in phys[t].tolist():
+                if slot // per == rank:
+                    want[slot - rank * per].append(xs[t])
+        if src == rank:
+            got = ll.dispatch(xs, phys, w)
+    assert got.hidden.shape == (per * m * world, CFG.hidden_size)  # fixed: set by P, M, G and D, never by routes
+    recv = got.hidden.view(per, m * world, CFG.hidden_size)
+    assert got.handle.recv_count.tolist() == [len(rows) for rows in want]
+    for j, rows in enumerate(want):
+        if rows:
+            assert torch.equal(recv[j, : len(rows)], torch.stack(rows))
+        assert not recv[j, len(rows) :].any()
+    ids = got.topk_ids.view(per, m * world)
+    assert ids.tolist() == [[j] * len(rows) + [-1] * (m * world - len(rows)) for j, rows in enumerate(want)]
+    ll.combine(got.hidden, got.handle)  # every dispatch has its combine: the peers wait for it
+
+
+def _placement_worker(rank: int, world: int, port: int, counts: list[int], backends: tuple[str, ...]) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))  # fmt: skip
+    try:
+        full = full_moe()
+        a = ExpertLocation.trivial(E, world, (0,), num_physical=SLOTS)
+        b = placement_b(world)
+        x, fb = rank_tokens(rank, counts), batch(counts[rank])
+        ref, ref_k = full(x, fb), k_order_ref(full, x, fb)
+        m = max(counts)
+        check_low_latency_layout(full, b, rank, counts)
+
+        outs = {}
+        for mode in ("normal", "low_latency"):
+            for dispatch in ("static", "dynamic"):
+                out = ep_moe(full, b, rank, world, mode, dispatch, m)(x, fb)
+                torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5, msg=lambda s, k=(mode, dispatch): f"{k} {s}")
+                outs[mode, dispatch] = out
+        for dispatch in ("static", "dynamic"):  # the two layouts: the same output up to the fp32 sum order
+            torch.testing.assert_close(outs["low_latency", dispatch], outs["normal", dispatch], atol=1e-6, rtol=1e-5)
+        for backend in backends[1:]:  # the fused Triton MoE over the low-latency rows (padding ids -1)
+            out = ep_moe(full, b, rank, world, "low_latency", "dynamic", m, make_experts_fn(backend))(x, fb)
+            torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
+        for dispatch in ("static", "dynamic"):  # bitwise: the combine's order does not depend on the placement
+            out = ep_moe(full, b, rank, world, "low_latency", dispatch, m, rowwise_experts)(x, fb)
+            assert torch.equal(out, ref_k), dispatch
+
+        # rebalance A -> B between two forwards: the weights move, the outputs stay
+        for mode, fn in (("normal", grouped_experts_ref), ("low_latency", rowwise_experts)):
+            moe = ep_moe(full, a, rank, world, mode, "dynamic", m, fn)
+            before = moe(x, fb)
+            update_expert_placement(nn.ModuleList([moe]), b, lambda _: (full.w13.detach(), full.w2.detach()))
+            held = b.physical_to_logical[0, b.rank_slots(rank).start : b.rank_slots(rank).stop]
+            assert torch.equal(moe.w13, full.w13[held]) and torch.equal(moe.w2, full.w2[held])
+            assert moe.expert_map is not None and moe.expert_map.location is b
+            after = moe(x, fb)
+            torch.testing.assert_close(after, ref, atol=1e-6, rtol=1e-5)
+            if mode == "low_latency":
+                assert torch.equal(before, ref_k) and torch.equal(after, ref_k)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_placement_ranks(counts: list[int], backends: tuple[str, ...]) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    spawn_ranks(_placement_worker, (len(counts), free_port(), counts, backends), len(counts))
+
+
+def test_ep2_redundant_experts_low_latency_and_rebalance() -> None:
+    run_placement_ranks([37, 0], BACKENDS)  # rank 1 has no tokens and still joins every collective
+
+
+@pytest.mark.slow
+def test_ep4_redundant_experts_low_latency_and_rebalance() -> None:
+    run_placement_ranks([19, 0, 5, 26], BACKENDS)
