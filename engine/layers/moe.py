@@ -18,6 +18,8 @@ fused shared experts are replicated with the routed ones.
 Expert parallelism: the TokenDispatcher (dispatcher.py), chosen at construction, moves the routed pairs to the
 ranks that hold their experts and back; w13/w2 then hold only this rank's E/ep rows (dispatcher.experts;
 expert_slice cuts them from full weights). Shared experts run here on this rank's own tokens (replicated).
+route_gather (communicator.RouteCommunicator): under EP with attention TP > 1 the router sees this rank's
+scattered slice, and the ids are all-gathered over attention-TP before capture.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from ..config import ModelConfig
 from ..forward_batch import ForwardBatch
 from .dispatcher import NullDispatcher, TokenDispatcher
 from .mlp import MLP
-from .router import Router, RoutingOps
+from .router import RouteGather, Router, RoutingOps
 
 ExpertsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -88,6 +90,7 @@ class MoE(nn.Module):
         tp_rank: int = 0,
         tp_size: int = 1,
         dispatcher: TokenDispatcher | None = None,
+        route_gather: RouteGather | None = None,
     ) -> None:
         super().__init__()
         e, d, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
@@ -98,7 +101,7 @@ class MoE(nn.Module):
             raise ValueError(f"fuse_shared_experts with expert parallelism ({local} of {e} experts on this rank)")
         self.num_routed = local
         self.num_fused = cfg.n_shared_experts if fuse_shared else 0  # S rows after the E routed ones
-        self.gate = Router(cfg, layer_id, recorder, routing, device, self.num_fused)
+        self.gate = Router(cfg, layer_id, recorder, routing, device, self.num_fused, route_gather)
         rows = local + self.num_fused
         self.w13 = nn.Parameter(torch.empty(rows, 2 * i, d, dtype=dtype, device=device), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(rows, d, i, dtype=dtype, device=device), requires_grad=False)
