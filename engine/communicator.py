@@ -60,7 +60,7 @@ def all_gather_rows(x: torch.Tensor, group: object, size: int) -> torch.Tensor:
     if size == 1:
         return x
     out = x.new_empty(size * x.shape[0], *x.shape[1:])
-    dist.all_gather_into_tensor(out, x.contiguous(), group=group)  # type: ignore[arg-type]
+    dist.all_gather_single(out, x.contiguous(), group=group)  # type: ignore[arg-type]
     return out
 
 
@@ -231,7 +231,7 @@ class RouteCommunicator:
             raise RuntimeError(f"route gather: {rows} rows exceed the buffer of {self.gathered.shape[0]}")
         out = self.gathered[:rows]
         local = torch.cat([ids, weights.float().view(torch.int32)], dim=1)  # [n, 2K]
-        dist.all_gather_into_tensor(out, local, group=p.attn_tp_group)
+        dist.all_gather_single(out, local, group=p.attn_tp_group)
         return out[:, :k], out[:, k:].view(torch.float32)
 
     def moe_batch(self, fb: ForwardBatch) -> ForwardBatch:

@@ -98,11 +98,10 @@ def gather_dp_layout(local_tokens: int, parallel: ParallelInfo, mode: DpMode, re
     if mode not in ("max", "sum"):
         raise ValueError(f"mode={mode!r}: expected 'max' or 'sum'")
     mine = torch.tensor([local_tokens, mode == "sum", replay], dtype=torch.int64)
-    every = torch.empty(parallel.tp_size, 3, dtype=torch.int64)
+    every = mine
     if parallel.tp_size > 1:
-        dist.all_gather_into_tensor(every, mine, group=parallel.cpu_group)
-    else:
-        every[0] = mine
+        every = torch.empty(parallel.tp_size * 3, dtype=torch.int64)
+        dist.all_gather_single(every, mine, group=parallel.cpu_group)
     rows = every.view(parallel.dp_size, parallel.attn_tp_size, 3).tolist()  # tp rank = dp rank * A + attn_tp rank
     counts = tuple(group[0][0] for group in rows)
     for d, group in enumerate(rows):
