@@ -2,8 +2,9 @@
 
 The caller (a launcher, torchrun, a test) has run torch.distributed.init_process_group with world size
 tp_size; gloo on CPU and NCCL on CUDA go through this same code. One more group, cpu_group, is gloo over the
-whole world whatever the backend: DpLayout's host token counts travel there (dp_layout.py). dist.new_group must be entered by every
-rank for every group, in the same order, even for groups the rank is not in: group_ranks fixes that order.
+whole world whatever the backend: DpLayout's host token counts travel there (dp_layout.py). dist.new_group must
+be entered by every rank for every group, in the same order, even for groups the rank is not in: group_ranks
+fixes that order.
 """
 
 from __future__ import annotations

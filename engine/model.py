@@ -6,13 +6,13 @@ routed experts, stacked per layer as mlp.w13 [E, 2I, D] and mlp.w2 [E, D, I] (we
 
 Parallelism (one process per TP rank; ParallelInfo, communicator.py's scatter modes). What each rank holds:
 
-| part                  | plain TP (R ranks)   | DP attention (A = R / P)         | EP (ep_size G)                      |
-| --------------------- | -------------------- | -------------------------------- | ----------------------------------- |
-| attention heads       | H / R                | H / A, this DP rank's requests   | as without EP                       |
-| embedding, lm_head    | V / R                | V / A (attention-TP group)       | as without EP                       |
-| dense MLP             | I / R, own tokens    | I / R, the DP-gathered batch     | as without EP                       |
-| routed experts        | all, own tokens      | all, the DP-gathered batch       | E / G, tokens dispatched to them    |
-| shared experts        | I_s / R (or fused)   | I_s / R, the DP-gathered batch   | whole, on this rank's scattered rows |
+| part               | plain TP (R ranks) | DP attention (A = R / P)       | EP (ep_size G)                       |
+| ------------------ | ------------------ | ------------------------------ | ------------------------------------ |
+| attention heads    | H / R              | H / A, this DP rank's requests | as without EP                        |
+| embedding, lm_head | V / R              | V / A (attention-TP group)     | as without EP                        |
+| dense MLP          | I / R, own tokens  | I / R, the DP-gathered batch   | as without EP                        |
+| routed experts     | all, own tokens    | all, the DP-gathered batch     | E / G, tokens dispatched to them     |
+| shared experts     | I_s / R (or fused) | I_s / R, the DP-gathered batch | whole, on this rank's scattered rows |
 
 The collectives sit in the communicators only: each layer's LayerCommunicator, the VocabCommunicator at the
 embed and logits boundary, the RouteCommunicator for the routers' rows, and the MoE's TokenDispatcher.
@@ -23,19 +23,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from r3trace.capture.recorder import RouteRecorder
-
-from r3trace.capture.recorder import NullRecorder
+from r3trace.capture.recorder import NullRecorder, RouteRecorder
 
 from .communicator import LayerCommunicator, RouteCommunicator, VocabCommunicator, mlp_input_mode
 from .config import ModelConfig
 from .engine_config import EngineConfig, EngineConfigError
 from .forward_batch import ForwardBatch
 from .layers.attention_backend import make_attention_backend
+from .layers.dispatcher import make_dispatcher
 from .layers.linear import ColumnParallelLinear, VocabParallelEmbedding
 from .layers.mla import MLAAttention
 from .layers.mlp import MLP
-from .layers.dispatcher import make_dispatcher
 from .layers.moe import MoE, make_experts_fn
 from .layers.norm import RMSNorm
 from .layers.rope import RotaryEmbedding

@@ -3,8 +3,8 @@
 Every MoE layer's gate runs here, so route capture (the injected RouteRecorder) and routing replay
 (forced ids from ForwardBatch.replay) hook in exactly one spot. The rows are the routed batch's (recorder.py):
 this rank's tokens, or under DP attention every DP rank's gathered (the replay plan gathered with them), or
-under EP with attention TP > 1 this rank's scattered slice, whose ids a RouteGather brings back before capture. The top-k implementation is chosen at
-construction (`ref` torch or `triton` fused), never inside forward.
+under EP with attention TP > 1 this rank's scattered slice, whose ids a RouteGather brings back before capture.
+The top-k implementation is chosen at construction (`ref` torch or `triton` fused), never inside forward.
 """
 
 from __future__ import annotations

@@ -142,11 +142,11 @@ class RouteBuffers:
         pending: PendingCopy,
         host_slots: np.ndarray | None = None,
     ) -> None:
-        """Gather `rows` of this rank's own.count tokens (None: all of them) on the device and copy them to pinned
+        """Gather `rows` of this rank's own.length tokens (None: all of them) on the device and copy them to pinned
         staging, async. own: where those tokens sit in dev_ids (a DP rank's rows of the gathered batch); rows and
         out_cache_loc count from own.start. host_slots: the batch's out_cache_loc on the host (the engine has it),
         which then needs no copy back."""
-        n_tokens, first = own.count, own.start
+        n_tokens, first = own.length, own.start
         if self.full:
             raise RuntimeError("route capture: every staging buffer is in flight; drain_one() first")
         which = self._next_staging
@@ -193,7 +193,7 @@ class RouteBuffers:
     def _start_copy_host(
         self, rows: list[int] | None, own: RowRange, out_cache_loc: torch.Tensor, pending: PendingCopy
     ) -> None:
-        index = np.arange(own.count) if rows is None else np.asarray(rows, dtype=np.int64)
+        index = np.arange(own.length) if rows is None else np.asarray(rows, dtype=np.int64)
         dev_index = index + own.start
         np_ids = self.host_ids.dtype
         pending.ids = torch.from_numpy(np.ascontiguousarray(self.dev_ids.numpy()[:, dev_index].transpose(1, 0, 2),

@@ -104,7 +104,7 @@ class RoutedExpertsCapturer:
             self.buffers.bytes_last_step = 0  # nobody asked: nothing crosses to the host
             return
         own = batch.route_rows  # this rank's rows of the routed batch: the device rows the copy reads
-        if own.count != start:
+        if own.length != start:
             raise RuntimeError(f"route capture: batch.route_rows={own} but the requests have {start} rows")
         pending = PendingCopy(
             forward_id=batch.forward_id, ts_ns=time.time_ns(), dp_rank=batch.dp_rank, n_rows=0,

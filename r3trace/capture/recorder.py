@@ -25,14 +25,14 @@ import torch
 
 
 class RowRange(NamedTuple):
-    """Rows [start, start + count) of a buffer shared by more than this rank's tokens."""
+    """Rows [start, start + length) of a buffer shared by more than this rank's tokens."""
 
     start: int
-    count: int
+    length: int
 
     @property
     def stop(self) -> int:
-        return self.start + self.count
+        return self.start + self.length
 
 
 class BatchView(Protocol):
