@@ -1,9 +1,10 @@
 """DP attention and expert parallelism at the model level: real gloo processes against one process.
 
-Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/engine/test_dp_attention.py (the world-size-4
-case included; `make test` skips it with the slow marker).
+Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/engine/test_dp_attention.py (the world-size-4 and
+Triton cases included; `make test` skips them with the slow marker).
 
-Each configuration (dp2 = tp2 dp2, ep2 = tp2 ep2, dp2+ep2 = tp2 dp2 ep2, and tp4 dp2 ep2 with attention TP 2)
+Each configuration (dp2 = tp2 dp2, ep2 = tp2 ep2, dp2+ep2 = tp2 dp2 ep2, once more with every Triton backend,
+and tp4 dp2 ep2 with attention TP 2)
 runs tests/engine/dp_workload.py: every DP rank its own requests, a prefill then decode steps over its own KV
 pool, one rank idle on some steps, both padding modes; each rank captures through a real RoutedExpertsCapturer.
 One process running every request is the reference. Checked per rank, for its requests:
@@ -57,15 +58,19 @@ LOGITS_ATOL = 1e-5
 NEAR_TIE = 1e-4
 CKPT = "v3_noaux_groups"  # sigmoid + noaux_tc over 4 groups, 8 experts, top-3, a dense first layer, a shared expert
 
-CONFIGS = [  # (name, tp, dp, ep)
-    pytest.param("dp2", 2, 2, 1, id="dp2"),
-    pytest.param("ep2", 2, 1, 2, id="ep2"),
-    pytest.param("dp2_ep2", 2, 2, 2, id="dp2_ep2"),
-    pytest.param("tp4_dp2_ep2", 4, 2, 2, id="tp4_dp2_ep2", marks=pytest.mark.slow),
+# every Triton backend: the fused top-k, MoE and norms on an idle rank's 0 rows, the fused router logits
+TRITON = dict(attention_backend="triton", moe_backend="triton", topk_backend="triton", norm_backend="triton",
+              rope_backend="triton")  # fmt: skip
+CONFIGS = [  # (tp, dp, ep, backends)
+    pytest.param(2, 2, 1, "ref", id="dp2"),
+    pytest.param(2, 1, 2, "ref", id="ep2"),
+    pytest.param(2, 2, 2, "ref", id="dp2_ep2"),
+    pytest.param(2, 2, 2, "triton", id="dp2_ep2_triton", marks=pytest.mark.slow),  # 72 s: the interpreter
+    pytest.param(4, 2, 2, "ref", id="tp4_dp2_ep2", marks=pytest.mark.slow),
 ]
 
 
-def _run(ckpt: Path, parallel: ParallelInfo, margins: bool) -> dict[str, Any]:
+def _run(ckpt: Path, parallel: ParallelInfo, margins: bool, backends: str) -> dict[str, Any]:
     cfg = ModelConfig.from_hf(ckpt)
     out = {}
     for replay in (False, True):
@@ -73,19 +78,20 @@ def _run(ckpt: Path, parallel: ParallelInfo, margins: bool) -> dict[str, Any]:
         blind = None if replay else RowStartBlindCapturer(capture_config(cfg, parallel))
         recorder = Tee(capturer, ListRecorder(), *([blind] if blind is not None else []))
         torch.manual_seed(0)
-        model = load_engine_model(ckpt, recorder, parallel)  # type: ignore[arg-type]
+        options = TRITON if backends == "triton" else {}
+        model = load_engine_model(ckpt, recorder, parallel, **options)  # type: ignore[arg-type]
         out["replay" if replay else "plain"] = run_workload(model, parallel, capturer, replay, margins, blind)
     return out
 
 
-def _worker(rank: int, world: int, dp: int, ep: int, port: int, ckpt: Path, out_dir: Path) -> None:
+def _worker(rank: int, world: int, dp: int, ep: int, backends: str, port: int, ckpt: Path, out_dir: Path) -> None:
     torch.set_num_threads(1)
     timeout = timedelta(seconds=60)  # a failing rank must not leave the others in gloo's 30-minute default
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timeout)  # fmt: skip
     try:
         parallel = init_parallel(world, dp, ep, timeout=timeout)
-        result = _run(ckpt, parallel, margins=False)
+        result = _run(ckpt, parallel, margins=False, backends=backends)
         result["dp_rank"] = parallel.dp_rank
         torch.save(result, out_dir / f"rank{rank}.pt")
     finally:
@@ -104,9 +110,10 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference(ckpt: Path) -> dict[str, Any]:
-    """One process running every request (all DP ranks' requests in each step's batch)."""
-    return _run(ckpt, ParallelInfo(), margins=True)
+def references(ckpt: Path) -> dict[str, dict[str, Any]]:
+    """One process running every request (all DP ranks' requests in each step's batch), per backend set, on
+    first use."""
+    return {}
 
 
 def _route_flips(ref: dict[str, Any], got: dict[str, Any], rids: list[str]) -> dict[str, int]:
@@ -159,12 +166,15 @@ def _check_replay(got: dict[str, Any], cfg: ModelConfig, rids: list[str]) -> Non
             assert np.array_equal(got["captured"][rid][0][pos], want), f"{rid} position {pos}: capture"
 
 
-@pytest.mark.parametrize(("name", "tp", "dp", "ep"), CONFIGS)
+@pytest.mark.parametrize(("tp", "dp", "ep", "backends"), CONFIGS)
 def test_parallel_model_matches_one_process(
-    name: str, tp: int, dp: int, ep: int, ckpt: Path, reference: dict[str, Any], tmp_path: Path
+    tp: int, dp: int, ep: int, backends: str, ckpt: Path, references: dict[str, dict[str, Any]], tmp_path: Path
 ) -> None:
+    if backends not in references:
+        references[backends] = _run(ckpt, ParallelInfo(), margins=True, backends=backends)
+    reference = references[backends]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    spawn_ranks(_worker, (tp, dp, ep, _free_port(), ckpt, tmp_path), tp)
+    spawn_ranks(_worker, (tp, dp, ep, backends, _free_port(), ckpt, tmp_path), tp)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(tp)]
     cfg = ModelConfig.from_hf(ckpt)
     for r, got in enumerate(ranks):
