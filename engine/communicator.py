@@ -162,16 +162,20 @@ class LayerCommunicator:
             assert hidden is not None
             t, a = fb.num_tokens, p.attn_tp_size  # the padding rows of prepare_mlp dropped
             return all_gather_rows(hidden, p.attn_tp_group, a)[:t], all_gather_rows(residual, p.attn_tp_group, a)[:t]
-        own = slice(None)
         if self.mlp_mode is ScatterMode.FULL:
             layout = _layout(fb)
             own = slice(layout.local_start, layout.local_start + layout.local_count)
-        if partial is None:
+            if partial is None:
+                assert replicated is not None
+                return replicated[own], residual
+            hidden = self.all_reduce(partial, p.tp_group, p.tp_size)[own]
+            return (hidden if replicated is None else replicated[own] + hidden), residual
+        if partial is None:  # TP_ATTN_FULL: the one-process path is this one, unchanged
             assert replicated is not None
-            return replicated[own], residual
-        hidden = self.all_reduce(partial, p.tp_group, p.tp_size)[own]
+            return replicated, residual
+        hidden = self.all_reduce(partial, p.tp_group, p.tp_size)
         if replicated is not None:
-            hidden = replicated[own] + hidden
+            hidden = replicated + hidden
         return hidden, residual
 
 
