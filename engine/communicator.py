@@ -19,8 +19,10 @@ The MLP's input mode is chosen once per layer at construction (mlp_input_mode); 
   their output complete, added once after the reduction);
 - FULL: prepare_mlp reduces o_proj over attention-TP, adds the residual, norms, then gathers the DP ranks'
   rows as DpLayout says ("max": an all-gather of [max, D] padded rows over the dp group; "sum": each rank
-  writes its rows at its offset in zeros and the dp group all-reduces). postprocess_layer all-reduces the
-  partial sums over TP and takes this DP rank's rows back; the residual never left this rank;
+  writes its rows at its offset in zeros and the dp group all-reduces). The dp group holds one rank of each
+  DP rank (the same attention-TP rank), so every member contributes; SGLang all-reduces over the whole TP
+  group instead and lets only attention-TP rank 0 write. postprocess_layer all-reduces the partial sums over
+  TP and takes this DP rank's rows back; the residual never left this rank;
 - SCATTERED: prepare_mlp reduce-scatters o_proj's partial sums over attention-TP (rows padded to a multiple
   of A) and scatters the residual the same way; the MoE dispatches each rank's slice to the expert ranks and
   runs its shared experts whole on it; postprocess_layer all-gathers hidden and residual over attention-TP.

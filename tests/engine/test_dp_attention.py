@@ -8,6 +8,7 @@ and tp4 dp2 ep2 with attention TP 2)
 runs tests/engine/dp_workload.py: every DP rank its own requests, a prefill then decode steps over its own KV
 pool, one rank idle on some steps, both padding modes; each rank captures through a real RoutedExpertsCapturer.
 One process running every request is the reference. Checked per rank, for its requests:
+- under EP, each rank holds its slice of the routed experts and the whole shared experts;
 - the routes the capturer returns equal the routes the router computed on this rank's rows: 0 mismatches;
 - those routes equal the one-process routes, except at near ties (counted; none on this seeded data);
 - logits within LOGITS_ATOL;
@@ -30,11 +31,13 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 
 from r3trace.capture.capturer import RoutedExpertsCapturer
 from r3trace.capture.recorder import ListRecorder
 from r3trace.engine.config import ModelConfig
 from r3trace.engine.distributed import init_parallel
+from r3trace.engine.layers.moe import MoE
 from r3trace.engine.parallel import ParallelInfo
 from tests.engine.dp_workload import (
     FORCED,
@@ -84,6 +87,26 @@ def _run(ckpt: Path, parallel: ParallelInfo, margins: bool, backends: str) -> di
     return out
 
 
+def _check_expert_slice(ckpt: Path, parallel: ParallelInfo) -> None:
+    """Under EP a rank holds its E / G routed experts, cut from the same checkpoint; the shared experts whole."""
+    full = load_file(ckpt / "model.safetensors")
+    model = load_engine_model(ckpt, ListRecorder(), parallel)
+    for layer in model.decoder_layers():
+        if not isinstance(layer.mlp, MoE):
+            continue
+        moe, prefix = layer.mlp, f"model.layers.{layer.layer_id}.mlp"
+        experts = moe.dispatcher.experts
+        assert len(experts) == model.config.n_routed_experts // parallel.ep_size == moe.w13.shape[0]
+        assert experts.start == parallel.ep_rank * len(experts)
+        inter = moe.w2.shape[2]
+        for row, e in enumerate(experts):
+            assert torch.equal(moe.w13[row, :inter], full[f"{prefix}.experts.{e}.gate_proj.weight"])
+            assert torch.equal(moe.w13[row, inter:], full[f"{prefix}.experts.{e}.up_proj.weight"])
+            assert torch.equal(moe.w2[row], full[f"{prefix}.experts.{e}.down_proj.weight"])
+        assert moe.shared_experts is not None
+        assert torch.equal(moe.shared_experts.down_proj.weight, full[f"{prefix}.shared_experts.down_proj.weight"])
+
+
 def _worker(rank: int, world: int, dp: int, ep: int, backends: str, port: int, ckpt: Path, out_dir: Path) -> None:
     torch.set_num_threads(1)
     timeout = timedelta(seconds=60)  # a failing rank must not leave the others in gloo's 30-minute default
@@ -91,6 +114,8 @@ def _worker(rank: int, world: int, dp: int, ep: int, backends: str, port: int, c
                             timeout=timeout)  # fmt: skip
     try:
         parallel = init_parallel(world, dp, ep, timeout=timeout)
+        if ep > 1:
+            _check_expert_slice(ckpt, parallel)
         result = _run(ckpt, parallel, margins=False, backends=backends)
         result["dp_rank"] = parallel.dp_rank
         torch.save(result, out_dir / f"rank{rank}.pt")
