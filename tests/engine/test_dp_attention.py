@@ -83,6 +83,8 @@ def _run(ckpt: Path, parallel: ParallelInfo, margins: bool, backends: str) -> di
         torch.manual_seed(0)
         options = TRITON if backends == "triton" else {}
         model = load_engine_model(ckpt, recorder, parallel, **options)  # type: ignore[arg-type]
+        # one route all-gather per MoE layer under EP with attention TP > 1; none elsewhere
+        assert (model.model.routes.gather_routes is not None) == (parallel.ep_size > 1 and parallel.attn_tp_size > 1)
         out["replay" if replay else "plain"] = run_workload(model, parallel, capturer, replay, margins, blind)
     return out
 
