@@ -9,7 +9,7 @@ Shared experts fused (EngineConfig.shared_experts): the shared MLP of intermedia
 are copied into w13/w2 rows E..E+S-1 and every token gets them as S more pairs of weight 1: [T, K + S],
 appended by the router (router.py: by the top-k kernel itself, or two cats); the capturer records the [T, K].
 
-Tensor parallelism (tp_size R > 1): the routed experts stay replicated (expert parallelism will shard them):
+Tensor parallelism (tp_size R > 1): the routed experts stay replicated (expert parallelism shards them, below):
 every rank runs the router and all routed experts on the full hidden state, so their output is complete and
 needs no reduction. The unfused shared experts split their intermediate (mlp.py) and return a partial sum.
 forward_parts keeps the two apart, so LayerCommunicator.postprocess_layer reduces only the partial one;
