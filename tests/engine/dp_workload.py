@@ -148,7 +148,7 @@ def run_workload(
     mine = [r for r in REQUESTS if parallel.dp_size == 1 or r.dp_rank == parallel.dp_rank]
     row = {r.rid: i for i, r in enumerate(mine)}
     r2t = torch.zeros(len(mine), MAX_CTX, dtype=torch.int32)
-    slots_of = {r.rid: [] for r in mine}  # type: dict[str, list[int]]
+    slots_of: dict[str, list[int]] = {r.rid: [] for r in mine}
     kv = torch.zeros(cfg.num_hidden_layers, len(mine) * MAX_CTX, cfg.kv_cache_dim)
     for r in mine:
         capturer.add_request(r.rid, want=r.want)
