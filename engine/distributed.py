@@ -1,8 +1,10 @@
 """init_parallel: the process groups of one rank, built once over an initialized default group.
 
 The caller (a launcher, torchrun, a test) has run torch.distributed.init_process_group with world size
-tp_size; gloo on CPU and NCCL on CUDA go through this same code. dist.new_group must be entered by every
-rank for every group, in the same order, even for groups the rank is not in: group_ranks fixes that order.
+tp_size; gloo on CPU and NCCL on CUDA go through this same code. One more group, cpu_group, is gloo over the
+whole world whatever the backend: DpLayout's host token counts travel there (dp_layout.py). dist.new_group must
+be entered by every rank for every group, in the same order, even for groups the rank is not in: group_ranks
+fixes that order.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ def init_parallel(
             group = dist.new_group(ranks=ranks, backend=backend, timeout=timeout)
             if rank in ranks:
                 groups[kind] = group
+    cpu_group = dist.new_group(ranks=list(range(world)), backend="gloo", timeout=timeout)  # host ints (dp_layout.py)
     return ParallelInfo(
         tp_rank=rank, tp_size=tp_size, dp_size=dp_size, ep_size=ep_size, tp_group=groups["tp"],
-        attn_tp_group=groups["attn_tp"], dp_group=groups["dp"], ep_group=groups["ep"],
+        attn_tp_group=groups["attn_tp"], dp_group=groups["dp"], ep_group=groups["ep"], cpu_group=cpu_group,
     )

@@ -6,6 +6,10 @@ L layers, K top-k, C = kv_lora_rank + qk_rope_head_dim (one latent cache row).
 Every request contributes `extend_lens[b]` new tokens at positions prefix_lens[b] .. seq_lens[b]-1. A
 decode step is the special case extend_lens == 1; a prefill with no cached prefix has prefix_lens == 0.
 The new tokens of request b are rows extend_start_loc[b] .. extend_start_loc[b]+extend_lens[b]-1.
+
+Under DP attention every field above is this DP rank's own (its requests, its KV pool); `dp_layout` says where
+these rows sit in the batch gathered from every DP rank (dp_layout.py), and `route_rows` which rows of the
+routed batch are this rank's (what route capture reads). A rank with no requests runs `ForwardBatch.idle`.
 """
 
 from __future__ import annotations
@@ -17,6 +21,10 @@ from typing import Literal
 import numpy as np
 import torch
 
+from r3trace.capture.recorder import RowRange
+
+from .dp_layout import DpLayout
+
 ForwardMode = Literal["extend", "decode"]
 Phase = Literal["prefill", "decode", "verify"]
 
@@ -27,6 +35,8 @@ class ReplayPlan:
 
     topk_ids: [T, L, K] int32 logical expert ids indexed by model layer id (dense layers unused);
     row_mask: [T] bool, True where the row's routes are forced.
+    T is this rank's rows as the scheduler builds it; inside the model the plan is moved to the rows the router
+    runs over (communicator.RouteCommunicator.moe_batch: gathered under DP attention, scattered under EP).
     """
 
     topk_ids: torch.Tensor
@@ -56,6 +66,7 @@ class ForwardBatch:
     replay: ReplayPlan | None = None
     dp_rank: int = 0
     out_cache_loc_cpu: np.ndarray | None = None  # [T] int64 host copy (the scheduler has it anyway)
+    dp_layout: DpLayout | None = None  # DP attention: every DP rank's rows this forward; None: no DP attention
 
     @property
     def num_tokens(self) -> int:
@@ -64,6 +75,13 @@ class ForwardBatch:
     @property
     def batch_size(self) -> int:
         return len(self.seq_lens_cpu)
+
+    @property
+    def route_rows(self) -> RowRange:
+        """This rank's rows within the batch the router runs over: [0, T) without DP attention."""
+        if self.dp_layout is None:
+            return RowRange(0, self.num_tokens)
+        return self.dp_layout.route_rows
 
     @property
     def has_prefix(self) -> bool:
@@ -133,3 +151,17 @@ class ForwardBatch:
             phases=list(phases or []),
             replay=replay,
         )
+
+    @classmethod
+    def idle(
+        cls, *, forward_id: int, req_to_token: torch.Tensor, device: torch.device | str, dp_layout: DpLayout | None,
+        dp_rank: int = 0,
+    ) -> ForwardBatch:
+        """A forward of 0 tokens for a DP rank with no requests: it still joins every collective of the
+        others' forward (DP gathers, EP dispatch), so its layers run on empty tensors (attention is skipped)."""
+        fb = cls.build(
+            forward_id=forward_id, input_ids=[], prefix_lens=[], extend_lens=[], req_pool_indices=[],
+            out_cache_loc=np.zeros(0, np.int64), req_to_token=req_to_token, logits_rows=[], device=device,
+        )
+        fb.dp_layout, fb.dp_rank = dp_layout, dp_rank
+        return fb

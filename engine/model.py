@@ -4,10 +4,18 @@ Shape legend: T new tokens, D hidden, V vocab, L layers, S cache slots, C latent
 Parameter names follow the Hugging Face layout (model.layers.N.self_attn.kv_b_proj.weight, ...), except
 routed experts, stacked per layer as mlp.w13 [E, 2I, D] and mlp.w2 [E, D, I] (weights.py maps them).
 
-Tensor parallelism (ParallelInfo.tp_size R > 1, one process per rank): attention heads, the dense MLP and
-the unfused shared experts are split (layers/linear.py), the routed experts replicated (layers/moe.py); the
-embedding holds V / R rows and lm_head V / R logits. The collectives sit in the communicators only: each
-layer's LayerCommunicator, and the VocabCommunicator at the embed and logits boundary below.
+Parallelism (one process per TP rank; ParallelInfo, communicator.py's scatter modes). What each rank holds:
+
+| part               | plain TP (R ranks) | DP attention (A = R / P)       | EP (ep_size G)                       |
+| ------------------ | ------------------ | ------------------------------ | ------------------------------------ |
+| attention heads    | H / R              | H / A, this DP rank's requests | as without EP                        |
+| embedding, lm_head | V / R              | V / A (attention-TP group)     | as without EP                        |
+| dense MLP          | I / R, own tokens  | I / R, the DP-gathered batch   | as without EP                        |
+| routed experts     | all, own tokens    | all, the DP-gathered batch     | E / G, tokens dispatched to them     |
+| shared experts     | I_s / R (or fused) | I_s / R, the DP-gathered batch | whole, on this rank's scattered rows |
+
+The collectives sit in the communicators only: each layer's LayerCommunicator, the VocabCommunicator at the
+embed and logits boundary, the RouteCommunicator for the routers' rows, and the MoE's TokenDispatcher.
 """
 
 from __future__ import annotations
@@ -15,13 +23,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from r3trace.capture.recorder import RouteRecorder
+from r3trace.capture.recorder import NullRecorder, RouteRecorder
 
-from .communicator import LayerCommunicator, VocabCommunicator
+from .communicator import LayerCommunicator, RouteCommunicator, VocabCommunicator, mlp_input_mode
 from .config import ModelConfig
-from .engine_config import EngineConfig
+from .engine_config import EngineConfig, EngineConfigError
 from .forward_batch import ForwardBatch
 from .layers.attention_backend import make_attention_backend
+from .layers.dispatcher import make_dispatcher
 from .layers.linear import ColumnParallelLinear, VocabParallelEmbedding
 from .layers.mla import MLAAttention
 from .layers.mlp import MLP
@@ -41,6 +50,7 @@ class DecoderLayer(nn.Module):
         parallel: ParallelInfo,
         recorder: RouteRecorder,
         rope: RotaryEmbedding,
+        routes: RouteCommunicator | None = None,
     ) -> None:
         super().__init__()
         dtype, device = ecfg.torch_dtype, ecfg.device
@@ -55,20 +65,29 @@ class DecoderLayer(nn.Module):
         self.is_moe = cfg.is_moe_layer(layer_id)
         self.mlp: nn.Module
         if self.is_moe:
+            ep = parallel.ep_size > 1
+            # Under EP the shared experts run whole on this rank's scattered rows (replicated, as under DeepEP).
+            shared_rank, shared_size = (0, 1) if ep else (parallel.tp_rank, parallel.tp_size)
             self.mlp = MoE(
                 cfg, layer_id, recorder, make_routing_ops(ecfg.topk_backend, ecfg.fuse_step_glue),
-                make_experts_fn(ecfg.moe_backend), dtype, device, ecfg.fuse_shared_experts,
-                parallel.tp_rank, parallel.tp_size,
-            )
+                make_experts_fn(ecfg.moe_backend), dtype, device, fuse_shared_experts(ecfg, parallel),
+                shared_rank, shared_size,
+                dispatcher=make_dispatcher(cfg.n_routed_experts, parallel.ep_rank, parallel.ep_size,
+                                           parallel.ep_group) if ep else None,
+                route_gather=None if routes is None else routes.gather_routes,
+            )  # fmt: skip
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, device, parallel.tp_rank, parallel.tp_size)
-        self.comm = LayerCommunicator(parallel, self.input_layernorm, self.post_attention_layernorm)
+        self.comm = LayerCommunicator(
+            parallel, self.input_layernorm, self.post_attention_layernorm, mlp_input_mode(parallel, self.is_moe)
+        )
 
     def forward(
         self, hidden: torch.Tensor, residual: torch.Tensor | None, fb: ForwardBatch, kv_cache: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, residual = self.comm.prepare_attn(hidden, residual, fb)
-        hidden = self.self_attn(hidden, fb, kv_cache)
+        if hidden.shape[0]:  # an idle DP rank (0 tokens) has nothing to attend; it still joins prepare_mlp's gather
+            hidden = self.self_attn(hidden, fb, kv_cache)
         hidden, residual = self.comm.prepare_mlp(hidden, residual, fb)
         if isinstance(self.mlp, MoE):
             routed, shared = self.mlp.forward_parts(hidden, fb)
@@ -85,17 +104,26 @@ class DeepseekModel(nn.Module):
         max_pos = ecfg.max_context_len or cfg.max_position_embeddings
         self.rotary = RotaryEmbedding(cfg, max_pos, device, ecfg.rope_backend)
         self.embed_tokens = VocabParallelEmbedding(
-            cfg.vocab_size, cfg.hidden_size, parallel.tp_rank, parallel.tp_size, dtype, device
+            cfg.vocab_size, cfg.hidden_size, parallel.attn_tp_rank, parallel.attn_tp_size, dtype, device
         )
         self.vocab_comm = VocabCommunicator(parallel)
+        moe_mode = mlp_input_mode(parallel, is_moe=True)
+        # Routes gathered over attention-TP only for a recorder that keeps them (NullRecorder: capture off).
+        self.routes = RouteCommunicator(
+            parallel, moe_mode, cfg.num_hidden_layers, cfg.num_experts_per_tok,
+            max(ecfg.chunked_prefill_size, ecfg.max_running_requests), device,
+            gather=not isinstance(recorder, NullRecorder),
+        )
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, ecfg, i, parallel, recorder, self.rotary) for i in range(cfg.num_hidden_layers)
+            DecoderLayer(cfg, ecfg, i, parallel, recorder, self.rotary, self.routes)
+            for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, ecfg.norm_backend)
 
     def forward(self, fb: ForwardBatch, kv_buffer: torch.Tensor) -> torch.Tensor:
         """-> final hidden states [T, D] (after the last RMSNorm)."""
         hidden = self.vocab_comm.reduce_embedding(self.embed_tokens(fb.input_ids))
+        fb = self.routes.moe_batch(fb)  # the replay plan on the routers' rows (fb itself in one process)
         residual: torch.Tensor | None = None
         for layer_id, layer in enumerate(self.layers):
             hidden, residual = layer(hidden, residual, fb, kv_buffer[layer_id])
@@ -113,7 +141,8 @@ class DeepseekForCausalLM(nn.Module):
         self.recorder = recorder
         self.model = DeepseekModel(cfg, ecfg, parallel, recorder)
         self.lm_head = ColumnParallelLinear(
-            cfg.hidden_size, cfg.vocab_size, parallel.tp_rank, parallel.tp_size, ecfg.torch_dtype, ecfg.device
+            cfg.hidden_size, cfg.vocab_size, parallel.attn_tp_rank, parallel.attn_tp_size, ecfg.torch_dtype,
+            ecfg.device,
         )
         # MTP layers (index >= num_hidden_layers) as loaded, kept for the speculation issue.
         self.mtp_weights: dict[str, torch.Tensor] = {}
@@ -140,6 +169,16 @@ class DeepseekForCausalLM(nn.Module):
             layer.self_attn.post_load()
             if isinstance(layer.mlp, MoE):
                 layer.mlp.post_load()
+
+
+def fuse_shared_experts(ecfg: EngineConfig, parallel: ParallelInfo) -> bool:
+    """EngineConfig.shared_experts resolved for a layout: "auto" is separate under expert parallelism (fused
+    shared pairs would be dispatched like routed ones, and every rank computes them on its own rows)."""
+    if parallel.ep_size > 1:
+        if ecfg.shared_experts == "fused":
+            raise EngineConfigError(f"shared_experts='fused' needs ep_size=1 (got {parallel.ep_size}): use 'separate'")
+        return False
+    return ecfg.fuse_shared_experts
 
 
 def build_model(

@@ -32,6 +32,9 @@ class ParallelInfo:
     attn_tp_group: Any = field(default=None, compare=False, repr=False)
     dp_group: Any = field(default=None, compare=False, repr=False)
     ep_group: Any = field(default=None, compare=False, repr=False)
+    # gloo over the whole world, for host ints (DpLayout's token counts): they never go through NCCL, whose
+    # collectives would need a device tensor and a host sync to read them back.
+    cpu_group: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("tp_size", "dp_size", "ep_size"):

@@ -6,6 +6,8 @@ mlp.experts.E.{gate,up}_proj.weight -> mlp.w13[E], mlp.experts.E.down_proj.weigh
 MTP layers (model.layers.N with N >= num_hidden_layers) go to model.mtp_weights, untouched.
 Tensor parallelism: a sharded parameter (layers/linear.py shards) holds one rank's slice; the checkpoint
 tensor is checked against the full shape and the rank's slice copied, so every rank reads the same files.
+Expert parallelism: a MoE holds only its dispatcher's experts (w13[e - first] for e in dispatcher.experts, the
+rows layers/dispatcher.py's expert_slice would cut); the other experts' tensors are read past, not copied.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from .layers.linear import shards
+from .layers.moe import MoE
 from .model import DeepseekForCausalLM
 
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -54,6 +57,8 @@ def load_weights(model: DeepseekForCausalLM, model_dir: str | Path) -> None:
     params: dict[str, torch.Tensor] = dict(model.named_parameters())
     params.update({k: v for k, v in model.named_buffers() if k.endswith("e_score_correction_bias")})
     sharded = shards(model)
+    # "model.layers.N.mlp" -> the routed experts this rank holds (all of them without expert parallelism)
+    held = {name: m.dispatcher.experts for name, m in model.named_modules() if isinstance(m, MoE)}
     filled: set[str] = set()
     expert_parts: dict[str, set[tuple[int, str]]] = {}
     problems: list[str] = []
@@ -72,13 +77,23 @@ def load_weights(model: DeepseekForCausalLM, model_dir: str | Path) -> None:
                     continue
                 if _IGNORED.search(name):
                     continue
+                expert = _EXPERT.match(name)
+                experts = held.get(expert.group(1)) if expert else None
+                if expert and experts is not None and int(expert.group(2)) in range(cfg.n_routed_experts):
+                    if int(expert.group(2)) not in experts:  # another expert-parallel rank's: not even read
+                        expert_parts.setdefault(expert.group(1), set()).add((int(expert.group(2)), expert.group(3)))
+                        continue
+                elif expert:  # no MoE at that layer, or an expert id past n_routed_experts
+                    unexpected.append(name)
+                    continue
                 try:
                     tensor = f.get_tensor(name)
                 except (SafetensorError, OSError, ValueError) as exc:
                     raise WeightsError(f"{path.name}: tensor {name} unreadable ({exc})") from exc
-                expert = _EXPERT.match(name)
-                if expert:
-                    _load_expert(params, expert, tensor, cfg.moe_intermediate_size, expert_parts, problems, unexpected)
+                if expert and experts is not None:
+                    row = int(expert.group(2)) - experts.start
+                    _load_expert(params, expert, row, tensor, cfg.moe_intermediate_size, expert_parts, problems,
+                                 unexpected)  # fmt: skip
                     continue
                 target = params.get(name)
                 if target is None:
@@ -119,23 +134,25 @@ def load_weights(model: DeepseekForCausalLM, model_dir: str | Path) -> None:
 def _load_expert(
     params: dict[str, torch.Tensor],
     match: re.Match[str],
+    row: int,
     tensor: torch.Tensor,
     inter: int,
     expert_parts: dict[str, set[tuple[int, str]]],
     problems: list[str],
     unexpected: list[str],
 ) -> None:
+    """row: the expert's row in this rank's w13 / w2."""
     prefix, expert, part = match.group(1), int(match.group(2)), match.group(3)
     w13, w2 = params.get(f"{prefix}.w13"), params.get(f"{prefix}.w2")
-    if w13 is None or w2 is None or expert >= w13.shape[0]:
+    if w13 is None or w2 is None or not 0 <= row < w13.shape[0]:
         unexpected.append(match.group(0))
         return
     if part == "down_proj":
-        dest = w2.data[expert]
+        dest = w2.data[row]
     elif part == "gate_proj":
-        dest = w13.data[expert, :inter]
+        dest = w13.data[row, :inter]
     else:
-        dest = w13.data[expert, inter:]
+        dest = w13.data[row, inter:]
     if tuple(dest.shape) != tuple(tensor.shape):
         problems.append(f"{match.group(0)}: checkpoint shape {tuple(tensor.shape)} != model {tuple(dest.shape)}")
         return

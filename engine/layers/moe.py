@@ -9,7 +9,7 @@ Shared experts fused (EngineConfig.shared_experts): the shared MLP of intermedia
 are copied into w13/w2 rows E..E+S-1 and every token gets them as S more pairs of weight 1: [T, K + S],
 appended by the router (router.py: by the top-k kernel itself, or two cats); the capturer records the [T, K].
 
-Tensor parallelism (tp_size R > 1): the routed experts stay replicated (expert parallelism will shard them):
+Tensor parallelism (tp_size R > 1): the routed experts stay replicated (expert parallelism shards them, below):
 every rank runs the router and all routed experts on the full hidden state, so their output is complete and
 needs no reduction. The unfused shared experts split their intermediate (mlp.py) and return a partial sum.
 forward_parts keeps the two apart, so LayerCommunicator.postprocess_layer reduces only the partial one;
@@ -23,6 +23,9 @@ Redundant experts: with an ExpertMap (expert_map.py; set by apply_expert_locatio
 router's logical ids, which capture records, become physical slots between the router and the dispatcher, and
 w13/w2 hold this rank's P/G slots (physical_expert_weights). update_expert_placement swaps in a new placement
 between two forwards: weights first, then the map.
+
+route_gather (communicator.RouteCommunicator): under EP with attention TP > 1 the router sees this rank's
+scattered slice, and the ids are all-gathered over attention-TP before capture.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from .dispatcher import NullDispatcher, TokenDispatcher
 from .expert_location import ExpertLocation, ExpertLocationError, held_experts
 from .expert_map import ExpertMap
 from .mlp import MLP
-from .router import Router, RoutingOps
+from .router import RouteGather, Router, RoutingOps
 
 ExpertsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -101,6 +104,7 @@ class MoE(nn.Module):
         tp_rank: int = 0,
         tp_size: int = 1,
         dispatcher: TokenDispatcher | None = None,
+        route_gather: RouteGather | None = None,
     ) -> None:
         super().__init__()
         e, d, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
@@ -111,7 +115,7 @@ class MoE(nn.Module):
             raise ValueError(f"fuse_shared_experts with expert parallelism ({local} of {e} experts on this rank)")
         self.num_routed = local
         self.num_fused = cfg.n_shared_experts if fuse_shared else 0  # S rows after the E routed ones
-        self.gate = Router(cfg, layer_id, recorder, routing, device, self.num_fused)
+        self.gate = Router(cfg, layer_id, recorder, routing, device, self.num_fused, route_gather)
         rows = local + self.num_fused
         self.w13 = nn.Parameter(torch.empty(rows, 2 * i, d, dtype=dtype, device=device), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(rows, d, i, dtype=dtype, device=device), requires_grad=False)

@@ -1,8 +1,10 @@
 """The routing op: the single place where routes exist in the engine.
 
 Every MoE layer's gate runs here, so route capture (the injected RouteRecorder) and routing replay
-(forced ids from ForwardBatch.replay) hook in exactly one spot. The top-k implementation is chosen at
-construction (`ref` torch or `triton` fused), never inside forward.
+(forced ids from ForwardBatch.replay) hook in exactly one spot. The rows are the routed batch's (recorder.py):
+this rank's tokens, or under DP attention every DP rank's gathered (the replay plan gathered with them), or
+under EP with attention TP > 1 this rank's scattered slice, whose ids a RouteGather brings back before capture.
+The top-k implementation is chosen at construction (`ref` torch or `triton` fused), never inside forward.
 """
 
 from __future__ import annotations
@@ -53,6 +55,11 @@ def append_shared(weights: torch.Tensor, ids: torch.Tensor, shared: SharedTail |
 
 # (x [T, D], gate weight [E, D] fp32) -> router logits [T, E] fp32, or [P, T, E] partial sums the top-k adds
 LogitsFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+# (topk_ids [n, K] int32, topk_weights [n, K] fp32) of this rank's scattered rows -> the same [A * n, K] of its
+# DP rank's rows, all-gathered over attention-TP (communicator.RouteCommunicator): what capture records under EP.
+RouteGather = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 class RoutingOps(NamedTuple):
@@ -113,9 +120,11 @@ class Router(nn.Module):
         ops: RoutingOps,
         device: torch.device | str,
         n_shared: int = 0,
+        route_gather: RouteGather | None = None,
     ) -> None:
         super().__init__()
         self.layer_id = layer_id
+        self.route_gather = route_gather
         self.recorder = recorder
         self._logits_fn, self.topk_fn = ops
         self.params = RoutingParams(
@@ -155,13 +164,17 @@ class Router(nn.Module):
         """x: [T, D] -> (topk_weights [T, K + S] fp32, topk_ids [T, K + S] int32); S = 0 without fused shared
         experts. The capturer records the [T, K] routed part."""
         logits = self._logits_fn(x, self.weight)  # [T, E], or [P, T, E] partial sums the top-k adds
-        ids_out = self.recorder.route_buffer(self.layer_id, x.shape[0])
+        # x's rows are the routed batch's, except under a route gather (the rows are a slice of it)
+        ids_out = self.recorder.route_buffer(self.layer_id, x.shape[0]) if self.route_gather is None else None
         weights, ids, routed_ids = self.topk_fn(logits, self.e_score_correction_bias, self.params, ids_out, self.shared)
         k = self.params.top_k
-        if fb.replay is not None:
+        if fb.replay is not None:  # the plan is on x's rows (communicator.RouteCommunicator.moe_batch)
             routed_weights, routed_ids = self._apply_replay(sum_partials(logits), weights[:, :k], routed_ids, fb)
             weights, ids, _ = append_shared(routed_weights, routed_ids, self.shared)
-        self.recorder.capture(self.layer_id, routed_ids, weights[:, :k])
+        if self.route_gather is None:
+            self.recorder.capture(self.layer_id, routed_ids, weights[:, :k])
+        else:
+            self.recorder.capture(self.layer_id, *self.route_gather(routed_ids, weights[:, :k]))
         return weights, ids
 
     def _apply_replay(

@@ -1,6 +1,7 @@
 """Device and host route buffers, and the asynchronous copy between them.
 
-Shape legend: R device rows (max tokens in one forward), S KV slots, M MoE layers, K top-k.
+Shape legend: R device rows (max tokens one routed batch may have: under DP attention the batch gathered
+from every DP rank), S KV slots, M MoE layers, K top-k.
 - device buffer [M, R, K] int32: layer-major, so one layer's rows [:T] are a contiguous [T, K] block the
   fused top-k kernel writes its ids into directly (the MoE then reads them from there): capture costs no
   kernel of its own; other top-k backends copy into it with a slice assignment. No host sync, a static
@@ -26,6 +27,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
+from .recorder import RowRange
 
 
 def id_dtype(num_experts: int) -> torch.dtype:
@@ -108,7 +111,8 @@ class RouteBuffers:
         return ids, weights, slots
 
     def ids_view(self, moe_index: int, t: int) -> torch.Tensor:
-        """Rows [0, t) of one MoE layer: a contiguous int32 [t, K] block a top-k kernel may write into."""
+        """The routed batch's t rows of one MoE layer, from the buffer's first row: a contiguous int32 [t, K]
+        block a top-k kernel may write into. Which of them are this rank's is the batch's route_rows."""
         if t > self.dev_ids.shape[1]:
             raise RuntimeError(
                 f"route capture: forward of {t} tokens exceeds the device buffer of {self.dev_ids.shape[1]} rows"
@@ -122,8 +126,8 @@ class RouteBuffers:
             self._last_copy = None
 
     def write(self, moe_index: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor | None) -> None:
-        """Called from the routing op: topk_ids [T, K] -> device rows [0, T) of one MoE layer (no copy when
-        the top-k kernel already wrote them there)."""
+        """Called from the routing op: the routed batch's topk_ids [N, K] -> its rows of one MoE layer (no copy
+        when the top-k kernel already wrote them there)."""
         dst = self.ids_view(moe_index, topk_ids.shape[0])
         if dst.data_ptr() != topk_ids.data_ptr():
             dst.copy_(topk_ids)
@@ -133,20 +137,23 @@ class RouteBuffers:
     def start_copy(
         self,
         rows: list[int] | None,
-        n_tokens: int,
+        own: RowRange,
         out_cache_loc: torch.Tensor,
         pending: PendingCopy,
         host_slots: np.ndarray | None = None,
     ) -> None:
-        """Gather `rows` (None = all n_tokens) on the device and copy them to pinned staging, async. host_slots: the
-        batch's out_cache_loc on the host (the engine has it), which then needs no copy back."""
+        """Gather `rows` of this rank's own.length tokens (None: all of them) on the device and copy them to pinned
+        staging, async. own: where those tokens sit in dev_ids (a DP rank's rows of the gathered batch); rows and
+        out_cache_loc count from own.start. host_slots: the batch's out_cache_loc on the host (the engine has it),
+        which then needs no copy back."""
+        n_tokens, first = own.length, own.start
         if self.full:
             raise RuntimeError("route capture: every staging buffer is in flight; drain_one() first")
         which = self._next_staging
         ids_st, w_st, slots_st = self._staging[which]
         self._next_staging = (self._next_staging + 1) % len(self._staging)
         if not self.on_cuda:  # host tensors already: no staging, no copy engine
-            self._start_copy_host(rows, n_tokens, out_cache_loc, pending)
+            self._start_copy_host(rows, own, out_cache_loc, pending)
             return
         assert self._copy_stream is not None and self._dev_major is not None
         stream = self._copy_stream
@@ -158,12 +165,13 @@ class RouteBuffers:
             np.copyto(pending.slots.numpy(), host_slots[:n] if rows is None else host_slots[rows])
         with torch.cuda.stream(stream):
             if rows is None:
-                src_ids = self.dev_ids[:, :n]
-                src_w = None if self.dev_weights is None else self.dev_weights[:, :n]
+                src_ids = self.dev_ids[:, first : first + n]
+                src_w = None if self.dev_weights is None else self.dev_weights[:, first : first + n]
             else:
                 index = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
-                src_ids = self.dev_ids.index_select(1, index)
-                src_w = None if self.dev_weights is None else self.dev_weights.index_select(1, index)
+                dev_index = index + first if first else index
+                src_ids = self.dev_ids.index_select(1, dev_index)
+                src_w = None if self.dev_weights is None else self.dev_weights.index_select(1, dev_index)
             # [M, n, K] -> [n, M, K] in the host dtype (one kernel: transpose and narrow), then to pinned memory
             pending.ids = ids_st[:n]
             pending.ids.copy_(major_ids[:n].copy_(src_ids.transpose(0, 1)), non_blocking=True)
@@ -183,15 +191,16 @@ class RouteBuffers:
         self.pending.append(pending)
 
     def _start_copy_host(
-        self, rows: list[int] | None, n_tokens: int, out_cache_loc: torch.Tensor, pending: PendingCopy
+        self, rows: list[int] | None, own: RowRange, out_cache_loc: torch.Tensor, pending: PendingCopy
     ) -> None:
-        index = np.arange(n_tokens) if rows is None else np.asarray(rows, dtype=np.int64)
+        index = np.arange(own.length) if rows is None else np.asarray(rows, dtype=np.int64)
+        dev_index = index + own.start
         np_ids = self.host_ids.dtype
-        pending.ids = torch.from_numpy(np.ascontiguousarray(self.dev_ids.numpy()[:, index].transpose(1, 0, 2),
+        pending.ids = torch.from_numpy(np.ascontiguousarray(self.dev_ids.numpy()[:, dev_index].transpose(1, 0, 2),
                                                             dtype=np_ids))
         pending.slots = torch.from_numpy(out_cache_loc.numpy()[index].astype(np.int64))
         if self.dev_weights is not None:
-            w = self.dev_weights.numpy()[:, index].transpose(1, 0, 2)
+            w = self.dev_weights.numpy()[:, dev_index].transpose(1, 0, 2)
             pending.weights = torch.from_numpy(np.ascontiguousarray(w))
         pending.n_rows = len(index)
         self._account(len(index), self.dev_weights is not None)

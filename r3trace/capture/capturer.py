@@ -4,7 +4,8 @@ Shape legend: T tokens in a forward, S KV slots, L num_hidden_layers, M MoE laye
 Row p of a request is the routing of input position p (the routing that produced token p+1), as in
 SGLang's wire format. What SGLang gets wrong and this gets right, each covered by a test:
 - sizing comes from constructor arguments, and a configuration that could overflow is refused here;
-- only rows of requests that asked (or every row while a trace sink records) are copied to the host;
+- only rows of requests that asked (or every row while a trace sink records) are copied to the host, read at
+  the batch's explicit row range (`route_rows`: a DP rank's rows of the gathered batch), never at [0, T);
 - rows live in a host buffer indexed by KV slot, so prefix-cache hits and chunked prefill are exact;
 - a prefill-only request (max_new_tokens = 0) returns every prompt row;
 - dense layers are -1 on the wire, never 0 ("expert 0");
@@ -87,7 +88,7 @@ class RoutedExpertsCapturer:
         if batch.out_cache_loc_cpu is not None:  # host bookkeeping: which forward owns each slot's KV now
             self.buffers.claim(batch.out_cache_loc_cpu, batch.forward_id)
         entries: list[tuple[str, int, int, int, str]] = []
-        spans: list[tuple[int, int]] = []  # (first row in T, n) of each wanted request
+        spans: list[tuple[int, int]] = []  # (first of this rank's rows, n) of each wanted request
         start = copied = 0
         everyone = self.sink is not None
         for rid, n, prefix, phase in zip(
@@ -102,6 +103,9 @@ class RoutedExpertsCapturer:
         if not copied:
             self.buffers.bytes_last_step = 0  # nobody asked: nothing crosses to the host
             return
+        own = batch.route_rows  # this rank's rows of the routed batch: the device rows the copy reads
+        if own.length != start:
+            raise RuntimeError(f"route capture: batch.route_rows={own} but the requests have {start} rows")
         pending = PendingCopy(
             forward_id=batch.forward_id, ts_ns=time.time_ns(), dp_rank=batch.dp_rank, n_rows=0,
             ids=self.buffers.dev_ids, weights=None, slots=batch.out_cache_loc, entries=entries,
@@ -112,7 +116,7 @@ class RoutedExpertsCapturer:
             # engine already read, so it is complete and this costs no wait on the device.
             self._process(self.buffers.drain_one())
         rows = None if copied == start else [r for s0, n in spans for r in range(s0, s0 + n)]
-        self.buffers.start_copy(rows, start, batch.out_cache_loc, pending, batch.out_cache_loc_cpu)
+        self.buffers.start_copy(rows, own, batch.out_cache_loc, pending, batch.out_cache_loc_cpu)
 
     # ---------------------------------------------------------------- request lifecycle
     def add_request(self, rid: str, want: bool) -> None:

@@ -6,15 +6,33 @@ disabled case is `NullRecorder`, never a `None` check in model code.
 
 `BatchView` is the part of a forward batch a recorder may read. The engine's ForwardBatch satisfies it
 structurally, so r3trace.capture never imports the engine (dependency direction: engine -> capture).
+
+Row ranges. The routing op runs over "the routed batch", whose rows `capture` receives and `route_buffer`
+hands out from the buffer's first row. That batch is not always this rank's tokens: under DP attention with a
+tensor-parallel MoE the router runs over every DP rank's tokens gathered (SGLang's FULL scatter mode), and a
+rank's own tokens are the rows `batch.route_rows` names, in request order. A recorder reads a request's rows
+only through that range, never as rows [0, T) by assumption (what SGLang's capturer gets wrong under
+DP-attention padding).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 import torch
+
+
+class RowRange(NamedTuple):
+    """Rows [start, start + length) of a buffer shared by more than this rank's tokens."""
+
+    start: int
+    length: int
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.length
 
 
 class BatchView(Protocol):
@@ -35,18 +53,25 @@ class BatchView(Protocol):
     @property
     def num_tokens(self) -> int: ...
 
+    @property
+    def route_rows(self) -> RowRange:
+        """This rank's num_tokens rows within the routed batch (request order): RowRange(0, num_tokens) in one
+        process; DpLayout.route_rows under DP attention."""
+        ...
+
 
 @runtime_checkable
 class RouteRecorder(Protocol):
     def on_forward_begin(self, batch: BatchView) -> None: ...
 
     def route_buffer(self, layer_id: int, num_tokens: int) -> torch.Tensor | None:
-        """Where the routing op may write topk_ids directly (int32 [T, K], contiguous), or None: a fused
-        top-k kernel writing there makes capture cost no kernel of its own."""
+        """Where the routing op may write the routed batch's topk_ids directly (int32 [N, K], contiguous), or
+        None: a fused top-k kernel writing there makes capture cost no kernel of its own."""
         ...
 
     def capture(self, layer_id: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor | None = None) -> None:
-        """topk_ids: [T, K] logical ids in gate-rank order; topk_weights: [T, K] (may be None)."""
+        """topk_ids: [N, K] logical ids of the routed batch in gate-rank order; topk_weights: [N, K] (may be
+        None). N >= batch.num_tokens: the rank's own rows are batch.route_rows of them."""
         ...
 
     def on_forward_end(self, batch: BatchView) -> None: ...
@@ -71,7 +96,7 @@ class NullRecorder:
 class ListRecorder:
     """Keeps every captured tensor of the last forward on its device: for tests and replay-check.
 
-    routes[layer_id] = (topk_ids [T, K], topk_weights [T, K]).
+    routes[layer_id] = (topk_ids [N, K], topk_weights [N, K]) of the routed batch (own rows: batch.route_rows).
     """
 
     def __init__(self) -> None:
