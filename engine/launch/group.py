@@ -284,7 +284,9 @@ class WorkerGroup:
         elif kind == "bye":
             self._byes += 1
         elif kind == "fatal":
-            self._fail(item[2])
+            # A peer that died is the cause of the control rank's failed collective: name it, not the symptom.
+            gone = [m for m in self.members if not m.is_alive() and m is not self.members[item[1]]]
+            self._fail(gone[0].describe() if gone else item[2])
 
     def _fail(self, reason: str) -> None:
         """The ranks cannot go on: every request in flight gets an error result, every call returns, the other

@@ -99,9 +99,9 @@ class RankLoop:
 
     def _work_everywhere(self, mine: bool) -> np.ndarray:
         """[world] bool: which ranks have work this step. The ranks of a DP group must agree."""
-        flags = torch.zeros(self.world, dtype=torch.int64)
-        dist.all_gather_into_tensor(flags, torch.tensor([int(mine)]), group=self.cpu_group)
-        work = flags.numpy().astype(bool)
+        flags = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
+        dist.all_gather(flags, torch.tensor([int(mine)]), group=self.cpu_group)
+        work = torch.cat(flags).numpy().astype(bool)
         group = work.reshape(self.parallel.dp_size, self.parallel.attn_tp_size)
         if (group != group[:, :1]).any():
             d = int(np.flatnonzero((group != group[:, :1]).any(axis=1))[0])
