@@ -19,6 +19,7 @@ scheduler's step ahead would need the step decision for step i+1 before step i i
 from __future__ import annotations
 
 import logging
+import os
 import queue
 from typing import Any
 
@@ -76,10 +77,12 @@ class TraceForwarder:
 
 class RankLoop:
     def __init__(
-        self, core: EngineCore, parallel: ParallelInfo, cpu_group: Any, inbox: Any = None, to_front: Any = None
+        self, core: EngineCore, parallel: ParallelInfo, cpu_group: Any, inbox: Any = None, to_front: Any = None,
+        front_pid: int | None = None,
     ) -> None:
         """cpu_group: a gloo group over the world (host-side collectives). inbox / to_front: the control rank's
-        queues from and to the front end (None on the other ranks)."""
+        queues from and to the front end (None on the other ranks). front_pid: the spawning front end's pid; the
+        control rank stops when it is gone (a killed front end runs no shutdown), and the others with it."""
         self.core = core
         self.parallel = parallel
         self.cpu_group = cpu_group
@@ -88,6 +91,7 @@ class RankLoop:
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         self.reporting = parallel.attn_tp_rank == 0
+        self.front_pid = front_pid
         self.outbox: Outbox = []
         self.forwarder = TraceForwarder(self.outbox, self.reporting)
 
@@ -126,6 +130,8 @@ class RankLoop:
             while True:
                 msgs.append(self.inbox.get_nowait())
         except queue.Empty:
+            if self.front_pid is not None and os.getppid() != self.front_pid:
+                raise RuntimeError(f"the front end (pid {self.front_pid}) is gone") from None
             return msgs
 
     def run(self) -> None:

@@ -57,7 +57,8 @@ def join_world(spec: WorkerSpec, rank: int) -> Any:
     return parallel, cpu_group
 
 
-def run_rank(spec: WorkerSpec, rank: int, inbox: Any = None, to_front: Any = None) -> None:
+def run_rank(spec: WorkerSpec, rank: int, inbox: Any = None, to_front: Any = None, front_pid: int | None = None
+             ) -> None:
     """One rank from start to shutdown. The control rank (0) reports a failure to the front end before it
     re-raises; another rank's failure reaches it as a dead process (the front end's watchdog) or as an error in
     the control rank's next collective."""
@@ -66,7 +67,7 @@ def run_rank(spec: WorkerSpec, rank: int, inbox: Any = None, to_front: Any = Non
     try:
         parallel, cpu_group = join_world(spec, rank)
         core = EngineCore(spec.model_path, spec.config, parallel, threaded=False)
-        RankLoop(core, parallel, cpu_group, inbox, to_front).run()
+        RankLoop(core, parallel, cpu_group, inbox, to_front, front_pid).run()
     except BaseException as exc:
         log.error("rank %d failed:\n%s", rank, traceback.format_exc())
         if to_front is not None:
@@ -79,4 +80,4 @@ def run_rank(spec: WorkerSpec, rank: int, inbox: Any = None, to_front: Any = Non
 
 def rank_main(rank: int, spec: WorkerSpec, inbox: Any, to_front: Any) -> None:
     """The target of each spawned process (torch.multiprocessing, start method spawn)."""
-    run_rank(spec, rank, inbox if rank == 0 else None, to_front if rank == 0 else None)
+    run_rank(spec, rank, inbox if rank == 0 else None, to_front if rank == 0 else None, os.getppid())
