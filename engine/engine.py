@@ -27,7 +27,7 @@ from r3trace.engine.config import ModelConfig
 from r3trace.engine.engine_config import EngineConfig, EngineConfigError
 from r3trace.engine.engine_core import EngineCore
 from r3trace.engine.event_loop import Sink
-from r3trace.engine.launch.config import LaunchConfig, LoadBalanceMethod
+from r3trace.engine.launch.config import LaunchConfig, Launcher, LoadBalanceMethod
 from r3trace.engine.launch.controller import check_routed_dp_rank
 from r3trace.engine.parallel import ParallelInfo
 from r3trace.engine.replay import computed_rows, replay_routes
@@ -62,17 +62,20 @@ class Engine:
         dp_size: int = 1,
         ep_size: int = 1,
         load_balance_method: LoadBalanceMethod = "round_robin",
+        launcher: Launcher = "spawn",
         **options: Any,
     ) -> None:
         """tp_size processes (SGLang's process count); dp_size > 1 is DP attention, ep_size > 1 expert
         parallelism (both divide tp_size). load_balance_method: how requests are spread over DP ranks,
         "round_robin" or "shortest_queue" (a request's routed_dp_rank pins it). recorder / hooks replace the
-        capturer and the route hooks; they live in this process, so only with tp_size 1."""
+        capturer and the route hooks; they live in this process, so only with tp_size 1. launcher: "spawn"
+        starts the ranks here; "torchrun" (world rank 0 of a torchrun job, engine/launch/__main__.py) joins the
+        ranks torchrun started."""
         unknown = sorted(set(options) - _OPTIONS)
         if unknown:
             raise EngineConfigError(f"unknown engine option {unknown[0]!r}; known: {sorted(_OPTIONS)}")
         self.config = cfg = EngineConfig(dtype=dtype, device=device, **options)  # type: ignore[arg-type]
-        self.launch = LaunchConfig(tp_size, dp_size, ep_size, load_balance_method)
+        self.launch = LaunchConfig(tp_size, dp_size, ep_size, load_balance_method, launcher=launcher)
         self.model_config = mc = ModelConfig.from_hf(model_path)
         self.model_path = Path(model_path)
         self.max_context_len = cfg.max_context_len or mc.max_position_embeddings
@@ -88,7 +91,8 @@ class Engine:
                                         " (ranks run in their own processes); pass them with tp_size=1")
             self.tokenizer = load_tokenizer(model_path, mc.vocab_size)
             self.sampler = Sampler("cpu", cfg.seed)  # validates seeds; ranks rebuild each request's generator
-            group = WorkerGroup.spawn(self.model_path, cfg, self.launch)
+            start = WorkerGroup.spawn if launcher == "spawn" else WorkerGroup.beside_rank0
+            group = start(self.model_path, cfg, self.launch)
             self._loop: Any = group  # the event loop's caller-side methods, served by the ranks
             target = group
         else:

@@ -15,6 +15,9 @@ from r3trace.engine.parallel import ParallelInfo
 
 LoadBalanceMethod = Literal["round_robin", "shortest_queue"]  # SGLang's names
 LOAD_BALANCE_METHODS: tuple[LoadBalanceMethod, ...] = ("round_robin", "shortest_queue")
+# spawn: the engine's process spawns every rank. torchrun: torchrun started them (env:// rendezvous); the
+# engine is built on world rank 0, whose rank loop then runs in a thread beside it (engine/launch/__main__.py).
+Launcher = Literal["spawn", "torchrun"]
 
 
 @dataclass(frozen=True)
@@ -26,6 +29,7 @@ class LaunchConfig:
     # Every collective of a rank gives up after this long, so a rank whose peer died (or hangs) fails instead of
     # waiting for gloo's 30-minute default; the front end's watchdog notices a dead process sooner still.
     collective_timeout_s: float = 120.0
+    launcher: Launcher = "spawn"
 
     def __post_init__(self) -> None:
         for name in ("tp_size", "dp_size", "ep_size"):
@@ -39,6 +43,8 @@ class LaunchConfig:
             raise EngineConfigError(
                 f"load_balance_method={self.load_balance_method!r} must be one of {list(LOAD_BALANCE_METHODS)}"
             )
+        if self.launcher not in ("spawn", "torchrun"):
+            raise EngineConfigError(f"launcher={self.launcher!r} must be 'spawn' or 'torchrun'")
         if not self.collective_timeout_s > 0:
             raise EngineConfigError(f"collective_timeout_s={self.collective_timeout_s} must be > 0")
 

@@ -77,6 +77,22 @@ class ProcessMember:
 
 
 @dataclass
+class ThreadMember:
+    """Under torchrun: world rank 0's loop, a thread of the front end's own process."""
+
+    thread: threading.Thread
+
+    def is_alive(self) -> bool:
+        return self.thread.is_alive()
+
+    def describe(self) -> str:
+        return "rank 0's loop ended"
+
+    def stop(self) -> None:
+        self.thread.join(STOP_S)
+
+
+@dataclass
 class _Pending:
     sink: Sink[dict[str, Any]] | None
     dp_rank: int = -1
@@ -135,7 +151,25 @@ class WorkerGroup:
                 members.append(ProcessMember(rank, p))
         finally:
             sys.modules["__main__"] = main
-        group = cls(launch, inbox, from_ranks, members, cleanup=store)
+        return cls._started(cls(launch, inbox, from_ranks, members, cleanup=store), start_timeout_s)
+
+    @classmethod
+    def beside_rank0(cls, model_path: Path, config: EngineConfig, launch: LaunchConfig,
+                     start_timeout_s: float = 600.0) -> WorkerGroup:
+        """Under torchrun, on world rank 0: that rank's loop in a thread of this process (queue.Queue both ways),
+        the other ranks being torchrun's processes; returns once all are ready."""
+        from r3trace.engine.launch.worker import run_rank
+
+        spec = WorkerSpec(Path(model_path), config, launch, "env://")
+        inbox: queue.Queue[Any] = queue.Queue()
+        from_ranks: queue.Queue[Any] = queue.Queue()
+        thread = threading.Thread(target=run_rank, args=(spec, 0, inbox, from_ranks), name="r3trace-rank-0",
+                                  daemon=True)
+        thread.start()
+        return cls._started(cls(launch, inbox, from_ranks, [ThreadMember(thread)]), start_timeout_s)
+
+    @staticmethod
+    def _started(group: WorkerGroup, start_timeout_s: float) -> WorkerGroup:
         if not group.ready.wait(start_timeout_s) or group.dead is not None:
             reason = group.dead or f"the ranks were not ready after {start_timeout_s:g} s"
             group.shutdown()

@@ -82,7 +82,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, object]:
 def launch_options(args: argparse.Namespace) -> dict[str, object]:
     """Engine's process-layout keywords (LaunchConfig validates them and names the field it rejects)."""
     return {"tp_size": args.tp_size, "dp_size": args.dp_size, "ep_size": args.ep_size,
-            "load_balance_method": args.load_balance_method}
+            "load_balance_method": args.load_balance_method, "launcher": getattr(args, "launcher", "spawn")}
 
 
 def listen_socket(host: str, port: int) -> socket.socket:

@@ -83,3 +83,28 @@ def test_serve_rejects_a_bad_layout_by_name() -> None:
     assert proc.returncode != 0
     assert "dp_size=3 must divide tp_size=2" in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+
+
+def test_torchrun_two_ranks_serve(tmp_path: Path) -> None:
+    """torchrun starts both ranks; world rank 0 hosts the HTTP front end (engine/launch/__main__.py)."""
+    port = free_port()
+    log = tmp_path / "torchrun.log"
+    torchrun = Path(sys.executable).with_name("torchrun")
+    proc = subprocess.Popen([str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "r3trace.engine.launch",
+                             str(SAMPLE), "--port", str(port), "--log-level", "warning", "--max-running-requests", "8",
+                             "--kv-pool-tokens", "2048"], stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=ROOT,
+                            start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(f"{url}/health", proc, 120, lambda: log.read_text()[-3000:])
+        body = {"input_ids": [[5, 6, 7, 8], [9, 10]], "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
+        r = httpx.post(f"{url}/generate", json=body)
+        assert r.status_code == 200, r.text
+        assert [len(o["output_ids"]) for o in r.json()] == [4, 4]
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        assert _wait_gone(proc.pid, 15) == [], log.read_text()[-3000:]
+    finally:
+        if session_pids(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
