@@ -8,5 +8,6 @@
 | lockstep.py   | RankLoop: every rank's loop; messages broadcast, steps decided together           |
 | worker.py     | rank_main: one spawned (or torchrun) rank: process group, EngineCore, RankLoop    |
 | group.py      | WorkerGroup: the front end's side: submit, results, traces, watchdog              |
+| members.py    | ProcessMember, ThreadMember: a rank as the watchdog sees it (alive, why it ended) |
 | __main__.py   | torchrun entry: `torchrun --nproc-per-node N -m r3trace.engine.launch MODEL ...`  |
 """

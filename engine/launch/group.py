@@ -26,13 +26,14 @@ import types
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch.multiprocessing as mp
 
 from r3trace.engine.engine_config import EngineConfig
 from r3trace.engine.launch.config import LaunchConfig
 from r3trace.engine.launch.controller import DpController
+from r3trace.engine.launch.members import Member, ProcessMember, ThreadMember
 from r3trace.engine.launch.worker import WorkerSpec, rank_main
 from r3trace.engine.request import InvalidRequestError, Req
 from r3trace.engine.result import error_result
@@ -40,56 +41,6 @@ from r3trace.engine.result import error_result
 log = logging.getLogger(__name__)
 Sink = queue.Queue
 WATCH_S = 0.2  # the watchdog's period: a dead rank fails its requests within about this long
-STOP_S = 10.0  # how long a rank may take to exit after shutdown (or after terminate) before it is killed
-
-
-class Member(Protocol):
-    """One rank as the front end sees it: a spawned process, or under torchrun the control rank's thread."""
-
-    def is_alive(self) -> bool: ...
-
-    def describe(self) -> str: ...
-
-    def stop(self) -> None: ...
-
-
-@dataclass
-class ProcessMember:
-    rank: int
-    process: Any  # multiprocessing's SpawnProcess
-
-    def is_alive(self) -> bool:
-        return bool(self.process.is_alive())
-
-    def describe(self) -> str:
-        code = self.process.exitcode
-        how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-        return f"rank {self.rank} exited ({how})"
-
-    def stop(self) -> None:
-        self.process.join(STOP_S)
-        if self.process.is_alive():
-            self.process.terminate()
-            self.process.join(STOP_S)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join()
-
-
-@dataclass
-class ThreadMember:
-    """Under torchrun: world rank 0's loop, a thread of the front end's own process."""
-
-    thread: threading.Thread
-
-    def is_alive(self) -> bool:
-        return self.thread.is_alive()
-
-    def describe(self) -> str:
-        return "rank 0's loop ended"
-
-    def stop(self) -> None:
-        self.thread.join(STOP_S)
 
 
 @dataclass
