@@ -58,17 +58,27 @@ class TraceForwarder:
     """The capturer's trace sink and the route hooks' writer on a rank while a trace records: the front end's
     TraceWriter gets the same calls. Every rank of a DP group attaches one (the capture state, which decides
     prefix reuse, must be the same on all of them); only the reporting rank's forwards anything, so each
-    (request, position, layer) reaches the trace once. Arrays are copied: the capturer reuses its buffers."""
+    (request, position, layer) reaches the trace once. A DP group captures only its own requests, so every row it
+    forwards is stamped with its DP rank (prefix-cache rows included). Arrays are copied: the capturer reuses its
+    buffers."""
 
-    def __init__(self, outbox: Outbox, reporting: bool) -> None:
+    DP_RANK_ARG = 6  # TraceSink.append_tokens(request_id, token_pos, phase, source, forward_id, ts, dp_rank, ...)
+
+    def __init__(self, outbox: Outbox, reporting: bool, dp_rank: int) -> None:
         self.outbox = outbox
         self.reporting = reporting
+        self.dp_rank = dp_rank
 
     def append_tokens(self, *args: Any, **kwargs: Any) -> None:
-        if self.reporting:
-            copy = [np.array(a) if isinstance(a, np.ndarray) else a for a in args]
-            self.outbox.append(("rows", copy, {k: np.array(v) if isinstance(v, np.ndarray) else v
-                                                for k, v in kwargs.items()}))
+        if not self.reporting:
+            return
+        copy = [np.array(a) if isinstance(a, np.ndarray) else a for a in args]
+        kw = {k: np.array(v) if isinstance(v, np.ndarray) else v for k, v in kwargs.items()}
+        if len(copy) > self.DP_RANK_ARG:
+            copy[self.DP_RANK_ARG] = self.dp_rank
+        else:
+            kw["dp_rank"] = self.dp_rank
+        self.outbox.append(("rows", copy, kw))
 
     def add_request(self, request_id: str, **kwargs: Any) -> None:
         if self.reporting:
@@ -93,7 +103,7 @@ class RankLoop:
         self.reporting = parallel.attn_tp_rank == 0
         self.front_pid = front_pid
         self.outbox: Outbox = []
-        self.forwarder = TraceForwarder(self.outbox, self.reporting)
+        self.forwarder = TraceForwarder(self.outbox, self.reporting, parallel.dp_rank)
 
     # ------------------------------------------------------------------ collectives over the CPU group
     def _broadcast(self, msgs: list[Any] | None) -> list[Any]:
