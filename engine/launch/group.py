@@ -33,7 +33,7 @@ import torch.multiprocessing as mp
 from r3trace.engine.engine_config import EngineConfig
 from r3trace.engine.launch.config import LaunchConfig
 from r3trace.engine.launch.controller import DpController
-from r3trace.engine.launch.members import Member, ProcessMember, ThreadMember
+from r3trace.engine.launch.members import STOP_S, Member, ProcessMember, ThreadMember
 from r3trace.engine.launch.worker import WorkerSpec, rank_main
 from r3trace.engine.request import InvalidRequestError, Req
 from r3trace.engine.result import error_result
@@ -212,7 +212,10 @@ class WorkerGroup:
         self._closed = True
         if self.dead is None:
             self.inbox.put(("shutdown", None))
-            self._receiver.join()
+            # Ranks stop between steps; one stuck in a step fails its collectives within their timeout.
+            self._receiver.join(self.launch.collective_timeout_s + STOP_S)
+            if self._receiver.is_alive():
+                self._fail(f"the ranks did not stop within {self.launch.collective_timeout_s + STOP_S:g} s")
         for m in self.members:
             m.stop()
         if self.cleanup is not None:

@@ -154,6 +154,8 @@ class RankLoop:
                 if not all([self._apply(m) for m in msgs]):
                     self.core.scheduler.abort_all("the engine was shut down")
                     self.core.loop.deliver()
+                    if self.core.capturer is not None and self.core.capturer.sink is not None:
+                        self.core.capturer.drain()  # every captured row reaches the front end's writer
                     self._send([("bye", self.rank)])
                     return
                 work = self._work_everywhere(self.core.scheduler.has_work())
