@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from r3trace.trace.reader import open_dataset
 from tests.health import wait_healthy
 from tests.server.test_cli import ROOT, SAMPLE, free_port
 
@@ -58,9 +59,10 @@ def _wait_gone(sid: int, timeout_s: float) -> list[int]:
 
 @pytest.mark.parametrize("stop", ["sigint", "sigkill"])
 def test_serve_tp2_answers_and_leaves_no_rank(tmp_path: Path, stop: str) -> None:
-    """SIGINT: the graceful path (engine.shutdown). SIGKILL of the server: the ranks notice their front end is
-    gone and exit on their own."""
-    proc, url, log = _serve(tmp_path, "--tp", "2", "--load-balance-method", "shortest_queue")
+    """SIGINT: the graceful path (engine.shutdown), which closes the trace with every request in it. SIGKILL of the
+    server: the ranks notice their front end is gone and exit on their own."""
+    proc, url, log = _serve(tmp_path, "--tp", "2", "--load-balance-method", "shortest_queue",
+                            "--trace-root", str(tmp_path / "traces"), "--trace-dir", "run")
     try:
         wait_healthy(f"{url}/health", proc, 120, lambda: log.read_text()[-3000:])
         assert len(session_pids(proc.pid)) >= 3  # the server, its two ranks (and multiprocessing's resource tracker)
@@ -71,6 +73,10 @@ def test_serve_tp2_answers_and_leaves_no_rank(tmp_path: Path, stop: str) -> None
         proc.send_signal(signal.SIGINT if stop == "sigint" else signal.SIGKILL)
         proc.wait(timeout=30)
         assert _wait_gone(proc.pid, 15) == [], log.read_text()[-3000:]
+        if stop == "sigint":  # the graceful stop commits and closes the front end's trace
+            [run] = open_dataset(tmp_path / "traces" / "run")
+            assert run.state == "closed" and run.manifest.rows == 7 * 4  # 7 computed positions, 4 MoE layers
+            assert run.manifest.parallel == {"tp_size": 2, "dp_size": 1, "ep_size": 1}
     finally:
         if session_pids(proc.pid):
             os.killpg(proc.pid, signal.SIGKILL)
