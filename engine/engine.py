@@ -280,8 +280,8 @@ class Engine:
     @property
     def recompute_mismatches(self) -> int:
         """Rows whose re-prefill after a retraction routed differently from the kept rows."""
-        if self.launch.multi_process:
-            raise NotImplementedError("recompute_mismatches: counted on each rank, not gathered under tp_size > 1")
+        if self.launch.multi_process:  # each DP group counts its own requests' rows
+            return sum(self._loop.call("recompute_mismatches"))
         return 0 if self.capturer is None else self.capturer.recompute_mismatches
 
     def abort(self, rid: str) -> None:

@@ -197,6 +197,8 @@ class RankLoop:
         core = self.core
         if name == "flush_cache":
             return core.loop.flush_if_idle()
+        if name == "recompute_mismatches":
+            return 0 if core.capturer is None else core.capturer.recompute_mismatches
         if name == "trace_on":
             assert core.capturer is not None and core.route_hooks is not None
             core.capturer.attach_sink(self.forwarder)

@@ -124,6 +124,7 @@ def test_tp2_single_and_stream_match(engines: tuple[Engine, Engine]) -> None:
     rows = np.concatenate([decode_routed_experts(c["meta_info"]) for c in chunks if "routed_experts" in c["meta_info"]])
     np.testing.assert_array_equal(rows, decode_routed_experts(single["meta_info"]))
     assert tp2.flush_cache() is True
+    assert tp2.recompute_mismatches == 0
 
 
 def test_tp2_trace_holds_each_row_once(engines: tuple[Engine, Engine], tmp_path: Path) -> None:
