@@ -1,8 +1,13 @@
 """Engine: the public offline API, shaped like SGLang's `sgl.Engine`.
 
-One scheduler thread (engine/event_loop.py) owns the model, the KV pool and every Req. Callers (any
-number of threads) hand requests over through a thread-safe inbox and wait on a per-request queue:
-results, or stream chunks, come back there. This module builds everything, validates requests and
+One process (tp_size 1): one scheduler thread (engine/event_loop.py) owns the model, the KV pool and every Req
+(engine/engine_core.py builds them). Callers (any number of threads) hand requests over through a thread-safe
+inbox and wait on a per-request queue: results, or stream chunks, come back there.
+
+Several processes (tp_size > 1): this process is the front end. It spawns tp_size ranks, each building its
+shard of the model and its own core (engine/launch/), and talks to them through a WorkerGroup with the same
+methods as the event loop. Results are built on the ranks by the same code and sent back pickled, so they are
+the same dicts; traces are written here by one TraceWriter. Either way this module validates requests and
 their capture options, and starts and stops traces.
 """
 
@@ -17,27 +22,23 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from r3trace.capture.capturer import CaptureConfig, RoutedExpertsCapturer
 from r3trace.capture.recorder import RouteRecorder
 from r3trace.engine.config import ModelConfig
 from r3trace.engine.engine_config import EngineConfig, EngineConfigError
-from r3trace.engine.event_loop import EventLoop, Sink
-from r3trace.engine.kv_pool import KVPool, ReqToTokenPool
-from r3trace.engine.model import build_model
-from r3trace.engine.model_runner import ModelRunner
+from r3trace.engine.engine_core import EngineCore
+from r3trace.engine.event_loop import Sink
+from r3trace.engine.launch.config import LaunchConfig, Launcher, LoadBalanceMethod
+from r3trace.engine.launch.controller import check_routed_dp_rank
 from r3trace.engine.parallel import ParallelInfo
-from r3trace.engine.radix_cache import RadixCache
 from r3trace.engine.replay import computed_rows, replay_routes
 from r3trace.engine.request import InvalidRequestError, Req
 from r3trace.engine.request_builder import RequestBuilder, as_list
 from r3trace.engine.request_hooks import RequestHooks
 from r3trace.engine.result import error_result
-from r3trace.engine.route_capture import CaptureRequest, RouteCaptureHooks
+from r3trace.engine.route_capture import CaptureRequest
 from r3trace.engine.sampling import Sampler
-from r3trace.engine.scheduler import Scheduler
 from r3trace.engine.tokenizer import load_tokenizer
-from r3trace.engine.trace_control import TraceControl
-from r3trace.engine.weights import load_weights
+from r3trace.engine.trace_control import LocalTrace, TraceControl, TraceTarget
 from r3trace.trace import lifecycle
 
 _OPTIONS = frozenset(f.name for f in fields(EngineConfig)) - {"dtype", "device", "extra"}
@@ -57,62 +58,62 @@ class Engine:
         *,
         recorder: RouteRecorder | None = None,
         hooks: RequestHooks | None = None,
+        tp_size: int = 1,
+        dp_size: int = 1,
+        ep_size: int = 1,
+        load_balance_method: LoadBalanceMethod = "round_robin",
+        launcher: Launcher = "spawn",
         **options: Any,
     ) -> None:
+        """tp_size processes (SGLang's process count); dp_size > 1 is DP attention, ep_size > 1 expert
+        parallelism (both divide tp_size). load_balance_method: how requests are spread over DP ranks,
+        "round_robin" or "shortest_queue" (a request's routed_dp_rank pins it). recorder / hooks replace the
+        capturer and the route hooks; they live in this process, so only with tp_size 1. launcher: "spawn"
+        starts the ranks here; "torchrun" (world rank 0 of a torchrun job, engine/launch/__main__.py) joins the
+        ranks torchrun started."""
         unknown = sorted(set(options) - _OPTIONS)
         if unknown:
             raise EngineConfigError(f"unknown engine option {unknown[0]!r}; known: {sorted(_OPTIONS)}")
-        self.config = EngineConfig(dtype=dtype, device=device, **options)  # type: ignore[arg-type]
-        self.model_config = ModelConfig.from_hf(model_path)
-        cfg, mc = self.config, self.model_config
+        self.config = cfg = EngineConfig(dtype=dtype, device=device, **options)  # type: ignore[arg-type]
+        self.launch = LaunchConfig(tp_size, dp_size, ep_size, load_balance_method, launcher=launcher)
+        self.model_config = mc = ModelConfig.from_hf(model_path)
         self.model_path = Path(model_path)
-        # The capturer is always there (a slice write per MoE layer); rows cross to the host only for
-        # requests that ask, or while a trace records. A caller-supplied recorder replaces it.
-        self.capturer: RoutedExpertsCapturer | None = None
-        if recorder is None:
-            cap = CaptureConfig(
-                num_hidden_layers=mc.num_hidden_layers, moe_layer_ids=mc.moe_layer_ids,
-                top_k=mc.num_experts_per_tok, num_experts=mc.n_routed_experts, kv_slots=cfg.kv_pool_tokens,
-                max_batch_tokens=max(cfg.chunked_prefill_size, cfg.max_running_requests),
-                chunked_prefill_size=cfg.chunked_prefill_size, max_running_requests=cfg.max_running_requests,
-                device=device, with_weights=cfg.capture_weights,
-            )
-            self.capturer = recorder = RoutedExpertsCapturer(cap)
-        self.model = build_model(mc, cfg, ParallelInfo(), recorder)
-        load_weights(self.model, model_path)
-        self.model.eval()
-        self.tokenizer = load_tokenizer(model_path, mc.vocab_size)
         self.max_context_len = cfg.max_context_len or mc.max_position_embeddings
-        self.kv_pool = KVPool(mc.num_hidden_layers, mc.kv_cache_dim, cfg.kv_pool_tokens, cfg.page_size,
-                              cfg.torch_dtype, device)
-        self.route_hooks = None if self.capturer is None else RouteCaptureHooks(self.capturer, self.kv_pool)
-        if hooks is None:
-            hooks = self.route_hooks
-        req_pool = ReqToTokenPool(cfg.max_running_requests, self.max_context_len, device)
-        self.cache = RadixCache(self.kv_pool) if cfg.enable_prefix_cache else None
-        self.sampler = Sampler(device, cfg.seed)
-        self.scheduler = Scheduler(cfg, self.kv_pool, req_pool, self.cache, self.tokenizer,
-                                   mc.eos_token_ids, self.max_context_len, hooks)
-        graphs = None
-        if cfg.graph_batch_sizes:
-            from r3trace.engine.cuda_graph import DecodeGraphs
-
-            graphs = DecodeGraphs(self.model, self.kv_pool.kv_buffer, req_pool.req_to_token, cfg.graph_batch_sizes,
-                                  self.max_context_len, self.kv_pool.pad_slot)
-        self.runner = ModelRunner(self.model, self.kv_pool, req_pool, self.sampler, device, mc, graphs)
-        self._builder = RequestBuilder(mc.vocab_size, self.max_context_len, cfg.kv_pool_tokens,
-                                       self.tokenizer)
+        self._custom_recorder = recorder is not None
+        self._custom_hooks = hooks is not None
         self._closed = False
-        self._loop = EventLoop(self.scheduler, self.runner, self.cache, self.route_hooks, mc, self.tokenizer,
-                               overlap=cfg.overlap_schedule)
+        target: TraceTarget | None
+        if self.launch.multi_process:
+            from r3trace.engine.launch.group import WorkerGroup
+
+            if recorder is not None or hooks is not None:
+                raise EngineConfigError(f"recorder / hooks: objects of this process, unusable with tp_size={tp_size}"
+                                        " (ranks run in their own processes); pass them with tp_size=1")
+            self.tokenizer = load_tokenizer(model_path, mc.vocab_size)
+            self.sampler = Sampler("cpu", cfg.seed)  # validates seeds; ranks rebuild each request's generator
+            start = WorkerGroup.spawn if launcher == "spawn" else WorkerGroup.beside_rank0
+            group = start(self.model_path, cfg, self.launch)
+            self._loop: Any = group  # the event loop's caller-side methods, served by the ranks
+            target = group
+        else:
+            core = EngineCore(model_path, cfg, ParallelInfo(), recorder=recorder, hooks=hooks)
+            self.core = core
+            self.capturer, self.model, self.kv_pool, self.cache = core.capturer, core.model, core.kv_pool, core.cache
+            self.route_hooks, self.sampler, self.scheduler = core.route_hooks, core.sampler, core.scheduler
+            self.runner, self.tokenizer = core.runner, core.tokenizer
+            self._loop = core.loop
+            target = None
+            if core.capturer is not None and core.route_hooks is not None:
+                target = LocalTrace(core.loop, core.capturer, core.route_hooks)
+        self._builder = RequestBuilder(mc.vocab_size, self.max_context_len, cfg.kv_pool_tokens, self.tokenizer)
         self.traces: TraceControl | None = None
-        if self.capturer is not None and self.route_hooks is not None:
-            self.traces = TraceControl(self._loop, self.capturer, self.route_hooks, dict(
+        if target is not None:
+            self.traces = TraceControl(target, dict(
                 model_name=mc.name or self.model_path.name, num_hidden_layers=mc.num_hidden_layers,
                 moe_layer_ids=mc.moe_layer_ids, num_experts=mc.n_routed_experts, top_k=mc.num_experts_per_tok,
                 with_weights=cfg.capture_weights, num_groups=mc.n_group, config_hash=config_hash(mc),
                 engine={k: getattr(cfg, k) for k in sorted(_OPTIONS) if k != "trace_dir"} | {"dtype": cfg.dtype},
-                parallel={"tp_size": 1, "dp_size": 1, "ep_size": 1},
+                parallel=self.launch.manifest(),
             ))
         lifecycle.register_producer(self)  # interpreter exit: shutdown() before any writer closes
         if cfg.trace_dir is not None:
@@ -135,6 +136,7 @@ class Engine:
         routed_experts: Any = None,
         tag: str | list[str] | None = None,
         routed_experts_replay_start_len: int | list[int | None] | None = None,
+        routed_dp_rank: int | list[int | None] | None = None,
     ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
         """One request (a str prompt or a flat id list) -> a dict; a list -> a list of dicts in order;
         stream=True (one request) -> an iterator of chunks holding what each step added.
@@ -151,7 +153,10 @@ class Engine:
         prompt + max_new_tokens - 1 (the prompt when max_new_tokens = 0); routed_experts_replay_start_len=s
         forces only rows [s, s + n) of the n given (partial replay, e.g. a new turn after replayed ones) and
         the gate routes the rest. Returned routes are the forced ids on forced rows. A replay reuses the
-        prefix cache only where the cached KV was computed with the same routes."""
+        prefix cache only where the cached KV was computed with the same routes.
+
+        routed_dp_rank (SGLang's field; one, or one per request): run the request on that DP rank, 0..dp_size-1,
+        instead of the one the load balancer picks."""
         if self._closed:
             raise RuntimeError("the engine has been shut down")
         single, entries = as_list(prompt, input_ids, sampling_params, return_logprob, logprob_start_len,
@@ -167,6 +172,9 @@ class Engine:
                 self._attach_capture(req, len(reqs), len(entries), return_routed_experts,
                                      routed_experts_start_len, return_routed_weights, routed_experts, tag,
                                      routed_experts_replay_start_len)
+                pin = self._pick_dp_rank(routed_dp_rank, len(reqs), len(entries))
+                if pin is not None:
+                    req.extras["routed_dp_rank"] = pin
                 self._loop.claim_rid(entry_rid)
             except InvalidRequestError as exc:
                 if single:
@@ -188,6 +196,14 @@ class Engine:
                 results[i] = self._loop.wait(sinks[req.rid])
         out = [r for r in results if r is not None]
         return out[0] if single else out  # a request that failed while running carries "error"
+
+    def _pick_dp_rank(self, value: Any, i: int, n: int) -> int | None:
+        """Request i's routed_dp_rank, checked against dp_size (raises for this request only)."""
+        if isinstance(value, list):
+            if len(value) != n:
+                raise InvalidRequestError("routed_dp_rank", f"a list of {len(value)} values for {n} request(s)")
+            value = value[i]
+        return check_routed_dp_rank(value, self.launch.dp_size)
 
     def _attach_capture(
         self, req: Req, i: int, n: int, want: Any, start: Any, weights: Any, forced: Any, tag: Any,
@@ -216,7 +232,7 @@ class Engine:
             raise InvalidRequestError(
                 "routed_experts_start_len", f"{start_i!r} outside 0..prompt length {req.prompt_len}"
             )
-        if (want_i or weights_i or forced_i is not None) and self.capturer is None:
+        if (want_i or weights_i or forced_i is not None) and self._custom_recorder:
             raise InvalidRequestError("return_routed_experts", "this engine was built with a custom recorder")
         if weights_i and not self.config.capture_weights:
             raise InvalidRequestError("return_routed_weights", "start the engine with capture_weights=True")
@@ -234,7 +250,7 @@ class Engine:
             req.extras["replay"] = replay_routes(forced_i, replay_start_i, self.model_config, rows)
             # A prefix-cache hit is reused only where the route hooks find it exact (docs/replay.md); hooks
             # supplied by the caller cannot tell, so there the replay bypasses the cache both ways.
-            req.use_prefix_cache = self.scheduler.hooks is self.route_hooks
+            req.use_prefix_cache = not self._custom_hooks
 
     # ------------------------------------------------------------------ traces
     def start_trace(
@@ -264,6 +280,8 @@ class Engine:
     @property
     def recompute_mismatches(self) -> int:
         """Rows whose re-prefill after a retraction routed differently from the kept rows."""
+        if self.launch.multi_process:  # each DP group counts its own requests' rows
+            return sum(self._loop.call("recompute_mismatches"))
         return 0 if self.capturer is None else self.capturer.recompute_mismatches
 
     def abort(self, rid: str) -> None:
@@ -272,7 +290,7 @@ class Engine:
 
     def flush_cache(self) -> bool:
         """Drop every unlocked prefix-cache entry; False (nothing done) while requests are in flight."""
-        return bool(self._loop.call(self._loop.flush_if_idle))
+        return bool(self._loop.flush_cache())
 
     def shutdown(self) -> None:
         """Abort what is in flight, stop the scheduler thread, commit and close the trace. Idempotent; also
@@ -292,5 +310,7 @@ class Engine:
 
     def run_on_scheduler(self, fn: Callable[[], Any]) -> Any:
         """Run fn on the scheduler thread, which owns the model and every request (benchmarks and tools
-        use it to time or profile that thread), and return its result."""
+        use it to time or profile that thread), and return its result. One process only."""
+        if self.launch.multi_process:
+            raise NotImplementedError("run_on_scheduler: the schedulers run in the rank processes (tp_size > 1)")
         return self._loop.call(fn)

@@ -41,8 +41,10 @@ class EventLoop:
     def __init__(
         self, scheduler: Scheduler, runner: ModelRunner, cache: RadixCache | None,
         route_hooks: RouteCaptureHooks | None, model_config: ModelConfig, tokenizer: TextTokenizer,
-        overlap: bool = False,
+        overlap: bool = False, threaded: bool = True,
     ) -> None:
+        """threaded=False: no thread of its own; a rank's lockstep driver (engine/launch/lockstep.py) calls
+        handle / step_once / deliver instead, in an order every rank shares."""
         self.scheduler = scheduler
         self.overlap = overlap
         self._inflight: Launched | None = None  # the step launched and not yet processed
@@ -56,7 +58,8 @@ class EventLoop:
         self._live_rids: set[str] = set()
         self._rid_lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="r3trace-scheduler", daemon=True)
-        self._thread.start()
+        if threaded:
+            self._thread.start()
 
     # ------------------------------------------------------------------ caller side
     def claim_rid(self, rid: str) -> None:
@@ -83,6 +86,9 @@ class EventLoop:
         if not ok:
             raise value
         return value
+
+    def flush_cache(self) -> bool:
+        return bool(self.call(self.flush_if_idle))
 
     def wait(self, sink: Sink[dict[str, Any]]) -> dict[str, Any]:
         while True:
@@ -123,9 +129,9 @@ class EventLoop:
                 if msg is not None and self._inflight is not None:
                     self._settle()  # messages see no request with positions in flight
                 while msg is not None:
-                    if not self._handle(msg):
+                    if not self.handle(msg):
                         self.scheduler.abort_all("the engine was shut down")
-                        self._deliver()
+                        self.deliver()
                         return
                     try:
                         msg = self._inbox.get_nowait()
@@ -133,9 +139,10 @@ class EventLoop:
                         msg = None
                 if self._inflight is not None or self.scheduler.has_work():
                     self._step()
-                self._deliver()
+                self.deliver()
 
-    def _handle(self, msg: tuple[str, Any]) -> bool:
+    def handle(self, msg: tuple[str, Any]) -> bool:
+        """Apply one caller message; False on shutdown."""
         kind, body = msg
         if kind == "submit":
             for req, sink in body:
@@ -201,7 +208,19 @@ class EventLoop:
                 result["meta_info"]["routed_experts_provenance"] = [list(seg) for seg in opts.provenance]
         return result
 
-    def _deliver(self) -> None:
+    def step_once(self) -> bool:
+        """One unguarded, unoverlapped step for a lockstep rank: False when the scheduler placed nothing (the
+        rank then runs the idle forward). An exception propagates: under several ranks a failed step is fatal,
+        since the other ranks are inside the same collectives."""
+        items = self.scheduler.schedule()
+        if not items:
+            self.scheduler.abort_all("the scheduler could not place any request", is_error=True)
+            return False
+        done = self.runner.launch(items)
+        self.scheduler.process(done.items, self.runner.collect(done))
+        return True
+
+    def deliver(self) -> None:
         for req in self.scheduler.take_updates():
             sink = self._sinks.get(req.rid)
             if sink is None:

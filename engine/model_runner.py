@@ -25,6 +25,8 @@ from r3trace.engine.cuda_graph import DecodeGraphs
 from r3trace.engine.forward_batch import ForwardBatch
 from r3trace.engine.host_staging import HostStaging
 from r3trace.engine.kv_pool import KVPool, ReqToTokenPool
+from r3trace.engine.launch.step_layout import idle_batch, step_layout
+from r3trace.engine.parallel import ParallelInfo
 from r3trace.engine.replay import replay_plan
 from r3trace.engine.request import LogprobEntry
 from r3trace.engine.sampling import Sampler
@@ -51,8 +53,9 @@ class Launched:
 class ModelRunner:
     def __init__(
         self, model: CausalLM, pool: KVPool, req_pool: ReqToTokenPool, sampler: Sampler, device: str,
-        model_config: ModelConfig, graphs: DecodeGraphs | None = None,
+        model_config: ModelConfig, graphs: DecodeGraphs | None = None, parallel: ParallelInfo | None = None,
     ) -> None:
+        self.parallel = parallel or ParallelInfo()  # step_layout reads the DP rank and, under DP attention, groups
         self.model_config = model_config
         self.graphs = graphs  # CUDA-graph decode, when the engine captured graphs
         self.model = model
@@ -105,6 +108,7 @@ class ModelRunner:
             replay=replay_plan(items, len(input_ids), self.model_config, self.device, self.staging.to_device),
             stage=self.staging.to_device,
         )
+        step_layout(fb, self.parallel)  # dp_rank, and the DP layout under DP attention (a collective)
         if ahead:
             torch.index_select(self.next_tokens, 0, fb.req_pool_indices, out=fb.input_ids)
         self.forward_id += 1
@@ -122,6 +126,13 @@ class ModelRunner:
             launched.event = torch.cuda.Event()
             launched.event.record()
         return launched
+
+    def run_idle(self) -> None:
+        """A DP rank with no requests while another has some: a forward of no tokens that joins every
+        collective of the step (its layout's all-gather, the MoE's, the communicators')."""
+        fb = step_layout(idle_batch(self.forward_id, self.req_pool.req_to_token, self.device), self.parallel)
+        self.forward_id += 1  # forward ids stay equal on every rank: the trace's forward_id column agrees
+        self.model.forward(fb, self.pool.kv_buffer)
 
     def collect(self, launched: Launched) -> list[ReqOutput]:
         """Wait for a launched step's results (the step's one wait) and hand each request its rows."""

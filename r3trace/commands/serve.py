@@ -54,6 +54,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace-dir", default=None, help="record every request from the start (under --trace-root)")
     p.add_argument("--trace-flush-interval-s", type=float, default=None,
                    help="with --trace-dir: commit finished requests at least this often (default 1 s)")
+    p.add_argument("--tp-size", "--tp", dest="tp_size", type=int, default=1,
+                   help="tensor-parallel size: the number of rank processes (SGLang's --tp-size)")
+    p.add_argument("--dp-size", "--dp", dest="dp_size", type=int, default=1,
+                   help="DP attention groups (SGLang's --dp-size with --enable-dp-attention); divides --tp")
+    p.add_argument("--ep-size", "--ep", dest="ep_size", type=int, default=1,
+                   help="expert-parallel size of the MoE; divides --tp")
+    p.add_argument("--load-balance-method", default="round_robin", choices=["round_robin", "shortest_queue"],
+                   help="how requests without routed_dp_rank are spread over the DP ranks (SGLang's names)")
     p.add_argument("--log-level", default="info")
 
 
@@ -69,6 +77,12 @@ def engine_options(args: argparse.Namespace) -> dict[str, object]:
         "overlap_schedule": not args.no_overlap, "enable_prefix_cache": not args.no_prefix_cache,
         **dict.fromkeys(BACKEND_FIELDS, args.backend),
     }  # fmt: skip
+
+
+def launch_options(args: argparse.Namespace) -> dict[str, object]:
+    """Engine's process-layout keywords (LaunchConfig validates them and names the field it rejects)."""
+    return {"tp_size": args.tp_size, "dp_size": args.dp_size, "ep_size": args.ep_size,
+            "load_balance_method": args.load_balance_method, "launcher": getattr(args, "launcher", "spawn")}
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
@@ -115,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
     if not is_loopback(args.host):
         log.warning("binding %s: the API has no authentication; anyone who reaches this address can generate",
                     args.host)
-    engine = Engine(model, **engine_options(args))  # type: ignore[arg-type]
+    engine = Engine(model, **engine_options(args), **launch_options(args))  # type: ignore[arg-type]
     try:
         resolved = model.resolve()
         cfg = ServerConfig(model_name=args.served_model_name or resolved.name, host=args.host, port=args.port,

@@ -75,6 +75,8 @@ def generate_kwargs(req: GenerateRequest) -> dict[str, Any]:
         kw["routed_experts_replay_start_len"] = req.routed_experts_replay_start_len
     if req.tag is not None:
         kw["tag"] = req.tag
+    if req.routed_dp_rank is not None:  # the engine checks it against its dp_size and names the field
+        kw["routed_dp_rank"] = req.routed_dp_rank
     return kw
 
 

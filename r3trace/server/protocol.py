@@ -57,6 +57,10 @@ class GenerateRequest(BaseModel):
     tag: str | list[str] | None = Field(
         default=None, description="r3trace extension: a label per request (e.g. its domain), kept in traces"
     )
+    routed_dp_rank: int | list[int | None] | None = Field(
+        default=None, description="SGLang's field: run the request on this DP rank (0..dp_size-1), not the one the "
+        "load balancer picks; a list gives one per request"
+    )
 
 
 class MetaInfo(BaseModel):

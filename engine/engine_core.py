@@ -1,0 +1,87 @@
+"""EngineCore: everything one rank owns, built from frozen configs: the capturer, the model (its shard under
+a ParallelInfo), the KV pool, the prefix cache, the scheduler, the model runner and the event loop.
+
+One process builds one core and drives it from the event loop's own thread (engine.py). Under several
+processes each rank builds one core without a thread, and its lockstep driver (engine/launch/lockstep.py)
+steps it together with the other ranks. The front end (engine.py) never needs a core of its own then.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from r3trace.capture.capturer import CaptureConfig, RoutedExpertsCapturer
+from r3trace.capture.recorder import RouteRecorder
+from r3trace.engine.config import ModelConfig
+from r3trace.engine.engine_config import EngineConfig
+from r3trace.engine.event_loop import EventLoop
+from r3trace.engine.kv_pool import KVPool, ReqToTokenPool
+from r3trace.engine.model import build_model
+from r3trace.engine.model_runner import ModelRunner
+from r3trace.engine.parallel import ParallelInfo
+from r3trace.engine.radix_cache import RadixCache
+from r3trace.engine.request_hooks import RequestHooks
+from r3trace.engine.route_capture import RouteCaptureHooks
+from r3trace.engine.sampling import Sampler
+from r3trace.engine.scheduler import Scheduler
+from r3trace.engine.tokenizer import load_tokenizer
+from r3trace.engine.weights import load_weights
+
+
+def capture_config(mc: ModelConfig, cfg: EngineConfig) -> CaptureConfig:
+    """The capturer's sizes, all from the two configs (nothing read from elsewhere)."""
+    return CaptureConfig(
+        num_hidden_layers=mc.num_hidden_layers, moe_layer_ids=mc.moe_layer_ids, top_k=mc.num_experts_per_tok,
+        num_experts=mc.n_routed_experts, kv_slots=cfg.kv_pool_tokens,
+        max_batch_tokens=max(cfg.chunked_prefill_size, cfg.max_running_requests),
+        chunked_prefill_size=cfg.chunked_prefill_size, max_running_requests=cfg.max_running_requests,
+        device=cfg.device, with_weights=cfg.capture_weights,
+    )
+
+
+class EngineCore:
+    def __init__(
+        self,
+        model_path: str | Path,
+        cfg: EngineConfig,
+        parallel: ParallelInfo,
+        *,
+        recorder: RouteRecorder | None = None,
+        hooks: RequestHooks | None = None,
+        threaded: bool = True,
+    ) -> None:
+        """threaded=False: a rank of a multi-process engine; its event loop runs no thread and never overlaps
+        (lockstep ranks step one forward at a time, see engine/launch/lockstep.py)."""
+        self.config = cfg
+        self.parallel = parallel
+        self.model_config = mc = ModelConfig.from_hf(model_path)
+        device = cfg.device
+        # The capturer is always there (a slice write per MoE layer); rows cross to the host only for
+        # requests that ask, or while a trace records. A caller-supplied recorder replaces it.
+        self.capturer: RoutedExpertsCapturer | None = None
+        if recorder is None:
+            self.capturer = recorder = RoutedExpertsCapturer(capture_config(mc, cfg))
+        self.model = build_model(mc, cfg, parallel, recorder)
+        load_weights(self.model, model_path)
+        self.model.eval()
+        self.tokenizer = load_tokenizer(model_path, mc.vocab_size)
+        self.max_context_len = cfg.max_context_len or mc.max_position_embeddings
+        self.kv_pool = KVPool(mc.num_hidden_layers, mc.kv_cache_dim, cfg.kv_pool_tokens, cfg.page_size,
+                              cfg.torch_dtype, device)
+        self.route_hooks = None if self.capturer is None else RouteCaptureHooks(self.capturer, self.kv_pool)
+        if hooks is None:
+            hooks = self.route_hooks
+        req_pool = ReqToTokenPool(cfg.max_running_requests, self.max_context_len, device)
+        self.cache = RadixCache(self.kv_pool) if cfg.enable_prefix_cache else None
+        self.sampler = Sampler(device, cfg.seed)
+        self.scheduler = Scheduler(cfg, self.kv_pool, req_pool, self.cache, self.tokenizer,
+                                   mc.eos_token_ids, self.max_context_len, hooks)
+        graphs = None
+        if cfg.graph_batch_sizes:
+            from r3trace.engine.cuda_graph import DecodeGraphs
+
+            graphs = DecodeGraphs(self.model, self.kv_pool.kv_buffer, req_pool.req_to_token, cfg.graph_batch_sizes,
+                                  self.max_context_len, self.kv_pool.pad_slot)
+        self.runner = ModelRunner(self.model, self.kv_pool, req_pool, self.sampler, device, mc, graphs, parallel)
+        self.loop = EventLoop(self.scheduler, self.runner, self.cache, self.route_hooks, mc, self.tokenizer,
+                              overlap=cfg.overlap_schedule and threaded, threaded=threaded)
