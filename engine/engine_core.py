@@ -28,14 +28,16 @@ from r3trace.engine.tokenizer import load_tokenizer
 from r3trace.engine.weights import load_weights
 
 
-def capture_config(mc: ModelConfig, cfg: EngineConfig) -> CaptureConfig:
-    """The capturer's sizes, all from the two configs (nothing read from elsewhere)."""
+def capture_config(mc: ModelConfig, cfg: EngineConfig, parallel: ParallelInfo) -> CaptureConfig:
+    """The capturer's sizes, all from the configs (nothing read from elsewhere): under DP attention its device
+    buffer holds the gathered batch; under EP a rank's rows are padded to a multiple of attention TP."""
     return CaptureConfig(
         num_hidden_layers=mc.num_hidden_layers, moe_layer_ids=mc.moe_layer_ids, top_k=mc.num_experts_per_tok,
         num_experts=mc.n_routed_experts, kv_slots=cfg.kv_pool_tokens,
         max_batch_tokens=max(cfg.chunked_prefill_size, cfg.max_running_requests),
         chunked_prefill_size=cfg.chunked_prefill_size, max_running_requests=cfg.max_running_requests,
-        device=cfg.device, with_weights=cfg.capture_weights,
+        device=cfg.device, with_weights=cfg.capture_weights, dp_size=parallel.dp_size,
+        attn_tp_size=parallel.attn_tp_size,
     )
 
 
@@ -60,7 +62,7 @@ class EngineCore:
         # requests that ask, or while a trace records. A caller-supplied recorder replaces it.
         self.capturer: RoutedExpertsCapturer | None = None
         if recorder is None:
-            self.capturer = recorder = RoutedExpertsCapturer(capture_config(mc, cfg))
+            self.capturer = recorder = RoutedExpertsCapturer(capture_config(mc, cfg, parallel))
         self.model = build_model(mc, cfg, parallel, recorder)
         load_weights(self.model, model_path)
         self.model.eval()

@@ -11,9 +11,9 @@ requests while another DP rank has some (engine/launch/lockstep.py decides which
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
+from r3trace.engine.dp_layout import DpMode, gather_dp_layout
 from r3trace.engine.forward_batch import ForwardBatch
 from r3trace.engine.parallel import ParallelInfo
 
@@ -23,18 +23,16 @@ def step_layout(fb: ForwardBatch, parallel: ParallelInfo) -> ForwardBatch:
     DpLayout; returns fb."""
     fb.dp_rank = parallel.dp_rank
     if parallel.dp_size > 1:
-        # The dp helper's gather_dp_layout: one all-gather of every rank's token count (a collective).
-        from r3trace.engine.dp_layout import gather_dp_layout
-
-        fb.dp_layout = gather_dp_layout(fb.num_tokens, parallel, fb.mode)  # type: ignore[attr-defined]
+        # One all-gather of every rank's token count, extend-or-decode wish and replay flag (a collective over
+        # parallel.cpu_group); an extend anywhere makes the whole step "sum" mode (engine/dp_layout.py).
+        wish: DpMode = "max" if fb.mode == "decode" else "sum"
+        fb.dp_layout = gather_dp_layout(fb.num_tokens, parallel, wish, replay=fb.replay is not None)
     return fb
 
 
-def idle_batch(forward_id: int, req_to_token: torch.Tensor, device: str) -> ForwardBatch:
-    """A forward with no tokens: a DP rank with nothing to run joins the step's collectives with it.
-    (ForwardBatch.idle, from the DP attention work, replaces this body once merged.)"""
-    empty: list[int] = []
-    return ForwardBatch.build(
-        forward_id=forward_id, input_ids=empty, prefix_lens=empty, extend_lens=empty, req_pool_indices=empty,
-        out_cache_loc=np.zeros(0, np.int64), req_to_token=req_to_token, logits_rows=empty, device=device,
+def idle_batch(forward_id: int, req_to_token: torch.Tensor, device: str, parallel: ParallelInfo) -> ForwardBatch:
+    """A forward with no tokens: a DP rank with nothing to run joins the step's collectives with it (its layout is
+    stamped by step_layout, like any batch)."""
+    return ForwardBatch.idle(
+        forward_id=forward_id, req_to_token=req_to_token, device=device, dp_layout=None, dp_rank=parallel.dp_rank
     )

@@ -52,9 +52,8 @@ def join_world(spec: WorkerSpec, rank: int) -> Any:
     dist.init_process_group(backend, init_method=spec.init_method, rank=rank, world_size=lc.tp_size,
                             timeout=timeout)
     parallel = init_parallel(lc.tp_size, lc.dp_size, lc.ep_size, timeout=timeout)
-    # Host-side messages travel over gloo whatever the model's backend; on CPU that is the world group itself.
-    cpu_group = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
-    return parallel, cpu_group
+    # Host-side messages travel over gloo whatever the model's backend (init_parallel's cpu_group).
+    return parallel, parallel.cpu_group
 
 
 def run_rank(spec: WorkerSpec, rank: int, inbox: Any = None, to_front: Any = None, front_pid: int | None = None

@@ -72,9 +72,11 @@ class RoutedExpertsCapturer:
         self.sink: TraceSink | None = None
         self.recompute_mismatches = 0  # rows whose re-prefill after retraction routed differently
         self._batch_tokens = 0
+        self._dp_rank = 0
 
     # ---------------------------------------------------------------- RouteRecorder
     def on_forward_begin(self, batch: BatchView) -> None:
+        self._dp_rank = batch.dp_rank  # a capturer serves one rank: prefix-cache rows carry it too
         self._batch_tokens = batch.num_tokens
         self.buffers.before_forward()
 
@@ -288,7 +290,7 @@ class RoutedExpertsCapturer:
         forward_ids = self.buffers.forwards_of(slots)
         self.sink.append_tokens(
             [rid] * (hi - lo), np.arange(lo, hi, dtype=np.int32), "prefill", "prefix_cache", forward_ids,
-            time.time_ns(), 0, ids, w,
+            time.time_ns(), self._dp_rank, ids, w,
         )
         state.sink_emitted = hi
 
