@@ -31,10 +31,11 @@ from r3trace.engine.weights import load_weights
 def capture_config(mc: ModelConfig, cfg: EngineConfig, parallel: ParallelInfo) -> CaptureConfig:
     """The capturer's sizes, all from the configs (nothing read from elsewhere): under DP attention its device
     buffer holds the gathered batch; under EP a rank's rows are padded to a multiple of attention TP."""
+    per_rank = max(cfg.chunked_prefill_size, cfg.max_running_requests)  # the most tokens of one rank's forward
     return CaptureConfig(
         num_hidden_layers=mc.num_hidden_layers, moe_layer_ids=mc.moe_layer_ids, top_k=mc.num_experts_per_tok,
         num_experts=mc.n_routed_experts, kv_slots=cfg.kv_pool_tokens,
-        max_batch_tokens=max(cfg.chunked_prefill_size, cfg.max_running_requests),
+        max_batch_tokens=parallel.dp_size * -(-per_rank // parallel.attn_tp_size) * parallel.attn_tp_size,
         chunked_prefill_size=cfg.chunked_prefill_size, max_running_requests=cfg.max_running_requests,
         device=cfg.device, with_weights=cfg.capture_weights, dp_size=parallel.dp_size,
         attn_tp_size=parallel.attn_tp_size,
