@@ -15,6 +15,8 @@ here too, reading the ParallelInfo, without touching the model math.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -30,13 +32,25 @@ def _all_reduce(x: torch.Tensor, group: object, size: int) -> torch.Tensor:
     return x
 
 
+# (x, group, size) -> the sum of x over group. Chosen at construction: _all_reduce (None), or exact mode's
+# layers/exact.py exact_all_reduce (all_gather + a rank-order fp32 tree).
+AllReduce = Callable[[torch.Tensor, object, int], torch.Tensor]
+
+
 class LayerCommunicator:
-    def __init__(self, parallel: ParallelInfo, input_layernorm: RMSNorm, post_attention_layernorm: RMSNorm) -> None:
+    def __init__(
+        self,
+        parallel: ParallelInfo,
+        input_layernorm: RMSNorm,
+        post_attention_layernorm: RMSNorm,
+        all_reduce: AllReduce | None = None,
+    ) -> None:
         if parallel.dp_size > 1 or parallel.ep_size > 1:
             raise NotImplementedError(
                 f"parallel={parallel}: DP-attention/EP communicators land with the parallel-paths issue"
             )
         self.parallel = parallel
+        self._all_reduce = all_reduce or _all_reduce
         self.input_layernorm = input_layernorm
         self.post_attention_layernorm = post_attention_layernorm
 
@@ -53,7 +67,7 @@ class LayerCommunicator:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden: o_proj's output [T, D], partial over the attention-TP ranks' heads."""
         p = self.parallel
-        hidden = _all_reduce(hidden, p.attn_tp_group, p.attn_tp_size)
+        hidden = self._all_reduce(hidden, p.attn_tp_group, p.attn_tp_size)
         return self.post_attention_layernorm.add_forward(hidden, residual)
 
     def postprocess_layer(
@@ -70,7 +84,7 @@ class LayerCommunicator:
         if partial is None:
             assert replicated is not None
             return replicated, residual
-        hidden = _all_reduce(partial, p.tp_group, p.tp_size)
+        hidden = self._all_reduce(partial, p.tp_group, p.tp_size)
         if replicated is not None:
             hidden = replicated + hidden
         return hidden, residual
@@ -80,12 +94,13 @@ class VocabCommunicator:
     """The embed and logits boundary: the vocab-parallel embedding's partial lookups are summed, the
     vocab-sharded logits gathered. Identity in one process."""
 
-    def __init__(self, parallel: ParallelInfo) -> None:
+    def __init__(self, parallel: ParallelInfo, all_reduce: AllReduce | None = None) -> None:
         self.group, self.size = parallel.tp_group, parallel.tp_size
+        self._all_reduce = all_reduce or _all_reduce
 
     def reduce_embedding(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [T, D], zeros in rows whose token lives on another rank -> the full lookup."""
-        return _all_reduce(hidden, self.group, self.size)
+        return self._all_reduce(hidden, self.group, self.size)
 
     def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """logits: [N, V / R], this rank's vocab slice -> [N, V] (rank order is vocab order)."""

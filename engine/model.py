@@ -22,6 +22,7 @@ from .config import ModelConfig
 from .engine_config import EngineConfig
 from .forward_batch import ForwardBatch
 from .layers.attention_backend import make_attention_backend
+from .layers.exact import exact_all_reduce
 from .layers.linear import ColumnParallelLinear, VocabParallelEmbedding
 from .layers.mla import MLAAttention
 from .layers.mlp import MLP
@@ -45,24 +46,26 @@ class DecoderLayer(nn.Module):
         super().__init__()
         dtype, device = ecfg.torch_dtype, ecfg.device
         self.layer_id = layer_id
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, ecfg.norm_backend)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, ecfg.norm_backend)
-        attn_backend = make_attention_backend(ecfg.attention_backend, ecfg.device, ecfg.decode_kernel, ecfg.page_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, ecfg.norm_impl)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, ecfg.norm_impl)
+        attn_backend = make_attention_backend(ecfg.attention_impl, ecfg.device, ecfg.decode_kernel, ecfg.page_size)
         self.self_attn = MLAAttention(
-            cfg, layer_id, rope, attn_backend, ecfg.mla_path, dtype, device, ecfg.norm_backend, ecfg.fuse_step_glue,
-            parallel.attn_tp_rank, parallel.attn_tp_size,
+            cfg, layer_id, rope, attn_backend, ecfg.mla_impl, dtype, device, ecfg.norm_impl, ecfg.fuse_step_glue,
+            parallel.attn_tp_rank, parallel.attn_tp_size, ecfg.deterministic,
         )
         self.is_moe = cfg.is_moe_layer(layer_id)
         self.mlp: nn.Module
         if self.is_moe:
             self.mlp = MoE(
-                cfg, layer_id, recorder, make_routing_ops(ecfg.topk_backend, ecfg.fuse_step_glue),
-                make_experts_fn(ecfg.moe_backend), dtype, device, ecfg.fuse_shared_experts,
+                cfg, layer_id, recorder, make_routing_ops(ecfg.topk_impl, ecfg.fuse_step_glue),
+                make_experts_fn(ecfg.moe_impl), dtype, device, ecfg.fuse_shared_experts,
                 parallel.tp_rank, parallel.tp_size,
             )
         else:
-            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, device, parallel.tp_rank, parallel.tp_size)
-        self.comm = LayerCommunicator(parallel, self.input_layernorm, self.post_attention_layernorm)
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, device, parallel.tp_rank, parallel.tp_size,
+                           ecfg.deterministic)
+        self.comm = LayerCommunicator(parallel, self.input_layernorm, self.post_attention_layernorm,
+                                      exact_all_reduce if ecfg.deterministic else None)
 
     def forward(
         self, hidden: torch.Tensor, residual: torch.Tensor | None, fb: ForwardBatch, kv_cache: torch.Tensor
@@ -87,11 +90,11 @@ class DeepseekModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(
             cfg.vocab_size, cfg.hidden_size, parallel.tp_rank, parallel.tp_size, dtype, device
         )
-        self.vocab_comm = VocabCommunicator(parallel)
+        self.vocab_comm = VocabCommunicator(parallel, exact_all_reduce if ecfg.deterministic else None)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, ecfg, i, parallel, recorder, self.rotary) for i in range(cfg.num_hidden_layers)
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, ecfg.norm_backend)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, ecfg.norm_impl)
 
     def forward(self, fb: ForwardBatch, kv_buffer: torch.Tensor) -> torch.Tensor:
         """-> final hidden states [T, D] (after the last RMSNorm)."""
@@ -113,7 +116,8 @@ class DeepseekForCausalLM(nn.Module):
         self.recorder = recorder
         self.model = DeepseekModel(cfg, ecfg, parallel, recorder)
         self.lm_head = ColumnParallelLinear(
-            cfg.hidden_size, cfg.vocab_size, parallel.tp_rank, parallel.tp_size, ecfg.torch_dtype, ecfg.device
+            cfg.hidden_size, cfg.vocab_size, parallel.tp_rank, parallel.tp_size, ecfg.torch_dtype, ecfg.device,
+            ecfg.deterministic,
         )
         # MTP layers (index >= num_hidden_layers) as loaded, kept for the speculation issue.
         self.mtp_weights: dict[str, torch.Tensor] = {}

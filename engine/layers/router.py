@@ -19,7 +19,8 @@ from r3trace.kernels.topk import sum_partials  # the top-k kernel's order of add
 
 from ..config import ModelConfig
 from ..forward_batch import ForwardBatch
-from .routing import RoutingParams, gate_scores, grouped_topk_ref, weights_for_ids
+from .exact import exact_linear, exact_sigmoid, exact_softmax
+from .routing import RoutingParams, gate_scores, group_masked_choice, grouped_topk_ref, weights_for_ids
 
 
 class SharedTail(NamedTuple):
@@ -64,15 +65,34 @@ def logits_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x.float(), weight)
 
 
+def logits_exact(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Exact mode's router logits [T, E] fp32: exact_linear's fixed tree, batch-invariant."""
+    return exact_linear(x.float(), weight)
+
+
 def make_routing_ops(backend: str, fuse: bool = True) -> RoutingOps:
     """The gate's two ops for a top-k backend. fuse (triton only): router_logits reads x without a cast
     kernel, and the top-k kernel stores the [T, K + S] routes itself; else the cast + cuBLAS and
-    append_shared's two cats (session 5's path, kept as the A/B baseline)."""
+    append_shared's two cats (session 5's path, kept as the A/B baseline). exact: exact logits and exact_topk."""
+    if backend == "exact":
+        return RoutingOps(logits_exact, exact_topk)
     if backend == "ref":
         return RoutingOps(logits_ref, _make_topk_fn(backend, False))
     from r3trace.kernels.router_logits import router_logits
 
     return RoutingOps(router_logits if fuse else logits_ref, _make_topk_fn(backend, fuse))
+
+
+def exact_topk(
+    logits: torch.Tensor, bias: torch.Tensor | None, p: RoutingParams, ids_out: torch.Tensor | None,
+    shared: SharedTail | None,
+) -> Routes:
+    """grouped_topk_ref's steps with position-free gate scores (exact.py: torch's CPU sigmoid is not); the group
+    mask, top-k and weights are the reference's own (max, top-k and a K-sum per row: row-independent)."""
+    scores = exact_softmax(logits) if p.scoring_func == "softmax" else exact_sigmoid(logits)  # [T, E]
+    choice = group_masked_choice(scores, bias, p)  # [T, E]
+    ids = choice.topk(p.top_k, dim=-1, sorted=True).indices  # [T, K]
+    return append_shared(weights_for_ids(scores, ids, p), ids.to(torch.int32), shared)
 
 
 def _make_topk_fn(backend: str, fuse_shared_tail: bool) -> TopkFn:
