@@ -56,9 +56,14 @@ def append_shared(weights: torch.Tensor, ids: torch.Tensor, shared: SharedTail |
 LogitsFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+# (logits [T, E] fp32, scoring_func) -> gate scores [T, E] fp32: what routing replay weighs forced ids with
+ScoresFn = Callable[[torch.Tensor, str], torch.Tensor]
+
+
 class RoutingOps(NamedTuple):
     logits: LogitsFn
     topk: TopkFn
+    scores: ScoresFn = gate_scores
 
 
 def logits_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -70,12 +75,17 @@ def logits_exact(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return exact_linear(x.float(), weight)
 
 
+def exact_gate_scores(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
+    """gate_scores with position-free ops (exact.py: torch's CPU sigmoid is not). [T, E] -> [T, E] fp32."""
+    return exact_softmax(logits) if scoring_func == "softmax" else exact_sigmoid(logits)
+
+
 def make_routing_ops(backend: str, fuse: bool = True) -> RoutingOps:
     """The gate's two ops for a top-k backend. fuse (triton only): router_logits reads x without a cast
     kernel, and the top-k kernel stores the [T, K + S] routes itself; else the cast + cuBLAS and
     append_shared's two cats (session 5's path, kept as the A/B baseline). exact: exact logits and exact_topk."""
     if backend == "exact":
-        return RoutingOps(logits_exact, exact_topk)
+        return RoutingOps(logits_exact, exact_topk, exact_gate_scores)
     if backend == "ref":
         return RoutingOps(logits_ref, _make_topk_fn(backend, False))
     from r3trace.kernels.router_logits import router_logits
@@ -89,7 +99,7 @@ def exact_topk(
 ) -> Routes:
     """grouped_topk_ref's steps with position-free gate scores (exact.py: torch's CPU sigmoid is not); the group
     mask, top-k and weights are the reference's own (max, top-k and a K-sum per row: row-independent)."""
-    scores = exact_softmax(logits) if p.scoring_func == "softmax" else exact_sigmoid(logits)  # [T, E]
+    scores = exact_gate_scores(logits, p.scoring_func)  # [T, E]
     choice = group_masked_choice(scores, bias, p)  # [T, E]
     ids = choice.topk(p.top_k, dim=-1, sorted=True).indices  # [T, K]
     return append_shared(weights_for_ids(scores, ids, p), ids.to(torch.int32), shared)
@@ -137,7 +147,7 @@ class Router(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.recorder = recorder
-        self._logits_fn, self.topk_fn = ops
+        self._logits_fn, self.topk_fn, self._scores_fn = ops
         self.params = RoutingParams(
             top_k=cfg.num_experts_per_tok,
             scoring_func=cfg.scoring_func,
@@ -193,5 +203,5 @@ class Router(nn.Module):
         forced = fb.replay.topk_ids[:, self.layer_id].to(ids.dtype)  # [T, K]
         mask = fb.replay.row_mask.unsqueeze(-1)  # [T, 1]
         new_ids = torch.where(mask, forced, ids)
-        forced_weights = weights_for_ids(gate_scores(logits, self.params.scoring_func), new_ids, self.params)
+        forced_weights = weights_for_ids(self._scores_fn(logits, self.params.scoring_func), new_ids, self.params)
         return torch.where(mask, forced_weights, weights), new_ids

@@ -14,11 +14,13 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import r3trace
 from r3trace.engine.distributed import init_parallel
 from r3trace.engine.engine_config import EngineConfig, EngineConfigError
 from r3trace.engine.layers.exact import (
@@ -73,6 +75,27 @@ def test_a_request_is_bitwise_the_same_in_any_batch_chunking_or_cache_state(make
     assert hit["meta_info"]["cached_tokens"] == 13
     ids, in_lp, out_lp, routes = _view(hit)
     assert (ids, in_lp, out_lp, routes) == (want[0], want[1][14:], want[2], want[3])
+
+
+def test_replayed_routes_are_batch_invariant(make_engine: EngineFactory) -> None:
+    """Forced routes (R3 replay) weigh their ids with the gate's scores: those too come out the same bits alone,
+    beside other requests and in other chunks."""
+    new = 5
+    cfg = make_engine(deterministic=True).model_config
+    rng = np.random.default_rng(13)
+    routes = np.full((len(TARGET) + new - 1, cfg.num_hidden_layers, cfg.num_experts_per_tok), -1, np.int32)
+    for row in routes:
+        for layer in cfg.moe_layer_ids:
+            row[layer] = rng.choice(cfg.n_routed_experts, size=cfg.num_experts_per_tok, replace=False)
+    replay = dict(ASK, routed_experts=routes)
+    alone = make_engine(deterministic=True, enable_prefix_cache=False)
+    first = alone.generate(input_ids=TARGET, sampling_params=greedy(new), **replay)
+    np.testing.assert_array_equal(r3trace.decode_routed_experts(first["meta_info"]), routes)  # the forced ones
+    want = _view(first)
+    chunked = make_engine(deterministic=True, enable_prefix_cache=False, chunked_prefill_size=6)
+    outs = chunked.generate(input_ids=[OTHERS[2], TARGET, OTHERS[0]], sampling_params=greedy(new),
+                            **{**ASK, "routed_experts": [None, routes, None]})  # fmt: skip
+    assert _view(outs[1]) == want
 
 
 def test_deterministic_options_are_checked(tiny_ckpt: Path) -> None:
@@ -164,9 +187,8 @@ def test_elementwise_ops_are_position_free() -> None:
     assert torch.allclose(exact_sigmoid(x), torch.sigmoid(x), rtol=1e-6, atol=1e-7)
 
 
-# ---------------------------------------------------------------- (c) tp2 in gloo processes
+# ---------------------------------------------------------------- (c) tp2 (and tp4) in gloo processes
 
-TP = 2
 # (checkpoint config, mla_path): absorbed (exact mode's default) and forced normal, q_b_proj and q_proj heads,
 # a V2 softmax stack with no dense layer
 CASES = [
@@ -187,21 +209,23 @@ def _run(ckpts: dict[str, Path], parallel: ParallelInfo | None) -> list[dict[str
     return out
 
 
-def _worker(rank: int, store: str, ckpts: dict[str, Path], out_dir: Path) -> None:
+def _worker(rank: int, tp: int, store: str, ckpts: dict[str, Path], out_dir: Path) -> None:
     torch.set_num_threads(1)  # two ranks on two cores
     timeout = timedelta(seconds=60)  # a failed rank must not leave the other in gloo's 30-minute default
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=TP, timeout=timeout)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=tp, timeout=timeout)
     try:
-        torch.save(_run(ckpts, init_parallel(TP, timeout=timeout)), out_dir / f"rank{rank}.pt")
+        torch.save(_run(ckpts, init_parallel(tp, timeout=timeout)), out_dir / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
-def test_tp2_exact_is_bitwise_the_one_process_exact_model(tmp_path: Path) -> None:
+# tp4: one head, a quarter of o_proj's and the dense MLP's inputs (2 of the 8 reduction blocks) per rank
+@pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_tp_exact_is_bitwise_the_one_process_exact_model(tmp_path: Path, tp: int) -> None:
     ckpts = {name: make_checkpoint(tmp_path / name, name, seed=7) for name in {c[0] for c in CASES}}
-    spawn_ranks(_worker, (str(tmp_path / "store"), ckpts, tmp_path), TP)
+    spawn_ranks(_worker, (tp, str(tmp_path / "store"), ckpts, tmp_path), tp)
     ref = _run(ckpts, None)
-    for rank in range(TP):
+    for rank in range(tp):
         got = torch.load(tmp_path / f"rank{rank}.pt")
         for case, r, g in zip(CASES, ref, got, strict=True):
             diff = (g["logits"] - r["logits"]).abs().max().item()
