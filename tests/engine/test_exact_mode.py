@@ -80,7 +80,7 @@ def test_a_request_is_bitwise_the_same_in_any_batch_chunking_or_cache_state(make
 def test_replayed_routes_are_batch_invariant(make_engine: EngineFactory) -> None:
     """Forced routes (R3 replay) weigh their ids with the gate's scores: those too come out the same bits alone,
     beside other requests and in other chunks."""
-    new = 5
+    new = 16
     cfg = make_engine(deterministic=True).model_config
     rng = np.random.default_rng(13)
     routes = np.full((len(TARGET) + new - 1, cfg.num_hidden_layers, cfg.num_experts_per_tok), -1, np.int32)
@@ -92,9 +92,11 @@ def test_replayed_routes_are_batch_invariant(make_engine: EngineFactory) -> None
     first = alone.generate(input_ids=TARGET, sampling_params=greedy(new), **replay)
     np.testing.assert_array_equal(r3trace.decode_routed_experts(first["meta_info"]), routes)  # the forced ones
     want = _view(first)
+    # Decode steps of 4 rows x 8 experts fill AVX-512 vectors where a lone row runs torch's scalar tail, so a
+    # position-dependent op would see the target in both paths (an ulp in one weight can still round away).
     chunked = make_engine(deterministic=True, enable_prefix_cache=False, chunked_prefill_size=6)
-    outs = chunked.generate(input_ids=[OTHERS[2], TARGET, OTHERS[0]], sampling_params=greedy(new),
-                            **{**ASK, "routed_experts": [None, routes, None]})  # fmt: skip
+    outs = chunked.generate(input_ids=[OTHERS[2], TARGET, *OTHERS[:2]], sampling_params=greedy(new),
+                            **{**ASK, "routed_experts": [None, routes, None, None]})  # fmt: skip
     assert _view(outs[1]) == want
 
 
@@ -140,6 +142,16 @@ def test_tree_sum_is_the_adjacent_pair_tree_and_ignores_zero_padding() -> None:
     for extra in (27, 91):  # to 64 and to 128: the same bits
         padded = torch.cat([y, torch.zeros(5, extra, 3)], dim=1)
         assert torch.equal(tree_sum(padded, 1), s)
+
+
+def test_exact_linear_sums_in_its_documented_tree() -> None:
+    """In = 32: 8 blocks of 4. Block 0 holds [1e8, 1, -1e8, 1]: its tree is (1e8 + 1) + (-1e8 + 1) = 0 in fp32,
+    where a left-to-right sum gives 1; the other blocks hold 2.0, 0.5, ... so the block tree adds exact values."""
+    x = torch.zeros(1, 32)
+    x[0, :4] = torch.tensor([1e8, 1.0, -1e8, 1.0])
+    x[0, 4:] = torch.tensor([2.0, 0.5, 0.25, 0.125]).repeat(7)
+    w = torch.ones(3, 32)
+    assert exact_linear(x, w).tolist() == [[7 * 2.875] * 3]
 
 
 @pytest.mark.parametrize("ranks", [2, 4, 8])
