@@ -10,10 +10,11 @@ of two with zeros, then add adjacent pairs until one is left. Adjacent pairing m
 subtree, and x + 0 = x, so padding to any larger power of two gives the same bits: a sum over the keys a
 query sees does not depend on how many masked (exactly zero) keys follow, nor on chunking or the batch.
 
-Elementwise ops are not all position-free either: torch's CPU sigmoid and silu run a scalar path on the last
-elements of each chunk whose bits differ from the vector path's (about 0.6% of values, AVX-512, torch 2.13), so
-a token's gate scores and activations moved with its place in the batch. exact_sigmoid / exact_silu are built
-from exp, + and / instead, which agree in both paths (tests/engine/test_exact_mode.py checks it).
+Elementwise ops are not all position-free either: torch's CPU sigmoid and silu run a scalar loop on the last
+elements of each contiguous run (fewer than two vectors) whose bits differ from the vector loop's in about 4% of
+values (AVX-512, torch 2.13), so a token's gate scores moved with its place in the batch (a [4, 8] score tensor
+is vectorised, a lone [1, 8] row is not). exact_sigmoid / exact_silu are built from exp, + and / instead, which
+agree in both loops on this build (tests/engine/test_exact_mode.py checks it).
 
 exact_linear splits In into EXACT_BLOCKS = 8 contiguous blocks: a tree within each block, then a tree over
 the 8 blocks. A row-parallel shard over R in {1, 2, 4, 8} ranks holds 8 / R whole blocks, a complete subtree,
@@ -27,8 +28,11 @@ size; nor on the tensor-parallel shard count R in {1, 2, 4, 8} after the exact r
 (absorbed) for every forward. Not covered: bf16/fp16 under R > 1 (partials are rounded to the model dtype
 before the reduction), expert-parallel dispatch, and the Triton backends (exact mode requires ref).
 
-Cost (samples/model, fp32, CPU, 2 threads; bench/exact_cost.py): exact / default time is about
-PREFILL_RATIO for a 4 x 64-token prefill and DECODE_RATIO per decode step at batch 4.
+Cost (samples/model, fp32, CPU, 2 threads, torch 2.13; bench/exact_cost.py -> bench/results/exact_cost-cpu.json,
+fastest of 10 on a shared 2-core machine): exact / default forward time 18x for a 4 x 64-token prefill (466 vs
+26 ms), 23x with logits on every row (input logprobs: the exact lm_head), 3.7x per decode step at batch 4 (32
+vs 8.6 ms). exact_linear materialises every product (a GEMM's work as elementwise passes, about 75% of the
+exact prefill), so it is a reference-speed mode for checking and replaying, not for serving throughput.
 """
 
 from __future__ import annotations
