@@ -1,10 +1,11 @@
-"""Exact mode (EngineConfig.deterministic): batch invariance through Engine, the exact reduction tree's
-shard split, and tp2 in real gloo processes bitwise equal to the one-process exact model.
+"""Exact mode (EngineConfig.deterministic): batch invariance through Engine (tiny random checkpoints and
+samples/model), the exact reduction tree and its shard split, and tp2 (tp4: slow) in real gloo processes
+bitwise equal to the one-process exact model.
 
-Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/engine/test_exact_mode.py
+Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/engine/test_exact_mode.py  (-m slow: tp4)
 
 Every comparison is bitwise (== on logprobs, torch.equal on tensors): exact mode promises equal bits, so no
-tolerance is given. fp32 on CPU, tiny random checkpoints (tests/tiny_models.py).
+tolerance is given. fp32 on CPU. With deterministic=False the batch-invariance tests fail (other bits).
 """
 
 from __future__ import annotations
@@ -75,6 +76,21 @@ def test_a_request_is_bitwise_the_same_in_any_batch_chunking_or_cache_state(make
     assert hit["meta_info"]["cached_tokens"] == 13
     ids, in_lp, out_lp, routes = _view(hit)
     assert (ids, in_lp, out_lp, routes) == (want[0], want[1][14:], want[2], want[3])
+
+
+def test_the_sample_model_is_batch_invariant_too() -> None:
+    """samples/model (D = 256, 32 experts, top-4, V = 4096, trained weights): alone, in a batch of 4 at the end,
+    and in 9-token chunks. With deterministic=False the batch comparison fails here (MKL's GEMMs)."""
+    from r3trace.engine import Engine
+
+    model = Path(__file__).resolve().parents[2] / "samples" / "model"
+    prompts = random_prompts(4, 11, 47, seed=14)
+    params = greedy(8)
+    with Engine(model, deterministic=True, enable_prefix_cache=False) as e:
+        want = _view(e.generate(input_ids=prompts[0], sampling_params=params, **ASK))
+        assert _view(e.generate(input_ids=prompts[1:] + prompts[:1], sampling_params=params, **ASK)[3]) == want
+    with Engine(model, deterministic=True, enable_prefix_cache=False, chunked_prefill_size=9) as e:
+        assert _view(e.generate(input_ids=prompts[1:3] + prompts[:1], sampling_params=params, **ASK)[2]) == want
 
 
 def test_replayed_routes_are_batch_invariant(make_engine: EngineFactory) -> None:
