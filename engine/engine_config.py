@@ -61,6 +61,10 @@ class EngineConfig:
     # captured); () turns graphs off.
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
     seed: int = 0
+    # Exact mode (layers/exact.py): batch-invariant math, so a request's logits and routes do not depend on its
+    # batch, chunking, prefix hits or the TP shard count. Needs the ref backends; forces the absorbed MLA path
+    # and the fused shared experts (both through exact ops), no CUDA graphs.
+    deterministic: bool = False
     # route capture
     capture_weights: bool = False  # keep top-k weights too (return_routed_weights; +2 bytes per id)
     trace_dir: str | None = None  # record every request into this trace folder from the start
@@ -87,6 +91,10 @@ class EngineConfig:
             raise EngineConfigError(f"shared_experts={self.shared_experts!r}: expected auto, fused or separate")
         if self.decode_kernel not in ("auto", "triton"):
             raise EngineConfigError(f"decode_kernel={self.decode_kernel!r}: expected auto or triton")
+        if not isinstance(self.deterministic, bool):
+            raise EngineConfigError(f"deterministic={self.deterministic!r}: expected True or False")
+        if self.deterministic:
+            self._check_deterministic()
         if self.cuda_graph_batch_sizes:
             if not self.device.startswith("cuda") or not self.all_triton:
                 raise EngineConfigError(
@@ -99,13 +107,43 @@ class EngineConfig:
                     f"cuda_graph_batch_sizes has {bad} outside 1..max_running_requests={self.max_running_requests}"
                 )
 
+    def _check_deterministic(self) -> None:
+        for name in ("attention_backend", "moe_backend", "topk_backend", "norm_backend", "rope_backend"):
+            if getattr(self, name) != "ref":
+                raise EngineConfigError(f"{name}={getattr(self, name)!r}: deterministic=True needs the ref backend")
+
     @property
     def all_triton(self) -> bool:
         return self.attention_backend == self.moe_backend == self.topk_backend == "triton"
 
     @property
     def fuse_shared_experts(self) -> bool:
-        return self.shared_experts == "fused" or (self.shared_experts == "auto" and self.moe_backend == "triton")
+        # Exact mode's "auto" is separate: the one form every layout can run (expert parallelism refuses fused) and
+        # the tensor-parallel split of the shared MLP reduces exactly (exact_all_reduce).
+        auto_fused = self.moe_backend == "triton" and not self.deterministic
+        return self.shared_experts == "fused" or (self.shared_experts == "auto" and auto_fused)
+
+    # The implementations the model is built with: the configured backend, or "exact" in exact mode.
+    @property
+    def attention_impl(self) -> str:
+        return "exact" if self.deterministic else self.attention_backend
+
+    @property
+    def moe_impl(self) -> str:
+        return "exact" if self.deterministic else self.moe_backend
+
+    @property
+    def topk_impl(self) -> str:
+        return "exact" if self.deterministic else self.topk_backend
+
+    @property
+    def norm_impl(self) -> str:
+        return "exact" if self.deterministic else self.norm_backend
+
+    @property
+    def mla_impl(self) -> MlaPath:
+        """One MLA path for every forward in exact mode (absorbed, unless normal is asked), else mla_path."""
+        return "absorb" if self.deterministic and self.mla_path == "auto" else self.mla_path
 
     @property
     def graph_batch_sizes(self) -> tuple[int, ...]:

@@ -25,12 +25,13 @@ from torch import nn
 
 from r3trace.capture.recorder import NullRecorder, RouteRecorder
 
-from .communicator import LayerCommunicator, RouteCommunicator, VocabCommunicator, mlp_input_mode
+from .communicator import LayerCommunicator, RouteCommunicator, VocabCommunicator, all_reduce_sum, mlp_input_mode
 from .config import ModelConfig
 from .engine_config import EngineConfig, EngineConfigError
 from .forward_batch import ForwardBatch
 from .layers.attention_backend import make_attention_backend
 from .layers.dispatcher import make_dispatcher
+from .layers.exact import exact_all_reduce
 from .layers.linear import ColumnParallelLinear, VocabParallelEmbedding
 from .layers.mla import MLAAttention
 from .layers.mlp import MLP
@@ -55,12 +56,12 @@ class DecoderLayer(nn.Module):
         super().__init__()
         dtype, device = ecfg.torch_dtype, ecfg.device
         self.layer_id = layer_id
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, ecfg.norm_backend)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, ecfg.norm_backend)
-        attn_backend = make_attention_backend(ecfg.attention_backend, ecfg.device, ecfg.decode_kernel, ecfg.page_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, ecfg.norm_impl)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, ecfg.norm_impl)
+        attn_backend = make_attention_backend(ecfg.attention_impl, ecfg.device, ecfg.decode_kernel, ecfg.page_size)
         self.self_attn = MLAAttention(
-            cfg, layer_id, rope, attn_backend, ecfg.mla_path, dtype, device, ecfg.norm_backend, ecfg.fuse_step_glue,
-            parallel.attn_tp_rank, parallel.attn_tp_size,
+            cfg, layer_id, rope, attn_backend, ecfg.mla_impl, dtype, device, ecfg.norm_impl, ecfg.fuse_step_glue,
+            parallel.attn_tp_rank, parallel.attn_tp_size, ecfg.deterministic,
         )
         self.is_moe = cfg.is_moe_layer(layer_id)
         self.mlp: nn.Module
@@ -69,17 +70,19 @@ class DecoderLayer(nn.Module):
             # Under EP the shared experts run whole on this rank's scattered rows (replicated, as under DeepEP).
             shared_rank, shared_size = (0, 1) if ep else (parallel.tp_rank, parallel.tp_size)
             self.mlp = MoE(
-                cfg, layer_id, recorder, make_routing_ops(ecfg.topk_backend, ecfg.fuse_step_glue),
-                make_experts_fn(ecfg.moe_backend), dtype, device, fuse_shared_experts(ecfg, parallel),
+                cfg, layer_id, recorder, make_routing_ops(ecfg.topk_impl, ecfg.fuse_step_glue),
+                make_experts_fn(ecfg.moe_impl), dtype, device, fuse_shared_experts(ecfg, parallel),
                 shared_rank, shared_size,
                 dispatcher=make_dispatcher(cfg.n_routed_experts, parallel.ep_rank, parallel.ep_size,
                                            parallel.ep_group) if ep else None,
-                route_gather=None if routes is None else routes.gather_routes,
+                route_gather=None if routes is None else routes.gather_routes, exact=ecfg.deterministic,
             )  # fmt: skip
         else:
-            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, device, parallel.tp_rank, parallel.tp_size)
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, device, parallel.tp_rank, parallel.tp_size,
+                           ecfg.deterministic)
         self.comm = LayerCommunicator(
-            parallel, self.input_layernorm, self.post_attention_layernorm, mlp_input_mode(parallel, self.is_moe)
+            parallel, self.input_layernorm, self.post_attention_layernorm, mlp_input_mode(parallel, self.is_moe),
+            exact_all_reduce if ecfg.deterministic else all_reduce_sum,
         )
 
     def forward(
@@ -106,7 +109,7 @@ class DeepseekModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(
             cfg.vocab_size, cfg.hidden_size, parallel.attn_tp_rank, parallel.attn_tp_size, dtype, device
         )
-        self.vocab_comm = VocabCommunicator(parallel)
+        self.vocab_comm = VocabCommunicator(parallel, exact_all_reduce if ecfg.deterministic else all_reduce_sum)
         moe_mode = mlp_input_mode(parallel, is_moe=True)
         # Routes gathered over attention-TP only for a recorder that keeps them (NullRecorder: capture off).
         self.routes = RouteCommunicator(
@@ -118,7 +121,7 @@ class DeepseekModel(nn.Module):
             DecoderLayer(cfg, ecfg, i, parallel, recorder, self.rotary, self.routes)
             for i in range(cfg.num_hidden_layers)
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, ecfg.norm_backend)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, ecfg.norm_impl)
 
     def forward(self, fb: ForwardBatch, kv_buffer: torch.Tensor) -> torch.Tensor:
         """-> final hidden states [T, D] (after the last RMSNorm)."""
@@ -142,7 +145,7 @@ class DeepseekForCausalLM(nn.Module):
         self.model = DeepseekModel(cfg, ecfg, parallel, recorder)
         self.lm_head = ColumnParallelLinear(
             cfg.hidden_size, cfg.vocab_size, parallel.attn_tp_rank, parallel.attn_tp_size, ecfg.torch_dtype,
-            ecfg.device,
+            ecfg.device, ecfg.deterministic,
         )
         # MTP layers (index >= num_hidden_layers) as loaded, kept for the speculation issue.
         self.mtp_weights: dict[str, torch.Tensor] = {}

@@ -130,7 +130,8 @@ class ModelRunner:
     def run_idle(self) -> None:
         """A DP rank with no requests while another has some: a forward of no tokens that joins every
         collective of the step (its layout's all-gather, the MoE's, the communicators')."""
-        fb = step_layout(idle_batch(self.forward_id, self.req_pool.req_to_token, self.device, self.parallel), self.parallel)
+        idle = idle_batch(self.forward_id, self.req_pool.req_to_token, self.device, self.parallel)
+        fb = step_layout(idle, self.parallel)
         self.forward_id += 1  # forward ids stay equal on every rank: the trace's forward_id column agrees
         self.model.forward(fb, self.pool.kv_buffer)
 

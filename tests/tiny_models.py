@@ -81,10 +81,15 @@ def load_hf(model_dir: Path) -> torch.nn.Module:
 
 
 def load_engine_model(
-    model_dir: Path, recorder: ListRecorder | None = None, parallel: ParallelInfo | None = None, **engine_options: Any
+    model_dir: Path,
+    recorder: ListRecorder | None = None,
+    parallel: ParallelInfo | None = None,
+    deterministic: bool = False,
+    **engine_options: Any,
 ) -> DeepseekForCausalLM:
-    """build_model + load_weights; parallel: this rank's ParallelInfo (None: one process)."""
-    ecfg = EngineConfig(**engine_options)
+    """build_model + load_weights; parallel: this rank's ParallelInfo (None: one process); deterministic: exact
+    mode (EngineConfig.deterministic: batch-invariant ops, exact all-reduce)."""
+    ecfg = EngineConfig(deterministic=deterministic, **engine_options)
     model = build_model(ModelConfig.from_hf(model_dir), ecfg, parallel or ParallelInfo(), recorder or ListRecorder())
     load_weights(model, model_dir)
     return model

@@ -5,6 +5,13 @@ Shape legend: T new tokens, H heads, C = kv_lora_rank + qk_rope_head_dim, S cach
   (prefix and the new tokens, already written) is read from the cache through req_to_token.
 - mha(q [T, H, Dqk], k [Nk, H, Dqk], v [Nk, H, Dv], k_starts, k_lens) -> [T, H, Dv]: per-head attention
   on decompressed keys; request b's queries are the last extend_lens[b] of its k_lens[b] keys (causal).
+
+| backend | what runs                                                                     |
+| ------- | ----------------------------------------------------------------------------- |
+| ref     | torch einsum + softmax per request, fp32: the definition the kernels match     |
+| triton  | r3trace.kernels' decode / extend / prefill kernels                             |
+| exact   | exact.py's exact_attention per request: q.k, softmax's sum and p.v are tree    |
+|         | sums over fixed orders (exact mode: a row's bits do not depend on its batch)   |
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from typing import Protocol
 import torch
 
 from ..forward_batch import ForwardBatch
+from .exact import exact_attention
 
 
 class AttentionBackend(Protocol):
@@ -82,6 +90,37 @@ class RefAttention:
         return out
 
 
+class ExactAttention:
+    """RefAttention's loops with exact_attention inside: batch-invariant, for exact mode."""
+
+    def absorbed(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, fb: ForwardBatch, kv_lora_rank: int, scale: float
+    ) -> torch.Tensor:
+        out = q.new_empty(q.shape[0], q.shape[1], kv_lora_rank)
+        for b, (start, n, seq_len) in enumerate(zip(_starts(fb), fb.extend_lens_cpu, fb.seq_lens_cpu, strict=False)):
+            slots = fb.req_to_token[fb.req_pool_indices[b], :seq_len].long()
+            kv = kv_cache[slots].unsqueeze(1).expand(-1, q.shape[1], -1)  # [N, H, C]: one latent row for all heads
+            o = exact_attention(q[start : start + n], kv, kv[..., :kv_lora_rank], scale)  # [n, H, kv_lora] fp32
+            out[start : start + n] = o.to(q.dtype)
+        return out
+
+    def mha(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        fb: ForwardBatch,
+        k_starts: list[int],
+        k_lens: list[int],
+        scale: float,
+    ) -> torch.Tensor:
+        out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
+        for start, n, ks, kl in zip(_starts(fb), fb.extend_lens_cpu, k_starts, k_lens, strict=False):
+            o = exact_attention(q[start : start + n], k[ks : ks + kl], v[ks : ks + kl], scale)  # [n, H, Dv] fp32
+            out[start : start + n] = o.to(q.dtype)
+        return out
+
+
 class TritonAttention:
     """Triton flash-decoding / extend kernels (r3trace.kernels). Split counts and max lengths come from
     the batch's host lists, so no kernel launch needs a device sync (and decode is graph-capturable)."""
@@ -138,4 +177,6 @@ class TritonAttention:
 def make_attention_backend(
     name: str, device: str, decode_kernel: str = "auto", page_size: int = 1
 ) -> AttentionBackend:
+    if name == "exact":
+        return ExactAttention()
     return RefAttention() if name == "ref" else TritonAttention(device, decode_kernel, page_size)

@@ -8,6 +8,8 @@ Shape legend: T tokens, In / Out the full feature sizes, R ranks of the group sh
 - VocabParallelEmbedding: rows V / R; ids outside the rank's slice read zeros (the sum over ranks is the
                         lookup), reduced at the model's embed boundary (VocabCommunicator).
 Each module reports its Shard, so weights.py copies the rank's slice of the full checkpoint tensor.
+The matmul is chosen at construction (exact=True: layers/exact.py's exact_linear; a row-parallel shard then
+sums its 8 / R blocks, the subtree the exact all-reduce completes), never per call.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .exact import make_matmul
 
 
 class Shard(NamedTuple):
@@ -38,28 +42,42 @@ def _weight(rows: int, cols: int, dtype: torch.dtype, device: torch.device | str
 
 
 class ColumnParallelLinear(nn.Module):
+    """Also the replicated linear (rank 0 of size 1): every output is a complete sum over In."""
+
     def __init__(
-        self, in_f: int, out_f: int, rank: int, size: int, dtype: torch.dtype, device: torch.device | str
+        self, in_f: int, out_f: int, rank: int, size: int, dtype: torch.dtype, device: torch.device | str,
+        exact: bool = False,
     ) -> None:
         super().__init__()
         self.weight = _weight(_split(out_f, size, "out_features"), in_f, dtype, device)
         self.shard = Shard(0, rank, size)
+        self._matmul = make_matmul(exact, in_f)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        """x: [T, In] -> [T, Out / R]."""
+        return self._matmul(x, self.weight)
 
 
 class RowParallelLinear(nn.Module):
     def __init__(
-        self, in_f: int, out_f: int, rank: int, size: int, dtype: torch.dtype, device: torch.device | str
+        self, in_f: int, out_f: int, rank: int, size: int, dtype: torch.dtype, device: torch.device | str,
+        exact: bool = False,
     ) -> None:
         super().__init__()
         self.weight = _weight(out_f, _split(in_f, size, "in_features"), dtype, device)
         self.shard = Shard(1, rank, size)
+        self._matmul = make_matmul(exact, self.weight.shape[1], size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, In / R] -> [T, Out], this rank's partial sum (unreduced)."""
-        return F.linear(x, self.weight)
+        return self._matmul(x, self.weight)
+
+
+def replicated_linear(
+    in_f: int, out_f: int, dtype: torch.dtype, device: torch.device | str, exact: bool = False
+) -> ColumnParallelLinear:
+    """A whole linear on every rank (the latent projections): a column-parallel one over a single rank."""
+    return ColumnParallelLinear(in_f, out_f, 0, 1, dtype, device, exact)
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -12,14 +12,17 @@ q_proj / q_b_proj and kv_b_proj are column-parallel (their rows are per-head blo
 forward returns this rank's partial sum [T, D], all-reduced by LayerCommunicator.prepare_mlp. The latent
 path (q_a_proj, kv_a_proj_with_mqa, the norms, the cache row) is replicated: every rank holds the whole
 latent cache, which all its heads read.
+
+Exact mode (exact=True): every linear and the two per-head absorbed products run exact.py's fixed-tree
+sums (chosen at construction); EngineConfig.mla_impl pins one path for every forward.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from r3trace.kernels.latent_write import latent_write
@@ -27,12 +30,22 @@ from r3trace.kernels.latent_write import latent_write
 from ..config import ModelConfig
 from ..forward_batch import ForwardBatch
 from .attention_backend import AttentionBackend
-from .linear import ColumnParallelLinear, RowParallelLinear
-from .mlp import linear
+from .exact import exact_head_linear, make_matmul
+from .linear import ColumnParallelLinear, RowParallelLinear, replicated_linear
 from .norm import RMSNorm
 from .rope import RotaryEmbedding
 
 AttnPath = Literal["normal", "absorb"]
+# (x [T, H, In], w [H, In, Out], out [T, H, Out] (a view to store into)) -> None
+HeadMatmul = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+def _head_bmm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+    torch.bmm(x.transpose(0, 1), w, out=out.transpose(0, 1))
+
+
+def _head_exact(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+    out.copy_(exact_head_linear(x, w.transpose(1, 2)))
 
 
 def select_attn_path(fb: ForwardBatch, forced: str) -> AttnPath:
@@ -56,6 +69,7 @@ class MLAAttention(nn.Module):
         fuse_latent_write: bool = True,
         tp_rank: int = 0,
         tp_size: int = 1,
+        exact: bool = False,
     ) -> None:
         super().__init__()
         self.layer_id = layer_id
@@ -71,20 +85,22 @@ class MLAAttention(nn.Module):
         d, qk = cfg.hidden_size, cfg.qk_head_dim
         heads = cfg.num_attention_heads
         self.q_proj: ColumnParallelLinear | None = None
-        self.q_a_proj: nn.Linear | None = None
+        self.q_a_proj: ColumnParallelLinear | None = None
         self.q_a_layernorm: RMSNorm | None = None
         self.q_b_proj: ColumnParallelLinear | None = None
         if cfg.q_lora_rank is None:
-            self.q_proj = ColumnParallelLinear(d, heads * qk, tp_rank, tp_size, dtype, device)
+            self.q_proj = ColumnParallelLinear(d, heads * qk, tp_rank, tp_size, dtype, device, exact)
         else:
-            self.q_a_proj = linear(d, cfg.q_lora_rank, dtype, device)
+            self.q_a_proj = replicated_linear(d, cfg.q_lora_rank, dtype, device, exact)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dtype, device, norm_backend)
-            self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, heads * qk, tp_rank, tp_size, dtype, device)
-        self.kv_a_proj_with_mqa = linear(d, self.kv_lora + self.rope_dim, dtype, device)
+            self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, heads * qk, tp_rank, tp_size, dtype, device, exact)
+        self.kv_a_proj_with_mqa = replicated_linear(d, self.kv_lora + self.rope_dim, dtype, device, exact)
         self.kv_a_layernorm = RMSNorm(self.kv_lora, cfg.rms_norm_eps, dtype, device, norm_backend)
         kv_b_out = heads * (self.nope + self.v_dim)
-        self.kv_b_proj = ColumnParallelLinear(self.kv_lora, kv_b_out, tp_rank, tp_size, dtype, device)
-        self.o_proj = RowParallelLinear(heads * self.v_dim, d, tp_rank, tp_size, dtype, device)
+        self.kv_b_proj = ColumnParallelLinear(self.kv_lora, kv_b_out, tp_rank, tp_size, dtype, device, exact)
+        self.o_proj = RowParallelLinear(heads * self.v_dim, d, tp_rank, tp_size, dtype, device, exact)
+        self._matmul = make_matmul(exact, d)  # the stacked q_a / kv_a projection below
+        self._head_matmul: HeadMatmul = _head_exact if exact else _head_bmm  # the absorbed w_kc and w_vc products
         # The latent write as one kernel (r3trace.kernels.latent_write) with the triton norm and rope backends;
         # its twin is the norm, the rope, a cat and an index store (4 kernels: 8.8 us a layer at batch 64).
         self.fused_latent = fuse_latent_write and norm_backend == "triton" and rope.backend == "triton"
@@ -118,7 +134,7 @@ class MLAAttention(nn.Module):
             assert self.q_a_proj is not None and self.q_a_layernorm is not None and self.q_b_proj is not None
             if self.qkv_a_weight is not None:
                 q_lora = self.qkv_a_weight.shape[0] - self.kv_lora - self.rope_dim
-                q_a, kv_a = F.linear(x, self.qkv_a_weight).split([q_lora, self.kv_lora + self.rope_dim], dim=-1)
+                q_a, kv_a = self._matmul(x, self.qkv_a_weight).split([q_lora, self.kv_lora + self.rope_dim], dim=-1)
             else:
                 q_a, kv_a = self.q_a_proj(x), self.kv_a_proj_with_mqa(x)
             q = self.q_b_proj(self.q_a_layernorm(q_a))
@@ -140,11 +156,11 @@ class MLAAttention(nn.Module):
             # as they are. einsum + cat cost a cat a layer (4.6 us at batch 64 on the H200: bench/NOTES.md,
             # "Engine owner, session 5", run 2's kernel table), and the reshape of einsum's permuted output a copy.
             q_lat = q.new_empty(t, self.h, self.kv_lora + self.rope_dim)
-            torch.bmm(q_nope.transpose(0, 1), self.w_kc, out=q_lat[:, :, : self.kv_lora].transpose(0, 1))
+            self._head_matmul(q_nope, self.w_kc, q_lat[:, :, : self.kv_lora])
             self.rope(fb.positions, q_pe, out=q_lat[:, :, self.kv_lora :])
             o_lat = self.backend.absorbed(q_lat, kv_cache, fb, self.kv_lora, self.scale)  # [T, H, kv_lora]
             out = o_lat.new_empty(t, self.h, self.v_dim)
-            torch.bmm(o_lat.transpose(0, 1), self.w_vc.transpose(1, 2), out=out.transpose(0, 1))  # [T, H, v]
+            self._head_matmul(o_lat, self.w_vc.transpose(1, 2), out)  # [T, H, v]
         return self.o_proj(out.reshape(t, self.h * self.v_dim))
 
     def _write_latent(

@@ -41,6 +41,7 @@ from r3trace.capture.recorder import NullRecorder, RouteRecorder
 from ..config import ModelConfig
 from ..forward_batch import ForwardBatch
 from .dispatcher import NullDispatcher, TokenDispatcher
+from .exact import exact_linear, exact_silu
 from .expert_location import ExpertLocation, ExpertLocationError, held_experts
 from .expert_map import ExpertMap
 from .mlp import MLP
@@ -76,7 +77,31 @@ def grouped_experts_ref(
     return out.to(x.dtype)
 
 
+def exact_experts(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+) -> torch.Tensor:
+    """Exact mode's experts: each (token, k) pair through exact_linear (w13, then w2), then per token the
+    sequential fp32 sum over k = 0..K-1 of w_k * y_k. A pair's bits depend on its token and expert only.
+
+    x: [T, D]; topk_ids/topk_weights: [T, K] -> [T, D] in x's dtype. Ids of -1 add exact zeros."""
+    t, k = topk_ids.shape
+    flat = topk_ids.reshape(-1).long()  # [T*K]
+    y = torch.zeros(t * k, x.shape[1], dtype=torch.float32, device=x.device)  # [T*K, D]
+    for expert in flat[flat >= 0].unique().tolist():  # one host sync
+        pairs = (flat == expert).nonzero()[:, 0]  # [n] flat pair indices
+        gate, up = exact_linear(x[pairs // k], w13[expert]).chunk(2, dim=-1)  # [n, I] each
+        y[pairs] = exact_linear(exact_silu(gate) * up, w2[expert]).float()  # [n, D]
+    y = y.view(t, k, -1)  # [T, K, D]
+    w = topk_weights.float()
+    out = w[:, 0, None] * y[:, 0]
+    for j in range(1, k):
+        out = out + w[:, j, None] * y[:, j]
+    return out.to(x.dtype)
+
+
 def make_experts_fn(backend: str) -> ExpertsFn:
+    if backend == "exact":
+        return exact_experts
     if backend == "ref":
         return grouped_experts_ref
     from r3trace.kernels.fused_moe import fused_moe
@@ -105,7 +130,9 @@ class MoE(nn.Module):
         tp_size: int = 1,
         dispatcher: TokenDispatcher | None = None,
         route_gather: RouteGather | None = None,
+        exact: bool = False,
     ) -> None:
+        """exact: the unfused shared experts' linears are exact mode's (exact_linear)."""
         super().__init__()
         e, d, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.dispatcher = dispatcher or NullDispatcher(e)
@@ -120,7 +147,7 @@ class MoE(nn.Module):
         self.w13 = nn.Parameter(torch.empty(rows, 2 * i, d, dtype=dtype, device=device), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(rows, d, i, dtype=dtype, device=device), requires_grad=False)
         self.shared_experts = (
-            MLP(d, i * cfg.n_shared_experts, dtype, device, *((0, 1) if fuse_shared else (tp_rank, tp_size)))
+            MLP(d, i * cfg.n_shared_experts, dtype, device, *((0, 1) if fuse_shared else (tp_rank, tp_size)), exact)
             if cfg.n_shared_experts > 0
             else None
         )

@@ -21,7 +21,8 @@ from r3trace.kernels.topk import sum_partials  # the top-k kernel's order of add
 
 from ..config import ModelConfig
 from ..forward_batch import ForwardBatch
-from .routing import RoutingParams, gate_scores, grouped_topk_ref, weights_for_ids
+from .exact import exact_linear, exact_sigmoid, exact_softmax
+from .routing import RoutingParams, gate_scores, group_masked_choice, grouped_topk_ref, weights_for_ids
 
 
 class SharedTail(NamedTuple):
@@ -62,24 +63,53 @@ LogitsFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 RouteGather = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
+# (logits [T, E] fp32, scoring_func) -> gate scores [T, E] fp32: what routing replay weighs forced ids with
+ScoresFn = Callable[[torch.Tensor, str], torch.Tensor]
+
+
 class RoutingOps(NamedTuple):
     logits: LogitsFn
     topk: TopkFn
+    scores: ScoresFn = gate_scores
 
 
 def logits_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x.float(), weight)
 
 
+def logits_exact(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Exact mode's router logits [T, E] fp32: exact_linear's fixed tree, batch-invariant."""
+    return exact_linear(x.float(), weight)
+
+
+def exact_gate_scores(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
+    """gate_scores with position-free ops (exact.py: torch's CPU sigmoid is not). [T, E] -> [T, E] fp32."""
+    return exact_softmax(logits) if scoring_func == "softmax" else exact_sigmoid(logits)
+
+
 def make_routing_ops(backend: str, fuse: bool = True) -> RoutingOps:
     """The gate's two ops for a top-k backend. fuse (triton only): router_logits reads x without a cast
     kernel, and the top-k kernel stores the [T, K + S] routes itself; else the cast + cuBLAS and
-    append_shared's two cats (session 5's path, kept as the A/B baseline)."""
+    append_shared's two cats (session 5's path, kept as the A/B baseline). exact: exact logits and exact_topk."""
+    if backend == "exact":
+        return RoutingOps(logits_exact, exact_topk, exact_gate_scores)
     if backend == "ref":
         return RoutingOps(logits_ref, _make_topk_fn(backend, False))
     from r3trace.kernels.router_logits import router_logits
 
     return RoutingOps(router_logits if fuse else logits_ref, _make_topk_fn(backend, fuse))
+
+
+def exact_topk(
+    logits: torch.Tensor, bias: torch.Tensor | None, p: RoutingParams, ids_out: torch.Tensor | None,
+    shared: SharedTail | None,
+) -> Routes:
+    """grouped_topk_ref's steps with position-free gate scores (exact.py: torch's CPU sigmoid is not); the group
+    mask, top-k and weights are the reference's own (max, top-k and a K-sum per row: row-independent)."""
+    scores = exact_gate_scores(logits, p.scoring_func)  # [T, E]
+    choice = group_masked_choice(scores, bias, p)  # [T, E]
+    ids = choice.topk(p.top_k, dim=-1, sorted=True).indices  # [T, K]
+    return append_shared(weights_for_ids(scores, ids, p), ids.to(torch.int32), shared)
 
 
 def _make_topk_fn(backend: str, fuse_shared_tail: bool) -> TopkFn:
@@ -126,7 +156,7 @@ class Router(nn.Module):
         self.layer_id = layer_id
         self.route_gather = route_gather
         self.recorder = recorder
-        self._logits_fn, self.topk_fn = ops
+        self._logits_fn, self.topk_fn, self._scores_fn = ops
         self.params = RoutingParams(
             top_k=cfg.num_experts_per_tok,
             scoring_func=cfg.scoring_func,
@@ -186,5 +216,5 @@ class Router(nn.Module):
         forced = fb.replay.topk_ids[:, self.layer_id].to(ids.dtype)  # [T, K]
         mask = fb.replay.row_mask.unsqueeze(-1)  # [T, 1]
         new_ids = torch.where(mask, forced, ids)
-        forced_weights = weights_for_ids(gate_scores(logits, self.params.scoring_func), new_ids, self.params)
+        forced_weights = weights_for_ids(self._scores_fn(logits, self.params.scoring_func), new_ids, self.params)
         return torch.where(mask, forced_weights, weights), new_ids
