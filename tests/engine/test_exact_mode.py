@@ -125,10 +125,12 @@ def test_deterministic_options_are_checked(tiny_ckpt: Path) -> None:
         (dict(topk_backend="triton"), "topk_backend"),
         (dict(norm_backend="triton"), "norm_backend"),
         (dict(rope_backend="triton"), "rope_backend"),
-        (dict(shared_experts="separate"), "shared_experts"),
     ]:
         with pytest.raises(EngineConfigError, match=f"^{field}="):
             EngineConfig(deterministic=True, **bad)
+    # exact mode runs the shared experts separately unless told "fused" (every layout can run separate ones)
+    assert not EngineConfig(deterministic=True).fuse_shared_experts
+    assert EngineConfig(deterministic=True, shared_experts="fused").fuse_shared_experts
     with pytest.raises(EngineConfigError, match="^deterministic="):
         EngineConfig(deterministic="yes")  # type: ignore[arg-type]
     with pytest.raises(EngineConfigError, match="^attention_backend="):
@@ -136,7 +138,7 @@ def test_deterministic_options_are_checked(tiny_ckpt: Path) -> None:
     cfg = EngineConfig(deterministic=True)
     resolved = (cfg.mla_impl, cfg.attention_impl, cfg.moe_impl, cfg.norm_impl, cfg.topk_impl)
     assert resolved == ("absorb", "exact", "exact", "exact", "exact")
-    assert cfg.fuse_shared_experts and cfg.graph_batch_sizes == ()
+    assert not cfg.fuse_shared_experts and cfg.graph_batch_sizes == ()
     assert (EngineConfig().mla_impl, EngineConfig().attention_impl) == ("auto", "ref")
 
 
