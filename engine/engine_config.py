@@ -63,8 +63,13 @@ class EngineConfig:
     seed: int = 0
     # Exact mode (layers/exact.py): batch-invariant math, so a request's logits and routes do not depend on its
     # batch, chunking, prefix hits or the TP shard count. Needs the ref backends; forces the absorbed MLA path
-    # and the fused shared experts (both through exact ops), no CUDA graphs.
+    # and separate shared experts (both through exact ops), no CUDA graphs. Under expert parallelism it takes the
+    # low-latency dispatcher, whose combine sums a token's K expert outputs in k order as one process does.
     deterministic: bool = False
+    # Expert parallelism's token dispatcher (SGLang's --deepep-mode): normal (DeepEP normal mode: rows sized by a
+    # host count each dispatch) or low_latency (fixed [E_local, max_tokens * G, D] buffers, graph-safe, k-order
+    # combine). auto: low_latency in exact mode, else normal.
+    deepep_mode: Literal["auto", "normal", "low_latency"] = "auto"
     # route capture
     capture_weights: bool = False  # keep top-k weights too (return_routed_weights; +2 bytes per id)
     trace_dir: str | None = None  # record every request into this trace folder from the start
@@ -93,6 +98,8 @@ class EngineConfig:
             raise EngineConfigError(f"decode_kernel={self.decode_kernel!r}: expected auto or triton")
         if not isinstance(self.deterministic, bool):
             raise EngineConfigError(f"deterministic={self.deterministic!r}: expected True or False")
+        if self.deepep_mode not in ("auto", "normal", "low_latency"):
+            raise EngineConfigError(f"deepep_mode={self.deepep_mode!r}: expected auto, normal or low_latency")
         if self.deterministic:
             self._check_deterministic()
         if self.cuda_graph_batch_sizes:
@@ -108,9 +115,21 @@ class EngineConfig:
                 )
 
     def _check_deterministic(self) -> None:
+        if self.deepep_mode == "normal":
+            raise EngineConfigError(
+                "deepep_mode='normal': deterministic=True needs low_latency (normal mode sums per-rank partials)"
+            )
         for name in ("attention_backend", "moe_backend", "topk_backend", "norm_backend", "rope_backend"):
             if getattr(self, name) != "ref":
                 raise EngineConfigError(f"{name}={getattr(self, name)!r}: deterministic=True needs the ref backend")
+
+    @property
+    def dispatcher_mode(self) -> Literal["normal", "low_latency"]:
+        """deepep_mode resolved: exact mode needs the low-latency layout's k-order combine (deterministic=True with
+        deepep_mode="normal" is refused)."""
+        if self.deepep_mode == "auto":
+            return "low_latency" if self.deterministic else "normal"
+        return self.deepep_mode
 
     @property
     def all_triton(self) -> bool:

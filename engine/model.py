@@ -74,7 +74,8 @@ class DecoderLayer(nn.Module):
                 make_experts_fn(ecfg.moe_impl), dtype, device, fuse_shared_experts(ecfg, parallel),
                 shared_rank, shared_size,
                 dispatcher=make_dispatcher(cfg.n_routed_experts, parallel.ep_rank, parallel.ep_size,
-                                           parallel.ep_group) if ep else None,
+                                           parallel.ep_group, ecfg.dispatcher_mode,
+                                           moe_rows_per_rank(ecfg, parallel)) if ep else None,
                 route_gather=None if routes is None else routes.gather_routes, exact=ecfg.deterministic,
             )  # fmt: skip
         else:
@@ -182,6 +183,13 @@ def fuse_shared_experts(ecfg: EngineConfig, parallel: ParallelInfo) -> bool:
             raise EngineConfigError(f"shared_experts='fused' needs ep_size=1 (got {parallel.ep_size}): use 'separate'")
         return False
     return ecfg.fuse_shared_experts
+
+
+def moe_rows_per_rank(ecfg: EngineConfig, parallel: ParallelInfo) -> int:
+    """The most rows one rank's MoE sees in a forward under EP (the low-latency layout's max_tokens): its DP rank's
+    batch, scattered over attention TP."""
+    per_dp_rank = max(ecfg.chunked_prefill_size, ecfg.max_running_requests)
+    return -(-per_dp_rank // parallel.attn_tp_size)
 
 
 def build_model(
