@@ -125,8 +125,9 @@ def test_spark_heat_equals_stats(tmp_path: Path) -> None:
     from r3trace.analysis.heat import heat
 
     written = write_store(tmp_path, seed=6)
+    # ts is TIMESTAMP(NANOS): Spark refuses that Parquet type unless told to read it as a long (docs/querying.md)
     spark = SparkSession.builder.master("local[2]").appName("r3trace").config("spark.ui.enabled", "false") \
-        .getOrCreate()
+        .config("spark.sql.legacy.parquet.nanosAsLong", "true").getOrCreate()
     try:
         df = spark.read.parquet(str(tmp_path / "routes"))
         assert df.count() == len(written)
