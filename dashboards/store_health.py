@@ -14,7 +14,7 @@ from typing import Any
 
 import streamlit as st
 
-from dashboards import store_cache as sc
+from r3trace.dashboards import store_cache as sc
 from r3trace.trace.layout import TABLES
 from r3trace.trace.reader import RunFiles
 from r3trace.trace.schema import MANIFEST_NAME, Manifest
