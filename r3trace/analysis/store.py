@@ -32,7 +32,6 @@ from r3trace.trace.layout import FIRST_TABLE_LAYOUT, TABLES, Table
 from r3trace.trace.reader import RunFiles, open_dataset
 from r3trace.trace.schema import MANIFEST_NAME, REQUEST_SCHEMA, ROLLUP_SCHEMA, Manifest, route_schema
 
-
 _FILES: dict[Table, str] = {"routes": "route_files", "rollups": "rollup_files", "requests": "request_files"}
 
 

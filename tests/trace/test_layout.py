@@ -141,3 +141,45 @@ def test_spark_heat_equals_stats(tmp_path: Path) -> None:
             for lay, e, c in heat(store.con, run_id=run).rows()}
     assert spark_heat == ours == heat_of(written)
     assert pyspark.__version__
+
+
+def test_docs_heat_queries(tmp_path: Path) -> None:
+    """docs/querying.md's pyarrow and polars heat queries, as written there, give the heat of the rows written."""
+    written = write_store(tmp_path, seed=7)
+    t = ds.dataset(tmp_path / "routes", partitioning="hive").to_table(columns=["run_id", "layer_id", "topk_ids"])
+    k = t.schema.field("topk_ids").type.list_size
+    ids = t.column("topk_ids").combine_chunks().flatten()
+
+    def rep(c: str) -> np.ndarray:
+        return np.repeat(t.column(c).to_numpy(zero_copy_only=False), k)
+
+    heat = pa.table({"run_id": rep("run_id"), "layer_id": rep("layer_id"), "expert_id": ids}) \
+        .group_by(["run_id", "layer_id", "expert_id"]).aggregate([("expert_id", "count")])
+    assert {(r["run_id"], r["layer_id"], r["expert_id"]): r["expert_id_count"] for r in heat.to_pylist()} \
+        == heat_of(written)
+    polars_heat = (pl.scan_parquet(tmp_path / "routes")
+                   .select("run_id", "layer_id", pl.col("topk_ids").alias("expert_id")).explode("expert_id")
+                   .group_by("run_id", "layer_id", "expert_id").len().collect())
+    assert {(r, lay, e): n for r, lay, e, n in polars_heat.rows()} == heat_of(written)
+
+
+def test_bundled_sample_store_of_the_old_layout_migrates(tmp_path: Path) -> None:
+    """samples/traces was written by the previous layout's writer: r3trace reads it as is, and after
+    `r3trace migrate` the plain readers get the same rows and heat r3trace got before."""
+    import shutil
+
+    from r3trace.analysis.heat import heat
+
+    store = tmp_path / "traces"
+    shutil.copytree(Path(__file__).resolve().parents[2] / "samples" / "traces", store)
+    [run] = open_dataset(store)
+    assert run.manifest.schema_version == 1 and run.route_files[0].parent == run.run_dir
+    before = TraceStore(store)
+    rows_before = before.query("SELECT count(*) FROM routes").item()
+    heat_before = heat(before.con).rows()
+    assert main(["migrate", str(store)]) == 0
+    assert sorted(p.name for p in run.run_dir.iterdir() if not p.name.startswith(".")) == ["manifest.json"]
+    after = TraceStore(store)
+    assert heat(after.con).rows() == heat_before and rows_before == run.manifest.rows
+    assert ds.dataset(store / "routes", partitioning="hive").count_rows() == rows_before
+    assert pl.scan_parquet(store / "routes").select(pl.len()).collect().item() == rows_before
