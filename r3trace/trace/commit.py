@@ -92,6 +92,9 @@ class RunCommitter:
         self.dirs: dict[Table, Path] = {t: table_dir(run_dir, manifest.schema_version, t) for t in TABLES}
         for d in self.dirs.values():
             d.mkdir(parents=True, exist_ok=True)
+        if fsync:  # the new folders' entries, so a power loss cannot drop a folder whose files were fsynced
+            for d in {run_dir.parent, *(d.parent for d in self.dirs.values())}:
+                fsync_path(d)
         self.fsync = fsync
         self.small_rows = small_rows
         self.fanin = fanin
