@@ -8,19 +8,15 @@ run lacks (no runs, foreign files, a crashed run, no route rows) is said in one 
 from __future__ import annotations
 
 import logging
-import sys
 from pathlib import Path
 
 import duckdb
 import streamlit as st
 
-# `streamlit run` puts this folder on sys.path, not the repo root: add it so `dashboards.*` imports work.
-_ROOT = str(Path(__file__).resolve().parent.parent)
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
-
-from dashboards import query_state, store_cache, store_health  # noqa: E402
-from r3trace.trace.schema import TraceSchemaError  # noqa: E402
+# dashboards/ is the package r3trace.dashboards (pyproject's package-dir): importable wherever r3trace is
+# installed, from a wheel or from this checkout, whatever folder `streamlit run` puts on sys.path
+from r3trace.dashboards import query_state, store_cache, store_health
+from r3trace.trace.schema import TraceSchemaError
 
 _LOG = logging.getLogger("r3trace.dashboard")
 

@@ -14,7 +14,8 @@ from typing import Any
 
 import streamlit as st
 
-from dashboards import store_cache as sc
+from r3trace.dashboards import store_cache as sc
+from r3trace.trace.layout import TABLES
 from r3trace.trace.reader import RunFiles
 from r3trace.trace.schema import MANIFEST_NAME, Manifest
 
@@ -33,7 +34,7 @@ def foreign_entries(path: str) -> list[str]:
         return []
     out = []
     for p in sorted(root.iterdir()):
-        if p.name.startswith("."):
+        if p.name.startswith(".") or (p.is_dir() and p.name in TABLES):  # hidden, or a table's folder of runs
             continue
         if p.is_dir() and p.name.startswith("run_id="):
             if not (p / MANIFEST_NAME).exists():
@@ -52,11 +53,9 @@ def no_runs_message(path: str) -> str:
 
 
 def uncommitted_files(run: RunFiles) -> list[str]:
-    """Files in the run folder that its manifest does not list: what `recover_run` deletes (`.tmp` files, and
+    """Files in the run's folders that its manifest does not list: what `recover_run` deletes (`.tmp` files, and
     .parquet files renamed before a kill could write the manifest, or a compaction's inputs or output)."""
-    listed = {n for f in run.manifest.files for n in (f.name, f.rollup, f.requests) if n}
-    return [p.name for p in sorted(run.run_dir.iterdir()) if p.is_file() and (
-        p.name.endswith(".tmp") or (p.suffix == ".parquet" and p.name not in listed))]
+    return [p.name for p in run.unlisted_files()]
 
 
 def _interval(m: Manifest) -> str:

@@ -47,6 +47,7 @@ def run(args: argparse.Namespace) -> int:
     from r3trace.engine import Engine
     from r3trace.server import ServerConfig, create_app
     from r3trace.server.background import BackgroundServer
+    from r3trace.trace.reader import open_dataset
 
     t_start = time.perf_counter()
     model = Path(args.model)
@@ -92,7 +93,8 @@ def run(args: argparse.Namespace) -> int:
     payload = next((ln.split()[-1] for ln in metrics.splitlines()
                     if ln.startswith("r3trace_capture_bytes_total")), "?")
     run_dir = out / f"run_id={run_id}"
-    size = sum(f.stat().st_size for f in run_dir.glob("*.parquet"))
+    size = sum(f.stat().st_size for r in open_dataset(run_dir) for f in [*r.route_files, *r.rollup_files,
+                                                                          *r.request_files])
     print(f"      {rows_checked} route rows returned and checked (shape, dense layers -1); "
           f"{payload} bytes of int32 ids returned (/metrics)")
     detail = (stopped.get("detail") or {}).get("result") or {}

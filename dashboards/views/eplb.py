@@ -7,8 +7,8 @@ import json
 import numpy as np
 import streamlit as st
 
-from dashboards import figures, query_state, store_health
-from dashboards import store_cache as sc
+from r3trace.dashboards import figures, query_state, store_health
+from r3trace.dashboards import store_cache as sc
 
 path, run_id = st.session_state["store"], st.session_state["run_id"]
 st.header("EPLB planner")

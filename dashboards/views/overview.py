@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import streamlit as st
 
-from dashboards import figures, store_health
-from dashboards import store_cache as sc
+from r3trace.dashboards import figures, store_health
+from r3trace.dashboards import store_cache as sc
 
 path, run_id = st.session_state["store"], st.session_state["run_id"]
 st.header(f"Overview of {run_id}")

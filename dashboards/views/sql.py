@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import streamlit as st
 
-from dashboards import query_state
-from dashboards import store_cache as sc
 from r3trace.analysis.limited_query import QueryTimeout
+from r3trace.dashboards import query_state
+from r3trace.dashboards import store_cache as sc
 
 path = st.session_state["store"]
 st.header("SQL console (read-only)")

@@ -27,7 +27,8 @@ import numpy as np
 from r3trace.analysis.peer_formats import BodyError, Format, Routes, detect, moe_rows, routes_of
 from r3trace.progress import progress_bar
 from r3trace.trace.commit import write_heat_run
-from r3trace.trace.reader import open_dataset
+from r3trace.trace.layout import TABLES
+from r3trace.trace.reader import RunFiles, open_dataset
 from r3trace.trace.schema import Manifest, TraceSchemaError, run_dir_name
 from r3trace.trace.writer import TraceWriter
 
@@ -60,6 +61,12 @@ def staged(store: str | Path) -> Iterator[Path]:
             if (store / run.name).exists():
                 raise IngestError(f"{run.name} already exists in store {store}")
         for run in sorted(stage.glob("run_id=*")):
+            for table in TABLES:  # the data first, the folder that holds the manifest (the commit point) last
+                src = stage / table / run.name
+                if src.is_dir():
+                    (store / table).mkdir(exist_ok=True)
+                    shutil.rmtree(store / table / run.name, ignore_errors=True)  # unlisted leftovers of a failed try
+                    src.rename(store / table / run.name)
             run.rename(store / run.name)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
@@ -74,12 +81,14 @@ def ingest_native(src: str | Path, store: str | Path, progress: bool | None = Tr
     with staged(store) as stage, progress_bar(progress, total=sum(map(len, files.values())), unit="file",
                                               desc="ingest native") as bar:
         for r in runs:
-            dst = stage / run_dir_name(r.manifest.run_id)
-            dst.mkdir()
-            for p in files[r.run_dir]:
-                shutil.copy2(p, dst / p.name)
+            dst = RunFiles(r.manifest, stage / run_dir_name(r.manifest.run_id))  # same layout, in the stage
+            for src, to in zip(files[r.run_dir], [*dst.route_files, *dst.rollup_files, *dst.request_files],
+                               strict=True):
+                to.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(src, to)
                 bar.update()
-            r.manifest.write(dst)
+            dst.run_dir.mkdir(exist_ok=True)
+            r.manifest.write(dst.run_dir)
     return [r.manifest.run_id for r in runs]
 
 

@@ -28,8 +28,11 @@ import pyarrow as pa
 
 from r3trace.errors import StoreError
 from r3trace.progress import duckdb_progress
+from r3trace.trace.layout import FIRST_TABLE_LAYOUT, TABLES, Table
 from r3trace.trace.reader import RunFiles, open_dataset
 from r3trace.trace.schema import MANIFEST_NAME, REQUEST_SCHEMA, ROLLUP_SCHEMA, Manifest, route_schema
+
+_FILES: dict[Table, str] = {"routes": "route_files", "rollups": "rollup_files", "requests": "request_files"}
 
 
 class StoreQueryError(PermissionError):
@@ -124,26 +127,32 @@ class TraceStore:
 
     def _create_views(self) -> None:
         c = self.con
-        routes = [p for r in self.runs for p in r.route_files]
-        rollups = [p for r in self.runs for p in r.rollup_files]
-        requests = [p for r in self.runs for p in r.request_files]
         k = max((r.manifest.top_k for r in self.runs), default=8)
 
-        def source(files: list[Path], schema: pa.Schema) -> str:
-            if not files:
-                return _empty_select(schema)
-            opts = "hive_partitioning=false, union_by_name=true"
-            return f"SELECT * FROM read_parquet({_sql_list(files)}, {opts})"
+        def source(table: Table, schema: pa.Schema) -> str:
+            """One table's listed files: layout-2 files get run_id from their folder, layout-1 files hold it."""
+            files = {True: [], False: []}  # type: dict[bool, list[Path]]
+            for r in self.runs:
+                files[r.manifest.schema_version >= FIRST_TABLE_LAYOUT] += getattr(r, _FILES[table])
+            parts = []
+            if files[True]:
+                opts = "hive_partitioning=true, hive_types={'run_id': 'VARCHAR'}, union_by_name=true"
+                parts.append(f"SELECT run_id, * EXCLUDE (run_id) FROM read_parquet({_sql_list(files[True])}, {opts})")
+            if files[False]:
+                opts = "hive_partitioning=false, union_by_name=true"
+                parts.append(f"SELECT * REPLACE (CAST(run_id AS VARCHAR) AS run_id)"
+                             f" FROM read_parquet({_sql_list(files[False])}, {opts})")
+            return " UNION ALL BY NAME ".join(parts) if parts else _empty_select(schema)
 
-        c.execute(f"CREATE OR REPLACE VIEW routes AS {source(routes, route_schema(k, False))}")
-        c.execute(f"CREATE OR REPLACE VIEW rollups AS {source(rollups, ROLLUP_SCHEMA)}")
+        c.execute(f"CREATE OR REPLACE VIEW routes AS {source('routes', route_schema(k, False))}")
+        c.execute(f"CREATE OR REPLACE VIEW rollups AS {source('rollups', ROLLUP_SCHEMA)}")
         # Requests a crashed writer left in flight (reader.RunFiles.unfinished_requests) are rows too, with
         # finish_reason 'unfinished': their routes are in the files, their summary never was.
         unfinished = [row for r in self.runs for row in r.unfinished_requests()]
         c.register("_unfinished_arrow", pa.Table.from_pylist(unfinished, schema=REQUEST_SCHEMA))
         c.execute("CREATE OR REPLACE TABLE _unfinished_requests AS SELECT * FROM _unfinished_arrow")
         c.unregister("_unfinished_arrow")
-        c.execute(f"CREATE OR REPLACE VIEW requests AS {source(requests, REQUEST_SCHEMA)}"
+        c.execute(f"CREATE OR REPLACE VIEW requests AS {source('requests', REQUEST_SCHEMA)}"
                   " UNION ALL BY NAME SELECT * FROM _unfinished_requests")
         rows = [_runs_row(r.manifest, r.run_dir) for r in self.runs]
         # no runs: the same columns, zero rows (from a placeholder manifest), so queries on `runs` still bind
@@ -221,7 +230,8 @@ def _check_manifest(run_dir: Path) -> None:
 def _no_runs_message(roots: Sequence[Path]) -> str:
     where = str(roots[0]) if len(roots) == 1 else str([str(r) for r in roots])
     waiting = sum(1 for r in roots for d in r.glob("run_id=*") if d.is_dir() and not (d / MANIFEST_NAME).exists())
-    other = sorted(p.name for r in roots for p in r.iterdir() if not p.name.startswith(("run_id=", ".")))
+    other = sorted(p.name for r in roots for p in r.iterdir()
+                   if not p.name.startswith(("run_id=", ".")) and p.name not in TABLES)
     msg = f"no r3trace runs under {where} (expected run_id=*/manifest.json"
     if waiting:
         msg += f"; {waiting} run_id=* folders have no manifest.json yet"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from importlib.resources import files
 from pathlib import Path
 
 HELP = "open the Streamlit dashboard over a trace store (heat, imbalance, diff, EPLB planner, SQL)"
@@ -18,8 +19,9 @@ SQL_TIMEOUT_ENV = "R3TRACE_SQL_TIMEOUT_S"
 
 
 def app_path() -> Path:
-    """dashboards/app.py of this source checkout (the dashboard ships beside the package, not in it)."""
-    return Path(__file__).resolve().parents[2] / "dashboards" / "app.py"
+    """app.py of the installed package r3trace.dashboards: the wheel's copy, or dashboards/ of an editable
+    checkout (pyproject maps the folder to that package, so both resolve the same way)."""
+    return Path(str(files("r3trace.dashboards").joinpath("app.py")))
 
 
 def streamlit_args(store: str, host: str, port: int) -> list[str]:
@@ -43,7 +45,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"r3trace dashboard: store {store} {what}", file=sys.stderr)
         return 2
     if not app_path().is_file():
-        print(f"r3trace dashboard: {app_path()} not found (run from a source checkout)", file=sys.stderr)
+        print(f"r3trace dashboard: {app_path()} not found (reinstall r3trace: its wheel ships the app)",
+              file=sys.stderr)
         return 2
     if args.sql_timeout_s < 1:
         print(f"r3trace dashboard: --sql-timeout-s={args.sql_timeout_s} must be >= 1", file=sys.stderr)

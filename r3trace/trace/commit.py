@@ -1,7 +1,8 @@
 """RunFiles on disk: group commits and compaction of one run, the manifest as the single commit point.
 
 A commit writes `part-N.parquet` (routes), `rollup-N.parquet` and, when requests finished,
-`requests-N.parquet`, each as `.tmp` + fsync + rename, then rewrites manifest.json atomically. A file
+`requests-N.parquet`, each into its table's folder (layout.py) as `.tmp` + fsync + rename, then rewrites
+manifest.json atomically. A file
 is part of the run exactly when the manifest lists it: a kill before the manifest write leaves files
 that `reader.recover_run` deletes, never a listed file that is absent or torn.
 
@@ -27,6 +28,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from r3trace.trace.layout import TABLES, Table, file_table, table_dir, tmp_path, without_partition
 from r3trace.trace.rollup import RollupAccumulator
 from r3trace.trace.schema import (
     PARQUET_COMPRESSION,
@@ -40,7 +42,6 @@ from r3trace.trace.schema import (
     TraceSchemaError,
     fsync_path,
     run_dir_name,
-    write_atomic,
 )
 
 
@@ -49,10 +50,12 @@ def now_iso() -> str:
 
 
 def write_parquet_atomic(
-    table: pa.Table, path: Path, row_group_rows: int = ROW_GROUP_ROWS, fsync: bool = False
+    table: pa.Table, path: Path, row_group_rows: int = ROW_GROUP_ROWS, fsync: bool = False,
+    staging: Path | None = None,
 ) -> None:
-    """`path.tmp`, (fsync), rename: the final name only ever holds a complete file."""
-    tmp = path.with_name(path.name + ".tmp")
+    """`.name.tmp` in `staging` (default: beside `path`), (fsync), rename: the final name only ever holds a
+    complete file. A run stages in its manifest folder, so a table folder holds complete files only."""
+    tmp = tmp_path(path, staging)
     pq.write_table(
         table, tmp, compression=PARQUET_COMPRESSION, compression_level=PARQUET_COMPRESSION_LEVEL,
         use_dictionary=True, row_group_size=row_group_rows,
@@ -63,14 +66,16 @@ def write_parquet_atomic(
 
 
 def merge_rollups(tables: Sequence[pa.Table]) -> pa.Table:
-    """Rollup tables of several files -> one, counts summed per (window, layer, expert, phase)."""
-    t = pa.concat_tables(tables)
+    """Rollup tables of several files -> one, counts summed per (window, layer, expert, phase); run_id kept
+    where the inputs hold it (files of layout 2 do not: it is their folder's name)."""
+    schema = ROLLUP_SCHEMA if tables and "run_id" in tables[0].column_names else without_partition(ROLLUP_SCHEMA)
+    t = pa.concat_tables([x.cast(schema) for x in tables]) if tables else schema.empty_table()
     if t.num_rows == 0:
-        return ROLLUP_SCHEMA.empty_table()
-    keys = ["run_id", "window_start", "layer_id", "expert_id", "phase"]
+        return schema.empty_table()
+    keys = [k for k in ("run_id", "window_start", "layer_id", "expert_id", "phase") if k in schema.names]
     g = t.group_by(keys).aggregate([("count", "sum")]).rename_columns([*keys, "count"])
-    g = g.sort_by([(k, "ascending") for k in keys[1:]])
-    return g.select([f.name for f in ROLLUP_SCHEMA]).cast(ROLLUP_SCHEMA)
+    g = g.sort_by([(k, "ascending") for k in keys if k != "run_id"])
+    return g.select(schema.names).cast(schema)
 
 
 class RunCommitter:
@@ -83,6 +88,13 @@ class RunCommitter:
         self.run_dir = run_dir
         self.manifest = manifest
         self.schema = schema
+        self.file_schema = without_partition(schema)  # run_id is the files' folder name, not a column
+        self.dirs: dict[Table, Path] = {t: table_dir(run_dir, manifest.schema_version, t) for t in TABLES}
+        for d in self.dirs.values():
+            d.mkdir(parents=True, exist_ok=True)
+        if fsync:  # the new folders' entries, so a power loss cannot drop a folder whose files were fsynced
+            for d in {run_dir.parent, *(d.parent for d in self.dirs.values())}:
+                fsync_path(d)
         self.fsync = fsync
         self.small_rows = small_rows
         self.fanin = fanin
@@ -97,15 +109,17 @@ class RunCommitter:
     def _paths(self) -> tuple[Path, Path, Path]:
         n = self._seq
         self._seq += 1
-        d = self.run_dir
-        return d / f"part-{n:05d}.parquet", d / f"rollup-{n:05d}.parquet", d / f"requests-{n:05d}.parquet"
+        d = self.dirs
+        return (d["routes"] / f"part-{n:05d}.parquet", d["rollups"] / f"rollup-{n:05d}.parquet",
+                d["requests"] / f"requests-{n:05d}.parquet")
 
     def _write_entry(self, routes: pa.Table, rollup: pa.Table, requests: pa.Table | None, level: int) -> FileEntry:
         part, roll, req = self._paths()
-        write_parquet_atomic(routes, part, self.row_group_rows, self.fsync)
-        write_parquet_atomic(rollup, roll, self.row_group_rows, self.fsync)
+        m = self.manifest
+        write_parquet_atomic(file_table(routes, m), part, self.row_group_rows, self.fsync, self.run_dir)
+        write_parquet_atomic(file_table(rollup, m), roll, self.row_group_rows, self.fsync, self.run_dir)
         if requests is not None and requests.num_rows:
-            write_parquet_atomic(requests, req, self.row_group_rows, self.fsync)
+            write_parquet_atomic(file_table(requests, m), req, self.row_group_rows, self.fsync, self.run_dir)
         else:
             req = None  # type: ignore[assignment]
         fwd = routes.column("forward_id")
@@ -117,7 +131,8 @@ class RunCommitter:
 
     def publish(self, manifest: Manifest) -> None:
         if self.fsync:
-            fsync_path(self.run_dir)  # the renames above, before the manifest names them
+            for d in {*self.dirs.values(), self.run_dir}:  # the renames above, before the manifest names them
+                fsync_path(d)
         manifest.write(self.run_dir)
         self.manifest = manifest
 
@@ -164,19 +179,19 @@ class RunCommitter:
     def _merge(self, lo: int, hi: int) -> None:
         m = self.manifest
         group = m.files[lo:hi]
-        d = self.run_dir
-        routes = pa.concat_tables([pq.read_table(d / f.name) for f in group])
-        rollup = merge_rollups([pq.read_table(d / f.rollup) for f in group if f.rollup])
-        reqs = [pq.read_table(d / f.requests) for f in group if f.requests]
+        d = self.dirs
+        routes = pa.concat_tables([pq.read_table(d["routes"] / f.name).cast(self.file_schema) for f in group])
+        rollup = merge_rollups([pq.read_table(d["rollups"] / f.rollup) for f in group if f.rollup])
+        reqs = [pq.read_table(d["requests"] / f.requests) for f in group if f.requests]
         entry = self._write_entry(
-            routes.cast(self.schema) if routes.num_rows else self.schema.empty_table(), rollup,
+            routes if routes.num_rows else self.file_schema.empty_table(), rollup,
             pa.concat_tables(reqs) if reqs else None, level=max(f.level for f in group) + 1,
         )
         self.publish(replace(m, files=(*m.files[:lo], entry, *m.files[hi:])))
         for f in group:  # no longer listed: readers that go by the manifest never open them again
-            for name in (f.name, f.rollup, f.requests):
+            for table, name in zip(TABLES, (f.name, f.rollup, f.requests), strict=True):
                 if name:
-                    (d / name).unlink(missing_ok=True)
+                    (d[table] / name).unlink(missing_ok=True)
         self.compactions += 1
 
 
@@ -192,9 +207,12 @@ def write_heat_run(
         raise TraceSchemaError(f"heat phase {phase!r} not in {PHASES}")
     run_dir = Path(root) / run_dir_name(manifest.run_id)
     run_dir.mkdir(parents=True, exist_ok=True)
+    rollups = table_dir(run_dir, manifest.schema_version, "rollups")
+    rollups.mkdir(parents=True, exist_ok=True)
     acc = RollupAccumulator(manifest.moe_layer_ids, manifest.num_experts, manifest.rollup_window_ns)
     acc.counts[(window_start_ns // manifest.rollup_window_ns, PHASES.index(phase))] = counts.astype(np.int64)
-    write_parquet_atomic(acc.table(manifest.run_id), run_dir / "rollup-00000.parquet")
+    write_parquet_atomic(file_table(acc.table(manifest.run_id), manifest), rollups / "rollup-00000.parquet",
+                         staging=run_dir)
     done = replace(manifest, kind="heat", files=(FileEntry(name="", rows=0, rollup="rollup-00000.parquet"),))
-    write_atomic(run_dir / "manifest.json", done.to_json().encode())
+    done.write(run_dir)
     return done

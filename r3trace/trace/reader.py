@@ -22,6 +22,7 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from r3trace.trace.commit import now_iso, write_parquet_atomic
+from r3trace.trace.layout import TABLES, Table, file_table, table_dir
 from r3trace.trace.lifecycle import run_is_live
 from r3trace.trace.schema import MANIFEST_NAME, PHASES, REQUEST_SCHEMA, FileEntry, Manifest, TraceSchemaError
 
@@ -48,17 +49,29 @@ class RunFiles:
         return [{"run_id": self.manifest.run_id, "request_id": rid, "finish_reason": UNFINISHED}
                 for rid in self.manifest.open_requests]
 
+    def table_dir(self, table: Table) -> Path:
+        """The folder of one table's files: `<root>/<table>/run_id=<id>`, or the run folder (layout 1)."""
+        return table_dir(self.run_dir, self.manifest.schema_version, table)
+
     @property
     def route_files(self) -> list[Path]:
-        return [self.run_dir / f.name for f in self.manifest.files if f.name]
+        return [self.table_dir("routes") / f.name for f in self.manifest.files if f.name]
 
     @property
     def rollup_files(self) -> list[Path]:
-        return [self.run_dir / f.rollup for f in self.manifest.files if f.rollup]
+        return [self.table_dir("rollups") / f.rollup for f in self.manifest.files if f.rollup]
 
     @property
     def request_files(self) -> list[Path]:
-        return [self.run_dir / f.requests for f in self.manifest.files if f.requests]
+        return [self.table_dir("requests") / f.requests for f in self.manifest.files if f.requests]
+
+    def unlisted_files(self) -> list[Path]:
+        """Files in the run's folders that its manifest does not list: `.tmp` writes and `.parquet` files
+        renamed before a kill could write the manifest, or a compaction's inputs or output."""
+        listed = {*self.route_files, *self.rollup_files, *self.request_files}
+        dirs = sorted({self.run_dir, *(self.table_dir(t) for t in TABLES)})
+        return [p for d in dirs if d.is_dir() for p in sorted(d.iterdir()) if p.is_file() and (
+            p.name.endswith(".tmp") or (p.suffix == ".parquet" and p not in listed))]
 
 
 def open_dataset(roots: str | Path | Sequence[str | Path]) -> list[RunFiles]:
@@ -150,18 +163,19 @@ def recover_run(run_dir: str | Path) -> Manifest:
         raise TraceSchemaError(f"run {m.run_id}: a live writer still records it ({run_dir}); stop it first")
     if state == "closed":
         return m
+    run = RunFiles(m, run_dir, "crashed")
+    for path in run.unlisted_files():
+        path.unlink()
     listed = {n for f in m.files for n in (f.name, f.rollup, f.requests) if n}
-    for path in run_dir.iterdir():
-        stale = path.name.endswith(".tmp") or (path.suffix == ".parquet" and path.name not in listed)
-        if stale and path.is_file():
-            path.unlink()
     files = m.files
     if m.open_requests:
-        run = RunFiles(m, run_dir, "crashed")
         seq = 1 + max((int(n.split("-")[1].split(".")[0]) for n in listed), default=-1)
         name = f"requests-{seq:05d}.parquet"
         table = pa.Table.from_pylist(run.unfinished_requests(), schema=REQUEST_SCHEMA)
-        write_parquet_atomic(table, run_dir / name, fsync=m.fsync)
+        folder = run.table_dir("requests")
+        folder.mkdir(parents=True, exist_ok=True)
+        table = table if folder == run_dir else file_table(table, m)  # layout 1 keeps run_id in its files
+        write_parquet_atomic(table, folder / name, fsync=m.fsync, staging=run_dir)
         files = (*files, FileEntry(name="", rows=0, requests=name))
     m = replace(m, files=files, status="closed", open_requests=(), end_time=m.end_time or now_iso())
     m.write(run_dir)

@@ -1,12 +1,14 @@
-"""The trace contract (issue 3, point 6): Arrow schemas, the run manifest, and the on-disk layout.
+"""The trace contract (issue 3, point 6): Arrow schemas and the run manifest.
 
-One dataset folder holds many runs, hive-partitioned by run id:
+One dataset folder holds many runs. Each table has its own top-level folder, hive-partitioned by run id, and
+each run has one manifest, its commit point (layout.py has the layout and the older one it still reads):
 
-    <root>/run_id=<id>/manifest.json        what the complete files hold (rewritten atomically)
-    <root>/run_id=<id>/part-00000.parquet   routes: one row per (request, token position, MoE layer)
-    <root>/run_id=<id>/rollup-00000.parquet per (window, layer, expert, phase): count, for heat without a scan
-    <root>/run_id=<id>/requests-00000.parquet one row per finished request: tag (domain), token counts
+    <root>/run_id=<id>/manifest.json                 what the complete files hold (rewritten atomically)
+    <root>/routes/run_id=<id>/part-00000.parquet     routes: one row per (request, token position, MoE layer)
+    <root>/rollups/run_id=<id>/rollup-00000.parquet  per (window, layer, expert, phase): count, heat without a scan
+    <root>/requests/run_id=<id>/requests-00000.parquet one row per finished request: tag (domain), token counts
 
+The schemas below hold run_id; files store them without it (it is the partition, in the path).
 Routes are sorted token-major (all MoE layers of a token are adjacent, in `layer_id` order). The
 per-request `tag` lives in the requests table rather than on every route row: one string per request
 instead of one per (token, layer), 58x fewer for DeepSeek-V3.
@@ -24,7 +26,8 @@ from typing import Any, Literal
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 1
+# 2: per-table folders, run_id only in the path, shape facts in each file's metadata (layout.py); 1: one folder
+SCHEMA_VERSION = 2
 PHASES = ("prefill", "decode", "verify")
 SOURCES = ("computed", "prefix_cache")
 RunKind = Literal["routes", "heat"]

@@ -64,7 +64,8 @@ class WriterStatus:
 
 
 class TraceWriter:
-    """Writes one run under `<root>/run_id=<run_id>/`. append/add_request are thread-safe."""
+    """Writes one run: `<root>/run_id=<id>/manifest.json` and the files it lists in `<root>/routes/run_id=<id>/`,
+    `rollups/` and `requests/` (layout.py). append/add_request are thread-safe."""
 
     def __init__(
         self,

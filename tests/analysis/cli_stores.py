@@ -48,7 +48,7 @@ def broken_store(src: Path, dst: Path, how: str) -> Path:
         d["layers"] = d.pop("moe_layer_ids")  # another tool's manifest
         (run / "manifest.json").write_text(json.dumps(d))
     elif how == "corrupt_parquet":
-        part = sorted(run.glob("part-*.parquet"))[0]
+        part = sorted((dst / "routes" / "run_id=a").glob("part-*.parquet"))[0]
         part.write_bytes(part.read_bytes()[:100])  # a torn copy
     else:
         raise ValueError(how)

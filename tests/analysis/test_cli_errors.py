@@ -57,8 +57,8 @@ def test_bad_manifest_names_the_file(store: Path, tmp_path: Path, how: str, need
 
 def test_corrupt_parquet_names_the_file(store: Path, tmp_path: Path) -> None:
     bad = broken_store(store, tmp_path / "torn", "corrupt_parquet")
-    one_line(cli("eplb", str(bad), *EPLB, cwd=tmp_path), "r3trace eplb:", str(bad / "run_id=a" / "part-00000.parquet"),
-             "missing or damaged")
+    one_line(cli("eplb", str(bad), *EPLB, cwd=tmp_path), "r3trace eplb:",
+             str(bad / "routes" / "run_id=a" / "part-00000.parquet"), "missing or damaged")
 
 
 def test_sql_typo_and_refused_statement(store: Path) -> None:

@@ -40,7 +40,7 @@ def test_read_only_refuses_writes_and_outside_files(tiny_trace: dict, tmp_path_f
         s.con.execute("SET enable_external_access = true")
     assert not (root / "x.csv").exists() and not list(root.glob("*.duckdb"))
     # reads inside the store still work through table functions
-    part = next(root.glob("run_id=a/part-*.parquet"))
+    part = next(root.glob("routes/run_id=a/part-*.parquet"))
     assert s.query(f"select count(*) from read_parquet('{part}')").item() > 0
     assert np.isfinite(s.query("select avg(token_pos) from routes").item())
 

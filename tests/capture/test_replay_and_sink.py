@@ -115,7 +115,7 @@ def test_arrow_ipc_stream_carries_the_same_rows(make_engine: EngineFactory, tmp_
     manifest, batches = read_stream(str(tmp_path / "routes.arrows"))
     streamed = pa.Table.from_batches(list(batches))
     assert manifest.run_id == "s1" and list(manifest.moe_layer_ids) == [1, 2]
-    parquet = pq.read_table(next((tmp_path / "trace" / "run_id=s1").glob("part-*.parquet")))
+    parquet = pq.read_table(next((tmp_path / "trace" / "routes" / "run_id=s1").glob("part-*.parquet")))
     key = ["request_id", "token_pos", "layer_id"]
     a = streamed.select([*key, "topk_ids"]).sort_by([(k, "ascending") for k in key]).to_pylist()
     b = parquet.select([*key, "topk_ids"]).sort_by([(k, "ascending") for k in key]).to_pylist()

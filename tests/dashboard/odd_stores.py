@@ -54,9 +54,9 @@ CRASH_CHILD = textwrap.dedent("""
     _tokens(w, rng, "open", 2, 3)  # no add_request: still running at the commit
     w.flush()  # the last commit: part-00000 (done, open), requests-00000 (done), open_requests ("open",)
     _tokens(w, rng, "later", 4, 5)  # never committed: lost with the process
-    d = w.run_dir
+    d = w.run_dir.parent / "routes" / w.run_dir.name  # the run's routes folder (r3trace/trace/layout.py)
     shutil.copyfile(d / "part-00000.parquet", d / "part-00007.parquet")  # renamed, not yet in the manifest
-    (d / "part-00008.parquet.tmp").write_bytes(rng.bytes(100))  # a write the kill cut short
+    (w.run_dir / "part-00008.parquet.tmp").write_bytes(rng.bytes(100))  # a write the kill cut short
     print("ready", flush=True)
     time.sleep(120)
 """)

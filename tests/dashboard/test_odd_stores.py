@@ -104,9 +104,14 @@ def test_crashed_store_holds_what_the_pages_say(stores: dict[str, Path], tmp_pat
     assert run.state == "crashed"
     assert run.manifest.open_requests == ("open",)
     assert [f.name for f in run.manifest.files] == ["part-00000.parquet"]
-    on_disk = sorted(p.name for p in run.run_dir.iterdir())
-    assert on_disk == [".writer.lock", "manifest.json", "part-00000.parquet", "part-00007.parquet",
-                       "part-00008.parquet.tmp", "requests-00000.parquet", "rollup-00000.parquet"]
+    def files(root: Path) -> list[str]:  # the run's files, in its manifest folder and its table folders
+        return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+
+    on_disk = files(stores["crashed"])
+    assert on_disk == ["requests/run_id=crashed/requests-00000.parquet", "rollups/run_id=crashed/rollup-00000.parquet",
+                       "routes/run_id=crashed/part-00000.parquet", "routes/run_id=crashed/part-00007.parquet",
+                       "run_id=crashed/.writer.lock", "run_id=crashed/manifest.json",
+                       "run_id=crashed/part-00008.parquet.tmp"]
     store = TraceStore(stores["crashed"])
     reqs = store.query("SELECT t.request_id, r.finish_reason FROM (SELECT DISTINCT request_id FROM tokens) t"
                        " LEFT JOIN requests r USING (request_id) ORDER BY 1")
@@ -118,9 +123,9 @@ def test_crashed_store_holds_what_the_pages_say(stores: dict[str, Path], tmp_pat
     shutil.copytree(stores["crashed"], copy)
     m = recover_run(copy / "run_id=crashed")
     assert m.status == "closed" and m.open_requests == ()
-    gone = set(on_disk) - {p.name for p in (copy / "run_id=crashed").iterdir()}
-    assert gone == {"part-00007.parquet", "part-00008.parquet.tmp"}
-    assert uncommitted_files(run) == sorted(gone)  # the files the warning names
+    gone = set(on_disk) - set(files(copy))
+    assert gone == {"routes/run_id=crashed/part-00007.parquet", "run_id=crashed/part-00008.parquet.tmp"}
+    assert uncommitted_files(run) == sorted(Path(p).name for p in gone)  # the files the warning names
     [closed] = open_dataset(copy)
     assert closed.state == "closed"
     recovered = TraceStore(copy).query("SELECT request_id, finish_reason FROM requests ORDER BY 1")

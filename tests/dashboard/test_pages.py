@@ -240,9 +240,11 @@ def test_store_of_foreign_entries_only_or_with_a_corrupt_file(
     assert not at.exception
     [err] = at.error
     assert f"manifest {tmp_path / 'corrupt' / 'run_id=x' / 'manifest.json'} unreadable" in err.value
-    torn = tmp_path / "torn" / "run_id=flip"
-    shutil.copytree(store.path / "run_id=flip", torn)
-    part = torn / "part-00000.parquet"
+    torn = tmp_path / "torn"
+    shutil.copytree(store.path / "run_id=flip", torn / "run_id=flip")
+    for table in ("routes", "rollups", "requests"):  # the run's table folders (r3trace/trace/layout.py)
+        shutil.copytree(store.path / table / "run_id=flip", torn / table / "run_id=flip")
+    part = torn / "routes" / "run_id=flip" / "part-00000.parquet"
     part.write_bytes(part.read_bytes()[:100])
     monkeypatch.setenv("R3TRACE_STORE", str(tmp_path / "torn"))
     at = AppTest.from_file(APP, default_timeout=60).run()

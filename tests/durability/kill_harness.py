@@ -130,9 +130,9 @@ def check_contract(run_dir: Path, finished: dict[str, tuple[int, float]], killed
     # every listed file is whole: its footer says the row count the manifest says
     for f in m.files:
         if f.name:
-            assert pq.read_metadata(run_dir / f.name).num_rows == f.rows
-        for extra in (f.rollup, f.requests):
-            assert extra is None or (run_dir / extra).exists()
+            assert pq.read_metadata(run.table_dir("routes") / f.name).num_rows == f.rows
+        for table, extra in (("rollups", f.rollup), ("requests", f.requests)):
+            assert extra is None or (run.table_dir(table) / extra).exists()
     assert m.rows == sum(f.rows for f in m.files)
     con = duckdb.connect()
     routes = [str(p) for p in run.route_files]
@@ -166,10 +166,12 @@ def check_contract(run_dir: Path, finished: dict[str, tuple[int, float]], killed
         assert n == distinct, "a request has two rows in the requests table"
     if not graceful:
         after = recover_run(run_dir)
-        assert after.status == "closed" and not list(run_dir.glob("*.tmp"))
-        listed = {n for f in after.files for n in (f.name, f.rollup, f.requests) if n}
-        assert {p.name for p in run_dir.glob("*.parquet")} == listed
         again = open_dataset(run_dir.parent)[0]
+        folders = [run_dir, *(again.table_dir(t) for t in ("routes", "rollups", "requests"))]
+        on_disk = [p for d in folders if d.is_dir() for p in d.iterdir() if p.name != ".writer.lock"]
+        assert after.status == "closed" and not [p for p in on_disk if p.name.endswith(".tmp")]
+        listed = {*again.route_files, *again.rollup_files, *again.request_files}
+        assert {p for p in on_disk if p.suffix == ".parquet"} == listed
         assert again.state == "closed"
         reqs2 = [str(p) for p in again.request_files]
         marked = dict(con.sql(f"SELECT request_id, finish_reason FROM read_parquet({reqs2})").fetchall())
