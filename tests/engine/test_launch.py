@@ -137,7 +137,7 @@ def test_tp2_trace_holds_each_row_once(engines: tuple[Engine, Engine], tmp_path:
     manifest = tp2.stop_trace()
     assert manifest is not None and manifest["parallel"] == {"tp_size": 2, "dp_size": 1, "ep_size": 1}
     con = duckdb.connect()
-    glob = str(tmp_path / "trace" / "**" / "part-*.parquet")
+    glob = str(tmp_path / "trace" / "routes" / "**" / "part-*.parquet")
     dup = con.execute(f"SELECT count(*) FROM (SELECT request_id, token_pos, layer_id, count(*) c "
                       f"FROM read_parquet('{glob}') GROUP BY ALL HAVING c > 1)").fetchone()
     assert dup == (0,)

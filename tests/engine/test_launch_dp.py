@@ -111,7 +111,7 @@ def test_dp2_launcher_assigns_idles_and_traces(tmp_path: Path) -> None:
     assert [f for f, _ in r0["forwards"]] == [f for f, _ in r1["forwards"]]
     assert any(n == 0 for _, n in r0["forwards"]) and any(n == 0 for _, n in r1["forwards"])
     con = duckdb.connect()
-    glob = f"{tmp_path}/trace/**/part-*.parquet"
+    glob = f"{tmp_path}/trace/routes/**/part-*.parquet"
     dup = con.execute(f"SELECT count(*) FROM (SELECT request_id, token_pos, layer_id, count(*) c "
                       f"FROM read_parquet('{glob}') GROUP BY ALL HAVING c > 1)").fetchone()
     assert dup == (0,)

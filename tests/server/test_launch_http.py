@@ -68,7 +68,7 @@ def test_trace_over_http(tp2_http: httpx.Client) -> None:
     stopped = tp2_http.post("/stop_trace")
     assert stopped.status_code == 200
     reply = stopped.json()
-    glob = f"{reply['trace_dir']}/run_id={reply['run_id']}/part-*.parquet"
+    glob = f"{reply['trace_dir']}/routes/run_id={reply['run_id']}/part-*.parquet"
     con = duckdb.connect()
     counts = dict(con.execute(f"SELECT request_id, count(*) FROM read_parquet('{glob}') GROUP BY 1").fetchall())
     assert counts == {o["meta_info"]["id"]: (len(p) + 5 - 1) * 2
