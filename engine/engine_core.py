@@ -13,7 +13,7 @@ from pathlib import Path
 from r3trace.capture.capturer import CaptureConfig, RoutedExpertsCapturer
 from r3trace.capture.recorder import RouteRecorder
 from r3trace.engine.config import ModelConfig
-from r3trace.engine.engine_config import EngineConfig
+from r3trace.engine.engine_config import EngineConfig, EngineConfigError
 from r3trace.engine.event_loop import EventLoop
 from r3trace.engine.kv_pool import KVPool, ReqToTokenPool
 from r3trace.engine.model import build_model
@@ -80,7 +80,15 @@ class EngineCore:
         self.scheduler = Scheduler(cfg, self.kv_pool, req_pool, self.cache, self.tokenizer,
                                    mc.eos_token_ids, self.max_context_len, hooks)
         graphs = None
-        if cfg.graph_batch_sizes:
+        # DP attention and expert parallelism read host counts every forward (the DpLayout's all-gather, the normal
+        # dispatcher's row counts), which a captured graph cannot: their decode runs eager. Plain TP is captured.
+        graph_safe = parallel.dp_size == 1 and parallel.ep_size == 1
+        if cfg.cuda_graph_batch_sizes and not graph_safe:
+            raise EngineConfigError(
+                f"cuda_graph_batch_sizes={cfg.cuda_graph_batch_sizes}: not with dp_size={parallel.dp_size}, "
+                f"ep_size={parallel.ep_size} (decode under DP attention or EP runs eager)"
+            )
+        if cfg.graph_batch_sizes and graph_safe:
             from r3trace.engine.cuda_graph import DecodeGraphs
 
             graphs = DecodeGraphs(self.model, self.kv_pool.kv_buffer, req_pool.req_to_token, cfg.graph_batch_sizes,
