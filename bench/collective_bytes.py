@@ -486,9 +486,12 @@ def markdown(result: dict[str, Any]) -> str:
     """One table per measured layout (per MoE layer, per rank), then the computed-only shapes."""
     lines = []
     for name, c in result["configs"].items():
-        lines += ["", f"**{name}** (tp {c['tp']}, dp {c['dp']}, ep {c['ep']}, attention TP {c['tp'] // c['dp']}"
-                  f"{', ' + c['layout']['dispatcher'] if c['ep'] > 1 else ''}"
-                  f"{', exact' if c['options'].get('deterministic') else ''}): computed == measured on every layer and "
+        lay = c["layout"]
+        desc = f"tp {c['tp']}, dp {c['dp']}, ep {c['ep']}, attention TP {c['tp'] // c['dp']}"
+        if c["ep"] > 1:
+            desc += f", {lay['dispatcher']}" + (f", M {lay['ll_rows']}" if lay["dispatcher"] == "low_latency" else "")
+        desc += ", exact" if c["options"].get("deterministic") else ""
+        lines += ["", f"**{name}** ({desc}): computed == measured on every layer and "
                   f"rank: **{'yes' if c['match'] else 'NO'}**", "",
                   "| step | collective | computed sent / received / wire | measured (mean over ranks, MoE layers) |",
                   "| --- | --- | --- | --- |"]  # fmt: skip
