@@ -218,6 +218,9 @@ def collective_bytes(
 STAGES = {"prepare_mlp": "prepare_mlp", "postprocess_layer": "postprocess_layer", "_gather_routes": "route_gather",
           "dispatch": "dispatch", "combine": "combine", "reduce_embedding": "embed", "gather_logits": "logits",
           "gather_dp_layout": "dp_layout", "_gather_plan": "replay_plan"}  # fmt: skip
+# every collective the engine could call; one without a byte formula below fails the run rather than go uncounted
+WRAPPED = ("all_reduce", "all_gather", "all_gather_single", "all_gather_into_tensor", "all_to_all_single",
+           "all_to_all", "reduce_scatter", "reduce_scatter_tensor", "broadcast")  # fmt: skip
 
 
 class Counter:
@@ -225,23 +228,14 @@ class Counter:
 
     def __init__(self, parallel: Any) -> None:
         self.groups = {id(getattr(parallel, f"{n}_group")): n for n in ("cpu", "ep", "dp", "attn_tp", "tp")}
-        self.step, self.layer = "", None  # type: tuple[str, int | None]
+        self.step = ""  # "prefill" | "decode", set by the caller before each forward
+        self.layer: int | None = None  # the decoder layer running (None: outside the layers)
         self.records: list[dict[str, Any]] = []
         self.routes: dict[str, dict[int, list[int]]] = {}  # step -> layer -> rows sent to each EP rank
 
     def install(self, model: Any) -> None:
-        for name in (
-            "all_reduce",
-            "all_gather",
-            "all_gather_single",
-            "all_gather_into_tensor",
-            "all_to_all_single",
-            "all_to_all",
-            "reduce_scatter",
-            "reduce_scatter_tensor",
-            "broadcast",
-        ):
-            setattr(dist, name, self._wrap(name, getattr(dist, name)))  # fmt: skip
+        for name in WRAPPED:
+            setattr(dist, name, self._wrap(name, getattr(dist, name)))
         for layer in model.decoder_layers():
             layer.register_forward_pre_hook(lambda _m, _i, lid=layer.layer_id: setattr(self, "layer", lid))
             layer.register_forward_hook(lambda *_: setattr(self, "layer", None))
