@@ -1,0 +1,577 @@
+"""Bytes each collective moves per layer: computed from the layout (`collective_bytes`), measured on gloo ranks.
+
+Run (CPU): .venv/bin/python -m bench.collective_bytes --out bench/results/collective_bytes-cpu.json
+           .venv/bin/python -m bench.collective_bytes --markdown bench/results/collective_bytes-cpu.json
+
+Shape legend: T tokens per DP rank, n = ceil(T / A) rows a rank's MoE sees under EP, D hidden, V vocab, E experts,
+K top-k, R tp ranks, P dp ranks, A = R / P attention-TP ranks, G ep ranks, M the low-latency layout's rows per rank,
+b the activation dtype's bytes, N rows a rank dispatches (one per (token, destination rank)), Q rows it receives.
+
+Per call and per rank (a `Collective`): `sent`, the bytes of the tensor this rank hands to the collective;
+`received`, the bytes of its output on this rank (its own share included); `wire`, the bytes that leave this rank:
+a ring all-reduce 2 (R - 1) / R x payload, an all-gather (R - 1) x input, an all-to-all its input minus the rows it
+keeps. Measured: the wrappers below replace torch.distributed's collectives in each rank process and read the
+tensors' sizes and split sizes of every call (wire is then derived with the same algorithm formulas: gloo does not
+report what it puts on a socket). Calls are attributed to a layer by a forward pre-hook on each decoder layer and
+to a stage by the engine function on the call stack (prepare_mlp, dispatch, ...); the engine is not changed.
+
+The normal-mode all-to-all moves one row per (token, destination rank): its bytes depend on the routes. Computed
+three ways: from the routes the dispatcher really got (equal to the measured count, checked per layer and rank),
+the expectation under uniform routing (top-k groups, then K experts, uniformly), and the worst case per rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import itertools
+import json
+import math
+import os
+import socket
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from r3trace.capture.recorder import ListRecorder
+from r3trace.engine.config import ModelConfig
+
+MODEL = Path(__file__).resolve().parent.parent / "samples" / "model"
+Mode = Literal["max", "sum"]  # DpLayout's padding mode: decode "max", prefill "sum"
+Routes = Literal["uniform", "worst"]
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int
+    vocab: int
+    experts: int
+    top_k: int
+    n_group: int
+    topk_group: int
+
+    @classmethod
+    def of(cls, cfg: ModelConfig) -> Shape:
+        return cls(cfg.hidden_size, cfg.vocab_size, cfg.n_routed_experts, cfg.num_experts_per_tok,
+                   max(cfg.n_group, 1), max(cfg.topk_group, 1))  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    dp: int = 1
+    ep: int = 1
+    dispatcher: Literal["normal", "low_latency"] = "normal"
+    ll_rows: int = 0  # M: the low-latency layout's rows per rank (engine: model.moe_rows_per_rank)
+
+    @property
+    def attn_tp(self) -> int:
+        return self.tp // self.dp
+
+
+class RankRows(NamedTuple):
+    """Real routes of one layer, for one EP rank: rows it sends to each EP rank and receives from each."""
+
+    send: tuple[int, ...]  # [G]
+    recv: tuple[int, ...]  # [G]
+    rank: int  # this rank's index in the EP group
+
+
+class Collective(NamedTuple):
+    stage: str  # the engine function that calls it: prepare_mlp, dispatch, combine, postprocess_layer, ...
+    op: str  # all_reduce | all_gather | all_to_all
+    group: str  # tp | attn_tp | dp | ep | cpu
+    ranks: int
+    sent: float  # bytes this rank hands in
+    received: float  # bytes of the output on this rank
+    wire: float  # bytes leaving this rank (ring all-reduce, ring all-gather, all-to-all minus the kept rows)
+
+
+class LayerBytes(NamedTuple):
+    dense: list[Collective]  # one dense layer, in call order
+    moe: list[Collective]  # one MoE layer, in call order
+    forward: list[Collective]  # once a forward: DP layout, embedding, logits
+
+
+def all_reduce(stage: str, group: str, r: int, payload: float, exact: bool) -> Collective:
+    """A sum over r ranks; exact mode's exact_all_reduce is an all_gather of the r partials instead."""
+    if exact:
+        return Collective(stage, "all_gather", group, r, payload, r * payload, (r - 1) * payload)
+    return Collective(stage, "all_reduce", group, r, payload, payload, 2 * (r - 1) * payload / r)
+
+
+def all_gather(stage: str, group: str, r: int, part: float) -> Collective:
+    return Collective(stage, "all_gather", group, r, part, r * part, (r - 1) * part)
+
+
+def reach_probability(shape: Shape, g: int) -> float:
+    """P(a token reaches a given EP rank) under uniform routing: topk_group of n_group groups uniformly, then K of
+    their experts uniformly; rank r holds experts [r E/G, (r + 1) E/G), a group [i E/n_group, ...). Mean over ranks."""
+    e, k, ng, tg = shape.experts, shape.top_k, shape.n_group, shape.topk_group
+    per_group, per_rank = e // ng, e // g
+    total = 0.0
+    subsets = list(itertools.combinations(range(ng), tg))
+    for r in range(g):
+        rank = set(range(r * per_rank, (r + 1) * per_rank))
+        for s in subsets:
+            pool = [x for i in s for x in range(i * per_group, (i + 1) * per_group)]
+            outside = sum(x not in rank for x in pool)
+            total += 1 - math.comb(outside, k) / math.comb(len(pool), k)
+    return total / (g * len(subsets))
+
+
+def worst_reach(shape: Shape, g: int) -> int:
+    """The most EP ranks one token can reach: K experts inside topk_group groups (group-limited routing)."""
+    per_group, per_rank = shape.experts // shape.n_group, shape.experts // g
+    best = 0
+    for s in itertools.combinations(range(shape.n_group), shape.topk_group):
+        ranks = {x // per_rank for i in s for x in range(i * per_group, (i + 1) * per_group)}
+        best = max(best, min(shape.top_k, len(ranks)))
+    return best
+
+
+def _a2a_rows(shape: Shape, g: int, n: int, routes: Routes | RankRows) -> tuple[float, float, float, float]:
+    """(rows sent N, rows received Q, rows kept, of N, rows kept, of Q) for the normal-mode dispatch."""
+    if isinstance(routes, RankRows):
+        kept = routes.send[routes.rank]
+        return sum(routes.send), sum(routes.recv), kept, routes.recv[routes.rank]
+    if routes == "uniform":
+        q = n * reach_probability(shape, g)  # rows to each rank, and from each (symmetric in expectation)
+        return g * q, g * q, q, q
+    # worst, per rank (bounds, not all reached at once): every token to worst_reach ranks, none of them this one
+    # where that leaves enough; every token of every rank received here
+    reach = worst_reach(shape, g)
+    return n * reach, g * n, n * max(0, reach - (g - 1)), n
+
+
+def collective_bytes(
+    shape: Shape, layout: Layout, tokens: int, mode: Mode, dtype_bytes: int, exact: bool = False,
+    routes: Routes | RankRows = "uniform", logit_rows: int | None = None, capture: bool = True,
+) -> LayerBytes:  # fmt: skip
+    """Every collective of one forward per rank, by layer kind, with T = tokens on every DP rank (equal counts).
+
+    What the engine does (engine/communicator.py, dp_layout.py, layers/dispatcher.py, low_latency_dispatcher.py):
+    prepare_mlp reduces o_proj over attention TP (SCATTERED: rows padded to n A) and, under DP attention with a TP
+    MoE or a dense MLP (FULL), gathers the DP ranks' rows ("max": all-gather of [T, D]; "sum": all-reduce of
+    [P T, D]); postprocess_layer all-reduces the TP-split part (dense MLP, separate shared experts) over TP, or under
+    EP all-gathers hidden and residual over attention TP; under EP the route ids [n, 2K] int32 are all-gathered
+    over attention TP (capture on) and the dispatcher exchanges rows. Exact mode: every all-reduce an all-gather."""
+    d, b, k, e = shape.hidden, dtype_bytes, shape.top_k, shape.experts
+    r, p, a, g = layout.tp, layout.dp, layout.attn_tp, layout.ep
+    t = tokens
+    n = -(-t // a)  # rows of a rank's scattered slice (SCATTERED)
+    row = d * b
+
+    def layer(moe: bool) -> list[Collective]:
+        out: list[Collective] = []
+        scattered = moe and g > 1
+        if scattered:
+            if a > 1:
+                out.append(all_reduce("prepare_mlp", "attn_tp", a, n * a * row, exact))
+            if a > 1 and capture:
+                out.append(all_gather("route_gather", "attn_tp", a, n * 2 * k * 4))
+            if layout.dispatcher == "normal":
+                sent, got, kept_s, kept_r = _a2a_rows(shape, g, n, routes)
+                out.append(Collective("dispatch", "all_to_all", "ep", g, g * 8, g * 8, (g - 1) * 8))  # counts int64
+                for width in (2 * k * 4, row):  # ids + fp32 weight bits as int32, then the hidden rows
+                    out.append(Collective("dispatch", "all_to_all", "ep", g, sent * width, got * width,
+                                          (sent - kept_s) * width))  # fmt: skip
+                out.append(Collective("combine", "all_to_all", "ep", g, got * row, sent * row, (got - kept_r) * row))
+            else:
+                m = layout.ll_rows
+                out.append(Collective("dispatch", "all_to_all", "ep", g, e * 8, e * 8, (g - 1) * e * 8 / g))
+                for stage in ("dispatch", "combine"):
+                    out.append(Collective(stage, "all_to_all", "ep", g, e * m * row, e * m * row,
+                                          (g - 1) * e * m * row / g))  # fmt: skip
+            if a > 1:
+                out += [all_gather("postprocess_layer", "attn_tp", a, n * row)] * 2  # hidden, residual
+            return out
+        if a > 1:
+            out.append(all_reduce("prepare_mlp", "attn_tp", a, t * row, exact))
+        rows = t
+        if p > 1:  # FULL
+            rows = p * t
+            if mode == "max":
+                out.append(all_gather("prepare_mlp", "dp", p, t * row))
+            else:
+                out.append(all_reduce("prepare_mlp", "dp", p, p * t * row, exact))
+        if r > 1:  # the dense MLP, or the separate shared experts, split over TP (the engine's default on CPU)
+            out.append(all_reduce("postprocess_layer", "tp", r, rows * row, exact))
+        return out
+
+    forward: list[Collective] = []
+    if p > 1:
+        forward.append(all_gather("dp_layout", "cpu", r, 3 * 8))
+    if a > 1:
+        forward.append(all_reduce("embed", "attn_tp", a, t * row, exact))
+        forward.append(all_gather("logits", "attn_tp", a, (t if logit_rows is None else logit_rows)
+                                  * (shape.vocab // a) * b))  # fmt: skip
+    return LayerBytes(layer(False), layer(True), forward)
+
+
+# ---- measurement: counting wrappers in each rank process ----------------------------------------------------------
+STAGES = {"prepare_mlp": "prepare_mlp", "postprocess_layer": "postprocess_layer", "_gather_routes": "route_gather",
+          "dispatch": "dispatch", "combine": "combine", "reduce_embedding": "embed", "gather_logits": "logits",
+          "gather_dp_layout": "dp_layout", "_gather_plan": "replay_plan"}  # fmt: skip
+# every collective the engine could call; one without a byte formula below fails the run rather than go uncounted
+WRAPPED = ("all_reduce", "all_gather", "all_gather_single", "all_gather_into_tensor", "all_to_all_single",
+           "all_to_all", "reduce_scatter", "reduce_scatter_tensor", "broadcast")  # fmt: skip
+
+
+class Counter:
+    """Wraps torch.distributed's collectives in this process; records (step, layer, Collective) per call."""
+
+    def __init__(self, parallel: Any) -> None:
+        self.groups = {id(getattr(parallel, f"{n}_group")): n for n in ("cpu", "ep", "dp", "attn_tp", "tp")}
+        self.step = ""  # "prefill" | "decode", set by the caller before each forward
+        self.layer: int | None = None  # the decoder layer running (None: outside the layers)
+        self.records: list[dict[str, Any]] = []
+        self.routes: dict[str, dict[int, list[int]]] = {}  # step -> layer -> rows sent to each EP rank
+
+    def install(self, model: Any) -> None:
+        for name in WRAPPED:
+            setattr(dist, name, self._wrap(name, getattr(dist, name)))
+        for layer in model.decoder_layers():
+            layer.register_forward_pre_hook(lambda _m, _i, lid=layer.layer_id: setattr(self, "layer", lid))
+            layer.register_forward_hook(lambda *_: setattr(self, "layer", None))
+        from r3trace.engine.layers.dispatcher import AllToAllDispatcher
+
+        original = AllToAllDispatcher.dispatch
+
+        def dispatch(disp: Any, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> Any:
+            per_rank = disp.num_experts // disp.ep_size
+            dest = topk_ids.long() // per_rank  # [n, K] the EP rank of each pair
+            send = [int((dest == j).any(1).sum()) for j in range(disp.ep_size)]  # a token counts once per rank
+            self.routes.setdefault(self.step, {})[int(self.layer)] = send  # type: ignore[arg-type]
+            return original(disp, x, topk_ids, topk_weights)
+
+        AllToAllDispatcher.dispatch = dispatch  # type: ignore[method-assign]
+
+    def _stage(self) -> str:
+        f = sys._getframe(2)
+        while f is not None:
+            if f.f_code.co_name in STAGES and "/engine/" in f.f_code.co_filename:
+                return STAGES[f.f_code.co_name]
+            f = f.f_back  # type: ignore[assignment]
+        return "other"
+
+    def _wrap(self, op: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        sig = inspect.signature(fn)
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            a = sig.bind(*args, **kwargs).arguments
+            group = a.get("group")
+            r, me = dist.get_world_size(group), dist.get_rank(group)
+            if op == "all_reduce":
+                c = ("all_reduce", a["tensor"].nbytes, a["tensor"].nbytes, 2 * (r - 1) * a["tensor"].nbytes / r)
+            elif op == "all_gather":
+                x = a["tensor"].nbytes
+                c = ("all_gather", x, sum(t.nbytes for t in a["tensor_list"]), (r - 1) * x)
+            elif op in ("all_gather_single", "all_gather_into_tensor"):
+                x = a["input_tensor"].nbytes if "input_tensor" in a else list(a.values())[1].nbytes
+                out = a["output_tensor"].nbytes if "output_tensor" in a else list(a.values())[0].nbytes
+                c = ("all_gather", x, out, (r - 1) * x)
+            elif op == "all_to_all_single":
+                x, out = a["input"], a["output"]
+                splits = a.get("input_split_sizes")
+                rows = x.shape[0]
+                kept = (splits[me] if splits else rows // r) * (x.nbytes // rows if rows else 0)
+                c = ("all_to_all", x.nbytes, out.nbytes, x.nbytes - kept)
+            else:
+                raise RuntimeError(f"the engine called dist.{op}: this bench has no byte formula for it")
+            gname = "world" if group is None else self.groups.get(id(group), "?")
+            self.records.append(dict(step=self.step, layer=self.layer, **Collective(self._stage(), c[0], gname, r,
+                                                                                    *c[1:])._asdict()))  # fmt: skip
+            return fn(*args, **kwargs)
+
+        return counted
+
+
+# ---- the rank processes --------------------------------------------------------------------------------------------
+DECODE_B, PREFILL_T = 8, 64  # decode batch and prefill tokens per DP rank (8 requests x 8 tokens)
+
+
+def _batch(step: str, r2t: torch.Tensor, vocab: int, parallel: Any, forward_id: int) -> Any:
+    from r3trace.engine.dp_layout import gather_dp_layout
+    from r3trace.engine.forward_batch import ForwardBatch
+
+    b, per = DECODE_B, PREFILL_T // DECODE_B
+    gen = torch.Generator().manual_seed(1 + parallel.dp_rank)
+    if step == "prefill":
+        ids, pre, ext, loc = torch.randint(2, vocab, (PREFILL_T,), generator=gen), [0] * b, [per] * b, r2t[:, :per]
+        rows = [(i + 1) * per - 1 for i in range(b)]
+    else:
+        ids, pre, ext, loc, rows = torch.randint(2, vocab, (b,), generator=gen), [per] * b, [1] * b, r2t[:, per], None
+    fb = ForwardBatch.build(forward_id=forward_id, input_ids=ids.tolist(), prefix_lens=pre, extend_lens=ext,
+                            req_pool_indices=list(range(b)), out_cache_loc=loc.reshape(-1), req_to_token=r2t,
+                            logits_rows=rows or list(range(b)), device="cpu")  # fmt: skip
+    if parallel.dp_size > 1:
+        fb.dp_layout = gather_dp_layout(len(ids), parallel, "sum" if step == "prefill" else "max")
+        fb.dp_rank = parallel.dp_rank
+    return fb
+
+
+def measure_rank(rank: int, world: int, dp: int, ep: int, options: dict[str, Any], port: int, model_dir: str,
+                 out_dir: str) -> None:  # fmt: skip
+    """One rank: the model of model_dir, a prefill of 64 tokens then a decode step of 8, every collective counted."""
+    from datetime import timedelta
+
+    from r3trace.engine.distributed import init_parallel
+    from r3trace.engine.engine_config import EngineConfig
+    from r3trace.engine.model import build_model, moe_rows_per_rank
+    from r3trace.engine.weights import load_weights
+
+    torch.set_num_threads(1)
+    timeout = timedelta(seconds=120)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timeout)  # fmt: skip
+    try:
+        parallel = init_parallel(world, dp, ep, timeout=timeout)
+        ecfg = EngineConfig(chunked_prefill_size=PREFILL_T, max_running_requests=DECODE_B, **options)
+        cfg = ModelConfig.from_hf(model_dir)
+        model = build_model(cfg, ecfg, parallel, ListRecorder())  # capture on: routes gathered where the engine does
+        load_weights(model, model_dir)
+        counter = Counter(parallel)
+        counter.install(model)
+        per = PREFILL_T // DECODE_B
+        r2t = torch.arange(DECODE_B * (per + 1), dtype=torch.int32).view(DECODE_B, per + 1)
+        kv = torch.zeros(cfg.num_hidden_layers, r2t.numel(), cfg.kv_cache_dim, dtype=ecfg.torch_dtype)
+        for i, step in enumerate(("prefill", "decode")):
+            counter.step = step
+            fb = _batch(step, r2t, cfg.vocab_size, parallel, i)
+            model(fb, kv)
+        result = dict(records=counter.records, routes=counter.routes, ep_rank=parallel.ep_rank,
+                      ll_rows=moe_rows_per_rank(ecfg, parallel), dtype_bytes=ecfg.torch_dtype.itemsize)  # fmt: skip
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# ---- computed vs measured ------------------------------------------------------------------------------------------
+STEPS: dict[str, tuple[int, Mode, int]] = {
+    "decode": (DECODE_B, "max", DECODE_B),
+    "prefill": (PREFILL_T, "sum", DECODE_B),
+}
+CONFIGS: dict[str, tuple[int, int, int, dict[str, Any]]] = {  # name -> (tp, dp, ep, EngineConfig options)
+    "tp2": (2, 1, 1, {}),
+    "dp2": (2, 2, 1, {}),
+    "ep2": (2, 1, 2, {"deepep_mode": "normal"}),
+    "ep2_low_latency": (2, 1, 2, {"deepep_mode": "low_latency"}),
+    "dp2_ep2": (2, 2, 2, {"deepep_mode": "normal"}),
+    "tp4_dp2_ep2": (4, 2, 2, {"deepep_mode": "normal"}),
+    "tp2_exact": (2, 1, 1, {"deterministic": True}),
+    "dp2_ep2_exact": (2, 2, 2, {"deterministic": True}),  # exact mode's dispatcher: low_latency
+}
+
+
+def measure(tp: int, dp: int, ep: int, options: dict[str, Any], model_dir: Path, out_dir: Path) -> list[dict[str, Any]]:
+    """Spawn tp gloo ranks (tests/spawn.py) and return each rank's counted calls and routes."""
+    from bench.collective_bytes import measure_rank as rank_fn  # by module name: run as a script, this is __main__
+    from tests.spawn import spawn_ranks
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    spawn_ranks(rank_fn, (tp, dp, ep, options, _free_port(), str(model_dir), str(out_dir)), tp)
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(tp)]
+
+
+def _values(c: Collective) -> list[float]:
+    return [c.sent, c.received, c.wire]
+
+
+def compare(cfg: ModelConfig, tp: int, dp: int, ep: int, options: dict[str, Any],
+            ranks: list[dict[str, Any]]) -> dict[str, Any]:  # fmt: skip
+    """Every rank's calls, layer by layer, against collective_bytes (normal-mode all-to-alls: fed the real routes)."""
+    shape, exact = Shape.of(cfg), bool(options.get("deterministic"))
+    mode = "low_latency" if exact or options.get("deepep_mode") == "low_latency" else "normal"
+    layout = Layout(tp, dp, ep, mode, ranks[0]["ll_rows"])  # type: ignore[arg-type]
+    b, moe_ids = ranks[0]["dtype_bytes"], set(cfg.moe_layer_ids)
+    moe_tp = tp // ep
+    mismatches: list[str] = []
+    steps: dict[str, Any] = {}
+    for step, (t, dp_mode, logit_rows) in STEPS.items():
+        base = collective_bytes(shape, layout, t, dp_mode, b, exact, logit_rows=logit_rows)
+        measured: dict[str, list[list[list[float]]]] = {"dense": [], "moe": [], "forward": []}  # kind -> [call][obs]
+        for rank, res in enumerate(ranks):
+            calls = [rec for rec in res["records"] if rec["step"] == step]
+            for lid in [None, *range(cfg.num_hidden_layers)]:
+                got = [Collective(**{f: rec[f] for f in Collective._fields}) for rec in calls if rec["layer"] == lid]
+                kind = "forward" if lid is None else "moe" if lid in moe_ids else "dense"
+                want = getattr(base, kind)
+                if kind == "moe" and ep > 1 and mode == "normal":
+                    peers = [ranks[j] for j in range(rank % moe_tp, tp, moe_tp)]  # the EP group, in EP rank order
+                    me = res["ep_rank"]
+                    send = res["routes"][step][str(lid)]
+                    recv = [peer["routes"][step][str(lid)][me] for peer in peers]
+                    want = collective_bytes(shape, layout, t, dp_mode, b, exact, RankRows(tuple(send), tuple(recv), me),
+                                            logit_rows).moe  # fmt: skip
+                if got != want:
+                    mismatches.append(f"{step} rank {rank} layer {lid}: measured {got}, computed {want}")
+                slots = measured[kind]
+                for i, c in enumerate(got):
+                    if len(slots) <= i:
+                        slots.append([])
+                    slots[i].append(_values(c))
+        uniform = collective_bytes(shape, layout, t, dp_mode, b, exact, "uniform", logit_rows)
+        worst = collective_bytes(shape, layout, t, dp_mode, b, exact, "worst", logit_rows)
+        entry: dict[str, Any] = {}
+        for kind in ("moe", "dense", "forward"):
+            rows = []
+            for i, c in enumerate(getattr(uniform, kind)):
+                obs = measured[kind][i] if i < len(measured[kind]) else []
+                rows.append(dict(stage=c.stage, op=c.op, group=c.group, ranks=c.ranks,
+                                 computed=_values(c), worst=_values(getattr(worst, kind)[i]),
+                                 measured_mean=[sum(v[j] for v in obs) / len(obs) for j in range(3)] if obs else None,
+                                 measured_min=[min(v[j] for v in obs) for j in range(3)] if obs else None,
+                                 measured_max=[max(v[j] for v in obs) for j in range(3)] if obs else None))  # fmt: skip
+            entry[kind] = rows
+        steps[step] = entry
+    return dict(tp=tp, dp=dp, ep=ep, options=options, layout=asdict(layout), dtype_bytes=b,
+                match=not mismatches, mismatches=mismatches[:20], steps=steps)  # fmt: skip
+
+
+# ---- report ---------------------------------------------------------------------------------------------------------
+TENSORS = {("dispatch", "normal"): ["counts [G] int64", "ids + weights [N, 2K] int32", "hidden [N, D]"],
+           ("dispatch", "low_latency"): ["counts [E] int64", "rows [E M, D]"], ("combine", "normal"): ["rows [Q, D]"],
+           ("combine", "low_latency"): ["rows [E M, D]"], ("route_gather", ""): ["ids + weights [n, 2K] int32"],
+           ("postprocess_layer", "scattered"): ["hidden [n, D]", "residual [n, D]"]}  # fmt: skip
+
+
+def labels(calls: list[Any], dispatcher: str) -> list[str]:
+    """Human names of one layer's calls, in order: stage, tensor, op over group (ranks)."""
+    out, seen = [], {}  # type: ignore[var-annotated]
+    for c in calls:
+        stage, op = (c.stage, c.op) if isinstance(c, Collective) else (c["stage"], c["op"])
+        group, r = (c.group, c.ranks) if isinstance(c, Collective) else (c["group"], c["ranks"])
+        i = seen.get(stage, 0)
+        seen[stage] = i + 1
+        key = (stage, dispatcher if stage in ("dispatch", "combine") else "scattered" if group == "attn_tp" and
+               op == "all_gather" and stage == "postprocess_layer" else "")  # fmt: skip
+        tensor = TENSORS.get(key, [""] * 4)[i] if key in TENSORS else ""
+        out.append(f"{stage}{': ' + tensor if tensor else ''}, {op} over {group} ({r})")
+    return out
+
+
+def human(x: float) -> str:
+    if x == 0:
+        return "0"
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if x >= size:
+            return f"{x / size:.4g} {unit}"
+    return f"{x:.4g} B" if x != int(x) else f"{int(x)} B"
+
+
+def _triple(v: list[float]) -> str:
+    return " / ".join(human(x) for x in v)
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """One table per measured layout (per MoE layer, per rank), then the computed-only shapes."""
+    lines = []
+    for name, c in result["configs"].items():
+        lay = c["layout"]
+        desc = f"tp {c['tp']}, dp {c['dp']}, ep {c['ep']}, attention TP {c['tp'] // c['dp']}"
+        if c["ep"] > 1:
+            desc += f", {lay['dispatcher']}" + (f", M {lay['ll_rows']}" if lay["dispatcher"] == "low_latency" else "")
+        desc += ", exact" if c["options"].get("deterministic") else ""
+        lines += ["", f"**{name}** ({desc}): computed == measured on every layer and "
+                  f"rank: **{'yes' if c['match'] else 'NO'}**", "",
+                  "| step | collective | computed sent / received / wire | measured (mean over ranks, MoE layers) |",
+                  "| --- | --- | --- | --- |"]  # fmt: skip
+        for step, e in c["steps"].items():
+            for label, row in zip(labels(e["moe"], c["layout"]["dispatcher"]), e["moe"], strict=True):
+                routed = row["stage"] in ("dispatch", "combine") and c["layout"]["dispatcher"] == "normal" \
+                    and row["computed"] != row["worst"]  # fmt: skip
+                comp = _triple(row["computed"]) + (f" (uniform; worst {_triple(row['worst'])})" if routed else "")
+                meas = _triple(row["measured_mean"]) if row["measured_mean"] else "none"
+                if routed:
+                    meas += f" (= computed from the real routes; ranks x layers {human(row['measured_min'][0])}" \
+                            f" .. {human(row['measured_max'][0])} sent)"  # fmt: skip
+                lines.append(f"| {step} | {label} | {comp} | {meas} |")
+    return "\n".join(lines)
+
+
+SHAPES_COMPUTED: dict[str, tuple[Shape, int, int]] = {  # name -> (shape, layers, dense layers)
+    "v3-2.5b": (Shape(hidden=2048, vocab=32000, experts=64, top_k=6, n_group=8, topk_group=4), 12, 1),
+    "DeepSeek-V3": (Shape(hidden=7168, vocab=129280, experts=256, top_k=8, n_group=8, topk_group=4), 61, 3),
+}
+LAYOUTS_COMPUTED: dict[str, Layout] = {
+    "tp2": Layout(2),
+    "dp2": Layout(2, 2),
+    "ep2": Layout(2, 1, 2),
+    "ep2 low_latency": Layout(2, 1, 2, "low_latency"),
+    "dp2+ep2": Layout(2, 2, 2),
+    "tp4 dp2 ep2": Layout(4, 2, 2),
+    "tp8 dp8 ep8": Layout(8, 8, 8),
+    "tp8 dp8 ep8 low_latency": Layout(8, 8, 8, "low_latency"),
+}
+
+
+def computed_markdown(decode: int = 64, prefill: int = 4096, dtype_bytes: int = 2) -> str:
+    """Per MoE layer, per rank, bf16 activations: computed, not measured. Low-latency M = the step's rows (n)."""
+    lines = []
+    for sname, (shape, _, _) in SHAPES_COMPUTED.items():
+        lines += ["", f"**{sname}** (D {shape.hidden}, E {shape.experts}, top-{shape.top_k}, groups "
+                  f"{shape.topk_group} of {shape.n_group}), bf16, per MoE layer, per rank, computed, not measured:", "",
+                  f"| layout | collective | decode {decode}: sent / wire | prefill {prefill}: sent / wire |",
+                  "| --- | --- | --- | --- |"]  # fmt: skip
+        for lname, lay in LAYOUTS_COMPUTED.items():
+            per = {}
+            for step, t, mode in (("decode", decode, "max"), ("prefill", prefill, "sum")):
+                lay_t = Layout(lay.tp, lay.dp, lay.ep, lay.dispatcher, -(-t // lay.attn_tp))
+                per[step] = [collective_bytes(shape, lay_t, t, mode, dtype_bytes, routes=rt).moe  # type: ignore[arg-type]
+                             for rt in ("uniform", "worst")]  # fmt: skip
+            for i, label in enumerate(labels(per["decode"][0], lay.dispatcher)):
+                cells = []
+                for step in ("decode", "prefill"):
+                    u, w = per[step][0][i], per[step][1][i]
+                    cell = f"{human(u.sent)} / {human(u.wire)}"
+                    if (u.sent, u.wire) != (w.sent, w.wire):
+                        cell += f" (worst {human(w.sent)} / {human(w.wire)})"
+                    cells.append(cell)
+                lines.append(f"| {lname} | {label} | {cells[0]} | {cells[1]} |")
+            tot = [sum(c.wire for c in per[s][0]) for s in ("decode", "prefill")]
+            lines.append(f"| {lname} | **total wire** | {human(tot[0])} | {human(tot[1])} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--markdown", type=Path, help="print BENCHMARKS.md tables from a result file")
+    ap.add_argument("--configs", nargs="*", default=list(CONFIGS))
+    args = ap.parse_args()
+    if args.markdown:
+        print(markdown(json.loads(args.markdown.read_text())))
+        print(computed_markdown())
+        return
+    import tempfile
+
+    cfg = ModelConfig.from_hf(MODEL)
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.configs:
+            tp, dp, ep, options = CONFIGS[name]
+            ranks = measure(tp, dp, ep, options, MODEL, Path(tmp) / name)
+            results[name] = compare(cfg, tp, dp, ep, options, ranks)
+            print(name, "computed == measured" if results[name]["match"] else results[name]["mismatches"][:3],
+                  flush=True)  # fmt: skip
+    out = dict(model="samples/model", hardware="CPU, gloo", torch=torch.__version__, decode_batch=DECODE_B,
+               prefill_tokens=PREFILL_T, definitions=__doc__, configs=results)  # fmt: skip
+    if args.out:
+        args.out.write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
