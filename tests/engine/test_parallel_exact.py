@@ -74,7 +74,9 @@ def _workload(engine: Engine, dp_size: int) -> dict[str, list[dict[str, Any]]]:
     stream = engine.generate(input_ids=LONG, sampling_params=_greedy(40), stream=True,
                              routed_dp_rank=1 if dp_size > 1 else None, **ASK)
     res["idle_middle"] = gen([SHORT], [0], sampling_params=_greedy(3), **ASK)
-    time.sleep(0.3)  # a few idle forwards of rank 0 (a step is ~75 ms on 2 cores)
+    # Rank 0 idles from the forward after SHORT's last: the ranks step on while SHORT's result travels. The sleep
+    # adds a few idle forwards (a step is ~75 ms on 2 cores) and stays well inside LONG's 40 steps on a fast machine.
+    time.sleep(0.1)
     res["idle_middle"] += gen([LATER], [0], sampling_params=_greedy(3), **ASK)
     res["stream"] = [_joined(list(stream))]  # type: ignore[arg-type]
     # replay: R0 and R1 run free; then R2 free beside R0 forced to R1's routes and R1 forced to R0's
