@@ -11,7 +11,8 @@ recording throughout. It holds the cases of issue 22's matrix that a layout can 
   (no hit under DP: each DP rank has its own cache);
 - idle_middle: a long request streamed on DP rank 1 while rank 0 finishes a short one, idles, then gets another
   (the trace's forward ids show rank 0's idle forwards between the two);
-- replay: a free run's routes replayed swapped onto two prompts on both DP ranks, beside a free request.
+- replay: a free run's routes replayed swapped onto two prompts on both DP ranks, beside a free request;
+- preempt: four requests on DP rank 0 that outgrow its KV pool: retractions and re-prefills.
 Exact mode promises the same bits in any batch, chunking, cache state and layout, so every comparison is ==:
 greedy tokens, input and output logprobs, routes (0 mismatched (token, layer) entries). fp32, samples/model.
 """
@@ -30,7 +31,8 @@ from r3trace.capture.wire import decode_routed_experts
 from r3trace.engine import Engine
 
 SAMPLE = Path(__file__).resolve().parents[2] / "samples" / "model"
-OPTIONS: dict[str, Any] = dict(deterministic=True, max_running_requests=8, kv_pool_tokens=2048,
+# kv_pool_tokens: each DP rank's pool; 160 makes the preempt case retract (4 requests of 30 + 20 tokens)
+OPTIONS: dict[str, Any] = dict(deterministic=True, max_running_requests=8, kv_pool_tokens=160,
                                chunked_prefill_size=16)
 ASK: dict[str, Any] = dict(return_logprob=True, logprob_start_len=0, return_routed_experts=True)
 RNG = np.random.default_rng(22)
@@ -50,10 +52,13 @@ PREFIX = _prompt(40)
 SHARED = [PREFIX + _prompt(n) for n in (5, 6, 3)]
 LONG, SHORT, LATER = _prompt(13), _prompt(6), _prompt(8)
 REPLAY = [_prompt(9) for _ in range(3)]
+PREEMPT = [_prompt(30) for _ in range(4)]
 
 
-def _workload(engine: Engine, dp_size: int) -> dict[str, list[dict[str, Any]]]:
-    """Every case's results, by case; routed_dp_rank pins only where there is more than one DP rank."""
+def _workload(engine: Engine, dp_size: int, scheduler: Any = None) -> dict[str, list[dict[str, Any]]]:
+    """Every case's results, by case; routed_dp_rank pins only where there is more than one DP rank. scheduler:
+    the one-process engine's, to check that the preempt case retracts (on the ranks the same scheduler runs the
+    same requests in a pool of the same size: DP rank 0 holds all four)."""
 
     def gen(prompts: list[list[int]], pins: list[int] | None, **kw: Any) -> list[dict[str, Any]]:
         dp_ranks = None if pins is None or dp_size == 1 else pins
@@ -85,6 +90,9 @@ def _workload(engine: Engine, dp_size: int) -> dict[str, list[dict[str, Any]]]:
     res["replay_free"] = free
     res["replay"] = gen([REPLAY[2], REPLAY[0], REPLAY[1]], [0, 1, 0], sampling_params=_greedy(6),
                         routed_experts=forced, **ASK)
+    before = scheduler.num_retractions if scheduler is not None else 0
+    res["preempt"] = gen(PREEMPT, [0, 0, 0, 0], sampling_params=_greedy(20), **ASK)
+    assert scheduler is None or scheduler.num_retractions > before, "the preempt case retracted nothing"
     return res
 
 
@@ -124,7 +132,7 @@ def _check_trace(glob: str, res: dict[str, list[dict[str, Any]]], dp_size: int) 
                       "GROUP BY ALL HAVING c > 1)").fetchone()
     assert dup == (0,)
     pins = {"spread": [0, 1, 0, 1, 0], "idle_rank": [0, 0, 0], "prefix": [1, 1, 0], "idle_middle": [0, 0],
-            "stream": [1], "replay_free": [1, 0], "replay": [0, 1, 0]}
+            "stream": [1], "replay_free": [1, 0], "replay": [0, 1, 0], "preempt": [0, 0, 0, 0]}
     ranks = dict(con.execute(f"SELECT request_id, list(DISTINCT dp_rank) FROM {rows} GROUP BY 1").fetchall())
     moe = res["spread"][0]["meta_info"]["moe_layer_ids"]
     for case, outs in res.items():
@@ -151,7 +159,7 @@ def _check_trace(glob: str, res: dict[str, list[dict[str, Any]]], dp_size: int) 
 @pytest.fixture(scope="module")
 def reference() -> dict[str, list[dict[str, Any]]]:
     with Engine(SAMPLE, **OPTIONS) as ref:
-        res = _workload(ref, dp_size=1)
+        res = _workload(ref, dp_size=1, scheduler=ref.scheduler)
         whole = ref.generate(input_ids=LONG, sampling_params=_greedy(40), **ASK)
     _assert_same("stream against non-stream", whole, res["stream"][0])  # type: ignore[arg-type]
     return res
