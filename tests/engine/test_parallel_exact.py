@@ -1,9 +1,9 @@
 """Exact mode under DP attention and expert parallelism, bitwise against one process, through Engine.
 
-Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/engine/test_parallel_exact.py  (-m slow: tp4 dp2 ep2)
+Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/engine/test_parallel_exact.py  (-m slow: tp4 dp2, tp4 dp2 ep2)
 
 One workload (`_workload`) runs on a one-process `Engine(deterministic=True)` and on each layout (dp2, ep2,
-dp2+ep2: world size 2; tp4 dp2 ep2, attention TP 2: world size 4, slow), one Engine per layout, a trace
+dp2+ep2: world size 2; tp4 dp2 and tp4 dp2 ep2, attention TP 2: world size 4, slow), one Engine per layout, a trace
 recording throughout. It holds the cases of issue 22's matrix that a layout can get wrong:
 - spread: 5 requests round-robin over the DP ranks, one of 45 tokens (chunked prefill at 16 tokens a chunk);
 - idle_rank: every request pinned to DP rank 0 (rank 1 runs idle forwards for the whole call);
@@ -169,6 +169,7 @@ LAYOUTS = [
     pytest.param(2, 2, 1, id="dp2"),
     pytest.param(2, 1, 2, id="ep2"),
     pytest.param(2, 2, 2, id="dp2_ep2"),
+    pytest.param(4, 2, 1, id="tp4_dp2", marks=pytest.mark.slow),  # attention TP 2, the MoE tensor-parallel
     pytest.param(4, 2, 2, id="tp4_dp2_ep2", marks=pytest.mark.slow),  # attention TP 2: routes all-gathered
 ]
 
