@@ -1,6 +1,6 @@
 """Exact mode under DP attention and expert parallelism, bitwise against one process, through Engine.
 
-Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/engine/test_parallel_exact.py  (-m slow: tp4 dp2, tp4 dp2 ep2)
+Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/engine/test_parallel_exact.py  (-m slow: the tp4 ones)
 
 One workload (`_workload`) runs on a one-process `Engine(deterministic=True)` and on each layout (dp2, ep2,
 dp2+ep2: world size 2; tp4 dp2 and tp4 dp2 ep2, attention TP 2: world size 4, slow), one Engine per layout, a trace
