@@ -14,7 +14,8 @@ recording throughout. It holds the cases of issue 22's matrix that a layout can 
 - replay: a free run's routes replayed swapped onto two prompts on both DP ranks, beside a free request;
 - preempt: four requests on DP rank 0 that outgrow its KV pool: retractions and re-prefills.
 Exact mode promises the same bits in any batch, chunking, cache state and layout, so every comparison is ==:
-greedy tokens, input and output logprobs, routes (0 mismatched (token, layer) entries). fp32, samples/model.
+greedy tokens, input and output logprobs (top-2 too), routes (0 mismatched (token, layer) entries) and their
+weights. fp32, samples/model.
 """
 
 from __future__ import annotations
@@ -27,14 +28,15 @@ import duckdb
 import numpy as np
 import pytest
 
-from r3trace.capture.wire import decode_routed_experts
+from r3trace.capture.wire import decode_routed_experts, decode_routed_weights
 from r3trace.engine import Engine
 
 SAMPLE = Path(__file__).resolve().parents[2] / "samples" / "model"
 # kv_pool_tokens: each DP rank's pool; 160 makes the preempt case retract (4 requests of 30 + 20 tokens)
 OPTIONS: dict[str, Any] = dict(deterministic=True, max_running_requests=8, kv_pool_tokens=160,
-                               chunked_prefill_size=16)
-ASK: dict[str, Any] = dict(return_logprob=True, logprob_start_len=0, return_routed_experts=True)
+                               chunked_prefill_size=16, capture_weights=True)
+ASK: dict[str, Any] = dict(return_logprob=True, logprob_start_len=0, top_logprobs_num=2, return_routed_experts=True,
+                           return_routed_weights=True)
 RNG = np.random.default_rng(22)
 
 
@@ -96,14 +98,18 @@ def _workload(engine: Engine, dp_size: int, scheduler: Any = None) -> dict[str, 
     return res
 
 
+LISTS = ("input_token_logprobs", "output_token_logprobs", "input_top_logprobs", "output_top_logprobs")
+
+
 def _joined(chunks: list[dict[str, Any]]) -> dict[str, Any]:
-    """A stream's chunks as one result: tokens, logprobs and routes (decoded, in "routes") concatenated."""
+    """A stream's chunks as one result: tokens, logprobs, routes and weights (decoded) concatenated."""
     meta = dict(chunks[-1]["meta_info"])
-    meta["input_token_logprobs"] = [x for c in chunks for x in c["meta_info"].get("input_token_logprobs", [])]
-    meta["output_token_logprobs"] = [x for c in chunks for x in c["meta_info"]["output_token_logprobs"]]
-    routes = [decode_routed_experts(c["meta_info"]) for c in chunks if "routed_experts" in c["meta_info"]]
+    for key in LISTS:
+        meta[key] = [x for c in chunks for x in c["meta_info"].get(key, [])]
+    parts = [c["meta_info"] for c in chunks if "routed_experts" in c["meta_info"]]
     return {"output_ids": [t for c in chunks for t in c["output_ids"]], "meta_info": meta,
-            "routes": np.concatenate(routes)}
+            "routes": np.concatenate([decode_routed_experts(m) for m in parts]),
+            "weights": np.concatenate([decode_routed_weights(m) for m in parts])}
 
 
 def _routes(out: dict[str, Any]) -> np.ndarray:
@@ -111,9 +117,12 @@ def _routes(out: dict[str, Any]) -> np.ndarray:
 
 
 def _assert_same(case: str, want: dict[str, Any], got: dict[str, Any]) -> None:
-    """Bitwise: tokens, input and output logprobs (== on floats), routes with 0 mismatched (token, layer) entries."""
+    """Bitwise: tokens, input and output logprobs (== on floats; top-2 too), routes with 0 mismatched (token,
+    layer) entries, their weights."""
     assert got["output_ids"] == want["output_ids"], case
-    for key in ("input_token_logprobs", "output_token_logprobs"):
+    for key in LISTS[2:]:
+        assert got["meta_info"][key] == want["meta_info"][key], (case, key)
+    for key in LISTS[:2]:
         w, g = want["meta_info"][key], got["meta_info"][key]
         assert len(g) == len(w) > 0, (case, key, len(g), len(w))
         bad = [i for i, (a, b) in enumerate(zip(w, g, strict=True)) if a != b]
@@ -122,6 +131,8 @@ def _assert_same(case: str, want: dict[str, Any], got: dict[str, Any]) -> None:
     assert a.shape == b.shape, (case, a.shape, b.shape)
     mismatched = int((a != b).any(axis=-1).sum())
     assert mismatched == 0, f"{case}: {mismatched} of {a.shape[0] * a.shape[1]} (token, layer) route entries differ"
+    w, g = (o["weights"] if "weights" in o else decode_routed_weights(o["meta_info"]) for o in (want, got))
+    assert w.shape == a.shape and np.array_equal(w, g, equal_nan=True), f"{case}: routed weights differ"
 
 
 def _check_trace(glob: str, res: dict[str, list[dict[str, Any]]], dp_size: int) -> None:
