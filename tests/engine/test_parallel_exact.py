@@ -10,12 +10,17 @@ recording throughout. It holds the cases of issue 22's matrix that a layout can 
 - prefix: a 40-token prefix, then two requests sharing it, on the same DP rank (a cache hit) and on the other
   (no hit under DP: each DP rank has its own cache);
 - idle_middle: a long request streamed on DP rank 1 while rank 0 finishes a short one, idles, then gets another
-  (the trace's forward ids show rank 0's idle forwards between the two);
+  (the trace's forward ids show rank 0's idle forwards between the two); the stream's chunks joined equal the
+  one-process non-stream result;
 - replay: a free run's routes replayed swapped onto two prompts on both DP ranks, beside a free request;
 - preempt: four requests on DP rank 0 that outgrow its KV pool: retractions and re-prefills.
 Exact mode promises the same bits in any batch, chunking, cache state and layout, so every comparison is ==:
 greedy tokens, input and output logprobs (top-2 too), routes (0 mismatched (token, layer) entries) and their
-weights. fp32, samples/model.
+weights. fp32, samples/model. The trace holds one row set per (request, position, layer), stamped with the DP rank
+the request ran on, equal to the routes returned.
+
+A capturer that reads a DP rank's rows at [0, n) instead of its row range fails dp2 and tp4 dp2 (spread[1], the
+first request on DP rank 1: 68 of 85 entries); under dp2+ep2 a rank's MoE rows do start at 0 (scattered tokens).
 """
 
 from __future__ import annotations
