@@ -49,6 +49,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "--max-running-requests with --backend triton on CUDA), off, or a list such as 1,2,4,8")
     p.add_argument("--no-overlap", action="store_true", help="serialize the host loop with the GPU (debugging)")
     p.add_argument("--no-prefix-cache", action="store_true")
+    p.add_argument("--enable-deterministic-inference", action="store_true",
+                   help="exact mode (SGLang's flag): batch- and layout-invariant results, bitwise equal to one "
+                        "process under any --tp / --dp / --ep; needs --backend ref")
     p.add_argument("--max-body-bytes", type=int, default=None, help="request body limit (default 8 MiB)")
     p.add_argument("--trace-root", default="traces", help="POST /start_trace writes only below this folder")
     p.add_argument("--trace-dir", default=None, help="record every request from the start (under --trace-root)")
@@ -75,6 +78,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, object]:
         "chunked_prefill_size": args.chunked_prefill_size, "kv_pool_tokens": args.kv_pool_tokens,
         "page_size": args.page_size, "cuda_graph_batch_sizes": args.cuda_graphs,
         "overlap_schedule": not args.no_overlap, "enable_prefix_cache": not args.no_prefix_cache,
+        "deterministic": args.enable_deterministic_inference,
         **dict.fromkeys(BACKEND_FIELDS, args.backend),
     }  # fmt: skip
 

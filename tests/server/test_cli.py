@@ -86,6 +86,10 @@ def test_serve_engine_flags_reach_engine_config() -> None:
     defaults = EngineConfig(**serve.engine_options(p.parse_args(["m"])))  # type: ignore[arg-type]
     assert defaults.cuda_graph_batch_sizes is None and defaults.overlap_schedule and defaults.page_size == 1
     assert serve.engine_options(p.parse_args(["m", "--cuda-graphs", "off"]))["cuda_graph_batch_sizes"] == ()
+    assert defaults.deterministic is False
+    exact_args = p.parse_args(["m", "--enable-deterministic-inference"])
+    exact = EngineConfig(**serve.engine_options(exact_args))  # type: ignore[arg-type]
+    assert exact.deterministic is True and exact.dispatcher_mode == "low_latency"
     with pytest.raises(UsageError, match="argument --cuda-graphs: 'x2': expected auto, off or a list"):
         p.parse_args(["m", "--cuda-graphs", "x2"])
 
