@@ -209,4 +209,4 @@ def test_layout_is_bitwise_one_process(
     np.testing.assert_array_equal(_routes(replay[1]), _routes(free[1]))
     np.testing.assert_array_equal(_routes(replay[2]), _routes(free[0]))
     assert replay[1]["meta_info"]["input_token_logprobs"][1:] != free[0]["meta_info"]["input_token_logprobs"][1:]
-    _check_trace(str(tmp_path / "trace" / "**" / "part-*.parquet"), got, dp)
+    _check_trace(str(tmp_path / "trace" / "routes" / "**" / "part-*.parquet"), got, dp)
