@@ -37,6 +37,23 @@ Sink = queue.Queue  # per request: result dicts (or stream chunks) back to the c
 _POLL_S = 0.5  # how often a waiting caller checks that the scheduler thread is still alive
 
 
+def stream_chunks(
+    wait: Callable[[Sink[dict[str, Any]]], dict[str, Any]], abort: Callable[[str], None], rid: str,
+    sink: Sink[dict[str, Any]],
+) -> Iterator[dict[str, Any]]:
+    """A request's stream chunks until the one with a finish_reason; a caller that stops iterating aborts it (one
+    process's EventLoop and the multi-process front end both stream through this)."""
+    done = False
+    try:
+        while not done:
+            chunk = wait(sink)
+            done = chunk["meta_info"]["finish_reason"] is not None
+            yield chunk
+    finally:
+        if not done:  # the caller stopped iterating: stop generating for it
+            abort(rid)
+
+
 class EventLoop:
     def __init__(
         self, scheduler: Scheduler, runner: ModelRunner, cache: RadixCache | None,
@@ -99,15 +116,7 @@ class EventLoop:
                     raise RuntimeError("the engine's scheduler thread has stopped") from None
 
     def stream(self, rid: str, sink: Sink[dict[str, Any]]) -> Iterator[dict[str, Any]]:
-        done = False
-        try:
-            while not done:
-                chunk = self.wait(sink)
-                done = chunk["meta_info"]["finish_reason"] is not None
-                yield chunk
-        finally:
-            if not done:  # the caller stopped iterating: stop generating for it
-                self.abort(rid)
+        return stream_chunks(self.wait, self.abort, rid, sink)
 
     def flush_if_idle(self) -> bool:
         """On the scheduler thread: drop the prefix cache's unlocked entries unless requests are in flight."""

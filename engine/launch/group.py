@@ -31,6 +31,7 @@ from typing import Any
 import torch.multiprocessing as mp
 
 from r3trace.engine.engine_config import EngineConfig
+from r3trace.engine.event_loop import stream_chunks
 from r3trace.engine.launch.config import LaunchConfig
 from r3trace.engine.launch.controller import DpController
 from r3trace.engine.launch.members import STOP_S, Member, ProcessMember, ThreadMember
@@ -194,15 +195,7 @@ class WorkerGroup:
                     raise RuntimeError("the engine's front end has stopped") from None
 
     def stream(self, rid: str, sink: Sink[dict[str, Any]]) -> Iterator[dict[str, Any]]:
-        done = False
-        try:
-            while not done:
-                chunk = self.wait(sink)
-                done = chunk["meta_info"]["finish_reason"] is not None
-                yield chunk
-        finally:
-            if not done:  # the caller stopped iterating: stop generating for it
-                self.abort(rid)
+        return stream_chunks(self.wait, self.abort, rid, sink)
 
     def shutdown(self) -> None:
         """Ranks abort what is in flight (results come back), say bye and exit; then they are joined (killed

@@ -57,68 +57,67 @@ def _starts(fb: ForwardBatch) -> list[int]:
     return starts
 
 
-class RefAttention:
+class _PerRequest:
+    """One request at a time over the batch: the loop RefAttention and ExactAttention share; each supplies the
+    attention of one request's n queries over its keys (absorbed: the latent rows [N, C]; mha: [N, H, D])."""
+
+    def absorbed(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, fb: ForwardBatch, kv_lora_rank: int, scale: float
+    ) -> torch.Tensor:
+        out = q.new_empty(q.shape[0], q.shape[1], kv_lora_rank)
+        for b, (start, n, seq_len) in enumerate(zip(_starts(fb), fb.extend_lens_cpu, fb.seq_lens_cpu, strict=False)):
+            slots = fb.req_to_token[fb.req_pool_indices[b], :seq_len].long()
+            o = self._latent(q[start : start + n], kv_cache[slots], kv_lora_rank, scale)  # [n, H, kv_lora] fp32
+            out[start : start + n] = o.to(q.dtype)
+        return out
+
+    def mha(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        fb: ForwardBatch,
+        k_starts: list[int],
+        k_lens: list[int],
+        scale: float,
+    ) -> torch.Tensor:
+        out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
+        for start, n, ks, kl in zip(_starts(fb), fb.extend_lens_cpu, k_starts, k_lens, strict=False):
+            o = self._heads(q[start : start + n], k[ks : ks + kl], v[ks : ks + kl], scale)  # [n, H, Dv] fp32
+            out[start : start + n] = o.to(q.dtype)
+        return out
+
+    def _latent(self, q: torch.Tensor, kv: torch.Tensor, kv_lora_rank: int, scale: float) -> torch.Tensor:
+        """q [n, H, C], kv [N, C] (queries the last n of the N keys) -> [n, H, kv_lora] fp32."""
+        raise NotImplementedError
+
+    def _heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """q [n, H, Dqk], k [N, H, Dqk], v [N, H, Dv] -> [n, H, Dv] fp32."""
+        raise NotImplementedError
+
+
+class RefAttention(_PerRequest):
     """Plain torch, one request at a time, fp32 softmax: the definition the kernels are checked against."""
 
-    def absorbed(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, fb: ForwardBatch, kv_lora_rank: int, scale: float
-    ) -> torch.Tensor:
-        out = q.new_empty(q.shape[0], q.shape[1], kv_lora_rank)
-        for b, (start, n, seq_len) in enumerate(zip(_starts(fb), fb.extend_lens_cpu, fb.seq_lens_cpu, strict=False)):
-            slots = fb.req_to_token[fb.req_pool_indices[b], :seq_len].long()
-            kv = kv_cache[slots].float()  # [N, C]
-            qb = q[start : start + n].float()  # [n, H, C]
-            probs = _causal_softmax(torch.einsum("nhc,kc->hnk", qb, kv) * scale, n, seq_len)
-            out[start : start + n] = torch.einsum("hnk,kc->nhc", probs, kv[:, :kv_lora_rank]).to(q.dtype)
-        return out
+    def _latent(self, q: torch.Tensor, kv: torch.Tensor, kv_lora_rank: int, scale: float) -> torch.Tensor:
+        kv = kv.float()
+        probs = _causal_softmax(torch.einsum("nhc,kc->hnk", q.float(), kv) * scale, q.shape[0], kv.shape[0])
+        return torch.einsum("hnk,kc->nhc", probs, kv[:, :kv_lora_rank])
 
-    def mha(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        fb: ForwardBatch,
-        k_starts: list[int],
-        k_lens: list[int],
-        scale: float,
-    ) -> torch.Tensor:
-        out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
-        for start, n, ks, kl in zip(_starts(fb), fb.extend_lens_cpu, k_starts, k_lens, strict=False):
-            qb, kb, vb = q[start : start + n].float(), k[ks : ks + kl].float(), v[ks : ks + kl].float()
-            probs = _causal_softmax(torch.einsum("nhd,khd->hnk", qb, kb) * scale, n, kl)
-            out[start : start + n] = torch.einsum("hnk,khd->nhd", probs, vb).to(q.dtype)
-        return out
+    def _heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        probs = _causal_softmax(torch.einsum("nhd,khd->hnk", q.float(), k.float()) * scale, q.shape[0], k.shape[0])
+        return torch.einsum("hnk,khd->nhd", probs, v.float())
 
 
-class ExactAttention:
-    """RefAttention's loops with exact_attention inside: batch-invariant, for exact mode."""
+class ExactAttention(_PerRequest):
+    """RefAttention's loop with exact_attention inside: batch-invariant, for exact mode."""
 
-    def absorbed(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, fb: ForwardBatch, kv_lora_rank: int, scale: float
-    ) -> torch.Tensor:
-        out = q.new_empty(q.shape[0], q.shape[1], kv_lora_rank)
-        for b, (start, n, seq_len) in enumerate(zip(_starts(fb), fb.extend_lens_cpu, fb.seq_lens_cpu, strict=False)):
-            slots = fb.req_to_token[fb.req_pool_indices[b], :seq_len].long()
-            kv = kv_cache[slots].unsqueeze(1).expand(-1, q.shape[1], -1)  # [N, H, C]: one latent row for all heads
-            o = exact_attention(q[start : start + n], kv, kv[..., :kv_lora_rank], scale)  # [n, H, kv_lora] fp32
-            out[start : start + n] = o.to(q.dtype)
-        return out
+    def _latent(self, q: torch.Tensor, kv: torch.Tensor, kv_lora_rank: int, scale: float) -> torch.Tensor:
+        kv = kv.unsqueeze(1).expand(-1, q.shape[1], -1)  # [N, H, C]: one latent row for all heads
+        return exact_attention(q, kv, kv[..., :kv_lora_rank], scale)
 
-    def mha(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        fb: ForwardBatch,
-        k_starts: list[int],
-        k_lens: list[int],
-        scale: float,
-    ) -> torch.Tensor:
-        out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
-        for start, n, ks, kl in zip(_starts(fb), fb.extend_lens_cpu, k_starts, k_lens, strict=False):
-            o = exact_attention(q[start : start + n], k[ks : ks + kl], v[ks : ks + kl], scale)  # [n, H, Dv] fp32
-            out[start : start + n] = o.to(q.dtype)
-        return out
+    def _heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        return exact_attention(q, k, v, scale)
 
 
 class TritonAttention:
