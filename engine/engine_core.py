@@ -13,12 +13,14 @@ from pathlib import Path
 from typing import Any
 
 from r3trace.capture.capturer import CaptureConfig, RoutedExpertsCapturer
+from r3trace.capture.physical import PhysicalRecorder
 from r3trace.capture.recorder import RouteRecorder
 from r3trace.engine.config import ModelConfig
 from r3trace.engine.engine_config import EngineConfig
 from r3trace.engine.event_loop import EventLoop
 from r3trace.engine.expert_placement import ChunkDone, moe_layers, update_chunks
 from r3trace.engine.kv_pool import KVPool, ReqToTokenPool
+from r3trace.engine.layers.expert_location import ExpertLocation, ExpertLocationError, held_experts
 from r3trace.engine.model import build_model
 from r3trace.engine.model_runner import ModelRunner
 from r3trace.engine.parallel import ParallelInfo
@@ -28,7 +30,6 @@ from r3trace.engine.route_capture import RouteCaptureHooks
 from r3trace.engine.sampling import Sampler
 from r3trace.engine.scheduler import Scheduler
 from r3trace.engine.tokenizer import load_tokenizer
-from r3trace.engine.layers.expert_location import ExpertLocation, ExpertLocationError, held_experts
 from r3trace.engine.weights import load_weights, read_moe_experts
 
 
@@ -43,6 +44,7 @@ def capture_config(mc: ModelConfig, cfg: EngineConfig, parallel: ParallelInfo) -
         chunked_prefill_size=cfg.chunked_prefill_size, max_running_requests=cfg.max_running_requests,
         device=cfg.device, with_weights=cfg.capture_weights, dp_size=parallel.dp_size,
         attn_tp_size=parallel.attn_tp_size,
+        physical_slots=mc.n_routed_experts + cfg.ep_num_redundant_experts if cfg.capture_physical_ids else 0,
     )
 
 
@@ -71,6 +73,10 @@ class EngineCore:
         if recorder is None:
             self.capturer = recorder = RoutedExpertsCapturer(capture_config(mc, cfg, parallel))
         self.model = build_model(mc, cfg, parallel, recorder)
+        if self.capturer is not None and self.capturer.physical is not None:
+            gather = self.model.model.routes.gather_routes  # under EP with attention TP > 1: the scattered slices
+            for moe in moe_layers(self.model):
+                moe.physical_recorder = PhysicalRecorder(self.capturer, gather)
         load_weights(self.model, model_path)
         self.model.eval()
         self.tokenizer = load_tokenizer(model_path, mc.vocab_size)

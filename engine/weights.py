@@ -162,7 +162,8 @@ def read_moe_experts(model: DeepseekForCausalLM, model_dir: str | Path, layer_id
                 if not name.startswith(prefix) or match is None or int(match.group(2)) >= e:
                     continue
                 expert, part = int(match.group(2)), match.group(3)
-                dest = w2[expert] if part == "down_proj" else w13[expert, :i] if part == "gate_proj" else w13[expert, i:]
+                rows = slice(0, i) if part == "gate_proj" else slice(i, 2 * i)
+                dest = w2[expert] if part == "down_proj" else w13[expert, rows]
                 dest.copy_(f.get_tensor(name).to(dtype))
                 seen += 1
     if seen != 3 * e:
