@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -31,6 +30,7 @@ from r3trace.engine.event_loop import Sink
 from r3trace.engine.launch.config import LaunchConfig, Launcher, LoadBalanceMethod
 from r3trace.engine.launch.controller import check_routed_dp_rank
 from r3trace.engine.parallel import ParallelInfo
+from r3trace.engine.placement_control import PlacementControl
 from r3trace.engine.replay import computed_rows, replay_routes
 from r3trace.engine.request import InvalidRequestError, Req
 from r3trace.engine.request_builder import RequestBuilder, as_list
@@ -83,7 +83,6 @@ class Engine:
         self._custom_recorder = recorder is not None
         self._custom_hooks = hooks is not None
         self._closed = False
-        self._placement_lock = threading.Lock()
         target: TraceTarget | None
         if self.launch.multi_process:
             from r3trace.engine.launch.group import WorkerGroup
@@ -107,6 +106,7 @@ class Engine:
             target = None
             if core.capturer is not None and core.route_hooks is not None:
                 target = LocalTrace(core.loop, core.capturer, core.route_hooks)
+        self._placement = PlacementControl(self._loop, getattr(self, "core", None), mc, ep_size, tp_size)
         self._builder = RequestBuilder(mc.vocab_size, self.max_context_len, cfg.kv_pool_tokens, self.tokenizer)
         self.traces: TraceControl | None = None
         if target is not None:
@@ -297,36 +297,18 @@ class Engine:
     def update_expert_placement(self, source: Any, chunk_layers: int = 1) -> dict[str, Any]:
         """Rebalance while serving (SGLang's update_expert_location): source is an ExpertLocation or a path to
         `r3trace eplb --out`'s JSON or SGLang's expert-location JSON / .pt, for this engine's P slots and ep_size.
-        chunk_layers MoE layers at a time, with steps between chunks: each rank copies the new weights of its moved
-        slots from the checkpoint, then switches those layers' maps; every rank runs each chunk at the same step.
-        Requests in flight keep running; their routes are logical and do not change. Returns {"chunks": n,
-        "slots_copied": [per rank]}. Raises ExpertLocationError naming the field on a bad source."""
-        from r3trace.engine.expert_placement import read_location
-
+        chunk_layers MoE layers at a time, with steps between chunks: each rank copies its moved slots' new weights
+        from the checkpoint, then switches those layers' maps, every rank at the same step. Requests in flight keep
+        running; their routes are logical and do not change. Returns {"chunks": n, "slots_copied": [per rank]}.
+        Raises ExpertLocationError naming the field on a bad source (engine/placement_control.py)."""
         if self._closed:
             raise RuntimeError("the engine has been shut down")
-        location = read_location(source, self.model_config, self.launch.ep_size)
-        with self._placement_lock:  # one rebalance at a time: the ranks hold one update's chunk iterator
-            if self.launch.multi_process:
-                self._loop.call("expert_placement_begin", location, chunk_layers)
-                copied = [0] * self.launch.tp_size
-                chunks = 0
-                while (done := self._loop.call("expert_placement_step"))[0] is not None:
-                    copied = [c + d.slots_copied for c, d in zip(copied, done, strict=True)]
-                    chunks += 1
-                return {"chunks": chunks, "slots_copied": copied}
-            core = self.core
-            self._loop.call(lambda: core.begin_expert_placement(location, chunk_layers))
-            total = chunks = 0
-            while (one := self._loop.call(core.expert_placement_step)) is not None:  # a step may run between
-                total, chunks = total + one.slots_copied, chunks + 1
-            return {"chunks": chunks, "slots_copied": [total]}
+        return self._placement.update(source, chunk_layers)
 
     def expert_slots(self) -> list[dict[str, Any]]:
-        """Per rank: what its expert slots hold (EngineCore.expert_slots), in rank order."""
-        if self.launch.multi_process:
-            return list(self._loop.call("expert_slots"))
-        return [self._loop.call(self.core.expert_slots)]
+        """Per rank, in rank order: the logical expert each of its slots holds and a checksum of the weights there
+        (EngineCore.expert_slots)."""
+        return self._placement.slots()
 
     def shutdown(self) -> None:
         """Abort what is in flight, stop the scheduler thread, commit and close the trace. Idempotent; also

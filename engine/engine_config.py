@@ -83,9 +83,6 @@ class EngineConfig:
     # also record the physical slot of each routed pair (meta_info["routed_experts_physical"]); logical ids stay
     # what routed_experts and traces hold
     capture_physical_ids: bool = False
-    # also record the physical slot of each routed pair (meta_info["routed_experts_physical"]); logical ids stay
-    # what routed_experts and traces hold
-    capture_physical_ids: bool = False
     trace_dir: str | None = None  # record every request into this trace folder from the start
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
     fuse_step_glue: bool = True  # latent write, router logits, [T, K + S] routes fused (triton); False: A/B baseline
@@ -139,6 +136,8 @@ class EngineConfig:
             raise EngineConfigError(f"init_expert_location={loc!r}: expected 'trivial' or a path to a JSON / .pt file")
         if self.ep_dispatch_algorithm not in ("static", "dynamic"):
             raise EngineConfigError(f"ep_dispatch_algorithm={self.ep_dispatch_algorithm!r}: expected static or dynamic")
+        if not isinstance(self.capture_physical_ids, bool):
+            raise EngineConfigError(f"capture_physical_ids={self.capture_physical_ids!r}: expected True or False")
         seed = self.expert_dispatch_seed
         if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= 0xFFFFFFFF:
             raise EngineConfigError(f"expert_dispatch_seed={seed!r}: must be an integer in 0..{0xFFFFFFFF}")

@@ -108,6 +108,8 @@ class EngineCore:
         on all of them between the same two forwards."""
         if self._rebalance is not None:
             raise ExpertLocationError("an expert placement update is already running; wait for it to finish")
+        if not isinstance(chunk_layers, int) or chunk_layers < 1:
+            raise ExpertLocationError(f"chunk_layers={chunk_layers!r}; expected an integer >= 1")
         built = {m.expert_map.num_physical if m.expert_map else None for m in moe_layers(self.model)}
         if built != {location.num_physical}:
             raise ExpertLocationError(
@@ -122,7 +124,11 @@ class EngineCore:
         """One chunk: its layers' moved slots copied, then their maps switched. None once every layer has."""
         if self._rebalance is None:
             return None
-        done = next(self._rebalance, None)
+        try:
+            done = next(self._rebalance, None)
+        except BaseException:
+            self._rebalance = None  # a refused chunk changed nothing (every check precedes the first copy)
+            raise
         if done is None:
             self._rebalance = None
         return done

@@ -29,6 +29,7 @@ from r3trace.eplb.placement import Cluster, Placement, to_json
 MODEL = Path(__file__).resolve().parents[2] / "samples" / "model"
 E, REDUNDANT = 32, 8  # the sample model's routed experts; P = 40 slots
 GREEDY = {"temperature": 0.0}
+NEW = 24  # tokens each request of the rebalance case generates: the update's 4 chunks land well inside them
 
 
 def prompts(n: int, seed: int) -> list[list[int]]:
@@ -112,18 +113,18 @@ def test_rebalance_while_requests_run_keeps_them_exact(
     reference: Engine, ep2_static: Engine, tmp_path: Path
 ) -> None:
     ids = prompts(4, seed=4)
-    want = run(reference, ids, 40)
+    want = run(reference, ids, NEW)
     base = reference.expert_slots()[0]  # one process: slot e is expert e
     before = ep2_static.expert_slots()
     path = tmp_path / "placement.json"
     path.write_text(json.dumps({"physical_to_logical_map": shuffled_placement(5, 2).tolist()}))
 
     results: dict[int, list[dict[str, Any]]] = {}
-    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, run(ep2_static, [ids[i]], 40)))
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, run(ep2_static, [ids[i]], NEW)))
                for i in range(3)]
     for t in threads:
         t.start()
-    stream = ep2_static.generate(input_ids=ids[3], sampling_params={"max_new_tokens": 40, **GREEDY},
+    stream = ep2_static.generate(input_ids=ids[3], sampling_params={"max_new_tokens": NEW, **GREEDY},
                                  return_logprob=True, stream=True)
     chunks = [next(stream)]  # the batch is running
     done: dict[str, Any] = {}
@@ -151,7 +152,7 @@ def test_rebalance_while_requests_run_keeps_them_exact(
         assert after[r]["w13_sum"][m][j] == base["w13_sum"][m][after[r]["held"][m][j]]
         assert after[r]["w2_sum"][m][j] == base["w2_sum"][m][after[r]["held"][m][j]]
     # and the engine goes on exactly under the new placement
-    assert_exact(run(ep2_static, ids, 8), run(reference, ids, 8))
+    assert_exact(run(ep2_static, ids[:2], 6), run(reference, ids[:2], 6))
 
 
 @pytest.mark.slow
