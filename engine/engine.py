@@ -27,6 +27,7 @@ from r3trace.engine.config import ModelConfig
 from r3trace.engine.engine_config import EngineConfig, EngineConfigError
 from r3trace.engine.engine_core import EngineCore
 from r3trace.engine.event_loop import Sink
+from r3trace.engine.expert_placement import initial_location
 from r3trace.engine.launch.config import LaunchConfig, Launcher, LoadBalanceMethod
 from r3trace.engine.launch.controller import check_routed_dp_rank
 from r3trace.engine.parallel import ParallelInfo
@@ -79,6 +80,7 @@ class Engine:
         self.launch = LaunchConfig(tp_size, dp_size, ep_size, load_balance_method, launcher=launcher)
         self.model_config = mc = ModelConfig.from_hf(model_path)
         self.model_path = Path(model_path)
+        initial_location(cfg, mc, ep_size)  # a bad placement option fails here, in one line, before any rank starts
         self.max_context_len = cfg.max_context_len or mc.max_position_embeddings
         self._custom_recorder = recorder is not None
         self._custom_hooks = hooks is not None

@@ -197,6 +197,10 @@ def test_placement_options_are_checked() -> None:
         EngineConfig(ep_dispatch_algorithm="random")  # type: ignore[arg-type]
     with pytest.raises(EngineConfigError, match="P = 32 \\+ 3 = 35 physical slots is not a multiple of ep_size=2"):
         EngineConfig(ep_num_redundant_experts=3).check_expert_slots(32, 2)
+    with pytest.raises(EngineConfigError, match="^ep_num_redundant_experts=3: P = 32 \\+ 3 = 35"):
+        Engine(MODEL, tp_size=2, ep_size=2, ep_num_redundant_experts=3)  # refused before any rank starts
+    with pytest.raises(ExpertLocationError, match="^init_expert_location='missing.json': unreadable"):
+        Engine(MODEL, tp_size=2, ep_size=2, init_expert_location="missing.json")
 
 
 if __name__ == "__main__":
