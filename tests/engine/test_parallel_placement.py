@@ -162,6 +162,24 @@ def test_ep4_static_with_redundant_experts_is_exact(reference: Engine) -> None:
         assert_exact(run(engine, ids, 12), run(reference, ids, 12))
 
 
+@pytest.mark.slow
+def test_dp2_ep2_dynamic_physical_ids_follow_the_dp_rows(reference: Engine) -> None:
+    """DP attention: the MoE runs over both DP ranks' rows; each DP rank keeps only its own (batch.route_rows)."""
+    ids = prompts(6, seed=8)
+    with Engine(MODEL, deterministic=True, tp_size=2, dp_size=2, ep_size=2, ep_num_redundant_experts=REDUNDANT,
+                ep_dispatch_algorithm="dynamic", capture_physical_ids=True) as engine:
+        out = run(engine, ids, 8)
+        assert_exact(out, run(reference, ids, 8))
+        slots = engine.expert_slots()
+    phy2log = np.array([sum((s["held"][m] for s in slots), []) for m in range(4)])  # [M, P]
+    moe = list(ModelConfig.from_hf(MODEL).moe_layer_ids)
+    for result in out:
+        logical = decode_routed_experts(result["meta_info"])
+        physical = decode_routed_experts(result["meta_info"], "routed_experts_physical")
+        for m, layer in enumerate(moe):
+            assert (phy2log[m][physical[:, layer]] == logical[:, layer]).all()
+
+
 def test_placement_sources_and_their_errors(tmp_path: Path) -> None:
     mc = ModelConfig.from_hf(MODEL)
     phy = shuffled_placement(7, 2)
