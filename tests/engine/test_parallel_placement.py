@@ -162,11 +162,12 @@ def test_ep4_static_with_redundant_experts_is_exact(reference: Engine) -> None:
         assert_exact(run(engine, ids, 12), run(reference, ids, 12))
 
 
-@pytest.mark.slow
-def test_dp2_ep2_dynamic_physical_ids_follow_the_dp_rows(reference: Engine) -> None:
-    """DP attention: the MoE runs over both DP ranks' rows; each DP rank keeps only its own (batch.route_rows)."""
+@pytest.mark.parametrize("ep", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_dp2_dynamic_physical_ids_follow_the_dp_rows(reference: Engine, ep: int) -> None:
+    """DP attention: with ep 1 the MoE runs over both DP ranks' gathered rows and each DP rank keeps only its own
+    (batch.route_rows, which starts past the other rank's rows on DP rank 1); with ep 2 over its own rows."""
     ids = prompts(6, seed=8)
-    with Engine(MODEL, deterministic=True, tp_size=2, dp_size=2, ep_size=2, ep_num_redundant_experts=REDUNDANT,
+    with Engine(MODEL, deterministic=True, tp_size=2, dp_size=2, ep_size=ep, ep_num_redundant_experts=REDUNDANT,
                 ep_dispatch_algorithm="dynamic", capture_physical_ids=True) as engine:
         out = run(engine, ids, 8)
         assert_exact(out, run(reference, ids, 8))
