@@ -47,3 +47,20 @@ def test_update_expert_placement_over_http(tmp_path: Path) -> None:
             err = r.json()["error"]
             assert err["param"] == "path" and err["message"].startswith("path: ") and says in err["message"]
         assert engine.expert_slots()[0]["held"][0] == phy[1].tolist()  # a refused file changed nothing
+
+
+def test_serve_flags_reach_the_engine_config() -> None:
+    import argparse
+
+    from r3trace.commands import serve
+    from r3trace.engine.engine_config import EngineConfig
+
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    args = parser.parse_args([str(MODEL), "--ep-num-redundant-experts", "8", "--init-expert-location", "p.json",
+                              "--ep-dispatch-algorithm", "dynamic", "--expert-dispatch-seed", "3",
+                              "--capture-physical-ids", "--placement-root", "plans"])
+    cfg = EngineConfig(**serve.engine_options(args))  # type: ignore[arg-type]
+    assert (cfg.ep_num_redundant_experts, cfg.init_expert_location, cfg.ep_dispatch_algorithm,
+            cfg.expert_dispatch_seed, cfg.capture_physical_ids) == (8, "p.json", "dynamic", 3, True)
+    assert args.placement_root == "plans"
