@@ -12,6 +12,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from r3trace.capture.capturer import CaptureConfig, RoutedExpertsCapturer
 from r3trace.capture.physical import PhysicalRecorder
 from r3trace.capture.recorder import RouteRecorder
@@ -116,9 +118,13 @@ class EngineCore:
                 f"source: P={location.num_physical} slots; the engine was built with "
                 f"{'no placement (set ep_num_redundant_experts or init_expert_location)' if None in built else built}"
             )
-        self._rebalance = update_chunks(
-            self.model, location, lambda layer_id: read_moe_experts(self.model, self.model_path, layer_id), chunk_layers
-        )
+        rank = self.parallel.ep_rank
+
+        def weights(layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:  # only the experts this rank will hold
+            held = held_experts(location, layer_id, rank)
+            return read_moe_experts(self.model, self.model_path, layer_id, held)
+
+        self._rebalance = update_chunks(self.model, location, weights, chunk_layers)
 
     def expert_placement_step(self) -> ChunkDone | None:
         """One chunk: its layers' moved slots copied, then their maps switched. None once every layer has."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
@@ -145,29 +146,33 @@ def rows_by_expert(moe: MoE) -> dict[int, list[int]]:
     return rows
 
 
-def read_moe_experts(model: DeepseekForCausalLM, model_dir: str | Path, layer_id: int
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+def read_moe_experts(model: DeepseekForCausalLM, model_dir: str | Path, layer_id: int,
+                     experts: Collection[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One MoE layer's logical expert weights from the checkpoint, in the model's dtype: w13 [E, 2I, D] (gate_proj
-    rows, then up_proj), w2 [E, D, I]: the weight source of a rebalance (expert_placement.update_chunks)."""
+    rows, then up_proj), w2 [E, D, I]: the weight source of a rebalance (expert_placement.update_chunks).
+    experts: read only these (a rank's new slots hold P/G of the E); the other rows are left unwritten."""
     cfg = model.config
     e, i, d = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
     dtype = model.engine_config.torch_dtype
     w13, w2 = torch.empty(e, 2 * i, d, dtype=dtype), torch.empty(e, d, i, dtype=dtype)
     prefix = f"model.layers.{layer_id}.mlp.experts."
+    wanted = set(range(e)) if experts is None else set(experts) & set(range(e))
     seen = 0
     for path in checkpoint_files(Path(model_dir)):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open handles are not mappings)
                 match = _EXPERT.match(name)
-                if not name.startswith(prefix) or match is None or int(match.group(2)) >= e:
+                if not name.startswith(prefix) or match is None or int(match.group(2)) not in wanted:
                     continue
                 expert, part = int(match.group(2)), match.group(3)
                 rows = slice(0, i) if part == "gate_proj" else slice(i, 2 * i)
                 dest = w2[expert] if part == "down_proj" else w13[expert, rows]
                 dest.copy_(f.get_tensor(name).to(dtype))
                 seen += 1
-    if seen != 3 * e:
-        raise WeightsError(f"{model_dir}: layer {layer_id} has {seen} routed-expert tensors; expected 3 * E = {3 * e}")
+    if seen != 3 * len(wanted):
+        raise WeightsError(
+            f"{model_dir}: layer {layer_id} has {seen} of the {3 * len(wanted)} routed-expert tensors it needs"
+        )
     return w13, w2
 
 
