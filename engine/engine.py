@@ -27,9 +27,11 @@ from r3trace.engine.config import ModelConfig
 from r3trace.engine.engine_config import EngineConfig, EngineConfigError
 from r3trace.engine.engine_core import EngineCore
 from r3trace.engine.event_loop import Sink
+from r3trace.engine.expert_placement import initial_location
 from r3trace.engine.launch.config import LaunchConfig, Launcher, LoadBalanceMethod
 from r3trace.engine.launch.controller import check_routed_dp_rank
 from r3trace.engine.parallel import ParallelInfo
+from r3trace.engine.placement_control import PlacementControl
 from r3trace.engine.replay import computed_rows, replay_routes
 from r3trace.engine.request import InvalidRequestError, Req
 from r3trace.engine.request_builder import RequestBuilder, as_list
@@ -78,6 +80,7 @@ class Engine:
         self.launch = LaunchConfig(tp_size, dp_size, ep_size, load_balance_method, launcher=launcher)
         self.model_config = mc = ModelConfig.from_hf(model_path)
         self.model_path = Path(model_path)
+        initial_location(cfg, mc, ep_size)  # a bad placement option fails here, in one line, before any rank starts
         self.max_context_len = cfg.max_context_len or mc.max_position_embeddings
         self._custom_recorder = recorder is not None
         self._custom_hooks = hooks is not None
@@ -105,6 +108,7 @@ class Engine:
             target = None
             if core.capturer is not None and core.route_hooks is not None:
                 target = LocalTrace(core.loop, core.capturer, core.route_hooks)
+        self._placement = PlacementControl(self._loop, getattr(self, "core", None), mc, ep_size, tp_size)
         self._builder = RequestBuilder(mc.vocab_size, self.max_context_len, cfg.kv_pool_tokens, self.tokenizer)
         self.traces: TraceControl | None = None
         if target is not None:
@@ -291,6 +295,22 @@ class Engine:
     def flush_cache(self) -> bool:
         """Drop every unlocked prefix-cache entry; False (nothing done) while requests are in flight."""
         return bool(self._loop.flush_cache())
+
+    def update_expert_placement(self, source: Any, chunk_layers: int = 1) -> dict[str, Any]:
+        """Rebalance while serving (SGLang's update_expert_location): source is an ExpertLocation or a path to
+        `r3trace eplb --out`'s JSON or SGLang's expert-location JSON / .pt, for this engine's P slots and ep_size.
+        chunk_layers MoE layers at a time, with steps between chunks: each rank copies its moved slots' new weights
+        from the checkpoint, then switches those layers' maps, every rank at the same step. Requests in flight keep
+        running; their routes are logical and do not change. Returns {"chunks": n, "slots_copied": [per rank]}.
+        Raises ExpertLocationError naming the field on a bad source (engine/placement_control.py)."""
+        if self._closed:
+            raise RuntimeError("the engine has been shut down")
+        return self._placement.update(source, chunk_layers)
+
+    def expert_slots(self) -> list[dict[str, Any]]:
+        """Per rank, in rank order: the logical expert each of its slots holds and a checksum of the weights there
+        (EngineCore.expert_slots)."""
+        return self._placement.slots()
 
     def shutdown(self) -> None:
         """Abort what is in flight, stop the scheduler thread, commit and close the trace. Idempotent; also

@@ -70,8 +70,19 @@ class EngineConfig:
     # host count each dispatch) or low_latency (fixed [E_local, max_tokens * G, D] buffers, graph-safe, k-order
     # combine). auto: low_latency in exact mode, else normal.
     deepep_mode: Literal["auto", "normal", "low_latency"] = "auto"
+    # Expert placement under expert parallelism (SGLang's names). P = n_routed_experts + ep_num_redundant_experts
+    # physical slots, P / ep_size on each rank. init_expert_location: "trivial" (slot p holds expert p % E), or a
+    # path to `r3trace eplb --out`'s JSON or SGLang's expert-location JSON / .pt. Either one builds an
+    # ExpertLocation (engine/layers/expert_location.py); neither leaves slot e = expert e, today's path.
+    ep_num_redundant_experts: int = 0
+    init_expert_location: str | None = None
+    ep_dispatch_algorithm: Literal["static", "dynamic"] = "static"  # which replica a pair goes to (expert_map.py)
+    expert_dispatch_seed: int = 0  # dynamic dispatch's hash seed: the same on every rank, so choices agree
     # route capture
     capture_weights: bool = False  # keep top-k weights too (return_routed_weights; +2 bytes per id)
+    # also record the physical slot of each routed pair (meta_info["routed_experts_physical"]); logical ids stay
+    # what routed_experts and traces hold
+    capture_physical_ids: bool = False
     trace_dir: str | None = None  # record every request into this trace folder from the start
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
     fuse_step_glue: bool = True  # latent write, router logits, [T, K + S] routes fused (triton); False: A/B baseline
@@ -100,6 +111,7 @@ class EngineConfig:
             raise EngineConfigError(f"deterministic={self.deterministic!r}: expected True or False")
         if self.deepep_mode not in ("auto", "normal", "low_latency"):
             raise EngineConfigError(f"deepep_mode={self.deepep_mode!r}: expected auto, normal or low_latency")
+        self._check_placement()
         if self.deterministic:
             self._check_deterministic()
         if self.cuda_graph_batch_sizes:
@@ -113,6 +125,36 @@ class EngineConfig:
                 raise EngineConfigError(
                     f"cuda_graph_batch_sizes has {bad} outside 1..max_running_requests={self.max_running_requests}"
                 )
+
+    def _check_placement(self) -> None:
+        """Field by field; P % ep_size needs the model's E and the launch's ep_size: check_expert_slots."""
+        r = self.ep_num_redundant_experts
+        if not isinstance(r, int) or isinstance(r, bool) or r < 0:
+            raise EngineConfigError(f"ep_num_redundant_experts={r!r}: must be an integer >= 0")
+        loc = self.init_expert_location
+        if loc is not None and (not isinstance(loc, str) or not loc):
+            raise EngineConfigError(f"init_expert_location={loc!r}: expected 'trivial' or a path to a JSON / .pt file")
+        if self.ep_dispatch_algorithm not in ("static", "dynamic"):
+            raise EngineConfigError(f"ep_dispatch_algorithm={self.ep_dispatch_algorithm!r}: expected static or dynamic")
+        if not isinstance(self.capture_physical_ids, bool):
+            raise EngineConfigError(f"capture_physical_ids={self.capture_physical_ids!r}: expected True or False")
+        seed = self.expert_dispatch_seed
+        if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= 0xFFFFFFFF:
+            raise EngineConfigError(f"expert_dispatch_seed={seed!r}: must be an integer in 0..{0xFFFFFFFF}")
+
+    @property
+    def has_placement(self) -> bool:
+        """A placement was asked for: the MoE runs over physical slots through an ExpertMap."""
+        return self.ep_num_redundant_experts > 0 or self.init_expert_location is not None
+
+    def check_expert_slots(self, num_experts: int, ep_size: int) -> None:
+        """P = E + ep_num_redundant_experts must split evenly over the expert-parallel ranks."""
+        p = num_experts + self.ep_num_redundant_experts
+        if p % ep_size:
+            raise EngineConfigError(
+                f"ep_num_redundant_experts={self.ep_num_redundant_experts}: P = {num_experts} + "
+                f"{self.ep_num_redundant_experts} = {p} physical slots is not a multiple of ep_size={ep_size}"
+            )
 
     def _check_deterministic(self) -> None:
         if self.deepep_mode == "normal":

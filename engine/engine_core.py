@@ -8,14 +8,21 @@ steps it together with the other ranks. The front end (engine.py) never needs a 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
+
+import torch
 
 from r3trace.capture.capturer import CaptureConfig, RoutedExpertsCapturer
+from r3trace.capture.physical import PhysicalRecorder
 from r3trace.capture.recorder import RouteRecorder
 from r3trace.engine.config import ModelConfig
 from r3trace.engine.engine_config import EngineConfig, EngineConfigError
 from r3trace.engine.event_loop import EventLoop
+from r3trace.engine.expert_placement import ChunkDone, moe_layers, update_chunks
 from r3trace.engine.kv_pool import KVPool, ReqToTokenPool
+from r3trace.engine.layers.expert_location import ExpertLocation, ExpertLocationError, held_experts
 from r3trace.engine.model import build_model
 from r3trace.engine.model_runner import ModelRunner
 from r3trace.engine.parallel import ParallelInfo
@@ -25,7 +32,7 @@ from r3trace.engine.route_capture import RouteCaptureHooks
 from r3trace.engine.sampling import Sampler
 from r3trace.engine.scheduler import Scheduler
 from r3trace.engine.tokenizer import load_tokenizer
-from r3trace.engine.weights import load_weights
+from r3trace.engine.weights import load_weights, read_moe_experts
 
 
 def capture_config(mc: ModelConfig, cfg: EngineConfig, parallel: ParallelInfo) -> CaptureConfig:
@@ -39,6 +46,7 @@ def capture_config(mc: ModelConfig, cfg: EngineConfig, parallel: ParallelInfo) -
         chunked_prefill_size=cfg.chunked_prefill_size, max_running_requests=cfg.max_running_requests,
         device=cfg.device, with_weights=cfg.capture_weights, dp_size=parallel.dp_size,
         attn_tp_size=parallel.attn_tp_size,
+        physical_slots=mc.n_routed_experts + cfg.ep_num_redundant_experts if cfg.capture_physical_ids else 0,
     )
 
 
@@ -57,6 +65,8 @@ class EngineCore:
         (lockstep ranks step one forward at a time, see engine/launch/lockstep.py)."""
         self.config = cfg
         self.parallel = parallel
+        self.model_path = Path(model_path)
+        self._rebalance: Iterator[ChunkDone] | None = None  # a placement update between its chunks
         self.model_config = mc = ModelConfig.from_hf(model_path)
         device = cfg.device
         # The capturer is always there (a slice write per MoE layer); rows cross to the host only for
@@ -65,6 +75,10 @@ class EngineCore:
         if recorder is None:
             self.capturer = recorder = RoutedExpertsCapturer(capture_config(mc, cfg, parallel))
         self.model = build_model(mc, cfg, parallel, recorder)
+        if self.capturer is not None and self.capturer.physical is not None:
+            gather = self.model.model.routes.gather_routes  # under EP with attention TP > 1: the scattered slices
+            for moe in moe_layers(self.model):
+                moe.physical_recorder = PhysicalRecorder(self.capturer, gather)
         load_weights(self.model, model_path)
         self.model.eval()
         self.tokenizer = load_tokenizer(model_path, mc.vocab_size)
@@ -96,3 +110,54 @@ class EngineCore:
         self.runner = ModelRunner(self.model, self.kv_pool, req_pool, self.sampler, device, mc, graphs, parallel)
         self.loop = EventLoop(self.scheduler, self.runner, self.cache, self.route_hooks, mc, self.tokenizer,
                               overlap=cfg.overlap_schedule and threaded, threaded=threaded)
+
+    # ------------------------------------------------------------------ expert placement (scheduler thread only)
+    def begin_expert_placement(self, location: ExpertLocation, chunk_layers: int) -> None:
+        """Start a rebalance; expert_placement_step then runs one chunk of layers at a time, with forwards between.
+        Every EP rank begins and steps at the same iteration (engine/launch/lockstep.py), so a layer's map switches
+        on all of them between the same two forwards."""
+        if self._rebalance is not None:
+            raise ExpertLocationError("an expert placement update is already running; wait for it to finish")
+        if not isinstance(chunk_layers, int) or chunk_layers < 1:
+            raise ExpertLocationError(f"chunk_layers={chunk_layers!r}; expected an integer >= 1")
+        built = {m.expert_map.num_physical if m.expert_map else None for m in moe_layers(self.model)}
+        if built != {location.num_physical}:
+            raise ExpertLocationError(
+                f"source: P={location.num_physical} slots; the engine was built with "
+                f"{'no placement (set ep_num_redundant_experts or init_expert_location)' if None in built else built}"
+            )
+        rank = self.parallel.ep_rank
+
+        def weights(layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:  # only the experts this rank will hold
+            held = held_experts(location, layer_id, rank)
+            return read_moe_experts(self.model, self.model_path, layer_id, held)
+
+        self._rebalance = update_chunks(self.model, location, weights, chunk_layers)
+
+    def expert_placement_step(self) -> ChunkDone | None:
+        """One chunk: its layers' moved slots copied, then their maps switched. None once every layer has."""
+        if self._rebalance is None:
+            return None
+        try:
+            done = next(self._rebalance, None)
+        except BaseException:
+            self._rebalance = None  # a refused chunk changed nothing (every check precedes the first copy)
+            raise
+        if done is None:
+            self._rebalance = None
+        return done
+
+    def expert_slots(self) -> dict[str, Any]:
+        """What this rank's slots hold: per MoE layer the logical expert of each local slot (the map's placement)
+        and the float64 sum of each slot's w13 and w2 (which weights are really there)."""
+        out: dict[str, Any] = {"ep_rank": self.parallel.ep_rank, "layer_ids": [], "held": [], "w13_sum": [],
+                               "w2_sum": []}
+        for moe in moe_layers(self.model):
+            m = moe.expert_map
+            out["layer_ids"].append(moe.gate.layer_id)
+            out["held"].append(list(moe.dispatcher.experts) if m is None
+                               else held_experts(m.location, m.layer_id, m.ep_rank))
+            rows = len(out["held"][-1])
+            out["w13_sum"].append(moe.w13.data[:rows].double().sum((1, 2)).tolist())
+            out["w2_sum"].append(moe.w2.data[:rows].double().sum((1, 2)).tolist())
+        return out

@@ -1,5 +1,7 @@
 """Expert placement on a built model: install an ExpertLocation's maps, and rebalance while serving.
 
+    initial_location(engine_config, model_config, ep_size)         the EngineConfig's placement (None: none asked)
+    read_location(source, model_config, ep_size)                   a file (or an ExpertLocation) -> ExpertLocation
     apply_expert_location(model, location, ep_rank, mode, seed)   once, after build_model and before load
     update_expert_placement(model, location, weight_source)        between two forwards, on every EP rank
                                                                     at the same forward boundary
@@ -18,12 +20,16 @@ engine's event loop) runs the same chunk on every rank at the same step; no coll
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
-from typing import NamedTuple
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
+from .config import ModelConfig
+from .engine_config import EngineConfig
 from .layers.expert_location import ExpertLocation, ExpertLocationError
 from .layers.expert_map import DispatchMode, ExpertMap
 from .layers.moe import MoE
@@ -34,6 +40,60 @@ WeightSource = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
 def moe_layers(model: nn.Module) -> list[MoE]:
     """The model's MoE layers in layer order."""
     return sorted((m for m in model.modules() if isinstance(m, MoE)), key=lambda m: m.gate.layer_id)
+
+
+def read_location(source: Any, mc: ModelConfig, ep_size: int, field: str = "source") -> ExpertLocation:
+    """source: an ExpertLocation, "trivial" (the P = E map), or a path to `r3trace eplb --out`'s JSON ({"cluster",
+    "phy2log", ...}, rows over the MoE layers) or SGLang's expert-location JSON / .pt ({"physical_to_logical_map":
+    [num_hidden_layers, P]}, as SGLang's compute_initial_expert_location_metadata reads it). field: the name an
+    error gives the source (the option or request field it came from)."""
+    moe = mc.moe_layer_ids
+    if isinstance(source, ExpertLocation):
+        loc = source
+    elif source == "trivial":
+        loc = ExpertLocation.trivial(mc.n_routed_experts, ep_size, moe)
+    else:
+        path = Path(str(source))
+        try:
+            if path.suffix == ".pt":
+                doc = torch.load(path, map_location="cpu", weights_only=True)
+            else:
+                doc = json.loads(path.read_text())
+        except (OSError, ValueError, RuntimeError) as e:
+            raise ExpertLocationError(f"{field}={str(source)!r}: unreadable expert location ({e})") from e
+        if not isinstance(doc, dict):
+            raise ExpertLocationError(f"{field}={str(source)!r}: a {type(doc).__name__}; expected a JSON object")
+        try:
+            if "phy2log" in doc and "cluster" in doc:  # r3trace's own EPLB output
+                loc = ExpertLocation.from_eplb_json(json.dumps(doc), moe)
+            else:
+                loc = ExpertLocation.from_sglang(doc, mc, ep_size)
+        except (ExpertLocationError, KeyError, TypeError, ValueError) as e:
+            raise ExpertLocationError(f"{field}={str(source)!r}: {e}") from e
+    if loc.ep_size != ep_size or loc.num_logical != mc.n_routed_experts or loc.layer_ids != moe:
+        raise ExpertLocationError(
+            f"{field}: placement for ep_size={loc.ep_size}, E={loc.num_logical}, MoE layers {loc.layer_ids}; the "
+            f"engine runs ep_size={ep_size}, E={mc.n_routed_experts}, MoE layers {moe}"
+        )
+    return loc
+
+
+def initial_location(ecfg: EngineConfig, mc: ModelConfig, ep_size: int) -> ExpertLocation | None:
+    """The placement the model is built with: None without one (slot e is expert e, no map step)."""
+    if not ecfg.has_placement:
+        return None
+    ecfg.check_expert_slots(mc.n_routed_experts, ep_size)
+    p = mc.n_routed_experts + ecfg.ep_num_redundant_experts
+    source = ecfg.init_expert_location
+    if source is None or source == "trivial":
+        return ExpertLocation.trivial(mc.n_routed_experts, ep_size, mc.moe_layer_ids, p)
+    loc = read_location(source, mc, ep_size, "init_expert_location")
+    if loc.num_physical != p:
+        raise ExpertLocationError(
+            f"init_expert_location={source!r} has P={loc.num_physical} slots; n_routed_experts + "
+            f"ep_num_redundant_experts = {p}"
+        )
+    return loc
 
 
 def apply_expert_location(

@@ -28,10 +28,12 @@ from r3trace.capture.recorder import NullRecorder, RouteRecorder
 from .communicator import LayerCommunicator, RouteCommunicator, VocabCommunicator, all_reduce_sum, mlp_input_mode
 from .config import ModelConfig
 from .engine_config import EngineConfig, EngineConfigError
+from .expert_placement import apply_expert_location, initial_location
 from .forward_batch import ForwardBatch
 from .layers.attention_backend import make_attention_backend
 from .layers.dispatcher import make_dispatcher
 from .layers.exact import exact_all_reduce
+from .layers.expert_location import ExpertLocation
 from .layers.linear import ColumnParallelLinear, VocabParallelEmbedding
 from .layers.mla import MLAAttention
 from .layers.mlp import MLP
@@ -52,7 +54,9 @@ class DecoderLayer(nn.Module):
         recorder: RouteRecorder,
         rope: RotaryEmbedding,
         routes: RouteCommunicator | None = None,
+        num_slots: int | None = None,
     ) -> None:
+        """num_slots: the physical slots P of a placement (None: none, slot e is expert e)."""
         super().__init__()
         dtype, device = ecfg.torch_dtype, ecfg.device
         self.layer_id = layer_id
@@ -67,15 +71,16 @@ class DecoderLayer(nn.Module):
         self.mlp: nn.Module
         if self.is_moe:
             ep = parallel.ep_size > 1
+            slots = cfg.n_routed_experts if num_slots is None else num_slots
             # Under EP the shared experts run whole on this rank's scattered rows (replicated, as under DeepEP).
             shared_rank, shared_size = (0, 1) if ep else (parallel.tp_rank, parallel.tp_size)
             self.mlp = MoE(
                 cfg, layer_id, recorder, make_routing_ops(ecfg.topk_impl, ecfg.fuse_step_glue),
                 make_experts_fn(ecfg.moe_impl), dtype, device, fuse_shared_experts(ecfg, parallel),
                 shared_rank, shared_size,
-                dispatcher=make_dispatcher(cfg.n_routed_experts, parallel.ep_rank, parallel.ep_size,
-                                           parallel.ep_group, ecfg.dispatcher_mode,
-                                           moe_rows_per_rank(ecfg, parallel)) if ep else None,
+                dispatcher=make_dispatcher(slots, parallel.ep_rank, parallel.ep_size, parallel.ep_group,
+                                           ecfg.dispatcher_mode, moe_rows_per_rank(ecfg, parallel))
+                if ep or num_slots is not None else None,
                 route_gather=None if routes is None else routes.gather_routes, exact=ecfg.deterministic,
             )  # fmt: skip
         else:
@@ -101,7 +106,8 @@ class DecoderLayer(nn.Module):
 
 class DeepseekModel(nn.Module):
     def __init__(
-        self, cfg: ModelConfig, ecfg: EngineConfig, parallel: ParallelInfo, recorder: RouteRecorder
+        self, cfg: ModelConfig, ecfg: EngineConfig, parallel: ParallelInfo, recorder: RouteRecorder,
+        num_slots: int | None = None,
     ) -> None:
         super().__init__()
         dtype, device = ecfg.torch_dtype, ecfg.device
@@ -119,7 +125,7 @@ class DeepseekModel(nn.Module):
             gather=not isinstance(recorder, NullRecorder),
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, ecfg, i, parallel, recorder, self.rotary, self.routes)
+            DecoderLayer(cfg, ecfg, i, parallel, recorder, self.rotary, self.routes, num_slots)
             for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, ecfg.norm_impl)
@@ -137,13 +143,17 @@ class DeepseekModel(nn.Module):
 
 class DeepseekForCausalLM(nn.Module):
     def __init__(
-        self, cfg: ModelConfig, ecfg: EngineConfig, parallel: ParallelInfo, recorder: RouteRecorder
+        self, cfg: ModelConfig, ecfg: EngineConfig, parallel: ParallelInfo, recorder: RouteRecorder,
+        location: ExpertLocation | None = None,
     ) -> None:
         super().__init__()
         self.config = cfg
         self.engine_config = ecfg
         self.recorder = recorder
-        self.model = DeepseekModel(cfg, ecfg, parallel, recorder)
+        self.model = DeepseekModel(cfg, ecfg, parallel, recorder, None if location is None else location.num_physical)
+        if location is not None:  # every MoE maps logical ids to slots; the loader fills each rank's slots
+            apply_expert_location(self, location, parallel.ep_rank, ecfg.ep_dispatch_algorithm,
+                                  ecfg.expert_dispatch_seed)
         self.lm_head = ColumnParallelLinear(
             cfg.hidden_size, cfg.vocab_size, parallel.attn_tp_rank, parallel.attn_tp_size, ecfg.torch_dtype,
             ecfg.device, ecfg.deterministic,
@@ -195,5 +205,7 @@ def moe_rows_per_rank(ecfg: EngineConfig, parallel: ParallelInfo) -> int:
 def build_model(
     model_config: ModelConfig, engine_config: EngineConfig, parallel: ParallelInfo, recorder: RouteRecorder
 ) -> DeepseekForCausalLM:
-    """Allocate the model (weights uninitialised: load_weights must fill every tensor)."""
-    return DeepseekForCausalLM(model_config, engine_config, parallel, recorder)
+    """Allocate the model (weights uninitialised: load_weights must fill every tensor). With a placement
+    (EngineConfig.has_placement) each MoE holds this rank's P/G physical slots and an ExpertMap."""
+    location = initial_location(engine_config, model_config, parallel.ep_size)
+    return DeepseekForCausalLM(model_config, engine_config, parallel, recorder, location)

@@ -163,6 +163,10 @@ def route_meta(rows: RouteRows, cfg: ModelConfig, with_weights: bool, delta: boo
     }
     if delta:
         meta["routed_experts_offset"] = rows.offset
+    if rows.physical is not None:  # EngineConfig.capture_physical_ids: the slot that computed each pair
+        meta["routed_experts_physical"] = encode_int32(rows.physical)
+        meta["routed_experts_physical_shape"] = list(rows.physical.shape)
+        meta["routed_experts_physical_dtype"] = "int32"
     if with_weights and rows.weights is not None:
         meta["routed_weights"] = encode_float16(rows.weights)
         meta["routed_weights_shape"] = list(rows.weights.shape)

@@ -7,18 +7,22 @@ MTP layers (model.layers.N with N >= num_hidden_layers) go to model.mtp_weights,
 Tensor parallelism: a sharded parameter (layers/linear.py shards) holds one rank's slice; the checkpoint
 tensor is checked against the full shape and the rank's slice copied, so every rank reads the same files.
 Expert parallelism: a MoE holds only its dispatcher's experts (w13[e - first] for e in dispatcher.experts, the
-rows layers/dispatcher.py's expert_slice would cut); the other experts' tensors are read past, not copied.
+rows layers/dispatcher.py's expert_slice would cut); the other experts' tensors are read past, not copied. With a
+placement (an ExpertMap on the MoE) row j holds the logical expert of the rank's j-th physical slot
+(held_experts): a replicated expert is read once and copied into each of its rows.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 
+from .layers.expert_location import held_experts
 from .layers.linear import shards
 from .layers.moe import MoE
 from .model import DeepseekForCausalLM
@@ -57,8 +61,9 @@ def load_weights(model: DeepseekForCausalLM, model_dir: str | Path) -> None:
     params: dict[str, torch.Tensor] = dict(model.named_parameters())
     params.update({k: v for k, v in model.named_buffers() if k.endswith("e_score_correction_bias")})
     sharded = shards(model)
-    # "model.layers.N.mlp" -> the routed experts this rank holds (all of them without expert parallelism)
-    held = {name: m.dispatcher.experts for name, m in model.named_modules() if isinstance(m, MoE)}
+    # "model.layers.N.mlp" -> {logical expert: its rows in this rank's w13 / w2} (all experts, one row each, without
+    # expert parallelism; a placement's slots, where a replicated expert may fill several rows)
+    held = {name: rows_by_expert(m) for name, m in model.named_modules() if isinstance(m, MoE)}
     filled: set[str] = set()
     expert_parts: dict[str, set[tuple[int, str]]] = {}
     problems: list[str] = []
@@ -91,9 +96,9 @@ def load_weights(model: DeepseekForCausalLM, model_dir: str | Path) -> None:
                 except (SafetensorError, OSError, ValueError) as exc:
                     raise WeightsError(f"{path.name}: tensor {name} unreadable ({exc})") from exc
                 if expert and experts is not None:
-                    row = int(expert.group(2)) - experts.start
-                    _load_expert(params, expert, row, tensor, cfg.moe_intermediate_size, expert_parts, problems,
-                                 unexpected)  # fmt: skip
+                    for row in experts[int(expert.group(2))]:
+                        _load_expert(params, expert, row, tensor, cfg.moe_intermediate_size, expert_parts, problems,
+                                     unexpected)  # fmt: skip
                     continue
                 target = params.get(name)
                 if target is None:
@@ -129,6 +134,46 @@ def load_weights(model: DeepseekForCausalLM, model_dir: str | Path) -> None:
         lines += [f"  {p}" for p in problems]
         raise WeightsError("\n".join(lines))
     model.post_load()
+
+
+def rows_by_expert(moe: MoE) -> dict[int, list[int]]:
+    """{logical expert: the rows of moe.w13 / w2 that hold it} on this rank."""
+    m = moe.expert_map
+    experts = list(moe.dispatcher.experts) if m is None else held_experts(m.location, m.layer_id, m.ep_rank)
+    rows: dict[int, list[int]] = {}
+    for row, expert in enumerate(experts):
+        rows.setdefault(expert, []).append(row)
+    return rows
+
+
+def read_moe_experts(model: DeepseekForCausalLM, model_dir: str | Path, layer_id: int,
+                     experts: Collection[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One MoE layer's logical expert weights from the checkpoint, in the model's dtype: w13 [E, 2I, D] (gate_proj
+    rows, then up_proj), w2 [E, D, I]: the weight source of a rebalance (expert_placement.update_chunks).
+    experts: read only these (a rank's new slots hold P/G of the E); the other rows are left unwritten."""
+    cfg = model.config
+    e, i, d = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    dtype = model.engine_config.torch_dtype
+    w13, w2 = torch.empty(e, 2 * i, d, dtype=dtype), torch.empty(e, d, i, dtype=dtype)
+    prefix = f"model.layers.{layer_id}.mlp.experts."
+    wanted = set(range(e)) if experts is None else set(experts) & set(range(e))
+    seen = 0
+    for path in checkpoint_files(Path(model_dir)):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open handles are not mappings)
+                match = _EXPERT.match(name)
+                if not name.startswith(prefix) or match is None or int(match.group(2)) not in wanted:
+                    continue
+                expert, part = int(match.group(2)), match.group(3)
+                rows = slice(0, i) if part == "gate_proj" else slice(i, 2 * i)
+                dest = w2[expert] if part == "down_proj" else w13[expert, rows]
+                dest.copy_(f.get_tensor(name).to(dtype))
+                seen += 1
+    if seen != 3 * len(wanted):
+        raise WeightsError(
+            f"{model_dir}: layer {layer_id} has {seen} of the {3 * len(wanted)} routed-expert tensors it needs"
+        )
+    return w13, w2
 
 
 def _load_expert(

@@ -34,6 +34,7 @@ from r3trace.engine.engine_config import EngineConfig
 from r3trace.engine.event_loop import stream_chunks
 from r3trace.engine.launch.config import LaunchConfig
 from r3trace.engine.launch.controller import DpController
+from r3trace.engine.launch.lockstep import ALL_RANK_CALLS, CallRefused
 from r3trace.engine.launch.members import STOP_S, Member, ProcessMember, ThreadMember
 from r3trace.engine.launch.worker import WorkerSpec, rank_main
 from r3trace.engine.request import InvalidRequestError, Req
@@ -155,16 +156,21 @@ class WorkerGroup:
         if self.dead is None:
             self.inbox.put(("abort", rid))
 
-    def call(self, name: str) -> list[Any]:
-        """Run a named operation on every rank between steps; the reporting ranks' answers, in rank order."""
+    def call(self, name: str, *args: Any) -> list[Any]:
+        """Run a named operation on every rank between steps; the reporting ranks' answers (every rank's for
+        ALL_RANK_CALLS), in rank order. A rank that refused it (CallRefused: the same on every rank) raises here."""
+        expected = self.launch.tp_size if name in ALL_RANK_CALLS else self.reporting
         with self._lock:
             self._check_alive()
             call_id = next(self._call_ids)
-            pending = self._calls[call_id] = _Call(self.reporting)
-            self.inbox.put(("call", call_id, name))
+            pending = self._calls[call_id] = _Call(expected)
+            self.inbox.put(("call", call_id, name, args))
         pending.done.wait()
-        if self.dead is not None and len(pending.values) < self.reporting:
+        if self.dead is not None and len(pending.values) < expected:
             raise RuntimeError(f"the engine's ranks have stopped: {self.dead}")
+        refused = [v for v in pending.values if isinstance(v, CallRefused)]
+        if refused:
+            raise refused[0].error
         return pending.values
 
     def flush_cache(self) -> bool:

@@ -21,17 +21,27 @@ from __future__ import annotations
 import logging
 import os
 import queue
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from r3trace.engine.engine_core import EngineCore
+from r3trace.engine.layers.expert_location import ExpertLocationError
 from r3trace.engine.parallel import ParallelInfo
 from r3trace.engine.request import Req
 
 log = logging.getLogger(__name__)
+# Calls whose answer differs by rank (expert parallelism's slots): every rank replies, not only the reporting ones.
+ALL_RANK_CALLS = frozenset({"expert_placement_begin", "expert_placement_step", "expert_slots"})
+
+
+class CallRefused(NamedTuple):
+    """A call every rank refused alike (a bad placement): the ranks go on; the front end raises error."""
+
+    error: Exception
+
 IDLE_WAIT_S = 0.05  # how long the control rank waits for a message while no rank has work (others wait with it)
 Outbox = list  # items for the front end, collected over one iteration
 
@@ -180,9 +190,12 @@ class RankLoop:
         elif kind == "abort":
             loop.handle(("abort", msg[1]))  # unknown ids are ignored: every DP rank may get it
         elif kind == "call":
-            _, call_id, name = msg
-            value = self._call(name)
-            if self.reporting:
+            _, call_id, name, args = msg
+            try:
+                value = self._call(name, *args)
+            except ExpertLocationError as exc:  # checked alike on every rank before anything changed
+                value = CallRefused(exc)
+            if self.reporting or name in ALL_RANK_CALLS:
                 self.outbox.append(("reply", call_id, self.rank, value))
         elif kind == "shutdown":
             return False
@@ -193,8 +206,14 @@ class RankLoop:
         if req.params.seed is not None:
             req.generator = self.core.sampler.request_generator(req.params.seed)
 
-    def _call(self, name: str) -> Any:
+    def _call(self, name: str, *args: Any) -> Any:
         core = self.core
+        if name == "expert_placement_begin":
+            return core.begin_expert_placement(*args)
+        if name == "expert_placement_step":
+            return core.expert_placement_step()
+        if name == "expert_slots":
+            return core.expert_slots()
         if name == "flush_cache":
             return core.loop.flush_if_idle()
         if name == "recompute_mismatches":

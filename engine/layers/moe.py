@@ -137,7 +137,7 @@ class MoE(nn.Module):
         e, d, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.dispatcher = dispatcher or NullDispatcher(e)
         local = len(self.dispatcher.experts)
-        if fuse_shared and local != e:
+        if fuse_shared and not isinstance(self.dispatcher, NullDispatcher):
             # fused shared pairs would be dispatched like routed ones; under EP every rank computes them itself
             raise ValueError(f"fuse_shared_experts with expert parallelism ({local} of {e} experts on this rank)")
         self.num_routed = local

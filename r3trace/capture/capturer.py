@@ -27,6 +27,7 @@ from r3trace.trace.schema import PHASES
 from .buffers import PendingCopy, RouteBuffers
 from .config import CaptureConfig
 from .config import CaptureConfigError as CaptureConfigError  # re-exported: callers import it from here
+from .physical import PhysicalIds
 from .recorder import BatchView
 
 
@@ -47,6 +48,7 @@ class _ReqState:
     prefix_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     kept: np.ndarray | None = None  # [n_kept, M, K] rows saved at retraction
     kept_weights: np.ndarray | None = None
+    kept_physical: np.ndarray | None = None
     sink_emitted: int = 0  # positions already written to the sink
     stream_emitted: int = 0  # positions already streamed to the client
 
@@ -58,6 +60,7 @@ class RouteRows:
     offset: int
     ids: np.ndarray
     weights: np.ndarray | None = None
+    physical: np.ndarray | None = None  # [n, L, K] int32 physical slots (capture_physical_ids), -1 on dense layers
 
 
 class RoutedExpertsCapturer:
@@ -68,6 +71,9 @@ class RoutedExpertsCapturer:
             cfg.max_batch_tokens, cfg.kv_slots, len(cfg.moe_layer_ids), cfg.top_k, cfg.num_experts, cfg.device,
             cfg.with_weights,
         )
+        # the physical slot of each pair, moved in lockstep with self.buffers (physical.py); None: not kept
+        self.physical = None if not cfg.physical_slots else PhysicalIds(
+            cfg.max_batch_tokens, cfg.kv_slots, len(cfg.moe_layer_ids), cfg.top_k, cfg.physical_slots, cfg.device)
         self.requests: dict[str, _ReqState] = {}
         self.sink: TraceSink | None = None
         self.recompute_mismatches = 0  # rows whose re-prefill after retraction routed differently
@@ -79,6 +85,8 @@ class RoutedExpertsCapturer:
         self._dp_rank = batch.dp_rank  # a capturer serves one rank: prefix-cache rows carry it too
         self._batch_tokens = batch.num_tokens
         self.buffers.before_forward()
+        if self.physical is not None:
+            self.physical.buffers.before_forward()
 
     def route_buffer(self, layer_id: int, num_tokens: int) -> torch.Tensor | None:
         return self.buffers.ids_view(self.moe_index[layer_id], num_tokens)
@@ -86,9 +94,16 @@ class RoutedExpertsCapturer:
     def capture(self, layer_id: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor | None = None) -> None:
         self.buffers.write(self.moe_index[layer_id], topk_ids, topk_weights)
 
+    def capture_physical(self, layer_id: int, topk_ids: torch.Tensor) -> None:
+        """[T, K] physical slots of the routed batch (physical.PhysicalRecorder); ignored when not kept."""
+        if self.physical is not None:
+            self.physical.buffers.write(self.moe_index[layer_id], topk_ids, None)
+
     def on_forward_end(self, batch: BatchView) -> None:
         if batch.out_cache_loc_cpu is not None:  # host bookkeeping: which forward owns each slot's KV now
             self.buffers.claim(batch.out_cache_loc_cpu, batch.forward_id)
+            if self.physical is not None:
+                self.physical.buffers.claim(batch.out_cache_loc_cpu, batch.forward_id)
         entries: list[tuple[str, int, int, int, str]] = []
         spans: list[tuple[int, int]] = []  # (first of this rank's rows, n) of each wanted request
         start = copied = 0
@@ -116,9 +131,11 @@ class RoutedExpertsCapturer:
         if self.buffers.full:
             # Both staging sets in flight: the oldest belongs to a forward whose sampled tokens the
             # engine already read, so it is complete and this costs no wait on the device.
-            self._process(self.buffers.drain_one())
+            self._process(self._drain_one())
         rows = None if copied == start else [r for s0, n in spans for r in range(s0, s0 + n)]
         self.buffers.start_copy(rows, own, batch.out_cache_loc, pending, batch.out_cache_loc_cpu)
+        if self.physical is not None:
+            self.physical.start_copy(pending, rows, batch)
 
     # ---------------------------------------------------------------- request lifecycle
     def add_request(self, rid: str, want: bool) -> None:
@@ -163,6 +180,10 @@ class RoutedExpertsCapturer:
             if fresh_w is not None:
                 kept_w = state.kept_weights
                 state.kept_weights = fresh_w if kept_w is None else np.concatenate([kept_w, fresh_w])
+            if self.physical is not None:
+                fresh_p = self.physical.buffers.read(np.asarray(slots)[n_kept:])
+                kept_p = state.kept_physical
+                state.kept_physical = fresh_p if kept_p is None else np.concatenate([kept_p, fresh_p])
 
     def rows(self, rid: str, slots: np.ndarray, start: int, end: int) -> RouteRows:
         """Rows of positions [start, end), slots: KV slot of every position 0..end-1 (host)."""
@@ -171,8 +192,13 @@ class RoutedExpertsCapturer:
         moe = self._read(state, np.asarray(slots, dtype=np.int64), start, end, weights=False)
         weights = self._read(state, np.asarray(slots, dtype=np.int64), start, end, weights=True)
         assert moe is not None  # ids always exist; only weights may be absent
+        physical = None
+        if self.physical is not None:
+            physical = self._expand(self.physical.read(np.asarray(slots, dtype=np.int64), state.kept_physical,
+                                                       start, end), -1)
         return RouteRows(
-            offset=start, ids=self._expand(moe, -1), weights=None if weights is None else self._expand(weights, 0)
+            offset=start, ids=self._expand(moe, -1), weights=None if weights is None else self._expand(weights, 0),
+            physical=physical,
         )
 
     def stream_rows(self, rid: str, slots: np.ndarray, start_len: int, end: int) -> RouteRows:
@@ -223,7 +249,7 @@ class RoutedExpertsCapturer:
     def drain(self) -> None:
         """Scatter every finished copy into the host buffer (FIFO) and feed the sink."""
         while self.buffers.pending:
-            self._process(self.buffers.drain_one())
+            self._process(self._drain_one())
 
     def drain_for(self, slots: np.ndarray) -> None:
         """Drain (FIFO) up to the newest forward that wrote one of these slots' KV, and no further: a later
@@ -236,7 +262,13 @@ class RoutedExpertsCapturer:
         slots = np.asarray(slots, dtype=np.int64)
         newest = int(self.buffers.kv_forward[slots].max()) if len(slots) else -1
         while pending and pending[0].forward_id <= newest:
-            self._process(self.buffers.drain_one())
+            self._process(self._drain_one())
+
+    def _drain_one(self) -> PendingCopy:
+        """The oldest copy, and its physical twin (started together, so drained together)."""
+        if self.physical is not None:
+            self.physical.buffers.drain_one()
+        return self.buffers.drain_one()
 
     def _process(self, p: PendingCopy) -> None:
         """A copy that reached the host: count re-prefill mismatches and feed the sink (one call per forward)."""

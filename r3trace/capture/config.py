@@ -31,6 +31,7 @@ class CaptureConfig:
     spec_verify_tokens: int = 0  # draft tokens verified per request per forward (speculation)
     device: str = "cpu"
     with_weights: bool = False
+    physical_slots: int = 0  # P: keep the physical slot of each pair too (capture_physical_ids); 0: not kept
 
     def __post_init__(self) -> None:
         need = self.required_rows

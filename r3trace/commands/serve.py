@@ -65,6 +65,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="expert-parallel size of the MoE; divides --tp")
     p.add_argument("--load-balance-method", default="round_robin", choices=["round_robin", "shortest_queue"],
                    help="how requests without routed_dp_rank are spread over the DP ranks (SGLang's names)")
+    p.add_argument("--ep-num-redundant-experts", type=int, default=0,
+                   help="redundant expert slots: P = n_routed_experts + this, split over --ep (SGLang's name)")
+    p.add_argument("--init-expert-location", default=None,
+                   help="trivial, or an expert placement: `r3trace eplb --out` JSON or SGLang's JSON / .pt")
+    p.add_argument("--ep-dispatch-algorithm", default="static", choices=["static", "dynamic"],
+                   help="which replica of an expert a token's pair goes to (SGLang's name)")
+    p.add_argument("--expert-dispatch-seed", type=int, default=0, help="dynamic dispatch's seed")
+    p.add_argument("--capture-physical-ids", action="store_true",
+                   help="also return the physical slot of each route (meta_info routed_experts_physical)")
+    p.add_argument("--placement-root", default=".", help="POST /update_expert_placement reads only below this folder")
     p.add_argument("--log-level", default="info")
 
 
@@ -80,6 +90,9 @@ def engine_options(args: argparse.Namespace) -> dict[str, object]:
         "overlap_schedule": not args.no_overlap, "enable_prefix_cache": not args.no_prefix_cache,
         "deterministic": args.enable_deterministic_inference,
         **dict.fromkeys(BACKEND_FIELDS, args.backend),
+        "ep_num_redundant_experts": args.ep_num_redundant_experts, "init_expert_location": args.init_expert_location,
+        "ep_dispatch_algorithm": args.ep_dispatch_algorithm, "expert_dispatch_seed": args.expert_dispatch_seed,
+        "capture_physical_ids": args.capture_physical_ids,
     }  # fmt: skip
 
 
@@ -137,7 +150,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         resolved = model.resolve()
         cfg = ServerConfig(model_name=args.served_model_name or resolved.name, host=args.host, port=args.port,
-                           trace_root=Path(args.trace_root), chat_template=load_chat_template(model),
+                           trace_root=Path(args.trace_root), placement_root=Path(args.placement_root),
+                           chat_template=load_chat_template(model),
                            model_aliases=(args.model, str(model), str(resolved), resolved.name),
                            **({} if args.max_body_bytes is None else {"max_body_bytes": args.max_body_bytes}))
         if args.trace_dir:

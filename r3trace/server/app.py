@@ -25,7 +25,14 @@ from .config import ServerConfig
 from .errors import ERROR_RESPONSES, ApiError, install_handlers
 from .metrics import ServerMetrics
 from .openai_api import SSE_DONE, build_router, sse
-from .protocol import GenerateRequest, GenerateResponse, Health, StartTraceRequest, TraceStatus
+from .protocol import (
+    GenerateRequest,
+    GenerateResponse,
+    Health,
+    StartTraceRequest,
+    TraceStatus,
+    UpdateExpertPlacementRequest,
+)
 from .service import GenerateEngine, GenerateService
 
 _COUNTED = frozenset({"/generate", "/v1/completions", "/v1/chat/completions", "/health", "/metrics",
@@ -91,11 +98,11 @@ def routing_shape(engine: GenerateEngine) -> dict[str, Any]:
             "model_type": mc.model_type}
 
 
-def _trace_path(root: Path, trace_dir: str) -> Path:
+def _trace_path(root: Path, trace_dir: str, field: str = "trace_dir", what: str = "the trace root") -> Path:
     root = root.resolve()
     path = (root / trace_dir).resolve()
     if path != root and root not in path.parents:
-        raise ApiError(400, f"trace_dir: {trace_dir!r} resolves outside the trace root {root}", "trace_dir")
+        raise ApiError(400, f"{field}: {trace_dir!r} resolves outside {what} {root}", field)
     return path
 
 
@@ -194,6 +201,20 @@ def create_app(engine: GenerateEngine, config: ServerConfig | None = None) -> Fa
             raise ApiError(409, "stop_trace: no trace is being recorded; POST /start_trace first")
         return _trace_status({"run_dir": st.get("run_dir"), "run_id": result.get("run_id"),
                               "rows_durable": result.get("rows")}, detail={"result": result})
+
+    @app.post("/update_expert_placement", responses=ERROR_RESPONSES)
+    async def update_expert_placement(req: UpdateExpertPlacementRequest) -> dict[str, Any]:
+        """Rebalance the experts while serving (Engine.update_expert_placement): requests in flight keep running."""
+        path = _trace_path(config.placement_root, req.path, "path", "the placement root")
+        fn = getattr(engine, "update_expert_placement", None)
+        if fn is None:
+            raise ApiError(501, "update_expert_placement: this engine cannot place experts")
+        if not path.is_file():
+            raise ApiError(400, f"path: {req.path!r} is not a file under {config.placement_root.resolve()}", "path")
+        try:
+            return dict(await service.call(fn, str(path), req.chunk_layers))
+        except ValueError as exc:  # ExpertLocationError: the message names what is wrong with the file
+            raise ApiError(400, f"path: {exc}", "path") from exc
 
     app.include_router(build_router(service, config.model_name, config.chat_template, config.model_names))
     app.add_middleware(RequestCounter, metrics=metrics)

@@ -20,6 +20,7 @@ class ServerConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_concurrency: int = 256  # worker threads waiting on the engine at once
     trace_root: Path = Path("traces")  # /start_trace writes only below this folder
+    placement_root: Path = Path(".")  # /update_expert_placement reads only below this folder
     chat_template: str | None = None  # jinja source; None: the fallback "role: content" template
     # other names a request's `model` may carry: `r3trace serve` adds the model's path as given, resolved,
     # and its folder name; any other name is a 404 model_not_found

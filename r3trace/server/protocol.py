@@ -203,6 +203,13 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class UpdateExpertPlacementRequest(BaseModel):
+    model_config = _STRICT
+    path: str = Field(description="an expert placement under the server's --placement-root: `r3trace eplb --out`'s "
+                                  "JSON, or SGLang's expert-location JSON / .pt")
+    chunk_layers: int = Field(default=1, ge=1, le=1 << 16, description="MoE layers switched between two steps")
+
+
 class StartTraceRequest(BaseModel):
     model_config = _STRICT
     trace_dir: str = Field(description="folder under the server's --trace-root (relative or absolute)")
