@@ -115,7 +115,8 @@ class Engine:
             self.traces = TraceControl(target, dict(
                 model_name=mc.name or self.model_path.name, num_hidden_layers=mc.num_hidden_layers,
                 moe_layer_ids=mc.moe_layer_ids, num_experts=mc.n_routed_experts, top_k=mc.num_experts_per_tok,
-                with_weights=cfg.capture_weights, num_groups=mc.n_group, config_hash=config_hash(mc),
+                with_weights=cfg.capture_weights, with_physical_ids=cfg.capture_physical_ids, num_groups=mc.n_group,
+                config_hash=config_hash(mc),
                 engine={k: getattr(cfg, k) for k in sorted(_OPTIONS) if k != "trace_dir"} | {"dtype": cfg.dtype},
                 parallel=self.launch.manifest(),
             ))

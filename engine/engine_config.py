@@ -80,8 +80,8 @@ class EngineConfig:
     expert_dispatch_seed: int = 0  # dynamic dispatch's hash seed: the same on every rank, so choices agree
     # route capture
     capture_weights: bool = False  # keep top-k weights too (return_routed_weights; +2 bytes per id)
-    # also record the physical slot of each routed pair (meta_info["routed_experts_physical"]); logical ids stay
-    # what routed_experts and traces hold
+    # also record the physical slot of each routed pair (meta_info["routed_experts_physical"], and a physical_ids
+    # column in traces); logical ids stay what routed_experts and topk_ids hold
     capture_physical_ids: bool = False
     trace_dir: str | None = None  # record every request into this trace folder from the start
     extra: dict[str, Any] = field(default_factory=dict, compare=False)

@@ -50,6 +50,8 @@ class PendingCopy:
     event: torch.cuda.Event | None = None
     # The batch had no host copy of its slots: record KV ownership from the staged slots at drain time.
     claim_slots: bool = False
+    # The physical twin's staging view [n, M, K] (physical.py), the same rows as ids; set when both are drained.
+    physical: torch.Tensor | None = None
 
 
 class RouteBuffers:

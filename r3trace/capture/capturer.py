@@ -36,7 +36,7 @@ class TraceSink(Protocol):
 
     def append_tokens(
         self, request_id: Any, token_pos: Any, phase: Any, source: Any, forward_id: Any, ts: Any, dp_rank: Any,
-        topk_ids: np.ndarray, topk_weights: np.ndarray | None = None,
+        topk_ids: np.ndarray, topk_weights: np.ndarray | None = None, physical_ids: np.ndarray | None = None,
     ) -> None: ...
 
 
@@ -265,10 +265,12 @@ class RoutedExpertsCapturer:
             self._process(self._drain_one())
 
     def _drain_one(self) -> PendingCopy:
-        """The oldest copy, and its physical twin (started together, so drained together)."""
-        if self.physical is not None:
-            self.physical.buffers.drain_one()
-        return self.buffers.drain_one()
+        """The oldest copy, and its physical twin (started together, so drained together) as its `physical`."""
+        twin = None if self.physical is None else self.physical.buffers.drain_one()
+        p = self.buffers.drain_one()
+        if twin is not None:
+            p.physical = twin.ids
+        return p
 
     def _process(self, p: PendingCopy) -> None:
         """A copy that reached the host: count re-prefill mismatches and feed the sink (one call per forward)."""
@@ -320,9 +322,11 @@ class RoutedExpertsCapturer:
         ids, w = self.buffers.read(slots), self.buffers.read_weights(slots)
         # forward_id: the earlier forward that computed these KV slots (and their routes).
         forward_ids = self.buffers.forwards_of(slots)
+        # the keyword only when kept: a sink that records no physical ids need not know it
+        extra = {} if self.physical is None else {"physical_ids": self.physical.buffers.read(slots)}
         self.sink.append_tokens(
             [rid] * (hi - lo), np.arange(lo, hi, dtype=np.int32), "prefill", "prefix_cache", forward_ids,
-            time.time_ns(), self._dp_rank, ids, w,
+            time.time_ns(), self._dp_rank, ids, w, **extra,
         )
         state.sink_emitted = hi
 
@@ -335,7 +339,8 @@ class RoutedExpertsCapturer:
         pos = np.concatenate([np.arange(first, first + hi - lo, dtype=np.int32) for _, lo, hi, first, _ in emit])
         rids = [rid for (rid, *_), n in zip(emit, lens.tolist(), strict=True) for _ in range(n)]
         phases = np.repeat(np.array([PHASES.index(ph) for *_, ph in emit], np.int32), lens)
+        extra = {} if p.physical is None else {"physical_ids": p.physical.numpy()[rows].astype(np.int32)}
         self.sink.append_tokens(
             rids, pos, phases, "computed", p.forward_id, p.ts_ns, p.dp_rank, ids[rows].astype(np.int32, copy=False),
-            None if p.weights is None else p.weights.numpy()[rows],
+            None if p.weights is None else p.weights.numpy()[rows], **extra,
         )

@@ -7,7 +7,8 @@ one of its expert's replicas: a physical slot in 0..P-1. Logical ids stay what t
 traces; with EngineConfig.capture_physical_ids the slots are kept too, in a second RouteBuffers that the capturer
 moves in lockstep with its first: the same row range (batch.route_rows), the same rows (requests that asked), the
 same KV slots, drained together. A request then gets meta_info["routed_experts_physical"] ([rows, L, K] int32,
--1 on dense layers, like routed_experts). Traces do not carry them.
+-1 on dense layers, like routed_experts), and a trace records them as its routes' physical_ids column (the capturer
+passes the twin's rows of each drained copy, and the host rows of prefix-cache slots, to the sink).
 
 PhysicalRecorder is the MoE's physical_recorder: MoE.physical_ids hands it [T, K] slots of the rows its router saw;
 under EP with attention TP > 1 those are this rank's scattered slice, all-gathered over attention TP first (the

@@ -81,6 +81,21 @@ def check_ids(topk_ids: np.ndarray, num_experts: int, k: int) -> np.ndarray:
     return ids.astype(np.int32, copy=False)
 
 
+def check_physical_ids(physical_ids: np.ndarray | None, shape: tuple[int, ...]) -> np.ndarray:
+    """physical_ids of the same shape as topk_ids -> int32, every slot >= 0 (the manifest does not hold P, so no
+    upper bound is checked). Missing or misshapen is refused, as topk_weights are under with_weights."""
+    if physical_ids is None:
+        raise TraceSchemaError("column physical_ids is missing, manifest says with_physical_ids=True")
+    phys = np.asarray(physical_ids)
+    if phys.shape != shape:
+        raise TraceSchemaError(f"column physical_ids has shape {phys.shape}, expected {shape}")
+    if phys.dtype.kind not in "iu":
+        raise TraceSchemaError(f"column physical_ids has dtype {phys.dtype}, expected an integer type")
+    if phys.size and int(phys.min()) < 0:
+        raise TraceSchemaError(f"column physical_ids holds {int(phys.min())}, physical slots start at 0")
+    return phys.astype(np.int32)
+
+
 def route_rows(
     run_id: str,
     request_id: Labels,
@@ -93,12 +108,15 @@ def route_rows(
     layer_id: Any,
     topk_ids: np.ndarray,
     topk_weights: np.ndarray | None,
+    physical_ids: np.ndarray | None = None,
     *,
     num_experts: int,
     top_k: int,
     with_weights: bool,
+    with_physical_ids: bool = False,
 ) -> pa.Table:
-    """One entry per row (N rows): topk_ids [N, K], topk_weights [N, K] or None -> routes table [N]."""
+    """One entry per row (N rows): topk_ids [N, K], topk_weights [N, K] or None, physical_ids [N, K] or None ->
+    routes table [N]."""
     ids = np.asarray(topk_ids)
     if ids.ndim != 2:
         raise TraceSchemaError(f"column topk_ids has shape {ids.shape}, expected [N, K]")
@@ -129,7 +147,10 @@ def route_rows(
         if w.shape != ids.shape:
             raise TraceSchemaError(f"column topk_weights has shape {w.shape}, expected {ids.shape}")
         cols.append(pa.FixedSizeListArray.from_arrays(pa.array(w.reshape(-1)), k))
-    return pa.Table.from_arrays(cols, schema=route_schema(k, with_weights))
+    if with_physical_ids:
+        phys = check_physical_ids(physical_ids, ids.shape)
+        cols.append(pa.FixedSizeListArray.from_arrays(pa.array(phys.reshape(-1)), k))
+    return pa.Table.from_arrays(cols, schema=route_schema(k, with_weights, with_physical_ids))
 
 
 def expand_tokens(
@@ -143,6 +164,7 @@ def expand_tokens(
     dp_rank: Any,
     topk_ids: np.ndarray,
     topk_weights: np.ndarray | None,
+    physical_ids: np.ndarray | None = None,
 ) -> dict[str, Any]:
     """One entry per token (T tokens), topk_ids [T, L, K] -> route_rows kwargs for T*L rows, token-major."""
     ids = np.asarray(topk_ids)
@@ -178,5 +200,7 @@ def expand_tokens(
         "layer_id": np.tile(np.asarray(moe_layer_ids, dtype=np.int16), t),
         "topk_ids": ids.reshape(t * n_layers, ids.shape[2]),
         "topk_weights": None if topk_weights is None else np.asarray(topk_weights).reshape(t * n_layers, -1),
+        "physical_ids": None if physical_ids is None else check_physical_ids(physical_ids, ids.shape).reshape(
+            t * n_layers, ids.shape[2]),
     }
 

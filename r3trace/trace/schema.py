@@ -52,8 +52,9 @@ def _dict_type() -> pa.DataType:
     return pa.dictionary(pa.int32(), pa.string())
 
 
-def route_schema(k: int, with_weights: bool) -> pa.Schema:
-    """Schema of the routes files. k: top-k (K); topk_ids are logical ids in gate-rank order."""
+def route_schema(k: int, with_weights: bool, with_physical_ids: bool = False) -> pa.Schema:
+    """Schema of the routes files. k: top-k (K); topk_ids are logical ids in gate-rank order. physical_ids
+    (with_physical_ids): the physical expert slot (0..P-1) each pair of topk_ids was sent to, entry for entry."""
     fields = [
         pa.field("run_id", _dict_type(), nullable=False),
         pa.field("request_id", pa.string(), nullable=False),
@@ -68,6 +69,8 @@ def route_schema(k: int, with_weights: bool) -> pa.Schema:
     ]
     if with_weights:
         fields.append(pa.field("topk_weights", pa.list_(pa.float16(), k), nullable=False))
+    if with_physical_ids:
+        fields.append(pa.field("physical_ids", pa.list_(pa.int32(), k), nullable=False))
     return pa.schema(fields)
 
 
@@ -127,6 +130,7 @@ class Manifest:
     id_space: str = "logical"
     dtype: str = "int32"
     with_weights: bool = False
+    with_physical_ids: bool = False  # routes carry physical_ids beside topk_ids (EngineConfig.capture_physical_ids)
     rollup_window_ns: int = 1_000_000_000
     num_groups: int = 1  # expert groups of group-limited routing (DeepSeek-V3: 8)
     engine: dict[str, Any] = field(default_factory=dict)

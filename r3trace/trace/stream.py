@@ -25,7 +25,7 @@ class TraceStreamWriter:
 
     def __init__(self, sink: str | BinaryIO, manifest: Manifest) -> None:
         self.manifest = manifest
-        schema = route_schema(manifest.top_k, manifest.with_weights).with_metadata(
+        schema = route_schema(manifest.top_k, manifest.with_weights, manifest.with_physical_ids).with_metadata(
             {MANIFEST_KEY: manifest.to_json().encode()}
         )
         self._writer = pa.ipc.new_stream(sink, schema)
@@ -42,13 +42,14 @@ class TraceStreamWriter:
         dp_rank: Any,
         topk_ids: np.ndarray,
         topk_weights: np.ndarray | None = None,
+        physical_ids: np.ndarray | None = None,
     ) -> None:
         """Same arguments as TraceWriter.append_tokens: topk_ids [T, L, K] -> T*L rows in one batch."""
         m = self.manifest
         kw = expand_tokens(m.moe_layer_ids, request_id, token_pos, phase, source, forward_id, ts, dp_rank,
-                           topk_ids, topk_weights)
+                           topk_ids, topk_weights, physical_ids if m.with_physical_ids else None)
         table = route_rows(m.run_id, **kw, num_experts=m.num_experts, top_k=m.top_k,
-                           with_weights=m.with_weights)
+                           with_weights=m.with_weights, with_physical_ids=m.with_physical_ids)
         self._writer.write_table(table)
         self.rows += table.num_rows
 

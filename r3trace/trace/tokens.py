@@ -16,14 +16,14 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from r3trace.trace.batch import Labels, _column, _dictionary, _timestamps, check_ids, label_codes
+from r3trace.trace.batch import Labels, _column, _dictionary, _timestamps, check_ids, check_physical_ids, label_codes
 from r3trace.trace.schema import PHASES, SOURCES, TraceSchemaError, route_schema
 
 
 def check_tokens(
     moe_layer_ids: Sequence[int], num_experts: int, top_k: int, with_weights: bool, request_id: Labels,
     token_pos: Any, phase: Labels, source: Labels, forward_id: Any, ts: Any, dp_rank: Any, topk_ids: np.ndarray,
-    topk_weights: np.ndarray | None,
+    topk_weights: np.ndarray | None, with_physical_ids: bool = False, physical_ids: np.ndarray | None = None,
 ) -> dict[str, Any]:
     """append_tokens' arguments validated at token granularity and normalised to [T] arrays (labels as codes,
     request ids as a list), ids [T, L, K] int32: what route_rows would refuse is refused here. Copies: the writer
@@ -47,17 +47,18 @@ def check_tokens(
         if np.shape(topk_weights) != ids.shape:
             raise TraceSchemaError(f"column topk_weights has shape {np.shape(topk_weights)}, expected {ids.shape}")
         weights = np.array(topk_weights, dtype=np.float16)
+    phys = check_physical_ids(physical_ids, ids.shape) if with_physical_ids else None  # [T, L, K], a copy
     return {
         "request_id": rids, "token_pos": _column(token_pos, t, np.int32, "token_pos").copy(),
         "phase": label_codes(phase, PHASES, t, "phase"), "source": label_codes(source, SOURCES, t, "source"),
         "forward_id": _column(forward_id, t, np.int64, "forward_id").copy(), "ts": _timestamps(ts, t).copy(),
         "dp_rank": _column(dp_rank, t, np.int16, "dp_rank").copy(), "topk_ids": np.array(ids, np.int32),
-        "topk_weights": weights,
+        "topk_weights": weights, "physical_ids": phys,
     }
 
 
 def tokens_table(run_id: str, moe_layer_ids: Sequence[int], top_k: int, with_weights: bool,
-                 batches: Sequence[dict[str, Any]]) -> pa.Table:
+                 batches: Sequence[dict[str, Any]], with_physical_ids: bool = False) -> pa.Table:
     """check_tokens outputs, in order -> one routes table of T * L rows, token-major, layers in manifest order."""
     n_layers = len(moe_layer_ids)
 
@@ -83,7 +84,10 @@ def tokens_table(run_id: str, moe_layer_ids: Sequence[int], top_k: int, with_wei
     if with_weights:
         w = np.concatenate([b["topk_weights"] for b in batches])
         cols.append(pa.FixedSizeListArray.from_arrays(pa.array(w.reshape(-1)), top_k))
-    return pa.Table.from_arrays(cols, schema=route_schema(top_k, with_weights))
+    if with_physical_ids:
+        phys = np.concatenate([b["physical_ids"] for b in batches])  # [T, L, K], rows as topk_ids
+        cols.append(pa.FixedSizeListArray.from_arrays(pa.array(phys.reshape(-1)), top_k))
+    return pa.Table.from_arrays(cols, schema=route_schema(top_k, with_weights, with_physical_ids))
 
 
 def distinct(request_id: Labels) -> list[str]:

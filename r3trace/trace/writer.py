@@ -78,6 +78,7 @@ class TraceWriter:
         top_k: int,
         run_id: str | None = None,
         with_weights: bool = False,
+        with_physical_ids: bool = False,
         num_groups: int = 1,
         config_hash: str = "",
         engine: dict[str, Any] | None = None,
@@ -98,7 +99,8 @@ class TraceWriter:
         self.manifest = Manifest(
             run_id=run_id, model_name=model_name, num_hidden_layers=num_hidden_layers,
             moe_layer_ids=tuple(int(x) for x in moe_layer_ids), num_experts=num_experts, top_k=top_k,
-            with_weights=with_weights, num_groups=num_groups, config_hash=config_hash,
+            with_weights=with_weights, with_physical_ids=with_physical_ids, num_groups=num_groups,
+            config_hash=config_hash,
             engine=dict(engine or {}), parallel=dict(parallel or {}), start_time=now_iso(),
             rollup_window_ns=int(rollup_window_s * 1e9), status="recording", flush_interval_s=flush_interval_s,
             fsync=fsync,
@@ -114,7 +116,7 @@ class TraceWriter:
         self._run_lock = lifecycle.hold_run_lock(self.run_dir)  # released by the kernel if this process dies
         self.rows_per_file = rows_per_file
         self.flush_interval_s = flush_interval_s
-        self.schema = route_schema(top_k, with_weights)
+        self.schema = route_schema(top_k, with_weights, with_physical_ids)
         self._layer_ok = np.zeros(num_hidden_layers, dtype=bool)
         self._layer_ok[list(self.manifest.moe_layer_ids)] = True
         self.manifest.write(self.run_dir)
@@ -151,28 +153,33 @@ class TraceWriter:
     def append_tokens(
         self, request_id: Labels, token_pos: Any, phase: Labels, source: Labels, forward_id: Any, ts: Any,
         dp_rank: Any, topk_ids: np.ndarray, topk_weights: np.ndarray | None = None,
+        physical_ids: np.ndarray | None = None,
     ) -> None:
-        """T tokens: per-token columns [T] (or scalars), topk_ids [T, L, K] over the manifest's MoE layers.
+        """T tokens: per-token columns [T] (or scalars), topk_ids [T, L, K] over the manifest's MoE layers;
+        topk_weights and physical_ids [T, L, K], required when the manifest says with_weights / with_physical_ids
+        (and ignored otherwise).
 
         Validated here, per token; expanded to T * L rows and built into Arrow by the flusher thread, so the caller
         (the engine's scheduler thread, once per forward) pays a few numpy passes, not the table build."""
         m = self.manifest
         kw = check_tokens(m.moe_layer_ids, m.num_experts, m.top_k, m.with_weights, request_id, token_pos, phase,
-                          source, forward_id, ts, dp_rank, topk_ids, topk_weights)
+                          source, forward_id, ts, dp_rank, topk_ids, topk_weights, m.with_physical_ids, physical_ids)
         self._stash(kw, len(kw["topk_ids"]) * m.num_moe_layers, distinct(request_id))
 
     def append(
         self, request_id: Labels, token_pos: Any, phase: Labels, source: Labels, forward_id: Any, ts: Any,
         dp_rank: Any, layer_id: Any, topk_ids: np.ndarray, topk_weights: np.ndarray | None = None,
+        physical_ids: np.ndarray | None = None,
     ) -> None:
         """N rows, token-major, one entry per row; topk_ids [N, K]. Validated before anything is buffered."""
         self._append(dict(request_id=request_id, token_pos=token_pos, phase=phase, source=source,
                           forward_id=forward_id, ts=ts, dp_rank=dp_rank, layer_id=layer_id, topk_ids=topk_ids,
-                          topk_weights=topk_weights), distinct(request_id))
+                          topk_weights=topk_weights, physical_ids=physical_ids), distinct(request_id))
 
     def _append(self, kw: dict[str, Any], rids: list[str]) -> None:
         m = self.manifest
-        table = route_rows(m.run_id, num_experts=m.num_experts, top_k=m.top_k, with_weights=m.with_weights, **kw)
+        table = route_rows(m.run_id, num_experts=m.num_experts, top_k=m.top_k, with_weights=m.with_weights,
+                           with_physical_ids=m.with_physical_ids, **kw)
         lid = table.column("layer_id").to_numpy()
         bad = (lid < 0) | (lid >= len(self._layer_ok))
         if bad.any() or not self._layer_ok[lid].all():
@@ -335,13 +342,15 @@ class TraceWriter:
         for group in groups:
             acc = RollupAccumulator(m.moe_layer_ids, m.num_experts, m.rollup_window_ns)
             tables = [b for b in group if isinstance(b, pa.Table)]
+            # the rollup counts logical ids (topk_ids) only, with or without physical_ids
             for t in tables:  # route_rows encodes phase over all of PHASES: its indices are the phase codes
                 ids = t.column("topk_ids").combine_chunks().flatten().to_numpy().reshape(t.num_rows, m.top_k)
                 acc.add(t.column("ts").cast(pa.int64()).to_numpy(),
                         t.column("phase").combine_chunks().indices.to_numpy(), t.column("layer_id").to_numpy(), ids)
             tokens = [b for b in group if not isinstance(b, pa.Table)]
             if tokens:
-                tables.append(tokens_table(m.run_id, m.moe_layer_ids, m.top_k, m.with_weights, tokens))
+                tables.append(tokens_table(m.run_id, m.moe_layer_ids, m.top_k, m.with_weights, tokens,
+                                           m.with_physical_ids))
                 for b in tokens:
                     acc.add_tokens(b["ts"], b["phase"], b["topk_ids"])
             rolled.append((tables, acc.table(self.run_id)))
