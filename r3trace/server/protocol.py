@@ -150,7 +150,8 @@ class ChatCompletionRequest(RouteFlags):
 
 
 class SglExt(BaseModel):
-    """SGLang's extension block on a choice: the routes of that choice's tokens."""
+    """SGLang's response-level extension block: the routes (SGLang's `routed_experts`) and r3trace's shape, dtype,
+    layer ids and start_len beside them; with several choices, `choices` holds each one's by index."""
 
     model_config = ConfigDict(extra="allow")
     routed_experts: str | None = None
@@ -170,7 +171,6 @@ class CompletionChoice(BaseModel):
     text: str
     finish_reason: str | None
     logprobs: None = None
-    sgl_ext: SglExt | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -180,6 +180,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage
+    sglext: SglExt | None = None
 
 
 class ChatResponseMessage(BaseModel):
@@ -191,7 +192,6 @@ class ChatCompletionChoice(BaseModel):
     index: int
     message: ChatResponseMessage
     finish_reason: str | None
-    sgl_ext: SglExt | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -201,6 +201,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: Usage
+    sglext: SglExt | None = None
 
 
 class UpdateExpertPlacementRequest(BaseModel):

@@ -162,8 +162,8 @@ def test_streamed_routes_add_up(http: httpx.Client) -> None:
     np.testing.assert_array_equal(np.concatenate(parts), whole)
 
 
-def test_openai_sgl_ext_routes(http: httpx.Client) -> None:
+def test_openai_sglext_routes(http: httpx.Client) -> None:
     r = http.post("/v1/completions", json={
         "prompt": [61, 62, 63], "max_tokens": 3, "temperature": 0, "return_routed_experts": True})
-    ext = r.json()["choices"][0]["sgl_ext"]
+    ext = r.json()["sglext"]  # response level, as SGLang's (tests/server/test_sglang_routes.py)
     assert decode_routed_experts(ext).shape[0] == 3 + 3 - 1

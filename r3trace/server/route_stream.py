@@ -1,0 +1,40 @@
+"""Joining a stream's route deltas, for the streams that send SGLang's shape.
+
+The engine streams deltas: each chunk's route rows are what that step added (with `routed_experts_offset`).
+SGLang's OpenAI streams send the routes once, at the end; merge_route_deltas builds that from the deltas.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pybase64
+
+ROW_BLOCKS = ("routed_experts", "routed_experts_physical", "routed_weights")  # base64 blocks of rows, [rows, ...]
+BLOCK_KEYS = frozenset(f"{b}{suffix}" for b in ROW_BLOCKS for suffix in ("", "_shape", "_dtype"))
+
+
+def _join_block(a: str, b: str) -> str:
+    # little-endian raw bytes, rows outermost: the bytes of rows i.. then j.. are the bytes of rows i..j..
+    return pybase64.b64encode(pybase64.b64decode(a) + pybase64.b64decode(b)).decode("ascii")
+
+
+def merge_route_deltas(acc: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
+    """meta_info `acc` with the next chunk's `meta` joined on: row blocks appended (shapes summed on rows), the
+    offset of the first block kept, every other key the latest value."""
+    out = {**acc, **{k: v for k, v in meta.items() if k not in BLOCK_KEYS}}
+    for key in ROW_BLOCKS:
+        if key not in meta:
+            continue
+        if key not in acc:
+            out[key], out[f"{key}_shape"], out[f"{key}_dtype"] = meta[key], meta[f"{key}_shape"], meta[f"{key}_dtype"]
+            continue
+        out[key] = _join_block(acc[key], meta[key])
+        shape = list(acc[f"{key}_shape"])
+        out[f"{key}_shape"] = [shape[0] + meta[f"{key}_shape"][0], *shape[1:]]
+        out[f"{key}_dtype"] = meta[f"{key}_dtype"]
+    if "routed_experts_offset" in acc:
+        out["routed_experts_offset"] = acc["routed_experts_offset"]
+    elif "routed_experts_offset" in meta:
+        out["routed_experts_offset"] = meta["routed_experts_offset"]
+    return out
