@@ -54,6 +54,12 @@ class GenerateRequest(BaseModel):
         "[start, start + rows) and the gate routes the others"
     )
     stream: bool = False
+    incremental_streaming_output: bool = Field(
+        default=False, description="r3trace extension, per request (SGLang has it only as the server flag "
+        "--incremental-streaming-output): each stream chunk carries what that step added (text, output_ids, "
+        "output logprobs, and route rows with routed_experts_offset). Default, as SGLang's default: every chunk "
+        "the whole output so far, the routes once, whole, on the last chunk"
+    )
     tag: str | list[str] | None = Field(
         default=None, description="r3trace extension: a label per request (e.g. its domain), kept in traces"
     )
@@ -79,7 +85,8 @@ class MetaInfo(BaseModel):
 
 
 class GenerateResponse(BaseModel):
-    """One result (or one stream chunk: `text` and `output_ids` are then what the step added)."""
+    """One result, or one stream chunk: by default the whole output so far (routes on the last chunk only); with
+    incremental_streaming_output what the step added."""
 
     model_config = ConfigDict(extra="allow")
     text: str

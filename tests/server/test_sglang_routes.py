@@ -1,8 +1,10 @@
-"""Routes in the shapes SGLang's consumers read: meta_info's echoed start_len, OpenAI's response-level `sglext`.
+"""Routes in the shapes SGLang's consumers read: meta_info's echoed start_len, OpenAI's response-level `sglext`,
+/generate streams that end with the whole routes.
 
 Contracts, as read from SGLang's source (sgl-project/sglang):
 - python/sglang/srt/managers/tokenizer_manager.py @ c60799d0eb1b537e3fa09e45fc5c91b5861de957 (`_handle_batch_output`):
-  route fields are flat keys of meta_info (`meta_info["routed_experts"]`, base64).
+  route fields are flat keys of meta_info (`meta_info["routed_experts"]`, base64); a stream is cumulative unless
+  the server runs with `incremental_streaming_output`: every chunk's `text`/`output_ids` is the whole output so far.
 - slime's multi-turn append reads `meta_info.get("routed_experts_start_len", 0)` back and places the rows there.
 
 Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/server/test_sglang_routes.py
@@ -83,3 +85,44 @@ def test_openai_several_choices_each_in_sglext(http: httpx.Client, engine: Engin
         assert isinstance(want, dict) and ext["choices"][i]["index"] == i
         assert ext["choices"][i]["routed_experts"] == want["meta_info"]["routed_experts"]
 
+
+def test_generate_stream_is_cumulative_with_routes_once_at_the_end(http: httpx.Client) -> None:
+    """tokenizer_manager.py @ c60799d0eb1b537e3fa09e45fc5c91b5861de957: without --incremental-streaming-output
+    (off by default) a chunk is `{"text": state.get_text(), "output_ids": state.output_ids, ...}`, the whole
+    output so far; routed_experts is set on meta_info when the scheduler sends it, at the finish.
+    server_args.py @ 469c63e54e7d94591617ef9590c6aa26d54dc1bb: `incremental_streaming_output: bool = False`."""
+    body = {"input_ids": IDS, "sampling_params": {**GREEDY, "max_new_tokens": 5}, "return_routed_experts": True,
+            "return_logprob": True}
+    whole = http.post("/generate", json=body).json()
+    with http.stream("POST", "/generate", json={**body, "stream": True}) as r:
+        chunks = _events(r)
+    assert len(chunks) > 2
+    for a, b in zip(chunks, chunks[1:], strict=False):  # each chunk extends the previous one
+        assert b["output_ids"][: len(a["output_ids"])] == a["output_ids"] and b["text"].startswith(a["text"])
+        assert "routed_experts" not in a["meta_info"]
+    last = chunks[-1]["meta_info"]
+    assert chunks[-1]["output_ids"] == whole["output_ids"] and chunks[-1]["text"] == whole["text"]
+    got_lp, want_lp = last["output_token_logprobs"], whole["meta_info"]["output_token_logprobs"]
+    assert [t for _, t, _ in got_lp] == [t for _, t, _ in want_lp]  # every token's, not the last step's
+    assert [lp for lp, _, _ in got_lp] == pytest.approx([lp for lp, _, _ in want_lp], abs=1e-4)
+    assert last["routed_experts"] == whole["meta_info"]["routed_experts"]  # SGLang's reader: the last chunk
+    assert last["routed_experts_shape"] == whole["meta_info"]["routed_experts_shape"]
+    assert last["routed_experts_start_len"] == 0 and "routed_experts_offset" not in last
+
+
+def test_generate_incremental_stream_is_opt_in(http: httpx.Client) -> None:
+    body = {"input_ids": IDS, "sampling_params": {**GREEDY, "max_new_tokens": 5}, "return_routed_experts": True,
+            "routed_experts_start_len": 3}
+    whole = http.post("/generate", json=body).json()
+    with http.stream("POST", "/generate", json={**body, "stream": True, "incremental_streaming_output": True}) as r:
+        chunks = _events(r)
+    assert sum((c["output_ids"] for c in chunks), []) == whole["output_ids"]
+    assert "".join(c["text"] for c in chunks) == whole["text"]
+    offset, parts = 3, []
+    for c in chunks:
+        if "routed_experts" in c["meta_info"]:
+            assert c["meta_info"]["routed_experts_offset"] == offset
+            parts.append(decode_routed_experts(c["meta_info"]))
+            offset += len(parts[-1])
+    assert len(parts) > 2, "rows as they are computed, not one block at the end"
+    np.testing.assert_array_equal(np.concatenate(parts), decode_routed_experts(whole["meta_info"]))
