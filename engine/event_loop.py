@@ -212,7 +212,7 @@ class EventLoop:
             return result
         rows = opts.rows if req.finished else self.route_hooks.stream_rows(req)
         if rows is not None:
-            result["meta_info"].update(route_meta(rows, self.model_config, opts.weights, delta))
+            result["meta_info"].update(route_meta(rows, self.model_config, opts.weights, delta, opts.start_len))
             if req.finished:
                 result["meta_info"]["routed_experts_provenance"] = [list(seg) for seg in opts.provenance]
         return result

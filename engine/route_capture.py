@@ -153,10 +153,12 @@ class RouteCaptureHooks:
         return self.capturer.stream_rows(req.rid, self.pool.slots(req.pages, 0, n), opts.start_len, n)
 
 
-def route_meta(rows: RouteRows, cfg: ModelConfig, with_weights: bool, delta: bool) -> dict[str, Any]:
-    """meta_info fields for a block of rows: SGLang's base64 plus the shape, dtype and layer ids."""
+def route_meta(rows: RouteRows, cfg: ModelConfig, with_weights: bool, delta: bool, start_len: int) -> dict[str, Any]:
+    """meta_info fields for a block of rows: SGLang's base64 plus the shape, dtype and layer ids, and the
+    request's routed_experts_start_len echoed back (slime appends a later turn's rows at that position)."""
     meta: dict[str, Any] = {
         "routed_experts": encode_int32(rows.ids),
+        "routed_experts_start_len": start_len,
         "routed_experts_shape": list(rows.ids.shape),
         "routed_experts_dtype": "int32",
         "moe_layer_ids": list(cfg.moe_layer_ids),

@@ -5,7 +5,8 @@ Each format: where the routes are; the payload; what dense layers hold; which po
   `routed_experts_dtype` (int32 unless named, uint16, uint8), flat over [rows, L, K]; dense layers 0
   (r3trace: -1); row 0 is meta_info.routed_experts_start_len (r3trace's stream deltas: routed_experts_offset).
 - openai: SGLang's response-level `sglext.routed_experts` (streaming: one chunk with `choices: []`, the routes
-  of the first choice) or r3trace's per-choice `choices[i].sgl_ext`; the payload and fields as sglang.
+  of the first choice), r3trace's `sglext.choices[i]` (several choices), or older r3trace's per-choice
+  `choices[i].sgl_ext`; the payload and fields as sglang.
 - vllm: `choices[i].routed_experts`, base64 of `.npy` bytes [rows, L, K], uint8 when E <= 256 else uint16;
   dense layers 0; row 0 is `routed_experts_prompt_start` when the body has it, else prompt + completion - 1
   - rows (vLLM routes every token but the last, which no forward has seen).
@@ -193,6 +194,12 @@ def _openai(obj: dict[str, Any], shape: tuple[int, int], wire_dtype: str) -> lis
     fin = next((_finish(c.get("finish_reason")) for c in choices if c.get("finish_reason")), None)
     rid = str(obj.get("id") or "")
     ext = obj.get("sglext")
+    if isinstance(ext, dict) and isinstance(ext.get("choices"), list):  # r3trace: several choices, each its own
+        return [Routes(r.request_id, r.field, r.ids, r.start, prompt, None,
+                       _finish(choices[i].get("finish_reason")) if i < len(choices) else None)
+                for i, sub in enumerate(ext["choices"])
+                for r in [_sglang_block(sub, f"sglext.choices[{i}].routed_experts", _choice_id(obj, sub, i),
+                                        shape, wire_dtype)]]
     if isinstance(ext, dict) and ext.get("routed_experts") is not None:
         r = _sglang_block(ext, "sglext.routed_experts", rid, shape, wire_dtype)
         return [Routes(rid, r.field, r.ids, r.start, prompt, completion if len(choices) <= 1 else None, fin)]

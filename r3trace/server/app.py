@@ -33,6 +33,7 @@ from .protocol import (
     TraceStatus,
     UpdateExpertPlacementRequest,
 )
+from .route_stream import CumulativeStream
 from .service import GenerateEngine, GenerateService
 
 _COUNTED = frozenset({"/generate", "/v1/completions", "/v1/chat/completions", "/health", "/metrics",
@@ -142,8 +143,9 @@ def create_app(engine: GenerateEngine, config: ServerConfig | None = None) -> Fa
         chunks = await service.open_stream(kw)
 
         async def events() -> AsyncIterator[bytes]:
+            whole = None if req.incremental_streaming_output else CumulativeStream()
             async for chunk in chunks:
-                yield sse(chunk)
+                yield sse(chunk if whole is None else whole.add(chunk))
             yield SSE_DONE
 
         return StreamingResponse(events(), media_type="text/event-stream")

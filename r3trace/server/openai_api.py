@@ -1,9 +1,10 @@
 """POST /v1/completions and /v1/chat/completions over the same engine call as /generate.
 
-Routes come back per choice in `sgl_ext` (SGLang's extension block): the same base64 payload, shape,
-dtype and MoE layer ids as /generate's meta_info. Streams are OpenAI chunks ending with `[DONE]`; each
-chunk's `sgl_ext` holds the route rows that chunk added. A request's `model` must be one of the served
-names (ServerConfig.model_names) or absent; any other is OpenAI's 404 `model_not_found`.
+Routes come back as SGLang returns them: at the response level in `sglext` (the same base64 payload, shape,
+dtype, MoE layer ids and start_len as /generate's meta_info); with several choices (a list of prompts) `sglext`
+holds choice 0's and `sglext.choices` each choice's, by index. Streams are OpenAI chunks ending with `[DONE]`;
+the routes come once, whole, in a chunk with `choices: []` after the last choice chunk. A request's `model` must
+be one of the served names (ServerConfig.model_names) or absent; any other is OpenAI's 404 `model_not_found`.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from .protocol import (
     CompletionResponse,
     RouteFlags,
 )
+from .route_stream import merge_route_deltas
 from .service import GenerateService
 
 SSE_DONE = b"data: [DONE]\n\n"
@@ -35,10 +37,39 @@ def sse(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
-def sgl_ext(meta: dict[str, Any]) -> dict[str, Any] | None:
+def route_fields(meta: dict[str, Any]) -> dict[str, Any] | None:
     """The route fields of meta_info (routed_experts*, routed_weights*, moe_layer_ids), or None."""
     ext = {k: v for k, v in meta.items() if k.startswith("routed_") or k == "moe_layer_ids"}
     return ext or None
+
+
+def sglext(results: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The response-level `sglext` of finished results, or None when no routes were asked for."""
+    per_choice = [route_fields(r["meta_info"]) for r in results]
+    if per_choice[0] is None:
+        return None
+    ext = dict(per_choice[0])
+    if len(per_choice) > 1:  # r3trace extension: SGLang's /v1/completions serves one prompt per request
+        ext["choices"] = [{"index": i, **(e or {})} for i, e in enumerate(per_choice)]
+    return ext
+
+
+class StreamRoutes:
+    """Holds a stream's route rows until the end: SGLang sends them once, whole, in a `choices: []` chunk.
+    The engine's chunks carry rows as deltas (routed_experts_offset); they are joined here."""
+
+    def __init__(self) -> None:
+        self.meta: dict[str, Any] = {}
+
+    def add(self, meta: dict[str, Any]) -> None:
+        self.meta = merge_route_deltas(self.meta, meta)
+
+    def chunk(self, head: dict[str, Any]) -> bytes | None:
+        ext = route_fields(self.meta)
+        if ext is None:
+            return None
+        ext.pop("routed_experts_offset", None)
+        return sse({**head, "choices": [], "sglext": ext})
 
 
 def finish_reason(meta: dict[str, Any]) -> str | None:
@@ -100,21 +131,27 @@ def build_router(service: GenerateService, model_name: str, chat_template: str |
             chunks = await service.open_stream(kw)
 
             async def events() -> AsyncIterator[bytes]:
+                head = {"id": cid, "object": "text_completion", "created": created, "model": model}
+                routes = StreamRoutes()
                 async for ch in chunks:
+                    routes.add(ch["meta_info"])
                     choice = {"index": 0, "text": ch["text"], "finish_reason": finish_reason(ch["meta_info"]),
-                              "logprobs": None, "sgl_ext": sgl_ext(ch["meta_info"])}
-                    yield sse({"id": cid, "object": "text_completion", "created": created,
-                               "model": model, "choices": [choice]})
+                              "logprobs": None}
+                    yield sse({**head, "choices": [choice]})
+                last = routes.chunk(head)
+                if last is not None:
+                    yield last
                 yield SSE_DONE
 
             return StreamingResponse(events(), media_type="text/event-stream")
         out = await service.generate(kw)
         results = out if isinstance(out, list) else [out]
         choices = [{"index": i, "text": r["text"], "finish_reason": finish_reason(r["meta_info"]),
-                    "logprobs": None, "sgl_ext": sgl_ext(r["meta_info"])} for i, r in enumerate(results)]
-        return {"id": cid, "object": "text_completion", "created": created, "model": model,
-                "choices": choices,
-                "usage": _usage(results)}
+                    "logprobs": None} for i, r in enumerate(results)]
+        body = {"id": cid, "object": "text_completion", "created": created, "model": model,
+                "choices": choices, "usage": _usage(results)}
+        ext = sglext(results)
+        return body if ext is None else {**body, "sglext": ext}
 
     @router.post("/v1/chat/completions", response_model=ChatCompletionResponse,
                  response_model_exclude_unset=True,
@@ -129,23 +166,27 @@ def build_router(service: GenerateService, model_name: str, chat_template: str |
             chunks = await service.open_stream(kw)
 
             async def events() -> AsyncIterator[bytes]:
-                first = True
+                head = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model}
+                routes, first = StreamRoutes(), True
                 async for ch in chunks:
+                    routes.add(ch["meta_info"])
                     delta = {"role": "assistant", "content": ch["text"]} if first else {"content": ch["text"]}
                     first = False
-                    choice = {"index": 0, "delta": delta, "finish_reason": finish_reason(ch["meta_info"]),
-                              "sgl_ext": sgl_ext(ch["meta_info"])}
-                    yield sse({"id": cid, "object": "chat.completion.chunk", "created": created,
-                               "model": model, "choices": [choice]})
+                    choice = {"index": 0, "delta": delta, "finish_reason": finish_reason(ch["meta_info"])}
+                    yield sse({**head, "choices": [choice]})
+                last = routes.chunk(head)
+                if last is not None:
+                    yield last
                 yield SSE_DONE
 
             return StreamingResponse(events(), media_type="text/event-stream")
         out = await service.generate(kw)
         assert isinstance(out, dict)
         choice = {"index": 0, "message": {"role": "assistant", "content": out["text"]},
-                  "finish_reason": finish_reason(out["meta_info"]), "sgl_ext": sgl_ext(out["meta_info"])}
-        return {"id": cid, "object": "chat.completion", "created": created, "model": model,
-                "choices": [choice],
-                "usage": _usage([out])}
+                  "finish_reason": finish_reason(out["meta_info"])}
+        body = {"id": cid, "object": "chat.completion", "created": created, "model": model,
+                "choices": [choice], "usage": _usage([out])}
+        ext = sglext([out])
+        return body if ext is None else {**body, "sglext": ext}
 
     return router

@@ -54,6 +54,12 @@ class GenerateRequest(BaseModel):
         "[start, start + rows) and the gate routes the others"
     )
     stream: bool = False
+    incremental_streaming_output: bool = Field(
+        default=False, description="r3trace extension, per request (SGLang has it only as the server flag "
+        "--incremental-streaming-output): each stream chunk carries what that step added (text, output_ids, "
+        "output logprobs, and route rows with routed_experts_offset). Default, as SGLang's default: every chunk "
+        "the whole output so far, the routes once, whole, on the last chunk"
+    )
     tag: str | list[str] | None = Field(
         default=None, description="r3trace extension: a label per request (e.g. its domain), kept in traces"
     )
@@ -79,7 +85,8 @@ class MetaInfo(BaseModel):
 
 
 class GenerateResponse(BaseModel):
-    """One result (or one stream chunk: `text` and `output_ids` are then what the step added)."""
+    """One result, or one stream chunk: by default the whole output so far (routes on the last chunk only); with
+    incremental_streaming_output what the step added."""
 
     model_config = ConfigDict(extra="allow")
     text: str
@@ -150,7 +157,8 @@ class ChatCompletionRequest(RouteFlags):
 
 
 class SglExt(BaseModel):
-    """SGLang's extension block on a choice: the routes of that choice's tokens."""
+    """SGLang's response-level extension block: the routes (SGLang's `routed_experts`) and r3trace's shape, dtype,
+    layer ids and start_len beside them; with several choices, `choices` holds each one's by index."""
 
     model_config = ConfigDict(extra="allow")
     routed_experts: str | None = None
@@ -170,7 +178,6 @@ class CompletionChoice(BaseModel):
     text: str
     finish_reason: str | None
     logprobs: None = None
-    sgl_ext: SglExt | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -180,6 +187,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage
+    sglext: SglExt | None = None
 
 
 class ChatResponseMessage(BaseModel):
@@ -191,7 +199,6 @@ class ChatCompletionChoice(BaseModel):
     index: int
     message: ChatResponseMessage
     finish_reason: str | None
-    sgl_ext: SglExt | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -201,6 +208,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: Usage
+    sglext: SglExt | None = None
 
 
 class UpdateExpertPlacementRequest(BaseModel):

@@ -11,7 +11,8 @@ SGLang: python/sglang/srt/entrypoints/openai/serving_completions.py at sgl-proje
 004c82e07d876f6e4a0ad6e15325706b0f478f1a (_build_completion_response: response-level
 sglext=SglExt(routed_experts=..., cached_tokens_details=...) from the first result; the stream's sglext chunk
 with choices=[] after the text chunks, then the usage chunk, then [DONE]); meta_info.routed_experts_dtype
-names the narrow wire dtypes (int32, uint16, uint8). r3trace: r3trace/server/openai_api.py's sgl_ext.
+names the narrow wire dtypes (int32, uint16, uint8). r3trace: r3trace/server/openai_api.py's sglext (with
+`choices` when there are several), and the per-choice sgl_ext of older r3trace servers.
 Run: .venv/bin/python -m pytest tests/analysis/test_ingest_peers.py -q
 """
 
@@ -164,7 +165,7 @@ def test_sglang_sglext_response_and_stream_and_narrow_generate(tmp_path: Path) -
 
 
 def test_r3trace_sgl_ext_stream_deltas_and_wire_dtype_flag(tmp_path: Path) -> None:
-    from r3trace.server.openai_api import sgl_ext  # r3trace's own per-choice block
+    from r3trace.server.openai_api import route_fields  # what older r3trace sent per choice as `sgl_ext`
 
     rng = np.random.default_rng(24)
     full = routes(rng, 7, dense=-1)
@@ -174,7 +175,7 @@ def test_r3trace_sgl_ext_stream_deltas_and_wire_dtype_flag(tmp_path: Path) -> No
                 "routed_experts_dtype": "int32", "moe_layer_ids": MOE, "routed_experts_offset": lo}
         chunks.append({"id": "chatcmpl-r", "object": "chat.completion.chunk", "created": 1, "model": "m",
                        "choices": [{"index": 0, "delta": {"content": "t"}, "finish_reason": None,
-                                    "sgl_ext": sgl_ext(meta)}]})
+                                    "sgl_ext": route_fields(meta)}]})
     narrow = routes(rng, 3)
     bare = {"meta_info": {"id": "plain8", "routed_experts": raw_b64(narrow, "u1")}}  # no routed_experts_dtype
     src = lines(tmp_path, *chunks)
@@ -185,6 +186,24 @@ def test_r3trace_sgl_ext_stream_deltas_and_wire_dtype_flag(tmp_path: Path) -> No
     ingest_responses(lines(tmp_path, bare), tmp_path / "b", SHAPE, run_id="n", fmt="sglang", wire_dtype="uint8")
     np.testing.assert_array_equal(stored(tmp_path / "b")["plain8"][1], narrow[:, MOE])
 
+
+
+def test_r3trace_sglext_with_several_choices(tmp_path: Path) -> None:
+    from r3trace.server.openai_api import sglext  # r3trace's response-level block, `choices` when there are several
+
+    rng = np.random.default_rng(25)
+    a, b = routes(rng, 5, dense=-1), routes(rng, 3, dense=-1)
+    metas = [{"meta_info": {"routed_experts": raw_b64(x), "routed_experts_shape": list(x.shape),
+                            "routed_experts_dtype": "int32", "moe_layer_ids": MOE, "routed_experts_start_len": s}}
+             for x, s in [(a, 0), (b, 1)]]
+    body = {"id": "cmpl-m", "object": "text_completion", "created": 1, "model": "m", "sglext": sglext(metas),
+            "choices": [{"index": i, "text": "x", "finish_reason": "length", "logprobs": None} for i in range(2)],
+            "usage": {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9}}
+    ingest_responses(lines(tmp_path, body), tmp_path / "s", SHAPE, run_id="m")
+    got = stored(tmp_path / "s")
+    np.testing.assert_array_equal(got["cmpl-m.0"][1], a[:, MOE])
+    np.testing.assert_array_equal(got["cmpl-m.1"][0], np.arange(1, 4))  # from routed_experts_start_len
+    np.testing.assert_array_equal(got["cmpl-m.1"][1], b[:, MOE])
 
 def _bad(rng: np.random.Generator) -> list[tuple[dict[str, Any], str]]:
     ok = routes(rng, 4)
