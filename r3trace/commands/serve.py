@@ -40,10 +40,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-running-requests", type=int, default=64)
     p.add_argument("--chunked-prefill-size", type=int, default=512)
     p.add_argument("--kv-pool-tokens", type=int, default=16384)
-    p.add_argument("--page-size", type=int, default=1,
-                   help="KV slots a page (a multiple of 64 lets Hopper's Gluon decode load tiles by TMA)")
-    p.add_argument("--backend", default="ref", choices=["ref", "triton"],
-                   help="the math backends (attention, MoE, top-k, norm, RoPE); triton for a GPU")
+    p.add_argument("--page-size", type=int, default=None,
+                   help="KV slots a page (a multiple of 64 lets Hopper's Gluon decode load tiles by TMA). Default: "
+                        "64 with the triton backend on CUDA, else 1 (prefix-cache hits at any token)")
+    p.add_argument("--backend", default="auto", choices=["auto", "ref", "triton"],
+                   help="the math backends (attention, MoE, top-k, norm, RoPE). auto: triton on CUDA (ref in exact "
+                        "mode), ref elsewhere")
     p.add_argument("--cuda-graphs", type=cuda_graph_sizes, default="auto",
                    help="decode batch sizes captured as CUDA graphs: auto (a ladder up to "
                         "--max-running-requests with --backend triton on CUDA), off, or a list such as 1,2,4,8")
@@ -81,15 +83,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 BACKEND_FIELDS = ("attention_backend", "moe_backend", "topk_backend", "norm_backend", "rope_backend")
 
 
+def fast_path(args: argparse.Namespace) -> tuple[str, int]:
+    """(backend, page_size) for the command line: what a user of --device cuda gets without knowing the flags
+    (the triton backends, which also turn on CUDA graphs, and 64-slot pages for Hopper's Gluon decode); the
+    reference backends and 1-slot pages on the CPU and in exact mode. A flag given explicitly wins."""
+    on_cuda = str(args.device).startswith("cuda")
+    backend = args.backend
+    if backend == "auto":
+        backend = "triton" if on_cuda and not args.enable_deterministic_inference else "ref"
+    page = args.page_size if args.page_size is not None else (64 if on_cuda and backend == "triton" else 1)
+    return backend, page
+
+
 def engine_options(args: argparse.Namespace) -> dict[str, object]:
     """EngineConfig fields from the command line (EngineConfig validates them and names the field it rejects)."""
+    backend, page_size = fast_path(args)
     return {
         "dtype": args.dtype, "device": args.device, "max_running_requests": args.max_running_requests,
         "chunked_prefill_size": args.chunked_prefill_size, "kv_pool_tokens": args.kv_pool_tokens,
-        "page_size": args.page_size, "cuda_graph_batch_sizes": args.cuda_graphs,
+        "page_size": page_size, "cuda_graph_batch_sizes": args.cuda_graphs,
         "overlap_schedule": not args.no_overlap, "enable_prefix_cache": not args.no_prefix_cache,
         "deterministic": args.enable_deterministic_inference,
-        **dict.fromkeys(BACKEND_FIELDS, args.backend),
+        **dict.fromkeys(BACKEND_FIELDS, backend),
         "ep_num_redundant_experts": args.ep_num_redundant_experts, "init_expert_location": args.init_expert_location,
         "ep_dispatch_algorithm": args.ep_dispatch_algorithm, "expert_dispatch_seed": args.expert_dispatch_seed,
         "capture_physical_ids": args.capture_physical_ids,

@@ -94,6 +94,32 @@ def test_serve_engine_flags_reach_engine_config() -> None:
         p.parse_args(["m", "--cuda-graphs", "x2"])
 
 
+def test_serve_on_cuda_picks_the_fast_paths_by_itself() -> None:
+    """--device cuda alone: the triton backends (hence the CUDA-graph ladder) and 64-slot pages; CPU, exact mode and
+    explicit flags keep what they ask for (issue 23, point 9). EngineConfig checks the combination as it would."""
+    from r3trace.cli import Parser
+    from r3trace.commands import serve
+    from r3trace.engine.engine_config import EngineConfig
+
+    p = Parser(prog="r3trace serve")
+    serve.add_arguments(p)
+
+    def cfg(*argv: str) -> EngineConfig:
+        return EngineConfig(**serve.engine_options(p.parse_args(["m", *argv])))  # type: ignore[arg-type]
+
+    def picked(c: EngineConfig) -> tuple[object, ...]:
+        return (c.attention_backend, c.moe_backend, c.topk_backend, c.norm_backend, c.rope_backend, c.page_size)
+
+    cuda = cfg("--device", "cuda")
+    assert picked(cuda) == ("triton",) * 5 + (64,) and cuda.cuda_graph_batch_sizes is None and cuda.all_triton
+    assert picked(cfg("--device", "cuda:1")) == ("triton",) * 5 + (64,)
+    assert picked(cfg()) == ("ref",) * 5 + (1,)  # CPU
+    assert picked(cfg("--device", "cuda", "--enable-deterministic-inference")) == ("ref",) * 5 + (1,)
+    assert picked(cfg("--device", "cuda", "--backend", "ref")) == ("ref",) * 5 + (1,)
+    assert picked(cfg("--device", "cuda", "--page-size", "16")) == ("triton",) * 5 + (16,)
+    assert picked(cfg("--backend", "triton", "--page-size", "1")) == ("triton",) * 5 + (1,)
+
+
 @pytest.mark.skipif(not (SAMPLE / "config.json").exists(), reason="samples/model is not in this checkout")
 def test_serve_rejects_a_bad_engine_flag_by_name() -> None:
     """A bad flag stops the server before it binds, naming the field and its limit (no traceback)."""
