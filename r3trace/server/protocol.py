@@ -140,8 +140,22 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
+class StreamOptions(BaseModel):
+    model_config = _STRICT
+    include_usage: bool = False
+
+
 class RouteFlags(BaseModel):
-    """Extension fields the OpenAI endpoints accept, as SGLang does."""
+    """Extension fields the OpenAI endpoints accept, as SGLang does, and the OpenAI fields both bodies share.
+
+    | field            | r3trace                                                                      |
+    | stream_options   | include_usage honoured: a last chunk with `choices: []` and `usage`          |
+    | user             | accepted, ignored (OpenAI's end-user id)                                     |
+    | seed             | honoured: the request's own generator                                        |
+    | n                | 1 only; n > 1 is a 400 (one choice per request)                              |
+    | response_format  | {"type": "text"} accepted; other types are a 400 (no constrained decoding)   |
+    | tools, tool_choice | a 400 when given (no tool-call parser)                                     |
+    """
 
     model_config = _STRICT
     return_routed_experts: bool = False
@@ -150,10 +164,17 @@ class RouteFlags(BaseModel):
     seed: int | None = Field(default=None, ge=0)
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
+    n: int = Field(default=1, ge=1)
+    user: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
 
 
 class CompletionRequest(RouteFlags):
-    """POST /v1/completions (n=1 only; logprobs and echo are not implemented and so refused)."""
+    """POST /v1/completions (logprobs and echo are not implemented and so refused)."""
 
     model: str | None = None
     prompt: str | list[str] | list[int] | list[list[int]]
@@ -161,15 +182,13 @@ class CompletionRequest(RouteFlags):
     temperature: float | None = Field(default=None, ge=0)
     top_p: float | None = None
     stop: str | list[str] | None = None
-    n: Literal[1] = 1
-    stream: bool = False
-    user: str | None = None
 
 
 class ChatMessage(BaseModel):
     model_config = _STRICT
     role: Literal["system", "user", "assistant", "tool"]
-    content: str
+    content: str | list[dict[str, Any]] = Field(description="a string, or OpenAI content parts: text parts are "
+                                                "joined with newlines; image parts are a 400")
     name: str | None = None
 
 
@@ -183,9 +202,6 @@ class ChatCompletionRequest(RouteFlags):
     temperature: float | None = Field(default=None, ge=0)
     top_p: float | None = None
     stop: str | list[str] | None = None
-    n: Literal[1] = 1
-    stream: bool = False
-    user: str | None = None
 
 
 class SglExt(BaseModel):

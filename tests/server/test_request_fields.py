@@ -14,6 +14,7 @@ Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/server/test_request_
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import httpx
@@ -90,3 +91,71 @@ def test_refused_with_the_field_named(http: httpx.Client, case: str, body: dict[
     err = r.json()["error"]
     assert err["param"] == field, err
     assert field.split(".")[-1] in err["message"] and why in err["message"], err
+
+
+# OpenAI bodies: the fields of openai-python's CompletionCreateParams / ChatCompletionCreateParams, as SGLang's
+# python/sglang/srt/entrypoints/openai/protocol.py carries them.
+COMPLETION = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}
+
+
+def _events(http: httpx.Client, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    with http.stream("POST", path, json=body) as r:
+        assert r.status_code == 200, r.read()
+        lines = [ln[len("data: "):] for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(ln) for ln in lines[:-1]]
+
+
+@pytest.mark.parametrize(("path", "body"), [("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)])
+def test_openai_fields_accepted_same_output(http: httpx.Client, path: str, body: dict[str, Any]) -> None:
+    full = {**body, "user": "u-1", "seed": 3, "n": 1, "response_format": {"type": "text"}}
+    a, b = http.post(path, json=body), http.post(path, json=full)
+    assert a.status_code == 200 and b.status_code == 200, (a.text, b.text)
+    assert a.json()["choices"] == b.json()["choices"]
+    assert a.json()["usage"] == b.json()["usage"]
+
+
+@pytest.mark.parametrize(("path", "body"), [("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)])
+def test_stream_include_usage(http: httpx.Client, path: str, body: dict[str, Any]) -> None:
+    """OpenAI's include_usage: one last chunk with `choices: []` and the usage of the non-streamed response."""
+    usage = http.post(path, json=body).json()["usage"]
+    plain = _events(http, path, {**body, "stream": True})
+    assert all("usage" not in e for e in plain)
+    events = _events(http, path, {**body, "stream": True, "stream_options": {"include_usage": True}})
+    assert events[-1]["choices"] == [] and events[-1]["usage"] == usage
+    assert all("usage" not in e for e in events[:-1])
+
+
+def test_chat_text_parts_are_the_string(http: httpx.Client) -> None:
+    parts = {**CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
+    assert http.post("/v1/chat/completions", json=parts).json()["choices"] == \
+        http.post("/v1/chat/completions", json=CHAT).json()["choices"]
+
+
+OPENAI_REFUSED: list[tuple[str, str, dict[str, Any], str, str]] = [
+    ("n > 1", "/v1/completions", {**COMPLETION, "n": 2}, "n", "one choice per request"),
+    ("chat n > 1", "/v1/chat/completions", {**CHAT, "n": 3}, "n", "one choice per request"),
+    ("json response_format", "/v1/completions", {**COMPLETION, "response_format": {"type": "json_object"}},
+     "response_format", "only \"text\""),
+    ("tools", "/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]},
+     "tools", "not served"),
+    ("tool_choice", "/v1/chat/completions", {**CHAT, "tool_choice": "auto"}, "tool_choice", "not served"),
+    ("image part", "/v1/chat/completions",
+     {**CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                        {"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content[1]", "only text"),
+    ("unknown stream option", "/v1/completions", {**COMPLETION, "stream_options": {"bogus": True}},
+     "stream_options.bogus", ""),
+    ("unknown openai field", "/v1/chat/completions", {**CHAT, "not_an_openai_field": 1}, "not_an_openai_field", ""),
+]
+
+
+@pytest.mark.parametrize(("case", "path", "body", "field", "why"), OPENAI_REFUSED, ids=[c[0] for c in OPENAI_REFUSED])
+def test_openai_refused_with_the_field_named(http: httpx.Client, case: str, path: str, body: dict[str, Any],
+                                             field: str, why: str) -> None:
+    r = http.post(path, json=body)
+    assert r.status_code == 400, (case, r.text)
+    err = r.json()["error"]
+    assert err["param"] == field, err
+    assert field.split(".")[-1].split("[")[0] in err["message"] and why in err["message"], err
