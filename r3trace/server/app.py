@@ -62,10 +62,19 @@ class RequestCounter:
 
 def generate_kwargs(req: GenerateRequest) -> dict[str, Any]:
     """GenerateRequest -> Engine.generate keywords (SGLang's `text` is the engine's `prompt`)."""
+    for name in ("lora_path", "custom_logit_processor"):
+        value = getattr(req, name)
+        if value is not None and any(v is not None for v in (value if isinstance(value, list) else [value])):
+            why = "LoRA adapters are not served" if name == "lora_path" else "custom logit processors are not run"
+            raise ApiError(400, f"{name}: {value!r}: {why}", name)
     sp = req.sampling_params
+    engine_sp = [s.to_engine() for s in sp] if isinstance(sp, list) else (sp.to_engine() if sp else None)
+    if req.max_new_tokens is not None:  # SGLang's top-level max_new_tokens: a default for each request's params
+        engine_sp = [{"max_new_tokens": req.max_new_tokens, **s} for s in engine_sp] if isinstance(engine_sp, list) \
+            else {"max_new_tokens": req.max_new_tokens, **(engine_sp or {})}
     kw: dict[str, Any] = {
         "prompt": req.text, "input_ids": req.input_ids,
-        "sampling_params": [s.to_engine() for s in sp] if isinstance(sp, list) else (sp and sp.to_engine()),
+        "sampling_params": engine_sp,
         "return_logprob": req.return_logprob, "logprob_start_len": req.logprob_start_len,
         "top_logprobs_num": req.top_logprobs_num,
     }

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .errors import ApiError
 from .protocol import ChatMessage
 
 FALLBACK_TEMPLATE = (
@@ -33,5 +34,19 @@ def render_chat(messages: list[ChatMessage], template: str | None) -> str:
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     tpl = env.from_string(template or FALLBACK_TEMPLATE)
-    msgs = [m.model_dump(exclude_none=True) for m in messages]
+    msgs = [{**m.model_dump(exclude_none=True), "content": message_text(m, i)} for i, m in enumerate(messages)]
     return tpl.render(messages=msgs, add_generation_prompt=True, bos_token="", eos_token="")
+
+
+def message_text(message: ChatMessage, index: int) -> str:
+    """A message's content as one string: OpenAI text parts joined with newlines; any other part is a 400."""
+    if isinstance(message.content, str):
+        return message.content
+    texts = []
+    for j, part in enumerate(message.content):
+        field = f"messages[{index}].content[{j}]"
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise ApiError(400, f"{field}: a {part.get('type')!r} part: only text is served (a text-only model)",
+                           field)
+        texts.append(part["text"])
+    return "\n".join(texts)

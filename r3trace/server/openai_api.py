@@ -77,9 +77,34 @@ def finish_reason(meta: dict[str, Any]) -> str | None:
     return None if f is None else str(f.get("type"))
 
 
+def check_served(req: RouteFlags) -> None:
+    """The OpenAI fields a request may carry but r3trace cannot serve: a 400 naming each and saying why."""
+    if req.n != 1:
+        raise ApiError(400, f"n: {req.n}: one choice per request is served (n > 1 is not implemented)", "n")
+    fmt = req.response_format
+    if fmt is not None and fmt.get("type") != "text":
+        raise ApiError(400, f"response_format: type {fmt.get('type')!r}: only \"text\" is served (no constrained "
+                            "decoding)", "response_format")
+    for name in ("tools", "tool_choice"):
+        if getattr(req, name) is not None:
+            raise ApiError(400, f"{name}: tool calls are not served (no tool-call parser)", name)
+
+
+def usage_chunk(head: dict[str, Any], meta: dict[str, Any]) -> bytes:
+    """OpenAI's stream_options.include_usage: a last chunk with `choices: []` and the request's usage."""
+    p, c = int(meta.get("prompt_tokens", 0)), int(meta.get("completion_tokens", 0))
+    return sse({**head, "choices": [], "usage": {"prompt_tokens": p, "completion_tokens": c,
+                                                 "total_tokens": p + c}})
+
+
+def wants_usage(req: RouteFlags) -> bool:
+    return req.stream_options is not None and req.stream_options.include_usage
+
+
 def engine_kwargs(
     req: CompletionRequest | ChatCompletionRequest, prompt: Any, max_tokens: int | None
 ) -> dict[str, Any]:
+    check_served(req)
     sp: dict[str, Any] = {"max_new_tokens": max_tokens, "temperature": req.temperature, "top_p": req.top_p,
                           "top_k": req.top_k, "seed": req.seed, "stop": req.stop,
                           "stop_token_ids": req.stop_token_ids, "ignore_eos": req.ignore_eos}
@@ -133,14 +158,18 @@ def build_router(service: GenerateService, model_name: str, chat_template: str |
             async def events() -> AsyncIterator[bytes]:
                 head = {"id": cid, "object": "text_completion", "created": created, "model": model}
                 routes = StreamRoutes()
+                meta: dict[str, Any] = {}
                 async for ch in chunks:
                     routes.add(ch["meta_info"])
+                    meta = ch["meta_info"]
                     choice = {"index": 0, "text": ch["text"], "finish_reason": finish_reason(ch["meta_info"]),
                               "logprobs": None}
                     yield sse({**head, "choices": [choice]})
                 last = routes.chunk(head)
                 if last is not None:
                     yield last
+                if wants_usage(req):
+                    yield usage_chunk(head, meta)
                 yield SSE_DONE
 
             return StreamingResponse(events(), media_type="text/event-stream")
@@ -168,8 +197,10 @@ def build_router(service: GenerateService, model_name: str, chat_template: str |
             async def events() -> AsyncIterator[bytes]:
                 head = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model}
                 routes, first = StreamRoutes(), True
+                meta: dict[str, Any] = {}
                 async for ch in chunks:
                     routes.add(ch["meta_info"])
+                    meta = ch["meta_info"]
                     delta = {"role": "assistant", "content": ch["text"]} if first else {"content": ch["text"]}
                     first = False
                     choice = {"index": 0, "delta": delta, "finish_reason": finish_reason(ch["meta_info"])}
@@ -177,6 +208,8 @@ def build_router(service: GenerateService, model_name: str, chat_template: str |
                 last = routes.chunk(head)
                 if last is not None:
                     yield last
+                if wants_usage(req):
+                    yield usage_chunk(head, meta)
                 yield SSE_DONE
 
             return StreamingResponse(events(), media_type="text/event-stream")

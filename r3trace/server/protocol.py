@@ -15,8 +15,18 @@ from pydantic import BaseModel, ConfigDict, Field
 _STRICT = ConfigDict(extra="forbid", strict=True)
 
 
+# SGLang sampling fields r3trace accepts and does not pass to the engine:
+# | field                          | r3trace                                                          |
+# | skip_special_tokens            | accepted; text is always decoded skipping them (SGLang's default |
+# |                                | true); false differs: SGLang then keeps them in the text         |
+# | spaces_between_special_tokens  | accepted, ignored: skipped special tokens leave no gap to fill   |
+# | no_stop_trim                   | accepted, ignored: a matched stop string is trimmed as by default |
+IGNORED_SAMPLING_FIELDS = frozenset({"skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"})
+
+
 class SamplingParamsBody(BaseModel):
-    """SGLang's sampling_params, the subset the engine implements (engine SamplingParams, same names)."""
+    """SGLang's sampling_params: the engine's SamplingParams (same names, sampling_seed its alias of seed) and
+    IGNORED_SAMPLING_FIELDS."""
 
     model_config = _STRICT
     max_new_tokens: int | None = Field(default=None, ge=0)
@@ -27,13 +37,28 @@ class SamplingParamsBody(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
+    sampling_seed: int | None = Field(default=None, ge=0, description="SGLang's name for seed")
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    no_stop_trim: bool | None = None
 
     def to_engine(self) -> dict[str, Any]:
-        return self.model_dump(exclude_none=True)
+        return self.model_dump(exclude_none=True, exclude=set(IGNORED_SAMPLING_FIELDS))
 
 
 class GenerateRequest(BaseModel):
-    """POST /generate. Exactly one of `text` / `input_ids`; a list of prompts is a batch."""
+    """POST /generate. Exactly one of `text` / `input_ids`; a list of prompts is a batch.
+
+    SGLang GenerateReqInput fields that do not change r3trace's output:
+    | field                         | r3trace                                                              |
+    | max_new_tokens (top level)    | honoured: fills sampling_params.max_new_tokens where that is unset.   |
+    |                               | Differs: GenerateReqInput has no such field, so SGLang drops it      |
+    | extra_key, priority           | accepted, ignored (one cache namespace; first come, first served)    |
+    | return_text_in_logprobs       | accepted, ignored: logprob entries carry token ids only              |
+    | return_hidden_states          | false accepted; true refused (hidden states are not returned)        |
+    | custom_logit_processor        | null accepted; a processor is refused (400)                          |
+    | lora_path                     | null accepted; a path is refused (400, LoRA adapters are not served) |
+    """
 
     model_config = _STRICT
     text: str | list[str] | None = None
@@ -67,6 +92,13 @@ class GenerateRequest(BaseModel):
         default=None, description="SGLang's field: run the request on this DP rank (0..dp_size-1), not the one the "
         "load balancer picks; a list gives one per request"
     )
+    max_new_tokens: int | None = Field(default=None, ge=0)
+    extra_key: str | list[str] | None = None
+    priority: int | None = None
+    return_text_in_logprobs: bool = False
+    return_hidden_states: Literal[False] = False
+    custom_logit_processor: str | list[str | None] | None = None
+    lora_path: str | list[str | None] | None = None
 
 
 class MetaInfo(BaseModel):
@@ -108,8 +140,22 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
+class StreamOptions(BaseModel):
+    model_config = _STRICT
+    include_usage: bool = False
+
+
 class RouteFlags(BaseModel):
-    """Extension fields the OpenAI endpoints accept, as SGLang does."""
+    """Extension fields the OpenAI endpoints accept, as SGLang does, and the OpenAI fields both bodies share.
+
+    | field            | r3trace                                                                      |
+    | stream_options   | include_usage honoured: a last chunk with `choices: []` and `usage`          |
+    | user             | accepted, ignored (OpenAI's end-user id)                                     |
+    | seed             | honoured: the request's own generator                                        |
+    | n                | 1 only; n > 1 is a 400 (one choice per request)                              |
+    | response_format  | {"type": "text"} accepted; other types are a 400 (no constrained decoding)   |
+    | tools, tool_choice | a 400 when given (no tool-call parser)                                     |
+    """
 
     model_config = _STRICT
     return_routed_experts: bool = False
@@ -118,10 +164,17 @@ class RouteFlags(BaseModel):
     seed: int | None = Field(default=None, ge=0)
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
+    n: int = Field(default=1, ge=1)
+    user: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
 
 
 class CompletionRequest(RouteFlags):
-    """POST /v1/completions (n=1 only; logprobs and echo are not implemented and so refused)."""
+    """POST /v1/completions (logprobs and echo are not implemented and so refused)."""
 
     model: str | None = None
     prompt: str | list[str] | list[int] | list[list[int]]
@@ -129,15 +182,13 @@ class CompletionRequest(RouteFlags):
     temperature: float | None = Field(default=None, ge=0)
     top_p: float | None = None
     stop: str | list[str] | None = None
-    n: Literal[1] = 1
-    stream: bool = False
-    user: str | None = None
 
 
 class ChatMessage(BaseModel):
     model_config = _STRICT
     role: Literal["system", "user", "assistant", "tool"]
-    content: str
+    content: str | list[dict[str, Any]] = Field(description="a string, or OpenAI content parts: text parts are "
+                                                "joined with newlines; image parts are a 400")
     name: str | None = None
 
 
@@ -151,9 +202,6 @@ class ChatCompletionRequest(RouteFlags):
     temperature: float | None = Field(default=None, ge=0)
     top_p: float | None = None
     stop: str | list[str] | None = None
-    n: Literal[1] = 1
-    stream: bool = False
-    user: str | None = None
 
 
 class SglExt(BaseModel):

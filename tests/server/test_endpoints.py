@@ -116,7 +116,9 @@ def test_openapi_spec_matches(http: httpx.Client) -> None:
     from dataclasses import fields
 
     from r3trace.engine import SamplingParams
-    assert set(schemas["SamplingParamsBody"]["properties"]) == {f.name for f in fields(SamplingParams)}
+    from r3trace.server.protocol import IGNORED_SAMPLING_FIELDS
+    assert set(schemas["SamplingParamsBody"]["properties"]) == (
+        {f.name for f in fields(SamplingParams)} | {"sampling_seed"} | IGNORED_SAMPLING_FIELDS)
     # a real response has only fields the spec declares
     out = http.post("/generate", json={"input_ids": [1, 2], "sampling_params": GREEDY}).json()
     assert set(out) <= set(schemas["GenerateResponse"]["properties"])
