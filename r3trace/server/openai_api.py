@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from fastapi import APIRouter
@@ -97,6 +97,18 @@ def usage_chunk(head: dict[str, Any], meta: dict[str, Any]) -> bytes:
                                                  "total_tokens": p + c}})
 
 
+def stream_tail(routes: StreamRoutes, head: dict[str, Any], usage: bool, meta: dict[str, Any]) -> Iterator[bytes]:
+    """The events after a stream's last choice chunk, as SGLang and OpenAI send them: the routes once (choices
+    []), the usage chunk when stream_options.include_usage asked for it, then [DONE]."""
+    last = routes.chunk(head)
+    if last is not None:
+        yield last
+    if usage:
+        yield usage_chunk(head, meta)
+    yield SSE_DONE
+
+
+
 def wants_usage(req: RouteFlags) -> bool:
     return req.stream_options is not None and req.stream_options.include_usage
 
@@ -165,12 +177,8 @@ def build_router(service: GenerateService, model_name: str, chat_template: str |
                     choice = {"index": 0, "text": ch["text"], "finish_reason": finish_reason(ch["meta_info"]),
                               "logprobs": None}
                     yield sse({**head, "choices": [choice]})
-                last = routes.chunk(head)
-                if last is not None:
-                    yield last
-                if wants_usage(req):
-                    yield usage_chunk(head, meta)
-                yield SSE_DONE
+                for event in stream_tail(routes, head, wants_usage(req), meta):
+                    yield event
 
             return StreamingResponse(events(), media_type="text/event-stream")
         out = await service.generate(kw)
@@ -205,12 +213,8 @@ def build_router(service: GenerateService, model_name: str, chat_template: str |
                     first = False
                     choice = {"index": 0, "delta": delta, "finish_reason": finish_reason(ch["meta_info"])}
                     yield sse({**head, "choices": [choice]})
-                last = routes.chunk(head)
-                if last is not None:
-                    yield last
-                if wants_usage(req):
-                    yield usage_chunk(head, meta)
-                yield SSE_DONE
+                for event in stream_tail(routes, head, wants_usage(req), meta):
+                    yield event
 
             return StreamingResponse(events(), media_type="text/event-stream")
         out = await service.generate(kw)
