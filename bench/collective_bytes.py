@@ -28,7 +28,6 @@ import itertools
 import json
 import math
 import os
-import socket
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -352,11 +351,6 @@ def measure_rank(rank: int, world: int, dp: int, ep: int, options: dict[str, Any
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 # ---- computed vs measured ------------------------------------------------------------------------------------------
 STEPS: dict[str, tuple[int, Mode, int]] = {
@@ -378,11 +372,11 @@ CONFIGS: dict[str, tuple[int, int, int, dict[str, Any]]] = {  # name -> (tp, dp,
 def measure(tp: int, dp: int, ep: int, options: dict[str, Any], model_dir: Path, out_dir: Path) -> list[dict[str, Any]]:
     """Spawn tp gloo ranks (tests/spawn.py) and return each rank's counted calls and routes."""
     from bench.collective_bytes import measure_rank as rank_fn  # by module name: run as a script, this is __main__
-    from tests.spawn import spawn_ranks
+    from tests.spawn import free_port, spawn_ranks
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     out_dir.mkdir(parents=True, exist_ok=True)
-    spawn_ranks(rank_fn, (tp, dp, ep, options, _free_port(), str(model_dir), str(out_dir)), tp)
+    spawn_ranks(rank_fn, (tp, dp, ep, options, free_port(), str(model_dir), str(out_dir)), tp)
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(tp)]
 
 

@@ -7,6 +7,7 @@ function: they start from a blank `__main__`, and the real one is put back once 
 
 from __future__ import annotations
 
+import socket
 import sys
 import types
 from collections.abc import Callable
@@ -25,3 +26,10 @@ def spawn_ranks(fn: Callable[..., None], args: tuple[Any, ...], nprocs: int) -> 
         sys.modules["__main__"] = main
     while not ranks.join():
         pass
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now: the rank processes' rendezvous (tcp:// init)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])

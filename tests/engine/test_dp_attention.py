@@ -22,7 +22,6 @@ One process running every request is the reference. Checked per rank, for its re
 from __future__ import annotations
 
 import os
-import socket
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -48,7 +47,7 @@ from tests.engine.dp_workload import (
     forced_ids,
     run_workload,
 )
-from tests.spawn import spawn_ranks
+from tests.spawn import free_port, spawn_ranks
 from tests.tiny_models import load_engine_model, make_checkpoint
 
 # fp32. Against one process only the order of fp32 additions differs: o_proj, the dense MLP and the shared experts
@@ -126,11 +125,6 @@ def _worker(rank: int, world: int, dp: int, ep: int, backends: str, port: int, c
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -202,7 +196,7 @@ def test_parallel_model_matches_one_process(
         references[backends] = _run(ckpt, ParallelInfo(), margins=True, backends=backends)
     reference = references[backends]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    spawn_ranks(_worker, (tp, dp, ep, backends, _free_port(), ckpt, tmp_path), tp)
+    spawn_ranks(_worker, (tp, dp, ep, backends, free_port(), ckpt, tmp_path), tp)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(tp)]
     cfg = ModelConfig.from_hf(ckpt)
     for r, got in enumerate(ranks):

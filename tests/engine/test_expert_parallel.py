@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import random
-import socket
 from datetime import timedelta
 from typing import Any
 
@@ -47,7 +46,7 @@ from r3trace.engine.layers.expert_map import ExpertMap
 from r3trace.engine.layers.low_latency_dispatcher import LowLatencyDispatcher
 from r3trace.engine.layers.moe import MoE, grouped_experts_ref, make_experts_fn
 from r3trace.engine.layers.router import make_routing_ops
-from tests.spawn import spawn_ranks
+from tests.spawn import free_port, spawn_ranks
 
 E, K = 8, 3
 
@@ -216,11 +215,6 @@ def _worker(rank: int, world: int, port: int, counts: list[int], backends: tuple
     finally:
         dist.destroy_process_group()
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run_ranks(counts: list[int], backends: tuple[str, ...]) -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,7 @@ from r3trace.engine.forward_batch import ForwardBatch
 from r3trace.engine.launch.config import LaunchConfig
 from r3trace.engine.launch.worker import WorkerSpec, run_rank
 from r3trace.engine.parallel import ParallelInfo
-from tests.spawn import spawn_ranks
+from tests.spawn import free_port, spawn_ranks
 
 SAMPLE = Path(__file__).resolve().parents[2] / "samples" / "model"
 OPTIONS: dict[str, Any] = dict(deterministic=True, max_running_requests=8, kv_pool_tokens=2048, chunked_prefill_size=64)
@@ -36,11 +35,6 @@ ASK: dict[str, Any] = dict(return_logprob=True, logprob_start_len=0, return_rout
 GREEDY = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16], [17, 18], [19, 20, 21], [22, 23, 24, 25]]
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _rank(rank: int, port: int, out_dir: Path) -> None:
@@ -82,7 +76,7 @@ def _view(out: dict[str, Any]) -> tuple[Any, ...]:
 
 
 def test_dp2_torchrun_is_one_process_assigns_idles_and_traces(tmp_path: Path) -> None:
-    spawn_ranks(_rank, (_free_port(), tmp_path), 2)
+    spawn_ranks(_rank, (free_port(), tmp_path), 2)
     r0 = pickle.loads((tmp_path / "rank0.pkl").read_bytes())
     r1 = pickle.loads((tmp_path / "rank1.pkl").read_bytes())
     with Engine(SAMPLE, **OPTIONS) as ref:
