@@ -241,6 +241,11 @@ class RouteBuffers:
         """A forward is writing the KV of these slots: their host rows are stale until its copy lands."""
         self.kv_forward[slots] = forward_id
 
+    def release(self, slots: np.ndarray) -> None:
+        """These slots' KV was rejected (a speculative verify): no forward owns it, so a copy in flight never writes
+        their host rows and valid_prefix never counts them."""
+        self.kv_forward[slots] = -1
+
     def valid_prefix(self, slots: np.ndarray) -> int:
         """How many leading slots hold host routes of the KV currently in them."""
         kv = self.kv_forward[slots]

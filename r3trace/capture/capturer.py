@@ -50,6 +50,7 @@ class _ReqState:
     kept_weights: np.ndarray | None = None
     kept_physical: np.ndarray | None = None
     sink_emitted: int = 0  # positions already written to the sink
+    verify_from: int = 1 << 62  # first position computed by a verify forward (speculative decoding); never: huge
     stream_emitted: int = 0  # positions already streamed to the client
 
 
@@ -112,6 +113,8 @@ class RoutedExpertsCapturer:
             batch.request_ids, batch.extend_lens_cpu, batch.prefix_lens_cpu, batch.phases, strict=True
         ):
             state = self.requests.get(rid)
+            if phase == "verify" and state is not None:
+                state.verify_from = min(state.verify_from, prefix)
             if everyone or (state is not None and state.want):
                 entries.append((rid, copied, n, prefix, phase))
                 spans.append((start, n))
@@ -185,6 +188,26 @@ class RoutedExpertsCapturer:
                 kept_p = state.kept_physical
                 state.kept_physical = fresh_p if kept_p is None else np.concatenate([kept_p, fresh_p])
 
+    def on_reject(self, rid: str, start: int, kept: int, slots: np.ndarray) -> None:
+        """A verify forward computed positions start.. of rid; all but the first `kept` were rejected (slots: their KV
+        slots). Their rows leave the copy in flight before it reaches the sink, and the slots' host rows are marked
+        invalid, so no response, stream chunk or trace ever holds them. Called before anything drains that copy."""
+        if not len(slots):
+            return
+        found = False
+        for p in self.buffers.pending:
+            for j, (r, row0, n, prefix, phase) in enumerate(p.entries):
+                if r == rid and prefix == start:
+                    p.entries[j] = (r, row0, min(n, kept), prefix, phase)
+                    found = True
+        state = self.requests.get(rid)
+        if not found and state is not None and state.sink_emitted > start + kept:
+            raise RuntimeError(f"route capture: rows {start + kept}.. of {rid} reached the trace before the verify "
+                               "forward that computed them was accepted")
+        self.buffers.release(np.asarray(slots, dtype=np.int64))
+        if self.physical is not None:
+            self.physical.buffers.release(np.asarray(slots, dtype=np.int64))
+
     def rows(self, rid: str, slots: np.ndarray, start: int, end: int) -> RouteRows:
         """Rows of positions [start, end), slots: KV slot of every position 0..end-1 (host)."""
         self.drain_for(np.asarray(slots)[start:end])
@@ -213,10 +236,13 @@ class RoutedExpertsCapturer:
         """Run-length provenance of rows [start, end): (first, last + 1, phase, source) segments.
 
         Rows kept across a retraction keep their first provenance, so this depends only on the first
-        admission's prefix hit and the prompt length."""
-        cached = max(self._state(rid).first_cached_len, 0)
+        admission's prefix hit, the prompt length and the first position a verify forward computed (speculative
+        decoding: every later row is a verify forward's)."""
+        state = self._state(rid)
+        cached = max(state.first_cached_len, 0)
+        verify = max(prompt_len, min(state.verify_from, end))
         bounds = [(0, cached, "prefill", "prefix_cache"), (cached, prompt_len, "prefill", "computed"),
-                  (prompt_len, end, "decode", "computed")]
+                  (prompt_len, verify, "decode", "computed"), (verify, end, "verify", "computed")]
         return [(max(a, start), min(b, end), ph, src) for a, b, ph, src in bounds if min(b, end) > max(a, start)]
 
     def finish_request(self, rid: str) -> None:
