@@ -26,7 +26,6 @@ from torch import nn
 from r3trace.capture.recorder import NullRecorder, RouteRecorder
 
 from .communicator import LayerCommunicator, RouteCommunicator, VocabCommunicator, all_reduce_sum, mlp_input_mode
-from .config import ModelConfig
 from .engine_config import EngineConfig, EngineConfigError
 from .expert_placement import apply_expert_location, initial_location
 from .forward_batch import ForwardBatch
@@ -41,6 +40,7 @@ from .layers.moe import MoE, make_experts_fn
 from .layers.norm import RMSNorm
 from .layers.rope import RotaryEmbedding
 from .layers.router import make_routing_ops
+from .model_config import ModelConfig
 from .parallel import ParallelInfo
 
 

@@ -27,8 +27,8 @@ from torch import nn
 
 from r3trace.kernels.latent_write import latent_write
 
-from ..config import ModelConfig
 from ..forward_batch import ForwardBatch
+from ..model_config import ModelConfig
 from .attention_backend import AttentionBackend
 from .exact import exact_head_linear, make_matmul
 from .linear import ColumnParallelLinear, RowParallelLinear, replicated_linear
