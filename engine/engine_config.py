@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -93,8 +93,6 @@ class EngineConfig:
     # column in traces); logical ids stay what routed_experts and topk_ids hold
     capture_physical_ids: bool = False
     trace_dir: str | None = None  # record every request into this trace folder from the start
-    extra: dict[str, Any] = field(default_factory=dict, compare=False)
-    fuse_step_glue: bool = True  # latent write, router logits, [T, K + S] routes fused (triton); False: A/B baseline
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

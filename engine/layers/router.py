@@ -142,17 +142,17 @@ def exact_gate_scores(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
     return exact_softmax(logits) if scoring_func == "softmax" else exact_sigmoid(logits)
 
 
-def make_routing_ops(backend: str, fuse: bool = True) -> RoutingOps:
-    """The gate's two ops for a top-k backend. fuse (triton only): router_logits reads x without a cast
-    kernel, and the top-k kernel stores the [T, K + S] routes itself; else the cast + cuBLAS and
-    append_shared's two cats (session 5's path, kept as the A/B baseline). exact: exact logits and exact_topk."""
+def make_routing_ops(backend: str) -> RoutingOps:
+    """The gate's two ops for a top-k backend. ref: the cast + fp32 GEMM, the reference top-k and append_shared's
+    two cats. triton: router_logits reads x without a cast kernel, and the top-k kernel stores the [T, K + S]
+    routes itself. exact: exact logits and exact_topk."""
     if backend == "exact":
         return RoutingOps(logits_exact, exact_topk, exact_gate_scores)
     if backend == "ref":
-        return RoutingOps(logits_ref, _make_topk_fn(backend, False))
+        return RoutingOps(logits_ref, _make_topk_fn(backend))
     from r3trace.kernels.router_logits import router_logits
 
-    return RoutingOps(router_logits if fuse else logits_ref, _make_topk_fn(backend, fuse))
+    return RoutingOps(router_logits, _make_topk_fn(backend))
 
 
 def exact_topk(
@@ -167,7 +167,7 @@ def exact_topk(
     return append_shared(weights_for_ids(scores, ids, p), ids.to(torch.int32), shared)
 
 
-def _make_topk_fn(backend: str, fuse_shared_tail: bool) -> TopkFn:
+def _make_topk_fn(backend: str) -> TopkFn:
     if backend == "ref":
         def ref_topk(
             logits: torch.Tensor, bias: torch.Tensor | None, p: RoutingParams, ids_out: torch.Tensor | None,
@@ -182,7 +182,7 @@ def _make_topk_fn(backend: str, fuse_shared_tail: bool) -> TopkFn:
         logits: torch.Tensor, bias: torch.Tensor | None, p: RoutingParams, ids_out: torch.Tensor | None,
         shared: SharedTail | None,
     ) -> Routes:
-        n_shared = shared.ids.shape[1] if shared is not None and fuse_shared_tail else 0
+        n_shared = shared.ids.shape[1] if shared is not None else 0
         weights, ids = grouped_topk(
             logits, bias, p.top_k, p.scoring_func, p.topk_method, p.n_group, p.topk_group,
             p.norm_topk_prob, p.routed_scaling_factor, ids_out=ids_out, n_shared=n_shared,
