@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..config import ModelConfig
+from ..model_config import ModelConfig
 from ..forward_batch import ForwardBatch
 from ..host_staging import HostStaging
 from ..kv_pool import KVPool, ReqToTokenPool
