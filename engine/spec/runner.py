@@ -23,12 +23,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..model_config import ModelConfig
 from ..forward_batch import ForwardBatch
 from ..host_staging import HostStaging
 from ..kv_pool import KVPool, ReqToTokenPool
 from ..launch.step_layout import step_layout
 from ..model import DeepseekForCausalLM
+from ..model_config import ModelConfig
 from ..model_runner import Launched, ModelRunner
 from ..parallel import ParallelInfo
 from ..replay import replay_plan
