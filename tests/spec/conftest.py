@@ -15,13 +15,15 @@ from r3trace.engine import Engine
 from tests.engine.conftest import EngineFactory
 from tests.spec.mtp_checkpoint import make_mtp_checkpoint
 
-SMALL_VOCAB = 16  # a random draft then agrees with the target often enough for mixed acceptance
+VOCAB = 64
+EOS = 1  # tests/tiny_models.py _BASE eos_token_id
 
 
 @pytest.fixture(scope="session")
 def mtp_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """v3 noaux_tc groups, 3 layers, 8 experts, vocab 16, EOS 1, an MTP layer at model.layers.3."""
-    return make_mtp_checkpoint(tmp_path_factory.mktemp("mtp") / "v3", seed=3, vocab_size=SMALL_VOCAB)
+    """v3 noaux_tc groups, 2 layers (dense, MoE: 8 experts, top-3), vocab 64, an MTP layer at model.layers.2 whose
+    drafts the target accepts about half the time (tests/spec/mtp_checkpoint.py)."""
+    return make_mtp_checkpoint(tmp_path_factory.mktemp("mtp") / "v3", seed=3, vocab_size=VOCAB, noise=0.5)
 
 
 @pytest.fixture

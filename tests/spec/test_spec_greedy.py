@@ -21,18 +21,10 @@ import pytest
 import r3trace
 from r3trace.engine import Engine
 from tests.engine.conftest import EngineFactory
+from tests.spec.conftest import VOCAB
 from tests.tiny_models import direct_forward, load_engine_model
 
-VOCAB = 64
-EOS = 1  # tests/tiny_models.py _BASE eos_token_id
 ASK: dict[str, Any] = dict(return_routed_experts=True, return_logprob=True, top_logprobs_num=2)
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tests.spec.mtp_checkpoint import make_mtp_checkpoint
-
-    return make_mtp_checkpoint(tmp_path_factory.mktemp("mtp64") / "v3", seed=3, vocab_size=VOCAB, noise=0.5)
 
 
 def prompts(seed: int) -> list[list[int]]:
@@ -87,11 +79,11 @@ def assert_mixed_acceptance(results: list[dict[str, Any]]) -> None:
 
 
 @pytest.mark.parametrize("steps", [1, 2, 3])
-def test_greedy_speculation_is_greedy_decoding(make_spec_engine: EngineFactory, ckpt: Path, steps: int) -> None:
+def test_greedy_speculation_is_greedy_decoding(make_spec_engine: EngineFactory, mtp_ckpt: Path, steps: int) -> None:
     """Chunks of 16 tokens (the 40-token prompt in 3, mixed with other requests' verifies), prefix hits in the second
     round (the first round's prompts + outputs as new prompts: their KV and routes come from the cache)."""
     first = prompts(seed=steps)
-    spec, plain = engines(make_spec_engine, ckpt, steps, chunked_prefill_size=16)
+    spec, plain = engines(make_spec_engine, mtp_ckpt, steps, chunked_prefill_size=16)
     stop = plain.generate(input_ids=first[3], sampling_params={"temperature": 0, "max_new_tokens": 13})["output_ids"][5]
     got = spec.generate(input_ids=first, sampling_params=params(stop), **ASK)
     want = plain.generate(input_ids=first, sampling_params=params(stop), **ASK)
@@ -105,14 +97,14 @@ def test_greedy_speculation_is_greedy_decoding(make_spec_engine: EngineFactory, 
     if steps == 3:  # and against a direct forward of the sequence (returned routes cover prompt + output - 1 rows)
         for p, r in zip(first + second, got + more, strict=True):
             seq = p + r["output_ids"]
-            want_routes = exact_direct_routes(ckpt, seq[: len(seq) - 1] if r["output_ids"] else seq)
+            want_routes = exact_direct_routes(mtp_ckpt, seq[: len(seq) - 1] if r["output_ids"] else seq)
             assert np.array_equal(r3trace.decode_routed_experts(r["meta_info"]), want_routes)
 
 
-def test_preemption_under_speculation(make_spec_engine: EngineFactory, ckpt: Path) -> None:
+def test_preemption_under_speculation(make_spec_engine: EngineFactory, mtp_ckpt: Path) -> None:
     """A pool of 96 slots for 6 requests of up to 56 positions: verifies retract the newest requests (their drafts'
     slots are part of what runs out), which re-prefill prompt + output; tokens and routes stay the plain engine's."""
-    spec, plain = engines(make_spec_engine, ckpt, 3, kv_pool_tokens=96, chunked_prefill_size=32)
+    spec, plain = engines(make_spec_engine, mtp_ckpt, 3, kv_pool_tokens=96, chunked_prefill_size=32)
     sp = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
     got = spec.generate(input_ids=prompts(seed=7), sampling_params=sp, **ASK)
     want = plain.generate(input_ids=prompts(seed=7), sampling_params=sp, **ASK)
@@ -123,9 +115,9 @@ def test_preemption_under_speculation(make_spec_engine: EngineFactory, ckpt: Pat
     assert spec.flush_cache() and spec.kv_pool.num_free_pages == spec.kv_pool.num_pages, "KV of rejected drafts leaked"
 
 
-def test_accept_lengths_are_reported(make_spec_engine: EngineFactory, ckpt: Path) -> None:
+def test_accept_lengths_are_reported(make_spec_engine: EngineFactory, mtp_ckpt: Path) -> None:
     """SGLang's meta_info fields: verify forwards, drafts proposed and accepted, tokens a verify commits."""
-    engine = make_spec_engine(model=ckpt, speculative_algorithm="EAGLE", speculative_num_steps=2)
+    engine = make_spec_engine(model=mtp_ckpt, speculative_algorithm="EAGLE", speculative_num_steps=2)
     sp = {"temperature": 0, "max_new_tokens": 9, "ignore_eos": True}
     out = engine.generate(input_ids=prompts(seed=1)[0], sampling_params=sp)
     m = out["meta_info"]
