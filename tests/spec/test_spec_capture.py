@@ -60,13 +60,19 @@ def test_draft_forwards_leave_the_target_capture_byte_identical(make_spec_engine
     engine = make_spec_engine(model=mtp_ckpt, capture_weights=True, **SPEC)
     cap, drafter = engine.capturer, engine.runner.drafter
     inside, calls, changed, forwards = [False], [], [], [0]
-    for hook in ("on_forward_begin", "route_buffer", "capture", "on_forward_end"):
-        def spy(*args: Any, _real: Any = getattr(cap, hook), _hook: str = hook, **kwargs: Any) -> Any:
-            if inside[0]:
-                calls.append(_hook)
-            return _real(*args, **kwargs)
 
-        setattr(cap, hook, spy)  # the routers and the model call the capturer through these attributes
+    def spy(hook: str) -> Any:
+        real = getattr(cap, hook)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if inside[0]:
+                calls.append(hook)
+            return real(*args, **kwargs)
+
+        return call
+
+    for hook in ("on_forward_begin", "route_buffer", "capture", "on_forward_end"):
+        setattr(cap, hook, spy(hook))  # the routers and the model call the capturer through these attributes
     real_run = drafter.run
 
     def spied_run(*args: Any) -> torch.Tensor:
