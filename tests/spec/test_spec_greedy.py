@@ -69,6 +69,8 @@ def assert_same(got: list[dict[str, Any]], want: list[dict[str, Any]]) -> None:
         assert gm["finish_reason"] == wm["finish_reason"]
         assert gm["output_token_logprobs"] == wm["output_token_logprobs"]
         assert gm["output_top_logprobs"] == wm["output_top_logprobs"]
+        assert gm.get("input_token_logprobs") == wm.get("input_token_logprobs")
+        assert gm.get("input_top_logprobs") == wm.get("input_top_logprobs")
         assert gm["routed_experts"] == wm["routed_experts"], "routes differ from non-speculative decoding"
 
 
@@ -103,11 +105,13 @@ def test_greedy_speculation_is_greedy_decoding(make_spec_engine: EngineFactory, 
 
 def test_preemption_under_speculation(make_spec_engine: EngineFactory, mtp_ckpt: Path) -> None:
     """A pool of 96 slots for 6 requests of up to 56 positions: verifies retract the newest requests (their drafts'
-    slots are part of what runs out), which re-prefill prompt + output; tokens and routes stay the plain engine's."""
+    slots are part of what runs out), which re-prefill prompt + output; tokens, prompt and output logprobs and routes
+    stay the plain engine's."""
     spec, plain = engines(make_spec_engine, mtp_ckpt, 3, kv_pool_tokens=96, chunked_prefill_size=32)
     sp = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
-    got = spec.generate(input_ids=prompts(seed=7), sampling_params=sp, **ASK)
-    want = plain.generate(input_ids=prompts(seed=7), sampling_params=sp, **ASK)
+    got = spec.generate(input_ids=prompts(seed=7), sampling_params=sp, logprob_start_len=0, **ASK)
+    want = plain.generate(input_ids=prompts(seed=7), sampling_params=sp, logprob_start_len=0, **ASK)
+    assert all(len(g["meta_info"]["input_token_logprobs"]) == len(p) for g, p in zip(got, prompts(7), strict=True))
     assert spec.scheduler.num_retractions > 0, "the pool must be small enough to force retraction"
     assert spec.recompute_mismatches == 0
     assert_same(got, want)
