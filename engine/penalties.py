@@ -14,8 +14,8 @@ on the first step with a penalty (64 rows x 129,280 tokens of DeepSeek-V3: 33 MB
 host are what survives retraction: its row is rebuilt from them at its first sample after each (re)admission, then
 every step adds the sampled tokens on the device. So a step scheduled ahead (engine/model_runner.py), whose
 previous token the host has not seen yet, still counts it, and no step waits for the host: the per-step inputs go
-through the sampler's pinned staging (two copies), and every op has a host-known shape (index_put_, never a
-boolean index).
+through the sampler's pinned staging (two copies), and every op has a host-known shape (flat index_add_ and
+index_fill, never a boolean index).
 """
 
 from __future__ import annotations
@@ -62,18 +62,18 @@ class PenaltyStep:
 
     def __init__(
         self, counts: torch.Tensor | None, rows: torch.Tensor, coef: torch.Tensor | None,
-        banned: tuple[torch.Tensor, torch.Tensor] | None, has: tuple[bool, bool, bool],
+        banned: torch.Tensor | None, has: tuple[bool, bool, bool],
     ) -> None:
         self.counts = counts  # [R, V] float32, None when no row has a counting penalty
         self.rows = rows  # [B] int64: each sampling row's counts row
         self.coef = coef  # [3, B] float32: frequency, presence, repetition penalty
-        self.banned = banned  # ([n] sampling row, [n] token): -inf until min_new_tokens
+        self.banned = banned  # [n] int64 flat b * V + token: -inf until min_new_tokens
         self.has_freq, self.has_pres, self.has_rep = has
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [B, V] float32 -> penalised logits [B, V] (a new tensor: the caller's stay raw for logprobs)."""
         out = logits
-        cnt = seen = None
+        seen = None
         if self.counts is not None:
             assert self.coef is not None
             cnt = self.counts.index_select(0, self.rows)  # [B, V]
@@ -83,8 +83,7 @@ class PenaltyStep:
             if self.has_pres:
                 out = out - self.coef[1, :, None] * seen
         if self.banned is not None:
-            # values filled on the device: torch.tensor(x, device=...) would be a blocking copy
-            out = out.index_put(self.banned, torch.full_like(self.banned[1], float("-inf"), dtype=out.dtype))
+            out = out.reshape(-1).index_fill(0, self.banned, float("-inf")).view(logits.shape)
         if self.has_rep:
             assert self.coef is not None and seen is not None
             rep = self.coef[2, :, None]  # [B, 1]
@@ -94,8 +93,8 @@ class PenaltyStep:
     def record(self, next_ids: torch.Tensor) -> None:
         """Count the tokens just sampled ([B] int64) in their requests' rows."""
         if self.counts is not None:
-            ones = torch.ones(len(next_ids), dtype=self.counts.dtype, device=self.counts.device)
-            self.counts.index_put_((self.rows, next_ids), ones, accumulate=True)
+            flat = self.rows * self.counts.shape[1] + next_ids  # [B]
+            self.counts.view(-1).index_add_(0, flat, torch.ones_like(flat, dtype=self.counts.dtype))
 
 
 class Penalties:
@@ -108,36 +107,28 @@ class Penalties:
 
     def step(self, rows: Sequence[PenaltyRow], stage: Stage) -> PenaltyStep | None:
         counting = any(r.params.has_penalty for r in rows)
-        ban_b: list[int] = []
-        ban_t: list[int] = []
-        for b, r in enumerate(rows):
-            if r.num_out < r.params.min_new_tokens:
-                stops = sorted(set(r.params.stop_token_ids) | set(self.eos_token_ids))
-                ban_b += [b] * len(stops)
-                ban_t += stops
-        if not counting and not ban_b:
+        banned = [b * self.vocab + t for b, r in enumerate(rows) if r.num_out < r.params.min_new_tokens
+                  for t in sorted(set(r.params.stop_token_ids) | set(self.eos_token_ids))]
+        if not counting and not banned:
             return None
         rebuild = [r for r in rows if r.history is not None] if counting else []
-        hist_rows = np.repeat([r.row for r in rebuild], [len(r.history or ()) for r in rebuild])
-        hist_ids = np.fromiter((t for r in rebuild for t in r.history or ()), np.int64, len(hist_rows))
-        packed = np.concatenate([np.array([r.row for r in rows] + [r.row for r in rebuild], np.int64),
-                                 hist_rows.astype(np.int64), hist_ids, np.array(ban_b + ban_t, np.int64)])
-        dev = stage(packed)  # one copy: [B rows | rebuilt rows | history (row, token) | banned (row, token)]
-        b, nr, nh, nb = len(rows), len(rebuild), len(hist_ids), len(ban_b)
-        at = np.cumsum([0, b, nr, nh, nh, nb, nb])
-        part = [dev[at[i] : at[i + 1]] for i in range(6)]
+        history = [r.row * self.vocab + t for r in rebuild for t in r.history or ()]
+        # one copy: [B counts rows | rows to rebuild | their history, flat row * V + token | banned, flat]
+        sizes = [len(rows), len(rebuild), len(history), len(banned)]
+        dev = stage(np.array([r.row for r in rows] + [r.row for r in rebuild] + history + banned, np.int64))
+        at = np.cumsum([0, *sizes])
+        rows_t, rebuild_t, history_t, banned_t = (dev[at[i] : at[i + 1]] for i in range(4))
         counts = coef = None
+        has = (False, False, False)
         if counting:
             if self.counts is None:
                 self.counts = torch.zeros(self.num_rows, self.vocab, dtype=torch.float32, device=self.device)
             counts = self.counts
-            if nr:
-                counts.index_fill_(0, part[1], 0.0)
-                counts.index_put_((part[2], part[3]), torch.ones(nh, device=counts.device), accumulate=True)
+            if rebuild:
+                counts.index_fill_(0, rebuild_t, 0.0)
+                counts.view(-1).index_add_(0, history_t, torch.ones_like(history_t, dtype=counts.dtype))
             coef_host = np.array([[r.params.frequency_penalty, r.params.presence_penalty, r.params.repetition_penalty]
                                   for r in rows], np.float32).T  # [3, B]
-            coef = stage(coef_host).view(3, b)
+            coef = stage(coef_host).view(3, len(rows))
             has = (bool(coef_host[0].any()), bool(coef_host[1].any()), bool((coef_host[2] != 1).any()))
-        else:
-            has = (False, False, False)
-        return PenaltyStep(counts, part[0], coef, (part[4], part[5]) if nb else None, has)
+        return PenaltyStep(counts, rows_t, coef, banned_t if banned else None, has)

@@ -130,3 +130,14 @@ def test_openai_bodies_pass_each_field_on() -> None:
                                       **OPENAI_EXTRAS)):
         sp = engine_kwargs(req, PROMPT, 10)["sampling_params"]
         assert {k: sp[k] for k in OPENAI_EXTRAS} == OPENAI_EXTRAS and sp["min_new_tokens"] == 3
+
+
+def test_generate_body_passes_every_field_on() -> None:
+    """/generate's sampling_params reach the engine whole (no field accepted and dropped)."""
+    from r3trace.server.protocol import SamplingParamsBody
+
+    sp = {"max_new_tokens": 9, "min_new_tokens": 2, "temperature": 0.5, "top_k": 7, "top_p": 0.9, "min_p": 0.1,
+          "frequency_penalty": 0.5, "presence_penalty": -0.5, "repetition_penalty": 1.3, "seed": 3,
+          "stop": ["x"], "stop_token_ids": [4], "ignore_eos": True, "sampling_seed": 3, "skip_special_tokens": False,
+          "spaces_between_special_tokens": False, "no_stop_trim": True}
+    assert SamplingParamsBody(**sp).to_engine() == sp
