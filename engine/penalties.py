@@ -111,7 +111,8 @@ class Penalties:
                   for t in sorted(set(r.params.stop_token_ids) | set(self.eos_token_ids))]
         if not counting and not banned:
             return None
-        rebuild = [r for r in rows if r.history is not None] if counting else []
+        # only rows with a penalty: the others' counts may be stale, and their neutral coefficients ignore them
+        rebuild = [r for r in rows if r.history is not None and r.params.has_penalty]
         history = [r.row * self.vocab + t for r in rebuild for t in r.history or ()]
         # one copy: [B counts rows | rows to rebuild | their history, flat row * V + token | banned, flat]
         sizes = [len(rows), len(rebuild), len(history), len(banned)]

@@ -57,7 +57,7 @@ def reference_logits(logits: list[float], history: list[int], p: SamplingParams,
     return out
 
 
-# (params, history, min_new_tokens already reached?) per row; row 5 has nothing to apply
+# (params, output history) per row: row 4's min_new_tokens is reached, row 5 has nothing to apply
 ROWS: list[tuple[dict[str, Any], list[int]]] = [
     ({"temperature": 0, "repetition_penalty": 1.7}, [4, 9, 9, 30, 4]),
     ({"temperature": 0, "frequency_penalty": 0.8, "presence_penalty": -0.5}, [1, 1, 1, 2, 39]),
@@ -82,7 +82,8 @@ def test_penalised_logits_and_tokens_equal_the_reference() -> None:
     """Two steps on a seeded random batch: the first rebuilds each row's counts from its history, the second
     counts the tokens the first sampled on the device (no history given). Each step's penalised logits equal the
     float64 reference; greedy rows take its argmax, seeded rows draw from softmax(reference / T) with their own
-    exponentials; rows stale from an earlier owner (row 0) are overwritten by the rebuild."""
+    exponentials. Every counts row starts stale (an earlier owner's): the rebuild overwrites those of the rows with a
+    penalty; the rows without one (4, 5) keep stale counts, which their neutral coefficients ignore."""
     torch.manual_seed(0)
     logits = torch.randn(2, len(ROWS), V) * 3  # [steps, B, V]
     pen = Penalties(num_rows=16, vocab=V, eos_token_ids=EOS, device="cpu")
@@ -113,7 +114,8 @@ def test_penalised_logits_and_tokens_equal_the_reference() -> None:
                 assert ids[b] == int((probs / q.double()).argmax()), b
         for b, t in enumerate(ids):
             histories[b].append(t)
-        assert [int(pen.counts[r.row].sum()) for r in rows] == [len(h) for h in histories]
+        counted = [b for b, r in enumerate(rows) if r.params.has_penalty]
+        assert [int(pen.counts[rows[b].row].sum()) for b in counted] == [len(histories[b]) for b in counted]
         rows = _rows(histories)
 
 
