@@ -39,6 +39,7 @@ from r3trace.engine.request_hooks import RequestHooks
 from r3trace.engine.result import error_result
 from r3trace.engine.route_options import CaptureRequest
 from r3trace.engine.sampling import Sampler
+from r3trace.engine.spec.request_check import check_speculative_request
 from r3trace.engine.tokenizer import load_tokenizer
 from r3trace.engine.trace_control import LocalTrace, TraceControl, TraceTarget
 from r3trace.trace import lifecycle
@@ -177,6 +178,8 @@ class Engine:
             entry_rid = entry.rid or uuid.uuid4().hex
             try:
                 req = self._builder.build(entry, entry_rid, stream, self.sampler)
+                if self.config.spec_steps:
+                    check_speculative_request(req.params)
                 self._attach_capture(req, len(reqs), len(entries), return_routed_experts,
                                      routed_experts_start_len, return_routed_weights, routed_experts, tag,
                                      routed_experts_replay_start_len)
