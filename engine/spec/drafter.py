@@ -13,7 +13,10 @@ committed token; hidden[r] the draft's output h' at its position; probs[r, 0] = 
           after it; at the last accepted row the token the verify committed); its output at that row proposes the
           next x_1. Rows past the accepted ones read rejected inputs and are never used: their slots are freed.
 Every draft forward runs the NextN layer only (no target recorder hook: the draft's router has its own
-NullRecorder, nextn.check_draft_capture).
+NullRecorder, nextn.check_draft_capture). Every position the target computes gets its draft row in the same step, so
+a prefix-cache hit finds draft rows beside the target's KV; the hit's last row read the next token of the request
+that computed it, which may differ from this request's. Only the draft's proposals (acceptance) can move with that,
+never a committed token: those are the target's.
 """
 
 from __future__ import annotations
