@@ -233,9 +233,12 @@ class Engine:
         for name, value in (("return_routed_experts", want_i), ("return_routed_weights", weights_i)):
             if not isinstance(value, bool):
                 raise InvalidRequestError(name, f"{value!r} must be true or false")
-        if not isinstance(start_i, int) or isinstance(start_i, bool) or not 0 <= start_i <= req.prompt_len:
+        if not isinstance(start_i, int) or isinstance(start_i, bool) or start_i < 0:
+            raise InvalidRequestError("routed_experts_start_len", f"{start_i!r} must be an integer >= 0")
+        if start_i > req.prompt_len:  # SGLang's scheduler words this error so; its clients match on the phrase
             raise InvalidRequestError(
-                "routed_experts_start_len", f"{start_i!r} outside 0..prompt length {req.prompt_len}"
+                "routed_experts_start_len", f"{start_i} is higher than the number of input tokens {req.prompt_len}; "
+                "use a smaller routed_experts_start_len"
             )
         if (want_i or weights_i or forced_i is not None) and self._custom_recorder:
             raise InvalidRequestError("return_routed_experts", "this engine was built with a custom recorder")

@@ -22,11 +22,12 @@ _STRICT = ConfigDict(extra="forbid", strict=True)
 # | spaces_between_special_tokens  | accepted, ignored: skipped special tokens leave no gap to fill   |
 # | no_stop_trim                   | accepted, ignored: a matched stop string is trimmed as by default |
 IGNORED_SAMPLING_FIELDS = frozenset({"skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"})
+MAX_CHOICES = 128  # OpenAI's limit on n; each choice is an engine request of its own
 
 
 class SamplingParamsBody(BaseModel):
-    """SGLang's sampling_params: the engine's SamplingParams (same names, sampling_seed its alias of seed) and
-    IGNORED_SAMPLING_FIELDS."""
+    """SGLang's sampling_params: the engine's SamplingParams (same names, sampling_seed its alias of seed),
+    IGNORED_SAMPLING_FIELDS and `n` (parallel sampling, r3trace/server/choices.py: n requests per prompt)."""
 
     model_config = _STRICT
     max_new_tokens: int | None = Field(default=None, ge=0)
@@ -41,20 +42,22 @@ class SamplingParamsBody(BaseModel):
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
     no_stop_trim: bool | None = None
+    n: int | None = Field(default=None, ge=1, le=MAX_CHOICES, description="choices per prompt (SGLang's "
+                          "parallel sampling): the results are a list, prompt-major; seeded choice j uses seed + j")
 
     def to_engine(self) -> dict[str, Any]:
-        return self.model_dump(exclude_none=True, exclude=set(IGNORED_SAMPLING_FIELDS))
+        return self.model_dump(exclude_none=True, exclude={*IGNORED_SAMPLING_FIELDS, "n"})
 
 
 class GenerateRequest(BaseModel):
     """POST /generate. Exactly one of `text` / `input_ids`; a list of prompts is a batch.
 
-    SGLang GenerateReqInput fields that do not change r3trace's output:
+    SGLang GenerateReqInput fields beside the prompt, sampling, logprob and route ones (docs/compatibility.md):
     | field                         | r3trace                                                              |
     | max_new_tokens (top level)    | honoured: fills sampling_params.max_new_tokens where that is unset.   |
     |                               | Differs: GenerateReqInput has no such field, so SGLang drops it      |
     | extra_key, priority           | accepted, ignored (one cache namespace; first come, first served)    |
-    | return_text_in_logprobs       | accepted, ignored: logprob entries carry token ids only              |
+    | return_text_in_logprobs       | honoured: each logprob entry's third element is its token's text     |
     | return_hidden_states          | false accepted; true refused (hidden states are not returned)        |
     | custom_logit_processor        | null accepted; a processor is refused (400)                          |
     | lora_path                     | null accepted; a path is refused (400, LoRA adapters are not served) |
@@ -78,7 +81,8 @@ class GenerateRequest(BaseModel):
         default=None, ge=0, description="r3trace extension, partial replay: routed_experts forces positions "
         "[start, start + rows) and the gate routes the others"
     )
-    stream: bool = False
+    stream: bool = Field(default=False, description="server-sent events; with several requests (a list, or "
+                         "sampling_params.n > 1) each chunk carries `index`, the request's place in the list")
     incremental_streaming_output: bool = Field(
         default=False, description="r3trace extension, per request (SGLang has it only as the server flag "
         "--incremental-streaming-output): each stream chunk carries what that step added (text, output_ids, "
@@ -142,17 +146,20 @@ class ErrorResponse(BaseModel):
 
 class StreamOptions(BaseModel):
     model_config = _STRICT
-    include_usage: bool = False
+    include_usage: bool = Field(default=False, description="a last chunk with `choices: []` and the usage; every "
+                                "other chunk then carries `\"usage\": null`, as OpenAI sends them")
 
 
 class RouteFlags(BaseModel):
     """Extension fields the OpenAI endpoints accept, as SGLang does, and the OpenAI fields both bodies share.
 
     | field            | r3trace                                                                      |
-    | stream_options   | include_usage honoured: a last chunk with `choices: []` and `usage`          |
+    | stream_options   | include_usage honoured: a last chunk with `choices: []` and `usage`, and     |
+    |                  | `"usage": null` on every other chunk (OpenAI's contract)                     |
     | user             | accepted, ignored (OpenAI's end-user id)                                     |
-    | seed             | honoured: the request's own generator                                        |
-    | n                | 1 only; n > 1 is a 400 (one choice per request)                              |
+    | seed             | honoured: the request's own generator; choice j of n uses seed + j (vLLM's   |
+    |                  | rule; SGLang gives every choice the same seed, so the same text)             |
+    | n                | 1..128 honoured: n engine requests per prompt, choices prompt-major          |
     | response_format  | {"type": "text"} accepted; other types are a 400 (no constrained decoding)   |
     | tools, tool_choice | a 400 when given (no tool-call parser)                                     |
     """
@@ -164,7 +171,7 @@ class RouteFlags(BaseModel):
     seed: int | None = Field(default=None, ge=0)
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
-    n: int = Field(default=1, ge=1)
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -174,10 +181,20 @@ class RouteFlags(BaseModel):
 
 
 class CompletionRequest(RouteFlags):
-    """POST /v1/completions (logprobs and echo are not implemented and so refused)."""
+    """POST /v1/completions.
+
+    | field     | r3trace                                                                               |
+    | logprobs  | honoured: tokens, token_logprobs, top_logprobs (the `logprobs` most likely and the      |
+    |           | chosen token), text_offset                                                             |
+    | echo      | honoured: the prompt before each choice's text; with logprobs the prompt's tokens too  |
+    |           | (the first one's logprob null)                                                        |
+    """
 
     model: str | None = None
     prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, description="the most likely tokens listed per position in "
+                                   "top_logprobs, plus the chosen one where they lack it (OpenAI's rule)")
+    echo: bool = False
     max_tokens: int | None = Field(default=16, ge=0)
     temperature: float | None = Field(default=None, ge=0)
     top_p: float | None = None
@@ -193,10 +210,14 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(RouteFlags):
-    """POST /v1/chat/completions; the prompt is the model's chat template applied to `messages`."""
+    """POST /v1/chat/completions; the prompt is the model's chat template applied to `messages`. logprobs: true
+    returns `logprobs.content` per choice, with the `top_logprobs` most likely tokens at each (ignored without
+    logprobs, as SGLang; OpenAI refuses that)."""
 
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0)
     max_tokens: int | None = Field(default=None, ge=0)
     max_completion_tokens: int | None = Field(default=None, ge=0)
     temperature: float | None = Field(default=None, ge=0)
@@ -221,11 +242,22 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy completions logprobs, one entry per token (echoed prompt tokens first)."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None] = Field(description="null for the first prompt token (nothing predicts it)")
+    top_logprobs: list[dict[str, float] | None] = Field(description="the most likely tokens' logprobs at each "
+                                                        "position and the chosen token's, by token text (the best "
+                                                        "when two share a text)")
+    text_offset: list[int] = Field(description="where each token's text starts in the choice's text")
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -243,10 +275,25 @@ class ChatResponseMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] = Field(description="the token's own bytes (one token may end inside a UTF-8 character)")
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+
+
 class ChatCompletionChoice(BaseModel):
     index: int
     message: ChatResponseMessage
     finish_reason: str | None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionResponse(BaseModel):

@@ -112,13 +112,14 @@ def test_openapi_spec_matches(http: httpx.Client) -> None:
             "stream"} <= set(gen["properties"])
     assert schemas["SamplingParamsBody"]["additionalProperties"] is False
     assert "4XX" in spec["paths"]["/generate"]["post"]["responses"]
-    # the spec's sampling fields are the engine's: nothing the engine would refuse, nothing missing
+    # the spec's sampling fields are the engine's: nothing the engine would refuse, nothing missing (n, SGLang's
+    # parallel sampling, is the server's: it makes n engine requests)
     from dataclasses import fields
 
     from r3trace.engine import SamplingParams
     from r3trace.server.protocol import IGNORED_SAMPLING_FIELDS
     assert set(schemas["SamplingParamsBody"]["properties"]) == (
-        {f.name for f in fields(SamplingParams)} | {"sampling_seed"} | IGNORED_SAMPLING_FIELDS)
+        {f.name for f in fields(SamplingParams)} | {"sampling_seed", "n"} | IGNORED_SAMPLING_FIELDS)
     # a real response has only fields the spec declares
     out = http.post("/generate", json={"input_ids": [1, 2], "sampling_params": GREEDY}).json()
     assert set(out) <= set(schemas["GenerateResponse"]["properties"])
