@@ -165,7 +165,9 @@ def build_router(service: GenerateService, model_name: str, chat_template: str |
     async def stream(req: Request, job: Completions | ChatCompletions, head: dict[str, Any],
                      make: Callable[[int, dict[str, Any], ChoiceStream], dict[str, Any]]) -> StreamingResponse:
         streams = await service.open_streams(job.choices)
-        with_usage = req.stream_options is not None and req.stream_options.include_usage
+        options = req.stream_options
+        with_usage = options is not None and options.include_usage
+        continuous = options is not None and options.continuous_usage_stats
         if with_usage:  # OpenAI: every chunk but the usage chunk carries "usage": null
             head = {**head, "usage": None}
 
@@ -176,7 +178,8 @@ def build_router(service: GenerateService, model_name: str, chat_template: str |
                 st.add(ch["meta_info"])
                 choice = make(i, ch, st)
                 st.started = True
-                yield sse({**head, "choices": [choice]})
+                counts = {"usage": usage([st.meta], 1)} if continuous else {}  # SGLang: this choice's so far
+                yield sse({**head, "choices": [choice], **counts})
             for event in stream_tail(states, head, req.n, with_usage):
                 yield event
 

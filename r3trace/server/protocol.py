@@ -148,6 +148,8 @@ class StreamOptions(BaseModel):
     model_config = _STRICT
     include_usage: bool = Field(default=False, description="a last chunk with `choices: []` and the usage; every "
                                 "other chunk then carries `\"usage\": null`, as OpenAI sends them")
+    continuous_usage_stats: bool = Field(default=False, description="SGLang's and vLLM's extension: each choice "
+                                         "chunk carries its choice's usage so far")
 
 
 class RouteFlags(BaseModel):
@@ -155,7 +157,8 @@ class RouteFlags(BaseModel):
 
     | field            | r3trace                                                                      |
     | stream_options   | include_usage honoured: a last chunk with `choices: []` and `usage`, and     |
-    |                  | `"usage": null` on every other chunk (OpenAI's contract)                     |
+    |                  | `"usage": null` on every other chunk (OpenAI's contract);                    |
+    |                  | continuous_usage_stats (SGLang): each choice chunk its choice's usage so far |
     | user             | accepted, ignored (OpenAI's end-user id)                                     |
     | seed             | honoured: the request's own generator; choice j of n uses seed + j (vLLM's   |
     |                  | rule; SGLang gives every choice the same seed, so the same text)             |

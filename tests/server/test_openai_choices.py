@@ -155,3 +155,17 @@ def test_start_len_over_the_prompt_in_sglang_words(sample_http: httpx.Client, pa
     err = r.json()["error"]
     assert err["param"] == "routed_experts_start_len"
     assert "500 is higher than the number of input tokens" in err["message"], err
+
+
+def test_continuous_usage_stats(sample_http: httpx.Client) -> None:
+    """SGLang's stream_options.continuous_usage_stats (serving_completions.py @ 004c82e: each chunk the usage of its
+    choice so far): completion_tokens count up to max_tokens per choice."""
+    body = {"prompt": PROMPT, "max_tokens": 4, "n": 2, "seed": SEED, **SAMPLED,
+            "stream_options": {"continuous_usage_stats": True}}
+    seen: dict[int, list[int]] = defaultdict(list)
+    for e in _events(sample_http, "/v1/completions", body):
+        [c] = e["choices"]
+        seen[c["index"]].append(e["usage"]["completion_tokens"])
+        assert e["usage"]["total_tokens"] == e["usage"]["prompt_tokens"] + seen[c["index"]][-1]
+    assert {i: v[-1] for i, v in seen.items()} == {0: 4, 1: 4}
+    assert all(v == sorted(v) for v in seen.values())
