@@ -17,6 +17,8 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
+import anyio
+
 from .errors import ApiError
 
 PROMPT_KEYS = ("prompt", "input_ids")
@@ -94,10 +96,13 @@ async def merged(streams: list[AsyncIterator[dict[str, Any]]]) -> AsyncIterator[
                 yield i, chunk
                 pending[asyncio.ensure_future(anext(streams[i]))] = i
     finally:
-        for fut in pending:
-            fut.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)  # a stream is closed only once it is not running
-        for s in streams:
-            close = getattr(s, "aclose", None)
-            if close is not None:
-                await close()
+        # Shielded: a client that went away cancels this task (again at each await under anyio's cancel scopes),
+        # and the streams must still be closed for their engine requests to be aborted. The pending reads are let
+        # finish (one engine step), not cancelled: a cancelled read leaves its worker thread inside the engine
+        # iterator, which then cannot be closed ("generator already executing") and runs on until collected.
+        with anyio.CancelScope(shield=True):
+            await asyncio.gather(*pending, return_exceptions=True)
+            for s in streams:
+                close = getattr(s, "aclose", None)
+                if close is not None:
+                    await close()
