@@ -22,15 +22,21 @@ TopList = Sequence[Entry] | None
 
 
 class Tokenizer(Protocol):
-    def decode(self, ids: list[int]) -> str: ...
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
 
 class TokenText:
-    """Token ids -> their text and bytes, from the engine's tokenizer (decided once, at app construction)."""
+    """Token ids -> their text and bytes, from the engine's tokenizer (decided once, at app construction).
+    skip_special_tokens: as the request's, so that the tokens' texts are the pieces of the choice's text."""
 
-    def __init__(self, tokenizer: Tokenizer | None) -> None:
+    def __init__(self, tokenizer: Tokenizer | None, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self._bytes = getattr(tokenizer, "token_bytes", None)
+
+    def keeping_specials(self, keep: bool) -> TokenText:
+        """This, or the same tokenizer naming special tokens by their text (a request's skip_special_tokens=false)."""
+        return TokenText(self.tokenizer, skip_special_tokens=False) if keep else self
 
     def text(self, entry: Entry) -> str:
         """The token's text: the engine's own when it sent one (an SGLang engine asked for text), else decoded."""
@@ -38,12 +44,13 @@ class TokenText:
             return entry[2]
         if self.tokenizer is None:
             raise ApiError(501, "logprobs: this engine has no tokenizer to name the tokens", "logprobs")
-        return self.tokenizer.decode([int(entry[1])])
+        return self.tokenizer.decode([int(entry[1])], skip_special_tokens=self.skip_special_tokens)
 
     def bytes(self, entry: Entry) -> list[int]:
-        if self._bytes is not None:
-            return list(self._bytes(int(entry[1])))
-        return list(self.text(entry).encode("utf-8"))
+        own = b"" if self._bytes is None else bytes(self._bytes(int(entry[1])))
+        if own or (self._bytes is not None and self.skip_special_tokens):
+            return list(own)
+        return list(self.text(entry).encode("utf-8"))  # no byte table, or a special token kept in the text
 
     def with_text(self, entries: Sequence[Entry]) -> list[list[Any]]:
         """SGLang's return_text_in_logprobs: each entry's third element set to its token's text."""

@@ -79,7 +79,7 @@ class Completions:
     """One /v1/completions request's choices: their engine keywords, echoed prompts and logprob blocks."""
 
     def __init__(self, req: CompletionRequest, tt: TokenText) -> None:
-        self.req, self.tt = req, tt
+        self.req, self.tt = req, tt.keeping_specials(req.skip_special_tokens is False)
         self.choices = choice_requests(engine_kwargs(req, req.prompt, req.max_tokens), req.n)
         prompts = prompt_list(req.prompt)
         self.echo = [self._prompt_text(prompts[i // req.n]) if req.echo else "" for i in range(len(self.choices))]
@@ -89,7 +89,7 @@ class Completions:
             return prompt
         if self.tt.tokenizer is None:
             raise ApiError(501, "echo: this engine has no tokenizer to decode token-id prompts", "echo")
-        return self.tt.tokenizer.decode(list(prompt))
+        return self.tt.tokenizer.decode(list(prompt), skip_special_tokens=self.tt.skip_special_tokens)
 
     def logprobs(self, i: int, meta: dict[str, Any], first: bool, offset: int) -> tuple[dict[str, Any] | None, int]:
         """Choice i's logprob block for the output tokens in `meta` (with echo, on its first chunk the prompt's
@@ -120,7 +120,7 @@ class Completions:
 
 class ChatCompletions:
     def __init__(self, req: ChatCompletionRequest, chat_template: str | None, tt: TokenText) -> None:
-        self.req, self.tt = req, tt
+        self.req, self.tt = req, tt.keeping_specials(req.skip_special_tokens is False)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         self.choices = choice_requests(engine_kwargs(req, render_chat(req.messages, chat_template), max_tokens),
                                        req.n)

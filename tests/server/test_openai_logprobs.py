@@ -212,3 +212,32 @@ def test_the_official_openai_client(sample_server: Any) -> None:
     chunks = list(client.chat.completions.create(model="sample", messages=CHAT["messages"], max_tokens=4,
                                                  stream=True, stream_options={"include_usage": True}))
     assert chunks[-1].usage is not None and all(c.usage is None for c in chunks[:-1])
+
+
+def test_special_tokens_named_when_the_request_keeps_them(sample_engine: Engine) -> None:
+    """skip_special_tokens=false keeps special tokens in the choice's text, so their logprob entries name them."""
+    from r3trace.server.logprobs import TokenText
+
+    tok = sample_engine.tokenizer
+    eos = (-1.0, 0, None)  # the sample's <|endoftext|>, special in its tokenizer.json
+    skipping, keeping = TokenText(tok), TokenText(tok).keeping_specials(True)
+    assert (skipping.text(eos), skipping.bytes(eos)) == ("", [])
+    assert (keeping.text(eos), bytes(keeping.bytes(eos))) == ("<|endoftext|>", b"<|endoftext|>")
+    plain = (-1.0, tok.encode(" return")[0], None)
+    assert keeping.text(plain) == skipping.text(plain) == tok.decode([plain[1]]) != ""
+
+
+
+def test_echo_and_tokens_keep_special_tokens_when_asked(sample_http: httpx.Client, sample_engine: Engine) -> None:
+    """skip_special_tokens=false: the echoed token-id prompt and its logprob tokens both show <|endoftext|> (id 0),
+    and every token's text sits at its text_offset; by default both skip it."""
+    tok = sample_engine.tokenizer
+    ids = [0, *tok.encode("x = 1")]
+    body = {"prompt": ids, "max_tokens": 0, "logprobs": 0, "echo": True}
+    for keep, first in ((False, ""), (True, "<|endoftext|>")):
+        choice = sample_http.post("/v1/completions", json={**body, "skip_special_tokens": not keep}).json()[
+            "choices"][0]
+        lp = choice["logprobs"]
+        assert choice["text"] == first + "x = 1" and lp["tokens"][0] == first
+        for k, start in enumerate(lp["text_offset"]):
+            assert choice["text"][start:start + len(lp["tokens"][k])] == lp["tokens"][k]
