@@ -21,14 +21,9 @@ from .chat import render_chat
 from .choices import batch_call, choice_requests, merged
 from .errors import ERROR_RESPONSES, ApiError
 from .logprobs import TokenText, chat_content, completion_block, join_blocks
+from .openai_responses import ChatCompletionResponse, CompletionResponse
 from .openai_stream import ChoiceStream, finish_reason, sglext, sse, stream_tail, usage
-from .protocol import (
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    CompletionRequest,
-    CompletionResponse,
-    RouteFlags,
-)
+from .protocol import ChatCompletionRequest, CompletionRequest, RouteFlags
 from .service import GenerateService
 
 Request = CompletionRequest | ChatCompletionRequest
