@@ -67,8 +67,11 @@ def _node_limited(
     rng = np.random.default_rng(seed)
     cnt = node_counts(pl, cluster)  # [L, E, N]
     lrow = np.arange(n_layers)[None, :, None]
-    has = cnt[lrow, topk_ids] > 0  # [T, L, K, N]
-    chosen = _min_cover(has, rng) if n <= EXACT_COVER_NODES else _greedy_cover(has, rng)
+    if n <= EXACT_COVER_NODES:  # node bitmask per (layer, expert), gathered per token: 1 byte, not N bools
+        ebits = ((cnt > 0).astype(np.uint16) << np.arange(n, dtype=np.uint16)).sum(-1, dtype=np.uint16)
+        chosen = _min_cover(ebits.astype(np.uint8)[lrow, topk_ids], n, rng)
+    else:
+        chosen = _greedy_cover(cnt[lrow, topk_ids] > 0, rng)  # has [T, L, K, N]
     # split each (token, layer, k) unit over its replicas on chosen nodes
     slots = pl.log2phy[lrow, topk_ids]  # [T, L, K, R]
     valid = slots >= 0
@@ -89,20 +92,22 @@ def _node_limited(
 EXACT_COVER_NODES = 8  # 255 subsets: exact; 18 nodes would be 262K subsets, so greedy there
 
 
-def _min_cover(has: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    """has [T, L, K, N] -> chosen [T, L, N]: a smallest node set covering all K experts."""
-    t, n_layers, k, n = has.shape
+def _min_cover(bits: np.ndarray, n: int, rng: np.random.Generator) -> np.ndarray:
+    """bits [T, L, K] uint8 node bitmask of each expert (N <= 8 nodes) -> chosen [T, L, N]: a smallest node set
+    covering all K experts, ties broken by one random draw per (subset, token, layer)."""
+    t, n_layers, k = bits.shape
     masks = ((np.arange(1, 2**n)[:, None] >> np.arange(n)) & 1).astype(bool)  # [S, N]
     size = masks.sum(1)
     best = np.full((t, n_layers), -1)
     best_score = np.full((t, n_layers), np.inf)
-    bits = (has.astype(np.int64) << np.arange(n)).sum(-1)  # [T, L, K] node bitmask of each expert
+    hit = np.empty_like(bits, dtype=bool)
     for s in np.argsort(size, kind="stable"):
-        covers = ((bits & (s + 1)) != 0).all(-1)  # [T, L]; subset s is the bitmask s + 1
+        np.not_equal(np.bitwise_and(bits, np.uint8(s + 1)), 0, out=hit)  # subset s is the bitmask s + 1
+        covers = hit.all(-1)  # [T, L]
         score = np.where(covers, size[s] + rng.random((t, n_layers)) * 0.5, np.inf)
         better = score < best_score
-        best = np.where(better, s, best)
-        best_score = np.where(better, score, best_score)
+        np.copyto(best, s, where=better)
+        np.copyto(best_score, score, where=better)
     return masks[np.maximum(best, 0)] & (best >= 0)[..., None]
 
 
