@@ -50,7 +50,8 @@ def rollup_windows(store: Path, run_id: str) -> dict[int, int]:
 
 def npz(path: Path, **extra: np.ndarray) -> Path:
     ids = np.random.default_rng(0).integers(0, 16, (T, 3, 2))
-    np.savez(path, topk_ids=ids, forward_id=np.arange(T) // PER_FORWARD, **extra)
+    arrays = {"topk_ids": ids, "forward_id": np.arange(T) // PER_FORWARD, **extra}
+    np.savez(path, **arrays)  # type: ignore[arg-type]
     return path
 
 
