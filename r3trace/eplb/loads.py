@@ -58,24 +58,23 @@ def span_heat(con: duckdb.DuckDBPyConnection, spans: Sequence[Span], m: Manifest
     ts or forward_id. Forward spans need the routes. `progress`: a percent bar `desc` while DuckDB scans."""
     if any(s.field == "forward_id" for s in spans) and source == "rollups":
         raise TraceSchemaError("forward windows read the routes: rollups keep no forward id")
-    values = ", ".join("(?, ?, ?::BIGINT, ?::BIGINT)" for _ in spans)
-    params: list[object] = [v for i, s in enumerate(spans) for v in (i, s.run_id, s.lo, s.hi)]
-    runs = sorted({s.run_id for s in spans})
-    keep = f"run_id IN ({', '.join('?' for _ in runs)})"
     if source == "rollups":
-        sql = (f"WITH s(b, run_id, lo, hi) AS (VALUES {values}),"
-               f" r AS (SELECT run_id, epoch_ns(window_start) AS x, layer_id, expert_id, count FROM rollups"
-               f" WHERE {keep})"
-               " SELECT s.b, r.layer_id, r.expert_id, sum(r.count)::BIGINT AS count FROM r JOIN s"
-               " ON r.run_id = s.run_id AND r.x >= s.lo AND r.x < s.hi GROUP BY ALL")
+        x, table, ids = "window_start", "rollups", "expert_id, count"
     else:
-        x = "forward_id" if spans and spans[0].field == "forward_id" else "epoch_ns(ts)"
-        sql = (f"WITH s(b, run_id, lo, hi) AS (VALUES {values}),"
-               f" r AS (SELECT run_id, {x} AS x, layer_id, topk_ids FROM routes WHERE {keep})"
-               " SELECT b, layer_id, expert_id, count(*)::BIGINT AS count FROM ("
-               "  SELECT s.b, r.layer_id, unnest(r.topk_ids) AS expert_id FROM r JOIN s"
-               "  ON r.run_id = s.run_id AND r.x >= s.lo AND r.x < s.hi) GROUP BY ALL")
-    frame = query_frame(con, sql, [*params, *runs], progress, desc)
+        x = "forward_id" if spans and spans[0].field == "forward_id" else "ts"
+        table, ids = "routes", "unnest(topk_ids) AS expert_id, 1 AS count"
+    cast = "make_timestamp_ns({})" if x != "forward_id" else "{}"
+    lo, hi = cast.format("?::BIGINT"), cast.format("?::BIGINT")
+    # a CASE over the spans, not a range join: one pass over the rows (25.6M V3 rollup rows: 3.7 s vs 10 s)
+    case = " ".join(f"WHEN run_id = ? AND {x} >= {lo} AND {x} < {hi} THEN {i}" for i in range(len(spans)))
+    runs = sorted({sp.run_id for sp in spans})
+    sql = (f"SELECT b, layer_id, expert_id, sum(count)::BIGINT AS count FROM ("
+           f" SELECT CASE {case} END AS b, layer_id, {ids} FROM {table}"
+           f" WHERE run_id IN ({', '.join('?' for _ in runs)}) AND {x} >= {lo} AND {x} < {hi})"
+           " WHERE b IS NOT NULL GROUP BY ALL")
+    params: list[object] = [v for sp in spans for v in (sp.run_id, sp.lo, sp.hi)]
+    params += [*runs, min(sp.lo for sp in spans), max(sp.hi for sp in spans)]
+    frame = query_frame(con, sql, params, progress, desc)
     index = np.full(max(m.moe_layer_ids) + 1, -1, dtype=np.int64)
     index[list(m.moe_layer_ids)] = np.arange(m.num_moe_layers)
     out = np.zeros((len(spans), m.num_moe_layers, m.num_experts))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
@@ -21,9 +21,9 @@ from r3trace.eplb import window as win
 from r3trace.eplb.backtest import RULE, Candidate, backtest, choose
 from r3trace.eplb.evaluate import FORECASTS, POLICIES, Forecast, PolicyName, Score, plan_policy, score_placement
 from r3trace.eplb.loads import HeatSource, run_facts, span_heat, span_tokens
-from r3trace.eplb.placement import Cluster, Placement, churn
+from r3trace.eplb.placement import Cluster, Placement, PlacementError, churn, from_phy2log
 from r3trace.eplb.planner import Layout, layout
-from r3trace.eplb.score import node_counts
+from r3trace.eplb.score import even_gpu_load, node_counts
 from r3trace.errors import StoreError
 from r3trace.trace.schema import Manifest
 
@@ -74,6 +74,11 @@ class Report:
     source: HeatSource
     history_windows: int
     seconds: dict[str, float] = field(default_factory=dict)
+    # what the plan was made and scored on: history [W, L, E], tokens [T, L, K] (None: heat-only), held_heat [L, E]
+    history: np.ndarray | None = None
+    train_tokens: np.ndarray | None = None
+    held_heat: np.ndarray | None = None
+    held_tokens: np.ndarray | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The figures as JSON-able data (`--out`'s meta.report)."""
@@ -159,18 +164,21 @@ def make_report(store: TraceStore, req: PlanRequest, progress: bool | None = Fal
     seconds["plan"] = time.perf_counter() - t2
 
     in_sample = score_placement(pl, history.sum(0), train_tokens, req.cluster)
-    scored = None
+    scored, held_heat, held_tokens = None, None, None
     if held is not None:
         held_heat = span_heat(store.con, held.spans, m, source, progress, "held-out heat").sum(0)
         if held_heat.any():
-            scored = score_placement(pl, held_heat, span_tokens(runs, held.spans, req.replay_tokens), req.cluster)
+            held_tokens = span_tokens(runs, held.spans, req.replay_tokens)
+            scored = score_placement(pl, held_heat, held_tokens, req.cluster)
         else:
             held_note = f"none: the held-out window {held.label} holds no routes"
+            held_heat = None
     multi = (node_counts(pl, req.cluster) > 0).sum(2) > 1  # [L, E] experts on more than one node
     seconds["total"] = time.perf_counter() - t0
     return Report(train, held, held_note, policy, how, pl, layout(req.cluster) if policy == "ours" else None,
                   int(multi.any(1).sum()), bt, in_sample, scored,
-                  None if req.previous is None else churn(req.previous, pl), source, len(history), seconds)
+                  None if req.previous is None else churn(req.previous, pl), source, len(history), seconds,
+                  history, train_tokens, held_heat, held_tokens)
 
 
 def _backtest(runs: dict[str, Any], facts: dict[str, win.RunFacts], train: win.Selection, history: np.ndarray,
@@ -197,3 +205,42 @@ def _one_shape(manifests: Sequence[Manifest]) -> Manifest:
         names = ", ".join(m.run_id for m in manifests)
         raise StoreError(f"runs {names} differ in model shape (moe_layer_ids, num_experts, top_k); plan one shape")
     return manifests[0]
+
+
+class TradeoffPoint(NamedTuple):
+    policy: PolicyName
+    node_limit: int
+    balancedness: float  # replayed (even split when there are no tokens), on the scored window
+    nodes_per_token: float | None
+    over_limit: float | None
+
+
+def tradeoff(rep: Report, cluster: Cluster, node_limits: Sequence[int]) -> list[TradeoffPoint]:
+    """Every policy (its default forecast) planned on the report's training window with each node limit, scored
+    on the held-out window (in-sample when there is none): the balancedness vs nodes-per-token trade-off."""
+    assert rep.history is not None
+    heat, tokens = ((rep.held_heat, rep.held_tokens) if rep.held_heat is not None
+                    else (rep.history.sum(0), rep.train_tokens))
+    out = []
+    for policy in POLICIES:
+        for limit in node_limits:
+            c = Cluster(cluster.num_gpus, cluster.num_nodes, cluster.num_slots, cluster.num_groups, limit)
+            try:
+                pl = plan_policy(policy, rep.history, DEFAULT_FORECAST[policy], c, rep.train_tokens)
+            except PlacementError:  # hierarchical when groups do not divide over nodes
+                continue
+            s = score_placement(pl, heat, tokens, c)
+            r = s.balancedness_replay
+            out.append(TradeoffPoint(policy, limit, s.balancedness_even if r is None else r, s.nodes_mean,
+                                     s.over_limit_share))
+    return out
+
+
+def gpu_loads(rep: Report, cluster: Cluster) -> tuple[np.ndarray, np.ndarray]:
+    """Per-GPU load [L, G] on the scored window (held out, else in-sample), each expert's heat split evenly over
+    its replicas: before the plan (SGLang's trivial placement, slot p holds expert p % E) and after it."""
+    assert rep.history is not None
+    heat = rep.held_heat if rep.held_heat is not None else rep.history.sum(0)
+    n_layers, e = heat.shape
+    trivial = from_phy2log(np.tile(np.arange(cluster.num_slots) % e, (n_layers, 1)), e)
+    return even_gpu_load(trivial, heat, cluster), even_gpu_load(rep.placement, heat, cluster)

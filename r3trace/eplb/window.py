@@ -251,3 +251,15 @@ def _parts(run_id: str, field: Literal["ts", "forward_id"], lo: int, hi: int, pa
 
 def _cut(run_id: str, field: Literal["ts", "forward_id"], lo: int, hi: int, width: int) -> tuple[Span, ...]:
     return tuple(Span(run_id, field, a, min(a + width, hi)) for a in range(lo, hi, width))
+
+
+def leading(f: RunFacts, share: float = 0.75) -> WindowSpec | None:
+    """The first `share` of a run (by rollup windows, or by forwards when it spans one rollup window), so the rest
+    is held out: the dashboard's default training window. None when the run cannot be split."""
+    windows = (f.end_ns - f.start_ns) // f.rollup_ns
+    if windows >= 2:
+        return WindowSpec("time", None, min(max(int(windows * share), 1), windows - 1) * f.rollup_ns / NS)
+    forwards = f.forward_hi - f.forward_lo
+    if f.has_routes and forwards >= 2:
+        return WindowSpec("forward", None, f.forward_lo + min(max(int(forwards * share), 1), forwards - 1))
+    return None
