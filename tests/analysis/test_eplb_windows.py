@@ -235,3 +235,55 @@ def test_previous_for_another_cluster_is_refused(trace: dict[str, Any], tmp_path
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"r3trace eplb: --previous {other}: planned for 8 GPUs / 2 nodes / 32 slots")
     assert len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("cluster, name", [
+    (Cluster(8, 4, 24, num_groups=4, node_limit=2), "groups_on_nodes"),  # limit 2 < 4 nodes, 4 groups on 4 nodes
+    (Cluster(8, 2, 24, num_groups=4, node_limit=4), "expert_per_node"),  # limit >= nodes
+    (Cluster(8, 8, 24, num_groups=4, node_limit=4), "spread"),  # 4 groups cannot fill 8 nodes
+])
+def test_layout_line_says_what_ours_built(trace: dict[str, Any], capsys: pytest.CaptureFixture[str], cluster: Cluster,
+                                          name: str) -> None:
+    """The printed layout is the one the placement shows: whole groups on one node each, every expert on one node,
+    or groups spread with replicas on several nodes."""
+    out = Path(str(trace["root"])).parent / f"layout-{name}.json"
+    lines = run_cli(capsys, str(trace["root"]), "--gpus", "8", "--nodes", str(cluster.num_nodes), "--slots", "24",
+                    "--groups", "4", "--node-limit", str(cluster.node_limit), "--policy", "ours", "--out", str(out))
+    [line] = [x for x in lines if x.startswith("layout: ")]
+    assert line.startswith(f"layout: {name}: ")
+    pl, _ = from_json(out.read_text())
+    node_of = np.arange(24) // (24 // cluster.num_nodes)
+    nodes_of_expert = [[set(node_of[row == x].tolist()) for x in range(E)] for row in pl.phy2log]  # [L][E]
+    if name == "groups_on_nodes":  # each group of 4 experts on one node, groups on distinct nodes
+        for layer in nodes_of_expert:
+            homes = [set().union(*layer[g * 4:(g + 1) * 4]) for g in range(4)]
+            assert all(len(h) == 1 for h in homes) and len(set().union(*homes)) == 4
+    elif name == "expert_per_node":
+        assert all(len(n) == 1 for layer in nodes_of_expert for n in layer)
+    else:
+        assert any(len(n) > 1 for layer in nodes_of_expert for n in layer)
+    spread = sum(any(len(n) > 1 for n in layer) for layer in nodes_of_expert)
+    assert line.endswith(f"; {spread} of 3 layers have an expert with replicas on more than one node")
+
+
+def test_runs_windows(trace: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--train runs=a,b holds out run c (the run that starts after them); each training run is a history window."""
+    root = tmp_path / "runs"
+    for i, rid in enumerate("abc"):
+        with TraceWriter(root, model_name="m", num_hidden_layers=5, moe_layer_ids=L_IDS, num_experts=E, top_k=K,
+                         run_id=rid, num_groups=4) as w:
+            part = slice(i * 800, (i + 1) * 800)
+            w.append_tokens("r", np.arange(800), "decode", "computed", trace["fwd"][part],
+                            trace["ts"][part], 0, trace["ids"][part])
+    out = tmp_path / "p.json"
+    lines = run_cli(capsys, str(root), *CLUSTER, "--policy", "global", "--forecast", "newest", "--train", "runs=a,b",
+                    "--out", str(out))
+    assert lines[:2] == ["train: runs=a,b (2 windows), heat from rollups in 2 history windows",
+                         "held out: time=0..4s of run c (4 windows)"]  # one run: its time span
+    ids = trace["ids"]
+    cluster = Cluster(8, 4, 24, num_groups=4, node_limit=2)
+    expected = deepseek.global_policy(heat(ids[800:1600]), cluster).phy2log  # newest: run b alone
+    pl, _ = from_json(out.read_text())
+    np.testing.assert_array_equal(pl.phy2log, expected)
+    held = json.loads(out.read_text())["meta"]["report"]["held_out_scores"]
+    assert held["balancedness_even"] == pytest.approx(even_balancedness(expected, heat(ids[1600:]), 8), rel=1e-12)
