@@ -72,20 +72,21 @@ def _node_limited(
         chosen = _min_cover(ebits.astype(np.uint8)[lrow, topk_ids], n, rng)
     else:
         chosen = _greedy_cover(cnt[lrow, topk_ids] > 0, rng)  # has [T, L, K, N]
-    # split each (token, layer, k) unit over its replicas on chosen nodes
-    slots = pl.log2phy[lrow, topk_ids]  # [T, L, K, R]
-    valid = slots >= 0
-    slot_node = cluster.slot_node()[np.where(valid, slots, 0)]
-    on = valid & np.take_along_axis(chosen[:, :, None, :].repeat(k, 2), slot_node, 3)
-    share = on / np.maximum(on.sum(3, keepdims=True), 1)
-    flat = np.where(valid, slots, 0) + np.arange(n_layers)[None, :, None, None] * cluster.num_slots
-    load = np.bincount(flat.ravel(), weights=share.ravel(), minlength=n_layers * cluster.num_slots)
+    # split each (token, layer, k) unit evenly over its expert's replicas on the chosen nodes: each replica on a
+    # chosen node gets 1/m of it, m = the expert's replicas there. Summed per (layer, expert, node) and read back
+    # per slot: [T, L, K, N] arrays instead of [T, L, K, R] ones (R = 8 on V3 at 288 slots: 2-4x less work)
+    e = cnt.shape[1]
+    pick = chosen[:, :, None, :]  # [T, L, 1, N]
+    m = (cnt[lrow, topk_ids] * pick).sum(3, keepdims=True)  # [T, L, K, 1]
+    share = pick / np.maximum(m, 1)  # [T, L, K, N] per replica on each chosen node
+    cell = ((lrow * e + topk_ids) * n)[..., None] + np.arange(n)  # [T, L, K, N] flat (layer, expert, node)
+    per = np.bincount(cell.ravel(), weights=share.ravel(), minlength=n_layers * e * n).reshape(n_layers, e, n)
+    slot_load = per[np.arange(n_layers)[:, None], pl.phy2log, cluster.slot_node()[None, :]]  # [L, P]
     nodes = chosen.sum(2)
     if token_node is None:
         remote = nodes.copy()
     else:
         remote = nodes - np.take_along_axis(chosen, token_node[:, None, None].repeat(n_layers, 1), 2)[..., 0]
-    slot_load = load.reshape(n_layers, cluster.num_slots)
     return Dispatch(slot_load, slot_load.reshape(n_layers, cluster.num_gpus, -1).sum(-1), nodes, remote)
 
 

@@ -116,7 +116,7 @@ def test_cli_synth_stats_sql_eplb_diff(tmp_path: Path, capsys: pytest.CaptureFix
     printed = capsys.readouterr().out.strip().splitlines()
     # the whole run is the training window (nothing held out): in-sample = the plan on the run's own heat
     assert [x.split()[-2:] for x in printed if x.startswith("balancedness (even split)")] == [[f"{bal:.4f}", "-"]]
-    assert f"max replicas {cnt.max()}," in next(x for x in printed if "forecast: P=288 on 32 GPUs / 4 nodes" in x)
+    assert next(x for x in printed if "forecast: P=288 on 32 GPUs / 4 nodes" in x).endswith(f"max replicas {cnt.max()}")
     assert printed[-1] == (f"SGLang: --init-expert-location {tmp_path / 'p.json'} --expert-parallel-size 32 "
                            f"--ep-num-redundant-experts {288 - e}")
 
