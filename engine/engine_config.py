@@ -37,8 +37,8 @@ class EngineConfig:
     chunked_prefill_size: int = 512  # max new tokens per forward (the per-step token budget)
     max_running_requests: int = 64
     # KV slots a page. 1: prefix-cache hits at any token. A multiple of 64 lets Hopper's Gluon decode kernels load a
-    # 64-key tile as TMA boxes: at H < 64 the narrow kernel, 1.10-1.18x the Triton tile at issue 6's nine cells
-    # (BENCHMARKS.md "mla16c"); prefix hits then come in whole pages.
+    # 64-key tile as TMA boxes: at H < 64 the narrow kernel, 1.10-1.18x the Triton tile on an H200 at batch 16-256
+    # and 1K-8K keys (BENCHMARKS.md, MLA decode, the narrow Gluon stage 1); prefix hits then come in whole pages.
     page_size: int = 1
     kv_pool_tokens: int = 16384  # KV slots in the paged latent pool
     max_context_len: int | None = None  # default: the model's max_position_embeddings

@@ -14,7 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from r3trace.capture.capturer import RoutedExpertsCapturer, RouteRows
+from r3trace.capture.capturer import RoutedExpertsCapturer
+from r3trace.capture.route_rows import RouteRows
 from r3trace.capture.wire import encode_float16, encode_int32
 
 from .kv_pool import KVPool
