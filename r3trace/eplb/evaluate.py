@@ -61,6 +61,7 @@ class Score(NamedTuple):
     replay: np.ndarray | None  # mean/max GPU load under node-limited dispatch of the tokens
     nodes: np.ndarray | None  # mean nodes per token
     over_limit: np.ndarray | None  # share of tokens reaching more nodes than the node limit
+    token_nodes: np.ndarray | None = None  # [T, L] nodes each replayed token reaches
 
     @property
     def balancedness_even(self) -> float:
@@ -92,7 +93,7 @@ def score_placement(pl: Placement, heat: np.ndarray, tokens: np.ndarray | None, 
         return Score(0, even, None, None, None)
     d = score.node_limited(pl, tokens, cluster)
     return Score(len(tokens), even, _per_layer(d.gpu_load), d.nodes.mean(0),
-                 (d.nodes > cluster.node_limit).mean(0))
+                 (d.nodes > cluster.node_limit).mean(0), d.nodes)
 
 
 def evaluate_policy(policy: PolicyName, weight: np.ndarray, tokens: np.ndarray, cluster: Cluster) -> dict[str, Any]:

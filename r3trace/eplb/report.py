@@ -222,6 +222,7 @@ def tradeoff(rep: Report, cluster: Cluster, node_limits: Sequence[int]) -> list[
     heat, tokens = ((rep.held_heat, rep.held_tokens) if rep.held_heat is not None
                     else (rep.history.sum(0), rep.train_tokens))
     out = []
+    scored: dict[bytes, Score] = {}  # a placement is replayed once: DeepSeek's policies ignore the node limit
     for policy in POLICIES:
         for limit in node_limits:
             c = Cluster(cluster.num_gpus, cluster.num_nodes, cluster.num_slots, cluster.num_groups, limit)
@@ -229,10 +230,11 @@ def tradeoff(rep: Report, cluster: Cluster, node_limits: Sequence[int]) -> list[
                 pl = plan_policy(policy, rep.history, DEFAULT_FORECAST[policy], c, rep.train_tokens)
             except PlacementError:  # hierarchical when groups do not divide over nodes
                 continue
-            s = score_placement(pl, heat, tokens, c)
+            key = pl.phy2log.tobytes()
+            s = scored[key] = scored[key] if key in scored else score_placement(pl, heat, tokens, c)
             r = s.balancedness_replay
-            out.append(TradeoffPoint(policy, limit, s.balancedness_even if r is None else r, s.nodes_mean,
-                                     s.over_limit_share))
+            over = None if s.token_nodes is None else float((s.token_nodes > limit).mean())
+            out.append(TradeoffPoint(policy, limit, s.balancedness_even if r is None else r, s.nodes_mean, over))
     return out
 
 
