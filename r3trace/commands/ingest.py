@@ -127,10 +127,12 @@ def run(args: argparse.Namespace) -> int:
         out = ing.ingest_expert_distribution(src, args.store, shape, run_id=args.run_id)
         when = "the time in the dump's file name, else its modification time"
     elif args.format == "numpy":
+        from r3trace.analysis.ingest_numpy import ingest_numpy
+
         ts, windows = (_npy(v, flag) if v is not None else None
                        for v, flag in ((args.ts, "--ts"), (args.window_ids, "--window-ids")))
-        out = ing.ingest_numpy(src, args.store, shape, run_id=args.run_id, progress=progress, ts=ts,
-                               window_id=windows)
+        out = ingest_numpy(src, args.store, shape, run_id=args.run_id, progress=progress, ts=ts,
+                           window_id=windows)
         when = str(out.engine.get("ts_from"))
     else:  # response bodies; "responses" detects each line's format
         fmt = None if args.format == "responses" else args.format

@@ -20,7 +20,8 @@ import numpy as np
 import pyarrow.dataset as ds
 import pytest
 
-from r3trace.analysis.ingest import IngestError, ModelShape, ingest_numpy, ingest_responses
+from r3trace.analysis.ingest import IngestError, ModelShape, ingest_responses
+from r3trace.analysis.ingest_numpy import ingest_numpy
 from r3trace.cli import main
 from tests.analysis.test_ingest_peers import raw_b64, sglang_completion
 
