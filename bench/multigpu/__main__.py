@@ -53,8 +53,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     "a GPU, 24 on the CPU)")  # fmt: skip
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--ckpt-dir", default="", help="where the random checkpoints go (default: a temporary folder)")
+    ap.add_argument("--tables", default="", help="print the markdown tables of this result file; run nothing")
     args = ap.parse_args(argv)
-    if not args.smoke and args.gpus < 1:
+    if not args.smoke and not args.tables and args.gpus < 1:
         ap.error("--gpus: give the GPU count (or --smoke)")
     if args.smoke:
         args.gpus = 2
@@ -62,18 +63,25 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 class Budget:
-    """Seconds left; each kind of unit is started only if the longest one of its kind so far still fits."""
+    """Seconds left; a unit of some kind starts only if the longest one of its kind so far (at first: its guess)
+    still fits. The result file is saved after every unit, so one that overruns a device's limit loses only itself."""
 
-    def __init__(self, seconds: float, first_guess: float) -> None:
+    def __init__(self, seconds: float, guesses: dict[str, float]) -> None:
         self.end = time.perf_counter() + seconds
         self.longest: dict[str, float] = {}
-        self.first_guess = first_guess
+        self.guesses = guesses
 
     def fits(self, kind: str) -> bool:
-        return self.end - time.perf_counter() >= self.longest.get(kind, self.first_guess)
+        return self.end - time.perf_counter() >= self.longest.get(kind, self.guesses[kind.split("-")[0]])
 
     def spent(self, kind: str, seconds: float) -> None:
         self.longest[kind] = max(self.longest.get(kind, 0.0), seconds)
+
+
+# first guesses, GPU: a case's engine start and workload; a throughput engine (load, compile, 6 sizes x 2 reps);
+# writing a random checkpoint (8.5 GB for v3-moe256)
+GUESSES = {"case": 60.0, "perf": 150.0, "checkpoint": 60.0}
+SMOKE_GUESSES = {"case": 120.0, "perf": 120.0, "checkpoint": 10.0}
 
 
 def device_info(args: argparse.Namespace) -> dict[str, Any]:
@@ -133,11 +141,13 @@ def run_throughput(args: argparse.Namespace, budget: Budget, result: dict[str, A
     for shape in ["tiny"] if args.smoke else args.shapes.split(","):
         rows: list[dict[str, Any]] = []
         result["throughput"]["shapes"][shape] = {"rows": rows}
-        if not budget.fits("perf-1"):  # not even the one-GPU rows: no checkpoint written either
+        if not (budget.fits("checkpoint") and budget.fits("perf-1")):  # not even the one-GPU rows: no checkpoint
             rows += [{"layout": lay.name if lay.tp > 1 else "1gpu", "gpus": lay.tp, "status": "not run: time budget"}
                      for lay, _ in plan]  # fmt: skip
             continue
+        t0 = time.perf_counter()
         ckpt = random_checkpoint(Path(args.ckpt_dir) if args.ckpt_dir else tmp / "ckpt", shape)
+        budget.spent("checkpoint", time.perf_counter() - t0)
         result["throughput"]["shapes"][shape]["summary"] = shape_summary(ckpt)
         for layout, graphs in plan:
             name = layout.name if layout.tp > 1 else "1gpu"
@@ -165,6 +175,9 @@ def run_throughput(args: argparse.Namespace, budget: Budget, result: dict[str, A
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    if args.tables:  # a run cut short by a device's time limit saved its result file, not its tables
+        print(markdown(json.loads(Path(args.tables).read_text())))
+        return 0
     info = device_info(args)
     # the smoke keeps nothing in the repository
     results = Path(tempfile.gettempdir()) if args.smoke else ROOT / "bench" / "results"
@@ -177,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=1, default=str))
 
-    budget = Budget(args.budget_s, first_guess=120.0 if args.smoke else 60.0)
+    budget = Budget(args.budget_s, SMOKE_GUESSES if args.smoke else GUESSES)
     parts = args.only.split(",")
     prefixes = [p for p in args.cases.split(",") if p]
     with tempfile.TemporaryDirectory(prefix="r3trace-multigpu-") as tmp_dir:

@@ -32,4 +32,4 @@ def shape_summary(ckpt: Path) -> str:
     return (f"D {c['hidden_size']}, {c['num_hidden_layers']} layers ({moe} MoE), E {c['n_routed_experts']} "
             f"top-{c['num_experts_per_tok']} ({c['n_group']} groups, {c['topk_group']} kept), I "
             f"{c['moe_intermediate_size']}, {c['num_attention_heads']} heads, vocab {c['vocab_size']}, "
-            f"{params / 1e9:.1f}B parameters")
+            + (f"{params / 1e9:.1f}B parameters" if params >= 1e9 else f"{params / 1e6:.1f}M parameters"))

@@ -17,12 +17,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from bench.multigpu.cases import WORLDS, Layout, matrix
+from bench.multigpu.compare import default_diff, exact_diff
 from bench.multigpu.env import MULTICAST_OFF
 from bench.multigpu.report import NOT_COMPARABLE, features, markdown
 from bench.multigpu.throughput import ratios
+from bench.multigpu.workload import PROMPTS
+from r3trace.engine.near_tie import FlipCount
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -149,3 +153,49 @@ def test_smoke_runs_the_whole_world_2_matrix_exactly(tmp_path: Path) -> None:
     assert rows["dp2_ep2"]["decode"][0]["vs_1gpu_eager"] > 0 and rows["dp2"]["prefill"][0]["tokens_per_s"] > 0
     assert rows["dp2"]["multicast_env_missing"] == []
     assert "### Parallel matrix: cpu-smoke" in done.stdout
+
+
+def _out(tokens: list[int], routes: np.ndarray, logprob: float = -1.0) -> dict[str, Any]:
+    """A result in the joined-stream form (routes decoded): 4 rows, L = 2 (layer 0 dense), K = 2."""
+    lp = [[logprob, t] for t in tokens]
+    meta = {"input_token_logprobs": [[None, 5]] + lp[:1], "output_token_logprobs": lp, "input_top_logprobs": [],
+            "output_top_logprobs": []}  # fmt: skip
+    return {"output_ids": tokens, "meta_info": meta, "routes": routes, "weights": np.ones(routes.shape)}
+
+
+def _routes() -> np.ndarray:
+    r = np.full((4, 2, 2), -1)
+    r[:, 1] = [[3, 1], [0, 2], [1, 2], [3, 0]]
+    return r
+
+
+def test_exact_diff_counts_every_kind_of_difference() -> None:
+    want = {"spread": [_out([7, 8], _routes()), _out([9, 9], _routes())]}
+    same = exact_diff(want, {"spread": [_out([7, 8], _routes()), _out([9, 9], _routes())]})
+    assert same.clean and same.route_entries == 8 and same.route_mismatches == 0
+    swapped = _routes()
+    swapped[2, 1] = [2, 1]  # the same set, another order: a mismatch
+    got = {"spread": [_out([7, 8], swapped), _out([9, 4], _routes(), logprob=-1.5)]}
+    diff = exact_diff(want, got)
+    assert (diff.requests, diff.token_mismatches, diff.route_mismatches) == (2, 1, 1)
+    assert diff.logprob_mismatches == 3  # the second request's input logprob and both output logprobs
+    assert not exact_diff(want, {"spread": got["spread"][:1]}).clean  # a missing result
+
+
+def test_default_diff_excludes_near_ties_and_counts_the_rest() -> None:
+    gaps = np.full((4, 2), 0.3)
+    gaps[2, 1] = 1e-6  # row 2 of the MoE layer is a near-tie
+
+    def gap_fn(seq: list[int]) -> np.ndarray:
+        assert seq == (PROMPTS["spread"][0] + [7, 8])[:4]  # the request's own tokens, as many as its route rows
+        return gaps
+
+    want = {"spread": [_out([7, 8], _routes())]}
+    tie = _routes()
+    tie[2, 1] = [2, 1]
+    ok = default_diff(want, {"spread": [_out([7, 8], tie, logprob=-1.00005)]}, gap_fn)
+    assert ok.clean and ok.flips == FlipCount(4, 1, 1, 0, 1e-6) and 4e-5 < ok.max_logprob_diff < 6e-5
+    far = tie.copy()
+    far[0, 1] = [3, 2]
+    bad = default_diff(want, {"spread": [_out([7, 8], far, logprob=-1.001)]}, gap_fn)
+    assert bad.flips.far == 1 and len(bad.problems) == 3  # the far entry, and input and output logprobs off by 1e-3
