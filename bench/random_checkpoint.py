@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from r3trace.engine.config import ModelConfig
+from r3trace.engine.model_config import ModelConfig
 
 SHAPES: dict[str, dict[str, Any]] = {
     # issue 6's end-to-end shape: hidden 2048, 12 layers, 64 experts top-6, bf16 (about 2.5B parameters)

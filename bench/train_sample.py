@@ -28,7 +28,7 @@ import torch
 from bench.sample_corpus import DOMAINS, build_corpus, read_documents
 from bench.sample_evidence import engine_routes, routing_evidence, unigram_loss
 from bench.sample_lm import SampleLM, hf_config, save_checkpoint
-from r3trace.engine.config import ModelConfig
+from r3trace.engine.model_config import ModelConfig
 
 # The sample: 1 dense + 4 MoE layers + MTP, 32 experts in 4 groups, top-4 of 2 groups, 1 shared expert.
 PRESETS: dict[str, dict[str, Any]] = {
