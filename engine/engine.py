@@ -35,6 +35,7 @@ from r3trace.engine.request_builder import RequestBuilder, RouteArgs, as_list
 from r3trace.engine.request_hooks import RequestHooks
 from r3trace.engine.result import error_result
 from r3trace.engine.sampling import Sampler
+from r3trace.engine.spec.request_check import check_speculative_request
 from r3trace.engine.tokenizer import load_tokenizer
 from r3trace.engine.trace_control import LocalTrace, TraceControl, TraceTarget
 from r3trace.trace import lifecycle
@@ -74,6 +75,9 @@ class Engine:
             raise EngineConfigError(f"unknown engine option {unknown[0]!r}; known: {sorted(_OPTIONS)}")
         self.config = cfg = EngineConfig(dtype=dtype, device=device, **options)  # type: ignore[arg-type]
         self.launch = LaunchConfig(tp_size, dp_size, ep_size, load_balance_method, launcher=launcher)
+        if cfg.spec_steps and self.launch.multi_process:  # the draft and its state are one process's (engine/spec/)
+            raise EngineConfigError(f"speculative_algorithm={cfg.speculative_algorithm!r}: one process only (got "
+                                    f"tp_size={tp_size}, dp_size={dp_size}, ep_size={ep_size})")
         self.model_config = mc = ModelConfig.from_hf(model_path)
         self.model_path = Path(model_path)
         initial_location(cfg, mc, ep_size)  # a bad placement option fails here, in one line, before any rank starts
@@ -173,6 +177,8 @@ class Engine:
             entry_rid = entry.rid or uuid.uuid4().hex
             try:
                 req = self._builder.build(entry, entry_rid, stream, self.sampler)
+                if self.config.spec_steps:
+                    check_speculative_request(req.params)
                 self._builder.attach_routes(req, len(reqs), len(entries), routes)
                 self._loop.claim_rid(entry_rid)
             except InvalidRequestError as exc:

@@ -91,6 +91,9 @@ class RouteCaptureHooks:
     def on_retract(self, req: Req) -> None:
         self.capturer.on_retract(req.rid, self.pool.slots(req.pages, 0, req.kv_len))
 
+    def on_reject(self, req: Req, start: int, kept: int, slots: np.ndarray) -> None:
+        self.capturer.on_reject(req.rid, start, kept, slots)
+
     def on_finish(self, req: Req) -> None:
         self._mark_forced(req)
         opts = req.capture

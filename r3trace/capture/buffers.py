@@ -242,6 +242,23 @@ class RouteBuffers:
         """A forward is writing the KV of these slots: their host rows are stale until its copy lands."""
         self.kv_forward[slots] = forward_id
 
+    def release(self, slots: np.ndarray) -> None:
+        """These slots' KV was rejected (a speculative verify): no forward owns it, so a copy in flight never writes
+        their host rows and valid_prefix never counts them."""
+        self.kv_forward[slots] = -1
+
+    def reject(self, rid: str, start: int, kept: int, slots: np.ndarray) -> bool:
+        """A verify of rid's positions start..: the pending copy's entry keeps its first `kept` rows (the sink reads
+        no more), and the rejected positions' slots are released. True when a pending copy held the entry."""
+        found = False
+        for p in self.pending:
+            for j, (r, row0, n, prefix, phase) in enumerate(p.entries):
+                if r == rid and prefix == start:
+                    p.entries[j] = (r, row0, min(n, kept), prefix, phase)
+                    found = True
+        self.release(slots)
+        return found
+
     def valid_prefix(self, slots: np.ndarray) -> int:
         """How many leading slots hold host routes of the KV currently in them."""
         kv = self.kv_forward[slots]

@@ -89,6 +89,8 @@ class RoutedExpertsCapturer:
             batch.request_ids, batch.extend_lens_cpu, batch.prefix_lens_cpu, batch.phases, strict=True
         ):
             state = self.requests.get(rid)
+            if phase == "verify" and state is not None:
+                state.verify_from = min(state.verify_from, prefix)
             if everyone or (state is not None and state.want):
                 entries.append((rid, copied, n, prefix, phase))
                 spans.append((start, n))
@@ -153,6 +155,21 @@ class RoutedExpertsCapturer:
         if len(fresh):
             physical = None if self.physical is None else self.physical.buffers.read(fresh)
             state.keep(self.buffers.read(fresh), self.buffers.read_weights(fresh), physical)
+
+    def on_reject(self, rid: str, start: int, kept: int, slots: np.ndarray) -> None:
+        """A verify forward computed positions start.. of rid; all but the first `kept` were rejected (slots: their KV
+        slots). Their rows leave the copy in flight before it reaches the sink and the slots' host rows turn invalid,
+        so no response, stream chunk or trace holds them. Called before anything drains that copy."""
+        if not len(slots):
+            return
+        slots = np.asarray(slots, dtype=np.int64)
+        trimmed = self.buffers.reject(rid, start, kept, slots)
+        if self.physical is not None:
+            self.physical.buffers.release(slots)
+        state = self.requests.get(rid)
+        if not trimmed and state is not None and state.sink_emitted > start + kept:
+            raise RuntimeError(f"route capture: rows {start + kept}.. of {rid} reached the trace before the verify "
+                               "forward that computed them was accepted")
 
     def rows(self, rid: str, slots: np.ndarray, start: int, end: int) -> RouteRows:
         """Rows of positions [start, end), slots: KV slot of every position 0..end-1 (host)."""

@@ -36,6 +36,7 @@ class RequestState:
     kept_physical: np.ndarray | None = None
     sink_emitted: int = 0  # positions already written to the sink
     stream_emitted: int = 0  # positions already streamed to the client
+    verify_from: int = 1 << 62  # first position a verify forward computed (speculative decoding); none yet: huge
 
     @property
     def n_kept(self) -> int:
@@ -54,10 +55,12 @@ class RequestState:
         """Run-length provenance of rows [start, end): (first, last + 1, phase, source) segments.
 
         Rows kept across a retraction keep their first provenance, so this depends only on the first
-        admission's prefix hit and the prompt length."""
+        admission's prefix hit, the prompt length and the first position a verify forward computed (speculative
+        decoding: every later row is a verify forward's)."""
         cached = max(self.first_cached_len, 0)
+        verify = max(prompt_len, min(self.verify_from, end))
         bounds = [(0, cached, "prefill", "prefix_cache"), (cached, prompt_len, "prefill", "computed"),
-                  (prompt_len, end, "decode", "computed")]
+                  (prompt_len, verify, "decode", "computed"), (verify, end, "verify", "computed")]
         return [(max(a, start), min(b, end), ph, src) for a, b, ph, src in bounds if min(b, end) > max(a, start)]
 
 
