@@ -8,7 +8,8 @@ of tokens x 8 selections over a Zipf(0.8) popularity that drifts window by windo
 `r3trace eplb` runs) with --policy ours and with the default --policy auto: run facts, the heat query that groups
 the rollups into history windows, the backtest and the plan. Writes bench/results/eplb_rollup_scale.json.
 
-Run: .venv/bin/python bench/eplb_rollup_scale.py [--rows 1e9] [--tokens-per-s 20000] [--out DIR]
+Run:   .venv/bin/python -m bench.eplb_rollup_scale [--rows 1e9] [--tokens-per-s 20000] [--out FILE]
+Smoke: .venv/bin/python -m bench.eplb_rollup_scale --smoke   (16 windows of 100 tokens a second, nothing written)
 """
 
 from __future__ import annotations
@@ -84,12 +85,15 @@ def timed(store: TraceStore, req: PlanRequest) -> dict[str, object]:
             "held_out_balancedness_even": None if rep.held is None else rep.held.balancedness_even}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=float, default=1e9, help="token-layer rows the rollups stand for")
     ap.add_argument("--tokens-per-s", type=int, default=20_000)
     ap.add_argument("--out", default="bench/results/eplb_rollup_scale.json")
-    args = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true", help="16 one-second windows of 100 tokens, nothing written")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.rows, args.tokens_per_s, args.out = len(V3_MOE) * 16 * 100, 100, ""
     root = Path(tempfile.mkdtemp(prefix="eplb-rollup-"))
     try:
         t = time.perf_counter()
@@ -108,7 +112,8 @@ def main() -> None:
                "write_seconds": write_s, "cluster": cluster.__dict__, "plans": runs,
                "routes_bytes_estimate": int(args.rows * K),  # ~1 byte per expert id under zstd (bench/analysis.py)
                "cpu": "2-core shared CI machine"}
-        Path(args.out).write_text(json.dumps(doc, indent=1))
+        if args.out:
+            Path(args.out).write_text(json.dumps(doc, indent=1))
         print(json.dumps(doc, indent=1))
     finally:
         shutil.rmtree(root, ignore_errors=True)
