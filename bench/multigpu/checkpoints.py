@@ -3,7 +3,6 @@ per run on the GPU (seconds) into a folder outside the result directory, and a o
 
 from __future__ import annotations
 
-import inspect
 import json
 from pathlib import Path
 
@@ -17,9 +16,7 @@ def random_checkpoint(folder: Path, shape: str) -> Path:
     out = folder / shape
     if (out / "config.json").exists():
         return out
-    if "device" in inspect.signature(write_random_checkpoint).parameters:  # the writer that takes its device
-        return write_random_checkpoint(out, shape, "cuda" if torch.cuda.is_available() else "cpu")  # type: ignore[call-arg]
-    return write_random_checkpoint(out, shape)
+    return write_random_checkpoint(out, shape, "cuda" if torch.cuda.is_available() else "cpu")
 
 
 def shape_summary(ckpt: Path) -> str:

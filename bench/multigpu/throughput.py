@@ -6,8 +6,8 @@ Decode under DP attention or EP runs eager (engine/engine_core.py: their collect
 
 - prefill: `tokens` prompt tokens per DP rank (requests of `prompt` tokens, pinned evenly), one token generated:
   the wall time of the generate call, the fastest of `reps`; tokens/s per GPU = DP ranks x tokens / time / G.
-- decode: `batch` requests per DP rank of `decode_prompt` tokens; the time of `new_tokens` greedy tokens minus that
-  of one (its prefill; the faster of one before and one after), the median of `reps`; per GPU as above.
+- decode: `batch` requests per DP rank of `decode_prompt` tokens; bench/decode_rate.py's rate (`new_tokens` greedy
+  tokens minus one, its prefill), the median of `reps`; per GPU as above.
 - capture: the decode again with every request asking for its routes (return_routed_experts) and with a trace
   recording (Engine.start_trace), alternating with capture off in the same engine; overhead = off / on - 1
   (the share of a decode step that capture adds; the goal is < 1%).
@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from bench.decode_rate import decode_tokens_per_s
 from bench.multigpu.cases import Layout
 from bench.multigpu.env import multicast_missing
 from r3trace.engine import Engine
@@ -67,23 +68,16 @@ def _pins(n: int, dp: int) -> list[int] | None:
     return None if dp == 1 else [i % dp for i in range(n)]
 
 
-def _generate(eng: Engine, prompts: list[list[int]], dp: int, new: int, routes: bool = False) -> float:
+def _generate(eng: Engine, prompts: list[list[int]], dp: int, new: int) -> float:
+    """Seconds of one generate call, requests pinned evenly; any failed request raises."""
     params = {"temperature": 0, "max_new_tokens": new, "ignore_eos": True}
     t0 = time.perf_counter()
-    out = eng.generate(input_ids=prompts, sampling_params=params, routed_dp_rank=_pins(len(prompts), dp),
-                       return_routed_experts=routes)  # fmt: skip
+    out = eng.generate(input_ids=prompts, sampling_params=params, routed_dp_rank=_pins(len(prompts), dp))
     seconds = time.perf_counter() - t0
     errors = [o["error"] for o in out if "error" in o]  # type: ignore[union-attr]
     if errors:
         raise RuntimeError(f"{len(errors)} requests failed: {errors[0]}")
     return seconds
-
-
-def _decode_seconds(eng: Engine, prompts: list[list[int]], dp: int, new: int, routes: bool) -> float:
-    """Seconds of new - 1 decode steps: a run of new tokens minus a run of one (the faster of before and after)."""
-    before = _generate(eng, prompts, dp, 1, routes)
-    total = _generate(eng, prompts, dp, new, routes)
-    return max(total - min(before, _generate(eng, prompts, dp, 1, routes)), 1e-9)
 
 
 def measure(ckpt: Path, layout: Layout, graphs: bool, cfg: PerfConfig, capture: tuple[str, ...], tmp: Path
@@ -111,12 +105,11 @@ def measure(ckpt: Path, layout: Layout, graphs: bool, cfg: PerfConfig, capture: 
                 for mode in samples:
                     if mode == "trace":
                         eng.start_trace(tmp / "traces", run_id=f"{out['layout']}-b{batch}-{rep}")
-                    try:
-                        seconds = _decode_seconds(eng, prompts, dp, cfg.new_tokens, routes=mode == "routes")
+                    try:  # dp x batch requests a call: round robin gives every DP rank `batch` of them
+                        samples[mode].append(decode_tokens_per_s(eng, prompts, cfg.new_tokens, mode == "routes"))
                     finally:
                         if mode == "trace":
                             eng.stop_trace()
-                    samples[mode].append(dp * batch * (cfg.new_tokens - 1) / seconds)
             row: dict[str, Any] = {"batch_per_rank": batch, "runs": samples}
             rate = {mode: statistics.median(v) for mode, v in samples.items()}
             row["tokens_per_s"] = rate["off"]
