@@ -21,6 +21,7 @@ import json  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
+import traceback  # noqa: E402
 from dataclasses import asdict  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
@@ -127,6 +128,8 @@ def run_matrix(cases: list[Case], args: argparse.Namespace, budget: Budget, resu
             rec = run_case(case, cfg, refs)
             budget.spent("case", rec["seconds"])
         print(f"[matrix] {rec['case']}: {rec['status']} {rec.get('problems', [])[:2]}", flush=True)
+        if rec["status"] == "error":
+            print(rec["traceback"][-1500:], flush=True)
         result["matrix"]["cases"].append(rec)
         save()
 
@@ -163,7 +166,9 @@ def run_throughput(args: argparse.Namespace, budget: Budget, result: dict[str, A
                 try:
                     rows.append(measure(ckpt, layout, graphs, cfg, capture, tmp))
                 except Exception as exc:  # a layout that fails is a finding; the others still run
-                    rows.append({"layout": name, "gpus": layout.tp, "error": f"{type(exc).__name__}: {exc}"})
+                    rows.append({"layout": name, "gpus": layout.tp, "error": f"{type(exc).__name__}: {exc}",
+                                 "traceback": traceback.format_exc()[-4000:]})  # fmt: skip
+                    print(rows[-1]["traceback"][-1500:], flush=True)
                 budget.spent(f"perf-{layout.tp}", time.perf_counter() - t0)
                 gc.collect()  # the one-GPU engine ran in this process: its tensors go before the next engine's
                 if not args.smoke:

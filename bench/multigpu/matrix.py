@@ -73,6 +73,7 @@ def references(cfg: MatrixConfig, modes: set[str]) -> References:
         except Exception as exc:  # the cases of this mode report it
             rec |= {"status": "error", "problems": [f"{type(exc).__name__}: {exc}"],
                     "traceback": traceback.format_exc()[-4000:]}  # fmt: skip
+            print(f"[matrix] {mode} reference failed:\n{rec['traceback'][-1500:]}", flush=True)
         rec["seconds"] = round(time.perf_counter() - t0, 1)
         refs.records.append(rec)
     return refs
