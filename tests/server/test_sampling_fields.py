@@ -20,7 +20,7 @@ import pytest
 
 from r3trace.engine import Engine
 from r3trace.server.chat import render_chat
-from r3trace.server.protocol import ChatMessage
+from r3trace.server.openai_requests import ChatMessage
 
 PROMPT = [11, 42, 97, 5, 230, 64]
 GREEDY = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}
@@ -123,7 +123,7 @@ def test_out_of_range_is_a_400_naming_field_and_limit(http: httpx.Client, path: 
 def test_openai_bodies_pass_each_field_on() -> None:
     """Each OpenAI-body field lands in the engine's sampling_params under SGLang's /generate name."""
     from r3trace.server.openai_api import engine_kwargs
-    from r3trace.server.protocol import ChatCompletionRequest, CompletionRequest
+    from r3trace.server.openai_requests import ChatCompletionRequest, CompletionRequest
 
     for req in (CompletionRequest(prompt=PROMPT, min_tokens=3, **OPENAI_EXTRAS),
                 ChatCompletionRequest(messages=[ChatMessage(role="user", content="hi")], min_tokens=3,
