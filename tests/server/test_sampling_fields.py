@@ -139,5 +139,5 @@ def test_generate_body_passes_every_field_on() -> None:
     sp = {"max_new_tokens": 9, "min_new_tokens": 2, "temperature": 0.5, "top_k": 7, "top_p": 0.9, "min_p": 0.1,
           "frequency_penalty": 0.5, "presence_penalty": -0.5, "repetition_penalty": 1.3, "seed": 3,
           "stop": ["x"], "stop_token_ids": [4], "ignore_eos": True, "sampling_seed": 3, "skip_special_tokens": False,
-          "spaces_between_special_tokens": False, "no_stop_trim": True}
+          "spaces_between_special_tokens": False, "no_stop_trim": True, "logit_bias": {"3": 1.5}}
     assert SamplingParamsBody(**sp).to_engine() == sp
