@@ -153,7 +153,7 @@ CHAT = {"messages": [{"role": "user", "content": "Write fib in Python."}], "max_
 
 def test_chat_logprobs(sample_http: httpx.Client, sample_engine: Engine) -> None:
     from r3trace.server.chat import render_chat
-    from r3trace.server.protocol import ChatMessage
+    from r3trace.server.openai_requests import ChatMessage
 
     choice = sample_http.post("/v1/chat/completions", json={**CHAT, "logprobs": True, "top_logprobs": TOP}
                               ).json()["choices"][0]
