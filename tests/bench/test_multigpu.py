@@ -129,7 +129,7 @@ print(json.dumps({"cmd": cmd.ENVIRONMENT, "child": {k: env.get(k) for k in cmd.E
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(3300)  # the suite's 600 s is for one test; this is ten engines of two ranks, ~14 min loaded
+@pytest.mark.timeout(3300)  # the suite's 600 s is for one test; this is ten engines of two ranks: 7-14 min on 2 cores
 def test_smoke_runs_the_whole_world_2_matrix_exactly(tmp_path: Path) -> None:
     out = tmp_path / "multigpu-smoke.json"
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
