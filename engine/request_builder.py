@@ -184,8 +184,11 @@ class RequestBuilder:
         for name, value in (("return_routed_experts", want), ("return_routed_weights", weights)):
             if not isinstance(value, bool):
                 raise InvalidRequestError(name, f"{value!r} must be true or false")
-        if not isinstance(start, int) or isinstance(start, bool) or not 0 <= start <= req.prompt_len:
-            msg = f"{start!r} outside 0..prompt length {req.prompt_len}"
+        if not isinstance(start, int) or isinstance(start, bool) or start < 0:
+            raise InvalidRequestError("routed_experts_start_len", f"{start!r} must be an integer >= 0")
+        if start > req.prompt_len:  # SGLang's scheduler words this error so; its clients match on the phrase
+            msg = f"{start} is higher than the number of input tokens {req.prompt_len}; use a smaller " \
+                  "routed_experts_start_len"
             raise InvalidRequestError("routed_experts_start_len", msg)
         if (want or weights or forced is not None) and self.custom_recorder:
             raise InvalidRequestError("return_routed_experts", "this engine was built with a custom recorder")

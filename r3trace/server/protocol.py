@@ -1,4 +1,5 @@
-"""Request and response bodies of the HTTP server, as pydantic models (they are the OpenAPI spec).
+"""Request and response bodies of the HTTP server, as pydantic models (they are the OpenAPI spec); the OpenAI
+endpoints' response bodies are in openai_responses.py.
 
 Requests forbid unknown fields and coerce nothing (`strict=True`): `"return_routed_experts": "yes"`
 or `"max_tokens": "8"` is a 400 naming the field, not a silent guess. Value ranges that depend on the
@@ -13,6 +14,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
+
+
+MAX_CHOICES = 128  # OpenAI's limit on n; each choice is an engine request of its own
 
 
 class SamplingParamsBody(BaseModel):
@@ -30,6 +34,8 @@ class SamplingParamsBody(BaseModel):
     | spaces_between_special_tokens  | accepted: a slow tokenizer's option; tokenizer.json decoding ignores |
     |                                | it, as transformers' fast tokenizers do under SGLang                 |
     | no_stop_trim                   | honoured: a matched stop string or stop token stays in the text      |
+    | n                              | parallel sampling (r3trace/server/choices.py): n engine requests per |
+    |                                | prompt, results prompt-major; seeded choice j samples with seed + j  |
     """
 
     model_config = _STRICT
@@ -50,20 +56,22 @@ class SamplingParamsBody(BaseModel):
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
     no_stop_trim: bool | None = None
+    n: int | None = Field(default=None, ge=1, le=MAX_CHOICES, description="choices per prompt (SGLang's "
+                          "parallel sampling): the results are a list, prompt-major; seeded choice j uses seed + j")
 
     def to_engine(self) -> dict[str, Any]:
-        return self.model_dump(exclude_none=True)
+        return self.model_dump(exclude_none=True, exclude={"n"})
 
 
 class GenerateRequest(BaseModel):
     """POST /generate. Exactly one of `text` / `input_ids`; a list of prompts is a batch.
 
-    SGLang GenerateReqInput fields that do not change r3trace's output:
+    SGLang GenerateReqInput fields beside the prompt, sampling, logprob and route ones (docs/compatibility.md):
     | field                         | r3trace                                                              |
     | max_new_tokens (top level)    | honoured: fills sampling_params.max_new_tokens where that is unset.   |
     |                               | Differs: GenerateReqInput has no such field, so SGLang drops it      |
     | extra_key, priority           | accepted, ignored (one cache namespace; first come, first served)    |
-    | return_text_in_logprobs       | accepted, ignored: logprob entries carry token ids only              |
+    | return_text_in_logprobs       | honoured: each logprob entry's third element is its token's text     |
     | return_hidden_states          | false accepted; true refused (hidden states are not returned)        |
     | custom_logit_processor        | null accepted; a processor is refused (400)                          |
     | lora_path                     | null accepted; a path is refused (400, LoRA adapters are not served) |
@@ -87,7 +95,8 @@ class GenerateRequest(BaseModel):
         default=None, ge=0, description="r3trace extension, partial replay: routed_experts forces positions "
         "[start, start + rows) and the gate routes the others"
     )
-    stream: bool = False
+    stream: bool = Field(default=False, description="server-sent events; with several requests (a list, or "
+                         "sampling_params.n > 1) each chunk carries `index`, the request's place in the list")
     incremental_streaming_output: bool = Field(
         default=False, description="r3trace extension, per request (SGLang has it only as the server flag "
         "--incremental-streaming-output): each stream chunk carries what that step added (text, output_ids, "
@@ -151,17 +160,23 @@ class ErrorResponse(BaseModel):
 
 class StreamOptions(BaseModel):
     model_config = _STRICT
-    include_usage: bool = False
+    include_usage: bool = Field(default=False, description="a last chunk with `choices: []` and the usage; every "
+                                "other chunk then carries `\"usage\": null`, as OpenAI sends them")
+    continuous_usage_stats: bool = Field(default=False, description="SGLang's and vLLM's extension: each choice "
+                                         "chunk carries its choice's usage so far")
 
 
 class RouteFlags(BaseModel):
     """Extension fields the OpenAI endpoints accept, as SGLang does, and the OpenAI fields both bodies share.
 
     | field            | r3trace                                                                      |
-    | stream_options   | include_usage honoured: a last chunk with `choices: []` and `usage`          |
+    | stream_options   | include_usage honoured: a last chunk with `choices: []` and `usage`, and     |
+    |                  | `"usage": null` on every other chunk (OpenAI's contract);                    |
+    |                  | continuous_usage_stats (SGLang): each choice chunk its choice's usage so far |
     | user             | accepted, ignored (OpenAI's end-user id)                                     |
-    | seed             | honoured: the request's own generator                                        |
-    | n                | 1 only; n > 1 is a 400 (one choice per request)                              |
+    | seed             | honoured: the request's own generator; choice j of n uses seed + j (vLLM's   |
+    |                  | rule; SGLang gives every choice the same seed, so the same text)             |
+    | n                | 1..128 honoured: n engine requests per prompt, choices prompt-major          |
     | response_format  | {"type": "text"} accepted; other types are a 400 (no constrained decoding)   |
     | tools, tool_choice | a 400 when given (no tool-call parser)                                     |
     | frequency_penalty, presence_penalty | honoured: sampling_params of the same names                |
@@ -183,7 +198,7 @@ class RouteFlags(BaseModel):
     min_tokens: int | None = None
     no_stop_trim: bool | None = None
     skip_special_tokens: bool | None = None
-    n: int = Field(default=1, ge=1)
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -193,10 +208,20 @@ class RouteFlags(BaseModel):
 
 
 class CompletionRequest(RouteFlags):
-    """POST /v1/completions (logprobs and echo are not implemented and so refused)."""
+    """POST /v1/completions.
+
+    | field     | r3trace                                                                               |
+    | logprobs  | honoured: tokens, token_logprobs, top_logprobs (the `logprobs` most likely and the      |
+    |           | chosen token), text_offset                                                             |
+    | echo      | honoured: the prompt before each choice's text; with logprobs the prompt's tokens too  |
+    |           | (the first one's logprob null)                                                        |
+    """
 
     model: str | None = None
     prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, description="the most likely tokens listed per position in "
+                                   "top_logprobs, plus the chosen one where they lack it (OpenAI's rule)")
+    echo: bool = False
     max_tokens: int | None = Field(default=16, ge=0)
     temperature: float | None = Field(default=None, ge=0)
     top_p: float | None = None
@@ -212,70 +237,19 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(RouteFlags):
-    """POST /v1/chat/completions; the prompt is the model's chat template applied to `messages`."""
+    """POST /v1/chat/completions; the prompt is the model's chat template applied to `messages`. logprobs: true
+    returns `logprobs.content` per choice, with the `top_logprobs` most likely tokens at each (ignored without
+    logprobs, as SGLang; OpenAI refuses that)."""
 
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0)
     max_tokens: int | None = Field(default=None, ge=0)
     max_completion_tokens: int | None = Field(default=None, ge=0)
     temperature: float | None = Field(default=None, ge=0)
     top_p: float | None = None
     stop: str | list[str] | None = None
-
-
-class SglExt(BaseModel):
-    """SGLang's response-level extension block: the routes (SGLang's `routed_experts`) and r3trace's shape, dtype,
-    layer ids and start_len beside them; with several choices, `choices` holds each one's by index."""
-
-    model_config = ConfigDict(extra="allow")
-    routed_experts: str | None = None
-    routed_experts_shape: list[int] | None = None
-    routed_experts_dtype: str | None = None
-    moe_layer_ids: list[int] | None = None
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    finish_reason: str | None
-    logprobs: None = None
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage
-    sglext: SglExt | None = None
-
-
-class ChatResponseMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str
-
-
-class ChatCompletionChoice(BaseModel):
-    index: int
-    message: ChatResponseMessage
-    finish_reason: str | None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatCompletionChoice]
-    usage: Usage
-    sglext: SglExt | None = None
 
 
 class UpdateExpertPlacementRequest(BaseModel):

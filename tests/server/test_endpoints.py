@@ -112,12 +112,13 @@ def test_openapi_spec_matches(http: httpx.Client) -> None:
             "stream"} <= set(gen["properties"])
     assert schemas["SamplingParamsBody"]["additionalProperties"] is False
     assert "4XX" in spec["paths"]["/generate"]["post"]["responses"]
-    # the spec's sampling fields are the engine's: nothing the engine would refuse, nothing missing
+    # the spec's sampling fields are the engine's: nothing the engine would refuse, nothing missing (n, SGLang's
+    # parallel sampling, is the server's: it makes n engine requests)
     from dataclasses import fields
 
     from r3trace.engine import SamplingParams
     engine_fields = {f.name for f in fields(SamplingParams)} | {"sampling_seed"}
-    assert set(schemas["SamplingParamsBody"]["properties"]) == engine_fields
+    assert set(schemas["SamplingParamsBody"]["properties"]) == engine_fields | {"n"}
     # a real response has only fields the spec declares
     out = http.post("/generate", json={"input_ids": [1, 2], "sampling_params": GREEDY}).json()
     assert set(out) <= set(schemas["GenerateResponse"]["properties"])
