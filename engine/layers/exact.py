@@ -25,7 +25,9 @@ result. `exact_all_reduce` is that reduction after an all_gather: the communicat
 Guarantees (fp32; tests/engine/test_exact_mode.py): a request's logits, logprobs and routes do not depend on
 the other requests in its batch, on chunked-prefill boundaries, on prefix-cache hits or on the decode batch
 size; nor on the tensor-parallel shard count R in {1, 2, 4, 8} after the exact reduction. MLA runs one path
-(absorbed) for every forward. Not covered: bf16/fp16 under R > 1 (partials are rounded to the model dtype
+(absorbed) for every forward. No op syncs with the host (attention masks by the request's prefix length on the
+device, the experts run every pair at once), so a CUDA graph can hold an exact forward and give its eager bits
+(tests/spec/test_spec_graphs*.py). Not covered: bf16/fp16 under R > 1 (partials are rounded to the model dtype
 before the reduction), expert-parallel dispatch, and the Triton backends (exact mode requires ref).
 
 Cost (samples/model, fp32, CPU, 2 threads, torch 2.13; bench/exact_cost.py -> bench/results/exact_cost-cpu.json,

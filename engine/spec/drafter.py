@@ -12,6 +12,8 @@ committed token; hidden[r] the draft's output h' at its position; probs[r, 0] = 
           d' + 1 rows) with the target's hidden states and the next token of each position (the input of the row
           after it; at the last accepted row the token the verify committed); its output at that row proposes the
           next x_1. Rows past the accepted ones read rejected inputs and are never used: their slots are freed.
+Each of the two runs through a DraftForwards: the Drafter itself (eager) or SpecGraphs (the same forward replayed
+from a CUDA graph, spec/graphs.py); the drafts are chosen from its logits the same way either way.
 Every draft forward runs the NextN layer only (no target recorder hook: the draft's router has its own
 NullRecorder, nextn.check_draft_capture). Every position the target computes gets its draft row in the same step, so
 a prefix-cache hit finds draft rows beside the target's KV; the hit's last row read the next token of the request

@@ -11,7 +11,9 @@ launch(items):
   3. acceptance (verify.py): greedy or rejection sampling, per request; a prefill's last row is a verify of 0 drafts;
   4. draft extend (Drafter.extend) over the forward's rows, each with its next token, which proposes the next x_1;
   5. the committed tokens, their counts and logprobs queued to the host.
-Nothing in launch waits on the device; collect waits once. The scheduler then keeps counts[b] tokens of request b
+Steps 1, 2 and 4 replay CUDA graphs when the step fits them (every item a verify of d drafts: spec/graphs.py), with
+the same eager code between them; any other step runs all three eager. Nothing in launch waits on the device;
+collect waits once. The scheduler then keeps counts[b] tokens of request b
 (fewer when a stop rule ends it), frees the KV of the rest and tells the capturer which rows were rejected
 (Scheduler._accept, RequestHooks.on_reject) before anything reads the forward's routes.
 """
