@@ -71,20 +71,23 @@ def test_exact_mode_graphs_are_eager_bit_for_bit(make_spec_engine: EngineFactory
 
 
 def test_bf16_sample_model_graphs_give_eager_greedy_tokens() -> None:
-    """samples/model in bf16 with the triton backends, d = 3, 12 held-out prompts cut to 200 tokens, 48 greedy
-    tokens each (batches of 12 and the tail: graph sizes 8 / 16, padded): the same tokens with graphs as eager."""
+    """samples/model in bf16 with the triton backends, d = 3, 8 held-out prompts cut to 200 tokens, 48 greedy tokens
+    each: the same tokens with graphs as eager. 8 requests on the graph of 8, so the verify's GEMMs see eager's shapes
+    (a padded graph's bigger M may pick other tiles and round differently); the chain's attention split count comes
+    from the longest context in the graph, which moves draft logits by rounding only. A token could then differ only
+    at a near tie of bf16 logits."""
     from r3trace.engine.tokenizer import load_tokenizer
 
     model = ROOT / "samples" / "model"
     tok = load_tokenizer(model, 4096)
     rows = [json.loads(line) for line in (ROOT / "samples" / "prompts.jsonl").read_text().splitlines() if line]
-    ids = [tok.encode(r["text"])[:200] for r in rows[::3][:12]]
+    ids = [tok.encode(r["text"])[:200] for r in rows[::5][:8]]
     opts = dict(dtype="bfloat16", page_size=64, speculative_algorithm="NEXTN", speculative_num_steps=3,
-                max_running_requests=16, **TRITON)
+                max_running_requests=8, **TRITON)
     sp = {"temperature": 0, "max_new_tokens": 48, "ignore_eos": True}
-    with Engine(model, cuda_graph_batch_sizes=(1, 2, 4, 8, 16), **opts) as graphs_engine:
+    with Engine(model, cuda_graph_batch_sizes=SIZES, **opts) as graphs_engine:
         got = graphs_engine.generate(input_ids=ids, sampling_params=sp)
-        assert graphs_engine.runner.spec_graphs is not None and graphs_engine.runner.spec_graphs.replays > 0
+        assert spec_graphs(graphs_engine).replays > 0
     with Engine(model, cuda_graph_batch_sizes=(), **opts) as eager:
         want = eager.generate(input_ids=ids, sampling_params=sp)
     for i, (a, b) in enumerate(zip(got, want, strict=True)):
