@@ -111,6 +111,10 @@ class RequestBuilder:
             if t >= vocab:
                 msg = f"{t} outside the vocabulary 0..{vocab - 1}"
                 raise InvalidRequestError("sampling_params.stop_token_ids", msg)
+        for t, _ in params.logit_bias:
+            if t >= vocab:  # SGLang's SamplingParams.verify: keys in [0, vocab_size - 1]
+                msg = f"token {t} outside the vocabulary 0..{vocab - 1}"
+                raise InvalidRequestError("sampling_params.logit_bias", msg)
         logprob = self._logprob(e, len(ids))
         req = Req(rid=rid, origin_input_ids=ids, params=params, logprob=logprob, stream=stream)
         if params.seed is not None:

@@ -36,6 +36,7 @@ from .protocol import (
     TraceStatus,
     UpdateExpertPlacementRequest,
 )
+from .request_extras import refuse_unserved
 from .route_stream import CumulativeStream
 from .service import GenerateEngine, GenerateService
 
@@ -65,12 +66,10 @@ class RequestCounter:
 
 def generate_kwargs(req: GenerateRequest) -> dict[str, Any]:
     """GenerateRequest -> Engine.generate keywords (SGLang's `text` is the engine's `prompt`)."""
-    for name in ("lora_path", "custom_logit_processor"):
-        value = getattr(req, name)
-        if value is not None and any(v is not None for v in (value if isinstance(value, list) else [value])):
-            why = "LoRA adapters are not served" if name == "lora_path" else "custom logit processors are not run"
-            raise ApiError(400, f"{name}: {value!r}: {why}", name)
+    refuse_unserved(req)
     sp = req.sampling_params
+    for i, s in enumerate(sp if isinstance(sp, list) else [sp] if sp else []):
+        refuse_unserved(s, f"sampling_params[{i}]." if isinstance(sp, list) else "sampling_params.")
     engine_sp = [s.to_engine() for s in sp] if isinstance(sp, list) else (sp.to_engine() if sp else None)
     if req.max_new_tokens is not None:  # SGLang's top-level max_new_tokens: a default for each request's params
         engine_sp = [{"max_new_tokens": req.max_new_tokens, **s} for s in engine_sp] if isinstance(engine_sp, list) \
@@ -95,8 +94,11 @@ def generate_kwargs(req: GenerateRequest) -> dict[str, Any]:
         kw["routed_experts_replay_start_len"] = req.routed_experts_replay_start_len
     if req.tag is not None:
         kw["tag"] = req.tag
-    if req.routed_dp_rank is not None:  # the engine checks it against its dp_size and names the field
-        kw["routed_dp_rank"] = req.routed_dp_rank
+    # the engine checks it against its dp_size and names the field; data_parallel_rank: SGLang's deprecated name,
+    # used only when routed_dp_rank is unset (GenerateReqInput.normalize_batch_and_arguments)
+    dp_rank = req.routed_dp_rank if req.routed_dp_rank is not None else req.data_parallel_rank
+    if dp_rank is not None:
+        kw["routed_dp_rank"] = dp_rank
     return kw
 
 

@@ -21,9 +21,9 @@ from .chat import render_chat
 from .choices import batch_call, choice_requests, merged
 from .errors import ERROR_RESPONSES, ApiError
 from .logprobs import TokenText, chat_content, completion_block, join_blocks
+from .openai_requests import ChatCompletionRequest, CompletionRequest, RouteFlags
 from .openai_responses import ChatCompletionResponse, CompletionResponse
 from .openai_stream import ChoiceStream, finish_reason, sglext, sse, stream_tail, usage
-from .protocol import ChatCompletionRequest, CompletionRequest, RouteFlags
 from .service import GenerateService
 
 Request = CompletionRequest | ChatCompletionRequest
@@ -38,6 +38,10 @@ def check_served(req: RouteFlags) -> None:
     for name in ("tools", "tool_choice"):
         if getattr(req, name) is not None:
             raise ApiError(400, f"{name}: tool calls are not served (no tool-call parser)", name)
+    req.check_extras()
+    if isinstance(req, CompletionRequest) and req.best_of is not None and req.best_of > req.n:
+        raise ApiError(400, f"best_of: {req.best_of} > n={req.n}: generating best_of candidates and returning the "
+                            "n most likely is not served (best_of <= n returns the n choices)", "best_of")
 
 
 def engine_kwargs(req: Request, prompt: Any, max_tokens: int | None) -> dict[str, Any]:
@@ -46,7 +50,8 @@ def engine_kwargs(req: Request, prompt: Any, max_tokens: int | None) -> dict[str
     sp: dict[str, Any] = {"max_new_tokens": max_tokens, "temperature": req.temperature, "top_p": req.top_p,
                           "top_k": req.top_k, "seed": req.seed, "stop": req.stop,
                           "stop_token_ids": req.stop_token_ids, "ignore_eos": req.ignore_eos,
-                          "min_new_tokens": req.min_tokens}  # SGLang's name in OpenAI bodies: min_tokens
+                          "min_new_tokens": req.min_tokens,  # SGLang's name in OpenAI bodies: min_tokens
+                          "logit_bias": req.logit_bias}
     for name in ("frequency_penalty", "presence_penalty", "repetition_penalty", "min_p", "no_stop_trim",
                  "skip_special_tokens"):
         sp[name] = getattr(req, name)
@@ -55,6 +60,8 @@ def engine_kwargs(req: Request, prompt: Any, max_tokens: int | None) -> dict[str
     kw["input_ids" if is_ids else "prompt"] = prompt
     if req.return_routed_experts:
         kw.update(return_routed_experts=True, routed_experts_start_len=req.routed_experts_start_len)
+    if req.dp_rank() is not None:  # the engine checks it against its dp_size
+        kw["routed_dp_rank"] = req.dp_rank()
     if isinstance(req, CompletionRequest) and req.logprobs is not None:
         # echo: every prompt token's logprob too (position 0 on); else the output tokens' only
         kw.update(return_logprob=True, top_logprobs_num=req.logprobs, logprob_start_len=0 if req.echo else -1)
@@ -117,8 +124,9 @@ class ChatCompletions:
     def __init__(self, req: ChatCompletionRequest, chat_template: str | None, tt: TokenText) -> None:
         self.req, self.tt = req, tt.keeping_specials(req.skip_special_tokens is False)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        self.choices = choice_requests(engine_kwargs(req, render_chat(req.messages, chat_template), max_tokens),
-                                       req.n)
+        prompt = req.input_ids if req.input_ids is not None else \
+            render_chat(req.messages, chat_template, req.template_kwargs())
+        self.choices = choice_requests(engine_kwargs(req, prompt, max_tokens), req.n)
 
     def logprobs(self, meta: dict[str, Any]) -> dict[str, Any] | None:
         if not self.req.logprobs:
