@@ -20,9 +20,10 @@ from pathlib import Path
 import torch
 from triton.runtime.driver import driver
 
-from r3trace.kernels import mla_decode_gluon, mla_decode_narrow
-from r3trace.kernels.decode_tile import CLUSTER_SIZES
 from r3trace.kernels.mla_decode import DecodeTile, mla_decode
+from r3trace.kernels.mla_decode import narrow as mla_decode_narrow
+from r3trace.kernels.mla_decode import wide as mla_decode_gluon
+from r3trace.kernels.mla_decode.tile import CLUSTER_SIZES
 
 TILES = {
     "narrow": (DecodeTile(16, 64, 4, 2, kernel="narrow", page_size=64, cluster=8), 16,

@@ -239,7 +239,7 @@ def parse_options(text: str) -> dict[str, dict[str, object]]:
 def cut_modules(out_dir: Path) -> dict[str, object]:
     """kernels/mla_decode_triton.py (the Triton stage 1) with each PARTS cut, loaded as modules (their own JIT cache
     entries)."""
-    import r3trace.kernels.mla_decode_triton as mt
+    import r3trace.kernels.mla_decode.triton_stage1 as mt
 
     src = Path(mt.__file__).read_text()
     mods: dict[str, object] = {"whole": mt}
@@ -266,7 +266,7 @@ def call_with_flags(flags: dict[str, bool], *args: object) -> torch.Tensor:
     captured through this keeps them)."""
     if not flags:
         return mla_decode(*args)  # type: ignore[arg-type]
-    from r3trace.kernels import mla_decode_narrow as mn
+    from r3trace.kernels.mla_decode import narrow as mn
 
     saved = dict(mn.FLAGS)
     mn.FLAGS.update(flags)

@@ -59,8 +59,8 @@ import torch
 from sibling import load_path, load_sibling  # bench/sibling.py: python bench/<script>.py puts bench/ on the path
 from triton.testing import do_bench
 
-from r3trace.kernels import mla_decode_gluon, wide_tile
-from r3trace.kernels.mla_decode import DecodeTile, default_decode_tile, mla_decode, mla_decode_ref
+from r3trace.kernels.mla_decode import DecodeTile, default_decode_tile, mla_decode, mla_decode_ref, wide_tile
+from r3trace.kernels.mla_decode import wide as mla_decode_gluon
 
 H, KV_LORA, ROPE = 128, 512, 64
 CELLS = [(B, L) for B in (16, 64, 256) for L in (1024, 8192, 32768)] + [(48, 8192)]
@@ -92,7 +92,7 @@ PARTS: list[tuple[str, list[tuple[str, str]]]] = [
     ("l2_tiles", [("    slot_n2 = first_slot(r2t, n2, end)\n", "    slot_n2 = slot_n + 0 * n2\n")]),
 ]  # fmt: skip
 # No barrier cuts: with any of the 3 removed, triton 3.6's barrier analysis puts one back (PTX: 3 a tile still).
-TILE_IMPORT = "from r3trace.kernels.wide_tile import"
+TILE_IMPORT = "from r3trace.kernels.mla_decode.wide_tile import"
 
 
 def cut_stage1s(out_dir: Path) -> dict[str, Callable[..., None]]:

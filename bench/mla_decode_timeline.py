@@ -29,7 +29,7 @@ import torch
 from sibling import load_path, load_sibling
 from triton.testing import do_bench
 
-import r3trace.kernels.mla_decode_narrow as mn
+import r3trace.kernels.mla_decode.narrow as mn
 from r3trace.kernels.flash import LOG2E
 from r3trace.kernels.mla_decode import default_decode_tile, mla_decode
 
@@ -75,7 +75,7 @@ CUTS = [
     ),
     ("            cluster_merge_store(acc,", f"            cluster_merge_store_t({TP}, acc,"),
     (
-        "from r3trace.kernels.cluster_merge import (",
+        "from r3trace.kernels.mla_decode.cluster_merge import (",
         "from mla_cluster_merge_timeline import (\n    cluster_merge_store_t,",
     ),
 ]
@@ -102,7 +102,7 @@ def _cut(src: str, cuts: list[tuple[str, str]]) -> str:
 
 
 def timed_module(out_dir: Path) -> object:
-    import r3trace.kernels.cluster_merge as cm
+    import r3trace.kernels.mla_decode.cluster_merge as cm
 
     msrc = Path(cm.__file__).read_text()
     first, last = "@gluon.jit\ndef cluster_merge_store(", "@gluon.jit\ndef cluster_merge_nothing("

@@ -14,7 +14,8 @@ from functools import partial
 import torch
 from timing import RESULTS, ms, ms_graph, rotating, save
 
-from r3trace.kernels.fused_moe import (
+from r3trace.kernels.moe.align import moe_align, moe_align_ref
+from r3trace.kernels.moe.fused_moe import (
     GemmTile,
     GemvTile,
     MoeConfig,
@@ -26,8 +27,7 @@ from r3trace.kernels.fused_moe import (
     moe_gate_up,
     moe_sum,
 )
-from r3trace.kernels.moe_align import moe_align, moe_align_ref
-from r3trace.kernels.moe_gemv import gemv_down_sum, gemv_gate_up
+from r3trace.kernels.moe.gemv import gemv_down_sum, gemv_gate_up
 
 # ---------------------------------------------------------------- fused MoE
 D, K = 7168, 8

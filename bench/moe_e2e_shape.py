@@ -33,10 +33,10 @@ import torch
 from moe_bench import _cfg_str, _prewarm_pool  # bench/: python bench/<script>.py puts it on the path
 from timing import ceilings
 
-from r3trace.kernels.fused_moe import AlignTile, GemmTile, MoeConfig, fused_moe, fused_moe_ref, moe_config, moe_sum
-from r3trace.kernels.moe_align import MoeAlignment, moe_align, moe_align_ref
-from r3trace.kernels.moe_config import SHORT_D_DOWN, SHORT_D_DOWN_BM32, SHORT_D_UP_BM16, SHORT_D_UP_BM32
-from r3trace.kernels.moe_gemm import moe_down, moe_gate_up
+from r3trace.kernels.moe.align import MoeAlignment, moe_align, moe_align_ref
+from r3trace.kernels.moe.config import SHORT_D_DOWN, SHORT_D_DOWN_BM32, SHORT_D_UP_BM16, SHORT_D_UP_BM32
+from r3trace.kernels.moe.fused_moe import AlignTile, GemmTile, MoeConfig, fused_moe, fused_moe_ref, moe_config, moe_sum
+from r3trace.kernels.moe.gemm import moe_down, moe_gate_up
 
 OUT = Path(os.environ.get("OUT", "out"))
 E2E = (2048, 64, 512, 6)  # (D, E, I, K) of the end-to-end model's routed experts

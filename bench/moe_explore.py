@@ -10,7 +10,7 @@ import torch
 from moe_bench import DEV, MOE_SHAPES, D, K, _baseline_config, _cfg_str, _prewarm_pipe, _prewarm_pool, _routes
 from timing import RESULTS, ms, ms_graph, rotating, save
 
-from r3trace.kernels.fused_moe import (
+from r3trace.kernels.moe.fused_moe import (
     GemmTile,
     GemvTile,
     MoeConfig,
@@ -18,7 +18,7 @@ from r3trace.kernels.fused_moe import (
     fused_moe_ref,
     moe_config,
 )
-from r3trace.kernels.moe_gemv import gemv_down_sum, gemv_gate_up
+from r3trace.kernels.moe.gemv import gemv_down_sum, gemv_gate_up
 
 # ---- exploration (--only moe_explore): candidates graph-timed per (E, I, T), each checked against the ref
 # GemvTile(up_n, up_k, up_warps, down_n, down_k, down_warps, up_stages, down_stages); at T = 1 the up and

@@ -30,10 +30,10 @@ import torch
 from moe_bench import _cfg_str, _prewarm_pool, _routes  # bench/: python bench/<script>.py puts it on the path
 from timing import RESULTS, ceilings, ms, ms_graph
 
-from r3trace.kernels import moe_gemv as MG
-from r3trace.kernels.fused_moe import GemvTile, MoeConfig, fused_moe, fused_moe_ref, moe_config
-from r3trace.kernels.moe_config import GEMV_T1
-from r3trace.kernels.moe_gemv import gemv_down_sum, gemv_gate_up
+from r3trace.kernels.moe import gemv as MG
+from r3trace.kernels.moe.config import GEMV_T1
+from r3trace.kernels.moe.fused_moe import GemvTile, MoeConfig, fused_moe, fused_moe_ref, moe_config
+from r3trace.kernels.moe.gemv import gemv_down_sum, gemv_gate_up
 
 D, K = 7168, 8
 OUT = Path(os.environ.get("OUT", "out"))

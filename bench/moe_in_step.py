@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from timing import RESULTS, ceilings
 
-from r3trace.kernels.fused_moe import fused_moe, fused_moe_ref
+from r3trace.kernels.moe.fused_moe import fused_moe, fused_moe_ref
 from r3trace.kernels.rmsnorm import rmsnorm
 from r3trace.kernels.topk import grouped_topk
 

@@ -39,8 +39,8 @@ import triton.language as tl
 from sibling import load_path  # bench/sibling.py: python bench/<script>.py puts bench/ on the path
 from timing import ms, ms_graph, rotating
 
-from r3trace.kernels.fused_moe import fused_moe, fused_moe_ref
-from r3trace.kernels.moe_align import MoeAlignment, moe_align
+from r3trace.kernels.moe.align import MoeAlignment, moe_align
+from r3trace.kernels.moe.fused_moe import fused_moe, fused_moe_ref
 
 D, K = 7168, 8
 # (BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, num_warps, num_stages): SGLang's bf16 H200 table for

@@ -104,7 +104,7 @@ def make_experts_fn(backend: str) -> ExpertsFn:
         return exact_experts
     if backend == "ref":
         return grouped_experts_ref
-    from r3trace.kernels.fused_moe import fused_moe
+    from r3trace.kernels.moe.fused_moe import fused_moe
 
     return fused_moe  # type: ignore[no-any-return]
 

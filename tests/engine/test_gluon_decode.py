@@ -38,7 +38,7 @@ def _checkpoint(tmp_path: Path, heads: int = 64) -> Path:
 
 def _decode_kernels(eng: Engine) -> set[str]:
     """The stage-1 kernel each layer's decode tile names (as the backend builds it for this model's heads)."""
-    from r3trace.kernels.decode_tile import default_decode_tile
+    from r3trace.kernels.mla_decode.tile import default_decode_tile
 
     attn = eng.model.model.layers[0].self_attn
     backend = attn.backend
@@ -122,7 +122,7 @@ def test_narrow_cluster_merge_in_engine(tmp_path: Path, monkeypatch: pytest.Monk
     """Batch 64 of 66-126-token contexts on 64-slot pages: the narrow tile takes 2 splits (128 programs, one wave),
     which its default merges in clusters of 2 (kernels/cluster_merge.py); every decode call still matches the fp32
     reference as above."""
-    from r3trace.kernels import mla_decode_narrow
+    from r3trace.kernels.mla_decode import narrow as mla_decode_narrow
 
     clusters: list[tuple[int, bool]] = []  # (cluster size asked, launched as clusters)
     launch = mla_decode_narrow.mla_decode_stage1_narrow
@@ -143,7 +143,7 @@ def test_narrow_cluster_merge_in_engine(tmp_path: Path, monkeypatch: pytest.Monk
 def test_seesaw_decode_in_engine(tmp_path: Path) -> None:
     """64 heads at rope 64 on 64-slot pages: the engine's H >= 64 tile is the seesaw kernel's (mla_decode_seesaw.py;
     it keeps P in a tile's rope rows, so rope 64 only); every decode call matches the fp32 reference as above."""
-    from r3trace.kernels.decode_tile import default_decode_tile
+    from r3trace.kernels.mla_decode.tile import default_decode_tile
 
     ckpt = make_checkpoint(tmp_path / "h64r64", "v3_noaux_groups", seed=7, num_attention_heads=64,
                            num_key_value_heads=64, kv_lora_rank=128, qk_rope_head_dim=64, qk_nope_head_dim=16,

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from r3trace.kernels.decode_tile import CLUSTER_SIZES
 from r3trace.kernels.mla_decode import DecodeTile, mla_decode, mla_decode_ref
+from r3trace.kernels.mla_decode.tile import CLUSTER_SIZES
 from tests.kernels.conftest import (
     HOPPER,
     assert_close_to_ref,
@@ -45,7 +45,8 @@ def _inputs(H: int, kv_lora: int, rope: int, page_size: int, seed: int, lens: li
 @pytest.fixture
 def launches(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     """What each cluster launch returned (False: the clusters would not fit at once; the merge kernel ran)."""
-    from r3trace.kernels import mla_decode_gluon, mla_decode_narrow
+    from r3trace.kernels.mla_decode import narrow as mla_decode_narrow
+    from r3trace.kernels.mla_decode import wide as mla_decode_gluon
 
     seen: list[bool] = []
     for mod in (mla_decode_narrow, mla_decode_gluon):

@@ -11,7 +11,15 @@ import pytest
 import torch
 
 from r3trace.kernels.contract import KernelInputError
-from r3trace.kernels.fused_moe import (
+from r3trace.kernels.moe.config import (
+    SHORT_D_DOWN,
+    SHORT_D_DOWN_BM32,
+    SHORT_D_UP_BM16,
+    SHORT_D_UP_BM32,
+    SHORT_D_UP_FEW,
+    align_tile,
+)
+from r3trace.kernels.moe.fused_moe import (
     AlignTile,
     GemmTile,
     GemvTile,
@@ -23,14 +31,6 @@ from r3trace.kernels.fused_moe import (
     moe_down,
     moe_gate_up,
     same_tiles,
-)
-from r3trace.kernels.moe_config import (
-    SHORT_D_DOWN,
-    SHORT_D_DOWN_BM32,
-    SHORT_D_UP_BM16,
-    SHORT_D_UP_BM32,
-    SHORT_D_UP_FEW,
-    align_tile,
 )
 from tests.kernels.conftest import DEVICE, assert_close_to_ref, requires_triton
 from tests.kernels.moe_cases import moe_case as _moe_case
@@ -233,7 +233,7 @@ def test_fused_moe_tma_and_sorted_match_pointer_twin(twin: str, dtype: torch.dty
 
 def test_moe_down_needs_num_pairs_for_a_sorted_act() -> None:
     hidden, w13, w2, ids, weights = _moe_case(5, 40, 6, 24, 3, torch.float32, DEVICE, seed=0)
-    from r3trace.kernels.moe_align import moe_align
+    from r3trace.kernels.moe.align import moe_align
 
     align = moe_align(ids, 6, 16)
     act = moe_gate_up(hidden, w13, align, 3, 16, GemmTile(16, 16, 1, 4, 2), sorted_act=True)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from r3trace.kernels.fused_moe import GemmTile, GemvTile, MoeConfig, fused_moe, fused_moe_ref, moe_config
-from r3trace.kernels.moe_config import GEMV_T1, SHORT_D_DOWN, SHORT_D_DOWN_BM32
+from r3trace.kernels.moe.config import GEMV_T1, SHORT_D_DOWN, SHORT_D_DOWN_BM32
+from r3trace.kernels.moe.fused_moe import GemmTile, GemvTile, MoeConfig, fused_moe, fused_moe_ref, moe_config
 from tests.kernels.conftest import assert_close_to_ref, gpu, requires_gpu, requires_triton
 from tests.kernels.moe_cases import moe_case as _moe_case
 from tests.kernels.moe_cases import routes as _routes

@@ -176,7 +176,7 @@ def test_gluon_tile_carries_page_size_and_tma_form_needs_it() -> None:
     """The Gluon tile takes the caller's page size (the TMA form needs whole 64-key tiles on consecutive
     rows: pages of a multiple of 64), and tma_usable (host logic, no GPU) also wants q contiguous as [B H, C]
     and 16-byte cache rows."""
-    from r3trace.kernels import mla_decode_gluon as mg
+    from r3trace.kernels.mla_decode import wide as mg
 
     assert default_decode_tile(128, torch.bfloat16, use_gluon=True, page_size=64).page_size == 64
     assert default_decode_tile(128, torch.bfloat16, use_gluon=True).page_size == 1

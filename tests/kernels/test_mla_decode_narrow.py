@@ -11,9 +11,9 @@ from functools import partial
 import pytest
 import torch
 
-from r3trace.kernels import mla_decode_narrow
 from r3trace.kernels.contract import KernelInputError
 from r3trace.kernels.mla_decode import DecodeTile, mla_decode, mla_decode_ref
+from r3trace.kernels.mla_decode import narrow as mla_decode_narrow
 from tests.kernels.conftest import (
     HOPPER,
     assert_close_to_ref,

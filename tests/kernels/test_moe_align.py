@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from r3trace.kernels.contract import KernelInputError
-from r3trace.kernels.moe_align import MoeAlignment, align_capacity, moe_align, moe_align_ref
-from r3trace.kernels.moe_config import AlignTile, align_tile
+from r3trace.kernels.moe.align import MoeAlignment, align_capacity, moe_align, moe_align_ref
+from r3trace.kernels.moe.config import AlignTile, align_tile
 from tests.kernels.conftest import DEVICE, requires_triton
 
 pytestmark = requires_triton

@@ -39,14 +39,14 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from r3trace.kernels.cluster_merge import (
+from r3trace.kernels.mla_decode.cluster_merge import (
     cluster_merge_nothing,
     cluster_merge_store,
     exchange_bytes,
     launch_in_clusters,
     merge_layout,
 )
-from r3trace.kernels.latent_tiles import (
+from r3trace.kernels.mla_decode.latent_tiles import (
     first_slot,
     gather_first_tile,
     gather_layout,
@@ -59,8 +59,8 @@ from r3trace.kernels.latent_tiles import (
     tma_first_tile,
     unsupported,
 )
-from r3trace.kernels.mla_decode_gluon import tma_usable
-from r3trace.kernels.narrow_tile import tile_gather, tile_tma
+from r3trace.kernels.mla_decode.narrow_tile import tile_gather, tile_tma
+from r3trace.kernels.mla_decode.wide import tma_usable
 
 BLOCK_H = 16  # the wgmma's N: 16 heads, no padding
 BLOCK_N = 64  # keys a tile: the wgmma's M, 16 per warp

@@ -22,7 +22,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from r3trace.kernels.latent_tiles import copy_tile, expect_tile, first_slot, gather_rows, row_slots
+from r3trace.kernels.mla_decode.latent_tiles import copy_tile, expect_tile, first_slot, gather_rows, row_slots
 
 
 @gluon.jit

@@ -50,8 +50,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from r3trace.kernels.latent_tiles import split_bounds, tile_descriptors, unsupported
-from r3trace.kernels.seesaw_tile import bar, load_part, masked_scores, rows, scores, signal, store_half
+from r3trace.kernels.mla_decode.latent_tiles import split_bounds, tile_descriptors, unsupported
+from r3trace.kernels.mla_decode.seesaw_tile import bar, load_part, masked_scores, rows, scores, signal, store_half
 
 __all__ = ["mla_decode_stage1_seesaw", "seesaw_supported"]
 
@@ -283,7 +283,7 @@ def mla_decode_stage1_seesaw(
     = 1: part_out may be the output in q's dtype). Needs its TMA form's conditions (mla_decode_gluon.tma_usable: pages
     of a multiple of 64 slots); no PDL, no clusters (False: nothing launched, the caller takes the merge kernel)."""
     from r3trace.kernels.contract import require
-    from r3trace.kernels.mla_decode_gluon import tma_usable
+    from r3trace.kernels.mla_decode.wide import tma_usable
 
     if cluster > 1:
         return False

@@ -41,8 +41,8 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from r3trace.kernels.contract import FLOAT_DTYPES, require, require_tensor
-from r3trace.kernels.moe_align import has_pdl, moe_align, moe_align_ref
-from r3trace.kernels.moe_config import (
+from r3trace.kernels.moe.align import has_pdl, moe_align, moe_align_ref
+from r3trace.kernels.moe.config import (
     AlignTile,
     GemmTile,
     GemvTile,
@@ -51,8 +51,8 @@ from r3trace.kernels.moe_config import (
     moe_config,
     same_tiles,
 )
-from r3trace.kernels.moe_gemm import moe_down, moe_gate_up
-from r3trace.kernels.moe_gemv import gemv_moe
+from r3trace.kernels.moe.gemm import moe_down, moe_gate_up
+from r3trace.kernels.moe.gemv import gemv_moe
 
 __all__ = [
     "AlignTile", "GemmTile", "GemvTile", "MoeConfig", "fused_moe", "fused_moe_ref", "grouped_config", "moe_config",

@@ -34,7 +34,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from r3trace.kernels.contract import INDEX_DTYPES, require, require_tensor
-from r3trace.kernels.moe_config import AlignTile
+from r3trace.kernels.moe.config import AlignTile
 
 ONE_HOT_ELEMS = 8192  # [SUB, BLOCK_E] one-hot tile: 32 int32 per thread at 8 warps, no spills
 SUBS_PER_CHUNK = 8  # a chunk is 8 one-hot tiles: 256 pairs at E = 256, 8192 at E = 8

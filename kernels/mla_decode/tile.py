@@ -179,7 +179,7 @@ def default_decode_tile(
     the keys so two fp32 tiles still fit in shared memory. page_size (the KV pool's) goes to the Gluon tile only."""
     gluon_shape = False
     if use_gluon and dtype.itemsize == 2:
-        from r3trace.kernels.latent_tiles import GLUON_KV_LORA, GLUON_ROPE
+        from r3trace.kernels.mla_decode.latent_tiles import GLUON_KV_LORA, GLUON_ROPE
 
         gluon_shape = kv_lora in GLUON_KV_LORA and rope in GLUON_ROPE
     if num_heads >= 64:

@@ -40,14 +40,14 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from r3trace.kernels.cluster_merge import (
+from r3trace.kernels.mla_decode.cluster_merge import (
     cluster_merge_nothing,
     cluster_merge_store,
     exchange_bytes,
     launch_in_clusters,
     merge_layout,
 )
-from r3trace.kernels.latent_tiles import (
+from r3trace.kernels.mla_decode.latent_tiles import (
     GLUON_KV_LORA,
     GLUON_ROPE,
     first_slot,
@@ -62,7 +62,7 @@ from r3trace.kernels.latent_tiles import (
     tma_first_tile,
     unsupported,
 )
-from r3trace.kernels.wide_tile import tile_gather, tile_tma
+from r3trace.kernels.mla_decode.wide_tile import tile_gather, tile_tma
 
 __all__ = ["GLUON_KV_LORA", "GLUON_ROPE", "gluon_supported", "mla_decode_stage1_gluon", "tma_usable"]
 

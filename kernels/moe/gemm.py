@@ -16,8 +16,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from r3trace.kernels.contract import require
 from r3trace.kernels.dot import dot_precision, mma
-from r3trace.kernels.moe_align import MoeAlignment, has_pdl
-from r3trace.kernels.moe_config import GemmTile
+from r3trace.kernels.moe.align import MoeAlignment, has_pdl
+from r3trace.kernels.moe.config import GemmTile
 
 __all__ = ["moe_down", "moe_gate_up"]
 

@@ -14,9 +14,9 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from r3trace.kernels.decode_tile import DecodeTile
 from r3trace.kernels.dot import dot_precision
 from r3trace.kernels.flash import latent_tile_split_scores, online_softmax_step, online_softmax_step_keys_major
+from r3trace.kernels.mla_decode.tile import DecodeTile
 
 
 @triton.jit

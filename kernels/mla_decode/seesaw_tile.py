@@ -15,7 +15,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from r3trace.kernels.latent_tiles import first_slot
+from r3trace.kernels.mla_decode.latent_tiles import first_slot
 
 
 @gluon.jit

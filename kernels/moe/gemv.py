@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from r3trace.kernels.moe_config import GemvTile
+from r3trace.kernels.moe.config import GemvTile
 
 
 @triton.jit

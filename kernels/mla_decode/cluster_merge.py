@@ -42,7 +42,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.runtime.driver import driver
 
-from r3trace.kernels.decode_tile import CLUSTER_SIZES
+from r3trace.kernels.mla_decode.tile import CLUSTER_SIZES
 
 # (compiled kernel, cluster size, device) -> clusters resident at once (cuOccupancyMaxActiveClusters)
 _FIT: dict[tuple, int] = {}

@@ -35,18 +35,18 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from r3trace.kernels.contract import FLOAT_DTYPES, INDEX_DTYPES, require, require_tensor
-from r3trace.kernels.decode_tile import CLUSTER_SIZES, DecodeTile, choose_num_kv_splits, default_decode_tile
+from r3trace.kernels.mla_decode.tile import CLUSTER_SIZES, DecodeTile, choose_num_kv_splits, default_decode_tile
 
 __all__ = ["DecodeTile", "choose_num_kv_splits", "default_decode_tile", "mla_decode", "mla_decode_ref"]
 from r3trace.kernels.flash import LOG2E
-from r3trace.kernels.mla_decode_triton import mla_decode_stage1_triton
+from r3trace.kernels.mla_decode.triton_stage1 import mla_decode_stage1_triton
 
 # DecodeTile.kernel: the Triton stage 1 (mla_decode_triton.py), or a Gluon one: (module, its support check, its
 # stage-1 launcher), looked up by name at each call
 GLUON_STAGE1 = {
-    "gluon": ("mla_decode_gluon", "gluon_supported", "mla_decode_stage1_gluon"),
-    "narrow": ("mla_decode_narrow", "narrow_supported", "mla_decode_stage1_narrow"),
-    "seesaw": ("mla_decode_seesaw", "seesaw_supported", "mla_decode_stage1_seesaw"),
+    "gluon": ("wide", "gluon_supported", "mla_decode_stage1_gluon"),
+    "narrow": ("narrow", "narrow_supported", "mla_decode_stage1_narrow"),
+    "seesaw": ("seesaw", "seesaw_supported", "mla_decode_stage1_seesaw"),
 }
 KERNELS = ("triton", *GLUON_STAGE1)
 
@@ -160,7 +160,7 @@ def mla_decode(
     stage1 = None
     if tile.kernel in GLUON_STAGE1:
         name, check, launch = GLUON_STAGE1[tile.kernel]
-        gk = importlib.import_module(f"r3trace.kernels.{name}")  # imports Gluon only when asked for
+        gk = importlib.import_module(f"r3trace.kernels.mla_decode.{name}")  # imports Gluon only when asked for
         why = getattr(gk, check)(q, kv_lora_rank)
         require(why is None, str(why))
         fixed = (gk.BLOCK_H, gk.BLOCK_N, gk.NUM_WARPS, 2, 1)
