@@ -28,7 +28,7 @@ from r3trace.kernels.mla_decode.tile import CLUSTER_SIZES
 TILES = {
     "narrow": (DecodeTile(16, 64, 4, 2, kernel="narrow", page_size=64, cluster=8), 16,
                mla_decode_narrow._mla_decode_narrow_kernel),
-    "wide": (DecodeTile(64, 64, 8, 2, kernel="gluon", page_size=64, cluster=8), 128,
+    "wide": (DecodeTile(64, 64, 8, 2, kernel="wide", page_size=64, cluster=8), 128,
              mla_decode_gluon._mla_decode_gluon_kernel),
 }  # fmt: skip
 

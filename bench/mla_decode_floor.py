@@ -262,19 +262,11 @@ def narrow_flags(option: dict[str, object]) -> dict[str, bool]:
 
 
 def call_with_flags(flags: dict[str, bool], *args: object) -> torch.Tensor:
-    """mla_decode(*args) with the narrow kernel's FLAGS updated for this call (read at launch, so a CUDA graph
-    captured through this keeps them)."""
-    if not flags:
-        return mla_decode(*args)  # type: ignore[arg-type]
-    from r3trace.kernels.mla_decode import narrow as mn
-
-    saved = dict(mn.FLAGS)
-    mn.FLAGS.update(flags)
-    try:
-        return mla_decode(*args)  # type: ignore[arg-type]
-    finally:
-        mn.FLAGS.clear()
-        mn.FLAGS.update(saved)
+    """mla_decode(*args); the narrow kernel has no constexpr switches left to flip (its form follows the tile's
+    page_size), so flag_ options are refused."""
+    if flags:
+        raise SystemExit(f"the narrow kernel has no switches {sorted(flags)}: set DecodeTile fields instead")
+    return mla_decode(*args)  # type: ignore[arg-type]
 
 
 def parts_cell(
@@ -299,7 +291,7 @@ def parts_cell(
     lse = torch.empty(B, 16, splits, device="cuda")
     for name, mod in mods.items():
         fns = [partial(mod.mla_decode_stage1_triton, q, c, r2t, rows, lens, part, lse, KV_LORA, 576**-0.5 * LOG2E,
-                       base, KV_LORA, ROPE) for c in kvs]  # type: ignore[attr-defined]  # fmt: skip
+                       base) for c in kvs]  # type: ignore[attr-defined]  # fmt: skip
         t[f"stage1/{name}"] = graph_ms(fns, rep)
     if mods:
         sw = load_sibling("mla_decode_sweep.py", "mla_decode_sweep")

@@ -10,7 +10,7 @@ temperature every 200 ms into $OUT/smi.csv meanwhile (read-only queries), to tel
 other drift.
 
 The default tile is the engine's for 64-slot pages (default_decode_tile(..., page_size=64): since session 11 the
-seesaw stage 1, mla_decode_seesaw.py; `--tiles wide=kernel:gluon` times the wide kernel's TMA form beside it).
+seesaw stage 1, mla_decode_seesaw.py; `--tiles wide=kernel:wide` times the wide kernel's TMA form beside it).
 --old-gluon, --variants and --parts swap parts of the wide kernel (mla_decode_gluon.py) and time them on the same
 tile run by it (cell key "wide" is that kernel unchanged); `--variants TMA=0` times its cp.async form (the session-4
 default). Error checks: page size 1 (the engine's page-1 tile: the wide kernel's cp.async form) and 64 (TMA) against
@@ -32,7 +32,7 @@ At the cells where the default takes one split, the same call through the two-st
 score wgmmas, the P V wgmmas, the exponentials, the rescale of O, or every tile loaded from the same L2-hot rows), each
 timed at B = 16 / 8k and 64 / 8k beside the whole kernel; the results are wrong, only the times count. Also
 stage 2 (the merge) alone, graph-timed, at every cell's default split count. --variants NAME=0|1,...: the
-stage 1 with those constexpr flags (mla_decode_gluon.FLAGS) too, at the default splits.
+stage 1 with those DecodeTile schedule fields (max_xchg, gather_under_s, coalesced_out) too, at the default splits.
 
 Split policies (decode_tile.py): the launcher default (splits_by_cost), 8 programs per SM rounded up (the
 session-3 default) and 4 / 2 / 1 rounded down (whole waves). Run 6 also timed a 32-key x 4-stage schedule
@@ -67,14 +67,25 @@ CELLS = [(B, L) for B in (16, 64, 256) for L in (1024, 8192, 32768)] + [(48, 819
 WAVES = [(8, False), (4, True), (2, True), (1, True)]  # (programs per SM, whole waves)
 
 
-def stage1_ms(sw: ModuleType, stage1: Callable[..., None], fn: partial[torch.Tensor]) -> float:
-    """fn timed with `stage1` in place of mla_decode_gluon's stage 1 (mla_decode looks it up per call)."""
-    new = mla_decode_gluon.mla_decode_stage1_gluon
-    mla_decode_gluon.mla_decode_stage1_gluon = stage1
+def stage1_ms(sw: ModuleType, stage1: Callable[..., bool], fn: partial[torch.Tensor]) -> float:
+    """fn timed with `stage1` as the wide record's launcher (mla_decode looks the record up per call)."""
+    record = mla_decode_gluon.STAGE1
+    mla_decode_gluon.STAGE1 = record._replace(launch=stage1)
     try:
         return float(sw.ms(fn))
     finally:
-        mla_decode_gluon.mla_decode_stage1_gluon = new
+        mla_decode_gluon.STAGE1 = record
+
+
+def with_fields(**fields: bool) -> Callable[..., bool]:
+    """The wide launcher with these DecodeTile schedule fields (max_xchg, gather_under_s, coalesced_out) set."""
+
+    def launch(*args: object, **kwargs: object) -> bool:
+        tile = args[9]
+        assert isinstance(tile, DecodeTile)
+        return mla_decode_gluon.mla_decode_stage1_wide(*args[:9], tile._replace(**fields), *args[10:], **kwargs)
+
+    return launch
 
 
 # (name, [(source text, replacement), ...]): one part of the TMA form's tile (kernels/wide_tile.py) cut out (each
@@ -102,7 +113,7 @@ def cut_stage1s(out_dir: Path) -> dict[str, Callable[..., None]]:
     tile_src = Path(wide_tile.__file__).read_text()
     kernel_src = Path(mla_decode_gluon.__file__).read_text()
     assert kernel_src.count(TILE_IMPORT) == 1
-    mods: dict[str, Callable[..., None]] = {"whole": mla_decode_gluon.mla_decode_stage1_gluon}
+    mods: dict[str, Callable[..., bool]] = {"whole": mla_decode_gluon.mla_decode_stage1_wide}
     for name, cuts in PARTS:
         cut = tile_src
         for old, new in cuts:
@@ -113,14 +124,14 @@ def cut_stage1s(out_dir: Path) -> dict[str, Callable[..., None]]:
         sys.modules[tile_name] = load_path(out_dir / f"{tile_name}.py", tile_name)  # what the copy imports
         path = out_dir / f"gluon_{name}.py"
         path.write_text(kernel_src.replace(TILE_IMPORT, f"from {tile_name} import"))
-        mods[name] = load_path(path, f"gluon_{name}").mla_decode_stage1_gluon
+        mods[name] = load_path(path, f"gluon_{name}").mla_decode_stage1_wide
     return mods
 
 
 def wide_tile_of(tile: DecodeTile) -> DecodeTile:
     """The same tile run by the wide kernel (mla_decode_gluon.py): what --old-gluon, --variants and --parts swap parts
     of, since the default on 64-slot pages is the seesaw kernel."""
-    return tile._replace(kernel="gluon")
+    return tile._replace(kernel="wide")
 
 
 def parts(sw: ModuleType, out_dir: Path, res: dict[str, object]) -> None:
@@ -189,14 +200,14 @@ def errors(sw: ModuleType, default: DecodeTile, variants: dict[str, Callable[...
     engine's page-1 tile, the wide kernel's cp.async form) and 64 (the TMA form)."""
     out: dict[str, float] = {}
     page1 = default_decode_tile(H, torch.bfloat16, use_gluon=True, page_size=1)
-    for name, stage1 in ({"default": mla_decode_gluon.mla_decode_stage1_gluon} | variants).items():
-        new = mla_decode_gluon.mla_decode_stage1_gluon
-        mla_decode_gluon.mla_decode_stage1_gluon = stage1
+    record = mla_decode_gluon.STAGE1
+    for name, stage1 in ({"default": record.launch} | variants).items():
+        mla_decode_gluon.STAGE1 = record._replace(launch=stage1)
         try:
             out[f"{name} page 1"] = sw.check(page1, H)
             out[f"{name} page 64"] = check_paged(default if name == "default" else wide_tile_of(default))
         finally:
-            mla_decode_gluon.mla_decode_stage1_gluon = new
+            mla_decode_gluon.STAGE1 = record
         print(f"normwise error vs fp32 ref, {name}: page 1 {out[f'{name} page 1']:.1e}, "
               f"page 64 {out[f'{name} page 64']:.1e}", flush=True)  # fmt: skip
     return out
@@ -206,7 +217,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--old-gluon", default="", help="a previous mla_decode_gluon.py, timed at the default splits")
     ap.add_argument("--parts", action="store_true", help="time the kernel with parts cut out; stage 2 alone")
-    ap.add_argument("--variants", default="", help="NAME=0|1[+NAME=0|1],...: the stage 1 with these flags too")
+    ap.add_argument("--variants", default="", help="FIELD=0|1[+FIELD=0|1],...: stage 1 with these DecodeTile fields")
     ap.add_argument("--policies", action="store_true", help="also the other split policies (WAVES)")
     ap.add_argument("--smi", action="store_true", help="sample clocks / power to $OUT/smi.csv (nvidia-smi)")
     ap.add_argument("--cluster", type=int, default=0, help="also the default's splits merged in clusters up to this")
@@ -216,13 +227,13 @@ def main() -> None:
     args = ap.parse_args()
     tile_options = load_sibling("mla_decode_floor.py", "mla_floor").parse_options(args.tiles) if args.tiles else {}
     cells = [tuple(int(x) for x in c.split("x")) for c in args.cells.split(",")] if args.cells else CELLS
-    variants: dict[str, Callable[..., None]] = {}  # stage 1s timed at the default's splits beside it
-    if args.old_gluon:  # its launcher predates page_size: the first 10 arguments
+    variants: dict[str, Callable[..., bool]] = {}  # stage 1s timed at the default's splits beside it
+    if args.old_gluon:  # a launcher from before the registry: (..., kv_lora, qk_scale, split_align) positionally
         old = load_path(args.old_gluon, "old_gluon").mla_decode_stage1_gluon
-        variants["old"] = lambda *a: old(*a[:10])
-    for spec in filter(None, args.variants.split(",")):  # e.g. TMA=0 or TMA=0+MAX_XCHG=0
-        flags = {name: bool(int(value)) for name, value in (f.split("=") for f in spec.split("+"))}
-        variants[spec] = partial(mla_decode_gluon.mla_decode_stage1_gluon, flags=flags)
+        variants["old"] = lambda *a, **k: old(*a[:9], a[9].block_n) is not False  # type: ignore[attr-defined]
+    for spec in filter(None, args.variants.split(",")):  # e.g. max_xchg=0 or max_xchg=0+coalesced_out=0
+        fields = {name: bool(int(value)) for name, value in (f.split("=") for f in spec.split("+"))}
+        variants[spec] = with_fields(**fields)
     sw = load_sibling("mla_decode_sweep.py", "mla_sweep")
     sw.GRAPH = True  # CUDA-graph replays, as the engine decodes
     out_dir = Path(os.environ.get("OUT", "out"))
@@ -237,7 +248,7 @@ def main() -> None:
     gemms = [gemm()]
     default = default_decode_tile(H, torch.bfloat16, use_gluon=True, page_size=sw.PAGE)
     if args.pdl and not default.pdl:  # stage 1 (and the merge) as programmatic dependents: one more --tiles variant
-        tile_options["pdl"] = {"pdl": True, "kernel": "gluon"}  # the wide kernel's PDL (the seesaw one has none)
+        tile_options["pdl"] = {"pdl": True, "kernel": "wide"}  # the wide kernel's PDL (the seesaw one has none)
     print(f"bf16 GEMM 8192^3 {gemms[0]['TFLOPs']:.0f} TFLOP/s; default tile {tuple(default)}", flush=True)
     res: dict[str, object] = {"default": list(default), "cells": [], "gemms": gemms}
     tiles = {"default": default} | {f"{w}w" + ("" if ww else "-up"): default._replace(fixed_tiles=0, direct=False,

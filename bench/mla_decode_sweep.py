@@ -113,7 +113,7 @@ def merge_ms(
     """Stage 2 alone on [B, H, splits, 512] fp32 partials: the merge's share of a decode call. Requests of
     seq_len keys (the default keeps every split live); timed eagerly unless a timer is given (bench/
     mla_decode_h128.py passes `ms` with GRAPH on)."""
-    from r3trace.kernels.mla_decode import _mla_decode_merge_kernel
+    from r3trace.kernels.mla_decode.merge import _mla_decode_merge_kernel
 
     part = torch.randn(B, H, splits, KV_LORA, device="cuda")
     lse = torch.randn(B, H, splits, device="cuda")
@@ -218,7 +218,7 @@ def main() -> None:
         return
     groups: tuple[tuple[int, list[DecodeTile]], ...] = ((128, TILES_128), (16, TILES_16))
     if a.h128_gluon:  # session 3: FlashMLA's two-warpgroup split in Gluon against the Triton default
-        groups = ((128, [D(64, 64, 8, 2), D(64, 64, 8, 2, kernel="gluon")]),)
+        groups = ((128, [D(64, 64, 8, 2), D(64, 64, 8, 2, kernel="wide")]),)
     res: list[dict[str, object]] = []
     for H, tiles in groups:
         shapes = SHAPES[H][:1] if a.quick else SHAPES[H]

@@ -133,7 +133,7 @@ def cell(mod: object, B: int, L: int, calls: int, rep: int) -> dict[str, object]
     kvs = [kv] + [torch.randn_like(kv) for _ in range(max(1, floor.copies_for(B * L * floor.ROW_BYTES)) - 1)]
     outs = [torch.empty(B, 16, KV_LORA, dtype=q.dtype, device="cuda") for _ in range(calls)]
     times = [torch.zeros(B * splits, SLOTS, dtype=torch.int64, device="cuda") for _ in range(calls)]
-    args = (KV_LORA, 576**-0.5 * LOG2E, tile.block_n, tile.page_size)  # as mla_decode passes them
+    args = (KV_LORA, 576**-0.5 * LOG2E, tile)  # as mla_decode passes them
 
     def call(i: int) -> None:
         launched = mod.mla_decode_stage1_narrow(  # type: ignore[attr-defined]

@@ -57,16 +57,15 @@ from r3trace.kernels.mla_decode.latent_tiles import (
     stage_barriers,
     tile_descriptors,
     tma_first_tile,
-    unsupported,
+    tma_usable,
 )
 from r3trace.kernels.mla_decode.narrow_tile import tile_gather, tile_tma
-from r3trace.kernels.mla_decode.wide import tma_usable
+from r3trace.kernels.mla_decode.registry import DecodeShape, Stage1, gluon_shape_error
+from r3trace.kernels.mla_decode.tile import DecodeTile
 
 BLOCK_H = 16  # the wgmma's N: 16 heads, no padding
 BLOCK_N = 64  # keys a tile: the wgmma's M, 16 per warp
 NUM_WARPS = 4  # one warpgroup
-# TMA: the form, which the launcher picks from the caller's page size (tma_usable); the flag overrides it
-FLAGS: dict[str, bool] = {}
 
 
 @gluon.jit
@@ -194,11 +193,6 @@ def _layouts(kv_lora: int, rope: int, dtype: Any, out_bytes: int) -> dict[str, A
     }
 
 
-def narrow_supported(q: torch.Tensor, kv_lora: int) -> str | None:
-    """None when this kernel can run these inputs, else why not (the launcher raises it)."""
-    return unsupported(q, kv_lora, "narrow Gluon")
-
-
 def mla_decode_stage1_narrow(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -209,18 +203,15 @@ def mla_decode_stage1_narrow(
     part_lse: torch.Tensor,
     kv_lora_rank: int,
     qk_scale: float,
-    split_align: int,
-    page_size: int = 1,
-    flags: dict[str, bool] | None = None,
+    tile: DecodeTile,
     pdl: bool = False,
     cluster: int = 1,
 ) -> bool:
     """Fills part_out [B, H, P, kv_lora] (fp32, or the output itself at P = 1) and part_lse [B, H, P] (log2 units)
-    as the Triton stage 1. page_size: the caller's guarantee on req_to_token (slots in runs of page_size, each
-    starting at a multiple of it); a multiple of 64 picks the TMA form (tma_usable), else cp.async row copies;
-    flags["TMA"] overrides. split_align must be a multiple of 64 (each split whole tiles). pdl: launched as a
-    programmatic dependent (sm_90), waiting before it reads q or the cache (mla_decode's DecodeTile.pdl: the index
-    tables are read before the wait).
+    as the Triton stage 1. tile.page_size: the caller's guarantee on req_to_token (slots in runs of page_size, each
+    starting at a multiple of it); a multiple of 64 picks the TMA form (tma_usable), else cp.async row copies.
+    tile.block_n (64) is the split alignment (each split whole tiles). pdl: launched as a programmatic dependent
+    (sm_90), waiting before it reads q or the cache (DecodeTile.pdl: the index tables are read before the wait).
     cluster = P in CLUSTER_SIZES: the P splits of a (head block, request) run as one cluster and merge in it
     (cluster_merge.py): part_out is then the output [B, H, 1, kv_lora] and part_lse is not written. False: the
     clusters would not all fit on the GPU at once, nothing launched (the caller takes the merge kernel)."""
@@ -229,24 +220,31 @@ def mla_decode_stage1_narrow(
     num_kv_splits = cluster if cluster > 1 else part_out.shape[2]
     gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     layouts = _layouts(kv_lora_rank, rope, gdt, part_out.element_size())
-    use_tma = (flags or {}).get("TMA", FLAGS.get("TMA", tma_usable(q, kv_cache, page_size)))
+    tma = tma_usable(q, kv_cache, tile.page_size)
     descs: tuple[TensorDescriptor | None, ...] = (None,) * 4
-    if use_tma:
+    if tma:
         descs = tile_descriptors(q, kv_cache, kv_lora_rank, BLOCK_H, BLOCK_N, layouts)
     n_hb = (H + BLOCK_H - 1) // BLOCK_H
-
     args = (
         q, kv_cache, req_to_token, req_pool_indices, seq_lens, part_out, part_lse, *descs,
-        H, num_kv_splits, split_align, qk_scale,
+        H, num_kv_splits, tile.block_n, qk_scale,
         q.stride(0), q.stride(1), kv_cache.stride(0), req_to_token.stride(0),
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
     )  # fmt: skip
     merge = merge_layout(kv_lora_rank, cluster, NUM_WARPS) if cluster > 1 else None
-    kwargs = dict(KV_LORA=kv_lora_rank, ROPE=rope, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, **layouts, TMA=bool(use_tma),
-                  PDL=pdl, CLUSTER=cluster, MERGE_LAYOUT=merge, num_warps=NUM_WARPS,
-                  launch_pdl=pdl)  # fmt: skip
+    kwargs = dict(KV_LORA=kv_lora_rank, ROPE=rope, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, **layouts, TMA=tma, PDL=pdl,
+                  CLUSTER=cluster, MERGE_LAYOUT=merge, num_warps=NUM_WARPS, launch_pdl=pdl)  # fmt: skip
     if cluster > 1:
         return launch_in_clusters(_mla_decode_narrow_kernel, (n_hb, B, 1), cluster, args, kwargs,
                                   exchange_bytes(kv_lora_rank, BLOCK_H, cluster))  # fmt: skip
     _mla_decode_narrow_kernel[(n_hb, B, num_kv_splits)](*args, **kwargs)
     return True
+
+
+def _supported(shape: DecodeShape, dtype: torch.dtype, page_size: int) -> str | None:
+    """bf16 / fp16 and a latent shape the layouts take; any page size (cp.async rows below 64-slot pages)."""
+    return gluon_shape_error(shape, dtype, "narrow Gluon")
+
+
+STAGE1 = Stage1("narrow", hopper=True, fixed_tile=(BLOCK_H, BLOCK_N, NUM_WARPS), supported=_supported,
+                launch=mla_decode_stage1_narrow)  # fmt: skip

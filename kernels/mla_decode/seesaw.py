@@ -50,10 +50,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from r3trace.kernels.mla_decode.latent_tiles import split_bounds, tile_descriptors, unsupported
+from r3trace.kernels.contract import require
+from r3trace.kernels.mla_decode.latent_tiles import split_bounds, tile_descriptors, tma_usable
+from r3trace.kernels.mla_decode.registry import TMA_PAGE, DecodeShape, Stage1, gluon_shape_error
 from r3trace.kernels.mla_decode.seesaw_tile import bar, load_part, masked_scores, rows, scores, signal, store_half
+from r3trace.kernels.mla_decode.tile import DecodeTile
 
-__all__ = ["mla_decode_stage1_seesaw", "seesaw_supported"]
+__all__ = ["STAGE1", "mla_decode_stage1_seesaw"]
 
 BLOCK_H = 64  # one wgmma M
 BLOCK_N = 64  # keys a tile; each warpgroup's scores one wgmma of N = 64
@@ -255,15 +258,6 @@ def _layouts(kv_lora: int, rope: int, dtype: Any) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def seesaw_supported(q: torch.Tensor, kv_lora: int) -> str | None:
-    """None when the seesaw stage 1 can run these inputs, else why not (the launcher raises it)."""
-    why = unsupported(q, kv_lora, "seesaw")
-    if why is None and q.shape[2] - kv_lora != BLOCK_N:
-        rope = q.shape[2] - kv_lora
-        return f"the seesaw decode kernel keeps P in a tile's rope rows: rope must be {BLOCK_N}, got {rope}"
-    return why
-
-
 def mla_decode_stage1_seesaw(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -274,22 +268,18 @@ def mla_decode_stage1_seesaw(
     part_lse: torch.Tensor,
     kv_lora_rank: int,
     qk_scale: float,
-    split_align: int,
-    page_size: int = 64,
+    tile: DecodeTile,
     pdl: bool = False,
     cluster: int = 1,
 ) -> bool:
-    """Fills part_out [B, H, P, kv_lora] fp32 and part_lse [B, H, P] (log2 units) as mla_decode_gluon's stage 1 (P
-    = 1: part_out may be the output in q's dtype). Needs its TMA form's conditions (mla_decode_gluon.tma_usable: pages
+    """Fills part_out [B, H, P, kv_lora] fp32 and part_lse [B, H, P] (log2 units) as the wide kernel's stage 1 (P
+    = 1: part_out may be the output in q's dtype). Needs its TMA form's conditions (latent_tiles.tma_usable: pages
     of a multiple of 64 slots); no PDL, no clusters (False: nothing launched, the caller takes the merge kernel)."""
-    from r3trace.kernels.contract import require
-    from r3trace.kernels.mla_decode.wide import tma_usable
-
     if cluster > 1:
         return False
     require(not pdl, "the seesaw decode kernel has no programmatic dependent launch (DecodeTile.pdl)")
-    require(tma_usable(q, kv_cache, page_size), f"the seesaw decode kernel loads tiles by TMA: page_size "
-            f"{page_size} must be a multiple of {BLOCK_N}, q contiguous, rows 16-byte aligned")  # fmt: skip
+    require(tma_usable(q, kv_cache, tile.page_size), f"the seesaw decode kernel loads tiles by TMA: page_size "
+            f"{tile.page_size} must be a multiple of {BLOCK_N}, q contiguous, rows 16-byte aligned")  # fmt: skip
     B, H, C = q.shape
     gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     layouts = _layouts(kv_lora_rank, C - kv_lora_rank, gdt)
@@ -302,9 +292,24 @@ def mla_decode_stage1_seesaw(
     grid = ((H + BLOCK_H - 1) // BLOCK_H, B, part_out.shape[2])
     _mla_decode_seesaw_kernel[grid](
         req_to_token, req_pool_indices, seq_lens, part_out, part_lse, *descs,
-        H, part_out.shape[2], split_align, qk_scale,
+        H, part_out.shape[2], tile.block_n, qk_scale,
         req_to_token.stride(0), part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1),
         KV_LORA=kv_lora_rank, ROPE=C - kv_lora_rank, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, **layouts, num_warps=4,
     )  # fmt: skip
     return True
+
+
+def _supported(shape: DecodeShape, dtype: torch.dtype, page_size: int) -> str | None:
+    """As the wide kernel, and rope 64 (P lives in a tile's [64, rope] rows) on pages of a multiple of 64 slots
+    (TMA tiles only)."""
+    why = gluon_shape_error(shape, dtype, "seesaw")
+    if why is None and shape.rope != BLOCK_N:
+        return f"the seesaw decode kernel keeps P in a tile's rope rows: rope must be {BLOCK_N}, got {shape.rope}"
+    if why is None and page_size % TMA_PAGE:
+        return f"the seesaw decode kernel loads tiles by TMA: page_size {page_size} must be a multiple of {TMA_PAGE}"
+    return why
+
+
+STAGE1 = Stage1("seesaw", hopper=True, fixed_tile=(BLOCK_H, BLOCK_N, NUM_WARPS), supported=_supported,
+                launch=mla_decode_stage1_seesaw)  # fmt: skip

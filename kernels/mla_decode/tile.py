@@ -9,6 +9,8 @@ from typing import NamedTuple
 import torch
 import triton
 
+from r3trace.kernels.mla_decode.registry import GLUON_KV_LORA, GLUON_ROPE, TMA_PAGE
+
 MIN_TOKENS_PER_SPLIT = 256  # fewer and the split's fixed cost (q load, partial write, merge) dominates
 MAX_KV_SPLITS = 64
 # Stage-1 programs aimed for: WAVES per SM. A 64-key bf16 tile double-buffered is 144 KB of shared
@@ -132,6 +134,13 @@ class DecodeTile(NamedTuple):
     # as one thread-block cluster that merges in distributed shared memory and stores the output (no fp32 partials,
     # no merge launch); other split counts (and 0) take the merge kernel
     cluster: int = 0
+    # the wide Gluon kernel's schedule switches (constexprs of wide.py's kernel; the others ignore them): the row max
+    # swapped through shared memory (max_xchg), the cp.async gather issued under the score wgmmas (gather_under_s),
+    # the output stored through shared memory as 16-byte rows (coalesced_out). Each on by default; off only to time
+    # the alternative (bench/mla_decode_h128.py --variants).
+    max_xchg: bool = True
+    gather_under_s: bool = True
+    coalesced_out: bool = True
 
     def head_programs(self, num_heads: int) -> int:
         """Stage-1 programs per (request, split): head blocks x value splits."""
@@ -177,21 +186,17 @@ def default_decode_tile(
     bench/NOTES.md "Engine owner, session 4"); else Triton's 64 heads x 64 keys over 8 warps (the best
     of 13 Triton tiles incl. value splits, 128 heads, keys-major scores, two programs per SM). fp32 halves
     the keys so two fp32 tiles still fit in shared memory. page_size (the KV pool's) goes to the Gluon tile only."""
-    gluon_shape = False
-    if use_gluon and dtype.itemsize == 2:
-        from r3trace.kernels.mla_decode.latent_tiles import GLUON_KV_LORA, GLUON_ROPE
-
-        gluon_shape = kv_lora in GLUON_KV_LORA and rope in GLUON_ROPE
+    gluon_shape = use_gluon and dtype.itemsize == 2 and kv_lora in GLUON_KV_LORA and rope in GLUON_ROPE
     if num_heads >= 64:
         if gluon_shape:
             # pages of a multiple of 64 slots and rope 64: the seesaw kernel (mla_decode_seesaw.py; session 11,
             # graph-timed beside the wide kernel: 1.08-1.10x at kv_len >= 8k, 1.03x / 1.05x at B64/1k / B256/1k,
             # 0.965x at B16/1k), at the wide kernel's split counts; else the wide kernel (its cp.async form)
-            seesaw = page_size % 64 == 0 and rope == 64
-            return DecodeTile(64, 64, 8, 2, kernel="seesaw" if seesaw else "gluon", fixed_tiles=GLUON_FIXED_TILES,
+            seesaw = page_size % TMA_PAGE == 0 and rope == 64
+            return DecodeTile(64, 64, 8, 2, kernel="seesaw" if seesaw else "wide", fixed_tiles=GLUON_FIXED_TILES,
                               direct=True, page_size=page_size)  # fmt: skip
         return DecodeTile(64, 64 if dtype.itemsize <= 2 else 32, 8, 2)
-    if gluon_shape and page_size % 64 == 0:  # the TMA form; its cp.async form only ties the Triton tile (run 3)
+    if gluon_shape and page_size % TMA_PAGE == 0:  # the TMA form; its cp.async form only ties the Triton tile (run 3)
         return DecodeTile(16, 64, 4, 2, kernel="narrow", fixed_tiles=NARROW_FIXED_TILES, min_split=NARROW_MIN_SPLIT,
                           direct=True, page_size=page_size, pdl=True, cluster=NARROW_CLUSTER)  # fmt: skip
     if dtype.itemsize <= 2:

@@ -24,7 +24,7 @@ from tests.kernels.conftest import (
 pytestmark = [requires_triton, gpu, requires_gpu]
 
 CLUSTERED = DecodeTile(16, 64, 4, 2, kernel="narrow", page_size=64, cluster=8)  # every cluster size
-WIDE = DecodeTile(64, 64, 8, 2, kernel="gluon", page_size=64, cluster=8)
+WIDE = DecodeTile(64, 64, 8, 2, kernel="wide", page_size=64, cluster=8)
 # 1 and 33 keys leave every split but the first empty at 2-8 splits (a 64-key split each): those ranks still take
 # part in the barriers and weigh nothing; 3001 and 130 give splits of unequal tile counts. Five requests: at 8
 # splits even 3 head blocks (15 clusters of 8) fit on an H200 at once (15 do), so every case takes the clusters

@@ -17,7 +17,7 @@ from tests.kernels.conftest import HOPPER, assert_close_to_ref, gpu, paged_req_t
 pytestmark = [requires_triton, gpu, requires_gpu, pytest.mark.skipif(not HOPPER, reason="Gluon kernels: sm_90 only")]
 
 NARROW = DecodeTile(16, 64, 4, 2, kernel="narrow", page_size=64, pdl=True)
-WIDE = DecodeTile(64, 64, 8, 2, kernel="gluon", direct=True, page_size=64, pdl=True)
+WIDE = DecodeTile(64, 64, 8, 2, kernel="wide", direct=True, page_size=64, pdl=True)
 # The newest row in a split's tile 0 (17, 65, 130 at 4 splits of 64 keys), in its tile 1 (500 at 4 splits of 128
 # keys; 200 at 2 splits of 128), in later tiles (1000, 2049), beside splits whose tile 0 goes early
 LENS = [17, 64, 65, 130, 200, 500, 1000, 2049]

@@ -23,7 +23,7 @@ from tests.kernels.conftest import (
 pytestmark = [requires_triton, gpu, requires_gpu, pytest.mark.skipif(not HOPPER, reason="sm_90 only")]
 
 SEESAW = DecodeTile(64, 64, 8, 2, kernel="seesaw", page_size=64)
-WIDE = DecodeTile(64, 64, 8, 2, kernel="gluon", page_size=64)
+WIDE = DecodeTile(64, 64, 8, 2, kernel="wide", page_size=64)
 # 1 tile, 2 tiles exactly, odd tile counts (the pair loop's lone last tile), lengths off the 64-key tile
 LENS = [1, 700, 3001, 64, 1500, 33, 2049, 5, 999, 128, 65, 191]
 
