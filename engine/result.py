@@ -15,25 +15,27 @@ REPLACEMENT = "\ufffd"  # a multi-byte character cut at the end of the ids decod
 
 
 def output_text(req: Req, tokenizer: TextTokenizer) -> str:
-    """Decoded output as SGLang returns it: cut before a matched stop string, without a matched
-    stop token (the id stays in output_ids)."""
-    f = req.finish
+    """Decoded output as SGLang's detokenizer returns it: cut before a matched stop string, without a matched
+    stop token (the id stays in output_ids), both kept under no_stop_trim; special tokens skipped unless
+    skip_special_tokens is false."""
+    f, p = req.finish, req.params
     if f is not None and f.type == "stop" and isinstance(f.matched, str):
         return req.text
     ids = req.output_ids
-    if f is not None and f.type == "stop" and isinstance(f.matched, int):
+    if f is not None and f.type == "stop" and isinstance(f.matched, int) and not p.no_stop_trim:
         ids = ids[:-1]
-    return tokenizer.decode(ids)
+    return tokenizer.decode(ids, skip_special_tokens=p.skip_special_tokens)
 
 
 def _stable_len(req: Req, text: str) -> int:
     """How much of an unfinished request's text cannot change any more: not a trailing cut character,
-    not a trailing piece that may grow into a stop string (that text would be trimmed)."""
+    not a trailing piece that may grow into a stop string (that text would be trimmed; under no_stop_trim
+    nothing is)."""
     end = len(text)
     while end and text[end - 1] == REPLACEMENT:
         end -= 1
     hold = 0
-    for s in req.params.stop:
+    for s in () if req.params.no_stop_trim else req.params.stop:
         for k in range(min(len(s) - 1, end), 0, -1):
             if text[end - k : end] == s[:k]:
                 hold = max(hold, k)
