@@ -62,9 +62,8 @@ DOWN_TILES[128] = [GemmTile(256, 64, 8, 8, 3), GemmTile(256, 64, 8, 8, 3, tma=Tr
                    GemmTile(256, 64, 8, 8, 4, tma=True),
                    GemmTile(64, 256, 8, 8, 3, n_split=4), GemmTile(64, 256, 8, 8, 3, n_split=4, tma=True),
                    GemmTile(128, 256, 8, 8, 2, n_split=4, tma=True)]  # fmt: skip
-# act at the sorted positions (MoeConfig.sorted_act) changes the gate_up's store and the down's A: swept as
-# both values at BLOCK_M 128, each GEMM's best composed per value
-SORTED_SWEEP = {128: (False, True)}
+# act at the sorted positions (the removed MoeConfig.sorted_act) is no longer swept: one value, act by pair index
+SORTED_SWEEP: dict[int, tuple[bool, ...]] = {}
 
 
 def _routes(T: int, E: int, sets: int) -> list[torch.Tensor]:
@@ -85,11 +84,11 @@ def _prewarm_job(job: tuple[int, GemmTile, str, int, str, int, bool]) -> str:
     align = moe_align(ids, E, bm)
     if part == "up":
         w13 = torch.randn(E, 2 * I, D, device=dev, dtype=torch.bfloat16)
-        moe_gate_up(x, w13, align, K, bm, tile, srt)
+        moe_gate_up(x, w13, align, K, bm, tile)
     else:
-        act = torch.randn(align.sorted_ids.shape[0] if srt else T * K, I, device=dev, dtype=torch.bfloat16)
+        act = torch.randn(T * K, I, device=dev, dtype=torch.bfloat16)
         w2 = torch.randn(E, D, I, device=dev, dtype=torch.bfloat16)
-        moe_down(act, w2, align, torch.rand(T, K, device=dev), bm, tile, srt, T * K)
+        moe_down(act, w2, align, torch.rand(T, K, device=dev), bm, tile)
     if dev == "cuda":
         torch.cuda.synchronize()
     return f"{bm} {part} {tuple(tile)} T={T} sorted={srt}"
@@ -104,7 +103,7 @@ def prewarm(ts: Sequence[int], sweep_ts: Sequence[int], workers: int, shapes: Se
             cfg = moe_config(T * K, E, 2, I, tokens=T)
             tc = 1 if T == 1 else 64
             base = _baseline_config(T, E, I)
-            todo = [(c.block_m, t, p, c.sorted_act) for c in (cfg, base, *_extras(cfg, I))
+            todo = [(c.block_m, t, p, False) for c in (cfg, base, *_extras(cfg, I))
                     for t, p in ((c.gate_up, "up"), (c.down, "down"))]  # fmt: skip
             for bm in _sweep_bms(T, E) if T in sweep_ts else []:
                 for srt in SORTED_SWEEP.get(bm, (False,)):
@@ -144,15 +143,14 @@ def _parts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids_sets: list[
            E: int, srt: bool = False) -> dict[str, dict[GemmTile, float]]:  # fmt: skip
     """Each GEMM's time per tile on the same alignments (rotated over route sets); srt: act in sorted order."""
     aligns = [moe_align(ids, E, bm) for ids in ids_sets]
-    act = moe_gate_up(x, w13, aligns[0], K, bm, up_tiles[0], srt)
-    M = ids_sets[0].numel()
+    act = moe_gate_up(x, w13, aligns[0], K, bm, up_tiles[0])
     out: dict[str, dict[GemmTile, float]] = {"up": {}, "down": {}}
     for part, tiles in (("up", up_tiles), ("down", down_tiles)):
         for tile in tiles:
             if part == "up":
-                fns = [partial(moe_gate_up, x, w13, a, K, bm, tile, srt) for a in aligns]
+                fns = [partial(moe_gate_up, x, w13, a, K, bm, tile) for a in aligns]
             else:
-                fns = [partial(moe_down, act, w2, a, wts, bm, tile, srt, M) for a in aligns]
+                fns = [partial(moe_down, act, w2, a, wts, bm, tile) for a in aligns]
             try:
                 out[part][tile] = ms(rotating(fns))
             except Exception as e:
@@ -165,7 +163,7 @@ def _extras(default: MoeConfig, I: int) -> list[MoeConfig]:
     and, at I <= 256, BLOCK_M 64 (padding 1.25x instead of 1.5x at E = 256 / 4k) with the TMA weights."""
     if default.block_m != 128 or default.gemv is not None:
         return []
-    out = [default._replace(sorted_act=True), default._replace(gate_up=default.gate_up._replace(num_stages=4))]
+    out = [default._replace(gate_up=default.gate_up._replace(num_stages=4))]
     if I <= 256:
         up, down = GemmTile(128, 64, 8, 4, 4, True, tma=True), GemmTile(64, 256, 8, 4, 3, n_split=4, tma=True)
         out += [MoeConfig(64, up, down)]
@@ -180,7 +178,7 @@ def _read_once(*ts: torch.Tensor) -> list[torch.Tensor]:
 def _cfg_str(c: MoeConfig) -> str:
     if c.gemv is not None:
         return f"gemv {tuple(c.gemv)}"
-    return f"{c.block_m}{' sorted' * c.sorted_act}: {tuple(c.gate_up)} / {tuple(c.down)}"
+    return f"{c.block_m}: {tuple(c.gate_up)} / {tuple(c.down)}"
 
 
 def _baseline_config(T: int, E: int, I: int) -> MoeConfig:
@@ -225,7 +223,7 @@ def bench_moe(copy_gbs: float, ts: Sequence[int], sweep_ts: Sequence[int], worke
                         sweep[key] = {k: {str(tuple(t)): v for t, v in d.items()} for k, d in p.items()}
                         if p["up"] and p["down"]:
                             best = MoeConfig(bm, min(p["up"], key=p["up"].__getitem__),
-                                             min(p["down"], key=p["down"].__getitem__), sorted_act=srt)  # fmt: skip
+                                             min(p["down"], key=p["down"].__getitem__))  # fmt: skip
                             cfgs += [best] if best not in cfgs else []
             times = {}
             for cfg in cfgs:
@@ -255,7 +253,7 @@ def bench_moe(copy_gbs: float, ts: Sequence[int], sweep_ts: Sequence[int], worke
                          "down": {cfg.down: ms_graph([partial(gemv_down_sum, a, w2, ids, wts, g)
                                                       for a, ids in zip(acts, ids_sets, strict=True)])}}  # fmt: skip
             else:
-                parts = _parts(x, w13, w2, ids_sets, wts, cfg.block_m, [cfg.gate_up], [cfg.down], E, cfg.sorted_act)
+                parts = _parts(x, w13, w2, ids_sets, wts, cfg.block_m, [cfg.gate_up], [cfg.down], E)
             fb = [partial(fused_moe, x, w13, w2, ids, wts, config=base) for ids in ids_sets]
             tb = times[base] if base in times else ms(rotating(fb))
             tbg = ms_graph(fb) if T <= 1024 else float("nan")
@@ -287,7 +285,7 @@ def bench_moe(copy_gbs: float, ts: Sequence[int], sweep_ts: Sequence[int], worke
                    "gate_up_ms": next(iter(parts["up"].values()), float("nan")),
                    "down_ms": next(iter(parts["down"].values()), float("nan")), "sum_ms": t_sum,
                    "sweep_ms": sweep, "baseline_cfg": _cfg_str(base), "baseline_ms": tb, "baseline_graph_ms": tbg,
-                   "sorted_act": cfg.sorted_act, "weights_read_ms": t_wread,
+                   "weights_read_ms": t_wread,
                    "weights_read_GBps": (w13.numel() + w2.numel()) * 2 / t_wread / 1e6,
                    "x_read_baseline": (min(tb, tbg) if not math.isnan(tbg) else tb) / read_ms}  # fmt: skip
             rows_out.append(row)

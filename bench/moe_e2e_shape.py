@@ -149,7 +149,7 @@ class Case:
             up[str(tuple(t))] = safe(partial(graph_ms, fns), f"bm {bm} up {tuple(t)}")
         down: dict[str, float] = {}
         for t in downs:
-            fns = [partial(moe_down, act[i], self.w(i)[1], al[i], self.wts[i], bm, t, False, M) for i in range(CALLS)]
+            fns = [partial(moe_down, act[i], self.w(i)[1], al[i], self.wts[i], bm, t) for i in range(CALLS)]
             down[str(tuple(t))] = safe(partial(graph_ms, fns), f"bm {bm} down {tuple(t)}")
         r["up"], r["down"] = up, down
         return r
@@ -267,7 +267,7 @@ def _prewarm_job(job: tuple) -> str:
         else:
             act = torch.randn(T * K, I, device="cuda", dtype=torch.bfloat16)
             w2 = torch.randn(8, D, I, device="cuda", dtype=torch.bfloat16)
-            moe_down(act, w2, al, torch.rand(T, K, device="cuda"), bm, tile, False, T * K)
+            moe_down(act, w2, al, torch.rand(T, K, device="cuda"), bm, tile)
     torch.cuda.synchronize()
     return str(job)
 

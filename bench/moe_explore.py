@@ -21,12 +21,12 @@ from r3trace.kernels.moe.fused_moe import (
 from r3trace.kernels.moe.gemv import gemv_down_sum, gemv_gate_up
 
 # ---- exploration (--only moe_explore): candidates graph-timed per (E, I, T), each checked against the ref
-# GemvTile(up_n, up_k, up_warps, down_n, down_k, down_warps, up_stages, down_stages); at T = 1 the up and
-# down kernels are graph-timed apart per tile and the best of each composed
+# GemvTile(up_n, up_k, up_warps, down_n, down_k, down_warps); at T = 1 the up and down kernels are graph-timed apart
+# per tile and the best of each composed
 GEMV_TILES = [
     GemvTile(8, 512, 4, 16, 256, 4), GemvTile(4, 512, 4, 8, 256, 4), GemvTile(4, 1024, 4, 32, 256, 8),
     GemvTile(16, 512, 8, 16, 512, 8), GemvTile(8, 1024, 8, 8, 512, 4), GemvTile(2, 1024, 4, 4, 256, 4),
-    GemvTile(8, 512, 4, 16, 256, 4, 3, 3), GemvTile(4, 256, 4, 16, 128, 4, 4, 4),
+    GemvTile(4, 256, 4, 16, 128, 4),
 ]  # fmt: skip
 
 
@@ -75,9 +75,9 @@ def bench_moe_explore(copy_gbs: float, ts: Sequence[int], workers: int) -> None:
                     downs[g] = ms_graph([partial(gemv_down_sum, a, w2, ids, wts, g)
                                          for a, ids in zip(acts, ids_sets, strict=True)])  # fmt: skip
                 bu, bd = min(ups, key=ups.__getitem__), min(downs, key=downs.__getitem__)
-                best_gemv = GemvTile(*bu[:3], *bd[3:6], bu.up_stages, bd.down_stages)
-                cell["gemv_up_ms"] = {str(tuple(g)[:3] + (g.up_stages,)): v for g, v in ups.items()}
-                cell["gemv_down_ms"] = {str(tuple(g)[3:6] + (g.down_stages,)): v for g, v in downs.items()}
+                best_gemv = GemvTile(*bu[:3], *bd[3:6])
+                cell["gemv_up_ms"] = {str(tuple(g)[:3]): v for g, v in ups.items()}
+                cell["gemv_down_ms"] = {str(tuple(g)[3:6]): v for g, v in downs.items()}
                 for part in ("up", "down"):
                     times_ = cell[f"gemv_{part}_ms"]
                     assert isinstance(times_, dict)

@@ -20,6 +20,7 @@ from typing import Protocol
 
 import torch
 
+from r3trace.kernels.mla_decode.reference import latent_attention_ref
 from r3trace.kernels.mla_decode.registry import DecodeShape
 
 from ..forward_batch import ForwardBatch
@@ -102,9 +103,7 @@ class RefAttention(_PerRequest):
     """Plain torch, one request at a time, fp32 softmax: the definition the kernels are checked against."""
 
     def _latent(self, q: torch.Tensor, kv: torch.Tensor, kv_lora_rank: int, scale: float) -> torch.Tensor:
-        kv = kv.float()
-        probs = _causal_softmax(torch.einsum("nhc,kc->hnk", q.float(), kv) * scale, q.shape[0], kv.shape[0])
-        return torch.einsum("hnk,kc->nhc", probs, kv[:, :kv_lora_rank])
+        return latent_attention_ref(q, kv, kv_lora_rank, scale)  # the kernels' own reference (kernels/mla_decode)
 
     def _heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         probs = _causal_softmax(torch.einsum("nhd,khd->hnk", q.float(), k.float()) * scale, q.shape[0], k.shape[0])
