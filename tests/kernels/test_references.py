@@ -46,7 +46,8 @@ def test_fused_moe_ref_is_the_moe_definition() -> None:
 
 
 def _dense_attention(q: torch.Tensor, kv: torch.Tensor, kv_lora: int, scale: float) -> torch.Tensor:
-    """q [n, H, C], kv [N, C]: query i sees keys 0..N-n+i; softmax(q . k * scale) weighted sum of v = kv[:, :kv_lora]."""
+    """q [n, H, C], kv [N, C]: query i sees keys 0..N-n+i; the softmax(q . k * scale)-weighted sum of
+    kv[:, :kv_lora] rows."""
     n, H, _ = q.shape
     N = kv.shape[0]
     out = torch.zeros(n, H, kv_lora, dtype=torch.float64)
