@@ -1,4 +1,4 @@
-"""How many thread-block clusters of the Gluon MLA decode kernels fit on this GPU at once (kernels/cluster_merge.py).
+"""How many thread-block clusters of the Gluon MLA decode kernels fit on this GPU at once (cluster_merge.py).
 
 Run (GPU, sm_90): python bench/cluster_occupancy.py  -> one line per (kernel, cluster size), JSON in
 $OUT/cluster_occupancy.json

@@ -1,5 +1,5 @@
-"""How the Gluon MLA decode kernels bring q and the latent cache into shared memory (mla_decode_gluon.py, 64-head
-blocks over 8 warps; mla_decode_narrow.py, 16-head blocks over 4): a 64-key tile is either two TMA boxes on
+"""How the Gluon MLA decode kernels bring q and the latent cache into shared memory (wide.py, 64-head
+blocks over 8 warps; narrow.py, 16-head blocks over 4): a 64-key tile is either two TMA boxes on
 mbarriers, c_kv [64, kv_lora] and k_pe [64, rope] from one cache row on (pages of a multiple of 64 slots, so the
 tile's keys are consecutive rows), or one cp.async copy a row through req_to_token (any page size; masked rows
 past the split's end are zero-filled and read no memory). q arrives beside tile 0, on its mbarriers or in its

@@ -1,7 +1,7 @@
-"""MLA decode stage 1 in Gluon for H >= 64 on Hopper, "seesaw" schedule: the two warpgroups take alternate 64-key
-tiles, each computing its tile's scores whole, and pass the row max and P between them.
+"""MLA decode stage 1 in Gluon for H >= 64 on Hopper ("seesaw" record and schedule): the two warpgroups take
+alternate 64-key tiles, each computing its tile's scores whole, and pass the row max and P between them.
 
-Shape legend as in mla_decode.py. One program = (64-head block, request, split): two warp-specialized warpgroups
+Shape legend as in decode.py. One program = (64-head block, request, split): two warp-specialized warpgroups
 (gl.warp_specialize), WG0 the default partition, WG1 a worker, each holding one half of O [64, kv_lora / 2] in
 registers (the whole O, 128 KB of fp32, does not fit one warpgroup's registers). A split's tiles go in pairs (t0 =
 2i in buffer K0, t1 = 2i + 1 in K1); with m the running row max and Ol / Or the halves of O (V = a tile's c_kv):
@@ -17,12 +17,12 @@ registers (the whole O, 128 KB of fp32, does not fit one warpgroup's registers).
 
 Both halves end each pair at the row max m1 (the online softmax's algebra; the schedule is FlashMLA's published
 "seesaw", docs/20250422-new-kernel-deep-dive.md in deepseek-ai/FlashMLA, written here from that description). What
-it buys over mla_decode_gluon.py's kernel (one tile's scores split across both warpgroups at N = 32, so both read all
+it buys over the wide kernel (wide.py) (one tile's scores split across both warpgroups at N = 32, so both read all
 of q from shared memory, then the softmax with every tensor core idle): each score wgmma is N = 64, half the q
 traffic per key, and one warpgroup's softmax runs under the other's wgmmas.
 
-With two tile buffers the loads are what limits it (bench/NOTES.md "Session 11", runs 3-7: refilling a whole tile
-after the pair's last product was 1.08-1.33x slower than the wide kernel). So each tile is six parts on six
+With two tile buffers the loads are what limits it (refilling a whole tile after the pair's last product was
+1.08-1.33x slower than the wide kernel). So each tile is six parts on six
 barriers, c_kv's left and right halves and the rope rows of K0 and K1, each refilled by its last reader as soon as
 it is done with it (K0: left by WG0 after P0 V0, right by WG1 after its P0 V0, rope by WG0 after its P1 V1, whose P1
 lived there; K1: rope by WG1 right after S1, right by WG1 after P1 V1, left by WG0 after its P1 V1), and each
@@ -30,8 +30,11 @@ warpgroup's scores take the parts in that order, every product issued as its par
 and K1 72 KB each, P0 8 KB, 226 KB in all. Each row sum is kept by the warpgroup whose P it sums and added once at
 the end; the output goes through a dead tile buffer to 16-byte stores.
 
-TMA form only (pages of a multiple of 64 slots; the launcher checks), rope 64 (P1 lives in a tile's [64, rope] rows),
-no PDL, no clusters. Gluon does not run under TRITON_INTERPRET=1: gpu-marked tests only.
+When it runs: the default at H >= 64 on Hopper on pages of a multiple of 64 slots at rope 64 (package docstring),
+at the wide kernel's split counts: 1.08-1.10x the wide kernel at kv_len >= 8k, 1.03-1.05x at B64/1k and B256/1k,
+0.965x at B16/1k (H200; BENCHMARKS.md#mla-decode). Limits: TMA form only (pages of a multiple of 64 slots), rope 64
+(P1 lives in a tile's [64, rope] rows), no PDL, no clusters. Gluon does not run under TRITON_INTERPRET=1: gpu-marked
+tests only.
 """
 
 from __future__ import annotations

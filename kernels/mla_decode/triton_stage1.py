@@ -1,9 +1,9 @@
-"""MLA decode stage 1 in Triton: any GPU, and the CPU interpreter (mla_decode.py's shape legend; the Gluon stage 1s
-for Hopper are mla_decode_gluon.py and mla_decode_narrow.py). One program = (head block [x value split], request,
+"""MLA decode stage 1 in Triton ("triton" record): any GPU and the CPU interpreter; the default wherever no Gluon
+record applies (package docstring). Shape legend as in decode.py. One program = (head block [x value split], request,
 split): it walks its split of positions in tiles of BLOCK_N keys, gathering slots through req_to_token (any page
 size), keeps an online softmax for BLOCK_H heads at once (one latent tile from HBM serves BLOCK_H query heads), and
-writes the split's normalised partial output and its log-sum-exp for mla_decode's merge. The tile's knobs
-(DecodeTile, decode_tile.py): value splits (each half of the c_kv columns its own program, scores computed twice),
+writes the split's normalised partial output and its log-sum-exp for the merge (merge.py). The tile's knobs
+(DecodeTile, tile.py): value splits (each half of the c_kv columns its own program, scores computed twice),
 keys-major scores ([keys, heads]), and the next tile's slots loaded one iteration early at 3+ stages.
 """
 

@@ -1,33 +1,33 @@
-"""MLA decode stage 1 in Gluon for H >= 64 on Hopper: FlashMLA's split of one 64-head tile over two warpgroups.
+"""MLA decode stage 1 in Gluon for H >= 64 on Hopper ("wide" record): FlashMLA's split of one 64-head tile over two
+warpgroups. The default at H >= 64 on Hopper where the seesaw kernel does not apply (pages not a multiple of 64 slots,
+or rope other than 64); package docstring.
 
-Shape legend as in mla_decode.py: B requests, H heads, C = kv_lora + rope, P = num_kv_splits; one program =
-(64-head block, request, split), 8 warps. Per 64-key tile:
+Shape legend as in decode.py: B requests, H heads, C = kv_lora + rope, P = num_kv_splits; one program =
+(64-head block, request, split), 8 warps. Per 64-key tile (wide_tile.py):
 
     S [64 heads, 64 keys]  = q_nope @ c_kv^T + q_pe @ k_pe^T   warpgroup w computes keys 32w..32w+31
     P = exp2(S - m)        -> shared memory (bf16), read by both warpgroups
     O [64, kv_lora]       += P @ c_kv                          warpgroup w accumulates columns 256w..256w+255
 
-The Triton kernel cannot lay the products out this way: tl.dot puts both warpgroups of a chained product
-along M, so at 64 heads both compute the same scores (576 of every 1088 FLOPs twice; bench/NOTES.md). Here
-each FLOP is done once, the wgmmas read q and the latent tile from shared memory (q 72 KB, two stages of the
-tile 144 KB, P 8 KB: 224 KB of the 227 KB allowed), and the next tile is loaded one tile ahead in one of two
-forms (constexpr TMA, picked by the launcher from the caller's page size):
-- TMA (pages of a multiple of 64 slots, so a tile's keys are 64 consecutive cache rows): a [64, kv_lora] and
-  a [64, rope] box on an mbarrier each; q the same way beside tile 0. 3 barriers a tile (the refill's, the
-  row max's, P's). 1.08-1.12x the cp.async form at every H = 128 cell (bench/NOTES.md, "mla128b, session 5").
-- cp.async row copies through req_to_token (any page size), one per key: 4 barriers a tile (the refill's and
-  the data's in one, one the compiler adds after the cp.async wait, the row max's, P's).
-It writes the same partial outputs and log-sum-exps as the Triton stage 1, so mla_decode's merge (stage 2)
-is shared. The row sums need no barrier (kept element-wise, summed once after the loop). Where a TMA tile's
-time goes (H200, B = 64 / 8k, 2.5 us a tile; each part cut from the source, the rest timed: bench/NOTES.md
-"mla128b, session 5", run 4): the score wgmmas 40% (both warpgroups read all of q: 216 KB of shared-memory
-reads a tile of the ~375 KB it moves), P V 18%, HBM (every tile from L2-hot rows instead) 8%, the
-exponentials and the rescale of O 3% each; the rest is the softmax, the barriers and waits.
+The Triton kernel cannot lay the products out this way: tl.dot puts both warpgroups of a chained product along M, so
+at 64 heads both compute the same scores (576 of every 1088 FLOPs twice). Here each FLOP is done once, the wgmmas read
+q and the latent tile from shared memory (q 72 KB, two stages of the tile 144 KB, P 8 KB: 224 KB of the 227 KB
+allowed), and the next tile is loaded one tile ahead in one of two forms (constexpr TMA, picked by the launcher from
+the tile's page size):
+- TMA (pages of a multiple of 64 slots, so a tile's keys are 64 consecutive cache rows): a [64, kv_lora] and a
+  [64, rope] box on an mbarrier each; q the same way beside tile 0. 3 barriers a tile (the refill's, the row max's,
+  P's). 1.08-1.12x the cp.async form at every H = 128 cell.
+- cp.async row copies through req_to_token (any page size), one per key: 4 barriers a tile (the refill's and the
+  data's in one, one the compiler adds after the cp.async wait, the row max's, P's).
+It writes the same partial outputs and log-sum-exps as the Triton stage 1, so the merge (merge.py) is shared. The row
+sums need no barrier (kept element-wise, summed once after the loop). A TMA tile's 2.5 us at B = 64 / 8k (each part
+cut from the source, the rest timed): the score wgmmas 40% (both warpgroups read all of q: 216 KB of shared-memory
+reads a tile of the ~375 KB it moves), P V 18%, HBM 8%, the exponentials and the rescale of O 3% each; the rest is the
+softmax, the barriers and waits. Figures: H200, BENCHMARKS.md#mla-decode.
 
-Gluon kernels do not run under TRITON_INTERPRET=1 (triton 3.6: gluon.jit launches through the active GPU
-driver, "0 active drivers" on CPU), so this path is covered by `gpu`-marked tests only; the CPU interpreter
-tests cover the Triton kernel. Requires sm_90, bf16/fp16, kv_lora in {128, 256, 512}, rope a power of two
-in 16..128.
+Gluon kernels do not run under TRITON_INTERPRET=1 (gluon.jit launches through the active GPU driver), so this path is
+covered by `gpu`-marked tests only. Requires sm_90, bf16/fp16, kv_lora in {128, 256, 512}, rope a power of two in
+16..128 (registry.gluon_shape_error).
 """
 
 from __future__ import annotations
@@ -70,16 +70,14 @@ BLOCK_H = 64  # one wgmma M: 4 warps x 16 rows
 BLOCK_N = 64  # keys a tile: S is 64 x 64, each warpgroup's half an instruction of N = 32
 NUM_WARPS = 8  # two warpgroups, [4, 2]: M over the warps of a group, N over the groups
 # The kernel's schedule switches (MAX_XCHG, GATHER_UNDER_S, COALESCED_OUT) are DecodeTile fields, on by default:
-# MAX_XCHG: the row max over a tile's 64 keys from each warpgroup's max over its 32, swapped through 512 B
-# of shared memory with one barrier, not gl.max's cross-warp reduction (two barriers): 1-4% faster at
-# every H = 128 cell (bench/NOTES.md, "mla128, session 4", run 3).
-# GATHER_UNDER_S (cp.async form): the score wgmmas issued before the next tile's gather, so its ~20
-# instructions a thread issue while they run: 0.3-4% faster at 9 of the 10 H = 128 cells, 0.4% slower at
-# B = 256 / 8k (run 4). The TMA form always issues its boxes after the score wgmmas.
+# MAX_XCHG: the row max over a tile's 64 keys from each warpgroup's max over its 32, swapped through 512 B of shared
+# memory with one barrier, not gl.max's cross-warp reduction (two barriers): 1-4% faster at every H = 128 cell.
+# GATHER_UNDER_S (cp.async form): the score wgmmas issued before the next tile's gather, so its ~20 instructions a
+# thread issue while they run: 0.3-4% faster at 9 of the 10 H = 128 cells, 0.4% slower at B = 256 / 8k. The TMA form
+# always issues its boxes after the score wgmmas.
 # COALESCED_OUT: the output (or fp32 partial) converted through shared memory (the dead tile buffers: the kernel's
 # 224 KB unchanged) to 16-byte stores along a row, not stored from the accumulator's layout (2 columns a store: half
-# a 32-byte sector in bf16). Session 10 run 10 (graph ms, paired): B64/1k 0.0461 vs 0.0517 (1.12x), B256/1k 0.1790 vs
-# 0.1957 (1.09x), B256/8k and 32k 1.03x, B16/1k 1.03x, the other cells 0.996-1.009x.
+# a 32-byte sector in bf16): B64/1k 1.12x, B256/1k 1.09x, the other cells 0.996-1.03x.
 
 
 @gluon.jit
@@ -150,7 +148,7 @@ def _mla_decode_gluon_kernel(
         else:
             # q [64, kv_lora + rope] by cp.async in the same group as tile 0's gather: the two latencies overlap (a
             # register load then a store put q's ~1 us ahead of the first gather: part of the ~4 tiles of fixed
-            # cost per program that bench/NOTES.md fitted)
+            # cost per program, tile.GLUON_FIXED_TILES)
             rows_v, rows_r, cols_v, cols_r = gather_first_tile(
                 q_ptr, kv_ptr, r2t, qv_s, qr_s, kv_a, kr_a, b, hb * BLOCK_H, H, start, end, stride_qb, stride_qh,
                 stride_kvs, BLOCK_H, BLOCK_N, KV_LORA, ROPE, GATHER_V, GATHER_R)  # fmt: skip

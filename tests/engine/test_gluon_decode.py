@@ -119,7 +119,7 @@ def test_every_decode_call_matches_torch_reference(tmp_path: Path, kernel: str, 
 
 def test_narrow_cluster_merge_in_engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Batch 64 of 66-126-token contexts on 64-slot pages: the narrow tile takes 2 splits (128 programs, one wave),
-    which its default merges in clusters of 2 (kernels/cluster_merge.py); every decode call still matches the fp32
+    which its default merges in clusters of 2 (cluster_merge.py); every decode call still matches the fp32
     reference as above."""
     from r3trace.kernels.mla_decode import narrow
 

@@ -1,4 +1,4 @@
-"""launch_in_clusters' host decisions (kernels/cluster_merge.py), on CPU with a stand-in for the compiled kernel: the
+"""launch_in_clusters' host decisions (cluster_merge.py), on CPU with a stand-in for the compiled kernel: the
 cluster sizes it takes, a triton whose packed launch metadata is not the (num_warps, num_ctas, shared) it was written
 for (warns, launches nothing, so mla_decode runs the merge kernel), and an exchange larger than the kernel's shared
 memory (a programming error: raises). The launches themselves are GPU tests (test_cluster_merge.py)."""

@@ -1,4 +1,4 @@
-"""DecodeTile.pdl's contract on both Gluon decode stage 1s (mla_decode_narrow.py for 16 heads, mla_decode_gluon.py
+"""DecodeTile.pdl's contract on both Gluon decode stage 1s (narrow.py for 16 heads, wide.py
 for 64-head blocks), on a Hopper GPU only: the kernel launched just before a PDL call may write q and each request's
 newest cache row. The narrow kernel's TMA form issues a split's tile 0 before griddepcontrol.wait unless it holds the
 request's last position, so that row must still be read after the wait; the wide kernel waits before it reads q or the

@@ -1,4 +1,4 @@
-"""mla_decode with the seesaw stage 1 (DecodeTile(kernel="seesaw"), kernels/mla_decode_seesaw.py) against
+"""mla_decode with the seesaw stage 1 (DecodeTile(kernel="seesaw"), kernels/mla_decode/seesaw.py) against
 mla_decode_ref and against the wide Gluon kernel, on the GPU only (Gluon does not run under TRITON_INTERPRET=1).
 Run on an H100/H200:  python -m pytest tests/kernels/test_mla_decode_seesaw.py -q -m gpu
 """
