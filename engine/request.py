@@ -182,6 +182,11 @@ class Req:
     # retraction (prompt + outputs so far) runs with phase "prefill".
     in_decode: bool = False
     num_retractions: int = 0
+    # speculative decoding, over the request's life (SGLang's meta_info names): verify forwards, drafts proposed in
+    # them, drafts accepted
+    spec_verify_ct: int = 0
+    spec_num_proposed_drafts: int = 0
+    spec_num_correct_drafts: int = 0
     # logprobs; input ones are computed once (not again after a retraction)
     input_logprobs: list[LogprobEntry] = field(default_factory=list)
     input_top_logprobs: list[list[LogprobEntry] | None] = field(default_factory=list)

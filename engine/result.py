@@ -56,6 +56,12 @@ def build_result(req: Req, tokenizer: TextTokenizer, *, delta: bool) -> dict[str
         "cached_tokens": req.cached_tokens,
         "finish_reason": None if req.finish is None else req.finish.to_dict(),
     }
+    if req.spec_verify_ct:  # speculative decoding (SGLang's fields): tokens a verify forward commits, on average
+        meta["spec_verify_ct"] = req.spec_verify_ct
+        meta["spec_num_proposed_drafts"] = req.spec_num_proposed_drafts
+        meta["spec_num_correct_drafts"] = req.spec_num_correct_drafts
+        meta["spec_accept_rate"] = req.spec_num_correct_drafts / max(req.spec_num_proposed_drafts, 1)
+        meta["spec_accept_length"] = (req.spec_num_correct_drafts + req.spec_verify_ct) / req.spec_verify_ct
     ids_from, text_from, lp_from = (req.sent_ids, req.sent_text, req.sent_logprobs) if delta else (0, 0, 0)
     if req.logprob is not None:
         if not delta or req.sent_logprobs == 0:

@@ -15,6 +15,8 @@ the tokens below min_p times the most likely one. Each stage runs only when a ro
 
 from __future__ import annotations
 
+from typing import Literal
+
 import numpy as np
 import torch
 
@@ -57,7 +59,15 @@ class Sampler:
         greedy_ids = logits.argmax(dim=-1)  # [B]
         if all(p.is_greedy for p in params):
             return greedy_ids
-        device, vocab = logits.device, logits.shape[1]
+        sampled = self.race(self.probs(logits, params), generators)  # [B]
+        is_greedy = self.staging.to_device(np.array([p.is_greedy for p in params], np.bool_))  # [B]
+        return torch.where(is_greedy, greedy_ids, sampled)
+
+    def probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """logits: [B, V] float32 -> the distribution each row samples from [B, V]: softmax of logits / temperature
+        (1 for greedy rows) after top-k, then top-p and min-p. Speculative decoding's acceptance reads it too
+        (spec/verify.py)."""
+        vocab = logits.shape[1]
         stage = self.staging.to_device
         temps = stage(np.array([p.temperature if not p.is_greedy else 1.0 for p in params], np.float32))  # [B]
         logits = logits / temps[:, None]  # [B, V]
@@ -69,19 +79,31 @@ class Sampler:
             probs = _apply_top_p(probs, stage(np.array([p.top_p for p in params], np.float32)))
         if any(p.min_p > 0 for p in params):
             probs = _apply_min_p(probs, stage(np.array([p.min_p for p in params], np.float32)))
-        q = torch.empty_like(probs)  # [B, V] Exp(1) noise
+        return probs
+
+    def race(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+        """probs: [B, V] (need not sum to 1) -> one draw per row [B] int64: argmax(probs / q), q ~ Exp(1)."""
+        return (probs / self.noise(probs.shape, generators, "exponential")).argmax(dim=-1)
+
+    def noise(
+        self, shape: torch.Size | tuple[int, int], generators: list[torch.Generator | None],
+        kind: Literal["exponential", "uniform"],
+    ) -> torch.Tensor:
+        """[B, n] float32 draws, Exp(1) or U[0, 1): row b from generators[b] (a seeded request), the others from the
+        engine's generator in one call (row order)."""
+        draw = torch.Tensor.exponential_ if kind == "exponential" else torch.Tensor.uniform_
+        rows, n = shape
+        q = torch.empty(rows, n, device=self.device)
         shared_rows = [i for i, g in enumerate(generators) if g is None]
         if len(shared_rows) == len(generators):  # the same draws as the branch below, without an index
-            q.exponential_(generator=self.generator)
+            draw(q, generator=self.generator)
         elif shared_rows:
-            draws = torch.empty(len(shared_rows), vocab, device=device).exponential_(generator=self.generator)
-            q.index_copy_(0, stage(np.array(shared_rows, np.int64)), draws)
+            draws = draw(torch.empty(len(shared_rows), n, device=self.device), generator=self.generator)
+            q.index_copy_(0, self.staging.to_device(np.array(shared_rows, np.int64)), draws)
         for i, g in enumerate(generators):
             if g is not None:
-                q[i].exponential_(generator=g)
-        sampled = (probs / q).argmax(dim=-1)  # [B]
-        is_greedy = stage(np.array([p.is_greedy for p in params], np.bool_))  # [B]
-        return torch.where(is_greedy, greedy_ids, sampled)
+                draw(q[i], generator=g)
+        return q
 
 
 def _apply_top_k(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:

@@ -67,7 +67,7 @@ GPU_TMA = {
     "il-pointers": MoeConfig(128, GemmTile(128, 64, 8, 8, 3, True), GemmTile(256, 64, 8, 8, 3)),
     "split-tma": MoeConfig(128, GemmTile(128, 64, 8, 8, 3, True, tma=True),
                            GemmTile(64, 256, 8, 8, 3, n_split=4, tma=True)),
-    # the bf16 I <= 256 default at 32-63 rows per expert (session 10): BLOCK_M 64, TMA weights, whole-K down
+    # the bf16 I <= 256 default at 32-63 rows per expert: BLOCK_M 64, TMA weights, whole-K down
     "bm64-split-tma": MoeConfig(64, GemmTile(128, 64, 8, 8, 3, True, tma=True),
                                 GemmTile(64, 256, 8, 8, 3, n_split=4, tma=True)),
 }  # fmt: skip
