@@ -35,6 +35,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, NamedTuple
 
 import numpy as np
 
@@ -94,6 +95,26 @@ def spreads(cluster: Cluster, cfg: PlannerConfig) -> bool:
             and cluster.num_groups <= cluster.num_nodes)
 
 
+class Layout(NamedTuple):
+    """The layout fresh_plan builds on a cluster, and why, for reports (`r3trace eplb` prints it)."""
+
+    name: Literal["spread", "groups_on_nodes", "expert_per_node"]
+    reason: str
+
+
+def layout(cluster: Cluster, cfg: PlannerConfig = PlannerConfig()) -> Layout:
+    """Which of fresh_plan's layouts this cluster gets; fresh_plan branches on it."""
+    g, n, lim = cluster.num_groups, cluster.num_nodes, cluster.node_limit
+    if spreads(cluster, cfg):
+        return Layout("spread", f"{g} groups do not fill {n} nodes evenly (groups % nodes != 0, nodes >= groups): "
+                                "group home nodes, extra replicas beside the experts they are chosen with")
+    if limit_binds(cluster):
+        return Layout("groups_on_nodes", f"node limit {lim} < {n} nodes and {g} groups divide over them: whole "
+                                         "groups per node (DeepSeek's hierarchical layout) keep tokens within it")
+    why = f"node limit {lim} >= {n} nodes" if lim >= n else f"{g} groups do not divide over {n} nodes"
+    return Layout("expert_per_node", f"{why}: each expert's replicas on one node, nodes balanced")
+
+
 def _coact(tokens: np.ndarray | None, n_layers: int, e: int) -> np.ndarray:
     return np.zeros((n_layers, e, e)) if tokens is None or not len(tokens) else coactivation_counts(tokens, e)
 
@@ -103,13 +124,14 @@ def fresh_plan(w: np.ndarray, home: np.ndarray, cluster: Cluster, cfg: PlannerCo
     """Forecast loads w [L, E], preferred nodes home [L, E], tokens [T, L, K] or None -> Placement with one
     node per expert, or group homes plus co-activation replicas where groups do not fit nodes."""
     n_layers, e = w.shape
-    if spreads(cluster, cfg):
+    kind = layout(cluster, cfg).name
+    if kind == "spread":
         logcnt = capped_counts(w, cluster.num_slots, cluster.num_nodes)
         cnt = affinity_replicas(w, logcnt, home_primaries(w, cluster), _coact(tokens, n_layers, e), cluster)
         phy2log = level_refine(pack_nodes(w, logcnt, cnt, cluster), w, logcnt, cluster, cfg.level_swaps,
                                cfg.level_min_gain, cfg.level_cold)
         return from_phy2log(phy2log, e)
-    if limit_binds(cluster):  # groups stay on their nodes: DeepSeek's hierarchical policy, then swaps in nodes
+    if kind == "groups_on_nodes":  # groups stay on their nodes: DeepSeek's hierarchical policy, then swaps in nodes
         pl = hierarchical(w, cluster)
         return from_phy2log(swap_refine(pl.phy2log, w, pl.logcnt, cluster, cfg.fresh_swaps, cfg.min_gain,
                                         cross_nodes=False), e)
