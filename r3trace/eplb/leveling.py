@@ -26,13 +26,13 @@ from r3trace.eplb.placement import Cluster
 
 
 def level_refine(phy2log: np.ndarray, weight: np.ndarray, logcnt: np.ndarray, cluster: Cluster, max_swaps: int,
-                 min_gain: float, cold: float = 0.5, hot_gpus: int = 8) -> np.ndarray:
+                 min_gain: float, cold: float = 0.5, hot_gpus: int = 8, cross_nodes: bool = True) -> np.ndarray:
     """phy2log [L, P] -> phy2log [L, P] after at most max_swaps swaps per layer (2 moved slots each).
 
     weight [L, E] forecast loads, logcnt [L, E] replicas (counts do not change). Each step swaps a slot of
     one of the layer's `hot_gpus` hottest GPUs with any slot of another GPU, the allowed pair (module doc)
     that lowers the sum of squared GPU loads most; a layer stops once that gain is below
-    min_gain x (mean GPU load)^2.
+    min_gain x (mean GPU load)^2. cross_nodes=False keeps every replica on its node (swaps inside nodes only).
     """
     out = np.asarray(phy2log, dtype=np.int64).copy()
     n_layers, p = out.shape
@@ -77,7 +77,7 @@ def level_refine(phy2log: np.ndarray, weight: np.ndarray, logcnt: np.ndarray, cl
         kin &= ((home & bit[a_node]) != 0)[:, :, None]  # one group, both nodes among its input nodes
         cold_b = ur < cold_slot[r, None]
         kin |= cold_b[at, mine][:, :, None] & cold_b[:, None, :]
-        cross = ~x_at_b & ~y_at_a & ((~la & ~lb) | kin)
+        cross = ~x_at_b & ~y_at_a & ((~la & ~lb) | kin) & cross_nodes
         ok = ((a_node[:, :, None] == slot_node[None, None, :]) | cross) & (a_gpu[:, :, None] != slot_gpu)
         flat = np.where(ok, gain, -np.inf).reshape(n, -1)
         best = np.argmax(flat, axis=1)
