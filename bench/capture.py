@@ -29,10 +29,10 @@ import torch
 
 from r3trace.capture.capturer import CaptureConfig, RoutedExpertsCapturer
 from r3trace.capture.recorder import NullRecorder
-from r3trace.engine.config import ModelConfig
 from r3trace.engine.engine_config import EngineConfig
 from r3trace.engine.forward_batch import ForwardBatch
 from r3trace.engine.model import build_model
+from r3trace.engine.model_config import ModelConfig
 from r3trace.engine.parallel import ParallelInfo
 
 

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from r3trace.capture.recorder import ListRecorder
-from r3trace.engine.config import ModelConfig
+from r3trace.engine.model_config import ModelConfig
 
 MODEL = Path(__file__).resolve().parent.parent / "samples" / "model"
 Mode = Literal["max", "sum"]  # DpLayout's padding mode: decode "max", prefill "sum"

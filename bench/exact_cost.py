@@ -21,10 +21,10 @@ from typing import Any
 import torch
 
 from r3trace.capture.recorder import ListRecorder
-from r3trace.engine.config import ModelConfig
 from r3trace.engine.engine_config import EngineConfig
 from r3trace.engine.forward_batch import ForwardBatch
 from r3trace.engine.model import DeepseekForCausalLM, build_model
+from r3trace.engine.model_config import ModelConfig
 from r3trace.engine.parallel import ParallelInfo
 from r3trace.engine.weights import load_weights
 

@@ -16,10 +16,10 @@ import torch
 import torch.nn.functional as F
 
 from r3trace.capture.recorder import ListRecorder
-from r3trace.engine.config import ModelConfig
 from r3trace.engine.engine_config import EngineConfig
 from r3trace.engine.forward_batch import ForwardBatch
 from r3trace.engine.model import build_model
+from r3trace.engine.model_config import ModelConfig
 from r3trace.engine.parallel import ParallelInfo
 from r3trace.engine.weights import load_weights
 

@@ -27,13 +27,13 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
-from r3trace.engine.config import ModelConfig
 from r3trace.engine.engine_config import EngineConfig
 from r3trace.engine.forward_batch import ForwardBatch
 from r3trace.engine.layers.mlp import linear
 from r3trace.engine.layers.norm import RMSNorm
 from r3trace.engine.layers.router import Router
 from r3trace.engine.model import DecoderLayer, DeepseekModel
+from r3trace.engine.model_config import ModelConfig
 from r3trace.engine.parallel import ParallelInfo
 
 

@@ -30,7 +30,7 @@ from sample_corpus import DOMAINS, build_corpus, read_documents  # noqa: E402
 from sample_evidence import engine_routes, routing_evidence, unigram_loss  # noqa: E402
 from sample_lm import SampleLM, hf_config, save_checkpoint  # noqa: E402
 
-from r3trace.engine.config import ModelConfig  # noqa: E402
+from r3trace.engine.model_config import ModelConfig  # noqa: E402
 
 # The sample: 1 dense + 4 MoE layers + MTP, 32 experts in 4 groups, top-4 of 2 groups, 1 shared expert.
 PRESETS: dict[str, dict[str, Any]] = {

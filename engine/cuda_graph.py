@@ -113,11 +113,3 @@ class DecodeGraphs:
         graph, logits = self.graphs[bs]
         graph.replay()
         return logits[:b]
-
-
-def default_batch_sizes(max_running_requests: int) -> tuple[int, ...]:
-    """1, 2, 4, 8, then every 8 up to 64, every 32 up to 256, every 64 beyond (SGLang captures a similar
-    ladder): padding wastes at most 12% of a step above 8 requests, and each graph costs one capture."""
-    sizes = [1, 2, 4, 8] + list(range(16, 65, 8)) + list(range(96, 257, 32)) + list(range(320, 1025, 64))
-    out = [s for s in sizes if s < max_running_requests] + [max_running_requests]
-    return tuple(sorted(set(out)))

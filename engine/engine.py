@@ -23,13 +23,13 @@ from pathlib import Path
 from typing import Any
 
 from r3trace.capture.recorder import RouteRecorder
-from r3trace.engine.config import ModelConfig
 from r3trace.engine.engine_config import EngineConfig, EngineConfigError
 from r3trace.engine.engine_core import EngineCore
 from r3trace.engine.event_loop import Sink
 from r3trace.engine.expert_placement import initial_location
 from r3trace.engine.launch.config import LaunchConfig, Launcher, LoadBalanceMethod
 from r3trace.engine.launch.controller import check_routed_dp_rank
+from r3trace.engine.model_config import ModelConfig
 from r3trace.engine.parallel import ParallelInfo
 from r3trace.engine.placement_control import PlacementControl
 from r3trace.engine.replay import computed_rows, replay_routes
@@ -37,7 +37,7 @@ from r3trace.engine.request import InvalidRequestError, Req
 from r3trace.engine.request_builder import RequestBuilder, as_list
 from r3trace.engine.request_hooks import RequestHooks
 from r3trace.engine.result import error_result
-from r3trace.engine.route_capture import CaptureRequest
+from r3trace.engine.route_options import CaptureRequest
 from r3trace.engine.sampling import Sampler
 from r3trace.engine.tokenizer import load_tokenizer
 from r3trace.engine.trace_control import LocalTrace, TraceControl, TraceTarget
@@ -177,9 +177,7 @@ class Engine:
                 self._attach_capture(req, len(reqs), len(entries), return_routed_experts,
                                      routed_experts_start_len, return_routed_weights, routed_experts, tag,
                                      routed_experts_replay_start_len)
-                pin = self._pick_dp_rank(routed_dp_rank, len(reqs), len(entries))
-                if pin is not None:
-                    req.extras["routed_dp_rank"] = pin
+                req.routed_dp_rank = self._pick_dp_rank(routed_dp_rank, len(reqs), len(entries))
                 self._loop.claim_rid(entry_rid)
             except InvalidRequestError as exc:
                 if single:
@@ -214,7 +212,8 @@ class Engine:
         self, req: Req, i: int, n: int, want: Any, start: Any, weights: Any, forced: Any, tag: Any,
         replay_start: Any = None,
     ) -> None:
-        """Per-request capture options and replay routes into req.extras (raises for this request only)."""
+        """Per-request capture options and replay routes into req.capture and req.replay (raises for this
+        request only)."""
 
         def pick(name: str, value: Any, is_list: bool) -> Any:
             if not is_list:
@@ -243,7 +242,7 @@ class Engine:
             raise InvalidRequestError("return_routed_weights", "start the engine with capture_weights=True")
         if tag_i is not None and not isinstance(tag_i, str):
             raise InvalidRequestError("tag", f"{tag_i!r} must be a string")
-        req.extras["capture"] = CaptureRequest(
+        req.capture = CaptureRequest(
             want=want_i or weights_i, start_len=start_i, weights=weights_i, tag=tag_i, arrival_ns=time.time_ns()
         )
         if replay_start_i is not None and forced_i is None:
@@ -252,7 +251,7 @@ class Engine:
             )
         if forced_i is not None:
             rows = computed_rows(req.prompt_len, req.params.max_new_tokens, self.max_context_len)
-            req.extras["replay"] = replay_routes(forced_i, replay_start_i, self.model_config, rows)
+            req.replay = replay_routes(forced_i, replay_start_i, self.model_config, rows)
             # A prefix-cache hit is reused only where the route hooks find it exact (docs/replay.md); hooks
             # supplied by the caller cannot tell, so there the replay bypasses the cache both ways.
             req.use_prefix_cache = not self._custom_hooks

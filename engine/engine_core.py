@@ -17,13 +17,14 @@ import torch
 from r3trace.capture.capturer import CaptureConfig, RoutedExpertsCapturer
 from r3trace.capture.physical import PhysicalRecorder
 from r3trace.capture.recorder import RouteRecorder
-from r3trace.engine.config import ModelConfig
+from r3trace.engine.cuda_graph import DecodeGraphs
 from r3trace.engine.engine_config import EngineConfig, EngineConfigError
 from r3trace.engine.event_loop import EventLoop
 from r3trace.engine.expert_placement import ChunkDone, moe_layers, update_chunks
 from r3trace.engine.kv_pool import KVPool, ReqToTokenPool
 from r3trace.engine.layers.expert_location import ExpertLocation, ExpertLocationError, held_experts
 from r3trace.engine.model import build_model
+from r3trace.engine.model_config import ModelConfig
 from r3trace.engine.model_runner import ModelRunner
 from r3trace.engine.parallel import ParallelInfo
 from r3trace.engine.radix_cache import RadixCache
@@ -103,8 +104,6 @@ class EngineCore:
                 f"ep_size={parallel.ep_size} (decode under DP attention or EP runs eager)"
             )
         if cfg.graph_batch_sizes and graph_safe:
-            from r3trace.engine.cuda_graph import DecodeGraphs
-
             graphs = DecodeGraphs(self.model, self.kv_pool.kv_buffer, req_pool.req_to_token, cfg.graph_batch_sizes,
                                   self.max_context_len, self.kv_pool.pad_slot)
         self.runner = ModelRunner(self.model, self.kv_pool, req_pool, self.sampler, device, mc, graphs, parallel)

@@ -23,12 +23,12 @@ from typing import Any
 
 import torch
 
-from r3trace.engine.config import ModelConfig
+from r3trace.engine.model_config import ModelConfig
 from r3trace.engine.model_runner import Launched, ModelRunner
 from r3trace.engine.radix_cache import RadixCache
 from r3trace.engine.request import InvalidRequestError, Req
 from r3trace.engine.result import build_result
-from r3trace.engine.route_capture import CaptureRequest, RouteCaptureHooks, route_meta
+from r3trace.engine.route_capture import RouteCaptureHooks, route_meta
 from r3trace.engine.scheduler import Scheduler
 from r3trace.engine.tokenizer import TextTokenizer
 
@@ -207,7 +207,7 @@ class EventLoop:
             self.scheduler.process(done.items, self.runner.collect(done))
 
     def _with_routes(self, req: Req, result: dict[str, Any], delta: bool) -> dict[str, Any]:
-        opts: CaptureRequest | None = req.extras.get("capture")
+        opts = req.capture
         if opts is None or not opts.want or self.route_hooks is None:
             return result
         rows = opts.rows if req.finished else self.route_hooks.stream_rows(req)

@@ -28,11 +28,11 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from .config import ModelConfig
 from .engine_config import EngineConfig
 from .layers.expert_location import ExpertLocation, ExpertLocationError
 from .layers.expert_map import DispatchMode, ExpertMap
 from .layers.moe import MoE
+from .model_config import ModelConfig
 
 WeightSource = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
 

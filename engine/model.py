@@ -26,7 +26,6 @@ from torch import nn
 from r3trace.capture.recorder import NullRecorder, RouteRecorder
 
 from .communicator import LayerCommunicator, RouteCommunicator, VocabCommunicator, all_reduce_sum, mlp_input_mode
-from .config import ModelConfig
 from .engine_config import EngineConfig, EngineConfigError
 from .expert_placement import apply_expert_location, initial_location
 from .forward_batch import ForwardBatch
@@ -41,6 +40,7 @@ from .layers.moe import MoE, make_experts_fn
 from .layers.norm import RMSNorm
 from .layers.rope import RotaryEmbedding
 from .layers.router import make_routing_ops
+from .model_config import ModelConfig
 from .parallel import ParallelInfo
 
 
@@ -64,7 +64,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, ecfg.norm_impl)
         attn_backend = make_attention_backend(ecfg.attention_impl, ecfg.device, ecfg.decode_kernel, ecfg.page_size)
         self.self_attn = MLAAttention(
-            cfg, layer_id, rope, attn_backend, ecfg.mla_impl, dtype, device, ecfg.norm_impl, ecfg.fuse_step_glue,
+            cfg, layer_id, rope, attn_backend, ecfg.mla_impl, dtype, device, ecfg.norm_impl,
             parallel.attn_tp_rank, parallel.attn_tp_size, ecfg.deterministic,
         )
         self.is_moe = cfg.is_moe_layer(layer_id)
@@ -75,7 +75,7 @@ class DecoderLayer(nn.Module):
             # Under EP the shared experts run whole on this rank's scattered rows (replicated, as under DeepEP).
             shared_rank, shared_size = (0, 1) if ep else (parallel.tp_rank, parallel.tp_size)
             self.mlp = MoE(
-                cfg, layer_id, recorder, make_routing_ops(ecfg.topk_impl, ecfg.fuse_step_glue),
+                cfg, layer_id, recorder, make_routing_ops(ecfg.topk_impl),
                 make_experts_fn(ecfg.moe_impl), dtype, device, fuse_shared_experts(ecfg, parallel),
                 shared_rank, shared_size,
                 dispatcher=make_dispatcher(slots, parallel.ep_rank, parallel.ep_size, parallel.ep_group,

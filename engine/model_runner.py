@@ -20,12 +20,12 @@ import numpy as np
 import torch
 
 from r3trace.capture.recorder import RouteRecorder
-from r3trace.engine.config import ModelConfig
 from r3trace.engine.cuda_graph import DecodeGraphs
 from r3trace.engine.forward_batch import ForwardBatch
 from r3trace.engine.host_staging import HostStaging
 from r3trace.engine.kv_pool import KVPool, ReqToTokenPool
 from r3trace.engine.launch.step_layout import idle_batch, step_layout
+from r3trace.engine.model_config import ModelConfig
 from r3trace.engine.parallel import ParallelInfo
 from r3trace.engine.replay import replay_plan
 from r3trace.engine.request import LogprobEntry

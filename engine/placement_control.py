@@ -12,9 +12,9 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from r3trace.engine.config import ModelConfig
 from r3trace.engine.engine_core import EngineCore
 from r3trace.engine.expert_placement import read_location
+from r3trace.engine.model_config import ModelConfig
 
 
 class PlacementControl:

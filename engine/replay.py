@@ -7,7 +7,6 @@ Shape legend: L num_hidden_layers, K top-k, E routed experts, T tokens of one fo
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -16,25 +15,11 @@ import torch
 
 from r3trace.capture.wire import WireFormatError, decode_array
 
-from .config import ModelConfig
 from .forward_batch import ReplayPlan
+from .model_config import ModelConfig
 from .request import InvalidRequestError
+from .route_options import ReplayRoutes
 from .step import ScheduledReq
-
-
-@dataclass(frozen=True)
-class ReplayRoutes:
-    """A request's forced routes (req.extras["replay"]): ids [n, L, K] int32 for positions [start, start + n).
-
-    Row i forces position start + i: its ids on every MoE layer, with weights the gate's own scores at
-    those ids (engine/layers/router.py). docs/replay.md states the contract."""
-
-    ids: np.ndarray
-    start: int
-
-    @property
-    def end(self) -> int:
-        return self.start + len(self.ids)
 
 
 class ComputedRows(NamedTuple):
@@ -177,7 +162,7 @@ def replay_plan(
 ) -> ReplayPlan | None:
     """Forced ids for the rows of this forward whose request carries replay routes, else None. stage: how host
     arrays reach the device (the runner's HostStaging: no wait on the step in flight); default a plain copy."""
-    forced = [(it, it.req.extras.get("replay")) for it in items]
+    forced = [(it, it.req.replay) for it in items]
     if all(r is None for _, r in forced):
         return None
     ids = np.zeros((num_tokens, cfg.num_hidden_layers, cfg.num_experts_per_tok), np.int32)

@@ -23,13 +23,12 @@ from r3trace.capture.recorder import ListRecorder
 from r3trace.progress import progress_bar
 from r3trace.trace.reader import open_dataset
 
-from .config import ModelConfig
 from .engine_config import EngineConfig
 from .forward_batch import ForwardBatch
 from .layers.moe import MoE
-from .layers.router import Router
-from .layers.routing import gate_scores, group_masked_choice
+from .layers.router import Router, gate_scores, group_masked_choice
 from .model import DeepseekForCausalLM, build_model
+from .model_config import ModelConfig
 from .parallel import ParallelInfo
 from .weights import load_weights
 

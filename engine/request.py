@@ -8,6 +8,8 @@ from typing import Any, Literal
 
 import torch
 
+from .route_options import CaptureRequest, ReplayRoutes
+
 FinishType = Literal["length", "stop", "abort"]
 LogprobEntry = tuple[float | None, int, None]  # (logprob, token_id, None) as SGLang returns them
 # As SGLang: a temperature this small is greedy in all but name, and logits / T could overflow to inf.
@@ -131,7 +133,7 @@ class FinishReason:
 
 @dataclass(eq=False)
 class Req:
-    """One request's state. Survives retraction: outputs, logprobs, generator and `extras` are kept;
+    """One request's state. Survives retraction: outputs, logprobs, generator, capture and replay are kept;
     only the KV (pages, kv_len, cached prefix) is dropped, and `fill_ids` is re-prefilled later."""
 
     rid: str
@@ -167,7 +169,9 @@ class Req:
     sent_text: int = 0
     sent_logprobs: int = 0
     text: str = ""  # decoded output, trimmed before a matched stop string
-    extras: dict[str, Any] = field(default_factory=dict)  # free slot: capture attaches route rows here
+    capture: CaptureRequest | None = None  # routes to return and how; None: none asked
+    replay: ReplayRoutes | None = None  # routes to force; None: the gate routes every position
+    routed_dp_rank: int | None = None  # the DP rank the front end must place it on; None: the balancer picks
     # False: neither reuse nor fill the prefix cache (a replay under hooks that cannot check a hit's routes).
     # A replay under the route hooks keeps it: they reuse only exact hits (RouteCaptureHooks.usable_prefix).
     use_prefix_cache: bool = True

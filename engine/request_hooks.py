@@ -17,7 +17,7 @@ class RequestHooks(Protocol):
         """req.cached_len positions came from the prefix cache; req.kv_len == req.cached_len."""
 
     def on_retract(self, req: Req) -> None:
-        """Before the KV is freed; req keeps outputs and extras and is re-prefilled later."""
+        """Before the KV is freed; req keeps outputs, capture and replay and is re-prefilled later."""
 
     def on_finish(self, req: Req) -> None:
         """req.finish is set; before the KV is freed (or handed to the prefix cache)."""

@@ -3,14 +3,13 @@
 RouteCaptureHooks is the scheduler's RequestHooks: it tells the capturer when a request is admitted
 (prefix hit), retracted (keep its rows before the KV is freed) and finished (assemble its rows while
 the KV is still valid), and decides which prefix-cache hits a replay may reuse. Per-request capture
-options live in `req.extras["capture"]`; forced routes for replay in `req.extras["replay"]`
-(engine/replay.py). Shape legend: L num_hidden_layers, K top-k, E routed experts.
+options are `req.capture`; forced routes for replay `req.replay` (engine/route_options.py).
+Shape legend: L num_hidden_layers, K top-k, E routed experts.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -18,23 +17,9 @@ import numpy as np
 from r3trace.capture.capturer import RoutedExpertsCapturer, RouteRows
 from r3trace.capture.wire import encode_float16, encode_int32
 
-from .config import ModelConfig
 from .kv_pool import KVPool
-from .replay import ReplayRoutes
+from .model_config import ModelConfig
 from .request import Req
-
-
-@dataclass
-class CaptureRequest:
-    """A request's capture options (req.extras["capture"])."""
-
-    want: bool
-    start_len: int = 0
-    weights: bool = False
-    tag: str | None = None
-    arrival_ns: int = 0
-    rows: RouteRows | None = None  # assembled at finish, before the KV is freed
-    provenance: list[tuple[int, int, str, str]] = field(default_factory=list)
 
 
 class TeeSink:
@@ -60,7 +45,7 @@ class RouteCaptureHooks:
         self.any_forced = False  # until a replay computes a position, every flag is False: nothing to read or clear
 
     def register(self, req: Req) -> None:
-        opts: CaptureRequest | None = req.extras.get("capture")
+        opts = req.capture
         self.capturer.add_request(req.rid, want=bool(opts and opts.want))
 
     def prefer_pages(self, cached: np.ndarray, own: np.ndarray) -> bool:
@@ -81,7 +66,7 @@ class RouteCaptureHooks:
         if req.rid not in self.capturer.requests:
             self.register(req)
         n = self.capturer.usable_prefix(req.rid, slots)
-        replay: ReplayRoutes | None = req.extras.get("replay")
+        replay = req.replay
         if replay is None and not self.any_forced:
             return n
         ok = ~self.forced_kv[slots[:n]]  # [n]: unforced positions
@@ -107,7 +92,7 @@ class RouteCaptureHooks:
 
     def on_finish(self, req: Req) -> None:
         self._mark_forced(req)
-        opts: CaptureRequest | None = req.extras.get("capture")
+        opts = req.capture
         want = opts is not None and opts.want
         n_rows = req.kv_len if req.pool_row >= 0 else 0
         needed = n_rows and (want or self.writer is not None)  # most finishes capture nothing: no slot list
@@ -133,7 +118,7 @@ class RouteCaptureHooks:
     def _mark_forced(self, req: Req) -> None:
         """Before the pages can enter the prefix cache: which of the positions this request computed (those
         past its reused prefix) had forced routes."""
-        replay: ReplayRoutes | None = req.extras.get("replay")
+        replay = req.replay
         if (replay is None and not self.any_forced) or req.pool_row < 0 or req.kv_len <= req.cached_len:
             return  # (most finishes: no slot list)
         slots = self.pool.slots(req.pages, req.cached_len, req.kv_len)
@@ -146,7 +131,7 @@ class RouteCaptureHooks:
 
     def stream_rows(self, req: Req) -> RouteRows | None:
         """Rows computed since the previous chunk of a running streaming request."""
-        opts: CaptureRequest | None = req.extras.get("capture")
+        opts = req.capture
         if opts is None or not opts.want or req.finished:
             return None
         n = req.computed_len  # not kv_len: a step launched ahead holds a position whose row is still on the GPU

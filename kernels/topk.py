@@ -248,7 +248,7 @@ def grouped_topk_ref(
     """Plain torch, line for line DeepSeek's reference gate. Same contract as grouped_topk.
 
     The repository's one grouped top-k reference: the kernel's tests compare against it, the engine's ref
-    backend, routing replay and replay-check call it (through engine/layers/routing.py), and
+    backend, routing replay and replay-check call it (through engine/layers/router.py), and
     tests/kernels/test_topk.py checks it against transformers' own gates. mask_value="zero" masks dropped
     groups with 0.0 as some ports do (the tests use it to show where that differs); the engine never does."""
     _check_routing_args(router_logits, correction_bias, top_k, scoring_func, topk_method, n_group, topk_group)

@@ -43,7 +43,7 @@ USER_ERRORS: dict[str, tuple[str, ...]] = {
     "r3trace.capture.config": ("CaptureConfigError",),
     "r3trace.server.config": ("ServerConfigError",),
     "r3trace.client": ("CaptureError",),
-    "r3trace.engine.config": ("ConfigError",),
+    "r3trace.engine.model_config": ("ConfigError",),
     "r3trace.engine.weights": ("WeightsError",),
     "r3trace.engine.engine_config": ("EngineConfigError",),
     "r3trace.engine.request": ("InvalidRequestError",),

@@ -138,7 +138,7 @@ class WorkerGroup:
             self._pending[rid] = _Pending(None)
 
     def submit(self, reqs: list[tuple[Req, Sink[dict[str, Any]]]]) -> None:
-        """Assign each request a DP rank (req.extras["routed_dp_rank"] pins it) and send them as one message."""
+        """Assign each request a DP rank (req.routed_dp_rank pins it) and send them as one message."""
         batch: list[tuple[Req, int]] = []
         with self._lock:
             if self.dead is not None:  # died since claim_rid: the watchdog already failed everything else
@@ -146,7 +146,7 @@ class WorkerGroup:
                     sink.put(error_result(req.rid, f"engine rank failure: {self.dead}", req.prompt_len))
                 return
             for req, sink in reqs:
-                dp_rank = self.controller.assign(req.extras.pop("routed_dp_rank", None))
+                dp_rank = self.controller.assign(req.routed_dp_rank)
                 self._pending[req.rid] = _Pending(sink, dp_rank)
                 req.generator = None  # rebuilt from the seed on the rank (a generator does not cross processes)
                 batch.append((req, dp_rank))

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ..config import ModelConfig
+from ..model_config import ModelConfig
 
 
 class ExpertLocationError(ValueError):

@@ -27,8 +27,8 @@ from torch import nn
 
 from r3trace.kernels.latent_write import latent_write
 
-from ..config import ModelConfig
 from ..forward_batch import ForwardBatch
+from ..model_config import ModelConfig
 from .attention_backend import AttentionBackend
 from .exact import exact_head_linear, make_matmul
 from .linear import ColumnParallelLinear, RowParallelLinear, replicated_linear
@@ -66,7 +66,6 @@ class MLAAttention(nn.Module):
         dtype: torch.dtype,
         device: torch.device | str,
         norm_backend: str = "ref",
-        fuse_latent_write: bool = True,
         tp_rank: int = 0,
         tp_size: int = 1,
         exact: bool = False,
@@ -103,12 +102,12 @@ class MLAAttention(nn.Module):
         self._head_matmul: HeadMatmul = _head_exact if exact else _head_bmm  # the absorbed w_kc and w_vc products
         # The latent write as one kernel (r3trace.kernels.latent_write) with the triton norm and rope backends;
         # its twin is the norm, the rope, a cat and an index store (4 kernels: 8.8 us a layer at batch 64).
-        self.fused_latent = fuse_latent_write and norm_backend == "triton" and rope.backend == "triton"
+        self.fused_latent = norm_backend == "triton" and rope.backend == "triton"
         # q_a_proj and kv_a_proj_with_mqa read the same x: one GEMM of their stacked weights (post_load) is one
         # launch instead of two (two 5.7 us nvjet calls a layer at batch 64 on the H200, D = 2048, N = 768 and
         # 576). Its columns are the two projections' dot products over the same D; only cuBLAS's kernel choice
-        # for the wider N may differ. Off with fuse_step_glue=False (the A/B baseline).
-        self.fuse_qkv_a = fuse_latent_write and self.q_a_proj is not None
+        # for the wider N may differ.
+        self.fuse_qkv_a = self.q_a_proj is not None
         self.qkv_a_weight: torch.Tensor | None = None
         # Filled by post_load() from kv_b_proj: w_kc [H, nope, kv_lora], w_vc [H, v, kv_lora].
         self.register_buffer("w_kc", torch.empty(0, dtype=dtype, device=device), persistent=False)

@@ -38,8 +38,8 @@ from torch import nn
 
 from r3trace.capture.recorder import NullRecorder, RouteRecorder
 
-from ..config import ModelConfig
 from ..forward_batch import ForwardBatch
+from ..model_config import ModelConfig
 from .dispatcher import NullDispatcher, TokenDispatcher
 from .exact import exact_linear, exact_silu
 from .expert_location import ExpertLocation, ExpertLocationError, held_experts

@@ -15,7 +15,7 @@ from torch import nn
 
 from r3trace.kernels.rope import rope, rope_ref
 
-from ..config import ModelConfig, RopeScaling, yarn_mscale
+from ..model_config import ModelConfig, RopeScaling, yarn_mscale
 
 
 def _yarn_inv_freq(dim: int, base: float, rs: RopeScaling) -> torch.Tensor:

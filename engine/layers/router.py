@@ -5,11 +5,29 @@ Every MoE layer's gate runs here, so route capture (the injected RouteRecorder) 
 this rank's tokens, or under DP attention every DP rank's gathered (the replay plan gathered with them), or
 under EP with attention TP > 1 this rank's scattered slice, whose ids a RouteGather brings back before capture.
 The top-k implementation is chosen at construction (`ref` torch or `triton` fused), never inside forward.
+
+RoutingParams holds one layer's gate settings; the functions beside it unpack them for the grouped top-k reference
+written once in kernels/topk.py (`grouped_topk_ref` and its parts: DeepSeek's gate in plain torch, checked against
+transformers' gates by tests/kernels/test_topk.py). The ref backend, routing replay's weights and replay-check's
+near-tie margins call them, so they run the same lines as the reference the Triton kernel is tested against.
+
+Shape legend: T tokens, D hidden, E routed experts, K top-k, S fused shared experts, G groups.
+
+scores  = softmax(logits) | sigmoid(logits)                  [T, E]
+choice  = scores + e_score_correction_bias (when present)    [T, E]
+groups  = max(choice in group)        (group_limited_greedy)
+        | sum(top-2 choice in group)  (noaux_tc)             [T, G]
+keep the topk_group best groups, mask the others' choice with -inf (DeepSeek's inference code; 0.0,
+as some ports use, lets a masked expert beat a negative biased score), then
+topk_ids     = top-K of choice, descending (gate-rank order)  [T, K]
+topk_weights = scores.gather(topk_ids) (no bias), renormalised when norm_topk_prob, times
+               routed_scaling_factor                          [T, K]
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -17,12 +35,49 @@ import torch.nn.functional as F
 from torch import nn
 
 from r3trace.capture.recorder import RouteRecorder
-from r3trace.kernels.topk import sum_partials  # the top-k kernel's order of adding partial logits
+from r3trace.kernels import topk as ref
+from r3trace.kernels.topk import (
+    MaskValue,
+    gate_scores,
+    sum_partials,  # the top-k kernel's order of adding partial logits
+)
 
-from ..config import ModelConfig
 from ..forward_batch import ForwardBatch
+from ..model_config import ModelConfig
 from .exact import exact_linear, exact_sigmoid, exact_softmax
-from .routing import RoutingParams, gate_scores, group_masked_choice, grouped_topk_ref, weights_for_ids
+
+
+@dataclass(frozen=True)
+class RoutingParams:
+    top_k: int
+    scoring_func: str
+    topk_method: str
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+
+
+def weights_for_ids(scores: torch.Tensor, topk_ids: torch.Tensor, p: RoutingParams) -> torch.Tensor:
+    """The top-k weights of given ids (also used by routing replay): [T, K] fp32."""
+    return ref.weights_for_ids(scores, topk_ids, p.norm_topk_prob, p.routed_scaling_factor)
+
+
+def group_masked_choice(
+    scores: torch.Tensor, bias: torch.Tensor | None, p: RoutingParams, mask_value: MaskValue = "-inf"
+) -> torch.Tensor:
+    """choice scores [T, E] with experts outside the selected groups masked."""
+    return ref.group_masked_choice(scores, bias, p.topk_method, p.n_group, p.topk_group, mask_value)
+
+
+def grouped_topk_ref(
+    logits: torch.Tensor, bias: torch.Tensor | None, p: RoutingParams, mask_value: MaskValue = "-inf"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits: [T, E] fp32 -> (topk_weights [T, K] fp32, topk_ids [T, K] int32)."""
+    return ref.grouped_topk_ref(
+        logits, bias, p.top_k, p.scoring_func, p.topk_method, p.n_group, p.topk_group,  # type: ignore[arg-type]
+        p.norm_topk_prob, p.routed_scaling_factor, mask_value,
+    )
 
 
 class SharedTail(NamedTuple):
@@ -87,17 +142,17 @@ def exact_gate_scores(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
     return exact_softmax(logits) if scoring_func == "softmax" else exact_sigmoid(logits)
 
 
-def make_routing_ops(backend: str, fuse: bool = True) -> RoutingOps:
-    """The gate's two ops for a top-k backend. fuse (triton only): router_logits reads x without a cast
-    kernel, and the top-k kernel stores the [T, K + S] routes itself; else the cast + cuBLAS and
-    append_shared's two cats (session 5's path, kept as the A/B baseline). exact: exact logits and exact_topk."""
+def make_routing_ops(backend: str) -> RoutingOps:
+    """The gate's two ops for a top-k backend. ref: the cast + fp32 GEMM, the reference top-k and append_shared's
+    two cats. triton: router_logits reads x without a cast kernel, and the top-k kernel stores the [T, K + S]
+    routes itself. exact: exact logits and exact_topk."""
     if backend == "exact":
         return RoutingOps(logits_exact, exact_topk, exact_gate_scores)
     if backend == "ref":
-        return RoutingOps(logits_ref, _make_topk_fn(backend, False))
+        return RoutingOps(logits_ref, _make_topk_fn(backend))
     from r3trace.kernels.router_logits import router_logits
 
-    return RoutingOps(router_logits if fuse else logits_ref, _make_topk_fn(backend, fuse))
+    return RoutingOps(router_logits, _make_topk_fn(backend))
 
 
 def exact_topk(
@@ -112,7 +167,7 @@ def exact_topk(
     return append_shared(weights_for_ids(scores, ids, p), ids.to(torch.int32), shared)
 
 
-def _make_topk_fn(backend: str, fuse_shared_tail: bool) -> TopkFn:
+def _make_topk_fn(backend: str) -> TopkFn:
     if backend == "ref":
         def ref_topk(
             logits: torch.Tensor, bias: torch.Tensor | None, p: RoutingParams, ids_out: torch.Tensor | None,
@@ -127,7 +182,7 @@ def _make_topk_fn(backend: str, fuse_shared_tail: bool) -> TopkFn:
         logits: torch.Tensor, bias: torch.Tensor | None, p: RoutingParams, ids_out: torch.Tensor | None,
         shared: SharedTail | None,
     ) -> Routes:
-        n_shared = shared.ids.shape[1] if shared is not None and fuse_shared_tail else 0
+        n_shared = shared.ids.shape[1] if shared is not None else 0
         weights, ids = grouped_topk(
             logits, bias, p.top_k, p.scoring_func, p.topk_method, p.n_group, p.topk_group,
             p.norm_topk_prob, p.routed_scaling_factor, ids_out=ids_out, n_shared=n_shared,

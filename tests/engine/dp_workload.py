@@ -19,12 +19,12 @@ import torch
 
 from r3trace.capture.capturer import CaptureConfig, RoutedExpertsCapturer
 from r3trace.capture.recorder import BatchView, ListRecorder, RowRange
-from r3trace.engine.config import ModelConfig
 from r3trace.engine.dp_layout import gather_dp_layout
 from r3trace.engine.forward_batch import ForwardBatch, ReplayPlan
 from r3trace.engine.layers.moe import MoE
-from r3trace.engine.layers.routing import gate_scores, group_masked_choice
+from r3trace.engine.layers.router import gate_scores, group_masked_choice
 from r3trace.engine.model import DeepseekForCausalLM
+from r3trace.engine.model_config import ModelConfig
 from r3trace.engine.parallel import ParallelInfo
 
 Kind = Literal["prefill", "decode"]

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from bench.collective_bytes import Layout, Shape, collective_bytes, compare, measure, reach_probability, worst_reach
-from r3trace.engine.config import ModelConfig
+from r3trace.engine.model_config import ModelConfig
 from tests.tiny_models import make_checkpoint
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from r3trace.engine.config import ConfigError, ModelConfig
+from r3trace.engine.model_config import ConfigError, ModelConfig
 from r3trace.engine.weights import WeightsError
 from tests.tiny_models import load_engine_model, make_checkpoint
 

@@ -34,9 +34,9 @@ from safetensors.torch import load_file
 
 from r3trace.capture.capturer import RoutedExpertsCapturer
 from r3trace.capture.recorder import ListRecorder
-from r3trace.engine.config import ModelConfig
 from r3trace.engine.distributed import init_parallel
 from r3trace.engine.layers.moe import MoE
+from r3trace.engine.model_config import ModelConfig
 from r3trace.engine.parallel import ParallelInfo
 from tests.engine.dp_workload import (
     FORCED,

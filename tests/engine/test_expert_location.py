@@ -24,7 +24,6 @@ import numpy as np
 import pytest
 import torch
 
-from r3trace.engine.config import ModelConfig
 from r3trace.engine.layers.dispatcher import dispatch_layout
 from r3trace.engine.layers.expert_location import (
     ExpertLocation,
@@ -33,6 +32,7 @@ from r3trace.engine.layers.expert_location import (
     physical_expert_weights,
 )
 from r3trace.engine.layers.expert_map import ExpertMap, static_choice
+from r3trace.engine.model_config import ModelConfig
 from r3trace.eplb.placement import Cluster, from_phy2log, to_json
 from tests.engine.test_expert_parallel import CFG, E, K, layout_loops
 

@@ -30,7 +30,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from r3trace.capture.recorder import NullRecorder
-from r3trace.engine.config import ModelConfig
 from r3trace.engine.expert_placement import apply_expert_location, update_expert_placement
 from r3trace.engine.forward_batch import ForwardBatch
 from r3trace.engine.layers.dispatcher import (
@@ -46,6 +45,7 @@ from r3trace.engine.layers.expert_map import ExpertMap
 from r3trace.engine.layers.low_latency_dispatcher import LowLatencyDispatcher
 from r3trace.engine.layers.moe import MoE, grouped_experts_ref, make_experts_fn
 from r3trace.engine.layers.router import make_routing_ops
+from r3trace.engine.model_config import ModelConfig
 from tests.spawn import free_port, spawn_ranks
 
 E, K = 8, 3

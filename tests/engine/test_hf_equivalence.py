@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from r3trace.engine.layers.routing import RoutingParams, grouped_topk_ref
+from r3trace.engine.layers.router import RoutingParams, grouped_topk_ref
 from tests.tiny_models import CONFIGS, direct_forward, load_engine_model, load_hf, make_checkpoint
 
 # fp32 end to end; measured worst case over these configs and both MLA paths: 3.3e-6 (2026-11-29,

@@ -21,9 +21,9 @@ import torch
 
 from r3trace.capture.wire import decode_routed_experts
 from r3trace.engine import Engine
-from r3trace.engine.config import ModelConfig
 from r3trace.engine.expert_placement import read_location
 from r3trace.engine.layers.expert_location import ExpertLocation, ExpertLocationError
+from r3trace.engine.model_config import ModelConfig
 from r3trace.eplb.placement import Cluster, Placement, to_json
 
 MODEL = Path(__file__).resolve().parents[2] / "samples" / "model"

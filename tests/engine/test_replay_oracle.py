@@ -37,7 +37,7 @@ import torch
 
 import r3trace
 from r3trace.engine import Engine
-from r3trace.engine.config import ModelConfig
+from r3trace.engine.model_config import ModelConfig
 from tests.engine.conftest import greedy, random_prompts
 from tests.engine.hf_forced_routes import hf_logprobs
 from tests.tiny_models import load_hf, make_checkpoint

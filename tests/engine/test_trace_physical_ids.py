@@ -19,7 +19,7 @@ import torch
 from r3trace.analysis.store import TraceStore
 from r3trace.capture.wire import decode_routed_experts
 from r3trace.engine import Engine
-from r3trace.engine.config import ModelConfig
+from r3trace.engine.model_config import ModelConfig
 
 MODEL = Path(__file__).resolve().parents[2] / "samples" / "model"
 E, REDUNDANT = 32, 8  # the sample model's routed experts; P = 40 slots
