@@ -25,7 +25,7 @@ import numpy as np
 from r3trace.eplb.packing import balanced_packing
 from r3trace.eplb.placement import Cluster, PlacementError
 
-COACT_TOKENS = 1024  # newest tokens counted: 1024 x 58 layers x 28 pairs, 0.09 s of bincount on 2 busy cores (2048: 0.22)
+COACT_TOKENS = 1024  # newest tokens counted: 1024 x 58 layers x 28 pairs, 0.09 s of bincount on busy cores (2048: 0.22)
 
 
 def coactivation_counts(tokens: np.ndarray, num_experts: int) -> np.ndarray:

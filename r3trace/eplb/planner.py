@@ -81,7 +81,7 @@ class PlannerConfig:
     def __post_init__(self) -> None:
         bad_alpha = self.ema_alpha is not None and not 0 <= self.ema_alpha <= 1
         if bad_alpha or min(self.keep_tolerance, self.home_slack, self.min_gain) < 0:
-            raise PlacementError(f"ema_alpha={self.ema_alpha} must be in [0, 1] (0: plain mean); tolerances must be >= 0")
+            raise PlacementError(f"ema_alpha={self.ema_alpha} must be in [0, 1] (0: mean); tolerances must be >= 0")
 
 
 ALPHAS = (0.0, 0.1, 0.2, 0.35, 0.5, 0.7, 1.0)  # weights the backtest tries (1: the newest window, 0: plain mean)
