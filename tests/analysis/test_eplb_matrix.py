@@ -47,8 +47,8 @@ def test_synthetic_families_differ_in_co_activation_and_drift_moves_popularity()
         lift[fam] = np.sort((c * 2048 / np.maximum(pair, 1))[pair >= 400])[-100:].mean()
     # measured 7.86 / 7.43 / 6.77: domains and topics add co-activation beyond popularity and the group limit
     assert lift["grouped"] > lift["clustered"] > lift["independent"] + 0.3
-    heat = {d: np.stack([heat_of(w, 256) for w in synth_windows(TraceSpec(**{**base.__dict__, "drift": d,
-                                                                              "windows": 6}))]) for d in ("slow", "fast")}
+    specs = {d: TraceSpec(**{**base.__dict__, "drift": d, "windows": 6}) for d in ("slow", "fast")}
+    heat = {d: np.stack([heat_of(w, 256) for w in synth_windows(sp)]) for d, sp in specs.items()}
     moved = {d: np.abs(h[-1] / h[-1].sum() - h[0] / h[0].sum()).sum() for d, h in heat.items()}
     assert moved["fast"] > 1.5 * moved["slow"]
     dump = sglang_dump(r[0], 256, forwards=16)
