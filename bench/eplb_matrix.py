@@ -169,6 +169,50 @@ def table(results: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def plan_times(ref_dir: str | None, repeats: int = 3) -> list[dict[str, Any]]:
+    """Median seconds per plan at [58, 256] (grouped router, s = 0.6): ours fresh and re-planned from its previous
+    placement (with the newest 2048 tokens), the global policy of r3trace/eplb/deepseek.py, and DeepSeek's own
+    eplb.py from ref_dir (rebalance_experts with the shape's groups and nodes, its default, and with one node)."""
+    import importlib.util
+    import statistics
+
+    ref = None
+    if ref_dir:
+        spec_ = importlib.util.spec_from_file_location("eplb_ref", Path(ref_dir) / "eplb.py")
+        assert spec_ and spec_.loader
+        ref = importlib.util.module_from_spec(spec_)
+        spec_.loader.exec_module(ref)
+    routes = load_windows(TraceSpec(num_layers=58, windows=3, window_tokens=2048))[0]
+    heats = np.stack([heat_of(w, 256) for w in routes])
+
+    def timed(f: Callable[[], object]) -> float:
+        out = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            f()
+            out.append(time.perf_counter() - t0)
+        return statistics.median(out)
+
+    rows = []
+    for g, n, p in MAIN_SHAPES:
+        cl = Cluster(g, n, p)
+        first = plan(heats[:2], cl, tokens=routes[1])
+        row: dict[str, Any] = {
+            "shape": f"{g}x{n}x{p}", "ours_fresh": timed(lambda c=cl: plan(heats, c, tokens=routes[2])),
+            "ours_replan": timed(lambda c=cl, f=first: plan(heats, c, f, tokens=routes[2])),
+            "global_numpy": timed(lambda c=cl: global_policy(heats[2], c))}
+        if ref is not None:
+            import torch
+
+            w = torch.tensor(heats[2])
+            groups, nodes = (8, n) if 8 % n == 0 else (1, 1)  # what rebalance_experts does with 8 groups
+            row["ref_default"] = timed(lambda a=(w, p, groups, nodes, g): ref.rebalance_experts(*a))
+            row["ref_global"] = timed(lambda a=(w, p, 1, 1, g): ref.rebalance_experts(*a))
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="three small cells, seconds on CPU")
@@ -180,10 +224,16 @@ def main() -> None:
     ap.add_argument("--window-tokens", type=int, default=4096)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="results JSON (default bench/results/eplb-matrix-<sweep>.json)")
+    ap.add_argument("--plan-time", action="store_true", help="time plans at [58, 256] instead of a sweep")
+    ap.add_argument("--eplb-ref", default=None, help="folder holding DeepSeek's eplb.py, timed beside ours")
     args = ap.parse_args()
+    if args.plan_time:
+        out = Path(args.out) if args.out else RESULTS / "eplb-matrix-plan-time.json"
+        out.write_text(json.dumps({"rows": plan_times(args.eplb_ref)}, indent=1))
+        return
     sweep = "smoke" if args.smoke else args.sweep
     if sweep is None:
-        ap.error("give --smoke or --sweep")
+        ap.error("give --smoke, --sweep or --plan-time")
     base = TraceSpec(num_layers=args.layers, windows=args.windows, window_tokens=args.window_tokens, seed=args.seed)
     todo = [c for c in cells(sweep, base) if (not args.nodes or c.nodes in args.nodes)
             and (not args.skews or c.spec.zipf_s in args.skews)]

@@ -139,3 +139,68 @@ def placement_objectives(pl: Placement, load: np.ndarray, tokens: np.ndarray, cl
 
     mx = float(even_gpu_load(pl, np.asarray(load, dtype=float)[None], cluster).max())
     return mx, float(node_limited(pl, np.asarray(tokens)[:, None, :], cluster).nodes.mean())
+
+
+INSTANCES = {  # name -> (experts, top-k, tokens, GPUs, nodes, slots, groups); the sample rows read layer 1 of it
+    "synth-e16": (16, 2, 40, 4, 2, 20, 4),
+    "synth-e32": (32, 4, 96, 8, 2, 40, 4),
+    "sample-e32": (32, 4, 96, 8, 2, 40, 4),
+    "synth-e64": (64, 6, 96, 16, 4, 80, 8),
+}
+
+
+def instance(name: str, seed: int = 0) -> tuple[np.ndarray, np.ndarray, Cluster]:
+    """-> (load [E], tokens [T, K], cluster): Zipf(0.8) synthetic choices, or the sample model's first tokens."""
+    e, k, t, g, n, p, gr = INSTANCES[name]
+    if name.startswith("sample"):
+        from bench.eplb_traces import sample_windows
+
+        tok = sample_windows(1)[0][0, :t, 1]  # layer 1's first t tokens
+    else:
+        rng = np.random.default_rng(seed)
+        pop = 1 / np.arange(1, e + 1) ** 0.8
+        tok = np.stack([rng.choice(e, k, replace=False, p=pop / pop.sum()) for _ in range(t)])
+    return np.bincount(tok.ravel(), minlength=e).astype(float), tok, Cluster(g, n, p, num_groups=gr)
+
+
+def main() -> None:
+    import argparse
+    import json
+    from pathlib import Path
+
+    from bench.eplb_grace import grace_policy
+    from r3trace.eplb import global_policy, hierarchical, plan
+
+    ap = argparse.ArgumentParser(description="exact placement MILP vs the heuristics, in sample (module doc)")
+    ap.add_argument("--instances", nargs="*", default=list(INSTANCES))
+    ap.add_argument("--time-limit", type=float, default=120.0, help="seconds per MILP solve")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "eplb-matrix-milp.json"))
+    args = ap.parse_args()
+    rows = []
+    for name in args.instances:
+        load, tok, cl = instance(name)
+        best = solve(load, tok, cl, "balance", time_limit=args.time_limit)
+        print(f"{name}: balance MILP {best.max_load:.2f} (bound {best.bound:.2f}, optimal {best.optimal}, "
+              f"{best.seconds:.0f} s)", flush=True)
+        pols = {"ours": plan(load[None], cl, tokens=tok[:, None]), "global": global_policy(load[None], cl),
+                "grace": grace_policy(load[None], cl, tok[:, None])}
+        if cl.num_groups % cl.num_nodes == 0:
+            pols["hierarchical"] = hierarchical(load[None], cl)
+        for pol, pl in pols.items():
+            mx, nodes = placement_objectives(pl, load, tok, cl)
+            fewest = solve(load, tok, cl, "nodes", max_load_cap=mx, time_limit=args.time_limit) \
+                if pol in ("ours", "global") else None
+            row = {"instance": name, "policy": pol, "max_load": mx, "nodes": nodes, "milp_max_load": best.max_load,
+                   "milp_max_load_bound": best.bound, "milp_balance_optimal": best.optimal,
+                   "milp_nodes_at_max_load": None if fewest is None else fewest.nodes,
+                   "milp_nodes_bound": None if fewest is None else fewest.bound,
+                   "milp_nodes_optimal": None if fewest is None else fewest.optimal}
+            rows.append(row)
+            print(f"  {pol}: max load {mx:.2f} ({mx / best.bound - 1:+.1%} vs bound), nodes {nodes:.3f}"
+                  + ("" if fewest is None else f"; fewest nodes at that max load {fewest.nodes:.3f} "
+                     f"(bound {fewest.bound:.3f}, optimal {fewest.optimal})"), flush=True)
+    Path(args.out).write_text(json.dumps({"time_limit": args.time_limit, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
