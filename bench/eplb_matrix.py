@@ -34,7 +34,7 @@ import numpy as np
 
 from bench.eplb_grace import grace_policy
 from bench.eplb_traces import TraceSpec, load_windows
-from r3trace.eplb import Cluster, churn, global_policy, hierarchical, plan
+from r3trace.eplb import Cluster, PlannerConfig, churn, global_policy, hierarchical, plan
 from r3trace.eplb.placement import Placement
 from r3trace.eplb.score import balancedness, even_gpu_load, heat_of, node_limited
 
@@ -61,7 +61,9 @@ class Cell:
                 f"{self.gpus}x{self.nodes}x{self.slots}")
 
 
-def policies(cl: Cluster) -> dict[str, Policy]:
+def policies(cl: Cluster, variants: bool = False) -> dict[str, Policy]:
+    """The compared policies; variants adds ours' other layouts (the trade-off sweep): one node per expert, and
+    group homes kept whole (PlannerConfig.keep_groups)."""
     pols: dict[str, Policy] = {
         "global": lambda h, p, t: global_policy(h.sum(0), cl),
         "global-newest": lambda h, p, t: global_policy(h[-1], cl),
@@ -70,10 +72,14 @@ def policies(cl: Cluster) -> dict[str, Policy]:
     }
     if cl.num_groups % cl.num_nodes == 0:
         pols["hierarchical"] = lambda h, p, t: hierarchical(h[-1], cl)
+    if variants:
+        onpe, keep = PlannerConfig(spread_by_affinity=False), PlannerConfig(keep_groups=True)
+        pols["ours-one-node-per-expert"] = lambda h, p, t: plan(h, cl, p, tokens=t, cfg=onpe)
+        pols["ours-keep-groups"] = lambda h, p, t: plan(h, cl, p, tokens=t, cfg=keep)
     return pols
 
 
-def run_cell(cell: Cell, history: int = 8) -> dict[str, Any]:
+def run_cell(cell: Cell, history: int = 8, variants: bool = False) -> dict[str, Any]:
     """One cell -> {cell fields, policies: {name: {metric: [per held-out window]}}, seconds}."""
     t0 = time.perf_counter()
     routes, sees_tokens = load_windows(cell.spec)
@@ -81,7 +87,7 @@ def run_cell(cell: Cell, history: int = 8) -> dict[str, Any]:
     heats = np.stack([heat_of(w, e) for w in routes])
     cl = cell.cluster
     out: dict[str, dict[str, list[float]]] = {}
-    for name, f in policies(cl).items():
+    for name, f in policies(cl, variants).items():
         prev, rows = None, {m: [] for m in METRICS}
         for t in range(1, len(routes) - 1):
             pl = f(heats[max(0, t + 1 - history):t + 1], prev, routes[t] if sees_tokens else None)
@@ -149,10 +155,13 @@ def cells(sweep: str, base: TraceSpec) -> list[Cell]:
         return [Cell(replace(base, family=f, num_groups=1, zipf_s=s), g, n, p)
                 for f in ("independent", "clustered") for s in (0.6, 1.2)
                 for (g, n, p) in [(16, 2, 288), (32, 4, 288), (64, 8, 320), (128, 16, 256), (144, 18, 288)]]
+    if sweep == "tradeoff":  # ours' three layouts against DeepSeek's policies (policies(variants=True))
+        return [Cell(replace(base, zipf_s=s), g, n, p) for s in (0.6, 1.2)
+                for (g, n, p) in [(16, 2, 288), (32, 4, 288), (64, 8, 320)]]
     if sweep == "sample":  # the sample model's traces: 32 experts, 4 groups, top-4
         spec = replace(base, family="sample", num_experts=32, num_groups=4, top_k=4, num_layers=4)
         return [Cell(spec, g, n, p) for (g, n, p) in SAMPLE_SHAPES]
-    raise ValueError(f"sweep={sweep!r}: expected smoke, shape, family, groups1 or sample")
+    raise ValueError(f"sweep={sweep!r}: expected smoke, shape, family, groups1, tradeoff or sample")
 
 
 def table(results: list[dict[str, Any]]) -> list[str]:
@@ -216,7 +225,7 @@ def plan_times(ref_dir: str | None, repeats: int = 3) -> list[dict[str, Any]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="three small cells, seconds on CPU")
-    ap.add_argument("--sweep", choices=("shape", "family", "groups1", "sample"), default=None)
+    ap.add_argument("--sweep", choices=("shape", "family", "groups1", "tradeoff", "sample"), default=None)
     ap.add_argument("--nodes", type=int, nargs="*", default=[], help="only cells with these node counts")
     ap.add_argument("--skews", type=float, nargs="*", default=[], help="only cells with these Zipf skews")
     ap.add_argument("--layers", type=int, default=6)
@@ -239,7 +248,7 @@ def main() -> None:
             and (not args.skews or c.spec.zipf_s in args.skews)]
     results = []
     for c in todo:
-        res = run_cell(c)
+        res = run_cell(c, variants=sweep == "tradeoff")
         res["dominates"] = dominates(res)
         results.append(res)
         print("\n".join(table([res])[2:]), f"\n  {res['seconds']:.1f} s, {res['dominates']}", flush=True)
