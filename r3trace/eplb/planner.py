@@ -154,9 +154,10 @@ def layout_strategy(cluster: Cluster, cfg: PlannerConfig = PlannerConfig(), toke
            and cluster.num_groups > cluster.num_nodes else "each group on a run of whole nodes")
     extras = ("on the nodes of the experts they are chosen with in the newest tokens" if tokens
               else "on the lightest nodes without one (no tokens given: no co-activation)")
+    keep = ", kept there (keep_groups: a token's cover no larger than hierarchical's)" if cfg.keep_groups else ""
     return LayoutChoice("group-homes+affinity-replicas",
                         f"{cluster.num_nodes} nodes, {cluster.num_groups} groups: first replicas on their group's "
-                        f"home nodes ({how}), extra replicas {extras}")
+                        f"home nodes ({how}){keep}, extra replicas {extras}")
 
 
 def _coact(tokens: np.ndarray | None, n_layers: int, e: int) -> np.ndarray:
