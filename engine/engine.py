@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import fields
@@ -28,22 +27,20 @@ from r3trace.engine.engine_core import EngineCore
 from r3trace.engine.event_loop import Sink
 from r3trace.engine.expert_placement import initial_location
 from r3trace.engine.launch.config import LaunchConfig, Launcher, LoadBalanceMethod
-from r3trace.engine.launch.controller import check_routed_dp_rank
 from r3trace.engine.model_config import ModelConfig
 from r3trace.engine.parallel import ParallelInfo
 from r3trace.engine.placement_control import PlacementControl
-from r3trace.engine.replay import computed_rows, replay_routes
 from r3trace.engine.request import InvalidRequestError, Req
-from r3trace.engine.request_builder import RequestBuilder, as_list
+from r3trace.engine.request_builder import RequestBuilder, RouteArgs, as_list
 from r3trace.engine.request_hooks import RequestHooks
 from r3trace.engine.result import error_result
-from r3trace.engine.route_options import CaptureRequest
 from r3trace.engine.sampling import Sampler
+from r3trace.engine.spec.request_check import check_speculative_request
 from r3trace.engine.tokenizer import load_tokenizer
 from r3trace.engine.trace_control import LocalTrace, TraceControl, TraceTarget
 from r3trace.trace import lifecycle
 
-_OPTIONS = frozenset(f.name for f in fields(EngineConfig)) - {"dtype", "device", "extra"}
+_OPTIONS = frozenset(f.name for f in fields(EngineConfig)) - {"dtype", "device"}
 
 
 def config_hash(mc: ModelConfig) -> str:
@@ -78,12 +75,13 @@ class Engine:
             raise EngineConfigError(f"unknown engine option {unknown[0]!r}; known: {sorted(_OPTIONS)}")
         self.config = cfg = EngineConfig(dtype=dtype, device=device, **options)  # type: ignore[arg-type]
         self.launch = LaunchConfig(tp_size, dp_size, ep_size, load_balance_method, launcher=launcher)
+        if cfg.spec_steps and self.launch.multi_process:  # the draft and its state are one process's (engine/spec/)
+            raise EngineConfigError(f"speculative_algorithm={cfg.speculative_algorithm!r}: one process only (got "
+                                    f"tp_size={tp_size}, dp_size={dp_size}, ep_size={ep_size})")
         self.model_config = mc = ModelConfig.from_hf(model_path)
         self.model_path = Path(model_path)
         initial_location(cfg, mc, ep_size)  # a bad placement option fails here, in one line, before any rank starts
         self.max_context_len = cfg.max_context_len or mc.max_position_embeddings
-        self._custom_recorder = recorder is not None
-        self._custom_hooks = hooks is not None
         self._closed = False
         target: TraceTarget | None
         if self.launch.multi_process:
@@ -109,7 +107,10 @@ class Engine:
             if core.capturer is not None and core.route_hooks is not None:
                 target = LocalTrace(core.loop, core.capturer, core.route_hooks)
         self._placement = PlacementControl(self._loop, getattr(self, "core", None), mc, ep_size, tp_size)
-        self._builder = RequestBuilder(mc.vocab_size, self.max_context_len, cfg.kv_pool_tokens, self.tokenizer)
+        self._builder = RequestBuilder(
+            mc, self.max_context_len, cfg.kv_pool_tokens, self.tokenizer, capture_weights=cfg.capture_weights,
+            dp_size=self.launch.dp_size, custom_recorder=recorder is not None, custom_hooks=hooks is not None,
+        )
         self.traces: TraceControl | None = None
         if target is not None:
             self.traces = TraceControl(target, dict(
@@ -168,16 +169,17 @@ class Engine:
                                   top_logprobs_num, rid)
         if stream and not single:
             raise InvalidRequestError("stream", "streams one request at a time; pass a single prompt")
+        routes = RouteArgs(return_routed_experts, routed_experts_start_len, return_routed_weights, routed_experts, tag,
+                           routed_experts_replay_start_len, routed_dp_rank)
         reqs: list[Req | None] = []
         results: list[dict[str, Any] | None] = []
         for entry in entries:
             entry_rid = entry.rid or uuid.uuid4().hex
             try:
                 req = self._builder.build(entry, entry_rid, stream, self.sampler)
-                self._attach_capture(req, len(reqs), len(entries), return_routed_experts,
-                                     routed_experts_start_len, return_routed_weights, routed_experts, tag,
-                                     routed_experts_replay_start_len)
-                req.routed_dp_rank = self._pick_dp_rank(routed_dp_rank, len(reqs), len(entries))
+                if self.config.spec_steps:
+                    check_speculative_request(req.params)
+                self._builder.attach_routes(req, len(reqs), len(entries), routes)
                 self._loop.claim_rid(entry_rid)
             except InvalidRequestError as exc:
                 if single:
@@ -199,62 +201,6 @@ class Engine:
                 results[i] = self._loop.wait(sinks[req.rid])
         out = [r for r in results if r is not None]
         return out[0] if single else out  # a request that failed while running carries "error"
-
-    def _pick_dp_rank(self, value: Any, i: int, n: int) -> int | None:
-        """Request i's routed_dp_rank, checked against dp_size (raises for this request only)."""
-        if isinstance(value, list):
-            if len(value) != n:
-                raise InvalidRequestError("routed_dp_rank", f"a list of {len(value)} values for {n} request(s)")
-            value = value[i]
-        return check_routed_dp_rank(value, self.launch.dp_size)
-
-    def _attach_capture(
-        self, req: Req, i: int, n: int, want: Any, start: Any, weights: Any, forced: Any, tag: Any,
-        replay_start: Any = None,
-    ) -> None:
-        """Per-request capture options and replay routes into req.capture and req.replay (raises for this
-        request only)."""
-
-        def pick(name: str, value: Any, is_list: bool) -> Any:
-            if not is_list:
-                return value
-            if len(value) != n:
-                raise InvalidRequestError(name, f"a list of {len(value)} values for {n} request(s)")
-            return value[i]
-
-        want_i = pick("return_routed_experts", want, isinstance(want, list))
-        start_i = pick("routed_experts_start_len", start, isinstance(start, list))
-        weights_i = pick("return_routed_weights", weights, isinstance(weights, list))
-        tag_i = pick("tag", tag, isinstance(tag, list))
-        replay_start_i = pick("routed_experts_replay_start_len", replay_start, isinstance(replay_start, list))
-        # A list of per-request routes when n > 1; one request's routes may themselves be an array.
-        forced_i = forced[i] if n > 1 and isinstance(forced, list) else forced
-        for name, value in (("return_routed_experts", want_i), ("return_routed_weights", weights_i)):
-            if not isinstance(value, bool):
-                raise InvalidRequestError(name, f"{value!r} must be true or false")
-        if not isinstance(start_i, int) or isinstance(start_i, bool) or not 0 <= start_i <= req.prompt_len:
-            raise InvalidRequestError(
-                "routed_experts_start_len", f"{start_i!r} outside 0..prompt length {req.prompt_len}"
-            )
-        if (want_i or weights_i or forced_i is not None) and self._custom_recorder:
-            raise InvalidRequestError("return_routed_experts", "this engine was built with a custom recorder")
-        if weights_i and not self.config.capture_weights:
-            raise InvalidRequestError("return_routed_weights", "start the engine with capture_weights=True")
-        if tag_i is not None and not isinstance(tag_i, str):
-            raise InvalidRequestError("tag", f"{tag_i!r} must be a string")
-        req.capture = CaptureRequest(
-            want=want_i or weights_i, start_len=start_i, weights=weights_i, tag=tag_i, arrival_ns=time.time_ns()
-        )
-        if replay_start_i is not None and forced_i is None:
-            raise InvalidRequestError(
-                "routed_experts_replay_start_len", f"{replay_start_i!r} given without routed_experts to replay"
-            )
-        if forced_i is not None:
-            rows = computed_rows(req.prompt_len, req.params.max_new_tokens, self.max_context_len)
-            req.replay = replay_routes(forced_i, replay_start_i, self.model_config, rows)
-            # A prefix-cache hit is reused only where the route hooks find it exact (docs/replay.md); hooks
-            # supplied by the caller cannot tell, so there the replay bypasses the cache both ways.
-            req.use_prefix_cache = not self._custom_hooks
 
     # ------------------------------------------------------------------ traces
     def start_trace(

@@ -13,6 +13,10 @@ Backend = Literal["ref", "triton"]
 DecodeKernel = Literal["auto", "triton"]
 SharedExperts = Literal["auto", "fused", "separate"]
 
+# None: off; EAGLE is SGLang's alias of NEXTN for DeepSeek's MTP module (the one draft model here)
+SPEC_ALGORITHMS = (None, "NEXTN", "EAGLE")
+MAX_SPEC_STEPS = 3  # the issue's range; SGLang's DeepSeek-V3 default (3 steps, top-1, 4 tokens verified)
+
 _DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -37,8 +41,8 @@ class EngineConfig:
     chunked_prefill_size: int = 512  # max new tokens per forward (the per-step token budget)
     max_running_requests: int = 64
     # KV slots a page. 1: prefix-cache hits at any token. A multiple of 64 lets Hopper's Gluon decode kernels load a
-    # 64-key tile as TMA boxes: at H < 64 the narrow kernel, 1.10-1.18x the Triton tile at issue 6's nine cells
-    # (BENCHMARKS.md "mla16c"); prefix hits then come in whole pages.
+    # 64-key tile as TMA boxes: at H < 64 the narrow kernel, 1.10-1.18x the Triton tile on an H200 at batch 16-256
+    # and 1K-8K keys (BENCHMARKS.md, MLA decode, the narrow Gluon stage 1); prefix hits then come in whole pages.
     page_size: int = 1
     kv_pool_tokens: int = 16384  # KV slots in the paged latent pool
     max_context_len: int | None = None  # default: the model's max_position_embeddings
@@ -93,6 +97,12 @@ class EngineConfig:
     # column in traces); logical ids stay what routed_experts and topk_ids hold
     capture_physical_ids: bool = False
     trace_dir: str | None = None  # record every request into this trace folder from the start
+    # Speculative decoding (SGLang's names; engine/spec/): "NEXTN" drafts with the checkpoint's MTP module ("EAGLE"
+    # is accepted as its alias, as SGLang does); speculative_num_steps d = 1..3 draft tokens a step (None: 3, SGLang's
+    # choice for DeepSeek-V3), checked by one target forward of d + 1 tokens a request. Runs un-overlapped, without
+    # CUDA graphs, in one process (each refused or turned off with a reason).
+    speculative_algorithm: str | None = None
+    speculative_num_steps: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -119,8 +129,14 @@ class EngineConfig:
         if self.deepep_mode not in ("auto", "normal", "low_latency"):
             raise EngineConfigError(f"deepep_mode={self.deepep_mode!r}: expected auto, normal or low_latency")
         self._check_placement()
+        self._check_speculative()
         if self.deterministic:
             self._check_deterministic()
+        if self.cuda_graph_batch_sizes and self.speculative_algorithm is not None:
+            raise EngineConfigError(
+                f"cuda_graph_batch_sizes={self.cuda_graph_batch_sizes}: not with speculative_algorithm="
+                f"{self.speculative_algorithm!r} (its draft and verify forwards run eager); leave it unset or pass ()"
+            )
         if self.cuda_graph_batch_sizes:
             if not self.device.startswith("cuda") or not self.all_triton:
                 raise EngineConfigError(
@@ -148,6 +164,24 @@ class EngineConfig:
         seed = self.expert_dispatch_seed
         if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= 0xFFFFFFFF:
             raise EngineConfigError(f"expert_dispatch_seed={seed!r}: must be an integer in 0..{0xFFFFFFFF}")
+
+    def _check_speculative(self) -> None:
+        algo, steps = self.speculative_algorithm, self.speculative_num_steps
+        if algo not in SPEC_ALGORITHMS:
+            raise EngineConfigError(f"speculative_algorithm={algo!r}: expected one of {SPEC_ALGORITHMS}")
+        if steps is None:
+            return
+        if algo is None:
+            raise EngineConfigError(f"speculative_num_steps={steps!r}: given without speculative_algorithm")
+        if not isinstance(steps, int) or isinstance(steps, bool) or not 1 <= steps <= MAX_SPEC_STEPS:
+            raise EngineConfigError(f"speculative_num_steps={steps!r}: must be an integer in 1..{MAX_SPEC_STEPS}")
+
+    @property
+    def spec_steps(self) -> int:
+        """Draft tokens a speculative step proposes per request: 0 with speculation off."""
+        if self.speculative_algorithm is None:
+            return 0
+        return self.speculative_num_steps or MAX_SPEC_STEPS
 
     @property
     def has_placement(self) -> bool:
@@ -218,6 +252,8 @@ class EngineConfig:
         """The decode batch sizes to capture (empty: eager decode)."""
         if self.cuda_graph_batch_sizes is not None:
             return tuple(self.cuda_graph_batch_sizes)
+        if self.speculative_algorithm is not None:  # draft and verify forwards are not captured
+            return ()
         if self.device.startswith("cuda") and self.all_triton:
             return default_batch_sizes(self.max_running_requests)
         return ()

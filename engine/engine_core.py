@@ -39,14 +39,15 @@ from r3trace.engine.weights import load_weights, read_moe_experts
 def capture_config(mc: ModelConfig, cfg: EngineConfig, parallel: ParallelInfo) -> CaptureConfig:
     """The capturer's sizes, all from the configs (nothing read from elsewhere): under DP attention its device
     buffer holds the gathered batch; under EP a rank's rows are padded to a multiple of attention TP."""
-    per_rank = max(cfg.chunked_prefill_size, cfg.max_running_requests)  # the most tokens of one rank's forward
+    # The most tokens of one rank's forward: a chunk, or every running request's verify of 1 + d tokens
+    per_rank = max(cfg.chunked_prefill_size, cfg.max_running_requests * (1 + cfg.spec_steps))
     return CaptureConfig(
         num_hidden_layers=mc.num_hidden_layers, moe_layer_ids=mc.moe_layer_ids, top_k=mc.num_experts_per_tok,
         num_experts=mc.n_routed_experts, kv_slots=cfg.kv_pool_tokens,
         max_batch_tokens=parallel.dp_size * -(-per_rank // parallel.attn_tp_size) * parallel.attn_tp_size,
         chunked_prefill_size=cfg.chunked_prefill_size, max_running_requests=cfg.max_running_requests,
         device=cfg.device, with_weights=cfg.capture_weights, dp_size=parallel.dp_size,
-        attn_tp_size=parallel.attn_tp_size,
+        attn_tp_size=parallel.attn_tp_size, spec_verify_tokens=cfg.spec_steps,
         physical_slots=mc.n_routed_experts + cfg.ep_num_redundant_experts if cfg.capture_physical_ids else 0,
     )
 
@@ -107,8 +108,28 @@ class EngineCore:
             graphs = DecodeGraphs(self.model, self.kv_pool.kv_buffer, req_pool.req_to_token, cfg.graph_batch_sizes,
                                   self.max_context_len, self.kv_pool.pad_slot)
         self.runner = ModelRunner(self.model, self.kv_pool, req_pool, self.sampler, device, mc, graphs, parallel)
+        if cfg.spec_steps:
+            self.runner = self._spec_runner(req_pool, parallel)
+        # A speculative step needs the one before it on the host (its accepted lengths): never overlapped.
         self.loop = EventLoop(self.scheduler, self.runner, self.cache, self.route_hooks, mc, self.tokenizer,
-                              overlap=cfg.overlap_schedule and threaded, threaded=threaded)
+                              overlap=cfg.overlap_schedule and threaded and not cfg.spec_steps, threaded=threaded)
+
+    def _spec_runner(self, req_pool: ReqToTokenPool, parallel: ParallelInfo) -> ModelRunner:
+        """Speculative decoding's runner, its NextN draft built from the checkpoint's MTP layer (engine/spec/)."""
+        from r3trace.engine.spec.drafter import Drafter
+        from r3trace.engine.spec.nextn import build_draft
+        from r3trace.engine.spec.runner import SpecRunner
+
+        cfg = self.config
+        if parallel.tp_size > 1:
+            raise EngineConfigError(
+                f"speculative_algorithm={cfg.speculative_algorithm!r}: one process only (got tp_size="
+                f"{parallel.tp_size}, dp_size={parallel.dp_size}, ep_size={parallel.ep_size})"
+            )
+        drafter = Drafter(build_draft(self.model, cfg), self.model, self.sampler, self.kv_pool.kv_buffer.shape[1],
+                          req_pool.req_to_token.shape[0], cfg.spec_steps, cfg.device)
+        return SpecRunner(self.model, drafter, self.kv_pool, req_pool, self.sampler, cfg.device, self.model_config,
+                          parallel)
 
     # ------------------------------------------------------------------ expert placement (scheduler thread only)
     def begin_expert_placement(self, location: ExpertLocation, chunk_layers: int) -> None:

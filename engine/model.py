@@ -158,7 +158,7 @@ class DeepseekForCausalLM(nn.Module):
             cfg.hidden_size, cfg.vocab_size, parallel.attn_tp_rank, parallel.attn_tp_size, ecfg.torch_dtype,
             ecfg.device, ecfg.deterministic,
         )
-        # MTP layers (index >= num_hidden_layers) as loaded, kept for the speculation issue.
+        # MTP layers (index >= num_hidden_layers) as loaded: speculative decoding's draft (engine/spec/nextn.py)
         self.mtp_weights: dict[str, torch.Tensor] = {}
 
     @torch.no_grad()
@@ -170,10 +170,24 @@ class DeepseekForCausalLM(nn.Module):
         return logits
 
     @torch.no_grad()
+    def forward_hidden(self, fb: ForwardBatch, kv_buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward, also returning the final hidden states [T, D] of every row (normed: what the lm_head reads, and
+        what speculative decoding's MTP draft takes as h_t)."""
+        self.recorder.on_forward_begin(fb)
+        hidden = self.model(fb, kv_buffer)
+        logits = self.logits(hidden[fb.logits_indices])
+        self.recorder.on_forward_end(fb)
+        return logits, hidden
+
+    @torch.no_grad()
     def compute_logits(self, fb: ForwardBatch, kv_buffer: torch.Tensor) -> torch.Tensor:
         """The forward without the recorder's begin/end hooks (what a CUDA graph captures)."""
         hidden = self.model(fb, kv_buffer)
-        return self.model.vocab_comm.gather_logits(self.lm_head(hidden[fb.logits_indices])).float()
+        return self.logits(hidden[fb.logits_indices])
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, D] final hidden states -> logits [N, V] fp32."""
+        return self.model.vocab_comm.gather_logits(self.lm_head(hidden)).float()
 
     def decoder_layers(self) -> list[DecoderLayer]:
         return [layer for layer in self.model.layers if isinstance(layer, DecoderLayer)]

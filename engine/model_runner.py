@@ -27,6 +27,7 @@ from r3trace.engine.kv_pool import KVPool, ReqToTokenPool
 from r3trace.engine.launch.step_layout import idle_batch, step_layout
 from r3trace.engine.model_config import ModelConfig
 from r3trace.engine.parallel import ParallelInfo
+from r3trace.engine.penalties import Penalties, penalty_rows
 from r3trace.engine.replay import replay_plan
 from r3trace.engine.request import LogprobEntry
 from r3trace.engine.sampling import Sampler
@@ -67,6 +68,9 @@ class ModelRunner:
         self.staging = HostStaging(device, num_buffers=10)  # up to 5 copies a step: host_staging.py
         # [R] int64: the token each request row sampled last (read by steps scheduled ahead, see the docstring)
         self.next_tokens = torch.zeros(req_pool.req_to_token.shape[0], dtype=torch.int64, device=device)
+        # the output counts of each request row, for SGLang's penalties (engine/penalties.py)
+        self.penalties = Penalties(req_pool.req_to_token.shape[0], model_config.vocab_size,
+                                   model_config.eos_token_ids, device)
 
     def run(self, items: list[ScheduledReq]) -> list[ReqOutput]:
         return self.collect(self.launch(items))
@@ -158,9 +162,11 @@ class ModelRunner:
         # Decode: every logits row samples; indexing by a host list would cost a copy and a gather kernel.
         every_row = len(sample_rows) == logits.shape[0] and sample_rows == list(range(len(sample_rows)))
         if sample_rows:
+            rows = penalty_rows(samplers)
             next_ids = self.sampler.sample(
                 logits if every_row else logits[sample_rows],
                 [it.req.params for it in samplers], [it.req.generator for it in samplers],
+                None if rows is None else self.penalties.step(rows, self.sampler.staging.to_device),
             )  # [B]
             on_device["next"] = next_ids
             if len(samplers) == len(items):  # every request samples: the rows a step ahead reads

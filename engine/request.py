@@ -34,6 +34,16 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # SGLang's logits processing (engine/penalties.py): on the logits before temperature, greedy rows included
+    min_p: float = 0.0  # drop tokens whose probability is below min_p * the top token's
+    frequency_penalty: float = 0.0  # logit -= frequency_penalty * times the token was output
+    presence_penalty: float = 0.0  # logit -= presence_penalty once the token was output
+    repetition_penalty: float = 1.0  # an output token's logit / penalty when > 0, * penalty otherwise
+    min_new_tokens: int = 0  # stop_token_ids and EOS cannot be sampled before this many output tokens
+    # SGLang's detokenization (engine/result.py, engine/stop_rules.py)
+    skip_special_tokens: bool = True  # false: special tokens are kept in the text
+    spaces_between_special_tokens: bool = True  # a slow tokenizer's option: tokenizer.json ignores it, as in HF
+    no_stop_trim: bool = False  # true: a matched stop string or stop token is kept in the text
     # SGLang's name for the per-request seed: folded into `seed` (not a field of its own); both may be given
     # only with the same value
     sampling_seed: InitVar[int | None] = None
@@ -70,13 +80,25 @@ class SamplingParams:
         ids = self.stop_token_ids
         if not isinstance(ids, tuple) or not all(_is_int(t) and t >= 0 for t in ids):
             raise bad("stop_token_ids", "must be a list of integers >= 0")
-        if not isinstance(self.ignore_eos, bool):
-            raise bad("ignore_eos", "must be true or false")
+        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "must be true or false")
+        # SGLang's ranges (SamplingParams.verify); a NaN fails every comparison, so it is refused too
+        if not _is_real(self.min_p) or not 0 <= self.min_p <= 1:
+            raise bad("min_p", "must be in [0, 1]")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not _is_real(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
+                raise bad(name, "must be in [-2, 2]")
+        if not _is_real(self.repetition_penalty) or not 0 < self.repetition_penalty <= 2:
+            raise bad("repetition_penalty", "must be in (0, 2] (1 = no penalty)")
+        if not _is_int(self.min_new_tokens) or not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise bad("min_new_tokens", f"must be an integer in [0, max_new_tokens={self.max_new_tokens}]")
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None) -> SamplingParams:
-        """SGLang's dict form: `stop` may be one string, lists become tuples, unknown keys are errors."""
-        raw = dict(raw or {})
+        """SGLang's dict form: `stop` may be one string, lists become tuples, null means the default (as SGLang's
+        SamplingParams.__post_init__), unknown keys are errors."""
+        raw = {k: v for k, v in (raw or {}).items() if v is not None}
         known = {f.name for f in fields(cls)} | {"sampling_seed"}
         unknown = sorted(set(raw) - known)
         if unknown:
@@ -87,15 +109,16 @@ class SamplingParams:
         for key in ("stop", "stop_token_ids"):
             if isinstance(raw.get(key), list):
                 raw[key] = tuple(raw[key])
-            elif raw.get(key) is None:
-                raw.pop(key, None)
-        if raw.get("max_new_tokens") is None:
-            raw.pop("max_new_tokens", None)
         return cls(**raw)
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+    @property
+    def has_penalty(self) -> bool:
+        """A penalty that reads the request's output counts (engine/penalties.py)."""
+        return self.frequency_penalty != 0 or self.presence_penalty != 0 or self.repetition_penalty != 1
 
 
 def _is_int(x: object) -> bool:
@@ -134,7 +157,9 @@ class FinishReason:
 @dataclass(eq=False)
 class Req:
     """One request's state. Survives retraction: outputs, logprobs, generator, capture and replay are kept;
-    only the KV (pages, kv_len, cached prefix) is dropped, and `fill_ids` is re-prefilled later."""
+    only the KV (pages, kv_len, cached prefix) is dropped, and `fill_ids` is re-prefilled later. The penalties'
+    output counts live on the device in its pool row and are rebuilt from `output_ids` at its first sample
+    after each (re)admission (engine/penalties.py)."""
 
     rid: str
     origin_input_ids: list[int]
@@ -157,6 +182,11 @@ class Req:
     # retraction (prompt + outputs so far) runs with phase "prefill".
     in_decode: bool = False
     num_retractions: int = 0
+    # speculative decoding, over the request's life (SGLang's meta_info names): verify forwards, drafts proposed in
+    # them, drafts accepted
+    spec_verify_ct: int = 0
+    spec_num_proposed_drafts: int = 0
+    spec_num_correct_drafts: int = 0
     # logprobs; input ones are computed once (not again after a retraction)
     input_logprobs: list[LogprobEntry] = field(default_factory=list)
     input_top_logprobs: list[list[LogprobEntry] | None] = field(default_factory=list)

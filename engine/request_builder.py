@@ -1,4 +1,6 @@
-"""From `generate()` arguments to validated Reqs, on the caller's thread.
+"""From `generate()` arguments to validated Reqs, on the caller's thread: tokens, sampling and logprob options
+(RequestBuilder.build), then what the request asks of routing: capture options, replay routes and a DP rank
+pin (RequestBuilder.attach_routes, into Req.capture, Req.replay and Req.routed_dp_rank).
 
 Every check that can fail for one request happens here, before the scheduler sees it, and raises
 InvalidRequestError naming the field, the value and the limit. In a list only that entry fails.
@@ -6,10 +8,15 @@ InvalidRequestError naming the field, the value and the limit. In a list only th
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
+from r3trace.engine.launch.controller import check_routed_dp_rank
+from r3trace.engine.model_config import ModelConfig
+from r3trace.engine.replay import computed_rows, replay_routes
 from r3trace.engine.request import InvalidRequestError, LogprobRequest, Req, SamplingParams
+from r3trace.engine.route_options import CaptureRequest
 from r3trace.engine.sampling import Sampler
 from r3trace.engine.tokenizer import TextTokenizer
 
@@ -25,6 +32,20 @@ class RequestEntry:
     logprob_start_len: Any
     top_logprobs_num: Any
     rid: str | None
+
+
+@dataclass(frozen=True)
+class RouteArgs:
+    """generate()'s routing arguments as given: each one value for every request, or a list of one per request
+    (routed_experts: a list of per-request routes when there are several requests)."""
+
+    return_routed_experts: Any = False
+    routed_experts_start_len: Any = 0
+    return_routed_weights: Any = False
+    routed_experts: Any = None
+    tag: Any = None
+    routed_experts_replay_start_len: Any = None
+    routed_dp_rank: Any = None
 
 
 def as_list(
@@ -67,12 +88,20 @@ def as_list(
 
 class RequestBuilder:
     def __init__(
-        self, vocab_size: int, max_context_len: int, pool_tokens: int, tokenizer: TextTokenizer
+        self, cfg: ModelConfig, max_context_len: int, pool_tokens: int, tokenizer: TextTokenizer, *,
+        capture_weights: bool = False, dp_size: int = 1, custom_recorder: bool = False, custom_hooks: bool = False,
     ) -> None:
-        self.vocab_size = vocab_size
+        """capture_weights: EngineConfig.capture_weights. custom_recorder / custom_hooks: the engine was given its
+        own RouteRecorder / RequestHooks, so it cannot return routes, and a replay bypasses the prefix cache."""
+        self.cfg = cfg
+        self.vocab_size = cfg.vocab_size
         self.max_context_len = max_context_len
         self.pool_tokens = pool_tokens
         self.tokenizer = tokenizer
+        self.capture_weights = capture_weights
+        self.dp_size = dp_size
+        self.custom_recorder = custom_recorder
+        self.custom_hooks = custom_hooks
 
     def build(self, e: RequestEntry, rid: str, stream: bool, sampler: Sampler) -> Req:
         ids, field = self._token_ids(e)
@@ -132,6 +161,52 @@ class RequestBuilder:
         if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= self.vocab_size:
             raise InvalidRequestError("top_logprobs_num", f"{top!r} outside 0..{self.vocab_size}")
         return LogprobRequest(start_len=start, top_num=top)
+
+
+    def attach_routes(self, req: Req, i: int, n: int, args: RouteArgs) -> None:
+        """Request i of n: its capture options, replay routes and DP rank pin into req (raises for it only)."""
+
+        def pick(name: str, value: Any) -> Any:
+            if not isinstance(value, list):
+                return value
+            if len(value) != n:
+                raise InvalidRequestError(name, f"a list of {len(value)} values for {n} request(s)")
+            return value[i]
+
+        want = pick("return_routed_experts", args.return_routed_experts)
+        start = pick("routed_experts_start_len", args.routed_experts_start_len)
+        weights = pick("return_routed_weights", args.return_routed_weights)
+        tag = pick("tag", args.tag)
+        replay_start = pick("routed_experts_replay_start_len", args.routed_experts_replay_start_len)
+        # A list of per-request routes when n > 1; one request's routes may themselves be an array.
+        forced = args.routed_experts
+        forced = forced[i] if n > 1 and isinstance(forced, list) else forced
+        for name, value in (("return_routed_experts", want), ("return_routed_weights", weights)):
+            if not isinstance(value, bool):
+                raise InvalidRequestError(name, f"{value!r} must be true or false")
+        if not isinstance(start, int) or isinstance(start, bool) or not 0 <= start <= req.prompt_len:
+            msg = f"{start!r} outside 0..prompt length {req.prompt_len}"
+            raise InvalidRequestError("routed_experts_start_len", msg)
+        if (want or weights or forced is not None) and self.custom_recorder:
+            raise InvalidRequestError("return_routed_experts", "this engine was built with a custom recorder")
+        if weights and not self.capture_weights:
+            raise InvalidRequestError("return_routed_weights", "start the engine with capture_weights=True")
+        if tag is not None and not isinstance(tag, str):
+            raise InvalidRequestError("tag", f"{tag!r} must be a string")
+        req.capture = CaptureRequest(
+            want=want or weights, start_len=start, weights=weights, tag=tag, arrival_ns=time.time_ns()
+        )
+        if replay_start is not None and forced is None:
+            raise InvalidRequestError(
+                "routed_experts_replay_start_len", f"{replay_start!r} given without routed_experts to replay"
+            )
+        if forced is not None:
+            rows = computed_rows(req.prompt_len, req.params.max_new_tokens, self.max_context_len)
+            req.replay = replay_routes(forced, replay_start, self.cfg, rows)
+            # A prefix-cache hit is reused only where the route hooks find it exact (docs/replay.md); hooks
+            # supplied by the caller cannot tell, so there the replay bypasses the cache both ways.
+            req.use_prefix_cache = not self.custom_hooks
+        req.routed_dp_rank = check_routed_dp_rank(pick("routed_dp_rank", args.routed_dp_rank), self.dp_size)
 
 
 def _as_dict(raw: Any) -> dict[str, Any] | None:

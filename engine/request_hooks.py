@@ -22,6 +22,11 @@ class RequestHooks(Protocol):
     def on_finish(self, req: Req) -> None:
         """req.finish is set; before the KV is freed (or handed to the prefix cache)."""
 
+    def on_reject(self, req: Req, start: int, kept: int, slots: np.ndarray) -> None:
+        """A verify forward (speculative decoding) computed positions start.. of req: the first `kept` stay, the next
+        len(slots) (their KV slots, host) were rejected or fall past a stop. Called before any other hook of the step
+        and before those slots are freed; nothing computed at them may reach a caller or a trace."""
+
     def usable_prefix(self, req: Req, slots: np.ndarray) -> int:
         """Of a prefix-cache match (slots [n] host), how many leading positions req may reuse."""
         ...
@@ -40,6 +45,9 @@ class NullHooks:
         return None
 
     def on_finish(self, req: Req) -> None:
+        return None
+
+    def on_reject(self, req: Req, start: int, kept: int, slots: np.ndarray) -> None:
         return None
 
     def usable_prefix(self, req: Req, slots: np.ndarray) -> int:

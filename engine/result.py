@@ -15,25 +15,27 @@ REPLACEMENT = "\ufffd"  # a multi-byte character cut at the end of the ids decod
 
 
 def output_text(req: Req, tokenizer: TextTokenizer) -> str:
-    """Decoded output as SGLang returns it: cut before a matched stop string, without a matched
-    stop token (the id stays in output_ids)."""
-    f = req.finish
+    """Decoded output as SGLang's detokenizer returns it: cut before a matched stop string, without a matched
+    stop token (the id stays in output_ids), both kept under no_stop_trim; special tokens skipped unless
+    skip_special_tokens is false."""
+    f, p = req.finish, req.params
     if f is not None and f.type == "stop" and isinstance(f.matched, str):
         return req.text
     ids = req.output_ids
-    if f is not None and f.type == "stop" and isinstance(f.matched, int):
+    if f is not None and f.type == "stop" and isinstance(f.matched, int) and not p.no_stop_trim:
         ids = ids[:-1]
-    return tokenizer.decode(ids)
+    return tokenizer.decode(ids, skip_special_tokens=p.skip_special_tokens)
 
 
 def _stable_len(req: Req, text: str) -> int:
     """How much of an unfinished request's text cannot change any more: not a trailing cut character,
-    not a trailing piece that may grow into a stop string (that text would be trimmed)."""
+    not a trailing piece that may grow into a stop string (that text would be trimmed; under no_stop_trim
+    nothing is)."""
     end = len(text)
     while end and text[end - 1] == REPLACEMENT:
         end -= 1
     hold = 0
-    for s in req.params.stop:
+    for s in () if req.params.no_stop_trim else req.params.stop:
         for k in range(min(len(s) - 1, end), 0, -1):
             if text[end - k : end] == s[:k]:
                 hold = max(hold, k)
@@ -54,6 +56,12 @@ def build_result(req: Req, tokenizer: TextTokenizer, *, delta: bool) -> dict[str
         "cached_tokens": req.cached_tokens,
         "finish_reason": None if req.finish is None else req.finish.to_dict(),
     }
+    if req.spec_verify_ct:  # speculative decoding (SGLang's fields): tokens a verify forward commits, on average
+        meta["spec_verify_ct"] = req.spec_verify_ct
+        meta["spec_num_proposed_drafts"] = req.spec_num_proposed_drafts
+        meta["spec_num_correct_drafts"] = req.spec_num_correct_drafts
+        meta["spec_accept_rate"] = req.spec_num_correct_drafts / max(req.spec_num_proposed_drafts, 1)
+        meta["spec_accept_length"] = (req.spec_num_correct_drafts + req.spec_verify_ct) / req.spec_verify_ct
     ids_from, text_from, lp_from = (req.sent_ids, req.sent_text, req.sent_logprobs) if delta else (0, 0, 0)
     if req.logprob is not None:
         if not delta or req.sent_logprobs == 0:

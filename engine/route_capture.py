@@ -14,7 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from r3trace.capture.capturer import RoutedExpertsCapturer, RouteRows
+from r3trace.capture.capturer import RoutedExpertsCapturer
+from r3trace.capture.route_rows import RouteRows
 from r3trace.capture.wire import encode_float16, encode_int32
 
 from .kv_pool import KVPool
@@ -89,6 +90,9 @@ class RouteCaptureHooks:
 
     def on_retract(self, req: Req) -> None:
         self.capturer.on_retract(req.rid, self.pool.slots(req.pages, 0, req.kv_len))
+
+    def on_reject(self, req: Req, start: int, kept: int, slots: np.ndarray) -> None:
+        self.capturer.on_reject(req.rid, start, kept, slots)
 
     def on_finish(self, req: Req) -> None:
         self._mark_forced(req)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from r3trace.capture.capturer import RouteRows
+from r3trace.capture.route_rows import RouteRows
 
 
 @dataclass

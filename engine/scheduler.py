@@ -57,6 +57,8 @@ class Scheduler:
         self.hooks: RequestHooks = hooks or NullHooks()
         self.num_retractions = 0  # over the scheduler's life: tests check preemption really happened
         self.num_dropped_ahead = 0  # positions computed ahead for requests that had stopped (tests check it)
+        # Speculative decoding: a decoding request verifies up to spec_steps draft tokens a step (0: off)
+        self.spec_steps = config.spec_steps
 
     # ------------------------------------------------------------------ queue
     def add(self, req: Req) -> None:
@@ -85,10 +87,16 @@ class Scheduler:
         budget = self.config.chunked_prefill_size
         items: list[ScheduledReq] = []
         retracted = False
+        # Speculation: drafts take only what the budget has left after one token for every decoding request behind
+        # this one, so a request never waits a step for another's drafts.
+        decoding_after = sum(r.in_decode for r in self.running) if self.spec_steps else 0
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             want = min(req.seq_len - req.kv_len, budget)
+            if self.spec_steps and req.in_decode:
+                decoding_after -= 1
+                want = 1 + self._draft_len(req, budget - decoding_after)
             slots = self._grow(req, want)
             while slots is None:
                 victim = self.running[-1]
@@ -125,8 +133,8 @@ class Scheduler:
         whose input is prev's token; those prev surely finishes (length, context) are left out, as process
         would. None when the step needs prev's results first: an admission, a chunked prefill, a retraction
         or a cache eviction (the caller then processes prev and calls schedule)."""
-        if self.waiting and len(self.running) < self.config.max_running_requests:
-            return None
+        if self.spec_steps or (self.waiting and len(self.running) < self.config.max_running_requests):
+            return None  # a speculative step needs the accepted lengths of the one before on the host
         prev_reqs = {id(it.req) for it in prev if it.sample}
         if len(prev_reqs) != len(self.running) or any(id(r) not in prev_reqs for r in self.running):
             return None
@@ -157,10 +165,20 @@ class Scheduler:
             req.inflight += 1
         return items
 
+    def _draft_len(self, req: Req, budget: int) -> int:
+        """Draft tokens a decoding request verifies this step: spec_steps, fewer when the request stops sooner (each
+        accepted draft is one more output token, and the verify computes one more position than it outputs) or the
+        step's token budget is short."""
+        left = req.params.max_new_tokens - len(req.output_ids)  # >= 1: a request with none left has finished
+        return max(0, min(self.spec_steps, left - 1, self.max_context_len - req.seq_len - 1, budget - 1))
+
     def _item(self, req: Req, slots: np.ndarray) -> ScheduledReq:
         start, n = req.kv_len, len(slots)
         req.kv_len += n
         req.inflight += n
+        if self.spec_steps and req.in_decode:  # the slots of the last token and of n - 1 drafts
+            return ScheduledReq(req=req, start=start, extend_len=n, out_cache_loc=slots, sample=True,
+                                logprob_positions=range(0), phase="verify", draft_len=n - 1)
         fill_len = req.seq_len
         positions = range(0)
         if req.wants_input_logprobs:
@@ -228,9 +246,20 @@ class Scheduler:
     # ------------------------------------------------------------------ results
     def process(self, items: list[ScheduledReq], outputs: list[ReqOutput]) -> None:
         """Fold a forward's outputs into request state; finished requests release their KV."""
+        # Verify items first, all of them: every rejected row is dropped (on_reject) before any hook of this step
+        # reads or emits the forward's routes (a finishing request's on_finish drains the capturer's copy).
+        stops = {id(it.req): self._accept(it, out) for it, out in zip(items, outputs, strict=True)
+                 if it.phase == "verify" and not it.req.finished}
         for item, out in zip(items, outputs, strict=True):
             req = item.req
             if req.finished:  # stopped at the step before, after this one was launched for it: dropped
+                continue
+            if item.phase == "verify":
+                stop = stops[id(req)]
+                if stop is not None:
+                    self._finish(req, stop)
+                else:
+                    self._updates.append(req)
                 continue
             req.inflight -= item.extend_len
             if out.input_logprobs is not None:
@@ -258,6 +287,33 @@ class Scheduler:
                     self._updates.append(req)
             elif item.end == req.seq_len:  # max_new_tokens == 0: prefill only
                 self._finish(req, FinishReason("length", length=len(req.output_ids)))
+
+    def _accept(self, item: ScheduledReq, out: ReqOutput) -> FinishReason | None:
+        """A verify item's tokens, appended one at a time under the stop rules (a stop drops the tokens after it),
+        then the KV of every position past them freed: rejected drafts, and drafts accepted after a stop."""
+        req = item.req
+        assert out.next_tokens is not None
+        req.inflight -= item.extend_len
+        req.spec_verify_ct += 1
+        req.spec_num_proposed_drafts += item.draft_len
+        req.spec_num_correct_drafts += len(out.next_tokens) - 1
+        stop = None
+        for j, tok in enumerate(out.next_tokens):
+            req.output_ids.append(tok)
+            if req.logprob is not None and out.next_logprobs is not None:
+                req.output_logprobs.append((out.next_logprobs[j], tok, None))
+                if out.next_tops is not None:
+                    req.output_top_logprobs.append(out.next_tops[j])
+            stop = finish_reason(req, self.eos_token_ids, self.tokenizer, self.max_context_len)
+            if stop is not None:
+                break
+        kept = req.seq_len - 1 - item.start  # positions start.. whose input token is committed: one per token kept
+        req.kv_len = item.start + kept
+        self.hooks.on_reject(req, item.start, kept, item.out_cache_loc[kept:])
+        keep_pages = self.pool.pages_for(req.kv_len)
+        self.pool.free(req.pages[keep_pages:])
+        del req.pages[keep_pages:]
+        return stop
 
     # ------------------------------------------------------------------ lifecycle hooks
     def _finish(self, req: Req, reason: FinishReason) -> None:

@@ -24,6 +24,9 @@ class ScheduledReq:
     # Scheduled one step ahead: the input is the token the previous, still running, step samples; the runner
     # reads it on the device (the host does not know it yet).
     ahead: bool = False
+    # phase "verify" (speculative decoding): positions start.. hold the last sampled token, then draft_len draft
+    # tokens the runner proposes; the verify forward accepts a prefix of them plus one token of the target's
+    draft_len: int = 0
 
     @property
     def end(self) -> int:
@@ -39,3 +42,7 @@ class ReqOutput:
     next_top: list[LogprobEntry] | None = None
     input_logprobs: list[float] | None = None  # one per logprob_positions entry
     input_tops: list[list[LogprobEntry]] | None = None
+    # a verify item's tokens in order (accepted drafts, then the target's own), with their logprobs when asked
+    next_tokens: list[int] | None = None
+    next_logprobs: list[float] | None = None
+    next_tops: list[list[LogprobEntry]] | None = None

@@ -13,7 +13,7 @@ NUM_BYTES = 256  # byte-level ids 0..255 are the bytes themselves
 class TextTokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
-    def decode(self, ids: list[int]) -> str: ...
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
 
 class HFTokenizer:
@@ -27,8 +27,10 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text).ids)
 
-    def decode(self, ids: list[int]) -> str:
-        return str(self._tok.decode(ids, skip_special_tokens=True))
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """As transformers' fast tokenizers decode for SGLang's detokenizer: the tokenizer.json decoder, special
+        tokens kept or skipped; spaces_between_special_tokens is a slow tokenizer's option they ignore."""
+        return str(self._tok.decode(ids, skip_special_tokens=skip_special_tokens))
 
 
 class ByteTokenizer:
@@ -46,7 +48,8 @@ class ByteTokenizer:
             )
         return list(text.encode("utf-8"))
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """No token is special here: skip_special_tokens changes nothing."""
         # errors="replace": a cut multi-byte character shows as U+FFFD until its last byte arrives.
         return bytes(i for i in ids if 0 <= i < NUM_BYTES).decode("utf-8", errors="replace")
 

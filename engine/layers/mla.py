@@ -152,8 +152,8 @@ class MLAAttention(nn.Module):
         else:
             # The absorbed query [T, H, kv_lora + rope] built in place: the bmm and the rope store into its two
             # column ranges through strided views, and the value projection stores [T, H, v] rows o_proj reads
-            # as they are. einsum + cat cost a cat a layer (4.6 us at batch 64 on the H200: bench/NOTES.md,
-            # "Engine owner, session 5", run 2's kernel table), and the reshape of einsum's permuted output a copy.
+            # as they are. einsum + cat cost a cat a layer (4.6 us at batch 64 on the H200, in the decode step's
+            # kernel profile, bench/step_profile.py), and the reshape of einsum's permuted output a copy.
             q_lat = q.new_empty(t, self.h, self.kv_lora + self.rope_dim)
             self._head_matmul(q_nope, self.w_kc, q_lat[:, :, : self.kv_lora])
             self.rope(fb.positions, q_pe, out=q_lat[:, :, self.kv_lora :])

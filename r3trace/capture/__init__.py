@@ -1,8 +1,9 @@
 """Route capture: the recorder protocol, the capturer with its device/host buffers, and the wire format."""
 
-from .capturer import RoutedExpertsCapturer, RouteRows
+from .capturer import RoutedExpertsCapturer
 from .config import CaptureConfig, CaptureConfigError
 from .recorder import ListRecorder, NullRecorder, RouteRecorder
+from .route_rows import RouteRows
 
 __all__ = [
     "CaptureConfig", "CaptureConfigError", "ListRecorder", "NullRecorder", "RouteRecorder", "RouteRows",

@@ -17,7 +17,7 @@ from every DP rank), S KV slots, M MoE layers, K top-k.
   needs them (FIFO, so a reused slot always ends with the newest route).
 Ids cross to the host as int16 when E <= 32767 (half the bytes of int32); -1 marks "no route".
 Host-side arrays are numpy: on our 2-core CPU, torch's CPU kernels took 3.3 ms to scatter 256 rows of
-58 x 8 int16 ids by slot and 7 ms to copy them, numpy 13 us and 8 us (torch 2.13; measured 2026-11-29).
+58 x 8 int16 ids by slot and 7 ms to copy them, numpy 13 us and 8 us (torch 2.13).
 """
 
 from __future__ import annotations
@@ -91,9 +91,10 @@ class RouteBuffers:
         self.pending: deque[PendingCopy] = deque()
         self._copy_stream = torch.cuda.Stream(self.device) if self.on_cuda else None
         self._last_copy: torch.cuda.Event | None = None  # the newest copy still reading dev_ids
-        # Per step on CUDA, no allocation and no event creation (each a few us of host time on a step that can be
-        # host-bound: bench/NOTES.md "Session 7", run 6): the token-major source of the pinned copy is one device
-        # buffer (the copy stream orders a step's write after the previous step's read), one event a staging set.
+        # Per step on CUDA, no allocation and no event creation (each a few us of host time; the bundled sample
+        # model's decode step is host-bound: 0.79 ms a step against a 0.23 ms graph replay on the H200, capture
+        # adding ~0.2 ms of host work): the token-major source of the pinned copy is one device buffer (the copy
+        # stream orders a step's write after the previous step's read), one event a staging set.
         self._dev_major = (
             (torch.empty(shape, dtype=self.dtype, device=self.device),
              torch.empty(shape, dtype=torch.float16, device=self.device) if with_weights else None)
@@ -240,6 +241,23 @@ class RouteBuffers:
     def claim(self, slots: np.ndarray, forward_id: int) -> None:
         """A forward is writing the KV of these slots: their host rows are stale until its copy lands."""
         self.kv_forward[slots] = forward_id
+
+    def release(self, slots: np.ndarray) -> None:
+        """These slots' KV was rejected (a speculative verify): no forward owns it, so a copy in flight never writes
+        their host rows and valid_prefix never counts them."""
+        self.kv_forward[slots] = -1
+
+    def reject(self, rid: str, start: int, kept: int, slots: np.ndarray) -> bool:
+        """A verify of rid's positions start..: the pending copy's entry keeps its first `kept` rows (the sink reads
+        no more), and the rejected positions' slots are released. True when a pending copy held the entry."""
+        found = False
+        for p in self.pending:
+            for j, (r, row0, n, prefix, phase) in enumerate(p.entries):
+                if r == rid and prefix == start:
+                    p.entries[j] = (r, row0, min(n, kept), prefix, phase)
+                    found = True
+        self.release(slots)
+        return found
 
     def valid_prefix(self, slots: np.ndarray) -> int:
         """How many leading slots hold host routes of the KV currently in them."""

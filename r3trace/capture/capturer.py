@@ -16,7 +16,6 @@ SGLang's wire format. What SGLang gets wrong and this gets right, each covered b
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -29,6 +28,7 @@ from .config import CaptureConfig
 from .config import CaptureConfigError as CaptureConfigError  # re-exported: callers import it from here
 from .physical import PhysicalIds
 from .recorder import BatchView
+from .route_rows import RequestState, RouteRows, expand_layers, join_rows
 
 
 class TraceSink(Protocol):
@@ -38,29 +38,6 @@ class TraceSink(Protocol):
         self, request_id: Any, token_pos: Any, phase: Any, source: Any, forward_id: Any, ts: Any, dp_rank: Any,
         topk_ids: np.ndarray, topk_weights: np.ndarray | None = None, physical_ids: np.ndarray | None = None,
     ) -> None: ...
-
-
-@dataclass
-class _ReqState:
-    want: bool
-    cached_len: int = 0
-    first_cached_len: int = -1  # prefix-cache hit at first admission: those rows are source=prefix_cache
-    prefix_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    kept: np.ndarray | None = None  # [n_kept, M, K] rows saved at retraction
-    kept_weights: np.ndarray | None = None
-    kept_physical: np.ndarray | None = None
-    sink_emitted: int = 0  # positions already written to the sink
-    stream_emitted: int = 0  # positions already streamed to the client
-
-
-@dataclass(frozen=True)
-class RouteRows:
-    """Rows [offset, offset + n) of one request. ids: [n, L, K] int32 with -1 on dense layers."""
-
-    offset: int
-    ids: np.ndarray
-    weights: np.ndarray | None = None
-    physical: np.ndarray | None = None  # [n, L, K] int32 physical slots (capture_physical_ids), -1 on dense layers
 
 
 class RoutedExpertsCapturer:
@@ -74,7 +51,7 @@ class RoutedExpertsCapturer:
         # the physical slot of each pair, moved in lockstep with self.buffers (physical.py); None: not kept
         self.physical = None if not cfg.physical_slots else PhysicalIds(
             cfg.max_batch_tokens, cfg.kv_slots, len(cfg.moe_layer_ids), cfg.top_k, cfg.physical_slots, cfg.device)
-        self.requests: dict[str, _ReqState] = {}
+        self.requests: dict[str, RequestState] = {}
         self.sink: TraceSink | None = None
         self.recompute_mismatches = 0  # rows whose re-prefill after retraction routed differently
         self._batch_tokens = 0
@@ -112,6 +89,8 @@ class RoutedExpertsCapturer:
             batch.request_ids, batch.extend_lens_cpu, batch.prefix_lens_cpu, batch.phases, strict=True
         ):
             state = self.requests.get(rid)
+            if phase == "verify" and state is not None:
+                state.verify_from = min(state.verify_from, prefix)
             if everyone or (state is not None and state.want):
                 entries.append((rid, copied, n, prefix, phase))
                 spans.append((start, n))
@@ -139,7 +118,7 @@ class RoutedExpertsCapturer:
 
     # ---------------------------------------------------------------- request lifecycle
     def add_request(self, rid: str, want: bool) -> None:
-        self.requests[rid] = _ReqState(want=want)
+        self.requests[rid] = RequestState(want=want)
 
     def on_admit(self, rid: str, cached_len: int, prefix_slots: np.ndarray) -> None:
         """After prefix matching: positions < cached_len reuse KV (and routes) another forward wrote."""
@@ -172,18 +151,25 @@ class RoutedExpertsCapturer:
         if state is None or not (state.want or self.sink is not None):
             return
         self.drain()
-        n_kept = 0 if state.kept is None else len(state.kept)
-        if len(slots) > n_kept:
-            fresh = self.buffers.read(np.asarray(slots)[n_kept:])
-            state.kept = fresh if state.kept is None else np.concatenate([state.kept, fresh])
-            fresh_w = self.buffers.read_weights(np.asarray(slots)[n_kept:])
-            if fresh_w is not None:
-                kept_w = state.kept_weights
-                state.kept_weights = fresh_w if kept_w is None else np.concatenate([kept_w, fresh_w])
-            if self.physical is not None:
-                fresh_p = self.physical.buffers.read(np.asarray(slots)[n_kept:])
-                kept_p = state.kept_physical
-                state.kept_physical = fresh_p if kept_p is None else np.concatenate([kept_p, fresh_p])
+        fresh = np.asarray(slots)[state.n_kept :]
+        if len(fresh):
+            physical = None if self.physical is None else self.physical.buffers.read(fresh)
+            state.keep(self.buffers.read(fresh), self.buffers.read_weights(fresh), physical)
+
+    def on_reject(self, rid: str, start: int, kept: int, slots: np.ndarray) -> None:
+        """A verify forward computed positions start.. of rid; all but the first `kept` were rejected (slots: their KV
+        slots). Their rows leave the copy in flight before it reaches the sink and the slots' host rows turn invalid,
+        so no response, stream chunk or trace holds them. Called before anything drains that copy."""
+        if not len(slots):
+            return
+        slots = np.asarray(slots, dtype=np.int64)
+        trimmed = self.buffers.reject(rid, start, kept, slots)
+        if self.physical is not None:
+            self.physical.buffers.release(slots)
+        state = self.requests.get(rid)
+        if not trimmed and state is not None and state.sink_emitted > start + kept:
+            raise RuntimeError(f"route capture: rows {start + kept}.. of {rid} reached the trace before the verify "
+                               "forward that computed them was accepted")
 
     def rows(self, rid: str, slots: np.ndarray, start: int, end: int) -> RouteRows:
         """Rows of positions [start, end), slots: KV slot of every position 0..end-1 (host)."""
@@ -210,14 +196,8 @@ class RoutedExpertsCapturer:
         return out
 
     def provenance(self, rid: str, prompt_len: int, start: int, end: int) -> list[tuple[int, int, str, str]]:
-        """Run-length provenance of rows [start, end): (first, last + 1, phase, source) segments.
-
-        Rows kept across a retraction keep their first provenance, so this depends only on the first
-        admission's prefix hit and the prompt length."""
-        cached = max(self._state(rid).first_cached_len, 0)
-        bounds = [(0, cached, "prefill", "prefix_cache"), (cached, prompt_len, "prefill", "computed"),
-                  (prompt_len, end, "decode", "computed")]
-        return [(max(a, start), min(b, end), ph, src) for a, b, ph, src in bounds if min(b, end) > max(a, start)]
+        """Run-length provenance of rows [start, end): (first, last + 1, phase, source) segments."""
+        return self._state(rid).provenance(prompt_len, start, end)
 
     def finish_request(self, rid: str) -> None:
         self.requests.pop(rid, None)
@@ -233,10 +213,10 @@ class RoutedExpertsCapturer:
         return sink
 
     # ---------------------------------------------------------------- internals
-    def _state(self, rid: str) -> _ReqState:
+    def _state(self, rid: str) -> RequestState:
         """A request that finished before it was ever admitted (aborted while waiting) has no rows."""
         state = self.requests.get(rid)
-        return state if state is not None else _ReqState(want=False)
+        return state if state is not None else RequestState(want=False)
 
     @property
     def bytes_last_step(self) -> int:
@@ -290,32 +270,19 @@ class RoutedExpertsCapturer:
         if emit:
             self._emit_computed(p, ids, emit)
 
-    def _read(self, state: _ReqState, slots: np.ndarray, start: int, end: int, weights: bool) -> np.ndarray | None:
+    def _read(self, state: RequestState, slots: np.ndarray, start: int, end: int, weights: bool) -> np.ndarray | None:
+        """[end - start, M, K] ids (or weights: None when the host does not keep them) of positions [start, end)."""
         if weights and self.buffers.host_weights is None:
             return None
-        kept = state.kept_weights if weights else state.kept
-        n_kept = 0 if kept is None else len(kept)
-        reader = self.buffers.read_weights if weights else self.buffers.read
-        parts = []
-        if start < n_kept:
-            assert kept is not None
-            parts.append(kept[start : min(end, n_kept)])
-        if end > max(start, n_kept):
-            fresh = reader(slots[max(start, n_kept) : end])
-            assert fresh is not None  # weights are read only when the host keeps them (checked above)
-            parts.append(fresh)
-        if not parts:
-            m, k = len(self.cfg.moe_layer_ids), self.cfg.top_k
-            return np.zeros((0, m, k), np.float16 if weights else np.int32)
-        return np.concatenate(parts)  # type: ignore[arg-type]
+        empty = np.zeros((0, len(self.cfg.moe_layer_ids), self.cfg.top_k), np.float16 if weights else np.int32)
+        if weights:
+            return join_rows(state.kept_weights, self.buffers.read_weights, slots, start, end, empty)
+        return join_rows(state.kept, self.buffers.read, slots, start, end, empty)
 
     def _expand(self, moe_rows: np.ndarray, fill: float) -> np.ndarray:
-        """[n, M, K] -> [n, L, K]: dense layers hold `fill` (-1 for ids, never 0)."""
-        out = np.full((len(moe_rows), self.cfg.num_hidden_layers, self.cfg.top_k), fill, dtype=moe_rows.dtype)
-        out[:, list(self.cfg.moe_layer_ids)] = moe_rows
-        return out
+        return expand_layers(moe_rows, fill, self.cfg.moe_layer_ids, self.cfg.num_hidden_layers)
 
-    def _emit_prefix(self, rid: str, state: _ReqState) -> None:
+    def _emit_prefix(self, rid: str, state: RequestState) -> None:
         assert self.sink is not None
         lo, hi = state.sink_emitted, state.cached_len
         slots = state.prefix_slots[lo:hi]

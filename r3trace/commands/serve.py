@@ -76,6 +76,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--expert-dispatch-seed", type=int, default=0, help="dynamic dispatch's seed")
     p.add_argument("--capture-physical-ids", action="store_true",
                    help="also return the physical slot of each route (meta_info routed_experts_physical)")
+    p.add_argument("--speculative-algorithm", default=None, choices=["NEXTN", "EAGLE"],
+                   help="speculative decoding with the checkpoint's MTP layer (EAGLE: SGLang's alias of NEXTN)")
+    p.add_argument("--speculative-num-steps", type=int, default=None,
+                   help="draft tokens a step, 1..3 (default 3); one verify forward checks them")
     p.add_argument("--placement-root", default=".", help="POST /update_expert_placement reads only below this folder")
     p.add_argument("--log-level", default="info")
 
@@ -108,6 +112,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, object]:
         "ep_num_redundant_experts": args.ep_num_redundant_experts, "init_expert_location": args.init_expert_location,
         "ep_dispatch_algorithm": args.ep_dispatch_algorithm, "expert_dispatch_seed": args.expert_dispatch_seed,
         "capture_physical_ids": args.capture_physical_ids,
+        "speculative_algorithm": args.speculative_algorithm, "speculative_num_steps": args.speculative_num_steps,
     }  # fmt: skip
 
 

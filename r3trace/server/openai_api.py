@@ -119,7 +119,11 @@ def engine_kwargs(
     check_served(req)
     sp: dict[str, Any] = {"max_new_tokens": max_tokens, "temperature": req.temperature, "top_p": req.top_p,
                           "top_k": req.top_k, "seed": req.seed, "stop": req.stop,
-                          "stop_token_ids": req.stop_token_ids, "ignore_eos": req.ignore_eos}
+                          "stop_token_ids": req.stop_token_ids, "ignore_eos": req.ignore_eos,
+                          "min_new_tokens": req.min_tokens}  # SGLang's name in OpenAI bodies: min_tokens
+    for name in ("frequency_penalty", "presence_penalty", "repetition_penalty", "min_p", "no_stop_trim",
+                 "skip_special_tokens"):
+        sp[name] = getattr(req, name)
     kw: dict[str, Any] = {"sampling_params": {k: v for k, v in sp.items() if v is not None}}
     is_ids = isinstance(prompt, list) and (not prompt or not isinstance(prompt[0], str))
     kw["input_ids" if is_ids else "prompt"] = prompt

@@ -15,24 +15,33 @@ from pydantic import BaseModel, ConfigDict, Field
 _STRICT = ConfigDict(extra="forbid", strict=True)
 
 
-# SGLang sampling fields r3trace accepts and does not pass to the engine:
-# | field                          | r3trace                                                          |
-# | skip_special_tokens            | accepted; text is always decoded skipping them (SGLang's default |
-# |                                | true); false differs: SGLang then keeps them in the text         |
-# | spaces_between_special_tokens  | accepted, ignored: skipped special tokens leave no gap to fill   |
-# | no_stop_trim                   | accepted, ignored: a matched stop string is trimmed as by default |
-IGNORED_SAMPLING_FIELDS = frozenset({"skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"})
-
-
 class SamplingParamsBody(BaseModel):
-    """SGLang's sampling_params: the engine's SamplingParams (same names, sampling_seed its alias of seed) and
-    IGNORED_SAMPLING_FIELDS."""
+    """SGLang's sampling_params: the engine's SamplingParams, same names, every field passed on; value ranges are
+    the engine's (SGLang's SamplingParams.verify), a 400 naming the field and the limit.
+
+    | field                          | r3trace                                                              |
+    | max_new_tokens, min_new_tokens | honoured; min_new_tokens bans stop_token_ids and EOS until reached   |
+    | temperature, top_k, top_p      | honoured (0 / top_k 1: greedy)                                       |
+    | min_p                          | honoured: tokens below min_p * the top token's probability dropped   |
+    | frequency_penalty, presence_penalty, repetition_penalty | honoured over the output tokens, greedy too |
+    | seed, sampling_seed            | honoured: the request's own generator (sampling_seed: SGLang's name) |
+    | stop, stop_token_ids, ignore_eos | honoured                                                           |
+    | skip_special_tokens            | honoured: false keeps special tokens in the text                     |
+    | spaces_between_special_tokens  | accepted: a slow tokenizer's option; tokenizer.json decoding ignores |
+    |                                | it, as transformers' fast tokenizers do under SGLang                 |
+    | no_stop_trim                   | honoured: a matched stop string or stop token stays in the text      |
+    """
 
     model_config = _STRICT
     max_new_tokens: int | None = Field(default=None, ge=0)
+    min_new_tokens: int | None = None
     temperature: float | None = Field(default=None, ge=0)
     top_k: int | None = None
     top_p: float | None = None
+    min_p: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
     seed: int | None = Field(default=None, ge=0)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -43,7 +52,7 @@ class SamplingParamsBody(BaseModel):
     no_stop_trim: bool | None = None
 
     def to_engine(self) -> dict[str, Any]:
-        return self.model_dump(exclude_none=True, exclude=set(IGNORED_SAMPLING_FIELDS))
+        return self.model_dump(exclude_none=True)
 
 
 class GenerateRequest(BaseModel):
@@ -155,6 +164,9 @@ class RouteFlags(BaseModel):
     | n                | 1 only; n > 1 is a 400 (one choice per request)                              |
     | response_format  | {"type": "text"} accepted; other types are a 400 (no constrained decoding)   |
     | tools, tool_choice | a 400 when given (no tool-call parser)                                     |
+    | frequency_penalty, presence_penalty | honoured: sampling_params of the same names                |
+    | repetition_penalty, min_p, no_stop_trim, skip_special_tokens | SGLang's extras: honoured, same names |
+    | min_tokens         | SGLang's extra: honoured as sampling_params.min_new_tokens                    |
     """
 
     model_config = _STRICT
@@ -164,6 +176,13 @@ class RouteFlags(BaseModel):
     seed: int | None = Field(default=None, ge=0)
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
+    no_stop_trim: bool | None = None
+    skip_special_tokens: bool | None = None
     n: int = Field(default=1, ge=1)
     user: str | None = None
     stream: bool = False

@@ -29,6 +29,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from r3trace.trace.layout import TABLES, Table, file_table, table_dir, tmp_path, without_partition
+from r3trace.trace.pending import Batch
 from r3trace.trace.rollup import RollupAccumulator
 from r3trace.trace.schema import (
     PARQUET_COMPRESSION,
@@ -43,6 +44,7 @@ from r3trace.trace.schema import (
     fsync_path,
     run_dir_name,
 )
+from r3trace.trace.tokens import tokens_table
 
 
 def now_iso() -> str:
@@ -76,6 +78,39 @@ def merge_rollups(tables: Sequence[pa.Table]) -> pa.Table:
     g = t.group_by(keys).aggregate([("count", "sum")]).rename_columns([*keys, "count"])
     g = g.sort_by([(k, "ascending") for k in keys if k != "run_id"])
     return g.select(schema.names).cast(schema)
+
+
+def route_files(
+    rows: Sequence[tuple[Batch, int]], m: Manifest, rows_per_file: int
+) -> list[tuple[list[pa.Table], pa.Table]]:
+    """The (routes tables, rollup) of each file one commit writes: the taken rows split into files of
+    <= rows_per_file rows at appended-batch boundaries (so tokens stay whole). append_tokens' batches of a file
+    are merged first and built as one table: one build per file, however many small appends it holds."""
+    groups: list[list[Batch]] = [[]]
+    n = 0
+    for batch, n_rows in rows:
+        if groups[-1] and n + n_rows > rows_per_file:
+            groups.append([])
+            n = 0
+        groups[-1].append(batch)
+        n += n_rows
+    files = []
+    for group in groups:
+        acc = RollupAccumulator(m.moe_layer_ids, m.num_experts, m.rollup_window_ns)
+        tables = [b for b in group if isinstance(b, pa.Table)]
+        # the rollup counts logical ids (topk_ids) only, with or without physical_ids
+        for t in tables:  # route_rows encodes phase over all of PHASES: its indices are the phase codes
+            ids = t.column("topk_ids").combine_chunks().flatten().to_numpy().reshape(t.num_rows, m.top_k)
+            acc.add(t.column("ts").cast(pa.int64()).to_numpy(),
+                    t.column("phase").combine_chunks().indices.to_numpy(), t.column("layer_id").to_numpy(), ids)
+        tokens = [b for b in group if not isinstance(b, pa.Table)]
+        if tokens:
+            tables.append(tokens_table(m.run_id, m.moe_layer_ids, m.top_k, m.with_weights, tokens,
+                                       m.with_physical_ids))
+            for b in tokens:
+                acc.add_tokens(b["ts"], b["phase"], b["topk_ids"])
+        files.append((tables, acc.table(m.run_id)))
+    return files
 
 
 class RunCommitter:

@@ -1,4 +1,4 @@
-"""The trace contract (issue 3, point 6): Arrow schemas and the run manifest.
+"""The trace contract: Arrow schemas and the run manifest.
 
 One dataset folder holds many runs. Each table has its own top-level folder, hive-partitioned by run id, and
 each run has one manifest, its commit point (layout.py has the layout and the older one it still reads):

@@ -17,7 +17,6 @@ Durability contract (docs/durability.md):
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 import uuid
@@ -27,13 +26,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
 
 from r3trace.trace import lifecycle
 from r3trace.trace.batch import Labels, route_rows
-from r3trace.trace.commit import RunCommitter, now_iso
-from r3trace.trace.pending import Batch, Pending, Taken
-from r3trace.trace.rollup import RollupAccumulator
+from r3trace.trace.commit import RunCommitter, now_iso, route_files
+from r3trace.trace.pending import Batch, Inbox, Taken
 from r3trace.trace.schema import (
     ROW_GROUP_ROWS,
     Manifest,
@@ -41,7 +38,7 @@ from r3trace.trace.schema import (
     route_schema,
     run_dir_name,
 )
-from r3trace.trace.tokens import check_tokens, distinct, tokens_table
+from r3trace.trace.tokens import check_tokens, distinct
 
 log = logging.getLogger("r3trace.trace")
 MAX_FLUSH_INTERVAL_S = 3600.0
@@ -122,16 +119,9 @@ class TraceWriter:
         self.manifest.write(self.run_dir)
         self._committer = RunCommitter(self.run_dir, self.manifest, self.schema, fsync=fsync,
                                        small_rows=small_file_rows, fanin=compact_fanin, max_rows=rows_per_file)
-        # One lock over the buffers. A caller appending in a tight loop re-takes the (unfair) lock within one GIL
-        # slice, so a flusher blocked on it starves (seen: no commit in 3 s at 180K appends/s). So when a commit is
-        # due the flusher sets `_want`, and the next caller takes the buffers for it, under the lock it holds anyway,
-        # and hands them over; with no caller around, the flusher takes them itself after 10 ms.
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._want = False
-        self._handoff: queue.SimpleQueue[Taken] = queue.SimpleQueue()
+        self._inbox = Inbox(rows_per_file)  # its lock also guards _error, _closing and _closed
+        self._lock, self._wake = self._inbox.lock, self._inbox.wake
         self._committing = threading.Lock()  # one commit at a time: the flusher's, flush()'s or close()'s
-        self._pending = Pending()  # guarded by _lock
         self._error: BaseException | None = None
         self._closing = False
         self._closed = False
@@ -192,9 +182,7 @@ class TraceWriter:
             return
         with self._lock:
             self._check_open()
-            if self._pending.add_rows(batch, n_rows, rids) or self._pending.n_rows >= self.rows_per_file:
-                self._wake.set()  # the flusher sleeps without a deadline while nothing waits
-            self._hand_over()
+            self._inbox.add_rows(batch, n_rows, rids)
 
     def add_request(
         self, request_id: str, *, tag: str | None = None, prompt_tokens: int | None = None,
@@ -209,13 +197,11 @@ class TraceWriter:
         )
         with self._lock:
             self._check_open()
-            if self._pending.add_request(row):
-                self._wake.set()
-            self._hand_over()
+            self._inbox.add_request(row)
 
     def status(self) -> WriterStatus:
         with self._lock:
-            buffered = self._pending.n_rows
+            buffered = self._inbox.pending.n_rows
             err = self._error
         c = self._committer
         m = c.manifest
@@ -230,14 +216,12 @@ class TraceWriter:
         """Commit what was handed over so far, now, from the calling thread; returns the manifest."""
         with self._lock:
             self._check_open()
-            while not self._handoff.empty():
-                self._pending.put_back(self._handoff.get())
-            taken = self._pending.take()
+            taken = self._inbox.take_all()
         try:
             self._commit(taken)
         except BaseException:
             with self._lock:
-                self._pending.put_back(taken)
+                self._inbox.pending.put_back(taken)
             raise
         return self.manifest
 
@@ -251,18 +235,16 @@ class TraceWriter:
                 return self.manifest
             self._closing = True
             if mark_unfinished:
-                self._pending.mark_unfinished(self.run_id)
+                self._inbox.pending.mark_unfinished(self.run_id)
         self._wake.set()
         self._flusher.join()
         with self._lock:
-            while not self._handoff.empty():  # handed over, not yet committed by the flusher
-                self._pending.put_back(self._handoff.get())
-            taken = self._pending.take()
+            taken = self._inbox.take_all()  # with what was handed over and not yet committed by the flusher
         try:
             self._commit(taken)
         except BaseException:
             with self._lock:  # nothing captured is dropped: a later close() tries again
-                self._pending.put_back(taken)
+                self._inbox.pending.put_back(taken)
                 self._closing = False
             self._flusher = threading.Thread(target=self._flush_loop, name=self._flusher.name, daemon=True)
             self._flusher.start()
@@ -282,30 +264,16 @@ class TraceWriter:
         if self._closed or self._closing:
             raise TraceSchemaError(f"run_id={self.run_id!r} writer is closed")
 
-    def _hand_over(self) -> None:
-        """Under the lock: the flusher asked for the buffers."""
-        if self._want:
-            self._want = False
-            self._handoff.put(self._pending.take())
-
     def _flush_loop(self) -> None:
         while True:
-            if self._closing:  # read without the lock (see __init__): plain attribute reads under the GIL
+            if self._closing:  # read without the lock (pending.Inbox): plain attribute reads under the GIL
                 return
-            due = self._pending.due_in(self.rows_per_file, self.flush_interval_s)
+            due = self._inbox.pending.due_in(self.rows_per_file, self.flush_interval_s)
             if due is None or due > 0:
                 self._wake.wait(timeout=due)
                 self._wake.clear()  # a set() between wait and clear is not lost: the state is read again above
                 continue
-            self._want = True
-            try:
-                taken = self._handoff.get(timeout=0.01)
-            except queue.Empty:
-                with self._lock:
-                    mine = self._want  # still set: no caller came by, take the buffers here
-                    self._want = False
-                    own = self._pending.take() if mine else None
-                taken = own if own is not None else self._handoff.get()  # else a caller took them meanwhile
+            taken = self._inbox.take_for_flusher()
             try:
                 self._commit(taken)
                 self._error = None
@@ -314,7 +282,7 @@ class TraceWriter:
                     if self._error is None:
                         log.warning("trace %s: commit failed, will retry: %s", self.run_id, exc)
                     self._error = exc
-                    self._pending.put_back(taken)
+                    self._inbox.pending.put_back(taken)
                 self._wake.wait(timeout=min(self.flush_interval_s or 1.0, 5.0))
                 self._wake.clear()
 
@@ -323,35 +291,7 @@ class TraceWriter:
             self._commit_files(taken)
 
     def _commit_files(self, taken: Taken) -> None:
-        """Split the rows into files of <= rows_per_file rows (at appended-batch boundaries, so tokens stay
-        whole); the finished requests go with the last file. append_tokens' batches of a file are merged first
-        and built as one table: one build per file, however many small appends it holds."""
         rows, requests, open_ids = taken
-        if not rows and not requests:
-            return
-        groups: list[list[Batch]] = [[]]
-        n = 0
-        for batch, n_rows in rows:
-            if groups[-1] and n + n_rows > self.rows_per_file:
-                groups.append([])
-                n = 0
-            groups[-1].append(batch)
-            n += n_rows
-        m = self.manifest
-        rolled = []
-        for group in groups:
-            acc = RollupAccumulator(m.moe_layer_ids, m.num_experts, m.rollup_window_ns)
-            tables = [b for b in group if isinstance(b, pa.Table)]
-            # the rollup counts logical ids (topk_ids) only, with or without physical_ids
-            for t in tables:  # route_rows encodes phase over all of PHASES: its indices are the phase codes
-                ids = t.column("topk_ids").combine_chunks().flatten().to_numpy().reshape(t.num_rows, m.top_k)
-                acc.add(t.column("ts").cast(pa.int64()).to_numpy(),
-                        t.column("phase").combine_chunks().indices.to_numpy(), t.column("layer_id").to_numpy(), ids)
-            tokens = [b for b in group if not isinstance(b, pa.Table)]
-            if tokens:
-                tables.append(tokens_table(m.run_id, m.moe_layer_ids, m.top_k, m.with_weights, tokens,
-                                           m.with_physical_ids))
-                for b in tokens:
-                    acc.add_tokens(b["ts"], b["phase"], b["topk_ids"])
-            rolled.append((tables, acc.table(self.run_id)))
-        self.manifest = self._committer.commit(rolled, requests, open_ids)
+        if rows or requests:
+            files = route_files(rows, self.manifest, self.rows_per_file)
+            self.manifest = self._committer.commit(files, requests, open_ids)

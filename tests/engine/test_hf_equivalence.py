@@ -13,8 +13,8 @@ import torch
 from r3trace.engine.layers.router import RoutingParams, grouped_topk_ref
 from tests.tiny_models import CONFIGS, direct_forward, load_engine_model, load_hf, make_checkpoint
 
-# fp32 end to end; measured worst case over these configs and both MLA paths: 3.3e-6 (2026-11-29,
-# torch 2.13 CPU, v3_dense2_yarn).
+# fp32 end to end; measured worst case over these configs and both MLA paths: 3.3e-6 (torch 2.13 CPU,
+# v3_dense2_yarn).
 # 1e-4 leaves room for BLAS reduction-order differences on other CPUs.
 LOGPROB_ATOL = 1e-4
 

@@ -97,7 +97,7 @@ PATHS = {
     "gemv-evict-first": MoeConfig(16, GemmTile(32, 16, 2, 4, 2), GemmTile(16, 32, 2, 4, 2),
                                   GemvTile(2, 32, 1, 4, 32, 2, unroll=True, up_evict_first=True,
                                            down_evict_first=True)),
-    # session 4: act at the sorted positions ([P, I]), weights (and the sorted act) through TMA descriptors:
+    # sorted_act: act at the sorted positions ([P, I]), weights (and the sorted act) through TMA descriptors:
     # D = 40 and I = 24 rows are 16-byte multiples in bf16 and fp32, so every descriptor is taken; boxes past
     # D = 40 (BK 16: the third step) and I = 24 (BN 16: the second tile) read zeros or the next expert's rows
     "sorted": MoeConfig(16, GemmTile(16, 16, 2, 4, 2, True), GemmTile(16, 32, 2, 4, 2), sorted_act=True),
@@ -123,7 +123,7 @@ def test_fused_moe_paths_match_ref(T: int, E: int, dtype: torch.dtype, path: str
     assert_close_to_ref(out, ref, dtype)
 
 
-# Session 5's short-D path, scaled to the interpreter: gate_up at BLOCK_M 16 (plain) or 32 (interleaved, TMA), the
+# The short-D tiles, scaled to the interpreter: gate_up at BLOCK_M 16 (plain) or 32 (interleaved, TMA), the
 # TMA down, the align launches of align_tile (one tile; 8-pair chunks), pdl asked for (a no-op without sm_90: the
 # same kernels run). D = 40 / I = 24 rows are 16-byte multiples: every descriptor is taken; the down's BLOCK_N 32
 # over D = 40 leaves a second tile mostly past the end (read as zeros / the next expert's rows, not stored).
@@ -148,8 +148,8 @@ def test_fused_moe_short_d_paths_match_ref(T: int, E: int, name: str, poisoned_e
 
 
 def test_moe_config_short_d_tiles_by_hidden() -> None:
-    """A pure function of the shapes: D <= 4096 with I >= 512 in bf16 below 64 rows per expert takes the session 5-6
-    tiles; D = 7168, D unknown (0), I = 256 or fp32 keep the earlier ones (align_tile's launch in all of them)."""
+    """A pure function of the shapes: D <= 4096 with I >= 512 in bf16 below 64 rows per expert takes the short-D
+    tiles; D = 7168, D unknown (0), I = 256 or fp32 keep the general tiers (align_tile's launch in all of them)."""
     short = moe_config(64 * 6, 64, 2, 512, tokens=64, hidden=2048)
     assert short.block_m == 16 and short.down == SHORT_D_DOWN and short.align == align_tile(384, 64)
     assert short.gate_up == SHORT_D_UP_FEW  # 6 rows per expert
@@ -171,7 +171,7 @@ def with_shared(ids: torch.Tensor, weights: torch.Tensor, first: int, S: int) ->
     return torch.cat([ids, shared], dim=1), torch.cat([weights, ones], dim=1)
 
 
-# Session 6's tiles at the interpreter's scale on the real shape's routes: 8 routed experts (K = 3) + 2 shared rows
+# Shared-expert tiles at the interpreter's scale on the real shape's routes: 8 routed experts (K = 3) + 2 shared rows
 # on every token, so the shared experts fill several BLOCK_M blocks (T = 37: 3 at BLOCK_M 16) while the routed
 # ones fill about one. BLOCK_M 16 with the 2-stage TMA gate_up (BLOCK_N 16 over I = 24: a masked second tile),
 # BLOCK_M 32 with the 2-stage TMA down; 32- and 8-pair align chunks (T = 37: 185 pairs, 6 and 24 chunk programs)
@@ -275,7 +275,8 @@ def test_fused_moe_rejects_bad_arguments() -> None:
 
 def test_whole_k_bf16_tiers_take_tma_weights_from_32_rows() -> None:
     """bf16 at I <= 256 (E = 256 / I = 256 under TP8): BLOCK_M 16 / 32 below 32 rows per expert, BLOCK_M 64 with TMA
-    weights at 32-63 rows, 128 with TMA from 64 on (session 10 run 7); fp32 and I > 256 keep their tiers."""
+    weights at 32-63 rows, 128 with TMA from 64 on (fastest on the H200: BENCHMARKS.md, Fused MoE); fp32 and
+    I > 256 keep their tiers."""
     tiers = {T: moe_config(8 * T, 256, 2, 256, tokens=T) for T in (256, 512, 1024, 2040, 2048, 4096)}
     assert [c.block_m for c in tiers.values()] == [16, 32, 64, 64, 128, 128]
     assert not tiers[512].gate_up.tma and not tiers[512].down.tma

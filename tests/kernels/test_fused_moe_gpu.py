@@ -58,7 +58,7 @@ def test_fused_moe_deepseek_like_gpu(T: int) -> None:
     assert_close_to_ref(out, ref, torch.bfloat16)
 
 
-# session 4's large-T variants on the GPU (real TMA descriptors, wgmma): BLOCK_M 128 at E = 32 (T = 3000: ~660
+# The large-T variants on the GPU (real TMA descriptors, wgmma): BLOCK_M 128 at E = 32 (T = 3000: ~660
 # rows per expert, 6 blocks, the last partly padding), the interleaved [1, BN, 2, BK] box reshaped for one product,
 # the two-product gate_up, the down reading a sorted act through TMA, and the whole-K (I = 256) split down
 GPU_TMA = {
@@ -70,7 +70,7 @@ GPU_TMA = {
     "sorted": MoeConfig(128, GemmTile(128, 64, 8, 8, 3, True), GemmTile(256, 64, 8, 8, 3), sorted_act=True),
     "split-tma-sorted": MoeConfig(128, GemmTile(128, 64, 8, 8, 3, True, tma=True),
                                   GemmTile(64, 256, 8, 8, 3, n_split=4, tma=True), sorted_act=True),
-    # the bf16 I <= 256 default at 32-63 rows per expert (session 10): BLOCK_M 64, TMA weights, whole-K down
+    # the bf16 I <= 256 default at 32-63 rows per expert: BLOCK_M 64, TMA weights, whole-K down
     "bm64-split-tma": MoeConfig(64, GemmTile(128, 64, 8, 8, 3, True, tma=True),
                                 GemmTile(64, 256, 8, 8, 3, n_split=4, tma=True)),
 }  # fmt: skip
@@ -107,7 +107,7 @@ def test_fused_moe_tma_fp32_gpu() -> None:
 
 
 GPU_GEMV = moe_config(8, 256, 2, 256, tokens=1)
-GPU_GEMV_LOOP = GPU_GEMV._replace(gemv=GemvTile(4, 1024, 4, 4, 256, 4))  # the runtime loops (before session 3)
+GPU_GEMV_LOOP = GPU_GEMV._replace(gemv=GemvTile(4, 1024, 4, 4, 256, 4))  # the gemv with runtime loops (not unrolled)
 GPU_GEMV_WIDE = moe_config(8, 32, 2, 2048, tokens=1)  # the default at I = 2048: 1 row, 1 warp per down program
 # the T = 1 tile without and with each evict_first hint: a cache hint moves no value, so each must match the ref
 GPU_GEMV_HINTS = {

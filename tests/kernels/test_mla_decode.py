@@ -118,8 +118,8 @@ def test_choose_num_kv_splits() -> None:
 
 
 def test_h16_default_splits_by_cost() -> None:
-    """The H < 64 bf16 default's split count is the fastest measured on the H200 at all nine cells of issue 6
-    (bench/NOTES.md, "mla16, session 4", run 1): one wave of 2 programs per SM where it fits (B = 16: 8 x 128
+    """The H < 64 bf16 default's split count is the fastest measured on the H200 at all nine cells (B 16 / 64 / 256
+    x 1K / 8K / 32K keys; BENCHMARKS.md, MLA decode): one wave of 2 programs per SM where it fits (B = 16: 8 x 128
     keys at 1k, 16 at 8k and 32k; B = 64: 4; B = 256: 1, one split and 256 programs)."""
     tile = default_decode_tile(16, torch.bfloat16)
     cells = [(B, L) for B in (16, 64, 256) for L in (1024, 8192, 32768)]
@@ -130,8 +130,8 @@ def test_h16_default_splits_by_cost() -> None:
 
 
 def test_narrow_default_splits_by_cost() -> None:
-    """The narrow Gluon default: one program an SM, one wave of 128 programs at all nine cells (session 7, run 2:
-    twice the splits was slower at B16/1k, B16/8k, B64/1k), >= 64 keys a split."""
+    """The narrow Gluon default: one program an SM, one wave of 128 programs at all nine cells (twice the splits
+    measured slower on the H200 at B16/1k, B16/8k, B64/1k), >= 64 keys a split."""
     tile = default_decode_tile(16, torch.bfloat16, use_gluon=True, page_size=64)
     cells = [(B, L) for B in (16, 64, 256) for L in (1024, 8192, 32768)]
     assert [tile.num_kv_splits(B, 16, L, 132) for B, L in cells] == [8, 8, 8, 2, 2, 2, 1, 1, 1]
@@ -140,8 +140,8 @@ def test_narrow_default_splits_by_cost() -> None:
 
 
 def test_gluon_default_splits_by_cost() -> None:
-    """The H = 128 Gluon default's split count is the fastest measured on the H200 at all nine cells of issue 6
-    (bench/NOTES.md, "MLA decode, session 3", run 6: 4 splits at B = 16, 1 at B = 64 and 256), and fills idle
+    """The H = 128 Gluon default's split count is the fastest measured on the H200 at all nine cells (BENCHMARKS.md,
+    MLA decode: 4 splits at B = 16, 1 at B = 64 and 256), and fills idle
     SMs where one split leaves most of them empty (B = 48: 96 of 132 SMs; the model's 4 splits = 2.9 waves)."""
     tile = default_decode_tile(128, torch.bfloat16, use_gluon=True, kv_lora=512, rope=64)
     cells = [(B, L) for B in (16, 64, 256) for L in (1024, 8192, 32768)]

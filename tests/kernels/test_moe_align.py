@@ -95,7 +95,7 @@ def test_moe_align_rejects_bad_arguments() -> None:
         moe_align(ids.repeat(2, 1)[::2], 8, 16)  # rows strided: the kernel reads the ids flat
 
 
-# Session 5 launch shapes (kernels/moe_config.py AlignTile): one [M, E] one-hot tile counting and ranking at once,
+# AlignTile launch shapes (kernels/moe_config.py): one [M, E] one-hot tile counting and ranking at once,
 # narrower tiles, fewer warps, 64- and 37-pair chunk programs; odd E (33: BLOCK_E 64 with 31 masked columns), ids of
 # -1 (15%), experts with no pairs (E = 256 with 17 x 4 pairs leaves most empty), pairs of one expert split across
 # chunks. Integer outputs: exact.
@@ -114,7 +114,7 @@ def test_moe_align_launch_shapes(T: int, E: int, K: int, block_m: int, tile: Ali
 
 def test_align_tile_default_by_pairs_and_experts(poisoned_empty: None) -> None:
     """align_tile: None (the old launch) above 2048 pairs or 256 experts; else one tile up to 8192 one-hot ints,
-    32-pair chunks beyond (session 6). Both picks give the reference's alignment at E = 64, K = 6 (the end-to-end
+    32-pair chunks beyond. Both picks give the reference's alignment at E = 64, K = 6 (the end-to-end
     model's routed experts) and at the engine's real shape: 66 rows, the 2 shared experts (64, 65) on every token,
     so each of them fills several blocks while most routed ones fill one."""
     assert align_tile(2049, 64) is None and align_tile(64, 257) is None

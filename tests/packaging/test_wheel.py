@@ -1,4 +1,4 @@
-"""A plain wheel install, used outside the checkout (issue 23, point 8): no network, no source tree.
+"""A plain wheel install, used outside the checkout: no network, no source tree.
 
     TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/packaging
 

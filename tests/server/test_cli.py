@@ -96,7 +96,7 @@ def test_serve_engine_flags_reach_engine_config() -> None:
 
 def test_serve_on_cuda_picks_the_fast_paths_by_itself() -> None:
     """--device cuda alone: the triton backends (hence the CUDA-graph ladder) and 64-slot pages; CPU, exact mode and
-    explicit flags keep what they ask for (issue 23, point 9). EngineConfig checks the combination as it would."""
+    explicit flags keep what they ask for. EngineConfig checks the combination as it would."""
     from r3trace.cli import Parser
     from r3trace.commands import serve
     from r3trace.engine.engine_config import EngineConfig

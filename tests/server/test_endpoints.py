@@ -116,9 +116,8 @@ def test_openapi_spec_matches(http: httpx.Client) -> None:
     from dataclasses import fields
 
     from r3trace.engine import SamplingParams
-    from r3trace.server.protocol import IGNORED_SAMPLING_FIELDS
-    assert set(schemas["SamplingParamsBody"]["properties"]) == (
-        {f.name for f in fields(SamplingParams)} | {"sampling_seed"} | IGNORED_SAMPLING_FIELDS)
+    engine_fields = {f.name for f in fields(SamplingParams)} | {"sampling_seed"}
+    assert set(schemas["SamplingParamsBody"]["properties"]) == engine_fields
     # a real response has only fields the spec declares
     out = http.post("/generate", json={"input_ids": [1, 2], "sampling_params": GREEDY}).json()
     assert set(out) <= set(schemas["GenerateResponse"]["properties"])

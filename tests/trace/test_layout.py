@@ -3,7 +3,7 @@
     TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/trace/test_layout.py
 
 Each reader's obvious call on `<store>/routes` must return the route rows only, with the counts and the values
-that were written (issue 23, point 7); the previous layout keeps reading through r3trace, and `migrate_run`
+that were written; the previous layout keeps reading through r3trace, and `migrate_run`
 turns it into the new one.
 """
 

@@ -1,0 +1,208 @@
+"""Speculative decoding with the MTP (NextN) layer on the sample model: acceptance per draft depth, decode throughput
+with speculation on vs off, the cost of route capture with it on, and route mismatches against plain decoding.
+
+Run (H200): python bench/spec_decode.py --device cuda --out bench/results/spec_decode-h200.json
+Run (CPU smoke, fp32 ref backends, a few prompts, batches 1 and 2): python bench/spec_decode.py --smoke
+
+samples/model (bf16 on CUDA with the triton backends; samples/README.md), the 40 held-out prompts of
+samples/prompts.jsonl, greedy unless said, ignore_eos so every request generates max_new_tokens.
+1. acceptance: for d = 1, 2, 3 the tokens a verify forward commits (spec_accept_length: accepted drafts + 1, summed
+   over requests, divided by verify forwards) and the share of drafts accepted, greedy and at temperature 1.
+2. decode tokens/s at batch 1, 8, 32 (prompts cycled): B * (M - 1) generated tokens over the generate time of M
+   tokens minus that of 1 token (prefill and first token), the fastest of --reps. Speculation (eager: its forwards
+   are not captured as graphs) against plain decoding with CUDA graphs (the engine's default) and eager.
+3. capture cost with speculation on: the same throughput with every request asking for routes, against none.
+4. route mismatches against plain decoding, default mode: per request, the rows both runs computed for the same
+   tokens (the common prefix of prompt + output; bf16 may end it early), (row, layer) pairs whose top-k sets differ,
+   and of those the ones that are not near ties: the K-th minus (K+1)-th biased gate score of that row (a direct
+   prefix-free forward of the sequence, engine/replay_check.py's margin) at least --near-tie. Counted at several
+   thresholds; the issue asks for 0 past the near ties.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import r3trace  # noqa: E402
+from r3trace.capture.recorder import ListRecorder  # noqa: E402
+from r3trace.engine import Engine  # noqa: E402
+from r3trace.engine.engine_config import EngineConfig  # noqa: E402
+from r3trace.engine.forward_batch import ForwardBatch  # noqa: E402
+from r3trace.engine.model import build_model  # noqa: E402
+from r3trace.engine.model_config import ModelConfig  # noqa: E402
+from r3trace.engine.parallel import ParallelInfo  # noqa: E402
+from r3trace.engine.replay_check import _margin_hooks  # noqa: E402
+from r3trace.engine.weights import load_weights  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = ROOT / "samples" / "model"
+THRESHOLDS = (0.0, 1e-3, 1e-2, 3e-2)
+
+
+def held_out_prompts(n: int) -> list[list[int]]:
+    """The first n held-out prompts as token ids (the sample model's tokenizer)."""
+    from r3trace.engine.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(MODEL, ModelConfig.from_hf(MODEL).vocab_size)
+    rows = [json.loads(line) for line in (ROOT / "samples" / "prompts.jsonl").read_text().splitlines() if line]
+    return [tok.encode(r["text"]) for r in rows[:n]]
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    if args.device == "cpu":
+        return dict(dtype="float32", device="cpu")
+    triton = dict.fromkeys(("attention_backend", "moe_backend", "topk_backend", "norm_backend", "rope_backend"),
+                           "triton")
+    return dict(dtype="bfloat16", device=args.device, page_size=64, **triton)
+
+
+def spec_options(depth: int) -> dict[str, Any]:
+    return dict(speculative_algorithm="NEXTN", speculative_num_steps=depth) if depth else {}
+
+
+def acceptance(args: argparse.Namespace, prompts: list[list[int]]) -> list[dict[str, Any]]:
+    out = []
+    for depth in (1, 2, 3):
+        with Engine(MODEL, **engine_options(args), **spec_options(depth)) as eng:
+            for temperature in (0.0, 1.0):
+                res = eng.generate(input_ids=prompts, sampling_params={"temperature": temperature, "ignore_eos": True,
+                                                            "max_new_tokens": args.max_new_tokens})
+                metas = [r["meta_info"] for r in res]
+                verifies = sum(m["spec_verify_ct"] for m in metas)
+                correct = sum(m["spec_num_correct_drafts"] for m in metas)
+                proposed = sum(m["spec_num_proposed_drafts"] for m in metas)
+                out.append({"depth": depth, "temperature": temperature, "requests": len(res),
+                            "verify_forwards": verifies, "accept_length": (correct + verifies) / max(verifies, 1),
+                            "accept_rate": correct / max(proposed, 1)})
+                print(f"depth {depth} T={temperature}: accept length {out[-1]['accept_length']:.3f}, "
+                      f"rate {out[-1]['accept_rate']:.3f}", flush=True)
+    return out
+
+
+def decode_rate(eng: Engine, prompts: list[list[int]], batch: int, max_new: int, reps: int, capture: bool) -> float:
+    """Decode tokens/s: B * (M - 1) tokens over time(M tokens) - time(1 token), fastest of reps."""
+    ids = [prompts[i % len(prompts)] for i in range(batch)]
+
+    def timed(m: int) -> float:
+        best = float("inf")
+        for _ in range(reps):
+            eng.flush_cache()  # every run prefills: the subtraction removes the same prefill
+            t0 = time.perf_counter()
+            eng.generate(input_ids=ids, sampling_params={"temperature": 0, "ignore_eos": True, "max_new_tokens": m},
+                         return_routed_experts=capture)
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    timed(max_new)  # warm-up: kernels compile and tune outside the timing
+    return batch * (max_new - 1) / max(timed(max_new) - timed(1), 1e-9)
+
+
+def throughput(args: argparse.Namespace, prompts: list[list[int]]) -> list[dict[str, Any]]:
+    runs: list[tuple[str, dict[str, Any]]] = [("spec", spec_options(args.depth)), ("plain_eager", {})]
+    if args.device != "cpu":
+        runs.append(("plain_graphs", {"cuda_graph_batch_sizes": None}))
+    out = []
+    for name, extra in runs:
+        opts = {**engine_options(args), **extra}
+        if name == "plain_eager" and args.device != "cpu":
+            opts["cuda_graph_batch_sizes"] = ()
+        with Engine(MODEL, max_running_requests=max(args.batches), **opts) as eng:
+            for batch in args.batches:
+                for capture in (False, True):
+                    rate = decode_rate(eng, prompts, batch, args.max_new_tokens, args.reps, capture)
+                    out.append({"mode": name, "batch": batch, "capture": capture, "tokens_per_s": rate})
+                    print(f"{name} batch {batch} capture {capture}: {rate:.1f} tok/s", flush=True)
+    return out
+
+
+def route_mismatches(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:
+    params = {"temperature": 0, "ignore_eos": True, "max_new_tokens": args.max_new_tokens}
+    results = {}
+    for name, extra in (("spec", spec_options(args.depth)), ("plain", {})):
+        with Engine(MODEL, **engine_options(args), **extra) as eng:
+            results[name] = eng.generate(input_ids=prompts, sampling_params=params, return_routed_experts=True)
+    opts = engine_options(args)
+    cfg = ModelConfig.from_hf(MODEL)
+    recorder = ListRecorder()
+    model = build_model(cfg, EngineConfig(dtype=opts["dtype"], device=args.device), ParallelInfo(), recorder)
+    load_weights(model, MODEL)
+    margins: dict[int, torch.Tensor] = {}
+    hooks = _margin_hooks(model.eval(), margins)
+    moe = list(cfg.moe_layer_ids)
+    flips: list[float] = []  # the margin of every (row, layer) pair whose top-k sets differ
+    rows = same_tokens = 0
+    for ids, s, p in zip(prompts, results["spec"], results["plain"], strict=True):
+        a = r3trace.decode_routed_experts(s["meta_info"])[:, moe]  # [rows, M, K]
+        b = r3trace.decode_routed_experts(p["meta_info"])[:, moe]
+        n_prompt = len(ids)
+        common = 0
+        while common < len(s["output_ids"]) and common < len(p["output_ids"]) and \
+                s["output_ids"][common] == p["output_ids"][common]:
+            common += 1
+        same_tokens += int(s["output_ids"] == p["output_ids"])
+        n = min(n_prompt + common, len(a), len(b))  # row r reads tokens 0..r: the same in both while r < this
+        differ = (np.sort(a[:n], -1) != np.sort(b[:n], -1)).any(-1)  # [n, M]
+        rows += n
+        if not differ.any():
+            continue
+        tokens = (ids + p["output_ids"])[:n]
+        kv = torch.zeros(cfg.num_hidden_layers, n, cfg.kv_cache_dim, dtype=model.engine_config.torch_dtype,
+                         device=args.device)
+        r2t = torch.arange(n, dtype=torch.int32, device=args.device).unsqueeze(0)
+        fb = ForwardBatch.build(forward_id=0, input_ids=tokens, prefix_lens=[0], extend_lens=[n], req_pool_indices=[0],
+                                out_cache_loc=r2t[0], req_to_token=r2t, logits_rows=[n - 1], device=args.device)
+        model(fb, kv)
+        for j, layer in enumerate(moe):
+            flips += margins[layer].numpy()[differ[:, j]].tolist()
+    for h in hooks:
+        h.remove()
+    margin = np.asarray(flips)
+    return {"requests": len(prompts), "same_tokens": same_tokens, "rows_compared": rows,
+            "pairs_compared": rows * len(moe), "mismatched_pairs": len(flips),
+            "mismatched_pairs_at_or_above_margin": {str(t): int((margin >= t).sum()) for t in THRESHOLDS},
+            "near_tie": args.near_tie, "mismatched_past_near_ties": int((margin >= args.near_tie).sum())}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--smoke", action="store_true", help="CPU, 4 prompts, 8 tokens, batches 1 and 2, one rep")
+    ap.add_argument("--prompts", type=int, default=40)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
+    ap.add_argument("--depth", type=int, default=3, help="speculative_num_steps of the throughput and route runs")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--near-tie", type=float, default=1e-2)
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    if args.smoke:
+        args.device, args.prompts, args.max_new_tokens, args.batches, args.reps = "cpu", 4, 8, [1, 2], 1
+    prompts = held_out_prompts(args.prompts)
+    t0 = time.time()
+    result = {
+        "host": platform.node(), "device": torch.cuda.get_device_name() if args.device != "cpu" else "cpu",
+        "torch": torch.__version__, "args": {k: v for k, v in vars(args).items() if k != "out"},
+        "acceptance": acceptance(args, prompts),
+        "throughput": throughput(args, prompts),
+        "routes": route_mismatches(args, prompts),
+    }
+    result["seconds"] = time.time() - t0
+    out = Path(args.out or ROOT / "bench" / "results" / f"spec_decode-{'smoke' if args.smoke else args.device}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out} ({result['seconds']:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

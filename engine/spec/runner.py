@@ -1,0 +1,244 @@
+"""SpecRunner: one speculative step, launched and collected like ModelRunner's (one wait a step, at collect).
+
+Shape legend: T tokens of the target forward, N logits rows, B requests that sample, d the step's most drafts per
+request, V vocab, D hidden.
+
+launch(items):
+  1. chain drafts (Drafter.chain) for the verify items: x_2 .. x_{d'} at positions m .. m + d' - 2;
+  2. the target forward: prefill chunks as without speculation, a verify item's d' + 1 rows [t_m, x_1 .. x_{d'}]
+     (the drafts copied on the device into its rows), with logits at every verify row and the final hidden states
+     of all rows; route capture records every row (phase "verify" for a verify item's);
+  3. acceptance (verify.py): greedy or rejection sampling, per request; a prefill's last row is a verify of 0 drafts;
+  4. draft extend (Drafter.extend) over the forward's rows, each with its next token, which proposes the next x_1;
+  5. the committed tokens, their counts and logprobs queued to the host.
+Nothing in launch waits on the device; collect waits once. The scheduler then keeps counts[b] tokens of request b
+(fewer when a stop rule ends it), frees the KV of the rest and tells the capturer which rows were rejected
+(Scheduler._accept, RequestHooks.on_reject) before anything reads the forward's routes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..forward_batch import ForwardBatch
+from ..host_staging import HostStaging
+from ..kv_pool import KVPool, ReqToTokenPool
+from ..launch.step_layout import step_layout
+from ..model import DeepseekForCausalLM
+from ..model_config import ModelConfig
+from ..model_runner import Launched, ModelRunner
+from ..parallel import ParallelInfo
+from ..replay import replay_plan
+from ..request import LogprobEntry
+from ..sampling import Sampler
+from ..step import ReqOutput, ScheduledReq
+from .drafter import Drafter
+from .verify import accept_greedy, accept_sampled
+
+
+@dataclass
+class _Plan:
+    """A step's host layout."""
+
+    input_ids: list[int] = field(default_factory=list)  # [T]; a verify item's draft rows hold 0 until step 2
+    logits_rows: list[int] = field(default_factory=list)  # [N] rows of T whose logits are computed
+    lp_rows: list[int] = field(default_factory=list)  # input-logprob rows: indices into logits
+    lp_targets: list[int] = field(default_factory=list)  # the prompt token each scores
+    draft_dst: list[int] = field(default_factory=list)  # rows of T that take a draft token ...
+    draft_src: list[int] = field(default_factory=list)  # ... from Drafter.tokens.view(-1) at this index
+    samplers: list[ScheduledReq] = field(default_factory=list)  # items that sample, in order
+    gather: list[int] = field(default_factory=list)  # [B * (d + 1)] the logits row of each sampler's verify row
+    verify_row: list[int] = field(default_factory=list)  # [B] the T row of each sampler's first verify row
+    draft_lens: list[int] = field(default_factory=list)  # [B]
+    next_rows: list[int] = field(default_factory=list)  # rows of T whose next token the host knows (a chunk's last)
+    next_ids: list[int] = field(default_factory=list)
+
+    @property
+    def depth(self) -> int:
+        return max(self.draft_lens, default=0)
+
+
+def plan_step(items: list[ScheduledReq], steps: int) -> _Plan:
+    plan = _Plan()
+    first_logit: list[int] = []
+    for it in items:
+        base = len(plan.input_ids)
+        fill = it.req.fill_ids
+        if it.phase == "verify":
+            plan.input_ids += [fill[it.start]] + [0] * it.draft_len
+            plan.draft_dst += range(base + 1, base + 1 + it.draft_len)
+            plan.draft_src += range(it.req.pool_row * steps, it.req.pool_row * steps + it.draft_len)
+        else:
+            plan.input_ids += fill[it.start : it.end]
+        for p in it.logprob_positions:
+            plan.lp_rows.append(len(plan.logits_rows))
+            plan.lp_targets.append(fill[p + 1])
+            plan.logits_rows.append(base + p - it.start)
+        if it.sample:
+            plan.samplers.append(it)
+            first_logit.append(len(plan.logits_rows))
+            plan.verify_row.append(base + it.extend_len - 1 - it.draft_len)
+            plan.draft_lens.append(it.draft_len)
+            plan.logits_rows += range(plan.verify_row[-1], base + it.extend_len)
+        else:  # the draft extend's last row reads the next prompt token (none after a prefill-only request's fill)
+            plan.next_rows.append(base + it.extend_len - 1)
+            plan.next_ids.append(fill[it.end] if it.end < len(fill) else 0)
+    d = plan.depth
+    plan.gather = [f + min(j, n) for f, n in zip(first_logit, plan.draft_lens, strict=True) for j in range(d + 1)]
+    return plan
+
+
+class SpecRunner(ModelRunner):
+    def __init__(
+        self, model: DeepseekForCausalLM, drafter: Drafter, pool: KVPool, req_pool: ReqToTokenPool,
+        sampler: Sampler, device: str, model_config: ModelConfig, parallel: ParallelInfo | None = None,
+    ) -> None:
+        super().__init__(model, pool, req_pool, sampler, device, model_config, None, parallel)
+        self.target = model
+        self.drafter = drafter
+        # up to ~12 copies a step (each chain forward's batch, the target's, its drafts, acceptance, the extend's
+        # next tokens, the input-logprob rows): a ring of 32 comes back only after the step's one wait
+        self.staging = HostStaging(device, num_buffers=32)
+
+    def launch(self, items: list[ScheduledReq]) -> Launched:
+        stage = self.staging.to_device
+        self.req_pool.flush(stage)
+        plan = plan_step(items, self.drafter.steps)
+        req_to_token = self.req_pool.req_to_token
+        self.drafter.chain([it for it in items if it.phase == "verify"], self.forward_id, req_to_token, self.device,
+                           stage)
+        fb = ForwardBatch.build(
+            forward_id=self.forward_id, input_ids=plan.input_ids, prefix_lens=[it.start for it in items],
+            extend_lens=[it.extend_len for it in items], req_pool_indices=[it.req.pool_row for it in items],
+            out_cache_loc=np.concatenate([it.out_cache_loc for it in items]), req_to_token=req_to_token,
+            logits_rows=plan.logits_rows, device=self.device, request_ids=[it.req.rid for it in items],
+            phases=[it.phase for it in items],
+            replay=replay_plan(items, len(plan.input_ids), self.model_config, self.device, stage), stage=stage,
+        )
+        step_layout(fb, self.parallel)
+        if plan.draft_dst:
+            idx = stage(np.array(plan.draft_dst + plan.draft_src, np.int64))
+            n = len(plan.draft_dst)
+            fb.input_ids.index_copy_(0, idx[:n], self.drafter.tokens.view(-1).index_select(0, idx[n:]))
+        self.forward_id += 1
+        logits, hidden = self.target.forward_hidden(fb, self.pool.kv_buffer)  # [N, V] fp32, [T, D]
+
+        on_device = self._input_logprobs(items, plan, logits)
+        draft_ids = fb.input_ids.roll(-1)  # [T] row r's next token is row r + 1's input, within a request
+        if plan.next_rows:
+            fix = stage(np.array(plan.next_rows + plan.next_ids, np.int64))
+            draft_ids.index_copy_(0, fix[: len(plan.next_rows)], fix[len(plan.next_rows) :])
+        out_rows = req_rows = torch.zeros(0, dtype=torch.int64, device=self.device)
+        if plan.samplers:
+            b, d = len(plan.samplers), plan.depth
+            packed = stage(np.array(plan.gather + plan.verify_row + plan.draft_lens
+                                    + [it.req.pool_row for it in plan.samplers], np.int64))
+            gather, verify_row, draft_lens, req_rows = packed.split([b * (d + 1), b, b, b])
+            rows_logits = logits.index_select(0, gather).view(b, d + 1, -1)  # [B, d + 1, V]
+            tokens, counts = self._accept(plan.samplers, rows_logits, draft_lens, req_rows, d)
+            on_device["tokens"], on_device["counts"] = tokens, counts
+            last = counts - 1
+            out_rows = verify_row + last  # [B] the row of the last committed token's position - 1
+            draft_ids.index_copy_(0, out_rows, tokens.gather(1, last[:, None])[:, 0])
+            self._output_logprobs(plan.samplers, rows_logits, tokens, on_device)
+        self.drafter.extend(fb, draft_ids, hidden, out_rows, req_rows, plan.samplers)
+
+        launched = Launched(items=items, lp_rows=plan.lp_rows)
+        launched.host = {k: v.to("cpu", non_blocking=True) for k, v in on_device.items()}
+        if any(v.is_cuda for v in on_device.values()):
+            launched.event = torch.cuda.Event()
+            launched.event.record()
+        return launched
+
+    def _accept(
+        self, samplers: list[ScheduledReq], logits: torch.Tensor, draft_lens: torch.Tensor, req_rows: torch.Tensor,
+        d: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits: [B, d + 1, V] -> (tokens [B, d + 1], counts [B]), verify.py per request."""
+        drafts = self.drafter.tokens.index_select(0, req_rows)[:, :d]  # [B, d]
+        greedy = accept_greedy(logits.argmax(dim=-1), drafts, draft_lens)
+        params = [it.req.params for it in samplers]
+        if all(p.is_greedy for p in params):
+            return greedy
+        b, v = logits.shape[0], logits.shape[2]
+        generators = [it.req.generator for it in samplers]
+        p = self.sampler.probs(logits.view(-1, v), [x for x in params for _ in range(d + 1)]).view(b, d + 1, v)
+        q = self.drafter.probs.index_select(0, req_rows)[:, :d]  # [B, d, V]
+        u = self.sampler.noise((b, d), generators, "uniform")
+        race = self.sampler.noise((b, v), generators, "exponential")
+        sampled = accept_sampled(p, q, drafts, draft_lens, u, race)
+        is_greedy = self.staging.to_device(np.array([x.is_greedy for x in params], np.bool_))  # [B]
+        return (torch.where(is_greedy[:, None], greedy.tokens, sampled.tokens),
+                torch.where(is_greedy, greedy.counts, sampled.counts))
+
+    def _input_logprobs(self, items: list[ScheduledReq], plan: _Plan, logits: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Prompt logprobs of prefill rows that asked, as ModelRunner computes them."""
+        out: dict[str, torch.Tensor] = {}
+        if not plan.lp_rows:
+            return out
+        n = len(plan.lp_rows)
+        packed = self.staging.to_device(np.asarray(plan.lp_rows + plan.lp_targets, dtype=np.int64))
+        logprobs = torch.log_softmax(logits.index_select(0, packed[:n]), dim=-1)  # [n, V]
+        out["in_lp"] = logprobs.gather(1, packed[n:, None])[:, 0]
+        top_num = max((it.req.logprob.top_num for it in items if it.req.logprob is not None), default=0)
+        if top_num:
+            top = logprobs.topk(min(top_num, logprobs.shape[1]), dim=-1)
+            out["in_top_v"], out["in_top_i"] = top.values, top.indices
+        return out
+
+    def _output_logprobs(self, samplers: list[ScheduledReq], logits: torch.Tensor, tokens: torch.Tensor,
+                         out: dict[str, torch.Tensor]) -> None:
+        """The logprob of each committed token at its row (raw logits, as ModelRunner), and top lists."""
+        asked = [it.req.logprob for it in samplers if it.req.logprob is not None]
+        if not asked:
+            return
+        logprobs = torch.log_softmax(logits, dim=-1)  # [B, d + 1, V]
+        out["next_lp"] = logprobs.gather(2, tokens[:, :, None])[:, :, 0]
+        top_num = max(lp.top_num for lp in asked)
+        if top_num:
+            top = logprobs.topk(min(top_num, logprobs.shape[2]), dim=-1)
+            out["top_v"], out["top_i"] = top.values, top.indices
+
+    def collect(self, launched: Launched) -> list[ReqOutput]:
+        if launched.event is not None:
+            launched.event.synchronize()
+        host = {k: v.tolist() for k, v in launched.host.items()}
+        return _split(launched.items, host)
+
+
+def _split(items: list[ScheduledReq], host: dict[str, list]) -> list[ReqOutput]:
+    """Each request's share of the step's results."""
+
+    def tops(values: list[float], ids: list[int], k: int) -> list[LogprobEntry]:
+        return [(v, i, None) for v, i in zip(values[:k], ids[:k], strict=True)]
+
+    outs: list[ReqOutput] = []
+    lp_pos = sample_pos = 0
+    for it in items:
+        out = ReqOutput()
+        k = it.req.logprob.top_num if it.req.logprob is not None else 0
+        n_lp = len(it.logprob_positions)
+        if n_lp:
+            out.input_logprobs = host["in_lp"][lp_pos : lp_pos + n_lp]
+            if k:
+                out.input_tops = [tops(host["in_top_v"][j], host["in_top_i"][j], k)
+                                  for j in range(lp_pos, lp_pos + n_lp)]
+            lp_pos += n_lp
+        if it.sample:
+            n = host["counts"][sample_pos]
+            toks = host["tokens"][sample_pos][:n]
+            lps = host["next_lp"][sample_pos][:n] if it.req.logprob is not None else None
+            top_list = ([tops(host["top_v"][sample_pos][j], host["top_i"][sample_pos][j], k) for j in range(n)]
+                        if k else None)
+            if it.phase == "verify":
+                out.next_tokens, out.next_logprobs, out.next_tops = toks, lps, top_list
+            else:
+                out.next_token = toks[0]
+                out.next_logprob = None if lps is None else lps[0]
+                out.next_top = None if top_list is None else top_list[0]
+            sample_pos += 1
+        outs.append(out)
+    return outs

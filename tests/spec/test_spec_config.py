@@ -1,0 +1,107 @@
+"""Speculative decoding's options: SGLang's names on Engine and `r3trace serve`, each bad value or unsupported
+combination a one-line error naming the field; checkpoints without (or with a broken) MTP layer refused.
+
+Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/spec/test_spec_config.py
+
+Names and the EAGLE alias as SGLang's server_args (speculative_algorithm, speculative_num_steps; sgl-project/sglang
+python/sglang/srt/server_args.py at 0114f9c).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from r3trace.engine import Engine
+from r3trace.engine.engine_config import EngineConfig, EngineConfigError
+from r3trace.engine.weights import WeightsError
+
+NEXTN: dict[str, Any] = {"speculative_algorithm": "NEXTN"}
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"speculative_algorithm": "MEDUSA"}, "speculative_algorithm='MEDUSA': expected one of (None, 'NEXTN', 'EAGLE')"),
+    ({"speculative_algorithm": "nextn"}, "speculative_algorithm='nextn': expected one of"),
+    ({"speculative_num_steps": 2}, "speculative_num_steps=2: given without speculative_algorithm"),
+    ({**NEXTN, "speculative_num_steps": 0}, "speculative_num_steps=0: must be an integer in 1..3"),
+    ({**NEXTN, "speculative_num_steps": 4}, "speculative_num_steps=4: must be an integer in 1..3"),
+    ({**NEXTN, "speculative_num_steps": True}, "speculative_num_steps=True: must be an integer"),
+    ({**NEXTN, "speculative_num_steps": "2"}, "speculative_num_steps='2': must be an integer"),
+    ({**NEXTN, "device": "cuda", "cuda_graph_batch_sizes": (1, 2)},
+     "cuda_graph_batch_sizes=(1, 2): not with speculative_algorithm='NEXTN' (its draft and verify forwards run eager)"),
+])
+def test_bad_options_are_one_line_errors(options: dict[str, Any], message: str) -> None:
+    with pytest.raises(EngineConfigError) as err:
+        EngineConfig(**options)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_defaults_and_derived_values() -> None:
+    """Off by default; NEXTN or EAGLE with 3 steps unless told; speculation turns the CUDA-graph ladder off."""
+    assert EngineConfig().spec_steps == 0
+    assert EngineConfig(speculative_algorithm="EAGLE").spec_steps == 3
+    assert EngineConfig(speculative_algorithm="NEXTN", speculative_num_steps=1).spec_steps == 1
+    cuda = dict(device="cuda", attention_backend="triton", moe_backend="triton", topk_backend="triton")
+    assert EngineConfig(**cuda).graph_batch_sizes  # the ladder without speculation
+    assert EngineConfig(speculative_algorithm="NEXTN", **cuda).graph_batch_sizes == ()
+
+
+def test_several_processes_are_refused_before_any_rank_starts(mtp_ckpt: Path) -> None:
+    for sizes in ({"tp_size": 2}, {"tp_size": 2, "dp_size": 2}, {"tp_size": 2, "ep_size": 2}):
+        with pytest.raises(EngineConfigError, match=r"speculative_algorithm='NEXTN': one process only \(got tp_size=2"):
+            Engine(mtp_ckpt, speculative_algorithm="NEXTN", **sizes)
+
+
+def test_a_checkpoint_without_or_with_a_broken_mtp_layer_is_refused(mtp_ckpt: Path, tmp_path: Path) -> None:
+    tensors = load_file(mtp_ckpt / "model.safetensors")
+
+    def copy(name: str, keep: Any) -> Path:
+        out = tmp_path / name
+        out.mkdir()
+        shutil.copy(mtp_ckpt / "config.json", out / "config.json")
+        save_file({k: v for k, v in tensors.items() if keep(k)}, out / "model.safetensors")
+        return out
+
+    bare = copy("bare", lambda k: not k.startswith("model.layers.2."))
+    with pytest.raises(EngineConfigError, match=r"the checkpoint has no MTP layer \(model.layers.2.\* tensors"):
+        Engine(bare, speculative_algorithm="NEXTN")
+    Engine(bare).shutdown()  # without speculation the MTP layer is not needed
+    broken = copy("broken", lambda k: k != "model.layers.2.eh_proj.weight")
+    with pytest.raises(WeightsError, match="missing: model.layers.2.eh_proj.weight"):
+        Engine(broken, speculative_algorithm="NEXTN")
+
+
+def test_serve_flags_reach_engine_config() -> None:
+    """`r3trace serve MODEL --speculative-algorithm NEXTN --speculative-num-steps d`."""
+    from r3trace.cli import Parser
+    from r3trace.commands import serve
+    from r3trace.errors import UsageError
+
+    p = Parser(prog="r3trace serve")
+    serve.add_arguments(p)
+    args = p.parse_args(["m", "--speculative-algorithm", "NEXTN", "--speculative-num-steps", "2", "--device", "cuda"])
+    cfg = EngineConfig(**serve.engine_options(args))  # type: ignore[arg-type]
+    assert (cfg.speculative_algorithm, cfg.spec_steps, cfg.graph_batch_sizes) == ("NEXTN", 2, ())
+    assert EngineConfig(**serve.engine_options(p.parse_args(["m"]))).spec_steps == 0  # type: ignore[arg-type]
+    with pytest.raises(UsageError, match="--speculative-algorithm"):
+        p.parse_args(["m", "--speculative-algorithm", "NGRAM"])
+
+
+def test_output_dependent_sampling_options_are_refused(make_spec_engine: Any, mtp_ckpt: Path) -> None:
+    """Penalties and min_new_tokens read the output so far, which changes from verify row to verify row: refused for
+    that request only, naming the field; min_p applies per row and is served."""
+    from r3trace.engine.request import InvalidRequestError
+
+    engine = make_spec_engine(model=mtp_ckpt, speculative_algorithm="NEXTN")
+    for name, value in (("frequency_penalty", 0.5), ("presence_penalty", -0.5), ("repetition_penalty", 1.2),
+                        ("min_new_tokens", 2)):
+        with pytest.raises(InvalidRequestError, match=f"sampling_params.{name}: {value!r} is not supported with "
+                                                      "speculative decoding"):
+            engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 4, name: value})
+    both = engine.generate(input_ids=[[5, 6, 7], [8, 9]], sampling_params=[
+        {"max_new_tokens": 4, "frequency_penalty": 0.5}, {"max_new_tokens": 4, "min_p": 0.2, "ignore_eos": True}])
+    assert "frequency_penalty" in both[0]["error"] and len(both[1]["output_ids"]) == 4
