@@ -2,8 +2,8 @@
 ours against DeepSeek's policies held out. Run: .venv/bin/python -m bench.eplb_report [FILES...]
 
 Verdict per cell, on means over the held-out windows: "yes" when ours' even-split balancedness is >= both
-global policies' and its nodes per token <= global's; "tie" when it misses on balancedness by less than two
-standard errors of the paired difference (and wins on nodes); "no" otherwise, with the miss.
+global policies' and its nodes per token <= global's; "tie" when it misses the better global policy by less than
+two standard errors of the paired difference (and wins on nodes); "no" otherwise, with the miss.
 """
 
 from __future__ import annotations
@@ -13,19 +13,24 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from bench.eplb_matrix import RESULTS, summary
 
 
-def verdict(s: dict[str, dict[str, list[float]]]) -> str:
-    o, g, gn = s["ours"], s["global"], s["global-newest"]
-    nodes_ok = o["nodes"][0] <= g["nodes"][0] + 1e-9
-    miss = max(g["bal_even"][0], gn["bal_even"][0]) - o["bal_even"][0]
+def verdict(res: dict[str, Any]) -> str:
+    pols = res["policies"]
+    ours = np.asarray(pols["ours"]["bal_even"])
+    base = max(("global", "global-newest"), key=lambda b: float(np.mean(pols[b]["bal_even"])))
+    d = ours - np.asarray(pols[base]["bal_even"])  # paired over the held-out windows
+    se = float(d.std(ddof=1) / np.sqrt(len(d))) if len(d) > 1 else 0.0
+    nodes_ok = np.mean(pols["ours"]["nodes"]) <= np.mean(pols["global"]["nodes"]) + 1e-9
+    miss = -float(d.mean())
     if miss <= 0 and nodes_ok:
         return "yes"
-    se = max(o["bal_even"][2], 1e-9)  # paired SE of ours vs global
-    if nodes_ok and miss < 2 * se + 1e-9:
-        return f"tie (-{miss:.3f})"
-    return f"no (-{miss:.3f}{'' if nodes_ok else ', nodes'})"
+    if nodes_ok and miss < 2 * se:
+        return f"tie (-{miss:.3f} vs {base})"
+    return f"no (-{miss:.3f} vs {base}{'' if nodes_ok else '; nodes'})"
 
 
 def rows(results: list[dict[str, Any]]) -> list[str]:
@@ -42,7 +47,7 @@ def rows(results: list[dict[str, Any]]) -> list[str]:
             f"{s['global']['bal_even'][0]:.3f} | {s['global-newest']['bal_even'][0]:.3f} | {hb} | "
             f"{s['grace']['bal_even'][0]:.3f} | {o['bal_node_limited'][0]:.3f} ({o['bal_node_limited'][1]:+.3f}) | "
             f"{o['nodes'][0]:.2f} / {s['global']['nodes'][0]:.2f} / {hn} | {o['over_limit'][0]:.1%} | "
-            f"{o['churn'][0]:.1%} | {verdict(s)} |")
+            f"{o['churn'][0]:.1%} | {verdict(res)} |")
     return out
 
 
@@ -56,7 +61,7 @@ def main() -> None:
         print("\n".join(rows(doc["results"])))
         counts: dict[str, int] = {}
         for res in doc["results"]:
-            v = verdict(summary(res, "global")).split(" ")[0]
+            v = verdict(res).split(" ")[0]
             counts[v] = counts.get(v, 0) + 1
         print(f"\nverdicts: {counts}")
 

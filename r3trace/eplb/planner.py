@@ -2,21 +2,22 @@
 
 1. Forecast: an exponential moving average of the per-window loads [W, L, E] (each window normalised to
    rates), so one noisy window does not move replicas: the global policy plans on the last window alone
-   and loses 4-6 points of balancedness on the next one.
+   and loses 4-6 points of balancedness on the next one. Its weight is picked per plan by backtest on the
+   history (choose_alpha: slow drift wants a long memory, fast drift a short one).
 2. Replica counts: the global policy's rule (each extra slot to the expert with the highest load per
    replica), capped at the GPUs of one node (homing.capped_counts).
 3. Layout (`layout_strategy` says which and why). On one node every replica sits on it. On several nodes
    each group gets home nodes (whole groups packed onto nodes by load when the nodes divide the groups,
    runs of whole nodes when a group needs several), every expert's first replica goes to a home node of
    its group, and each extra replica goes to the node whose experts it is chosen with most in the window's
-   tokens (affinity.py), so a token's cover has choices. Against DeepSeek's global policy held out
-   (bench/eplb_matrix.py, 6 layers, 4096-token windows, s = 0.6 / 1.0): 4 nodes 0.897 / 0.896 vs
-   0.871 / 0.874 even-split balancedness at 2.95 / 2.65 vs 3.52 / 3.47 nodes per token; 8 nodes
-   0.851 / 0.856 vs 0.824 / 0.824 at 3.74 / 3.31 vs 4.95 / 4.73 nodes (DeepSeek's hierarchical 3.97, the
-   layout this planner used there before: 0.655 / 0.489). Replicas on several nodes let the
-   dispatcher's cover load some more than their even share, so node-limited balancedness sits below the
-   even one (8 nodes: 0.793 / 0.783, global 0.705 / 0.530). One node per expert (`spread_by_affinity`
-   off, homing.py) keeps the two equal, at more nodes per token.
+   tokens (affinity.py), so a token's cover has choices. Held out (BENCHMARKS.md, EPLB; bench/eplb_matrix.py,
+   grouped router, slow drift) against DeepSeek's global policy planned on the same windows: nodes per
+   token 2.2-3.3 vs 3.1-3.6 on 4 nodes, 3.0-4.1 vs 4.4-5.3 on 8, 4.6-5.7 vs 6.2-6.6 on 18, at even-split
+   balancedness within -0.03 .. +0.03 of it (DeepSeek's hierarchical layout, which this planner used on 8
+   nodes before, lost 0.05-0.38 there). Replicas on several nodes let the dispatcher's cover load some
+   more than their even share, so node-limited balancedness sits below the even one. One node per expert
+   (`spread_by_affinity` off, homing.py) keeps the two equal at more nodes per token; `keep_groups` keeps
+   every first replica on its group's home, so no token reaches more nodes than under the hierarchical layout.
    Counts follow the global policy's rule capped at max(N, GPUs per node) replicas.
 4. Each node's replicas are packed onto its GPUs (balanced packing), then up to `fresh_swaps` swaps
    lower the hottest GPUs (refine.swap_refine; 0.925 -> 0.944 held out on 32 GPUs). In the multi-node layout
