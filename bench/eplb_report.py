@@ -29,8 +29,8 @@ def verdict(res: dict[str, Any]) -> str:
     if miss <= 0 and nodes_ok:
         return "yes"
     if nodes_ok and miss < 2 * se:
-        return f"tie (-{miss:.3f} vs {base})"
-    return f"no (-{miss:.3f} vs {base}{'' if nodes_ok else '; nodes'})"
+        return f"tie ({-miss:+.3f} vs {base})"
+    return f"no ({-miss:+.3f} vs {base}{'' if nodes_ok else '; nodes'})"
 
 
 def rows(results: list[dict[str, Any]]) -> list[str]:
