@@ -1,6 +1,7 @@
 """Analysis benchmarks on this 2-core CPU: trace size and write rate, queries in DuckDB / Polars / numpy, EPLB.
 
-Run: .venv/bin/python bench/analysis.py --rows 100000000 --eplb-ref /tmp/eplbref [--out /tmp/bench]
+Run:   .venv/bin/python -m bench.analysis --rows 100000000 --eplb-ref /tmp/eplbref [--out /tmp/bench]
+Smoke: .venv/bin/python -m bench.analysis --smoke   (6 layers: a 20k-row trace, 5 EPLB windows of 256 tokens on 4 nodes)
 `--eplb-ref` is a folder holding DeepSeek's eplb.py (github.com/deepseek-ai/EPLB, never committed here);
 without it the reference column is skipped. Prints markdown tables for BENCHMARKS.md.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +28,7 @@ from r3trace.eplb import Cluster, churn, cross_node, global_policy, hierarchical
 from r3trace.eplb.placement import from_phy2log
 from r3trace.eplb.score import balancedness, even_gpu_load, heat_of, node_limited
 from r3trace.trace import open_dataset
+from r3trace.trace.layout import table_dir
 
 E, K = 256, 8
 
@@ -36,9 +39,10 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     return time.perf_counter() - t, out
 
 
-def trace_section(out: Path, rows: int, agree_rows: int) -> list[str]:
+def trace_section(out: Path, rows: int, agree_rows: int, layers: int = 61) -> list[str]:
+    """layers: the synthetic model's num_hidden_layers (V3's 61, 58 of them MoE; the smoke run takes fewer)."""
     shutil.rmtree(out, ignore_errors=True)
-    cfg = SynthConfig(seed=7)
+    cfg = SynthConfig(seed=7, num_hidden_layers=layers)
     n_layers = len(cfg.moe_layer_ids)
     dt, w = timed(lambda: write_synth(out / "big", cfg, rows // n_layers, run_id="big", progress=False))
     m = w.manifest
@@ -48,12 +52,14 @@ def trace_section(out: Path, rows: int, agree_rows: int) -> list[str]:
              f"- synth + write: {dt:.1f} s = {m.rows / dt / 1e6:.2f}M rows/s "
              f"({m.rows * K / dt / 1e6:.1f}M ids/s, generation included)"]
     # two runs of the same tokens for agreement: B flips one expert of ~10% of A's (token, layer) sets
-    a_cfg = SynthConfig(seed=11)
+    a_cfg = SynthConfig(seed=11, num_hidden_layers=layers)
     write_synth(out / "agree", a_cfg, agree_rows // n_layers, run_id="A", progress=False)
     ra = open_dataset(out / "agree")[0]
     rng = np.random.default_rng(0)
     dst = out / "agree" / "run_id=B"
     dst.mkdir()
+    routes_dst = table_dir(dst, ra.manifest.schema_version, "routes")  # layout 2: <root>/routes/run_id=B
+    routes_dst.mkdir(parents=True, exist_ok=True)
     for f in ra.route_files:
         t = pq.read_table(f)
         ids = t.column("topk_ids").combine_chunks().flatten().to_numpy().reshape(-1, K).copy()
@@ -63,8 +69,10 @@ def trace_section(out: Path, rows: int, agree_rows: int) -> list[str]:
 
         t = t.set_column(t.schema.get_field_index("topk_ids"), "topk_ids",
                          pa.FixedSizeListArray.from_arrays(pa.array(ids.ravel()), K))
-        t = t.set_column(0, "run_id", pa.array(["B"] * t.num_rows).dictionary_encode())
-        pq.write_table(t, dst / f.name, compression="zstd", compression_level=3)
+        if "run_id" in t.schema.names:  # a layout-1 file carries its run id; layout 2 has it in the path only
+            run_b = pa.array(["B"] * t.num_rows).dictionary_encode()
+            t = t.set_column(t.schema.get_field_index("run_id"), "run_id", run_b)
+        pq.write_table(t, routes_dst / f.name, compression="zstd", compression_level=3)
     from dataclasses import replace
 
     replace(ra.manifest, run_id="B", files=tuple(replace(x, rollup=None, requests=None) for x in ra.manifest.files)
@@ -87,13 +95,17 @@ def trace_section(out: Path, rows: int, agree_rows: int) -> list[str]:
                           .explode("topk_ids").group_by("layer_id", "topk_ids").len().collect())
     res["heat (L x E counts)"] = {"duckdb": timed(lambda: heat.heat(c, "big"))[0], "polars": t_pl}
     t_np, (lay, ids) = timed(lambda: np_ids(big_files))
-    t_bc, _ = timed(lambda: np.bincount((((lay.astype(np.int32) - 3) * E)[:, None] + ids).ravel(), minlength=58 * E))
+    def np_heat() -> np.ndarray:  # [L, E] counts from layer ids (dense layers first: MoE layer 0 is layer 3)
+        flat = (((lay.astype(np.int32) - 3) * E)[:, None] + ids).ravel()
+        return np.bincount(flat, minlength=n_layers * E).reshape(n_layers, E)
+
+    t_bc, _ = timed(np_heat)
     res["heat (L x E counts)"]["numpy"] = t_np + t_bc
     res["heat from rollups"] = {"duckdb": timed(lambda: heat.heat(c, "big", source="rollups"))[0]}
     res["imbalance (per layer)"] = {"duckdb": timed(lambda: heat.imbalance(c, "big"))[0]}
 
     def np_imbalance() -> np.ndarray:
-        h = np.bincount((((lay.astype(np.int32) - 3) * E)[:, None] + ids).ravel(), minlength=58 * E).reshape(58, E)
+        h = np_heat()
         x = np.sort(h, 1).astype(float)
         gini = ((2 * np.arange(1, E + 1) - E - 1) * x).sum(1) / (E * x.sum(1))
         p = x / x.sum(1, keepdims=True)
@@ -117,7 +129,7 @@ def trace_section(out: Path, rows: int, agree_rows: int) -> list[str]:
         a, b = np.minimum(one[:, iu], one[:, ju]), np.maximum(one[:, iu], one[:, ju])
         return np.bincount((a * E + b).ravel(), minlength=E * E)
 
-    res["co-activation (1 layer, 28 pairs/token)"]["numpy"] = timed(np_coact)[0] + t_np / 58
+    res["co-activation (1 layer, 28 pairs/token)"]["numpy"] = timed(np_coact)[0] + t_np / n_layers
     res["co-activation (1 layer, 28 pairs/token)"]["polars"] = timed(
         lambda: pl.scan_parquet(big_files, hive_partitioning=False).filter(pl.col("layer_id") == 30)
         .with_columns(pl.col("topk_ids").cast(pl.List(pl.Int32)))
@@ -132,7 +144,7 @@ def trace_section(out: Path, rows: int, agree_rows: int) -> list[str]:
                                  agreement.agreement_summary(c, "A", "B")))[0]}
     summ = agreement.agreement_summary(c, "A", "B").row(0, named=True)
     fa = [str(p) for p in open_dataset(out / "agree")[0].route_files]
-    fb = [str(dst / Path(p).name) for p in fa]
+    fb = [str(routes_dst / Path(p).name) for p in fa]
 
     def np_agree() -> float:
         (_, x), (_, y) = np_ids(fa), np_ids(fb)  # same files, same row order: positional match
@@ -159,6 +171,8 @@ def trace_section(out: Path, rows: int, agree_rows: int) -> list[str]:
 
 
 def load_ref(path: str | None) -> Any:
+    """DeepSeek's eplb.py (github.com/deepseek-ai/EPLB, a peer's file fetched beside the project) from the folder
+    given by --eplb-ref, run beside ours; None when absent."""
     if not path or not (Path(path) / "eplb.py").exists():
         return None
     spec = importlib.util.spec_from_file_location("eplb_ref", Path(path) / "eplb.py")
@@ -168,9 +182,10 @@ def load_ref(path: str | None) -> Any:
     return mod
 
 
-def _windows(s: float, n_windows: int, tokens_per_window: int) -> tuple[np.ndarray, np.ndarray]:
+def _windows(s: float, n_windows: int, tokens_per_window: int, layers: int) -> tuple[np.ndarray, np.ndarray]:
     """Synthetic V3 routes at Zipf s -> (routes [W, T, L, K], heat [W, L, E]) of consecutive windows."""
-    wins = route_windows(SynthConfig(zipf_s=s, seed=3), n_windows, tokens_per_window, np.random.default_rng(0))
+    cfg = SynthConfig(zipf_s=s, seed=3, num_hidden_layers=layers)
+    wins = route_windows(cfg, n_windows, tokens_per_window, np.random.default_rng(0))
     return wins, np.stack([heat_of(w, E) for w in wins])
 
 
@@ -180,8 +195,11 @@ def _diff(a: list[float], b: list[float]) -> str:
     return f"{d.mean():+.3f} +- {d.std(ddof=1) / np.sqrt(len(d)):.3f}"
 
 
+CLUSTERS = "32/4/288,32/4/320,144/18/288"  # GPUs/nodes/slots: DeepSeek-V3's 4-node and 18-node deployments
+
+
 def eplb_section(ref: Any, tokens_per_window: int, nodes: tuple[int, ...] = (), n_windows: int = 12,
-                 skews: tuple[float, ...] = (0.3, 0.6, 1.0)) -> list[str]:
+                 skews: tuple[float, ...] = (0.3, 0.6, 1.0), clusters: str = CLUSTERS, layers: int = 61) -> list[str]:
     """Rolling EPLB comparison: every policy plans at the end of window t (from its previous placement where it
     keeps one) and is scored on window t + 1, for t = 1 .. W - 2; the first plan (windows 0-1, no previous
     placement) is a cold start and is not scored. One held-out window is a noisy judge: the same policy's
@@ -190,14 +208,14 @@ def eplb_section(ref: Any, tokens_per_window: int, nodes: tuple[int, ...] = (), 
     differences against the global policy with their standard errors."""
     import torch
 
-    clusters = [Cluster(32, 4, 288), Cluster(32, 4, 320), Cluster(144, 18, 288)]
+    cl_list = [Cluster(*(int(x) for x in c.split("/"))) for c in clusters.split(",")]
     lines = ["| s | GPUs/nodes/slots | policy | plan s | held-out bal. (even) | vs global | held-out bal. "
              "(node-limited) | vs global | nodes/token mean | > 4 nodes | churn per re-plan (max) |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
-    only = [c for c in clusters if c.num_nodes in nodes] if nodes else clusters
+    only = [c for c in cl_list if c.num_nodes in nodes] if nodes else cl_list
     print("\n".join(lines), flush=True)  # rows are printed as they come: the whole section takes ~30 minutes
     for s in skews:
-        wins, heats = _windows(s, n_windows, tokens_per_window)
+        wins, heats = _windows(s, n_windows, tokens_per_window, layers)
         for cl in only:
             def ref_plan(h: np.ndarray, c: Cluster = cl, groups: int = 1, nodes: int = 1) -> Any:
                 p2l, _, _ = ref.rebalance_experts(torch.tensor(h), c.num_slots, groups, nodes, c.num_gpus)
@@ -243,8 +261,8 @@ def eplb_section(ref: Any, tokens_per_window: int, nodes: tuple[int, ...] = (), 
     return lines
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=100_000_000)
     ap.add_argument("--agree-rows", type=int, default=10_000_000)
     ap.add_argument("--eplb-ref", default=None)
@@ -254,13 +272,22 @@ def main() -> None:
     ap.add_argument("--out", default="/tmp/r3trace-bench")
     ap.add_argument("--skip-trace", action="store_true")
     ap.add_argument("--eplb-nodes", type=int, nargs="*", default=[], help="only clusters with these node counts")
-    args = ap.parse_args()
+    ap.add_argument("--eplb-clusters", default=CLUSTERS, help="GPUS/NODES/SLOTS,... of the EPLB run")
+    ap.add_argument("--layers", type=int, default=61, help="the synthetic model's layers (V3: 61, 58 of them MoE)")
+    ap.add_argument("--smoke", action="store_true", help="a tiny trace in a temporary folder, tiny EPLB windows")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.rows, args.agree_rows, args.window_tokens, args.eplb_windows = 20_000, 5_000, 256, 5
+        args.eplb_s, args.eplb_clusters, args.layers = [0.6], "32/4/288", 6
     if not args.skip_trace:
-        print("\n".join(trace_section(Path(args.out), args.rows, args.agree_rows)), flush=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) if args.smoke else Path(args.out)
+            print("\n".join(trace_section(out, args.rows, args.agree_rows, args.layers)), flush=True)
     ref = load_ref(args.eplb_ref)
     if ref is None:
         print("(DeepSeek reference not given: its columns are skipped)")
-    eplb_section(ref, args.window_tokens, tuple(args.eplb_nodes), args.eplb_windows, tuple(args.eplb_s))
+    eplb_section(ref, args.window_tokens, tuple(args.eplb_nodes), args.eplb_windows, tuple(args.eplb_s),
+                 args.eplb_clusters, args.layers)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Capture overhead, wire-format throughput and trace-sink throughput.
 
-Run (GPU): python bench/capture.py --device cuda --out $OUT/capture.json
-Run (CPU, wire + sink only): python bench/capture.py --device cpu --parts wire,sink
+Run (GPU):   python -m bench.capture --device cuda --out capture.json
+Run (CPU, wire + sink only): python -m bench.capture --device cpu --parts wire,sink
+Smoke (CPU): python -m bench.capture --smoke   (every part at tiny sizes, decode at batch 1 and 3, ref backends)
 
 Decode-step time with route capture on (every request asks) vs off, on a random model with DeepSeek-V3
 routing dims (E=256, K=8, 8 groups, top-4 groups) at batch 1, 64 and 256; capture's own host syncs are
@@ -36,14 +37,15 @@ from r3trace.engine.model_config import ModelConfig
 from r3trace.engine.parallel import ParallelInfo
 
 
-def v3_routing_config(layers: int) -> ModelConfig:
+def v3_routing_config(layers: int, hidden: int = 2048, experts: int = 256) -> ModelConfig:
     """DeepSeek-V3 routing and MLA dims (E = 256, K = 8, 8 groups, top-4 groups, kv_lora 512 + 64), hidden
-    2048 instead of 7168 so that V3's 61 layers fit one GPU (58 MoE layers: 47 GB of bf16 experts)."""
+    2048 instead of 7168 so that V3's 61 layers fit one GPU (58 MoE layers: 47 GB of bf16 experts). The smoke
+    run shrinks hidden and E."""
     return ModelConfig.from_dict(dict(
-        model_type="deepseek_v3", vocab_size=32000, hidden_size=2048, num_hidden_layers=layers,
-        intermediate_size=4096, num_attention_heads=16, q_lora_rank=768, kv_lora_rank=512,
+        model_type="deepseek_v3", vocab_size=32000, hidden_size=hidden, num_hidden_layers=layers,
+        intermediate_size=2 * hidden, num_attention_heads=16, q_lora_rank=768, kv_lora_rank=512,
         qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, moe_intermediate_size=256,
-        n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8, n_group=8, topk_group=4,
+        n_routed_experts=experts, n_shared_experts=1, num_experts_per_tok=8, n_group=8, topk_group=4,
         topk_method="noaux_tc", scoring_func="sigmoid", norm_topk_prob=True, routed_scaling_factor=2.5,
         first_k_dense_replace=3 if layers > 8 else 1, max_position_embeddings=4096,
     ), name="bench-v3-routing")
@@ -96,19 +98,20 @@ def set_recorder(model: torch.nn.Module, recorder: Any) -> None:
 
 
 def decode_step_times(args: argparse.Namespace) -> list[dict[str, Any]]:
-    cfg = v3_routing_config(args.layers)
+    cfg = v3_routing_config(args.layers, args.hidden, args.experts)
     backend = "triton" if args.device == "cuda" else "ref"
-    ecfg = EngineConfig(dtype="bfloat16", device=args.device, attention_backend=backend, moe_backend=backend,
-                        topk_backend=backend, norm_backend=backend, rope_backend=backend,
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    ecfg = EngineConfig(dtype=str(dtype).removeprefix("torch."), device=args.device, attention_backend=backend,
+                        moe_backend=backend, topk_backend=backend, norm_backend=backend, rope_backend=backend,
                         kv_pool_tokens=max(args.batches) * args.context, chunked_prefill_size=512,
                         max_running_requests=max(args.batches))
     model = random_model(cfg, ecfg, NullRecorder())
     slots = ecfg.kv_pool_tokens
     # slots + 1: the last row is the padding slot CUDA-graph decode writes its padding rows to
-    kv = torch.randn(cfg.num_hidden_layers, slots + 1, cfg.kv_cache_dim, dtype=torch.bfloat16, device=args.device)
+    kv = torch.randn(cfg.num_hidden_layers, slots + 1, cfg.kv_cache_dim, dtype=dtype, device=args.device)
     kv *= 0.1
     capturer = RoutedExpertsCapturer(CaptureConfig(
-        num_hidden_layers=cfg.num_hidden_layers, moe_layer_ids=cfg.moe_layer_ids, top_k=8, num_experts=256,
+        num_hidden_layers=cfg.num_hidden_layers, moe_layer_ids=cfg.moe_layer_ids, top_k=8, num_experts=args.experts,
         kv_slots=slots, max_batch_tokens=max(512, max(args.batches)), chunked_prefill_size=512,
         max_running_requests=max(args.batches), device=args.device,
     ))
@@ -280,7 +283,7 @@ def _timeit(fn: Any) -> float:
     return time.perf_counter() - t0
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--parts", default="decode,wire,sink")
@@ -291,7 +294,14 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--out", default="")
     ap.add_argument("--no-graphs", dest="graphs", action="store_false", help="skip the CUDA-graph timing")
-    args = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny model and sizes, batch 1 included (make test)")
+    args = ap.parse_args(argv)
+    args.hidden, args.experts = 2048, 256
+    wire_tokens, sink_tokens = 32768, 200_000
+    if args.smoke:
+        args.device, args.parts, args.batches, args.layers, args.context = "cpu", "decode,wire,sink", "1,3", 2, 16
+        args.warmup, args.iters, args.hidden, args.experts = 0, 2, 64, 16
+        wire_tokens, sink_tokens = 256, 5000
     args.batches = [int(x) for x in args.batches.split(",")]
     args.graphs = args.graphs and args.device == "cuda"
     parts = set(args.parts.split(","))
@@ -300,9 +310,9 @@ def main() -> None:
     if "decode" in parts:
         report["decode"] = decode_step_times(args)
     if "wire" in parts:
-        report["wire"] = wire_throughput()
+        report["wire"] = wire_throughput(wire_tokens)
     if "sink" in parts:
-        report["sink"] = sink_throughput()
+        report["sink"] = sink_throughput(sink_tokens)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2))
 

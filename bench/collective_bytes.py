@@ -2,6 +2,7 @@
 
 Run (CPU): .venv/bin/python -m bench.collective_bytes --out bench/results/collective_bytes-cpu.json
            .venv/bin/python -m bench.collective_bytes --markdown bench/results/collective_bytes-cpu.json
+Smoke:     .venv/bin/python -m bench.collective_bytes --smoke   (the tables of the committed result file)
 
 Shape legend: T tokens per DP rank, n = ceil(T / A) rows a rank's MoE sees under EP, D hidden, V vocab, E experts,
 K top-k, R tp ranks, P dp ranks, A = R / P attention-TP ranks, G ep ranks, M the low-latency layout's rows per rank,
@@ -540,12 +541,16 @@ def computed_markdown(decode: int = 64, prefill: int = 4096, dtype_bytes: int = 
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path)
-    ap.add_argument("--markdown", type=Path, help="print BENCHMARKS.md tables from a result file")
+    ap.add_argument("--markdown", type=Path, help="print the tables of a result file and the computed ones")
     ap.add_argument("--configs", nargs="*", default=list(CONFIGS))
-    args = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true", help="the tables of the committed result file, no ranks (make "
+                    "test; tests/engine/test_collective_bytes.py runs the ranks)")  # fmt: skip
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.markdown = MODEL.parents[1] / "bench" / "results" / "collective_bytes-cpu.json"
     if args.markdown:
         print(markdown(json.loads(args.markdown.read_text())))
         print(computed_markdown())

@@ -1,20 +1,22 @@
 """The engine on a GPU: exactness of captured routes, ref vs triton backends, decode throughput.
 
-Run: python bench/engine_gpu.py --out $OUT/engine_gpu.json   (needs CUDA and transformers)
+Run:   python -m bench.engine_gpu --out engine_gpu.json   (needs CUDA and transformers)
+Smoke: python -m bench.engine_gpu --smoke                 (CPU, fp32: the tiny random shape, ref backends and
+       transformers, 3 new tokens; the exactness check on CPU only)
 
 1. A tiny random V3 checkpoint (transformers save_pretrained): the engine on CUDA in fp32 returns routes
    equal to a direct forward's, and the same greedy tokens as on the CPU.
 2. The same with attention/MoE/top-k triton backends: same greedy tokens and routes as ref.
 3. Decode tokens/s of Engine.generate at batch 64 on a random V3-shaped checkpoint (bench/random_checkpoint.py,
-   default issue 6's 2.5B shape), bf16: ref, triton eager, triton with CUDA-graph decode, and transformers'
-   generate on the same checkpoint; capture off vs on (every request asks for routes).
+   default the 2.5B end-to-end shape), bf16: ref, triton eager, triton with CUDA-graph decode, and transformers'
+   generate on the same checkpoint, warmed at full length; capture off vs on (every request asks for routes).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
+import logging
 import tempfile
 import time
 from pathlib import Path
@@ -23,41 +25,37 @@ from typing import Any
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import r3trace  # noqa: E402
-from r3trace.engine import Engine  # noqa: E402
-from tests.tiny_models import direct_forward, load_engine_model, make_checkpoint  # noqa: E402
-
-
-def backend_options(backend: str) -> dict[str, Any]:
-    """ref | triton (CUDA-graph decode, the engine's default on CUDA) | triton-eager (graphs off)."""
-    if backend == "ref":
-        return dict(attention_backend="ref", moe_backend="ref", topk_backend="ref")
-    opts: dict[str, Any] = dict(attention_backend="triton", moe_backend="triton", topk_backend="triton",
-                                norm_backend="triton", rope_backend="triton")
-    if backend == "triton-eager":
-        opts["cuda_graph_batch_sizes"] = ()
-    return opts
+import r3trace
+from bench.decode_rate import (
+    backend_options,
+    bench_checkpoint,
+    bench_prompts,
+    decode_tokens_per_s,
+    open_engine,
+    vocab_size,
+)
+from r3trace.engine import Engine
+from tests.tiny_models import direct_forward, load_engine_model, make_checkpoint
 
 
-def exactness(tmp: Path, backend: str) -> dict[str, Any]:
+def exactness(tmp: Path, backend: str, device: str = "cuda", requests: int = 16) -> dict[str, Any]:
+    """Routes of a tiny random V3 checkpoint on `device` with `backend` against a direct forward's, and its greedy
+    tokens against the engine's on the CPU."""
     ckpt = make_checkpoint(tmp / "tiny", "v3_noaux_groups", seed=3)
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(2, 320, size=int(n)).tolist() for n in rng.integers(4, 40, size=16)]
+    prompts = [rng.integers(2, 320, size=int(n)).tolist() for n in rng.integers(4, 40, size=requests)]
     params = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
     out: dict[str, Any] = {"backend": backend}
     results = {}
-    for device in ("cpu", "cuda"):
-        opts = {} if device == "cpu" else backend_options(backend)
-        with Engine(ckpt, device=device, chunked_prefill_size=64, **opts) as eng:
-            results[device] = eng.generate(input_ids=prompts, sampling_params=params, return_routed_experts=True)
-    pairs = zip(results["cpu"], results["cuda"], strict=True)
-    out["same_tokens_cpu_vs_cuda"] = all(a["output_ids"] == b["output_ids"] for a, b in pairs)
-    model = load_engine_model(ckpt, device="cuda")
+    for where in ("cpu", device):
+        opts = {} if where == "cpu" else backend_options(backend)
+        with Engine(ckpt, device=where, chunked_prefill_size=64, **opts) as eng:
+            results[where] = eng.generate(input_ids=prompts, sampling_params=params, return_routed_experts=True)
+    pairs = zip(results["cpu"], results[device], strict=True)
+    out["same_tokens_cpu_vs_device"] = all(a["output_ids"] == b["output_ids"] for a, b in pairs)
+    model = load_engine_model(ckpt, device=device)
     mismatched = total = 0
-    for p, r in zip(prompts, results["cuda"], strict=False):
+    for p, r in zip(prompts, results[device], strict=False):
         seq = p + r["output_ids"]
         _, routes = direct_forward(model, seq[:-1])
         got = r3trace.decode_routed_experts(r["meta_info"])
@@ -70,60 +68,15 @@ def exactness(tmp: Path, backend: str) -> dict[str, Any]:
     return out
 
 
-def bench_checkpoint(tmp: Path, shape: str) -> Path:
-    """A random V3-shaped checkpoint (bench/random_checkpoint.py): v3-2.5b is issue 6's shape."""
-    from random_checkpoint import write_random_checkpoint
-
-    ckpt = tmp / shape
-    return ckpt if (ckpt / "config.json").exists() else write_random_checkpoint(ckpt, shape)
-
-
-def bench_prompts(batch: int, vocab: int = 32000) -> list[list[int]]:
-    """batch random 128-token prompts (seed 1, ids below vocab), the same in every engine bench."""
-    rng = np.random.default_rng(1)
-    return [rng.integers(2, vocab, size=128).tolist() for _ in range(batch)]
-
-
-def vocab_size(ckpt: Path) -> int:
-    return int(json.loads((ckpt / "config.json").read_text())["vocab_size"])
-
-
-def open_engine(ckpt: Path, backend: str, batch: int, new_tokens: int, **extra: Any) -> Engine:
-    """The timed engine: bf16 on CUDA, KV for batch x (128 + new_tokens) tokens, no prefix cache; with
-    CUDA graphs, one graph of the full batch (every timed decode step has it). extra: more EngineConfig options."""
-    opts = {**backend_options(backend), **extra}
-    if backend == "triton":
-        opts["cuda_graph_batch_sizes"] = (batch,)
-    return Engine(ckpt, dtype="bfloat16", device="cuda", chunked_prefill_size=8192, max_running_requests=batch,
-                  kv_pool_tokens=batch * (128 + new_tokens + 8), enable_prefix_cache=False, **opts)
-
-
-def decode_tokens_per_s(eng: Engine, prompts: list[list[int]], new_tokens: int, capture: bool) -> float:
-    """Decode tokens/s: a run of new_tokens greedy tokens minus a run of one token (its prefill). The one-token run
-    is timed before and after the full one and the faster taken: a single slow one-token run (session 7, run 3;
-    cause not found) once took so much off the full run that the rate came out at 70,904 for a ~28,000 engine."""
-    params = {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}
-
-    def timed(n: int) -> float:
-        t0 = time.perf_counter()
-        eng.generate(input_ids=prompts, sampling_params={**params, "max_new_tokens": n}, return_routed_experts=capture)
-        return time.perf_counter() - t0
-
-    before = timed(1)
-    total = timed(new_tokens)
-    prefill_s = min(before, timed(1))
-    return len(prompts) * (new_tokens - 1) / max(total - prefill_s, 1e-9)
-
-
 def throughput(
-    ckpt: Path, backend: str, batch: int, new_tokens: int, reps: int = 3, **extra: Any
+    ckpt: Path, backend: str, batch: int, new_tokens: int, reps: int = 3, device: str = "cuda", **extra: Any
 ) -> list[dict[str, Any]]:
     """Decode tokens/s, capture off and on alternating in one engine (same compiled kernels), `reps` times.
     extra: more EngineConfig options (--engine-opts), recorded in each row."""
     prompts = bench_prompts(batch, vocab_size(ckpt))
     params = {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}
     samples: dict[bool, list[float]] = {False: [], True: []}
-    with open_engine(ckpt, backend, batch, new_tokens, **extra) as eng:
+    with open_engine(ckpt, backend, batch, new_tokens, device, **extra) as eng:
         for capture in (False, True):  # warm-up with the timed shapes: Triton compiles per shape
             eng.generate(input_ids=prompts, sampling_params=params, return_routed_experts=capture)
         for _ in range(reps):
@@ -139,7 +92,7 @@ def throughput(
 
 
 def transformers_baseline(
-    ckpt: Path, batch: int, new_tokens: int, experts: str = "default", reps: int = 2
+    ckpt: Path, batch: int, new_tokens: int, experts: str = "default", reps: int = 2, device: str = "cuda"
 ) -> dict[str, Any]:
     """transformers' generate on the same checkpoint and batch (greedy, bf16, its default cache), the best of
     reps after a full-length warm-up (the baseline is the fastest transformers we can get). experts:
@@ -149,24 +102,26 @@ def transformers_baseline(
     from transformers import AutoModelForCausalLM
 
     kw_load: dict[str, Any] = {} if experts == "default" else {"experts_implementation": experts}
-    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16, **kw_load).cuda().eval()
-    ids = torch.tensor(bench_prompts(batch, vocab_size(ckpt)), device="cuda")  # the engines' own prompts
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype, **kw_load).to(device).eval()
+    ids = torch.tensor(bench_prompts(batch, vocab_size(ckpt)), device=device)  # the engines' own prompts
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
     runs = []
     with torch.inference_mode():
         # Warm-up at full length: the first generate of a process ran at 661 tok/s where the same backend
-        # timed third ran at 1,593 (bench/NOTES.md, "Engine owner, session 5", run 2), so one short warm-up
-        # understated transformers; each rep times the prefill alone, then the whole generate.
+        # timed third ran at 1,593 on the H200, so one short warm-up understated transformers by 2.4x; each rep
+        # times the prefill alone, then the whole generate.
         model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
         for _ in range(reps):
-            torch.cuda.synchronize()
+            sync()
             t0 = time.perf_counter()
             model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
-            torch.cuda.synchronize()
+            sync()
             prefill_s = time.perf_counter() - t0
             t0 = time.perf_counter()
             model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
-            torch.cuda.synchronize()
+            sync()
             total_s = time.perf_counter() - t0
             runs.append(batch * (new_tokens - 1) / max(total_s - prefill_s, 1e-9))
     out = {"backend": "transformers", "version": transformers.__version__, "experts": experts,
@@ -174,12 +129,11 @@ def transformers_baseline(
            "new_tokens": new_tokens, "decode_tokens_per_s": max(runs), "runs": runs}
     print(f"throughput: {out}", flush=True)
     del model
-    torch.cuda.empty_cache()
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -192,37 +146,48 @@ def main() -> None:
                     help="transformers' experts_implementation values to time (default,eager,grouped_mm,batched_mm)")
     ap.add_argument("--engine-opts", default="{}",
                     help='JSON of more EngineConfig options for the r3trace engines, e.g. {"page_size": 64}')
-    args = ap.parse_args()
-    engine_opts = json.loads(args.engine_opts)
-    import logging
+    ap.add_argument("--smoke", action="store_true", help="CPU, fp32, the tiny shape (make test)")
+    args = ap.parse_args(argv)
+    args.device = "cpu" if args.smoke else "cuda"
+    if args.smoke:
+        args.batch, args.new_tokens, args.reps, args.shape = 2, 3, 1, "tiny"
+        args.backends, args.hf_experts = "ref,transformers", "default"
+    args.engine_opts = json.loads(args.engine_opts)
+    return args
 
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
     logging.basicConfig(level=logging.WARNING)  # an engine step's exception is logged, not raised
-    report: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    dev = args.device
+    report: dict[str, Any] = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
+                              "torch": torch.__version__}  # fmt: skip
     backends = args.backends.split(",")
     with tempfile.TemporaryDirectory() as tmp:
         report["exactness"] = []
         for b in [] if args.skip_exactness else [x for x in backends if x != "transformers"]:
             try:
-                report["exactness"].append(exactness(Path(tmp), b))
+                report["exactness"].append(exactness(Path(tmp), b, dev, 3 if args.smoke else 16))
             except Exception as exc:  # a broken backend is a finding, not a reason to lose the rest
                 report["exactness"].append({"backend": b, "error": repr(exc)})
                 print(f"[{b}] exactness failed: {exc!r}", flush=True)
         report["throughput"] = []
-        ckpt = Path(args.model) if args.model else bench_checkpoint(Path(tmp), args.shape)
+        ckpt = Path(args.model) if args.model else bench_checkpoint(Path(tmp), args.shape, dev)
         report["shape"] = args.model or args.shape
         if "transformers" in backends:
             backends.remove("transformers")
             for experts in args.hf_experts.split(","):
                 try:
                     report["throughput"].append(
-                        transformers_baseline(ckpt, args.batch, args.new_tokens, experts, args.reps)
+                        transformers_baseline(ckpt, args.batch, args.new_tokens, experts, args.reps, dev)
                     )
                 except Exception as exc:  # a backend this transformers lacks is a finding
                     report["throughput"].append({"backend": "transformers", "experts": experts, "error": repr(exc)})
                     print(f"[transformers {experts}] failed: {exc!r}", flush=True)
         for b in backends:
             try:
-                report["throughput"].extend(throughput(ckpt, b, args.batch, args.new_tokens, args.reps, **engine_opts))
+                report["throughput"].extend(
+                    throughput(ckpt, b, args.batch, args.new_tokens, args.reps, dev, **args.engine_opts)
+                )
             except Exception as exc:
                 report["throughput"].append({"backend": b, "error": repr(exc)})
                 print(f"[{b}] throughput failed: {exc!r}", flush=True)
@@ -234,6 +199,14 @@ def main() -> None:
               f"{ours[0] / max(hf):.1f}x", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2))
+    return report
+
+
+def main(argv: list[str] | None = None) -> None:
+    report = run(parse(argv))
+    failed = [r for r in report["exactness"] + report["throughput"] if "error" in r]
+    if failed:
+        raise SystemExit(f"failed: {failed}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Exact mode's cost: forward time with EngineConfig.deterministic=True over the default, same model and batch.
 
-Run (CPU): .venv/bin/python bench/exact_cost.py --out $OUT/exact_cost.json
+Run (CPU): .venv/bin/python -m bench.exact_cost --out exact_cost.json
+Smoke:     .venv/bin/python -m bench.exact_cost --smoke   (batch 1, 4 tokens, one timed rep, nothing written)
 
 samples/model in fp32 (5 layers, D = 256, 32 experts, top-4, V = 4096). Prefill: B prefix-free requests of
 P tokens, logits at each request's last row (what a step without input logprobs computes), and at every row
@@ -60,14 +61,17 @@ def _batches(cfg: ModelConfig, b: int, p: int) -> dict[str, ForwardBatch]:
     return {**prefill, "decode": decode}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--threads", type=int, default=2)  # the CI machine's cores
-    ap.add_argument("--out", type=Path, default=Path("exact_cost.json"))
-    args = ap.parse_args()
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--smoke", action="store_true", help="batch 1 of 4 tokens, one rep (make test)")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.batch, args.prompt, args.reps = 1, 4, 1
     torch.set_num_threads(args.threads)
     models = {mode: _model(mode == "exact") for mode in ("default", "exact")}
     cfg = models["default"].config
@@ -89,7 +93,8 @@ def main() -> None:
         result[phase] = {"default_ms": round(1e3 * best["default"], 2), "exact_ms": round(1e3 * best["exact"], 2),
                          "ratio": round(best["exact"] / best["default"], 1)}  # fmt: skip
     print(json.dumps(result, indent=1))
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":

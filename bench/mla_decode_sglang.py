@@ -1,12 +1,13 @@
 """r3trace's MLA decode beside SGLang's Triton MLA decode: the same cells, the same inputs, the same run (issue 6's
 MLA cells, H200).
 
-Run (GPU): python bench/mla_decode_sglang.py --sglang PATH [--heads 16,128] [--cells BxL,...]
-    -> table on stdout, JSON in $OUT/mla_decode_sglang.json
+Run (GPU):  python -m bench.mla_decode_sglang --sglang PATH [--heads 16,128] [--cells BxL,...] [--out F]
+Smoke (CPU): TRITON_INTERPRET=1 python -m bench.mla_decode_sglang --smoke   (r3trace's side only: SGLang's kernel
+            needs its file)
 
 PATH: SGLang's python/sglang/srt/layers/attention/triton_ops/decode_attention.py, fetched beside the project and never
-committed (bench/NOTES.md names the commit). Its one SGLang import, sglang.srt.utils.is_hip, gets a stand-in module
-answering False (this is a CUDA GPU).
+committed (BENCHMARKS.md names the commit measured). Its one SGLang import, sglang.srt.utils.is_hip, gets a stand-in
+module answering False (this is a CUDA GPU).
 
 SGLang's call as its Triton attention backend makes it for MLA: k_buffer the latent cache viewed [S, 1, 576], v_buffer
 its first 512 columns, kv_indptr / kv_indices the requests' cache slots flattened, fp32 split partials [B, H,
@@ -15,136 +16,167 @@ the SM count, capped by --triton-attention-num-kv-splits (8 by default); here it
 int32 and int64 kv_indices (main() says why), and the fastest taken: the baseline's best case. r3trace: mla_decode with
 the engine's Hopper tile on 64-slot pages (default_decode_tile(H, bf16, use_gluon=True, page_size=64)) at its own split
 count, and the tile the engine takes at its default page size of 1 (r3trace_page1_ms). All are timed the same way
-(mla_decode_floor.graph_ms: one CUDA graph of back-to-back calls, median; caches rotated over copies spanning >= 4x the
-L2 at small cells) on the same shuffled 64-slot pages, and checked against mla_decode_ref first.
+(bench.timing.Timer.graph_ms: one CUDA graph of back-to-back calls, median; caches rotated over copies spanning >= 4x
+the L2 at small cells) on the same shuffled 64-slot pages, and checked against mla_decode_ref first.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
-import os
 import sys
 import types
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
-from sibling import load_path, load_sibling  # bench/sibling.py: python bench/<script>.py puts bench/ on the path
 
+from bench.inputs import DecodeInputs, decode_cell
+from bench.mla_decode import CELLS, rel_err
+from bench.timing import Timer, copies_for, measure_ceilings
 from r3trace.kernels.mla_decode import default_decode_tile, mla_decode, mla_decode_ref
 
-KV_LORA, ROPE = 512, 64
-CELLS = [(B, L) for B in (16, 64, 256) for L in (1024, 8192, 32768)]
 SGLANG_SPLITS = (1, 2, 4, 8, 16)
-SCALE = (KV_LORA + ROPE) ** -0.5
 
 
 def load_sglang(path: str) -> types.ModuleType:
-    """SGLang's decode_attention.py as a module, its sglang.srt.utils import answered by a stand-in."""
+    """SGLang's decode_attention.py (a peer's file given on the command line) as a module, its one SGLang import,
+    sglang.srt.utils.is_hip, answered by a stand-in."""
     utils = types.ModuleType("sglang.srt.utils")
     utils.is_hip = lambda: False  # type: ignore[attr-defined]
     for name in ("sglang", "sglang.srt"):
         sys.modules.setdefault(name, types.ModuleType(name))
     sys.modules["sglang.srt.utils"] = utils
-    return load_path(Path(path), "sglang_decode_attention")
+    spec = importlib.util.spec_from_file_location("sglang_decode_attention", Path(path))
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"--sglang {path}: not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 class SglangCall:
-    """decode_attention_fwd on r3trace's inputs (q [B, H, 576], the cache [S, 576], req_to_token [B, L]), all buffers
-    made once so a CUDA graph can capture the call."""
+    """decode_attention_fwd on r3trace's inputs (q [B, H, C], the cache [S, C], each request's slots [B, L] in
+    request order), all buffers made once so a CUDA graph can capture the call."""
 
     def __init__(
-        self, sg: types.ModuleType, q: torch.Tensor, kv: torch.Tensor, r2t: torch.Tensor, splits: int,
+        self, sg: types.ModuleType, q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, splits: int, kv_lora: int,
         index_dtype: torch.dtype = torch.int64,
     ) -> None:  # fmt: skip
-        B, H, _ = q.shape
-        L = r2t.shape[1]
-        self.sg, self.q, self.splits = sg, q, splits
-        self.k = kv.view(kv.shape[0], 1, KV_LORA + ROPE)
-        self.v = self.k[..., :KV_LORA]
-        self.indptr = torch.arange(0, (B + 1) * L, L, dtype=torch.int32, device="cuda")
-        self.indices = r2t.reshape(-1).to(index_dtype).contiguous()
-        self.out = torch.empty(B, H, KV_LORA, dtype=q.dtype, device="cuda")
-        self.logits = torch.empty(B, H, splits, KV_LORA, dtype=torch.float32, device="cuda")
-        self.lse = torch.empty(B, H, splits, dtype=torch.float32, device="cuda")
-        self.num_splits = torch.full((B,), splits, dtype=torch.int32, device="cuda")
+        B, H, C = q.shape
+        L = slots.shape[1]
+        self.sg, self.q, self.splits, self.scale = sg, q, splits, C**-0.5
+        self.k = kv.view(kv.shape[0], 1, C)
+        self.v = self.k[..., :kv_lora]
+        self.indptr = torch.arange(0, (B + 1) * L, L, dtype=torch.int32, device=q.device)
+        self.indices = slots.reshape(-1).to(index_dtype).contiguous()
+        self.out = torch.empty(B, H, kv_lora, dtype=q.dtype, device=q.device)
+        self.logits = torch.empty(B, H, splits, kv_lora, dtype=torch.float32, device=q.device)
+        self.lse = torch.empty(B, H, splits, dtype=torch.float32, device=q.device)
+        self.num_splits = torch.full((B,), splits, dtype=torch.int32, device=q.device)
 
     def __call__(self) -> torch.Tensor:
         self.sg.decode_attention_fwd(
             self.q, self.k, self.v, self.out, self.indptr, self.indices, self.logits, self.lse, self.num_splits,
-            self.splits, SCALE, 1.0, 1.0,  # k_scale, v_scale: a bf16 cache, unscaled
+            self.splits, self.scale, 1.0, 1.0,  # k_scale, v_scale: a bf16 cache, unscaled
         )  # fmt: skip
         return self.out
 
 
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return float(((out.float() - ref.float()).norm() / ref.float().norm()).item())
+def request_slots(inp: DecodeInputs, L: int) -> torch.Tensor:
+    """[B, L] int32: each request's cache slots in request order (SGLang's flattened kv_indices)."""
+    return inp.req_to_token[inp.req_pool_indices, :L]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--sglang", required=True, help="SGLang's triton_ops/decode_attention.py")
-    ap.add_argument("--heads", default="16,128")
-    ap.add_argument("--cells", default="", help="BxL,... (default: the nine issue-6 cells)")
-    ap.add_argument("--rep", type=int, default=20, help="ms of replays per retry (do_bench_cudagraph)")
-    args = ap.parse_args()
-    fl = load_sibling("mla_decode_floor.py", "mla_floor")
-    bk = load_sibling("kernels.py", "bench_kernels")
-    sg = load_sglang(args.sglang)
-    cells = [tuple(int(x) for x in c.split("x")) for c in args.cells.split(",")] if args.cells else CELLS
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    out_dir = Path(os.environ.get("OUT", "out"))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    copy_gbs = fl.floors(args.rep)["copy_1GiB_GBps"]  # measured in this run: the % columns' denominator
-    res: dict[str, object] = {"copy_GBs": copy_gbs, "sglang": args.sglang, "cells": []}
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    timer = Timer(args.device, rep_ms=args.rep, cpu_reps=1)
+    sg = load_sglang(args.sglang) if args.sglang else None
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if args.device == "cuda" else 4
+    copy_gbs = measure_ceilings(timer).copy_gbs  # measured in this run: the % columns' denominator
+    kv_lora, C = args.kv_lora, args.kv_lora + args.rope
+    scale = C**-0.5
+    res: dict[str, Any] = {"copy_GBs": copy_gbs, "sglang": args.sglang, "cells": []}
     print(f"copy {copy_gbs:.0f} GB/s", flush=True)
-    for H in (int(h) for h in args.heads.split(",")):
-        tile = default_decode_tile(H, torch.bfloat16, use_gluon=True, page_size=64)
-        tile1 = default_decode_tile(H, torch.bfloat16, use_gluon=True, page_size=1)  # the engine's default pages
-        # both against the fp32 reference on 9 requests of 1000 keys (the first cell's layout, smaller)
-        q, kv, r2t, rows, lens = bk._decode_inputs(9, 1024, H)
-        ref = mla_decode_ref(q.float(), kv.float(), r2t, rows, lens, KV_LORA, SCALE)
-        errs = {name: rel_err(mla_decode(q, kv, r2t, rows, lens, KV_LORA, SCALE, 3, t), ref)
+    for H in args.heads:
+        gluon = args.device == "cuda"
+        tile = default_decode_tile(H, torch.bfloat16, use_gluon=gluon, kv_lora=kv_lora, rope=args.rope, page_size=64)
+        tile1 = default_decode_tile(H, torch.bfloat16, use_gluon=gluon, kv_lora=kv_lora, rope=args.rope, page_size=1)
+        # both against the fp32 reference on 9 requests of 1k keys (the first cell's layout, smaller)
+        inp = decode_cell(9, args.check_len, H, args.device, kv_lora=kv_lora, rope=args.rope)
+        ref = mla_decode_ref(inp.q.float(), inp.kv_cache.float(), *inp[2:], kv_lora, scale)
+        errs = {name: rel_err(mla_decode(*inp, kv_lora, scale, 3, t), ref)
                 for name, t in (("r3trace", tile), ("r3trace/page1", tile1))}  # fmt: skip
-        errs |= {f"sglang/{s}/{str(d)[6:]}": rel_err(SglangCall(sg, q, kv, r2t, s, d)(), ref)
-                 for s in (1, 4) for d in (torch.int32, torch.int64)}  # fmt: skip
+        if sg is not None:
+            slots = request_slots(inp, args.check_len)
+            for s in (1, 4):
+                for d in (torch.int32, torch.int64):
+                    call = SglangCall(sg, inp.q, inp.kv_cache, slots, s, kv_lora, d)
+                    errs[f"sglang/{s}/{str(d)[6:]}"] = rel_err(call(), ref)
         print(f"H={H} normwise error vs the fp32 reference: {errs}", flush=True)
-        for B, L in cells:
-            nbytes = B * L * (KV_LORA + ROPE) * 2
-            flops = 2 * B * H * L * (KV_LORA + ROPE + KV_LORA)
-            q, kv, r2t, rows, lens = bk._decode_inputs(B, L, H)
-            kvs = [kv] + [torch.randn_like(kv) for _ in range(fl.copies_for(nbytes) - 1)]
+        for B, L in args.cells:
+            nbytes = B * L * C * 2
+            flops = 2 * B * H * L * (C + kv_lora)
+            inp = decode_cell(B, L, H, args.device, kv_lora=kv_lora, rope=args.rope)
+            n_copies = copies_for(nbytes) if args.device == "cuda" else 1
+            kvs = [inp.kv_cache] + [torch.randn_like(inp.kv_cache) for _ in range(n_copies - 1)]
+            rest = inp[2:]
             splits = tile.num_kv_splits(B, H, L, sms)
-            ours = fl.graph_ms([partial(mla_decode, q, c, r2t, rows, lens, KV_LORA, SCALE, splits, tile) for c in kvs],
-                               args.rep)  # fmt: skip
+            ours = timer.graph_ms([partial(mla_decode, inp.q, c, *rest, kv_lora, scale, splits, tile) for c in kvs])
             s1 = tile1.num_kv_splits(B, H, L, sms)
-            ours1 = fl.graph_ms([partial(mla_decode, q, c, r2t, rows, lens, KV_LORA, SCALE, s1, tile1) for c in kvs],
-                                args.rep)  # fmt: skip
-            # SGLang's backends build kv_indices as int32 or int64 (both seen in its code); its kernel multiplies the
-            # loaded slot by the row stride in that type, so int32 is ~1.8x faster but wraps past 2^31 / 576 = 3.7M
-            # slots (B256/32k has 8.4M): timed both where int32 is safe, the faster kept
-            dtypes = [torch.int64] + ([torch.int32] if kv.shape[0] * kv.stride(0) < 2**31 else [])
-            theirs = {f"{s}/{str(d)[6:]}": fl.graph_ms([SglangCall(sg, q, c, r2t, s, d) for c in kvs], args.rep)
-                      for s in SGLANG_SPLITS for d in dtypes}  # fmt: skip
-            best = min(theirs, key=theirs.__getitem__)
+            ours1 = timer.graph_ms([partial(mla_decode, inp.q, c, *rest, kv_lora, scale, s1, tile1) for c in kvs])
             row = {"H": H, "B": B, "L": L, "MB": nbytes / 1e6, "r3trace_splits": splits, "r3trace_ms": ours,
                    "r3trace_page1_ms": ours1, "r3trace_page1_splits": s1,
-                   "sglang_ms": theirs, "sglang_best": best, "speedup": theirs[best] / ours,
-                   "r3trace_pct_copy": 100 * nbytes / ours / 1e6 / copy_gbs,
-                   "sglang_pct_copy": 100 * nbytes / theirs[best] / 1e6 / copy_gbs,
-                   "r3trace_TFLOPs": flops / ours / 1e9, "sglang_TFLOPs": flops / theirs[best] / 1e9}  # fmt: skip
-            res["cells"].append(row)  # type: ignore[attr-defined]
-            (out_dir / "mla_decode_sglang.json").write_text(json.dumps(res, indent=1))
+                   "r3trace_pct_copy": 100 * nbytes / ours / 1e6 / copy_gbs, "r3trace_TFLOPs": flops / ours / 1e9}
+            if sg is not None:
+                # SGLang's backends build kv_indices as int32 or int64 (both seen in its code); its kernel multiplies
+                # the loaded slot by the row stride in that type, so int32 is faster but wraps past 2^31 / 576 = 3.7M
+                # slots (B256/32k has 8.4M): timed both where int32 is safe, the faster kept
+                slots = request_slots(inp, L)
+                dtypes = [torch.int64] + ([torch.int32] if inp.kv_cache.numel() < 2**31 else [])
+                theirs = {f"{s}/{str(d)[6:]}": timer.graph_ms([SglangCall(sg, inp.q, c, slots, s, kv_lora, d)
+                                                                for c in kvs])
+                          for s in SGLANG_SPLITS for d in dtypes}  # fmt: skip
+                best = min(theirs, key=theirs.__getitem__)
+                row |= {"sglang_ms": theirs, "sglang_best": best, "speedup": theirs[best] / ours,
+                        "sglang_pct_copy": 100 * nbytes / theirs[best] / 1e6 / copy_gbs,
+                        "sglang_TFLOPs": flops / theirs[best] / 1e9}  # fmt: skip
+            res["cells"].append(row)
+            if args.out:
+                Path(args.out).write_text(json.dumps(res, indent=1))
+            theirs_txt = (f" | sglang best {row['sglang_ms'][row['sglang_best']]:.4f} at {row['sglang_best']} "
+                          f"({row['sglang_pct_copy']:.0f}%) | {row['speedup']:.2f}x") if sg is not None else ""
             print(f"H={H} B={B} L={L}: r3trace {ours:.4f} ms ({row['r3trace_pct_copy']:.0f}% of copy, "
-                  f"{row['r3trace_TFLOPs']:.0f} TFLOP/s; page 1 {ours1:.4f}) | sglang best {theirs[best]:.4f} "
-                  f"at {best} "
-                  f"({row['sglang_pct_copy']:.0f}%, {row['sglang_TFLOPs']:.0f}) | {row['speedup']:.2f}x | sglang "
-                  + " ".join(f"{s}:{t:.4f}" for s, t in theirs.items()), flush=True)  # fmt: skip
-            del kvs, q, kv
-            torch.cuda.empty_cache()
+                  f"{row['r3trace_TFLOPs']:.0f} TFLOP/s; page 1 {ours1:.4f}){theirs_txt}", flush=True)
+            del kvs, inp
         res[f"errors_H{H}"] = errs
-        (out_dir / "mla_decode_sglang.json").write_text(json.dumps(res, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=1))
+    return res
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sglang", default="", help="SGLang's triton_ops/decode_attention.py (required but in --smoke)")
+    ap.add_argument("--heads", default="16,128")
+    ap.add_argument("--cells", default="", help="BxL,... (default: B 16, 64, 256 x kv_len 1k, 8k, 32k)")
+    ap.add_argument("--rep", type=int, default=20, help="ms of replays a timing (do_bench_cudagraph)")
+    ap.add_argument("--out", default="")
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, r3trace's side only (make test)")
+    args = ap.parse_args(argv)
+    if not args.sglang and not args.smoke:
+        ap.error("--sglang PATH is required (SGLang's srt/layers/attention/triton_ops/decode_attention.py)")
+    args.device = "cpu" if args.smoke else "cuda"
+    args.kv_lora, args.rope, args.check_len = (32, 16, 20) if args.smoke else (512, 64, 1024)
+    args.heads = [16] if args.smoke else [int(h) for h in args.heads.split(",")]
+    cells = "2x40" if args.smoke else args.cells
+    args.cells = [tuple(int(x) for x in c.split("x")) for c in cells.split(",")] if cells else CELLS
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    run(parse(argv))
 
 
 if __name__ == "__main__":

@@ -2,12 +2,13 @@
 replayed back to back, with no harness flush between replays (issue 6 point 8, small T: within 1.5x of reading
 each touched expert's w13 + w2 once at copy bandwidth).
 
-Run (GPU): python bench/moe_in_step.py [--cells 256x256x1,256x256x2,32x2048x1] -> $OUT/moe_in_step.json
+Run (GPU):  python -m bench.moe_in_step [--cells 256x256x1,256x256x2,32x2048x1] [--out moe_in_step.json]
+Smoke (CPU): TRITON_INTERPRET=1 python -m bench.moe_in_step --smoke   (tiny shapes, each step timed eagerly)
 
-Why a third timing. moe_gemv_sweep.py times the MoE alone two ways: do_bench's (256 MB zeroed before each
-replay, so the MoE's 88 MB of weights first write back the L2's dirty lines: E = 256 / T = 1 1.56x) and a
-clean-L2 one (256 MB read before each: 1.43x); 7.5 us apart. Neither is the engine's L2. Here each CUDA graph
-holds one V3 decode-step tail per rank (TP8 shapes), the MoE's routes coming from the router in the graph:
+Why a third timing: the MoE timed alone reads 1.56x (E = 256 / T = 1) under do_bench's flush (256 MB zeroed before
+each replay, so the MoE's 88 MB of weights first write back the L2's dirty lines) and 1.43x from a clean L2 (256 MB
+read before each), 7.5 us apart (BENCHMARKS.md, "Fused MoE in a decode step"). Neither is the engine's L2. Here each
+CUDA graph holds one V3 decode-step tail per rank (TP8 shapes), the MoE's routes coming from the router in the graph:
 
     o_proj  h [T, 2048] @ W_o^T [2048 -> D]     29 MB of weights (V3: 128 heads x 128 / 8 ranks)
     rmsnorm (residual add fused)                 [T, D]
@@ -25,27 +26,27 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
+import time
 from pathlib import Path
+from typing import Any
 
 import torch
-from timing import RESULTS, ceilings
 
+from bench.timing import Timer, measure_ceilings
 from r3trace.kernels.fused_moe import fused_moe, fused_moe_ref
 from r3trace.kernels.rmsnorm import rmsnorm
 from r3trace.kernels.topk import grouped_topk
 
-D, K, O_IN = 7168, 8, 2048  # hidden, top-k, o_proj input per rank (V3: 128 heads x 128 v_head / TP8)
-SETS = 8
-OUT = Path(os.environ.get("OUT", "out"))
+V3_DIMS = (7168, 2048, 8)  # (D hidden, o_proj input per rank: V3's 128 heads x 128 v_head / TP8, K top-k)
 
 
 class Step:
-    """One decode-step tail's weights and inputs (one of SETS rotated sets)."""
+    """One decode-step tail's weights and inputs (one of the rotated sets)."""
 
-    def __init__(self, E: int, I: int, T: int, dev: str = "cuda") -> None:
-        bf = torch.bfloat16
+    def __init__(self, E: int, I: int, T: int, dims: tuple[int, int, int], dev: str) -> None:
+        D, O_IN, K = dims
+        bf = torch.bfloat16 if dev == "cuda" else torch.float32
         self.h = torch.randn(T, O_IN, device=dev, dtype=bf)
         self.resid = torch.randn(T, D, device=dev, dtype=bf)
         self.w_o = torch.randn(D, O_IN, device=dev, dtype=bf) / O_IN**0.5
@@ -54,7 +55,7 @@ class Step:
         self.bias = 0.01 * torch.randn(E, device=dev)
         self.w13 = torch.randn(E, 2 * I, D, device=dev, dtype=bf) / D**0.5  # own experts per set: 8 x 2.8 GB
         self.w2 = torch.randn(E, D, I, device=dev, dtype=bf) / I**0.5  # at E = 256 / I = 256 and E = 32 / 2048
-        self.E = E
+        self.E, self.K = E, K
         self.ids = torch.empty(T, K, device=dev, dtype=torch.int32)
 
     def route(self, ids_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -65,7 +66,7 @@ class Step:
         x, _ = rmsnorm(a, self.norm_w, 1e-6, residual=self.resid)
         logits = (x @ self.w_g.T).float()  # [T, E]
         v3 = self.E == 256
-        wts, ids = grouped_topk(logits, self.bias if v3 else None, K, "sigmoid", "noaux_tc" if v3 else "greedy",
+        wts, ids = grouped_topk(logits, self.bias if v3 else None, self.K, "sigmoid", "noaux_tc" if v3 else "greedy",
                                 8 if v3 else 1, 4 if v3 else 1, True, 2.5, ids_out=ids_out)  # fmt: skip
         return x, wts, ids
 
@@ -75,7 +76,12 @@ class Step:
 
 
 def replay_ms(steps: list[Step], with_moe: bool, n: int = 50, reps: int = 9) -> float:
-    """Median over reps of (events around n back-to-back replays rotating over the graphs) / n."""
+    """Median over reps of (events around n back-to-back replays rotating over the graphs) / n; on the CPU (the
+    smoke run) the wall time of one eager step."""
+    if steps[0].h.device.type == "cpu":
+        t0 = time.perf_counter()
+        steps[0].run(with_moe)
+        return (time.perf_counter() - t0) * 1e3
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         for s in steps:
@@ -101,8 +107,9 @@ def replay_ms(steps: list[Step], with_moe: bool, n: int = 50, reps: int = 9) -> 
     return statistics.median(times)
 
 
-def cell(E: int, I: int, T: int, copy_gbs: float) -> dict[str, object]:
-    steps = [Step(E, I, T) for _ in range(SETS)]
+def cell(E: int, I: int, T: int, copy_gbs: float, dims: tuple[int, int, int], dev: str) -> dict[str, object]:
+    D = dims[0]
+    steps = [Step(E, I, T, dims, dev) for _ in range(8 if dev == "cuda" else 1)]  # 8 sets: weights from HBM
     s0 = steps[0]
     out = s0.run(True)  # checked against the torch reference on the router's own ids and weights
     x, wts, ids = s0.route()
@@ -110,7 +117,7 @@ def cell(E: int, I: int, T: int, copy_gbs: float) -> dict[str, object]:
     err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
     with_moe, without = replay_ms(steps, True), replay_ms(steps, False)
     touched = [torch.unique(s.ids).numel() for s in steps]
-    read_ms = statistics.mean(touched) * 3 * I * D * 2 / copy_gbs / 1e6
+    read_ms = statistics.mean(touched) * 3 * I * D * steps[0].w13.element_size() / copy_gbs / 1e6
     moe = with_moe - without
     row = {"E": E, "I": I, "T": T, "step_ms": with_moe, "step_without_moe_ms": without, "moe_ms": moe,
            "touched_experts": touched, "touched_read_ms": read_ms, "x_read": moe / read_ms, "rel_err": err}  # fmt: skip
@@ -118,22 +125,34 @@ def cell(E: int, I: int, T: int, copy_gbs: float) -> dict[str, object]:
           f"touched-read {read_ms:.4f} ms ({statistics.mean(touched):.1f} experts) -> {moe / read_ms:.2f}x; "
           f"err {err:.1e}")  # fmt: skip
     del steps
-    torch.cuda.empty_cache()
     return row
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cells", default="256x256x1,256x256x2,256x256x4,32x2048x1", help="ExIxT list")
-    a = ap.parse_args()
-    copy_gbs, _ = ceilings()
-    cells: list[dict[str, object]] = []
-    res: dict[str, object] = {"ceilings": RESULTS["ceilings"], "cells": cells}
-    for c in a.cells.split(","):
-        E, I, T = (int(v) for v in c.split("x"))
-        cells.append(cell(E, I, T, copy_gbs))
-        OUT.mkdir(parents=True, exist_ok=True)
-        (OUT / "moe_in_step.json").write_text(json.dumps(res, indent=1))
+    ap.add_argument("--out", default="")
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: every code path once (make test)")
+    args = ap.parse_args(argv)
+    args.device = "cpu" if args.smoke else "cuda"
+    args.dims = (64, 32, 2) if args.smoke else V3_DIMS
+    cells = "16x16x1" if args.smoke else args.cells
+    args.cells = [tuple(int(v) for v in c.split("x")) for c in cells.split(",")]
+    return args
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    ceil = measure_ceilings(Timer(args.device, cpu_reps=1))
+    res: dict[str, Any] = {"ceilings": ceil.as_dict(), "cells": []}
+    for E, I, T in args.cells:
+        res["cells"].append(cell(E, I, T, ceil.copy_gbs, args.dims, args.device))
+        if args.out:
+            Path(args.out).write_text(json.dumps(res, indent=1))
+    return res
+
+
+def main(argv: list[str] | None = None) -> None:
+    run(parse(argv))
 
 
 if __name__ == "__main__":

@@ -1,12 +1,13 @@
 """r3trace's fused MoE beside SGLang's Triton fused MoE at issue 6's shapes (D = 7168, K = 8, bf16): the same routes,
 the same weights, the same run (H200).
 
-Run (GPU): python bench/moe_sglang.py --sglang PATH [--t 1,64,1024,4096,16384] [--shapes 256x256,32x2048]
-    -> table on stdout, JSON in $OUT/moe_sglang.json
+Run (GPU):  python -m bench.moe_sglang --sglang PATH [--t 1,64,1024,4096,16384] [--shapes 256x256,32x2048]
+Smoke (CPU): TRITON_INTERPRET=1 python -m bench.moe_sglang --smoke   (r3trace's side only: SGLang's kernels need its
+            file)
 
 PATH: SGLang's python/sglang/srt/layers/moe/fused_moe_triton/fused_moe_triton_kernels.py, fetched beside the project
-and never committed (bench/NOTES.md names the commit). Its imports of other SGLang modules get stand-ins: quantization
-helpers a bf16 call never reaches, and platform probes answering "CUDA, sm_90".
+and never committed (BENCHMARKS.md names the commit measured). Its imports of other SGLang modules get stand-ins:
+quantization helpers a bf16 call never reaches, and platform probes answering "CUDA, sm_90".
 
 SGLang's pipeline, as its fused_experts runs it for bf16:
 1. the align at its BLOCK_M. SGLang's own is a CUDA op (sgl_kernel), so this uses r3trace's moe_align. Its output is
@@ -26,8 +27,8 @@ L2-resident), and CUDA-graph replays at T <= 1024. Both are checked against fuse
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
-import os
 import sys
 import types
 from functools import partial
@@ -36,13 +37,13 @@ from typing import Any
 
 import torch
 import triton.language as tl
-from sibling import load_path  # bench/sibling.py: python bench/<script>.py puts bench/ on the path
-from timing import ms, ms_graph, rotating
 
+from bench.inputs import moe_routes
+from bench.timing import Timer, rotating
 from r3trace.kernels.fused_moe import fused_moe, fused_moe_ref
 from r3trace.kernels.moe_align import MoeAlignment, moe_align
 
-D, K = 7168, 8
+K = 8
 # (BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, num_warps, num_stages): SGLang's bf16 H200 table for
 # E = 512 / N = 256 (the nearest it ships) per T class, plus larger tiles at large T
 CANDIDATES: dict[str, list[tuple[int, int, int, int, int, int]]] = {
@@ -59,7 +60,8 @@ def t_class(T: int) -> str:
 
 
 def load_sglang(path: str) -> types.ModuleType:
-    """The kernels file as a module; stand-ins for the SGLang modules it imports."""
+    """The kernels file (a peer's file given on the command line) as a module; stand-ins for the SGLang modules it
+    imports."""
 
     def unused(*_: object, **__: object) -> Any:
         raise RuntimeError("quantization helper reached on a bf16 call")
@@ -83,7 +85,12 @@ def load_sglang(path: str) -> types.ModuleType:
         for k, v in attrs.items():
             setattr(mod, k, v)
         sys.modules[name] = mod
-    return load_path(Path(path), "sglang_fused_moe_kernels")
+    spec = importlib.util.spec_from_file_location("sglang_fused_moe_kernels", Path(path))
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"--sglang {path}: not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def sglang_moe(
@@ -119,70 +126,100 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float(((out.float() - ref.float()).norm() / ref.float().norm()).item())
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--sglang", required=True, help="SGLang's fused_moe_triton/fused_moe_triton_kernels.py")
-    ap.add_argument("--t", default="1,64,1024,4096,16384")
-    ap.add_argument("--shapes", default="256x256,32x2048", help="E x I")
-    args = ap.parse_args()
-    sg = load_sglang(args.sglang)
-    out_dir = Path(os.environ.get("OUT", "out"))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    ts = [int(t) for t in args.t.split(",")]
-    res: dict[str, object] = {"sglang": args.sglang, "rows": []}
-    for E, I in ((int(e), int(i)) for e, i in (s.split("x") for s in args.shapes.split(","))):
-        w13 = torch.randn(E, 2 * I, D, device="cuda", dtype=torch.bfloat16) / D**0.5
-        w2 = torch.randn(E, D, I, device="cuda", dtype=torch.bfloat16) / I**0.5
-        tmax = max(ts)
-        bufs = {"c1": torch.empty(tmax * K, 2 * I, device="cuda", dtype=torch.bfloat16),
-                "c2": torch.empty(tmax * K, I, device="cuda", dtype=torch.bfloat16),
-                "c3": torch.empty(tmax * K, D, device="cuda", dtype=torch.bfloat16),
-                "out": torch.empty(tmax, D, device="cuda", dtype=torch.bfloat16)}  # fmt: skip
-        for T in ts:
-            x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
-            sets = 8 if T <= 64 else 1
-            ids_sets = [torch.rand(T, E, device="cuda").topk(K, dim=-1).indices.to(torch.int32) for _ in range(sets)]
-            wts = torch.rand(T, K, device="cuda")
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    timer = Timer(args.device, cpu_reps=1)
+    dev, D = args.device, args.hidden
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    sg = load_sglang(args.sglang) if args.sglang else None
+    res: dict[str, Any] = {"sglang": args.sglang, "rows": []}
+    for E, I in args.shapes:
+        gen = torch.Generator(device=dev).manual_seed(0)
+        w13 = (torch.randn(E, 2 * I, D, device=dev, generator=gen) / D**0.5).to(dtype)
+        w2 = (torch.randn(E, D, I, device=dev, generator=gen) / I**0.5).to(dtype)
+        tmax = max(args.t)
+        bufs = {"c1": torch.empty(tmax * K, 2 * I, device=dev, dtype=dtype),
+                "c2": torch.empty(tmax * K, I, device=dev, dtype=dtype),
+                "c3": torch.empty(tmax * K, D, device=dev, dtype=dtype),
+                "out": torch.empty(tmax, D, device=dev, dtype=dtype)}  # fmt: skip
+        for T in args.t:
+            x = torch.randn(T, D, device=dev, generator=gen).to(dtype)
+            sets = 8 if T <= 64 and dev == "cuda" else 1
+            ids_sets = [moe_routes(T, E, K, dev, gen) for _ in range(sets)]
+            wts = torch.rand(T, K, device=dev, generator=gen)
             ref = fused_moe_ref(x, w13, w2, ids_sets[0], wts)
             ours_fns = [partial(fused_moe, x, w13, w2, ids, wts) for ids in ids_sets]
             row: dict[str, Any] = {"E": E, "I": I, "T": T, "r3trace_err": rel_err(ours_fns[0](), ref),
-                                   "r3trace_ms": ms(rotating(ours_fns)), "sglang": {}}  # fmt: skip
-            variants: dict[str, tuple[tuple[int, ...], bool]] = {}
-            for cfg in CANDIDATES[t_class(T)]:
-                for tma in (False, True) if cfg[0] >= 64 else (False,):
-                    fns = [partial(sglang_call, sg, x, w13, w2, wts, cfg, tma, bufs, ids) for ids in ids_sets]
-                    key = f"{cfg}{' tma' * tma}"
-                    variants[key] = (cfg, tma)
-                    try:
-                        err = rel_err(fns[0](), ref)  # sglang_call aligns inside, as r3trace's fused_moe does
-                        row["sglang"][key] = {"ms": ms(rotating(fns)), "err": err}
-                    except Exception as e:  # a config this Triton cannot build: reported, not fatal
-                        row["sglang"][key] = {"failed": f"{type(e).__name__}: {str(e)[:160]}"}
-            timed = {k: v["ms"] for k, v in row["sglang"].items() if "ms" in v}
-            best = min(timed, key=timed.__getitem__)
-            row["sglang_best"], row["sglang_best_ms"] = best, timed[best]
-            row["speedup"] = timed[best] / row["r3trace_ms"]
-            if T <= 1024:  # decode sizes: both as CUDA-graph replays too (the engine and SGLang decode from graphs)
-                cfg, tma = variants[best]
-                row["r3trace_graph_ms"] = ms_graph(ours_fns)
-                row["sglang_graph_ms"] = ms_graph([partial(sglang_call, sg, x, w13, w2, wts, cfg, tma, bufs, ids)
-                                                   for ids in ids_sets])  # fmt: skip
+                                   "r3trace_ms": timer.eager_ms(rotating(ours_fns)), "sglang": {}}  # fmt: skip
             flops = 2 * T * K * 3 * I * D
-            row["r3trace_TFLOPs"], row["sglang_TFLOPs"] = flops / row["r3trace_ms"] / 1e9, flops / timed[best] / 1e9
-            dense_w = torch.randn(D, 3 * K * I, device="cuda", dtype=torch.bfloat16)  # the goal's dense GEMM
-            row["dense_ms"] = ms(partial(torch.matmul, x, dense_w))
+            row["r3trace_TFLOPs"] = flops / row["r3trace_ms"] / 1e9
+            dense_w = torch.randn(D, 3 * K * I, device=dev, dtype=dtype)  # the goal's dense GEMM
+            row["dense_ms"] = timer.eager_ms(partial(torch.matmul, x, dense_w))
             row["r3trace_pct_dense"] = 100 * row["dense_ms"] / row["r3trace_ms"]
-            row["sglang_pct_dense"] = 100 * row["dense_ms"] / timed[best]
             del dense_w
-            res["rows"].append(row)  # type: ignore[attr-defined]
-            print(f"E={E} I={I} T={T}: r3trace {row['r3trace_ms']:.4f} ms (err {row['r3trace_err']:.1e}) | sglang best "
-                  f"{timed[best]:.4f} {best} (err {row['sglang'][best]['err']:.1e}) | {row['speedup']:.2f}x | % dense "
-                  f"{row['r3trace_pct_dense']:.0f} / {row['sglang_pct_dense']:.0f}"
-                  + (f" | graph {row['r3trace_graph_ms']:.4f} vs {row['sglang_graph_ms']:.4f}" if T <= 1024 else "")
-                  + " | " + " ".join(f"{k}: {v:.4f}" for k, v in timed.items()), flush=True)  # fmt: skip
-            (out_dir / "moe_sglang.json").write_text(json.dumps(res, indent=1, default=str))
+            if T <= 1024 and dev == "cuda":  # decode sizes: CUDA-graph replays too (both engines decode from graphs)
+                row["r3trace_graph_ms"] = timer.graph_ms(ours_fns)
+            if sg is not None:
+                sglang_row(sg, row, timer, x, w13, w2, wts, ids_sets, ref, bufs, flops)
+            res["rows"].append(row)
+            theirs = (f" | sglang best {row['sglang_best_ms']:.4f} {row['sglang_best']} | {row['speedup']:.2f}x | "
+                      f"% dense {row['sglang_pct_dense']:.0f}") if sg is not None else ""
+            print(f"E={E} I={I} T={T}: r3trace {row['r3trace_ms']:.4f} ms (err {row['r3trace_err']:.1e}, "
+                  f"{row['r3trace_pct_dense']:.0f}% dense){theirs}", flush=True)  # fmt: skip
+            if args.out:
+                Path(args.out).write_text(json.dumps(res, indent=1, default=str))
         del w13, w2, bufs
-        torch.cuda.empty_cache()
+    return res
+
+
+def sglang_row(
+    sg: types.ModuleType, row: dict[str, Any], timer: Timer, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+    wts: torch.Tensor, ids_sets: list[torch.Tensor], ref: torch.Tensor, bufs: dict[str, torch.Tensor], flops: int,
+) -> None:  # fmt: skip
+    """SGLang's pipeline at every candidate config (TMA weights too where BLOCK_M >= 64), the fastest kept."""
+    T = x.shape[0]
+    variants: dict[str, tuple[tuple[int, ...], bool]] = {}
+    for cfg in CANDIDATES[t_class(T)]:
+        for tma in (False, True) if cfg[0] >= 64 else (False,):
+            fns = [partial(sglang_call, sg, x, w13, w2, wts, cfg, tma, bufs, ids) for ids in ids_sets]
+            key = f"{cfg}{' tma' * tma}"
+            variants[key] = (cfg, tma)
+            try:
+                err = rel_err(fns[0](), ref)  # sglang_call aligns inside, as r3trace's fused_moe does
+                row["sglang"][key] = {"ms": timer.eager_ms(rotating(fns)), "err": err}
+            except Exception as e:  # a config this Triton cannot build: reported, not fatal
+                row["sglang"][key] = {"failed": f"{type(e).__name__}: {str(e)[:160]}"}
+    timed = {k: v["ms"] for k, v in row["sglang"].items() if "ms" in v}
+    best = min(timed, key=timed.__getitem__)
+    row["sglang_best"], row["sglang_best_ms"] = best, timed[best]
+    row["speedup"] = timed[best] / row["r3trace_ms"]
+    row["sglang_TFLOPs"] = flops / timed[best] / 1e9
+    row["sglang_pct_dense"] = 100 * row["dense_ms"] / timed[best]
+    if "r3trace_graph_ms" in row:
+        cfg, tma = variants[best]
+        row["sglang_graph_ms"] = timer.graph_ms([partial(sglang_call, sg, x, w13, w2, wts, cfg, tma, bufs, ids)
+                                                 for ids in ids_sets])  # fmt: skip
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sglang", default="", help="SGLang's fused_moe_triton/fused_moe_triton_kernels.py (but --smoke)")
+    ap.add_argument("--t", default="1,64,1024,4096,16384")
+    ap.add_argument("--shapes", default="256x256,32x2048", help="E x I")
+    ap.add_argument("--out", default="")
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, r3trace's side only (make test)")
+    args = ap.parse_args(argv)
+    if not args.sglang and not args.smoke:
+        ap.error("--sglang PATH is required (SGLang's fused_moe_triton/fused_moe_triton_kernels.py)")
+    args.device = "cpu" if args.smoke else "cuda"
+    args.hidden = 64 if args.smoke else 7168
+    shapes, ts = ("16x32", "5") if args.smoke else (args.shapes, args.t)
+    args.shapes = [(int(e), int(i)) for e, i in (s.split("x") for s in shapes.split(","))]
+    args.t = [int(t) for t in ts.split(",")]
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    run(parse(argv))
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ placement can reach (BENCHMARKS.md, "EPLB"):
 2. + replicas: the 32 spare slots (1-2 per node) get the experts most co-chosen with that node's experts.
 
 Nodes per token = the greedy node cover of score.node_limited (the same dispatcher the EPLB table uses).
-Run: .venv/bin/python bench/node_floor.py [--layers 8] [--window-tokens 16384]
+Run:   .venv/bin/python -m bench.node_floor [--layers 8] [--window-tokens 16384]
+Smoke: .venv/bin/python -m bench.node_floor --smoke   (1 layer at s = 0.6, 512-token windows)
 """
 
 from __future__ import annotations
@@ -76,15 +77,19 @@ def layer_slots(c: np.ndarray, cl: Cluster, rng: np.random.Generator, replicas: 
     return phy
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=8, help="MoE layers scored (evenly spaced over 58)")
     ap.add_argument("--window-tokens", type=int, default=16384)
-    args = ap.parse_args()
+    ap.add_argument("--s", type=float, nargs="*", default=[0.3, 0.6, 1.0], help="Zipf skews")
+    ap.add_argument("--smoke", action="store_true", help="1 layer at s = 0.6, 512-token windows (make test)")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.layers, args.window_tokens, args.s = 1, 512, [0.6]
     cl = Cluster(144, 18, 288)
     layers = np.linspace(0, 57, args.layers).round().astype(int)
     print("| s | placement | nodes/token mean | > 4 nodes |\n|---|---|---|---|")
-    for s in (0.3, 0.6, 1.0):
+    for s in args.s:
         wins = route_windows(SynthConfig(zipf_s=s, seed=3), 2, args.window_tokens, np.random.default_rng(0))
         train, test = wins[0][:, layers], wins[1][:, layers]  # [T, L', K]
         for name, replicas in (("partition", False), ("partition + co-chosen replicas", True)):

@@ -5,19 +5,23 @@ on the device (normal, std 0.02; norms 1; the router bias 0) and written as bf16
 a config.json that both transformers' DeepseekV3ForCausalLM and our engine read. Shapes for throughput
 benchmarks, not for quality: random routers route almost uniformly.
 
-Run: python bench/random_checkpoint.py OUT_DIR --shape v3-2.5b
+Run:   python -m bench.random_checkpoint OUT_DIR --shape v3-2.5b   (on the GPU when there is one)
+Smoke: python -m bench.random_checkpoint --smoke                   (the tiny shape into a temporary folder, CPU)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
+
+from r3trace.engine.model_config import ModelConfig
 
 SHAPES: dict[str, dict[str, Any]] = {
     # issue 6's end-to-end shape: hidden 2048, 12 layers, 64 experts top-6, bf16 (about 2.5B parameters)
@@ -76,11 +80,11 @@ def tensor_shapes(c: dict[str, Any]) -> Iterator[tuple[str, tuple[int, ...]]]:
     yield "lm_head.weight", (c["vocab_size"], d)
 
 
-def write_random_checkpoint(out: Path, shape: str, seed: int = 0, shard_bytes: int = 2 << 30) -> Path:
+def write_random_checkpoint(out: Path, shape: str, device: str, seed: int = 0, shard_bytes: int = 2 << 30) -> Path:
+    """SHAPES[shape] as bf16 safetensors shards under out, every tensor drawn on `device`."""
     cfg = {**COMMON, **SHAPES[shape]}
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator(device=device).manual_seed(seed)
     shard: dict[str, torch.Tensor] = {}
     weight_map: dict[str, str] = {}
@@ -110,14 +114,23 @@ def write_random_checkpoint(out: Path, shape: str, seed: int = 0, shard_bytes: i
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("out")
+    ap.add_argument("out", nargs="?", default="", help="the checkpoint folder (required but in --smoke)")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="v3-2.5b")
-    args = ap.parse_args()
-    path = write_random_checkpoint(Path(args.out), args.shape)
-    n = sum(1 for _ in path.glob("*.safetensors"))
-    print(f"wrote {path} ({n} shards)")
+    ap.add_argument("--smoke", action="store_true", help="the tiny shape into a temporary folder on the CPU")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = write_random_checkpoint(Path(tmp) / "tiny", "tiny", "cpu")
+            ModelConfig.from_hf(path)  # the engine reads what was written
+            print(f"wrote {path} ({sum(1 for _ in path.glob('*.safetensors'))} shards)")
+        return
+    if not args.out:
+        ap.error("OUT_DIR is required")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    path = write_random_checkpoint(Path(args.out), args.shape, device)
+    print(f"wrote {path} ({sum(1 for _ in path.glob('*.safetensors'))} shards)")
 
 
 if __name__ == "__main__":

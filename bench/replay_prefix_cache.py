@@ -1,6 +1,7 @@
 """What a multi-turn routing replay pays when it cannot reuse the prefix cache (CPU, fp32).
 
-Run: .venv/bin/python bench/replay_prefix_cache.py --out bench/results/replay-prefix-cache-cpu.json
+Run:   .venv/bin/python -m bench.replay_prefix_cache --out bench/results/replay-prefix-cache-cpu.json
+Smoke: .venv/bin/python -m bench.replay_prefix_cache --smoke   (one 16-token history, 4-token turns, one rep)
 
 A two-turn conversation on samples/model: turn 1 routes freely with return_routed_experts (a rollout),
 turn 2's prompt is turn 1's prompt + output + a new user message, and it replays turn 1's routes on those
@@ -49,8 +50,8 @@ def turn2(engine: Engine, history: list[int], user: list[int], new1: int, new2: 
     return time.process_time() - t0, two
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(MODEL))
     ap.add_argument("--history", default="128,384,768", help="turn 1 prompt lengths (tokens)")
     ap.add_argument("--new1", type=int, default=32, help="turn 1 output tokens")
@@ -58,7 +59,10 @@ def main() -> None:
     ap.add_argument("--new2", type=int, default=16, help="turn 2 output tokens")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default=None)
-    args = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true", help="one short conversation, one rep (make test)")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.history, args.new1, args.user, args.new2, args.reps = "16", 4, 4, 2, 1
     rng = np.random.default_rng(0)
     convs = []
     for n in (int(x) for x in args.history.split(",")):

@@ -14,7 +14,8 @@ Writes into the corpus folder: documents.jsonl.gz (one {"domain", "source", "spl
 tokenizer.json (byte-level BPE trained with `tokenizers` on a balanced sample of the train split) and
 manifest.json (sources, counts, bytes per domain and split).
 
-Run: .venv/bin/python bench/sample_corpus.py --corpus .corpus
+Run:   .venv/bin/python -m bench.sample_corpus --corpus .corpus
+Smoke: .venv/bin/python -m bench.sample_corpus --smoke   (2 documents a domain and split, a temporary folder)
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import hashlib
 import inspect
 import json
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
@@ -124,29 +126,41 @@ def _gz_documents(domain: str, pattern: str) -> Iterator[Document]:
         yield Document(domain, name, split_of(name), text)
 
 
-def all_documents() -> Iterator[Document]:
-    yield from python_documents()
-    yield from license_documents()
-    yield from _gz_documents("changelog", "/usr/share/doc/*/changelog.Debian.gz")
-    yield from _gz_documents("manpage", "/usr/share/man/man1/*.gz")
+def document_sources() -> list[tuple[tuple[str, ...], Iterator[Document]]]:
+    """Each source's generator with the domains it yields, in corpus order."""
+    return [
+        (("python_code", "python_docstring"), python_documents()),
+        (("license",), license_documents()),
+        (("changelog",), _gz_documents("changelog", "/usr/share/doc/*/changelog.Debian.gz")),
+        (("manpage",), _gz_documents("manpage", "/usr/share/man/man1/*.gz")),
+    ]
 
 
-def build_corpus(out: Path) -> dict[str, object]:
-    """Collect, cap and write the documents, then train the tokenizer. Returns the manifest."""
+def build_corpus(out: Path, per_split: int = 0) -> dict[str, object]:
+    """Collect, cap and write the documents, then train the tokenizer. Returns the manifest. per_split > 0 (the
+    smoke run): at most that many documents a domain and split, each source read only until its domains have them."""
     out.mkdir(parents=True, exist_ok=True)
     chars = {d: {"train": 0, "heldout": 0} for d in DOMAINS}
     docs = {d: {"train": 0, "heldout": 0} for d in DOMAINS}
     sample: dict[str, list[str]] = {d: [] for d in DOMAINS}
+
+    def full(domain: str, split: str | None = None) -> bool:
+        return per_split > 0 and all(docs[domain][s] >= per_split for s in ([split] if split else docs[domain]))
+
     with gzip.open(out / "documents.jsonl.gz", "wt", encoding="utf-8", compresslevel=6) as f:
-        for doc in all_documents():
-            text = doc.text.replace(EOT, "")[:MAX_DOC_CHARS]
-            if len(text.strip()) < MIN_DOC_CHARS or sum(chars[doc.domain].values()) >= DOMAIN_CAP_CHARS:
-                continue
-            f.write(json.dumps(doc._replace(text=text)._asdict(), ensure_ascii=False) + "\n")
-            chars[doc.domain][doc.split] += len(text)
-            docs[doc.domain][doc.split] += 1
-            if doc.split == "train" and sum(len(t) for t in sample[doc.domain]) < TOKENIZER_SAMPLE_CHARS:
-                sample[doc.domain].append(text)
+        for domains, source in document_sources():
+            for doc in source:
+                text = doc.text.replace(EOT, "")[:MAX_DOC_CHARS]
+                if (len(text.strip()) < MIN_DOC_CHARS or sum(chars[doc.domain].values()) >= DOMAIN_CAP_CHARS
+                        or full(doc.domain, doc.split)):
+                    continue
+                f.write(json.dumps(doc._replace(text=text)._asdict(), ensure_ascii=False) + "\n")
+                chars[doc.domain][doc.split] += len(text)
+                docs[doc.domain][doc.split] += 1
+                if doc.split == "train" and sum(len(t) for t in sample[doc.domain]) < TOKENIZER_SAMPLE_CHARS:
+                    sample[doc.domain].append(text)
+                if all(full(d) for d in domains):
+                    break
     train_tokenizer([t for d in DOMAINS for t in sample[d]], out / "tokenizer.json")
     manifest: dict[str, object] = {
         "domains": list(DOMAINS), "documents": docs, "chars": chars, "heldout_percent": HELDOUT_PERCENT,
@@ -176,10 +190,16 @@ def read_documents(corpus: Path) -> list[Document]:
         return [Document(**json.loads(line)) for line in f]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--corpus", type=Path, default=Path(".corpus"))
-    args = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true", help="2 documents a domain and split in a temporary folder")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        with tempfile.TemporaryDirectory() as tmp:
+            json.dump(build_corpus(Path(tmp), per_split=2)["documents"], sys.stdout)
+        print()
+        return
     json.dump(build_corpus(args.corpus), sys.stdout, indent=1)
     print()
 

@@ -46,6 +46,9 @@ class StepRoutes:
     def on_forward_begin(self, batch: object) -> None:
         self.topk_ids = {}
 
+    def route_buffer(self, layer_id: int, num_tokens: int) -> torch.Tensor | None:
+        return None  # no buffer of its own: the router allocates the ids and capture() keeps them
+
     def capture(
         self, layer_id: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor | None = None
     ) -> None:

@@ -1,6 +1,8 @@
 """Where a decode step's time goes: GPU time of the graph replay vs the engine's host loop.
 
-Run (GPU): python bench/step_profile.py --out $OUT/step_profile.json [--shape v3-2.5b --batch 64]
+Run (GPU):  python -m bench.step_profile --out step_profile.json [--shape v3-2.5b --batch 64] [--ab-overlap]
+Smoke (CPU): python -m bench.step_profile --smoke   (the tiny shape, ref backends: parts 1, 3 and the overlap A/B;
+             the graph replay and the kernel table need CUDA)
 
 1. Decode tokens/s of Engine.generate (triton backends, CUDA-graph decode), capture off and on.
 2. The graph replay alone, timed with CUDA events over 50 back-to-back replays: the GPU's share of a step.
@@ -15,7 +17,6 @@ import cProfile
 import io
 import json
 import pstats
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -23,12 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from engine_gpu import bench_checkpoint, bench_prompts, decode_tokens_per_s, open_engine, vocab_size  # noqa: E402
-
-from r3trace.engine import Engine  # noqa: E402
+from bench.decode_rate import bench_checkpoint, bench_prompts, decode_tokens_per_s, open_engine, vocab_size
+from r3trace.engine import Engine
 
 
 def replay_ms(eng: Engine, batch: int, n: int = 50) -> float:
@@ -55,11 +52,13 @@ def kernel_table(eng: Engine, batch: int) -> str:
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=45)
 
 
-def overlap_ab(ckpt: Path, prompts: list[list[int]], b: int, n: int, reps: int = 3) -> dict[str, list[float]]:
+def overlap_ab(
+    ckpt: Path, prompts: list[list[int]], b: int, n: int, backend: str, device: str, reps: int = 3
+) -> dict[str, list[float]]:
     """Decode tokens/s with the overlapped scheduler off and on (capture off and on), alternating engines so
     that drift (power cap, clocks) hits both alike."""
     out: dict[str, list[float]] = {}
-    engines = {ov: open_engine(ckpt, "triton", b, n, overlap_schedule=ov) for ov in (False, True)}
+    engines = {ov: open_engine(ckpt, backend, b, n, device, overlap_schedule=ov) for ov in (False, True)}
     try:
         for eng in engines.values():
             for capture in (False, True):
@@ -93,8 +92,8 @@ def step_trace(eng: Engine, prompts: list[list[int]], n: int) -> dict[str, Any]:
             "table": prof.key_averages().table(sort_by="count", row_limit=40)}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="")
     ap.add_argument("--shape", default="v3-2.5b")
     ap.add_argument("--model", default="", help="a local checkpoint instead (e.g. samples/model)")
@@ -102,23 +101,33 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--ab-overlap", action="store_true",
                     help="first time decode with overlap_schedule off then on, alternating, in one process")
-    args = ap.parse_args()
-    b, n = args.batch, args.new_tokens
-    report: dict[str, Any] = {"device": torch.cuda.get_device_name(), "shape": args.model or args.shape, "batch": b}
+    ap.add_argument("--smoke", action="store_true", help="CPU, fp32, the tiny shape (make test)")
+    args = ap.parse_args(argv)
+    args.device, args.backend, args.reps = ("cpu", "ref", 1) if args.smoke else ("cuda", "triton", 3)
+    if args.smoke:
+        args.shape, args.batch, args.new_tokens, args.ab_overlap = "tiny", 2, 3, True
+    return args
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    b, n, dev = args.batch, args.new_tokens, args.device
+    report: dict[str, Any] = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
+                              "shape": args.model or args.shape, "batch": b}  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
-        ckpt = Path(args.model) if args.model else bench_checkpoint(Path(tmp), args.shape)
+        ckpt = Path(args.model) if args.model else bench_checkpoint(Path(tmp), args.shape, dev)
         prompts = bench_prompts(b, vocab_size(ckpt))
         if args.ab_overlap:
-            report["overlap_ab"] = overlap_ab(ckpt, prompts, b, n)
-        with open_engine(ckpt, "triton", b, n) as eng:
+            report["overlap_ab"] = overlap_ab(ckpt, prompts, b, n, args.backend, dev, args.reps)
+        with open_engine(ckpt, args.backend, b, n, dev) as eng:
             for capture in (False, True):
                 decode_tokens_per_s(eng, prompts, n, capture)  # warm-up
             for capture in (False, True):
                 tps = [decode_tokens_per_s(eng, prompts, n, capture) for _ in range(2)]
                 report[f"decode_tok_s_capture_{'on' if capture else 'off'}"] = tps
                 report[f"step_ms_capture_{'on' if capture else 'off'}"] = 1e3 * b / float(np.median(tps))
-            report["graph_replay_ms"] = eng.run_on_scheduler(lambda: replay_ms(eng, b))
-            report["step_trace"] = step_trace(eng, prompts, n)
+            if dev == "cuda":  # the graph's replay and its kernels: CUDA only
+                report["graph_replay_ms"] = eng.run_on_scheduler(lambda: replay_ms(eng, b))
+                report["step_trace"] = step_trace(eng, prompts, n)
             for capture in (True, False):  # the scheduler thread's host time by function, with and without capture
                 prof = cProfile.Profile()
                 eng.run_on_scheduler(prof.enable)  # profiles the thread that calls it: the scheduler's
@@ -129,11 +138,17 @@ def main() -> None:
                 stats.sort_stats("tottime").print_stats(30)
                 stats.sort_stats("cumtime").print_stats(40)
                 report["host_profile" if capture else "host_profile_capture_off"] = buf.getvalue()
-            report["kernels"] = eng.run_on_scheduler(lambda: kernel_table(eng, b))
+            if dev == "cuda":
+                report["kernels"] = eng.run_on_scheduler(lambda: kernel_table(eng, b))
     for k, v in report.items():
         print(f"== {k}\n{v}" if isinstance(v, str) and "\n" in v else f"{k}: {v}", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2))
+    return report
+
+
+def main(argv: list[str] | None = None) -> None:
+    run(parse(argv))
 
 
 if __name__ == "__main__":

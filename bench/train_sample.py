@@ -5,10 +5,10 @@ Steps: corpus (bench/sample_corpus.py, built here if --corpus lacks it) -> token
 the batch load) -> checkpoint in the Hugging Face layout (bf16) + tokenizer.json -> evidence through the
 engine on held-out windows of each domain -> evidence JSON and held-out prompts.
 
-Run (the sample in samples/ was made on one H200, see bench/NOTES.md):
-  .venv/bin/python bench/train_sample.py --out samples/model --time-budget 300
-CPU smoke test (~30 s): .venv/bin/python bench/train_sample.py --preset tiny --docs-per-domain 12 \
-  --steps 4 --batch 2 --seq-len 64 --out /tmp/sample_tiny
+Run (the sample in samples/ was made on one H200, samples/README.md):
+  .venv/bin/python -m bench.train_sample --out samples/model --time-budget 300
+Smoke (CPU): .venv/bin/python -m bench.train_sample --smoke   (a 2-documents-a-split corpus, the tiny preset, 1 step,
+  everything in a temporary folder)
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import argparse
 import json
 import random
 import shutil
-import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -25,12 +25,10 @@ from typing import Any
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sample_corpus import DOMAINS, build_corpus, read_documents  # noqa: E402
-from sample_evidence import engine_routes, routing_evidence, unigram_loss  # noqa: E402
-from sample_lm import SampleLM, hf_config, save_checkpoint  # noqa: E402
-
-from r3trace.engine.model_config import ModelConfig  # noqa: E402
+from bench.sample_corpus import DOMAINS, build_corpus, read_documents
+from bench.sample_evidence import engine_routes, routing_evidence, unigram_loss
+from bench.sample_lm import SampleLM, hf_config, save_checkpoint
+from r3trace.engine.model_config import ModelConfig
 
 # The sample: 1 dense + 4 MoE layers + MTP, 32 experts in 4 groups, top-4 of 2 groups, 1 shared expert.
 PRESETS: dict[str, dict[str, Any]] = {
@@ -192,9 +190,9 @@ def write_prompts(corpus: Path, path: Path) -> None:
     path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, required=True, help="checkpoint folder (config, weights, tokenizer)")
+    ap.add_argument("--out", type=Path, help="checkpoint folder (config, weights, tokenizer); required but in --smoke")
     ap.add_argument("--corpus", type=Path, default=Path(".corpus"))
     ap.add_argument("--evidence", type=Path, help="evidence JSON (default: <out>/../evidence.json)")
     ap.add_argument("--prompts", type=Path, help="held-out prompts (default: <out>/../prompts.jsonl)")
@@ -213,7 +211,22 @@ def main() -> None:
     ap.add_argument("--eval-windows", type=int, default=64, help="held-out windows a domain")
     ap.add_argument("--docs-per-domain", type=int, default=0, help="smoke tests: first N docs a split")
     ap.add_argument("--log-every", type=int, default=50)
-    args = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true", help="tiny corpus and preset, 1 step, a temporary folder (CPU)")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        with tempfile.TemporaryDirectory() as tmp:
+            args.corpus, args.out = Path(tmp) / "corpus", Path(tmp) / "model"
+            build_corpus(args.corpus, per_split=2)
+            args.preset, args.device, args.steps, args.batch, args.seq_len = "tiny", "cpu", 1, 2, 32
+            args.warmup, args.eval_windows, args.log_every = 1, 1, 1
+            run_training(args)
+        return
+    if args.out is None:
+        ap.error("--out is required")
+    run_training(args)
+
+
+def run_training(args: argparse.Namespace) -> None:
     evidence_path = args.evidence or args.out.parent / "evidence.json"
     prompts_path = args.prompts or args.out.parent / "prompts.jsonl"
 

@@ -38,3 +38,13 @@ def bars(
     fig = go.Figure([go.Bar(x=list(x), y=v, name=k) for k, v in series.items()])
     fig.update_layout(title=title, xaxis_title=x_title, yaxis_title=y_title, barmode="group", **_LAYOUT)
     return fig
+
+
+def points(
+    series: dict[str, tuple[Sequence[float], Sequence[float], Sequence[str]]], title: str, x_title: str, y_title: str
+) -> go.Figure:
+    """One line of labelled markers per series: name -> (x, y, label of each point)."""
+    fig = go.Figure([go.Scatter(x=list(x), y=list(y), text=list(t), mode="lines+markers+text", name=k,
+                                textposition="top center") for k, (x, y, t) in series.items()])
+    fig.update_layout(title=title, xaxis_title=x_title, yaxis_title=y_title, **_LAYOUT)
+    return fig

@@ -24,7 +24,6 @@ import streamlit as st
 from r3trace.analysis import agreement, coactivation, heat
 from r3trace.analysis.limited_query import LimitedResult, run_limited
 from r3trace.analysis.store import TraceStore, query_frame
-from r3trace.trace import read_token_routes
 from r3trace.trace.lifecycle import run_is_live
 from r3trace.trace.schema import MANIFEST_NAME
 
@@ -187,12 +186,6 @@ def diff(
             flipped)
 
 
-@st.cache_data(show_spinner=False)
-def token_routes(path: str, run_id: str, max_tokens: int) -> np.ndarray:
-    """topk_ids [T, L, K] of the run's first `max_tokens` tokens (for EPLB replay)."""
-    return read_token_routes(open_store(path).run(run_id), max_tokens=max_tokens).topk_ids
-
-
 def sql(path: str, query: str, limit: int, timeout_s: float, on_wait: Callable[[float], None]) -> LimitedResult:
     """Untrusted SQL on the read-only store: SELECT only, run as written; its first `limit` rows.
 
@@ -230,20 +223,49 @@ def imbalance_windows(path: str, run_id: str, window_s: float) -> tuple[list[str
 
 
 @st.cache_data(show_spinner=False)
-def eplb_plan(path: str, run_id: str, gpus: int, nodes: int, slots: int, policy: str, node_limit: int,
-              max_tokens: int) -> dict[str, Any]:
-    """Plan on the run's heat (rollups), replay the run's first `max_tokens` tokens through node-limited
-    dispatch. Returns phy2log [L, P], logcnt [L, E], balancedness (even split and replayed), nodes per
-    token (mean, max), tokens replayed."""
-    from r3trace.eplb.evaluate import evaluate_policy
+def eplb_default_train(path: str, run_id: str) -> str:
+    """The first 3/4 of the run (by rollup windows, or forwards when it spans one) as a --train window, so the
+    rest is held out; "" when the run cannot be split."""
+    from r3trace.eplb.loads import run_facts
+    from r3trace.eplb.window import leading
+
+    store = open_store(path)
+    spec = leading(run_facts(store.con, [store.run(run_id)])[run_id])
+    return "" if spec is None else str(spec)
+
+
+@st.cache_data(show_spinner=False)
+def eplb_report(path: str, run_id: str, gpus: int, nodes: int, slots: int, policy: str, node_limit: int,
+                max_tokens: int, train: str, held_out: str) -> dict[str, Any]:
+    """`r3trace eplb`'s report (r3trace/eplb/report.py) for the page: windows, the backtest, in-sample and
+    held-out scores (per layer too), the trade-off over policies x node limits 1..min(N, 8), per-GPU loads
+    [L, G] before (trivial placement) and after the plan on the scored window, and phy2log [L, P] / logcnt."""
+    import argparse
+
     from r3trace.eplb.placement import Cluster
+    from r3trace.eplb.report import PlanRequest, gpu_loads, make_report, tradeoff
+    from r3trace.eplb.window import window_spec
 
     run = run_row(path, run_id)
-    layers, e = list(run["moe_layer_ids"]), int(run["num_experts"])
     cluster = Cluster(num_gpus=gpus, num_nodes=nodes, num_slots=slots, num_groups=int(run["num_groups"]),
                       node_limit=node_limit)
-    rolled = heat.heat(open_store(path).con, run_id=run_id, source="rollups")
-    weight = heat_matrix(rolled, layers, e).astype(float)  # [L, E]
-    result = evaluate_policy(policy, weight, token_routes(path, run_id, max_tokens), cluster)  # type: ignore[arg-type]
-    result.pop("placement")
-    return {**result, "layers": layers}
+    try:
+        specs = [window_spec(t.strip()) if t.strip() else None for t in (train, held_out)]
+    except argparse.ArgumentTypeError as e:
+        raise ValueError(str(e)) from e
+    by_runs = any(sp is not None and sp.kind == "runs" for sp in specs)
+    req = PlanRequest(cluster, policy, None, specs[0], specs[1], None if by_runs else run_id,  # type: ignore[arg-type]
+                      replay_tokens=max_tokens)
+    rep = make_report(open_store(path), req)
+    before, after = gpu_loads(rep, cluster)
+    held = rep.held
+    return {
+        **rep.to_dict(), "layers": list(run["moe_layer_ids"]), "slots_per_gpu": cluster.slots_per_gpu,
+        "phy2log": rep.placement.phy2log, "logcnt": rep.placement.logcnt,
+        "scored_on": "held out" if held is not None else "in-sample",
+        "per_layer": {"in_even": rep.in_sample.even, "in_replay": rep.in_sample.replay,
+                      "held_even": None if held is None else held.even,
+                      "held_replay": None if held is None else held.replay},
+        "tradeoff": [p._asdict() for p in tradeoff(rep, cluster, range(1, min(nodes, 8) + 1))],
+        "gpu_before": before, "gpu_after": after,
+    }

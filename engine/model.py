@@ -30,7 +30,7 @@ from .engine_config import EngineConfig, EngineConfigError
 from .expert_placement import apply_expert_location, initial_location
 from .forward_batch import ForwardBatch
 from .layers.attention_backend import make_attention_backend
-from .layers.dispatcher import make_dispatcher
+from .layers.dispatcher_choice import make_dispatcher
 from .layers.exact import exact_all_reduce
 from .layers.expert_location import ExpertLocation
 from .layers.linear import ColumnParallelLinear, VocabParallelEmbedding

@@ -7,7 +7,9 @@ B sampling rows, V vocabulary, R request rows (req_to_token's). The contract, as
   - additive terms first: logit -= frequency_penalty * count, logit -= presence_penalty where count > 0, and
     logit = -inf on the request's stop_token_ids and the model's EOS ids while it has output fewer than
     min_new_tokens tokens;
-  - then repetition: where count > 0 a logit is divided by repetition_penalty when > 0, multiplied otherwise.
+  - then repetition: where count > 0 a logit is divided by repetition_penalty when > 0, multiplied otherwise;
+  - last, the request's logit_bias is added (SGLang's apply_logits_bias adds it after the penalizers). It reads
+    no counts, but it is per-request logits processing of the same kind, so it rides the same step and copies.
 
 State. `counts[r, t]`: how often the request holding row r output token t, [R, V] float32 on the device, allocated
 on the first step with a penalty (64 rows x 129,280 tokens of DeepSeek-V3: 33 MB). The request's output_ids on the
@@ -43,7 +45,8 @@ class PenaltyRow:
 
 
 def penalty_rows(items: Sequence[ScheduledReq]) -> list[PenaltyRow] | None:
-    """The step's rows, or None when no request of the step has a penalty or a min_new_tokens still ahead of it:
+    """The step's rows, or None when no request of the step has a penalty, a logit_bias or a min_new_tokens still
+    ahead of it:
     the batch-level check that keeps the common step free of penalty work. A request's first sample since its
     (re)admission is phase "prefill" (engine/scheduler.py): all its outputs are on the host then (a step ahead is
     always "decode"), and its row may hold another request's counts, so it is rebuilt."""
@@ -51,7 +54,8 @@ def penalty_rows(items: Sequence[ScheduledReq]) -> list[PenaltyRow] | None:
     def num_out(it: ScheduledReq) -> int:
         return len(it.req.output_ids) + it.ahead
 
-    if not any(it.req.params.has_penalty or num_out(it) < it.req.params.min_new_tokens for it in items):
+    if not any(it.req.params.has_penalty or it.req.params.logit_bias or num_out(it) < it.req.params.min_new_tokens
+               for it in items):
         return None
     return [PenaltyRow(it.req.params, it.req.pool_row, num_out(it),
                        it.req.output_ids if it.phase == "prefill" else None) for it in items]
@@ -63,12 +67,14 @@ class PenaltyStep:
     def __init__(
         self, counts: torch.Tensor | None, rows: torch.Tensor, coef: torch.Tensor | None,
         banned: torch.Tensor | None, has: tuple[bool, bool, bool],
+        bias: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         self.counts = counts  # [R, V] float32, None when no row has a counting penalty
         self.rows = rows  # [B] int64: each sampling row's counts row
         self.coef = coef  # [3, B] float32: frequency, presence, repetition penalty
         self.banned = banned  # [n] int64 flat b * V + token: -inf until min_new_tokens
         self.has_freq, self.has_pres, self.has_rep = has
+        self.bias = bias  # ([n] int64 flat b * V + token, [n] float32 bias), None when no row has a logit_bias
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [B, V] float32 -> penalised logits [B, V] (a new tensor: the caller's stay raw for logprobs)."""
@@ -88,6 +94,9 @@ class PenaltyStep:
             assert self.coef is not None and seen is not None
             rep = self.coef[2, :, None]  # [B, 1]
             out = torch.where(seen, torch.where(out < 0, out * rep, out / rep), out)
+        if self.bias is not None:
+            where, value = self.bias
+            out = out.reshape(-1).index_add(0, where, value).view(logits.shape)
         return out
 
     def record(self, next_ids: torch.Tensor) -> None:
@@ -109,16 +118,24 @@ class Penalties:
         counting = any(r.params.has_penalty for r in rows)
         banned = [b * self.vocab + t for b, r in enumerate(rows) if r.num_out < r.params.min_new_tokens
                   for t in sorted(set(r.params.stop_token_ids) | set(self.eos_token_ids))]
-        if not counting and not banned:
+        biased = [(b * self.vocab + t, v) for b, r in enumerate(rows) for t, v in r.params.logit_bias]
+        if not counting and not banned and not biased:
             return None
         # only rows with a penalty: the others' counts may be stale, and their neutral coefficients ignore them
         rebuild = [r for r in rows if r.history is not None and r.params.has_penalty]
         history = [r.row * self.vocab + t for r in rebuild for t in r.history or ()]
-        # one copy: [B counts rows | rows to rebuild | their history, flat row * V + token | banned, flat]
-        sizes = [len(rows), len(rebuild), len(history), len(banned)]
-        dev = stage(np.array([r.row for r in rows] + [r.row for r in rebuild] + history + banned, np.int64))
+        # one int64 copy: [B counts rows | rows to rebuild | their history, flat row * V + token | banned, flat |
+        # biased, flat b * V + token]
+        sizes = [len(rows), len(rebuild), len(history), len(banned), len(biased)]
+        dev = stage(np.array([r.row for r in rows] + [r.row for r in rebuild] + history + banned
+                             + [i for i, _ in biased], np.int64))
         at = np.cumsum([0, *sizes])
-        rows_t, rebuild_t, history_t, banned_t = (dev[at[i] : at[i + 1]] for i in range(4))
+        rows_t, rebuild_t, history_t, banned_t, biased_t = (dev[at[i] : at[i + 1]] for i in range(5))
+        # one float32 copy: [3 * B coefficients when counting | the biases]
+        coef_host = np.array([[r.params.frequency_penalty, r.params.presence_penalty, r.params.repetition_penalty]
+                              for r in rows], np.float32).T if counting else np.zeros((3, 0), np.float32)  # [3, B]
+        floats = stage(np.concatenate([coef_host.reshape(-1), np.array([v for _, v in biased], np.float32)])) \
+            if counting or biased else None
         counts = coef = None
         has = (False, False, False)
         if counting:
@@ -128,8 +145,8 @@ class Penalties:
             if rebuild:
                 counts.index_fill_(0, rebuild_t, 0.0)
                 counts.view(-1).index_add_(0, history_t, torch.ones_like(history_t, dtype=counts.dtype))
-            coef_host = np.array([[r.params.frequency_penalty, r.params.presence_penalty, r.params.repetition_penalty]
-                                  for r in rows], np.float32).T  # [3, B]
-            coef = stage(coef_host).view(3, len(rows))
+            assert floats is not None
+            coef = floats[: 3 * len(rows)].view(3, len(rows))
             has = (bool(coef_host[0].any()), bool(coef_host[1].any()), bool((coef_host[2] != 1).any()))
-        return PenaltyStep(counts, rows_t, coef, banned_t if banned else None, has)
+        bias = (biased_t, floats[coef_host.size :]) if biased and floats is not None else None
+        return PenaltyStep(counts, rows_t, coef, banned_t if banned else None, has, bias)

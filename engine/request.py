@@ -14,6 +14,7 @@ FinishType = Literal["length", "stop", "abort"]
 LogprobEntry = tuple[float | None, int, None]  # (logprob, token_id, None) as SGLang returns them
 # As SGLang: a temperature this small is greedy in all but name, and logits / T could overflow to inf.
 GREEDY_TEMPERATURE = 1e-6
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range of a logit_bias value: -100 bans a token, +100 all but forces it
 
 
 class InvalidRequestError(ValueError):
@@ -40,6 +41,9 @@ class SamplingParams:
     presence_penalty: float = 0.0  # logit -= presence_penalty once the token was output
     repetition_penalty: float = 1.0  # an output token's logit / penalty when > 0, * penalty otherwise
     min_new_tokens: int = 0  # stop_token_ids and EOS cannot be sampled before this many output tokens
+    # OpenAI's and SGLang's logit_bias, as (token id, bias) pairs sorted by id: added to the logits after the
+    # penalties (SGLang's apply_logits_bias order); the request builder checks the ids against the vocabulary
+    logit_bias: tuple[tuple[int, float], ...] = ()
     # SGLang's detokenization (engine/result.py, engine/stop_rules.py)
     skip_special_tokens: bool = True  # false: special tokens are kept in the text
     spaces_between_special_tokens: bool = True  # a slow tokenizer's option: tokenizer.json ignores it, as in HF
@@ -93,6 +97,12 @@ class SamplingParams:
             raise bad("repetition_penalty", "must be in (0, 2] (1 = no penalty)")
         if not _is_int(self.min_new_tokens) or not 0 <= self.min_new_tokens <= self.max_new_tokens:
             raise bad("min_new_tokens", f"must be an integer in [0, max_new_tokens={self.max_new_tokens}]")
+        for token, bias in self.logit_bias:  # OpenAI's range; a NaN fails the comparison
+            if not _is_int(token) or token < 0:
+                raise InvalidRequestError("sampling_params.logit_bias", f"key {token!r} is not a token id >= 0")
+            if not _is_real(bias) or not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+                raise InvalidRequestError("sampling_params.logit_bias",
+                                          f"{bias!r} for token {token} must be in [-100, 100]")
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None) -> SamplingParams:
@@ -109,6 +119,8 @@ class SamplingParams:
         for key in ("stop", "stop_token_ids"):
             if isinstance(raw.get(key), list):
                 raw[key] = tuple(raw[key])
+        if "logit_bias" in raw:
+            raw["logit_bias"] = _bias_pairs(raw["logit_bias"])
         return cls(**raw)
 
     @property
@@ -119,6 +131,20 @@ class SamplingParams:
     def has_penalty(self) -> bool:
         """A penalty that reads the request's output counts (engine/penalties.py)."""
         return self.frequency_penalty != 0 or self.presence_penalty != 0 or self.repetition_penalty != 1
+
+
+def _bias_pairs(raw: object) -> tuple[tuple[int, float], ...]:
+    """logit_bias as sent ({"123": -100}: JSON keys are strings, SGLang reads int(key)) -> sorted (id, bias) pairs;
+    two keys naming one id ("7", "07") keep the later value, as SGLang's assignment does."""
+    if not isinstance(raw, dict):
+        raise InvalidRequestError("sampling_params.logit_bias", f"must be an object of token id -> bias, got {raw!r}")
+    out: dict[int, float] = {}
+    for key, bias in raw.items():
+        token = key if _is_int(key) else int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else None
+        if token is None:
+            raise InvalidRequestError("sampling_params.logit_bias", f"key {key!r} is not a token id")
+        out[token] = bias
+    return tuple(sorted(out.items()))
 
 
 def _is_int(x: object) -> bool:

@@ -111,6 +111,10 @@ class RequestBuilder:
             if t >= vocab:
                 msg = f"{t} outside the vocabulary 0..{vocab - 1}"
                 raise InvalidRequestError("sampling_params.stop_token_ids", msg)
+        for t, _ in params.logit_bias:
+            if t >= vocab:  # SGLang's SamplingParams.verify: keys in [0, vocab_size - 1]
+                msg = f"token {t} outside the vocabulary 0..{vocab - 1}"
+                raise InvalidRequestError("sampling_params.logit_bias", msg)
         logprob = self._logprob(e, len(ids))
         req = Req(rid=rid, origin_input_ids=ids, params=params, logprob=logprob, stream=stream)
         if params.seed is not None:
@@ -184,8 +188,11 @@ class RequestBuilder:
         for name, value in (("return_routed_experts", want), ("return_routed_weights", weights)):
             if not isinstance(value, bool):
                 raise InvalidRequestError(name, f"{value!r} must be true or false")
-        if not isinstance(start, int) or isinstance(start, bool) or not 0 <= start <= req.prompt_len:
-            msg = f"{start!r} outside 0..prompt length {req.prompt_len}"
+        if not isinstance(start, int) or isinstance(start, bool) or start < 0:
+            raise InvalidRequestError("routed_experts_start_len", f"{start!r} must be an integer >= 0")
+        if start > req.prompt_len:  # SGLang's scheduler words this error so; its clients match on the phrase
+            msg = f"{start} is higher than the number of input tokens {req.prompt_len}; use a smaller " \
+                  "routed_experts_start_len"
             raise InvalidRequestError("routed_experts_start_len", msg)
         if (want or weights or forced is not None) and self.custom_recorder:
             raise InvalidRequestError("return_routed_experts", "this engine was built with a custom recorder")

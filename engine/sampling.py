@@ -8,9 +8,9 @@ parameters go to the device through pinned staging (engine/host_staging.py), nev
 a blocking copy that would make the overlapped scheduler wait for the step before (temperature sampling is the
 common case of RL rollouts).
 
-SGLang's order: the penalties and min_new_tokens (engine/penalties.py) on the logits, then greedy rows take the
-argmax; the others divide by the temperature, keep the top-k logits, softmax, keep the top-p nucleus, then drop
-the tokens below min_p times the most likely one. Each stage runs only when a row of the step asks for it.
+SGLang's order: the penalties, min_new_tokens and logit_bias (engine/penalties.py) on the logits, then greedy rows
+take the argmax; the others divide by the temperature, keep the top-k logits, softmax, keep the top-p nucleus, then
+drop the tokens below min_p times the most likely one. Each stage runs only when a row of the step asks for it.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ class Sampler:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         # up to 8 copies a sampling step (temperatures, top-k, top-p, min-p, the shared rows, the greedy mask, and
-        # engine/penalties.py's indices and coefficients): 24 buffers come back after 3 steps, when the host has long
-        # waited for those steps' results (no wait on reuse)
+        # engine/penalties.py's indices, and its coefficients and biases): 24 buffers come back after 3 steps, when
+        # the host has long waited for those steps' results (no wait on reuse)
         self.staging = HostStaging(device, num_buffers=24)
 
     def request_generator(self, seed: int) -> torch.Generator:

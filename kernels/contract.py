@@ -27,11 +27,13 @@ def require_tensor(
     device: torch.device,
     contiguous_last: bool = True,
 ) -> None:
-    """Check rank, dtype, device and (by default) a unit stride on the last dimension."""
+    """Check rank, dtype, device and (by default) a unit stride on the last dimension. A last dimension of
+    one element passes whatever its stride: only its index 0 is read, and torch calls such a tensor contiguous
+    (a column of a [1, W] table converted with `.long()` keeps the stride W)."""
     require(t.dim() == ndim, f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
     require(t.dtype in dtypes, f"{name} dtype {t.dtype} not in {dtypes}")
     require(t.device == device, f"{name} is on {t.device}, expected {device}")
-    if contiguous_last and t.numel() > 0:
+    if contiguous_last and t.numel() > 0 and t.shape[-1] > 1:
         require(t.stride(-1) == 1, f"{name} must have stride 1 on its last dim, got strides {t.stride()}")
 
 

@@ -1,4 +1,6 @@
-"""EPLB planner: a placement for this run's heat, replayed on its tokens, downloadable for SGLang."""
+"""EPLB planner: `r3trace eplb` on this run. A plan on the training window (policy chosen by backtest with
+"auto"), scored in-sample and on the held-out window after it; the balancedness vs nodes-per-token trade-off over
+policies and node limits; per-GPU load before (SGLang's trivial placement) and after the plan; the SGLang file."""
 
 from __future__ import annotations
 
@@ -19,28 +21,64 @@ c = st.columns(6)
 gpus = query_state.number("GPUs", "gpus", 8, 1, 4096, where=c[0])
 nodes = query_state.number("Nodes", "nodes", 2, 1, 512, where=c[1])
 slots = query_state.number("Slots", "slots", max(o["experts"], gpus) + gpus, 1, 1 << 20, where=c[2])
-policy = query_state.select("Policy", ["ours", "global", "hierarchical", "cross_node"], "policy", where=c[3])
+policy = query_state.select("Policy", ["auto", "ours", "global", "hierarchical", "cross_node"], "policy", where=c[3])
 node_limit = query_state.number("Node limit", "nlim", 4, 1, 512, where=c[4])
-max_tokens = query_state.number("Replay tokens", "ntok", 20000, 1, 10_000_000, where=c[5])
+max_tokens = query_state.number("Replay tokens", "ntok", 8192, 1, 10_000_000, where=c[5])
+w = st.columns(2)
+train = query_state.text("Training window (time=A..B s, forward=A..B or runs=ID,ID)", "train",
+                         sc.eplb_default_train(path, run_id), where=w[0])
+held_out = query_state.text("Held-out window (empty: what follows the training window)", "eval", "", where=w[1])
 try:
-    plan = sc.eplb_plan(path, run_id, gpus, nodes, slots, str(policy), node_limit, max_tokens)
-except ValueError as exc:  # PlacementError and friends name the field and the limit
+    rep = sc.eplb_report(path, run_id, gpus, nodes, slots, str(policy), node_limit, max_tokens, train, held_out)
+except ValueError as exc:  # PlacementError, WindowError and friends name the field and the limit
     st.error(str(exc))
     st.stop()
-m = st.columns(4)
-m[0].metric("Balancedness (even split)", f"{plan['balancedness_even']:.4f}")
-m[1].metric("Balancedness (replayed)", f"{plan['balancedness_replay']:.4f}")
-m[2].metric("Nodes per token (mean)", f"{plan['nodes_mean']:.3f}")
-m[3].metric("Nodes per token (max)", f"{plan['nodes_max']}")
-st.caption(f"replayed {plan['tokens']:,} tokens through node-limited dispatch; "
-           "balancedness = mean/max GPU load")
-layers = plan["layers"]
-layer = query_state.select("Layer to show", layers, "pl")
-row = plan["phy2log"][layers.index(layer)].reshape(gpus, plan["slots_per_gpu"])
-st.plotly_chart(figures.heatmap(row, list(range(plan["slots_per_gpu"])), [f"GPU {g}" for g in range(gpus)],
-                                f"Placement of layer {layer}: logical expert per slot", "slot on GPU", "GPU",
-                                "expert", colorscale="Turbo", text=row.astype(str)), key="eplb_grid")
-doc = {"physical_to_logical_map": np.asarray(plan["phy2log"]).tolist(),
-       "logical_count": np.asarray(plan["logcnt"]).tolist()}
+
+st.caption(f"trained on {rep['train']}; held out: {rep['held_out'] or rep['held_out_note']}")
+bt = rep["backtest"]
+if bt is not None and bt["chosen"] is not None:
+    st.caption(f"auto: backtest fit on {bt['fit']}, scored on {bt['validate']}; rule: {bt['rule']}")
+elif bt is not None:
+    st.caption(f"auto: {bt['note']}")
+layout = f"; layout {rep['layout']['name']}: {rep['layout']['reason']}" if rep["layout"] else ""
+st.caption(f"plan: {rep['policy']} + {rep['forecast']} forecast{layout}")
+
+
+def fmt(v: float | None, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+ins, held = rep["in_sample"], rep["held_out_scores"] or {}
+m = st.columns(3)
+m[0].metric("Balancedness (replayed), held out", fmt(held.get("balancedness_replay"), ".4f"))
+m[1].metric("Balancedness (replayed), in-sample", fmt(ins["balancedness_replay"], ".4f"))
+m[2].metric("Nodes per token, held out", fmt(held.get("nodes_per_token"), ".3f"))
+m = st.columns(3)
+m[0].metric("Balancedness (even split), held out", fmt(held.get("balancedness_even"), ".4f"))
+m[1].metric("Balancedness (even split), in-sample", fmt(ins["balancedness_even"], ".4f"))
+m[2].metric(f"Over node limit ({node_limit}), held out", fmt(held.get("over_node_limit"), ".2%"))
+st.caption(f"replayed {held.get('tokens') or 0:,} held-out and {ins['tokens']:,} in-sample tokens through "
+           "node-limited dispatch; balancedness = mean/max GPU load, mean over layers")
+
+series: dict[str, tuple[list[float], list[float], list[str]]] = {}
+for p in rep["tradeoff"]:
+    x, y, t = series.setdefault(p["policy"], ([], [], []))
+    x.append(p["nodes_per_token"] if p["nodes_per_token"] is not None else float("nan"))
+    y.append(p["balancedness"])
+    t.append(f"limit {p['node_limit']}")
+st.plotly_chart(figures.points(series, f"Trade-off, {rep['scored_on']}: each policy at node limits 1.."
+                               f"{min(nodes, 8)}", "nodes per token", "balancedness (replayed)"), key="eplb_tradeoff")
+
+layers = rep["layers"]
+worst = rep["per_layer"]["held_even"] if rep["per_layer"]["held_even"] is not None else rep["per_layer"]["in_even"]
+layer = query_state.select("Layer to show", layers, "pl", default=int(np.nanargmin(worst)))
+li = layers.index(layer)
+before, after = rep["gpu_before"][li], rep["gpu_after"][li]
+st.plotly_chart(figures.bars(list(range(gpus)), {"before: trivial placement": before / before.mean(),
+                                                  "after: the plan": after / after.mean()},
+                             f"Layer {layer}, {rep['scored_on']}: per-GPU load / mean (even split)", "GPU",
+                             "load / mean"), key="eplb_gpu_load")
+doc = {"physical_to_logical_map": np.asarray(rep["phy2log"]).tolist(),
+       "logical_count": np.asarray(rep["logcnt"]).tolist()}
 st.download_button("Download SGLang init-expert-location JSON", json.dumps(doc),
-                   file_name=f"eplb-{run_id}-{policy}-{gpus}g{slots}s.json", mime="application/json")
+                   file_name=f"eplb-{run_id}-{rep['policy']}-{gpus}g{slots}s.json", mime="application/json")

@@ -12,6 +12,9 @@ slots before dispatch, so "expert" below means a slot, and rank r holds slots [r
     experts_fn(hidden, w13_local, w2_local, topk_ids, topk_weights) -> expert_out [R, D] (weights applied)
     combine(expert_out [R, D], handle) -> [T, D], this rank's tokens in their order
 
+Which one a MoE gets is decided once, when it is built: dispatcher_choice.make_dispatcher (its own module, so
+that this one and low_latency_dispatcher.py, which imports Dispatched from here, import one way).
+
 | dispatcher           | when                       | what it does                                                    |
 | -------------------- | -------------------------- | --------------------------------------------------------------- |
 | NullDispatcher       | one process (ep_size 1)    | nothing: the inputs are what the experts compute over           |
@@ -38,7 +41,7 @@ few ulps, not bitwise. The low-latency combine adds the K pairs in k order, what
 
 from __future__ import annotations
 
-from typing import Any, Literal, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
@@ -85,31 +88,6 @@ def local_experts(num_experts: int, ep_rank: int, ep_size: int) -> range:
 def expert_slice(weight: torch.Tensor, experts: range) -> torch.Tensor:
     """Full [E, ...] expert weights (w13, w2) -> this rank's rows [E_local, ...], contiguous (a copy)."""
     return weight[experts.start : experts.stop].contiguous()
-
-
-DispatcherMode = Literal["normal", "low_latency"]
-
-
-def make_dispatcher(
-    num_experts: int,
-    ep_rank: int = 0,
-    ep_size: int = 1,
-    group: dist.ProcessGroup | None = None,
-    mode: DispatcherMode = "normal",
-    max_tokens: int = 0,
-) -> TokenDispatcher:
-    """Picked once, when the MoE is built: the NullDispatcher in one process, else DeepEP's normal or low-latency
-    mode over group (the expert-parallel group; None: the default group). num_experts: the physical slots P
-    (ExpertLocation.num_physical; E without redundant experts). max_tokens: low_latency's per-rank token bound."""
-    if mode not in ("normal", "low_latency"):
-        raise ValueError(f"mode={mode!r}; expected 'normal' or 'low_latency'")
-    if ep_size == 1:
-        return NullDispatcher(num_experts)
-    if mode == "low_latency":
-        from .low_latency_dispatcher import LowLatencyDispatcher  # it imports this module's Dispatched
-
-        return LowLatencyDispatcher(num_experts, ep_rank, ep_size, max_tokens, group)
-    return AllToAllDispatcher(num_experts, ep_rank, ep_size, group)
 
 
 def check_group(ep_rank: int, ep_size: int, group: dist.ProcessGroup | None) -> None:

@@ -16,6 +16,9 @@ _OUTPUT_DEPENDENT = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetit
 
 
 def check_speculative_request(params: SamplingParams) -> None:
+    if params.logit_bias:  # verify and drafts read Sampler.probs, which does not add it
+        raise InvalidRequestError("sampling_params.logit_bias", "is not supported with speculative decoding (the "
+                                  "engine runs speculative_algorithm); leave it out")
     for name, neutral in _OUTPUT_DEPENDENT.items():
         value = getattr(params, name)
         if value != neutral:

@@ -7,16 +7,25 @@ folder is removed, so a malformed input leaves nothing behind.
 Sources: our own sink's runs (native); JSON lines of response bodies from SGLang (/generate meta_info, OpenAI
 sglext), r3trace and vLLM (per-choice .npy), decoded by peer_formats.py, dense layers dropped by the model's
 layer layout; SGLang expert-distribution dumps (.pt, per-layer logical counts) as heat-only runs; numpy .npz
-with topk_ids [T, L, K].
+with topk_ids [T, L, K] (ingest_numpy.py).
+
+Time, kept on every path (docs/cli.md, "Ingest keeps time"): native runs keep their ts; a response body's rows get
+its `created` (OpenAI and vLLM bodies: Unix seconds) and forward_id = the body's line number (line order as
+forward index: bodies do not say which forward produced a row); a body without `created` (SGLang /generate)
+gets the ingest start time. A dump's heat is stamped with the time in SGLang's file name
+(expert_distribution_recorder_<time.time()>.pt), else the file's modification time. A .npz takes `ts` or
+`window_id` per token or per forward (ingest_numpy.py); without either every row gets the ingest start time and
+forward_id = the token's row (or the npz's forward_id).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,12 +119,30 @@ def _bodies(path: Path, progress: bool | None) -> Iterator[tuple[int, Any]]:
                 raise IngestError(f"{path}:{lineno}: not JSON ({e.msg} at column {e.colno})") from e
 
 
+@dataclass(frozen=True)
+class _Rows:
+    """One body's rows of one request, with when they were produced."""
+
+    where: str  # file:line
+    routes: Routes
+    ts: int  # ns since the epoch: the body's `created`, else the ingest start
+    forward_id: int  # the body's line number
+
+
+def _created_ns(obj: Any, default: int) -> int:
+    """An OpenAI-shaped body's `created` (Unix seconds; SGLang's and vLLM's OpenAI protocol set it) in ns."""
+    created = obj.get("created") if isinstance(obj, dict) else None
+    if isinstance(created, (int, float)) and not isinstance(created, bool) and created > 0:
+        return int(created * 1_000_000_000)
+    return default
+
+
 @dataclass
 class _Request:
     """What the lines said about one request so far: rows waiting for the prompt length, and its summary."""
 
     first: str  # file:line of its first body
-    pending: list[tuple[str, Routes]]  # (file:line, rows)
+    pending: list[_Rows]
     required: str = ""  # the field some body of it lacked, when that body promises rows (/generate meta_info)
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
@@ -131,8 +158,8 @@ def ingest_responses(
     with SGLang's sglext or r3trace's sgl_ext, vLLM's per-choice .npy). fmt None detects each line's format.
     Row i of a request is position start + i; positions below its prompt length are prefill, later ones
     decode (rows wait for a later line, such as a streamed usage chunk, when their own line lacks the prompt
-    length). forward_id is -1 and ts the ingest time: bodies do not say which forward produced a row.
-    `progress`: a bar of the bytes read (r3trace/progress.py).
+    length). ts is the body's `created` (else the ingest start) and forward_id its line number: bodies do not
+    say which forward produced a row. `progress`: a bar of the bytes read (r3trace/progress.py).
     """
     path = Path(path)
     now = time.time_ns()
@@ -144,6 +171,7 @@ def ingest_responses(
     ) as w:
         for lineno, obj in _bodies(path, progress):
             where = f"{path}:{lineno}"
+            ts = _created_ns(obj, now)
             kind = fmt or detect(obj)
             if kind is None:
                 raise IngestError(f"{where}: no route field found (meta_info.routed_experts, sglext.routed_experts, "
@@ -163,13 +191,13 @@ def ingest_responses(
                     req.completion_tokens = r.completion_tokens
                 req.finish_reason = r.finish_reason or req.finish_reason
                 if r.ids is not None:
-                    req.pending.append((where, r))
+                    req.pending.append(_Rows(where, r, ts, lineno))
                 if req.prompt_tokens is not None:
-                    _write_rows(w, rid, req, shape, now)
+                    _write_rows(w, rid, req, shape)
         for rid, req in reqs.items():
             if req.required and not (req.rows or req.pending):
                 raise IngestError(f"{req.first}: field {req.required} missing (was return_routed_experts set?)")
-            _write_rows(w, rid, req, shape, now)
+            _write_rows(w, rid, req, shape)
             if req.rows:
                 w.add_request(rid, prompt_tokens=req.prompt_tokens, completion_tokens=req.completion_tokens,
                               finish_reason=req.finish_reason)
@@ -179,19 +207,20 @@ def ingest_responses(
     return manifest
 
 
-def _write_rows(w: TraceWriter, rid: str, req: _Request, shape: ModelShape, now: int) -> None:
+def _write_rows(w: TraceWriter, rid: str, req: _Request, shape: ModelShape) -> None:
     """Writes the request's pending rows; without a prompt length every row counts as prefill."""
-    for where, r in req.pending:
+    for p in req.pending:
+        r = p.routes
         try:
             ids = moe_rows(r, shape.moe_layer_ids, shape.num_experts)  # [rows, L_moe, K]
         except BodyError as e:
-            raise IngestError(f"{where}: {e}") from e
+            raise IngestError(f"{p.where}: {e}") from e
         pos = r.start + np.arange(len(ids), dtype=np.int32)
         prompt = req.prompt_tokens if req.prompt_tokens is not None else r.start + len(ids)
         try:
-            w.append_tokens(rid, pos, np.where(pos < prompt, 0, 1), "computed", -1, now, 0, ids)
+            w.append_tokens(rid, pos, np.where(pos < prompt, 0, 1), "computed", p.forward_id, p.ts, 0, ids)
         except TraceSchemaError as e:
-            raise IngestError(f"{where}: {e}") from e
+            raise IngestError(f"{p.where}: {e}") from e
         req.rows += len(ids)
     req.pending.clear()
 
@@ -224,40 +253,15 @@ def ingest_expert_distribution(
                  num_experts=shape.num_experts, top_k=shape.top_k, num_groups=shape.num_groups, kind="heat",
                  engine={"ingested_from": str(path)})
     with staged(store) as stage:
-        out = write_heat_run(stage, m, c, window_start_ns=time.time_ns())
+        out = write_heat_run(stage, m, c, window_start_ns=dump_time_ns(Path(path)))
     return out
 
 
-def ingest_numpy(
-    path: str | Path, store: str | Path, shape: ModelShape, run_id: str | None = None,
-    request_ids: Sequence[str] | None = None, progress: bool | None = True,
-) -> Manifest:
-    """.npz with `topk_ids` [T, L, K] (optional request_id [T], token_pos [T], forward_id [T]) -> one run.
+DUMP_NAME = re.compile(r"expert_distribution_recorder_(\d+(?:\.\d+)?)\.pt$")
 
-    `progress`: a bar of the tokens written (r3trace/progress.py)."""
-    try:
-        data = np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as e:  # not an .npz, or one holding pickled objects
-        raise IngestError(f"{path}: not a .npz of numeric arrays ({e})") from e
-    if "topk_ids" not in data:
-        raise IngestError(f"{path}: field topk_ids missing (found {list(data.keys())})")
-    ids = data["topk_ids"]
-    t = len(ids)
-    rid = data.get("request_id", request_ids or "r0")
-    pos = data["token_pos"] if "token_pos" in data else np.arange(t)
-    fwd = data["forward_id"] if "forward_id" in data else np.arange(t)
-    with staged(store) as stage, TraceWriter(  # offline and staged: commits on size and at close only
-        stage, model_name=shape.model_name, num_hidden_layers=shape.num_hidden_layers,
-        moe_layer_ids=shape.moe_layer_ids, num_experts=shape.num_experts, top_k=shape.top_k, run_id=run_id,
-        num_groups=shape.num_groups, engine={"ingested_from": str(path)}, flush_interval_s=None,
-    ) as w:
-        try:
-            with progress_bar(progress, total=t, desc="ingest numpy", unit="tok") as bar:
-                for lo in range(0, t, 16384):
-                    sl = slice(lo, lo + 16384)
-                    w.append_tokens(rid if isinstance(rid, str) else rid[sl], pos[sl], "decode", "computed",
-                                    fwd[sl], time.time_ns(), 0, ids[sl])
-                    bar.update(len(ids[sl]))
-        except TraceSchemaError as e:
-            raise IngestError(f"{path}: {e}") from e
-        return w.close(mark_unfinished=False)  # arrays carry no request summaries
+
+def dump_time_ns(path: Path) -> int:
+    """When SGLang wrote a dump: the time.time() in its file name (expert_distribution.py's stat accumulator names
+    it expert_distribution_recorder_<time.time()>.pt), else the file's modification time."""
+    found = DUMP_NAME.search(path.name)
+    return int(float(found.group(1)) * 1_000_000_000) if found else path.stat().st_mtime_ns

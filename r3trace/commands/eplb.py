@@ -1,91 +1,185 @@
-"""r3trace eplb TRACE --gpus 32 --nodes 4 --slots 288 --policy ours: plan a placement from a trace's heat."""
+"""r3trace eplb TRACE --gpus 32 --nodes 4 --slots 288 [--train time=..600 --eval time=600..]: plan a placement
+from a trace's heat, pick the policy by backtest (--policy auto), and score it in-sample and held out."""
 
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from r3trace.commands.args import positive_float, positive_int
+from r3trace.eplb.window import window_spec
 
-HELP = "plan an expert placement from a trace's heat and export it (JSON, SGLang init-expert-location)"
-POLICIES = ("ours", "global", "hierarchical", "cross_node")
+if TYPE_CHECKING:
+    from r3trace.eplb.report import Report
+
+HELP = "plan an expert placement from a trace (policy chosen by backtest), score it held out, export it"
+POLICIES = ("auto", "ours", "global", "hierarchical", "cross_node")
+FORECASTS = ("ema", "mean", "newest")
+WINDOW_HELP = "time=A..B (seconds from the run's start), forward=A..B or runs=ID,ID; [A, B), either end optional"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("trace", help="dataset folder or run folder")
-    p.add_argument("--run-id", default=None)
+    p.add_argument("--run-id", default=None, help="the run of time= and forward= windows")
     p.add_argument("--gpus", type=positive_int, required=True)
     p.add_argument("--nodes", type=positive_int, required=True)
     p.add_argument("--slots", type=positive_int, required=True, help="physical expert slots P in total")
     p.add_argument("--groups", type=positive_int, default=None, help="expert groups (default: the manifest's)")
     p.add_argument("--node-limit", type=positive_int, default=4)
-    p.add_argument("--policy", choices=POLICIES, default="ours")
+    p.add_argument("--policy", choices=POLICIES, default="auto",
+                   help="auto (default): the policy x forecast that scores best held out on the training window")
+    p.add_argument("--forecast", choices=FORECASTS, default=None,
+                   help="heat the policy plans on: ema, mean (whole window) or newest history window "
+                        "(default: auto picks; ours ema, the others mean)")
+    p.add_argument("--train", type=window_spec, default=None, help=f"training window: {WINDOW_HELP} (default: "
+                   "the whole run, or what precedes --eval)")
+    p.add_argument("--eval", type=window_spec, default=None, dest="held_out",
+                   help=f"held-out window: {WINDOW_HELP} (default: what follows --train)")
+    p.add_argument("--windows", type=positive_int, default=8, help="history windows the training window is cut into")
     p.add_argument("--window-s", type=positive_float, default=None,
-                   help="ours: EMA over heat windows of this length")
-    p.add_argument("--out", default=None, help="placement JSON: DeepSeek EPLB's phy2log, log2phy, logcnt (MoE layers)")
+                   help="history windows of this many seconds instead (a multiple of the rollup window)")
+    p.add_argument("--replay-tokens", type=positive_int, default=8192,
+                   help="tokens replayed through node-limited dispatch per scored window")
+    p.add_argument("--previous", default=None, help="a placement JSON written by --out: report churn against it "
+                   "(ours re-plans from it)")
+    p.add_argument("--out", default=None, help="placement JSON: DeepSeek EPLB's phy2log, log2phy, logcnt (MoE layers)"
+                   " and the report's figures under meta.report")
     p.add_argument("--sglang", default=None,
                    help="the file SGLang's --init-expert-location loads (.json or .pt; every layer's row)")
 
 
 def run(args: argparse.Namespace) -> int:
-    import numpy as np
+    from pathlib import Path
 
-    from r3trace.analysis.heat import HeatSource, heat, heat_windows
     from r3trace.analysis.store import open_store
     from r3trace.commands.args import select_run
-    from r3trace.eplb import Cluster, cross_node, global_policy, hierarchical, plan, to_json, to_sglang
-    from r3trace.eplb.placement import PlacementError
-    from r3trace.eplb.score import balancedness, even_gpu_load
+    from r3trace.eplb import Cluster, to_json, to_sglang
+    from r3trace.eplb.placement import PlacementError, from_json
+    from r3trace.eplb.report import PlanRequest, make_report
+    from r3trace.eplb.window import WindowError
     from r3trace.errors import StoreError, UsageError
     from r3trace.progress import progress_flag
 
     if args.sglang and not args.sglang.endswith((".json", ".pt")):  # refused before the trace is scanned
         raise UsageError(f"--sglang {args.sglang}: must end in .json or .pt (SGLang's --init-expert-location "
                          "parses any other value as inline JSON)")
+    by_runs = any(s is not None and s.kind == "runs" for s in (args.train, args.held_out))
+    if by_runs and args.run_id:
+        raise UsageError(f"--run-id {args.run_id}: not used with runs= windows (they name their runs)")
     store = open_store(args.trace)
-    run_id = select_run([r.manifest.run_id for r in store.runs], args.run_id, args.trace)
-    m = store.run(run_id).manifest
+    ids = [r.manifest.run_id for r in store.runs]
+    run_id = None if by_runs else select_run(ids, args.run_id, args.trace)
+    named = [r for spec in (args.train, args.held_out) if spec is not None for r in spec.runs]
+    for r in named:
+        if r not in ids:
+            flag = "--train" if args.train is not None and r in args.train.runs else "--eval"
+            raise StoreError(f"{flag} runs={r}: no such run in {args.trace} (runs: {', '.join(ids)})")
+    m = store.run(run_id or named[0]).manifest
     # a cluster that cannot hold the trace's experts is refused before the trace is scanned
     flags = f"--gpus {args.gpus} --nodes {args.nodes} --slots {args.slots}"
     if args.slots < m.num_experts:
-        raise UsageError(f"{flags}: fewer slots than run {run_id}'s {m.num_experts} experts; give --slots >= "
+        raise UsageError(f"{flags}: fewer slots than run {m.run_id}'s {m.num_experts} experts; give --slots >= "
                          f"{m.num_experts}, a multiple of --gpus")
     try:
         cluster = Cluster(args.gpus, args.nodes, args.slots, num_groups=args.groups or m.num_groups,
                           node_limit=args.node_limit)
     except PlacementError as e:
         raise UsageError(f"{flags}: {e}") from e
-    source: HeatSource = "rollups" if m.kind == "heat" else "routes"
-    layer_index = {lid: i for i, lid in enumerate(m.moe_layer_ids)}
-    progress = progress_flag(args.progress)
-
-    def dense(df: object) -> np.ndarray:
-        out = np.zeros((m.num_moe_layers, m.num_experts))
-        for lid, e, c in df.select("layer_id", "expert_id", "count").iter_rows():  # type: ignore[attr-defined]
-            out[layer_index[lid], e] += c
-        return out
-
-    total = dense(heat(store.con, run_id, source=source, progress=progress))
-    if not total.any():
-        raise StoreError(f"run {run_id} in {args.trace} has no routes to plan from (0 rows)")
-    if args.policy == "ours":
-        loads = total
-        if args.window_s:
-            win = heat_windows(store.con, args.window_s, run_id, source=source, progress=progress)
-            loads = np.stack([dense(g) for _, g in win.group_by("window_start", maintain_order=True)])
-        placement = plan(loads, cluster)
-    else:
-        placement = {"global": global_policy, "hierarchical": hierarchical, "cross_node": cross_node}[
-            args.policy](total, cluster)
-    print(f"{args.policy}: P={args.slots} on {args.gpus} GPUs / {args.nodes} nodes, "
-          f"in-sample balancedness {balancedness(even_gpu_load(placement, total, cluster)):.4f}, "
-          f"max replicas {int(placement.logcnt.max())}")
+    previous = None
+    if args.previous:
+        try:
+            previous, prev_cluster = from_json(Path(args.previous).read_text())
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise StoreError(f"--previous {args.previous}: not a placement JSON written by --out ({e})") from e
+        if prev_cluster != cluster or previous.logcnt.shape != (m.num_moe_layers, m.num_experts):
+            raise UsageError(f"--previous {args.previous}: planned for {prev_cluster.num_gpus} GPUs / "
+                             f"{prev_cluster.num_nodes} nodes / {prev_cluster.num_slots} slots, "
+                             f"{previous.logcnt.shape[0]} layers x {previous.logcnt.shape[1]} experts; this plan is "
+                             f"for {flags}, {m.num_moe_layers} x {m.num_experts}")
+    req = PlanRequest(cluster, args.policy, args.forecast, args.train, args.held_out, run_id, args.windows,
+                      args.window_s, args.replay_tokens, previous=previous)
+    try:
+        rep = make_report(store, req, progress_flag(args.progress))
+    except WindowError as e:
+        raise UsageError(str(e)) from e
+    print("\n".join(report_lines(rep, cluster, m.moe_layer_ids, args.previous)))
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(to_json(placement, cluster, {"policy": args.policy, "run_id": run_id,
-                                               "moe_layer_ids": list(m.moe_layer_ids)}))
+        meta: dict[str, object] = {"policy": rep.policy, "forecast": rep.forecast, "run_id": rep.train.runs[0],
+                "moe_layer_ids": list(m.moe_layer_ids), "report": rep.to_dict()}
+        Path(args.out).write_text(to_json(rep.placement, cluster, meta))
     if args.sglang:
-        to_sglang(placement, args.sglang, m.num_hidden_layers, m.moe_layer_ids)
+        to_sglang(rep.placement, args.sglang, m.num_hidden_layers, m.moe_layer_ids)
         # SGLang's slots are its logical experts plus --ep-num-redundant-experts, split over the EP ranks
         print(f"SGLang: --init-expert-location {args.sglang} --expert-parallel-size {args.gpus} "
               f"--ep-num-redundant-experts {args.slots - m.num_experts}")
     return 0
+
+
+def _f(v: float | None, spec: str = ".4f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def report_lines(rep: Report, cluster: object, layer_ids: tuple[int, ...], previous: str | None) -> list[str]:
+    """The printed report: windows, backtest, the plan, its layout, scores in-sample vs held out, worst layers,
+    churn."""
+    from r3trace.eplb.placement import Cluster
+
+    assert isinstance(cluster, Cluster)
+    held = rep.held_out.label if rep.held_out is not None else rep.held_out_note
+    out = [f"train: {rep.train.label}, heat from {rep.source} in {rep.history_windows} history windows",
+           f"held out: {held}"]
+    bt = rep.backtest
+    if bt is not None and bt.chosen is None:
+        out.append(f"auto: {bt.note}")
+    elif bt is not None:
+        out += [f"auto: backtest, fit on {bt.fit}, scored on {bt.validate} (held out from the fit)",
+                f"  {'policy':<13}{'forecast':<10}{'bal. even':>10}{'bal. replay':>13}{'nodes/token':>13}"]
+        for c in bt.candidates:
+            if c.score is None:
+                out.append(f"  {c.policy:<13}{c.forecast:<10}  cannot plan: {c.note}")
+                continue
+            s = c.score
+            out.append(f"  {c.policy:<13}{c.forecast:<10}{_f(s.balancedness_even):>10}"
+                       f"{_f(s.balancedness_replay):>13}{_f(s.nodes_mean, '.3f'):>13}")
+        out += [f"  rule: {bt.rule}", f"auto chose {rep.policy} + {rep.forecast}"]
+    out.append(f"{rep.policy} + {rep.forecast} forecast: P={cluster.num_slots} on {cluster.num_gpus} GPUs / "
+               f"{cluster.num_nodes} nodes, max replicas {int(rep.placement.logcnt.max())}")
+    n_layers = rep.placement.phy2log.shape[0]
+    if rep.layout is not None:
+        out.append(f"layout: {rep.layout.name}: {rep.layout.reason}; {rep.spread_layers} of {n_layers} layers "
+                   "have an expert with replicas on more than one node")
+    h = rep.held
+    rows = [("balancedness (even split)", rep.in_sample.balancedness_even, h and h.balancedness_even, ".4f"),
+            ("balancedness (replayed)", rep.in_sample.balancedness_replay, h and h.balancedness_replay, ".4f"),
+            ("nodes per token", rep.in_sample.nodes_mean, h and h.nodes_mean, ".3f"),
+            (f"over node limit ({cluster.node_limit})", rep.in_sample.over_limit_share, h and h.over_limit_share,
+             ".2%"),
+            ("tokens replayed", rep.in_sample.tokens, h and h.tokens, ",")]
+    out.append(f"{'':<28}{'in-sample':>12}{'held out':>12}")
+    out += [f"{name:<28}{_f(a, spec):>12}{_f(b, spec) if h is not None else '-':>12}" for name, a, b, spec in rows]
+    worst = h if h is not None else rep.in_sample
+    layers = _worst(worst, layer_ids)
+    if layers:
+        out.append(f"worst layers ({'held out' if h is not None else 'in-sample'}): {layers}")
+    if rep.churn is not None:
+        moved = round(rep.churn * rep.placement.phy2log.size)
+        out.append(f"churn vs {previous}: {rep.churn:.2%} of {rep.placement.phy2log.size:,} slots changed expert "
+                   f"({moved:,})")
+    return out
+
+
+def _worst(s: object, layer_ids: tuple[int, ...], k: int = 3) -> str:
+    """The k lowest balancedness layers (replayed when there are tokens) and the k highest nodes per token, by
+    model layer id."""
+    import numpy as np
+
+    from r3trace.eplb.evaluate import Score
+
+    assert isinstance(s, Score)
+    bal = s.replay if s.replay is not None else s.even
+    order = [i for i in np.argsort(np.nan_to_num(bal, nan=2.0), kind="stable")[:k] if not np.isnan(bal[i])]
+    text = "balancedness " + ", ".join(f"layer {layer_ids[i]} {bal[i]:.4f}" for i in order)
+    if s.nodes is not None:
+        top = np.argsort(-s.nodes, kind="stable")[:k]
+        text += "; nodes per token " + ", ".join(f"layer {layer_ids[i]} {s.nodes[i]:.3f}" for i in top)
+    return text

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from r3trace.analysis.peer_formats import WIRE_DTYPES
 from r3trace.commands.args import positive_int
@@ -37,6 +37,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-name", default="unknown")
     p.add_argument("--wire-dtype", choices=WIRE_DTYPES, default="int32",
                    help="SGLang payload dtype for bodies that do not name it in routed_experts_dtype")
+    p.add_argument("--ts", default=None, help="numpy: a .npy of timestamps, one per token or one per forward "
+                   "(integers: ns since the epoch; floats: seconds; datetime64); replaces the npz's ts")
+    p.add_argument("--window-ids", default=None, help="numpy: a .npy of integer window ids, one per token or per "
+                   "forward (window w starts at w seconds, one rollup window); replaces the npz's window_id")
 
 
 def layer_ids(text: str) -> tuple[int, ...]:
@@ -100,10 +104,16 @@ def run(args: argparse.Namespace) -> int:
 
     from r3trace.analysis import ingest as ing
     from r3trace.analysis.store import open_store
-    from r3trace.errors import StoreError
+    from r3trace.errors import StoreError, UsageError
     from r3trace.progress import progress_flag
 
     progress = progress_flag(args.progress)
+    for flag, value in (("--ts", args.ts), ("--window-ids", args.window_ids)):
+        if value is not None and args.format != "numpy":
+            raise UsageError(f"{flag} {value}: only with --format numpy (native runs keep their ts; a response "
+                             "body's rows take its `created`)")
+    if args.ts is not None and args.window_ids is not None:
+        raise UsageError(f"--ts {args.ts} --window-ids {args.window_ids}: give one of them")
     if args.format == "native":
         open_store(args.src)  # a missing path, a bad manifest or no runs: one error naming the path
         print("ingested runs:", ", ".join(ing.ingest_native(args.src, args.store, progress=progress)))
@@ -115,11 +125,31 @@ def run(args: argparse.Namespace) -> int:
     shape = _shape(args)
     if args.format == "expert-dist":  # one torch.load and one small write: nothing to count
         out = ing.ingest_expert_distribution(src, args.store, shape, run_id=args.run_id)
+        when = "the time in the dump's file name, else its modification time"
     elif args.format == "numpy":
-        out = ing.ingest_numpy(src, args.store, shape, run_id=args.run_id, progress=progress)
+        from r3trace.analysis.ingest_numpy import ingest_numpy
+
+        ts, windows = (_npy(v, flag) if v is not None else None
+                       for v, flag in ((args.ts, "--ts"), (args.window_ids, "--window-ids")))
+        out = ingest_numpy(src, args.store, shape, run_id=args.run_id, progress=progress, ts=ts,
+                           window_id=windows)
+        when = str(out.engine.get("ts_from"))
     else:  # response bodies; "responses" detects each line's format
         fmt = None if args.format == "responses" else args.format
         out = ing.ingest_responses(src, args.store, shape, run_id=args.run_id, progress=progress, fmt=fmt,
                                    wire_dtype=args.wire_dtype)
-    print(f"run {out.run_id}: {out.kind}, {out.rows} rows")
+        when = "each body's `created` (else the ingest time); forward_id = the body's line number"
+    print(f"run {out.run_id}: {out.kind}, {out.rows} rows; time from {when}")
     return 0
+
+
+def _npy(path: str, flag: str) -> Any:
+    """A .npy array for --ts / --window-ids; one line naming the flag when it cannot be read."""
+    import numpy as np
+
+    from r3trace.errors import StoreError
+
+    try:
+        return np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise StoreError(f"{flag} {path}: not a .npy array ({e})") from e

@@ -1,12 +1,13 @@
-"""Plan a placement with one policy and score it on a trace's tokens: what the demo, the dashboard and the
-CLI all report.
+"""Plan a placement with one policy and forecast, and score it on a window's heat and tokens: what the demo,
+the dashboard and the CLI all report.
 
-weight: [L, E] expert heat; tokens: [T, L, K] logical topk_ids of the tokens to replay.
+weight: [L, E] expert heat; history: [W, L, E] heat per history window, oldest first; tokens: [T, L, K] logical
+topk_ids of the tokens to replay.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
@@ -15,11 +16,17 @@ from r3trace.eplb.placement import Cluster, Placement
 
 PolicyName = Literal["ours", "global", "hierarchical", "cross_node"]
 POLICIES: tuple[PolicyName, ...] = ("ours", "global", "hierarchical", "cross_node")
+# ema: the planner's EMA of per-window rates (PlannerConfig.ema_alpha); mean: the whole window's heat (what
+# DeepSeek's EPLB plans on: the counts of its recording window); newest: the last history window alone
+Forecast = Literal["ema", "mean", "newest"]
+FORECASTS: tuple[Forecast, ...] = ("ema", "mean", "newest")
 
 
-def make_placement(policy: PolicyName, weight: np.ndarray, cluster: Cluster, tokens: np.ndarray) -> Placement:
+def make_placement(policy: PolicyName, weight: np.ndarray, cluster: Cluster, tokens: np.ndarray | None,
+                   prev: Placement | None = None) -> Placement:
+    """weight [L, E] (or, for ours, a history [W, L, E] it forecasts itself); prev: ours re-plans from it."""
     if policy == "ours":
-        return planner.plan(weight, cluster, tokens=tokens)
+        return planner.plan(weight, cluster, prev=prev, tokens=tokens)
     if policy == "global":
         return deepseek.global_policy(weight, cluster)
     if policy == "hierarchical":
@@ -27,6 +34,66 @@ def make_placement(policy: PolicyName, weight: np.ndarray, cluster: Cluster, tok
     if policy == "cross_node":
         return deepseek.cross_node(weight, cluster)
     raise ValueError(f"policy={policy!r}: expected one of {POLICIES}")
+
+
+def forecast_weight(history: np.ndarray, how: Forecast) -> np.ndarray:
+    """history [W, L, E] -> the [L, E] heat a policy plans on."""
+    if how == "ema":  # the fixed EMA (weight 0.35); ours' own plan picks its weight by backtest (planner.choose_alpha)
+        return planner.forecast(history, planner.DEFAULT_ALPHA)
+    return history[-1] if how == "newest" else history.sum(0)
+
+
+def plan_policy(policy: PolicyName, history: np.ndarray, how: Forecast, cluster: Cluster,
+                tokens: np.ndarray | None = None, prev: Placement | None = None) -> Placement:
+    """history [W, L, E] -> Placement of `policy` on the `how` forecast; ours takes the history itself for ema
+    (its own EMA), the others the forecast weight."""
+    if policy == "ours" and how == "ema":
+        return make_placement(policy, history, cluster, tokens, prev)
+    return make_placement(policy, forecast_weight(history, how), cluster, tokens, prev)
+
+
+class Score(NamedTuple):
+    """A placement scored on one window, per layer ([L], NaN for a layer with no load); replay fields None when
+    the window has no tokens to replay (heat-only runs)."""
+
+    tokens: int  # tokens replayed
+    even: np.ndarray  # mean/max GPU load with each expert's heat split evenly over its replicas
+    replay: np.ndarray | None  # mean/max GPU load under node-limited dispatch of the tokens
+    nodes: np.ndarray | None  # mean nodes per token
+    over_limit: np.ndarray | None  # share of tokens reaching more nodes than the node limit
+    token_nodes: np.ndarray | None = None  # [T, L] nodes each replayed token reaches
+
+    @property
+    def balancedness_even(self) -> float:
+        return _mean(self.even)
+
+    @property
+    def balancedness_replay(self) -> float | None:
+        return None if self.replay is None else _mean(self.replay)
+
+    @property
+    def nodes_mean(self) -> float | None:
+        return None if self.nodes is None else _mean(self.nodes)
+
+    @property
+    def over_limit_share(self) -> float | None:
+        return None if self.over_limit is None else _mean(self.over_limit)
+
+    def summary(self) -> dict[str, float | int | None]:
+        return {"tokens": self.tokens, "balancedness_even": self.balancedness_even,
+                "balancedness_replay": self.balancedness_replay, "nodes_per_token": self.nodes_mean,
+                "over_node_limit": self.over_limit_share}
+
+
+def score_placement(pl: Placement, heat: np.ndarray, tokens: np.ndarray | None, cluster: Cluster) -> Score:
+    """heat [L, E], tokens [T, L, K] or None -> Score. balancedness_even equals score.balancedness of the even
+    split; the replay is score.node_limited (exact minimum node cover up to 8 nodes)."""
+    even = _per_layer(score.even_gpu_load(pl, heat, cluster))
+    if tokens is None or not len(tokens):
+        return Score(0, even, None, None, None)
+    d = score.node_limited(pl, tokens, cluster)
+    return Score(len(tokens), even, _per_layer(d.gpu_load), d.nodes.mean(0),
+                 (d.nodes > cluster.node_limit).mean(0), d.nodes)
 
 
 def evaluate_policy(policy: PolicyName, weight: np.ndarray, tokens: np.ndarray, cluster: Cluster) -> dict[str, Any]:
@@ -43,3 +110,14 @@ def evaluate_policy(policy: PolicyName, weight: np.ndarray, tokens: np.ndarray, 
         "nodes_max": int(dispatch.nodes.max()) if dispatch.nodes.size else 0,
         "tokens": int(tokens.shape[0]), "slots_per_gpu": cluster.slots_per_gpu,
     }
+
+
+def _per_layer(gpu_load: np.ndarray) -> np.ndarray:
+    """[L, G] -> [L] mean/max, NaN where a layer has no load (score.balancedness leaves those out)."""
+    mx = gpu_load.max(1)
+    return np.where(mx > 0, gpu_load.mean(1) / np.where(mx > 0, mx, 1), np.nan)
+
+
+def _mean(per_layer: np.ndarray) -> float:
+    ok = ~np.isnan(per_layer)
+    return float(per_layer[ok].mean()) if ok.any() else 1.0

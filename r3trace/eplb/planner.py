@@ -6,7 +6,7 @@
    history (choose_alpha: slow drift wants a long memory, fast drift a short one).
 2. Replica counts: the global policy's rule (each extra slot to the expert with the highest load per
    replica), capped at the GPUs of one node (homing.capped_counts).
-3. Layout (`layout_strategy` says which and why). On one node every replica sits on it. On several nodes
+3. Layout (`layout` says which and why). On one node every replica sits on it. On several nodes
    each group gets home nodes (whole groups packed onto nodes by load when the nodes divide the groups,
    runs of whole nodes when a group needs several), every expert's first replica goes to a home node of
    its group, and each extra replica goes to the node whose experts it is chosen with most in the window's
@@ -37,7 +37,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import numpy as np
 
@@ -139,26 +139,30 @@ def spread_cap(cluster: Cluster) -> int:
     return max(cluster.num_nodes, cluster.gpus_per_node)
 
 
-class LayoutChoice(NamedTuple):
-    strategy: str  # "one-node", "group-homes+affinity-replicas" or "one-node-per-expert"
+class Layout(NamedTuple):
+    """The layout fresh_plan builds on a cluster, and why, for reports (`r3trace eplb` prints it)."""
+
+    name: Literal["spread", "groups_on_nodes", "expert_per_node"]
     reason: str
 
 
-def layout_strategy(cluster: Cluster, cfg: PlannerConfig = PlannerConfig(), tokens: bool = True) -> LayoutChoice:
-    """Which layout plan() uses on this cluster, and why, in one line each (for the CLI and reports)."""
-    if cluster.num_nodes == 1:
-        return LayoutChoice("one-node", "one node: every replica on it, GPUs balanced by packing and swaps")
+def layout(cluster: Cluster, cfg: PlannerConfig = PlannerConfig()) -> Layout:
+    """Which of fresh_plan's layouts this cluster gets, and why, in one line."""
+    g, n = cluster.num_groups, cluster.num_nodes
+    if n == 1:
+        return Layout("expert_per_node", "one node: every replica on it, GPUs balanced by packing and swaps")
     if not spreads(cluster, cfg):
-        return LayoutChoice("one-node-per-expert", "spread_by_affinity off: every replica of an expert on one node, "
-                            "node-limited load equals the even split")
-    how = ("whole groups packed onto nodes by load" if cluster.num_groups % cluster.num_nodes == 0
-           and cluster.num_groups > cluster.num_nodes else "each group on a run of whole nodes")
-    extras = ("on the nodes of the experts they are chosen with in the newest tokens" if tokens
-              else "on the lightest nodes without one (no tokens given: no co-activation)")
-    keep = ", kept there (keep_groups: a token's cover no larger than hierarchical's)" if cfg.keep_groups else ""
-    return LayoutChoice("group-homes+affinity-replicas",
-                        f"{cluster.num_nodes} nodes, {cluster.num_groups} groups: first replicas on their group's "
-                        f"home nodes ({how}){keep}, extra replicas {extras}")
+        return Layout("expert_per_node", "spread_by_affinity off: each expert's replicas on one node, so the "
+                                         "node-limited load equals the even split")
+    how = ("whole groups packed onto nodes by load" if g % n == 0 and g > n else "each group on a run of whole nodes")
+    extras = ("extra replicas beside the experts they are chosen with in the newest tokens (without tokens: on "
+              "the lightest nodes)")
+    if cfg.keep_groups:
+        return Layout("groups_on_nodes", f"{g} groups on {n} nodes, keep_groups: first replicas stay on their "
+                                         f"group's home nodes ({how}), so no token reaches more nodes than under "
+                                         f"DeepSeek's hierarchical layout; {extras}")
+    return Layout("spread", f"{g} groups on {n} nodes: first replicas on their group's home nodes ({how}), "
+                            f"lone cold ones moved off for balance; {extras}")
 
 
 def _coact(tokens: np.ndarray | None, n_layers: int, e: int) -> np.ndarray:

@@ -21,10 +21,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from r3trace.trace.schema import TraceSchemaError, TraceStateError
 
 from .body_limit import BodyLimit
+from .choices import batch_call, choice_requests, merged
 from .config import ServerConfig
 from .errors import ERROR_RESPONSES, ApiError, install_handlers
+from .logprobs import TokenText, with_token_texts
 from .metrics import ServerMetrics
-from .openai_api import SSE_DONE, build_router, sse
+from .openai_api import build_router
+from .openai_stream import SSE_DONE, sse
 from .protocol import (
     GenerateRequest,
     GenerateResponse,
@@ -33,6 +36,7 @@ from .protocol import (
     TraceStatus,
     UpdateExpertPlacementRequest,
 )
+from .request_extras import refuse_unserved
 from .route_stream import CumulativeStream
 from .service import GenerateEngine, GenerateService
 
@@ -62,12 +66,10 @@ class RequestCounter:
 
 def generate_kwargs(req: GenerateRequest) -> dict[str, Any]:
     """GenerateRequest -> Engine.generate keywords (SGLang's `text` is the engine's `prompt`)."""
-    for name in ("lora_path", "custom_logit_processor"):
-        value = getattr(req, name)
-        if value is not None and any(v is not None for v in (value if isinstance(value, list) else [value])):
-            why = "LoRA adapters are not served" if name == "lora_path" else "custom logit processors are not run"
-            raise ApiError(400, f"{name}: {value!r}: {why}", name)
+    refuse_unserved(req)
     sp = req.sampling_params
+    for i, s in enumerate(sp if isinstance(sp, list) else [sp] if sp else []):
+        refuse_unserved(s, f"sampling_params[{i}]." if isinstance(sp, list) else "sampling_params.")
     engine_sp = [s.to_engine() for s in sp] if isinstance(sp, list) else (sp.to_engine() if sp else None)
     if req.max_new_tokens is not None:  # SGLang's top-level max_new_tokens: a default for each request's params
         engine_sp = [{"max_new_tokens": req.max_new_tokens, **s} for s in engine_sp] if isinstance(engine_sp, list) \
@@ -92,9 +94,27 @@ def generate_kwargs(req: GenerateRequest) -> dict[str, Any]:
         kw["routed_experts_replay_start_len"] = req.routed_experts_replay_start_len
     if req.tag is not None:
         kw["tag"] = req.tag
-    if req.routed_dp_rank is not None:  # the engine checks it against its dp_size and names the field
-        kw["routed_dp_rank"] = req.routed_dp_rank
+    # the engine checks it against its dp_size and names the field; data_parallel_rank: SGLang's deprecated name,
+    # used only when routed_dp_rank is unset (GenerateReqInput.normalize_batch_and_arguments)
+    dp_rank = req.routed_dp_rank if req.routed_dp_rank is not None else req.data_parallel_rank
+    if dp_rank is not None:
+        kw["routed_dp_rank"] = dp_rank
     return kw
+
+
+def choices_per_prompt(req: GenerateRequest) -> int:
+    """SGLang's parallel sampling: sampling_params.n, which every entry of a list must give alike (as SGLang)."""
+    sp = req.sampling_params
+    if sp is None:
+        return 1
+    if not isinstance(sp, list):
+        return sp.n or 1
+    ns = [s.n or 1 for s in sp]
+    for i, n in enumerate(ns):
+        if n != ns[0]:
+            raise ApiError(400, f"sampling_params[{i}].n: {n} differs from sampling_params[0].n={ns[0]}: one n for "
+                                "every prompt of a request", f"sampling_params[{i}].n")
+    return ns[0]
 
 
 def routing_shape(engine: GenerateEngine) -> dict[str, Any]:
@@ -136,6 +156,7 @@ def create_app(engine: GenerateEngine, config: ServerConfig | None = None) -> Fa
     config = config or ServerConfig()
     metrics = ServerMetrics(config.model_name)
     service = GenerateService(engine, metrics, config.max_concurrency)
+    token_text = TokenText(getattr(engine, "tokenizer", None))  # names logprob tokens (OpenAI, return_text_...)
     app = FastAPI(title="r3trace", version="0.1.0",
                   description="SGLang- and OpenAI-compatible generation with routed-expert capture.")
     install_handlers(app)
@@ -146,15 +167,25 @@ def create_app(engine: GenerateEngine, config: ServerConfig | None = None) -> Fa
         200: {"content": {"text/event-stream": {}},
               "description": "JSON result(s), or with stream=true SSE chunks then [DONE]"}})
     async def generate(req: GenerateRequest) -> Any:
-        kw = generate_kwargs(req)
+        """One request, a list, or n choices per prompt (sampling_params.n): a list of results, prompt-major, as
+        SGLang returns them; a stream of several carries each chunk's `index` in that list."""
+        kw, n = generate_kwargs(req), choices_per_prompt(req)
+
+        def texts(result: dict[str, Any]) -> dict[str, Any]:
+            return with_token_texts(token_text, result) if req.return_text_in_logprobs else result
+
         if not req.stream:
-            return await service.generate(kw)
-        chunks = await service.open_stream(kw)
+            out = await service.generate(kw if n == 1 else batch_call(choice_requests(kw, n)))
+            return [texts(r) for r in out] if isinstance(out, list) else texts(out)
+        choices = choice_requests(kw, n)
+        streams = await service.open_streams(choices)
 
         async def events() -> AsyncIterator[bytes]:
-            whole = None if req.incremental_streaming_output else CumulativeStream()
-            async for chunk in chunks:
-                yield sse(chunk if whole is None else whole.add(chunk))
+            wholes = [None if req.incremental_streaming_output else CumulativeStream() for _ in choices]
+            async for i, chunk in merged(streams):
+                whole = wholes[i]
+                out = texts(chunk) if whole is None else whole.add(texts(chunk))
+                yield sse(out if len(choices) == 1 else {**out, "index": i})
             yield SSE_DONE
 
         return StreamingResponse(events(), media_type="text/event-stream")
@@ -227,7 +258,8 @@ def create_app(engine: GenerateEngine, config: ServerConfig | None = None) -> Fa
         except ValueError as exc:  # ExpertLocationError: the message names what is wrong with the file
             raise ApiError(400, f"path: {exc}", "path") from exc
 
-    app.include_router(build_router(service, config.model_name, config.chat_template, config.model_names))
+    app.include_router(build_router(service, config.model_name, config.chat_template, config.model_names,
+                                    token_text))
     app.add_middleware(RequestCounter, metrics=metrics)
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)  # outermost: runs before anything parses
     app.state.metrics = metrics

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from .errors import ApiError
-from .protocol import ChatMessage
+from .openai_requests import ChatMessage
 
 FALLBACK_TEMPLATE = (
     "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
@@ -29,13 +30,16 @@ def load_chat_template(model_dir: str | Path) -> str | None:
     return tpl if isinstance(tpl, str) else None
 
 
-def render_chat(messages: list[ChatMessage], template: str | None) -> str:
+def render_chat(messages: list[ChatMessage], template: str | None, kwargs: dict[str, Any] | None = None) -> str:
+    """The prompt: `template` over the messages; `kwargs` are extra template variables (chat_template_kwargs, as
+    transformers' apply_chat_template passes them), never overriding messages or add_generation_prompt."""
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     tpl = env.from_string(template or FALLBACK_TEMPLATE)
     msgs = [{**m.model_dump(exclude_none=True), "content": message_text(m, i)} for i, m in enumerate(messages)]
-    return tpl.render(messages=msgs, add_generation_prompt=True, bos_token="", eos_token="")
+    return tpl.render({"bos_token": "", "eos_token": "", **(kwargs or {}), "messages": msgs,
+                       "add_generation_prompt": True})
 
 
 def message_text(message: ChatMessage, index: int) -> str:

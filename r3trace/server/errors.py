@@ -13,11 +13,24 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from r3trace.engine.request import InvalidRequestError
 
-from .protocol import ErrorResponse
+
+class ErrorDetail(BaseModel):
+    message: str = Field(description="names the field, the value and the limit")
+    type: str
+    param: str | None = Field(default=None, description="the offending field, dotted (sampling_params.top_p)")
+    code: int | str = Field(description="the HTTP status, or OpenAI's code where it names one (model_not_found)")
+
+
+class ErrorResponse(BaseModel):
+    """Every 4xx/5xx body: OpenAI's error envelope (SGLang's /generate errors also sit under `error`)."""
+
+    error: ErrorDetail
+
 
 _TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowed", 409: "ConflictError",
           413: "RequestTooLarge", 500: "InternalServerError", 501: "NotImplementedError",

@@ -1,4 +1,6 @@
-"""Request and response bodies of the HTTP server, as pydantic models (they are the OpenAPI spec).
+"""Request and response bodies of the HTTP server, as pydantic models (they are the OpenAPI spec); the OpenAI
+endpoints' request bodies are in openai_requests.py, their response bodies in openai_responses.py, and the SGLang
+fields r3trace accepts without acting on, or refuses, in request_extras.py.
 
 Requests forbid unknown fields and coerce nothing (`strict=True`): `"return_routed_experts": "yes"`
 or `"max_tokens": "8"` is a 400 naming the field, not a silent guess. Value ranges that depend on the
@@ -12,10 +14,15 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-_STRICT = ConfigDict(extra="forbid", strict=True)
+from .request_extras import GenerateExtras, SamplingExtras
+
+STRICT = ConfigDict(extra="forbid", strict=True)
 
 
-class SamplingParamsBody(BaseModel):
+MAX_CHOICES = 128  # OpenAI's limit on n; each choice is an engine request of its own
+
+
+class SamplingParamsBody(SamplingExtras):
     """SGLang's sampling_params: the engine's SamplingParams, same names, every field passed on; value ranges are
     the engine's (SGLang's SamplingParams.verify), a 400 naming the field and the limit.
 
@@ -30,9 +37,16 @@ class SamplingParamsBody(BaseModel):
     | spaces_between_special_tokens  | accepted: a slow tokenizer's option; tokenizer.json decoding ignores |
     |                                | it, as transformers' fast tokenizers do under SGLang                 |
     | no_stop_trim                   | honoured: a matched stop string or stop token stays in the text      |
+    | n                              | parallel sampling (r3trace/server/choices.py): n engine requests per |
+    |                                | prompt, results prompt-major; seeded choice j samples with seed + j  |
+    | logit_bias                     | honoured: token id -> bias in [-100, 100] added to the logits after  |
+    |                                | the penalties (SGLang's order); ids checked against the vocabulary   |
+    | custom_params, stream_interval | accepted, ignored (no custom logit processor; a chunk every step)    |
+    | json_schema, regex, ebnf, structural_tag | a 400 when given: constrained decoding is not served       |
+    | stop_regex                     | a 400 when given: stop regexes are not matched (stop strings are)    |
     """
 
-    model_config = _STRICT
+    model_config = STRICT
     max_new_tokens: int | None = Field(default=None, ge=0)
     min_new_tokens: int | None = None
     temperature: float | None = Field(default=None, ge=0)
@@ -50,26 +64,34 @@ class SamplingParamsBody(BaseModel):
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
     no_stop_trim: bool | None = None
+    n: int | None = Field(default=None, ge=1, le=MAX_CHOICES, description="choices per prompt (SGLang's "
+                          "parallel sampling): the results are a list, prompt-major; seeded choice j uses seed + j")
+    logit_bias: dict[str, float] | None = Field(default=None, description="token id (a string, as JSON keys are) -> "
+                                                "bias in [-100, 100] added to the logits before sampling")
 
     def to_engine(self) -> dict[str, Any]:
-        return self.model_dump(exclude_none=True)
+        return self.model_dump(exclude_none=True, exclude={"n", *SamplingExtras.model_fields})
 
 
-class GenerateRequest(BaseModel):
+class GenerateRequest(GenerateExtras):
     """POST /generate. Exactly one of `text` / `input_ids`; a list of prompts is a batch.
 
-    SGLang GenerateReqInput fields that do not change r3trace's output:
+    SGLang GenerateReqInput fields beside the prompt, sampling, logprob and route ones (docs/compatibility.md):
     | field                         | r3trace                                                              |
     | max_new_tokens (top level)    | honoured: fills sampling_params.max_new_tokens where that is unset.   |
     |                               | Differs: GenerateReqInput has no such field, so SGLang drops it      |
     | extra_key, priority           | accepted, ignored (one cache namespace; first come, first served)    |
-    | return_text_in_logprobs       | accepted, ignored: logprob entries carry token ids only              |
-    | return_hidden_states          | false accepted; true refused (hidden states are not returned)        |
-    | custom_logit_processor        | null accepted; a processor is refused (400)                          |
-    | lora_path                     | null accepted; a path is refused (400, LoRA adapters are not served) |
+    | return_text_in_logprobs       | honoured: each logprob entry's third element is its token's text     |
+    | data_parallel_rank            | honoured: SGLang's deprecated name of routed_dp_rank (used when that |
+    |                               | is unset, as SGLang migrates it)                                     |
+    | GenerateExtras' ignored group | accepted, ignored: bookkeeping, PD-disaggregation bootstrap, cache   |
+    |                               | and routing hints, media options (media itself is refused)           |
+    | GenerateExtras' refused group | null / false accepted; given, a 400 naming the field and why: lora,  |
+    |                               | custom_logit_processor, media and embeddings, return_hidden_states   |
+    |                               | and the other returns r3trace lacks, session_params, reasoning knobs |
     """
 
-    model_config = _STRICT
+    model_config = STRICT
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
     sampling_params: SamplingParamsBody | list[SamplingParamsBody] | None = None
@@ -87,7 +109,8 @@ class GenerateRequest(BaseModel):
         default=None, ge=0, description="r3trace extension, partial replay: routed_experts forces positions "
         "[start, start + rows) and the gate routes the others"
     )
-    stream: bool = False
+    stream: bool = Field(default=False, description="server-sent events; with several requests (a list, or "
+                         "sampling_params.n > 1) each chunk carries `index`, the request's place in the list")
     incremental_streaming_output: bool = Field(
         default=False, description="r3trace extension, per request (SGLang has it only as the server flag "
         "--incremental-streaming-output): each stream chunk carries what that step added (text, output_ids, "
@@ -105,9 +128,6 @@ class GenerateRequest(BaseModel):
     extra_key: str | list[str] | None = None
     priority: int | None = None
     return_text_in_logprobs: bool = False
-    return_hidden_states: Literal[False] = False
-    custom_logit_processor: str | list[str | None] | None = None
-    lora_path: str | list[str | None] | None = None
 
 
 class MetaInfo(BaseModel):
@@ -136,157 +156,15 @@ class GenerateResponse(BaseModel):
     error: str | None = None
 
 
-class ErrorDetail(BaseModel):
-    message: str = Field(description="names the field, the value and the limit")
-    type: str
-    param: str | None = Field(default=None, description="the offending field, dotted (sampling_params.top_p)")
-    code: int | str = Field(description="the HTTP status, or OpenAI's code where it names one (model_not_found)")
-
-
-class ErrorResponse(BaseModel):
-    """Every 4xx/5xx body: OpenAI's error envelope (SGLang's /generate errors also sit under `error`)."""
-
-    error: ErrorDetail
-
-
-class StreamOptions(BaseModel):
-    model_config = _STRICT
-    include_usage: bool = False
-
-
-class RouteFlags(BaseModel):
-    """Extension fields the OpenAI endpoints accept, as SGLang does, and the OpenAI fields both bodies share.
-
-    | field            | r3trace                                                                      |
-    | stream_options   | include_usage honoured: a last chunk with `choices: []` and `usage`          |
-    | user             | accepted, ignored (OpenAI's end-user id)                                     |
-    | seed             | honoured: the request's own generator                                        |
-    | n                | 1 only; n > 1 is a 400 (one choice per request)                              |
-    | response_format  | {"type": "text"} accepted; other types are a 400 (no constrained decoding)   |
-    | tools, tool_choice | a 400 when given (no tool-call parser)                                     |
-    | frequency_penalty, presence_penalty | honoured: sampling_params of the same names                |
-    | repetition_penalty, min_p, no_stop_trim, skip_special_tokens | SGLang's extras: honoured, same names |
-    | min_tokens         | SGLang's extra: honoured as sampling_params.min_new_tokens                    |
-    """
-
-    model_config = _STRICT
-    return_routed_experts: bool = False
-    routed_experts_start_len: int = Field(default=0, ge=0)
-    top_k: int | None = None
-    seed: int | None = Field(default=None, ge=0)
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    repetition_penalty: float | None = None
-    min_p: float | None = None
-    min_tokens: int | None = None
-    no_stop_trim: bool | None = None
-    skip_special_tokens: bool | None = None
-    n: int = Field(default=1, ge=1)
-    user: str | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    response_format: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-
-
-class CompletionRequest(RouteFlags):
-    """POST /v1/completions (logprobs and echo are not implemented and so refused)."""
-
-    model: str | None = None
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=0)
-    temperature: float | None = Field(default=None, ge=0)
-    top_p: float | None = None
-    stop: str | list[str] | None = None
-
-
-class ChatMessage(BaseModel):
-    model_config = _STRICT
-    role: Literal["system", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] = Field(description="a string, or OpenAI content parts: text parts are "
-                                                "joined with newlines; image parts are a 400")
-    name: str | None = None
-
-
-class ChatCompletionRequest(RouteFlags):
-    """POST /v1/chat/completions; the prompt is the model's chat template applied to `messages`."""
-
-    model: str | None = None
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=0)
-    max_completion_tokens: int | None = Field(default=None, ge=0)
-    temperature: float | None = Field(default=None, ge=0)
-    top_p: float | None = None
-    stop: str | list[str] | None = None
-
-
-class SglExt(BaseModel):
-    """SGLang's response-level extension block: the routes (SGLang's `routed_experts`) and r3trace's shape, dtype,
-    layer ids and start_len beside them; with several choices, `choices` holds each one's by index."""
-
-    model_config = ConfigDict(extra="allow")
-    routed_experts: str | None = None
-    routed_experts_shape: list[int] | None = None
-    routed_experts_dtype: str | None = None
-    moe_layer_ids: list[int] | None = None
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    finish_reason: str | None
-    logprobs: None = None
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage
-    sglext: SglExt | None = None
-
-
-class ChatResponseMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str
-
-
-class ChatCompletionChoice(BaseModel):
-    index: int
-    message: ChatResponseMessage
-    finish_reason: str | None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatCompletionChoice]
-    usage: Usage
-    sglext: SglExt | None = None
-
-
 class UpdateExpertPlacementRequest(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
     path: str = Field(description="an expert placement under the server's --placement-root: `r3trace eplb --out`'s "
                                   "JSON, or SGLang's expert-location JSON / .pt")
     chunk_layers: int = Field(default=1, ge=1, le=1 << 16, description="MoE layers switched between two steps")
 
 
 class StartTraceRequest(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
     trace_dir: str = Field(description="folder under the server's --trace-root (relative or absolute)")
     run_id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9._-]{1,128}$",
                                description="the run's id (default: a timestamp and random suffix)")

@@ -81,10 +81,31 @@ class GenerateService:
 
     async def open_stream(self, kwargs: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """Validates and submits now (errors raise here, before any byte is sent), then yields chunks."""
-        self.check_kwargs(kwargs)
-        it: Iterator[dict[str, Any]] = await self.call(self.engine.generate, **kwargs, stream=True)
-        self.metrics.enter()
-        return self._chunks(it)
+        [stream] = await self.open_streams([kwargs])
+        return stream
+
+    async def open_streams(self, requests: list[dict[str, Any]]) -> list[AsyncIterator[dict[str, Any]]]:
+        """One stream per request, every request validated and submitted before this returns; if one is refused,
+        those already submitted are closed before the error goes out."""
+        its: list[Iterator[dict[str, Any]]] = []
+        try:
+            for kwargs in requests:
+                self.check_kwargs(kwargs)
+                its.append(await self.call(self.engine.generate, **kwargs, stream=True))
+        except BaseException:
+            for it in its:
+                await self._close(it)
+            raise
+        for _ in its:
+            self.metrics.enter()
+        return [self._chunks(it) for it in its]
+
+    @staticmethod
+    async def _close(it: Iterator[dict[str, Any]]) -> None:
+        close = getattr(it, "close", None)
+        if close is not None:  # the engine aborts the request
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(close)
 
     async def _chunks(self, it: Iterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
         done = object()
@@ -99,7 +120,4 @@ class GenerateService:
                 yield chunk
         finally:
             self.metrics.leave()
-            close = getattr(it, "close", None)
-            if close is not None:  # the client went away: the engine aborts the request
-                with anyio.CancelScope(shield=True):
-                    await anyio.to_thread.run_sync(close)
+            await self._close(it)  # after the last chunk a no-op; before it, the client went away

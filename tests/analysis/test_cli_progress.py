@@ -41,13 +41,14 @@ def test_synth_counts_banks_and_the_tokens_it_writes(tmp_path: Path) -> None:
 
 
 def test_eplb_scan_progress_and_silence_off_a_terminal(store: Path) -> None:
-    quiet = cli("eplb", str(store), *EPLB, "--window-s", "2", cwd=store)  # auto: stderr is a pipe here: no bar
+    flags = (*EPLB, "--policy", "ours", "--window-s", "2", "--train", "time=..10")
+    quiet = cli("eplb", str(store), *flags, cwd=store)  # auto: stderr is a pipe here: no bar
     assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr
-    loud = cli("--progress", "on", "eplb", str(store), *EPLB, "--window-s", "2", cwd=store)
+    loud = cli("--progress", "on", "eplb", str(store), *flags, cwd=store)
     assert loud.returncode == 0, loud.stderr
-    assert loud.stdout == quiet.stdout and "ours: P=16 on 4 GPUs / 2 nodes" in loud.stdout  # the bar only reports
-    assert final_bar(loud.stderr, "heat").startswith("heat: 100%")
-    assert final_bar(loud.stderr, "heat windows").startswith("heat windows: 100%")
+    assert loud.stdout == quiet.stdout and "ours + ema forecast: P=16 on 4 GPUs / 2 nodes" in loud.stdout
+    assert final_bar(loud.stderr, "heat").startswith("heat: 100%")  # the training window's
+    assert final_bar(loud.stderr, "held-out heat").startswith("held-out heat: 100%")
 
 
 def test_ingest_counts_files_and_tokens(store: Path, tmp_path: Path) -> None:

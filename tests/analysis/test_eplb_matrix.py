@@ -9,7 +9,7 @@ from bench.eplb_matrix import METRICS, TraceSpec, cells, dominates, run_cell, su
 from bench.eplb_traces import sglang_dump, synth_windows
 from r3trace.analysis.synth import SynthConfig, route_windows
 from r3trace.eplb import Cluster, PlannerConfig, churn, global_policy, hierarchical, plan
-from r3trace.eplb.planner import layout_strategy
+from r3trace.eplb.planner import layout
 from r3trace.eplb.score import balancedness, even_gpu_load, heat_of, node_limited
 
 
@@ -78,7 +78,7 @@ def test_ours_on_eight_nodes_beats_global_on_the_newest_window_and_the_old_hiera
     ours, glob, hier, nl_ours, nl_glob, n_ours, n_glob = np.mean(rows, axis=0)
     assert ours >= glob and nl_ours >= nl_glob and n_ours <= n_glob - 1.0
     assert ours >= hier + 0.1
-    assert layout_strategy(cl).strategy == "group-homes+affinity-replicas"
+    assert layout(cl).name == "spread" and layout(cl, PlannerConfig(keep_groups=True)).name == "groups_on_nodes"
     again = plan(heats[:5], cl, prev, tokens=wins[4])  # the same windows once more: a stable re-plan
     assert churn(prev, again) <= 0.10  # the goal for an unchanged workload
     keep = plan(heats[:5], cl, tokens=wins[4], cfg=PlannerConfig(keep_groups=True))

@@ -16,9 +16,9 @@ from r3trace.analysis.ingest import (
     ModelShape,
     ingest_expert_distribution,
     ingest_native,
-    ingest_numpy,
     ingest_responses,
 )
+from r3trace.analysis.ingest_numpy import ingest_numpy
 from r3trace.analysis.store import TraceStore
 
 SHAPE = ModelShape(num_hidden_layers=4, moe_layer_ids=(1, 2, 3), num_experts=16, top_k=2)

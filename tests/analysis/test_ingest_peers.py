@@ -165,7 +165,7 @@ def test_sglang_sglext_response_and_stream_and_narrow_generate(tmp_path: Path) -
 
 
 def test_r3trace_sgl_ext_stream_deltas_and_wire_dtype_flag(tmp_path: Path) -> None:
-    from r3trace.server.openai_api import route_fields  # what older r3trace sent per choice as `sgl_ext`
+    from r3trace.server.openai_stream import route_fields  # what older r3trace sent per choice as `sgl_ext`
 
     rng = np.random.default_rng(24)
     full = routes(rng, 7, dense=-1)
@@ -189,7 +189,7 @@ def test_r3trace_sgl_ext_stream_deltas_and_wire_dtype_flag(tmp_path: Path) -> No
 
 
 def test_r3trace_sglext_with_several_choices(tmp_path: Path) -> None:
-    from r3trace.server.openai_api import sglext  # r3trace's response-level block, `choices` when there are several
+    from r3trace.server.openai_stream import sglext  # r3trace's response-level block, `choices` when there are several
 
     rng = np.random.default_rng(25)
     a, b = routes(rng, 5, dense=-1), routes(rng, 3, dense=-1)

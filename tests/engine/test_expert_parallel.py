@@ -38,8 +38,8 @@ from r3trace.engine.layers.dispatcher import (
     dispatch_layout,
     expert_slice,
     local_experts,
-    make_dispatcher,
 )
+from r3trace.engine.layers.dispatcher_choice import make_dispatcher
 from r3trace.engine.layers.expert_location import ExpertLocation, physical_expert_weights
 from r3trace.engine.layers.expert_map import ExpertMap
 from r3trace.engine.layers.low_latency_dispatcher import LowLatencyDispatcher

@@ -1,6 +1,7 @@
 """The engine's configuration sits below the model: engine_config never imports the model or its CUDA graphs, so
-model -> engine_config and cuda_graph -> model are one-way. Read from the sources, function-level imports and
-`if TYPE_CHECKING:` blocks included, since those are where a cycle hides.
+model -> engine_config and cuda_graph -> model are one-way. The token dispatchers likewise: low_latency_dispatcher
+imports dispatcher (for Dispatched), never the reverse, and dispatcher_choice sits above both. Read from the
+sources, function-level imports and `if TYPE_CHECKING:` blocks included, since those are where a cycle hides.
 
 Run: .venv/bin/python -m pytest -q tests/engine/test_import_direction.py
 """
@@ -61,3 +62,12 @@ def test_engine_config_model_and_cuda_graph_import_one_way() -> None:
     assert reaches(g, model, cfg) and reaches(g, graphs, model)  # the direction that must exist
     for low, high in ((cfg, model), (cfg, graphs), (model, graphs)):
         assert reaches(g, low, high) is None, f"{low} imports {high}: {' -> '.join(reaches(g, low, high) or [])}"
+
+
+def test_dispatcher_modules_import_one_way() -> None:
+    g = import_graph()
+    base, low, choice = (f"{PACKAGE}.layers.{m}" for m in ("dispatcher", "low_latency_dispatcher", "dispatcher_choice"))
+    assert reaches(g, low, base) and reaches(g, choice, low) and reaches(g, choice, base)
+    for lower, higher in ((base, low), (base, choice), (low, choice)):
+        path = reaches(g, lower, higher)
+        assert path is None, f"{lower} imports {higher}: {' -> '.join(path)}"

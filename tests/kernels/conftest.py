@@ -1,4 +1,5 @@
-"""Shared pieces of the kernel tests: device choice, the tolerance table, poisoning, paged caches.
+"""Shared pieces of the kernel tests: device choice, the tolerance table, poisoning, paged caches (built by
+bench/inputs.py, the builder the bench scripts use too).
 
 Triton kernels run on CPU only under its interpreter (TRITON_INTERPRET=1, set by `make test`); on a
 CUDA machine without that variable they run compiled on the GPU. DEVICE is whichever of the two this
@@ -13,6 +14,10 @@ from typing import Any
 
 import pytest
 import torch
+
+from bench.inputs import paged_req_to_token
+
+__all__ = ["paged_req_to_token"]  # the bench's builder (bench/inputs.py): the kernel tests' paged caches
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_CUDA = torch.cuda.is_available()
@@ -72,28 +77,6 @@ def poisoned_empty(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
     monkeypatch.setattr(torch, "empty", hostile_empty)
     yield
-
-
-def paged_req_to_token(
-    lens: list[int], page_size: int, gen: torch.Generator, extra_rows: int = 2
-) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """A req_to_token table for requests of the given lengths, pages shuffled so no request's pages are
-    contiguous, request rows shuffled too. Returns (req_to_token [R, max_ctx] int32, req_pool_indices
-    [B] int64, number of slots S)."""
-    B = len(lens)
-    pages_per_req = [(n + page_size - 1) // page_size for n in lens]
-    num_pages = sum(pages_per_req) + 3  # spare pages: slots no request owns hold random data too
-    page_order = torch.randperm(num_pages, generator=gen)
-    rows = torch.randperm(B + extra_rows, generator=gen)[:B]
-    max_ctx = max(lens) + 5
-    req_to_token = torch.full((B + extra_rows, max_ctx), -1, dtype=torch.int32)
-    next_page = 0
-    for b, n in enumerate(lens):
-        pages = page_order[next_page : next_page + pages_per_req[b]]
-        next_page += pages_per_req[b]
-        slots = (pages[:, None] * page_size + torch.arange(page_size)[None, :]).reshape(-1)[:n]
-        req_to_token[rows[b], :n] = slots.to(torch.int32)
-    return req_to_token, rows.long(), num_pages * page_size
 
 
 def assert_graph_replay_matches_eager(tile: Any, heads: int) -> None:

@@ -156,3 +156,24 @@ def test_latent_write_under_cuda_graph() -> None:
     ref = cache.clone()
     latent_write_ref(kv_a, w, 1e-6, pos, cos, sin, loc, ref)
     _close(cache[loc], ref[loc], torch.bfloat16, 2)
+
+
+def test_latent_write_one_token_slot_from_a_table_column() -> None:
+    """One decode token whose slot is the last column of a req_to_token row (bench/capture.py at batch 1:
+    `req_to_token[:, -1].long()`): torch keeps the column's stride (the table's width) on a one-element tensor
+    and calls it contiguous. A one-element dimension's stride is never used, so the launcher takes it and writes
+    the same row as the reference."""
+    gen = torch.Generator().manual_seed(5)
+    table = torch.randperm(40, generator=gen)[:24].view(1, 24).to(torch.int32).to(DEVICE)  # [B = 1, context]
+    loc = table[:, -1].long()
+    assert loc.stride() == (24,) and loc.is_contiguous()
+    cos, sin = _tables(30, 8)
+    kv_a = torch.randn(1, 48, generator=gen).to(DEVICE)
+    w = (1 + 0.2 * torch.randn(32, generator=gen)).to(DEVICE)
+    pos = torch.tensor([23], device=DEVICE)
+    before = torch.randn(40, 48, generator=gen).to(DEVICE)
+    cache, cache_ref = before.clone(), before.clone()
+    latent_write(kv_a, w, 1e-6, pos, cos, sin, loc, cache)
+    latent_write_ref(kv_a, w, 1e-6, pos, cos, sin, loc, cache_ref)
+    _close(cache, cache_ref, torch.float32, 2)
+    assert not torch.equal(cache, before), "the slot was written"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bench.inputs import paged_decode_inputs
 from r3trace.kernels.contract import KernelInputError
 from r3trace.kernels.mla_decode import (
     DecodeTile,
@@ -36,12 +37,7 @@ def _case(
     dtype: torch.dtype, device: str, seed: int,
 ) -> tuple[torch.Tensor, ...]:  # fmt: skip
     gen = torch.Generator().manual_seed(seed)
-    req_to_token, rows, S = paged_req_to_token(lens, page_size, gen)
-    C = kv_lora + rope
-    q = torch.randn(len(lens), H, C, generator=gen).to(device, dtype)
-    kv_cache = torch.randn(S, C, generator=gen).to(device, dtype)
-    seq_lens = torch.tensor(lens, dtype=torch.int64, device=device)
-    return q, kv_cache, req_to_token.to(device), rows.to(device), seq_lens
+    return tuple(paged_decode_inputs(lens, H, kv_lora, rope, page_size, dtype, device, gen))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)

@@ -45,3 +45,29 @@ def http(server: LiveServer) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=server.url, timeout=60) as client:
         yield client
 
+
+
+SAMPLE = Path(__file__).resolve().parents[2] / "samples" / "model"
+
+
+@pytest.fixture(scope="session")
+def sample_engine() -> Iterator[Engine]:
+    """The bundled sample model (trained weights, a byte-level BPE tokenizer.json): token texts and logprobs that
+    mean something, unlike the tiny random checkpoint's byte tokenizer."""
+    if not (SAMPLE / "config.json").exists():
+        pytest.skip("samples/model is not in this checkout")
+    eng = Engine(SAMPLE, max_running_requests=64)
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="session")
+def sample_server(sample_engine: Engine) -> Iterator[LiveServer]:
+    with LiveServer(create_app(sample_engine, ServerConfig(model_name="sample"))) as live:
+        yield live
+
+
+@pytest.fixture()
+def sample_http(sample_server: LiveServer) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=sample_server.url, timeout=120) as client:
+        yield client

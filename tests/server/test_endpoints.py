@@ -112,12 +112,16 @@ def test_openapi_spec_matches(http: httpx.Client) -> None:
             "stream"} <= set(gen["properties"])
     assert schemas["SamplingParamsBody"]["additionalProperties"] is False
     assert "4XX" in spec["paths"]["/generate"]["post"]["responses"]
-    # the spec's sampling fields are the engine's: nothing the engine would refuse, nothing missing
+    # the spec's sampling fields are the engine's: nothing the engine would refuse, nothing missing (n, SGLang's
+    # parallel sampling, is the server's: it makes n engine requests; SamplingExtras are SGLang's fields the server
+    # ignores or refuses itself, never passed on)
     from dataclasses import fields
 
     from r3trace.engine import SamplingParams
+    from r3trace.server.request_extras import SamplingExtras
     engine_fields = {f.name for f in fields(SamplingParams)} | {"sampling_seed"}
-    assert set(schemas["SamplingParamsBody"]["properties"]) == engine_fields
+    assert not engine_fields & set(SamplingExtras.model_fields)
+    assert set(schemas["SamplingParamsBody"]["properties"]) == engine_fields | {"n", *SamplingExtras.model_fields}
     # a real response has only fields the spec declares
     out = http.post("/generate", json={"input_ids": [1, 2], "sampling_params": GREEDY}).json()
     assert set(out) <= set(schemas["GenerateResponse"]["properties"])

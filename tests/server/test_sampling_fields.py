@@ -20,7 +20,7 @@ import pytest
 
 from r3trace.engine import Engine
 from r3trace.server.chat import render_chat
-from r3trace.server.protocol import ChatMessage
+from r3trace.server.openai_requests import ChatMessage
 
 PROMPT = [11, 42, 97, 5, 230, 64]
 GREEDY = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}
@@ -123,7 +123,7 @@ def test_out_of_range_is_a_400_naming_field_and_limit(http: httpx.Client, path: 
 def test_openai_bodies_pass_each_field_on() -> None:
     """Each OpenAI-body field lands in the engine's sampling_params under SGLang's /generate name."""
     from r3trace.server.openai_api import engine_kwargs
-    from r3trace.server.protocol import ChatCompletionRequest, CompletionRequest
+    from r3trace.server.openai_requests import ChatCompletionRequest, CompletionRequest
 
     for req in (CompletionRequest(prompt=PROMPT, min_tokens=3, **OPENAI_EXTRAS),
                 ChatCompletionRequest(messages=[ChatMessage(role="user", content="hi")], min_tokens=3,
@@ -139,5 +139,5 @@ def test_generate_body_passes_every_field_on() -> None:
     sp = {"max_new_tokens": 9, "min_new_tokens": 2, "temperature": 0.5, "top_k": 7, "top_p": 0.9, "min_p": 0.1,
           "frequency_penalty": 0.5, "presence_penalty": -0.5, "repetition_penalty": 1.3, "seed": 3,
           "stop": ["x"], "stop_token_ids": [4], "ignore_eos": True, "sampling_seed": 3, "skip_special_tokens": False,
-          "spaces_between_special_tokens": False, "no_stop_trim": True}
+          "spaces_between_special_tokens": False, "no_stop_trim": True, "logit_bias": {"3": 1.5}}
     assert SamplingParamsBody(**sp).to_engine() == sp

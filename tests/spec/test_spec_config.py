@@ -102,6 +102,8 @@ def test_output_dependent_sampling_options_are_refused(make_spec_engine: Any, mt
         with pytest.raises(InvalidRequestError, match=f"sampling_params.{name}: {value!r} is not supported with "
                                                       "speculative decoding"):
             engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 4, name: value})
+    with pytest.raises(InvalidRequestError, match="sampling_params.logit_bias: is not supported with speculative"):
+        engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 4, "logit_bias": {"3": 5}})
     both = engine.generate(input_ids=[[5, 6, 7], [8, 9]], sampling_params=[
         {"max_new_tokens": 4, "frequency_penalty": 0.5}, {"max_new_tokens": 4, "min_p": 0.2, "ignore_eos": True}])
     assert "frequency_penalty" in both[0]["error"] and len(both[1]["output_ids"]) == 4

@@ -1,0 +1,248 @@
+"""One EPLB plan from a trace and what it scores, in-sample and held out: what `r3trace eplb` prints and the
+dashboard's EPLB page draws.
+
+Steps: resolve the training and held-out windows (window.py); read the training window's heat per history
+window (rollups unless the windows are forward ranges) and bounded token samples (loads.py); with policy
+"auto" pick the policy and forecast by backtest (backtest.py); plan on the whole training window; score the plan
+on the training window (in-sample) and on the held-out window.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, NamedTuple
+
+import numpy as np
+
+from r3trace.analysis.store import TraceStore
+from r3trace.eplb import window as win
+from r3trace.eplb.backtest import RULE, Candidate, backtest, choose
+from r3trace.eplb.evaluate import FORECASTS, POLICIES, Forecast, PolicyName, Score, plan_policy, score_placement
+from r3trace.eplb.loads import HeatSource, run_facts, span_heat, span_tokens
+from r3trace.eplb.placement import Cluster, Placement, PlacementError, churn, from_phy2log
+from r3trace.eplb.planner import Layout, layout
+from r3trace.eplb.score import even_gpu_load, node_counts
+from r3trace.errors import StoreError
+from r3trace.trace.schema import Manifest
+
+PolicyChoice = Literal["auto", "ours", "global", "hierarchical", "cross_node"]
+DEFAULT_FORECAST: dict[str, Forecast] = {"ours": "ema", "global": "mean", "hierarchical": "mean",
+                                         "cross_node": "mean"}
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    cluster: Cluster
+    policy: PolicyChoice = "auto"
+    forecast: Forecast | None = None  # None: auto tries every forecast; a named policy takes DEFAULT_FORECAST
+    train: win.WindowSpec | None = None  # None: the whole run (or what precedes `held_out`)
+    held_out: win.WindowSpec | None = None  # None: what follows the training window, if anything
+    run_id: str | None = None  # the run of time and forward windows
+    windows: int = 8  # history windows the training window is cut into
+    window_s: float | None = None  # or history windows of this length
+    replay_tokens: int = 8192  # tokens replayed per scored window (first ones held out, newest ones in-sample)
+    source: HeatSource | None = None  # None: rollups, routes for forward windows
+    previous: Placement | None = None
+
+
+@dataclass(frozen=True)
+class Backtest:
+    fit: str
+    validate: str
+    candidates: list[Candidate]
+    chosen: Candidate | None
+    note: str = ""  # why there was no backtest
+    rule: str = RULE
+
+
+@dataclass(frozen=True)
+class Report:
+    train: win.Selection
+    held_out: win.Selection | None
+    held_out_note: str  # why there is no held-out score
+    policy: PolicyName
+    forecast: Forecast
+    placement: Placement
+    layout: Layout | None  # ours only
+    spread_layers: int  # layers with an expert whose replicas sit on more than one node
+    backtest: Backtest | None
+    in_sample: Score
+    held: Score | None
+    churn: float | None
+    source: HeatSource
+    history_windows: int
+    seconds: dict[str, float] = field(default_factory=dict)
+    # what the plan was made and scored on: history [W, L, E], tokens [T, L, K] (None: heat-only), held_heat [L, E]
+    history: np.ndarray | None = None
+    train_tokens: np.ndarray | None = None
+    held_heat: np.ndarray | None = None
+    held_tokens: np.ndarray | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The figures as JSON-able data (`--out`'s meta.report)."""
+        bt = None
+        if self.backtest is not None:
+            bt = {"fit": self.backtest.fit, "validate": self.backtest.validate, "rule": self.backtest.rule,
+                  "note": self.backtest.note,
+                  "chosen": None if self.backtest.chosen is None else
+                  [self.backtest.chosen.policy, self.backtest.chosen.forecast],
+                  "candidates": [{"policy": c.policy, "forecast": c.forecast, "note": c.note,
+                                  **(c.score.summary() if c.score else {})} for c in self.backtest.candidates]}
+        return {
+            "train": self.train.label, "held_out": None if self.held_out is None else self.held_out.label,
+            "held_out_note": self.held_out_note, "policy": self.policy, "forecast": self.forecast,
+            "layout": None if self.layout is None else self.layout._asdict(), "spread_layers": self.spread_layers,
+            "backtest": bt, "in_sample": self.in_sample.summary(),
+            "held_out_scores": None if self.held is None else self.held.summary(), "churn": self.churn,
+            "heat_source": self.source, "history_windows": self.history_windows, "seconds": self.seconds,
+        }
+
+
+def resolve_windows(facts: dict[str, win.RunFacts], req: PlanRequest) -> tuple[win.Selection,
+                                                                              win.Selection | None, str]:
+    """(training window, held-out window or None, why none) by the defaults of docs/cli.md."""
+    def sel(spec: win.WindowSpec, flag: str) -> win.Selection:
+        return win.resolve(spec, facts, req.run_id, flag, req.windows, req.window_s)
+
+    if req.train is None and req.held_out is not None:
+        held = sel(req.held_out, "--eval")
+        train = sel(win.earlier(held, facts), "--train")
+    else:
+        train = sel(req.train or _whole(facts, req), "--train")
+        spec = req.held_out or win.later(train, facts)
+        if spec is None:
+            return train, None, "none: the training window reaches the end of the trace (give --train to hold " \
+                                "out what follows it)"
+        held = sel(spec, "--eval")
+    win.check_disjoint(train, held)
+    return train, held, ""
+
+
+def _whole(facts: dict[str, win.RunFacts], req: PlanRequest) -> win.WindowSpec:
+    """The default training window, the whole run: by time, or by forward when the run spans fewer than 2 rollup
+    windows (a short trace: time would give one history window) and has routes."""
+    f = facts[req.run_id] if req.run_id else None
+    if f is not None and f.end_ns - f.start_ns < 2 * f.rollup_ns and f.has_routes and req.window_s is None:
+        return win.WindowSpec("forward")
+    return win.WindowSpec("time")
+
+
+def make_report(store: TraceStore, req: PlanRequest, progress: bool | None = False) -> Report:
+    """Plans and scores as the module doc says. Raises WindowError / StoreError / PlacementError naming the
+    flag and the limit. `progress`: percent bars `heat` and `held-out heat` while DuckDB scans."""
+    t0 = time.perf_counter()
+    facts = run_facts(store.con, store.runs)
+    train, held, held_note = resolve_windows(facts, req)
+    runs = {r.manifest.run_id: r for r in store.runs}
+    m = _one_shape([runs[r].manifest for r in (*train.runs, *(held.runs if held else ()))])
+    fwd = any(s.field == "forward_id" for s in train.spans)
+    source: HeatSource = req.source or ("routes" if fwd else "rollups")
+    history = span_heat(store.con, train.spans, m, source, progress, "heat")
+    keep = history.sum((1, 2)) > 0  # empty history windows (an idle gap) say nothing of the next one
+    if not keep.any():
+        raise StoreError(f"run {m.run_id}: no routes in the training window {train.label} to plan from (0 rows)")
+    kept = tuple(s for s, k in zip(train.spans, keep, strict=True) if k)
+    train = win.Selection(train.spec, kept, win.describe(kept, facts) if not keep.all() else train.label)
+    history = history[keep]
+    seconds = {"heat": time.perf_counter() - t0}
+    train_tokens = span_tokens(runs, train.spans, req.replay_tokens, newest=True)
+
+    t1 = time.perf_counter()
+    bt = None
+    if req.policy == "auto":
+        bt = _backtest(runs, facts, train, history, req)
+        chosen = bt.chosen
+        policy: PolicyName = chosen.policy if chosen else "ours"
+        how: Forecast = chosen.forecast if chosen else (req.forecast or "ema")
+    else:
+        policy, how = req.policy, req.forecast or DEFAULT_FORECAST[req.policy]
+    seconds["backtest"] = time.perf_counter() - t1
+    t2 = time.perf_counter()
+    pl = plan_policy(policy, history, how, req.cluster, train_tokens, req.previous)
+    seconds["plan"] = time.perf_counter() - t2
+
+    in_sample = score_placement(pl, history.sum(0), train_tokens, req.cluster)
+    scored, held_heat, held_tokens = None, None, None
+    if held is not None:
+        held_heat = span_heat(store.con, held.spans, m, source, progress, "held-out heat").sum(0)
+        if held_heat.any():
+            held_tokens = span_tokens(runs, held.spans, req.replay_tokens)
+            scored = score_placement(pl, held_heat, held_tokens, req.cluster)
+        else:
+            held_note = f"none: the held-out window {held.label} holds no routes"
+            held_heat = None
+    multi = (node_counts(pl, req.cluster) > 0).sum(2) > 1  # [L, E] experts on more than one node
+    seconds["total"] = time.perf_counter() - t0
+    return Report(train, held, held_note, policy, how, pl, layout(req.cluster) if policy == "ours" else None,
+                  int(multi.any(1).sum()), bt, in_sample, scored,
+                  None if req.previous is None else churn(req.previous, pl), source, len(history), seconds,
+                  history, train_tokens, held_heat, held_tokens)
+
+
+def _backtest(runs: dict[str, Any], facts: dict[str, win.RunFacts], train: win.Selection, history: np.ndarray,
+              req: PlanRequest) -> Backtest:
+    parts = win.split(train, facts)
+    if parts is None:
+        note = (f"no backtest: the training window has {len(history)} history window (needs 2); "
+                f"planned with ours + {req.forecast or 'ema'}")
+        return Backtest("", "", [], None, note)
+    fit, val = parts
+    n_fit = len(fit.spans)
+    val_heat = history[n_fit:].sum(0)
+    fit_tokens = span_tokens(runs, fit.spans, req.replay_tokens, newest=True)
+    val_tokens = span_tokens(runs, val.spans, req.replay_tokens)
+    forecasts: Sequence[Forecast] = (req.forecast,) if req.forecast else FORECASTS
+    cands = backtest(history[:n_fit], val_heat, val_tokens, req.cluster, fit_tokens, POLICIES, forecasts)
+    return Backtest(fit.label, val.label, cands, choose(cands))
+
+
+def _one_shape(manifests: Sequence[Manifest]) -> Manifest:
+    """The model shape all selected runs share; a window over runs of two shapes is refused."""
+    key = {(m.moe_layer_ids, m.num_experts, m.top_k) for m in manifests}
+    if len(key) > 1:
+        names = ", ".join(m.run_id for m in manifests)
+        raise StoreError(f"runs {names} differ in model shape (moe_layer_ids, num_experts, top_k); plan one shape")
+    return manifests[0]
+
+
+class TradeoffPoint(NamedTuple):
+    policy: PolicyName
+    node_limit: int
+    balancedness: float  # replayed (even split when there are no tokens), on the scored window
+    nodes_per_token: float | None
+    over_limit: float | None
+
+
+def tradeoff(rep: Report, cluster: Cluster, node_limits: Sequence[int]) -> list[TradeoffPoint]:
+    """Every policy (its default forecast) planned on the report's training window with each node limit, scored
+    on the held-out window (in-sample when there is none): the balancedness vs nodes-per-token trade-off."""
+    assert rep.history is not None
+    heat, tokens = ((rep.held_heat, rep.held_tokens) if rep.held_heat is not None
+                    else (rep.history.sum(0), rep.train_tokens))
+    out = []
+    scored: dict[bytes, Score] = {}  # a placement is replayed once: DeepSeek's policies ignore the node limit
+    for policy in POLICIES:
+        for limit in node_limits:
+            c = Cluster(cluster.num_gpus, cluster.num_nodes, cluster.num_slots, cluster.num_groups, limit)
+            try:
+                pl = plan_policy(policy, rep.history, DEFAULT_FORECAST[policy], c, rep.train_tokens)
+            except PlacementError:  # hierarchical when groups do not divide over nodes
+                continue
+            key = pl.phy2log.tobytes()
+            s = scored[key] = scored[key] if key in scored else score_placement(pl, heat, tokens, c)
+            r = s.balancedness_replay
+            over = None if s.token_nodes is None else float((s.token_nodes > limit).mean())
+            out.append(TradeoffPoint(policy, limit, s.balancedness_even if r is None else r, s.nodes_mean, over))
+    return out
+
+
+def gpu_loads(rep: Report, cluster: Cluster) -> tuple[np.ndarray, np.ndarray]:
+    """Per-GPU load [L, G] on the scored window (held out, else in-sample), each expert's heat split evenly over
+    its replicas: before the plan (SGLang's trivial placement, slot p holds expert p % E) and after it."""
+    assert rep.history is not None
+    heat = rep.held_heat if rep.held_heat is not None else rep.history.sum(0)
+    n_layers, e = heat.shape
+    trivial = from_phy2log(np.tile(np.arange(cluster.num_slots) % e, (n_layers, 1)), e)
+    return even_gpu_load(trivial, heat, cluster), even_gpu_load(rep.placement, heat, cluster)
