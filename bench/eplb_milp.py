@@ -188,8 +188,12 @@ def main() -> None:
             pols["hierarchical"] = hierarchical(load[None], cl)
         for pol, pl in pols.items():
             mx, nodes = placement_objectives(pl, load, tok, cl)
-            fewest = solve(load, tok, cl, "nodes", max_load_cap=mx, time_limit=args.time_limit) \
-                if pol in ("ours", "global") else None
+            fewest = None
+            if pol in ("ours", "global"):
+                try:
+                    fewest = solve(load, tok, cl, "nodes", max_load_cap=mx, time_limit=args.time_limit)
+                except RuntimeError as err:  # no incumbent within the limit: reported as such
+                    print(f"  {pol}: {err}", flush=True)
             row = {"instance": name, "policy": pol, "max_load": mx, "nodes": nodes, "milp_max_load": best.max_load,
                    "milp_max_load_bound": best.bound, "milp_balance_optimal": best.optimal,
                    "milp_nodes_at_max_load": None if fewest is None else fewest.nodes,
