@@ -184,10 +184,15 @@ class DeepseekForCausalLM(nn.Module):
         """forward, also returning the final hidden states [T, D] of every row (normed: what the lm_head reads, and
         what speculative decoding's MTP draft takes as h_t)."""
         self.recorder.on_forward_begin(fb)
-        hidden = self.model(fb, kv_buffer)
-        logits = self.logits(hidden[fb.logits_indices])
+        logits, hidden = self.compute_hidden(fb, kv_buffer)
         self.recorder.on_forward_end(fb)
         return logits, hidden
+
+    @torch.no_grad()
+    def compute_hidden(self, fb: ForwardBatch, kv_buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward_hidden without the recorder's begin/end hooks (what a speculative verify graph captures)."""
+        hidden = self.model(fb, kv_buffer)
+        return self.logits(hidden[fb.logits_indices]), hidden
 
     @torch.no_grad()
     def compute_logits(self, fb: ForwardBatch, kv_buffer: torch.Tensor) -> torch.Tensor:

@@ -68,9 +68,10 @@ class _PerRequest:
         self, q: torch.Tensor, kv_cache: torch.Tensor, fb: ForwardBatch, kv_lora_rank: int, scale: float
     ) -> torch.Tensor:
         out = q.new_empty(q.shape[0], q.shape[1], kv_lora_rank)
+        table = fb.req_to_token.index_select(0, fb.req_pool_indices)  # [B, max_context] (a gather: no host sync)
         for b, (start, n, seq_len) in enumerate(zip(_starts(fb), fb.extend_lens_cpu, fb.seq_lens_cpu, strict=False)):
-            slots = fb.req_to_token[fb.req_pool_indices[b], :seq_len].long()
-            o = self._latent(q[start : start + n], kv_cache[slots], kv_lora_rank, scale)  # [n, H, kv_lora] fp32
+            kv = kv_cache.index_select(0, table[b, :seq_len].long())  # [seq_len, C]
+            o = self._latent(q[start : start + n], kv, kv_lora_rank, scale, fb.prefix_lens[b])  # [n, H, kv_lora]
             out[start : start + n] = o.to(q.dtype)
         return out
 
@@ -90,8 +91,11 @@ class _PerRequest:
             out[start : start + n] = o.to(q.dtype)
         return out
 
-    def _latent(self, q: torch.Tensor, kv: torch.Tensor, kv_lora_rank: int, scale: float) -> torch.Tensor:
-        """q [n, H, C], kv [N, C] (queries the last n of the N keys) -> [n, H, kv_lora] fp32."""
+    def _latent(
+        self, q: torch.Tensor, kv: torch.Tensor, kv_lora_rank: int, scale: float, q_start: torch.Tensor
+    ) -> torch.Tensor:
+        """q [n, H, C], kv [N, C] -> [n, H, kv_lora] fp32. The queries are the last n of the N keys; q_start (0-d, on
+        the device: the request's prefix length) says so again for a backend that reads a longer key window."""
         raise NotImplementedError
 
     def _heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -102,7 +106,9 @@ class _PerRequest:
 class RefAttention(_PerRequest):
     """Plain torch, one request at a time, fp32 softmax: the definition the kernels are checked against."""
 
-    def _latent(self, q: torch.Tensor, kv: torch.Tensor, kv_lora_rank: int, scale: float) -> torch.Tensor:
+    def _latent(
+        self, q: torch.Tensor, kv: torch.Tensor, kv_lora_rank: int, scale: float, q_start: torch.Tensor
+    ) -> torch.Tensor:
         return latent_attention_ref(q, kv, kv_lora_rank, scale)  # the kernels' own reference (kernels/mla_decode)
 
     def _heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -111,11 +117,15 @@ class RefAttention(_PerRequest):
 
 
 class ExactAttention(_PerRequest):
-    """RefAttention's loop with exact_attention inside: batch-invariant, for exact mode."""
+    """RefAttention's loop with exact_attention inside: batch-invariant, for exact mode. Queries sit at the request's
+    prefix length read on the device, so a CUDA graph (whose host lengths are the longest context: graph_batch.py)
+    reads a longer key window with the keys past the request masked, and gets the eager bits."""
 
-    def _latent(self, q: torch.Tensor, kv: torch.Tensor, kv_lora_rank: int, scale: float) -> torch.Tensor:
+    def _latent(
+        self, q: torch.Tensor, kv: torch.Tensor, kv_lora_rank: int, scale: float, q_start: torch.Tensor
+    ) -> torch.Tensor:
         kv = kv.unsqueeze(1).expand(-1, q.shape[1], -1)  # [N, H, C]: one latent row for all heads
-        return exact_attention(q, kv, kv[..., :kv_lora_rank], scale)
+        return exact_attention(q, kv, kv[..., :kv_lora_rank], scale, q_start)
 
     def _heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         return exact_attention(q, k, v, scale)

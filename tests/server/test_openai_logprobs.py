@@ -199,8 +199,8 @@ def test_generate_return_text_in_logprobs(sample_http: httpx.Client, sample_engi
 
 
 def test_the_official_openai_client(sample_server: Any) -> None:
-    """openai-python, when installed, reads the logprobs into its own models (Completion, ChatCompletion)."""
-    openai = pytest.importorskip("openai")
+    """openai-python (a test extra) reads the logprobs into its own models (Completion, ChatCompletion)."""
+    import openai
     client = openai.OpenAI(base_url=f"{sample_server.url}/v1", api_key="unused")
     done = client.completions.create(model="sample", prompt=PROMPT, max_tokens=4, logprobs=2, echo=True, n=2,
                                      seed=5, temperature=1.0)
