@@ -87,4 +87,5 @@ def test_engine_ref_backends_run_the_kernel_references() -> None:
     assert make_experts_fn("ref") is fused_moe_ref
     gen = torch.Generator().manual_seed(5)
     q, kv = torch.randn(4, 3, 20, generator=gen), torch.randn(11, 20, generator=gen)
-    assert torch.equal(RefAttention()._latent(q, kv, 16, 0.25), latent_attention_ref(q, kv, 16, 0.25))
+    prefix = torch.tensor(kv.shape[0] - q.shape[0])  # the queries are the last 4 of the 11 keys
+    assert torch.equal(RefAttention()._latent(q, kv, 16, 0.25, prefix), latent_attention_ref(q, kv, 16, 0.25))
