@@ -228,6 +228,9 @@ class Req:
     capture: CaptureRequest | None = None  # routes to return and how; None: none asked
     replay: ReplayRoutes | None = None  # routes to force; None: the gate routes every position
     routed_dp_rank: int | None = None  # the DP rank the front end must place it on; None: the balancer picks
+    # SGLang's return_prompt_token_ids: the result carries `prompt_token_ids` (a stream: on its first chunk only)
+    return_prompt_ids: bool = False
+    sent_prompt_ids: bool = False
     # False: neither reuse nor fill the prefix cache (a replay under hooks that cannot check a hit's routes).
     # A replay under the route hooks keeps it: they reuse only exact hits (RouteCaptureHooks.usable_prefix).
     use_prefix_cache: bool = True

@@ -216,6 +216,17 @@ class RequestBuilder:
         req.routed_dp_rank = check_routed_dp_rank(pick("routed_dp_rank", args.routed_dp_rank), self.dp_size)
 
 
+def pick_flag(name: str, value: Any, i: int, n: int) -> bool:
+    """Request i of n's share of a boolean generate() argument: one for every request, or a list of one each."""
+    if isinstance(value, list):
+        if len(value) != n:
+            raise InvalidRequestError(name, f"a list of {len(value)} values for {n} request(s)")
+        value = value[i]
+    if not isinstance(value, bool):
+        raise InvalidRequestError(name, f"{value!r} must be true or false")
+    return value
+
+
 def _as_dict(raw: Any) -> dict[str, Any] | None:
     if raw is None or isinstance(raw, dict):
         return raw

@@ -76,9 +76,12 @@ def build_result(req: Req, tokenizer: TextTokenizer, *, delta: bool) -> dict[str
         "output_ids": req.output_ids[ids_from:ids_end],
         "meta_info": meta,
     }
+    if req.return_prompt_ids and not (delta and req.sent_prompt_ids):
+        out["prompt_token_ids"] = list(req.origin_input_ids)
     if req.finish is not None and req.finish.is_error:
         out["error"] = req.finish.message
     if delta:
+        req.sent_prompt_ids = True
         req.sent_ids, req.sent_text, req.sent_logprobs = ids_end, text_end, lp_end
     return out
 

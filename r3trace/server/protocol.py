@@ -82,6 +82,7 @@ class GenerateRequest(GenerateExtras):
     |                               | Differs: GenerateReqInput has no such field, so SGLang drops it      |
     | extra_key, priority           | accepted, ignored (one cache namespace; first come, first served)    |
     | return_text_in_logprobs       | honoured: each logprob entry's third element is its token's text     |
+    | return_prompt_token_ids       | honoured: top-level `prompt_token_ids` (a stream: its first chunk)   |
     | data_parallel_rank            | honoured: SGLang's deprecated name of routed_dp_rank (used when that |
     |                               | is unset, as SGLang migrates it)                                     |
     | GenerateExtras' ignored group | accepted, ignored: bookkeeping, PD-disaggregation bootstrap, cache   |
@@ -128,6 +129,8 @@ class GenerateRequest(GenerateExtras):
     extra_key: str | list[str] | None = None
     priority: int | None = None
     return_text_in_logprobs: bool = False
+    return_prompt_token_ids: bool = Field(default=False, description="SGLang's: the result's top-level "
+                                          "`prompt_token_ids`, the prompt's token ids (a stream: first chunk)")
 
 
 class MetaInfo(BaseModel):

@@ -32,8 +32,7 @@ REFUSED: dict[str, str] = {
     **dict.fromkeys(("image_data", "video_data", "audio_data", "mm_hashes", "mm_content_hashes"), _TEXT_ONLY),
     **dict.fromkeys(("return_hidden_states", "token_ids_logprob", "return_sampling_mask", "return_entropy",
                      "return_flat_raw_top_logprobs", "return_flat_raw_top_logprobs_b64", "return_bytes",
-                     "return_prompt_token_ids", "return_token_ids", "return_cached_tokens_details",
-                     "return_meta_info"), _NOT_RETURNED),
+                     "return_cached_tokens_details", "return_meta_info"), _NOT_RETURNED),
     "return_indexer_topk": "no sparse-attention indexer is served (DeepSeek-V2/V3 attention is dense)",
     "session_params": "sessions (server-side prompt continuation) are not served",
     "require_reasoning": "reasoning control is not served (no reasoning parser)",
@@ -132,7 +131,6 @@ class GenerateExtras(BaseModel):
     return_entropy: Any = _ANY
     return_bytes: Any = _ANY
     return_indexer_topk: Any = _ANY
-    return_prompt_token_ids: Any = _ANY
     session_params: Any = _ANY
     lora_path: Any = _ANY
     lora_id: Any = _ANY
@@ -170,6 +168,9 @@ class OpenAIExtras(BaseModel):
     logit_bias: dict[str, float] | None = Field(default=None, description="token id (a string) -> bias in "
                                                 "[-100, 100] added to the logits before sampling")
     routed_dp_rank: int | None = Field(default=None, description="SGLang's: run on this DP rank")
+    return_token_ids: bool = Field(default=False, description="SGLang's: each choice's `token_ids` (its output "
+                                   "ids; a stream chunk: those it adds); on /v1/completions also the prompt's "
+                                   "`prompt_token_ids` (a stream: on the choice's first chunk)")
     data_parallel_rank: int | None = Field(default=None, description="SGLang's deprecated name of routed_dp_rank")
     # refused when given
     json_schema: Any = _ANY
@@ -181,7 +182,6 @@ class OpenAIExtras(BaseModel):
     custom_logit_processor: Any = _ANY
     return_hidden_states: Any = _ANY
     return_cached_tokens_details: Any = _ANY
-    return_token_ids: Any = _ANY
     audio: Any = _ANY
     functions: Any = _ANY
     function_call: Any = _ANY

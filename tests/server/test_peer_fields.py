@@ -133,7 +133,6 @@ REFUSED: list[tuple[str, dict[str, Any], str, str]] = [
     ("/v1/completions", {**COMPLETION, "best_of": 2}, "best_of", "not served"),
     ("/v1/completions", {**COMPLETION, "json_schema": "{}"}, "json_schema", "constrained decoding is not served"),
     ("/v1/completions", {**COMPLETION, "lora_path": "adapter"}, "lora_path", "LoRA"),
-    ("/v1/completions", {**COMPLETION, "return_token_ids": True}, "return_token_ids", "does not return it"),
     ("/v1/completions", {**COMPLETION, "logit_bias": {"3": 101}}, "sampling_params.logit_bias", "[-100, 100]"),
     ("/v1/chat/completions", {**CHAT, "ebnf": "root ::= a"}, "ebnf", "constrained decoding"),
     ("/v1/chat/completions", {**CHAT, "audio": {"voice": "alloy", "format": "wav"}}, "audio", "audio output"),
