@@ -159,6 +159,8 @@ def _is_real(x: object) -> bool:
 class LogprobRequest:
     start_len: int  # first prompt position whose logprob is returned
     top_num: int  # 0: no top-logprob lists
+    # SGLang's token_ids_logprob: at each returned position, the logprobs of these ids, in this order
+    token_ids: tuple[int, ...] = ()
 
 
 @dataclass
@@ -219,6 +221,9 @@ class Req:
     input_logprobs_done: bool = False
     output_logprobs: list[LogprobEntry] = field(default_factory=list)
     output_top_logprobs: list[list[LogprobEntry]] = field(default_factory=list)
+    # token_ids_logprob: per position the listed ids' entries (input: None where input_top_logprobs has None)
+    input_token_ids_logprobs: list[list[LogprobEntry] | None] = field(default_factory=list)
+    output_token_ids_logprobs: list[list[LogprobEntry]] = field(default_factory=list)
     generator: torch.Generator | None = None
     # streaming offsets: what the caller has already received
     sent_ids: int = 0
@@ -275,7 +280,8 @@ class Req:
 
     def reset_input_logprobs(self) -> None:
         """The first prompt token has no logprob (nothing predicts it): SGLang reports None."""
-        self.input_logprobs, self.input_top_logprobs = [], []
+        self.input_logprobs, self.input_top_logprobs, self.input_token_ids_logprobs = [], [], []
         if self.logprob is not None and self.logprob.start_len == 0:
             self.input_logprobs.append((None, self.origin_input_ids[0], None))
             self.input_top_logprobs.append(None)
+            self.input_token_ids_logprobs.append(None)

@@ -71,6 +71,10 @@ def build_result(req: Req, tokenizer: TextTokenizer, *, delta: bool) -> dict[str
         meta["output_token_logprobs"] = req.output_logprobs[lp_from:lp_end]
         if req.logprob.top_num:
             meta["output_top_logprobs"] = req.output_top_logprobs[lp_from:lp_end]
+        if req.logprob.token_ids:
+            if not delta or req.sent_logprobs == 0:
+                meta["input_token_ids_logprobs"] = list(req.input_token_ids_logprobs)
+            meta["output_token_ids_logprobs"] = req.output_token_ids_logprobs[lp_from:lp_end]
     out: dict[str, Any] = {
         "text": text[text_from:text_end],
         "output_ids": req.output_ids[ids_from:ids_end],

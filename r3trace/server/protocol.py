@@ -83,6 +83,8 @@ class GenerateRequest(GenerateExtras):
     | extra_key, priority           | accepted, ignored (one cache namespace; first come, first served)    |
     | return_text_in_logprobs       | honoured: each logprob entry's third element is its token's text     |
     | return_prompt_token_ids       | honoured: top-level `prompt_token_ids` (a stream: its first chunk)   |
+    | token_ids_logprob             | honoured with return_logprob: meta_info input_token_ids_logprobs /   |
+    |                               | output_token_ids_logprobs, the listed ids' entries per position      |
     | data_parallel_rank            | honoured: SGLang's deprecated name of routed_dp_rank (used when that |
     |                               | is unset, as SGLang migrates it)                                     |
     | GenerateExtras' ignored group | accepted, ignored: bookkeeping, PD-disaggregation bootstrap, cache   |
@@ -129,6 +131,10 @@ class GenerateRequest(GenerateExtras):
     extra_key: str | list[str] | None = None
     priority: int | None = None
     return_text_in_logprobs: bool = False
+    token_ids_logprob: list[int] | list[list[int] | None] | None = Field(
+        default=None, description="SGLang's: with return_logprob, meta_info input_token_ids_logprobs / "
+        "output_token_ids_logprobs hold these ids' logprobs at each returned position; a list of lists gives one "
+        "per request")
     return_prompt_token_ids: bool = Field(default=False, description="SGLang's: the result's top-level "
                                           "`prompt_token_ids`, the prompt's token ids (a stream: first chunk)")
 

@@ -30,7 +30,7 @@ REFUSED: dict[str, str] = {
     "input_embeds": "input embeddings are not served (send text or input_ids)",
     "positional_embed_overrides": "input embeddings are not served (send text or input_ids)",
     **dict.fromkeys(("image_data", "video_data", "audio_data", "mm_hashes", "mm_content_hashes"), _TEXT_ONLY),
-    **dict.fromkeys(("return_hidden_states", "token_ids_logprob", "return_sampling_mask", "return_entropy",
+    **dict.fromkeys(("return_hidden_states", "return_sampling_mask", "return_entropy",
                      "return_flat_raw_top_logprobs", "return_flat_raw_top_logprobs_b64", "return_bytes",
                      "return_cached_tokens_details", "return_meta_info"), _NOT_RETURNED),
     "return_indexer_topk": "no sparse-attention indexer is served (DeepSeek-V2/V3 attention is dense)",
@@ -123,7 +123,6 @@ class GenerateExtras(BaseModel):
     audio_data: Any = _ANY
     mm_hashes: Any = _ANY
     mm_content_hashes: Any = _ANY
-    token_ids_logprob: Any = _ANY
     return_sampling_mask: Any = _ANY
     return_flat_raw_top_logprobs: Any = _ANY
     return_flat_raw_top_logprobs_b64: Any = _ANY

@@ -124,7 +124,6 @@ REFUSED: list[tuple[str, dict[str, Any], str, str]] = [
     ("/generate", {"input_embeds": [[0.1, 0.2]]}, "input_embeds", "input embeddings are not served"),
     ("/generate", {**MINIMAL, "lora_id": "a"}, "lora_id", "LoRA adapters are not served"),
     ("/generate", {**MINIMAL, "return_hidden_states": "last"}, "return_hidden_states", "does not return it"),
-    ("/generate", {**MINIMAL, "token_ids_logprob": [3]}, "token_ids_logprob", "does not return it"),
     ("/generate", {**MINIMAL, "return_entropy": True}, "return_entropy", "does not return it"),
     ("/generate", {**MINIMAL, "session_params": {"id": "s"}}, "session_params", "sessions"),
     ("/generate", {**MINIMAL, "max_thinking_tokens": 8}, "max_thinking_tokens", "reasoning"),

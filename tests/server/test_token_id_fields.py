@@ -116,3 +116,22 @@ def test_token_id_flags_checked(http: httpx.Client) -> None:
                              ("/v1/completions", {**COMPLETION, "return_token_ids": 1}, "return_token_ids")):
         r = http.post(path, json=body)
         assert r.status_code == 400 and name in r.text, r.text
+
+
+def test_generate_token_ids_logprob(http: httpx.Client) -> None:
+    """/generate's token_ids_logprob (SGLang's GenerateReqInput field, io_struct.py at
+    001067fffe33427bee0ed2f007fb7551a1d76b44): meta_info's output_token_ids_logprobs equal the full top list's
+    entries at those ids (the same request's: a prefix-cache hit may move the last float bit); return_text_in_logprobs
+    names them; the default stream's last chunk holds all of them."""
+    ids = [9, 3, 9]
+    body = {"input_ids": PROMPT, "sampling_params": GREEDY, "return_logprob": True, "token_ids_logprob": ids}
+
+    def want(meta: dict[str, Any]) -> list[Any]:  # each listed id's entry in the full top list of its position
+        return [[[{t[1]: t[0] for t in top}[i], i, None] for i in ids] for top in meta["output_top_logprobs"]]
+
+    full = _ok(http, "/generate", {**body, "top_logprobs_num": 320})["meta_info"]
+    assert full["output_token_ids_logprobs"] == want(full) and len(full["output_top_logprobs"]) == 5
+    named = _ok(http, "/generate", {**body, "return_text_in_logprobs": True})["meta_info"]
+    assert all(isinstance(e[2], str) for pos in named["output_token_ids_logprobs"] for e in pos)
+    last = _events(http, "/generate", {**body, "top_logprobs_num": 320})[-1]["meta_info"]
+    assert last["output_token_ids_logprobs"] == want(last) and len(last["output_top_logprobs"]) == 5
