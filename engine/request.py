@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import InitVar, dataclass, field, fields
 from typing import Any, Literal
 
@@ -34,6 +35,8 @@ class SamplingParams:
     seed: int | None = None  # a seeded request owns a torch.Generator: same tokens in any batch
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    # SGLang's stop_regex: stop once re.search finds one in the output text (engine/stop_rules.py)
+    stop_regex: tuple[str, ...] = ()
     ignore_eos: bool = False
     # SGLang's logits processing (engine/penalties.py): on the logits before temperature, greedy rows included
     min_p: float = 0.0  # drop tokens whose probability is below min_p * the top token's
@@ -81,6 +84,13 @@ class SamplingParams:
             raise bad("seed", "must be null or an integer in [0, 2**63)")
         if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
             raise bad("stop", "must be a non-empty string or a list of non-empty strings")
+        if not isinstance(self.stop_regex, tuple) or not all(isinstance(s, str) and s for s in self.stop_regex):
+            raise bad("stop_regex", "must be a non-empty string or a list of non-empty strings")
+        for pattern in self.stop_regex:
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise InvalidRequestError("sampling_params.stop_regex", f"{pattern!r} is not a regex: {exc}") from None
         ids = self.stop_token_ids
         if not isinstance(ids, tuple) or not all(_is_int(t) and t >= 0 for t in ids):
             raise bad("stop_token_ids", "must be a list of integers >= 0")
@@ -106,17 +116,17 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None) -> SamplingParams:
-        """SGLang's dict form: `stop` may be one string, lists become tuples, null means the default (as SGLang's
-        SamplingParams.__post_init__), unknown keys are errors."""
+        """SGLang's dict form: `stop` and `stop_regex` may be one string, lists become tuples, null means the default
+        (as SGLang's SamplingParams.__post_init__), unknown keys are errors."""
         raw = {k: v for k, v in (raw or {}).items() if v is not None}
         known = {f.name for f in fields(cls)} | {"sampling_seed"}
         unknown = sorted(set(raw) - known)
         if unknown:
             raise InvalidRequestError(f"sampling_params.{unknown[0]}", f"unknown; known: {sorted(known)}")
-        stop = raw.get("stop")
-        if isinstance(stop, str):
-            raw["stop"] = (stop,)
-        for key in ("stop", "stop_token_ids"):
+        for key in ("stop", "stop_regex"):
+            if isinstance(raw.get(key), str):
+                raw[key] = (raw[key],)
+        for key in ("stop", "stop_regex", "stop_token_ids"):
             if isinstance(raw.get(key), list):
                 raw[key] = tuple(raw[key])
         if "logit_bias" in raw:

@@ -35,7 +35,8 @@ def _stable_len(req: Req, text: str) -> int:
     while end and text[end - 1] == REPLACEMENT:
         end -= 1
     hold = 0
-    for s in () if req.params.no_stop_trim else req.params.stop:
+    # a stop regex trims at its own characters when they occur (engine/stop_rules.py): held back as a stop string
+    for s in () if req.params.no_stop_trim else (*req.params.stop, *req.params.stop_regex):
         for k in range(min(len(s) - 1, end), 0, -1):
             if text[end - k : end] == s[:k]:
                 hold = max(hold, k)

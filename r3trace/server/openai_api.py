@@ -48,7 +48,7 @@ def engine_kwargs(req: Request, prompt: Any, max_tokens: int | None) -> dict[str
     """Engine.generate keywords of the request's prompts (one choice each; choice_requests makes n)."""
     check_served(req)
     sp: dict[str, Any] = {"max_new_tokens": max_tokens, "temperature": req.temperature, "top_p": req.top_p,
-                          "top_k": req.top_k, "seed": req.seed, "stop": req.stop,
+                          "top_k": req.top_k, "seed": req.seed, "stop": req.stop, "stop_regex": req.stop_regex,
                           "stop_token_ids": req.stop_token_ids, "ignore_eos": req.ignore_eos,
                           "min_new_tokens": req.min_tokens,  # SGLang's name in OpenAI bodies: min_tokens
                           "logit_bias": req.logit_bias}

@@ -43,7 +43,8 @@ class SamplingParamsBody(SamplingExtras):
     |                                | the penalties (SGLang's order); ids checked against the vocabulary   |
     | custom_params, stream_interval | accepted, ignored (no custom logit processor; a chunk every step)    |
     | json_schema, regex, ebnf, structural_tag | a 400 when given: constrained decoding is not served       |
-    | stop_regex                     | a 400 when given: stop regexes are not matched (stop strings are)    |
+    | stop_regex                     | honoured: stop once one matches the output text (SGLang's trimming:  |
+    |                                | at the pattern's own characters where they occur, else none)         |
     """
 
     model_config = STRICT
@@ -58,6 +59,7 @@ class SamplingParamsBody(SamplingExtras):
     repetition_penalty: float | None = None
     seed: int | None = Field(default=None, ge=0)
     stop: str | list[str] | None = None
+    stop_regex: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
     sampling_seed: int | None = Field(default=None, ge=0, description="SGLang's name for seed")

@@ -24,7 +24,6 @@ _NOT_RETURNED = "r3trace does not return it"
 # field -> why it is refused when given (the same reason in every body that carries it)
 REFUSED: dict[str, str] = {
     "json_schema": _CONSTRAINED, "regex": _CONSTRAINED, "ebnf": _CONSTRAINED, "structural_tag": _CONSTRAINED,
-    "stop_regex": "stop regexes are not matched (stop strings are: use stop)",
     "lora_path": "LoRA adapters are not served", "lora_id": "LoRA adapters are not served",
     "custom_logit_processor": "custom logit processors are not run",
     "input_embeds": "input embeddings are not served (send text or input_ids)",
@@ -72,7 +71,6 @@ class SamplingExtras(BaseModel):
     regex: Any = _ANY
     ebnf: Any = _ANY
     structural_tag: Any = _ANY
-    stop_regex: Any = _ANY
     custom_params: dict[str, Any] | None = Field(default=None, description=f"{_IGNORED}: read only by a custom "
                                                  "logit processor, and none runs here")
     stream_interval: int | None = Field(default=None, ge=1, description=f"{_IGNORED}: every step streams a chunk")
@@ -167,6 +165,8 @@ class OpenAIExtras(BaseModel):
     logit_bias: dict[str, float] | None = Field(default=None, description="token id (a string) -> bias in "
                                                 "[-100, 100] added to the logits before sampling")
     routed_dp_rank: int | None = Field(default=None, description="SGLang's: run on this DP rank")
+    stop_regex: str | list[str] | None = Field(default=None, description="SGLang's: stop once one of these "
+                                             "regexes matches the output text (sampling_params.stop_regex)")
     return_token_ids: bool = Field(default=False, description="SGLang's: each choice's `token_ids` (its output "
                                    "ids; a stream chunk: those it adds); on /v1/completions also the prompt's "
                                    "`prompt_token_ids` (a stream: on the choice's first chunk)")
@@ -175,7 +175,6 @@ class OpenAIExtras(BaseModel):
     json_schema: Any = _ANY
     regex: Any = _ANY
     ebnf: Any = _ANY
-    stop_regex: Any = _ANY
     lora_path: Any = _ANY
     session_params: Any = _ANY
     custom_logit_processor: Any = _ANY

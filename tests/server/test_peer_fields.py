@@ -116,8 +116,6 @@ REFUSED: list[tuple[str, dict[str, Any], str, str]] = [
      "constrained decoding"),
     ("/generate", {**MINIMAL, "sampling_params": {**GREEDY, "structural_tag": "{}"}}, "sampling_params.structural_tag",
      "constrained decoding"),
-    ("/generate", {**MINIMAL, "sampling_params": {**GREEDY, "stop_regex": "x"}}, "sampling_params.stop_regex",
-     "use stop"),
     ("/generate", {**MINIMAL, "image_data": "http://x/a.png"}, "image_data", "text only"),
     ("/generate", {**MINIMAL, "audio_data": ["a.wav"]}, "audio_data", "text only"),
     ("/generate", {**MINIMAL, "video_data": "v.mp4"}, "video_data", "text only"),
