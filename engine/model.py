@@ -29,7 +29,7 @@ from .communicator import LayerCommunicator, RouteCommunicator, VocabCommunicato
 from .engine_config import EngineConfig, EngineConfigError
 from .expert_placement import apply_expert_location, initial_location
 from .forward_batch import ForwardBatch
-from .layers.attention_backend import make_attention_backend
+from .layers.attention_backend import AttentionBackend, DecodeShape, make_attention_backend
 from .layers.dispatcher_choice import make_dispatcher
 from .layers.exact import exact_all_reduce
 from .layers.expert_location import ExpertLocation
@@ -44,6 +44,13 @@ from .model_config import ModelConfig
 from .parallel import ParallelInfo
 
 
+def attention_backend(cfg: ModelConfig, ecfg: EngineConfig, parallel: ParallelInfo) -> AttentionBackend:
+    """The attention backend for this rank's heads (the triton one resolves its decode kernel here)."""
+    shape = DecodeShape(cfg.num_attention_heads // parallel.attn_tp_size, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+    return make_attention_backend(ecfg.attention_impl, ecfg.device, ecfg.decode_kernel, ecfg.page_size, shape,
+                                  ecfg.torch_dtype)  # fmt: skip
+
+
 class DecoderLayer(nn.Module):
     def __init__(
         self,
@@ -55,14 +62,16 @@ class DecoderLayer(nn.Module):
         rope: RotaryEmbedding,
         routes: RouteCommunicator | None = None,
         num_slots: int | None = None,
+        attn_backend: AttentionBackend | None = None,
     ) -> None:
-        """num_slots: the physical slots P of a placement (None: none, slot e is expert e)."""
+        """num_slots: the physical slots P of a placement (None: none, slot e is expert e). attn_backend: the model's
+        one backend (None: this layer builds its own)."""
         super().__init__()
         dtype, device = ecfg.torch_dtype, ecfg.device
         self.layer_id = layer_id
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, ecfg.norm_impl)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, ecfg.norm_impl)
-        attn_backend = make_attention_backend(ecfg.attention_impl, ecfg.device, ecfg.decode_kernel, ecfg.page_size)
+        attn_backend = attention_backend(cfg, ecfg, parallel) if attn_backend is None else attn_backend
         self.self_attn = MLAAttention(
             cfg, layer_id, rope, attn_backend, ecfg.mla_impl, dtype, device, ecfg.norm_impl,
             parallel.attn_tp_rank, parallel.attn_tp_size, ecfg.deterministic,
@@ -124,8 +133,9 @@ class DeepseekModel(nn.Module):
             max(ecfg.chunked_prefill_size, ecfg.max_running_requests), device,
             gather=not isinstance(recorder, NullRecorder),
         )
+        attn = attention_backend(cfg, ecfg, parallel)  # one for every layer: its decode kernel resolved once
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, ecfg, i, parallel, recorder, self.rotary, self.routes, num_slots)
+            DecoderLayer(cfg, ecfg, i, parallel, recorder, self.rotary, self.routes, num_slots, attn)
             for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, ecfg.norm_impl)

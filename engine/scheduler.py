@@ -216,6 +216,8 @@ class Scheduler:
                 for p, lp, top in zip(item.logprob_positions, out.input_logprobs, tops, strict=True):
                     req.input_logprobs.append((lp, req.origin_input_ids[p + 1], None))
                     req.input_top_logprobs.append(top)
+                if out.input_ids_lps is not None:
+                    req.input_token_ids_logprobs.extend(out.input_ids_lps)
             if req.logprob is not None and item.end >= req.prompt_len:
                 req.input_logprobs_done = True
             if item.end == req.seq_len:
@@ -227,6 +229,8 @@ class Scheduler:
                     req.output_logprobs.append((out.next_logprob, out.next_token, None))
                     if out.next_top is not None:
                         req.output_top_logprobs.append(out.next_top)
+                    if out.next_ids_lp is not None:
+                        req.output_token_ids_logprobs.append(out.next_ids_lp)
                 finish = finish_reason(req, self.eos_token_ids, self.tokenizer, self.max_context_len)
                 if finish is not None:
                     self._finish(req, finish)

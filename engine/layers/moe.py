@@ -33,10 +33,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from r3trace.capture.recorder import NullRecorder, RouteRecorder
+from r3trace.kernels.moe.reference import fused_moe_ref
 
 from ..forward_batch import ForwardBatch
 from ..model_config import ModelConfig
@@ -48,33 +48,6 @@ from .mlp import MLP
 from .router import RouteGather, Router, RoutingOps
 
 ExpertsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def grouped_experts_ref(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
-) -> torch.Tensor:
-    """Reference grouped computation: sort (token, k) pairs by expert, one GEMM pair per expert.
-
-    x: [T, D]; topk_ids/topk_weights: [T, K] -> [T, D] in x's dtype (accumulated in fp32).
-    """
-    t, k = topk_ids.shape
-    flat_ids = topk_ids.reshape(-1).long()  # [T*K]
-    order = torch.argsort(flat_ids, stable=True)  # -1 ids sort first and are skipped
-    token_of = order // k  # [T*K] token row of each sorted pair
-    flat_w = topk_weights.reshape(-1)[order]
-    n_skipped = int((flat_ids < 0).sum())
-    counts = torch.bincount(flat_ids[flat_ids >= 0], minlength=w13.shape[0]).tolist()  # one host sync
-    out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
-    start = n_skipped
-    for expert, n in enumerate(counts):
-        if n == 0:
-            continue
-        rows = token_of[start : start + n]
-        gate, up = F.linear(x[rows], w13[expert]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2[expert])  # [n, D]
-        out.index_add_(0, rows, y.float() * flat_w[start : start + n, None])
-        start += n
-    return out.to(x.dtype)
 
 
 def exact_experts(
@@ -126,8 +99,8 @@ def make_experts_fn(backend: str, graphs: bool = False) -> ExpertsFn:
     if backend == "exact":
         return exact_experts_gathered if graphs else exact_experts
     if backend == "ref":
-        return grouped_experts_ref
-    from r3trace.kernels.fused_moe import fused_moe
+        return fused_moe_ref  # the kernels' own reference (kernels/moe/reference.py)
+    from r3trace.kernels.moe.fused_moe import fused_moe
 
     return fused_moe  # type: ignore[no-any-return]
 
