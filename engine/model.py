@@ -85,8 +85,8 @@ class DecoderLayer(nn.Module):
             shared_rank, shared_size = (0, 1) if ep else (parallel.tp_rank, parallel.tp_size)
             self.mlp = MoE(
                 cfg, layer_id, recorder, make_routing_ops(ecfg.topk_impl),
-                make_experts_fn(ecfg.moe_impl), dtype, device, fuse_shared_experts(ecfg, parallel),
-                shared_rank, shared_size,
+                make_experts_fn(ecfg.moe_impl, bool(ecfg.graph_batch_sizes)), dtype, device,
+                fuse_shared_experts(ecfg, parallel), shared_rank, shared_size,
                 dispatcher=make_dispatcher(slots, parallel.ep_rank, parallel.ep_size, parallel.ep_group,
                                            ecfg.dispatcher_mode, moe_rows_per_rank(ecfg, parallel))
                 if ep or num_slots is not None else None,

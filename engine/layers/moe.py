@@ -41,7 +41,7 @@ from r3trace.kernels.moe.reference import fused_moe_ref
 from ..forward_batch import ForwardBatch
 from ..model_config import ModelConfig
 from .dispatcher import NullDispatcher, TokenDispatcher
-from .exact import exact_pair_linear, exact_silu
+from .exact import exact_linear, exact_pair_linear, exact_silu
 from .expert_location import ExpertLocation, ExpertLocationError, held_experts
 from .expert_map import ExpertMap
 from .mlp import MLP
@@ -53,10 +53,27 @@ ExpertsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, to
 def exact_experts(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
 ) -> torch.Tensor:
-    """Exact mode's experts: each (token, k) pair through exact_linear's arithmetic with its expert's weights
-    (exact_pair_linear: w13, then w2), then per token the sequential fp32 sum over k = 0..K-1 of w_k * y_k. A pair's
-    bits depend on its token and expert only. Every pair runs at once, its expert's weights gathered beside it: no
-    host sync, so a CUDA graph can hold it.
+    """Exact mode's experts: each (token, k) pair through exact_linear (w13, then w2), then per token the
+    sequential fp32 sum over k = 0..K-1 of w_k * y_k. A pair's bits depend on its token and expert only.
+
+    x: [T, D]; topk_ids/topk_weights: [T, K] -> [T, D] in x's dtype. Ids of -1 add exact zeros."""
+    t, k = topk_ids.shape
+    flat = topk_ids.reshape(-1).long()  # [T*K]
+    y = torch.zeros(t * k, x.shape[1], dtype=torch.float32, device=x.device)  # [T*K, D]
+    for expert in flat[flat >= 0].unique().tolist():  # one host sync
+        pairs = (flat == expert).nonzero()[:, 0]  # [n] flat pair indices
+        gate, up = exact_linear(x[pairs // k], w13[expert]).chunk(2, dim=-1)  # [n, I] each
+        y[pairs] = exact_linear(exact_silu(gate) * up, w2[expert]).float()  # [n, D]
+    return _sum_over_k(y.view(t, k, -1), topk_weights, x.dtype)
+
+
+def exact_experts_gathered(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+) -> torch.Tensor:
+    """exact_experts without a host sync, for an engine that captures CUDA graphs in exact mode: every pair at once,
+    its expert's weights gathered beside it (exact_pair_linear: exact_linear's products and tree, row by row), so the
+    bits are exact_experts' (tests/engine/test_exact_mode.py). The gather doubles the memory traffic of the products:
+    2.0x exact_experts' time at the sample model's MoE (256 tokens, K = 4, fp32, CPU), hence not the default.
 
     x: [T, D]; topk_ids/topk_weights: [T, K] -> [T, D] in x's dtype. Ids of -1 add exact zeros."""
     t, k = topk_ids.shape
@@ -65,17 +82,22 @@ def exact_experts(
     pairs = x.index_select(0, torch.arange(t * k, device=x.device) // k)  # [T*K, D] each pair's token
     gate, up = exact_pair_linear(pairs, w13, expert).chunk(2, dim=-1)  # [T*K, I] each
     y = exact_pair_linear(exact_silu(gate) * up, w2, expert).float()  # [T*K, D]
-    y = y.masked_fill((flat < 0)[:, None], 0.0).view(t, k, -1)  # [T, K, D]
+    return _sum_over_k(y.masked_fill((flat < 0)[:, None], 0.0).view(t, k, -1), topk_weights, x.dtype)
+
+
+def _sum_over_k(y: torch.Tensor, topk_weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """y [T, K, D] fp32 -> sum_k w_k * y_k [T, D], sequential over k = 0..K-1 (exact mode's fixed order)."""
     w = topk_weights.float()
     out = w[:, 0, None] * y[:, 0]
-    for j in range(1, k):
+    for j in range(1, y.shape[1]):
         out = out + w[:, j, None] * y[:, j]
-    return out.to(x.dtype)
+    return out.to(dtype)
 
 
-def make_experts_fn(backend: str) -> ExpertsFn:
+def make_experts_fn(backend: str, graphs: bool = False) -> ExpertsFn:
+    """graphs: the engine captures CUDA graphs (exact mode then takes its sync-free experts)."""
     if backend == "exact":
-        return exact_experts
+        return exact_experts_gathered if graphs else exact_experts
     if backend == "ref":
         return fused_moe_ref  # the kernels' own reference (kernels/moe/reference.py)
     from r3trace.kernels.moe.fused_moe import fused_moe

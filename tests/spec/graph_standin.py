@@ -16,6 +16,7 @@ import torch
 
 from r3trace.engine import Engine
 from r3trace.engine.cuda_graph import DecodeGraphs, Outputs
+from r3trace.engine.layers.moe import MoE, make_experts_fn
 from r3trace.engine.spec.graphs import SpecGraphs
 
 
@@ -31,10 +32,20 @@ def replay_eagerly(fn: Callable[[], Outputs]) -> tuple[Callable[[], None], Outpu
     return replay, outputs
 
 
+def graph_experts(engine: Engine, *modules: torch.nn.Module) -> None:
+    """The experts an engine built with cuda_graph_batch_sizes runs (make_experts_fn(..., graphs=True): in exact mode
+    the sync-free ones), in every MoE of the given modules."""
+    for module in modules:
+        for m in module.modules():
+            if isinstance(m, MoE):
+                m.experts_fn = make_experts_fn(engine.config.moe_impl, graphs=True)
+
+
 def install_spec_graphs(engine: Engine, batch_sizes: tuple[int, ...]) -> SpecGraphs:
     """Build a speculative engine's SpecGraphs with the stand-in (on its scheduler thread) and hand them to its
     runner, as EngineCore does on CUDA (test only: CPU engines capture no graphs)."""
     core, runner = engine.core, engine.runner
+    graph_experts(engine, engine.model, runner.drafter.draft)
 
     def build() -> SpecGraphs:
         graphs = SpecGraphs(engine.model, runner.drafter, engine.kv_pool.kv_buffer, runner.req_pool.req_to_token,
@@ -48,6 +59,7 @@ def install_spec_graphs(engine: Engine, batch_sizes: tuple[int, ...]) -> SpecGra
 def install_decode_graphs(engine: Engine, batch_sizes: tuple[int, ...]) -> DecodeGraphs:
     """The same for a plain engine's decode graphs."""
     core, runner = engine.core, engine.runner
+    graph_experts(engine, engine.model)
 
     def build() -> DecodeGraphs:
         runner.graphs = DecodeGraphs(engine.model, engine.kv_pool.kv_buffer, runner.req_pool.req_to_token,
