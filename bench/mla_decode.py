@@ -8,7 +8,7 @@ Per cell (B requests all kv_len long on shuffled pages; bytes = B kv_len (kv_lor
 once; FLOPs = 2 B H kv_len (2 kv_lora + rope)), each call timed as CUDA-graph replays of back-to-back calls with the
 cache rotated over copies spanning >= 4x the L2:
   default   the tile the engine takes on this GPU for the heads and page size (default_decode_tile), at its split count
-  --tiles   the default with DecodeTile fields replaced, timed beside it (e.g. `wide=kernel:gluon`, `plain=pdl:0`;
+  --tiles   the default with DecodeTile fields replaced, timed beside it (e.g. `wide=kernel:wide`, `plain=pdl:0`;
             digits read as ints), each checked against the fp32 reference first
   read      a Triton kernel streaming the same bytes (grid-stride, the best of 8 and 16 programs an SM): the floor
             a memory-bound decode cannot pass
@@ -61,7 +61,7 @@ def read_floor_ms(timer: Timer, caches: list[torch.Tensor], sms: int) -> float:
 
 
 def parse_tiles(text: str) -> dict[str, dict[str, Any]]:
-    """'wide=kernel:gluon,plain=pdl:0+direct:0' -> {"wide": {"kernel": "gluon"}, "plain": {"pdl": 0, "direct": 0}}."""
+    """'wide=kernel:wide,plain=pdl:0+direct:0' -> {"wide": {"kernel": "wide"}, "plain": {"pdl": 0, "direct": 0}}."""
     out: dict[str, dict[str, Any]] = {}
     for item in filter(None, text.split(",")):
         name, _, fields = item.partition("=")

@@ -30,7 +30,7 @@ import torch
 
 from bench.inputs import moe_routes
 from bench.timing import Timer, measure_ceilings, rotating
-from r3trace.kernels.fused_moe import fused_moe, fused_moe_ref
+from r3trace.kernels.moe import fused_moe, fused_moe_ref
 
 
 class MoeShape(NamedTuple):

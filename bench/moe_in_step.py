@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from bench.timing import Timer, measure_ceilings
-from r3trace.kernels.fused_moe import fused_moe, fused_moe_ref
+from r3trace.kernels.moe import fused_moe, fused_moe_ref
 from r3trace.kernels.rmsnorm import rmsnorm
 from r3trace.kernels.topk import grouped_topk
 

@@ -40,8 +40,8 @@ import triton.language as tl
 
 from bench.inputs import moe_routes
 from bench.timing import Timer, rotating
-from r3trace.kernels.fused_moe import fused_moe, fused_moe_ref
-from r3trace.kernels.moe_align import MoeAlignment, moe_align
+from r3trace.kernels.moe import fused_moe, fused_moe_ref
+from r3trace.kernels.moe.align import MoeAlignment, moe_align
 
 K = 8
 # (BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, num_warps, num_stages): SGLang's bf16 H200 table for

@@ -29,25 +29,25 @@ from r3trace.engine import Engine
 
 
 def replay_ms(eng: Engine, batch: int, n: int = 50) -> float:
-    graph, _ = eng.runner.graphs.graphs[batch]  # type: ignore[union-attr]
+    replay, _ = eng.runner.graphs.graphs[batch]  # type: ignore[union-attr]
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for _ in range(5):
-        graph.replay()
+        replay()
     start.record()
     for _ in range(n):
-        graph.replay()
+        replay()
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / n
 
 
 def kernel_table(eng: Engine, batch: int) -> str:
-    graph, _ = eng.runner.graphs.graphs[batch]  # type: ignore[union-attr]
+    replay, _ = eng.runner.graphs.graphs[batch]  # type: ignore[union-attr]
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
-            graph.replay()
+            replay()
         torch.cuda.synchronize()
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=45)
 

@@ -31,7 +31,7 @@ from r3trace.engine.model_config import ModelConfig
 from r3trace.engine.parallel import ParallelInfo
 from r3trace.engine.placement_control import PlacementControl
 from r3trace.engine.request import InvalidRequestError, Req
-from r3trace.engine.request_builder import RequestBuilder, RouteArgs, as_list
+from r3trace.engine.request_builder import RequestBuilder, RouteArgs, as_list, pick_flag
 from r3trace.engine.request_hooks import RequestHooks
 from r3trace.engine.result import error_result
 from r3trace.engine.sampling import Sampler
@@ -143,6 +143,8 @@ class Engine:
         tag: str | list[str] | None = None,
         routed_experts_replay_start_len: int | list[int | None] | None = None,
         routed_dp_rank: int | list[int | None] | None = None,
+        return_prompt_token_ids: bool | list[bool] = False,
+        token_ids_logprob: list[int] | list[list[int] | None] | None = None,
     ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
         """One request (a str prompt or a flat id list) -> a dict; a list -> a list of dicts in order;
         stream=True (one request) -> an iterator of chunks holding what each step added.
@@ -162,7 +164,14 @@ class Engine:
         prefix cache only where the cached KV was computed with the same routes.
 
         routed_dp_rank (SGLang's field; one, or one per request): run the request on that DP rank, 0..dp_size-1,
-        instead of the one the load balancer picks."""
+        instead of the one the load balancer picks.
+
+        return_prompt_token_ids (SGLang's GenerateReqInput field; one, or one per request): the result's top-level
+        `prompt_token_ids` is the prompt's token ids (a stream: on its first chunk).
+
+        token_ids_logprob (SGLang's field; one id list, or one per request), with return_logprob: meta_info's
+        input_token_ids_logprobs / output_token_ids_logprobs hold, at each position whose logprob is returned, the
+        entries (logprob, id, None) of those ids in the order given. Not served with speculative decoding."""
         if self._closed:
             raise RuntimeError("the engine has been shut down")
         single, entries = as_list(prompt, input_ids, sampling_params, return_logprob, logprob_start_len,
@@ -177,9 +186,15 @@ class Engine:
             entry_rid = entry.rid or uuid.uuid4().hex
             try:
                 req = self._builder.build(entry, entry_rid, stream, self.sampler)
+                self._builder.attach_listed_ids(req, token_ids_logprob, len(reqs), len(entries))
                 if self.config.spec_steps:
                     check_speculative_request(req.params)
+                    if req.logprob is not None and req.logprob.token_ids:
+                        raise InvalidRequestError("token_ids_logprob", "not served with speculative decoding "
+                                                  "(the verify step scores no listed ids)")
                 self._builder.attach_routes(req, len(reqs), len(entries), routes)
+                req.return_prompt_ids = pick_flag("return_prompt_token_ids", return_prompt_token_ids, len(reqs),
+                                                  len(entries))
                 self._loop.claim_rid(entry_rid)
             except InvalidRequestError as exc:
                 if single:

@@ -69,14 +69,15 @@ class EngineConfig:
     # grouped pass instead of an MLP's 3 GEMMs, 2 elementwise kernels and an add a layer); separate = the MLP
     # beside it (the reference twin). auto: fused with the triton moe backend.
     shared_experts: SharedExperts = "auto"
-    # Decode batch sizes captured as CUDA graphs. None: a default ladder up to max_running_requests when
-    # on CUDA with all three triton backends (the ref backends loop over host values and cannot be
-    # captured); () turns graphs off.
+    # Batch sizes captured as CUDA graphs (decode; under speculation the draft and verify forwards). None: a
+    # default ladder up to max_graph_batch when on CUDA with all three triton backends (the ref backends loop
+    # over host values and cannot be captured; exact mode's can, when sizes are given); () turns graphs off.
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
     seed: int = 0
     # Exact mode (layers/exact.py): batch-invariant math, so a request's logits and routes do not depend on its
     # batch, chunking, prefix hits or the TP shard count. Needs the ref backends; forces the absorbed MLA path
-    # and separate shared experts (both through exact ops), no CUDA graphs. Under expert parallelism it takes the
+    # and separate shared experts (both through exact ops); CUDA graphs only when cuda_graph_batch_sizes names them
+    # (no default ladder: exact mode is for checking, not speed). Under expert parallelism it takes the
     # low-latency dispatcher, whose combine sums a token's K expert outputs in k order as one process does.
     deterministic: bool = False
     # Expert parallelism's token dispatcher (SGLang's --deepep-mode): normal (DeepEP normal mode: rows sized by a
@@ -99,8 +100,8 @@ class EngineConfig:
     trace_dir: str | None = None  # record every request into this trace folder from the start
     # Speculative decoding (SGLang's names; engine/spec/): "NEXTN" drafts with the checkpoint's MTP module ("EAGLE"
     # is accepted as its alias, as SGLang does); speculative_num_steps d = 1..3 draft tokens a step (None: 3, SGLang's
-    # choice for DeepSeek-V3), checked by one target forward of d + 1 tokens a request. Runs un-overlapped, without
-    # CUDA graphs, in one process (each refused or turned off with a reason).
+    # choice for DeepSeek-V3), checked by one target forward of d + 1 tokens a request. Runs un-overlapped, in one
+    # process (several are refused); CUDA graphs hold its draft and verify forwards (engine/spec/graphs.py).
     speculative_algorithm: str | None = None
     speculative_num_steps: int | None = None
 
@@ -132,22 +133,27 @@ class EngineConfig:
         self._check_speculative()
         if self.deterministic:
             self._check_deterministic()
-        if self.cuda_graph_batch_sizes and self.speculative_algorithm is not None:
-            raise EngineConfigError(
-                f"cuda_graph_batch_sizes={self.cuda_graph_batch_sizes}: not with speculative_algorithm="
-                f"{self.speculative_algorithm!r} (its draft and verify forwards run eager); leave it unset or pass ()"
-            )
         if self.cuda_graph_batch_sizes:
-            if not self.device.startswith("cuda") or not self.all_triton:
-                raise EngineConfigError(
-                    f"cuda_graph_batch_sizes={self.cuda_graph_batch_sizes}: needs device cuda and the triton "
-                    "attention, moe and topk backends"
-                )
-            bad = [b for b in self.cuda_graph_batch_sizes if not 0 < b <= self.max_running_requests]
-            if bad:
-                raise EngineConfigError(
-                    f"cuda_graph_batch_sizes has {bad} outside 1..max_running_requests={self.max_running_requests}"
-                )
+            self._check_graphs(self.cuda_graph_batch_sizes)
+
+    def _check_graphs(self, sizes: tuple[int, ...]) -> None:
+        if not self.device.startswith("cuda") or not (self.all_triton or self.deterministic):
+            raise EngineConfigError(
+                f"cuda_graph_batch_sizes={sizes}: needs device cuda and the triton attention, moe and topk backends "
+                "(or deterministic=True)"
+            )
+        bad = [b for b in sizes if not 0 < b <= self.max_running_requests]
+        if bad:
+            raise EngineConfigError(
+                f"cuda_graph_batch_sizes has {bad} outside 1..max_running_requests={self.max_running_requests}"
+            )
+        # A verify graph runs B requests of exactly 1 + d tokens: a step holds that many only within its budget
+        too_big = [b for b in sizes if b > self.max_graph_batch]
+        if too_big:
+            raise EngineConfigError(
+                f"cuda_graph_batch_sizes has {too_big}: a verify of B x (1 + speculative_num_steps {self.spec_steps}) "
+                f"tokens must fit chunked_prefill_size={self.chunked_prefill_size} (B <= {self.max_graph_batch})"
+            )
 
     def _check_placement(self) -> None:
         """Field by field; P % ep_size needs the model's E and the launch's ep_size: check_expert_slots."""
@@ -248,14 +254,21 @@ class EngineConfig:
         return "absorb" if self.deterministic and self.mla_path == "auto" else self.mla_path
 
     @property
+    def max_graph_batch(self) -> int:
+        """The most requests a graph serves: max_running_requests; under speculation the verifies of 1 + d tokens
+        that one step's token budget holds (a step of more gives some requests fewer drafts, and runs eager)."""
+        if not self.spec_steps:
+            return self.max_running_requests
+        return min(self.max_running_requests, self.chunked_prefill_size // (1 + self.spec_steps))
+
+    @property
     def graph_batch_sizes(self) -> tuple[int, ...]:
-        """The decode batch sizes to capture (empty: eager decode)."""
+        """The batch sizes to capture (empty: eager): decode graphs, or under speculation the draft and verify
+        graphs of each size (engine/spec/graphs.py). The default ladder needs CUDA and the triton backends."""
         if self.cuda_graph_batch_sizes is not None:
             return tuple(self.cuda_graph_batch_sizes)
-        if self.speculative_algorithm is not None:  # draft and verify forwards are not captured
-            return ()
-        if self.device.startswith("cuda") and self.all_triton:
-            return default_batch_sizes(self.max_running_requests)
+        if self.device.startswith("cuda") and self.all_triton and self.max_graph_batch > 0:
+            return default_batch_sizes(self.max_graph_batch)
         return ()
 
     @property

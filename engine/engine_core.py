@@ -104,7 +104,7 @@ class EngineCore:
                 f"cuda_graph_batch_sizes={cfg.cuda_graph_batch_sizes}: not with dp_size={parallel.dp_size}, "
                 f"ep_size={parallel.ep_size} (decode under DP attention or EP runs eager)"
             )
-        if cfg.graph_batch_sizes and graph_safe:
+        if cfg.graph_batch_sizes and graph_safe and not cfg.spec_steps:  # speculation captures its own graphs
             graphs = DecodeGraphs(self.model, self.kv_pool.kv_buffer, req_pool.req_to_token, cfg.graph_batch_sizes,
                                   self.max_context_len, self.kv_pool.pad_slot)
         self.runner = ModelRunner(self.model, self.kv_pool, req_pool, self.sampler, device, mc, graphs, parallel)
@@ -128,8 +128,14 @@ class EngineCore:
             )
         drafter = Drafter(build_draft(self.model, cfg), self.model, self.sampler, self.kv_pool.kv_buffer.shape[1],
                           req_pool.req_to_token.shape[0], cfg.spec_steps, cfg.device)
+        graphs = None
+        if cfg.graph_batch_sizes:  # after build_draft: the draft's capture opt-out is checked before any capture
+            from r3trace.engine.spec.graphs import SpecGraphs
+
+            graphs = SpecGraphs(self.model, drafter, self.kv_pool.kv_buffer, req_pool.req_to_token,
+                                cfg.graph_batch_sizes, self.max_context_len, self.kv_pool.pad_slot)
         return SpecRunner(self.model, drafter, self.kv_pool, req_pool, self.sampler, cfg.device, self.model_config,
-                          parallel)
+                          parallel, graphs)
 
     # ------------------------------------------------------------------ expert placement (scheduler thread only)
     def begin_expert_placement(self, location: ExpertLocation, chunk_layers: int) -> None:

@@ -29,7 +29,7 @@ from .communicator import LayerCommunicator, RouteCommunicator, VocabCommunicato
 from .engine_config import EngineConfig, EngineConfigError
 from .expert_placement import apply_expert_location, initial_location
 from .forward_batch import ForwardBatch
-from .layers.attention_backend import make_attention_backend
+from .layers.attention_backend import AttentionBackend, DecodeShape, make_attention_backend
 from .layers.dispatcher_choice import make_dispatcher
 from .layers.exact import exact_all_reduce
 from .layers.expert_location import ExpertLocation
@@ -44,6 +44,13 @@ from .model_config import ModelConfig
 from .parallel import ParallelInfo
 
 
+def attention_backend(cfg: ModelConfig, ecfg: EngineConfig, parallel: ParallelInfo) -> AttentionBackend:
+    """The attention backend for this rank's heads (the triton one resolves its decode kernel here)."""
+    shape = DecodeShape(cfg.num_attention_heads // parallel.attn_tp_size, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+    return make_attention_backend(ecfg.attention_impl, ecfg.device, ecfg.decode_kernel, ecfg.page_size, shape,
+                                  ecfg.torch_dtype)  # fmt: skip
+
+
 class DecoderLayer(nn.Module):
     def __init__(
         self,
@@ -55,14 +62,16 @@ class DecoderLayer(nn.Module):
         rope: RotaryEmbedding,
         routes: RouteCommunicator | None = None,
         num_slots: int | None = None,
+        attn_backend: AttentionBackend | None = None,
     ) -> None:
-        """num_slots: the physical slots P of a placement (None: none, slot e is expert e)."""
+        """num_slots: the physical slots P of a placement (None: none, slot e is expert e). attn_backend: the model's
+        one backend (None: this layer builds its own)."""
         super().__init__()
         dtype, device = ecfg.torch_dtype, ecfg.device
         self.layer_id = layer_id
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, ecfg.norm_impl)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, ecfg.norm_impl)
-        attn_backend = make_attention_backend(ecfg.attention_impl, ecfg.device, ecfg.decode_kernel, ecfg.page_size)
+        attn_backend = attention_backend(cfg, ecfg, parallel) if attn_backend is None else attn_backend
         self.self_attn = MLAAttention(
             cfg, layer_id, rope, attn_backend, ecfg.mla_impl, dtype, device, ecfg.norm_impl,
             parallel.attn_tp_rank, parallel.attn_tp_size, ecfg.deterministic,
@@ -76,8 +85,8 @@ class DecoderLayer(nn.Module):
             shared_rank, shared_size = (0, 1) if ep else (parallel.tp_rank, parallel.tp_size)
             self.mlp = MoE(
                 cfg, layer_id, recorder, make_routing_ops(ecfg.topk_impl),
-                make_experts_fn(ecfg.moe_impl), dtype, device, fuse_shared_experts(ecfg, parallel),
-                shared_rank, shared_size,
+                make_experts_fn(ecfg.moe_impl, bool(ecfg.graph_batch_sizes)), dtype, device,
+                fuse_shared_experts(ecfg, parallel), shared_rank, shared_size,
                 dispatcher=make_dispatcher(slots, parallel.ep_rank, parallel.ep_size, parallel.ep_group,
                                            ecfg.dispatcher_mode, moe_rows_per_rank(ecfg, parallel))
                 if ep or num_slots is not None else None,
@@ -124,8 +133,9 @@ class DeepseekModel(nn.Module):
             max(ecfg.chunked_prefill_size, ecfg.max_running_requests), device,
             gather=not isinstance(recorder, NullRecorder),
         )
+        attn = attention_backend(cfg, ecfg, parallel)  # one for every layer: its decode kernel resolved once
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, ecfg, i, parallel, recorder, self.rotary, self.routes, num_slots)
+            DecoderLayer(cfg, ecfg, i, parallel, recorder, self.rotary, self.routes, num_slots, attn)
             for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, ecfg.norm_impl)
@@ -174,10 +184,15 @@ class DeepseekForCausalLM(nn.Module):
         """forward, also returning the final hidden states [T, D] of every row (normed: what the lm_head reads, and
         what speculative decoding's MTP draft takes as h_t)."""
         self.recorder.on_forward_begin(fb)
-        hidden = self.model(fb, kv_buffer)
-        logits = self.logits(hidden[fb.logits_indices])
+        logits, hidden = self.compute_hidden(fb, kv_buffer)
         self.recorder.on_forward_end(fb)
         return logits, hidden
+
+    @torch.no_grad()
+    def compute_hidden(self, fb: ForwardBatch, kv_buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward_hidden without the recorder's begin/end hooks (what a speculative verify graph captures)."""
+        hidden = self.model(fb, kv_buffer)
+        return self.logits(hidden[fb.logits_indices]), hidden
 
     @torch.no_grad()
     def compute_logits(self, fb: ForwardBatch, kv_buffer: torch.Tensor) -> torch.Tensor:

@@ -185,7 +185,27 @@ class ModelRunner:
             if top_num:
                 top = logprobs.topk(min(top_num, logprobs.shape[1]), dim=-1)  # [N, top]
                 on_device["top_v"], on_device["top_i"] = top.values, top.indices
+            listed = self._listed_ids(items, logits.shape[0])
+            if listed is not None:  # token_ids_logprob: the listed ids' columns of every row, one gather
+                index = self.staging.to_device(listed).view(listed.shape)  # staged: no blocking copy
+                on_device["ids_lp"] = logprobs.gather(1, index)  # [N, M]
         return on_device
+
+    @staticmethod
+    def _listed_ids(items: list[ScheduledReq], n_rows: int) -> np.ndarray | None:
+        """[N, M] int64: each logits row's request's token_ids_logprob ids (M the longest list, zero-padded), in the
+        row order of `launch`; None when no request lists ids (the common case: no gather, no copy)."""
+        lists = [it.req.logprob.token_ids if it.req.logprob is not None else () for it in items]
+        width = max((len(ids) for ids in lists), default=0)
+        if not width:
+            return None
+        out = np.zeros((n_rows, width), dtype=np.int64)
+        row = 0
+        for it, ids in zip(items, lists, strict=True):
+            n = len(it.logprob_positions) + int(it.sample)
+            out[row : row + n, : len(ids)] = ids
+            row += n
+        return out
 
 
 def _split(
@@ -196,16 +216,22 @@ def _split(
     def tops(row: int, k: int) -> list[LogprobEntry]:
         return [(v, i, None) for v, i in zip(host["top_v"][row][:k], host["top_i"][row][:k], strict=True)]
 
+    def listed(row: int, ids: tuple[int, ...]) -> list[LogprobEntry]:
+        return [(v, i, None) for v, i in zip(host["ids_lp"][row][: len(ids)], ids, strict=True)]
+
     outs: list[ReqOutput] = []
     lp_pos = sample_pos = 0
     for it in items:
         out = ReqOutput()
         k = it.req.logprob.top_num if it.req.logprob is not None else 0
+        ids = it.req.logprob.token_ids if it.req.logprob is not None else ()
         n_lp = len(it.logprob_positions)
         if n_lp:
             out.input_logprobs = host["in_lp"][lp_pos : lp_pos + n_lp]
             if k:
                 out.input_tops = [tops(lp_rows[j], k) for j in range(lp_pos, lp_pos + n_lp)]
+            if ids:
+                out.input_ids_lps = [listed(lp_rows[j], ids) for j in range(lp_pos, lp_pos + n_lp)]
             lp_pos += n_lp
         if it.sample:
             out.next_token = int(host["next"][sample_pos])
@@ -213,6 +239,8 @@ def _split(
                 out.next_logprob = host["next_lp"][sample_pos]
                 if k:
                     out.next_top = tops(sample_rows[sample_pos], k)
+                if ids:
+                    out.next_ids_lp = listed(sample_rows[sample_pos], ids)
             sample_pos += 1
         outs.append(out)
     return outs

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import InitVar, dataclass, field, fields
 from typing import Any, Literal
 
@@ -34,6 +35,8 @@ class SamplingParams:
     seed: int | None = None  # a seeded request owns a torch.Generator: same tokens in any batch
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    # SGLang's stop_regex: stop once re.search finds one in the output text (engine/stop_rules.py)
+    stop_regex: tuple[str, ...] = ()
     ignore_eos: bool = False
     # SGLang's logits processing (engine/penalties.py): on the logits before temperature, greedy rows included
     min_p: float = 0.0  # drop tokens whose probability is below min_p * the top token's
@@ -81,6 +84,13 @@ class SamplingParams:
             raise bad("seed", "must be null or an integer in [0, 2**63)")
         if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
             raise bad("stop", "must be a non-empty string or a list of non-empty strings")
+        if not isinstance(self.stop_regex, tuple) or not all(isinstance(s, str) and s for s in self.stop_regex):
+            raise bad("stop_regex", "must be a non-empty string or a list of non-empty strings")
+        for pattern in self.stop_regex:
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise InvalidRequestError("sampling_params.stop_regex", f"{pattern!r} is not a regex: {exc}") from None
         ids = self.stop_token_ids
         if not isinstance(ids, tuple) or not all(_is_int(t) and t >= 0 for t in ids):
             raise bad("stop_token_ids", "must be a list of integers >= 0")
@@ -106,17 +116,17 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None) -> SamplingParams:
-        """SGLang's dict form: `stop` may be one string, lists become tuples, null means the default (as SGLang's
-        SamplingParams.__post_init__), unknown keys are errors."""
+        """SGLang's dict form: `stop` and `stop_regex` may be one string, lists become tuples, null means the default
+        (as SGLang's SamplingParams.__post_init__), unknown keys are errors."""
         raw = {k: v for k, v in (raw or {}).items() if v is not None}
         known = {f.name for f in fields(cls)} | {"sampling_seed"}
         unknown = sorted(set(raw) - known)
         if unknown:
             raise InvalidRequestError(f"sampling_params.{unknown[0]}", f"unknown; known: {sorted(known)}")
-        stop = raw.get("stop")
-        if isinstance(stop, str):
-            raw["stop"] = (stop,)
-        for key in ("stop", "stop_token_ids"):
+        for key in ("stop", "stop_regex"):
+            if isinstance(raw.get(key), str):
+                raw[key] = (raw[key],)
+        for key in ("stop", "stop_regex", "stop_token_ids"):
             if isinstance(raw.get(key), list):
                 raw[key] = tuple(raw[key])
         if "logit_bias" in raw:
@@ -159,6 +169,8 @@ def _is_real(x: object) -> bool:
 class LogprobRequest:
     start_len: int  # first prompt position whose logprob is returned
     top_num: int  # 0: no top-logprob lists
+    # SGLang's token_ids_logprob: at each returned position, the logprobs of these ids, in this order
+    token_ids: tuple[int, ...] = ()
 
 
 @dataclass
@@ -219,6 +231,9 @@ class Req:
     input_logprobs_done: bool = False
     output_logprobs: list[LogprobEntry] = field(default_factory=list)
     output_top_logprobs: list[list[LogprobEntry]] = field(default_factory=list)
+    # token_ids_logprob: per position the listed ids' entries (input: None where input_top_logprobs has None)
+    input_token_ids_logprobs: list[list[LogprobEntry] | None] = field(default_factory=list)
+    output_token_ids_logprobs: list[list[LogprobEntry]] = field(default_factory=list)
     generator: torch.Generator | None = None
     # streaming offsets: what the caller has already received
     sent_ids: int = 0
@@ -228,6 +243,9 @@ class Req:
     capture: CaptureRequest | None = None  # routes to return and how; None: none asked
     replay: ReplayRoutes | None = None  # routes to force; None: the gate routes every position
     routed_dp_rank: int | None = None  # the DP rank the front end must place it on; None: the balancer picks
+    # SGLang's return_prompt_token_ids: the result carries `prompt_token_ids` (a stream: on its first chunk only)
+    return_prompt_ids: bool = False
+    sent_prompt_ids: bool = False
     # False: neither reuse nor fill the prefix cache (a replay under hooks that cannot check a hit's routes).
     # A replay under the route hooks keeps it: they reuse only exact hits (RouteCaptureHooks.usable_prefix).
     use_prefix_cache: bool = True
@@ -272,7 +290,8 @@ class Req:
 
     def reset_input_logprobs(self) -> None:
         """The first prompt token has no logprob (nothing predicts it): SGLang reports None."""
-        self.input_logprobs, self.input_top_logprobs = [], []
+        self.input_logprobs, self.input_top_logprobs, self.input_token_ids_logprobs = [], [], []
         if self.logprob is not None and self.logprob.start_len == 0:
             self.input_logprobs.append((None, self.origin_input_ids[0], None))
             self.input_top_logprobs.append(None)
+            self.input_token_ids_logprobs.append(None)

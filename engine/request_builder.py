@@ -167,6 +167,27 @@ class RequestBuilder:
         return LogprobRequest(start_len=start, top_num=top)
 
 
+    def attach_listed_ids(self, req: Req, value: Any, i: int, n: int) -> None:
+        """Request i of n's token_ids_logprob (SGLang's GenerateReqInput field): one id list for every request, or
+        a list of one list (or None) per request. Without return_logprob it is ignored, as SGLang fills the
+        logprob fields of meta_info only then."""
+        if value is None:
+            return
+        if isinstance(value, list) and value and (value[0] is None or isinstance(value[0], list)):
+            if len(value) != n:
+                raise InvalidRequestError("token_ids_logprob", f"a list of {len(value)} id lists for {n} requests")
+            value = value[i]
+            if value is None:
+                return
+        if not isinstance(value, list) or not all(_is_id(t) for t in value):
+            raise InvalidRequestError("token_ids_logprob", f"{value!r} must be a list of token ids")
+        for t in value:
+            if not 0 <= t < self.vocab_size:
+                msg = f"{t} outside the vocabulary 0..{self.vocab_size - 1}"
+                raise InvalidRequestError("token_ids_logprob", msg)
+        if req.logprob is not None and value:
+            req.logprob.token_ids = tuple(value)
+
     def attach_routes(self, req: Req, i: int, n: int, args: RouteArgs) -> None:
         """Request i of n: its capture options, replay routes and DP rank pin into req (raises for it only)."""
 
@@ -214,6 +235,21 @@ class RequestBuilder:
             # supplied by the caller cannot tell, so there the replay bypasses the cache both ways.
             req.use_prefix_cache = not self.custom_hooks
         req.routed_dp_rank = check_routed_dp_rank(pick("routed_dp_rank", args.routed_dp_rank), self.dp_size)
+
+
+def _is_id(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def pick_flag(name: str, value: Any, i: int, n: int) -> bool:
+    """Request i of n's share of a boolean generate() argument: one for every request, or a list of one each."""
+    if isinstance(value, list):
+        if len(value) != n:
+            raise InvalidRequestError(name, f"a list of {len(value)} values for {n} request(s)")
+        value = value[i]
+    if not isinstance(value, bool):
+        raise InvalidRequestError(name, f"{value!r} must be true or false")
+    return value
 
 
 def _as_dict(raw: Any) -> dict[str, Any] | None:

@@ -35,7 +35,8 @@ def _stable_len(req: Req, text: str) -> int:
     while end and text[end - 1] == REPLACEMENT:
         end -= 1
     hold = 0
-    for s in () if req.params.no_stop_trim else req.params.stop:
+    # a stop regex trims at its own characters when they occur (engine/stop_rules.py): held back as a stop string
+    for s in () if req.params.no_stop_trim else (*req.params.stop, *req.params.stop_regex):
         for k in range(min(len(s) - 1, end), 0, -1):
             if text[end - k : end] == s[:k]:
                 hold = max(hold, k)
@@ -71,14 +72,21 @@ def build_result(req: Req, tokenizer: TextTokenizer, *, delta: bool) -> dict[str
         meta["output_token_logprobs"] = req.output_logprobs[lp_from:lp_end]
         if req.logprob.top_num:
             meta["output_top_logprobs"] = req.output_top_logprobs[lp_from:lp_end]
+        if req.logprob.token_ids:
+            if not delta or req.sent_logprobs == 0:
+                meta["input_token_ids_logprobs"] = list(req.input_token_ids_logprobs)
+            meta["output_token_ids_logprobs"] = req.output_token_ids_logprobs[lp_from:lp_end]
     out: dict[str, Any] = {
         "text": text[text_from:text_end],
         "output_ids": req.output_ids[ids_from:ids_end],
         "meta_info": meta,
     }
+    if req.return_prompt_ids and not (delta and req.sent_prompt_ids):
+        out["prompt_token_ids"] = list(req.origin_input_ids)
     if req.finish is not None and req.finish.is_error:
         out["error"] = req.finish.message
     if delta:
+        req.sent_prompt_ids = True
         req.sent_ids, req.sent_text, req.sent_logprobs = ids_end, text_end, lp_end
     return out
 

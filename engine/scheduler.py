@@ -10,10 +10,10 @@ One step = one forward that mixes decode tokens and prefill chunks under a budge
      match, then a prefill chunk of what the budget and the free pages allow.
 `process` then appends the sampled tokens, applies the stop rules and frees the finished requests.
 
-Capture plugs in through `RequestHooks` (all called on the scheduler thread, KV still valid):
-on_admit after the prefix match, on_retract and on_finish before the request's KV is freed.
-`kv_slots(req)` gives the slots of its computed positions. A forward's end is the recorder's
-on_forward_end, which the model calls.
+Where each request's KV goes (admission with the prefix match, growth, release to the prefix cache) is
+`KVAllocator`'s (kv_allocator.py). Capture plugs in through `RequestHooks` (all called on the scheduler thread,
+KV still valid): on_admit after the prefix match, on_retract and on_finish before the request's KV is freed. A
+forward's end is the recorder's on_forward_end, which the model calls.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from collections import deque
 import numpy as np
 
 from r3trace.engine.engine_config import EngineConfig
+from r3trace.engine.kv_allocator import KVAllocator
 from r3trace.engine.kv_pool import KVPool, ReqToTokenPool
 from r3trace.engine.radix_cache import RadixCache
 from r3trace.engine.request import FinishReason, LogprobEntry, Req
@@ -34,20 +35,13 @@ from r3trace.engine.tokenizer import TextTokenizer
 
 class Scheduler:
     def __init__(
-        self,
-        config: EngineConfig,
-        pool: KVPool,
-        req_pool: ReqToTokenPool,
-        cache: RadixCache | None,
-        tokenizer: TextTokenizer,
-        eos_token_ids: tuple[int, ...],
-        max_context_len: int,
+        self, config: EngineConfig, pool: KVPool, req_pool: ReqToTokenPool, cache: RadixCache | None,
+        tokenizer: TextTokenizer, eos_token_ids: tuple[int, ...], max_context_len: int,
         hooks: RequestHooks | None = None,
     ) -> None:
         self.config = config
         self.pool = pool
         self.req_pool = req_pool
-        self.cache = cache
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_context_len = max_context_len
@@ -55,6 +49,7 @@ class Scheduler:
         self.running: list[Req] = []  # admission order: the last one is the newest
         self._updates: list[Req] = []  # requests with news since the last take_updates()
         self.hooks: RequestHooks = hooks or NullHooks()
+        self.kv = KVAllocator(pool, req_pool, cache, self.hooks)  # where each request's KV goes (kv_allocator.py)
         self.num_retractions = 0  # over the scheduler's life: tests check preemption really happened
         self.num_dropped_ahead = 0  # positions computed ahead for requests that had stopped (tests check it)
         # Speculative decoding: a decoding request verifies up to spec_steps draft tokens a step (0: off)
@@ -97,18 +92,18 @@ class Scheduler:
             if self.spec_steps and req.in_decode:
                 decoding_after -= 1
                 want = 1 + self._draft_len(req, budget - decoding_after)
-            slots = self._grow(req, want)
+            slots = self.kv.grow(req, want)
             while slots is None:
                 victim = self.running[-1]
                 if len(self.running) == 1:  # alone and still out of pages: the pool cannot hold it
-                    reason = FinishReason("abort", message=self._pool_full_message(req), is_error=True)
+                    reason = FinishReason("abort", message=self.kv.pool_full_message(req), is_error=True)
                     self._finish(req, reason)
                     break
                 self._retract(victim)
                 retracted = True
                 if victim is req:
                     break
-                slots = self._grow(req, want)
+                slots = self.kv.grow(req, want)
             if slots is None:
                 continue  # req left `running`; running[i] is now the next one
             items.append(self._item(req, slots))
@@ -117,7 +112,7 @@ class Scheduler:
         max_running = self.config.max_running_requests
         while not retracted and self.waiting and budget > 0 and len(self.running) < max_running:
             req = self.waiting[0]
-            slots = self._admit(req, budget)
+            slots = self.kv.admit(req, budget)
             if slots is None:
                 break  # first come first served: no overtaking a request that does not fit
             self.waiting.popleft()
@@ -142,9 +137,9 @@ class Scheduler:
                 if len(r.output_ids) + 1 < r.params.max_new_tokens and r.seq_len + 1 < self.max_context_len]
         if not keep or len(keep) > self.config.chunked_prefill_size:
             return None
-        # One position each, for all requests at once (a per-request _grow was ~8 us a request on a 2-core host:
-        # 1 ms a step at 128 requests). A running request holds exactly pages_for(kv_len) pages, so its next
-        # position opens a page when kv_len // page reaches len(pages).
+        # One position each, for all requests at once (a per-request KVAllocator.grow was ~8 us a request on a
+        # 2-core host: 1 ms a step at 128 requests). A running request holds exactly pages_for(kv_len) pages, so
+        # its next position opens a page when kv_len // page reaches len(pages).
         page = self.pool.page_size
         opening = [r for r in keep if r.kv_len // page >= len(r.pages)]
         if len(opening) > self.pool.num_free_pages:
@@ -195,54 +190,6 @@ class Scheduler:
             phase="decode" if req.in_decode else "prefill",
         )
 
-    def _admit(self, req: Req, budget: int) -> np.ndarray | None:
-        row = self.req_pool.alloc()
-        if row is None:
-            return None
-        req.pool_row = row
-        fill = req.fill_ids
-        if self.cache is not None and req.use_prefix_cache:
-            limit = len(fill) - 1  # the last token is always computed: its logits give the next token
-            if req.wants_input_logprobs:
-                assert req.logprob is not None
-                limit = min(limit, max(req.logprob.start_len - 1, 0))
-            pages, node = self.cache.match_prefix(fill[:limit])
-            if pages:  # route capture may need the prefix cut where its routes are not on the host
-                page = self.pool.page_size
-                usable = self.hooks.usable_prefix(req, self.pool.slots(list(pages), 0, len(pages) * page))
-                pages = pages[: usable // page]
-            self.cache.lock(node)  # the whole match stays locked; only its usable pages are reused
-            req.cache_node, req.pages = node, list(pages)
-            req.kv_len = req.cached_len = len(pages) * self.pool.page_size
-            if req.kv_len:
-                self.req_pool.write(row, 0, self.pool.slots(req.pages, 0, req.kv_len))
-        slots = self._grow(req, min(len(fill) - req.kv_len, budget))
-        if slots is None:
-            self._release_kv(req, cache_it=False)
-            return None
-        req.cached_tokens += req.cached_len
-        self.hooks.on_admit(req)
-        return slots
-
-    def _grow(self, req: Req, want: int) -> np.ndarray | None:
-        """Give req KV slots for `want` more positions, or as many as whole free pages allow (a
-        chunk shrinks; a decode needs its one slot). Returns the slots [n] or None when n == 0."""
-        page = self.pool.page_size
-        need = self.pool.pages_for(req.kv_len + want) - len(req.pages)
-        if need > self.pool.num_free_pages and self.cache is not None:
-            self.cache.evict(need - self.pool.num_free_pages)
-        if need > self.pool.num_free_pages:
-            need = self.pool.num_free_pages
-            want = (len(req.pages) + need) * page - req.kv_len
-        if want <= 0:
-            return None
-        pages = self.pool.alloc(need)
-        assert pages is not None
-        req.pages.extend(pages)
-        slots = self.pool.slots(req.pages, req.kv_len, req.kv_len + want)
-        self.req_pool.write(req.pool_row, req.kv_len, slots)
-        return slots
-
     # ------------------------------------------------------------------ results
     def process(self, items: list[ScheduledReq], outputs: list[ReqOutput]) -> None:
         """Fold a forward's outputs into request state; finished requests release their KV."""
@@ -269,6 +216,8 @@ class Scheduler:
                 for p, lp, top in zip(item.logprob_positions, out.input_logprobs, tops, strict=True):
                     req.input_logprobs.append((lp, req.origin_input_ids[p + 1], None))
                     req.input_top_logprobs.append(top)
+                if out.input_ids_lps is not None:
+                    req.input_token_ids_logprobs.extend(out.input_ids_lps)
             if req.logprob is not None and item.end >= req.prompt_len:
                 req.input_logprobs_done = True
             if item.end == req.seq_len:
@@ -280,6 +229,8 @@ class Scheduler:
                     req.output_logprobs.append((out.next_logprob, out.next_token, None))
                     if out.next_top is not None:
                         req.output_top_logprobs.append(out.next_top)
+                    if out.next_ids_lp is not None:
+                        req.output_token_ids_logprobs.append(out.next_ids_lp)
                 finish = finish_reason(req, self.eos_token_ids, self.tokenizer, self.max_context_len)
                 if finish is not None:
                     self._finish(req, finish)
@@ -310,9 +261,7 @@ class Scheduler:
         kept = req.seq_len - 1 - item.start  # positions start.. whose input token is committed: one per token kept
         req.kv_len = item.start + kept
         self.hooks.on_reject(req, item.start, kept, item.out_cache_loc[kept:])
-        keep_pages = self.pool.pages_for(req.kv_len)
-        self.pool.free(req.pages[keep_pages:])
-        del req.pages[keep_pages:]
+        self.kv.trim(req)
         return stop
 
     # ------------------------------------------------------------------ lifecycle hooks
@@ -326,7 +275,7 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         if req.pool_row >= 0:
-            self._release_kv(req, cache_it=True)
+            self.kv.release(req, cache_it=True)
         self._updates.append(req)
 
     def _retract(self, req: Req) -> None:
@@ -335,7 +284,7 @@ class Scheduler:
         self._drop_ahead(req)
         self.hooks.on_retract(req)
         self.running.remove(req)
-        self._release_kv(req, cache_it=False)
+        self.kv.release(req, cache_it=False)
         req.num_retractions += 1
         self.num_retractions += 1
         self.waiting.appendleft(req)
@@ -347,37 +296,3 @@ class Scheduler:
         self.num_dropped_ahead += req.inflight
         req.kv_len -= req.inflight
         req.inflight = 0
-
-    def _release_kv(self, req: Req, cache_it: bool) -> None:
-        """Return req's pages: whole computed pages go to the prefix cache when cache_it, the rest
-        to the pool. Pages it got from the cache stay there (unlocked)."""
-        page = self.pool.page_size
-        own_from = req.cached_len // page  # pages before this came from the cache
-        if self.cache is not None and req.cache_node is not None:
-            self.cache.unlock(req.cache_node)  # first: adopt() frees at once the pages of nodes nobody holds
-        if self.cache is not None and cache_it and req.use_prefix_cache:
-            full = req.kv_len // page
-            present = self.cache.insert(req.fill_ids[: full * page], req.pages[:full]) // page
-            if present > own_from:  # the cache already held these tokens: keep the better copy, free the other
-                self.pool.free(self.cache.adopt(req.fill_ids[: present * page], req.pages[:present],
-                                                own_from * page, self._prefer_pages))
-            self.pool.free(req.pages[full:])  # the partly filled last page is never shared
-        else:
-            self.pool.free(req.pages[own_from:])
-        self.req_pool.free(req.pool_row)
-        req.reset_kv()
-
-    def _prefer_pages(self, cached: list[int], own: list[int]) -> bool:
-        page = self.pool.page_size
-        return self.hooks.prefer_pages(self.pool.slots(cached, 0, len(cached) * page),
-                                       self.pool.slots(own, 0, len(own) * page))
-
-    def kv_slots(self, req: Req) -> np.ndarray:
-        """[kv_len] int64 host: the KV slot of each computed position of a running request."""
-        return self.pool.slots(req.pages, 0, req.kv_len)
-
-    def _pool_full_message(self, req: Req) -> str:
-        return (
-            f"KV pool exhausted: the request needs {req.kv_len + 1} slots, kv_pool_tokens="
-            f"{self.pool.num_tokens} (page_size={self.pool.page_size})"
-        )

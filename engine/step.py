@@ -42,6 +42,9 @@ class ReqOutput:
     next_top: list[LogprobEntry] | None = None
     input_logprobs: list[float] | None = None  # one per logprob_positions entry
     input_tops: list[list[LogprobEntry]] | None = None
+    # token_ids_logprob: the listed ids' entries at the sampled position / at each logprob position
+    next_ids_lp: list[LogprobEntry] | None = None
+    input_ids_lps: list[list[LogprobEntry]] | None = None
     # a verify item's tokens in order (accepted drafts, then the target's own), with their logprobs when asked
     next_tokens: list[int] | None = None
     next_logprobs: list[float] | None = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Set
 
 from r3trace.engine.request import FinishReason, Req
@@ -11,8 +12,16 @@ from r3trace.engine.tokenizer import TextTokenizer
 def finish_reason(
     req: Req, eos_token_ids: Set[int], tokenizer: TextTokenizer, max_context_len: int
 ) -> FinishReason | None:
-    """SGLang's order: length first, then stop token ids, eos, stop strings, context limit. A matched stop
-    string trims req.text before it, unless no_stop_trim (SGLang's detokenizer then keeps it). The overlapped
+    """SGLang's order: length first, then stop token ids, eos, stop strings, stop regexes, context limit. A matched
+    stop string trims req.text before it, unless no_stop_trim (SGLang's detokenizer then keeps it).
+
+    stop_regex (SGLang's Req._check_str_based_finish and DetokenizerManager.trim_matched_stop, read at
+    sgl-project/sglang 004c82e07d876f6e4a0ad6e15325706b0f478f1a): the first pattern, in the order given, that
+    re.search finds in the output text stops the request with matched = the pattern. The text is trimmed as SGLang
+    trims it: before the pattern's own characters where they occur in the text (a pattern without metacharacters),
+    otherwise not at all (the match stays in the text). r3trace searches the whole output text; SGLang searches
+    the decoded last tokens, as many as the longest match can span, so only a pattern anchored with ^ or a
+    lookbehind may find a match here that SGLang's window cannot. The overlapped
     scheduler relies on only the first and last rule being knowable before the token is sampled
     (Scheduler.schedule_ahead leaves those requests out)."""
     p, tok = req.params, req.output_ids[-1]
@@ -20,13 +29,18 @@ def finish_reason(
         return FinishReason("length", length=p.max_new_tokens)
     if tok in p.stop_token_ids or (not p.ignore_eos and tok in eos_token_ids):
         return FinishReason("stop", matched=tok)
-    if p.stop:
+    if p.stop or p.stop_regex:
         text = tokenizer.decode(req.output_ids, skip_special_tokens=p.skip_special_tokens)
         hits = [(text.find(s), s) for s in p.stop if s in text]
         if hits:
             at, s = min(hits)
             req.text = text if p.no_stop_trim else text[:at]
             return FinishReason("stop", matched=s)
+        for pattern in p.stop_regex:
+            if re.search(pattern, text) is not None:
+                at = text.find(pattern)
+                req.text = text if p.no_stop_trim or at == -1 else text[:at]
+                return FinishReason("stop", matched=pattern)
     if req.seq_len >= max_context_len:
         return FinishReason("length", length=len(req.output_ids))
     return None

@@ -2,12 +2,12 @@
 
 Shape legend: T new tokens, L = kv_lora_rank, R = qk_rope_head_dim, C = L + R (one latent cache row),
 S cache slots. kv_a is kv_a_proj_with_mqa's output [T, C]: c_kv in columns [0, L), k_pe in [L, C).
-Semantics (the reference below, what mla.py ran before this kernel: norm, rope, cat, index store):
+Semantics (latent_write_ref below: norm, rope, cat, index store):
     row = [rmsnorm(c_kv) (r3trace.kernels.rmsnorm), rope(k_pe, positions) (r3trace.kernels.rope)]
     kv_cache[out_cache_loc[t]] = row[t].to(kv_cache.dtype)
 and, where the normal (prefix-free prefill) path reads the new keys, latent [T, C] = the same rows.
 At batch 64 the reference is 4 kernels a layer (norm, rope, cat, index_put: 1.7 + 2.0 + 1.3 + 3.8 us under
-the decode graph on an H200, bench/results/step_profile-session6-run1.json), ~106 us of a 2.41 ms step.
+the decode graph on an H200, BENCHMARKS.md#end-to-end), ~106 us of a 2.41 ms step.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from r3trace.kernels.contract import FLOAT_DTYPES, INDEX_DTYPES, grid_len, requi
 from r3trace.kernels.dot import dot_precision
 from r3trace.kernels.flash import LOG2E, latent_tile_scores, online_softmax_step
 from r3trace.kernels.mha_prefill import mha_prefill, mha_prefill_ref  # re-exported: see __all__
+from r3trace.kernels.mla_decode.reference import latent_attention_ref
 
 # issue 6 names this module for both forms; the normal (prefix-free MHA) one lives in mha_prefill.py
 __all__ = ["mha_prefill", "mha_prefill_ref", "mla_extend", "mla_extend_ref"]
@@ -156,7 +157,8 @@ def mla_extend_ref(
     sm_scale: float,
     max_extend_len: int | None = None,
 ) -> torch.Tensor:
-    """Per-request gather, masked softmax in fp32. Same contract as mla_extend."""
+    """Same contract as mla_extend: per request, its prefix + extend rows gathered through req_to_token and the MLA
+    decode's reference attention (latent_attention_ref: causal, fp32) over them."""
     _check_extend_args(
         q, kv_cache, req_to_token, req_pool_indices, prefix_lens, extend_lens, extend_start_loc, kv_lora_rank
     )
@@ -167,10 +169,5 @@ def mla_extend_ref(
         if ext == 0:
             continue
         slots = req_to_token[int(req_pool_indices[b]), : prefix + ext].long()  # [n]
-        kv = kv_cache[slots].float()  # [n, C]
-        scores = torch.einsum("thc,nc->htn", q[s0 : s0 + ext].float(), kv) * sm_scale  # [H, ext, n]
-        pos_q = prefix + torch.arange(ext, device=q.device)  # [ext]
-        hidden = torch.arange(prefix + ext, device=q.device)[None, :] > pos_q[:, None]  # [ext, n]
-        probs = scores.masked_fill(hidden, float("-inf")).softmax(dim=-1)  # [H, ext, n]
-        out[s0 : s0 + ext] = torch.einsum("htn,nc->thc", probs, kv[:, :kv_lora_rank]).to(q.dtype)
+        out[s0 : s0 + ext] = latent_attention_ref(q[s0 : s0 + ext], kv_cache[slots], kv_lora_rank, sm_scale).to(q.dtype)
     return out

@@ -15,7 +15,7 @@ from r3trace.kernels.contract import FLOAT_DTYPES, require, require_tensor
 
 # Router logits [T, E] = x [T, D] (bf16/fp16/fp32) . weight [E, D] fp32, in fp32 (DeepSeek and transformers keep
 # the gate in fp32). torch casts x first: a cast kernel, then cuBLAS's SIMT sgemm + split-K reduce at decode
-# sizes (2.8 + 6.0 + 2.4 us a layer at T=64, D=2048, E=64 on an H200: bench/NOTES.md "kvfuse, session 6").
+# sizes (2.8 + 6.0 + 2.4 us a layer at T=64, D=2048, E=64 on an H200: BENCHMARKS.md#end-to-end).
 # This kernel reads x as it is and splits D over _LOGITS_SPLIT programs too, so T=64, E=64 runs 4 x 4 x 8 = 128
 # programs of one 256-wide slice each, all loads in flight at once (a 16-step loop over D instead, one program
 # per [4, 8] outputs, took 14.2 us: each step waits for its loads). The top-k kernel adds the partial sums.

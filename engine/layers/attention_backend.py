@@ -20,6 +20,9 @@ from typing import Protocol
 
 import torch
 
+from r3trace.kernels.mla_decode.reference import latent_attention_ref
+from r3trace.kernels.mla_decode.registry import DecodeShape
+
 from ..forward_batch import ForwardBatch
 from .exact import exact_attention
 
@@ -65,9 +68,10 @@ class _PerRequest:
         self, q: torch.Tensor, kv_cache: torch.Tensor, fb: ForwardBatch, kv_lora_rank: int, scale: float
     ) -> torch.Tensor:
         out = q.new_empty(q.shape[0], q.shape[1], kv_lora_rank)
+        table = fb.req_to_token.index_select(0, fb.req_pool_indices)  # [B, max_context] (a gather: no host sync)
         for b, (start, n, seq_len) in enumerate(zip(_starts(fb), fb.extend_lens_cpu, fb.seq_lens_cpu, strict=False)):
-            slots = fb.req_to_token[fb.req_pool_indices[b], :seq_len].long()
-            o = self._latent(q[start : start + n], kv_cache[slots], kv_lora_rank, scale)  # [n, H, kv_lora] fp32
+            kv = kv_cache.index_select(0, table[b, :seq_len].long())  # [seq_len, C]
+            o = self._latent(q[start : start + n], kv, kv_lora_rank, scale, fb.prefix_lens[b])  # [n, H, kv_lora]
             out[start : start + n] = o.to(q.dtype)
         return out
 
@@ -87,8 +91,11 @@ class _PerRequest:
             out[start : start + n] = o.to(q.dtype)
         return out
 
-    def _latent(self, q: torch.Tensor, kv: torch.Tensor, kv_lora_rank: int, scale: float) -> torch.Tensor:
-        """q [n, H, C], kv [N, C] (queries the last n of the N keys) -> [n, H, kv_lora] fp32."""
+    def _latent(
+        self, q: torch.Tensor, kv: torch.Tensor, kv_lora_rank: int, scale: float, q_start: torch.Tensor
+    ) -> torch.Tensor:
+        """q [n, H, C], kv [N, C] -> [n, H, kv_lora] fp32. The queries are the last n of the N keys; q_start (0-d, on
+        the device: the request's prefix length) says so again for a backend that reads a longer key window."""
         raise NotImplementedError
 
     def _heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -99,10 +106,10 @@ class _PerRequest:
 class RefAttention(_PerRequest):
     """Plain torch, one request at a time, fp32 softmax: the definition the kernels are checked against."""
 
-    def _latent(self, q: torch.Tensor, kv: torch.Tensor, kv_lora_rank: int, scale: float) -> torch.Tensor:
-        kv = kv.float()
-        probs = _causal_softmax(torch.einsum("nhc,kc->hnk", q.float(), kv) * scale, q.shape[0], kv.shape[0])
-        return torch.einsum("hnk,kc->nhc", probs, kv[:, :kv_lora_rank])
+    def _latent(
+        self, q: torch.Tensor, kv: torch.Tensor, kv_lora_rank: int, scale: float, q_start: torch.Tensor
+    ) -> torch.Tensor:
+        return latent_attention_ref(q, kv, kv_lora_rank, scale)  # the kernels' own reference (kernels/mla_decode)
 
     def _heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         probs = _causal_softmax(torch.einsum("nhd,khd->hnk", q.float(), k.float()) * scale, q.shape[0], k.shape[0])
@@ -110,11 +117,15 @@ class RefAttention(_PerRequest):
 
 
 class ExactAttention(_PerRequest):
-    """RefAttention's loop with exact_attention inside: batch-invariant, for exact mode."""
+    """RefAttention's loop with exact_attention inside: batch-invariant, for exact mode. Queries sit at the request's
+    prefix length read on the device, so a CUDA graph (whose host lengths are the longest context: graph_batch.py)
+    reads a longer key window with the keys past the request masked, and gets the eager bits."""
 
-    def _latent(self, q: torch.Tensor, kv: torch.Tensor, kv_lora_rank: int, scale: float) -> torch.Tensor:
+    def _latent(
+        self, q: torch.Tensor, kv: torch.Tensor, kv_lora_rank: int, scale: float, q_start: torch.Tensor
+    ) -> torch.Tensor:
         kv = kv.unsqueeze(1).expand(-1, q.shape[1], -1)  # [N, H, C]: one latent row for all heads
-        return exact_attention(q, kv, kv[..., :kv_lora_rank], scale)
+        return exact_attention(q, kv, kv[..., :kv_lora_rank], scale, q_start)
 
     def _heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         return exact_attention(q, k, v, scale)
@@ -124,35 +135,25 @@ class TritonAttention:
     """Triton flash-decoding / extend kernels (r3trace.kernels). Split counts and max lengths come from
     the batch's host lists, so no kernel launch needs a device sync (and decode is graph-capturable)."""
 
-    def __init__(self, device: str, decode_kernel: str = "auto", page_size: int = 1) -> None:
-        from r3trace.kernels import mha_prefill, mla_decode, mla_extend
+    def __init__(
+        self, device: str, decode_kernel: str, page_size: int, shape: DecodeShape, dtype: torch.dtype
+    ) -> None:
+        from r3trace.kernels import mha_prefill, mla_extend
+        from r3trace.kernels.mla_decode import resolve_decoder
 
-        # The KV pool's page size: the Gluon decode loads a 64-key tile as TMA boxes when pages hold
-        # whole tiles (a multiple of 64 slots: 1.08-1.12x the cp.async gather, BENCHMARKS.md "mla128b")
-        self._page_size = page_size
-
-        self._mod = mla_decode
-        self._decode = mla_decode.mla_decode
+        # The decode kernel, resolved once for this rank's heads, the dtype, the KV pool's page size and the
+        # device (kernels/mla_decode: the Gluon stage 1s on Hopper unless decode_kernel pins the Triton one);
+        # the model builds one backend and every layer calls it.
+        self.decoder = resolve_decoder(shape, dtype, page_size, device, use_gluon=decode_kernel == "auto")
         self._extend = mla_extend.mla_extend
         self._prefill = mha_prefill.mha_prefill
-        dev = torch.device(device)
-        # Read once at construction: 132 on an H200. The interpreter on CPU gets a few splits, still > 1.
-        self._sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
-        # Hopper: the Gluon decode kernel at H >= 64 (1.35x the Triton one on an H200; mla_decode_gluon.py)
-        # unless EngineConfig.decode_kernel pins the Triton one
-        self._gluon = (decode_kernel == "auto" and dev.type == "cuda"
-                       and torch.cuda.get_device_capability(dev)[0] == 9)
 
     def absorbed(
         self, q: torch.Tensor, kv_cache: torch.Tensor, fb: ForwardBatch, kv_lora_rank: int, scale: float
     ) -> torch.Tensor:
         if fb.mode == "decode":
-            tile = self._mod.default_decode_tile(q.shape[1], q.dtype, self._gluon, kv_lora_rank,
-                                                 q.shape[2] - kv_lora_rank, self._page_size)
-            # programs per (request, split) and per SM as the kernel launches them, from host lengths
-            splits = tile.num_kv_splits(fb.batch_size, q.shape[1], max(fb.seq_lens_cpu), self._sms)
-            return self._decode(q, kv_cache, fb.req_to_token, fb.req_pool_indices, fb.seq_lens, kv_lora_rank, scale,
-                                num_kv_splits=splits, tile=tile)
+            splits = self.decoder.num_kv_splits(fb.batch_size, max(fb.seq_lens_cpu))  # host lengths: no sync
+            return self.decoder(q, kv_cache, fb.req_to_token, fb.req_pool_indices, fb.seq_lens, scale, splits)
         return self._extend(
             q, kv_cache, fb.req_to_token, fb.req_pool_indices, fb.prefix_lens, fb.extend_lens,
             fb.extend_start_loc, kv_lora_rank, scale, max_extend_len=max(fb.extend_lens_cpu),
@@ -174,8 +175,9 @@ class TritonAttention:
 
 
 def make_attention_backend(
-    name: str, device: str, decode_kernel: str = "auto", page_size: int = 1
+    name: str, device: str, decode_kernel: str, page_size: int, shape: DecodeShape, dtype: torch.dtype
 ) -> AttentionBackend:
+    """shape: this rank's heads and the latent row's parts, for the triton backend's decode kernel."""
     if name == "exact":
         return ExactAttention()
-    return RefAttention() if name == "ref" else TritonAttention(device, decode_kernel, page_size)
+    return RefAttention() if name == "ref" else TritonAttention(device, decode_kernel, page_size, shape, dtype)

@@ -24,7 +24,7 @@ that this one and low_latency_dispatcher.py, which imports Dispatched from here,
 DeepEP normal mode (its get_dispatch_layout / dispatch / combine): rank r owns experts [r*E_local, (r+1)*E_local),
 contiguous. A token goes once to every rank that owns at least one of its experts, with all K of its ids
 translated to that rank's local ids (-1 for the ones elsewhere, weight 0 there), so the experts function skips
-them (moe.py) and its own align (kernels/moe_align.py) does the expert-contiguous permute of the received rows.
+them (moe.py) and its own align (kernels/moe/align.py) does the expert-contiguous permute of the received rows.
 Each rank returns one row per received token, its local pairs already weighted and summed; combine adds a
 token's rows from the ranks in rank order. Shared experts are not dispatched: every rank computes them on its
 own tokens (replicated, as under DeepEP), so fused shared experts (moe.py) are refused with expert parallelism.

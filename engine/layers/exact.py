@@ -25,7 +25,9 @@ result. `exact_all_reduce` is that reduction after an all_gather: the communicat
 Guarantees (fp32; tests/engine/test_exact_mode.py): a request's logits, logprobs and routes do not depend on
 the other requests in its batch, on chunked-prefill boundaries, on prefix-cache hits or on the decode batch
 size; nor on the tensor-parallel shard count R in {1, 2, 4, 8} after the exact reduction. MLA runs one path
-(absorbed) for every forward. Not covered: bf16/fp16 under R > 1 (partials are rounded to the model dtype
+(absorbed) for every forward. No op syncs with the host (attention masks by the request's prefix length on the
+device, the experts run every pair at once), so a CUDA graph can hold an exact forward and give its eager bits
+(tests/spec/test_spec_graphs*.py). Not covered: bf16/fp16 under R > 1 (partials are rounded to the model dtype
 before the reduction), expert-parallel dispatch, and the Triton backends (exact mode requires ref).
 
 Cost (samples/model, fp32, CPU, 2 threads, torch 2.13; bench/exact_cost.py -> bench/results/exact_cost-cpu.json,
@@ -116,6 +118,21 @@ def exact_linear(x: torch.Tensor, w: torch.Tensor, blocks: int = EXACT_BLOCKS) -
     return out.to(x.dtype)
 
 
+def exact_pair_linear(x: torch.Tensor, w: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Row p of x through weight w[index[p]]: x [P, In], w [E, Out, In], index [P] int64 -> [P, Out] in x's dtype.
+    Row p's bits are exact_linear(x[p:p+1], w[index[p]])'s (the same products, the same EXACT_BLOCKS tree); the
+    weights are gathered per row on the device (no host sync), in chunks of about _CHUNK_ELEMENTS products."""
+    rows, in_f = x.shape
+    out_f = w.shape[1]
+    _check_blocks(in_f, EXACT_BLOCKS, f"exact_pair_linear [{out_f}, {in_f}]")
+    out = torch.empty(rows, out_f, dtype=torch.float32, device=x.device)
+    step = max(1, _CHUNK_ELEMENTS // max(out_f * in_f, 1))
+    for s in range(0, rows, step):
+        wp = w.index_select(0, index[s : s + step]).float()  # [c, Out, In]
+        out[s : s + step] = _blocked_dot(x[s : s + step, None, :].float(), wp, EXACT_BLOCKS)
+    return out.to(x.dtype)
+
+
 def exact_head_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Per-head linear: x [T, H, In], w [H, Out, In] -> [T, H, Out] in x's dtype (one tree over In).
 
@@ -142,27 +159,35 @@ def make_matmul(exact: bool, in_f: int, shards: int = 1) -> MatmulFn:
     return partial(exact_linear, blocks=blocks)
 
 
-def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def exact_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_start: torch.Tensor | None = None
+) -> torch.Tensor:
     """Causal attention of one request, every sum a tree over the key or feature dim.
 
     q: [n, H, Dk]; k: [N, H, Dk] and v: [N, H, Dv] (an expanded view is fine); query i sits at key position
-    N - n + i. -> [n, H, Dv] fp32. Masked keys get probability exactly 0, so they add exact zeros: a query's
-    result is the same whatever the number of keys after it. The max is exact in any order."""
+    q_start + i (q_start: a 0-d device tensor; None: N - n, the queries are the last n keys). -> [n, H, Dv] fp32.
+    Masked keys (after a query's position) get probability exactly 0 and add exact zeros, so a query's result has
+    the same bits whatever the number of keys after it: N may be any window that holds the request's keys (a CUDA
+    graph passes the longest context, masked on the device). The max is exact
+    in any order."""
     n, h, dk = q.shape
     big_n, dv = k.shape[0], v.shape[2]
     kt = k.float().permute(1, 0, 2)[None]  # [1, H, N, Dk]
     vt = v.float().permute(1, 0, 2)[None]  # [1, H, N, Dv]
     out = torch.empty(n, h, dv, dtype=torch.float32, device=q.device)
     k_pos = torch.arange(big_n, device=q.device)
+    first = big_n - n if q_start is None else q_start
     step = max(1, _CHUNK_ELEMENTS // max(h * big_n * max(dk, dv), 1))
     for s in range(0, n, step):
         qc = q[s : s + step].float()  # [c, H, Dk]
         scores = tree_sum(qc[:, :, None, :] * kt, -1) * scale  # [c, H, N]
-        q_pos = torch.arange(s, s + qc.shape[0], device=q.device) + (big_n - n)
+        q_pos = torch.arange(s, s + qc.shape[0], device=q.device) + first
         masked = (k_pos[None, :] > q_pos[:, None])[:, None, :]  # [c, 1, N]
         scores = scores.masked_fill(masked, float("-inf"))
         p = exact_softmax(scores)  # [c, H, N]; masked keys: exactly 0
-        out[s : s + step] = tree_sum(p[..., None] * vt, 2)  # [c, H, Dv]
+        # masked products are +0 and the sum gets + 0.0: a key window longer than the keys pairs the same subtree
+        # with +0 subtrees, which maps -0 to +0 and leaves every other value as it is; so does the + 0.0
+        out[s : s + step] = tree_sum((p[..., None] * vt).masked_fill(masked[..., None], 0.0), 2) + 0.0  # [c, H, Dv]
     return out
 
 

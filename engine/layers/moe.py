@@ -33,48 +33,21 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from r3trace.capture.recorder import NullRecorder, RouteRecorder
+from r3trace.kernels.moe.reference import fused_moe_ref
 
 from ..forward_batch import ForwardBatch
 from ..model_config import ModelConfig
 from .dispatcher import NullDispatcher, TokenDispatcher
-from .exact import exact_linear, exact_silu
+from .exact import exact_linear, exact_pair_linear, exact_silu
 from .expert_location import ExpertLocation, ExpertLocationError, held_experts
 from .expert_map import ExpertMap
 from .mlp import MLP
 from .router import RouteGather, Router, RoutingOps
 
 ExpertsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def grouped_experts_ref(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
-) -> torch.Tensor:
-    """Reference grouped computation: sort (token, k) pairs by expert, one GEMM pair per expert.
-
-    x: [T, D]; topk_ids/topk_weights: [T, K] -> [T, D] in x's dtype (accumulated in fp32).
-    """
-    t, k = topk_ids.shape
-    flat_ids = topk_ids.reshape(-1).long()  # [T*K]
-    order = torch.argsort(flat_ids, stable=True)  # -1 ids sort first and are skipped
-    token_of = order // k  # [T*K] token row of each sorted pair
-    flat_w = topk_weights.reshape(-1)[order]
-    n_skipped = int((flat_ids < 0).sum())
-    counts = torch.bincount(flat_ids[flat_ids >= 0], minlength=w13.shape[0]).tolist()  # one host sync
-    out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
-    start = n_skipped
-    for expert, n in enumerate(counts):
-        if n == 0:
-            continue
-        rows = token_of[start : start + n]
-        gate, up = F.linear(x[rows], w13[expert]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2[expert])  # [n, D]
-        out.index_add_(0, rows, y.float() * flat_w[start : start + n, None])
-        start += n
-    return out.to(x.dtype)
 
 
 def exact_experts(
@@ -91,20 +64,43 @@ def exact_experts(
         pairs = (flat == expert).nonzero()[:, 0]  # [n] flat pair indices
         gate, up = exact_linear(x[pairs // k], w13[expert]).chunk(2, dim=-1)  # [n, I] each
         y[pairs] = exact_linear(exact_silu(gate) * up, w2[expert]).float()  # [n, D]
-    y = y.view(t, k, -1)  # [T, K, D]
+    return _sum_over_k(y.view(t, k, -1), topk_weights, x.dtype)
+
+
+def exact_experts_gathered(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+) -> torch.Tensor:
+    """exact_experts without a host sync, for an engine that captures CUDA graphs in exact mode: every pair at once,
+    its expert's weights gathered beside it (exact_pair_linear: exact_linear's products and tree, row by row), so the
+    bits are exact_experts' (tests/engine/test_exact_mode.py). The gather doubles the memory traffic of the products:
+    2.0x exact_experts' time at the sample model's MoE (256 tokens, K = 4, fp32, CPU), hence not the default.
+
+    x: [T, D]; topk_ids/topk_weights: [T, K] -> [T, D] in x's dtype. Ids of -1 add exact zeros."""
+    t, k = topk_ids.shape
+    flat = topk_ids.reshape(-1).long()  # [T*K]
+    expert = flat.clamp(min=0)  # an id of -1 (not on this rank) computes expert 0's product, masked to +0 below
+    pairs = x.index_select(0, torch.arange(t * k, device=x.device) // k)  # [T*K, D] each pair's token
+    gate, up = exact_pair_linear(pairs, w13, expert).chunk(2, dim=-1)  # [T*K, I] each
+    y = exact_pair_linear(exact_silu(gate) * up, w2, expert).float()  # [T*K, D]
+    return _sum_over_k(y.masked_fill((flat < 0)[:, None], 0.0).view(t, k, -1), topk_weights, x.dtype)
+
+
+def _sum_over_k(y: torch.Tensor, topk_weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """y [T, K, D] fp32 -> sum_k w_k * y_k [T, D], sequential over k = 0..K-1 (exact mode's fixed order)."""
     w = topk_weights.float()
     out = w[:, 0, None] * y[:, 0]
-    for j in range(1, k):
+    for j in range(1, y.shape[1]):
         out = out + w[:, j, None] * y[:, j]
-    return out.to(x.dtype)
+    return out.to(dtype)
 
 
-def make_experts_fn(backend: str) -> ExpertsFn:
+def make_experts_fn(backend: str, graphs: bool = False) -> ExpertsFn:
+    """graphs: the engine captures CUDA graphs (exact mode then takes its sync-free experts)."""
     if backend == "exact":
-        return exact_experts
+        return exact_experts_gathered if graphs else exact_experts
     if backend == "ref":
-        return grouped_experts_ref
-    from r3trace.kernels.fused_moe import fused_moe
+        return fused_moe_ref  # the kernels' own reference (kernels/moe/reference.py)
+    from r3trace.kernels.moe.fused_moe import fused_moe
 
     return fused_moe  # type: ignore[no-any-return]
 

@@ -31,11 +31,11 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from r3trace.capture.recorder import RouteRecorder
 from r3trace.kernels import topk as ref
+from r3trace.kernels.router_logits import router_logits_ref
 from r3trace.kernels.topk import (
     MaskValue,
     gate_scores,
@@ -129,7 +129,7 @@ class RoutingOps(NamedTuple):
 
 
 def logits_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return F.linear(x.float(), weight)
+    return router_logits_ref(x, weight)  # the router-logits kernel's own reference (kernels/router_logits.py)
 
 
 def logits_exact(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

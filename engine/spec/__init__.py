@@ -8,13 +8,16 @@
 | verify.py   | acceptance: greedy longest prefix, rejection sampling under temperature                  |
 | runner.py   | SpecRunner: one step (chain, target verify, acceptance, draft extend), one wait          |
 | request_check.py | the sampling options a speculative engine refuses (penalties, min_new_tokens)       |
+| graphs.py   | SpecGraphs: the chain, verify and extend forwards as CUDA graphs, one set per batch size  |
 
 What runs when (EngineConfig.speculative_algorithm set): every step of a decoding request is a verify of its last
 token and d' <= speculative_num_steps drafts (Scheduler._draft_len); prefill chunks run as without speculation and
 are followed by a draft extend over their rows. The scheduler keeps the accepted tokens, frees the rejected
 positions' KV and tells route capture to drop their rows (RequestHooks.on_reject) before any reader sees them.
 
-Not supported (each refused with a one-line error): CUDA graphs for the draft and verify forwards (they run eager;
-graphs stay off by default with speculation), several processes (tp/dp/ep > 1), penalties and min_new_tokens.
+CUDA graphs (EngineConfig.graph_batch_sizes; the default ladder stops at the verifies of d + 1 tokens one step's
+budget holds): a step whose every request verifies d drafts replays the three graphs; any other step runs eager, the
+reference (graphs.py). Not supported (each refused with a one-line error): several processes (tp/dp/ep > 1),
+penalties and min_new_tokens.
 The overlapped scheduler is off: a step needs the accepted lengths of the one before.
 """

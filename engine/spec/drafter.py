@@ -12,6 +12,8 @@ committed token; hidden[r] the draft's output h' at its position; probs[r, 0] = 
           d' + 1 rows) with the target's hidden states and the next token of each position (the input of the row
           after it; at the last accepted row the token the verify committed); its output at that row proposes the
           next x_1. Rows past the accepted ones read rejected inputs and are never used: their slots are freed.
+Each of the two runs through a DraftForwards: the Drafter itself (eager) or SpecGraphs (the same forward replayed
+from a CUDA graph, spec/graphs.py); the drafts are chosen from its logits the same way either way.
 Every draft forward runs the NextN layer only (no target recorder hook: the draft's router has its own
 NullRecorder, nextn.check_draft_capture). Every position the target computes gets its draft row in the same step, so
 a prefix-cache hit finds draft rows beside the target's KV; the hit's last row read the next token of the request
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -59,13 +62,25 @@ class Drafter:
         embedded = model.vocab_comm.reduce_embedding(model.embed_tokens(input_ids))
         return self.draft(fb, embedded, hidden, self.kv)
 
-    def propose(
-        self, hidden: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+    # ---------------------------------------------------------------- DraftForwards, eager (spec/graphs.py: replayed)
+    def chain_forward(self, fb: ForwardBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A chain step: fb a decode batch of B requests whose input_ids are x_j, hidden [B, D] their h' ->
+        (the new h' [B, D], the head's logits [B, V] fp32)."""
+        out = self.run(fb, fb.input_ids, hidden)
+        return out, self.target.logits(out)
+
+    def extend_forward(self, fb: ForwardBatch, input_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """The draft over a target forward fb's rows: input_ids [T] each row's next token, hidden [T, D] the
+        target's -> h' [T, D]."""
+        return self.run(dataclasses.replace(fb, input_ids=input_ids, replay=None), input_ids, hidden)
+
+    # ---------------------------------------------------------------- drafts
+    def choose(
+        self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """h' [B, D] -> (draft tokens [B] int64, their distributions q [B, V] fp32, None when every row is greedy):
-        the target's head, then argmax for greedy rows and a draw from q (Sampler.probs: the request's temperature,
+        """The head's logits [B, V] fp32 -> (draft tokens [B] int64, their distributions q [B, V] fp32, None when
+        every row is greedy): argmax for greedy rows and a draw from q (Sampler.probs: the request's temperature,
         top-k, top-p) for the others."""
-        logits = self.target.logits(hidden)  # [B, V] fp32
         greedy = logits.argmax(dim=-1)
         if all(p.is_greedy for p in params):
             return greedy, None
@@ -83,8 +98,10 @@ class Drafter:
             self.probs[:, step].index_copy_(0, rows, q)
 
     def chain(self, items: list[ScheduledReq], forward_id: int, req_to_token: torch.Tensor, device: str,
-              stage: Callable[[np.ndarray], torch.Tensor]) -> None:
-        """Drafts x_2 .. x_{d'} of each verify item (x_1 came from the last extend): one forward a draft depth."""
+              stage: Callable[[np.ndarray], torch.Tensor], forwards: DraftForwards | None = None) -> None:
+        """Drafts x_2 .. x_{d'} of each verify item (x_1 came from the last extend): one forward a draft depth.
+        forwards: where the forwards run (the step's CUDA graphs; None: eagerly, here)."""
+        fwd = forwards or self
         for j in range(1, max((it.draft_len for it in items), default=0)):
             sub = [it for it in items if it.draft_len > j]  # requests that need x_{j+1}
             fb = ForwardBatch.build(
@@ -95,18 +112,27 @@ class Drafter:
             )
             rows = fb.req_pool_indices
             torch.index_select(self.tokens[:, j - 1], 0, rows, out=fb.input_ids)
-            out = self.run(fb, fb.input_ids, self.hidden.index_select(0, rows))  # [B, D]
-            tokens, q = self.propose(out, [it.req.params for it in sub], [it.req.generator for it in sub])
+            out, logits = fwd.chain_forward(fb, self.hidden.index_select(0, rows))  # [B, D], [B, V]
+            tokens, q = self.choose(logits, [it.req.params for it in sub], [it.req.generator for it in sub])
             self.store(rows, j, tokens, q, out)
 
     def extend(self, fb: ForwardBatch, input_ids: torch.Tensor, hidden: torch.Tensor, out_rows: torch.Tensor,
-               req_rows: torch.Tensor, samplers: list[ScheduledReq]) -> None:
+               req_rows: torch.Tensor, samplers: list[ScheduledReq], forwards: DraftForwards | None = None) -> None:
         """After a target forward fb: the draft over its positions. input_ids [T]: each row's next token; hidden
         [T, D]: the target's; out_rows [B]: the row of each sampling request whose output proposes its next x_1;
-        req_rows [B]: their request rows."""
-        out = self.run(dataclasses.replace(fb, input_ids=input_ids, replay=None), input_ids, hidden)  # [T, D]
+        req_rows [B]: their request rows. forwards: as in chain."""
+        out = (forwards or self).extend_forward(fb, input_ids, hidden)  # [T, D]
         if not samplers:
             return
         last = out.index_select(0, out_rows)  # [B, D]
-        tokens, q = self.propose(last, [it.req.params for it in samplers], [it.req.generator for it in samplers])
+        params, generators = [it.req.params for it in samplers], [it.req.generator for it in samplers]
+        tokens, q = self.choose(self.target.logits(last), params, generators)
         self.store(req_rows, 0, tokens, q, last)
+
+
+class DraftForwards(Protocol):
+    """Where a step's draft forwards run: Drafter itself (eager) or SpecGraphs (replayed CUDA graphs)."""
+
+    def chain_forward(self, fb: ForwardBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def extend_forward(self, fb: ForwardBatch, input_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor: ...

@@ -11,7 +11,9 @@ launch(items):
   3. acceptance (verify.py): greedy or rejection sampling, per request; a prefill's last row is a verify of 0 drafts;
   4. draft extend (Drafter.extend) over the forward's rows, each with its next token, which proposes the next x_1;
   5. the committed tokens, their counts and logprobs queued to the host.
-Nothing in launch waits on the device; collect waits once. The scheduler then keeps counts[b] tokens of request b
+Steps 1, 2 and 4 replay CUDA graphs when the step fits them (every item a verify of d drafts: spec/graphs.py), with
+the same eager code between them; any other step runs all three eager. Nothing in launch waits on the device;
+collect waits once. The scheduler then keeps counts[b] tokens of request b
 (fewer when a stop rule ends it), frees the KV of the rest and tells the capturer which rows were rejected
 (Scheduler._accept, RequestHooks.on_reject) before anything reads the forward's routes.
 """
@@ -36,6 +38,7 @@ from ..request import LogprobEntry
 from ..sampling import Sampler
 from ..step import ReqOutput, ScheduledReq
 from .drafter import Drafter
+from .graphs import SpecGraphs
 from .verify import accept_greedy, accept_sampled
 
 
@@ -95,10 +98,13 @@ class SpecRunner(ModelRunner):
     def __init__(
         self, model: DeepseekForCausalLM, drafter: Drafter, pool: KVPool, req_pool: ReqToTokenPool,
         sampler: Sampler, device: str, model_config: ModelConfig, parallel: ParallelInfo | None = None,
+        graphs: SpecGraphs | None = None,
     ) -> None:
+        """graphs: the draft and verify CUDA graphs (None: every step eager)."""
         super().__init__(model, pool, req_pool, sampler, device, model_config, None, parallel)
         self.target = model
         self.drafter = drafter
+        self.spec_graphs = graphs
         # up to ~12 copies a step (each chain forward's batch, the target's, its drafts, acceptance, the extend's
         # next tokens, the input-logprob rows): a ring of 32 comes back only after the step's one wait
         self.staging = HostStaging(device, num_buffers=32)
@@ -108,15 +114,17 @@ class SpecRunner(ModelRunner):
         self.req_pool.flush(stage)
         plan = plan_step(items, self.drafter.steps)
         req_to_token = self.req_pool.req_to_token
+        replay = replay_plan(items, len(plan.input_ids), self.model_config, self.device, stage)
+        # the step's three forwards replay CUDA graphs when it fits them (spec/graphs.py), else all run eager
+        graphs = self.spec_graphs if self.spec_graphs is not None and self.spec_graphs.can_run(items, replay) else None
         self.drafter.chain([it for it in items if it.phase == "verify"], self.forward_id, req_to_token, self.device,
-                           stage)
+                           stage, graphs)
         fb = ForwardBatch.build(
             forward_id=self.forward_id, input_ids=plan.input_ids, prefix_lens=[it.start for it in items],
             extend_lens=[it.extend_len for it in items], req_pool_indices=[it.req.pool_row for it in items],
             out_cache_loc=np.concatenate([it.out_cache_loc for it in items]), req_to_token=req_to_token,
             logits_rows=plan.logits_rows, device=self.device, request_ids=[it.req.rid for it in items],
-            phases=[it.phase for it in items],
-            replay=replay_plan(items, len(plan.input_ids), self.model_config, self.device, stage), stage=stage,
+            phases=[it.phase for it in items], replay=replay, stage=stage,
         )
         step_layout(fb, self.parallel)
         if plan.draft_dst:
@@ -124,7 +132,12 @@ class SpecRunner(ModelRunner):
             n = len(plan.draft_dst)
             fb.input_ids.index_copy_(0, idx[:n], self.drafter.tokens.view(-1).index_select(0, idx[n:]))
         self.forward_id += 1
-        logits, hidden = self.target.forward_hidden(fb, self.pool.kv_buffer)  # [N, V] fp32, [T, D]
+        if graphs is None:
+            logits, hidden = self.target.forward_hidden(fb, self.pool.kv_buffer)  # [N, V] fp32, [T, D]
+        else:  # the routers' capture writes are in the graph; the recorder's hooks run around it, as eagerly
+            self.target.recorder.on_forward_begin(fb)
+            logits, hidden = graphs.verify_forward(fb)  # [T, V] fp32 (N = T: logits at every verify row), [T, D]
+            self.target.recorder.on_forward_end(fb)
 
         on_device = self._input_logprobs(items, plan, logits)
         draft_ids = fb.input_ids.roll(-1)  # [T] row r's next token is row r + 1's input, within a request
@@ -144,7 +157,7 @@ class SpecRunner(ModelRunner):
             out_rows = verify_row + last  # [B] the row of the last committed token's position - 1
             draft_ids.index_copy_(0, out_rows, tokens.gather(1, last[:, None])[:, 0])
             self._output_logprobs(plan.samplers, rows_logits, tokens, on_device)
-        self.drafter.extend(fb, draft_ids, hidden, out_rows, req_rows, plan.samplers)
+        self.drafter.extend(fb, draft_ids, hidden, out_rows, req_rows, plan.samplers, graphs)
 
         launched = Launched(items=items, lp_rows=plan.lp_rows)
         launched.host = {k: v.to("cpu", non_blocking=True) for k, v in on_device.items()}

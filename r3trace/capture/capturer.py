@@ -11,17 +11,15 @@ SGLang's wire format. What SGLang gets wrong and this gets right, each covered b
 - dense layers are -1 on the wire, never 0 ("expert 0");
 - on retraction a request's rows are kept before its KV is freed, and the re-prefill never replaces
   them (mismatching recomputed ids are counted in `recompute_mismatches`).
+While a trace records, drained rows go to its TraceSink (sink.py).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Protocol
 
 import numpy as np
 import torch
-
-from r3trace.trace.schema import PHASES
 
 from .buffers import PendingCopy, RouteBuffers
 from .config import CaptureConfig
@@ -29,15 +27,8 @@ from .config import CaptureConfigError as CaptureConfigError  # re-exported: cal
 from .physical import PhysicalIds
 from .recorder import BatchView
 from .route_rows import RequestState, RouteRows, expand_layers, join_rows
-
-
-class TraceSink(Protocol):
-    """What the capturer needs of a trace writer (r3trace.trace.writer.TraceWriter satisfies it)."""
-
-    def append_tokens(
-        self, request_id: Any, token_pos: Any, phase: Any, source: Any, forward_id: Any, ts: Any, dp_rank: Any,
-        topk_ids: np.ndarray, topk_weights: np.ndarray | None = None, physical_ids: np.ndarray | None = None,
-    ) -> None: ...
+from .sink import TraceSink as TraceSink  # re-exported: the protocol a trace writer satisfies
+from .sink import emit_computed, emit_prefix
 
 
 class RoutedExpertsCapturer:
@@ -129,7 +120,8 @@ class RoutedExpertsCapturer:
         state.prefix_slots = np.asarray(prefix_slots, dtype=np.int64)[:cached_len]
         if self.sink is not None and state.sink_emitted < cached_len:
             self.drain()
-            self._emit_prefix(rid, state)
+            emit_prefix(self.sink, self.buffers, None if self.physical is None else self.physical.buffers, rid, state,
+                        self._dp_rank)
 
     def usable_prefix(self, rid: str, slots: np.ndarray) -> int:
         """Leading positions of a prefix-cache match whose routes are on the host (all of them when
@@ -268,7 +260,8 @@ class RoutedExpertsCapturer:
                     emit.append((rid, row0 + skip, row0 + n, prefix + skip, phase))
                     state.sink_emitted = prefix + n
         if emit:
-            self._emit_computed(p, ids, emit)
+            assert self.sink is not None
+            emit_computed(self.sink, p, ids, emit)
 
     def _read(self, state: RequestState, slots: np.ndarray, start: int, end: int, weights: bool) -> np.ndarray | None:
         """[end - start, M, K] ids (or weights: None when the host does not keep them) of positions [start, end)."""
@@ -281,33 +274,3 @@ class RoutedExpertsCapturer:
 
     def _expand(self, moe_rows: np.ndarray, fill: float) -> np.ndarray:
         return expand_layers(moe_rows, fill, self.cfg.moe_layer_ids, self.cfg.num_hidden_layers)
-
-    def _emit_prefix(self, rid: str, state: RequestState) -> None:
-        assert self.sink is not None
-        lo, hi = state.sink_emitted, state.cached_len
-        slots = state.prefix_slots[lo:hi]
-        ids, w = self.buffers.read(slots), self.buffers.read_weights(slots)
-        # forward_id: the earlier forward that computed these KV slots (and their routes).
-        forward_ids = self.buffers.forwards_of(slots)
-        # the keyword only when kept: a sink that records no physical ids need not know it
-        extra = {} if self.physical is None else {"physical_ids": self.physical.buffers.read(slots)}
-        self.sink.append_tokens(
-            [rid] * (hi - lo), np.arange(lo, hi, dtype=np.int32), "prefill", "prefix_cache", forward_ids,
-            time.time_ns(), self._dp_rank, ids, w, **extra,
-        )
-        state.sink_emitted = hi
-
-    def _emit_computed(self, p: PendingCopy, ids: np.ndarray, emit: list[tuple[str, int, int, int, str]]) -> None:
-        """Every request's new rows of one forward in one sink call: at decode batch 64 that is one call of 64
-        tokens instead of 64 calls of one (the writer's per-call cost dominated: 20x the host time a step)."""
-        assert self.sink is not None
-        lens = np.array([hi - lo for _, lo, hi, _, _ in emit])
-        rows = np.concatenate([np.arange(lo, hi) for _, lo, hi, _, _ in emit])  # [T] rows of this copy
-        pos = np.concatenate([np.arange(first, first + hi - lo, dtype=np.int32) for _, lo, hi, first, _ in emit])
-        rids = [rid for (rid, *_), n in zip(emit, lens.tolist(), strict=True) for _ in range(n)]
-        phases = np.repeat(np.array([PHASES.index(ph) for *_, ph in emit], np.int32), lens)
-        extra = {} if p.physical is None else {"physical_ids": p.physical.numpy()[rows].astype(np.int32)}
-        self.sink.append_tokens(
-            rids, pos, phases, "computed", p.forward_id, p.ts_ns, p.dp_rank, ids[rows].astype(np.int32, copy=False),
-            None if p.weights is None else p.weights.numpy()[rows], **extra,
-        )

@@ -47,8 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the math backends (attention, MoE, top-k, norm, RoPE). auto: triton on CUDA (ref in exact "
                         "mode), ref elsewhere")
     p.add_argument("--cuda-graphs", type=cuda_graph_sizes, default="auto",
-                   help="decode batch sizes captured as CUDA graphs: auto (a ladder up to "
-                        "--max-running-requests with --backend triton on CUDA), off, or a list such as 1,2,4,8")
+                   help="batch sizes captured as CUDA graphs (decode; with --speculative-algorithm the draft and "
+                        "verify forwards): auto (a ladder up to --max-running-requests, or the verifies one "
+                        "--chunked-prefill-size holds, with --backend triton on CUDA), off, or a list such as 1,2,4,8")
     p.add_argument("--no-overlap", action="store_true", help="serialize the host loop with the GPU (debugging)")
     p.add_argument("--no-prefix-cache", action="store_true")
     p.add_argument("--enable-deterministic-inference", action="store_true",

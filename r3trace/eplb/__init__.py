@@ -13,9 +13,9 @@ from r3trace.eplb.placement import (
     to_json,
     to_sglang,
 )
-from r3trace.eplb.planner import PlannerConfig, plan
+from r3trace.eplb.planner import Layout, PlannerConfig, layout, plan
 
 __all__ = [
-    "Cluster", "Placement", "PlacementError", "PlannerConfig", "churn", "cross_node", "from_phy2log",
-    "global_policy", "hierarchical", "plan", "sglang_map", "to_json", "to_sglang",
+    "Cluster", "Layout", "Placement", "PlacementError", "PlannerConfig", "churn", "cross_node", "from_phy2log",
+    "global_policy", "hierarchical", "layout", "plan", "sglang_map", "to_json", "to_sglang",
 ]

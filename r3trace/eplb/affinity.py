@@ -22,20 +22,22 @@ from __future__ import annotations
 
 import numpy as np
 
+from r3trace.eplb.packing import balanced_packing
 from r3trace.eplb.placement import Cluster, PlacementError
 
-COACT_TOKENS = 2048  # newest tokens counted: 2048 x 58 layers x 28 pairs is ~0.09 s of bincount on 2 cores
+COACT_TOKENS = 1024  # newest tokens counted: 1024 x 58 layers x 28 pairs, 0.09 s of bincount on busy cores (2048: 0.22)
 
 
 def coactivation_counts(tokens: np.ndarray, num_experts: int) -> np.ndarray:
-    """tokens [T, L, K] -> [L, E, E] symmetric counts of tokens choosing both experts (zero diagonal)."""
+    """tokens [T, L, K] -> [L, E, E] symmetric counts of tokens choosing both experts (zero diagonal), float32
+    (exact below 2^24 tokens; float64 doubled the time of a [58, 256] plan's conversion on loaded cores)."""
     tok = np.asarray(tokens[-COACT_TOKENS:], dtype=np.int64)
     _, n_layers, k = tok.shape
     iu, ju = np.triu_indices(k, 1)
     off = (np.arange(n_layers) * num_experts * num_experts)[None, :, None]
     flat = off + tok[:, :, iu] * num_experts + tok[:, :, ju]
     c = np.bincount(flat.ravel(), minlength=n_layers * num_experts**2).reshape(n_layers, num_experts, num_experts)
-    c = c.astype(np.float64)
+    c = c.astype(np.float32)
     return c + c.transpose(0, 2, 1)
 
 
@@ -57,29 +59,47 @@ def group_home_nodes(weight: np.ndarray, cluster: Cluster) -> tuple[np.ndarray, 
     return np.cumsum(count, 1) - count, count
 
 
+def group_home_mask(weight: np.ndarray, cluster: Cluster) -> np.ndarray:
+    """weight [L, E] -> [L, groups, N] the home nodes of each group: runs of whole nodes (group_home_nodes) when
+    groups <= nodes; whole groups packed onto nodes by load (DeepSeek's balanced packing, groups / N per node)
+    when the nodes divide the groups; else the nodes its experts reach in contiguous order."""
+    n_layers, e = weight.shape
+    gr, n = cluster.num_groups, cluster.num_nodes
+    if e % gr:
+        raise PlacementError(f"num_groups={gr} must divide E={e}")
+    nid = np.arange(n)
+    if gr <= n:
+        first, count = group_home_nodes(weight, cluster)
+        return (nid >= first[:, :, None]) & (nid < (first + count)[:, :, None])
+    if gr % n == 0:
+        pack, _ = balanced_packing(weight.reshape(n_layers, gr, e // gr).sum(-1), n)  # [L, groups]
+        return pack[:, :, None] == nid
+    mask = np.zeros((gr, n), dtype=bool)
+    mask[np.arange(e) // (e // gr), np.arange(e) * n // e] = True
+    return np.broadcast_to(mask, (n_layers, gr, n)).copy()
+
+
 def home_primaries(weight: np.ndarray, cluster: Cluster) -> np.ndarray:
     """weight [L, E] -> node of each expert's first replica [L, E]: heaviest first onto the lightest home
-    node with a free primary slot, else the lightest node with one. Each node keeps room for its share of
-    the P - E extra replicas, so nodes hold E primaries in all and the extras fill the rest exactly.
+    node (group_home_mask) with a free primary slot, else the lightest node with one. Each node keeps room for
+    its share of the P - E extra replicas, so nodes hold E primaries in all and the extras fill the rest exactly.
 
     Node loads are left unbalanced on purpose: the hottest replicas cap balancedness (0.54-0.84 on 144
     GPUs), and GPU packing inside a node plus swaps reach that cap while nodes differ by up to 20-80%.
     """
     n_layers, e = weight.shape
     n = cluster.num_nodes
-    first, count = group_home_nodes(weight, cluster)
+    homes = group_home_mask(weight, cluster)
     extra = cluster.num_slots - e
     cap = np.full(n, cluster.slots_per_node - extra // n)
     cap[: extra % n] -= 1
-    rows, nid = np.arange(n_layers), np.arange(n)
+    rows = np.arange(n_layers)
     load = np.zeros((n_layers, n))
     free = np.tile(cap, (n_layers, 1))
     node = np.empty((n_layers, e), dtype=np.int64)
     gsize = e // cluster.num_groups
     for ex in np.argsort(-weight, axis=1, kind="stable").T:  # [L] per step
-        g = ex // gsize
-        lo = first[rows, g][:, None]
-        home = (nid >= lo) & (nid < lo + count[rows, g][:, None])  # [L, N]
+        home = homes[rows, ex // gsize]  # [L, N]
         room = np.where(free > 0, load, np.inf)
         k = np.where(np.isfinite(np.where(home, room, np.inf)).any(1),
                      np.argmin(np.where(home, room, np.inf), 1), np.argmin(room, 1))

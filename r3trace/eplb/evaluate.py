@@ -38,8 +38,8 @@ def make_placement(policy: PolicyName, weight: np.ndarray, cluster: Cluster, tok
 
 def forecast_weight(history: np.ndarray, how: Forecast) -> np.ndarray:
     """history [W, L, E] -> the [L, E] heat a policy plans on."""
-    if how == "ema":
-        return planner.forecast(history, planner.PlannerConfig().ema_alpha)
+    if how == "ema":  # the fixed EMA (weight 0.35); ours' own plan picks its weight by backtest (planner.choose_alpha)
+        return planner.forecast(history, planner.DEFAULT_ALPHA)
     return history[-1] if how == "newest" else history.sum(0)
 
 

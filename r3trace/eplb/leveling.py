@@ -26,13 +26,14 @@ from r3trace.eplb.placement import Cluster
 
 
 def level_refine(phy2log: np.ndarray, weight: np.ndarray, logcnt: np.ndarray, cluster: Cluster, max_swaps: int,
-                 min_gain: float, cold: float = 0.5, hot_gpus: int = 8) -> np.ndarray:
+                 min_gain: float, cold: float = 0.5, hot_slots: int = 16, cross_nodes: bool = True) -> np.ndarray:
     """phy2log [L, P] -> phy2log [L, P] after at most max_swaps swaps per layer (2 moved slots each).
 
     weight [L, E] forecast loads, logcnt [L, E] replicas (counts do not change). Each step swaps a slot of
-    one of the layer's `hot_gpus` hottest GPUs with any slot of another GPU, the allowed pair (module doc)
+    one of the layer's hottest GPUs (as many as hold about `hot_slots` slots: 8 of 2 slots on 144 GPUs, 1 of 9
+    on 32; 8 GPUs of 9 slots made a [58, 256] plan take 3 s) with any slot of another GPU, the allowed pair (module doc)
     that lowers the sum of squared GPU loads most; a layer stops once that gain is below
-    min_gain x (mean GPU load)^2.
+    min_gain x (mean GPU load)^2. cross_nodes=False keeps every replica on its node (swaps inside nodes only).
     """
     out = np.asarray(phy2log, dtype=np.int64).copy()
     n_layers, p = out.shape
@@ -54,37 +55,51 @@ def level_refine(phy2log: np.ndarray, weight: np.ndarray, logcnt: np.ndarray, cl
     # had reached only through an earlier swap of a replica (seen in 1 of 300 random layouts of 18 nodes)
     group_nodes = np.zeros((n_layers, cluster.num_groups), dtype=np.int64)
     np.bitwise_or.at(group_nodes, (np.arange(n_layers)[:, None], out // gsize), bit[slot_node][None, :])
+    hot_gpus = max(1, hot_slots // spg)
+    gpn = cluster.gpus_per_node
+    cold_gpus = min(cluster.num_gpus, max(1, 4 * hot_slots // spg))
     r = np.arange(n_layers)  # layers still improving
     for _ in range(max_swaps):
         n = len(r)
         at = np.arange(n)[:, None]
         ur, o, lo = u[r], out[r], lone[r]
-        held = np.take_along_axis(nodes_of[r], o, 1)  # [n, P] node bitmask of each slot's expert
         gpu = ur.reshape(n, cluster.num_gpus, spg).sum(-1)  # [n, G]
-        hot = np.argsort(-gpu, axis=1)[:, :hot_gpus]
+        rank = np.argsort(-gpu, axis=1)
+        hot = rank[:, :hot_gpus]
         mine = (hot[:, :, None] * spg + np.arange(spg)).reshape(n, -1)  # [n, S]
+        # partners: the coldest GPUs anywhere and every GPU of the hottest GPU's node (swaps inside a node are
+        # always allowed); all P slots made each step [n, S, P] and a [58, 256] plan on 8 nodes take 1 s
+        near = (hot[:, :1] // gpn) * gpn + np.arange(gpn)  # [n, gpn]
+        part = np.concatenate([rank[:, -cold_gpus:], near], 1)  # [n, B / spg]
+        bs = (part[:, :, None] * spg + np.arange(spg)).reshape(n, -1)  # [n, B] candidate slots
+        b_gpu, b_node = slot_gpu[bs], slot_node[bs]  # [n, B]
+        held_n = nodes_of[r]
+        held_a = np.take_along_axis(held_n, o[at, mine], 1)  # [n, S] node bitmask of a's expert
+        held_b = np.take_along_axis(held_n, o[at, bs], 1)  # [n, B]
         a_gpu, a_node = slot_gpu[mine], slot_node[mine]
         ga = np.take_along_axis(gpu, a_gpu, 1)[:, :, None]  # [n, S, 1]
-        gb = gpu[:, slot_gpu][:, None, :]  # [n, 1, P]
-        d = ur[at, mine][:, :, None] - ur[:, None, :]  # [n, S, P] load moved from a's GPU to b's
+        gb = np.take_along_axis(gpu, b_gpu, 1)[:, None, :]  # [n, 1, B]
+        d = ur[at, mine][:, :, None] - ur[at, bs][:, None, :]  # [n, S, B] load moved from a's GPU to b's
         gain = 2 * d * (ga - gb) - 2 * d * d  # drop of ga^2 + gb^2
-        x_at_b = (held[at, mine][:, :, None] & bit[slot_node]) != 0  # [n, S, P] a's expert on b's node
-        y_at_a = (held[:, None, :] & bit[a_node][:, :, None]) != 0  # [n, S, P] b's expert on a's node
-        la, lb = lo[at, mine][:, :, None], lo[:, None, :]
+        x_at_b = (held_a[:, :, None] & bit[b_node][:, None, :]) != 0  # [n, S, B] a's expert on b's node
+        y_at_a = (held_b[:, None, :] & bit[a_node][:, :, None]) != 0  # [n, S, B] b's expert on a's node
+        la, lb = lo[at, mine][:, :, None], lo[at, bs][:, None, :]
         g_a = o[at, mine] // gsize  # [n, S] group of a's expert
         home = np.take_along_axis(group_nodes[r], g_a, 1)  # [n, S] the nodes that group held in the input
-        kin = (g_a[:, :, None] == (o // gsize)[:, None, :]) & ((home[:, :, None] & bit[slot_node]) != 0)
+        kin = g_a[:, :, None] == (o[at, bs] // gsize)[:, None, :]
+        kin &= (home[:, :, None] & bit[b_node][:, None, :]) != 0
         kin &= ((home & bit[a_node]) != 0)[:, :, None]  # one group, both nodes among its input nodes
         cold_b = ur < cold_slot[r, None]
-        kin |= cold_b[at, mine][:, :, None] & cold_b[:, None, :]
-        cross = ~x_at_b & ~y_at_a & ((~la & ~lb) | kin)
-        ok = ((a_node[:, :, None] == slot_node[None, None, :]) | cross) & (a_gpu[:, :, None] != slot_gpu)
+        kin |= cold_b[at, mine][:, :, None] & cold_b[at, bs][:, None, :]
+        cross = ~x_at_b & ~y_at_a & ((~la & ~lb) | kin) & cross_nodes
+        ok = ((a_node[:, :, None] == b_node[:, None, :]) | cross) & (a_gpu[:, :, None] != b_gpu[:, None, :])
         flat = np.where(ok, gain, -np.inf).reshape(n, -1)
         best = np.argmax(flat, axis=1)
         keep = flat[np.arange(n), best] > floor[r]
         if not keep.any():
             break
-        i, b = np.divmod(best[keep], p)
+        i, j = np.divmod(best[keep], bs.shape[1])
+        b = bs[keep, j]
         r = r[keep]
         a = mine[keep, i]
         xa, yb = out[r, a], out[r, b]

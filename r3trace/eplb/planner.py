@@ -2,23 +2,25 @@
 
 1. Forecast: an exponential moving average of the per-window loads [W, L, E] (each window normalised to
    rates), so one noisy window does not move replicas: the global policy plans on the last window alone
-   and loses 4-6 points of balancedness on the next one.
+   and loses 4-6 points of balancedness on the next one. Its weight is picked per plan by backtest on the
+   history (choose_alpha: slow drift wants a long memory, fast drift a short one).
 2. Replica counts: the global policy's rule (each extra slot to the expert with the highest load per
    replica), capped at the GPUs of one node (homing.capped_counts).
-3. One node per expert (homing.expert_nodes): heaviest per-replica load first onto the lightest node with
-   room, preferring the expert's home (its group's node, or its node in the previous placement) when that
-   costs at most `home_slack` of a node's mean load. When the node limit binds (fewer than N nodes per
-   token, groups % N == 0) groups stay whole on their nodes instead (DeepSeek's hierarchical layout).
-   A node-limited dispatcher then has a single cover per token, so the load it produces is the
-   even-split load the plan balanced.
-   When a group cannot sit on one node (groups % N != 0, 144 GPUs on 18 nodes) one node per expert
-   reached 6.7-7.1 nodes per token; there groups get home runs of whole nodes and extra replicas go to
-   the nodes of the experts they are chosen with in the window's tokens (affinity.py): 4.8-5.8 nodes,
-   at the price of node-limited balancedness below the even one (`spread_by_affinity`). There replicas
-   sit on distinct nodes anyway, so counts are capped at N, not at one node's GPUs (s = 1.0: 0.535 ->
-   0.539 held out on 144 GPUs).
+3. Layout (`layout` says which and why). On one node every replica sits on it. On several nodes
+   each group gets home nodes (whole groups packed onto nodes by load when the nodes divide the groups,
+   runs of whole nodes when a group needs several), every expert's first replica goes to a home node of
+   its group, and each extra replica goes to the node whose experts it is chosen with most in the window's
+   tokens (affinity.py), so a token's cover has choices. Held out (BENCHMARKS.md, EPLB; bench/eplb_matrix.py,
+   grouped router, slow drift) against DeepSeek's global policy planned on the same windows: nodes per
+   token 2.2-3.3 vs 3.1-3.6 on 4 nodes, 3.0-4.1 vs 4.4-5.3 on 8, 4.6-5.7 vs 6.2-6.6 on 18, at even-split
+   balancedness within -0.03 .. +0.03 of it (DeepSeek's hierarchical layout, which this planner used on 8
+   nodes before, lost 0.05-0.38 there). Replicas on several nodes let the dispatcher's cover load some
+   more than their even share, so node-limited balancedness sits below the even one. One node per expert
+   (`spread_by_affinity` off, homing.py) keeps the two equal at more nodes per token; `keep_groups` keeps
+   every first replica on its group's home, so no token reaches more nodes than under the hierarchical layout.
+   Counts follow the global policy's rule capped at max(N, GPUs per node) replicas.
 4. Each node's replicas are packed onto its GPUs (balanced packing), then up to `fresh_swaps` swaps
-   lower the hottest GPUs (refine.swap_refine; 0.925 -> 0.944 held out on 32 GPUs). In the spread layout
+   lower the hottest GPUs (refine.swap_refine; 0.925 -> 0.944 held out on 32 GPUs). In the multi-node layout
    leveling swaps lower the sum of squared GPU loads instead (leveling.py: 0.835 / 0.744 / 0.535 ->
    0.837 / 0.749 / 0.543 held out at s = 0.3 / 0.6 / 1.0).
 5. Migration: with a previous placement, a layer is re-placed only when the fresh plan lowers its forecast
@@ -26,7 +28,7 @@
    `replan_swap_share` of its slots in swaps (2 slots each). Layers are re-placed biggest gain first
    while the moved slots stay within `churn_budget` of all slots. A re-placed layer is aligned to the
    previous one (GPUs matched by shared experts, experts kept in their slots) so only replicas that really
-   move are transferred. In the spread layout a re-placed layer moved 154-247 of 288 slots, so there the
+   move are transferred. In the multi-node layout a re-placed layer moved 154-247 of 288 slots, so there the
    re-plan is seeded instead (seeded_plan): every layer takes its fresh counts by moving only the replicas
    whose count changed (reseat.py: 1-3 slots per layer), then leveling swaps use the rest of
    `seeded_churn_budget`.
@@ -40,7 +42,7 @@ from typing import Literal, NamedTuple
 import numpy as np
 
 from r3trace.eplb.affinity import affinity_replicas, coactivation_counts, home_primaries
-from r3trace.eplb.deepseek import group_nodes, hierarchical, pack_nodes, spread_replicas
+from r3trace.eplb.deepseek import group_nodes, pack_nodes, spread_replicas
 from r3trace.eplb.homing import capped_counts, expert_nodes
 from r3trace.eplb.leveling import level_refine
 from r3trace.eplb.placement import Cluster, Placement, PlacementError, from_phy2log
@@ -51,48 +53,90 @@ from r3trace.eplb.score import even_gpu_load, node_counts
 
 @dataclass(frozen=True)
 class PlannerConfig:
-    # Weight of the newest window (0.35 averages ~5 windows). Chosen on synthetic seeds 5 and 7 (16 rolling
-    # windows of 16K tokens), not on the bench's seed 3: 0.35 beat 0.5 in all five cells tried, by 0.001-0.005
-    # held out (s = 0.3 on 18 nodes: +0.0314 vs +0.0239 over global); 0.25 was better still at s = 0.3 only.
-    ema_alpha: float = 0.35
+    # Weight of the newest window in the forecast; a fixed 0.35 (~5 windows of memory) lost to DeepSeek's global
+    # policy on 8 summed windows under slow drift and would lose to the newest window alone under fast drift
+    ema_alpha: float | None = None  # None: chosen per plan by backtest on the history (choose_alpha)
     home_slack: float = 0.0  # home node only when no heavier than the lightest; 0.02-0.05 lost 0.3-1 point
     fresh_swaps: int = 32  # swaps after a fresh plan (a layer stops early once a swap gains < min_gain)
     replan_swap_share: float = 0.05  # slots a kept layer's swaps may move (2 per swap): 7 swaps on 288 slots
     min_gain: float = 0.002  # of the mean GPU load: smaller gains are noise in the next window
     keep_tolerance: float = 0.06  # re-place a layer only for a >6% lower forecast max GPU load
     churn_budget: float = 0.08  # share of all L*P slots one re-plan may move (goal: <= 10%)
-    spread_by_affinity: bool = True  # groups % N != 0: group homes + co-activation replicas (affinity.py)
-    level_swaps: int = 150  # leveling swaps after a fresh spread plan (layers stop at level_min_gain)
+    spread_by_affinity: bool = True  # N > 1: group homes + co-activation replicas (affinity.py)
+    # leveling swaps after a fresh plan (layers stop at level_min_gain); held out on 64/8/320 at s = 0.6: 0 swaps
+    # 0.776, 32 0.789, 150 0.794 (8 nodes, 0.8 s of a 1.7 s plan at 150)
+    level_swaps: int = 48
     level_min_gain: float = 1e-4  # of the squared mean GPU load; 1e-3 lost 0.002-0.004 held out
+    # a re-plan's leveling swaps: the fresh plan's gain floor, kept where they lower a layer's hottest GPU by more
+    # than replan_min_drop. Held out (32/4/288, s = 0.3): floor 1e-3 and a 3% drop 0.841, floor 1e-4 and any drop
+    # 0.857 (global on 8 windows 0.859), at 4.0% -> 7.3% of slots moved per re-plan
+    replan_level_min_gain: float = 1e-4
+    replan_min_drop: float = 0.0
     level_cold: float = 0.5  # lone replicas below this x the mean slot load may leave their group's nodes
     seeded_churn_budget: float = 0.095  # spread layout: reseated counts + leveling swaps (goal: <= 10%)
+    # every first replica stays on its group's home nodes and swaps stay inside nodes: a token's cover is never
+    # larger than under DeepSeek's hierarchical layout (the same group homes), extra replicas only add choices
+    keep_groups: bool = False
 
     def __post_init__(self) -> None:
-        if not 0 < self.ema_alpha <= 1 or min(self.keep_tolerance, self.home_slack, self.min_gain) < 0:
-            raise PlacementError(f"ema_alpha={self.ema_alpha} must be in (0, 1]; tolerances must be >= 0")
+        bad_alpha = self.ema_alpha is not None and not 0 <= self.ema_alpha <= 1
+        if bad_alpha or min(self.keep_tolerance, self.home_slack, self.min_gain) < 0:
+            raise PlacementError(f"ema_alpha={self.ema_alpha} must be in [0, 1] (0: mean); tolerances must be >= 0")
 
 
-def forecast(history: np.ndarray, alpha: float) -> np.ndarray:
-    """[W, L, E] or [L, E] loads -> [L, E] EMA forecast of the next window (in the last window's scale)."""
+ALPHAS = (0.0, 0.1, 0.2, 0.35, 0.5, 0.7, 1.0)  # weights the backtest tries (1: the newest window, 0: plain mean)
+DEFAULT_ALPHA = 0.35  # with fewer than 3 windows there is nothing to backtest on
+
+
+def choose_alpha(history: np.ndarray) -> float:
+    """[W, L, E] loads -> the EMA weight whose one-window-ahead forecasts of windows 2 .. W - 1 (each from the
+    windows before it) had the least squared error in rates, summed over layers and windows.
+
+    Why by backtest: the best weight is a property of the workload (slow drift wants a long memory, fast
+    drift a short one), which a user cannot be asked to know."""
+    h = np.asarray(history, dtype=np.float64)
+    if h.ndim == 2 or len(h) < 3:
+        return DEFAULT_ALPHA
+    rates = h / np.maximum(h.sum(-1, keepdims=True), 1e-12)  # [W, L, E]
+    err = []
+    for a in ALPHAS:
+        e = 0.0
+        for t in range(2, len(rates)):
+            e += float(((rates[t] - _smooth(rates[:t], a)) ** 2).sum())
+        err.append(e)
+    return ALPHAS[int(np.argmin(err))]
+
+
+def forecast(history: np.ndarray, alpha: float | None) -> np.ndarray:
+    """[W, L, E] or [L, E] loads -> [L, E] EMA forecast of the next window (in the last window's scale);
+    alpha None: choose_alpha's."""
     h = np.asarray(history, dtype=np.float64)
     if h.ndim == 2:
         return h
+    alpha = choose_alpha(h) if alpha is None else alpha
     rates = h / np.maximum(h.sum(-1, keepdims=True), 1e-12)
+    return _smooth(rates, alpha) * h[-1].sum(-1, keepdims=True)
+
+
+def _smooth(rates: np.ndarray, alpha: float) -> np.ndarray:
+    """[W, L, E] -> [L, E]: EMA with weight alpha on the newest window, or the plain mean for alpha = 0."""
+    if alpha == 0:
+        return rates.mean(0)
     f = rates[0]
     for r in rates[1:]:
         f = alpha * r + (1 - alpha) * f
-    return f * h[-1].sum(-1, keepdims=True)
-
-
-def limit_binds(cluster: Cluster) -> bool:
-    """True when only whole groups per node keep a token within the node limit (and they fit: groups % N == 0)."""
-    return cluster.node_limit < cluster.num_nodes and cluster.num_groups % cluster.num_nodes == 0
+    return f
 
 
 def spreads(cluster: Cluster, cfg: PlannerConfig) -> bool:
-    """True for the layout of affinity.py: groups do not fit nodes (groups % N != 0) and N >= groups."""
-    return (cfg.spread_by_affinity and cluster.num_groups % cluster.num_nodes != 0
-            and cluster.num_groups <= cluster.num_nodes)
+    """True for the layout of affinity.py: group homes and co-activation replicas, on every multi-node cluster."""
+    return cfg.spread_by_affinity and cluster.num_nodes > 1
+
+
+def spread_cap(cluster: Cluster) -> int:
+    """Most replicas of one expert in the multi-node layout: one per node, or one per GPU of a node where that
+    is more (2 nodes of 8 GPUs: a cap of 2 would leave the hottest expert of s = 1.2 on two GPUs)."""
+    return max(cluster.num_nodes, cluster.gpus_per_node)
 
 
 class Layout(NamedTuple):
@@ -103,16 +147,22 @@ class Layout(NamedTuple):
 
 
 def layout(cluster: Cluster, cfg: PlannerConfig = PlannerConfig()) -> Layout:
-    """Which of fresh_plan's layouts this cluster gets; fresh_plan branches on it."""
-    g, n, lim = cluster.num_groups, cluster.num_nodes, cluster.node_limit
-    if spreads(cluster, cfg):
-        return Layout("spread", f"{g} groups do not fill {n} nodes evenly (groups % nodes != 0, nodes >= groups): "
-                                "group home nodes, extra replicas beside the experts they are chosen with")
-    if limit_binds(cluster):
-        return Layout("groups_on_nodes", f"node limit {lim} < {n} nodes and {g} groups divide over them: whole "
-                                         "groups per node (DeepSeek's hierarchical layout) keep tokens within it")
-    why = f"node limit {lim} >= {n} nodes" if lim >= n else f"{g} groups do not divide over {n} nodes"
-    return Layout("expert_per_node", f"{why}: each expert's replicas on one node, nodes balanced")
+    """Which of fresh_plan's layouts this cluster gets, and why, in one line."""
+    g, n = cluster.num_groups, cluster.num_nodes
+    if n == 1:
+        return Layout("expert_per_node", "one node: every replica on it, GPUs balanced by packing and swaps")
+    if not spreads(cluster, cfg):
+        return Layout("expert_per_node", "spread_by_affinity off: each expert's replicas on one node, so the "
+                                         "node-limited load equals the even split")
+    how = ("whole groups packed onto nodes by load" if g % n == 0 and g > n else "each group on a run of whole nodes")
+    extras = ("extra replicas beside the experts they are chosen with in the newest tokens (without tokens: on "
+              "the lightest nodes)")
+    if cfg.keep_groups:
+        return Layout("groups_on_nodes", f"{g} groups on {n} nodes, keep_groups: first replicas stay on their "
+                                         f"group's home nodes ({how}), so no token reaches more nodes than under "
+                                         f"DeepSeek's hierarchical layout; {extras}")
+    return Layout("spread", f"{g} groups on {n} nodes: first replicas on their group's home nodes ({how}), "
+                            f"lone cold ones moved off for balance; {extras}")
 
 
 def _coact(tokens: np.ndarray | None, n_layers: int, e: int) -> np.ndarray:
@@ -121,20 +171,15 @@ def _coact(tokens: np.ndarray | None, n_layers: int, e: int) -> np.ndarray:
 
 def fresh_plan(w: np.ndarray, home: np.ndarray, cluster: Cluster, cfg: PlannerConfig,
                tokens: np.ndarray | None = None) -> Placement:
-    """Forecast loads w [L, E], preferred nodes home [L, E], tokens [T, L, K] or None -> Placement with one
-    node per expert, or group homes plus co-activation replicas where groups do not fit nodes."""
+    """Forecast loads w [L, E], preferred nodes home [L, E], tokens [T, L, K] or None -> Placement with group
+    homes plus co-activation replicas on several nodes, else one node per expert."""
     n_layers, e = w.shape
-    kind = layout(cluster, cfg).name
-    if kind == "spread":
-        logcnt = capped_counts(w, cluster.num_slots, cluster.num_nodes)
+    if spreads(cluster, cfg):
+        logcnt = capped_counts(w, cluster.num_slots, spread_cap(cluster))
         cnt = affinity_replicas(w, logcnt, home_primaries(w, cluster), _coact(tokens, n_layers, e), cluster)
         phy2log = level_refine(pack_nodes(w, logcnt, cnt, cluster), w, logcnt, cluster, cfg.level_swaps,
-                               cfg.level_min_gain, cfg.level_cold)
+                               cfg.level_min_gain, cfg.level_cold, cross_nodes=not cfg.keep_groups)
         return from_phy2log(phy2log, e)
-    if kind == "groups_on_nodes":  # groups stay on their nodes: DeepSeek's hierarchical policy, then swaps in nodes
-        pl = hierarchical(w, cluster)
-        return from_phy2log(swap_refine(pl.phy2log, w, pl.logcnt, cluster, cfg.fresh_swaps, cfg.min_gain,
-                                        cross_nodes=False), e)
     logcnt = capped_counts(w, cluster.num_slots, cluster.gpus_per_node)
     node = expert_nodes(w, logcnt, home, cluster, cfg.home_slack)
     cnt = np.zeros((n_layers, e, cluster.num_nodes), dtype=np.int64)
@@ -142,7 +187,8 @@ def fresh_plan(w: np.ndarray, home: np.ndarray, cluster: Cluster, cfg: PlannerCo
     split = (cnt.sum(1) != cluster.slots_per_node).any(1)  # [L] replica counts that no node split fits
     if split.any():  # e.g. counts 3, 3, 2 on two 4-slot nodes: replicas spread over nodes (cross-node layout)
         cnt[split] = spread_replicas(w[split], logcnt[split], group_nodes(w[split], cluster), cluster)
-    phy2log = swap_refine(pack_nodes(w, logcnt, cnt, cluster), w, logcnt, cluster, cfg.fresh_swaps, cfg.min_gain)
+    phy2log = swap_refine(pack_nodes(w, logcnt, cnt, cluster), w, logcnt, cluster, cfg.fresh_swaps, cfg.min_gain,
+                          cross_nodes=not cfg.keep_groups)
     return from_phy2log(phy2log, e)
 
 
@@ -161,15 +207,14 @@ def plan(
     the even-split load anyway.
     """
     w = forecast(loads, cfg.ema_alpha)
-    if prev is not None and spreads(cluster, cfg):
+    if prev is not None and spreads(cluster, cfg) and not cfg.keep_groups:
         return from_phy2log(seeded_plan(w, prev, cluster, cfg, tokens), w.shape[1])
     home = group_nodes(w, cluster) if prev is None else node_counts(prev, cluster).argmax(2)
     fresh = fresh_plan(w, home, cluster, cfg, tokens)
     if prev is None:
         return fresh
     swaps = int(cfg.replan_swap_share * cluster.num_slots / 2)
-    kept = swap_refine(prev.phy2log, w, prev.logcnt, cluster, swaps, cfg.min_gain,
-                       cross_nodes=not limit_binds(cluster))
+    kept = swap_refine(prev.phy2log, w, prev.logcnt, cluster, swaps, cfg.min_gain, cross_nodes=not cfg.keep_groups)
     new_max = even_gpu_load(fresh, w, cluster).max(1)
     prev_max = even_gpu_load(Placement(kept, prev.log2phy, prev.logcnt), w, cluster).max(1)  # log2phy unused
     budget = int(cfg.churn_budget * kept.size) - int((kept != prev.phy2log).sum())
@@ -194,7 +239,7 @@ def seeded_plan(w: np.ndarray, prev: Placement, cluster: Cluster, cfg: PlannerCo
     in forecast max load per replica and the rest keep their previous counts.
     """
     n_layers, e = w.shape
-    logcnt = capped_counts(w, cluster.num_slots, cluster.num_nodes)
+    logcnt = capped_counts(w, cluster.num_slots, spread_cap(cluster))
     moved = np.abs(logcnt - prev.logcnt).sum(1) // 2  # [L] slots reseating changes in each layer
     budget = int(cfg.seeded_churn_budget * prev.phy2log.size)
     if moved.sum() > budget:
@@ -207,7 +252,12 @@ def seeded_plan(w: np.ndarray, prev: Placement, cluster: Cluster, cfg: PlannerCo
         moved = np.where(take, moved, 0)
     phy2log = reseat(prev.phy2log, logcnt, w, _coact(tokens, n_layers, e), cluster)
     swaps = int(budget - moved.sum()) // (2 * n_layers)
-    return level_refine(phy2log, w, logcnt, cluster, swaps, cfg.level_min_gain, cfg.level_cold)
+    leveled = level_refine(phy2log, w, logcnt, cluster, swaps, cfg.replan_level_min_gain, cfg.level_cold)
+    # a layer keeps its swaps only where they lower its hottest GPU by more than replan_min_drop
+    before = even_gpu_load(from_phy2log(phy2log, e), w, cluster).max(1)
+    after = even_gpu_load(from_phy2log(leveled, e), w, cluster).max(1)
+    better = after < before * (1 - cfg.replan_min_drop)
+    return np.where(better[:, None], leveled, phy2log)
 
 
 def _align(new: np.ndarray, prev: np.ndarray, cluster: Cluster) -> np.ndarray:

@@ -82,6 +82,10 @@ def generate_kwargs(req: GenerateRequest) -> dict[str, Any]:
     }
     if req.rid is not None:
         kw["rid"] = req.rid
+    if req.return_prompt_token_ids:
+        kw["return_prompt_token_ids"] = True
+    if req.token_ids_logprob is not None:
+        kw["token_ids_logprob"] = req.token_ids_logprob
     if req.return_routed_experts:
         kw["return_routed_experts"] = True
         kw["routed_experts_start_len"] = req.routed_experts_start_len

@@ -100,7 +100,8 @@ def chat_content(tt: TokenText, entries: Sequence[Entry], tops: Sequence[TopList
 
 
 LOGPROB_LISTS = ("input_token_logprobs", "output_token_logprobs")  # one entry per token
-TOP_LISTS = ("input_top_logprobs", "output_top_logprobs")  # per token: a list of entries, or None
+# per token: a list of entries, or None (top_logprobs_num's, token_ids_logprob's)
+TOP_LISTS = ("input_top_logprobs", "output_top_logprobs", "input_token_ids_logprobs", "output_token_ids_logprobs")
 
 
 def with_token_texts(tt: TokenText, result: dict[str, Any]) -> dict[str, Any]:

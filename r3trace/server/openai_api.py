@@ -48,7 +48,7 @@ def engine_kwargs(req: Request, prompt: Any, max_tokens: int | None) -> dict[str
     """Engine.generate keywords of the request's prompts (one choice each; choice_requests makes n)."""
     check_served(req)
     sp: dict[str, Any] = {"max_new_tokens": max_tokens, "temperature": req.temperature, "top_p": req.top_p,
-                          "top_k": req.top_k, "seed": req.seed, "stop": req.stop,
+                          "top_k": req.top_k, "seed": req.seed, "stop": req.stop, "stop_regex": req.stop_regex,
                           "stop_token_ids": req.stop_token_ids, "ignore_eos": req.ignore_eos,
                           "min_new_tokens": req.min_tokens,  # SGLang's name in OpenAI bodies: min_tokens
                           "logit_bias": req.logit_bias}
@@ -62,12 +62,33 @@ def engine_kwargs(req: Request, prompt: Any, max_tokens: int | None) -> dict[str
         kw.update(return_routed_experts=True, routed_experts_start_len=req.routed_experts_start_len)
     if req.dp_rank() is not None:  # the engine checks it against its dp_size
         kw["routed_dp_rank"] = req.dp_rank()
+    if wants_prompt_ids(req):
+        kw["return_prompt_token_ids"] = True
     if isinstance(req, CompletionRequest) and req.logprobs is not None:
         # echo: every prompt token's logprob too (position 0 on); else the output tokens' only
         kw.update(return_logprob=True, top_logprobs_num=req.logprobs, logprob_start_len=0 if req.echo else -1)
     elif isinstance(req, ChatCompletionRequest) and req.logprobs:
         kw.update(return_logprob=True, top_logprobs_num=req.top_logprobs or 0)
     return kw
+
+
+def wants_prompt_ids(req: Request) -> bool:
+    """SGLang's flags: /v1/completions' return_token_ids returns the prompt's ids too (serving_completions.py),
+    chat has return_prompt_token_ids for them."""
+    if isinstance(req, CompletionRequest):
+        return req.return_token_ids
+    return req.return_prompt_token_ids
+
+
+def token_ids(req: Request, result: dict[str, Any], first: bool) -> dict[str, Any]:
+    """A choice's (or a stream chunk's) SGLang token-id fields: `token_ids`, the output ids it carries, under
+    return_token_ids; `prompt_token_ids` where asked, on a stream's first chunk only."""
+    out: dict[str, Any] = {}
+    if req.return_token_ids:
+        out["token_ids"] = list(result["output_ids"])
+    if first and wants_prompt_ids(req):
+        out["prompt_token_ids"] = list(result["prompt_token_ids"])
+    return out
 
 
 def prompt_list(prompt: Any) -> list[Any]:
@@ -110,14 +131,15 @@ class Completions:
         meta = result["meta_info"]
         lp, _ = self.logprobs(i, meta, True, len(self.echo[i]))
         return {"index": i, "text": self.echo[i] + result["text"], "finish_reason": finish_reason(meta),
-                "logprobs": lp}
+                "logprobs": lp, **token_ids(self.req, result, True)}
 
     def chunk(self, i: int, ch: dict[str, Any], st: ChoiceStream) -> dict[str, Any]:
         if not st.started:
             st.offset = len(self.echo[i])
         lp, st.offset = self.logprobs(i, ch["meta_info"], not st.started, st.offset)
         text = ch["text"] if st.started else self.echo[i] + ch["text"]
-        return {"index": i, "text": text, "finish_reason": finish_reason(ch["meta_info"]), "logprobs": lp}
+        return {"index": i, "text": text, "finish_reason": finish_reason(ch["meta_info"]), "logprobs": lp,
+                **token_ids(self.req, ch, not st.started)}
 
 
 class ChatCompletions:
@@ -136,12 +158,13 @@ class ChatCompletions:
     def choice(self, i: int, result: dict[str, Any]) -> dict[str, Any]:
         meta = result["meta_info"]
         return {"index": i, "message": {"role": "assistant", "content": result["text"]},
-                "finish_reason": finish_reason(meta), "logprobs": self.logprobs(meta)}
+                "finish_reason": finish_reason(meta), "logprobs": self.logprobs(meta),
+                **token_ids(self.req, result, True)}
 
     def chunk(self, i: int, ch: dict[str, Any], st: ChoiceStream) -> dict[str, Any]:
         delta = {"content": ch["text"]} if st.started else {"role": "assistant", "content": ch["text"]}
         return {"index": i, "delta": delta, "finish_reason": finish_reason(ch["meta_info"]),
-                "logprobs": self.logprobs(ch["meta_info"])}
+                "logprobs": self.logprobs(ch["meta_info"]), **token_ids(self.req, ch, not st.started)}
 
 
 def build_router(service: GenerateService, model_name: str, chat_template: str | None,

@@ -77,6 +77,8 @@ class CompletionRequest(RouteFlags):
     |           | (the first one's logprob null)                                                        |
     | best_of   | <= n accepted (SGLang ignores it); > n a 400 (no ranking of candidates)                |
     | suffix    | a 400 when given (insertion is not served)                                             |
+    | return_token_ids | SGLang's: honoured, each choice's `token_ids` and `prompt_token_ids` (a stream:   |
+    |           | `token_ids` the ids each chunk adds, `prompt_token_ids` on the choice's first chunk)     |
     """
 
     model: str | None = None
@@ -114,7 +116,11 @@ class ChatCompletionRequest(RouteFlags):
     | input_ids              | SGLang's: honoured, the prompt's token ids (the template is not applied)  |
     | parallel_tool_calls, separate_reasoning, stream_reasoning, task, max_dynamic_patch, min_dynamic_patch, |
     | use_audio_in_video     | accepted, ignored (no tool or reasoning parser, text-only model)           |
-    | continue_final_message, return_prompt_token_ids, return_meta_info | a 400 when given                |
+    | return_prompt_token_ids | honoured: each choice's `prompt_token_ids`, the templated prompt's ids  |
+    |                        | (SGLang refuses it on a stream; here a stream's first chunk carries them) |
+    | return_token_ids       | honoured: each choice's `token_ids` (a stream: each chunk the ids it adds; |
+    |                        | SGLang drops or refuses it on chat streams)                              |
+    | continue_final_message, return_meta_info | a 400 when given                                        |
     """
 
     model: str | None = None
@@ -137,7 +143,7 @@ class ChatCompletionRequest(RouteFlags):
     min_dynamic_patch: int | None = None
     use_audio_in_video: bool | None = None
     continue_final_message: bool | None = None
-    return_prompt_token_ids: bool | None = None
+    return_prompt_token_ids: bool = Field(default=False, description="SGLang's: each choice's `prompt_token_ids`")
     return_meta_info: bool | None = None
 
     def template_kwargs(self) -> dict[str, Any]:

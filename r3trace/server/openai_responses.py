@@ -43,6 +43,10 @@ class CompletionChoice(BaseModel):
     text: str
     finish_reason: str | None
     logprobs: CompletionLogprobs | None = None
+    token_ids: list[int] | None = Field(default=None, description="SGLang's: the output's token ids "
+                                        "(return_token_ids)")
+    prompt_token_ids: list[int] | None = Field(default=None, description="SGLang's: the prompt's token ids "
+                                               "(completions: return_token_ids; chat: return_prompt_token_ids)")
 
 
 class CompletionResponse(BaseModel):
@@ -79,6 +83,10 @@ class ChatCompletionChoice(BaseModel):
     message: ChatResponseMessage
     finish_reason: str | None
     logprobs: ChatLogprobs | None = None
+    token_ids: list[int] | None = Field(default=None, description="SGLang's: the output's token ids "
+                                        "(return_token_ids)")
+    prompt_token_ids: list[int] | None = Field(default=None, description="SGLang's: the prompt's token ids "
+                                               "(completions: return_token_ids; chat: return_prompt_token_ids)")
 
 
 class ChatCompletionResponse(BaseModel):

@@ -43,7 +43,8 @@ class SamplingParamsBody(SamplingExtras):
     |                                | the penalties (SGLang's order); ids checked against the vocabulary   |
     | custom_params, stream_interval | accepted, ignored (no custom logit processor; a chunk every step)    |
     | json_schema, regex, ebnf, structural_tag | a 400 when given: constrained decoding is not served       |
-    | stop_regex                     | a 400 when given: stop regexes are not matched (stop strings are)    |
+    | stop_regex                     | honoured: stop once one matches the output text (SGLang's trimming:  |
+    |                                | at the pattern's own characters where they occur, else none)         |
     """
 
     model_config = STRICT
@@ -58,6 +59,7 @@ class SamplingParamsBody(SamplingExtras):
     repetition_penalty: float | None = None
     seed: int | None = Field(default=None, ge=0)
     stop: str | list[str] | None = None
+    stop_regex: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
     sampling_seed: int | None = Field(default=None, ge=0, description="SGLang's name for seed")
@@ -82,6 +84,9 @@ class GenerateRequest(GenerateExtras):
     |                               | Differs: GenerateReqInput has no such field, so SGLang drops it      |
     | extra_key, priority           | accepted, ignored (one cache namespace; first come, first served)    |
     | return_text_in_logprobs       | honoured: each logprob entry's third element is its token's text     |
+    | return_prompt_token_ids       | honoured: top-level `prompt_token_ids` (a stream: its first chunk)   |
+    | token_ids_logprob             | honoured with return_logprob: meta_info input_token_ids_logprobs /   |
+    |                               | output_token_ids_logprobs, the listed ids' entries per position      |
     | data_parallel_rank            | honoured: SGLang's deprecated name of routed_dp_rank (used when that |
     |                               | is unset, as SGLang migrates it)                                     |
     | GenerateExtras' ignored group | accepted, ignored: bookkeeping, PD-disaggregation bootstrap, cache   |
@@ -128,6 +133,12 @@ class GenerateRequest(GenerateExtras):
     extra_key: str | list[str] | None = None
     priority: int | None = None
     return_text_in_logprobs: bool = False
+    token_ids_logprob: list[int] | list[list[int] | None] | None = Field(
+        default=None, description="SGLang's: with return_logprob, meta_info input_token_ids_logprobs / "
+        "output_token_ids_logprobs hold these ids' logprobs at each returned position; a list of lists gives one "
+        "per request")
+    return_prompt_token_ids: bool = Field(default=False, description="SGLang's: the result's top-level "
+                                          "`prompt_token_ids`, the prompt's token ids (a stream: first chunk)")
 
 
 class MetaInfo(BaseModel):

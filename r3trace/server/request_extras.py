@@ -24,16 +24,14 @@ _NOT_RETURNED = "r3trace does not return it"
 # field -> why it is refused when given (the same reason in every body that carries it)
 REFUSED: dict[str, str] = {
     "json_schema": _CONSTRAINED, "regex": _CONSTRAINED, "ebnf": _CONSTRAINED, "structural_tag": _CONSTRAINED,
-    "stop_regex": "stop regexes are not matched (stop strings are: use stop)",
     "lora_path": "LoRA adapters are not served", "lora_id": "LoRA adapters are not served",
     "custom_logit_processor": "custom logit processors are not run",
     "input_embeds": "input embeddings are not served (send text or input_ids)",
     "positional_embed_overrides": "input embeddings are not served (send text or input_ids)",
     **dict.fromkeys(("image_data", "video_data", "audio_data", "mm_hashes", "mm_content_hashes"), _TEXT_ONLY),
-    **dict.fromkeys(("return_hidden_states", "token_ids_logprob", "return_sampling_mask", "return_entropy",
+    **dict.fromkeys(("return_hidden_states", "return_sampling_mask", "return_entropy",
                      "return_flat_raw_top_logprobs", "return_flat_raw_top_logprobs_b64", "return_bytes",
-                     "return_prompt_token_ids", "return_token_ids", "return_cached_tokens_details",
-                     "return_meta_info"), _NOT_RETURNED),
+                     "return_cached_tokens_details", "return_meta_info"), _NOT_RETURNED),
     "return_indexer_topk": "no sparse-attention indexer is served (DeepSeek-V2/V3 attention is dense)",
     "session_params": "sessions (server-side prompt continuation) are not served",
     "require_reasoning": "reasoning control is not served (no reasoning parser)",
@@ -73,7 +71,6 @@ class SamplingExtras(BaseModel):
     regex: Any = _ANY
     ebnf: Any = _ANY
     structural_tag: Any = _ANY
-    stop_regex: Any = _ANY
     custom_params: dict[str, Any] | None = Field(default=None, description=f"{_IGNORED}: read only by a custom "
                                                  "logit processor, and none runs here")
     stream_interval: int | None = Field(default=None, ge=1, description=f"{_IGNORED}: every step streams a chunk")
@@ -124,7 +121,6 @@ class GenerateExtras(BaseModel):
     audio_data: Any = _ANY
     mm_hashes: Any = _ANY
     mm_content_hashes: Any = _ANY
-    token_ids_logprob: Any = _ANY
     return_sampling_mask: Any = _ANY
     return_flat_raw_top_logprobs: Any = _ANY
     return_flat_raw_top_logprobs_b64: Any = _ANY
@@ -132,7 +128,6 @@ class GenerateExtras(BaseModel):
     return_entropy: Any = _ANY
     return_bytes: Any = _ANY
     return_indexer_topk: Any = _ANY
-    return_prompt_token_ids: Any = _ANY
     session_params: Any = _ANY
     lora_path: Any = _ANY
     lora_id: Any = _ANY
@@ -170,18 +165,21 @@ class OpenAIExtras(BaseModel):
     logit_bias: dict[str, float] | None = Field(default=None, description="token id (a string) -> bias in "
                                                 "[-100, 100] added to the logits before sampling")
     routed_dp_rank: int | None = Field(default=None, description="SGLang's: run on this DP rank")
+    stop_regex: str | list[str] | None = Field(default=None, description="SGLang's: stop once one of these "
+                                             "regexes matches the output text (sampling_params.stop_regex)")
+    return_token_ids: bool = Field(default=False, description="SGLang's: each choice's `token_ids` (its output "
+                                   "ids; a stream chunk: those it adds); on /v1/completions also the prompt's "
+                                   "`prompt_token_ids` (a stream: on the choice's first chunk)")
     data_parallel_rank: int | None = Field(default=None, description="SGLang's deprecated name of routed_dp_rank")
     # refused when given
     json_schema: Any = _ANY
     regex: Any = _ANY
     ebnf: Any = _ANY
-    stop_regex: Any = _ANY
     lora_path: Any = _ANY
     session_params: Any = _ANY
     custom_logit_processor: Any = _ANY
     return_hidden_states: Any = _ANY
     return_cached_tokens_details: Any = _ANY
-    return_token_ids: Any = _ANY
     audio: Any = _ANY
     functions: Any = _ANY
     function_call: Any = _ANY

@@ -14,7 +14,8 @@ import pybase64
 
 ROW_BLOCKS = ("routed_experts", "routed_experts_physical", "routed_weights")  # base64 blocks of rows, [rows, ...]
 BLOCK_KEYS = frozenset(f"{b}{suffix}" for b in ROW_BLOCKS for suffix in ("", "_shape", "_dtype"))
-APPENDED = ("output_token_logprobs", "output_top_logprobs")  # per output token, in order
+# per output token, in order
+APPENDED = ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs")
 
 
 def _join_block(a: str, b: str) -> str:

@@ -15,7 +15,7 @@ import pytest
 
 from r3trace.analysis.synth import SynthConfig, write_synth
 from r3trace.cli import COMMANDS, build_parser, main
-from r3trace.eplb import Cluster, Placement, global_policy, plan
+from r3trace.eplb import Cluster, Placement, PlannerConfig, global_policy, plan
 from r3trace.eplb.replay import ReplayConfig, replay
 from r3trace.eplb.score import heat_of
 from r3trace.trace import TraceWriter, open_dataset, read_token_routes
@@ -208,7 +208,7 @@ def test_replay_with_replanning_moves_what_the_plans_changed(tmp_path: Path) -> 
     calls: list[tuple[Placement | None, Placement]] = []
 
     def policy(h: np.ndarray, prev: Placement | None, tok: np.ndarray) -> Placement:
-        calls.append((prev, plan(h, cl, prev)))
+        calls.append((prev, plan(h, cl, prev, cfg=PlannerConfig(keep_groups=True))))
         return calls[-1][1]
 
     got = replay(r, cl, 32, policy=policy, cfg=cfg)
@@ -222,4 +222,5 @@ def test_replay_with_replanning_moves_what_the_plans_changed(tmp_path: Path) -> 
                 expected[j * 20 + c] = (prev.phy2log[layers] != new.phy2log[layers]).sum() * 3
     assert got["migration_bytes"].to_list() == expected.tolist()
     assert expected.sum() > 0  # the plans did move replicas
-    assert int(got["max_nodes"].to_numpy().max()) <= 2  # homes on nodes: 2 groups per token -> at most 2 nodes
+    # keep_groups: whole groups on their home nodes, 2 groups per token -> at most 2 nodes
+    assert int(got["max_nodes"].to_numpy().max()) <= 2

@@ -188,7 +188,7 @@ def test_churn_against_previous(trace: dict[str, Any], tmp_path: Path, capsys: p
 
 
 @pytest.mark.parametrize("policy", ["ours", "global", "hierarchical", "cross_node"])
-@pytest.mark.parametrize("cluster", [Cluster(8, 4, 24, num_groups=4, node_limit=2),  # groups on nodes (ours)
+@pytest.mark.parametrize("cluster", [Cluster(8, 4, 24, num_groups=4, node_limit=2),  # 4 groups on 4 nodes
                                      Cluster(8, 8, 24, num_groups=4, node_limit=4)])  # spread layout (ours)
 def test_plan_from_rollups_equals_plan_from_routes(trace: dict[str, Any], policy: str, cluster: Cluster) -> None:
     """Same windows, heat read once from the rollups and once from the raw routes: identical phy2log."""
@@ -238,8 +238,10 @@ def test_previous_for_another_cluster_is_refused(trace: dict[str, Any], tmp_path
 
 
 @pytest.mark.parametrize("cluster, name", [
-    (Cluster(8, 4, 24, num_groups=4, node_limit=2), "groups_on_nodes"),  # limit 2 < 4 nodes, 4 groups on 4 nodes
-    (Cluster(8, 2, 24, num_groups=4, node_limit=4), "expert_per_node"),  # limit >= nodes
+    # ours spreads on every multi-node cluster (group homes + co-activation replicas, issue 25); groups_on_nodes
+    # (PlannerConfig.keep_groups) and expert_per_node (spread_by_affinity off) are not reachable from the CLI
+    (Cluster(8, 4, 24, num_groups=4, node_limit=2), "spread"),  # limit 2 < 4 nodes, 4 groups on 4 nodes
+    (Cluster(8, 2, 24, num_groups=4, node_limit=4), "spread"),  # limit >= nodes
     (Cluster(8, 8, 24, num_groups=4, node_limit=4), "spread"),  # 4 groups cannot fill 8 nodes
 ])
 def test_layout_line_says_what_ours_built(trace: dict[str, Any], capsys: pytest.CaptureFixture[str], cluster: Cluster,

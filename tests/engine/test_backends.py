@@ -126,3 +126,17 @@ def test_router_logits_are_whole_with_the_split_kernel(make_engine: EngineFactor
     assert got.shape == want.shape == (7, gate.weight.shape[0])
     bound = 2 * x.shape[1] * 2.0**-24 * (x.abs() @ gate.weight.abs().T)
     assert bool(((got - want).abs() <= bound).all())
+
+
+def test_one_attention_backend_for_every_layer(make_engine: EngineFactory) -> None:
+    """The model builds one attention backend and every layer calls it: the decode kernel is resolved once, at
+    construction, for this rank's heads and the latent shape (on CPU: the Triton stage 1)."""
+    from r3trace.kernels.mla_decode import DecodeShape
+
+    eng = make_engine(attention_backend="triton", device=DEVICE)
+    layers = eng.model.model.layers
+    assert len(layers) > 1 and len({id(layer.self_attn.backend) for layer in layers}) == 1
+    attn = layers[0].self_attn
+    decoder = attn.backend.decoder
+    assert decoder.shape == DecodeShape(attn.h, attn.kv_lora, attn.rope_dim)
+    assert decoder.stage1.name == ("triton" if DEVICE == "cpu" else decoder.stage1.name)

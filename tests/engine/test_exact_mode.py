@@ -204,6 +204,54 @@ def test_column_split_rows_and_chunking_do_not_change_bits() -> None:
         exact_tree_reduce([full] * 3)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sync_free_experts_are_the_exact_experts_bit_for_bit(dtype: torch.dtype) -> None:
+    """exact_experts_gathered (what an exact engine that captures CUDA graphs runs: no host sync) against
+    exact_experts: 13 tokens, K = 3 with ids of -1, D = 1000 and I = 504 (blocks of 125 and 63: the block split
+    shows in the bits) so that exact_pair_linear's chunks (4 pairs of w13) cut through an expert's pairs; and a row
+    of exact_pair_linear is exact_linear's."""
+    from r3trace.engine.layers.exact import exact_pair_linear
+    from r3trace.engine.layers.moe import exact_experts, exact_experts_gathered, make_experts_fn
+
+    gen = torch.Generator().manual_seed(3)
+    t, k, e, i, d = 13, 3, 5, 504, 1000
+    x = torch.randn(t, d, generator=gen).to(dtype)
+    w13, w2 = torch.randn(e, 2 * i, d, generator=gen).to(dtype), torch.randn(e, d, i, generator=gen).to(dtype)
+    ids = torch.randint(-1, e, (t, k), generator=gen, dtype=torch.int32)
+    weights = torch.rand(t, k, generator=gen)
+    assert (ids < 0).any()
+    want = exact_experts(x, w13, w2, ids, weights)
+    assert torch.equal(exact_experts_gathered(x, w13, w2, ids, weights).view(torch.int16 if dtype == torch.bfloat16
+                                                                                else torch.int32),
+                       want.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+    idx = torch.tensor([4, 0, 4, 2], dtype=torch.int64)
+    xs = x[:4, :i].contiguous()  # [4, I]: rows into w2's [D, I]
+    rows = torch.cat([exact_linear(xs[r : r + 1], w2[j]) for r, j in enumerate(idx.tolist())])
+    assert torch.equal(exact_pair_linear(xs, w2, idx), rows)
+    assert (make_experts_fn("exact"), make_experts_fn("exact", graphs=True)) == (exact_experts, exact_experts_gathered)
+
+
+def test_exact_attention_over_a_longer_key_window_keeps_its_bits() -> None:
+    """A CUDA graph's exact attention reads the longest context's keys, masked by the request's prefix length on the
+    device: 5 queries after 11 cached keys over the 16 real keys, or over a 64-key window whose keys past them hold
+    stale values (inf, NaN here), give the same bits, -0.0 included (value channel 0 is -0.0 on every real key)."""
+    from r3trace.engine.layers.exact import exact_attention
+
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(5, 2, 8, generator=gen)
+    k, v = torch.randn(64, 2, 8, generator=gen), torch.randn(64, 2, 6, generator=gen)
+    v[:, :, 0] = -0.0
+    v[20], v[30], k[40] = float("inf"), float("nan"), float("nan")
+
+    def bits(x: torch.Tensor) -> torch.Tensor:
+        return x.view(torch.int32)
+
+    want = exact_attention(q, k[:16], v[:16], 0.3)
+    assert torch.equal(bits(exact_attention(q, k, v, 0.3, torch.tensor(11))), bits(want))
+    assert torch.equal(bits(exact_attention(q, k[:16], v[:16], 0.3, torch.tensor(11))), bits(want))
+    assert not torch.equal(exact_attention(q, k[:16], v[:16], 0.3, torch.tensor(10)), want)  # one key fewer seen
+
+
 def test_elementwise_ops_are_position_free() -> None:
     """A value's bits must not depend on where it sits in the tensor: torch's CPU sigmoid/silu take a scalar
     path on a chunk's tail elements; exp, and exact_sigmoid / exact_silu built on it, do not."""

@@ -43,9 +43,10 @@ from r3trace.engine.layers.dispatcher_choice import make_dispatcher
 from r3trace.engine.layers.expert_location import ExpertLocation, physical_expert_weights
 from r3trace.engine.layers.expert_map import ExpertMap
 from r3trace.engine.layers.low_latency_dispatcher import LowLatencyDispatcher
-from r3trace.engine.layers.moe import MoE, grouped_experts_ref, make_experts_fn
+from r3trace.engine.layers.moe import MoE, make_experts_fn
 from r3trace.engine.layers.router import make_routing_ops
 from r3trace.engine.model_config import ModelConfig
+from r3trace.kernels.moe.reference import fused_moe_ref
 from tests.spawn import free_port, spawn_ranks
 
 E, K = 8, 3
@@ -156,7 +157,7 @@ def test_null_dispatcher_is_todays_path() -> None:
     weights, ids = moe.gate(x, batch(11))
     assert isinstance(moe.dispatcher, NullDispatcher) and moe.dispatcher.experts == range(E)
     assert isinstance(make_dispatcher(E), NullDispatcher)
-    want = grouped_experts_ref(x, moe.w13, moe.w2, ids, weights) + moe.shared_experts(x)
+    want = fused_moe_ref(x, moe.w13, moe.w2, ids, weights) + moe.shared_experts(x)
     assert torch.equal(moe(x, batch(11)), want)
 
 
@@ -257,7 +258,7 @@ def placement_b(world: int) -> ExpertLocation:
 def rowwise_experts(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
 ) -> torch.Tensor:
-    """grouped_experts_ref's math with every (row, pair) computed alone (1-row GEMMs) and added in k order:
+    """fused_moe_ref's math with every (row, pair) computed alone (1-row GEMMs) and added in k order:
     a row's result does not depend on which other rows share its expert."""
     out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32)
     for r, k in (topk_ids >= 0).nonzero().tolist():
@@ -279,7 +280,7 @@ def k_order_ref(full: MoE, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
 
 
 def ep_moe(full: MoE, loc: ExpertLocation, rank: int, world: int, mode: str, dispatch: str, max_tokens: int,
-           experts_fn: Any = grouped_experts_ref) -> MoE:  # fmt: skip
+           experts_fn: Any = fused_moe_ref) -> MoE:  # fmt: skip
     """This rank's MoE: its P/G slots' weights (physical_expert_weights), the map, the dispatcher of `mode`."""
     dispatcher = make_dispatcher(loc.num_physical, rank, world, mode=mode, max_tokens=max_tokens)  # type: ignore[arg-type]
     moe = MoE(CFG, 0, NullRecorder(), make_routing_ops("ref"), experts_fn, torch.float32, "cpu",
@@ -350,7 +351,7 @@ def _placement_worker(rank: int, world: int, port: int, counts: list[int], backe
             assert torch.equal(out, ref_k), dispatch
 
         # rebalance A -> B between two forwards: the weights move, the outputs stay
-        for mode, fn in (("normal", grouped_experts_ref), ("low_latency", rowwise_experts)):
+        for mode, fn in (("normal", fused_moe_ref), ("low_latency", rowwise_experts)):
             moe = ep_moe(full, a, rank, world, mode, "dynamic", m, fn)
             before = moe(x, fb)
             update_expert_placement(nn.ModuleList([moe]), b, lambda _: (full.w13.detach(), full.w2.detach()))

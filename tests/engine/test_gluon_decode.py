@@ -1,6 +1,6 @@
 """The engine's MLA decode with the Gluon stage 1s (decode_kernel="auto" on Hopper) against the Triton kernel
-(decode_kernel="triton"): bf16, kv_lora 128, rope 16, 64 heads (the wide kernel, mla_decode_gluon.py) or 16 (the
-narrow one, mla_decode_narrow.py). GPU (sm_90) only: Gluon kernels do not run under TRITON_INTERPRET=1.
+(decode_kernel="triton"): bf16, kv_lora 128, rope 16, 64 heads (the wide kernel, kernels/mla_decode/wide.py) or 16
+(the narrow one, kernels/mla_decode/narrow.py). GPU (sm_90) only: Gluon kernels do not run under TRITON_INTERPRET=1.
 
 Run: .venv/bin/python -m pytest -q -m gpu tests/engine/test_gluon_decode.py
 """
@@ -27,7 +27,7 @@ TRITON = dict(attention_backend="triton", moe_backend="triton", topk_backend="tr
 
 
 def _uses_gluon(eng: Engine) -> bool:
-    return all(layer.self_attn.backend._gluon for layer in eng.model.model.layers)
+    return all(layer.self_attn.backend.decoder.stage1.hopper for layer in eng.model.model.layers)
 
 
 def _checkpoint(tmp_path: Path, heads: int = 64) -> Path:
@@ -37,12 +37,10 @@ def _checkpoint(tmp_path: Path, heads: int = 64) -> Path:
 
 
 def _decode_kernels(eng: Engine) -> set[str]:
-    """The stage-1 kernel each layer's decode tile names (as the backend builds it for this model's heads)."""
-    from r3trace.kernels.decode_tile import default_decode_tile
-
-    attn = eng.model.model.layers[0].self_attn
-    backend = attn.backend
-    return {default_decode_tile(attn.h, torch.bfloat16, backend._gluon, 128, 16, backend._page_size).kernel}
+    """The stage-1 record each layer's decoder resolved (one backend, so one decoder, shared by every layer)."""
+    layers = eng.model.model.layers
+    assert len({id(layer.self_attn.backend) for layer in layers}) == 1
+    return {layer.self_attn.backend.decoder.stage1.name for layer in layers}
 
 
 def _prompts() -> list[list[int]]:
@@ -61,7 +59,7 @@ def test_gluon_decode_matches_triton_kernel(tmp_path: Path, heads: int) -> None:
     for kernel in ("auto", "triton"):
         with Engine(ckpt, decode_kernel=kernel, page_size=page_size, **TRITON) as eng:
             assert _uses_gluon(eng) == (kernel == "auto")
-            want = {"auto": "gluon" if heads == 64 else "narrow", "triton": "triton"}[kernel]
+            want = {"auto": "wide" if heads == 64 else "narrow", "triton": "triton"}[kernel]
             assert _decode_kernels(eng) == {want}
             out[kernel] = eng.generate(input_ids=prompts, sampling_params=params, return_logprob=True,
                                        top_logprobs_num=5)
@@ -107,10 +105,11 @@ def test_every_decode_call_matches_torch_reference(tmp_path: Path, kernel: str, 
     kernel loads whole pages as TMA boxes (the engine passes its pool's page size to the decode tile)."""
     with Engine(_checkpoint(tmp_path, heads), decode_kernel=kernel, cuda_graph_batch_sizes=(), page_size=page_size,
                 **TRITON) as eng:
-        assert all(layer.self_attn.backend._page_size == page_size for layer in eng.model.model.layers)
         narrow = heads == 16 and page_size == 64
-        assert _decode_kernels(eng) == {"triton" if kernel == "triton" else "narrow" if narrow else
-                                        "gluon" if heads == 64 else "triton"}  # fmt: skip
+        want = "triton" if kernel == "triton" else "narrow" if narrow else "wide" if heads == 64 else "triton"
+        assert _decode_kernels(eng) == {want}
+        if want != "triton":  # the Gluon tiles carry the pool's page size (TMA tiles at 64)
+            assert eng.model.model.layers[0].self_attn.backend.decoder.tile.page_size == page_size
         errors = _decode_errors(eng, _prompts())
     # 2 layers x 3 decode steps at least; P and O are rounded to bf16 (unit roundoff 2^-9 = 2e-3 each), so
     # the normwise error is a few 1e-3; 1e-2 still fails a wrong row, mask or softmax scale (errors of O(1))
@@ -120,18 +119,18 @@ def test_every_decode_call_matches_torch_reference(tmp_path: Path, kernel: str, 
 
 def test_narrow_cluster_merge_in_engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Batch 64 of 66-126-token contexts on 64-slot pages: the narrow tile takes 2 splits (128 programs, one wave),
-    which its default merges in clusters of 2 (kernels/cluster_merge.py); every decode call still matches the fp32
+    which its default merges in clusters of 2 (cluster_merge.py); every decode call still matches the fp32
     reference as above."""
-    from r3trace.kernels import mla_decode_narrow
+    from r3trace.kernels.mla_decode import narrow
 
     clusters: list[tuple[int, bool]] = []  # (cluster size asked, launched as clusters)
-    launch = mla_decode_narrow.mla_decode_stage1_narrow
+    launch = narrow.launch_in_clusters
 
-    def recorded(*args, cluster=1, **kwargs):  # type: ignore[no-untyped-def]
-        clusters.append((cluster, launch(*args, cluster=cluster, **kwargs)))
+    def recorded(kernel, grid, cluster, *args):  # type: ignore[no-untyped-def]
+        clusters.append((cluster, launch(kernel, grid, cluster, *args)))
         return clusters[-1][1]
 
-    monkeypatch.setattr(mla_decode_narrow, "mla_decode_stage1_narrow", recorded)
+    monkeypatch.setattr(narrow, "launch_in_clusters", recorded)
     rng = np.random.default_rng(5)
     prompts = [rng.integers(2, 320, size=int(n)).tolist() for n in rng.integers(66, 124, size=64)]
     with Engine(_checkpoint(tmp_path, 16), cuda_graph_batch_sizes=(), page_size=64, **TRITON) as eng:
@@ -141,16 +140,14 @@ def test_narrow_cluster_merge_in_engine(tmp_path: Path, monkeypatch: pytest.Monk
 
 
 def test_seesaw_decode_in_engine(tmp_path: Path) -> None:
-    """64 heads at rope 64 on 64-slot pages: the engine's H >= 64 tile is the seesaw kernel's (mla_decode_seesaw.py;
-    it keeps P in a tile's rope rows, so rope 64 only); every decode call matches the fp32 reference as above."""
-    from r3trace.kernels.decode_tile import default_decode_tile
-
+    """64 heads at rope 64 on 64-slot pages: the engine's H >= 64 tile is the seesaw kernel's
+    (kernels/mla_decode/seesaw.py; it keeps P in a tile's rope rows, so rope 64 only); every decode call matches the
+    fp32 reference as above."""
     ckpt = make_checkpoint(tmp_path / "h64r64", "v3_noaux_groups", seed=7, num_attention_heads=64,
                            num_key_value_heads=64, kv_lora_rank=128, qk_rope_head_dim=64, qk_nope_head_dim=16,
                            v_head_dim=16, hidden_size=128, max_position_embeddings=1024)  # fmt: skip
     with Engine(ckpt, cuda_graph_batch_sizes=(), page_size=64, **TRITON) as eng:
-        attn = eng.model.model.layers[0].self_attn
-        assert default_decode_tile(attn.h, torch.bfloat16, attn.backend._gluon, 128, 64, 64).kernel == "seesaw"
+        assert _decode_kernels(eng) == {"seesaw"}
         errors = _decode_errors(eng, _prompts())
     assert len(errors) >= 6
     assert max(errors) < 1e-2, errors

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from r3trace.kernels.decode_tile import CLUSTER_SIZES
 from r3trace.kernels.mla_decode import DecodeTile, mla_decode, mla_decode_ref
+from r3trace.kernels.mla_decode.tile import CLUSTER_SIZES
 from tests.kernels.conftest import (
     HOPPER,
     assert_close_to_ref,
@@ -24,7 +24,7 @@ from tests.kernels.conftest import (
 pytestmark = [requires_triton, gpu, requires_gpu]
 
 CLUSTERED = DecodeTile(16, 64, 4, 2, kernel="narrow", page_size=64, cluster=8)  # every cluster size
-WIDE = DecodeTile(64, 64, 8, 2, kernel="gluon", page_size=64, cluster=8)
+WIDE = DecodeTile(64, 64, 8, 2, kernel="wide", page_size=64, cluster=8)
 # 1 and 33 keys leave every split but the first empty at 2-8 splits (a 64-key split each): those ranks still take
 # part in the barriers and weigh nothing; 3001 and 130 give splits of unequal tile counts. Five requests: at 8
 # splits even 3 head blocks (15 clusters of 8) fit on an H200 at once (15 do), so every case takes the clusters
@@ -45,7 +45,8 @@ def _inputs(H: int, kv_lora: int, rope: int, page_size: int, seed: int, lens: li
 @pytest.fixture
 def launches(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     """What each cluster launch returned (False: the clusters would not fit at once; the merge kernel ran)."""
-    from r3trace.kernels import mla_decode_gluon, mla_decode_narrow
+    from r3trace.kernels.mla_decode import narrow as mla_decode_narrow
+    from r3trace.kernels.mla_decode import wide as mla_decode_gluon
 
     seen: list[bool] = []
     for mod in (mla_decode_narrow, mla_decode_gluon):

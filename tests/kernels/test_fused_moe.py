@@ -11,7 +11,15 @@ import pytest
 import torch
 
 from r3trace.kernels.contract import KernelInputError
-from r3trace.kernels.fused_moe import (
+from r3trace.kernels.moe.config import (
+    SHORT_D_DOWN,
+    SHORT_D_DOWN_BM32,
+    SHORT_D_UP_BM16,
+    SHORT_D_UP_BM32,
+    SHORT_D_UP_FEW,
+    align_tile,
+)
+from r3trace.kernels.moe.fused_moe import (
     AlignTile,
     GemmTile,
     GemvTile,
@@ -20,17 +28,6 @@ from r3trace.kernels.fused_moe import (
     fused_moe_ref,
     grouped_config,
     moe_config,
-    moe_down,
-    moe_gate_up,
-    same_tiles,
-)
-from r3trace.kernels.moe_config import (
-    SHORT_D_DOWN,
-    SHORT_D_DOWN_BM32,
-    SHORT_D_UP_BM16,
-    SHORT_D_UP_BM32,
-    SHORT_D_UP_FEW,
-    align_tile,
 )
 from tests.kernels.conftest import DEVICE, assert_close_to_ref, requires_triton
 from tests.kernels.moe_cases import moe_case as _moe_case
@@ -54,12 +51,12 @@ def test_fused_moe_matches_ref(dtype: torch.dtype, T: int, poisoned_empty: None)
 @pytest.mark.parametrize(
     "config",
     [
-        same_tiles(32, 32, 16, 2, 4, 2),
-        same_tiles(16, 16, 32, 1, 4, 2),
+        MoeConfig(32, GemmTile(32, 16, 2, 4, 2), GemmTile(32, 16, 2, 4, 2)),
+        MoeConfig(16, GemmTile(16, 32, 1, 4, 2), GemmTile(16, 32, 1, 4, 2)),
         MoeConfig(16, GemmTile(32, 16, 2, 4, 2), GemmTile(64, 32, 4, 4, 2)),
         MoeConfig(32, GemmTile(16, 32, 2, 4, 2, True), GemmTile(32, 16, 1, 4, 2)),
         MoeConfig(16, GemmTile(32, 16, 2, 4, 2), GemmTile(16, 32, 2, 4, 2, n_split=3)),
-        MoeConfig(32, GemmTile(16, 32, 2, 4, 2, True, tma=True), GemmTile(32, 16, 1, 4, 2, tma=True), sorted_act=True),
+        MoeConfig(32, GemmTile(16, 32, 2, 4, 2, True, tma=True), GemmTile(32, 16, 1, 4, 2, tma=True)),
     ],
     ids=["bm32-bk16", "bm16-bk32", "bm16-down-apart", "bm32-interleaved", "bm16-down-n-split", "bm32-tma-unaligned"],
 )
@@ -69,7 +66,7 @@ def test_fused_moe_tile_configs(config: MoeConfig, poisoned_empty: None) -> None
     interleaved into one product (I = 20 over BLOCK_N 16: a masked second tile), down with the whole
     K = I = 20 in one masked tile and 3 programs per block walking D = 64's four N tiles unevenly; TMA asked
     for where only w13's rows (64 x 2 B) are 16-byte multiples: the gate_up takes it, the down (w2 rows and act
-    rows of 20 x 2 B) keeps its pointer loads, on a sorted act."""
+    rows of 20 x 2 B) keeps its pointer loads."""
     hidden, w13, w2, ids, weights = _moe_case(50, 64, 5, 20, 2, torch.bfloat16, DEVICE, seed=5)
     out = fused_moe(hidden, w13, w2, ids, weights, config=config)
     ref = fused_moe_ref(hidden.float(), w13.float(), w2.float(), ids, weights)
@@ -85,27 +82,20 @@ def test_fused_moe_tile_configs(config: MoeConfig, poisoned_empty: None) -> None
 # reference than grouped (max error 0.023 vs 0.038 at T = 17 in the interpreter).
 PATHS = {
     "grouped": MoeConfig(16, GemmTile(32, 16, 2, 4, 2), GemmTile(16, 32, 2, 4, 2, n_split=3)),
+    # the lanes kernels, unrolled (D = 40 over 16: three steps, the last masked; the down's K = 3 experts x I = 24
+    # over 16: six steps, every second masked; over 8: nine; over 32: three one-step experts)
     "gemv": MoeConfig(16, GemmTile(32, 16, 2, 4, 2), GemmTile(16, 32, 2, 4, 2), GemvTile(8, 16, 4, 16, 16, 4)),
     "gemv-2-rows": MoeConfig(16, GemmTile(32, 16, 2, 4, 2), GemmTile(16, 32, 2, 4, 2), GemvTile(2, 32, 1, 4, 8, 2)),
-    # the lanes kernels unrolled (D = 40 over 16: three steps, the last masked; the down's K = 3 experts
-    # x I = 24 over 16: six steps, every second masked; over 32: three one-step experts)
-    "gemv-unrolled": MoeConfig(16, GemmTile(32, 16, 2, 4, 2), GemmTile(16, 32, 2, 4, 2),
-                               GemvTile(8, 16, 4, 16, 16, 4, unroll=True)),
-    "gemv-unrolled-2": MoeConfig(16, GemmTile(32, 16, 2, 4, 2), GemmTile(16, 32, 2, 4, 2),
-                                 GemvTile(2, 32, 1, 4, 32, 2, unroll=True)),
+    "gemv-2": MoeConfig(16, GemmTile(32, 16, 2, 4, 2), GemmTile(16, 32, 2, 4, 2), GemvTile(2, 32, 1, 4, 32, 2)),
     # weight loads hinted evict_first (an L2 policy compiled; the interpreter traces the argument only)
     "gemv-evict-first": MoeConfig(16, GemmTile(32, 16, 2, 4, 2), GemmTile(16, 32, 2, 4, 2),
-                                  GemvTile(2, 32, 1, 4, 32, 2, unroll=True, up_evict_first=True,
-                                           down_evict_first=True)),
-    # sorted_act: act at the sorted positions ([P, I]), weights (and the sorted act) through TMA descriptors:
-    # D = 40 and I = 24 rows are 16-byte multiples in bf16 and fp32, so every descriptor is taken; boxes past
-    # D = 40 (BK 16: the third step) and I = 24 (BN 16: the second tile) read zeros or the next expert's rows
-    "sorted": MoeConfig(16, GemmTile(16, 16, 2, 4, 2, True), GemmTile(16, 32, 2, 4, 2), sorted_act=True),
+                                  GemvTile(2, 32, 1, 4, 32, 2, up_evict_first=True, down_evict_first=True)),
+    # weights through TMA descriptors: D = 40 and I = 24 rows are 16-byte multiples in bf16 and fp32, so every
+    # descriptor is taken; boxes past D = 40 (BK 16: the third step) and I = 24 (BN 16: the second tile) read
+    # zeros or the next expert's rows
     "tma-interleaved": MoeConfig(16, GemmTile(16, 16, 2, 4, 2, True, tma=True), GemmTile(16, 16, 2, 4, 2, tma=True)),
-    "tma-sorted": MoeConfig(16, GemmTile(16, 16, 2, 4, 2, True, tma=True), GemmTile(16, 16, 2, 4, 2, tma=True),
-                            sorted_act=True),
-    "tma-plain-sorted-split": MoeConfig(32, GemmTile(16, 16, 2, 4, 2, tma=True),
-                                        GemmTile(16, 32, 2, 4, 2, n_split=2, tma=True), sorted_act=True),
+    "tma-plain-split": MoeConfig(32, GemmTile(16, 16, 2, 4, 2, tma=True),
+                                 GemmTile(16, 32, 2, 4, 2, n_split=2, tma=True)),
 }  # fmt: skip
 
 
@@ -204,16 +194,14 @@ def test_fused_moe_gemv_moves_fp32_by_summation_order_only() -> None:
     assert rel < 1e-6, f"gemv moved the fp32 output by {rel:.1e} (a few ulps expected)"
 
 
-# Each TMA / sorted variant against the pointer-load twin with the same tiles: the same K steps on the same
+# Each TMA variant against the pointer-load twin with the same tiles: the same K steps on the same
 # values. Not always the same bits: a TMA weight tile is a transposed view, and the interpreter's numpy product
 # can take another BLAS path for it (seen: the whole-K down, BK 32, 4.8e-5 relative on one fp32 element, 1.2e-7
 # normwise; the other three twins equal bit for bit). So: fp32 within a few ulps normwise (1e-6; a wrong row,
 # column or K step is O(1)), bf16 within one rounding step (2^-7 relative) per element.
 TWINS = {
-    "sorted": ("sorted", MoeConfig(16, GemmTile(16, 16, 2, 4, 2, True), GemmTile(16, 32, 2, 4, 2))),
     "tma": ("tma-interleaved", MoeConfig(16, GemmTile(16, 16, 2, 4, 2, True), GemmTile(16, 16, 2, 4, 2))),
-    "tma-sorted": ("tma-sorted", MoeConfig(16, GemmTile(16, 16, 2, 4, 2, True), GemmTile(16, 16, 2, 4, 2))),
-    "tma-plain-split": ("tma-plain-sorted-split",
+    "tma-plain-split": ("tma-plain-split",
                         MoeConfig(32, GemmTile(16, 16, 2, 4, 2), GemmTile(16, 32, 2, 4, 2, n_split=2))),
 }  # fmt: skip
 
@@ -221,7 +209,7 @@ TWINS = {
 @pytest.mark.skipif(DEVICE != "cpu", reason="near-bitwise twins in the interpreter; on the GPU: against the reference")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("twin", list(TWINS))
-def test_fused_moe_tma_and_sorted_match_pointer_twin(twin: str, dtype: torch.dtype, poisoned_empty: None) -> None:
+def test_fused_moe_tma_matches_pointer_twin(twin: str, dtype: torch.dtype, poisoned_empty: None) -> None:
     hidden, w13, w2, ids, weights = _moe_case(19, 40, 7, 24, 3, dtype, DEVICE, seed=11)
     path, plain = TWINS[twin]
     out = fused_moe(hidden, w13, w2, ids, weights, config=PATHS[path]).double()
@@ -229,19 +217,6 @@ def test_fused_moe_tma_and_sorted_match_pointer_twin(twin: str, dtype: torch.dty
     assert not torch.isnan(out).any()
     assert ((out - ref).norm() / ref.norm()).item() < (1e-6 if dtype == torch.float32 else 2**-7)
     assert ((out - ref).abs() <= 2**-7 * ref.abs() + 1e-6).all()
-
-
-def test_moe_down_needs_num_pairs_for_a_sorted_act() -> None:
-    hidden, w13, w2, ids, weights = _moe_case(5, 40, 6, 24, 3, torch.float32, DEVICE, seed=0)
-    from r3trace.kernels.moe_align import moe_align
-
-    align = moe_align(ids, 6, 16)
-    act = moe_gate_up(hidden, w13, align, 3, 16, GemmTile(16, 16, 1, 4, 2), sorted_act=True)
-    assert act.shape == (align.sorted_ids.shape[0], 24)
-    with pytest.raises(KernelInputError, match="num_pairs"):
-        moe_down(act, w2, align, weights, 16, GemmTile(16, 16, 1, 4, 2), sorted_act=True)
-    with pytest.raises(KernelInputError, match="num_pairs"):
-        moe_down(act, w2, align, weights, 16, GemmTile(16, 16, 1, 4, 2), num_pairs=15)
 
 
 def test_moe_config_picks_gemv_at_few_tokens_only() -> None:

@@ -1,4 +1,4 @@
-"""fused_moe on the GPU only: the end-to-end model's shape, DeepSeek-like tiers, TMA descriptors and sorted act,
+"""fused_moe on the GPU only: the end-to-end model's shape, DeepSeek-like tiers, TMA descriptors, pointer loads,
 fp32 through descriptors, the gemv tiles and their cache hints, CUDA-graph replay without host syncs. The CPU
 interpreter cases are in test_fused_moe.py.
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from r3trace.kernels.fused_moe import GemmTile, GemvTile, MoeConfig, fused_moe, fused_moe_ref, moe_config
-from r3trace.kernels.moe_config import GEMV_T1, SHORT_D_DOWN, SHORT_D_DOWN_BM32
+from r3trace.kernels.moe.config import GEMV_T1, SHORT_D_DOWN, SHORT_D_DOWN_BM32
+from r3trace.kernels.moe.fused_moe import GemmTile, MoeConfig, fused_moe, fused_moe_ref, moe_config
 from tests.kernels.conftest import assert_close_to_ref, gpu, requires_gpu, requires_triton
 from tests.kernels.moe_cases import moe_case as _moe_case
 from tests.kernels.moe_cases import routes as _routes
@@ -58,18 +58,15 @@ def test_fused_moe_deepseek_like_gpu(T: int) -> None:
     assert_close_to_ref(out, ref, torch.bfloat16)
 
 
-# The large-T variants on the GPU (real TMA descriptors, wgmma): BLOCK_M 128 at E = 32 (T = 3000: ~660
-# rows per expert, 6 blocks, the last partly padding), the interleaved [1, BN, 2, BK] box reshaped for one product,
-# the two-product gate_up, the down reading a sorted act through TMA, and the whole-K (I = 256) split down
+# the large-T variants on the GPU (real TMA descriptors, wgmma): BLOCK_M 128 at E = 32 (T = 3000: ~660 rows per
+# expert, 6 blocks, the last partly padding), the interleaved [1, BN, 2, BK] box reshaped for one product, the
+# two-product gate_up, pointer loads, and the whole-K (I = 256) split down
 GPU_TMA = {
     "il-tma": MoeConfig(128, GemmTile(128, 64, 8, 8, 3, True, tma=True), GemmTile(256, 64, 8, 8, 3, tma=True)),
-    "il-tma-sorted": MoeConfig(128, GemmTile(128, 64, 8, 8, 3, True, tma=True), GemmTile(256, 64, 8, 8, 3, tma=True),
-                               sorted_act=True),
-    "plain-tma-sorted": MoeConfig(128, GemmTile(128, 64, 8, 8, 3, tma=True), GemmTile(256, 64, 8, 8, 4, tma=True),
-                                  sorted_act=True),
-    "sorted": MoeConfig(128, GemmTile(128, 64, 8, 8, 3, True), GemmTile(256, 64, 8, 8, 3), sorted_act=True),
-    "split-tma-sorted": MoeConfig(128, GemmTile(128, 64, 8, 8, 3, True, tma=True),
-                                  GemmTile(64, 256, 8, 8, 3, n_split=4, tma=True), sorted_act=True),
+    "plain-tma": MoeConfig(128, GemmTile(128, 64, 8, 8, 3, tma=True), GemmTile(256, 64, 8, 8, 4, tma=True)),
+    "il-pointers": MoeConfig(128, GemmTile(128, 64, 8, 8, 3, True), GemmTile(256, 64, 8, 8, 3)),
+    "split-tma": MoeConfig(128, GemmTile(128, 64, 8, 8, 3, True, tma=True),
+                           GemmTile(64, 256, 8, 8, 3, n_split=4, tma=True)),
     # the bf16 I <= 256 default at 32-63 rows per expert: BLOCK_M 64, TMA weights, whole-K down
     "bm64-split-tma": MoeConfig(64, GemmTile(128, 64, 8, 8, 3, True, tma=True),
                                 GemmTile(64, 256, 8, 8, 3, n_split=4, tma=True)),
@@ -79,7 +76,7 @@ GPU_TMA = {
 @gpu
 @requires_gpu
 @pytest.mark.parametrize("name", list(GPU_TMA))
-def test_fused_moe_tma_sorted_gpu(name: str) -> None:
+def test_fused_moe_tma_gpu(name: str) -> None:
     hidden, w13, w2, ids, weights = _moe_case(3000, 1024, 32, 256, 8, torch.bfloat16, "cuda", seed=4)
     out = fused_moe(hidden, w13, w2, ids, weights, config=GPU_TMA[name])
     ref = fused_moe_ref(hidden.float(), w13.float(), w2.float(), ids, weights)
@@ -101,13 +98,12 @@ def test_fused_moe_default_fp32_large_t_gpu() -> None:
 def test_fused_moe_tma_fp32_gpu() -> None:
     """fp32 through the descriptors (ieee dots, no wgmma): D = 200, I = 72 are not tile multiples."""
     hidden, w13, w2, ids, weights = _moe_case(300, 200, 8, 72, 4, torch.float32, "cuda", seed=6)
-    cfg = MoeConfig(64, GemmTile(32, 32, 4, 4, 2, True, tma=True), GemmTile(64, 32, 4, 4, 2, tma=True), sorted_act=True)
+    cfg = MoeConfig(64, GemmTile(32, 32, 4, 4, 2, True, tma=True), GemmTile(64, 32, 4, 4, 2, tma=True))
     out = fused_moe(hidden, w13, w2, ids, weights, config=cfg)
     assert_close_to_ref(out, fused_moe_ref(hidden, w13, w2, ids, weights), torch.float32)
 
 
 GPU_GEMV = moe_config(8, 256, 2, 256, tokens=1)
-GPU_GEMV_LOOP = GPU_GEMV._replace(gemv=GemvTile(4, 1024, 4, 4, 256, 4))  # the gemv with runtime loops (not unrolled)
 GPU_GEMV_WIDE = moe_config(8, 32, 2, 2048, tokens=1)  # the default at I = 2048: 1 row, 1 warp per down program
 # the T = 1 tile without and with each evict_first hint: a cache hint moves no value, so each must match the ref
 GPU_GEMV_HINTS = {
@@ -115,7 +111,7 @@ GPU_GEMV_HINTS = {
         gemv=GEMV_T1._replace(up_evict_first=up, down_evict_first=down))
     for up, down in ((False, False), (True, False), (False, True))
 }  # fmt: skip
-GPU_GEMVS = {"gemv": GPU_GEMV, "gemv-loop": GPU_GEMV_LOOP, "gemv-wide": GPU_GEMV_WIDE, **GPU_GEMV_HINTS}
+GPU_GEMVS = {"gemv": GPU_GEMV, "gemv-wide": GPU_GEMV_WIDE, **GPU_GEMV_HINTS}
 
 
 @gpu
@@ -131,7 +127,7 @@ def test_fused_moe_gemv_gpu(T: int, config: MoeConfig) -> None:
 
 @gpu
 @requires_gpu
-@pytest.mark.parametrize("config", [None, GPU_GEMV, GPU_GEMV_LOOP], ids=["default", "gemv", "gemv-loop"])
+@pytest.mark.parametrize("config", [None, GPU_GEMV, GPU_GEMV_WIDE], ids=["default", "gemv", "gemv-wide"])
 @pytest.mark.parametrize("T", [1, 64])
 def test_fused_moe_cuda_graph_no_sync_gpu(T: int, config: MoeConfig | None) -> None:
     """No host sync (sync-debug mode raises on one), and a captured graph replayed on new routes

@@ -152,10 +152,10 @@ def test_default_tile_takes_gluon_only_where_it_runs() -> None:
     rope 64, whose P lives in a tile's rope rows) and the narrow Gluon one below
     (on pages of a multiple of 64 slots: its TMA form), bf16/fp16, DeepSeek's latent; any other shape, dtype or
     page size keeps the Triton kernel (the tiny models' kv_lora 24 included)."""
-    assert default_decode_tile(128, torch.bfloat16, use_gluon=True).kernel == "gluon"  # page 1: cp.async rows
+    assert default_decode_tile(128, torch.bfloat16, use_gluon=True).kernel == "wide"  # page 1: cp.async rows
     assert default_decode_tile(128, torch.bfloat16, use_gluon=True, page_size=64).kernel == "seesaw"  # TMA tiles
     rope32 = default_decode_tile(128, torch.bfloat16, use_gluon=True, kv_lora=512, rope=32, page_size=64)
-    assert rope32.kernel == "gluon"
+    assert rope32.kernel == "wide"
     assert default_decode_tile(128, torch.bfloat16).kernel == "triton"
     assert default_decode_tile(128, torch.bfloat16, use_gluon=True, kv_lora=24, rope=8).kernel == "triton"
     assert default_decode_tile(128, torch.float32, use_gluon=True).kernel == "triton"
@@ -172,7 +172,7 @@ def test_gluon_tile_carries_page_size_and_tma_form_needs_it() -> None:
     """The Gluon tile takes the caller's page size (the TMA form needs whole 64-key tiles on consecutive
     rows: pages of a multiple of 64), and tma_usable (host logic, no GPU) also wants q contiguous as [B H, C]
     and 16-byte cache rows."""
-    from r3trace.kernels import mla_decode_gluon as mg
+    from r3trace.kernels.mla_decode import latent_tiles as mg
 
     assert default_decode_tile(128, torch.bfloat16, use_gluon=True, page_size=64).page_size == 64
     assert default_decode_tile(128, torch.bfloat16, use_gluon=True).page_size == 1

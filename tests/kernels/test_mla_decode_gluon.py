@@ -1,4 +1,4 @@
-"""mla_decode with the Gluon stage 1 (DecodeTile(kernel="gluon")) against mla_decode_ref, on the GPU only.
+"""mla_decode with the wide Gluon stage 1 (DecodeTile(kernel="wide")) against mla_decode_ref, on the GPU only.
 
 Gluon kernels do not run under TRITON_INTERPRET=1 (gluon.jit launches through the GPU driver), so these
 tests are `gpu`-marked; test_mla_decode.py covers the Triton kernel on CPU. Run on an H100/H200:
@@ -7,14 +7,11 @@ tests are `gpu`-marked; test_mla_decode.py covers the Triton kernel on CPU. Run 
 
 from __future__ import annotations
 
-from functools import partial
-
 import pytest
 import torch
 
-from r3trace.kernels import mla_decode_gluon
 from r3trace.kernels.contract import KernelInputError
-from r3trace.kernels.mla_decode import DecodeTile, mla_decode, mla_decode_ref
+from r3trace.kernels.mla_decode import DecodeTile, mla_decode, mla_decode_ref, wide
 from tests.kernels.conftest import (
     HOPPER,
     assert_close_to_ref,
@@ -27,18 +24,19 @@ from tests.kernels.conftest import (
 
 pytestmark = [requires_triton, gpu, requires_gpu]
 
-GLUON = DecodeTile(64, 64, 8, 2, kernel="gluon")
+GLUON = DecodeTile(64, 64, 8, 2, kernel="wide")
 # mixed, 1 included, none a multiple of the 64-key tile but 64 and 128 themselves
 LENS = [1, 700, 3001, 64, 1500, 33, 2049, 5, 999, 128, 65]
 
 
-# (flags, the page sizes they apply to): GATHER_UNDER_S is the cp.async form's (page 1); pages of 64 and 128
-# slots take the TMA form; TMA=False runs the cp.async form on 64-slot pages
+# (DecodeTile fields, the page sizes they apply to): gather_under_s is the cp.async form's (page 1); pages of 64 and
+# 128 slots take the TMA form; a tile that promises page_size 1 runs the cp.async form on 64-slot pages
 FLAG_CASES = {
     "default": ({}, (1, 64, 128)),
-    "gl-max": ({"MAX_XCHG": False}, (1, 64)),
-    "gather-after-s": ({"GATHER_UNDER_S": False}, (1,)),
-    "cp-async": ({"TMA": False}, (64,)),
+    "gl-max": ({"max_xchg": False}, (1, 64)),
+    "gather-after-s": ({"gather_under_s": False}, (1,)),
+    "row-stores": ({"coalesced_out": False}, (1, 64)),
+    "cp-async": ({"page_size": 1}, (64,)),
 }
 SHAPES = {  # (H, kv_lora, rope, splits)
     "H128-7splits": (128, 512, 64, 7),
@@ -64,20 +62,18 @@ def test_gluon_matches_ref(
     rope: int,
     splits: int,
     page_size: int,
-    flags: dict[str, bool],
+    flags: dict[str, object],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Fresh data; H = 80 leaves a ragged second head block (16 of 64 rows live; in the TMA form its q box
     reads the next request's heads, or zero-fills past the last); 64 splits leave most of the short requests'
     splits empty; page size 1 makes every row of a tile a separate gather, 64 and 128 take the TMA form
     (a tile's last rows past the request's end are real slots of its page, masked in the scores). The default
-    FLAGS and each switch flipped; the lengths give splits of odd and even tile counts (the loop takes tiles
-    in pairs)."""
-    stage1 = partial(mla_decode_gluon.mla_decode_stage1_gluon, flags=flags)
-    monkeypatch.setattr(mla_decode_gluon, "mla_decode_stage1_gluon", stage1)
-    picked: list[bool] = []  # what the launcher chose from the tile's page size (flags["TMA"] overrides it)
-    usable = mla_decode_gluon.tma_usable
-    monkeypatch.setattr(mla_decode_gluon, "tma_usable", lambda *a: picked.append(usable(*a)) or picked[-1])
+    schedule and each switch flipped (DecodeTile fields); the lengths give splits of odd and even tile counts (the
+    loop takes tiles in pairs)."""
+    picked: list[bool] = []  # what the launcher chose from the tile's page size
+    usable = wide.tma_usable
+    monkeypatch.setattr(wide, "tma_usable", lambda *a: picked.append(usable(*a)) or picked[-1])
     gen = torch.Generator().manual_seed(H + kv_lora + page_size)
     r2t, rows, S = paged_req_to_token(LENS, page_size, gen)
     q = torch.randn(len(LENS), H, kv_lora + rope, generator=gen).cuda().bfloat16()
@@ -85,10 +81,10 @@ def test_gluon_matches_ref(
     seq = torch.tensor(LENS, device="cuda")
     r2t, rows = r2t.cuda(), rows.cuda()
     scale = (kv_lora + rope) ** -0.5
-    tile = GLUON._replace(page_size=page_size)
+    tile = GLUON._replace(page_size=page_size)._replace(**flags)
     out = mla_decode(q, kv, r2t, rows, seq, kv_lora, scale, num_kv_splits=splits, tile=tile)
     ref = mla_decode_ref(q.float(), kv.float(), r2t, rows, seq, kv_lora, scale)
-    assert picked == [page_size % 64 == 0]
+    assert picked == [tile.page_size % 64 == 0]
     assert_close_to_ref(out, ref, torch.bfloat16)
     triton_out = mla_decode(q, kv, r2t, rows, seq, kv_lora, scale, num_kv_splits=splits)
     # the same bf16 rounding of P and of the output as the Triton kernel: within a few bf16 ulps of it
@@ -122,7 +118,7 @@ def test_gluon_rejects_what_it_cannot_run() -> None:
     q = torch.randn(2, 64, 576, generator=gen).cuda().bfloat16()
     kv = torch.randn(10, 576, generator=gen).cuda().bfloat16()
     with pytest.raises(KernelInputError, match="fixed"):
-        mla_decode(q, kv, *args[1:], 512, 0.2, tile=DecodeTile(64, 32, 8, 2, kernel="gluon"))
+        mla_decode(q, kv, *args[1:], 512, 0.2, tile=DecodeTile(64, 32, 8, 2, kernel="wide"))
 
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon decode kernel is sm_90 only")

@@ -6,14 +6,11 @@ the Triton kernel on CPU). Run on an H100/H200:
 
 from __future__ import annotations
 
-from functools import partial
-
 import pytest
 import torch
 
-from r3trace.kernels import mla_decode_narrow
 from r3trace.kernels.contract import KernelInputError
-from r3trace.kernels.mla_decode import DecodeTile, mla_decode, mla_decode_ref
+from r3trace.kernels.mla_decode import DecodeTile, mla_decode, mla_decode_ref, narrow
 from tests.kernels.conftest import (
     HOPPER,
     assert_close_to_ref,
@@ -49,31 +46,30 @@ SHAPES = {  # (H, kv_lora, rope, splits)
 }
 
 
-# (page size, flags): 64 and 128 take the TMA form; 1 and 3 the cp.async row copies; 64 forced to cp.async
-FORMS = {"tma-page64": (64, {}), "tma-page128": (128, {}), "rows-page1": (1, {}), "rows-page3": (3, {}),
-         "rows-page64": (64, {"TMA": False})}  # fmt: skip
+# (the pool's page size, the tile's): 64 and 128 take the TMA form; 1 and 3 the cp.async row copies; 64-slot pages
+# under a tile that promises only page size 1 take the cp.async form too
+FORMS = {"tma-page64": (64, 64), "tma-page128": (128, 128), "rows-page1": (1, 1), "rows-page3": (3, 3),
+         "rows-page64": (64, 1)}  # fmt: skip
 
 
 @pytest.mark.skipif(not HOPPER, reason="the narrow Gluon decode kernel is sm_90 only")
-@pytest.mark.parametrize(("page_size", "flags"), list(FORMS.values()), ids=list(FORMS))
+@pytest.mark.parametrize(("page_size", "tile_page"), list(FORMS.values()), ids=list(FORMS))
 @pytest.mark.parametrize(("H", "kv_lora", "rope", "splits"), list(SHAPES.values()), ids=list(SHAPES))
 def test_narrow_matches_ref(
-    H: int, kv_lora: int, rope: int, splits: int, page_size: int, flags: dict[str, bool],
+    H: int, kv_lora: int, rope: int, splits: int, page_size: int, tile_page: int,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
     """Fresh data, pages shuffled; in the TMA form a tile's last rows past the request's end are real slots of its
     page, masked in the scores; cp.async zero-fills them. Within the bf16 table of the fp32 reference, and within a
     few bf16 ulps of the Triton kernel (the same bf16 rounding of P and of the output, another summation order)."""
-    picked: list[bool] = []  # what the launcher chose from the page size (flags["TMA"] overrides it)
-    usable = mla_decode_narrow.tma_usable
-    monkeypatch.setattr(mla_decode_narrow, "tma_usable", lambda *a: picked.append(usable(*a)) or picked[-1])
-    stage1 = partial(mla_decode_narrow.mla_decode_stage1_narrow, flags=flags)
-    monkeypatch.setattr(mla_decode_narrow, "mla_decode_stage1_narrow", stage1)
+    picked: list[bool] = []  # what the launcher chose from the tile's page size
+    usable = narrow.tma_usable
+    monkeypatch.setattr(narrow, "tma_usable", lambda *a: picked.append(usable(*a)) or picked[-1])
     q, kv, r2t, rows, seq = _inputs(H, kv_lora, rope, page_size, torch.bfloat16, H + kv_lora + page_size)
     scale = (kv_lora + rope) ** -0.5
     out = mla_decode(q, kv, r2t, rows, seq, kv_lora, scale, num_kv_splits=splits,
-                     tile=NARROW._replace(page_size=page_size))  # fmt: skip
-    assert picked == [page_size % 64 == 0]
+                     tile=NARROW._replace(page_size=tile_page))  # fmt: skip
+    assert picked == [tile_page % 64 == 0]
     ref = mla_decode_ref(q.float(), kv.float(), r2t, rows, seq, kv_lora, scale)
     assert_close_to_ref(out, ref, torch.bfloat16)
     triton_out = mla_decode(q, kv, r2t, rows, seq, kv_lora, scale, num_kv_splits=splits)

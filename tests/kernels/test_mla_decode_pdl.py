@@ -1,4 +1,4 @@
-"""DecodeTile.pdl's contract on both Gluon decode stage 1s (mla_decode_narrow.py for 16 heads, mla_decode_gluon.py
+"""DecodeTile.pdl's contract on both Gluon decode stage 1s (narrow.py for 16 heads, wide.py
 for 64-head blocks), on a Hopper GPU only: the kernel launched just before a PDL call may write q and each request's
 newest cache row. The narrow kernel's TMA form issues a split's tile 0 before griddepcontrol.wait unless it holds the
 request's last position, so that row must still be read after the wait; the wide kernel waits before it reads q or the
@@ -17,7 +17,7 @@ from tests.kernels.conftest import HOPPER, assert_close_to_ref, gpu, paged_req_t
 pytestmark = [requires_triton, gpu, requires_gpu, pytest.mark.skipif(not HOPPER, reason="Gluon kernels: sm_90 only")]
 
 NARROW = DecodeTile(16, 64, 4, 2, kernel="narrow", page_size=64, pdl=True)
-WIDE = DecodeTile(64, 64, 8, 2, kernel="gluon", direct=True, page_size=64, pdl=True)
+WIDE = DecodeTile(64, 64, 8, 2, kernel="wide", direct=True, page_size=64, pdl=True)
 # The newest row in a split's tile 0 (17, 65, 130 at 4 splits of 64 keys), in its tile 1 (500 at 4 splits of 128
 # keys; 200 at 2 splits of 128), in later tiles (1000, 2049), beside splits whose tile 0 goes early
 LENS = [17, 64, 65, 130, 200, 500, 1000, 2049]

@@ -1,4 +1,4 @@
-"""mla_decode with the seesaw stage 1 (DecodeTile(kernel="seesaw"), kernels/mla_decode_seesaw.py) against
+"""mla_decode with the seesaw stage 1 (DecodeTile(kernel="seesaw"), kernels/mla_decode/seesaw.py) against
 mla_decode_ref and against the wide Gluon kernel, on the GPU only (Gluon does not run under TRITON_INTERPRET=1).
 Run on an H100/H200:  python -m pytest tests/kernels/test_mla_decode_seesaw.py -q -m gpu
 """
@@ -23,7 +23,7 @@ from tests.kernels.conftest import (
 pytestmark = [requires_triton, gpu, requires_gpu, pytest.mark.skipif(not HOPPER, reason="sm_90 only")]
 
 SEESAW = DecodeTile(64, 64, 8, 2, kernel="seesaw", page_size=64)
-WIDE = DecodeTile(64, 64, 8, 2, kernel="gluon", page_size=64)
+WIDE = DecodeTile(64, 64, 8, 2, kernel="wide", page_size=64)
 # 1 tile, 2 tiles exactly, odd tile counts (the pair loop's lone last tile), lengths off the 64-key tile
 LENS = [1, 700, 3001, 64, 1500, 33, 2049, 5, 999, 128, 65, 191]
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from r3trace.kernels.contract import KernelInputError
-from r3trace.kernels.moe_align import MoeAlignment, align_capacity, moe_align, moe_align_ref
-from r3trace.kernels.moe_config import AlignTile, align_tile
+from r3trace.kernels.moe.align import MoeAlignment, align_capacity, moe_align, moe_align_ref
+from r3trace.kernels.moe.config import AlignTile, align_tile
 from tests.kernels.conftest import DEVICE, requires_triton
 
 pytestmark = requires_triton
@@ -95,7 +95,7 @@ def test_moe_align_rejects_bad_arguments() -> None:
         moe_align(ids.repeat(2, 1)[::2], 8, 16)  # rows strided: the kernel reads the ids flat
 
 
-# AlignTile launch shapes (kernels/moe_config.py): one [M, E] one-hot tile counting and ranking at once,
+# Launch shapes (kernels/moe/config.py AlignTile): one [M, E] one-hot tile counting and ranking at once,
 # narrower tiles, fewer warps, 64- and 37-pair chunk programs; odd E (33: BLOCK_E 64 with 31 masked columns), ids of
 # -1 (15%), experts with no pairs (E = 256 with 17 x 4 pairs leaves most empty), pairs of one expert split across
 # chunks. Integer outputs: exact.
@@ -113,11 +113,11 @@ def test_moe_align_launch_shapes(T: int, E: int, K: int, block_m: int, tile: Ali
 
 
 def test_align_tile_default_by_pairs_and_experts(poisoned_empty: None) -> None:
-    """align_tile: None (the old launch) above 2048 pairs or 256 experts; else one tile up to 8192 one-hot ints,
-    32-pair chunks beyond. Both picks give the reference's alignment at E = 64, K = 6 (the end-to-end
+    """align_tile: AlignTile() (the large-M launch) above 2048 pairs or 256 experts; else one tile up to 8192 one-hot
+    ints, 32-pair chunks beyond. Both picks give the reference's alignment at E = 64, K = 6 (the end-to-end
     model's routed experts) and at the engine's real shape: 66 rows, the 2 shared experts (64, 65) on every token,
     so each of them fills several blocks while most routed ones fill one."""
-    assert align_tile(2049, 64) is None and align_tile(64, 257) is None
+    assert align_tile(2049, 64) == AlignTile() and align_tile(64, 257) == AlignTile()
     assert align_tile(96, 64) == AlignTile(128, 32, 32, 4) and align_tile(384, 256) == AlignTile(32, 32, 32, 4)
     for T in (16, 64):  # 96 pairs: one tile; 384: twelve chunk programs
         ids = _ids(T, 64, 6, seed=T, off_rank=0.05).to(DEVICE)
@@ -127,5 +127,5 @@ def test_align_tile_default_by_pairs_and_experts(poisoned_empty: None) -> None:
         shared = torch.tensor([[64, 65]], dtype=torch.int32).expand(T, 2)
         ids = torch.cat([_ids(T, 64, 6, seed=3 * T, off_rank=0.05), shared], dim=1).to(DEVICE)  # [T, 8]
         tile = align_tile(T * 8, 66)
-        assert tile is not None and (tile.one_tile_pairs >= T * 8) == (T == 5)
+        assert (tile.one_tile_pairs >= T * 8) == (T == 5)
         _assert_same(moe_align(ids, 66, 16, tile=tile), moe_align_ref(ids, 66, 16), ids, 66, 16)

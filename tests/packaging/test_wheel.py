@@ -62,7 +62,8 @@ def fresh(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str
         names = set(z.namelist())
         meta = z.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
     assert {"r3trace/dashboards/app.py", "r3trace/dashboards/views/heat.py", "r3trace/engine/engine.py",
-            "r3trace/kernels/fused_moe.py", "r3trace/trace/layout.py"} <= names
+            "r3trace/kernels/moe/fused_moe.py", "r3trace/kernels/mla_decode/wide.py",
+            "r3trace/trace/layout.py"} <= names
     triton = [ln for ln in meta.splitlines() if ln.startswith("Requires-Dist: triton")]
     assert triton and "platform_machine == \"x86_64\"" in triton[0] and "sys_platform == \"linux\"" in triton[0]
     venv = tmp / "venv"

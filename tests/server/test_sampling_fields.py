@@ -95,6 +95,23 @@ def test_no_stop_trim_over_http(http: httpx.Client) -> None:
     assert _completion(http, "/v1/completions", body) == kept["text"]
 
 
+
+def test_stop_regex_over_http(http: httpx.Client) -> None:
+    """/generate's sampling_params.stop_regex and the OpenAI bodies' top-level stop_regex (SGLang's extra) stop at
+    the same token as the engine's rule: the first greedy prefix the regex matches; finish_reason "stop"."""
+    sp = {"temperature": 0, "max_new_tokens": 30}
+    full = _generate(http, {"input_ids": PROMPT, "sampling_params": sp})["output_ids"]
+    j = next(i for i, t in enumerate(full) if 48 <= t < 58 or 65 <= t < 91 or 97 <= t < 123)  # a letter or digit
+    pattern = f"[{chr(full[j])}]"  # metacharacters: not trimmed (its own text never occurs)
+    out = _generate(http, {"input_ids": PROMPT, "sampling_params": {**sp, "stop_regex": pattern}})
+    assert out["output_ids"] == full[: j + 1]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": pattern}
+    body = {"prompt": PROMPT, "max_tokens": 30, "temperature": 0, "stop_regex": [pattern]}
+    assert _completion(http, "/v1/completions", body) == out["text"]
+    r = http.post("/generate", json={"input_ids": PROMPT, "sampling_params": {**sp, "stop_regex": "(a"}})
+    assert r.status_code == 400 and "sampling_params.stop_regex" in r.text, r.text
+
+
 REFUSED: list[tuple[str, dict[str, Any], str, str]] = [
     ("/generate", {"input_ids": PROMPT, "sampling_params": {"repetition_penalty": 3}},
      "sampling_params.repetition_penalty", "must be in (0, 2]"),

@@ -17,10 +17,12 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from r3trace.engine import Engine
-from r3trace.engine.engine_config import EngineConfig, EngineConfigError
+from r3trace.engine.engine_config import EngineConfig, EngineConfigError, default_batch_sizes
 from r3trace.engine.weights import WeightsError
 
 NEXTN: dict[str, Any] = {"speculative_algorithm": "NEXTN"}
+TRITON_CUDA: dict[str, Any] = dict(device="cuda", attention_backend="triton", moe_backend="triton",
+                                   topk_backend="triton")
 
 
 @pytest.mark.parametrize(("options", "message"), [
@@ -31,8 +33,12 @@ NEXTN: dict[str, Any] = {"speculative_algorithm": "NEXTN"}
     ({**NEXTN, "speculative_num_steps": 4}, "speculative_num_steps=4: must be an integer in 1..3"),
     ({**NEXTN, "speculative_num_steps": True}, "speculative_num_steps=True: must be an integer"),
     ({**NEXTN, "speculative_num_steps": "2"}, "speculative_num_steps='2': must be an integer"),
+    ({**NEXTN, **TRITON_CUDA, "chunked_prefill_size": 64, "cuda_graph_batch_sizes": (8, 32, 16)},
+     "cuda_graph_batch_sizes has [32]: a verify of B x (1 + speculative_num_steps 3) tokens must fit "
+     "chunked_prefill_size=64 (B <= 16)"),
     ({**NEXTN, "device": "cuda", "cuda_graph_batch_sizes": (1, 2)},
-     "cuda_graph_batch_sizes=(1, 2): not with speculative_algorithm='NEXTN' (its draft and verify forwards run eager)"),
+     "cuda_graph_batch_sizes=(1, 2): needs device cuda and the triton attention, moe and topk backends (or "
+     "deterministic=True)"),
 ])
 def test_bad_options_are_one_line_errors(options: dict[str, Any], message: str) -> None:
     with pytest.raises(EngineConfigError) as err:
@@ -41,13 +47,24 @@ def test_bad_options_are_one_line_errors(options: dict[str, Any], message: str) 
 
 
 def test_defaults_and_derived_values() -> None:
-    """Off by default; NEXTN or EAGLE with 3 steps unless told; speculation turns the CUDA-graph ladder off."""
+    """Off by default; NEXTN or EAGLE with 3 steps unless told. The CUDA-graph ladder under speculation stops at the
+    most verifies of 1 + d tokens one step's budget holds (a bigger step drafts less and runs eager); exact mode
+    captures graphs only when told which."""
     assert EngineConfig().spec_steps == 0
     assert EngineConfig(speculative_algorithm="EAGLE").spec_steps == 3
     assert EngineConfig(speculative_algorithm="NEXTN", speculative_num_steps=1).spec_steps == 1
-    cuda = dict(device="cuda", attention_backend="triton", moe_backend="triton", topk_backend="triton")
-    assert EngineConfig(**cuda).graph_batch_sizes  # the ladder without speculation
-    assert EngineConfig(speculative_algorithm="NEXTN", **cuda).graph_batch_sizes == ()
+    assert EngineConfig(**TRITON_CUDA).graph_batch_sizes == default_batch_sizes(64)  # the ladder without speculation
+    spec = EngineConfig(speculative_algorithm="NEXTN", **TRITON_CUDA)  # 512 tokens / 4 = 128 > 64 requests
+    assert (spec.max_graph_batch, spec.graph_batch_sizes) == (64, default_batch_sizes(64))
+    short = EngineConfig(speculative_algorithm="NEXTN", chunked_prefill_size=100, **TRITON_CUDA)  # 100 // 4
+    assert (short.max_graph_batch, short.graph_batch_sizes) == (25, (1, 2, 4, 8, 16, 24, 25))
+    one = EngineConfig(speculative_algorithm="NEXTN", speculative_num_steps=1, chunked_prefill_size=100, **TRITON_CUDA)
+    assert one.max_graph_batch == 50
+    assert EngineConfig(speculative_algorithm="NEXTN", chunked_prefill_size=3, **TRITON_CUDA).graph_batch_sizes == ()
+    assert EngineConfig(speculative_algorithm="NEXTN", **TRITON_CUDA, cuda_graph_batch_sizes=()).graph_batch_sizes == ()
+    exact = dict(deterministic=True, device="cuda")
+    assert EngineConfig(**exact).graph_batch_sizes == ()
+    assert EngineConfig(**exact, cuda_graph_batch_sizes=(1, 4), **NEXTN).graph_batch_sizes == (1, 4)
 
 
 def test_several_processes_are_refused_before_any_rank_starts(mtp_ckpt: Path) -> None:
@@ -85,7 +102,7 @@ def test_serve_flags_reach_engine_config() -> None:
     serve.add_arguments(p)
     args = p.parse_args(["m", "--speculative-algorithm", "NEXTN", "--speculative-num-steps", "2", "--device", "cuda"])
     cfg = EngineConfig(**serve.engine_options(args))  # type: ignore[arg-type]
-    assert (cfg.speculative_algorithm, cfg.spec_steps, cfg.graph_batch_sizes) == ("NEXTN", 2, ())
+    assert (cfg.speculative_algorithm, cfg.spec_steps, cfg.graph_batch_sizes) == ("NEXTN", 2, default_batch_sizes(64))
     assert EngineConfig(**serve.engine_options(p.parse_args(["m"]))).spec_steps == 0  # type: ignore[arg-type]
     with pytest.raises(UsageError, match="--speculative-algorithm"):
         p.parse_args(["m", "--speculative-algorithm", "NGRAM"])

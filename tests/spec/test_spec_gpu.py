@@ -1,6 +1,6 @@
-"""Speculative decoding on a GPU with the triton backends (eager: speculation refuses CUDA graphs): the device
-paths the CPU tests cannot take (pinned staging, the capture copy on its side stream, triton extend attention for
-verify rows, fused MoE and top-k in the draft layer).
+"""Speculative decoding on a GPU with the triton backends, eager (cuda_graph_batch_sizes=(); graphs:
+tests/spec/test_spec_graphs_gpu.py): the device paths the CPU tests cannot take (pinned staging, the capture copy on
+its side stream, triton extend attention for verify rows, fused MoE and top-k in the draft layer).
 
 Run (GPU): python -m pytest -q -m gpu tests/spec/test_spec_gpu.py
 """
@@ -31,7 +31,8 @@ def test_speculation_on_the_gpu_matches_plain_decoding(make_spec_engine: EngineF
     rng = np.random.default_rng(0)
     prompts = [rng.integers(2, VOCAB, size=int(n)).tolist() for n in rng.integers(4, 40, size=12)]
     sp = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
-    spec = make_spec_engine(model=mtp_ckpt, speculative_algorithm="NEXTN", chunked_prefill_size=64, **TRITON)
+    spec = make_spec_engine(model=mtp_ckpt, speculative_algorithm="NEXTN", chunked_prefill_size=64,
+                            cuda_graph_batch_sizes=(), **TRITON)
     plain = make_spec_engine(model=mtp_ckpt, chunked_prefill_size=64, overlap_schedule=False,
                              cuda_graph_batch_sizes=(), **TRITON)
     got = spec.generate(input_ids=prompts, sampling_params=sp, return_routed_experts=True)

@@ -1,4 +1,4 @@
-"""The pieces of one seesaw pair (mla_decode_seesaw.py: two warp-specialized warpgroups on alternate 64-key tiles):
+"""The pieces of one seesaw pair (seesaw.py: two warp-specialized warpgroups on alternate 64-key tiles):
 the cross-warpgroup signal, a tile part's TMA refill, the scores over a tile's parts in refill order, and the half of
 O's coalesced store. Gluon functions inline: the kernel compiles to what it would with these lines in place.
 """
@@ -15,7 +15,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from r3trace.kernels.latent_tiles import first_slot
+from r3trace.kernels.mla_decode.latent_tiles import first_slot
 
 
 @gluon.jit
@@ -100,7 +100,7 @@ def masked_scores(s, t, start, end, qk_scale, BLOCK_N: gl.constexpr, S_LAYOUT: g
 def store_half(acc, l_sum, buf, part_out_ptr, b, hb, H, split, stride_pb, stride_ph, stride_ps,
                 COL0: gl.constexpr, HALF: gl.constexpr, BLOCK_H: gl.constexpr, O_LAYOUT: gl.constexpr):  # fmt: skip
     """This warpgroup's O / l through `buf` (a dead tile buffer of >= 64 KB) to 16-byte stores along a row, as the
-    wide kernel's COALESCED_OUT (session 10: 1.12x at B64/1k there): from the accumulator's layout a thread would
+    wide kernel's COALESCED_OUT (1.12x at B64/1k there): from the accumulator's layout a thread would
     store 2 columns at a time, half a 32-byte sector in bf16."""
     dt: gl.constexpr = part_out_ptr.dtype.element_ty
     out = (acc / gl.convert_layout(l_sum, gl.SliceLayout(1, O_LAYOUT))[:, None]).to(dt)

@@ -1,9 +1,9 @@
-"""MLA decode stage 1 in Triton: any GPU, and the CPU interpreter (mla_decode.py's shape legend; the Gluon stage 1s
-for Hopper are mla_decode_gluon.py and mla_decode_narrow.py). One program = (head block [x value split], request,
+"""MLA decode stage 1 in Triton ("triton" record): any GPU and the CPU interpreter; the default wherever no Gluon
+record applies (package docstring). Shape legend as in decode.py. One program = (head block [x value split], request,
 split): it walks its split of positions in tiles of BLOCK_N keys, gathering slots through req_to_token (any page
 size), keeps an online softmax for BLOCK_H heads at once (one latent tile from HBM serves BLOCK_H query heads), and
-writes the split's normalised partial output and its log-sum-exp for mla_decode's merge. The tile's knobs
-(DecodeTile, decode_tile.py): value splits (each half of the c_kv columns its own program, scores computed twice),
+writes the split's normalised partial output and its log-sum-exp for the merge (merge.py). The tile's knobs
+(DecodeTile, tile.py): value splits (each half of the c_kv columns its own program, scores computed twice),
 keys-major scores ([keys, heads]), and the next tile's slots loaded one iteration early at 3+ stages.
 """
 
@@ -14,9 +14,10 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from r3trace.kernels.decode_tile import DecodeTile
 from r3trace.kernels.dot import dot_precision
 from r3trace.kernels.flash import latent_tile_split_scores, online_softmax_step, online_softmax_step_keys_major
+from r3trace.kernels.mla_decode.registry import DecodeShape, Stage1
+from r3trace.kernels.mla_decode.tile import DecodeTile
 
 
 @triton.jit
@@ -114,15 +115,18 @@ def mla_decode_stage1_triton(
     kv_lora_rank: int,
     qk_scale: float,
     tile: DecodeTile,
-    block_c: int,
-    block_r: int,
     pdl: bool = False,
-) -> None:
-    """Fills part_out [B, H, P, kv_lora] (fp32, or the output itself at P = 1) and part_lse [B, H, P] (log2 units).
-    qk_scale = sm_scale x log2(e); block_c / block_r: kv_lora and rope padded to powers of two (>= 16); pdl: launched
-    as a programmatic dependent (sm_90+), waiting before any global access."""
+    cluster: int = 1,
+) -> bool:
+    """Fills part_out [B, H, P, kv_lora] (fp32, or the output itself at P = 1) and part_lse [B, H, P] (log2 units);
+    qk_scale = sm_scale x log2(e); pdl: launched as a programmatic dependent (sm_90+), waiting before any global
+    access. No cluster form: cluster > 1 launches nothing and returns False."""
+    if cluster > 1:
+        return False
     B, H, C = q.shape
     num_kv_splits = part_out.shape[2]
+    block_c = max(16, triton.next_power_of_2(kv_lora_rank))  # kv_lora and rope padded to powers of two (>= 16)
+    block_r = max(16, triton.next_power_of_2(C - kv_lora_rank))
     _mla_decode_kernel[(tile.head_programs(H), B, num_kv_splits)](
         q, kv_cache, req_to_token, req_pool_indices, seq_lens, part_out, part_lse,
         H, num_kv_splits, tile.block_n, qk_scale,
@@ -133,3 +137,12 @@ def mla_decode_stage1_triton(
         EARLY_SLOTS=tile.num_stages >= 3, UPCAST=not q.is_cuda, INPUT_PRECISION=dot_precision(q.dtype == torch.float32),
         PDL=pdl, num_warps=tile.num_warps, num_stages=tile.num_stages, launch_pdl=pdl,
     )  # fmt: skip
+    return True
+
+
+def _supported(shape: DecodeShape, dtype: torch.dtype, page_size: int) -> str | None:
+    """Any float dtype, any latent shape, any page size (req_to_token gathers each key's row)."""
+    return None
+
+
+STAGE1 = Stage1("triton", hopper=False, fixed_tile=None, supported=_supported, launch=mla_decode_stage1_triton)

@@ -1,33 +1,31 @@
-"""MLA decode stage 1 in Gluon for few heads (H = 16, DeepSeek-V3 under TP8) on Hopper: keys-major wgmma.
+"""MLA decode stage 1 in Gluon for few heads (H = 16, DeepSeek-V3 under TP8) on Hopper ("narrow" record): keys-major
+wgmma. The default at H < 64 on Hopper on pages of a multiple of 64 slots (package docstring).
 
-Shape legend as in mla_decode.py: B requests, H heads, C = kv_lora + rope, P = num_kv_splits; one program = (16-head
+Shape legend as in decode.py: B requests, H heads, C = kv_lora + rope, P = num_kv_splits; one program = (16-head
 block, request, split), one warpgroup (4 warps). Per 64-key tile (narrow_tile.py), everything transposed so that the 64
 keys are the wgmma's M and the 16 heads its N: S^T = c_kv q^T, P^T through shared memory, O^T += c_kv^T P^T.
 
 Why: the Triton tile (16 heads x 32 keys, mma.sync, two programs an SM) spends ~706 instructions a warp and 9 barriers
-a 32-key tile and issues 0.33 instructions a cycle, latency-bound at 12.5% occupancy (bench/NOTES.md, "mla16b, session
-5"): at 19-151 MB it reaches 34-74% of copy bandwidth. Here a 64-key tile is 36 + 32 wgmma instructions with both
-operands in shared memory, the tile arrives as TMA boxes on an mbarrier where the pages allow (no per-thread gather),
-and the softmax needs 2 barriers (the column max exchanged between the 4 warps, each holding 16 keys; P^T written),
-plus one before the refill. The head dimension N = 16 costs nothing extra (no padding of 16 heads to 64 rows).
+a 32-key tile and issues 0.33 instructions a cycle, latency-bound at 12.5% occupancy: at 19-151 MB it reaches 34-74% of
+copy bandwidth. Here a 64-key tile is 36 + 32 wgmma instructions with both operands in shared memory, the tile arrives
+as TMA boxes on an mbarrier where the pages allow (no per-thread gather), and the softmax needs 2 barriers (the column
+max exchanged between the 4 warps, each holding 16 keys; P^T written), plus one before the refill. The head dimension
+N = 16 costs nothing extra (no padding of 16 heads to 64 rows).
 
 Shared memory: q 18 KB, two stages of the tile (c_kv [64, 512] + k_pe [64, 64]) 144 KB, P^T 2 KB: one program an SM, 72
 KB in flight per SM while it computes the other stage. The O^T accumulator is 64 fp32 registers a thread. The next tile
-is loaded one tile ahead in one of two forms, as in the wide kernel (mla_decode_gluon.py), picked by the launcher from
-the caller's page size: TMA boxes on mbarriers (pages of a multiple of 64 slots: a tile's keys are 64 consecutive cache
-rows) or cp.async row copies through req_to_token (any page size). Writes the same partials and LSEs as the Triton
-stage 1 (mla_decode's merge is shared). With DecodeTile.pdl it is launched as a programmatic dependent and waits
-(griddepcontrol.wait) before it reads q or the cache: 3-8% faster at B16/1k, B16/8k and B64/1k (bench/NOTES.md,
-"Session 7", run 4); the index tables and the first two tiles' cache rows are read before the wait (session 9, run 1:
-B64/1k 1.025x, B16/1k 1.05x, B16/8k 1.01x), and in the TMA form so is tile 0 unless it holds the request's last
-position (run 9: B64/1k 1.05x more, 79% of copy; B16/1k 1.06x). Measured against the Triton tile on 64-slot pages (run
-5, BENCHMARKS.md "mla16c"): 1.10-1.18x at all nine cells of issue 6, 82% of copy bandwidth at B16/8k, 93-108% at the >=
-300 MB cells; the cp.async form only ties the Triton tile, so the default takes this kernel on 64-slot pages only. The
-merge done in-kernel by the last split program of each (request, head block) lost everywhere (run 4: 1.05-1.8x slower;
-its serial reads of the other programs' partials outweigh the launch); the splits merged inside a thread-block cluster
-through distributed shared memory won (cluster_merge.py, the default at 2 splits: B64/1k 1.07-1.09x, session 8). Not
-under TRITON_INTERPRET (Gluon); covered by gpu-marked tests. Requires sm_90, bf16/fp16, kv_lora in {128, 256, 512},
-rope a power of two in 16..128."""
+is loaded one tile ahead in one of two forms, as in the wide kernel (wide.py), picked by the launcher from the tile's
+page size: TMA boxes on mbarriers (pages of a multiple of 64 slots: a tile's keys are 64 consecutive cache rows) or
+cp.async row copies through req_to_token (any page size). Writes the same partials and LSEs as the Triton stage 1 (the
+merge is shared). With DecodeTile.pdl it is launched as a programmatic dependent and waits (griddepcontrol.wait) before
+it reads q or the cache (3-8% faster at B16/1k, B16/8k, B64/1k); the index tables and the first two tiles' cache rows
+are read before the wait, and in the TMA form so is tile 0 unless it holds the request's last position (B64/1k 1.05x
+more). Against the Triton tile on 64-slot pages: 1.10-1.18x at all nine cells, 82% of copy bandwidth at B16/8k, 93-108%
+at the >= 300 MB cells; the cp.async form only ties the Triton tile, so the default takes this kernel on 64-slot pages
+only. A merge by the last split program of each (request, head block) through global memory was 1.05-1.8x slower than
+the merge kernel; the splits merged inside a thread-block cluster (cluster_merge.py, the default at 2 splits) are
+1.07-1.09x faster at B64/1k. Figures: H200, BENCHMARKS.md#mla-decode. Not under TRITON_INTERPRET (Gluon); covered by
+gpu-marked tests. Requires sm_90, bf16/fp16, kv_lora in {128, 256, 512}, rope a power of two in 16..128."""
 
 from __future__ import annotations
 
@@ -39,14 +37,14 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from r3trace.kernels.cluster_merge import (
+from r3trace.kernels.mla_decode.cluster_merge import (
     cluster_merge_nothing,
     cluster_merge_store,
     exchange_bytes,
     launch_in_clusters,
     merge_layout,
 )
-from r3trace.kernels.latent_tiles import (
+from r3trace.kernels.mla_decode.latent_tiles import (
     first_slot,
     gather_first_tile,
     gather_layout,
@@ -57,16 +55,15 @@ from r3trace.kernels.latent_tiles import (
     stage_barriers,
     tile_descriptors,
     tma_first_tile,
-    unsupported,
+    tma_usable,
 )
-from r3trace.kernels.mla_decode_gluon import tma_usable
-from r3trace.kernels.narrow_tile import tile_gather, tile_tma
+from r3trace.kernels.mla_decode.narrow_tile import tile_gather, tile_tma
+from r3trace.kernels.mla_decode.registry import DecodeShape, Stage1, gluon_shape_error
+from r3trace.kernels.mla_decode.tile import DecodeTile
 
 BLOCK_H = 16  # the wgmma's N: 16 heads, no padding
 BLOCK_N = 64  # keys a tile: the wgmma's M, 16 per warp
 NUM_WARPS = 4  # one warpgroup
-# TMA: the form, which the launcher picks from the caller's page size (tma_usable); the flag overrides it
-FLAGS: dict[str, bool] = {}
 
 
 @gluon.jit
@@ -121,8 +118,8 @@ def _mla_decode_narrow_kernel(
         if TMA:
             bv_a, br_a, bv_b, br_b = stage_barriers()
             # q [16 heads, C] as rows b H + 16 hb of q viewed [B H, C], beside tile 0 on its mbarriers
-            # under PDL tile 0 is loaded before the wait where it holds no position past seq_len - 2 (tma_first_tile;
-            # session 9 run 9: B64/1k 1.05x, B16/1k 1.06x, B64/8k 1.012x, B16/8k 1.01x)
+            # under PDL tile 0 is loaded before the wait where it holds no position past seq_len - 2 (tma_first_tile:
+            # B64/1k 1.05x, B16/1k 1.06x, B64/8k 1.012x, B16/8k 1.01x)
             tma_first_tile(qv_desc, qr_desc, kv_desc, kr_desc, qv_s, qr_s, kv_a, kr_a, bv_a, br_a, b * H + hb * BLOCK_H,
                            slot_0, start + BLOCK_N < seq_len, PDL, KV_LORA)  # fmt: skip
             for t in range(0, num_tiles, 2):
@@ -194,11 +191,6 @@ def _layouts(kv_lora: int, rope: int, dtype: Any, out_bytes: int) -> dict[str, A
     }
 
 
-def narrow_supported(q: torch.Tensor, kv_lora: int) -> str | None:
-    """None when this kernel can run these inputs, else why not (the launcher raises it)."""
-    return unsupported(q, kv_lora, "narrow Gluon")
-
-
 def mla_decode_stage1_narrow(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -209,18 +201,15 @@ def mla_decode_stage1_narrow(
     part_lse: torch.Tensor,
     kv_lora_rank: int,
     qk_scale: float,
-    split_align: int,
-    page_size: int = 1,
-    flags: dict[str, bool] | None = None,
+    tile: DecodeTile,
     pdl: bool = False,
     cluster: int = 1,
 ) -> bool:
     """Fills part_out [B, H, P, kv_lora] (fp32, or the output itself at P = 1) and part_lse [B, H, P] (log2 units)
-    as the Triton stage 1. page_size: the caller's guarantee on req_to_token (slots in runs of page_size, each
-    starting at a multiple of it); a multiple of 64 picks the TMA form (tma_usable), else cp.async row copies;
-    flags["TMA"] overrides. split_align must be a multiple of 64 (each split whole tiles). pdl: launched as a
-    programmatic dependent (sm_90), waiting before it reads q or the cache (mla_decode's DecodeTile.pdl: the index
-    tables are read before the wait).
+    as the Triton stage 1. tile.page_size: the caller's guarantee on req_to_token (slots in runs of page_size, each
+    starting at a multiple of it); a multiple of 64 picks the TMA form (tma_usable), else cp.async row copies.
+    tile.block_n (64) is the split alignment (each split whole tiles). pdl: launched as a programmatic dependent
+    (sm_90), waiting before it reads q or the cache (DecodeTile.pdl: the index tables are read before the wait).
     cluster = P in CLUSTER_SIZES: the P splits of a (head block, request) run as one cluster and merge in it
     (cluster_merge.py): part_out is then the output [B, H, 1, kv_lora] and part_lse is not written. False: the
     clusters would not all fit on the GPU at once, nothing launched (the caller takes the merge kernel)."""
@@ -229,24 +218,31 @@ def mla_decode_stage1_narrow(
     num_kv_splits = cluster if cluster > 1 else part_out.shape[2]
     gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     layouts = _layouts(kv_lora_rank, rope, gdt, part_out.element_size())
-    use_tma = (flags or {}).get("TMA", FLAGS.get("TMA", tma_usable(q, kv_cache, page_size)))
+    tma = tma_usable(q, kv_cache, tile.page_size)
     descs: tuple[TensorDescriptor | None, ...] = (None,) * 4
-    if use_tma:
+    if tma:
         descs = tile_descriptors(q, kv_cache, kv_lora_rank, BLOCK_H, BLOCK_N, layouts)
     n_hb = (H + BLOCK_H - 1) // BLOCK_H
-
     args = (
         q, kv_cache, req_to_token, req_pool_indices, seq_lens, part_out, part_lse, *descs,
-        H, num_kv_splits, split_align, qk_scale,
+        H, num_kv_splits, tile.block_n, qk_scale,
         q.stride(0), q.stride(1), kv_cache.stride(0), req_to_token.stride(0),
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
     )  # fmt: skip
     merge = merge_layout(kv_lora_rank, cluster, NUM_WARPS) if cluster > 1 else None
-    kwargs = dict(KV_LORA=kv_lora_rank, ROPE=rope, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, **layouts, TMA=bool(use_tma),
-                  PDL=pdl, CLUSTER=cluster, MERGE_LAYOUT=merge, num_warps=NUM_WARPS,
-                  launch_pdl=pdl)  # fmt: skip
+    kwargs = dict(KV_LORA=kv_lora_rank, ROPE=rope, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, **layouts, TMA=tma, PDL=pdl,
+                  CLUSTER=cluster, MERGE_LAYOUT=merge, num_warps=NUM_WARPS, launch_pdl=pdl)  # fmt: skip
     if cluster > 1:
         return launch_in_clusters(_mla_decode_narrow_kernel, (n_hb, B, 1), cluster, args, kwargs,
                                   exchange_bytes(kv_lora_rank, BLOCK_H, cluster))  # fmt: skip
     _mla_decode_narrow_kernel[(n_hb, B, num_kv_splits)](*args, **kwargs)
     return True
+
+
+def _supported(shape: DecodeShape, dtype: torch.dtype, page_size: int) -> str | None:
+    """bf16 / fp16 and a latent shape the layouts take; any page size (cp.async rows below 64-slot pages)."""
+    return gluon_shape_error(shape, dtype, "narrow Gluon")
+
+
+STAGE1 = Stage1("narrow", hopper=True, fixed_tile=(BLOCK_H, BLOCK_N, NUM_WARPS), supported=_supported,
+                launch=mla_decode_stage1_narrow)  # fmt: skip

@@ -1,4 +1,4 @@
-"""One 64-key tile of the wide Gluon MLA decode stage 1 (mla_decode_gluon.py: 64 heads over two warpgroups):
+"""One 64-key tile of the wide Gluon MLA decode stage 1 (wide.py: 64 heads over two warpgroups):
 
     S [64 heads, 64 keys]  = q_nope @ c_kv^T + q_pe @ k_pe^T   warpgroup w computes keys 32w..32w+31
     P = exp2(S - m)        -> shared memory (bf16), read by both warpgroups
@@ -22,7 +22,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from r3trace.kernels.latent_tiles import copy_tile, expect_tile, first_slot, gather_rows, row_slots
+from r3trace.kernels.mla_decode.latent_tiles import copy_tile, expect_tile, first_slot, gather_rows, row_slots
 
 
 @gluon.jit
@@ -79,9 +79,8 @@ def tile_gather(
     twice an iteration with them swapped: with one [2, ...] allocation indexed by t % 2, the compiler's
     shared-memory hazard analysis cannot tell the buffer being filled from the one being read and adds a
     barrier between the gather and the scores (and one more before the wait; 6 barriers a tile with one
-    allocation, 4 with two: SASS, bench/NOTES.md). Leaving a tile's P V running under the next tile's
-    scores (one transition in two: across the loop's back edge ptxas serialises every wgmma) was 1-4% slower
-    (bench/NOTES.md, "mla128, session 4")."""
+    allocation, 4 with two, in the SASS). Leaving a tile's P V running under the next tile's scores (one
+    transition in two: across the loop's back edge ptxas serialises every wgmma) was 1-4% slower."""
     async_copy.wait_group(0)  # this thread's copies of tile t (and q) landed: the only group in flight
     fence_async_shared()  # cp.async and P stores are generic-proxy writes; wgmma reads async
     # every thread's copies of tile t landed, and every warpgroup waited for its P V of tile t-1, so the
@@ -111,11 +110,10 @@ def tile_tma(
     rope]) completing on bv_n / br_n. No per-thread gather (cp.async took ~20 instructions a thread a tile),
     no cp.async wait and no barrier for the data: each thread waits on the mbarriers. 3 barriers a tile: the
     refill must follow one (the other warpgroup may be reading that buffer in its P V of tile t-1); issuing
-    it after the row max's instead (2 barriers, ~half a tile less lead) was 0-6% slower at 9 of 10 cells
-    (bench/NOTES.md, "mla128b, session 5", run 2); issuing it before the wait for tile t was 0-3% slower at
-    9 of 10 (run 3). Triton 3.6's barrier analysis puts a barrier between any
-    two accesses of one mbarrier allocation (3.7 skips them again, its release notes: canSkipBarSync), so each
-    box has its own mbarrier and the expects come before the CTA barrier the copies follow (PTX checked)."""
+    it after the row max's instead (2 barriers, ~half a tile less lead) was 0-6% slower at 9 of 10 H = 128 cells;
+    issuing it before the wait for tile t was 0-3% slower at 9 of 10. Triton 3.6's barrier analysis puts a barrier
+    between any two accesses of one mbarrier allocation (3.7 skips them again, its release notes: canSkipBarSync),
+    so each box has its own mbarrier and the expects come before the CTA barrier the copies follow (PTX checked)."""
     more = t + 1 < num_tiles
     expect_tile(kv_desc, kr_desc, bv_n, br_n, more)
     gl.thread_barrier()  # every warpgroup waited for its P V of tile t-1: the other buffer is free

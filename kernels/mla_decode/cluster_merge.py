@@ -1,11 +1,11 @@
 """The split-KV merge inside stage 1: the P split programs of one (request, head block) run as one thread-block
 cluster (sm_90) and merge through distributed shared memory, so no fp32 partials reach global memory and no merge
-kernel is launched. Used by both Gluon decode kernels (mla_decode_narrow.py's O^T [kv_lora, heads],
-mla_decode_gluon.py's O [heads, kv_lora]).
+kernel is launched. Used by both Gluon decode kernels (narrow.py's O^T [kv_lora, heads], wide.py's
+O [heads, kv_lora]).
 
 Why: at the small decode cells the merge is a fixed cost the loop cannot hide. H = 16, B64/1k (2 splits of 8
 tiles): stage 1's loop runs at the read floor's rate, and ~6 us of the 0.026 ms call were launch, first-tile latency,
-the 32 KB partial write a program and the merge launched after it (bench/NOTES.md, "Session 7", run 4). A merge by
+the 32 KB partial write a program and the merge launched after it. A merge by
 the last program through global memory (a ticket on an acq_rel atomic, then L2 reads) lost 1.05-1.8x there.
 
 Protocol, every thread of every CTA of the cluster (a split with no keys too: zeros, m = -inf, l = 0, weighing
@@ -17,12 +17,12 @@ nothing), in the first bytes of the kernel's own dynamic shared memory, free onc
    no third barrier has to keep a CTA's shared memory alive;
 4. each rank merges its R columns from its own region (16-byte loads): weights exp2(m_p - max m), divided by the
    weighted sum of l, and stores them.
-Measured (H200, graph replays; bench/NOTES.md "Session 8"): the narrow kernel's 2 splits in clusters of 2 take B64/1k
-from 0.0259-0.0265 ms to 0.0238-0.0243 (runs 5 and 7), B64/8k 1.03x, B64/32k 1.01x; a form with a region of its own
-past the kernel's shared memory (pushing as soon as a rank's loop ends) timed the same (runs 1-2). The wide kernel
-lost even where its clusters fit (4 splits of 64 heads, 128 KB a CTA pushed: 1.09-1.46x slower, run 6), so its
-default keeps the merge kernel. Clusters resident at once on the H200 (one CTA an SM): 66 of 2, 30 of 4, 15 of 8;
-a grid of more would run in two waves (1.3-2.2x slower, runs 1 and 5), so launch_in_clusters declines it.
+When it runs: DecodeTile.cluster (the narrow default: 2 splits). Measured (H200, graph replays;
+BENCHMARKS.md#mla-decode): the narrow kernel's 2 splits in clusters of 2 take B64/1k from 0.0259-0.0265 ms to
+0.0238-0.0243, B64/8k 1.03x, B64/32k 1.01x. The wide kernel lost even where its clusters fit (4 splits of 64 heads,
+128 KB a CTA pushed: 1.09-1.46x slower), so its default keeps the merge kernel. Clusters resident at once on the H200
+(one CTA an SM): 66 of 2, 30 of 4, 15 of 8; a grid of more would run in two waves (1.3-2.2x slower), so
+launch_in_clusters declines it.
 
 Gluon (triton 3.6) has no API for a shared memory address, mapa or cluster barriers, so those are inline PTX
 against `global_smem`, the dynamic shared memory every Triton kernel declares; nothing the compiler allocates is
@@ -33,6 +33,7 @@ launched with a cluster dimension (launch_in_clusters).
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any
 
@@ -42,10 +43,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.runtime.driver import driver
 
-from r3trace.kernels.decode_tile import CLUSTER_SIZES
+from r3trace.kernels.mla_decode.tile import CLUSTER_SIZES
 
-# (compiled kernel, cluster size, device) -> clusters resident at once (cuOccupancyMaxActiveClusters)
-_FIT: dict[tuple, int] = {}
 EXCHANGE_PAD = 4  # floats after each head's row: 16-byte aligned rows, writers' lanes spread over the banks
 
 
@@ -173,13 +172,21 @@ def merge_layout(kv_lora: int, cluster: int, num_warps: int) -> gl.BlockedLayout
     return gl.BlockedLayout([1, 8], [32 // tc, tc], [num_warps, 1], [1, 0])
 
 
+@functools.lru_cache(maxsize=64)
+def _resident_clusters(kernel_hash: str, device: int, function: int, shared: int, cluster: int) -> int:
+    """Clusters of `cluster` CTAs of this compiled kernel resident at once on `device`: the driver's answer
+    (cuOccupancyMaxActiveClusters; its utility assumes 128 threads a block; shared memory binds first for the decode
+    kernels, one or two CTAs an SM), asked once per kernel, device and cluster size."""
+    return int(driver.active.utils.cuOccupancyMaxActiveClusters(function, shared, cluster))
+
+
 def launch_in_clusters(
     kernel: Any, grid: tuple[int, int, int], cluster: int, args: tuple, kwargs: dict, exchange: int
 ) -> bool:
     """Launches a one-CTA Gluon kernel as grid[0] clusters of `cluster` CTAs along x (program_id(0) then runs over
     grid[0] * cluster, a cluster's CTAs consecutive) and returns True; returns False, launching nothing, where the
     grid's clusters would not all be resident at once (a second wave of clusters took 1.3-2.2x the merge kernel's
-    time in session 8's runs 1 and 5: 16 clusters of 8 where 15 fit, 32 of 4 where 30 fit, on an H200).
+    time: 16 clusters of 8 where 15 fit, 32 of 4 where 30 fit, on an H200).
     Uses triton's compiled-kernel launcher (3.6 on the H200; 3.9's has the same contract) with a cluster dimension in
     its packed metadata (num_warps, num_ctas, shared), which it turns into cuLaunchKernelEx's cluster attribute,
     without compiling the kernel for a CTA group (what num_ctas would); another layout warns and returns False.
@@ -199,11 +206,8 @@ def launch_in_clusters(
         raise RuntimeError(f"cluster launch: the merge's {exchange} B exchange exceeds the kernel's {packed[2]} B of "
                            f"shared memory")  # fmt: skip
     run = compiled.run  # loads the module on first use
-    key = (compiled.hash, cluster, torch.cuda.current_device())
-    if key not in _FIT:  # the driver's answer for this kernel's resources (its utility assumes 128 threads a block;
-        # shared memory binds first for the decode kernels, one or two CTAs an SM)
-        _FIT[key] = driver.active.utils.cuOccupancyMaxActiveClusters(compiled.function, packed[2], cluster)
-    if grid[0] * grid[1] * grid[2] > _FIT[key]:
+    fit = _resident_clusters(compiled.hash, torch.cuda.current_device(), compiled.function, packed[2], cluster)
+    if grid[0] * grid[1] * grid[2] > fit:
         return False
     named = dict(zip(kernel.arg_names[: len(args)], args, strict=True))
     named |= {k: v for k, v in kwargs.items() if k in kernel.arg_names}

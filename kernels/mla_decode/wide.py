@@ -1,33 +1,33 @@
-"""MLA decode stage 1 in Gluon for H >= 64 on Hopper: FlashMLA's split of one 64-head tile over two warpgroups.
+"""MLA decode stage 1 in Gluon for H >= 64 on Hopper ("wide" record): FlashMLA's split of one 64-head tile over two
+warpgroups. The default at H >= 64 on Hopper where the seesaw kernel does not apply (pages not a multiple of 64 slots,
+or rope other than 64); package docstring.
 
-Shape legend as in mla_decode.py: B requests, H heads, C = kv_lora + rope, P = num_kv_splits; one program =
-(64-head block, request, split), 8 warps. Per 64-key tile:
+Shape legend as in decode.py: B requests, H heads, C = kv_lora + rope, P = num_kv_splits; one program =
+(64-head block, request, split), 8 warps. Per 64-key tile (wide_tile.py):
 
     S [64 heads, 64 keys]  = q_nope @ c_kv^T + q_pe @ k_pe^T   warpgroup w computes keys 32w..32w+31
     P = exp2(S - m)        -> shared memory (bf16), read by both warpgroups
     O [64, kv_lora]       += P @ c_kv                          warpgroup w accumulates columns 256w..256w+255
 
-The Triton kernel cannot lay the products out this way: tl.dot puts both warpgroups of a chained product
-along M, so at 64 heads both compute the same scores (576 of every 1088 FLOPs twice; bench/NOTES.md). Here
-each FLOP is done once, the wgmmas read q and the latent tile from shared memory (q 72 KB, two stages of the
-tile 144 KB, P 8 KB: 224 KB of the 227 KB allowed), and the next tile is loaded one tile ahead in one of two
-forms (constexpr TMA, picked by the launcher from the caller's page size):
-- TMA (pages of a multiple of 64 slots, so a tile's keys are 64 consecutive cache rows): a [64, kv_lora] and
-  a [64, rope] box on an mbarrier each; q the same way beside tile 0. 3 barriers a tile (the refill's, the
-  row max's, P's). 1.08-1.12x the cp.async form at every H = 128 cell (bench/NOTES.md, "mla128b, session 5").
-- cp.async row copies through req_to_token (any page size), one per key: 4 barriers a tile (the refill's and
-  the data's in one, one the compiler adds after the cp.async wait, the row max's, P's).
-It writes the same partial outputs and log-sum-exps as the Triton stage 1, so mla_decode's merge (stage 2)
-is shared. The row sums need no barrier (kept element-wise, summed once after the loop). Where a TMA tile's
-time goes (H200, B = 64 / 8k, 2.5 us a tile; each part cut from the source, the rest timed: bench/NOTES.md
-"mla128b, session 5", run 4): the score wgmmas 40% (both warpgroups read all of q: 216 KB of shared-memory
-reads a tile of the ~375 KB it moves), P V 18%, HBM (every tile from L2-hot rows instead) 8%, the
-exponentials and the rescale of O 3% each; the rest is the softmax, the barriers and waits.
+The Triton kernel cannot lay the products out this way: tl.dot puts both warpgroups of a chained product along M, so
+at 64 heads both compute the same scores (576 of every 1088 FLOPs twice). Here each FLOP is done once, the wgmmas read
+q and the latent tile from shared memory (q 72 KB, two stages of the tile 144 KB, P 8 KB: 224 KB of the 227 KB
+allowed), and the next tile is loaded one tile ahead in one of two forms (constexpr TMA, picked by the launcher from
+the tile's page size):
+- TMA (pages of a multiple of 64 slots, so a tile's keys are 64 consecutive cache rows): a [64, kv_lora] and a
+  [64, rope] box on an mbarrier each; q the same way beside tile 0. 3 barriers a tile (the refill's, the row max's,
+  P's). 1.08-1.12x the cp.async form at every H = 128 cell.
+- cp.async row copies through req_to_token (any page size), one per key: 4 barriers a tile (the refill's and the
+  data's in one, one the compiler adds after the cp.async wait, the row max's, P's).
+It writes the same partial outputs and log-sum-exps as the Triton stage 1, so the merge (merge.py) is shared. The row
+sums need no barrier (kept element-wise, summed once after the loop). A TMA tile's 2.5 us at B = 64 / 8k (each part
+cut from the source, the rest timed): the score wgmmas 40% (both warpgroups read all of q: 216 KB of shared-memory
+reads a tile of the ~375 KB it moves), P V 18%, HBM 8%, the exponentials and the rescale of O 3% each; the rest is the
+softmax, the barriers and waits. Figures: H200, BENCHMARKS.md#mla-decode.
 
-Gluon kernels do not run under TRITON_INTERPRET=1 (triton 3.6: gluon.jit launches through the active GPU
-driver, "0 active drivers" on CPU), so this path is covered by `gpu`-marked tests only; the CPU interpreter
-tests cover the Triton kernel. Requires sm_90, bf16/fp16, kv_lora in {128, 256, 512}, rope a power of two
-in 16..128.
+Gluon kernels do not run under TRITON_INTERPRET=1 (gluon.jit launches through the active GPU driver), so this path is
+covered by `gpu`-marked tests only. Requires sm_90, bf16/fp16, kv_lora in {128, 256, 512}, rope a power of two in
+16..128 (registry.gluon_shape_error).
 """
 
 from __future__ import annotations
@@ -40,16 +40,14 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from r3trace.kernels.cluster_merge import (
+from r3trace.kernels.mla_decode.cluster_merge import (
     cluster_merge_nothing,
     cluster_merge_store,
     exchange_bytes,
     launch_in_clusters,
     merge_layout,
 )
-from r3trace.kernels.latent_tiles import (
-    GLUON_KV_LORA,
-    GLUON_ROPE,
+from r3trace.kernels.mla_decode.latent_tiles import (
     first_slot,
     gather_first_tile,
     gather_layout,
@@ -60,30 +58,26 @@ from r3trace.kernels.latent_tiles import (
     stage_barriers,
     tile_descriptors,
     tma_first_tile,
-    unsupported,
+    tma_usable,
 )
-from r3trace.kernels.wide_tile import tile_gather, tile_tma
+from r3trace.kernels.mla_decode.registry import DecodeShape, Stage1, gluon_shape_error
+from r3trace.kernels.mla_decode.tile import DecodeTile
+from r3trace.kernels.mla_decode.wide_tile import tile_gather, tile_tma
 
-__all__ = ["GLUON_KV_LORA", "GLUON_ROPE", "gluon_supported", "mla_decode_stage1_gluon", "tma_usable"]
+__all__ = ["STAGE1", "mla_decode_stage1_wide"]
 
 BLOCK_H = 64  # one wgmma M: 4 warps x 16 rows
 BLOCK_N = 64  # keys a tile: S is 64 x 64, each warpgroup's half an instruction of N = 32
 NUM_WARPS = 8  # two warpgroups, [4, 2]: M over the warps of a group, N over the groups
-# constexpr switches of the kernel, at their defaults; bench/mla_decode_h128.py --variants times others.
-# MAX_XCHG: the row max over a tile's 64 keys from each warpgroup's max over its 32, swapped through 512 B
-# of shared memory with one barrier, not gl.max's cross-warp reduction (two barriers): 1-4% faster at
-# every H = 128 cell (bench/NOTES.md, "mla128, session 4", run 3).
-# GATHER_UNDER_S (cp.async form): the score wgmmas issued before the next tile's gather, so its ~20
-# instructions a thread issue while they run: 0.3-4% faster at 9 of the 10 H = 128 cells, 0.4% slower at
-# B = 256 / 8k (run 4). The TMA form always issues its boxes after the score wgmmas.
+# The kernel's schedule switches (MAX_XCHG, GATHER_UNDER_S, COALESCED_OUT) are DecodeTile fields, on by default:
+# MAX_XCHG: the row max over a tile's 64 keys from each warpgroup's max over its 32, swapped through 512 B of shared
+# memory with one barrier, not gl.max's cross-warp reduction (two barriers): 1-4% faster at every H = 128 cell.
+# GATHER_UNDER_S (cp.async form): the score wgmmas issued before the next tile's gather, so its ~20 instructions a
+# thread issue while they run: 0.3-4% faster at 9 of the 10 H = 128 cells, 0.4% slower at B = 256 / 8k. The TMA form
+# always issues its boxes after the score wgmmas.
 # COALESCED_OUT: the output (or fp32 partial) converted through shared memory (the dead tile buffers: the kernel's
 # 224 KB unchanged) to 16-byte stores along a row, not stored from the accumulator's layout (2 columns a store: half
-# a 32-byte sector in bf16). Session 10 run 10 (graph ms, paired): B64/1k 0.0461 vs 0.0517 (1.12x), B256/1k 0.1790 vs
-# 0.1957 (1.09x), B256/8k and 32k 1.03x, B16/1k 1.03x, the other cells 0.996-1.009x.
-FLAGS = {"MAX_XCHG": True, "GATHER_UNDER_S": True, "COALESCED_OUT": True}
-# The TMA form (a tile's 64 keys as one [64, kv_lora] and one [64, rope] box) needs a tile's keys on
-# consecutive cache rows: pages of a multiple of 64 slots (tiles start at multiples of 64).
-TMA_PAGE = BLOCK_N
+# a 32-byte sector in bf16): B64/1k 1.12x, B256/1k 1.09x, the other cells 0.996-1.03x.
 
 
 @gluon.jit
@@ -154,7 +148,7 @@ def _mla_decode_gluon_kernel(
         else:
             # q [64, kv_lora + rope] by cp.async in the same group as tile 0's gather: the two latencies overlap (a
             # register load then a store put q's ~1 us ahead of the first gather: part of the ~4 tiles of fixed
-            # cost per program that bench/NOTES.md fitted)
+            # cost per program, tile.GLUON_FIXED_TILES)
             rows_v, rows_r, cols_v, cols_r = gather_first_tile(
                 q_ptr, kv_ptr, r2t, qv_s, qr_s, kv_a, kr_a, b, hb * BLOCK_H, H, start, end, stride_qb, stride_qh,
                 stride_kvs, BLOCK_H, BLOCK_N, KV_LORA, ROPE, GATHER_V, GATHER_R)  # fmt: skip
@@ -212,28 +206,7 @@ def _layouts(kv_lora: int, rope: int, dtype: Any, out_bytes: int = 4) -> dict[st
     }  # fmt: skip
 
 
-def gluon_supported(q: torch.Tensor, kv_lora: int) -> str | None:
-    """None when the Gluon stage 1 can run these inputs, else why not (the launcher raises it)."""
-    return unsupported(q, kv_lora, "Gluon")
-
-
-def tma_usable(q: torch.Tensor, kv_cache: torch.Tensor, page_size: int) -> bool:
-    """The TMA form's conditions: whole 64-key tiles on consecutive rows (page_size), q rows contiguous as
-    [B H, C] (its descriptor's view), 16-byte aligned bases and row strides (TMA's rule). A last tile's rows
-    past the request's end are then loaded too (real slots of its page, where cp.async zero-fills): their
-    scores are masked, P = 0, so they must hold finite values (0 x NaN is NaN). The engine's pool starts
-    zeroed and only ever holds latents written by the model."""
-    return (
-        page_size % TMA_PAGE == 0
-        and q.is_contiguous()
-        and kv_cache.stride(1) == 1
-        and q.data_ptr() % 16 == 0
-        and kv_cache.data_ptr() % 16 == 0
-        and (kv_cache.stride(0) * kv_cache.element_size()) % 16 == 0
-    )
-
-
-def mla_decode_stage1_gluon(
+def mla_decode_stage1_wide(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
     req_to_token: torch.Tensor,
@@ -243,17 +216,15 @@ def mla_decode_stage1_gluon(
     part_lse: torch.Tensor,
     kv_lora_rank: int,
     qk_scale: float,
-    split_align: int,
-    page_size: int = 1,
-    flags: dict[str, bool] | None = None,
+    tile: DecodeTile,
     pdl: bool = False,
     cluster: int = 1,
 ) -> bool:
     """Fills part_out [B, H, P, kv_lora] fp32 and part_lse [B, H, P] (log2 units) as the Triton stage 1 (P = 1:
-    part_out may be the output [B, H, 1, kv_lora] in q's dtype, which then needs no merge). page_size: the
-    caller's guarantee on req_to_token (slots in runs of page_size, each run starting at a multiple of it);
-    a multiple of 64 picks the TMA form (tma_usable), else cp.async row copies. flags["TMA"] overrides. pdl: launched
-    as a programmatic dependent (sm_90; DecodeTile.pdl, off in this kernel's default tile: not timed here).
+    part_out may be the output [B, H, 1, kv_lora] in q's dtype, which then needs no merge). tile.page_size: the
+    caller's guarantee on req_to_token (slots in runs of page_size, each run starting at a multiple of it); a multiple
+    of 64 picks the TMA form (tma_usable), else cp.async row copies. tile.max_xchg / gather_under_s / coalesced_out:
+    the schedule switches. pdl: launched as a programmatic dependent (sm_90; DecodeTile.pdl).
     cluster = P in CLUSTER_SIZES: the P splits of a (head block, request) run as one cluster and merge in it
     (cluster_merge.py): part_out is then the output [B, H, 1, kv_lora] and part_lse is not written. False: the
     clusters would not all fit on the GPU at once, nothing launched (the caller takes the merge kernel)."""
@@ -262,21 +233,32 @@ def mla_decode_stage1_gluon(
     gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     n_hb = (H + BLOCK_H - 1) // BLOCK_H
     layouts = _layouts(kv_lora_rank, C - kv_lora_rank, gdt, part_out.element_size())
-    flags = FLAGS | {"TMA": tma_usable(q, kv_cache, page_size)} | (flags or {})
+    tma = tma_usable(q, kv_cache, tile.page_size)
     descs: tuple[TensorDescriptor | None, ...] = (None,) * 4
-    if flags["TMA"]:
+    if tma:
         descs = tile_descriptors(q, kv_cache, kv_lora_rank, BLOCK_H, BLOCK_N, layouts)
     args = (
         q, kv_cache, req_to_token, req_pool_indices, seq_lens, part_out, part_lse, *descs,
-        H, num_kv_splits, split_align, qk_scale,
+        H, num_kv_splits, tile.block_n, qk_scale,
         q.stride(0), q.stride(1), kv_cache.stride(0), req_to_token.stride(0),
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
     )  # fmt: skip
     merge = merge_layout(kv_lora_rank, cluster, NUM_WARPS) if cluster > 1 else None
-    kwargs = dict(KV_LORA=kv_lora_rank, ROPE=C - kv_lora_rank, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, **layouts, **flags,
-                  PDL=pdl, CLUSTER=cluster, MERGE_LAYOUT=merge, num_warps=NUM_WARPS, launch_pdl=pdl)  # fmt: skip
+    kwargs = dict(KV_LORA=kv_lora_rank, ROPE=C - kv_lora_rank, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, **layouts,
+                  MAX_XCHG=tile.max_xchg, GATHER_UNDER_S=tile.gather_under_s, COALESCED_OUT=tile.coalesced_out,
+                  TMA=tma, PDL=pdl, CLUSTER=cluster, MERGE_LAYOUT=merge, num_warps=NUM_WARPS,
+                  launch_pdl=pdl)  # fmt: skip
     if cluster > 1:
         return launch_in_clusters(_mla_decode_gluon_kernel, (n_hb, B, 1), cluster, args, kwargs,
                                   exchange_bytes(kv_lora_rank, BLOCK_H, cluster))  # fmt: skip
     _mla_decode_gluon_kernel[(n_hb, B, num_kv_splits)](*args, **kwargs)
     return True
+
+
+def _supported(shape: DecodeShape, dtype: torch.dtype, page_size: int) -> str | None:
+    """bf16 / fp16 and a latent shape the layouts take; any page size (cp.async rows below 64-slot pages)."""
+    return gluon_shape_error(shape, dtype, "wide")
+
+
+STAGE1 = Stage1("wide", hopper=True, fixed_tile=(BLOCK_H, BLOCK_N, NUM_WARPS), supported=_supported,
+                launch=mla_decode_stage1_wide)  # fmt: skip

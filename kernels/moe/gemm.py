@@ -1,9 +1,9 @@
-"""The grouped GEMM of the fused MoE (kernels/fused_moe.py's steps 2 and 3): one Triton kernel for gate_up
+"""The grouped GEMM of the fused MoE (fused_moe.py's steps 2 and 3): one Triton kernel for gate_up
 (+SiLU-and-mul) and down over the expert-sorted, BLOCK_M-padded pairs of moe_align, its launcher, and the
 two entry points moe_gate_up / moe_down.
 
 Shape legend as in fused_moe.py: T tokens, D hidden, E local experts, I moe_intermediate_size, K top-k,
-M = T*K pairs, P = the padded pair count (moe_align's cap). Tiles come from kernels/moe_config.py.
+M = T*K pairs, P = the padded pair count (moe_align's cap). Tiles come from config.py.
 """
 
 from __future__ import annotations
@@ -14,25 +14,24 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from r3trace.kernels.contract import require
 from r3trace.kernels.dot import dot_precision, mma
-from r3trace.kernels.moe_align import MoeAlignment, has_pdl
-from r3trace.kernels.moe_config import GemmTile
+from r3trace.kernels.moe.align import MoeAlignment, has_pdl
+from r3trace.kernels.moe.config import GemmTile
 
 __all__ = ["moe_down", "moe_gate_up"]
 
 
 @triton.jit
 def _fused_moe_kernel(
-    # pointers (a_desc / w_desc: TMA descriptors of a and w when A_TMA / W_TMA, else unused)
-    a_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, topk_weights_ptr, a_desc, w_desc,
+    # pointers (w_desc: the TMA descriptor of w when W_TMA, else unused)
+    a_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, topk_weights_ptr, w_desc,
     # sizes
     N, KDIM, num_pairs, cap, a_row_div,
     # strides
     stride_am, stride_we, stride_wn, stride_om,
     # constexpr
     GATE_UP: tl.constexpr, EVEN_K: tl.constexpr, INTERLEAVE: tl.constexpr, W_COLS: tl.constexpr,
-    N_SPLIT: tl.constexpr, SORTED: tl.constexpr, A_TMA: tl.constexpr, W_TMA: tl.constexpr,
+    N_SPLIT: tl.constexpr, W_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
@@ -43,12 +42,9 @@ def _fused_moe_kernel(
     # N_SPLIT > 0 (down, BLOCK_K >= KDIM): the A tile is loaded once and the program walks every N_SPLIT-th
     # N tile, so the weight loads of one tile pipeline under the product and store of the previous: with
     # K = I = 256 a one-tile program is mostly prologue and epilogue (1.72 ms at E = 256, T = 16k: 314 TF/s)
-    # SORTED: act rows live at their sorted (padded) position, [P, I]: gate_up stores whole tiles there (padding
-    # rows are silu(0) * 0 = 0) and the down reads its A rows contiguously instead of gathering them by pair
     # W_TMA: weight tiles through a TMA descriptor (no per-thread address math, out-of-range rows and K read as
-    # zeros); w_desc is [E, I, 2, D] interleaved (box [1, BN, 2, BK]) or [E 2I, D] for gate_up, [E D, I] for down
-    # A_TMA (down, SORTED only): A tiles through a descriptor over act [P, I]. The gate_up's A is a row gather
-    # (hidden[pair // K]): Hopper's TMA has no gather, so it stays a pointer load
+    # zeros); w_desc is [E, I, 2, D] interleaved (box [1, BN, 2, BK]) or [E 2I, D] for gate_up, [E D, I] for down.
+    # A tiles stay pointer loads: the gate_up's A is a row gather (hidden[pair // K]) and Hopper's TMA has no gather
     if PDL:  # a programmatic dependent: nothing global is touched before the kernel ahead is complete
         gdc_wait()
         gdc_launch_dependents()
@@ -72,20 +68,13 @@ def _fused_moe_kernel(
     if pid_m * BLOCK_M >= num_padded:  # past the device-side row count: unused block, garbage ids
         return
     pair_mask = pairs < num_pairs
-    if SORTED and not GATE_UP:  # noqa: SIM108 (constexpr branch)
-        a_rows = offs_m.to(tl.int64)  # act [P, I] in sorted order: padding rows hold zeros
-    else:
-        a_rows = (pairs // a_row_div).to(tl.int64)
-    row0 = pid_m * BLOCK_M
+    a_rows = (pairs // a_row_div).to(tl.int64)
     w_row0 = expert.to(tl.int32) * N  # first row of this expert in the [E N, KDIM] weight descriptor
     offs_k = tl.arange(0, BLOCK_K)
     if N_SPLIT > 0:
         k_mask = offs_k < KDIM
-        if A_TMA:
-            a = a_desc.load([row0, 0])
-        else:
-            a = tl.load(a_ptr + a_rows[:, None] * stride_am + offs_k[None, :],
-                        mask=pair_mask[:, None] & k_mask[None, :], other=0.0)  # fmt: skip
+        a = tl.load(a_ptr + a_rows[:, None] * stride_am + offs_k[None, :], mask=pair_mask[:, None] & k_mask[None, :],
+                    other=0.0)  # fmt: skip
         wt = tl.load(topk_weights_ptr + pairs, mask=pair_mask, other=0.0)
         w_base = w_ptr + expert * stride_we + offs_k[:, None]
         for n0 in range(pid_n * BLOCK_N, N, N_SPLIT * BLOCK_N):
@@ -116,9 +105,7 @@ def _fused_moe_kernel(
         n0 = pid_n * BLOCK_N
         up_row0 = w_row0 + expert.to(tl.int32) * N + n0  # gate_up's [E 2I, D] descriptor: expert e starts at 2 e I
         for k0 in range(0, KDIM, BLOCK_K):
-            if A_TMA:
-                a = a_desc.load([row0, k0])
-            elif EVEN_K:
+            if EVEN_K:
                 a = tl.load(a_ptrs, mask=pair_mask[:, None], other=0.0)
             else:
                 a = tl.load(a_ptrs, mask=pair_mask[:, None] & ((k0 + offs_k) < KDIM)[None, :], other=0.0)
@@ -142,8 +129,7 @@ def _fused_moe_kernel(
                     w_up = tl.load(w_ptrs + N * stride_wn, mask=((k0 + offs_k) < KDIM)[:, None] & n_mask[None, :],
                                    other=0.0)  # fmt: skip
                 acc_up += mma(a, w_up, UPCAST, INPUT_PRECISION)
-            if not A_TMA:
-                a_ptrs += BLOCK_K
+            a_ptrs += BLOCK_K
             if not W_TMA:
                 w_ptrs += BLOCK_K
 
@@ -154,12 +140,8 @@ def _fused_moe_kernel(
             acc = acc * tl.sigmoid(acc) * acc_up  # silu(gate) * up, in fp32 before the one rounding
         else:
             acc = acc * tl.load(topk_weights_ptr + pairs, mask=pair_mask, other=0.0)[:, None]
-        if SORTED and GATE_UP:  # whole rows at the sorted position: contiguous, padding rows get zeros
-            o_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-            tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_mask[None, :])
-        else:
-            o_ptrs = out_ptr + pairs[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-            tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=pair_mask[:, None] & n_mask[None, :])
+        o_ptrs = out_ptr + pairs[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=pair_mask[:, None] & n_mask[None, :])
 
 
 def _tma_ok(t: torch.Tensor, rows_stride: int) -> bool:
@@ -179,7 +161,7 @@ def _weight_desc(w: torch.Tensor, tile: GemmTile, gate_up: bool, interleave: boo
 
 def _launch_gemm(
     a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, align: MoeAlignment, topk_weights: torch.Tensor,
-    block_m: int, tile: GemmTile, gate_up: bool, a_row_div: int, sorted_act: bool, pdl: bool,
+    block_m: int, tile: GemmTile, gate_up: bool, a_row_div: int, pdl: bool,
 ) -> None:  # fmt: skip
     N = out.shape[1]
     kdim = a.shape[1]
@@ -191,16 +173,14 @@ def _launch_gemm(
     # tile.tma is a request: strides that are not 16-byte multiples (odd tiny models) keep the pointer loads
     pdl = pdl and has_pdl(a)
     w_tma = tile.tma and _tma_ok(w, kdim)
-    a_tma = tile.tma and sorted_act and not gate_up and _tma_ok(a, a.stride(0))
     w_desc = _weight_desc(w, tile, gate_up, interleave) if w_tma else w
-    a_desc = TensorDescriptor.from_tensor(a, [block_m, tile.block_k]) if a_tma else a
     _fused_moe_kernel[grid](
-        a, w, out, align.sorted_ids, align.block_expert, align.num_padded, topk_weights, a_desc, w_desc,
+        a, w, out, align.sorted_ids, align.block_expert, align.num_padded, topk_weights, w_desc,
         N, kdim, a.shape[0] * a_row_div if gate_up else out.shape[0], cap, a_row_div,  # M pairs: T K or y's rows
         a.stride(0), w.stride(0), w.stride(1), out.stride(0),
         GATE_UP=gate_up, EVEN_K=kdim % tile.block_k == 0, INTERLEAVE=interleave,
-        W_COLS=tile.block_n * (2 if interleave else 1), N_SPLIT=n_split, SORTED=sorted_act, A_TMA=a_tma,
-        W_TMA=w_tma, BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
+        W_COLS=tile.block_n * (2 if interleave else 1), N_SPLIT=n_split, W_TMA=w_tma,
+        BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
         UPCAST=not a.is_cuda, INPUT_PRECISION=dot_precision(a.dtype == torch.float32),
         PDL=pdl, num_warps=tile.num_warps, num_stages=tile.num_stages, launch_pdl=pdl,
     )  # fmt: skip
@@ -208,26 +188,20 @@ def _launch_gemm(
 
 def moe_gate_up(
     hidden: torch.Tensor, w13: torch.Tensor, align: MoeAlignment, top_k: int, block_m: int, tile: GemmTile,
-    sorted_act: bool = False, pdl: bool = False,
+    pdl: bool = False,
 ) -> torch.Tensor:  # fmt: skip
-    """hidden [T, D] -> act = silu(x W_gate^T) * (x W_up^T) per pair: [M, I] at the pair index (rows of skipped
-    pairs unset), or sorted_act: [P, I] at the pair's sorted position (padding rows 0, rows past the used
-    blocks unset)."""
-    rows = align.sorted_ids.shape[0] if sorted_act else hidden.shape[0] * top_k
-    act = torch.empty((rows, w13.shape[1] // 2), dtype=hidden.dtype, device=hidden.device)
-    _launch_gemm(hidden, w13, act, align, act, block_m, tile, True, top_k, sorted_act, pdl)  # weights unused: act
+    """hidden [T, D] -> act [M, I] = silu(x W_gate^T) * (x W_up^T) at each pair's index (rows of skipped pairs
+    unset)."""
+    act = torch.empty((hidden.shape[0] * top_k, w13.shape[1] // 2), dtype=hidden.dtype, device=hidden.device)
+    _launch_gemm(hidden, w13, act, align, act, block_m, tile, True, top_k, pdl)  # topk_weights unused: act
     return act
 
 
 def moe_down(
     act: torch.Tensor, w2: torch.Tensor, align: MoeAlignment, topk_weights: torch.Tensor, block_m: int,
-    tile: GemmTile, sorted_act: bool = False, num_pairs: int | None = None, pdl: bool = False,
+    tile: GemmTile, pdl: bool = False,
 ) -> torch.Tensor:  # fmt: skip
-    """act [M, I] (or [P, I] in sorted order) -> y [M, D] = topk_weight * (act W2^T) per pair (rows of skipped
-    pairs unset); num_pairs: M, needed when act is sorted (its rows are then P)."""
-    M = act.shape[0] if num_pairs is None else num_pairs
-    ok = num_pairs is not None if sorted_act else act.shape[0] == M
-    require(ok, f"num_pairs {num_pairs}: act has {act.shape[0]} rows (a sorted act [P, I] needs num_pairs = M)")
-    y = torch.empty((M, w2.shape[1]), dtype=act.dtype, device=act.device)
-    _launch_gemm(act, w2, y, align, topk_weights, block_m, tile, False, 1, sorted_act, pdl)
+    """act [M, I] -> y [M, D] = topk_weight * (act W2^T) per pair (rows of skipped pairs unset)."""
+    y = torch.empty((act.shape[0], w2.shape[1]), dtype=act.dtype, device=act.device)
+    _launch_gemm(act, w2, y, align, topk_weights, block_m, tile, False, 1, pdl)
     return y

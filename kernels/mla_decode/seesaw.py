@@ -1,7 +1,7 @@
-"""MLA decode stage 1 in Gluon for H >= 64 on Hopper, "seesaw" schedule: the two warpgroups take alternate 64-key
-tiles, each computing its tile's scores whole, and pass the row max and P between them.
+"""MLA decode stage 1 in Gluon for H >= 64 on Hopper ("seesaw" record and schedule): the two warpgroups take
+alternate 64-key tiles, each computing its tile's scores whole, and pass the row max and P between them.
 
-Shape legend as in mla_decode.py. One program = (64-head block, request, split): two warp-specialized warpgroups
+Shape legend as in decode.py. One program = (64-head block, request, split): two warp-specialized warpgroups
 (gl.warp_specialize), WG0 the default partition, WG1 a worker, each holding one half of O [64, kv_lora / 2] in
 registers (the whole O, 128 KB of fp32, does not fit one warpgroup's registers). A split's tiles go in pairs (t0 =
 2i in buffer K0, t1 = 2i + 1 in K1); with m the running row max and Ol / Or the halves of O (V = a tile's c_kv):
@@ -17,12 +17,12 @@ registers (the whole O, 128 KB of fp32, does not fit one warpgroup's registers).
 
 Both halves end each pair at the row max m1 (the online softmax's algebra; the schedule is FlashMLA's published
 "seesaw", docs/20250422-new-kernel-deep-dive.md in deepseek-ai/FlashMLA, written here from that description). What
-it buys over mla_decode_gluon.py's kernel (one tile's scores split across both warpgroups at N = 32, so both read all
+it buys over the wide kernel (wide.py) (one tile's scores split across both warpgroups at N = 32, so both read all
 of q from shared memory, then the softmax with every tensor core idle): each score wgmma is N = 64, half the q
 traffic per key, and one warpgroup's softmax runs under the other's wgmmas.
 
-With two tile buffers the loads are what limits it (bench/NOTES.md "Session 11", runs 3-7: refilling a whole tile
-after the pair's last product was 1.08-1.33x slower than the wide kernel). So each tile is six parts on six
+With two tile buffers the loads are what limits it (refilling a whole tile after the pair's last product was
+1.08-1.33x slower than the wide kernel). So each tile is six parts on six
 barriers, c_kv's left and right halves and the rope rows of K0 and K1, each refilled by its last reader as soon as
 it is done with it (K0: left by WG0 after P0 V0, right by WG1 after its P0 V0, rope by WG0 after its P1 V1, whose P1
 lived there; K1: rope by WG1 right after S1, right by WG1 after P1 V1, left by WG0 after its P1 V1), and each
@@ -30,8 +30,11 @@ warpgroup's scores take the parts in that order, every product issued as its par
 and K1 72 KB each, P0 8 KB, 226 KB in all. Each row sum is kept by the warpgroup whose P it sums and added once at
 the end; the output goes through a dead tile buffer to 16-byte stores.
 
-TMA form only (pages of a multiple of 64 slots; the launcher checks), rope 64 (P1 lives in a tile's [64, rope] rows),
-no PDL, no clusters. Gluon does not run under TRITON_INTERPRET=1: gpu-marked tests only.
+When it runs: the default at H >= 64 on Hopper on pages of a multiple of 64 slots at rope 64 (package docstring),
+at the wide kernel's split counts: 1.08-1.10x the wide kernel at kv_len >= 8k, 1.03-1.05x at B64/1k and B256/1k,
+0.965x at B16/1k (H200; BENCHMARKS.md#mla-decode). Limits: TMA form only (pages of a multiple of 64 slots), rope 64
+(P1 lives in a tile's [64, rope] rows), no PDL, no clusters. Gluon does not run under TRITON_INTERPRET=1: gpu-marked
+tests only.
 """
 
 from __future__ import annotations
@@ -50,10 +53,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from r3trace.kernels.latent_tiles import split_bounds, tile_descriptors, unsupported
-from r3trace.kernels.seesaw_tile import bar, load_part, masked_scores, rows, scores, signal, store_half
+from r3trace.kernels.contract import require
+from r3trace.kernels.mla_decode.latent_tiles import split_bounds, tile_descriptors, tma_usable
+from r3trace.kernels.mla_decode.registry import TMA_PAGE, DecodeShape, Stage1, gluon_shape_error
+from r3trace.kernels.mla_decode.seesaw_tile import bar, load_part, masked_scores, rows, scores, signal, store_half
+from r3trace.kernels.mla_decode.tile import DecodeTile
 
-__all__ = ["mla_decode_stage1_seesaw", "seesaw_supported"]
+__all__ = ["STAGE1", "mla_decode_stage1_seesaw"]
 
 BLOCK_H = 64  # one wgmma M
 BLOCK_N = 64  # keys a tile; each warpgroup's scores one wgmma of N = 64
@@ -255,15 +261,6 @@ def _layouts(kv_lora: int, rope: int, dtype: Any) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def seesaw_supported(q: torch.Tensor, kv_lora: int) -> str | None:
-    """None when the seesaw stage 1 can run these inputs, else why not (the launcher raises it)."""
-    why = unsupported(q, kv_lora, "seesaw")
-    if why is None and q.shape[2] - kv_lora != BLOCK_N:
-        rope = q.shape[2] - kv_lora
-        return f"the seesaw decode kernel keeps P in a tile's rope rows: rope must be {BLOCK_N}, got {rope}"
-    return why
-
-
 def mla_decode_stage1_seesaw(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -274,22 +271,18 @@ def mla_decode_stage1_seesaw(
     part_lse: torch.Tensor,
     kv_lora_rank: int,
     qk_scale: float,
-    split_align: int,
-    page_size: int = 64,
+    tile: DecodeTile,
     pdl: bool = False,
     cluster: int = 1,
 ) -> bool:
-    """Fills part_out [B, H, P, kv_lora] fp32 and part_lse [B, H, P] (log2 units) as mla_decode_gluon's stage 1 (P
-    = 1: part_out may be the output in q's dtype). Needs its TMA form's conditions (mla_decode_gluon.tma_usable: pages
+    """Fills part_out [B, H, P, kv_lora] fp32 and part_lse [B, H, P] (log2 units) as the wide kernel's stage 1 (P
+    = 1: part_out may be the output in q's dtype). Needs its TMA form's conditions (latent_tiles.tma_usable: pages
     of a multiple of 64 slots); no PDL, no clusters (False: nothing launched, the caller takes the merge kernel)."""
-    from r3trace.kernels.contract import require
-    from r3trace.kernels.mla_decode_gluon import tma_usable
-
     if cluster > 1:
         return False
     require(not pdl, "the seesaw decode kernel has no programmatic dependent launch (DecodeTile.pdl)")
-    require(tma_usable(q, kv_cache, page_size), f"the seesaw decode kernel loads tiles by TMA: page_size "
-            f"{page_size} must be a multiple of {BLOCK_N}, q contiguous, rows 16-byte aligned")  # fmt: skip
+    require(tma_usable(q, kv_cache, tile.page_size), f"the seesaw decode kernel loads tiles by TMA: page_size "
+            f"{tile.page_size} must be a multiple of {BLOCK_N}, q contiguous, rows 16-byte aligned")  # fmt: skip
     B, H, C = q.shape
     gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     layouts = _layouts(kv_lora_rank, C - kv_lora_rank, gdt)
@@ -302,9 +295,24 @@ def mla_decode_stage1_seesaw(
     grid = ((H + BLOCK_H - 1) // BLOCK_H, B, part_out.shape[2])
     _mla_decode_seesaw_kernel[grid](
         req_to_token, req_pool_indices, seq_lens, part_out, part_lse, *descs,
-        H, part_out.shape[2], split_align, qk_scale,
+        H, part_out.shape[2], tile.block_n, qk_scale,
         req_to_token.stride(0), part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1),
         KV_LORA=kv_lora_rank, ROPE=C - kv_lora_rank, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, **layouts, num_warps=4,
     )  # fmt: skip
     return True
+
+
+def _supported(shape: DecodeShape, dtype: torch.dtype, page_size: int) -> str | None:
+    """As the wide kernel, and rope 64 (P lives in a tile's [64, rope] rows) on pages of a multiple of 64 slots
+    (TMA tiles only)."""
+    why = gluon_shape_error(shape, dtype, "seesaw")
+    if why is None and shape.rope != BLOCK_N:
+        return f"the seesaw decode kernel keeps P in a tile's rope rows: rope must be {BLOCK_N}, got {shape.rope}"
+    if why is None and page_size % TMA_PAGE:
+        return f"the seesaw decode kernel loads tiles by TMA: page_size {page_size} must be a multiple of {TMA_PAGE}"
+    return why
+
+
+STAGE1 = Stage1("seesaw", hopper=True, fixed_tile=(BLOCK_H, BLOCK_N, NUM_WARPS), supported=_supported,
+                launch=mla_decode_stage1_seesaw)  # fmt: skip

@@ -1,27 +1,25 @@
 """The fused MoE's align-free decode path: two launches, no align, no y round trip, no sum launch.
 
-Shapes as in kernels/fused_moe.py (T tokens, D hidden, I intermediate, K top-k, M = T*K pairs).
+Shapes as in fused_moe.py (T tokens, D hidden, I intermediate, K top-k, M = T*K pairs).
 
   gemv_gate_up:  program (pair, n tile): act[pair, n] = silu(x W_gate[e, n]^T) * (x W_up[e, n]^T),
                  e = topk_ids[pair], x = hidden[pair // K]; returns at once for e = -1 (row left unset).
   gemv_down_sum: program (t, n tile): out[t, n] = sum_k topk_weights[t, k] * act[t K + k] W2[e_k, n]^T,
                  the K experts of token t in one program (ids of -1 masked), fp32, rounded once.
 
-At T = 1 (E = 256, I = 256, D = 7168) the grouped path's align, sum and two GEMMs over 8 16-row blocks give
-64-128 programs streaming 88 MB; here 1792-2048 programs stream it and two of the four launches are gone.
-Products are elementwise multiply-adds into [BLOCK_N, BLOCK_K] fp32 lanes (a row per pair: the tensor
-cores would pad it to 16), reduced along K once after the loop. These loads feed no dot, so Triton does not
-pipeline them: with a runtime loop each step waits out a memory latency before the next is issued. The
-tiles' `unroll` makes D and I compile-time sizes and issues each step's loads before the previous step's
-products (E = 256, T = 1, graph ms alone: up 0.0275 -> 0.0243, down 0.0184 -> 0.0161; bench/NOTES.md,
-"Fused MoE, session 3").
+When it runs: moe_config picks it at T = 1 (any I) and T <= 4 at I <= 256 (config.py). At T = 1 (E = 256, I = 256,
+D = 7168) the grouped path's align, sum and two GEMMs over 8 16-row blocks give 64-128 programs streaming 88 MB; here
+1792-2048 programs stream it and two of the four launches are gone: 0.036 vs 0.052 ms a call (H200,
+BENCHMARKS.md#fused-moe). Products are elementwise multiply-adds into [BLOCK_N, BLOCK_K] fp32 lanes (a row per pair:
+the tensor cores would pad it to 16), reduced along K once at the end. These loads feed no dot, so Triton would not
+pipeline a runtime loop over them (each step would wait out a memory latency): D and I are compile-time sizes
+(KDIM_UNROLL), the K steps unrolled, each step's loads issued before the previous step's products (up 0.0275 ->
+0.0243 ms, down 0.0184 -> 0.0161 at T = 1 against the runtime loops).
 
-The tiles' `up_evict_first` / `down_evict_first` hint the weight loads evict_first in the L2: each weight line
-is read once, so it should make way before lines someone may read again. When the L2 holds dirty lines (as
-do_bench leaves it, having zeroed 256 MB), unhinted weights displace them and pay their write-back; hinted
-ones displace each other. E = 256, T = 1, graph ms with the L2 dirty / clean: 0.0364 -> 0.0320 / 0.0289 ->
-0.0285 (bench/NOTES.md "moet1, session 4" run 2). Asking w2 into the L2 from the up (bulk or per-line
-prefetch, inline PTX) lost there in every cell: 0.0380 / 0.0337 (runs 1-2; commit bfc9301 has it).
+The tiles' `up_evict_first` / `down_evict_first` hint the weight loads evict_first in the L2: each weight line is read
+once, so it should make way before lines someone may read again. When the L2 holds dirty lines, unhinted weights
+displace them and pay their write-back; hinted ones displace each other: E = 256, T = 1, 0.0364 -> 0.0320 ms with the
+L2 dirty, 0.0289 -> 0.0285 clean.
 """
 
 from __future__ import annotations
@@ -30,7 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
-from r3trace.kernels.moe_config import GemvTile
+from r3trace.kernels.moe.config import GemvTile
+
+UNROLLED_STAGES = 1  # every K step is unrolled at compile time: no loop for the software pipeliner
 
 
 @triton.jit
@@ -50,9 +50,9 @@ def _lanes_load(x_ptrs, w_ptrs, up_off, k0, offs_k, n_mask, KDIM, EVEN_K: tl.con
 
 @triton.jit
 def _gate_up_program(
-    x_ptr, w_ptr, ids_ptr, act_ptr, pair, pid_n, N, KDIM, stride_xt, stride_we, stride_wn, stride_am,
-    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    KDIM_UNROLL: tl.constexpr, EVICT: tl.constexpr,
+    x_ptr, w_ptr, ids_ptr, act_ptr, pair, pid_n, N, stride_xt, stride_we, stride_wn, stride_am,
+    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, KDIM: tl.constexpr,
+    EVICT: tl.constexpr,
 ):  # fmt: skip
     """act[pair, BLOCK_N rows from pid_n] (see _gemv_gate_up_kernel); nothing written for an id of -1."""
     expert = tl.load(ids_ptr + pair)
@@ -65,23 +65,14 @@ def _gate_up_program(
         up_off = N * stride_wn
         acc_g = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
         acc_u = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
-        if KDIM_UNROLL > 0:
-            x, g, u = _lanes_load(x_ptrs, w_ptrs, up_off, 0, offs_k, n_mask, KDIM_UNROLL, EVEN_K, EVICT)
-            for k0 in tl.static_range(BLOCK_K, KDIM_UNROLL, BLOCK_K):
-                x2, g2, u2 = _lanes_load(x_ptrs + k0, w_ptrs + k0, up_off, k0, offs_k, n_mask, KDIM_UNROLL, EVEN_K,
-                                         EVICT)  # fmt: skip
-                acc_g += g.to(tl.float32) * x[None, :]
-                acc_u += u.to(tl.float32) * x[None, :]
-                x, g, u = x2, g2, u2
+        x, g, u = _lanes_load(x_ptrs, w_ptrs, up_off, 0, offs_k, n_mask, KDIM, EVEN_K, EVICT)
+        for k0 in tl.static_range(BLOCK_K, KDIM, BLOCK_K):
+            x2, g2, u2 = _lanes_load(x_ptrs + k0, w_ptrs + k0, up_off, k0, offs_k, n_mask, KDIM, EVEN_K, EVICT)
             acc_g += g.to(tl.float32) * x[None, :]
             acc_u += u.to(tl.float32) * x[None, :]
-        else:
-            for k0 in range(0, KDIM, BLOCK_K):
-                x, g, u = _lanes_load(x_ptrs, w_ptrs, up_off, k0, offs_k, n_mask, KDIM, EVEN_K, EVICT)
-                acc_g += g.to(tl.float32) * x[None, :]
-                acc_u += u.to(tl.float32) * x[None, :]
-                x_ptrs += BLOCK_K
-                w_ptrs += BLOCK_K
+            x, g, u = x2, g2, u2
+        acc_g += g.to(tl.float32) * x[None, :]
+        acc_u += u.to(tl.float32) * x[None, :]
         gate = tl.sum(acc_g, axis=1)
         up = tl.sum(acc_u, axis=1)
         act = gate * tl.sigmoid(gate) * up  # silu(gate) * up in fp32, one rounding (as the grouped path)
@@ -92,7 +83,8 @@ def _gate_up_program(
 def _gemv_gate_up_kernel(
     # pointers
     x_ptr, w_ptr, ids_ptr, act_ptr,
-    # sizes
+    # sizes (KDIM = D: unread, the loop takes D as KDIM_UNROLL; kept in the parameter list, whose packing decides the
+    # compiled kernel's register allocation and schedule)
     N, KDIM,
     # strides
     stride_xt, stride_we, stride_wn, stride_am,
@@ -100,10 +92,10 @@ def _gemv_gate_up_kernel(
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     KDIM_UNROLL: tl.constexpr, EVICT: tl.constexpr,
 ):  # fmt: skip
-    # KDIM_UNROLL = D (0: a runtime loop): the D loop unrolled, each step's loads issued before the previous
-    # step's products, so two steps are in flight per program (the runtime loop waits one latency per step)
-    _gate_up_program(x_ptr, w_ptr, ids_ptr, act_ptr, tl.program_id(0), tl.program_id(1), N, KDIM, stride_xt,
-                     stride_we, stride_wn, stride_am, TOP_K, BLOCK_N, BLOCK_K, EVEN_K, KDIM_UNROLL, EVICT)  # fmt: skip
+    # KDIM_UNROLL = D, a compile-time size: the D loop unrolled, each step's loads issued before the previous step's
+    # products, so two steps are in flight per program
+    _gate_up_program(x_ptr, w_ptr, ids_ptr, act_ptr, tl.program_id(0), tl.program_id(1), N, stride_xt, stride_we,
+                     stride_wn, stride_am, TOP_K, BLOCK_N, BLOCK_K, EVEN_K, KDIM_UNROLL, EVICT)  # fmt: skip
 
 
 @triton.jit
@@ -123,7 +115,7 @@ def _down_load(act_ptr, w_ptr, expert, wt, pair, k0, offs_k, w_rows, n_mask, str
 def _gemv_down_sum_kernel(
     # pointers
     act_ptr, w_ptr, ids_ptr, wts_ptr, out_ptr,
-    # sizes
+    # sizes (KDIM = I: unread, as in _gemv_gate_up_kernel)
     N, KDIM,
     # strides
     stride_am, stride_we, stride_wn, stride_ot,
@@ -131,9 +123,8 @@ def _gemv_down_sum_kernel(
     TOP_K: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     KDIM_UNROLL: tl.constexpr, EVICT: tl.constexpr,
 ):  # fmt: skip
-    # KDIM_UNROLL = I (0: a runtime loop per expert): the K experts x I steps unrolled into one chain, the
-    # ids of all K experts loaded as one vector first, each step's loads issued before the previous step's
-    # products (with a runtime loop per expert, a program waits K latencies one after another)
+    # KDIM_UNROLL = I, a compile-time size: the K experts x I steps unrolled into one chain, the ids of all K experts
+    # loaded as one vector first, each step's loads issued before the previous step's products
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -141,32 +132,22 @@ def _gemv_down_sum_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     w_rows = offs_n[:, None].to(tl.int64) * stride_wn
     acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
-    if KDIM_UNROLL > 0:
-        NK: tl.constexpr = (KDIM_UNROLL + BLOCK_K - 1) // BLOCK_K
-        offs_e = tl.arange(0, BLOCK_TOPK)  # K padded to a power of 2; the padding is never read back
-        experts = tl.load(ids_ptr + t * TOP_K + offs_e, mask=offs_e < TOP_K, other=-1)  # [BLOCK_TOPK]
-        wts = tl.load(wts_ptr + t * TOP_K + offs_e, mask=offs_e < TOP_K, other=0.0)
-        e0 = tl.sum(tl.where(offs_e == 0, experts, 0))
-        w0 = tl.sum(tl.where(offs_e == 0, wts, 0.0))
-        a, w = _down_load(act_ptr, w_ptr, e0, w0, t * TOP_K, 0, offs_k, w_rows, n_mask, stride_am, stride_we,
-                          KDIM_UNROLL, EVICT)  # fmt: skip
-        for step in tl.static_range(1, TOP_K * NK):
-            e = tl.sum(tl.where(offs_e == step // NK, experts, 0))
-            wt = tl.sum(tl.where(offs_e == step // NK, wts, 0.0))
-            a2, w2 = _down_load(act_ptr, w_ptr, e, wt, t * TOP_K + step // NK, (step % NK) * BLOCK_K, offs_k, w_rows,
-                                n_mask, stride_am, stride_we, KDIM_UNROLL, EVICT)  # fmt: skip
-            acc += w.to(tl.float32) * a[None, :]
-            a, w = a2, w2
+    NK: tl.constexpr = (KDIM_UNROLL + BLOCK_K - 1) // BLOCK_K
+    offs_e = tl.arange(0, BLOCK_TOPK)  # K padded to a power of 2; the padding is never read back
+    experts = tl.load(ids_ptr + t * TOP_K + offs_e, mask=offs_e < TOP_K, other=-1)  # [BLOCK_TOPK]
+    wts = tl.load(wts_ptr + t * TOP_K + offs_e, mask=offs_e < TOP_K, other=0.0)
+    e0 = tl.sum(tl.where(offs_e == 0, experts, 0))
+    w0 = tl.sum(tl.where(offs_e == 0, wts, 0.0))
+    a, w = _down_load(act_ptr, w_ptr, e0, w0, t * TOP_K, 0, offs_k, w_rows, n_mask, stride_am, stride_we,
+                      KDIM_UNROLL, EVICT)  # fmt: skip
+    for step in tl.static_range(1, TOP_K * NK):
+        e = tl.sum(tl.where(offs_e == step // NK, experts, 0))
+        wt = tl.sum(tl.where(offs_e == step // NK, wts, 0.0))
+        a2, w2 = _down_load(act_ptr, w_ptr, e, wt, t * TOP_K + step // NK, (step % NK) * BLOCK_K, offs_k, w_rows,
+                            n_mask, stride_am, stride_we, KDIM_UNROLL, EVICT)  # fmt: skip
         acc += w.to(tl.float32) * a[None, :]
-    else:
-        for k in tl.static_range(TOP_K):
-            pair = t * TOP_K + k
-            expert = tl.load(ids_ptr + pair)
-            wt = tl.load(wts_ptr + pair)
-            for k0 in range(0, KDIM, BLOCK_K):
-                a, w = _down_load(act_ptr, w_ptr, expert, wt, pair, k0, offs_k, w_rows, n_mask, stride_am, stride_we,
-                                  KDIM, EVICT)  # fmt: skip
-                acc += w.to(tl.float32) * a[None, :]
+        a, w = a2, w2
+    acc += w.to(tl.float32) * a[None, :]
     out = tl.sum(acc, axis=1)
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
 
@@ -186,8 +167,8 @@ def gemv_gate_up(hidden: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor
     block_k = min(tile.up_k, triton.next_power_of_2(D))
     _gemv_gate_up_kernel[grid](
         hidden, w13, topk_ids, act, inter, D, hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        TOP_K=K, BLOCK_N=tile.up_n, BLOCK_K=block_k, EVEN_K=D % block_k == 0, KDIM_UNROLL=D if tile.unroll else 0,
-        EVICT=_evict(tile.up_evict_first), num_warps=tile.up_warps, num_stages=tile.up_stages,
+        TOP_K=K, BLOCK_N=tile.up_n, BLOCK_K=block_k, EVEN_K=D % block_k == 0, KDIM_UNROLL=D,
+        EVICT=_evict(tile.up_evict_first), num_warps=tile.up_warps, num_stages=UNROLLED_STAGES,
     )  # fmt: skip
     return act
 
@@ -202,8 +183,8 @@ def gemv_down_sum(
     _gemv_down_sum_kernel[(T, triton.cdiv(D, tile.down_n))](
         act, w2, topk_ids, topk_weights, out, D, inter, act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
         TOP_K=K, BLOCK_TOPK=triton.next_power_of_2(K), BLOCK_N=tile.down_n,
-        BLOCK_K=min(tile.down_k, triton.next_power_of_2(inter)), KDIM_UNROLL=inter if tile.unroll else 0,
-        EVICT=_evict(tile.down_evict_first), num_warps=tile.down_warps, num_stages=tile.down_stages,
+        BLOCK_K=min(tile.down_k, triton.next_power_of_2(inter)), KDIM_UNROLL=inter,
+        EVICT=_evict(tile.down_evict_first), num_warps=tile.down_warps, num_stages=UNROLLED_STAGES,
     )  # fmt: skip
     return out
 

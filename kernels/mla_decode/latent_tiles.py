@@ -1,5 +1,5 @@
-"""How the Gluon MLA decode kernels bring q and the latent cache into shared memory (mla_decode_gluon.py, 64-head
-blocks over 8 warps; mla_decode_narrow.py, 16-head blocks over 4): a 64-key tile is either two TMA boxes on
+"""How the Gluon MLA decode kernels bring q and the latent cache into shared memory (wide.py, 64-head
+blocks over 8 warps; narrow.py, 16-head blocks over 4): a 64-key tile is either two TMA boxes on
 mbarriers, c_kv [64, kv_lora] and k_pe [64, rope] from one cache row on (pages of a multiple of 64 slots, so the
 tile's keys are consecutive rows), or one cp.async copy a row through req_to_token (any page size; masked rows
 past the split's end are zero-filled and read no memory). q arrives beside tile 0, on its mbarriers or in its
@@ -19,21 +19,23 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-GLUON_KV_LORA = (128, 256, 512)  # the wide kernel: each warpgroup's half of O, one wgmma of N = kv_lora / 2 <= 256
-GLUON_ROPE = (16, 32, 64, 128)  # a power of two (Gluon tensor shapes), >= one 16-wide wgmma K step
+from r3trace.kernels.mla_decode.registry import TMA_PAGE
 
 
-def unsupported(q: torch.Tensor, kv_lora: int, kernel: str) -> str | None:
-    """None when a Gluon decode stage 1 can run these inputs, else why not (mla_decode raises it)."""
-    rope = q.shape[2] - kv_lora
-    if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
-        return f"the {kernel} decode kernel needs a Hopper (sm_90) GPU"
-    if q.dtype not in (torch.bfloat16, torch.float16):
-        return f"the {kernel} decode kernel takes bf16/fp16, not {q.dtype}"
-    if kv_lora not in GLUON_KV_LORA or rope not in GLUON_ROPE:
-        return (f"the {kernel} decode kernel needs kv_lora in {GLUON_KV_LORA} and rope in {GLUON_ROPE}, "
-                f"got {kv_lora}, {rope}")  # fmt: skip
-    return None
+def tma_usable(q: torch.Tensor, kv_cache: torch.Tensor, page_size: int) -> bool:
+    """The TMA form's conditions: whole 64-key tiles on consecutive rows (page_size a multiple of TMA_PAGE), q rows
+    contiguous as [B H, C] (its descriptor's view), 16-byte aligned bases and row strides (TMA's rule). A last tile's
+    rows past the request's end are then loaded too (real slots of its page, where cp.async zero-fills): their
+    scores are masked, P = 0, so they must hold finite values (0 x NaN is NaN). The engine's pool starts zeroed and
+    only ever holds latents written by the model."""
+    return (
+        page_size % TMA_PAGE == 0
+        and q.is_contiguous()
+        and kv_cache.stride(1) == 1
+        and q.data_ptr() % 16 == 0
+        and kv_cache.data_ptr() % 16 == 0
+        and (kv_cache.stride(0) * kv_cache.element_size()) % 16 == 0
+    )
 
 
 def tile_descriptors(

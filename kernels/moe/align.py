@@ -12,15 +12,15 @@ Entries of sorted_ids past num_padded are left unwritten (the GEMMs exit before 
 Two twins, same outputs bit for bit (the order within an expert is the pair order in both, so the MoE
 built on either is bitwise the same):
   moe_align_ref: ~25 torch ops including a radix sort (argsort); under a CUDA graph at T = 1 they cost
-    ~0.1 ms of launch gaps against ~21 us of expert weights (BENCHMARKS.md, "### Fused MoE").
+    ~0.1 ms of launch gaps against ~21 us of expert weights (BENCHMARKS.md#fused-moe).
   moe_align: Triton, one launch when M fits one chunk (decode sizes), else two: per-chunk counts, then
     every chunk program derives totals, padded prefix sums and its chunk's offsets from the counts and
     scatters its pairs. Ranks within an expert come from a one-hot [SUB, E] cumulative sum, so no
     atomics: deterministic, which the engine's exact-routes guarantee needs (a route can flip on an ulp).
-    The launch shape is an AlignTile (kernels/moe_config.py): pairs per chunk program, one-hot rows, warps,
-    or one [M, E] tile that gives both the counts and the ranks (one pass, one launch). At decode sizes the
-    default is 32-pair chunks (session 6, moecand: 6.3 vs 8.5 us for 64-pair chunks at T = 64 of the end-to-end
-    model, 512 pairs over 66 experts; BENCHMARKS.md "### Fused MoE").
+    The launch shape is an AlignTile (config.py): pairs per chunk program, one-hot rows, warps, or one [M, E]
+    tile that gives both the counts and the ranks (one pass, one launch). At decode sizes the default is 32-pair
+    chunks (6.3 vs 8.5 us for 64-pair chunks at T = 64 of the end-to-end model, 512 pairs over 66 experts;
+    BENCHMARKS.md#fused-moe).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from r3trace.kernels.contract import INDEX_DTYPES, require, require_tensor
-from r3trace.kernels.moe_config import AlignTile
+from r3trace.kernels.moe.config import LARGE_ALIGN, AlignTile
 
 ONE_HOT_ELEMS = 8192  # [SUB, BLOCK_E] one-hot tile: 32 int32 per thread at 8 warps, no spills
 SUBS_PER_CHUNK = 8  # a chunk is 8 one-hot tiles: 256 pairs at E = 256, 8192 at E = 8
@@ -178,15 +178,14 @@ def moe_align(
     num_experts: int,
     block_m: int,
     chunk: int | None = None,
-    tile: AlignTile | None = None,
+    tile: AlignTile = LARGE_ALIGN,
     pdl: bool = False,
 ) -> MoeAlignment:
     """topk_ids [T, K] -> MoeAlignment (module docstring); Triton, 1-2 launches, no host sync.
-    tile: the launch shape (kernels/moe_config.py AlignTile; None: AlignTile(), the layout before session 5).
+    tile: the launch shape (config.py's AlignTile; the default is the large-M launch, align_tile picks per size).
     chunk: pairs per program, over tile.chunk (None: 8 one-hot tiles, at most MAX_CHUNKS programs); tests
     pass odd ones. pdl: launched as programmatic dependents (sm_90+ compiled; ignored elsewhere)."""
     _check(topk_ids, num_experts, block_m)
-    tile = tile or AlignTile()
     require(tile.num_warps in (1, 2, 4, 8, 16), f"align num_warps {tile.num_warps} not a power of 2 <= 16")
     dev, E = topk_ids.device, num_experts
     M = topk_ids.numel()

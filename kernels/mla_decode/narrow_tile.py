@@ -1,4 +1,4 @@
-"""One 64-key tile of the narrow Gluon MLA decode stage 1 (mla_decode_narrow.py), keys-major: the 64 keys are the
+"""One 64-key tile of the narrow Gluon MLA decode stage 1 (narrow.py), keys-major: the 64 keys are the
 wgmma's M (its smallest, 64) and the 16 heads its N, so nothing is padded:
 
     S^T [64 keys, 16 heads]   = c_kv k-tile @ q_nope^T + k_pe @ q_pe^T    A = the latent tile, B = q (smem)
@@ -24,7 +24,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from r3trace.kernels.latent_tiles import copy_tile, expect_tile, first_slot, gather_rows, row_slots
+from r3trace.kernels.mla_decode.latent_tiles import copy_tile, expect_tile, first_slot, gather_rows, row_slots
 
 
 @gluon.jit
@@ -73,8 +73,7 @@ def tile_tma(
 ):  # fmt: skip
     """TMA form: tile t from (kv_t, kr_t), tile t+1's boxes issued into (kv_n, kr_n) after a barrier at the top of
     the tile (every warp finished P V of t-1). Issuing them after the column max's barrier instead (2 barriers a
-    tile, the refill the score wgmmas later) was 3-11% slower at B16/1k, B16/8k and B64/1k (bench/NOTES.md,
-    "Session 7", run 2)."""
+    tile, the refill the score wgmmas later) was 3-11% slower at B16/1k, B16/8k and B64/1k."""
     more = t + 1 < num_tiles
     expect_tile(kv_desc, kr_desc, bv_n, br_n, more)
     gl.thread_barrier()  # every warp waited for its P V of tile t-1: the other stage is free

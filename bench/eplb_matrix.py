@@ -1,0 +1,262 @@
+"""EPLB matrix: our planner against DeepSeek's policies over cluster shapes and trace families, held out.
+
+Protocol (every cell): W consecutive windows of routed tokens (bench/eplb_traces.py). At the end of window t
+each policy plans from the windows seen (ours from its previous placement, with the newest window's tokens
+unless the family hides them) and is scored on window t + 1, for t = 1 .. W - 2; the cold start (t = 1) is
+not scored, so each number is a mean over W - 3 held-out windows. Scores per window: balancedness (mean over
+layers of mean / max GPU load) under the even split of each expert's load over its replicas (EPLB's own model)
+and under node-limited dispatch (score.node_limited: fewest nodes covering the token's experts, the work split
+over the replicas on them), nodes per token (that cover's size), the share of token-layers above the node
+limit of 4, and churn (share of slots whose expert changed from the policy's previous plan). "vs X" columns
+are paired differences over the same windows, mean +- standard error.
+
+Policies: global = DeepSeek's global policy on all windows seen (summed heat, what `r3trace eplb` plans on),
+global-newest = on the newest window only, hierarchical = DeepSeek's hierarchical (where groups % nodes == 0),
+grace = GRACE-MoE's affinity grouping + replication (bench/eplb_grace.py), ours = r3trace.eplb.plan.
+DeepSeek's policies are r3trace/eplb/deepseek.py (equal to github.com/deepseek-ai/EPLB eplb.py at d52c72d,
+tests/analysis/test_eplb_export.py); --eplb-ref DIR times that file itself (never committed here).
+
+Run: .venv/bin/python bench/eplb_matrix.py --smoke             (seconds; what tests/analysis/test_eplb_matrix.py runs)
+     .venv/bin/python bench/eplb_matrix.py --sweep shape          (one part of the full run; see BENCHMARKS.md, EPLB)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.eplb_grace import grace_policy
+from bench.eplb_traces import TraceSpec, load_windows
+from r3trace.eplb import Cluster, PlannerConfig, churn, global_policy, hierarchical, plan
+from r3trace.eplb.placement import Placement
+from r3trace.eplb.score import balancedness, even_gpu_load, heat_of, node_limited
+
+Policy = Callable[[np.ndarray, Placement | None, np.ndarray | None], Placement]
+METRICS = ("bal_even", "bal_node_limited", "nodes", "over_limit", "churn")
+RESULTS = Path(__file__).resolve().parent / "results"
+NODE_LIMIT = 4
+
+
+@dataclass(frozen=True)
+class Cell:
+    spec: TraceSpec
+    gpus: int
+    nodes: int
+    slots: int
+
+    @property
+    def cluster(self) -> Cluster:
+        return Cluster(self.gpus, self.nodes, self.slots, num_groups=self.spec.num_groups, node_limit=NODE_LIMIT)
+
+    def name(self) -> str:
+        s = self.spec
+        return (f"{s.family}/s={s.zipf_s}/{s.drift}/g{s.num_groups}/"
+                f"{self.gpus}x{self.nodes}x{self.slots}")
+
+
+def policies(cl: Cluster, variants: bool = False) -> dict[str, Policy]:
+    """The compared policies; variants adds ours' other layouts (the trade-off sweep): one node per expert, and
+    group homes kept whole (PlannerConfig.keep_groups)."""
+    pols: dict[str, Policy] = {
+        "global": lambda h, p, t: global_policy(h.sum(0), cl),
+        "global-newest": lambda h, p, t: global_policy(h[-1], cl),
+        "grace": lambda h, p, t: grace_policy(h[-1], cl, t),
+        "ours": lambda h, p, t: plan(h, cl, p, tokens=t),
+    }
+    if cl.num_groups % cl.num_nodes == 0:
+        pols["hierarchical"] = lambda h, p, t: hierarchical(h[-1], cl)
+    if variants:
+        onpe, keep = PlannerConfig(spread_by_affinity=False), PlannerConfig(keep_groups=True)
+        pols["ours-one-node-per-expert"] = lambda h, p, t: plan(h, cl, p, tokens=t, cfg=onpe)
+        pols["ours-keep-groups"] = lambda h, p, t: plan(h, cl, p, tokens=t, cfg=keep)
+    return pols
+
+
+def run_cell(cell: Cell, history: int = 8, variants: bool = False) -> dict[str, Any]:
+    """One cell -> {cell fields, policies: {name: {metric: [per held-out window]}}, seconds}."""
+    t0 = time.perf_counter()
+    routes, sees_tokens = load_windows(cell.spec)
+    e = cell.spec.num_experts
+    heats = np.stack([heat_of(w, e) for w in routes])
+    cl = cell.cluster
+    out: dict[str, dict[str, list[float]]] = {}
+    for name, f in policies(cl, variants).items():
+        prev, rows = None, {m: [] for m in METRICS}
+        for t in range(1, len(routes) - 1):
+            pl = f(heats[max(0, t + 1 - history):t + 1], prev, routes[t] if sees_tokens else None)
+            if prev is not None:
+                d = node_limited(pl, routes[t + 1], cl)
+                rows["bal_even"].append(balancedness(even_gpu_load(pl, heats[t + 1], cl)))
+                rows["bal_node_limited"].append(balancedness(d.gpu_load))
+                rows["nodes"].append(float(d.nodes.mean()))
+                rows["over_limit"].append(float((d.nodes > NODE_LIMIT).mean()))
+                rows["churn"].append(churn(prev, pl))
+            prev = pl
+        out[name] = rows
+    return {"cell": cell.name(), "spec": asdict(cell.spec), "gpus": cell.gpus, "nodes": cell.nodes,
+            "slots": cell.slots, "policies": out, "seconds": time.perf_counter() - t0}
+
+
+def summary(res: dict[str, Any], base: str) -> dict[str, dict[str, list[float]]]:
+    """{policy: {metric: [mean, standard error of the paired difference vs `base`]}}."""
+    pols = res["policies"]
+    out = {}
+    for name, rows in pols.items():
+        out[name] = {}
+        for m in METRICS:
+            a = np.asarray(rows[m])
+            d = a - np.asarray(pols[base][m])
+            se = float(d.std(ddof=1) / np.sqrt(len(d))) if len(d) > 1 else 0.0
+            out[name][m] = [float(a.mean()), float(d.mean()), se]
+    return out
+
+
+def dominates(res: dict[str, Any]) -> dict[str, bool]:
+    """Ours >= global and global-newest on both balancedness models, and <= global's nodes per token (means)."""
+    s = summary(res, "global")
+    o = s["ours"]
+    ok = {f"bal_even>={b}": o["bal_even"][0] >= s[b]["bal_even"][0] for b in ("global", "global-newest")}
+    ok |= {f"bal_nl>={b}": o["bal_node_limited"][0] >= s[b]["bal_node_limited"][0]
+           for b in ("global", "global-newest")}
+    ok["nodes<=global"] = o["nodes"][0] <= min(s["global"]["nodes"][0], s["global-newest"]["nodes"][0])
+    if "hierarchical" in s:
+        h = s["hierarchical"]
+        ok["nodes<=hier"] = o["nodes"][0] <= h["nodes"][0]
+        ok["bal_even>hier"] = o["bal_even"][0] > h["bal_even"][0]
+    return ok
+
+
+SHAPES = [(8, 1, 256), (8, 1, 288), (8, 1, 320), (16, 2, 256), (16, 2, 288), (16, 2, 320), (32, 4, 256),
+          (32, 4, 288), (32, 4, 320), (64, 8, 256), (64, 8, 320), (128, 16, 256), (144, 18, 288)]
+MAIN_SHAPES = [(32, 4, 288), (64, 8, 320), (144, 18, 288)]
+SAMPLE_SHAPES = [(8, 2, 32), (8, 2, 40), (16, 4, 48), (16, 2, 64)]
+
+
+def cells(sweep: str, base: TraceSpec) -> list[Cell]:
+    """The cells of one part of the matrix (module doc of BENCHMARKS.md's EPLB section lists them)."""
+    if sweep == "smoke":
+        spec = replace(base, num_layers=3, windows=5, window_tokens=1024)
+        return [Cell(replace(spec, zipf_s=1.0), 64, 8, 320), Cell(spec, 32, 4, 288),
+                Cell(replace(spec, family="sample", num_experts=32, num_groups=4, top_k=4), 8, 2, 40)]
+    if sweep == "shape":  # every shape x skew, grouped router, slow drift
+        return [Cell(replace(base, zipf_s=s), g, n, p) for (g, n, p) in SHAPES for s in (0.3, 0.6, 0.9, 1.2)]
+    if sweep == "family":  # co-activation structure x drift on the three main shapes
+        return [Cell(replace(base, family=f, drift=d, zipf_s=s), g, n, p)
+                for f in ("grouped", "clustered", "independent", "sglang-dump") for d in ("slow", "fast")
+                for s in (0.6, 1.2) for (g, n, p) in MAIN_SHAPES if not (f == "grouped" and d == "slow")]
+    if sweep == "groups1":  # a router without groups
+        return [Cell(replace(base, family=f, num_groups=1, zipf_s=s), g, n, p)
+                for f in ("independent", "clustered") for s in (0.6, 1.2)
+                for (g, n, p) in [(16, 2, 288), (32, 4, 288), (64, 8, 320), (128, 16, 256), (144, 18, 288)]]
+    if sweep == "tradeoff":  # ours' three layouts against DeepSeek's policies (policies(variants=True))
+        return [Cell(replace(base, zipf_s=s), g, n, p) for s in (0.6, 1.2)
+                for (g, n, p) in [(16, 2, 288), (32, 4, 288), (64, 8, 320)]]
+    if sweep == "sample":  # the sample model's traces: 32 experts, 4 groups, top-4
+        spec = replace(base, family="sample", num_experts=32, num_groups=4, top_k=4, num_layers=4)
+        return [Cell(spec, g, n, p) for (g, n, p) in SAMPLE_SHAPES]
+    raise ValueError(f"sweep={sweep!r}: expected smoke, shape, family, groups1, tradeoff or sample")
+
+
+def table(results: list[dict[str, Any]]) -> list[str]:
+    lines = ["| cell | policy | bal. even | vs global | bal. node-limited | vs global | nodes/token | vs global | "
+             "> 4 nodes | churn |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for res in results:
+        s = summary(res, "global")
+        for name, m in s.items():
+            be, bn, nd = m["bal_even"], m["bal_node_limited"], m["nodes"]
+            lines.append(
+                f"| {res['cell']} | {name} | {be[0]:.3f} | {be[1]:+.3f} +- {be[2]:.3f} | {bn[0]:.3f} | "
+                f"{bn[1]:+.3f} +- {bn[2]:.3f} | {nd[0]:.2f} | {nd[1]:+.2f} +- {nd[2]:.2f} | "
+                f"{m['over_limit'][0]:.1%} | {m['churn'][0]:.1%} |")
+    return lines
+
+
+def plan_times(ref_dir: str | None, repeats: int = 3) -> list[dict[str, Any]]:
+    """Median seconds per plan at [58, 256] (grouped router, s = 0.6): ours fresh and re-planned from its previous
+    placement (with the newest 2048 tokens), the global policy of r3trace/eplb/deepseek.py, and DeepSeek's own
+    eplb.py from ref_dir (rebalance_experts with the shape's groups and nodes, its default, and with one node)."""
+    import importlib.util
+    import statistics
+
+    ref = None
+    if ref_dir:
+        spec_ = importlib.util.spec_from_file_location("eplb_ref", Path(ref_dir) / "eplb.py")
+        assert spec_ and spec_.loader
+        ref = importlib.util.module_from_spec(spec_)
+        spec_.loader.exec_module(ref)
+    routes = load_windows(TraceSpec(num_layers=58, windows=3, window_tokens=2048))[0]
+    heats = np.stack([heat_of(w, 256) for w in routes])
+
+    def timed(f: Callable[[], object]) -> float:
+        out = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            f()
+            out.append(time.perf_counter() - t0)
+        return statistics.median(out)
+
+    rows = []
+    for g, n, p in MAIN_SHAPES:
+        cl = Cluster(g, n, p)
+        first = plan(heats[:2], cl, tokens=routes[1])
+        row: dict[str, Any] = {
+            "shape": f"{g}x{n}x{p}", "ours_fresh": timed(lambda c=cl: plan(heats, c, tokens=routes[2])),
+            "ours_replan": timed(lambda c=cl, f=first: plan(heats, c, f, tokens=routes[2])),
+            "global_numpy": timed(lambda c=cl: global_policy(heats[2], c))}
+        if ref is not None:
+            import torch
+
+            w = torch.tensor(heats[2])
+            groups, nodes = (8, n) if 8 % n == 0 else (1, 1)  # what rebalance_experts does with 8 groups
+            row["ref_default"] = timed(lambda a=(w, p, groups, nodes, g): ref.rebalance_experts(*a))
+            row["ref_global"] = timed(lambda a=(w, p, 1, 1, g): ref.rebalance_experts(*a))
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true", help="three small cells, seconds on CPU")
+    ap.add_argument("--sweep", choices=("shape", "family", "groups1", "tradeoff", "sample"), default=None)
+    ap.add_argument("--nodes", type=int, nargs="*", default=[], help="only cells with these node counts")
+    ap.add_argument("--skews", type=float, nargs="*", default=[], help="only cells with these Zipf skews")
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--windows", type=int, default=8)
+    ap.add_argument("--window-tokens", type=int, default=4096)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None, help="results JSON (default bench/results/eplb-matrix-<sweep>.json)")
+    ap.add_argument("--plan-time", action="store_true", help="time plans at [58, 256] instead of a sweep")
+    ap.add_argument("--eplb-ref", default=None, help="folder holding DeepSeek's eplb.py, timed beside ours")
+    args = ap.parse_args()
+    if args.plan_time:
+        out = Path(args.out) if args.out else RESULTS / "eplb-matrix-plan-time.json"
+        out.write_text(json.dumps({"rows": plan_times(args.eplb_ref)}, indent=1))
+        return
+    sweep = "smoke" if args.smoke else args.sweep
+    if sweep is None:
+        ap.error("give --smoke, --sweep or --plan-time")
+    base = TraceSpec(num_layers=args.layers, windows=args.windows, window_tokens=args.window_tokens, seed=args.seed)
+    todo = [c for c in cells(sweep, base) if (not args.nodes or c.nodes in args.nodes)
+            and (not args.skews or c.spec.zipf_s in args.skews)]
+    results = []
+    for c in todo:
+        res = run_cell(c, variants=sweep == "tradeoff")
+        res["dominates"] = dominates(res)
+        results.append(res)
+        print("\n".join(table([res])[2:]), f"\n  {res['seconds']:.1f} s, {res['dominates']}", flush=True)
+    out = Path(args.out) if args.out else RESULTS / f"eplb-matrix-{sweep}.json"
+    if not args.smoke or args.out:
+        out.write_text(json.dumps({"sweep": sweep, "args": vars(args), "results": results}, indent=1))
+        print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
