@@ -34,6 +34,11 @@ SHAPES: dict[str, dict[str, Any]] = {
     "v3-1b": dict(hidden_size=1024, num_hidden_layers=8, intermediate_size=2816, moe_intermediate_size=512,
                   num_attention_heads=16, q_lora_rank=512, n_routed_experts=64, num_experts_per_tok=6,
                   n_group=8, topk_group=4),
+    # DeepSeek-V3's attention and its per-rank MoE shape under TP8 (D = 7168, E = 256, I = 2048 / 8, top-8, 8 groups
+    # of which 4 are kept), 3 layers (1 dense + 2 MoE): 4.2B parameters, 8.5 GB in bf16, one GPU holds it whole
+    "v3-moe256": dict(hidden_size=7168, num_hidden_layers=3, intermediate_size=18432, moe_intermediate_size=256,
+                      num_attention_heads=128, q_lora_rank=1536, n_routed_experts=256, num_experts_per_tok=8,
+                      n_group=8, topk_group=4),
 }
 COMMON: dict[str, Any] = dict(
     model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], vocab_size=32000, kv_lora_rank=512,

@@ -45,8 +45,8 @@ from r3trace.engine.engine_config import EngineConfig
 from r3trace.engine.forward_batch import ForwardBatch
 from r3trace.engine.model import build_model
 from r3trace.engine.model_config import ModelConfig
+from r3trace.engine.near_tie import gap_hooks
 from r3trace.engine.parallel import ParallelInfo
-from r3trace.engine.replay_check import _margin_hooks
 from r3trace.engine.weights import load_weights
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -182,7 +182,7 @@ def route_mismatches(args: argparse.Namespace, prompts: list[list[int]], spec: l
     model = build_model(cfg, EngineConfig(dtype=opts["dtype"], device=args.device), ParallelInfo(), recorder)
     load_weights(model, MODEL)
     margins: dict[int, torch.Tensor] = {}
-    hooks = _margin_hooks(model.eval(), margins)
+    hooks = gap_hooks(model.eval(), margins, "set")  # K-th minus (K+1)-th score: set flips
     moe = list(cfg.moe_layer_ids)
     flips: list[float] = []  # the margin of every (row, layer) pair whose top-k sets differ
     rows = same_tokens = 0

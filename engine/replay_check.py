@@ -17,18 +17,15 @@ from pathlib import Path
 import duckdb
 import numpy as np
 import torch
-from torch.utils.hooks import RemovableHandle
 
 from r3trace.capture.recorder import ListRecorder
 from r3trace.progress import progress_bar
 from r3trace.trace.reader import open_dataset
 
 from .engine_config import EngineConfig
-from .forward_batch import ForwardBatch
-from .layers.moe import MoE
-from .layers.router import Router, gate_scores, group_masked_choice
-from .model import DeepseekForCausalLM, build_model
+from .model import build_model
 from .model_config import ModelConfig
+from .near_tie import forward_whole, gap_hooks
 from .parallel import ParallelInfo
 from .weights import load_weights
 
@@ -44,24 +41,6 @@ class ReplayReport:
     flipped_margin_quantiles: dict[str, float]  # ... over the rows that flipped
 
 
-def _margin_hooks(model: DeepseekForCausalLM, store: dict[int, torch.Tensor]) -> list[RemovableHandle]:
-    """Hook every router: margin [T] = K-th minus (K+1)-th masked choice score."""
-    hooks = []
-    for layer in model.decoder_layers():
-        if not isinstance(layer.mlp, MoE):
-            continue
-
-        def hook(router: Router, inp: tuple[torch.Tensor, ...], _out: object, lid: int = layer.layer_id) -> None:
-            p = router.params
-            scores = gate_scores(router.logits(inp[0]), p.scoring_func)
-            choice = group_masked_choice(scores, router.e_score_correction_bias, p)
-            top = choice.topk(p.top_k + 1, dim=-1).values
-            store[lid] = (top[:, p.top_k - 1] - top[:, p.top_k]).float().cpu()
-
-        hooks.append(layer.mlp.gate.register_forward_hook(hook))
-    return hooks
-
-
 def replay_check(trace: str | Path, model_path: str | Path, dtype: str = "float32", device: str = "cpu",
                  run_id: str | None = None, progress: bool | None = False) -> ReplayReport:
     """`progress`: a bar of the requests recomputed, on stderr (r3trace/progress.py)."""
@@ -70,7 +49,7 @@ def replay_check(trace: str | Path, model_path: str | Path, dtype: str = "float3
     model = build_model(cfg, EngineConfig(dtype=dtype, device=device), ParallelInfo(), recorder)  # type: ignore[arg-type]
     load_weights(model, model_path)
     margins: dict[int, torch.Tensor] = {}
-    hooks = _margin_hooks(model, margins)
+    hooks = gap_hooks(model, margins, "set")  # the margin: K-th minus (K+1)-th score
     con = duckdb.connect()
     # Only the files the manifests list (reader.py): never a crashed commit's leftovers or a compaction's inputs.
     runs = [r for r in open_dataset(Path(trace)) if run_id is None or r.manifest.run_id == run_id]
@@ -98,13 +77,7 @@ def replay_check(trace: str | Path, model_path: str | Path, dtype: str = "float3
         recorded = np.full((n, len(moe), cfg.num_experts_per_tok), -1, np.int64)
         for pos, layer, ids in rows:
             recorded[pos, moe.index(layer)] = ids
-        kv = torch.zeros(cfg.num_hidden_layers, n, cfg.kv_cache_dim, dtype=model.engine_config.torch_dtype,
-                         device=device)
-        r2t = torch.arange(n, dtype=torch.int32, device=device).unsqueeze(0)
-        fb = ForwardBatch.build(forward_id=0, input_ids=list(token_ids[:n]), prefix_lens=[0], extend_lens=[n],
-                                req_pool_indices=[0], out_cache_loc=r2t[0], req_to_token=r2t, logits_rows=[n - 1],
-                                device=device)
-        model(fb, kv)
+        forward_whole(model, list(token_ids[:n]), [n - 1])
         differ = np.zeros((n, len(moe)), bool)
         for j, layer in enumerate(moe):
             ours = np.sort(recorder.routes[layer][0].cpu().numpy(), axis=-1)

@@ -21,10 +21,9 @@ from r3trace.capture.capturer import CaptureConfig, RoutedExpertsCapturer
 from r3trace.capture.recorder import BatchView, ListRecorder, RowRange
 from r3trace.engine.dp_layout import gather_dp_layout
 from r3trace.engine.forward_batch import ForwardBatch, ReplayPlan
-from r3trace.engine.layers.moe import MoE
-from r3trace.engine.layers.router import gate_scores, group_masked_choice
 from r3trace.engine.model import DeepseekForCausalLM
 from r3trace.engine.model_config import ModelConfig
+from r3trace.engine.near_tie import gap_hooks
 from r3trace.engine.parallel import ParallelInfo
 
 Kind = Literal["prefill", "decode"]
@@ -123,21 +122,6 @@ def capture_config(cfg: ModelConfig, parallel: ParallelInfo) -> CaptureConfig:
     )  # fmt: skip
 
 
-def _margin_hooks(model: DeepseekForCausalLM, store: dict[int, torch.Tensor]) -> None:
-    """Per MoE layer and row: the smallest gap between neighbours of the top-(K+1) masked choice scores (a flip
-    of the K-th/(K+1)-th expert or of two ranks' order needs one of these gaps to be crossed)."""
-    for layer in model.decoder_layers():
-        if isinstance(layer.mlp, MoE):
-            def hook(router: Any, inp: tuple[torch.Tensor, ...], _out: object, lid: int = layer.layer_id) -> None:
-                p = router.params
-                choice = group_masked_choice(gate_scores(router.logits(inp[0]), p.scoring_func),
-                                             router.e_score_correction_bias, p)  # fmt: skip
-                top = choice.topk(p.top_k + 1, dim=-1).values  # [T, K + 1]
-                store[lid] = (top[:, :-1] - top[:, 1:]).min(dim=-1).values
-
-            layer.mlp.gate.register_forward_hook(hook)
-
-
 def run_workload(
     model: DeepseekForCausalLM, parallel: ParallelInfo, capturer: RoutedExpertsCapturer, replay: bool = False,
     margins: bool = False, blind: RowStartBlindCapturer | None = None,
@@ -160,7 +144,7 @@ def run_workload(
     routed: list[np.ndarray] = []  # per step: the real rows of the whole routed batch, [N_real, M, K]
     store: dict[int, torch.Tensor] = {}
     if margins:
-        _margin_hooks(model, store)
+        gap_hooks(model, store, "order")
     listing = next(r for r in model.recorder.recorders if isinstance(r, ListRecorder))  # type: ignore[attr-defined]
     moe = list(cfg.moe_layer_ids)
     for step, actions in enumerate(STEPS):

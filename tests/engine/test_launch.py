@@ -28,7 +28,7 @@ import torch
 from r3trace.capture.recorder import ListRecorder
 from r3trace.capture.wire import decode_routed_experts
 from r3trace.engine import Engine
-from r3trace.engine.replay_check import _margin_hooks
+from r3trace.engine.near_tie import gap_hooks
 from tests.tiny_models import direct_forward, load_engine_model
 
 SAMPLE = Path(__file__).resolve().parents[2] / "samples" / "model"
@@ -60,7 +60,7 @@ def _margins(seq: list[int]) -> dict[int, np.ndarray]:
     """Per MoE layer, [len(seq)] gap between the K-th and (K+1)-th gate score of a one-process forward."""
     model = load_engine_model(SAMPLE, ListRecorder())
     store: dict[int, torch.Tensor] = {}
-    hooks = _margin_hooks(model, store)
+    hooks = gap_hooks(model, store, "set")
     try:
         with torch.inference_mode():
             direct_forward(model, seq)

@@ -18,14 +18,13 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
 
 from r3trace.capture.recorder import ListRecorder
 from r3trace.capture.wire import decode_routed_experts
 from r3trace.engine import Engine
 from r3trace.engine.model import DeepseekForCausalLM
-from tests.engine.dp_workload import _margin_hooks
-from tests.tiny_models import direct_forward, load_engine_model
+from r3trace.engine.near_tie import FlipCount, count_flips, sequence_gaps
+from tests.tiny_models import load_engine_model
 
 SAMPLE = Path(__file__).resolve().parents[2] / "samples" / "model"
 OPTIONS: dict[str, Any] = dict(max_running_requests=8, kv_pool_tokens=2048, chunked_prefill_size=16)
@@ -45,35 +44,19 @@ def reference() -> list[dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def gaps() -> tuple[DeepseekForCausalLM, dict[int, torch.Tensor]]:
-    """A one-process model whose routers leave, per MoE layer, each row's smallest top-(K+1) neighbour gap."""
-    model = load_engine_model(SAMPLE, ListRecorder())
-    store: dict[int, torch.Tensor] = {}
-    _margin_hooks(model, store)
-    return model, store
-
-
-def _gaps(gaps: tuple[DeepseekForCausalLM, dict[int, torch.Tensor]], seq: list[int]) -> np.ndarray:
-    """[len(seq), L] each (row, layer)'s smallest top-(K+1) neighbour gap (inf on dense layers)."""
-    model, store = gaps
-    with torch.inference_mode():
-        direct_forward(model, seq)
-    out = np.full((len(seq), model.config.num_hidden_layers), np.inf)
-    for lid, gap in store.items():
-        out[:, lid] = gap.numpy()
-    return out
+def model() -> DeepseekForCausalLM:
+    """The one-process model whose forwards give each (row, layer)'s order gap (engine/near_tie.py)."""
+    return load_engine_model(SAMPLE, ListRecorder())
 
 
 @pytest.mark.parametrize(("tp", "dp", "ep"), [pytest.param(2, 1, 1, id="tp2"), pytest.param(2, 2, 2, id="dp2_ep2")])
 def test_default_mode_matches_one_process_away_from_near_ties(
-    reference: list[dict[str, Any]], gaps: tuple[DeepseekForCausalLM, dict[int, torch.Tensor]], tp: int, dp: int,
-    ep: int,
+    reference: list[dict[str, Any]], model: DeepseekForCausalLM, tp: int, dp: int, ep: int
 ) -> None:
     with Engine(SAMPLE, tp_size=tp, dp_size=dp, ep_size=ep, **OPTIONS) as engine:
         got = engine.generate(**KW)
     assert isinstance(got, list)
-    entries = ties = flips = far = 0
-    smallest, worst = float("inf"), 0.0
+    count, worst = FlipCount(), 0.0
     for p, w, g in zip(PROMPTS, reference, got, strict=True):
         assert g["output_ids"] == w["output_ids"]
         for key in ("input_token_logprobs", "output_token_logprobs"):
@@ -83,13 +66,10 @@ def test_default_mode_matches_one_process_away_from_near_ties(
             worst = max(worst, float(np.abs(lg - lw).max()))
         a, b = decode_routed_experts(w["meta_info"]), decode_routed_experts(g["meta_info"])
         assert a.shape == b.shape == (len(p) + 7, 5, 4)
-        gap = _gaps(gaps, (p + w["output_ids"])[: a.shape[0]])
-        smallest, tie = min(smallest, float(gap.min())), gap < NEAR_TIE
-        differ = (a != b).any(axis=-1)  # [rows, L]
-        entries += int((a[..., 0] >= 0).sum())
-        ties, flips, far = ties + int(tie.sum()), flips + int((differ & tie).sum()), far + int((differ & ~tie).sum())
-    report = (f"tp{tp} dp{dp} ep{ep}: of {entries} (token, MoE layer) entries, {ties} near-ties (gap < {NEAR_TIE:g}), "
-              f"{flips} of them flipped; {far} differ away from near-ties (smallest gap {smallest:.1e}; logprobs "
-              f"within {worst:.1e})")
+        count += count_flips(a, b, sequence_gaps(model, (p + w["output_ids"])[: a.shape[0]]), NEAR_TIE)
+    report = (f"tp{tp} dp{dp} ep{ep}: of {count.entries} (token, MoE layer) entries, {count.near_ties} near-ties "
+              f"(gap < {NEAR_TIE:g}), {count.flips} of them flipped; {count.far} differ away from near-ties "
+              f"(smallest gap {count.smallest_gap:.1e}; logprobs within {worst:.1e})")
     print(report)
-    assert far == 0, report
+    assert count.entries == sum(len(p) + 7 for p in PROMPTS) * 4, report  # every row of the 4 MoE layers compared
+    assert count.far == 0, report

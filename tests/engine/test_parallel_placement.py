@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 
+from bench.multigpu.placement import shuffled_placement  # the samples/model shape: 5 layers, 32 experts, 8 spares
 from r3trace.capture.wire import decode_routed_experts
 from r3trace.engine import Engine
 from r3trace.engine.expert_placement import read_location
@@ -52,15 +53,6 @@ def assert_exact(got: list[dict[str, Any]], want: list[dict[str, Any]]) -> None:
         gr, wr = decode_routed_experts(g["meta_info"]), decode_routed_experts(w["meta_info"])
         assert gr.shape == wr.shape
         assert int((gr != wr).sum()) == 0, "route entries differ"
-
-
-def shuffled_placement(seed: int, ep_size: int) -> np.ndarray:
-    """SGLang's physical_to_logical_map [num_hidden_layers, P]: each MoE layer a seeded shuffle of the E experts
-    plus REDUNDANT seeded replicas (the dense layer 0's row is read past)."""
-    g = torch.Generator().manual_seed(seed)
-    rows = [torch.cat([torch.randperm(E, generator=g), torch.randint(0, E, (REDUNDANT,), generator=g)])
-            for _ in range(5)]
-    return torch.stack(rows).numpy()
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +109,7 @@ def test_rebalance_while_requests_run_keeps_them_exact(
     base = reference.expert_slots()[0]  # one process: slot e is expert e
     before = ep2_static.expert_slots()
     path = tmp_path / "placement.json"
-    path.write_text(json.dumps({"physical_to_logical_map": shuffled_placement(5, 2).tolist()}))
+    path.write_text(json.dumps({"physical_to_logical_map": shuffled_placement(5).tolist()}))
 
     results: dict[int, list[dict[str, Any]]] = {}
     threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, run(ep2_static, [ids[i]], NEW)))
@@ -183,7 +175,7 @@ def test_dp2_dynamic_physical_ids_follow_the_dp_rows(reference: Engine, ep: int)
 
 def test_placement_sources_and_their_errors(tmp_path: Path) -> None:
     mc = ModelConfig.from_hf(MODEL)
-    phy = shuffled_placement(7, 2)
+    phy = shuffled_placement(7)
     sglang = tmp_path / "sglang.json"
     sglang.write_text(json.dumps({"physical_to_logical_map": phy.tolist()}))
     loc = read_location(str(sglang), mc, 2)
