@@ -175,7 +175,10 @@ def main() -> None:
     ap.add_argument("--instances", nargs="*", default=list(INSTANCES))
     ap.add_argument("--time-limit", type=float, default=120.0, help="seconds per MILP solve")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "eplb-matrix-milp.json"))
+    ap.add_argument("--smoke", action="store_true", help="synth-e16 only, 20 s a solve, nothing written (make test)")
     args = ap.parse_args()
+    if args.smoke:
+        args.instances, args.time_limit, args.out = ["synth-e16"], 20.0, ""
     rows = []
     for name in args.instances:
         load, tok, cl = instance(name)
@@ -203,7 +206,8 @@ def main() -> None:
             print(f"  {pol}: max load {mx:.2f} ({mx / best.bound - 1:+.1%} vs bound), nodes {nodes:.3f}"
                   + ("" if fewest is None else f"; fewest nodes at that max load {fewest.nodes:.3f} "
                      f"(bound {fewest.bound:.3f}, optimal {fewest.optimal})"), flush=True)
-    Path(args.out).write_text(json.dumps({"time_limit": args.time_limit, "rows": rows}, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps({"time_limit": args.time_limit, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":
