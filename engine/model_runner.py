@@ -65,7 +65,9 @@ class ModelRunner:
         self.sampler = sampler
         self.device = device
         self.forward_id = 0
-        self.staging = HostStaging(device, num_buffers=10)  # up to 5 copies a step: host_staging.py
+        # up to 7 copies a step (host_staging.py's 5, token_ids_logprob's ids, the sampled rows whose output
+        # logprobs are scored): 14 buffers come back two steps later
+        self.staging = HostStaging(device, num_buffers=14)
         # [R] int64: the token each request row sampled last (read by steps scheduled ahead, see the docstring)
         self.next_tokens = torch.zeros(req_pool.req_to_token.shape[0], dtype=torch.int64, device=device)
         # the output counts of each request row, for SGLang's penalties (engine/penalties.py)
@@ -161,20 +163,31 @@ class ModelRunner:
         next_ids = None
         # Decode: every logits row samples; indexing by a host list would cost a copy and a gather kernel.
         every_row = len(sample_rows) == logits.shape[0] and sample_rows == list(range(len(sample_rows)))
+        want_lp = any(it.req.logprob is not None for it in items)
+        scored = None
         if sample_rows:
             rows = penalty_rows(samplers)
-            next_ids = self.sampler.sample(
+            sampled = self.sampler.sample_scored(
                 logits if every_row else logits[sample_rows],
                 [it.req.params for it in samplers], [it.req.generator for it in samplers],
                 None if rows is None else self.penalties.step(rows, self.sampler.staging.to_device),
-            )  # [B]
+                scored=want_lp and any(it.req.logprob is not None for it in samplers),
+            )
+            next_ids, scored = sampled.ids, sampled.scored  # [B], [B, V] or None
             on_device["next"] = next_ids
             if len(samplers) == len(items):  # every request samples: the rows a step ahead reads
                 self.next_tokens.index_copy_(0, fb.req_pool_indices, next_ids)
-        want_lp = any(it.req.logprob is not None for it in items)
         top_num = max((it.req.logprob.top_num for it in items if it.req.logprob is not None), default=0)
         if want_lp and logits.shape[0]:
-            logprobs = torch.log_softmax(logits.float(), dim=-1)  # [N, V]
+            # prompt rows score the raw logits; sampled rows the logits they were sampled from (SGLang's default:
+            # after penalties and logit_bias, over the temperature; engine/sampling.py)
+            if scored is not None and every_row:
+                logprobs = torch.log_softmax(scored, dim=-1)  # [N, V]
+            else:
+                logprobs = torch.log_softmax(logits.float(), dim=-1)  # [N, V]
+                if scored is not None:
+                    at = self.staging.to_device(np.asarray(sample_rows, dtype=np.int64))
+                    logprobs = logprobs.index_copy(0, at, torch.log_softmax(scored, dim=-1))
             if lp_rows:  # the input-logprob rows and the prompt tokens they score: one staged copy, no blocking one
                 n = len(lp_rows)
                 packed = self.staging.to_device(np.asarray(lp_rows + lp_targets, dtype=np.int64))

@@ -77,7 +77,7 @@ class PenaltyStep:
         self.bias = bias  # ([n] int64 flat b * V + token, [n] float32 bias), None when no row has a logit_bias
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits [B, V] float32 -> penalised logits [B, V] (a new tensor: the caller's stay raw for logprobs)."""
+        """logits [B, V] float32 -> penalised logits [B, V] (a new tensor: the raw ones serve prompt logprobs)."""
         out = logits
         seen = None
         if self.counts is not None:

@@ -57,6 +57,10 @@ def build_result(req: Req, tokenizer: TextTokenizer, *, delta: bool) -> dict[str
         "cached_tokens": req.cached_tokens,
         "finish_reason": None if req.finish is None else req.finish.to_dict(),
     }
+    if req.cached_tokens > 0:
+        # SGLang's breakdown by cache tier (scheduler_output_processor_mixin.py _get_cached_tokens_details: without
+        # a host tier, {"device": cached_tokens, "host": 0} once any token hit); r3trace's one tier is the device's
+        meta["cached_tokens_details"] = {"device": req.cached_tokens, "host": 0}
     if req.spec_verify_ct:  # speculative decoding (SGLang's fields): tokens a verify forward commits, on average
         meta["spec_verify_ct"] = req.spec_verify_ct
         meta["spec_num_proposed_drafts"] = req.spec_num_proposed_drafts

@@ -11,11 +11,16 @@ common case of RL rollouts).
 SGLang's order: the penalties, min_new_tokens and logit_bias (engine/penalties.py) on the logits, then greedy rows
 take the argmax; the others divide by the temperature, keep the top-k logits, softmax, keep the top-p nucleus, then
 drop the tokens below min_p times the most likely one. Each stage runs only when a row of the step asks for it.
+
+Output logprobs, SGLang's default (layers/sampler.py Sampler.forward without SGLANG_RETURN_ORIGINAL_LOGPROB): the
+log-softmax of the logits the row samples from, after the penalties, min_new_tokens and logit_bias and divided by
+the temperature (1 for greedy rows, as SGLang sets greedy requests' temperature to 1), before top-k, top-p and
+min-p. `scored_logits` gives those logits; prompt logprobs stay the model's raw log-softmax, as in SGLang.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -25,15 +30,20 @@ from r3trace.engine.penalties import PenaltyStep
 from r3trace.engine.request import SamplingParams
 
 
+class Sampled(NamedTuple):
+    ids: torch.Tensor  # [B] int64
+    scored: torch.Tensor | None  # [B, V] float32: output logprobs are its log-softmax; None: the raw logits'
+
+
 class Sampler:
     def __init__(self, device: str, seed: int) -> None:
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
-        # up to 8 copies a sampling step (temperatures, top-k, top-p, min-p, the shared rows, the greedy mask, and
-        # engine/penalties.py's indices, and its coefficients and biases): 24 buffers come back after 3 steps, when
-        # the host has long waited for those steps' results (no wait on reuse)
-        self.staging = HostStaging(device, num_buffers=24)
+        # up to 9 copies a sampling step (temperatures, top-k, top-p, min-p, the shared rows, the greedy mask,
+        # engine/penalties.py's indices, and its coefficients and biases, and the temperatures of scored output
+        # logprobs): 27 buffers come back after 3 steps, when the host has long waited for those steps' results
+        self.staging = HostStaging(device, num_buffers=27)
 
     def request_generator(self, seed: int) -> torch.Generator:
         g = torch.Generator(device=self.device)
@@ -46,12 +56,31 @@ class Sampler:
     ) -> torch.Tensor:
         """logits: [B, V] float32 -> next token ids [B] int64. `penalty`: the step's penalties, None when no row
         has one (Penalties.step); the sampled tokens are counted in it."""
+        return self.sample_scored(logits, params, generators, penalty, scored=False).ids
+
+    def sample_scored(
+        self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+        penalty: PenaltyStep | None = None, *, scored: bool,
+    ) -> Sampled:
+        """As `sample`; with `scored` also the logits whose log-softmax are the rows' output logprobs (None when
+        they are the raw `logits`: no penalty and every temperature 1 or greedy, so no [B, V] copy is made)."""
         if penalty is not None:
             logits = penalty.apply(logits)  # [B, V], before the argmax and the temperature
         ids = self._draw(logits, params, generators)
         if penalty is not None:
             penalty.record(ids)
-        return ids
+        return Sampled(ids, self.scored_logits(logits, params, penalty is not None) if scored else None)
+
+    def scored_logits(
+        self, logits: torch.Tensor, params: list[SamplingParams], penalised: bool = True
+    ) -> torch.Tensor | None:
+        """[B, V] penalised logits -> the same over each row's temperature (greedy rows: 1), or None when that is
+        `logits` unchanged and `penalised` is false (the caller's raw logits serve)."""
+        if all(p.is_greedy or p.temperature == 1.0 for p in params):
+            return logits if penalised else None
+        temps = self.staging.to_device(np.array([1.0 if p.is_greedy else p.temperature for p in params],
+                                                np.float32))  # [B]
+        return logits / temps[:, None]
 
     def _draw(
         self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]

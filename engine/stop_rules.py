@@ -15,6 +15,10 @@ def finish_reason(
     """SGLang's order: length first, then stop token ids, eos, stop strings, stop regexes, context limit. A matched
     stop string trims req.text before it, unless no_stop_trim (SGLang's detokenizer then keeps it).
 
+    ignore_eos skips the whole token rule, stop_token_ids included, as SGLang's Req._check_token_based_finish returns
+    before reading either (schedule_batch.py at sgl-project/sglang fd3907ee4618e96b73ee94d9a836db78efb5d046); vLLM
+    stops on stop_token_ids under ignore_eos, SGLang does not. Stop strings and regexes still stop.
+
     stop_regex (SGLang's Req._check_str_based_finish and DetokenizerManager.trim_matched_stop, read at
     sgl-project/sglang 004c82e07d876f6e4a0ad6e15325706b0f478f1a): the first pattern, in the order given, that
     re.search finds in the output text stops the request with matched = the pattern. The text is trimmed as SGLang
@@ -27,7 +31,7 @@ def finish_reason(
     p, tok = req.params, req.output_ids[-1]
     if len(req.output_ids) >= p.max_new_tokens:
         return FinishReason("length", length=p.max_new_tokens)
-    if tok in p.stop_token_ids or (not p.ignore_eos and tok in eos_token_ids):
+    if not p.ignore_eos and (tok in p.stop_token_ids or tok in eos_token_ids):
         return FinishReason("stop", matched=tok)
     if p.stop or p.stop_regex:
         text = tokenizer.decode(req.output_ids, skip_special_tokens=p.skip_special_tokens)

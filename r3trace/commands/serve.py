@@ -56,6 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="exact mode (SGLang's flag): batch- and layout-invariant results, bitwise equal to one "
                         "process under any --tp / --dp / --ep; needs --backend ref")
     p.add_argument("--max-body-bytes", type=int, default=None, help="request body limit (default 8 MiB)")
+    p.add_argument("--enable-cache-report", action="store_true",
+                   help="SGLang's flag: OpenAI usage carries prompt_tokens_details.cached_tokens (prefix-cache hits)")
     p.add_argument("--trace-root", default="traces", help="POST /start_trace writes only below this folder")
     p.add_argument("--trace-dir", default=None, help="record every request from the start (under --trace-root)")
     p.add_argument("--trace-flush-interval-s", type=float, default=None,
@@ -174,6 +176,7 @@ def run(args: argparse.Namespace) -> int:
                            trace_root=Path(args.trace_root), placement_root=Path(args.placement_root),
                            chat_template=load_chat_template(model),
                            model_aliases=(args.model, str(model), str(resolved), resolved.name),
+                           enable_cache_report=args.enable_cache_report,
                            **({} if args.max_body_bytes is None else {"max_body_bytes": args.max_body_bytes}))
         if args.trace_dir:
             cfg.trace_root.mkdir(parents=True, exist_ok=True)

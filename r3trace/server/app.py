@@ -39,6 +39,7 @@ from .protocol import (
 from .request_extras import refuse_unserved
 from .route_stream import CumulativeStream
 from .service import GenerateEngine, GenerateService
+from .stream_interval import IntervalGate, choice_intervals
 
 _COUNTED = frozenset({"/generate", "/v1/completions", "/v1/chat/completions", "/health", "/metrics",
                       "/start_trace", "/stop_trace", "/trace_status", "/v1/models", "/get_model_info"})
@@ -186,8 +187,11 @@ def create_app(engine: GenerateEngine, config: ServerConfig | None = None) -> Fa
 
         async def events() -> AsyncIterator[bytes]:
             wholes = [None if req.incremental_streaming_output else CumulativeStream() for _ in choices]
-            async for i, chunk in merged(streams):
-                whole = wholes[i]
+            gates = [IntervalGate(k) for k in choice_intervals(req.sampling_params, len(choices), n)]
+            async for i, delta in merged(streams):
+                chunk, whole = gates[i].add(delta), wholes[i]
+                if chunk is None:  # held: stream_interval's next chunk carries it
+                    continue
                 out = texts(chunk) if whole is None else whole.add(texts(chunk))
                 yield sse(out if len(choices) == 1 else {**out, "index": i})
             yield SSE_DONE
@@ -263,7 +267,7 @@ def create_app(engine: GenerateEngine, config: ServerConfig | None = None) -> Fa
             raise ApiError(400, f"path: {exc}", "path") from exc
 
     app.include_router(build_router(service, config.model_name, config.chat_template, config.model_names,
-                                    token_text))
+                                    token_text, cache_report=config.enable_cache_report))
     app.add_middleware(RequestCounter, metrics=metrics)
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)  # outermost: runs before anything parses
     app.state.metrics = metrics

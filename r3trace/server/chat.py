@@ -30,16 +30,25 @@ def load_chat_template(model_dir: str | Path) -> str | None:
     return tpl if isinstance(tpl, str) else None
 
 
-def render_chat(messages: list[ChatMessage], template: str | None, kwargs: dict[str, Any] | None = None) -> str:
+def render_chat(messages: list[ChatMessage], template: str | None, kwargs: dict[str, Any] | None = None, *,
+                add_generation_prompt: bool = True, continue_final_message: bool = False) -> str:
     """The prompt: `template` over the messages; `kwargs` are extra template variables (chat_template_kwargs, as
-    transformers' apply_chat_template passes them), never overriding messages or add_generation_prompt."""
+    transformers' apply_chat_template passes them), never overriding messages or add_generation_prompt.
+
+    continue_final_message with a last assistant message (SGLang's OpenAIServingChat._handle_last_assistant_message
+    and _apply_jinja_template, serving_chat.py at sgl-project/sglang 002897c23becbd522d88b8115a763a21765f978a): the
+    template renders the messages before it with the generation prompt, and that message's text follows unclosed,
+    so the model continues it. With another last message the flag changes nothing, as in SGLang."""
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     tpl = env.from_string(template or FALLBACK_TEMPLATE)
     msgs = [{**m.model_dump(exclude_none=True), "content": message_text(m, i)} for i, m in enumerate(messages)]
+    prefix = ""
+    if continue_final_message and msgs[-1]["role"] == "assistant":
+        prefix, msgs, add_generation_prompt = msgs[-1]["content"], msgs[:-1], True
     return tpl.render({"bos_token": "", "eos_token": "", **(kwargs or {}), "messages": msgs,
-                       "add_generation_prompt": True})
+                       "add_generation_prompt": add_generation_prompt}) + prefix
 
 
 def message_text(message: ChatMessage, index: int) -> str:

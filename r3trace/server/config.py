@@ -25,6 +25,8 @@ class ServerConfig:
     # other names a request's `model` may carry: `r3trace serve` adds the model's path as given, resolved,
     # and its folder name; any other name is a 404 model_not_found
     model_aliases: tuple[str, ...] = ()
+    # SGLang's --enable-cache-report: OpenAI usage carries prompt_tokens_details.cached_tokens when any token hit
+    enable_cache_report: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

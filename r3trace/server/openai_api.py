@@ -146,8 +146,9 @@ class ChatCompletions:
     def __init__(self, req: ChatCompletionRequest, chat_template: str | None, tt: TokenText) -> None:
         self.req, self.tt = req, tt.keeping_specials(req.skip_special_tokens is False)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        options = req.render_options()  # checked with input_ids too, as vLLM checks the body
         prompt = req.input_ids if req.input_ids is not None else \
-            render_chat(req.messages, chat_template, req.template_kwargs())
+            render_chat(req.messages, chat_template, req.template_kwargs(), **options)
         self.choices = choice_requests(engine_kwargs(req, prompt, max_tokens), req.n)
 
     def logprobs(self, meta: dict[str, Any]) -> dict[str, Any] | None:
@@ -168,9 +169,11 @@ class ChatCompletions:
 
 
 def build_router(service: GenerateService, model_name: str, chat_template: str | None,
-                 model_names: frozenset[str] = frozenset(), token_text: TokenText | None = None) -> APIRouter:
+                 model_names: frozenset[str] = frozenset(), token_text: TokenText | None = None,
+                 cache_report: bool = False) -> APIRouter:
     """The OpenAI endpoints; `model_names` are the names a request may carry besides `model_name`; token_text names
-    the tokens of logprobs (the engine's tokenizer)."""
+    the tokens of logprobs (the engine's tokenizer); cache_report: usage's prompt_tokens_details (SGLang's
+    --enable-cache-report)."""
     router = APIRouter(responses=ERROR_RESPONSES)
     accepted = model_names | {model_name}
     tt = token_text or TokenText(None)
@@ -188,8 +191,8 @@ def build_router(service: GenerateService, model_name: str, chat_template: str |
         out = await service.generate(batch_call(job.choices))
         results = out if isinstance(out, list) else [out]
         body = {**head, "choices": [job.choice(i, r) for i, r in enumerate(results)],
-                "usage": usage([r["meta_info"] for r in results], req.n)}
-        ext = sglext(results)
+                "usage": usage([r["meta_info"] for r in results], req.n, cache_report)}
+        ext = sglext(results, req.return_cached_tokens_details)
         return body if ext is None else {**body, "sglext": ext}
 
     async def stream(req: Request, job: Completions | ChatCompletions, head: dict[str, Any],
@@ -208,9 +211,10 @@ def build_router(service: GenerateService, model_name: str, chat_template: str |
                 st.add(ch["meta_info"])
                 choice = make(i, ch, st)
                 st.started = True
-                counts = {"usage": usage([st.meta], 1)} if continuous else {}  # SGLang: this choice's so far
+                counts = {"usage": usage([st.meta], 1, cache_report)} if continuous else {}  # this choice's
                 yield sse({**head, "choices": [choice], **counts})
-            for event in stream_tail(states, head, req.n, with_usage):
+            for event in stream_tail(states, head, req.n, with_usage, req.return_cached_tokens_details,
+                                     cache_report):
                 yield event
 
         return StreamingResponse(events(), media_type="text/event-stream")

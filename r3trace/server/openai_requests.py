@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from .errors import ApiError
 from .protocol import MAX_CHOICES, STRICT
 from .request_extras import OpenAIExtras
 
@@ -120,7 +121,12 @@ class ChatCompletionRequest(RouteFlags):
     |                        | (SGLang refuses it on a stream; here a stream's first chunk carries them) |
     | return_token_ids       | honoured: each choice's `token_ids` (a stream: each chunk the ids it adds; |
     |                        | SGLang drops or refuses it on chat streams)                              |
-    | continue_final_message, return_meta_info | a 400 when given                                        |
+    | continue_final_message | honoured (SGLang's): a last assistant message is continued, unclosed: the  |
+    |                        | template over the messages before it with the generation prompt, then its  |
+    |                        | text; with add_generation_prompt true as well a 400 (vLLM's rule)          |
+    | add_generation_prompt  | vLLM's: false renders the messages without the assistant turn's opening    |
+    | return_cached_tokens_details | SGLang's: response-level sglext.cached_tokens_details {device, host} |
+    | return_meta_info       | a 400 when given                                                           |
     """
 
     model: str | None = None
@@ -143,8 +149,21 @@ class ChatCompletionRequest(RouteFlags):
     min_dynamic_patch: int | None = None
     use_audio_in_video: bool | None = None
     continue_final_message: bool | None = None
+    add_generation_prompt: bool | None = Field(default=None, description="vLLM's: null or true opens the "
+                                               "assistant turn after the messages; false does not")
     return_prompt_token_ids: bool = Field(default=False, description="SGLang's: each choice's `prompt_token_ids`")
     return_meta_info: bool | None = None
+
+    def render_options(self) -> dict[str, bool]:
+        """render_chat's add_generation_prompt / continue_final_message; both true is vLLM's 400
+        (ChatCompletionRequest.check_generation_prompt, chat_completion/protocol.py at vllm-project/vllm
+        002032ee2b18e1f7bd924ec47b62504ba3866063: only when the body sets both, so SGLang's clients, which send
+        no add_generation_prompt, pass)."""
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ApiError(400, "continue_final_message: cannot set both continue_final_message and "
+                                "add_generation_prompt to true", "continue_final_message")
+        return {"add_generation_prompt": self.add_generation_prompt is not False,
+                "continue_final_message": bool(self.continue_final_message)}
 
     def template_kwargs(self) -> dict[str, Any]:
         """chat_template_kwargs, with reasoning_effort's thinking / enable_thinking where unset (SGLang's rule)."""

@@ -19,12 +19,21 @@ class SglExt(BaseModel):
     routed_experts_shape: list[int] | None = None
     routed_experts_dtype: str | None = None
     moe_layer_ids: list[int] | None = None
+    cached_tokens_details: dict[str, int] | None = Field(
+        default=None, description="SGLang's, with return_cached_tokens_details: prompt tokens the prefix cache "
+        "served, by tier ({\"device\": N, \"host\": 0}; r3trace caches on the device only); absent without a hit")
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
 
 
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = Field(
+        default=None, description="with --enable-cache-report (SGLang's flag), when a prompt token hit the cache")
 
 
 class CompletionLogprobs(BaseModel):

@@ -27,27 +27,37 @@ def route_fields(meta: dict[str, Any]) -> dict[str, Any] | None:
     return ext or None
 
 
-def sglext(results: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The response-level `sglext` of finished results (one per choice), or None when no routes were asked for."""
-    return sglext_of([route_fields(r["meta_info"]) for r in results])
+def sglext(results: list[dict[str, Any]], cache_details: bool = False) -> dict[str, Any] | None:
+    """The response-level `sglext` of finished results (one per choice), or None when neither routes nor
+    (`cache_details`: return_cached_tokens_details) the cache breakdown are there: choice 0's, as SGLang's
+    _build_chat_response reads the first result's."""
+    cached = results[0]["meta_info"].get("cached_tokens_details") if cache_details else None
+    return sglext_of([route_fields(r["meta_info"]) for r in results], cached)
 
 
-def sglext_of(per_choice: list[dict[str, Any] | None]) -> dict[str, Any] | None:
-    """The response-level `sglext` from each choice's route fields."""
-    if per_choice[0] is None:
+def sglext_of(per_choice: list[dict[str, Any] | None], cached: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """The response-level `sglext` from each choice's route fields and the cache breakdown (None: not sent)."""
+    if per_choice[0] is None and cached is None:
         return None
-    ext = dict(per_choice[0])
-    if len(per_choice) > 1:  # r3trace extension: SGLang's sglext holds the first choice's routes only
-        ext["choices"] = [{"index": i, **(e or {})} for i, e in enumerate(per_choice)]
+    ext = dict(per_choice[0] or {})
+    if per_choice[0] is not None and len(per_choice) > 1:
+        ext["choices"] = [{"index": i, **(e or {})} for i, e in enumerate(per_choice)]  # r3trace: every choice's
+    if cached is not None:  # SGLang's CachedTokensDetails: {device, host} without an L3 storage tier
+        ext["cached_tokens_details"] = dict(cached)
     return ext
 
 
-def usage(metas: list[dict[str, Any]], n: int) -> dict[str, int]:
+def usage(metas: list[dict[str, Any]], n: int, cache_report: bool = False) -> dict[str, Any]:
     """OpenAI's usage over choices listed prompt-major, n per prompt: each prompt's tokens once, every choice's
-    completion tokens (SGLang's UsageProcessor counts them so)."""
+    completion tokens (SGLang's UsageProcessor counts them so). `cache_report` (SGLang's --enable-cache-report):
+    `prompt_tokens_details.cached_tokens`, each prompt's cached tokens once, when that sum is > 0."""
     p = sum(int(m.get("prompt_tokens", 0)) for m in metas[::n])
     c = sum(int(m.get("completion_tokens", 0)) for m in metas)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    out: dict[str, Any] = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    cached = sum(int(m.get("cached_tokens", 0)) for m in metas[::n]) if cache_report else 0
+    if cached > 0:
+        out["prompt_tokens_details"] = {"cached_tokens": cached}
+    return out
 
 
 def finish_reason(meta: dict[str, Any]) -> str | None:
@@ -76,13 +86,17 @@ class ChoiceStream:
         return ext
 
 
-def stream_tail(states: list[ChoiceStream], head: dict[str, Any], n: int, with_usage: bool) -> Iterator[bytes]:
-    """The events after a stream's last choice chunk: the routes once (choices []), the usage chunk when
+def stream_tail(states: list[ChoiceStream], head: dict[str, Any], n: int, with_usage: bool,
+                cache_details: bool = False, cache_report: bool = False) -> Iterator[bytes]:
+    """The events after a stream's last choice chunk: the routes and (`cache_details`) the cache breakdown once
+    (choices []; the first choice that has one, as SGLang's chat stream picks it), the usage chunk when
     stream_options.include_usage asked for it, then [DONE]. head: id, object, created, model, and `"usage": null`
     when the usage chunk comes."""
-    ext = sglext_of([s.route_fields() for s in states])
+    cached = next((s.meta["cached_tokens_details"] for s in states if "cached_tokens_details" in s.meta), None) \
+        if cache_details else None
+    ext = sglext_of([s.route_fields() for s in states], cached)
     if ext is not None:
         yield sse({**head, "choices": [], "sglext": ext})
     if with_usage:
-        yield sse({**head, "choices": [], "usage": usage([s.meta for s in states], n)})
+        yield sse({**head, "choices": [], "usage": usage([s.meta for s in states], n, cache_report)})
     yield SSE_DONE

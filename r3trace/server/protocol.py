@@ -41,7 +41,9 @@ class SamplingParamsBody(SamplingExtras):
     |                                | prompt, results prompt-major; seeded choice j samples with seed + j  |
     | logit_bias                     | honoured: token id -> bias in [-100, 100] added to the logits after  |
     |                                | the penalties (SGLang's order); ids checked against the vocabulary   |
-    | custom_params, stream_interval | accepted, ignored (no custom logit processor; a chunk every step)    |
+    | custom_params                  | accepted, ignored (no custom logit processor runs)                   |
+    | stream_interval                | honoured on /generate streams: a chunk after output tokens 1, k + 1, |
+    |                                | 2k + 1, ... and the last (r3trace/server/stream_interval.py)         |
     | json_schema, regex, ebnf, structural_tag | a 400 when given: constrained decoding is not served       |
     | stop_regex                     | honoured: stop once one matches the output text (SGLang's trimming:  |
     |                                | at the pattern's own characters where they occur, else none)         |
@@ -149,6 +151,9 @@ class MetaInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+    cached_tokens_details: dict[str, int] | None = Field(
+        default=None, description="SGLang's prefix-cache hits by tier, once any prompt token hit: "
+        "{\"device\": cached_tokens, \"host\": 0} (r3trace caches on the device only)")
     finish_reason: dict[str, Any] | None = None
     routed_experts: str | None = Field(default=None, description="base64 of little-endian int32 [rows, L, K]")
     routed_experts_shape: list[int] | None = None

@@ -31,7 +31,7 @@ REFUSED: dict[str, str] = {
     **dict.fromkeys(("image_data", "video_data", "audio_data", "mm_hashes", "mm_content_hashes"), _TEXT_ONLY),
     **dict.fromkeys(("return_hidden_states", "return_sampling_mask", "return_entropy",
                      "return_flat_raw_top_logprobs", "return_flat_raw_top_logprobs_b64", "return_bytes",
-                     "return_cached_tokens_details", "return_meta_info"), _NOT_RETURNED),
+                     "return_meta_info"), _NOT_RETURNED),
     "return_indexer_topk": "no sparse-attention indexer is served (DeepSeek-V2/V3 attention is dense)",
     "session_params": "sessions (server-side prompt continuation) are not served",
     "require_reasoning": "reasoning control is not served (no reasoning parser)",
@@ -40,8 +40,6 @@ REFUSED: dict[str, str] = {
     "suffix": "insertion (text after the completion) is not served",
     "audio": "audio output is not served", "functions": "tool calls are not served (no tool-call parser)",
     "function_call": "tool calls are not served (no tool-call parser)",
-    "continue_final_message": "continuing the last assistant message is not served (the chat template always "
-                              "opens a new assistant turn)",
 }
 
 
@@ -73,7 +71,9 @@ class SamplingExtras(BaseModel):
     structural_tag: Any = _ANY
     custom_params: dict[str, Any] | None = Field(default=None, description=f"{_IGNORED}: read only by a custom "
                                                  "logit processor, and none runs here")
-    stream_interval: int | None = Field(default=None, ge=1, description=f"{_IGNORED}: every step streams a chunk")
+    stream_interval: int | None = Field(default=None, ge=1, description="SGLang's: a /generate stream sends a chunk "
+                                        "every stream_interval output tokens (after tokens 1, k + 1, 2k + 1, ...) "
+                                        "and the last one; null: every token")
 
 
 class GenerateExtras(BaseModel):
@@ -171,6 +171,9 @@ class OpenAIExtras(BaseModel):
                                    "ids; a stream chunk: those it adds); on /v1/completions also the prompt's "
                                    "`prompt_token_ids` (a stream: on the choice's first chunk)")
     data_parallel_rank: int | None = Field(default=None, description="SGLang's deprecated name of routed_dp_rank")
+    return_cached_tokens_details: bool = Field(default=False, description="SGLang's: the response-level "
+                                               "`sglext.cached_tokens_details` ({device, host} prompt tokens the "
+                                               "prefix cache served; a stream: in its `choices: []` chunk)")
     # refused when given
     json_schema: Any = _ANY
     regex: Any = _ANY
@@ -179,7 +182,6 @@ class OpenAIExtras(BaseModel):
     session_params: Any = _ANY
     custom_logit_processor: Any = _ANY
     return_hidden_states: Any = _ANY
-    return_cached_tokens_details: Any = _ANY
     audio: Any = _ANY
     functions: Any = _ANY
     function_call: Any = _ANY

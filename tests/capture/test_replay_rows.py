@@ -87,7 +87,7 @@ def test_a_request_that_stops_early_uses_the_rows_it_reaches(make_engine: Engine
     full = engine.generate(sampling_params=greedy(10), **kw)
     stop = full["output_ids"][3]  # the 4th token the forced routes lead to
     assert stop not in full["output_ids"][:3]
-    early = engine.generate(sampling_params=greedy(10, stop_token_ids=[stop]), **kw)
+    early = engine.generate(sampling_params=greedy(10, stop_token_ids=[stop], ignore_eos=False), **kw)
     assert early["output_ids"] == full["output_ids"][:4]
     assert early["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
     np.testing.assert_array_equal(returned_routes(early), forced[: 7 + 4 - 1])

@@ -37,7 +37,8 @@ def test_no_stop_trim_keeps_the_matched_stop_string_and_token(make_engine: Engin
     assert "".join(c["text"] for c in chunks) == kept["text"]
 
     k = next(i for i, t in enumerate(full) if 32 <= t < 127 and full.index(t) == i and i != j)
-    by_id = e.generate(input_ids=PROMPT, sampling_params=greedy(40, stop_token_ids=[full[k]], no_stop_trim=True))
+    by_id = e.generate(input_ids=PROMPT, sampling_params=greedy(40, stop_token_ids=[full[k]], no_stop_trim=True,
+                                                                        ignore_eos=False))
     assert by_id["output_ids"] == full[: k + 1]
     assert by_id["text"] == e.tokenizer.decode(full[: k + 1]) and by_id["text"].endswith(chr(full[k]))
 

@@ -84,7 +84,7 @@ def test_stop_strings_stop_token_ids_and_max_new_tokens_0(make_engine: EngineFac
     assert "".join(c["text"] for c in chunks) == out["text"]
 
     k = 3
-    out = e.generate(input_ids=prompt, sampling_params=greedy(40, stop_token_ids=[full[k]]))
+    out = e.generate(input_ids=prompt, sampling_params=greedy(40, stop_token_ids=[full[k]], ignore_eos=False))
     first = full.index(full[k])
     assert out["output_ids"] == full[: first + 1]  # the stop token is kept in output_ids ...
     assert out["text"] == e.tokenizer.decode(full[:first])  # ... and left out of the text

@@ -31,7 +31,7 @@ def _stops(make_engine: EngineFactory, **opts: Any) -> list[dict[str, Any]]:
     for i, out in enumerate(free):
         ids = out["output_ids"]
         step = next(k for k in range(2 + 2 * i, NEW) if ids[k] not in ids[:k])  # its first occurrence
-        params.append(greedy(NEW, stop_token_ids=[ids[step]]))
+        params.append(greedy(NEW, stop_token_ids=[ids[step]], ignore_eos=False))
     return params
 
 

@@ -173,9 +173,10 @@ def test_min_new_tokens_boundary_is_exact(make_engine: EngineFactory, overlap: b
     prompt = random_prompts(1, 6, 6, seed=4)[0]
     full = e.generate(input_ids=prompt, sampling_params=greedy(12))["output_ids"]
     k = next(i for i in range(3, 12) if full.index(full[i]) == i)  # a first occurrence, several steps in
-    at_k = e.generate(input_ids=prompt, sampling_params=greedy(12, stop_token_ids=[full[k]], min_new_tokens=k))
+    at_k = e.generate(input_ids=prompt, sampling_params=greedy(12, stop_token_ids=[full[k]], min_new_tokens=k,
+                                                               ignore_eos=False))
     assert at_k["output_ids"] == full[: k + 1] and at_k["meta_info"]["finish_reason"]["matched"] == full[k]
-    past_k = e.generate(input_ids=prompt, sampling_params=greedy(12, stop_token_ids=[full[k]],
+    past_k = e.generate(input_ids=prompt, sampling_params=greedy(12, stop_token_ids=[full[k]], ignore_eos=False,
                                                                  min_new_tokens=k + 1))["output_ids"]
     assert past_k[:k] == full[:k] and past_k[k] != full[k]
 

@@ -135,7 +135,8 @@ REFUSED: list[tuple[str, dict[str, Any], str, str]] = [
     ("/v1/chat/completions", {**CHAT, "audio": {"voice": "alloy", "format": "wav"}}, "audio", "audio output"),
     ("/v1/chat/completions", {**CHAT, "modalities": ["text", "audio"]}, "modalities", "only \"text\""),
     ("/v1/chat/completions", {**CHAT, "functions": [{"name": "f"}]}, "functions", "tool calls"),
-    ("/v1/chat/completions", {**CHAT, "continue_final_message": True}, "continue_final_message", "not served"),
+    ("/v1/chat/completions", {**CHAT, "continue_final_message": True, "add_generation_prompt": True},
+     "continue_final_message", "cannot set both"),
     ("/v1/chat/completions", {**CHAT, "data_parallel_rank": 2}, "routed_dp_rank", ""),
 ]
 

@@ -69,10 +69,10 @@ def test_openai_fields_are_the_sampling_params_of_the_same_names(http: httpx.Cli
     assert want != _generate(http, {"input_ids": PROMPT, "sampling_params": sp})["text"]
 
     first = _generate(http, {"input_ids": PROMPT, "sampling_params": sp})["output_ids"][0]
-    held = {**sp, "stop_token_ids": [first], "min_new_tokens": 1}
+    held = {**sp, "stop_token_ids": [first], "min_new_tokens": 1, "ignore_eos": False}
     want = _generate(http, {"input_ids": PROMPT, "sampling_params": held})
     assert want["output_ids"][0] != first
-    body = {"prompt": PROMPT, "max_tokens": 10, "temperature": 0, "ignore_eos": True, "stop_token_ids": [first],
+    body = {"prompt": PROMPT, "max_tokens": 10, "temperature": 0, "ignore_eos": False, "stop_token_ids": [first],
             "min_tokens": 1}
     assert _completion(http, "/v1/completions", body) == want["text"]
 

@@ -40,7 +40,7 @@ def params(stop_token: int | None = None) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = [{"temperature": 0, "max_new_tokens": n, "ignore_eos": i < 4} for i, n in
                                  enumerate(lens)]
     if stop_token is not None:
-        out[3]["stop_token_ids"] = [stop_token]
+        out[3].update(stop_token_ids=[stop_token], ignore_eos=False)  # SGLang: ignore_eos skips stop ids too
     return out
 
 
