@@ -75,6 +75,20 @@ def parse_tiles(text: str) -> dict[str, dict[str, Any]]:
     return out
 
 
+def parse_cells(text: str) -> list[tuple[int, int]]:
+    """--cells "BxL,...": (requests, kv_len) pairs; empty: CELLS."""
+    return [(int(b), int(n)) for b, n in (c.split("x") for c in text.split(","))] if text else CELLS
+
+
+def add_peer_args(ap: argparse.ArgumentParser) -> None:
+    """The options of the benches beside a peer's kernel (mla_decode_flashmla.py, mla_decode_sglang.py)."""
+    ap.add_argument("--heads", default="16,128")
+    ap.add_argument("--cells", default="", help="BxL,... (default: B 16, 64, 256 x kv_len 1k, 8k, 32k)")
+    ap.add_argument("--rep", type=int, default=20, help="ms of replays a timing (do_bench_cudagraph)")
+    ap.add_argument("--out", default="")
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, r3trace's side only (make test)")
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float(((out.float() - ref.float()).norm() / ref.float().norm()).item())
 
@@ -164,7 +178,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         args.check_lens = [1, 37, 20]
         args.tiles = args.tiles or "pages1=page_size:1"
     args.heads = [int(h) for h in args.heads.split(",")]
-    args.cells = [tuple(int(x) for x in c.split("x")) for c in args.cells.split(",")] if args.cells else CELLS
+    args.cells = parse_cells(args.cells)
     args.tiles = parse_tiles(args.tiles)
     return args
 

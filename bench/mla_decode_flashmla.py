@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from bench.inputs import DecodeInputs, paged_decode_inputs, rotated_decode_cell
-from bench.mla_decode import CELLS, CHECK_LENS, Gemm, rel_err
+from bench.mla_decode import CHECK_LENS, Gemm, add_peer_args, parse_cells, rel_err
 from bench.timing import Timer, measure_ceilings
 from r3trace.kernels.mla_decode import default_decode_tile, mla_decode, mla_decode_ref
 
@@ -177,11 +177,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--flashmla", default="", help="FlashMLA checkout, csrc/ with cutlass headers (but in --smoke)")
     ap.add_argument("--build", default="/tmp/flashmla_build")
-    ap.add_argument("--heads", default="16,128")
-    ap.add_argument("--cells", default="", help="BxL,... (default: B 16, 64, 256 x kv_len 1k, 8k, 32k)")
-    ap.add_argument("--rep", type=int, default=20, help="ms of replays a timing (do_bench_cudagraph)")
-    ap.add_argument("--out", default="")
-    ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, r3trace's side only (make test)")
+    add_peer_args(ap)
     args = ap.parse_args(argv)
     if not args.flashmla and not args.smoke:
         ap.error("--flashmla DIR is required (a deepseek-ai/FlashMLA checkout with csrc/cutlass populated)")
@@ -190,7 +186,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     args.check_lens = [1, 70, 130] if args.smoke else CHECK_LENS
     args.heads = [16] if args.smoke else [int(h) for h in args.heads.split(",")]
     cells = "2x128" if args.smoke else args.cells
-    args.cells = [tuple(int(x) for x in c.split("x")) for c in cells.split(",")] if cells else CELLS
+    args.cells = parse_cells(cells)
     return args
 
 

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from bench.inputs import DecodeInputs, decode_cell, rotated_decode_cell
-from bench.mla_decode import CELLS, rel_err
+from bench.mla_decode import add_peer_args, parse_cells, rel_err
 from bench.timing import Timer, measure_ceilings
 from r3trace.kernels.mla_decode import default_decode_tile, mla_decode, mla_decode_ref
 
@@ -154,11 +154,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sglang", default="", help="SGLang's triton_ops/decode_attention.py (required but in --smoke)")
-    ap.add_argument("--heads", default="16,128")
-    ap.add_argument("--cells", default="", help="BxL,... (default: B 16, 64, 256 x kv_len 1k, 8k, 32k)")
-    ap.add_argument("--rep", type=int, default=20, help="ms of replays a timing (do_bench_cudagraph)")
-    ap.add_argument("--out", default="")
-    ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, r3trace's side only (make test)")
+    add_peer_args(ap)
     args = ap.parse_args(argv)
     if not args.sglang and not args.smoke:
         ap.error("--sglang PATH is required (SGLang's srt/layers/attention/triton_ops/decode_attention.py)")
@@ -166,7 +162,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     args.kv_lora, args.rope, args.check_len = (32, 16, 20) if args.smoke else (512, 64, 1024)
     args.heads = [16] if args.smoke else [int(h) for h in args.heads.split(",")]
     cells = "2x40" if args.smoke else args.cells
-    args.cells = [tuple(int(x) for x in c.split("x")) for c in cells.split(",")] if cells else CELLS
+    args.cells = parse_cells(cells)
     return args
 
 
