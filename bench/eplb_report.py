@@ -1,5 +1,10 @@
-"""Markdown tables of the EPLB matrix from its result files (bench/results/eplb-matrix-*.json): one row per cell,
-ours against DeepSeek's policies held out. Run: .venv/bin/python -m bench.eplb_report [FILES...]
+"""The EPLB matrix's report from its result files (bench/results/eplb-matrix-*.json): BENCHMARKS.md's three EPLB
+tables (the held-out summary, plan time, the MILP) as claims of bench/results/latest.json, and every cell's row.
+
+Run: .venv/bin/python -m bench.eplb_report            the summary table (one row per result file, then all cells)
+     .venv/bin/python -m bench.eplb_report --cells    every cell's row, ours against DeepSeek's policies held out
+     .venv/bin/python -m bench.eplb_report --latest   write the three claims into latest.json (then python -m
+                                                      bench.tables rewrites BENCHMARKS.md)
 
 Verdict per cell, on means over the held-out windows: "yes" when ours' even-split balancedness is >= both
 global policies' and its nodes per token <= global's; "tie" when it misses the better global policy by less than
@@ -8,14 +13,24 @@ two standard errors of the paired difference (and wins on nodes); "no" otherwise
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from bench.eplb_matrix import RESULTS, summary
+from bench.tables import LATEST
+
+SUMMARY_ID, PLAN_TIME_ID, MILP_ID = "eplb-held-out-matrix", "eplb-plan-time", "eplb-placement-milp"
+PLAN_TIME_FILE, MILP_FILE = RESULTS / "eplb-matrix-plan-time.json", RESULTS / "eplb-matrix-milp.json"
+SWEEPS = {  # a result file's sweep -> what its cells vary (the summary's first column)
+    "shape": "shapes: slots x skew, grouped router, slow drift",
+    "family": "trace families x drift",
+    "groups1": "a router without groups",
+    "sample": "the sample model's traces",
+}
 
 
 def verdict(res: dict[str, Any]) -> str:
@@ -34,6 +49,7 @@ def verdict(res: dict[str, Any]) -> str:
 
 
 def rows(results: list[dict[str, Any]]) -> list[str]:
+    """Markdown rows, one per cell (`--cells`)."""
     out = ["| cell | ours bal. even (vs global +- SE) | global | global newest | hier. | grace | ours bal. "
            "node-limited (vs global) | nodes/token ours / global / hier. | ours > 4 nodes | ours churn | verdict |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -51,20 +67,159 @@ def rows(results: list[dict[str, Any]]) -> list[str]:
     return out
 
 
-def main() -> None:
-    args = [a for a in sys.argv[1:] if a != "--smoke"]  # --smoke (make test): the committed result files, as by default
-    files = [Path(f) for f in args] or sorted(RESULTS.glob("eplb-matrix-*.json"))
+def matrix_files() -> list[Path]:
+    """The result files of the held-out cells (the trade-off sweep, plan time and MILP are reported apart)."""
+    def key(f: Path) -> tuple[int, int]:  # the sweeps in SWEEPS' order, each by its fewest nodes
+        doc = json.loads(f.read_text())
+        return list(SWEEPS).index(doc["sweep"]), min(r["nodes"] for r in doc["results"])
+
+    held_out = [f for f in RESULTS.glob("eplb-matrix-*.json") if json.loads(f.read_text()).get("sweep") in SWEEPS]
+    return sorted(held_out, key=key)
+
+
+def summary_row(label: str, results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row of the summary over `results`' cells: counts, and ours - global (all windows seen) per cell."""
+    diff, nodes_diff, ge, ge_better, nodes_ok = [], [], 0, 0, 0
+    verdicts = {"yes": 0, "tie": 0, "no": 0}
+    for res in results:
+        s = summary(res, "global")
+        ours = s["ours"]["bal_even"][0]
+        diff.append(s["ours"]["bal_even"][1])
+        nodes_diff.append(s["ours"]["nodes"][0] - s["global"]["nodes"][0])
+        ge += ours >= s["global"]["bal_even"][0]
+        ge_better += ours >= max(s["global"]["bal_even"][0], s["global-newest"]["bal_even"][0])
+        nodes_ok += nodes_diff[-1] <= 1e-9
+        verdicts[verdict(res).split(" ")[0]] += 1
+    n = len(results)
+    return {"cells": label, "n": n, "ge_global": f"{ge} of {n}", "ge_better": f"{ge_better} of {n}",
+            "verdicts": f"{verdicts['yes']} / {verdicts['tie']} / {verdicts['no']}", "nodes_le": f"{nodes_ok} of {n}",
+            "diff_median": float(np.median(diff)), "diff_worst": float(min(diff)),
+            "nodes_diff_median": float(np.median(nodes_diff))}  # fmt: skip
+
+
+def matrix_claim(files: list[Path]) -> dict[str, Any]:
+    table, every = [], []
     for f in files:
         doc = json.loads(f.read_text())
-        if "results" not in doc:
-            continue
-        print(f"\n{f.name} ({len(doc['results'])} cells)\n")
-        print("\n".join(rows(doc["results"])))
-        counts: dict[str, int] = {}
-        for res in doc["results"]:
-            v = verdict(res).split(" ")[0]
-            counts[v] = counts.get(v, 0) + 1
-        print(f"\nverdicts: {counts}")
+        nodes = sorted({r["nodes"] for r in doc["results"]})
+        span = f"{nodes[0]}" if len(nodes) == 1 else f"{nodes[0]}-{nodes[-1]}"
+        table.append(summary_row(f"{SWEEPS.get(doc['sweep'], doc['sweep'])}; {span} nodes", doc["results"]))
+        every += doc["results"]
+    table.append(summary_row("all cells", every))
+    return {
+        "id": SUMMARY_ID, "hardware": "cpu-2core",
+        "shapes": "each cell 8 consecutive windows of 4,096 tokens from a 6-layer, 256-expert, top-8 router "
+                  "(bench/eplb_traces.py; the sample model's cells: its 4 MoE layers, 32 experts, top-4); every "
+                  "policy plans at the end of window t and is scored on window t + 1, 5 held-out windows a cell; "
+                  "balancedness = mean over layers of mean / max GPU load, the even split of each expert's load "
+                  "over its replicas",
+        "baseline": "DeepSeek's global policy on all windows seen (r3trace/eplb/deepseek.py, equal to "
+                    "deepseek-ai/EPLB eplb.py d52c72d) and on the newest window, hierarchical, a GRACE-MoE-style "
+                    "baseline, in the same run on the same windows",
+        "command": "python -m bench.eplb_matrix --sweep SWEEP --nodes N --out FILE; python -m bench.eplb_report "
+                   "--latest",
+        "sources": [str(f.relative_to(RESULTS.parents[1])) for f in files],
+        "columns": [["cells", "cells", "{}"], ["n", "n", "{}"], ["ge_global", "ours >= global", "{}"],
+                    ["ge_better", ">= the better global", "{}"], ["verdicts", "yes / tie / no", "{}"],
+                    ["nodes_le", "nodes/token <= global", "{}"], ["diff_median", "ours - global, median", "{:+.3f}"],
+                    ["diff_worst", "worst", "{:+.3f}"], ["nodes_diff_median", "nodes/token ours - global, median",
+                                                          "{:+.2f}"]],  # fmt: skip
+        "rows": table,
+    }
+
+
+def plan_time_claim(path: Path = PLAN_TIME_FILE) -> dict[str, Any]:
+    out = []
+    for r in json.loads(path.read_text())["rows"]:
+        gpus, nodes, slots = r["shape"].split("x")
+        out.append({"shape": f"{gpus} / {nodes} / {slots}", "fresh": r["ours_fresh"], "replan": r["ours_replan"],
+                    "ref_default": r["ref_default"], "ref_global": r["ref_global"],
+                    "fresh_ratio": r["ours_fresh"] / r["ref_default"],
+                    "replan_ratio": r["ours_replan"] / r["ref_default"],
+                    "numpy_global": r["global_numpy"]})  # fmt: skip
+    return {
+        "id": PLAN_TIME_ID, "hardware": "cpu-2core",
+        "shapes": "[58, 256] loads (58 MoE layers, E = 256, 8 groups); median of 3, the CPU shared with other jobs; "
+                  "a re-plan starts from ours' previous placement with the newest 2,048 tokens",
+        "baseline": "DeepSeek's eplb.py (deepseek-ai/EPLB d52c72d, never committed) in the same process: "
+                    "`rebalance_experts` with 8 groups and the shape's nodes (default: hierarchical where the nodes "
+                    "divide the groups) and with one group and one node (global)",
+        "command": "python -m bench.eplb_matrix --plan-time --eplb-ref DIR",
+        "sources": [str(path.relative_to(RESULTS.parents[1]))],
+        "columns": [["shape", "GPUs / nodes / slots", "{}"], ["fresh", "ours fresh s", "{:.3f}"],
+                    ["replan", "ours re-plan s", "{:.3f}"], ["ref_default", "DeepSeek default s", "{:.3f}"],
+                    ["ref_global", "DeepSeek global s", "{:.3f}"], ["fresh_ratio", "fresh / default", "{:.2f}x"],
+                    ["replan_ratio", "re-plan / default", "{:.2f}x"],
+                    ["numpy_global", "r3trace global (numpy) s", "{:.3f}"]],  # fmt: skip
+        "rows": out,
+    }
+
+
+def milp_claim(path: Path = MILP_FILE) -> dict[str, Any]:
+    doc = json.loads(path.read_text())
+    out = []
+    for r in doc["rows"]:
+        bound = r["milp_max_load_bound"]
+        nodes = r["milp_nodes_at_max_load"]
+        out.append({"instance": r["instance"],
+                    "milp": f"{r['milp_max_load']:.2f} ({bound:.2f}, {r['milp_balance_optimal']})",
+                    "policy": r["policy"], "max_load": r["max_load"], "over": 100 * (r["max_load"] / bound - 1),
+                    "nodes": r["nodes"],
+                    "fewest": None if nodes is None else f"{nodes:.3f} ({r['milp_nodes_optimal']})"})  # fmt: skip
+    return {
+        "id": MILP_ID, "hardware": "cpu-2core",
+        "shapes": "one layer, in sample, Zipf(0.8) tokens: synth-e16 (16 experts, top-2, 40 tokens, 4 GPUs / 2 nodes "
+                  "/ 20 slots), synth-e32 (32, top-4, 96, 8 / 2 / 40), synth-e64 (64, top-6, 96, 16 / 4 / 80, 8 "
+                  "groups); sample-e32: the sample model's layer 1, its first 96 tokens, 8 / 2 / 40",
+        "baseline": f"the exact placement MILP (scipy's HiGHS, {doc['time_limit']:g} s a solve): max GPU load under "
+                    "the even split, then the fewest covering nodes per token at the policy's own max load; the "
+                    "optimum or the incumbent and its proven bound",
+        "command": f"python -m bench.eplb_milp --time-limit {doc['time_limit']:g}",
+        "sources": [str(path.relative_to(RESULTS.parents[1]))],
+        "columns": [["instance", "instance", "{}"], ["milp", "MILP max load (bound, optimal)", "{}"],
+                    ["policy", "policy", "{}"], ["max_load", "max load", "{:.2f}"], ["over", "+ vs bound", "{:+.1f}%"],
+                    ["nodes", "nodes/token", "{:.3f}"],
+                    ["fewest", "fewest nodes at that max load (optimal)", "{}"]],  # fmt: skip
+        "rows": out,
+    }
+
+
+def claims() -> list[dict[str, Any]]:
+    """BENCHMARKS.md's EPLB tables as latest.json claims, computed from the result files."""
+    return [matrix_claim(matrix_files()), plan_time_claim(), milp_claim()]
+
+
+def write_latest(new: list[dict[str, Any]], path: Path = LATEST) -> None:
+    """Replace the claims of the same ids in latest.json (new ones go after the last EPLB claim)."""
+    doc = json.loads(path.read_text())
+    ids = {c["id"]: c for c in new}
+    kept = [ids.pop(c["id"], c) for c in doc["claims"]]
+    at = max((i for i, c in enumerate(kept) if c["id"].startswith("eplb")), default=len(kept) - 1) + 1
+    doc["claims"] = kept[:at] + list(ids.values()) + kept[at:]
+    path.write_text(json.dumps(doc, indent=1, ensure_ascii=False) + "\n")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("files", nargs="*", type=Path, help="result files (default: every held-out one)")
+    ap.add_argument("--cells", action="store_true", help="every cell's row instead of the summary")
+    ap.add_argument("--latest", action="store_true", help="write the EPLB claims into bench/results/latest.json")
+    ap.add_argument("--smoke", action="store_true", help="the summary and every cell of the committed files")
+    args = ap.parse_args(argv)
+    files = args.files or matrix_files()
+    if args.latest:
+        write_latest(claims())
+        print(f"{LATEST}: {SUMMARY_ID}, {PLAN_TIME_ID}, {MILP_ID} rewritten; run python -m bench.tables")
+        return
+    if not args.cells or args.smoke:
+        from bench.tables import load, render
+
+        print(render(matrix_claim(files), load()["hardware"]))
+    if args.cells or args.smoke:
+        for f in files:
+            doc = json.loads(f.read_text())
+            print(f"\n{f.name} ({len(doc['results'])} cells)\n")
+            print("\n".join(rows(doc["results"])))
 
 
 if __name__ == "__main__":

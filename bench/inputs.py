@@ -9,9 +9,13 @@ One builder of paged decode inputs serves both: tests/kernels/conftest.py takes 
 
 from __future__ import annotations
 
+from functools import partial
 from typing import NamedTuple
 
 import torch
+
+from bench.timing import copies_for
+from r3trace.kernels.mla_decode import DecodeTile, mla_decode
 
 
 def paged_req_to_token(
@@ -82,6 +86,37 @@ def decode_cell(
     data_gen = torch.Generator(device=device).manual_seed(seed)
     width = -(-L // 16) * 16
     return paged_decode_inputs([L] * B, heads, kv_lora, rope, page_size, dtype, device, gen, data_gen, width)
+
+
+class DecodeCell(NamedTuple):
+    """One timed MLA decode cell of the bench scripts: its inputs, the caches a timing rotates over, and the work
+    of one call (so each script reports % of copy and TFLOP/s the same way)."""
+
+    inp: DecodeInputs
+    caches: list[torch.Tensor]  # inp.kv_cache, then copies: together >= 4x the L2 on CUDA, one cache on CPU
+    nbytes: int  # the latent cache read once: B L C x 2 bytes (bf16)
+    flops: int  # 2 B H L (C + kv_lora): the scores over C columns, the output over kv_lora
+
+    def calls(self, kv_lora: int, scale: float, splits: int, tile: DecodeTile) -> list[partial[torch.Tensor]]:
+        """r3trace's mla_decode on each cache in turn (what Timer.graph_ms rotates over)."""
+        inp = self.inp
+        return [partial(mla_decode, inp.q, c, *inp[2:], kv_lora, scale, splits, tile) for c in self.caches]
+
+    def rates(self, ms: float, copy_gbs: float) -> tuple[float, float]:
+        """(% of the copy bandwidth, TFLOP/s) of a call taking ms."""
+        return 100 * self.nbytes / ms / 1e6 / copy_gbs, self.flops / ms / 1e9
+
+
+def rotated_decode_cell(
+    B: int, L: int, heads: int, device: str, kv_lora: int = 512, rope: int = 64, page_size: int = 64
+) -> DecodeCell:
+    """decode_cell(B, L, heads) and the cache copies a timing rotates over so every call reads HBM."""
+    C = kv_lora + rope
+    nbytes, flops = B * L * C * 2, 2 * B * heads * L * (C + kv_lora)
+    inp = decode_cell(B, L, heads, device, kv_lora=kv_lora, rope=rope, page_size=page_size)
+    n_copies = copies_for(nbytes) if device == "cuda" else 1  # the CPU smoke times one cache
+    caches = [inp.kv_cache] + [torch.randn_like(inp.kv_cache) for _ in range(n_copies - 1)]
+    return DecodeCell(inp, caches, nbytes, flops)
 
 
 def moe_routes(T: int, E: int, K: int, device: str, gen: torch.Generator | None = None) -> torch.Tensor:

@@ -30,8 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from bench.inputs import decode_cell, paged_decode_inputs
-from bench.timing import Timer, copies_for, measure_ceilings
+from bench.inputs import paged_decode_inputs, rotated_decode_cell
+from bench.timing import Timer, measure_ceilings
 from r3trace.kernels.mla_decode import DecodeTile, default_decode_tile, mla_decode, mla_decode_ref
 
 CELLS = [(B, L) for B in (16, 64, 256) for L in (1024, 8192, 32768)]
@@ -75,6 +75,20 @@ def parse_tiles(text: str) -> dict[str, dict[str, Any]]:
     return out
 
 
+def parse_cells(text: str) -> list[tuple[int, int]]:
+    """--cells "BxL,...": (requests, kv_len) pairs; empty: CELLS."""
+    return [(int(b), int(n)) for b, n in (c.split("x") for c in text.split(","))] if text else CELLS
+
+
+def add_peer_args(ap: argparse.ArgumentParser) -> None:
+    """The options of the benches beside a peer's kernel (mla_decode_flashmla.py, mla_decode_sglang.py)."""
+    ap.add_argument("--heads", default="16,128")
+    ap.add_argument("--cells", default="", help="BxL,... (default: B 16, 64, 256 x kv_len 1k, 8k, 32k)")
+    ap.add_argument("--rep", type=int, default=20, help="ms of replays a timing (do_bench_cudagraph)")
+    ap.add_argument("--out", default="")
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, r3trace's side only (make test)")
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float(((out.float() - ref.float()).norm() / ref.float().norm()).item())
 
@@ -109,7 +123,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     gemm = Gemm(timer, 8192 if args.device == "cuda" else 128)
     report: dict[str, Any] = {"ceilings": ceil.as_dict(), "page_size": args.page_size, "cells": [], "errors": {}}
     print(f"ceilings: copy {ceil.copy_gbs:.0f} GB/s, GEMM {ceil.gemm_tflops:.0f} TFLOP/s ({ceil.device})", flush=True)
-    C, scale = args.kv_lora + args.rope, (args.kv_lora + args.rope) ** -0.5
+    scale = (args.kv_lora + args.rope) ** -0.5
     for H in args.heads:
         default = default_decode_tile(H, torch.bfloat16, use_gluon=hopper, kv_lora=args.kv_lora, rope=args.rope,
                                       page_size=args.page_size)  # fmt: skip
@@ -120,18 +134,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         }
         print(f"H={H} tiles {dict(tiles)}; normwise error vs fp32 ref {errs}", flush=True)
         for B, L in args.cells:
-            nbytes, flops = B * L * C * 2, 2 * B * H * L * (2 * args.kv_lora + args.rope)
-            inp = decode_cell(B, L, H, args.device, kv_lora=args.kv_lora, rope=args.rope, page_size=args.page_size)
-            n_copies = copies_for(nbytes) if args.device == "cuda" else 1  # the CPU smoke times one cache
-            caches = [inp.kv_cache] + [torch.randn_like(inp.kv_cache) for _ in range(n_copies - 1)]
+            cell = rotated_decode_cell(B, L, H, args.device, args.kv_lora, args.rope, args.page_size)
+            nbytes = cell.nbytes
             row: dict[str, Any] = {"H": H, "B": B, "L": L, "MB": nbytes / 1e6, "gemm_before": gemm(), "tiles": {}}
             for name, tile in tiles.items():
                 splits = tile.num_kv_splits(B, H, L, sms)
-                fns = [partial(mla_decode, inp.q, c, *inp[2:], args.kv_lora, scale, splits, tile) for c in caches]
-                t = timer.graph_ms(fns)
-                row["tiles"][name] = {"splits": splits, "ms": t, "pct_copy": 100 * nbytes / t / 1e6 / ceil.copy_gbs,
-                                      "TFLOPs": flops / t / 1e9}  # fmt: skip
-            row["read_ms"] = read_floor_ms(timer, caches, sms)
+                t = timer.graph_ms(cell.calls(args.kv_lora, scale, splits, tile))
+                pct_copy, tflops = cell.rates(t, ceil.copy_gbs)
+                row["tiles"][name] = {"splits": splits, "ms": t, "pct_copy": pct_copy, "TFLOPs": tflops}
+            row["read_ms"] = read_floor_ms(timer, cell.caches, sms)
             row["gemm_after"] = gemm()
             g = max(row["gemm_before"], row["gemm_after"])
             for rec in row["tiles"].values():
@@ -142,7 +153,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                   + " | ".join(f"{n} {r['ms']:.4f} ms ({r['splits']} splits) {r['pct_copy']:.0f}% copy "
                                f"{r['TFLOPs']:.0f} TFLOP/s {r['pct_gemm']:.0f}% GEMM" for n, r in row["tiles"].items()),
                   flush=True)  # fmt: skip
-            del caches, inp
+            del cell
             if args.out:
                 Path(args.out).write_text(json.dumps(report, indent=1))
     return report
@@ -167,7 +178,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         args.check_lens = [1, 37, 20]
         args.tiles = args.tiles or "pages1=page_size:1"
     args.heads = [int(h) for h in args.heads.split(",")]
-    args.cells = [tuple(int(x) for x in c.split("x")) for c in args.cells.split(",")] if args.cells else CELLS
+    args.cells = parse_cells(args.cells)
     args.tiles = parse_tiles(args.tiles)
     return args
 

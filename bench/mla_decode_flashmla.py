@@ -28,16 +28,15 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from functools import partial
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import torch
 
-from bench.inputs import DecodeInputs, decode_cell, paged_decode_inputs
-from bench.mla_decode import CELLS, CHECK_LENS, Gemm, rel_err
-from bench.timing import Timer, copies_for, measure_ceilings
+from bench.inputs import DecodeInputs, paged_decode_inputs, rotated_decode_cell
+from bench.mla_decode import CHECK_LENS, Gemm, add_peer_args, parse_cells, rel_err
+from bench.timing import Timer, measure_ceilings
 from r3trace.kernels.mla_decode import default_decode_tile, mla_decode, mla_decode_ref
 
 PAGE = 64  # FlashMLA's page size
@@ -131,14 +130,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"H={H} normwise error vs the fp32 reference (mixed lengths): {errs}", flush=True)
         rows_h = []
         for B, L in args.cells:
-            nbytes = B * L * C * 2
-            flops = 2 * B * H * L * (C + kv_lora)
-            inp = decode_cell(B, L, H, args.device, kv_lora=kv_lora, rope=args.rope, page_size=PAGE)
-            n_copies = copies_for(nbytes) if args.device == "cuda" else 1
-            kvs = [inp.kv_cache] + [torch.randn_like(inp.kv_cache) for _ in range(n_copies - 1)]
+            cell = rotated_decode_cell(B, L, H, args.device, kv_lora, args.rope, PAGE)
+            inp, kvs = cell.inp, cell.caches
             splits = tile.num_kv_splits(B, H, L, sms)
-            fns_ours = [partial(mla_decode, inp.q, c, *inp[2:], kv_lora, scale, splits, tile) for c in kvs]
-            row: dict[str, Any] = {"H": H, "B": B, "L": L, "MB": nbytes / 1e6, "r3trace_splits": splits}
+            fns_ours = cell.calls(kv_lora, scale, splits, tile)
+            row: dict[str, Any] = {"H": H, "B": B, "L": L, "MB": cell.nbytes / 1e6, "r3trace_splits": splits}
             if fm is None:
                 row["r3trace_ms"] = [timer.graph_ms(fns_ours)]
             else:
@@ -151,10 +147,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     row["flashmla_ms"].append(timer.graph_ms(fns_theirs))
                 theirs = min(row["flashmla_ms"])
             ours = min(row["r3trace_ms"])
-            row |= {"r3trace_pct_copy": 100 * nbytes / ours / 1e6 / copy_gbs, "r3trace_TFLOPs": flops / ours / 1e9}
+            row["r3trace_pct_copy"], row["r3trace_TFLOPs"] = cell.rates(ours, copy_gbs)
             if fm is not None:
-                row |= {"speedup": theirs / ours, "flashmla_pct_copy": 100 * nbytes / theirs / 1e6 / copy_gbs,
-                        "flashmla_TFLOPs": flops / theirs / 1e9}  # fmt: skip
+                row["speedup"] = theirs / ours
+                row["flashmla_pct_copy"], row["flashmla_TFLOPs"] = cell.rates(theirs, copy_gbs)
             rows_h.append(row)
             res["cells"].append(row)
             if args.out:
@@ -163,7 +159,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                           f"{row['speedup']:.2f}x | r3trace vs FlashMLA {row['agree']:.1e}") if fm is not None else ""
             print(f"H={H} B={B} L={L}: r3trace {ours:.4f} ms ({row['r3trace_pct_copy']:.0f}% of copy, "
                   f"{row['r3trace_TFLOPs']:.0f} TFLOP/s, {splits} splits){theirs_txt}", flush=True)
-            del kvs, inp
+            del kvs, inp, cell
         res["gemms"].append(gemm())
         top = max(res["gemms"][-2:])  # the higher of the GEMM before and after this head count's cells
         for row in rows_h:
@@ -181,11 +177,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--flashmla", default="", help="FlashMLA checkout, csrc/ with cutlass headers (but in --smoke)")
     ap.add_argument("--build", default="/tmp/flashmla_build")
-    ap.add_argument("--heads", default="16,128")
-    ap.add_argument("--cells", default="", help="BxL,... (default: B 16, 64, 256 x kv_len 1k, 8k, 32k)")
-    ap.add_argument("--rep", type=int, default=20, help="ms of replays a timing (do_bench_cudagraph)")
-    ap.add_argument("--out", default="")
-    ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, r3trace's side only (make test)")
+    add_peer_args(ap)
     args = ap.parse_args(argv)
     if not args.flashmla and not args.smoke:
         ap.error("--flashmla DIR is required (a deepseek-ai/FlashMLA checkout with csrc/cutlass populated)")
@@ -194,7 +186,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     args.check_lens = [1, 70, 130] if args.smoke else CHECK_LENS
     args.heads = [16] if args.smoke else [int(h) for h in args.heads.split(",")]
     cells = "2x128" if args.smoke else args.cells
-    args.cells = [tuple(int(x) for x in c.split("x")) for c in cells.split(",")] if cells else CELLS
+    args.cells = parse_cells(cells)
     return args
 
 

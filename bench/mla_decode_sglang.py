@@ -27,15 +27,14 @@ import importlib.util
 import json
 import sys
 import types
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from bench.inputs import DecodeInputs, decode_cell
-from bench.mla_decode import CELLS, rel_err
-from bench.timing import Timer, copies_for, measure_ceilings
+from bench.inputs import DecodeInputs, decode_cell, rotated_decode_cell
+from bench.mla_decode import add_peer_args, parse_cells, rel_err
+from bench.timing import Timer, measure_ceilings
 from r3trace.kernels.mla_decode import default_decode_tile, mla_decode, mla_decode_ref
 
 SGLANG_SPLITS = (1, 2, 4, 8, 16)
@@ -116,19 +115,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     errs[f"sglang/{s}/{str(d)[6:]}"] = rel_err(call(), ref)
         print(f"H={H} normwise error vs the fp32 reference: {errs}", flush=True)
         for B, L in args.cells:
-            nbytes = B * L * C * 2
-            flops = 2 * B * H * L * (C + kv_lora)
-            inp = decode_cell(B, L, H, args.device, kv_lora=kv_lora, rope=args.rope)
-            n_copies = copies_for(nbytes) if args.device == "cuda" else 1
-            kvs = [inp.kv_cache] + [torch.randn_like(inp.kv_cache) for _ in range(n_copies - 1)]
-            rest = inp[2:]
+            cell = rotated_decode_cell(B, L, H, args.device, kv_lora, args.rope)
+            inp, kvs = cell.inp, cell.caches
             splits = tile.num_kv_splits(B, H, L, sms)
-            ours = timer.graph_ms([partial(mla_decode, inp.q, c, *rest, kv_lora, scale, splits, tile) for c in kvs])
+            ours = timer.graph_ms(cell.calls(kv_lora, scale, splits, tile))
             s1 = tile1.num_kv_splits(B, H, L, sms)
-            ours1 = timer.graph_ms([partial(mla_decode, inp.q, c, *rest, kv_lora, scale, s1, tile1) for c in kvs])
-            row = {"H": H, "B": B, "L": L, "MB": nbytes / 1e6, "r3trace_splits": splits, "r3trace_ms": ours,
-                   "r3trace_page1_ms": ours1, "r3trace_page1_splits": s1,
-                   "r3trace_pct_copy": 100 * nbytes / ours / 1e6 / copy_gbs, "r3trace_TFLOPs": flops / ours / 1e9}
+            ours1 = timer.graph_ms(cell.calls(kv_lora, scale, s1, tile1))
+            pct_copy, tflops = cell.rates(ours, copy_gbs)
+            row = {"H": H, "B": B, "L": L, "MB": cell.nbytes / 1e6, "r3trace_splits": splits, "r3trace_ms": ours,
+                   "r3trace_page1_ms": ours1, "r3trace_page1_splits": s1, "r3trace_pct_copy": pct_copy,
+                   "r3trace_TFLOPs": tflops}
             if sg is not None:
                 # SGLang's backends build kv_indices as int32 or int64 (both seen in its code); its kernel multiplies
                 # the loaded slot by the row stride in that type, so int32 is faster but wraps past 2^31 / 576 = 3.7M
@@ -139,9 +135,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                                 for c in kvs])
                           for s in SGLANG_SPLITS for d in dtypes}  # fmt: skip
                 best = min(theirs, key=theirs.__getitem__)
-                row |= {"sglang_ms": theirs, "sglang_best": best, "speedup": theirs[best] / ours,
-                        "sglang_pct_copy": 100 * nbytes / theirs[best] / 1e6 / copy_gbs,
-                        "sglang_TFLOPs": flops / theirs[best] / 1e9}  # fmt: skip
+                row |= {"sglang_ms": theirs, "sglang_best": best, "speedup": theirs[best] / ours}
+                row["sglang_pct_copy"], row["sglang_TFLOPs"] = cell.rates(theirs[best], copy_gbs)
             res["cells"].append(row)
             if args.out:
                 Path(args.out).write_text(json.dumps(res, indent=1))
@@ -149,7 +144,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                           f"({row['sglang_pct_copy']:.0f}%) | {row['speedup']:.2f}x") if sg is not None else ""
             print(f"H={H} B={B} L={L}: r3trace {ours:.4f} ms ({row['r3trace_pct_copy']:.0f}% of copy, "
                   f"{row['r3trace_TFLOPs']:.0f} TFLOP/s; page 1 {ours1:.4f}){theirs_txt}", flush=True)
-            del kvs, inp
+            del kvs, inp, cell
         res[f"errors_H{H}"] = errs
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1))
@@ -159,11 +154,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sglang", default="", help="SGLang's triton_ops/decode_attention.py (required but in --smoke)")
-    ap.add_argument("--heads", default="16,128")
-    ap.add_argument("--cells", default="", help="BxL,... (default: B 16, 64, 256 x kv_len 1k, 8k, 32k)")
-    ap.add_argument("--rep", type=int, default=20, help="ms of replays a timing (do_bench_cudagraph)")
-    ap.add_argument("--out", default="")
-    ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, r3trace's side only (make test)")
+    add_peer_args(ap)
     args = ap.parse_args(argv)
     if not args.sglang and not args.smoke:
         ap.error("--sglang PATH is required (SGLang's srt/layers/attention/triton_ops/decode_attention.py)")
@@ -171,7 +162,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     args.kv_lora, args.rope, args.check_len = (32, 16, 20) if args.smoke else (512, 64, 1024)
     args.heads = [16] if args.smoke else [int(h) for h in args.heads.split(",")]
     cells = "2x40" if args.smoke else args.cells
-    args.cells = [tuple(int(x) for x in c.split("x")) for c in cells.split(",")] if cells else CELLS
+    args.cells = parse_cells(cells)
     return args
 
 

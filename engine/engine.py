@@ -75,6 +75,7 @@ class Engine:
             raise EngineConfigError(f"unknown engine option {unknown[0]!r}; known: {sorted(_OPTIONS)}")
         self.config = cfg = EngineConfig(dtype=dtype, device=device, **options)  # type: ignore[arg-type]
         self.launch = LaunchConfig(tp_size, dp_size, ep_size, load_balance_method, launcher=launcher)
+        cfg.check_graph_layout(tp_size, dp_size, ep_size)  # before any rank starts: one line, not a rank's failure
         if cfg.spec_steps and self.launch.multi_process:  # the draft and its state are one process's (engine/spec/)
             raise EngineConfigError(f"speculative_algorithm={cfg.speculative_algorithm!r}: one process only (got "
                                     f"tp_size={tp_size}, dp_size={dp_size}, ep_size={ep_size})")

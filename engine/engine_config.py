@@ -203,6 +203,24 @@ class EngineConfig:
                 f"{self.ep_num_redundant_experts} = {p} physical slots is not a multiple of ep_size={ep_size}"
             )
 
+    def check_graph_layout(self, tp_size: int, dp_size: int, ep_size: int) -> None:
+        """Refuses named CUDA-graph sizes where decode cannot run under graphs. DP attention and expert parallelism
+        read host counts every forward (the DpLayout's all-gather, the dispatcher's row counts), which a captured
+        graph cannot. Exact mode under TP > 1 reduces with an all_gather of R partials (layers/exact.py) that no GPU
+        run has captured: refused rather than run unproven (the CPU suite's gloo ranks cannot run graphs)."""
+        if not self.cuda_graph_batch_sizes:
+            return
+        if dp_size > 1 or ep_size > 1:
+            raise EngineConfigError(
+                f"cuda_graph_batch_sizes={self.cuda_graph_batch_sizes}: not with dp_size={dp_size}, "
+                f"ep_size={ep_size} (decode under DP attention or EP runs eager)"
+            )
+        if self.deterministic and tp_size > 1:
+            raise EngineConfigError(
+                f"cuda_graph_batch_sizes={self.cuda_graph_batch_sizes}: not with deterministic=True and "
+                f"tp_size={tp_size} (exact mode's all-gather reduction has not run under CUDA graphs; pass () )"
+            )
+
     def _check_deterministic(self) -> None:
         if self.deepep_mode == "normal":
             raise EngineConfigError(

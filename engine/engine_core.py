@@ -98,12 +98,8 @@ class EngineCore:
         graphs = None
         # DP attention and expert parallelism read host counts every forward (the DpLayout's all-gather, the normal
         # dispatcher's row counts), which a captured graph cannot: their decode runs eager. Plain TP is captured.
+        cfg.check_graph_layout(parallel.tp_size, parallel.dp_size, parallel.ep_size)  # named sizes there: refused
         graph_safe = parallel.dp_size == 1 and parallel.ep_size == 1
-        if cfg.cuda_graph_batch_sizes and not graph_safe:
-            raise EngineConfigError(
-                f"cuda_graph_batch_sizes={cfg.cuda_graph_batch_sizes}: not with dp_size={parallel.dp_size}, "
-                f"ep_size={parallel.ep_size} (decode under DP attention or EP runs eager)"
-            )
         if cfg.graph_batch_sizes and graph_safe and not cfg.spec_steps:  # speculation captures its own graphs
             graphs = DecodeGraphs(self.model, self.kv_pool.kv_buffer, req_pool.req_to_token, cfg.graph_batch_sizes,
                                   self.max_context_len, self.kv_pool.pad_slot)

@@ -36,7 +36,7 @@ from .layers.expert_location import ExpertLocation
 from .layers.linear import ColumnParallelLinear, VocabParallelEmbedding
 from .layers.mla import MLAAttention
 from .layers.mlp import MLP
-from .layers.moe import MoE, make_experts_fn
+from .layers.moe import ExpertsFn, MoE, make_experts_fn
 from .layers.norm import RMSNorm
 from .layers.rope import RotaryEmbedding
 from .layers.router import make_routing_ops
@@ -63,9 +63,10 @@ class DecoderLayer(nn.Module):
         routes: RouteCommunicator | None = None,
         num_slots: int | None = None,
         attn_backend: AttentionBackend | None = None,
+        experts_fn: ExpertsFn | None = None,
     ) -> None:
-        """num_slots: the physical slots P of a placement (None: none, slot e is expert e). attn_backend: the model's
-        one backend (None: this layer builds its own)."""
+        """num_slots: the physical slots P of a placement (None: none, slot e is expert e). attn_backend, experts_fn:
+        the model's one attention backend and routed-experts function (None: this layer builds its own)."""
         super().__init__()
         dtype, device = ecfg.torch_dtype, ecfg.device
         self.layer_id = layer_id
@@ -85,7 +86,7 @@ class DecoderLayer(nn.Module):
             shared_rank, shared_size = (0, 1) if ep else (parallel.tp_rank, parallel.tp_size)
             self.mlp = MoE(
                 cfg, layer_id, recorder, make_routing_ops(ecfg.topk_impl),
-                make_experts_fn(ecfg.moe_impl, bool(ecfg.graph_batch_sizes)), dtype, device,
+                experts_fn or make_experts_fn(ecfg.moe_impl, cfg, dtype, bool(ecfg.graph_batch_sizes)), dtype, device,
                 fuse_shared_experts(ecfg, parallel), shared_rank, shared_size,
                 dispatcher=make_dispatcher(slots, parallel.ep_rank, parallel.ep_size, parallel.ep_group,
                                            ecfg.dispatcher_mode, moe_rows_per_rank(ecfg, parallel))
@@ -134,8 +135,9 @@ class DeepseekModel(nn.Module):
             gather=not isinstance(recorder, NullRecorder),
         )
         attn = attention_backend(cfg, ecfg, parallel)  # one for every layer: its decode kernel resolved once
+        experts = make_experts_fn(ecfg.moe_impl, cfg, dtype, bool(ecfg.graph_batch_sizes))  # its MoE plan, once
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, ecfg, i, parallel, recorder, self.rotary, self.routes, num_slots, attn)
+            DecoderLayer(cfg, ecfg, i, parallel, recorder, self.rotary, self.routes, num_slots, attn, experts)
             for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, ecfg.norm_impl)

@@ -29,7 +29,8 @@ def spawn_ranks(fn: Callable[..., None], args: tuple[Any, ...], nprocs: int) -> 
 
 
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now: the rank processes' rendezvous (tcp:// init)."""
+    """A TCP port free on 127.0.0.1 now: a rank rendezvous (tcp:// init) or a test server's --port (Streamlit cannot
+    take port 0; a loopback port just freed is near certain to stay free until the server binds it)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])

@@ -11,7 +11,7 @@ import json
 import random
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -43,20 +43,28 @@ def plain_run(engine: Any, prompts: list[list[int]], new_tokens: int) -> list[di
     return list(engine.generate(input_ids=prompts, sampling_params=greedy(new_tokens), **ASK))
 
 
-def rebalance_run(engine: Any, prompts: list[list[int]], new_tokens: int, source: Path) -> dict[str, Any]:
+class Rebalance(NamedTuple):
+    """What rebalance_during_stream saw."""
+
+    results: list[dict[str, Any]]  # the first n - 1 prompts' results, in prompt order
+    chunks: list[dict[str, Any]]  # the last prompt's stream chunks
+    update: dict[str, Any]  # engine.update_expert_placement's reply
+    chunks_after_update: int  # stream chunks that arrived after the update returned (> 0: requests ran past it)
+
+
+def rebalance_during_stream(engine: Any, prompts: list[list[int]], source: Path, **ask: Any) -> Rebalance:
     """All but the last prompt on threads, the last one streamed; once its first chunk is back,
-    engine.update_expert_placement(source) on another thread. -> {"results": in prompt order (the stream joined),
-    "update": the update's reply, "chunks_after_update": stream chunks that arrived after the update returned (> 0:
-    requests ran on past the rebalance)}."""
+    engine.update_expert_placement(source) on another thread. `ask`: generate's other arguments (sampling_params,
+    return_logprob, ...), the same for every request."""
     results: dict[int, dict[str, Any]] = {}
 
     def one(i: int) -> None:
-        results[i] = engine.generate(input_ids=[prompts[i]], sampling_params=greedy(new_tokens), **ASK)[0]
+        results[i] = engine.generate(input_ids=[prompts[i]], **ask)[0]
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts) - 1)]
     for t in threads:
         t.start()
-    stream = engine.generate(input_ids=prompts[-1], sampling_params=greedy(new_tokens), stream=True, **ASK)
+    stream = engine.generate(input_ids=prompts[-1], stream=True, **ask)
     chunks = [next(stream)]  # the batch is running
     reply: dict[str, Any] = {}
     update = threading.Thread(target=lambda: reply.update(engine.update_expert_placement(str(source))))
@@ -68,8 +76,14 @@ def rebalance_run(engine: Any, prompts: list[list[int]], new_tokens: int, source
     update.join()
     for t in threads:
         t.join()
-    return {"results": [results[i] for i in range(len(prompts) - 1)] + [joined(chunks)], "update": reply,
-            "chunks_after_update": after}  # fmt: skip
+    return Rebalance([results[i] for i in range(len(prompts) - 1)], chunks, reply, after)
+
+
+def rebalance_run(engine: Any, prompts: list[list[int]], new_tokens: int, source: Path) -> dict[str, Any]:
+    """rebalance_during_stream with the matrix's options. -> {"results": in prompt order (the stream joined),
+    "update": the update's reply, "chunks_after_update"}."""
+    r = rebalance_during_stream(engine, prompts, source, sampling_params=greedy(new_tokens), **ASK)
+    return {"results": [*r.results, joined(r.chunks)], "update": r.update, "chunks_after_update": r.chunks_after_update}
 
 
 def write_placement(path: Path, seed: int, num_layers: int, num_experts: int) -> Path:

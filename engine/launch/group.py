@@ -89,7 +89,7 @@ class WorkerGroup:
         store = Path(tempfile.mkdtemp(prefix="r3trace-ranks-"))
         cuda = config.device.startswith("cuda")
         threads = 0 if cuda else max(1, (os.cpu_count() or 1) // launch.tp_size)  # ranks share the cores
-        spec = WorkerSpec(Path(model_path), config, launch, f"file://{store / 'store'}", threads)
+        spec = WorkerSpec(Path(model_path), config, launch, f"file://{store / 'store'}", threads, os.getpid())
         inbox, from_ranks = ctx.Queue(), ctx.Queue()
         members: list[Member] = []
         # A spawned child re-runs the parent's __main__ first (a test runner's, a notebook's, a dashboard's); the

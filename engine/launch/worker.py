@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
+import threading
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
@@ -36,6 +38,29 @@ class WorkerSpec:
     launch: LaunchConfig
     init_method: str  # "file://..." (spawned ranks) or "env://" (torchrun)
     threads: int = 0  # torch intra-op threads per rank; 0 leaves torch's default
+    # The front end's pid, set in the parent before it spawns (a child reading os.getppid() after the parent died
+    # would read its new parent's). None: ranks torchrun started, whose parent is not the front end.
+    parent_pid: int | None = None
+
+
+PARENT_POLL_S = 0.5  # how often a starting rank checks that its front end is alive
+
+
+def parent_gone(parent_pid: int) -> bool:
+    """The front end that spawned this process has exited: a child whose parent dies is re-parented."""
+    return os.getppid() != parent_pid
+
+
+def exit_without_parent(rank: int, parent_pid: int, done: threading.Event) -> None:
+    """Until `done` (the rank is in its loop, which checks the parent itself): exit the process with one line on
+    stderr once the front end is gone. init_process_group waits for every rank and the model load takes minutes;
+    neither returns when the front end dies, so without this a rank would wait for its collective timeout or
+    forever."""
+    while not done.wait(PARENT_POLL_S):
+        if parent_gone(parent_pid):
+            print(f"r3trace rank {rank}: the front end (pid {parent_pid}) exited while the rank started",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            os._exit(1)
 
 
 def backend_for(device: str) -> str:
@@ -56,8 +81,8 @@ def join_world(spec: WorkerSpec, rank: int) -> Any:
     return parallel, parallel.cpu_group
 
 
-def run_rank(spec: WorkerSpec, rank: int, inbox: Any = None, to_front: Any = None, front_pid: int | None = None
-             ) -> None:
+def run_rank(spec: WorkerSpec, rank: int, inbox: Any = None, to_front: Any = None, front_pid: int | None = None,
+             started: threading.Event | None = None) -> None:
     """One rank from start to shutdown. The control rank (0) reports a failure to the front end before it
     re-raises; another rank's failure reaches it as a dead process (the front end's watchdog) or as an error in
     the control rank's next collective."""
@@ -66,6 +91,8 @@ def run_rank(spec: WorkerSpec, rank: int, inbox: Any = None, to_front: Any = Non
     try:
         parallel, cpu_group = join_world(spec, rank)
         core = EngineCore(spec.model_path, spec.config, parallel, threaded=False)
+        if started is not None:
+            started.set()  # from here RankLoop checks front_pid between steps
         RankLoop(core, parallel, cpu_group, inbox, to_front, front_pid).run()
     except BaseException as exc:
         log.error("rank %d failed:\n%s", rank, traceback.format_exc())
@@ -78,5 +105,10 @@ def run_rank(spec: WorkerSpec, rank: int, inbox: Any = None, to_front: Any = Non
 
 
 def rank_main(rank: int, spec: WorkerSpec, inbox: Any, to_front: Any) -> None:
-    """The target of each spawned process (torch.multiprocessing, start method spawn)."""
-    run_rank(spec, rank, inbox if rank == 0 else None, to_front if rank == 0 else None, os.getppid())
+    """The target of each spawned process (torch.multiprocessing, start method spawn). spec.parent_pid is the front
+    end's pid; while the rank starts, a watcher thread exits the process once the front end is gone."""
+    parent = spec.parent_pid if spec.parent_pid is not None else os.getppid()
+    started = threading.Event()
+    threading.Thread(target=exit_without_parent, args=(rank, parent, started), name="r3trace-parent-watch",
+                     daemon=True).start()  # fmt: skip
+    run_rank(spec, rank, inbox if rank == 0 else None, to_front if rank == 0 else None, parent, started)

@@ -94,15 +94,20 @@ def _sum_over_k(y: torch.Tensor, topk_weights: torch.Tensor, dtype: torch.dtype)
     return out.to(dtype)
 
 
-def make_experts_fn(backend: str, graphs: bool = False) -> ExpertsFn:
-    """graphs: the engine captures CUDA graphs (exact mode then takes its sync-free experts)."""
+def make_experts_fn(backend: str, cfg: ModelConfig | None = None, dtype: torch.dtype = torch.float32,
+                    graphs: bool = False) -> ExpertsFn:
+    """The routed experts' function, picked once. triton: the fused MoE's plan for cfg's D and I in dtype (gemv or
+    grouped by T, kernels/moe/registry.py); graphs: the engine captures CUDA graphs (exact mode then takes its
+    sync-free experts)."""
     if backend == "exact":
         return exact_experts_gathered if graphs else exact_experts
     if backend == "ref":
         return fused_moe_ref  # the kernels' own reference (kernels/moe/reference.py)
-    from r3trace.kernels.moe.fused_moe import fused_moe
+    if cfg is None:
+        raise ValueError("make_experts_fn('triton') needs the model config (the fused MoE's plan is built for D, I)")
+    from r3trace.kernels.moe.registry import MoeShape, resolve_moe
 
-    return fused_moe  # type: ignore[no-any-return]
+    return resolve_moe(MoeShape(cfg.hidden_size, cfg.moe_intermediate_size), dtype)
 
 
 class MoE(nn.Module):

@@ -152,16 +152,30 @@ GEMV_T4 = GemvTile(2, 1024, 4, 4, 256, 2)
 GEMV_WIDE = GemvTile(1, 1024, 2, 1, 256, 1)  # I = 2048: 8 down steps per expert
 
 
+def gemv_max_tokens(inter: int) -> int:
+    """The most tokens the gemv path runs: 4 where I <= 256, 1 above (0 where I is unknown). gemv vs grouped at
+    D = 7168, K = 8: E = 256 / I = 256, T = 1 0.036 vs 0.052 ms, T = 4 0.094 vs 0.109, T = 16 0.32 vs 0.28 (grouped);
+    E = 32 / I = 2048, T = 1 0.172 vs 0.189, T = 2 0.337 vs 0.310 (grouped)."""
+    if inter <= 0:
+        return 0
+    return 4 if inter <= 256 else 1
+
+
+def gemv_tile(tokens: int, inter: int) -> GemvTile | None:
+    """The gemv path's tiles at `tokens` tokens (None: the grouped path runs there)."""
+    if not 1 <= tokens <= gemv_max_tokens(inter):
+        return None
+    if inter > 256:
+        return GEMV_WIDE
+    return GEMV_T1 if tokens <= 2 else GEMV_T4
+
+
 def moe_config(
     num_pairs: int, num_experts: int, itemsize: int = 2, inter: int = 0, tokens: int = 0, hidden: int = 0
 ) -> MoeConfig:
-    """The tiles fused_moe runs by default: the gemv path at tokens = 1 (any I > 0) and at tokens <= 4 where
-    I <= 256, else grouped_config's. tokens = 0 (unknown) always gives the grouped path; hidden: D, for the short-D
-    tiles (0: unknown). gemv vs grouped at D = 7168, K = 8: E = 256 / I = 256, T = 1 0.036 vs 0.052 ms, T = 4 0.094 vs
-    0.109, T = 16 0.32 vs 0.28 (grouped); E = 32 / I = 2048, T = 1 0.172 vs 0.189, T = 2 0.337 vs 0.310 (grouped)."""
+    """The tiles fused_moe runs by default: the gemv path where gemv_tile has one (tokens <= gemv_max_tokens(I)),
+    else grouped_config's. tokens = 0 (unknown) always gives the grouped path; hidden: D, for the short-D tiles (0:
+    unknown). The engine resolves the same choice once (registry.py's MoePlan)."""
     grouped = grouped_config(num_pairs, num_experts, itemsize, inter, hidden)
-    if tokens == 1 and inter > 256:
-        return grouped._replace(gemv=GEMV_WIDE)
-    if 1 <= tokens <= 4 and 0 < inter <= 256:
-        return grouped._replace(gemv=GEMV_T1 if tokens <= 2 else GEMV_T4)
-    return grouped
+    tile = gemv_tile(tokens, inter)
+    return grouped if tile is None else grouped._replace(gemv=tile)

@@ -13,14 +13,9 @@ import time
 from pathlib import Path
 
 from tests.health import wait_healthy
+from tests.spawn import free_port
 
 TICK_S = 1 / os.sysconf("SC_CLK_TCK")
-
-
-def free_port() -> int:
-    with socket.socket() as s:  # streamlit cannot take port 0; a just-freed loopback port is near certain
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def port_is_free(port: int) -> bool:

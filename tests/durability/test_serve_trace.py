@@ -7,7 +7,6 @@ Run: .venv/bin/python -m pytest tests/durability/test_serve_trace.py -q
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,19 +18,14 @@ import pytest
 from r3trace.trace import open_dataset
 from tests.durability.kill_harness import REPO
 from tests.health import wait_healthy
+from tests.spawn import free_port
 
 SAMPLE = REPO / "samples" / "model"
 GEN = {"text": "def fib(n):", "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _serve(tmp: Path, *extra: str) -> tuple[subprocess.Popen[bytes], httpx.Client]:
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "r3trace.cli", "serve", str(SAMPLE), "--port", str(port),
                              "--trace-root", str(tmp / "traces"), "--log-level", "warning", *extra],
                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

@@ -142,7 +142,7 @@ def batch(t: int) -> ForwardBatch:
 
 def full_moe(backend: str = "ref", seed: int = 0) -> MoE:
     """The one-process MoE (all E experts, shared MLP unfused), weights seeded."""
-    moe = MoE(CFG, 0, NullRecorder(), make_routing_ops("ref"), make_experts_fn(backend), torch.float32, "cpu")
+    moe = MoE(CFG, 0, NullRecorder(), make_routing_ops("ref"), make_experts_fn(backend, CFG), torch.float32, "cpu")
     g = torch.Generator().manual_seed(seed)
     for _, p in sorted(moe.named_parameters()):
         p.data.copy_(torch.randn(p.shape, generator=g) * 0.15)
@@ -203,8 +203,8 @@ def _worker(rank: int, world: int, port: int, counts: list[int], backends: tuple
 
         for backend in backends:  # the experts functions the engine has: ref grouped compute, fused Triton MoE
             full = full_moe(backend)
-            ep = MoE(CFG, 0, NullRecorder(), make_routing_ops("ref"), make_experts_fn(backend), torch.float32, "cpu",
-                     dispatcher=dispatcher)  # fmt: skip
+            ep = MoE(CFG, 0, NullRecorder(), make_routing_ops("ref"), make_experts_fn(backend, CFG), torch.float32,
+                     "cpu", dispatcher=dispatcher)  # fmt: skip
             state = full.state_dict()
             for name in ("w13", "w2"):
                 state[name] = expert_slice(state[name], dispatcher.experts)
@@ -344,7 +344,7 @@ def _placement_worker(rank: int, world: int, port: int, counts: list[int], backe
         for dispatch in ("static", "dynamic"):  # the two layouts: the same output up to the fp32 sum order
             torch.testing.assert_close(outs["low_latency", dispatch], outs["normal", dispatch], atol=1e-6, rtol=1e-5)
         for backend in backends[1:]:  # the fused Triton MoE over the low-latency rows (padding ids -1)
-            out = ep_moe(full, b, rank, world, "low_latency", "dynamic", m, make_experts_fn(backend))(x, fb)
+            out = ep_moe(full, b, rank, world, "low_latency", "dynamic", m, make_experts_fn(backend, CFG))(x, fb)
             torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
         for dispatch in ("static", "dynamic"):  # bitwise: the combine's order does not depend on the placement
             out = ep_moe(full, b, rank, world, "low_latency", dispatch, m, rowwise_experts)(x, fb)

@@ -68,3 +68,25 @@ def test_layout_is_bitwise_one_process(reference: Results, tmp_path: Path, tp: i
     assert replay[1]["meta_info"]["input_token_logprobs"][1:] != free[0]["meta_info"]["input_token_logprobs"][1:]
     assert trace_problems(str(tmp_path / "trace" / "routes" / "**" / "part-*.parquet"), got, dp) == []
 
+
+
+def test_exact_mode_graphs_under_tp_are_refused_before_any_rank_starts() -> None:
+    """CUDA graphs in exact mode with tp_size > 1 have not run on a GPU (exact_all_reduce's all_gather under capture):
+    refused at construction in one line naming the fields; one process, or TP with graphs off, is accepted. The Engine
+    refuses before it reads the checkpoint or touches CUDA, so this runs on the CPU suite."""
+    from r3trace.engine.engine_config import EngineConfig, EngineConfigError
+
+    cfg = EngineConfig(device="cuda", deterministic=True, cuda_graph_batch_sizes=(1, 2))
+    cfg.check_graph_layout(1, 1, 1)  # one process: exact mode's graphs (tests/engine/test_exact_mode.py)
+    EngineConfig(device="cuda", deterministic=True, cuda_graph_batch_sizes=()).check_graph_layout(2, 1, 1)
+    EngineConfig(device="cuda", attention_backend="triton", moe_backend="triton", topk_backend="triton",
+                 cuda_graph_batch_sizes=(1, 2)).check_graph_layout(2, 1, 1)  # plain TP: captured
+    with pytest.raises(EngineConfigError) as err:
+        cfg.check_graph_layout(2, 1, 1)
+    assert str(err.value).startswith("cuda_graph_batch_sizes=(1, 2): not with deterministic=True and tp_size=2")
+    assert "\n" not in str(err.value)
+    with pytest.raises(EngineConfigError, match=r"not with dp_size=2, ep_size=1"):
+        cfg.check_graph_layout(2, 2, 1)
+    with pytest.raises(EngineConfigError, match=r"^cuda_graph_batch_sizes=\(1,\): not with deterministic=True and "
+                                                r"tp_size=2"):
+        Engine(SAMPLE, device="cuda", deterministic=True, cuda_graph_batch_sizes=(1,), tp_size=2)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from bench.multigpu.placement import shuffled_placement  # the samples/model shape: 5 layers, 32 experts, 8 spares
+# shuffled_placement: the samples/model shape, 5 layers, 32 experts, 8 spares
+from bench.multigpu.placement import rebalance_during_stream, shuffled_placement
 from r3trace.capture.wire import decode_routed_experts
 from r3trace.engine import Engine
 from r3trace.engine.expert_placement import read_location
@@ -111,27 +111,12 @@ def test_rebalance_while_requests_run_keeps_them_exact(
     path = tmp_path / "placement.json"
     path.write_text(json.dumps({"physical_to_logical_map": shuffled_placement(5).tolist()}))
 
-    results: dict[int, list[dict[str, Any]]] = {}
-    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, run(ep2_static, [ids[i]], NEW)))
-               for i in range(3)]
-    for t in threads:
-        t.start()
-    stream = ep2_static.generate(input_ids=ids[3], sampling_params={"max_new_tokens": NEW, **GREEDY},
-                                 return_logprob=True, stream=True)
-    chunks = [next(stream)]  # the batch is running
-    done: dict[str, Any] = {}
-    update = threading.Thread(target=lambda: done.update(ep2_static.update_expert_placement(str(path))))
-    update.start()
-    after_update = 0
-    for chunk in stream:
-        chunks.append(chunk)
-        after_update += not update.is_alive()
-    update.join()
-    for t in threads:
-        t.join()
+    rb = rebalance_during_stream(ep2_static, ids, path, sampling_params={"max_new_tokens": NEW, **GREEDY},
+                                 return_logprob=True, return_routed_experts=True)
+    chunks, done, after_update = rb.chunks, rb.update, rb.chunks_after_update
     assert done["chunks"] == 4 and sum(done["slots_copied"]) > 0
     assert after_update > 0, "the requests finished before the rebalance did"
-    assert_exact([results[i][0] for i in range(3)], want[:3])
+    assert_exact(rb.results, want[:3])
     tokens = [t for c in chunks for t in c["output_ids"]]
     logprobs = [lp for c in chunks for lp in c["meta_info"]["output_token_logprobs"]]
     assert tokens == want[3]["output_ids"] and logprobs == want[3]["meta_info"]["output_token_logprobs"]

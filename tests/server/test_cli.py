@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,15 +17,10 @@ import pytest
 from r3trace.client import capture
 from r3trace.trace import open_dataset, read_token_routes
 from tests.health import wait_healthy
+from tests.spawn import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLE = ROOT / "samples" / "model"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.mark.skipif(not (SAMPLE / "config.json").exists(), reason="samples/model is not in this checkout")

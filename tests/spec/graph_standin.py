@@ -38,7 +38,8 @@ def graph_experts(engine: Engine, *modules: torch.nn.Module) -> None:
     for module in modules:
         for m in module.modules():
             if isinstance(m, MoE):
-                m.experts_fn = make_experts_fn(engine.config.moe_impl, graphs=True)
+                m.experts_fn = make_experts_fn(engine.config.moe_impl, engine.model_config, engine.config.torch_dtype,
+                                               graphs=True)
 
 
 def install_spec_graphs(engine: Engine, batch_sizes: tuple[int, ...]) -> SpecGraphs:

@@ -1,0 +1,54 @@
+"""BENCHMARKS.md's EPLB tables (bench/eplb_report.py) against the matrix's result files they summarise.
+
+Run: .venv/bin/python -m pytest tests/bench/test_eplb_report.py -q   (CPU, about a second)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from bench.eplb_report import MILP_ID, PLAN_TIME_ID, SUMMARY_ID, claims, summary_row
+from bench.tables import load
+
+
+def _cell(ours: list[float], glob: list[float], newest: list[float], ours_nodes: float, global_nodes: float
+          ) -> dict[str, Any]:
+    """A result of bench/eplb_matrix.py with two held-out windows; grace and node-limited are not summarised."""
+    def pol(bal: list[float], nodes: float) -> dict[str, list[float]]:
+        return {"bal_even": bal, "bal_node_limited": bal, "nodes": [nodes, nodes], "over_limit": [0.0, 0.0],
+                "churn": [0.05, 0.05]}  # fmt: skip
+
+    return {"cell": "x", "nodes": 4, "policies": {
+        "ours": pol(ours, ours_nodes), "global": pol(glob, global_nodes), "global-newest": pol(newest, global_nodes),
+        "grace": pol(glob, global_nodes)}}  # fmt: skip
+
+
+def test_latest_json_holds_what_the_result_files_give() -> None:
+    """latest.json's three EPLB claims are what eplb_report computes from the committed result files: a result file
+    rewritten without `python -m bench.eplb_report --latest` fails here."""
+    latest = {c["id"]: c for c in load()["claims"]}
+    for claim in claims():
+        assert claim == latest[claim["id"]], f"{claim['id']}: run python -m bench.eplb_report --latest"
+    assert {SUMMARY_ID, PLAN_TIME_ID, MILP_ID} <= set(latest)
+    total = claims()[0]["rows"][-1]
+    assert total["cells"] == "all cells" and total["n"] == sum(r["n"] for r in claims()[0]["rows"][:-1])
+
+
+def test_summary_row_counts_and_differences() -> None:
+    """Three cells worked by hand: (a) ours above both global policies on fewer nodes: yes; (b) below global by 0.10
+    in both windows (SE 0): no; (c) above global, below global-newest by 0.01 +- 0.01 (paired SE of [-0.02, 0.0]),
+    nodes won: tie. Differences vs global: +0.05, -0.10, +0.01."""
+    cells = [
+        _cell([0.90, 0.90], [0.85, 0.85], [0.80, 0.80], 2.0, 3.0),
+        _cell([0.70, 0.70], [0.80, 0.80], [0.75, 0.75], 3.5, 3.0),
+        _cell([0.80, 0.82], [0.79, 0.81], [0.82, 0.82], 2.5, 3.0),
+    ]
+    row = summary_row("three", cells)
+    assert row["n"] == 3
+    assert row["ge_global"] == "2 of 3" and row["ge_better"] == "1 of 3"
+    assert row["verdicts"] == "1 / 1 / 1"
+    assert row["nodes_le"] == "2 of 3"
+    assert row["diff_median"] == pytest.approx(0.01) and row["diff_worst"] == pytest.approx(-0.10)
+    assert row["nodes_diff_median"] == pytest.approx(-0.5)
