@@ -77,13 +77,14 @@ def test_transformers_and_engine_continue_a_prompt_identically() -> None:
 def test_sample_traces_tag_every_prompt_with_its_domain() -> None:
     import pyarrow.parquet as pq
 
-    from r3trace.trace.schema import Manifest
+    from r3trace.trace.reader import open_dataset
 
-    run = ROOT / "samples" / "traces" / "run_id=sample"
-    manifest = Manifest.read(run)
+    [run] = open_dataset(ROOT / "samples" / "traces")
+    manifest = run.manifest
     prompts = [json.loads(line) for line in (ROOT / "samples" / "prompts.jsonl").read_text().splitlines()]
-    assert manifest.files[0].requests is not None
-    requests = pq.read_table(run / manifest.files[0].requests).to_pylist()
+    [requests_file] = run.request_files
+    requests = pq.read_table(requests_file).to_pylist()
     assert {r["request_id"]: r["tag"] for r in requests} == {p["id"]: p["domain"] for p in prompts}
     assert manifest.num_experts == 32 and manifest.top_k == 4
-    assert sum(f.stat().st_size for f in run.rglob("*") if f.is_file()) <= 10 * 2**20
+    files = [run.run_dir / "manifest.json", *run.route_files, *run.rollup_files, *run.request_files]
+    assert sum(f.stat().st_size for f in files) <= 10 * 2**20

@@ -163,15 +163,16 @@ def test_docs_heat_queries(tmp_path: Path) -> None:
     assert {(r, lay, e): n for r, lay, e, n in polars_heat.rows()} == heat_of(written)
 
 
-def test_bundled_sample_store_of_the_old_layout_migrates(tmp_path: Path) -> None:
-    """samples/traces was written by the previous layout's writer: r3trace reads it as is, and after
-    `r3trace migrate` the plain readers get the same rows and heat r3trace got before."""
+def test_a_store_of_the_old_layout_migrates(tmp_path: Path) -> None:
+    """tests/trace/fixtures/old_layout_store is the sample store as the previous layout's writer wrote it (files
+    beside manifest.json): r3trace reads it as is, and after `r3trace migrate` the plain readers get the same rows
+    and heat r3trace got before."""
     import shutil
 
     from r3trace.analysis.heat import heat
 
     store = tmp_path / "traces"
-    shutil.copytree(Path(__file__).resolve().parents[2] / "samples" / "traces", store)
+    shutil.copytree(Path(__file__).resolve().parent / "fixtures" / "old_layout_store", store)
     [run] = open_dataset(store)
     assert run.manifest.schema_version == 1 and run.route_files[0].parent == run.run_dir
     before = TraceStore(store)
@@ -183,3 +184,22 @@ def test_bundled_sample_store_of_the_old_layout_migrates(tmp_path: Path) -> None
     assert heat(after.con).rows() == heat_before and rows_before == run.manifest.rows
     assert ds.dataset(store / "routes", partitioning="hive").count_rows() == rows_before
     assert pl.scan_parquet(store / "routes").select(pl.len()).collect().item() == rows_before
+
+
+def test_bundled_sample_store_is_in_todays_layout() -> None:
+    """samples/traces is what a new user opens first: the obvious call of each plain reader on its routes folder
+    returns the route rows r3trace counts, and the files carry the shape facts."""
+    import duckdb
+    import pyarrow.parquet as pq
+
+    store = Path(__file__).resolve().parents[2] / "samples" / "traces"
+    rows = TraceStore(store).query("SELECT count(*) FROM routes").item()
+    assert rows == 39100  # 9,775 tokens x 4 MoE layers
+    assert ds.dataset(store / "routes", partitioning="hive").count_rows() == rows
+    assert pl.scan_parquet(store / "routes").select(pl.len()).collect().item() == rows
+    glob = (store / "routes" / "**" / "*.parquet").as_posix()
+    assert duckdb.sql(f"SELECT count(*) FROM read_parquet('{glob}')").fetchall() == [(rows,)]
+    [part] = sorted((store / "routes").rglob("*.parquet"))
+    meta = pq.ParquetFile(part).metadata.metadata
+    assert "run_id" not in pq.ParquetFile(part).schema_arrow.names
+    assert (meta[b"num_experts"], meta[b"top_k"], meta[b"moe_layer_ids"]) == (b"32", b"4", b"[1, 2, 3, 4]")
