@@ -77,9 +77,10 @@ def engine_options(args: argparse.Namespace, depth: int, graphs: bool) -> dict[s
 
 
 def graph_steps(eng: Engine) -> int:
-    """Speculative steps that replayed CUDA graphs so far (each: d - 1 chain, a verify and an extend replay)."""
+    """Speculative steps that replayed CUDA graphs so far (SpecGraphs.steps: a greedy step's one replay, or a
+    sampled step's d - 1 chain, verify and extend replays)."""
     graphs = getattr(eng.runner, "spec_graphs", None)
-    return 0 if graphs is None else graphs.replays // graphs.tokens
+    return 0 if graphs is None else graphs.graph_steps
 
 
 def steps_run(eng: Engine) -> int:
@@ -124,6 +125,12 @@ def decode_rate(eng: Engine, prompts: list[list[int]], batch: int, max_new: int,
 def throughput_rows(eng: Engine, mode: str, captures: tuple[bool, ...], args: argparse.Namespace,
                     prompts: list[list[int]]) -> list[dict[str, Any]]:
     out = []
+    # Warm the whole engine before any timing: every batch size with and without capture generates once (kernels
+    # compile and tune, the graphs' first replays, allocator pools and clocks settle), so no row is timed on a colder
+    # engine than the one after it (the first row of each batch was: capture on read up to 1.7x faster than off).
+    for batch in args.batches:
+        for capture in captures:
+            decode_rate(eng, prompts, batch, args.max_new_tokens, 1, capture)
     for batch in args.batches:
         for capture in captures:
             g0, s0 = graph_steps(eng), steps_run(eng)

@@ -7,7 +7,8 @@ Run (H200, about 1 minute): python -m bench.spec_step_profile --device cuda --ou
 Phases of one step (engine/event_loop.py, engine/spec/runner.py): schedule (Scheduler.schedule), launch (SpecRunner:
 its chain drafts, the target's verify forward, acceptance and the draft extend are timed inside it too; "launch other"
 is the rest: the step plan, ForwardBatch, staging copies), collect (the one wait, the results to host lists),
-process (Scheduler.process: acceptance on the host, KV trim, hooks).
+process (Scheduler.process: acceptance on the host, KV trim, hooks). A greedy step on graphs runs _launch_greedy
+(greedy_step: the one replay of spec/greedy_step.py, with its load) instead of chain / verify / accept / extend.
 """
 
 from __future__ import annotations
@@ -46,9 +47,10 @@ def _instrument(eng: Engine) -> tuple[dict[str, float], dict[str, int], Callable
                (eng.runner, "collect")]
     runner = eng.runner
     if hasattr(runner, "drafter"):
-        targets += [(runner.drafter, "chain"), (runner.drafter, "extend"), (runner, "_accept")]
+        targets += [(runner.drafter, "chain"), (runner.drafter, "extend"), (runner, "_accept"),
+                    (runner, "_launch_greedy")]
         if runner.spec_graphs is not None:
-            targets += [(runner.spec_graphs, "verify_forward")]
+            targets += [(runner.spec_graphs, "verify_forward"), (runner.spec_graphs, "greedy_step")]
         targets += [(runner.target, "forward_hidden")]
     for obj, name in targets:
         setattr(obj, name, _timed(totals, counts, name, getattr(obj, name)))

@@ -11,8 +11,9 @@ launch(items):
   3. acceptance (verify.py): greedy or rejection sampling, per request; a prefill's last row is a verify of 0 drafts;
   4. draft extend (Drafter.extend) over the forward's rows, each with its next token, which proposes the next x_1;
   5. the committed tokens, their counts and logprobs queued to the host.
-Steps 1, 2 and 4 replay CUDA graphs when the step fits them (every item a verify of d drafts: spec/graphs.py), with
-the same eager code between them; any other step runs all three eager. Nothing in launch waits on the device;
+A step that fits the CUDA graphs (every item a verify of d drafts: spec/graphs.py) replays them: a greedy step all of
+1-4 as one graph (spec/greedy_step.py; one copy back, the accepted tokens and counts), a sampled one steps 1, 2 and 4
+with the same eager code between them; any other step runs all of it eager. Nothing in launch waits on the device;
 collect waits once. The scheduler then keeps counts[b] tokens of request b
 (fewer when a stop rule ends it), frees the KV of the rest and tells the capturer which rows were rejected
 (Scheduler._accept, RequestHooks.on_reject) before anything reads the forward's routes.
@@ -117,8 +118,14 @@ class SpecRunner(ModelRunner):
         replay = replay_plan(items, len(plan.input_ids), self.model_config, self.device, stage)
         # the step's three forwards replay CUDA graphs when it fits them (spec/graphs.py), else all run eager
         graphs = self.spec_graphs if self.spec_graphs is not None and self.spec_graphs.can_run(items, replay) else None
-        self.drafter.chain([it for it in items if it.phase == "verify"], self.forward_id, req_to_token, self.device,
-                           stage, graphs)
+        greedy_graph = graphs is not None and all(it.req.params.is_greedy for it in items)
+        if not greedy_graph:  # the greedy graph drafts on the device
+            verifies = [it for it in items if it.phase == "verify"]
+            # a step with a prefill chunk runs its target forward and extend eager, but its verifies' chain drafts
+            # are decode batches the chain graphs hold (an eager chain forward is ~1.5 ms at batch 32 on the H200)
+            chain = graphs or (self.spec_graphs if self.spec_graphs is not None
+                               and self.spec_graphs.can_chain(verifies) else None)
+            self.drafter.chain(verifies, self.forward_id, req_to_token, self.device, stage, chain)
         fb = ForwardBatch.build(
             forward_id=self.forward_id, input_ids=plan.input_ids, prefix_lens=[it.start for it in items],
             extend_lens=[it.extend_len for it in items], req_pool_indices=[it.req.pool_row for it in items],
@@ -127,11 +134,14 @@ class SpecRunner(ModelRunner):
             phases=[it.phase for it in items], replay=replay, stage=stage,
         )
         step_layout(fb, self.parallel)
+        self.forward_id += 1
+        if greedy_graph:
+            assert graphs is not None
+            return self._launch_greedy(items, fb, graphs)
         if plan.draft_dst:
             idx = stage(np.array(plan.draft_dst + plan.draft_src, np.int64))
             n = len(plan.draft_dst)
             fb.input_ids.index_copy_(0, idx[:n], self.drafter.tokens.view(-1).index_select(0, idx[n:]))
-        self.forward_id += 1
         if graphs is None:
             logits, hidden = self.target.forward_hidden(fb, self.pool.kv_buffer)  # [N, V] fp32, [T, D]
         else:  # the routers' capture writes are in the graph; the recorder's hooks run around it, as eagerly
@@ -163,6 +173,23 @@ class SpecRunner(ModelRunner):
         launched.host = {k: v.to("cpu", non_blocking=True) for k, v in on_device.items()}
         if any(v.is_cuda for v in on_device.values()):
             launched.event = torch.cuda.Event()
+            launched.event.record()
+        return launched
+
+    def _launch_greedy(self, items: list[ScheduledReq], fb: ForwardBatch, graphs: SpecGraphs) -> Launched:
+        """A greedy step on graphs: one replay (spec/greedy_step.py) and one copy to the host, [B, n + 1]."""
+        self.target.recorder.on_forward_begin(fb)
+        out, logits = graphs.greedy_step(fb)  # [B, n + 1] int64, [B * n, V] fp32
+        self.target.recorder.on_forward_end(fb)
+        b, n = len(items), graphs.tokens
+        on_device: dict[str, torch.Tensor] = {}
+        self._output_logprobs(items, logits.view(b, n, -1), out[:, :n], on_device)
+        host = out.to("cpu", non_blocking=True)
+        launched = Launched(items=items, lp_rows=[])
+        launched.host = {"tokens": host[:, :n], "counts": host[:, n],
+                         **{k: v.to("cpu", non_blocking=True) for k, v in on_device.items()}}
+        launched.event = torch.cuda.Event() if out.is_cuda else None
+        if launched.event is not None:
             launched.event.record()
         return launched
 
