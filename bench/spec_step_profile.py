@@ -3,6 +3,7 @@ after each, so a phase's row holds its host work plus the GPU work it queued), t
 alone, and the step time with no sync added.
 
 Run (H200, about 1 minute): python -m bench.spec_step_profile --device cuda --out /tmp/spec_step_profile.json
+Run (CPU smoke: fp32 eager engines, batches 1 and 2, 8 new tokens, prompts cut to 32 tokens): --smoke
 
 Phases of one step (engine/event_loop.py, engine/spec/runner.py): schedule (Scheduler.schedule), launch (SpecRunner:
 its chain drafts, the target's verify forward, acceptance and the draft extend are timed inside it too; "launch other"
@@ -27,12 +28,17 @@ from bench.spec_decode import MODEL, engine_options, held_out_prompts
 from r3trace.engine import Engine
 
 
+def _sync() -> None:
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def _timed(totals: dict[str, float], counts: dict[str, int], name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        torch.cuda.synchronize()
+        _sync()
         t0 = time.perf_counter()
         out = fn(*args, **kwargs)
-        torch.cuda.synchronize()
+        _sync()
         totals[name] += time.perf_counter() - t0
         counts[name] += 1
         return out
@@ -65,11 +71,11 @@ def _instrument(eng: Engine) -> tuple[dict[str, float], dict[str, int], Callable
 def _graph_us(replay: Callable[[], None], n: int = 200) -> float:
     for _ in range(10):
         replay()
-    torch.cuda.synchronize()
+    _sync()
     t0 = time.perf_counter()
     for _ in range(n):
         replay()
-    torch.cuda.synchronize()
+    _sync()
     return (time.perf_counter() - t0) / n * 1e6
 
 
@@ -114,9 +120,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 32])
     ap.add_argument("--depth", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--smoke", action="store_true", help="CPU, batches 1 and 2, 8 new tokens, prompts of 32 tokens")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
-    prompts = held_out_prompts(40)
+    if args.smoke:
+        args.device, args.batches, args.max_new_tokens = "cpu", [1, 2], 8
+    prompts = held_out_prompts(40, 32 if args.smoke else 0)
     ns = argparse.Namespace(device=args.device, batches=args.batches)
     result: dict[str, Any] = {}
     for depth in (args.depth, 0):
