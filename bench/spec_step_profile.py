@@ -114,6 +114,23 @@ def profile(eng: Engine, prompts: list[list[int]], batch: int, max_new: int) -> 
             "tokens_per_s_incl_prefill": batch * max_new / wall, "phases_synced": phases}
 
 
+def host_profile(eng: Engine, prompts: list[list[int]], batch: int, max_new: int, top: int = 30) -> str:
+    """cProfile of the scheduler thread over one generate: the functions with the most own, then cumulative time."""
+    import cProfile
+    import io
+    import pstats
+
+    ids = [prompts[i % len(prompts)] for i in range(batch)]
+    prof = cProfile.Profile()
+    eng._loop.call(prof.enable)  # the profiler follows the thread that enabled it: the scheduler's
+    eng.generate(input_ids=ids, sampling_params={"temperature": 0, "ignore_eos": True, "max_new_tokens": max_new})
+    eng._loop.call(prof.disable)
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(top)
+    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(top + 20)
+    return text.getvalue()
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
@@ -132,6 +149,7 @@ def main(argv: list[str] | None = None) -> None:
         name = "spec" if depth else "plain"
         with Engine(MODEL, **engine_options(ns, depth, graphs=True)) as eng:
             result[name] = [profile(eng, prompts, b, args.max_new_tokens) for b in args.batches]
+            result[name + "_host_profile_b1"] = host_profile(eng, prompts, 1, args.max_new_tokens).splitlines()
             result[name + "_graph_us"] = eng._loop.call(lambda e=eng: graph_times(e))
     text = json.dumps(result, indent=2)
     print(text)

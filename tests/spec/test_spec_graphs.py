@@ -112,6 +112,14 @@ def test_graph_speculation_is_eager_speculation_bit_for_bit(make_spec_engine: En
         return real_launch(items)
 
     graphs_engine.runner.launch = launch  # type: ignore[method-assign]
+    forwards = [0]  # target forwards: a step mixing prefill chunks and greedy verifies runs two
+    real_forward = graphs_engine.runner._launch
+
+    def forward(items: Any) -> Any:
+        forwards[0] += 1
+        return real_forward(items)
+
+    graphs_engine.runner._launch = forward  # type: ignore[method-assign]
     rounds: list[tuple[list[list[int]], list[dict[str, Any]]]] = [
         (prompts(5, seed=steps), [{"temperature": 0, "max_new_tokens": n, "ignore_eos": True} for n in (9, 16, 16,
                                                                                                     12, 16)]),
@@ -137,6 +145,7 @@ def test_graph_speculation_is_eager_speculation_bit_for_bit(make_spec_engine: En
     chained = graphs.replays - kinds.count("greedy") - kinds.count("sampled") * (steps + 1)
     assert chained % max(steps - 1, 1) == 0 and (chained > 0) == (steps > 1), (graphs.replays, kinds)
     assert 0 < len(seen) < steps_run[0], "some steps must run eager (prefill chunks, fewer drafts near the end)"
+    assert forwards[0] > steps_run[0], "some steps must split into a prefill forward and the greedy graph"
     assert graphs_engine.flush_cache() and graphs_engine.kv_pool.num_free_pages == graphs_engine.kv_pool.num_pages
 
 
