@@ -23,7 +23,9 @@ each speculative row says how many of its steps did (graph_steps) out of all (st
    the rows both runs computed for the same tokens (the common prefix of prompt + output; bf16 may end it early),
    (row, layer) pairs whose top-k sets differ, and of those the ones that are not near ties: the K-th minus (K+1)-th
    biased gate score of that row (a direct prefix-free forward of the sequence, engine/replay_check.py's margin) at
-   least --near-tie. Counted at several thresholds; the issue asks for 0 past the near ties.
+   least --near-tie. Counted at several thresholds; the issue asks for 0 past the near ties. The control
+   (routes_plain_eager_vs_plain, CUDA): plain decoding's eager engine against its graphs engine, the same count
+   between two plain runs whose bf16 kernels differ only in batch shapes and launch (graph vs eager).
 """
 
 from __future__ import annotations
@@ -77,9 +79,10 @@ def engine_options(args: argparse.Namespace, depth: int, graphs: bool) -> dict[s
 
 
 def graph_steps(eng: Engine) -> int:
-    """Speculative steps that replayed CUDA graphs so far (each: d - 1 chain, a verify and an extend replay)."""
+    """Speculative steps that replayed CUDA graphs so far (SpecGraphs.steps: a greedy step's one replay, or a
+    sampled step's d - 1 chain, verify and extend replays)."""
     graphs = getattr(eng.runner, "spec_graphs", None)
-    return 0 if graphs is None else graphs.replays // graphs.tokens
+    return 0 if graphs is None else graphs.graph_steps
 
 
 def steps_run(eng: Engine) -> int:
@@ -124,6 +127,12 @@ def decode_rate(eng: Engine, prompts: list[list[int]], batch: int, max_new: int,
 def throughput_rows(eng: Engine, mode: str, captures: tuple[bool, ...], args: argparse.Namespace,
                     prompts: list[list[int]]) -> list[dict[str, Any]]:
     out = []
+    # Warm the whole engine before any timing: every batch size with and without capture generates once (kernels
+    # compile and tune, the graphs' first replays, allocator pools and clocks settle), so no row is timed on a colder
+    # engine than the one after it (the first row of each batch was: capture on read up to 1.7x faster than off).
+    for batch in args.batches:
+        for capture in captures:
+            decode_rate(eng, prompts, batch, args.max_new_tokens, 1, capture)
     for batch in args.batches:
         for capture in captures:
             g0, s0 = graph_steps(eng), steps_run(eng)
@@ -164,11 +173,12 @@ def measure(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any
             mode = "plain_graphs" if graphs else "plain_eager"
             result["throughput"] += throughput_rows(eng, mode, (False, True) if graphs or not cuda else (False,),
                                                     args, prompts)
-            if graphs or not cuda:
-                runs["plain"] = greedy_routes(eng, args, prompts)
+            runs["plain" if graphs or not cuda else "plain_eager"] = greedy_routes(eng, args, prompts)
     result["seconds"]["throughput_rest"] = time.time() - t0
     t0 = time.time()
     result["routes"] = route_mismatches(args, prompts, runs["spec"], runs["plain"])
+    if "plain_eager" in runs:  # the control: plain decoding against itself, eager kernels vs graphs (CUDA)
+        result["routes_plain_eager_vs_plain"] = route_mismatches(args, prompts, runs["plain_eager"], runs["plain"])
     result["seconds"]["routes"] = time.time() - t0
     return result
 

@@ -8,7 +8,9 @@
 | verify.py   | acceptance: greedy longest prefix, rejection sampling under temperature                  |
 | runner.py   | SpecRunner: one step (chain, target verify, acceptance, draft extend), one wait          |
 | request_check.py | the sampling options a speculative engine refuses (penalties, min_new_tokens)       |
-| graphs.py   | SpecGraphs: the chain, verify and extend forwards as CUDA graphs, one set per batch size  |
+| graphs.py   | SpecGraphs: the chain, verify and extend forwards as CUDA graphs, one set per batch size, |
+|             | and a greedy step's whole work as one graph (greedy_step.py)                             |
+| greedy_step.py | GreedyStep: chain drafts, verify, acceptance and draft extend on the graphs' static inputs |
 
 What runs when (EngineConfig.speculative_algorithm set): every step of a decoding request is a verify of its last
 token and d' <= speculative_num_steps drafts (Scheduler._draft_len); prefill chunks run as without speculation and
@@ -16,8 +18,8 @@ are followed by a draft extend over their rows. The scheduler keeps the accepted
 positions' KV and tells route capture to drop their rows (RequestHooks.on_reject) before any reader sees them.
 
 CUDA graphs (EngineConfig.graph_batch_sizes; the default ladder stops at the verifies of d + 1 tokens one step's
-budget holds): a step whose every request verifies d drafts replays the three graphs; any other step runs eager, the
-reference (graphs.py). Not supported (each refused with a one-line error): several processes (tp/dp/ep > 1),
-penalties and min_new_tokens.
+budget holds): a step whose every request verifies d drafts replays one graph when every request is greedy, else the
+three; any other step runs eager, the reference (graphs.py), but for its verifies' chain drafts on the chain graphs.
+Not supported (each refused with a one-line error): several processes (tp/dp/ep > 1), penalties and min_new_tokens.
 The overlapped scheduler is off: a step needs the accepted lengths of the one before.
 """

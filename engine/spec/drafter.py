@@ -50,8 +50,11 @@ class Drafter:
         self.sampler = sampler
         self.steps = steps
         self.kv = torch.zeros(kv_rows, cfg.kv_cache_dim, dtype=ecfg.torch_dtype, device=device)  # [S + 1, C]
-        self.tokens = torch.zeros(req_rows, steps, dtype=torch.int64, device=device)  # [R, d]
-        self.hidden = torch.zeros(req_rows, cfg.hidden_size, dtype=ecfg.torch_dtype, device=device)  # [R, D]
+        # One row past the R request rows: `spare_row`, where a CUDA graph's padding requests store their drafts
+        # (a graph of bs requests writes bs rows whatever the batch; spec/greedy_step.py), never read for a request.
+        self.spare_row = req_rows
+        self.tokens = torch.zeros(req_rows + 1, steps, dtype=torch.int64, device=device)  # [R + 1, d]
+        self.hidden = torch.zeros(req_rows + 1, cfg.hidden_size, dtype=ecfg.torch_dtype, device=device)  # [R + 1, D]
         # [R, d, V] fp32 q_j of sampled drafts (the residual at a rejection needs all of q): R * d * V * 4 bytes,
         # 99 MB at DeepSeek-V3's V = 129280 with R = 64, d = 3
         self.probs = torch.zeros(req_rows, steps, cfg.vocab_size, dtype=torch.float32, device=device)

@@ -10,19 +10,27 @@ after another, never at once, and each keeps its outputs):
   verify  the target over n tokens a request (an extend of bs x n rows) with logits at every row and the final hidden
           states: logits [bs * n, V], hidden [bs * n, D]; the routers write route capture's device buffer inside it;
   extend  the NextN layer over the verify's rows: it reads the verify graph's static batch and hidden output in place,
-          and its own token ids (each row's next token): h' [bs * n, D].
-Between replays the step runs eagerly as without graphs (SpecRunner): drafts from the chain's logits, acceptance from
-the verify's, the draft ids for the extend, the next x_1 from the extend's output at the last accepted rows.
+          and its own token ids (each row's next token): h' [bs * n, D];
+  step    a greedy step's whole work (greedy_step.py): the chain drafts, the verify, acceptance and the extend, read
+          back as one [bs, n + 1] tensor. An all-greedy step replays this one graph instead of the three above: the
+          eager glue between them (batch building, acceptance, choosing drafts) was ~1.8 ms of a 2.2 ms step at batch
+          1 on the H200, the GPU work 0.38 ms.
+The verify and chain graphs of every size copy their logits into one shared buffer (verify_logits, chain_logits).
+Between the three replays of a sampled step the step runs eagerly as without graphs (SpecRunner): drafts from the
+chain's logits, acceptance from the verify's, the draft ids for the extend, the next x_1 from the extend's output.
 
 When a step runs on graphs (`can_run`): every item is a verify of exactly d drafts (uniform n rows a request: what the
 scheduler gives every decoding request once the step's budget holds B x n tokens, EngineConfig.max_graph_batch),
-B <= the largest size, no forced routes. Anything else (a prefill chunk in the step, a request near max_new_tokens or
-its context limit drafting fewer, routing replay) runs the eager path, which stays the reference.
+B <= the largest size, no forced routes. Anything else (a prefill chunk in the step, a request near its context limit
+or the step's token budget drafting fewer, routing replay) runs the eager path, which stays the reference; its chain
+drafts still replay the chain graph when its verifies fit it (`can_chain`).
 
 Route capture is what it is eagerly: on_forward_begin / on_forward_end run around the verify replay with the real
 batch, whose route_rows are rows [0, B * n) of the buffer the graph wrote; padding rows (graph_batch.py) sit past them
 and are never copied. The draft graphs hold only the NextN layer, whose router records into its own NullRecorder
-(nextn.check_draft_capture, run before capture): no replay of theirs writes a target buffer.
+(nextn.check_draft_capture, run before capture): no replay of theirs writes a target buffer. The greedy step graph
+holds the target's verify between its draft forwards; its route writes are exactly a verify replay's
+(tests/spec/test_spec_graphs_gpu.py compares the two).
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ from ..graph_batch import GraphBatch
 from ..model import DeepseekForCausalLM
 from ..step import ScheduledReq
 from .drafter import Drafter
+from .greedy_step import GreedyStep
 
 
 class SpecGraphs:
@@ -58,29 +67,76 @@ class SpecGraphs:
         self.verify_batch = GraphBatch(self.max_bs, n, pad_slot, max_context_len, device)
         self.chain_hidden = torch.zeros(self.max_bs, drafter.hidden.shape[1], dtype=dtype, device=device)  # [bs, D]
         self.extend_ids = torch.zeros(self.max_bs * n, dtype=torch.int64, device=device)  # [bs * n]
+        # One fp32 logits buffer for every size of the ladder (each graph copies its logits into its first rows):
+        # a buffer a size would hold max_bs * n * V * 4 bytes each, ~0.8 GB over the ladder at DeepSeek-V3's V.
+        vocab = target.config.vocab_size
+        self.verify_logits = torch.zeros(self.max_bs * n, vocab, dtype=torch.float32, device=device)  # [max_bs * n, V]
+        self.chain_logits = torch.zeros(self.max_bs, vocab, dtype=torch.float32, device=device)  # [max_bs, V]
+        self.step_out = torch.zeros(self.max_bs, n + 1, dtype=torch.int64, device=device)  # [max_bs, n + 1]
+        self._greedy = GreedyStep(target, drafter, kv_buffer, self.chain_batch, self.verify_batch, pad_slot,
+                                  self.verify_logits, self.step_out)
         capture = capture or CudaGraphCapture()
         Replay = Callable[[], None]
         self._chain: dict[int, tuple[Replay, tuple[torch.Tensor, ...]]] = {}
         self._verify: dict[int, tuple[Replay, tuple[torch.Tensor, ...]]] = {}
         self._extend: dict[int, tuple[Replay, tuple[torch.Tensor, ...]]] = {}
+        self._step: dict[int, tuple[Replay, tuple[torch.Tensor, ...]]] = {}
         for bs in reversed(self.batch_sizes):  # largest first: smaller graphs reuse its memory pool
+            chain_fb = self.chain_batch.static(bs, req_to_token)
             if d > 1:
-                chain_fb = self.chain_batch.static(bs, req_to_token)
                 self.chain_batch.pad(0, bs)
-                self._chain[bs] = capture(partial(drafter.chain_forward, chain_fb, self.chain_hidden[:bs]))
+                self._chain[bs] = capture(partial(self._chain_outputs, drafter, chain_fb, self.chain_hidden[:bs]))
             verify_fb = self.verify_batch.static(bs, req_to_token)
             self.verify_batch.pad(0, bs)
-            self._verify[bs] = capture(partial(target.compute_hidden, verify_fb, kv_buffer))
+            self._verify[bs] = capture(partial(self._verify_outputs, target, verify_fb, kv_buffer))
             hidden = self._verify[bs][1][1]  # [bs * n, D]: the verify graph's output, the extend graph's input
             extend_fb = dataclasses.replace(verify_fb, input_ids=self.extend_ids[: bs * n])
             self._extend[bs] = capture(partial(_extend_outputs, drafter, extend_fb, hidden))
+            self.verify_batch.pad(0, bs)
+            self._step[bs] = capture(partial(self._greedy, bs, chain_fb, verify_fb, extend_fb,
+                                             self.extend_ids[: bs * n]))
         self._loaded: tuple[ForwardBatch, int] | None = None  # the verify batch now in the static inputs, its size
         self.replays = 0  # graph replays so far (tests check the graph path ran)
+        self.graph_steps = 0  # steps run on graphs so far: greedy_step calls and verify_forward calls
 
     def can_run(self, items: list[ScheduledReq], replay: object) -> bool:
         """The step runs on graphs: 1..max_bs verify items of exactly d drafts each, no forced routes."""
         return (0 < len(items) <= self.max_bs and replay is None
                 and all(it.phase == "verify" and it.draft_len == self.steps for it in items))
+
+    def can_chain(self, verifies: list[ScheduledReq]) -> bool:
+        """A step's chain drafts run on the chain graphs (whatever else the step holds): 1..max_bs verify items of
+        exactly d drafts each."""
+        return 0 < len(verifies) <= self.max_bs and all(it.draft_len == self.steps for it in verifies)
+
+    def _chain_outputs(self, drafter: Drafter, fb: ForwardBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        out, logits = drafter.chain_forward(fb, hidden)
+        b = logits.shape[0]
+        self.chain_logits[:b].copy_(logits)
+        return out, self.chain_logits[:b]
+
+    def _verify_outputs(self, target: DeepseekForCausalLM, fb: ForwardBatch,
+                        kv_buffer: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        logits, hidden = target.compute_hidden(fb, kv_buffer)
+        t = logits.shape[0]
+        self.verify_logits[:t].copy_(logits)
+        return self.verify_logits[:t], hidden
+
+    def greedy_step(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """A whole greedy step (spec/greedy_step.py) in one replay, `can_run` and every request greedy: fb the verify
+        batch (B requests of n rows; draft rows are filled on the device) -> (out [B, n + 1] int64: the target's
+        argmax at each row then the committed count; logits [B * n, V] fp32), views valid until the next replay.
+        The caller runs the recorder's begin / end hooks around it."""
+        _check(self.verify_batch, fb)
+        b = fb.batch_size
+        bs = graph_size(self.batch_sizes, b)
+        self.verify_batch.load(fb, bs)
+        replay, (out, logits) = self._step[bs]
+        replay()
+        self.replays += 1
+        self.graph_steps += 1
+        self._loaded = None
+        return out[:b], logits[: b * self.tokens]
 
     # ---------------------------------------------------------------- DraftForwards (drafter.py), replayed
     def chain_forward(self, fb: ForwardBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,6 +166,7 @@ class SpecGraphs:
         replay, (logits, hidden) = self._verify[bs]
         replay()
         self.replays += 1
+        self.graph_steps += 1
         self._loaded = (fb, bs)
         return logits[:t], hidden[:t]
 

@@ -88,18 +88,22 @@ def test_graph_speculation_is_eager_speculation_bit_for_bit(make_spec_engine: En
                                                           steps: int) -> None:
     """Exact mode, ladder (1, 2, 4, 8): 5 requests (graph of 8: 3 padding requests), then 3 (graph of 4) with one
     sampling at temperature 1 with a seed; greedy requests of different lengths end on eager steps (fewer drafts).
-    Tokens, logprobs and routes equal the eager engine's; some steps ran on graphs, padded, some eager."""
+    Tokens, logprobs and routes equal the eager engine's; some steps ran on graphs, padded, some eager; all-greedy
+    steps on the one-replay greedy graph, the others on the chain / verify / extend graphs."""
     spec = dict(speculative_algorithm="NEXTN", speculative_num_steps=steps, **EXACT)
     graphs_engine, eager = make_spec_engine(model=mtp_ckpt, **spec), make_spec_engine(model=mtp_ckpt, **spec)
     graphs = install_spec_graphs(graphs_engine, (1, 2, 4, 8))
-    seen: list[tuple[int, int]] = []  # (B, the graph size it ran on) of each verify replay
-    real_verify = graphs.verify_forward
+    seen: list[tuple[int, int]] = []  # (B, the graph size it ran on) of each graph step
+    kinds: list[str] = []  # "greedy" (one replay: spec/greedy_step.py) or "sampled" (chain, verify, extend replays)
+    for kind, name in (("sampled", "verify_forward"), ("greedy", "greedy_step")):
+        real = getattr(graphs, name)
 
-    def verify(fb: ForwardBatch) -> Any:
-        seen.append((fb.batch_size, next(s for s in graphs.batch_sizes if s >= fb.batch_size)))
-        return real_verify(fb)
+        def spied(fb: ForwardBatch, _real: Any = real, _kind: str = kind) -> Any:
+            seen.append((fb.batch_size, next(s for s in graphs.batch_sizes if s >= fb.batch_size)))
+            kinds.append(_kind)
+            return _real(fb)
 
-    graphs.verify_forward = verify  # type: ignore[method-assign]
+        setattr(graphs, name, spied)
     steps_run = [0]
     real_launch = graphs_engine.runner.launch
 
@@ -108,6 +112,14 @@ def test_graph_speculation_is_eager_speculation_bit_for_bit(make_spec_engine: En
         return real_launch(items)
 
     graphs_engine.runner.launch = launch  # type: ignore[method-assign]
+    forwards = [0]  # target forwards: a step mixing prefill chunks and greedy verifies runs two
+    real_forward = graphs_engine.runner._launch
+
+    def forward(items: Any) -> Any:
+        forwards[0] += 1
+        return real_forward(items)
+
+    graphs_engine.runner._launch = forward  # type: ignore[method-assign]
     rounds: list[tuple[list[list[int]], list[dict[str, Any]]]] = [
         (prompts(5, seed=steps), [{"temperature": 0, "max_new_tokens": n, "ignore_eos": True} for n in (9, 16, 16,
                                                                                                     12, 16)]),
@@ -122,17 +134,27 @@ def test_graph_speculation_is_eager_speculation_bit_for_bit(make_spec_engine: En
         want += eager.generate(input_ids=ids, sampling_params=sp, **ASK)
     assert_same(got, want)
     assert_mixed_acceptance(got)
+    spec_meta = ("spec_verify_ct", "spec_num_correct_drafts", "spec_num_proposed_drafts")
+    assert [[r["meta_info"][k] for k in spec_meta] for r in got] == [[r["meta_info"][k] for k in spec_meta]
+                                                                      for r in want], "drafts differ from eager's"
     assert any(b < bs for b, bs in seen), f"no padded graph batch: {seen}"
     assert {bs for _, bs in seen} >= {4, 8}, seen
-    assert graphs.replays == len(seen) * (steps + 1), "a graph step is d - 1 chain, 1 verify and 1 extend replays"
+    assert {"greedy", "sampled"} <= set(kinds), kinds
+    # a sampled graph step is d - 1 chain, 1 verify and 1 extend replays, a greedy one a single replay; a step with
+    # a prefill chunk runs eager but for its verifies' d - 1 chain replays
+    chained = graphs.replays - kinds.count("greedy") - kinds.count("sampled") * (steps + 1)
+    assert chained % max(steps - 1, 1) == 0 and (chained > 0) == (steps > 1), (graphs.replays, kinds)
     assert 0 < len(seen) < steps_run[0], "some steps must run eager (prefill chunks, fewer drafts near the end)"
+    assert forwards[0] > steps_run[0], "some steps must split into a prefill forward and the greedy graph"
     assert graphs_engine.flush_cache() and graphs_engine.kv_pool.num_free_pages == graphs_engine.kv_pool.num_pages
 
 
 def test_draft_graph_replays_leave_the_target_capture_byte_identical(make_spec_engine: EngineFactory,
                                                                       mtp_ckpt: Path, tmp_path: Path) -> None:
-    """The spy of test_spec_capture around every draft replay (chain and extend graphs): the capturer's buffers are
-    byte-identical before and after, no recorder hook runs inside one. A trace records every row."""
+    """The spy of test_spec_capture around every draft forward a graph replays (the stand-in re-runs the captured
+    code, so the Drafter's chain and extend forwards inside the chain / extend graphs and inside the one-replay greedy
+    graph): the capturer's buffers are byte-identical before and after, no recorder hook runs inside one. A greedy
+    round (the greedy graph) and a sampled one (chain / verify / extend graphs). A trace records every row."""
     engine = make_spec_engine(model=mtp_ckpt, capture_weights=True, speculative_algorithm="NEXTN",
                               speculative_num_steps=3, **EXACT)
     graphs = install_spec_graphs(engine, (1, 2, 4))
@@ -147,8 +169,9 @@ def test_draft_graph_replays_leave_the_target_capture_byte_identical(make_spec_e
             return _real(*args, **kwargs)
 
         setattr(cap, hook, spy)
+    drafter = engine.runner.drafter
     for name in ("chain_forward", "extend_forward"):
-        real_forward = getattr(graphs, name)
+        real_forward = getattr(drafter, name)
 
         def spied(*args: Any, _real: Any = real_forward) -> Any:
             before = capture_state(cap)
@@ -162,14 +185,18 @@ def test_draft_graph_replays_leave_the_target_capture_byte_identical(make_spec_e
                 changed.extend(i for i, (a, b) in enumerate(zip(before, after, strict=True))
                                if not np.array_equal(a, b))
 
-        setattr(graphs, name, spied)
+        setattr(drafter, name, spied)
     engine.start_trace(tmp_path / "trace", run_id="spy")
-    outs = engine.generate(input_ids=prompts(3, seed=4), sampling_params={"temperature": 0, "max_new_tokens": 12,
-                                                                          "ignore_eos": True},
-                           return_routed_experts=[True, False, True])
+    outs, graph_replays = [], []
+    for sp in ({"temperature": 0}, {"temperature": 1.0, "sampling_seed": 3}):
+        before = graphs.replays
+        outs += engine.generate(input_ids=prompts(3, seed=4), sampling_params={**sp, "max_new_tokens": 12,
+                                                                                "ignore_eos": True},
+                                return_routed_experts=[True, False, True])
+        graph_replays.append(graphs.replays - before)
     engine.stop_trace()
     assert all("error" not in o for o in outs)
-    assert replays[0] >= 3, "draft graphs must have replayed"
+    assert min(graph_replays) >= 3 and replays[0] >= 3 * 3, f"graphs must have replayed: {graph_replays}"
     assert calls == [] and changed == [], f"draft replays called {calls} / changed capture buffers {changed}"
 
 

@@ -96,8 +96,9 @@ def test_bf16_sample_model_graphs_give_eager_greedy_tokens() -> None:
 
 def test_draft_graph_replays_leave_the_target_capture_byte_identical(make_spec_engine: EngineFactory,
                                                                       mtp_ckpt: Path, tmp_path: Path) -> None:
-    """triton backends (the fused top-k writes capture's device buffer itself), a trace recording every row: around
-    every chain and extend replay the capturer's device and host buffers are byte-identical (synchronised reads)."""
+    """triton backends (the fused top-k writes capture's device buffer itself), a trace recording every row, sampled
+    requests (the chain / verify / extend graphs; greedy steps replay one graph: the test below): around every chain
+    and extend replay the capturer's device and host buffers are byte-identical (synchronised reads)."""
     engine = make_spec_engine(model=mtp_ckpt, capture_weights=True, speculative_algorithm="NEXTN",
                               speculative_num_steps=3, cuda_graph_batch_sizes=SIZES, **TRITON)
     graphs = spec_graphs(engine)
@@ -124,12 +125,45 @@ def test_draft_graph_replays_leave_the_target_capture_byte_identical(make_spec_e
 
         setattr(graphs, name, spied)
     engine.start_trace(tmp_path / "trace", run_id="spy")
-    outs = engine.generate(input_ids=prompts(5, 3), sampling_params={"temperature": 0, "max_new_tokens": 16,
-                                                                     "ignore_eos": True},
+    outs = engine.generate(input_ids=prompts(5, 3), sampling_params={"temperature": 1.0, "sampling_seed": 2,
+                                                                     "max_new_tokens": 16, "ignore_eos": True},
                            return_routed_experts=[True, False, True, False, True])
     engine.stop_trace()
     assert all("error" not in o for o in outs)
     assert replays[0] >= 3 and changed == [], f"{replays[0]} draft replays changed capture buffers {changed}"
+
+
+def test_greedy_graph_writes_only_the_verify_routes(make_spec_engine: EngineFactory, mtp_ckpt: Path) -> None:
+    """The one-replay greedy graph (chain drafts, verify, acceptance, extend: spec/greedy_step.py) cannot be split
+    around its draft forwards, so it is compared whole: on the same static batch, the capturer's device buffers
+    (filled with a sentinel first) after one greedy-graph replay equal those after a replay of the verify graph alone:
+    the draft forwards inside it write no route row of a request."""
+    engine = make_spec_engine(model=mtp_ckpt, capture_weights=True, speculative_algorithm="NEXTN",
+                              speculative_num_steps=3, cuda_graph_batch_sizes=SIZES, **TRITON)
+    graphs = spec_graphs(engine)
+    engine.generate(input_ids=prompts(5, 3), sampling_params={"temperature": 0, "max_new_tokens": 16,
+                                                              "ignore_eos": True}, return_routed_experts=True)
+    assert graphs.graph_steps > 0 and graphs.replays == graphs.graph_steps, "greedy steps replay one graph each"
+
+    def replay_both() -> list[list[torch.Tensor]]:
+        b = engine.capturer.buffers
+        bufs = [t for t in (b.dev_ids, b.dev_weights) if t is not None]
+        states = []
+        for replay in (graphs._step[8][0], graphs._verify[8][0]):
+            for t in bufs:
+                t.fill_(-7)
+            replay()
+            torch.cuda.synchronize()
+            states.append([t.clone() for t in bufs])
+        return states
+
+    step, verify = engine.core.loop.call(replay_both)
+    # rows of the static batch whose KV slot is a request's: padding requests all write the pool's padding slot and
+    # their extend attention reads it back, so their rows race between replays (they are never copied out)
+    real = graphs.verify_batch.out_cache_loc[: 8 * graphs.tokens] != engine.kv_pool.pad_slot  # [8 n]
+    assert real.any()
+    assert (step[0][:, real] != -7).all(), "the verify inside the greedy graph wrote every request row's routes"
+    assert all(torch.equal(a[:, real], b[:, real]) for a, b in zip(step, verify, strict=True))
 
 
 def test_capture_is_one_pool_of_real_graphs() -> None:
