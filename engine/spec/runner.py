@@ -244,11 +244,16 @@ class SpecRunner(ModelRunner):
 
     def _output_logprobs(self, samplers: list[ScheduledReq], logits: torch.Tensor, tokens: torch.Tensor,
                          out: dict[str, torch.Tensor]) -> None:
-        """The logprob of each committed token at its row (raw logits, as ModelRunner), and top lists."""
+        """The logprob of each committed token at its row, and top lists: the log-softmax of the logits over the
+        request's temperature (greedy: 1), as ModelRunner scores output rows (SGLang's default). Penalties, bias
+        and min_new_tokens are refused under speculation, so the temperature is the only processing."""
         asked = [it.req.logprob for it in samplers if it.req.logprob is not None]
         if not asked:
             return
-        logprobs = torch.log_softmax(logits, dim=-1)  # [B, d + 1, V]
+        b, n, v = logits.shape
+        params = [it.req.params for it in samplers for _ in range(n)]
+        scored = self.sampler.scored_logits(logits.reshape(b * n, v), params, penalised=False)
+        logprobs = torch.log_softmax(logits if scored is None else scored.view(b, n, v), dim=-1)  # [B, d + 1, V]
         out["next_lp"] = logprobs.gather(2, tokens[:, :, None])[:, :, 0]
         top_num = max(lp.top_num for lp in asked)
         if top_num:
