@@ -41,7 +41,7 @@ from typing import Literal, NamedTuple
 
 import numpy as np
 
-from r3trace.eplb.affinity import affinity_replicas, coactivation_counts, home_primaries
+from r3trace.eplb.affinity import CoChoices, affinity_replicas, home_primaries
 from r3trace.eplb.deepseek import group_nodes, pack_nodes, spread_replicas
 from r3trace.eplb.homing import capped_counts, expert_nodes
 from r3trace.eplb.leveling import level_refine
@@ -165,10 +165,6 @@ def layout(cluster: Cluster, cfg: PlannerConfig = PlannerConfig()) -> Layout:
                             f"lone cold ones moved off for balance; {extras}")
 
 
-def _coact(tokens: np.ndarray | None, n_layers: int, e: int) -> np.ndarray:
-    return np.zeros((n_layers, e, e)) if tokens is None or not len(tokens) else coactivation_counts(tokens, e)
-
-
 def fresh_plan(w: np.ndarray, home: np.ndarray, cluster: Cluster, cfg: PlannerConfig,
                tokens: np.ndarray | None = None) -> Placement:
     """Forecast loads w [L, E], preferred nodes home [L, E], tokens [T, L, K] or None -> Placement with group
@@ -176,7 +172,7 @@ def fresh_plan(w: np.ndarray, home: np.ndarray, cluster: Cluster, cfg: PlannerCo
     n_layers, e = w.shape
     if spreads(cluster, cfg):
         logcnt = capped_counts(w, cluster.num_slots, spread_cap(cluster))
-        cnt = affinity_replicas(w, logcnt, home_primaries(w, cluster), _coact(tokens, n_layers, e), cluster)
+        cnt = affinity_replicas(w, logcnt, home_primaries(w, cluster), CoChoices(tokens, e), cluster)
         phy2log = level_refine(pack_nodes(w, logcnt, cnt, cluster), w, logcnt, cluster, cfg.level_swaps,
                                cfg.level_min_gain, cfg.level_cold, cross_nodes=not cfg.keep_groups)
         return from_phy2log(phy2log, e)
@@ -250,7 +246,7 @@ def seeded_plan(w: np.ndarray, prev: Placement, cluster: Cluster, cfg: PlannerCo
                 take[layer] = True
         logcnt = np.where(take[:, None], logcnt, prev.logcnt)
         moved = np.where(take, moved, 0)
-    phy2log = reseat(prev.phy2log, logcnt, w, _coact(tokens, n_layers, e), cluster)
+    phy2log = reseat(prev.phy2log, logcnt, w, CoChoices(tokens, e).row, cluster)
     swaps = int(budget - moved.sum()) // (2 * n_layers)
     leveled = level_refine(phy2log, w, logcnt, cluster, swaps, cfg.replan_level_min_gain, cfg.level_cold)
     # a layer keeps its swaps only where they lower its hottest GPU by more than replan_min_drop
