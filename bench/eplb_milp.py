@@ -136,8 +136,9 @@ def solve(load: np.ndarray, tokens: np.ndarray, cluster: Cluster, objective: Lit
                integrality=np.asarray(var.integ), bounds=(var.lo, var.hi),
                options={"time_limit": time_limit, "disp": False})
     if res.x is None:
+        dual = getattr(res, "mip_dual_bound", None)  # None where HiGHS stopped before a bound (presolve)
         raise NoPlacement(f"HiGHS found no placement in {time_limit} s: {res.message}",
-                          float(getattr(res, "mip_dual_bound", np.nan) or np.nan))
+                          np.nan if dual is None else float(dual))
     x = np.rint(res.x[u]).astype(np.int64).sum(2)  # [E, G] replicas per GPU
     phy2log = np.concatenate([np.repeat(np.arange(e), x[:, k]) for k in range(g)])[None]
     pl = from_phy2log(phy2log, e)
@@ -162,9 +163,11 @@ INSTANCES = {  # name -> (experts, top-k, tokens, GPUs, nodes, slots, groups); t
 }
 
 
-def instance(name: str, seed: int = 0) -> tuple[np.ndarray, np.ndarray, Cluster]:
-    """-> (load [E], tokens [T, K], cluster): Zipf(0.8) synthetic choices, or the sample model's first tokens."""
-    e, k, t, g, n, p, gr = INSTANCES[name]
+def instance(name: str, seed: int = 0,
+             spec: tuple[int, int, int, int, int, int, int] | None = None) -> tuple[np.ndarray, np.ndarray, Cluster]:
+    """-> (load [E], tokens [T, K], cluster): Zipf(0.8) synthetic choices, or the sample model's first tokens;
+    spec (experts, top-k, tokens, GPUs, nodes, slots, groups) for a shape not in INSTANCES."""
+    e, k, t, g, n, p, gr = INSTANCES[name] if spec is None else spec
     if name.startswith("sample"):
         from bench.eplb_traces import sample_windows
 

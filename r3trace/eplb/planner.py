@@ -46,6 +46,7 @@ from r3trace.eplb.deepseek import group_nodes, pack_nodes, spread_replicas
 from r3trace.eplb.homing import capped_counts, expert_nodes
 from r3trace.eplb.leveling import level_refine
 from r3trace.eplb.placement import Cluster, Placement, PlacementError, from_phy2log
+from r3trace.eplb.polish import NodeRule, polish
 from r3trace.eplb.refine import swap_refine
 from r3trace.eplb.reseat import reseat
 from r3trace.eplb.score import even_gpu_load, node_counts
@@ -77,6 +78,9 @@ class PlannerConfig:
     # every first replica stays on its group's home nodes and swaps stay inside nodes: a token's cover is never
     # larger than under DeepSeek's hierarchical layout (the same group homes), extra replicas only add choices
     keep_groups: bool = False
+    # polish moves per layer after a fresh plan, on layers of <= 128 slots and <= 8 nodes only (polish.py): the
+    # exact MILP's small instances 1.6-2.8% -> 0-1.4% above its optimum or bound, in sample
+    polish_steps: int = 64
 
     def __post_init__(self) -> None:
         bad_alpha = self.ema_alpha is not None and not 0 <= self.ema_alpha <= 1
@@ -180,7 +184,8 @@ def fresh_plan(w: np.ndarray, home: np.ndarray, cluster: Cluster, cfg: PlannerCo
         cnt = affinity_replicas(w, logcnt, home_primaries(w, cluster), CoChoices(tokens, e), cluster)
         phy2log = level_refine(pack_nodes(w, logcnt, cnt, cluster), w, logcnt, cluster, cfg.level_swaps,
                                cfg.level_min_gain, cfg.level_cold, cross_nodes=not cfg.keep_groups)
-        return from_phy2log(phy2log, e)
+        rule: NodeRule = "keep" if cfg.keep_groups else "cover"
+        return from_phy2log(polish(phy2log, w, cluster, tokens, cfg.polish_steps, rule), e)
     logcnt = capped_counts(w, cluster.num_slots, cluster.gpus_per_node)
     node = expert_nodes(w, logcnt, home, cluster, cfg.home_slack)
     cnt = np.zeros((n_layers, e, cluster.num_nodes), dtype=np.int64)
@@ -190,7 +195,7 @@ def fresh_plan(w: np.ndarray, home: np.ndarray, cluster: Cluster, cfg: PlannerCo
         cnt[split] = spread_replicas(w[split], logcnt[split], group_nodes(w[split], cluster), cluster)
     phy2log = swap_refine(pack_nodes(w, logcnt, cnt, cluster), w, logcnt, cluster, cfg.fresh_swaps, cfg.min_gain,
                           cross_nodes=not cfg.keep_groups)
-    return from_phy2log(phy2log, e)
+    return from_phy2log(polish(phy2log, w, cluster, tokens, cfg.polish_steps, "fixed"), e)
 
 
 def plan(
