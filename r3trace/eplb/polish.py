@@ -9,7 +9,9 @@ tries every move of three kinds around the hottest GPU h:
   exchange  two slots of h with two slots of one other GPU (single swaps get stuck where loads are coarse:
             on synth-e16 h sits at 20.5 over a 20.0 optimum that only a 2-for-2 exchange reaches),
 and takes the one with the lowest (max GPU load, GPUs at that load) among those that lower that pair and do not
-raise nodes per token: the mean fewest covering nodes of the layer's tokens (exact cover, <= 8 nodes), or without
+raise nodes per token: the mean fewest covering nodes of the layer's newest COACT_TOKENS tokens (exact cover,
+<= 8 nodes; scored only for candidates that move an expert off or onto a node: 78K tokens of the sample model
+made a plan take 100 s), or without
 tokens, no expert leaving a node it was on. Ties go to fewer nodes per token. In sample on bench/eplb_milp.py's
 instances: synth-e16 20.5 -> 20.0 (the proven optimum), synth-e32 48.75 -> 48.25 (optimum 48.0), sample-e32
 49.0 -> 48.83 (best known 48.5), synth-e64 37.0 -> 36.5 (bound 36.0), with nodes per token 1.15 / 1.68 / 1.40
@@ -28,6 +30,7 @@ from typing import Literal
 
 import numpy as np
 
+from r3trace.eplb.affinity import COACT_TOKENS
 from r3trace.eplb.placement import Cluster
 
 POLISH_SLOTS = 128  # slots of a layer the polish runs on (the MILP's instances: 20-80; the sample model's: 32-64)
@@ -53,7 +56,7 @@ def polish(phy2log: np.ndarray, weight: np.ndarray, cluster: Cluster, tokens: np
     if not applies(cluster):
         return out
     for layer in range(out.shape[0]):
-        tok = None if tokens is None or not len(tokens) else np.asarray(tokens[:, layer], dtype=np.int64)
+        tok = None if tokens is None or not len(tokens) else np.asarray(tokens[-COACT_TOKENS:, layer], dtype=np.int64)
         out[layer] = _layer(out[layer], np.asarray(weight[layer], dtype=np.float64), tok, cluster, max_steps, rule)
     return out
 
@@ -83,8 +86,10 @@ def _layer(ph: np.ndarray, w: np.ndarray, tok: np.ndarray | None, cl: Cluster, s
             elif rule == "keep" or tok is None:  # no expert leaves a node: no token's cover can grow
                 ok = ((m & mask) == mask).all(1)
                 nd = np.full(len(part), nodes)
-            else:
-                nd = _nodes(m, tok, cl)
+            else:  # covers change only where some expert's nodes do: most swaps stay inside a node
+                moved = (m != mask).any(1)
+                nd = np.full(len(part), nodes)
+                nd[moved] = _nodes(m[moved], tok, cl)
                 ok = nd <= nodes + 1e-12
             if ok.any():
                 j = np.flatnonzero(ok)
