@@ -1,9 +1,10 @@
 """Our placement planner: one node per expert, planned for the next window, migration-bounded.
 
 1. Forecast: an exponential moving average of the per-window loads [W, L, E] (each window normalised to
-   rates), so one noisy window does not move replicas: the global policy plans on the last window alone
-   and loses 4-6 points of balancedness on the next one. Its weight is picked per plan by backtest on the
-   history (choose_alpha: slow drift wants a long memory, fast drift a short one).
+   rates; weights normalised over the windows there are, _smooth), so one noisy window does not move
+   replicas: the global policy plans on the last window alone and loses 4-6 points of balancedness on the
+   next one. Its weight is picked per plan by backtest on the history (choose_alpha: slow drift wants a long
+   memory, fast drift a short one).
 2. Replica counts: the global policy's rule (each extra slot to the expert with the highest load per
    replica), capped at the GPUs of one node (homing.capped_counts).
 3. Layout (`layout` says which and why). On one node every replica sits on it. On several nodes
@@ -22,7 +23,8 @@
 4. Each node's replicas are packed onto its GPUs (balanced packing), then up to `fresh_swaps` swaps
    lower the hottest GPUs (refine.swap_refine; 0.925 -> 0.944 held out on 32 GPUs). In the multi-node layout
    leveling swaps lower the sum of squared GPU loads instead (leveling.py: 0.835 / 0.744 / 0.535 ->
-   0.837 / 0.749 / 0.543 held out at s = 0.3 / 0.6 / 1.0).
+   0.837 / 0.749 / 0.543 held out at s = 0.3 / 0.6 / 1.0). Layers of <= 128 slots then get polish.py's
+   node-aware search on the max GPU load itself (swaps, recounts, 2-for-2 exchanges; fresh plans only).
 5. Migration: with a previous placement, a layer is re-placed only when the fresh plan lowers its forecast
    max GPU load by more than `keep_tolerance`; otherwise the previous layer is kept and gets at most
    `replan_swap_share` of its slots in swaps (2 slots each). Layers are re-placed biggest gain first
