@@ -178,10 +178,13 @@ def table(results: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def plan_times(ref_dir: str | None, repeats: int = 3) -> list[dict[str, Any]]:
+def plan_times(ref_dir: str | None, repeats: int = 5) -> list[dict[str, Any]]:
     """Median seconds per plan at [58, 256] (grouped router, s = 0.6): ours fresh and re-planned from its previous
     placement (with the newest 2048 tokens), the global policy of r3trace/eplb/deepseek.py, and DeepSeek's own
-    eplb.py from ref_dir (rebalance_experts with the shape's groups and nodes, its default, and with one node)."""
+    eplb.py from ref_dir (rebalance_experts with the shape's groups and nodes, its default, and with one node).
+
+    The calls of one shape take turns (ours, re-plan, ..., the reference), `repeats` rounds, so a burst of other
+    jobs on the shared cores lands on all of them alike; ratios are of the medians."""
     import importlib.util
     import statistics
 
@@ -194,29 +197,31 @@ def plan_times(ref_dir: str | None, repeats: int = 3) -> list[dict[str, Any]]:
     routes = load_windows(TraceSpec(num_layers=58, windows=3, window_tokens=2048))[0]
     heats = np.stack([heat_of(w, 256) for w in routes])
 
-    def timed(f: Callable[[], object]) -> float:
-        out = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            f()
-            out.append(time.perf_counter() - t0)
-        return statistics.median(out)
-
     rows = []
     for g, n, p in MAIN_SHAPES:
         cl = Cluster(g, n, p)
         first = plan(heats[:2], cl, tokens=routes[1])
-        row: dict[str, Any] = {
-            "shape": f"{g}x{n}x{p}", "ours_fresh": timed(lambda c=cl: plan(heats, c, tokens=routes[2])),
-            "ours_replan": timed(lambda c=cl, f=first: plan(heats, c, f, tokens=routes[2])),
-            "global_numpy": timed(lambda c=cl: global_policy(heats[2], c))}
+        calls: dict[str, Callable[[], object]] = {
+            "ours_fresh": lambda c=cl: plan(heats, c, tokens=routes[2]),
+            "ours_replan": lambda c=cl, f=first: plan(heats, c, f, tokens=routes[2]),
+            "global_numpy": lambda c=cl: global_policy(heats[2], c)}
         if ref is not None:
             import torch
 
             w = torch.tensor(heats[2])
             groups, nodes = (8, n) if 8 % n == 0 else (1, 1)  # what rebalance_experts does with 8 groups
-            row["ref_default"] = timed(lambda a=(w, p, groups, nodes, g): ref.rebalance_experts(*a))
-            row["ref_global"] = timed(lambda a=(w, p, 1, 1, g): ref.rebalance_experts(*a))
+            calls["ref_default"] = lambda a=(w, p, groups, nodes, g): ref.rebalance_experts(*a)
+            calls["ref_global"] = lambda a=(w, p, 1, 1, g): ref.rebalance_experts(*a)
+        took: dict[str, list[float]] = {k: [] for k in calls}
+        for _ in range(repeats):
+            for k, f in calls.items():
+                t0 = time.perf_counter()
+                f()
+                took[k].append(time.perf_counter() - t0)
+        row: dict[str, Any] = {"shape": f"{g}x{n}x{p}", **{k: statistics.median(v) for k, v in took.items()}}
+        if ref is not None:
+            row["fresh_vs_default"] = row["ours_fresh"] / row["ref_default"]
+            row["replan_vs_default"] = row["ours_replan"] / row["ref_default"]
         rows.append(row)
         print(row, flush=True)
     return rows

@@ -36,6 +36,14 @@ class MilpResult:
     placement: Placement
 
 
+class NoPlacement(RuntimeError):
+    """No incumbent within the time limit (or none exists); `bound` is HiGHS' proven bound all the same."""
+
+    def __init__(self, message: str, bound: float) -> None:
+        super().__init__(message)
+        self.bound = bound
+
+
 class _Vars:
     """Column index bookkeeping: named blocks of variables, flat in one vector."""
 
@@ -56,8 +64,10 @@ class _Vars:
 
 
 def solve(load: np.ndarray, tokens: np.ndarray, cluster: Cluster, objective: Literal["balance", "nodes"],
-          max_load_cap: float | None = None, max_replicas: int = 4, time_limit: float = 60.0) -> MilpResult:
-    """load [E] (one layer), tokens [T, K] expert ids -> the best placement for `objective` (module doc)."""
+          max_load_cap: float | None = None, max_replicas: int = 4, time_limit: float = 60.0,
+          nodes_cap: float | None = None) -> MilpResult:
+    """load [E] (one layer), tokens [T, K] expert ids -> the best placement for `objective` (module doc);
+    max_load_cap / nodes_cap bound the other objective (nodes_cap: mean nodes per token over the tokens)."""
     import time
 
     from scipy.optimize import LinearConstraint, milp
@@ -68,7 +78,7 @@ def solve(load: np.ndarray, tokens: np.ndarray, cluster: Cluster, objective: Lit
     spg, gpn, c_max = cluster.slots_per_gpu, cluster.gpus_per_node, min(max_replicas, cluster.num_slots - e + 1)
     cs = np.arange(1, c_max + 1)
     sets, weight = np.unique(np.sort(np.asarray(tokens), axis=1), axis=0, return_counts=True)  # [T', K]
-    use_tokens = objective == "nodes"
+    use_tokens = objective == "nodes" or nodes_cap is not None
     var = _Vars()
     u = var.add((e, g, c_max), 0, np.minimum(spg, cs)[None, None, :], True)
     z = var.add((e, c_max), 0, 1, True)
@@ -112,8 +122,10 @@ def solve(load: np.ndarray, tokens: np.ndarray, cluster: Cluster, objective: Lit
                 for node in range(n):
                     row([a[t, k, node], y[ex, node]], [1.0, -1.0], -np.inf, 0)
                     row([a[t, k, node], v[t, node]], [1.0, -1.0], -np.inf, 0)
+    if nodes_cap is not None:
+        row(v, np.repeat(weight / weight.sum(), n), -np.inf, nodes_cap)
     cost = np.zeros(var.n)
-    if use_tokens:
+    if objective == "nodes":
         cost[v.ravel()] = np.repeat(weight / weight.sum(), n)
     else:
         cost[m] = 1.0
@@ -124,7 +136,9 @@ def solve(load: np.ndarray, tokens: np.ndarray, cluster: Cluster, objective: Lit
                integrality=np.asarray(var.integ), bounds=(var.lo, var.hi),
                options={"time_limit": time_limit, "disp": False})
     if res.x is None:
-        raise RuntimeError(f"HiGHS found no placement in {time_limit} s: {res.message}")
+        dual = getattr(res, "mip_dual_bound", None)  # None where HiGHS stopped before a bound (presolve)
+        raise NoPlacement(f"HiGHS found no placement in {time_limit} s: {res.message}",
+                          np.nan if dual is None else float(dual))
     x = np.rint(res.x[u]).astype(np.int64).sum(2)  # [E, G] replicas per GPU
     phy2log = np.concatenate([np.repeat(np.arange(e), x[:, k]) for k in range(g)])[None]
     pl = from_phy2log(phy2log, e)
@@ -149,9 +163,11 @@ INSTANCES = {  # name -> (experts, top-k, tokens, GPUs, nodes, slots, groups); t
 }
 
 
-def instance(name: str, seed: int = 0) -> tuple[np.ndarray, np.ndarray, Cluster]:
-    """-> (load [E], tokens [T, K], cluster): Zipf(0.8) synthetic choices, or the sample model's first tokens."""
-    e, k, t, g, n, p, gr = INSTANCES[name]
+def instance(name: str, seed: int = 0,
+             spec: tuple[int, int, int, int, int, int, int] | None = None) -> tuple[np.ndarray, np.ndarray, Cluster]:
+    """-> (load [E], tokens [T, K], cluster): Zipf(0.8) synthetic choices, or the sample model's first tokens;
+    spec (experts, top-k, tokens, GPUs, nodes, slots, groups) for a shape not in INSTANCES."""
+    e, k, t, g, n, p, gr = INSTANCES[name] if spec is None else spec
     if name.startswith("sample"):
         from bench.eplb_traces import sample_windows
 

@@ -30,7 +30,7 @@ COACT_TOKENS = 1024  # newest tokens counted: 1024 x 58 layers x 28 pairs, 0.09 
 
 def coactivation_counts(tokens: np.ndarray, num_experts: int) -> np.ndarray:
     """tokens [T, L, K] -> [L, E, E] symmetric counts of tokens choosing both experts (zero diagonal), float32
-    (exact below 2^24 tokens; float64 doubled the time of a [58, 256] plan's conversion on loaded cores)."""
+    (exact below 2^24 tokens). Dense: for baselines and tests; the planner counts only what it reads (CoChoices)."""
     tok = np.asarray(tokens[-COACT_TOKENS:], dtype=np.int64)
     _, n_layers, k = tok.shape
     iu, ju = np.triu_indices(k, 1)
@@ -39,6 +39,55 @@ def coactivation_counts(tokens: np.ndarray, num_experts: int) -> np.ndarray:
     c = np.bincount(flat.ravel(), minlength=n_layers * num_experts**2).reshape(n_layers, num_experts, num_experts)
     c = c.astype(np.float32)
     return c + c.transpose(0, 2, 1)
+
+
+class CoChoices:
+    """The newest COACT_TOKENS tokens' co-choices, counted only where the planner reads them.
+
+    Equal to coactivation_counts' matrix C [L, E, E] (same integers), without building it: at [58, 256] the
+    dense matrix (bincount into 3.8M bins, float32 conversion, transposed add) and its [E, E] @ [E, N] products
+    were 0.06-0.15 s of a 0.13-0.23 s fresh plan; node_affinity reads the same pairs in one bincount over
+    L x E x N bins, and a re-plan reads only the rows of the few experts whose counts change."""
+
+    def __init__(self, tokens: np.ndarray | None, num_experts: int) -> None:
+        self.e = num_experts
+        self.tok = None if tokens is None or not len(tokens) else np.asarray(tokens[-COACT_TOKENS:], dtype=np.int64)
+        self._by_expert: tuple[np.ndarray, np.ndarray] | None = None  # row()'s index, built on its first call
+
+    def node_affinity(self, node: np.ndarray, num_nodes: int) -> np.ndarray:
+        """node [L, E] (one node per expert) -> [L, E, N] = C @ onehot(node): the co-choices of each expert with
+        the experts on each node, counted over ordered pairs of a token's K positions (i != j)."""
+        n_layers = node.shape[0]
+        if self.tok is None:
+            return np.zeros((n_layers, self.e, num_nodes))
+        k = self.tok.shape[2]
+        ii, jj = np.nonzero(~np.eye(k, dtype=bool))
+        tok = self.tok.astype(np.int32)  # L x E x N < 2^31 bins; int32 halves the [T, L, K(K-1)] index work
+        nd = node.astype(np.int32)[np.arange(n_layers)[None, :, None], tok]  # [T, L, K] node of each choice
+        row = (tok + (np.arange(n_layers, dtype=np.int32) * self.e)[None, :, None]) * num_nodes  # [T, L, K]
+        aff = np.bincount((row[:, :, ii] + nd[:, :, jj]).ravel(), minlength=n_layers * self.e * num_nodes)
+        return aff.reshape(n_layers, self.e, num_nodes).astype(np.float64)
+
+    def row(self, layer: int, x: int) -> np.ndarray:
+        """C[layer, x] [E]: per expert, the tokens that chose it with x (pairs of positions, as C counts).
+
+        The first call sorts the L x T x K choices by (layer, expert) (one argsort), so a row reads only the
+        ~T K / E tokens that chose x: a re-plan reads ~500 rows, 0.08 s by scanning all T x K choices."""
+        if self.tok is None:
+            return np.zeros(self.e)
+        if self._by_expert is None:
+            t, n_layers, k = self.tok.shape
+            key = (self.tok.transpose(1, 0, 2) + (np.arange(n_layers) * self.e)[:, None, None]).ravel()  # [L T K]
+            # int16 keys (L x E < 2^15 at [58, 256]) take numpy's radix sort: 475K keys in a few ms
+            key = key.astype(np.int16) if n_layers * self.e < 2**15 else key
+            order = np.argsort(key, kind="stable")
+            start = np.r_[0, np.bincount(key, minlength=n_layers * self.e).cumsum()]
+            self._by_expert = ((order % (t * k)) // k, start)
+        tokens_of, start = self._by_expert
+        hits = tokens_of[start[layer * self.e + x]:start[layer * self.e + x + 1]]  # a token per position holding x
+        out = np.bincount(self.tok[hits, layer].ravel(), minlength=self.e).astype(np.float64)
+        out[x] -= len(hits)  # a position is not paired with itself  # a position is not paired with itself
+        return out
 
 
 def group_home_nodes(weight: np.ndarray, cluster: Cluster) -> tuple[np.ndarray, np.ndarray]:
@@ -109,12 +158,12 @@ def home_primaries(weight: np.ndarray, cluster: Cluster) -> np.ndarray:
     return node
 
 
-def affinity_replicas(weight: np.ndarray, logcnt: np.ndarray, node: np.ndarray, coact: np.ndarray,
+def affinity_replicas(weight: np.ndarray, logcnt: np.ndarray, node: np.ndarray, co: CoChoices,
                       cluster: Cluster) -> np.ndarray:
     """Replicas per (layer, expert, node) [L, E, N]: the first on node [L, E], each extra (highest load per
     replica first) on a node with a free slot and no replica of it yet, the one whose homed experts it is
-    chosen with most (coact [L, E, E]); a node holding it only when every free node does already. Ties
-    (no tokens: coact all zero) go to the node with the least load per replica placed so far."""
+    chosen with most (co: the newest tokens' co-choices); a node holding it only when every free node does already. Ties
+    (no tokens: no co-choices) go to the node with the least load per replica placed so far."""
     n_layers, e = weight.shape
     rows = np.arange(n_layers)
     cnt = np.zeros((n_layers, e, cluster.num_nodes), dtype=np.int64)
@@ -122,7 +171,7 @@ def affinity_replicas(weight: np.ndarray, logcnt: np.ndarray, node: np.ndarray, 
     free = cluster.slots_per_node - cnt.sum(1)  # [L, N]
     if (free < 0).any():
         raise PlacementError(f"a node holds more first replicas than its {cluster.slots_per_node} slots")
-    aff = coact @ cnt.astype(np.float64)  # [L, E, N] co-choices of each expert with each node's experts
+    aff = co.node_affinity(node, cluster.num_nodes)  # [L, E, N] co-choices of each expert with each node's experts
     per_rep = weight / logcnt
     load = np.einsum("le,len->ln", per_rep, cnt.astype(np.float64))  # [L, N]
     tie = 1e-6 / np.maximum(weight.sum(1, keepdims=True), 1e-12)  # below one co-choice

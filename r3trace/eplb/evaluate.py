@@ -38,7 +38,9 @@ def make_placement(policy: PolicyName, weight: np.ndarray, cluster: Cluster, tok
 
 def forecast_weight(history: np.ndarray, how: Forecast) -> np.ndarray:
     """history [W, L, E] -> the [L, E] heat a policy plans on."""
-    if how == "ema":  # the fixed EMA (weight 0.35); ours' own plan picks its weight by backtest (planner.choose_alpha)
+    # ema: the fixed weight 0.35 (normalised over the windows, planner._smooth); ours' own plan picks its weight by
+    # backtest (planner.choose_alpha)
+    if how == "ema":
         return planner.forecast(history, planner.DEFAULT_ALPHA)
     return history[-1] if how == "newest" else history.sum(0)
 

@@ -1,9 +1,10 @@
 """Our placement planner: one node per expert, planned for the next window, migration-bounded.
 
 1. Forecast: an exponential moving average of the per-window loads [W, L, E] (each window normalised to
-   rates), so one noisy window does not move replicas: the global policy plans on the last window alone
-   and loses 4-6 points of balancedness on the next one. Its weight is picked per plan by backtest on the
-   history (choose_alpha: slow drift wants a long memory, fast drift a short one).
+   rates; weights normalised over the windows there are, _smooth), so one noisy window does not move
+   replicas: the global policy plans on the last window alone and loses 4-6 points of balancedness on the
+   next one. Its weight is picked per plan by backtest on the history (choose_alpha: slow drift wants a long
+   memory, fast drift a short one).
 2. Replica counts: the global policy's rule (each extra slot to the expert with the highest load per
    replica), capped at the GPUs of one node (homing.capped_counts).
 3. Layout (`layout` says which and why). On one node every replica sits on it. On several nodes
@@ -22,7 +23,8 @@
 4. Each node's replicas are packed onto its GPUs (balanced packing), then up to `fresh_swaps` swaps
    lower the hottest GPUs (refine.swap_refine; 0.925 -> 0.944 held out on 32 GPUs). In the multi-node layout
    leveling swaps lower the sum of squared GPU loads instead (leveling.py: 0.835 / 0.744 / 0.535 ->
-   0.837 / 0.749 / 0.543 held out at s = 0.3 / 0.6 / 1.0).
+   0.837 / 0.749 / 0.543 held out at s = 0.3 / 0.6 / 1.0). Layers of <= 128 slots then get polish.py's
+   node-aware search on the max GPU load itself (swaps, recounts, 2-for-2 exchanges; fresh plans only).
 5. Migration: with a previous placement, a layer is re-placed only when the fresh plan lowers its forecast
    max GPU load by more than `keep_tolerance`; otherwise the previous layer is kept and gets at most
    `replan_swap_share` of its slots in swaps (2 slots each). Layers are re-placed biggest gain first
@@ -41,11 +43,12 @@ from typing import Literal, NamedTuple
 
 import numpy as np
 
-from r3trace.eplb.affinity import affinity_replicas, coactivation_counts, home_primaries
+from r3trace.eplb.affinity import CoChoices, affinity_replicas, home_primaries
 from r3trace.eplb.deepseek import group_nodes, pack_nodes, spread_replicas
 from r3trace.eplb.homing import capped_counts, expert_nodes
 from r3trace.eplb.leveling import level_refine
 from r3trace.eplb.placement import Cluster, Placement, PlacementError, from_phy2log
+from r3trace.eplb.polish import NodeRule, polish
 from r3trace.eplb.refine import swap_refine
 from r3trace.eplb.reseat import reseat
 from r3trace.eplb.score import even_gpu_load, node_counts
@@ -77,6 +80,9 @@ class PlannerConfig:
     # every first replica stays on its group's home nodes and swaps stay inside nodes: a token's cover is never
     # larger than under DeepSeek's hierarchical layout (the same group homes), extra replicas only add choices
     keep_groups: bool = False
+    # polish moves per layer after a fresh plan, on layers of <= 128 slots and <= 8 nodes only (polish.py): the
+    # exact MILP's small instances 1.6-2.8% -> 0-1.4% above its optimum or bound, in sample
+    polish_steps: int = 64
 
     def __post_init__(self) -> None:
         bad_alpha = self.ema_alpha is not None and not 0 <= self.ema_alpha <= 1
@@ -119,13 +125,18 @@ def forecast(history: np.ndarray, alpha: float | None) -> np.ndarray:
 
 
 def _smooth(rates: np.ndarray, alpha: float) -> np.ndarray:
-    """[W, L, E] -> [L, E]: EMA with weight alpha on the newest window, or the plain mean for alpha = 0."""
+    """[W, L, E] -> [L, E]: weights alpha (1 - alpha)^age on the windows (age 0 = newest), normalised over the W
+    windows there are, so alpha -> 0 is the plain mean and 1 the newest window.
+
+    Normalised because the textbook EMA started from the oldest window gives it the rest, (1 - alpha)^(W - 1):
+    0.81 of a 3-window forecast at alpha = 0.1. Planned on that, held-out balancedness under slow drift lost
+    0.01-0.02 to the plain mean (bench/eplb_matrix.py cells 64/8/320 and 16/2/288), and the backtest, which
+    scored every weight that way, never picked the mean."""
     if alpha == 0:
         return rates.mean(0)
-    f = rates[0]
-    for r in rates[1:]:
-        f = alpha * r + (1 - alpha) * f
-    return f
+    age = np.arange(len(rates))[::-1]
+    wt = alpha * (1 - alpha) ** age
+    return np.tensordot(wt / wt.sum(), rates, axes=1)
 
 
 def spreads(cluster: Cluster, cfg: PlannerConfig) -> bool:
@@ -165,10 +176,6 @@ def layout(cluster: Cluster, cfg: PlannerConfig = PlannerConfig()) -> Layout:
                             f"lone cold ones moved off for balance; {extras}")
 
 
-def _coact(tokens: np.ndarray | None, n_layers: int, e: int) -> np.ndarray:
-    return np.zeros((n_layers, e, e)) if tokens is None or not len(tokens) else coactivation_counts(tokens, e)
-
-
 def fresh_plan(w: np.ndarray, home: np.ndarray, cluster: Cluster, cfg: PlannerConfig,
                tokens: np.ndarray | None = None) -> Placement:
     """Forecast loads w [L, E], preferred nodes home [L, E], tokens [T, L, K] or None -> Placement with group
@@ -176,10 +183,11 @@ def fresh_plan(w: np.ndarray, home: np.ndarray, cluster: Cluster, cfg: PlannerCo
     n_layers, e = w.shape
     if spreads(cluster, cfg):
         logcnt = capped_counts(w, cluster.num_slots, spread_cap(cluster))
-        cnt = affinity_replicas(w, logcnt, home_primaries(w, cluster), _coact(tokens, n_layers, e), cluster)
+        cnt = affinity_replicas(w, logcnt, home_primaries(w, cluster), CoChoices(tokens, e), cluster)
         phy2log = level_refine(pack_nodes(w, logcnt, cnt, cluster), w, logcnt, cluster, cfg.level_swaps,
                                cfg.level_min_gain, cfg.level_cold, cross_nodes=not cfg.keep_groups)
-        return from_phy2log(phy2log, e)
+        rule: NodeRule = "keep" if cfg.keep_groups else "cover"
+        return from_phy2log(polish(phy2log, w, cluster, tokens, cfg.polish_steps, rule), e)
     logcnt = capped_counts(w, cluster.num_slots, cluster.gpus_per_node)
     node = expert_nodes(w, logcnt, home, cluster, cfg.home_slack)
     cnt = np.zeros((n_layers, e, cluster.num_nodes), dtype=np.int64)
@@ -189,7 +197,7 @@ def fresh_plan(w: np.ndarray, home: np.ndarray, cluster: Cluster, cfg: PlannerCo
         cnt[split] = spread_replicas(w[split], logcnt[split], group_nodes(w[split], cluster), cluster)
     phy2log = swap_refine(pack_nodes(w, logcnt, cnt, cluster), w, logcnt, cluster, cfg.fresh_swaps, cfg.min_gain,
                           cross_nodes=not cfg.keep_groups)
-    return from_phy2log(phy2log, e)
+    return from_phy2log(polish(phy2log, w, cluster, tokens, cfg.polish_steps, "fixed"), e)
 
 
 def plan(
@@ -250,7 +258,7 @@ def seeded_plan(w: np.ndarray, prev: Placement, cluster: Cluster, cfg: PlannerCo
                 take[layer] = True
         logcnt = np.where(take[:, None], logcnt, prev.logcnt)
         moved = np.where(take, moved, 0)
-    phy2log = reseat(prev.phy2log, logcnt, w, _coact(tokens, n_layers, e), cluster)
+    phy2log = reseat(prev.phy2log, logcnt, w, CoChoices(tokens, e).row, cluster)
     swaps = int(budget - moved.sum()) // (2 * n_layers)
     leveled = level_refine(phy2log, w, logcnt, cluster, swaps, cfg.replan_level_min_gain, cfg.level_cold)
     # a layer keeps its swaps only where they lower its hottest GPU by more than replan_min_drop

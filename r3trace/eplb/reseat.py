@@ -19,17 +19,20 @@ Shape legend: L layers, E experts, P slots, N nodes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from r3trace.eplb.placement import Cluster, PlacementError
 
 
-def reseat(phy2log: np.ndarray, logcnt: np.ndarray, weight: np.ndarray, coact: np.ndarray,
+def reseat(phy2log: np.ndarray, logcnt: np.ndarray, weight: np.ndarray, co_row: Callable[[int, int], np.ndarray],
            cluster: Cluster) -> np.ndarray:
     """phy2log [L, P] (previous) -> phy2log [L, P] holding logcnt [L, E] replicas of each expert.
 
     weight [L, E] forecast loads order the gaining replicas (highest load per replica first) and break
-    ties (lighter GPU partner first); coact [L, E, E] co-choices in the newest tokens (zeros: ties only).
+    ties (lighter GPU partner first); co_row(layer, x) -> [E] expert x's co-choices in the newest tokens
+    (affinity.CoChoices.row; zeros: ties only), read only for the experts whose count changes.
     Exactly sum(|logcnt - previous counts|) / 2 slots change; none when the counts are unchanged.
     """
     prev = np.asarray(phy2log, dtype=np.int64)
@@ -51,7 +54,7 @@ def reseat(phy2log: np.ndarray, logcnt: np.ndarray, weight: np.ndarray, coact: n
         free: list[int] = []
         for x in np.flatnonzero(have > logcnt[layer]):
             slots = np.flatnonzero(row == x)
-            aff = _node_affinity(coact[layer, x], on)
+            aff = _node_affinity(co_row(layer, int(x)), on)
             drop = slots[np.lexsort((-slot_load[slots], aff[slot_node[slots]]))][: have[x] - logcnt[layer, x]]
             for s in drop:
                 free.append(int(s))
@@ -64,7 +67,7 @@ def reseat(phy2log: np.ndarray, logcnt: np.ndarray, weight: np.ndarray, coact: n
         for x in gains[np.argsort(-per_rep[layer, gains], kind="stable")]:
             cand = np.asarray(free)
             k = slot_node[cand]
-            aff = _node_affinity(coact[layer, x], on)
+            aff = _node_affinity(co_row(layer, int(x)), on)
             score = aff[k] - tie * gpu_load[slot_gpu[cand]] - np.where(on[x, k] > 0, 1e18, 0.0)
             s = int(cand[np.argmax(score)])
             free.remove(s)

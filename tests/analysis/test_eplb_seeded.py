@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 
@@ -28,12 +30,17 @@ def _coact(rng: np.random.Generator) -> np.ndarray:
     return c
 
 
+def _rows(coact: np.ndarray) -> Callable[[int, int], np.ndarray]:
+    """reseat's co_row from a dense [L, E, E] matrix."""
+    return lambda layer, x: coact[layer, x]
+
+
 def test_reseat_moves_exactly_the_changed_counts() -> None:
     rng = np.random.default_rng(9)
     prev = _random_layout(rng)
     w = rng.pareto(1.0, (L, E)) + 0.1
     new = capped_counts(w, CL.num_slots, CL.num_nodes)
-    out = reseat(prev, new, w, _coact(rng), CL)
+    out = reseat(prev, new, w, _rows(_coact(rng)), CL)
     pl = from_phy2log(out, E)
     np.testing.assert_array_equal(pl.logcnt, new)
     old = from_phy2log(prev, E).logcnt
@@ -48,11 +55,11 @@ def test_reseat_unchanged_counts_is_identity_and_bad_counts_raise() -> None:
     prev = _random_layout(rng)
     w = rng.random((L, E)) + 0.1
     same = from_phy2log(prev, E).logcnt
-    np.testing.assert_array_equal(reseat(prev, same, w, _coact(rng), CL), prev)
+    np.testing.assert_array_equal(reseat(prev, same, w, _rows(_coact(rng)), CL), prev)
     bad = same.copy()
     bad[0, 0] += 1  # sums to P + 1
     with pytest.raises(PlacementError):
-        reseat(prev, bad, w, _coact(rng), CL)
+        reseat(prev, bad, w, _rows(_coact(rng)), CL)
 
 
 def test_reseat_drops_and_adds_replicas_by_co_activation() -> None:
@@ -69,7 +76,7 @@ def test_reseat_drops_and_adds_replicas_by_co_activation() -> None:
     rng = np.random.default_rng(11)
     w = np.ones((1, E)) + rng.random((1, E)) * 1e-3
     w[0, 1] = w[0, 50] = 2.0  # both gain before any tie-break by load
-    out = reseat(prev, new[None, :], w, coact, CL)[0]
+    out = reseat(prev, new[None, :], w, _rows(coact), CL)[0]
     assert out[0] == 0 and out[128] == 50 and out[136] == 1
     np.testing.assert_array_equal(np.bincount(out, minlength=E), new)
 

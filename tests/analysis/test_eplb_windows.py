@@ -135,7 +135,7 @@ def test_held_out_scores_equal_an_independent_scorer(trace: dict[str, Any], tmp_
 def test_auto_backtest_candidates_and_choice(trace: dict[str, Any], tmp_path: Path,
                                              capsys: pytest.CaptureFixture[str]) -> None:
     """--windows 4 on [0, 8) s: history windows of 2 s; the backtest fits on [0, 6) s and scores on [6, 8) s.
-    Global's three forecasts are recomputed here (the EMA of per-window rates, alpha 0.35, in the newest
+    Global's three forecasts are recomputed here (the normalised EMA of per-window rates, alpha 0.35, in the newest
     window's scale); the chosen candidate follows the stated rule on the printed figures."""
     out = tmp_path / "auto.json"
     lines = run_cli(capsys, str(trace["root"]), *CLUSTER, "--train", "time=..8", "--windows", "4",
@@ -147,9 +147,8 @@ def test_auto_backtest_candidates_and_choice(trace: dict[str, Any], tmp_path: Pa
     hist = np.stack([heat(ids[(sec >= a) & (sec < a + 2)]) for a in (0, 2, 4)])  # [W, L, E]
     val = heat(ids[(sec >= 6) & (sec < 8)])
     rates = hist / hist.sum(-1, keepdims=True)
-    ema = rates[0]
-    for r in rates[1:]:
-        ema = 0.35 * r + 0.65 * ema
+    age = np.arange(len(rates))[::-1]  # weights 0.35 x 0.65^age, normalised over the 3 windows
+    ema = np.einsum("w,wle->le", 0.35 * 0.65**age / (0.35 * 0.65**age).sum(), rates)
     cluster = Cluster(8, 4, 24, num_groups=4, node_limit=2)
     rep = json.loads(out.read_text())["meta"]["report"]["backtest"]
     cands = {(c["policy"], c["forecast"]): c for c in rep["candidates"]}

@@ -1,0 +1,69 @@
+"""The corner bounds of bench/eplb_corner.py (HiGHS' proven bounds on the trade-off) against brute force: every
+placement of a tiny shape enumerated, its max GPU load and nodes per token computed by hand.
+Run: .venv/bin/python -m pytest tests/analysis/test_eplb_corner.py -q"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from bench.eplb_corner import balance_roof, nodes_floor
+from r3trace.eplb import Cluster
+
+CL = Cluster(4, 2, 8, num_groups=1)  # 4 GPUs of 2 slots, 2 nodes; 4 experts
+E = 4
+
+
+def _instance() -> tuple[np.ndarray, np.ndarray]:
+    """(load [E], tokens [T, K=2]): seeded Zipf(1) choices, loads = their counts."""
+    rng = np.random.default_rng(5)
+    pop = 1 / np.arange(1, E + 1)
+    tok = np.stack([rng.choice(E, 2, replace=False, p=pop / pop.sum()) for _ in range(10)])
+    return np.bincount(tok.ravel(), minlength=E).astype(float), tok
+
+
+def _all_points(load: np.ndarray, tok: np.ndarray) -> np.ndarray:
+    """[X, 2] (max GPU load, nodes per token) of every placement: each GPU a multiset of 2 experts, every expert
+    at least once. Even split: replica load = load / count; nodes = 1 where one node holds both experts."""
+    pairs = list(itertools.combinations_with_replacement(range(E), 2))
+    pts = []
+    for gpus in itertools.product(pairs, repeat=CL.num_gpus):
+        slots = np.array(gpus).ravel()  # [P]; slots 0-3 on node 0, 4-7 on node 1
+        cnt = np.bincount(slots, minlength=E)
+        if (cnt == 0).any():
+            continue
+        mx = max(sum(load[x] / cnt[x] for x in g) for g in gpus)
+        on = [set(slots[:4]), set(slots[4:])]
+        nodes = np.mean([1 if any({a, b} <= s for s in on) else 2 for a, b in tok])
+        pts.append((mx, nodes))
+    return np.array(pts)
+
+
+@pytest.fixture(scope="module")
+def case() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    load, tok = _instance()
+    return load, tok, _all_points(load, tok)
+
+
+def test_nodes_floor_is_the_brute_force_minimum(case: tuple[np.ndarray, np.ndarray, np.ndarray]) -> None:
+    load, tok, pts = case
+    for cap in np.unique(pts[:, 0])[:4]:  # the tightest balances, where the floor binds
+        best = pts[pts[:, 0] <= cap + 1e-9, 1].min()
+        got = nodes_floor(load, tok, CL, float(cap), time_limit=30)
+        assert got["bound"] <= best + 1e-6  # a valid lower bound
+        assert got["optimal"] and got["found"] == pytest.approx(best)  # and here the exact one
+        assert got["found_max_load"] <= cap + 1e-9
+
+
+def test_balance_roof_is_the_brute_force_maximum(case: tuple[np.ndarray, np.ndarray, np.ndarray]) -> None:
+    load, tok, pts = case
+    mean = load.sum() / CL.num_gpus
+    assert pts[:, 1].min() < pts[pts[:, 0] == pts[:, 0].min(), 1].min()  # a real trade-off on this instance
+    for cap in np.unique(pts[:, 1])[:3]:
+        best = mean / pts[pts[:, 1] <= cap + 1e-9, 0].min()
+        got = balance_roof(load, tok, CL, float(cap), time_limit=30)
+        assert got["roof"] >= best - 1e-6  # a valid upper bound
+        assert got["optimal"] and got["found"] == pytest.approx(best)
+        assert got["found_nodes"] <= cap + 1e-9
