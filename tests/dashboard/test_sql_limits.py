@@ -34,7 +34,9 @@ def start_runaway(server: Dashboard, browser: Browser, session: str | None = Non
     running = "Array.from(document.querySelectorAll('[data-testid=stCaptionContainer]'))" \
               ".some(e => /^Running: ([1-9]|0[.][3-9])/.test(e.innerText))"
     assert browser.wait_for(running, 60, session), "the runaway query never showed 'Running: 0.3 s'"
-    assert busy_cpu_s(server) > 0.08, "the server is not busy: the query is not running"
+    # 0.08 CPU s in a 0.5 s window; on a machine shared with other jobs the server may get less in one window,
+    # so up to 6 windows are read before the query is judged not running
+    assert any(busy_cpu_s(server) > 0.08 for _ in range(6)), "the server is not busy: the query is not running"
 
 
 def test_time_limit_is_the_cli_flag_and_interrupts_duckdb(dashboard: Dashboard, browser: Browser) -> None:
