@@ -60,13 +60,17 @@ class CoChoices:
         n_layers = node.shape[0]
         if self.tok is None:
             return np.zeros((n_layers, self.e, num_nodes))
-        k = self.tok.shape[2]
-        ii, jj = np.nonzero(~np.eye(k, dtype=bool))
-        tok = self.tok.astype(np.int32)  # L x E x N < 2^31 bins; int32 halves the [T, L, K(K-1)] index work
-        nd = node.astype(np.int32)[np.arange(n_layers)[None, :, None], tok]  # [T, L, K] node of each choice
-        row = (tok + (np.arange(n_layers, dtype=np.int32) * self.e)[None, :, None]) * num_nodes  # [T, L, K]
-        aff = np.bincount((row[:, :, ii] + nd[:, :, jj]).ravel(), minlength=n_layers * self.e * num_nodes)
-        return aff.reshape(n_layers, self.e, num_nodes).astype(np.float64)
+        e = self.e
+        key = self.tok + (np.arange(n_layers) * e)[None, :, None]  # [T, L, K] (layer, expert) of each choice
+        nd = node.ravel()[key]  # [T, L, K] node of each choice
+        # every ordered pair of a token's positions by broadcasting, the K pairs (i, i) included and taken back
+        # below: [T, L, K, K] in int64 (bincount's own index type) costs less than gathering the K (K - 1) pairs
+        # (0.016 s vs 0.021 s at [1024, 58, 8], 8 nodes)
+        idx = (key * num_nodes)[:, :, :, None] + nd[:, :, None, :]
+        aff = np.bincount(idx.ravel(), minlength=n_layers * e * num_nodes).reshape(n_layers, e, num_nodes)
+        aff[np.arange(n_layers)[:, None], np.arange(e)[None, :], node] -= np.bincount(
+            key.ravel(), minlength=n_layers * e).reshape(n_layers, e)  # a position paired with itself
+        return aff.astype(np.float64)
 
     def row(self, layer: int, x: int) -> np.ndarray:
         """C[layer, x] [E]: per expert, the tokens that chose it with x (pairs of positions, as C counts).
@@ -150,8 +154,11 @@ def home_primaries(weight: np.ndarray, cluster: Cluster) -> np.ndarray:
     for ex in np.argsort(-weight, axis=1, kind="stable").T:  # [L] per step
         home = homes[rows, ex // gsize]  # [L, N]
         room = np.where(free > 0, load, np.inf)
-        k = np.where(np.isfinite(np.where(home, room, np.inf)).any(1),
-                     np.argmin(np.where(home, room, np.inf), 1), np.argmin(room, 1))
+        at_home = np.where(home, room, np.inf)
+        k = np.argmin(at_home, 1)
+        away = np.isinf(at_home[rows, k])  # [L] no home node with a free slot
+        if away.any():
+            k[away] = np.argmin(room[away], 1)
         node[rows, ex] = k
         load[rows, k] += weight[rows, ex]
         free[rows, k] -= 1
