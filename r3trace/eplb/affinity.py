@@ -153,12 +153,12 @@ def home_primaries(weight: np.ndarray, cluster: Cluster) -> np.ndarray:
     gsize = e // cluster.num_groups
     for ex in np.argsort(-weight, axis=1, kind="stable").T:  # [L] per step
         home = homes[rows, ex // gsize]  # [L, N]
-        room = np.where(free > 0, load, np.inf)
-        at_home = np.where(home, room, np.inf)
+        open_ = free > 0
+        at_home = np.where(home & open_, load, np.inf)
         k = np.argmin(at_home, 1)
         away = np.isinf(at_home[rows, k])  # [L] no home node with a free slot
         if away.any():
-            k[away] = np.argmin(room[away], 1)
+            k[away] = np.argmin(np.where(open_[away], load[away], np.inf), 1)
         node[rows, ex] = k
         load[rows, k] += weight[rows, ex]
         free[rows, k] -= 1
