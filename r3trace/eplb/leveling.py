@@ -64,11 +64,11 @@ def level_refine(phy2log: np.ndarray, weight: np.ndarray, logcnt: np.ndarray, cl
     in_gpu, in_node = np.arange(spg), np.arange(gpn)
     slot_gpu16, slot_node16 = cluster.slot_gpu().astype(np.int16), slot_node.astype(np.int16)
     buf_d, buf_gain = (np.empty((n_layers, hot_gpus * spg, (cold_gpus + gpn) * spg)) for _ in range(2))
+    gpu_all = u.reshape(n_layers, n_gpus, spg).sum(-1)  # [L, G]; a swap re-sums its two GPUs' rows (same sums)
     r = np.arange(n_layers)  # layers still improving
     for _ in range(max_swaps):
         n = len(r)
-        ur, o, lo = (u, out, lone) if n == n_layers else (u[r], out[r], lone[r])
-        gpu = ur.reshape(n, n_gpus, spg).sum(-1)  # [n, G]
+        ur, o, lo, gpu = (u, out, lone, gpu_all) if n == n_layers else (u[r], out[r], lone[r], gpu_all[r])
         rank = np.argsort(-gpu, axis=1)
         hot = rank[:, :hot_gpus]
         mine = (hot[:, :, None] * spg + in_gpu).reshape(n, -1)  # [n, S]
@@ -128,13 +128,17 @@ def level_refine(phy2log: np.ndarray, weight: np.ndarray, logcnt: np.ndarray, cl
         r = r[keep]
         a = mine[keep, i]
         xa, yb = out[r, a], out[r, b]
-        np.add.at(cnt, (r, xa, slot_node[a]), -1)
-        np.add.at(cnt, (r, yb, slot_node[b]), -1)
-        np.add.at(cnt, (r, xa, slot_node[b]), 1)
-        np.add.at(cnt, (r, yb, slot_node[a]), 1)
+        # one swap per layer, of two different experts (a positive gain needs d != 0): no index repeats in a statement
+        cnt[r, xa, slot_node[a]] -= 1
+        cnt[r, yb, slot_node[b]] -= 1
+        cnt[r, xa, slot_node[b]] += 1
+        cnt[r, yb, slot_node[a]] += 1
         nodes_of[r, xa] = ((cnt[r, xa] > 0) * bit).sum(1, dtype=mask_t)
         nodes_of[r, yb] = ((cnt[r, yb] > 0) * bit).sum(1, dtype=mask_t)
         out[r, a], out[r, b] = yb, xa
         u[r, a], u[r, b] = u[r, b], u[r, a].copy()
         lone[r, a], lone[r, b] = lone[r, b], lone[r, a].copy()
+        u3 = u.reshape(n_layers, n_gpus, spg)
+        gpu_all[r, a // spg] = u3[r, a // spg].sum(-1)
+        gpu_all[r, b // spg] = u3[r, b // spg].sum(-1)
     return out
