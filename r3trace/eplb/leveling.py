@@ -102,11 +102,11 @@ def level_refine(phy2log: np.ndarray, weight: np.ndarray, logcnt: np.ndarray, cl
             o_ab = np.take(o, flat_ab)  # [n, S + B] experts
             bit_ab = bit[node_ab]
             bit_a, bit_b = bit_ab[:, :ns, None], bit_ab[:, None, ns:]
-            held = nodes_of[r[:, None], o_ab]  # [n, S + B] node bitmask of each slot's expert
+            held = np.take(nodes_of, o_ab + (r * e)[:, None])  # [n, S + B] node bitmask of each slot's expert
             grp = (o_ab // gsize).astype(np.int16)
             # one group, both nodes among the nodes it held in the input: a slot whose node its group did not hold
             # gets group -1 (a's side) or -2 (b's side), so one [n, S, B] comparison decides
-            at_home = (group_nodes[r[:, None], grp] & bit_ab) != 0  # [n, S + B]
+            at_home = (np.take(group_nodes, grp + (r * cluster.num_groups)[:, None]) & bit_ab) != 0  # [n, S + B]
             grp[:, :ns][~at_home[:, :ns]] = -1
             grp[:, ns:][~at_home[:, ns:]] = -2
             kin = grp[:, :ns, None] == grp[:, None, ns:]
