@@ -132,15 +132,16 @@ def report_lines(rep: Report, cluster: object, layer_ids: tuple[int, ...], previ
     if bt is not None and bt.chosen is None:
         out.append(f"auto: {bt.note}")
     elif bt is not None:
-        out += [f"auto: backtest, fit on {bt.fit}, scored on {bt.validate} (held out from the fit)",
+        folds = max((len(c.folds) for c in bt.candidates), default=0)
+        out += [f"auto: backtest over {folds} folds: each history window of {bt.validate} scored from a plan on "
+                f"the windows before it (the first fit on {bt.fit}); means over the folds",
                 f"  {'policy':<13}{'forecast':<10}{'bal. even':>10}{'bal. replay':>13}{'nodes/token':>13}"]
         for c in bt.candidates:
-            if c.score is None:
+            if not c.folds:
                 out.append(f"  {c.policy:<13}{c.forecast:<10}  cannot plan: {c.note}")
                 continue
-            s = c.score
-            out.append(f"  {c.policy:<13}{c.forecast:<10}{_f(s.balancedness_even):>10}"
-                       f"{_f(s.balancedness_replay):>13}{_f(s.nodes_mean, '.3f'):>13}")
+            out.append(f"  {c.policy:<13}{c.forecast:<10}{_f(c.mean('balancedness_even')):>10}"
+                       f"{_f(c.mean('balancedness_replay')):>13}{_f(c.mean('nodes_per_token'), '.3f'):>13}")
         out += [f"  rule: {bt.rule}", f"auto chose {rep.policy} + {rep.forecast}"]
     out.append(f"{rep.policy} + {rep.forecast} forecast: P={cluster.num_slots} on {cluster.num_gpus} GPUs / "
                f"{cluster.num_nodes} nodes, max replicas {int(rep.placement.logcnt.max())}")

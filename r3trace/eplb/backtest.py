@@ -1,13 +1,20 @@
-"""`--policy auto`: the policy and forecast for the next window, chosen by backtest on the training window.
+"""`--policy auto`: the policy and forecast for the next window, chosen by a rolling backtest on the training window.
 
-The training window's history windows are split into an earlier fit part and a later validation part
-(window.split: the last quarter, at least one window). Every candidate policy x forecast plans on the fit
-part and is scored on the validation part, held out from it; the rule below picks one, which then plans on
-the whole training window.
+Folds: each of the newest FOLDS history windows (at least the second) is held out in turn; every candidate policy x
+forecast plans on the windows before it (with their newest routes, for ours' co-activation) and is scored on it.
+The rule below picks one from the per-fold scores, which then plans on the whole training window.
 
-Rule: the highest validation balancedness under node-limited dispatch (the even split when the trace has no
-routes to replay); candidates within TIE of it count as tied, and of those the fewest nodes per token wins;
-remaining ties go to the first in table order (policies as POLICIES, forecasts as FORECASTS).
+Why rolling folds: a single fit / validate split scores each candidate once, on one stretch of the trace, and one
+stretch can hold an event no forecast sees coming. On bench/eplb_rollup_scale.py's trace (8 history windows, a rank
+swap in every layer about every 60 s) the single split (6 windows fit, 2 scored as one) put global + mean (0.912)
+and global + ema (0.910) within the tie and table order took ema; over the 4 newest folds global + newest led
+every fold, and over rollup traces of seeds 1-3 the newest window planned for the held-out window best as well.
+
+Rule: the highest mean balancedness over the folds under node-limited dispatch (the even split when the trace has
+no routes to replay). A candidate counts as tied with that best when its mean shortfall is within max(TIE, the
+standard error of its per-fold shortfall): a gap no larger than its own fold-to-fold scatter, or than seed noise,
+does not rank policies. Of the tied, the fewest nodes per token wins; remaining ties go to the first in table
+order (policies as POLICIES, forecasts as FORECASTS).
 TIE = 0.005: the held-out balancedness of one plan moves by 0.001-0.005 between seeds of the same synthetic
 workload (BENCHMARKS.md, EPLB), so smaller gaps do not rank policies.
 """
@@ -23,46 +30,89 @@ from r3trace.eplb.evaluate import FORECASTS, POLICIES, Forecast, PolicyName, Sco
 from r3trace.eplb.placement import Cluster, PlacementError
 
 TIE = 0.005
-RULE = (f"highest held-out balancedness (node-limited replay; even split without routes); within {TIE} of "
-        "it, fewest nodes per token; then table order")
+FOLDS = 4  # newest history windows scored in turn: 4 x 12 plans at [58, 256] take ~2 s on 2 cores
+RULE = (f"highest mean held-out balancedness over the folds (node-limited replay; even split without routes); "
+        f"within max({TIE}, the standard error of the per-fold gap) of it, fewest nodes per token; then table order")
 
 
 class Candidate(NamedTuple):
     policy: PolicyName
     forecast: Forecast
-    score: Score | None  # None: the policy cannot plan this cluster (note says why)
-    note: str = ""
+    folds: tuple[Score, ...]  # one per fold, oldest first; () when the policy cannot plan this cluster
+    note: str = ""  # why it cannot plan
+
+    @property
+    def fold_balancedness(self) -> np.ndarray:
+        """[F] what the rule ranks by, per fold: replayed when there were tokens, else the even split."""
+        return np.array([s.balancedness_even if s.balancedness_replay is None else s.balancedness_replay
+                         for s in self.folds])
 
     @property
     def balancedness(self) -> float:
-        """What the rule ranks by: replayed when there were tokens, else the even split."""
-        assert self.score is not None
-        r = self.score.balancedness_replay
-        return self.score.balancedness_even if r is None else r
+        return float(self.fold_balancedness.mean())
+
+    @property
+    def nodes(self) -> float | None:
+        """Mean nodes per token over the folds; None without routes."""
+        return self.mean("nodes_per_token")
+
+    def mean(self, key: str) -> float | None:
+        """Mean over the folds of one of Score.summary()'s figures; None where a fold has none (no routes)."""
+        vals = [s.summary()[key] for s in self.folds]
+        return None if not vals or any(v is None for v in vals) else float(np.mean([float(v or 0) for v in vals]))
+
+    def summary(self) -> dict[str, float | int | None | list[float]]:
+        """Means over the folds (None where a fold had no routes) and the ranked balancedness of each fold."""
+        if not self.folds:
+            return {}
+        out: dict[str, float | int | None | list[float]] = {
+            k: self.mean(k) for k in ("balancedness_even", "balancedness_replay", "nodes_per_token", "over_node_limit")}
+        out["tokens"] = sum(s.tokens for s in self.folds)
+        out["folds"] = [float(b) for b in self.fold_balancedness]
+        return out
 
 
-def backtest(fit: np.ndarray, val_heat: np.ndarray, val_tokens: np.ndarray | None, cluster: Cluster,
-             fit_tokens: np.ndarray | None = None, policies: Sequence[PolicyName] = POLICIES,
+def fold_windows(num_windows: int, folds: int = FOLDS) -> list[int]:
+    """The history windows held out in turn: the newest `folds`, never the first (nothing before it to plan on)."""
+    return list(range(max(1, num_windows - folds), num_windows))
+
+
+def backtest(history: np.ndarray, held: Sequence[int], fit_tokens: Sequence[np.ndarray | None],
+             held_tokens: Sequence[np.ndarray | None], cluster: Cluster, policies: Sequence[PolicyName] = POLICIES,
              forecasts: Sequence[Forecast] = FORECASTS) -> list[Candidate]:
-    """fit [W, L, E] history, val_heat [L, E] and val_tokens [T, L, K] of the validation part -> every candidate
-    scored there, in table order. fit_tokens (the fit part's newest routes) go to ours for co-activation."""
+    """history [W, L, E]; held: the windows t scored (fold_windows), each planned on history[:t] with fit_tokens[i]
+    (the newest routes before t, for ours) and scored on history[t] replaying held_tokens[i] [T, L, K] (None: even
+    split only) -> every candidate's fold scores, in table order."""
     out = []
     for policy in policies:
         for how in forecasts:
             try:
-                pl = plan_policy(policy, fit, how, cluster, fit_tokens)
+                scores = tuple(score_placement(plan_policy(policy, history[:t], how, cluster, ft), history[t], vt,
+                                               cluster)
+                               for t, ft, vt in zip(held, fit_tokens, held_tokens, strict=True))
             except PlacementError as e:  # hierarchical when groups do not divide over nodes
-                out.append(Candidate(policy, how, None, str(e)))
+                out.append(Candidate(policy, how, (), str(e)))
                 continue
-            out.append(Candidate(policy, how, score_placement(pl, val_heat, val_tokens, cluster)))
+            out.append(Candidate(policy, how, scores))
     return out
+
+
+def gap(best: Candidate, c: Candidate) -> tuple[float, float]:
+    """(mean, standard error) of best's per-fold lead over c (standard error 0 with one fold)."""
+    d = best.fold_balancedness - c.fold_balancedness
+    se = float(d.std(ddof=1) / np.sqrt(len(d))) if len(d) > 1 else 0.0
+    return float(d.mean()), se
 
 
 def choose(cands: Sequence[Candidate], tie: float = TIE) -> Candidate:
     """The candidate the rule (module doc) picks; needs at least one that planned."""
-    ok = [c for c in cands if c.score is not None]
+    ok = [c for c in cands if c.folds]
     if not ok:
         raise PlacementError("no candidate policy can plan this cluster: " + "; ".join(c.note for c in cands))
-    best = max(c.balancedness for c in ok)
-    tied = [c for c in ok if c.balancedness >= best - tie]
-    return min(tied, key=lambda c: (c.score.nodes_mean or 0.0) if c.score is not None else 0.0)
+    best = max(ok, key=lambda c: c.balancedness)
+    tied = []
+    for c in ok:
+        mean, se = gap(best, c)
+        if mean <= max(tie, se):
+            tied.append(c)
+    return min(tied, key=lambda c: c.nodes or 0.0)

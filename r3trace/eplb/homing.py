@@ -62,7 +62,9 @@ def capped_counts(weight: np.ndarray, num_phy: int, cap: int) -> np.ndarray:
         raise PlacementError(f"{num_phy} slots need more than cap={cap} replicas for some of {e} experts")
     rows = np.arange(n_layers)
     logcnt = np.ones((n_layers, e), dtype=np.int64)
-    for _ in range(num_phy - e):
-        x = np.argmax(np.where(logcnt < cap, weight / logcnt, -np.inf), axis=1)
-        logcnt[rows, x] += 1
+    score = np.where(logcnt < cap, weight / logcnt, -np.inf)  # [L, E] load per replica while below the cap
+    for _ in range(num_phy - e):  # only the chosen expert's score changes a step
+        x = np.argmax(score, axis=1)
+        c = logcnt[rows, x] = logcnt[rows, x] + 1
+        score[rows, x] = np.where(c < cap, weight[rows, x] / c, -np.inf)
     return logcnt

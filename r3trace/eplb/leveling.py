@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from r3trace.eplb.placement import Cluster
+from r3trace.eplb.placement import Cluster, PlacementError
 
 
 def level_refine(phy2log: np.ndarray, weight: np.ndarray, logcnt: np.ndarray, cluster: Cluster, max_swaps: int,
@@ -35,11 +35,13 @@ def level_refine(phy2log: np.ndarray, weight: np.ndarray, logcnt: np.ndarray, cl
     that lowers the sum of squared GPU loads most; a layer stops once that gain is below
     min_gain x (mean GPU load)^2. cross_nodes=False keeps every replica on its node (swaps inside nodes only).
     """
+    if min_gain < 0:
+        raise PlacementError(f"min_gain={min_gain} must be >= 0")
     out = np.asarray(phy2log, dtype=np.int64).copy()
     n_layers, p = out.shape
     e, n_nodes, spg = weight.shape[1], cluster.num_nodes, cluster.slots_per_gpu
     gsize = e // cluster.num_groups
-    slot_gpu, slot_node = cluster.slot_gpu(), cluster.slot_node()
+    slot_node = cluster.slot_node()
     per_rep = weight / logcnt
     u = np.take_along_axis(per_rep, out, 1)  # [L, P] load of each slot
     lone = np.take_along_axis(logcnt, out, 1) == 1  # [L, P] counts are fixed, so this moves with the expert
@@ -50,7 +52,6 @@ def level_refine(phy2log: np.ndarray, weight: np.ndarray, logcnt: np.ndarray, cl
     np.add.at(cnt, (np.arange(n_layers)[:, None], out, slot_node[None, :]), 1)
     mask_t = next(t for t in (np.uint8, np.uint16, np.uint32, np.uint64) if np.iinfo(t).bits >= n_nodes)
     bit = (np.uint64(1) << np.arange(n_nodes, dtype=np.uint64)).astype(mask_t)  # [N]: node k is bit k (N <= 64)
-    node16, gpu16 = np.arange(n_nodes, dtype=np.int16), np.arange(cluster.num_gpus, dtype=np.int16)
     nodes_of = ((cnt > 0) * bit).sum(2, dtype=mask_t)  # [L, E] bitmask of the nodes holding each expert
     # [L, groups] bitmask of the nodes holding each group in the input: "its group's nodes" for a lone replica. Taken
     # from the running layout instead, a chain of swaps in one call could carry a hot lone expert to a node its group
@@ -58,51 +59,68 @@ def level_refine(phy2log: np.ndarray, weight: np.ndarray, logcnt: np.ndarray, cl
     group_nodes = np.zeros((n_layers, cluster.num_groups), dtype=mask_t)
     np.bitwise_or.at(group_nodes, (np.arange(n_layers)[:, None], out // gsize), bit[slot_node][None, :])
     hot_gpus = max(1, hot_slots // spg)
-    gpn = cluster.gpus_per_node
-    cold_gpus = min(cluster.num_gpus, max(1, 4 * hot_slots // spg))
+    gpn, n_gpus = cluster.gpus_per_node, cluster.num_gpus
+    cold_gpus = min(n_gpus, max(1, 4 * hot_slots // spg))
+    in_gpu, in_node = np.arange(spg), np.arange(gpn)
+    slot_gpu16, slot_node16 = cluster.slot_gpu().astype(np.int16), slot_node.astype(np.int16)
+    buf_d, buf_gain = (np.empty((n_layers, hot_gpus * spg, (cold_gpus + gpn) * spg)) for _ in range(2))
+    gpu_all = u.reshape(n_layers, n_gpus, spg).sum(-1)  # [L, G]; a swap re-sums its two GPUs' rows (same sums)
     r = np.arange(n_layers)  # layers still improving
     for _ in range(max_swaps):
         n = len(r)
-        at = np.arange(n)[:, None]
-        ur, o, lo = u[r], out[r], lone[r]
-        gpu = ur.reshape(n, cluster.num_gpus, spg).sum(-1)  # [n, G]
+        ur, o, lo, gpu = (u, out, lone, gpu_all) if n == n_layers else (u[r], out[r], lone[r], gpu_all[r])
         rank = np.argsort(-gpu, axis=1)
         hot = rank[:, :hot_gpus]
-        mine = (hot[:, :, None] * spg + np.arange(spg)).reshape(n, -1)  # [n, S]
+        mine = (hot[:, :, None] * spg + in_gpu).reshape(n, -1)  # [n, S]
         # partners: the coldest GPUs anywhere and every GPU of the hottest GPU's node (swaps inside a node are
         # always allowed); all P slots made each step [n, S, P] and a [58, 256] plan on 8 nodes take 1 s
-        near = (hot[:, :1] // gpn) * gpn + np.arange(gpn)  # [n, gpn]
+        near = (hot[:, :1] // gpn) * gpn + in_node  # [n, gpn]
         part = np.concatenate([rank[:, -cold_gpus:], near], 1)  # [n, B / spg]
-        bs = (part[:, :, None] * spg + np.arange(spg)).reshape(n, -1)  # [n, B] candidate slots
-        b_gpu, b_node = slot_gpu[bs], slot_node[bs]  # [n, B]
-        a_gpu, a_node = slot_gpu[mine], slot_node[mine]
-        ga = np.take_along_axis(gpu, a_gpu, 1)[:, :, None]  # [n, S, 1]
-        gb = np.take_along_axis(gpu, b_gpu, 1)[:, None, :]  # [n, 1, B]
-        d = ur[at, mine][:, :, None] - ur[at, bs][:, None, :]  # [n, S, B] load moved from a's GPU to b's
-        gain = ga - gb  # drop of ga^2 + gb^2: 2d (ga - gb) - 2d d, in place on the [n, S, B] arrays
-        d2 = 2 * d
-        gain *= d2
-        d2 *= d
-        gain -= d2
-        # [n, S, B] masks in the smallest dtypes (node bitmasks uint8 on <= 8 nodes): 2x less time per step
-        held_a = nodes_of[r[:, None], o[at, mine]]  # [n, S] node bitmask of a's expert
-        held_b = nodes_of[r[:, None], o[at, bs]]  # [n, B]
-        x_at_b = (held_a[:, :, None] & bit[b_node][:, None, :]) != 0  # [n, S, B] a's expert on b's node
-        y_at_a = (held_b[:, None, :] & bit[a_node][:, :, None]) != 0  # [n, S, B] b's expert on a's node
-        la, lb = lo[at, mine][:, :, None], lo[at, bs][:, None, :]
-        g_a = (o[at, mine] // gsize).astype(np.int16)  # [n, S] group of a's expert
-        home = group_nodes[r[:, None], g_a]  # [n, S] the nodes that group held in the input
-        kin = g_a[:, :, None] == (o[at, bs] // gsize).astype(np.int16)[:, None, :]
-        kin &= (home[:, :, None] & bit[b_node][:, None, :]) != 0
-        kin &= ((home & bit[a_node]) != 0)[:, :, None]  # one group, both nodes among its input nodes
-        cold_b = ur < cold_slot[r, None]
-        kin |= cold_b[at, mine][:, :, None] & cold_b[at, bs][:, None, :]
-        cross = ~(x_at_b | y_at_a) & ((~la & ~lb) | kin) & cross_nodes
-        ok = (node16[a_node][:, :, None] == node16[b_node][:, None, :]) | cross
-        ok &= gpu16[a_gpu][:, :, None] != gpu16[b_gpu][:, None, :]
-        flat = np.where(ok, gain, -np.inf).reshape(n, -1)
+        bs = (part[:, :, None] * spg + in_gpu).reshape(n, -1)  # [n, B] candidate slots
+        # per-slot values are gathered once for a's and b's slots together ([n, S + B]) and meet in [n, S, B] only
+        # by broadcasting, in the smallest dtypes: at [58, 320] a step is ~20 passes over 87K pairs
+        ab, ns = np.concatenate([mine, bs], 1), mine.shape[1]
+        flat_ab = ab + (np.arange(n) * p)[:, None]  # [n, S + B] into the [n, P] arrays, raveled
+        u_ab = np.take(ur, flat_ab)
+        g_ab = np.take(gpu, ab // spg + (np.arange(n) * n_gpus)[:, None])
+        # the drop of ga^2 + gb^2 when d moves from a's GPU to b's is 2 (d (ga - gb) - d d); `gain` holds half of it
+        # (doubling is exact in binary floating point, so the comparisons below are those of the full drop). The
+        # [n, S, B] float arrays live in buffers made once: fresh ones were page-faulted in on every step
+        d, gain = buf_d[:n], buf_gain[:n]
+        # [n, S, B] load moved from a's GPU to b's; a's side copied in first (one broadcast operand per op: 25% faster)
+        np.copyto(d, u_ab[:, :ns, None])
+        d -= u_ab[:, None, ns:]
+        np.copyto(gain, g_ab[:, :ns, None])
+        gain -= g_ab[:, None, ns:]
+        gain *= d
+        d *= d
+        gain -= d
+        gpu_ab, node_ab = slot_gpu16[ab], slot_node16[ab]
+        ok = gpu_ab[:, :ns, None] != gpu_ab[:, None, ns:]  # [n, S, B] a swap inside one GPU changes nothing
+        same_node = node_ab[:, :ns, None] == node_ab[:, None, ns:]
+        if cross_nodes:  # allowed: inside a node, or across nodes as the module doc says
+            o_ab = np.take(o, flat_ab)  # [n, S + B] experts
+            bit_ab = bit[node_ab]
+            bit_a, bit_b = bit_ab[:, :ns, None], bit_ab[:, None, ns:]
+            held = np.take(nodes_of, o_ab + (r * e)[:, None])  # [n, S + B] node bitmask of each slot's expert
+            grp = (o_ab // gsize).astype(np.int16)
+            # one group, both nodes among the nodes it held in the input: a slot whose node its group did not hold
+            # gets group -1 (a's side) or -2 (b's side), so one [n, S, B] comparison decides
+            at_home = (np.take(group_nodes, grp + (r * cluster.num_groups)[:, None]) & bit_ab) != 0  # [n, S + B]
+            grp[:, :ns][~at_home[:, :ns]] = -1
+            grp[:, ns:][~at_home[:, ns:]] = -2
+            kin = grp[:, :ns, None] == grp[:, None, ns:]
+            # bit 0: a cold slot, bit 1: a replica of an expert with several: both cold or both not lone
+            flag = (u_ab < cold_slot[r, None]).view(np.uint8) | (~np.take(lo, flat_ab)).view(np.uint8) << 1
+            kin |= (flag[:, :ns, None] & flag[:, None, ns:]) != 0
+            # ... and neither expert already on the other's node (the swap would merge its replicas)
+            kin &= ((held[:, :ns, None] & bit_b) | (held[:, None, ns:] & bit_a)) == 0
+            same_node |= kin
+        ok &= same_node
+        gain *= ok
+        flat = gain.reshape(n, -1)
         best = np.argmax(flat, axis=1)
-        keep = flat[np.arange(n), best] > floor[r]
+        keep = 2 * flat[np.arange(n), best] > floor[r]
         if not keep.any():
             break
         i, j = np.divmod(best[keep], bs.shape[1])
@@ -110,13 +128,17 @@ def level_refine(phy2log: np.ndarray, weight: np.ndarray, logcnt: np.ndarray, cl
         r = r[keep]
         a = mine[keep, i]
         xa, yb = out[r, a], out[r, b]
-        np.add.at(cnt, (r, xa, slot_node[a]), -1)
-        np.add.at(cnt, (r, yb, slot_node[b]), -1)
-        np.add.at(cnt, (r, xa, slot_node[b]), 1)
-        np.add.at(cnt, (r, yb, slot_node[a]), 1)
+        # one swap per layer, of two different experts (a positive gain needs d != 0): no index repeats in a statement
+        cnt[r, xa, slot_node[a]] -= 1
+        cnt[r, yb, slot_node[b]] -= 1
+        cnt[r, xa, slot_node[b]] += 1
+        cnt[r, yb, slot_node[a]] += 1
         nodes_of[r, xa] = ((cnt[r, xa] > 0) * bit).sum(1, dtype=mask_t)
         nodes_of[r, yb] = ((cnt[r, yb] > 0) * bit).sum(1, dtype=mask_t)
         out[r, a], out[r, b] = yb, xa
         u[r, a], u[r, b] = u[r, b], u[r, a].copy()
         lone[r, a], lone[r, b] = lone[r, b], lone[r, a].copy()
+        u3 = u.reshape(n_layers, n_gpus, spg)
+        gpu_all[r, a // spg] = u3[r, a // spg].sum(-1)
+        gpu_all[r, b // spg] = u3[r, b // spg].sum(-1)
     return out

@@ -18,7 +18,7 @@ import numpy as np
 
 from r3trace.analysis.store import TraceStore
 from r3trace.eplb import window as win
-from r3trace.eplb.backtest import RULE, Candidate, backtest, choose
+from r3trace.eplb.backtest import RULE, Candidate, backtest, choose, fold_windows
 from r3trace.eplb.evaluate import FORECASTS, POLICIES, Forecast, PolicyName, Score, plan_policy, score_placement
 from r3trace.eplb.loads import HeatSource, run_facts, span_heat, span_tokens
 from r3trace.eplb.placement import Cluster, Placement, PlacementError, churn, from_phy2log
@@ -49,8 +49,8 @@ class PlanRequest:
 
 @dataclass(frozen=True)
 class Backtest:
-    fit: str
-    validate: str
+    fit: str  # the first fold's fit: the history windows before the first one scored
+    validate: str  # the history windows scored in turn, each from a plan on the windows before it
     candidates: list[Candidate]
     chosen: Candidate | None
     note: str = ""  # why there was no backtest
@@ -89,7 +89,7 @@ class Report:
                   "chosen": None if self.backtest.chosen is None else
                   [self.backtest.chosen.policy, self.backtest.chosen.forecast],
                   "candidates": [{"policy": c.policy, "forecast": c.forecast, "note": c.note,
-                                  **(c.score.summary() if c.score else {})} for c in self.backtest.candidates]}
+                                  **c.summary()} for c in self.backtest.candidates]}
         return {
             "train": self.train.label, "held_out": None if self.held_out is None else self.held_out.label,
             "held_out_note": self.held_out_note, "policy": self.policy, "forecast": self.forecast,
@@ -183,19 +183,20 @@ def make_report(store: TraceStore, req: PlanRequest, progress: bool | None = Fal
 
 def _backtest(runs: dict[str, Any], facts: dict[str, win.RunFacts], train: win.Selection, history: np.ndarray,
               req: PlanRequest) -> Backtest:
-    parts = win.split(train, facts)
-    if parts is None:
+    """Rolling folds (backtest.py): each of the newest history windows scored from a plan on the windows before it,
+    replaying its first routes; ours gets the newest routes before it."""
+    if len(history) < 2:
         note = (f"no backtest: the training window has {len(history)} history window (needs 2); "
                 f"planned with ours + {req.forecast or 'ema'}")
         return Backtest("", "", [], None, note)
-    fit, val = parts
-    n_fit = len(fit.spans)
-    val_heat = history[n_fit:].sum(0)
-    fit_tokens = span_tokens(runs, fit.spans, req.replay_tokens, newest=True)
-    val_tokens = span_tokens(runs, val.spans, req.replay_tokens)
+    spans = train.spans  # one per history window (empty windows were dropped from both)
+    held = fold_windows(len(history))
+    fit_tokens = [span_tokens(runs, spans[:t], req.replay_tokens, newest=True) for t in held]
+    held_tokens = [span_tokens(runs, spans[t:t + 1], req.replay_tokens) for t in held]
     forecasts: Sequence[Forecast] = (req.forecast,) if req.forecast else FORECASTS
-    cands = backtest(history[:n_fit], val_heat, val_tokens, req.cluster, fit_tokens, POLICIES, forecasts)
-    return Backtest(fit.label, val.label, cands, choose(cands))
+    cands = backtest(history, held, fit_tokens, held_tokens, req.cluster, POLICIES, forecasts)
+    return Backtest(win.describe(spans[:held[0]], facts), win.describe(spans[held[0]:], facts), cands,
+                    choose(cands))
 
 
 def _one_shape(manifests: Sequence[Manifest]) -> Manifest:

@@ -200,18 +200,6 @@ def check_disjoint(train: Selection, held_out: Selection) -> None:
                                   "run; give both as time= or both as forward=")
 
 
-def split(sel: Selection, facts: dict[str, RunFacts], validate_share: float = 0.25,
-          ) -> tuple[Selection, Selection] | None:
-    """(fit, validate): the earlier spans and the last `validate_share` of them (at least one each); None with
-    fewer than 2 spans."""
-    n = len(sel.spans)
-    if n < 2:
-        return None
-    k = min(max(1, round(n * validate_share)), n - 1)
-    fit, val = sel.spans[:-k], sel.spans[-k:]
-    return Selection(sel.spec, fit, describe(fit, facts)), Selection(sel.spec, val, describe(val, facts))
-
-
 def describe(spans: tuple[Span, ...], facts: dict[str, RunFacts]) -> str:
     """How a run of spans reads: 'time=0..6s of run a (3 windows)', 'forward=0..600 of run a', 'runs=a,b'."""
     runs = tuple(dict.fromkeys(s.run_id for s in spans))

@@ -1,0 +1,88 @@
+"""level_refine against a plain loop over candidate pairs written from its module doc (r3trace/eplb/leveling.py):
+each step, per layer, the swap of a slot on one of the hottest GPUs with a slot of a partner GPU (the coldest GPUs
+and the hottest GPU's node) that lowers the sum of squared GPU loads most, among the allowed ones; a layer stops
+when the best drop is not above min_gain x (mean GPU load)^2. Equal phy2log, slot for slot."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from r3trace.eplb import Cluster
+from r3trace.eplb.homing import capped_counts
+from r3trace.eplb.leveling import level_refine
+from r3trace.eplb.placement import PlacementError
+
+
+def reference(ph: np.ndarray, w: np.ndarray, logcnt: np.ndarray, cl: Cluster, swaps: int, min_gain: float,
+              cold: float, cross_nodes: bool, hot_slots: int = 16) -> np.ndarray:
+    out = ph.copy()
+    spg, gpn, e = cl.slots_per_gpu, cl.gpus_per_node, w.shape[1]
+    gsize = e // cl.num_groups
+    node_of = np.arange(cl.num_slots) // cl.slots_per_node
+    hot_n, cold_n = max(1, hot_slots // spg), min(cl.num_gpus, max(1, 4 * hot_slots // spg))
+    for li in range(len(out)):
+        row = out[li]
+        per = w[li] / logcnt[li]
+        mean = w[li].sum() / cl.num_gpus
+        group_home = {(int(node_of[s]), int(row[s]) // gsize) for s in range(cl.num_slots)}  # the input's
+        for _ in range(swaps):
+            u = per[row]
+            gpu = u.reshape(cl.num_gpus, spg).sum(1)
+            rank = np.argsort(-gpu)
+            hot = rank[:hot_n]
+            part = list(rank[-cold_n:]) + [hot[0] // gpn * gpn + i for i in range(gpn)]
+            best, pick = -np.inf, None
+            for a in [g * spg + i for g in hot for i in range(spg)]:
+                for b in [g * spg + i for g in part for i in range(spg)]:
+                    ga, gb = a // spg, b // spg
+                    if ga == gb:
+                        continue
+                    x, y = int(row[a]), int(row[b])
+                    na, nb = int(node_of[a]), int(node_of[b])
+                    if na != nb:
+                        if not cross_nodes:
+                            continue
+                        x_on = {int(node_of[s]) for s in np.flatnonzero(row == x)}
+                        y_on = {int(node_of[s]) for s in np.flatnonzero(row == y)}
+                        if nb in x_on or na in y_on:
+                            continue  # the swap would put a second replica of an expert on one node
+                        both_extra = logcnt[li, x] > 1 and logcnt[li, y] > 1
+                        kin = x // gsize == y // gsize and (na, x // gsize) in group_home \
+                            and (nb, x // gsize) in group_home
+                        both_cold = u[a] < cold * mean / spg and u[b] < cold * mean / spg
+                        if not (both_extra or kin or both_cold):
+                            continue
+                    d = u[a] - u[b]
+                    gain = (gpu[ga] - gpu[gb]) * (2 * d) - (2 * d) * d
+                    if gain > best:
+                        best, pick = gain, (a, b)
+            if pick is None or not best > min_gain * mean**2:
+                break
+            a, b = pick
+            row[a], row[b] = row[b], row[a]
+    return out
+
+
+@pytest.mark.parametrize("case", range(6))
+def test_level_refine_equals_the_reference_loop(case: int) -> None:
+    rng = np.random.default_rng(100 + case)
+    cl = [Cluster(8, 4, 24, num_groups=4), Cluster(8, 2, 32, num_groups=4), Cluster(12, 3, 24, num_groups=2)][case % 3]
+    e, n_layers = 16, 3
+    w = rng.pareto(0.8 + 0.4 * rng.random(), (n_layers, e)) + 0.05
+    if case == 5:
+        w = np.round(w * 3)  # equal loads: ties broken by the first pair in (a, b) order
+    logcnt = capped_counts(w, cl.num_slots, max(cl.num_nodes, cl.gpus_per_node))
+    ph = np.stack([rng.permutation(np.repeat(np.arange(e), logcnt[i])) for i in range(n_layers)])
+    cross, min_gain, cold = case % 2 == 0, (0.0, 0.01, 0.03)[case % 3], (0.5, 0.0, 2.0)[case % 3]
+    got = level_refine(ph, w, logcnt, cl, 30, min_gain, cold, hot_slots=4, cross_nodes=cross)
+    want = reference(ph, w, logcnt, cl, 30, min_gain, cold, cross, hot_slots=4)
+    np.testing.assert_array_equal(got, want)
+    assert (got != ph).any()  # the swaps did something to compare
+
+
+def test_level_refine_refuses_a_negative_gain_floor() -> None:
+    cl = Cluster(8, 4, 24, num_groups=4)
+    w = np.ones((1, 16))
+    with pytest.raises(PlacementError, match="min_gain=-0.1 must be >= 0"):
+        level_refine(np.tile(np.arange(24) % 16, (1, 1)), w, np.bincount(np.arange(24) % 16)[None], cl, 4, -0.1)
