@@ -13,7 +13,7 @@ its expert (extras sit on co-chosen nodes anyway), or, for an expert's only repl
 expert is of the same group and both nodes held that group in the input layout (both stay on their group's
 nodes) or both are cold (< `cold` x the mean slot load: rarely chosen, so their node matters little): 0.837
 and 5.67 nodes, measured when "its group's nodes" followed the running layout; reading them from the input
-layout instead moves the rolling 18-node rows by at most 0.001 balancedness and 0.01 nodes (BENCHMARKS.md, EPLB).
+layout instead moved 18-node plans by at most 0.001 balancedness and 0.01 nodes per token.
 
 Shape legend: L layers, E experts, P slots, G GPUs, N nodes, S candidate slots (on the hottest GPUs).
 """
