@@ -19,7 +19,6 @@ Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/server/test_cached_t
 
 from __future__ import annotations
 
-import json
 import random
 from typing import Any
 
@@ -29,6 +28,7 @@ import pytest
 from r3trace.engine import Engine
 from r3trace.server import ServerConfig, create_app
 from tests.server.live_server import LiveServer
+from tests.server.sse import json_events
 
 GREEDY = {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}
 
@@ -48,11 +48,6 @@ def _warm(http: httpx.Client, ids: list[int]) -> int:
     return int(hit)
 
 
-def _events(r: httpx.Response) -> list[dict[str, Any]]:
-    return [json.loads(e.removeprefix("data: ")) for e in r.read().decode().split("\n\n")
-            if e and e != "data: [DONE]"]
-
-
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_sglext_cached_tokens_details(http: httpx.Client, path: str) -> None:
     if path == "/v1/completions":
@@ -68,7 +63,7 @@ def test_sglext_cached_tokens_details(http: httpx.Client, path: str) -> None:
     assert asked["sglext"] == {"cached_tokens_details": {"device": hit, "host": 0}}
     assert "prompt_tokens_details" not in asked["usage"]  # --enable-cache-report is off
     with http.stream("POST", path, json={**body, "return_cached_tokens_details": True, "stream": True}) as r:
-        events = _events(r)
+        events = json_events(r)
     tail = [e for e in events if "sglext" in e]
     assert len(tail) == 1 and tail[0]["choices"] == [] and events[-1] is tail[0]
     assert tail[0]["sglext"] == {"cached_tokens_details": {"device": hit, "host": 0}}
@@ -102,5 +97,5 @@ def test_enable_cache_report_fills_usage(engine: Engine) -> None:
         assert warm["prompt_tokens_details"] == {"cached_tokens": hit}  # the prompt's hits once, not per choice
         with http.stream("POST", "/v1/completions", json={**body, "stream": True,
                                                           "stream_options": {"include_usage": True}}) as r:
-            last = _events(r)[-1]
+            last = json_events(r)[-1]
         assert last["choices"] == [] and last["usage"]["prompt_tokens_details"] == {"cached_tokens": hit}

@@ -13,16 +13,9 @@ import numpy as np
 
 from r3trace import decode_routed_experts
 from r3trace.engine import Engine
+from tests.server.sse import sse_events
 
 GREEDY = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
-
-
-def sse_events(response: httpx.Response) -> list[str]:
-    body = response.read().decode()
-    assert body.endswith("data: [DONE]\n\n"), body[-200:]
-    events = [e for e in body.split("\n\n") if e]
-    assert all(e.startswith("data: ") for e in events)
-    return [e.removeprefix("data: ") for e in events]
 
 
 def test_generate_matches_engine(http: httpx.Client, engine: Engine) -> None:

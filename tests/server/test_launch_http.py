@@ -18,7 +18,7 @@ import pytest
 from r3trace.engine import Engine
 from r3trace.server import ServerConfig, create_app
 from tests.server.live_server import LiveServer
-from tests.server.test_endpoints import sse_events
+from tests.server.sse import sse_events
 
 GREEDY = {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}
 

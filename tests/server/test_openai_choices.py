@@ -27,7 +27,6 @@ Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/server/test_openai_c
 
 from __future__ import annotations
 
-import json
 import time
 from collections import defaultdict
 from typing import Any
@@ -39,19 +38,12 @@ import pytest
 from r3trace import decode_routed_experts
 from r3trace.engine import Engine
 from r3trace.server.choices import choice_seed
+from tests.server.sse import stream_json
 
 PROMPT = "def fib(n):"
 SAMPLED = {"temperature": 1.0, "ignore_eos": True}
 SEED = 11
 NEW = 6
-
-
-def _events(http: httpx.Client, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
-    with http.stream("POST", path, json={**body, "stream": True}) as r:
-        assert r.status_code == 200, r.read()
-        lines = [ln[len("data: "):] for ln in r.iter_lines() if ln.startswith("data: ")]
-    assert lines[-1] == "[DONE]"
-    return [json.loads(ln) for ln in lines[:-1]]
 
 
 def _alone(engine: Engine, seed: int, prompt: str = PROMPT, **kw: Any) -> dict[str, Any]:
@@ -94,23 +86,23 @@ def test_streams_carry_each_choice_index(sample_http: httpx.Client) -> None:
     whole = sample_http.post("/v1/completions", json=body).json()["choices"]
     text: dict[int, str] = defaultdict(str)
     finished: dict[int, int] = defaultdict(int)
-    for chunk in _events(sample_http, "/v1/completions", body):
+    for chunk in stream_json(sample_http, "/v1/completions", body):
         [c] = chunk["choices"]
         text[c["index"]] += c["text"]
         finished[c["index"]] += c["finish_reason"] is not None
     assert dict(text) == {c["index"]: c["text"] for c in whole}
     assert dict(finished) == {0: 1, 1: 1, 2: 1}
     chat = {"messages": [{"role": "user", "content": "fib?"}], "max_tokens": NEW, "n": 2, "seed": SEED, **SAMPLED}
-    roles = [c["choices"][0]["index"] for c in _events(sample_http, "/v1/chat/completions", chat)
+    roles = [c["choices"][0]["index"] for c in stream_json(sample_http, "/v1/chat/completions", chat)
              if "role" in c["choices"][0]["delta"]]
     assert sorted(roles) == [0, 1]  # each choice's first chunk names the role
     sp = {**SAMPLED, "max_new_tokens": NEW, "seed": SEED, "n": 2}
     results = sample_http.post("/generate", json={"text": PROMPT, "sampling_params": sp}).json()
-    last = {c["index"]: c for c in _events(sample_http, "/generate", {"text": PROMPT, "sampling_params": sp})}
+    last = {c["index"]: c for c in stream_json(sample_http, "/generate", {"text": PROMPT, "sampling_params": sp})}
     assert [last[i]["output_ids"] for i in range(2)] == [r["output_ids"] for r in results]  # cumulative chunks
     batch = {"text": [PROMPT, "import numpy"], "sampling_params": {**sp, "n": 1}}  # a list streams too, as SGLang's
     results = sample_http.post("/generate", json=batch).json()
-    last = {c["index"]: c for c in _events(sample_http, "/generate", batch)}
+    last = {c["index"]: c for c in stream_json(sample_http, "/generate", batch)}
     assert [last[i]["output_ids"] for i in range(2)] == [r["output_ids"] for r in results]
 
 
@@ -123,7 +115,7 @@ def test_routes_of_every_choice(sample_http: httpx.Client, sample_engine: Engine
     for j in range(2):
         assert ext["choices"][j]["index"] == j
         np.testing.assert_array_equal(decode_routed_experts(ext["choices"][j]), decode_routed_experts(want[j]))
-    events = _events(sample_http, "/v1/completions", body)
+    events = stream_json(sample_http, "/v1/completions", body)
     with_routes = [i for i, e in enumerate(events) if "sglext" in e]
     assert with_routes == [len(events) - 1] and events[-1]["choices"] == []
     streamed = events[-1]["sglext"]
@@ -141,7 +133,7 @@ def test_usage_counts_each_prompt_once_and_echo_picks_its_prompt(sample_http: ht
     assert out["usage"]["prompt_tokens"] == sum(u["prompt_tokens"] for u in singles)
     assert out["usage"]["completion_tokens"] == 2 * 2 * 3
     assert [c["text"].startswith(prompts[c["index"] // 2]) for c in out["choices"]] == [True] * 4
-    events = _events(sample_http, "/v1/completions", {**body, "stream_options": {"include_usage": True}})
+    events = stream_json(sample_http, "/v1/completions", {**body, "stream_options": {"include_usage": True}})
     assert events[-1]["usage"] == out["usage"] and events[-1]["choices"] == []
     assert all(e["usage"] is None for e in events[:-1])
 
@@ -164,7 +156,7 @@ def test_continuous_usage_stats(sample_http: httpx.Client) -> None:
     body = {"prompt": PROMPT, "max_tokens": 4, "n": 2, "seed": SEED, **SAMPLED,
             "stream_options": {"continuous_usage_stats": True}}
     seen: dict[int, list[int]] = defaultdict(list)
-    for e in _events(sample_http, "/v1/completions", body):
+    for e in stream_json(sample_http, "/v1/completions", body):
         [c] = e["choices"]
         seen[c["index"]].append(e["usage"]["completion_tokens"])
         assert e["usage"]["total_tokens"] == e["usage"]["prompt_tokens"] + seen[c["index"]][-1]

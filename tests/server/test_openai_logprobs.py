@@ -22,7 +22,6 @@ Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/server/test_openai_l
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +31,7 @@ import torch
 
 from r3trace.engine import Engine
 from tests.server.conftest import SAMPLE
+from tests.server.sse import stream_json
 from tests.tiny_models import load_hf
 
 PROMPT = "def fib(n):"
@@ -126,18 +126,10 @@ def test_echo_of_token_ids_and_prompt_scoring(sample_http: httpx.Client, sample_
     assert all(len(top) == 1 for top in lp["top_logprobs"][1:])  # logprobs 0: the chosen token only
 
 
-def _events(http: httpx.Client, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
-    with http.stream("POST", path, json={**body, "stream": True}) as r:
-        assert r.status_code == 200, r.read()
-        lines = [ln[len("data: "):] for ln in r.iter_lines() if ln.startswith("data: ")]
-    assert lines[-1] == "[DONE]"
-    return [json.loads(ln) for ln in lines[:-1]]
-
-
 def test_streamed_logprobs_add_up_to_the_whole(sample_http: httpx.Client) -> None:
     body = {"prompt": PROMPT, "max_tokens": 6, "logprobs": 2, "echo": True, **SEEDED}
     whole = sample_http.post("/v1/completions", json=body).json()["choices"][0]
-    chunks = [c["choices"][0] for c in _events(sample_http, "/v1/completions", body)]
+    chunks = [c["choices"][0] for c in stream_json(sample_http, "/v1/completions", body)]
     assert "".join(c["text"] for c in chunks) == whole["text"]
     joined: dict[str, list[Any]] = {k: [] for k in whole["logprobs"]}
     for c in chunks:
@@ -170,7 +162,7 @@ def test_chat_logprobs(sample_http: httpx.Client, sample_engine: Engine) -> None
         assert [e["token"] for e in c["top_logprobs"]] == [tok.decode([i]) for _, i, _ in top]
         assert [e["logprob"] for e in c["top_logprobs"]] == pytest.approx([v for v, _, _ in top], abs=ATOL)
     assert b"".join(bytes(c["bytes"]) for c in content).decode() == choice["message"]["content"]
-    streamed = [c["choices"][0] for c in _events(sample_http, "/v1/chat/completions",
+    streamed = [c["choices"][0] for c in stream_json(sample_http, "/v1/chat/completions",
                                                    {**CHAT, "logprobs": True, "top_logprobs": TOP})]
     assert [e["token"] for c in streamed for e in c["logprobs"]["content"]] == [c["token"] for c in content]
     plain = sample_http.post("/v1/chat/completions", json={**CHAT, "top_logprobs": TOP}).json()["choices"][0]

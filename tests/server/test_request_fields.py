@@ -14,11 +14,12 @@ Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/server/test_request_
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import httpx
 import pytest
+
+from tests.server.sse import stream_json
 
 PROMPT = [5, 6, 7, 8]
 GREEDY = {"max_new_tokens": 4, "temperature": 0}
@@ -99,14 +100,6 @@ COMPLETION = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0}
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}
 
 
-def _events(http: httpx.Client, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
-    with http.stream("POST", path, json=body) as r:
-        assert r.status_code == 200, r.read()
-        lines = [ln[len("data: "):] for ln in r.iter_lines() if ln.startswith("data: ")]
-    assert lines[-1] == "[DONE]"
-    return [json.loads(ln) for ln in lines[:-1]]
-
-
 @pytest.mark.parametrize(("path", "body"), [("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)])
 def test_openai_fields_accepted_same_output(http: httpx.Client, path: str, body: dict[str, Any]) -> None:
     full = {**body, "user": "u-1", "seed": 3, "n": 1, "response_format": {"type": "text"}}
@@ -122,9 +115,9 @@ def test_stream_include_usage(http: httpx.Client, path: str, body: dict[str, Any
     other chunk then carries `"usage": null` (openai-python's ChatCompletionChunk / Completion: `usage: Optional`,
     "null on every chunk but the last" when include_usage is set); without it no chunk has the key."""
     usage = http.post(path, json=body).json()["usage"]
-    plain = _events(http, path, {**body, "stream": True})
+    plain = stream_json(http, path, body)
     assert all("usage" not in e for e in plain)
-    events = _events(http, path, {**body, "stream": True, "stream_options": {"include_usage": True}})
+    events = stream_json(http, path, {**body, "stream_options": {"include_usage": True}})
     assert events[-1]["choices"] == [] and events[-1]["usage"] == usage
     assert len(events) > 2 and all("usage" in e and e["usage"] is None for e in events[:-1])
 

@@ -12,14 +12,13 @@ Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/server/test_sglang_r
 
 from __future__ import annotations
 
-import json
-
 import httpx
 import numpy as np
 import pytest
 
 from r3trace import decode_routed_experts
 from r3trace.engine import Engine
+from tests.server.sse import json_events
 
 GREEDY = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
 IDS = [31, 32, 33, 34, 35, 36]
@@ -40,12 +39,6 @@ def test_meta_info_echoes_start_len(engine: Engine, http: httpx.Client) -> None:
     assert isinstance(plain, dict) and "routed_experts_start_len" not in plain["meta_info"]  # only with routes
 
 
-def _events(response: httpx.Response) -> list[dict]:
-    body = response.read().decode()
-    assert body.endswith("data: [DONE]\n\n"), body[-200:]
-    return [json.loads(e.removeprefix("data: ")) for e in body.split("\n\n") if e and e != "data: [DONE]"]
-
-
 @pytest.mark.parametrize("path,extra", [("/v1/completions", {"prompt": IDS}),
                                         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})])
 def test_openai_routes_at_response_level_in_sglext(http: httpx.Client, path: str, extra: dict) -> None:
@@ -61,7 +54,7 @@ def test_openai_routes_at_response_level_in_sglext(http: httpx.Client, path: str
     prompt = out["usage"]["prompt_tokens"]
     assert whole.shape[0] == prompt + 4 - 1 - 2 and out["sglext"]["routed_experts_start_len"] == 2
     with http.stream("POST", path, json={**body, "stream": True}) as r:
-        chunks = _events(r)
+        chunks = json_events(r)
     with_routes = [i for i, c in enumerate(chunks) if "sglext" in c]
     assert with_routes == [len(chunks) - 1], "routes once, after every choice chunk"
     last = chunks[-1]
@@ -95,7 +88,7 @@ def test_generate_stream_is_cumulative_with_routes_once_at_the_end(http: httpx.C
             "return_logprob": True}
     whole = http.post("/generate", json=body).json()
     with http.stream("POST", "/generate", json={**body, "stream": True}) as r:
-        chunks = _events(r)
+        chunks = json_events(r)
     assert len(chunks) > 2
     for a, b in zip(chunks, chunks[1:], strict=False):  # each chunk extends the previous one
         assert b["output_ids"][: len(a["output_ids"])] == a["output_ids"] and b["text"].startswith(a["text"])
@@ -115,7 +108,7 @@ def test_generate_incremental_stream_is_opt_in(http: httpx.Client) -> None:
             "routed_experts_start_len": 3}
     whole = http.post("/generate", json=body).json()
     with http.stream("POST", "/generate", json={**body, "stream": True, "incremental_streaming_output": True}) as r:
-        chunks = _events(r)
+        chunks = json_events(r)
     assert sum((c["output_ids"] for c in chunks), []) == whole["output_ids"]
     assert "".join(c["text"] for c in chunks) == whole["text"]
     offset, parts = 3, []

@@ -17,10 +17,11 @@ Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/server/test_token_id
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import httpx
+
+from tests.server.sse import stream_json
 
 PROMPT = [5, 6, 7, 8, 9]
 GREEDY = {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}
@@ -33,14 +34,6 @@ def _ok(http: httpx.Client, path: str, body: dict[str, Any]) -> Any:
     r = http.post(path, json=body)
     assert r.status_code == 200, r.text
     return r.json()
-
-
-def _events(http: httpx.Client, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
-    with http.stream("POST", path, json={**body, "stream": True}) as r:
-        assert r.status_code == 200, r.read()
-        lines = [ln[len("data: "):] for ln in r.iter_lines() if ln.startswith("data: ")]
-    assert lines[-1] == "[DONE]"
-    return [json.loads(ln) for ln in lines[:-1]]
 
 
 def _greedy_ids(http: httpx.Client, prompt: list[int]) -> list[int]:
@@ -61,7 +54,7 @@ def test_generate_return_prompt_token_ids(http: httpx.Client) -> None:
                                     "return_prompt_token_ids": True})
     assert [r["prompt_token_ids"] for r in batch] == [PROMPT, PROMPT[:3]]
     for incremental in (False, True):
-        chunks = _events(http, "/generate", {"input_ids": PROMPT, "sampling_params": GREEDY,
+        chunks = stream_json(http, "/generate", {"input_ids": PROMPT, "sampling_params": GREEDY,
                                              "return_prompt_token_ids": True,
                                              "incremental_streaming_output": incremental})
         assert chunks[0]["prompt_token_ids"] == PROMPT
@@ -80,7 +73,7 @@ def test_completions_return_token_ids(http: httpx.Client) -> None:
     two = _ok(http, "/v1/completions", {**COMPLETION, "prompt": [PROMPT, PROMPT[:3]], "return_token_ids": True})
     assert [c["prompt_token_ids"] for c in two["choices"]] == [PROMPT, PROMPT[:3]]
     assert two["choices"][1]["token_ids"] == _greedy_ids(http, PROMPT[:3])
-    chunks = _events(http, "/v1/completions", {**COMPLETION, "return_token_ids": True})
+    chunks = stream_json(http, "/v1/completions", {**COMPLETION, "return_token_ids": True})
     choices = [c["choices"][0] for c in chunks if c["choices"]]
     assert sum((c["token_ids"] for c in choices), []) == want
     assert choices[0]["prompt_token_ids"] == PROMPT
@@ -101,7 +94,7 @@ def test_chat_return_prompt_and_token_ids(http: httpx.Client) -> None:
     assert only_out["token_ids"] == choice["token_ids"] and "prompt_token_ids" not in only_out
     given = _ok(http, "/v1/chat/completions", {**CHAT, "input_ids": PROMPT, "return_prompt_token_ids": True})
     assert given["choices"][0]["prompt_token_ids"] == PROMPT
-    chunks = _events(http, "/v1/chat/completions", {**CHAT, "return_prompt_token_ids": True,
+    chunks = stream_json(http, "/v1/chat/completions", {**CHAT, "return_prompt_token_ids": True,
                                                     "return_token_ids": True})
     choices = [c["choices"][0] for c in chunks if c["choices"]]
     assert sum((c["token_ids"] for c in choices), []) == choice["token_ids"]
@@ -133,5 +126,5 @@ def test_generate_token_ids_logprob(http: httpx.Client) -> None:
     assert full["output_token_ids_logprobs"] == want(full) and len(full["output_top_logprobs"]) == 5
     named = _ok(http, "/generate", {**body, "return_text_in_logprobs": True})["meta_info"]
     assert all(isinstance(e[2], str) for pos in named["output_token_ids_logprobs"] for e in pos)
-    last = _events(http, "/generate", {**body, "top_logprobs_num": 320})[-1]["meta_info"]
+    last = stream_json(http, "/generate", {**body, "top_logprobs_num": 320})[-1]["meta_info"]
     assert last["output_token_ids_logprobs"] == want(last) and len(last["output_top_logprobs"]) == 5
