@@ -98,7 +98,7 @@ class CoChoices:
         tokens_of, start = self._by_expert
         hits = tokens_of[start[layer * self.e + x]:start[layer * self.e + x + 1]]  # a token per position holding x
         out = np.bincount(self.tok[hits, layer].ravel(), minlength=self.e).astype(np.float64)
-        out[x] -= len(hits)  # a position is not paired with itself  # a position is not paired with itself
+        out[x] -= len(hits)  # a position is not paired with itself
         return out
 
 
@@ -177,8 +177,8 @@ def affinity_replicas(weight: np.ndarray, logcnt: np.ndarray, node: np.ndarray, 
                       cluster: Cluster) -> np.ndarray:
     """Replicas per (layer, expert, node) [L, E, N]: the first on node [L, E], each extra (highest load per
     replica first) on a node with a free slot and no replica of it yet, the one whose homed experts it is
-    chosen with most (co: the newest tokens' co-choices); a node holding it only when every free node does already. Ties
-    (no tokens: no co-choices) go to the node with the least load per replica placed so far."""
+    chosen with most (co: the newest tokens' co-choices); a node holding it only when every free node does
+    already. Ties (no tokens: no co-choices) go to the node with the least load per replica placed so far."""
     n_layers, e = weight.shape
     rows = np.arange(n_layers)
     cnt = np.zeros((n_layers, e, cluster.num_nodes), dtype=np.int64)
