@@ -18,7 +18,6 @@ from typing import Any
 import duckdb
 import numpy as np
 import pytest
-import torch
 
 import r3trace
 from r3trace.capture.config import CaptureConfigError
@@ -30,6 +29,7 @@ from r3trace.engine.model_config import ModelConfig
 from r3trace.engine.parallel import ParallelInfo
 from r3trace.engine.spec.nextn import DraftCaptureError, check_draft_capture
 from tests.engine.conftest import EngineFactory
+from tests.spec.capture_spy import CaptureSpy
 from tests.spec.conftest import VOCAB
 
 SPEC: dict[str, Any] = dict(speculative_algorithm="NEXTN", speculative_num_steps=3)
@@ -44,56 +44,22 @@ def greedy(n: int) -> dict[str, Any]:
     return {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}
 
 
-def capture_state(cap: Any) -> list[np.ndarray]:
-    """Every buffer of the target's capturer as bytes: device ids and weights, host rows by slot, slot ownership."""
-    b = cap.buffers
-    parts = [b.dev_ids, b.dev_weights, torch.from_numpy(b.host_ids), torch.from_numpy(b.host_weights)]
-    out = [t.contiguous().view(torch.uint8).numpy().copy() for t in parts if t is not None]
-    return out + [b.kv_forward.copy(), b.rows_forward.copy(), np.array([len(b.pending)])]
-
-
 def test_draft_forwards_leave_the_target_capture_byte_identical(make_spec_engine: EngineFactory, mtp_ckpt: Path,
                                                                tmp_path: Path) -> None:
     """A spy around every draft forward (chain and extend): the capturer's buffers are byte-identical before and after,
     and no recorder hook runs inside one. Capture on for some requests and a trace recording every row, so the
     capturer copies every forward's rows."""
     engine = make_spec_engine(model=mtp_ckpt, capture_weights=True, **SPEC)
-    cap, drafter = engine.capturer, engine.runner.drafter
-    inside, calls, changed, forwards = [False], [], [], [0]
-
-    def spy(hook: str) -> Any:
-        real = getattr(cap, hook)
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            if inside[0]:
-                calls.append(hook)
-            return real(*args, **kwargs)
-
-        return call
-
-    for hook in ("on_forward_begin", "route_buffer", "capture", "on_forward_end"):
-        setattr(cap, hook, spy(hook))  # the routers and the model call the capturer through these attributes
-    real_run = drafter.run
-
-    def spied_run(*args: Any) -> torch.Tensor:
-        before = capture_state(cap)
-        inside[0] = True
-        try:
-            return real_run(*args)
-        finally:
-            inside[0] = False
-            forwards[0] += 1
-            after = capture_state(cap)
-            changed.extend(i for i, (a, b) in enumerate(zip(before, after, strict=True)) if not np.array_equal(a, b))
-
-    drafter.run = spied_run
+    spy = CaptureSpy(engine.capturer)
+    spy.wrap(engine.runner.drafter, "run")
     engine.start_trace(tmp_path / "trace", run_id="spy")
     outs = engine.generate(input_ids=prompts(5, seed=1), sampling_params=greedy(12),
                            return_routed_experts=[True, False, True, False, True])
     engine.stop_trace()
     assert all("error" not in o for o in outs)
-    assert forwards[0] >= 3 * 4, "chain and extend forwards must have run"
-    assert calls == [] and changed == [], f"draft forwards called {calls} / changed capture buffers {changed}"
+    assert spy.forwards >= 3 * 4, "chain and extend forwards must have run"
+    assert spy.calls == [] and spy.changed == [], \
+        f"draft forwards called {spy.calls} / changed capture buffers {spy.changed}"
 
 
 def test_rejected_rows_reach_no_response_stream_or_trace(make_spec_engine: EngineFactory, mtp_ckpt: Path,

@@ -23,9 +23,9 @@ from r3trace.engine import Engine
 from r3trace.engine.forward_batch import ForwardBatch
 from r3trace.engine.graph_batch import GraphBatch
 from tests.engine.conftest import EngineFactory
+from tests.spec.capture_spy import CaptureSpy
 from tests.spec.conftest import VOCAB
 from tests.spec.graph_standin import install_decode_graphs, install_spec_graphs
-from tests.spec.test_spec_capture import capture_state
 from tests.spec.test_spec_greedy import ASK, assert_mixed_acceptance, assert_same
 
 EXACT: dict[str, Any] = dict(deterministic=True, max_context_len=64, chunked_prefill_size=48)
@@ -158,34 +158,9 @@ def test_draft_graph_replays_leave_the_target_capture_byte_identical(make_spec_e
     engine = make_spec_engine(model=mtp_ckpt, capture_weights=True, speculative_algorithm="NEXTN",
                               speculative_num_steps=3, **EXACT)
     graphs = install_spec_graphs(engine, (1, 2, 4))
-    cap = engine.capturer
-    inside, calls, changed, replays = [False], [], [], [0]
-    for hook in ("on_forward_begin", "route_buffer", "capture", "on_forward_end"):
-        real = getattr(cap, hook)
-
-        def spy(*args: Any, _real: Any = real, _hook: str = hook, **kwargs: Any) -> Any:
-            if inside[0]:
-                calls.append(_hook)
-            return _real(*args, **kwargs)
-
-        setattr(cap, hook, spy)
-    drafter = engine.runner.drafter
+    spy = CaptureSpy(engine.capturer)
     for name in ("chain_forward", "extend_forward"):
-        real_forward = getattr(drafter, name)
-
-        def spied(*args: Any, _real: Any = real_forward) -> Any:
-            before = capture_state(cap)
-            inside[0] = True
-            try:
-                return _real(*args)
-            finally:
-                inside[0] = False
-                replays[0] += 1
-                after = capture_state(cap)
-                changed.extend(i for i, (a, b) in enumerate(zip(before, after, strict=True))
-                               if not np.array_equal(a, b))
-
-        setattr(drafter, name, spied)
+        spy.wrap(engine.runner.drafter, name)
     engine.start_trace(tmp_path / "trace", run_id="spy")
     outs, graph_replays = [], []
     for sp in ({"temperature": 0}, {"temperature": 1.0, "sampling_seed": 3}):
@@ -196,8 +171,9 @@ def test_draft_graph_replays_leave_the_target_capture_byte_identical(make_spec_e
         graph_replays.append(graphs.replays - before)
     engine.stop_trace()
     assert all("error" not in o for o in outs)
-    assert min(graph_replays) >= 3 and replays[0] >= 3 * 3, f"graphs must have replayed: {graph_replays}"
-    assert calls == [] and changed == [], f"draft replays called {calls} / changed capture buffers {changed}"
+    assert min(graph_replays) >= 3 and spy.forwards >= 3 * 3, f"graphs must have replayed: {graph_replays}"
+    assert spy.calls == [] and spy.changed == [], \
+        f"draft replays called {spy.calls} / changed capture buffers {spy.changed}"
 
 
 def test_exact_decode_graphs_are_eager_decode_bit_for_bit(make_spec_engine: EngineFactory, mtp_ckpt: Path) -> None:
