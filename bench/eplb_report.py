@@ -69,12 +69,11 @@ def rows(results: list[dict[str, Any]]) -> list[str]:
 
 def matrix_files() -> list[Path]:
     """The result files of the held-out cells (the trade-off sweep, plan time and MILP are reported apart)."""
-    def key(f: Path) -> tuple[int, int]:  # the sweeps in SWEEPS' order, each by its fewest nodes
-        doc = json.loads(f.read_text())
-        return list(SWEEPS).index(doc["sweep"]), min(r["nodes"] for r in doc["results"])
-
-    held_out = [f for f in RESULTS.glob("eplb-matrix-*.json") if json.loads(f.read_text()).get("sweep") in SWEEPS]
-    return sorted(held_out, key=key)
+    docs = {f: json.loads(f.read_text()) for f in RESULTS.glob("eplb-matrix-*.json")}
+    held_out = {f: d for f, d in docs.items() if d.get("sweep") in SWEEPS}
+    # the sweeps in SWEEPS' order, each by its fewest nodes
+    return sorted(held_out, key=lambda f: (list(SWEEPS).index(held_out[f]["sweep"]),
+                                           min(r["nodes"] for r in held_out[f]["results"])))
 
 
 def summary_row(label: str, results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -139,7 +138,8 @@ def plan_time_claim(path: Path = PLAN_TIME_FILE) -> dict[str, Any]:
                     "numpy_global": r["global_numpy"]})  # fmt: skip
     return {
         "id": PLAN_TIME_ID, "hardware": "cpu-2core",
-        "shapes": "[58, 256] loads (58 MoE layers, E = 256, 8 groups); median of 3, the CPU shared with other jobs; "
+        "shapes": "[58, 256] loads (58 MoE layers, E = 256, 8 groups); medians of 5 rounds in which ours and the "
+                  "reference take turns, the CPU shared with other jobs; "
                   "a re-plan starts from ours' previous placement with the newest 2,048 tokens",
         "baseline": "DeepSeek's eplb.py (deepseek-ai/EPLB d52c72d, never committed) in the same process: "
                     "`rebalance_experts` with 8 groups and the shape's nodes (default: hierarchical where the nodes "
