@@ -5,12 +5,31 @@ policies and node limits; per-GPU load before (SGLang's trivial placement) and a
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import numpy as np
 import streamlit as st
 
 from r3trace.dashboards import figures, query_state, store_health
 from r3trace.dashboards import store_cache as sc
+
+
+def backtest_rows(bt: dict[str, Any]) -> list[dict[str, object]]:
+    """One row per candidate of auto's backtest: its balancedness on each fold (what the rule ranks), their mean,
+    nodes per token over the folds, and which one was chosen."""
+    rows: list[dict[str, object]] = []
+    for c in bt["candidates"]:
+        folds = c.get("folds") or []
+        row: dict[str, object] = {"policy": c["policy"], "forecast": c["forecast"],
+                                  "chosen": [c["policy"], c["forecast"]] == bt["chosen"],
+                                  "balancedness, mean of folds": float(np.mean(folds)) if folds else None,
+                                  "nodes per token": c.get("nodes_per_token")}
+        row.update({f"fold {i + 1}": b for i, b in enumerate(folds)})
+        if c.get("note"):
+            row["note"] = c["note"]
+        rows.append(row)
+    return rows
+
 
 path, run_id = st.session_state["store"], st.session_state["run_id"]
 st.header("EPLB planner")
@@ -37,7 +56,9 @@ except ValueError as exc:  # PlacementError, WindowError and friends name the fi
 st.caption(f"trained on {rep['train']}; held out: {rep['held_out'] or rep['held_out_note']}")
 bt = rep["backtest"]
 if bt is not None and bt["chosen"] is not None:
-    st.caption(f"auto: backtest fit on {bt['fit']}, scored on {bt['validate']}; rule: {bt['rule']}")
+    st.caption(f"auto: backtest folds: the history windows {bt['validate']}, each scored on a plan made from the "
+               f"windows before it (the first fold fit on {bt['fit']}); rule: {bt['rule']}")
+    st.dataframe(backtest_rows(bt), key="eplb_backtest")
 elif bt is not None:
     st.caption(f"auto: {bt['note']}")
 layout = f"; layout {rep['layout']['name']}: {rep['layout']['reason']}" if rep["layout"] else ""

@@ -225,6 +225,21 @@ def test_eplb_planner(app: AppTest, routes: Any) -> None:
     assert len(at.get("download_button")) == 1
 
 
+def test_eplb_planner_auto_shows_its_backtest(app: AppTest) -> None:
+    """auto's backtest as a table: every candidate's balancedness per fold and their mean, one chosen row (the one the
+    plan line names)."""
+    at = open_page(app, "eplb", gpus="4", nodes="2", slots="20", policy="auto", nlim="2")
+    table = at.dataframe[0].value
+    folds = [c for c in table.columns if c.startswith("fold ")]
+    assert len(table) >= 4 and folds, table.columns
+    means = table["balancedness, mean of folds"].to_numpy(float)
+    np.testing.assert_allclose(means, table[folds].to_numpy(float).mean(axis=1), rtol=1e-12)
+    assert ((means > 0) & (means <= 1)).all()
+    [chosen] = table.index[table["chosen"]].tolist()
+    policy, forecast = table.loc[chosen, "policy"], table.loc[chosen, "forecast"]
+    assert any(f"plan: {policy} + {forecast} forecast" in c.value for c in at.caption)
+
+
 def test_eplb_planner_bad_cluster_is_an_error_not_a_crash(app: AppTest) -> None:
     app.query_params.update(gpus="4", nodes="3")
     app.run()
