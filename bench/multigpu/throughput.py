@@ -40,8 +40,10 @@ class PerfConfig:
     prompt: int = 1024  # tokens of each prefill request
     batches: tuple[int, ...] = (32, 64, 128, 256)  # decode requests per DP rank
     decode_prompt: int = 128
-    new_tokens: int = 32
-    reps: int = 2
+    # 128 new tokens: the rate is (new - 1) tokens over the generate time minus a 1-token call's, and at 32 tokens
+    # that difference swung by more than the capture cost it is meant to show (about 1% of a step)
+    new_tokens: int = 128
+    reps: int = 3
     vocab: int = 32000
 
     def engine_options(self, graphs: bool) -> dict[str, Any]:
@@ -101,8 +103,9 @@ def measure(ckpt: Path, layout: Layout, graphs: bool, cfg: PerfConfig, capture: 
             prompts = _prompts(dp * batch, cfg.decode_prompt, cfg.vocab, seed=batch)
             _generate(eng, prompts, dp, min(cfg.new_tokens, 4))  # warm-up
             samples: dict[str, list[float]] = {"off": [], **{mode: [] for mode in capture}}
+            modes = list(samples)
             for rep in range(cfg.reps):
-                for mode in samples:
+                for mode in modes[rep % len(modes):] + modes[:rep % len(modes)]:  # each rep starts one mode later
                     if mode == "trace":
                         eng.start_trace(tmp / "traces", run_id=f"{out['layout']}-b{batch}-{rep}")
                     try:  # dp x batch requests a call: round robin gives every DP rank `batch` of them
