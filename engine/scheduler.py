@@ -29,7 +29,7 @@ from r3trace.engine.radix_cache import RadixCache
 from r3trace.engine.request import FinishReason, LogprobEntry, Req
 from r3trace.engine.request_hooks import NullHooks, RequestHooks
 from r3trace.engine.step import ReqOutput, ScheduledReq
-from r3trace.engine.stop_rules import finish_reason
+from r3trace.engine.stop_rules import finish_reason, none_can_finish
 from r3trace.engine.tokenizer import TextTokenizer
 
 
@@ -292,18 +292,24 @@ class Scheduler:
         req.spec_verify_ct += 1
         # drafts that could become output: one token of the verify is the target's, none past max_new_tokens
         req.spec_num_proposed_drafts += min(item.draft_len, req.params.max_new_tokens - len(req.output_ids) - 1)
+        tokens = out.next_tokens
         stop = None
-        appended = 0
-        for j, tok in enumerate(out.next_tokens):
-            appended = j + 1
-            req.output_ids.append(tok)
-            if req.logprob is not None and out.next_logprobs is not None:
+        if none_can_finish(req, tokens, self.eos_token_ids, self.max_context_len):
+            req.output_ids += tokens
+            appended = len(tokens)
+        else:
+            appended = 0
+            for tok in tokens:
+                appended += 1
+                req.output_ids.append(tok)
+                stop = finish_reason(req, self.eos_token_ids, self.tokenizer, self.max_context_len)
+                if stop is not None:
+                    break
+        if req.logprob is not None and out.next_logprobs is not None:
+            for j, tok in enumerate(tokens[:appended]):
                 req.output_logprobs.append((out.next_logprobs[j], tok, None))
                 if out.next_tops is not None:
                     req.output_top_logprobs.append(out.next_tops[j])
-            stop = finish_reason(req, self.eos_token_ids, self.tokenizer, self.max_context_len)
-            if stop is not None:
-                break
         req.spec_num_correct_drafts += appended - 1  # drafts that became output (accepted after a stop: dropped)
         kept = req.seq_len - 1 - item.start  # positions start.. whose input token is committed: one per token kept
         req.kv_len = item.start + kept
