@@ -15,10 +15,10 @@ each speculative row says how many of its steps did (graph_steps) out of all (st
    accepted drafts + 1, summed over requests, divided by verify forwards) and the share of drafts accepted, greedy
    and at temperature 1.
 2. decode tokens/s at each batch (prompts cycled): B * (M - 1) generated tokens over the generate time of M tokens
-   minus that of 1 token (prefill and first token), per rep; a row holds all --reps rates, their median and spread.
-   Modes: spec_graphs, spec_eager (d = --depth), plain_graphs, plain_eager (CPU: the eager two), all four engines
-   alive at once and their reps interleaved (rep r times each engine once, the order rotated each rep); a
-   speculative row's vs_plain is the median over reps of its rate over its plain twin's in the same rep.
+   minus that of 1 token (prefill and first token), each the fastest of --reps; a row also holds every rep's own
+   rate, their median and spread. Modes: spec_graphs, spec_eager (d = --depth), plain_graphs, plain_eager (CPU: the
+   eager two), all four engines alive at once and their reps interleaved (rep r times each engine once, the order
+   rotated each rep); a speculative row's vs_plain is its rate over its plain twin's, vs_plain_reps rep by rep.
 3. capture cost with speculation on: the speculative rows again with every request asking for routes (capture true),
    beside capture false; plain_graphs too, for reference (plain_eager on CUDA: capture off only).
 4. route mismatches against plain decoding, default mode (spec_graphs' engine against plain_graphs'): per request,
@@ -117,11 +117,15 @@ def generate_seconds(eng: Engine, ids: list[list[int]], max_new: int, capture: b
     return time.perf_counter() - t0
 
 
-def rep_rate(eng: Engine, prompts: list[list[int]], batch: int, max_new: int, capture: bool) -> float:
-    """One rep's decode tokens/s: B * (M - 1) tokens over time(M tokens) - time(1 token)."""
+def rep_times(eng: Engine, prompts: list[list[int]], batch: int, max_new: int, capture: bool) -> tuple[float, float]:
+    """One rep: (time of M tokens, time of 1 token: prefill and first token), each after a cache flush."""
     ids = [prompts[i % len(prompts)] for i in range(batch)]
-    tm = generate_seconds(eng, ids, max_new, capture)
-    return batch * (max_new - 1) / max(tm - generate_seconds(eng, ids, 1, capture), 1e-9)
+    return generate_seconds(eng, ids, max_new, capture), generate_seconds(eng, ids, 1, capture)
+
+
+def decode_rate(batch: int, max_new: int, seconds_m: float, seconds_1: float) -> float:
+    """Decode tokens/s: B * (M - 1) tokens over time(M tokens) - time(1 token)."""
+    return batch * (max_new - 1) / max(seconds_m - seconds_1, 1e-9)
 
 
 def captures(mode: str, cuda: bool) -> tuple[bool, ...]:
@@ -137,40 +141,49 @@ def throughput_rows(engines: dict[str, Engine], args: argparse.Namespace,
                     prompts: list[list[int]]) -> list[dict[str, Any]]:
     """Decode tokens/s of every mode per batch and capture setting, the modes' reps interleaved: rep r times each
     engine once, in an order rotated every rep, so a drift of clocks or host load over the run reaches every mode
-    alike (timed one engine after another, plain graphs at batch 32 read 50k tok/s in one run and 26k in a rerun of
-    the same code). A row holds every rep's rate, their median (tokens_per_s) and spread ((max - min) / median); a
-    speculative row also the ratio to its plain twin (same graphs setting and capture) rep by rep, and their median."""
+    alike. tokens_per_s is from the fastest time of M tokens and the fastest of 1 token over the reps: stalls only
+    add time, and on the H200 host a single generate read up to 5x slow (a rep's own rate then swings 10-90% around
+    the median, which the row keeps beside it with the spread (max - min) / median). A speculative row's vs_plain is
+    its tokens_per_s over its plain twin's (same graphs setting and capture), vs_plain_reps the same ratio rep by
+    rep (both engines timed in the same rep)."""
     cuda = args.device != "cpu"
+    m = args.max_new_tokens
     # Warm every engine before any timing: each batch size and capture setting once (kernels compile and tune, the
     # graphs' first replays, allocator pools and clocks settle), so no row is timed on a colder engine than another.
     for batch in args.batches:
         for mode, eng in engines.items():
             for capture in captures(mode, cuda):
-                rep_rate(eng, prompts, batch, args.max_new_tokens, capture)
+                rep_times(eng, prompts, batch, m, capture)
     out = []
     for batch in args.batches:
         for capture in (False, True):
-            modes = [m for m in engines if capture in captures(m, cuda)]
-            rates: dict[str, list[float]] = {m: [] for m in modes}
-            g0 = {m: graph_steps(engines[m]) for m in modes}
-            s0 = {m: steps_run(engines[m]) for m in modes}
+            modes = [x for x in engines if capture in captures(x, cuda)]
+            times: dict[str, list[tuple[float, float]]] = {x: [] for x in modes}
+            g0 = {x: graph_steps(engines[x]) for x in modes}
+            s0 = {x: steps_run(engines[x]) for x in modes}
             for r in range(args.reps):
                 for mode in modes[r % len(modes):] + modes[: r % len(modes)]:
-                    rates[mode].append(rep_rate(engines[mode], prompts, batch, args.max_new_tokens, capture))
+                    times[mode].append(rep_times(engines[mode], prompts, batch, m, capture))
+            best = {x: decode_rate(batch, m, min(t[0] for t in times[x]), min(t[1] for t in times[x])) for x in modes}
+            reps = {x: [decode_rate(batch, m, *t) for t in times[x]] for x in modes}
             for mode in modes:
-                med = float(np.median(rates[mode]))
+                med = float(np.median(reps[mode]))
                 row: dict[str, Any] = {
-                    "mode": mode, "batch": batch, "capture": capture, "tokens_per_s": med,
-                    "tokens_per_s_reps": rates[mode], "spread": (max(rates[mode]) - min(rates[mode])) / med,
+                    "mode": mode, "batch": batch, "capture": capture, "tokens_per_s": best[mode],
+                    "tokens_per_s_median": med, "tokens_per_s_reps": reps[mode],
+                    "spread": (max(reps[mode]) - min(reps[mode])) / med,
+                    "seconds_m_reps": [t[0] for t in times[mode]], "seconds_1_reps": [t[1] for t in times[mode]],
                     "graph_steps": graph_steps(engines[mode]) - g0[mode], "steps": steps_run(engines[mode]) - s0[mode]}
                 twin = plain_twin(mode)
-                if mode != twin and twin in rates:
-                    ratios = [a / b for a, b in zip(rates[mode], rates[twin], strict=True)]
-                    row.update(vs_plain=float(np.median(ratios)), vs_plain_reps=ratios)
+                if mode != twin and twin in times:
+                    ratios = [a / b for a, b in zip(reps[mode], reps[twin], strict=True)]
+                    row.update(vs_plain=best[mode] / best[twin], vs_plain_reps=ratios,
+                               vs_plain_median=float(np.median(ratios)))
                 out.append(row)
-                print(f"{mode} batch {batch} capture {capture}: {med:.1f} tok/s (spread {row['spread']:.1%}"
-                      + (f", {row['vs_plain']:.3f}x {twin} [{min(ratios):.3f}, {max(ratios):.3f}]" if "vs_plain" in row
-                         else "") + f"; {row['graph_steps']} of {row['steps']} steps on graphs)", flush=True)
+                print(f"{mode} batch {batch} capture {capture}: {best[mode]:.1f} tok/s (median {med:.1f}, spread "
+                      f"{row['spread']:.0%}" + (f"; {row['vs_plain']:.3f}x {twin}, per rep {min(ratios):.2f}.."
+                                                f"{max(ratios):.2f}" if "vs_plain" in row else "")
+                      + f"; {row['graph_steps']} of {row['steps']} steps on graphs)", flush=True)
     return out
 
 
