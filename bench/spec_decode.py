@@ -2,7 +2,7 @@
 with speculation on vs off (CUDA graphs and eager), the cost of route capture with it on, and route mismatches against
 plain decoding. One JSON.
 
-Run (H200, about 3-5 minutes): python -m bench.spec_decode --device cuda --out bench/results/spec_decode-h200.json
+Run (H200, about 4-6 minutes): python -m bench.spec_decode --device cuda --out bench/results/spec_decode-h200.json
 Run (CPU smoke, fp32 ref backends, 4 prompts of 32 tokens, 8 new, batches 1 and 2, eager; written only with --out):
   python -m bench.spec_decode --smoke
 
@@ -15,10 +15,12 @@ each speculative row says how many of its steps did (graph_steps) out of all (st
    accepted drafts + 1, summed over requests, divided by verify forwards) and the share of drafts accepted, greedy
    and at temperature 1.
 2. decode tokens/s at each batch (prompts cycled): B * (M - 1) generated tokens over the generate time of M tokens
-   minus that of 1 token (prefill and first token), the fastest of --reps. Modes: spec_graphs, spec_eager (d =
-   --depth), plain_graphs, plain_eager; CPU: the eager two.
+   minus that of 1 token (prefill and first token), each the fastest of --reps; a row also holds every rep's own
+   rate, their median and spread. Modes: spec_graphs, spec_eager (d = --depth), plain_graphs, plain_eager (CPU: the
+   eager two), all four engines alive at once and their reps interleaved (rep r times each engine once, the order
+   rotated each rep); a speculative row's vs_plain is its rate over its plain twin's, vs_plain_reps rep by rep.
 3. capture cost with speculation on: the speculative rows again with every request asking for routes (capture true),
-   beside capture false; plain_graphs too, for reference.
+   beside capture false; plain_graphs too, for reference (plain_eager on CUDA: capture off only).
 4. route mismatches against plain decoding, default mode (spec_graphs' engine against plain_graphs'): per request,
    the rows both runs computed for the same tokens (the common prefix of prompt + output; bf16 may end it early),
    (row, layer) pairs whose top-k sets differ, and of those the ones that are not near ties: the K-th minus (K+1)-th
@@ -31,6 +33,7 @@ each speculative row says how many of its steps did (graph_steps) out of all (st
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import time
@@ -106,41 +109,81 @@ def acceptance_rows(eng: Engine, depth: int, args: argparse.Namespace, prompts: 
     return out
 
 
-def decode_rate(eng: Engine, prompts: list[list[int]], batch: int, max_new: int, reps: int, capture: bool) -> float:
-    """Decode tokens/s: B * (M - 1) tokens over time(M tokens) - time(1 token), fastest of reps."""
+def generate_seconds(eng: Engine, ids: list[list[int]], max_new: int, capture: bool) -> float:
+    eng.flush_cache()  # every run prefills: the subtraction in rep_rate removes the same prefill
+    t0 = time.perf_counter()
+    eng.generate(input_ids=ids, sampling_params={"temperature": 0, "ignore_eos": True, "max_new_tokens": max_new},
+                 return_routed_experts=capture)
+    return time.perf_counter() - t0
+
+
+def rep_times(eng: Engine, prompts: list[list[int]], batch: int, max_new: int, capture: bool) -> tuple[float, float]:
+    """One rep: (time of M tokens, time of 1 token: prefill and first token), each after a cache flush."""
     ids = [prompts[i % len(prompts)] for i in range(batch)]
-
-    def timed(m: int) -> float:
-        best = float("inf")
-        for _ in range(reps):
-            eng.flush_cache()  # every run prefills: the subtraction removes the same prefill
-            t0 = time.perf_counter()
-            eng.generate(input_ids=ids, sampling_params={"temperature": 0, "ignore_eos": True, "max_new_tokens": m},
-                         return_routed_experts=capture)
-            best = min(best, time.perf_counter() - t0)
-        return best
-
-    timed(max_new)  # warm-up: kernels compile and tune outside the timing
-    return batch * (max_new - 1) / max(timed(max_new) - timed(1), 1e-9)
+    return generate_seconds(eng, ids, max_new, capture), generate_seconds(eng, ids, 1, capture)
 
 
-def throughput_rows(eng: Engine, mode: str, captures: tuple[bool, ...], args: argparse.Namespace,
+def decode_rate(batch: int, max_new: int, seconds_m: float, seconds_1: float) -> float:
+    """Decode tokens/s: B * (M - 1) tokens over time(M tokens) - time(1 token)."""
+    return batch * (max_new - 1) / max(seconds_m - seconds_1, 1e-9)
+
+
+def captures(mode: str, cuda: bool) -> tuple[bool, ...]:
+    """Capture settings timed per mode: plain eager on CUDA is the no-graphs reference only (capture off)."""
+    return (False,) if cuda and mode == "plain_eager" else (False, True)
+
+
+def plain_twin(mode: str) -> str:
+    return mode.replace("spec_", "plain_")
+
+
+def throughput_rows(engines: dict[str, Engine], args: argparse.Namespace,
                     prompts: list[list[int]]) -> list[dict[str, Any]]:
+    """Decode tokens/s of every mode per batch and capture setting, the modes' reps interleaved: rep r times each
+    engine once, in an order rotated every rep, so a drift of clocks or host load over the run reaches every mode
+    alike. tokens_per_s is from the fastest time of M tokens and the fastest of 1 token over the reps: stalls only
+    add time, and on the H200 host a single generate read up to 5x slow (a rep's own rate then swings 10-90% around
+    the median, which the row keeps beside it with the spread (max - min) / median). A speculative row's vs_plain is
+    its tokens_per_s over its plain twin's (same graphs setting and capture), vs_plain_reps the same ratio rep by
+    rep (both engines timed in the same rep)."""
+    cuda = args.device != "cpu"
+    m = args.max_new_tokens
+    # Warm every engine before any timing: each batch size and capture setting once (kernels compile and tune, the
+    # graphs' first replays, allocator pools and clocks settle), so no row is timed on a colder engine than another.
+    for batch in args.batches:
+        for mode, eng in engines.items():
+            for capture in captures(mode, cuda):
+                rep_times(eng, prompts, batch, m, capture)
     out = []
-    # Warm the whole engine before any timing: every batch size with and without capture generates once (kernels
-    # compile and tune, the graphs' first replays, allocator pools and clocks settle), so no row is timed on a colder
-    # engine than the one after it (the first row of each batch was: capture on read up to 1.7x faster than off).
     for batch in args.batches:
-        for capture in captures:
-            decode_rate(eng, prompts, batch, args.max_new_tokens, 1, capture)
-    for batch in args.batches:
-        for capture in captures:
-            g0, s0 = graph_steps(eng), steps_run(eng)
-            rate = decode_rate(eng, prompts, batch, args.max_new_tokens, args.reps, capture)
-            out.append({"mode": mode, "batch": batch, "capture": capture, "tokens_per_s": rate,
-                        "graph_steps": graph_steps(eng) - g0, "steps": steps_run(eng) - s0})
-            print(f"{mode} batch {batch} capture {capture}: {rate:.1f} tok/s ({out[-1]['graph_steps']} of "
-                  f"{out[-1]['steps']} steps on graphs)", flush=True)
+        for capture in (False, True):
+            modes = [x for x in engines if capture in captures(x, cuda)]
+            times: dict[str, list[tuple[float, float]]] = {x: [] for x in modes}
+            g0 = {x: graph_steps(engines[x]) for x in modes}
+            s0 = {x: steps_run(engines[x]) for x in modes}
+            for r in range(args.reps):
+                for mode in modes[r % len(modes):] + modes[: r % len(modes)]:
+                    times[mode].append(rep_times(engines[mode], prompts, batch, m, capture))
+            best = {x: decode_rate(batch, m, min(t[0] for t in times[x]), min(t[1] for t in times[x])) for x in modes}
+            reps = {x: [decode_rate(batch, m, *t) for t in times[x]] for x in modes}
+            for mode in modes:
+                med = float(np.median(reps[mode]))
+                row: dict[str, Any] = {
+                    "mode": mode, "batch": batch, "capture": capture, "tokens_per_s": best[mode],
+                    "tokens_per_s_median": med, "tokens_per_s_reps": reps[mode],
+                    "spread": (max(reps[mode]) - min(reps[mode])) / med,
+                    "seconds_m_reps": [t[0] for t in times[mode]], "seconds_1_reps": [t[1] for t in times[mode]],
+                    "graph_steps": graph_steps(engines[mode]) - g0[mode], "steps": steps_run(engines[mode]) - s0[mode]}
+                twin = plain_twin(mode)
+                if mode != twin and twin in times:
+                    ratios = [a / b for a, b in zip(reps[mode], reps[twin], strict=True)]
+                    row.update(vs_plain=best[mode] / best[twin], vs_plain_reps=ratios,
+                               vs_plain_median=float(np.median(ratios)))
+                out.append(row)
+                print(f"{mode} batch {batch} capture {capture}: {best[mode]:.1f} tok/s (median {med:.1f}, spread "
+                      f"{row['spread']:.0%}" + (f"; {row['vs_plain']:.3f}x {twin}, per rep {min(ratios):.2f}.."
+                                                f"{max(ratios):.2f}" if "vs_plain" in row else "")
+                      + f"; {row['graph_steps']} of {row['steps']} steps on graphs)", flush=True)
     return out
 
 
@@ -150,34 +193,35 @@ def greedy_routes(eng: Engine, args: argparse.Namespace, prompts: list[list[int]
 
 
 def measure(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:
-    """Every engine once: the acceptance of each depth, the throughput of each mode, the two route runs."""
+    """The acceptance of each depth (an engine each; the throughput depth's is its graphs engine), then every
+    throughput engine at once (spec and plain, graphs and eager on CUDA; the eager two on CPU) with interleaved reps,
+    then the route runs."""
     cuda = args.device != "cpu"
-    graphs_modes = (True, False) if cuda else (False,)
     result: dict[str, Any] = {"acceptance": [], "throughput": [], "seconds": {}}
-    runs: dict[str, list[dict[str, Any]]] = {}
     t0 = time.time()
     for depth in (1, 2, 3):
-        with Engine(MODEL, **engine_options(args, depth, graphs=cuda)) as eng:
-            result["acceptance"] += acceptance_rows(eng, depth, args, prompts)
-            if depth == args.depth:
-                result["throughput"] += throughput_rows(eng, "spec_graphs" if cuda else "spec_eager", (False, True),
-                                                        args, prompts)
-                runs["spec"] = greedy_routes(eng, args, prompts)
-    result["seconds"]["acceptance_and_spec"] = time.time() - t0
-    t0 = time.time()
-    if cuda:
-        with Engine(MODEL, **engine_options(args, args.depth, graphs=False)) as eng:
-            result["throughput"] += throughput_rows(eng, "spec_eager", (False, True), args, prompts)
-    for graphs in graphs_modes:
-        with Engine(MODEL, **engine_options(args, 0, graphs)) as eng:
-            mode = "plain_graphs" if graphs else "plain_eager"
-            result["throughput"] += throughput_rows(eng, mode, (False, True) if graphs or not cuda else (False,),
-                                                    args, prompts)
-            runs["plain" if graphs or not cuda else "plain_eager"] = greedy_routes(eng, args, prompts)
-    result["seconds"]["throughput_rest"] = time.time() - t0
+        if depth != args.depth:
+            with Engine(MODEL, **engine_options(args, depth, graphs=cuda)) as eng:
+                result["acceptance"] += acceptance_rows(eng, depth, args, prompts)
+    with contextlib.ExitStack() as stack:
+        modes = {"spec_graphs": (args.depth, True), "spec_eager": (args.depth, False), "plain_graphs": (0, True),
+                 "plain_eager": (0, False)}
+        engines = {mode: stack.enter_context(Engine(MODEL, **engine_options(args, depth, graphs)))
+                   for mode, (depth, graphs) in modes.items() if cuda or not graphs}
+        spec = engines["spec_graphs" if cuda else "spec_eager"]
+        result["acceptance"] += acceptance_rows(spec, args.depth, args, prompts)
+        result["acceptance"].sort(key=lambda row: (row["depth"], row["temperature"]))
+        result["seconds"]["acceptance"] = time.time() - t0
+        t0 = time.time()
+        result["throughput"] = throughput_rows(engines, args, prompts)
+        result["seconds"]["throughput"] = time.time() - t0
+        runs = {"spec": greedy_routes(spec, args, prompts),
+                "plain": greedy_routes(engines["plain_graphs" if cuda else "plain_eager"], args, prompts)}
+        if cuda:  # the control: plain decoding against itself, eager kernels vs graphs
+            runs["plain_eager"] = greedy_routes(engines["plain_eager"], args, prompts)
     t0 = time.time()
     result["routes"] = route_mismatches(args, prompts, runs["spec"], runs["plain"])
-    if "plain_eager" in runs:  # the control: plain decoding against itself, eager kernels vs graphs (CUDA)
+    if "plain_eager" in runs:
         result["routes_plain_eager_vs_plain"] = route_mismatches(args, prompts, runs["plain_eager"], runs["plain"])
     result["seconds"]["routes"] = time.time() - t0
     return result
@@ -237,7 +281,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
     ap.add_argument("--depth", type=int, default=3, help="speculative_num_steps of the throughput and route runs")
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--near-tie", type=float, default=1e-2)
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)

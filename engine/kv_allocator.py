@@ -79,11 +79,17 @@ class KVAllocator:
         self.req_pool.write(req.pool_row, req.kv_len, slots)
         return slots
 
-    def trim(self, req: Req) -> None:
-        """Pages past req.kv_len (positions computed and then dropped) go back to the pool."""
-        keep_pages = self.pool.pages_for(req.kv_len)
-        self.pool.free(req.pages[keep_pages:])
-        del req.pages[keep_pages:]
+    def trim(self, reqs: list[Req]) -> None:
+        """Pages past each request's kv_len (positions computed and then dropped) go back to the pool, in one free
+        (the order of the per-request frees, so allocation stays reproducible)."""
+        dropped: list[int] = []
+        for req in reqs:
+            keep_pages = self.pool.pages_for(req.kv_len)
+            if keep_pages < len(req.pages):
+                dropped += req.pages[keep_pages:]
+                del req.pages[keep_pages:]
+        if dropped:
+            self.pool.free(dropped)
 
     def release(self, req: Req, cache_it: bool) -> None:
         """Return req's pages: whole computed pages go to the prefix cache when cache_it, the rest

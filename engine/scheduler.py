@@ -29,7 +29,7 @@ from r3trace.engine.radix_cache import RadixCache
 from r3trace.engine.request import FinishReason, LogprobEntry, Req
 from r3trace.engine.request_hooks import NullHooks, RequestHooks
 from r3trace.engine.step import ReqOutput, ScheduledReq
-from r3trace.engine.stop_rules import finish_reason
+from r3trace.engine.stop_rules import finish_reason, none_can_finish
 from r3trace.engine.tokenizer import TextTokenizer
 
 
@@ -86,6 +86,10 @@ class Scheduler:
         # this one, so a request never waits a step for another's drafts.
         decoding_after = sum(r.in_decode for r in self.running) if self.spec_steps else 0
         i = 0
+        if self.spec_steps and self.running and decoding_after == len(self.running):
+            items = self._grow_verifies(budget)
+            budget -= sum(it.extend_len for it in items)
+            i = len(items)
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             want = min(req.seq_len - req.kv_len, budget)
@@ -160,6 +164,42 @@ class Scheduler:
             req.inflight += 1
         return items
 
+    def _grow_verifies(self, budget: int) -> list[ScheduledReq]:
+        """Speculation, every running request decoding: the verify items of all of them at once, exactly what the
+        per-request loop of `schedule` gives when the step's budget and the free pages hold every request's d + 1
+        positions (no draft cut, no eviction, no retraction); [] otherwise (the loop then runs). One page
+        allocation and one req_to_token write for the step instead of KVAllocator.grow per request (~10 us each on
+        the H200 host: 0.3 ms a step at batch 32, while the GPU step is ~0.6 ms)."""
+        running, page, ctx = self.running, self.pool.page_size, self.max_context_len
+        wants = [1 + max(0, min(self.spec_steps, ctx - r.seq_len - 1)) for r in running]
+        if sum(wants) > budget:
+            return []
+        needs = [-(-(r.kv_len + w) // page) - len(r.pages) for r, w in zip(running, wants, strict=True)]
+        new_pages = self.pool.alloc(sum(needs)) if min(needs) >= 0 else None
+        if new_pages is None:
+            return []
+        rows: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        at = 0
+        for req, want, need in zip(running, wants, needs, strict=True):
+            if need:
+                req.pages += new_pages[at : at + need]
+                at += need
+            pages, start = req.pages, req.kv_len
+            for pos in range(start, start + want):
+                slots.append(pages[pos // page] * page + pos % page)
+            rows += [req.pool_row] * want
+            positions += range(start, start + want)
+        slot_arr = np.asarray(slots, dtype=np.int64)
+        self.req_pool.write_ones(rows, positions, slot_arr)
+        items = []
+        at = 0
+        for req, want in zip(running, wants, strict=True):
+            items.append(self._item(req, slot_arr[at : at + want]))
+            at += want
+        return items
+
     def _draft_len(self, req: Req, budget: int) -> int:
         """Draft tokens a decoding request verifies this step: spec_steps, fewer only when the context limit or the
         step's token budget is short. A request near max_new_tokens still verifies spec_steps drafts: the stop rule
@@ -196,8 +236,10 @@ class Scheduler:
         """Fold a forward's outputs into request state; finished requests release their KV."""
         # Verify items first, all of them: every rejected row is dropped (on_reject) before any hook of this step
         # reads or emits the forward's routes (a finishing request's on_finish drains the capturer's copy).
-        stops = {id(it.req): self._accept(it, out) for it, out in zip(items, outputs, strict=True)
-                 if it.phase == "verify" and not it.req.finished}
+        verified = [(it, out) for it, out in zip(items, outputs, strict=True)
+                    if it.phase == "verify" and not it.req.finished]
+        stops = {id(it.req): self._accept(it, out) for it, out in verified}
+        self.kv.trim([it.req for it, _ in verified])  # one free for the step: the pages past each kept position
         for item, out in zip(items, outputs, strict=True):
             req = item.req
             if req.finished:  # stopped at the step before, after this one was launched for it: dropped
@@ -242,30 +284,36 @@ class Scheduler:
 
     def _accept(self, item: ScheduledReq, out: ReqOutput) -> FinishReason | None:
         """A verify item's tokens, appended one at a time under the stop rules (a stop drops the tokens after it),
-        then the KV of every position past them freed: rejected drafts, and drafts accepted after a stop."""
+        the KV of every position past them is freed after the step's last _accept (process): rejected drafts, and
+        drafts accepted after a stop."""
         req = item.req
         assert out.next_tokens is not None
         req.inflight -= item.extend_len
         req.spec_verify_ct += 1
         # drafts that could become output: one token of the verify is the target's, none past max_new_tokens
         req.spec_num_proposed_drafts += min(item.draft_len, req.params.max_new_tokens - len(req.output_ids) - 1)
+        tokens = out.next_tokens
         stop = None
-        appended = 0
-        for j, tok in enumerate(out.next_tokens):
-            appended = j + 1
-            req.output_ids.append(tok)
-            if req.logprob is not None and out.next_logprobs is not None:
+        if none_can_finish(req, tokens, self.eos_token_ids, self.max_context_len):
+            req.output_ids += tokens
+            appended = len(tokens)
+        else:
+            appended = 0
+            for tok in tokens:
+                appended += 1
+                req.output_ids.append(tok)
+                stop = finish_reason(req, self.eos_token_ids, self.tokenizer, self.max_context_len)
+                if stop is not None:
+                    break
+        if req.logprob is not None and out.next_logprobs is not None:
+            for j, tok in enumerate(tokens[:appended]):
                 req.output_logprobs.append((out.next_logprobs[j], tok, None))
                 if out.next_tops is not None:
                     req.output_top_logprobs.append(out.next_tops[j])
-            stop = finish_reason(req, self.eos_token_ids, self.tokenizer, self.max_context_len)
-            if stop is not None:
-                break
         req.spec_num_correct_drafts += appended - 1  # drafts that became output (accepted after a stop: dropped)
         kept = req.seq_len - 1 - item.start  # positions start.. whose input token is committed: one per token kept
         req.kv_len = item.start + kept
         self.hooks.on_reject(req, item.start, kept, item.out_cache_loc[kept:])
-        self.kv.trim(req)
         return stop
 
     # ------------------------------------------------------------------ lifecycle hooks

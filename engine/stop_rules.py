@@ -48,3 +48,14 @@ def finish_reason(
     if req.seq_len >= max_context_len:
         return FinishReason("length", length=len(req.output_ids))
     return None
+
+
+def none_can_finish(req: Req, tokens: list[int], eos_token_ids: Set[int], max_context_len: int) -> bool:
+    """True when appending `tokens` to req.output_ids one at a time would make finish_reason return None after every
+    one: no rule of finish_reason can fire (length and context limit with room for all of them, no stop token or eos
+    among them unless ignore_eos, no stop strings or regexes at all). A speculative verify commits up to d + 1 tokens
+    a request a step; this one check replaces a finish_reason call a token in the common case."""
+    p, n = req.params, len(tokens)
+    if len(req.output_ids) + n >= p.max_new_tokens or req.seq_len + n >= max_context_len or p.stop or p.stop_regex:
+        return False
+    return p.ignore_eos or not any(t in p.stop_token_ids or t in eos_token_ids for t in tokens)

@@ -70,12 +70,15 @@ def plan_step(items: list[ScheduledReq], steps: int) -> _Plan:
     first_logit: list[int] = []
     for it in items:
         base = len(plan.input_ids)
-        fill = it.req.fill_ids
-        if it.phase == "verify":
-            plan.input_ids += [fill[it.start]] + [0] * it.draft_len
+        if it.phase == "verify":  # its one known token, read without building fill_ids (a copy of every token)
+            req, p = it.req, it.start
+            plan.input_ids += [req.origin_input_ids[p] if p < req.prompt_len else req.output_ids[p - req.prompt_len]]
+            plan.input_ids += [0] * it.draft_len
             plan.draft_dst += range(base + 1, base + 1 + it.draft_len)
             plan.draft_src += range(it.req.pool_row * steps, it.req.pool_row * steps + it.draft_len)
+            fill: list[int] = []
         else:
+            fill = it.req.fill_ids
             plan.input_ids += fill[it.start : it.end]
         for p in it.logprob_positions:
             plan.lp_rows.append(len(plan.logits_rows))
