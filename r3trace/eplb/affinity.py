@@ -65,16 +65,19 @@ class CoChoices:
         e = self.e
         key = self.tok + (np.arange(n_layers) * e)[None, :, None]  # [T, L, K] (layer, expert) of each choice
         k = key.shape[2]
-        nd = node.ravel()[key]  # [T, L, K] node of each choice
+        nd = np.take(node, key)  # [T, L, K] node of each choice (np.take: 2x faster than fancy indexing here)
         # every ordered pair of a token's positions, the K pairs (i, i) included and taken back below; in int64
         # (bincount's own index type): cheaper than gathering the K (K - 1) pairs (0.016 vs 0.021 s at 8 nodes)
         if rows is None:
             mine = key.ravel()
             idx = (key * num_nodes)[:, :, :, None] + nd[:, :, None, :]  # [T, L, K, K]
         else:
-            q = np.flatnonzero(rows.ravel()[key])  # [Q] the choices whose expert's row is wanted
-            mine = key.ravel()[q]
-            idx = (mine * num_nodes)[:, None] + nd.reshape(-1, k)[q // k]  # [Q, K] with the token's K nodes
+            q = np.flatnonzero(np.take(rows, key))  # [Q] the choices whose expert's row is wanted
+            mine = np.take(key, q)
+            # the token's K nodes per choice, rows gathered by np.take: with nd.reshape(-1, K)[q // K] the count
+            # took 15 ms at [58, 256] on 8 nodes, with np.take 8 ms
+            idx = np.take(nd.reshape(-1, k), q // k, axis=0)  # [Q, K]
+            idx += (mine * num_nodes)[:, None]
         aff = np.bincount(idx.ravel(), minlength=n_layers * e * num_nodes).reshape(n_layers, e, num_nodes)
         aff[np.arange(n_layers)[:, None], np.arange(e)[None, :], node] -= np.bincount(
             mine, minlength=n_layers * e).reshape(n_layers, e)  # a position paired with itself
