@@ -157,11 +157,15 @@ def home_primaries(weight: np.ndarray, cluster: Cluster) -> np.ndarray:
     extra = cluster.num_slots - e
     cap = np.full(n, cluster.slots_per_node - extra // n)
     cap[: extra % n] -= 1
+    gsize = e // cluster.num_groups
+    if (homes.sum(2) == 1).all() and (homes.sum(1) * gsize <= cap).all():
+        # one home node per group, each with room for all its groups' experts (nodes dividing the groups: 4 and 8
+        # nodes at [58, 256]): the loop below puts every expert there, so skip it (5 ms of a 55 ms plan)
+        return np.take_along_axis(homes.argmax(2), np.arange(e)[None, :] // gsize, 1)
     rows = np.arange(n_layers)
     load = np.zeros((n_layers, n))
     free = np.tile(cap, (n_layers, 1))
     node = np.empty((n_layers, e), dtype=np.int64)
-    gsize = e // cluster.num_groups
     for ex in np.argsort(-weight, axis=1, kind="stable").T:  # [L] per step
         home = homes[rows, ex // gsize]  # [L, N]
         open_ = free > 0

@@ -87,7 +87,10 @@ def level_refine(phy2log: np.ndarray, weight: np.ndarray, logcnt: np.ndarray, cl
         ab, ns = (gpus[:, :, None] * spg + in_gpu).reshape(n, -1), hot_gpus * spg
         flat_ab = ab + (r * p)[:, None]  # [n, S + B] into the [L, P] arrays, raveled
         u_ab = np.take(u, flat_ab)
-        g_ab = np.repeat(np.take(gpu_all, gpus + (r * n_gpus)[:, None]), spg, axis=1)
+        g = np.take(gpu_all, gpus + (r * n_gpus)[:, None])  # [n, (S + B) / spg] GPU loads
+        # [n, hot GPUs, B] ga - gb: one value per (a's GPU, b's slot), broadcast over a's slots below; made at the
+        # [n, S, B] size it was two passes more there
+        x = g[:, :hot_gpus, None] - np.repeat(g[:, hot_gpus:], spg, axis=1)[:, None, :]
         # the drop of ga^2 + gb^2 when d moves from a's GPU to b's is 2 (d (ga - gb) - d d); `gain` holds half of it
         # (doubling is exact in binary floating point, so the comparisons below are those of the full drop). The
         # [n, S, B] float arrays live in buffers made once: fresh ones were page-faulted in on every step
@@ -95,9 +98,7 @@ def level_refine(phy2log: np.ndarray, weight: np.ndarray, logcnt: np.ndarray, cl
         # [n, S, B] load moved from a's GPU to b's; a's side copied in first (one broadcast operand per op: 25% faster)
         np.copyto(d, u_ab[:, :ns, None])
         d -= u_ab[:, None, ns:]
-        np.copyto(gain, g_ab[:, :ns, None])
-        gain -= g_ab[:, None, ns:]
-        gain *= d
+        np.multiply(d.reshape(n, hot_gpus, spg, -1), x[:, :, None, :], out=gain.reshape(n, hot_gpus, spg, -1))
         d *= d
         gain -= d
         # a pair on one GPU needs no mask: there ga = gb, so its gain is -d d <= 0 and never passes the floor (>= 0)
