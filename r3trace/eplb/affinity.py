@@ -197,13 +197,20 @@ def affinity_replicas(weight: np.ndarray, logcnt: np.ndarray, node: np.ndarray, 
     per_rep = weight / logcnt
     load = np.einsum("le,len->ln", per_rep, cnt.astype(np.float64))  # [L, N]
     tie = 1e-6 / np.maximum(weight.sum(1, keepdims=True), 1e-12)  # below one co-choice
-    ids = np.stack([np.repeat(np.arange(e), logcnt[i] - 1) for i in range(n_layers)])  # [L, P - E]
-    ids = np.take_along_axis(ids, np.argsort(-np.take_along_axis(per_rep, ids, 1), 1, kind="stable"), 1)
-    for ex in ids.T:
-        held = cnt[rows, ex] > 0
-        score = aff[rows, ex] - tie * load - np.where(held, 1e18, 0.0) + np.where(free > 0, 0.0, -np.inf)
+    n = cluster.num_nodes
+    ids = np.repeat(np.arange(n_layers * e), (logcnt - 1).ravel()).reshape(n_layers, -1)  # [L, P - E] (layer, expert)
+    ids = np.take_along_axis(ids, np.argsort(-np.take(per_rep, ids), 1, kind="stable"), 1)  # highest per replica first
+    # per step: the expert's co-choices and load per replica, gathered for all steps at once ([P - E, L, N] and
+    # [P - E, L]); [L, E, N] and [L, N] state updated through raveled indices
+    aff_seq = np.take(aff.reshape(n_layers * e, n), ids.T, axis=0)
+    per_seq = np.take(per_rep, ids.T)
+    cnt_flat, load_flat, free_flat = cnt.reshape(-1), load.reshape(-1), free.reshape(-1)  # views
+    base = np.arange(n_layers) * n
+    for step, ex in enumerate(ids.T):  # ex [L]: layer * E + expert
+        held = np.take(cnt.reshape(n_layers * e, n), ex, axis=0) > 0
+        score = aff_seq[step] - tie * load - np.where(held, 1e18, 0.0) + np.where(free > 0, 0.0, -np.inf)
         k = np.argmax(score, 1)
-        cnt[rows, ex, k] += 1
-        load[rows, k] += per_rep[rows, ex]
-        free[rows, k] -= 1
+        cnt_flat[ex * n + k] += 1
+        load_flat[base + k] += per_seq[step]
+        free_flat[base + k] -= 1
     return cnt
