@@ -189,10 +189,11 @@ def plan_times(ref_dir: str | None, rounds: int = 7, idle_s: float = 0.0) -> lis
     every function once, in one order in even rounds and the reverse in odd ones, so no side always runs right
     after the other's longest call; each timed call comes right after an untimed call of the same function
     (warm); ratios are of the medians. Why warm: on the 2-core VM a call whose memory sat idle for about a
-    second took 2-3x the CPU time of the same call repeated (ours fresh at [58, 256] on 8 nodes: 0.27-0.29 vs
-    0.10 s, no page faults counted), and in a fixed order that lands on whichever call follows the reference's
-    1.5-2 s global call. idle_s > 0 measures that case instead, again for every call alike: each timed call
-    after idle_s seconds of sleep (no warm call)."""
+    second has taken up to 2-3x the CPU time of the same call repeated (ours fresh at [58, 256] on 8 nodes: 0.27-0.29
+    vs 0.10 s, no page faults counted), and in a fixed order that lands on whichever call follows the reference's
+    1.5-2 s global call. idle_s > 0 times that case instead, for every call alike: each timed call comes
+    after idle_s seconds of sleep (no warm call); at 1.5 s ours fresh took 1.0-1.3x its warm time and the
+    reference's default call 0.9-1.1x (bench/results/eplb-matrix-plan-time-idle.json)."""
     import importlib.util
     import statistics
 
