@@ -18,6 +18,8 @@ tests/analysis/test_eplb_export.py); --eplb-ref DIR times that file itself (neve
 
 Run: .venv/bin/python bench/eplb_matrix.py --smoke             (seconds; what tests/analysis/test_eplb_matrix.py runs)
      .venv/bin/python bench/eplb_matrix.py --sweep shape          (one part of the full run; see BENCHMARKS.md, EPLB)
+     .venv/bin/python -m bench.eplb_matrix --plan-time --eplb-ref DIR   (plan time against DeepSeek's eplb.py in DIR;
+                                                                          protocol: plan_times)
 """
 
 from __future__ import annotations
@@ -178,17 +180,20 @@ def table(results: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def plan_times(ref_dir: str | None, repeats: int = 5, warm: bool = False) -> list[dict[str, Any]]:
+def plan_times(ref_dir: str | None, rounds: int = 7, idle_s: float = 0.0) -> list[dict[str, Any]]:
     """Median seconds per plan at [58, 256] (grouped router, s = 0.6): ours fresh and re-planned from its previous
     placement (with the newest 2048 tokens), the global policy of r3trace/eplb/deepseek.py, and DeepSeek's own
     eplb.py from ref_dir (rebalance_experts with the shape's groups and nodes, its default, and with one node).
 
-    The calls of one shape take turns (ours, re-plan, ..., the reference), `repeats` rounds, so a burst of other
-    jobs on the shared cores lands on all of them alike; ratios are of the medians. warm: each timed call right
-    after an untimed call of the same function, for ours and the reference alike. On the 2-core VM a call whose
-    memory sat idle for a second (behind the reference's 1.5-2 s global call, or a 1.5 s sleep) took 2-3x the
-    CPU time of the same call repeated (ours fresh at [58, 256] on 8 nodes: 0.27-0.29 vs 0.10 s, no page
-    faults counted), which the default order charges to ours' fresh plan alone."""
+    Protocol, the same for every call, ours and the reference alike: `rounds` rounds per shape; each round calls
+    every function once, in one order in even rounds and the reverse in odd ones, so no side always runs right
+    after the other's longest call; each timed call comes right after an untimed call of the same function
+    (warm); ratios are of the medians. Why warm: on the 2-core VM a call whose memory sat idle for about a
+    second has taken up to 2-3x the CPU time of the same call repeated (ours fresh at [58, 256] on 8 nodes: 0.27-0.29
+    vs 0.10 s, no page faults counted), and in a fixed order that lands on whichever call follows the reference's
+    1.5-2 s global call. idle_s > 0 times that case instead, for every call alike: each timed call comes
+    after idle_s seconds of sleep (no warm call); at 1.5 s ours fresh took 1.0-1.3x its warm time and the
+    reference's default call 0.9-1.1x (bench/results/eplb-matrix-plan-time-idle.json)."""
     import importlib.util
     import statistics
 
@@ -217,14 +222,16 @@ def plan_times(ref_dir: str | None, repeats: int = 5, warm: bool = False) -> lis
             calls["ref_default"] = lambda a=(w, p, groups, nodes, g): ref.rebalance_experts(*a)
             calls["ref_global"] = lambda a=(w, p, 1, 1, g): ref.rebalance_experts(*a)
         took: dict[str, list[float]] = {k: [] for k in calls}
-        for _ in range(repeats):
-            for k, f in calls.items():
-                if warm:
-                    f()
+        for i in range(rounds):
+            for k in (list(calls) if i % 2 == 0 else list(calls)[::-1]):
+                if idle_s > 0:
+                    time.sleep(idle_s)
+                else:
+                    calls[k]()
                 t0 = time.perf_counter()
-                f()
+                calls[k]()
                 took[k].append(time.perf_counter() - t0)
-        row: dict[str, Any] = {"shape": f"{g}x{n}x{p}", "warm": warm,
+        row: dict[str, Any] = {"shape": f"{g}x{n}x{p}", "rounds": rounds, "idle_s": idle_s,
                                **{k: statistics.median(v) for k, v in took.items()}}
         if ref is not None:
             row["fresh_vs_default"] = row["ours_fresh"] / row["ref_default"]
@@ -247,11 +254,13 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="results JSON (default bench/results/eplb-matrix-<sweep>.json)")
     ap.add_argument("--plan-time", action="store_true", help="time plans at [58, 256] instead of a sweep")
     ap.add_argument("--eplb-ref", default=None, help="folder holding DeepSeek's eplb.py, timed beside ours")
-    ap.add_argument("--warm", action="store_true", help="--plan-time: an untimed call before each timed one")
+    ap.add_argument("--idle", type=float, default=0.0,
+                    help="--plan-time: sleep this many seconds before each timed call instead of a warm call")
     args = ap.parse_args()
     if args.plan_time:
-        out = Path(args.out) if args.out else RESULTS / "eplb-matrix-plan-time.json"
-        out.write_text(json.dumps({"rows": plan_times(args.eplb_ref, warm=args.warm)}, indent=1))
+        name = "eplb-matrix-plan-time" + ("-idle" if args.idle else "")
+        out = Path(args.out) if args.out else RESULTS / f"{name}.json"
+        out.write_text(json.dumps({"rows": plan_times(args.eplb_ref, idle_s=args.idle)}, indent=1))
         return
     sweep = "smoke" if args.smoke else args.sweep
     if sweep is None:

@@ -138,8 +138,9 @@ def plan_time_claim(path: Path = PLAN_TIME_FILE) -> dict[str, Any]:
                     "numpy_global": r["global_numpy"]})  # fmt: skip
     return {
         "id": PLAN_TIME_ID, "hardware": "cpu-2core",
-        "shapes": "[58, 256] loads (58 MoE layers, E = 256, 8 groups); medians of 5 rounds in which ours and the "
-                  "reference take turns, the CPU shared with other jobs; "
+        "shapes": "[58, 256] loads (58 MoE layers, E = 256, 8 groups); medians of 7 rounds, each calling ours and "
+                  "the reference in turn, in reverse order every other round, every timed call (both sides) right "
+                  "after an untimed call of the same function; the CPU shared with other jobs; "
                   "a re-plan starts from ours' previous placement with the newest 2,048 tokens",
         "baseline": "DeepSeek's eplb.py (deepseek-ai/EPLB d52c72d, never committed) in the same process: "
                     "`rebalance_experts` with 8 groups and the shape's nodes (default: hierarchical where the nodes "

@@ -62,27 +62,35 @@ def level_refine(phy2log: np.ndarray, weight: np.ndarray, logcnt: np.ndarray, cl
     gpn, n_gpus = cluster.gpus_per_node, cluster.num_gpus
     cold_gpus = min(n_gpus, max(1, 4 * hot_slots // spg))
     in_gpu, in_node = np.arange(spg), np.arange(gpn)
-    slot_gpu16, slot_node16 = cluster.slot_gpu().astype(np.int16), slot_node.astype(np.int16)
+    slot_node16, slot_bit = slot_node.astype(np.int16), bit[slot_node]
     buf_d, buf_gain = (np.empty((n_layers, hot_gpus * spg, (cold_gpus + gpn) * spg)) for _ in range(2))
     gpu_all = u.reshape(n_layers, n_gpus, spg).sum(-1)  # [L, G]; a swap re-sums its two GPUs' rows (same sums)
+    # per-slot codes of the cross-node rule, kept up to date by each swap instead of re-derived each step:
+    # flag bit 0: a cold slot, bit 1: a replica of an expert with several (both move with the expert);
+    # group: the expert's group where its group held the slot's node in the input, else -1 on a's side and -2 on
+    # b's, so one comparison of a's and b's codes says "one group, both at home"
+    flag = (u < cold_slot[:, None]).view(np.uint8) | (~lone).view(np.uint8) << 1  # [L, P]
+    grp_a = _home_group(out, slot_bit[None, :], group_nodes, gsize, np.arange(n_layers)[:, None])  # [L, P]
+    grp_b = np.where(grp_a < 0, np.int16(-2), grp_a)
     r = np.arange(n_layers)  # layers still improving
     for _ in range(max_swaps):
         n = len(r)
-        ur, o, lo, gpu = (u, out, lone, gpu_all) if n == n_layers else (u[r], out[r], lone[r], gpu_all[r])
-        rank = np.argsort(-gpu, axis=1)
-        hot = rank[:, :hot_gpus]
-        mine = (hot[:, :, None] * spg + in_gpu).reshape(n, -1)  # [n, S]
-        # partners: the coldest GPUs anywhere and every GPU of the hottest GPU's node (swaps inside a node are
-        # always allowed); all P slots made each step [n, S, P] and a [58, 256] plan on 8 nodes take 1 s
-        near = (hot[:, :1] // gpn) * gpn + in_node  # [n, gpn]
-        part = np.concatenate([rank[:, -cold_gpus:], near], 1)  # [n, B / spg]
-        bs = (part[:, :, None] * spg + in_gpu).reshape(n, -1)  # [n, B] candidate slots
-        # per-slot values are gathered once for a's and b's slots together ([n, S + B]) and meet in [n, S, B] only
-        # by broadcasting, in the smallest dtypes: at [58, 320] a step is ~20 passes over 87K pairs
-        ab, ns = np.concatenate([mine, bs], 1), mine.shape[1]
-        flat_ab = ab + (np.arange(n) * p)[:, None]  # [n, S + B] into the [n, P] arrays, raveled
-        u_ab = np.take(ur, flat_ab)
-        g_ab = np.take(gpu, ab // spg + (np.arange(n) * n_gpus)[:, None])
+        rank = np.argsort(-(gpu_all if n == n_layers else gpu_all[r]), axis=1)
+        # a's GPUs: the hottest; b's: the coldest GPUs anywhere and every GPU of the hottest GPU's node (swaps
+        # inside a node are always allowed); all P slots made each step [n, S, P] and a [58, 256] plan on 8
+        # nodes take 1 s
+        near = (rank[:, :1] // gpn) * gpn + in_node  # [n, gpn]
+        gpus = np.concatenate([rank[:, :hot_gpus], rank[:, -cold_gpus:], near], 1)  # [n, (S + B) / spg]
+        # per-slot values are gathered once for a's and b's slots together ([n, S + B]), straight from the [L, P]
+        # arrays, and meet in [n, S, B] only by broadcasting, in the smallest dtypes: at [58, 320] a step is ~20
+        # passes over 87K pairs
+        ab, ns = (gpus[:, :, None] * spg + in_gpu).reshape(n, -1), hot_gpus * spg
+        flat_ab = ab + (r * p)[:, None]  # [n, S + B] into the [L, P] arrays, raveled
+        u_ab = np.take(u, flat_ab)
+        g = np.take(gpu_all, gpus + (r * n_gpus)[:, None])  # [n, (S + B) / spg] GPU loads
+        # [n, hot GPUs, B] ga - gb: one value per (a's GPU, b's slot), broadcast over a's slots below; made at the
+        # [n, S, B] size it was two passes more there
+        x = g[:, :hot_gpus, None] - np.repeat(g[:, hot_gpus:], spg, axis=1)[:, None, :]
         # the drop of ga^2 + gb^2 when d moves from a's GPU to b's is 2 (d (ga - gb) - d d); `gain` holds half of it
         # (doubling is exact in binary floating point, so the comparisons below are those of the full drop). The
         # [n, S, B] float arrays live in buffers made once: fresh ones were page-faulted in on every step
@@ -90,43 +98,31 @@ def level_refine(phy2log: np.ndarray, weight: np.ndarray, logcnt: np.ndarray, cl
         # [n, S, B] load moved from a's GPU to b's; a's side copied in first (one broadcast operand per op: 25% faster)
         np.copyto(d, u_ab[:, :ns, None])
         d -= u_ab[:, None, ns:]
-        np.copyto(gain, g_ab[:, :ns, None])
-        gain -= g_ab[:, None, ns:]
-        gain *= d
+        np.multiply(d.reshape(n, hot_gpus, spg, -1), x[:, :, None, :], out=gain.reshape(n, hot_gpus, spg, -1))
         d *= d
         gain -= d
-        gpu_ab, node_ab = slot_gpu16[ab], slot_node16[ab]
-        ok = gpu_ab[:, :ns, None] != gpu_ab[:, None, ns:]  # [n, S, B] a swap inside one GPU changes nothing
-        same_node = node_ab[:, :ns, None] == node_ab[:, None, ns:]
-        if cross_nodes:  # allowed: inside a node, or across nodes as the module doc says
-            o_ab = np.take(o, flat_ab)  # [n, S + B] experts
-            bit_ab = bit[node_ab]
+        # a pair on one GPU needs no mask: there ga = gb, so its gain is -d d <= 0 and never passes the floor (>= 0)
+        node_ab = np.take(slot_node16, ab)
+        ok = node_ab[:, :ns, None] == node_ab[:, None, ns:]  # [n, S, B] inside one node: allowed
+        if cross_nodes:  # across nodes as the module doc says
+            bit_ab = np.take(slot_bit, ab)
             bit_a, bit_b = bit_ab[:, :ns, None], bit_ab[:, None, ns:]
-            held = np.take(nodes_of, o_ab + (r * e)[:, None])  # [n, S + B] node bitmask of each slot's expert
-            grp = (o_ab // gsize).astype(np.int16)
-            # one group, both nodes among the nodes it held in the input: a slot whose node its group did not hold
-            # gets group -1 (a's side) or -2 (b's side), so one [n, S, B] comparison decides
-            at_home = (np.take(group_nodes, grp + (r * cluster.num_groups)[:, None]) & bit_ab) != 0  # [n, S + B]
-            grp[:, :ns][~at_home[:, :ns]] = -1
-            grp[:, ns:][~at_home[:, ns:]] = -2
-            kin = grp[:, :ns, None] == grp[:, None, ns:]
-            # bit 0: a cold slot, bit 1: a replica of an expert with several: both cold or both not lone
-            flag = (u_ab < cold_slot[r, None]).view(np.uint8) | (~np.take(lo, flat_ab)).view(np.uint8) << 1
-            kin |= (flag[:, :ns, None] & flag[:, None, ns:]) != 0
+            held = np.take(nodes_of, np.take(out, flat_ab) + (r * e)[:, None])  # [n, S + B] node bitmask of each expert
+            kin = np.take(grp_a, flat_ab[:, :ns])[:, :, None] == np.take(grp_b, flat_ab[:, ns:])[:, None, :]
+            f_ab = np.take(flag, flat_ab)
+            kin |= (f_ab[:, :ns, None] & f_ab[:, None, ns:]) != 0  # both cold or both not lone
             # ... and neither expert already on the other's node (the swap would merge its replicas)
             kin &= ((held[:, :ns, None] & bit_b) | (held[:, None, ns:] & bit_a)) == 0
-            same_node |= kin
-        ok &= same_node
+            ok |= kin
         gain *= ok
         flat = gain.reshape(n, -1)
         best = np.argmax(flat, axis=1)
         keep = 2 * flat[np.arange(n), best] > floor[r]
         if not keep.any():
             break
-        i, j = np.divmod(best[keep], bs.shape[1])
-        b = bs[keep, j]
+        i, j = np.divmod(best[keep], ab.shape[1] - ns)
         r = r[keep]
-        a = mine[keep, i]
+        a, b = ab[keep, i], ab[keep, ns + j]
         xa, yb = out[r, a], out[r, b]
         # one swap per layer, of two different experts (a positive gain needs d != 0): no index repeats in a statement
         cnt[r, xa, slot_node[a]] -= 1
@@ -137,8 +133,21 @@ def level_refine(phy2log: np.ndarray, weight: np.ndarray, logcnt: np.ndarray, cl
         nodes_of[r, yb] = ((cnt[r, yb] > 0) * bit).sum(1, dtype=mask_t)
         out[r, a], out[r, b] = yb, xa
         u[r, a], u[r, b] = u[r, b], u[r, a].copy()
-        lone[r, a], lone[r, b] = lone[r, b], lone[r, a].copy()
+        flag[r, a], flag[r, b] = flag[r, b], flag[r, a].copy()
+        two, both = np.stack([r, r]), np.stack([a, b])  # [2, n']
+        code = _home_group(np.stack([yb, xa]), slot_bit[both], group_nodes, gsize, two)
+        grp_a[two, both] = code
+        grp_b[two, both] = np.where(code < 0, np.int16(-2), code)
         u3 = u.reshape(n_layers, n_gpus, spg)
         gpu_all[r, a // spg] = u3[r, a // spg].sum(-1)
         gpu_all[r, b // spg] = u3[r, b // spg].sum(-1)
     return out
+
+
+def _home_group(expert: np.ndarray, node_bit: np.ndarray, group_nodes: np.ndarray, gsize: int,
+                layer: np.ndarray) -> np.ndarray:
+    """Group of each expert where its group held that node (node_bit) in the input, else -1 (int16); arrays
+    broadcast against layer's shape."""
+    grp = expert // gsize
+    home = (group_nodes[layer, grp] & node_bit) != 0
+    return np.where(home, grp, -1).astype(np.int16)

