@@ -3,6 +3,7 @@ Run: .venv/bin/python -m pytest tests/analysis/test_eplb_milp.py -q"""
 
 from __future__ import annotations
 
+import argparse
 import itertools
 
 import numpy as np
@@ -11,7 +12,7 @@ import pytest
 from bench.eplb_grace import grace_policy
 from bench.eplb_milp import placement_objectives, solve
 from r3trace.eplb import Cluster, global_policy, hierarchical, plan
-from r3trace.eplb.placement import check_placement
+from r3trace.eplb.placement import Placement, check_placement
 
 CL = Cluster(4, 2, 16, num_groups=4)  # 12 experts, 4 extra slots, 2 GPUs per node
 
@@ -24,7 +25,7 @@ def _instance(seed: int, e: int = 12, k: int = 2, t: int = 16) -> tuple[np.ndarr
     return np.bincount(tok.ravel(), minlength=e).astype(float), tok
 
 
-def _heuristics(load: np.ndarray, tok: np.ndarray) -> dict[str, object]:
+def _heuristics(load: np.ndarray, tok: np.ndarray) -> dict[str, Placement]:
     w = load[None]
     return {"ours": plan(w, CL, tokens=tok[:, None]), "global": global_policy(w, CL),
             "hierarchical": hierarchical(w, CL), "grace": grace_policy(w, CL, tok[:, None])}
@@ -118,3 +119,22 @@ def test_an_incumbent_is_a_cutoff_only() -> None:
         assert plain.optimal and cut.optimal
         assert (cut.max_load, cut.nodes)[kw["objective"] == "nodes"] == pytest.approx(
             (plain.max_load, plain.nodes)[kw["objective"] == "nodes"])
+
+
+def test_the_shared_command_line(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """bench_args, which bench/eplb_milp.py and bench/eplb_corner.py share: defaults, --smoke, a bad limit."""
+    from bench.eplb_milp import bench_args
+
+    def parse(*argv: str) -> argparse.Namespace:
+        monkeypatch.setattr("sys.argv", ["prog", *argv])
+        return bench_args("doc", "x.json", ["a", "b"], ["a", "b", "c"], 45.0)
+
+    args = parse()
+    assert (args.instances, args.time_limit, args.out.endswith("bench/results/x.json")) == (["a", "b"], 45.0, True)
+    args = parse("--smoke")
+    assert (args.instances, args.time_limit, args.out) == (["synth-e16"], 20.0, "")
+    assert parse("--instances", "c", "--time-limit", "7").instances == ["c"]
+    for bad in (["--time-limit", "0"], ["--instances", "d"]):
+        with pytest.raises(SystemExit):
+            parse(*bad)
+    assert "--time-limit=0.0 must be > 0 seconds" in capsys.readouterr().err
