@@ -19,14 +19,13 @@ Shape legend: E experts, T tokens, K top-k.
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from bench.eplb_milp import INSTANCES, NoPlacement, instance, placement_objectives, solve
+from bench.eplb_milp import INSTANCES, NoPlacement, bench_args, instance, placement_objectives, solve
 from r3trace.eplb import Cluster, global_policy, hierarchical, plan
 from r3trace.eplb.placement import Placement
 
@@ -104,15 +103,8 @@ def corner(name: str, time_limit: float) -> dict[str, Any]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--instances", nargs="*", default=["synth-e12", "synth-e16", "synth-e16x4", "synth-e32"],
-                    choices=[*SMALL, *INSTANCES])
-    ap.add_argument("--time-limit", type=float, default=60.0, help="seconds per MILP solve")
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "eplb-corner.json"))
-    ap.add_argument("--smoke", action="store_true", help="synth-e16 only, 20 s a solve, nothing written")
-    args = ap.parse_args()
-    if args.smoke:
-        args.instances, args.time_limit, args.out = ["synth-e16"], 20.0, ""
+    args = bench_args(__doc__ or "", "eplb-corner.json", ["synth-e12", "synth-e16", "synth-e16x4", "synth-e32"],
+                      [*SMALL, *INSTANCES], 60.0)
     rows = [corner(name, args.time_limit) for name in args.instances]
     if args.out:
         Path(args.out).write_text(json.dumps({"time_limit": args.time_limit, "rows": rows}, indent=1))

@@ -1,29 +1,35 @@
 """The exact placement of one MoE layer as a mixed-integer program (scipy's HiGHS MILP), for small shapes.
 
-Decision: how many replicas each expert gets and which GPU holds each (several on one GPU allowed), P slots in
-all, P / G per GPU. Objectives, as the topology-aware ILP of arXiv 2508.09229 states them (expected
-transmissions there, expected nodes per token here):
+Objectives, as the topology-aware ILP of arXiv 2508.09229 states them (expected transmissions there, expected
+nodes per token here):
   max GPU load  M = max_g sum_e load_e x_eg / c_e  (the even split of each expert's load over its c_e replicas)
   nodes/token     = mean over tokens of the fewest nodes that hold all of the token's K experts
-Linearised: z[e, c] = 1 when expert e has c replicas (c = 1 .. C), u[e, g, c] = replicas of e on GPU g when it
-has c, so load_e / c * u[e, g, c] is linear; y[e, n] = e has a replica on node n; per distinct token expert set
-t, a[t, k, n] = its k-th expert served from node n (needs y), v[t, n] >= a[t, k, n] = node n in its cover.
-Symmetry cuts (valid: GPUs of a node and nodes are interchangeable): GPU loads fall within each node, and nodes
-are ordered by the load of their last (lightest) GPU.
+The program and its cuts: bench/eplb_milp_model.py. Two solves: "balance" minimises M alone; "nodes" minimises
+nodes per token with M <= a given cap (the heuristic's own M, so the answer says how many nodes that balance
+could have cost at best).
 
-Two solves: "balance" minimises M alone; "nodes" minimises nodes per token with M <= a given cap (the
-heuristic's own M, so the answer says how many nodes that balance could have cost at best).
+Balance solves aim first: the bound max(total / G, max_e load_e / C), rounded up to the grid of GPU loads, is
+tried as a cap on M with no objective (half the time limit at most); every placement found there is optimal, and
+a cap proven infeasible moves the bound one grid step up. Minimising M outright left HiGHS at 48.5 over a bound
+of 48.0 after 60 s on sample-e32, where the capped search finds a 48.0 placement in 17 s. What time is left goes
+to minimising M between the bound and the cutoff (a given incumbent's M).
 Shape legend: E experts, G GPUs, N nodes, C most replicas, T tokens, K top-k.
 """
 
 from __future__ import annotations
 
+import argparse
+import time
 from dataclasses import dataclass
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 
 import numpy as np
 
+from bench.eplb_milp_model import Model, build
 from r3trace.eplb.placement import Cluster, Placement, from_phy2log
+
+AIM_SHARE = 0.5  # of the time limit, at most, for the capped search at the bound (module doc)
 
 
 @dataclass(frozen=True)
@@ -31,7 +37,7 @@ class MilpResult:
     max_load: float  # M of the best placement found
     nodes: float  # its nodes per token on the instance's tokens
     bound: float  # proven lower bound of the objective (M for "balance", nodes for "nodes")
-    optimal: bool  # HiGHS proved the incumbent optimal (within its default MIP gap of 1e-4)
+    optimal: bool  # the incumbent meets the bound (HiGHS' default MIP gap of 1e-4, or the aimed-at bound)
     seconds: float
     placement: Placement
 
@@ -44,107 +50,76 @@ class NoPlacement(RuntimeError):
         self.bound = bound
 
 
-class _Vars:
-    """Column index bookkeeping: named blocks of variables, flat in one vector."""
-
-    def __init__(self) -> None:
-        self.n = 0
-        self.lo: list[float] = []
-        self.hi: list[float] = []
-        self.integ: list[int] = []
-
-    def add(self, shape: tuple[int, ...], lo: float, hi: float | np.ndarray, integer: bool) -> np.ndarray:
-        size = int(np.prod(shape))
-        idx = np.arange(self.n, self.n + size).reshape(shape)
-        self.n += size
-        self.lo += [lo] * size
-        self.hi += list(np.broadcast_to(np.asarray(hi, dtype=float), shape).ravel())
-        self.integ += [int(integer)] * size
-        return idx
-
-
 def solve(load: np.ndarray, tokens: np.ndarray, cluster: Cluster, objective: Literal["balance", "nodes"],
           max_load_cap: float | None = None, max_replicas: int = 4, time_limit: float = 60.0,
-          nodes_cap: float | None = None) -> MilpResult:
+          nodes_cap: float | None = None, incumbent: Placement | None = None) -> MilpResult:
     """load [E] (one layer), tokens [T, K] expert ids -> the best placement for `objective` (module doc);
-    max_load_cap / nodes_cap bound the other objective (nodes_cap: mean nodes per token over the tokens)."""
-    import time
-
-    from scipy.optimize import LinearConstraint, milp
-    from scipy.sparse import coo_matrix
-
+    max_load_cap / nodes_cap bound the other objective (nodes_cap: mean nodes per token over the tokens);
+    incumbent: a known placement (e.g. ours), used as a cutoff where it meets the caps and the replica limit, and
+    returned when HiGHS finds none better."""
     t0 = time.perf_counter()
-    e, g, n = len(load), cluster.num_gpus, cluster.num_nodes
-    spg, gpn, c_max = cluster.slots_per_gpu, cluster.gpus_per_node, min(max_replicas, cluster.num_slots - e + 1)
-    cs = np.arange(1, c_max + 1)
-    sets, weight = np.unique(np.sort(np.asarray(tokens), axis=1), axis=0, return_counts=True)  # [T', K]
-    use_tokens = objective == "nodes" or nodes_cap is not None
-    var = _Vars()
-    u = var.add((e, g, c_max), 0, np.minimum(spg, cs)[None, None, :], True)
-    z = var.add((e, c_max), 0, 1, True)
-    m = var.add((1,), 0, np.inf, False)[0]
-    if use_tokens:
-        y = var.add((e, n), 0, 1, True)
-        a = var.add((len(sets), sets.shape[1], n), 0, 1, True)
-        v = var.add((len(sets), n), 0, 1, True)
-    rows: list[tuple[list[int], list[float], float, float]] = []  # (columns, coefficients, lower, upper)
-
-    def row(cols: np.ndarray, coef: np.ndarray | float, lo: float, hi: float) -> None:
-        cols = np.asarray(cols).ravel()
-        rows.append((list(cols), list(np.broadcast_to(np.asarray(coef, float), cols.shape)), lo, hi))
-
-    for i in range(e):
-        row(z[i], 1.0, 1, 1)  # one replica count per expert
-        for j, c in enumerate(cs):
-            row(np.r_[u[i, :, j], z[i, j]], np.r_[np.ones(g), -c], 0, 0)  # sum_g u = c z
-    for k in range(g):
-        row(u[:, k, :], 1.0, spg, spg)  # every slot holds one replica
-    gpu_load = [(u[:, k, :], (load[:, None] / cs[None, :])) for k in range(g)]
-    for k in range(g):
-        cols, coef = gpu_load[k]
-        row(np.r_[cols.ravel(), m], np.r_[coef.ravel(), -1.0], -np.inf, 0)  # GPU load <= M
-    for k in range(g - 1):  # symmetry: loads fall inside a node; nodes ordered by their last GPU
-        nxt = k + 1 if (k + 1) % gpn else k + gpn
-        if nxt >= g:
-            continue
-        (c1, f1), (c2, f2) = gpu_load[k], gpu_load[nxt]
-        row(np.r_[c1.ravel(), c2.ravel()], np.r_[f1.ravel(), -f2.ravel()], 0, np.inf)
-    if max_load_cap is not None:
-        row([m], 1.0, -np.inf, max_load_cap)
-    if use_tokens:
-        for i in range(e):
-            for node in range(n):
-                gpus = u[i, node * gpn:(node + 1) * gpn, :]
-                row(np.r_[y[i, node], gpus.ravel()], np.r_[1.0, -np.ones(gpus.size)], -np.inf, 0)  # y <= replicas
-        for t, ids in enumerate(sets):
-            for k, ex in enumerate(ids):
-                row(a[t, k], 1.0, 1, 1)  # each chosen expert served from one node
-                for node in range(n):
-                    row([a[t, k, node], y[ex, node]], [1.0, -1.0], -np.inf, 0)
-                    row([a[t, k, node], v[t, node]], [1.0, -1.0], -np.inf, 0)
-    if nodes_cap is not None:
-        row(v, np.repeat(weight / weight.sum(), n), -np.inf, nodes_cap)
-    cost = np.zeros(var.n)
-    if objective == "nodes":
-        cost[v.ravel()] = np.repeat(weight / weight.sum(), n)
+    load = np.asarray(load, dtype=float)
+    tokens = np.asarray(tokens)
+    e, g = len(load), cluster.num_gpus
+    c_max = min(max_replicas, cluster.num_slots - e + 1)
+    mdl = build(load, tokens, cluster, objective, c_max, objective == "nodes" or nodes_cap is not None)
+    q = mdl.scale
+    hi_m = np.inf if max_load_cap is None else np.floor(max_load_cap * q * (1 + 1e-12) + 1e-9)
+    hi_nodes = np.inf if nodes_cap is None else nodes_cap * mdl.weight_sum * (1 + 1e-12) + 1e-9
+    inc = None
+    if incumbent is not None and np.bincount(incumbent.phy2log[0], minlength=e).max() <= c_max:
+        inc_m, inc_nodes = placement_objectives(incumbent, load, tokens, cluster)
+        if inc_m * q <= hi_m + 1e-6 and inc_nodes * mdl.weight_sum <= hi_nodes + 1e-6:
+            inc = (incumbent, inc_m, inc_nodes)
+            if objective == "balance":
+                hi_m = min(hi_m, np.floor(inc_m * q + 1e-6))
+            elif mdl.nodes_row is not None:
+                hi_nodes = min(hi_nodes, inc_nodes * mdl.weight_sum + 1e-6)
+    lb = max(load.sum() / g, load.max() / c_max) * q
+    lb = float(np.ceil(lb - 1e-6)) if q > 1 else lb
+    res = None
+    if objective == "balance":
+        while lb <= hi_m + 1e-9 and (left := AIM_SHARE * time_limit - (time.perf_counter() - t0)) > 0:
+            res = _run(mdl, lb, lb, hi_nodes, left, aim=True)
+            if res.x is not None or res.status != 2 or q == 1:
+                break
+            lb += 1  # the cap at lb is infeasible: M is at least one grid step more
+        if res is None or res.x is None:
+            res = _run(mdl, lb, hi_m, hi_nodes, max(time_limit - (time.perf_counter() - t0), 1.0), aim=False)
     else:
-        cost[m] = 1.0
-    r_idx = np.concatenate([[i] * len(c) for i, (c, _, _, _) in enumerate(rows)])
-    mat = coo_matrix((np.concatenate([f for _, f, _, _ in rows]), (r_idx, np.concatenate([c for c, _, _, _ in rows]))),
-                     shape=(len(rows), var.n)).tocsr()
-    res = milp(cost, constraints=LinearConstraint(mat, [r[2] for r in rows], [r[3] for r in rows]),
-               integrality=np.asarray(var.integ), bounds=(var.lo, var.hi),
-               options={"time_limit": time_limit, "disp": False})
+        res = _run(mdl, 0.0, hi_m, hi_nodes, time_limit, aim=False)
+    dual = getattr(res, "mip_dual_bound", None)  # None where HiGHS stopped before a bound (presolve)
+    dual = np.nan if dual is None else float(dual)
+    if objective == "balance":
+        bound = lb / q if not np.isfinite(dual) else max(lb / q, dual)
+    else:  # every token needs one node at least; scipy gives no bound where HiGHS found no placement
+        bound = 1.0 if not np.isfinite(dual) else max(1.0, dual / mdl.weight_sum)
     if res.x is None:
-        dual = getattr(res, "mip_dual_bound", None)  # None where HiGHS stopped before a bound (presolve)
-        raise NoPlacement(f"HiGHS found no placement in {time_limit} s: {res.message}",
-                          np.nan if dual is None else float(dual))
-    x = np.rint(res.x[u]).astype(np.int64).sum(2)  # [E, G] replicas per GPU
-    phy2log = np.concatenate([np.repeat(np.arange(e), x[:, k]) for k in range(g)])[None]
-    pl = from_phy2log(phy2log, e)
+        if inc is None:
+            raise NoPlacement(f"HiGHS found no placement in {time_limit} s: {res.message}", bound)
+        pl = inc[0]
+    else:
+        x = np.rint(res.x[mdl.u]).astype(np.int64).sum(2)  # [E, G] replicas per GPU
+        pl = from_phy2log(np.concatenate([np.repeat(np.arange(e), x[:, k]) for k in range(g)])[None], e)
     mx, nodes = placement_objectives(pl, load, tokens, cluster)
-    bound = float(getattr(res, "mip_dual_bound", np.nan))
-    return MilpResult(mx, nodes, bound, res.status == 0, time.perf_counter() - t0, pl)
+    best = mx if objective == "balance" else nodes
+    optimal = bool(best <= bound + 1e-6 * max(abs(bound), 1.0)) or (res.x is not None and res.status == 0)
+    return MilpResult(mx, nodes, bound, optimal, time.perf_counter() - t0, pl)
+
+
+def _run(mdl: Model, m_lo: float, m_hi: float, nodes_hi: float, seconds: float, aim: bool) -> Any:
+    """One HiGHS solve of mdl with scale x M in [m_lo, m_hi] and the cover sum <= nodes_hi; aim: no objective
+    (any feasible placement ends the search)."""
+    from scipy.optimize import LinearConstraint, milp
+
+    lo, hi = mdl.lo.copy(), mdl.hi.copy()
+    lo[mdl.m], hi[mdl.m] = m_lo, m_hi
+    row_hi = mdl.row_hi.copy()
+    if mdl.nodes_row is not None:
+        row_hi[mdl.nodes_row] = nodes_hi
+    cost = np.zeros_like(mdl.cost) if aim else mdl.cost
+    return milp(cost, constraints=LinearConstraint(mdl.matrix, mdl.row_lo, row_hi), integrality=mdl.integrality,
+                bounds=(lo, hi), options={"time_limit": seconds, "disp": False})
 
 
 def placement_objectives(pl: Placement, load: np.ndarray, tokens: np.ndarray, cluster: Cluster) -> tuple[float, float]:
@@ -179,30 +154,38 @@ def instance(name: str, seed: int = 0,
     return np.bincount(tok.ravel(), minlength=e).astype(float), tok, Cluster(g, n, p, num_groups=gr)
 
 
+def bench_args(description: str, out_name: str, instances: list[str], choices: list[str],
+               time_limit: float) -> argparse.Namespace:
+    """The command line bench/eplb_milp.py and bench/eplb_corner.py share: --instances, --time-limit (seconds a
+    solve), --out (under bench/results), --smoke (synth-e16, 20 s a solve, nothing written: make test)."""
+    ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--instances", nargs="*", default=instances, choices=choices)
+    ap.add_argument("--time-limit", type=float, default=time_limit, help="seconds per MILP solve")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / out_name))
+    ap.add_argument("--smoke", action="store_true", help="synth-e16 only, 20 s a solve, nothing written")
+    args = ap.parse_args()
+    if args.time_limit <= 0:
+        ap.error(f"--time-limit={args.time_limit} must be > 0 seconds")
+    if args.smoke:
+        args.instances, args.time_limit, args.out = ["synth-e16"], 20.0, ""
+    return args
+
+
 def main() -> None:
-    import argparse
     import json
-    from pathlib import Path
 
     from bench.eplb_grace import grace_policy
     from r3trace.eplb import global_policy, hierarchical, plan
 
-    ap = argparse.ArgumentParser(description="exact placement MILP vs the heuristics, in sample (module doc)")
-    ap.add_argument("--instances", nargs="*", default=list(INSTANCES))
-    ap.add_argument("--time-limit", type=float, default=120.0, help="seconds per MILP solve")
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "eplb-matrix-milp.json"))
-    ap.add_argument("--smoke", action="store_true", help="synth-e16 only, 20 s a solve, nothing written (make test)")
-    args = ap.parse_args()
-    if args.smoke:
-        args.instances, args.time_limit, args.out = ["synth-e16"], 20.0, ""
+    args = bench_args(__doc__ or "", "eplb-matrix-milp.json", list(INSTANCES), list(INSTANCES), 120.0)
     rows = []
     for name in args.instances:
         load, tok, cl = instance(name)
-        best = solve(load, tok, cl, "balance", time_limit=args.time_limit)
-        print(f"{name}: balance MILP {best.max_load:.2f} (bound {best.bound:.2f}, optimal {best.optimal}, "
-              f"{best.seconds:.0f} s)", flush=True)
         pols = {"ours": plan(load[None], cl, tokens=tok[:, None]), "global": global_policy(load[None], cl),
                 "grace": grace_policy(load[None], cl, tok[:, None])}
+        best = solve(load, tok, cl, "balance", time_limit=args.time_limit, incumbent=pols["ours"])
+        print(f"{name}: balance MILP {best.max_load:.2f} (bound {best.bound:.2f}, optimal {best.optimal}, "
+              f"{best.seconds:.0f} s)", flush=True)
         if cl.num_groups % cl.num_nodes == 0:
             pols["hierarchical"] = hierarchical(load[None], cl)
         for pol, pl in pols.items():
@@ -210,11 +193,12 @@ def main() -> None:
             fewest = None
             if pol in ("ours", "global"):
                 try:
-                    fewest = solve(load, tok, cl, "nodes", max_load_cap=mx, time_limit=args.time_limit)
+                    fewest = solve(load, tok, cl, "nodes", max_load_cap=mx, time_limit=args.time_limit, incumbent=pl)
                 except RuntimeError as err:  # no incumbent within the limit: reported as such
                     print(f"  {pol}: {err}", flush=True)
             row = {"instance": name, "policy": pol, "max_load": mx, "nodes": nodes, "milp_max_load": best.max_load,
                    "milp_max_load_bound": best.bound, "milp_balance_optimal": best.optimal,
+                   "milp_balance_seconds": best.seconds,
                    "milp_nodes_at_max_load": None if fewest is None else fewest.nodes,
                    "milp_nodes_bound": None if fewest is None else fewest.bound,
                    "milp_nodes_optimal": None if fewest is None else fewest.optimal}

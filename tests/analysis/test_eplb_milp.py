@@ -3,13 +3,16 @@ Run: .venv/bin/python -m pytest tests/analysis/test_eplb_milp.py -q"""
 
 from __future__ import annotations
 
+import argparse
+import itertools
+
 import numpy as np
 import pytest
 
 from bench.eplb_grace import grace_policy
 from bench.eplb_milp import placement_objectives, solve
 from r3trace.eplb import Cluster, global_policy, hierarchical, plan
-from r3trace.eplb.placement import check_placement
+from r3trace.eplb.placement import Placement, check_placement
 
 CL = Cluster(4, 2, 16, num_groups=4)  # 12 experts, 4 extra slots, 2 GPUs per node
 
@@ -22,7 +25,7 @@ def _instance(seed: int, e: int = 12, k: int = 2, t: int = 16) -> tuple[np.ndarr
     return np.bincount(tok.ravel(), minlength=e).astype(float), tok
 
 
-def _heuristics(load: np.ndarray, tok: np.ndarray) -> dict[str, object]:
+def _heuristics(load: np.ndarray, tok: np.ndarray) -> dict[str, Placement]:
     w = load[None]
     return {"ours": plan(w, CL, tokens=tok[:, None]), "global": global_policy(w, CL),
             "hierarchical": hierarchical(w, CL), "grace": grace_policy(w, CL, tok[:, None])}
@@ -50,3 +53,88 @@ def test_fewest_nodes_at_a_heuristics_balance_is_at_most_its_nodes() -> None:
         assert exact.optimal, name
         assert exact.max_load <= mx + 1e-9 and exact.nodes <= nodes + 1e-9, name
         assert exact.nodes == pytest.approx(exact.bound), name  # proved: the incumbent meets the bound
+
+
+TINY = Cluster(4, 2, 8, num_groups=1)  # 4 GPUs of 2 slots on 2 nodes; 5 experts, so up to 4 replicas of one
+
+
+def _tiny_points(load: np.ndarray, tok: np.ndarray) -> np.ndarray:
+    """[X, 2] (max GPU load, nodes per token) of every placement of TINY by brute force: each GPU a multiset of 2
+    experts, every expert at least once; replica load = load / count; a token's cover is 1 node where one node
+    holds both of its experts, else 2."""
+    e = len(load)
+    pairs = list(itertools.combinations_with_replacement(range(e), 2))
+    pts = []
+    for gpus in itertools.product(pairs, repeat=TINY.num_gpus):
+        slots = np.array(gpus).ravel()  # [P]; slots 0-3 on node 0, 4-7 on node 1
+        cnt = np.bincount(slots, minlength=e)
+        if (cnt == 0).any():
+            continue
+        mx = max(load[a] / cnt[a] + load[b] / cnt[b] for a, b in gpus)
+        on = [set(slots[:4].tolist()), set(slots[4:].tolist())]
+        pts.append((mx, np.mean([1 if any({a, b} <= s for s in on) else 2 for a, b in tok])))
+    return np.array(pts)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_cuts_keep_the_brute_force_optimum(seed: int) -> None:
+    """The grid, VUB, expert and symmetry cuts and the aimed search (bench/eplb_milp_model.py) cut off no
+    optimum: balance, and the fewest nodes at the tightest balances, equal brute force over every placement."""
+    rng = np.random.default_rng(seed)
+    pop = 1 / np.arange(1, 6) ** 1.2
+    tok = np.stack([rng.choice(5, 2, replace=False, p=pop / pop.sum()) for _ in range(9)])
+    load = np.bincount(tok.ravel(), minlength=5).astype(float)
+    pts = _tiny_points(load, tok)
+    best = solve(load, tok, TINY, "balance", max_replicas=4, time_limit=30)
+    assert best.optimal and best.max_load == pytest.approx(pts[:, 0].min())
+    assert best.bound == pytest.approx(pts[:, 0].min())
+    for cap in np.unique(pts[:, 0])[:3]:
+        got = solve(load, tok, TINY, "nodes", max_load_cap=float(cap), max_replicas=4, time_limit=30)
+        assert got.optimal and got.max_load <= cap + 1e-9
+        assert got.nodes == pytest.approx(pts[pts[:, 0] <= cap + 1e-9, 1].min())
+        assert got.bound == pytest.approx(got.nodes)
+
+
+def test_the_aimed_search_steps_its_bound_up_where_the_mean_is_out_of_reach() -> None:
+    """The aimed search starts at max(mean GPU load, hottest load / 4) on the grid of twelfths; brute force:
+    loads 9, 1, 1, 1, 1 reach it (3.25: 9 / 4 + 1 on every GPU); 7, 3, 1, 1, 1 are one step above it (3.25 ->
+    10 / 3) and 5, 5, 3, 1, 1 three steps (3.75 -> 4.0), so the infeasible caps must move the bound up exactly."""
+    tok = np.array([[0, 1]])
+    for load, opt, steps in (([9, 1, 1, 1, 1], 3.25, 0), ([7, 3, 1, 1, 1], 10 / 3, 1), ([5, 5, 3, 1, 1], 4.0, 3)):
+        w = np.asarray(load, dtype=float)
+        assert _tiny_points(w, tok)[:, 0].min() == pytest.approx(opt)
+        assert opt - max(w.sum(), w.max()) / 4 == pytest.approx(steps / 12)
+        got = solve(w, tok, TINY, "balance", max_replicas=4, time_limit=30)
+        assert got.optimal and got.max_load == pytest.approx(opt) and got.bound == pytest.approx(opt), load
+
+
+def test_an_incumbent_is_a_cutoff_only() -> None:
+    """Ours given as the incumbent changes neither optimum (balance; fewest nodes at ours' max load)."""
+    load, tok = _instance(3)
+    ours = plan(load[None], CL, tokens=tok[:, None])
+    mx, _ = placement_objectives(ours, load, tok, CL)
+    for kw in ({"objective": "balance"}, {"objective": "nodes", "max_load_cap": mx}):
+        plain = solve(load, tok, CL, max_replicas=3, time_limit=60, **kw)  # type: ignore[arg-type]
+        cut = solve(load, tok, CL, max_replicas=3, time_limit=60, incumbent=ours, **kw)  # type: ignore[arg-type]
+        assert plain.optimal and cut.optimal
+        assert (cut.max_load, cut.nodes)[kw["objective"] == "nodes"] == pytest.approx(
+            (plain.max_load, plain.nodes)[kw["objective"] == "nodes"])
+
+
+def test_the_shared_command_line(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """bench_args, which bench/eplb_milp.py and bench/eplb_corner.py share: defaults, --smoke, a bad limit."""
+    from bench.eplb_milp import bench_args
+
+    def parse(*argv: str) -> argparse.Namespace:
+        monkeypatch.setattr("sys.argv", ["prog", *argv])
+        return bench_args("doc", "x.json", ["a", "b"], ["a", "b", "c"], 45.0)
+
+    args = parse()
+    assert (args.instances, args.time_limit, args.out.endswith("bench/results/x.json")) == (["a", "b"], 45.0, True)
+    args = parse("--smoke")
+    assert (args.instances, args.time_limit, args.out) == (["synth-e16"], 20.0, "")
+    assert parse("--instances", "c", "--time-limit", "7").instances == ["c"]
+    for bad in (["--time-limit", "0"], ["--instances", "d"]):
+        with pytest.raises(SystemExit):
+            parse(*bad)
+    assert "--time-limit=0.0 must be > 0 seconds" in capsys.readouterr().err
