@@ -3,8 +3,8 @@
 1. Forecast: an exponential moving average of the per-window loads [W, L, E] (each window normalised to
    rates; weights normalised over the windows there are, _smooth), so one noisy window does not move
    replicas: the global policy plans on the last window alone and loses 4-6 points of balancedness on the
-   next one. Its weight is picked per plan by backtest on the history (choose_alpha: slow drift wants a long
-   memory, fast drift a short one).
+   next one. Its weight is picked per plan by backtest on the history (forecast.py, choose_alpha: slow drift
+   wants a long memory, fast drift a short one); the same backtest says whether the workload drifts (step 5).
 2. Replica counts: the global policy's rule (each extra slot to the expert with the highest load per
    replica), capped at the GPUs of one node (homing.capped_counts).
 3. Layout (`layout` says which and why). On one node every replica sits on it. On several nodes
@@ -19,7 +19,9 @@
    more than their even share, so node-limited balancedness sits below the even one. One node per expert
    (`spread_by_affinity` off, homing.py) keeps the two equal at more nodes per token; `keep_groups` keeps
    every first replica on its group's home, so no token reaches more nodes than under the hierarchical layout.
-   Counts follow the global policy's rule capped at max(N, GPUs per node) replicas.
+   Counts follow the global policy's rule capped at max(N, GPUs per node) replicas. Without a spare slot
+   (P = E) each layer takes ours, DeepSeek global's or global's with GPUs grouped by expert group, whichever
+   has the lowest forecast max GPU load, then the fewest nodes per token on the newest tokens (candidates.py).
 4. Each node's replicas are packed onto its GPUs (balanced packing), then up to `fresh_swaps` swaps
    lower the hottest GPUs (refine.swap_refine; 0.925 -> 0.944 held out on 32 GPUs). In the multi-node layout
    leveling swaps lower the sum of squared GPU loads instead (leveling.py: 0.835 / 0.744 / 0.535 ->
@@ -33,7 +35,12 @@
    move are transferred. In the multi-node layout a re-placed layer moved 154-247 of 288 slots, so there the
    re-plan is seeded instead (seeded_plan): every layer takes its fresh counts by moving only the replicas
    whose count changed (reseat.py: 1-3 slots per layer), then leveling swaps use the rest of
-   `seeded_churn_budget`.
+   `seeded_churn_budget`. These budgets hold for an unchanged workload; a drifting one (the backtest's plain
+   mean erred > `refresh_drift` more than its best weight, over >= 2 windows) re-plans fresh on every layer
+   that lowers the forecast max GPU load, when they lower it by > `refresh_gain` on average (refreshed; in the
+   multi-node layout per layer the best of ours and global's, candidates.py): on the fast-drift cells of
+   bench/eplb_matrix.py a budgeted re-plan moved 9.5% of slots and trailed global on the newest window by up to
+   0.04, a refreshed one moves 45-85%.
 """
 
 from __future__ import annotations
