@@ -13,8 +13,9 @@
    its group, and each extra replica goes to the node whose experts it is chosen with most in the window's
    tokens (affinity.py), so a token's cover has choices. Held out (BENCHMARKS.md, EPLB; bench/eplb_matrix.py,
    grouped router, slow drift) against DeepSeek's global policy planned on the same windows: nodes per
-   token 2.2-3.3 vs 3.1-3.6 on 4 nodes, 3.0-4.1 vs 4.4-5.3 on 8, 4.6-5.7 vs 6.2-6.6 on 18, at even-split
-   balancedness within -0.03 .. +0.03 of it (DeepSeek's hierarchical layout, which this planner used on 8
+   token 2.3-3.6 vs 3.1-3.6 on 4 nodes, 3.0-5.3 vs 4.4-5.3 on 8, 4.6-5.7 vs 6.2-6.6 on 18, at even-split
+   balancedness within -0.02 .. +0.02 of it (the high ends on 4 and 8 nodes: 256 slots, where layers may take
+   global's layout, below) (DeepSeek's hierarchical layout, which this planner used on 8
    nodes before, lost 0.05-0.38 there). Replicas on several nodes let the dispatcher's cover load some
    more than their even share, so node-limited balancedness sits below the even one. One node per expert
    (`spread_by_affinity` off, homing.py) keeps the two equal at more nodes per token; `keep_groups` keeps
@@ -40,7 +41,7 @@
    that lowers the forecast max GPU load, when they lower it by > `refresh_gain` on average (refreshed; in the
    multi-node layout per layer the best of ours and global's, candidates.py): on the fast-drift cells of
    bench/eplb_matrix.py a budgeted re-plan moved 9.5% of slots and trailed global on the newest window by up to
-   0.04, a refreshed one moves 45-85%.
+   0.04 (10 of 24 cells missed it); refreshed, 7-71% of slots a re-plan (mean per cell), 2 of 24 miss.
 """
 
 from __future__ import annotations
