@@ -271,7 +271,13 @@ def _align(new: np.ndarray, prev: np.ndarray, cluster: Cluster) -> np.ndarray:
         gpus = range(node * gpn, (node + 1) * gpn)
         new_sets = [new[g * spg:(g + 1) * spg] for g in gpus]
         prev_sets = [prev[g * spg:(g + 1) * spg] for g in gpus]
-        overlap = np.array([[len(np.intersect1d(a, b)) for b in prev_sets] for a in new_sets])
+        # [gpn, gpn] distinct experts GPU a of new shares with GPU b of prev, as one product of expert masks (a
+        # pairwise np.intersect1d was 0.9 s of a 1.3 s drifting re-plan at [58, 256] on 18 nodes)
+        e = int(max(new.max(), prev.max())) + 1
+        has_new, has_prev = np.zeros((gpn, e), dtype=np.int64), np.zeros((gpn, e), dtype=np.int64)
+        has_new[np.arange(gpn)[:, None], np.stack(new_sets)] = 1
+        has_prev[np.arange(gpn)[:, None], np.stack(prev_sets)] = 1
+        overlap = has_new @ has_prev.T
         target = [-1] * gpn
         for _ in range(gpn):  # greedy matching, largest overlap first
             a, b = np.unravel_index(np.argmax(overlap), overlap.shape)
