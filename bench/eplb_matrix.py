@@ -81,8 +81,10 @@ def policies(cl: Cluster, variants: bool = False) -> dict[str, Policy]:
     return pols
 
 
-def run_cell(cell: Cell, history: int = 8, variants: bool = False) -> dict[str, Any]:
-    """One cell -> {cell fields, policies: {name: {metric: [per held-out window]}}, seconds}."""
+def run_cell(cell: Cell, history: int = 8, variants: bool = False,
+             reuse: dict[str, dict[str, list[float]]] | None = None) -> dict[str, Any]:
+    """One cell -> {cell fields, policies: {name: {metric: [per held-out window]}}, seconds}. reuse: the rows of
+    policies other than ours' from an earlier run of this cell (their code unchanged), copied instead of re-run."""
     t0 = time.perf_counter()
     routes, sees_tokens = load_windows(cell.spec)
     e = cell.spec.num_experts
@@ -90,6 +92,9 @@ def run_cell(cell: Cell, history: int = 8, variants: bool = False) -> dict[str, 
     cl = cell.cluster
     out: dict[str, dict[str, list[float]]] = {}
     for name, f in policies(cl, variants).items():
+        if reuse is not None and not name.startswith("ours"):
+            out[name] = reuse[name]
+            continue
         prev, rows = None, {m: [] for m in METRICS}
         for t in range(1, len(routes) - 1):
             pl = f(heats[max(0, t + 1 - history):t + 1], prev, routes[t] if sees_tokens else None)
@@ -256,6 +261,8 @@ def main() -> None:
     ap.add_argument("--eplb-ref", default=None, help="folder holding DeepSeek's eplb.py, timed beside ours")
     ap.add_argument("--idle", type=float, default=0.0,
                     help="--plan-time: sleep this many seconds before each timed call instead of a warm call")
+    ap.add_argument("--reuse", default=None, help="results JSON of the same cells: copy DeepSeek's and GRACE's rows "
+                                                  "from it and re-run ours' policies only (their code unchanged)")
     args = ap.parse_args()
     if args.plan_time:
         name = "eplb-matrix-plan-time" + ("-idle" if args.idle else "")
@@ -268,9 +275,12 @@ def main() -> None:
     base = TraceSpec(num_layers=args.layers, windows=args.windows, window_tokens=args.window_tokens, seed=args.seed)
     todo = [c for c in cells(sweep, base) if (not args.nodes or c.nodes in args.nodes)
             and (not args.skews or c.spec.zipf_s in args.skews)]
+    earlier = {}
+    if args.reuse:
+        earlier = {r["cell"]: r["policies"] for r in json.loads(Path(args.reuse).read_text())["results"]}
     results = []
     for c in todo:
-        res = run_cell(c, variants=sweep == "tradeoff")
+        res = run_cell(c, variants=sweep == "tradeoff", reuse=earlier[c.name()] if args.reuse else None)
         res["dominates"] = dominates(res)
         results.append(res)
         print("\n".join(table([res])[2:]), f"\n  {res['seconds']:.1f} s, {res['dominates']}", flush=True)

@@ -11,7 +11,7 @@ from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
-from r3trace.eplb import deepseek, planner, score
+from r3trace.eplb import deepseek, forecast, planner, score
 from r3trace.eplb.placement import Cluster, Placement
 
 PolicyName = Literal["ours", "global", "hierarchical", "cross_node"]
@@ -38,11 +38,11 @@ def make_placement(policy: PolicyName, weight: np.ndarray, cluster: Cluster, tok
 
 def forecast_weight(history: np.ndarray, how: Forecast) -> np.ndarray:
     """history [W, L, E] -> the [L, E] heat a policy plans on."""
-    # ema: the weight ours' own plan uses, picked by backtest on the history (planner.choose_alpha; normalised over
-    # the windows, planner._smooth). A fixed 0.35 was wrong for slow drift by rank swaps (bench/eplb_rollup_scale.py:
+    # ema: the weight ours' own plan uses, picked by backtest on the history (forecast.choose_alpha; normalised over
+    # the windows, forecast._smooth). A fixed 0.35 was wrong for slow drift by rank swaps (bench/eplb_rollup_scale.py:
     # the backtest picks 1.0 there, and global + ema at 0.35 scored 0.932 over 6 rolling folds vs 0.951 at 1.0)
     if how == "ema":
-        return planner.forecast(history, None)
+        return forecast.forecast(history, None)
     return history[-1] if how == "newest" else history.sum(0)
 
 

@@ -3,8 +3,8 @@
 1. Forecast: an exponential moving average of the per-window loads [W, L, E] (each window normalised to
    rates; weights normalised over the windows there are, _smooth), so one noisy window does not move
    replicas: the global policy plans on the last window alone and loses 4-6 points of balancedness on the
-   next one. Its weight is picked per plan by backtest on the history (choose_alpha: slow drift wants a long
-   memory, fast drift a short one).
+   next one. Its weight is picked per plan by backtest on the history (forecast.py, choose_alpha: slow drift
+   wants a long memory, fast drift a short one); the same backtest says whether the workload drifts (step 5).
 2. Replica counts: the global policy's rule (each extra slot to the expert with the highest load per
    replica), capped at the GPUs of one node (homing.capped_counts).
 3. Layout (`layout` says which and why). On one node every replica sits on it. On several nodes
@@ -13,13 +13,16 @@
    its group, and each extra replica goes to the node whose experts it is chosen with most in the window's
    tokens (affinity.py), so a token's cover has choices. Held out (BENCHMARKS.md, EPLB; bench/eplb_matrix.py,
    grouped router, slow drift) against DeepSeek's global policy planned on the same windows: nodes per
-   token 2.2-3.3 vs 3.1-3.6 on 4 nodes, 3.0-4.1 vs 4.4-5.3 on 8, 4.6-5.7 vs 6.2-6.6 on 18, at even-split
-   balancedness within -0.03 .. +0.03 of it (DeepSeek's hierarchical layout, which this planner used on 8
+   token 2.3-3.6 vs 3.1-3.6 on 4 nodes, 3.0-5.3 vs 4.4-5.3 on 8, 4.6-5.7 vs 6.2-6.6 on 18, at even-split
+   balancedness within -0.02 .. +0.02 of it (the high ends on 4 and 8 nodes: 256 slots, where layers may take
+   global's layout, below) (DeepSeek's hierarchical layout, which this planner used on 8
    nodes before, lost 0.05-0.38 there). Replicas on several nodes let the dispatcher's cover load some
    more than their even share, so node-limited balancedness sits below the even one. One node per expert
    (`spread_by_affinity` off, homing.py) keeps the two equal at more nodes per token; `keep_groups` keeps
    every first replica on its group's home, so no token reaches more nodes than under the hierarchical layout.
-   Counts follow the global policy's rule capped at max(N, GPUs per node) replicas.
+   Counts follow the global policy's rule capped at max(N, GPUs per node) replicas. Without a spare slot
+   (P = E) each layer takes ours, DeepSeek global's or global's with GPUs grouped by expert group, whichever
+   has the lowest forecast max GPU load, then the fewest nodes per token on the newest tokens (candidates.py).
 4. Each node's replicas are packed onto its GPUs (balanced packing), then up to `fresh_swaps` swaps
    lower the hottest GPUs (refine.swap_refine; 0.925 -> 0.944 held out on 32 GPUs). In the multi-node layout
    leveling swaps lower the sum of squared GPU loads instead (leveling.py: 0.835 / 0.744 / 0.535 ->
@@ -33,7 +36,12 @@
    move are transferred. In the multi-node layout a re-placed layer moved 154-247 of 288 slots, so there the
    re-plan is seeded instead (seeded_plan): every layer takes its fresh counts by moving only the replicas
    whose count changed (reseat.py: 1-3 slots per layer), then leveling swaps use the rest of
-   `seeded_churn_budget`.
+   `seeded_churn_budget`. These budgets hold for an unchanged workload; a drifting one (the backtest's plain
+   mean erred > `refresh_drift` more than its best weight, over >= 2 windows) re-plans fresh on every layer
+   that lowers the forecast max GPU load, when they lower it by > `refresh_gain` on average (refreshed; in the
+   multi-node layout per layer the best of ours and global's, candidates.py): on the fast-drift cells of
+   bench/eplb_matrix.py a budgeted re-plan moved 9.5% of slots and trailed global on the newest window by up to
+   0.04 (10 of 24 cells missed it); refreshed, 7-71% of slots a re-plan (mean per cell), 2 of 24 miss.
 """
 
 from __future__ import annotations
@@ -44,7 +52,9 @@ from typing import Literal, NamedTuple
 import numpy as np
 
 from r3trace.eplb.affinity import CoChoices, affinity_replicas, home_primaries
+from r3trace.eplb.candidates import best_layout
 from r3trace.eplb.deepseek import group_nodes, pack_nodes, spread_replicas
+from r3trace.eplb.forecast import ALPHAS, backtest_errors, drifts, forecast
 from r3trace.eplb.homing import capped_counts, expert_nodes
 from r3trace.eplb.leveling import level_refine
 from r3trace.eplb.placement import Cluster, Placement, PlacementError, from_phy2log
@@ -83,60 +93,18 @@ class PlannerConfig:
     # polish moves per layer after a fresh plan, on layers of <= 128 slots and <= 8 nodes only (polish.py): the
     # exact MILP's small instances 1.6-2.8% -> 0-1.4% above its optimum or bound, in sample
     polish_steps: int = 64
+    # a re-plan of a drifting workload (the plain mean's backtest error over the best EMA weight's > 1 + refresh_drift,
+    # forecast.drifts) re-places every layer a fresh plan lowers, when it lowers the forecast max GPU load by more
+    # than refresh_gain on average over layers (planner.refreshed). Fast drift on bench/eplb_matrix.py's cells gave
+    # 1.04-1.21 per layer at 8 nodes, slow drift 0.97-1.05; an unchanged workload never calls drift, so its
+    # re-plans keep the churn budgets
+    refresh_drift: float = 0.1
+    refresh_gain: float = 0.02
 
     def __post_init__(self) -> None:
         bad_alpha = self.ema_alpha is not None and not 0 <= self.ema_alpha <= 1
         if bad_alpha or min(self.keep_tolerance, self.home_slack, self.min_gain) < 0:
             raise PlacementError(f"ema_alpha={self.ema_alpha} must be in [0, 1] (0: mean); tolerances must be >= 0")
-
-
-ALPHAS = (0.0, 0.1, 0.2, 0.35, 0.5, 0.7, 1.0)  # weights the backtest tries (1: the newest window, 0: plain mean)
-DEFAULT_ALPHA = 0.35  # with fewer than 3 windows there is nothing to backtest on
-
-
-def choose_alpha(history: np.ndarray) -> float:
-    """[W, L, E] loads -> the EMA weight whose one-window-ahead forecasts of windows 2 .. W - 1 (each from the
-    windows before it) had the least squared error in rates, summed over layers and windows.
-
-    Why by backtest: the best weight is a property of the workload (slow drift wants a long memory, fast
-    drift a short one), which a user cannot be asked to know."""
-    h = np.asarray(history, dtype=np.float64)
-    if h.ndim == 2 or len(h) < 3:
-        return DEFAULT_ALPHA
-    rates = h / np.maximum(h.sum(-1, keepdims=True), 1e-12)  # [W, L, E]
-    err = []
-    for a in ALPHAS:
-        e = 0.0
-        for t in range(2, len(rates)):
-            e += float(((rates[t] - _smooth(rates[:t], a)) ** 2).sum())
-        err.append(e)
-    return ALPHAS[int(np.argmin(err))]
-
-
-def forecast(history: np.ndarray, alpha: float | None) -> np.ndarray:
-    """[W, L, E] or [L, E] loads -> [L, E] EMA forecast of the next window (in the last window's scale);
-    alpha None: choose_alpha's."""
-    h = np.asarray(history, dtype=np.float64)
-    if h.ndim == 2:
-        return h
-    alpha = choose_alpha(h) if alpha is None else alpha
-    rates = h / np.maximum(h.sum(-1, keepdims=True), 1e-12)
-    return _smooth(rates, alpha) * h[-1].sum(-1, keepdims=True)
-
-
-def _smooth(rates: np.ndarray, alpha: float) -> np.ndarray:
-    """[W, L, E] -> [L, E]: weights alpha (1 - alpha)^age on the windows (age 0 = newest), normalised over the W
-    windows there are, so alpha -> 0 is the plain mean and 1 the newest window.
-
-    Normalised because the textbook EMA started from the oldest window gives it the rest, (1 - alpha)^(W - 1):
-    0.81 of a 3-window forecast at alpha = 0.1. Planned on that, held-out balancedness under slow drift lost
-    0.01-0.02 to the plain mean (bench/eplb_matrix.py cells 64/8/320 and 16/2/288), and the backtest, which
-    scored every weight that way, never picked the mean."""
-    if alpha == 0:
-        return rates.mean(0)
-    age = np.arange(len(rates))[::-1]
-    wt = alpha * (1 - alpha) ** age
-    return np.tensordot(wt / wt.sum(), rates, axes=1)
 
 
 def spreads(cluster: Cluster, cfg: PlannerConfig) -> bool:
@@ -176,10 +144,10 @@ def layout(cluster: Cluster, cfg: PlannerConfig = PlannerConfig()) -> Layout:
                             f"lone cold ones moved off for balance; {extras}")
 
 
-def fresh_plan(w: np.ndarray, home: np.ndarray, cluster: Cluster, cfg: PlannerConfig,
+def fresh_plan(w: np.ndarray, home: np.ndarray | None, cluster: Cluster, cfg: PlannerConfig,
                tokens: np.ndarray | None = None) -> Placement:
-    """Forecast loads w [L, E], preferred nodes home [L, E], tokens [T, L, K] or None -> Placement with group
-    homes plus co-activation replicas on several nodes, else one node per expert."""
+    """Forecast loads w [L, E], preferred nodes home [L, E] (None: group_nodes'), tokens [T, L, K] or None ->
+    Placement with group homes plus co-activation replicas on several nodes, else one node per expert."""
     n_layers, e = w.shape
     if spreads(cluster, cfg):
         logcnt = capped_counts(w, cluster.num_slots, spread_cap(cluster))
@@ -187,9 +155,12 @@ def fresh_plan(w: np.ndarray, home: np.ndarray, cluster: Cluster, cfg: PlannerCo
         phy2log = level_refine(pack_nodes(w, logcnt, cnt, cluster), w, logcnt, cluster, cfg.level_swaps,
                                cfg.level_min_gain, cfg.level_cold, cross_nodes=not cfg.keep_groups)
         rule: NodeRule = "keep" if cfg.keep_groups else "cover"
-        return from_phy2log(polish(phy2log, w, cluster, tokens, cfg.polish_steps, rule), e)
+        phy2log = polish(phy2log, w, cluster, tokens, cfg.polish_steps, rule)
+        if cluster.num_slots == e and not cfg.keep_groups:
+            phy2log = best_layout(phy2log, w, cluster, tokens)
+        return from_phy2log(phy2log, e)
     logcnt = capped_counts(w, cluster.num_slots, cluster.gpus_per_node)
-    node = expert_nodes(w, logcnt, home, cluster, cfg.home_slack)
+    node = expert_nodes(w, logcnt, group_nodes(w, cluster) if home is None else home, cluster, cfg.home_slack)
     cnt = np.zeros((n_layers, e, cluster.num_nodes), dtype=np.int64)
     cnt[np.arange(n_layers)[:, None], np.arange(e)[None, :], node] = logcnt
     split = (cnt.sum(1) != cluster.slots_per_node).any(1)  # [L] replica counts that no node split fits
@@ -214,9 +185,16 @@ def plan(
     2,048-token sample (0.887 vs 0.934 held out), and with one node per expert the dispatcher's load is
     the even-split load anyway.
     """
-    w = forecast(loads, cfg.ema_alpha)
+    err = backtest_errors(loads) if cfg.ema_alpha is None and prev is not None else None
+    w = forecast(loads, cfg.ema_alpha if err is None else ALPHAS[int(np.argmin(err))])
+    moving = drifts(loads, err, cfg.refresh_drift)
     if prev is not None and spreads(cluster, cfg) and not cfg.keep_groups:
-        return from_phy2log(seeded_plan(w, prev, cluster, cfg, tokens), w.shape[1])
+        low = seeded_plan(w, prev, cluster, cfg, tokens)
+        if moving:
+            # the fresh plan here is a full move anyway, so global's layout competes for every layer (candidates.py)
+            anew = best_layout(fresh_plan(w, None, cluster, cfg, tokens).phy2log, w, cluster, tokens)
+            low = refreshed(low, from_phy2log(anew, w.shape[1]), w, prev, cluster, cfg.refresh_gain)
+        return from_phy2log(low, w.shape[1])
     home = group_nodes(w, cluster) if prev is None else node_counts(prev, cluster).argmax(2)
     fresh = fresh_plan(w, home, cluster, cfg, tokens)
     if prev is None:
@@ -225,7 +203,9 @@ def plan(
     kept = swap_refine(prev.phy2log, w, prev.logcnt, cluster, swaps, cfg.min_gain, cross_nodes=not cfg.keep_groups)
     new_max = even_gpu_load(fresh, w, cluster).max(1)
     prev_max = even_gpu_load(Placement(kept, prev.log2phy, prev.logcnt), w, cluster).max(1)  # log2phy unused
-    budget = int(cfg.churn_budget * kept.size) - int((kept != prev.phy2log).sum())
+    # a moving workload (drifts) lifts the churn budget: every layer that gains over keep_tolerance is re-placed
+    share = 1.0 if moving else cfg.churn_budget
+    budget = int(share * kept.size) - int((kept != prev.phy2log).sum())
     gain = prev_max / new_max  # [L]
     for layer in np.argsort(-gain, kind="stable"):  # biggest gains first, while the churn budget lasts
         if gain[layer] <= 1 + cfg.keep_tolerance:
@@ -268,6 +248,21 @@ def seeded_plan(w: np.ndarray, prev: Placement, cluster: Cluster, cfg: PlannerCo
     return np.where(better[:, None], leveled, phy2log)
 
 
+def refreshed(low: np.ndarray, fresh: Placement, w: np.ndarray, prev: Placement, cluster: Cluster,
+              gain: float) -> np.ndarray:
+    """A budgeted re-plan low [L, P] and a fresh plan on the same forecast w [L, E] -> phy2log [L, P]: where the
+    fresh plan's forecast max GPU load is lower than low's by more than `gain` on average over layers, every
+    layer it lowers takes the fresh layout (aligned to prev so that kept replicas stay in their slots)."""
+    e = w.shape[1]
+    ratio = even_gpu_load(from_phy2log(low, e), w, cluster).max(1) / even_gpu_load(fresh, w, cluster).max(1)  # [L]
+    if ratio.mean() <= 1 + gain:
+        return low
+    out = low.copy()
+    for layer in np.flatnonzero(ratio > 1):
+        out[layer] = _align(fresh.phy2log[layer], prev.phy2log[layer], cluster)
+    return out
+
+
 def _align(new: np.ndarray, prev: np.ndarray, cluster: Cluster) -> np.ndarray:
     """One layer [P]: relabel new's GPUs inside each node and order slots so as many as possible match prev."""
     spg, gpn = cluster.slots_per_gpu, cluster.gpus_per_node
@@ -276,7 +271,13 @@ def _align(new: np.ndarray, prev: np.ndarray, cluster: Cluster) -> np.ndarray:
         gpus = range(node * gpn, (node + 1) * gpn)
         new_sets = [new[g * spg:(g + 1) * spg] for g in gpus]
         prev_sets = [prev[g * spg:(g + 1) * spg] for g in gpus]
-        overlap = np.array([[len(np.intersect1d(a, b)) for b in prev_sets] for a in new_sets])
+        # [gpn, gpn] distinct experts GPU a of new shares with GPU b of prev, as one product of expert masks (a
+        # pairwise np.intersect1d was 0.9 s of a 1.3 s drifting re-plan at [58, 256] on 18 nodes)
+        e = int(max(new.max(), prev.max())) + 1
+        has_new, has_prev = np.zeros((gpn, e), dtype=np.int64), np.zeros((gpn, e), dtype=np.int64)
+        has_new[np.arange(gpn)[:, None], np.stack(new_sets)] = 1
+        has_prev[np.arange(gpn)[:, None], np.stack(prev_sets)] = 1
+        overlap = has_new @ has_prev.T
         target = [-1] * gpn
         for _ in range(gpn):  # greedy matching, largest overlap first
             a, b = np.unravel_index(np.argmax(overlap), overlap.shape)

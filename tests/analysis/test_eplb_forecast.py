@@ -1,11 +1,11 @@
-"""The planner's forecast: EMA weights normalised over the windows there are (planner._smooth)."""
+"""The planner's forecast: EMA weights normalised over the windows there are (forecast._smooth)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from r3trace.eplb.planner import choose_alpha, forecast
+from r3trace.eplb.forecast import choose_alpha, forecast
 
 
 def test_weights_are_normalised_over_the_windows() -> None:
