@@ -4,13 +4,12 @@ Run: .venv/bin/python -m pytest tests/analysis/test_eplb_corner.py -q"""
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import pytest
 
 from bench.eplb_corner import balance_roof, nodes_floor
 from r3trace.eplb import Cluster
+from tests.analysis.brute_placements import placement_points
 
 CL = Cluster(4, 2, 8, num_groups=1)  # 4 GPUs of 2 slots, 2 nodes; 4 experts
 E = 4
@@ -24,27 +23,10 @@ def _instance() -> tuple[np.ndarray, np.ndarray]:
     return np.bincount(tok.ravel(), minlength=E).astype(float), tok
 
 
-def _all_points(load: np.ndarray, tok: np.ndarray) -> np.ndarray:
-    """[X, 2] (max GPU load, nodes per token) of every placement: each GPU a multiset of 2 experts, every expert
-    at least once. Even split: replica load = load / count; nodes = 1 where one node holds both experts."""
-    pairs = list(itertools.combinations_with_replacement(range(E), 2))
-    pts = []
-    for gpus in itertools.product(pairs, repeat=CL.num_gpus):
-        slots = np.array(gpus).ravel()  # [P]; slots 0-3 on node 0, 4-7 on node 1
-        cnt = np.bincount(slots, minlength=E)
-        if (cnt == 0).any():
-            continue
-        mx = max(sum(load[x] / cnt[x] for x in g) for g in gpus)
-        on = [set(slots[:4]), set(slots[4:])]
-        nodes = np.mean([1 if any({a, b} <= s for s in on) else 2 for a, b in tok])
-        pts.append((mx, nodes))
-    return np.array(pts)
-
-
 @pytest.fixture(scope="module")
 def case() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     load, tok = _instance()
-    return load, tok, _all_points(load, tok)
+    return load, tok, placement_points(load, tok)
 
 
 def test_nodes_floor_is_the_brute_force_minimum(case: tuple[np.ndarray, np.ndarray, np.ndarray]) -> None:

@@ -4,7 +4,6 @@ Run: .venv/bin/python -m pytest tests/analysis/test_eplb_milp.py -q"""
 from __future__ import annotations
 
 import argparse
-import itertools
 
 import numpy as np
 import pytest
@@ -13,6 +12,7 @@ from bench.eplb_grace import grace_policy
 from bench.eplb_milp import placement_objectives, solve
 from r3trace.eplb import Cluster, global_policy, hierarchical, plan
 from r3trace.eplb.placement import Placement, check_placement
+from tests.analysis.brute_placements import placement_points
 
 CL = Cluster(4, 2, 16, num_groups=4)  # 12 experts, 4 extra slots, 2 GPUs per node
 
@@ -58,24 +58,6 @@ def test_fewest_nodes_at_a_heuristics_balance_is_at_most_its_nodes() -> None:
 TINY = Cluster(4, 2, 8, num_groups=1)  # 4 GPUs of 2 slots on 2 nodes; 5 experts, so up to 4 replicas of one
 
 
-def _tiny_points(load: np.ndarray, tok: np.ndarray) -> np.ndarray:
-    """[X, 2] (max GPU load, nodes per token) of every placement of TINY by brute force: each GPU a multiset of 2
-    experts, every expert at least once; replica load = load / count; a token's cover is 1 node where one node
-    holds both of its experts, else 2."""
-    e = len(load)
-    pairs = list(itertools.combinations_with_replacement(range(e), 2))
-    pts = []
-    for gpus in itertools.product(pairs, repeat=TINY.num_gpus):
-        slots = np.array(gpus).ravel()  # [P]; slots 0-3 on node 0, 4-7 on node 1
-        cnt = np.bincount(slots, minlength=e)
-        if (cnt == 0).any():
-            continue
-        mx = max(load[a] / cnt[a] + load[b] / cnt[b] for a, b in gpus)
-        on = [set(slots[:4].tolist()), set(slots[4:].tolist())]
-        pts.append((mx, np.mean([1 if any({a, b} <= s for s in on) else 2 for a, b in tok])))
-    return np.array(pts)
-
-
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_the_cuts_keep_the_brute_force_optimum(seed: int) -> None:
     """The grid, VUB, expert and symmetry cuts and the aimed search (bench/eplb_milp_model.py) cut off no
@@ -84,7 +66,7 @@ def test_the_cuts_keep_the_brute_force_optimum(seed: int) -> None:
     pop = 1 / np.arange(1, 6) ** 1.2
     tok = np.stack([rng.choice(5, 2, replace=False, p=pop / pop.sum()) for _ in range(9)])
     load = np.bincount(tok.ravel(), minlength=5).astype(float)
-    pts = _tiny_points(load, tok)
+    pts = placement_points(load, tok)
     best = solve(load, tok, TINY, "balance", max_replicas=4, time_limit=30)
     assert best.optimal and best.max_load == pytest.approx(pts[:, 0].min())
     assert best.bound == pytest.approx(pts[:, 0].min())
@@ -102,7 +84,7 @@ def test_the_aimed_search_steps_its_bound_up_where_the_mean_is_out_of_reach() ->
     tok = np.array([[0, 1]])
     for load, opt, steps in (([9, 1, 1, 1, 1], 3.25, 0), ([7, 3, 1, 1, 1], 10 / 3, 1), ([5, 5, 3, 1, 1], 4.0, 3)):
         w = np.asarray(load, dtype=float)
-        assert _tiny_points(w, tok)[:, 0].min() == pytest.approx(opt)
+        assert placement_points(w, tok)[:, 0].min() == pytest.approx(opt)
         assert opt - max(w.sum(), w.max()) / 4 == pytest.approx(steps / 12)
         got = solve(w, tok, TINY, "balance", max_replicas=4, time_limit=30)
         assert got.optimal and got.max_load == pytest.approx(opt) and got.bound == pytest.approx(opt), load
