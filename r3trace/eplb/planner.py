@@ -145,9 +145,10 @@ def layout(cluster: Cluster, cfg: PlannerConfig = PlannerConfig()) -> Layout:
 
 
 def fresh_plan(w: np.ndarray, home: np.ndarray | None, cluster: Cluster, cfg: PlannerConfig,
-               tokens: np.ndarray | None = None) -> Placement:
+               tokens: np.ndarray | None = None, compete: bool = False) -> Placement:
     """Forecast loads w [L, E], preferred nodes home [L, E] (None: group_nodes'), tokens [T, L, K] or None ->
-    Placement with group homes plus co-activation replicas on several nodes, else one node per expert."""
+    Placement with group homes plus co-activation replicas on several nodes, else one node per expert. On several
+    nodes global's layouts compete per layer (candidates.best_layout) without a spare slot, or when `compete`."""
     n_layers, e = w.shape
     if spreads(cluster, cfg):
         logcnt = capped_counts(w, cluster.num_slots, spread_cap(cluster))
@@ -156,7 +157,7 @@ def fresh_plan(w: np.ndarray, home: np.ndarray | None, cluster: Cluster, cfg: Pl
                                cfg.level_min_gain, cfg.level_cold, cross_nodes=not cfg.keep_groups)
         rule: NodeRule = "keep" if cfg.keep_groups else "cover"
         phy2log = polish(phy2log, w, cluster, tokens, cfg.polish_steps, rule)
-        if cluster.num_slots == e and not cfg.keep_groups:
+        if (compete or cluster.num_slots == e) and not cfg.keep_groups:
             phy2log = best_layout(phy2log, w, cluster, tokens)
         return from_phy2log(phy2log, e)
     logcnt = capped_counts(w, cluster.num_slots, cluster.gpus_per_node)
@@ -192,8 +193,8 @@ def plan(
         low = seeded_plan(w, prev, cluster, cfg, tokens)
         if moving:
             # the fresh plan here is a full move anyway, so global's layout competes for every layer (candidates.py)
-            anew = best_layout(fresh_plan(w, None, cluster, cfg, tokens).phy2log, w, cluster, tokens)
-            low = refreshed(low, from_phy2log(anew, w.shape[1]), w, prev, cluster, cfg.refresh_gain)
+            anew = fresh_plan(w, None, cluster, cfg, tokens, compete=True)
+            low = refreshed(low, anew, w, prev, cluster, cfg.refresh_gain)
         return from_phy2log(low, w.shape[1])
     home = group_nodes(w, cluster) if prev is None else node_counts(prev, cluster).argmax(2)
     fresh = fresh_plan(w, home, cluster, cfg, tokens)
