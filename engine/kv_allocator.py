@@ -6,6 +6,7 @@ A request holds `req.pages` (pages of the KVPool) covering its first kv_len posi
 - admit: a req_to_token row, the prefix match (cut where route capture says the cached KV may not be reused), then
   the first chunk's slots; all undone when the chunk gets no page;
 - grow: slots for more positions, evicting the prefix cache before shrinking the request's share;
+- grow_all: slots for many requests' next positions at once, all or nothing (a decode or verify step);
 - trim: drop positions past kv_len (a verify's rejected drafts);
 - release: whole computed pages to the prefix cache (or the better of two copies of the same tokens), the rest to
   the pool, then the row.
@@ -78,6 +79,32 @@ class KVAllocator:
         slots = self.pool.slots(req.pages, req.kv_len, req.kv_len + want)
         self.req_pool.write(req.pool_row, req.kv_len, slots)
         return slots
+
+    def grow_all(self, reqs: list[Req], wants: list[int]) -> np.ndarray | None:
+        """Slots [sum(wants)] for wants[i] more positions of each reqs[i], in request order, from one page allocation
+        and one req_to_token block write; None, with nothing taken, when the free pages do not hold them all or a
+        request holds pages past its positions (grow's per-request path then evicts, shrinks or retracts). A step's
+        decoding requests at once: grow per request was ~8-10 us each on the H200 host, 0.3 ms a step at batch 32
+        under speculation and 1 ms at 128 decoding requests, against a GPU step of ~0.6 ms."""
+        page = self.pool.page_size
+        needs = [self.pool.pages_for(r.kv_len + w) - len(r.pages) for r, w in zip(reqs, wants, strict=True)]
+        new_pages = self.pool.alloc(sum(needs)) if min(needs, default=0) >= 0 else None
+        if new_pages is None:
+            return None
+        rows: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        at = 0
+        for req, want, need in zip(reqs, wants, needs, strict=True):
+            req.pages += new_pages[at : at + need]
+            at += need
+            pages, start = req.pages, req.kv_len
+            slots += [pages[pos // page] * page + pos % page for pos in range(start, start + want)]
+            rows += [req.pool_row] * want
+            positions += range(start, start + want)
+        out = np.asarray(slots, dtype=np.int64)
+        self.req_pool.write_ones(rows, positions, out)
+        return out
 
     def trim(self, reqs: list[Req]) -> None:
         """Pages past each request's kv_len (positions computed and then dropped) go back to the pool, in one free

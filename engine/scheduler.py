@@ -141,21 +141,10 @@ class Scheduler:
                 if len(r.output_ids) + 1 < r.params.max_new_tokens and r.seq_len + 1 < self.max_context_len]
         if not keep or len(keep) > self.config.chunked_prefill_size:
             return None
-        # One position each, for all requests at once (a per-request KVAllocator.grow was ~8 us a request on a
-        # 2-core host: 1 ms a step at 128 requests). A running request holds exactly pages_for(kv_len) pages, so
-        # its next position opens a page when kv_len // page reaches len(pages).
-        page = self.pool.page_size
-        opening = [r for r in keep if r.kv_len // page >= len(r.pages)]
-        if len(opening) > self.pool.num_free_pages:
-            return None  # the serial path evicts or retracts
-        new_pages = self.pool.alloc(len(opening))
-        assert new_pages is not None
-        for req, pg in zip(opening, new_pages, strict=True):
-            req.pages.append(pg)
         starts = [r.kv_len for r in keep]
-        slots = np.fromiter((r.pages[p // page] * page + p % page for r, p in zip(keep, starts, strict=True)),
-                            np.int64, len(keep))  # [B]
-        self.req_pool.write_ones([r.pool_row for r in keep], starts, slots)
+        slots = self.kv.grow_all(keep, [1] * len(keep))  # [B]: one position each, for all requests at once
+        if slots is None:
+            return None  # the serial path evicts or retracts
         items = [ScheduledReq(req=r, start=p, extend_len=1, out_cache_loc=slots[i : i + 1], sample=True,
                               logprob_positions=range(0), phase="decode", ahead=True)
                  for i, (r, p) in enumerate(zip(keep, starts, strict=True))]
@@ -167,36 +156,19 @@ class Scheduler:
     def _grow_verifies(self, budget: int) -> list[ScheduledReq]:
         """Speculation, every running request decoding: the verify items of all of them at once, exactly what the
         per-request loop of `schedule` gives when the step's budget and the free pages hold every request's d + 1
-        positions (no draft cut, no eviction, no retraction); [] otherwise (the loop then runs). One page
-        allocation and one req_to_token write for the step instead of KVAllocator.grow per request (~10 us each on
-        the H200 host: 0.3 ms a step at batch 32, while the GPU step is ~0.6 ms)."""
-        running, page, ctx = self.running, self.pool.page_size, self.max_context_len
-        wants = [1 + max(0, min(self.spec_steps, ctx - r.seq_len - 1)) for r in running]
+        positions (no draft cut, no eviction, no retraction); [] otherwise (the loop then runs). Their slots come
+        from KVAllocator.grow_all: one page allocation and one req_to_token write for the step."""
+        ctx = self.max_context_len
+        wants = [1 + max(0, min(self.spec_steps, ctx - r.seq_len - 1)) for r in self.running]
         if sum(wants) > budget:
             return []
-        needs = [-(-(r.kv_len + w) // page) - len(r.pages) for r, w in zip(running, wants, strict=True)]
-        new_pages = self.pool.alloc(sum(needs)) if min(needs) >= 0 else None
-        if new_pages is None:
+        slots = self.kv.grow_all(self.running, wants)
+        if slots is None:
             return []
-        rows: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        at = 0
-        for req, want, need in zip(running, wants, needs, strict=True):
-            if need:
-                req.pages += new_pages[at : at + need]
-                at += need
-            pages, start = req.pages, req.kv_len
-            for pos in range(start, start + want):
-                slots.append(pages[pos // page] * page + pos % page)
-            rows += [req.pool_row] * want
-            positions += range(start, start + want)
-        slot_arr = np.asarray(slots, dtype=np.int64)
-        self.req_pool.write_ones(rows, positions, slot_arr)
         items = []
         at = 0
-        for req, want in zip(running, wants, strict=True):
-            items.append(self._item(req, slot_arr[at : at + want]))
+        for req, want in zip(self.running, wants, strict=True):
+            items.append(self._item(req, slots[at : at + want]))
             at += want
         return items
 
