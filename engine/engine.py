@@ -35,7 +35,6 @@ from r3trace.engine.request_builder import RequestBuilder, RouteArgs, as_list, p
 from r3trace.engine.request_hooks import RequestHooks
 from r3trace.engine.result import error_result
 from r3trace.engine.sampling import Sampler
-from r3trace.engine.spec.request_check import check_speculative_request
 from r3trace.engine.tokenizer import load_tokenizer
 from r3trace.engine.trace_control import LocalTrace, TraceControl, TraceTarget
 from r3trace.trace import lifecycle
@@ -188,11 +187,9 @@ class Engine:
             try:
                 req = self._builder.build(entry, entry_rid, stream, self.sampler)
                 self._builder.attach_listed_ids(req, token_ids_logprob, len(reqs), len(entries))
-                if self.config.spec_steps:
-                    check_speculative_request(req.params)
-                    if req.logprob is not None and req.logprob.token_ids:
-                        raise InvalidRequestError("token_ids_logprob", "not served with speculative decoding "
-                                                  "(the verify step scores no listed ids)")
+                if self.config.spec_steps and req.logprob is not None and req.logprob.token_ids:
+                    raise InvalidRequestError("token_ids_logprob", "not served with speculative decoding "
+                                              "(the verify step scores no listed ids)")
                 self._builder.attach_routes(req, len(reqs), len(entries), routes)
                 req.return_prompt_ids = pick_flag("return_prompt_token_ids", return_prompt_token_ids, len(reqs),
                                                   len(entries))

@@ -67,7 +67,7 @@ class PenaltyStep:
     def __init__(
         self, counts: torch.Tensor | None, rows: torch.Tensor, coef: torch.Tensor | None,
         banned: torch.Tensor | None, has: tuple[bool, bool, bool],
-        bias: tuple[torch.Tensor, torch.Tensor] | None = None,
+        bias: tuple[torch.Tensor, torch.Tensor] | None = None, prior: torch.Tensor | None = None,
     ) -> None:
         self.counts = counts  # [R, V] float32, None when no row has a counting penalty
         self.rows = rows  # [B] int64: each sampling row's counts row
@@ -75,6 +75,9 @@ class PenaltyStep:
         self.banned = banned  # [n] int64 flat b * V + token: -inf until min_new_tokens
         self.has_freq, self.has_pres, self.has_rep = has
         self.bias = bias  # ([n] int64 flat b * V + token, [n] float32 bias), None when no row has a logit_bias
+        # [m] int64 flat b * V + token: tokens row b counts once more than its request's counts row holds (a verify
+        # row's drafts before it, engine/spec/penalised.py); None in plain decoding
+        self.prior = prior
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [B, V] float32 -> penalised logits [B, V] (a new tensor: the raw ones serve prompt logprobs)."""
@@ -83,6 +86,8 @@ class PenaltyStep:
         if self.counts is not None:
             assert self.coef is not None
             cnt = self.counts.index_select(0, self.rows)  # [B, V]
+            if self.prior is not None:
+                cnt.view(-1).index_add_(0, self.prior, torch.ones_like(self.prior, dtype=cnt.dtype))
             seen = cnt > 0
             if self.has_freq:
                 out = out - self.coef[0, :, None] * cnt

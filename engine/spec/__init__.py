@@ -7,7 +7,7 @@
 | drafter.py  | Drafter: the draft layer's latent cache, each request row's drafts, chain and extend    |
 | verify.py   | acceptance: greedy longest prefix, rejection sampling under temperature                  |
 | runner.py   | SpecRunner: one step (chain, target verify, acceptance, draft extend), one wait          |
-| request_check.py | the sampling options a speculative engine refuses (penalties, min_new_tokens)       |
+| penalised.py | penalties, min_new_tokens and logit_bias on each verify row, as plain decoding applies them |
 | graphs.py   | SpecGraphs: the chain, verify and extend forwards as CUDA graphs, one set per batch size, |
 |             | and a greedy step's whole work as one graph (greedy_step.py)                             |
 | greedy_step.py | GreedyStep: chain drafts, verify, acceptance and draft extend on the graphs' static inputs |
@@ -20,6 +20,6 @@ positions' KV and tells route capture to drop their rows (RequestHooks.on_reject
 CUDA graphs (EngineConfig.graph_batch_sizes; the default ladder stops at the verifies of d + 1 tokens one step's
 budget holds): a step whose every request verifies d drafts replays one graph when every request is greedy, else the
 three; any other step runs eager, the reference (graphs.py), but for its verifies' chain drafts on the chain graphs.
-Not supported (each refused with a one-line error): several processes (tp/dp/ep > 1), penalties and min_new_tokens.
+Not supported (each refused with a one-line error): several processes (tp/dp/ep > 1), token_ids_logprob.
 The overlapped scheduler is off: a step needs the accepted lengths of the one before.
 """

@@ -34,12 +34,14 @@ from ..model import DeepseekForCausalLM
 from ..model_config import ModelConfig
 from ..model_runner import Launched, ModelRunner
 from ..parallel import ParallelInfo
+from ..penalties import penalty_rows
 from ..replay import replay_plan
 from ..request import LogprobEntry
 from ..sampling import Sampler
 from ..step import ReqOutput, ScheduledReq
 from .drafter import Drafter
 from .graphs import SpecGraphs
+from .penalised import record_accepted, verify_penalty
 from .verify import accept_greedy, accept_sampled
 
 
@@ -134,7 +136,10 @@ class SpecRunner(ModelRunner):
         replay = replay_plan(items, len(plan.input_ids), self.model_config, self.device, stage)
         # the step's three forwards replay CUDA graphs when it fits them (spec/graphs.py), else all run eager
         graphs = self.spec_graphs if self.spec_graphs is not None and self.spec_graphs.can_run(items, replay) else None
-        greedy_graph = graphs is not None and all(it.req.params.is_greedy for it in items)
+        # the greedy graph's acceptance reads the raw logits: a step with penalties runs the verify graph and the
+        # eager acceptance instead (penalised.py)
+        greedy_graph = (graphs is not None and all(it.req.params.is_greedy for it in items)
+                        and penalty_rows(items) is None)
         if not greedy_graph:  # the greedy graph drafts on the device
             verifies = [it for it in items if it.phase == "verify"]
             # a step with a prefill chunk runs its target forward and extend eager, but its verifies' chain drafts
@@ -177,12 +182,12 @@ class SpecRunner(ModelRunner):
                                     + [it.req.pool_row for it in plan.samplers], np.int64))
             gather, verify_row, draft_lens, req_rows = packed.split([b * (d + 1), b, b, b])
             rows_logits = logits.index_select(0, gather).view(b, d + 1, -1)  # [B, d + 1, V]
-            tokens, counts = self._accept(plan.samplers, rows_logits, draft_lens, req_rows, d)
+            tokens, counts, rows_logits, penalised = self._accept(plan.samplers, rows_logits, draft_lens, req_rows, d)
             on_device["tokens"], on_device["counts"] = tokens, counts
             last = counts - 1
             out_rows = verify_row + last  # [B] the row of the last committed token's position - 1
             draft_ids.index_copy_(0, out_rows, tokens.gather(1, last[:, None])[:, 0])
-            self._output_logprobs(plan.samplers, rows_logits, tokens, on_device)
+            self._output_logprobs(plan.samplers, rows_logits, tokens, on_device, penalised)
         self.drafter.extend(fb, draft_ids, hidden, out_rows, req_rows, plan.samplers, graphs)
 
         launched = Launched(items=items, lp_rows=plan.lp_rows)
@@ -212,9 +217,22 @@ class SpecRunner(ModelRunner):
     def _accept(
         self, samplers: list[ScheduledReq], logits: torch.Tensor, draft_lens: torch.Tensor, req_rows: torch.Tensor,
         d: int,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """logits: [B, d + 1, V] -> (tokens [B, d + 1], counts [B]), verify.py per request."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+        """logits: [B, d + 1, V] -> (tokens [B, d + 1], counts [B], the logits acceptance read [B, d + 1, V], whether
+        penalties processed them), verify.py per request on the rows processed as penalised.py says."""
+        b, v = logits.shape[0], logits.shape[2]
         drafts = self.drafter.tokens.index_select(0, req_rows)[:, :d]  # [B, d]
+        penalty = verify_penalty(self.penalties, samplers, drafts, self.staging.to_device)
+        if penalty is not None:
+            logits = penalty.apply(logits.view(-1, v)).view(b, d + 1, v)
+        tokens, counts = self._accept_rows(samplers, logits, drafts, draft_lens, req_rows, d)
+        record_accepted(penalty, tokens, counts, req_rows)
+        return tokens, counts, logits, penalty is not None
+
+    def _accept_rows(
+        self, samplers: list[ScheduledReq], logits: torch.Tensor, drafts: torch.Tensor, draft_lens: torch.Tensor,
+        req_rows: torch.Tensor, d: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         greedy = accept_greedy(logits.argmax(dim=-1), drafts, draft_lens)
         params = [it.req.params for it in samplers]
         if all(p.is_greedy for p in params):
@@ -246,16 +264,16 @@ class SpecRunner(ModelRunner):
         return out
 
     def _output_logprobs(self, samplers: list[ScheduledReq], logits: torch.Tensor, tokens: torch.Tensor,
-                         out: dict[str, torch.Tensor]) -> None:
+                         out: dict[str, torch.Tensor], penalised: bool = False) -> None:
         """The logprob of each committed token at its row, and top lists: the log-softmax of the logits over the
-        request's temperature (greedy: 1), as ModelRunner scores output rows (SGLang's default). Penalties, bias
-        and min_new_tokens are refused under speculation, so the temperature is the only processing."""
+        request's temperature (greedy: 1), as ModelRunner scores output rows (SGLang's default). penalised: the
+        logits are already processed by the step's penalties, min_new_tokens and logit_bias (penalised.py)."""
         asked = [it.req.logprob for it in samplers if it.req.logprob is not None]
         if not asked:
             return
         b, n, v = logits.shape
         params = [it.req.params for it in samplers for _ in range(n)]
-        scored = self.sampler.scored_logits(logits.reshape(b * n, v), params, penalised=False)
+        scored = self.sampler.scored_logits(logits.reshape(b * n, v), params, penalised=penalised)
         logprobs = torch.log_softmax(logits if scored is None else scored.view(b, n, v), dim=-1)  # [B, d + 1, V]
         out["next_lp"] = logprobs.gather(2, tokens[:, :, None])[:, :, 0]
         top_num = max(lp.top_num for lp in asked)

@@ -108,19 +108,15 @@ def test_serve_flags_reach_engine_config() -> None:
         p.parse_args(["m", "--speculative-algorithm", "NGRAM"])
 
 
-def test_output_dependent_sampling_options_are_refused(make_spec_engine: Any, mtp_ckpt: Path) -> None:
-    """Penalties and min_new_tokens read the output so far, which changes from verify row to verify row: refused for
-    that request only, naming the field; min_p applies per row and is served."""
+def test_token_ids_logprob_is_refused_per_request(make_spec_engine: Any, mtp_ckpt: Path) -> None:
+    """The verify step scores no listed ids: a request asking token_ids_logprob is refused, naming the field; a
+    penalised request beside it is served (tests/spec/test_spec_penalties.py checks its tokens)."""
     from r3trace.engine.request import InvalidRequestError
 
     engine = make_spec_engine(model=mtp_ckpt, speculative_algorithm="NEXTN")
-    for name, value in (("frequency_penalty", 0.5), ("presence_penalty", -0.5), ("repetition_penalty", 1.2),
-                        ("min_new_tokens", 2)):
-        with pytest.raises(InvalidRequestError, match=f"sampling_params.{name}: {value!r} is not supported with "
-                                                      "speculative decoding"):
-            engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 4, name: value})
-    with pytest.raises(InvalidRequestError, match="sampling_params.logit_bias: is not supported with speculative"):
-        engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 4, "logit_bias": {"3": 5}})
-    both = engine.generate(input_ids=[[5, 6, 7], [8, 9]], sampling_params=[
-        {"max_new_tokens": 4, "frequency_penalty": 0.5}, {"max_new_tokens": 4, "min_p": 0.2, "ignore_eos": True}])
-    assert "frequency_penalty" in both[0]["error"] and len(both[1]["output_ids"]) == 4
+    with pytest.raises(InvalidRequestError, match="token_ids_logprob: not served with speculative decoding"):
+        engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 4}, return_logprob=True,
+                        token_ids_logprob=[3])
+    out = engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 4, "frequency_penalty": 0.5,
+                                                                "min_new_tokens": 4, "logit_bias": {"3": 5}})
+    assert len(out["output_ids"]) == 4

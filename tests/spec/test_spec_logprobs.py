@@ -1,6 +1,7 @@
 """Output logprobs under speculation are scored as without it (SGLang's default, tests/engine/test_output_logprobs.py):
 the log-softmax of the target's logits over the request's temperature, at the row the committed token was sampled
-from. Penalties, logit_bias and min_new_tokens are refused under speculation, so the temperature is the only step.
+from. Requests here set no penalty, logit_bias or min_new_tokens (tests/spec/test_spec_penalties.py covers those), so
+the temperature is the only step.
 
 Reference: the raw log-softmax at every output position, all V ids, from a scoring request on a plain engine
 (token_ids_logprob over the whole vocabulary), divided by the temperature.
