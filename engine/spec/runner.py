@@ -190,12 +190,7 @@ class SpecRunner(ModelRunner):
             self._output_logprobs(plan.samplers, rows_logits, tokens, on_device, penalised)
         self.drafter.extend(fb, draft_ids, hidden, out_rows, req_rows, plan.samplers, graphs)
 
-        launched = Launched(items=items, lp_rows=plan.lp_rows)
-        launched.host = {k: v.to("cpu", non_blocking=True) for k, v in on_device.items()}
-        if any(v.is_cuda for v in on_device.values()):
-            launched.event = torch.cuda.Event()
-            launched.event.record()
-        return launched
+        return _queued(items, plan.lp_rows, on_device)
 
     def _launch_greedy(self, items: list[ScheduledReq], fb: ForwardBatch, graphs: SpecGraphs) -> Launched:
         """A greedy step on graphs: one replay (spec/greedy_step.py) and one copy to the host, [B, n + 1]."""
@@ -205,13 +200,9 @@ class SpecRunner(ModelRunner):
         b, n = len(items), graphs.tokens
         on_device: dict[str, torch.Tensor] = {}
         self._output_logprobs(items, logits.view(b, n, -1), out[:, :n], on_device)
-        host = out.to("cpu", non_blocking=True)
-        launched = Launched(items=items, lp_rows=[])
-        launched.host = {"tokens": host[:, :n], "counts": host[:, n],
-                         **{k: v.to("cpu", non_blocking=True) for k, v in on_device.items()}}
-        launched.event = torch.cuda.Event() if out.is_cuda else None
-        if launched.event is not None:
-            launched.event.record()
+        launched = _queued(items, [], {"out": out, **on_device})
+        host = launched.host.pop("out")
+        launched.host.update(tokens=host[:, :n], counts=host[:, n])  # views of the one copy
         return launched
 
     def _accept(
@@ -290,6 +281,16 @@ class SpecRunner(ModelRunner):
             launched.event.synchronize()
         host = {k: v.tolist() for k, v in launched.host.items()}
         return _split(launched.items, host)
+
+
+def _queued(items: list[ScheduledReq], lp_rows: list[int], on_device: dict[str, torch.Tensor]) -> Launched:
+    """The step's results copied to the host without waiting, and the event collect waits on (CUDA only)."""
+    launched = Launched(items=items, lp_rows=lp_rows)
+    launched.host = {k: v.to("cpu", non_blocking=True) for k, v in on_device.items()}
+    if any(v.is_cuda for v in on_device.values()):
+        launched.event = torch.cuda.Event()
+        launched.event.record()
+    return launched
 
 
 @dataclass
