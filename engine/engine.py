@@ -187,9 +187,6 @@ class Engine:
             try:
                 req = self._builder.build(entry, entry_rid, stream, self.sampler)
                 self._builder.attach_listed_ids(req, token_ids_logprob, len(reqs), len(entries))
-                if self.config.spec_steps and req.logprob is not None and req.logprob.token_ids:
-                    raise InvalidRequestError("token_ids_logprob", "not served with speculative decoding "
-                                              "(the verify step scores no listed ids)")
                 self._builder.attach_routes(req, len(reqs), len(entries), routes)
                 req.return_prompt_ids = pick_flag("return_prompt_token_ids", return_prompt_token_ids, len(reqs),
                                                   len(entries))

@@ -13,6 +13,7 @@ a step scheduled ahead gathers its input ids from there on the device.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -208,17 +209,22 @@ class ModelRunner:
     def _listed_ids(items: list[ScheduledReq], n_rows: int) -> np.ndarray | None:
         """[N, M] int64: each logits row's request's token_ids_logprob ids (M the longest list, zero-padded), in the
         row order of `launch`; None when no request lists ids (the common case: no gather, no copy)."""
-        lists = [it.req.logprob.token_ids if it.req.logprob is not None else () for it in items]
-        width = max((len(ids) for ids in lists), default=0)
-        if not width:
-            return None
-        out = np.zeros((n_rows, width), dtype=np.int64)
-        row = 0
-        for it, ids in zip(items, lists, strict=True):
-            n = len(it.logprob_positions) + int(it.sample)
-            out[row : row + n, : len(ids)] = ids
-            row += n
-        return out
+        return listed_ids(items, [len(it.logprob_positions) + int(it.sample) for it in items], n_rows)
+
+
+def listed_ids(items: Sequence[ScheduledReq], rows: Sequence[int], n_rows: int) -> np.ndarray | None:
+    """[n_rows, M] int64: rows[i] consecutive rows of item i's token_ids_logprob ids (M the longest list,
+    zero-padded); None when no item's request lists ids."""
+    lists = [it.req.logprob.token_ids if it.req.logprob is not None else () for it in items]
+    width = max((len(ids) for ids in lists), default=0)
+    if not width:
+        return None
+    out = np.zeros((n_rows, width), dtype=np.int64)
+    row = 0
+    for n, ids in zip(rows, lists, strict=True):
+        out[row : row + n, : len(ids)] = ids
+        row += n
+    return out
 
 
 def _split(

@@ -282,6 +282,8 @@ class Scheduler:
                 req.output_logprobs.append((out.next_logprobs[j], tok, None))
                 if out.next_tops is not None:
                     req.output_top_logprobs.append(out.next_tops[j])
+                if out.next_ids_lps is not None:
+                    req.output_token_ids_logprobs.append(out.next_ids_lps[j])
         req.spec_num_correct_drafts += appended - 1  # drafts that became output (accepted after a stop: dropped)
         kept = req.seq_len - 1 - item.start  # positions start.. whose input token is committed: one per token kept
         req.kv_len = item.start + kept

@@ -49,3 +49,4 @@ class ReqOutput:
     next_tokens: list[int] | None = None
     next_logprobs: list[float] | None = None
     next_tops: list[list[LogprobEntry]] | None = None
+    next_ids_lps: list[list[LogprobEntry]] | None = None

@@ -20,6 +20,6 @@ positions' KV and tells route capture to drop their rows (RequestHooks.on_reject
 CUDA graphs (EngineConfig.graph_batch_sizes; the default ladder stops at the verifies of d + 1 tokens one step's
 budget holds): a step whose every request verifies d drafts replays one graph when every request is greedy, else the
 three; any other step runs eager, the reference (graphs.py), but for its verifies' chain drafts on the chain graphs.
-Not supported (each refused with a one-line error): several processes (tp/dp/ep > 1), token_ids_logprob.
+Not supported (refused with a one-line error): several processes (tp/dp/ep > 1).
 The overlapped scheduler is off: a step needs the accepted lengths of the one before.
 """

@@ -32,7 +32,7 @@ from ..kv_pool import KVPool, ReqToTokenPool
 from ..launch.step_layout import step_layout
 from ..model import DeepseekForCausalLM
 from ..model_config import ModelConfig
-from ..model_runner import Launched, ModelRunner
+from ..model_runner import Launched, ModelRunner, listed_ids
 from ..parallel import ParallelInfo
 from ..penalties import penalty_rows
 from ..replay import replay_plan
@@ -252,6 +252,9 @@ class SpecRunner(ModelRunner):
         if top_num:
             top = logprobs.topk(min(top_num, logprobs.shape[1]), dim=-1)
             out["in_top_v"], out["in_top_i"] = top.values, top.indices
+        listed = listed_ids(items, [len(it.logprob_positions) for it in items], n)
+        if listed is not None:  # token_ids_logprob: the listed ids' columns of each input-logprob row, [n, M]
+            out["in_ids_lp"] = logprobs.gather(1, self.staging.to_device(listed).view(listed.shape))
         return out
 
     def _output_logprobs(self, samplers: list[ScheduledReq], logits: torch.Tensor, tokens: torch.Tensor,
@@ -271,6 +274,10 @@ class SpecRunner(ModelRunner):
         if top_num:
             top = logprobs.topk(min(top_num, logprobs.shape[2]), dim=-1)
             out["top_v"], out["top_i"] = top.values, top.indices
+        listed = listed_ids(samplers, [1] * b, b)
+        if listed is not None:  # token_ids_logprob: the listed ids' columns at every verify row, [B, d + 1, M]
+            index = self.staging.to_device(listed).view(listed.shape)
+            out["ids_lp"] = logprobs.gather(2, index[:, None, :].expand(b, n, -1))
 
     def collect(self, launched: Launched) -> list[ReqOutput]:
         if isinstance(launched, _TwoForwards):
@@ -306,17 +313,23 @@ def _split(items: list[ScheduledReq], host: dict[str, list]) -> list[ReqOutput]:
     def tops(values: list[float], ids: list[int], k: int) -> list[LogprobEntry]:
         return [(v, i, None) for v, i in zip(values[:k], ids[:k], strict=True)]
 
+    def listed(values: list[float], ids: tuple[int, ...]) -> list[LogprobEntry]:
+        return [(v, i, None) for v, i in zip(values[: len(ids)], ids, strict=True)]
+
     outs: list[ReqOutput] = []
     lp_pos = sample_pos = 0
     for it in items:
         out = ReqOutput()
         k = it.req.logprob.top_num if it.req.logprob is not None else 0
+        ids = it.req.logprob.token_ids if it.req.logprob is not None else ()
         n_lp = len(it.logprob_positions)
         if n_lp:
             out.input_logprobs = host["in_lp"][lp_pos : lp_pos + n_lp]
             if k:
                 out.input_tops = [tops(host["in_top_v"][j], host["in_top_i"][j], k)
                                   for j in range(lp_pos, lp_pos + n_lp)]
+            if ids:
+                out.input_ids_lps = [listed(host["in_ids_lp"][j], ids) for j in range(lp_pos, lp_pos + n_lp)]
             lp_pos += n_lp
         if it.sample:
             n = host["counts"][sample_pos]
@@ -324,12 +337,15 @@ def _split(items: list[ScheduledReq], host: dict[str, list]) -> list[ReqOutput]:
             lps = host["next_lp"][sample_pos][:n] if it.req.logprob is not None else None
             top_list = ([tops(host["top_v"][sample_pos][j], host["top_i"][sample_pos][j], k) for j in range(n)]
                         if k else None)
+            ids_list = [listed(host["ids_lp"][sample_pos][j], ids) for j in range(n)] if ids else None
             if it.phase == "verify":
                 out.next_tokens, out.next_logprobs, out.next_tops = toks, lps, top_list
+                out.next_ids_lps = ids_list
             else:
                 out.next_token = toks[0]
                 out.next_logprob = None if lps is None else lps[0]
                 out.next_top = None if top_list is None else top_list[0]
+                out.next_ids_lp = None if ids_list is None else ids_list[0]
             sample_pos += 1
         outs.append(out)
     return outs

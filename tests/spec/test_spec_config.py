@@ -108,15 +108,18 @@ def test_serve_flags_reach_engine_config() -> None:
         p.parse_args(["m", "--speculative-algorithm", "NGRAM"])
 
 
-def test_token_ids_logprob_is_refused_per_request(make_spec_engine: Any, mtp_ckpt: Path) -> None:
-    """The verify step scores no listed ids: a request asking token_ids_logprob is refused, naming the field; a
-    penalised request beside it is served (tests/spec/test_spec_penalties.py checks its tokens)."""
-    from r3trace.engine.request import InvalidRequestError
+def test_token_ids_logprob_is_served_as_without_speculation(make_spec_engine: Any, mtp_ckpt: Path) -> None:
+    """token_ids_logprob: the listed ids' logprobs at every prompt position asked and at every committed token's row
+    (an accepted draft's included), bitwise the plain engine's in exact mode; beside a request that lists none."""
+    from tests.spec.test_spec_greedy import ASK, assert_mixed_acceptance, assert_same, engines, prompts
 
-    engine = make_spec_engine(model=mtp_ckpt, speculative_algorithm="NEXTN")
-    with pytest.raises(InvalidRequestError, match="token_ids_logprob: not served with speculative decoding"):
-        engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 4}, return_logprob=True,
-                        token_ids_logprob=[3])
-    out = engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 4, "frequency_penalty": 0.5,
-                                                                "min_new_tokens": 4, "logit_bias": {"3": 5}})
-    assert len(out["output_ids"]) == 4
+    spec, plain = engines(make_spec_engine, mtp_ckpt, 3, chunked_prefill_size=16)
+    sp = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+    ask = dict(ASK, logprob_start_len=2, token_ids_logprob=[[3, 7, 11], [], [5], [2, 9], [40, 41, 42, 43], [6]])
+    got = spec.generate(input_ids=prompts(seed=9), sampling_params=sp, **ask)
+    want = plain.generate(input_ids=prompts(seed=9), sampling_params=sp, **ask)
+    assert_same(got, want)
+    assert_mixed_acceptance(got)
+    m = got[0]["meta_info"]
+    assert len(m["output_token_ids_logprobs"]) == 12 and [e[1] for e in m["output_token_ids_logprobs"][5]] == [3, 7, 11]
+    assert len(m["input_token_ids_logprobs"]) == len(prompts(seed=9)[0]) - 2

@@ -71,6 +71,8 @@ def assert_same(got: list[dict[str, Any]], want: list[dict[str, Any]]) -> None:
         assert gm["output_top_logprobs"] == wm["output_top_logprobs"]
         assert gm.get("input_token_logprobs") == wm.get("input_token_logprobs")
         assert gm.get("input_top_logprobs") == wm.get("input_top_logprobs")
+        assert gm.get("input_token_ids_logprobs") == wm.get("input_token_ids_logprobs")
+        assert gm.get("output_token_ids_logprobs") == wm.get("output_token_ids_logprobs")
         assert gm["routed_experts"] == wm["routed_experts"], "routes differ from non-speculative decoding"
 
 
