@@ -36,6 +36,7 @@ def configurations(device: str) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {"triton": {}}
     out |= {f"{f.removesuffix('_backend')}=ref": {f: "ref"} for f in FAMILIES}
     out["exact"] = {"deterministic": True, **dict.fromkeys(FAMILIES, "ref")}
+    out["batch_invariant"] = {"batch_invariant": True}  # the triton backends with fixed reduction orders
     return out
 
 
