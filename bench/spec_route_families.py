@@ -10,7 +10,8 @@ Per configuration, one eager engine (no CUDA graphs: the ref backends cannot be 
 prompts greedily twice: all at once (one batch of --prompts requests) and --group at a time; route_mismatches
 (bench/spec_decode.py) counts the (row, layer) pairs whose top-k sets differ between the two, past the near-tie
 margin of the default (all triton, bf16) model. A family whose reference twin leaves fewer mismatches than the
-all-triton row is one whose triton kernel rounds differently with the batch shape.
+all-triton row is one whose triton kernel rounds differently with the batch shape. The batch_invariant row is the
+triton backends with EngineConfig.batch_invariant (fixed reduction orders): 0 is its claim.
 """
 
 from __future__ import annotations
