@@ -86,8 +86,8 @@ class EngineConfig:
     # Triton GEMM tile for every T (kernels/invariant_matmul.py), the fused MoE on fixed grouped tiles (no gemv
     # switch), the router logits' kernel at every T, and every query row on the absorbed MLA path through the Triton
     # decode kernel with fixed 256-key splits merged in order (kernels/mla_decode/fixed_split.py; decode_kernel is
-    # not consulted). Needs all five triton backends; forces the absorbed MLA path. Not covered: tp/ep > 1 (their
-    # collectives reduce in the library's order).
+    # not consulted). Needs all five triton backends; forces the absorbed MLA path; one process (tp, dp, ep > 1 are
+    # refused: their collectives reduce in NCCL's order, which follows the message size).
     batch_invariant: bool = False
     # Expert parallelism's token dispatcher (SGLang's --deepep-mode): normal (DeepEP normal mode: rows sized by a
     # host count each dispatch) or low_latency (fixed [E_local, max_tokens * G, D] buffers, graph-safe, k-order
@@ -217,10 +217,17 @@ class EngineConfig:
             )
 
     def check_graph_layout(self, tp_size: int, dp_size: int, ep_size: int) -> None:
-        """Refuses named CUDA-graph sizes where decode cannot run under graphs. DP attention and expert parallelism
+        """Refuses batch_invariant=True over several ranks (the TP all-reduce and the EP dispatch sum in NCCL's order,
+        which follows the message size: no batch-invariance is claimed there), and named CUDA-graph sizes where
+        decode cannot run under graphs. DP attention and expert parallelism
         read host counts every forward (the DpLayout's all-gather, the dispatcher's row counts), which a captured
         graph cannot. Exact mode under TP > 1 reduces with an all_gather of R partials (layers/exact.py) that no GPU
         run has captured: refused rather than run unproven (the CPU suite's gloo ranks cannot run graphs)."""
+        if self.batch_invariant and max(tp_size, dp_size, ep_size) > 1:
+            raise EngineConfigError(
+                f"batch_invariant=True with tp_size={tp_size}, dp_size={dp_size}, ep_size={ep_size}: one process only "
+                "(the collectives' reduction order follows the message size)"
+            )
         if not self.cuda_graph_batch_sizes:
             return
         if dp_size > 1 or ep_size > 1:

@@ -62,7 +62,7 @@ def test_speculation_equals_plain(make_spec_engine: EngineFactory, mtp_ckpt: Pat
 
 
 def test_config_refusals() -> None:
-    """One-line refusals: with exact mode, on a ref backend, on the normal MLA path."""
+    """One-line refusals: with exact mode, on a ref backend, on the normal MLA path, over several ranks."""
     with pytest.raises(EngineConfigError, match="pick one"):
         EngineConfig(batch_invariant=True, deterministic=True)
     with pytest.raises(EngineConfigError, match="moe_backend='ref': batch_invariant=True needs the triton"):
@@ -70,5 +70,7 @@ def test_config_refusals() -> None:
     with pytest.raises(EngineConfigError, match="mla_path='normal'"):
         EngineConfig(batch_invariant=True, mla_path="normal", **TRITON)
     cfg = EngineConfig(batch_invariant=True, **TRITON)
+    with pytest.raises(EngineConfigError, match="tp_size=2, dp_size=1, ep_size=1: one process only"):
+        cfg.check_graph_layout(2, 1, 1)
     assert (cfg.mla_impl, cfg.attention_impl, cfg.moe_impl, cfg.topk_impl, cfg.matmul_impl) == (
         "absorb", "invariant", "invariant", "invariant", "invariant")
