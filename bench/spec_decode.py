@@ -70,15 +70,18 @@ def held_out_prompts(n: int, cut: int = 0) -> list[list[int]]:
 
 
 def engine_options(args: argparse.Namespace, depth: int, graphs: bool) -> dict[str, Any]:
-    """depth 0: plain decoding. graphs: one CUDA graph per timed batch size (CUDA only)."""
+    """depth 0: plain decoding. graphs: one CUDA graph per timed batch size (CUDA only). --batch-invariant: every
+    engine in batch_invariant mode (the triton backends, also on the CPU)."""
     spec = dict(speculative_algorithm="NEXTN", speculative_num_steps=depth) if depth else {}
     opts: dict[str, Any] = dict(max_running_requests=max(args.batches), **spec)
-    if args.device == "cpu":
-        return dict(dtype="float32", device="cpu", **opts)
     triton = dict.fromkeys(("attention_backend", "moe_backend", "topk_backend", "norm_backend", "rope_backend"),
                            "triton")
+    if getattr(args, "batch_invariant", False):
+        opts.update(batch_invariant=True, **triton)
+    if args.device == "cpu":
+        return dict(dtype="float32", device="cpu", **opts)
     sizes = tuple(sorted(set(args.batches))) if graphs else ()
-    return dict(dtype="bfloat16", device=args.device, page_size=64, cuda_graph_batch_sizes=sizes, **triton, **opts)
+    return dict(dtype="bfloat16", device=args.device, page_size=64, cuda_graph_batch_sizes=sizes, **(triton | opts))
 
 
 def graph_steps(eng: Engine) -> int:
@@ -199,7 +202,7 @@ def measure(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any
     cuda = args.device != "cpu"
     result: dict[str, Any] = {"acceptance": [], "throughput": [], "seconds": {}}
     t0 = time.time()
-    for depth in (1, 2, 3):
+    for depth in args.acceptance_depths:
         if depth != args.depth:
             with Engine(MODEL, **engine_options(args, depth, graphs=cuda)) as eng:
                 result["acceptance"] += acceptance_rows(eng, depth, args, prompts)
@@ -283,6 +286,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--depth", type=int, default=3, help="speculative_num_steps of the throughput and route runs")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--near-tie", type=float, default=1e-2)
+    ap.add_argument("--acceptance-depths", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 3],
+                    help="draft depths whose acceptance is measured (--depth's always is, on its throughput engine)")
+    ap.add_argument("--batch-invariant", action="store_true", help="every engine with batch_invariant=True")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
     if args.smoke:

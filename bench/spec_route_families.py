@@ -10,7 +10,8 @@ Per configuration, one eager engine (no CUDA graphs: the ref backends cannot be 
 prompts greedily twice: all at once (one batch of --prompts requests) and --group at a time; route_mismatches
 (bench/spec_decode.py) counts the (row, layer) pairs whose top-k sets differ between the two, past the near-tie
 margin of the default (all triton, bf16) model. A family whose reference twin leaves fewer mismatches than the
-all-triton row is one whose triton kernel rounds differently with the batch shape.
+all-triton row is one whose triton kernel rounds differently with the batch shape. The batch_invariant row is the
+triton backends with EngineConfig.batch_invariant (fixed reduction orders): 0 is its claim.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ def configurations(device: str) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {"triton": {}}
     out |= {f"{f.removesuffix('_backend')}=ref": {f: "ref"} for f in FAMILIES}
     out["exact"] = {"deterministic": True, **dict.fromkeys(FAMILIES, "ref")}
+    out["batch_invariant"] = {"batch_invariant": True}  # the triton backends with fixed reduction orders
     return out
 
 

@@ -80,6 +80,15 @@ class EngineConfig:
     # (no default ladder: exact mode is for checking, not speed). Under expert parallelism it takes the
     # low-latency dispatcher, whose combine sums a token's K expert outputs in k order as one process does.
     deterministic: bool = False
+    # Batch-invariant mode (SGLang's --enable-deterministic-inference, vLLM's VLLM_BATCH_INVARIANT): the fast triton
+    # path with every reduction in one order whatever the batch, so a row's bits (logits, routes) do not depend on
+    # the other rows, the batch size, a verify's width or chunking: the linears and per-head products through one
+    # Triton GEMM tile for every T (kernels/invariant_matmul.py), the fused MoE on fixed grouped tiles (no gemv
+    # switch), the router logits' kernel at every T, and every query row on the absorbed MLA path through the Triton
+    # decode kernel with fixed 256-key splits merged in order (kernels/mla_decode/fixed_split.py; decode_kernel is
+    # not consulted). Needs all five triton backends; forces the absorbed MLA path; one process (tp, dp, ep > 1 are
+    # refused: their collectives reduce in NCCL's order, which follows the message size).
+    batch_invariant: bool = False
     # Expert parallelism's token dispatcher (SGLang's --deepep-mode): normal (DeepEP normal mode: rows sized by a
     # host count each dispatch) or low_latency (fixed [E_local, max_tokens * G, D] buffers, graph-safe, k-order
     # combine). auto: low_latency in exact mode, else normal.
@@ -127,12 +136,16 @@ class EngineConfig:
             raise EngineConfigError(f"decode_kernel={self.decode_kernel!r}: expected auto or triton")
         if not isinstance(self.deterministic, bool):
             raise EngineConfigError(f"deterministic={self.deterministic!r}: expected True or False")
+        if not isinstance(self.batch_invariant, bool):
+            raise EngineConfigError(f"batch_invariant={self.batch_invariant!r}: expected True or False")
         if self.deepep_mode not in ("auto", "normal", "low_latency"):
             raise EngineConfigError(f"deepep_mode={self.deepep_mode!r}: expected auto, normal or low_latency")
         self._check_placement()
         self._check_speculative()
         if self.deterministic:
             self._check_deterministic()
+        if self.batch_invariant:
+            self._check_batch_invariant()
         if self.cuda_graph_batch_sizes:
             self._check_graphs(self.cuda_graph_batch_sizes)
 
@@ -204,10 +217,17 @@ class EngineConfig:
             )
 
     def check_graph_layout(self, tp_size: int, dp_size: int, ep_size: int) -> None:
-        """Refuses named CUDA-graph sizes where decode cannot run under graphs. DP attention and expert parallelism
+        """Refuses batch_invariant=True over several ranks (the TP all-reduce and the EP dispatch sum in NCCL's order,
+        which follows the message size: no batch-invariance is claimed there), and named CUDA-graph sizes where
+        decode cannot run under graphs. DP attention and expert parallelism
         read host counts every forward (the DpLayout's all-gather, the dispatcher's row counts), which a captured
         graph cannot. Exact mode under TP > 1 reduces with an all_gather of R partials (layers/exact.py) that no GPU
         run has captured: refused rather than run unproven (the CPU suite's gloo ranks cannot run graphs)."""
+        if self.batch_invariant and max(tp_size, dp_size, ep_size) > 1:
+            raise EngineConfigError(
+                f"batch_invariant=True with tp_size={tp_size}, dp_size={dp_size}, ep_size={ep_size}: one process only "
+                "(the collectives' reduction order follows the message size)"
+            )
         if not self.cuda_graph_batch_sizes:
             return
         if dp_size > 1 or ep_size > 1:
@@ -230,6 +250,24 @@ class EngineConfig:
             if getattr(self, name) != "ref":
                 raise EngineConfigError(f"{name}={getattr(self, name)!r}: deterministic=True needs the ref backend")
 
+    def _check_batch_invariant(self) -> None:
+        if self.deterministic:
+            raise EngineConfigError(
+                "batch_invariant=True with deterministic=True: pick one (exact mode is batch-invariant already, on the "
+                "ref backends; batch_invariant is the triton path's)"
+            )
+        for name in ("attention_backend", "moe_backend", "topk_backend", "norm_backend", "rope_backend"):
+            if getattr(self, name) != "triton":
+                raise EngineConfigError(
+                    f"{name}={getattr(self, name)!r}: batch_invariant=True needs the triton backend (the ref ops are "
+                    "torch's, whose reduction order follows the shapes)"
+                )
+        if self.mla_path == "normal":
+            raise EngineConfigError(
+                "mla_path='normal': batch_invariant=True runs every row on the absorbed path (the decode kernel's "
+                "one reduction order; the normal path's prefill kernel is another)"
+            )
+
     @property
     def dispatcher_mode(self) -> Literal["normal", "low_latency"]:
         """deepep_mode resolved: exact mode needs the low-latency layout's k-order combine (deterministic=True with
@@ -249,18 +287,24 @@ class EngineConfig:
         auto_fused = self.moe_backend == "triton" and not self.deterministic
         return self.shared_experts == "fused" or (self.shared_experts == "auto" and auto_fused)
 
-    # The implementations the model is built with: the configured backend, or "exact" in exact mode.
+    # The implementations the model is built with: the configured backend, "exact" in exact mode, "invariant" in
+    # batch-invariant mode (the triton kernels with fixed tiles).
     @property
     def attention_impl(self) -> str:
-        return "exact" if self.deterministic else self.attention_backend
+        return "exact" if self.deterministic else "invariant" if self.batch_invariant else self.attention_backend
 
     @property
     def moe_impl(self) -> str:
-        return "exact" if self.deterministic else self.moe_backend
+        return "exact" if self.deterministic else "invariant" if self.batch_invariant else self.moe_backend
 
     @property
     def topk_impl(self) -> str:
-        return "exact" if self.deterministic else self.topk_backend
+        return "exact" if self.deterministic else "invariant" if self.batch_invariant else self.topk_backend
+
+    @property
+    def matmul_impl(self) -> Literal["torch", "invariant", "exact"]:
+        """Every linear's and absorbed per-head product's implementation (layers/matmul.py)."""
+        return "exact" if self.deterministic else "invariant" if self.batch_invariant else "torch"
 
     @property
     def norm_impl(self) -> str:
@@ -268,8 +312,10 @@ class EngineConfig:
 
     @property
     def mla_impl(self) -> MlaPath:
-        """One MLA path for every forward in exact mode (absorbed, unless normal is asked), else mla_path."""
-        return "absorb" if self.deterministic and self.mla_path == "auto" else self.mla_path
+        """One MLA path for every forward in exact and batch-invariant mode (absorbed, unless exact mode is asked for
+        normal), else mla_path."""
+        one_path = self.deterministic or self.batch_invariant
+        return "absorb" if one_path and self.mla_path == "auto" else self.mla_path
 
     @property
     def max_graph_batch(self) -> int:

@@ -75,7 +75,7 @@ class DecoderLayer(nn.Module):
         attn_backend = attention_backend(cfg, ecfg, parallel) if attn_backend is None else attn_backend
         self.self_attn = MLAAttention(
             cfg, layer_id, rope, attn_backend, ecfg.mla_impl, dtype, device, ecfg.norm_impl,
-            parallel.attn_tp_rank, parallel.attn_tp_size, ecfg.deterministic,
+            parallel.attn_tp_rank, parallel.attn_tp_size, ecfg.matmul_impl,
         )
         self.is_moe = cfg.is_moe_layer(layer_id)
         self.mlp: nn.Module
@@ -91,11 +91,11 @@ class DecoderLayer(nn.Module):
                 dispatcher=make_dispatcher(slots, parallel.ep_rank, parallel.ep_size, parallel.ep_group,
                                            ecfg.dispatcher_mode, moe_rows_per_rank(ecfg, parallel))
                 if ep or num_slots is not None else None,
-                route_gather=None if routes is None else routes.gather_routes, exact=ecfg.deterministic,
+                route_gather=None if routes is None else routes.gather_routes, matmul=ecfg.matmul_impl,
             )  # fmt: skip
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, device, parallel.tp_rank, parallel.tp_size,
-                           ecfg.deterministic)
+                           ecfg.matmul_impl)
         self.comm = LayerCommunicator(
             parallel, self.input_layernorm, self.post_attention_layernorm, mlp_input_mode(parallel, self.is_moe),
             exact_all_reduce if ecfg.deterministic else all_reduce_sum,
@@ -168,7 +168,7 @@ class DeepseekForCausalLM(nn.Module):
                                   ecfg.expert_dispatch_seed)
         self.lm_head = ColumnParallelLinear(
             cfg.hidden_size, cfg.vocab_size, parallel.attn_tp_rank, parallel.attn_tp_size, ecfg.torch_dtype,
-            ecfg.device, ecfg.deterministic,
+            ecfg.device, ecfg.matmul_impl,
         )
         # MTP layers (index >= num_hidden_layers) as loaded: speculative decoding's draft (engine/spec/nextn.py)
         self.mtp_weights: dict[str, torch.Tensor] = {}

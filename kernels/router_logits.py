@@ -51,15 +51,17 @@ def _router_logits_kernel(
     tl.store(dst, acc, mask=t_mask[:, None] & e_mask[None, :])
 
 
-def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def router_logits(x: torch.Tensor, weight: torch.Tensor, torch_above: int | None = _LOGITS_MAX_T) -> torch.Tensor:
     """x: [T, D] float; weight: [E, D] fp32 -> logits as partial sums [P, T, E] fp32 over P slices of D (what
-    grouped_topk takes; sum_partials adds them). One launch for T <= 256, P = 8; torch above, P = 1."""
+    grouped_topk takes; sum_partials adds them). One launch for T <= torch_above (256), P = 8; torch above, P = 1.
+    torch_above=None: this kernel at every T, so a row's logits never depend on T (EngineConfig.batch_invariant;
+    each program's [16, 16] tile sums its 256-wide slice of D in 64-wide steps whatever T is)."""
     require_tensor("x", x, 2, FLOAT_DTYPES, x.device)
     require_tensor("weight", weight, 2, (torch.float32,), x.device)
     T, D = x.shape
     E = weight.shape[0]
     require(weight.shape[1] == D, f"weight has {weight.shape[1]} features, x has D={D}")
-    if T > _LOGITS_MAX_T:
+    if torch_above is not None and torch_above < T:
         return router_logits_ref(x, weight).unsqueeze(0)
     # slices of whole BLOCK_K steps; a narrow D gets fewer parts rather than empty ones
     d_slice = triton.cdiv(triton.cdiv(D, _LOGITS_SPLIT), _LOGITS_K) * _LOGITS_K

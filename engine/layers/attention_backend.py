@@ -12,6 +12,9 @@ Shape legend: T new tokens, H heads, C = kv_lora_rank + qk_rope_head_dim, S cach
 | triton  | r3trace.kernels' decode / extend / prefill kernels                             |
 | exact   | exact.py's exact_attention per request: q.k, softmax's sum and p.v are tree    |
 |         | sums over fixed orders (exact mode: a row's bits do not depend on its batch)   |
+| invariant | batch_invariant: every query row (decode, a verify's d + 1, a prefill chunk) |
+|         | as a decode row with its own key count, fixed 256-key splits merged in order   |
+|         | (kernels/mla_decode/fixed_split.py); absorbed path only                        |
 """
 
 from __future__ import annotations
@@ -174,10 +177,47 @@ class TritonAttention:
         return self._prefill(q, k, v, fb.extend_start_loc, fb.extend_lens, scale, max_extend_len=max(k_lens))
 
 
+class InvariantAttention:
+    """batch_invariant's attention: row i of the batch attends to positions 0..positions[i] of its request as one
+    decode row of the fixed-split kernel, so a query's bits depend on its keys only: a token's row is the same in a
+    plain decode step, in a verify of d + 1 rows, in a prefill chunk of any size and at any batch. The cost is the
+    prefill's: each prompt row reads its keys itself (no query tile sharing a key tile, as mla_extend's does)."""
+
+    def __init__(self, shape: DecodeShape, dtype: torch.dtype) -> None:
+        from r3trace.kernels.mla_decode.fixed_split import fixed_split_decoder
+
+        self.decoder = fixed_split_decoder(shape.num_heads, dtype)
+
+    def absorbed(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, fb: ForwardBatch, kv_lora_rank: int, scale: float
+    ) -> torch.Tensor:
+        if fb.mode == "decode":  # one row a request: the batch's own tables
+            pool, lens = fb.req_pool_indices, fb.seq_lens
+        else:  # each row its request's table row and its own key count; output_size: no host sync
+            pool = torch.repeat_interleave(fb.req_pool_indices, fb.extend_lens, output_size=q.shape[0])  # [T]
+            lens = fb.positions + 1  # [T]
+        max_len = max(fb.seq_lens_cpu, default=1)  # host lengths: the grid's bound only
+        return self.decoder(q, kv_cache, fb.req_to_token, pool, lens, kv_lora_rank, scale, max_len)
+
+    def mha(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        fb: ForwardBatch,
+        k_starts: list[int],
+        k_lens: list[int],
+        scale: float,
+    ) -> torch.Tensor:
+        raise ValueError("batch_invariant attention runs the absorbed MLA path only (EngineConfig.mla_impl)")
+
+
 def make_attention_backend(
     name: str, device: str, decode_kernel: str, page_size: int, shape: DecodeShape, dtype: torch.dtype
 ) -> AttentionBackend:
     """shape: this rank's heads and the latent row's parts, for the triton backend's decode kernel."""
     if name == "exact":
         return ExactAttention()
+    if name == "invariant":
+        return InvariantAttention(shape, dtype)
     return RefAttention() if name == "ref" else TritonAttention(device, decode_kernel, page_size, shape, dtype)

@@ -28,7 +28,10 @@ size; nor on the tensor-parallel shard count R in {1, 2, 4, 8} after the exact r
 (absorbed) for every forward. No op syncs with the host (attention masks by the request's prefix length on the
 device, the experts run every pair at once), so a CUDA graph can hold an exact forward and give its eager bits
 (tests/spec/test_spec_graphs*.py). Not covered: bf16/fp16 under R > 1 (partials are rounded to the model dtype
-before the reduction), expert-parallel dispatch, and the Triton backends (exact mode requires ref).
+before the reduction), expert-parallel dispatch, and the Triton backends (exact mode requires ref). Their
+counterpart is EngineConfig.batch_invariant: the triton backends with every reduction in one order (one GEMM tile
+for every T, fixed-split decode for every query row, fixed MoE tiles), batch- but not TP-invariant, near default
+speed (layers/matmul.py, kernels/invariant_matmul.py, kernels/mla_decode/fixed_split.py).
 
 Cost (samples/model, fp32, CPU, 2 threads, torch 2.13; bench/exact_cost.py -> bench/results/exact_cost-cpu.json,
 fastest of 10 on a shared 2-core machine): exact / default forward time 18x for a 4 x 64-token prefill (466 vs
@@ -39,8 +42,7 @@ exact prefill), so it is a reference-speed mode for checking and replaying, not 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from functools import partial
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -49,9 +51,6 @@ import torch.nn.functional as F
 EXACT_BLOCKS = 8  # In is split into 8 blocks: any R in {1, 2, 4, 8} ranks holds whole subtrees
 # Elements of the [rows, Out, In] (or [q, H, N, D]) product tensor a chunk may hold: 4M fp32 = 16 MiB.
 _CHUNK_ELEMENTS = 1 << 22
-
-MatmulFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [T, In], w [Out, In]) -> [T, Out]
-
 
 class ExactModeError(ValueError):
     """A shape exact mode cannot split into its fixed reduction tree; the message names the size."""
@@ -96,7 +95,7 @@ def _blocked_dot(a: torch.Tensor, b: torch.Tensor, blocks: int) -> torch.Tensor:
     return tree_sum(tree_sum(prod, -1), -1)
 
 
-def _check_blocks(in_f: int, blocks: int, what: str) -> None:
+def check_blocks(in_f: int, blocks: int, what: str) -> None:
     if blocks < 1 or in_f % blocks:
         raise ExactModeError(f"{what}: in_features={in_f} is not a multiple of the {blocks} exact reduction blocks")
 
@@ -109,7 +108,7 @@ def exact_linear(x: torch.Tensor, w: torch.Tensor, blocks: int = EXACT_BLOCKS) -
     products at a time); a row's bits never depend on its chunk."""
     t, in_f = x.shape
     out_f = w.shape[0]
-    _check_blocks(in_f, blocks, f"exact_linear [{out_f}, {in_f}]")
+    check_blocks(in_f, blocks, f"exact_linear [{out_f}, {in_f}]")
     wf = w.float()[None]  # [1, Out, In]
     out = torch.empty(t, out_f, dtype=torch.float32, device=x.device)
     step = max(1, _CHUNK_ELEMENTS // max(out_f * in_f, 1))
@@ -124,7 +123,7 @@ def exact_pair_linear(x: torch.Tensor, w: torch.Tensor, index: torch.Tensor) -> 
     weights are gathered per row on the device (no host sync), in chunks of about _CHUNK_ELEMENTS products."""
     rows, in_f = x.shape
     out_f = w.shape[1]
-    _check_blocks(in_f, EXACT_BLOCKS, f"exact_pair_linear [{out_f}, {in_f}]")
+    check_blocks(in_f, EXACT_BLOCKS, f"exact_pair_linear [{out_f}, {in_f}]")
     out = torch.empty(rows, out_f, dtype=torch.float32, device=x.device)
     step = max(1, _CHUNK_ELEMENTS // max(out_f * in_f, 1))
     for s in range(0, rows, step):
@@ -145,18 +144,6 @@ def exact_head_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     for s in range(0, t, step):
         out[s : s + step] = _blocked_dot(x[s : s + step, :, None, :].float(), wf, 1)
     return out.to(x.dtype)
-
-
-def make_matmul(exact: bool, in_f: int, shards: int = 1) -> MatmulFn:
-    """A linear's matmul, chosen once at construction: F.linear, or exact_linear on the 8 / shards blocks of
-    this rank's in_f inputs (checked here, so a size exact mode cannot split fails when the model is built)."""
-    if not exact:
-        return F.linear
-    if shards not in (1, 2, 4, 8):
-        raise ExactModeError(f"exact mode splits reductions over 1, 2, 4 or 8 ranks, not {shards}")
-    blocks = EXACT_BLOCKS // shards
-    _check_blocks(in_f, blocks, "linear")
-    return partial(exact_linear, blocks=blocks)
 
 
 def exact_attention(

@@ -8,7 +8,7 @@ Shape legend: T tokens, In / Out the full feature sizes, R ranks of the group sh
 - VocabParallelEmbedding: rows V / R; ids outside the rank's slice read zeros (the sum over ranks is the
                         lookup), reduced at the model's embed boundary (VocabCommunicator).
 Each module reports its Shard, so weights.py copies the rank's slice of the full checkpoint tensor.
-The matmul is chosen at construction (exact=True: layers/exact.py's exact_linear; a row-parallel shard then
+The matmul is chosen at construction (matmul.py's table: torch, invariant, or exact, whose row-parallel shard
 sums its 8 / R blocks, the subtree the exact all-reduce completes), never per call.
 """
 
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .exact import make_matmul
+from .matmul import MatmulImpl, make_matmul
 
 
 class Shard(NamedTuple):
@@ -46,12 +46,12 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(
         self, in_f: int, out_f: int, rank: int, size: int, dtype: torch.dtype, device: torch.device | str,
-        exact: bool = False,
+        matmul: MatmulImpl = "torch",
     ) -> None:
         super().__init__()
         self.weight = _weight(_split(out_f, size, "out_features"), in_f, dtype, device)
         self.shard = Shard(0, rank, size)
-        self._matmul = make_matmul(exact, in_f)
+        self._matmul = make_matmul(matmul, in_f)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, In] -> [T, Out / R]."""
@@ -61,12 +61,12 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     def __init__(
         self, in_f: int, out_f: int, rank: int, size: int, dtype: torch.dtype, device: torch.device | str,
-        exact: bool = False,
+        matmul: MatmulImpl = "torch",
     ) -> None:
         super().__init__()
         self.weight = _weight(out_f, _split(in_f, size, "in_features"), dtype, device)
         self.shard = Shard(1, rank, size)
-        self._matmul = make_matmul(exact, self.weight.shape[1], size)
+        self._matmul = make_matmul(matmul, self.weight.shape[1], size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, In / R] -> [T, Out], this rank's partial sum (unreduced)."""
@@ -74,10 +74,10 @@ class RowParallelLinear(nn.Module):
 
 
 def replicated_linear(
-    in_f: int, out_f: int, dtype: torch.dtype, device: torch.device | str, exact: bool = False
+    in_f: int, out_f: int, dtype: torch.dtype, device: torch.device | str, matmul: MatmulImpl = "torch"
 ) -> ColumnParallelLinear:
     """A whole linear on every rank (the latent projections): a column-parallel one over a single rank."""
-    return ColumnParallelLinear(in_f, out_f, 0, 1, dtype, device, exact)
+    return ColumnParallelLinear(in_f, out_f, 0, 1, dtype, device, matmul)
 
 
 class VocabParallelEmbedding(nn.Module):

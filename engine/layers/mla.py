@@ -13,13 +13,13 @@ forward returns this rank's partial sum [T, D], all-reduced by LayerCommunicator
 path (q_a_proj, kv_a_proj_with_mqa, the norms, the cache row) is replicated: every rank holds the whole
 latent cache, which all its heads read.
 
-Exact mode (exact=True): every linear and the two per-head absorbed products run exact.py's fixed-tree
-sums (chosen at construction); EngineConfig.mla_impl pins one path for every forward.
+matmul (matmul.py, chosen at construction): every linear and the two per-head absorbed products run torch, the
+batch-invariant GEMM or exact.py's fixed-tree sums; in the last two modes EngineConfig.mla_impl pins one path
+(absorbed) for every forward.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -30,22 +30,12 @@ from r3trace.kernels.latent_write import latent_write
 from ..forward_batch import ForwardBatch
 from ..model_config import ModelConfig
 from .attention_backend import AttentionBackend
-from .exact import exact_head_linear, make_matmul
 from .linear import ColumnParallelLinear, RowParallelLinear, replicated_linear
+from .matmul import HeadMatmul, MatmulImpl, make_head_matmul, make_matmul
 from .norm import RMSNorm
 from .rope import RotaryEmbedding
 
 AttnPath = Literal["normal", "absorb"]
-# (x [T, H, In], w [H, In, Out], out [T, H, Out] (a view to store into)) -> None
-HeadMatmul = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
-
-
-def _head_bmm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
-    torch.bmm(x.transpose(0, 1), w, out=out.transpose(0, 1))
-
-
-def _head_exact(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
-    out.copy_(exact_head_linear(x, w.transpose(1, 2)))
 
 
 def select_attn_path(fb: ForwardBatch, forced: str) -> AttnPath:
@@ -68,7 +58,7 @@ class MLAAttention(nn.Module):
         norm_backend: str = "ref",
         tp_rank: int = 0,
         tp_size: int = 1,
-        exact: bool = False,
+        matmul: MatmulImpl = "torch",
     ) -> None:
         super().__init__()
         self.layer_id = layer_id
@@ -88,18 +78,18 @@ class MLAAttention(nn.Module):
         self.q_a_layernorm: RMSNorm | None = None
         self.q_b_proj: ColumnParallelLinear | None = None
         if cfg.q_lora_rank is None:
-            self.q_proj = ColumnParallelLinear(d, heads * qk, tp_rank, tp_size, dtype, device, exact)
+            self.q_proj = ColumnParallelLinear(d, heads * qk, tp_rank, tp_size, dtype, device, matmul)
         else:
-            self.q_a_proj = replicated_linear(d, cfg.q_lora_rank, dtype, device, exact)
+            self.q_a_proj = replicated_linear(d, cfg.q_lora_rank, dtype, device, matmul)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dtype, device, norm_backend)
-            self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, heads * qk, tp_rank, tp_size, dtype, device, exact)
-        self.kv_a_proj_with_mqa = replicated_linear(d, self.kv_lora + self.rope_dim, dtype, device, exact)
+            self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, heads * qk, tp_rank, tp_size, dtype, device, matmul)
+        self.kv_a_proj_with_mqa = replicated_linear(d, self.kv_lora + self.rope_dim, dtype, device, matmul)
         self.kv_a_layernorm = RMSNorm(self.kv_lora, cfg.rms_norm_eps, dtype, device, norm_backend)
         kv_b_out = heads * (self.nope + self.v_dim)
-        self.kv_b_proj = ColumnParallelLinear(self.kv_lora, kv_b_out, tp_rank, tp_size, dtype, device, exact)
-        self.o_proj = RowParallelLinear(heads * self.v_dim, d, tp_rank, tp_size, dtype, device, exact)
-        self._matmul = make_matmul(exact, d)  # the stacked q_a / kv_a projection below
-        self._head_matmul: HeadMatmul = _head_exact if exact else _head_bmm  # the absorbed w_kc and w_vc products
+        self.kv_b_proj = ColumnParallelLinear(self.kv_lora, kv_b_out, tp_rank, tp_size, dtype, device, matmul)
+        self.o_proj = RowParallelLinear(heads * self.v_dim, d, tp_rank, tp_size, dtype, device, matmul)
+        self._matmul = make_matmul(matmul, d)  # the stacked q_a / kv_a projection below
+        self._head_matmul: HeadMatmul = make_head_matmul(matmul)  # the absorbed w_kc and w_vc products
         # The latent write as one kernel (r3trace.kernels.latent_write) with the triton norm and rope backends;
         # its twin is the norm, the rope, a cat and an index store (4 kernels: 8.8 us a layer at batch 64).
         self.fused_latent = norm_backend == "triton" and rope.backend == "triton"

@@ -2,9 +2,10 @@
 
 Under tensor parallelism (tp_size R > 1) the intermediate I is split: gate_proj and up_proj are
 column-parallel (I / R rows each), down_proj row-parallel, so forward returns this rank's partial sum
-[T, D]; LayerCommunicator.postprocess_layer all-reduces it. exact=True (chosen at construction): exact.py's
-exact_linear for the three and a position-free SiLU, so the row-parallel partials combine bitwise under the
-exact all-reduce.
+[T, D]; LayerCommunicator.postprocess_layer all-reduces it. matmul (chosen at construction, matmul.py): "exact"
+takes exact.py's exact_linear for the three and a position-free SiLU, so the row-parallel partials combine bitwise
+under the exact all-reduce; "invariant" the batch-invariant GEMM and the same position-free SiLU (torch's CPU silu
+rounds a run's last elements differently: exact.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from torch import nn
 
 from .exact import exact_silu
 from .linear import ColumnParallelLinear, RowParallelLinear
+from .matmul import MatmulImpl
 
 
 def _linear(in_f: int, out_f: int, dtype: torch.dtype, device: torch.device | str) -> nn.Linear:
@@ -32,13 +34,13 @@ class MLP(nn.Module):
         device: torch.device | str,
         tp_rank: int = 0,
         tp_size: int = 1,
-        exact: bool = False,
+        matmul: MatmulImpl = "torch",
     ) -> None:
         super().__init__()
-        self.gate_proj = ColumnParallelLinear(hidden, intermediate, tp_rank, tp_size, dtype, device, exact)
-        self.up_proj = ColumnParallelLinear(hidden, intermediate, tp_rank, tp_size, dtype, device, exact)
-        self.down_proj = RowParallelLinear(intermediate, hidden, tp_rank, tp_size, dtype, device, exact)
-        self._act = exact_silu if exact else F.silu
+        self.gate_proj = ColumnParallelLinear(hidden, intermediate, tp_rank, tp_size, dtype, device, matmul)
+        self.up_proj = ColumnParallelLinear(hidden, intermediate, tp_rank, tp_size, dtype, device, matmul)
+        self.down_proj = RowParallelLinear(intermediate, hidden, tp_rank, tp_size, dtype, device, matmul)
+        self._act = F.silu if matmul == "torch" else exact_silu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, D] -> [T, D], partial over the TP ranks when tp_size > 1."""

@@ -44,6 +44,7 @@ from .dispatcher import NullDispatcher, TokenDispatcher
 from .exact import exact_linear, exact_pair_linear, exact_silu
 from .expert_location import ExpertLocation, ExpertLocationError, held_experts
 from .expert_map import ExpertMap
+from .matmul import MatmulImpl
 from .mlp import MLP
 from .router import RouteGather, Router, RoutingOps
 
@@ -97,17 +98,17 @@ def _sum_over_k(y: torch.Tensor, topk_weights: torch.Tensor, dtype: torch.dtype)
 def make_experts_fn(backend: str, cfg: ModelConfig | None = None, dtype: torch.dtype = torch.float32,
                     graphs: bool = False) -> ExpertsFn:
     """The routed experts' function, picked once. triton: the fused MoE's plan for cfg's D and I in dtype (gemv or
-    grouped by T, kernels/moe/registry.py); graphs: the engine captures CUDA graphs (exact mode then takes its
-    sync-free experts)."""
+    grouped by T, kernels/moe/registry.py); invariant: its batch-invariant plan (grouped, one tile set for every T);
+    graphs: the engine captures CUDA graphs (exact mode then takes its sync-free experts)."""
     if backend == "exact":
         return exact_experts_gathered if graphs else exact_experts
     if backend == "ref":
         return fused_moe_ref  # the kernels' own reference (kernels/moe/reference.py)
     if cfg is None:
-        raise ValueError("make_experts_fn('triton') needs the model config (the fused MoE's plan is built for D, I)")
+        raise ValueError(f"make_experts_fn({backend!r}) needs the model config (the fused MoE plan is built for D, I)")
     from r3trace.kernels.moe.registry import MoeShape, resolve_moe
 
-    return resolve_moe(MoeShape(cfg.hidden_size, cfg.moe_intermediate_size), dtype)
+    return resolve_moe(MoeShape(cfg.hidden_size, cfg.moe_intermediate_size), dtype, invariant=backend == "invariant")
 
 
 class MoE(nn.Module):
@@ -131,9 +132,9 @@ class MoE(nn.Module):
         tp_size: int = 1,
         dispatcher: TokenDispatcher | None = None,
         route_gather: RouteGather | None = None,
-        exact: bool = False,
+        matmul: MatmulImpl = "torch",
     ) -> None:
-        """exact: the unfused shared experts' linears are exact mode's (exact_linear)."""
+        """matmul: the unfused shared experts' linears (matmul.py)."""
         super().__init__()
         e, d, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.dispatcher = dispatcher or NullDispatcher(e)
@@ -148,7 +149,7 @@ class MoE(nn.Module):
         self.w13 = nn.Parameter(torch.empty(rows, 2 * i, d, dtype=dtype, device=device), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(rows, d, i, dtype=dtype, device=device), requires_grad=False)
         self.shared_experts = (
-            MLP(d, i * cfg.n_shared_experts, dtype, device, *((0, 1) if fuse_shared else (tp_rank, tp_size)), exact)
+            MLP(d, i * cfg.n_shared_experts, dtype, device, *((0, 1) if fuse_shared else (tp_rank, tp_size)), matmul)
             if cfg.n_shared_experts > 0
             else None
         )

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -145,13 +146,16 @@ def exact_gate_scores(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
 def make_routing_ops(backend: str) -> RoutingOps:
     """The gate's two ops for a top-k backend. ref: the cast + fp32 GEMM, the reference top-k and append_shared's
     two cats. triton: router_logits reads x without a cast kernel, and the top-k kernel stores the [T, K + S]
-    routes itself. exact: exact logits and exact_topk."""
+    routes itself. invariant (EngineConfig.batch_invariant): triton with router_logits' kernel at every T (no torch
+    fallback above 256 rows). exact: exact logits and exact_topk."""
     if backend == "exact":
         return RoutingOps(logits_exact, exact_topk, exact_gate_scores)
     if backend == "ref":
         return RoutingOps(logits_ref, _make_topk_fn(backend))
     from r3trace.kernels.router_logits import router_logits
 
+    if backend == "invariant":
+        return RoutingOps(partial(router_logits, torch_above=None), _make_topk_fn("triton"))
     return RoutingOps(router_logits, _make_topk_fn(backend))
 
 

@@ -53,7 +53,7 @@ class NextNDraft(nn.Module):
         self.layer_id = cfg.num_hidden_layers  # where DeepSeek stores it: model.layers.{L}
         self.enorm = RMSNorm(d, cfg.rms_norm_eps, dtype, device, ecfg.norm_impl)
         self.hnorm = RMSNorm(d, cfg.rms_norm_eps, dtype, device, ecfg.norm_impl)
-        self.eh_proj = replicated_linear(2 * d, d, dtype, device, ecfg.deterministic)  # [D, 2D]
+        self.eh_proj = replicated_linear(2 * d, d, dtype, device, ecfg.matmul_impl)  # [D, 2D]
         self.layer = DecoderLayer(cfg, ecfg, self.layer_id, ParallelInfo(), NullRecorder(), target.model.rotary)
         self.shared_head_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device, ecfg.norm_impl)
 

@@ -25,6 +25,8 @@ Files: decode.py (mla_decode, MlaDecoder, resolve_decoder), registry.py (the sta
 the default table, split counts), merge.py (stage 2), reference.py (mla_decode_ref: the one reference), one file per
 stage 1 with its tile steps beside it (wide_tile.py, narrow_tile.py, seesaw_tile.py), latent_tiles.py (how the
 Gluon kernels load q and the cache) and cluster_merge.py (splits merged inside a thread-block cluster).
+fixed_split.py is EngineConfig.batch_invariant's decode: the Triton stage 1 cut at fixed 256-key splits for every row
+(decode, verify and prefill rows alike) and a merge in split order, so no row's bits follow the batch or the SMs.
 """
 
 from r3trace.kernels.mla_decode.decode import MlaDecoder, mla_decode, resolve_decoder

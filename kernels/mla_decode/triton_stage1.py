@@ -32,6 +32,7 @@ def _mla_decode_kernel(
     KV_LORA: tl.constexpr, ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, V_SPLITS: tl.constexpr, KEYS_MAJOR: tl.constexpr,
     EARLY_SLOTS: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+    FIXED_SPLIT: tl.constexpr,
 ):  # fmt: skip
     if PDL:  # launched as a programmatic dependent: the previous kernel may still run; it may have written q,
         # kv, req_to_token or seq_lens, and the previous call's merge may still read the partials this
@@ -46,7 +47,11 @@ def _mla_decode_kernel(
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
     req_row = tl.load(req_pool_ptr + b).to(tl.int64)
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_kv_splits), split_align) * split_align  # whole tiles
+    # fixed-size splits (fixed_split.py): the ranges follow the row's own length only (a constexpr branch, not IfExp)
+    if FIXED_SPLIT > 0:  # noqa: SIM108
+        split_len = FIXED_SPLIT
+    else:
+        split_len = tl.cdiv(tl.cdiv(seq_len, num_kv_splits), split_align) * split_align  # whole tiles
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
     if start >= end:  # short request, more splits than it needs: stage 2 skips this split too
@@ -117,10 +122,12 @@ def mla_decode_stage1_triton(
     tile: DecodeTile,
     pdl: bool = False,
     cluster: int = 1,
+    fixed_split: int = 0,
 ) -> bool:
     """Fills part_out [B, H, P, kv_lora] (fp32, or the output itself at P = 1) and part_lse [B, H, P] (log2 units);
     qk_scale = sm_scale x log2(e); pdl: launched as a programmatic dependent (sm_90+), waiting before any global
-    access. No cluster form: cluster > 1 launches nothing and returns False."""
+    access. No cluster form: cluster > 1 launches nothing and returns False. fixed_split > 0 (a multiple of
+    tile.block_n): split p covers positions [p * fixed_split, (p + 1) * fixed_split) of each request, whatever P."""
     if cluster > 1:
         return False
     B, H, C = q.shape
@@ -135,7 +142,7 @@ def mla_decode_stage1_triton(
         KV_LORA=kv_lora_rank, ROPE=C - kv_lora_rank, BLOCK_H=tile.block_h, BLOCK_N=tile.block_n,
         BLOCK_V=block_c // tile.v_splits, BLOCK_R=block_r, V_SPLITS=tile.v_splits, KEYS_MAJOR=tile.keys_major,
         EARLY_SLOTS=tile.num_stages >= 3, UPCAST=not q.is_cuda, INPUT_PRECISION=dot_precision(q.dtype == torch.float32),
-        PDL=pdl, num_warps=tile.num_warps, num_stages=tile.num_stages, launch_pdl=pdl,
+        PDL=pdl, FIXED_SPLIT=fixed_split, num_warps=tile.num_warps, num_stages=tile.num_stages, launch_pdl=pdl,
     )  # fmt: skip
     return True
 

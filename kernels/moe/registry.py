@@ -9,6 +9,11 @@ The path depends on T, known only per call; everything else is fixed when the pl
 the T threshold and the gemv tile of each T <= it. A call then compares T with the threshold and takes the grouped
 tiles from grouped_config (host arithmetic on T K / E, no device sync), so forward looks nothing up by name.
 MoePlan(T) runs exactly what fused_moe(config=None) runs (moe_config): tests/kernels/test_moe_registry.py.
+
+Batch-invariant plan (resolve_moe(..., invariant=True), EngineConfig.batch_invariant): never gemv, and the grouped
+GEMMs' tiles (BLOCK_M, gate_up, down) fixed for every T: the decode-size tiles (one row per expert), so a pair's
+products and its token's K-sum (moe_sum, k = 0..K-1) are the same instructions at any T. Only the alignment's launch
+shape and PDL still follow T: they move pairs between blocks, never a product's reduction order.
 """
 
 from __future__ import annotations
@@ -71,10 +76,13 @@ class MoePlan:
     grouped: MoeKernel
     gemv_max_tokens: int  # T <= this runs gemv (0: never)
     gemv_tiles: tuple[GemvTile, ...]  # [T - 1]: the gemv tile at T
+    fixed: MoeConfig | None = None  # the batch-invariant plan's GEMM tiles for every T (None: by rows per expert)
 
     def config(self, tokens: int, pairs: int, experts: int) -> MoeConfig:
         """The tiles a call of `tokens` rows, `pairs` = T K pairs and `experts` = E rows of w13 runs."""
         grouped = grouped_config(pairs, experts, self.dtype.itemsize, self.shape.inter, self.shape.hidden)
+        if self.fixed is not None:
+            return self.fixed._replace(align=grouped.align, pdl=grouped.pdl)
         if 1 <= tokens <= self.gemv_max_tokens:
             return grouped._replace(gemv=self.gemv_tiles[tokens - 1])
         return grouped
@@ -87,11 +95,15 @@ class MoePlan:
         return kernel.launch(hidden, w13, w2, topk_ids, topk_weights, cfg)
 
 
-def resolve_moe(shape: MoeShape, dtype: torch.dtype) -> MoePlan:
-    """The plan for these weights: every record asked once; an input no path runs is refused here, in one line."""
+def resolve_moe(shape: MoeShape, dtype: torch.dtype, invariant: bool = False) -> MoePlan:
+    """The plan for these weights: every record asked once; an input no path runs is refused here, in one line.
+    invariant: the batch-invariant plan (grouped only, the tiles of one row per expert at every T)."""
     why = GROUPED.supported(shape, dtype)
     if why is not None:
         raise KernelInputError(why)
+    if invariant:  # grouped_config at pairs = experts: its smallest-rows tiles, independent of E's actual value
+        fixed = grouped_config(1, 1, dtype.itemsize, shape.inter, shape.hidden)
+        return MoePlan(shape, dtype, None, GROUPED, 0, (), fixed)
     gemv = GEMV if GEMV.supported(shape, dtype) is None else None
     top = gemv_max_tokens(shape.inter) if gemv is not None else 0
     tiles = tuple(gemv_tile(t, shape.inter) for t in range(1, top + 1))

@@ -182,7 +182,7 @@ def test_row_parallel_shards_reduce_to_the_unsplit_exact_linear(ranks: int) -> N
     n = in_f // ranks
     parts = []
     for r in range(ranks):
-        layer = RowParallelLinear(in_f, out_f, r, ranks, torch.float32, "cpu", exact=True)
+        layer = RowParallelLinear(in_f, out_f, r, ranks, torch.float32, "cpu", matmul="exact")
         layer.weight.data.copy_(w[:, r * n : (r + 1) * n])
         parts.append(layer(x[:, r * n : (r + 1) * n]))
     assert torch.equal(exact_tree_reduce(parts), full)
@@ -197,9 +197,9 @@ def test_column_split_rows_and_chunking_do_not_change_bits() -> None:
     rows = torch.cat([exact_linear(x[i : i + 1], w) for i in range(9)])  # one row at a time
     assert torch.equal(rows, full)
     with pytest.raises(ExactModeError, match="in_features=12 is not a multiple of the 8"):
-        ColumnParallelLinear(12, 5, 0, 1, torch.float32, "cpu", exact=True)
+        ColumnParallelLinear(12, 5, 0, 1, torch.float32, "cpu", matmul="exact")
     with pytest.raises(ExactModeError, match="in_features=10 is not a multiple of the 4"):
-        RowParallelLinear(20, 5, 0, 2, torch.float32, "cpu", exact=True)  # a shard of 10 in 8 / 2 blocks
+        RowParallelLinear(20, 5, 0, 2, torch.float32, "cpu", matmul="exact")  # a shard of 10 in 8 / 2 blocks
     with pytest.raises(ExactModeError, match="power-of-two"):
         exact_tree_reduce([full] * 3)
 

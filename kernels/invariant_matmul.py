@@ -1,0 +1,120 @@
+"""A batch-invariant matmul: one tile configuration for every M, no split-K, so row m of the product has the same
+bits whatever M is and whatever the other rows hold (EngineConfig.batch_invariant's linears and per-head products).
+
+Shape legend: G batched products (1 for a linear, H heads for MLA's absorbed w_kc / w_vc), M rows, K the reduced
+dim, N output columns.
+
+    a   [G, M, K] (any strides)   b [G, K, N] (any strides)   c [G, M, N] = a @ b, fp32 accumulation
+
+Why not cuBLAS: it picks its kernel, tile and split-K by M (and N, K), so a row's reduction order, hence its
+bits, moves with the batch it lands in (BENCHMARKS.md#speculative-decoding: 79 route mismatches between two plain
+runs that batch the same requests differently). Here each program owns a BLOCK_M x BLOCK_N output tile and walks K
+from 0 in BLOCK_K steps, one tensor-core product a step: element (m, n) is the same sequence of MMAs for any M.
+The tile is fixed per dtype (TILES), never chosen from the shapes. SGLang's --enable-deterministic-inference does
+the same with one persistent-kernel config per dtype (sgl-project/sglang
+python/sglang/srt/batch_invariant_ops/batch_invariant_ops.py at d40bdca0, `matmul_persistent`).
+
+Cost: no split-K and no per-shape tuning, so skinny decode GEMMs launch few programs (N / BLOCK_N of them at M <= 64).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from r3trace.kernels.contract import FLOAT_DTYPES, require
+from r3trace.kernels.dot import dot_precision
+
+
+class MatmulTile(NamedTuple):
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+# One tile per dtype, for every M. 16-bit: 64 x 64 x 64 over 4 warps (a wgmma-sized tile; 64 columns a program keep
+# skinny decode GEMMs at N / 64 programs, e.g. 9 for the 576-wide kv_a projection). fp32 halves each side so an fp32
+# stage of A and B fits the shared memory of 3 stages.
+TILES: dict[torch.dtype, MatmulTile] = {
+    torch.bfloat16: MatmulTile(64, 64, 64, 4, 3),
+    torch.float16: MatmulTile(64, 64, 64, 4, 3),
+    torch.float32: MatmulTile(32, 32, 32, 4, 2),
+}
+
+
+@triton.jit
+def _invariant_matmul_kernel(
+    # pointers
+    a_ptr, b_ptr, c_ptr,
+    # sizes
+    M, N, K,
+    # strides
+    stride_ag, stride_am, stride_ak, stride_bg, stride_bk, stride_bn, stride_cg, stride_cm, stride_cn,
+    # constexpr
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    g = tl.program_id(2).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    a_rows = a_ptr + g * stride_ag + offs_m.to(tl.int64)[:, None] * stride_am
+    b_cols = b_ptr + g * stride_bg + offs_n.to(tl.int64)[None, :] * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, K, BLOCK_K):  # always from 0 in BLOCK_K steps: the one reduction order
+        k_mask = (k0 + offs_k) < K
+        a = tl.load(a_rows + (k0 + offs_k)[None, :] * stride_ak, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(b_cols + (k0 + offs_k)[:, None] * stride_bk, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if UPCAST:  # the interpreter: bf16 operands to fp32 first (dot.py says why)
+            a, b = a.to(tl.float32), b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)  # the MMA accumulates into acc
+    dst = c_ptr + g * stride_cg + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(dst, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def invariant_bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """a [G, M, K] @ b [G, K, N] -> [G, M, N] in a's dtype (out: a [G, M, N] tensor or view to store into; any
+    strides). The tile is TILES[a.dtype] whatever the shapes."""
+    require(a.dim() == 3 and b.dim() == 3, f"a {tuple(a.shape)} and b {tuple(b.shape)} must be [G, M, K], [G, K, N]")
+    require(a.dtype in FLOAT_DTYPES and b.dtype == a.dtype, f"a dtype {a.dtype}, b dtype {b.dtype}: one float dtype")
+    require(a.device == b.device, f"a is on {a.device}, b on {b.device}")
+    g, m, k = a.shape
+    require(b.shape[0] == g and b.shape[1] == k, f"b shape {tuple(b.shape)} is not [G={g}, K={k}, N]")
+    n = b.shape[2]
+    if out is None:
+        out = torch.empty((g, m, n), dtype=a.dtype, device=a.device)
+    require(tuple(out.shape) == (g, m, n) and out.dtype == a.dtype,
+            f"out {tuple(out.shape)} {out.dtype} is not [{g}, {m}, {n}] {a.dtype}")  # fmt: skip
+    if g * m * n == 0:
+        return out
+    tile = TILES[a.dtype]
+    grid = (triton.cdiv(n, tile.block_n), triton.cdiv(m, tile.block_m), g)
+    _invariant_matmul_kernel[grid](
+        a, b, out, m, n, k,
+        a.stride(0), a.stride(1), a.stride(2), b.stride(0), b.stride(1), b.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, UPCAST=not a.is_cuda,
+        INPUT_PRECISION=dot_precision(a.dtype == torch.float32), num_warps=tile.num_warps, num_stages=tile.num_stages,
+    )  # fmt: skip
+    return out
+
+
+def invariant_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [T, In] @ w [Out, In]^T -> [T, Out] in x's dtype: a linear's product, batch-invariant (F.linear's contract)."""
+    require(x.dim() == 2 and w.dim() == 2 and w.shape[1] == x.shape[1],
+            f"x {tuple(x.shape)} and w {tuple(w.shape)} are not [T, In], [Out, In]")  # fmt: skip
+    return invariant_bmm(x.unsqueeze(0), w.t().unsqueeze(0))[0]
+
+
+def invariant_bmm_ref(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The twin: fp32 torch.bmm rounded to a's dtype ([G, M, K] @ [G, K, N] -> [G, M, N]); equal up to fp32 order."""
+    return torch.bmm(a.float(), b.float()).to(a.dtype)

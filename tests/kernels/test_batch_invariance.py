@@ -1,0 +1,128 @@
+"""Row invariance of every piece batch_invariant=True runs (EngineConfig.batch_invariant): a row computed in batches
+of 1, 3 and 17 rows has the full batch's bits, for the GEMM (linear and per-head forms), the fixed-split MLA decode,
+the fused MoE's invariant plan, the router logits at every T, the grouped top-k, RMSNorm and RoPE; and the GEMM and
+the decode against their torch twins.
+
+Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest tests/kernels/test_batch_invariance.py -q   (CPU)
+     python -m pytest tests/kernels/test_batch_invariance.py -q                                 (GPU, compiled)
+
+Peer: SGLang's batch-invariant matmul fixes one tile config per dtype for every M
+(sgl-project/sglang python/sglang/srt/batch_invariant_ops/batch_invariant_ops.py at d40bdca0) and its deterministic
+Triton decode a 256-key split size (python/sglang/srt/environ.py at 21ff4b08); these tests check the property those
+choices exist for, on this project's kernels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from r3trace.kernels.invariant_matmul import invariant_bmm, invariant_bmm_ref, invariant_linear
+from r3trace.kernels.mla_decode.fixed_split import fixed_split_decoder
+from r3trace.kernels.mla_decode.reference import mla_decode_ref
+from r3trace.kernels.moe.registry import MoeShape, resolve_moe
+from r3trace.kernels.rmsnorm import rmsnorm
+from r3trace.kernels.rope import rope
+from r3trace.kernels.router_logits import router_logits
+from r3trace.kernels.topk import grouped_topk
+from tests.kernels.conftest import DEVICE, assert_close_to_ref, requires_triton
+from tests.kernels.moe_cases import moe_case
+
+pytestmark = requires_triton
+ROWS = 37  # an odd batch; its rows are recomputed in batches of 1, 3 and 17 (the last batch of each is short)
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def assert_rows_invariant(fn: Callable[[slice], torch.Tensor], rows: int = ROWS) -> None:
+    """fn(rows slice) -> that slice's output [n, ...]: each batching's concatenation has the full batch's bits."""
+    full = fn(slice(0, rows))
+    for size in (1, 3, 17):
+        parts = torch.cat([fn(slice(s, min(s + size, rows))) for s in range(0, rows, size)])
+        assert torch.equal(parts, full), f"rows in batches of {size} differ from the batch of {rows}"
+
+
+def randn(*shape: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(DEVICE, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gemm_rows_invariant_and_close_to_torch(dtype: torch.dtype) -> None:
+    """[37, 130] x [70, 130]^T (K and N not multiples of any tile). Against the fp32 torch twin rounded once to the
+    dtype: the kernel accumulates the same exact products in fp32 in another order, so the results differ by the fp32
+    order (fp32 row of conftest.TOLERANCES) or one rounding to bf16 (its bf16 row)."""
+    x, w = randn(ROWS, 130, dtype=dtype, seed=1), randn(70, 130, dtype=dtype, seed=2)
+    assert_rows_invariant(lambda r: invariant_linear(x[r], w))
+    assert_close_to_ref(invariant_linear(x, w), invariant_bmm_ref(x[None], w.t()[None])[0], dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_per_head_gemm_through_strided_views(dtype: torch.dtype) -> None:
+    """The absorbed MLA's form: x [T, H, In] and out [T, H, Out] as transposed views (no copies), w [H, In, Out]."""
+    h, d_in, d_out = 3, 40, 72
+    x, w = randn(ROWS, h, d_in, dtype=dtype, seed=3), randn(h, d_in, d_out, dtype=dtype, seed=4)
+
+    def heads(r: slice) -> torch.Tensor:
+        out = torch.full((x[r].shape[0], h, d_out + 5), float("nan"), dtype=dtype, device=DEVICE)[..., :d_out]
+        invariant_bmm(x[r].transpose(0, 1), w, out=out.transpose(0, 1))
+        return out
+
+    assert_rows_invariant(heads)
+    assert_close_to_ref(heads(slice(0, ROWS)), invariant_bmm_ref(x.transpose(0, 1), w).transpose(0, 1), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fixed_split_decode_rows_invariant(dtype: torch.dtype) -> None:
+    """5 heads, kv_lora 64 + rope 16, 37 rows of 1..300 keys over two request rows: each row's bits the same in any
+    batch and under any grid bound (max_seq_len 300 or 1000), and close to mla_decode_ref (conftest.TOLERANCES)."""
+    h, kvl, c = 5, 64, 80
+    kv = randn(2000, c, dtype=dtype, seed=5)
+    r2t = torch.randperm(2000, generator=torch.Generator().manual_seed(6)).to(DEVICE, torch.int32).view(2, 1000)
+    q = randn(ROWS, h, c, dtype=dtype, seed=7)
+    lens = torch.randint(1, 301, (ROWS,), generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    lens[:4] = torch.tensor([1, 64, 65, 300])  # one key, whole splits, one past a split, the longest
+    pool = (torch.arange(ROWS) % 2).to(DEVICE)
+    dec = fixed_split_decoder(h, dtype, split_keys=64)  # 64-key splits: up to 5 a row at these lengths
+    assert_rows_invariant(lambda r: dec(q[r], kv, r2t, pool[r], lens[r], kvl, 0.1, 300))
+    wide = dec(q, kv, r2t, pool, lens, kvl, 0.1, 1000)
+    assert torch.equal(wide, dec(q, kv, r2t, pool, lens, kvl, 0.1, 300)), "the grid bound moved a row's bits"
+    assert_close_to_ref(wide, mla_decode_ref(q, kv, r2t, pool, lens, kvl, 0.1), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_moe_invariant_plan_rows(dtype: torch.dtype) -> None:
+    """The invariant plan (resolve_moe(invariant=True)) never takes gemv and keeps its tiles at every T: 64 tokens on
+    4 experts, top-2 (32 rows per expert: the default plan's BLOCK_M 32 tiles) give each token the bits it gets in
+    batches of 1 (the default plan's gemv), 3 and 17 (its BLOCK_M 16 tiles)."""
+    hidden, w13, w2, ids, weights = moe_case(64, 48, 4, 24, 2, dtype, DEVICE, seed=9)
+    plan = resolve_moe(MoeShape(48, 24), dtype, invariant=True)
+    assert plan.gemv is None and plan.config(1, 2, 4)[:3] == plan.config(4096, 2 * 4096, 4)[:3]
+    assert_rows_invariant(lambda r: plan(hidden[r], w13, w2, ids[r], weights[r]), rows=64)
+
+
+def test_router_logits_at_every_t() -> None:
+    """torch_above=None: the kernel at T = 300 (above its default torch fallback at 256), rows as at T = 1..17."""
+    x, w = randn(300, 96, dtype=torch.bfloat16, seed=10), randn(16, 96, dtype=torch.float32, seed=11)
+    assert_rows_invariant(lambda r: router_logits(x[r], w, torch_above=None).sum(0), rows=300)
+
+
+def test_topk_norm_rope_rows_invariant() -> None:
+    """grouped top-k (ids and weights), RMSNorm (with the residual add) and RoPE: one program a row (or 16 rows of
+    independent lanes), so a row's bits never depend on the batch."""
+    logits = randn(ROWS, 32, dtype=torch.float32, seed=12)
+    bias = randn(32, dtype=torch.float32, seed=13)
+
+    def topk(r: slice) -> torch.Tensor:
+        w, ids = grouped_topk(logits[r], bias, 4, "sigmoid", "noaux_tc", 4, 2, True, 2.5)
+        return torch.cat([w, ids.float()], dim=1)
+
+    assert_rows_invariant(topk)
+    x, res = randn(ROWS, 100, dtype=torch.bfloat16, seed=14), randn(ROWS, 100, dtype=torch.bfloat16, seed=15)
+    weight = randn(100, dtype=torch.bfloat16, seed=16)
+    assert_rows_invariant(lambda r: torch.cat(rmsnorm(x[r], weight, 1e-6, res[r]), dim=1))
+    q = randn(ROWS, 3, 16, dtype=torch.bfloat16, seed=17)
+    pos = torch.randint(0, 64, (ROWS,), generator=torch.Generator().manual_seed(18)).to(DEVICE)
+    ang = torch.arange(64.0)[:, None] * torch.rand(8, generator=torch.Generator().manual_seed(19))[None]
+    cos, sin = ang.cos().to(DEVICE), ang.sin().to(DEVICE)
+    assert_rows_invariant(lambda r: rope(q[r], pos[r], cos, sin))
