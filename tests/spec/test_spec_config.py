@@ -104,6 +104,10 @@ def test_serve_flags_reach_engine_config() -> None:
     cfg = EngineConfig(**serve.engine_options(args))  # type: ignore[arg-type]
     assert (cfg.speculative_algorithm, cfg.spec_steps, cfg.graph_batch_sizes) == ("NEXTN", 2, default_batch_sizes(64))
     assert EngineConfig(**serve.engine_options(p.parse_args(["m"]))).spec_steps == 0  # type: ignore[arg-type]
+    both = EngineConfig(**serve.engine_options(p.parse_args(["m", "--device", "cuda", "--batch-invariant",
+                                                             "--speculative-algorithm", "EAGLE"])))  # type: ignore[arg-type]
+    assert both.batch_invariant and both.spec_steps == 3 and both.attention_impl == "invariant"
+    assert not EngineConfig(**serve.engine_options(p.parse_args(["m"]))).batch_invariant  # type: ignore[arg-type]
     with pytest.raises(UsageError, match="--speculative-algorithm"):
         p.parse_args(["m", "--speculative-algorithm", "NGRAM"])
 

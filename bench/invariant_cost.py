@@ -1,0 +1,102 @@
+"""What batch_invariant costs at the 2.5B V3 shape: prefill tokens/s by prompt length, and decode tokens/s.
+
+batch_invariant (EngineConfig) runs every row, prompt rows included, through the fixed-split decode kernel on the
+absorbed path and every product through one GEMM tile, so prefill, not only decode, can pay for it; this bench times
+both against the default engine on the same random checkpoint (bench/random_checkpoint.py), alternating the two
+engines rep by rep in one process (both alive), the fastest of `--reps` each.
+
+Prefill: B prompts of N random tokens, generate of 1 new token (prefill plus one sample), chunked_prefill_size 8192,
+no prefix cache; tokens/s = B * N / seconds. Decode: bench/decode_rate.py's rate at batch 64 (128-token prompts, one
+CUDA graph of the batch).
+
+Run (H200, about 3 minutes): python -m bench.invariant_cost --out bench/results/invariant_cost-h200.json
+Smoke (make test): --smoke, the tiny random shape on the CPU (fp32, Triton's interpreter, no graphs), 2 x 8 tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from bench.decode_rate import bench_checkpoint, bench_prompts, decode_tokens_per_s, vocab_size
+from r3trace.engine import Engine
+
+
+def engine(ckpt: Path, invariant: bool, batch: int, tokens: int, device: str) -> Engine:
+    cuda = device == "cuda"
+    return Engine(ckpt, dtype="bfloat16" if cuda else "float32", device=device, chunked_prefill_size=8192,
+                  max_running_requests=batch, kv_pool_tokens=tokens, enable_prefix_cache=False,
+                  cuda_graph_batch_sizes=(batch,) if cuda else (), batch_invariant=invariant,
+                  **dict.fromkeys(("attention_backend", "moe_backend", "topk_backend", "norm_backend",
+                                   "rope_backend"), "triton"))  # fmt: skip
+
+
+def prefill_seconds(eng: Engine, prompts: list[list[int]]) -> float:
+    t0 = time.perf_counter()
+    eng.generate(input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": 1, "ignore_eos": True})
+    return time.perf_counter() - t0
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="v3-2.5b")
+    ap.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[128, 1024, 4096])
+    ap.add_argument("--prefill-batch", type=int, default=8)
+    ap.add_argument("--decode-batch", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--out", default="")
+    ap.add_argument("--smoke", action="store_true", help="the tiny shape on the CPU (make test)")
+    args = ap.parse_args(argv)
+    device = "cpu" if args.smoke else "cuda"
+    if args.smoke:
+        args.shape, args.lengths, args.prefill_batch, args.decode_batch, args.reps = "tiny", [8], 2, 2, 1
+    rng = np.random.default_rng(2)
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    out: dict[str, Any] = {"device": name, "torch": torch.__version__, "args": vars(args),
+                           "prefill": [], "decode": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = bench_checkpoint(Path(tmp), args.shape, device)
+        vocab = vocab_size(ckpt)
+        pool = max(args.prefill_batch * (max(args.lengths) + 8), args.decode_batch * 200)
+        engines = {m: engine(ckpt, m == "invariant", args.decode_batch, pool, device) for m in ("default", "invariant")}
+        for n in args.lengths:
+            prompts = [rng.integers(2, vocab, size=n).tolist() for _ in range(args.prefill_batch)]
+            times: dict[str, list[float]] = {m: [] for m in engines}
+            for eng in engines.values():  # warm: kernels compile and tune at this length
+                prefill_seconds(eng, prompts)
+            for r in range(args.reps):
+                for m in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
+                    times[m].append(prefill_seconds(engines[m], prompts))
+            rate = {m: args.prefill_batch * n / min(t) for m, t in times.items()}
+            out["prefill"].append({"prompt_tokens": n, "batch": args.prefill_batch, "seconds": times,
+                                   "tokens_per_s": rate, "invariant_vs_default": rate["invariant"] / rate["default"]})
+            print(f"prefill {args.prefill_batch} x {n}: default {rate['default']:,.0f} tok/s, invariant "
+                  f"{rate['invariant']:,.0f} ({rate['invariant'] / rate['default']:.2f}x)", flush=True)
+        prompts = bench_prompts(args.decode_batch, vocab)
+        rates: dict[str, list[float]] = {m: [] for m in engines}
+        new = 4 if args.smoke else 64
+        for eng in engines.values():
+            decode_tokens_per_s(eng, prompts, new)
+        for r in range(args.reps):
+            for m in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
+                rates[m].append(decode_tokens_per_s(engines[m], prompts, new))
+        best = {m: max(v) for m, v in rates.items()}
+        out["decode"] = {"batch": args.decode_batch, "new_tokens": new, "tokens_per_s_reps": rates,
+                         "tokens_per_s": best, "invariant_vs_default": best["invariant"] / best["default"]}
+        print(f"decode batch {args.decode_batch}: default {best['default']:,.0f} tok/s, invariant "
+              f"{best['invariant']:,.0f} ({best['invariant'] / best['default']:.2f}x)", flush=True)
+        for eng in engines.values():
+            eng.shutdown()
+    if args.out:
+        Path(args.out).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
