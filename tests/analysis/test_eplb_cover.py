@@ -68,5 +68,6 @@ def test_cover_counts_the_fewest_nodes_holding_a_tokens_experts() -> None:
 def test_rounds_follow_the_budget() -> None:
     one = Cluster(16, 4, 80)
     assert cover_mod.cover_rounds(one, 1, 96) == cover_mod.COVER_ROUNDS  # synth-e64
-    assert cover_mod.cover_rounds(Cluster(8, 2, 40), 4, 1024) == cover_mod.COVER_BUDGET // (4 * 1024 * 3)
-    assert cover_mod.cover_rounds(Cluster(16, 8, 64), 4, 1024) == 0
+    assert cover_mod.cover_rounds(Cluster(8, 2, 40), 1, 1024) == cover_mod.COVER_BUDGET // (1024 * 3)
+    assert cover_mod.cover_rounds(Cluster(8, 2, 40), 4, 1024) == 0  # 23 rounds: below COVER_MIN_ROUNDS
+    assert cover_mod.cover_rounds(Cluster(16, 8, 64), 1, 96) == 0
