@@ -16,8 +16,9 @@ With P = E and tokens, ours' and global's GPUs are first moved between nodes by 
 layers where they tie on the max load, kept where the order fitted on the older half of the tokens has fewer nodes
 per token on the newer half (by REGROUP_Z standard errors), and the candidates compare on that newer half's nodes
 per token, a figure no candidate was fitted on. On bench/eplb_matrix.py's slow-drift P = E cells of the grouped
-router, nodes per token held out fell 0.02-0.34 (128 GPUs / 16 nodes at s = 0.9: 5.62 -> 5.28, global 5.62), at
-the same balancedness (every GPU keeps its load).
+router on 4-16 nodes, nodes per token held out fell 0.002-0.27 (128 GPUs / 16 nodes at s = 0.9: 5.62 -> 5.35,
+global 5.62). A plan keeps every GPU's load; held out, balancedness moved -0.007 .. +0.001 (64 GPUs / 8 nodes,
+s = 0.3: 0.688 -> 0.681, global 0.668), the re-plans' leveling swaps starting from another layout.
 Shape legend: T tokens, L layers, K top-k, E experts, P slots, G GPUs.
 """
 
