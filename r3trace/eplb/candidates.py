@@ -107,7 +107,7 @@ def best_layout(phy2log: np.ndarray, w: np.ndarray, cluster: Cluster, tokens: np
         cost = np.broadcast_to(np.arange(len(cands), dtype=np.float64)[:, None], peak.shape)
     else:  # ours' and global's GPUs regrouped onto nodes by co-activation, in the layers where they tie on the
         # max load (loads unchanged: regroup.py); global grouped is global's GPUs ordered by another rule, so its
-        # regroup would mostly repeat global's (at [58, 256] on 16 nodes three regroups a layer took 1.1 s a plan)
+        # regroup would mostly repeat global's (regroup.py: the regroups are most of a fresh plan's time here)
         both = [regrouped(c, tokens, cluster, tied[i] & (i != 1)) for i, c in enumerate(cands)]
         cands, cost = np.stack([b[0] for b in both]), np.stack([b[1] for b in both])
     pick = np.argmin(np.where(tied, cost, np.inf), axis=0)  # [L]

@@ -6,9 +6,10 @@ balance. The GPU co-choice matrix A [G, G] counts, over the tokens, the pairs of
 GPUs; each step swaps two GPUs of two nodes where that raises the co-choices inside nodes, Kernighan-Lin style:
 for each ordered pair of nodes (n1, n2) the GPU of n1 that gains most by moving to n2, paired with the GPU of
 n2 that gains most by moving to n1, the best such swap of the layer taken while its exact gain is positive.
-Only the best GPU per node pair is looked at (G x N gains a step instead of G x G pairs): the exact best pair
-over G x G took 1.1 s a plan at [58, 256] on 16 nodes, against DeepSeek's reference's 1.1-1.4 s for the
-whole plan. All layers step together. The pairwise count stands in for the distinct nodes, which do not split
+Only the best GPU per node pair is looked at (G x N gains a step instead of G x G pairs: the exact best pair over
+G x G made a fresh plan at [58, 256] on 16 nodes take 1.1 s), and all layers step together: such a plan takes
+0.32 s with the regroups, 0.07 s without, DeepSeek's reference 1.14 s (bench/eplb_matrix.plan_times' protocol).
+The pairwise count stands in for the distinct nodes, which do not split
 over pairs, so candidates.regrouped keeps a regrouped layer only where held-out tokens say it has fewer.
 On bench/eplb_matrix.py's 128 GPU / 16 node / 256 slot cells the layouts of DeepSeek's global policy (hottest
 experts one per GPU on the first nodes) and of ours' group homes keep many of a token's experts apart.
