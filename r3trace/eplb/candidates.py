@@ -28,7 +28,7 @@ import numpy as np
 
 from r3trace.eplb.deepseek import global_policy
 from r3trace.eplb.placement import Cluster, from_phy2log
-from r3trace.eplb.regroup import regroup
+from r3trace.eplb.regroup import gpu_coactivation, node_order, reordered
 from r3trace.eplb.score import even_gpu_load
 
 # a candidate whose forecast max GPU load is within this share of the lowest counts as balanced as it (the
@@ -84,14 +84,22 @@ def regrouped(phy2log: np.ndarray, tokens: np.ndarray, cluster: Cluster,
         return phy2log, plain.mean(0)
     todo = np.ones(n_layers, dtype=bool) if layers is None else layers
     trial = phy2log.copy()
-    trial[todo] = regroup(phy2log[todo], tokens[:half, todo], cluster)
+    sub = phy2log[todo]
+    older = gpu_coactivation(sub, tokens[:half, todo], cluster)  # [l, G, G], kept for the refit below
+    first = node_order(older, cluster)  # [l, G]
+    trial[todo] = reordered(sub, first, cluster)
     diff = token_nodes(trial, newer, cluster) - plain  # [T / 2, L] paired per token
     # fewer by more than REGROUP_Z standard errors of the paired mean (independent router: 1-3 layers of 12 were
     # a little lower by chance, and the next window's nodes per token rose 0.002-0.008 with them)
     helps = diff.mean(0) < -REGROUP_Z * diff.std(0, ddof=1) / np.sqrt(len(diff))
     tried, plain = diff.mean(0) + plain.mean(0), plain.mean(0)
     out = phy2log.copy()
-    out[helps] = regroup(trial[helps], tokens[:, helps], cluster)  # from the half's order: 2-3x fewer swaps
+    if helps.any():  # refit on all the tokens, from the half's order (fewer swaps), in that order's GPU ids
+        pick = helps[todo]
+        a = older[pick] + gpu_coactivation(sub[pick], tokens[half:][:, helps], cluster)
+        o = first[pick]
+        a = np.take_along_axis(np.take_along_axis(a, o[:, :, None], 1), o[:, None, :], 2)
+        out[helps] = reordered(trial[helps], node_order(a, cluster), cluster)
     return out, np.where(helps, tried, plain)
 
 

@@ -8,7 +8,7 @@ for each ordered pair of nodes (n1, n2) the GPU of n1 that gains most by moving 
 n2 that gains most by moving to n1, the best such swap of the layer taken while its exact gain is positive.
 Only the best GPU per node pair is looked at (G x N gains a step instead of G x G pairs: the exact best pair over
 G x G made a fresh plan at [58, 256] on 16 nodes take 1.1 s), and all layers step together: such a plan takes
-0.32 s with the regroups, 0.07 s without, DeepSeek's reference 1.14 s (bench/eplb_matrix.plan_times' protocol).
+0.27 s with the regroups, 0.07 s without, DeepSeek's reference 1.14 s (bench/eplb_matrix.plan_times' protocol).
 The pairwise count stands in for the distinct nodes, which do not split
 over pairs, so candidates.regrouped keeps a regrouped layer only where held-out tokens say it has fewer.
 On bench/eplb_matrix.py's 128 GPU / 16 node / 256 slot cells the layouts of DeepSeek's global policy (hottest
@@ -35,7 +35,7 @@ def gpu_coactivation(phy2log: np.ndarray, tokens: np.ndarray, cluster: Cluster) 
     gt = gpu_of[np.arange(n_layers)[None, :, None], tokens]  # [T, L, K]
     i, j = np.triu_indices(tokens.shape[2], 1)
     idx = (np.arange(n_layers) * g * g)[None, :, None] + gt[:, :, i] * g + gt[:, :, j]
-    a = np.bincount(idx.ravel(), minlength=n_layers * g * g).reshape(n_layers, g, g).astype(np.float64)
+    a = np.bincount(idx.ravel(), minlength=n_layers * g * g).reshape(n_layers, g, g).astype(np.float32)
     a += a.transpose(0, 2, 1)
     a[:, np.arange(g), np.arange(g)] = 0.0
     return a
@@ -44,14 +44,30 @@ def gpu_coactivation(phy2log: np.ndarray, tokens: np.ndarray, cluster: Cluster) 
 def regroup(phy2log: np.ndarray, tokens: np.ndarray, cluster: Cluster) -> np.ndarray:
     """phy2log [L, P] with every expert once, tokens [T, L, K] -> [L, P]: the same GPU slot sets, GPUs placed on
     nodes by the swaps of the module doc (GPUs of one node in their old order)."""
-    n_layers, g, n, gpn = phy2log.shape[0], cluster.num_gpus, cluster.num_nodes, cluster.gpus_per_node
-    if n == 1 or not len(tokens) or not n_layers:
+    if cluster.num_nodes == 1 or not len(tokens) or not len(phy2log):
         return phy2log
-    a = gpu_coactivation(phy2log, tokens, cluster)  # [L, G, G]
+    return reordered(phy2log, node_order(gpu_coactivation(phy2log, tokens, cluster), cluster), cluster)
+
+
+def reordered(phy2log: np.ndarray, order: np.ndarray, cluster: Cluster) -> np.ndarray:
+    """phy2log [L, P], order [L, G] (new GPU position -> old GPU) -> [L, P] with the GPUs' slot sets moved."""
+    n_layers, g = order.shape
+    if not n_layers:
+        return phy2log
+    spg = phy2log.shape[1] // g
+    return np.take_along_axis(phy2log.reshape(n_layers, g, spg), order[:, :, None], 1).reshape(n_layers, -1)
+
+
+def node_order(a: np.ndarray, cluster: Cluster) -> np.ndarray:
+    """GPU co-choices a [L, G, G] (gpu_coactivation) -> order [L, G]: new GPU position -> old GPU after the swaps
+    of the module doc; a is left as it was."""
+    n_layers, g, n, gpn = a.shape[0], cluster.num_gpus, cluster.num_nodes, cluster.gpus_per_node
+    if n == 1 or not n_layers:
+        return np.tile(np.arange(g), (n_layers, 1))
     members = np.tile(np.arange(g), (n_layers, 1))  # [L, G]: the GPU at each position; position p is on node p // gpn
     # kept in position order (rows follow the GPUs as they swap, columns stay GPU ids), so a GPU's own node is
     # the fixed p // gpn and the gains need no gather
-    rows_a = a  # [L, G positions, G]
+    rows_a = a.copy()  # [L, G positions, G]
     d = a.reshape(n_layers, g, n, gpn).sum(-1)  # [L, G positions, N] co-choices of the GPU at p with node n's GPUs
     own = np.arange(g) // gpn
     at, live = np.arange(g), np.arange(n_layers)
@@ -77,6 +93,4 @@ def regroup(phy2log: np.ndarray, tokens: np.ndarray, cluster: Cluster) -> np.nda
         for arr in (d, rows_a):
             arr[live, px], arr[live, py] = arr[live, py], arr[live, px].copy()
         members[live, px], members[live, py] = y, x
-    order = np.sort(members.reshape(n_layers, n, gpn), axis=2).reshape(n_layers, g)  # [L, G] position -> old GPU
-    spg = cluster.slots_per_gpu
-    return np.take_along_axis(phy2log.reshape(n_layers, g, spg), order[:, :, None], 1).reshape(n_layers, -1)
+    return np.sort(members.reshape(n_layers, n, gpn), axis=2).reshape(n_layers, g)  # GPUs of a node in old order
