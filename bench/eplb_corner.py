@@ -34,13 +34,13 @@ from r3trace.eplb.placement import Placement
 SMALL = {"synth-e12": (12, 2, 24, 4, 2, 16, 4), "synth-e16x4": (16, 2, 32, 8, 4, 24, 4)}
 
 
-def policy_points(load: np.ndarray, tokens: np.ndarray, cl: Cluster) -> dict[str, tuple[float, float]]:
-    """load [E], tokens [T, K] -> {policy: (max GPU load, nodes per token)} in sample."""
+def policy_placements(load: np.ndarray, tokens: np.ndarray, cl: Cluster) -> dict[str, Placement]:
+    """load [E], tokens [T, K] -> {policy: its placement of the one layer}."""
     pols: dict[str, Placement] = {"ours": plan(load[None], cl, tokens=tokens[:, None]),
                                   "global": global_policy(load[None], cl)}
     if cl.num_groups % cl.num_nodes == 0:
         pols["hierarchical"] = hierarchical(load[None], cl)
-    return {k: placement_objectives(pl, load, tokens, cl) for k, pl in pols.items()}
+    return pols
 
 
 def _any_count(load: np.ndarray, cl: Cluster) -> int:
@@ -49,24 +49,26 @@ def _any_count(load: np.ndarray, cl: Cluster) -> int:
     return cl.num_slots - len(load) + 1
 
 
-def nodes_floor(load: np.ndarray, tokens: np.ndarray, cl: Cluster, max_load: float,
-                time_limit: float) -> dict[str, Any]:
-    """Proven lower bound (and best placement found) on nodes per token with max GPU load <= max_load."""
+def nodes_floor(load: np.ndarray, tokens: np.ndarray, cl: Cluster, max_load: float, time_limit: float,
+                incumbent: Placement | None = None) -> dict[str, Any]:
+    """Proven lower bound (and best placement found) on nodes per token with max GPU load <= max_load; incumbent:
+    a placement known to meet the cap (the policy's own), a cutoff and the answer where HiGHS finds none better."""
     try:
         r = solve(load, tokens, cl, "nodes", max_load_cap=max_load * (1 + 1e-9), time_limit=time_limit,
-                  max_replicas=_any_count(load, cl))
+                  max_replicas=_any_count(load, cl), incumbent=incumbent)
         return {"bound": r.bound, "found": r.nodes, "found_max_load": r.max_load, "optimal": r.optimal}
     except NoPlacement as err:
         return {"bound": err.bound, "found": None, "found_max_load": None, "optimal": False}
 
 
-def balance_roof(load: np.ndarray, tokens: np.ndarray, cl: Cluster, nodes: float,
-                 time_limit: float) -> dict[str, Any]:
-    """Proven upper bound on balancedness (mean / max GPU load) with mean nodes per token <= nodes."""
+def balance_roof(load: np.ndarray, tokens: np.ndarray, cl: Cluster, nodes: float, time_limit: float,
+                 incumbent: Placement | None = None) -> dict[str, Any]:
+    """Proven upper bound on balancedness (mean / max GPU load) with mean nodes per token <= nodes; incumbent as
+    in nodes_floor."""
     mean = float(load.sum()) / cl.num_gpus
     try:
         r = solve(load, tokens, cl, "balance", nodes_cap=nodes + 1e-9, time_limit=time_limit,
-                  max_replicas=_any_count(load, cl))
+                  max_replicas=_any_count(load, cl), incumbent=incumbent)
         return {"roof": mean / r.bound, "found": mean / r.max_load, "found_nodes": r.nodes, "optimal": r.optimal}
     except NoPlacement as err:
         return {"roof": mean / err.bound if err.bound > 0 else 1.0, "found": None, "found_nodes": None,
@@ -78,12 +80,12 @@ def corner(name: str, time_limit: float) -> dict[str, Any]:
     policy's nodes per token, and the verdict on ours vs global."""
     load, tok, cl = instance(name, spec=SMALL.get(name))
     mean = float(load.sum()) / cl.num_gpus
-    pts = policy_points(load, tok, cl)
     out: dict[str, Any] = {"instance": name, "mean_gpu_load": mean, "points": {}}
-    for pol, (mx, nd) in pts.items():
+    for pol, pl in policy_placements(load, tok, cl).items():  # the policy's own placement meets both caps
+        mx, nd = placement_objectives(pl, load, tok, cl)
         out["points"][pol] = {"max_load": mx, "balancedness": mean / mx, "nodes": nd,
-                              "nodes_floor_at_its_max_load": nodes_floor(load, tok, cl, mx, time_limit),
-                              "balance_roof_at_its_nodes": balance_roof(load, tok, cl, nd, time_limit)}
+                              "nodes_floor_at_its_max_load": nodes_floor(load, tok, cl, mx, time_limit, pl),
+                              "balance_roof_at_its_nodes": balance_roof(load, tok, cl, nd, time_limit, pl)}
         print(f"{name} {pol}: bal {mean / mx:.4f} nodes {nd:.3f} | "
               f"floor {out['points'][pol]['nodes_floor_at_its_max_load']} | "
               f"roof {out['points'][pol]['balance_roof_at_its_nodes']}", flush=True)

@@ -40,6 +40,17 @@ class MilpResult:
     optimal: bool  # the incumbent meets the bound (HiGHS' default MIP gap of 1e-4, or the aimed-at bound)
     seconds: float
     placement: Placement
+    source: Literal["highs", "incumbent"]  # whose placement this is: HiGHS' own, or the incumbent given to it
+    status: str  # HiGHS' stop of the last solve: optimal, time_limit, infeasible (no placement under the caps), ...
+    gap: float  # (objective - bound) / objective of the placement returned, 0 where proven
+
+    def summary(self, prefix: str) -> dict[str, object]:
+        """The fields a results row keeps, each key starting with prefix (bench/eplb_milp.py's JSON)."""
+        return {f"{prefix}{k}": v for k, v in (("source", self.source), ("status", self.status), ("gap", self.gap),
+                                               ("seconds", self.seconds))}
+
+
+STATUS = {0: "optimal", 1: "time_limit", 2: "infeasible", 3: "unbounded", 4: "other"}  # scipy milp's status codes
 
 
 class NoPlacement(RuntimeError):
@@ -104,7 +115,9 @@ def solve(load: np.ndarray, tokens: np.ndarray, cluster: Cluster, objective: Lit
     mx, nodes = placement_objectives(pl, load, tokens, cluster)
     best = mx if objective == "balance" else nodes
     optimal = bool(best <= bound + 1e-6 * max(abs(bound), 1.0)) or (res.x is not None and res.status == 0)
-    return MilpResult(mx, nodes, bound, optimal, time.perf_counter() - t0, pl)
+    gap = 0.0 if optimal else max(best - bound, 0.0) / max(abs(best), 1e-12)
+    return MilpResult(mx, nodes, bound, optimal, time.perf_counter() - t0, pl,
+                      "incumbent" if res.x is None else "highs", STATUS.get(res.status, str(res.status)), gap)
 
 
 def _run(mdl: Model, m_lo: float, m_hi: float, nodes_hi: float, seconds: float, aim: bool) -> Any:
@@ -198,14 +211,16 @@ def main() -> None:
                     print(f"  {pol}: {err}", flush=True)
             row = {"instance": name, "policy": pol, "max_load": mx, "nodes": nodes, "milp_max_load": best.max_load,
                    "milp_max_load_bound": best.bound, "milp_balance_optimal": best.optimal,
-                   "milp_balance_seconds": best.seconds,
+                   **best.summary("milp_balance_"),
                    "milp_nodes_at_max_load": None if fewest is None else fewest.nodes,
                    "milp_nodes_bound": None if fewest is None else fewest.bound,
-                   "milp_nodes_optimal": None if fewest is None else fewest.optimal}
+                   "milp_nodes_optimal": None if fewest is None else fewest.optimal,
+                   **(fewest.summary("milp_nodes_") if fewest is not None else {})}
             rows.append(row)
             print(f"  {pol}: max load {mx:.2f} ({mx / best.bound - 1:+.1%} vs bound), nodes {nodes:.3f}"
                   + ("" if fewest is None else f"; fewest nodes at that max load {fewest.nodes:.3f} "
-                     f"(bound {fewest.bound:.3f}, optimal {fewest.optimal})"), flush=True)
+                     f"(bound {fewest.bound:.3f}, optimal {fewest.optimal}, {fewest.source}, {fewest.status})"),
+                  flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({"time_limit": args.time_limit, "rows": rows}, indent=1))
 

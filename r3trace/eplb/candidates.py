@@ -10,7 +10,16 @@ bench/eplb_matrix.py's cells it balances some layers better than ours on the sam
 (independent router, s = 1.2, fast drift, 32x4x288: 0.997 vs 0.989 in sample, 0.801 vs 0.778 on the next window),
 and at high skew without spare slots its packing puts the hottest experts, one per GPU, on the first nodes (5.61
 nodes per token against ours' 6.24 at s = 0.9 on 16 nodes). Reordering whole GPUs (by_group) keeps every GPU's
-load, so it changes nodes per token only. Shape legend: T tokens, L layers, K top-k, E experts, P slots, G GPUs.
+load, so it changes nodes per token only.
+
+With P = E and tokens, ours' and global's GPUs are first moved between nodes by co-activation (regroup.py) in the
+layers where they tie on the max load, kept where the order fitted on the older half of the tokens has fewer nodes
+per token on the newer half (by REGROUP_Z standard errors), and the candidates compare on that newer half's nodes
+per token, a figure no candidate was fitted on. On bench/eplb_matrix.py's slow-drift P = E cells of the grouped
+router on 4-16 nodes, nodes per token held out fell 0.002-0.27 (128 GPUs / 16 nodes at s = 0.9: 5.62 -> 5.35,
+global 5.62). A plan keeps every GPU's load; held out, balancedness moved -0.007 .. +0.001 (64 GPUs / 8 nodes,
+s = 0.3: 0.688 -> 0.681, global 0.668), the re-plans' leveling swaps starting from another layout.
+Shape legend: T tokens, L layers, K top-k, E experts, P slots, G GPUs.
 """
 
 from __future__ import annotations
@@ -19,11 +28,13 @@ import numpy as np
 
 from r3trace.eplb.deepseek import global_policy
 from r3trace.eplb.placement import Cluster, from_phy2log
+from r3trace.eplb.regroup import gpu_coactivation, node_order, reordered
 from r3trace.eplb.score import even_gpu_load
 
 # a candidate whose forecast max GPU load is within this share of the lowest counts as balanced as it (the
 # forecast's own sampling noise is larger); then nodes per token decide
 MAX_LOAD_TIE = 0.002
+REGROUP_Z = 2.0  # standard errors by which a regrouped layer must have fewer nodes per token on held-out tokens
 
 
 def by_group(phy2log: np.ndarray, num_experts: int, cluster: Cluster) -> np.ndarray:
@@ -41,11 +52,55 @@ def by_group(phy2log: np.ndarray, num_experts: int, cluster: Cluster) -> np.ndar
 
 def nodes_per_token(phy2log: np.ndarray, tokens: np.ndarray, cluster: Cluster) -> np.ndarray:
     """phy2log [L, P] with every expert once, tokens [T, L, K] -> [L] mean distinct nodes of a token's experts."""
+    return token_nodes(phy2log, tokens, cluster).mean(0)
+
+
+def token_nodes(phy2log: np.ndarray, tokens: np.ndarray, cluster: Cluster) -> np.ndarray:
+    """phy2log [L, P] with every expert once, tokens [T, L, K] -> [T, L] distinct nodes of each token's experts."""
     n_layers = phy2log.shape[0]
     node_of = np.empty_like(phy2log)
     node_of[np.arange(n_layers)[:, None], phy2log] = cluster.slot_node()[None, :]  # [L, E]
     nodes = np.sort(node_of[np.arange(n_layers)[None, :, None], tokens], axis=2)  # [T, L, K]
-    return (1 + (np.diff(nodes, axis=2) != 0).sum(2)).mean(0)
+    return 1 + (np.diff(nodes, axis=2) != 0).sum(2)
+
+
+def regrouped(phy2log: np.ndarray, tokens: np.ndarray, cluster: Cluster,
+              layers: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """phy2log [L, P] with every expert once, tokens [T, L, K] -> (phy2log [L, P], nodes [L]): per layer regroup.py's
+    GPU order fitted on all the tokens where the order fitted on their older half has fewer nodes per token on the
+    newer half, else the layer as it was; nodes: the newer half's nodes per token of the half-fitted order or of
+    the layer as it was (a figure that was not fitted on the tokens it counts, so candidates compare fairly).
+    layers [L] bool: only these are regrouped (None: all).
+
+    Why held out: the regroup counts pairs of a token's experts, and with an independent router those pairs are
+    noise; fitted and judged on one window it lowered that window's nodes per token 2-3% and raised the next
+    window's 0.3% (bench/eplb_matrix.py, 128 GPUs / 16 nodes / 256 slots), where on grouped and clustered routers
+    it lowered the next window's 0.1-2.5%. Fitted on the older half, it lost on the newer half in 11 of the 12
+    layers of the independent cells and won in 72 of 72 grouped layers (9 of 12 clustered)."""
+    n_layers, half = phy2log.shape[0], len(tokens) // 2
+    newer = tokens[half:]
+    plain = token_nodes(phy2log, newer, cluster)  # [T / 2, L]
+    if half < 2:
+        return phy2log, plain.mean(0)
+    todo = np.ones(n_layers, dtype=bool) if layers is None else layers
+    trial = phy2log.copy()
+    sub = phy2log[todo]
+    older = gpu_coactivation(sub, tokens[:half, todo], cluster)  # [l, G, G], kept for the refit below
+    first = node_order(older, cluster)  # [l, G]
+    trial[todo] = reordered(sub, first, cluster)
+    diff = token_nodes(trial, newer, cluster) - plain  # [T / 2, L] paired per token
+    # fewer by more than REGROUP_Z standard errors of the paired mean (independent router: 1-3 layers of 12 were
+    # a little lower by chance, and the next window's nodes per token rose 0.002-0.008 with them)
+    helps = diff.mean(0) < -REGROUP_Z * diff.std(0, ddof=1) / np.sqrt(len(diff))
+    tried, plain = diff.mean(0) + plain.mean(0), plain.mean(0)
+    out = phy2log.copy()
+    if helps.any():  # refit on all the tokens, from the half's order (fewer swaps), in that order's GPU ids
+        pick = helps[todo]
+        a = older[pick] + gpu_coactivation(sub[pick], tokens[half:][:, helps], cluster)
+        o = first[pick]
+        a = np.take_along_axis(np.take_along_axis(a, o[:, :, None], 1), o[:, None, :], 2)
+        out[helps] = reordered(trial[helps], node_order(a, cluster), cluster)
+    return out, np.where(helps, tried, plain)
 
 
 def best_layout(phy2log: np.ndarray, w: np.ndarray, cluster: Cluster, tokens: np.ndarray | None) -> np.ndarray:
@@ -58,7 +113,10 @@ def best_layout(phy2log: np.ndarray, w: np.ndarray, cluster: Cluster, tokens: np
     tied = peak <= peak.min(0) * (1 + MAX_LOAD_TIE)
     if tokens is None or cluster.num_slots != e:
         cost = np.broadcast_to(np.arange(len(cands), dtype=np.float64)[:, None], peak.shape)
-    else:
-        cost = np.stack([nodes_per_token(c, tokens, cluster) for c in cands])
+    else:  # ours' and global's GPUs regrouped onto nodes by co-activation, in the layers where they tie on the
+        # max load (loads unchanged: regroup.py); global grouped is global's GPUs ordered by another rule, so its
+        # regroup would mostly repeat global's (regroup.py: the regroups are most of a fresh plan's time here)
+        both = [regrouped(c, tokens, cluster, tied[i] & (i != 1)) for i, c in enumerate(cands)]
+        cands, cost = np.stack([b[0] for b in both]), np.stack([b[1] for b in both])
     pick = np.argmin(np.where(tied, cost, np.inf), axis=0)  # [L]
     return cands[pick, np.arange(len(pick))]

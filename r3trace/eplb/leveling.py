@@ -13,7 +13,12 @@ its expert (extras sit on co-chosen nodes anyway), or, for an expert's only repl
 expert is of the same group and both nodes held that group in the input layout (both stay on their group's
 nodes) or both are cold (< `cold` x the mean slot load: rarely chosen, so their node matters little): 0.837
 and 5.67 nodes, measured when "its group's nodes" followed the running layout; reading them from the input
-layout instead moved 18-node plans by at most 0.001 balancedness and 0.01 nodes per token.
+layout instead moved 18-node plans by at most 0.001 balancedness and 0.01 nodes per token. With one group
+(a router without groups) every node holds it, so that rule would let any two lone replicas trade nodes; without
+a spare slot (P = E) only cold ones cross there (bench/eplb_matrix.py, 128 GPUs / 16 nodes / 256 slots, one
+group, re-plans: nodes per token 5.31 -> 4.62 at s = 1.2 with the independent router, 4.88 -> 4.81 clustered,
+balancedness equal). With spare slots the rule stays: there it cost 0.005-0.012 balancedness held out (16 GPUs
+/ 2 nodes / 288 slots) and gained no nodes per token.
 
 Shape legend: L layers, E experts, P slots, G GPUs, N nodes, S candidate slots (on the hottest GPUs).
 """
@@ -58,6 +63,9 @@ def level_refine(phy2log: np.ndarray, weight: np.ndarray, logcnt: np.ndarray, cl
     # had reached only through an earlier swap of a replica (seen in 1 of 300 random layouts of 18 nodes)
     group_nodes = np.zeros((n_layers, cluster.num_groups), dtype=mask_t)
     np.bitwise_or.at(group_nodes, (np.arange(n_layers)[:, None], out // gsize), bit[slot_node][None, :])
+    if cluster.num_groups == 1 and p == e:  # one group spans every node, so "both on its group's nodes" would
+        # hold for any two lone experts (module doc); with spare slots those swaps kept their balancedness gains
+        group_nodes[:] = 0
     hot_gpus = max(1, hot_slots // spg)
     gpn, n_gpus = cluster.gpus_per_node, cluster.num_gpus
     cold_gpus = min(n_gpus, max(1, 4 * hot_slots // spg))

@@ -17,6 +17,8 @@ random kicks and a descent again (_kicked) go on while they find a better layout
 instances, against HiGHS' proven optima 20.0 / 48.0 / 48.0 / 36.0: synth-e16 20.5 -> 20.0, synth-e32 48.75 ->
 48.25, sample-e32 49.0 -> 48.17, synth-e64 37.0 -> 36.0, with nodes per token 1.15 / 1.68 / 1.40 / 2.58 -> 1.15 /
 1.43 / 1.28 / 2.33 (the descent alone: 20.0 / 48.25 / 48.83 / 36.5).
+Last, with tokens under the "cover" rule, cover.py searches for fewer nodes per token at the max load reached
+(synth-e16 1.15 -> 1.00, sample-e32 1.28 -> 1.135: cover.py has the figures).
 Where: layers of at most POLISH_SLOTS slots on at most 8 nodes, in fresh plans only (a re-plan's churn budget
 stays the leveling's). A step scores a few thousand candidate layouts; at [58, 288] that would be 30-60x the
 plan-time budget, and there the leveling swaps already leave the hottest GPU within noise of the next window.
@@ -26,12 +28,14 @@ Shape legend: E experts, P slots, G GPUs, S slots per GPU, T tokens, K top-k, N 
 
 from __future__ import annotations
 
+from functools import partial
 from itertools import combinations
 from typing import Literal
 
 import numpy as np
 
 from r3trace.eplb.affinity import COACT_TOKENS
+from r3trace.eplb.cover import cover, cover_rounds, lower_cover, node_masks
 from r3trace.eplb.placement import Cluster
 
 POLISH_SLOTS = 128  # slots of a layer the polish runs on (the MILP's instances: 20-80; the sample model's: 32-64)
@@ -69,10 +73,16 @@ def polish(phy2log: np.ndarray, weight: np.ndarray, cluster: Cluster, tokens: np
     covers = 0 if tokens is None or rule != "cover" else min(len(tokens), COACT_TOKENS) * ((1 << cluster.num_nodes) - 1)
     rounds = KICKS // out.shape[0] if not covers else min(KICKS, KICK_COVERS // covers) // out.shape[0]
     rounds = rounds if rounds >= KICK_MIN_ROUNDS else 0
+    lowered = 0 if tokens is None or not covers else cover_rounds(cluster, out.shape[0], min(len(tokens), COACT_TOKENS))
+    spread = max(cluster.num_nodes, cluster.gpus_per_node)  # the planner's replica cap (planner.spread_cap)
     for layer in range(out.shape[0]):
         tok = None if tokens is None or not len(tokens) else np.asarray(tokens[-COACT_TOKENS:, layer], dtype=np.int64)
         w = np.asarray(weight[layer], dtype=np.float64)
         out[layer] = _kicked(out[layer], w, tok, cluster, max_steps, rule, rounds)
+        if lowered and tok is not None and max_steps > 0:  # then fewer nodes per token at that max load (cover.py)
+            cap = max(spread, int(np.bincount(out[layer]).max()))
+            out[layer] = lower_cover(out[layer], w, tok, cluster, lowered, partial(
+                _layer, w=w, tok=tok, cl=cluster, steps=max_steps, rule=rule), cap)
     return out
 
 
@@ -81,8 +91,8 @@ def _layer(ph: np.ndarray, w: np.ndarray, tok: np.ndarray | None, cl: Cluster, s
     e, n_gpu = len(w), cl.num_gpus
     tol = 1e-9 * max(float(w.sum()) / n_gpu, 1e-12)
     key = _keys(ph[None], w, cl, tol)[0]
-    mask = _node_masks(ph[None], e, cl)[0]
-    nodes = _nodes(mask[None], tok, cl)[0]
+    mask = node_masks(ph[None], e, cl)[0]
+    nodes = cover(mask[None], tok, cl)[0]
     for _ in range(steps):
         cand = _neighbours(ph, w, cl)  # [C, P]
         k = _keys(cand, w, cl, tol)  # [C, 2]: max GPU load, GPUs within tol of it
@@ -94,7 +104,7 @@ def _layer(ph: np.ndarray, w: np.ndarray, tok: np.ndarray | None, cl: Cluster, s
         pick = None
         for start in range(0, len(idx), BATCH):
             part = idx[start:start + BATCH]
-            m = _node_masks(cand[part], e, cl)  # [B, E]
+            m = node_masks(cand[part], e, cl)  # [B, E]
             if rule == "fixed":
                 ok = (m == mask).all(1)
                 nd = np.full(len(part), nodes)
@@ -104,7 +114,7 @@ def _layer(ph: np.ndarray, w: np.ndarray, tok: np.ndarray | None, cl: Cluster, s
             else:  # covers change only where some expert's nodes do: most swaps stay inside a node
                 moved = (m != mask).any(1)
                 nd = np.full(len(part), nodes)
-                nd[moved] = _nodes(m[moved], tok, cl)
+                nd[moved] = cover(m[moved], tok, cl)
                 ok = nd <= nodes + 1e-12
             if ok.any():
                 j = np.flatnonzero(ok)
@@ -162,26 +172,6 @@ def _keys(cand: np.ndarray, w: np.ndarray, cl: Cluster, tol: float) -> np.ndarra
     return np.stack([mx, (gpu > (mx - tol)[:, None]).sum(1)], 1)
 
 
-def _node_masks(cand: np.ndarray, e: int, cl: Cluster) -> np.ndarray:
-    """[C, P] -> [C, E] bitmask of the nodes holding each expert (node k = bit k)."""
-    c = len(cand)
-    bits = (np.int64(1) << cl.slot_node()).astype(np.int64)
-    out = np.zeros((c, e), dtype=np.int64)
-    np.bitwise_or.at(out, (np.repeat(np.arange(c), cand.shape[1]), cand.ravel()), np.tile(bits, c))
-    return out
-
-
-def _nodes(masks: np.ndarray, tok: np.ndarray | None, cl: Cluster) -> np.ndarray:
-    """[B, E] node masks, tokens [T, K] -> [B] mean over tokens of the fewest nodes holding all K experts."""
-    if tok is None or cl.num_nodes == 1:
-        return np.ones(len(masks))
-    subsets = np.arange(1, 1 << cl.num_nodes, dtype=np.int64)
-    size = np.array([bin(int(s)).count("1") for s in subsets])
-    tm = masks[:, tok]  # [B, T, K]
-    covers = ((tm[..., None] & subsets) != 0).all(2)  # [B, T, 2^N - 1]
-    return np.where(covers, size, cl.num_nodes + 1).min(2).mean(1)
-
-
 def _kicked(ph: np.ndarray, w: np.ndarray, tok: np.ndarray | None, cl: Cluster, steps: int, rule: NodeRule,
             rounds: int) -> np.ndarray:
     """The descent (_layer), then up to `rounds` rounds of iterated local search: KICK_SWAPS random slot swaps of
@@ -197,17 +187,17 @@ def _kicked(ph: np.ndarray, w: np.ndarray, tok: np.ndarray | None, cl: Cluster, 
         return ph
     e = len(w)
     tol = 1e-9 * max(float(w.sum()) / cl.num_gpus, 1e-12)
-    mask0 = _node_masks(ph[None], e, cl)[0]
+    mask0 = node_masks(ph[None], e, cl)[0]
     by_cover = rule == "cover" and tok is not None
-    n0 = _nodes(mask0[None], tok, cl)[0]
+    n0 = cover(mask0[None], tok, cl)[0]
 
     def allowed(x: np.ndarray) -> tuple[bool, float]:
-        m = _node_masks(x[None], e, cl)[0]
+        m = node_masks(x[None], e, cl)[0]
         if rule == "fixed":
             return bool((m == mask0).all()), n0
         if not by_cover:
             return bool(((m & mask0) == mask0).all()), n0
-        nd = float(_nodes(m[None], tok, cl)[0])
+        nd = float(cover(m[None], tok, cl)[0])
         return nd <= n0 + 1e-12, nd
 
     best = _layer(ph, w, tok, cl, steps, rule)

@@ -49,3 +49,21 @@ def test_balance_roof_is_the_brute_force_maximum(case: tuple[np.ndarray, np.ndar
         assert got["roof"] >= best - 1e-6  # a valid upper bound
         assert got["optimal"] and got["found"] == pytest.approx(best)
         assert got["found_nodes"] <= cap + 1e-9
+
+
+def test_a_policys_own_placement_is_the_answer_where_highs_finds_none(
+        case: tuple[np.ndarray, np.ndarray, np.ndarray]) -> None:
+    """Stopped before HiGHS has a placement (1 us), the nodes floor at a placement's own max load still reports that
+    placement as found (bench/eplb_corner.py passes each policy's own), where without it nothing is found; the
+    balance roof (whose search gets 1 s at least) finds one at least as balanced as it."""
+    from bench.eplb_milp import placement_objectives
+    from r3trace.eplb.placement import from_phy2log
+
+    load, tok, _ = case
+    pl = from_phy2log(np.array([[0, 1, 2, 3, 0, 1, 2, 3]]), E)
+    mx, nodes = placement_objectives(pl, load, tok, CL)
+    floor = nodes_floor(load, tok, CL, mx, time_limit=1e-6, incumbent=pl)
+    assert floor["found"] == pytest.approx(nodes) and floor["found_max_load"] == pytest.approx(mx)
+    assert nodes_floor(load, tok, CL, mx, time_limit=1e-6)["found"] is None
+    roof = balance_roof(load, tok, CL, nodes, time_limit=1e-6, incumbent=pl)
+    assert roof["found"] >= load.sum() / 4 / mx - 1e-12 and roof["found_nodes"] <= nodes + 1e-12

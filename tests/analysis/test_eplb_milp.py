@@ -120,3 +120,19 @@ def test_the_shared_command_line(monkeypatch: pytest.MonkeyPatch, capsys: pytest
         with pytest.raises(SystemExit):
             parse(*bad)
     assert "--time-limit=0.0 must be > 0 seconds" in capsys.readouterr().err
+
+
+def test_the_result_says_whose_placement_it_is() -> None:
+    """A nodes solve stopped before HiGHS has any placement (1 us) returns the incumbent given to it, says so, and
+    gives its gap to the bound (ours 1.0625 over a bound of 1 here); solved, it is HiGHS' own and proven (1.0)."""
+    load, tok = _instance(4)
+    ours = plan(load[None], CL, tokens=tok[:, None])
+    mx, nodes = placement_objectives(ours, load, tok, CL)
+    cut = solve(load, tok, CL, "nodes", max_load_cap=mx, max_replicas=3, time_limit=1e-6, incumbent=ours)
+    assert (cut.source, cut.status, cut.optimal) == ("incumbent", "time_limit", False)
+    np.testing.assert_array_equal(cut.placement.phy2log, ours.phy2log)
+    assert cut.nodes == pytest.approx(nodes) and cut.gap == pytest.approx((nodes - cut.bound) / nodes)
+    assert cut.summary("milp_nodes_") == {"milp_nodes_source": "incumbent", "milp_nodes_status": "time_limit",
+                                          "milp_nodes_gap": cut.gap, "milp_nodes_seconds": cut.seconds}
+    done = solve(load, tok, CL, "nodes", max_load_cap=mx, max_replicas=3, time_limit=60, incumbent=ours)
+    assert (done.source, done.status, done.optimal, done.gap) == ("highs", "optimal", True, 0.0)

@@ -7,8 +7,9 @@ import pytest
 
 import r3trace.eplb.polish as polish_mod
 from r3trace.eplb import Cluster, PlannerConfig, plan
+from r3trace.eplb.cover import cover, node_masks
 from r3trace.eplb.placement import check_placement, from_phy2log
-from r3trace.eplb.polish import _node_masks, _nodes, polish
+from r3trace.eplb.polish import polish
 from r3trace.eplb.score import even_gpu_load
 
 CL = Cluster(4, 2, 20, num_groups=4)  # bench/eplb_milp.py's synth-e16 shape: 16 experts, 5 slots per GPU
@@ -24,7 +25,7 @@ def _instance(seed: int = 0, e: int = 16, k: int = 2, t: int = 40) -> tuple[np.n
 
 def _scores(p2l: np.ndarray, load: np.ndarray, tok: np.ndarray) -> tuple[float, float]:
     mx = float(even_gpu_load(from_phy2log(p2l, len(load)), load[None], CL).max())
-    return mx, float(_nodes(_node_masks(p2l, len(load), CL), tok, CL)[0])
+    return mx, float(cover(node_masks(p2l, len(load), CL), tok, CL)[0])
 
 
 def test_reaches_the_milp_optimum_on_synth_e16_without_more_nodes() -> None:
@@ -45,20 +46,20 @@ def test_node_rules_hold_on_random_layers() -> None:
     for seed in range(4):
         load, tok = _instance(seed + 1)
         p2l = plan(load[None], CL, tokens=tok[:, None], cfg=PlannerConfig(polish_steps=0)).phy2log
-        m0 = _node_masks(p2l, 16, CL)
+        m0 = node_masks(p2l, 16, CL)
         mx0, n0 = _scores(p2l, load, tok)
         w = load[None] * rng.uniform(0.9, 1.1, 16)  # a forecast a little off the tokens' counts
         for rule in ("cover", "keep", "fixed"):
             out = polish(p2l, w, CL, tok[:, None], 64, rule)
             assert (np.bincount(out[0], minlength=16) >= 1).all() and out.shape == p2l.shape
-            m1 = _node_masks(out, 16, CL)
+            m1 = node_masks(out, 16, CL)
             mx1 = float(even_gpu_load(from_phy2log(out, 16), w, CL).max())
             assert mx1 <= float(even_gpu_load(from_phy2log(p2l, 16), w, CL).max()) + 1e-9
             if rule == "fixed":
                 np.testing.assert_array_equal(m1, m0)
             if rule == "keep":
                 assert ((m1 & m0) == m0).all()  # node sets only grow: no token's cover can
-            assert _nodes(m1, tok, CL)[0] <= n0 + 1e-12
+            assert cover(m1, tok, CL)[0] <= n0 + 1e-12
 
 
 def test_kicks_never_raise_nodes_per_token_under_a_forecast() -> None:
@@ -84,9 +85,12 @@ def test_large_layers_are_left_alone() -> None:
 
 def test_kicks_reach_the_mean_where_the_descent_stops_above_it(monkeypatch: pytest.MonkeyPatch) -> None:
     # bench/eplb_milp.py's synth-e64 (16 GPUs / 4 nodes / 80 slots): the descent alone stops at 36.5, the kicked
-    # rounds reach the mean GPU load 36.0 (so the optimum, as HiGHS also proves) with fewer nodes per token
+    # rounds reach the mean GPU load 36.0 (so the optimum, as HiGHS also proves) with fewer nodes per token; the
+    # search for fewer nodes after them (cover.py, which lowers the max load too: 36.5 -> 36.33) is off here
+    import r3trace.eplb.cover as cover_mod
     from bench.eplb_milp import instance
 
+    monkeypatch.setattr(cover_mod, "COVER_ROUNDS", 0)
     load, tok, cl = instance("synth-e64")
     before = plan(load[None], cl, tokens=tok[:, None], cfg=PlannerConfig(polish_steps=0)).phy2log
     got = {}
@@ -95,7 +99,7 @@ def test_kicks_reach_the_mean_where_the_descent_stops_above_it(monkeypatch: pyte
         out = polish(before, load[None], cl, tok[:, None], 64, "cover")
         check_placement(from_phy2log(out, len(load)), cl)
         mx = float(even_gpu_load(from_phy2log(out, len(load)), load[None], cl).max())
-        got[kicks] = (mx, float(_nodes(_node_masks(out, len(load), cl), tok, cl)[0]))
-    n_before = float(_nodes(_node_masks(before, len(load), cl), tok, cl)[0])
+        got[kicks] = (mx, float(cover(node_masks(out, len(load), cl), tok, cl)[0]))
+    n_before = float(cover(node_masks(before, len(load), cl), tok, cl)[0])
     assert got[0][0] == pytest.approx(36.5) and got[polish_mod.KICKS][0] == pytest.approx(load.sum() / 16)
     assert got[polish_mod.KICKS][1] <= got[0][1] <= n_before + 1e-12
