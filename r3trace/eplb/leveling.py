@@ -66,7 +66,7 @@ def level_refine(phy2log: np.ndarray, weight: np.ndarray, logcnt: np.ndarray, cl
     if cluster.num_groups == 1 and p == e:  # one group spans every node, so "both on its group's nodes" would
         # hold for any two lone experts (module doc); with spare slots those swaps kept their balancedness gains
         group_nodes[:] = 0
-    hot_gpus = max(1, hot_slots // spg)
+    hot_gpus = min(cluster.num_gpus, max(1, hot_slots // spg))  # a small cluster has fewer GPUs than hot_slots asks
     gpn, n_gpus = cluster.gpus_per_node, cluster.num_gpus
     cold_gpus = min(n_gpus, max(1, 4 * hot_slots // spg))
     in_gpu, in_node = np.arange(spg), np.arange(gpn)

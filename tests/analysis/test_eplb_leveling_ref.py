@@ -20,7 +20,7 @@ def reference(ph: np.ndarray, w: np.ndarray, logcnt: np.ndarray, cl: Cluster, sw
     spg, gpn, e = cl.slots_per_gpu, cl.gpus_per_node, w.shape[1]
     gsize = e // cl.num_groups
     node_of = np.arange(cl.num_slots) // cl.slots_per_node
-    hot_n, cold_n = max(1, hot_slots // spg), min(cl.num_gpus, max(1, 4 * hot_slots // spg))
+    hot_n, cold_n = min(cl.num_gpus, max(1, hot_slots // spg)), min(cl.num_gpus, max(1, 4 * hot_slots // spg))
     for li in range(len(out)):
         row = out[li]
         per = w[li] / logcnt[li]
@@ -124,3 +124,21 @@ def test_one_group_keeps_lone_experts_on_their_nodes_unless_cold(slots: int) -> 
                  if set(node_of[got[li] == x]) != set(node_of[ph[li] == x]) and w[li, x] >= cold[li]]
     assert (moved_hot == []) == (slots == e), moved_hot
     assert (got != ph).any()
+
+
+def test_a_cluster_with_fewer_gpus_than_the_hot_slots_ask() -> None:
+    """4 GPUs of 2 slots: hot_slots = 16 asks for 8 hot GPUs; level_refine takes the 4 there are (it broadcast
+    [S, B] arrays of 8 GPUs' slots against 4 and raised inside plan()), equal to the reference loop, and plan()
+    returns a placement of every expert."""
+    from r3trace.eplb.planner import plan
+
+    rng = np.random.default_rng(11)
+    cl = Cluster(4, 2, 8, num_groups=1)
+    e, n_layers = 5, 2
+    w = rng.pareto(1.0, (n_layers, e)) + 0.05
+    logcnt = capped_counts(w, cl.num_slots, max(cl.num_nodes, cl.gpus_per_node))
+    ph = np.stack([rng.permutation(np.repeat(np.arange(e), logcnt[i])) for i in range(n_layers)])
+    got = level_refine(ph, w, logcnt, cl, 20, 0.0, 0.5)
+    np.testing.assert_array_equal(got, reference(ph, w, logcnt, cl, 20, 0.0, 0.5, True))
+    placed = plan(rng.random((3, n_layers, e)), cl)
+    assert all(set(row) == set(range(e)) for row in placed.phy2log)
