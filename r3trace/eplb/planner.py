@@ -52,6 +52,7 @@ from typing import Literal, NamedTuple
 import numpy as np
 
 from r3trace.eplb.affinity import CoChoices, affinity_replicas, home_primaries
+from r3trace.eplb.alignment import align
 from r3trace.eplb.candidates import best_layout
 from r3trace.eplb.deepseek import group_nodes, pack_nodes, spread_replicas
 from r3trace.eplb.forecast import ALPHAS, backtest_errors, drifts, forecast
@@ -208,10 +209,13 @@ def plan(
     share = 1.0 if moving else cfg.churn_budget
     budget = int(share * kept.size) - int((kept != prev.phy2log).sum())
     gain = prev_max / new_max  # [L]
+    moves = np.zeros_like(kept)
+    up = gain > 1 + cfg.keep_tolerance  # [L] the layers that may be re-placed, aligned at once
+    moves[up] = align(fresh.phy2log[up], prev.phy2log[up], cluster)
     for layer in np.argsort(-gain, kind="stable"):  # biggest gains first, while the churn budget lasts
-        if gain[layer] <= 1 + cfg.keep_tolerance:
+        if not up[layer]:
             break
-        moved = _align(fresh.phy2log[layer], prev.phy2log[layer], cluster)
+        moved = moves[layer]
         cost = int((moved != prev.phy2log[layer]).sum()) - int((kept[layer] != prev.phy2log[layer]).sum())
         if cost <= budget:
             kept[layer] = moved
@@ -239,7 +243,7 @@ def seeded_plan(w: np.ndarray, prev: Placement, cluster: Cluster, cfg: PlannerCo
                 take[layer] = True
         logcnt = np.where(take[:, None], logcnt, prev.logcnt)
         moved = np.where(take, moved, 0)
-    phy2log = reseat(prev.phy2log, logcnt, w, CoChoices(tokens, e).row, cluster)
+    phy2log = reseat(prev.phy2log, logcnt, w, CoChoices(tokens, e).rows, cluster)
     swaps = int(budget - moved.sum()) // (2 * n_layers)
     leveled = level_refine(phy2log, w, logcnt, cluster, swaps, cfg.replan_level_min_gain, cfg.level_cold)
     # a layer keeps its swaps only where they lower its hottest GPU by more than replan_min_drop
@@ -259,45 +263,7 @@ def refreshed(low: np.ndarray, fresh: Placement, w: np.ndarray, prev: Placement,
     if ratio.mean() <= 1 + gain:
         return low
     out = low.copy()
-    for layer in np.flatnonzero(ratio > 1):
-        out[layer] = _align(fresh.phy2log[layer], prev.phy2log[layer], cluster)
+    take = np.flatnonzero(ratio > 1)
+    out[take] = align(fresh.phy2log[take], prev.phy2log[take], cluster)
     return out
 
-
-def _align(new: np.ndarray, prev: np.ndarray, cluster: Cluster) -> np.ndarray:
-    """One layer [P]: relabel new's GPUs inside each node and order slots so as many as possible match prev."""
-    spg, gpn = cluster.slots_per_gpu, cluster.gpus_per_node
-    out = np.empty_like(new)
-    for node in range(cluster.num_nodes):
-        gpus = range(node * gpn, (node + 1) * gpn)
-        new_sets = [new[g * spg:(g + 1) * spg] for g in gpus]
-        prev_sets = [prev[g * spg:(g + 1) * spg] for g in gpus]
-        # [gpn, gpn] distinct experts GPU a of new shares with GPU b of prev, as one product of expert masks (a
-        # pairwise np.intersect1d was 0.9 s of a 1.3 s drifting re-plan at [58, 256] on 18 nodes)
-        e = int(max(new.max(), prev.max())) + 1
-        has_new, has_prev = np.zeros((gpn, e), dtype=np.int64), np.zeros((gpn, e), dtype=np.int64)
-        has_new[np.arange(gpn)[:, None], np.stack(new_sets)] = 1
-        has_prev[np.arange(gpn)[:, None], np.stack(prev_sets)] = 1
-        overlap = has_new @ has_prev.T
-        target = [-1] * gpn
-        for _ in range(gpn):  # greedy matching, largest overlap first
-            a, b = np.unravel_index(np.argmax(overlap), overlap.shape)
-            target[int(a)] = int(b)
-            overlap[a, :] = -1
-            overlap[:, b] = -1
-        for i, tgt in enumerate(target):
-            old = list(prev_sets[tgt])
-            slots = [-1] * spg
-            rest = []
-            for x in new_sets[i]:
-                if x in old and slots[old.index(x)] == -1:
-                    slots[old.index(x)] = x
-                    old[old.index(x)] = -2  # a duplicate replica must take another slot
-                else:
-                    rest.append(x)
-            free = [s for s in range(spg) if slots[s] == -1]
-            for s, x in zip(free, rest, strict=True):
-                slots[s] = x
-            g = node * gpn + tgt
-            out[g * spg:(g + 1) * spg] = slots
-    return out
