@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from r3trace.eplb import Cluster, PlannerConfig, churn, from_phy2log, global_policy, plan
 from r3trace.eplb.candidates import MAX_LOAD_TIE, best_layout, by_group, nodes_per_token
@@ -81,6 +82,18 @@ def test_nodes_per_token_without_replicas_is_the_dispatchers_cover() -> None:
     cl = Cluster(32, 8, E, num_groups=8)
     pl = global_policy(heat_of(routes, E), cl)
     np.testing.assert_allclose(nodes_per_token(pl.phy2log, routes, cl), node_limited(pl, routes, cl).nodes.mean(0))
+
+
+@pytest.mark.parametrize("gpus,nodes,experts", [(72, 9, 72), (64, 16, 64), (64, 64, 64), (128, 128, 128)])
+def test_nodes_per_token_counts_each_tokens_distinct_nodes(gpus: int, nodes: int, experts: int) -> None:
+    # node bits ORed per token against a set per token: 9 and 16 nodes in 16-bit masks, 64 in all 64 bits, 128 by a sort
+    rng = np.random.default_rng(nodes)
+    routes = rng.integers(0, experts, (256, L, K))  # [T, L, K]
+    cl = Cluster(gpus, nodes, experts)
+    ph = np.stack([rng.permutation(experts) for _ in range(L)])  # [L, P]
+    node = cl.slot_node()[np.argsort(ph, axis=1)]  # [L, E] node of each expert
+    want = [np.mean([len({int(node[layer, x]) for x in t}) for t in routes[:, layer]]) for layer in range(L)]
+    np.testing.assert_array_equal(nodes_per_token(ph, routes, cl), want)
 
 
 def test_best_layout_is_as_balanced_as_the_best_candidate_and_touches_fewest_nodes_among_the_tied() -> None:
