@@ -61,7 +61,7 @@ from r3trace.eplb.leveling import level_refine
 from r3trace.eplb.placement import Cluster, Placement, PlacementError, from_phy2log
 from r3trace.eplb.polish import NodeRule, polish
 from r3trace.eplb.refine import swap_refine
-from r3trace.eplb.reseat import reseat
+from r3trace.eplb.replan import refreshed, seeded_plan
 from r3trace.eplb.score import even_gpu_load, node_counts
 
 
@@ -101,6 +101,9 @@ class PlannerConfig:
     # re-plans keep the churn budgets
     refresh_drift: float = 0.1
     refresh_gain: float = 0.02
+    # a drifting re-plan seeds only layers whose max-load floor exceeds (1 + refresh_floor) x their mean GPU load; the
+    # others take the fresh plan (replan.py: below 1.5x every such layer lost to it on the fast-drift cells, by >= 1.6%)
+    refresh_floor: float = 0.25
 
     def __post_init__(self) -> None:
         bad_alpha = self.ema_alpha is not None and not 0 <= self.ema_alpha <= 1
@@ -191,12 +194,12 @@ def plan(
     w = forecast(loads, cfg.ema_alpha if err is None else ALPHAS[int(np.argmin(err))])
     moving = drifts(loads, err, cfg.refresh_drift)
     if prev is not None and spreads(cluster, cfg) and not cfg.keep_groups:
-        low = seeded_plan(w, prev, cluster, cfg, tokens)
-        if moving:
-            # the fresh plan here is a full move anyway, so global's layout competes for every layer (candidates.py)
-            anew = fresh_plan(w, None, cluster, cfg, tokens, compete=True)
-            low = refreshed(low, anew, w, prev, cluster, cfg.refresh_gain)
-        return from_phy2log(low, w.shape[1])
+        cap = spread_cap(cluster)
+        if not moving:
+            return from_phy2log(seeded_plan(w, prev, cluster, cfg, cap, tokens), w.shape[1])
+        # the fresh plan here is a full move anyway, so global's layout competes for every layer (candidates.py)
+        anew = fresh_plan(w, None, cluster, cfg, tokens, compete=True)
+        return from_phy2log(refreshed(anew, w, prev, cluster, cfg, cap, tokens), w.shape[1])
     home = group_nodes(w, cluster) if prev is None else node_counts(prev, cluster).argmax(2)
     fresh = fresh_plan(w, home, cluster, cfg, tokens)
     if prev is None:
@@ -221,49 +224,4 @@ def plan(
             kept[layer] = moved
             budget -= cost
     return from_phy2log(kept, w.shape[1])
-
-
-def seeded_plan(w: np.ndarray, prev: Placement, cluster: Cluster, cfg: PlannerConfig,
-                tokens: np.ndarray | None = None) -> np.ndarray:
-    """Forecast w [L, E], previous placement -> phy2log [L, P]: the fresh replica counts reseated into prev
-    (reseat.py), then leveling swaps with what is left of the churn budget, spread evenly over layers.
-
-    Where the counts alone would move more than the budget, layers take them in order of the largest drop
-    in forecast max load per replica and the rest keep their previous counts.
-    """
-    n_layers, e = w.shape
-    logcnt = capped_counts(w, cluster.num_slots, spread_cap(cluster))
-    moved = np.abs(logcnt - prev.logcnt).sum(1) // 2  # [L] slots reseating changes in each layer
-    budget = int(cfg.seeded_churn_budget * prev.phy2log.size)
-    if moved.sum() > budget:
-        gain = (w / prev.logcnt).max(1) / (w / logcnt).max(1)
-        take = np.zeros(n_layers, dtype=bool)
-        for layer in np.argsort(-gain, kind="stable"):
-            if moved[take].sum() + moved[layer] <= budget:
-                take[layer] = True
-        logcnt = np.where(take[:, None], logcnt, prev.logcnt)
-        moved = np.where(take, moved, 0)
-    phy2log = reseat(prev.phy2log, logcnt, w, CoChoices(tokens, e).rows, cluster)
-    swaps = int(budget - moved.sum()) // (2 * n_layers)
-    leveled = level_refine(phy2log, w, logcnt, cluster, swaps, cfg.replan_level_min_gain, cfg.level_cold)
-    # a layer keeps its swaps only where they lower its hottest GPU by more than replan_min_drop
-    before = even_gpu_load(from_phy2log(phy2log, e), w, cluster).max(1)
-    after = even_gpu_load(from_phy2log(leveled, e), w, cluster).max(1)
-    better = after < before * (1 - cfg.replan_min_drop)
-    return np.where(better[:, None], leveled, phy2log)
-
-
-def refreshed(low: np.ndarray, fresh: Placement, w: np.ndarray, prev: Placement, cluster: Cluster,
-              gain: float) -> np.ndarray:
-    """A budgeted re-plan low [L, P] and a fresh plan on the same forecast w [L, E] -> phy2log [L, P]: where the
-    fresh plan's forecast max GPU load is lower than low's by more than `gain` on average over layers, every
-    layer it lowers takes the fresh layout (aligned to prev so that kept replicas stay in their slots)."""
-    e = w.shape[1]
-    ratio = even_gpu_load(from_phy2log(low, e), w, cluster).max(1) / even_gpu_load(fresh, w, cluster).max(1)  # [L]
-    if ratio.mean() <= 1 + gain:
-        return low
-    out = low.copy()
-    take = np.flatnonzero(ratio > 1)
-    out[take] = align(fresh.phy2log[take], prev.phy2log[take], cluster)
-    return out
 
