@@ -18,8 +18,8 @@ from __future__ import annotations
 import numpy as np
 
 from r3trace.eplb.deepseek import global_policy
-from r3trace.eplb.placement import Cluster, from_phy2log
-from r3trace.eplb.score import even_gpu_load
+from r3trace.eplb.placement import Cluster
+from r3trace.eplb.score import phy2log_gpu_load
 
 # a candidate whose forecast max GPU load is within this share of the lowest counts as balanced as it (the
 # forecast's own sampling noise is larger); then nodes per token decide
@@ -74,7 +74,7 @@ def best_layout(phy2log: np.ndarray, w: np.ndarray, cluster: Cluster, tokens: np
     e = w.shape[1]
     glob = global_policy(w, cluster).phy2log
     cands = np.stack([phy2log, by_group(glob, e, cluster), glob])  # [3, L, P]
-    peak = np.stack([even_gpu_load(from_phy2log(c, e), w, cluster).max(1) for c in cands])  # [3, L]
+    peak = np.stack([phy2log_gpu_load(c, w, cluster).max(1) for c in cands])  # [3, L]
     tied = peak <= peak.min(0) * (1 + MAX_LOAD_TIE)
     cost = np.broadcast_to(np.arange(len(cands), dtype=np.float64)[:, None], peak.shape).copy()
     need = tied.sum(0) > 1  # [L] layers where nodes per token decide (a lone candidate within the tie wins)

@@ -25,9 +25,9 @@ from r3trace.eplb.affinity import CoChoices
 from r3trace.eplb.alignment import align
 from r3trace.eplb.homing import capped_counts
 from r3trace.eplb.leveling import level_refine
-from r3trace.eplb.placement import Cluster, Placement, from_phy2log
+from r3trace.eplb.placement import Cluster, Placement
 from r3trace.eplb.reseat import reseat
-from r3trace.eplb.score import even_gpu_load
+from r3trace.eplb.score import even_gpu_load, phy2log_gpu_load
 
 if TYPE_CHECKING:
     from r3trace.eplb.planner import PlannerConfig
@@ -69,8 +69,8 @@ def seeded_plan(w: np.ndarray, prev: Placement, cluster: Cluster, cfg: PlannerCo
     co = CoChoices(tokens, e)
     ph = reseat(prev.phy2log[rows], logcnt[rows], w[rows], lambda i, xs: co.rows(int(rows[i]), xs), cluster)
     leveled = level_refine(ph, w[rows], logcnt[rows], cluster, swaps, cfg.replan_level_min_gain, cfg.level_cold)
-    before = even_gpu_load(from_phy2log(ph, e), w[rows], cluster).max(1)
-    after = even_gpu_load(from_phy2log(leveled, e), w[rows], cluster).max(1)
+    before = phy2log_gpu_load(ph, w[rows], cluster).max(1)
+    after = phy2log_gpu_load(leveled, w[rows], cluster).max(1)
     better = after < before * (1 - cfg.replan_min_drop)
     out[rows] = np.where(better[:, None], leveled, ph)
     return out
@@ -103,16 +103,15 @@ def refreshed(fresh: Placement, w: np.ndarray, prev: Placement, cluster: Cluster
     GPU load is lower by more than refresh_gain on average over layers, every layer it lowers takes the fresh
     layout (aligned to prev so that kept replicas stay in their slots). Layers whose max-load floor is at most
     (1 + refresh_floor) x their mean GPU load are not seeded: they take the fresh layout (module doc)."""
-    e = w.shape[1]
     peak = even_gpu_load(fresh, w, cluster).max(1)  # [L]
     logcnt, _ = seeded_counts(w, prev, cluster, cfg, cap)
     seed = floor_bound(w, logcnt, cluster, cfg.refresh_floor)
     low = seeded_plan(w, prev, cluster, cfg, cap, tokens, seed)
-    ratio = even_gpu_load(from_phy2log(low, e), w, cluster).max(1) / peak  # [L] unseeded rows: prev's
+    ratio = phy2log_gpu_load(low, w, cluster).max(1) / peak  # [L] unseeded rows: prev's
     if seed.all() or ratio.mean() <= 1 + cfg.refresh_gain:
         if not seed.all():  # the stand-in cannot call a refresh: seed the rest too and decide on the seeded plan
             low[~seed] = seeded_plan(w, prev, cluster, cfg, cap, tokens, ~seed)[~seed]
-            ratio = even_gpu_load(from_phy2log(low, e), w, cluster).max(1) / peak
+            ratio = phy2log_gpu_load(low, w, cluster).max(1) / peak
         if ratio.mean() <= 1 + cfg.refresh_gain:
             return low
         take = np.flatnonzero(ratio > 1)
