@@ -3,8 +3,8 @@
 1. Forecast: an exponential moving average of the per-window loads [W, L, E] (each window normalised to
    rates; weights normalised over the windows there are, _smooth), so one noisy window does not move
    replicas: the global policy plans on the last window alone and loses 4-6 points of balancedness on the
-   next one. Its weight is picked per plan by backtest on the history (forecast.py, choose_alpha: slow drift
-   wants a long memory, fast drift a short one); the same backtest says whether the workload drifts (step 5).
+   next one. A backtest on the history (forecast.py) says whether the workload drifts (step 5); where it does,
+   the weight is its best one (fast drift wants a short memory), else the plain mean (`mean_unless_drift`).
 2. Replica counts: the global policy's rule (each extra slot to the expert with the highest load per
    replica), capped at the GPUs of one node (homing.capped_counts).
 3. Layout (`layout` says which and why). On one node every replica sits on it. On several nodes
@@ -41,7 +41,8 @@
    that lowers the forecast max GPU load, when they lower it by > `refresh_gain` on average (refreshed; in the
    multi-node layout per layer the best of ours and global's, candidates.py): on the fast-drift cells of
    bench/eplb_matrix.py a budgeted re-plan moved 9.5% of slots and trailed global on the newest window by up to
-   0.04 (10 of 24 cells missed it); refreshed, 7-71% of slots a re-plan (mean per cell), 2 of 24 miss.
+   0.04 (10 of 24 cells missed it); refreshed, 7-71% of slots a re-plan (mean per cell), 2 of 24 miss. There a
+   drifting re-plan seeds only the layers whose hottest replicas set their max load (replan.py says why).
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ from r3trace.eplb.score import even_gpu_load, node_counts
 class PlannerConfig:
     # Weight of the newest window in the forecast; a fixed 0.35 (~5 windows of memory) lost to DeepSeek's global
     # policy on 8 summed windows under slow drift and would lose to the newest window alone under fast drift
-    ema_alpha: float | None = None  # None: chosen per plan by backtest on the history (choose_alpha)
+    ema_alpha: float | None = None  # None: by backtest on the history (mean_unless_drift, forecast.py)
     home_slack: float = 0.0  # home node only when no heavier than the lightest; 0.02-0.05 lost 0.3-1 point
     fresh_swaps: int = 32  # swaps after a fresh plan (a layer stops early once a swap gains < min_gain)
     replan_swap_share: float = 0.05  # slots a kept layer's swaps may move (2 per swap): 7 swaps on 288 slots
