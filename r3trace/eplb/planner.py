@@ -105,6 +105,7 @@ class PlannerConfig:
     # a drifting re-plan seeds only layers whose max-load floor exceeds (1 + refresh_floor) x their mean GPU load; the
     # others take the fresh plan (replan.py: below 1.5x every such layer lost to it on the fast-drift cells, by >= 1.6%)
     refresh_floor: float = 0.25
+    refresh_sure: float = 0.1  # ... when the unseeded layers' previous ratio (a stand-in) says > 1.1 on average
     # the forecast is the plain mean of the windows unless the backtest calls drift (its best weight's squared error
     # beats the mean's by > refresh_drift over >= 2 windows): a weight that wins the backtest by less, or with fewer
     # windows to backtest on, follows noise in the hot experts' loads. Held out under slow drift, 144/18/288,

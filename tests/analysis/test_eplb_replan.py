@@ -89,3 +89,9 @@ def test_a_drifting_replan_seeds_floor_bound_layers_only(seed: int) -> None:
     assert (old[1:] != prev.phy2log[1:]).mean() > 0.3  # the old rule refreshed: so does the new one, on layers 1..
     np.testing.assert_array_equal(out[1:], align(fresh.phy2log[1:], prev.phy2log[1:], cl))
     np.testing.assert_array_equal(out[0], old[0])  # the seeded layer as before
+    # a stand-in that may never call a refresh: every layer seeded, the old rule's plan exactly
+    unsure = PlannerConfig(refresh_sure=1e9)
+    np.testing.assert_array_equal(refreshed(fresh, w, prev, cl, unsure, spread_cap(cl), tok), old)
+    # a "fresh" plan no better than the seeded one: no refresh, every layer seeded (none left at prev's)
+    seeded = seeded_plan(w, prev, cl, cfg, spread_cap(cl), tok)
+    np.testing.assert_array_equal(refreshed(from_phy2log(seeded, E), w, prev, cl, unsure, spread_cap(cl), tok), seeded)
