@@ -56,7 +56,7 @@ from r3trace.eplb.affinity import CoChoices, affinity_replicas, home_primaries
 from r3trace.eplb.alignment import align
 from r3trace.eplb.candidates import best_layout
 from r3trace.eplb.deepseek import group_nodes, pack_nodes, spread_replicas
-from r3trace.eplb.forecast import ALPHAS, backtest_errors, drifts, forecast
+from r3trace.eplb.forecast import ALPHAS, backtest_errors, can_call_drift, drifts, forecast
 from r3trace.eplb.homing import capped_counts, expert_nodes
 from r3trace.eplb.leveling import level_refine
 from r3trace.eplb.placement import Cluster, Placement, PlacementError, from_phy2log
@@ -106,10 +106,11 @@ class PlannerConfig:
     # others take the fresh plan (replan.py: below 1.5x every such layer lost to it on the fast-drift cells, by >= 1.6%)
     refresh_floor: float = 0.25
     refresh_sure: float = 0.1  # ... when the unseeded layers' previous ratio (a stand-in) says > 1.1 on average
-    # the forecast is the plain mean of the windows unless the backtest calls drift (its best weight's squared error
-    # beats the mean's by > refresh_drift over >= 2 windows): a weight that wins the backtest by less, or with fewer
-    # windows to backtest on, follows noise in the hot experts' loads. Held out under slow drift, 144/18/288,
-    # s = 0.6 (bench/eplb_matrix.py): clustered 0.532 -> 0.549, sglang-dump 0.595 -> 0.602 (global 0.556 / 0.619)
+    # where the backtest could call drift (>= 2 windows to backtest on) and does not (its best weight's squared error
+    # beats the mean's by <= refresh_drift), the forecast is the plain mean of the windows: a weight that wins the
+    # backtest by less follows noise in the hot experts' loads. Held out under slow drift, 144/18/288, s = 0.6
+    # (bench/eplb_matrix.py): clustered 0.532 -> 0.549, sglang-dump 0.595 -> 0.602 (global 0.556 / 0.619). With
+    # fewer windows the backtest's weight stays: the mean there cost fast-drift cells up to 0.02
     mean_unless_drift: bool = True
 
     def __post_init__(self) -> None:
@@ -200,7 +201,7 @@ def plan(
     err = backtest_errors(loads) if cfg.ema_alpha is None else None
     moving = drifts(loads, err, cfg.refresh_drift)
     alpha = cfg.ema_alpha if err is None else ALPHAS[int(np.argmin(err))]  # None: forecast's default weight
-    if cfg.ema_alpha is None and cfg.mean_unless_drift and not moving:
+    if cfg.ema_alpha is None and cfg.mean_unless_drift and can_call_drift(loads) and not moving:
         alpha = 0.0
     w = forecast(loads, alpha)
     if prev is not None and spreads(cluster, cfg) and not cfg.keep_groups:
