@@ -38,11 +38,6 @@ def choose_alpha(history: np.ndarray) -> float:
     return DEFAULT_ALPHA if err is None else ALPHAS[int(np.argmin(err))]
 
 
-def can_call_drift(history: np.ndarray) -> bool:
-    """[W, L, E] loads -> True when the backtest has the MIN_DRIFT_FOLDS windows drifts needs to call drift."""
-    return np.ndim(history) == 3 and len(history) - 2 >= MIN_DRIFT_FOLDS
-
-
 def drifts(history: np.ndarray, err: np.ndarray | None, threshold: float) -> bool:
     """[W, L, E] loads and their backtest_errors -> True when the workload moves: over at least MIN_DRIFT_FOLDS
     backtest windows, the plain mean's forecasts erred more than the best weight's by over `threshold`
@@ -50,7 +45,8 @@ def drifts(history: np.ndarray, err: np.ndarray | None, threshold: float) -> boo
     mean is the best forecast (ratio 1.00-1.04 over bench/eplb_traces.py's families at 4,096 tokens a window,
     skew 0.6 and 1.2); under slow drift (sigma 0.05) 1.00-1.23, under fast drift (0.3) 1.00-1.84 and above 1.1
     from its third window on."""
-    return err is not None and can_call_drift(history) and bool(err[0] > err.min() * (1 + threshold))
+    folds = len(history) - 2 if np.ndim(history) == 3 else 0
+    return err is not None and folds >= MIN_DRIFT_FOLDS and bool(err[0] > err.min() * (1 + threshold))
 
 
 def forecast(history: np.ndarray, alpha: float | None) -> np.ndarray:

@@ -3,8 +3,8 @@
 1. Forecast: an exponential moving average of the per-window loads [W, L, E] (each window normalised to
    rates; weights normalised over the windows there are, _smooth), so one noisy window does not move
    replicas: the global policy plans on the last window alone and loses 4-6 points of balancedness on the
-   next one. A backtest on the history (forecast.py) says whether the workload drifts (step 5); where it does,
-   the weight is its best one (fast drift wants a short memory), else the plain mean (`mean_unless_drift`).
+   next one. Its weight is picked per plan by backtest on the history (forecast.py, choose_alpha: slow drift
+   wants a long memory, fast drift a short one); the same backtest says whether the workload drifts (step 5).
 2. Replica counts: the global policy's rule (each extra slot to the expert with the highest load per
    replica), capped at the GPUs of one node (homing.capped_counts).
 3. Layout (`layout` says which and why). On one node every replica sits on it. On several nodes
@@ -56,7 +56,7 @@ from r3trace.eplb.affinity import CoChoices, affinity_replicas, home_primaries
 from r3trace.eplb.alignment import align
 from r3trace.eplb.candidates import best_layout
 from r3trace.eplb.deepseek import group_nodes, pack_nodes, spread_replicas
-from r3trace.eplb.forecast import ALPHAS, backtest_errors, can_call_drift, drifts, forecast
+from r3trace.eplb.forecast import ALPHAS, backtest_errors, drifts, forecast
 from r3trace.eplb.homing import capped_counts, expert_nodes
 from r3trace.eplb.leveling import level_refine
 from r3trace.eplb.placement import Cluster, Placement, PlacementError, from_phy2log
@@ -70,7 +70,7 @@ from r3trace.eplb.score import even_gpu_load, node_counts
 class PlannerConfig:
     # Weight of the newest window in the forecast; a fixed 0.35 (~5 windows of memory) lost to DeepSeek's global
     # policy on 8 summed windows under slow drift and would lose to the newest window alone under fast drift
-    ema_alpha: float | None = None  # None: by backtest on the history (mean_unless_drift, forecast.py)
+    ema_alpha: float | None = None  # None: chosen per plan by backtest on the history (choose_alpha)
     home_slack: float = 0.0  # home node only when no heavier than the lightest; 0.02-0.05 lost 0.3-1 point
     fresh_swaps: int = 32  # swaps after a fresh plan (a layer stops early once a swap gains < min_gain)
     replan_swap_share: float = 0.05  # slots a kept layer's swaps may move (2 per swap): 7 swaps on 288 slots
@@ -106,12 +106,6 @@ class PlannerConfig:
     # others take the fresh plan (replan.py: below 1.5x every such layer lost to it on the fast-drift cells, by >= 1.6%)
     refresh_floor: float = 0.25
     refresh_sure: float = 0.1  # ... when the unseeded layers' previous ratio (a stand-in) says > 1.1 on average
-    # where the backtest could call drift (>= 2 windows to backtest on) and does not (its best weight's squared error
-    # beats the mean's by <= refresh_drift), the forecast is the plain mean of the windows: a weight that wins the
-    # backtest by less follows noise in the hot experts' loads. Held out under slow drift, 144/18/288, s = 0.6
-    # (bench/eplb_matrix.py): clustered 0.532 -> 0.549, sglang-dump 0.595 -> 0.602 (global 0.556 / 0.619). With
-    # fewer windows the backtest's weight stays: the mean there cost fast-drift cells up to 0.02
-    mean_unless_drift: bool = True
 
     def __post_init__(self) -> None:
         bad_alpha = self.ema_alpha is not None and not 0 <= self.ema_alpha <= 1
@@ -198,12 +192,9 @@ def plan(
     2,048-token sample (0.887 vs 0.934 held out), and with one node per expert the dispatcher's load is
     the even-split load anyway.
     """
-    err = backtest_errors(loads) if cfg.ema_alpha is None else None
+    err = backtest_errors(loads) if cfg.ema_alpha is None and prev is not None else None
+    w = forecast(loads, cfg.ema_alpha if err is None else ALPHAS[int(np.argmin(err))])
     moving = drifts(loads, err, cfg.refresh_drift)
-    alpha = cfg.ema_alpha if err is None else ALPHAS[int(np.argmin(err))]  # None: forecast's default weight
-    if cfg.ema_alpha is None and cfg.mean_unless_drift and can_call_drift(loads) and not moving:
-        alpha = 0.0
-    w = forecast(loads, alpha)
     if prev is not None and spreads(cluster, cfg) and not cfg.keep_groups:
         cap = spread_cap(cluster)
         if not moving:

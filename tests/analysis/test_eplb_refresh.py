@@ -115,28 +115,3 @@ def test_best_layout_is_as_balanced_as_the_best_candidate_and_touches_fewest_nod
     tied = peak <= peak.min(0) * (1 + MAX_LOAD_TIE)
     np.testing.assert_allclose(nodes_per_token(got, routes[0], cl), np.where(tied, nodes, np.inf).min(0))
 
-
-def test_replans_forecast_the_mean_where_the_backtest_could_call_drift_and_does_not() -> None:
-    from r3trace.eplb.forecast import ALPHAS
-
-    routes = _windows(0.0, windows=6, seed=14)
-    still = _heats(routes)
-    cl = Cluster(16, 4, 80, num_groups=8)
-    prev = plan(still[:2], cl, tokens=routes[1])
-
-    def same(a: object, b: object) -> bool:
-        return all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))  # type: ignore[call-overload]
-
-    # 5 windows (3 backtest windows), no drift: the plain mean, though the backtest's best weight is 0.2 here
-    assert not drifts(still[:5], backtest_errors(still[:5]), 0.1)
-    mean = PlannerConfig(ema_alpha=0.0)
-    best5 = PlannerConfig(ema_alpha=ALPHAS[int(np.argmin(backtest_errors(still[:5])))])
-    got = plan(still[:5], cl, prev, tokens=routes[4])
-    assert same(got, plan(still[:5], cl, prev, tokens=routes[4], cfg=mean))
-    assert not same(got, plan(still[:5], cl, prev, tokens=routes[4], cfg=best5))
-    # 3 windows (one backtest window: drift cannot be called there): the backtest's best weight, not the mean
-    best = ALPHAS[int(np.argmin(backtest_errors(still[:3])))]
-    assert best != 0.0
-    got = plan(still[:3], cl, prev, tokens=routes[2])
-    assert same(got, plan(still[:3], cl, prev, tokens=routes[2], cfg=PlannerConfig(ema_alpha=best)))
-    assert not same(got, plan(still[:3], cl, prev, tokens=routes[2], cfg=mean))
