@@ -105,7 +105,7 @@ class PlannerConfig:
     # a drifting re-plan seeds only layers whose max-load floor exceeds (1 + refresh_floor) x their mean GPU load; the
     # others take the fresh plan (replan.py: below 1.5x every such layer lost to it on the fast-drift cells, by >= 1.6%)
     refresh_floor: float = 0.25
-    refresh_sure: float = 0.1  # ... when the unseeded layers' previous ratio (a stand-in) says > 1.1 on average
+    refresh_probe: int = 16  # ... and 1 / refresh_probe of the others, a probe of whether the rest would refresh
 
     def __post_init__(self) -> None:
         bad_alpha = self.ema_alpha is not None and not 0 <= self.ema_alpha <= 1

@@ -8,12 +8,12 @@ with the seeded plan's counts) sat below 1.5x the mean GPU load lost to the fres
 9%), and every re-plan holding such a layer refreshed. Only where the hottest replicas alone set the max load
 (floor >= 1.5x the mean: s = 1.2 on 18 nodes, 2 slots a GPU) did seeded layers come within 1.3% of the floor, as
 close as fresh ones, and those re-plans kept the seeded plan (mean ratio 1.007-1.013 <= 1 + refresh_gain). So a
-drifting re-plan seeds only layers whose floor is above (1 + refresh_floor) x the mean GPU load, takes the fresh
-plan for the others, and decides with their previous placement's ratio standing in for the seeded one. The
-stand-in is higher than the seeded ratio (1.20-1.95 on average where the seeded one was 1.04-1.21), so it calls
-a refresh only above 1 + refresh_sure; below, the re-plan seeds every layer and decides as before: slow-drift
-cells where the backtest called drift had seeded plans within 2% of fresh, and calling a refresh on the stand-in
-there (>= 1.02) moved 84-90% of slots for +0.01 balancedness.
+drifting re-plan seeds the layers whose floor is above (1 + refresh_floor) x the mean GPU load, and a probe of the
+others: the 1 / refresh_probe whose previous placement is closest to the fresh plan. Where every probe loses to
+the fresh plan and their mean ratio, standing in for the unseeded layers', calls a refresh, the unseeded layers
+take the fresh plan; else every layer is seeded and decides as before. The previous placement's own ratio was
+too coarse a stand-in: 1.1-1.9 where seeded layers came within 2% of the fresh plan (2 nodes of 18 slots a GPU,
+fast drift; slow-drift cells that called drift), so it refreshed 83-90% of slots that the seeded plan kept.
 
 Shape legend: L layers, E experts, P slots, G GPUs.
 """
@@ -69,8 +69,8 @@ def seeded_plan(w: np.ndarray, prev: Placement, cluster: Cluster, cfg: PlannerCo
     rows = np.arange(len(w)) if layers is None else np.flatnonzero(layers)
     if not len(rows):
         return out
-    co = CoChoices(tokens, e)
-    ph = reseat(prev.phy2log[rows], logcnt[rows], w[rows], lambda i, xs: co.rows(int(rows[i]), xs), cluster)
+    co = CoChoices(None if tokens is None else tokens[:, rows], e)  # the planned layers' tokens only
+    ph = reseat(prev.phy2log[rows], logcnt[rows], w[rows], co.rows, cluster)
     leveled = level_refine(ph, w[rows], logcnt[rows], cluster, swaps, cfg.replan_level_min_gain, cfg.level_cold)
     before = phy2log_gpu_load(ph, w[rows], cluster).max(1)
     after = phy2log_gpu_load(leveled, w[rows], cluster).max(1)
@@ -104,23 +104,32 @@ def refreshed(fresh: Placement, w: np.ndarray, prev: Placement, cluster: Cluster
     """A drifting workload's re-plan: a fresh plan and the previous placement on the forecast w [L, E] ->
     phy2log [L, P]. The seeded plan's layers (seeded_plan) stay, except that where the fresh plan's forecast max
     GPU load is lower by more than refresh_gain on average over layers, every layer it lowers takes the fresh
-    layout (aligned to prev so that kept replicas stay in their slots). Layers whose max-load floor is at most
-    (1 + refresh_floor) x their mean GPU load are not seeded when their previous placement's ratio to the fresh plan
-    says more than 1 + refresh_sure on average (seeded layers: theirs): they take the fresh layout (module doc)."""
+    layout (aligned to prev so that kept replicas stay in their slots).
+
+    Seeded first: the floor-bound layers (floor_bound) and, of the others, the 1 / refresh_probe whose previous
+    placement is closest to the fresh plan (a probe). Where every probe loses to the fresh plan and the probes'
+    mean ratio, standing in for the unseeded layers', calls a refresh, those layers take the fresh layout unseeded;
+    else every layer is seeded and the rule above decides (module doc)."""
     peak = even_gpu_load(fresh, w, cluster).max(1)  # [L]
     logcnt, _ = seeded_counts(w, prev, cluster, cfg, cap)
-    seed = floor_bound(w, logcnt, cluster, cfg.refresh_floor)
+    seed = floor_bound(w, logcnt, cluster, cfg.refresh_floor)  # [L]
+    rest = np.flatnonzero(~seed)
+    if len(rest):
+        near = phy2log_gpu_load(prev.phy2log[rest], w[rest], cluster).max(1) / peak[rest]
+        probe = rest[np.argsort(near, kind="stable")[: -(-len(rest) // cfg.refresh_probe)]]
+        seed[probe] = True
     low = seeded_plan(w, prev, cluster, cfg, cap, tokens, seed)
-    ratio = phy2log_gpu_load(low, w, cluster).max(1) / peak  # [L] unseeded rows: prev's
-    if seed.all() or ratio.mean() <= 1 + cfg.refresh_sure:
-        if not seed.all():  # the stand-in cannot call a refresh: seed the rest too and decide on the seeded plan
-            low[~seed] = seeded_plan(w, prev, cluster, cfg, cap, tokens, ~seed)[~seed]
-            ratio = phy2log_gpu_load(low, w, cluster).max(1) / peak
-        if ratio.mean() <= 1 + cfg.refresh_gain:
+    ratio = phy2log_gpu_load(low, w, cluster).max(1) / peak  # [L] unseeded rows: prev's (not read)
+    if len(rest):
+        est = np.where(seed, ratio, ratio[probe].mean())
+        if ratio[probe].min() > 1 and est.mean() > 1 + cfg.refresh_gain:
+            take = np.flatnonzero(~seed | (ratio > 1))
+            low[take] = align(fresh.phy2log[take], prev.phy2log[take], cluster)
             return low
-        take = np.flatnonzero(ratio > 1)
-    else:
-        take = np.flatnonzero(~seed | (ratio > 1))
-    out = low.copy()
-    out[take] = align(fresh.phy2log[take], prev.phy2log[take], cluster)
-    return out
+        low[~seed] = seeded_plan(w, prev, cluster, cfg, cap, tokens, ~seed)[~seed]
+        ratio = phy2log_gpu_load(low, w, cluster).max(1) / peak
+    if ratio.mean() <= 1 + cfg.refresh_gain:
+        return low
+    take = np.flatnonzero(ratio > 1)
+    low[take] = align(fresh.phy2log[take], prev.phy2log[take], cluster)
+    return low

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from r3trace.eplb import Cluster, PlannerConfig, global_policy, plan
+from r3trace.eplb import Cluster, PlannerConfig, global_policy, plan, replan
 from r3trace.eplb.alignment import align
 from r3trace.eplb.placement import Placement, from_phy2log
 from r3trace.eplb.planner import fresh_plan, spread_cap
@@ -71,7 +71,7 @@ def _old_rule(fresh: Placement, w: np.ndarray, prev: Placement, cl: Cluster, cfg
 
 
 @pytest.mark.parametrize("seed", [5, 6])
-def test_a_drifting_replan_seeds_floor_bound_layers_only(seed: int) -> None:
+def test_a_drifting_replan_seeds_floor_bound_layers_only(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
     cl = Cluster(32, 4, 160, num_groups=8)  # 5 slots a GPU: the mean GPU load sets the floor ...
     hist, tok = _history(seed, 0.3, windows=6)
     hist[:, 0, 7] *= 400  # ... except in layer 0, where one expert far hotter than the rest sets it
@@ -84,14 +84,25 @@ def test_a_drifting_replan_seeds_floor_bound_layers_only(seed: int) -> None:
     cfg = PlannerConfig()
     logcnt, _ = seeded_counts(w, prev, cl, cfg, spread_cap(cl))
     np.testing.assert_array_equal(floor_bound(w, logcnt, cl, cfg.refresh_floor), np.arange(L) == 0)
+    seeded_rows: list[np.ndarray] = []  # a spy around the real seeded_plan: which layers each call seeds
+
+    def spy(*args: object, **kw: object) -> np.ndarray:
+        seeded_rows.append(np.asarray(args[6]))
+        return seeded_plan(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(replan, "seeded_plan", spy)
     out = refreshed(fresh, w, prev, cl, cfg, spread_cap(cl), tok)
+    monkeypatch.undo()
+    # one call: layer 0 (floor-bound) and one probe (1 / 16 of the 5 others, rounded up); the rest are not seeded
+    assert len(seeded_rows) == 1 and seeded_rows[0][0] and seeded_rows[0].sum() == 2
     old = _old_rule(fresh, w, prev, cl, cfg, tok)
     assert (old[1:] != prev.phy2log[1:]).mean() > 0.3  # the old rule refreshed: so does the new one, on layers 1..
     np.testing.assert_array_equal(out[1:], align(fresh.phy2log[1:], prev.phy2log[1:], cl))
     np.testing.assert_array_equal(out[0], old[0])  # the seeded layer as before
-    # a stand-in that may never call a refresh: every layer seeded, the old rule's plan exactly
-    unsure = PlannerConfig(refresh_sure=1e9)
-    np.testing.assert_array_equal(refreshed(fresh, w, prev, cl, unsure, spread_cap(cl), tok), old)
-    # a "fresh" plan no better than the seeded one: no refresh, every layer seeded (none left at prev's)
+    # every layer a probe: every layer seeded, the old rule's plan exactly
+    np.testing.assert_array_equal(refreshed(fresh, w, prev, cl, PlannerConfig(refresh_probe=1), spread_cap(cl), tok),
+                                  old)
+    # a "fresh" plan no better than the seeded one: the probes keep theirs, so every layer is seeded (none left at
+    # prev's) and none refreshed
     seeded = seeded_plan(w, prev, cl, cfg, spread_cap(cl), tok)
-    np.testing.assert_array_equal(refreshed(from_phy2log(seeded, E), w, prev, cl, unsure, spread_cap(cl), tok), seeded)
+    np.testing.assert_array_equal(refreshed(from_phy2log(seeded, E), w, prev, cl, cfg, spread_cap(cl), tok), seeded)
