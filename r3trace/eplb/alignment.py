@@ -25,10 +25,15 @@ def align(new: np.ndarray, prev: np.ndarray, cluster: Cluster) -> np.ndarray:
     a = np.asarray(new, dtype=np.int64).reshape(r * n, g, s)  # [B, g, s], B = R x N (layer, node) blocks
     b = np.asarray(prev, dtype=np.int64).reshape(r * n, g, s)
     blocks = np.arange(r * n)
-    # [B, g, s, g, s]: new GPU i's slot u holds the expert of prev GPU j's slot v
-    same = a[:, :, :, None, None] == b[:, None, None, :, :]
-    first = _copy_rank(a) == 0  # [B, g, s] the first copy of each expert on its GPU (experts counted once)
-    overlap = (first[:, :, :, None] & same.any(4)).sum(2)  # [B, g, g] distinct experts new i shares with prev j
+    # [B, g, s, g]: new GPU i's slot u holds an expert prev GPU j holds; ORed and summed one slot at a time (numpy's
+    # reductions over a short trailing axis were 4 of a 6 ms alignment at [58, 256] on 8 nodes)
+    held = a[:, :, :, None] == b[:, None, None, :, 0]
+    for v in range(1, s):
+        held |= a[:, :, :, None] == b[:, None, None, :, v]
+    held &= (_copy_rank(a) == 0)[:, :, :, None]  # the first copy of each expert on its GPU (experts counted once)
+    overlap = held[:, :, 0].astype(np.int64)  # [B, g, g] distinct experts new i shares with prev j
+    for u in range(1, s):
+        overlap += held[:, :, u]
     target = np.empty((r * n, g), dtype=np.int64)  # [B, g] prev GPU each new GPU takes
     flat = overlap.reshape(r * n, g * g)
     for _ in range(g):  # greedy: the largest overlap first; np.argmax's first maximum breaks ties
