@@ -97,15 +97,16 @@ class PlannerConfig:
     polish_steps: int = 64
     # a re-plan of a drifting workload (the plain mean's backtest error over the best EMA weight's > 1 + refresh_drift,
     # forecast.drifts) re-places every layer a fresh plan lowers, when it lowers the forecast max GPU load by more
-    # than refresh_gain on average over layers (planner.refreshed). Fast drift on bench/eplb_matrix.py's cells gave
+    # than refresh_gain on average over layers (replan.refreshed). Fast drift on bench/eplb_matrix.py's cells gave
     # 1.04-1.21 per layer at 8 nodes, slow drift 0.97-1.05; an unchanged workload never calls drift, so its
     # re-plans keep the churn budgets
     refresh_drift: float = 0.1
     refresh_gain: float = 0.02
-    # a drifting re-plan seeds only layers whose max-load floor exceeds (1 + refresh_floor) x their mean GPU load; the
-    # others take the fresh plan (replan.py: below 1.5x every such layer lost to it on the fast-drift cells, by >= 1.6%)
+    # a drifting re-plan seeds the layers whose max-load floor exceeds (1 + refresh_floor) x their mean GPU load (below
+    # 1.5x every such layer lost to the fresh plan on the fast-drift cells, by >= 1.6%) and 1 / refresh_probe of the
+    # others; where those probes say the rest refresh, the rest take the fresh plan unseeded (replan.py); -1: seed all
     refresh_floor: float = 0.25
-    refresh_probe: int = 16  # ... and 1 / refresh_probe of the others, a probe of whether the rest would refresh
+    refresh_probe: int = 16
 
     def __post_init__(self) -> None:
         bad_alpha = self.ema_alpha is not None and not 0 <= self.ema_alpha <= 1

@@ -1,4 +1,4 @@
-"""Re-plans of a drifting workload (forecast.drifts, planner.refreshed) and the per-layer layout choice
+"""Re-plans of a drifting workload (forecast.drifts, replan.refreshed) and the per-layer layout choice
 (candidates.py). Run: .venv/bin/python -m pytest tests/analysis/test_eplb_refresh.py -q"""
 
 from __future__ import annotations
