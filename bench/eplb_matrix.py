@@ -143,6 +143,9 @@ def dominates(res: dict[str, Any]) -> dict[str, bool]:
 SHAPES = [(8, 1, 256), (8, 1, 288), (8, 1, 320), (16, 2, 256), (16, 2, 288), (16, 2, 320), (32, 4, 256),
           (32, 4, 288), (32, 4, 320), (64, 8, 256), (64, 8, 320), (128, 16, 256), (144, 18, 288)]
 MAIN_SHAPES = [(32, 4, 288), (64, 8, 320), (144, 18, 288)]
+# plan-time shapes: the main three, and one without a spare slot (P = E: candidates.py's per-layer layout choice)
+PLAN_TIME_SHAPES = [*MAIN_SHAPES, (64, 8, 256)]
+SEED_ALL = PlannerConfig(refresh_floor=-1.0)  # a drifting re-plan seeds every layer before deciding (replan.py)
 SAMPLE_SHAPES = [(8, 2, 32), (8, 2, 40), (16, 4, 48), (16, 2, 64)]
 
 
@@ -185,10 +188,14 @@ def table(results: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def plan_times(ref_dir: str | None, rounds: int = 7, idle_s: float = 0.0) -> list[dict[str, Any]]:
-    """Median seconds per plan at [58, 256] (grouped router, s = 0.6): ours fresh and re-planned from its previous
-    placement (with the newest 2048 tokens), the global policy of r3trace/eplb/deepseek.py, and DeepSeek's own
-    eplb.py from ref_dir (rebalance_experts with the shape's groups and nodes, its default, and with one node).
+def plan_times(ref_dir: str | None, rounds: int = 7, idle_s: float = 0.0,
+               shapes: list[tuple[int, int, int]] | None = None) -> list[dict[str, Any]]:
+    """Median seconds per plan at [58, 256] (grouped router, s = 0.6): ours fresh, re-planned from its previous
+    placement (with the newest 2048 tokens) on an unchanged workload and on a drifting one (fast drift, 5 windows:
+    forecast.drifts calls it, so the re-plan may refresh layers; also with every layer seeded first, SEED_ALL),
+    the global policy of r3trace/eplb/deepseek.py,
+    and DeepSeek's own eplb.py from ref_dir (rebalance_experts with the shape's groups and nodes, its default, and
+    with one node). shapes: (GPUs, nodes, slots), default PLAN_TIME_SHAPES.
 
     Protocol, the same for every call, ours and the reference alike: `rounds` rounds per shape; each round calls
     every function once, in one order in even rounds and the reverse in odd ones, so no side always runs right
@@ -202,6 +209,8 @@ def plan_times(ref_dir: str | None, rounds: int = 7, idle_s: float = 0.0) -> lis
     import importlib.util
     import statistics
 
+    from r3trace.eplb.forecast import backtest_errors, drifts
+
     ref = None
     if ref_dir:
         spec_ = importlib.util.spec_from_file_location("eplb_ref", Path(ref_dir) / "eplb.py")
@@ -210,14 +219,23 @@ def plan_times(ref_dir: str | None, rounds: int = 7, idle_s: float = 0.0) -> lis
         spec_.loader.exec_module(ref)
     routes = load_windows(TraceSpec(num_layers=58, windows=3, window_tokens=2048))[0]
     heats = np.stack([heat_of(w, 256) for w in routes])
+    moving = load_windows(TraceSpec(num_layers=58, windows=5, window_tokens=2048, drift="fast"))[0]
+    moved = np.stack([heat_of(w, 256) for w in moving])
+    if not drifts(moved, backtest_errors(moved), PlannerConfig().refresh_drift):
+        raise RuntimeError("the fast-drift history no longer drifts (forecast.drifts): the drifting re-plan is untimed")
 
     rows = []
-    for g, n, p in MAIN_SHAPES:
+    for g, n, p in shapes or PLAN_TIME_SHAPES:
         cl = Cluster(g, n, p)
         first = plan(heats[:2], cl, tokens=routes[1])
+        first_moved = plan(moved[:4], cl, tokens=moving[3])
         calls: dict[str, Callable[[], object]] = {
             "ours_fresh": lambda c=cl: plan(heats, c, tokens=routes[2]),
             "ours_replan": lambda c=cl, f=first: plan(heats, c, f, tokens=routes[2]),
+            "ours_replan_drift": lambda c=cl, f=first_moved: plan(moved, c, f, tokens=moving[4]),
+            # the same re-plan seeding every layer before the refresh decision (how it ran before replan.py's skip)
+            "ours_replan_drift_seed_all": lambda c=cl, f=first_moved: plan(moved, c, f, tokens=moving[4],
+                                                                           cfg=SEED_ALL),
             "global_numpy": lambda c=cl: global_policy(heats[2], c)}
         if ref is not None:
             import torch
@@ -241,6 +259,7 @@ def plan_times(ref_dir: str | None, rounds: int = 7, idle_s: float = 0.0) -> lis
         if ref is not None:
             row["fresh_vs_default"] = row["ours_fresh"] / row["ref_default"]
             row["replan_vs_default"] = row["ours_replan"] / row["ref_default"]
+            row["replan_drift_vs_default"] = row["ours_replan_drift"] / row["ref_default"]
         rows.append(row)
         print(row, flush=True)
     return rows
@@ -261,13 +280,16 @@ def main() -> None:
     ap.add_argument("--eplb-ref", default=None, help="folder holding DeepSeek's eplb.py, timed beside ours")
     ap.add_argument("--idle", type=float, default=0.0,
                     help="--plan-time: sleep this many seconds before each timed call instead of a warm call")
+    ap.add_argument("--shapes", nargs="*", default=[], help="--plan-time: GxNxP shapes (default: PLAN_TIME_SHAPES)")
     ap.add_argument("--reuse", default=None, help="results JSON of the same cells: copy DeepSeek's and GRACE's rows "
                                                   "from it and re-run ours' policies only (their code unchanged)")
     args = ap.parse_args()
     if args.plan_time:
         name = "eplb-matrix-plan-time" + ("-idle" if args.idle else "")
         out = Path(args.out) if args.out else RESULTS / f"{name}.json"
-        out.write_text(json.dumps({"rows": plan_times(args.eplb_ref, idle_s=args.idle)}, indent=1))
+        shapes = [tuple(int(v) for v in x.split("x")) for x in args.shapes]
+        rows = plan_times(args.eplb_ref, idle_s=args.idle, shapes=shapes or None)  # type: ignore[arg-type]
+        out.write_text(json.dumps({"rows": rows}, indent=1))
         return
     sweep = "smoke" if args.smoke else args.sweep
     if sweep is None:

@@ -84,12 +84,17 @@ class CoChoices:
         return aff.astype(np.float64)
 
     def row(self, layer: int, x: int) -> np.ndarray:
-        """C[layer, x] [E]: per expert, the tokens that chose it with x (pairs of positions, as C counts).
+        """C[layer, x] [E]: per expert, the tokens that chose it with x (pairs of positions, as C counts)."""
+        return self.rows(layer, np.array([x]))[0]
+
+    def rows(self, layer: int, xs: np.ndarray) -> np.ndarray:
+        """C[layer, xs] [X, E] for the X experts xs, in one bincount.
 
         The first call sorts the L x T x K choices by (layer, expert) (one argsort), so a row reads only the
         ~T K / E tokens that chose x: a re-plan reads ~500 rows, 0.08 s by scanning all T x K choices."""
+        xs = np.asarray(xs, dtype=np.int64)
         if self.tok is None:
-            return np.zeros(self.e)
+            return np.zeros((len(xs), self.e))
         if self._by_expert is None:
             t, n_layers, k = self.tok.shape
             key = (self.tok.transpose(1, 0, 2) + (np.arange(n_layers) * self.e)[:, None, None]).ravel()  # [L T K]
@@ -99,11 +104,14 @@ class CoChoices:
             start = np.r_[0, np.bincount(key, minlength=n_layers * self.e).cumsum()]
             self._by_expert = ((order % (t * k)) // k, start)
         tokens_of, start = self._by_expert
-        hits = tokens_of[start[layer * self.e + x]:start[layer * self.e + x + 1]]  # a token per position holding x
-        out = np.bincount(self.tok[hits, layer].ravel(), minlength=self.e).astype(np.float64)
-        out[x] -= len(hits)  # a position is not paired with itself
+        lo, hi = start[layer * self.e + xs], start[layer * self.e + xs + 1]
+        n = hi - lo  # [X] positions holding each x
+        owner = np.repeat(np.arange(len(xs)), n)
+        hits = tokens_of[np.arange(n.sum()) + np.repeat(lo - (np.cumsum(n) - n), n)]  # a token per position holding x
+        chosen = self.tok[hits, layer] + (owner * self.e)[:, None]  # [hits, K]
+        out = np.bincount(chosen.ravel(), minlength=len(xs) * self.e).reshape(len(xs), self.e).astype(np.float64)
+        out[np.arange(len(xs)), xs] -= n  # a position is not paired with itself
         return out
-
 
 def group_home_nodes(weight: np.ndarray, cluster: Cluster) -> tuple[np.ndarray, np.ndarray]:
     """weight [L, E] -> (first node [L, groups], node count [L, groups]): contiguous runs of whole nodes,

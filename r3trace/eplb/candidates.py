@@ -27,9 +27,9 @@ from __future__ import annotations
 import numpy as np
 
 from r3trace.eplb.deepseek import global_policy
-from r3trace.eplb.placement import Cluster, from_phy2log
+from r3trace.eplb.placement import Cluster
 from r3trace.eplb.regroup import gpu_coactivation, node_order, reordered
-from r3trace.eplb.score import even_gpu_load
+from r3trace.eplb.score import phy2log_gpu_load
 
 # a candidate whose forecast max GPU load is within this share of the lowest counts as balanced as it (the
 # forecast's own sampling noise is larger); then nodes per token decide
@@ -56,12 +56,23 @@ def nodes_per_token(phy2log: np.ndarray, tokens: np.ndarray, cluster: Cluster) -
 
 
 def token_nodes(phy2log: np.ndarray, tokens: np.ndarray, cluster: Cluster) -> np.ndarray:
-    """phy2log [L, P] with every expert once, tokens [T, L, K] -> [T, L] distinct nodes of each token's experts."""
-    n_layers = phy2log.shape[0]
+    """phy2log [L, P] with every expert once, tokens [T, L, K] -> [T, L] distinct nodes of each token's experts.
+
+    A token's nodes are the set bits of the OR of its experts' node bits (N <= 64; more nodes: a sort over K): at
+    [58, 256] on 8 nodes ~3 ms a candidate against 13 ms for sorting the [T, L, K] node ids."""
+    n_layers, e = phy2log.shape[0], phy2log.shape[1]
+    flat = tokens.astype(np.intp) + (np.arange(tokens.shape[1]) * e)[None, :, None]  # [T, L, K] into [L, E] raveled
     node_of = np.empty_like(phy2log)
     node_of[np.arange(n_layers)[:, None], phy2log] = cluster.slot_node()[None, :]  # [L, E]
-    nodes = np.sort(node_of[np.arange(n_layers)[None, :, None], tokens], axis=2)  # [T, L, K]
-    return 1 + (np.diff(nodes, axis=2) != 0).sum(2)
+    if cluster.num_nodes > 64:
+        nodes = np.sort(np.take(node_of, flat), axis=2)  # [T, L, K]
+        return 1 + (np.diff(nodes, axis=2) != 0).sum(2)
+    mask_t = next(t for t in (np.uint8, np.uint16, np.uint32, np.uint64) if np.iinfo(t).bits >= cluster.num_nodes)
+    picked = np.take(np.left_shift(1, node_of.astype(np.uint64)).astype(mask_t), flat)  # [T, L, K] node bits
+    cover = picked[:, :, 0].copy()  # [T, L] OR over K, one position at a time (a reduce over the short axis: 4x slower)
+    for k in range(1, picked.shape[2]):
+        cover |= picked[:, :, k]
+    return np.bitwise_count(cover).astype(np.int64)
 
 
 def regrouped(phy2log: np.ndarray, tokens: np.ndarray, cluster: Cluster,
@@ -109,7 +120,7 @@ def best_layout(phy2log: np.ndarray, w: np.ndarray, cluster: Cluster, tokens: np
     e = w.shape[1]
     glob = global_policy(w, cluster).phy2log
     cands = np.stack([phy2log, by_group(glob, e, cluster), glob])  # [3, L, P]
-    peak = np.stack([even_gpu_load(from_phy2log(c, e), w, cluster).max(1) for c in cands])  # [3, L]
+    peak = np.stack([phy2log_gpu_load(c, w, cluster).max(1) for c in cands])  # [3, L]
     tied = peak <= peak.min(0) * (1 + MAX_LOAD_TIE)
     if tokens is None or cluster.num_slots != e:
         cost = np.broadcast_to(np.arange(len(cands), dtype=np.float64)[:, None], peak.shape)

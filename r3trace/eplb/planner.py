@@ -41,7 +41,8 @@
    that lowers the forecast max GPU load, when they lower it by > `refresh_gain` on average (refreshed; in the
    multi-node layout per layer the best of ours and global's, candidates.py): on the fast-drift cells of
    bench/eplb_matrix.py a budgeted re-plan moved 9.5% of slots and trailed global on the newest window by up to
-   0.04 (10 of 24 cells missed it); refreshed, 7-71% of slots a re-plan (mean per cell), 2 of 24 miss.
+   0.04 (10 of 24 cells missed it); refreshed, 7-71% of slots a re-plan (mean per cell), 2 of 24 miss. There a
+   drifting re-plan seeds only the layers whose hottest replicas set their max load (replan.py says why).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from typing import Literal, NamedTuple
 import numpy as np
 
 from r3trace.eplb.affinity import CoChoices, affinity_replicas, home_primaries
+from r3trace.eplb.alignment import align
 from r3trace.eplb.candidates import best_layout
 from r3trace.eplb.deepseek import group_nodes, pack_nodes, spread_replicas
 from r3trace.eplb.forecast import ALPHAS, backtest_errors, drifts, forecast
@@ -60,7 +62,7 @@ from r3trace.eplb.leveling import level_refine
 from r3trace.eplb.placement import Cluster, Placement, PlacementError, from_phy2log
 from r3trace.eplb.polish import NodeRule, polish
 from r3trace.eplb.refine import swap_refine
-from r3trace.eplb.reseat import reseat
+from r3trace.eplb.replan import refreshed, seeded_plan
 from r3trace.eplb.score import even_gpu_load, node_counts
 
 
@@ -95,11 +97,16 @@ class PlannerConfig:
     polish_steps: int = 64
     # a re-plan of a drifting workload (the plain mean's backtest error over the best EMA weight's > 1 + refresh_drift,
     # forecast.drifts) re-places every layer a fresh plan lowers, when it lowers the forecast max GPU load by more
-    # than refresh_gain on average over layers (planner.refreshed). Fast drift on bench/eplb_matrix.py's cells gave
+    # than refresh_gain on average over layers (replan.refreshed). Fast drift on bench/eplb_matrix.py's cells gave
     # 1.04-1.21 per layer at 8 nodes, slow drift 0.97-1.05; an unchanged workload never calls drift, so its
     # re-plans keep the churn budgets
     refresh_drift: float = 0.1
     refresh_gain: float = 0.02
+    # a drifting re-plan seeds the layers whose max-load floor exceeds (1 + refresh_floor) x their mean GPU load (below
+    # 1.5x every such layer lost to the fresh plan on the fast-drift cells, by >= 1.6%) and 1 / refresh_probe of the
+    # others; where those probes say the rest refresh, the rest take the fresh plan unseeded (replan.py); -1: seed all
+    refresh_floor: float = 0.25
+    refresh_probe: int = 16
 
     def __post_init__(self) -> None:
         bad_alpha = self.ema_alpha is not None and not 0 <= self.ema_alpha <= 1
@@ -190,12 +197,12 @@ def plan(
     w = forecast(loads, cfg.ema_alpha if err is None else ALPHAS[int(np.argmin(err))])
     moving = drifts(loads, err, cfg.refresh_drift)
     if prev is not None and spreads(cluster, cfg) and not cfg.keep_groups:
-        low = seeded_plan(w, prev, cluster, cfg, tokens)
-        if moving:
-            # the fresh plan here is a full move anyway, so global's layout competes for every layer (candidates.py)
-            anew = fresh_plan(w, None, cluster, cfg, tokens, compete=True)
-            low = refreshed(low, anew, w, prev, cluster, cfg.refresh_gain)
-        return from_phy2log(low, w.shape[1])
+        cap = spread_cap(cluster)
+        if not moving:
+            return from_phy2log(seeded_plan(w, prev, cluster, cfg, cap, tokens), w.shape[1])
+        # the fresh plan here is a full move anyway, so global's layout competes for every layer (candidates.py)
+        anew = fresh_plan(w, None, cluster, cfg, tokens, compete=True)
+        return from_phy2log(refreshed(anew, w, prev, cluster, cfg, cap, tokens), w.shape[1])
     home = group_nodes(w, cluster) if prev is None else node_counts(prev, cluster).argmax(2)
     fresh = fresh_plan(w, home, cluster, cfg, tokens)
     if prev is None:
@@ -208,96 +215,16 @@ def plan(
     share = 1.0 if moving else cfg.churn_budget
     budget = int(share * kept.size) - int((kept != prev.phy2log).sum())
     gain = prev_max / new_max  # [L]
+    moves = np.zeros_like(kept)
+    up = gain > 1 + cfg.keep_tolerance  # [L] the layers that may be re-placed, aligned at once
+    moves[up] = align(fresh.phy2log[up], prev.phy2log[up], cluster)
     for layer in np.argsort(-gain, kind="stable"):  # biggest gains first, while the churn budget lasts
-        if gain[layer] <= 1 + cfg.keep_tolerance:
+        if not up[layer]:
             break
-        moved = _align(fresh.phy2log[layer], prev.phy2log[layer], cluster)
+        moved = moves[layer]
         cost = int((moved != prev.phy2log[layer]).sum()) - int((kept[layer] != prev.phy2log[layer]).sum())
         if cost <= budget:
             kept[layer] = moved
             budget -= cost
     return from_phy2log(kept, w.shape[1])
 
-
-def seeded_plan(w: np.ndarray, prev: Placement, cluster: Cluster, cfg: PlannerConfig,
-                tokens: np.ndarray | None = None) -> np.ndarray:
-    """Forecast w [L, E], previous placement -> phy2log [L, P]: the fresh replica counts reseated into prev
-    (reseat.py), then leveling swaps with what is left of the churn budget, spread evenly over layers.
-
-    Where the counts alone would move more than the budget, layers take them in order of the largest drop
-    in forecast max load per replica and the rest keep their previous counts.
-    """
-    n_layers, e = w.shape
-    logcnt = capped_counts(w, cluster.num_slots, spread_cap(cluster))
-    moved = np.abs(logcnt - prev.logcnt).sum(1) // 2  # [L] slots reseating changes in each layer
-    budget = int(cfg.seeded_churn_budget * prev.phy2log.size)
-    if moved.sum() > budget:
-        gain = (w / prev.logcnt).max(1) / (w / logcnt).max(1)
-        take = np.zeros(n_layers, dtype=bool)
-        for layer in np.argsort(-gain, kind="stable"):
-            if moved[take].sum() + moved[layer] <= budget:
-                take[layer] = True
-        logcnt = np.where(take[:, None], logcnt, prev.logcnt)
-        moved = np.where(take, moved, 0)
-    phy2log = reseat(prev.phy2log, logcnt, w, CoChoices(tokens, e).row, cluster)
-    swaps = int(budget - moved.sum()) // (2 * n_layers)
-    leveled = level_refine(phy2log, w, logcnt, cluster, swaps, cfg.replan_level_min_gain, cfg.level_cold)
-    # a layer keeps its swaps only where they lower its hottest GPU by more than replan_min_drop
-    before = even_gpu_load(from_phy2log(phy2log, e), w, cluster).max(1)
-    after = even_gpu_load(from_phy2log(leveled, e), w, cluster).max(1)
-    better = after < before * (1 - cfg.replan_min_drop)
-    return np.where(better[:, None], leveled, phy2log)
-
-
-def refreshed(low: np.ndarray, fresh: Placement, w: np.ndarray, prev: Placement, cluster: Cluster,
-              gain: float) -> np.ndarray:
-    """A budgeted re-plan low [L, P] and a fresh plan on the same forecast w [L, E] -> phy2log [L, P]: where the
-    fresh plan's forecast max GPU load is lower than low's by more than `gain` on average over layers, every
-    layer it lowers takes the fresh layout (aligned to prev so that kept replicas stay in their slots)."""
-    e = w.shape[1]
-    ratio = even_gpu_load(from_phy2log(low, e), w, cluster).max(1) / even_gpu_load(fresh, w, cluster).max(1)  # [L]
-    if ratio.mean() <= 1 + gain:
-        return low
-    out = low.copy()
-    for layer in np.flatnonzero(ratio > 1):
-        out[layer] = _align(fresh.phy2log[layer], prev.phy2log[layer], cluster)
-    return out
-
-
-def _align(new: np.ndarray, prev: np.ndarray, cluster: Cluster) -> np.ndarray:
-    """One layer [P]: relabel new's GPUs inside each node and order slots so as many as possible match prev."""
-    spg, gpn = cluster.slots_per_gpu, cluster.gpus_per_node
-    out = np.empty_like(new)
-    for node in range(cluster.num_nodes):
-        gpus = range(node * gpn, (node + 1) * gpn)
-        new_sets = [new[g * spg:(g + 1) * spg] for g in gpus]
-        prev_sets = [prev[g * spg:(g + 1) * spg] for g in gpus]
-        # [gpn, gpn] distinct experts GPU a of new shares with GPU b of prev, as one product of expert masks (a
-        # pairwise np.intersect1d was 0.9 s of a 1.3 s drifting re-plan at [58, 256] on 18 nodes)
-        e = int(max(new.max(), prev.max())) + 1
-        has_new, has_prev = np.zeros((gpn, e), dtype=np.int64), np.zeros((gpn, e), dtype=np.int64)
-        has_new[np.arange(gpn)[:, None], np.stack(new_sets)] = 1
-        has_prev[np.arange(gpn)[:, None], np.stack(prev_sets)] = 1
-        overlap = has_new @ has_prev.T
-        target = [-1] * gpn
-        for _ in range(gpn):  # greedy matching, largest overlap first
-            a, b = np.unravel_index(np.argmax(overlap), overlap.shape)
-            target[int(a)] = int(b)
-            overlap[a, :] = -1
-            overlap[:, b] = -1
-        for i, tgt in enumerate(target):
-            old = list(prev_sets[tgt])
-            slots = [-1] * spg
-            rest = []
-            for x in new_sets[i]:
-                if x in old and slots[old.index(x)] == -1:
-                    slots[old.index(x)] = x
-                    old[old.index(x)] = -2  # a duplicate replica must take another slot
-                else:
-                    rest.append(x)
-            free = [s for s in range(spg) if slots[s] == -1]
-            for s, x in zip(free, rest, strict=True):
-                slots[s] = x
-            g = node * gpn + tgt
-            out[g * spg:(g + 1) * spg] = slots
-    return out

@@ -9,10 +9,12 @@ node's experts (co-activation, as affinity.py places extras), and each expert th
 freed slot on the node, without a replica of it yet, whose experts it is chosen with most. Every other
 slot keeps its expert; leveling swaps (leveling.py) then re-pair GPUs within the rest of the budget.
 
-Co-choices with a node's experts are summed for the one expert being seated, elementwise, not as a
-[E, E] @ [E, N] product per layer: OpenBLAS ran that product on 2 threads, and with one core taken by
-another job the re-plan took 0.26-0.56 s instead of 0.15 s (144 GPUs, s = 0.3 / 1.0; with
-OPENBLAS_NUM_THREADS=1 0.15-0.16 s under the same load).
+Co-choices with each node's experts are counted once per layer for the experts whose count changes (X of them,
+[X, E] x [E, N] summed elementwise, not a BLAS product: OpenBLAS ran a per-layer [E, E] @ [E, N] product on 2
+threads, and with one core taken by another job the re-plan took 0.26-0.56 s instead of 0.15 s), then kept up
+to date as replicas leave and join nodes: only the moving experts' node sets change. Counts are integers, so
+these sums are exact in any order and equal a recount for every expert (tests/analysis/test_eplb_seeded.py).
+A row and a recount per moving expert took 30 of 57 ms of reseating at [58, 256] on 8 nodes under drift.
 
 Shape legend: L layers, E experts, P slots, N nodes.
 """
@@ -26,13 +28,13 @@ import numpy as np
 from r3trace.eplb.placement import Cluster, PlacementError
 
 
-def reseat(phy2log: np.ndarray, logcnt: np.ndarray, weight: np.ndarray, co_row: Callable[[int, int], np.ndarray],
-           cluster: Cluster) -> np.ndarray:
+def reseat(phy2log: np.ndarray, logcnt: np.ndarray, weight: np.ndarray,
+           co_rows: Callable[[int, np.ndarray], np.ndarray], cluster: Cluster) -> np.ndarray:
     """phy2log [L, P] (previous) -> phy2log [L, P] holding logcnt [L, E] replicas of each expert.
 
     weight [L, E] forecast loads order the gaining replicas (highest load per replica first) and break
-    ties (lighter GPU partner first); co_row(layer, x) -> [E] expert x's co-choices in the newest tokens
-    (affinity.CoChoices.row; zeros: ties only), read only for the experts whose count changes.
+    ties (lighter GPU partner first); co_rows(layer, xs) -> [X, E] experts xs's co-choices in the newest tokens
+    (affinity.CoChoices.rows; zeros: ties only), read only for the experts whose count changes.
     Exactly sum(|logcnt - previous counts|) / 2 slots change; none when the counts are unchanged.
     """
     prev = np.asarray(phy2log, dtype=np.int64)
@@ -45,20 +47,26 @@ def reseat(phy2log: np.ndarray, logcnt: np.ndarray, weight: np.ndarray, co_row: 
     per_rep = weight / logcnt
     for layer in range(n_layers):
         have = np.bincount(prev[layer], minlength=e)
-        if np.array_equal(have, logcnt[layer]):
+        xs = np.flatnonzero(have != logcnt[layer])  # [X] the experts whose count changes
+        if not len(xs):
             continue
+        at = np.full(e, -1)
+        at[xs] = np.arange(len(xs))
         row = out[layer]
         on = np.zeros((e, cluster.num_nodes))  # replicas of each expert per node
         np.add.at(on, (row, slot_node), 1)
+        co = co_rows(layer, xs)  # [X, E]
+        aff = node_affinity(co, on)  # [X, N] kept equal to node_affinity(co, on) as on changes below
         slot_load = per_rep[layer, row]
         free: list[int] = []
-        for x in np.flatnonzero(have > logcnt[layer]):
+        for x in xs[have[xs] > logcnt[layer, xs]]:
             slots = np.flatnonzero(row == x)
-            aff = _node_affinity(co_row(layer, int(x)), on)
-            drop = slots[np.lexsort((-slot_load[slots], aff[slot_node[slots]]))][: have[x] - logcnt[layer, x]]
+            drop = slots[np.lexsort((-slot_load[slots], aff[at[x], slot_node[slots]]))][: have[x] - logcnt[layer, x]]
             for s in drop:
                 free.append(int(s))
                 on[x, slot_node[s]] -= 1
+                if on[x, slot_node[s]] == 0:  # x left the node: its co-choices no longer count there
+                    aff[:, slot_node[s]] -= co[:, x]
         row[free] = -1
         gpu_load = np.bincount(slot_gpu, weights=np.where(row >= 0, per_rep[layer, np.maximum(row, 0)], 0.0),
                                minlength=cluster.num_gpus)
@@ -67,17 +75,18 @@ def reseat(phy2log: np.ndarray, logcnt: np.ndarray, weight: np.ndarray, co_row: 
         for x in gains[np.argsort(-per_rep[layer, gains], kind="stable")]:
             cand = np.asarray(free)
             k = slot_node[cand]
-            aff = _node_affinity(co_row(layer, int(x)), on)
-            score = aff[k] - tie * gpu_load[slot_gpu[cand]] - np.where(on[x, k] > 0, 1e18, 0.0)
+            score = aff[at[x], k] - tie * gpu_load[slot_gpu[cand]] - np.where(on[x, k] > 0, 1e18, 0.0)
             s = int(cand[np.argmax(score)])
             free.remove(s)
             row[s] = x
             gpu_load[slot_gpu[s]] += per_rep[layer, x]
+            if on[x, slot_node[s]] == 0:  # x joins the node
+                aff[:, slot_node[s]] += co[:, x]
             on[x, slot_node[s]] += 1
     return out
 
 
-def _node_affinity(coact_row: np.ndarray, on: np.ndarray) -> np.ndarray:
-    """coact_row [E] co-choices of one expert, on [E, N] replicas per node -> [N] its co-choices with the
+def node_affinity(co: np.ndarray, on: np.ndarray) -> np.ndarray:
+    """co [X, E] co-choices of X experts, on [E, N] replicas per node -> [X, N] each one's co-choices with the
     experts each node holds (elementwise: see the module doc for why not a BLAS product)."""
-    return (coact_row[:, None] * (on > 0)).sum(0)
+    return (co[:, :, None] * (on > 0)[None]).sum(1)

@@ -34,6 +34,15 @@ def even_gpu_load(pl: Placement, heat: np.ndarray, cluster: Cluster) -> np.ndarr
     return per_slot.reshape(n_layers, cluster.num_gpus, cluster.slots_per_gpu).sum(-1)
 
 
+def phy2log_gpu_load(phy2log: np.ndarray, heat: np.ndarray, cluster: Cluster) -> np.ndarray:
+    """phy2log [L, P], heat [L, E] -> per-GPU load [L, G] under the even split: even_gpu_load of
+    from_phy2log(phy2log), the same numbers, without building log2phy (1 ms a call at [58, 256])."""
+    n_layers, e = heat.shape
+    cnt = np.bincount((phy2log + (np.arange(n_layers) * e)[:, None]).ravel(), minlength=n_layers * e)
+    per_slot = np.take_along_axis(heat / cnt.reshape(n_layers, e), phy2log, 1)  # [L, P]
+    return per_slot.reshape(n_layers, cluster.num_gpus, cluster.slots_per_gpu).sum(-1)
+
+
 class Dispatch(NamedTuple):
     slot_load: np.ndarray  # [L, P] token-expert units handled per slot
     gpu_load: np.ndarray  # [L, G] the same per GPU

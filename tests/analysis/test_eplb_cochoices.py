@@ -30,6 +30,9 @@ def test_node_affinity_and_rows_equal_the_dense_matrix() -> None:
     for layer in range(3):
         for x in range(e):
             np.testing.assert_array_equal(co.row(layer, x), dense[layer, x])
+        xs = rng.choice(e, 7)  # repeats allowed
+        np.testing.assert_array_equal(co.rows(layer, xs), dense[layer, xs])
+    assert co.rows(1, np.zeros(0, dtype=np.int64)).shape == (0, e)
 
 
 def test_without_tokens_everything_is_zero() -> None:
@@ -37,3 +40,4 @@ def test_without_tokens_everything_is_zero() -> None:
     assert not co.node_affinity(np.zeros((2, 8), dtype=np.int64), 3).any()
     assert co.node_affinity(np.zeros((2, 8), dtype=np.int64), 3).shape == (2, 8, 3)
     assert not co.row(1, 5).any()
+    assert co.rows(1, np.array([2, 5])).shape == (2, 8)

@@ -1,9 +1,10 @@
-"""Re-plans of a drifting workload (forecast.drifts, planner.refreshed) and the per-layer layout choice
+"""Re-plans of a drifting workload (forecast.drifts, replan.refreshed) and the per-layer layout choice
 (candidates.py). Run: .venv/bin/python -m pytest tests/analysis/test_eplb_refresh.py -q"""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from r3trace.eplb import Cluster, PlannerConfig, churn, from_phy2log, global_policy, plan
 from r3trace.eplb.candidates import MAX_LOAD_TIE, best_layout, by_group, nodes_per_token
@@ -83,6 +84,18 @@ def test_nodes_per_token_without_replicas_is_the_dispatchers_cover() -> None:
     np.testing.assert_allclose(nodes_per_token(pl.phy2log, routes, cl), node_limited(pl, routes, cl).nodes.mean(0))
 
 
+@pytest.mark.parametrize("gpus,nodes,experts", [(72, 9, 72), (64, 16, 64), (64, 64, 64), (128, 128, 128)])
+def test_nodes_per_token_counts_each_tokens_distinct_nodes(gpus: int, nodes: int, experts: int) -> None:
+    # node bits ORed per token against a set per token: 9 and 16 nodes in 16-bit masks, 64 in all 64 bits, 128 by a sort
+    rng = np.random.default_rng(nodes)
+    routes = rng.integers(0, experts, (256, L, K))  # [T, L, K]
+    cl = Cluster(gpus, nodes, experts)
+    ph = np.stack([rng.permutation(experts) for _ in range(L)])  # [L, P]
+    node = cl.slot_node()[np.argsort(ph, axis=1)]  # [L, E] node of each expert
+    want = [np.mean([len({int(node[layer, x]) for x in t}) for t in routes[:, layer]]) for layer in range(L)]
+    np.testing.assert_array_equal(nodes_per_token(ph, routes, cl), want)
+
+
 def test_best_layout_is_as_balanced_as_the_best_candidate_and_touches_fewest_nodes_among_the_tied() -> None:
     routes = _windows(0.0, windows=2, tokens=2048, seed=3)
     cl = Cluster(32, 16, E, num_groups=8)  # no spare slot, 2 slots a GPU, 4 a node
@@ -101,3 +114,4 @@ def test_best_layout_is_as_balanced_as_the_best_candidate_and_touches_fewest_nod
     nodes = np.stack([nodes_per_token(c, routes[0], cl) for c in cands])
     tied = peak <= peak.min(0) * (1 + MAX_LOAD_TIE)
     np.testing.assert_allclose(nodes_per_token(got, routes[0], cl), np.where(tied, nodes, np.inf).min(0))
+

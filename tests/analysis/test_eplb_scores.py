@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from r3trace.eplb import Cluster, churn, from_phy2log
-from r3trace.eplb.score import balancedness, even_gpu_load, node_limited
+from r3trace.eplb.score import balancedness, even_gpu_load, node_limited, phy2log_gpu_load
 
 
 def test_balancedness_is_the_mean_over_layers_of_mean_over_max() -> None:
@@ -77,3 +77,11 @@ def test_churn_counts_slots_whose_expert_changed() -> None:
     np.testing.assert_array_equal(prev.logcnt, new.logcnt)
     assert churn(prev, new) == 0.25
     assert churn(new, prev) == 0.25 and churn(prev, prev) == 0.0
+
+
+def test_phy2log_gpu_load_equals_even_gpu_load_of_the_placement() -> None:
+    rng = np.random.default_rng(31)
+    cl = Cluster(8, 2, 24)
+    ph = np.stack([rng.permutation(np.r_[np.arange(16), rng.integers(0, 16, 8)]) for _ in range(4)])  # [L, P]
+    heat = rng.random((4, 16)) * 100
+    np.testing.assert_array_equal(phy2log_gpu_load(ph, heat, cl), even_gpu_load(from_phy2log(ph, 16), heat, cl))

@@ -11,7 +11,7 @@ from r3trace.eplb import Cluster, PlannerConfig, churn, plan
 from r3trace.eplb.homing import capped_counts
 from r3trace.eplb.leveling import level_refine
 from r3trace.eplb.placement import PlacementError, check_placement, from_phy2log
-from r3trace.eplb.reseat import _node_affinity, reseat
+from r3trace.eplb.reseat import node_affinity, reseat
 
 CL = Cluster(72, 18, 144, num_groups=8)  # 144/18/288 scaled down: 128 experts, 2 slots per GPU
 L, E = 5, 128
@@ -30,9 +30,9 @@ def _coact(rng: np.random.Generator) -> np.ndarray:
     return c
 
 
-def _rows(coact: np.ndarray) -> Callable[[int, int], np.ndarray]:
-    """reseat's co_row from a dense [L, E, E] matrix."""
-    return lambda layer, x: coact[layer, x]
+def _rows(coact: np.ndarray) -> Callable[[int, np.ndarray], np.ndarray]:
+    """reseat's co_rows from a dense [L, E, E] matrix."""
+    return lambda layer, xs: coact[layer, xs]
 
 
 def test_reseat_moves_exactly_the_changed_counts() -> None:
@@ -135,12 +135,59 @@ def test_churn_counts_changed_slots() -> None:
 
 
 def test_node_affinity_equals_the_matrix_product() -> None:
-    # reseat sums one expert's co-choices per node elementwise (no threaded BLAS); same numbers as coact @ on
+    # reseat sums co-choices per node elementwise (no threaded BLAS); same numbers as coact @ on
     rng = np.random.default_rng(14)
     coact = _coact(rng)[0]  # [E, E]
     on = rng.integers(0, 3, (E, CL.num_nodes)) * (rng.random((E, CL.num_nodes)) < 0.2)  # [E, N] replicas
-    want = coact @ (on > 0)
-    for x in rng.choice(E, 8, replace=False):
-        np.testing.assert_array_equal(_node_affinity(coact[x], on), want[x])
+    xs = rng.choice(E, 8, replace=False)
+    np.testing.assert_array_equal(node_affinity(coact[xs], on), (coact @ (on > 0))[xs])
     on[:, 3] = 0  # a node without replicas: no co-choices with it
-    assert (_node_affinity(coact[int(rng.integers(E))], on)[3] == 0).all()
+    assert (node_affinity(coact[xs], on)[:, 3] == 0).all()
+
+
+def reseat_reference(prev: np.ndarray, logcnt: np.ndarray, w: np.ndarray, coact: np.ndarray,
+                     cl: Cluster) -> np.ndarray:
+    """reseat written from its docstring, one expert at a time: co-choices with each node's experts recounted
+    from the current layout for every expert dropped or seated."""
+    out, e = prev.copy(), w.shape[1]
+    node, gpu = cl.slot_node(), cl.slot_gpu()
+    for li, row in enumerate(out):
+        per = w[li] / logcnt[li]
+        have = np.bincount(row, minlength=e)
+
+        def aff(x: int, li: int = li, row: np.ndarray = row) -> np.ndarray:
+            """[N] x's co-choices with the experts each node holds now."""
+            return np.array([sum(coact[li, x, y] for y in set(row[node == k]) if y >= 0)
+                             for k in range(cl.num_nodes)])
+
+        free = []
+        for x in range(e):
+            if have[x] > logcnt[li, x]:
+                a = aff(x)
+                slots = sorted(np.flatnonzero(row == x), key=lambda s: (a[node[s]], -per[x]))
+                for s in slots[:have[x] - logcnt[li, x]]:
+                    free.append(int(s))
+                    row[s] = -1
+        load = np.zeros(cl.num_gpus)
+        np.add.at(load, gpu[row >= 0], per[row[row >= 0]])
+        gains = [x for x in range(e) for _ in range(max(0, logcnt[li, x] - have[x]))]
+        tie = 1e-6 / w[li].sum()
+        for x in sorted(gains, key=lambda x: -per[x]):
+            a = aff(x)
+            # a node already holding x only when every free slot's node does (a penalty that swamps the rest)
+            score = [a[node[s]] - tie * load[gpu[s]] - (1e18 if (row[node == node[s]] == x).any() else 0.0)
+                     for s in free]
+            s = free.pop(int(np.argmax(score)))
+            row[s] = x
+            load[gpu[s]] += per[x]
+    return out
+
+
+@pytest.mark.parametrize("seed", [15, 16, 17])
+def test_reseat_matches_a_recount_per_expert(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    prev = _random_layout(rng)
+    w = rng.pareto(1.0, (L, E)) + 0.1
+    new = capped_counts(w, CL.num_slots, CL.num_nodes)
+    coact = _coact(rng)
+    np.testing.assert_array_equal(reseat(prev, new, w, _rows(coact), CL), reseat_reference(prev, new, w, coact, CL))

@@ -1,0 +1,135 @@
+"""Re-plans of the multi-node layout from a previous placement: seeded (few slots move) and, for a drifting
+workload, refreshed (layers a fresh plan lowers take it). planner.plan calls them; its docstring, step 5, says why.
+
+Which layers a drifting re-plan seeds: a seeded layer that takes the fresh plan anyway was wasted work (reseating
+and leveling were 0.09 of a 0.21 s drifting re-plan at [58, 256] on 8 nodes). Over the fast-drift cells of
+bench/eplb_matrix.py (504 layer re-plans, 84 drifting re-plans) every layer whose max-load floor (max_load_floor,
+with the seeded plan's counts) sat below 1.5x the mean GPU load lost to the fresh plan, by 1.6% at least (mean
+9%), and every re-plan holding such a layer refreshed. Only where the hottest replicas alone set the max load
+(floor >= 1.5x the mean: s = 1.2 on 18 nodes, 2 slots a GPU) did seeded layers come within 1.3% of the floor, as
+close as fresh ones, and those re-plans kept the seeded plan (mean ratio 1.007-1.013 <= 1 + refresh_gain). So a
+drifting re-plan seeds the layers whose floor is above (1 + refresh_floor) x the mean GPU load, and a probe of the
+others: the 1 / refresh_probe whose previous placement is closest to the fresh plan. Where every probe loses to
+the fresh plan and their mean ratio, standing in for the unseeded layers', calls a refresh, the unseeded layers
+take the fresh plan; else every layer is seeded and decides as before. Plans equal those of seeding every layer
+first (refresh_floor = -1) in all of bench/eplb_matrix.py's 124 cells and on 675 saved re-plans at [16 and 58,
+256]; the drifting re-plan at [58, 256] took 0.065 s instead of 0.105 s on 8 nodes (--plan-time).
+
+Shape legend: L layers, E experts, P slots, G GPUs.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from r3trace.eplb.affinity import CoChoices
+from r3trace.eplb.alignment import align
+from r3trace.eplb.homing import capped_counts
+from r3trace.eplb.leveling import level_refine
+from r3trace.eplb.placement import Cluster, Placement
+from r3trace.eplb.reseat import reseat
+from r3trace.eplb.score import even_gpu_load, phy2log_gpu_load
+
+if TYPE_CHECKING:
+    from r3trace.eplb.planner import PlannerConfig
+
+
+def seeded_counts(w: np.ndarray, prev: Placement, cluster: Cluster, cfg: PlannerConfig, cap: int
+                  ) -> tuple[np.ndarray, int]:
+    """Forecast w [L, E] -> (replica counts [L, E] a seeded re-plan reseats, leveling swaps per layer): the fresh
+    counts (capped at `cap`), or, where they would move more than seeded_churn_budget, the fresh counts in layers
+    ordered by the largest drop in forecast max load per replica while they fit, the previous ones elsewhere."""
+    n_layers = w.shape[0]
+    logcnt = capped_counts(w, cluster.num_slots, cap)
+    moved = np.abs(logcnt - prev.logcnt).sum(1) // 2  # [L] slots reseating changes in each layer
+    budget = int(cfg.seeded_churn_budget * prev.phy2log.size)
+    if moved.sum() > budget:
+        gain = (w / prev.logcnt).max(1) / (w / logcnt).max(1)
+        take = np.zeros(n_layers, dtype=bool)
+        for layer in np.argsort(-gain, kind="stable"):
+            if moved[take].sum() + moved[layer] <= budget:
+                take[layer] = True
+        logcnt = np.where(take[:, None], logcnt, prev.logcnt)
+        moved = np.where(take, moved, 0)
+    return logcnt, int(budget - moved.sum()) // (2 * n_layers)
+
+
+def seeded_plan(w: np.ndarray, prev: Placement, cluster: Cluster, cfg: PlannerConfig, cap: int,
+                tokens: np.ndarray | None = None, layers: np.ndarray | None = None) -> np.ndarray:
+    """Forecast w [L, E], previous placement -> phy2log [L, P]: seeded_counts' counts reseated into prev
+    (reseat.py), then leveling swaps with what is left of the churn budget, spread evenly over layers; a layer
+    keeps its swaps only where they lower its hottest GPU by more than replan_min_drop. layers [L] bool: only those
+    rows are planned (each the same as with every layer: counts and swaps are decided over all layers), the
+    others keep prev's."""
+    e = w.shape[1]
+    logcnt, swaps = seeded_counts(w, prev, cluster, cfg, cap)
+    out = prev.phy2log.copy()
+    rows = np.arange(len(w)) if layers is None else np.flatnonzero(layers)
+    if not len(rows):
+        return out
+    co = CoChoices(None if tokens is None else tokens[:, rows], e)  # the planned layers' tokens only
+    ph = reseat(prev.phy2log[rows], logcnt[rows], w[rows], co.rows, cluster)
+    leveled = level_refine(ph, w[rows], logcnt[rows], cluster, swaps, cfg.replan_level_min_gain, cfg.level_cold)
+    before = phy2log_gpu_load(ph, w[rows], cluster).max(1)
+    after = phy2log_gpu_load(leveled, w[rows], cluster).max(1)
+    better = after < before * (1 - cfg.replan_min_drop)
+    out[rows] = np.where(better[:, None], leveled, ph)
+    return out
+
+
+def max_load_floor(w: np.ndarray, logcnt: np.ndarray, cluster: Cluster) -> np.ndarray:
+    """w [L, E], counts [L, E] -> [L] a floor under the max GPU load (even split) of every placement with these
+    counts: the mean GPU load, and for m = 1 .. slots per GPU, some GPU holds m of the G (m - 1) + 1 heaviest
+    replicas (pigeonhole), so at least the m lightest of them, its other slots at least the lightest replica."""
+    g, spg = cluster.num_gpus, cluster.slots_per_gpu
+    per = np.repeat((w / logcnt).ravel(), logcnt.ravel()).reshape(len(w), -1)  # [L, P] load of each replica
+    r = -np.sort(-per, axis=1)  # [L, P] heaviest first
+    floor = w.sum(1) / g
+    for m in range(1, spg + 1):
+        top = g * (m - 1) + 1
+        floor = np.maximum(floor, r[:, top - m:top].sum(1) + (spg - m) * r[:, -1])
+    return floor
+
+
+def floor_bound(w: np.ndarray, logcnt: np.ndarray, cluster: Cluster, margin: float) -> np.ndarray:
+    """w [L, E], counts [L, E] -> [L] True where the max-load floor exceeds (1 + margin) x the mean GPU load: the
+    hottest replicas, not the packing, set the max load there, so a seeded plan can come as close as a fresh one."""
+    return max_load_floor(w, logcnt, cluster) > (1 + margin) * w.sum(1) / cluster.num_gpus
+
+
+def refreshed(fresh: Placement, w: np.ndarray, prev: Placement, cluster: Cluster, cfg: PlannerConfig, cap: int,
+              tokens: np.ndarray | None = None) -> np.ndarray:
+    """A drifting workload's re-plan: a fresh plan and the previous placement on the forecast w [L, E] ->
+    phy2log [L, P]. The seeded plan's layers (seeded_plan) stay, except that where the fresh plan's forecast max
+    GPU load is lower by more than refresh_gain on average over layers, every layer it lowers takes the fresh
+    layout (aligned to prev so that kept replicas stay in their slots).
+
+    Seeded first: the floor-bound layers (floor_bound) and, of the others, the 1 / refresh_probe whose previous
+    placement is closest to the fresh plan (a probe). Where every probe loses to the fresh plan and the probes'
+    mean ratio, standing in for the unseeded layers', calls a refresh, those layers take the fresh layout unseeded;
+    else every layer is seeded and the rule above decides (module doc)."""
+    peak = even_gpu_load(fresh, w, cluster).max(1)  # [L]
+    logcnt, _ = seeded_counts(w, prev, cluster, cfg, cap)
+    seed = floor_bound(w, logcnt, cluster, cfg.refresh_floor)  # [L]
+    rest = np.flatnonzero(~seed)
+    if len(rest):
+        near = phy2log_gpu_load(prev.phy2log[rest], w[rest], cluster).max(1) / peak[rest]
+        probe = rest[np.argsort(near, kind="stable")[: -(-len(rest) // cfg.refresh_probe)]]
+        seed[probe] = True
+    low = seeded_plan(w, prev, cluster, cfg, cap, tokens, seed)
+    ratio = phy2log_gpu_load(low, w, cluster).max(1) / peak  # [L] unseeded rows: prev's (not read)
+    if len(rest):
+        est = np.where(seed, ratio, ratio[probe].mean())
+        if ratio[probe].min() > 1 and est.mean() > 1 + cfg.refresh_gain:
+            take = np.flatnonzero(~seed | (ratio > 1))
+            low[take] = align(fresh.phy2log[take], prev.phy2log[take], cluster)
+            return low
+        low[~seed] = seeded_plan(w, prev, cluster, cfg, cap, tokens, ~seed)[~seed]
+        ratio = phy2log_gpu_load(low, w, cluster).max(1) / peak
+    if ratio.mean() <= 1 + cfg.refresh_gain:
+        return low
+    take = np.flatnonzero(ratio > 1)
+    low[take] = align(fresh.phy2log[take], prev.phy2log[take], cluster)
+    return low
