@@ -5,6 +5,11 @@ On CPU, Triton runs only under TRITON_INTERPRET=1, and its interpreter (triton 3
 pass UPCAST = (tensor is not on CUDA); the operands then go to fp32 before the product, which is what
 the GPU's bf16 MMA computes anyway (exact products, fp32 accumulation). On CUDA UPCAST is False and
 the product runs on the tensor cores in the operands' dtype.
+
+In the interpreter the product is an explicit multiply and a sum over K, not numpy's matmul: OpenBLAS's kernels
+block the rows of A by position (on an AMD EPYC's kernel a row's fp32 bits moved by up to 7e-7 with its row index in
+the tile), and the batch-invariant kernels (EngineConfig.batch_invariant) promise a row's bits whatever rows share
+its tile. On the GPU every row of an MMA tile runs the same instructions.
 """
 
 from __future__ import annotations
@@ -17,9 +22,18 @@ import triton.language as tl
 def mma(a, b, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr):
     """a @ b with fp32 accumulation; INPUT_PRECISION 'ieee' keeps fp32 operands out of tf32."""
     if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=INPUT_PRECISION)
+        return tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
     else:
         return tl.dot(a, b, input_precision=INPUT_PRECISION)
+
+
+@triton.jit
+def mma_acc(a, b, acc, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    """acc + a @ b, accumulated inside the MMA on the GPU (tl.dot's acc operand)."""
+    if UPCAST:
+        return acc + tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+    else:
+        return tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
 
 
 def dot_precision(is_fp32: bool) -> str:

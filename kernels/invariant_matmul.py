@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from r3trace.kernels.contract import FLOAT_DTYPES, require
-from r3trace.kernels.dot import dot_precision
+from r3trace.kernels.dot import dot_precision, mma_acc
 
 
 class MatmulTile(NamedTuple):
@@ -74,9 +74,7 @@ def _invariant_matmul_kernel(
         k_mask = (k0 + offs_k) < K
         a = tl.load(a_rows + (k0 + offs_k)[None, :] * stride_ak, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(b_cols + (k0 + offs_k)[:, None] * stride_bk, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        if UPCAST:  # the interpreter: bf16 operands to fp32 first (dot.py says why)
-            a, b = a.to(tl.float32), b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)  # the MMA accumulates into acc
+        acc = mma_acc(a, b, acc, UPCAST, INPUT_PRECISION)  # the MMA accumulates into acc
     dst = c_ptr + g * stride_cg + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
     tl.store(dst, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from r3trace.kernels.contract import FLOAT_DTYPES, require, require_tensor
+from r3trace.kernels.dot import mma_acc
 
 # Router logits [T, E] = x [T, D] (bf16/fp16/fp32) . weight [E, D] fp32, in fp32 (DeepSeek and transformers keep
 # the gate in fp32). torch casts x first: a cast kernel, then cuBLAS's SIMT sgemm + split-K reduce at decode
@@ -30,7 +31,7 @@ def _router_logits_kernel(
     x_ptr, w_ptr, part_ptr,
     T, E, D, D_SLICE,
     stride_xt, stride_we, stride_pp, stride_pt,
-    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -46,7 +47,7 @@ def _router_logits_kernel(
                     other=0.0).to(tl.float32)  # fmt: skip
         w = tl.load(w_ptr + offs_e[:, None] * stride_we + offs_d[None, :], mask=e_mask[:, None] & d_mask[None, :],
                     other=0.0)  # fmt: skip
-        acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")  # fp32 FMAs, no tf32
+        acc = mma_acc(x, tl.trans(w), acc, UPCAST, "ieee")  # fp32 FMAs, no tf32
     dst = part_ptr + part * stride_pp + offs_t[:, None] * stride_pt + offs_e[None, :]
     tl.store(dst, acc, mask=t_mask[:, None] & e_mask[None, :])
 
@@ -72,7 +73,7 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, torch_above: int | None
     grid = (triton.cdiv(T, _LOGITS_T), triton.cdiv(E, _LOGITS_E), n_part)
     _router_logits_kernel[grid](
         x, weight, parts, T, E, D, d_slice, x.stride(0), weight.stride(0), parts.stride(0), parts.stride(1),
-        BLOCK_T=_LOGITS_T, BLOCK_E=_LOGITS_E, BLOCK_K=_LOGITS_K, num_warps=4,
+        BLOCK_T=_LOGITS_T, BLOCK_E=_LOGITS_E, BLOCK_K=_LOGITS_K, UPCAST=not x.is_cuda, num_warps=4,
     )
     return parts
 

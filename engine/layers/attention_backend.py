@@ -178,10 +178,11 @@ class TritonAttention:
 
 
 class InvariantAttention:
-    """batch_invariant's attention: row i of the batch attends to positions 0..positions[i] of its request as one
-    decode row of the fixed-split kernel, so a query's bits depend on its keys only: a token's row is the same in a
-    plain decode step, in a verify of d + 1 rows, in a prefill chunk of any size and at any batch. The cost is the
-    prefill's: each prompt row reads its keys itself (no query tile sharing a key tile, as mla_extend's does)."""
+    """batch_invariant's attention: row i of the batch attends to positions 0..positions[i] of its request through
+    the fixed-split kernel, whose tile shape is the same for every row, so a query's bits depend on its keys only: a
+    token's row is the same in a plain decode step, in a verify of d + 1 rows, in a prefill chunk of any size and at
+    any batch. A program holds up to 64 / H rows of one request (token_block.py): a prompt's rows share each key
+    tile they read, as a flash prefill's query tile does."""
 
     def __init__(self, shape: DecodeShape, dtype: torch.dtype) -> None:
         from r3trace.kernels.mla_decode.fixed_split import fixed_split_decoder
@@ -191,13 +192,10 @@ class InvariantAttention:
     def absorbed(
         self, q: torch.Tensor, kv_cache: torch.Tensor, fb: ForwardBatch, kv_lora_rank: int, scale: float
     ) -> torch.Tensor:
-        if fb.mode == "decode":  # one row a request: the batch's own tables
-            pool, lens = fb.req_pool_indices, fb.seq_lens
-        else:  # each row its request's table row and its own key count; output_size: no host sync
-            pool = torch.repeat_interleave(fb.req_pool_indices, fb.extend_lens, output_size=q.shape[0])  # [T]
-            lens = fb.positions + 1  # [T]
-        max_len = max(fb.seq_lens_cpu, default=1)  # host lengths: the grid's bound only
-        return self.decoder(q, kv_cache, fb.req_to_token, pool, lens, kv_lora_rank, scale, max_len)
+        max_len = max(fb.seq_lens_cpu, default=1)  # host lengths: the grid's bounds only
+        max_rows = max(fb.extend_lens_cpu, default=1)
+        return self.decoder(q, kv_cache, fb.req_to_token, fb.req_pool_indices, fb.extend_start_loc, fb.extend_lens,
+                            fb.positions + 1, kv_lora_rank, scale, max_len, max_rows)  # fmt: skip
 
     def mha(
         self,

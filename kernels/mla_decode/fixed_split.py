@@ -1,19 +1,20 @@
-"""Batch-invariant MLA decode (EngineConfig.batch_invariant): fixed-size KV splits merged in a fixed order, so a
-query row's output depends on its own key count and keys only, not on the batch, the grid or the SM count.
+"""Batch-invariant MLA attention (EngineConfig.batch_invariant): fixed-size KV splits merged in a fixed order, so a
+query row's output depends on its own key count and keys only, not on the batch, the grid, the SM count, or whether
+the row is a decode step, one of a verify's d + 1 rows or a row of a prefill chunk.
 
-Shape legend as in decode.py: B query rows (a decode's requests, or every row of a verify or prefill chunk, each with
-its own key count), H heads, C = kv_lora + rope, P splits.
+Shape legend as in decode.py: T query rows, B requests (each a run of consecutive rows of T with its own key counts),
+H heads, C = kv_lora + rope, P splits.
 
 Why: mla_decode picks its split count P from the batch size, the longest row and the SM count (tile.py), and a row's
 keys are cut into P runs of cdiv(seq_len, P) keys: the same request reads its keys in a different order at batch 1
 and at batch 32, and a verify's rows went through the extend kernel, whose tiles differ again. Here split p of a row
-always covers positions [p * SPLIT_KEYS, (p + 1) * SPLIT_KEYS) (the Triton stage 1 with FIXED_SPLIT), the grid's P
-only bounds the longest row (splits past a row's length return at once), and the merge walks the row's
-cdiv(seq_len, SPLIT_KEYS) partials in order p = 0, 1, ... (mla_decode's merge sums a BLOCK_P-wide vector, whose
-reduction tree follows P). SGLang's deterministic mode fixes the Triton decode's split size the same way, 256 keys
-(sgl-project/sglang python/sglang/srt/environ.py at 21ff4b08, SGLANG_TRITON_DECODE_SPLIT_TILE_SIZE).
+always covers positions [p * SPLIT_KEYS, (p + 1) * SPLIT_KEYS) (token_block.py's stage 1, one tile shape for every
+row: why a row's bits do not depend on its block is said there), the grid's P only bounds the longest row (splits
+past a row's length return at once), and the merge walks the row's cdiv(keys, SPLIT_KEYS) partials in order
+p = 0, 1, ... (mla_decode's merge sums a BLOCK_P-wide vector, whose reduction tree follows P). SGLang's deterministic
+mode fixes the Triton decode's split size the same way, 256 keys (sgl-project/sglang python/sglang/srt/environ.py at
+21ff4b08, SGLANG_TRITON_DECODE_SPLIT_TILE_SIZE).
 """
-
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,11 +23,11 @@ import torch
 import triton
 import triton.language as tl
 
-from r3trace.kernels.contract import require
+from r3trace.kernels.contract import INDEX_DTYPES, require, require_tensor
 from r3trace.kernels.flash import LOG2E
 from r3trace.kernels.mla_decode.decode import check_decode_args
-from r3trace.kernels.mla_decode.tile import MIN_TOKENS_PER_SPLIT, DecodeTile, default_decode_tile
-from r3trace.kernels.mla_decode.triton_stage1 import mla_decode_stage1_triton
+from r3trace.kernels.mla_decode.tile import MIN_TOKENS_PER_SPLIT
+from r3trace.kernels.mla_decode.token_block import TokenBlockTile, token_block_stage1, token_block_tile
 
 # Keys a split: the default policy's floor (tile.py MIN_TOKENS_PER_SPLIT: fewer and a split's fixed cost dominates).
 # A 2k-key row is 8 splits at any batch.
@@ -63,12 +64,29 @@ def _ordered_merge_kernel(
     tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_c, (acc / w_sum).to(out_ptr.dtype.element_ty), mask=c_mask)
 
 
+def check_block_args(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    q_start: torch.Tensor,
+    q_lens: torch.Tensor,
+    row_keys: torch.Tensor,
+    kv_lora_rank: int,
+) -> None:
+    """check_decode_args with the rows as T (row_keys [T]) and the requests' tables [B] (pool, q_start, q_lens)."""
+    check_decode_args(q, kv_cache, req_to_token, row_keys, row_keys, kv_lora_rank)
+    for name, t in (("req_pool_indices", req_pool_indices), ("q_start", q_start), ("q_lens", q_lens)):
+        require_tensor(name, t, 1, INDEX_DTYPES, q.device)
+        require(t.shape == q_lens.shape, f"{name} has {t.shape[0]} rows, q_lens {q_lens.shape[0]}")
+
+
 @dataclass(frozen=True)
 class FixedSplitDecoder:
-    """The batch-invariant decode for one head count and dtype: the Triton stage 1 with `tile` (default_decode_tile's
-    Triton tile) cut at split_keys, then the ordered merge. Built once by the attention backend."""
+    """The batch-invariant attention for one head count and dtype: token_block.py's stage 1 (each program a block of
+    one request's consecutive rows, cut at split_keys) and the ordered merge. Built once by the attention backend."""
 
-    tile: DecodeTile
+    tile: TokenBlockTile
     split_keys: int = SPLIT_KEYS
 
     def __call__(
@@ -77,27 +95,32 @@ class FixedSplitDecoder:
         kv_cache: torch.Tensor,
         req_to_token: torch.Tensor,
         req_pool_indices: torch.Tensor,
-        seq_lens: torch.Tensor,
+        q_start: torch.Tensor,
+        q_lens: torch.Tensor,
+        row_keys: torch.Tensor,
         kv_lora_rank: int,
         sm_scale: float,
         max_seq_len: int,
+        max_q_len: int,
     ) -> torch.Tensor:
-        """q [B, H, C] -> [B, H, kv_lora]; row b attends to positions 0..seq_lens[b]-1 of req_to_token row
-        req_pool_indices[b]. max_seq_len: a host bound on seq_lens (it sizes the grid only, never the result)."""
-        check_decode_args(q, kv_cache, req_to_token, req_pool_indices, seq_lens, kv_lora_rank)
+        """q [T, H, C] -> [T, H, kv_lora]. Request b's rows are q_start[b] .. q_start[b] + q_lens[b] - 1 of T (a
+        decode: one row; a verify or a prefill chunk: several), row t attends to positions 0 .. row_keys[t] - 1 of
+        req_to_token row req_pool_indices[b]. max_seq_len, max_q_len: host bounds on row_keys and q_lens (they size
+        the grid only, never a result)."""
+        check_block_args(q, kv_cache, req_to_token, req_pool_indices, q_start, q_lens, row_keys, kv_lora_rank)
         require(self.split_keys % self.tile.block_n == 0,
                 f"split_keys {self.split_keys} is not a multiple of the tile's {self.tile.block_n} keys")  # fmt: skip
-        B, H, _ = q.shape
-        out = torch.empty((B, H, kv_lora_rank), dtype=q.dtype, device=q.device)
-        if B == 0 or H == 0:
+        T, H, _ = q.shape
+        out = torch.empty((T, H, kv_lora_rank), dtype=q.dtype, device=q.device)
+        if T == 0 or H == 0:
             return out
         splits = triton.cdiv(max(1, max_seq_len), self.split_keys)
-        part_out = torch.empty((B, H, splits, kv_lora_rank), dtype=torch.float32, device=q.device)
-        part_lse = torch.empty((B, H, splits), dtype=torch.float32, device=q.device)
-        mla_decode_stage1_triton(q, kv_cache, req_to_token, req_pool_indices, seq_lens, part_out, part_lse,
-                                 kv_lora_rank, sm_scale * LOG2E, self.tile, fixed_split=self.split_keys)  # fmt: skip
-        _ordered_merge_kernel[(B, H)](
-            part_out, part_lse, seq_lens, out, kv_lora_rank,
+        part_out = torch.empty((T, H, splits, kv_lora_rank), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((T, H, splits), dtype=torch.float32, device=q.device)
+        token_block_stage1(q, kv_cache, req_to_token, req_pool_indices, q_start, q_lens, row_keys, part_out, part_lse,
+                           kv_lora_rank, sm_scale * LOG2E, self.tile, self.split_keys, max_q_len)  # fmt: skip
+        _ordered_merge_kernel[(T, H)](
+            part_out, part_lse, row_keys, out, kv_lora_rank,
             part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
             out.stride(0), out.stride(1),
             SPLIT=self.split_keys, BLOCK_C=max(16, triton.next_power_of_2(kv_lora_rank)), num_warps=4,
@@ -106,7 +129,5 @@ class FixedSplitDecoder:
 
 
 def fixed_split_decoder(num_heads: int, dtype: torch.dtype, split_keys: int = SPLIT_KEYS) -> FixedSplitDecoder:
-    """The Triton tile default_decode_tile gives these heads and dtype (never a Gluon one: only the Triton stage 1 has
-    the fixed-split form), with PDL off (the stage 1 and the merge launch plainly)."""
-    tile = default_decode_tile(num_heads, dtype, use_gluon=False)._replace(pdl=False)
-    return FixedSplitDecoder(tile, split_keys)
+    """token_block_tile's tile for these heads and dtype."""
+    return FixedSplitDecoder(token_block_tile(num_heads, dtype), split_keys)

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from r3trace.kernels.invariant_matmul import invariant_bmm, invariant_bmm_ref, invariant_linear
-from r3trace.kernels.mla_decode.fixed_split import fixed_split_decoder
+from r3trace.kernels.mla_decode.fixed_split import FixedSplitDecoder, fixed_split_decoder
 from r3trace.kernels.mla_decode.reference import mla_decode_ref
 from r3trace.kernels.moe.registry import MoeShape, resolve_moe
 from r3trace.kernels.rmsnorm import rmsnorm
@@ -72,22 +72,65 @@ def test_per_head_gemm_through_strided_views(dtype: torch.dtype) -> None:
     assert_close_to_ref(heads(slice(0, ROWS)), invariant_bmm_ref(x.transpose(0, 1), w).transpose(0, 1), dtype)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_fixed_split_decode_rows_invariant(dtype: torch.dtype) -> None:
-    """5 heads, kv_lora 64 + rope 16, 37 rows of 1..300 keys over two request rows: each row's bits the same in any
-    batch and under any grid bound (max_seq_len 300 or 1000), and close to mla_decode_ref (conftest.TOLERANCES)."""
+def block_rows(dec: FixedSplitDecoder, q: torch.Tensor, kv: torch.Tensor, r2t: torch.Tensor, pool_row: int,
+               keys: torch.Tensor, sizes: list[int], max_len: int, kv_lora: int = 64) -> torch.Tensor:
+    """Rows q [n] of one request (row t sees keys[t] keys) computed in ONE call as len(sizes) requests of sizes[i]
+    consecutive rows: sizes [n] is a prefill chunk, [1] * n n decode rows, [4] * k verifies of 4 rows."""
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    as_t = lambda v: torch.tensor(v, device=DEVICE)  # noqa: E731
+    return dec(q, kv, r2t, as_t([pool_row] * len(sizes)), as_t(starts), as_t(sizes), keys, kv_lora, 0.1, max_len,
+               max(sizes))  # fmt: skip
+
+
+def chunkings(n: int) -> list[list[int]]:
+    """Ways to cut n rows into requests: decode rows, verifies of 2 and 4, odd chunks, and offset ones (the rows land
+    in other slots of a program's token block)."""
+    return [[1] * n, *([k] * (n // k) + [n % k] * (n % k > 0) for k in (2, 4, 5)), [2, n - 2]]
+
+
+@pytest.mark.parametrize(("dtype", "first_key"), [(torch.float32, 0), (torch.float32, 40), (torch.bfloat16, 40)],
+                         ids=str)  # fmt: skip
+def test_fixed_split_rows_invariant(dtype: torch.dtype, first_key: int) -> None:
+    """5 heads (8-head, 8-token blocks), kv_lora 64 + rope 16, 64-key splits; 37 consecutive query rows of one
+    request whose keys run first_key + 1 .. first_key + 37 (40: every row crosses the first split's end). Each row's
+    bits are the same as one prefill chunk, as decode rows, as verifies of 2 and 4 rows, in chunks of 5 and in an
+    offset chunk (rows in other slots of a block), each chunking in one call or in one call a request, under any grid
+    bound; and close to mla_decode_ref."""
     h, kvl, c = 5, 64, 80
     kv = randn(2000, c, dtype=dtype, seed=5)
     r2t = torch.randperm(2000, generator=torch.Generator().manual_seed(6)).to(DEVICE, torch.int32).view(2, 1000)
-    q = randn(ROWS, h, c, dtype=dtype, seed=7)
-    lens = torch.randint(1, 301, (ROWS,), generator=torch.Generator().manual_seed(8)).to(DEVICE)
-    lens[:4] = torch.tensor([1, 64, 65, 300])  # one key, whole splits, one past a split, the longest
-    pool = (torch.arange(ROWS) % 2).to(DEVICE)
-    dec = fixed_split_decoder(h, dtype, split_keys=64)  # 64-key splits: up to 5 a row at these lengths
-    assert_rows_invariant(lambda r: dec(q[r], kv, r2t, pool[r], lens[r], kvl, 0.1, 300))
-    wide = dec(q, kv, r2t, pool, lens, kvl, 0.1, 1000)
-    assert torch.equal(wide, dec(q, kv, r2t, pool, lens, kvl, 0.1, 300)), "the grid bound moved a row's bits"
-    assert_close_to_ref(wide, mla_decode_ref(q, kv, r2t, pool, lens, kvl, 0.1), dtype)
+    q = randn(ROWS, h, c, dtype=dtype, seed=7 + first_key)
+    keys = torch.arange(first_key + 1, first_key + ROWS + 1, device=DEVICE)
+    dec = fixed_split_decoder(h, dtype, split_keys=64)
+    assert dec.tile.heads * dec.tile.tokens == 64 and dec.tile.tokens == 8
+    full = block_rows(dec, q, kv, r2t, 1, keys, [ROWS], 100)
+    for sizes in chunkings(ROWS):
+        assert torch.equal(block_rows(dec, q, kv, r2t, 1, keys, sizes, 1000), full), f"one call of {sizes}"
+    s0 = 0
+    for n in (3, 17, 17):  # one call a request: a request alone in its batch, one of 17 rows starts mid-block
+        assert torch.equal(block_rows(dec, q[s0 : s0 + n], kv, r2t, 1, keys[s0 : s0 + n], [n], 100), full[s0 : s0 + n])
+        s0 += n
+    pool = torch.ones(ROWS, dtype=torch.int64, device=DEVICE)
+    assert_close_to_ref(full, mla_decode_ref(q, kv, r2t, pool, keys, kvl, 0.1), dtype)
+
+
+def test_fixed_split_requests_do_not_mix() -> None:
+    """Two requests on different cache rows in one call (rows interleaved in blocks of 3 and 2): each gets its own
+    keys: equal to each computed alone, and a changed key of one request moves none of the other's bits."""
+    h, kvl, c = 2, 64, 80
+    kv = randn(2000, c, dtype=torch.float32, seed=20)
+    r2t = torch.randperm(2000, generator=torch.Generator().manual_seed(21)).to(DEVICE, torch.int32).view(2, 1000)
+    q = randn(5, h, c, dtype=torch.float32, seed=22)
+    keys = torch.tensor([70, 71, 72, 300, 301], device=DEVICE)
+    dec = fixed_split_decoder(h, torch.float32, split_keys=64)
+    as_t = lambda v: torch.tensor(v, device=DEVICE)  # noqa: E731
+    both = dec(q, kv, r2t, as_t([0, 1]), as_t([0, 3]), as_t([3, 2]), keys, kvl, 0.1, 301, 3)
+    assert torch.equal(both[:3], block_rows(dec, q[:3], kv, r2t, 0, keys[:3], [3], 72))
+    assert torch.equal(both[3:], block_rows(dec, q[3:], kv, r2t, 1, keys[3:], [2], 301))
+    kv2 = kv.clone()
+    kv2[r2t[1, 5].long()] += 1.0  # a key of request 1 only
+    moved = dec(q, kv2, r2t, as_t([0, 1]), as_t([0, 3]), as_t([3, 2]), keys, kvl, 0.1, 301, 3)
+    assert torch.equal(moved[:3], both[:3]) and not torch.equal(moved[3:], both[3:])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

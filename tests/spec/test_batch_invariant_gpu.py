@@ -1,5 +1,6 @@
 """batch_invariant=True on CUDA in bf16 (the CPU interpreter's twin: tests/spec/test_batch_invariant.py): the GEMM's
-and the fixed-split decode's rows bitwise the same in batches of 1, 3 and 17 rows, and at engine level a request's
+and the fixed-split attention's rows bitwise the same in batches of 1, 3 and 17 rows, a prefill chunk's rows the same
+as decode rows, and at engine level a request's
 tokens and routes bitwise the same alone and batched, speculative (CUDA graphs: verify and draft graphs) and plain.
 
 Run (GPU): python -m pytest -q -m gpu tests/spec/test_batch_invariant_gpu.py
@@ -14,6 +15,7 @@ import torch
 
 from r3trace.kernels.invariant_matmul import invariant_linear
 from r3trace.kernels.mla_decode.fixed_split import fixed_split_decoder
+from r3trace.kernels.mla_decode.reference import mla_decode_ref
 from tests.engine.conftest import EngineFactory
 from tests.spec.test_batch_invariant import invariant, sampling
 from tests.spec.test_spec_greedy import ASK, assert_mixed_acceptance, assert_same, prompts
@@ -38,14 +40,42 @@ def test_gemm_and_decode_rows_bitwise_on_cuda() -> None:
     kv = torch.randn(4096, c, device="cuda", dtype=torch.bfloat16, generator=gen)
     r2t = torch.randperm(4096, device="cuda", generator=gen).to(torch.int32).view(2, 2048)
     q = torch.randn(37, h, c, device="cuda", dtype=torch.bfloat16, generator=gen)
-    lens = torch.randint(1, 1500, (37,), device="cuda", generator=gen)
+    keys = torch.randint(1, 1500, (37,), device="cuda", generator=gen)
     pool = torch.arange(37, device="cuda") % 2
     dec = fixed_split_decoder(h, torch.bfloat16)
-    full = dec(q, kv, r2t, pool, lens, kvl, 0.07, 1500)
+    one = torch.ones(37, dtype=torch.int64, device="cuda")
+    full = dec(q, kv, r2t, pool, torch.arange(37, device="cuda"), one, keys, kvl, 0.07, 1500, 1)
     for rows in (1, 3, 17):
-        parts = torch.cat([dec(q[s : s + rows], kv, r2t, pool[s : s + rows], lens[s : s + rows], kvl, 0.07, 2048)
+        parts = torch.cat([dec(q[s : s + rows], kv, r2t, pool[s : s + rows], torch.arange(len(pool[s : s + rows]),
+                           device="cuda"), one[s : s + rows], keys[s : s + rows], kvl, 0.07, 2048, 1)
                            for s in range(0, 37, rows)])  # fmt: skip
         assert torch.equal(parts, full), f"decode rows in batches of {rows}"
+
+
+@pytest.mark.parametrize("heads", [16, 128])
+def test_prefill_chunk_rows_equal_decode_rows_on_cuda(heads: int) -> None:
+    """bf16, kv_lora 512 + rope 64: 300 consecutive rows of one request over 1,500..1,799 keys (7 fixed splits each)
+    computed as one prefill chunk, as verifies of 4 rows, in chunks of 7, one chunk offset by 1 and as 300 decode
+    rows are bitwise the same: a row's bits do not depend on the other rows of its token block (16 heads: 4 tokens
+    a program; 128 heads: one). And close to the fp32 reference (bf16 output rounding, 2^-8 relative)."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    c, kvl, n = 576, 512, 300
+    kv = torch.randn(4096, c, device="cuda", dtype=torch.bfloat16, generator=gen)
+    r2t = torch.randperm(4096, device="cuda", generator=gen).to(torch.int32).view(2, 2048)
+    q = torch.randn(n, heads, c, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.1
+    keys = torch.arange(1500, 1500 + n, device="cuda")
+    dec = fixed_split_decoder(heads, torch.bfloat16)
+
+    def chunks(sizes: list[int]) -> torch.Tensor:
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        t = lambda v: torch.tensor(v, device="cuda")  # noqa: E731
+        return dec(q, kv, r2t, t([1] * len(sizes)), t(starts), t(sizes), keys, kvl, 0.07, 2048, max(sizes))
+
+    full = chunks([n])
+    for sizes in ([4] * (n // 4), [7] * (n // 7) + [n % 7], [1, n - 1], [1] * n):
+        assert torch.equal(chunks(sizes), full), f"chunks {sizes[:3]}..."
+    ref = mla_decode_ref(q, kv, r2t, torch.ones(n, dtype=torch.int64, device="cuda"), keys, kvl, 0.07)
+    torch.testing.assert_close(full.float(), ref.float(), rtol=2**-7, atol=2**-7)
 
 
 def test_engine_alone_batched_and_speculative_on_cuda(make_spec_engine: EngineFactory, mtp_ckpt: Path) -> None:
