@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from r3trace.kernels.contract import FLOAT_DTYPES, require
-from r3trace.kernels.dot import dot_precision, mma_acc
+from r3trace.kernels.dot import dot_precision, row_mma_acc
 
 
 class MatmulTile(NamedTuple):
@@ -74,12 +74,14 @@ def _invariant_matmul_kernel(
         k_mask = (k0 + offs_k) < K
         a = tl.load(a_rows + (k0 + offs_k)[None, :] * stride_ak, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(b_cols + (k0 + offs_k)[:, None] * stride_bk, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        acc = mma_acc(a, b, acc, UPCAST, INPUT_PRECISION)  # the MMA accumulates into acc
+        acc = row_mma_acc(a, b, acc, UPCAST, INPUT_PRECISION)  # the MMA accumulates into acc
     dst = c_ptr + g * stride_cg + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
     tl.store(dst, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-def invariant_bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def invariant_bmm(
+    a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, tile: MatmulTile | None = None
+) -> torch.Tensor:
     """a [G, M, K] @ b [G, K, N] -> [G, M, N] in a's dtype (out: a [G, M, N] tensor or view to store into; any
     strides). The tile is TILES[a.dtype] whatever the shapes."""
     require(a.dim() == 3 and b.dim() == 3, f"a {tuple(a.shape)} and b {tuple(b.shape)} must be [G, M, K], [G, K, N]")
@@ -94,7 +96,7 @@ def invariant_bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = N
             f"out {tuple(out.shape)} {out.dtype} is not [{g}, {m}, {n}] {a.dtype}")  # fmt: skip
     if g * m * n == 0:
         return out
-    tile = TILES[a.dtype]
+    tile = tile or TILES[a.dtype]
     grid = (triton.cdiv(n, tile.block_n), triton.cdiv(m, tile.block_m), g)
     _invariant_matmul_kernel[grid](
         a, b, out, m, n, k,

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from r3trace.kernels.contract import FLOAT_DTYPES, require, require_tensor
-from r3trace.kernels.dot import mma_acc
+from r3trace.kernels.dot import row_mma_acc
 
 # Router logits [T, E] = x [T, D] (bf16/fp16/fp32) . weight [E, D] fp32, in fp32 (DeepSeek and transformers keep
 # the gate in fp32). torch casts x first: a cast kernel, then cuBLAS's SIMT sgemm + split-K reduce at decode
@@ -47,12 +47,14 @@ def _router_logits_kernel(
                     other=0.0).to(tl.float32)  # fmt: skip
         w = tl.load(w_ptr + offs_e[:, None] * stride_we + offs_d[None, :], mask=e_mask[:, None] & d_mask[None, :],
                     other=0.0)  # fmt: skip
-        acc = mma_acc(x, tl.trans(w), acc, UPCAST, "ieee")  # fp32 FMAs, no tf32
+        acc = row_mma_acc(x, tl.trans(w), acc, UPCAST, "ieee")  # fp32 FMAs, no tf32
     dst = part_ptr + part * stride_pp + offs_t[:, None] * stride_pt + offs_e[None, :]
     tl.store(dst, acc, mask=t_mask[:, None] & e_mask[None, :])
 
 
-def router_logits(x: torch.Tensor, weight: torch.Tensor, torch_above: int | None = _LOGITS_MAX_T) -> torch.Tensor:
+def router_logits(
+    x: torch.Tensor, weight: torch.Tensor, torch_above: int | None = _LOGITS_MAX_T, block_t: int = _LOGITS_T
+) -> torch.Tensor:
     """x: [T, D] float; weight: [E, D] fp32 -> logits as partial sums [P, T, E] fp32 over P slices of D (what
     grouped_topk takes; sum_partials adds them). One launch for T <= torch_above (256), P = 8; torch above, P = 1.
     torch_above=None: this kernel at every T, so a row's logits never depend on T (EngineConfig.batch_invariant;
@@ -70,10 +72,10 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, torch_above: int | None
     parts = torch.empty((n_part, T, E), dtype=torch.float32, device=x.device)
     if T == 0:
         return parts
-    grid = (triton.cdiv(T, _LOGITS_T), triton.cdiv(E, _LOGITS_E), n_part)
+    grid = (triton.cdiv(T, block_t), triton.cdiv(E, _LOGITS_E), n_part)
     _router_logits_kernel[grid](
         x, weight, parts, T, E, D, d_slice, x.stride(0), weight.stride(0), parts.stride(0), parts.stride(1),
-        BLOCK_T=_LOGITS_T, BLOCK_E=_LOGITS_E, BLOCK_K=_LOGITS_K, UPCAST=not x.is_cuda, num_warps=4,
+        BLOCK_T=block_t, BLOCK_E=_LOGITS_E, BLOCK_K=_LOGITS_K, UPCAST=not x.is_cuda, num_warps=4,
     )
     return parts
 

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from r3trace.kernels.dot import dot_precision, mma
+from r3trace.kernels.dot import dot_precision, row_mma
 
 # Query rows a program: 64 fills the M side of the tensor-core products (wgmma's 64-row atom on Hopper); the H >= 64
 # Triton decode tile (tile.py, 64 heads x 64 keys over 8 warps) holds a [64, kv_lora] fp32 accumulator the same way.
@@ -100,8 +100,8 @@ def _token_block_kernel(
         rows = kv_ptr + slots.to(tl.int64)[:, None] * stride_kvs
         kv = tl.load(rows + offs_c[None, :], mask=n_mask[:, None] & c_mask[None, :], other=0.0)  # [N, C]
         k_pe = tl.load(rows + KV_LORA + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0)
-        s = mma(q_v, tl.trans(kv), UPCAST, INPUT_PRECISION)
-        s += mma(q_pe, tl.trans(k_pe), UPCAST, INPUT_PRECISION)
+        s = row_mma(q_v, tl.trans(kv), UPCAST, INPUT_PRECISION)
+        s += row_mma(q_pe, tl.trans(k_pe), UPCAST, INPUT_PRECISION)
         # each row's own keys: past a row's end (another row of the block reads on) its scores are -inf
         s = tl.where(offs_n[None, :] < end[:, None], s * qk_scale, float("-inf"))  # [ROWS, N], log2 units
         m_new = tl.maximum(m_i, tl.max(s, axis=1))  # flash.online_softmax_step with _row_dot
@@ -109,7 +109,7 @@ def _token_block_kernel(
         alpha = tl.exp2(m_i - m_ref)
         p = tl.exp2(s - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + mma(p.to(kv.dtype), kv, UPCAST, INPUT_PRECISION)
+        acc = acc * alpha[:, None] + row_mma(p.to(kv.dtype), kv, UPCAST, INPUT_PRECISION)
         m_i = m_new
 
     live = row_ok & (start < end)  # rows with keys in this split; the others (l_i = 0) are not written

@@ -27,6 +27,7 @@ class GemmTile(NamedTuple):
     interleave: bool = False  # gate_up only: one N = 2 BLOCK_N product instead of two of BLOCK_N
     n_split: int = 0  # down only, used when block_k >= I: A read once, n_split programs per block walk N
     tma: bool = False  # weight tiles through TMA descriptors (pointer loads where strides are not 16-byte multiples)
+    row_dot: bool = False  # the batch-invariant plan's: dot.row_mma (a row's bits apart from its tile, interpreter too)
 
 
 class GemvTile(NamedTuple):

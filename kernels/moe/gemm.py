@@ -14,11 +14,20 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from r3trace.kernels.dot import dot_precision, mma
+from r3trace.kernels.dot import dot_precision, mma, row_mma
 from r3trace.kernels.moe.align import MoeAlignment, has_pdl
 from r3trace.kernels.moe.config import GemmTile
 
 __all__ = ["moe_down", "moe_gate_up"]
+
+
+@triton.jit
+def _product(a, w, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, ROW_DOT: tl.constexpr):
+    """a @ w in fp32: row_mma for the batch-invariant plan (GemmTile.row_dot), mma otherwise."""
+    if ROW_DOT:
+        return row_mma(a, w, UPCAST, INPUT_PRECISION)
+    else:
+        return mma(a, w, UPCAST, INPUT_PRECISION)
 
 
 @triton.jit
@@ -33,7 +42,7 @@ def _fused_moe_kernel(
     GATE_UP: tl.constexpr, EVEN_K: tl.constexpr, INTERLEAVE: tl.constexpr, W_COLS: tl.constexpr,
     N_SPLIT: tl.constexpr, W_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+    UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, ROW_DOT: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # GATE_UP: out[pair, n] = silu(a W[n]) * (a W[N + n]), a = hidden[pair // K]   (N = I, KDIM = D)
     # DOWN:    out[pair, n] = topk_weight[pair] * (a W[n]), a = act[pair]         (N = D, KDIM = I)
@@ -85,7 +94,7 @@ def _fused_moe_kernel(
             else:
                 w = tl.load(w_base + offs_n[None, :].to(tl.int64) * stride_wn, mask=k_mask[:, None] & n_mask[None, :],
                             other=0.0)  # fmt: skip
-            acc = mma(a, w, UPCAST, INPUT_PRECISION) * wt[:, None]
+            acc = _product(a, w, UPCAST, INPUT_PRECISION, ROW_DOT) * wt[:, None]
             tl.store(out_ptr + pairs[:, None].to(tl.int64) * stride_om + offs_n[None, :],
                      acc.to(out_ptr.dtype.element_ty), mask=pair_mask[:, None] & n_mask[None, :])  # fmt: skip
     else:
@@ -119,7 +128,7 @@ def _fused_moe_kernel(
                 w = tl.load(w_ptrs, mask=w_mask[None, :], other=0.0)
             else:
                 w = tl.load(w_ptrs, mask=((k0 + offs_k) < KDIM)[:, None] & w_mask[None, :], other=0.0)
-            acc += mma(a, w, UPCAST, INPUT_PRECISION)
+            acc += _product(a, w, UPCAST, INPUT_PRECISION, ROW_DOT)
             if GATE_UP and not INTERLEAVE:
                 if W_TMA:
                     w_up = w_desc.load([up_row0 + N, k0]).T
@@ -128,7 +137,7 @@ def _fused_moe_kernel(
                 else:
                     w_up = tl.load(w_ptrs + N * stride_wn, mask=((k0 + offs_k) < KDIM)[:, None] & n_mask[None, :],
                                    other=0.0)  # fmt: skip
-                acc_up += mma(a, w_up, UPCAST, INPUT_PRECISION)
+                acc_up += _product(a, w_up, UPCAST, INPUT_PRECISION, ROW_DOT)
             a_ptrs += BLOCK_K
             if not W_TMA:
                 w_ptrs += BLOCK_K
@@ -181,7 +190,7 @@ def _launch_gemm(
         GATE_UP=gate_up, EVEN_K=kdim % tile.block_k == 0, INTERLEAVE=interleave,
         W_COLS=tile.block_n * (2 if interleave else 1), N_SPLIT=n_split, W_TMA=w_tma,
         BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
-        UPCAST=not a.is_cuda, INPUT_PRECISION=dot_precision(a.dtype == torch.float32),
+        UPCAST=not a.is_cuda, INPUT_PRECISION=dot_precision(a.dtype == torch.float32), ROW_DOT=tile.row_dot,
         PDL=pdl, num_warps=tile.num_warps, num_stages=tile.num_stages, launch_pdl=pdl,
     )  # fmt: skip
 

@@ -103,6 +103,7 @@ def resolve_moe(shape: MoeShape, dtype: torch.dtype, invariant: bool = False) ->
         raise KernelInputError(why)
     if invariant:  # grouped_config at pairs = experts: its smallest-rows tiles, independent of E's actual value
         fixed = grouped_config(1, 1, dtype.itemsize, shape.inter, shape.hidden)
+        fixed = fixed._replace(gate_up=fixed.gate_up._replace(row_dot=True), down=fixed.down._replace(row_dot=True))
         return MoePlan(shape, dtype, None, GROUPED, 0, (), fixed)
     gemv = GEMV if GEMV.supported(shape, dtype) is None else None
     top = gemv_max_tokens(shape.inter) if gemv is not None else 0
