@@ -60,7 +60,7 @@ class CoChoices:
         only those experts' rows are counted, the others stay 0 (affinity_replicas reads only experts with extra
         replicas: 31-43% of the choices at [58, 256], 0.009-0.013 s instead of 0.020-0.025)."""
         n_layers = node.shape[0]
-        if self.tok is None:
+        if self.tok is None or (rows is not None and not rows.any()):  # P = E: no expert has an extra replica
             return np.zeros((n_layers, self.e, num_nodes))
         e = self.e
         key = self.tok + (np.arange(n_layers) * e)[None, :, None]  # [T, L, K] (layer, expert) of each choice

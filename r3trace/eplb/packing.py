@@ -51,7 +51,14 @@ def balanced_packing(
     w_seq = np.take_along_axis(np.asarray(weight, dtype=np.float64), order, 1)  # [X, n] in packing order
     packs = np.empty((x, n), dtype=np.int64)
     ranks = np.empty((x, n), dtype=np.int64)
-    for step in range(n):
+    # while some pack is empty the lightest open pack is the first empty one, so with positive weights item i < m
+    # goes to pack i: those m steps are set at once (64 of the 256-320 steps of the global policy at [58, 256/320])
+    start = num_packs if (w_seq[:, : num_packs - 1] > 0).all() else 0
+    if start:
+        packs[:, :start], ranks[:, :start] = np.arange(start), 0
+        pack_w[:], pack_n[:] = w_seq[:, :start].ravel(), 1
+        open_w[:] = w_seq[:, :start]  # cap >= 2: every pack still has room
+    for step in range(start, n):
         p = np.argmin(open_w, axis=1)
         i = flat + p
         packs[:, step] = p
