@@ -61,7 +61,8 @@ def token_nodes(phy2log: np.ndarray, tokens: np.ndarray, cluster: Cluster) -> np
     A token's nodes are the set bits of the OR of its experts' node bits (N <= 64; more nodes: a sort over K): at
     [58, 256] on 8 nodes ~3 ms a candidate against 13 ms for sorting the [T, L, K] node ids."""
     n_layers, e = phy2log.shape[0], phy2log.shape[1]
-    flat = tokens.astype(np.intp) + (np.arange(tokens.shape[1]) * e)[None, :, None]  # [T, L, K] into [L, E] raveled
+    flat = tokens.astype(np.intp)  # [T, L, K] into [L, E] raveled; offset in place: a second [T, L, K] array of
+    flat += (np.arange(tokens.shape[1]) * e)[None, :, None]  # int64 was 2 of a 5 ms count at [58 x 2, 256]
     node_of = np.empty_like(phy2log)
     node_of[np.arange(n_layers)[:, None], phy2log] = cluster.slot_node()[None, :]  # [L, E]
     if cluster.num_nodes > 64:
