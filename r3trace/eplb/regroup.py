@@ -41,14 +41,20 @@ def gpu_coactivation(phy2log: np.ndarray, tokens: np.ndarray, cluster: Cluster) 
     pairs = k * (k - 1) // 2
     chunk = max(1, PAIR_CHUNK // max(1, t * pairs))  # layers per chunk
     counts = np.empty((n_layers, g * g), dtype=np.intp)
-    buf = np.empty((min(chunk, n_layers), pairs, t), dtype=np.intp)
+    buf = np.empty((min(chunk, n_layers), pairs, t), dtype=np.intp)  # [m, pairs, T] pair indices of a chunk
+    gk, hi = (np.empty((min(chunk, n_layers), k, t), dtype=np.intp) for _ in range(2))  # [m, K, T]
     for lo in range(0, n_layers, chunk):
         m = min(chunk, n_layers - lo)
-        gk = np.take_along_axis(gpu_of[lo:lo + m, :, None], tokens[:, lo:lo + m].transpose(1, 2, 0), 1)  # [m, K, T]
-        hi = gk * g + (np.arange(m) * g * g)[:, None, None]  # [m, K, T] row of the first GPU in the chunk's blocks
+        key = gk[:m]
+        key[...] = tokens[:, lo:lo + m].transpose(1, 2, 0)
+        key += (np.arange(lo, lo + m) * e)[:, None, None]  # (layer, expert) of each choice into [L, E] raveled
+        np.take(gpu_of, key, out=key)  # GPU of each choice (out is buffered: mode "raise"); take_along_axis
+        # instead made the whole count 2x as long
+        np.multiply(key, g, out=hi[:m])
+        hi[:m] += (np.arange(m) * g * g)[:, None, None]  # row of the first GPU in the chunk's [m, G, G] blocks
         p = 0
         for i in range(k - 1):  # pairs (i, j > i) of the K positions
-            np.add(hi[:, i, None], gk[:, i + 1:], out=buf[:m, p:p + k - 1 - i])
+            np.add(hi[:m, i, None], key[:, i + 1:], out=buf[:m, p:p + k - 1 - i])
             p += k - 1 - i
         counts[lo:lo + m] = np.bincount(buf[:m].ravel(), minlength=m * g * g).reshape(m, g * g)
     a = counts.reshape(n_layers, g, g).astype(np.float32)
