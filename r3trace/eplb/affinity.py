@@ -51,8 +51,17 @@ class CoChoices:
 
     def __init__(self, tokens: np.ndarray | None, num_experts: int) -> None:
         self.e = num_experts
-        self.tok = None if tokens is None or not len(tokens) else np.asarray(tokens[-COACT_TOKENS:], dtype=np.int64)
+        self._given = None if tokens is None or not len(tokens) else tokens[-COACT_TOKENS:]
+        self._tok: np.ndarray | None = None  # int64 copy of _given, made on first read: a seeded re-plan without
+        # count changes (P = E) reads no co-choice at all
         self._by_expert: tuple[np.ndarray, np.ndarray] | None = None  # row()'s index, built on its first call
+
+    @property
+    def tok(self) -> np.ndarray | None:
+        """[T, L, K] int64: the newest COACT_TOKENS tokens, or None without tokens."""
+        if self._tok is None and self._given is not None:
+            self._tok = np.asarray(self._given, dtype=np.int64)
+        return self._tok
 
     def node_affinity(self, node: np.ndarray, num_nodes: int, rows: np.ndarray | None = None) -> np.ndarray:
         """node [L, E] (one node per expert) -> [L, E, N] = C @ onehot(node): the co-choices of each expert with
@@ -60,7 +69,7 @@ class CoChoices:
         only those experts' rows are counted, the others stay 0 (affinity_replicas reads only experts with extra
         replicas: 31-43% of the choices at [58, 256], 0.009-0.013 s instead of 0.020-0.025)."""
         n_layers = node.shape[0]
-        if self.tok is None:
+        if (rows is not None and not rows.any()) or self.tok is None:  # P = E: no expert has an extra replica
             return np.zeros((n_layers, self.e, num_nodes))
         e = self.e
         key = self.tok + (np.arange(n_layers) * e)[None, :, None]  # [T, L, K] (layer, expert) of each choice

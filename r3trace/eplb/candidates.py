@@ -61,7 +61,8 @@ def token_nodes(phy2log: np.ndarray, tokens: np.ndarray, cluster: Cluster) -> np
     A token's nodes are the set bits of the OR of its experts' node bits (N <= 64; more nodes: a sort over K): at
     [58, 256] on 8 nodes ~3 ms a candidate against 13 ms for sorting the [T, L, K] node ids."""
     n_layers, e = phy2log.shape[0], phy2log.shape[1]
-    flat = tokens.astype(np.intp) + (np.arange(tokens.shape[1]) * e)[None, :, None]  # [T, L, K] into [L, E] raveled
+    flat = tokens.astype(np.intp)  # [T, L, K] into [L, E] raveled; offset in place: a second [T, L, K] array of
+    flat += (np.arange(tokens.shape[1]) * e)[None, :, None]  # int64 was 2 of a 5 ms count at [58 x 2, 256]
     node_of = np.empty_like(phy2log)
     node_of[np.arange(n_layers)[:, None], phy2log] = cluster.slot_node()[None, :]  # [L, E]
     if cluster.num_nodes > 64:
@@ -94,12 +95,15 @@ def regrouped(phy2log: np.ndarray, tokens: np.ndarray, cluster: Cluster,
     if half < 2:
         return phy2log, plain.mean(0)
     todo = np.ones(n_layers, dtype=bool) if layers is None else layers
+    if not todo.any():  # the layers not tried keep their order and the newer half's count
+        return phy2log, plain.mean(0)
     trial = phy2log.copy()
     sub = phy2log[todo]
     older = gpu_coactivation(sub, tokens[:half, todo], cluster)  # [l, G, G], kept for the refit below
     first = node_order(older, cluster)  # [l, G]
     trial[todo] = reordered(sub, first, cluster)
-    diff = token_nodes(trial, newer, cluster) - plain  # [T / 2, L] paired per token
+    diff = np.zeros(plain.shape, dtype=plain.dtype)  # [T / 2, L] paired per token; 0 in the layers not tried
+    diff[:, todo] = token_nodes(trial[todo], newer[:, todo], cluster) - plain[:, todo]
     # fewer by more than REGROUP_Z standard errors of the paired mean (independent router: 1-3 layers of 12 were
     # a little lower by chance, and the next window's nodes per token rose 0.002-0.008 with them)
     helps = diff.mean(0) < -REGROUP_Z * diff.std(0, ddof=1) / np.sqrt(len(diff))
@@ -127,7 +131,13 @@ def best_layout(phy2log: np.ndarray, w: np.ndarray, cluster: Cluster, tokens: np
     else:  # ours' and global's GPUs regrouped onto nodes by co-activation, in the layers where they tie on the
         # max load (loads unchanged: regroup.py); global grouped is global's GPUs ordered by another rule, so its
         # regroup would mostly repeat global's (regroup.py: the regroups are most of a fresh plan's time here)
-        both = [regrouped(c, tokens, cluster, tied[i] & (i != 1)) for i, c in enumerate(cands)]
-        cands, cost = np.stack([b[0] for b in both]), np.stack([b[1] for b in both])
+        # ours' and global's layers go through regrouped as one stack of 2 L layers: each layer's result is
+        # its own (node_order steps the layers independently), and the steps and counts run once for both
+        n_layers = len(phy2log)
+        ph, nodes = regrouped(np.concatenate([cands[0], cands[2]]), np.concatenate([tokens, tokens], 1), cluster,
+                              np.concatenate([tied[0], tied[2]]))
+        kept = nodes_per_token(cands[1], tokens[len(tokens) // 2:], cluster)  # regrouped's count of a layer it skips
+        cands = np.stack([ph[:n_layers], cands[1], ph[n_layers:]])
+        cost = np.stack([nodes[:n_layers], kept, nodes[n_layers:]])
     pick = np.argmin(np.where(tied, cost, np.inf), axis=0)  # [L]
     return cands[pick, np.arange(len(pick))]

@@ -53,16 +53,19 @@ def level_refine(phy2log: np.ndarray, weight: np.ndarray, logcnt: np.ndarray, cl
     mean = weight.sum(1) / cluster.num_gpus  # [L]
     floor = min_gain * mean**2
     cold_slot = cold * mean / spg  # [L]
-    cnt = np.zeros((n_layers, e, n_nodes), dtype=np.int64)
-    np.add.at(cnt, (np.arange(n_layers)[:, None], out, slot_node[None, :]), 1)
+    layer_e = (np.arange(n_layers) * e)[:, None]  # [L, 1]; by bincount: np.add.at took 0.48 ms, this 0.13 at [58, 320]
+    cnt = np.bincount(((layer_e + out) * n_nodes + slot_node).ravel(), minlength=n_layers * e * n_nodes)
+    cnt = cnt.reshape(n_layers, e, n_nodes)  # [L, E, N] replicas of each expert on each node
     mask_t = next(t for t in (np.uint8, np.uint16, np.uint32, np.uint64) if np.iinfo(t).bits >= n_nodes)
     bit = (np.uint64(1) << np.arange(n_nodes, dtype=np.uint64)).astype(mask_t)  # [N]: node k is bit k (N <= 64)
     nodes_of = ((cnt > 0) * bit).sum(2, dtype=mask_t)  # [L, E] bitmask of the nodes holding each expert
     # [L, groups] bitmask of the nodes holding each group in the input: "its group's nodes" for a lone replica. Taken
     # from the running layout instead, a chain of swaps in one call could carry a hot lone expert to a node its group
     # had reached only through an earlier swap of a replica (seen in 1 of 300 random layouts of 18 nodes)
-    group_nodes = np.zeros((n_layers, cluster.num_groups), dtype=mask_t)
-    np.bitwise_or.at(group_nodes, (np.arange(n_layers)[:, None], out // gsize), bit[slot_node][None, :])
+    n_gr = cluster.num_groups
+    on = np.bincount(((np.arange(n_layers)[:, None] * n_gr + out // gsize) * n_nodes + slot_node).ravel(),
+                     minlength=n_layers * n_gr * n_nodes).reshape(n_layers, n_gr, n_nodes) > 0
+    group_nodes = (on * bit).sum(2, dtype=mask_t)  # [L, groups]
     if cluster.num_groups == 1 and p == e:  # one group spans every node, so "both on its group's nodes" would
         # hold for any two lone experts (module doc); with spare slots those swaps kept their balancedness gains
         group_nodes[:] = 0

@@ -13,7 +13,7 @@
    its group, and each extra replica goes to the node whose experts it is chosen with most in the window's
    tokens (affinity.py), so a token's cover has choices. Held out (BENCHMARKS.md, EPLB; bench/eplb_matrix.py,
    grouped router, slow drift) against DeepSeek's global policy planned on the same windows: nodes per
-   token 2.3-3.6 vs 3.1-3.6 on 4 nodes, 3.0-5.3 vs 4.4-5.3 on 8, 4.6-5.7 vs 6.2-6.6 on 18, at even-split
+   token 2.3-3.6 vs 3.1-3.6 on 4 nodes, 3.0-5.2 vs 4.4-5.3 on 8, 4.6-5.7 vs 6.2-6.6 on 18, at even-split
    balancedness within -0.02 .. +0.02 of it (the high ends on 4 and 8 nodes: 256 slots, where layers may take
    global's layout, below) (DeepSeek's hierarchical layout, which this planner used on 8
    nodes before, lost 0.05-0.38 there). Replicas on several nodes let the dispatcher's cover load some

@@ -45,6 +45,24 @@ def test_known_small_case() -> None:
     assert balancedness(even_gpu_load(pl, np.array([[3.0, 1.0]]), cl)) == pytest.approx(1.0)
 
 
+@pytest.mark.parametrize("packs", [2, 3, 5])
+def test_balanced_packing_equals_a_plain_loop(packs: int) -> None:
+    """Rows of random, tied and zero weights (packing.py sets the first `packs` steps at once only where the
+    weights are positive): each item, heaviest first, into the lightest pack with room, the first such pack."""
+    rng = np.random.default_rng(packs)
+    n = packs * 3
+    w = np.concatenate([rng.integers(0, 4, (6, n)).astype(float), rng.random((3, n)), np.zeros((1, n))])
+    for rows in (w, w[1:2] + 1.0):  # with zeros somewhere, and one row of positive weights
+        idx, rank = balanced_packing(rows, packs)
+        for row, want_idx, want_rank in zip(rows, idx, rank, strict=True):
+            load, count = np.zeros(packs), np.zeros(packs, dtype=int)
+            for i in np.argsort(-row, kind="stable"):
+                p = int(np.argmin(np.where(count < n // packs, load, np.inf)))
+                assert (want_idx[i], want_rank[i]) == (p, count[p])
+                load[p] += row[i]
+                count[p] += 1
+
+
 def test_node_limit_and_hierarchical_locality() -> None:
     rng = np.random.default_rng(7)
     e, groups, k = 32, 8, 4

@@ -27,6 +27,8 @@ def test_node_affinity_and_rows_equal_the_dense_matrix() -> None:
     np.testing.assert_array_equal(co.node_affinity(node, n), dense @ onehot)
     rows = rng.random((3, e)) < 0.3  # only these experts' rows counted, the others 0
     np.testing.assert_array_equal(co.node_affinity(node, n, rows), np.where(rows[:, :, None], dense @ onehot, 0))
+    none = co.node_affinity(node, n, np.zeros((3, e), dtype=bool))  # P = E: no row wanted
+    assert none.shape == (3, e, n) and none.dtype == np.float64 and not none.any()
     for layer in range(3):
         for x in range(e):
             np.testing.assert_array_equal(co.row(layer, x), dense[layer, x])
