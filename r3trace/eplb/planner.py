@@ -27,7 +27,11 @@
    lower the hottest GPUs (refine.swap_refine; 0.925 -> 0.944 held out on 32 GPUs). In the multi-node layout
    leveling swaps lower the sum of squared GPU loads instead (leveling.py: 0.835 / 0.744 / 0.535 ->
    0.837 / 0.749 / 0.543 held out at s = 0.3 / 0.6 / 1.0). Layers of <= 128 slots then get polish.py's
-   node-aware search on the max GPU load itself (swaps, recounts, 2-for-2 exchanges; fresh plans only).
+   node-aware search on the max GPU load itself (swaps, recounts, 2-for-2 exchanges; fresh plans only). With two
+   slots per GPU (16 and 18 nodes) every GPU's lighter replica is then re-picked over all nodes, heaviest with
+   lightest (pairing.py; a seeded re-plan with what its leveling left of the budget): on bench/eplb_matrix.py's
+   18-node slow-drift cells ours - global went from -0.025 .. 0.000 to -0.020 .. 0.000 (median -0.009 -> -0.006)
+   at 0.07-0.35 more nodes per token (4.64-6.05, global 6.18-6.63).
 5. Migration: with a previous placement, a layer is re-placed only when the fresh plan lowers its forecast
    max GPU load by more than `keep_tolerance`; otherwise the previous layer is kept and gets at most
    `replan_swap_share` of its slots in swaps (2 slots each). Layers are re-placed biggest gain first
@@ -59,6 +63,7 @@ from r3trace.eplb.deepseek import group_nodes, pack_nodes, spread_replicas
 from r3trace.eplb.forecast import ALPHAS, backtest_errors, drifts, forecast
 from r3trace.eplb.homing import capped_counts, expert_nodes
 from r3trace.eplb.leveling import level_refine
+from r3trace.eplb.pairing import paired
 from r3trace.eplb.placement import Cluster, Placement, PlacementError, from_phy2log
 from r3trace.eplb.polish import NodeRule, polish
 from r3trace.eplb.refine import swap_refine
@@ -164,6 +169,8 @@ def fresh_plan(w: np.ndarray, home: np.ndarray | None, cluster: Cluster, cfg: Pl
                                cfg.level_min_gain, cfg.level_cold, cross_nodes=not cfg.keep_groups)
         rule: NodeRule = "keep" if cfg.keep_groups else "cover"
         phy2log = polish(phy2log, w, cluster, tokens, cfg.polish_steps, rule)
+        if not cfg.keep_groups:  # two slots per GPU: the sorted pairing across nodes (pairing.py)
+            phy2log = paired(phy2log, w, cluster, tokens)
         if (compete or cluster.num_slots == e) and not cfg.keep_groups:
             phy2log = best_layout(phy2log, w, cluster, tokens)
         return from_phy2log(phy2log, e)

@@ -28,6 +28,7 @@ from r3trace.eplb.affinity import CoChoices
 from r3trace.eplb.alignment import align
 from r3trace.eplb.homing import capped_counts
 from r3trace.eplb.leveling import level_refine
+from r3trace.eplb.pairing import paired
 from r3trace.eplb.placement import Cluster, Placement
 from r3trace.eplb.reseat import reseat
 from r3trace.eplb.score import even_gpu_load, phy2log_gpu_load
@@ -60,8 +61,9 @@ def seeded_plan(w: np.ndarray, prev: Placement, cluster: Cluster, cfg: PlannerCo
                 tokens: np.ndarray | None = None, layers: np.ndarray | None = None) -> np.ndarray:
     """Forecast w [L, E], previous placement -> phy2log [L, P]: seeded_counts' counts reseated into prev
     (reseat.py), then leveling swaps with what is left of the churn budget, spread evenly over layers; a layer
-    keeps its swaps only where they lower its hottest GPU by more than replan_min_drop. layers [L] bool: only those
-    rows are planned (each the same as with every layer: counts and swaps are decided over all layers), the
+    keeps its swaps only where they lower its hottest GPU by more than replan_min_drop; with two slots per GPU the
+    slots the swaps left of a layer's budget then re-pick GPUs' lighter replicas (pairing.paired). layers [L] bool:
+    only those rows are planned (each the same as with every layer: counts and swaps are decided over all layers), the
     others keep prev's."""
     e = w.shape[1]
     logcnt, swaps = seeded_counts(w, prev, cluster, cfg, cap)
@@ -76,6 +78,9 @@ def seeded_plan(w: np.ndarray, prev: Placement, cluster: Cluster, cfg: PlannerCo
     after = phy2log_gpu_load(leveled, w[rows], cluster).max(1)
     better = after < before * (1 - cfg.replan_min_drop)
     out[rows] = np.where(better[:, None], leveled, ph)
+    # two slots per GPU: the slots the leveling left of the layer's budget re-pick GPUs' lighter replicas (pairing.py)
+    left = 2 * swaps - (out[rows] != ph).sum(1)
+    out[rows] = paired(out[rows], w[rows], cluster, None if tokens is None else tokens[:, rows], left)
     return out
 
 

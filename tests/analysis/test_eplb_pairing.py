@@ -1,0 +1,99 @@
+"""The pairing pass (pairing.py): two slots per GPU, each GPU's lighter replica re-picked over all nodes.
+Run: .venv/bin/python -m pytest tests/analysis/test_eplb_pairing.py -q"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from r3trace.eplb import Cluster
+from r3trace.eplb.pairing import node_hits, pair, paired, peak_load
+
+CL = Cluster(36, 6, 72, num_groups=4)  # 2 slots per GPU, 6 GPUs a node
+L, E = 3, 64
+
+
+def _layout(rng: np.random.Generator, cl: Cluster = CL) -> np.ndarray:
+    """[L, P]: every expert once, experts 0 .. P - E - 1 twice, shuffled over slots (some twice on a node)."""
+    row = np.concatenate([np.arange(E), np.arange(cl.num_slots - E)])
+    return np.stack([rng.permutation(row) for _ in range(L)])
+
+
+def _weight(rng: np.random.Generator) -> np.ndarray:
+    return rng.pareto(1.5, (L, E)) + 0.05
+
+
+def _anchors(ph: np.ndarray, w: np.ndarray, cl: Cluster) -> tuple[np.ndarray, np.ndarray]:
+    """Per layer the sorted anchor loads [L, G] and pool loads [L, G] of a layout."""
+    cnt = np.stack([np.bincount(r, minlength=E) for r in ph])
+    u = np.take_along_axis(w / cnt, ph, 1).reshape(len(ph), cl.num_gpus, 2)
+    return -np.sort(-u.max(2), 1), np.sort(u.min(2), 1)
+
+
+def test_sorted_pairing_reaches_the_anchors_bound_and_keeps_every_anchor() -> None:
+    rng = np.random.default_rng(3)
+    ph, w = _layout(rng), rng.random((L, E)) + 0.1
+    tokens = rng.integers(0, E, (200, L, 4))
+    out = pair(ph, w, CL, None)
+    b, s = _anchors(ph, w, CL)
+    np.testing.assert_allclose(peak_load(out, w, CL), (b + s).max(1))  # the lowest max with these anchors
+    np.testing.assert_allclose(peak_load(pair(ph, w, CL, node_hits(ph, tokens, E, CL)), w, CL), (b + s).max(1))
+    assert (peak_load(out, w, CL) < peak_load(ph, w, CL)).all()
+    for a, c in zip(ph, out, strict=True):  # same replicas; each GPU keeps its heavier slot's expert
+        assert (np.bincount(a, minlength=E) == np.bincount(c, minlength=E)).all()
+    cnt = np.bincount(ph[0], minlength=E)
+    u = (w[0] / cnt)[ph[0]].reshape(-1, 2)
+    heavy = ph[0].reshape(-1, 2)[np.arange(CL.num_gpus), u.argmax(1)]
+    assert (out[0].reshape(-1, 2) == heavy[:, None]).any(1).all()
+    # tol 0: GPU loads near global's sorted pairs' (the i-th heaviest anchor with the i-th lightest pool replica;
+    # equal but where the node rule made an anchor take another), far from the input's
+    gpu = (w[0] / cnt)[out[0]].reshape(-1, 2).sum(1)
+    assert (gpu**2).sum() <= 1.001 * ((b[0] + s[0]) ** 2).sum()
+    assert ((w[0] / cnt)[ph[0]].reshape(-1, 2).sum(1) ** 2).sum() > 1.01 * ((b[0] + s[0]) ** 2).sum()
+
+
+def test_pairing_never_puts_a_second_replica_of_an_expert_on_a_node() -> None:
+    rng = np.random.default_rng(5)
+    w = _weight(rng)
+    slot_node = CL.slot_node()
+    ph = _layout(rng)
+    before = [{(x, k) for x, k in zip(r, slot_node, strict=True)} for r in ph]
+    dup_before = [len(r) - len(b) for r, b in zip(ph, before, strict=True)]
+    out = pair(ph, w, CL, None)
+    dup_after = [len(r) - len({(x, k) for x, k in zip(r, slot_node, strict=True)}) for r in out]
+    assert all(a <= b for a, b in zip(dup_after, dup_before, strict=True))
+
+
+def test_a_budgeted_pairing_stays_within_the_budget_and_never_raises_the_max() -> None:
+    rng = np.random.default_rng(11)
+    ph, w = _layout(rng), _weight(rng)
+    for cap in (0, 4, 12, 72):
+        budget = np.full(L, cap)
+        out = paired(ph, w, CL, None, budget)
+        assert ((out != ph).sum(1) <= budget).all()
+        assert (peak_load(out, w, CL) <= peak_load(ph, w, CL) + 1e-12).all()
+    assert (paired(ph, w, CL, None, np.zeros(L, dtype=np.int64)) == ph).all()
+    assert (paired(ph, w, CL, None, np.full(L, 72)) != ph).any()
+
+
+def test_other_shapes_are_left_as_they_are() -> None:
+    cl = Cluster(18, 6, 72, num_groups=4)  # 4 slots per GPU
+    rng = np.random.default_rng(2)
+    ph, w = _layout(rng, cl), _weight(rng)
+    assert (paired(ph, w, cl, None) == ph).all()
+
+
+def test_node_hits_counts_each_experts_tokens_with_another_expert_on_each_node() -> None:
+    rng = np.random.default_rng(4)
+    ph = _layout(rng)
+    tokens = np.stack([np.stack([rng.choice(E, 4, replace=False) for _ in range(L)]) for _ in range(50)])  # [T, L, K]
+    got = node_hits(ph, tokens, E, CL)
+    slot_node = CL.slot_node()
+    want = np.zeros((L, E, CL.num_nodes))
+    for t in range(len(tokens)):
+        for layer in range(L):
+            for i, x in enumerate(tokens[t, layer]):
+                others = np.delete(tokens[t, layer], i)
+                nodes = {int(slot_node[p]) for y in others for p in np.flatnonzero(ph[layer] == y)}
+                for k in nodes:
+                    want[layer, x, k] += 1
+    np.testing.assert_allclose(got, want / len(tokens))
