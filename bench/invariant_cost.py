@@ -10,6 +10,7 @@ no prefix cache; tokens/s = B * N / seconds. Decode: bench/decode_rate.py's rate
 CUDA graph of the batch).
 
 Run (H200, about 3 minutes): python -m bench.invariant_cost --out bench/results/invariant_cost-h200.json
+  --profile FILE: also the torch profiler's kernel table of one prefill of the longest length, each engine
 Smoke (make test): --smoke, the tiny random shape on the CPU (fp32, Triton's interpreter, no graphs): one 4-token
 prompt, no warm calls, no decode run (the interpreter runs the invariant GEMM's tiles slowly: decode_tokens_per_s is
 smoke-run by bench.engine_gpu).
@@ -50,6 +51,19 @@ def prefill_seconds(eng: Engine, prompts: list[list[int]]) -> float:
     return seconds
 
 
+def profile_prefill(eng: Engine, name: str, prompts: list[list[int]]) -> str:
+    """One profiled prefill after a warm one: the kernels by CUDA time, as the torch profiler's table."""
+    prefill_seconds(eng, prompts)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        seconds = prefill_seconds(eng, prompts)
+    sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+    table = prof.key_averages().table(sort_by=sort, row_limit=14, max_name_column_width=60)
+    return f"=== {name}: prefill {len(prompts)} x {len(prompts[0])} tokens, {seconds * 1e3:.1f} ms\n{table}\n"
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="v3-2.5b")
@@ -59,6 +73,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", default="")
     ap.add_argument("--smoke", action="store_true", help="the tiny shape on the CPU (make test)")
+    ap.add_argument("--profile", default="", help="FILE: also profile one prefill of the longest length, CUDA time by "
+                    "kernel for each engine (torch profiler), written to FILE")  # fmt: skip
     args = ap.parse_args(argv)
     device = "cpu" if args.smoke else "cuda"
     if args.smoke:
@@ -99,6 +115,9 @@ def main(argv: list[str] | None = None) -> None:
                              "tokens_per_s": best, "invariant_vs_default": best["invariant"] / best["default"]}
             print(f"decode batch {args.decode_batch}: default {best['default']:,.0f} tok/s, invariant "
                   f"{best['invariant']:,.0f} ({best['invariant'] / best['default']:.2f}x)", flush=True)
+        if args.profile:
+            prompts = [rng.integers(2, vocab, size=max(args.lengths)).tolist() for _ in range(args.prefill_batch)]
+            Path(args.profile).write_text("\n".join(profile_prefill(e, m, prompts) for m, e in engines.items()))
         for eng in engines.values():
             eng.shutdown()
     if args.out:
