@@ -41,7 +41,7 @@ def row_mma(a, b, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr):
 def row_mma_acc(a, b, acc, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr):
     """acc + row_mma(a, b), accumulated inside the MMA on the GPU (tl.dot's acc operand)."""
     if UPCAST:
-        return acc + tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+        return acc + row_mma(a, b, UPCAST, INPUT_PRECISION)
     else:
         return tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
 

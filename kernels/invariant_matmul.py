@@ -79,9 +79,7 @@ def _invariant_matmul_kernel(
     tl.store(dst, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-def invariant_bmm(
-    a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, tile: MatmulTile | None = None
-) -> torch.Tensor:
+def invariant_bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """a [G, M, K] @ b [G, K, N] -> [G, M, N] in a's dtype (out: a [G, M, N] tensor or view to store into; any
     strides). The tile is TILES[a.dtype] whatever the shapes."""
     require(a.dim() == 3 and b.dim() == 3, f"a {tuple(a.shape)} and b {tuple(b.shape)} must be [G, M, K], [G, K, N]")
@@ -96,7 +94,7 @@ def invariant_bmm(
             f"out {tuple(out.shape)} {out.dtype} is not [{g}, {m}, {n}] {a.dtype}")  # fmt: skip
     if g * m * n == 0:
         return out
-    tile = tile or TILES[a.dtype]
+    tile = TILES[a.dtype]
     grid = (triton.cdiv(n, tile.block_n), triton.cdiv(m, tile.block_m), g)
     _invariant_matmul_kernel[grid](
         a, b, out, m, n, k,

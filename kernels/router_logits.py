@@ -52,9 +52,7 @@ def _router_logits_kernel(
     tl.store(dst, acc, mask=t_mask[:, None] & e_mask[None, :])
 
 
-def router_logits(
-    x: torch.Tensor, weight: torch.Tensor, torch_above: int | None = _LOGITS_MAX_T, block_t: int = _LOGITS_T
-) -> torch.Tensor:
+def router_logits(x: torch.Tensor, weight: torch.Tensor, torch_above: int | None = _LOGITS_MAX_T) -> torch.Tensor:
     """x: [T, D] float; weight: [E, D] fp32 -> logits as partial sums [P, T, E] fp32 over P slices of D (what
     grouped_topk takes; sum_partials adds them). One launch for T <= torch_above (256), P = 8; torch above, P = 1.
     torch_above=None: this kernel at every T, so a row's logits never depend on T (EngineConfig.batch_invariant;
@@ -72,10 +70,10 @@ def router_logits(
     parts = torch.empty((n_part, T, E), dtype=torch.float32, device=x.device)
     if T == 0:
         return parts
-    grid = (triton.cdiv(T, block_t), triton.cdiv(E, _LOGITS_E), n_part)
+    grid = (triton.cdiv(T, _LOGITS_T), triton.cdiv(E, _LOGITS_E), n_part)
     _router_logits_kernel[grid](
         x, weight, parts, T, E, D, d_slice, x.stride(0), weight.stride(0), parts.stride(0), parts.stride(1),
-        BLOCK_T=block_t, BLOCK_E=_LOGITS_E, BLOCK_K=_LOGITS_K, UPCAST=not x.is_cuda, num_warps=4,
+        BLOCK_T=_LOGITS_T, BLOCK_E=_LOGITS_E, BLOCK_K=_LOGITS_K, UPCAST=not x.is_cuda, num_warps=4,
     )
     return parts
 

@@ -15,6 +15,7 @@ p = 0, 1, ... (mla_decode's merge sums a BLOCK_P-wide vector, whose reduction tr
 mode fixes the Triton decode's split size the same way, 256 keys (sgl-project/sglang python/sglang/srt/environ.py at
 21ff4b08, SGLANG_TRITON_DECODE_SPLIT_TILE_SIZE).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

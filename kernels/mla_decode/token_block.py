@@ -104,7 +104,7 @@ def _token_block_kernel(
         s += row_mma(q_pe, tl.trans(k_pe), UPCAST, INPUT_PRECISION)
         # each row's own keys: past a row's end (another row of the block reads on) its scores are -inf
         s = tl.where(offs_n[None, :] < end[:, None], s * qk_scale, float("-inf"))  # [ROWS, N], log2 units
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # flash.online_softmax_step with _row_dot
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # flash.online_softmax_step with row_mma
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet (dead rows): 0, not NaN
         alpha = tl.exp2(m_i - m_ref)
         p = tl.exp2(s - m_ref[:, None])

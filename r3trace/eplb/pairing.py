@@ -147,7 +147,8 @@ def paired(phy2log: np.ndarray, weight: np.ndarray, cluster: Cluster, tokens: np
     if budget is not None:
         todo &= budget > 0
     hits = None  # [L, E, N] node_hits of the layers to do; None without tokens
-    if tokens is not None and len(tokens) and todo.any():
+    # node_hits packs a token's nodes into one int64 bitmask: past 64 nodes the moves go by coldness (no tokens)
+    if tokens is not None and len(tokens) and todo.any() and cluster.num_nodes <= 64:
         hits = np.zeros((n_layers, weight.shape[1], cluster.num_nodes))
         hits[todo] = node_hits(out[todo], tokens[:, todo], weight.shape[1], cluster)
     for tol, slack in ((0.0, 0.0),) if budget is None else LADDER:
