@@ -10,11 +10,14 @@ Why not cuBLAS: it picks its kernel, tile and split-K by M (and N, K), so a row'
 bits, moves with the batch it lands in (BENCHMARKS.md#speculative-decoding: 79 route mismatches between two plain
 runs that batch the same requests differently). Here each program owns a BLOCK_M x BLOCK_N output tile and walks K
 from 0 in BLOCK_K steps, one tensor-core product a step: element (m, n) is the same sequence of MMAs for any M.
-The tile is fixed per dtype (TILES), never chosen from the shapes. SGLang's --enable-deterministic-inference does
-the same with one persistent-kernel config per dtype (sgl-project/sglang
-python/sglang/srt/batch_invariant_ops/batch_invariant_ops.py at d40bdca0, `matmul_persistent`).
+BLOCK_K is fixed per dtype (TILES); BLOCK_M and BLOCK_N only say which outputs a program owns, so from WIDE_M rows
+a 16-bit product takes a wider tile of the same BLOCK_K (WIDE_TILES): the tensor cores sum each output's K steps in
+the same order whatever the tile (checked bitwise on the H200 across the threshold:
+tests/spec/test_batch_invariant_gpu.py). SGLang's --enable-deterministic-inference keeps one persistent-kernel config
+per dtype for every M (sgl-project/sglang python/sglang/srt/batch_invariant_ops/batch_invariant_ops.py at d40bdca0,
+`matmul_persistent`).
 
-Cost: no split-K and no per-shape tuning, so skinny decode GEMMs launch few programs (N / BLOCK_N of them at M <= 64).
+Cost: no split-K, so skinny decode GEMMs launch few programs (N / BLOCK_N of them at M <= 64).
 """
 
 from __future__ import annotations
@@ -37,14 +40,29 @@ class MatmulTile(NamedTuple):
     num_stages: int
 
 
-# One tile per dtype, for every M. 16-bit: 64 x 64 x 64 over 4 warps (a wgmma-sized tile; 64 columns a program keep
-# skinny decode GEMMs at N / 64 programs, e.g. 9 for the 576-wide kv_a projection). fp32 halves each side so an fp32
-# stage of A and B fits the shared memory of 3 stages.
+# The tile below WIDE_M rows, per dtype. 16-bit: 64 x 64 x 64 over 4 warps (a wgmma-sized tile; 64 columns a program
+# keep skinny decode GEMMs at N / 64 programs, e.g. 9 for the 576-wide kv_a projection). fp32 halves each side so an
+# fp32 stage of A and B fits the shared memory of 3 stages.
 TILES: dict[torch.dtype, MatmulTile] = {
     torch.bfloat16: MatmulTile(64, 64, 64, 4, 3),
     torch.float16: MatmulTile(64, 64, 64, 4, 3),
     torch.float32: MatmulTile(32, 32, 32, 4, 2),
 }
+# From WIDE_M rows (16-bit): 128 x 256 tiles over 8 warps, BLOCK_K as TILES'. At M = 8192, K = 2048, N = 5632 on the
+# H200: 0.282 ms (cuBLAS 0.245).
+WIDE_M = 512
+WIDE_TILES: dict[torch.dtype, MatmulTile] = {
+    torch.bfloat16: MatmulTile(128, 256, 64, 8, 3),
+    torch.float16: MatmulTile(128, 256, 64, 8, 3),
+}
+
+
+def matmul_tile(dtype: torch.dtype, m: int, compiled: bool = True) -> MatmulTile:
+    """The tile of an [M, K] x [K, N] product: TILES[dtype], or WIDE_TILES[dtype] from WIDE_M rows; one BLOCK_K.
+    compiled=False (Triton's CPU interpreter): TILES' only, as the interpreter caps a tensor at 2^20 elements and
+    row_mma's product there is [BLOCK_M, BLOCK_K, BLOCK_N] (2^21 for the wide tile)."""
+    wide = WIDE_TILES.get(dtype) if compiled else None
+    return wide if wide is not None and m >= WIDE_M else TILES[dtype]
 
 
 @triton.jit
@@ -81,7 +99,7 @@ def _invariant_matmul_kernel(
 
 def invariant_bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """a [G, M, K] @ b [G, K, N] -> [G, M, N] in a's dtype (out: a [G, M, N] tensor or view to store into; any
-    strides). The tile is TILES[a.dtype] whatever the shapes."""
+    strides). The tile is matmul_tile(a.dtype, M): its BLOCK_K is the dtype's at every M."""
     require(a.dim() == 3 and b.dim() == 3, f"a {tuple(a.shape)} and b {tuple(b.shape)} must be [G, M, K], [G, K, N]")
     require(a.dtype in FLOAT_DTYPES and b.dtype == a.dtype, f"a dtype {a.dtype}, b dtype {b.dtype}: one float dtype")
     require(a.device == b.device, f"a is on {a.device}, b on {b.device}")
@@ -94,7 +112,7 @@ def invariant_bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = N
             f"out {tuple(out.shape)} {out.dtype} is not [{g}, {m}, {n}] {a.dtype}")  # fmt: skip
     if g * m * n == 0:
         return out
-    tile = TILES[a.dtype]
+    tile = matmul_tile(a.dtype, m, a.is_cuda)
     grid = (triton.cdiv(n, tile.block_n), triton.cdiv(m, tile.block_m), g)
     _invariant_matmul_kernel[grid](
         a, b, out, m, n, k,

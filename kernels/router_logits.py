@@ -24,6 +24,10 @@ _LOGITS_T, _LOGITS_E, _LOGITS_K = 16, 16, 64
 _LOGITS_SPLIT = 8
 # Above this many tokens (prefill) programs re-reading W cost more than the cast saves: torch, one part.
 _LOGITS_MAX_T = 256
+# batch_invariant's launches above _LOGITS_MAX_T tokens (torch_above=None): [WIDE_T, WIDE_E] tiles, so W is read by
+# T / WIDE_T programs instead of T / 16. fp32 FMAs sum each output over D in order whatever the tile, so a row's
+# bits are the narrow tile's (checked bitwise on the H200: tests/spec/test_batch_invariant_gpu.py).
+_WIDE_T, _WIDE_E, _WIDE_WARPS = 64, 64, 4
 
 
 @triton.jit
@@ -56,7 +60,8 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, torch_above: int | None
     """x: [T, D] float; weight: [E, D] fp32 -> logits as partial sums [P, T, E] fp32 over P slices of D (what
     grouped_topk takes; sum_partials adds them). One launch for T <= torch_above (256), P = 8; torch above, P = 1.
     torch_above=None: this kernel at every T, so a row's logits never depend on T (EngineConfig.batch_invariant;
-    each program's [16, 16] tile sums its 256-wide slice of D in 64-wide steps whatever T is)."""
+    each program's tile sums its 256-wide slice of D in 64-wide steps in order: [16, 16] tiles up to 256 tokens,
+    [_WIDE_T, _WIDE_E] above)."""
     require_tensor("x", x, 2, FLOAT_DTYPES, x.device)
     require_tensor("weight", weight, 2, (torch.float32,), x.device)
     T, D = x.shape
@@ -70,10 +75,12 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, torch_above: int | None
     parts = torch.empty((n_part, T, E), dtype=torch.float32, device=x.device)
     if T == 0:
         return parts
-    grid = (triton.cdiv(T, _LOGITS_T), triton.cdiv(E, _LOGITS_E), n_part)
+    wide = T > _LOGITS_MAX_T
+    block_t, block_e, warps = (_WIDE_T, _WIDE_E, _WIDE_WARPS) if wide else (_LOGITS_T, _LOGITS_E, 4)
+    grid = (triton.cdiv(T, block_t), triton.cdiv(E, block_e), n_part)
     _router_logits_kernel[grid](
         x, weight, parts, T, E, D, d_slice, x.stride(0), weight.stride(0), parts.stride(0), parts.stride(1),
-        BLOCK_T=_LOGITS_T, BLOCK_E=_LOGITS_E, BLOCK_K=_LOGITS_K, UPCAST=not x.is_cuda, num_warps=4,
+        BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=_LOGITS_K, UPCAST=not x.is_cuda, num_warps=warps,
     )
     return parts
 

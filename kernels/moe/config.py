@@ -143,6 +143,30 @@ def grouped_config(num_pairs: int, num_experts: int, itemsize: int = 2, inter: i
     return MoeConfig(bm, up, down, align=align, pdl=pdl)
 
 
+# The batch-invariant plan's tiles (registry.py's resolve_moe(invariant=True)): a pair's bits may not depend on T, so
+# every tile walks K in the same BLOCK_K steps, the decode-size tiles' (grouped_config at one row per expert). From
+# INVARIANT_WIDE_ROWS rows per expert, BLOCK_M 64 with the same BLOCK_K: a tile's M and N only say which rows and
+# columns a program owns, and the tensor cores sum each output's K steps in the same order whatever the tile
+# (checked bitwise on the H200: tests/kernels/test_batch_invariance.py's GPU run across the threshold). At D = 2048,
+# I = 512, E = 64, K = 6, T = 8192 (768 rows per expert): 1.30 ms vs 2.52 for BLOCK_M 16 (the default plan: 0.67).
+INVARIANT_WIDE_ROWS = 64
+
+
+def invariant_configs(itemsize: int, inter: int, hidden: int) -> tuple[MoeConfig, MoeConfig | None]:
+    """(the decode-size tiles, the wide tiles from INVARIANT_WIDE_ROWS rows per expert or None): the two share each
+    GEMM's BLOCK_K. fp32 keeps one tile (its BLOCK_M 64 stages would not fit the shared memory)."""
+    narrow = grouped_config(1, 1, itemsize, inter, hidden)
+    narrow = narrow._replace(gate_up=narrow.gate_up._replace(row_dot=True), down=narrow.down._replace(row_dot=True))
+    if itemsize >= 4:
+        return narrow, None
+    up = GemmTile(64, narrow.gate_up.block_k, 1, 4, 2, row_dot=True)
+    # 64 columns where the down's BLOCK_K is 256 (I <= 256: the whole-K tile), so BLOCK_M x BLOCK_K x BLOCK_N stays
+    # within the 2^20 elements the CPU interpreter's row_mma product may hold
+    down_n = 128 if narrow.down.block_k <= 128 else 64
+    down = GemmTile(down_n, narrow.down.block_k, 4, 8, 3, tma=True, row_dot=True)
+    return narrow, MoeConfig(64, up, down)
+
+
 # The gemv tiles (D = 7168, K = 8, each kernel alone): E = 256 / I = 256, T = 1: up 1 row x 1024 over 2 warps, down 4
 # rows over 2 warps, pipeline 0.0363 vs 0.0398 ms for 4-row ups; T <= 4: up 2 rows x 1024, 4 warps; I = 2048, T = 1:
 # down 1 row over 1 warp (0.0661 vs 0.0790 ms for 4 rows). Weight loads hinted evict_first (each line read once, so

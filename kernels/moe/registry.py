@@ -11,9 +11,10 @@ tiles from grouped_config (host arithmetic on T K / E, no device sync), so forwa
 MoePlan(T) runs exactly what fused_moe(config=None) runs (moe_config): tests/kernels/test_moe_registry.py.
 
 Batch-invariant plan (resolve_moe(..., invariant=True), EngineConfig.batch_invariant): never gemv, and the grouped
-GEMMs' tiles (BLOCK_M, gate_up, down) fixed for every T: the decode-size tiles (one row per expert), so a pair's
-products and its token's K-sum (moe_sum, k = 0..K-1) are the same instructions at any T. Only the alignment's launch
-shape and PDL still follow T: they move pairs between blocks, never a product's reduction order.
+GEMMs walk K in the decode-size tiles' BLOCK_K steps at every T (config.invariant_configs: those tiles below
+INVARIANT_WIDE_ROWS rows per expert, BLOCK_M 64 tiles of the same BLOCK_K from there), so a pair's products and its
+token's K-sum (moe_sum, k = 0..K-1) are the same sums in the same order at any T. The alignment's launch shape, PDL
+and the tile's M and N follow T: they move pairs between blocks, never a product's reduction order.
 """
 
 from __future__ import annotations
@@ -25,7 +26,15 @@ from typing import NamedTuple
 import torch
 
 from r3trace.kernels.contract import FLOAT_DTYPES, KernelInputError
-from r3trace.kernels.moe.config import GemvTile, MoeConfig, gemv_max_tokens, gemv_tile, grouped_config
+from r3trace.kernels.moe.config import (
+    INVARIANT_WIDE_ROWS,
+    GemvTile,
+    MoeConfig,
+    gemv_max_tokens,
+    gemv_tile,
+    grouped_config,
+    invariant_configs,
+)
 from r3trace.kernels.moe.fused_moe import fused_moe
 
 
@@ -76,13 +85,17 @@ class MoePlan:
     grouped: MoeKernel
     gemv_max_tokens: int  # T <= this runs gemv (0: never)
     gemv_tiles: tuple[GemvTile, ...]  # [T - 1]: the gemv tile at T
-    fixed: MoeConfig | None = None  # the batch-invariant plan's GEMM tiles for every T (None: by rows per expert)
+    fixed: MoeConfig | None = None  # the batch-invariant plan's decode-size tiles (None: by rows per expert)
+    fixed_wide: MoeConfig | None = None  # its tiles from INVARIANT_WIDE_ROWS rows per expert (same BLOCK_K steps)
 
     def config(self, tokens: int, pairs: int, experts: int) -> MoeConfig:
         """The tiles a call of `tokens` rows, `pairs` = T K pairs and `experts` = E rows of w13 runs."""
         grouped = grouped_config(pairs, experts, self.dtype.itemsize, self.shape.inter, self.shape.hidden)
         if self.fixed is not None:
-            return self.fixed._replace(align=grouped.align, pdl=grouped.pdl)
+            wide = self.fixed_wide is not None and pairs >= INVARIANT_WIDE_ROWS * max(1, experts)
+            tiles = self.fixed_wide if wide else self.fixed
+            assert tiles is not None
+            return tiles._replace(align=grouped.align, pdl=grouped.pdl)
         if 1 <= tokens <= self.gemv_max_tokens:
             return grouped._replace(gemv=self.gemv_tiles[tokens - 1])
         return grouped
@@ -97,14 +110,13 @@ class MoePlan:
 
 def resolve_moe(shape: MoeShape, dtype: torch.dtype, invariant: bool = False) -> MoePlan:
     """The plan for these weights: every record asked once; an input no path runs is refused here, in one line.
-    invariant: the batch-invariant plan (grouped only, the tiles of one row per expert at every T)."""
+    invariant: the batch-invariant plan (grouped only, config.invariant_configs' tiles: one BLOCK_K a GEMM at any T)."""
     why = GROUPED.supported(shape, dtype)
     if why is not None:
         raise KernelInputError(why)
-    if invariant:  # grouped_config at pairs = experts: its smallest-rows tiles, independent of E's actual value
-        fixed = grouped_config(1, 1, dtype.itemsize, shape.inter, shape.hidden)
-        fixed = fixed._replace(gate_up=fixed.gate_up._replace(row_dot=True), down=fixed.down._replace(row_dot=True))
-        return MoePlan(shape, dtype, None, GROUPED, 0, (), fixed)
+    if invariant:
+        narrow, wide = invariant_configs(dtype.itemsize, shape.inter, shape.hidden)
+        return MoePlan(shape, dtype, None, GROUPED, 0, (), narrow, wide)
     gemv = GEMV if GEMV.supported(shape, dtype) is None else None
     top = gemv_max_tokens(shape.inter) if gemv is not None else 0
     tiles = tuple(gemv_tile(t, shape.inter) for t in range(1, top + 1))

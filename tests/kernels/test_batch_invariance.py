@@ -19,7 +19,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from r3trace.kernels.invariant_matmul import invariant_bmm, invariant_bmm_ref, invariant_linear
+from r3trace.kernels.invariant_matmul import WIDE_M, invariant_bmm, invariant_bmm_ref, invariant_linear, matmul_tile
 from r3trace.kernels.mla_decode.fixed_split import FixedSplitDecoder, fixed_split_decoder
 from r3trace.kernels.mla_decode.reference import mla_decode_ref
 from r3trace.kernels.moe.registry import MoeShape, resolve_moe
@@ -135,17 +135,40 @@ def test_fixed_split_requests_do_not_mix() -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_moe_invariant_plan_rows(dtype: torch.dtype) -> None:
-    """The invariant plan (resolve_moe(invariant=True)) never takes gemv and keeps its tiles at every T: 64 tokens on
-    4 experts, top-2 (32 rows per expert: the default plan's BLOCK_M 32 tiles) give each token the bits it gets in
-    batches of 1 (the default plan's gemv), 3 and 17 (its BLOCK_M 16 tiles)."""
-    hidden, w13, w2, ids, weights = moe_case(64, 48, 4, 24, 2, dtype, DEVICE, seed=9)
-    plan = resolve_moe(MoeShape(48, 24), dtype, invariant=True)
-    assert plan.gemv is None and plan.config(1, 2, 4)[:3] == plan.config(4096, 2 * 4096, 4)[:3]
-    assert_rows_invariant(lambda r: plan(hidden[r], w13, w2, ids[r], weights[r]), rows=64)
+    """The invariant plan (resolve_moe(invariant=True)) never takes gemv and walks each GEMM's K in one BLOCK_K at
+    every T: 140 tokens on 4 experts, top-2, D = 520 and I = 136 (3 and 2 K steps, the last short) run bf16's wide
+    BLOCK_M 64 tiles (70 rows per expert); each token gets the same bits in batches of 17 (8.5 rows: the decode-size
+    BLOCK_M 16 tiles) and alone (the default plan's gemv size)."""
+    rows = 140
+    hidden, w13, w2, ids, weights = moe_case(rows, 520, 4, 136, 2, dtype, DEVICE, seed=9)
+    plan = resolve_moe(MoeShape(520, 136), dtype, invariant=True)
+    narrow, wide = plan.config(1, 2, 4), plan.config(rows, 2 * rows, 4)
+    assert plan.gemv is None and (narrow.block_m, wide.block_m) == (16, 64 if dtype == torch.bfloat16 else 16)
+    assert (narrow.gate_up.block_k, narrow.down.block_k) == (wide.gate_up.block_k, wide.down.block_k)
+    moe = lambda r: plan(hidden[r], w13, w2, ids[r], weights[r])  # noqa: E731
+    full = moe(slice(0, rows))
+    assert torch.equal(torch.cat([moe(slice(s, s + 17)) for s in range(0, rows, 17)]), full), "batches of 17"
+    for t in (0, 69, rows - 1):
+        assert torch.equal(moe(slice(t, t + 1)), full[t : t + 1]), f"token {t} alone"
+
+
+def test_gemm_wide_tile_rows() -> None:
+    """bf16 [WIDE_M + 88, 300] x [300, 200]: compiled, the full product runs WIDE_TILES' tile, batches of 37 rows and
+    single rows TILES' one; every row has the same bits (the two tiles share BLOCK_K, 5 steps, the last short). The
+    interpreter runs TILES' at every M (matmul_tile says why)."""
+    rows = WIDE_M + 88
+    x, w = randn(rows, 300, dtype=torch.bfloat16, seed=23), randn(200, 300, dtype=torch.bfloat16, seed=24)
+    compiled = DEVICE == "cuda"
+    assert (matmul_tile(torch.bfloat16, rows, compiled) != matmul_tile(torch.bfloat16, 37, compiled)) == compiled
+    full = invariant_linear(x, w)
+    assert torch.equal(torch.cat([invariant_linear(x[s : s + 37], w) for s in range(0, rows, 37)]), full)
+    for t in (0, 300, rows - 1):
+        assert torch.equal(invariant_linear(x[t : t + 1], w), full[t : t + 1]), f"row {t} alone"
 
 
 def test_router_logits_at_every_t() -> None:
-    """torch_above=None: the kernel at T = 300 (above its default torch fallback at 256), rows as at T = 1..17."""
+    """torch_above=None: the kernel at T = 300 (above its default torch fallback at 256: the wide tiles), rows as at
+    T = 1..17 (the narrow ones)."""
     x, w = randn(300, 96, dtype=torch.bfloat16, seed=10), randn(16, 96, dtype=torch.float32, seed=11)
     assert_rows_invariant(lambda r: router_logits(x[r], w, torch_above=None).sum(0), rows=300)
 
