@@ -144,27 +144,32 @@ def grouped_config(num_pairs: int, num_experts: int, itemsize: int = 2, inter: i
 
 
 # The batch-invariant plan's tiles (registry.py's resolve_moe(invariant=True)): a pair's bits may not depend on T, so
-# every tile walks K in the same BLOCK_K steps, the decode-size tiles' (grouped_config at one row per expert). From
-# INVARIANT_WIDE_ROWS rows per expert, BLOCK_M 64 with the same BLOCK_K: a tile's M and N only say which rows and
-# columns a program owns, and the tensor cores sum each output's K steps in the same order whatever the tile
-# (checked bitwise on the H200: tests/kernels/test_batch_invariance.py's GPU run across the threshold). At D = 2048,
-# I = 512, E = 64, K = 6, T = 8192 (768 rows per expert): 1.30 ms vs 2.52 for BLOCK_M 16 (the default plan: 0.67).
-INVARIANT_WIDE_ROWS = 64
+# every 16-bit tile walks K in BLOCK_K 64 steps; BLOCK_M and BLOCK_N only say which rows and columns a program owns,
+# and the tensor cores sum each output's K steps in the same order whatever the tile (bitwise on the H200 for 6 tiles
+# at T = 1..16k: BLOCK_M 16 / 32 / 64 / 128, 3-5 stages, interleaved or not; tests/kernels/test_batch_invariance.py
+# runs there across both thresholds). Graph-timed at D = 2048, I = 512, E = 64, K = 6 (us, invariant vs the default
+# plan): T = 64 108.5 vs 104.1, T = 256 121.0 vs 120.2 (BLOCK_M 32), T = 1024 205.4 vs 237.4 and T = 16k 1207 vs
+# 1189 (BLOCK_M 128: the default's own tiles there); the decode-size tiles of BLOCK_K 256 took 4881 at T = 16k.
+INVARIANT_BM32_ROWS = 16
+INVARIANT_BM128_ROWS = 64
 
 
-def invariant_configs(itemsize: int, inter: int, hidden: int) -> tuple[MoeConfig, MoeConfig | None]:
-    """(the decode-size tiles, the wide tiles from INVARIANT_WIDE_ROWS rows per expert or None): the two share each
-    GEMM's BLOCK_K. fp32 keeps one tile (its BLOCK_M 64 stages would not fit the shared memory)."""
-    narrow = grouped_config(1, 1, itemsize, inter, hidden)
-    narrow = narrow._replace(gate_up=narrow.gate_up._replace(row_dot=True), down=narrow.down._replace(row_dot=True))
+def invariant_configs(itemsize: int, inter: int, hidden: int) -> tuple[tuple[float, MoeConfig], ...]:
+    """The invariant plan's steps (rows per expert from which a config runs, config), ascending; every config of a
+    dtype has each GEMM's BLOCK_K. fp32: grouped_config's decode-size tiles alone (BLOCK_K 128 / 64 halved from
+    the 16-bit table; wider fp32 stages would not fit the shared memory)."""
     if itemsize >= 4:
-        return narrow, None
-    up = GemmTile(64, narrow.gate_up.block_k, 1, 4, 2, row_dot=True)
-    # 64 columns where the down's BLOCK_K is 256 (I <= 256: the whole-K tile), so BLOCK_M x BLOCK_K x BLOCK_N stays
-    # within the 2^20 elements the CPU interpreter's row_mma product may hold
-    down_n = 128 if narrow.down.block_k <= 128 else 64
-    down = GemmTile(down_n, narrow.down.block_k, 4, 8, 3, tma=True, row_dot=True)
-    return narrow, MoeConfig(64, up, down)
+        narrow = grouped_config(1, 1, itemsize, inter, hidden)
+        return ((0, narrow._replace(gate_up=narrow.gate_up._replace(row_dot=True),
+                                    down=narrow.down._replace(row_dot=True))),)  # fmt: skip
+    def tile(block_n: int, group_m: int, warps: int, stages: int, interleave: bool = False) -> GemmTile:
+        return GemmTile(block_n, 64, group_m, warps, stages, interleave, tma=True, row_dot=True)
+
+    return (
+        (0, MoeConfig(16, tile(64, 1, 4, 4), tile(64, 1, 4, 4))),
+        (INVARIANT_BM32_ROWS, MoeConfig(32, tile(64, 4, 4, 4, True), tile(128, 1, 4, 3))),
+        (INVARIANT_BM128_ROWS, MoeConfig(128, tile(128, 8, 8, 3, True), tile(256, 8, 8, 3))),
+    )
 
 
 # The gemv tiles (D = 7168, K = 8, each kernel alone): E = 256 / I = 256, T = 1: up 1 row x 1024 over 2 warps, down 4

@@ -11,10 +11,11 @@ tiles from grouped_config (host arithmetic on T K / E, no device sync), so forwa
 MoePlan(T) runs exactly what fused_moe(config=None) runs (moe_config): tests/kernels/test_moe_registry.py.
 
 Batch-invariant plan (resolve_moe(..., invariant=True), EngineConfig.batch_invariant): never gemv, and the grouped
-GEMMs walk K in the decode-size tiles' BLOCK_K steps at every T (config.invariant_configs: those tiles below
-INVARIANT_WIDE_ROWS rows per expert, BLOCK_M 64 tiles of the same BLOCK_K from there), so a pair's products and its
-token's K-sum (moe_sum, k = 0..K-1) are the same sums in the same order at any T. The alignment's launch shape, PDL
-and the tile's M and N follow T: they move pairs between blocks, never a product's reduction order.
+GEMMs walk K in one BLOCK_K at every T (config.invariant_configs: BLOCK_M 16, 32 or 128 by rows per expert, every
+tile BLOCK_K 64 in 16-bit), so a pair's products and its token's K-sum (moe_sum, k = 0..K-1) are the same sums in the
+same order at any T. The alignment's launch shape, PDL and the tile's M and N follow T: they move pairs between
+blocks, never a product's reduction order. Triton's CPU interpreter runs the first step's tiles at every T (it caps a
+tensor at 2^20 elements, and row_mma's product there is BLOCK_M x BLOCK_K x BLOCK_N).
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ import torch
 
 from r3trace.kernels.contract import FLOAT_DTYPES, KernelInputError
 from r3trace.kernels.moe.config import (
-    INVARIANT_WIDE_ROWS,
     GemvTile,
     MoeConfig,
     gemv_max_tokens,
@@ -85,16 +85,16 @@ class MoePlan:
     grouped: MoeKernel
     gemv_max_tokens: int  # T <= this runs gemv (0: never)
     gemv_tiles: tuple[GemvTile, ...]  # [T - 1]: the gemv tile at T
-    fixed: MoeConfig | None = None  # the batch-invariant plan's decode-size tiles (None: by rows per expert)
-    fixed_wide: MoeConfig | None = None  # its tiles from INVARIANT_WIDE_ROWS rows per expert (same BLOCK_K steps)
+    fixed: tuple[tuple[float, MoeConfig], ...] = ()  # the batch-invariant plan's steps (() : the default plan)
 
-    def config(self, tokens: int, pairs: int, experts: int) -> MoeConfig:
-        """The tiles a call of `tokens` rows, `pairs` = T K pairs and `experts` = E rows of w13 runs."""
+    def config(self, tokens: int, pairs: int, experts: int, compiled: bool = True) -> MoeConfig:
+        """The tiles a call of `tokens` rows, `pairs` = T K pairs and `experts` = E rows of w13 runs (compiled=False:
+        Triton's CPU interpreter)."""
         grouped = grouped_config(pairs, experts, self.dtype.itemsize, self.shape.inter, self.shape.hidden)
-        if self.fixed is not None:
-            wide = self.fixed_wide is not None and pairs >= INVARIANT_WIDE_ROWS * max(1, experts)
-            tiles = self.fixed_wide if wide else self.fixed
-            assert tiles is not None
+        if self.fixed:
+            rows = pairs / max(1, experts)
+            steps = self.fixed if compiled else self.fixed[:1]
+            tiles = next(cfg for min_rows, cfg in reversed(steps) if rows >= min_rows)
             return tiles._replace(align=grouped.align, pdl=grouped.pdl)
         if 1 <= tokens <= self.gemv_max_tokens:
             return grouped._replace(gemv=self.gemv_tiles[tokens - 1])
@@ -102,7 +102,7 @@ class MoePlan:
 
     def __call__(self, hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
                  topk_weights: torch.Tensor) -> torch.Tensor:  # fmt: skip
-        cfg = self.config(hidden.shape[0], topk_ids.numel(), w13.shape[0])
+        cfg = self.config(hidden.shape[0], topk_ids.numel(), w13.shape[0], hidden.is_cuda)
         kernel = self.grouped if cfg.gemv is None else self.gemv
         assert kernel is not None  # gemv_max_tokens is 0 without the gemv record
         return kernel.launch(hidden, w13, w2, topk_ids, topk_weights, cfg)
@@ -115,8 +115,7 @@ def resolve_moe(shape: MoeShape, dtype: torch.dtype, invariant: bool = False) ->
     if why is not None:
         raise KernelInputError(why)
     if invariant:
-        narrow, wide = invariant_configs(dtype.itemsize, shape.inter, shape.hidden)
-        return MoePlan(shape, dtype, None, GROUPED, 0, (), narrow, wide)
+        return MoePlan(shape, dtype, None, GROUPED, 0, (), invariant_configs(dtype.itemsize, shape.inter, shape.hidden))
     gemv = GEMV if GEMV.supported(shape, dtype) is None else None
     top = gemv_max_tokens(shape.inter) if gemv is not None else 0
     tiles = tuple(gemv_tile(t, shape.inter) for t in range(1, top + 1))

@@ -136,18 +136,22 @@ def test_fixed_split_requests_do_not_mix() -> None:
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_moe_invariant_plan_rows(dtype: torch.dtype) -> None:
     """The invariant plan (resolve_moe(invariant=True)) never takes gemv and walks each GEMM's K in one BLOCK_K at
-    every T: 140 tokens on 4 experts, top-2, D = 520 and I = 136 (3 and 2 K steps, the last short) run bf16's wide
-    BLOCK_M 64 tiles (70 rows per expert); each token gets the same bits in batches of 17 (8.5 rows: the decode-size
-    BLOCK_M 16 tiles) and alone (the default plan's gemv size)."""
+    every T: 140 tokens on 4 experts, top-2, D = 520 and I = 136 (9 and 3 K steps of 64, the last short). Compiled in
+    bf16 the whole batch runs BLOCK_M 128 (70 rows per expert), batches of 40 BLOCK_M 32 (20 rows) and of 17 BLOCK_M
+    16 (8.5 rows); each token has the same bits in all three and alone (the default plan's gemv size)."""
     rows = 140
     hidden, w13, w2, ids, weights = moe_case(rows, 520, 4, 136, 2, dtype, DEVICE, seed=9)
     plan = resolve_moe(MoeShape(520, 136), dtype, invariant=True)
-    narrow, wide = plan.config(1, 2, 4), plan.config(rows, 2 * rows, 4)
-    assert plan.gemv is None and (narrow.block_m, wide.block_m) == (16, 64 if dtype == torch.bfloat16 else 16)
-    assert (narrow.gate_up.block_k, narrow.down.block_k) == (wide.gate_up.block_k, wide.down.block_k)
+    compiled = DEVICE == "cuda"
+    cfgs = [plan.config(n, 2 * n, 4, compiled) for n in (17, 40, rows)]
+    expect = (16, 32, 128) if compiled and dtype == torch.bfloat16 else (cfgs[0].block_m,) * 3
+    assert plan.gemv is None and tuple(c.block_m for c in cfgs) == expect
+    assert len({(c.gate_up.block_k, c.down.block_k) for c in cfgs}) == 1
     moe = lambda r: plan(hidden[r], w13, w2, ids[r], weights[r])  # noqa: E731
     full = moe(slice(0, rows))
-    assert torch.equal(torch.cat([moe(slice(s, s + 17)) for s in range(0, rows, 17)]), full), "batches of 17"
+    for size in (17, 40):
+        parts = torch.cat([moe(slice(s, s + size)) for s in range(0, rows, size)])
+        assert torch.equal(parts, full), f"batches of {size}"
     for t in (0, 69, rows - 1):
         assert torch.equal(moe(slice(t, t + 1)), full[t : t + 1]), f"token {t} alone"
 
