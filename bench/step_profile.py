@@ -1,6 +1,7 @@
 """Where a decode step's time goes: GPU time of the graph replay vs the engine's host loop.
 
 Run (GPU):  python -m bench.step_profile --out step_profile.json [--shape v3-2.5b --batch 64] [--ab-overlap]
+            [--batch-invariant: the engine with EngineConfig.batch_invariant]
 Smoke (CPU): python -m bench.step_profile --smoke   (the tiny shape, ref backends: parts 1, 3 and the overlap A/B;
              the graph replay and the kernel table need CUDA)
 
@@ -102,6 +103,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--ab-overlap", action="store_true",
                     help="first time decode with overlap_schedule off then on, alternating, in one process")
     ap.add_argument("--smoke", action="store_true", help="CPU, fp32, the tiny shape (make test)")
+    ap.add_argument("--batch-invariant", action="store_true", help="profile the batch_invariant engine")
     args = ap.parse_args(argv)
     args.device, args.backend, args.reps = ("cpu", "ref", 1) if args.smoke else ("cuda", "triton", 3)
     if args.smoke:
@@ -112,13 +114,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     b, n, dev = args.batch, args.new_tokens, args.device
     report: dict[str, Any] = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
-                              "shape": args.model or args.shape, "batch": b}  # fmt: skip
+                              "shape": args.model or args.shape, "batch": b,
+                              "batch_invariant": args.batch_invariant}  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = Path(args.model) if args.model else bench_checkpoint(Path(tmp), args.shape, dev)
         prompts = bench_prompts(b, vocab_size(ckpt))
         if args.ab_overlap:
             report["overlap_ab"] = overlap_ab(ckpt, prompts, b, n, args.backend, dev, args.reps)
-        with open_engine(ckpt, args.backend, b, n, dev) as eng:
+        with open_engine(ckpt, args.backend, b, n, dev, batch_invariant=args.batch_invariant) as eng:
             for capture in (False, True):
                 decode_tokens_per_s(eng, prompts, n, capture)  # warm-up
             for capture in (False, True):
