@@ -1,23 +1,22 @@
-"""A batch-invariant matmul: one tile configuration for every M, no split-K, so row m of the product has the same
-bits whatever M is and whatever the other rows hold (EngineConfig.batch_invariant's linears and per-head products).
+"""A batch-invariant matmul: row m of the product has the same bits whatever M is and whatever the other rows hold
+(EngineConfig.batch_invariant's linears and per-head products).
 
 Shape legend: G batched products (1 for a linear, H heads for MLA's absorbed w_kc / w_vc), M rows, K the reduced
-dim, N output columns.
+dim, N output columns, C = cdiv(K, K_CHUNK) chunks of K.
 
     a   [G, M, K] (any strides)   b [G, K, N] (any strides)   c [G, M, N] = a @ b, fp32 accumulation
 
 Why not cuBLAS: it picks its kernel, tile and split-K by M (and N, K), so a row's reduction order, hence its
 bits, moves with the batch it lands in (BENCHMARKS.md#speculative-decoding: 79 route mismatches between two plain
-runs that batch the same requests differently). Here each program owns a BLOCK_M x BLOCK_N output tile and walks K
-from 0 in BLOCK_K steps, one tensor-core product a step: element (m, n) is the same sequence of MMAs for any M.
-BLOCK_K is fixed per dtype (TILES); BLOCK_M and BLOCK_N only say which outputs a program owns, so from WIDE_M rows
-a 16-bit product takes a wider tile of the same BLOCK_K (WIDE_TILES): the tensor cores sum each output's K steps in
-the same order whatever the tile (checked bitwise on the H200 across the threshold:
-tests/spec/test_batch_invariant_gpu.py). SGLang's --enable-deterministic-inference keeps one persistent-kernel config
-per dtype for every M (sgl-project/sglang python/sglang/srt/batch_invariant_ops/batch_invariant_ops.py at d40bdca0,
-`matmul_persistent`).
-
-Cost: no split-K, so skinny decode GEMMs launch few programs (N / BLOCK_N of them at M <= 64).
+runs that batch the same requests differently). Here element (m, n) is one sum for any M: each K chunk of K_CHUNK is
+its tensor-core products in BLOCK_K steps accumulated from 0, and the chunks are added in order from 0.0. One program
+walks every chunk of its output tile, or, where the output has few tiles (decode), each chunk gets its own program
+and a second kernel adds them in the same order (a fixed split-K: the same bits). BLOCK_K is fixed per dtype (TILES);
+BLOCK_M and BLOCK_N only say which outputs a program owns, so from WIDE_M rows a 16-bit product takes a wider tile of
+the same BLOCK_K (WIDE_TILES): the tensor cores sum each output's K steps in the same order whatever the tile (checked
+bitwise on the H200 across the thresholds: tests/spec/test_batch_invariant_gpu.py). SGLang's
+--enable-deterministic-inference keeps one persistent-kernel config per dtype for every M and no split-K
+(sgl-project/sglang python/sglang/srt/batch_invariant_ops/batch_invariant_ops.py at d40bdca0, `matmul_persistent`).
 """
 
 from __future__ import annotations
@@ -57,6 +56,13 @@ WIDE_TILES: dict[torch.dtype, MatmulTile] = {
 }
 
 
+# K is summed in chunks of K_CHUNK (a multiple of every BLOCK_K), the chunks added in order from 0.0, at every M: so a
+# product with few output tiles (decode: M <= 64) can give each chunk its own program and add them after (split-K)
+# with the bits of one program walking all chunks. Below SPLIT_BELOW output tiles a product splits (132 SMs).
+K_CHUNK = 512
+SPLIT_BELOW = 128
+
+
 def matmul_tile(dtype: torch.dtype, m: int, compiled: bool = True) -> MatmulTile:
     """The tile of an [M, K] x [K, N] product: TILES[dtype], or WIDE_TILES[dtype] from WIDE_M rows; one BLOCK_K.
     compiled=False (Triton's CPU interpreter): TILES' only, as the interpreter caps a tensor at 2^20 elements and
@@ -67,19 +73,29 @@ def matmul_tile(dtype: torch.dtype, m: int, compiled: bool = True) -> MatmulTile
 
 @triton.jit
 def _invariant_matmul_kernel(
-    # pointers
-    a_ptr, b_ptr, c_ptr,
+    # pointers (part_ptr: SPLIT's fp32 chunk sums [C, G, M, N], contiguous)
+    a_ptr, b_ptr, c_ptr, part_ptr,
     # sizes
-    M, N, K,
+    M, N, K, n_chunks, G,
     # strides
     stride_ag, stride_am, stride_ak, stride_bg, stride_bk, stride_bn, stride_cg, stride_cm, stride_cn,
     # constexpr
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr, SPLIT: tl.constexpr,
+    UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):  # fmt: skip
+    # c = sum over chunks q = 0, 1, ... (in order, from 0.0) of chunk q's product, itself the MMAs of its
+    # K_CHUNK / BLOCK_K steps accumulated from 0. SPLIT: program (n, m, g * n_chunks + q) computes chunk q alone and
+    # stores it (fp32); _chunk_sum_kernel adds the chunks in the same order. Else one program walks every chunk.
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
-    g = tl.program_id(2).to(tl.int64)
+    if SPLIT:
+        g = (tl.program_id(2) // n_chunks).to(tl.int64)
+        q_lo = tl.program_id(2) % n_chunks
+        q_hi = q_lo + 1
+    else:
+        g = tl.program_id(2).to(tl.int64)
+        q_lo = 0
+        q_hi = n_chunks
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -87,19 +103,48 @@ def _invariant_matmul_kernel(
     n_mask = offs_n < N
     a_rows = a_ptr + g * stride_ag + offs_m.to(tl.int64)[:, None] * stride_am
     b_cols = b_ptr + g * stride_bg + offs_n.to(tl.int64)[None, :] * stride_bn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k0 in range(0, K, BLOCK_K):  # always from 0 in BLOCK_K steps: the one reduction order
-        k_mask = (k0 + offs_k) < K
-        a = tl.load(a_rows + (k0 + offs_k)[None, :] * stride_ak, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(b_cols + (k0 + offs_k)[:, None] * stride_bk, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        acc = row_mma_acc(a, b, acc, UPCAST, INPUT_PRECISION)  # the MMA accumulates into acc
+    total = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for q in range(q_lo, q_hi):
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for k0 in range(q * K_CHUNK, tl.minimum(K, (q + 1) * K_CHUNK), BLOCK_K):  # the chunk's BLOCK_K steps in order
+            k_mask = (k0 + offs_k) < K
+            a = tl.load(a_rows + (k0 + offs_k)[None, :] * stride_ak, mask=m_mask[:, None] & k_mask[None, :],
+                        other=0.0)  # fmt: skip
+            b = tl.load(b_cols + (k0 + offs_k)[:, None] * stride_bk, mask=k_mask[:, None] & n_mask[None, :],
+                        other=0.0)  # fmt: skip
+            acc = row_mma_acc(a, b, acc, UPCAST, INPUT_PRECISION)  # the MMA accumulates into acc
+        total += acc
+    mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT:
+        rows = (q_lo * G + g) * M + offs_m.to(tl.int64)  # [C, G, M] flattened
+        tl.store(part_ptr + rows[:, None] * N + offs_n[None, :], total, mask=mask)
+    else:
+        dst = c_ptr + g * stride_cg + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
+        tl.store(dst, total.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _chunk_sum_kernel(
+    part_ptr, c_ptr, M, N, n_chunks, G, stride_cg, stride_cm, stride_cn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """c[g] = sum over q = 0, 1, ... of part[q, g] from 0.0, in that order (the unsplit kernel's sum), then rounded."""
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    g = tl.program_id(2).to(tl.int64)
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    total = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for q in range(0, n_chunks):
+        rows = (q * G + g) * M + offs_m.to(tl.int64)
+        total += tl.load(part_ptr + rows[:, None] * N + offs_n[None, :], mask=mask, other=0.0)
     dst = c_ptr + g * stride_cg + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
-    tl.store(dst, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    tl.store(dst, total.to(c_ptr.dtype.element_ty), mask=mask)
 
 
 def invariant_bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """a [G, M, K] @ b [G, K, N] -> [G, M, N] in a's dtype (out: a [G, M, N] tensor or view to store into; any
-    strides). The tile is matmul_tile(a.dtype, M): its BLOCK_K is the dtype's at every M."""
+    strides). The tile is matmul_tile(a.dtype, M); K is summed in K_CHUNK chunks, in order, at every M; a product of
+    fewer than SPLIT_BELOW tiles and several chunks runs one program a chunk and a chunk sum (split_k)."""
     require(a.dim() == 3 and b.dim() == 3, f"a {tuple(a.shape)} and b {tuple(b.shape)} must be [G, M, K], [G, K, N]")
     require(a.dtype in FLOAT_DTYPES and b.dtype == a.dtype, f"a dtype {a.dtype}, b dtype {b.dtype}: one float dtype")
     require(a.device == b.device, f"a is on {a.device}, b on {b.device}")
@@ -113,15 +158,30 @@ def invariant_bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = N
     if g * m * n == 0:
         return out
     tile = matmul_tile(a.dtype, m, a.is_cuda)
-    grid = (triton.cdiv(n, tile.block_n), triton.cdiv(m, tile.block_m), g)
-    _invariant_matmul_kernel[grid](
-        a, b, out, m, n, k,
+    chunks = max(1, triton.cdiv(k, K_CHUNK))
+    tiles = (triton.cdiv(n, tile.block_n), triton.cdiv(m, tile.block_m))
+    split = split_k(tiles[0] * tiles[1] * g, chunks)
+    part = torch.empty((chunks, g, m, n), dtype=torch.float32, device=a.device) if split else out
+    _invariant_matmul_kernel[(*tiles, g * chunks if split else g)](
+        a, b, out, part, m, n, k, chunks, g,
         a.stride(0), a.stride(1), a.stride(2), b.stride(0), b.stride(1), b.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
-        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, UPCAST=not a.is_cuda,
-        INPUT_PRECISION=dot_precision(a.dtype == torch.float32), num_warps=tile.num_warps, num_stages=tile.num_stages,
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, K_CHUNK=K_CHUNK, SPLIT=split,
+        UPCAST=not a.is_cuda, INPUT_PRECISION=dot_precision(a.dtype == torch.float32), num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
     )  # fmt: skip
+    if split:
+        _chunk_sum_kernel[(triton.cdiv(n, 64), triton.cdiv(m, 16), g)](
+            part, out, m, n, chunks, g, out.stride(0), out.stride(1), out.stride(2), BLOCK_M=16, BLOCK_N=64,
+            num_warps=4,
+        )  # fmt: skip
     return out
+
+
+def split_k(programs: int, chunks: int) -> bool:
+    """Whether a product of `programs` output tiles and `chunks` K chunks runs a program a chunk: below SPLIT_BELOW
+    tiles (a decode GEMM: N / 64 of them at M <= 64) the GPU would idle. The bits are the same either way."""
+    return chunks > 1 and programs < SPLIT_BELOW
 
 
 def invariant_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

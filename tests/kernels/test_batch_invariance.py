@@ -19,7 +19,16 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from r3trace.kernels.invariant_matmul import WIDE_M, invariant_bmm, invariant_bmm_ref, invariant_linear, matmul_tile
+from r3trace.kernels import invariant_matmul
+from r3trace.kernels.invariant_matmul import (
+    SPLIT_BELOW,
+    WIDE_M,
+    invariant_bmm,
+    invariant_bmm_ref,
+    invariant_linear,
+    matmul_tile,
+    split_k,
+)
 from r3trace.kernels.mla_decode.fixed_split import FixedSplitDecoder, fixed_split_decoder
 from r3trace.kernels.mla_decode.reference import mla_decode_ref
 from r3trace.kernels.moe.registry import MoeShape, resolve_moe
@@ -70,6 +79,23 @@ def test_per_head_gemm_through_strided_views(dtype: torch.dtype) -> None:
 
     assert_rows_invariant(heads)
     assert_close_to_ref(heads(slice(0, ROWS)), invariant_bmm_ref(x.transpose(0, 1), w).transpose(0, 1), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gemm_split_k_has_the_unsplit_bits(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """[37, 1100] x [1100, 70]: 3 chunks of K (the last short), 2 output tiles, so the product splits K (a program a
+    chunk, then the ordered chunk sum); with splitting off (SPLIT_BELOW = 0) one program walks the chunks: the same
+    bits, rows alone or batched, and close to the fp32 torch twin. The per-head form (G = 3) too."""
+    x, w = randn(ROWS, 1100, dtype=dtype, seed=25), randn(70, 1100, dtype=dtype, seed=26)
+    assert split_k(2, 3) and not split_k(SPLIT_BELOW, 3) and not split_k(2, 1)
+    split = invariant_linear(x, w)
+    assert_rows_invariant(lambda r: invariant_linear(x[r], w))
+    xh, wh = randn(3, ROWS, 600, dtype=dtype, seed=27), randn(3, 600, 40, dtype=dtype, seed=28)
+    split_heads = invariant_bmm(xh, wh)
+    monkeypatch.setattr(invariant_matmul, "SPLIT_BELOW", 0)
+    assert torch.equal(invariant_linear(x, w), split)
+    assert torch.equal(invariant_bmm(xh, wh), split_heads)
+    assert_close_to_ref(split, invariant_bmm_ref(x[None], w.t()[None])[0], dtype)
 
 
 def block_rows(dec: FixedSplitDecoder, q: torch.Tensor, kv: torch.Tensor, r2t: torch.Tensor, pool_row: int,
