@@ -35,7 +35,13 @@ def choose_alpha(history: np.ndarray) -> float:
     Why by backtest: the best weight is a property of the workload (slow drift wants a long memory, fast
     drift a short one), which a user cannot be asked to know."""
     err = backtest_errors(history)
-    return DEFAULT_ALPHA if err is None else ALPHAS[int(np.argmin(err))]
+    return DEFAULT_ALPHA if err is None else pick_alpha(err)
+
+
+def pick_alpha(err: np.ndarray, tie: float = 0.0) -> float:
+    """backtest_errors [len(ALPHAS)] -> the smallest weight (the longest memory) whose error is within (1 + tie) of
+    the least; tie = 0: the best weight."""
+    return ALPHAS[int(np.flatnonzero(err <= err.min() * (1 + tie))[0])]
 
 
 def drifts(history: np.ndarray, err: np.ndarray | None, threshold: float) -> bool:

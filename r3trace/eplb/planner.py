@@ -4,7 +4,8 @@
    rates; weights normalised over the windows there are, _smooth), so one noisy window does not move
    replicas: the global policy plans on the last window alone and loses 4-6 points of balancedness on the
    next one. Its weight is picked per plan by backtest on the history (forecast.py, choose_alpha: slow drift
-   wants a long memory, fast drift a short one); the same backtest says whether the workload drifts (step 5).
+   wants a long memory, fast drift a short one); the same backtest says whether the workload drifts (step 5), and
+   where it does not, the longest memory within `alpha_tie` of the best weight's error is taken.
 2. Replica counts: the global policy's rule (each extra slot to the expert with the highest load per
    replica), capped at the GPUs of one node (homing.capped_counts).
 3. Layout (`layout` says which and why). On one node every replica sits on it. On several nodes
@@ -60,7 +61,7 @@ from r3trace.eplb.affinity import CoChoices, affinity_replicas, home_primaries
 from r3trace.eplb.alignment import align
 from r3trace.eplb.candidates import best_layout
 from r3trace.eplb.deepseek import group_nodes, pack_nodes, spread_replicas
-from r3trace.eplb.forecast import ALPHAS, backtest_errors, drifts, forecast
+from r3trace.eplb.forecast import backtest_errors, drifts, forecast, pick_alpha
 from r3trace.eplb.homing import capped_counts, expert_nodes
 from r3trace.eplb.leveling import level_refine
 from r3trace.eplb.pairing import paired
@@ -76,6 +77,13 @@ class PlannerConfig:
     # Weight of the newest window in the forecast; a fixed 0.35 (~5 windows of memory) lost to DeepSeek's global
     # policy on 8 summed windows under slow drift and would lose to the newest window alone under fast drift
     ema_alpha: float | None = None  # None: chosen per plan by backtest on the history (choose_alpha)
+    # a re-plan the backtest calls still (not drifting) takes the longest memory whose backtest error is within
+    # alpha_tie of the best weight's: squared error in rates weighs every expert alike and ranks near weights by
+    # noise, while the max GPU load follows the hot experts, which a longer memory forecasts with less noise. Over
+    # bench/eplb_matrix.py's 118 cells (yes / tie / no against the better global): 0 -> 35 / 66 / 17, 0.02 -> 41 / 62
+    # / 15 (49 cells up, 30 down; applied under drift too, fast-drift cells lost up to 0.02, so drifting re-plans
+    # keep the best weight)
+    alpha_tie: float = 0.02
     home_slack: float = 0.0  # home node only when no heavier than the lightest; 0.02-0.05 lost 0.3-1 point
     fresh_swaps: int = 32  # swaps after a fresh plan (a layer stops early once a swap gains < min_gain)
     replan_swap_share: float = 0.05  # slots a kept layer's swaps may move (2 per swap): 7 swaps on 288 slots
@@ -115,7 +123,7 @@ class PlannerConfig:
 
     def __post_init__(self) -> None:
         bad_alpha = self.ema_alpha is not None and not 0 <= self.ema_alpha <= 1
-        if bad_alpha or min(self.keep_tolerance, self.home_slack, self.min_gain) < 0:
+        if bad_alpha or min(self.keep_tolerance, self.home_slack, self.min_gain, self.alpha_tie) < 0:
             raise PlacementError(f"ema_alpha={self.ema_alpha} must be in [0, 1] (0: mean); tolerances must be >= 0")
 
 
@@ -201,8 +209,8 @@ def plan(
     the even-split load anyway.
     """
     err = backtest_errors(loads) if cfg.ema_alpha is None and prev is not None else None
-    w = forecast(loads, cfg.ema_alpha if err is None else ALPHAS[int(np.argmin(err))])
     moving = drifts(loads, err, cfg.refresh_drift)
+    w = forecast(loads, cfg.ema_alpha if err is None else pick_alpha(err, 0.0 if moving else cfg.alpha_tie))
     if prev is not None and spreads(cluster, cfg) and not cfg.keep_groups:
         cap = spread_cap(cluster)
         if not moving:

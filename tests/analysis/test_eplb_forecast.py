@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from r3trace.eplb.forecast import choose_alpha, forecast
+from r3trace.eplb.forecast import choose_alpha, forecast, pick_alpha
 
 
 def test_weights_are_normalised_over_the_windows() -> None:
@@ -29,3 +29,14 @@ def test_backtest_picks_the_mean_for_a_stationary_workload_and_the_newest_for_a_
     q = np.exp(logit) / np.exp(logit).sum(-1, keepdims=True)
     walk = np.stack([[rng.multinomial(40000, q[w, layer]) for layer in range(2)] for w in range(8)]).astype(float)
     assert choose_alpha(walk) >= 0.5
+
+
+def test_pick_alpha_takes_the_longest_memory_within_the_tie() -> None:
+    """ALPHAS = 0, 0.1, 0.2, 0.35, 0.5, 0.7, 1: errors least at 0.35 (100); 0.2 is within 2% (101.5), 0.1 just
+    outside (102.5): tie 0 gives the best weight, 0.02 gives 0.2, 0.03 gives 0.1 and 0.05 the plain mean."""
+    err = np.array([104.0, 102.5, 101.5, 100.0, 100.5, 110.0, 130.0])
+    assert pick_alpha(err) == 0.35
+    assert pick_alpha(err, 0.02) == 0.2
+    assert pick_alpha(err, 0.03) == 0.1
+    assert pick_alpha(err, 0.05) == 0.0
+
