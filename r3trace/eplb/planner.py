@@ -81,8 +81,8 @@ class PlannerConfig:
     # alpha_tie of the best weight's: squared error in rates weighs every expert alike and ranks near weights by
     # noise, while the max GPU load follows the hot experts, which a longer memory forecasts with less noise. Over
     # bench/eplb_matrix.py's 118 cells (yes / tie / no against the better global): 0 -> 35 / 66 / 17, 0.02 -> 41 / 62
-    # / 15 (49 cells up, 30 down; applied under drift too, fast-drift cells lost up to 0.02, so drifting re-plans
-    # keep the best weight)
+    # / 15 (49 cells up, 30 down), 0.04 -> 37 / 67 / 14; applied under drift too, fast-drift cells lost up to 0.02,
+    # so drifting re-plans keep the best weight
     alpha_tie: float = 0.02
     home_slack: float = 0.0  # home node only when no heavier than the lightest; 0.02-0.05 lost 0.3-1 point
     fresh_swaps: int = 32  # swaps after a fresh plan (a layer stops early once a swap gains < min_gain)
