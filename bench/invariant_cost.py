@@ -1,9 +1,9 @@
 """What batch_invariant costs at the 2.5B V3 shape: prefill tokens/s by prompt length, and decode tokens/s.
 
 batch_invariant (EngineConfig) runs every row, prompt rows included, through the fixed-split decode kernel on the
-absorbed path and every product through one GEMM tile, so prefill, not only decode, can pay for it; this bench times
-both against the default engine on the same random checkpoint (bench/random_checkpoint.py), alternating the two
-engines rep by rep in one process (both alive), the fastest of `--reps` each.
+absorbed path and every product through GEMM tiles of one BLOCK_K, so prefill, not only decode, can pay for it; this
+bench times both against the default engine on the same random checkpoint (bench/random_checkpoint.py), alternating
+the two engines rep by rep in one process (both alive), the fastest of `--reps` each.
 
 Prefill: B prompts of N random tokens, generate of 1 new token (prefill plus one sample), chunked_prefill_size 8192,
 no prefix cache; tokens/s = B * N / seconds. Decode: bench/decode_rate.py's rate at batch 64 (128-token prompts, one
