@@ -14,7 +14,7 @@ walks every chunk of its output tile, or, where the output has few tiles (decode
 and a second kernel adds them in the same order (a fixed split-K: the same bits). BLOCK_K is fixed per dtype (TILES);
 BLOCK_M and BLOCK_N only say which outputs a program owns, so from WIDE_M rows a 16-bit product takes a wider tile of
 the same BLOCK_K (WIDE_TILES): the tensor cores sum each output's K steps in the same order whatever the tile (checked
-bitwise on the H200 across the thresholds: tests/spec/test_batch_invariant_gpu.py). SGLang's
+bitwise on the H200 across the thresholds: tests/kernels/test_batch_invariance.py). SGLang's
 --enable-deterministic-inference keeps one persistent-kernel config per dtype for every M and no split-K
 (sgl-project/sglang python/sglang/srt/batch_invariant_ops/batch_invariant_ops.py at d40bdca0, `matmul_persistent`).
 """

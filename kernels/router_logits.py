@@ -26,7 +26,7 @@ _LOGITS_SPLIT = 8
 _LOGITS_MAX_T = 256
 # batch_invariant's launches above _LOGITS_MAX_T tokens (torch_above=None): [WIDE_T, WIDE_E] tiles, so W is read by
 # T / WIDE_T programs instead of T / 16. fp32 FMAs sum each output over D in order whatever the tile, so a row's
-# bits are the narrow tile's (checked bitwise on the H200: tests/spec/test_batch_invariant_gpu.py).
+# bits are the narrow tile's (checked bitwise on the H200: tests/kernels/test_batch_invariance.py).
 _WIDE_T, _WIDE_E, _WIDE_WARPS = 64, 64, 4
 
 
