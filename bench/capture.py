@@ -79,11 +79,12 @@ class _SyncChecked:
     def on_forward_begin(self, batch: Any) -> None:
         self._guard(self.inner.on_forward_begin, batch)
 
-    def route_buffer(self, layer_id: int, num_tokens: int) -> torch.Tensor | None:
-        return self.inner.route_buffer(layer_id, num_tokens)
+    def route_buffer(self, layer_id: int, num_tokens: int, row0: int = 0) -> torch.Tensor | None:
+        return self.inner.route_buffer(layer_id, num_tokens, row0)
 
-    def capture(self, layer_id: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor | None = None) -> None:
-        self._guard(self.inner.capture, layer_id, topk_ids, topk_weights)
+    def capture(self, layer_id: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor | None = None,
+                row0: int = 0) -> None:
+        self._guard(self.inner.capture, layer_id, topk_ids, topk_weights, row0)
 
     def on_forward_end(self, batch: Any) -> None:
         self._guard(self.inner.on_forward_end, batch)

@@ -46,11 +46,11 @@ class StepRoutes:
     def on_forward_begin(self, batch: object) -> None:
         self.topk_ids = {}
 
-    def route_buffer(self, layer_id: int, num_tokens: int) -> torch.Tensor | None:
+    def route_buffer(self, layer_id: int, num_tokens: int, row0: int = 0) -> torch.Tensor | None:
         return None  # no buffer of its own: the router allocates the ids and capture() keeps them
 
     def capture(
-        self, layer_id: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor | None = None
+        self, layer_id: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor | None = None, row0: int = 0
     ) -> None:
         self.topk_ids[layer_id] = topk_ids.detach()  # [N, K]
 

@@ -67,6 +67,9 @@ class ForwardBatch:
     dp_rank: int = 0
     out_cache_loc_cpu: np.ndarray | None = None  # [T] int64 host copy (the scheduler has it anyway)
     dp_layout: DpLayout | None = None  # DP attention: every DP rank's rows this forward; None: no DP attention
+    # where the routed batch's rows start in the route recorder's device buffer: 0, except the later forwards of a
+    # chained speculative launch (spec/greedy_step.py), each writing past the one before until the host reads them
+    route_row0: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -177,21 +177,22 @@ class MoE(nn.Module):
         """x: [T, D] -> (routed [T, D] complete on every rank, unfused shared experts [T, D] partial over the
         TP ranks, or None)."""
         topk_weights, topk_ids = self.gate(x, fb)  # [T, K + S]: the routes (captured inside) + the fused shared
-        topk_ids = self.physical_ids(topk_ids)  # [T, K + S] physical slots; capture above saw the logical ids
+        topk_ids = self.physical_ids(topk_ids, fb.route_row0)  # [T, K + S] physical slots; capture saw the logical ids
         d = self.dispatcher.dispatch(x, topk_ids, topk_weights)  # [R, D], [R, K + S] local ids
         expert_out = self.experts_fn(d.hidden, self.w13, self.w2, d.topk_ids, d.topk_weights)  # [R, D]
         out = self.dispatcher.combine(expert_out, d.handle)  # [T, D]
         return out, (self.shared_experts(x) if self.shared_experts is not None else None)
 
-    def physical_ids(self, topk_ids: torch.Tensor) -> torch.Tensor:
-        """[T, K + S] logical ids -> physical slots; the fused shared columns (E + s) move past the slots (P + s)."""
+    def physical_ids(self, topk_ids: torch.Tensor, row0: int = 0) -> torch.Tensor:
+        """[T, K + S] logical ids -> physical slots; the fused shared columns (E + s) move past the slots (P + s).
+        row0: the forward's first row in the recorder's buffer (ForwardBatch.route_row0)."""
         m = self.expert_map
         k = topk_ids.shape[1] - self.num_fused
         if m is None:  # no placement: slot e is expert e, and the step costs nothing
-            self.physical_recorder.capture(self.gate.layer_id, topk_ids[:, :k])
+            self.physical_recorder.capture(self.gate.layer_id, topk_ids[:, :k], row0=row0)
             return topk_ids
         phys = m.to_physical(topk_ids[:, :k])  # [T, K]
-        self.physical_recorder.capture(self.gate.layer_id, phys)
+        self.physical_recorder.capture(self.gate.layer_id, phys, row0=row0)
         if self.num_fused:
             phys = torch.cat([phys, topk_ids[:, k:] + (m.num_physical - m.num_logical)], dim=1)
         return phys

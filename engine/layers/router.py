@@ -254,16 +254,17 @@ class Router(nn.Module):
         experts. The capturer records the [T, K] routed part."""
         logits = self._logits_fn(x, self.weight)  # [T, E], or [P, T, E] partial sums the top-k adds
         # x's rows are the routed batch's, except under a route gather (the rows are a slice of it)
-        ids_out = self.recorder.route_buffer(self.layer_id, x.shape[0]) if self.route_gather is None else None
+        row0 = fb.route_row0
+        ids_out = self.recorder.route_buffer(self.layer_id, x.shape[0], row0) if self.route_gather is None else None
         weights, ids, routed_ids = self.topk_fn(logits, self.e_score_correction_bias, self.params, ids_out, self.shared)
         k = self.params.top_k
         if fb.replay is not None:  # the plan is on x's rows (communicator.RouteCommunicator.moe_batch)
             routed_weights, routed_ids = self._apply_replay(sum_partials(logits), weights[:, :k], routed_ids, fb)
             weights, ids, _ = append_shared(routed_weights, routed_ids, self.shared)
         if self.route_gather is None:
-            self.recorder.capture(self.layer_id, routed_ids, weights[:, :k])
+            self.recorder.capture(self.layer_id, routed_ids, weights[:, :k], row0=row0)
         else:
-            self.recorder.capture(self.layer_id, *self.route_gather(routed_ids, weights[:, :k]))
+            self.recorder.capture(self.layer_id, *self.route_gather(routed_ids, weights[:, :k]), row0=row0)
         return weights, ids
 
     def _apply_replay(

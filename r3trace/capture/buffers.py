@@ -113,14 +113,15 @@ class RouteBuffers:
         slots = torch.empty(shape[0], dtype=torch.int64, pin_memory=pin)
         return ids, weights, slots
 
-    def ids_view(self, moe_index: int, t: int) -> torch.Tensor:
-        """The routed batch's t rows of one MoE layer, from the buffer's first row: a contiguous int32 [t, K]
-        block a top-k kernel may write into. Which of them are this rank's is the batch's route_rows."""
-        if t > self.dev_ids.shape[1]:
+    def ids_view(self, moe_index: int, t: int, row0: int = 0) -> torch.Tensor:
+        """The routed batch's t rows of one MoE layer, from buffer row row0: a contiguous int32 [t, K] block a
+        top-k kernel may write into. Which of them are this rank's is the batch's route_rows."""
+        if row0 + t > self.dev_ids.shape[1]:
             raise RuntimeError(
-                f"route capture: forward of {t} tokens exceeds the device buffer of {self.dev_ids.shape[1]} rows"
+                f"route capture: forward of {t} tokens from row {row0} exceeds the device buffer of "
+                f"{self.dev_ids.shape[1]} rows"
             )
-        return self.dev_ids[moe_index, :t]
+        return self.dev_ids[moe_index, row0 : row0 + t]
 
     def before_forward(self) -> None:
         """The next forward rewrites dev_ids: order it after the copy that reads them (a device-side wait)."""
@@ -128,14 +129,15 @@ class RouteBuffers:
             torch.cuda.current_stream(self.device).wait_event(self._last_copy)
             self._last_copy = None
 
-    def write(self, moe_index: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor | None) -> None:
-        """Called from the routing op: the routed batch's topk_ids [N, K] -> its rows of one MoE layer (no copy
-        when the top-k kernel already wrote them there)."""
-        dst = self.ids_view(moe_index, topk_ids.shape[0])
+    def write(self, moe_index: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor | None, row0: int = 0) -> None:
+        """Called from the routing op: the routed batch's topk_ids [N, K] -> its rows of one MoE layer from buffer
+        row row0 (no copy when the top-k kernel already wrote them there)."""
+        n = topk_ids.shape[0]
+        dst = self.ids_view(moe_index, n, row0)
         if dst.data_ptr() != topk_ids.data_ptr():
             dst.copy_(topk_ids)
         if self.dev_weights is not None and topk_weights is not None:
-            self.dev_weights[moe_index, : topk_ids.shape[0]].copy_(topk_weights)
+            self.dev_weights[moe_index, row0 : row0 + n].copy_(topk_weights)
 
     def start_copy(
         self,

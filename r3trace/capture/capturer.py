@@ -56,16 +56,17 @@ class RoutedExpertsCapturer:
         if self.physical is not None:
             self.physical.buffers.before_forward()
 
-    def route_buffer(self, layer_id: int, num_tokens: int) -> torch.Tensor | None:
-        return self.buffers.ids_view(self.moe_index[layer_id], num_tokens)
+    def route_buffer(self, layer_id: int, num_tokens: int, row0: int = 0) -> torch.Tensor | None:
+        return self.buffers.ids_view(self.moe_index[layer_id], num_tokens, row0)
 
-    def capture(self, layer_id: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor | None = None) -> None:
-        self.buffers.write(self.moe_index[layer_id], topk_ids, topk_weights)
+    def capture(self, layer_id: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor | None = None,
+                row0: int = 0) -> None:
+        self.buffers.write(self.moe_index[layer_id], topk_ids, topk_weights, row0)
 
-    def capture_physical(self, layer_id: int, topk_ids: torch.Tensor) -> None:
+    def capture_physical(self, layer_id: int, topk_ids: torch.Tensor, row0: int = 0) -> None:
         """[T, K] physical slots of the routed batch (physical.PhysicalRecorder); ignored when not kept."""
         if self.physical is not None:
-            self.physical.buffers.write(self.moe_index[layer_id], topk_ids, None)
+            self.physical.buffers.write(self.moe_index[layer_id], topk_ids, None, row0)
 
     def on_forward_end(self, batch: BatchView) -> None:
         if batch.out_cache_loc_cpu is not None:  # host bookkeeping: which forward owns each slot's KV now

@@ -65,13 +65,14 @@ class PhysicalRecorder:
     def on_forward_begin(self, batch: BatchView) -> None:
         pass
 
-    def route_buffer(self, layer_id: int, num_tokens: int) -> torch.Tensor | None:
+    def route_buffer(self, layer_id: int, num_tokens: int, row0: int = 0) -> torch.Tensor | None:
         return None
 
-    def capture(self, layer_id: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor | None = None) -> None:
+    def capture(self, layer_id: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor | None = None,
+                row0: int = 0) -> None:
         if self.gather is not None:  # [n, K] scattered -> [A * n, K]; the weights' half of the buffer is unused
             topk_ids = self.gather(topk_ids.to(torch.int32), torch.zeros(topk_ids.shape, device=topk_ids.device))[0]
-        self.capturer.capture_physical(layer_id, topk_ids)
+        self.capturer.capture_physical(layer_id, topk_ids, row0)
 
     def on_forward_end(self, batch: BatchView) -> None:
         pass

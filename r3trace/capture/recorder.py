@@ -7,12 +7,13 @@ disabled case is `NullRecorder`, never a `None` check in model code.
 `BatchView` is the part of a forward batch a recorder may read. The engine's ForwardBatch satisfies it
 structurally, so r3trace.capture never imports the engine (dependency direction: engine -> capture).
 
-Row ranges. The routing op runs over "the routed batch", whose rows `capture` receives and `route_buffer`
-hands out from the buffer's first row. That batch is not always this rank's tokens: under DP attention with a
-tensor-parallel MoE the router runs over every DP rank's tokens gathered (SGLang's FULL scatter mode), and a
-rank's own tokens are the rows `batch.route_rows` names, in request order. A recorder reads a request's rows
-only through that range, never as rows [0, T) by assumption (what SGLang's capturer gets wrong under
-DP-attention padding).
+Row ranges. The routing op runs over "the routed batch", whose rows `capture` receives and `route_buffer` hands out
+from buffer row `row0` (0, except in a chained speculative launch: its k-th forward writes from k x its row count,
+so one device buffer holds every forward's rows until the host reads them). That batch is not always this rank's
+tokens: under DP attention with a tensor-parallel MoE the router runs over every DP rank's tokens gathered
+(SGLang's FULL scatter mode), and a rank's own tokens are the rows `batch.route_rows` names, in request order. A
+recorder reads a request's rows only through that range, never as rows [0, T) by assumption (what SGLang's capturer
+gets wrong under DP-attention padding).
 """
 
 from __future__ import annotations
@@ -64,14 +65,15 @@ class BatchView(Protocol):
 class RouteRecorder(Protocol):
     def on_forward_begin(self, batch: BatchView) -> None: ...
 
-    def route_buffer(self, layer_id: int, num_tokens: int) -> torch.Tensor | None:
-        """Where the routing op may write the routed batch's topk_ids directly (int32 [N, K], contiguous), or
-        None: a fused top-k kernel writing there makes capture cost no kernel of its own."""
+    def route_buffer(self, layer_id: int, num_tokens: int, row0: int = 0) -> torch.Tensor | None:
+        """Where the routing op may write the routed batch's topk_ids directly (int32 [N, K], contiguous, from
+        buffer row row0), or None: a fused top-k kernel writing there makes capture cost no kernel of its own."""
         ...
 
-    def capture(self, layer_id: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor | None = None) -> None:
+    def capture(self, layer_id: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor | None = None,
+                row0: int = 0) -> None:
         """topk_ids: [N, K] logical ids of the routed batch in gate-rank order; topk_weights: [N, K] (may be
-        None). N >= batch.num_tokens: the rank's own rows are batch.route_rows of them."""
+        None), kept from buffer row row0. N >= batch.num_tokens: the rank's own rows are batch.route_rows of them."""
         ...
 
     def on_forward_end(self, batch: BatchView) -> None: ...
@@ -83,10 +85,11 @@ class NullRecorder:
     def on_forward_begin(self, batch: BatchView) -> None:
         return None
 
-    def route_buffer(self, layer_id: int, num_tokens: int) -> torch.Tensor | None:
+    def route_buffer(self, layer_id: int, num_tokens: int, row0: int = 0) -> torch.Tensor | None:
         return None
 
-    def capture(self, layer_id: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor | None = None) -> None:
+    def capture(self, layer_id: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor | None = None,
+                row0: int = 0) -> None:
         return None
 
     def on_forward_end(self, batch: BatchView) -> None:
@@ -106,10 +109,11 @@ class ListRecorder:
     def on_forward_begin(self, batch: BatchView) -> None:
         self.routes = {}
 
-    def route_buffer(self, layer_id: int, num_tokens: int) -> torch.Tensor | None:
+    def route_buffer(self, layer_id: int, num_tokens: int, row0: int = 0) -> torch.Tensor | None:
         return None
 
-    def capture(self, layer_id: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor | None = None) -> None:
+    def capture(self, layer_id: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor | None = None,
+                row0: int = 0) -> None:
         self.routes[layer_id] = (
             topk_ids.detach().clone(),
             None if topk_weights is None else topk_weights.detach().clone(),

@@ -80,12 +80,13 @@ class Tee:
         for r in self.recorders:
             r.on_forward_begin(batch)
 
-    def route_buffer(self, layer_id: int, num_tokens: int) -> torch.Tensor | None:
+    def route_buffer(self, layer_id: int, num_tokens: int, row0: int = 0) -> torch.Tensor | None:
         return None
 
-    def capture(self, layer_id: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor | None = None) -> None:
+    def capture(self, layer_id: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor | None = None,
+                row0: int = 0) -> None:
         for r in self.recorders:
-            r.capture(layer_id, topk_ids, topk_weights)
+            r.capture(layer_id, topk_ids, topk_weights, row0=row0)
 
     def on_forward_end(self, batch: BatchView) -> None:
         for r in self.recorders:

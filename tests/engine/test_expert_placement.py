@@ -43,7 +43,8 @@ class Recorder(NullRecorder):
     def __init__(self) -> None:
         self.seen: list[tuple[int, torch.Tensor]] = []
 
-    def capture(self, layer_id: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor | None = None) -> None:
+    def capture(self, layer_id: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor | None = None,
+                row0: int = 0) -> None:
         self.seen.append((layer_id, topk_ids.clone()))
 
 
