@@ -16,6 +16,7 @@ SharedExperts = Literal["auto", "fused", "separate"]
 # None: off; EAGLE is SGLang's alias of NEXTN for DeepSeek's MTP module (the one draft model here)
 SPEC_ALGORITHMS = (None, "NEXTN", "EAGLE")
 MAX_SPEC_STEPS = 3  # the range; SGLang's DeepSeek-V3 default (3 steps, top-1, 4 tokens verified)
+MAX_LAUNCH_STEPS = 8  # speculative steps chained in one graph: each adds its kernels to the graph, its rows to capture
 
 _DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -114,6 +115,11 @@ class EngineConfig:
     # process (several are refused); CUDA graphs hold its draft and verify forwards (engine/spec/graphs.py).
     speculative_algorithm: str | None = None
     speculative_num_steps: int | None = None
+    # Whole speculative steps chained on the device per launch (spec/greedy_step.py), when every running request
+    # decodes greedily on the graphs and no waiting request could take a seat: S > 1 replays S steps as one graph,
+    # each step's positions and KV slots taken on the device from the one before's accepted counts (a request's KV
+    # reserved for S x (d + 1) positions, the unused freed after), and the host reads the S results back at once.
+    speculative_launch_steps: int = 1
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -189,6 +195,11 @@ class EngineConfig:
         algo, steps = self.speculative_algorithm, self.speculative_num_steps
         if algo not in SPEC_ALGORITHMS:
             raise EngineConfigError(f"speculative_algorithm={algo!r}: expected one of {SPEC_ALGORITHMS}")
+        chain = self.speculative_launch_steps
+        if not isinstance(chain, int) or isinstance(chain, bool) or not 1 <= chain <= MAX_LAUNCH_STEPS:
+            raise EngineConfigError(f"speculative_launch_steps={chain!r}: must be an integer in 1..{MAX_LAUNCH_STEPS}")
+        if chain > 1 and algo is None:
+            raise EngineConfigError(f"speculative_launch_steps={chain}: given without speculative_algorithm")
         if steps is None:
             return
         if algo is None:

@@ -39,15 +39,17 @@ from r3trace.engine.weights import load_weights, read_moe_experts
 def capture_config(mc: ModelConfig, cfg: EngineConfig, parallel: ParallelInfo) -> CaptureConfig:
     """The capturer's sizes, all from the configs (nothing read from elsewhere): under DP attention its device
     buffer holds the gathered batch; under EP a rank's rows are padded to a multiple of attention TP."""
-    # The most tokens of one rank's forward: a chunk, or every running request's verify of 1 + d tokens
-    per_rank = max(cfg.chunked_prefill_size, cfg.max_running_requests * (1 + cfg.spec_steps))
+    # The rows one rank's buffer holds: a chunk, or every running request's verify of 1 + d tokens (S of them in a
+    # chained launch)
+    launch = cfg.speculative_launch_steps if cfg.spec_steps else 1
+    per_rank = max(cfg.chunked_prefill_size, cfg.max_running_requests * (1 + cfg.spec_steps) * launch)
     return CaptureConfig(
         num_hidden_layers=mc.num_hidden_layers, moe_layer_ids=mc.moe_layer_ids, top_k=mc.num_experts_per_tok,
         num_experts=mc.n_routed_experts, kv_slots=cfg.kv_pool_tokens,
         max_batch_tokens=parallel.dp_size * -(-per_rank // parallel.attn_tp_size) * parallel.attn_tp_size,
         chunked_prefill_size=cfg.chunked_prefill_size, max_running_requests=cfg.max_running_requests,
         device=cfg.device, with_weights=cfg.capture_weights, dp_size=parallel.dp_size,
-        attn_tp_size=parallel.attn_tp_size, spec_verify_tokens=cfg.spec_steps,
+        attn_tp_size=parallel.attn_tp_size, spec_verify_tokens=cfg.spec_steps, verify_launch_steps=launch,
         physical_slots=mc.n_routed_experts + cfg.ep_num_redundant_experts if cfg.capture_physical_ids else 0,
     )
 
@@ -129,7 +131,8 @@ class EngineCore:
             from r3trace.engine.spec.graphs import SpecGraphs
 
             graphs = SpecGraphs(self.model, drafter, self.kv_pool.kv_buffer, req_pool.req_to_token,
-                                cfg.graph_batch_sizes, self.max_context_len, self.kv_pool.pad_slot)
+                                cfg.graph_batch_sizes, self.max_context_len, self.kv_pool.pad_slot,
+                                launch_steps=cfg.speculative_launch_steps)
         return SpecRunner(self.model, drafter, self.kv_pool, req_pool, self.sampler, cfg.device, self.model_config,
                           parallel, graphs)
 

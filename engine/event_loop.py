@@ -199,12 +199,16 @@ class EventLoop:
         done, self._inflight = self._inflight, None
         if ahead:
             self._inflight = self.runner.launch(ahead)  # queued behind `done` on the GPU
-        self.scheduler.process(done.items, self.runner.collect(done))
+        self._process(done)
 
     def _process_inflight(self) -> None:
         done, self._inflight = self._inflight, None
         if done is not None:
-            self.scheduler.process(done.items, self.runner.collect(done))
+            self._process(done)
+
+    def _process(self, done: Launched) -> None:
+        for items, outputs in self.runner.results(done):
+            self.scheduler.process(items, outputs)
 
     def _with_routes(self, req: Req, result: dict[str, Any], delta: bool) -> dict[str, Any]:
         opts = req.capture
@@ -225,8 +229,7 @@ class EventLoop:
         if not items:
             self.scheduler.abort_all("the scheduler could not place any request", is_error=True)
             return False
-        done = self.runner.launch(items)
-        self.scheduler.process(done.items, self.runner.collect(done))
+        self._process(self.runner.launch(items))
         return True
 
     def deliver(self) -> None:

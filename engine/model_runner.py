@@ -13,7 +13,7 @@ a step scheduled ahead gathers its input ids from there on the device.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -77,6 +77,11 @@ class ModelRunner:
 
     def run(self, items: list[ScheduledReq]) -> list[ReqOutput]:
         return self.collect(self.launch(items))
+
+    def results(self, launched: Launched) -> Iterator[tuple[list[ScheduledReq], list[ReqOutput]]]:
+        """What the scheduler processes of a launch, in order: its (items, outputs); a chained speculative launch
+        yields one pair a step, each to be processed before the next is asked for (spec/launch_steps.py)."""
+        yield launched.items, self.collect(launched)
 
     def launch(self, items: list[ScheduledReq]) -> Launched:
         """Queue the step's forward, sampling and result copies; no wait on the device."""

@@ -52,8 +52,10 @@ class Scheduler:
         self.kv = KVAllocator(pool, req_pool, cache, self.hooks)  # where each request's KV goes (kv_allocator.py)
         self.num_retractions = 0  # over the scheduler's life: tests check preemption really happened
         self.num_dropped_ahead = 0  # positions computed ahead for requests that had stopped (tests check it)
-        # Speculative decoding: a decoding request verifies up to spec_steps draft tokens a step (0: off)
+        # Speculative decoding: a decoding request verifies up to spec_steps draft tokens a step (0: off), in launches
+        # of up to launch_steps steps chained on the device (1: one step a launch)
         self.spec_steps = config.spec_steps
+        self.launch_steps = config.speculative_launch_steps if config.spec_steps else 1
 
     # ------------------------------------------------------------------ queue
     def add(self, req: Req) -> None:
@@ -63,8 +65,9 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def take_updates(self) -> list[Req]:
+        """Requests changed since the last call, each once (a chained launch's steps add one several times)."""
         out, self._updates = self._updates, []
-        return out
+        return list({id(r): r for r in out}.values())
 
     def abort(self, rid: str, message: str = "aborted by the client") -> bool:
         for req in list(self.waiting) + self.running:
@@ -87,7 +90,7 @@ class Scheduler:
         decoding_after = sum(r.in_decode for r in self.running) if self.spec_steps else 0
         i = 0
         if self.spec_steps and self.running and decoding_after == len(self.running):
-            items = self._grow_verifies(budget)
+            items = self._chain_verifies(budget) or self._grow_verifies(budget)
             budget -= sum(it.extend_len for it in items)
             i = len(items)
         while i < len(self.running) and budget > 0:
@@ -172,6 +175,35 @@ class Scheduler:
             at += want
         return items
 
+    def _chain_verifies(self, budget: int) -> list[ScheduledReq]:
+        """A chained launch (launch_steps S > 1), when every running request can run S greedy steps of d drafts on
+        the device without the host between them: greedy with nothing that reads output counts (penalties, bias,
+        a min_new_tokens ahead), no logprobs or forced routes, room for S x (d + 1) more positions, and no waiting
+        request that could take a seat (it would wait S steps). Each request's S x (d + 1) slots are reserved at
+        once; [] otherwise (a step of one)."""
+        s, n = self.launch_steps, 1 + self.spec_steps
+        if s == 1 or len(self.running) * n > budget:
+            return []
+        if self.waiting and len(self.running) < self.config.max_running_requests:
+            return []
+        for r in self.running:
+            p = r.params
+            if (not p.is_greedy or p.has_penalty or p.logit_bias or len(r.output_ids) < p.min_new_tokens
+                    or r.logprob is not None or r.replay is not None or r.seq_len + s * n > self.max_context_len):
+                return []
+        slots = self.kv.grow_all(self.running, [s * n] * len(self.running))
+        if slots is None:
+            return []
+        items = []
+        for i, req in enumerate(self.running):
+            reserved = slots[i * s * n : (i + 1) * s * n]
+            items.append(ScheduledReq(req=req, start=req.kv_len, extend_len=n, out_cache_loc=reserved[:n],
+                                      sample=True, logprob_positions=range(0), phase="verify", draft_len=n - 1,
+                                      chain_slots=reserved))
+            req.kv_len += s * n
+            req.inflight += s * n
+        return items
+
     def _draft_len(self, req: Req, budget: int) -> int:
         """Draft tokens a decoding request verifies this step: spec_steps, fewer only when the context limit or the
         step's token budget is short. A request near max_new_tokens still verifies spec_steps drafts: the stop rule
@@ -211,7 +243,8 @@ class Scheduler:
         verified = [(it, out) for it, out in zip(items, outputs, strict=True)
                     if it.phase == "verify" and not it.req.finished]
         stops = {id(it.req): self._accept(it, out) for it, out in verified}
-        self.kv.trim([it.req for it, _ in verified])  # one free for the step: the pages past each kept position
+        # one free for the step: the pages past each kept position (after a chained launch's last step only)
+        self.kv.trim([it.req for it, _ in verified if not it.more_steps])
         for item, out in zip(items, outputs, strict=True):
             req = item.req
             if req.finished:  # stopped at the step before, after this one was launched for it: dropped
@@ -260,7 +293,7 @@ class Scheduler:
         drafts accepted after a stop."""
         req = item.req
         assert out.next_tokens is not None
-        req.inflight -= item.extend_len
+        req.inflight = 0  # a verify is its request's one step in flight (a chained launch's: each step ends it)
         req.spec_verify_ct += 1
         # drafts that could become output: one token of the verify is the target's, none past max_new_tokens
         req.spec_num_proposed_drafts += min(item.draft_len, req.params.max_new_tokens - len(req.output_ids) - 1)

@@ -27,6 +27,12 @@ class ScheduledReq:
     # phase "verify" (speculative decoding): positions start.. hold the last sampled token, then draft_len draft
     # tokens the runner proposes; the verify forward accepts a prefix of them plus one token of the target's
     draft_len: int = 0
+    # a chained launch's verify (EngineConfig.speculative_launch_steps S > 1): the KV slots of positions start ..
+    # start + S * extend_len - 1, reserved for its S steps (out_cache_loc: the first step's extend_len of them)
+    chain_slots: np.ndarray | None = None
+    # one step of a chained launch before its last: the request's pages past it hold the later steps' KV, so
+    # processing it frees none (the last step's processing trims them)
+    more_steps: bool = False
 
     @property
     def end(self) -> int:

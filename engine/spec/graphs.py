@@ -14,7 +14,9 @@ after another, never at once, and each keeps its outputs):
   step    a greedy step's whole work (greedy_step.py): the chain drafts, the verify, acceptance and the extend, read
           back as one [bs, n + 1] tensor. An all-greedy step replays this one graph instead of the three above: the
           eager glue between them (batch building, acceptance, choosing drafts) was ~1.8 ms of a 2.2 ms step at batch
-          1 on the H200, the GPU work 0.38 ms.
+          1 on the H200, the GPU work 0.38 ms;
+  steps   with launch_steps S > 1: S greedy steps in one graph, the batch advanced on the device between them
+          (GreedyStep.chain), read back as one [S, bs, n + 1] tensor; step s's routes from capture row s x bs x n.
 The verify and chain graphs of every size copy their logits into one shared buffer (verify_logits, chain_logits).
 Between the three replays of a sampled step the step runs eagerly as without graphs (SpecRunner): drafts from the
 chain's logits, acceptance from the verify's, the draft ids for the extend, the next x_1 from the extend's output.
@@ -54,10 +56,13 @@ class SpecGraphs:
     def __init__(
         self, target: DeepseekForCausalLM, drafter: Drafter, kv_buffer: torch.Tensor, req_to_token: torch.Tensor,
         batch_sizes: tuple[int, ...], max_context_len: int, pad_slot: int, capture: Capture | None = None,
+        launch_steps: int = 1,
     ) -> None:
-        """capture: CudaGraphCapture() when None (tests pass an eager stand-in to run these paths on the CPU)."""
+        """capture: CudaGraphCapture() when None (tests pass an eager stand-in to run these paths on the CPU);
+        launch_steps: S > 1 also captures the S-step greedy graph of every size."""
         if not batch_sizes:
             raise ValueError("SpecGraphs needs at least one batch size")
+        self.launch_steps = launch_steps
         self.steps = d = drafter.steps
         self.tokens = n = d + 1
         self.batch_sizes = tuple(sorted(batch_sizes))
@@ -73,6 +78,7 @@ class SpecGraphs:
         self.verify_logits = torch.zeros(self.max_bs * n, vocab, dtype=torch.float32, device=device)  # [max_bs * n, V]
         self.chain_logits = torch.zeros(self.max_bs, vocab, dtype=torch.float32, device=device)  # [max_bs, V]
         self.step_out = torch.zeros(self.max_bs, n + 1, dtype=torch.int64, device=device)  # [max_bs, n + 1]
+        self.steps_out = torch.zeros(launch_steps, self.max_bs, n + 1, dtype=torch.int64, device=device)
         self._greedy = GreedyStep(target, drafter, kv_buffer, self.chain_batch, self.verify_batch, pad_slot,
                                   self.verify_logits, self.step_out)
         capture = capture or CudaGraphCapture()
@@ -81,6 +87,7 @@ class SpecGraphs:
         self._verify: dict[int, tuple[Replay, tuple[torch.Tensor, ...]]] = {}
         self._extend: dict[int, tuple[Replay, tuple[torch.Tensor, ...]]] = {}
         self._step: dict[int, tuple[Replay, tuple[torch.Tensor, ...]]] = {}
+        self._steps: dict[int, tuple[Replay, tuple[torch.Tensor, ...]]] = {}
         for bs in reversed(self.batch_sizes):  # largest first: smaller graphs reuse its memory pool
             chain_fb = self.chain_batch.static(bs, req_to_token)
             if d > 1:
@@ -95,6 +102,11 @@ class SpecGraphs:
             self.verify_batch.pad(0, bs)
             self._step[bs] = capture(partial(self._greedy, bs, chain_fb, verify_fb, extend_fb,
                                              self.extend_ids[: bs * n]))
+            if launch_steps > 1:
+                self.verify_batch.pad(0, bs)
+                verify_fbs = [dataclasses.replace(verify_fb, route_row0=k * bs * n) for k in range(launch_steps)]
+                self._steps[bs] = capture(partial(self._greedy.chain, bs, chain_fb, verify_fbs, extend_fb,
+                                                  self.extend_ids[: bs * n], self.steps_out[:, :bs]))
         self._loaded: tuple[ForwardBatch, int] | None = None  # the verify batch now in the static inputs, its size
         self.replays = 0  # graph replays so far (tests check the graph path ran)
         self.graph_steps = 0  # steps run on graphs so far: greedy_step calls and verify_forward calls
@@ -137,6 +149,22 @@ class SpecGraphs:
         self.graph_steps += 1
         self._loaded = None
         return out[:b], logits[: b * self.tokens]
+
+    def greedy_steps(self, fb: ForwardBatch) -> tuple[torch.Tensor, int]:
+        """launch_steps greedy steps in one replay, from the verify batch fb (as greedy_step) -> (out [S, B, n + 1]:
+        each step's target argmax at each row then its committed count, a view valid until the next replay; bs, the
+        graph size, whose step s wrote its routes from capture row s * bs * n). The caller runs the recorder's begin
+        hook before it and its end hook per step once the results are on the host."""
+        _check(self.verify_batch, fb)
+        b = fb.batch_size
+        bs = graph_size(self.batch_sizes, b)
+        self.verify_batch.load(fb, bs)
+        replay, (out,) = self._steps[bs]
+        replay()
+        self.replays += 1
+        self.graph_steps += self.launch_steps
+        self._loaded = None
+        return out[:, :b], bs
 
     # ---------------------------------------------------------------- DraftForwards (drafter.py), replayed
     def chain_forward(self, fb: ForwardBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,6 +19,12 @@ request's tokens, routes and draft state are the eager step's bit for bit:
           over the verify's rows, its output at the last accepted row -> the head's argmax = the next x_1, h'.
 Padding requests (graph_batch.py: KV slot = the pool's padding slot, never a real request's) store into the
 drafter's spare row instead of request row 0, so no real request's drafts move.
+
+`chain` runs S such steps back to back (EngineConfig.speculative_launch_steps): between two, `advance` moves the
+verify batch on the device by each request's committed count, as the host's next schedule would (positions, prefix
+and sequence lengths + count, the new t_m = the last committed token, KV slots read from req_to_token, where the
+scheduler reserved S x n positions a request), and step s writes its routes from capture row s x bs x n
+(ForwardBatch.route_row0), so the host reads all S steps' results and rows after one wait.
 """
 
 from __future__ import annotations
@@ -48,6 +54,39 @@ class GreedyStep:
                  extend_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The step on the static batches of size bs -> (out [bs, n + 1], logits [bs * n, V]): views of the shared
         buffers. extend_fb is verify_fb with input_ids = extend_ids [bs * n]."""
+        out = self.out[:bs]
+        self._step(bs, chain_fb, verify_fb, extend_fb, extend_ids, out)
+        return out, self.logits[: bs * (self.steps + 1)]
+
+    def chain(self, bs: int, chain_fb: ForwardBatch, verify_fbs: list[ForwardBatch], extend_fb: ForwardBatch,
+              extend_ids: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor]:
+        """len(verify_fbs) = S steps, verify_fbs[s] the static verify batch with route_row0 = s * bs * n, each after
+        the one before has advanced the batch -> (out [S, bs, n + 1]: each step's tokens then count,)."""
+        for s, verify_fb in enumerate(verify_fbs):
+            if s:
+                self.advance(bs, verify_fb.req_to_token, out[s - 1])
+            self._step(bs, chain_fb, verify_fb, extend_fb, extend_ids, out[s])
+        return (out,)
+
+    def advance(self, bs: int, req_to_token: torch.Tensor, done: torch.Tensor) -> None:
+        """The static verify batch after a step whose results are done [bs, n + 1] (tokens, count): every real
+        request moves by its count (rows keep n tokens), padding requests stay where they are."""
+        n, vb = self.steps + 1, self.verify_batch
+        counts = done[:, n]  # [bs], 1..n
+        slots = vb.out_cache_loc[: bs * n].view(bs, n)  # [bs, n]
+        real = slots[:, 0] != self.pad_slot  # [bs]
+        moved = torch.where(real, counts, 0)  # [bs]
+        positions = vb.positions[: bs * n].view(bs, n)
+        positions.add_(moved[:, None])
+        vb.prefix_lens[:bs].add_(moved)
+        vb.seq_lens[:bs].add_(moved)
+        reserved = req_to_token[vb.req_pool_indices[:bs, None], positions].to(torch.int64)  # [bs, n]
+        slots.copy_(torch.where(real[:, None], reserved, self.pad_slot))
+        last = done[:, :n].gather(1, (counts - 1)[:, None])[:, 0]  # [bs] the last committed token: the next t_m
+        vb.input_ids[: bs * n].view(bs, n)[:, 0].copy_(torch.where(real, last, 0))
+
+    def _step(self, bs: int, chain_fb: ForwardBatch, verify_fb: ForwardBatch, extend_fb: ForwardBatch,
+              extend_ids: torch.Tensor, out: torch.Tensor) -> None:
         d, n, dr = self.steps, self.steps + 1, self.drafter
         vb, cb = self.verify_batch, self.chain_batch
         first_slot = vb.out_cache_loc[: bs * n].view(bs, n)[:, 0]  # [bs]
@@ -73,7 +112,5 @@ class GreedyStep:
         extend_ids.copy_(next_ids)
         h = dr.extend_forward(extend_fb, extend_ids, hidden).index_select(0, last_rows)  # [bs, D]
         dr.store(rows, 0, self.target.logits(h).argmax(dim=-1), None, h)
-        out = self.out[:bs]
         out[:, :n].copy_(tokens)
         out[:, n].copy_(counts)
-        return out, self.logits[: bs * n]

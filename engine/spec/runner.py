@@ -13,14 +13,17 @@ launch(items):
   5. the committed tokens, their counts and logprobs queued to the host.
 A step that fits the CUDA graphs (every item a verify of d drafts: spec/graphs.py) replays them: a greedy step all of
 1-4 as one graph (spec/greedy_step.py; one copy back, the accepted tokens and counts), a sampled one steps 1, 2 and 4
-with the same eager code between them; any other step runs all of it eager. Nothing in launch waits on the device;
-collect waits once. The scheduler then keeps counts[b] tokens of request b
+with the same eager code between them; any other step runs all of it eager. A chained launch (the scheduler
+reserved S steps of KV: ScheduledReq.chain_slots) replays S greedy steps as one graph and hands them back one step at
+a time (spec/launch_steps.py); one that cannot run on the graphs runs its first step alone. Nothing in launch waits
+on the device; collect waits once. The scheduler then keeps counts[b] tokens of request b
 (fewer when a stop rule ends it), frees the KV of the rest and tells the capturer which rows were rejected
 (Scheduler._accept, RequestHooks.on_reject) before anything reads the forward's routes.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -41,6 +44,7 @@ from ..sampling import Sampler
 from ..step import ReqOutput, ScheduledReq
 from .drafter import Drafter
 from .graphs import SpecGraphs
+from .launch_steps import StepsLaunched, step_results
 from .penalised import record_accepted, verify_penalty
 from .verify import accept_greedy, accept_sampled
 
@@ -158,6 +162,8 @@ class SpecRunner(ModelRunner):
         self.forward_id += 1
         if greedy_graph:
             assert graphs is not None
+            if graphs.launch_steps > 1 and all(it.chain_slots is not None and it.req.logprob is None for it in items):
+                return self._launch_steps(items, fb, graphs)
             return self._launch_greedy(items, fb, graphs)
         if plan.draft_dst:
             idx = stage(np.array(plan.draft_dst + plan.draft_src, np.int64))
@@ -204,6 +210,21 @@ class SpecRunner(ModelRunner):
         host = launched.host.pop("out")
         launched.host.update(tokens=host[:, :n], counts=host[:, n])  # views of the one copy
         return launched
+
+    def _launch_steps(self, items: list[ScheduledReq], fb: ForwardBatch, graphs: SpecGraphs) -> Launched:
+        """S greedy steps in one replay and one copy to the host, [S, B, n + 1]; forward ids f .. f + S - 1. The
+        recorder's begin hook runs now (it orders the replay after the copy of the forward before), its end hook per
+        step in `results`."""
+        self.target.recorder.on_forward_begin(fb)
+        out, bs = graphs.greedy_steps(fb)
+        self.forward_id += graphs.launch_steps - 1
+        queued = _queued(items, [], {"out": out})
+        return StepsLaunched(items=items, host=queued.host, event=queued.event, fb=fb, graph_bs=bs)
+
+    def results(self, launched: Launched) -> Iterator[tuple[list[ScheduledReq], list[ReqOutput]]]:
+        if isinstance(launched, StepsLaunched):
+            return step_results(launched, self.target.recorder)
+        return super().results(launched)
 
     def _accept(
         self, samplers: list[ScheduledReq], logits: torch.Tensor, draft_lens: torch.Tensor, req_rows: torch.Tensor,

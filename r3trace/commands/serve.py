@@ -86,6 +86,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="speculative decoding with the checkpoint's MTP layer (EAGLE: SGLang's alias of NEXTN)")
     p.add_argument("--speculative-num-steps", type=int, default=None,
                    help="draft tokens a step, 1..3 (default 3); one verify forward checks them")
+    p.add_argument("--speculative-launch-steps", type=int, default=None,
+                   help="greedy speculative steps chained on the GPU per launch, 1..8 (default: EngineConfig's)")
     p.add_argument("--placement-root", default=".", help="POST /update_expert_placement reads only below this folder")
     p.add_argument("--log-level", default="info")
 
@@ -119,6 +121,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, object]:
         "ep_dispatch_algorithm": args.ep_dispatch_algorithm, "expert_dispatch_seed": args.expert_dispatch_seed,
         "capture_physical_ids": args.capture_physical_ids,
         "speculative_algorithm": args.speculative_algorithm, "speculative_num_steps": args.speculative_num_steps,
+        **({} if args.speculative_launch_steps is None
+           else {"speculative_launch_steps": args.speculative_launch_steps}),
     }  # fmt: skip
 
 

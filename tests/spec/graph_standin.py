@@ -50,7 +50,8 @@ def install_spec_graphs(engine: Engine, batch_sizes: tuple[int, ...]) -> SpecGra
 
     def build() -> SpecGraphs:
         graphs = SpecGraphs(engine.model, runner.drafter, engine.kv_pool.kv_buffer, runner.req_pool.req_to_token,
-                            batch_sizes, engine.max_context_len, engine.kv_pool.pad_slot, capture=replay_eagerly)
+                            batch_sizes, engine.max_context_len, engine.kv_pool.pad_slot, capture=replay_eagerly,
+                            launch_steps=engine.config.speculative_launch_steps)
         runner.spec_graphs = graphs
         return graphs
 

@@ -91,3 +91,15 @@ def test_engine_alone_batched_and_speculative_on_cuda(make_spec_engine: EngineFa
     assert_same(alone, batched)
     assert_same(got, batched)
     assert_mixed_acceptance(got)
+    # chained launches (3 greedy steps a graph; logprobs unasked, else a launch runs one step): the same again
+    chained = make_spec_engine(model=mtp_ckpt, speculative_algorithm="NEXTN", speculative_num_steps=3,
+                               speculative_launch_steps=3, **opts)
+    graphs = chained.runner.spec_graphs
+    assert graphs is not None and graphs.launch_steps == 3
+    before = (graphs.graph_steps, graphs.replays)
+    got = chained.generate(input_ids=ps, sampling_params=sp, return_routed_experts=True)
+    for g, w in zip(got, batched, strict=True):
+        assert (g["output_ids"], g["meta_info"]["routed_experts"]) == (w["output_ids"],
+                                                                       w["meta_info"]["routed_experts"])
+    # a greedy graph step is one replay, a chained launch one replay of 3 steps
+    assert graphs.graph_steps - before[0] > graphs.replays - before[1], "no launch ran chained"
