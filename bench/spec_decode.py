@@ -17,10 +17,11 @@ each speculative row says how many of its steps did (graph_steps) out of all (st
 2. decode tokens/s at each batch (prompts cycled): B * (M - 1) generated tokens over the generate time of M tokens
    minus that of 1 token (prefill and first token), each the fastest of --reps; a row also holds every rep's own
    rate, their median and spread. Modes: spec_graphs, spec_eager (d = --depth), plain_graphs, plain_eager (CPU: the
-   eager two), and on CUDA spec_chained<S> for each S of --launch-steps (spec_graphs with S greedy steps chained a
-   launch), every engine alive at once and their reps interleaved (rep r times each engine once, the order rotated
-   each rep); a speculative row's vs_plain is its rate over its plain twin's (spec_chained<S>'s: plain_graphs),
-   vs_plain_reps rep by rep.
+   eager two; speculative engines chain EngineConfig's default of greedy steps a launch on the graphs), and on
+   CUDA spec_graphs_s<S> for each S of --launch-steps (spec_graphs with S steps a launch; 1: a launch a step), every
+   engine alive at once and their reps interleaved (rep r times each engine once, the order rotated each rep); a
+   speculative row's vs_plain is its rate over its plain twin's (spec_graphs_s<S>'s: plain_graphs), vs_plain_reps
+   rep by rep.
 3. capture cost with speculation on: the speculative rows again with every request asking for routes (capture true),
    beside capture false; plain_graphs too, for reference (plain_eager on CUDA: capture off only).
 4. route mismatches against plain decoding, default mode (spec_graphs' engine against plain_graphs'): per request,
@@ -71,12 +72,12 @@ def held_out_prompts(n: int, cut: int = 0) -> list[list[int]]:
     return [tok.encode(r["text"])[: cut or None] for r in rows[:n]]
 
 
-def engine_options(args: argparse.Namespace, depth: int, graphs: bool, launch: int = 1) -> dict[str, Any]:
+def engine_options(args: argparse.Namespace, depth: int, graphs: bool, launch: int | None = None) -> dict[str, Any]:
     """depth 0: plain decoding. graphs: one CUDA graph per timed batch size (CUDA only). launch: greedy speculative
-    steps chained per launch. --batch-invariant: every engine in batch_invariant mode (the triton backends, also on
-    the CPU)."""
-    spec = dict(speculative_algorithm="NEXTN", speculative_num_steps=depth) if depth else {}
-    if depth and launch > 1:
+    steps chained per launch (None: EngineConfig's default). --batch-invariant: every engine in batch_invariant mode
+    (the triton backends, also on the CPU)."""
+    spec: dict[str, Any] = dict(speculative_algorithm="NEXTN", speculative_num_steps=depth) if depth else {}
+    if depth and launch is not None:
         spec["speculative_launch_steps"] = launch
     opts: dict[str, Any] = dict(max_running_requests=max(args.batches), **spec)
     triton = dict.fromkeys(("attention_backend", "moe_backend", "topk_backend", "norm_backend", "rope_backend"),
@@ -142,7 +143,7 @@ def captures(mode: str, cuda: bool) -> tuple[bool, ...]:
 
 
 def plain_twin(mode: str) -> str:
-    return "plain_graphs" if mode.startswith("spec_chained") else mode.replace("spec_", "plain_")
+    return "plain_graphs" if mode.startswith("spec_graphs_s") else mode.replace("spec_", "plain_")
 
 
 def throughput_rows(engines: dict[str, Engine], args: argparse.Namespace,
@@ -212,10 +213,11 @@ def measure(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any
             with Engine(MODEL, **engine_options(args, depth, graphs=cuda)) as eng:
                 result["acceptance"] += acceptance_rows(eng, depth, args, prompts)
     with contextlib.ExitStack() as stack:
-        modes = {"spec_graphs": (args.depth, True, 1), "spec_eager": (args.depth, False, 1),
-                 "plain_graphs": (0, True, 1), "plain_eager": (0, False, 1)}
+        modes: dict[str, tuple[int, bool, int | None]] = {
+            "spec_graphs": (args.depth, True, None), "spec_eager": (args.depth, False, None),
+            "plain_graphs": (0, True, None), "plain_eager": (0, False, None)}
         for launch in args.launch_steps if cuda else ():
-            modes[f"spec_chained{launch}"] = (args.depth, True, launch)
+            modes[f"spec_graphs_s{launch}"] = (args.depth, True, launch)
         engines = {mode: stack.enter_context(Engine(MODEL, **engine_options(args, depth, graphs, launch)))
                    for mode, (depth, graphs, launch) in modes.items() if cuda or not graphs}
         spec = engines["spec_graphs" if cuda else "spec_eager"]
@@ -230,14 +232,14 @@ def measure(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any
         if cuda:  # the control: plain decoding against itself, eager kernels vs graphs
             runs["plain_eager"] = greedy_routes(engines["plain_eager"], args, prompts)
         for mode in engines:
-            if mode.startswith("spec_chained"):
+            if mode.startswith("spec_graphs_s"):
                 runs[mode] = greedy_routes(engines[mode], args, prompts)
     t0 = time.time()
     result["routes"] = route_mismatches(args, prompts, runs["spec"], runs["plain"])
     if "plain_eager" in runs:
         result["routes_plain_eager_vs_plain"] = route_mismatches(args, prompts, runs["plain_eager"], runs["plain"])
     for mode in runs:
-        if mode.startswith("spec_chained"):
+        if mode.startswith("spec_graphs_s"):
             result[f"routes_{mode}_vs_plain"] = route_mismatches(args, prompts, runs[mode], runs["plain"])
     result["seconds"]["routes"] = time.time() - t0
     return result
@@ -302,8 +304,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--acceptance-depths", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 3],
                     help="draft depths whose acceptance is measured (--depth's always is, on its throughput engine)")
     ap.add_argument("--batch-invariant", action="store_true", help="every engine with batch_invariant=True")
-    ap.add_argument("--launch-steps", type=lambda s: [int(x) for x in s.split(",") if int(x) > 1], default=[4],
-                    help="each S > 1 (CUDA): also time spec_chained<S>, speculative_launch_steps=S on the graphs")
+    ap.add_argument("--launch-steps", type=lambda s: [int(x) for x in s.split(",") if x], default=[1],
+                    help="each S (CUDA): also time spec_graphs_s<S>, spec_graphs with speculative_launch_steps=S")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
     if args.smoke:

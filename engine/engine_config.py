@@ -119,7 +119,9 @@ class EngineConfig:
     # decodes greedily on the graphs and no waiting request could take a seat: S > 1 replays S steps as one graph,
     # each step's positions and KV slots taken on the device from the one before's accepted counts (a request's KV
     # reserved for S x (d + 1) positions, the unused freed after), and the host reads the S results back at once.
-    speculative_launch_steps: int = 1
+    # 4: the fastest of 2, 4 and 8 at batch 1 and 32 on the sample model (within 2% of 8 at batch 8), where a step
+    # of one launch spends about as long on the host as on the GPU (BENCHMARKS.md#speculative-decoding).
+    speculative_launch_steps: int = 4
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -198,8 +200,6 @@ class EngineConfig:
         chain = self.speculative_launch_steps
         if not isinstance(chain, int) or isinstance(chain, bool) or not 1 <= chain <= MAX_LAUNCH_STEPS:
             raise EngineConfigError(f"speculative_launch_steps={chain!r}: must be an integer in 1..{MAX_LAUNCH_STEPS}")
-        if chain > 1 and algo is None:
-            raise EngineConfigError(f"speculative_launch_steps={chain}: given without speculative_algorithm")
         if steps is None:
             return
         if algo is None:
@@ -213,6 +213,11 @@ class EngineConfig:
         if self.speculative_algorithm is None:
             return 0
         return self.speculative_num_steps or MAX_SPEC_STEPS
+
+    @property
+    def launch_steps(self) -> int:
+        """Speculative steps a launch may chain: speculative_launch_steps with speculation on CUDA graphs, else 1."""
+        return self.speculative_launch_steps if self.spec_steps and self.graph_batch_sizes else 1
 
     @property
     def has_placement(self) -> bool:

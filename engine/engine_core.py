@@ -41,7 +41,7 @@ def capture_config(mc: ModelConfig, cfg: EngineConfig, parallel: ParallelInfo) -
     buffer holds the gathered batch; under EP a rank's rows are padded to a multiple of attention TP."""
     # The rows one rank's buffer holds: a chunk, or every running request's verify of 1 + d tokens (S of them in a
     # chained launch)
-    launch = cfg.speculative_launch_steps if cfg.spec_steps else 1
+    launch = cfg.launch_steps
     per_rank = max(cfg.chunked_prefill_size, cfg.max_running_requests * (1 + cfg.spec_steps) * launch)
     return CaptureConfig(
         num_hidden_layers=mc.num_hidden_layers, moe_layer_ids=mc.moe_layer_ids, top_k=mc.num_experts_per_tok,

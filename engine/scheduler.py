@@ -53,9 +53,9 @@ class Scheduler:
         self.num_retractions = 0  # over the scheduler's life: tests check preemption really happened
         self.num_dropped_ahead = 0  # positions computed ahead for requests that had stopped (tests check it)
         # Speculative decoding: a decoding request verifies up to spec_steps draft tokens a step (0: off), in launches
-        # of up to launch_steps steps chained on the device (1: one step a launch)
+        # of up to launch_steps steps chained on the device (1: one step a launch; only the graphs chain steps)
         self.spec_steps = config.spec_steps
-        self.launch_steps = config.speculative_launch_steps if config.spec_steps else 1
+        self.launch_steps = config.launch_steps
 
     # ------------------------------------------------------------------ queue
     def add(self, req: Req) -> None:

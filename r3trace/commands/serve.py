@@ -87,7 +87,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-num-steps", type=int, default=None,
                    help="draft tokens a step, 1..3 (default 3); one verify forward checks them")
     p.add_argument("--speculative-launch-steps", type=int, default=None,
-                   help="greedy speculative steps chained on the GPU per launch, 1..8 (default: EngineConfig's)")
+                   help="greedy speculative steps chained on the GPU per launch, 1..8 (default 4)")
     p.add_argument("--placement-root", default=".", help="POST /update_expert_placement reads only below this folder")
     p.add_argument("--log-level", default="info")
 

@@ -162,16 +162,16 @@ def test_draft_graph_replays_leave_the_target_capture_byte_identical(make_spec_e
     for name in ("chain_forward", "extend_forward"):
         spy.wrap(engine.runner.drafter, name)
     engine.start_trace(tmp_path / "trace", run_id="spy")
-    outs, graph_replays = [], []
+    outs, graph_steps = [], []
     for sp in ({"temperature": 0}, {"temperature": 1.0, "sampling_seed": 3}):
-        before = graphs.replays
+        before = graphs.graph_steps
         outs += engine.generate(input_ids=prompts(3, seed=4), sampling_params={**sp, "max_new_tokens": 12,
                                                                                 "ignore_eos": True},
                                 return_routed_experts=[True, False, True])
-        graph_replays.append(graphs.replays - before)
+        graph_steps.append(graphs.graph_steps - before)
     engine.stop_trace()
     assert all("error" not in o for o in outs)
-    assert min(graph_replays) >= 3 and spy.forwards >= 3 * 3, f"graphs must have replayed: {graph_replays}"
+    assert min(graph_steps) >= 3 and spy.forwards >= 3 * 3, f"graphs must have replayed: {graph_steps}"
     assert spy.calls == [] and spy.changed == [], \
         f"draft replays called {spy.calls} / changed capture buffers {spy.changed}"
 

@@ -140,16 +140,22 @@ def test_chained_stream_deltas_are_contiguous(make_spec_engine: EngineFactory, m
 
 
 def test_launch_steps_are_checked_and_sized(mtp_ckpt: Path) -> None:
-    """1..8 with speculation; the capture buffer holds every step's verify rows of a launch."""
+    """1..8; the capture buffer holds every step's verify rows of a launch (none without speculation)."""
     for bad in (0, 9, True, 2.0):
         with pytest.raises(EngineConfigError, match="speculative_launch_steps="):
             EngineConfig(speculative_launch_steps=bad, speculative_algorithm="NEXTN")  # type: ignore[arg-type]
-    with pytest.raises(EngineConfigError, match="given without speculative_algorithm"):
-        EngineConfig(speculative_launch_steps=2)
     mc = ModelConfig.from_hf(mtp_ckpt)
-    cfg = EngineConfig(max_running_requests=40, chunked_prefill_size=64, speculative_launch_steps=4,
-                       speculative_algorithm="NEXTN", speculative_num_steps=3)
+    triton = dict.fromkeys(("attention_backend", "moe_backend", "topk_backend", "norm_backend", "rope_backend"),
+                           "triton")
+    cfg = EngineConfig(max_running_requests=40, chunked_prefill_size=160, speculative_launch_steps=4,
+                       speculative_algorithm="NEXTN", speculative_num_steps=3, device="cuda",
+                       cuda_graph_batch_sizes=(1, 8), **triton)
     cc = capture_config(mc, cfg, ParallelInfo())
-    assert cc.max_batch_tokens == 40 * 4 * 4
+    assert (cc.max_batch_tokens, cc.verify_launch_steps) == (40 * 4 * 4, 4)
     with pytest.raises(r3trace.capture.CaptureConfigError, match="verify_launch_steps 4"):
         dataclasses.replace(cc, max_batch_tokens=40 * 4)
+    # no graphs (eager, or the CPU): one step a launch, and no room kept for more
+    for eager in (dataclasses.replace(cfg, cuda_graph_batch_sizes=()),
+                  dataclasses.replace(cfg, device="cpu", cuda_graph_batch_sizes=None)):
+        assert eager.launch_steps == 1
+        assert capture_config(mc, eager, ParallelInfo()).max_batch_tokens == 40 * 4
