@@ -137,9 +137,12 @@ def test_greedy_graph_writes_only_the_verify_routes(make_spec_engine: EngineFact
     """The one-replay greedy graph (chain drafts, verify, acceptance, extend: spec/greedy_step.py) cannot be split
     around its draft forwards, so it is compared whole: on the same static batch, the capturer's device buffers
     (filled with a sentinel first) after one greedy-graph replay equal those after a replay of the verify graph alone:
-    the draft forwards inside it write no route row of a request."""
+    the draft forwards inside it write no route row of a request. One step a launch: a chained launch replays the
+    S-step graph instead (its draft forwards are checked by the CPU spy, tests/spec/test_spec_graphs.py, and its routes
+    against plain decoding bitwise by tests/spec/test_batch_invariant_gpu.py)."""
     engine = make_spec_engine(model=mtp_ckpt, capture_weights=True, speculative_algorithm="NEXTN",
-                              speculative_num_steps=3, cuda_graph_batch_sizes=SIZES, **TRITON)
+                              speculative_num_steps=3, speculative_launch_steps=1, cuda_graph_batch_sizes=SIZES,
+                              **TRITON)
     graphs = spec_graphs(engine)
     sizes: list[int] = []
     greedy_step = graphs.greedy_step
