@@ -93,7 +93,7 @@ def test_a_checkpoint_without_or_with_a_broken_mtp_layer_is_refused(mtp_ckpt: Pa
 
 
 def test_serve_flags_reach_engine_config() -> None:
-    """`r3trace serve MODEL --speculative-algorithm NEXTN --speculative-num-steps d`."""
+    """`r3trace serve MODEL --speculative-algorithm NEXTN --speculative-num-steps d --speculative-launch-steps S`."""
     from r3trace.cli import Parser
     from r3trace.commands import serve
     from r3trace.errors import UsageError
@@ -103,6 +103,13 @@ def test_serve_flags_reach_engine_config() -> None:
     args = p.parse_args(["m", "--speculative-algorithm", "NEXTN", "--speculative-num-steps", "2", "--device", "cuda"])
     cfg = EngineConfig(**serve.engine_options(args))  # type: ignore[arg-type]
     assert (cfg.speculative_algorithm, cfg.spec_steps, cfg.graph_batch_sizes) == ("NEXTN", 2, default_batch_sizes(64))
+    assert cfg.launch_steps == 4  # four greedy steps a launch by default on the graphs
+    one = EngineConfig(**serve.engine_options(p.parse_args(["m", "--speculative-algorithm", "NEXTN", "--device", "cuda",
+                                                            "--speculative-launch-steps", "1"])))  # type: ignore[arg-type]
+    assert one.launch_steps == 1
+    with pytest.raises(EngineConfigError, match="speculative_launch_steps=9: must be an integer in 1..8"):
+        EngineConfig(**serve.engine_options(p.parse_args(["m", "--speculative-algorithm", "NEXTN",
+                                                          "--speculative-launch-steps", "9"])))  # type: ignore[arg-type]
     assert EngineConfig(**serve.engine_options(p.parse_args(["m"]))).spec_steps == 0  # type: ignore[arg-type]
     both = EngineConfig(**serve.engine_options(p.parse_args(["m", "--device", "cuda", "--batch-invariant",
                                                              "--speculative-algorithm", "EAGLE"])))  # type: ignore[arg-type]
