@@ -69,12 +69,13 @@ class StepLog:
 def test_chained_launches_are_single_steps_bit_for_bit(make_spec_engine: EngineFactory, mtp_ckpt: Path,
                                                        tmp_path: Path) -> None:
     """5 greedy requests of different lengths on a graph of 8 (3 padding requests), 3 steps a launch, against the
-    same requests one eager step at a time: tokens, finish reasons, routes and draft counts equal; the trace holds
+    same requests one eager step at a time: tokens, finish reasons, routes (logical and physical: both capture
+    buffers take a launch's rows past each other) and draft counts equal; the trace holds
     each position once with the returned routes, verify rows marked; some requests stop inside a launch. A second
     round of the first round's prompts + outputs reads them from the prefix cache (KV the launches wrote), with one
     request sampling at temperature 1 (seeded: no chained launch while it runs). Every page is free afterwards."""
-    chained = make_spec_engine(model=mtp_ckpt, speculative_launch_steps=LAUNCH, **SPEC)
-    eager = make_spec_engine(model=mtp_ckpt, **SPEC)
+    chained = make_spec_engine(model=mtp_ckpt, speculative_launch_steps=LAUNCH, capture_physical_ids=True, **SPEC)
+    eager = make_spec_engine(model=mtp_ckpt, capture_physical_ids=True, **SPEC)
     graphs = install_spec_graphs(chained, (1, 2, 4, 8))
     launches = [0]
     real = graphs.greedy_steps
@@ -93,7 +94,8 @@ def test_chained_launches_are_single_steps_bit_for_bit(make_spec_engine: EngineF
         outs[name] = engine.generate(input_ids=first, sampling_params=sp, return_routed_experts=True)
         engine.stop_trace()
     got, want = outs["chained"], outs["eager"]
-    meta = ("finish_reason", "routed_experts", "spec_verify_ct", "spec_num_correct_drafts", "spec_num_proposed_drafts")
+    meta = ("finish_reason", "routed_experts", "routed_experts_physical", "spec_verify_ct", "spec_num_correct_drafts",
+            "spec_num_proposed_drafts")
     assert [(g["output_ids"], [g["meta_info"][k] for k in meta]) for g in got] == \
         [(w["output_ids"], [w["meta_info"][k] for k in meta]) for w in want]
     assert launches[0] >= 2, f"{launches[0]} chained launches"
