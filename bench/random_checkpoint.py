@@ -56,8 +56,11 @@ def tensor_shapes(c: dict[str, Any]) -> Iterator[tuple[str, tuple[int, ...]]]:
     qk, v, kvl, rope = c["qk_nope_head_dim"] + c["qk_rope_head_dim"], c["v_head_dim"], c["kv_lora_rank"], c[
         "qk_rope_head_dim"]
     yield "model.embed_tokens.weight", (c["vocab_size"], d)
-    for i in range(c["num_hidden_layers"]):
+    for i in range(c["num_hidden_layers"] + c["num_nextn_predict_layers"]):
         p = f"model.layers.{i}"
+        if i >= c["num_hidden_layers"]:  # an MTP (NextN) layer: its own projections, then a MoE decoder layer
+            yield from ((f"{p}.{n}.weight", (d,)) for n in ("enorm", "hnorm", "shared_head.norm"))
+            yield f"{p}.eh_proj.weight", (d, 2 * d)
         yield f"{p}.input_layernorm.weight", (d,)
         yield f"{p}.post_attention_layernorm.weight", (d,)
         yield f"{p}.self_attn.q_a_proj.weight", (c["q_lora_rank"], d)
@@ -85,9 +88,12 @@ def tensor_shapes(c: dict[str, Any]) -> Iterator[tuple[str, tuple[int, ...]]]:
     yield "lm_head.weight", (c["vocab_size"], d)
 
 
-def write_random_checkpoint(out: Path, shape: str, device: str, seed: int = 0, shard_bytes: int = 2 << 30) -> Path:
-    """SHAPES[shape] as bf16 safetensors shards under out, every tensor drawn on `device`."""
-    cfg = {**COMMON, **SHAPES[shape]}
+def write_random_checkpoint(out: Path, shape: str, device: str, seed: int = 0, shard_bytes: int = 2 << 30,
+                            mtp: bool = False) -> Path:
+    """SHAPES[shape] as bf16 safetensors shards under out, every tensor drawn on `device`; mtp: with one MTP layer
+    (num_nextn_predict_layers = 1, DeepSeek-V3's layout: the speculative engine's NextN draft; random, so its drafts
+    are not accepted: for timing a step, not acceptance)."""
+    cfg = {**COMMON, **SHAPES[shape], "num_nextn_predict_layers": int(mtp)}
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -119,22 +125,37 @@ def write_random_checkpoint(out: Path, shape: str, device: str, seed: int = 0, s
     return out
 
 
+def smoke_speculation(path: Path) -> None:
+    """The MTP layer loads as the NextN draft: exact mode, greedy speculation gives plain greedy decoding's tokens."""
+    from r3trace.engine import Engine
+
+    sp = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+    with Engine(path, deterministic=True, speculative_algorithm="NEXTN") as spec, \
+            Engine(path, deterministic=True) as plain:
+        got, want = (e.generate(input_ids=[5, 6, 7, 8], sampling_params=sp)["output_ids"] for e in (spec, plain))
+    if got != want:
+        raise SystemExit(f"speculation on the random MTP layer gave {got}, plain decoding {want}")
+    print(f"speculation on the random MTP layer: {got} as plain decoding")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", nargs="?", default="", help="the checkpoint folder (required but in --smoke)")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="v3-2.5b")
+    ap.add_argument("--mtp", action="store_true", help="with one MTP (NextN) layer, for speculative decoding")
     ap.add_argument("--smoke", action="store_true", help="the tiny shape into a temporary folder on the CPU")
     args = ap.parse_args(argv)
     if args.smoke:
         with tempfile.TemporaryDirectory() as tmp:
-            path = write_random_checkpoint(Path(tmp) / "tiny", "tiny", "cpu")
+            path = write_random_checkpoint(Path(tmp) / "tiny", "tiny", "cpu", mtp=True)
             ModelConfig.from_hf(path)  # the engine reads what was written
             print(f"wrote {path} ({sum(1 for _ in path.glob('*.safetensors'))} shards)")
+            smoke_speculation(path)
         return
     if not args.out:
         ap.error("OUT_DIR is required")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    path = write_random_checkpoint(Path(args.out), args.shape, device)
+    path = write_random_checkpoint(Path(args.out), args.shape, device, mtp=args.mtp)
     print(f"wrote {path} ({sum(1 for _ in path.glob('*.safetensors'))} shards)")
 
 

@@ -138,6 +138,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--depth", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--smoke", action="store_true", help="CPU, batches 1 and 2, 8 new tokens, prompts of 32 tokens")
+    ap.add_argument("--model", default=str(MODEL), help="a checkpoint with an MTP layer (default: samples/model)")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
     if args.smoke:
@@ -147,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
     result: dict[str, Any] = {}
     for depth in (args.depth, 0):
         name = "spec" if depth else "plain"
-        with Engine(MODEL, **engine_options(ns, depth, graphs=True)) as eng:
+        with Engine(args.model, **engine_options(ns, depth, graphs=True)) as eng:
             result[name] = [profile(eng, prompts, b, args.max_new_tokens) for b in args.batches]
             result[name + "_host_profile_b1"] = host_profile(eng, prompts, 1, args.max_new_tokens).splitlines()
             result[name + "_graph_us"] = eng._loop.call(lambda e=eng: graph_times(e))
