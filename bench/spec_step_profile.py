@@ -95,6 +95,21 @@ def graph_times(eng: Engine) -> dict[str, float]:
     return out
 
 
+def kernel_tables(eng: Engine, batch: int) -> list[str]:
+    """torch.profiler over 5 replays of the verify graph (speculative engine) or the decode graph (plain) of one batch
+    size: GPU time by kernel (CUPTI sees the kernels inside a graph)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    spec = getattr(eng.runner, "spec_graphs", None)
+    replay = spec._verify[batch][0] if spec is not None else eng.runner.graphs.graphs[batch][0]
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            replay()
+        _sync()
+    return str(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)).splitlines()
+
+
 def profile(eng: Engine, prompts: list[list[int]], batch: int, max_new: int) -> dict[str, Any]:
     ids = [prompts[i % len(prompts)] for i in range(batch)]
     params = {"temperature": 0, "ignore_eos": True, "max_new_tokens": max_new}
@@ -139,6 +154,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--smoke", action="store_true", help="CPU, batches 1 and 2, 8 new tokens, prompts of 32 tokens")
     ap.add_argument("--model", default=str(MODEL), help="a checkpoint with an MTP layer (default: samples/model)")
+    ap.add_argument("--kernels", action="store_true", help="CUDA: GPU time by kernel of the verify / decode graphs")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
     if args.smoke:
@@ -152,6 +168,9 @@ def main(argv: list[str] | None = None) -> None:
             result[name] = [profile(eng, prompts, b, args.max_new_tokens) for b in args.batches]
             result[name + "_host_profile_b1"] = host_profile(eng, prompts, 1, args.max_new_tokens).splitlines()
             result[name + "_graph_us"] = eng._loop.call(lambda e=eng: graph_times(e))
+            if args.kernels and args.device != "cpu":
+                for b in args.batches:
+                    result[f"{name}_kernels_bs{b}"] = eng._loop.call(lambda e=eng, b=b: kernel_tables(e, b))
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:
