@@ -39,69 +39,15 @@ from ..model_runner import Launched, ModelRunner, listed_ids
 from ..parallel import ParallelInfo
 from ..penalties import penalty_rows
 from ..replay import replay_plan
-from ..request import LogprobEntry
 from ..sampling import Sampler
 from ..step import ReqOutput, ScheduledReq
 from .drafter import Drafter
 from .graphs import SpecGraphs
 from .launch_steps import StepsLaunched, step_results
+from .outputs import split_outputs
 from .penalised import record_accepted, verify_penalty
+from .plan import StepPlan, plan_step
 from .verify import accept_greedy, accept_sampled
-
-
-@dataclass
-class _Plan:
-    """A step's host layout."""
-
-    input_ids: list[int] = field(default_factory=list)  # [T]; a verify item's draft rows hold 0 until step 2
-    logits_rows: list[int] = field(default_factory=list)  # [N] rows of T whose logits are computed
-    lp_rows: list[int] = field(default_factory=list)  # input-logprob rows: indices into logits
-    lp_targets: list[int] = field(default_factory=list)  # the prompt token each scores
-    draft_dst: list[int] = field(default_factory=list)  # rows of T that take a draft token ...
-    draft_src: list[int] = field(default_factory=list)  # ... from Drafter.tokens.view(-1) at this index
-    samplers: list[ScheduledReq] = field(default_factory=list)  # items that sample, in order
-    gather: list[int] = field(default_factory=list)  # [B * (d + 1)] the logits row of each sampler's verify row
-    verify_row: list[int] = field(default_factory=list)  # [B] the T row of each sampler's first verify row
-    draft_lens: list[int] = field(default_factory=list)  # [B]
-    next_rows: list[int] = field(default_factory=list)  # rows of T whose next token the host knows (a chunk's last)
-    next_ids: list[int] = field(default_factory=list)
-
-    @property
-    def depth(self) -> int:
-        return max(self.draft_lens, default=0)
-
-
-def plan_step(items: list[ScheduledReq], steps: int) -> _Plan:
-    plan = _Plan()
-    first_logit: list[int] = []
-    for it in items:
-        base = len(plan.input_ids)
-        if it.phase == "verify":  # its one known token, read without building fill_ids (a copy of every token)
-            req, p = it.req, it.start
-            plan.input_ids += [req.origin_input_ids[p] if p < req.prompt_len else req.output_ids[p - req.prompt_len]]
-            plan.input_ids += [0] * it.draft_len
-            plan.draft_dst += range(base + 1, base + 1 + it.draft_len)
-            plan.draft_src += range(it.req.pool_row * steps, it.req.pool_row * steps + it.draft_len)
-            fill: list[int] = []
-        else:
-            fill = it.req.fill_ids
-            plan.input_ids += fill[it.start : it.end]
-        for p in it.logprob_positions:
-            plan.lp_rows.append(len(plan.logits_rows))
-            plan.lp_targets.append(fill[p + 1])
-            plan.logits_rows.append(base + p - it.start)
-        if it.sample:
-            plan.samplers.append(it)
-            first_logit.append(len(plan.logits_rows))
-            plan.verify_row.append(base + it.extend_len - 1 - it.draft_len)
-            plan.draft_lens.append(it.draft_len)
-            plan.logits_rows += range(plan.verify_row[-1], base + it.extend_len)
-        else:  # the draft extend's last row reads the next prompt token (none after a prefill-only request's fill)
-            plan.next_rows.append(base + it.extend_len - 1)
-            plan.next_ids.append(fill[it.end] if it.end < len(fill) else 0)
-    d = plan.depth
-    plan.gather = [f + min(j, n) for f, n in zip(first_logit, plan.draft_lens, strict=True) for j in range(d + 1)]
-    return plan
 
 
 class SpecRunner(ModelRunner):
@@ -260,7 +206,8 @@ class SpecRunner(ModelRunner):
         return (torch.where(is_greedy[:, None], greedy.tokens, sampled.tokens),
                 torch.where(is_greedy, greedy.counts, sampled.counts))
 
-    def _input_logprobs(self, items: list[ScheduledReq], plan: _Plan, logits: torch.Tensor) -> dict[str, torch.Tensor]:
+    def _input_logprobs(self, items: list[ScheduledReq], plan: StepPlan,
+                        logits: torch.Tensor) -> dict[str, torch.Tensor]:
         """Prompt logprobs of prefill rows that asked, as ModelRunner computes them."""
         out: dict[str, torch.Tensor] = {}
         if not plan.lp_rows:
@@ -308,7 +255,7 @@ class SpecRunner(ModelRunner):
         if launched.event is not None:
             launched.event.synchronize()
         host = {k: v.tolist() for k, v in launched.host.items()}
-        return _split(launched.items, host)
+        return split_outputs(launched.items, host)
 
 
 def _queued(items: list[ScheduledReq], lp_rows: list[int], on_device: dict[str, torch.Tensor]) -> Launched:
@@ -326,47 +273,3 @@ class _TwoForwards(Launched):
     """A step launched as two forwards (SpecRunner.launch): items in the scheduler's order, each part's its own."""
 
     parts: list[Launched] = field(default_factory=list)
-
-
-def _split(items: list[ScheduledReq], host: dict[str, list]) -> list[ReqOutput]:
-    """Each request's share of the step's results."""
-
-    def tops(values: list[float], ids: list[int], k: int) -> list[LogprobEntry]:
-        return [(v, i, None) for v, i in zip(values[:k], ids[:k], strict=True)]
-
-    def listed(values: list[float], ids: tuple[int, ...]) -> list[LogprobEntry]:
-        return [(v, i, None) for v, i in zip(values[: len(ids)], ids, strict=True)]
-
-    outs: list[ReqOutput] = []
-    lp_pos = sample_pos = 0
-    for it in items:
-        out = ReqOutput()
-        k = it.req.logprob.top_num if it.req.logprob is not None else 0
-        ids = it.req.logprob.token_ids if it.req.logprob is not None else ()
-        n_lp = len(it.logprob_positions)
-        if n_lp:
-            out.input_logprobs = host["in_lp"][lp_pos : lp_pos + n_lp]
-            if k:
-                out.input_tops = [tops(host["in_top_v"][j], host["in_top_i"][j], k)
-                                  for j in range(lp_pos, lp_pos + n_lp)]
-            if ids:
-                out.input_ids_lps = [listed(host["in_ids_lp"][j], ids) for j in range(lp_pos, lp_pos + n_lp)]
-            lp_pos += n_lp
-        if it.sample:
-            n = host["counts"][sample_pos]
-            toks = host["tokens"][sample_pos][:n]
-            lps = host["next_lp"][sample_pos][:n] if it.req.logprob is not None else None
-            top_list = ([tops(host["top_v"][sample_pos][j], host["top_i"][sample_pos][j], k) for j in range(n)]
-                        if k else None)
-            ids_list = [listed(host["ids_lp"][sample_pos][j], ids) for j in range(n)] if ids else None
-            if it.phase == "verify":
-                out.next_tokens, out.next_logprobs, out.next_tops = toks, lps, top_list
-                out.next_ids_lps = ids_list
-            else:
-                out.next_token = toks[0]
-                out.next_logprob = None if lps is None else lps[0]
-                out.next_top = None if top_list is None else top_list[0]
-                out.next_ids_lp = None if ids_list is None else ids_list[0]
-            sample_pos += 1
-        outs.append(out)
-    return outs
