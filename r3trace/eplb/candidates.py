@@ -2,7 +2,10 @@
 nodes, and global's plan as it is. Used where ours' layout would otherwise be kept whatever it costs: fresh plans
 without a spare slot (P = E) and the fresh plan a drifting workload re-plans to (planner.plan).
 
-The lowest forecast max GPU load wins; within MAX_LOAD_TIE of it, the fewest nodes per token. With one replica per
+The lowest forecast max GPU load wins; within MAX_LOAD_TIE of it, the fewest nodes per token; and where global's own
+layer is among the tied, it stays unless that pick has fewer nodes per token by more than GLOBAL_Z paired standard
+errors on tokens it was not fitted on (P = E with tokens: bench/eplb_matrix.py's one-group 128 GPUs / 16 nodes cell,
+independent router, went from 4.62 against global's 4.62 to 4.61, the matrix from 41 / 62 / 15 to 42 / 62 / 14). With one replica per
 expert (P = E) a token's nodes are exactly the distinct nodes of its K experts, so they are counted on the newest
 tokens (predicting the next window's to 0.01 on bench/eplb_matrix.py's 128x16x256 cells); with replicas the cover
 is the dispatcher's choice, so ties go to ours, then global grouped, then global. Why global is a candidate: on
@@ -35,6 +38,7 @@ from r3trace.eplb.score import phy2log_gpu_load
 # forecast's own sampling noise is larger); then nodes per token decide
 MAX_LOAD_TIE = 0.002
 REGROUP_Z = 2.0  # standard errors by which a regrouped layer must have fewer nodes per token on held-out tokens
+GLOBAL_Z = 2.0  # ... and by which a candidate must beat DeepSeek global's own layer to replace it
 
 
 def by_group(phy2log: np.ndarray, num_experts: int, cluster: Cluster) -> np.ndarray:
@@ -78,10 +82,10 @@ def token_nodes(phy2log: np.ndarray, tokens: np.ndarray, cluster: Cluster) -> np
 
 def regrouped(phy2log: np.ndarray, tokens: np.ndarray, cluster: Cluster,
               layers: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """phy2log [L, P] with every expert once, tokens [T, L, K] -> (phy2log [L, P], nodes [L]): per layer regroup.py's
-    GPU order fitted on all the tokens where the order fitted on their older half has fewer nodes per token on the
-    newer half, else the layer as it was; nodes: the newer half's nodes per token of the half-fitted order or of
-    the layer as it was (a figure that was not fitted on the tokens it counts, so candidates compare fairly).
+    """phy2log [L, P] with every expert once, tokens [T, L, K] -> (phy2log [L, P], nodes [T / 2, L]): per layer
+    regroup.py's GPU order fitted on all the tokens where the order fitted on their older half has fewer nodes per
+    token on the newer half, else the layer as it was; nodes: each newer-half token's nodes under the half-fitted
+    order or the layer as it was (figures not fitted on the tokens they count, so candidates compare fairly).
     layers [L] bool: only these are regrouped (None: all).
 
     Why held out: the regroup counts pairs of a token's experts, and with an independent router those pairs are
@@ -93,10 +97,10 @@ def regrouped(phy2log: np.ndarray, tokens: np.ndarray, cluster: Cluster,
     newer = tokens[half:]
     plain = token_nodes(phy2log, newer, cluster)  # [T / 2, L]
     if half < 2:
-        return phy2log, plain.mean(0)
+        return phy2log, plain
     todo = np.ones(n_layers, dtype=bool) if layers is None else layers
     if not todo.any():  # the layers not tried keep their order and the newer half's count
-        return phy2log, plain.mean(0)
+        return phy2log, plain
     trial = phy2log.copy()
     sub = phy2log[todo]
     older = gpu_coactivation(sub, tokens[:half, todo], cluster)  # [l, G, G], kept for the refit below
@@ -107,7 +111,6 @@ def regrouped(phy2log: np.ndarray, tokens: np.ndarray, cluster: Cluster,
     # fewer by more than REGROUP_Z standard errors of the paired mean (independent router: 1-3 layers of 12 were
     # a little lower by chance, and the next window's nodes per token rose 0.002-0.008 with them)
     helps = diff.mean(0) < -REGROUP_Z * diff.std(0, ddof=1) / np.sqrt(len(diff))
-    tried, plain = diff.mean(0) + plain.mean(0), plain.mean(0)
     out = phy2log.copy()
     if helps.any():  # refit on all the tokens, from the half's order (fewer swaps), in that order's GPU ids
         pick = helps[todo]
@@ -115,7 +118,7 @@ def regrouped(phy2log: np.ndarray, tokens: np.ndarray, cluster: Cluster,
         o = first[pick]
         a = np.take_along_axis(np.take_along_axis(a, o[:, :, None], 1), o[:, None, :], 2)
         out[helps] = reordered(trial[helps], node_order(a, cluster), cluster)
-    return out, np.where(helps, tried, plain)
+    return out, plain + np.where(helps, diff, 0)
 
 
 def best_layout(phy2log: np.ndarray, w: np.ndarray, cluster: Cluster, tokens: np.ndarray | None) -> np.ndarray:
@@ -133,11 +136,18 @@ def best_layout(phy2log: np.ndarray, w: np.ndarray, cluster: Cluster, tokens: np
         # regroup would mostly repeat global's (regroup.py: the regroups are most of a fresh plan's time here)
         # ours' and global's layers go through regrouped as one stack of 2 L layers: each layer's result is
         # its own (node_order steps the layers independently), and the steps and counts run once for both
-        n_layers = len(phy2log)
+        n_layers, newer = len(phy2log), tokens[len(tokens) // 2:]
         ph, nodes = regrouped(np.concatenate([cands[0], cands[2]]), np.concatenate([tokens, tokens], 1), cluster,
                               np.concatenate([tied[0], tied[2]]))
-        kept = nodes_per_token(cands[1], tokens[len(tokens) // 2:], cluster)  # regrouped's count of a layer it skips
+        kept = token_nodes(cands[1], newer, cluster)  # [T / 2, L] regrouped's count of a layer it skips
         cands = np.stack([ph[:n_layers], cands[1], ph[n_layers:]])
-        cost = np.stack([nodes[:n_layers], kept, nodes[n_layers:]])
+        per_token = np.stack([nodes[:, :n_layers], kept, nodes[:, n_layers:]])  # [3, T / 2, L]
+        pick = np.argmin(np.where(tied, per_token.mean(1), np.inf), axis=0)  # [L]
+        # DeepSeek global's own layer where it ties on the max load and the pick's fewer nodes per token are within
+        # GLOBAL_Z paired standard errors of its own (a pick that wins by noise lost to it on the next window)
+        diff = per_token[pick, :, np.arange(n_layers)].T - token_nodes(glob, newer, cluster)  # [T / 2, L]
+        noise = GLOBAL_Z * diff.std(0, ddof=1) / np.sqrt(max(len(diff), 1))
+        own = tied[2] & (diff.mean(0) >= -noise)
+        return np.where(own[:, None], glob, cands[pick, np.arange(n_layers)])
     pick = np.argmin(np.where(tied, cost, np.inf), axis=0)  # [L]
     return cands[pick, np.arange(len(pick))]

@@ -96,6 +96,26 @@ def test_nodes_per_token_counts_each_tokens_distinct_nodes(gpus: int, nodes: int
     np.testing.assert_array_equal(nodes_per_token(ph, routes, cl), want)
 
 
+def test_best_layout_keeps_global_unless_a_tied_candidate_wins_past_the_noise() -> None:
+    """Every layout ties on the max load (equal loads, P = E). Layer 0's tokens pick experts independently, so no
+    candidate's nodes per token differ from global's but by noise: global's own layer is kept. Layer 1's tokens stay
+    within ours' nodes: ours touches 1 node a token against global's ~3, and replaces it."""
+    cl = Cluster(16, 4, 32)
+    rng = np.random.default_rng(1)  # a seed where the fewest nodes per token on the newer half are not global's
+    w = np.ones((2, 32))
+    ours = np.stack([rng.permutation(32) for _ in range(2)])
+    node_experts = ours[1].reshape(4, 8)  # ours' 4 nodes, 8 experts each
+    t = 2048
+    independent = np.stack([rng.choice(32, 4, replace=False) for _ in range(t)])
+    local = np.stack([rng.choice(node_experts[rng.integers(4)], 4, replace=False) for _ in range(t)])
+    tokens = np.stack([independent, local], 1)  # [T, 2, 4]
+    got = best_layout(ours, w, cl, tokens)
+    glob = global_policy(w, cl).phy2log
+    np.testing.assert_array_equal(got[0], glob[0])
+    assert nodes_per_token(got, tokens, cl)[1] == pytest.approx(1.0)
+    assert nodes_per_token(glob, tokens, cl)[1] > 2.5
+
+
 def test_best_layout_is_as_balanced_as_the_best_candidate_and_touches_fewest_nodes_among_the_tied() -> None:
     routes = _windows(0.0, windows=2, tokens=2048, seed=3)
     cl = Cluster(32, 16, E, num_groups=8)  # no spare slot, 2 slots a GPU, 4 a node
