@@ -5,8 +5,8 @@ without a spare slot (P = E) and the fresh plan a drifting workload re-plans to 
 The lowest forecast max GPU load wins; within MAX_LOAD_TIE of it, the fewest nodes per token; and where global's own
 layer is among the tied, it stays unless that pick has fewer nodes per token by more than GLOBAL_Z paired standard
 errors on tokens it was not fitted on (P = E with tokens: bench/eplb_matrix.py's one-group 128 GPUs / 16 nodes cell,
-independent router, went from 4.62 against global's 4.62 to 4.61, the matrix from 41 / 62 / 15 to 42 / 62 / 14). With one replica per
-expert (P = E) a token's nodes are exactly the distinct nodes of its K experts, so they are counted on the newest
+independent router, went from 4.62 against global's 4.62 to 4.61, the matrix from 41 / 62 / 15 to 42 / 62 / 14).
+With one replica per expert (P = E) a token's nodes are exactly the distinct nodes of its K experts, so they are counted on the newest
 tokens (predicting the next window's to 0.01 on bench/eplb_matrix.py's 128x16x256 cells); with replicas the cover
 is the dispatcher's choice, so ties go to ours, then global grouped, then global. Why global is a candidate: on
 bench/eplb_matrix.py's cells it balances some layers better than ours on the same forecast, in sample and held out
