@@ -6,14 +6,14 @@ The lowest forecast max GPU load wins; within MAX_LOAD_TIE of it, the fewest nod
 layer is among the tied, it stays unless that pick has fewer nodes per token by more than GLOBAL_Z paired standard
 errors on tokens it was not fitted on (P = E with tokens: bench/eplb_matrix.py's one-group 128 GPUs / 16 nodes cell,
 independent router, went from 4.62 against global's 4.62 to 4.61, the matrix from 41 / 62 / 15 to 42 / 62 / 14).
-With one replica per expert (P = E) a token's nodes are exactly the distinct nodes of its K experts, so they are counted on the newest
-tokens (predicting the next window's to 0.01 on bench/eplb_matrix.py's 128x16x256 cells); with replicas the cover
-is the dispatcher's choice, so ties go to ours, then global grouped, then global. Why global is a candidate: on
-bench/eplb_matrix.py's cells it balances some layers better than ours on the same forecast, in sample and held out
-(independent router, s = 1.2, fast drift, 32x4x288: 0.997 vs 0.989 in sample, 0.801 vs 0.778 on the next window),
-and at high skew without spare slots its packing puts the hottest experts, one per GPU, on the first nodes (5.61
-nodes per token against ours' 6.24 at s = 0.9 on 16 nodes). Reordering whole GPUs (by_group) keeps every GPU's
-load, so it changes nodes per token only.
+With one replica per expert (P = E) a token's nodes are exactly the distinct nodes of its K experts, so they are
+counted on the newest tokens (predicting the next window's to 0.01 on bench/eplb_matrix.py's 128x16x256 cells); with
+replicas the cover is the dispatcher's choice, so ties go to ours, then global grouped, then global. Why global is a
+candidate: on bench/eplb_matrix.py's cells it balances some layers better than ours on the same forecast, in sample
+and held out (independent router, s = 1.2, fast drift, 32x4x288: 0.997 vs 0.989 in sample, 0.801 vs 0.778 on the
+next window), and at high skew without spare slots its packing puts the hottest experts, one per GPU, on the first
+nodes (5.61 nodes per token against ours' 6.24 at s = 0.9 on 16 nodes). Reordering whole GPUs (by_group) keeps every
+GPU's load, so it changes nodes per token only.
 
 With P = E and tokens, ours' and global's GPUs are first moved between nodes by co-activation (regroup.py) in the
 layers where they tie on the max load, kept where the order fitted on the older half of the tokens has fewer nodes
