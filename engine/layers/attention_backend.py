@@ -177,6 +177,12 @@ class TritonAttention:
         return self._prefill(q, k, v, fb.extend_start_loc, fb.extend_lens, scale, max_extend_len=max(k_lens))
 
 
+# The invariant decoder keeps an fp32 partial per (row, head, 256-key split): rows x H x cdiv(max_len, 256) x kv_lora
+# x 4 bytes, 4.3 GB for an 8 x 2048-token prefill at H = 16 and 43 GB for a 256-row verify graph at H = 128 and a
+# 163,840-token context (a graph's max_len is the longest context). Launches hold at most this many bytes each.
+PARTIAL_BYTES = 1 << 30
+
+
 class InvariantAttention:
     """batch_invariant's attention: row i of the batch attends to positions 0..positions[i] of its request through
     the fixed-split kernel, whose tile shape is the same for every row, so a query's bits depend on its keys only: a
@@ -185,17 +191,35 @@ class InvariantAttention:
     tile they read, as a flash prefill's query tile does."""
 
     def __init__(self, shape: DecodeShape, dtype: torch.dtype) -> None:
-        from r3trace.kernels.mla_decode.fixed_split import fixed_split_decoder
+        from r3trace.kernels.mla_decode.fixed_split import fixed_split_decoder, row_chunks
 
         self.decoder = fixed_split_decoder(shape.num_heads, dtype)
+        self._row_chunks = row_chunks
 
     def absorbed(
         self, q: torch.Tensor, kv_cache: torch.Tensor, fb: ForwardBatch, kv_lora_rank: int, scale: float
     ) -> torch.Tensor:
         max_len = max(fb.seq_lens_cpu, default=1)  # host lengths: the grid's bounds only
         max_rows = max(fb.extend_lens_cpu, default=1)
-        return self.decoder(q, kv_cache, fb.req_to_token, fb.req_pool_indices, fb.extend_start_loc, fb.extend_lens,
-                            fb.positions + 1, kv_lora_rank, scale, max_len, max_rows)  # fmt: skip
+        row_keys = fb.positions + 1
+        t, h = q.shape[0], q.shape[1]
+        per_row = h * -(-max(1, max_len) // self.decoder.split_keys) * kv_lora_rank * 4  # partial bytes a row
+        limit = max(1, PARTIAL_BYTES // per_row)
+        if t <= limit:
+            return self.decoder(q, kv_cache, fb.req_to_token, fb.req_pool_indices, fb.extend_start_loc,
+                                fb.extend_lens, row_keys, kv_lora_rank, scale, max_len, max_rows)  # fmt: skip
+        out = q.new_empty(t, h, kv_lora_rank)
+        lens = fb.extend_lens_cpu
+        for b0, b1, r0, r1 in self._row_chunks(lens, limit):
+            if r1 - r0 < sum(lens[b0:b1]):  # a piece of one request's rows: a request of its own
+                q_start = torch.zeros(1, dtype=fb.extend_start_loc.dtype, device=q.device)
+                q_lens = torch.full((1,), r1 - r0, dtype=fb.extend_lens.dtype, device=q.device)
+            else:
+                q_start, q_lens = fb.extend_start_loc[b0:b1] - r0, fb.extend_lens[b0:b1]
+            self.decoder(q[r0:r1], kv_cache, fb.req_to_token, fb.req_pool_indices[b0:b1], q_start, q_lens,
+                         row_keys[r0:r1], kv_lora_rank, scale, max_len, min(max_rows, r1 - r0),
+                         out=out[r0:r1])  # fmt: skip
+        return out
 
     def mha(
         self,

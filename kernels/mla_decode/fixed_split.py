@@ -103,16 +103,20 @@ class FixedSplitDecoder:
         sm_scale: float,
         max_seq_len: int,
         max_q_len: int,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q [T, H, C] -> [T, H, kv_lora]. Request b's rows are q_start[b] .. q_start[b] + q_lens[b] - 1 of T (a
         decode: one row; a verify or a prefill chunk: several), row t attends to positions 0 .. row_keys[t] - 1 of
         req_to_token row req_pool_indices[b]. max_seq_len, max_q_len: host bounds on row_keys and q_lens (they size
-        the grid only, never a result)."""
+        the grid only, never a result). out: where to write (a view of a larger output), else a new tensor."""
         check_block_args(q, kv_cache, req_to_token, req_pool_indices, q_start, q_lens, row_keys, kv_lora_rank)
         require(self.split_keys % self.tile.block_n == 0,
                 f"split_keys {self.split_keys} is not a multiple of the tile's {self.tile.block_n} keys")  # fmt: skip
         T, H, _ = q.shape
-        out = torch.empty((T, H, kv_lora_rank), dtype=q.dtype, device=q.device)
+        if out is None:
+            out = torch.empty((T, H, kv_lora_rank), dtype=q.dtype, device=q.device)
+        require(tuple(out.shape) == (T, H, kv_lora_rank) and out.dtype == q.dtype,
+                f"out is {tuple(out.shape)} {out.dtype}, expected {(T, H, kv_lora_rank)} {q.dtype}")
         if T == 0 or H == 0:
             return out
         splits = triton.cdiv(max(1, max_seq_len), self.split_keys)
@@ -127,6 +131,27 @@ class FixedSplitDecoder:
             SPLIT=self.split_keys, BLOCK_C=max(16, triton.next_power_of_2(kv_lora_rank)), num_warps=4,
         )  # fmt: skip
         return out
+
+
+def row_chunks(q_lens: list[int], limit: int) -> list[tuple[int, int, int, int]]:
+    """Requests of q_lens[b] rows each (consecutive in T) -> launches (b0, b1, r0, r1) of at most `limit` rows:
+    requests b0 .. b1 - 1 whole, rows r0 .. r1 - 1 of T; a request of more rows alone, in pieces of `limit`
+    (b1 = b0 + 1 and r1 - r0 below its rows). A row's bits do not depend on what else its launch holds."""
+    limit = max(1, limit)
+    out: list[tuple[int, int, int, int]] = []
+    b0 = r0 = rows = 0
+    for b, n in enumerate(q_lens):
+        if rows and rows + n > limit:  # close the launch before b
+            out.append((b0, b, r0, r0 + rows))
+            b0, r0, rows = b, r0 + rows, 0
+        if n > limit:  # alone, in pieces
+            out += [(b, b + 1, r0 + i, r0 + min(n, i + limit)) for i in range(0, n, limit)]
+            b0, r0 = b + 1, r0 + n
+            continue
+        rows += n
+    if rows:
+        out.append((b0, len(q_lens), r0, r0 + rows))
+    return out
 
 
 def fixed_split_decoder(num_heads: int, dtype: torch.dtype, split_keys: int = SPLIT_KEYS) -> FixedSplitDecoder:
