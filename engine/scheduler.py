@@ -18,6 +18,7 @@ forward's end is the recorder's on_forward_end, which the model calls.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 
 import numpy as np
@@ -195,13 +196,10 @@ class Scheduler:
         if slots is None:
             return []
         items = []
-        for i, req in enumerate(self.running):
+        for i, req in enumerate(self.running):  # _item books all S x n positions; a step verifies n of them
             reserved = slots[i * s * n : (i + 1) * s * n]
-            items.append(ScheduledReq(req=req, start=req.kv_len, extend_len=n, out_cache_loc=reserved[:n],
-                                      sample=True, logprob_positions=range(0), phase="verify", draft_len=n - 1,
-                                      chain_slots=reserved))
-            req.kv_len += s * n
-            req.inflight += s * n
+            items.append(dataclasses.replace(self._item(req, reserved), extend_len=n, out_cache_loc=reserved[:n],
+                                             draft_len=n - 1, chain_slots=reserved))
         return items
 
     def _draft_len(self, req: Req, budget: int) -> int:

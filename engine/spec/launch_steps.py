@@ -84,10 +84,10 @@ def step_results(launched: StepsLaunched, recorder: RouteRecorder) -> Iterator[t
             subs.append(dataclasses.replace(it, start=p, out_cache_loc=window, chain_slots=None,
                                             more_steps=s < steps - 1))
         slots = np.concatenate([it.out_cache_loc for it in subs])  # [B * n]
-        positions = (np.array([it.start for it in subs], np.int64)[:, None] + np.arange(n)).reshape(-1)
+        positions = (starts[:, None] + np.arange(n)).reshape(-1)  # [B * n]
         view = StepView(forward_id=launched.fb.forward_id + s, out_cache_loc=torch.from_numpy(slots),
                         out_cache_loc_cpu=slots, positions=torch.from_numpy(positions),
-                        request_ids=[it.req.rid for it in subs], prefix_lens_cpu=[it.start for it in subs],
+                        request_ids=[it.req.rid for it in subs], prefix_lens_cpu=starts.tolist(),
                         extend_lens_cpu=[n] * len(subs), row0=s * launched.graph_bs * n,
                         phases=["verify"] * len(subs))
         if s:  # the first step's begin hook ran before the replay (it orders the replay after the last copy)
