@@ -134,6 +134,15 @@ class ExactAttention(_PerRequest):
         return exact_attention(q, k, v, scale)
 
 
+# An extend whose requests have at most this many rows each (a speculative verify's d + 1 <= 4, a short chunk) runs
+# token_block.py's stage 1 instead of the extend kernel: a program holds up to 64 / H of a request's rows and reads
+# each key tile once for them, where the extend kernel re-reads every tile per query tile (a batch-32 verify of 4 rows
+# on the 2.5B shape: 0.70 ms of attention against 0.13 ms for a decode step, H200,
+# bench/results/spec_kernels-v3-2.5b-h200.json).
+SHORT_EXTEND_ROWS = 8
+SHORT_EXTEND_SPLITS = 16  # the most key splits of a short extend: its fp32 partials are T x H x splits x kv_lora
+
+
 class TritonAttention:
     """Triton flash-decoding / extend kernels (r3trace.kernels). Split counts and max lengths come from
     the batch's host lists, so no kernel launch needs a device sync (and decode is graph-capturable)."""
@@ -150,6 +159,12 @@ class TritonAttention:
         self.decoder = resolve_decoder(shape, dtype, page_size, device, use_gluon=decode_kernel == "auto")
         self._extend = mla_extend.mla_extend
         self._prefill = mha_prefill.mha_prefill
+        from r3trace.kernels.mla_decode.fixed_split import SPLIT_KEYS, FixedSplitDecoder
+        from r3trace.kernels.mla_decode.token_block import token_block_tile
+
+        tile = token_block_tile(shape.num_heads, dtype)
+        self._short_block = tile.block_n
+        self._short = lambda split_keys: FixedSplitDecoder(tile, max(SPLIT_KEYS, split_keys))
 
     def absorbed(
         self, q: torch.Tensor, kv_cache: torch.Tensor, fb: ForwardBatch, kv_lora_rank: int, scale: float
@@ -157,10 +172,22 @@ class TritonAttention:
         if fb.mode == "decode":
             splits = self.decoder.num_kv_splits(fb.batch_size, max(fb.seq_lens_cpu))  # host lengths: no sync
             return self.decoder(q, kv_cache, fb.req_to_token, fb.req_pool_indices, fb.seq_lens, scale, splits)
+        if max(fb.extend_lens_cpu) <= SHORT_EXTEND_ROWS:
+            return self._short_extend(q, kv_cache, fb, kv_lora_rank, scale)
         return self._extend(
             q, kv_cache, fb.req_to_token, fb.req_pool_indices, fb.prefix_lens, fb.extend_lens,
             fb.extend_start_loc, kv_lora_rank, scale, max_extend_len=max(fb.extend_lens_cpu),
         )
+
+    def _short_extend(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, fb: ForwardBatch, kv_lora_rank: int, scale: float
+    ) -> torch.Tensor:
+        """Each row attends to its request's positions 0 .. its own, in at most SHORT_EXTEND_SPLITS splits of a
+        multiple of the tile's keys (the host's longest context sets them: a graph's, the longest it holds)."""
+        max_len, block = max(fb.seq_lens_cpu), self._short_block
+        decoder = self._short(-(-max_len // SHORT_EXTEND_SPLITS // block) * block)
+        return decoder(q, kv_cache, fb.req_to_token, fb.req_pool_indices, fb.extend_start_loc, fb.extend_lens,
+                       fb.positions + 1, kv_lora_rank, scale, max_len, max(fb.extend_lens_cpu))
 
     def mha(
         self,
