@@ -74,8 +74,11 @@ def test_bf16_sample_model_graphs_give_eager_greedy_tokens() -> None:
     """samples/model in bf16 with the triton backends, d = 3, 8 held-out prompts cut to 200 tokens, 48 greedy tokens
     each: the same tokens with graphs as eager. 8 requests on the graph of 8, so the verify's GEMMs see eager's shapes
     (a padded graph's bigger M may pick other tiles and round differently); the chain's attention split count comes
-    from the longest context in the graph, which moves draft logits by rounding only. A token could then differ only
-    at a near tie of bf16 logits."""
+    from the longest context in the graph, which moves draft logits by rounding only. One prefill step for all 8
+    (chunked_prefill_size 2048 >= 8 x 200): with 512, requests 0 and 1 verify beside the others' prefill chunks, which
+    eager runs as one forward (the extend kernel, M = chunk + verify rows) and the graph engine as two (the verify's
+    short-extend kernel, M = 8), and request 0 left plain greedy at a near tie by token 11. A token could then differ
+    only at a near tie of bf16 logits."""
     from r3trace.engine.tokenizer import load_tokenizer
 
     model = ROOT / "samples" / "model"
@@ -83,7 +86,7 @@ def test_bf16_sample_model_graphs_give_eager_greedy_tokens() -> None:
     rows = [json.loads(line) for line in (ROOT / "samples" / "prompts.jsonl").read_text().splitlines() if line]
     ids = [tok.encode(r["text"])[:200] for r in rows[::5][:8]]
     opts = dict(dtype="bfloat16", page_size=64, speculative_algorithm="NEXTN", speculative_num_steps=3,
-                max_running_requests=8, **TRITON)
+                max_running_requests=8, chunked_prefill_size=2048, **TRITON)
     sp = {"temperature": 0, "max_new_tokens": 48, "ignore_eos": True}
     with Engine(model, cuda_graph_batch_sizes=SIZES, **opts) as graphs_engine:
         got = graphs_engine.generate(input_ids=ids, sampling_params=sp)
