@@ -41,7 +41,8 @@
    move are transferred. In the multi-node layout a re-placed layer moved 154-247 of 288 slots, so there the
    re-plan is seeded instead (seeded_plan): every layer takes its fresh counts by moving only the replicas
    whose count changed (reseat.py: 1-3 slots per layer), then leveling swaps use the rest of
-   `seeded_churn_budget`. These budgets hold for an unchanged workload; a drifting one (the backtest's plain
+   `seeded_churn_budget`, and swaps on the `hot_gpus` hottest GPUs what the leveling left (descent.py).
+   These budgets hold for an unchanged workload; a drifting one (the backtest's plain
    mean erred > `refresh_drift` more than its best weight, over >= 2 windows) re-plans fresh on every layer
    that lowers the forecast max GPU load, when they lower it by > `refresh_gain` on average (refreshed; in the
    multi-node layout per layer the best of ours and global's, candidates.py): on the fast-drift cells of
@@ -120,6 +121,12 @@ class PlannerConfig:
     # others; where those probes say the rest refresh, the rest take the fresh plan unseeded (replan.py); -1: seed all
     refresh_floor: float = 0.25
     refresh_probe: int = 16
+    # a seeded re-plan's last swaps, with what its leveling left of the churn budget: each lowers one of the
+    # hot_gpus hottest GPUs by more than hot_min_drop x the mean GPU load, no GPU reaching its old load; over
+    # bench/eplb_matrix.py's 118 cells yes / tie / no 42 / 62 / 14 -> 48 / 59 / 11 (descent.py has the variants);
+    # 0 GPUs: none
+    hot_gpus: int = 8
+    hot_min_drop: float = 0.01
 
     def __post_init__(self) -> None:
         bad_alpha = self.ema_alpha is not None and not 0 <= self.ema_alpha <= 1

@@ -26,6 +26,7 @@ import numpy as np
 
 from r3trace.eplb.affinity import CoChoices
 from r3trace.eplb.alignment import align
+from r3trace.eplb.descent import hot_swaps
 from r3trace.eplb.homing import capped_counts
 from r3trace.eplb.leveling import level_refine
 from r3trace.eplb.pairing import paired
@@ -58,11 +59,12 @@ def seeded_counts(w: np.ndarray, prev: Placement, cluster: Cluster, cfg: Planner
 
 
 def seeded_plan(w: np.ndarray, prev: Placement, cluster: Cluster, cfg: PlannerConfig, cap: int,
-                tokens: np.ndarray | None = None, layers: np.ndarray | None = None) -> np.ndarray:
+                tokens: np.ndarray | None = None, layers: np.ndarray | None = None, hot: bool = True) -> np.ndarray:
     """Forecast w [L, E], previous placement -> phy2log [L, P]: seeded_counts' counts reseated into prev
     (reseat.py), then leveling swaps with what is left of the churn budget, spread evenly over layers; a layer
     keeps its swaps only where they lower its hottest GPU by more than replan_min_drop; with two slots per GPU the
-    slots the swaps left of a layer's budget then re-pick GPUs' lighter replicas (pairing.paired). layers [L] bool:
+    slots the swaps left of a layer's budget then re-pick GPUs' lighter replicas (pairing.paired), and what is left
+    after that goes to swaps on the hottest GPUs' loads (descent.hot_swaps; hot=False: none). layers [L] bool:
     only those rows are planned (each the same as with every layer: counts and swaps are decided over all layers), the
     others keep prev's."""
     e = w.shape[1]
@@ -81,6 +83,10 @@ def seeded_plan(w: np.ndarray, prev: Placement, cluster: Cluster, cfg: PlannerCo
     # two slots per GPU: the slots the leveling left of the layer's budget re-pick GPUs' lighter replicas (pairing.py)
     left = 2 * swaps - (out[rows] != ph).sum(1)
     out[rows] = paired(out[rows], w[rows], cluster, None if tokens is None else tokens[:, rows], left)
+    # what is still left of the layer's budget: swaps on its hottest GPUs' loads (descent.py)
+    left = 2 * swaps - (out[rows] != ph).sum(1)
+    out[rows] = hot_swaps(out[rows], w[rows], logcnt[rows], cluster, left // 2, cfg.hot_min_drop, cfg.level_cold,
+                          cfg.hot_gpus if hot else 0)
     return out
 
 
@@ -114,7 +120,8 @@ def refreshed(fresh: Placement, w: np.ndarray, prev: Placement, cluster: Cluster
     Seeded first: the floor-bound layers (floor_bound) and, of the others, the 1 / refresh_probe whose previous
     placement is closest to the fresh plan (a probe). Where every probe loses to the fresh plan and the probes'
     mean ratio, standing in for the unseeded layers', calls a refresh, those layers take the fresh layout unseeded;
-    else every layer is seeded and the rule above decides (module doc)."""
+    else every layer is seeded and the rule above decides (module doc). Seeded without hot swaps (descent.py says
+    why)."""
     peak = even_gpu_load(fresh, w, cluster).max(1)  # [L]
     logcnt, _ = seeded_counts(w, prev, cluster, cfg, cap)
     seed = floor_bound(w, logcnt, cluster, cfg.refresh_floor)  # [L]
@@ -123,7 +130,7 @@ def refreshed(fresh: Placement, w: np.ndarray, prev: Placement, cluster: Cluster
         near = phy2log_gpu_load(prev.phy2log[rest], w[rest], cluster).max(1) / peak[rest]
         probe = rest[np.argsort(near, kind="stable")[: -(-len(rest) // cfg.refresh_probe)]]
         seed[probe] = True
-    low = seeded_plan(w, prev, cluster, cfg, cap, tokens, seed)
+    low = seeded_plan(w, prev, cluster, cfg, cap, tokens, seed, hot=False)
     ratio = phy2log_gpu_load(low, w, cluster).max(1) / peak  # [L] unseeded rows: prev's (not read)
     if len(rest):
         est = np.where(seed, ratio, ratio[probe].mean())
@@ -131,7 +138,7 @@ def refreshed(fresh: Placement, w: np.ndarray, prev: Placement, cluster: Cluster
             take = np.flatnonzero(~seed | (ratio > 1))
             low[take] = align(fresh.phy2log[take], prev.phy2log[take], cluster)
             return low
-        low[~seed] = seeded_plan(w, prev, cluster, cfg, cap, tokens, ~seed)[~seed]
+        low[~seed] = seeded_plan(w, prev, cluster, cfg, cap, tokens, ~seed, hot=False)[~seed]
         ratio = phy2log_gpu_load(low, w, cluster).max(1) / peak
     if ratio.mean() <= 1 + cfg.refresh_gain:
         return low

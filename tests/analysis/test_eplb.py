@@ -91,8 +91,9 @@ def test_replan_on_same_loads_moves_nothing_and_exports() -> None:
     hist = rng.pareto(1.0, (3, 6, 64)) + 0.1
     first = plan(hist, cl)
     again = plan(hist, cl, prev=first)
-    # the re-plan continues the fresh plan's leveling swaps (48 per layer there): 1.7% of slots, measured
-    assert churn(first, again) <= 0.03
+    # the re-plan continues the fresh plan's leveling swaps (48 per layer there) and lowers its hot GPUs other than
+    # the hottest, which the fresh plan's polish alone works on (descent.hot_swaps): 1.7% + 2.7% of slots, measured
+    assert churn(first, again) <= 0.05
     moved = plan(hist[:, :, ::-1].copy(), cl, prev=first)  # a different workload does move replicas
     assert churn(first, moved) > 0
     back, cl2 = from_json(to_json(moved, cl))
