@@ -6,6 +6,8 @@ token, 15% off-rank ids mapped to expert 0). A tile set whose output leaves the 
 norm) is reported as an error, not timed.
 
 Run (H200, about 30 s): python -m bench.moe_verify_tiles --out bench/results/moe_verify_tiles-h200.json
+Smoke (CPU, Triton's interpreter): --smoke runs every tile set once at D 64, I 32, E 8, top-2, T = 5, against the
+torch reference (kernels/moe/reference.py), untimed.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from r3trace.kernels.moe import config as C
 from r3trace.kernels.moe.config import GemmTile as G
 from r3trace.kernels.moe.config import MoeConfig
 from r3trace.kernels.moe.fused_moe import fused_moe
+from r3trace.kernels.moe.reference import fused_moe_ref
 from tests.kernels.moe_cases import routes
 
 D, I, E, K = 2048, 512, 64, 6
@@ -71,11 +74,31 @@ def moe_us(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tens
     return graph_us(lambda: fused_moe(x, w13, w2, ids, wts, config=cfg))
 
 
+def smoke() -> None:
+    """Every tile set at a tiny shape on the CPU, against the torch reference (fp32: the interpreter's dots)."""
+    gen = torch.Generator().manual_seed(0)
+    d, i, e, k, t = 64, 32, 8, 2, 5
+    w13, w2 = torch.randn(e, 2 * i, d, generator=gen) / d**0.5, torch.randn(e, d, i, generator=gen) / i**0.5
+    x = torch.randn(t, d, generator=gen)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]).to(torch.int32)
+    wts = torch.rand(t, k, generator=gen)
+    ref = fused_moe_ref(x, w13, w2, ids, wts)
+    for name, tiles in TILES.items():
+        cfg = tiles._replace(align=C.align_tile(t * k, e))
+        err = ((fused_moe(x, w13, w2, ids, wts, config=cfg) - ref).norm() / ref.norm()).item()
+        assert err < 1e-4, f"{name}: relative error {err:.3g} against the reference"
+    print(f"{len(TILES)} tile sets match the reference at D {d}, I {i}, E {e}, top-{k}, T {t}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny shape, untimed (make test)")
     ap.add_argument("--tokens", type=lambda s: [int(x) for x in s.split(",")], default=[4, 8, 16, 32, 64, 128, 256])
     ap.add_argument("--out", default="")
     args = ap.parse_args()
+    if args.smoke:
+        smoke()
+        return
     gen = torch.Generator(device="cuda").manual_seed(0)
 
     def rnd(*shape: int) -> torch.Tensor:
