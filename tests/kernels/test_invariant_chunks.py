@@ -11,11 +11,11 @@ import pytest
 import torch
 
 import r3trace.engine.layers.attention_backend as backends
-from r3trace.engine.forward_batch import ForwardBatch
 from r3trace.engine.layers.attention_backend import InvariantAttention, RefAttention
 from r3trace.kernels.mla_decode.fixed_split import row_chunks
 from r3trace.kernels.mla_decode.registry import DecodeShape
-from tests.kernels.conftest import DEVICE, assert_close_to_ref, paged_req_to_token, requires_triton
+from tests.kernels.attention_batch import attention_batch
+from tests.kernels.conftest import assert_close_to_ref, requires_triton
 
 pytestmark = requires_triton
 KV_LORA, ROPE, HEADS = 32, 16, 4
@@ -34,16 +34,7 @@ def test_bounded_launches_are_one_launch_bit_for_bit(dtype: torch.dtype, monkeyp
     """Two decode rows, a 4-row verify, a 37-row chunk after 300 keys (two 256-key splits), one more verify: with the
     partials capped at 9 rows a launch the rows go out in 7 launches (the chunk in 5 pieces)."""
     prefix, extend = [20, 9, 300, 0, 64, 5], [1, 1, 4, 37, 4, 1]
-    gen = torch.Generator().manual_seed(7)
-    lens = [p + e for p, e in zip(prefix, extend, strict=True)]
-    req_to_token, rows, slots = paged_req_to_token(lens, 2, gen)
-    t = sum(extend)
-    q = torch.randn(t, HEADS, KV_LORA + ROPE, generator=gen).to(DEVICE, dtype)
-    kv = torch.randn(slots, KV_LORA + ROPE, generator=gen).to(DEVICE, dtype)
-    out_loc = torch.cat([req_to_token[r, p : p + e] for r, p, e in zip(rows.tolist(), prefix, extend, strict=True)])
-    fb = ForwardBatch.build(forward_id=0, input_ids=[0] * t, prefix_lens=prefix, extend_lens=extend,
-                            req_pool_indices=rows.tolist(), out_cache_loc=out_loc.numpy(),
-                            req_to_token=req_to_token.to(DEVICE), logits_rows=[t - 1], device=DEVICE)
+    q, kv, fb = attention_batch(prefix, extend, HEADS, KV_LORA, ROPE, 2, dtype, seed=7)
     attn = InvariantAttention(DecodeShape(HEADS, KV_LORA, ROPE), dtype)
     whole = attn.absorbed(q, kv, fb, KV_LORA, 0.3)
     per_row = HEADS * 2 * KV_LORA * 4  # two 256-key splits: the longest context is 337 keys

@@ -16,7 +16,8 @@ import torch
 from r3trace.engine.forward_batch import ForwardBatch
 from r3trace.engine.layers.attention_backend import SHORT_EXTEND_ROWS, RefAttention, TritonAttention
 from r3trace.kernels.mla_decode.registry import DecodeShape
-from tests.kernels.conftest import DEVICE, assert_close_to_ref, paged_req_to_token, requires_triton
+from tests.kernels.attention_batch import attention_batch
+from tests.kernels.conftest import DEVICE, assert_close_to_ref, requires_triton
 
 pytestmark = requires_triton
 KV_LORA, ROPE = 32, 16
@@ -24,17 +25,7 @@ KV_LORA, ROPE = 32, 16
 
 def batch(prefix: list[int], extend: list[int], heads: int, page_size: int, dtype: torch.dtype,
           seed: int) -> tuple[torch.Tensor, torch.Tensor, ForwardBatch]:
-    gen = torch.Generator().manual_seed(seed)
-    lens = [p + e for p, e in zip(prefix, extend, strict=True)]
-    req_to_token, rows, slots = paged_req_to_token(lens, page_size, gen)
-    t = sum(extend)
-    q = torch.randn(t, heads, KV_LORA + ROPE, generator=gen).to(DEVICE, dtype)
-    kv = torch.randn(slots, KV_LORA + ROPE, generator=gen).to(DEVICE, dtype)
-    out_loc = torch.cat([req_to_token[r, p : p + e] for r, p, e in zip(rows.tolist(), prefix, extend, strict=True)])
-    fb = ForwardBatch.build(forward_id=0, input_ids=[0] * t, prefix_lens=prefix, extend_lens=extend,
-                            req_pool_indices=rows.tolist(), out_cache_loc=out_loc.numpy(),
-                            req_to_token=req_to_token.to(DEVICE), logits_rows=[t - 1], device=DEVICE)
-    return q, kv, fb
+    return attention_batch(prefix, extend, heads, KV_LORA, ROPE, page_size, dtype, seed)
 
 
 def backend(heads: int, page_size: int, dtype: torch.dtype) -> TritonAttention:
