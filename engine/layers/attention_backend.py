@@ -137,7 +137,7 @@ class ExactAttention(_PerRequest):
 # An extend whose requests have at most this many rows each (a speculative verify's d + 1 <= 4, a short chunk) runs
 # token_block.py's stage 1 instead of the extend kernel: a program holds up to 64 / H of a request's rows and reads
 # each key tile once for them, where the extend kernel re-reads every tile per query tile (a batch-32 verify of 4 rows
-# on the 2.5B shape: 0.70 ms of attention against 0.13 ms for a decode step, H200,
+# on the 2.5B shape: 0.36 ms of attention against the extend kernel's 0.70, H200,
 # bench/results/spec_kernels-v3-2.5b-h200.json).
 SHORT_EXTEND_ROWS = 8
 SHORT_EXTEND_SPLITS = 16  # the most key splits of a short extend: its fp32 partials are T x H x splits x kv_lora

@@ -94,8 +94,7 @@ def pair(phy2log: np.ndarray, weight: np.ndarray, cluster: Cluster, hits: np.nda
     np.add.at(held, ((rows * e + out) * n + np.repeat(node_of, 2)[None, :]).ravel(), 1)
     taken = np.zeros((n_layers, g), dtype=bool)
     pick = np.tile(np.arange(g), (n_layers, 1))  # [L, G] the pool entry each GPU takes (its own until it picks)
-    live = np.arange(n_layers)  # the layers still stepping, their rows in pick
-    lr = live
+    live = np.arange(n_layers)  # the layers still stepping, their rows in pick (lr: their rows in the shrunk arrays)
     changed = np.zeros(n_layers, dtype=np.int64)  # slots changed so far
     for i in range(g):
         a = order[:, i]  # [L] this step's anchor's GPU
