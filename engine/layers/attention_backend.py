@@ -136,11 +136,11 @@ class ExactAttention(_PerRequest):
 
 # An extend whose requests have at most this many rows each (a speculative verify's d + 1 <= 4, a short chunk) runs
 # token_block.py's stage 1 instead of the extend kernel: a program holds up to 64 / H of a request's rows and reads
-# each key tile once for them, where the extend kernel re-reads every tile per query tile (a batch-32 verify of 4 rows
-# on the 2.5B shape: 0.36 ms of attention against the extend kernel's 0.70, H200,
-# bench/results/spec_kernels-v3-2.5b-h200.json).
+# each key tile once for them, where the extend kernel re-reads every tile per query tile (kernels/mla_decode/
+# short_extend.py: splits cut per block on the device).
 SHORT_EXTEND_ROWS = 8
 SHORT_EXTEND_SPLITS = 16  # the most key splits of a short extend: its fp32 partials are T x H x splits x kv_lora
+SHORT_EXTEND_MIN_SPLIT = 64  # the fewest keys a split gets: one bf16 tile (the cost model picks the count)
 
 
 class TritonAttention:
@@ -159,12 +159,11 @@ class TritonAttention:
         self.decoder = resolve_decoder(shape, dtype, page_size, device, use_gluon=decode_kernel == "auto")
         self._extend = mla_extend.mla_extend
         self._prefill = mha_prefill.mha_prefill
-        from r3trace.kernels.mla_decode.fixed_split import SPLIT_KEYS, FixedSplitDecoder
+        from r3trace.kernels.mla_decode.short_extend import ShortExtendDecoder
         from r3trace.kernels.mla_decode.token_block import token_block_tile
 
-        tile = token_block_tile(shape.num_heads, dtype)
-        self._short_block = tile.block_n
-        self._short = lambda split_keys: FixedSplitDecoder(tile, max(SPLIT_KEYS, split_keys))
+        self.short = ShortExtendDecoder(token_block_tile(shape.num_heads, dtype), SHORT_EXTEND_MIN_SPLIT,
+                                        SHORT_EXTEND_SPLITS, self.decoder.sm_count)  # fmt: skip
 
     def absorbed(
         self, q: torch.Tensor, kv_cache: torch.Tensor, fb: ForwardBatch, kv_lora_rank: int, scale: float
@@ -182,12 +181,12 @@ class TritonAttention:
     def _short_extend(
         self, q: torch.Tensor, kv_cache: torch.Tensor, fb: ForwardBatch, kv_lora_rank: int, scale: float
     ) -> torch.Tensor:
-        """Each row attends to its request's positions 0 .. its own, in at most SHORT_EXTEND_SPLITS splits of a
-        multiple of the tile's keys (the host's longest context sets them: a graph's, the longest it holds)."""
-        max_len, block = max(fb.seq_lens_cpu), self._short_block
-        decoder = self._short(-(-max_len // SHORT_EXTEND_SPLITS // block) * block)
-        return decoder(q, kv_cache, fb.req_to_token, fb.req_pool_indices, fb.extend_start_loc, fb.extend_lens,
-                       fb.positions + 1, kv_lora_rank, scale, max_len, max(fb.extend_lens_cpu))
+        """Each row attends to its request's positions 0 .. its own; the split count from the host's bounds (a
+        graph's: the longest context it holds), each block's split size from its own rows on the device."""
+        max_rows = max(fb.extend_lens_cpu)
+        splits = self.short.num_splits(fb.batch_size, q.shape[1], max_rows, max(fb.seq_lens_cpu), q.shape[0])
+        return self.short(q, kv_cache, fb.req_to_token, fb.req_pool_indices, fb.extend_start_loc, fb.extend_lens,
+                          fb.positions + 1, kv_lora_rank, scale, splits, max_rows)  # fmt: skip
 
     def mha(
         self,

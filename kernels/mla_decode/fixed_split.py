@@ -38,17 +38,21 @@ SPLIT_KEYS = MIN_TOKENS_PER_SPLIT
 @triton.jit
 def _ordered_merge_kernel(
     # pointers
-    part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr,
+    part_out_ptr, part_lse_ptr, seq_lens_ptr, row_split_ptr, out_ptr,
     # sizes
     KV_LORA,
     # strides
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
     # constexpr
-    SPLIT: tl.constexpr, BLOCK_C: tl.constexpr,
+    SPLIT: tl.constexpr, DYNAMIC: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     h = tl.program_id(1)
-    n_split = tl.cdiv(tl.load(seq_lens_ptr + b).to(tl.int32), SPLIT)  # this row's own splits
+    if DYNAMIC:  # noqa: SIM108 (a constexpr branch): the split size stage 1 cut this row's block at
+        split = tl.load(row_split_ptr + b)
+    else:
+        split = SPLIT
+    n_split = tl.cdiv(tl.load(seq_lens_ptr + b).to(tl.int32), split)  # this row's own splits
     offs_c = tl.arange(0, BLOCK_C)
     c_mask = offs_c < KV_LORA
     lse_row = part_lse_ptr + b * stride_lb + h * stride_lh
@@ -124,13 +128,22 @@ class FixedSplitDecoder:
         part_lse = torch.empty((T, H, splits), dtype=torch.float32, device=q.device)
         token_block_stage1(q, kv_cache, req_to_token, req_pool_indices, q_start, q_lens, row_keys, part_out, part_lse,
                            kv_lora_rank, sm_scale * LOG2E, self.tile, self.split_keys, max_q_len)  # fmt: skip
-        _ordered_merge_kernel[(T, H)](
-            part_out, part_lse, row_keys, out, kv_lora_rank,
-            part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
-            out.stride(0), out.stride(1),
-            SPLIT=self.split_keys, BLOCK_C=max(16, triton.next_power_of_2(kv_lora_rank)), num_warps=4,
-        )  # fmt: skip
+        ordered_merge(part_out, part_lse, row_keys, out, self.split_keys)
         return out
+
+
+def ordered_merge(part_out: torch.Tensor, part_lse: torch.Tensor, row_keys: torch.Tensor, out: torch.Tensor,
+                  split_keys: int, row_split: torch.Tensor | None = None) -> None:
+    """out [T, H, kv_lora] <- row t's cdiv(row_keys[t], S) partials of part_out [T, H, P, kv_lora], weighted by
+    part_lse [T, H, P], summed in order p = 0, 1, ...; S = split_keys, or row_split[t] (stage 1's dynamic splits)."""
+    T, H, _, kv_lora_rank = part_out.shape
+    _ordered_merge_kernel[(T, H)](
+        part_out, part_lse, row_keys, row_split if row_split is not None else row_keys, out, kv_lora_rank,
+        part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
+        out.stride(0), out.stride(1),
+        SPLIT=split_keys, DYNAMIC=row_split is not None, BLOCK_C=max(16, triton.next_power_of_2(kv_lora_rank)),
+        num_warps=4,
+    )  # fmt: skip
 
 
 def row_chunks(q_lens: list[int], limit: int) -> list[tuple[int, int, int, int]]:

@@ -60,13 +60,14 @@ def token_block_tile(num_heads: int, dtype: torch.dtype) -> TokenBlockTile:
 def _token_block_kernel(
     # pointers
     q_ptr, kv_ptr, req_to_token_ptr, req_pool_ptr, q_start_ptr, q_lens_ptr, row_keys_ptr, part_out_ptr, part_lse_ptr,
+    row_split_ptr,
     # sizes
-    H, blocks_per_req, qk_scale,
+    H, blocks_per_req, num_splits, qk_scale,
     # strides
     stride_qt, stride_qh, stride_kvs, stride_rtr, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
     # constexpr
     KV_LORA: tl.constexpr, ROPE: tl.constexpr, HB: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT: tl.constexpr, DYNAMIC: tl.constexpr, UPCAST: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     hb = tl.program_id(0)
@@ -84,8 +85,15 @@ def _token_block_kernel(
     head = hb * HB + offs_m % HB
     row_ok = (first + tok < q_len) & (head < H)
     keys = tl.load(row_keys_ptr + q0 + tok, mask=row_ok, other=0).to(tl.int32)  # each row's own key count
-    start = split * SPLIT
-    end = tl.minimum(start + SPLIT, keys)  # [ROWS]: this split's keys for each row
+    if DYNAMIC:  # the block's longest row in num_splits whole tiles of >= SPLIT keys each; the merge reads it back
+        longest = tl.max(tl.where(row_ok, keys, 0), axis=0)
+        split_len = tl.cdiv(tl.maximum(tl.cdiv(longest, num_splits), SPLIT), BLOCK_N) * BLOCK_N
+        if (split == 0) & (hb == 0):
+            tl.store(row_split_ptr + q0 + tok, split_len + 0 * tok, mask=row_ok & (offs_m % HB == 0))
+    else:
+        split_len = SPLIT
+    start = split * split_len
+    end = tl.minimum(start + split_len, keys)  # [ROWS]: this split's keys for each row
     block_end = tl.max(tl.where(row_ok, end, 0), axis=0)
     if start >= block_end:  # no row of the block reaches this split: the merge skips it too
         return
@@ -144,21 +152,26 @@ def token_block_stage1(
     tile: TokenBlockTile,
     split_keys: int,
     max_q_len: int,
+    row_split: torch.Tensor | None = None,
 ) -> None:
     """Fills part_out [T, H, P, kv_lora] fp32 and part_lse [T, H, P] (log2 units) for every (row, split) with keys;
     request b's rows are q_start[b] .. q_start[b] + q_lens[b] - 1, row t sees positions 0 .. row_keys[t] - 1 of
-    req_to_token row req_pool_indices[b]. qk_scale = sm_scale x log2(e); max_q_len: a host bound on q_lens."""
+    req_to_token row req_pool_indices[b]. qk_scale = sm_scale x log2(e); max_q_len: a host bound on q_lens.
+    Split p covers positions [p x S, (p + 1) x S): S = split_keys, or with row_split [T] int32 (dynamic splits) S is
+    a block's own, cut on the device from its longest row into P runs of whole tiles, >= split_keys keys each (a
+    graph's host lengths, its longest context, never widen it), and written to row_split for each of its rows."""
     T, H, C = q.shape
     B = req_pool_indices.shape[0]
     blocks = triton.cdiv(max(1, max_q_len), tile.tokens)
     _token_block_kernel[(triton.cdiv(H, tile.heads), B * blocks, part_out.shape[2])](
         q, kv_cache, req_to_token, req_pool_indices, q_start, q_lens, row_keys, part_out, part_lse,
-        H, blocks, qk_scale,
+        row_split if row_split is not None else q_lens, H, blocks, part_out.shape[2], qk_scale,
         q.stride(0), q.stride(1), kv_cache.stride(0), req_to_token.stride(0),
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
         KV_LORA=kv_lora_rank, ROPE=C - kv_lora_rank, HB=tile.heads, BM=tile.tokens, BLOCK_N=tile.block_n,
         BLOCK_C=max(16, triton.next_power_of_2(kv_lora_rank)),
         BLOCK_R=max(16, triton.next_power_of_2(C - kv_lora_rank)),
-        SPLIT=split_keys, UPCAST=not q.is_cuda, INPUT_PRECISION=dot_precision(q.dtype == torch.float32),
+        SPLIT=split_keys, DYNAMIC=row_split is not None, UPCAST=not q.is_cuda,
+        INPUT_PRECISION=dot_precision(q.dtype == torch.float32),
         num_warps=tile.num_warps, num_stages=tile.prefill_stages if max_q_len >= PREFILL_ROWS else tile.num_stages,
     )  # fmt: skip

@@ -15,6 +15,7 @@ import torch
 
 from r3trace.engine.forward_batch import ForwardBatch
 from r3trace.engine.layers.attention_backend import SHORT_EXTEND_ROWS, RefAttention, TritonAttention
+from r3trace.kernels.mla_decode import short_extend
 from r3trace.kernels.mla_decode.registry import DecodeShape
 from tests.kernels.attention_batch import attention_batch
 from tests.kernels.conftest import DEVICE, assert_close_to_ref, requires_triton
@@ -50,23 +51,54 @@ def test_short_extends_match_the_reference(dtype: torch.dtype, heads: int, page_
     assert_close_to_ref(out, ref, dtype)
 
 
-def test_a_long_context_takes_wider_splits() -> None:
-    """A 4.6k-key context is more than 16 splits of 256 keys: the splits widen to 320 keys (a multiple of the tile's),
-    the partials stay 16 a row, and the rows still match the reference."""
-    prefix, extend = [4600, 2], [4, 3]
-    q, kv, fb = batch(prefix, extend, 4, 1, torch.float32, seed=1)
-    attn = backend(4, 1, torch.float32)
-    splits: list[int] = []
-    real = attn._short
+@pytest.mark.parametrize(("prefix", "extend", "splits"), [([4600, 2], [4, 3], 16), ([300, 0, 90], [4, 4, 1], 3),
+                                                     ([1000], [4], 5), ([40, 700], [8, 2], 1)], ids=str)
+def test_each_block_cuts_its_own_splits(prefix: list[int], extend: list[int], splits: int) -> None:
+    """Each block cuts its own longest row into `splits` runs of whole tiles, >= min_split keys each, on the device;
+    stage 1 records that size for each of the block's rows, and every row matches the reference."""
+    heads = 4
+    q, kv, fb = batch(prefix, extend, heads, 1, torch.float32, seed=len(prefix) + splits)
+    short = backend(heads, 1, torch.float32).short
+    row_split: list[torch.Tensor] = []
+    real = short_extend.ordered_merge
 
-    def spied(split_keys: int) -> Any:
-        splits.append(split_keys)
-        return real(split_keys)
+    def spied(*args: Any) -> None:
+        row_split.append(args[-1].cpu())
+        real(*args)
 
-    attn._short = spied
-    out = attn.absorbed(q, kv, fb, KV_LORA, 0.3)
-    assert splits == [-(-4604 // 16 // 32) * 32] and splits[0] > 256
+    short_extend.ordered_merge = spied  # type: ignore[assignment]
+    try:
+        out = short(q, kv, fb.req_to_token, fb.req_pool_indices, fb.extend_start_loc, fb.extend_lens,
+                    fb.positions + 1, KV_LORA, 0.3, splits, max(extend))  # fmt: skip
+    finally:
+        short_extend.ordered_merge = real  # type: ignore[assignment]
     assert_close_to_ref(out, RefAttention().absorbed(q.float(), kv.float(), fb, KV_LORA, 0.3), torch.float32)
+    tile, keys = short.tile, (fb.positions + 1).cpu()
+    expected = []
+    for b, e in enumerate(extend):
+        start = sum(extend[:b])
+        for r in range(e):
+            longest = int(keys[start + min(e, (r // tile.tokens + 1) * tile.tokens) - 1])
+            size = max(-(-longest // splits), short.min_split)
+            expected.append(-(-size // tile.block_n) * tile.block_n)
+    assert row_split[0].tolist() == expected
+
+
+def test_the_split_count_is_the_cost_models_least() -> None:
+    """At the H200's 132 SMs and H = 16 (one block of 4 rows a request): few programs take many splits (idle SMs),
+    a full machine few; the count is the least of split_cost over 1 .. max_splits, as the bench fitted it."""
+    short = short_extend.ShortExtendDecoder(backend(16, 1, torch.bfloat16).short.tile, 64, 16, 132)
+
+    def least(batch: int, keys: int) -> int:
+        costs = [short_extend.split_cost(keys, p, batch, 132, batch * 4 * 16, 64, short.tile.block_n)
+                 for p in range(1, 17)]  # fmt: skip
+        return 1 + costs.index(min(costs))
+
+    for batch, keys in [(1, 8192), (1, 260), (8, 8192), (32, 8192), (64, 8192), (132, 300)]:
+        assert short.num_splits(batch, 16, 4, keys, batch * 4) == least(batch, keys)
+    assert short.num_splits(1, 16, 4, 8192, 4) == 16 and short.num_splits(32, 16, 4, 8192, 128) == 4
+    assert short.num_splits(64, 16, 4, 8192, 256) == 2 and short.num_splits(132, 16, 4, 300, 528) == 1
+    assert short.num_splits(1, 16, 4, 260, 4) == 5  # 260 keys: five one-tile splits
 
 
 def test_a_longer_extend_runs_the_extend_kernel() -> None:
