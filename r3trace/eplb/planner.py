@@ -60,7 +60,7 @@ import numpy as np
 
 from r3trace.eplb.affinity import CoChoices, affinity_replicas, home_primaries
 from r3trace.eplb.alignment import align
-from r3trace.eplb.candidates import best_layout
+from r3trace.eplb.candidates import Contest, best_layout
 from r3trace.eplb.deepseek import group_nodes, pack_nodes, spread_replicas
 from r3trace.eplb.forecast import backtest_errors, drifts, forecast, pick_alpha
 from r3trace.eplb.homing import capped_counts, expert_nodes
@@ -178,14 +178,7 @@ def fresh_plan(w: np.ndarray, home: np.ndarray | None, cluster: Cluster, cfg: Pl
     nodes global's layouts compete per layer (candidates.best_layout) without a spare slot, or when `compete`."""
     n_layers, e = w.shape
     if spreads(cluster, cfg):
-        logcnt = capped_counts(w, cluster.num_slots, spread_cap(cluster))
-        cnt = affinity_replicas(w, logcnt, home_primaries(w, cluster), CoChoices(tokens, e), cluster)
-        phy2log = level_refine(pack_nodes(w, logcnt, cnt, cluster), w, logcnt, cluster, cfg.level_swaps,
-                               cfg.level_min_gain, cfg.level_cold, cross_nodes=not cfg.keep_groups)
-        rule: NodeRule = "keep" if cfg.keep_groups else "cover"
-        phy2log = polish(phy2log, w, cluster, tokens, cfg.polish_steps, rule)
-        if not cfg.keep_groups:  # two slots per GPU: the sorted pairing across nodes (pairing.py)
-            phy2log = paired(phy2log, w, cluster, tokens)
+        phy2log = spread_layout(w, cluster, cfg, tokens)
         if (compete or cluster.num_slots == e) and not cfg.keep_groups:
             phy2log = best_layout(phy2log, w, cluster, tokens)
         return from_phy2log(phy2log, e)
@@ -199,6 +192,20 @@ def fresh_plan(w: np.ndarray, home: np.ndarray | None, cluster: Cluster, cfg: Pl
     phy2log = swap_refine(pack_nodes(w, logcnt, cnt, cluster), w, logcnt, cluster, cfg.fresh_swaps, cfg.min_gain,
                           cross_nodes=not cfg.keep_groups)
     return from_phy2log(polish(phy2log, w, cluster, tokens, cfg.polish_steps, "fixed"), e)
+
+
+def spread_layout(w: np.ndarray, cluster: Cluster, cfg: PlannerConfig, tokens: np.ndarray | None) -> np.ndarray:
+    """Forecast loads w [L, E], tokens [T, L, K] or None -> phy2log [L, P]: the multi-node layout of fresh_plan
+    (group homes, co-activation replicas, leveling, polish, pairing) before global's layouts compete."""
+    logcnt = capped_counts(w, cluster.num_slots, spread_cap(cluster))
+    cnt = affinity_replicas(w, logcnt, home_primaries(w, cluster), CoChoices(tokens, w.shape[1]), cluster)
+    phy2log = level_refine(pack_nodes(w, logcnt, cnt, cluster), w, logcnt, cluster, cfg.level_swaps,
+                           cfg.level_min_gain, cfg.level_cold, cross_nodes=not cfg.keep_groups)
+    rule: NodeRule = "keep" if cfg.keep_groups else "cover"
+    phy2log = polish(phy2log, w, cluster, tokens, cfg.polish_steps, rule)
+    if not cfg.keep_groups:  # two slots per GPU: the sorted pairing across nodes (pairing.py)
+        phy2log = paired(phy2log, w, cluster, tokens)
+    return phy2log
 
 
 def plan(
@@ -222,8 +229,9 @@ def plan(
         cap = spread_cap(cluster)
         if not moving:
             return from_phy2log(seeded_plan(w, prev, cluster, cfg, cap, tokens), w.shape[1])
-        # the fresh plan here is a full move anyway, so global's layout competes for every layer (candidates.py)
-        anew = fresh_plan(w, None, cluster, cfg, tokens, compete=True)
+        # the fresh plan here is a full move anyway, so global's layout competes for every layer (candidates.py),
+        # each layer's choice made only where the re-plan needs it (candidates.Contest)
+        anew = Contest(spread_layout(w, cluster, cfg, tokens), w, cluster, tokens)
         return from_phy2log(refreshed(anew, w, prev, cluster, cfg, cap, tokens), w.shape[1])
     home = group_nodes(w, cluster) if prev is None else node_counts(prev, cluster).argmax(2)
     fresh = fresh_plan(w, home, cluster, cfg, tokens)

@@ -32,9 +32,10 @@ from r3trace.eplb.leveling import level_refine
 from r3trace.eplb.pairing import paired
 from r3trace.eplb.placement import Cluster, Placement
 from r3trace.eplb.reseat import reseat
-from r3trace.eplb.score import even_gpu_load, phy2log_gpu_load
+from r3trace.eplb.score import phy2log_gpu_load
 
 if TYPE_CHECKING:
+    from r3trace.eplb.candidates import Contest
     from r3trace.eplb.planner import PlannerConfig
 
 
@@ -110,19 +111,20 @@ def floor_bound(w: np.ndarray, logcnt: np.ndarray, cluster: Cluster, margin: flo
     return max_load_floor(w, logcnt, cluster) > (1 + margin) * w.sum(1) / cluster.num_gpus
 
 
-def refreshed(fresh: Placement, w: np.ndarray, prev: Placement, cluster: Cluster, cfg: PlannerConfig, cap: int,
+def refreshed(fresh: Contest, w: np.ndarray, prev: Placement, cluster: Cluster, cfg: PlannerConfig, cap: int,
               tokens: np.ndarray | None = None) -> np.ndarray:
-    """A drifting workload's re-plan: a fresh plan and the previous placement on the forecast w [L, E] ->
-    phy2log [L, P]. The seeded plan's layers (seeded_plan) stay, except that where the fresh plan's forecast max
-    GPU load is lower by more than refresh_gain on average over layers, every layer it lowers takes the fresh
-    layout (aligned to prev so that kept replicas stay in their slots).
+    """A drifting workload's re-plan: a fresh plan (its per-layer layout choice, candidates.Contest) and the
+    previous placement on the forecast w [L, E] -> phy2log [L, P]. The seeded plan's layers (seeded_plan) stay,
+    except that where the fresh plan's forecast max GPU load is lower by more than refresh_gain on average over
+    layers, every layer it lowers takes the fresh layout (aligned to prev so that kept replicas stay in their
+    slots). The fresh layout is chosen only in the layers that take it or whose max load depends on the choice.
 
     Seeded first: the floor-bound layers (floor_bound) and, of the others, the 1 / refresh_probe whose previous
     placement is closest to the fresh plan (a probe). Where every probe loses to the fresh plan and the probes'
     mean ratio, standing in for the unseeded layers', calls a refresh, those layers take the fresh layout unseeded;
     else every layer is seeded and the rule above decides (module doc). Seeded without hot swaps (descent.py says
     why)."""
-    peak = even_gpu_load(fresh, w, cluster).max(1)  # [L]
+    peak = fresh.peak()  # [L]
     logcnt, _ = seeded_counts(w, prev, cluster, cfg, cap)
     seed = floor_bound(w, logcnt, cluster, cfg.refresh_floor)  # [L]
     rest = np.flatnonzero(~seed)
@@ -136,12 +138,12 @@ def refreshed(fresh: Placement, w: np.ndarray, prev: Placement, cluster: Cluster
         est = np.where(seed, ratio, ratio[probe].mean())
         if ratio[probe].min() > 1 and est.mean() > 1 + cfg.refresh_gain:
             take = np.flatnonzero(~seed | (ratio > 1))
-            low[take] = align(fresh.phy2log[take], prev.phy2log[take], cluster)
+            low[take] = align(fresh.layouts(take), prev.phy2log[take], cluster)
             return low
         low[~seed] = seeded_plan(w, prev, cluster, cfg, cap, tokens, ~seed, hot=False)[~seed]
         ratio = phy2log_gpu_load(low, w, cluster).max(1) / peak
     if ratio.mean() <= 1 + cfg.refresh_gain:
         return low
     take = np.flatnonzero(ratio > 1)
-    low[take] = align(fresh.phy2log[take], prev.phy2log[take], cluster)
+    low[take] = align(fresh.layouts(take), prev.phy2log[take], cluster)
     return low
