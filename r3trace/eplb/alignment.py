@@ -30,7 +30,8 @@ def align(new: np.ndarray, prev: np.ndarray, cluster: Cluster) -> np.ndarray:
     held = a[:, :, :, None] == b[:, None, None, :, 0]
     for v in range(1, s):
         held |= a[:, :, :, None] == b[:, None, None, :, v]
-    held &= (_copy_rank(a) == 0)[:, :, :, None]  # the first copy of each expert on its GPU (experts counted once)
+    rank_a = _copy_rank(a)
+    held &= (rank_a == 0)[:, :, :, None]  # the first copy of each expert on its GPU (experts counted once)
     overlap = held[:, :, 0].astype(np.int64)  # [B, g, g] distinct experts new i shares with prev j
     for u in range(1, s):
         overlap += held[:, :, u]
@@ -45,7 +46,7 @@ def align(new: np.ndarray, prev: np.ndarray, cluster: Cluster) -> np.ndarray:
         ov[blocks, :, j] = -1
     # per new GPU, the matched prev GPU's slots: a copy keeps the slot of the prev GPU's copy of the same rank
     pb = np.take_along_axis(b, target[:, :, None], 1)  # [B, g, s]
-    key_a = a * s + _copy_rank(a)
+    key_a = a * s + rank_a
     key_b = pb * s + _copy_rank(pb)
     hit = key_a[:, :, :, None] == key_b[:, :, None, :]  # [B, g, s, s] at most one per row and per column
     matched = hit.any(3)

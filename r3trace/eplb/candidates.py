@@ -127,6 +127,12 @@ def best_layout(phy2log: np.ndarray, w: np.ndarray, cluster: Cluster, tokens: np
     return Contest(phy2log, w, cluster, tokens).layouts(np.arange(len(phy2log)))
 
 
+def losing_load(glob: np.ndarray, w: np.ndarray, cluster: Cluster) -> np.ndarray:
+    """DeepSeek global's phy2log [L, P] on w [L, E] -> [L] the max GPU load above which ours' layer ties no
+    candidate (global grouped has global's GPU loads), so Contest never chooses it nor reads its max load."""
+    return phy2log_gpu_load(glob, w, cluster).max(1) * (1 + MAX_LOAD_TIE)
+
+
 class Contest:
     """best_layout's choice made per layer on demand. A drifting re-plan (replan.refreshed) needs every layer's
     winning max GPU load but the winning layout only of the layers that take the fresh plan. The regroups change no
@@ -139,10 +145,11 @@ class Contest:
     loads that the whole stack gets (tests/analysis/test_eplb_contest.py)."""
 
     def __init__(self, phy2log: np.ndarray, w: np.ndarray, cluster: Cluster, tokens: np.ndarray | None,
-                 compete: bool = True) -> None:
+                 compete: bool = True, glob: np.ndarray | None = None) -> None:
+        """glob: DeepSeek global's phy2log [L, P] on w where the caller has it."""
         self.w, self.cluster, self.tokens = w, cluster, tokens
         if compete:
-            glob = global_policy(w, cluster).phy2log
+            glob = global_policy(w, cluster).phy2log if glob is None else glob
             self.cands = np.stack([phy2log, by_group(glob, w.shape[1], cluster), glob])  # [3, L, P]
         else:
             self.cands = phy2log[None]

@@ -31,7 +31,8 @@ from r3trace.eplb.placement import Cluster, PlacementError
 
 
 def level_refine(phy2log: np.ndarray, weight: np.ndarray, logcnt: np.ndarray, cluster: Cluster, max_swaps: int,
-                 min_gain: float, cold: float = 0.5, hot_slots: int = 16, cross_nodes: bool = True) -> np.ndarray:
+                 min_gain: float, cold: float = 0.5, hot_slots: int = 16, cross_nodes: bool = True,
+                 out_of_reach: np.ndarray | None = None) -> np.ndarray:
     """phy2log [L, P] -> phy2log [L, P] after at most max_swaps swaps per layer (2 moved slots each).
 
     weight [L, E] forecast loads, logcnt [L, E] replicas (counts do not change). Each step swaps a slot of
@@ -39,6 +40,12 @@ def level_refine(phy2log: np.ndarray, weight: np.ndarray, logcnt: np.ndarray, cl
     on 32; 8 GPUs of 9 slots made a [58, 256] plan take 3 s) with any slot of another GPU, the allowed pair (module doc)
     that lowers the sum of squared GPU loads most; a layer stops once that gain is below
     min_gain x (mean GPU load)^2. cross_nodes=False keeps every replica on its node (swaps inside nodes only).
+
+    out_of_reach [L] or None: a layer also stops, where its swaps could no longer bring its max GPU load down to
+    out_of_reach or below, for a caller that has no use for such a layer (candidates.Contest: ours loses there).
+    A swap lowers one GPU's load and raises the other's (each a sum of the same slot loads in the same order but
+    one, so also in floating point), so with m swaps left the (m + 1)-th hottest GPU's load is a floor under the
+    final max load; a layer stops once that floor exceeds out_of_reach, its max load then above it too.
     """
     if min_gain < 0:
         raise PlacementError(f"min_gain={min_gain} must be >= 0")
@@ -84,9 +91,17 @@ def level_refine(phy2log: np.ndarray, weight: np.ndarray, logcnt: np.ndarray, cl
     grp_a = _home_group(out, slot_bit[None, :], group_nodes, gsize, np.arange(n_layers)[:, None])  # [L, P]
     grp_b = np.where(grp_a < 0, np.int16(-2), grp_a)
     r = np.arange(n_layers)  # layers still improving
-    for _ in range(max_swaps):
+    for step in range(max_swaps):
         n = len(r)
-        rank = np.argsort(-(gpu_all if n == n_layers else gpu_all[r]), axis=1)
+        g_r = gpu_all if n == n_layers else gpu_all[r]
+        rank = np.argsort(-g_r, axis=1)
+        left = max_swaps - step  # swaps left, this one included
+        if out_of_reach is not None and left < n_gpus:
+            on = np.take_along_axis(g_r, rank[:, left, None], 1)[:, 0] <= out_of_reach[r]  # [n] still within reach
+            if not on.all():
+                r, rank, n = r[on], rank[on], int(on.sum())
+                if not n:
+                    break
         # a's GPUs: the hottest; b's: the coldest GPUs anywhere and every GPU of the hottest GPU's node (swaps
         # inside a node are always allowed); all P slots made each step [n, S, P] and a [58, 256] plan on 8
         # nodes take 1 s

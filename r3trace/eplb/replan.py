@@ -60,16 +60,17 @@ def seeded_counts(w: np.ndarray, prev: Placement, cluster: Cluster, cfg: Planner
 
 
 def seeded_plan(w: np.ndarray, prev: Placement, cluster: Cluster, cfg: PlannerConfig, cap: int,
-                tokens: np.ndarray | None = None, layers: np.ndarray | None = None, hot: bool = True) -> np.ndarray:
+                tokens: np.ndarray | None = None, layers: np.ndarray | None = None, hot: bool = True,
+                counts: tuple[np.ndarray, int] | None = None) -> np.ndarray:
     """Forecast w [L, E], previous placement -> phy2log [L, P]: seeded_counts' counts reseated into prev
     (reseat.py), then leveling swaps with what is left of the churn budget, spread evenly over layers; a layer
     keeps its swaps only where they lower its hottest GPU by more than replan_min_drop; with two slots per GPU the
     slots the swaps left of a layer's budget then re-pick GPUs' lighter replicas (pairing.paired), and what is left
     after that goes to swaps on the hottest GPUs' loads (descent.hot_swaps; hot=False: none). layers [L] bool:
     only those rows are planned (each the same as with every layer: counts and swaps are decided over all layers), the
-    others keep prev's."""
+    others keep prev's. counts: seeded_counts' result where the caller has it."""
     e = w.shape[1]
-    logcnt, swaps = seeded_counts(w, prev, cluster, cfg, cap)
+    logcnt, swaps = seeded_counts(w, prev, cluster, cfg, cap) if counts is None else counts
     out = prev.phy2log.copy()
     rows = np.arange(len(w)) if layers is None else np.flatnonzero(layers)
     if not len(rows):
@@ -125,14 +126,14 @@ def refreshed(fresh: Contest, w: np.ndarray, prev: Placement, cluster: Cluster, 
     else every layer is seeded and the rule above decides (module doc). Seeded without hot swaps (descent.py says
     why)."""
     peak = fresh.peak()  # [L]
-    logcnt, _ = seeded_counts(w, prev, cluster, cfg, cap)
-    seed = floor_bound(w, logcnt, cluster, cfg.refresh_floor)  # [L]
+    counts = seeded_counts(w, prev, cluster, cfg, cap)
+    seed = floor_bound(w, counts[0], cluster, cfg.refresh_floor)  # [L]
     rest = np.flatnonzero(~seed)
     if len(rest):
         near = phy2log_gpu_load(prev.phy2log[rest], w[rest], cluster).max(1) / peak[rest]
         probe = rest[np.argsort(near, kind="stable")[: -(-len(rest) // cfg.refresh_probe)]]
         seed[probe] = True
-    low = seeded_plan(w, prev, cluster, cfg, cap, tokens, seed, hot=False)
+    low = seeded_plan(w, prev, cluster, cfg, cap, tokens, seed, hot=False, counts=counts)
     ratio = phy2log_gpu_load(low, w, cluster).max(1) / peak  # [L] unseeded rows: prev's (not read)
     if len(rest):
         est = np.where(seed, ratio, ratio[probe].mean())
@@ -140,7 +141,7 @@ def refreshed(fresh: Contest, w: np.ndarray, prev: Placement, cluster: Cluster, 
             take = np.flatnonzero(~seed | (ratio > 1))
             low[take] = align(fresh.layouts(take), prev.phy2log[take], cluster)
             return low
-        low[~seed] = seeded_plan(w, prev, cluster, cfg, cap, tokens, ~seed, hot=False)[~seed]
+        low[~seed] = seeded_plan(w, prev, cluster, cfg, cap, tokens, ~seed, hot=False, counts=counts)[~seed]
         ratio = phy2log_gpu_load(low, w, cluster).max(1) / peak
     if ratio.mean() <= 1 + cfg.refresh_gain:
         return low
