@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from bench.eplb_traces import TraceSpec, load_windows
-from r3trace.eplb import Cluster, PlannerConfig, from_phy2log, plan
-from r3trace.eplb.candidates import Contest, best_layout
-from r3trace.eplb.forecast import forecast
+from r3trace.eplb import Cluster, PlannerConfig, from_phy2log, global_policy, plan, planner
+from r3trace.eplb.candidates import Contest, best_layout, losing_load
+from r3trace.eplb.forecast import backtest_errors, drifts, forecast, pick_alpha
 from r3trace.eplb.planner import spread_cap, spread_layout
 from r3trace.eplb.replan import refreshed
 from r3trace.eplb.score import even_gpu_load, heat_of
@@ -60,3 +60,22 @@ def test_a_drifting_replan_equals_the_one_with_every_layer_chosen_first(seed: in
         just_peak = Contest(ours, w, CL, tok)
         just_peak.peak()
         assert (got != prev.phy2log).mean() > 0.1 and lazy.done.sum() > just_peak.done.sum()
+
+
+@pytest.mark.parametrize("seed", [1, 3])  # seeds whose history calls drift
+def test_a_drifting_replan_equals_the_one_with_ours_leveled_in_every_layer(seed: int,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ours' leveling stops in layers out of reach of global's max load (planner.spread_layout, losing_load): the
+    re-plan is the one with every layer leveled in full, though ours' layout differs in some layers."""
+    cl = Cluster(64, 8, 320)  # 5 slots a GPU: neither polish nor pairing follows the leveling
+    heats, routes = _inputs(seed)
+    prev = plan(heats[:4], cl, tokens=routes[3])
+    got = plan(heats, cl, prev, tokens=routes[4])
+    err = backtest_errors(heats)
+    assert err is not None and drifts(heats, err, PlannerConfig().refresh_drift)  # the re-plan refreshes ...
+    # ... on this forecast
+    w, tok = forecast(heats, pick_alpha(err, 0.0)), routes[4]
+    bar = losing_load(global_policy(w, cl).phy2log, w, cl)
+    assert (spread_layout(w, cl, PlannerConfig(), tok, bar) != spread_layout(w, cl, PlannerConfig(), tok)).any()
+    monkeypatch.setattr(planner, "losing_load", lambda glob, w, cluster: np.full(len(w), np.inf))
+    np.testing.assert_array_equal(got.phy2log, plan(heats, cl, prev, tokens=routes[4]).phy2log)
