@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from r3trace.eplb.deepseek import global_policy
+from r3trace.eplb.deepseek import global_phy2log
 from r3trace.eplb.placement import Cluster
 from r3trace.eplb.regroup import gpu_coactivation, node_order, reordered
 from r3trace.eplb.score import phy2log_gpu_load
@@ -149,7 +149,7 @@ class Contest:
         """glob: DeepSeek global's phy2log [L, P] on w where the caller has it."""
         self.w, self.cluster, self.tokens = w, cluster, tokens
         if compete:
-            glob = global_policy(w, cluster).phy2log if glob is None else glob
+            glob = global_phy2log(w, cluster) if glob is None else glob
             self.cands = np.stack([phy2log, by_group(glob, w.shape[1], cluster), glob])  # [3, L, P]
         else:
             self.cands = phy2log[None]

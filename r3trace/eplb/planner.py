@@ -61,7 +61,7 @@ import numpy as np
 from r3trace.eplb.affinity import CoChoices, affinity_replicas, home_primaries
 from r3trace.eplb.alignment import align
 from r3trace.eplb.candidates import Contest, best_layout, losing_load
-from r3trace.eplb.deepseek import global_policy, group_nodes, pack_nodes, spread_replicas
+from r3trace.eplb.deepseek import global_phy2log, group_nodes, pack_nodes, spread_replicas
 from r3trace.eplb.forecast import backtest_errors, drifts, forecast, pick_alpha
 from r3trace.eplb.homing import capped_counts, expert_nodes
 from r3trace.eplb.leveling import level_refine
@@ -239,7 +239,7 @@ def plan(
             return from_phy2log(seeded_plan(w, prev, cluster, cfg, cap, tokens), w.shape[1])
         # the fresh plan here is a full move anyway, so global's layout competes for every layer (candidates.py),
         # each layer's choice made only where the re-plan needs it (candidates.Contest)
-        glob = global_policy(w, cluster).phy2log
+        glob = global_phy2log(w, cluster)
         ours = spread_layout(w, cluster, cfg, tokens, losing_load(glob, w, cluster))
         anew = Contest(ours, w, cluster, tokens, glob=glob)
         return from_phy2log(refreshed(anew, w, prev, cluster, cfg, cap, tokens), w.shape[1])
