@@ -181,15 +181,10 @@ class Contest:
         return self.won[rows]
 
     def _choose(self, rows: np.ndarray) -> np.ndarray:
-        cands, peak, tied = self.cands[:, rows], self.peaks[:, rows], self.tied[:, rows]
-        e, cluster = self.w.shape[1], self.cluster
-        tokens = None if self.tokens is None else self.tokens[:, rows]
-        if len(cands) == 1:
-            return cands[0]
-        if tokens is None or cluster.num_slots != e:
-            cost = np.broadcast_to(np.arange(len(cands), dtype=np.float64)[:, None], peak.shape)
-            pick = np.argmin(np.where(tied, cost, np.inf), axis=0)  # [L]
-            return cands[pick, np.arange(len(pick))]
+        tied, e, cluster = self.tied[:, rows], self.w.shape[1], self.cluster
+        if len(self.cands) == 1 or self.tokens is None or cluster.num_slots != e:  # the first tied candidate
+            return self.cands[np.argmax(tied, axis=0), rows]
+        cands, tokens = self.cands[:, rows], self.tokens[:, rows]
         # ours' and global's GPUs regrouped onto nodes by co-activation, in the layers where they tie on the max
         # load (loads unchanged: regroup.py); global grouped is global's GPUs ordered by another rule, so its regroup
         # would mostly repeat global's (regroup.py: the regroups are most of a fresh plan's time here). Ours' and
