@@ -195,15 +195,16 @@ def fresh_plan(w: np.ndarray, home: np.ndarray | None, cluster: Cluster, cfg: Pl
 
 
 def spread_layout(w: np.ndarray, cluster: Cluster, cfg: PlannerConfig, tokens: np.ndarray | None,
-                  losing: np.ndarray | None = None) -> np.ndarray:
+                  losing: np.ndarray | None = None, logcnt: np.ndarray | None = None) -> np.ndarray:
     """Forecast loads w [L, E], tokens [T, L, K] or None -> phy2log [L, P]: the multi-node layout of fresh_plan
     (group homes, co-activation replicas, leveling, polish, pairing) before global's layouts compete.
 
     losing [L] or None: the max GPU load above which a layer's layout goes unused (candidates.losing_load); where
     neither polish nor pairing follows, such a layer's leveling stops once it cannot get below (level_refine's
     out_of_reach), its max load still above. The drifting re-plan at [58, 320] on 8 nodes: ours lost to global's
-    layout in 44 of 58 layers, and 42 of them stopped, 823 of 2746 layer-steps of leveling left out."""
-    logcnt = capped_counts(w, cluster.num_slots, spread_cap(cluster))
+    layout in 44 of 58 layers, and 42 of them stopped, 823 of 2746 layer-steps of leveling left out. logcnt: the
+    capped counts where the caller has them."""
+    logcnt = capped_counts(w, cluster.num_slots, spread_cap(cluster)) if logcnt is None else logcnt
     cnt = affinity_replicas(w, logcnt, home_primaries(w, cluster), CoChoices(tokens, w.shape[1]), cluster)
     final = not applies(cluster) and cluster.slots_per_gpu != 2  # the leveling's layout is the last (polish, paired)
     phy2log = level_refine(pack_nodes(w, logcnt, cnt, cluster), w, logcnt, cluster, cfg.level_swaps,
@@ -239,10 +240,10 @@ def plan(
             return from_phy2log(seeded_plan(w, prev, cluster, cfg, cap, tokens), w.shape[1])
         # the fresh plan here is a full move anyway, so global's layout competes for every layer (candidates.py),
         # each layer's choice made only where the re-plan needs it (candidates.Contest)
-        glob = global_phy2log(w, cluster)
-        ours = spread_layout(w, cluster, cfg, tokens, losing_load(glob, w, cluster))
+        glob, capped = global_phy2log(w, cluster), capped_counts(w, cluster.num_slots, cap)
+        ours = spread_layout(w, cluster, cfg, tokens, losing_load(glob, w, cluster), capped)
         anew = Contest(ours, w, cluster, tokens, glob=glob)
-        return from_phy2log(refreshed(anew, w, prev, cluster, cfg, cap, tokens), w.shape[1])
+        return from_phy2log(refreshed(anew, w, prev, cluster, cfg, cap, tokens, capped), w.shape[1])
     home = group_nodes(w, cluster) if prev is None else node_counts(prev, cluster).argmax(2)
     fresh = fresh_plan(w, home, cluster, cfg, tokens)
     if prev is None:

@@ -39,13 +39,14 @@ if TYPE_CHECKING:
     from r3trace.eplb.planner import PlannerConfig
 
 
-def seeded_counts(w: np.ndarray, prev: Placement, cluster: Cluster, cfg: PlannerConfig, cap: int
-                  ) -> tuple[np.ndarray, int]:
+def seeded_counts(w: np.ndarray, prev: Placement, cluster: Cluster, cfg: PlannerConfig, cap: int,
+                  capped: np.ndarray | None = None) -> tuple[np.ndarray, int]:
     """Forecast w [L, E] -> (replica counts [L, E] a seeded re-plan reseats, leveling swaps per layer): the fresh
     counts (capped at `cap`), or, where they would move more than seeded_churn_budget, the fresh counts in layers
-    ordered by the largest drop in forecast max load per replica while they fit, the previous ones elsewhere."""
+    ordered by the largest drop in forecast max load per replica while they fit, the previous ones elsewhere.
+    capped: the fresh counts (homing.capped_counts) where the caller has them."""
     n_layers = w.shape[0]
-    logcnt = capped_counts(w, cluster.num_slots, cap)
+    logcnt = capped_counts(w, cluster.num_slots, cap) if capped is None else capped
     moved = np.abs(logcnt - prev.logcnt).sum(1) // 2  # [L] slots reseating changes in each layer
     budget = int(cfg.seeded_churn_budget * prev.phy2log.size)
     if moved.sum() > budget:
@@ -113,7 +114,7 @@ def floor_bound(w: np.ndarray, logcnt: np.ndarray, cluster: Cluster, margin: flo
 
 
 def refreshed(fresh: Contest, w: np.ndarray, prev: Placement, cluster: Cluster, cfg: PlannerConfig, cap: int,
-              tokens: np.ndarray | None = None) -> np.ndarray:
+              tokens: np.ndarray | None = None, capped: np.ndarray | None = None) -> np.ndarray:
     """A drifting workload's re-plan: a fresh plan (its per-layer layout choice, candidates.Contest) and the
     previous placement on the forecast w [L, E] -> phy2log [L, P]. The seeded plan's layers (seeded_plan) stay,
     except that where the fresh plan's forecast max GPU load is lower by more than refresh_gain on average over
@@ -124,9 +125,9 @@ def refreshed(fresh: Contest, w: np.ndarray, prev: Placement, cluster: Cluster, 
     placement is closest to the fresh plan (a probe). Where every probe loses to the fresh plan and the probes'
     mean ratio, standing in for the unseeded layers', calls a refresh, those layers take the fresh layout unseeded;
     else every layer is seeded and the rule above decides (module doc). Seeded without hot swaps (descent.py says
-    why)."""
+    why). capped: the fresh counts (homing.capped_counts) where the caller has them."""
     peak = fresh.peak()  # [L]
-    counts = seeded_counts(w, prev, cluster, cfg, cap)
+    counts = seeded_counts(w, prev, cluster, cfg, cap, capped)
     seed = floor_bound(w, counts[0], cluster, cfg.refresh_floor)  # [L]
     rest = np.flatnonzero(~seed)
     if len(rest):
