@@ -184,7 +184,8 @@ class Contest:
         tied, e, cluster = self.tied[:, rows], self.w.shape[1], self.cluster
         if len(self.cands) == 1 or self.tokens is None or cluster.num_slots != e:  # the first tied candidate
             return self.cands[np.argmax(tied, axis=0), rows]
-        cands, tokens = self.cands[:, rows], self.tokens[:, rows]
+        # np.take: C-contiguous copies (x[:, rows] is not, and the token counts below ran 1.4x as long on it)
+        cands, tokens = np.take(self.cands, rows, axis=1), np.take(self.tokens, rows, axis=1)
         # ours' and global's GPUs regrouped onto nodes by co-activation, in the layers where they tie on the max
         # load (loads unchanged: regroup.py); global grouped is global's GPUs ordered by another rule, so its regroup
         # would mostly repeat global's (regroup.py: the regroups are most of a fresh plan's time here). Ours' and
