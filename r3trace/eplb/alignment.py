@@ -30,7 +30,8 @@ def align(new: np.ndarray, prev: np.ndarray, cluster: Cluster) -> np.ndarray:
     held = a[:, :, :, None] == b[:, None, None, :, 0]
     for v in range(1, s):
         held |= a[:, :, :, None] == b[:, None, None, :, v]
-    held &= (_copy_rank(a) == 0)[:, :, :, None]  # the first copy of each expert on its GPU (experts counted once)
+    rank_a = _copy_rank(a)
+    held &= (rank_a == 0)[:, :, :, None]  # the first copy of each expert on its GPU (experts counted once)
     overlap = held[:, :, 0].astype(np.int64)  # [B, g, g] distinct experts new i shares with prev j
     for u in range(1, s):
         overlap += held[:, :, u]
@@ -45,11 +46,17 @@ def align(new: np.ndarray, prev: np.ndarray, cluster: Cluster) -> np.ndarray:
         ov[blocks, :, j] = -1
     # per new GPU, the matched prev GPU's slots: a copy keeps the slot of the prev GPU's copy of the same rank
     pb = np.take_along_axis(b, target[:, :, None], 1)  # [B, g, s]
-    key_a = a * s + _copy_rank(a)
+    key_a = a * s + rank_a
     key_b = pb * s + _copy_rank(pb)
     hit = key_a[:, :, :, None] == key_b[:, :, None, :]  # [B, g, s, s] at most one per row and per column
     matched = hit.any(3)
-    free = np.argsort(hit.any(2), axis=2, kind="stable")  # [B, g, s] unused slots first, in order
+    # [B, g, s] unused slots first, in order (a stable argsort of `used`, by placing each slot: np.argsort over
+    # [464, 8] rows of 5 slots was 0.6 of a 3.6 ms alignment at [58, 320] on 8 nodes)
+    used = hit.any(2)
+    n_free = (~used).sum(2, keepdims=True)
+    place = np.where(used, n_free + np.cumsum(used, axis=2) - 1, np.cumsum(~used, axis=2) - 1)
+    free = np.empty_like(place)
+    np.put_along_axis(free, place, np.broadcast_to(np.arange(s), place.shape), 2)
     rest = np.cumsum(~matched, axis=2) - 1  # the k-th unmatched replica takes the k-th free slot
     slot = np.where(matched, hit.argmax(3), np.take_along_axis(free, np.maximum(rest, 0), 2))
     out = np.empty_like(a)
@@ -60,6 +67,9 @@ def align(new: np.ndarray, prev: np.ndarray, cluster: Cluster) -> np.ndarray:
 
 def _copy_rank(x: np.ndarray) -> np.ndarray:
     """x [B, g, s] -> [B, g, s]: how many earlier slots of the same GPU hold the same expert."""
-    s = x.shape[2]
-    earlier = np.tri(s, s, -1, dtype=bool)  # [s, s] u > v
-    return ((x[:, :, :, None] == x[:, :, None, :]) & earlier).sum(3)
+    out = np.zeros(x.shape, dtype=np.int64)
+    for u in range(1, x.shape[2]):  # slot pairs v < u over [B, g] (an [B, g, s, s] compare summed over its short
+        # trailing axis took 0.5 ms at [58, 320] on 8 nodes, these s (s - 1) / 2 small ones ~0.1)
+        for v in range(u):
+            out[:, :, u] += x[:, :, u] == x[:, :, v]
+    return out

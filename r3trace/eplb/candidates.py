@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from r3trace.eplb.deepseek import global_policy
+from r3trace.eplb.deepseek import global_phy2log
 from r3trace.eplb.placement import Cluster
 from r3trace.eplb.regroup import gpu_coactivation, node_order, reordered
 from r3trace.eplb.score import phy2log_gpu_load
@@ -124,19 +124,75 @@ def regrouped(phy2log: np.ndarray, tokens: np.ndarray, cluster: Cluster,
 def best_layout(phy2log: np.ndarray, w: np.ndarray, cluster: Cluster, tokens: np.ndarray | None) -> np.ndarray:
     """Ours' phy2log [L, P], forecast w [L, E], newest tokens [T, L, K] or None -> phy2log [L, P], per layer the
     candidate of the module doc with the lowest max GPU load up to MAX_LOAD_TIE, then the fewest nodes per token."""
-    e = w.shape[1]
-    glob = global_policy(w, cluster).phy2log
-    cands = np.stack([phy2log, by_group(glob, e, cluster), glob])  # [3, L, P]
-    peak = np.stack([phy2log_gpu_load(c, w, cluster).max(1) for c in cands])  # [3, L]
-    tied = peak <= peak.min(0) * (1 + MAX_LOAD_TIE)
-    if tokens is None or cluster.num_slots != e:
-        cost = np.broadcast_to(np.arange(len(cands), dtype=np.float64)[:, None], peak.shape)
-    else:  # ours' and global's GPUs regrouped onto nodes by co-activation, in the layers where they tie on the
-        # max load (loads unchanged: regroup.py); global grouped is global's GPUs ordered by another rule, so its
-        # regroup would mostly repeat global's (regroup.py: the regroups are most of a fresh plan's time here)
-        # ours' and global's layers go through regrouped as one stack of 2 L layers: each layer's result is
-        # its own (node_order steps the layers independently), and the steps and counts run once for both
-        n_layers, newer = len(phy2log), tokens[len(tokens) // 2:]
+    return Contest(phy2log, w, cluster, tokens).layouts(np.arange(len(phy2log)))
+
+
+def losing_load(glob: np.ndarray, w: np.ndarray, cluster: Cluster) -> np.ndarray:
+    """DeepSeek global's phy2log [L, P] on w [L, E] -> [L] the max GPU load above which ours' layer ties no
+    candidate (global grouped has global's GPU loads), so Contest never chooses it nor reads its max load."""
+    return phy2log_gpu_load(glob, w, cluster).max(1) * (1 + MAX_LOAD_TIE)
+
+
+class Contest:
+    """best_layout's choice made per layer on demand. A drifting re-plan (replan.refreshed) needs every layer's
+    winning max GPU load but the winning layout only of the layers that take the fresh plan. The regroups change no
+    GPU's load, so a layer's winning max load is known without them wherever the tied candidates' max loads are
+    equal. The drifting re-plan at [58, 256] on 64 GPUs / 8 nodes (P = E; bench/eplb_matrix.plan_times) chose 4 of
+    its 58 layers so (none took the fresh plan) and took 0.027 s instead of 0.049 s with every layer chosen.
+    compete=False: ours alone.
+
+    Each layer's choice is its own (every step below is per layer), so a subset of layers gets the layouts and
+    loads that the whole stack gets (tests/analysis/test_eplb_contest.py)."""
+
+    def __init__(self, phy2log: np.ndarray, w: np.ndarray, cluster: Cluster, tokens: np.ndarray | None,
+                 compete: bool = True, glob: np.ndarray | None = None) -> None:
+        """glob: DeepSeek global's phy2log [L, P] on w where the caller has it."""
+        self.w, self.cluster, self.tokens = w, cluster, tokens
+        if compete:
+            glob = global_phy2log(w, cluster) if glob is None else glob
+            self.cands = np.stack([phy2log, by_group(glob, w.shape[1], cluster), glob])  # [3, L, P]
+        else:
+            self.cands = phy2log[None]
+        self.peaks = np.stack([phy2log_gpu_load(c, w, cluster).max(1) for c in self.cands])  # [C, L]
+        self.tied = self.peaks <= self.peaks.min(0) * (1 + MAX_LOAD_TIE)
+        self.won = np.empty_like(phy2log)  # [L, P] the chosen layouts, where done
+        self.done = np.zeros(len(phy2log), dtype=bool)
+
+    def peak(self) -> np.ndarray:
+        """-> [L] the max GPU load of each layer's chosen layout: the tied candidates' where they share it,
+        else that of the layout chosen."""
+        low = self.peaks.min(0)
+        out = low.copy()
+        spread = np.flatnonzero(np.where(self.tied, self.peaks, -np.inf).max(0) > low)
+        if len(spread):
+            out[spread] = phy2log_gpu_load(self.layouts(spread), self.w[spread], self.cluster).max(1)
+        return out
+
+    def layouts(self, rows: np.ndarray) -> np.ndarray:
+        """rows [R] layer indices -> phy2log [R, P]: each layer's chosen candidate (best_layout's rows)."""
+        todo = np.flatnonzero(~self.done[rows])
+        if len(todo):
+            need = np.unique(rows[todo])
+            if len(need) == 1 and len(self.done) > 1:  # numpy sums one column [T / 2, 1] over axis 0 pairwise,
+                # several row by row: a lone layer is chosen beside another so its statistics match the whole stack's
+                need = np.array([need[0], (need[0] + 1) % len(self.done)])
+            self.won[need] = self._choose(need)
+            self.done[need] = True
+        return self.won[rows]
+
+    def _choose(self, rows: np.ndarray) -> np.ndarray:
+        tied, e, cluster = self.tied[:, rows], self.w.shape[1], self.cluster
+        if len(self.cands) == 1 or self.tokens is None or cluster.num_slots != e:  # the first tied candidate
+            return self.cands[np.argmax(tied, axis=0), rows]
+        # np.take: C-contiguous copies (x[:, rows] is not, and the token counts below ran 1.4x as long on it)
+        cands, tokens = np.take(self.cands, rows, axis=1), np.take(self.tokens, rows, axis=1)
+        # ours' and global's GPUs regrouped onto nodes by co-activation, in the layers where they tie on the max
+        # load (loads unchanged: regroup.py); global grouped is global's GPUs ordered by another rule, so its regroup
+        # would mostly repeat global's (regroup.py: the regroups are most of a fresh plan's time here). Ours' and
+        # global's layers go through regrouped as one stack of 2 L layers: each layer's result is its own
+        # (node_order steps the layers independently), and the steps and counts run once for both
+        glob = cands[2]
+        n_layers, newer = len(rows), tokens[len(tokens) // 2:]
         ph, nodes = regrouped(np.concatenate([cands[0], cands[2]]), np.concatenate([tokens, tokens], 1), cluster,
                               np.concatenate([tied[0], tied[2]]))
         kept = token_nodes(cands[1], newer, cluster)  # [T / 2, L] regrouped's count of a layer it skips
@@ -149,5 +205,3 @@ def best_layout(phy2log: np.ndarray, w: np.ndarray, cluster: Cluster, tokens: np
         noise = GLOBAL_Z * diff.std(0, ddof=1) / np.sqrt(max(len(diff), 1))
         own = tied[2] & (diff.mean(0) >= -noise)
         return np.where(own[:, None], glob, cands[pick, np.arange(n_layers)])
-    pick = np.argmin(np.where(tied, cost, np.inf), axis=0)  # [L]
-    return cands[pick, np.arange(len(pick))]

@@ -31,7 +31,8 @@ from r3trace.eplb.placement import Cluster, PlacementError
 
 
 def level_refine(phy2log: np.ndarray, weight: np.ndarray, logcnt: np.ndarray, cluster: Cluster, max_swaps: int,
-                 min_gain: float, cold: float = 0.5, hot_slots: int = 16, cross_nodes: bool = True) -> np.ndarray:
+                 min_gain: float, cold: float = 0.5, hot_slots: int = 16, cross_nodes: bool = True,
+                 out_of_reach: np.ndarray | None = None) -> np.ndarray:
     """phy2log [L, P] -> phy2log [L, P] after at most max_swaps swaps per layer (2 moved slots each).
 
     weight [L, E] forecast loads, logcnt [L, E] replicas (counts do not change). Each step swaps a slot of
@@ -39,6 +40,12 @@ def level_refine(phy2log: np.ndarray, weight: np.ndarray, logcnt: np.ndarray, cl
     on 32; 8 GPUs of 9 slots made a [58, 256] plan take 3 s) with any slot of another GPU, the allowed pair (module doc)
     that lowers the sum of squared GPU loads most; a layer stops once that gain is below
     min_gain x (mean GPU load)^2. cross_nodes=False keeps every replica on its node (swaps inside nodes only).
+
+    out_of_reach [L] or None: a layer also stops, where its swaps could no longer bring its max GPU load down to
+    out_of_reach or below, for a caller that has no use for such a layer (candidates.Contest: ours loses there).
+    A swap lowers one GPU's load and raises the other's (each a sum of the same slot loads in the same order but
+    one, so also in floating point), so with m swaps left the (m + 1)-th hottest GPU's load is a floor under the
+    final max load; a layer stops once that floor exceeds out_of_reach, its max load then above it too.
     """
     if min_gain < 0:
         raise PlacementError(f"min_gain={min_gain} must be >= 0")
@@ -84,9 +91,22 @@ def level_refine(phy2log: np.ndarray, weight: np.ndarray, logcnt: np.ndarray, cl
     grp_a = _home_group(out, slot_bit[None, :], group_nodes, gsize, np.arange(n_layers)[:, None])  # [L, P]
     grp_b = np.where(grp_a < 0, np.int16(-2), grp_a)
     r = np.arange(n_layers)  # layers still improving
-    for _ in range(max_swaps):
+    # raveled views of the per-slot, per-expert and per-GPU state (reshape without copy: writes reach the arrays)
+    out_flat, u_flat, flag_flat = (np.reshape(x, -1, copy=False) for x in (out, u, flag))
+    grp_a_flat, grp_b_flat = np.reshape(grp_a, -1, copy=False), np.reshape(grp_b, -1, copy=False)
+    cnt_rows, nodes_of_flat = np.reshape(cnt, (-1, n_nodes), copy=False), np.reshape(nodes_of, -1, copy=False)
+    gpu_all_flat, u_gpus = np.reshape(gpu_all, -1, copy=False), np.reshape(u, (-1, spg), copy=False)
+    for step in range(max_swaps):
         n = len(r)
-        rank = np.argsort(-(gpu_all if n == n_layers else gpu_all[r]), axis=1)
+        g_r = gpu_all if n == n_layers else gpu_all[r]
+        rank = np.argsort(-g_r, axis=1)
+        left = max_swaps - step  # swaps left, this one included
+        if out_of_reach is not None and left < n_gpus:
+            on = np.take_along_axis(g_r, rank[:, left, None], 1)[:, 0] <= out_of_reach[r]  # [n] still within reach
+            if not on.all():
+                r, rank, n = r[on], rank[on], int(on.sum())
+                if not n:
+                    break
         # a's GPUs: the hottest; b's: the coldest GPUs anywhere and every GPU of the hottest GPU's node (swaps
         # inside a node are always allowed); all P slots made each step [n, S, P] and a [58, 256] plan on 8
         # nodes take 1 s
@@ -134,24 +154,23 @@ def level_refine(phy2log: np.ndarray, weight: np.ndarray, logcnt: np.ndarray, cl
         i, j = np.divmod(best[keep], ab.shape[1] - ns)
         r = r[keep]
         a, b = ab[keep, i], ab[keep, ns + j]
-        xa, yb = out[r, a], out[r, b]
-        # one swap per layer, of two different experts (a positive gain needs d != 0): no index repeats in a statement
-        cnt[r, xa, slot_node[a]] -= 1
-        cnt[r, yb, slot_node[b]] -= 1
-        cnt[r, xa, slot_node[b]] += 1
-        cnt[r, yb, slot_node[a]] += 1
-        nodes_of[r, xa] = ((cnt[r, xa] > 0) * bit).sum(1, dtype=mask_t)
-        nodes_of[r, yb] = ((cnt[r, yb] > 0) * bit).sum(1, dtype=mask_t)
-        out[r, a], out[r, b] = yb, xa
-        u[r, a], u[r, b] = u[r, b], u[r, a].copy()
-        flag[r, a], flag[r, b] = flag[r, b], flag[r, a].copy()
-        two, both = np.stack([r, r]), np.stack([a, b])  # [2, n']
-        code = _home_group(np.stack([yb, xa]), slot_bit[both], group_nodes, gsize, two)
-        grp_a[two, both] = code
-        grp_b[two, both] = np.where(code < 0, np.int16(-2), code)
-        u3 = u.reshape(n_layers, n_gpus, spg)
-        gpu_all[r, a // spg] = u3[r, a // spg].sum(-1)
-        gpu_all[r, b // spg] = u3[r, b // spg].sum(-1)
+        # the swap's state updates through raveled views, a's and b's slots in one index ([2 n'], a's then b's): one
+        # swap per layer, of two different experts on two GPUs (a positive gain needs d != 0 and ga != gb), so no
+        # index repeats in a statement
+        ab2, ba2, r2 = np.concatenate([a, b]), np.concatenate([b, a]), np.concatenate([r, r])
+        both, swapped = r2 * p + ab2, r2 * p + ba2
+        rows2 = r2 * e + out_flat[both]  # [2 n'] (layer, expert) rows of cnt and nodes_of: a's expert, then b's
+        cnt_rows[rows2, slot_node[ab2]] -= 1
+        cnt_rows[rows2, slot_node[ba2]] += 1
+        nodes_of_flat[rows2] = ((cnt_rows[rows2] > 0) * bit).sum(1, dtype=mask_t)
+        out_flat[both] = out_flat[swapped]
+        u_flat[both] = u_flat[swapped]
+        flag_flat[both] = flag_flat[swapped]
+        code = _home_group(out_flat[both], slot_bit[ab2], group_nodes, gsize, r2)
+        grp_a_flat[both] = code
+        grp_b_flat[both] = np.where(code < 0, np.int16(-2), code)
+        gpu2 = r2 * n_gpus + ab2 // spg
+        gpu_all_flat[gpu2] = u_gpus[gpu2].sum(-1)
     return out
 
 

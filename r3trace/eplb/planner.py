@@ -60,14 +60,14 @@ import numpy as np
 
 from r3trace.eplb.affinity import CoChoices, affinity_replicas, home_primaries
 from r3trace.eplb.alignment import align
-from r3trace.eplb.candidates import best_layout
-from r3trace.eplb.deepseek import group_nodes, pack_nodes, spread_replicas
+from r3trace.eplb.candidates import Contest, best_layout, losing_load
+from r3trace.eplb.deepseek import global_phy2log, group_nodes, pack_nodes, spread_replicas
 from r3trace.eplb.forecast import backtest_errors, drifts, forecast, pick_alpha
 from r3trace.eplb.homing import capped_counts, expert_nodes
 from r3trace.eplb.leveling import level_refine
 from r3trace.eplb.pairing import paired
 from r3trace.eplb.placement import Cluster, Placement, PlacementError, from_phy2log
-from r3trace.eplb.polish import NodeRule, polish
+from r3trace.eplb.polish import NodeRule, applies, polish
 from r3trace.eplb.refine import swap_refine
 from r3trace.eplb.replan import refreshed, seeded_plan
 from r3trace.eplb.score import even_gpu_load, node_counts
@@ -178,14 +178,7 @@ def fresh_plan(w: np.ndarray, home: np.ndarray | None, cluster: Cluster, cfg: Pl
     nodes global's layouts compete per layer (candidates.best_layout) without a spare slot, or when `compete`."""
     n_layers, e = w.shape
     if spreads(cluster, cfg):
-        logcnt = capped_counts(w, cluster.num_slots, spread_cap(cluster))
-        cnt = affinity_replicas(w, logcnt, home_primaries(w, cluster), CoChoices(tokens, e), cluster)
-        phy2log = level_refine(pack_nodes(w, logcnt, cnt, cluster), w, logcnt, cluster, cfg.level_swaps,
-                               cfg.level_min_gain, cfg.level_cold, cross_nodes=not cfg.keep_groups)
-        rule: NodeRule = "keep" if cfg.keep_groups else "cover"
-        phy2log = polish(phy2log, w, cluster, tokens, cfg.polish_steps, rule)
-        if not cfg.keep_groups:  # two slots per GPU: the sorted pairing across nodes (pairing.py)
-            phy2log = paired(phy2log, w, cluster, tokens)
+        phy2log = spread_layout(w, cluster, cfg, tokens)
         if (compete or cluster.num_slots == e) and not cfg.keep_groups:
             phy2log = best_layout(phy2log, w, cluster, tokens)
         return from_phy2log(phy2log, e)
@@ -199,6 +192,29 @@ def fresh_plan(w: np.ndarray, home: np.ndarray | None, cluster: Cluster, cfg: Pl
     phy2log = swap_refine(pack_nodes(w, logcnt, cnt, cluster), w, logcnt, cluster, cfg.fresh_swaps, cfg.min_gain,
                           cross_nodes=not cfg.keep_groups)
     return from_phy2log(polish(phy2log, w, cluster, tokens, cfg.polish_steps, "fixed"), e)
+
+
+def spread_layout(w: np.ndarray, cluster: Cluster, cfg: PlannerConfig, tokens: np.ndarray | None,
+                  losing: np.ndarray | None = None, logcnt: np.ndarray | None = None) -> np.ndarray:
+    """Forecast loads w [L, E], tokens [T, L, K] or None -> phy2log [L, P]: the multi-node layout of fresh_plan
+    (group homes, co-activation replicas, leveling, polish, pairing) before global's layouts compete.
+
+    losing [L] or None: the max GPU load above which a layer's layout goes unused (candidates.losing_load); where
+    neither polish nor pairing follows, such a layer's leveling stops once it cannot get below (level_refine's
+    out_of_reach), its max load still above. The drifting re-plan at [58, 320] on 8 nodes: ours lost to global's
+    layout in 44 of 58 layers, and 42 of them stopped, 823 of 2746 layer-steps of leveling left out. logcnt: the
+    capped counts where the caller has them."""
+    logcnt = capped_counts(w, cluster.num_slots, spread_cap(cluster)) if logcnt is None else logcnt
+    cnt = affinity_replicas(w, logcnt, home_primaries(w, cluster), CoChoices(tokens, w.shape[1]), cluster)
+    final = not applies(cluster) and cluster.slots_per_gpu != 2  # the leveling's layout is the last (polish, paired)
+    phy2log = level_refine(pack_nodes(w, logcnt, cnt, cluster), w, logcnt, cluster, cfg.level_swaps,
+                           cfg.level_min_gain, cfg.level_cold, cross_nodes=not cfg.keep_groups,
+                           out_of_reach=losing if final else None)
+    rule: NodeRule = "keep" if cfg.keep_groups else "cover"
+    phy2log = polish(phy2log, w, cluster, tokens, cfg.polish_steps, rule)
+    if not cfg.keep_groups:  # two slots per GPU: the sorted pairing across nodes (pairing.py)
+        phy2log = paired(phy2log, w, cluster, tokens)
+    return phy2log
 
 
 def plan(
@@ -222,9 +238,12 @@ def plan(
         cap = spread_cap(cluster)
         if not moving:
             return from_phy2log(seeded_plan(w, prev, cluster, cfg, cap, tokens), w.shape[1])
-        # the fresh plan here is a full move anyway, so global's layout competes for every layer (candidates.py)
-        anew = fresh_plan(w, None, cluster, cfg, tokens, compete=True)
-        return from_phy2log(refreshed(anew, w, prev, cluster, cfg, cap, tokens), w.shape[1])
+        # the fresh plan here is a full move anyway, so global's layout competes for every layer (candidates.py),
+        # each layer's choice made only where the re-plan needs it (candidates.Contest)
+        glob, capped = global_phy2log(w, cluster), capped_counts(w, cluster.num_slots, cap)
+        ours = spread_layout(w, cluster, cfg, tokens, losing_load(glob, w, cluster), capped)
+        anew = Contest(ours, w, cluster, tokens, glob=glob)
+        return from_phy2log(refreshed(anew, w, prev, cluster, cfg, cap, tokens, capped), w.shape[1])
     home = group_nodes(w, cluster) if prev is None else node_counts(prev, cluster).argmax(2)
     fresh = fresh_plan(w, home, cluster, cfg, tokens)
     if prev is None:

@@ -32,19 +32,21 @@ from r3trace.eplb.leveling import level_refine
 from r3trace.eplb.pairing import paired
 from r3trace.eplb.placement import Cluster, Placement
 from r3trace.eplb.reseat import reseat
-from r3trace.eplb.score import even_gpu_load, phy2log_gpu_load
+from r3trace.eplb.score import phy2log_gpu_load
 
 if TYPE_CHECKING:
+    from r3trace.eplb.candidates import Contest
     from r3trace.eplb.planner import PlannerConfig
 
 
-def seeded_counts(w: np.ndarray, prev: Placement, cluster: Cluster, cfg: PlannerConfig, cap: int
-                  ) -> tuple[np.ndarray, int]:
+def seeded_counts(w: np.ndarray, prev: Placement, cluster: Cluster, cfg: PlannerConfig, cap: int,
+                  capped: np.ndarray | None = None) -> tuple[np.ndarray, int]:
     """Forecast w [L, E] -> (replica counts [L, E] a seeded re-plan reseats, leveling swaps per layer): the fresh
     counts (capped at `cap`), or, where they would move more than seeded_churn_budget, the fresh counts in layers
-    ordered by the largest drop in forecast max load per replica while they fit, the previous ones elsewhere."""
+    ordered by the largest drop in forecast max load per replica while they fit, the previous ones elsewhere.
+    capped: the fresh counts (homing.capped_counts) where the caller has them."""
     n_layers = w.shape[0]
-    logcnt = capped_counts(w, cluster.num_slots, cap)
+    logcnt = capped_counts(w, cluster.num_slots, cap) if capped is None else capped
     moved = np.abs(logcnt - prev.logcnt).sum(1) // 2  # [L] slots reseating changes in each layer
     budget = int(cfg.seeded_churn_budget * prev.phy2log.size)
     if moved.sum() > budget:
@@ -59,16 +61,17 @@ def seeded_counts(w: np.ndarray, prev: Placement, cluster: Cluster, cfg: Planner
 
 
 def seeded_plan(w: np.ndarray, prev: Placement, cluster: Cluster, cfg: PlannerConfig, cap: int,
-                tokens: np.ndarray | None = None, layers: np.ndarray | None = None, hot: bool = True) -> np.ndarray:
+                tokens: np.ndarray | None = None, layers: np.ndarray | None = None, hot: bool = True,
+                counts: tuple[np.ndarray, int] | None = None) -> np.ndarray:
     """Forecast w [L, E], previous placement -> phy2log [L, P]: seeded_counts' counts reseated into prev
     (reseat.py), then leveling swaps with what is left of the churn budget, spread evenly over layers; a layer
     keeps its swaps only where they lower its hottest GPU by more than replan_min_drop; with two slots per GPU the
     slots the swaps left of a layer's budget then re-pick GPUs' lighter replicas (pairing.paired), and what is left
     after that goes to swaps on the hottest GPUs' loads (descent.hot_swaps; hot=False: none). layers [L] bool:
     only those rows are planned (each the same as with every layer: counts and swaps are decided over all layers), the
-    others keep prev's."""
+    others keep prev's. counts: seeded_counts' result where the caller has it."""
     e = w.shape[1]
-    logcnt, swaps = seeded_counts(w, prev, cluster, cfg, cap)
+    logcnt, swaps = seeded_counts(w, prev, cluster, cfg, cap) if counts is None else counts
     out = prev.phy2log.copy()
     rows = np.arange(len(w)) if layers is None else np.flatnonzero(layers)
     if not len(rows):
@@ -110,38 +113,39 @@ def floor_bound(w: np.ndarray, logcnt: np.ndarray, cluster: Cluster, margin: flo
     return max_load_floor(w, logcnt, cluster) > (1 + margin) * w.sum(1) / cluster.num_gpus
 
 
-def refreshed(fresh: Placement, w: np.ndarray, prev: Placement, cluster: Cluster, cfg: PlannerConfig, cap: int,
-              tokens: np.ndarray | None = None) -> np.ndarray:
-    """A drifting workload's re-plan: a fresh plan and the previous placement on the forecast w [L, E] ->
-    phy2log [L, P]. The seeded plan's layers (seeded_plan) stay, except that where the fresh plan's forecast max
-    GPU load is lower by more than refresh_gain on average over layers, every layer it lowers takes the fresh
-    layout (aligned to prev so that kept replicas stay in their slots).
+def refreshed(fresh: Contest, w: np.ndarray, prev: Placement, cluster: Cluster, cfg: PlannerConfig, cap: int,
+              tokens: np.ndarray | None = None, capped: np.ndarray | None = None) -> np.ndarray:
+    """A drifting workload's re-plan: a fresh plan (its per-layer layout choice, candidates.Contest) and the
+    previous placement on the forecast w [L, E] -> phy2log [L, P]. The seeded plan's layers (seeded_plan) stay,
+    except that where the fresh plan's forecast max GPU load is lower by more than refresh_gain on average over
+    layers, every layer it lowers takes the fresh layout (aligned to prev so that kept replicas stay in their
+    slots). The fresh layout is chosen only in the layers that take it or whose max load depends on the choice.
 
     Seeded first: the floor-bound layers (floor_bound) and, of the others, the 1 / refresh_probe whose previous
     placement is closest to the fresh plan (a probe). Where every probe loses to the fresh plan and the probes'
     mean ratio, standing in for the unseeded layers', calls a refresh, those layers take the fresh layout unseeded;
     else every layer is seeded and the rule above decides (module doc). Seeded without hot swaps (descent.py says
-    why)."""
-    peak = even_gpu_load(fresh, w, cluster).max(1)  # [L]
-    logcnt, _ = seeded_counts(w, prev, cluster, cfg, cap)
-    seed = floor_bound(w, logcnt, cluster, cfg.refresh_floor)  # [L]
+    why). capped: the fresh counts (homing.capped_counts) where the caller has them."""
+    peak = fresh.peak()  # [L]
+    counts = seeded_counts(w, prev, cluster, cfg, cap, capped)
+    seed = floor_bound(w, counts[0], cluster, cfg.refresh_floor)  # [L]
     rest = np.flatnonzero(~seed)
     if len(rest):
         near = phy2log_gpu_load(prev.phy2log[rest], w[rest], cluster).max(1) / peak[rest]
         probe = rest[np.argsort(near, kind="stable")[: -(-len(rest) // cfg.refresh_probe)]]
         seed[probe] = True
-    low = seeded_plan(w, prev, cluster, cfg, cap, tokens, seed, hot=False)
+    low = seeded_plan(w, prev, cluster, cfg, cap, tokens, seed, hot=False, counts=counts)
     ratio = phy2log_gpu_load(low, w, cluster).max(1) / peak  # [L] unseeded rows: prev's (not read)
     if len(rest):
         est = np.where(seed, ratio, ratio[probe].mean())
         if ratio[probe].min() > 1 and est.mean() > 1 + cfg.refresh_gain:
             take = np.flatnonzero(~seed | (ratio > 1))
-            low[take] = align(fresh.phy2log[take], prev.phy2log[take], cluster)
+            low[take] = align(fresh.layouts(take), prev.phy2log[take], cluster)
             return low
-        low[~seed] = seeded_plan(w, prev, cluster, cfg, cap, tokens, ~seed, hot=False)[~seed]
+        low[~seed] = seeded_plan(w, prev, cluster, cfg, cap, tokens, ~seed, hot=False, counts=counts)[~seed]
         ratio = phy2log_gpu_load(low, w, cluster).max(1) / peak
     if ratio.mean() <= 1 + cfg.refresh_gain:
         return low
     take = np.flatnonzero(ratio > 1)
-    low[take] = align(fresh.phy2log[take], prev.phy2log[take], cluster)
+    low[take] = align(fresh.layouts(take), prev.phy2log[take], cluster)
     return low

@@ -11,7 +11,8 @@ import pytest
 from r3trace.eplb import Cluster
 from r3trace.eplb.homing import capped_counts
 from r3trace.eplb.leveling import level_refine
-from r3trace.eplb.placement import PlacementError
+from r3trace.eplb.placement import PlacementError, from_phy2log
+from r3trace.eplb.score import even_gpu_load
 
 
 def reference(ph: np.ndarray, w: np.ndarray, logcnt: np.ndarray, cl: Cluster, swaps: int, min_gain: float,
@@ -142,3 +143,30 @@ def test_a_cluster_with_fewer_gpus_than_the_hot_slots_ask() -> None:
     np.testing.assert_array_equal(got, reference(ph, w, logcnt, cl, 20, 0.0, 0.5, True))
     placed = plan(rng.random((3, n_layers, e)), cl)
     assert all(set(row) == set(range(e)) for row in placed.phy2log)
+
+
+@pytest.mark.parametrize("case", range(3))
+def test_a_layer_stopped_out_of_reach_ends_above_the_bar_and_the_others_are_unchanged(case: int) -> None:
+    """out_of_reach: a layer stops only where the full run's max GPU load ends above its bar (the floor holds),
+    its own max load then above the bar too; the layers that do not stop are the full run's."""
+    rng = np.random.default_rng(700 + case)
+    cl = [Cluster(32, 4, 96, num_groups=4), Cluster(24, 6, 72, num_groups=4), Cluster(32, 8, 128, num_groups=4)][case]
+    e, n_layers = 32, 8
+    w = rng.pareto(1.0, (n_layers, e)) + 0.05
+    logcnt = capped_counts(w, cl.num_slots, max(cl.num_nodes, cl.gpus_per_node))
+    ph = np.stack([rng.permutation(np.repeat(np.arange(e), logcnt[i])) for i in range(n_layers)])
+    full = level_refine(ph, w, logcnt, cl, 12, 0.0, 1.0)  # 12 swaps: fewer than the GPUs
+    peak = even_gpu_load(from_phy2log(full, e), w, cl).max(1)
+    mean = w.sum(1) / cl.num_gpus
+    # bars: the mean GPU load (out of reach), just under the full run's max load, just above it (reached at the end:
+    # a looser floor stops these) and far above it
+    bar = np.stack([mean, peak * 0.999, peak * (1 + 1e-9), peak * 2])[np.arange(n_layers) % 4, np.arange(n_layers)]
+    got = level_refine(ph, w, logcnt, cl, 12, 0.0, 1.0, out_of_reach=bar)
+    stopped = (got != full).any(1)
+    assert stopped[::4].all()  # the mean is out of reach early
+    assert (even_gpu_load(from_phy2log(ph, e), w, cl).max(1)[2::4] > bar[2::4]).all()  # those start above the bar
+    assert (peak[stopped] > bar[stopped]).all()
+    assert (even_gpu_load(from_phy2log(got, e), w, cl).max(1)[stopped] > bar[stopped]).all()
+    np.testing.assert_array_equal(got[~stopped], full[~stopped])
+    never = np.full(n_layers, np.inf)
+    np.testing.assert_array_equal(level_refine(ph, w, logcnt, cl, 12, 0.0, 1.0, out_of_reach=never), full)

@@ -8,8 +8,9 @@ import pytest
 
 from r3trace.eplb import Cluster, PlannerConfig, global_policy, plan, replan
 from r3trace.eplb.alignment import align
+from r3trace.eplb.candidates import Contest
 from r3trace.eplb.placement import Placement, from_phy2log
-from r3trace.eplb.planner import fresh_plan, spread_cap
+from r3trace.eplb.planner import fresh_plan, spread_cap, spread_layout
 from r3trace.eplb.replan import floor_bound, max_load_floor, refreshed, seeded_counts, seeded_plan
 from r3trace.eplb.score import even_gpu_load
 
@@ -78,8 +79,9 @@ def test_a_drifting_replan_seeds_floor_bound_layers_only(seed: int, monkeypatch:
     prev = plan(hist[:5], cl, tokens=tok)
     w = hist[5]
     fresh = fresh_plan(w, None, cl, PlannerConfig(), tok, compete=True)
+    contest = Contest(spread_layout(w, cl, PlannerConfig(), tok), w, cl, tok)  # the same fresh plan, chosen lazily
     exact = PlannerConfig(refresh_floor=-1.0)  # every layer seeded first
-    np.testing.assert_array_equal(refreshed(fresh, w, prev, cl, exact, spread_cap(cl), tok),
+    np.testing.assert_array_equal(refreshed(contest, w, prev, cl, exact, spread_cap(cl), tok),
                                   _old_rule(fresh, w, prev, cl, exact, tok))
     cfg = PlannerConfig()
     logcnt, _ = seeded_counts(w, prev, cl, cfg, spread_cap(cl))
@@ -91,7 +93,7 @@ def test_a_drifting_replan_seeds_floor_bound_layers_only(seed: int, monkeypatch:
         return seeded_plan(*args, **kw)  # type: ignore[arg-type]
 
     monkeypatch.setattr(replan, "seeded_plan", spy)
-    out = refreshed(fresh, w, prev, cl, cfg, spread_cap(cl), tok)
+    out = refreshed(contest, w, prev, cl, cfg, spread_cap(cl), tok)
     monkeypatch.undo()
     # one call: layer 0 (floor-bound) and one probe (1 / 16 of the 5 others, rounded up); the rest are not seeded
     assert len(seeded_rows) == 1 and seeded_rows[0][0] and seeded_rows[0].sum() == 2
@@ -100,9 +102,11 @@ def test_a_drifting_replan_seeds_floor_bound_layers_only(seed: int, monkeypatch:
     np.testing.assert_array_equal(out[1:], align(fresh.phy2log[1:], prev.phy2log[1:], cl))
     np.testing.assert_array_equal(out[0], old[0])  # the seeded layer as before
     # every layer a probe: every layer seeded, the old rule's plan exactly
-    np.testing.assert_array_equal(refreshed(fresh, w, prev, cl, PlannerConfig(refresh_probe=1), spread_cap(cl), tok),
+    np.testing.assert_array_equal(refreshed(contest, w, prev, cl, PlannerConfig(refresh_probe=1), spread_cap(cl),
+                                            tok),
                                   old)
     # a "fresh" plan no better than the seeded one: the probes keep theirs, so every layer is seeded (none left at
     # prev's) and none refreshed
     seeded = seeded_plan(w, prev, cl, cfg, spread_cap(cl), tok)
-    np.testing.assert_array_equal(refreshed(from_phy2log(seeded, E), w, prev, cl, cfg, spread_cap(cl), tok), seeded)
+    alone = Contest(seeded, w, cl, tok, compete=False)
+    np.testing.assert_array_equal(refreshed(alone, w, prev, cl, cfg, spread_cap(cl), tok), seeded)
