@@ -124,12 +124,25 @@ class FixedSplitDecoder:
         if T == 0 or H == 0:
             return out
         splits = triton.cdiv(max(1, max_seq_len), self.split_keys)
-        part_out = torch.empty((T, H, splits, kv_lora_rank), dtype=torch.float32, device=q.device)
-        part_lse = torch.empty((T, H, splits), dtype=torch.float32, device=q.device)
-        token_block_stage1(q, kv_cache, req_to_token, req_pool_indices, q_start, q_lens, row_keys, part_out, part_lse,
-                           kv_lora_rank, sm_scale * LOG2E, self.tile, self.split_keys, max_q_len)  # fmt: skip
-        ordered_merge(part_out, part_lse, row_keys, out, self.split_keys)
+        split_attention(q, kv_cache, req_to_token, req_pool_indices, q_start, q_lens, row_keys, kv_lora_rank,
+                        sm_scale, self.tile, self.split_keys, splits, max_q_len, out, dynamic=False)  # fmt: skip
         return out
+
+
+def split_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+    q_start: torch.Tensor, q_lens: torch.Tensor, row_keys: torch.Tensor, kv_lora_rank: int, sm_scale: float,
+    tile: TokenBlockTile, split_keys: int, splits: int, max_q_len: int, out: torch.Tensor, dynamic: bool,
+) -> None:  # fmt: skip
+    """out [T, H, kv_lora] <- token_block.py's stage 1 into `splits` fp32 partials a row, then the ordered merge.
+    dynamic: each block cuts its own split size on the device (>= split_keys keys), else every split is split_keys."""
+    T, H, _ = q.shape
+    part_out = torch.empty((T, H, splits, kv_lora_rank), dtype=torch.float32, device=q.device)
+    part_lse = torch.empty((T, H, splits), dtype=torch.float32, device=q.device)
+    row_split = torch.empty((T,), dtype=torch.int32, device=q.device) if dynamic else None
+    token_block_stage1(q, kv_cache, req_to_token, req_pool_indices, q_start, q_lens, row_keys, part_out, part_lse,
+                       kv_lora_rank, sm_scale * LOG2E, tile, split_keys, max_q_len, row_split)  # fmt: skip
+    ordered_merge(part_out, part_lse, row_keys, out, split_keys, row_split)
 
 
 def ordered_merge(part_out: torch.Tensor, part_lse: torch.Tensor, row_keys: torch.Tensor, out: torch.Tensor,

@@ -27,9 +27,8 @@ import torch
 import triton
 
 from r3trace.kernels.contract import require
-from r3trace.kernels.flash import LOG2E
-from r3trace.kernels.mla_decode.fixed_split import check_block_args, ordered_merge
-from r3trace.kernels.mla_decode.token_block import TokenBlockTile, token_block_stage1
+from r3trace.kernels.mla_decode.fixed_split import check_block_args, split_attention
+from r3trace.kernels.mla_decode.token_block import TokenBlockTile
 
 FIXED_TILES = 2.5  # a split's fixed cost (query load, partial write, its share of the merge) in key-tile times
 PART_COST = 1e-4  # key-tile times a (row, head, split) partial costs in bandwidth (2 KB written, then read)
@@ -89,10 +88,6 @@ class ShortExtendDecoder:
         out = torch.empty((T, H, kv_lora_rank), dtype=q.dtype, device=q.device)
         if T == 0 or H == 0:
             return out
-        part_out = torch.empty((T, H, num_splits, kv_lora_rank), dtype=torch.float32, device=q.device)
-        part_lse = torch.empty((T, H, num_splits), dtype=torch.float32, device=q.device)
-        row_split = torch.empty((T,), dtype=torch.int32, device=q.device)
-        token_block_stage1(q, kv_cache, req_to_token, req_pool_indices, q_start, q_lens, row_keys, part_out, part_lse,
-                           kv_lora_rank, sm_scale * LOG2E, self.tile, self.min_split, max_q_len, row_split)  # fmt: skip
-        ordered_merge(part_out, part_lse, row_keys, out, self.min_split, row_split)
+        split_attention(q, kv_cache, req_to_token, req_pool_indices, q_start, q_lens, row_keys, kv_lora_rank,
+                        sm_scale, self.tile, self.min_split, num_splits, max_q_len, out, dynamic=True)  # fmt: skip
         return out

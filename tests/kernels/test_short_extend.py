@@ -15,7 +15,7 @@ import torch
 
 from r3trace.engine.forward_batch import ForwardBatch
 from r3trace.engine.layers.attention_backend import SHORT_EXTEND_ROWS, RefAttention, TritonAttention
-from r3trace.kernels.mla_decode import short_extend
+from r3trace.kernels.mla_decode import fixed_split, short_extend
 from r3trace.kernels.mla_decode.registry import DecodeShape
 from tests.kernels.attention_batch import attention_batch
 from tests.kernels.conftest import DEVICE, assert_close_to_ref, requires_triton
@@ -60,18 +60,18 @@ def test_each_block_cuts_its_own_splits(prefix: list[int], extend: list[int], sp
     q, kv, fb = batch(prefix, extend, heads, 1, torch.float32, seed=len(prefix) + splits)
     short = backend(heads, 1, torch.float32).short
     row_split: list[torch.Tensor] = []
-    real = short_extend.ordered_merge
+    real = fixed_split.ordered_merge
 
     def spied(*args: Any) -> None:
         row_split.append(args[-1].cpu())
         real(*args)
 
-    short_extend.ordered_merge = spied  # type: ignore[assignment]
+    fixed_split.ordered_merge = spied  # type: ignore[assignment]
     try:
         out = short(q, kv, fb.req_to_token, fb.req_pool_indices, fb.extend_start_loc, fb.extend_lens,
                     fb.positions + 1, KV_LORA, 0.3, splits, max(extend))  # fmt: skip
     finally:
-        short_extend.ordered_merge = real  # type: ignore[assignment]
+        fixed_split.ordered_merge = real  # type: ignore[assignment]
     assert_close_to_ref(out, RefAttention().absorbed(q.float(), kv.float(), fb, KV_LORA, 0.3), torch.float32)
     tile, keys = short.tile, (fb.positions + 1).cpu()
     expected = []
