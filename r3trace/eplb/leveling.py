@@ -31,11 +31,12 @@ from r3trace.eplb.placement import Cluster, PlacementError
 
 
 def level_refine(phy2log: np.ndarray, weight: np.ndarray, logcnt: np.ndarray, cluster: Cluster, max_swaps: int,
-                 min_gain: float, cold: float = 0.5, hot_slots: int = 16, cross_nodes: bool = True,
+                 min_gain: float, cold: float | np.ndarray = 0.5, hot_slots: int = 16, cross_nodes: bool = True,
                  out_of_reach: np.ndarray | None = None) -> np.ndarray:
     """phy2log [L, P] -> phy2log [L, P] after at most max_swaps swaps per layer (2 moved slots each).
 
-    weight [L, E] forecast loads, logcnt [L, E] replicas (counts do not change). Each step swaps a slot of
+    weight [L, E] forecast loads, logcnt [L, E] replicas (counts do not change); cold: the module doc's factor, or
+    [L] one per layer (inf: every replica counts as cold, so any two may cross nodes). Each step swaps a slot of
     one of the layer's hottest GPUs (as many as hold about `hot_slots` slots: 8 of 2 slots on 144 GPUs, 1 of 9
     on 32; 8 GPUs of 9 slots made a [58, 256] plan take 3 s) with any slot of another GPU, the allowed pair (module doc)
     that lowers the sum of squared GPU loads most; a layer stops once that gain is below

@@ -41,7 +41,8 @@
    move are transferred. In the multi-node layout a re-placed layer moved 154-247 of 288 slots, so there the
    re-plan is seeded instead (seeded_plan): every layer takes its fresh counts by moving only the replicas
    whose count changed (reseat.py: 1-3 slots per layer), then leveling swaps use the rest of
-   `seeded_churn_budget`, and swaps on the `hot_gpus` hottest GPUs what the leveling left (descent.py).
+   `seeded_churn_budget` (across nodes for any replica where a layer's nodes per token is `cross_slack` under
+   global's), and swaps on the `hot_gpus` hottest GPUs what the leveling left (descent.py).
    These budgets hold for an unchanged workload; a drifting one (the backtest's plain
    mean erred > `refresh_drift` more than its best weight, over >= 2 windows) re-plans fresh on every layer
    that lowers the forecast max GPU load, when they lower it by > `refresh_gain` on average (refreshed; in the
@@ -127,6 +128,17 @@ class PlannerConfig:
     # 0 GPUs: none
     hot_gpus: int = 8
     hot_min_drop: float = 0.01
+    # a seeded re-plan's leveling swaps may move any replica across nodes (not only cold lone ones, leveling.py) in
+    # the layers whose nodes per token on the newest tokens is below (1 - cross_slack) x that of DeepSeek global's
+    # plan on the same forecast (replan.node_slack): they spend fewer nodes per token than the goal needs on
+    # balance. Over bench/eplb_matrix.py's 118 cells yes / tie / no 48 / 59 / 11 -> 52 / 56 / 10, no new no: the 23
+    # 4-node slow-drift cells +0.0023 on average (11 up, 2 down; nodes per token +0.00 .. +0.14, each still under
+    # global's), 8 nodes +0.0005 slow and +0.0021 fast (64 GPUs / 8 nodes / 320 slots at s = 0.9: -0.013 -> -0.009
+    # against global, still a no), slow-drift re-plans moving at most 9.4% of slots. With 2 slots per GPU too,
+    # 0.05 made a new no (P = E, 16 nodes: 4.76 nodes per token against global's 4.75); 0.2: 51 / 56 / 11. Only on
+    # <= 8 nodes with > 2 slots per GPU (replan.crosses); < 0: never. A re-plan at [58, 256] with 2,048 tokens took
+    # 0.035 / 0.048 s instead of 0.025 / 0.030 s (32 GPUs / 4 nodes / 288 slots, 64 / 8 / 320; medians of 7)
+    cross_slack: float = 0.1
 
     def __post_init__(self) -> None:
         bad_alpha = self.ema_alpha is not None and not 0 <= self.ema_alpha <= 1

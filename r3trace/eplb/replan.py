@@ -26,13 +26,14 @@ import numpy as np
 
 from r3trace.eplb.affinity import CoChoices
 from r3trace.eplb.alignment import align
+from r3trace.eplb.deepseek import global_phy2log
 from r3trace.eplb.descent import hot_swaps
 from r3trace.eplb.homing import capped_counts
 from r3trace.eplb.leveling import level_refine
 from r3trace.eplb.pairing import paired
 from r3trace.eplb.placement import Cluster, Placement
 from r3trace.eplb.reseat import reseat
-from r3trace.eplb.score import phy2log_gpu_load
+from r3trace.eplb.score import EXACT_COVER_NODES, phy2log_gpu_load
 
 if TYPE_CHECKING:
     from r3trace.eplb.candidates import Contest
@@ -78,7 +79,10 @@ def seeded_plan(w: np.ndarray, prev: Placement, cluster: Cluster, cfg: PlannerCo
         return out
     co = CoChoices(None if tokens is None else tokens[:, rows], e)  # the planned layers' tokens only
     ph = reseat(prev.phy2log[rows], logcnt[rows], w[rows], co.rows, cluster)
-    leveled = level_refine(ph, w[rows], logcnt[rows], cluster, swaps, cfg.replan_level_min_gain, cfg.level_cold)
+    cold: float | np.ndarray = cfg.level_cold
+    if tokens is not None and crosses(cluster, cfg):  # [l] any replica may cross nodes where nodes per token is low
+        cold = np.where(node_slack(ph, w[rows], tokens[-SLACK_TOKENS:, rows], cluster) > cfg.cross_slack, np.inf, cold)
+    leveled = level_refine(ph, w[rows], logcnt[rows], cluster, swaps, cfg.replan_level_min_gain, cold)
     before = phy2log_gpu_load(ph, w[rows], cluster).max(1)
     after = phy2log_gpu_load(leveled, w[rows], cluster).max(1)
     better = after < before * (1 - cfg.replan_min_drop)
@@ -91,6 +95,57 @@ def seeded_plan(w: np.ndarray, prev: Placement, cluster: Cluster, cfg: PlannerCo
     out[rows] = hot_swaps(out[rows], w[rows], logcnt[rows], cluster, left // 2, cfg.hot_min_drop, cfg.level_cold,
                           cfg.hot_gpus if hot else 0)
     return out
+
+
+# newest tokens node_slack counts on: a plan's nodes per token sits near 3-4 on 4-8 nodes, so the estimate's
+# standard error (~0.05 at 512 tokens) is well under the 10% cross_slack margin (all 4,096 tokens of a window gave
+# bench/eplb_matrix.py's cells the same verdict counts)
+SLACK_TOKENS = 512
+
+
+def crosses(cluster: Cluster, cfg: PlannerConfig) -> bool:
+    """True where a seeded re-plan's leveling may move any replica across nodes under slack (cross_slack): <= 8 nodes
+    (the dispatcher's exact cover, score.EXACT_COVER_NODES, so a layer's count is its own whatever other layers are
+    planned) and > 2 slots per GPU. With two slots per GPU pairing.paired already re-picks every GPU's lighter
+    replica over all nodes; there (bench/eplb_matrix.py's 16- and 18-node cells) the rule moved balancedness
+    -0.0006 .. +0.0002 on average, 3-5 cells up and 1-4 down, noise."""
+    return cfg.cross_slack >= 0 and cluster.num_nodes <= EXACT_COVER_NODES and cluster.slots_per_gpu > 2
+
+
+def node_slack(ph: np.ndarray, w: np.ndarray, tokens: np.ndarray, cluster: Cluster) -> np.ndarray:
+    """phy2log [L, P], forecast w [L, E], tokens [T, L, K] -> [L] 1 - nodes per token of ph / that of DeepSeek
+    global's plan on w, both the dispatcher's exact node cover on the tokens (min_cover_nodes; <= 8 nodes)."""
+    ours = min_cover_nodes(ph, tokens, w.shape[1], cluster).mean(0)
+    glob = min_cover_nodes(global_phy2log(w, cluster), tokens, w.shape[1], cluster).mean(0)
+    return 1 - ours / glob
+
+
+def min_cover_nodes(phy2log: np.ndarray, tokens: np.ndarray, e: int, cluster: Cluster) -> np.ndarray:
+    """phy2log [L, P], tokens [T, L, K], N <= 8 nodes -> [T, L] the fewest nodes holding all K of each token's
+    experts (score.node_limited's count without its loads: 512 tokens at [58, 256] on 8 nodes took 0.2 s there,
+    2-7 ms here).
+    The nodes of experts on one node are in every cover; the rest is the smallest node set, outside those, that
+    meets every expert they miss, tried by size only on the tokens still without one."""
+    n_layers, n = phy2log.shape[0], cluster.num_nodes
+    bits = np.zeros((n_layers, e), dtype=np.uint8)  # [L, E] node bitmask of each expert
+    np.bitwise_or.at(bits, (np.repeat(np.arange(n_layers), phy2log.shape[1]), phy2log.ravel()),
+                     np.tile((1 << cluster.slot_node()).astype(np.uint8), n_layers))
+    m = bits[np.arange(n_layers)[None, :, None], tokens]  # [T, L, K]
+    one = np.bitwise_count(m) == 1
+    forced = np.bitwise_or.reduce(np.where(one, m, np.uint8(0)), axis=2)  # [T, L]
+    miss = np.where((m & forced[..., None]) == 0, m, np.uint8(0))  # [T, L, K] masks no forced node meets (0: met)
+    count = np.bitwise_count(forced).astype(np.int64).ravel()  # [T L] in C order (tokens may come in another)
+    todo = np.flatnonzero(miss.reshape(-1, miss.shape[2]).any(1))
+    rest = miss.reshape(-1, miss.shape[2])[todo]  # [R, K]
+    subsets = np.arange(1, 1 << n, dtype=np.uint8)
+    for s in subsets[np.argsort(np.bitwise_count(subsets), kind="stable")]:
+        if not len(todo):
+            break
+        hit = ((rest & s) != 0) | (rest == 0)
+        done = hit.all(1)
+        count[todo[done]] += int(np.bitwise_count(s))
+        todo, rest = todo[~done], rest[~done]
+    return count.reshape(forced.shape)
 
 
 def max_load_floor(w: np.ndarray, logcnt: np.ndarray, cluster: Cluster) -> np.ndarray:
