@@ -255,7 +255,7 @@ def plan(
         glob, capped = global_phy2log(w, cluster), capped_counts(w, cluster.num_slots, cap)
         ours = spread_layout(w, cluster, cfg, tokens, losing_load(glob, w, cluster), capped)
         anew = Contest(ours, w, cluster, tokens, glob=glob)
-        return from_phy2log(refreshed(anew, w, prev, cluster, cfg, cap, tokens, capped), w.shape[1])
+        return from_phy2log(refreshed(anew, w, prev, cluster, cfg, cap, tokens, capped, glob), w.shape[1])
     home = group_nodes(w, cluster) if prev is None else node_counts(prev, cluster).argmax(2)
     fresh = fresh_plan(w, home, cluster, cfg, tokens)
     if prev is None:

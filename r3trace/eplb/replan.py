@@ -63,14 +63,15 @@ def seeded_counts(w: np.ndarray, prev: Placement, cluster: Cluster, cfg: Planner
 
 def seeded_plan(w: np.ndarray, prev: Placement, cluster: Cluster, cfg: PlannerConfig, cap: int,
                 tokens: np.ndarray | None = None, layers: np.ndarray | None = None, hot: bool = True,
-                counts: tuple[np.ndarray, int] | None = None) -> np.ndarray:
+                counts: tuple[np.ndarray, int] | None = None, glob: np.ndarray | None = None) -> np.ndarray:
     """Forecast w [L, E], previous placement -> phy2log [L, P]: seeded_counts' counts reseated into prev
     (reseat.py), then leveling swaps with what is left of the churn budget, spread evenly over layers; a layer
     keeps its swaps only where they lower its hottest GPU by more than replan_min_drop; with two slots per GPU the
     slots the swaps left of a layer's budget then re-pick GPUs' lighter replicas (pairing.paired), and what is left
     after that goes to swaps on the hottest GPUs' loads (descent.hot_swaps; hot=False: none). layers [L] bool:
     only those rows are planned (each the same as with every layer: counts and swaps are decided over all layers), the
-    others keep prev's. counts: seeded_counts' result where the caller has it."""
+    others keep prev's. counts: seeded_counts' result, glob: DeepSeek global's phy2log [L, P] on w (every layer), where
+    the caller has them."""
     e = w.shape[1]
     logcnt, swaps = seeded_counts(w, prev, cluster, cfg, cap) if counts is None else counts
     out = prev.phy2log.copy()
@@ -81,7 +82,9 @@ def seeded_plan(w: np.ndarray, prev: Placement, cluster: Cluster, cfg: PlannerCo
     ph = reseat(prev.phy2log[rows], logcnt[rows], w[rows], co.rows, cluster)
     cold: float | np.ndarray = cfg.level_cold
     if tokens is not None and crosses(cluster, cfg):  # [l] any replica may cross nodes where nodes per token is low
-        cold = np.where(node_slack(ph, w[rows], tokens[-SLACK_TOKENS:, rows], cluster) > cfg.cross_slack, np.inf, cold)
+        glob_rows = global_phy2log(w[rows], cluster) if glob is None else glob[rows]  # a layer's own: rows alike
+        slack = node_slack(ph, glob_rows, tokens[-SLACK_TOKENS:, rows], w.shape[1], cluster)
+        cold = np.where(slack > cfg.cross_slack, np.inf, cold)
     leveled = level_refine(ph, w[rows], logcnt[rows], cluster, swaps, cfg.replan_level_min_gain, cold)
     before = phy2log_gpu_load(ph, w[rows], cluster).max(1)
     after = phy2log_gpu_load(leveled, w[rows], cluster).max(1)
@@ -112,12 +115,12 @@ def crosses(cluster: Cluster, cfg: PlannerConfig) -> bool:
     return cfg.cross_slack >= 0 and cluster.num_nodes <= EXACT_COVER_NODES and cluster.slots_per_gpu > 2
 
 
-def node_slack(ph: np.ndarray, w: np.ndarray, tokens: np.ndarray, cluster: Cluster) -> np.ndarray:
-    """phy2log [L, P], forecast w [L, E], tokens [T, L, K] -> [L] 1 - nodes per token of ph / that of DeepSeek
-    global's plan on w, both the dispatcher's exact node cover on the tokens (min_cover_nodes; <= 8 nodes)."""
-    ours = min_cover_nodes(ph, tokens, w.shape[1], cluster).mean(0)
-    glob = min_cover_nodes(global_phy2log(w, cluster), tokens, w.shape[1], cluster).mean(0)
-    return 1 - ours / glob
+def node_slack(ph: np.ndarray, glob: np.ndarray, tokens: np.ndarray, e: int, cluster: Cluster) -> np.ndarray:
+    """phy2log [L, P], DeepSeek global's phy2log [L, P] on the same forecast, tokens [T, L, K] over e experts -> [L]
+    1 - nodes per token of ph / that of glob, both the dispatcher's exact node cover on the tokens (min_cover_nodes;
+    <= 8 nodes)."""
+    ours = min_cover_nodes(ph, tokens, e, cluster).mean(0)
+    return 1 - ours / min_cover_nodes(glob, tokens, e, cluster).mean(0)
 
 
 def min_cover_nodes(phy2log: np.ndarray, tokens: np.ndarray, e: int, cluster: Cluster) -> np.ndarray:
@@ -169,7 +172,8 @@ def floor_bound(w: np.ndarray, logcnt: np.ndarray, cluster: Cluster, margin: flo
 
 
 def refreshed(fresh: Contest, w: np.ndarray, prev: Placement, cluster: Cluster, cfg: PlannerConfig, cap: int,
-              tokens: np.ndarray | None = None, capped: np.ndarray | None = None) -> np.ndarray:
+              tokens: np.ndarray | None = None, capped: np.ndarray | None = None,
+              glob: np.ndarray | None = None) -> np.ndarray:
     """A drifting workload's re-plan: a fresh plan (its per-layer layout choice, candidates.Contest) and the
     previous placement on the forecast w [L, E] -> phy2log [L, P]. The seeded plan's layers (seeded_plan) stay,
     except that where the fresh plan's forecast max GPU load is lower by more than refresh_gain on average over
@@ -180,7 +184,8 @@ def refreshed(fresh: Contest, w: np.ndarray, prev: Placement, cluster: Cluster, 
     placement is closest to the fresh plan (a probe). Where every probe loses to the fresh plan and the probes'
     mean ratio, standing in for the unseeded layers', calls a refresh, those layers take the fresh layout unseeded;
     else every layer is seeded and the rule above decides (module doc). Seeded without hot swaps (descent.py says
-    why). capped: the fresh counts (homing.capped_counts) where the caller has them."""
+    why). capped: the fresh counts (homing.capped_counts), glob: DeepSeek global's phy2log [L, P] on w, where the
+    caller has them."""
     peak = fresh.peak()  # [L]
     counts = seeded_counts(w, prev, cluster, cfg, cap, capped)
     seed = floor_bound(w, counts[0], cluster, cfg.refresh_floor)  # [L]
@@ -189,7 +194,7 @@ def refreshed(fresh: Contest, w: np.ndarray, prev: Placement, cluster: Cluster, 
         near = phy2log_gpu_load(prev.phy2log[rest], w[rest], cluster).max(1) / peak[rest]
         probe = rest[np.argsort(near, kind="stable")[: -(-len(rest) // cfg.refresh_probe)]]
         seed[probe] = True
-    low = seeded_plan(w, prev, cluster, cfg, cap, tokens, seed, hot=False, counts=counts)
+    low = seeded_plan(w, prev, cluster, cfg, cap, tokens, seed, hot=False, counts=counts, glob=glob)
     ratio = phy2log_gpu_load(low, w, cluster).max(1) / peak  # [L] unseeded rows: prev's (not read)
     if len(rest):
         est = np.where(seed, ratio, ratio[probe].mean())
@@ -197,7 +202,8 @@ def refreshed(fresh: Contest, w: np.ndarray, prev: Placement, cluster: Cluster, 
             take = np.flatnonzero(~seed | (ratio > 1))
             low[take] = align(fresh.layouts(take), prev.phy2log[take], cluster)
             return low
-        low[~seed] = seeded_plan(w, prev, cluster, cfg, cap, tokens, ~seed, hot=False, counts=counts)[~seed]
+        low[~seed] = seeded_plan(w, prev, cluster, cfg, cap, tokens, ~seed, hot=False, counts=counts,
+                                    glob=glob)[~seed]
         ratio = phy2log_gpu_load(low, w, cluster).max(1) / peak
     if ratio.mean() <= 1 + cfg.refresh_gain:
         return low
