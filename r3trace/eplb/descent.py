@@ -31,16 +31,13 @@ from r3trace.eplb.placement import Cluster
 
 
 def hot_swaps(phy2log: np.ndarray, weight: np.ndarray, logcnt: np.ndarray, cluster: Cluster, swaps: np.ndarray,
-              min_drop: float, cold: float = -1.0, hot_gpus: int = 1, scen: np.ndarray | None = None) -> np.ndarray:
+              min_drop: float, cold: float = -1.0, hot_gpus: int = 1) -> np.ndarray:
     """phy2log [L, P], forecast weight [L, E], counts logcnt [L, E], swaps [L] the most swaps (2 slots each) per
     layer -> phy2log [L, P]. Each step takes, of the layer's hot_gpus hottest GPUs, the hottest h that has a swap of
     one of its slots with a slot of another GPU leaving both below h's load by more than min_drop x the mean GPU
     load (the sorted GPU loads fall lexicographically: no GPU reaches h's load), the pair with the lowest max of the
     two; a layer stops at its first step without one. A slot may leave its node only where both swapped replicas are
-    their expert's only one and below cold x the mean slot load (cold < 0: never).
-
-    scen [K, L, E] load scenarios (scenarios.py) or None: of the swaps passing that test, the one with the lowest mean
-    over scenarios of the layer's max GPU load (an experiment, off in PlannerConfig: robust_windows)."""
+    their expert's only one and below cold x the mean slot load (cold < 0: never)."""
     out = np.asarray(phy2log, dtype=np.int64).copy()
     n_layers, p = out.shape
     g, s = cluster.num_gpus, cluster.slots_per_gpu
@@ -56,9 +53,6 @@ def hot_swaps(phy2log: np.ndarray, weight: np.ndarray, logcnt: np.ndarray, clust
     lone = np.take_along_axis(logcnt, out, 1) == 1  # [L, P] counts fixed: moves with the expert
     cold_slot = cold * weight.sum(1) / g / s  # [L] below this a lone replica may change node
     replicas = bool((logcnt > 1).any())  # else no two slots hold one expert
-    if scen is not None:  # [K, L, P] slot and [K, L, G] GPU loads of each scenario, kept up to date by the swaps
-        uk = np.take_along_axis(scen / logcnt[None], np.broadcast_to(out, (len(scen), *out.shape)), 2)
-        glk = uk.reshape(len(scen), n_layers, g, s).sum(3)
     for _ in range(int(left.max(initial=0))):
         act = np.flatnonzero(left > 0)
         if not len(act):
@@ -82,14 +76,8 @@ def hot_swaps(phy2log: np.ndarray, weight: np.ndarray, logcnt: np.ndarray, clust
             if replicas:
                 ok_pair &= out[la[:, None], mine][:, :, None] != out[la][:, None, :]
             new = np.where(ok_pair, new, np.inf).reshape(len(la), -1)
-            if scen is None:
-                best = new.argmin(1)  # [B]
-                ok = new[np.arange(len(la)), best] < hl - floor[la]
-            else:
-                robust = _robust_max(uk, glk, la, h, mine, slot_gpu).reshape(len(la), -1)  # [B, S P]
-                passes = new < (hl - floor[la])[:, None]
-                best = np.where(passes, robust, np.inf).argmin(1)
-                ok = passes[np.arange(len(la)), best]
+            best = new.argmin(1)  # [B]
+            ok = new[np.arange(len(la)), best] < hl - floor[la]
             move[todo[ok], 0] = h[ok] * s + best[ok] // p
             move[todo[ok], 1] = best[ok] % p
             todo = todo[~ok]
@@ -102,29 +90,5 @@ def hot_swaps(phy2log: np.ndarray, weight: np.ndarray, logcnt: np.ndarray, clust
         u[act, i], u[act, j] = u[act, j], u[act, i].copy()
         lone[act, i], lone[act, j] = lone[act, j], lone[act, i].copy()
         gl[act] = u[act].reshape(len(act), g, s).sum(2)
-        if scen is not None:
-            uk[:, act, i], uk[:, act, j] = uk[:, act, j], uk[:, act, i].copy()
-            glk[:, act] = uk[:, act].reshape(len(scen), len(act), g, s).sum(3)
         left[act] -= 1
     return out
-
-
-def _robust_max(uk: np.ndarray, glk: np.ndarray, la: np.ndarray, h: np.ndarray, mine: np.ndarray,
-                slot_gpu: np.ndarray) -> np.ndarray:
-    """Scenario slot loads uk [K, L, P] and GPU loads glk [K, L, G]; layers la [B], their GPU h [B] and its slots mine
-    [B, S] -> [B, S, P] the mean over scenarios of the layer's max GPU load after swapping slot s of h with slot p:
-    only h and p's GPU change, so the rest's max is the hottest of the scenario's 3 hottest GPUs that is neither."""
-    a = uk[:, la[:, None], mine]  # [K, B, S]
-    d = uk[:, la][:, :, None, :] - a[:, :, :, None]  # [K, B, S, P] load h gains
-    gk = glk[:, la]  # [K, B, G]
-    top = np.argsort(-gk, axis=2, kind="stable")[:, :, :3]  # [K, B, 3]
-    val = np.take_along_axis(gk, top, 2)
-    pg = slot_gpu[None, None, :]  # [1, 1, P] each slot's GPU
-    rest = val[:, :, 2, None]
-    for r in (1, 0):  # the hottest GPU that is neither h nor the slot's GPU
-        free = (top[:, :, r, None] != h[None, :, None]) & (top[:, :, r, None] != pg)  # [K, B, P]
-        rest = np.where(free, val[:, :, r, None], rest)
-    hk = gk[:, np.arange(len(la)), h]  # [K, B]
-    other = np.take(gk, slot_gpu, axis=2)  # [K, B, P]
-    peak = np.maximum(np.maximum(hk[:, :, None, None] + d, other[:, :, None, :] - d), rest[:, :, None, :])
-    return peak.mean(0)

@@ -71,7 +71,6 @@ from r3trace.eplb.placement import Cluster, Placement, PlacementError, from_phy2
 from r3trace.eplb.polish import NodeRule, applies, polish
 from r3trace.eplb.refine import swap_refine
 from r3trace.eplb.replan import refreshed, seeded_plan
-from r3trace.eplb.scenarios import scenarios
 from r3trace.eplb.score import even_gpu_load, node_counts
 
 
@@ -140,12 +139,6 @@ class PlannerConfig:
     # <= 8 nodes with > 2 slots per GPU (replan.crosses); < 0: never. A re-plan at [58, 256] with 2,048 tokens took
     # 0.035 / 0.048 s instead of 0.025 / 0.030 s (32 GPUs / 4 nodes / 288 slots, 64 / 8 / 320; medians of 7)
     cross_slack: float = 0.1
-    # a seeded re-plan's hot swaps are chosen, of those the forecast allows, by the mean over load scenarios
-    # (scenarios.py: the forecast plus each of the newest robust_windows windows' deviation from their mean) of the max
-    # GPU load; 0: on the forecast alone. Off: on bench/eplb_matrix.py's 52 shape cells (1-18 nodes) yes / tie / no
-    # 24 / 22 / 6 -> 23 / 23 / 6 at 8, each cell within -0.001 .. +0.002 (taking only swaps that lower that mean: 24 /
-    # 20 / 8)
-    robust_windows: int = 0
 
     def __post_init__(self) -> None:
         bad_alpha = self.ema_alpha is not None and not 0 <= self.ema_alpha <= 1
@@ -256,8 +249,7 @@ def plan(
     if prev is not None and spreads(cluster, cfg) and not cfg.keep_groups:
         cap = spread_cap(cluster)
         if not moving:
-            scen = scenarios(loads, w, cfg.robust_windows)
-            return from_phy2log(seeded_plan(w, prev, cluster, cfg, cap, tokens, scen=scen), w.shape[1])
+            return from_phy2log(seeded_plan(w, prev, cluster, cfg, cap, tokens), w.shape[1])
         # the fresh plan here is a full move anyway, so global's layout competes for every layer (candidates.py),
         # each layer's choice made only where the re-plan needs it (candidates.Contest)
         glob, capped = global_phy2log(w, cluster), capped_counts(w, cluster.num_slots, cap)

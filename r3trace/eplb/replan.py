@@ -63,8 +63,7 @@ def seeded_counts(w: np.ndarray, prev: Placement, cluster: Cluster, cfg: Planner
 
 def seeded_plan(w: np.ndarray, prev: Placement, cluster: Cluster, cfg: PlannerConfig, cap: int,
                 tokens: np.ndarray | None = None, layers: np.ndarray | None = None, hot: bool = True,
-                counts: tuple[np.ndarray, int] | None = None, glob: np.ndarray | None = None,
-                scen: np.ndarray | None = None) -> np.ndarray:
+                counts: tuple[np.ndarray, int] | None = None, glob: np.ndarray | None = None) -> np.ndarray:
     """Forecast w [L, E], previous placement -> phy2log [L, P]: seeded_counts' counts reseated into prev
     (reseat.py), then leveling swaps with what is left of the churn budget, spread evenly over layers; a layer
     keeps its swaps only where they lower its hottest GPU by more than replan_min_drop; with two slots per GPU the
@@ -72,7 +71,7 @@ def seeded_plan(w: np.ndarray, prev: Placement, cluster: Cluster, cfg: PlannerCo
     after that goes to swaps on the hottest GPUs' loads (descent.hot_swaps; hot=False: none). layers [L] bool:
     only those rows are planned (each the same as with every layer: counts and swaps are decided over all layers), the
     others keep prev's. counts: seeded_counts' result, glob: DeepSeek global's phy2log [L, P] on w (every layer), where
-    the caller has them. scen [K, L, E]: load scenarios (scenarios.py) the hot swaps are chosen on, or None."""
+    the caller has them."""
     e = w.shape[1]
     logcnt, swaps = seeded_counts(w, prev, cluster, cfg, cap) if counts is None else counts
     out = prev.phy2log.copy()
@@ -97,7 +96,7 @@ def seeded_plan(w: np.ndarray, prev: Placement, cluster: Cluster, cfg: PlannerCo
     # what is still left of the layer's budget: swaps on its hottest GPUs' loads (descent.py)
     left = 2 * swaps - (out[rows] != ph).sum(1)
     out[rows] = hot_swaps(out[rows], w[rows], logcnt[rows], cluster, left // 2, cfg.hot_min_drop, cfg.level_cold,
-                          cfg.hot_gpus if hot else 0, scen=None if scen is None else scen[:, rows])
+                          cfg.hot_gpus if hot else 0)
     return out
 
 

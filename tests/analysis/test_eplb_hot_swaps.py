@@ -106,9 +106,9 @@ def test_drifting_replans_take_no_hot_swaps(monkeypatch: pytest.MonkeyPatch) -> 
     first = plan(heats[:5], cl)
     calls: list[int] = []
 
-    def spy(*args: object, **kw: object) -> np.ndarray:
+    def spy(*args: object) -> np.ndarray:
         calls.append(int(args[-1]))  # type: ignore[call-overload]
-        return hot_swaps(*args, **kw)  # type: ignore[arg-type]
+        return hot_swaps(*args)  # type: ignore[arg-type]
 
     monkeypatch.setattr("r3trace.eplb.replan.hot_swaps", spy)
     plan(heats, cl, first)
