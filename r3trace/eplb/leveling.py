@@ -32,7 +32,7 @@ from r3trace.eplb.placement import Cluster, PlacementError
 
 def level_refine(phy2log: np.ndarray, weight: np.ndarray, logcnt: np.ndarray, cluster: Cluster, max_swaps: int,
                  min_gain: float, cold: float | np.ndarray = 0.5, hot_slots: int = 16, cross_nodes: bool = True,
-                 out_of_reach: np.ndarray | None = None) -> np.ndarray:
+                 out_of_reach: np.ndarray | None = None, spread: np.ndarray | None = None) -> np.ndarray:
     """phy2log [L, P] -> phy2log [L, P] after at most max_swaps swaps per layer (2 moved slots each).
 
     weight [L, E] forecast loads, logcnt [L, E] replicas (counts do not change); cold: the module doc's factor, or
@@ -47,6 +47,9 @@ def level_refine(phy2log: np.ndarray, weight: np.ndarray, logcnt: np.ndarray, cl
     A swap lowers one GPU's load and raises the other's (each a sum of the same slot loads in the same order but
     one, so also in floating point), so with m swaps left the (m + 1)-th hottest GPU's load is a floor under the
     final max load; a layer stops once that floor exceeds out_of_reach, its max load then above it too.
+
+    spread [R, L, E] or None: load deviations whose squares sum to each expert's variance (scenarios.spread); the swaps
+    then lower the expected sum of squared GPU loads, the squared forecast loads plus every GPU's load variance.
     """
     if min_gain < 0:
         raise PlacementError(f"min_gain={min_gain} must be >= 0")
@@ -60,6 +63,8 @@ def level_refine(phy2log: np.ndarray, weight: np.ndarray, logcnt: np.ndarray, cl
     lone = np.take_along_axis(logcnt, out, 1) == 1  # [L, P] counts are fixed, so this moves with the expert
     mean = weight.sum(1) / cluster.num_gpus  # [L]
     floor = min_gain * mean**2
+    if spread is not None:  # the product's rounding (below) gives pairs on one GPU ~1e-16 x mean^2, not 0: never a swap
+        floor = np.maximum(floor, 1e-12 * mean**2)
     cold_slot = cold * mean / spg  # [L]
     layer_e = (np.arange(n_layers) * e)[:, None]  # [L, 1]; by bincount: np.add.at took 0.48 ms, this 0.13 at [58, 320]
     cnt = np.bincount(((layer_e + out) * n_nodes + slot_node).ravel(), minlength=n_layers * e * n_nodes)
@@ -97,6 +102,16 @@ def level_refine(phy2log: np.ndarray, weight: np.ndarray, logcnt: np.ndarray, cl
     grp_a_flat, grp_b_flat = np.reshape(grp_a, -1, copy=False), np.reshape(grp_b, -1, copy=False)
     cnt_rows, nodes_of_flat = np.reshape(cnt, (-1, n_nodes), copy=False), np.reshape(nodes_of, -1, copy=False)
     gpu_all_flat, u_gpus = np.reshape(gpu_all, -1, copy=False), np.reshape(u, (-1, spg), copy=False)
+    if spread is not None:  # [L P, R] slot and [L G, R] GPU loads, the forecast's then each deviation's, kept up to
+        # date by the swaps
+        cols = np.concatenate([weight[None], spread])
+        n_dev = len(cols)
+        u_dev = np.take_along_axis(cols / logcnt[None], np.broadcast_to(out, (n_dev, *out.shape)), 2)
+        g_dev = np.moveaxis(u_dev.reshape(n_dev, n_layers * n_gpus, spg).sum(-1), 0, -1).copy()
+        u_dev = np.moveaxis(u_dev.reshape(n_dev, -1), 0, -1).copy()
+        buf_a = np.empty((n_layers, hot_gpus * spg, 2 * n_dev + 2))  # [ua, -ga, ua (ga - ua), 1]
+        buf_b = np.empty((n_layers, 2 * n_dev + 2, buf_d.shape[2]))  # [2 ub - gb, ub, 1, ub (gb - ub)]
+        buf_a[:, :, -1], buf_b[:, -2] = 1.0, 1.0
     for step in range(max_swaps):
         n = len(r)
         g_r = gpu_all if n == n_layers else gpu_all[r]
@@ -120,20 +135,40 @@ def level_refine(phy2log: np.ndarray, weight: np.ndarray, logcnt: np.ndarray, cl
         flat_ab = ab + (r * p)[:, None]  # [n, S + B] into the [L, P] arrays, raveled
         u_ab = np.take(u, flat_ab)
         g = np.take(gpu_all, gpus + (r * n_gpus)[:, None])  # [n, (S + B) / spg] GPU loads
-        # [n, hot GPUs, B] ga - gb: one value per (a's GPU, b's slot), broadcast over a's slots below; made at the
-        # [n, S, B] size it was two passes more there
-        x = g[:, :hot_gpus, None] - np.repeat(g[:, hot_gpus:], spg, axis=1)[:, None, :]
-        # the drop of ga^2 + gb^2 when d moves from a's GPU to b's is 2 (d (ga - gb) - d d); `gain` holds half of it
-        # (doubling is exact in binary floating point, so the comparisons below are those of the full drop). The
-        # [n, S, B] float arrays live in buffers made once: fresh ones were page-faulted in on every step
-        d, gain = buf_d[:n], buf_gain[:n]
-        # [n, S, B] load moved from a's GPU to b's; a's side copied in first (one broadcast operand per op: 25% faster)
-        np.copyto(d, u_ab[:, :ns, None])
-        d -= u_ab[:, None, ns:]
-        np.multiply(d.reshape(n, hot_gpus, spg, -1), x[:, :, None, :], out=gain.reshape(n, hot_gpus, spg, -1))
-        d *= d
-        gain -= d
-        # a pair on one GPU needs no mask: there ga = gb, so its gain is -d d <= 0 and never passes the floor (>= 0)
+        gain = buf_gain[:n]
+        if spread is None:
+            # [n, hot GPUs, B] ga - gb: one value per (a's GPU, b's slot), broadcast over a's slots below; made at the
+            # [n, S, B] size it was two passes more there
+            x = g[:, :hot_gpus, None] - np.repeat(g[:, hot_gpus:], spg, axis=1)[:, None, :]
+            # the drop of ga^2 + gb^2 when d moves from a's GPU to b's is 2 (d (ga - gb) - d d); `gain` holds half of
+            # it (doubling is exact in binary floating point, so the comparisons below are those of the full drop). The
+            # [n, S, B] float arrays live in buffers made once: fresh ones were page-faulted in on every step
+            d = buf_d[:n]
+            # [n, S, B] load moved from a's GPU to b's; a's side copied in first (one broadcast operand per op: 25%
+            # faster)
+            np.copyto(d, u_ab[:, :ns, None])
+            d -= u_ab[:, None, ns:]
+            np.multiply(d.reshape(n, hot_gpus, spg, -1), x[:, :, None, :], out=gain.reshape(n, hot_gpus, spg, -1))
+            d *= d
+            gain -= d
+        else:  # the same half drop summed over the forecast and the deviations r: (ua - ub) (ga - gb) - (ua - ub)^2 is
+            # ua (ga - ua) + ub (gb - ub) + ua (2 ub - gb) - ga ub, one [n, S, 2R + 2] x [n, 2R + 2, B] product, its
+            # factors filled in buffers made once (per deviation as [n, S, B] arrays: 0.84 ms a step at [58, 320] with
+            # R = 3 against 0.2 here). Rounding: |error| ~1e-16 x the squared mean GPU load, under any floor > 0
+            ud = np.take(u_dev, flat_ab, axis=0)  # [n, S + B, R]
+            gd = np.repeat(np.take(g_dev, gpus + (r * n_gpus)[:, None], axis=0), spg, axis=1)  # each slot's GPU's
+            ua, ga = ud[:, :ns], gd[:, :ns]
+            ub, gb = ud[:, ns:].transpose(0, 2, 1), gd[:, ns:].transpose(0, 2, 1)  # [n, R, B]
+            fac_a, fac_b = buf_a[:n], buf_b[:n]
+            fac_a[:, :, :n_dev] = ua
+            np.negative(ga, out=fac_a[:, :, n_dev:-2])
+            fac_a[:, :, -2] = np.einsum("nsr,nsr->ns", ua, ga - ua)
+            np.subtract(2 * ub, gb, out=fac_b[:, :n_dev])
+            fac_b[:, n_dev:-2] = ub
+            fac_b[:, -1] = np.einsum("nrb,nrb->nb", ub, gb - ub)
+            np.matmul(fac_a, fac_b, out=gain)
+        # a pair on one GPU needs no mask: there ga = gb, so its gain is -d d <= 0 and never passes the floor (>= 0;
+        # with a spread > 0, above the product's rounding)
         node_ab = np.take(slot_node16, ab)
         ok = node_ab[:, :ns, None] == node_ab[:, None, ns:]  # [n, S, B] inside one node: allowed
         if cross_nodes:  # across nodes as the module doc says
@@ -172,6 +207,9 @@ def level_refine(phy2log: np.ndarray, weight: np.ndarray, logcnt: np.ndarray, cl
         grp_b_flat[both] = np.where(code < 0, np.int16(-2), code)
         gpu2 = r2 * n_gpus + ab2 // spg
         gpu_all_flat[gpu2] = u_gpus[gpu2].sum(-1)
+        if spread is not None:
+            u_dev[both] = u_dev[swapped]
+            g_dev[gpu2] = u_dev.reshape(-1, spg, n_dev)[gpu2].sum(1)
     return out
 
 

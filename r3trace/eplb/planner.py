@@ -71,6 +71,7 @@ from r3trace.eplb.placement import Cluster, Placement, PlacementError, from_phy2
 from r3trace.eplb.polish import NodeRule, applies, polish
 from r3trace.eplb.refine import swap_refine
 from r3trace.eplb.replan import refreshed, seeded_plan
+from r3trace.eplb.scenarios import spread
 from r3trace.eplb.score import even_gpu_load, node_counts
 
 
@@ -139,6 +140,16 @@ class PlannerConfig:
     # <= 8 nodes with > 2 slots per GPU (replan.crosses); < 0: never. A re-plan at [58, 256] with 2,048 tokens took
     # 0.035 / 0.048 s instead of 0.025 / 0.030 s (32 GPUs / 4 nodes / 288 slots, 64 / 8 / 320; medians of 7)
     cross_slack: float = 0.1
+    # a seeded re-plan's leveling lowers the forecast's squared GPU loads plus each GPU's variance over the newest
+    # spread_windows windows (scenarios.spread: their deviations' axes above sampling noise), so it also parts experts
+    # that rise and fall together; with > 2 slots per GPU only; 0: the forecast's squares alone. Over
+    # bench/eplb_matrix.py's 118 cells yes / tie / no 52 / 56 / 10 -> 70 / 41 / 7, no new no: 88 cells of > 2 slots a
+    # GPU +0.008 on average (the grouped router's 48 +0.010, the independent router's 14 -0.0005: its windows differ
+    # by noise alone, so it mostly gets no spread), one yes to tie (-0.002, independent router, fast drift, 64 GPUs /
+    # 8 nodes / 320 slots); slow-drift re-plans move at most 9.4% of slots. With 2 slots a GPU (pairing.py re-picks
+    # after the leveling) its 30 cells moved -0.009 .. +0.004, mean +0.0001. A re-plan at [58, 320] on 8 nodes took
+    # 0.051 s instead of 0.049 (--plan-time, 3 windows: one axis kept)
+    spread_windows: int = 8
 
     def __post_init__(self) -> None:
         bad_alpha = self.ema_alpha is not None and not 0 <= self.ema_alpha <= 1
@@ -249,7 +260,8 @@ def plan(
     if prev is not None and spreads(cluster, cfg) and not cfg.keep_groups:
         cap = spread_cap(cluster)
         if not moving:
-            return from_phy2log(seeded_plan(w, prev, cluster, cfg, cap, tokens), w.shape[1])
+            dev = spread(loads, w, cfg.spread_windows) if cluster.slots_per_gpu > 2 else None
+            return from_phy2log(seeded_plan(w, prev, cluster, cfg, cap, tokens, dev=dev), w.shape[1])
         # the fresh plan here is a full move anyway, so global's layout competes for every layer (candidates.py),
         # each layer's choice made only where the re-plan needs it (candidates.Contest)
         glob, capped = global_phy2log(w, cluster), capped_counts(w, cluster.num_slots, cap)

@@ -63,7 +63,8 @@ def seeded_counts(w: np.ndarray, prev: Placement, cluster: Cluster, cfg: Planner
 
 def seeded_plan(w: np.ndarray, prev: Placement, cluster: Cluster, cfg: PlannerConfig, cap: int,
                 tokens: np.ndarray | None = None, layers: np.ndarray | None = None, hot: bool = True,
-                counts: tuple[np.ndarray, int] | None = None, glob: np.ndarray | None = None) -> np.ndarray:
+                counts: tuple[np.ndarray, int] | None = None, glob: np.ndarray | None = None,
+                dev: np.ndarray | None = None) -> np.ndarray:
     """Forecast w [L, E], previous placement -> phy2log [L, P]: seeded_counts' counts reseated into prev
     (reseat.py), then leveling swaps with what is left of the churn budget, spread evenly over layers; a layer
     keeps its swaps only where they lower its hottest GPU by more than replan_min_drop; with two slots per GPU the
@@ -71,7 +72,8 @@ def seeded_plan(w: np.ndarray, prev: Placement, cluster: Cluster, cfg: PlannerCo
     after that goes to swaps on the hottest GPUs' loads (descent.hot_swaps; hot=False: none). layers [L] bool:
     only those rows are planned (each the same as with every layer: counts and swaps are decided over all layers), the
     others keep prev's. counts: seeded_counts' result, glob: DeepSeek global's phy2log [L, P] on w (every layer), where
-    the caller has them."""
+    the caller has them. dev [R, L, E]: the windows' spread (scenarios.spread) the leveling lowers with the forecast's
+    squares, or None."""
     e = w.shape[1]
     logcnt, swaps = seeded_counts(w, prev, cluster, cfg, cap) if counts is None else counts
     out = prev.phy2log.copy()
@@ -85,7 +87,8 @@ def seeded_plan(w: np.ndarray, prev: Placement, cluster: Cluster, cfg: PlannerCo
         glob_rows = global_phy2log(w[rows], cluster) if glob is None else glob[rows]  # a layer's own: rows alike
         slack = node_slack(ph, glob_rows, tokens[-SLACK_TOKENS:, rows], w.shape[1], cluster)
         cold = np.where(slack > cfg.cross_slack, np.inf, cold)
-    leveled = level_refine(ph, w[rows], logcnt[rows], cluster, swaps, cfg.replan_level_min_gain, cold)
+    leveled = level_refine(ph, w[rows], logcnt[rows], cluster, swaps, cfg.replan_level_min_gain, cold,
+                           spread=None if dev is None else dev[:, rows])
     before = phy2log_gpu_load(ph, w[rows], cluster).max(1)
     after = phy2log_gpu_load(leveled, w[rows], cluster).max(1)
     better = after < before * (1 - cfg.replan_min_drop)

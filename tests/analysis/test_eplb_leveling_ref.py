@@ -16,7 +16,8 @@ from r3trace.eplb.score import even_gpu_load
 
 
 def reference(ph: np.ndarray, w: np.ndarray, logcnt: np.ndarray, cl: Cluster, swaps: int, min_gain: float,
-              cold: float, cross_nodes: bool, hot_slots: int = 16) -> np.ndarray:
+              cold: float, cross_nodes: bool, hot_slots: int = 16, spread: np.ndarray | None = None) -> np.ndarray:
+    """spread [R, L, E]: each deviation's squared GPU sums join the forecast's (level_refine's spread)."""
     out = ph.copy()
     spg, gpn, e = cl.slots_per_gpu, cl.gpus_per_node, w.shape[1]
     gsize = e // cl.num_groups
@@ -56,6 +57,10 @@ def reference(ph: np.ndarray, w: np.ndarray, logcnt: np.ndarray, cl: Cluster, sw
                             continue
                     d = u[a] - u[b]
                     gain = (gpu[ga] - gpu[gb]) * (2 * d) - (2 * d) * d
+                    for dev in [] if spread is None else spread[:, li]:
+                        v = (dev / logcnt[li])[row]
+                        dv, gv = v[a] - v[b], v.reshape(cl.num_gpus, spg).sum(1)
+                        gain += (gv[ga] - gv[gb]) * (2 * dv) - (2 * dv) * dv
                     if gain > best:
                         best, pick = gain, (a, b)
             if pick is None or not best > min_gain * mean**2:
@@ -80,6 +85,32 @@ def test_level_refine_equals_the_reference_loop(case: int) -> None:
     want = reference(ph, w, logcnt, cl, 30, min_gain, cold, cross, hot_slots=4)
     np.testing.assert_array_equal(got, want)
     assert (got != ph).any()  # the swaps did something to compare
+
+
+@pytest.mark.parametrize("case", range(3))
+def test_level_refine_with_a_spread_equals_the_reference_loop(case: int) -> None:
+    """The variance terms (scenarios.spread) go through one product of a's and b's factors; the loop sums them per
+    deviation and pair. Random deviations of the loads' scale, so the variance moves most picks. With 2 slots a GPU,
+    trading either pair of two GPUs' replicas can give both the same experts, a tie that the product's rounding may
+    break the other way, and the swaps after it then differ by GPUs traded within a node: so compared by each node's
+    GPUs' expert sets."""
+    rng = np.random.default_rng(700 + case)
+    cl = [Cluster(8, 4, 24, num_groups=4), Cluster(8, 2, 32, num_groups=4), Cluster(12, 3, 24, num_groups=2)][case]
+    e, n_layers = 16, 3
+    w = rng.pareto(1.0, (n_layers, e)) + 0.05
+    spread = rng.normal(0, 1, (1 + case, n_layers, e)) * w
+    logcnt = capped_counts(w, cl.num_slots, max(cl.num_nodes, cl.gpus_per_node))
+    ph = np.stack([rng.permutation(np.repeat(np.arange(e), logcnt[i])) for i in range(n_layers)])
+    got = level_refine(ph, w, logcnt, cl, 30, 1e-3, 0.5, hot_slots=4, spread=spread)
+    want = reference(ph, w, logcnt, cl, 30, 1e-3, 0.5, True, 4, spread)
+
+    def node_sets(ph: np.ndarray) -> list[list[list[tuple[int, ...]]]]:
+        gpus = np.sort(ph.reshape(n_layers, cl.num_nodes, cl.gpus_per_node, -1), 3).tolist()
+        return [[sorted(map(tuple, node)) for node in layer] for layer in gpus]
+
+    assert node_sets(got) == node_sets(want)
+    plain = level_refine(ph, w, logcnt, cl, 30, 1e-3, 0.5, hot_slots=4)
+    assert (got != plain).any()  # the spread changed the swaps
 
 
 def test_level_refine_refuses_a_negative_gain_floor() -> None:
