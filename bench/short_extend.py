@@ -1,7 +1,8 @@
 """MLA attention of a speculative verify (B requests of 4 rows after a prefix of L keys), one CUDA-graph replay a call:
 the default backend's short extends (kernels/mla_decode/short_extend.py: token-block stage 1, a split count from a cost
 model, each block's split size cut on the device) at split floors 64 (the backend's) and 128, beside the same stage 1
-with splits sized from the host's bound on the lengths (a graph's longest context, 8,192 here), the extend kernel
+with splits sized from the host's bound on the lengths (a graph's longest context, 8,192 here), every row as a decode
+of its own keys (the backend's short extends at H >= 64), the extend kernel
 (kernels/mla_extend.py), and the decode kernel for one row a request (what a plain decode step's attention costs).
 bf16, kv_lora 512, rope 64.
 
@@ -67,6 +68,9 @@ def variants(heads: int, kv_lora: int, rope: int, device: str, q: torch.Tensor, 
         short = ShortExtendDecoder(tile, floor, SPLITS, decoder.sm_count)
         p = short.num_splits(b, heads, ROWS, HOST_MAX, q.shape[0])
         out[f"dynamic_{floor}"] = partial(short, q, kv, *args, kv_lora, scale, p, ROWS)
+    row_pool = fb.req_pool_indices.repeat_interleave(ROWS)
+    out["decode_rows"] = partial(decoder, q, kv, fb.req_to_token, row_pool, fb.positions + 1, scale,
+                                 decoder.num_kv_splits(q.shape[0], HOST_MAX))  # fmt: skip
     splits = decoder.num_kv_splits(b, HOST_MAX)
     q1 = q[last].contiguous()
     out["decode_1row"] = lambda: decoder(q1, kv, fb.req_to_token, fb.req_pool_indices, fb.seq_lens, scale, splits)

@@ -164,6 +164,9 @@ class TritonAttention:
 
         self.short = ShortExtendDecoder(token_block_tile(shape.num_heads, dtype), SHORT_EXTEND_MIN_SPLIT,
                                         SHORT_EXTEND_SPLITS, self.decoder.sm_count)  # fmt: skip
+        # H >= 64: a token-block program holds one row of 64 heads, so a request's rows share no key tile there and
+        # each row runs as a decode of its own keys (the decode kernel, Gluon on Hopper)
+        self._short_extend = self._token_blocks if self.short.tile.tokens > 1 else self._rows_as_decodes
 
     def absorbed(
         self, q: torch.Tensor, kv_cache: torch.Tensor, fb: ForwardBatch, kv_lora_rank: int, scale: float
@@ -178,7 +181,18 @@ class TritonAttention:
             fb.extend_start_loc, kv_lora_rank, scale, max_extend_len=max(fb.extend_lens_cpu),
         )
 
-    def _short_extend(
+    def _rows_as_decodes(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, fb: ForwardBatch, kv_lora_rank: int, scale: float
+    ) -> torch.Tensor:
+        """Row t decodes against its request's positions 0 .. its own: the request found on the device by its start
+        row (a request of no rows shares its start with the next one, which the right-side search picks)."""
+        rows = torch.arange(q.shape[0], device=q.device)
+        request = torch.searchsorted(fb.extend_start_loc, rows, right=True) - 1
+        splits = self.decoder.num_kv_splits(q.shape[0], max(fb.seq_lens_cpu))  # host lengths: no sync
+        return self.decoder(q, kv_cache, fb.req_to_token, fb.req_pool_indices[request], fb.positions + 1, scale,
+                            splits)  # fmt: skip
+
+    def _token_blocks(
         self, q: torch.Tensor, kv_cache: torch.Tensor, fb: ForwardBatch, kv_lora_rank: int, scale: float
     ) -> torch.Tensor:
         """Each row attends to its request's positions 0 .. its own; the split count from the host's bounds (a

@@ -34,11 +34,12 @@ def backend(heads: int, page_size: int, dtype: torch.dtype) -> TritonAttention:
 
 
 @pytest.mark.parametrize(("dtype", "heads", "page_size"), [(torch.float32, 3, 1), (torch.bfloat16, 16, 4),
-                                                          (torch.float16, 5, 3)], ids=str)
+                                                          (torch.float16, 5, 3), (torch.float32, 64, 2),
+                                                          (torch.bfloat16, 128, 1)], ids=str)
 def test_short_extends_match_the_reference(dtype: torch.dtype, heads: int, page_size: int) -> None:
-    """Verifies of 4 rows and shorter extends after prefixes of 0..300 keys (one and two 256-key splits), and one
-    request of SHORT_EXTEND_ROWS rows; the extend kernel is never called."""
-    prefix, extend = [0, 7, 255, 300, 33], [4, 4, 1, SHORT_EXTEND_ROWS, 3]
+    """Verifies of 4 rows and shorter extends after prefixes of 0..300 keys, a request of no rows, and one of
+    SHORT_EXTEND_ROWS rows; the extend kernel is never called."""
+    prefix, extend = [0, 7, 255, 300, 12, 33], [4, 4, 1, SHORT_EXTEND_ROWS, 0, 3]
     q, kv, fb = batch(prefix, extend, heads, page_size, dtype, seed=heads)
     attn = backend(heads, page_size, dtype)
 
@@ -49,6 +50,8 @@ def test_short_extends_match_the_reference(dtype: torch.dtype, heads: int, page_
     out = attn.absorbed(q, kv, fb, KV_LORA, 0.3)
     ref = RefAttention().absorbed(q.float(), kv.float(), fb, KV_LORA, 0.3)
     assert_close_to_ref(out, ref, dtype)
+    # H >= 64 (a token-block program holds one row): every row runs as a decode of its own keys
+    assert (attn._short_extend == attn._rows_as_decodes) == (heads >= 64)
 
 
 @pytest.mark.parametrize(("prefix", "extend", "splits"), [([4600, 2], [4, 3], 16), ([300, 0, 90], [4, 4, 1], 3),
