@@ -1,7 +1,7 @@
 """What batch_invariant costs at the 2.5B V3 shape: prefill tokens/s by prompt length, and decode tokens/s.
 
 batch_invariant (EngineConfig) runs every row, prompt rows included, through the fixed-split decode kernel on the
-absorbed path and every product through GEMM tiles of one BLOCK_K, so prefill, not only decode, can pay for it; this
+absorbed path and every product through GEMMs that sum K in one order, so prefill, not only decode, can pay for it; this
 bench times both against the default engine on the same random checkpoint (bench/random_checkpoint.py), alternating
 the two engines rep by rep in one process (both alive), the fastest of `--reps` each.
 

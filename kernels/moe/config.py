@@ -143,33 +143,23 @@ def grouped_config(num_pairs: int, num_experts: int, itemsize: int = 2, inter: i
     return MoeConfig(bm, up, down, align=align, pdl=pdl)
 
 
-# The batch-invariant plan's tiles (registry.py's resolve_moe(invariant=True)): a pair's bits may not depend on T, so
-# every 16-bit tile walks K in BLOCK_K 64 steps; BLOCK_M and BLOCK_N only say which rows and columns a program owns,
-# and the tensor cores sum each output's K steps in the same order whatever the tile (bitwise on the H200 for 6 tiles
-# at T = 1..16k: BLOCK_M 16 / 32 / 64 / 128, 3-5 stages, interleaved or not; tests/kernels/test_batch_invariance.py
-# runs there across both thresholds). Graph-timed at D = 2048, I = 512, E = 64, K = 6 (us, invariant vs the default
-# plan): T = 64 108.5 vs 104.1, T = 256 121.0 vs 120.2 (BLOCK_M 32), T = 1024 205.4 vs 237.4 and T = 16k 1207 vs
-# 1189 (BLOCK_M 128: the default's own tiles there); the decode-size tiles of BLOCK_K 256 took 4881 at T = 16k.
-INVARIANT_BM32_ROWS = 16
-INVARIANT_BM128_ROWS = 64
-
-
-def invariant_configs(itemsize: int, inter: int, hidden: int) -> tuple[tuple[float, MoeConfig], ...]:
-    """The invariant plan's steps (rows per expert from which a config runs, config), ascending; every config of a
-    dtype has each GEMM's BLOCK_K. fp32: grouped_config's decode-size tiles alone (BLOCK_K 128 / 64 halved from
-    the 16-bit table; wider fp32 stages would not fit the shared memory)."""
-    if itemsize >= 4:
-        narrow = grouped_config(1, 1, itemsize, inter, hidden)
-        return ((0, narrow._replace(gate_up=narrow.gate_up._replace(row_dot=True),
-                                    down=narrow.down._replace(row_dot=True))),)  # fmt: skip
-    def tile(block_n: int, group_m: int, warps: int, stages: int, interleave: bool = False) -> GemmTile:
-        return GemmTile(block_n, 64, group_m, warps, stages, interleave, tma=True, row_dot=True)
-
-    return (
-        (0, MoeConfig(16, tile(64, 1, 4, 4), tile(64, 1, 4, 4))),
-        (INVARIANT_BM32_ROWS, MoeConfig(32, tile(64, 4, 4, 4, True), tile(128, 1, 4, 3))),
-        (INVARIANT_BM128_ROWS, MoeConfig(128, tile(128, 8, 8, 3, True), tile(256, 8, 8, 3))),
-    )
+# The batch-invariant plan's tiles (registry.py's resolve_moe(invariant=True)): a pair's bits may not depend on T.
+# Each GEMM's 16-wide MMA steps accumulate into one fp32 accumulator in K order (Triton folds `acc += dot(a, w)` into
+# the dot's acc operand), so BLOCK_K only groups the same steps and BLOCK_M / BLOCK_N only say which rows and columns
+# a program owns: the default plan's grouped tiles give a pair the same bits at every T. Measured on the H200 at D =
+# 2048, I = 512, E = 64, K = 6: grouped_config's tiles at T = 1..4096 (BLOCK_M 16-128, BLOCK_K 64-256, the SHORT_D
+# tiles, TMA, interleaved gate_up) equal a plan fixed at BLOCK_K 64 bit for bit, as do all 9 (gate_up, down) BLOCK_K
+# pairs of 64 / 128 / 256 at T = 64; tests/kernels/test_batch_invariance.py crosses BLOCK_K and BLOCK_M there. A
+# pipeline at T = 64 took 103.5 us on these tiles against 107.0 on the BLOCK_K 64 ones (graph-timed, same run). The
+# gemv path is never taken: its fp32 lanes sum K in another order.
+def invariant_config(pairs: int, experts: int, itemsize: int, inter: int, hidden: int, compiled: bool) -> MoeConfig:
+    """The invariant plan's tiles for a call of `pairs` pairs on `experts` experts: 16-bit, grouped_config's (row_dot,
+    so the CPU interpreter sums a row's products alike); fp32 and Triton's CPU interpreter (compiled=False), the
+    decode-size tiles at every T (the interpreter sums a row_mma's BLOCK_K products before adding them, so its bits
+    follow BLOCK_K; fp32's 'ieee' products are not the tensor cores' and were not measured across tiles)."""
+    fixed = itemsize >= 4 or not compiled
+    cfg = grouped_config(0 if fixed else pairs, max(1, experts), itemsize, inter, hidden)
+    return cfg._replace(gate_up=cfg.gate_up._replace(row_dot=True), down=cfg.down._replace(row_dot=True))
 
 
 # The gemv tiles (D = 7168, K = 8, each kernel alone): E = 256 / I = 256, T = 1: up 1 row x 1024 over 2 warps, down 4

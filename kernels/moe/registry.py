@@ -11,11 +11,11 @@ tiles from grouped_config (host arithmetic on T K / E, no device sync), so forwa
 MoePlan(T) runs exactly what fused_moe(config=None) runs (moe_config): tests/kernels/test_moe_registry.py.
 
 Batch-invariant plan (resolve_moe(..., invariant=True), EngineConfig.batch_invariant): never gemv, and the grouped
-GEMMs walk K in one BLOCK_K at every T (config.invariant_configs: BLOCK_M 16, 32 or 128 by rows per expert, every
-tile BLOCK_K 64 in 16-bit), so a pair's products and its token's K-sum (moe_sum, k = 0..K-1) are the same sums in the
-same order at any T. The alignment's launch shape, PDL and the tile's M and N follow T: they move pairs between
-blocks, never a product's reduction order. Triton's CPU interpreter runs the first step's tiles at every T (it caps a
-tensor at 2^20 elements, and row_mma's product there is BLOCK_M x BLOCK_K x BLOCK_N).
+path with the default plan's tiles (config.invariant_config: each GEMM's MMA steps accumulate in K order whatever the
+tile), so a pair's products and its token's K-sum (moe_sum, k = 0..K-1) are the same sums in the same order at any T.
+The alignment's launch shape, PDL and the tiles follow T: they move pairs between blocks, never a product's reduction
+order. fp32 and Triton's CPU interpreter run the decode-size tiles at every T (invariant_config says why; the
+interpreter also caps a tensor at 2^20 elements, and row_mma's product there is BLOCK_M x BLOCK_K x BLOCK_N).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from r3trace.kernels.moe.config import (
     gemv_max_tokens,
     gemv_tile,
     grouped_config,
-    invariant_configs,
+    invariant_config,
 )
 from r3trace.kernels.moe.fused_moe import fused_moe
 
@@ -85,16 +85,14 @@ class MoePlan:
     grouped: MoeKernel
     gemv_max_tokens: int  # T <= this runs gemv (0: never)
     gemv_tiles: tuple[GemvTile, ...]  # [T - 1]: the gemv tile at T
-    fixed: tuple[tuple[float, MoeConfig], ...] = ()  # the batch-invariant plan's steps (() : the default plan)
+    invariant: bool = False  # the batch-invariant plan (config.invariant_config's tiles, never gemv)
 
     def config(self, tokens: int, pairs: int, experts: int, compiled: bool = True) -> MoeConfig:
         """The tiles a call of `tokens` rows, `pairs` = T K pairs and `experts` = E rows of w13 runs (compiled=False:
         Triton's CPU interpreter)."""
         grouped = grouped_config(pairs, experts, self.dtype.itemsize, self.shape.inter, self.shape.hidden)
-        if self.fixed:
-            rows = pairs / max(1, experts)
-            steps = self.fixed if compiled else self.fixed[:1]
-            tiles = next(cfg for min_rows, cfg in reversed(steps) if rows >= min_rows)
+        if self.invariant:
+            tiles = invariant_config(pairs, experts, self.dtype.itemsize, self.shape.inter, self.shape.hidden, compiled)
             return tiles._replace(align=grouped.align, pdl=grouped.pdl)
         if 1 <= tokens <= self.gemv_max_tokens:
             return grouped._replace(gemv=self.gemv_tiles[tokens - 1])
@@ -110,12 +108,12 @@ class MoePlan:
 
 def resolve_moe(shape: MoeShape, dtype: torch.dtype, invariant: bool = False) -> MoePlan:
     """The plan for these weights: every record asked once; an input no path runs is refused here, in one line.
-    invariant: the batch-invariant plan (grouped only, config.invariant_configs' tiles: one BLOCK_K a GEMM at any T)."""
+    invariant: the batch-invariant plan (grouped only, config.invariant_config's tiles)."""
     why = GROUPED.supported(shape, dtype)
     if why is not None:
         raise KernelInputError(why)
     if invariant:
-        return MoePlan(shape, dtype, None, GROUPED, 0, (), invariant_configs(dtype.itemsize, shape.inter, shape.hidden))
+        return MoePlan(shape, dtype, None, GROUPED, 0, (), invariant=True)
     gemv = GEMV if GEMV.supported(shape, dtype) is None else None
     top = gemv_max_tokens(shape.inter) if gemv is not None else 0
     tiles = tuple(gemv_tile(t, shape.inter) for t in range(1, top + 1))

@@ -161,23 +161,28 @@ def test_fixed_split_requests_do_not_mix() -> None:
     assert torch.equal(moved[:3], both[:3]) and not torch.equal(moved[3:], both[3:])
 
 
+@pytest.mark.parametrize("inter", [136, 520], ids=["I136", "I520"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_moe_invariant_plan_rows(dtype: torch.dtype) -> None:
-    """The invariant plan (resolve_moe(invariant=True)) never takes gemv and walks each GEMM's K in one BLOCK_K at
-    every T: 140 tokens on 4 experts, top-2, D = 264 and I = 136 (5 and 3 K steps of 64, the last short). Compiled in
-    bf16 the whole batch runs BLOCK_M 128 (70 rows per expert), batches of 40 BLOCK_M 32 (20 rows) and of 17 BLOCK_M
-    16 (8.5 rows); each token has the same bits in all three and alone (the default plan's gemv size)."""
-    rows = 140
-    hidden, w13, w2, ids, weights = moe_case(rows, 264, 4, 136, 2, dtype, DEVICE, seed=9)
-    plan = resolve_moe(MoeShape(264, 136), dtype, invariant=True)
+def test_moe_invariant_plan_rows(dtype: torch.dtype, inter: int) -> None:
+    """The invariant plan (resolve_moe(invariant=True)) never takes gemv and runs the default plan's tiles, whose
+    BLOCK_M and BLOCK_K follow T: 140 tokens on 4 experts, top-2, D = 264 (K steps of every BLOCK_K, the last short),
+    recomputed in batches of `small` and 40 tokens. Compiled in bf16, I = 136 (the down's whole-K tile): BLOCK_M 16 /
+    32 / 128 at 8.5 / 20 / 70 rows per expert, gate_up BLOCK_K 256 then 64; I = 520 (the short-D tiles): BLOCK_M 16 /
+    32 / 64 at 3.5 / 20 / 70 rows, (gate_up, down) BLOCK_K (256, 128), (128, 128), (64, 64). Each token has the same
+    bits in every batching and alone (the default plan's gemv size)."""
+    rows, small = 140, (17 if inter < 512 else 7)
+    hidden, w13, w2, ids, weights = moe_case(rows, 264, 4, inter, 2, dtype, DEVICE, seed=9)
+    plan = resolve_moe(MoeShape(264, inter), dtype, invariant=True)
     compiled = DEVICE == "cuda"
-    cfgs = [plan.config(n, 2 * n, 4, compiled) for n in (17, 40, rows)]
-    expect = (16, 32, 128) if compiled and dtype == torch.bfloat16 else (cfgs[0].block_m,) * 3
+    cfgs = [plan.config(n, 2 * n, 4, compiled) for n in (small, 40, rows)]
+    crossing = compiled and dtype == torch.bfloat16
+    expect = ((16, 32, 128) if inter < 512 else (16, 32, 64)) if crossing else (cfgs[0].block_m,) * 3
     assert plan.gemv is None and tuple(c.block_m for c in cfgs) == expect
-    assert len({(c.gate_up.block_k, c.down.block_k) for c in cfgs}) == 1
+    block_ks = {(c.gate_up.block_k, c.down.block_k) for c in cfgs}
+    assert len(block_ks) == ((2 if inter < 512 else 3) if crossing else 1), block_ks
     moe = lambda r: plan(hidden[r], w13, w2, ids[r], weights[r])  # noqa: E731
     full = moe(slice(0, rows))
-    for size in (17, 40):
+    for size in (small, 40):
         parts = torch.cat([moe(slice(s, s + size)) for s in range(0, rows, size)])
         assert torch.equal(parts, full), f"batches of {size}"
     for t in (0, 69, rows - 1):
