@@ -2,20 +2,18 @@
 (EngineConfig.batch_invariant's linears and per-head products).
 
 Shape legend: G batched products (1 for a linear, H heads for MLA's absorbed w_kc / w_vc), M rows, K the reduced
-dim, N output columns, C = cdiv(K, K_CHUNK) chunks of K.
+dim, N output columns.
 
     a   [G, M, K] (any strides)   b [G, K, N] (any strides)   c [G, M, N] = a @ b, fp32 accumulation
 
 Why not cuBLAS: it picks its kernel, tile and split-K by M (and N, K), so a row's reduction order, hence its
 bits, moves with the batch it lands in (BENCHMARKS.md#speculative-decoding: 79 route mismatches between two plain
-runs that batch the same requests differently). Here element (m, n) is one sum for any M: each K chunk of K_CHUNK is
-its tensor-core products in BLOCK_K steps accumulated from 0, and the chunks are added in order from 0.0. One program
-walks every chunk of its output tile, or, where the output has few tiles (decode), each chunk gets its own program
-and a second kernel adds them in the same order (a fixed split-K: the same bits). BLOCK_K is fixed per dtype (TILES);
-BLOCK_M and BLOCK_N only say which outputs a program owns, so from WIDE_M rows a 16-bit product takes a wider tile of
-the same BLOCK_K (WIDE_TILES): the tensor cores sum each output's K steps in the same order whatever the tile (checked
-bitwise on the H200 across the thresholds: tests/kernels/test_batch_invariance.py). SGLang's
---enable-deterministic-inference keeps one persistent-kernel config per dtype for every M and no split-K
+runs that batch the same requests differently). Here element (m, n) is one fp32 accumulator that takes the tensor
+cores' 16-wide K steps in order from 0, whatever the tile: BLOCK_K only groups those steps and BLOCK_M / BLOCK_N only
+say which outputs a program owns, so the tile may follow M and N (matmul_tile) and no K is ever split. On the H200, 9
+products of the 2.5B shape (K 512-5632, N 576-32000) gave each row's bits at M = 1 .. 700 with BLOCK_K 64 / 128 / 256
+equal to the 128 x 256 x 64 tile's at M = 8192 (tests/kernels/test_batch_invariance.py crosses the tiles there).
+SGLang's --enable-deterministic-inference keeps one persistent-kernel config per dtype for every M and no split-K
 (sgl-project/sglang python/sglang/srt/batch_invariant_ops/batch_invariant_ops.py at d40bdca0, `matmul_persistent`).
 """
 
@@ -39,64 +37,63 @@ class MatmulTile(NamedTuple):
     num_stages: int
 
 
-# The tile below WIDE_M rows, per dtype. 16-bit: 64 x 64 x 64 over 4 warps (a wgmma-sized tile; 64 columns a program
-# keep skinny decode GEMMs at N / 64 programs, e.g. 9 for the 576-wide kv_a projection). fp32 halves each side so an
-# fp32 stage of A and B fits the shared memory of 3 stages.
+# Triton's CPU interpreter and fp32, at every M: the interpreter's row_mma sums a BLOCK_K block before adding it (its
+# bits follow BLOCK_K), and fp32's 'ieee' products are not the tensor cores' (not measured across tiles). fp32 halves
+# each side so an fp32 stage of A and B fits the shared memory of 3 stages.
 TILES: dict[torch.dtype, MatmulTile] = {
     torch.bfloat16: MatmulTile(64, 64, 64, 4, 3),
     torch.float16: MatmulTile(64, 64, 64, 4, 3),
     torch.float32: MatmulTile(32, 32, 32, 4, 2),
 }
-# From WIDE_M rows (16-bit): 128 x 256 tiles over 8 warps, BLOCK_K as TILES'. At M = 16k, K = 5632, N = 2048 on the
-# H200 with the chunked K sum: 0.767 ms, 128 x 128 over 8 warps 0.921, over 4 0.877 (cuBLAS 0.519 in the tile sweep
-# before the chunks; bench/results/invariant_gemm_tiles-h200.json has the five shapes).
+# From WIDE_M rows (16-bit): 128 x 256 tiles over 8 warps. At M = 4096 on the H200 (graph-timed, us): K 2048 x N
+# 2048 67 (cuBLAS 49), K 5632 x N 2048 182 (132), the lm_head's N 32000 1349 (824).
 WIDE_M = 512
 WIDE_TILES: dict[torch.dtype, MatmulTile] = {
     torch.bfloat16: MatmulTile(128, 256, 64, 8, 3),
     torch.float16: MatmulTile(128, 256, 64, 8, 3),
 }
+# Below WIDE_M rows (16-bit, decode and verify sizes): BLOCK_M the MMA's 16 / 32 / 64 rows by M, BLOCK_K 128, and the
+# widest BLOCK_N of 128 / 64 / 32 / 16 that still gives MIN_PROGRAMS programs (132 SMs): the weights stream from many
+# SMs at once. At M = 64 (us, cuBLAS beside): K 2048 x N 2048 5.3 (5.4), K 768 x N 3072 4.2 (3.7), K 5632 x N 2048
+# 10.6 (9.3), K 512 x N 2048 2.7 (3.2); fixed 512-wide K chunks with split-K took 6.6, 6.0, 10.8 and 3.7. The split
+# only won at M = 1 on K 5632 (9.1 against 12.1).
+NARROW_BLOCK_K = 128
+MIN_PROGRAMS = 128
+SMEM_BYTES = 200_000  # the most shared memory a tile's stages may take (the H200 has 227 KB a block)
 
 
-# K is summed in chunks of K_CHUNK (a multiple of every BLOCK_K), the chunks added in order from 0.0, at every M: so a
-# product with few output tiles (decode: M <= 64) can give each chunk its own program and add them after (split-K)
-# with the bits of one program walking all chunks. Below SPLIT_BELOW output tiles a product splits (132 SMs).
-K_CHUNK = 512
-SPLIT_BELOW = 128
-
-
-def matmul_tile(dtype: torch.dtype, m: int, compiled: bool = True) -> MatmulTile:
-    """The tile of an [M, K] x [K, N] product: TILES[dtype], or WIDE_TILES[dtype] from WIDE_M rows; one BLOCK_K.
-    compiled=False (Triton's CPU interpreter): TILES' only, as the interpreter caps a tensor at 2^20 elements and
-    row_mma's product there is [BLOCK_M, BLOCK_K, BLOCK_N] (2^21 for the wide tile)."""
-    wide = WIDE_TILES.get(dtype) if compiled else None
-    return wide if wide is not None and m >= WIDE_M else TILES[dtype]
+def matmul_tile(dtype: torch.dtype, m: int, n: int = 0, g: int = 1, compiled: bool = True) -> MatmulTile:
+    """The tile of g [M, K] x [K, N] products: WIDE_TILES[dtype] from WIDE_M rows, below it the narrow rule above;
+    TILES[dtype] for fp32 and compiled=False (Triton's CPU interpreter, which also caps a tensor at 2^20 elements)."""
+    wide = WIDE_TILES.get(dtype)
+    if wide is None or not compiled:
+        return TILES[dtype]
+    if m >= WIDE_M:
+        return wide
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    block_n = next((bn for bn in (128, 64, 32) if g * triton.cdiv(n, bn) * triton.cdiv(m, block_m) >= MIN_PROGRAMS),
+                   16)  # fmt: skip
+    stages = 4
+    while stages > 2 and (block_m + block_n) * NARROW_BLOCK_K * dtype.itemsize * stages > SMEM_BYTES:
+        stages -= 1
+    return MatmulTile(block_m, block_n, NARROW_BLOCK_K, 4, stages)
 
 
 @triton.jit
 def _invariant_matmul_kernel(
-    # pointers (part_ptr: SPLIT's fp32 chunk sums [C, G, M, N], contiguous)
-    a_ptr, b_ptr, c_ptr, part_ptr,
+    a_ptr, b_ptr, c_ptr,
     # sizes
-    M, N, K, n_chunks, G,
+    M, N, K,
     # strides
     stride_ag, stride_am, stride_ak, stride_bg, stride_bk, stride_bn, stride_cg, stride_cm, stride_cn,
     # constexpr
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr, SPLIT: tl.constexpr,
-    UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    # c = sum over chunks q = 0, 1, ... (in order, from 0.0) of chunk q's product, itself the MMAs of its
-    # K_CHUNK / BLOCK_K steps accumulated from 0. SPLIT: program (n, m, g * n_chunks + q) computes chunk q alone and
-    # stores it (fp32); _chunk_sum_kernel adds the chunks in the same order. Else one program walks every chunk.
+    # c[g, m, n] = one fp32 accumulator over K's BLOCK_K steps in order from 0 (the MMA's acc operand), then rounded
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
-    if SPLIT:
-        g = (tl.program_id(2) // n_chunks).to(tl.int64)
-        q_lo = tl.program_id(2) % n_chunks
-        q_hi = q_lo + 1
-    else:
-        g = tl.program_id(2).to(tl.int64)
-        q_lo = 0
-        q_hi = n_chunks
+    g = tl.program_id(2).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -104,48 +101,19 @@ def _invariant_matmul_kernel(
     n_mask = offs_n < N
     a_rows = a_ptr + g * stride_ag + offs_m.to(tl.int64)[:, None] * stride_am
     b_cols = b_ptr + g * stride_bg + offs_n.to(tl.int64)[None, :] * stride_bn
-    total = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for q in range(q_lo, q_hi):
-        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        for k0 in range(q * K_CHUNK, tl.minimum(K, (q + 1) * K_CHUNK), BLOCK_K):  # the chunk's BLOCK_K steps in order
-            k_mask = (k0 + offs_k) < K
-            a = tl.load(a_rows + (k0 + offs_k)[None, :] * stride_ak, mask=m_mask[:, None] & k_mask[None, :],
-                        other=0.0)  # fmt: skip
-            b = tl.load(b_cols + (k0 + offs_k)[:, None] * stride_bk, mask=k_mask[:, None] & n_mask[None, :],
-                        other=0.0)  # fmt: skip
-            acc = row_mma_acc(a, b, acc, UPCAST, INPUT_PRECISION)  # the MMA accumulates into acc
-        total += acc
-    mask = m_mask[:, None] & n_mask[None, :]
-    if SPLIT:
-        rows = (q_lo * G + g) * M + offs_m.to(tl.int64)  # [C, G, M] flattened
-        tl.store(part_ptr + rows[:, None] * N + offs_n[None, :], total, mask=mask)
-    else:
-        dst = c_ptr + g * stride_cg + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
-        tl.store(dst, total.to(c_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _chunk_sum_kernel(
-    part_ptr, c_ptr, M, N, n_chunks, G, stride_cg, stride_cm, stride_cn,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
-    """c[g] = sum over q = 0, 1, ... of part[q, g] from 0.0, in that order (the unsplit kernel's sum), then rounded."""
-    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    g = tl.program_id(2).to(tl.int64)
-    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    total = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for q in range(0, n_chunks):
-        rows = (q * G + g) * M + offs_m.to(tl.int64)
-        total += tl.load(part_ptr + rows[:, None] * N + offs_n[None, :], mask=mask, other=0.0)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = (k0 + offs_k) < K
+        a = tl.load(a_rows + (k0 + offs_k)[None, :] * stride_ak, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(b_cols + (k0 + offs_k)[:, None] * stride_bk, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        acc = row_mma_acc(a, b, acc, UPCAST, INPUT_PRECISION)  # the MMA accumulates into acc
     dst = c_ptr + g * stride_cg + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
-    tl.store(dst, total.to(c_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
 def invariant_bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """a [G, M, K] @ b [G, K, N] -> [G, M, N] in a's dtype (out: a [G, M, N] tensor or view to store into; any
-    strides). The tile is matmul_tile(a.dtype, M); K is summed in K_CHUNK chunks, in order, at every M; a product of
-    fewer than SPLIT_BELOW tiles and several chunks runs one program a chunk and a chunk sum (split_k)."""
+    strides). The tile is matmul_tile(a.dtype, M, N, G); K is one accumulator's steps in order at every tile."""
     require(a.dim() == 3 and b.dim() == 3, f"a {tuple(a.shape)} and b {tuple(b.shape)} must be [G, M, K], [G, K, N]")
     require(a.dtype in FLOAT_DTYPES and b.dtype == a.dtype, f"a dtype {a.dtype}, b dtype {b.dtype}: one float dtype")
     require(a.device == b.device, f"a is on {a.device}, b on {b.device}")
@@ -158,31 +126,15 @@ def invariant_bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = N
             f"out {tuple(out.shape)} {out.dtype} is not [{g}, {m}, {n}] {a.dtype}")  # fmt: skip
     if g * m * n == 0:
         return out
-    tile = matmul_tile(a.dtype, m, a.is_cuda)
-    chunks = max(1, triton.cdiv(k, K_CHUNK))
-    tiles = (triton.cdiv(n, tile.block_n), triton.cdiv(m, tile.block_m))
-    split = split_k(tiles[0] * tiles[1] * g, chunks)
-    part = torch.empty((chunks, g, m, n), dtype=torch.float32, device=a.device) if split else out
-    _invariant_matmul_kernel[(*tiles, g * chunks if split else g)](
-        a, b, out, part, m, n, k, chunks, g,
+    tile = matmul_tile(a.dtype, m, n, g, a.is_cuda)
+    _invariant_matmul_kernel[(triton.cdiv(n, tile.block_n), triton.cdiv(m, tile.block_m), g)](
+        a, b, out, m, n, k,
         a.stride(0), a.stride(1), a.stride(2), b.stride(0), b.stride(1), b.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
-        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, K_CHUNK=K_CHUNK, SPLIT=split,
-        UPCAST=not a.is_cuda, INPUT_PRECISION=dot_precision(a.dtype == torch.float32), num_warps=tile.num_warps,
-        num_stages=tile.num_stages,
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, UPCAST=not a.is_cuda,
+        INPUT_PRECISION=dot_precision(a.dtype == torch.float32), num_warps=tile.num_warps, num_stages=tile.num_stages,
     )  # fmt: skip
-    if split:
-        _chunk_sum_kernel[(triton.cdiv(n, 64), triton.cdiv(m, 16), g)](
-            part, out, m, n, chunks, g, out.stride(0), out.stride(1), out.stride(2), BLOCK_M=16, BLOCK_N=64,
-            num_warps=4,
-        )  # fmt: skip
     return out
-
-
-def split_k(programs: int, chunks: int) -> bool:
-    """Whether a product of `programs` output tiles and `chunks` K chunks runs a program a chunk: below SPLIT_BELOW
-    tiles (a decode GEMM: N / 64 of them at M <= 64) the GPU would idle. The bits are the same either way."""
-    return chunks > 1 and programs < SPLIT_BELOW
 
 
 def invariant_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -19,15 +19,17 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from r3trace.kernels import invariant_matmul
 from r3trace.kernels.invariant_matmul import (
-    SPLIT_BELOW,
+    NARROW_BLOCK_K,
+    SMEM_BYTES,
+    TILES,
     WIDE_M,
+    WIDE_TILES,
+    MatmulTile,
     invariant_bmm,
     invariant_bmm_ref,
     invariant_linear,
     matmul_tile,
-    split_k,
 )
 from r3trace.kernels.mla_decode.fixed_split import FixedSplitDecoder, fixed_split_decoder
 from r3trace.kernels.mla_decode.reference import mla_decode_ref
@@ -81,23 +83,20 @@ def test_per_head_gemm_through_strided_views(dtype: torch.dtype) -> None:
     assert_close_to_ref(heads(slice(0, ROWS)), invariant_bmm_ref(x.transpose(0, 1), w).transpose(0, 1), dtype)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_gemm_split_k_has_the_unsplit_bits(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
-    """[37, 1100] x [1100, 70]: 3 chunks of K (the last short), 2 output tiles, so the product splits K (a program a
-    chunk, then the ordered chunk sum); with splitting off (SPLIT_BELOW = 0) one program walks the chunks: the same
-    bits, rows alone or in batches of 17, and close to the fp32 torch twin. The per-head form (G = 3) too."""
-    x, w = randn(ROWS, 1100, dtype=dtype, seed=25), randn(70, 1100, dtype=dtype, seed=26)
-    assert split_k(2, 3) and not split_k(SPLIT_BELOW, 3) and not split_k(2, 1)
-    split = invariant_linear(x, w)
-    assert torch.equal(torch.cat([invariant_linear(x[s : s + 17], w) for s in range(0, ROWS, 17)]), split)
-    for t in (0, ROWS - 1):
-        assert torch.equal(invariant_linear(x[t : t + 1], w), split[t : t + 1]), f"row {t} alone"
-    xh, wh = randn(3, ROWS, 600, dtype=dtype, seed=27), randn(3, 600, 40, dtype=dtype, seed=28)
-    split_heads = invariant_bmm(xh, wh)
-    monkeypatch.setattr(invariant_matmul, "SPLIT_BELOW", 0)
-    assert torch.equal(invariant_linear(x, w), split)
-    assert torch.equal(invariant_bmm(xh, wh), split_heads)
-    assert_close_to_ref(split, invariant_bmm_ref(x[None], w.t()[None])[0], dtype)
+def test_gemm_tile_rule() -> None:
+    """matmul_tile: BLOCK_M by M, the widest BLOCK_N giving MIN_PROGRAMS programs (16 at the fewest), the stages cut
+    to the shared-memory bound, WIDE_TILES from WIDE_M rows; fp32 and the interpreter one tile at every M."""
+    bf16 = torch.bfloat16
+    assert matmul_tile(bf16, 1, 2048) == MatmulTile(16, 16, NARROW_BLOCK_K, 4, 4)  # 128 programs only at BLOCK_N 16
+    assert matmul_tile(bf16, 64, 32000) == MatmulTile(64, 128, NARROW_BLOCK_K, 4, 4)  # 250 programs
+    assert matmul_tile(bf16, 33, 16384).block_n == 128 and matmul_tile(bf16, 33, 8192).block_n == 64
+    assert matmul_tile(bf16, 64, 512, g=16).block_n == 64  # the per-head form counts G x tiles
+    assert matmul_tile(bf16, 20, 576) == MatmulTile(32, 16, NARROW_BLOCK_K, 4, 4)
+    assert matmul_tile(bf16, WIDE_M - 1, 2048).block_m == 64 and matmul_tile(bf16, WIDE_M, 2048) == WIDE_TILES[bf16]
+    for t in (matmul_tile(bf16, m, n) for m in (1, 64, 300) for n in (16, 2048, 32000)):
+        assert (t.block_m + t.block_n) * t.block_k * 2 * t.num_stages <= SMEM_BYTES
+    assert {matmul_tile(torch.float32, m, 2048) for m in (1, 64, 4096)} == {TILES[torch.float32]}
+    assert {matmul_tile(bf16, m, 2048, compiled=False) for m in (1, 64, 4096)} == {TILES[bf16]}
 
 
 def block_rows(dec: FixedSplitDecoder, q: torch.Tensor, kv: torch.Tensor, r2t: torch.Tensor, pool_row: int,
@@ -190,13 +189,15 @@ def test_moe_invariant_plan_rows(dtype: torch.dtype, inter: int) -> None:
 
 
 def test_gemm_wide_tile_rows() -> None:
-    """bf16 [WIDE_M + 88, 300] x [300, 200]: compiled, the full product runs WIDE_TILES' tile, batches of 37 rows and
-    single rows TILES' one; every row has the same bits (the two tiles share BLOCK_K, 5 steps, the last short). The
-    interpreter runs TILES' at every M (matmul_tile says why)."""
+    """bf16 [WIDE_M + 88, 300] x [300, 200]: compiled, the full product runs WIDE_TILES' tile (BLOCK_K 64: 5 steps,
+    the last short), batches of 37 rows a 64 x 16 x 128 tile and single rows 16 x 16 x 128 (3 steps); every row has
+    the same bits, as the K steps accumulate in order whatever the tile. The interpreter runs TILES' at every M
+    (matmul_tile says why)."""
     rows = WIDE_M + 88
     x, w = randn(rows, 300, dtype=torch.bfloat16, seed=23), randn(200, 300, dtype=torch.bfloat16, seed=24)
     compiled = DEVICE == "cuda"
-    assert (matmul_tile(torch.bfloat16, rows, compiled) != matmul_tile(torch.bfloat16, 37, compiled)) == compiled
+    tiles = {matmul_tile(torch.bfloat16, m, 200, compiled=compiled) for m in (rows, 37, 1)}
+    assert len(tiles) == (3 if compiled else 1) and len({t.block_k for t in tiles}) == (2 if compiled else 1)
     full = invariant_linear(x, w)
     assert torch.equal(torch.cat([invariant_linear(x[s : s + 37], w) for s in range(0, rows, 37)]), full)
     for t in (0, 300, rows - 1):
