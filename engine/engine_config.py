@@ -84,12 +84,12 @@ class EngineConfig:
     # Batch-invariant mode (SGLang's --enable-deterministic-inference, vLLM's VLLM_BATCH_INVARIANT): the fast triton
     # path with every reduction in one order whatever the batch, so a row's bits (logits, routes) do not depend on the
     # other rows, the batch size, a verify's width or chunking: the linears and per-head products through Triton GEMM
-    # tiles of one BLOCK_K and fixed K chunks at every T (kernels/invariant_matmul.py), the fused MoE on the default
-    # plan's grouped tiles, its MMA steps in K order at any tile (no gemv switch), the router logits' kernel at every T,
-    # and every query row on the absorbed MLA path through the Triton decode kernel with fixed 256-key splits merged in
-    # order (kernels/mla_decode/fixed_split.py; decode_kernel is not consulted). Needs all five triton backends; forces
-    # the absorbed MLA path; one process (tp, dp, ep > 1 are refused: their collectives reduce in NCCL's order, which
-    # follows the message size).
+    # tiles that take K's steps in one order at every T, no split-K (kernels/invariant_matmul.py), the fused MoE on the
+    # default plan's grouped tiles, its MMA steps in K order at any tile (no gemv switch), the router logits' kernel at
+    # every T, and every query row on the absorbed MLA path through the Triton decode kernel with fixed 256-key splits
+    # merged in order (kernels/mla_decode/fixed_split.py; decode_kernel is not consulted). Needs all five triton
+    # backends; forces the absorbed MLA path; one process (tp, dp, ep > 1 are refused: their collectives reduce in
+    # NCCL's order, which follows the message size).
     batch_invariant: bool = False
     # Expert parallelism's token dispatcher (SGLang's --deepep-mode): normal (DeepEP normal mode: rows sized by a
     # host count each dispatch) or low_latency (fixed [E_local, max_tokens * G, D] buffers, graph-safe, k-order

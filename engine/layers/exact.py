@@ -29,8 +29,8 @@ size; nor on the tensor-parallel shard count R in {1, 2, 4, 8} after the exact r
 device, the experts run every pair at once), so a CUDA graph can hold an exact forward and give its eager bits
 (tests/spec/test_spec_graphs*.py). Not covered: bf16/fp16 under R > 1 (partials are rounded to the model dtype
 before the reduction), expert-parallel dispatch, and the Triton backends (exact mode requires ref). Their
-counterpart is EngineConfig.batch_invariant: the triton backends with every reduction in one order (GEMM tiles of
-one BLOCK_K at every T, MoE K steps in order, fixed-split decode for every query row), batch- but not TP-invariant,
+counterpart is EngineConfig.batch_invariant: the triton backends with every reduction in one order (GEMM and MoE
+K steps in one order at every T, fixed-split decode for every query row), batch- but not TP-invariant,
 near default speed (layers/matmul.py, kernels/invariant_matmul.py, kernels/mla_decode/fixed_split.py).
 
 Cost (samples/model, fp32, CPU, 2 threads, torch 2.13; bench/exact_cost.py -> bench/results/exact_cost-cpu.json,
