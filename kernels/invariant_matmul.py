@@ -56,7 +56,7 @@ WIDE_TILES: dict[torch.dtype, MatmulTile] = {
 # widest BLOCK_N of 128 / 64 / 32 / 16 that still gives MIN_PROGRAMS programs (132 SMs): the weights stream from many
 # SMs at once. At M = 64 (us, cuBLAS beside): K 2048 x N 2048 5.3 (5.4), K 768 x N 3072 4.2 (3.7), K 5632 x N 2048
 # 10.6 (9.3), K 512 x N 2048 2.7 (3.2); fixed 512-wide K chunks with split-K took 6.6, 6.0, 10.8 and 3.7. The split
-# only won at M = 1 on K 5632 (9.1 against 12.1).
+# only won at M = 1 on K 5632 (9.1 against 12.1). Re-measure: python -m bench.invariant_gemm.
 NARROW_BLOCK_K = 128
 MIN_PROGRAMS = 128
 SMEM_BYTES = 200_000  # the most shared memory a tile's stages may take (the H200 has 227 KB a block)
