@@ -1,4 +1,5 @@
-"""What batch_invariant costs at the 2.5B V3 shape: prefill tokens/s by prompt length, and decode tokens/s.
+"""What batch_invariant (--mode all) or decode_invariant (--mode decode) costs at the 2.5B V3 shape: prefill tokens/s
+by prompt length, and decode tokens/s, against the engine with both off.
 
 batch_invariant (EngineConfig) runs every row, prompt rows included, through the fixed-split decode kernel on the
 absorbed path and every product through GEMMs that sum K in one order, so prefill, not only decode, can pay for it; this
@@ -9,7 +10,11 @@ Prefill: B prompts of N random tokens, generate of 1 new token (prefill plus one
 no prefix cache; tokens/s = B * N / seconds. Decode: bench/decode_rate.py's rate at batch 64 (128-token prompts, one
 CUDA graph of the batch).
 
+decode_invariant (EngineConfig's default on CUDA) runs those kernels for steps of at most decode_rows rows (decode,
+verify) only: its prefill should cost nothing, its decode what batch_invariant's does.
+
 Run (H200, about 3 minutes): python -m bench.invariant_cost --out bench/results/invariant_cost-h200.json
+  --mode decode: decode_invariant against off (bench/results/decode_invariant_cost-h200.json)
   --profile FILE: also the torch profiler's kernel table of one prefill of the longest length, each engine
 Smoke (make test): --smoke, the tiny random shape on the CPU (fp32, Triton's interpreter, no graphs): one 4-token
 prompt, no warm calls, no decode run (the interpreter runs the invariant GEMM's tiles slowly: decode_tokens_per_s is
@@ -32,11 +37,13 @@ from bench.decode_rate import bench_checkpoint, bench_prompts, decode_tokens_per
 from r3trace.engine import Engine
 
 
-def engine(ckpt: Path, invariant: bool, batch: int, tokens: int, device: str) -> Engine:
+def engine(ckpt: Path, mode: str, batch: int, tokens: int, device: str) -> Engine:
+    """mode: off (neither invariant mode), decode (decode_invariant) or all (batch_invariant)."""
     cuda = device == "cuda"
     return Engine(ckpt, dtype="bfloat16" if cuda else "float32", device=device, chunked_prefill_size=8192,
                   max_running_requests=batch, kv_pool_tokens=tokens, enable_prefix_cache=False,
-                  cuda_graph_batch_sizes=(batch,) if cuda else (), batch_invariant=invariant,
+                  cuda_graph_batch_sizes=(batch,) if cuda else (), batch_invariant=mode == "all",
+                  decode_invariant=mode == "decode",
                   **dict.fromkeys(("attention_backend", "moe_backend", "topk_backend", "norm_backend",
                                    "rope_backend"), "triton"))  # fmt: skip
 
@@ -73,6 +80,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", default="")
     ap.add_argument("--smoke", action="store_true", help="the tiny shape on the CPU (make test)")
+    ap.add_argument("--mode", choices=["all", "decode"], default="all",
+                    help="all: batch_invariant against off; decode: decode_invariant against off")
     ap.add_argument("--profile", default="", help="FILE: also profile one prefill of the longest length, CUDA time by "
                     "kernel for each engine (torch profiler), written to FILE")  # fmt: skip
     args = ap.parse_args(argv)
@@ -87,7 +96,8 @@ def main(argv: list[str] | None = None) -> None:
         ckpt = bench_checkpoint(Path(tmp), args.shape, device)
         vocab = vocab_size(ckpt)
         pool = max(args.prefill_batch * (max(args.lengths) + 8), args.decode_batch * 200)
-        engines = {m: engine(ckpt, m == "invariant", args.decode_batch, pool, device) for m in ("default", "invariant")}
+        mode = args.mode
+        engines = {m: engine(ckpt, m, args.decode_batch, pool, device) for m in ("off", mode)}
         for n in args.lengths:
             prompts = [rng.integers(2, vocab, size=n).tolist() for _ in range(args.prefill_batch)]
             times: dict[str, list[float]] = {m: [] for m in engines}
@@ -98,9 +108,9 @@ def main(argv: list[str] | None = None) -> None:
                     times[m].append(prefill_seconds(engines[m], prompts))
             rate = {m: args.prefill_batch * n / min(t) for m, t in times.items()}
             out["prefill"].append({"prompt_tokens": n, "batch": args.prefill_batch, "seconds": times,
-                                   "tokens_per_s": rate, "invariant_vs_default": rate["invariant"] / rate["default"]})
-            print(f"prefill {args.prefill_batch} x {n}: default {rate['default']:,.0f} tok/s, invariant "
-                  f"{rate['invariant']:,.0f} ({rate['invariant'] / rate['default']:.2f}x)", flush=True)
+                                   "tokens_per_s": rate, f"{mode}_vs_off": rate[mode] / rate["off"]})
+            print(f"prefill {args.prefill_batch} x {n}: off {rate['off']:,.0f} tok/s, {mode} "
+                  f"{rate[mode]:,.0f} ({rate[mode] / rate['off']:.2f}x)", flush=True)
         if not args.smoke:
             prompts = bench_prompts(args.decode_batch, vocab)
             rates: dict[str, list[float]] = {m: [] for m in engines}
@@ -112,9 +122,9 @@ def main(argv: list[str] | None = None) -> None:
                     rates[m].append(decode_tokens_per_s(engines[m], prompts, new))
             best = {m: max(v) for m, v in rates.items()}
             out["decode"] = {"batch": args.decode_batch, "new_tokens": new, "tokens_per_s_reps": rates,
-                             "tokens_per_s": best, "invariant_vs_default": best["invariant"] / best["default"]}
-            print(f"decode batch {args.decode_batch}: default {best['default']:,.0f} tok/s, invariant "
-                  f"{best['invariant']:,.0f} ({best['invariant'] / best['default']:.2f}x)", flush=True)
+                             "tokens_per_s": best, f"{mode}_vs_off": best[mode] / best["off"]}
+            print(f"decode batch {args.decode_batch}: off {best['off']:,.0f} tok/s, {mode} "
+                  f"{best[mode]:,.0f} ({best[mode] / best['off']:.2f}x)", flush=True)
         if args.profile:
             prompts = [rng.integers(2, vocab, size=max(args.lengths)).tolist() for _ in range(args.prefill_batch)]
             Path(args.profile).write_text("\n".join(profile_prefill(e, m, prompts) for m, e in engines.items()))

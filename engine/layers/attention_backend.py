@@ -15,6 +15,8 @@ Shape legend: T new tokens, H heads, C = kv_lora_rank + qk_rope_head_dim, S cach
 | invariant | batch_invariant: every query row (decode, a verify's d + 1, a prefill chunk) |
 |         | as a decode row with its own key count, fixed 256-key splits merged in order   |
 |         | (kernels/mla_decode/fixed_split.py); absorbed path only                        |
+| decode_invariant | invariant for decode steps and short extends (verifies), triton for  |
+|         | prompt chunks and the prefix-free prefill (decode_invariant, the CUDA default) |
 """
 
 from __future__ import annotations
@@ -274,6 +276,36 @@ class InvariantAttention:
         raise ValueError("batch_invariant attention runs the absorbed MLA path only (EngineConfig.mla_impl)")
 
 
+class DecodeInvariantAttention:
+    """decode_invariant's attention: a decode step and a short extend (every request <= SHORT_EXTEND_ROWS rows: a
+    verify's d + 1, a short chunk) run InvariantAttention, so a token's decode row has the same bits in a plain step
+    of any batch and in a verify; longer extends (prompt chunks on a prefix, a step mixing them with decodes) and the
+    prefix-free prefill's MHA run TritonAttention's kernels (their speed: the absorbed fixed-split form of an 8 x 2048
+    prefill is 4x the MHA kernel, BENCHMARKS.md#batch-invariant-mode). Both are built once; the batch's shape picks."""
+
+    def __init__(self, fast: TritonAttention, invariant: InvariantAttention) -> None:
+        self.fast, self.invariant = fast, invariant
+
+    def absorbed(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, fb: ForwardBatch, kv_lora_rank: int, scale: float
+    ) -> torch.Tensor:
+        short = fb.mode == "decode" or max(fb.extend_lens_cpu, default=1) <= SHORT_EXTEND_ROWS
+        backend = self.invariant if short else self.fast
+        return backend.absorbed(q, kv_cache, fb, kv_lora_rank, scale)
+
+    def mha(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        fb: ForwardBatch,
+        k_starts: list[int],
+        k_lens: list[int],
+        scale: float,
+    ) -> torch.Tensor:
+        return self.fast.mha(q, k, v, fb, k_starts, k_lens, scale)
+
+
 def make_attention_backend(
     name: str, device: str, decode_kernel: str, page_size: int, shape: DecodeShape, dtype: torch.dtype
 ) -> AttentionBackend:
@@ -282,4 +314,7 @@ def make_attention_backend(
         return ExactAttention()
     if name == "invariant":
         return InvariantAttention(shape, dtype)
+    if name == "decode_invariant":
+        fast = TritonAttention(device, decode_kernel, page_size, shape, dtype)
+        return DecodeInvariantAttention(fast, InvariantAttention(shape, dtype))
     return RefAttention() if name == "ref" else TritonAttention(device, decode_kernel, page_size, shape, dtype)

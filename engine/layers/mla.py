@@ -31,7 +31,7 @@ from ..forward_batch import ForwardBatch
 from ..model_config import ModelConfig
 from .attention_backend import AttentionBackend
 from .linear import ColumnParallelLinear, RowParallelLinear, replicated_linear
-from .matmul import HeadMatmul, MatmulImpl, make_head_matmul, make_matmul
+from .matmul import HeadMatmul, Matmul, make_head_matmul, make_matmul
 from .norm import RMSNorm
 from .rope import RotaryEmbedding
 
@@ -58,7 +58,7 @@ class MLAAttention(nn.Module):
         norm_backend: str = "ref",
         tp_rank: int = 0,
         tp_size: int = 1,
-        matmul: MatmulImpl = "torch",
+        matmul: Matmul = "torch",
     ) -> None:
         super().__init__()
         self.layer_id = layer_id

@@ -152,14 +152,17 @@ def grouped_config(num_pairs: int, num_experts: int, itemsize: int = 2, inter: i
 # pairs of 64 / 128 / 256 at T = 64; tests/kernels/test_batch_invariance.py crosses BLOCK_K and BLOCK_M there. A
 # pipeline at T = 64 took 103.5 us on these tiles against 107.0 on the BLOCK_K 64 ones (graph-timed, same run). The
 # gemv path is never taken: its fp32 lanes sum K in another order.
-def invariant_config(pairs: int, experts: int, itemsize: int, inter: int, hidden: int, compiled: bool) -> MoeConfig:
-    """The invariant plan's tiles for a call of `pairs` pairs on `experts` experts: 16-bit, grouped_config's (row_dot,
-    so the CPU interpreter sums a row's products alike); fp32 and Triton's CPU interpreter (compiled=False), the
-    decode-size tiles at every T (the interpreter sums a row_mma's BLOCK_K products before adding them, so its bits
-    follow BLOCK_K; fp32's 'ieee' products are not the tensor cores' and were not measured across tiles)."""
+def invariant_config(grouped: MoeConfig, pairs: int, experts: int, itemsize: int, inter: int, hidden: int,
+                     compiled: bool) -> MoeConfig:  # fmt: skip
+    """The invariant plan's tiles for a call of `pairs` pairs on `experts` experts, given the default plan's `grouped`
+    tiles for it: 16-bit, those tiles (row_dot, so the CPU interpreter sums a row's products alike); fp32 and Triton's
+    CPU interpreter (compiled=False), the decode-size tiles at every T (the interpreter sums a row_mma's BLOCK_K
+    products before adding them, so its bits follow BLOCK_K; fp32's 'ieee' products are not the tensor cores' and were
+    not measured across tiles). The alignment's launch shape and PDL stay grouped's."""
     fixed = itemsize >= 4 or not compiled
-    cfg = grouped_config(0 if fixed else pairs, max(1, experts), itemsize, inter, hidden)
-    return cfg._replace(gate_up=cfg.gate_up._replace(row_dot=True), down=cfg.down._replace(row_dot=True))
+    cfg = grouped_config(0, max(1, experts), itemsize, inter, hidden) if fixed else grouped
+    cfg = cfg._replace(gate_up=cfg.gate_up._replace(row_dot=True), down=cfg.down._replace(row_dot=True))
+    return cfg._replace(align=grouped.align, pdl=grouped.pdl)
 
 
 # The gemv tiles (D = 7168, K = 8, each kernel alone): E = 256 / I = 256, T = 1: up 1 row x 1024 over 2 warps, down 4

@@ -92,8 +92,8 @@ class MoePlan:
         Triton's CPU interpreter)."""
         grouped = grouped_config(pairs, experts, self.dtype.itemsize, self.shape.inter, self.shape.hidden)
         if self.invariant:
-            tiles = invariant_config(pairs, experts, self.dtype.itemsize, self.shape.inter, self.shape.hidden, compiled)
-            return tiles._replace(align=grouped.align, pdl=grouped.pdl)
+            return invariant_config(grouped, pairs, experts, self.dtype.itemsize, self.shape.inter, self.shape.hidden,
+                                    compiled)  # fmt: skip
         if 1 <= tokens <= self.gemv_max_tokens:
             return grouped._replace(gemv=self.gemv_tiles[tokens - 1])
         return grouped

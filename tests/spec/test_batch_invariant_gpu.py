@@ -2,6 +2,8 @@
 and the fixed-split attention's rows bitwise the same in batches of 1, 3 and 17 rows, a prefill chunk's rows the same
 as decode rows, and at engine level a request's
 tokens and routes bitwise the same alone and batched, speculative (CUDA graphs: verify and draft graphs) and plain.
+And the default engine (decode_invariant on by itself, tests/engine/test_decode_invariant.py on the CPU):
+speculation equals plain decoding, bitwise, once the prompts are in.
 
 Run (GPU): python -m pytest -q -m gpu tests/spec/test_batch_invariant_gpu.py
 """
@@ -17,7 +19,7 @@ from r3trace.kernels.invariant_matmul import invariant_linear
 from r3trace.kernels.mla_decode.fixed_split import fixed_split_decoder
 from r3trace.kernels.mla_decode.reference import mla_decode_ref
 from tests.engine.conftest import EngineFactory
-from tests.spec.test_batch_invariant import invariant, sampling
+from tests.spec.test_batch_invariant import TRITON, invariant, sampling
 from tests.spec.test_spec_greedy import ASK, assert_mixed_acceptance, assert_same, prompts
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -103,3 +105,21 @@ def test_engine_alone_batched_and_speculative_on_cuda(make_spec_engine: EngineFa
                                                                        w["meta_info"]["routed_experts"])
     # a greedy graph step is one replay, a chained launch one replay of 3 steps
     assert graphs.graph_steps - before[0] > graphs.replays - before[1], "no launch ran chained"
+
+
+def test_default_engine_speculation_equals_plain_on_cuda(make_spec_engine: EngineFactory, mtp_ckpt: Path) -> None:
+    """The default engine in bf16 with CUDA graphs, no invariance option given (decode_invariant resolves on): the six
+    prompts prefill in one step in both engines (the same kernels: a step's rows are below decode_rows in both), then
+    plain decode steps of 6..1 rows against verifies of 4 rows a request (d = 3, chained launches, and one step a
+    launch): bitwise the same tokens, logprobs and routes, with drafts both accepted and rejected."""
+    opts = dict(dtype="bfloat16", device="cuda", chunked_prefill_size=512, **TRITON)
+    plain = make_spec_engine(model=mtp_ckpt, **opts)
+    assert plain.config.decode_invariant_on and plain.config.graph_batch_sizes
+    ps, sp = prompts(seed=11), sampling(6)
+    want = plain.generate(input_ids=ps, sampling_params=sp, **ASK)
+    for launch in (4, 1):
+        spec = make_spec_engine(model=mtp_ckpt, speculative_algorithm="NEXTN", speculative_num_steps=3,
+                                speculative_launch_steps=launch, **opts)  # fmt: skip
+        got = spec.generate(input_ids=ps, sampling_params=sp, **ASK)
+        assert_same(got, want)
+        assert_mixed_acceptance(got)
