@@ -210,7 +210,7 @@ def measure(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any
     cuda = args.device != "cpu"
     result: dict[str, Any] = {"acceptance": [], "throughput": [], "seconds": {}}
     t0 = time.time()
-    for depth in args.acceptance_depths:
+    for depth in () if args.routes_only else args.acceptance_depths:
         if depth != args.depth:
             with Engine(MODEL, **engine_options(args, depth, graphs=cuda)) as eng:
                 result["acceptance"] += acceptance_rows(eng, depth, args, prompts)
@@ -223,12 +223,13 @@ def measure(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any
         engines = {mode: stack.enter_context(Engine(MODEL, **engine_options(args, depth, graphs, launch)))
                    for mode, (depth, graphs, launch) in modes.items() if cuda or not graphs}
         spec = engines["spec_graphs" if cuda else "spec_eager"]
-        result["acceptance"] += acceptance_rows(spec, args.depth, args, prompts)
-        result["acceptance"].sort(key=lambda row: (row["depth"], row["temperature"]))
-        result["seconds"]["acceptance"] = time.time() - t0
-        t0 = time.time()
-        result["throughput"] = throughput_rows(engines, args, prompts)
-        result["seconds"]["throughput"] = time.time() - t0
+        if not args.routes_only:
+            result["acceptance"] += acceptance_rows(spec, args.depth, args, prompts)
+            result["acceptance"].sort(key=lambda row: (row["depth"], row["temperature"]))
+            result["seconds"]["acceptance"] = time.time() - t0
+            t0 = time.time()
+            result["throughput"] = throughput_rows(engines, args, prompts)
+            result["seconds"]["throughput"] = time.time() - t0
         runs = {"spec": greedy_routes(spec, args, prompts),
                 "plain": greedy_routes(engines["plain_graphs" if cuda else "plain_eager"], args, prompts)}
         if cuda:  # the control: plain decoding against itself, eager kernels vs graphs
@@ -259,6 +260,7 @@ def route_mismatches(args: argparse.Namespace, prompts: list[list[int]], spec: l
     hooks = gap_hooks(model.eval(), margins, "set")  # K-th minus (K+1)-th score: set flips
     moe = list(cfg.moe_layer_ids)
     flips: list[float] = []  # the margin of every (row, layer) pair whose top-k sets differ
+    in_prompt: list[bool] = []  # whether that pair's row is a prompt row (else a generated token's)
     rows = same_tokens = 0
     for ids, s, p in zip(prompts, results["spec"], results["plain"], strict=True):
         a = r3trace.decode_routed_experts(s["meta_info"])[:, moe]  # [rows, M, K]
@@ -283,13 +285,15 @@ def route_mismatches(args: argparse.Namespace, prompts: list[list[int]], spec: l
         model(fb, kv)
         for j, layer in enumerate(moe):
             flips += margins[layer].numpy()[differ[:, j]].tolist()
+            in_prompt += (np.flatnonzero(differ[:, j]) < n_prompt).tolist()
     for h in hooks:
         h.remove()
     margin = np.asarray(flips)
     return {"requests": len(prompts), "same_tokens": same_tokens, "rows_compared": rows,
             "pairs_compared": rows * len(moe), "mismatched_pairs": len(flips),
             "mismatched_pairs_at_or_above_margin": {str(t): int((margin >= t).sum()) for t in THRESHOLDS},
-            "near_tie": args.near_tie, "mismatched_past_near_ties": int((margin >= args.near_tie).sum())}
+            "near_tie": args.near_tie, "mismatched_past_near_ties": int((margin >= args.near_tie).sum()),
+            "prompt_rows_past_near_ties": int(((margin >= args.near_tie) & np.asarray(in_prompt, bool)).sum())}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -306,6 +310,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--acceptance-depths", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 3],
                     help="draft depths whose acceptance is measured (--depth's always is, on its throughput engine)")
     ap.add_argument("--batch-invariant", action="store_true", help="every engine with batch_invariant=True")
+    ap.add_argument("--routes-only", action="store_true", help="only the route runs (no acceptance, no throughput)")
     ap.add_argument("--decode-invariant", choices=["auto", "off"], default="auto",
                     help="off: every engine with decode_invariant=False (auto: EngineConfig's default, on with the "
                          "triton backends on CUDA)")
