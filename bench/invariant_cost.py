@@ -1,5 +1,5 @@
-"""What batch_invariant (--mode all) or decode_invariant (--mode decode) costs at the 2.5B V3 shape: prefill tokens/s
-by prompt length, and decode tokens/s, against the engine with both off.
+"""What batch_invariant (--mode all) or row_invariant (--mode row) costs at the 2.5B V3 shape: prefill tokens/s by
+prompt length, and decode tokens/s, against the engine with both off.
 
 batch_invariant (EngineConfig) runs every row, prompt rows included, through the fixed-split decode kernel on the
 absorbed path and every product through GEMMs that sum K in one order, so prefill, not only decode, can pay for it; this
@@ -10,11 +10,11 @@ Prefill: B prompts of N random tokens, generate of 1 new token (prefill plus one
 no prefix cache; tokens/s = B * N / seconds. Decode: bench/decode_rate.py's rate at batch 64 (128-token prompts, one
 CUDA graph of the batch).
 
-decode_invariant (EngineConfig's default on CUDA) runs those kernels for steps of at most decode_rows rows (decode,
-verify) only: its prefill should cost nothing, its decode what batch_invariant's does.
+row_invariant (EngineConfig's default on CUDA) runs batch_invariant's GEMMs, MoE plan and router logits too, but its
+prompt rows take the MHA form (the normal MLA path) instead of the absorbed fixed-split attention.
 
 Run (H200, about 3 minutes): python -m bench.invariant_cost --out bench/results/invariant_cost-h200.json
-  --mode decode: decode_invariant against off (bench/results/decode_invariant_cost-h200.json)
+  --mode row: row_invariant against off (bench/results/row_invariant_cost-h200.json)
   --profile FILE: also the torch profiler's kernel table of one prefill of the longest length, each engine
 Smoke (make test): --smoke, the tiny random shape on the CPU (fp32, Triton's interpreter, no graphs): one 4-token
 prompt, no warm calls, no decode run (the interpreter runs the invariant GEMM's tiles slowly: decode_tokens_per_s is
@@ -38,12 +38,12 @@ from r3trace.engine import Engine
 
 
 def engine(ckpt: Path, mode: str, batch: int, tokens: int, device: str) -> Engine:
-    """mode: off (neither invariant mode), decode (decode_invariant) or all (batch_invariant)."""
+    """mode: off (neither invariant mode), row (row_invariant) or all (batch_invariant)."""
     cuda = device == "cuda"
     return Engine(ckpt, dtype="bfloat16" if cuda else "float32", device=device, chunked_prefill_size=8192,
                   max_running_requests=batch, kv_pool_tokens=tokens, enable_prefix_cache=False,
                   cuda_graph_batch_sizes=(batch,) if cuda else (), batch_invariant=mode == "all",
-                  decode_invariant=mode == "decode",
+                  row_invariant=mode == "row",
                   **dict.fromkeys(("attention_backend", "moe_backend", "topk_backend", "norm_backend",
                                    "rope_backend"), "triton"))  # fmt: skip
 
@@ -80,8 +80,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", default="")
     ap.add_argument("--smoke", action="store_true", help="the tiny shape on the CPU (make test)")
-    ap.add_argument("--mode", choices=["all", "decode"], default="all",
-                    help="all: batch_invariant against off; decode: decode_invariant against off")
+    ap.add_argument("--mode", choices=["all", "row"], default="all",
+                    help="all: batch_invariant against off; row: row_invariant against off")
     ap.add_argument("--profile", default="", help="FILE: also profile one prefill of the longest length, CUDA time by "
                     "kernel for each engine (torch profiler), written to FILE")  # fmt: skip
     args = ap.parse_args(argv)

@@ -84,8 +84,8 @@ def engine_options(args: argparse.Namespace, depth: int, graphs: bool, launch: i
                            "triton")
     if getattr(args, "batch_invariant", False):
         opts.update(batch_invariant=True, **triton)
-    if getattr(args, "decode_invariant", "auto") == "off":
-        opts.update(decode_invariant=False)
+    if getattr(args, "row_invariant", "auto") == "off":
+        opts.update(row_invariant=False)
     if args.device == "cpu":
         return dict(dtype="float32", device="cpu", **opts)
     sizes = tuple(sorted(set(args.batches))) if graphs else ()
@@ -311,8 +311,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="draft depths whose acceptance is measured (--depth's always is, on its throughput engine)")
     ap.add_argument("--batch-invariant", action="store_true", help="every engine with batch_invariant=True")
     ap.add_argument("--routes-only", action="store_true", help="only the route runs (no acceptance, no throughput)")
-    ap.add_argument("--decode-invariant", choices=["auto", "off"], default="auto",
-                    help="off: every engine with decode_invariant=False (auto: EngineConfig's default, on with the "
+    ap.add_argument("--row-invariant", choices=["auto", "off"], default="auto",
+                    help="off: every engine with row_invariant=False (auto: EngineConfig's default, on with the "
                          "triton backends on CUDA)")
     ap.add_argument("--launch-steps", type=lambda s: [int(x) for x in s.split(",") if x], default=[1],
                     help="each S (CUDA): also time spec_graphs_s<S>, spec_graphs with speculative_launch_steps=S")

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
 
-from .layers.matmul import Matmul, RowBound
+from .layers.matmul import MatmulImpl
 
 DType = Literal["float32", "bfloat16", "float16"]
 MlaPath = Literal["auto", "normal", "absorb"]
+MlaImpl = Literal["auto", "normal", "absorb", "split"]  # split: row-invariant mode's path by row (layers/mla.py)
 Backend = Literal["ref", "triton"]
 DecodeKernel = Literal["auto", "triton"]
 SharedExperts = Literal["auto", "fused", "separate"]
@@ -93,13 +94,17 @@ class EngineConfig:
     # backends; forces the absorbed MLA path; one process (tp, dp, ep > 1 are refused: their collectives reduce in
     # NCCL's order, which follows the message size).
     batch_invariant: bool = False
-    # Decode-invariant mode: batch_invariant's kernels for every step of at most decode_rows rows (every decode and
-    # verify step), the fast ones for larger steps (prompt chunks: cuBLAS, the MHA prefill). A decode or verify row's
-    # bits then do not depend on its batch, so speculation returns the routes and tokens plain decoding does (issue
-    # 26's default-mode goal). A decode row that shares a step with a long prompt chunk takes that step's kernels.
-    # None: on with the five triton backends on CUDA in one process (not deterministic, not batch_invariant);
-    # True: the same, and an error where it cannot hold; False: off (the fastest decode, batch-dependent bits).
-    decode_invariant: bool | None = None
+    # Row-invariant mode (the default on CUDA with the triton backends): a decode or verify row's bits and a prompt
+    # row's bits each follow the row's own tokens only, whatever the batch, its size, a verify's width, the chunking or
+    # the step's mix, so speculation returns the routes and tokens plain decoding does (issue 26's default-mode goal)
+    # and a request alone equals it batched. batch_invariant's GEMMs, MoE plan and router logits at every T; decode and
+    # verify rows on the absorbed path through the fixed-split attention; prompt rows (chunks on a cached prefix
+    # too) on the normal path, MHA over every key decompressed from the cache (kernels/mha_prefill.py): a prompt row's
+    # bits are not the same token's decode bits (batch_invariant=True gives that too: a recomputed preempted request,
+    # or a prefix cached from decode rows against one recomputed as a prompt, differ here). The MTP draft runs the
+    # fast kernels (its bits choose drafts, never a target row). None: on with the five triton backends on CUDA, the
+    # auto MLA path, neither exact nor batch-invariant mode; True: the same, refused where it cannot hold; False: off.
+    row_invariant: bool | None = None
     # Expert parallelism's token dispatcher (SGLang's --deepep-mode): normal (DeepEP normal mode: rows sized by a
     # host count each dispatch) or low_latency (fixed [E_local, max_tokens * G, D] buffers, graph-safe, k-order
     # combine). auto: low_latency in exact mode, else normal.
@@ -156,8 +161,8 @@ class EngineConfig:
             raise EngineConfigError(f"deterministic={self.deterministic!r}: expected True or False")
         if not isinstance(self.batch_invariant, bool):
             raise EngineConfigError(f"batch_invariant={self.batch_invariant!r}: expected True or False")
-        if self.decode_invariant not in (None, True, False):
-            raise EngineConfigError(f"decode_invariant={self.decode_invariant!r}: expected None (auto), True or False")
+        if self.row_invariant not in (None, True, False):
+            raise EngineConfigError(f"row_invariant={self.row_invariant!r}: expected None (auto), True or False")
         if self.deepep_mode not in ("auto", "normal", "low_latency"):
             raise EngineConfigError(f"deepep_mode={self.deepep_mode!r}: expected auto, normal or low_latency")
         self._check_placement()
@@ -166,8 +171,8 @@ class EngineConfig:
             self._check_deterministic()
         if self.batch_invariant:
             self._check_batch_invariant()
-        if self.decode_invariant:
-            self._check_decode_invariant()
+        if self.row_invariant:
+            self._check_row_invariant()
         if self.cuda_graph_batch_sizes:
             self._check_graphs(self.cuda_graph_batch_sizes)
 
@@ -253,7 +258,7 @@ class EngineConfig:
         read host counts every forward (the DpLayout's all-gather, the dispatcher's row counts), which a captured
         graph cannot. Exact mode under TP > 1 reduces with an all_gather of R partials (layers/exact.py) that no GPU
         run has captured: refused rather than run unproven (the CPU suite's gloo ranks cannot run graphs)."""
-        for name in ("batch_invariant", "decode_invariant"):
+        for name in ("batch_invariant", "row_invariant"):
             if getattr(self, name) and max(tp_size, dp_size, ep_size) > 1:
                 raise EngineConfigError(
                     f"{name}=True with tp_size={tp_size}, dp_size={dp_size}, ep_size={ep_size}: one process only "
@@ -299,39 +304,34 @@ class EngineConfig:
                 "one reduction order; the normal path's prefill kernel is another)"
             )
 
-    def _check_decode_invariant(self) -> None:
+    def _check_row_invariant(self) -> None:
         if self.deterministic or self.batch_invariant:
             raise EngineConfigError(
-                "decode_invariant=True with deterministic or batch_invariant: both make every row invariant already"
+                "row_invariant=True with deterministic or batch_invariant: both make every row invariant already"
             )
         for name in ("attention_backend", "moe_backend", "topk_backend", "norm_backend", "rope_backend"):
             if getattr(self, name) != "triton":
-                raise EngineConfigError(
-                    f"{name}={getattr(self, name)!r}: decode_invariant=True needs the triton backend"
-                )
-        if self.mla_path == "normal":
-            raise EngineConfigError("mla_path='normal': decode_invariant=True runs decode and verify rows absorbed")
+                raise EngineConfigError(f"{name}={getattr(self, name)!r}: row_invariant=True needs the triton backend")
+        if self.mla_path != "auto":
+            raise EngineConfigError(f"mla_path={self.mla_path!r}: row_invariant=True picks the path by row (auto)")
 
     @property
-    def decode_invariant_on(self) -> bool:
-        """decode_invariant resolved (None: on with the five triton backends on CUDA, absorbed decode allowed, neither
-        exact nor batch-invariant mode). Over several processes the auto case runs the same kernels without the claim
-        (the collectives reduce in NCCL's order); check_graph_layout refuses an explicit True there."""
-        if self.decode_invariant is not None:
-            return self.decode_invariant
+    def row_invariant_on(self) -> bool:
+        """row_invariant resolved (None: on with the five triton backends on CUDA, mla_path auto, neither exact nor
+        batch-invariant mode). Over several processes the auto case runs the same kernels without the claim (the
+        collectives reduce in NCCL's order); check_graph_layout refuses an explicit True there."""
+        if self.row_invariant is not None:
+            return self.row_invariant
         every = ("attention_backend", "moe_backend", "topk_backend", "norm_backend", "rope_backend")
         triton = all(getattr(self, name) == "triton" for name in every)
-        return (triton and self.device.startswith("cuda") and self.mla_path != "normal" and not self.deterministic
+        return (triton and self.device.startswith("cuda") and self.mla_path == "auto" and not self.deterministic
                 and not self.batch_invariant)  # fmt: skip
 
     @property
-    def decode_rows(self) -> int:
-        """decode_invariant's bound: the most rows a decode or verify step can hold, max_running_requests x (1 +
-        MAX_SPEC_STEPS) within the step's token budget (a plain decode graph holds max_running_requests rows even
-        above it), whether speculation is on or not, so a plain engine and a speculative one with the same limits run
-        a prompt step of T rows on the same kernels."""
-        verify = min(self.chunked_prefill_size, self.max_running_requests * (1 + MAX_SPEC_STEPS))
-        return max(self.max_running_requests, verify)
+    def draft_config(self) -> EngineConfig:
+        """The MTP draft's: the fast kernels in row-invariant mode (a draft's bits choose drafts, never a target row;
+        the normal path would decompress every key of a request each draft step), else this config."""
+        return replace(self, row_invariant=False) if self.row_invariant_on else self
 
     @property
     def dispatcher_mode(self) -> Literal["normal", "low_latency"]:
@@ -353,45 +353,46 @@ class EngineConfig:
         return self.shared_experts == "fused" or (self.shared_experts == "auto" and auto_fused)
 
     # The implementations the model is built with: the configured backend, "exact" in exact mode, "invariant" in
-    # batch-invariant mode (the triton kernels with fixed tiles), "decode_invariant" (those kernels up to decode_rows
-    # rows a step, attention: decode and verify rows) in decode-invariant mode, whose MoE is the invariant plan at
-    # every T (it costs what the default plan does: 13.9 ms each in an 8 x 2048 prefill, bench.invariant_cost).
+    # batch-invariant mode (the triton kernels with fixed tiles); row-invariant mode takes batch_invariant's GEMM, MoE
+    # plan and router logits, and "row_invariant" attention (fixed splits for the absorbed rows, MHA for the prompts').
     @property
     def attention_impl(self) -> str:
-        return {"exact": "exact", "all": "invariant", "decode": "decode_invariant"}.get(self._invariance,
-                                                                                      self.attention_backend)
+        return {"exact": "exact", "all": "invariant", "row": "row_invariant"}.get(self._invariance,
+                                                                                self.attention_backend)
 
     @property
     def moe_impl(self) -> str:
-        return {"exact": "exact", "all": "invariant", "decode": "invariant"}.get(self._invariance, self.moe_backend)
+        return {"exact": "exact", "all": "invariant", "row": "invariant"}.get(self._invariance, self.moe_backend)
 
     @property
     def topk_impl(self) -> str:
-        return {"exact": "exact", "all": "invariant", "decode": "decode_invariant"}.get(self._invariance,
-                                                                                      self.topk_backend)
+        return {"exact": "exact", "all": "invariant", "row": "invariant"}.get(self._invariance, self.topk_backend)
 
     @property
-    def matmul_impl(self) -> Matmul:
+    def matmul_impl(self) -> MatmulImpl:
         """Every linear's and absorbed per-head product's implementation (layers/matmul.py)."""
-        return {"exact": "exact", "all": "invariant", "decode": RowBound(self.decode_rows)}.get(  # type: ignore[return-value]
+        return {"exact": "exact", "all": "invariant", "row": "invariant"}.get(  # type: ignore[return-value]
             self._invariance, "torch")
 
     @property
-    def _invariance(self) -> Literal["exact", "all", "decode", "off"]:
+    def _invariance(self) -> Literal["exact", "all", "row", "off"]:
         if self.deterministic:
             return "exact"
         if self.batch_invariant:
             return "all"
-        return "decode" if self.decode_invariant_on else "off"
+        return "row" if self.row_invariant_on else "off"
 
     @property
     def norm_impl(self) -> str:
         return "exact" if self.deterministic else self.norm_backend
 
     @property
-    def mla_impl(self) -> MlaPath:
+    def mla_impl(self) -> MlaImpl:
         """One MLA path for every forward in exact and batch-invariant mode (absorbed, unless exact mode is asked for
-        normal), else mla_path."""
+        normal), the path by row in row-invariant mode (split: decode and verify rows absorbed, prompt rows normal),
+        else mla_path."""
+        if self._invariance == "row":
+            return "split"
         one_path = self.deterministic or self.batch_invariant
         return "absorb" if one_path and self.mla_path == "auto" else self.mla_path
 

@@ -15,7 +15,7 @@ routed batch are this rank's (what route capture reads). A rank with no requests
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import numpy as np
@@ -27,6 +27,17 @@ from .dp_layout import DpLayout
 
 ForwardMode = Literal["extend", "decode"]
 Phase = Literal["prefill", "decode", "verify"]
+
+
+def leading_decodes(phases: list[Phase], without_phases: int) -> int:
+    """How many requests from the first are in decode or verify phase; without_phases when phases are not given (a
+    decode batch's every request, an extend's none)."""
+    if not phases:
+        return without_phases
+    n = 0
+    while n < len(phases) and phases[n] in ("decode", "verify"):
+        n += 1
+    return n
 
 
 @dataclass
@@ -70,6 +81,10 @@ class ForwardBatch:
     # where the routed batch's rows start in the route recorder's device buffer: 0, except the later forwards of a
     # chained speculative launch (spec/greedy_step.py), each writing past the one before until the host reads them
     route_row0: int = 0
+    # The leading requests whose phase is decode or verify, and their rows: the row-invariant mode runs them on the
+    # absorbed MLA path and the rest (prompt chunks) on the normal one (the scheduler puts decodes and verifies first)
+    lead_requests: int = 0
+    lead_rows: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -133,6 +148,7 @@ class ForwardBatch:
         loc = views[8] if loc_host is not None else torch.as_tensor(out_cache_loc).to(device=device, dtype=torch.int64)
         is_decode = bool((ext == 1).all() and (pre > 0).all())
         mode: ForwardMode = "decode" if is_decode else "extend"
+        lead = leading_decodes(list(phases or []), b if is_decode else 0)
         return cls(
             forward_id=forward_id,
             mode=mode,
@@ -153,7 +169,29 @@ class ForwardBatch:
             request_ids=list(request_ids or []),
             phases=list(phases or []),
             replay=replay,
+            lead_requests=lead,
+            lead_rows=int(ext[:lead].sum()),
         )
+
+    def requests(self, b0: int, b1: int) -> ForwardBatch:
+        """Requests b0 .. b1 - 1 as a batch of their own rows (the row-invariant MLA's two paths): device fields are
+        views, extend_start_loc shifted to the sub-batch's first row; no logits, routes or replay (the model's)."""
+        if (b0, b1) == (0, self.batch_size):
+            return self
+        r0 = sum(self.extend_lens_cpu[:b0])
+        r1 = r0 + sum(self.extend_lens_cpu[b0:b1])
+        ext = self.extend_lens_cpu[b0:b1]
+        return replace(
+            self, mode="decode" if all(n == 1 for n in ext) and all(p > 0 for p in self.prefix_lens_cpu[b0:b1])
+            else "extend",
+            input_ids=self.input_ids[r0:r1], positions=self.positions[r0:r1], out_cache_loc=self.out_cache_loc[r0:r1],
+            req_pool_indices=self.req_pool_indices[b0:b1], seq_lens=self.seq_lens[b0:b1],
+            prefix_lens=self.prefix_lens[b0:b1], extend_lens=self.extend_lens[b0:b1],
+            extend_start_loc=self.extend_start_loc[b0:b1] - r0, logits_indices=self.logits_indices[:0],
+            seq_lens_cpu=self.seq_lens_cpu[b0:b1], prefix_lens_cpu=self.prefix_lens_cpu[b0:b1], extend_lens_cpu=ext,
+            request_ids=self.request_ids[b0:b1], phases=self.phases[b0:b1], replay=None, out_cache_loc_cpu=None,
+            dp_layout=None, lead_requests=0, lead_rows=0,
+        )  # fmt: skip
 
     @classmethod
     def idle(

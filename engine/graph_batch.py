@@ -56,6 +56,7 @@ class GraphBatch:
             seq_lens=self.seq_lens[:bs], prefix_lens=self.prefix_lens[:bs], extend_lens=self.extend_lens[:bs],
             extend_start_loc=self.extend_start_loc[:bs], req_to_token=req_to_token, logits_indices=self.rows[:t],
             seq_lens_cpu=[longest] * bs, prefix_lens_cpu=[longest - n] * bs, extend_lens_cpu=[n] * bs,
+            phases=["decode" if n == 1 else "verify"] * bs, lead_requests=bs, lead_rows=t,
         )
 
     def fits(self, fb: ForwardBatch) -> str | None:

@@ -85,7 +85,7 @@ class DecoderLayer(nn.Module):
             # Under EP the shared experts run whole on this rank's scattered rows (replicated, as under DeepEP).
             shared_rank, shared_size = (0, 1) if ep else (parallel.tp_rank, parallel.tp_size)
             self.mlp = MoE(
-                cfg, layer_id, recorder, make_routing_ops(ecfg.topk_impl, ecfg.decode_rows),
+                cfg, layer_id, recorder, make_routing_ops(ecfg.topk_impl),
                 experts_fn or make_experts_fn(ecfg.moe_impl, cfg, dtype, bool(ecfg.graph_batch_sizes)), dtype, device,
                 fuse_shared_experts(ecfg, parallel), shared_rank, shared_size,
                 dispatcher=make_dispatcher(slots, parallel.ep_rank, parallel.ep_size, parallel.ep_group,

@@ -127,6 +127,9 @@ class Scheduler:
             self.running.append(req)
             items.append(self._item(req, slots))
             budget -= len(slots)
+        # decodes and verifies first, prompt chunks after (a stable sort: each group keeps its order), so a step's
+        # decode rows are its leading rows (ForwardBatch.lead_rows: the row-invariant MLA's absorbed half)
+        items.sort(key=lambda it: it.phase == "prefill")
         return items
 
     def schedule_ahead(self, prev: list[ScheduledReq]) -> list[ScheduledReq] | None:

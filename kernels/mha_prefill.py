@@ -1,11 +1,17 @@
-"""Prefill attention in the normal MHA form (prefix-free prefill; the absorbed form over a cache: mla_extend.py).
+"""Prefill attention in the normal MHA form (the absorbed form over a cache: mla_extend.py).
 
-Shape legend: T new tokens (all requests), B requests, H heads.
+Shape legend: T new tokens (all requests), B requests, H heads, Nk keys (all requests).
 
-Each request's tokens attend causally to the request's own tokens. q, k [T, H, Dqk], v [T, H, Dv] ->
-out [T, H, Dv]; Dqk (192 in DeepSeek: 128 nope + 64 rope) and Dv (128) need not be powers of two: the tiles
-are padded to the next one and masked. Program (b, block of BLOCK_M tokens, head), online softmax in fp32
-(exp2, the scale folded into log2 units), keys walked only up to the last query row of the block.
+Request b's q_lens[b] queries are the last of its k_lens[b] keys and attend causally: q [T, H, Dqk], k [Nk, H, Dqk],
+v [Nk, H, Dv] -> out [T, H, Dv]. Without k_start_loc / k_lens the keys are the queries' own tokens (a prefix-free
+prefill, Nk = T). Dqk (192 in DeepSeek: 128 nope + 64 rope) and Dv (128) need not be powers of two: the tiles are
+padded to the next one and masked. Program (b, block of BLOCK_M queries, head), online softmax in fp32 (exp2, the
+scale folded into log2 units), keys walked from key 0 in BLOCK_N steps up to the block's last query.
+
+A query row's bits follow its own keys only (the row-invariant mode, EngineConfig.row_invariant): key tiles start at
+the request's key 0 whatever the block or the chunk the row sits in, each product and reduction is per row, and a
+tile past the row's position is all -inf for it (its max stays, alpha = exp2(0) = 1, p = 0: state unchanged), so a
+prompt row is the same in a chunk of 7 on top of a cached prefix and in the whole prompt at once.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from r3trace.kernels.flash import LOG2E, online_softmax_step
 @triton.jit
 def _mha_prefill_kernel(
     # pointers
-    q_ptr, k_ptr, v_ptr, out_ptr, start_loc_ptr, extend_lens_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, start_loc_ptr, extend_lens_ptr, k_start_ptr, k_lens_ptr,
     # sizes
     DQK, DV, qk_scale,
     # strides
@@ -38,6 +44,8 @@ def _mha_prefill_kernel(
     if mb * BLOCK_M >= ext:
         return
     start_loc = tl.load(start_loc_ptr + b).to(tl.int64)
+    k_start = tl.load(k_start_ptr + b).to(tl.int64)
+    prefix = tl.load(k_lens_ptr + b).to(tl.int32) - ext  # keys before the first query
     offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_DQK)
     offs_v = tl.arange(0, BLOCK_DV)
@@ -52,18 +60,18 @@ def _mha_prefill_kernel(
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
-    kv_end = tl.minimum((mb + 1) * BLOCK_M, ext)
+    kv_end = prefix + tl.minimum((mb + 1) * BLOCK_M, ext)
     for n0 in range(0, kv_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < kv_end
-        rows = (start_loc + offs_n)[:, None]
+        rows = (k_start + offs_n)[:, None]
         k = tl.load(k_ptr + rows * stride_kt + h * stride_kh + offs_d[None, :],
                     mask=n_mask[:, None] & d_mask[None, :], other=0.0)  # fmt: skip
         v = tl.load(v_ptr + rows * stride_vt + h * stride_vh + offs_v[None, :],
                     mask=n_mask[:, None] & v_mask[None, :], other=0.0)  # fmt: skip
         qk = mma(q, tl.trans(k), UPCAST, INPUT_PRECISION)
-        # rows past ext compare against offs_m >= ext > every offs_n: never all-masked
-        visible = n_mask[None, :] & (offs_n[None, :] <= offs_m[:, None])
+        # rows past ext sit at prefix + offs_m >= kv_end > every offs_n: never all-masked
+        visible = n_mask[None, :] & (offs_n[None, :] <= prefix + offs_m[:, None])
         qk = tl.where(visible, qk * qk_scale, float("-inf"))
         m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, UPCAST, INPUT_PRECISION)
 
@@ -79,6 +87,8 @@ def _check_prefill_args(
     v: torch.Tensor,
     extend_start_loc: torch.Tensor,
     extend_lens: torch.Tensor,
+    k_start_loc: torch.Tensor | None,
+    k_lens: torch.Tensor | None,
 ) -> None:
     dev = q.device
     require_tensor("q", q, 3, FLOAT_DTYPES, dev)
@@ -86,9 +96,17 @@ def _check_prefill_args(
     require_tensor("v", v, 3, (q.dtype,), dev)
     require_tensor("extend_start_loc", extend_start_loc, 1, INDEX_DTYPES, dev)
     require_tensor("extend_lens", extend_lens, 1, INDEX_DTYPES, dev)
-    require(k.shape == q.shape, f"k shape {tuple(k.shape)} != q shape {tuple(q.shape)}")
-    require(v.shape[:2] == q.shape[:2], f"v shape {tuple(v.shape)} != q's [T, H] {tuple(q.shape[:2])}")
     require(extend_start_loc.shape == extend_lens.shape, "extend_start_loc and extend_lens differ in length")
+    if k_start_loc is None or k_lens is None:
+        require(k_start_loc is None and k_lens is None, "k_start_loc and k_lens come together")
+        require(k.shape == q.shape, f"k shape {tuple(k.shape)} != q shape {tuple(q.shape)} (no k_lens: no prefix)")
+    else:
+        for name, t in (("k_start_loc", k_start_loc), ("k_lens", k_lens)):
+            require_tensor(name, t, 1, INDEX_DTYPES, dev)
+            require(t.shape == extend_lens.shape,
+                    f"{name} has {t.shape[0]} requests, extend_lens {extend_lens.shape[0]}")  # fmt: skip
+        require(k.shape[1:] == q.shape[1:], f"k shape {tuple(k.shape)} != q's [H, Dqk] {tuple(q.shape[1:])}")
+    require(v.shape[:2] == k.shape[:2], f"v shape {tuple(v.shape)} != k's [Nk, H] {tuple(k.shape[:2])}")
 
 
 def mha_prefill(
@@ -99,9 +117,15 @@ def mha_prefill(
     extend_lens: torch.Tensor,
     sm_scale: float,
     max_extend_len: int | None = None,
+    k_start_loc: torch.Tensor | None = None,
+    k_lens: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q, k: [T, H, Dqk], v: [T, H, Dv] -> [T, H, Dv]; causal within each request, no cached prefix."""
-    _check_prefill_args(q, k, v, extend_start_loc, extend_lens)
+    """q [T, H, Dqk], k [Nk, H, Dqk], v [Nk, H, Dv] -> [T, H, Dv]: request b's extend_lens[b] queries (rows from
+    extend_start_loc[b]) are the last of its k_lens[b] keys (rows from k_start_loc[b]), causal. Without k_start_loc /
+    k_lens, the keys are the queries' own rows (no prefix)."""
+    _check_prefill_args(q, k, v, extend_start_loc, extend_lens, k_start_loc, k_lens)
+    if k_start_loc is None or k_lens is None:
+        k_start_loc, k_lens = extend_start_loc, extend_lens
     T, H, dqk = q.shape
     dv = v.shape[2]
     out = torch.empty((T, H, dv), dtype=q.dtype, device=q.device)
@@ -112,7 +136,7 @@ def mha_prefill(
     block_m, block_n = 64, 32
     grid = (B, triton.cdiv(max_len, block_m), H)
     _mha_prefill_kernel[grid](
-        q, k, v, out, extend_start_loc, extend_lens,
+        q, k, v, out, extend_start_loc, extend_lens, k_start_loc, k_lens,
         dqk, dv, sm_scale * LOG2E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1),
@@ -132,17 +156,23 @@ def mha_prefill_ref(
     extend_lens: torch.Tensor,
     sm_scale: float,
     max_extend_len: int | None = None,
+    k_start_loc: torch.Tensor | None = None,
+    k_lens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-request causal softmax attention in fp32. Same contract as mha_prefill."""
-    _check_prefill_args(q, k, v, extend_start_loc, extend_lens)
+    _check_prefill_args(q, k, v, extend_start_loc, extend_lens, k_start_loc, k_lens)
+    if k_start_loc is None or k_lens is None:
+        k_start_loc, k_lens = extend_start_loc, extend_lens
     out = torch.empty((*q.shape[:2], v.shape[2]), dtype=q.dtype, device=q.device)
     for b in range(extend_lens.shape[0]):
         s0, n = int(extend_start_loc[b]), int(extend_lens[b])
+        k0, nk = int(k_start_loc[b]), int(k_lens[b])
         if n == 0:
             continue
-        qb, kb, vb = (x[s0 : s0 + n].float().transpose(0, 1) for x in (q, k, v))  # [H, n, D]
-        scores = (qb @ kb.transpose(1, 2)) * sm_scale  # [H, n, n]
-        hidden = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)  # [n, n]
+        qb = q[s0 : s0 + n].float().transpose(0, 1)  # [H, n, Dqk]
+        kb, vb = (x[k0 : k0 + nk].float().transpose(0, 1) for x in (k, v))  # [H, nk, D]
+        scores = (qb @ kb.transpose(1, 2)) * sm_scale  # [H, n, nk]
+        hidden = torch.ones(n, nk, dtype=torch.bool, device=q.device).triu(nk - n + 1)  # [n, nk]: key j > nk - n + i
         probs = scores.masked_fill(hidden, float("-inf")).softmax(dim=-1)
         out[s0 : s0 + n] = (probs @ vb).transpose(0, 1).to(q.dtype)  # [n, H, Dv]
     return out

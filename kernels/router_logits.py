@@ -23,8 +23,8 @@ from r3trace.kernels.dot import row_mma_acc
 _LOGITS_T, _LOGITS_E, _LOGITS_K = 16, 16, 64
 _LOGITS_SPLIT = 8
 # Above this many tokens (prefill) programs re-reading W cost more than the cast saves: torch, one part.
-LOGITS_MAX_T = 256
-# batch_invariant's launches above LOGITS_MAX_T tokens (torch_above=None): [WIDE_T, WIDE_E] tiles, so W is read by
+_LOGITS_MAX_T = 256
+# batch_invariant's launches above _LOGITS_MAX_T tokens (torch_above=None): [WIDE_T, WIDE_E] tiles, so W is read by
 # T / WIDE_T programs instead of T / 16. fp32 FMAs sum each output over D in order whatever the tile, so a row's
 # bits are the narrow tile's (checked bitwise on the H200: tests/kernels/test_batch_invariance.py).
 _WIDE_T, _WIDE_E, _WIDE_WARPS = 64, 64, 4
@@ -56,7 +56,7 @@ def _router_logits_kernel(
     tl.store(dst, acc, mask=t_mask[:, None] & e_mask[None, :])
 
 
-def router_logits(x: torch.Tensor, weight: torch.Tensor, torch_above: int | None = LOGITS_MAX_T) -> torch.Tensor:
+def router_logits(x: torch.Tensor, weight: torch.Tensor, torch_above: int | None = _LOGITS_MAX_T) -> torch.Tensor:
     """x: [T, D] float; weight: [E, D] fp32 -> logits as partial sums [P, T, E] fp32 over P slices of D (what
     grouped_topk takes; sum_partials adds them). One launch for T <= torch_above (256), P = 8; torch above, P = 1.
     torch_above=None: this kernel at every T, so a row's logits never depend on T (EngineConfig.batch_invariant;
@@ -75,7 +75,7 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, torch_above: int | None
     parts = torch.empty((n_part, T, E), dtype=torch.float32, device=x.device)
     if T == 0:
         return parts
-    wide = T > LOGITS_MAX_T
+    wide = T > _LOGITS_MAX_T
     block_t, block_e, warps = (_WIDE_T, _WIDE_E, _WIDE_WARPS) if wide else (_LOGITS_T, _LOGITS_E, 4)
     grid = (triton.cdiv(T, block_t), triton.cdiv(E, block_e), n_part)
     _router_logits_kernel[grid](

@@ -15,8 +15,8 @@ Shape legend: T new tokens, H heads, C = kv_lora_rank + qk_rope_head_dim, S cach
 | invariant | batch_invariant: every query row (decode, a verify's d + 1, a prefill chunk) |
 |         | as a decode row with its own key count, fixed 256-key splits merged in order   |
 |         | (kernels/mla_decode/fixed_split.py); absorbed path only                        |
-| decode_invariant | invariant for decode steps and short extends (verifies), triton for  |
-|         | prompt chunks and the prefix-free prefill (decode_invariant, the CUDA default) |
+| row_invariant | row_invariant (the CUDA default): absorbed rows (decodes, verifies) as     |
+|         | invariant; prompt rows through triton's MHA kernel over every key, prefix too  |
 """
 
 from __future__ import annotations
@@ -214,9 +214,12 @@ class TritonAttention:
         k_lens: list[int],
         scale: float,
     ) -> torch.Tensor:
-        if k_lens != fb.extend_lens_cpu:
-            raise ValueError("triton mha handles prefix-free prefill only; use mla_path='auto' or 'absorb'")
-        return self._prefill(q, k, v, fb.extend_start_loc, fb.extend_lens, scale, max_extend_len=max(k_lens))
+        if k_lens == fb.extend_lens_cpu:  # a prefix-free prefill: the keys are the queries' own rows
+            return self._prefill(q, k, v, fb.extend_start_loc, fb.extend_lens, scale, max_extend_len=max(k_lens))
+        # queries on a cached prefix (the row-invariant mode's prompt chunks): each request's keys from its own start
+        k_loc = torch.tensor([k_starts, k_lens], dtype=torch.int64).to(q.device, non_blocking=True)
+        return self._prefill(q, k, v, fb.extend_start_loc, fb.extend_lens, scale,
+                             max_extend_len=max(fb.extend_lens_cpu), k_start_loc=k_loc[0], k_lens=k_loc[1])
 
 
 # The invariant decoder keeps an fp32 partial per (row, head, 256-key split): rows x H x cdiv(max_len, 256) x kv_lora
@@ -276,12 +279,12 @@ class InvariantAttention:
         raise ValueError("batch_invariant attention runs the absorbed MLA path only (EngineConfig.mla_impl)")
 
 
-class DecodeInvariantAttention:
-    """decode_invariant's attention: a decode step and a short extend (every request <= SHORT_EXTEND_ROWS rows: a
-    verify's d + 1, a short chunk) run InvariantAttention, so a token's decode row has the same bits in a plain step
-    of any batch and in a verify; longer extends (prompt chunks on a prefix, a step mixing them with decodes) and the
-    prefix-free prefill's MHA run TritonAttention's kernels (their speed: the absorbed fixed-split form of an 8 x 2048
-    prefill is 4x the MHA kernel, BENCHMARKS.md#batch-invariant-mode). Both are built once; the batch's shape picks."""
+class RowInvariantAttention:
+    """row_invariant's attention (the MLA's split path, layers/mla.py): the absorbed rows (decodes and verifies) through
+    InvariantAttention's fixed splits, so a token's decode row has the same bits in a plain step of any batch and in
+    a verify; the prompt rows through TritonAttention's MHA kernel over every key of the request, whose rows follow
+    their own keys only (on a cached prefix too), at the normal path's cost (the absorbed form of an 8 x 2048 prefill
+    is 4x the MHA kernel, BENCHMARKS.md#batch-invariant-mode)."""
 
     def __init__(self, fast: TritonAttention, invariant: InvariantAttention) -> None:
         self.fast, self.invariant = fast, invariant
@@ -289,9 +292,7 @@ class DecodeInvariantAttention:
     def absorbed(
         self, q: torch.Tensor, kv_cache: torch.Tensor, fb: ForwardBatch, kv_lora_rank: int, scale: float
     ) -> torch.Tensor:
-        short = fb.mode == "decode" or max(fb.extend_lens_cpu, default=1) <= SHORT_EXTEND_ROWS
-        backend = self.invariant if short else self.fast
-        return backend.absorbed(q, kv_cache, fb, kv_lora_rank, scale)
+        return self.invariant.absorbed(q, kv_cache, fb, kv_lora_rank, scale)
 
     def mha(
         self,
@@ -314,7 +315,7 @@ def make_attention_backend(
         return ExactAttention()
     if name == "invariant":
         return InvariantAttention(shape, dtype)
-    if name == "decode_invariant":
+    if name == "row_invariant":
         fast = TritonAttention(device, decode_kernel, page_size, shape, dtype)
-        return DecodeInvariantAttention(fast, InvariantAttention(shape, dtype))
+        return RowInvariantAttention(fast, InvariantAttention(shape, dtype))
     return RefAttention() if name == "ref" else TritonAttention(device, decode_kernel, page_size, shape, dtype)

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .matmul import Matmul, make_matmul
+from .matmul import MatmulImpl, make_matmul
 
 
 class Shard(NamedTuple):
@@ -46,7 +46,7 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(
         self, in_f: int, out_f: int, rank: int, size: int, dtype: torch.dtype, device: torch.device | str,
-        matmul: Matmul = "torch",
+        matmul: MatmulImpl = "torch",
     ) -> None:
         super().__init__()
         self.weight = _weight(_split(out_f, size, "out_features"), in_f, dtype, device)
@@ -61,7 +61,7 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     def __init__(
         self, in_f: int, out_f: int, rank: int, size: int, dtype: torch.dtype, device: torch.device | str,
-        matmul: Matmul = "torch",
+        matmul: MatmulImpl = "torch",
     ) -> None:
         super().__init__()
         self.weight = _weight(out_f, _split(in_f, size, "in_features"), dtype, device)
@@ -74,7 +74,7 @@ class RowParallelLinear(nn.Module):
 
 
 def replicated_linear(
-    in_f: int, out_f: int, dtype: torch.dtype, device: torch.device | str, matmul: Matmul = "torch"
+    in_f: int, out_f: int, dtype: torch.dtype, device: torch.device | str, matmul: MatmulImpl = "torch"
 ) -> ColumnParallelLinear:
     """A whole linear on every rank (the latent projections): a column-parallel one over a single rank."""
     return ColumnParallelLinear(in_f, out_f, 0, 1, dtype, device, matmul)

@@ -7,8 +7,6 @@
 |           | for every T (batch_invariant=True)            |                                                         |
 | exact     | exact.py's exact_linear: a fixed fp32 tree    | exact_head_linear                                       |
 |           | over 8 / shards blocks (deterministic=True)   |                                                         |
-| RowBound  | invariant up to `rows` rows, torch above      | the same split by T                                     |
-|           | (decode_invariant, EngineConfig's default on CUDA: every decode and verify step is at most `rows` rows) |
 
 The per-head products are the absorbed MLA's w_kc and w_vc; the linears every ColumnParallel / RowParallel one
 (attention projections, the dense and shared MLPs, the MTP draft's eh_proj, the lm_head).
@@ -17,7 +15,6 @@ The per-head products are the absorbed MLA's w_kc and w_vc; the linears every Co
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 from typing import Literal
 
@@ -29,33 +26,14 @@ from r3trace.kernels.invariant_matmul import invariant_bmm, invariant_linear
 from .exact import EXACT_BLOCKS, ExactModeError, check_blocks, exact_head_linear, exact_linear
 
 MatmulImpl = Literal["torch", "invariant", "exact"]
-
-
-@dataclass(frozen=True)
-class RowBound:
-    """Decode-invariant products: a call of at most `rows` rows runs the invariant kernel, a larger one torch's. Every
-    decode and verify step has at most `rows` rows (EngineConfig.decode_rows), so a decode row's bits do not depend
-    on its batch; prompt chunks above the bound keep cuBLAS's speed (the invariant tile is 1.4-2x cuBLAS at 4,096
-    rows on the H200)."""
-
-    rows: int
-
-
-Matmul = MatmulImpl | RowBound
 MatmulFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [T, In], w [Out, In]) -> [T, Out]
 # (x [T, H, In], w [H, In, Out], out [T, H, Out] (a view to store into)) -> None
 HeadMatmul = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
-def _bounded_linear(x: torch.Tensor, w: torch.Tensor, rows: int) -> torch.Tensor:
-    return invariant_linear(x, w) if x.shape[0] <= rows else F.linear(x, w)
-
-
-def make_matmul(impl: Matmul, in_f: int, shards: int = 1) -> MatmulFn:
+def make_matmul(impl: MatmulImpl, in_f: int, shards: int = 1) -> MatmulFn:
     """A linear's matmul, chosen once at construction. exact: exact_linear on the 8 / shards blocks of this rank's
     in_f inputs (checked here, so a size exact mode cannot split fails when the model is built)."""
-    if isinstance(impl, RowBound):
-        return partial(_bounded_linear, rows=impl.rows)
     if impl == "torch":
         return F.linear
     if impl == "invariant":
@@ -79,12 +57,6 @@ def _head_exact(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
     out.copy_(exact_head_linear(x, w.transpose(1, 2)))
 
 
-def _head_bounded(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, rows: int) -> None:
-    (_head_invariant if x.shape[0] <= rows else _head_bmm)(x, w, out)
-
-
-def make_head_matmul(impl: Matmul) -> HeadMatmul:
+def make_head_matmul(impl: MatmulImpl) -> HeadMatmul:
     """The absorbed MLA's per-head product for impl (see the table)."""
-    if isinstance(impl, RowBound):
-        return partial(_head_bounded, rows=impl.rows)
     return {"torch": _head_bmm, "invariant": _head_invariant, "exact": _head_exact}[impl]

@@ -31,7 +31,7 @@ from ..forward_batch import ForwardBatch
 from ..model_config import ModelConfig
 from .attention_backend import AttentionBackend
 from .linear import ColumnParallelLinear, RowParallelLinear, replicated_linear
-from .matmul import HeadMatmul, Matmul, make_head_matmul, make_matmul
+from .matmul import HeadMatmul, MatmulImpl, make_head_matmul, make_matmul
 from .norm import RMSNorm
 from .rope import RotaryEmbedding
 
@@ -58,7 +58,7 @@ class MLAAttention(nn.Module):
         norm_backend: str = "ref",
         tp_rank: int = 0,
         tp_size: int = 1,
-        matmul: Matmul = "torch",
+        matmul: MatmulImpl = "torch",
     ) -> None:
         super().__init__()
         self.layer_id = layer_id
@@ -134,23 +134,51 @@ class MLAAttention(nn.Module):
         t = x.shape[0]
         q, kv_a = self._projections(x)
         q_nope, q_pe = q.split([self.nope, self.rope_dim], dim=-1)
+        if self.mla_path == "split":
+            self._write_latent(kv_a, fb, kv_cache, False)
+            out = self._split(q_nope, q_pe, kv_cache, fb)
+            return self.o_proj(out.reshape(t, self.h * self.v_dim))
         normal = select_attn_path(fb, self.mla_path) == "normal"
         latent = self._write_latent(kv_a, fb, kv_cache, normal and not fb.has_prefix)
-
         if normal:
             out = self._normal(torch.cat([q_nope, self.rope(fb.positions, q_pe)], dim=-1), latent, kv_cache, fb)
         else:
-            # The absorbed query [T, H, kv_lora + rope] built in place: the bmm and the rope store into its two
-            # column ranges through strided views, and the value projection stores [T, H, v] rows o_proj reads
-            # as they are. einsum + cat cost a cat a layer (4.6 us at batch 64 on the H200, in the decode step's
-            # kernel profile, bench/step_profile.py), and the reshape of einsum's permuted output a copy.
-            q_lat = q.new_empty(t, self.h, self.kv_lora + self.rope_dim)
-            self._head_matmul(q_nope, self.w_kc, q_lat[:, :, : self.kv_lora])
-            self.rope(fb.positions, q_pe, out=q_lat[:, :, self.kv_lora :])
-            o_lat = self.backend.absorbed(q_lat, kv_cache, fb, self.kv_lora, self.scale)  # [T, H, kv_lora]
-            out = o_lat.new_empty(t, self.h, self.v_dim)
-            self._head_matmul(o_lat, self.w_vc.transpose(1, 2), out)  # [T, H, v]
+            out = self._absorbed(q_nope, q_pe, kv_cache, fb)
         return self.o_proj(out.reshape(t, self.h * self.v_dim))
+
+    def _absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+                  fb: ForwardBatch) -> torch.Tensor:  # fmt: skip
+        """[T, H, nope], [T, H, rope] -> [T, H, v] through the latent cache.
+
+        The absorbed query [T, H, kv_lora + rope] is built in place: the bmm and the rope store into its two column
+        ranges through strided views, and the value projection stores [T, H, v] rows o_proj reads as they are. einsum
+        + cat cost a cat a layer (4.6 us at batch 64 on the H200, in the decode step's kernel profile,
+        bench/step_profile.py), and the reshape of einsum's permuted output a copy."""
+        t = q_nope.shape[0]
+        q_lat = q_nope.new_empty(t, self.h, self.kv_lora + self.rope_dim)
+        self._head_matmul(q_nope, self.w_kc, q_lat[:, :, : self.kv_lora])
+        self.rope(fb.positions, q_pe, out=q_lat[:, :, self.kv_lora :])
+        o_lat = self.backend.absorbed(q_lat, kv_cache, fb, self.kv_lora, self.scale)  # [T, H, kv_lora]
+        out = o_lat.new_empty(t, self.h, self.v_dim)
+        self._head_matmul(o_lat, self.w_vc.transpose(1, 2), out)  # [T, H, v]
+        return out
+
+    def _split(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+               fb: ForwardBatch) -> torch.Tensor:  # fmt: skip
+        """The row-invariant mode (EngineConfig.row_invariant): the step's leading decode and verify requests (the
+        scheduler puts them first) on the absorbed path, whose fixed-split attention gives a row the same bits in
+        any batch; its prompt requests on the normal path over every key read back from the cache, whose MHA rows
+        follow their own keys only (kernels/mha_prefill.py), so a prompt row is the same in any chunk or batch.
+        [T, H, nope], [T, H, rope] -> [T, H, v]."""
+        n_req, n = fb.lead_requests, fb.lead_rows
+        if n == q_nope.shape[0]:
+            return self._absorbed(q_nope, q_pe, kv_cache, fb)
+        prompts = fb.requests(n_req, fb.batch_size)
+        q = torch.cat([q_nope[n:], self.rope(prompts.positions, q_pe[n:])], dim=-1)
+        tail = self._normal(q, None, kv_cache, prompts, from_cache=True)
+        if n == 0:
+            return tail
+        return torch.cat([self._absorbed(q_nope[:n], q_pe[:n], kv_cache, fb.requests(0, n_req)), tail])
 
     def _write_latent(
         self, kv_a: torch.Tensor, fb: ForwardBatch, kv_cache: torch.Tensor, want_latent: bool
@@ -167,10 +195,11 @@ class MLAAttention(nn.Module):
         return latent
 
     def _normal(
-        self, q: torch.Tensor, latent: torch.Tensor | None, kv_cache: torch.Tensor, fb: ForwardBatch
+        self, q: torch.Tensor, latent: torch.Tensor | None, kv_cache: torch.Tensor, fb: ForwardBatch,
+        from_cache: bool = False,
     ) -> torch.Tensor:
-        if fb.has_prefix:
-            # Forced normal path on top of a cached prefix: decompress every key from the cache.
+        if fb.has_prefix or from_cache:
+            # On top of a cached prefix (or asked): decompress every key of each request from the cache.
             slots = [fb.req_to_token[fb.req_pool_indices[b], :n] for b, n in enumerate(fb.seq_lens_cpu)]
             keys = kv_cache[torch.cat(slots).long()]  # [Nk, C]
             k_lens = list(fb.seq_lens_cpu)

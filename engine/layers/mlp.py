@@ -16,7 +16,7 @@ from torch import nn
 
 from .exact import exact_silu
 from .linear import ColumnParallelLinear, RowParallelLinear
-from .matmul import Matmul
+from .matmul import MatmulImpl
 
 
 def _linear(in_f: int, out_f: int, dtype: torch.dtype, device: torch.device | str) -> nn.Linear:
@@ -34,7 +34,7 @@ class MLP(nn.Module):
         device: torch.device | str,
         tp_rank: int = 0,
         tp_size: int = 1,
-        matmul: Matmul = "torch",
+        matmul: MatmulImpl = "torch",
     ) -> None:
         super().__init__()
         self.gate_proj = ColumnParallelLinear(hidden, intermediate, tp_rank, tp_size, dtype, device, matmul)

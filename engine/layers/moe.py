@@ -44,7 +44,7 @@ from .dispatcher import NullDispatcher, TokenDispatcher
 from .exact import exact_linear, exact_pair_linear, exact_silu
 from .expert_location import ExpertLocation, ExpertLocationError, held_experts
 from .expert_map import ExpertMap
-from .matmul import Matmul
+from .matmul import MatmulImpl
 from .mlp import MLP
 from .router import RouteGather, Router, RoutingOps
 
@@ -132,7 +132,7 @@ class MoE(nn.Module):
         tp_size: int = 1,
         dispatcher: TokenDispatcher | None = None,
         route_gather: RouteGather | None = None,
-        matmul: Matmul = "torch",
+        matmul: MatmulImpl = "torch",
     ) -> None:
         """matmul: the unfused shared experts' linears (matmul.py)."""
         super().__init__()

@@ -143,23 +143,19 @@ def exact_gate_scores(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
     return exact_softmax(logits) if scoring_func == "softmax" else exact_sigmoid(logits)
 
 
-def make_routing_ops(backend: str, invariant_rows: int = 0) -> RoutingOps:
+def make_routing_ops(backend: str) -> RoutingOps:
     """The gate's two ops for a top-k backend. ref: the cast + fp32 GEMM, the reference top-k and append_shared's
     two cats. triton: router_logits reads x without a cast kernel, and the top-k kernel stores the [T, K + S]
     routes itself. invariant (EngineConfig.batch_invariant): triton with router_logits' kernel at every T (no torch
-    fallback above 256 rows). decode_invariant: that kernel up to invariant_rows rows (every decode and verify step),
-    torch above. exact: exact logits and exact_topk."""
+    fallback above 256 rows). exact: exact logits and exact_topk."""
     if backend == "exact":
         return RoutingOps(logits_exact, exact_topk, exact_gate_scores)
     if backend == "ref":
         return RoutingOps(logits_ref, _make_topk_fn(backend))
-    from r3trace.kernels.router_logits import LOGITS_MAX_T, router_logits
+    from r3trace.kernels.router_logits import router_logits
 
     if backend == "invariant":
         return RoutingOps(partial(router_logits, torch_above=None), _make_topk_fn("triton"))
-    if backend == "decode_invariant":
-        bound = max(LOGITS_MAX_T, invariant_rows)  # the default's kernel up to 256 rows already
-        return RoutingOps(partial(router_logits, torch_above=bound), _make_topk_fn("triton"))
     return RoutingOps(router_logits, _make_topk_fn(backend))
 
 

@@ -49,6 +49,7 @@ class NextNDraft(nn.Module):
     def __init__(self, target: DeepseekForCausalLM, ecfg: EngineConfig) -> None:
         super().__init__()
         cfg = target.config
+        ecfg = ecfg.draft_config  # row-invariant mode's draft: the fast kernels (EngineConfig.draft_config)
         d, dtype, device = cfg.hidden_size, ecfg.torch_dtype, ecfg.device
         self.layer_id = cfg.num_hidden_layers  # where DeepSeek stores it: model.layers.{L}
         self.enorm = RMSNorm(d, cfg.rms_norm_eps, dtype, device, ecfg.norm_impl)

@@ -57,7 +57,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "process under any --tp / --dp / --ep; needs --backend ref")
     p.add_argument("--batch-invariant", action="store_true",
                    help="the triton path's batch-invariant mode (bf16, CUDA graphs): a request's routes, logits and "
-                        "tokens do not depend on its batch, chunking or speculation; one process; about 0.88x decode")
+                        "tokens do not depend on its batch, chunking or speculation, and a prompt row equals the same "
+                        "token's decode row; one process")
+    p.add_argument("--no-row-invariant", action="store_true",
+                   help="turn off the CUDA default row-invariant mode (decode and prompt rows each batch-invariant: "
+                        "speculation returns plain decoding's routes) for the batch-dependent fastest kernels")
     p.add_argument("--max-body-bytes", type=int, default=None, help="request body limit (default 8 MiB)")
     p.add_argument("--enable-cache-report", action="store_true",
                    help="SGLang's flag: OpenAI usage carries prompt_tokens_details.cached_tokens (prefix-cache hits)")
@@ -116,6 +120,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, object]:
         "page_size": page_size, "cuda_graph_batch_sizes": args.cuda_graphs,
         "overlap_schedule": not args.no_overlap, "enable_prefix_cache": not args.no_prefix_cache,
         "deterministic": args.enable_deterministic_inference, "batch_invariant": args.batch_invariant,
+        **({"row_invariant": False} if args.no_row_invariant else {}),
         **dict.fromkeys(BACKEND_FIELDS, backend),
         "ep_num_redundant_experts": args.ep_num_redundant_experts, "init_expert_location": args.init_expert_location,
         "ep_dispatch_algorithm": args.ep_dispatch_algorithm, "expert_dispatch_seed": args.expert_dispatch_seed,

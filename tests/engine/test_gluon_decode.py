@@ -22,10 +22,10 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                        reason="the Gluon decode kernel is sm_90 only"),
 ]
-# decode_invariant off: its decode steps run the fixed-split kernel, never these decoders (the fast decode path is
+# row_invariant off: its decode steps run the fixed-split kernel, never these decoders (the fast decode path is
 # the one under test here)
 TRITON = dict(attention_backend="triton", moe_backend="triton", topk_backend="triton", norm_backend="triton",
-              rope_backend="triton", device="cuda", dtype="bfloat16", chunked_prefill_size=64, decode_invariant=False)
+              rope_backend="triton", device="cuda", dtype="bfloat16", chunked_prefill_size=64, row_invariant=False)
 
 
 def _uses_gluon(eng: Engine) -> bool:

@@ -61,6 +61,26 @@ def test_speculation_equals_plain(make_spec_engine: EngineFactory, mtp_ckpt: Pat
     assert_mixed_acceptance(got)
 
 
+ROW = dict(row_invariant=True, dtype="float32", chunked_prefill_size=16, **TRITON)
+
+
+def test_alone_equals_batched_and_speculation_equals_plain(make_spec_engine: EngineFactory, mtp_ckpt: Path) -> None:
+    """row_invariant=True, fp32, Triton's interpreter: two requests alone (one prefill each) against both at once in
+    16-token chunks (the 40-token prompt's chunks on a cached prefix beside the other's decode rows), and d = 3
+    speculation against plain decoding: bitwise the same tokens, logprobs and routes, drafts both accepted and
+    rejected. Off, alone and batched differ in their logprobs here."""
+    plain = make_spec_engine(model=mtp_ckpt, **ROW)
+    assert plain.config.mla_impl == "split"
+    ps, sp = prompts(seed=5)[:2], sampling(2)  # 40 and 3 tokens: the long one's chunks beside the short one's decodes
+    batched = plain.generate(input_ids=ps, sampling_params=sp, **ASK)
+    alone = [plain.generate(input_ids=p, sampling_params=s, **ASK) for p, s in zip(ps, sp, strict=True)]
+    assert_same(alone, batched)
+    spec = make_spec_engine(model=mtp_ckpt, speculative_algorithm="NEXTN", speculative_num_steps=3, **ROW)
+    got = spec.generate(input_ids=ps, sampling_params=sp, **ASK)
+    assert_same(got, batched)
+    assert_mixed_acceptance(got)
+
+
 def test_config_refusals() -> None:
     """One-line refusals: with exact mode, on a ref backend, on the normal MLA path, over several ranks."""
     with pytest.raises(EngineConfigError, match="pick one"):

@@ -2,8 +2,8 @@
 and the fixed-split attention's rows bitwise the same in batches of 1, 3 and 17 rows, a prefill chunk's rows the same
 as decode rows, and at engine level a request's
 tokens and routes bitwise the same alone and batched, speculative (CUDA graphs: verify and draft graphs) and plain.
-And the default engine (decode_invariant on by itself, tests/engine/test_decode_invariant.py on the CPU):
-speculation equals plain decoding, bitwise, once the prompts are in.
+And the default engine (row_invariant on by itself; tests/engine/test_row_invariant.py and test_batch_invariant.py on
+the CPU): alone equals batched and speculation equals plain decoding, bitwise.
 
 Run (GPU): python -m pytest -q -m gpu tests/spec/test_batch_invariant_gpu.py
 """
@@ -107,19 +107,21 @@ def test_engine_alone_batched_and_speculative_on_cuda(make_spec_engine: EngineFa
     assert graphs.graph_steps - before[0] > graphs.replays - before[1], "no launch ran chained"
 
 
-def test_default_engine_speculation_equals_plain_on_cuda(make_spec_engine: EngineFactory, mtp_ckpt: Path) -> None:
-    """The default engine in bf16 with CUDA graphs, no invariance option given (decode_invariant resolves on): the six
-    prompts prefill in one step in both engines (the same kernels: a step's rows are below decode_rows in both), then
-    plain decode steps of 6..1 rows against verifies of 4 rows a request (d = 3, chained launches, and one step a
-    launch): bitwise the same tokens, logprobs and routes, with drafts both accepted and rejected."""
-    opts = dict(dtype="bfloat16", device="cuda", chunked_prefill_size=512, **TRITON)
+def test_default_engine_alone_batched_and_speculative_on_cuda(make_spec_engine: EngineFactory, mtp_ckpt: Path) -> None:
+    """The default engine in bf16 with CUDA graphs, no invariance option given (row_invariant resolves on): each
+    request alone, all six batched in 16-token chunks (prompt chunks on a cached prefix beside decode rows), and the
+    speculative engine (d = 3, chained launches and one step a launch): bitwise the same tokens, logprobs and
+    routes."""
+    opts = dict(dtype="bfloat16", device="cuda", chunked_prefill_size=16, **TRITON)
     plain = make_spec_engine(model=mtp_ckpt, **opts)
-    assert plain.config.decode_invariant_on and plain.config.graph_batch_sizes
+    assert plain.config.row_invariant_on and plain.config.graph_batch_sizes
     ps, sp = prompts(seed=11), sampling(6)
-    want = plain.generate(input_ids=ps, sampling_params=sp, **ASK)
+    batched = plain.generate(input_ids=ps, sampling_params=sp, **ASK)
+    alone = [plain.generate(input_ids=p, sampling_params=s, **ASK) for p, s in zip(ps, sp, strict=True)]
+    assert_same(alone, batched)
     for launch in (4, 1):
         spec = make_spec_engine(model=mtp_ckpt, speculative_algorithm="NEXTN", speculative_num_steps=3,
                                 speculative_launch_steps=launch, **opts)  # fmt: skip
         got = spec.generate(input_ids=ps, sampling_params=sp, **ASK)
-        assert_same(got, want)
+        assert_same(got, batched)
         assert_mixed_acceptance(got)
