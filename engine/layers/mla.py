@@ -199,10 +199,15 @@ class MLAAttention(nn.Module):
         from_cache: bool = False,
     ) -> torch.Tensor:
         if fb.has_prefix or from_cache:
-            # On top of a cached prefix (or asked): decompress every key of each request from the cache.
-            slots = [fb.req_to_token[fb.req_pool_indices[b], :n] for b, n in enumerate(fb.seq_lens_cpu)]
-            keys = kv_cache[torch.cat(slots).long()]  # [Nk, C]
+            # On top of a cached prefix (or asked): decompress every key of each request from the cache, gathered
+            # on the device (no per-request indexing: a 0-d device index syncs the host each request and layer)
             k_lens = list(fb.seq_lens_cpu)
+            nk = sum(k_lens)
+            starts = torch.cumsum(fb.seq_lens, 0) - fb.seq_lens  # [B]
+            owner = torch.repeat_interleave(fb.req_pool_indices, fb.seq_lens, output_size=nk)  # [Nk]
+            pos = torch.arange(nk, device=kv_cache.device) - torch.repeat_interleave(starts, fb.seq_lens,
+                                                                                      output_size=nk)  # fmt: skip
+            keys = kv_cache[fb.req_to_token[owner, pos].long()]  # [Nk, C]
         else:
             assert latent is not None  # _write_latent returns it on this path
             keys, k_lens = latent, list(fb.extend_lens_cpu)
