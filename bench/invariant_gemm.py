@@ -1,5 +1,5 @@
 """batch_invariant's GEMM (kernels/invariant_matmul.py) on the 2.5B V3 shape's products: each row's bits at M = 1 ..
-700 against the rows of one M = 8192 product (the wide 128 x 256 x 64 tile there, the narrow BLOCK_K 128 tiles
+700 against the rows of one M = 8192 product (the wide 128 x 128 x 64 tile there, the narrow BLOCK_K 128 tiles
 below 512 rows), and the time of a product at decode and prefill sizes beside cuBLAS (F.linear) in the same run,
 one CUDA-graph replay a call.
 

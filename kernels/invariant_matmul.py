@@ -12,7 +12,8 @@ runs that batch the same requests differently). Here element (m, n) is one fp32 
 cores' 16-wide K steps in order from 0, whatever the tile: BLOCK_K only groups those steps and BLOCK_M / BLOCK_N only
 say which outputs a program owns, so the tile may follow M and N (matmul_tile) and no K is ever split. On the H200, 9
 products of the 2.5B shape (K 512-5632, N 576-32000) gave each row's bits at M = 1 .. 700 with BLOCK_K 64 / 128 / 256
-equal to the 128 x 256 x 64 tile's at M = 8192 (tests/kernels/test_batch_invariance.py crosses the tiles there).
+equal to the 128 x 256 x 64 tile's at M = 8192, and 9 tiles at M = 128 .. 4096 (BLOCK_M 64 / 128 / 256, BLOCK_N 32 ..
+256, BLOCK_K 64 / 128) equal to it again (tests/kernels/test_batch_invariance.py crosses the tiles there).
 SGLang's --enable-deterministic-inference keeps one persistent-kernel config per dtype for every M and no split-K
 (sgl-project/sglang python/sglang/srt/batch_invariant_ops/batch_invariant_ops.py at d40bdca0, `matmul_persistent`).
 """
@@ -45,12 +46,14 @@ TILES: dict[torch.dtype, MatmulTile] = {
     torch.float16: MatmulTile(64, 64, 64, 4, 3),
     torch.float32: MatmulTile(32, 32, 32, 4, 2),
 }
-# From WIDE_M rows (16-bit): 128 x 256 tiles over 8 warps. At M = 4096 on the H200 (graph-timed, us): K 2048 x N
-# 2048 67 (cuBLAS 49), K 5632 x N 2048 182 (132), the lm_head's N 32000 1349 (824).
+# From WIDE_M rows (16-bit, prompt chunks): 128 x 128 x 64 tiles over 8 warps, 3 stages, the fastest of 9 tiles over
+# the 2.5B shape's 9 products at M = 1024 and 4096 on the H200 (graph-timed sums: 537 and 2,019 us against 665 and
+# 2,172 for 128 x 256 x 64; cuBLAS 334 and 1,301). At M = 4096: K 2048 x N 2048 58 us (cuBLAS 46), K 5632 x N 2048
+# 153 (118), the lm_head's N 32000 1,242 (765). Re-measure: python -m bench.invariant_gemm.
 WIDE_M = 512
 WIDE_TILES: dict[torch.dtype, MatmulTile] = {
-    torch.bfloat16: MatmulTile(128, 256, 64, 8, 3),
-    torch.float16: MatmulTile(128, 256, 64, 8, 3),
+    torch.bfloat16: MatmulTile(128, 128, 64, 8, 3),
+    torch.float16: MatmulTile(128, 128, 64, 8, 3),
 }
 # Below WIDE_M rows (16-bit, decode and verify sizes): BLOCK_M the MMA's 16 / 32 / 64 rows by M, BLOCK_K 128, and the
 # widest BLOCK_N of 128 / 64 / 32 / 16 that still gives MIN_PROGRAMS programs (132 SMs): the weights stream from many
