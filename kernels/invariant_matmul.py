@@ -63,25 +63,16 @@ WIDE_TILES: dict[torch.dtype, MatmulTile] = {
 NARROW_BLOCK_K = 128
 MIN_PROGRAMS = 128
 SMEM_BYTES = 200_000  # the most shared memory a tile's stages may take (the H200 has 227 KB a block)
-# Weights of at least BIG_WEIGHTS elements (the 2.5B shape's dense gate_up, 2048 x 11264, and the lm_head, 2048 x
-# 32000) above 16 rows: 128-wide columns, and from 65 rows one 128-row tile, so the weights are read once, not once
-# a 64-row tile (H200, us, the narrow rule's tile beside: N 11264 at M = 32 / 64 / 128 13.0 / 14.0 / 19.5 against
-# 15.2 / 17.5 / 25.5, cuBLAS 9.6 / 12.1 / 12.8; the lm_head at M = 128 43.7 against 70.6, cuBLAS 40.0).
-BIG_WEIGHTS = 1 << 24
-BIG_TILES = {32: MatmulTile(32, 128, 128, 4, 3), 64: MatmulTile(64, 128, 64, 8, 4), 128: MatmulTile(128, 128, 64, 8, 4)}
 
 
-def matmul_tile(dtype: torch.dtype, m: int, n: int = 0, g: int = 1, compiled: bool = True, k: int = 0) -> MatmulTile:
-    """The tile of g [M, K] x [K, N] products: WIDE_TILES[dtype] from WIDE_M rows, BIG_TILES for big weights above 16
-    rows, below it the narrow rule above; TILES[dtype] for fp32 and compiled=False (Triton's CPU interpreter, which
-    also caps a tensor at 2^20 elements)."""
+def matmul_tile(dtype: torch.dtype, m: int, n: int = 0, g: int = 1, compiled: bool = True) -> MatmulTile:
+    """The tile of g [M, K] x [K, N] products: WIDE_TILES[dtype] from WIDE_M rows, below it the narrow rule above;
+    TILES[dtype] for fp32 and compiled=False (Triton's CPU interpreter, which also caps a tensor at 2^20 elements)."""
     wide = WIDE_TILES.get(dtype)
     if wide is None or not compiled:
         return TILES[dtype]
     if m >= WIDE_M:
         return wide
-    if m > 16 and g * n * k >= BIG_WEIGHTS:
-        return BIG_TILES[32 if m <= 32 else 64 if m <= 64 else 128]
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     block_n = next((bn for bn in (128, 64, 32) if g * triton.cdiv(n, bn) * triton.cdiv(m, block_m) >= MIN_PROGRAMS),
                    16)  # fmt: skip
@@ -138,7 +129,7 @@ def invariant_bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = N
             f"out {tuple(out.shape)} {out.dtype} is not [{g}, {m}, {n}] {a.dtype}")  # fmt: skip
     if g * m * n == 0:
         return out
-    tile = matmul_tile(a.dtype, m, n, g, a.is_cuda, k)
+    tile = matmul_tile(a.dtype, m, n, g, a.is_cuda)
     _invariant_matmul_kernel[(triton.cdiv(n, tile.block_n), triton.cdiv(m, tile.block_m), g)](
         a, b, out, m, n, k,
         a.stride(0), a.stride(1), a.stride(2), b.stride(0), b.stride(1), b.stride(2),
