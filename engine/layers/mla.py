@@ -135,8 +135,7 @@ class MLAAttention(nn.Module):
         q, kv_a = self._projections(x)
         q_nope, q_pe = q.split([self.nope, self.rope_dim], dim=-1)
         if self.mla_path == "split":
-            self._write_latent(kv_a, fb, kv_cache, False)
-            out = self._split(q_nope, q_pe, kv_cache, fb)
+            out = self._split(q_nope, q_pe, kv_a, kv_cache, fb)
             return self.o_proj(out.reshape(t, self.h * self.v_dim))
         normal = select_attn_path(fb, self.mla_path) == "normal"
         latent = self._write_latent(kv_a, fb, kv_cache, normal and not fb.has_prefix)
@@ -163,19 +162,22 @@ class MLAAttention(nn.Module):
         self._head_matmul(o_lat, self.w_vc.transpose(1, 2), out)  # [T, H, v]
         return out
 
-    def _split(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+    def _split(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_a: torch.Tensor, kv_cache: torch.Tensor,
                fb: ForwardBatch) -> torch.Tensor:  # fmt: skip
         """The row-invariant mode (EngineConfig.row_invariant): the step's leading decode and verify requests (the
         scheduler puts them first) on the absorbed path, whose fixed-split attention gives a row the same bits in
-        any batch; its prompt requests on the normal path over every key read back from the cache, whose MHA rows
-        follow their own keys only (kernels/mha_prefill.py), so a prompt row is the same in any chunk or batch.
-        [T, H, nope], [T, H, rope] -> [T, H, v]."""
+        any batch; its prompt requests on the normal path over every key of the request, whose MHA rows follow their
+        own keys only (kernels/mha_prefill.py), so a prompt row is the same in any chunk or batch. The keys are the
+        cache's values either way: read back from it on a cached prefix, else the latent the write returns.
+        [T, H, nope], [T, H, rope], kv_a [T, C] -> [T, H, v]."""
         n_req, n = fb.lead_requests, fb.lead_rows
         if n == q_nope.shape[0]:
+            self._write_latent(kv_a, fb, kv_cache, False)
             return self._absorbed(q_nope, q_pe, kv_cache, fb)
         prompts = fb.requests(n_req, fb.batch_size)
+        latent = self._write_latent(kv_a, fb, kv_cache, not prompts.has_prefix)
         q = torch.cat([q_nope[n:], self.rope(prompts.positions, q_pe[n:])], dim=-1)
-        tail = self._normal(q, None, kv_cache, prompts, from_cache=True)
+        tail = self._normal(q, None if latent is None else latent[n:], kv_cache, prompts)
         if n == 0:
             return tail
         return torch.cat([self._absorbed(q_nope[:n], q_pe[:n], kv_cache, fb.requests(0, n_req)), tail])
@@ -195,11 +197,10 @@ class MLAAttention(nn.Module):
         return latent
 
     def _normal(
-        self, q: torch.Tensor, latent: torch.Tensor | None, kv_cache: torch.Tensor, fb: ForwardBatch,
-        from_cache: bool = False,
+        self, q: torch.Tensor, latent: torch.Tensor | None, kv_cache: torch.Tensor, fb: ForwardBatch
     ) -> torch.Tensor:
-        if fb.has_prefix or from_cache:
-            # On top of a cached prefix (or asked): decompress every key of each request from the cache, gathered
+        if fb.has_prefix:
+            # On top of a cached prefix: decompress every key of each request from the cache, gathered
             # on the device (no per-request indexing: a 0-d device index syncs the host each request and layer)
             k_lens = list(fb.seq_lens_cpu)
             nk = sum(k_lens)
