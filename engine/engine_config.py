@@ -21,6 +21,9 @@ SPEC_ALGORITHMS = (None, "NEXTN", "EAGLE")
 MAX_SPEC_STEPS = 3  # the issue's range; SGLang's DeepSeek-V3 default (3 steps, top-1, 4 tokens verified)
 MAX_LAUNCH_STEPS = 8  # speculative steps chained in one graph: each adds its kernels to the graph, its rows to capture
 
+# the five math backend fields (each "ref" or "triton")
+BACKENDS = ("attention_backend", "moe_backend", "topk_backend", "norm_backend", "rope_backend")
+
 _DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -150,7 +153,7 @@ class EngineConfig:
             )
         if self.mla_path not in ("auto", "normal", "absorb"):
             raise EngineConfigError(f"mla_path={self.mla_path!r}: expected auto, normal or absorb")
-        for name in ("attention_backend", "moe_backend", "topk_backend", "norm_backend", "rope_backend"):
+        for name in BACKENDS:
             if getattr(self, name) not in ("ref", "triton"):
                 raise EngineConfigError(f"{name}={getattr(self, name)!r}: expected ref or triton")
         if self.shared_experts not in ("auto", "fused", "separate"):
@@ -282,7 +285,7 @@ class EngineConfig:
             raise EngineConfigError(
                 "deepep_mode='normal': deterministic=True needs low_latency (normal mode sums per-rank partials)"
             )
-        for name in ("attention_backend", "moe_backend", "topk_backend", "norm_backend", "rope_backend"):
+        for name in BACKENDS:
             if getattr(self, name) != "ref":
                 raise EngineConfigError(f"{name}={getattr(self, name)!r}: deterministic=True needs the ref backend")
 
@@ -292,7 +295,7 @@ class EngineConfig:
                 "batch_invariant=True with deterministic=True: pick one (exact mode is batch-invariant already, on the "
                 "ref backends; batch_invariant is the triton path's)"
             )
-        for name in ("attention_backend", "moe_backend", "topk_backend", "norm_backend", "rope_backend"):
+        for name in BACKENDS:
             if getattr(self, name) != "triton":
                 raise EngineConfigError(
                     f"{name}={getattr(self, name)!r}: batch_invariant=True needs the triton backend (the ref ops are "
@@ -309,7 +312,7 @@ class EngineConfig:
             raise EngineConfigError(
                 "row_invariant=True with deterministic or batch_invariant: both make every row invariant already"
             )
-        for name in ("attention_backend", "moe_backend", "topk_backend", "norm_backend", "rope_backend"):
+        for name in BACKENDS:
             if getattr(self, name) != "triton":
                 raise EngineConfigError(f"{name}={getattr(self, name)!r}: row_invariant=True needs the triton backend")
         if self.mla_path != "auto":
@@ -322,8 +325,7 @@ class EngineConfig:
         collectives reduce in NCCL's order); check_graph_layout refuses an explicit True there."""
         if self.row_invariant is not None:
             return self.row_invariant
-        every = ("attention_backend", "moe_backend", "topk_backend", "norm_backend", "rope_backend")
-        triton = all(getattr(self, name) == "triton" for name in every)
+        triton = all(getattr(self, name) == "triton" for name in BACKENDS)
         return (triton and self.device.startswith("cuda") and self.mla_path == "auto" and not self.deterministic
                 and not self.batch_invariant)  # fmt: skip
 

@@ -216,14 +216,13 @@ class TritonAttention:
     ) -> torch.Tensor:
         if k_lens == fb.extend_lens_cpu:  # a prefix-free prefill: the keys are the queries' own rows
             return self._prefill(q, k, v, fb.extend_start_loc, fb.extend_lens, scale, max_extend_len=max(k_lens))
-        # queries on a cached prefix (the row-invariant mode's prompt chunks): each request's keys from its own start;
-        # every key of each request (the MLA's normal path on a prefix) is the batch's seq_lens, already on the device
-        if k_lens == fb.seq_lens_cpu:
-            lens, starts = fb.seq_lens, torch.cumsum(fb.seq_lens, 0) - fb.seq_lens
-        else:
-            lens, starts = torch.tensor([k_lens, k_starts], dtype=torch.int64).to(q.device, non_blocking=True)
+        # queries on a cached prefix (the MLA's normal path there): every key of each request, the batch's seq_lens,
+        # already on the device, laid end to end
+        if k_lens != fb.seq_lens_cpu:
+            raise ValueError("triton mha takes a prefix-free prefill's keys or every key of each request (seq_lens)")
+        starts = torch.cumsum(fb.seq_lens, 0) - fb.seq_lens
         return self._prefill(q, k, v, fb.extend_start_loc, fb.extend_lens, scale,
-                             max_extend_len=max(fb.extend_lens_cpu), k_start_loc=starts, k_lens=lens)
+                             max_extend_len=max(fb.extend_lens_cpu), k_start_loc=starts, k_lens=fb.seq_lens)
 
 
 # The invariant decoder keeps an fp32 partial per (row, head, 256-key split): rows x H x cdiv(max_len, 256) x kv_lora
