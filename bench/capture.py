@@ -98,6 +98,9 @@ def set_recorder(model: torch.nn.Module, recorder: Any) -> None:
             layer.mlp.gate.recorder = recorder
 
 
+ROW_INVARIANT: dict[str, bool | None] = {"auto": None, "on": True, "off": False}
+
+
 def decode_step_times(args: argparse.Namespace) -> list[dict[str, Any]]:
     cfg = v3_routing_config(args.layers, args.hidden, args.experts)
     backend = "triton" if args.device == "cuda" else "ref"
@@ -105,7 +108,7 @@ def decode_step_times(args: argparse.Namespace) -> list[dict[str, Any]]:
     ecfg = EngineConfig(dtype=str(dtype).removeprefix("torch."), device=args.device, attention_backend=backend,
                         moe_backend=backend, topk_backend=backend, norm_backend=backend, rope_backend=backend,
                         kv_pool_tokens=max(args.batches) * args.context, chunked_prefill_size=512,
-                        max_running_requests=max(args.batches))
+                        max_running_requests=max(args.batches), row_invariant=ROW_INVARIANT[args.row_invariant])
     model = random_model(cfg, ecfg, NullRecorder())
     slots = ecfg.kv_pool_tokens
     # slots + 1: the last row is the padding slot CUDA-graph decode writes its padding rows to
@@ -295,6 +298,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--out", default="")
     ap.add_argument("--no-graphs", dest="graphs", action="store_false", help="skip the CUDA-graph timing")
+    ap.add_argument("--row-invariant", choices=tuple(ROW_INVARIANT), default="auto",
+                    help="the engine's row_invariant (auto: the default, on with triton backends on CUDA)")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model and sizes, batch 1 included (make test)")
     args = ap.parse_args(argv)
     args.hidden, args.experts = 2048, 256
