@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> None:
     args.graphs = args.graphs and args.device == "cuda"
     parts = set(args.parts.split(","))
     report: dict[str, Any] = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-                              "torch": torch.__version__}
+                              "torch": torch.__version__, "row_invariant": args.row_invariant}
     if "decode" in parts:
         report["decode"] = decode_step_times(args)
     if "wire" in parts:
