@@ -51,7 +51,8 @@ def verdict(res: dict[str, Any]) -> str:
 def rows(results: list[dict[str, Any]]) -> list[str]:
     """Markdown rows, one per cell (`--cells`)."""
     out = ["| cell | ours bal. even (vs global +- SE) | global | global newest | hier. | grace | ours bal. "
-           "node-limited (vs global) | nodes/token ours / global / hier. | ours > 4 nodes | ours churn | verdict |",
+           "node-limited (vs global) | nodes/token ours / global / hier. | ours > 4 nodes | churn ours / global | "
+           "verdict |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for res in results:
         s = summary(res, "global")
@@ -63,7 +64,7 @@ def rows(results: list[dict[str, Any]]) -> list[str]:
             f"{s['global']['bal_even'][0]:.3f} | {s['global-newest']['bal_even'][0]:.3f} | {hb} | "
             f"{s['grace']['bal_even'][0]:.3f} | {o['bal_node_limited'][0]:.3f} ({o['bal_node_limited'][1]:+.3f}) | "
             f"{o['nodes'][0]:.2f} / {s['global']['nodes'][0]:.2f} / {hn} | {o['over_limit'][0]:.1%} | "
-            f"{o['churn'][0]:.1%} | {verdict(res)} |")
+            f"{o['churn'][0]:.1%} / {s['global']['churn'][0]:.1%} | {verdict(res)} |")
     return out
 
 
@@ -78,7 +79,7 @@ def matrix_files() -> list[Path]:
 
 def summary_row(label: str, results: list[dict[str, Any]]) -> dict[str, Any]:
     """One row of the summary over `results`' cells: counts, and ours - global (all windows seen) per cell."""
-    diff, nodes_diff, ge, ge_better, nodes_ok = [], [], 0, 0, 0
+    diff, nodes_diff, ge, ge_better, nodes_ok, churn = [], [], 0, 0, 0, []
     verdicts = {"yes": 0, "tie": 0, "no": 0}
     for res in results:
         s = summary(res, "global")
@@ -88,12 +89,14 @@ def summary_row(label: str, results: list[dict[str, Any]]) -> dict[str, Any]:
         ge += ours >= s["global"]["bal_even"][0]
         ge_better += ours >= max(s["global"]["bal_even"][0], s["global-newest"]["bal_even"][0])
         nodes_ok += nodes_diff[-1] <= 1e-9
+        churn.append((s["ours"]["churn"][0], s["global"]["churn"][0]))
         verdicts[verdict(res).split(" ")[0]] += 1
     n = len(results)
     return {"cells": label, "n": n, "ge_global": f"{ge} of {n}", "ge_better": f"{ge_better} of {n}",
             "verdicts": f"{verdicts['yes']} / {verdicts['tie']} / {verdicts['no']}", "nodes_le": f"{nodes_ok} of {n}",
             "diff_median": float(np.median(diff)), "diff_worst": float(min(diff)),
-            "nodes_diff_median": float(np.median(nodes_diff))}  # fmt: skip
+            "nodes_diff_median": float(np.median(nodes_diff)),
+            "churn": "{:.1%} / {:.0%}".format(*np.median(churn, axis=0))}  # fmt: skip
 
 
 def matrix_claim(files: list[Path]) -> dict[str, Any]:
@@ -122,7 +125,8 @@ def matrix_claim(files: list[Path]) -> dict[str, Any]:
                     ["ge_better", ">= the better global", "{}"], ["verdicts", "yes / tie / no", "{}"],
                     ["nodes_le", "nodes/token <= global", "{}"], ["diff_median", "ours - global, median", "{:+.3f}"],
                     ["diff_worst", "worst", "{:+.3f}"], ["nodes_diff_median", "nodes/token ours - global, median",
-                                                          "{:+.2f}"]],  # fmt: skip
+                                                          "{:+.2f}"],
+                    ["churn", "slots moved a re-plan, ours / global, median", "{}"]],  # fmt: skip
         "rows": table,
     }
 

@@ -16,13 +16,13 @@ from bench.tables import load
 def _cell(ours: list[float], glob: list[float], newest: list[float], ours_nodes: float, global_nodes: float
           ) -> dict[str, Any]:
     """A result of bench/eplb_matrix.py with two held-out windows; grace and node-limited are not summarised."""
-    def pol(bal: list[float], nodes: float) -> dict[str, list[float]]:
+    def pol(bal: list[float], nodes: float, churn: float = 0.9) -> dict[str, list[float]]:
         return {"bal_even": bal, "bal_node_limited": bal, "nodes": [nodes, nodes], "over_limit": [0.0, 0.0],
-                "churn": [0.05, 0.05]}  # fmt: skip
+                "churn": [churn, churn]}  # fmt: skip
 
     return {"cell": "x", "nodes": 4, "policies": {
-        "ours": pol(ours, ours_nodes), "global": pol(glob, global_nodes), "global-newest": pol(newest, global_nodes),
-        "grace": pol(glob, global_nodes)}}  # fmt: skip
+        "ours": pol(ours, ours_nodes, 0.01 + ours[0] ** 8), "global": pol(glob, global_nodes),
+        "global-newest": pol(newest, global_nodes), "grace": pol(glob, global_nodes)}}  # fmt: skip
 
 
 def test_latest_json_holds_what_the_result_files_give() -> None:
@@ -52,3 +52,4 @@ def test_summary_row_counts_and_differences() -> None:
     assert row["nodes_le"] == "2 of 3"
     assert row["diff_median"] == pytest.approx(0.01) and row["diff_worst"] == pytest.approx(-0.10)
     assert row["nodes_diff_median"] == pytest.approx(-0.5)
+    assert row["churn"] == "17.8% / 90%"  # medians of ours' 44.0%, 6.8%, 17.8% and global's 90% a re-plan
