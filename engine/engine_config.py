@@ -7,11 +7,10 @@ from typing import Literal
 
 import torch
 
-from .layers.matmul import MatmulImpl
+from .kernel_modes import BACKENDS, EngineConfigError, KernelModes
 
 DType = Literal["float32", "bfloat16", "float16"]
 MlaPath = Literal["auto", "normal", "absorb"]
-MlaImpl = Literal["auto", "normal", "absorb", "split"]  # split: row-invariant mode's path by row (layers/mla.py)
 Backend = Literal["ref", "triton"]
 DecodeKernel = Literal["auto", "triton"]
 SharedExperts = Literal["auto", "fused", "separate"]
@@ -20,9 +19,6 @@ SharedExperts = Literal["auto", "fused", "separate"]
 SPEC_ALGORITHMS = (None, "NEXTN", "EAGLE")
 MAX_SPEC_STEPS = 3  # the issue's range; SGLang's DeepSeek-V3 default (3 steps, top-1, 4 tokens verified)
 MAX_LAUNCH_STEPS = 8  # speculative steps chained in one graph: each adds its kernels to the graph, its rows to capture
-
-# the five math backend fields (each "ref" or "triton")
-BACKENDS = ("attention_backend", "moe_backend", "topk_backend", "norm_backend", "rope_backend")
 
 _DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -36,12 +32,8 @@ def default_batch_sizes(max_running_requests: int) -> tuple[int, ...]:
     return tuple(sorted(set(out)))
 
 
-class EngineConfigError(ValueError):
-    """An engine option is out of range; the message names the option, the value and the limit."""
-
-
 @dataclass(frozen=True)
-class EngineConfig:
+class EngineConfig(KernelModes):
     dtype: DType = "float32"
     device: str = "cpu"
     # scheduling
@@ -280,55 +272,6 @@ class EngineConfig:
                 f"tp_size={tp_size} (exact mode's all-gather reduction has not run under CUDA graphs; pass () )"
             )
 
-    def _check_deterministic(self) -> None:
-        if self.deepep_mode == "normal":
-            raise EngineConfigError(
-                "deepep_mode='normal': deterministic=True needs low_latency (normal mode sums per-rank partials)"
-            )
-        for name in BACKENDS:
-            if getattr(self, name) != "ref":
-                raise EngineConfigError(f"{name}={getattr(self, name)!r}: deterministic=True needs the ref backend")
-
-    def _check_batch_invariant(self) -> None:
-        if self.deterministic:
-            raise EngineConfigError(
-                "batch_invariant=True with deterministic=True: pick one (exact mode is batch-invariant already, on the "
-                "ref backends; batch_invariant is the triton path's)"
-            )
-        for name in BACKENDS:
-            if getattr(self, name) != "triton":
-                raise EngineConfigError(
-                    f"{name}={getattr(self, name)!r}: batch_invariant=True needs the triton backend (the ref ops are "
-                    "torch's, whose reduction order follows the shapes)"
-                )
-        if self.mla_path == "normal":
-            raise EngineConfigError(
-                "mla_path='normal': batch_invariant=True runs every row on the absorbed path (the decode kernel's "
-                "one reduction order; the normal path's prefill kernel is another)"
-            )
-
-    def _check_row_invariant(self) -> None:
-        if self.deterministic or self.batch_invariant:
-            raise EngineConfigError(
-                "row_invariant=True with deterministic or batch_invariant: both make every row invariant already"
-            )
-        for name in BACKENDS:
-            if getattr(self, name) != "triton":
-                raise EngineConfigError(f"{name}={getattr(self, name)!r}: row_invariant=True needs the triton backend")
-        if self.mla_path != "auto":
-            raise EngineConfigError(f"mla_path={self.mla_path!r}: row_invariant=True picks the path by row (auto)")
-
-    @property
-    def row_invariant_on(self) -> bool:
-        """row_invariant resolved (None: on with the five triton backends on CUDA, mla_path auto, neither exact nor
-        batch-invariant mode). Over several processes the auto case runs the same kernels without the claim (the
-        collectives reduce in NCCL's order); check_graph_layout refuses an explicit True there."""
-        if self.row_invariant is not None:
-            return self.row_invariant
-        triton = all(getattr(self, name) == "triton" for name in BACKENDS)
-        return (triton and self.device.startswith("cuda") and self.mla_path == "auto" and not self.deterministic
-                and not self.batch_invariant)  # fmt: skip
-
     @property
     def draft_config(self) -> EngineConfig:
         """The MTP draft's: the fast kernels in row-invariant mode (a draft's bits choose drafts, never a target row;
@@ -353,50 +296,6 @@ class EngineConfig:
         # the tensor-parallel split of the shared MLP reduces exactly (exact_all_reduce).
         auto_fused = self.moe_backend == "triton" and not self.deterministic
         return self.shared_experts == "fused" or (self.shared_experts == "auto" and auto_fused)
-
-    # The implementations the model is built with: the configured backend, "exact" in exact mode, "invariant" in
-    # batch-invariant mode (the triton kernels with fixed tiles); row-invariant mode takes batch_invariant's GEMM, MoE
-    # plan and router logits, and "row_invariant" attention (fixed splits for the absorbed rows, MHA for the prompts').
-    @property
-    def attention_impl(self) -> str:
-        return {"exact": "exact", "all": "invariant", "row": "row_invariant"}.get(self._invariance,
-                                                                                self.attention_backend)
-
-    @property
-    def moe_impl(self) -> str:
-        return {"exact": "exact", "all": "invariant", "row": "invariant"}.get(self._invariance, self.moe_backend)
-
-    @property
-    def topk_impl(self) -> str:
-        return {"exact": "exact", "all": "invariant", "row": "invariant"}.get(self._invariance, self.topk_backend)
-
-    @property
-    def matmul_impl(self) -> MatmulImpl:
-        """Every linear's and absorbed per-head product's implementation (layers/matmul.py)."""
-        return {"exact": "exact", "all": "invariant", "row": "invariant"}.get(  # type: ignore[return-value]
-            self._invariance, "torch")
-
-    @property
-    def _invariance(self) -> Literal["exact", "all", "row", "off"]:
-        if self.deterministic:
-            return "exact"
-        if self.batch_invariant:
-            return "all"
-        return "row" if self.row_invariant_on else "off"
-
-    @property
-    def norm_impl(self) -> str:
-        return "exact" if self.deterministic else self.norm_backend
-
-    @property
-    def mla_impl(self) -> MlaImpl:
-        """One MLA path for every forward in exact and batch-invariant mode (absorbed, unless exact mode is asked for
-        normal), the path by row in row-invariant mode (split: decode and verify rows absorbed, prompt rows normal),
-        else mla_path."""
-        if self._invariance == "row":
-            return "split"
-        one_path = self.deterministic or self.batch_invariant
-        return "absorb" if one_path and self.mla_path == "auto" else self.mla_path
 
     @property
     def max_graph_batch(self) -> int:
