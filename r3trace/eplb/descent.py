@@ -31,13 +31,14 @@ from r3trace.eplb.placement import Cluster
 
 
 def hot_swaps(phy2log: np.ndarray, weight: np.ndarray, logcnt: np.ndarray, cluster: Cluster, swaps: np.ndarray,
-              min_drop: float, cold: float = -1.0, hot_gpus: int = 1) -> np.ndarray:
+              min_drop: float | np.ndarray, cold: float = -1.0, hot_gpus: int = 1) -> np.ndarray:
     """phy2log [L, P], forecast weight [L, E], counts logcnt [L, E], swaps [L] the most swaps (2 slots each) per
-    layer -> phy2log [L, P]. Each step takes, of the layer's hot_gpus hottest GPUs, the hottest h that has a swap of
-    one of its slots with a slot of another GPU leaving both below h's load by more than min_drop x the mean GPU
-    load (the sorted GPU loads fall lexicographically: no GPU reaches h's load), the pair with the lowest max of the
-    two; a layer stops at its first step without one. A slot may leave its node only where both swapped replicas are
-    their expert's only one and below cold x the mean slot load (cold < 0: never)."""
+    layer, min_drop one for every layer or [L] -> phy2log [L, P]. Each step takes, of the layer's hot_gpus hottest
+    GPUs, the hottest h that has a swap of one of its slots with a slot of another GPU leaving both below h's load by
+    more than min_drop x the mean GPU load (the sorted GPU loads fall lexicographically: no GPU reaches h's load),
+    the pair with the lowest max of the two; a layer stops at its first step without one. A slot may leave its node
+    only where both swapped replicas are their expert's only one and below cold x the mean slot load (cold < 0:
+    never)."""
     out = np.asarray(phy2log, dtype=np.int64).copy()
     n_layers, p = out.shape
     g, s = cluster.num_gpus, cluster.slots_per_gpu

@@ -150,6 +150,17 @@ class PlannerConfig:
     # after the leveling) its 30 cells moved -0.009 .. +0.004, mean +0.0001. A re-plan at [58, 320] on 8 nodes took
     # 0.051 s instead of 0.049 (--plan-time, 3 windows: one axis kept)
     spread_windows: int = 8
+    # a seeded re-plan's hot swaps (descent.py) in layers whose max-load floor exceeds (1 + refresh_floor) x the mean
+    # GPU load (replan.floor_bound: the hottest replicas alone set the max load) take every drop above floor_hot_drop
+    # x the mean GPU load, not hot_min_drop: there the held-out max sat on the hottest expert's GPU in every layer and
+    # window (grouped router, s = 0.9, 32 GPUs / 4 nodes / 256 slots), its other slots 0.12-0.26 of the mean GPU load
+    # against global's 0.12-0.22 (global packs the coldest experts beside the hottest), and a swap there lowers it by
+    # < 1%. 0.002 is min_gain's floor (smaller gains are noise in the next window). Over bench/eplb_matrix.py's 118
+    # cells yes / tie / no 70 / 41 / 7 -> 70 / 42 / 6: that cell -0.0010 -> -0.0004 (no -> tie), 32 / 4 / 256 at
+    # s = 1.2 tie -> yes, 64 / 8 / 256 at s = 0.9 yes -> tie (+0.0001 -> -0.0001 +- 0.0002), slow-drift re-plans
+    # still <= 9.4% of slots. Only with > 2 slots a GPU (pairing.py picks the companion with two): there it re-planned
+    # identical loads moving 1.1% of slots (tests/analysis/test_eplb_seeded.py holds that to 1%)
+    floor_hot_drop: float = 0.002
 
     def __post_init__(self) -> None:
         bad_alpha = self.ema_alpha is not None and not 0 <= self.ema_alpha <= 1

@@ -98,7 +98,12 @@ def seeded_plan(w: np.ndarray, prev: Placement, cluster: Cluster, cfg: PlannerCo
     out[rows] = paired(out[rows], w[rows], cluster, None if tokens is None else tokens[:, rows], left)
     # what is still left of the layer's budget: swaps on its hottest GPUs' loads (descent.py)
     left = 2 * swaps - (out[rows] != ph).sum(1)
-    out[rows] = hot_swaps(out[rows], w[rows], logcnt[rows], cluster, left // 2, cfg.hot_min_drop, cfg.level_cold,
+    # where the hottest replicas alone set the max load (floor_bound), the rest of the hottest GPU is all a swap can
+    # lower, by less than hot_min_drop a swap: such layers take drops above floor_hot_drop (PlannerConfig says why);
+    # with two slots per GPU the pairing above already picked the hottest replica's companion
+    bound = floor_bound(w[rows], logcnt[rows], cluster, cfg.refresh_floor) & (cluster.slots_per_gpu > 2)
+    drop = np.where(bound, cfg.floor_hot_drop, cfg.hot_min_drop)
+    out[rows] = hot_swaps(out[rows], w[rows], logcnt[rows], cluster, left // 2, drop, cfg.level_cold,
                           cfg.hot_gpus if hot else 0)
     return out
 

@@ -1,0 +1,39 @@
+"""Swaps on the hottest GPU where the max load is the hottest replica's: a seeded re-plan's floor-bound layers
+(PlannerConfig.floor_hot_drop).
+Run: .venv/bin/python -m pytest tests/analysis/test_eplb_floor_swaps.py -q"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from r3trace.eplb import Cluster, PlannerConfig
+from r3trace.eplb.placement import from_phy2log
+from r3trace.eplb.replan import floor_bound, seeded_plan
+from r3trace.eplb.score import phy2log_gpu_load
+
+
+def test_a_floor_bound_layer_takes_hot_swaps_below_the_usual_drop() -> None:
+    """One layer, 8 GPUs / 2 nodes / 32 slots: expert 0 (load 100) alone sets the max load (the floor 121 > 1.25x
+    the mean GPU load 44.5). Its GPU's other slots (7.3-7.4) each sit 0.3-0.4 above a lighter expert on its node
+    (7.0-7.1): a swap lowers the hottest GPU by 0.45-0.9% of the mean, under hot_min_drop (1%) and above
+    floor_hot_drop (0.2%), so only the floor-bound rule takes it (the leveling is turned off to isolate it)."""
+    cl = Cluster(8, 2, 32, num_groups=4)
+    w = np.full((1, 32), 8.5)
+    w[0, 0] = 100.0
+    w[0, 1:4] = [7.3, 7.35, 7.4]  # beside expert 0 on GPU 0
+    w[0, 4:7] = [7.0, 7.05, 7.1]  # on GPUs 1-3, node 0
+    rng = np.random.default_rng(5)
+    rest = 7 + rng.permutation(25)  # the other experts anywhere else
+    prev = np.empty((1, 32), dtype=np.int64)
+    prev[0, :4] = [0, 1, 2, 3]
+    prev[0, [4, 8, 12]] = [4, 5, 6]
+    prev[0, [s for s in range(4, 32) if s not in (4, 8, 12)]] = rest
+    assert floor_bound(w, np.ones_like(w, dtype=np.int64), cl, PlannerConfig().refresh_floor).all()
+    cfg = PlannerConfig(replan_level_min_gain=1e9)  # no leveling swap: the hot swaps alone
+    out = seeded_plan(w, from_phy2log(prev, 32), cl, cfg, cap=8)
+    before, after = (phy2log_gpu_load(p, w, cl).max(1)[0] for p in (prev, out))
+    mean = w.sum() / cl.num_gpus
+    assert before - after > 0.002 * mean  # it took a swap of the hottest GPU (floor_hot_drop: 0.002)
+    old = seeded_plan(w, from_phy2log(prev, 32), cl, PlannerConfig(replan_level_min_gain=1e9,
+                                                                     floor_hot_drop=cfg.hot_min_drop), cap=8)
+    np.testing.assert_array_equal(old, prev)  # at the usual drop: none
