@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from bench.eplb_traces import TraceSpec, synth_windows
-from r3trace.eplb import Cluster, PlannerConfig, global_policy, plan
+from r3trace.eplb import Cluster, PlannerConfig, churn, global_policy, plan
 from r3trace.eplb.candidates import MAX_LOAD_TIE, token_nodes
 from r3trace.eplb.placement import from_phy2log
 from r3trace.eplb.replan import floor_bound, seeded_plan
@@ -55,3 +55,18 @@ def test_a_floor_bound_layer_takes_hot_swaps_below_the_usual_drop() -> None:
     old = seeded_plan(w, from_phy2log(prev, 32), cl, PlannerConfig(replan_level_min_gain=1e9,
                                                                      floor_hot_drop=cfg.hot_min_drop), cap=8)
     np.testing.assert_array_equal(old, prev)  # at the usual drop: none
+
+
+def test_a_drifting_replan_of_floor_bound_layers_refreshes_on_any_gain() -> None:
+    """Independent router, s = 1.2, fast drift, 64 experts on 36 GPUs / 18 nodes / 72 slots: every layer's hottest
+    replicas set its max load (replan.floor_bound), so the seeded and the fresh plan both sit near that floor and the
+    fresh plan's forecast gain stays under refresh_gain; it still refreshes (replan.refreshed), where the same
+    re-plan judged with refresh_gain in every layer (no layer floor-bound: refresh_floor 99) keeps the seeded plan."""
+    spec = TraceSpec(family="independent", zipf_s=1.2, drift="fast", num_experts=64, top_k=6, num_layers=3,
+                     windows=5, window_tokens=2048, seed=4)
+    routes = synth_windows(spec)
+    heats = np.stack([heat_of(r, 64) for r in routes])
+    cl = Cluster(36, 18, 72, num_groups=8)
+    prev = plan(heats[:3], cl, plan(heats[:2], cl, tokens=routes[1]), tokens=routes[2])
+    assert churn(prev, plan(heats[:4], cl, prev, tokens=routes[3])) > 0.3  # refreshed
+    assert churn(prev, plan(heats[:4], cl, prev, tokens=routes[3], cfg=PlannerConfig(refresh_floor=99.0))) < 0.1
