@@ -39,6 +39,11 @@ from r3trace.eplb.score import phy2log_gpu_load
 MAX_LOAD_TIE = 0.002
 REGROUP_Z = 2.0  # standard errors by which a regrouped layer must have fewer nodes per token on held-out tokens
 GLOBAL_Z = 2.0  # ... and by which a candidate must beat DeepSeek global's own layer to replace it
+# global's layer is regrouped only where its nodes per token is below this x the best other tied candidate's: over
+# bench/eplb_matrix.py's 20 P = E cells (120 layers) the regroup lowered global's layers by 3.4% at most (0.18 of
+# 5.24, 64 GPUs / 8 nodes, s = 0.6), while ours' group homes (PlannerConfig.contest_swaps) now tie on the max load and
+# sit 0.3-1.3 below global there on 4-8 nodes, so both regroups would double a fresh plan's regroup time
+REGROUP_REACH = 1.1
 
 
 def by_group(phy2log: np.ndarray, num_experts: int, cluster: Cluster) -> np.ndarray:
@@ -80,8 +85,8 @@ def token_nodes(phy2log: np.ndarray, tokens: np.ndarray, cluster: Cluster) -> np
     return np.bitwise_count(cover).astype(np.int64)
 
 
-def regrouped(phy2log: np.ndarray, tokens: np.ndarray, cluster: Cluster,
-              layers: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+def regrouped(phy2log: np.ndarray, tokens: np.ndarray, cluster: Cluster, layers: np.ndarray | None = None,
+              plain: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """phy2log [L, P] with every expert once, tokens [T, L, K] -> (phy2log [L, P], nodes [T / 2, L]): per layer
     regroup.py's GPU order fitted on all the tokens where the order fitted on their older half has fewer nodes per
     token on the newer half, else the layer as it was; nodes: each newer-half token's nodes under the half-fitted
@@ -95,7 +100,7 @@ def regrouped(phy2log: np.ndarray, tokens: np.ndarray, cluster: Cluster,
     layers of the independent cells and won in 72 of 72 grouped layers (9 of 12 clustered)."""
     n_layers, half = phy2log.shape[0], len(tokens) // 2
     newer = tokens[half:]
-    plain = token_nodes(phy2log, newer, cluster)  # [T / 2, L]
+    plain = token_nodes(phy2log, newer, cluster) if plain is None else plain  # [T / 2, L]
     if half < 2:
         return phy2log, plain
     todo = np.ones(n_layers, dtype=bool) if layers is None else layers
@@ -188,20 +193,22 @@ class Contest:
         cands, tokens = np.take(self.cands, rows, axis=1), np.take(self.tokens, rows, axis=1)
         # ours' and global's GPUs regrouped onto nodes by co-activation, in the layers where they tie on the max
         # load (loads unchanged: regroup.py); global grouped is global's GPUs ordered by another rule, so its regroup
-        # would mostly repeat global's (regroup.py: the regroups are most of a fresh plan's time here). Ours' and
-        # global's layers go through regrouped as one stack of 2 L layers: each layer's result is its own
-        # (node_order steps the layers independently), and the steps and counts run once for both
+        # would mostly repeat global's (regroup.py: the regroups are most of a fresh plan's time here). Global's only
+        # where it can still win: its plain count under REGROUP_REACH x the best other tied candidate's
         glob = cands[2]
         n_layers, newer = len(rows), tokens[len(tokens) // 2:]
-        ph, nodes = regrouped(np.concatenate([cands[0], cands[2]]), np.concatenate([tokens, tokens], 1), cluster,
-                              np.concatenate([tied[0], tied[2]]))
+        own_nodes = token_nodes(glob, newer, cluster)  # [T / 2, L] global's layer as it is
+        ours, ours_nodes = regrouped(cands[0], tokens, cluster, tied[0])
         kept = token_nodes(cands[1], newer, cluster)  # [T / 2, L] regrouped's count of a layer it skips
-        cands = np.stack([ph[:n_layers], cands[1], ph[n_layers:]])
-        per_token = np.stack([nodes[:, :n_layers], kept, nodes[:, n_layers:]])  # [3, T / 2, L]
+        rival = np.minimum(np.where(tied[0], ours_nodes.mean(0), np.inf), np.where(tied[1], kept.mean(0), np.inf))
+        reach = tied[2] & (own_nodes.mean(0) < REGROUP_REACH * rival)
+        glob_ph, glob_nodes = regrouped(glob, tokens, cluster, reach, own_nodes)
+        cands = np.stack([ours, cands[1], glob_ph])
+        per_token = np.stack([ours_nodes, kept, glob_nodes])  # [3, T / 2, L]
         pick = np.argmin(np.where(tied, per_token.mean(1), np.inf), axis=0)  # [L]
         # DeepSeek global's own layer where it ties on the max load and the pick's fewer nodes per token are within
         # GLOBAL_Z paired standard errors of its own (a pick that wins by noise lost to it on the next window)
-        diff = per_token[pick, :, np.arange(n_layers)].T - token_nodes(glob, newer, cluster)  # [T / 2, L]
+        diff = per_token[pick, :, np.arange(n_layers)].T - own_nodes  # [T / 2, L]
         noise = GLOBAL_Z * diff.std(0, ddof=1) / np.sqrt(max(len(diff), 1))
         own = tied[2] & (diff.mean(0) >= -noise)
         return np.where(own[:, None], glob, cands[pick, np.arange(n_layers)])

@@ -20,6 +20,26 @@ alone. A drifting re-plan's seeded layers (replan.refreshed) skip them: most tak
 them the totals were the same while the drifting re-plan without a spare slot took 0.282x of DeepSeek's default
 call instead of 0.232x (--plan-time, 64 GPUs / 8 nodes / 256 slots).
 
+Floor-bound layers (PlannerConfig.floor_hot_drop): where the hottest replicas alone set the max load
+(replan.floor_bound at refresh_floor) a seeded re-plan's swaps take drops > 0.002 x the mean GPU load (min_gain's
+noise floor) instead of min_drop. Held out on 32 GPUs / 4 nodes / 256 slots (grouped router, s = 0.9) the max sat on
+the hottest expert's GPU in every layer and window, its other slots 0.12-0.26 of the mean GPU load against global's
+0.12-0.22 (global packs the coldest experts beside the hottest), and a swap there lowers it by < 1%. Over
+bench/eplb_matrix.py's 118 cells yes / tie / no 70 / 41 / 7 -> 70 / 42 / 6: that cell -0.0010 -> -0.0004 (no -> tie),
+s = 1.2 tie -> yes, 64 / 8 / 256 at s = 0.9 yes -> tie (+0.0001 -> -0.0001 +- 0.0002). Only with > 2 slots a GPU
+(with two, pairing.py picks the hottest replica's companion): there it re-planned identical loads moving 1.1% of
+slots (tests/analysis/test_eplb_seeded.py holds that to 1%).
+
+Before the P = E contest (PlannerConfig.contest_swaps, planner.fresh_plan): up to 32 swaps on ours' hottest GPU, any
+drop. The leveling lowers squared loads and left ours' max load 0.5-2% over global's, so global won every layer on
+the max load though ours' group homes had fewer nodes per token (held out 1.984 against 1.996 at s = 1.2 on 16 / 2 /
+256, 3.20 against 3.58 at s = 0.9 on 32 / 4); after them ours ties or beats global's max load in 95-100% of the
+layers at [58, 256] on 2-8 nodes. With the floor-bound swaps the matrix went to 70 / 43 / 5 (16 / 2 / 256 at s = 1.2
+no -> tie: 1.99 nodes per token against 2.00); P = E nodes per token -0.3 .. -1.1 on 4-8 nodes. Without the
+floor-bound swaps, on the 8 hottest GPUs (64 swaps) instead of the hottest alone: 16 / 2 and 32 / 4 no -> tie,
+64 / 8 / 256 at s = 0.6 and 128 / 16 / 256 at s = 0.9 tie -> yes, but its swaps made a fresh plan on 64 / 8 / 256
+take 0.10 s instead of 0.05 (0.2x the reference's call is 0.05 s there); on the hottest GPU alone 0.002 s.
+
 Shape legend: L layers, E experts, P slots, G GPUs, S slots per GPU, B layers still looking for a move.
 """
 
@@ -31,13 +51,14 @@ from r3trace.eplb.placement import Cluster
 
 
 def hot_swaps(phy2log: np.ndarray, weight: np.ndarray, logcnt: np.ndarray, cluster: Cluster, swaps: np.ndarray,
-              min_drop: float, cold: float = -1.0, hot_gpus: int = 1) -> np.ndarray:
+              min_drop: float | np.ndarray, cold: float = -1.0, hot_gpus: int = 1) -> np.ndarray:
     """phy2log [L, P], forecast weight [L, E], counts logcnt [L, E], swaps [L] the most swaps (2 slots each) per
-    layer -> phy2log [L, P]. Each step takes, of the layer's hot_gpus hottest GPUs, the hottest h that has a swap of
-    one of its slots with a slot of another GPU leaving both below h's load by more than min_drop x the mean GPU
-    load (the sorted GPU loads fall lexicographically: no GPU reaches h's load), the pair with the lowest max of the
-    two; a layer stops at its first step without one. A slot may leave its node only where both swapped replicas are
-    their expert's only one and below cold x the mean slot load (cold < 0: never)."""
+    layer, min_drop one for every layer or [L] -> phy2log [L, P]. Each step takes, of the layer's hot_gpus hottest
+    GPUs, the hottest h that has a swap of one of its slots with a slot of another GPU leaving both below h's load by
+    more than min_drop x the mean GPU load (the sorted GPU loads fall lexicographically: no GPU reaches h's load),
+    the pair with the lowest max of the two; a layer stops at its first step without one. A slot may leave its node
+    only where both swapped replicas are their expert's only one and below cold x the mean slot load (cold < 0:
+    never)."""
     out = np.asarray(phy2log, dtype=np.int64).copy()
     n_layers, p = out.shape
     g, s = cluster.num_gpus, cluster.slots_per_gpu

@@ -63,6 +63,7 @@ from r3trace.eplb.affinity import CoChoices, affinity_replicas, home_primaries
 from r3trace.eplb.alignment import align
 from r3trace.eplb.candidates import Contest, best_layout, losing_load
 from r3trace.eplb.deepseek import global_phy2log, group_nodes, pack_nodes, spread_replicas
+from r3trace.eplb.descent import hot_swaps
 from r3trace.eplb.forecast import backtest_errors, drifts, forecast, pick_alpha
 from r3trace.eplb.homing import capped_counts, expert_nodes
 from r3trace.eplb.leveling import level_refine
@@ -150,6 +151,12 @@ class PlannerConfig:
     # after the leveling) its 30 cells moved -0.009 .. +0.004, mean +0.0001. A re-plan at [58, 320] on 8 nodes took
     # 0.051 s instead of 0.049 (--plan-time, 3 windows: one axis kept)
     spread_windows: int = 8
+    # a seeded re-plan's hot swaps in layers whose hottest replicas alone set the max load (replan.floor_bound, > 2
+    # slots a GPU) take drops > floor_hot_drop x the mean GPU load, not hot_min_drop (descent.py has why and figures)
+    floor_hot_drop: float = 0.002
+    # P = E: up to contest_swaps swaps lowering ours' hottest GPU (any drop) before global's layouts compete, so ours
+    # ties global's max load and wins layers on nodes per token (descent.py has why and figures); 0: none
+    contest_swaps: int = 32
 
     def __post_init__(self) -> None:
         bad_alpha = self.ema_alpha is not None and not 0 <= self.ema_alpha <= 1
@@ -203,6 +210,10 @@ def fresh_plan(w: np.ndarray, home: np.ndarray | None, cluster: Cluster, cfg: Pl
     if spreads(cluster, cfg):
         phy2log = spread_layout(w, cluster, cfg, tokens)
         if (compete or cluster.num_slots == e) and not cfg.keep_groups:
+            if cluster.num_slots == e and not applies(cluster):  # ours' max load down to global's (contest_swaps;
+                # where polish ran it already lowered the max load without costing nodes per token)
+                swaps = np.full(n_layers, cfg.contest_swaps)
+                phy2log = hot_swaps(phy2log, w, np.ones_like(phy2log), cluster, swaps, 0.0, cfg.level_cold)
             phy2log = best_layout(phy2log, w, cluster, tokens)
         return from_phy2log(phy2log, e)
     logcnt = capped_counts(w, cluster.num_slots, cluster.gpus_per_node)

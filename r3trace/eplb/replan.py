@@ -15,6 +15,17 @@ take the fresh plan; else every layer is seeded and decides as before. Plans equ
 first (refresh_floor = -1) in all of bench/eplb_matrix.py's 124 cells and on 675 saved re-plans at [16 and 58,
 256]; the drifting re-plan at [58, 256] took 0.065 s instead of 0.105 s on 8 nodes (--plan-time).
 
+The gain a drifting re-plan needs is refresh_gain averaged over layers with 0 in the floor-bound ones of two slots a
+GPU: there both plans sit near the floor, so the forecast max load hides what the fresh plan's sorted pairing
+(pairing.py: the heaviest replica with the lightest, which a budgeted re-plan cannot keep) gains on the other GPUs
+(144 GPUs / 18 nodes / 288 slots, independent router, s = 1.2, fast drift: seeded / fresh 1.004-1.013 in sample,
+so it kept the seeded plan, 0.0068 under global on the newest window held out; refreshed, 0.0014 under). Over
+bench/eplb_matrix.py's 118 cells 70 / 43 / 5 -> 71 / 43 / 4 (that cell no -> tie, the same router's slow-drift cell
+tie -> yes); the 9 cells it changed (all 144 / 18 / 288 but one 128 / 16 / 256, where the backtest calls drift)
+moved -0.0000 .. +0.0054, mean churn 7-8% -> 17-57% a re-plan (those drifting re-plans are not churn-budgeted).
+With more slots a GPU too, the drifting re-plan at [58, 256] on 64 GPUs / 8 nodes (P = E) refreshed and took 0.24x
+of DeepSeek's default call instead of 0.15x (--plan-time), with no cell of the matrix changed.
+
 Shape legend: L layers, E experts, P slots, G GPUs.
 """
 
@@ -98,7 +109,12 @@ def seeded_plan(w: np.ndarray, prev: Placement, cluster: Cluster, cfg: PlannerCo
     out[rows] = paired(out[rows], w[rows], cluster, None if tokens is None else tokens[:, rows], left)
     # what is still left of the layer's budget: swaps on its hottest GPUs' loads (descent.py)
     left = 2 * swaps - (out[rows] != ph).sum(1)
-    out[rows] = hot_swaps(out[rows], w[rows], logcnt[rows], cluster, left // 2, cfg.hot_min_drop, cfg.level_cold,
+    # where the hottest replicas alone set the max load (floor_bound), the rest of the hottest GPU is all a swap can
+    # lower, by less than hot_min_drop a swap: such layers take drops above floor_hot_drop (PlannerConfig says why);
+    # with two slots per GPU the pairing above already picked the hottest replica's companion
+    bound = floor_bound(w[rows], logcnt[rows], cluster, cfg.refresh_floor) & (cluster.slots_per_gpu > 2)
+    drop = np.where(bound, cfg.floor_hot_drop, cfg.hot_min_drop)
+    out[rows] = hot_swaps(out[rows], w[rows], logcnt[rows], cluster, left // 2, drop, cfg.level_cold,
                           cfg.hot_gpus if hot else 0)
     return out
 
@@ -192,6 +208,8 @@ def refreshed(fresh: Contest, w: np.ndarray, prev: Placement, cluster: Cluster, 
     peak = fresh.peak()  # [L]
     counts = seeded_counts(w, prev, cluster, cfg, cap, capped)
     seed = floor_bound(w, counts[0], cluster, cfg.refresh_floor)  # [L]
+    # the gain a refresh needs, over layers: none in floor-bound ones with two slots a GPU (module doc)
+    gain = float(np.where(seed & (cluster.slots_per_gpu == 2), 0.0, cfg.refresh_gain).mean())
     rest = np.flatnonzero(~seed)
     if len(rest):
         near = phy2log_gpu_load(prev.phy2log[rest], w[rest], cluster).max(1) / peak[rest]
@@ -201,14 +219,14 @@ def refreshed(fresh: Contest, w: np.ndarray, prev: Placement, cluster: Cluster, 
     ratio = phy2log_gpu_load(low, w, cluster).max(1) / peak  # [L] unseeded rows: prev's (not read)
     if len(rest):
         est = np.where(seed, ratio, ratio[probe].mean())
-        if ratio[probe].min() > 1 and est.mean() > 1 + cfg.refresh_gain:
+        if ratio[probe].min() > 1 and est.mean() > 1 + gain:
             take = np.flatnonzero(~seed | (ratio > 1))
             low[take] = align(fresh.layouts(take), prev.phy2log[take], cluster)
             return low
         low[~seed] = seeded_plan(w, prev, cluster, cfg, cap, tokens, ~seed, hot=False, counts=counts,
                                     glob=glob)[~seed]
         ratio = phy2log_gpu_load(low, w, cluster).max(1) / peak
-    if ratio.mean() <= 1 + cfg.refresh_gain:
+    if ratio.mean() <= 1 + gain:
         return low
     take = np.flatnonzero(ratio > 1)
     low[take] = align(fresh.layouts(take), prev.phy2log[take], cluster)
