@@ -213,7 +213,7 @@ def fresh_plan(w: np.ndarray, home: np.ndarray | None, cluster: Cluster, cfg: Pl
             if cluster.num_slots == e and not applies(cluster):  # ours' max load down to global's (contest_swaps;
                 # where polish ran it already lowered the max load without costing nodes per token)
                 swaps = np.full(n_layers, cfg.contest_swaps)
-                phy2log = hot_swaps(phy2log, w, np.ones_like(phy2log), cluster, swaps, 0.0, cfg.level_cold)
+                phy2log = hot_swaps(phy2log, w, np.ones(w.shape, dtype=np.int64), cluster, swaps, 0.0, cfg.level_cold)
             phy2log = best_layout(phy2log, w, cluster, tokens)
         return from_phy2log(phy2log, e)
     logcnt = capped_counts(w, cluster.num_slots, cluster.gpus_per_node)
