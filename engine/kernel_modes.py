@@ -37,14 +37,18 @@ class KernelModes:
     row_invariant: bool | None
     deepep_mode: Literal["auto", "normal", "low_latency"]
 
+    def _need_backends(self, want: str, why: str) -> None:
+        """Every BACKENDS field is `want`, else an error naming the first that is not, its value and `why`."""
+        for name in BACKENDS:
+            if getattr(self, name) != want:
+                raise EngineConfigError(f"{name}={getattr(self, name)!r}: {why}")
+
     def _check_deterministic(self) -> None:
         if self.deepep_mode == "normal":
             raise EngineConfigError(
                 "deepep_mode='normal': deterministic=True needs low_latency (normal mode sums per-rank partials)"
             )
-        for name in BACKENDS:
-            if getattr(self, name) != "ref":
-                raise EngineConfigError(f"{name}={getattr(self, name)!r}: deterministic=True needs the ref backend")
+        self._need_backends("ref", "deterministic=True needs the ref backend")
 
     def _check_batch_invariant(self) -> None:
         if self.deterministic:
@@ -52,12 +56,8 @@ class KernelModes:
                 "batch_invariant=True with deterministic=True: pick one (exact mode is batch-invariant already, on the "
                 "ref backends; batch_invariant is the triton path's)"
             )
-        for name in BACKENDS:
-            if getattr(self, name) != "triton":
-                raise EngineConfigError(
-                    f"{name}={getattr(self, name)!r}: batch_invariant=True needs the triton backend (the ref ops are "
-                    "torch's, whose reduction order follows the shapes)"
-                )
+        self._need_backends("triton", "batch_invariant=True needs the triton backend (the ref ops are torch's, whose "
+                            "reduction order follows the shapes)")
         if self.mla_path == "normal":
             raise EngineConfigError(
                 "mla_path='normal': batch_invariant=True runs every row on the absorbed path (the decode kernel's "
@@ -69,9 +69,7 @@ class KernelModes:
             raise EngineConfigError(
                 "row_invariant=True with deterministic or batch_invariant: both make every row invariant already"
             )
-        for name in BACKENDS:
-            if getattr(self, name) != "triton":
-                raise EngineConfigError(f"{name}={getattr(self, name)!r}: row_invariant=True needs the triton backend")
+        self._need_backends("triton", "row_invariant=True needs the triton backend")
         if self.mla_path != "auto":
             raise EngineConfigError(f"mla_path={self.mla_path!r}: row_invariant=True picks the path by row (auto)")
 
