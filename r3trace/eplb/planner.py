@@ -42,7 +42,9 @@
    re-plan is seeded instead (seeded_plan): every layer takes its fresh counts by moving only the replicas
    whose count changed (reseat.py: 1-3 slots per layer), then leveling swaps use the rest of
    `seeded_churn_budget` (across nodes for any replica where a layer's nodes per token is `cross_slack` under
-   global's), and swaps on the `hot_gpus` hottest GPUs what the leveling left (descent.py).
+   global's), and swaps on the `hot_gpus` hottest GPUs what the leveling left (descent.py). With two slots per GPU
+   and a spare slot the budget after reseating goes instead to swaps of GPUs' lighter replicas that lower a bound on
+   the next window's expected max GPU load, not the forecast's max (emax.py, `emax_swaps`).
    These budgets hold for an unchanged workload; a drifting one (the backtest's plain
    mean erred > `refresh_drift` more than its best weight, over >= 2 windows) re-plans fresh on every layer
    that lowers the forecast max GPU load, when they lower it by > `refresh_gain` on average (refreshed; in the
@@ -64,6 +66,7 @@ from r3trace.eplb.alignment import align
 from r3trace.eplb.candidates import Contest, best_layout, losing_load
 from r3trace.eplb.deepseek import global_phy2log, group_nodes, pack_nodes, spread_replicas
 from r3trace.eplb.descent import hot_swaps
+from r3trace.eplb.emax import still_noise
 from r3trace.eplb.forecast import backtest_errors, drifts, forecast, pick_alpha
 from r3trace.eplb.homing import capped_counts, expert_nodes
 from r3trace.eplb.leveling import level_refine
@@ -157,6 +160,11 @@ class PlannerConfig:
     # P = E: up to contest_swaps swaps lowering ours' hottest GPU (any drop) before global's layouts compete, so ours
     # ties global's max load and wins layers on nodes per token (descent.py has why and figures); 0: none
     contest_swaps: int = 32
+    # a still re-plan with two slots per GPU and a spare slot spends its budget after reseating on swaps of GPUs'
+    # lighter replicas that lower a bound on the next window's expected max GPU load, instead of leveling, pairing
+    # and hot swaps (False: those). Over bench/eplb_matrix.py's 118 cells yes / tie / no 71 / 43 / 4 -> 75 / 43 / 0,
+    # the 4 no's (144 GPUs / 18 nodes / 288 slots, slow drift) three ties and a yes (emax.py has why and figures)
+    emax_swaps: bool = True
 
     def __post_init__(self) -> None:
         bad_alpha = self.ema_alpha is not None and not 0 <= self.ema_alpha <= 1
@@ -272,7 +280,8 @@ def plan(
         cap = spread_cap(cluster)
         if not moving:
             dev = spread(loads, w, cfg.spread_windows) if cluster.slots_per_gpu > 2 else None
-            return from_phy2log(seeded_plan(w, prev, cluster, cfg, cap, tokens, dev=dev), w.shape[1])
+            noise = still_noise(loads, w, cluster) if cfg.emax_swaps else None
+            return from_phy2log(seeded_plan(w, prev, cluster, cfg, cap, tokens, dev=dev, noise=noise), w.shape[1])
         # the fresh plan here is a full move anyway, so global's layout competes for every layer (candidates.py),
         # each layer's choice made only where the re-plan needs it (candidates.Contest)
         glob, capped = global_phy2log(w, cluster), capped_counts(w, cluster.num_slots, cap)

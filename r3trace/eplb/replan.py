@@ -39,6 +39,7 @@ from r3trace.eplb.affinity import CoChoices
 from r3trace.eplb.alignment import align
 from r3trace.eplb.deepseek import global_phy2log
 from r3trace.eplb.descent import hot_swaps
+from r3trace.eplb.emax import emax_swaps
 from r3trace.eplb.homing import capped_counts
 from r3trace.eplb.leveling import level_refine
 from r3trace.eplb.pairing import paired
@@ -75,7 +76,7 @@ def seeded_counts(w: np.ndarray, prev: Placement, cluster: Cluster, cfg: Planner
 def seeded_plan(w: np.ndarray, prev: Placement, cluster: Cluster, cfg: PlannerConfig, cap: int,
                 tokens: np.ndarray | None = None, layers: np.ndarray | None = None, hot: bool = True,
                 counts: tuple[np.ndarray, int] | None = None, glob: np.ndarray | None = None,
-                dev: np.ndarray | None = None) -> np.ndarray:
+                dev: np.ndarray | None = None, noise: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
     """Forecast w [L, E], previous placement -> phy2log [L, P]: seeded_counts' counts reseated into prev
     (reseat.py), then leveling swaps with what is left of the churn budget, spread evenly over layers; a layer
     keeps its swaps only where they lower its hottest GPU by more than replan_min_drop; with two slots per GPU the
@@ -84,7 +85,9 @@ def seeded_plan(w: np.ndarray, prev: Placement, cluster: Cluster, cfg: PlannerCo
     only those rows are planned (each the same as with every layer: counts and swaps are decided over all layers), the
     others keep prev's. counts: seeded_counts' result, glob: DeepSeek global's phy2log [L, P] on w (every layer), where
     the caller has them. dev [R, L, E]: the windows' spread (scenarios.spread) the leveling lowers with the forecast's
-    squares, or None."""
+    squares, or None. noise (a [L], b [L]): with two slots per GPU, the next window's load variance a u + b u^2 of a
+    replica of load u (emax.variance_model); then the budget after reseating goes to emax.emax_swaps instead of the
+    leveling, pairing and hot swaps (emax.py says why)."""
     e = w.shape[1]
     logcnt, swaps = seeded_counts(w, prev, cluster, cfg, cap) if counts is None else counts
     out = prev.phy2log.copy()
@@ -93,6 +96,10 @@ def seeded_plan(w: np.ndarray, prev: Placement, cluster: Cluster, cfg: PlannerCo
         return out
     co = CoChoices(None if tokens is None else tokens[:, rows], e)  # the planned layers' tokens only
     ph = reseat(prev.phy2log[rows], logcnt[rows], w[rows], co.rows, cluster)
+    if noise is not None:
+        out[rows] = emax_swaps(ph, w[rows], cluster, np.full(len(rows), swaps), noise[0][rows], noise[1][rows],
+                               cfg.min_gain)
+        return out
     cold: float | np.ndarray = cfg.level_cold
     if tokens is not None and crosses(cluster, cfg):  # [l] any replica may cross nodes where nodes per token is low
         glob_rows = global_phy2log(w[rows], cluster) if glob is None else glob[rows]  # a layer's own: rows alike

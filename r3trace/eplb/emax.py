@@ -1,0 +1,180 @@
+"""E[max] swaps: with two slots a GPU, a still re-plan spends its churn budget lowering a bound on the next window's
+expected max GPU load, not the forecast's max.
+
+Why: the next window's GPU loads are the forecast plus noise, and balancedness follows the expected max of them.
+A seeded re-plan that only brings the forecast's max down to DeepSeek global's (pairing.py's budgeted ladder, then
+hot swaps on the hottest GPUs) leaves a plateau just under it. On bench/eplb_matrix.py's 144 GPUs / 18 nodes / 288
+slots, slow drift (grouped router, s = 0.6, windows 3-7) the seeded plans' forecast max sat within 0.01 of global's
+but 20-24 GPUs within 5% of it against global's 17-19, and held out the max was 1.61 / 1.50 / 1.93 / 1.72 against
+1.58 / 1.47 / 1.92 / 1.70: with per-GPU noise of ~0.13-0.21 x the mean load (the grouped router's domain mix) a
+crowd of GPUs near the top raises the expected max more than the forecast's max says.
+
+The bound: for GPU loads X_g ~ N(mu_g, V_g), E[max_g X_g] <= (1 / beta) log sum_g exp(beta mu_g + beta^2 V_g / 2)
+for every beta > 0 (Jensen on exp); beta is the one minimising it for the layout the swaps start from. Each
+replica's variance is a u + b u^2 (u its forecast load): a Poisson-like part and a multiplicative one (a window's
+domain mix or drift scales an expert's load), fitted per layer by least squares to the windows' deviations from
+their mean (scenarios.deviations); the replicas of a GPU are taken as independent. Then each GPU's term is
+exp(A_g + P_g), A of its heavier replica (its anchor) and P of its lighter one, so swapping the lighter replicas
+of GPUs g and h lowers the sum by (x_g - x_h)(y_g - y_h), x = exp(A), y = exp(P): the swaps sort the lighter
+replicas against the anchors (heaviest anchor with the lightest, as DeepSeek's global policy pairs them) where
+that lowers the bound most. Greedy: each step the valid swap of largest drop, over all pairs of GPUs, while the
+layer's budget lasts and a swap lowers the bound; never a second replica of an expert on a GPU or a node.
+
+Figures (ours - the better global policy, held out, even split, bench/eplb_matrix.py). The four 144 / 18 / 288
+slow-drift cells (grouped s = 0.6 / 1.2, SGLang-dump s = 0.6 / 1.2): with reseating, leveling, pairing and hot swaps
+-0.0082 / -0.0030 / -0.0144 / -0.0015 (all "no"); with these swaps -0.0046 / -0.0016 / -0.0044 / +0.0001 (three ties
+and a yes), mean churn 8.0 / 6.8 / 8.1 / 6.6% -> 8.7 / 6.8 / 8.7 / 6.3% a re-plan (at most 9.0%). In sample the
+bound over seeded - global's fell from 0.009-0.018 to 0.002-0.008 (grouped s = 0.6, windows 3-7). Over all 118 cells
+yes / tie / no 71 / 43 / 4 -> 75 / 43 / 0, no cell lower: the 22 cells of 144 / 18 / 288 (2-slot layers with a spare
+slot; no other shape changes) moved -0.0043 .. +0.0100, mean +0.0018, 18 up and 2 down by more than 0.0003 (both
+still yes). Variants on the four cells: beta fixed at 10 (the fitted ones were 8-15) -0.0023 / -0.0013 / -0.0045 /
+-0.0007, at 20 -0.0100 / -0.0016 / -0.0097 / -0.0009, at 40 -0.0151 / -0.0021 / -0.0200 / -0.0015; without the
+multiplicative term (b = 0; where a = 0 too, beta 200: close to the max GPU load alone, swap by swap) -0.0043 /
+-0.0015 / -0.0049 / -0.0001: paired standard errors are 0.001-0.008, so of the temperature only that beta in 20-40
+lost is clear; the swaps over all pairs of GPUs with the whole budget, not the hard max's ladder, do most of the
+work. Restricting the swaps to the 8 / 16 / 32 GPUs of largest term lost (grouped s = 0.6: -0.0090 / -0.0066 /
+-0.0041; this and the next without the layer floor below). The exact assignment of lighter replicas to anchors with
+a move penalty (linear_sum_assignment, the penalty bisected to the budget) scored -0.0046 / -0.0017 / -0.0009 /
+-0.0003 but took 0.5 s at [58, 256] (this: 0.10 s, the re-plan before 0.22 s, DeepSeek's default call 1.5 s); one
+assignment cut to the budget by its cycles lost (its cycles span 20-80 GPUs). The layer floor (min_drop =
+PlannerConfig.min_gain, 0.002): without it 75 / 43 / 0 as well (grouped s = 0.9 yes, SGLang-dump s = 1.2 tie), and a
+re-plan of unchanged loads moved 6.7% of slots instead of 1.5% (tests/analysis/test_eplb_seeded.py).
+
+Shape legend: L layers, E experts, P slots, G GPUs, K windows.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from r3trace.eplb.placement import Cluster
+
+BETAS = np.geomspace(1.0, 200.0, 48)  # the temperatures tried, in 1 / mean GPU load
+NOISE_WINDOWS = 8  # the newest windows whose deviations fit the variance model (all of bench/eplb_matrix.py's 8)
+
+
+def variance_model(dev: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """deviations [K, L, E] (scenarios.deviations, K >= 3), forecast w [L, E] -> (a [L], b [L]) >= 0: each
+    expert's load varies about its forecast with variance ~ a w + b w^2, least squares over the layer's experts of
+    the windows' squared deviations (over K - 1); where the best fit has a negative term, the other term alone."""
+    var = (dev**2).sum(0) / (dev.shape[0] - 1)  # [L, E]
+    s11, s12, s22 = (w**2).sum(1), (w**3).sum(1), (w**4).sum(1)
+    r1, r2 = (w * var).sum(1), (w**2 * var).sum(1)
+    det = np.maximum(s11 * s22 - s12**2, 1e-300)
+    a, b = (s22 * r1 - s12 * r2) / det, (s11 * r2 - s12 * r1) / det
+    only_b, only_a = a < 0, b < 0
+    a = np.where(only_b, 0.0, np.where(only_a, r1 / np.maximum(s11, 1e-300), a))
+    b = np.where(only_a, 0.0, np.where(only_b, r2 / np.maximum(s22, 1e-300), b))
+    return np.maximum(a, 0.0), np.maximum(b, 0.0)
+
+
+def emax_bound(mu: np.ndarray, var: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """GPU load means mu [L, G] and variances var [L, G], in mean GPU loads -> ([L] the least bound over BETAS on
+    E[max_g load], [L] its beta)."""
+    q = BETAS[:, None, None] * mu[None] + BETAS[:, None, None] ** 2 * var[None] / 2  # [B, L, G]
+    top = q.max(2)
+    bound = (top + np.log(np.exp(q - top[..., None]).sum(2))) / BETAS[:, None]  # [B, L]
+    i = bound.argmin(0)
+    return bound[i, np.arange(mu.shape[0])], BETAS[i]
+
+
+def emax_swaps(phy2log: np.ndarray, w: np.ndarray, cluster: Cluster, swaps: np.ndarray, a: np.ndarray,
+               b: np.ndarray, min_drop: float = 0.0) -> np.ndarray:
+    """phy2log [L, P] (two slots per GPU), forecast w [L, E], swaps [L] the most swaps per layer (2 slots each),
+    variance model a, b [L] (variance_model) -> phy2log [L, P] after greedy swaps of GPUs' lighter replicas, each the
+    largest drop of sum_g exp(beta mu_g + beta^2 V_g / 2) (module doc) at the layer's beta (emax_bound's, on the
+    input), while one lowers it; a layer keeps them only where they lower its bound by more than min_drop mean GPU
+    loads (PlannerConfig.min_gain: smaller gains are noise next window). Counts do not change; every GPU keeps its
+    heavier replica."""
+    out = np.asarray(phy2log, dtype=np.int64).copy()
+    n_layers, p = out.shape
+    g, e, n = cluster.num_gpus, w.shape[1], cluster.num_nodes
+    if cluster.slots_per_gpu != 2 or not n_layers or int(np.max(swaps, initial=0)) <= 0:
+        return out
+    rows, gid = np.arange(n_layers)[:, None], np.arange(g)[None, :]
+    cnt = np.zeros((n_layers, e), dtype=np.int64)
+    np.add.at(cnt, (rows, out), 1)
+    mean = w.sum(1) / g  # [L]
+    per = w / np.maximum(cnt, 1) / mean[:, None]  # [L, E] load of one replica, in mean GPU loads
+    pv = (a[:, None] * per / mean[:, None] + b[:, None] * per**2)  # [L, E] its variance, in squared mean loads
+    two = out.reshape(n_layers, g, 2)
+    u = np.take_along_axis(per, out, 1).reshape(n_layers, g, 2)
+    heavy = u.argmax(2)  # [L, G]
+    ax, px = two[rows, gid, heavy], two[rows, gid, 1 - heavy]  # [L, G] anchor and lighter experts
+    ua, up = np.take_along_axis(per, ax, 1), np.take_along_axis(per, px, 1)
+    va, vp = np.take_along_axis(pv, ax, 1), np.take_along_axis(pv, px, 1)
+    _, beta = emax_bound(ua + up, va + vp)
+    big_a = beta[:, None] * ua + beta[:, None] ** 2 * va / 2
+    big_p = beta[:, None] * up + beta[:, None] ** 2 * vp / 2
+    x = np.exp(big_a - big_a.max(1, keepdims=True))  # [L, G] each factor up to one per layer: the argmax is alike
+    y = np.exp(big_p - big_p.max(1, keepdims=True))
+    scale = (x * y).sum(1)  # [L] the sum, as the swaps lower it
+    start = scale.copy()
+    node_of = np.arange(g) // cluster.gpus_per_node  # [G]
+    held = np.zeros((n_layers, e, n), dtype=np.int64)  # replicas of each expert on each node
+    np.add.at(held, (rows, out, np.repeat(node_of, 2)[None, :]), 1)
+    # gain[l, g, h]: the drop of layer l's sum from swapping g's and h's lighter replicas, -inf where not allowed;
+    # symmetric, kept up to date on the rows and columns a swap changes
+    gain = np.empty((n_layers, g, g))
+    for layer in range(n_layers):
+        gain[layer] = _gains(x[layer], y[layer], px[layer], ax[layer], held[layer], node_of, gid[0])
+    left = np.asarray(swaps, dtype=np.int64).copy()
+    while True:
+        act = np.flatnonzero(left > 0)
+        if not len(act):
+            break
+        flat = gain[act].reshape(len(act), -1)
+        best = flat.argmax(1)
+        top = flat[np.arange(len(act)), best]
+        go = top > 1e-12 * scale[act]  # above the sum's rounding
+        scale[act[go]] -= top[go]
+        left[act[~go]] = 0
+        for layer, k in zip(act[go], best[go], strict=True):
+            i, j = divmod(int(k), g)
+            xi, xj = px[layer, i], px[layer, j]
+            hl = held[layer]
+            hl[xi, node_of[i]] -= 1
+            hl[xj, node_of[j]] -= 1
+            hl[xi, node_of[j]] += 1
+            hl[xj, node_of[i]] += 1
+            px[layer, i], px[layer, j] = xj, xi
+            y[layer, i], y[layer, j] = y[layer, j], y[layer, i]
+            # the rows (and columns) that changed: the two GPUs, and the GPUs whose lighter replica is of either
+            # expert (its node set changed)
+            redo = np.flatnonzero((px[layer] == xi) | (px[layer] == xj))
+            part = _gains(x[layer], y[layer], px[layer], ax[layer], hl, node_of, redo)
+            gain[layer, redo, :] = part
+            gain[layer, :, redo] = part
+            left[layer] -= 1
+    res = two.copy()
+    res[rows, gid, 1 - heavy] = px
+    # the bound is (1 / beta) log(sum) + const: a layer whose swaps lower it by min_drop or less keeps its input
+    low = np.log(start / np.maximum(scale, 1e-300)) / beta <= min_drop
+    res[low] = two[low]
+    return res.reshape(n_layers, p)
+
+
+def still_noise(loads: np.ndarray, w: np.ndarray, cluster: Cluster) -> tuple[np.ndarray, np.ndarray] | None:
+    """history loads [W, L, E], forecast w [L, E] -> variance_model's (a, b) on the newest NOISE_WINDOWS windows,
+    where a still re-plan takes E[max] swaps: two slots per GPU with a spare slot (P > E: with none, every layer's
+    layout came from the P = E contest of ours and global's, candidates.py, and its swaps, descent.py) and at least
+    scenarios.MIN_WINDOWS windows to fit on; else None."""
+    from r3trace.eplb.scenarios import deviations
+
+    if cluster.slots_per_gpu != 2 or cluster.num_slots <= w.shape[1]:
+        return None
+    dev = deviations(loads, w, NOISE_WINDOWS)
+    return None if dev is None else variance_model(dev, w)
+
+
+def _gains(x: np.ndarray, y: np.ndarray, px: np.ndarray, ax: np.ndarray, held: np.ndarray, node_of: np.ndarray,
+           gpus: np.ndarray) -> np.ndarray:
+    """One layer's factors x, y [G], lighter and heavier experts px, ax [G], replicas per node held [E, N] -> [S, G]
+    the drop (x_g - x_h)(y_g - y_h) from swapping the lighter replicas of each g in gpus [S] with each h, -inf where
+    either would sit beside its own expert on a GPU or join a node that holds it (or nothing changes)."""
+    gi = gpus[:, None]
+    gain = (x[gi] - x[None, :]) * (y[gi] - y[None, :])
+    ok = (px[gi] != ax[None, :]) & (px[None, :] != ax[gi]) & (px[gi] != px[None, :])
+    cross = node_of[gi] != node_of[None, :]
+    ok &= ~cross | ((held[px[None, :], node_of[gi]] == 0) & (held[px[gi], node_of[None, :]] == 0))
+    return np.where(ok, gain, -np.inf)
