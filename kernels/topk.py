@@ -10,8 +10,8 @@ Semantics are DeepSeek's reference gate (DeepSeek-V2/V3 `inference/model.py`):
     keep the topk_group best groups; other groups' choice -> -inf
     topk_ids = top-K of choice, by descending choice, ties to the lower expert id
     topk_weights = scores[topk_ids] (no bias), / (sum + 1e-20) if norm_topk_prob, * routed_scaling_factor
-`greedy` ignores groups. The kernel picks by repeated arg-max over a row held in registers: K <= 8 and
-G <= 8 rounds over E <= 256 values cost far less than the logits read.
+`greedy` ignores groups. The kernel picks by repeated arg-max over a row held in one warp's registers: K <= 8 and
+G <= 8 rounds of warp shuffles over E <= 256 values.
 With S fused shared experts (n_shared) it also appends their S pairs, ids E..E+S-1 and weight 1.0, giving the
 fused MoE its [T, K + S] routes directly: two torch.cat kernels less per MoE layer (1.5 us each at batch 64
 on an H200), while the route capturer's [T, K] buffer (ids_out) still receives the routed ids alone.
@@ -32,7 +32,12 @@ TopkMethod = Literal["greedy", "group_limited_greedy", "noaux_tc"]
 MaskValue = Literal["-inf", "zero"]
 
 NORM_EPS = 1e-20  # DeepSeek's reference adds this to the weight sum before dividing
-_BLOCK_T = 16  # tokens per program: [16, 256] fp32 rows fit in registers with 4 warps
+# One token per program, one warp: every reduction over a row (the group maxima, the top-k rounds: ~60 of them at
+# E = 256, 8 groups) stays inside the warp. [16, 256] rows over 4 warps went through shared memory and a barrier for
+# each: 25-28 us a call at T = 1 and 8 (E = 256) on the H200 against 4-6 us (bench/results/route_kernels-sweep-h200.log;
+# larger T untimed). Fixed for every T: the weights' normalising sum is a reduction whose order follows the layout
+# (4 or 8 warps a token gave other bits there), so a row's bits must not depend on T.
+_BLOCK_T, _WARPS = 1, 1
 
 
 @triton.jit
@@ -228,7 +233,7 @@ def grouped_topk(
         NORMALIZE=norm_topk_prob,
         BLOCK_T=_BLOCK_T, BLOCK_E=max(16, triton.next_power_of_2(E)),
         BLOCK_G=max(2, triton.next_power_of_2(n_g)), BLOCK_K=max(2, triton.next_power_of_2(width)),
-        num_warps=4,
+        num_warps=_WARPS,
     )  # fmt: skip
     return weights, routes
 

@@ -36,7 +36,7 @@ from r3trace.kernels.mla_decode.reference import mla_decode_ref
 from r3trace.kernels.moe.registry import MoeShape, resolve_moe
 from r3trace.kernels.rmsnorm import rmsnorm
 from r3trace.kernels.rope import rope
-from r3trace.kernels.router_logits import router_logits
+from r3trace.kernels.router_logits import logits_parts, logits_tile, router_logits
 from r3trace.kernels.topk import grouped_topk
 from tests.kernels.conftest import DEVICE, assert_close_to_ref, requires_triton
 from tests.kernels.moe_cases import moe_case
@@ -206,10 +206,20 @@ def test_gemm_wide_tile_rows() -> None:
         assert torch.equal(invariant_linear(x[t : t + 1], w), full[t : t + 1]), f"row {t} alone"
 
 
-def test_router_logits_at_every_t() -> None:
-    """torch_above=None: the kernel at T = 300 (above its default torch fallback at 256: the wide tiles), rows as at
-    T = 1..17 (the narrow ones)."""
-    x, w = randn(300, 96, dtype=torch.bfloat16, seed=10), randn(16, 96, dtype=torch.float32, seed=11)
+@pytest.mark.parametrize("d", [96, 256, pytest.param(2048, marks=pytest.mark.gpu)])
+def test_router_logits_at_every_t(d: int) -> None:
+    """torch_above=None: the kernel at T = 300 (above its default torch fallback at 256), rows as at T = 1..17,
+    across the tile ladder's rungs (router_logits.logits_tile; asserted below): D = 96, E = 16 stays on the narrow
+    tile, D = 256, E = 256 (2 parts) takes [16, 64] at T = 300, D = 2048 (16 parts) [16, 32] up to T = 3, [16, 64]
+    at 17 and [128, 64] x BLOCK_K 32 at 300.
+    fp32 FMAs in order over each slice make the tile irrelevant to a row's bits. The interpreter runs the narrow tile
+    at every T (logits_tile says why)."""
+    e = 16 if d == 96 else 256
+    x, w = randn(300, d, dtype=torch.bfloat16, seed=10), randn(e, d, dtype=torch.float32, seed=11)
+    parts = logits_parts(d)[1]
+    compiled = DEVICE == "cuda"
+    tiles = {logits_tile(t, e, parts, compiled=compiled) for t in (1, 3, 17, 300)}
+    assert len(tiles) == ({96: 1, 256: 2, 2048: 3}[d] if compiled else 1), tiles
     assert_rows_invariant(lambda r: router_logits(x[r], w, torch_above=None).sum(0), rows=300)
 
 

@@ -115,10 +115,11 @@ def test_shared_columns_appended(cfg: tuple, n_shared: int, capture: bool, poiso
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("t,e,d", [(1, 64, 2048), (37, 12, 100), (64, 160, 384), (300, 20, 72)])
+@pytest.mark.parametrize("t,e,d", [(1, 64, 2048), (37, 12, 200), (64, 160, 384), (130, 96, 7168), (300, 20, 72)])
 def test_router_logits_matches_ref(t: int, e: int, d: int, dtype: torch.dtype, poisoned_empty: None) -> None:
     """x [T, D] (a row-strided view) . W [E, D] fp32 in fp32, as partial sums over slices of D (two for
-    D=100; T=300 is past the kernel's limit: torch, one part). Bound: each side is a sum of D fp32 products in
+    D=200, the second 72 wide; T=300 is past the kernel's limit: torch, one part; T=130 at D=7168 takes a wide tile
+    of the ladder, router_logits.logits_tile). Bound: each side is a sum of D fp32 products in
     some order, off the exact sum by at most D * 2^-24 * sum|x w| (recursive summation's worst case), so the two
     differ by at most twice that; a dropped 64-wide step or slice, or a wrong row, misses by ~1/32 of sum|x w|
     at D=2048, far outside it."""
@@ -127,7 +128,8 @@ def test_router_logits_matches_ref(t: int, e: int, d: int, dtype: torch.dtype, p
     w = (torch.randn(e, d, generator=gen) * 0.05).to(DEVICE)
     parts = router_logits(x, w)
     assert parts.dim() == 3 and parts.shape[1:] == (t, e) and parts.dtype == torch.float32
-    assert parts.shape[0] == {2048: 8, 384: 6, 100: 2, 72: 1}[d]  # slices of whole 64-wide steps, at most 8
+    # slices of whole 64-wide steps, >= 128 wide, at most 32 of them
+    assert parts.shape[0] == {2048: 16, 384: 3, 200: 2, 7168: 28, 72: 1}[d]
     out, ref = sum_partials(parts), router_logits_ref(x, w)
     bound = 2 * d * 2.0**-24 * (x.float().abs() @ w.abs().T)
     assert bool(((out - ref).abs() <= bound).all()), f"max excess {((out - ref).abs() - bound).max().item():.3e}"
