@@ -5,6 +5,8 @@ Run (H200, about a minute): python -m bench.step_kernels --layers 12 --context 1
     --out bench/results/step_kernels-v3routing-12l-h200.json
 Per mode and batch: the replay's time (CUDA events over 20 replays), the summed kernel time and launches of one replay
 (torch.profiler over 5), and each kernel's time and launches a replay.
+Smoke (CPU, make test): --smoke, 2 layers at hidden 64 and 16 experts, eager forwards (no graphs) with ref backends,
+the CPU profiler's ops in place of kernels.
 """
 
 from __future__ import annotations
@@ -28,37 +30,56 @@ TRITON = dict(attention_backend="triton", moe_backend="triton", topk_backend="tr
 REPLAYS = 5
 
 
-def decode_batch(b: int, context: int) -> ForwardBatch:
-    r2t = torch.arange(b * context, dtype=torch.int32, device="cuda").view(b, context)
+def decode_batch(b: int, context: int, device: str = "cuda") -> ForwardBatch:
+    r2t = torch.arange(b * context, dtype=torch.int32, device=device).view(b, context)
     return ForwardBatch.build(
         forward_id=0, input_ids=list(range(7, 7 + b)), prefix_lens=[context - 1] * b, extend_lens=[1] * b,
         req_pool_indices=list(range(b)), out_cache_loc=r2t[:, -1].long(), req_to_token=r2t,
-        logits_rows=list(range(b)), device="cuda", request_ids=[f"r{i}" for i in range(b)], phases=["decode"] * b,
+        logits_rows=list(range(b)), device=device, request_ids=[f"r{i}" for i in range(b)], phases=["decode"] * b,
     )
 
 
-def replay_kernels(replay: Any) -> dict[str, Any]:
-    for _ in range(5):
+def replay_kernels(replay: Any, device: str = "cuda") -> dict[str, Any]:
+    """replay() runs one decode step (a graph replay on CUDA, an eager forward on the CPU) -> its time and the
+    profiler's table of one step (CUDA kernels, or the CPU's ops)."""
+    cuda = device == "cuda"
+    for _ in range(5 if cuda else 1):
         replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(20):
-        replay()
-    end.record()
-    end.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    if cuda:
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            replay()
+        end.record()
+        end.synchronize()
+    activity = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
+    with torch.profiler.profile(activities=[activity]) as prof:
         for _ in range(REPLAYS):
             replay()
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
     agg: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
     for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            agg[ev.name[:60]][0] += ev.device_time / REPLAYS
+        if ev.device_type == kind:
+            agg[ev.name[:60]][0] += (ev.device_time if cuda else ev.self_cpu_time_total) / REPLAYS
             agg[ev.name[:60]][1] += 1
-    return {"replay_ms": start.elapsed_time(end) / 20, "kernel_us": sum(v[0] for v in agg.values()),
-            "launches": sum(v[1] for v in agg.values()) // REPLAYS,
+    return {"replay_ms": start.elapsed_time(end) / 20 if cuda else float("nan"),
+            "kernel_us": sum(v[0] for v in agg.values()), "launches": sum(v[1] for v in agg.values()) // REPLAYS,
             "kernels": {k: (round(v[0], 1), int(v[1]) // REPLAYS) for k, v in agg.items()}}  # fmt: skip
+
+
+def smoke() -> None:
+    cfg = v3_routing_config(2, hidden=64, experts=16)
+    ecfg = EngineConfig(dtype="float32", device="cpu", kv_pool_tokens=16, chunked_prefill_size=16,
+                        max_running_requests=2, row_invariant=False)
+    model = random_model(cfg, ecfg, NullRecorder())
+    kv = torch.randn(cfg.num_hidden_layers, 17, cfg.kv_cache_dim) * 0.1
+    fb = decode_batch(2, 8, "cpu")
+    got = replay_kernels(lambda: model(fb, kv), "cpu")
+    assert got["launches"] > 0 and got["kernel_us"] > 0, got
+    print(f"step_kernels smoke: {got['launches']} ops a step")
 
 
 def main() -> None:
@@ -67,7 +88,11 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--batches", default="1,256")
     ap.add_argument("--out", default="")
+    ap.add_argument("--smoke", action="store_true", help="CPU, 2 tiny layers, eager (make test)")
     args = ap.parse_args()
+    if args.smoke:
+        smoke()
+        return
     batches = [int(b) for b in args.batches.split(",")]
     out = {}
     for row_invariant in (True, False):

@@ -48,6 +48,7 @@ from __future__ import annotations
 import numpy as np
 
 from r3trace.eplb.placement import Cluster
+from r3trace.eplb.scenarios import deviations
 
 BETAS = np.geomspace(1.0, 200.0, 48)  # the temperatures tried, in 1 / mean GPU load
 NOISE_WINDOWS = 8  # the newest windows whose deviations fit the variance model (all of bench/eplb_matrix.py's 8)
@@ -159,8 +160,6 @@ def still_noise(loads: np.ndarray, w: np.ndarray, cluster: Cluster) -> tuple[np.
     where a still re-plan takes E[max] swaps: two slots per GPU with a spare slot (P > E: with none, every layer's
     layout came from the P = E contest of ours and global's, candidates.py, and its swaps, descent.py) and at least
     scenarios.MIN_WINDOWS windows to fit on; else None."""
-    from r3trace.eplb.scenarios import deviations
-
     if cluster.slots_per_gpu != 2 or cluster.num_slots <= w.shape[1]:
         return None
     dev = deviations(loads, w, NOISE_WINDOWS)
