@@ -36,8 +36,11 @@ NORM_EPS = 1e-20  # DeepSeek's reference adds this to the weight sum before divi
 # E = 256, 8 groups) stays inside the warp. [16, 256] rows over 4 warps went through shared memory and a barrier for
 # each: 25-28 us a call at T = 1 and 8 (E = 256) on the H200 against 4-6 us (bench/results/route_kernels-sweep-h200.log;
 # larger T untimed). Fixed for every T: the weights' normalising sum is a reduction whose order follows the layout
-# (4 or 8 warps a token gave other bits there), so a row's bits must not depend on T.
+# (4 or 8 warps a token gave other bits there), so a row's bits must not depend on T. Triton's interpreter (CPU) runs
+# 16 tokens a program: it pays per program (the suite's engine tests took minutes more one token a program), and its
+# numpy reductions give a row the same bits in a [16, E] block as alone.
 _BLOCK_T, _WARPS = 1, 1
+_INTERPRETED_BLOCK_T = 16
 
 
 @triton.jit
@@ -222,7 +225,8 @@ def grouped_topk(
         return weights, routes
     bias = correction_bias if correction_bias is not None else parts  # unread when HAS_BIAS=0
     n_g = n_group if grouped else 1
-    grid = (triton.cdiv(T, _BLOCK_T),)
+    block_t = _BLOCK_T if router_logits.is_cuda else _INTERPRETED_BLOCK_T
+    grid = (triton.cdiv(T, block_t),)
     _grouped_topk_kernel[grid](
         parts, bias, weights, routes, ids,
         T, E, float(routed_scaling_factor),
@@ -231,7 +235,7 @@ def grouped_topk(
         N_GROUP=n_g, TOPK_GROUP=topk_group if grouped else 1, GROUP_SIZE=E // n_g,
         SIGMOID=scoring_func == "sigmoid", HAS_BIAS=correction_bias is not None, GROUP_MODE=mode,
         NORMALIZE=norm_topk_prob,
-        BLOCK_T=_BLOCK_T, BLOCK_E=max(16, triton.next_power_of_2(E)),
+        BLOCK_T=block_t, BLOCK_E=max(16, triton.next_power_of_2(E)),
         BLOCK_G=max(2, triton.next_power_of_2(n_g)), BLOCK_K=max(2, triton.next_power_of_2(width)),
         num_warps=_WARPS,
     )  # fmt: skip
