@@ -5,6 +5,9 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.r3trace-installed
 PYTEST_ARGS ?= -m "not gpu and not slow"
+# one worker per core (pytest-xdist), each file's tests on one worker: module-scoped fixtures (checkpoints, engines,
+# tests/bench/test_smoke.py's pool of scripts) are built once as in a serial run, session-scoped ones once a worker
+XDIST ?= -n auto --dist loadfile
 
 .PHONY: setup demo test test-all lint clean
 
@@ -25,11 +28,11 @@ demo: $(STAMP)
 # (installed when missing, as root; the test skips and says why if that fails).
 test: $(STAMP)
 	bash tests/dashboard/ensure_chromium.sh
-	TRITON_INTERPRET=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+	TRITON_INTERPRET=1 $(PY) -m pytest -q $(XDIST) $(PYTEST_ARGS)
 
 test-all: $(STAMP)
 	bash tests/dashboard/ensure_chromium.sh
-	TRITON_INTERPRET=1 $(PY) -m pytest -q
+	TRITON_INTERPRET=1 $(PY) -m pytest -q $(XDIST)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
