@@ -118,10 +118,10 @@ def test_shared_columns_appended(cfg: tuple, n_shared: int, capture: bool, poiso
 @pytest.mark.parametrize("t,e,d", [(1, 64, 2048), (37, 12, 200), (64, 160, 384), (3, 24, 7168), (300, 20, 72)])
 def test_router_logits_matches_ref(t: int, e: int, d: int, dtype: torch.dtype, poisoned_empty: None) -> None:
     """x [T, D] (a row-strided view) . W [E, D] fp32 in fp32, as partial sums over slices of D (two for
-    D=200, the second 72 wide; 28 of 256 for V3's D=7168; T=300 is past the kernel's limit: torch, one part). Bound: each side is a sum of D fp32 products in
-    some order, off the exact sum by at most D * 2^-24 * sum|x w| (recursive summation's worst case), so the two
-    differ by at most twice that; a dropped 64-wide step or slice, or a wrong row, misses by ~1/32 of sum|x w|
-    at D=2048, far outside it."""
+    D=200, the second 72 wide; 28 of 256 for V3's D=7168; T=300 is past the kernel's limit: torch, one part).
+    Bound: each side is a sum of D fp32 products in some order, off the exact sum by at most D * 2^-24 * sum|x w|
+    (recursive summation's worst case), so the two differ by at most twice that; a dropped 64-wide step or slice, or
+    a wrong row, misses by ~1/32 of sum|x w| at D=2048, far outside it."""
     gen = torch.Generator().manual_seed(t + e + d)
     x = torch.randn(t, d + 5, generator=gen).to(dtype).to(DEVICE)[:, :d]
     w = (torch.randn(e, d, generator=gen) * 0.05).to(DEVICE)
