@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from bench.timing import replays_ms
 from r3trace.capture.capturer import CaptureConfig, RoutedExpertsCapturer
 from r3trace.capture.recorder import NullRecorder
 from r3trace.engine.engine_config import EngineConfig
@@ -210,14 +211,7 @@ def capture_breakdown(graphs: dict[str, Any], fb: ForwardBatch, capturer: Routed
     and the host time of the capturer's calls with the GPU idle (so nothing else is in the number)."""
     out: dict[str, float] = {}
     for mode, g in graphs.items():
-        replay = g.graphs[b][0]  # DecodeGraphs keeps (replay, logits) a batch size
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(20):
-            replay()
-        end.record()
-        end.synchronize()
-        out[f"replay_gpu_ms_{mode}"] = start.elapsed_time(end) / 20
+        out[f"replay_gpu_ms_{mode}"] = replays_ms(g.graphs[b][0])  # DecodeGraphs keeps (replay, logits) a batch size
     host: dict[str, list[float]] = {"begin_end_ms": [], "copy_gpu_ms": [], "drain_ms": []}
     for _ in range(20):
         torch.cuda.synchronize()

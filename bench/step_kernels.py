@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from bench.capture import random_model, v3_routing_config
+from bench.timing import replays_ms
 from r3trace.capture.recorder import NullRecorder
 from r3trace.engine.cuda_graph import DecodeGraphs
 from r3trace.engine.engine_config import EngineConfig
@@ -47,12 +48,7 @@ def replay_kernels(replay: Any, device: str = "cuda") -> dict[str, Any]:
         replay()
     if cuda:
         torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(20):
-            replay()
-        end.record()
-        end.synchronize()
+        replay_ms = replays_ms(replay)
     activity = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
     with torch.profiler.profile(activities=[activity]) as prof:
         for _ in range(REPLAYS):
@@ -65,7 +61,7 @@ def replay_kernels(replay: Any, device: str = "cuda") -> dict[str, Any]:
         if ev.device_type == kind:
             agg[ev.name[:60]][0] += (ev.device_time if cuda else ev.self_cpu_time_total) / REPLAYS
             agg[ev.name[:60]][1] += 1
-    return {"replay_ms": start.elapsed_time(end) / 20 if cuda else float("nan"),
+    return {"replay_ms": replay_ms if cuda else float("nan"),
             "kernel_us": sum(v[0] for v in agg.values()), "launches": sum(v[1] for v in agg.values()) // REPLAYS,
             "kernels": {k: (round(v[0], 1), int(v[1]) // REPLAYS) for k, v in agg.items()}}  # fmt: skip
 

@@ -26,20 +26,15 @@ import numpy as np
 import torch
 
 from bench.decode_rate import bench_checkpoint, bench_prompts, decode_tokens_per_s, open_engine, vocab_size
+from bench.timing import replays_ms
 from r3trace.engine import Engine
 
 
 def replay_ms(eng: Engine, batch: int, n: int = 50) -> float:
     replay, _ = eng.runner.graphs.graphs[batch]  # type: ignore[union-attr]
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for _ in range(5):
         replay()
-    start.record()
-    for _ in range(n):
-        replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / n
+    return replays_ms(replay, n)
 
 
 def kernel_table(eng: Engine, batch: int) -> str:

@@ -110,3 +110,15 @@ def measure_ceilings(timer: Timer) -> Ceilings:
     gemm_tflops = 2 * n**3 / timer.eager_ms(partial(torch.matmul, a, b)) / 1e9
     name = torch.cuda.get_device_name() if cuda else "cpu"
     return Ceilings(copy_gbs, gemm_tflops, name, torch.__version__)
+
+
+def replays_ms(replay: Callable[[], object], n: int = 20) -> float:
+    """Mean ms of one of n back-to-back calls of replay (a CUDA graph's), between two CUDA events: the GPU's time
+    with the host's launches overlapped."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / n
