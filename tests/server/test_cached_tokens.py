@@ -33,6 +33,13 @@ from tests.server.sse import json_events
 GREEDY = {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}
 
 
+@pytest.fixture()
+def cold(engine: Engine) -> None:
+    """An empty prefix cache: the session's server is shared with other files' tests, and any cached prompt with this
+    test's first token would make its cold request hit (under pytest-xdist their order is not the files' order)."""
+    assert engine.flush_cache()
+
+
 def _prompt(seed: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(2, 250) for _ in range(40)]
@@ -49,7 +56,7 @@ def _warm(http: httpx.Client, ids: list[int]) -> int:
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
-def test_sglext_cached_tokens_details(http: httpx.Client, path: str) -> None:
+def test_sglext_cached_tokens_details(http: httpx.Client, path: str, cold: None) -> None:
     if path == "/v1/completions":
         ids = _prompt(41)
         body: dict[str, Any] = {"prompt": ids, "max_tokens": 3, "temperature": 0}
@@ -69,7 +76,7 @@ def test_sglext_cached_tokens_details(http: httpx.Client, path: str) -> None:
     assert tail[0]["sglext"] == {"cached_tokens_details": {"device": hit, "host": 0}}
 
 
-def test_cached_tokens_details_beside_routes(http: httpx.Client) -> None:
+def test_cached_tokens_details_beside_routes(http: httpx.Client, cold: None) -> None:
     """A capturing request reuses only a prefix cached with its routes: the second of two identical ones hits."""
     ids = _prompt(43)
     body = {"prompt": ids, "max_tokens": 2, "temperature": 0, "return_routed_experts": True,
@@ -83,7 +90,7 @@ def test_cached_tokens_details_beside_routes(http: httpx.Client) -> None:
     assert isinstance(out["sglext"]["routed_experts"], str)
 
 
-def test_enable_cache_report_fills_usage(engine: Engine) -> None:
+def test_enable_cache_report_fills_usage(engine: Engine, cold: None) -> None:
     cfg = ServerConfig(model_name="tiny-v3", enable_cache_report=True)
     with LiveServer(create_app(engine, cfg)) as live, httpx.Client(base_url=live.url, timeout=60) as http:
         ids = _prompt(44)
