@@ -23,10 +23,10 @@ from r3trace.kernels.dot import row_mma_acc
 # Tiles [BLOCK_T, BLOCK_E, BLOCK_K, warps]: the widest rung of _TILES whose programs (tiles x parts) still reach
 # _MIN_PROGRAMS (~3/4 of an H200's 132 SMs), BLOCK_T at most max(16, T). fp32 FMAs sum each output over its slice in
 # order whatever the tile, so a row's bits depend on D's parts alone, never on T or the tile (bitwise on the H200 at
-# T = 1 .. 1024 for three of bench/route_kernels.py's shapes; tests/kernels/test_batch_invariance.py crosses the rungs).
-# On the H200 (us a call, bench/results/route_kernels-sweep-h200.log) the fixed [16, 16] tiles and 8 parts took 84 us
+# T = 1 .. 1024 for bench/route_kernels.py's four shapes; tests/kernels/test_batch_invariance.py crosses the rungs).
+# On the H200 (us a call, bench/results/route_kernels-h200.json) the fixed [16, 16] tiles and 8 parts took 85 us
 # at T = 256, E = 256, D = 2048 (the V3 routing shape's decode at batch 256), the ladder's rung 24; at T = 1, D = 7168
-# 20-21 us against 7-8 with 28 parts.
+# 21 us against 8-13 with 28 parts.
 _SLICE_MIN, _MAX_PARTS = 128, 32
 _TILES = ((16, 16, 64, 4), (16, 32, 64, 4), (16, 64, 64, 4), (32, 64, 64, 4), (64, 64, 32, 4), (128, 64, 32, 8))
 _MIN_PROGRAMS = 96

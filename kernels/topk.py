@@ -32,13 +32,13 @@ TopkMethod = Literal["greedy", "group_limited_greedy", "noaux_tc"]
 MaskValue = Literal["-inf", "zero"]
 
 NORM_EPS = 1e-20  # DeepSeek's reference adds this to the weight sum before dividing
-# One token per program, one warp: every reduction over a row (the group maxima, the top-k rounds: ~60 of them at
-# E = 256, 8 groups) stays inside the warp. [16, 256] rows over 4 warps went through shared memory and a barrier for
-# each: 25-28 us a call at T = 1 and 8 (E = 256) on the H200 against 4-6 us (bench/results/route_kernels-sweep-h200.log;
-# larger T untimed). Fixed for every T: the weights' normalising sum is a reduction whose order follows the layout
-# (4 or 8 warps a token gave other bits there), so a row's bits must not depend on T. Triton's interpreter (CPU) runs
-# 16 tokens a program: it pays per program (the suite's engine tests took minutes more one token a program), and its
-# numpy reductions give a row the same bits in a [16, E] block as alone.
+# One token per program, one warp: every reduction over a row (the group maxima, the top-k rounds: ~60 of them at E =
+# 256, 8 groups) stays inside the warp. [16, 256] rows over 4 warps went through shared memory and a barrier for each:
+# 28-33 us a call at T = 1 .. 1024 (E = 256) on the H200 against 5-10 us (BENCHMARKS.md#router-kernels). Fixed for
+# every T: the weights' normalising sum is a reduction whose order follows the layout (4 or 8 warps a token gave other
+# bits there), so a row's bits must not depend on T. Triton's interpreter (CPU) runs 16 tokens a program: it pays per
+# program (the suite's engine tests took minutes more one token a program), and its numpy reductions give a row the
+# same bits in a [16, E] block as alone.
 _BLOCK_T, _WARPS = 1, 1
 _INTERPRETED_BLOCK_T = 16
 
