@@ -24,15 +24,16 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) -m r3trace.demo
 
+# The `pytest` script, not `python -m pytest` (which puts the checkout first on sys.path: pyproject's addopts say why).
 # Kernels run in Triton's interpreter on CPU; the dashboard's browser test needs Debian's chromium
 # (installed when missing, as root; the test skips and says why if that fails).
 test: $(STAMP)
 	bash tests/dashboard/ensure_chromium.sh
-	TRITON_INTERPRET=1 $(PY) -m pytest -q $(XDIST) $(PYTEST_ARGS)
+	TRITON_INTERPRET=1 $(VENV)/bin/pytest -q $(XDIST) $(PYTEST_ARGS)
 
 test-all: $(STAMP)
 	bash tests/dashboard/ensure_chromium.sh
-	TRITON_INTERPRET=1 $(PY) -m pytest -q $(XDIST)
+	TRITON_INTERPRET=1 $(VENV)/bin/pytest -q $(XDIST)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -1,7 +1,7 @@
 """`r3trace` errors as a user meets them: one line on stderr that names the path or flag, exit 2, no traceback;
 `--debug` (before or after the command) adds the traceback. Every case runs the CLI as a real process.
 
-Run: .venv/bin/python -m pytest -q tests/analysis/test_cli_errors.py
+Run: .venv/bin/pytest -q tests/analysis/test_cli_errors.py
 """
 
 from __future__ import annotations

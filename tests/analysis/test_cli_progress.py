@@ -1,7 +1,7 @@
 """Progress bars of the long commands: on stderr, counting real work (banks drawn, tokens written, files copied,
 requests recomputed), forced with `--progress on`, silent by default when stderr is not a terminal.
 
-Run: .venv/bin/python -m pytest -q tests/analysis/test_cli_progress.py
+Run: .venv/bin/pytest -q tests/analysis/test_cli_progress.py
 """
 
 from __future__ import annotations

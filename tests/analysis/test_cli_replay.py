@@ -1,7 +1,7 @@
 """CLI commands end to end and the trace-replay simulator, every printed or returned number recomputed here
 with numpy from the trace's own routes (read_token_routes), not through the functions under test.
 
-Run: .venv/bin/python -m pytest tests/analysis/test_cli_replay.py -q
+Run: .venv/bin/pytest tests/analysis/test_cli_replay.py -q
 """
 
 from __future__ import annotations

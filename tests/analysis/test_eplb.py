@@ -1,5 +1,5 @@
 """EPLB policies and our planner: invariants, a known case, node limit, churn.
-Run: .venv/bin/python -m pytest tests/analysis/test_eplb.py -q"""
+Run: .venv/bin/pytest tests/analysis/test_eplb.py -q"""
 
 from __future__ import annotations
 

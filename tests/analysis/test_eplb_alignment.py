@@ -1,6 +1,6 @@
 """alignment.align against a plain loop over nodes, GPUs and slots written from its module doc
 (r3trace/eplb/alignment.py): equal phy2log, slot for slot, on random layers with repeated experts.
-Run: .venv/bin/python -m pytest tests/analysis/test_eplb_alignment.py -q"""
+Run: .venv/bin/pytest tests/analysis/test_eplb_alignment.py -q"""
 
 from __future__ import annotations
 

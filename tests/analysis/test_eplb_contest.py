@@ -1,5 +1,5 @@
 """candidates.Contest: best_layout's per-layer choice made on demand, as a drifting re-plan uses it.
-Run: .venv/bin/python -m pytest tests/analysis/test_eplb_contest.py -q"""
+Run: .venv/bin/pytest tests/analysis/test_eplb_contest.py -q"""
 
 from __future__ import annotations
 

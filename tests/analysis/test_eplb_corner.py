@@ -1,6 +1,6 @@
 """The corner bounds of bench/eplb_corner.py (HiGHS' proven bounds on the trade-off) against brute force: every
 placement of a tiny shape enumerated, its max GPU load and nodes per token computed by hand.
-Run: .venv/bin/python -m pytest tests/analysis/test_eplb_corner.py -q"""
+Run: .venv/bin/pytest tests/analysis/test_eplb_corner.py -q"""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """cover.py: the search for fewer nodes per token at a fixed max GPU load that polish.py runs last.
-Run: .venv/bin/python -m pytest tests/analysis/test_eplb_cover.py -q"""
+Run: .venv/bin/pytest tests/analysis/test_eplb_cover.py -q"""
 
 from __future__ import annotations
 

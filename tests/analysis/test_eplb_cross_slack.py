@@ -1,6 +1,6 @@
 """Cross-node leveling under slack (PlannerConfig.cross_slack, replan.node_slack): a seeded re-plan's leveling swaps
 may move any replica across nodes only in layers whose nodes per token is well under DeepSeek global's.
-Run: .venv/bin/python -m pytest tests/analysis/test_eplb_cross_slack.py -q"""
+Run: .venv/bin/pytest tests/analysis/test_eplb_cross_slack.py -q"""
 
 from __future__ import annotations
 

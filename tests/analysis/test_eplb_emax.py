@@ -1,5 +1,5 @@
 """E[max] swaps (emax.py): a still re-plan with two slots per GPU lowers a bound on the next window's expected max GPU
-load within its churn budget. Run: .venv/bin/python -m pytest tests/analysis/test_eplb_emax.py -q"""
+load within its churn budget. Run: .venv/bin/pytest tests/analysis/test_eplb_emax.py -q"""
 
 from __future__ import annotations
 

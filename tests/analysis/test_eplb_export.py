@@ -6,7 +6,7 @@ init_trivial, _compute_logical_to_all_physical_map, compute_logical_to_rank_disp
 ModelConfigForExpertLocation of python/sglang/srt/models/deepseek_v2.py at commit
 00114aef19bbb7431b9cfc5a77dce64b9c53ed95 (num_layers = num_hidden_layers). DeepSeek's order is read from
 eplb.py of deepseek-ai/EPLB at commit d52c72d5b2f2fb4c41afbf8eb21366820239913d (rebalance_experts).
-Run: .venv/bin/python -m pytest tests/analysis/test_eplb_export.py -q
+Run: .venv/bin/pytest tests/analysis/test_eplb_export.py -q
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Swaps on the hottest GPU where the max load is the hottest replica's: ours' layer entering the P = E contest
 (PlannerConfig.contest_swaps) and a seeded re-plan's floor-bound layers (PlannerConfig.floor_hot_drop).
-Run: .venv/bin/python -m pytest tests/analysis/test_eplb_floor_swaps.py -q"""
+Run: .venv/bin/pytest tests/analysis/test_eplb_floor_swaps.py -q"""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Hot swaps (descent.hot_swaps): a re-plan's last moves on its hottest GPUs' loads, within the churn budget.
-Run: .venv/bin/python -m pytest tests/analysis/test_eplb_hot_swaps.py -q"""
+Run: .venv/bin/pytest tests/analysis/test_eplb_hot_swaps.py -q"""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The EPLB matrix (bench/eplb_matrix.py) in its smoke size, and the 8-node shape where ours fell back to
-DeepSeek's hierarchical layout. Run: .venv/bin/python -m pytest tests/analysis/test_eplb_matrix.py -q"""
+DeepSeek's hierarchical layout. Run: .venv/bin/pytest tests/analysis/test_eplb_matrix.py -q"""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The exact placement MILP (bench/eplb_milp.py, scipy's HiGHS) bounds every heuristic on the same instance.
-Run: .venv/bin/python -m pytest tests/analysis/test_eplb_milp.py -q"""
+Run: .venv/bin/pytest tests/analysis/test_eplb_milp.py -q"""
 
 from __future__ import annotations
 

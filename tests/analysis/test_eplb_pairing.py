@@ -1,5 +1,5 @@
 """The pairing pass (pairing.py): two slots per GPU, each GPU's lighter replica re-picked over all nodes.
-Run: .venv/bin/python -m pytest tests/analysis/test_eplb_pairing.py -q"""
+Run: .venv/bin/pytest tests/analysis/test_eplb_pairing.py -q"""
 
 from __future__ import annotations
 

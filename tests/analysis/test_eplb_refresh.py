@@ -1,5 +1,5 @@
 """Re-plans of a drifting workload (forecast.drifts, replan.refreshed) and the per-layer layout choice
-(candidates.py). Run: .venv/bin/python -m pytest tests/analysis/test_eplb_refresh.py -q"""
+(candidates.py). Run: .venv/bin/pytest tests/analysis/test_eplb_refresh.py -q"""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """regroup.py and candidates.regrouped: GPUs' slot sets moved between nodes by co-activation, loads kept.
-Run: .venv/bin/python -m pytest tests/analysis/test_eplb_regroup.py -q"""
+Run: .venv/bin/pytest tests/analysis/test_eplb_regroup.py -q"""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """replan.py: seeding a subset of layers, the max-load floor, and which layers a drifting re-plan seeds.
-Run: .venv/bin/python -m pytest tests/analysis/test_eplb_replan.py -q"""
+Run: .venv/bin/pytest tests/analysis/test_eplb_replan.py -q"""
 
 from __future__ import annotations
 

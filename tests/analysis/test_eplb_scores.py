@@ -1,7 +1,7 @@
 """EPLB scores on hand-computed unbalanced inputs: balancedness, per-GPU load (even split and node-limited
 dispatch), nodes per token and churn. Every expected number is worked out in the comments.
 
-Run: .venv/bin/python -m pytest tests/analysis/test_eplb_scores.py -q
+Run: .venv/bin/pytest tests/analysis/test_eplb_scores.py -q
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The windows' spread (scenarios.py) and the leveling's variance term: experts that rise and fall together are parted.
-Run: .venv/bin/python -m pytest tests/analysis/test_eplb_spread.py -q"""
+Run: .venv/bin/pytest tests/analysis/test_eplb_spread.py -q"""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ compute_utilization_rate without its 1e-5, python/sglang/srt/eplb/expert_distrib
 commit 02295fe5ac5ccff3e8829800d50450351c56fb53), nodes per token by trying every node subset, the backtest's
 candidates, churn against --previous, and the plan from rollups equal to the plan from raw routes.
 
-Run: .venv/bin/python -m pytest tests/analysis/test_eplb_windows.py -q
+Run: .venv/bin/pytest tests/analysis/test_eplb_windows.py -q
 """
 
 from __future__ import annotations

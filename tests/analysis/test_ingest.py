@@ -1,5 +1,5 @@
 """Ingest: responses JSON lines, malformed input, expert-distribution dumps, npz, native.
-Run: .venv/bin/python -m pytest tests/analysis/test_ingest.py -q"""
+Run: .venv/bin/pytest tests/analysis/test_ingest.py -q"""
 
 from __future__ import annotations
 

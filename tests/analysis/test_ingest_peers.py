@@ -13,7 +13,7 @@ sglext=SglExt(routed_experts=..., cached_tokens_details=...) from the first resu
 with choices=[] after the text chunks, then the usage chunk, then [DONE]); meta_info.routed_experts_dtype
 names the narrow wire dtypes (int32, uint16, uint8). r3trace: r3trace/server/openai_api.py's sglext (with
 `choices` when there are several), and the per-choice sgl_ext of older r3trace servers.
-Run: .venv/bin/python -m pytest tests/analysis/test_ingest_peers.py -q
+Run: .venv/bin/pytest tests/analysis/test_ingest_peers.py -q
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ python/sglang/srt/entrypoints/openai/protocol.py at sgl-project/sglang commit
 (expert_distribution_recorder_{time.time()}.pt, python/sglang/srt/eplb/expert_distribution.py at commit
 02295fe5ac5ccff3e8829800d50450351c56fb53, _StatAccumulator.dump), else its modification time.
 
-Run: .venv/bin/python -m pytest tests/analysis/test_ingest_time.py -q
+Run: .venv/bin/pytest tests/analysis/test_ingest_time.py -q
 """
 
 from __future__ import annotations

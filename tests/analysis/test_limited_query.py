@@ -1,6 +1,6 @@
 """run_limited on a real read-only store: SQL as written, a row limit without rewriting, a time limit and a
 caller's stop that both interrupt DuckDB and leave the CPU idle.
-Run: .venv/bin/python -m pytest tests/analysis/test_limited_query.py -q"""
+Run: .venv/bin/pytest tests/analysis/test_limited_query.py -q"""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Metrics against independent numpy recomputation. Run: .venv/bin/python -m pytest tests/analysis/test_metrics.py -q"""
+"""Metrics against independent numpy recomputation. Run: .venv/bin/pytest tests/analysis/test_metrics.py -q"""
 
 from __future__ import annotations
 

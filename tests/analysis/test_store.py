@@ -1,4 +1,4 @@
-"""TraceStore views and the read-only mode. Run: .venv/bin/python -m pytest tests/analysis/test_store.py -q"""
+"""TraceStore views and the read-only mode. Run: .venv/bin/pytest tests/analysis/test_store.py -q"""
 
 from __future__ import annotations
 

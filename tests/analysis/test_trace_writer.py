@@ -1,4 +1,4 @@
-"""TraceWriter / readers round trip. Run: .venv/bin/python -m pytest tests/analysis/test_trace_writer.py -q"""
+"""TraceWriter / readers round trip. Run: .venv/bin/pytest tests/analysis/test_trace_writer.py -q"""
 
 from __future__ import annotations
 

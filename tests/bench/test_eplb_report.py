@@ -1,6 +1,6 @@
 """BENCHMARKS.md's EPLB tables (bench/eplb_report.py) against the matrix's result files they summarise.
 
-Run: .venv/bin/python -m pytest tests/bench/test_eplb_report.py -q   (CPU, about a second)
+Run: .venv/bin/pytest tests/bench/test_eplb_report.py -q   (CPU, about a second)
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """bench/multigpu: the result tables, the case plan, NVLink multicast off in every process, and the --smoke run.
 
-Run: .venv/bin/python -m pytest -q tests/bench/test_multigpu.py   (-m slow: the smoke, a few minutes on 2 cores)
+Run: .venv/bin/pytest -q tests/bench/test_multigpu.py   (-m slow: the smoke, a few minutes on 2 cores)
 
 The smoke runs `python -m bench.multigpu --smoke`: the whole matrix of a world of 2 on the CPU (gloo ranks,
 samples/model, fp32) against one process, and the throughput part on the tiny random shape; every case must pass

@@ -1,9 +1,10 @@
 """Every bench script's `--smoke` run (CPU, tiny shapes, Triton in its interpreter): a broken bench fails CI.
 
-Run: .venv/bin/python -m pytest tests/bench/test_smoke.py -q   (CPU; ~1 min on 2 cores, two scripts at a time)
+Run: .venv/bin/pytest tests/bench/test_smoke.py -q   (CPU; ~1 min on 2 cores, two scripts at a time)
 
 A script is any bench/*.py with a `__main__` block, found here, so a new one joins without an edit; each runs as
-`python -m bench.<name> --smoke` in its own process with a timeout. The selected scripts start together on a pool
+`python -m bench.<name> --smoke` would, in its own process with a timeout, but with the repository's root last on
+sys.path (_RUN). The selected scripts start together on a pool
 of two workers when the first of them is checked (each is one process on one core; 2 is this machine's count).
 """
 
@@ -22,10 +23,17 @@ SCRIPTS = sorted(p.stem for p in (ROOT / "bench").glob("*.py") if 'if __name__ =
 TIMEOUT_S = 300  # one script on a loaded 2-core machine; alone they take 2-10 s of CPU each
 
 
+# `python -m` puts the working directory first on sys.path, where `import kernels` finds this repository's kernels/
+# folder (r3trace.kernels once installed) before the Hugging Face `kernels` package that transformers >= 5.25 imports:
+# bench/engine_gpu.py's smoke builds its checkpoint with transformers. Last, the root still serves `bench` and `tests`.
+_RUN = ("import runpy, sys; root = sys.argv[1]; sys.path[:] = [p for p in sys.path if p not in ('', root)] + [root]; "
+        "sys.argv = sys.argv[2:]; runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)")
+
+
 def _smoke(name: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", f"bench.{name}", "--smoke"], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=TIMEOUT_S)  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"TRITON_INTERPRET": "1"}
+    return subprocess.run([sys.executable, "-c", _RUN, str(ROOT), f"bench.{name}", "--smoke"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=TIMEOUT_S)  # fmt: skip
 
 
 @pytest.fixture(scope="module")

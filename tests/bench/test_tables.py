@@ -1,6 +1,6 @@
 """BENCHMARKS.md's tables against bench/results/latest.json, the file they are generated from (bench/tables.py).
 
-Run: .venv/bin/python -m pytest tests/bench/test_tables.py -q   (CPU, about a second)
+Run: .venv/bin/pytest tests/bench/test_tables.py -q   (CPU, about a second)
 """
 
 from __future__ import annotations

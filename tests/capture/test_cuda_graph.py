@@ -1,7 +1,7 @@
 """Route capture inside a CUDA graph: the routing op's slice write into the static device buffer
 replays exactly like eager execution. GPU only.
 
-Run: .venv/bin/python -m pytest -q -m gpu tests/capture/test_cuda_graph.py
+Run: .venv/bin/pytest -q -m gpu tests/capture/test_cuda_graph.py
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Routing replay (R3) and the trace sink.
 
-Run: .venv/bin/python -m pytest -q tests/capture/test_replay_and_sink.py
+Run: .venv/bin/pytest -q tests/capture/test_replay_and_sink.py
 """
 
 from __future__ import annotations

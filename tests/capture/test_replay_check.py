@@ -1,6 +1,6 @@
 """`r3trace replay-check`: recomputed routes of a trace, per-layer flip rates and near-tie margins.
 
-Run: .venv/bin/python -m pytest -q tests/capture/test_replay_check.py
+Run: .venv/bin/pytest -q tests/capture/test_replay_check.py
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Each replay is checked against the same request on an engine without a prefix ca
 position): same tokens, same routes, output logprobs within 1e-5 (fp32; a prefix hit changes only how the
 positions are batched, which moved them by at most 2.2e-6 in bench/replay_prefix_cache.py).
 
-Run: .venv/bin/python -m pytest -q tests/capture/test_replay_prefix_cache.py
+Run: .venv/bin/pytest -q tests/capture/test_replay_prefix_cache.py
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ docs/replay.md is the contract. A request computes prompt + max_new_tokens - 1 r
 returned, never forwarded; prompt rows only at max_new_tokens = 0); full-replay routes must cover all of them,
 `routed_experts_replay_start_len=s` forces the n rows given at positions [s, s + n) and routes the rest freely.
 
-Run: .venv/bin/python -m pytest -q tests/capture/test_replay_rows.py
+Run: .venv/bin/pytest -q tests/capture/test_replay_rows.py
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Returned routes equal a direct forward's, exactly, under every scheduling path.
 
-Run: .venv/bin/python -m pytest -q tests/capture/test_returned_routes.py
+Run: .venv/bin/pytest -q tests/capture/test_returned_routes.py
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ printed), and each page's own URL opens directly (the default page too: /overvie
 
 Needs Debian's chromium: installed by tests/dashboard/ensure_chromium.sh (run here when it is missing);
 skipped, saying so, only when it cannot be installed.
-Run: .venv/bin/python -m pytest -q -s tests/dashboard/test_browser.py
+Run: .venv/bin/pytest -q -s tests/dashboard/test_browser.py
 """
 
 from __future__ import annotations

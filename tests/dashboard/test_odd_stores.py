@@ -2,7 +2,7 @@
 crashed run, foreign entries): it shows the line that says what is missing, and no exception, no error
 box, no "Page not found". One `r3trace dashboard` process per store, started together.
 
-Run: .venv/bin/python -m pytest -q tests/dashboard/test_odd_stores.py
+Run: .venv/bin/pytest -q tests/dashboard/test_odd_stores.py
 """
 
 from __future__ import annotations

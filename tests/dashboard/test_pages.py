@@ -1,7 +1,7 @@
 """Every dashboard page driven by Streamlit's AppTest on a small synthetic store; each test checks the
 numbers and chart specs the page shows against numpy over the same trace.
 
-Run: .venv/bin/python -m pytest -q tests/dashboard/test_pages.py
+Run: .venv/bin/pytest -q tests/dashboard/test_pages.py
 """
 
 from __future__ import annotations

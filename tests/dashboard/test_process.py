@@ -2,7 +2,7 @@
 free and no process of it behind (it has no child processes to orphan), checked through /proc and a connect.
 The three commands run side by side.
 
-Run: .venv/bin/python -m pytest -q tests/dashboard/test_process.py
+Run: .venv/bin/pytest -q tests/dashboard/test_process.py
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ a live writer's run says it is recording and each commit shows on the next rerun
 when a manifest or a writer lock changes), the notice goes when the writer closes the run; a crashed run's
 warning goes once `recover_run` closes it.
 
-Run: .venv/bin/python -m pytest -q tests/dashboard/test_run_state.py
+Run: .venv/bin/pytest -q tests/dashboard/test_run_state.py
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ ends at the time limit, on Stop, when the user leaves the page and when the tab 
 server's CPU (read from /proc) goes idle within about a second. The CLI's limit is the page's default and
 ceiling.
 
-Run: .venv/bin/python -m pytest -q tests/dashboard/test_sql_limits.py
+Run: .venv/bin/pytest -q tests/dashboard/test_sql_limits.py
 """
 
 from __future__ import annotations

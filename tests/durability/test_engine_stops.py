@@ -5,7 +5,7 @@
   cut off marked (abort or unfinished), never rows without a request row;
 - SIGKILL: every request that finished more than flush_interval_s before the kill is committed, whole.
 Row values are compared with what each request returned (return_routed_experts), not only counted.
-Run: .venv/bin/python -m pytest tests/durability/test_engine_stops.py -q
+Run: .venv/bin/pytest tests/durability/test_engine_stops.py -q
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """`r3trace serve --trace-dir` as a real process on the bundled sample model: the trace it started is the
 one /stop_trace stops; /start_trace takes the flush settings; /metrics and /trace_status report the state;
 SIGTERM and SIGINT commit and close whatever trace records, with every request's rows.
-Run: .venv/bin/python -m pytest tests/durability/test_serve_trace.py -q
+Run: .venv/bin/pytest tests/durability/test_serve_trace.py -q
 """
 
 from __future__ import annotations

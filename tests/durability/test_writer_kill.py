@@ -5,7 +5,7 @@ Each case draws its own file size, flush interval, compaction fan-in, request mi
 request that finished more than flush_interval_s before a kill (any request, for a graceful stop) committed
 with every row and the exact ids; rows of unfinished requests visible only with their request marked
 unfinished; recovery leaves exactly the listed files. `make test` runs a few seeds; `-m slow` runs many.
-Run: .venv/bin/python -m pytest tests/durability -q
+Run: .venv/bin/pytest tests/durability -q
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """End to end: the triton backends (attention, MoE, top-k, RMSNorm, RoPE) give the ref backends' greedy
 tokens and routes.
 
-Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/engine/test_backends.py
+Run: TRITON_INTERPRET=1 .venv/bin/pytest -q tests/engine/test_backends.py
 On CPU the Triton kernels run in the interpreter (TRITON_INTERPRET=1, set by `make test`); on a GPU
 they compile. Chunked prefill (extend over a cached prefix), prefix-free prefill and decode all run,
 so mha_prefill, mla_extend and mla_decode are each exercised.

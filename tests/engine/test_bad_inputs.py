@@ -1,6 +1,6 @@
 """Bad inputs fail that request alone, with an error naming the field; the engine keeps serving.
 
-Run: .venv/bin/python -m pytest -q tests/engine/test_bad_inputs.py
+Run: .venv/bin/pytest -q tests/engine/test_bad_inputs.py
 """
 
 from __future__ import annotations

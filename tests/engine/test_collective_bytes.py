@@ -1,6 +1,6 @@
 """bench/collective_bytes.py's formula against the bytes real gloo ranks hand to torch.distributed.
 
-Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/engine/test_collective_bytes.py
+Run: TRITON_INTERPRET=1 .venv/bin/pytest -q tests/engine/test_collective_bytes.py
 
 A tiny checkpoint, two rank processes, a prefill of 64 tokens and a decode step of 8 per DP rank; every collective
 call of every layer and rank (op, group, sent / received / wire bytes, call order) must equal collective_bytes, the

@@ -1,6 +1,6 @@
 """ModelConfig.from_hf and load_weights: every bad input is one clear error naming what is wrong.
 
-Run: .venv/bin/python -m pytest -q tests/engine/test_config_weights.py
+Run: .venv/bin/pytest -q tests/engine/test_config_weights.py
 """
 
 from __future__ import annotations

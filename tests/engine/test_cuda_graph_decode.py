@@ -1,6 +1,6 @@
 """CUDA-graph decode gives eager decode's tokens and routes (GPU only).
 
-Run: .venv/bin/python -m pytest -q -m gpu tests/engine/test_cuda_graph_decode.py
+Run: .venv/bin/pytest -q -m gpu tests/engine/test_cuda_graph_decode.py
 Batch sizes between captured sizes run padded (3 requests on the 4-request graph), and the route capturer
 writes inside the graph: the routes returned must equal eager mode's row for row.
 """

@@ -7,7 +7,7 @@ ids before decoding; batch_decode gets skip_special_tokens and spaces_between_sp
 transformers 5.24.0's tokenization_utils_tokenizers.py (_decode: a tokenizer.json tokenizer takes
 skip_special_tokens and ignores spaces_between_special_tokens, which only slow tokenizers read).
 
-Run: .venv/bin/python -m pytest -q tests/engine/test_detokenization.py
+Run: .venv/bin/pytest -q tests/engine/test_detokenization.py
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """DP attention and expert parallelism at the model level: real gloo processes against one process.
 
-Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/engine/test_dp_attention.py (the world-size-4 and
+Run: TRITON_INTERPRET=1 .venv/bin/pytest -q tests/engine/test_dp_attention.py (the world-size-4 and
 Triton cases included; `make test` skips them with the slow marker).
 
 Each configuration (dp2 = tp2 dp2, ep2 = tp2 ep2, dp2+ep2 = tp2 dp2 ep2, once more with every Triton backend,

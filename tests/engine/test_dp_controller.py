@@ -1,6 +1,6 @@
 """DpController and LaunchConfig: which DP rank runs each request; the launch sizes checked before any spawn.
 
-Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/engine/test_dp_controller.py
+Run: TRITON_INTERPRET=1 .venv/bin/pytest -q tests/engine/test_dp_controller.py
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """DpLayout's rows, the idle batch, capture through an explicit row range, and EP's shared-experts option.
 
-Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/engine/test_dp_layout.py
+Run: TRITON_INTERPRET=1 .venv/bin/pytest -q tests/engine/test_dp_layout.py
 
 One process, no process group: the layouts are pure host arithmetic, and the capturer's row range is exercised
 with a batch whose rows sit in the middle of the routed batch (what DP rank 1 sees under DP attention). The

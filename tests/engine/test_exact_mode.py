@@ -2,7 +2,7 @@
 samples/model), the exact reduction tree and its shard split, and tp2 (tp4: slow) in real gloo processes
 bitwise equal to the one-process exact model.
 
-Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/engine/test_exact_mode.py  (-m slow: tp4)
+Run: TRITON_INTERPRET=1 .venv/bin/pytest -q tests/engine/test_exact_mode.py  (-m slow: tp4)
 
 Every comparison is bitwise (== on logprobs, torch.equal on tensors): exact mode promises equal bits, so no
 tolerance is given. fp32 on CPU. With deterministic=False the batch-invariance tests fail (other bits).

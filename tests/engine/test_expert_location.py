@@ -1,6 +1,6 @@
 """ExpertLocation, the logical -> physical map (static / dynamic), and rebalance, in one process.
 
-Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/engine/test_expert_location.py
+Run: TRITON_INTERPRET=1 .venv/bin/pytest -q tests/engine/test_expert_location.py
 
 Contracts encoded here, read from (not copied):
 - SGLang's init-expert-location JSON and its loader (compute_initial_expert_location_metadata, init_by_mapping,

@@ -1,6 +1,6 @@
 """Expert parallelism at the MoE layer: the dispatch layout, and ep2 / ep4 gloo processes against one process.
 
-Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/engine/test_expert_parallel.py (ep4 included; `make
+Run: TRITON_INTERPRET=1 .venv/bin/pytest -q tests/engine/test_expert_parallel.py (ep4 included; `make
 test` skips it with the slow marker).
 
 The layout is checked against pure Python loops. The distributed tests run real processes (gloo on CPU over

@@ -1,6 +1,6 @@
 """Expert placement on the MoE layer and on a whole model, in one process: redundant slots, capture, rebalance.
 
-Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/engine/test_expert_placement.py
+Run: TRITON_INTERPRET=1 .venv/bin/pytest -q tests/engine/test_expert_placement.py
 
 The maps themselves (sources, refusals, static / dynamic choice) are tested in test_expert_location.py, the same
 under ep2 / ep4 gloo ranks in test_expert_parallel.py.

@@ -1,6 +1,6 @@
 """Engine.generate end to end on a tiny random DeepSeek-V3: sampling, stops, streaming, logprobs.
 
-Run: .venv/bin/python -m pytest -q tests/engine/test_generate.py
+Run: .venv/bin/pytest -q tests/engine/test_generate.py
 """
 
 from __future__ import annotations

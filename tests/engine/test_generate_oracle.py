@@ -6,7 +6,7 @@ sequence (prompt + the ids the engine generated), log_softmax of its logits: row
 input logprob, output logprob and top-k logprob (value and id) must match it within LOGPROB_ATOL, and every
 greedy token must be the oracle's argmax.
 
-Run: .venv/bin/python -m pytest -q tests/engine/test_generate_oracle.py
+Run: .venv/bin/pytest -q tests/engine/test_generate_oracle.py
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 (decode_kernel="triton"): bf16, kv_lora 128, rope 16, 64 heads (the wide kernel, kernels/mla_decode/wide.py) or 16
 (the narrow one, kernels/mla_decode/narrow.py). GPU (sm_90) only: Gluon kernels do not run under TRITON_INTERPRET=1.
 
-Run: .venv/bin/python -m pytest -q -m gpu tests/engine/test_gluon_decode.py
+Run: .venv/bin/pytest -q -m gpu tests/engine/test_gluon_decode.py
 """
 
 from __future__ import annotations

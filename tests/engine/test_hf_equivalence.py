@@ -1,6 +1,6 @@
 """The engine against transformers' DeepseekV2/V3ForCausalLM on tiny random checkpoints.
 
-Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/engine/test_hf_equivalence.py
+Run: TRITON_INTERPRET=1 .venv/bin/pytest -q tests/engine/test_hf_equivalence.py
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ model -> engine_config and cuda_graph -> model are one-way. The token dispatcher
 imports dispatcher (for Dispatched), never the reverse, and dispatcher_choice sits above both. Read from the
 sources, function-level imports and `if TYPE_CHECKING:` blocks included, since those are where a cycle hides.
 
-Run: .venv/bin/python -m pytest -q tests/engine/test_import_direction.py
+Run: .venv/bin/pytest -q tests/engine/test_import_direction.py
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """KVPool page allocation and the radix prefix cache, without a model.
 
-Run: .venv/bin/python -m pytest -q tests/engine/test_kv_pool_radix.py
+Run: .venv/bin/pytest -q tests/engine/test_kv_pool_radix.py
 """
 
 from __future__ import annotations

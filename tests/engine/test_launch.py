@@ -1,6 +1,6 @@
 """Engine(tp_size=2): two spawned rank processes behind the one-process API, against Engine() on the sample.
 
-Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/engine/test_launch.py
+Run: TRITON_INTERPRET=1 .venv/bin/pytest -q tests/engine/test_launch.py
 
 Real processes (torch.multiprocessing spawn, gloo on CPU), fp32, the bundled sample model (samples/model: 5
 layers, 4 of them MoE, 32 experts, top-4). Tensor parallelism sums o_proj's, the dense MLP's and the shared

@@ -1,7 +1,7 @@
 """The torchrun launch path under DP attention (dp_size 2): requests on their DP rank, idle forwards, one trace row
 set each, and results bitwise equal to one process (exact mode).
 
-Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/engine/test_launch_dp.py
+Run: TRITON_INTERPRET=1 .venv/bin/pytest -q tests/engine/test_launch_dp.py
 
 Two processes started as torchrun starts them (RANK, WORLD_SIZE, MASTER_ADDR / MASTER_PORT: the env://
 rendezvous), each running what `-m r3trace.engine.launch` runs: world rank 0 an Engine with launcher="torchrun"

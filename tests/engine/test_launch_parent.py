@@ -1,7 +1,7 @@
 """A spawned rank whose front end is gone while it starts exits with one line instead of waiting in
 init_process_group for peers that will never come (engine/launch/worker.py, WorkerSpec.parent_pid).
 
-Run: .venv/bin/python -m pytest -q tests/engine/test_launch_parent.py   (a few seconds: one python process)
+Run: .venv/bin/pytest -q tests/engine/test_launch_parent.py   (a few seconds: one python process)
 """
 
 from __future__ import annotations

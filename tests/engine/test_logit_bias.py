@@ -9,7 +9,7 @@ The contract, read (not copied) from sgl-project/sglang:
 OpenAI's range of a value is [-100, 100] (its API reference: "-100 should result in a ban ... 100 in exclusive
 selection"); r3trace refuses values outside it, where SGLang checks none.
 
-Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/engine/test_logit_bias.py
+Run: TRITON_INTERPRET=1 .venv/bin/pytest -q tests/engine/test_logit_bias.py
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """engine/near_tie.py: the gaps that say where another summation order may flip a route, and the flip counts.
 
-Run: .venv/bin/python -m pytest -q tests/engine/test_near_tie.py
+Run: .venv/bin/pytest -q tests/engine/test_near_tie.py
 
 A router with hand-set scores gives known gaps (group masking included); on the sample model, lowering the K-th
 chosen expert's correction bias by just over its set gap flips the top-K set and by just under it does not (the gap

@@ -13,7 +13,7 @@ the whole vocabulary), then the penalties recomputed from the output so far. Fre
 logit_bias are additive and the temperature a scale, so log-softmax of them over raw logprobs equals log-softmax
 over raw logits.
 
-Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/engine/test_output_logprobs.py
+Run: TRITON_INTERPRET=1 .venv/bin/pytest -q tests/engine/test_output_logprobs.py
 """
 
 from __future__ import annotations

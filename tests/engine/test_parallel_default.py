@@ -1,7 +1,7 @@
 """Default mode (not exact) under tp2 and dp2+ep2 against plain one-process Engine: logprobs within 1e-4, routes
 equal away from near-ties, near-tie flips counted.
 
-Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/engine/test_parallel_default.py -s  (-s: the counts)
+Run: TRITON_INTERPRET=1 .venv/bin/pytest -q tests/engine/test_parallel_default.py -s  (-s: the counts)
 
 fp32 on CPU, samples/model. Outside exact mode the layouts sum in other orders (tp2: o_proj, the dense MLP and the
 shared experts in two halves, then an all-reduce; dp2+ep2: DeepEP normal mode's per-rank partial combine), so

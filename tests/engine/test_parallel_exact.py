@@ -1,6 +1,6 @@
 """Exact mode under DP attention and expert parallelism, bitwise against one process, through Engine.
 
-Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/engine/test_parallel_exact.py  (-m slow: the tp4 ones)
+Run: TRITON_INTERPRET=1 .venv/bin/pytest -q tests/engine/test_parallel_exact.py  (-m slow: the tp4 ones)
 
 One workload (bench/multigpu/workload.py, which bench/multigpu runs on GPUs over NCCL) runs on a one-process
 `Engine(deterministic=True)` and on each layout (dp2, ep2, dp2+ep2: world size 2; tp4 dp2 and tp4 dp2 ep2,

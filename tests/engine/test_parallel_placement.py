@@ -2,7 +2,7 @@
 run, and the physical ids returned, each against a one-process exact Engine (identical greedy tokens, bitwise
 logprobs, 0 mismatched route entries).
 
-    TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/engine/test_parallel_placement.py
+    TRITON_INTERPRET=1 .venv/bin/pytest -q tests/engine/test_parallel_placement.py
 """
 
 from __future__ import annotations

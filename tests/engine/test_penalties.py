@@ -13,7 +13,7 @@ The contract, read (not copied) from sgl-project/sglang:
   runs before the sampler, so greedy rows are penalised too; min_ps per row) and layers/sampler.py's
   top_k_top_p_min_p_sampling_from_probs_torch: min-p drops probabilities below min_p * the largest.
 
-Run: .venv/bin/python -m pytest -q tests/engine/test_penalties.py
+Run: .venv/bin/pytest -q tests/engine/test_penalties.py
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ as test_hf_equivalence.py's direct forward (3.3e-6), so 1e-4 leaves 50x for othe
 routes are visible far above it: every check also requires a logprob more than 0.1 away from transformers
 with its gate's own routes (the smallest such gap here was 0.15).
 
-Run: .venv/bin/python -m pytest -q tests/engine/test_replay_oracle.py
+Run: .venv/bin/pytest -q tests/engine/test_replay_oracle.py
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ scheduler's decodes-first order and the batch's leading rows. At engine level (T
 alone equals it batched in 16-token chunks, speculation equals plain decoding): tests/spec/test_batch_invariant.py;
 the same in bf16 on the H200: tests/spec/test_batch_invariant_gpu.py.
 
-Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/engine/test_row_invariant.py
+Run: TRITON_INTERPRET=1 .venv/bin/pytest -q tests/engine/test_row_invariant.py
 """
 
 from __future__ import annotations

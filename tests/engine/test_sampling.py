@@ -6,7 +6,7 @@ renormalised, all computed here in float64 from the definitions (SGLang's order:
 top-p on the result). Then the exact seeded draw of a row, and `sampling_seed` (SGLang's name for the
 per-request seed) through Engine.generate in several batch mixes.
 
-Run: .venv/bin/python -m pytest -q tests/engine/test_sampling.py
+Run: .venv/bin/pytest -q tests/engine/test_sampling.py
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 hits (a prefix ending inside a partly filled page) and preemption all give the tokens that each
 request gets when it runs alone. Abort frees every KV slot.
 
-Run: .venv/bin/python -m pytest -q tests/engine/test_scheduler.py
+Run: .venv/bin/pytest -q tests/engine/test_scheduler.py
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ fd3907ee4618e96b73ee94d9a836db78efb5d046: Req._check_token_based_finish returns 
 sampling_params.ignore_eos is set, before it compares the token with stop_token_ids or the EOS ids; stop strings
 (_check_str_based_finish) still run. vLLM differs (its stop_token_ids stop under ignore_eos).
 
-Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/engine/test_stop_ignore_eos.py
+Run: TRITON_INTERPRET=1 .venv/bin/pytest -q tests/engine/test_stop_ignore_eos.py
 """
 
 from __future__ import annotations

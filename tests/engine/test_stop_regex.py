@@ -12,7 +12,7 @@ The contract, read (not copied) from sgl-project/sglang:
 
 The oracle: the first prefix of the unconstrained greedy output whose decoded text re.search matches.
 
-Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/engine/test_stop_regex.py
+Run: TRITON_INTERPRET=1 .venv/bin/pytest -q tests/engine/test_stop_regex.py
 """
 
 from __future__ import annotations

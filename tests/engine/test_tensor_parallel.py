@@ -1,6 +1,6 @@
 """Tensor parallelism at the model level: two gloo processes against the one-process model.
 
-Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/engine/test_tensor_parallel.py
+Run: TRITON_INTERPRET=1 .venv/bin/pytest -q tests/engine/test_tensor_parallel.py
 
 Real processes (torch.multiprocessing spawn, gloo over a FileStore): each rank builds the tp=2 model from the
 same tiny checkpoint, its weights sliced at load time, and runs the same prefix-free ForwardBatch.

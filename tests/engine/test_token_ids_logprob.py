@@ -9,7 +9,7 @@ python/sglang/srt/managers/tokenizer_manager.py (convert_logprob_style: with ret
 The oracle is the engine's own full distribution: top_logprobs_num = VOCAB lists every id's logprob at each
 position from the same log_softmax, so the listed ids' values must equal those entries exactly.
 
-Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/engine/test_token_ids_logprob.py
+Run: TRITON_INTERPRET=1 .venv/bin/pytest -q tests/engine/test_token_ids_logprob.py
 """
 
 from __future__ import annotations

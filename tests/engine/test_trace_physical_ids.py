@@ -2,7 +2,7 @@
 meta_info["routed_experts_physical"] returned, row for row (computed and prefix-cache rows), and each names a slot
 that holds the logical expert in topk_ids.
 
-    TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/engine/test_trace_physical_ids.py
+    TRITON_INTERPRET=1 .venv/bin/pytest -q tests/engine/test_trace_physical_ids.py
 """
 
 from __future__ import annotations

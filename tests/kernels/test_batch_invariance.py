@@ -3,7 +3,7 @@ of 1, 3 and 17 rows has the full batch's bits, for the GEMM (linear and per-head
 the fused MoE's invariant plan, the router logits at every T, the grouped top-k, RMSNorm and RoPE; and the GEMM and
 the decode against their torch twins.
 
-Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest tests/kernels/test_batch_invariance.py -q   (CPU)
+Run: TRITON_INTERPRET=1 .venv/bin/pytest tests/kernels/test_batch_invariance.py -q   (CPU)
      python -m pytest tests/kernels/test_batch_invariance.py -q                                 (GPU, compiled)
 
 Peer: SGLang's batch-invariant matmul fixes one tile config per dtype for every M

@@ -1,6 +1,6 @@
 """fused_moe (align + two grouped GEMMs + sum) against fused_moe_ref (per-expert torch loop).
 
-Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest tests/kernels/test_fused_moe.py -q   (CPU)
+Run: TRITON_INTERPRET=1 .venv/bin/pytest tests/kernels/test_fused_moe.py -q   (CPU)
      python -m pytest tests/kernels/test_fused_moe.py -q                                (GPU)
 The GPU-only cases (real TMA descriptors, wgmma, CUDA graphs, the engine's shapes) are in test_fused_moe_gpu.py.
 """

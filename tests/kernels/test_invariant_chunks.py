@@ -2,7 +2,7 @@
 kernels/mla_decode/fixed_split.py row_chunks): the rows of a batch cut into several launches, whole requests together
 and a long request in pieces, are bitwise the rows of one launch, and match the torch reference.
 
-Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest tests/kernels/test_invariant_chunks.py -q   (CPU)
+Run: TRITON_INTERPRET=1 .venv/bin/pytest tests/kernels/test_invariant_chunks.py -q   (CPU)
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """latent_write (Triton: kv_a norm + rope + paged cache store in one launch) against latent_write_ref.
 
-Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest tests/kernels/test_latent_write.py -q   (CPU)
+Run: TRITON_INTERPRET=1 .venv/bin/pytest tests/kernels/test_latent_write.py -q   (CPU)
      python -m pytest tests/kernels/test_latent_write.py -q -m "gpu or not gpu"          (GPU)
 """
 

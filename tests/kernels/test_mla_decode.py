@@ -1,6 +1,6 @@
 """mla_decode (Triton, split-KV flash decoding) against mla_decode_ref (per-request torch softmax).
 
-Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest tests/kernels/test_mla_decode.py -q   (CPU)
+Run: TRITON_INTERPRET=1 .venv/bin/pytest tests/kernels/test_mla_decode.py -q   (CPU)
      python -m pytest tests/kernels/test_mla_decode.py -q                                (GPU)
 """
 

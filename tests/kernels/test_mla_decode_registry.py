@@ -1,7 +1,7 @@
 """The MLA decode's stage-1 registry (kernels/mla_decode/registry.py) and the decode resolved once for the attention
 backend (decode.resolve_decoder): host logic, plus the Triton stage 1 under the interpreter on CPU.
 
-Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest tests/kernels/test_mla_decode_registry.py -q
+Run: TRITON_INTERPRET=1 .venv/bin/pytest tests/kernels/test_mla_decode_registry.py -q
 """
 
 from __future__ import annotations

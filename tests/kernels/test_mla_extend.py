@@ -1,6 +1,6 @@
 """mla_extend (absorbed, over the paged cache) and mha_prefill (normal form) against their torch refs.
 
-Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest tests/kernels/test_mla_extend.py -q   (CPU)
+Run: TRITON_INTERPRET=1 .venv/bin/pytest tests/kernels/test_mla_extend.py -q   (CPU)
      python -m pytest tests/kernels/test_mla_extend.py -q                                (GPU)
 """
 

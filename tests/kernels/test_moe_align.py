@@ -1,6 +1,6 @@
 """moe_align (Triton) against moe_align_ref (torch): same sorted pairs, padding, block experts, rows used.
 
-Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest tests/kernels/test_moe_align.py -q   (CPU)
+Run: TRITON_INTERPRET=1 .venv/bin/pytest tests/kernels/test_moe_align.py -q   (CPU)
      python -m pytest tests/kernels/test_moe_align.py -q                                (GPU)
 
 Integer outputs: compared exactly (no tolerance). Each case draws fresh routes from its own seed.

@@ -1,7 +1,7 @@
 """The fused MoE's registry (kernels/moe/registry.py): the plan the engine resolves once runs, for every T, the path
 and tiles fused_moe picks per call (moe_config), and its output is fused_moe's, bit for bit.
 
-Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest tests/kernels/test_moe_registry.py -q   (CPU)
+Run: TRITON_INTERPRET=1 .venv/bin/pytest tests/kernels/test_moe_registry.py -q   (CPU)
 """
 
 from __future__ import annotations

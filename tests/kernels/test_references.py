@@ -2,7 +2,7 @@
 (kernels/moe/reference.py, kernels/mla_decode/reference.py, kernels/topk.py), and each reference is checked here
 against a plain per-element loop in float64 written from the op's definition, not from the reference's code.
 
-Run: .venv/bin/python -m pytest tests/kernels/test_references.py -q
+Run: .venv/bin/pytest tests/kernels/test_references.py -q
 """
 
 from __future__ import annotations

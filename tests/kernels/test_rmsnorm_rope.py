@@ -1,6 +1,6 @@
 """rmsnorm and rope (Triton) against their torch references.
 
-Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest tests/kernels/test_rmsnorm_rope.py -q   (CPU)
+Run: TRITON_INTERPRET=1 .venv/bin/pytest tests/kernels/test_rmsnorm_rope.py -q   (CPU)
      python -m pytest tests/kernels/test_rmsnorm_rope.py -q -m "gpu or not gpu"          (GPU)
 """
 

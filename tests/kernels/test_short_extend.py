@@ -2,7 +2,7 @@
 most SHORT_EXTEND_ROWS rows runs token_block.py's stage 1 with the ordered merge, against the backend's torch
 reference (RefAttention) on fresh random inputs; a longer extend still runs the extend kernel.
 
-Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest tests/kernels/test_short_extend.py -q   (CPU)
+Run: TRITON_INTERPRET=1 .venv/bin/pytest tests/kernels/test_short_extend.py -q   (CPU)
      python -m pytest tests/kernels/test_short_extend.py -q                                (GPU)
 """
 

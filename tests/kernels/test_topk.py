@@ -1,7 +1,7 @@
 """grouped_topk (Triton) against grouped_topk_ref (DeepSeek's gate in torch), and that reference (the
 repository's only one: the engine's ref backend runs it too) against transformers' own gate modules.
 
-Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest tests/kernels/test_topk.py -q   (CPU)
+Run: TRITON_INTERPRET=1 .venv/bin/pytest tests/kernels/test_topk.py -q   (CPU)
      python -m pytest tests/kernels/test_topk.py -q                                (GPU)
 """
 

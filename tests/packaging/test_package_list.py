@@ -2,7 +2,7 @@
 every folder with an __init__.py under r3trace/, engine/, kernels/ and dashboards/ must be listed, or the wheel
 installs without it (r3trace.engine.spec went missing that way). Reads the files only; no wheel is built.
 
-Run: .venv/bin/python -m pytest -q tests/packaging/test_package_list.py
+Run: .venv/bin/pytest -q tests/packaging/test_package_list.py
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A plain wheel install, used outside the checkout: no network, no source tree.
 
-    TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/packaging
+    TRITON_INTERPRET=1 .venv/bin/pytest -q tests/packaging
 
 Builds the wheel from a copy of the sources (pip, no build isolation, no index), installs it with --no-deps into
 a fresh venv whose dependencies come from this venv's site-packages through a .pth file (a path line only adds

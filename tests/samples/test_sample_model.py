@@ -1,6 +1,6 @@
 """The bundled sample (samples/): model spec, MTP tensors, transformers == engine greedy text, traces.
 
-Run: .venv/bin/python -m pytest -q tests/samples/test_sample_model.py
+Run: .venv/bin/pytest -q tests/samples/test_sample_model.py
 (SAMPLE_MODEL_DIR=<folder> points it at another checkpoint made by bench/train_sample.py.)
 """
 

@@ -1,6 +1,6 @@
 """Every bad input is a 4xx whose message names the field, and the next good request still succeeds.
 
-Run: .venv/bin/python -m pytest -q tests/server/test_bad_input.py
+Run: .venv/bin/pytest -q tests/server/test_bad_input.py
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ The contract, read (not copied) from sgl-project/sglang:
 - managers/scheduler_output_processor_mixin.py (_get_cached_tokens_details, the version without a HiCache check):
   no host or storage tier: {"device": cached_tokens, "host": 0} once any token hit, else no key.
 
-Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/server/test_cached_tokens.py
+Run: TRITON_INTERPRET=1 .venv/bin/pytest -q tests/server/test_cached_tokens.py
 """
 
 from __future__ import annotations

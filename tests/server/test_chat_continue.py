@@ -11,7 +11,7 @@ The contract, read (not copied) from:
   continue_final_message and add_generation_prompt true ("Cannot set both ... to True"); it reads the raw body, so a
   body without add_generation_prompt passes.
 
-Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/server/test_chat_continue.py
+Run: TRITON_INTERPRET=1 .venv/bin/pytest -q tests/server/test_chat_continue.py
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ and the stream merge closing every engine stream when the client goes away.
 The engine here is a stand-in (an iterator whose reads block a worker thread for 0.2 s, as an engine step does),
 because the property tested is about threads: a stream may be closed only when no worker thread is inside it.
 
-Run: .venv/bin/python -m pytest -q tests/server/test_choices.py
+Run: .venv/bin/pytest -q tests/server/test_choices.py
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """`r3trace serve` as a real subprocess on the bundled sample model, and `capture()` against it.
 
-Run: .venv/bin/python -m pytest -q tests/server/test_cli.py
+Run: .venv/bin/pytest -q tests/server/test_cli.py
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Two servers: r3trace's own (shape and layer ids in the response), and a stand-in
 which is not installable here: a FastAPI app that answers /generate with SGLang's flat payload (every
 layer, dense ones as 0, no shape) holding the routes of a direct forward; the client then needs a manifest.
 
-Run: .venv/bin/python -m pytest -q tests/server/test_client.py
+Run: .venv/bin/pytest -q tests/server/test_client.py
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """50 concurrent clients over loopback HTTP: the event loop stays free, outputs do not depend on the
 batch, and with capture on every response's routes equal a direct forward of its own tokens.
 
-Run: .venv/bin/python -m pytest -q tests/server/test_concurrency.py
+Run: .venv/bin/pytest -q tests/server/test_concurrency.py
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The endpoints over real HTTP on loopback: /generate (JSON, batch, SSE), OpenAI, health, metrics, spec.
 
-Run: .venv/bin/python -m pytest -q tests/server/test_endpoints.py
+Run: .venv/bin/pytest -q tests/server/test_endpoints.py
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The HTTP server in front of Engine(tp_size=2): the same answers, streams and traces as one process.
 
-Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/server/test_launch_http.py
+Run: TRITON_INTERPRET=1 .venv/bin/pytest -q tests/server/test_launch_http.py
 
 Two spawned gloo ranks serve the session's tiny checkpoint; the session's one-process engine is the reference.
 """

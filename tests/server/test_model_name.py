@@ -1,7 +1,7 @@
 """The OpenAI endpoints serve one model: a request's `model` must be the served name or one of its aliases (the
 checkpoint's path as given, resolved, its folder name), else OpenAI's 404 `model_not_found`, streaming or not.
 
-Run: .venv/bin/python -m pytest -q tests/server/test_model_name.py
+Run: .venv/bin/pytest -q tests/server/test_model_name.py
 """
 
 from __future__ import annotations

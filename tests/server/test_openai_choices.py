@@ -22,7 +22,7 @@ Contracts, as read from their sources (nothing copied):
   2a4f5d19bddf37e433786d3e8abfe2567bcf8234: with include_usage "all other chunks will also include a usage field,
   but with a null value".
 
-Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/server/test_openai_choices.py
+Run: TRITON_INTERPRET=1 .venv/bin/pytest -q tests/server/test_openai_choices.py
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ Contracts, as read from their sources (nothing copied):
   (top_logprobs without logprobs ignored).
 - io_struct.py @ 001067fffe33427bee0ed2f007fb7551a1d76b44: return_text_in_logprobs fills each entry's text.
 
-Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/server/test_openai_logprobs.py
+Run: TRITON_INTERPRET=1 .venv/bin/pytest -q tests/server/test_openai_logprobs.py
 """
 
 from __future__ import annotations

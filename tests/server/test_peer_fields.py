@@ -14,7 +14,7 @@ The field lists, read (not copied) from sgl-project/sglang:
   input_ids, parallel_tool_calls, separate_reasoning; both: SGLang's extras). OpenAI fields SGLang leaves to
   pydantic's default (ignored): metadata, store, service_tier, prediction, modalities, audio.
 
-Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/server/test_peer_fields.py
+Run: TRITON_INTERPRET=1 .venv/bin/pytest -q tests/server/test_peer_fields.py
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """POST /update_expert_placement in front of an engine built with redundant expert slots (one process, exact mode).
 
-    TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/server/test_placement_http.py
+    TRITON_INTERPRET=1 .venv/bin/pytest -q tests/server/test_placement_http.py
 """
 
 from __future__ import annotations

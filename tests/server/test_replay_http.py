@@ -1,7 +1,7 @@
 """Routing replay over HTTP: routes that do not cover the request are a 400 naming the counts; full and partial
 replays force exactly the rows they name (docs/replay.md).
 
-Run: .venv/bin/python -m pytest -q tests/server/test_replay_http.py
+Run: .venv/bin/pytest -q tests/server/test_replay_http.py
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ skip_special_tokens, spaces_between_special_tokens, no_stop_trim, sampling_seed)
 field list of issue 23 point 2 (slime's own source was not found in the code index): skip_special_tokens,
 no_stop_trim and spaces_between_special_tokens in sampling_params, with return_routed_experts.
 
-Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/server/test_request_fields.py
+Run: TRITON_INTERPRET=1 .venv/bin/pytest -q tests/server/test_request_fields.py
 """
 
 from __future__ import annotations

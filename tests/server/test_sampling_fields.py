@@ -8,7 +8,7 @@ at 004c82e07d876f6e4a0ad6e15325706b0f478f1a (CompletionRequest / ChatCompletionR
 presence_penalty as OpenAI's, and the extras min_p, min_tokens -> min_new_tokens, repetition_penalty,
 no_stop_trim, skip_special_tokens).
 
-Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/server/test_sampling_fields.py
+Run: TRITON_INTERPRET=1 .venv/bin/pytest -q tests/server/test_sampling_fields.py
 """
 
 from __future__ import annotations

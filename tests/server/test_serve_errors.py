@@ -1,6 +1,6 @@
 """`r3trace serve` start-up errors: one line on stderr naming the flag or path, exit 2, before the model loads.
 
-Run: .venv/bin/python -m pytest -q tests/server/test_serve_errors.py
+Run: .venv/bin/pytest -q tests/server/test_serve_errors.py
 """
 
 from __future__ import annotations

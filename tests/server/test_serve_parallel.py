@@ -1,6 +1,6 @@
 """`r3trace serve MODEL --tp 2`: the command line starts two ranks behind one HTTP server, and stops them.
 
-Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/server/test_serve_parallel.py
+Run: TRITON_INTERPRET=1 .venv/bin/pytest -q tests/server/test_serve_parallel.py
 
 The server runs in its own session, so every process it started (its ranks) can be found by session id in /proc,
 checked gone after the server stops, and killed in `finally` whatever happened.

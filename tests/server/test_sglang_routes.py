@@ -7,7 +7,7 @@ Contracts, as read from SGLang's source (sgl-project/sglang):
   the server runs with `incremental_streaming_output`: every chunk's `text`/`output_ids` is the whole output so far.
 - slime's multi-turn append reads `meta_info.get("routed_experts_start_len", 0)` back and places the rows there.
 
-Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/server/test_sglang_routes.py
+Run: TRITON_INTERPRET=1 .venv/bin/pytest -q tests/server/test_sglang_routes.py
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ The contract, read (not copied) from sgl-project/sglang:
 Each chunk carries what the held steps added (joined), so the text, ids, logprobs and routes are those of a whole
 answer.
 
-Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/server/test_stream_interval.py
+Run: TRITON_INTERPRET=1 .venv/bin/pytest -q tests/server/test_stream_interval.py
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ The contract, read (not copied) from sgl-project/sglang at 004c82e07d876f6e4a0ad
 Chat streams: SGLang refuses return_prompt_token_ids there; r3trace serves both fields as the completions stream
 does (docs/compatibility.md).
 
-Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/server/test_token_id_fields.py
+Run: TRITON_INTERPRET=1 .venv/bin/pytest -q tests/server/test_token_id_fields.py
 """
 
 from __future__ import annotations

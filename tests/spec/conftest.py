@@ -1,6 +1,6 @@
 """Speculative decoding fixtures: tiny random checkpoints with an MTP layer (one per session) and an Engine factory.
 
-Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest -q -m "not gpu and not slow" tests/spec
+Run: TRITON_INTERPRET=1 .venv/bin/pytest -q -m "not gpu and not slow" tests/spec
 """
 
 from __future__ import annotations

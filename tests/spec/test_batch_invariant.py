@@ -2,7 +2,7 @@
 bitwise the same alone and in a batch, and speculative decoding equals plain decoding, on the CPU interpreter in fp32
 and bf16 (tests/spec/test_batch_invariant_gpu.py: the same on CUDA bf16).
 
-Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/spec/test_batch_invariant.py
+Run: TRITON_INTERPRET=1 .venv/bin/pytest -q tests/spec/test_batch_invariant.py
 
 Without batch_invariant these are not equal in bf16: the decode kernel's split count follows the batch, a verify runs
 the extend kernel, the MoE switches gemv <-> grouped by T (BENCHMARKS.md#speculative-decoding: 79 route mismatches

@@ -2,7 +2,7 @@
 rows of rejected positions reach no response, stream chunk or trace, verify rows say so, the capture buffer holds the
 largest verify batch, and the draft's routing ops are checked at construction (fail closed).
 
-Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/spec/test_spec_capture.py
+Run: TRITON_INTERPRET=1 .venv/bin/pytest -q tests/spec/test_spec_capture.py
 
 Peer behaviour this guards against (SGLang, python/sglang/srt/state_capturer/routed_experts.py and its
 disable_routed_experts_capture_for_draft, read at sgl-project/sglang 0114f9c; vLLM #48622): a draft MoE layer writing

@@ -1,7 +1,7 @@
 """Speculative decoding's options: SGLang's names on Engine and `r3trace serve`, each bad value or unsupported
 combination a one-line error naming the field; checkpoints without (or with a broken) MTP layer refused.
 
-Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/spec/test_spec_config.py
+Run: TRITON_INTERPRET=1 .venv/bin/pytest -q tests/spec/test_spec_config.py
 
 Names and the EAGLE alias as SGLang's server_args (speculative_algorithm, speculative_num_steps; sgl-project/sglang
 python/sglang/srt/server_args.py at 0114f9c).

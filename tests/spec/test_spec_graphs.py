@@ -1,7 +1,7 @@
 """Speculation's CUDA-graph paths on the CPU: the static batch and its padding, when a step runs on graphs, and the
 three replayed forwards giving eager speculation's tokens, logprobs and routes bit for bit in exact mode.
 
-Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/spec/test_spec_graphs.py
+Run: TRITON_INTERPRET=1 .venv/bin/pytest -q tests/spec/test_spec_graphs.py
 
 The graphs here are tests/spec/graph_standin.py's stand-in (the capture runs fn once, a replay re-runs it on the static
 inputs): everything the engine does around a graph is the GPU's code; tests/spec/test_spec_graphs_gpu.py replays real

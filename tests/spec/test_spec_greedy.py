@@ -1,7 +1,7 @@
 """Greedy speculative decoding equals greedy decoding: tokens, finish reasons, logprobs and returned routes, in exact
 mode (bitwise), over batches with mixed acceptance, chunked prefill, prefix-cache hits and preemption.
 
-Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/spec/test_spec_greedy.py
+Run: TRITON_INTERPRET=1 .venv/bin/pytest -q tests/spec/test_spec_greedy.py
 
 The checkpoint's draft agrees with the target often but not always (tests/spec/mtp_checkpoint.py), so verify forwards
 accept 0..d drafts; every test asserts it saw both accepted and rejected drafts. Exact mode makes the target's logits

@@ -1,7 +1,7 @@
 """Chained speculative launches (EngineConfig.speculative_launch_steps): S greedy steps as one graph, the batch moved on
 the device between them, the host handed the S results one step at a time (engine/spec/launch_steps.py).
 
-Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/spec/test_spec_launch_steps.py
+Run: TRITON_INTERPRET=1 .venv/bin/pytest -q tests/spec/test_spec_launch_steps.py
 
 In exact mode a row's bits do not depend on its batch, so a chained launch must give what one step a launch gives,
 bit for bit: tokens, finish reasons, routes, the trace's rows (each position once, none of a rejected draft), the

@@ -6,7 +6,7 @@ the temperature is the only step.
 Reference: the raw log-softmax at every output position, all V ids, from a scoring request on a plain engine
 (token_ids_logprob over the whole vocabulary), divided by the temperature.
 
-Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/spec/test_spec_logprobs.py
+Run: TRITON_INTERPRET=1 .venv/bin/pytest -q tests/spec/test_spec_logprobs.py
 """
 
 from __future__ import annotations

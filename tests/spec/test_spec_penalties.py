@@ -2,7 +2,7 @@
 (engine/spec/penalised.py): greedy speculation returns plain greedy's tokens, logprobs and routes bitwise (exact
 mode), and sampled speculation commits tokens distributed as the processed target's p (a chi-square test).
 
-Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/spec/test_spec_penalties.py
+Run: TRITON_INTERPRET=1 .venv/bin/pytest -q tests/spec/test_spec_penalties.py
 
 Why the per-row counts matter: row j of a verify scores the position after drafts x_1..x_j, so its frequency,
 presence and repetition terms count them, and its min_new_tokens ban ends j tokens earlier. Processing every row

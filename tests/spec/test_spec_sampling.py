@@ -1,7 +1,7 @@
 """Speculative sampling is distributed as plain sampling: chi-square tests of committed tokens against the target's
 own distribution, on a tiny vocabulary, seeded.
 
-Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/spec/test_spec_sampling.py
+Run: TRITON_INTERPRET=1 .venv/bin/pytest -q tests/spec/test_spec_sampling.py
 
 Reference: Leviathan et al. 2023 (arXiv 2211.17192), Algorithm 1 and Appendix A.1 (the committed token is distributed
 as p whatever q is); SGLang's tree_speculative_sampling_target_only (sgl-project/sglang, sgl-kernel

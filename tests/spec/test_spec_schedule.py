@@ -4,7 +4,7 @@ loop of Scheduler.schedule does: the same requests, positions, draft counts and 
 prefill, page boundaries, a context limit, requests finishing at different steps and retraction. Scheduler._accept's
 one stop check for a verify's tokens (stop_rules.none_can_finish) holds only where no token would stop.
 
-Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/spec/test_spec_schedule.py
+Run: TRITON_INTERPRET=1 .venv/bin/pytest -q tests/spec/test_spec_schedule.py
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 completions endpoint return what the plain engine returns, and routing replay of captured routes holds under
 speculation.
 
-Run: TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/spec/test_spec_server.py
+Run: TRITON_INTERPRET=1 .venv/bin/pytest -q tests/spec/test_spec_server.py
 """
 
 from __future__ import annotations

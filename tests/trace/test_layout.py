@@ -1,6 +1,6 @@
 """The store layout read by plain readers: pyarrow, polars, DuckDB (and Spark, slow) on a TraceWriter store.
 
-    TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/trace/test_layout.py
+    TRITON_INTERPRET=1 .venv/bin/pytest -q tests/trace/test_layout.py
 
 Each reader's obvious call on `<store>/routes` must return the route rows only, with the counts and the values
 that were written; the previous layout keeps reading through r3trace, and `migrate_run`

@@ -1,7 +1,7 @@
 """The routes' physical_ids column (with_physical_ids): the writer's checks, the Parquet and stream round trip, the
 rollup on logical ids, and the multi-rank forwarder's pickling path.
 
-    TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/trace/test_physical_ids.py
+    TRITON_INTERPRET=1 .venv/bin/pytest -q tests/trace/test_physical_ids.py
 """
 
 from __future__ import annotations
