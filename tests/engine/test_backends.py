@@ -24,6 +24,13 @@ if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("Triton on CPU needs TRITON_INTERPRET=1", allow_module_level=True)
 
 
+def _completed(out: dict, n: int) -> None:  # type: ignore[type-arg]
+    """A request ran to its length: an engine whose step failed finishes every request with an abort and no tokens,
+    which two failing engines would agree on."""
+    assert out["meta_info"]["finish_reason"]["type"] == "length", out["meta_info"]["finish_reason"]
+    assert len(out["output_ids"]) == n
+
+
 @pytest.mark.parametrize(
     "backends",
     [
@@ -43,6 +50,8 @@ def test_triton_backends_match_ref(make_engine: EngineFactory, backends: dict[st
     tri = make_engine(**common, **backends).generate(input_ids=prompts, sampling_params=greedy(5),
                                                      return_routed_experts=True)
     for a, b in zip(ref, tri, strict=True):
+        _completed(a, 5)
+        _completed(b, 5)
         assert a["output_ids"] == b["output_ids"]
         np.testing.assert_array_equal(r3trace.decode_routed_experts(a["meta_info"]),
                                       r3trace.decode_routed_experts(b["meta_info"]))
@@ -76,6 +85,8 @@ def test_fused_shared_experts_match_separate(
                                   return_logprob=True)
         eng.shutdown()
     for a, b in zip(outs["separate"], outs["fused"], strict=True):
+        _completed(a, 6)
+        _completed(b, 6)
         assert a["output_ids"] == b["output_ids"]
         np.testing.assert_array_equal(r3trace.decode_routed_experts(a["meta_info"]),
                                       r3trace.decode_routed_experts(b["meta_info"]))
