@@ -1,4 +1,4 @@
-"""Suite-wide guard: a test fails when an engine step raised during it, unless it is marked `engine_errors`.
+"""Suite-wide guard: a test fails when an engine step raised during it (no test makes one fail on purpose).
 
 Why: the event loop catches a step's exception, logs it and finishes every request in flight with an abort and no
 tokens (engine/event_loop.py, _guarded), so two engines that both fail agree on their (empty) outputs, and a test
@@ -25,12 +25,8 @@ class _Failures(logging.Handler):
         self.records.append(record)
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "engine_errors: the test makes engine steps fail on purpose")
-
-
 @pytest.fixture(autouse=True)
-def no_failed_engine_steps(request: pytest.FixtureRequest) -> Iterator[None]:
+def no_failed_engine_steps() -> Iterator[None]:
     handler = _Failures()
     logger = logging.getLogger(STEP_LOGGER)
     logger.addHandler(handler)
@@ -38,7 +34,7 @@ def no_failed_engine_steps(request: pytest.FixtureRequest) -> Iterator[None]:
         yield
     finally:
         logger.removeHandler(handler)
-    if handler.records and request.node.get_closest_marker("engine_errors") is None:
+    if handler.records:
         first = handler.records[0]
         detail = repr(first.exc_info[1]) if first.exc_info else first.getMessage()
         pytest.fail(f"{len(handler.records)} engine step(s) failed during the test; the first: {detail}")
