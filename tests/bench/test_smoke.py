@@ -4,8 +4,8 @@ Run: .venv/bin/pytest tests/bench/test_smoke.py -q   (CPU; ~1 min on 2 cores, tw
 
 A script is any bench/*.py with a `__main__` block, found here, so a new one joins without an edit; each runs as
 `python -m bench.<name> --smoke` would, in its own process with a timeout, but with the repository's root last on
-sys.path (_RUN). The selected scripts start together on a pool
-of two workers when the first of them is checked (each is one process on one core; 2 is this machine's count).
+sys.path (_RUN). The selected scripts start together on a pool of two workers when the first of them is checked
+(each is one process on one core; 2 is this machine's count).
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ so mha_prefill, mla_extend and mla_decode are each exercised.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import numpy as np
 import pytest
@@ -24,7 +25,7 @@ if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("Triton on CPU needs TRITON_INTERPRET=1", allow_module_level=True)
 
 
-def _completed(out: dict, n: int) -> None:  # type: ignore[type-arg]
+def _completed(out: dict[str, Any], n: int) -> None:
     """A request ran to its length: an engine whose step failed finishes every request with an abort and no tokens,
     which two failing engines would agree on."""
     assert out["meta_info"]["finish_reason"]["type"] == "length", out["meta_info"]["finish_reason"]
