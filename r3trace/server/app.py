@@ -152,7 +152,7 @@ def _jsonable(x: Any) -> Any:
 def _trace_status(st: dict[str, Any], detail: dict[str, Any] | None = None) -> TraceStatus:
     run_dir = st.get("run_dir")
     fields = {k: st.get(k) for k in ("run_id", "rows_buffered", "rows_durable", "requests_durable",
-                                     "last_flush_age_s", "last_error")}
+                                     "last_flush_age_s", "stalled_s", "last_error")}
     folder = None if run_dir is None else str(Path(run_dir).parent)
     return TraceStatus(tracing=bool(st.get("tracing")), trace_dir=folder, detail=detail, **fields)
 

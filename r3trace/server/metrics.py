@@ -78,6 +78,9 @@ class ServerMetrics:
                  trace.get("requests_durable", 0) if on else 0),
                 ("trace_last_flush_age_seconds", "gauge", "Seconds since the recording run's last commit.",
                  round(float(trace.get("last_flush_age_s", 0.0)), 3) if on else 0),
+                ("trace_stalled_seconds_total", "counter",
+                 "Seconds callers waited for a starved trace flusher (back-pressure) in the recording run.",
+                 round(float(trace.get("stalled_s", 0.0)), 3) if on else 0),
                 ("trace_commit_failing", "gauge", "1 while the last commit attempt failed (rows kept, retried).",
                  int(on and trace.get("last_error") is not None)),
             ]

@@ -206,6 +206,7 @@ class TraceStatus(BaseModel):
     rows_durable: int | None = None
     requests_durable: int | None = None
     last_flush_age_s: float | None = None
+    stalled_s: float | None = None
     last_error: str | None = None
     detail: dict[str, Any] | None = None
 

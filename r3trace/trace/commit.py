@@ -107,8 +107,7 @@ def route_files(
         if tokens:
             tables.append(tokens_table(m.run_id, m.moe_layer_ids, m.top_k, m.with_weights, tokens,
                                        m.with_physical_ids))
-            for b in tokens:
-                acc.add_tokens(b["ts"], b["phase"], b["topk_ids"])
+            acc.add_tokens(*(np.concatenate([b[k] for b in tokens]) for k in ("ts", "phase", "topk_ids")))
         files.append((tables, acc.table(m.run_id)))
     return files
 

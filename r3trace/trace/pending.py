@@ -1,5 +1,5 @@
-"""Pending: what a TraceWriter holds between commits; Inbox: the lock that guards it and the hand-over through
-which the writer's flusher thread takes it.
+"""Pending: what a TraceWriter holds between commits; Inbox: the lock that guards it, the hand-over through
+which the writer's flusher thread takes it, and the back-pressure that keeps that thread from starving.
 
 Rows are kept as appended (a routes table, or append_tokens' checked per-token batch) with their row count;
 finished requests as requests-table rows; `open` is the requests with rows and no requests-table row yet, in
@@ -83,15 +83,29 @@ class Inbox:
     A caller appending in a tight loop re-takes the (unfair) lock within one GIL slice, so a flusher blocked on it
     starves (seen: no commit in 3 s at 180K appends/s). So when a commit is due the flusher raises `_want`, and the
     next caller takes the buffers for it, under the lock it holds anyway, and hands them over; with no caller
-    around, the flusher takes them itself after 10 ms."""
+    around, the flusher takes them itself after 10 ms.
 
-    def __init__(self, rows_per_file: int) -> None:
+    The GIL starves the flusher the same way: CPython's waiting thread asks the holder to drop the GIL only after
+    5 ms in which nobody else took it, and a caller whose numpy or torch calls release and re-take it every few
+    microseconds resets that clock each time, so the flusher runs only when it wins a race (seen: a 2 ms table
+    build took 1.9 s of wall time, and no commit landed in 3 s, beside a caller looping over append_tokens). So
+    a caller that finds the due commit more than flush_interval_s / 4 late waits, off the GIL, until a commit
+    lands (at most flush_interval_s, then not again until one lands): back-pressure only when the flusher
+    starves; the bound of writer.py (a request committed within flush_interval_s of finishing) then holds."""
+
+    def __init__(self, rows_per_file: int, flush_interval_s: float | None) -> None:
         self.lock = threading.Lock()
         self.wake = threading.Event()  # set when the flusher has something new to consider
         self.pending = Pending()  # guarded by lock
         self.rows_per_file = rows_per_file
+        self.flush_interval_s = flush_interval_s
         self._want = False
         self._handoff: queue.SimpleQueue[Taken] = queue.SimpleQueue()
+        self._landed = threading.Condition(threading.Lock())  # notified when a commit ends
+        self.commits_landed = 0  # commits ended (or failed), written under _landed
+        self._inflight_due: float | None = None  # monotonic due time of what the flusher took and has not committed
+        self._gave_up_at = -1  # commits_landed when a wait last timed out: no more waits until a commit lands
+        self.stalled_s = 0.0  # callers' time spent waiting for a starved flusher
 
     # ---------------------------------------------------------------- callers, holding `lock`
     def add_rows(self, batch: Batch, n_rows: int, rids: list[str]) -> None:
@@ -104,6 +118,36 @@ class Inbox:
             self.wake.set()
         self._hand_over()
 
+    def overdue(self) -> int | None:
+        """(Holding `lock`) commits_landed to wait past when the oldest item not yet committed, in the flusher's
+        hands or still here, is more than flush_interval_s / 4 past its due time; None: no need to wait."""
+        if self.flush_interval_s is None or self._gave_up_at == self.commits_landed:
+            return None
+        due = self._inflight_due
+        if self.pending.oldest is not None:
+            mine = self.pending.oldest + self.flush_interval_s / 2
+            due = mine if due is None else min(due, mine)
+        if due is None or time.monotonic() - due <= self.flush_interval_s / 4:
+            return None
+        return self.commits_landed
+
+    def wait_landed(self, seen: int) -> None:
+        """(Not holding `lock`) block, without the GIL, until a commit after `seen` lands (at most
+        flush_interval_s)."""
+        assert self.flush_interval_s is not None  # overdue() said so
+        t0 = time.monotonic()
+        with self._landed:
+            if not self._landed.wait_for(lambda: self.commits_landed != seen, timeout=self.flush_interval_s):
+                self._gave_up_at = seen
+            self.stalled_s += time.monotonic() - t0
+
+    def landed(self) -> None:
+        """(The flusher) its commit ended, committed or failed and put back: release the callers waiting on it."""
+        with self._landed:
+            self._inflight_due = None
+            self.commits_landed += 1
+            self._landed.notify_all()
+
     def take_all(self) -> Taken:
         """Everything not committed, what was handed over to the flusher included (flush and close)."""
         while not self._handoff.empty():
@@ -114,7 +158,13 @@ class Inbox:
         """The flusher asked for the buffers."""
         if self._want:
             self._want = False
-            self._handoff.put(self.pending.take())
+            self._handoff.put(self._take())
+
+    def _take(self) -> Taken:
+        """(Holding `lock`) the buffers for the flusher, remembering when they were due."""
+        if self.pending.oldest is not None and self.flush_interval_s is not None:
+            self._inflight_due = self.pending.oldest + self.flush_interval_s / 2
+        return self.pending.take()
 
     # ---------------------------------------------------------------- the flusher thread, not holding `lock`
     def take_for_flusher(self) -> Taken:
@@ -126,5 +176,5 @@ class Inbox:
             with self.lock:
                 mine = self._want  # still set: no caller came by, take the buffers here
                 self._want = False
-                own = self.pending.take() if mine else None
+                own = self._take() if mine else None
             return own if own is not None else self._handoff.get()  # else a caller took them meanwhile

@@ -5,7 +5,8 @@ Durability contract (docs/durability.md):
   group-commits them (commit.py): once the oldest uncommitted item is `flush_interval_s / 2` old, and at once
   when `rows_per_file` rows are waiting. A request is committed with its rows no later than
   flush_interval_s / 2 + one commit's write after it finished, so a kill -9 loses at most the requests that
-  finished in the last `flush_interval_s` (default 1 s), whatever the file size.
+  finished in the last `flush_interval_s` (default 1 s), whatever the file size. A caller that finds that commit
+  a quarter interval late waits for it (pending.Inbox: the GIL can starve the flusher).
 - Every normal end commits everything and marks the run closed: `close()`, the interpreter's exit, SIGTERM and
   SIGINT (lifecycle.py), and the engine's stop_trace / shutdown.
 - A reader never sees a partial file, and a request's row in the requests table is committed with or after
@@ -58,6 +59,7 @@ class WriterStatus:
     compactions: int
     files: int
     last_error: str | None
+    stalled_s: float = 0.0  # callers' time held back while the flusher was starved (pending.Inbox)
 
 
 class TraceWriter:
@@ -119,7 +121,7 @@ class TraceWriter:
         self.manifest.write(self.run_dir)
         self._committer = RunCommitter(self.run_dir, self.manifest, self.schema, fsync=fsync,
                                        small_rows=small_file_rows, fanin=compact_fanin, max_rows=rows_per_file)
-        self._inbox = Inbox(rows_per_file)  # its lock also guards _error, _closing and _closed
+        self._inbox = Inbox(rows_per_file, flush_interval_s)  # its lock also guards _error, _closing and _closed
         self._lock, self._wake = self._inbox.lock, self._inbox.wake
         self._committing = threading.Lock()  # one commit at a time: the flusher's, flush()'s or close()'s
         self._error: BaseException | None = None
@@ -183,6 +185,9 @@ class TraceWriter:
         with self._lock:
             self._check_open()
             self._inbox.add_rows(batch, n_rows, rids)
+            seen = None if self._error is not None else self._inbox.overdue()  # failing: the disk, not the GIL
+        if seen is not None:
+            self._inbox.wait_landed(seen)
 
     def add_request(
         self, request_id: str, *, tag: str | None = None, prompt_tokens: int | None = None,
@@ -198,6 +203,9 @@ class TraceWriter:
         with self._lock:
             self._check_open()
             self._inbox.add_request(row)
+            seen = None if self._error is not None else self._inbox.overdue()  # failing: the disk, not the GIL
+        if seen is not None:
+            self._inbox.wait_landed(seen)
 
     def status(self) -> WriterStatus:
         with self._lock:
@@ -210,6 +218,7 @@ class TraceWriter:
             requests_durable=c.requests_committed,
             last_flush_age_s=time.monotonic() - c.last_commit_monotonic, commits=c.commits,
             compactions=c.compactions, files=len(m.files), last_error=None if err is None else f"{err}",
+            stalled_s=self._inbox.stalled_s,
         )
 
     def flush(self) -> Manifest:
@@ -287,8 +296,11 @@ class TraceWriter:
                 self._wake.clear()
 
     def _commit(self, taken: Taken) -> None:
-        with self._committing:
-            self._commit_files(taken)
+        try:
+            with self._committing:
+                self._commit_files(taken)
+        finally:
+            self._inbox.landed()
 
     def _commit_files(self, taken: Taken) -> None:
         rows, requests, open_ids = taken

@@ -68,6 +68,7 @@ def test_serve_trace_over_http_and_graceful_stop(tmp_path: Path, sig: int) -> No
         assert _metric(client, "trace_requests_durable") == 1
         assert _metric(client, "trace_rows_buffered") == 0
         assert 0 <= _metric(client, "trace_last_flush_age_seconds") < 5
+        assert _metric(client, "trace_stalled_seconds_total") == 0  # one request at a time never starves the flusher
         assert client.post("/generate", json=GEN).status_code == 200  # committed only by the stop below
     finally:
         proc.send_signal(sig)
