@@ -32,6 +32,7 @@ def engine_cost(ckpt: Path, batch: int, new_tokens: int, reps: int, device: str,
 
     prompts = bench_prompts(batch, vocab_size(ckpt))
     samples: dict[str, list[float]] = {"off": [], "on": []}
+    stalled: list[float] = []
     with tempfile.TemporaryDirectory() as tmp, open_engine(ckpt, backend, batch, new_tokens, device) as eng:
         for _ in range(2):  # warm-up: Triton compiles per shape, the graph is captured
             decode_tokens_per_s(eng, prompts, new_tokens)
@@ -39,6 +40,7 @@ def engine_cost(ckpt: Path, batch: int, new_tokens: int, reps: int, device: str,
             samples["off"].append(decode_tokens_per_s(eng, prompts, new_tokens))
             eng.start_trace(Path(tmp) / "traces", run_id=f"rep{i}")
             samples["on"].append(decode_tokens_per_s(eng, prompts, new_tokens))
+            stalled.append(float(eng.trace_status().get("stalled_s", 0.0)))  # back-pressure on the scheduler
             manifest = eng.stop_trace()
             if manifest is None or manifest["rows"] == 0:
                 raise SystemExit(f"the trace of rep {i} recorded no rows: {manifest}")
@@ -46,7 +48,8 @@ def engine_cost(ckpt: Path, batch: int, new_tokens: int, reps: int, device: str,
     off, on = statistics.median(samples["off"]), statistics.median(samples["on"])
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     return {"device": name, "batch": batch, "new_tokens": new_tokens, "runs": samples,
-            "off_tokens_per_s": off, "on_tokens_per_s": on, "on_vs_off": on / off, "rows_last_run": rows}  # fmt: skip
+            "off_tokens_per_s": off, "on_tokens_per_s": on, "on_vs_off": on / off, "rows_last_run": rows,
+            "stalled_s": stalled}  # fmt: skip
 
 
 def sink_rate(tokens: int, layers: int = 58, k: int = 8, **writer_options: Any) -> dict[str, float]:
@@ -61,9 +64,10 @@ def sink_rate(tokens: int, layers: int = 58, k: int = 8, **writer_options: Any) 
                 n = min(4096, tokens - s)
                 w.append_tokens([f"req{(s + i) // 1024}" for i in range(n)], np.arange(s, s + n) % 1024, "decode",
                                 "computed", s // 4096, time.time_ns(), 0, ids[s : s + n])
+            stalled = w.status().stalled_s
         dt = time.perf_counter() - t0
         size = sum(p.stat().st_size for p in Path(tmp).rglob("part-*.parquet"))
-    return {"tokens": tokens, "tokens_per_s": tokens / dt, "bytes_per_token": size / tokens}
+    return {"tokens": tokens, "tokens_per_s": tokens / dt, "bytes_per_token": size / tokens, "stalled_s": stalled}
 
 
 def main(argv: list[str] | None = None) -> None:
