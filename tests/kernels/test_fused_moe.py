@@ -100,10 +100,13 @@ PATHS = {
 
 
 # gemv-evict-first differs from gemv-2 only in a cache hint the interpreter ignores, so its T = 17 cases (about 12 s
-# each in the interpreter, the slowest kernel tests of the CPU suite) are marked slow: `make test-all` runs them
+# each in the interpreter, the slowest kernel tests of the CPU suite) are marked slow: `make test-all` runs them. So
+# are gemv-2's and gemv-2-rows' bf16 cases at T = 17 (19 and 30 s): their fp32 twins run the same programs, and
+# T = 1 and 3 keep bf16 on every path
 PATH_CASES = [
     pytest.param(T, E, dtype, path, id=f"{T}-{E}-{dtype}-{path}",
-                 marks=[pytest.mark.slow] if (path, T) == ("gemv-evict-first", 17) else [])
+                 marks=[pytest.mark.slow] if T == 17 and (path == "gemv-evict-first" or (
+                     dtype == torch.bfloat16 and path in ("gemv-2", "gemv-2-rows"))) else [])
     for T, E in [(1, 256), (3, 33), (17, 8)] for dtype in (torch.float32, torch.bfloat16) for path in PATHS
 ]
 

@@ -33,9 +33,11 @@ def backend(heads: int, page_size: int, dtype: torch.dtype) -> TritonAttention:
     return TritonAttention(DEVICE, "triton", page_size, DecodeShape(heads, KV_LORA, ROPE), dtype)
 
 
+# V3's 128 heads (bf16, 28 s in the interpreter) are in the slow set; 64 heads keep a multi-block head grid on the CPU
 @pytest.mark.parametrize(("dtype", "heads", "page_size"), [(torch.float32, 3, 1), (torch.bfloat16, 16, 4),
                                                           (torch.float16, 5, 3), (torch.float32, 64, 2),
-                                                          (torch.bfloat16, 128, 1)], ids=str)
+                                                          pytest.param(torch.bfloat16, 128, 1, marks=pytest.mark.slow)],
+                         ids=str)
 def test_short_extends_match_the_reference(dtype: torch.dtype, heads: int, page_size: int) -> None:
     """Verifies of 4 rows and shorter extends after prefixes of 0..300 keys, a request of no rows, and one of
     SHORT_EXTEND_ROWS rows; the extend kernel is never called."""
