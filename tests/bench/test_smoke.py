@@ -51,9 +51,10 @@ def test_scripts_are_found() -> None:
         assert name in SCRIPTS
 
 
-# The seven costliest smokes (14-40 s each on two loaded cores, 138 s of the CI suite's 20 minutes) are in the slow set
-# (`make test-all`): their scripts run whole on the GPU, where their numbers come from.
-SLOW = {"invariant_cost", "eplb_corner", "short_extend", "exact_cost", "node_floor", "engine_gpu", "spec_decode"}
+# The costliest smokes of GPU benches (5-40 s each on two loaded cores, 170 s of the CI suite's 20 minutes) are in the
+# slow set (`make test-all`): their scripts run whole on the GPU, where their numbers come from.
+SLOW = {"invariant_cost", "eplb_corner", "short_extend", "exact_cost", "node_floor", "engine_gpu", "spec_decode",
+        "mla_decode_sglang", "moe_verify_tiles", "step_kernels", "moe_in_step"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if n in SLOW else []) for n in SCRIPTS])
