@@ -21,7 +21,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -182,9 +182,13 @@ class TraceWriter:
     def _stash(self, batch: Batch, n_rows: int, rids: list[str]) -> None:
         if n_rows == 0:
             return
+        self._hand_in(lambda: self._inbox.add_rows(batch, n_rows, rids))
+
+    def _hand_in(self, add: Callable[[], None]) -> None:
+        """`add` to the inbox under the lock; then, if the flusher starves, wait for its commit (pending.Inbox)."""
         with self._lock:
             self._check_open()
-            self._inbox.add_rows(batch, n_rows, rids)
+            add()
             seen = None if self._error is not None else self._inbox.overdue()  # failing: the disk, not the GIL
         if seen is not None:
             self._inbox.wait_landed(seen)
@@ -200,12 +204,7 @@ class TraceWriter:
             completion_tokens=completion_tokens, finish_reason=finish_reason, arrival_ts=arrival_ts,
             finish_ts=finish_ts, token_ids=None if token_ids is None else [int(t) for t in token_ids],
         )
-        with self._lock:
-            self._check_open()
-            self._inbox.add_request(row)
-            seen = None if self._error is not None else self._inbox.overdue()  # failing: the disk, not the GIL
-        if seen is not None:
-            self._inbox.wait_landed(seen)
+        self._hand_in(lambda: self._inbox.add_request(row))
 
     def status(self) -> WriterStatus:
         with self._lock:
