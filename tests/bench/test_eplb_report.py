@@ -53,3 +53,15 @@ def test_summary_row_counts_and_differences() -> None:
     assert row["diff_median"] == pytest.approx(0.01) and row["diff_worst"] == pytest.approx(-0.10)
     assert row["nodes_diff_median"] == pytest.approx(-0.5)
     assert row["churn"] == "17.8% / 90%"  # medians of ours' 44.0%, 6.8%, 17.8% and global's 90% a re-plan
+
+
+def test_first_replans_apart_from_later_ones() -> None:
+    """The first FIRST (2) re-plans against the better global policy, apart from the later ones, worked by hand:
+    (a) global is the better (0.85 vs 0.80): ours - it = -0.05, -0.05, then +0.05, +0.05; (b) global-newest is the
+    better (0.73 vs 0.70): -0.01, +0.01, -0.01, +0.01. Means over cells: first (-0.05 + 0.0) / 2, later
+    (+0.05 + 0.0) / 2."""
+    cells = [
+        _cell([0.80, 0.80, 0.90, 0.90], [0.85] * 4, [0.80] * 4, 2.0, 3.0),
+        _cell([0.70, 0.72, 0.74, 0.76], [0.70] * 4, [0.71, 0.71, 0.75, 0.75], 2.0, 3.0),
+    ]
+    assert summary_row("two", cells)["first_later"] == "-0.0250 / +0.0250"
