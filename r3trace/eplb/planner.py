@@ -51,7 +51,9 @@
    multi-node layout per layer the best of ours and global's, candidates.py): on the fast-drift cells of
    bench/eplb_matrix.py a budgeted re-plan moved 9.5% of slots and trailed global on the newest window by up to
    0.04 (10 of 24 cells missed it); refreshed, 7-71% of slots a re-plan (mean per cell), 2 of 24 miss. There a
-   drifting re-plan seeds only the layers whose hottest replicas set their max load (replan.py says why).
+   drifting re-plan seeds only the layers whose hottest replicas set their max load (replan.py says why). A still
+   re-plan whose budgeted plan's forecast max load stays > `stale_gain` above a fresh plan's (the previous placement
+   was made for another workload) takes the fresh plan, aligned to the previous placement.
 """
 
 from __future__ import annotations
@@ -74,9 +76,9 @@ from r3trace.eplb.pairing import paired
 from r3trace.eplb.placement import Cluster, Placement, PlacementError, from_phy2log
 from r3trace.eplb.polish import NodeRule, applies, polish
 from r3trace.eplb.refine import swap_refine
-from r3trace.eplb.replan import refreshed, seeded_plan
+from r3trace.eplb.replan import max_load_floor, over, refreshed, seeded_plan
 from r3trace.eplb.scenarios import spread
-from r3trace.eplb.score import even_gpu_load, node_counts
+from r3trace.eplb.score import even_gpu_load, node_counts, phy2log_gpu_load
 
 
 @dataclass(frozen=True)
@@ -165,6 +167,17 @@ class PlannerConfig:
     # and hot swaps (False: those). Over bench/eplb_matrix.py's 118 cells yes / tie / no 71 / 43 / 4 -> 75 / 43 / 0,
     # the 4 no's (144 GPUs / 18 nodes / 288 slots, slow drift) three ties and a yes (emax.py has why and figures)
     emax_swaps: bool = True
+    # a still re-plan whose budgeted plan's forecast max GPU load is, averaged over layers, more than stale_gain above
+    # a fresh plan's takes the fresh plan (aligned to the previous placement): the previous placement was made for
+    # another workload (a `--previous` file, a traffic switch), which the backtest cannot tell with < 2 scored windows.
+    # Kept by the budget, one whose hot experts turned cold held 4.3x the mean GPU load where the fresh plan has 1.11x
+    # (2.7x on one node; tests/analysis/test_eplb_stale.py). Noise alone: 1.01-1.29 (32 experts, 30% noise a window,
+    # a previous plan on 2 windows), the sample model's first re-plans (1,221 tokens a window) 1.04-1.35, so 0.5:
+    # none of bench/eplb_matrix.py's 118 cells trips it (0.2 would have taken two sample cells' fresh plans, +0.012
+    # and +0.022 held out, and trips on noise). In the multi-node layout the fresh plan is built only where the seeded
+    # plan is stale_gain above the max-load floor of the fresh counts (replan.max_load_floor <= the fresh plan's max
+    # load, so no switch is missed): the synthetic cells' still re-plans sat at 1.00-1.16 x that floor. < 0: never
+    stale_gain: float = 0.5
 
     def __post_init__(self) -> None:
         bad_alpha = self.ema_alpha is not None and not 0 <= self.ema_alpha <= 1
@@ -281,7 +294,15 @@ def plan(
         if not moving:
             dev = spread(loads, w, cfg.spread_windows) if cluster.slots_per_gpu > 2 else None
             noise = still_noise(loads, w, cluster) if cfg.emax_swaps else None
-            return from_phy2log(seeded_plan(w, prev, cluster, cfg, cap, tokens, dev=dev, noise=noise), w.shape[1])
+            seeded = seeded_plan(w, prev, cluster, cfg, cap, tokens, dev=dev, noise=noise)
+            limit = 1 + cfg.stale_gain
+            floor = max_load_floor(w, capped_counts(w, cluster.num_slots, cap), cluster)
+            if cfg.stale_gain < 0 or over(seeded, w, cluster, floor) <= limit:
+                return from_phy2log(seeded, w.shape[1])
+            again = fresh_plan(w, None, cluster, cfg, tokens).phy2log
+            if over(seeded, w, cluster, phy2log_gpu_load(again, w, cluster).max(1)) <= limit:
+                return from_phy2log(seeded, w.shape[1])
+            return from_phy2log(align(again, prev.phy2log, cluster), w.shape[1])
         # the fresh plan here is a full move anyway, so global's layout competes for every layer (candidates.py),
         # each layer's choice made only where the re-plan needs it (candidates.Contest)
         glob, capped = global_phy2log(w, cluster), capped_counts(w, cluster.num_slots, cap)
@@ -296,8 +317,10 @@ def plan(
     kept = swap_refine(prev.phy2log, w, prev.logcnt, cluster, swaps, cfg.min_gain, cross_nodes=not cfg.keep_groups)
     new_max = even_gpu_load(fresh, w, cluster).max(1)
     prev_max = even_gpu_load(Placement(kept, prev.log2phy, prev.logcnt), w, cluster).max(1)  # log2phy unused
-    # a moving workload (drifts) lifts the churn budget: every layer that gains over keep_tolerance is re-placed
-    share = 1.0 if moving else cfg.churn_budget
+    # a moving workload (drifts) or a previous placement that no longer fits (stale_gain) lifts the churn budget:
+    # every layer that gains over keep_tolerance is re-placed
+    no_fit = cfg.stale_gain >= 0 and float((prev_max / new_max).mean()) > 1 + cfg.stale_gain
+    share = 1.0 if moving or no_fit else cfg.churn_budget
     budget = int(share * kept.size) - int((kept != prev.phy2log).sum())
     gain = prev_max / new_max  # [L]
     moves = np.zeros_like(kept)

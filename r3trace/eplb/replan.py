@@ -191,6 +191,12 @@ def max_load_floor(w: np.ndarray, logcnt: np.ndarray, cluster: Cluster) -> np.nd
     return floor
 
 
+def over(phy2log: np.ndarray, w: np.ndarray, cluster: Cluster, bound: np.ndarray) -> float:
+    """phy2log [L, P] on the forecast w [L, E], a max GPU load per layer bound [L] (max_load_floor's, or another
+    plan's) -> the mean over layers of phy2log's max GPU load (even split) / bound."""
+    return float((phy2log_gpu_load(phy2log, w, cluster).max(1) / bound).mean())
+
+
 def floor_bound(w: np.ndarray, logcnt: np.ndarray, cluster: Cluster, margin: float) -> np.ndarray:
     """w [L, E], counts [L, E] -> [L] True where the max-load floor exceeds (1 + margin) x the mean GPU load: the
     hottest replicas, not the packing, set the max load there, so a seeded plan can come as close as a fresh one."""

@@ -122,7 +122,9 @@ def test_seeded_plan_contract_zero_move_on_same_loads_and_churn_budget() -> None
     # pairing met the max-load bound but not the expected max's)
     assert churn(first, again) <= 0.02
     shifted = rng.pareto(1.0, (3, L, E)) + 0.1
-    cfg = PlannerConfig()
+    # a workload with other hot experts: the default plans it fresh (no longer fits, test_eplb_stale.py); the budget
+    # holds for the seeded plan, which stale_gain < 0 keeps
+    cfg = PlannerConfig(stale_gain=-1.0)
     moved = plan(shifted, CL, prev=first, tokens=tok, cfg=cfg)
     check_placement(moved, CL)
     assert churn(first, moved) == pytest.approx(float((first.phy2log != moved.phy2log).mean()))
