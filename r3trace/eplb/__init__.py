@@ -2,6 +2,7 @@
 node-limited dispatch (score.py) and trace replay (replay.py). Contract: weight [L, E] -> Placement
 (phy2log [L, P], log2phy [L, E, R] padded with -1, logcnt [L, E])."""
 
+from r3trace.eplb.config import PlannerConfig
 from r3trace.eplb.deepseek import cross_node, global_policy, hierarchical
 from r3trace.eplb.placement import (
     Cluster,
@@ -13,7 +14,7 @@ from r3trace.eplb.placement import (
     to_json,
     to_sglang,
 )
-from r3trace.eplb.planner import Layout, PlannerConfig, layout, plan
+from r3trace.eplb.planner import Layout, layout, plan
 
 __all__ = [
     "Cluster", "Layout", "Placement", "PlacementError", "PlannerConfig", "churn", "cross_node", "from_phy2log",

@@ -49,7 +49,7 @@ from r3trace.eplb.score import EXACT_COVER_NODES, phy2log_gpu_load
 
 if TYPE_CHECKING:
     from r3trace.eplb.candidates import Contest
-    from r3trace.eplb.planner import PlannerConfig
+    from r3trace.eplb.config import PlannerConfig
 
 
 def seeded_counts(w: np.ndarray, prev: Placement, cluster: Cluster, cfg: PlannerConfig, cap: int,

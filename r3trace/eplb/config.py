@@ -1,0 +1,114 @@
+"""PlannerConfig: every knob of our placement planner (planner.py), each with the measurement that set it.
+
+Frozen and passed down: planner.plan and the re-plan helpers (replan.py) read it, nothing else holds one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from r3trace.eplb.placement import PlacementError
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    # Weight of the newest window in the forecast; a fixed 0.35 (~5 windows of memory) lost to DeepSeek's global
+    # policy on 8 summed windows under slow drift and would lose to the newest window alone under fast drift
+    ema_alpha: float | None = None  # None: chosen per plan by backtest on the history (choose_alpha)
+    # a re-plan the backtest calls still (not drifting) takes the longest memory whose backtest error is within
+    # alpha_tie of the best weight's: squared error in rates weighs every expert alike and ranks near weights by
+    # noise, while the max GPU load follows the hot experts, which a longer memory forecasts with less noise. Over
+    # bench/eplb_matrix.py's 118 cells (yes / tie / no against the better global): 0 -> 35 / 66 / 17, 0.02 -> 41 / 62
+    # / 15 (49 cells up, 30 down), 0.04 -> 37 / 67 / 14; applied under drift too, fast-drift cells lost up to 0.02,
+    # so drifting re-plans keep the best weight
+    alpha_tie: float = 0.02
+    home_slack: float = 0.0  # home node only when no heavier than the lightest; 0.02-0.05 lost 0.3-1 point
+    fresh_swaps: int = 32  # swaps after a fresh plan (a layer stops early once a swap gains < min_gain)
+    replan_swap_share: float = 0.05  # slots a kept layer's swaps may move (2 per swap): 7 swaps on 288 slots
+    min_gain: float = 0.002  # of the mean GPU load: smaller gains are noise in the next window
+    keep_tolerance: float = 0.06  # re-place a layer only for a >6% lower forecast max GPU load
+    churn_budget: float = 0.08  # share of all L*P slots one re-plan may move (goal: <= 10%)
+    spread_by_affinity: bool = True  # N > 1: group homes + co-activation replicas (affinity.py)
+    # leveling swaps after a fresh plan (layers stop at level_min_gain); held out on 64/8/320 at s = 0.6: 0 swaps
+    # 0.776, 32 0.789, 150 0.794 (8 nodes, 0.8 s of a 1.7 s plan at 150)
+    level_swaps: int = 48
+    level_min_gain: float = 1e-4  # of the squared mean GPU load; 1e-3 lost 0.002-0.004 held out
+    # a re-plan's leveling swaps: the fresh plan's gain floor, kept where they lower a layer's hottest GPU by more
+    # than replan_min_drop. Held out (32/4/288, s = 0.3): floor 1e-3 and a 3% drop 0.841, floor 1e-4 and any drop
+    # 0.857 (global on 8 windows 0.859), at 4.0% -> 7.3% of slots moved per re-plan
+    replan_level_min_gain: float = 1e-4
+    replan_min_drop: float = 0.0
+    level_cold: float = 0.5  # lone replicas below this x the mean slot load may leave their group's nodes
+    seeded_churn_budget: float = 0.095  # spread layout: reseated counts + leveling swaps (goal: <= 10%)
+    # every first replica stays on its group's home nodes and swaps stay inside nodes: a token's cover is never
+    # larger than under DeepSeek's hierarchical layout (the same group homes), extra replicas only add choices
+    keep_groups: bool = False
+    # polish moves per layer after a fresh plan, on layers of <= 128 slots and <= 8 nodes only (polish.py): the
+    # exact MILP's small instances 1.6-2.8% -> 0-0.5% above its proven optimum, in sample (polish.py has the figures)
+    polish_steps: int = 64
+    # a re-plan of a drifting workload (the plain mean's backtest error over the best EMA weight's > 1 + refresh_drift,
+    # forecast.drifts) re-places every layer a fresh plan lowers, when it lowers the forecast max GPU load by more
+    # than refresh_gain on average over layers (replan.refreshed). Fast drift on bench/eplb_matrix.py's cells gave
+    # 1.04-1.21 per layer at 8 nodes, slow drift 0.97-1.05; an unchanged workload never calls drift, so its
+    # re-plans keep the churn budgets
+    refresh_drift: float = 0.1
+    refresh_gain: float = 0.02
+    # a drifting re-plan seeds the layers whose max-load floor exceeds (1 + refresh_floor) x their mean GPU load (below
+    # 1.5x every such layer lost to the fresh plan on the fast-drift cells, by >= 1.6%) and 1 / refresh_probe of the
+    # others; where those probes say the rest refresh, the rest take the fresh plan unseeded (replan.py); -1: seed all
+    refresh_floor: float = 0.25
+    refresh_probe: int = 16
+    # a seeded re-plan's last swaps, with what its leveling left of the churn budget: each lowers one of the
+    # hot_gpus hottest GPUs by more than hot_min_drop x the mean GPU load, no GPU reaching its old load; over
+    # bench/eplb_matrix.py's 118 cells yes / tie / no 42 / 62 / 14 -> 48 / 59 / 11 (descent.py has the variants);
+    # 0 GPUs: none
+    hot_gpus: int = 8
+    hot_min_drop: float = 0.01
+    # a seeded re-plan's leveling swaps may move any replica across nodes (not only cold lone ones, leveling.py) in
+    # the layers whose nodes per token on the newest tokens is below (1 - cross_slack) x that of DeepSeek global's
+    # plan on the same forecast (replan.node_slack): they spend fewer nodes per token than the goal needs on
+    # balance. Over bench/eplb_matrix.py's 118 cells yes / tie / no 48 / 59 / 11 -> 52 / 56 / 10, no new no: the 23
+    # 4-node slow-drift cells +0.0023 on average (11 up, 2 down; nodes per token +0.00 .. +0.14, each still under
+    # global's), 8 nodes +0.0005 slow and +0.0021 fast (64 GPUs / 8 nodes / 320 slots at s = 0.9: -0.013 -> -0.009
+    # against global, still a no), slow-drift re-plans moving at most 9.4% of slots. With 2 slots per GPU too,
+    # 0.05 made a new no (P = E, 16 nodes: 4.76 nodes per token against global's 4.75); 0.2: 51 / 56 / 11. Only on
+    # <= 8 nodes with > 2 slots per GPU (replan.crosses); < 0: never. A re-plan at [58, 256] with 2,048 tokens took
+    # 0.035 / 0.048 s instead of 0.025 / 0.030 s (32 GPUs / 4 nodes / 288 slots, 64 / 8 / 320; medians of 7)
+    cross_slack: float = 0.1
+    # a seeded re-plan's leveling lowers the forecast's squared GPU loads plus each GPU's variance over the newest
+    # spread_windows windows (scenarios.spread: their deviations' axes above sampling noise), so it also parts experts
+    # that rise and fall together; with > 2 slots per GPU only; 0: the forecast's squares alone. Over
+    # bench/eplb_matrix.py's 118 cells yes / tie / no 52 / 56 / 10 -> 70 / 41 / 7, no new no: 88 cells of > 2 slots a
+    # GPU +0.008 on average (the grouped router's 48 +0.010, the independent router's 14 -0.0005: its windows differ
+    # by noise alone, so it mostly gets no spread), one yes to tie (-0.002, independent router, fast drift, 64 GPUs /
+    # 8 nodes / 320 slots); slow-drift re-plans move at most 9.4% of slots. With 2 slots a GPU (pairing.py re-picks
+    # after the leveling) its 30 cells moved -0.009 .. +0.004, mean +0.0001. A re-plan at [58, 320] on 8 nodes took
+    # 0.051 s instead of 0.049 (--plan-time, 3 windows: one axis kept)
+    spread_windows: int = 8
+    # a seeded re-plan's hot swaps in layers whose hottest replicas alone set the max load (replan.floor_bound, > 2
+    # slots a GPU) take drops > floor_hot_drop x the mean GPU load, not hot_min_drop (descent.py has why and figures)
+    floor_hot_drop: float = 0.002
+    # P = E: up to contest_swaps swaps lowering ours' hottest GPU (any drop) before global's layouts compete, so ours
+    # ties global's max load and wins layers on nodes per token (descent.py has why and figures); 0: none
+    contest_swaps: int = 32
+    # a still re-plan with two slots per GPU and a spare slot spends its budget after reseating on swaps of GPUs'
+    # lighter replicas that lower a bound on the next window's expected max GPU load, instead of leveling, pairing
+    # and hot swaps (False: those). Over bench/eplb_matrix.py's 118 cells yes / tie / no 71 / 43 / 4 -> 75 / 43 / 0,
+    # the 4 no's (144 GPUs / 18 nodes / 288 slots, slow drift) three ties and a yes (emax.py has why and figures)
+    emax_swaps: bool = True
+    # a still re-plan whose budgeted plan's forecast max GPU load is, averaged over layers, more than stale_gain above
+    # a fresh plan's takes the fresh plan (aligned to the previous placement): the previous placement was made for
+    # another workload (a `--previous` file, a traffic switch), which the backtest cannot tell with < 2 scored windows.
+    # Kept by the budget, one whose hot experts turned cold held 4.3x the mean GPU load where the fresh plan has 1.11x
+    # (2.7x on one node; tests/analysis/test_eplb_stale.py). Noise alone: 1.01-1.29 (32 experts, 30% noise a window,
+    # a previous plan on 2 windows), the sample model's first re-plans (1,221 tokens a window) 1.04-1.35, so 0.5:
+    # none of bench/eplb_matrix.py's 118 cells trips it (0.2 would have taken two sample cells' fresh plans, +0.012
+    # and +0.022 held out, and trips on noise). In the multi-node layout the fresh plan is built only where the seeded
+    # plan is stale_gain above the max-load floor of the fresh counts (replan.max_load_floor <= the fresh plan's max
+    # load, so no switch is missed): the synthetic cells' still re-plans sat at 1.00-1.16 x that floor. < 0: never
+    stale_gain: float = 0.5
+
+    def __post_init__(self) -> None:
+        bad_alpha = self.ema_alpha is not None and not 0 <= self.ema_alpha <= 1
+        if bad_alpha or min(self.keep_tolerance, self.home_slack, self.min_gain, self.alpha_tie) < 0:
+            raise PlacementError(f"ema_alpha={self.ema_alpha} must be in [0, 1] (0: mean); tolerances must be >= 0")
