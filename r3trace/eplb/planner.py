@@ -76,7 +76,7 @@ from r3trace.eplb.pairing import paired
 from r3trace.eplb.placement import Cluster, Placement, from_phy2log
 from r3trace.eplb.polish import NodeRule, applies, polish
 from r3trace.eplb.refine import swap_refine
-from r3trace.eplb.replan import max_load_floor, over, refreshed, seeded_plan
+from r3trace.eplb.replan import max_load_floor, over, refreshed, seeded_counts, seeded_plan
 from r3trace.eplb.scenarios import spread
 from r3trace.eplb.score import even_gpu_load, node_counts, phy2log_gpu_load
 
@@ -190,9 +190,11 @@ def plan(
         if not moving:
             dev = spread(loads, w, cfg.spread_windows) if cluster.slots_per_gpu > 2 else None
             noise = still_noise(loads, w, cluster) if cfg.emax_swaps else None
-            seeded = seeded_plan(w, prev, cluster, cfg, cap, tokens, dev=dev, noise=noise)
+            capped = capped_counts(w, cluster.num_slots, cap)  # the fresh counts: reseated, and the stale floor's
+            seeded = seeded_plan(w, prev, cluster, cfg, cap, tokens, dev=dev, noise=noise,
+                                 counts=seeded_counts(w, prev, cluster, cfg, cap, capped))
             limit = 1 + cfg.stale_gain
-            floor = max_load_floor(w, capped_counts(w, cluster.num_slots, cap), cluster)
+            floor = max_load_floor(w, capped, cluster)
             if cfg.stale_gain < 0 or over(seeded, w, cluster, floor) <= limit:
                 return from_phy2log(seeded, w.shape[1])
             again = fresh_plan(w, None, cluster, cfg, tokens).phy2log
