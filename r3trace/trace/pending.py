@@ -141,10 +141,13 @@ class Inbox:
                 self._gave_up_at = seen
             self.stalled_s += time.monotonic() - t0
 
-    def landed(self) -> None:
-        """(The flusher) its commit ended, committed or failed and put back: release the callers waiting on it."""
+    def landed(self, flusher: bool) -> None:
+        """A commit ended, committed or failed and put back: release the callers waiting on it. flusher: the
+        flusher's own commit, whose due time overdue() counted; a flush() or close() from another thread took only
+        what was not in the flusher's hands, so the flusher's due time stays until its commit ends."""
         with self._landed:
-            self._inflight_due = None
+            if flusher:
+                self._inflight_due = None
             self.commits_landed += 1
             self._landed.notify_all()
 

@@ -283,7 +283,7 @@ class TraceWriter:
                 continue
             taken = self._inbox.take_for_flusher()
             try:
-                self._commit(taken)
+                self._commit(taken, flusher=True)
                 self._error = None
             except Exception as exc:  # a full disk, say: keep the rows, say so once, try again later
                 with self._lock:
@@ -294,12 +294,12 @@ class TraceWriter:
                 self._wake.wait(timeout=min(self.flush_interval_s or 1.0, 5.0))
                 self._wake.clear()
 
-    def _commit(self, taken: Taken) -> None:
+    def _commit(self, taken: Taken, flusher: bool = False) -> None:
         try:
             with self._committing:
                 self._commit_files(taken)
         finally:
-            self._inbox.landed()
+            self._inbox.landed(flusher)
 
     def _commit_files(self, taken: Taken) -> None:
         rows, requests, open_ids = taken

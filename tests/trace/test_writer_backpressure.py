@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from r3trace.trace import TraceWriter, open_dataset
+from r3trace.trace.pending import Inbox
 
 MOE, E, K = (1, 2, 3), 16, 2
 
@@ -100,3 +101,22 @@ def test_no_back_pressure_while_commits_fail(tmp_path: Path, monkeypatch: pytest
     monkeypatch.undo()
     w.close()
     assert _committed(tmp_path) >= set(finished)
+
+
+def test_a_flush_from_another_thread_keeps_the_flushers_due_time() -> None:
+    # the flusher took a request and has not committed it; a flush() or close() commits only what was left, so its
+    # landing must not clear the flusher's due time (callers would stop waiting on a starved flusher)
+    inbox = Inbox(rows_per_file=1000, flush_interval_s=0.08)
+    with inbox.lock:
+        inbox.add_request({"request_id": "a"})
+    taken = inbox.take_for_flusher()  # no caller comes by: taken here after 10 ms
+    assert taken[1] == [{"request_id": "a"}]
+    time.sleep(0.1)  # past its due time (0.04 s after it arrived) by more than a quarter interval
+    with inbox.lock:
+        assert inbox.overdue() == 0
+    inbox.landed(flusher=False)  # another thread's flush
+    with inbox.lock:
+        assert inbox.overdue() == 1  # the flusher's commit is still overdue: callers wait past commit 1
+    inbox.landed(flusher=True)
+    with inbox.lock:
+        assert inbox.overdue() is None
