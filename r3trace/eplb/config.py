@@ -107,6 +107,14 @@ class PlannerConfig:
     # plan is stale_gain above the max-load floor of the fresh counts (replan.max_load_floor <= the fresh plan's max
     # load, so no switch is missed): the synthetic cells' still re-plans sat at 1.00-1.16 x that floor. < 0: never
     stale_gain: float = 0.5
+    # P = E, two slots per GPU: a still re-plan's budget left after reseating, leveling, pairing and hot swaps goes to
+    # E[max] swaps, each lowering the bound by more than emax_step_drop mean GPU loads; a lighter replica changes node
+    # there only in layers whose nodes per token on the newest tokens is more than emax_node_slack under DeepSeek
+    # global's plan on the same forecast, and only lone ones below level_cold x the mean slot load. On the 8 cells of
+    # 128 GPUs / 16 nodes / 256 slots (bench/eplb_matrix.py) yes / tie / no 4 / 3 / 1 -> 4 / 4 / 0, the grouped router's
+    # +0.0000 .. +0.0005 and nothing lower, mean churn 1.1-6.8% -> 1.2-6.8% (emax.py has the variants)
+    emax_node_slack: float = 0.05
+    emax_step_drop: float = 1e-4
 
     def __post_init__(self) -> None:
         bad_alpha = self.ema_alpha is not None and not 0 <= self.ema_alpha <= 1

@@ -40,6 +40,18 @@ assignment cut to the budget by its cycles lost (its cycles span 20-80 GPUs). Th
 PlannerConfig.min_gain, 0.002): without it 75 / 43 / 0 as well (grouped s = 0.9 yes, SGLang-dump s = 1.2 tie), and a
 re-plan of unchanged loads moved 6.7% of slots instead of 1.5% (tests/analysis/test_eplb_seeded.py).
 
+Without a spare slot (P = E, 128 GPUs / 16 nodes / 256 slots) the swaps come after the usual seeded re-plan
+(reseating, leveling, pairing, hot swaps), with what that left of the budget: there the hottest expert alone sets the
+max load and ours sat 0.0000-0.0013 under global held out, the light expert riding with the hot ones deciding. In place
+of that re-plan, as with a spare slot, they lost (5 / 2 / 1 yes / tie / no on the 8 cells, against 4 / 4 / 0 after).
+Across nodes they may move only lone replicas below PlannerConfig.level_cold x the mean slot load, and only in layers
+with nodes per token to spare against global's (emax_node_slack): with any replica free to cross (and in place of
+the re-plan) two one-group cells, whose layers take global's own layout in the P = E contest, rose over global's
+nodes per token (no). A swap
+must lower the bound by more than emax_step_drop: with no floor the swaps spent the whole budget (mean churn 8.5-8.9%
+a re-plan against 1.2-6.8%) for 5 / 3 / 0; at 1e-3, 4 / 3 / 1. Paired standard errors there are ~0.0001, so which of
+these cells reads yes or tie is noise; the gains (+0.0000 .. +0.0005, none lower) are not.
+
 Shape legend: L layers, E experts, P slots, G GPUs, K windows.
 """
 
@@ -80,13 +92,15 @@ def emax_bound(mu: np.ndarray, var: np.ndarray) -> tuple[np.ndarray, np.ndarray]
 
 
 def emax_swaps(phy2log: np.ndarray, w: np.ndarray, cluster: Cluster, swaps: np.ndarray, a: np.ndarray,
-               b: np.ndarray, min_drop: float = 0.0) -> np.ndarray:
+               b: np.ndarray, min_drop: float = 0.0, cross_below: np.ndarray | None = None,
+               step_drop: float = 0.0) -> np.ndarray:
     """phy2log [L, P] (two slots per GPU), forecast w [L, E], swaps [L] the most swaps per layer (2 slots each),
     variance model a, b [L] (variance_model) -> phy2log [L, P] after greedy swaps of GPUs' lighter replicas, each the
     largest drop of sum_g exp(beta mu_g + beta^2 V_g / 2) (module doc) at the layer's beta (emax_bound's, on the
     input), while one lowers it; a layer keeps them only where they lower its bound by more than min_drop mean GPU
     loads (PlannerConfig.min_gain: smaller gains are noise next window). Counts do not change; every GPU keeps its
-    heavier replica."""
+    heavier replica. cross_below [L] or None (any): a lighter replica changes node only where both swapped ones are
+    their expert's only replica and below this load, in mean GPU loads (-inf: swaps stay inside nodes)."""
     out = np.asarray(phy2log, dtype=np.int64).copy()
     n_layers, p = out.shape
     g, e, n = cluster.num_gpus, w.shape[1], cluster.num_nodes
@@ -114,11 +128,13 @@ def emax_swaps(phy2log: np.ndarray, w: np.ndarray, cluster: Cluster, swaps: np.n
     node_of = np.arange(g) // cluster.gpus_per_node  # [G]
     held = np.zeros((n_layers, e, n), dtype=np.int64)  # replicas of each expert on each node
     np.add.at(held, (rows, out, np.repeat(node_of, 2)[None, :]), 1)
+    # [L, E] experts whose replica may change node (an expert's load per replica is fixed while the swaps run)
+    roams = np.ones((n_layers, e), dtype=bool) if cross_below is None else (cnt == 1) & (per < cross_below[:, None])
     # gain[l, g, h]: the drop of layer l's sum from swapping g's and h's lighter replicas, -inf where not allowed;
     # symmetric, kept up to date on the rows and columns a swap changes
     gain = np.empty((n_layers, g, g))
     for layer in range(n_layers):
-        gain[layer] = _gains(x[layer], y[layer], px[layer], ax[layer], held[layer], node_of, gid[0])
+        gain[layer] = _gains(x[layer], y[layer], px[layer], ax[layer], held[layer], roams[layer], node_of, gid[0])
     left = np.asarray(swaps, dtype=np.int64).copy()
     while True:
         act = np.flatnonzero(left > 0)
@@ -127,7 +143,8 @@ def emax_swaps(phy2log: np.ndarray, w: np.ndarray, cluster: Cluster, swaps: np.n
         flat = gain[act].reshape(len(act), -1)
         best = flat.argmax(1)
         top = flat[np.arange(len(act)), best]
-        go = top > 1e-12 * scale[act]  # above the sum's rounding
+        # above the sum's rounding, and a drop of the bound, (1 / beta) log(sum), by more than step_drop
+        go = top > np.maximum(1e-12, -np.expm1(-beta[act] * step_drop)) * scale[act]
         scale[act[go]] -= top[go]
         left[act[~go]] = 0
         for layer, k in zip(act[go], best[go], strict=True):
@@ -143,7 +160,7 @@ def emax_swaps(phy2log: np.ndarray, w: np.ndarray, cluster: Cluster, swaps: np.n
             # the rows (and columns) that changed: the two GPUs, and the GPUs whose lighter replica is of either
             # expert (its node set changed)
             redo = np.flatnonzero((px[layer] == xi) | (px[layer] == xj))
-            part = _gains(x[layer], y[layer], px[layer], ax[layer], hl, node_of, redo)
+            part = _gains(x[layer], y[layer], px[layer], ax[layer], hl, roams[layer], node_of, redo)
             gain[layer, redo, :] = part
             gain[layer, :, redo] = part
             left[layer] -= 1
@@ -157,23 +174,24 @@ def emax_swaps(phy2log: np.ndarray, w: np.ndarray, cluster: Cluster, swaps: np.n
 
 def still_noise(loads: np.ndarray, w: np.ndarray, cluster: Cluster) -> tuple[np.ndarray, np.ndarray] | None:
     """history loads [W, L, E], forecast w [L, E] -> variance_model's (a, b) on the newest NOISE_WINDOWS windows,
-    where a still re-plan takes E[max] swaps: two slots per GPU with a spare slot (P > E: with none, every layer's
-    layout came from the P = E contest of ours and global's, candidates.py, and its swaps, descent.py) and at least
-    scenarios.MIN_WINDOWS windows to fit on; else None."""
-    if cluster.slots_per_gpu != 2 or cluster.num_slots <= w.shape[1]:
+    where a still re-plan takes E[max] swaps (two slots per GPU) and at least scenarios.MIN_WINDOWS windows to fit
+    on; else None."""
+    if cluster.slots_per_gpu != 2:
         return None
     dev = deviations(loads, w, NOISE_WINDOWS)
     return None if dev is None else variance_model(dev, w)
 
 
-def _gains(x: np.ndarray, y: np.ndarray, px: np.ndarray, ax: np.ndarray, held: np.ndarray, node_of: np.ndarray,
-           gpus: np.ndarray) -> np.ndarray:
-    """One layer's factors x, y [G], lighter and heavier experts px, ax [G], replicas per node held [E, N] -> [S, G]
-    the drop (x_g - x_h)(y_g - y_h) from swapping the lighter replicas of each g in gpus [S] with each h, -inf where
-    either would sit beside its own expert on a GPU or join a node that holds it (or nothing changes)."""
+def _gains(x: np.ndarray, y: np.ndarray, px: np.ndarray, ax: np.ndarray, held: np.ndarray, roams: np.ndarray,
+           node_of: np.ndarray, gpus: np.ndarray) -> np.ndarray:
+    """One layer's factors x, y [G], lighter and heavier experts px, ax [G], replicas per node held [E, N], experts
+    that may change node roams [E] -> [S, G] the drop (x_g - x_h)(y_g - y_h) from swapping the lighter replicas of
+    each g in gpus [S] with each h, -inf where either would sit beside its own expert on a GPU, join a node that holds
+    it or change node without roaming (or nothing changes)."""
     gi = gpus[:, None]
     gain = (x[gi] - x[None, :]) * (y[gi] - y[None, :])
     ok = (px[gi] != ax[None, :]) & (px[None, :] != ax[gi]) & (px[gi] != px[None, :])
     cross = node_of[gi] != node_of[None, :]
-    ok &= ~cross | ((held[px[None, :], node_of[gi]] == 0) & (held[px[gi], node_of[None, :]] == 0))
+    free = (held[px[None, :], node_of[gi]] == 0) & (held[px[gi], node_of[None, :]] == 0) & roams[px[gi]] & roams[px]
+    ok &= ~cross | free
     return np.where(ok, gain, -np.inf)

@@ -44,7 +44,8 @@
    `seeded_churn_budget` (across nodes for any replica where a layer's nodes per token is `cross_slack` under
    global's), and swaps on the `hot_gpus` hottest GPUs what the leveling left (descent.py). With two slots per GPU
    and a spare slot the budget after reseating goes instead to swaps of GPUs' lighter replicas that lower a bound on
-   the next window's expected max GPU load, not the forecast's max (emax.py, `emax_swaps`).
+   the next window's expected max GPU load, not the forecast's max (emax.py, `emax_swaps`); without a spare slot
+   what is left of the budget after the hot swaps does.
    These budgets hold for an unchanged workload; a drifting one (the backtest's plain
    mean erred > `refresh_drift` more than its best weight, over >= 2 windows) re-plans fresh on every layer
    that lowers the forecast max GPU load, when they lower it by > `refresh_gain` on average (refreshed; in the

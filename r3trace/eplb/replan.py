@@ -37,6 +37,7 @@ import numpy as np
 
 from r3trace.eplb.affinity import CoChoices
 from r3trace.eplb.alignment import align
+from r3trace.eplb.candidates import nodes_per_token
 from r3trace.eplb.deepseek import global_phy2log
 from r3trace.eplb.descent import hot_swaps
 from r3trace.eplb.emax import emax_swaps
@@ -87,7 +88,7 @@ def seeded_plan(w: np.ndarray, prev: Placement, cluster: Cluster, cfg: PlannerCo
     the caller has them. dev [R, L, E]: the windows' spread (scenarios.spread) the leveling lowers with the forecast's
     squares, or None. noise (a [L], b [L]): with two slots per GPU, the next window's load variance a u + b u^2 of a
     replica of load u (emax.variance_model); then the budget after reseating goes to emax.emax_swaps instead of the
-    leveling, pairing and hot swaps (emax.py says why)."""
+    leveling, pairing and hot swaps (emax.py says why), or with P = E, what those left of it."""
     e = w.shape[1]
     logcnt, swaps = seeded_counts(w, prev, cluster, cfg, cap) if counts is None else counts
     out = prev.phy2log.copy()
@@ -96,7 +97,7 @@ def seeded_plan(w: np.ndarray, prev: Placement, cluster: Cluster, cfg: PlannerCo
         return out
     co = CoChoices(None if tokens is None else tokens[:, rows], e)  # the planned layers' tokens only
     ph = reseat(prev.phy2log[rows], logcnt[rows], w[rows], co.rows, cluster)
-    if noise is not None:
+    if noise is not None and cluster.num_slots > e:
         out[rows] = emax_swaps(ph, w[rows], cluster, np.full(len(rows), swaps), noise[0][rows], noise[1][rows],
                                cfg.min_gain)
         return out
@@ -123,6 +124,16 @@ def seeded_plan(w: np.ndarray, prev: Placement, cluster: Cluster, cfg: PlannerCo
     drop = np.where(bound, cfg.floor_hot_drop, cfg.hot_min_drop)
     out[rows] = hot_swaps(out[rows], w[rows], logcnt[rows], cluster, left // 2, drop, cfg.level_cold,
                           cfg.hot_gpus if hot else 0)
+    if noise is not None:  # P = E: the rest of the budget on E[max] swaps (emax.py's P = E paragraph)
+        left = 2 * swaps - (out[rows] != ph).sum(1)
+        roam = np.full(len(rows), -np.inf)
+        if tokens is not None:
+            glob_rows = global_phy2log(w[rows], cluster) if glob is None else glob[rows]
+            newest = tokens[-SLACK_TOKENS:, rows]
+            slack = 1 - nodes_per_token(out[rows], newest, cluster) / nodes_per_token(glob_rows, newest, cluster)
+            roam = np.where(slack > cfg.emax_node_slack, cfg.level_cold / cluster.slots_per_gpu, -np.inf)
+        out[rows] = emax_swaps(out[rows], w[rows], cluster, left // 2, noise[0][rows], noise[1][rows], 0.0, roam,
+                               cfg.emax_step_drop)
     return out
 
 
