@@ -105,13 +105,14 @@ def summary_row(label: str, results: list[dict[str, Any]]) -> dict[str, Any]:
         verdicts[verdict(res).split(" ")[0]] += 1
         d = better_global(res)[1]
         first.append(float(d[:FIRST].mean()))
-        later.append(float(d[FIRST:].mean()))
+        if len(d) > FIRST:  # a cell of FIRST held-out windows or fewer has no later ones
+            later.append(float(d[FIRST:].mean()))
     n = len(results)
     return {"cells": label, "n": n, "ge_global": f"{ge} of {n}", "ge_better": f"{ge_better} of {n}",
             "verdicts": f"{verdicts['yes']} / {verdicts['tie']} / {verdicts['no']}", "nodes_le": f"{nodes_ok} of {n}",
             "diff_median": float(np.median(diff)), "diff_worst": float(min(diff)),
             "nodes_diff_median": float(np.median(nodes_diff)),
-            "first_later": f"{np.mean(first):+.4f} / {np.mean(later):+.4f}",
+            "first_later": f"{np.mean(first):+.4f} / " + (f"{np.mean(later):+.4f}" if later else "-"),
             "churn": "{:.1%} / {:.0%}".format(*np.median(churn, axis=0))}  # fmt: skip
 
 
