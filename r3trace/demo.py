@@ -5,7 +5,7 @@
 2. record a trace (POST /start_trace) while the bundled prompts are generated with
    return_routed_experts=true, each response's routes decoded and checked;
 3. open the trace with DuckDB (TraceStore) and print the heat summary, per-layer imbalance, and EPLB
-   plans made on the run's first 3/4 and scored held out on the rest (and in sample), replaying its tokens;
+   plans replayed on the trace's own tokens;
 4. say how to open the dashboard.
 """
 
@@ -113,10 +113,9 @@ def _report(out: Path, run_id: str, np: Any) -> None:
     from r3trace.analysis.heat import heat, imbalance
     from r3trace.analysis.locality import specialisation
     from r3trace.analysis.store import TraceStore
-    from r3trace.eplb.loads import run_facts
+    from r3trace.eplb.evaluate import evaluate_policy
     from r3trace.eplb.placement import Cluster
-    from r3trace.eplb.report import PlanRequest, make_report
-    from r3trace.eplb.window import leading
+    from r3trace.trace import read_token_routes
 
     store = TraceStore(out)
     m = store.run(run_id).manifest
@@ -140,19 +139,14 @@ def _report(out: Path, run_id: str, np: Any) -> None:
         print("      domain specialisation (mean over layers; KL of a domain's expert use vs the layer's, bits):")
         for tag, kl, share in by_tag.iter_rows():
             print(f"        {tag:18s} KL {kl:.3f} bits, top-{m.top_k} experts take {100 * share:.0f}% of its picks")
+    tokens = read_token_routes(store.run(run_id)).topk_ids
     cluster = Cluster(num_gpus=8, num_nodes=2, num_slots=48, num_groups=m.num_groups, node_limit=2)
-    # planned on the run's first 3/4 and scored on the rest, as `r3trace eplb --train` and the dashboard do: a
-    # placement serves the traffic after it is planned, so held out is what a policy is judged on
-    train = leading(run_facts(store.con, [store.run(run_id)])[run_id])
-    print(f"      EPLB on {cluster.num_gpus} GPUs / {cluster.num_nodes} nodes / {cluster.num_slots} slots, node limit "
-          f"{cluster.node_limit}, planned on {train or 'the whole run'} of the run (`r3trace eplb --train`); "
-          "balancedness even split / replayed, nodes per token:")
-    for policy in ("auto", "ours", "global", "hierarchical"):
-        rep = make_report(store, PlanRequest(cluster, policy, None, train, None, run_id))
-        parts = [f"{label} {s.balancedness_even:.3f} / {s.balancedness_replay:.3f}, {s.nodes_mean:.2f}"
-                 for label, s in (("held out", rep.held), ("in sample", rep.in_sample)) if s is not None]
-        name = f"auto: {rep.policy}" if policy == "auto" else policy
-        print(f"        {name:18s} " + "; ".join(parts))
+    print(f"      EPLB on {cluster.num_gpus} GPUs / {cluster.num_nodes} nodes / {cluster.num_slots} slots, "
+          f"node limit {cluster.node_limit}, replayed on the trace's {len(tokens)} tokens:")
+    for policy in ("ours", "global", "hierarchical"):
+        r = evaluate_policy(policy, weight, tokens, cluster)  # type: ignore[arg-type]
+        print(f"        {policy:12s} balancedness even-split {r['balancedness_even']:.3f}, replayed "
+              f"{r['balancedness_replay']:.3f}, nodes per token {r['nodes_mean']:.2f} (max {r['nodes_max']})")
 
 
 def main(argv: list[str] | None = None) -> int:
