@@ -3,10 +3,12 @@ load within its churn budget. Run: .venv/bin/pytest tests/analysis/test_eplb_ema
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from bench.eplb_traces import TraceSpec, load_windows
-from r3trace.eplb import Cluster, PlannerConfig, churn, plan
+from r3trace.eplb import Cluster, Placement, PlannerConfig, churn, plan
 from r3trace.eplb.emax import emax_bound, emax_swaps, variance_model
 from r3trace.eplb.forecast import backtest_errors, drifts, forecast
 from r3trace.eplb.scenarios import deviations
@@ -63,21 +65,39 @@ def test_emax_swaps_keep_anchors_and_counts_stay_in_budget_and_lower_the_bound()
     assert (after <= before + 1e-12).all() and after[2] < before[2] - 0.01
 
 
-def test_a_still_replan_lowers_the_expected_max_bound_within_its_budget() -> None:
-    # 144 GPUs / 18 nodes / 288 slots, grouped router, slow drift (bench/eplb_matrix.py's missed cells, 2 layers).
-    # Measured (the bound in mean GPU loads, layers 0 / 1): 1.941 / 1.825 with the E[max] swaps, 1.961 / 1.843 without
-    # (leveling, pairing and hot swaps); churn 0.087. Seeds 0-5: lower in every layer, by 0.001-0.020
-    cl = Cluster(144, 18, 288)
-    routes, _ = load_windows(TraceSpec(num_layers=2, windows=5, window_tokens=4096, seed=1))
+class _Replans(NamedTuple):
+    h: np.ndarray  # [5, L, E] the windows' loads
+    routes: list[np.ndarray]  # their tokens
+    first: Placement  # planned on the first 4
+    on: Placement  # the still re-plan on all 5, with E[max] swaps
+    off: Placement  # and without
+    w: np.ndarray  # [L, E] the still forecast (alpha_tie: the longest memory)
+    a: np.ndarray  # [L] the variance model's terms
+    b: np.ndarray
+
+
+def _still_replans(cl: Cluster, layers: int) -> _Replans:
+    """A grouped router's 5 windows (seed 1, s = 0.6) planned on cl: the first 4, then a still re-plan of all 5."""
+    routes, _ = load_windows(TraceSpec(num_layers=layers, windows=5, window_tokens=4096, seed=1))
     h = np.stack([heat_of(r, 256) for r in routes])
     assert not drifts(h, backtest_errors(h), PlannerConfig().refresh_drift)  # a still re-plan
     first = plan(h[:4], cl, tokens=routes[3])
     on = plan(h, cl, first, tokens=routes[4])
     off = plan(h, cl, first, tokens=routes[4], cfg=PlannerConfig(emax_swaps=False))
-    w = forecast(h, 0.0)  # the still workload's forecast (alpha_tie: the longest memory)
+    w = forecast(h, 0.0)
     dev = deviations(h, w, 8)
     assert dev is not None
     a, b = variance_model(dev, w)
+    return _Replans(h, routes, first, on, off, w, a, b)
+
+
+def test_a_still_replan_lowers_the_expected_max_bound_within_its_budget() -> None:
+    # 144 GPUs / 18 nodes / 288 slots, grouped router, slow drift (bench/eplb_matrix.py's missed cells, 2 layers).
+    # Measured (the bound in mean GPU loads, layers 0 / 1): 1.941 / 1.825 with the E[max] swaps, 1.961 / 1.843 without
+    # (leveling, pairing and hot swaps); churn 0.087. Seeds 0-5: lower in every layer, by 0.001-0.020
+    cl = Cluster(144, 18, 288)
+    r = _still_replans(cl, 2)
+    first, on, off, w, a, b = r.first, r.on, r.off, r.w, r.a, r.b
     assert (_bound(on.phy2log, w, cl, a, b) < _bound(off.phy2log, w, cl, a, b) - 0.01).all()
     assert churn(first, on) <= PlannerConfig().seeded_churn_budget
 
@@ -114,16 +134,8 @@ def test_a_still_replan_without_a_spare_slot_spends_what_is_left_on_the_bound() 
     # Measured (the bound in mean GPU loads, layer 1): 6.4051 with the E[max] swaps after the seeded re-plan, 6.4060
     # without; churn 0.034 / 0.031; two experts of layer 0 changed node (nodes per token 6.6% under global's there)
     cl = Cluster(128, 16, 256)
-    routes, _ = load_windows(TraceSpec(num_layers=3, windows=5, window_tokens=4096, seed=1))
-    h = np.stack([heat_of(r, 256) for r in routes])
-    assert not drifts(h, backtest_errors(h), PlannerConfig().refresh_drift)  # a still re-plan
-    first = plan(h[:4], cl, tokens=routes[3])
-    on = plan(h, cl, first, tokens=routes[4])
-    off = plan(h, cl, first, tokens=routes[4], cfg=PlannerConfig(emax_swaps=False))
-    w = forecast(h, 0.0)
-    dev = deviations(h, w, 8)
-    assert dev is not None
-    a, b = variance_model(dev, w)
+    r = _still_replans(cl, 3)
+    first, on, off, w, a, b = r.first, r.on, r.off, r.w, r.a, r.b
     low, high = _bound(on.phy2log, w, cl, a, b), _bound(off.phy2log, w, cl, a, b)
     assert (low <= high + 1e-12).all() and (low < high - 5e-4).any()
     assert churn(first, on) <= PlannerConfig().seeded_churn_budget
@@ -131,5 +143,5 @@ def test_a_still_replan_without_a_spare_slot_spends_what_is_left_on_the_bound() 
     light = w / (w.sum(1, keepdims=True) / cl.num_slots) < PlannerConfig().level_cold
     assert crossed.any() and not (crossed & ~light).any()
     # no layer has 50% fewer nodes per token than global's: then every swap stays inside its node
-    tight = plan(h, cl, first, tokens=routes[4], cfg=PlannerConfig(emax_node_slack=0.5))
+    tight = plan(r.h, cl, first, tokens=r.routes[4], cfg=PlannerConfig(emax_node_slack=0.5))
     np.testing.assert_array_equal(_nodes(tight.phy2log, cl), _nodes(off.phy2log, cl))
