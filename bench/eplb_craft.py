@@ -11,7 +11,7 @@ layers. Two budgets: the uniform cell's redundant slots (the memory global and o
 claim: as balanced with fewer replicas). Per-layer slot counts do not fit SGLang's or DeepSeek's [layers, slots]
 maps, which hold one count for every layer, so neither ours nor any `r3trace eplb` export can take such a plan.
 
-Run: .venv/bin/python -m bench.eplb_craft [--out FILE]   (15 cells, ~3 min on 2 cores)
+Run: .venv/bin/python -m bench.eplb_craft [--out FILE]   (15 cells, ~3 min on 2 cores; --smoke: one, seconds)
 """
 
 from __future__ import annotations
@@ -97,11 +97,13 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--windows", type=int, default=WINDOWS)
+    ap.add_argument("--smoke", action="store_true", help="one sample cell of 5 windows, nothing written: make test")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
-    base = TraceSpec(windows=args.windows)
-    chosen = [c for c in cells("shape", base) if (c.gpus, c.nodes, c.slots) in SHAPES]
+    base = TraceSpec(windows=5 if args.smoke else args.windows)
+    chosen = [] if args.smoke else [c for c in cells("shape", base) if (c.gpus, c.nodes, c.slots) in SHAPES]
     chosen += [c for c in cells("sample", base) if c.slots > c.spec.num_experts]  # 4 layers, each its own skew
+    chosen = chosen[:1] if args.smoke else chosen
     results = []
     for c in chosen:
         r = run_cell(c)
@@ -109,6 +111,8 @@ def main(argv: list[str] | None = None) -> None:
         m = {k: float(np.mean(v)) for k, v in r["rows"].items()}
         print(f"{r['cell']}: global {m['global']:.4f}  craft {m['craft']:.4f}  craft at half the spare slots "
               f"{m['craft_half']:.4f}", flush=True)
+    if args.smoke:
+        return
     args.out.write_text(json.dumps({"windows": args.windows, "max_level": MAX_LEVEL, "results": results,
                                     "seconds": time.perf_counter() - t0}, indent=1) + "\n")
     print(f"wrote {args.out}")

@@ -148,12 +148,17 @@ def check_contract(run_dir: Path, finished: dict[str, tuple[int, float]], killed
     must = {rid for rid, (_, t) in finished.items() if t <= horizon}
     missing = sorted(must - {r for r, why in committed.items() if why == "length"})
     assert not missing, f"{len(missing)} finished requests lost, e.g. {missing[:3]} ({case})"
+    # the child logs a request right after add_request returns, so a stop (or the flusher's commit before a kill) can
+    # fall between the two: at most one request is committed as finished without a log line; its rows are checked
+    # as those of its committed length
+    unlogged = [rid for rid, why in committed.items() if why == "length" and rid not in finished]
+    assert len(unlogged) <= 1, f"{unlogged[:3]} committed as finished but never logged ({case})"
     for rid, why in committed.items():  # a committed request has every row, with the values it was given
         if why != "length":
             continue
-        n, _ = finished.get(rid, (None, 0.0))
-        assert n is not None, f"{rid} committed as finished but never logged"
         got = np.array([r[3] for r in by_req.get(rid, [])], np.int32).reshape(-1, len(MOE), K)
+        n = finished[rid][0] if rid in finished else len(got)
+        assert len(got) > 0 or n == 0, rid
         np.testing.assert_array_equal(got, expected_ids(int(rid[1:]), n), err_msg=rid)
     # rows of requests that did not finish are visible only with the request marked unfinished
     unfinished = {rid for rid, why in committed.items() if why == "unfinished"} | set(
