@@ -44,7 +44,7 @@ from r3trace.trace.schema import (
     fsync_path,
     run_dir_name,
 )
-from r3trace.trace.tokens import tokens_table
+from r3trace.trace.tokens import merge_tokens, tokens_table
 
 
 def now_iso() -> str:
@@ -105,9 +105,10 @@ def route_files(
                     t.column("phase").combine_chunks().indices.to_numpy(), t.column("layer_id").to_numpy(), ids)
         tokens = [b for b in group if not isinstance(b, pa.Table)]
         if tokens:
-            tables.append(tokens_table(m.run_id, m.moe_layer_ids, m.top_k, m.with_weights, tokens,
+            merged = merge_tokens(tokens)
+            tables.append(tokens_table(m.run_id, m.moe_layer_ids, m.top_k, m.with_weights, merged,
                                        m.with_physical_ids))
-            acc.add_tokens(*(np.concatenate([b[k] for b in tokens]) for k in ("ts", "phase", "topk_ids")))
+            acc.add_tokens(merged["ts"], merged["phase"], merged["topk_ids"])
         files.append((tables, acc.table(m.run_id)))
     return files
 

@@ -2,8 +2,8 @@
 
 Shape legend: T tokens, L MoE layers, K top-k, E experts. The caller (the engine's scheduler thread, once per
 forward) pays `check_tokens`: a few numpy passes over T entries and the [T, L, K] ids. The flusher thread then
-builds one table from all the batches of a commit (`tokens_table`) and its heat rollup at token level
-(`RollupAccumulator.add_tokens`): a commit of 4K tokens x 58 layers (64 requests x 63 decode steps) builds in a
+merges a commit's batches once a file (`merge_tokens`) into its table (`tokens_table`) and its heat rollup at token
+level (`RollupAccumulator.add_tokens`): a commit of 4K tokens x 58 layers (64 requests x 63 decode steps) builds in a
 few milliseconds, with no per-row Python strings, so the flusher holds the GIL, which the scheduler thread
 needs, for as little as it can.
 """
@@ -57,17 +57,30 @@ def check_tokens(
     }
 
 
+def merge_tokens(batches: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """check_tokens outputs, in order -> one batch of all their tokens: each column concatenated once (a commit's
+    table and its rollup both read the merged ids), request ids chained; one batch is returned as it is."""
+    if len(batches) == 1:
+        return batches[0]
+    out: dict[str, Any] = {"request_id": [r for b in batches for r in b["request_id"]]}
+    for key, first in batches[0].items():
+        if key != "request_id":
+            out[key] = None if first is None else np.concatenate([b[key] for b in batches])
+    return out
+
+
 def tokens_table(run_id: str, moe_layer_ids: Sequence[int], top_k: int, with_weights: bool,
-                 batches: Sequence[dict[str, Any]], with_physical_ids: bool = False) -> pa.Table:
-    """check_tokens outputs, in order -> one routes table of T * L rows, token-major, layers in manifest order."""
+                 batch: dict[str, Any], with_physical_ids: bool = False) -> pa.Table:
+    """One check_tokens output (merge_tokens: several) -> a routes table of T * L rows, token-major, layers in
+    manifest order."""
     n_layers = len(moe_layer_ids)
 
-    def per_row(key: str) -> np.ndarray:  # [T] over the batches -> [T * L]
-        return np.repeat(np.concatenate([b[key] for b in batches]), n_layers)
+    def per_row(key: str) -> np.ndarray:  # [T] -> [T * L]
+        return np.repeat(batch[key], n_layers)
 
     lookup: dict[str, int] = {}
-    codes = np.fromiter((lookup.setdefault(r, len(lookup)) for b in batches for r in b["request_id"]), np.int32)
-    ids = np.concatenate([b["topk_ids"] for b in batches])  # [T, L, K]
+    codes = np.fromiter((lookup.setdefault(r, len(lookup)) for r in batch["request_id"]), np.int32)
+    ids = batch["topk_ids"]  # [T, L, K]
     t = len(ids)
     cols: list[pa.Array] = [
         _dictionary(np.zeros(t * n_layers, dtype=np.int32), [run_id]),
@@ -82,11 +95,9 @@ def tokens_table(run_id: str, moe_layer_ids: Sequence[int], top_k: int, with_wei
         pa.FixedSizeListArray.from_arrays(pa.array(ids.reshape(-1)), top_k),
     ]
     if with_weights:
-        w = np.concatenate([b["topk_weights"] for b in batches])
-        cols.append(pa.FixedSizeListArray.from_arrays(pa.array(w.reshape(-1)), top_k))
-    if with_physical_ids:
-        phys = np.concatenate([b["physical_ids"] for b in batches])  # [T, L, K], rows as topk_ids
-        cols.append(pa.FixedSizeListArray.from_arrays(pa.array(phys.reshape(-1)), top_k))
+        cols.append(pa.FixedSizeListArray.from_arrays(pa.array(batch["topk_weights"].reshape(-1)), top_k))
+    if with_physical_ids:  # [T, L, K], rows as topk_ids
+        cols.append(pa.FixedSizeListArray.from_arrays(pa.array(batch["physical_ids"].reshape(-1)), top_k))
     return pa.Table.from_arrays(cols, schema=route_schema(top_k, with_weights, with_physical_ids))
 
 
