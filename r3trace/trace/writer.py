@@ -22,7 +22,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -39,27 +39,11 @@ from r3trace.trace.schema import (
     route_schema,
     run_dir_name,
 )
+from r3trace.trace.status import WriterStatus
 from r3trace.trace.tokens import check_tokens, distinct
 
 log = logging.getLogger("r3trace.trace")
 MAX_FLUSH_INTERVAL_S = 3600.0
-
-
-@dataclass(frozen=True)
-class WriterStatus:
-    """What /metrics and `Engine.trace_status()` report about a recording run."""
-
-    run_id: str
-    run_dir: str
-    rows_buffered: int  # captured, not yet in a committed file
-    rows_durable: int  # in files the manifest lists
-    requests_durable: int
-    last_flush_age_s: float  # since the last commit (or since the run started)
-    commits: int
-    compactions: int
-    files: int
-    last_error: str | None
-    stalled_s: float = 0.0  # callers' time held back while the flusher was starved (pending.Inbox)
 
 
 class TraceWriter:
