@@ -1,5 +1,5 @@
-"""The trace contract: schema and manifest (schema.py), TraceWriter (writer.py) and its status (status.py), readers (reader.py),
-the Arrow IPC stream (stream.py)."""
+"""The trace contract: schema and manifest (schema.py), TraceWriter (writer.py) and its status (status.py),
+readers (reader.py), the Arrow IPC stream (stream.py)."""
 
 from r3trace.trace.commit import write_heat_run
 from r3trace.trace.reader import RunFiles, TokenRoutes, open_dataset, read_token_routes, recover_run
