@@ -13,12 +13,13 @@ One step = one forward that mixes decode tokens and prefill chunks under a budge
 Where each request's KV goes (admission with the prefix match, growth, release to the prefix cache) is
 `KVAllocator`'s (kv_allocator.py). Capture plugs in through `RequestHooks` (all called on the scheduler thread,
 KV still valid): on_admit after the prefix match, on_retract and on_finish before the request's KV is freed. A
-forward's end is the recorder's on_forward_end, which the model calls.
+forward's end is the recorder's on_forward_end, which the model calls. Under speculative decoding a decoding
+request's step is a verify: its items and draft counts are VerifySchedule's, its tokens kept by `accept`
+(spec/schedule.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections import deque
 
 import numpy as np
@@ -29,8 +30,9 @@ from r3trace.engine.kv_pool import KVPool, ReqToTokenPool
 from r3trace.engine.radix_cache import RadixCache
 from r3trace.engine.request import FinishReason, LogprobEntry, Req
 from r3trace.engine.request_hooks import NullHooks, RequestHooks
+from r3trace.engine.spec.schedule import VerifySchedule, accept
 from r3trace.engine.step import ReqOutput, ScheduledReq
-from r3trace.engine.stop_rules import finish_reason, none_can_finish
+from r3trace.engine.stop_rules import finish_reason
 from r3trace.engine.tokenizer import TextTokenizer
 
 
@@ -56,7 +58,7 @@ class Scheduler:
         # Speculative decoding: a decoding request verifies up to spec_steps draft tokens a step (0: off), in launches
         # of up to launch_steps steps chained on the device (1: one step a launch; only the graphs chain steps)
         self.spec_steps = config.spec_steps
-        self.launch_steps = config.launch_steps
+        self.verifies = VerifySchedule(self.kv, config, max_context_len, self._item)  # spec/schedule.py
 
     # ------------------------------------------------------------------ queue
     def add(self, req: Req) -> None:
@@ -91,7 +93,7 @@ class Scheduler:
         decoding_after = sum(r.in_decode for r in self.running) if self.spec_steps else 0
         i = 0
         if self.spec_steps and self.running and decoding_after == len(self.running):
-            items = self._chain_verifies(budget) or self._grow_verifies(budget)
+            items = self.verifies.chain(self.running, self.waiting, budget) or self.verifies.grow(self.running, budget)
             budget -= sum(it.extend_len for it in items)
             i = len(items)
         while i < len(self.running) and budget > 0:
@@ -99,7 +101,7 @@ class Scheduler:
             want = min(req.seq_len - req.kv_len, budget)
             if self.spec_steps and req.in_decode:
                 decoding_after -= 1
-                want = 1 + self._draft_len(req, budget - decoding_after)
+                want = 1 + self.verifies.draft_len(req, budget - decoding_after)
             slots = self.kv.grow(req, want)
             while slots is None:
                 victim = self.running[-1]
@@ -160,59 +162,6 @@ class Scheduler:
             req.inflight += 1
         return items
 
-    def _grow_verifies(self, budget: int) -> list[ScheduledReq]:
-        """Speculation, every running request decoding: the verify items of all of them at once, exactly what the
-        per-request loop of `schedule` gives when the step's budget and the free pages hold every request's d + 1
-        positions (no draft cut, no eviction, no retraction); [] otherwise (the loop then runs). Their slots come
-        from KVAllocator.grow_all: one page allocation and one req_to_token write for the step."""
-        ctx = self.max_context_len
-        wants = [1 + max(0, min(self.spec_steps, ctx - r.seq_len - 1)) for r in self.running]
-        if sum(wants) > budget:
-            return []
-        slots = self.kv.grow_all(self.running, wants)
-        if slots is None:
-            return []
-        items = []
-        at = 0
-        for req, want in zip(self.running, wants, strict=True):
-            items.append(self._item(req, slots[at : at + want]))
-            at += want
-        return items
-
-    def _chain_verifies(self, budget: int) -> list[ScheduledReq]:
-        """A chained launch (launch_steps S > 1), when every running request can run S greedy steps of d drafts on
-        the device without the host between them: greedy with nothing that reads output counts (penalties, bias,
-        a min_new_tokens ahead), no logprobs or forced routes, room for S x (d + 1) more positions, and no waiting
-        request that could take a seat (it would wait S steps). Each request's S x (d + 1) slots are reserved at
-        once; [] otherwise (a step of one)."""
-        s, n = self.launch_steps, 1 + self.spec_steps
-        if s == 1 or len(self.running) * n > budget:
-            return []
-        if self.waiting and len(self.running) < self.config.max_running_requests:
-            return []
-        for r in self.running:
-            p = r.params
-            if (not p.is_greedy or p.has_penalty or p.logit_bias or len(r.output_ids) < p.min_new_tokens
-                    or r.logprob is not None or r.replay is not None or r.seq_len + s * n > self.max_context_len):
-                return []
-        slots = self.kv.grow_all(self.running, [s * n] * len(self.running))
-        if slots is None:
-            return []
-        items = []
-        for i, req in enumerate(self.running):  # _item books all S x n positions; a step verifies n of them
-            reserved = slots[i * s * n : (i + 1) * s * n]
-            items.append(dataclasses.replace(self._item(req, reserved), extend_len=n, out_cache_loc=reserved[:n],
-                                             draft_len=n - 1, chain_slots=reserved))
-        return items
-
-    def _draft_len(self, req: Req, budget: int) -> int:
-        """Draft tokens a decoding request verifies this step: spec_steps, fewer only when the context limit or the
-        step's token budget is short. A request near max_new_tokens still verifies spec_steps drafts: the stop rule
-        drops tokens past its limit (_accept frees their KV), and the step keeps the uniform d + 1 rows a request
-        that its CUDA graphs need (a step with one shorter verify ran eager: about 45% of the steps at batch 32 on
-        the sample model, each ~10x a graph step's time)."""
-        return max(0, min(self.spec_steps, self.max_context_len - req.seq_len - 1, budget - 1))
-
     def _item(self, req: Req, slots: np.ndarray) -> ScheduledReq:
         start, n = req.kv_len, len(slots)
         req.kv_len += n
@@ -243,7 +192,8 @@ class Scheduler:
         # reads or emits the forward's routes (a finishing request's on_finish drains the capturer's copy).
         verified = [(it, out) for it, out in zip(items, outputs, strict=True)
                     if it.phase == "verify" and not it.req.finished]
-        stops = {id(it.req): self._accept(it, out) for it, out in verified}
+        stops = {id(it.req): accept(it, out, self.eos_token_ids, self.tokenizer, self.max_context_len, self.hooks)
+                 for it, out in verified}
         # one free for the step: the pages past each kept position (after a chained launch's last step only)
         self.kv.trim([it.req for it, _ in verified if not it.more_steps])
         for item, out in zip(items, outputs, strict=True):
@@ -287,42 +237,6 @@ class Scheduler:
                     self._updates.append(req)
             elif item.end == req.seq_len:  # max_new_tokens == 0: prefill only
                 self._finish(req, FinishReason("length", length=len(req.output_ids)))
-
-    def _accept(self, item: ScheduledReq, out: ReqOutput) -> FinishReason | None:
-        """A verify item's tokens, appended one at a time under the stop rules (a stop drops the tokens after it),
-        the KV of every position past them is freed after the step's last _accept (process): rejected drafts, and
-        drafts accepted after a stop."""
-        req = item.req
-        assert out.next_tokens is not None
-        req.inflight = 0  # a verify is its request's one step in flight (a chained launch's: each step ends it)
-        req.spec_verify_ct += 1
-        # drafts that could become output: one token of the verify is the target's, none past max_new_tokens
-        req.spec_num_proposed_drafts += min(item.draft_len, req.params.max_new_tokens - len(req.output_ids) - 1)
-        tokens = out.next_tokens
-        stop = None
-        if none_can_finish(req, tokens, self.eos_token_ids, self.max_context_len):
-            req.output_ids += tokens
-            appended = len(tokens)
-        else:
-            appended = 0
-            for tok in tokens:
-                appended += 1
-                req.output_ids.append(tok)
-                stop = finish_reason(req, self.eos_token_ids, self.tokenizer, self.max_context_len)
-                if stop is not None:
-                    break
-        if req.logprob is not None and out.next_logprobs is not None:
-            for j, tok in enumerate(tokens[:appended]):
-                req.output_logprobs.append((out.next_logprobs[j], tok, None))
-                if out.next_tops is not None:
-                    req.output_top_logprobs.append(out.next_tops[j])
-                if out.next_ids_lps is not None:
-                    req.output_token_ids_logprobs.append(out.next_ids_lps[j])
-        req.spec_num_correct_drafts += appended - 1  # drafts that became output (accepted after a stop: dropped)
-        kept = req.seq_len - 1 - item.start  # positions start.. whose input token is committed: one per token kept
-        req.kv_len = item.start + kept
-        self.hooks.on_reject(req, item.start, kept, item.out_cache_loc[kept:])
-        return stop
 
     # ------------------------------------------------------------------ lifecycle hooks
     def _finish(self, req: Req, reason: FinishReason) -> None:

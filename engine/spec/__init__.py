@@ -6,6 +6,7 @@
 |             | construction-time check that no draft routing op can write a recorder's buffer          |
 | drafter.py  | Drafter: the draft layer's latent cache, each request row's drafts, chain and extend    |
 | verify.py   | acceptance: greedy longest prefix, rejection sampling under temperature                  |
+| schedule.py | VerifySchedule: a step's verify items and draft counts; accept: tokens kept under the stops |
 | runner.py   | SpecRunner: one step (chain, target verify, acceptance, draft extend), one wait          |
 | penalised.py | penalties, min_new_tokens and logit_bias on each verify row, as plain decoding applies them |
 | graphs.py   | SpecGraphs: the chain, verify and extend forwards as CUDA graphs, one set per batch size, |
@@ -13,8 +14,8 @@
 | greedy_step.py | GreedyStep: chain drafts, verify, acceptance and draft extend on the graphs' static inputs |
 
 What runs when (EngineConfig.speculative_algorithm set): every step of a decoding request is a verify of its last
-token and d' <= speculative_num_steps drafts (Scheduler._draft_len); prefill chunks run as without speculation and
-are followed by a draft extend over their rows. The scheduler keeps the accepted tokens, frees the rejected
+token and d' <= speculative_num_steps drafts (VerifySchedule.draft_len); prefill chunks run as without speculation
+and are followed by a draft extend over their rows. The scheduler keeps the accepted tokens, frees the rejected
 positions' KV and tells route capture to drop their rows (RequestHooks.on_reject) before any reader sees them.
 
 CUDA graphs (EngineConfig.graph_batch_sizes; the default ladder stops at the verifies of d + 1 tokens one step's

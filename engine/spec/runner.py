@@ -18,7 +18,7 @@ reserved S steps of KV: ScheduledReq.chain_slots) replays S greedy steps as one 
 a time (spec/launch_steps.py); one that cannot run on the graphs runs its first step alone. Nothing in launch waits
 on the device; collect waits once. The scheduler then keeps counts[b] tokens of request b
 (fewer when a stop rule ends it), frees the KV of the rest and tells the capturer which rows were rejected
-(Scheduler._accept, RequestHooks.on_reject) before anything reads the forward's routes.
+(spec.schedule.accept, RequestHooks.on_reject) before anything reads the forward's routes.
 """
 
 from __future__ import annotations

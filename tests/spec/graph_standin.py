@@ -55,7 +55,7 @@ def install_spec_graphs(engine: Engine, batch_sizes: tuple[int, ...]) -> SpecGra
         runner.spec_graphs = graphs
         # as for an engine built with graphs (EngineConfig.launch_steps), whose capture buffer holds a launch's rows
         launch = engine.config.speculative_launch_steps
-        core.scheduler.launch_steps = launch
+        core.scheduler.verifies.launch_steps = launch
         rows = launch * graphs.max_bs * graphs.tokens
         assert engine.capturer is None or engine.capturer.buffers.dev_ids.shape[1] >= rows, "capture buffer too small"
         return graphs

@@ -1,7 +1,7 @@
-"""The speculative scheduler's one-allocation path (Scheduler._grow_verifies: every running request verifying, all
+"""The speculative scheduler's one-allocation path (VerifySchedule.grow: every running request verifying, all
 d + 1 positions of each in one page allocation and one req_to_token write) schedules exactly what the per-request
 loop of Scheduler.schedule does: the same requests, positions, draft counts and KV slots every step, over chunked
-prefill, page boundaries, a context limit, requests finishing at different steps and retraction. Scheduler._accept's
+prefill, page boundaries, a context limit, requests finishing at different steps and retraction. spec.schedule.accept's
 one stop check for a verify's tokens (stop_rules.none_can_finish) holds only where no token would stop.
 
 Run: TRITON_INTERPRET=1 .venv/bin/pytest -q tests/spec/test_spec_schedule.py
@@ -30,10 +30,10 @@ def schedules(engine: Engine, per_request_only: bool, sampling: list[dict[str, A
     sched = engine.scheduler
     steps: list[Step] = []
     fast = [0]
-    schedule, grow = sched.schedule, sched._grow_verifies
+    schedule, grow = sched.schedule, sched.verifies.grow
 
-    def grow_verifies(budget: int) -> list:
-        items = [] if per_request_only else grow(budget)
+    def grow_verifies(running: list, budget: int) -> list:
+        items = [] if per_request_only else grow(running, budget)
         fast[0] += bool(items)
         return items
 
@@ -43,7 +43,7 @@ def schedules(engine: Engine, per_request_only: bool, sampling: list[dict[str, A
                        it.out_cache_loc.tolist()) for it in items])
         return items
 
-    sched._grow_verifies, sched.schedule = grow_verifies, record  # type: ignore[method-assign]
+    sched.verifies.grow, sched.schedule = grow_verifies, record  # type: ignore[method-assign]
     engine.generate(input_ids=prompts(seed=5), sampling_params=sampling)
     return steps, fast[0]
 
@@ -68,7 +68,7 @@ def test_one_allocation_path_schedules_what_the_loop_does(make_spec_engine: Engi
 
 
 def test_none_can_finish_only_where_no_token_stops() -> None:
-    """stop_rules.none_can_finish (Scheduler._accept's one check for a verify's tokens) is True only where
+    """stop_rules.none_can_finish (spec.schedule.accept's one check for a verify's tokens) is True only where
     finish_reason, called after each token as it is appended, returns None for every one; and it is True often
     enough to matter (most random cases here: room to spare, stop ids outside the tokens)."""
     rng = np.random.default_rng(0)
