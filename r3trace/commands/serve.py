@@ -96,9 +96,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info")
 
 
-BACKEND_FIELDS = ("attention_backend", "moe_backend", "topk_backend", "norm_backend", "rope_backend")
-
-
 def fast_path(args: argparse.Namespace) -> tuple[str, int]:
     """(backend, page_size) for the command line: what a user of --device cuda gets without knowing the flags
     (the triton backends, which also turn on CUDA graphs, and 64-slot pages for Hopper's Gluon decode); the
@@ -113,6 +110,8 @@ def fast_path(args: argparse.Namespace) -> tuple[str, int]:
 
 def engine_options(args: argparse.Namespace) -> dict[str, object]:
     """EngineConfig fields from the command line (EngineConfig validates them and names the field it rejects)."""
+    from r3trace.engine.kernel_modes import BACKENDS  # the engine's import, here: `--help` stays light
+
     backend, page_size = fast_path(args)
     return {
         "dtype": args.dtype, "device": args.device, "max_running_requests": args.max_running_requests,
@@ -121,7 +120,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, object]:
         "overlap_schedule": not args.no_overlap, "enable_prefix_cache": not args.no_prefix_cache,
         "deterministic": args.enable_deterministic_inference, "batch_invariant": args.batch_invariant,
         **({"row_invariant": False} if args.no_row_invariant else {}),
-        **dict.fromkeys(BACKEND_FIELDS, backend),
+        **dict.fromkeys(BACKENDS, backend),
         "ep_num_redundant_experts": args.ep_num_redundant_experts, "init_expert_location": args.init_expert_location,
         "ep_dispatch_algorithm": args.ep_dispatch_algorithm, "expert_dispatch_seed": args.expert_dispatch_seed,
         "capture_physical_ids": args.capture_physical_ids,
