@@ -1,0 +1,51 @@
+"""bench/eplb_auto.py's scoring of pick rules from its file: picks rebuilt from the stored folds, held-out differences
+against ours + ema and the best in hindsight, and the cell counts. Hand-made points, every figure known.
+
+Run: .venv/bin/pytest -q tests/bench/test_eplb_auto.py
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from bench.eplb_auto import fixed, rule_auto, rule_rank_all, score_rules
+
+
+def point(history: int, folds: dict[str, list[float]], held: dict[str, float]) -> dict[str, Any]:
+    """A re-plan point: backtest folds per candidate (nodes 2.0 for ours, 3.0 else) and held-out replay figures."""
+    return {"history": history,
+            "backtest": {k: {"folds": v, "nodes": [2.0 if k.startswith("ours") else 3.0] * len(v)}
+                         for k, v in folds.items()},
+            "held": {k: {"replay": b, "even": b, "nodes": 2.0 if k.startswith("ours") else 3.0}
+                     for k, b in held.items()}}
+
+
+# global + mean leads ours + ema by 0.05, -0.01, 0.05, -0.01 over the folds: mean 0.02, one standard error 0.017
+NOISY = {"ours/ema": [0.90, 0.92, 0.90, 0.92], "global/mean": [0.95, 0.91, 0.95, 0.91]}
+# ... by 0.03 in every fold: beyond doubt
+STEADY = {"ours/ema": [0.90, 0.90, 0.90, 0.90], "global/mean": [0.93, 0.93, 0.93, 0.93]}
+
+
+def test_rules_pick_from_the_stored_folds() -> None:
+    assert rule_auto(point(8, NOISY, {})) == "ours/ema"  # within two standard errors: the incumbent stays
+    assert rule_rank_all(point(8, NOISY, {})) == "global/mean"  # beyond max(TIE, one): ranked first
+    assert rule_auto(point(8, STEADY, {})) == rule_rank_all(point(8, STEADY, {})) == "global/mean"
+
+
+def test_scores_against_ours_and_the_best_in_hindsight() -> None:
+    held_a = {"ours/ema": 0.80, "global/mean": 0.70, "global/newest": 0.85}
+    held_b = {"ours/ema": 0.90, "global/mean": 0.95, "global/newest": 0.90}
+    cells = [{"points": [point(2, NOISY, held_a), point(3, STEADY, held_a)]},
+             {"points": [point(2, NOISY, held_b), point(3, STEADY, held_b)]}]
+    s = score_rules(cells, {"auto": rule_auto, "rank all": rule_rank_all, "global + mean": fixed("global/mean")})
+    auto = s["auto"]  # picks ours, global, ours, global: -0.10 / 0 best 0.85 / +0.05 best 0.95
+    assert auto["vs_ours"][0] == pytest.approx((0 - 0.10 + 0 + 0.05) / 4)
+    assert auto["vs_best"] == pytest.approx((-0.05 - 0.15 - 0.05 + 0) / 4)
+    assert auto["ours_share"] == 0.5 and auto["points"] == 4
+    assert auto["nodes_vs_ours"] == pytest.approx(0.5)
+    assert auto["by_history"][2] == [0.0, 0.0] and auto["by_history"][3][0] == pytest.approx(-0.025)
+    g = s["global + mean"]  # cell a: -0.10 twice (behind beyond 2 SE: SE 0), cell b: +0.05 twice (ahead)
+    assert g["vs_ours"][0] == pytest.approx(-0.025) and g["cells_behind"] == 1 and g["cells_ahead"] == 1
+    assert s["rank all"]["vs_ours"][0] == pytest.approx(g["vs_ours"][0])  # it picked global + mean every time
