@@ -5,14 +5,16 @@ CLI cuts its training window into: 8 by default, fewer on a short trace). As `r3
 the backtest scores every policy x forecast on the newest FOLDS history windows in turn, each planned from the
 windows before it with the newest REPLAY tokens before it, replaying the scored window's first REPLAY tokens (none
 for the sglang-dump family: heat-only, the rule ranks the even split); backtest.choose picks one, which plans fresh on
-the whole history. Every candidate also plans fresh on the whole history and is scored on window t + 1: the held-out
-figure of each fixed choice (`--policy X --forecast Y`) beside auto's pick, and the one that was best in hindsight.
+the whole history. Every candidate also plans fresh on the whole history and is scored on window t + 1 by node-limited
+replay of its first REPLAY tokens (in every cell: the sglang-dump family's tokens exist, hidden from its planners and
+its backtest): the held-out figure of each fixed choice (`--policy X --forecast Y`) beside auto's pick, and the one
+that was best in hindsight.
 A plan is fresh (no `--previous`), so ours here differs from the matrix's ours, which re-plans from its last plan.
 
 The JSON keeps every point's per-fold backtest balancedness and nodes per token and every candidate's held-out
 figures, so another pick rule is scored from the file without planning again (`rules` below).
 
-Run: .venv/bin/python -m bench.eplb_auto [--out FILE]   (16 cells, ~15 min on 2 cores; --smoke: one small cell)
+Run: .venv/bin/python -m bench.eplb_auto [--seed N] [--out FILE]   (16 cells, ~15 min on one core; --smoke: one cell)
 """
 
 from __future__ import annotations
@@ -147,7 +149,7 @@ def _se(v: np.ndarray) -> float:
 
 
 def score_rules(results: Sequence[dict[str, Any]], rules: dict[str, Rule] = RULES) -> dict[str, Any]:
-    """Per rule: its pick's held-out balancedness (node-limited replay; the even split for heat-only cells) minus
+    """Per rule: its pick's held-out balancedness (node-limited replay; the even split where a point has none) minus
     ours + ema's and minus the best candidate's in hindsight, nodes per token minus ours + ema's, over every point
     (mean, standard error) and by history length; how often it picked ours; cells whose mean is behind ours + ema's
     by more than two standard errors, and ahead by as much."""
