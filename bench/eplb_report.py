@@ -41,16 +41,17 @@ SWEEPS = {  # a result file's sweep -> what its cells vary (the summary's first 
 FIRST = 2
 
 
-def better_global(res: dict[str, Any]) -> tuple[str, np.ndarray]:
-    """-> (the global policy with the higher mean even-split balancedness, ours - it per held-out window)."""
+def better_global(res: dict[str, Any], metric: str = "bal_even") -> tuple[str, np.ndarray]:
+    """-> (the global policy with the higher mean `metric` balancedness, ours - it per held-out window). metric:
+    bal_even (the even split) or bal_node_limited (node-limited replay of the window's tokens)."""
     pols = res["policies"]
-    base = max(("global", "global-newest"), key=lambda b: float(np.mean(pols[b]["bal_even"])))
-    return base, np.asarray(pols["ours"]["bal_even"]) - np.asarray(pols[base]["bal_even"])
+    base = max(("global", "global-newest"), key=lambda b: float(np.mean(pols[b][metric])))
+    return base, np.asarray(pols["ours"][metric]) - np.asarray(pols[base][metric])
 
 
-def verdict(res: dict[str, Any]) -> str:
+def verdict(res: dict[str, Any], metric: str = "bal_even") -> str:
     pols = res["policies"]
-    base, d = better_global(res)  # paired over the held-out windows
+    base, d = better_global(res, metric)  # paired over the held-out windows
     se = float(d.std(ddof=1) / np.sqrt(len(d))) if len(d) > 1 else 0.0
     nodes_ok = np.mean(pols["ours"]["nodes"]) <= np.mean(pols["global"]["nodes"]) + 1e-9
     miss = -float(d.mean())
@@ -94,6 +95,7 @@ def summary_row(label: str, results: list[dict[str, Any]]) -> dict[str, Any]:
     """One row of the summary over `results`' cells: counts, and ours - global (all windows seen) per cell."""
     diff, nodes_diff, ge, ge_better, nodes_ok, churn, first, later = [], [], 0, 0, 0, [], [], []
     verdicts = {"yes": 0, "tie": 0, "no": 0}
+    replayed = dict(verdicts)
     for res in results:
         s = summary(res, "global")
         ours = s["ours"]["bal_even"][0]
@@ -104,6 +106,7 @@ def summary_row(label: str, results: list[dict[str, Any]]) -> dict[str, Any]:
         nodes_ok += nodes_diff[-1] <= 1e-9
         churn.append((s["ours"]["churn"][0], s["global"]["churn"][0]))
         verdicts[verdict(res).split(" ")[0]] += 1
+        replayed[verdict(res, "bal_node_limited").split(" ")[0]] += 1
         d = better_global(res)[1]
         first.append(float(d[:FIRST].mean()))
         if len(d) > FIRST:  # a cell of FIRST held-out windows or fewer has no later ones
@@ -111,6 +114,7 @@ def summary_row(label: str, results: list[dict[str, Any]]) -> dict[str, Any]:
     n = len(results)
     return {"cells": label, "n": n, "ge_global": f"{ge} of {n}", "ge_better": f"{ge_better} of {n}",
             "verdicts": f"{verdicts['yes']} / {verdicts['tie']} / {verdicts['no']}", "nodes_le": f"{nodes_ok} of {n}",
+            "replayed": f"{replayed['yes']} / {replayed['tie']} / {replayed['no']}",
             "diff_median": float(np.median(diff)), "diff_worst": float(min(diff)),
             "nodes_diff_median": float(np.median(nodes_diff)),
             "first_later": f"{np.mean(first):+.4f} / " + (f"{np.mean(later):+.4f}" if later else "-"),
@@ -144,7 +148,9 @@ def matrix_claim(files: list[Path]) -> dict[str, Any]:
         "sources": [str(f.relative_to(RESULTS.parents[1])) for f in files],
         "columns": [["cells", "cells", "{}"], ["n", "n", "{}"], ["ge_global", "ours >= global", "{}"],
                     ["ge_better", ">= the better global", "{}"], ["verdicts", "yes / tie / no", "{}"],
-                    ["nodes_le", "nodes/token <= global", "{}"], ["diff_median", "ours - global, median", "{:+.3f}"],
+                    ["nodes_le", "nodes/token <= global", "{}"],
+                    ["replayed", "yes / tie / no, node-limited replay", "{}"],
+                    ["diff_median", "ours - global, median", "{:+.3f}"],
                     ["diff_worst", "worst", "{:+.3f}"], ["nodes_diff_median", "nodes/token ours - global, median",
                                                           "{:+.2f}"],
                     ["first_later", f"ours - the better global, first {FIRST} re-plans / later, mean", "{}"],
