@@ -25,12 +25,12 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
 from bench.eplb_matrix import MAIN_SHAPES, SAMPLE_SHAPES, SAMPLE_WINDOWS, Cell
-from bench.eplb_traces import TraceSpec, load_windows
+from bench.eplb_traces import Family, TraceSpec, load_windows
 from r3trace.eplb.backtest import TIE, Candidate, backtest, choose, fold_windows, gap
 from r3trace.eplb.evaluate import FORECASTS, POLICIES, Score, plan_policy, score_placement
 from r3trace.eplb.placement import PlacementError
@@ -42,6 +42,9 @@ HISTORY = 8  # PlanRequest.windows: the history windows the CLI cuts its trainin
 REPLAY = 8192  # PlanRequest.replay_tokens
 WINDOWS = 12  # windows a synthetic cell runs: re-plans at 2 .. 8 history windows, then four at 8
 DEFAULT = "ours/ema"  # what auto falls back to without a backtest (report._backtest)
+# the synthetic traces: (family, drift, Zipf skew)
+TRACES: list[tuple[Family, Literal["slow", "fast"], float]] = [
+    ("grouped", "slow", 0.6), ("grouped", "fast", 1.2), ("clustered", "fast", 0.6), ("sglang-dump", "fast", 0.6)]
 
 
 def cells(smoke: bool, seed: int = 0) -> list[Cell]:
@@ -50,9 +53,7 @@ def cells(smoke: bool, seed: int = 0) -> list[Cell]:
     if smoke:
         spec = replace(base, num_layers=2, windows=5, window_tokens=512)
         return [Cell(replace(spec, family="clustered", drift="fast"), 16, 2, 288)]
-    synth = [Cell(replace(base, family=f, drift=d, zipf_s=s), g, n, p)
-             for (f, d, s) in [("grouped", "slow", 0.6), ("grouped", "fast", 1.2), ("clustered", "fast", 0.6),
-                               ("sglang-dump", "fast", 0.6)]
+    synth = [Cell(replace(base, family=f, drift=d, zipf_s=s), g, n, p) for (f, d, s) in TRACES
              for (g, n, p) in MAIN_SHAPES]
     sample = replace(base, family="sample", num_experts=32, num_groups=4, top_k=4, num_layers=4,
                      windows=SAMPLE_WINDOWS)

@@ -29,6 +29,7 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -95,7 +96,8 @@ def run_cell(cell: Cell, history: int = 8, variants: bool = False,
         if reuse is not None and not name.startswith("ours"):
             out[name] = reuse[name]
             continue
-        prev, rows = None, {m: [] for m in METRICS}
+        prev: Placement | None = None
+        rows: dict[str, list[float]] = {m: [] for m in METRICS}
         for t in range(1, len(routes) - 1):
             pl = f(heats[max(0, t + 1 - history):t + 1], prev, routes[t] if sees_tokens else None)
             if prev is not None:
@@ -114,7 +116,7 @@ def run_cell(cell: Cell, history: int = 8, variants: bool = False,
 def summary(res: dict[str, Any], base: str) -> dict[str, dict[str, list[float]]]:
     """{policy: {metric: [mean, standard error of the paired difference vs `base`]}}."""
     pols = res["policies"]
-    out = {}
+    out: dict[str, dict[str, list[float]]] = {}
     for name, rows in pols.items():
         out[name] = {}
         for m in METRICS:
@@ -239,20 +241,19 @@ def plan_times(ref_dir: str | None, rounds: int = 7, idle_s: float = 0.0,
         first = plan(heats[:2], cl, tokens=routes[1])
         first_moved = plan(moved[:4], cl, tokens=moving[3])
         calls: dict[str, Callable[[], object]] = {
-            "ours_fresh": lambda c=cl: plan(heats, c, tokens=routes[2]),
-            "ours_replan": lambda c=cl, f=first: plan(heats, c, f, tokens=routes[2]),
-            "ours_replan_drift": lambda c=cl, f=first_moved: plan(moved, c, f, tokens=moving[4]),
+            "ours_fresh": partial(plan, heats, cl, tokens=routes[2]),
+            "ours_replan": partial(plan, heats, cl, first, tokens=routes[2]),
+            "ours_replan_drift": partial(plan, moved, cl, first_moved, tokens=moving[4]),
             # the same re-plan seeding every layer before the refresh decision (how it ran before replan.py's skip)
-            "ours_replan_drift_seed_all": lambda c=cl, f=first_moved: plan(moved, c, f, tokens=moving[4],
-                                                                           cfg=SEED_ALL),
-            "global_numpy": lambda c=cl: global_policy(heats[2], c)}
+            "ours_replan_drift_seed_all": partial(plan, moved, cl, first_moved, tokens=moving[4], cfg=SEED_ALL),
+            "global_numpy": partial(global_policy, heats[2], cl)}
         if ref is not None:
             import torch
 
             w = torch.tensor(heats[2])
             groups, nodes = (8, n) if 8 % n == 0 else (1, 1)  # what rebalance_experts does with 8 groups
-            calls["ref_default"] = lambda a=(w, p, groups, nodes, g): ref.rebalance_experts(*a)
-            calls["ref_global"] = lambda a=(w, p, 1, 1, g): ref.rebalance_experts(*a)
+            calls["ref_default"] = partial(ref.rebalance_experts, w, p, groups, nodes, g)
+            calls["ref_global"] = partial(ref.rebalance_experts, w, p, 1, 1, g)
         took: dict[str, list[float]] = {k: [] for k in calls}
         for i in range(rounds):
             for k in (list(calls) if i % 2 == 0 else list(calls)[::-1]):
