@@ -27,7 +27,8 @@ SUMMARY_ID, PLAN_TIME_ID, MILP_ID = "eplb-held-out-matrix", "eplb-plan-time", "e
 CRAFT_ID, AUTO_ID = "eplb-replica-budget", "eplb-default-policy"
 PLAN_TIME_FILE, MILP_FILE = RESULTS / "eplb-matrix-plan-time.json", RESULTS / "eplb-matrix-milp.json"
 CRAFT_FILE = RESULTS / "eplb-craft.json"
-AUTO_FILES = [RESULTS / "eplb-auto.json", RESULTS / "eplb-auto-seed1.json"]  # bench/eplb_auto.py, trace seeds 0 and 1
+# bench/eplb_auto.py on trace seeds 0, 1 and 2
+AUTO_FILES = [RESULTS / "eplb-auto.json", RESULTS / "eplb-auto-seed1.json", RESULTS / "eplb-auto-seed2.json"]
 SWEEPS = {  # a result file's sweep -> what its cells vary (the summary's first column)
     "shape": "shapes: slots x skew, grouped router, slow drift",
     "family": "trace families x drift",
@@ -289,10 +290,10 @@ def auto_claim(paths: list[Path] = AUTO_FILES) -> dict[str, Any]:
                   "1,221); at each re-plan the history is the newest 8 windows or fewer (2-8), the backtest's 4 "
                   "newest folds or fewer, every candidate planned fresh and scored on the next window: node-limited "
                   "replay of 8,192 tokens (SGLang-dump's too: its tokens are hidden from the planners and the "
-                  "backtest, which ranks the even split); synthetic traces of seeds 0 and 1",
+                  "backtest, which ranks the even split); synthetic traces of seeds 0, 1 and 2",
         "baseline": "ours + ema (the candidate `--policy ours` plans), every fixed candidate, and the best candidate "
                     "in hindsight, scored on the same windows",
-        "command": "python -m bench.eplb_auto [--seed 1 --out bench/results/eplb-auto-seed1.json]",
+        "command": "python -m bench.eplb_auto [--seed N --out bench/results/eplb-auto-seedN.json]",
         "sources": [str(p.relative_to(RESULTS.parents[1])) for p in paths],
         "columns": [["seed", "trace seed", "{}"], ["rule", "pick", "{}"],
                     ["vs_ours", "held out - ours + ema (mean +- SE over re-plans)", "{}"],
