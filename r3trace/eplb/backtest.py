@@ -41,10 +41,10 @@ from r3trace.eplb.placement import Cluster, PlacementError
 TIE = 0.005
 LEAD_SE = 2.0
 FOLDS = 4  # newest history windows scored in turn: 4 x 12 plans at [58, 256] take ~2 s on 2 cores
-RULE = (f"ours + ema unless a candidate leads it over the folds by more than max({TIE}, {LEAD_SE:g} standard errors "
-        f"of the lead); of those that do, the highest mean held-out balancedness (node-limited replay; even split "
-        f"without routes), within max({TIE}, the standard error of the per-fold gap) of it the fewest nodes per token, "
-        f"then table order")
+RULE = (f"ours + ema (ours on --forecast when one is given) unless a candidate leads it over the folds by more than "
+        f"max({TIE}, {LEAD_SE:g} standard errors of the lead); of those that do, the highest mean held-out "
+        f"balancedness (node-limited replay; even split without routes), within max({TIE}, the standard error of the "
+        f"per-fold gap) of it the fewest nodes per token, then table order")
 
 
 class Candidate(NamedTuple):

@@ -72,3 +72,10 @@ def test_of_the_leaders_the_best_then_fewest_nodes_win() -> None:
     c = cand("cross_node", "mean", [0.85, 0.85], nodes=1.0)  # leads ours beyond doubt, behind a and b beyond the tie
     assert choose([ours, a, b, c]) is b
     assert choose([ours, a, c]) is a
+
+
+def test_with_one_forecast_the_incumbent_is_ours_on_it() -> None:
+    """`--forecast mean`: the backtest holds the policies on that forecast only, and ours + mean is the incumbent."""
+    ours = cand("ours", "mean", [0.90, 0.92, 0.90, 0.92])
+    other = cand("global", "mean", [0.95, 0.91, 0.95, 0.91])  # a lead within two standard errors
+    assert choose([other, ours]) is ours
