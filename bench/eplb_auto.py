@@ -31,7 +31,7 @@ import numpy as np
 
 from bench.eplb_matrix import MAIN_SHAPES, SAMPLE_SHAPES, SAMPLE_WINDOWS, Cell
 from bench.eplb_traces import Family, TraceSpec, load_windows
-from r3trace.eplb.backtest import TIE, Candidate, backtest, choose, fold_windows, gap
+from r3trace.eplb.backtest import TIE, Candidate, backtest, choose, fold_windows, rank
 from r3trace.eplb.evaluate import FORECASTS, POLICIES, Score, plan_policy, score_placement
 from r3trace.eplb.placement import PlacementError
 from r3trace.eplb.score import heat_of
@@ -129,10 +129,7 @@ def rule_auto(point: dict[str, Any]) -> str:
 def rule_rank_all(point: dict[str, Any]) -> str:
     """The rule before the incumbent: every candidate ranked as an equal (best mean; tied within max(TIE, the standard
     error of the per-fold gap); fewest nodes per token; table order)."""
-    ok = _cands(point)
-    best = max(ok, key=lambda c: c.balancedness)
-    tied = [c for c in ok if gap(best, c)[0] <= max(TIE, gap(best, c)[1])]
-    c = min(tied, key=lambda c: c.nodes or 0.0)
+    c = rank(_cands(point))
     return f"{c.policy}/{c.forecast}"
 
 

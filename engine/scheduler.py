@@ -56,7 +56,7 @@ class Scheduler:
         self.num_retractions = 0  # over the scheduler's life: tests check preemption really happened
         self.num_dropped_ahead = 0  # positions computed ahead for requests that had stopped (tests check it)
         # Speculative decoding: a decoding request verifies up to spec_steps draft tokens a step (0: off), in launches
-        # of up to launch_steps steps chained on the device (1: one step a launch; only the graphs chain steps)
+        # of up to VerifySchedule.launch_steps steps chained on the device (1: one step a launch; only the graphs chain)
         self.spec_steps = config.spec_steps
         self.verifies = VerifySchedule(self.kv, config, max_context_len, self._item)  # spec/schedule.py
 

@@ -128,11 +128,15 @@ def choose(cands: Sequence[Candidate], tie: float = TIE, lead_se: float = LEAD_S
         mean, se = gap(c, incumbent)
         if mean > max(tie, lead_se * se):
             leaders.append(c)
-    if not leaders:
-        return incumbent
-    best = max(leaders, key=lambda c: c.balancedness)
+    return rank(leaders, tie) if leaders else incumbent
+
+
+def rank(cands: Sequence[Candidate], tie: float = TIE) -> Candidate:
+    """Of candidates that planned, ranked as equals: the highest mean over the folds; of those within max(tie, the
+    standard error of the per-fold gap) of it, the fewest nodes per token; then the first in the order given."""
+    best = max(cands, key=lambda c: c.balancedness)
     tied = []
-    for c in leaders:
+    for c in cands:
         mean, se = gap(best, c)
         if mean <= max(tie, se):
             tied.append(c)
