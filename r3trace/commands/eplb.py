@@ -15,19 +15,23 @@ if TYPE_CHECKING:
 HELP = "plan an expert placement from a trace (policy chosen by backtest), score it held out, export it"
 POLICIES = ("auto", "ours", "global", "hierarchical", "cross_node")
 FORECASTS = ("ema", "mean", "newest")
+DISPATCHES = ("node-limited", "static", "dynamic")  # r3trace.eplb.evaluate.DISPATCHES, without importing numpy here
 WINDOW_HELP = "time=A..B (seconds from the run's start), forward=A..B or runs=ID,ID; [A, B), either end optional"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("trace", help="dataset folder or run folder")
     p.add_argument("--run-id", default=None, help="the run of time= and forward= windows")
-    p.add_argument("--gpus", type=positive_int, required=True)
-    p.add_argument("--nodes", type=positive_int, required=True)
+    p.add_argument("--gpus", type=positive_int, required=True, help="GPUs in the expert-parallel group")
+    p.add_argument("--nodes", type=positive_int, required=True, help="nodes those GPUs sit on (it divides --gpus)")
     p.add_argument("--slots", type=positive_int, required=True, help="physical expert slots P in total")
     p.add_argument("--groups", type=positive_int, default=None, help="expert groups (default: the manifest's)")
-    p.add_argument("--node-limit", type=positive_int, default=4)
+    p.add_argument("--node-limit", type=positive_int, default=4,
+                   help="most nodes a token's experts may reach (DeepSeek-V3: 4); the report counts token-layers "
+                        "over it")
     p.add_argument("--policy", choices=POLICIES, default="auto",
-                   help="auto (default): the policy x forecast that scores best held out on the training window")
+                   help="auto (default): ours on the ema forecast unless another policy x forecast leads it, fold "
+                        "by fold held out on the training window, by more than 2 standard errors (docs/cli.md)")
     p.add_argument("--forecast", choices=FORECASTS, default=None,
                    help="heat the policy plans on: ema, mean (whole window) or newest history window "
                         "(default: auto picks; ours ema, the others mean)")
@@ -38,6 +42,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--windows", type=positive_int, default=8, help="history windows the training window is cut into")
     p.add_argument("--window-s", type=positive_float, default=None,
                    help="history windows of this many seconds instead (a multiple of the rollup window)")
+    p.add_argument("--dispatch", choices=DISPATCHES, default="node-limited",
+                   help="the dispatcher balancedness is judged under by auto's backtest and the worst layers: "
+                        "node-limited (the fewest nodes covering a token's experts; the default), or SGLang's "
+                        "--ep-dispatch-algorithm static (a rank's own replica, else one spread over the replicas) or "
+                        "dynamic (a random replica: the even split). Every figure is printed either way")
     p.add_argument("--replay-tokens", type=positive_int, default=8192,
                    help="tokens replayed through node-limited dispatch per scored window")
     p.add_argument("--previous", default=None, help="a placement JSON written by --out: report churn against it "
@@ -97,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
                              f"{previous.logcnt.shape[0]} layers x {previous.logcnt.shape[1]} experts; this plan is "
                              f"for {flags}, {m.num_moe_layers} x {m.num_experts}")
     req = PlanRequest(cluster, args.policy, args.forecast, args.train, args.held_out, run_id, args.windows,
-                      args.window_s, args.replay_tokens, previous=previous)
+                      args.window_s, args.replay_tokens, previous=previous, dispatch=args.dispatch)
     try:
         rep = make_report(store, req, progress_flag(args.progress))
     except WindowError as e:
@@ -135,13 +144,15 @@ def report_lines(rep: Report, cluster: object, layer_ids: tuple[int, ...], previ
         folds = max((len(c.folds) for c in bt.candidates), default=0)
         out += [f"auto: backtest over {folds} folds: each history window of {bt.validate} scored from a plan on "
                 f"the windows before it (the first fit on {bt.fit}); means over the folds",
-                f"  {'policy':<13}{'forecast':<10}{'bal. even':>10}{'bal. replay':>13}{'nodes/token':>13}"]
+                f"  {'policy':<13}{'forecast':<10}{'bal. even':>10}{'bal. replay':>13}{'bal. static':>13}"
+                f"{'nodes/token':>13}"]
         for c in bt.candidates:
             if not c.folds:
                 out.append(f"  {c.policy:<13}{c.forecast:<10}  cannot plan: {c.note}")
                 continue
             out.append(f"  {c.policy:<13}{c.forecast:<10}{_f(c.mean('balancedness_even')):>10}"
-                       f"{_f(c.mean('balancedness_replay')):>13}{_f(c.mean('nodes_per_token'), '.3f'):>13}")
+                       f"{_f(c.mean('balancedness_replay')):>13}{_f(c.mean('balancedness_static')):>13}"
+                       f"{_f(c.mean('nodes_per_token'), '.3f'):>13}")
         out += [f"  rule: {bt.rule}", f"auto chose {rep.policy} + {rep.forecast}"]
     out.append(f"{rep.policy} + {rep.forecast} forecast: P={cluster.num_slots} on {cluster.num_gpus} GPUs / "
                f"{cluster.num_nodes} nodes, max replicas {int(rep.placement.logcnt.max())}")
@@ -152,6 +163,8 @@ def report_lines(rep: Report, cluster: object, layer_ids: tuple[int, ...], previ
     h = rep.held
     rows = [("balancedness (even split)", rep.in_sample.balancedness_even, h and h.balancedness_even, ".4f"),
             ("balancedness (replayed)", rep.in_sample.balancedness_replay, h and h.balancedness_replay, ".4f"),
+            ("balancedness (SGLang static)", rep.in_sample.balancedness_static, h and h.balancedness_static,
+             ".4f"),
             ("nodes per token", rep.in_sample.nodes_mean, h and h.nodes_mean, ".3f"),
             (f"over node limit ({cluster.node_limit})", rep.in_sample.over_limit_share, h and h.over_limit_share,
              ".2%"),
@@ -159,9 +172,10 @@ def report_lines(rep: Report, cluster: object, layer_ids: tuple[int, ...], previ
     out.append(f"{'':<28}{'in-sample':>12}{'held out':>12}")
     out += [f"{name:<28}{_f(a, spec):>12}{_f(b, spec) if h is not None else '-':>12}" for name, a, b, spec in rows]
     worst = h if h is not None else rep.in_sample
-    layers = _worst(worst, layer_ids)
+    layers = _worst(worst, layer_ids, rep.dispatch)
     if layers:
-        out.append(f"worst layers ({'held out' if h is not None else 'in-sample'}): {layers}")
+        out.append(f"worst layers ({'held out' if h is not None else 'in-sample'}, {rep.dispatch} dispatch): "
+                   f"{layers}")
     if rep.churn is not None:
         moved = round(rep.churn * rep.placement.phy2log.size)
         out.append(f"churn vs {previous}: {rep.churn:.2%} of {rep.placement.phy2log.size:,} slots changed expert "
@@ -169,15 +183,15 @@ def report_lines(rep: Report, cluster: object, layer_ids: tuple[int, ...], previ
     return out
 
 
-def _worst(s: object, layer_ids: tuple[int, ...], k: int = 3) -> str:
-    """The k lowest balancedness layers (replayed when there are tokens) and the k highest nodes per token, by
-    model layer id."""
+def _worst(s: object, layer_ids: tuple[int, ...], dispatch: str, k: int = 3) -> str:
+    """The k lowest balancedness layers under `dispatch` (the even split when there are no tokens) and the k highest
+    nodes per token, by model layer id."""
     import numpy as np
 
     from r3trace.eplb.evaluate import Score
 
     assert isinstance(s, Score)
-    bal = s.replay if s.replay is not None else s.even
+    bal = s.per_layer(dispatch)  # type: ignore[arg-type]
     order = [i for i in np.argsort(np.nan_to_num(bal, nan=2.0), kind="stable")[:k] if not np.isnan(bal[i])]
     text = "balancedness " + ", ".join(f"layer {layer_ids[i]} {bal[i]:.4f}" for i in order)
     if s.nodes is not None:

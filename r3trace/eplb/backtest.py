@@ -13,10 +13,10 @@ every fold, and over rollup traces of seeds 1-3 the newest window planned for th
 Rule: the incumbent is the first candidate in table order (ours + ema, or ours on the forecast asked for; policies
 as POLICIES, forecasts as FORECASTS). Another candidate can replace it only by leading it in the folds beyond doubt:
 a mean per-fold lead over the incumbent above max(TIE, LEAD_SE x the standard error of that lead). When none does,
-the incumbent plans. Among those that do: the highest mean balancedness over the folds under node-limited dispatch
-(the even split when the trace has no routes to replay); a candidate counts as tied with that best when its mean
-shortfall is within max(TIE, the standard error of its per-fold shortfall); of the tied, the fewest nodes per token
-wins; remaining ties go to the first in table order.
+the incumbent plans. Among those that do: the highest mean balancedness over the folds under the dispatcher asked
+for (node-limited by default, or SGLang's static or dynamic; the even split when the trace has no routes to replay);
+a candidate counts as tied with that best when its mean shortfall is within max(TIE, the standard error of its
+per-fold shortfall); of the tied, the fewest nodes per token wins; remaining ties go to the first in table order.
 Why an incumbent: the best mean of 12 candidates over 1-4 folds is an upward-biased estimate, so ranking them all
 picks fold noise. bench/eplb_auto.py scores every pick held out (16 cells: the matrix's 3 main shapes x 4 synthetic
 traces (grouped slow, grouped fast at skew 1.2, clustered fast, SGLang-dump fast), and the sample model's 4; a fresh
@@ -35,16 +35,34 @@ from typing import NamedTuple
 
 import numpy as np
 
-from r3trace.eplb.evaluate import FORECASTS, POLICIES, Forecast, PolicyName, Score, plan_policy, score_placement
+from r3trace.eplb.evaluate import (
+    FORECASTS,
+    POLICIES,
+    DispatchName,
+    Forecast,
+    PolicyName,
+    Score,
+    plan_policy,
+    score_placement,
+)
 from r3trace.eplb.placement import Cluster, PlacementError
 
 TIE = 0.005
 LEAD_SE = 2.0
 FOLDS = 4  # newest history windows scored in turn: 4 x 12 plans at [58, 256] take ~2 s on 2 cores
-RULE = (f"ours + ema (ours on --forecast when one is given) unless a candidate leads it over the folds by more than "
-        f"max({TIE}, {LEAD_SE:g} standard errors of the lead); of those that do, the highest mean held-out "
-        f"balancedness (node-limited replay; even split without routes), within max({TIE}, the standard error of the "
-        f"per-fold gap) of it the fewest nodes per token, then table order")
+JUDGED = {"node-limited": "node-limited replay", "static": "SGLang's static dispatch replayed",
+          "dynamic": "the even split, SGLang's dynamic dispatch"}
+
+
+def rule(dispatch: DispatchName = "node-limited") -> str:
+    """The rule in one line, as `r3trace eplb` prints it."""
+    return (f"ours + ema (ours on --forecast when one is given) unless a candidate leads it over the folds by more "
+            f"than max({TIE}, {LEAD_SE:g} standard errors of the lead); of those that do, the highest mean held-out "
+            f"balancedness ({JUDGED[dispatch]}; even split without routes), within max({TIE}, the standard error of "
+            f"the per-fold gap) of it the fewest nodes per token, then table order")
+
+
+RULE = rule()
 
 
 class Candidate(NamedTuple):
@@ -52,12 +70,13 @@ class Candidate(NamedTuple):
     forecast: Forecast
     folds: tuple[Score, ...]  # one per fold, oldest first; () when the policy cannot plan this cluster
     note: str = ""  # why it cannot plan
+    dispatch: DispatchName = "node-limited"  # the dispatcher the rule judges by (evaluate.DISPATCHES)
 
     @property
     def fold_balancedness(self) -> np.ndarray:
-        """[F] what the rule ranks by, per fold: replayed when there were tokens, else the even split."""
-        return np.array([s.balancedness_even if s.balancedness_replay is None else s.balancedness_replay
-                         for s in self.folds])
+        """[F] what the rule ranks by, per fold: balancedness under `dispatch` when there were tokens, else the
+        even split."""
+        return np.array([s.judged(self.dispatch) for s in self.folds])
 
     @property
     def balancedness(self) -> float:
@@ -78,7 +97,8 @@ class Candidate(NamedTuple):
         if not self.folds:
             return {}
         out: dict[str, float | int | None | list[float]] = {
-            k: self.mean(k) for k in ("balancedness_even", "balancedness_replay", "nodes_per_token", "over_node_limit")}
+            k: self.mean(k) for k in ("balancedness_even", "balancedness_replay", "balancedness_static",
+                                      "nodes_per_token", "over_node_limit")}
         out["tokens"] = sum(s.tokens for s in self.folds)
         out["folds"] = [float(b) for b in self.fold_balancedness]
         return out
@@ -91,10 +111,10 @@ def fold_windows(num_windows: int, folds: int = FOLDS) -> list[int]:
 
 def backtest(history: np.ndarray, held: Sequence[int], fit_tokens: Sequence[np.ndarray | None],
              held_tokens: Sequence[np.ndarray | None], cluster: Cluster, policies: Sequence[PolicyName] = POLICIES,
-             forecasts: Sequence[Forecast] = FORECASTS) -> list[Candidate]:
+             forecasts: Sequence[Forecast] = FORECASTS, dispatch: DispatchName = "node-limited") -> list[Candidate]:
     """history [W, L, E]; held: the windows t scored (fold_windows), each planned on history[:t] with fit_tokens[i]
     (the newest routes before t, for ours) and scored on history[t] replaying held_tokens[i] [T, L, K] (None: even
-    split only) -> every candidate's fold scores, in table order."""
+    split only) -> every candidate's fold scores, in table order, judged under `dispatch`."""
     out = []
     for policy in policies:
         for how in forecasts:
@@ -103,9 +123,9 @@ def backtest(history: np.ndarray, held: Sequence[int], fit_tokens: Sequence[np.n
                                                cluster)
                                for t, ft, vt in zip(held, fit_tokens, held_tokens, strict=True))
             except PlacementError as e:  # hierarchical when groups do not divide over nodes
-                out.append(Candidate(policy, how, (), str(e)))
+                out.append(Candidate(policy, how, (), str(e), dispatch))
                 continue
-            out.append(Candidate(policy, how, scores))
+            out.append(Candidate(policy, how, scores, dispatch=dispatch))
     return out
 
 

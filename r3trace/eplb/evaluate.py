@@ -13,6 +13,7 @@ import numpy as np
 
 from r3trace.eplb import deepseek, forecast, planner, score
 from r3trace.eplb.placement import Cluster, Placement
+from r3trace.eplb.static import static_gpu_load
 
 PolicyName = Literal["ours", "global", "hierarchical", "cross_node"]
 POLICIES: tuple[PolicyName, ...] = ("ours", "global", "hierarchical", "cross_node")
@@ -20,6 +21,11 @@ POLICIES: tuple[PolicyName, ...] = ("ours", "global", "hierarchical", "cross_nod
 # DeepSeek's EPLB plans on: the counts of its recording window); newest: the last history window alone
 Forecast = Literal["ema", "mean", "newest"]
 FORECASTS: tuple[Forecast, ...] = ("ema", "mean", "newest")
+# the dispatcher a placement is judged under (`r3trace eplb --dispatch`): node-limited (score.node_limited: the fewest
+# nodes covering a token's experts), static and dynamic (SGLang's ep_dispatch_algorithm: static.py; dynamic draws a
+# random replica per pair, which is the even split in expectation, so it is judged by the even split)
+DispatchName = Literal["node-limited", "static", "dynamic"]
+DISPATCHES: tuple[DispatchName, ...] = ("node-limited", "static", "dynamic")
 
 
 def make_placement(policy: PolicyName, weight: np.ndarray, cluster: Cluster, tokens: np.ndarray | None,
@@ -66,6 +72,7 @@ class Score(NamedTuple):
     nodes: np.ndarray | None  # mean nodes per token
     over_limit: np.ndarray | None  # share of tokens reaching more nodes than the node limit
     token_nodes: np.ndarray | None = None  # [T, L] nodes each replayed token reaches
+    static: np.ndarray | None = None  # mean/max GPU load under SGLang's static dispatch of the tokens (static.py)
 
     @property
     def balancedness_even(self) -> float:
@@ -76,6 +83,10 @@ class Score(NamedTuple):
         return None if self.replay is None else _mean(self.replay)
 
     @property
+    def balancedness_static(self) -> float | None:
+        return None if self.static is None else _mean(self.static)
+
+    @property
     def nodes_mean(self) -> float | None:
         return None if self.nodes is None else _mean(self.nodes)
 
@@ -83,21 +94,32 @@ class Score(NamedTuple):
     def over_limit_share(self) -> float | None:
         return None if self.over_limit is None else _mean(self.over_limit)
 
+    def per_layer(self, dispatch: DispatchName) -> np.ndarray:
+        """[L] balancedness under `dispatch`; the even split where the window had no tokens to replay."""
+        got = {"node-limited": self.replay, "static": self.static, "dynamic": self.even}[dispatch]
+        return self.even if got is None else got
+
+    def judged(self, dispatch: DispatchName) -> float:
+        """Mean over layers of per_layer(dispatch)."""
+        return _mean(self.per_layer(dispatch))
+
     def summary(self) -> dict[str, float | int | None]:
         return {"tokens": self.tokens, "balancedness_even": self.balancedness_even,
-                "balancedness_replay": self.balancedness_replay, "nodes_per_token": self.nodes_mean,
+                "balancedness_replay": self.balancedness_replay, "balancedness_static": self.balancedness_static,
+                "nodes_per_token": self.nodes_mean,
                 "over_node_limit": self.over_limit_share}
 
 
 def score_placement(pl: Placement, heat: np.ndarray, tokens: np.ndarray | None, cluster: Cluster) -> Score:
     """heat [L, E], tokens [T, L, K] or None -> Score. balancedness_even equals score.balancedness of the even
-    split; the replay is score.node_limited (exact minimum node cover up to 8 nodes)."""
+    split (SGLang's "dynamic" dispatch in expectation); the replay is score.node_limited (exact minimum node cover
+    up to 8 nodes); static is SGLang's default dispatch with a placement, token t sent from rank t mod G."""
     even = _per_layer(score.even_gpu_load(pl, heat, cluster))
     if tokens is None or not len(tokens):
         return Score(0, even, None, None, None)
     d = score.node_limited(pl, tokens, cluster)
     return Score(len(tokens), even, _per_layer(d.gpu_load), d.nodes.mean(0),
-                 (d.nodes > cluster.node_limit).mean(0), d.nodes)
+                 (d.nodes > cluster.node_limit).mean(0), d.nodes, _per_layer(static_gpu_load(pl, tokens, cluster)))
 
 
 def evaluate_policy(policy: PolicyName, weight: np.ndarray, tokens: np.ndarray, cluster: Cluster) -> dict[str, Any]:

@@ -18,8 +18,17 @@ import numpy as np
 
 from r3trace.analysis.store import TraceStore
 from r3trace.eplb import window as win
-from r3trace.eplb.backtest import RULE, Candidate, backtest, choose, fold_windows
-from r3trace.eplb.evaluate import FORECASTS, POLICIES, Forecast, PolicyName, Score, plan_policy, score_placement
+from r3trace.eplb.backtest import RULE, Candidate, backtest, choose, fold_windows, rule
+from r3trace.eplb.evaluate import (
+    FORECASTS,
+    POLICIES,
+    DispatchName,
+    Forecast,
+    PolicyName,
+    Score,
+    plan_policy,
+    score_placement,
+)
 from r3trace.eplb.loads import HeatSource, run_facts, span_heat, span_tokens
 from r3trace.eplb.placement import Cluster, Placement, PlacementError, churn, from_phy2log
 from r3trace.eplb.planner import Layout, layout
@@ -45,6 +54,7 @@ class PlanRequest:
     replay_tokens: int = 8192  # tokens replayed per scored window (first ones held out, newest ones in-sample)
     source: HeatSource | None = None  # None: rollups, routes for forward windows
     previous: Placement | None = None
+    dispatch: DispatchName = "node-limited"  # what auto's backtest and the worst layers judge balancedness by
 
 
 @dataclass(frozen=True)
@@ -79,6 +89,7 @@ class Report:
     train_tokens: np.ndarray | None = None
     held_heat: np.ndarray | None = None
     held_tokens: np.ndarray | None = None
+    dispatch: DispatchName = "node-limited"  # what the backtest and the worst layers judged balancedness by
 
     def to_dict(self) -> dict[str, Any]:
         """The figures as JSON-able data (`--out`'s meta.report)."""
@@ -97,6 +108,7 @@ class Report:
             "backtest": bt, "in_sample": self.in_sample.summary(),
             "held_out_scores": None if self.held is None else self.held.summary(), "churn": self.churn,
             "heat_source": self.source, "history_windows": self.history_windows, "seconds": self.seconds,
+            "dispatch": self.dispatch,
         }
 
 
@@ -178,7 +190,7 @@ def make_report(store: TraceStore, req: PlanRequest, progress: bool | None = Fal
     return Report(train, held, held_note, policy, how, pl, layout(req.cluster) if policy == "ours" else None,
                   int(multi.any(1).sum()), bt, in_sample, scored,
                   None if req.previous is None else churn(req.previous, pl), source, len(history), seconds,
-                  history, train_tokens, held_heat, held_tokens)
+                  history, train_tokens, held_heat, held_tokens, req.dispatch)
 
 
 def _backtest(runs: dict[str, Any], facts: dict[str, win.RunFacts], train: win.Selection, history: np.ndarray,
@@ -194,9 +206,9 @@ def _backtest(runs: dict[str, Any], facts: dict[str, win.RunFacts], train: win.S
     fit_tokens = [span_tokens(runs, spans[:t], req.replay_tokens, newest=True) for t in held]
     held_tokens = [span_tokens(runs, spans[t:t + 1], req.replay_tokens) for t in held]
     forecasts: Sequence[Forecast] = (req.forecast,) if req.forecast else FORECASTS
-    cands = backtest(history, held, fit_tokens, held_tokens, req.cluster, POLICIES, forecasts)
+    cands = backtest(history, held, fit_tokens, held_tokens, req.cluster, POLICIES, forecasts, req.dispatch)
     return Backtest(win.describe(spans[:held[0]], facts), win.describe(spans[held[0]:], facts), cands,
-                    choose(cands))
+                    choose(cands), rule=rule(req.dispatch))
 
 
 def _one_shape(manifests: Sequence[Manifest]) -> Manifest:

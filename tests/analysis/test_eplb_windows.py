@@ -126,10 +126,56 @@ def test_held_out_scores_equal_an_independent_scorer(trace: dict[str, Any], tmp_
     assert row(lines, "balancedness (even split)") == [f"{bal_in:.4f}", f"{bal_held:.4f}"]
     assert row(lines, "nodes per token")[1] == f"{nodes.mean():.3f}"
     assert row(lines, "over node limit (2)")[1] == f"{(nodes > 2).mean():.2%}"
-    worst = next(x for x in lines if x.startswith("worst layers (held out):"))
+    worst = next(x for x in lines if x.startswith("worst layers (held out, node-limited dispatch):"))
     per_layer = nodes.mean(0)
     top = np.argsort(-per_layer, kind="stable")[:3]
     assert worst.endswith("nodes per token " + ", ".join(f"layer {L_IDS[i]} {per_layer[i]:.3f}" for i in top))
+
+
+def static_balancedness(phy2log: np.ndarray, ids: np.ndarray, gpus: int) -> np.ndarray:
+    """[L] mean/max GPU load when token t comes from rank t mod G and each rank sends expert x's pair to its own
+    replica, else (the i-th rank without one) to the replica (i + x) mod count of x's slots in ascending order:
+    SGLang's static dispatch as r3trace/eplb/static.py and the engine's ExpertMap model it, pair by pair."""
+    per_gpu = phy2log.shape[1] // gpus
+    out = []
+    for li in range(ids.shape[1]):
+        load = np.zeros(gpus)
+        slots = [np.flatnonzero(phy2log[li] == x) for x in range(E)]
+        for x in range(E):
+            lacking = [g for g in range(gpus) if g not in set((slots[x] // per_gpu).tolist())]
+            for t in np.flatnonzero((ids[:, li] == x).any(1)):
+                g = t % gpus
+                own = slots[x][slots[x] // per_gpu == g]
+                slot = own[0] if len(own) else slots[x][(lacking.index(g) + x) % len(slots[x])]
+                load[slot // per_gpu] += 1
+        out.append(load.mean() / load.max())
+    return np.array(out)
+
+
+def test_static_dispatch_judges_the_backtest_and_worst_layers(trace: dict[str, Any], tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """--dispatch static: the held-out SGLang-static figure equals the pair-by-pair count above, the worst layers are
+    the lowest under it, and the backtest's folds (what the rule ranks) are each candidate's static figures."""
+    out = tmp_path / "static.json"
+    lines = run_cli(capsys, str(trace["root"]), *CLUSTER, "--train", "time=..8", "--windows", "4", "--dispatch",
+                    "static", "--replay-tokens", "100000", "--out", str(out))
+    doc = json.loads(out.read_text())
+    pl, _ = from_json(out.read_text())
+    rep = doc["meta"]["report"]
+    held = trace["ts"] >= T0 + 8 * 10**9
+    per_layer = static_balancedness(pl.phy2log, trace["ids"][held], 8)
+    assert rep["dispatch"] == "static"
+    assert rep["held_out_scores"]["balancedness_static"] == pytest.approx(per_layer.mean(), rel=1e-12)
+    assert row(lines, "balancedness (SGLang static)")[1] == f"{per_layer.mean():.4f}"
+    low = np.argsort(per_layer, kind="stable")[:3]
+    worst = next(x for x in lines if x.startswith("worst layers (held out, static dispatch): "))
+    assert worst.split(": ", 1)[1].startswith(
+        "balancedness " + ", ".join(f"layer {L_IDS[i]} {per_layer[i]:.4f}" for i in low) + ";")
+    assert any("balancedness (SGLang's static dispatch replayed;" in x for x in lines)
+    for c in rep["backtest"]["candidates"]:
+        if c.get("folds"):
+            assert np.mean(c["folds"]) == pytest.approx(c["balancedness_static"], rel=1e-12)
+            assert c["balancedness_static"] != pytest.approx(c["balancedness_replay"], abs=1e-6)
 
 
 def ema_forecast(hist: np.ndarray) -> np.ndarray:

@@ -1,0 +1,55 @@
+"""SGLang's static dispatch replayed on a placement: the replica each rank sends an expert's tokens to, and the
+GPU loads that follow. What `r3trace eplb` reports beside the even split and the node-limited replay.
+
+SGLang with an expert placement dispatches "static" by default (ep_dispatch_algorithm, compute_logical_to_rank_
+dispatch_physical_map in python/sglang/srt/eplb/expert_location.py, sgl-project/sglang@01fec5c): a rank that holds
+a replica of expert e sends its own tokens' e-pairs there; the ranks without one are spread over e's replicas by a
+fair shuffled choice. Here (as in the engine's ExpertMap, engine/layers/expert_map.py) the i-th rank without one, in
+rank order, takes replica (i + e) mod count[e]: the same spread, every replica within one rank of the others, without
+SGLang's Python RNG. Its "dynamic" dispatch (a random replica per pair) is the even split in expectation.
+
+A GPU's load then depends on where each token comes from, not on which other experts it picked: each rank sends
+its own share of the tokens (DP attention; a trace's dp_rank where it has one, else token t from rank t mod G), and
+a replica's load is its own rank's pairs plus those of the ranks mapped to it. No node preference: with 1 replica of
+an expert on each of 2 nodes' 8 GPUs, 14 of 16 ranks send remotely either way.
+Shape legend: T tokens, L layers, K top-k, E experts, P slots, G GPUs (ranks), R max replicas.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from r3trace.eplb.placement import Cluster, Placement, from_phy2log
+
+
+def static_slots(pl: Placement, cluster: Cluster) -> np.ndarray:
+    """-> [L, G, E] the slot rank g sends expert e's pairs to: its first own replica, else the i-th rank without one
+    (rank order) takes replica (i + e) mod count[e]."""
+    l2p = from_phy2log(pl.phy2log, pl.num_experts).log2phy  # [L, E, R] replicas by ascending slot, as SGLang
+    # lists them (_compute_logical_to_all_physical_map), whatever order pl.log2phy has; -1 padded
+    n_layers, e, r = l2p.shape
+    g = cluster.num_gpus
+    valid = l2p >= 0
+    owner = np.where(valid, l2p // cluster.slots_per_gpu, 0)  # [L, E, R] rank holding each replica
+    first = np.full((n_layers, g, e), r, dtype=np.int64)  # [L, G, E] replica index of rank g's own copy, r: none
+    li, ei, ri = np.nonzero(valid)
+    np.minimum.at(first, (li, owner[li, ei, ri], ei), ri)
+    local = first < r
+    nth = np.cumsum(~local, axis=1) - 1  # [L, G, E] this rank's place among the ranks without a copy of e
+    remote = (nth + np.arange(e)[None, None, :]) % pl.logcnt[:, None, :]
+    pick = np.where(local, first, remote)  # [L, G, E] replica index
+    return np.take_along_axis(l2p, pick.transpose(0, 2, 1), 2).transpose(0, 2, 1)  # [L, E, G] -> [L, G, E]
+
+
+def static_gpu_load(pl: Placement, topk_ids: np.ndarray, cluster: Cluster,
+                    token_rank: np.ndarray | None = None) -> np.ndarray:
+    """topk_ids [T, L, K], token_rank [T] (None: token t from rank t mod G) -> per-GPU load [L, G] in pairs."""
+    t, n_layers, k = topk_ids.shape
+    g, e = cluster.num_gpus, pl.logcnt.shape[1]
+    rank = np.arange(t) % g if token_rank is None else np.asarray(token_rank, dtype=np.int64) % g
+    cell = ((np.arange(n_layers)[None, :, None] * g + rank[:, None, None]) * e + topk_ids).ravel()
+    demand = np.bincount(cell, minlength=n_layers * g * e).reshape(n_layers, g, e)  # [L, G, E] pairs sent
+    gpu = static_slots(pl, cluster) // cluster.slots_per_gpu  # [L, G, E] GPU receiving them
+    out = np.zeros((n_layers, g))
+    np.add.at(out, (np.arange(n_layers)[:, None, None], gpu), demand)
+    return out
