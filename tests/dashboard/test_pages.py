@@ -18,6 +18,7 @@ from streamlit.testing.v1 import AppTest
 
 from r3trace.eplb import deepseek, score
 from r3trace.eplb.placement import Cluster
+from r3trace.eplb.static import static_gpu_load
 from r3trace.trace import open_dataset, read_token_routes
 from tests.dashboard.conftest import CFG, Store
 
@@ -209,6 +210,8 @@ def test_eplb_planner(app: AppTest, routes: Any) -> None:
     assert m["Over node limit (2), held out"] == f"{(nodes > 2).mean():.2%}"
     replay = score.node_limited(pl, ids_out, cluster)  # the dispatcher's random ties: its own seed, same tokens
     assert m["Balancedness (replayed), held out"] == f"{score.balancedness(replay.gpu_load):.4f}"
+    static = static_gpu_load(pl, ids_out, cluster)  # SGLang's static dispatch: tests/analysis/test_eplb_static.py
+    assert m["Balancedness (SGLang static), held out"] == f"{score.balancedness(static):.4f}"
     tradeoff, bars = charts(at)
     curves = {t["name"]: t for t in tradeoff["data"]}
     assert set(curves) == {"ours", "global", "hierarchical", "cross_node"}
