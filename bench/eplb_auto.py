@@ -14,7 +14,11 @@ A plan is fresh (no `--previous`), so ours here differs from the matrix's ours, 
 The JSON keeps every point's per-fold backtest balancedness and nodes per token and every candidate's held-out
 figures, so another pick rule is scored from the file without planning again (`rules` below).
 
-Run: .venv/bin/python -m bench.eplb_auto [--seed N] [--out FILE]   (16 cells, ~15 min on one core; --smoke: one cell)
+With --dispatch static (or dynamic) the backtest ranks, and every held-out figure is, SGLang's static dispatch
+replayed (the even split), as `r3trace eplb --dispatch` does.
+
+Run: .venv/bin/python -m bench.eplb_auto [--seed N] [--dispatch D] [--out FILE]   (16 cells, ~15 min on one core;
+     --smoke: one cell)
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import numpy as np
 from bench.eplb_matrix import MAIN_SHAPES, SAMPLE_SHAPES, SAMPLE_WINDOWS, Cell
 from bench.eplb_traces import Family, TraceSpec, load_windows
 from r3trace.eplb.backtest import TIE, Candidate, backtest, choose, fold_windows, rank
-from r3trace.eplb.evaluate import FORECASTS, POLICIES, Score, plan_policy, score_placement
+from r3trace.eplb.evaluate import FORECASTS, POLICIES, DispatchName, Score, plan_policy, score_placement
 from r3trace.eplb.placement import PlacementError
 from r3trace.eplb.score import heat_of
 
@@ -66,11 +70,17 @@ def _newest(routes: np.ndarray, upto: int) -> np.ndarray:
     return flat[-REPLAY:]
 
 
+# the held-out figure each dispatcher is judged by (evaluate.DISPATCHES): node-limited replay, SGLang's static
+# dispatch replayed, the even split
+FIGURE: dict[str, str] = {"node-limited": "replay", "static": "static", "dynamic": "even"}
+
+
 def _figures(s: Score) -> dict[str, float | None]:
-    return {"even": s.balancedness_even, "replay": s.balancedness_replay, "nodes": s.nodes_mean}
+    return {"even": s.balancedness_even, "replay": s.balancedness_replay, "static": s.balancedness_static,
+            "nodes": s.nodes_mean}
 
 
-def run_cell(cell: Cell) -> dict[str, Any]:
+def run_cell(cell: Cell, dispatch: DispatchName = "node-limited") -> dict[str, Any]:
     t0 = time.perf_counter()
     routes, sees = load_windows(cell.spec)
     heats = np.stack([heat_of(w, cell.spec.num_experts) for w in routes])
@@ -82,7 +92,7 @@ def run_cell(cell: Cell) -> dict[str, Any]:
         held = fold_windows(len(hist))
         fit = [_newest(win, f) if sees else None for f in held]
         val = [win[f][:REPLAY] if sees else None for f in held]
-        cands = backtest(hist, held, fit, val, cl)
+        cands = backtest(hist, held, fit, val, cl, dispatch=dispatch)
         chosen = choose(cands)
         toks = _newest(win, len(win)) if sees else None
         after: dict[str, dict[str, float | None]] = {}
@@ -146,8 +156,10 @@ def _se(v: np.ndarray) -> float:
     return float(v.std(ddof=1) / np.sqrt(len(v))) if len(v) > 1 else 0.0
 
 
-def score_rules(results: Sequence[dict[str, Any]], rules: dict[str, Rule] = RULES) -> dict[str, Any]:
-    """Per rule: its pick's held-out balancedness (node-limited replay; the even split where a point has none) minus
+def score_rules(results: Sequence[dict[str, Any]], rules: dict[str, Rule] = RULES,
+                dispatch: DispatchName = "node-limited") -> dict[str, Any]:
+    """Per rule: its pick's held-out balancedness (under `dispatch`, FIGURE; the even split where a point has no
+    tokens) minus
     ours + ema's and minus the best candidate's in hindsight, nodes per token minus ours + ema's, over every point
     (mean, standard error) and by history length; how often it picked ours; cells whose mean is behind ours + ema's
     by more than two standard errors, and ahead by as much."""
@@ -157,7 +169,7 @@ def score_rules(results: Sequence[dict[str, Any]], rules: dict[str, Rule] = RULE
         for ci, res in enumerate(results):
             for p in res["points"]:
                 held = p["held"]
-                m = "replay" if held[DEFAULT]["replay"] is not None else "even"
+                m = FIGURE[dispatch] if held[DEFAULT][FIGURE[dispatch]] is not None else "even"
                 pick = rule(p)
                 best = max(v[m] for v in held.values())
                 nodes = held[pick]["nodes"]
@@ -182,21 +194,23 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="one small cell, nothing written")
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--seed", type=int, default=0, help="the synthetic traces' seed (bench/eplb_traces.TraceSpec)")
+    ap.add_argument("--dispatch", choices=tuple(FIGURE), default="node-limited",
+                    help="what the backtest ranks and the held-out figures judge by (`r3trace eplb --dispatch`)")
     args = ap.parse_args()
     results = []
     for cell in cells(args.smoke, args.seed):
-        res = run_cell(cell)
+        res = run_cell(cell, args.dispatch)
         results.append(res)
         print(f"{res['cell']}: {len(res['points'])} points, {res['seconds']:.0f} s", flush=True)
-    scored = score_rules(results)
+    scored = score_rules(results, dispatch=args.dispatch)
     for rname, v in scored.items():
         hist = ", ".join(f"{h}: {m:+.4f}" for h, (m, _) in v["by_history"].items())
         print(f"{rname}: vs ours + ema {v['vs_ours'][0]:+.4f} +- {v['vs_ours'][1]:.4f} (by history windows {hist}); "
               f"vs the best in hindsight {v['vs_best']:+.4f}; picked ours {v['ours_share']:.0%}; cells behind / ahead "
               f"of ours + ema beyond 2 SE {v['cells_behind']} / {v['cells_ahead']} of {len(results)}")
     if not args.smoke:
-        args.out.write_text(json.dumps({"tie": TIE, "history": HISTORY, "replay": REPLAY, "results": results,
-                                        "rules": scored}, indent=1) + "\n")
+        args.out.write_text(json.dumps({"tie": TIE, "history": HISTORY, "replay": REPLAY, "dispatch": args.dispatch,
+                                        "results": results, "rules": scored}, indent=1) + "\n")
         print(f"wrote {args.out}")
 
 

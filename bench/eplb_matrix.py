@@ -1,14 +1,15 @@
 """EPLB matrix: our planner against DeepSeek's policies over cluster shapes and trace families, held out.
 
-Protocol (every cell): W consecutive windows of routed tokens (bench/eplb_traces.py). At the end of window t
-each policy plans from the windows seen (ours from its previous placement, with the newest window's tokens
-unless the family hides them) and is scored on window t + 1, for t = 1 .. W - 2; the cold start (t = 1) is
-not scored, so each number is a mean over W - 3 held-out windows. Scores per window: balancedness (mean over
-layers of mean / max GPU load) under the even split of each expert's load over its replicas (EPLB's own model)
-and under node-limited dispatch (score.node_limited: fewest nodes covering the token's experts, the work split
-over the replicas on them), nodes per token (that cover's size), the share of token-layers above the node
-limit of 4, and churn (share of slots whose expert changed from the policy's previous plan). "vs X" columns
-are paired differences over the same windows, mean +- standard error.
+Protocol (every cell): W consecutive windows of routed tokens (bench/eplb_traces.py). At the end of window t each
+policy plans from the windows seen (ours from its previous placement, with the newest window's tokens unless the
+family hides them) and is scored on window t + 1, for t = 1 .. W - 2; the cold start (t = 1) is not scored, so each
+number is a mean over W - 3 held-out windows. Scores per window: balancedness (mean over layers of mean / max GPU
+load) under the even split of each expert's load over its replicas (EPLB's own model) and under node-limited
+dispatch (score.node_limited: fewest nodes covering the token's experts, the work split over the replicas on them)
+and under SGLang's static dispatch (r3trace/eplb/static.py: a rank's own replica, else one spread over the replicas;
+token t from rank t mod G), nodes per token (the node-limited cover's size), the share of token-layers above the
+node limit of 4, and churn (share of slots whose expert changed from the policy's previous plan). "vs X" columns are
+paired differences over the same windows, mean +- standard error.
 
 Policies: global = DeepSeek's global policy on all windows seen (summed heat, what `r3trace eplb` plans on),
 global-newest = on the newest window only, hierarchical = DeepSeek's hierarchical (where groups % nodes == 0),
@@ -40,9 +41,10 @@ from bench.eplb_traces import TraceSpec, load_windows
 from r3trace.eplb import Cluster, PlannerConfig, churn, global_policy, hierarchical, plan
 from r3trace.eplb.placement import Placement
 from r3trace.eplb.score import balancedness, even_gpu_load, heat_of, node_limited
+from r3trace.eplb.static import static_gpu_load
 
 Policy = Callable[[np.ndarray, Placement | None, np.ndarray | None], Placement]
-METRICS = ("bal_even", "bal_node_limited", "nodes", "over_limit", "churn")
+METRICS = ("bal_even", "bal_node_limited", "bal_static", "nodes", "over_limit", "churn")
 RESULTS = Path(__file__).resolve().parent / "results"
 NODE_LIMIT = 4
 
@@ -104,6 +106,7 @@ def run_cell(cell: Cell, history: int = 8, variants: bool = False,
                 d = node_limited(pl, routes[t + 1], cl)
                 rows["bal_even"].append(balancedness(even_gpu_load(pl, heats[t + 1], cl)))
                 rows["bal_node_limited"].append(balancedness(d.gpu_load))
+                rows["bal_static"].append(balancedness(static_gpu_load(pl, routes[t + 1], cl)))
                 rows["nodes"].append(float(d.nodes.mean()))
                 rows["over_limit"].append(float((d.nodes > NODE_LIMIT).mean()))
                 rows["churn"].append(churn(prev, pl))

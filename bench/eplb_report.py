@@ -44,7 +44,8 @@ FIRST = 2
 
 def better_global(res: dict[str, Any], metric: str = "bal_even") -> tuple[str, np.ndarray]:
     """-> (the global policy with the higher mean `metric` balancedness, ours - it per held-out window). metric:
-    bal_even (the even split) or bal_node_limited (node-limited replay of the window's tokens)."""
+    bal_even (the even split), bal_node_limited (node-limited replay of the window's tokens) or bal_static (SGLang's
+    static dispatch of them, r3trace/eplb/static.py)."""
     pols = res["policies"]
     base = max(("global", "global-newest"), key=lambda b: float(np.mean(pols[b][metric])))
     return base, np.asarray(pols["ours"][metric]) - np.asarray(pols[base][metric])
@@ -96,7 +97,7 @@ def summary_row(label: str, results: list[dict[str, Any]]) -> dict[str, Any]:
     """One row of the summary over `results`' cells: counts, and ours - global (all windows seen) per cell."""
     diff, nodes_diff, ge, ge_better, nodes_ok, churn, first, later = [], [], 0, 0, 0, [], [], []
     verdicts = {"yes": 0, "tie": 0, "no": 0}
-    replayed = dict(verdicts)
+    replayed, static = dict(verdicts), dict(verdicts)
     for res in results:
         s = summary(res, "global")
         ours = s["ours"]["bal_even"][0]
@@ -108,6 +109,7 @@ def summary_row(label: str, results: list[dict[str, Any]]) -> dict[str, Any]:
         churn.append((s["ours"]["churn"][0], s["global"]["churn"][0]))
         verdicts[verdict(res).split(" ")[0]] += 1
         replayed[verdict(res, "bal_node_limited").split(" ")[0]] += 1
+        static[verdict(res, "bal_static").split(" ")[0]] += 1
         d = better_global(res)[1]
         first.append(float(d[:FIRST].mean()))
         if len(d) > FIRST:  # a cell of FIRST held-out windows or fewer has no later ones
@@ -116,6 +118,7 @@ def summary_row(label: str, results: list[dict[str, Any]]) -> dict[str, Any]:
     return {"cells": label, "n": n, "ge_global": f"{ge} of {n}", "ge_better": f"{ge_better} of {n}",
             "verdicts": f"{verdicts['yes']} / {verdicts['tie']} / {verdicts['no']}", "nodes_le": f"{nodes_ok} of {n}",
             "replayed": f"{replayed['yes']} / {replayed['tie']} / {replayed['no']}",
+            "static": f"{static['yes']} / {static['tie']} / {static['no']}",
             "diff_median": float(np.median(diff)), "diff_worst": float(min(diff)),
             "nodes_diff_median": float(np.median(nodes_diff)),
             "first_later": f"{np.mean(first):+.4f} / " + (f"{np.mean(later):+.4f}" if later else "-"),
@@ -151,6 +154,7 @@ def matrix_claim(files: list[Path]) -> dict[str, Any]:
                     ["ge_better", ">= the better global", "{}"], ["verdicts", "yes / tie / no", "{}"],
                     ["nodes_le", "nodes/token <= global", "{}"],
                     ["replayed", "yes / tie / no, node-limited replay", "{}"],
+                    ["static", "yes / tie / no, SGLang static dispatch", "{}"],
                     ["diff_median", "ours - global, median", "{:+.3f}"],
                     ["diff_worst", "worst", "{:+.3f}"], ["nodes_diff_median", "nodes/token ours - global, median",
                                                           "{:+.2f}"],
@@ -276,7 +280,7 @@ def auto_claim(paths: list[Path] = AUTO_FILES) -> dict[str, Any]:
     for path in paths:
         doc = json.loads(path.read_text())
         seed = doc["results"][0]["spec"]["seed"]
-        for name, v in score_rules(doc["results"]).items():
+        for name, v in score_rules(doc["results"], dispatch=doc.get("dispatch", "node-limited")).items():
             first = np.mean([m for h, (m, _) in v["by_history"].items() if int(h) <= 3])
             out.append({"seed": seed, "rule": name, "vs_ours": f"{v['vs_ours'][0]:+.4f} +- {v['vs_ours'][1]:.4f}",
                         "first": float(first), "vs_best": v["vs_best"], "nodes": v["nodes_vs_ours"] or 0.0,

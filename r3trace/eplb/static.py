@@ -1,12 +1,15 @@
 """SGLang's static dispatch replayed on a placement: the replica each rank sends an expert's tokens to, and the
 GPU loads that follow. What `r3trace eplb` reports beside the even split and the node-limited replay.
 
-SGLang with an expert placement dispatches "static" by default (ep_dispatch_algorithm, compute_logical_to_rank_
-dispatch_physical_map in python/sglang/srt/eplb/expert_location.py, sgl-project/sglang@01fec5c): a rank that holds
-a replica of expert e sends its own tokens' e-pairs there; the ranks without one are spread over e's replicas by a
-fair shuffled choice. Here (as in the engine's ExpertMap, engine/layers/expert_map.py) the i-th rank without one, in
-rank order, takes replica (i + e) mod count[e]: the same spread, every replica within one rank of the others, without
-SGLang's Python RNG. Its "dynamic" dispatch (a random replica per pair) is the even split in expectation.
+SGLang dispatches "static" whenever EPLB is on or an --init-expert-location is given and no --ep-dispatch-algorithm
+is (python/sglang/srt/server_args.py, _handle_eplb_and_dispatch, sgl-project/sglang@469c63e):
+compute_logical_to_rank_dispatch_physical_map (python/sglang/srt/eplb/expert_location.py,
+sgl-project/sglang@01fec5c) sends a rank's e-pairs to its own replica of expert e when it holds one; the m ranks
+without one are spread over e's c replicas by _fair_choices (each replica m // c of them, m mod c replicas drawn by
+random.Random(42) one more, then shuffled). Here (as in the engine's ExpertMap, engine/layers/expert_map.py) the
+i-th rank without one, in rank order, takes replica (i + e) mod c: each replica serves as many ranks as under
+SGLang's draw (m // c, or one more for m mod c of them); which replicas take the extra rank differs. SGLang's
+"dynamic" dispatch (a random replica per pair) is the even split in expectation.
 
 A GPU's load then depends on where each token comes from, not on which other experts it picked: each rank sends
 its own share of the tokens (DP attention; a trace's dp_rank where it has one, else token t from rank t mod G), and

@@ -49,3 +49,16 @@ def test_scores_against_ours_and_the_best_in_hindsight() -> None:
     g = s["global + mean"]  # cell a: -0.10 twice (behind beyond 2 SE: SE 0), cell b: +0.05 twice (ahead)
     assert g["vs_ours"][0] == pytest.approx(-0.025) and g["cells_behind"] == 1 and g["cells_ahead"] == 1
     assert s["rank all"]["vs_ours"][0] == pytest.approx(g["vs_ours"][0])  # it picked global + mean every time
+
+
+def test_scores_read_the_dispatch_asked_for() -> None:
+    """dispatch="static" scores the held-out SGLang-static figure, "dynamic" the even split; each point's other
+    figures are set apart so reading the wrong one fails."""
+    p = point(2, STEADY, {"ours/ema": 0.80, "global/mean": 0.70})
+    for name, fig in p["held"].items():
+        fig["static"] = {"ours/ema": 0.60, "global/mean": 0.66}[name]
+        fig["even"] = {"ours/ema": 0.50, "global/mean": 0.58}[name]
+    rules = {"global + mean": fixed("global/mean")}
+    assert score_rules([{"points": [p]}], rules)["global + mean"]["vs_ours"][0] == pytest.approx(-0.10)
+    assert score_rules([{"points": [p]}], rules, "static")["global + mean"]["vs_ours"][0] == pytest.approx(0.06)
+    assert score_rules([{"points": [p]}], rules, "dynamic")["global + mean"]["vs_ours"][0] == pytest.approx(0.08)

@@ -17,8 +17,8 @@ def _cell(ours: list[float], glob: list[float], newest: list[float], ours_nodes:
           ) -> dict[str, Any]:
     """A result of bench/eplb_matrix.py with two held-out windows; grace and node-limited are not summarised."""
     def pol(bal: list[float], nodes: float, churn: float = 0.9) -> dict[str, list[float]]:
-        return {"bal_even": bal, "bal_node_limited": bal, "nodes": [nodes, nodes], "over_limit": [0.0, 0.0],
-                "churn": [churn, churn]}  # fmt: skip
+        return {"bal_even": bal, "bal_node_limited": bal, "bal_static": bal, "nodes": [nodes, nodes],
+                "over_limit": [0.0, 0.0], "churn": [churn, churn]}  # fmt: skip
 
     return {"cell": "x", "nodes": 4, "policies": {
         "ours": pol(ours, ours_nodes, 0.01 + ours[0] ** 8), "global": pol(glob, global_nodes),
