@@ -18,7 +18,7 @@ With --dispatch static (or dynamic) the backtest ranks, and every held-out figur
 replayed (the even split), as `r3trace eplb --dispatch` does.
 
 Run: .venv/bin/python -m bench.eplb_auto [--seed N] [--dispatch D] [--out FILE]   (16 cells, ~15 min on one core;
-     --smoke: one cell)
+     --smoke: one cell; --reuse FILE --nodes 2: run only the 2-node cells again, copy the others from FILE)
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def run_cell(cell: Cell, dispatch: DispatchName = "node-limited") -> dict[str, A
         for policy in POLICIES:
             for how in FORECASTS:
                 try:
-                    pl = plan_policy(policy, hist, how, cl, toks)
+                    pl = plan_policy(policy, hist, how, cl, toks, dispatch=dispatch)
                 except PlacementError:
                     continue
                 after[f"{policy}/{how}"] = _figures(score_placement(pl, heats[t + 1], routes[t + 1][:REPLAY], cl))
@@ -196,9 +196,22 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0, help="the synthetic traces' seed (bench/eplb_traces.TraceSpec)")
     ap.add_argument("--dispatch", choices=tuple(FIGURE), default="node-limited",
                     help="what the backtest ranks and the held-out figures judge by (`r3trace eplb --dispatch`)")
+    ap.add_argument("--reuse", type=Path, default=None,
+                    help="an earlier results JSON of the same seed and dispatch: its cells are copied, except those "
+                         "with --nodes, which run again (a planner change that only reaches those node counts)")
+    ap.add_argument("--nodes", type=int, nargs="*", default=[], help="with --reuse: the node counts to run again")
     args = ap.parse_args()
+    earlier = {}
+    if args.reuse:
+        doc = json.loads(args.reuse.read_text())
+        if doc.get("dispatch", "node-limited") != args.dispatch:
+            ap.error(f"--reuse {args.reuse}: judged by {doc.get('dispatch', 'node-limited')}, not {args.dispatch}")
+        earlier = {r["cell"]: r for r in doc["results"]}
     results = []
     for cell in cells(args.smoke, args.seed):
+        if cell.name() in earlier and cell.nodes not in args.nodes:
+            results.append(earlier[cell.name()])
+            continue
         res = run_cell(cell, args.dispatch)
         results.append(res)
         print(f"{res['cell']}: {len(res['points'])} points, {res['seconds']:.0f} s", flush=True)

@@ -43,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--window-s", type=positive_float, default=None,
                    help="history windows of this many seconds instead (a multiple of the rollup window)")
     p.add_argument("--dispatch", choices=DISPATCHES, default="node-limited",
-                   help="the dispatcher balancedness is judged under by auto's backtest and the worst layers: "
+                   help="the dispatcher ours plans for and auto's backtest and the worst layers judge by: "
                         "node-limited (the fewest nodes covering a token's experts; the default), or SGLang's "
                         "--ep-dispatch-algorithm static (a rank's own replica, else one spread over the replicas) or "
                         "dynamic (a random replica: the even split). Every figure is printed either way")

@@ -119,8 +119,8 @@ def backtest(history: np.ndarray, held: Sequence[int], fit_tokens: Sequence[np.n
     for policy in policies:
         for how in forecasts:
             try:
-                scores = tuple(score_placement(plan_policy(policy, history[:t], how, cluster, ft), history[t], vt,
-                                               cluster)
+                scores = tuple(score_placement(plan_policy(policy, history[:t], how, cluster, ft,
+                                                           dispatch=dispatch), history[t], vt, cluster)
                                for t, ft, vt in zip(held, fit_tokens, held_tokens, strict=True))
             except PlacementError as e:  # hierarchical when groups do not divide over nodes
                 out.append(Candidate(policy, how, (), str(e), dispatch))

@@ -115,6 +115,10 @@ class PlannerConfig:
     # +0.0000 .. +0.0005 and nothing lower, mean churn 1.1-6.8% -> 1.2-6.8% (emax.py has the variants)
     emax_node_slack: float = 0.05
     emax_step_drop: float = 1e-4
+    # two nodes, spare slots, tokens: a fresh plan's layer takes DeepSeek global's layout where node-limited replay of
+    # the newest tokens gives it a max GPU load lower by more than replay_margin of ours' (dispatch_contest.py has the
+    # why and the figures); < 0: never
+    replay_margin: float = 0.02
 
     def __post_init__(self) -> None:
         bad_alpha = self.ema_alpha is not None and not 0 <= self.ema_alpha <= 1

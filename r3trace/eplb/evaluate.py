@@ -12,6 +12,7 @@ from typing import Any, Literal, NamedTuple
 import numpy as np
 
 from r3trace.eplb import deepseek, forecast, planner, score
+from r3trace.eplb.config import PlannerConfig
 from r3trace.eplb.placement import Cluster, Placement
 from r3trace.eplb.static import static_gpu_load
 
@@ -28,11 +29,19 @@ DispatchName = Literal["node-limited", "static", "dynamic"]
 DISPATCHES: tuple[DispatchName, ...] = ("node-limited", "static", "dynamic")
 
 
+def planner_config(dispatch: DispatchName) -> PlannerConfig:
+    """Ours plans for the dispatcher it will run under: the two-node replay contest (dispatch_contest.py) only for
+    node-limited dispatch; SGLang's static and dynamic dispatch never look at a token's other experts, so there the
+    even split is the load ours plans for."""
+    return PlannerConfig() if dispatch == "node-limited" else PlannerConfig(replay_margin=-1.0)
+
+
 def make_placement(policy: PolicyName, weight: np.ndarray, cluster: Cluster, tokens: np.ndarray | None,
-                   prev: Placement | None = None) -> Placement:
-    """weight [L, E] (or, for ours, a history [W, L, E] it forecasts itself); prev: ours re-plans from it."""
+                   prev: Placement | None = None, dispatch: DispatchName = "node-limited") -> Placement:
+    """weight [L, E] (or, for ours, a history [W, L, E] it forecasts itself); prev: ours re-plans from it;
+    dispatch: what ours plans for (planner_config)."""
     if policy == "ours":
-        return planner.plan(weight, cluster, prev=prev, tokens=tokens)
+        return planner.plan(weight, cluster, prev=prev, tokens=tokens, cfg=planner_config(dispatch))
     if policy == "global":
         return deepseek.global_policy(weight, cluster)
     if policy == "hierarchical":
@@ -54,12 +63,13 @@ def forecast_weight(history: np.ndarray, how: Forecast) -> np.ndarray:
 
 
 def plan_policy(policy: PolicyName, history: np.ndarray, how: Forecast, cluster: Cluster,
-                tokens: np.ndarray | None = None, prev: Placement | None = None) -> Placement:
+                tokens: np.ndarray | None = None, prev: Placement | None = None,
+                dispatch: DispatchName = "node-limited") -> Placement:
     """history [W, L, E] -> Placement of `policy` on the `how` forecast; ours takes the history itself for ema
-    (its own EMA), the others the forecast weight."""
+    (its own EMA), the others the forecast weight; ours plans for `dispatch` (planner_config)."""
     if policy == "ours" and how == "ema":
-        return make_placement(policy, history, cluster, tokens, prev)
-    return make_placement(policy, forecast_weight(history, how), cluster, tokens, prev)
+        return make_placement(policy, history, cluster, tokens, prev, dispatch)
+    return make_placement(policy, forecast_weight(history, how), cluster, tokens, prev, dispatch)
 
 
 class Score(NamedTuple):

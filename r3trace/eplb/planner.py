@@ -23,7 +23,11 @@
    every first replica on its group's home, so no token reaches more nodes than under the hierarchical layout.
    Counts follow the global policy's rule capped at max(N, GPUs per node) replicas. Without a spare slot
    (P = E) each layer takes ours, DeepSeek global's or global's with GPUs grouped by expert group, whichever
-   has the lowest forecast max GPU load, then the fewest nodes per token on the newest tokens (candidates.py).
+   has the lowest forecast max GPU load, then the fewest nodes per token on the newest tokens (candidates.py). With
+   spare slots on two nodes a layer takes global's layout where node-limited replay of the newest tokens gives it
+   a max GPU load lower by more than `replay_margin` (dispatch_contest.py: held-out node-limited replay 0.675 ->
+   0.829 on grouped s = 1.2, 16 / 2 / 320, global 0.891; one-node tokens had overloaded a hot expert's lone
+   replica on the other node).
 4. Each node's replicas are packed onto its GPUs (balanced packing), then up to `fresh_swaps` swaps
    lower the hottest GPUs (refine.swap_refine; 0.925 -> 0.944 held out on 32 GPUs). In the multi-node layout
    leveling swaps lower the sum of squared GPU loads instead (leveling.py: 0.835 / 0.744 / 0.535 ->
@@ -69,6 +73,8 @@ from r3trace.eplb.candidates import Contest, best_layout, losing_load
 from r3trace.eplb.config import PlannerConfig
 from r3trace.eplb.deepseek import global_phy2log, group_nodes, pack_nodes, spread_replicas
 from r3trace.eplb.descent import hot_swaps
+from r3trace.eplb.dispatch_contest import applies as replays
+from r3trace.eplb.dispatch_contest import replay_contest
 from r3trace.eplb.emax import still_noise
 from r3trace.eplb.forecast import backtest_errors, drifts, forecast, pick_alpha
 from r3trace.eplb.homing import capped_counts, expert_nodes
@@ -111,6 +117,9 @@ def layout(cluster: Cluster, cfg: PlannerConfig = PlannerConfig()) -> Layout:
     how = ("whole groups packed onto nodes by load" if g % n == 0 and g > n else "each group on a run of whole nodes")
     extras = ("extra replicas beside the experts they are chosen with in the newest tokens (without tokens: on "
               "the lightest nodes)")
+    if n == 2 and cfg.replay_margin >= 0:
+        extras += ("; with spare slots and routes, a layer takes DeepSeek global's layout where node-limited replay "
+                   "of the newest tokens gives it a lower max GPU load (dispatch_contest.py)")
     if cfg.keep_groups:
         return Layout("groups_on_nodes", f"{g} groups on {n} nodes, keep_groups: first replicas stay on their "
                                          f"group's home nodes ({how}), so no token reaches more nodes than under "
@@ -123,7 +132,8 @@ def fresh_plan(w: np.ndarray, home: np.ndarray | None, cluster: Cluster, cfg: Pl
                tokens: np.ndarray | None = None, compete: bool = False) -> Placement:
     """Forecast loads w [L, E], preferred nodes home [L, E] (None: group_nodes'), tokens [T, L, K] or None ->
     Placement with group homes plus co-activation replicas on several nodes, else one node per expert. On several
-    nodes global's layouts compete per layer (candidates.best_layout) without a spare slot, or when `compete`."""
+    nodes global's layouts compete per layer (candidates.best_layout) without a spare slot, or when `compete`; with
+    spare slots on two nodes, global's layout by node-limited replay of the tokens (dispatch_contest.py)."""
     n_layers, e = w.shape
     if spreads(cluster, cfg):
         phy2log = spread_layout(w, cluster, cfg, tokens)
@@ -133,6 +143,8 @@ def fresh_plan(w: np.ndarray, home: np.ndarray | None, cluster: Cluster, cfg: Pl
                 swaps = np.full(n_layers, cfg.contest_swaps)
                 phy2log = hot_swaps(phy2log, w, np.ones(w.shape, dtype=np.int64), cluster, swaps, 0.0, cfg.level_cold)
             phy2log = best_layout(phy2log, w, cluster, tokens)
+        elif tokens is not None and not cfg.keep_groups and replays(cluster, e, cfg.replay_margin):
+            phy2log = replay_contest(phy2log, w, cluster, tokens, cfg.replay_margin)  # two nodes: dispatch_contest.py
         return from_phy2log(phy2log, e)
     logcnt = capped_counts(w, cluster.num_slots, cluster.gpus_per_node)
     node = expert_nodes(w, logcnt, group_nodes(w, cluster) if home is None else home, cluster, cfg.home_slack)

@@ -27,6 +27,7 @@ from r3trace.eplb.evaluate import (
     PolicyName,
     Score,
     plan_policy,
+    planner_config,
     score_placement,
 )
 from r3trace.eplb.loads import HeatSource, run_facts, span_heat, span_tokens
@@ -172,7 +173,7 @@ def make_report(store: TraceStore, req: PlanRequest, progress: bool | None = Fal
         policy, how = req.policy, req.forecast or DEFAULT_FORECAST[req.policy]
     seconds["backtest"] = time.perf_counter() - t1
     t2 = time.perf_counter()
-    pl = plan_policy(policy, history, how, req.cluster, train_tokens, req.previous)
+    pl = plan_policy(policy, history, how, req.cluster, train_tokens, req.previous, req.dispatch)
     seconds["plan"] = time.perf_counter() - t2
 
     in_sample = score_placement(pl, history.sum(0), train_tokens, req.cluster)
@@ -187,7 +188,8 @@ def make_report(store: TraceStore, req: PlanRequest, progress: bool | None = Fal
             held_heat = None
     multi = (node_counts(pl, req.cluster) > 0).sum(2) > 1  # [L, E] experts on more than one node
     seconds["total"] = time.perf_counter() - t0
-    return Report(train, held, held_note, policy, how, pl, layout(req.cluster) if policy == "ours" else None,
+    lay = layout(req.cluster, planner_config(req.dispatch)) if policy == "ours" else None
+    return Report(train, held, held_note, policy, how, pl, lay,
                   int(multi.any(1).sum()), bt, in_sample, scored,
                   None if req.previous is None else churn(req.previous, pl), source, len(history), seconds,
                   history, train_tokens, held_heat, held_tokens, req.dispatch)
@@ -240,7 +242,8 @@ def tradeoff(rep: Report, cluster: Cluster, node_limits: Sequence[int]) -> list[
         for limit in node_limits:
             c = Cluster(cluster.num_gpus, cluster.num_nodes, cluster.num_slots, cluster.num_groups, limit)
             try:
-                pl = plan_policy(policy, rep.history, DEFAULT_FORECAST[policy], c, rep.train_tokens)
+                pl = plan_policy(policy, rep.history, DEFAULT_FORECAST[policy], c, rep.train_tokens,
+                                 dispatch=rep.dispatch)
             except PlacementError:  # hierarchical when groups do not divide over nodes
                 continue
             key = pl.phy2log.tobytes()

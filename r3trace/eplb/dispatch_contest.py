@@ -1,0 +1,50 @@
+"""On two nodes, per layer of a fresh plan: ours' layout or DeepSeek global's, by node-limited replay of the newest
+tokens. Runs in planner.fresh_plan where replicas spread over nodes (spare slots, tokens given, not keep_groups),
+when ours plans for node-limited dispatch (evaluate.planner_config: `r3trace eplb --dispatch`'s default).
+
+Why: ours plans for the even split, and its co-located layout lets many tokens fit on one node. A dispatcher that
+covers each token with the fewest nodes (score.node_limited) then sends all of those to that node's replicas: on
+bench/eplb_matrix.py's grouped s = 1.2, 16 GPUs / 2 nodes / 320 slots (a fresh plan on windows 0-7, window 8
+replayed), 30-42% of a layer's tokens fit on one node under ours (global: 2-13%), a hot expert's replicas sat 7 : 1
+over the nodes, and the other node's one-node tokens all went to its one replica: held-out replayed balancedness
+0.675 against global's 0.891, where ours led global's even-split balancedness. Global's layout spreads hot experts
+over both nodes, so nearly every token reaches both and the work splits by replica counts.
+
+Rule: a layer takes global's layout (planned on the same forecast) where its replayed max GPU load on the newest
+tokens is below ours' by more than `margin` of ours'. The tokens are those ours placed its extra replicas by, so the
+comparison leans to ours; `margin` is PlannerConfig.replay_margin, 0.02: at 0.1 a fresh-plan probe (not committed)
+took fewer layers and gained less (16 / 2 / 320, s = 0.9: 0.863 against 0.895 held out). The contest runs in fresh
+plans (the cold plan, whose layout the seeded re-plans keep). Over bench/eplb_matrix.py's 118 cells the verdicts
+under node-limited replay went from 94 / 18 / 6 to 97 / 19 / 2 (the 2-node misses 5 -> 1: that cell 0.675 -> 0.829,
+global 0.891), under the even split they stayed 88 / 29 / 1, under SGLang's static dispatch 88 / 26 / 4 -> 89 / 25 /
+4, and nodes per token stayed under global's in every cell (the 2-node cells 0.03-0.11 under it). Two nodes only: a
+probe of the same rule on the re-plan protocol (not committed) moved 4-node cells' replay -0.02 .. +0.01 at
+0.05-0.24 more nodes per token and took no layer on 8 nodes; a 2-node replay is an exact cover over 3 node sets,
+cheap beside the plan.
+Shape legend: T tokens, L layers, K top-k, E experts, P slots.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from r3trace.eplb.deepseek import global_phy2log
+from r3trace.eplb.placement import Cluster, from_phy2log
+from r3trace.eplb.score import node_limited
+
+
+def applies(cluster: Cluster, num_experts: int, margin: float) -> bool:
+    """Whether fresh plans on this cluster hold the contest: two nodes, spare slots, margin >= 0."""
+    return margin >= 0 and cluster.num_nodes == 2 and cluster.num_slots > num_experts
+
+
+def replay_contest(phy2log: np.ndarray, w: np.ndarray, cluster: Cluster, tokens: np.ndarray,
+                   margin: float) -> np.ndarray:
+    """Ours' phy2log [L, P], forecast w [L, E], newest tokens [T, L, K] -> phy2log [L, P]: per layer global's layout
+    on w where node-limited replay of the tokens gives it a max GPU load below (1 - margin) x ours', else ours."""
+    e = w.shape[1]
+    glob = global_phy2log(w, cluster)
+    ours_max = node_limited(from_phy2log(phy2log, e), tokens, cluster).gpu_load.max(1)  # [L]
+    glob_max = node_limited(from_phy2log(glob, e), tokens, cluster).gpu_load.max(1)
+    take = glob_max < ours_max * (1 - margin)
+    return np.where(take[:, None], glob, phy2log)

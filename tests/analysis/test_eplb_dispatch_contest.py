@@ -1,0 +1,88 @@
+"""The two-node replay contest of a fresh plan (r3trace/eplb/dispatch_contest.py): a layer takes DeepSeek global's
+layout where node-limited replay of the newest tokens gives it a lower max GPU load by more than the margin, held
+out that pays under node-limited dispatch, and nothing changes on other node counts or with the margin off.
+
+Run: .venv/bin/pytest -q tests/analysis/test_eplb_dispatch_contest.py
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from r3trace.eplb import Cluster, PlannerConfig, global_policy, layout, plan
+from r3trace.eplb.evaluate import plan_policy, planner_config
+from r3trace.eplb.score import balancedness, even_gpu_load, heat_of, node_limited
+
+E, GROUPS, K, LAYERS = 128, 8, 8, 2
+OFF = PlannerConfig(replay_margin=-1.0)
+
+
+def grouped_routes(rng: np.random.Generator, t: int, rank: np.ndarray, bias: np.ndarray) -> np.ndarray:
+    """[T, L, K]: Zipf(1.2) popularity over `rank`, one of 4 domains' biases per token, Gumbel noise, the top K of
+    the best GROUPS / 2 groups (DeepSeek's group-limited routing)."""
+    base = -1.2 * np.log1p(rank)  # [E]
+    dom = rng.integers(0, len(bias), t)
+    out = np.empty((t, LAYERS, K), dtype=np.int64)
+    for li in range(LAYERS):
+        logits = base + bias[dom, li] - np.log(-np.log(rng.random((t, E)) + 1e-20) + 1e-20)  # [T, E]
+        grouped = logits.reshape(t, GROUPS, E // GROUPS)
+        top2 = np.sort(grouped, axis=2)[:, :, -2:].sum(2)
+        np.put_along_axis(grouped, np.argsort(top2, axis=1)[:, : GROUPS // 2, None], -np.inf, axis=1)
+        out[:, li] = np.argsort(-logits, axis=1)[:, :K]
+    return out
+
+
+@pytest.fixture(scope="module")
+def windows() -> tuple[np.ndarray, np.ndarray]:
+    """A planning window and the next one of the same workload, 2,000 tokens each."""
+    rng = np.random.default_rng(0)
+    rank, bias = rng.permutation(E), rng.normal(0, 0.5, (4, LAYERS, E))
+    return grouped_routes(rng, 2000, rank, bias), grouped_routes(np.random.default_rng(100), 2000, rank, bias)
+
+
+def test_two_nodes_take_global_by_replay_and_it_pays_held_out(windows: tuple[np.ndarray, np.ndarray]) -> None:
+    fit, held = windows
+    cl = Cluster(16, 2, 160, num_groups=GROUPS)
+    h = heat_of(fit, E)
+    on, off, glob = plan(h, cl, tokens=fit), plan(h, cl, tokens=fit, cfg=OFF), global_policy(h, cl)
+    took = (on.phy2log != off.phy2log).any(1)
+    assert took.any()
+    for li in range(LAYERS):  # every layer is ours' or global's, and global's only where the replay said so
+        assert (on.phy2log[li] == (glob if took[li] else off).phy2log[li]).all()
+        ours_max = node_limited(off, fit, cl).gpu_load.max(1)[li]
+        glob_max = node_limited(glob, fit, cl).gpu_load.max(1)[li]
+        assert (glob_max < 0.98 * ours_max) == took[li]
+    # held out: node-limited dispatch pays (0.84 -> 0.92 here), the even split stays within a point
+    nl_on, nl_off = (balancedness(node_limited(p, held, cl).gpu_load) for p in (on, off))
+    assert nl_on > nl_off + 0.05
+    hh = heat_of(held, E)
+    assert abs(balancedness(even_gpu_load(on, hh, cl)) - balancedness(even_gpu_load(off, hh, cl))) < 0.01
+
+
+def test_other_node_counts_and_margin_off_keep_ours(windows: tuple[np.ndarray, np.ndarray]) -> None:
+    fit, _ = windows
+    h = heat_of(fit, E)
+    four = Cluster(32, 4, 160, num_groups=GROUPS)
+    assert (plan(h, four, tokens=fit).phy2log == plan(h, four, tokens=fit, cfg=OFF).phy2log).all()
+    two = Cluster(16, 2, 160, num_groups=GROUPS)
+    huge = PlannerConfig(replay_margin=0.99)  # global would need a max load under 1% of ours'
+    assert (plan(h, two, tokens=fit, cfg=huge).phy2log == plan(h, two, tokens=fit, cfg=OFF).phy2log).all()
+    no_tokens = plan(h, two)  # heat only: nothing to replay
+    assert (no_tokens.phy2log == plan(h, two, cfg=OFF).phy2log).all()
+
+
+def test_ours_plans_for_the_dispatch_asked_for(windows: tuple[np.ndarray, np.ndarray]) -> None:
+    """`r3trace eplb --dispatch`: node-limited plans with the contest, SGLang's static and dynamic dispatch without
+    it (they never look at a token's other experts), and the layout line says so only where it runs."""
+    fit, _ = windows
+    h = heat_of(fit, E)[None]
+    two = Cluster(16, 2, 160, num_groups=GROUPS)
+    with_contest, without = plan(h, two, tokens=fit), plan(h, two, tokens=fit, cfg=OFF)
+    assert (with_contest.phy2log != without.phy2log).any()
+    for dispatch, want in (("node-limited", with_contest), ("static", without), ("dynamic", without)):
+        got = plan_policy("ours", h, "ema", two, fit, dispatch=dispatch)  # type: ignore[arg-type]
+        assert (got.phy2log == want.phy2log).all(), dispatch
+    assert "dispatch_contest.py" in layout(two, planner_config("node-limited")).reason
+    assert "dispatch_contest.py" not in layout(two, planner_config("static")).reason
+    assert "dispatch_contest.py" not in layout(Cluster(32, 4, 160, num_groups=GROUPS)).reason
