@@ -28,7 +28,8 @@ CRAFT_ID, AUTO_ID = "eplb-replica-budget", "eplb-default-policy"
 PLAN_TIME_FILE, MILP_FILE = RESULTS / "eplb-matrix-plan-time.json", RESULTS / "eplb-matrix-milp.json"
 CRAFT_FILE = RESULTS / "eplb-craft.json"
 # bench/eplb_auto.py on trace seeds 0, 1 and 2
-AUTO_FILES = [RESULTS / "eplb-auto.json", RESULTS / "eplb-auto-seed1.json", RESULTS / "eplb-auto-seed2.json"]
+AUTO_FILES = [RESULTS / "eplb-auto.json", RESULTS / "eplb-auto-seed1.json", RESULTS / "eplb-auto-seed2.json",
+              RESULTS / "eplb-auto-static.json"]
 SWEEPS = {  # a result file's sweep -> what its cells vary (the summary's first column)
     "shape": "shapes: slots x skew, grouped router, slow drift",
     "family": "trace families x drift",
@@ -279,10 +280,11 @@ def auto_claim(paths: list[Path] = AUTO_FILES) -> dict[str, Any]:
     out = []
     for path in paths:
         doc = json.loads(path.read_text())
-        seed = doc["results"][0]["spec"]["seed"]
-        for name, v in score_rules(doc["results"], dispatch=doc.get("dispatch", "node-limited")).items():
+        seed, dispatch = doc["results"][0]["spec"]["seed"], doc.get("dispatch", "node-limited")
+        for name, v in score_rules(doc["results"], dispatch=dispatch).items():
             first = np.mean([m for h, (m, _) in v["by_history"].items() if int(h) <= 3])
-            out.append({"seed": seed, "rule": name, "vs_ours": f"{v['vs_ours'][0]:+.4f} +- {v['vs_ours'][1]:.4f}",
+            out.append({"seed": seed, "dispatch": dispatch, "rule": name,
+                        "vs_ours": f"{v['vs_ours'][0]:+.4f} +- {v['vs_ours'][1]:.4f}",
                         "first": float(first), "vs_best": v["vs_best"], "nodes": v["nodes_vs_ours"] or 0.0,
                         "ours": v["ours_share"], "cells": f"{v['cells_behind']} / {v['cells_ahead']}"})
     doc = json.loads(paths[0].read_text())
@@ -294,12 +296,14 @@ def auto_claim(paths: list[Path] = AUTO_FILES) -> dict[str, Any]:
                   "1,221); at each re-plan the history is the newest 8 windows or fewer (2-8), the backtest's 4 "
                   "newest folds or fewer, every candidate planned fresh and scored on the next window: node-limited "
                   "replay of 8,192 tokens (SGLang-dump's too: its tokens are hidden from the planners and the "
-                  "backtest, which ranks the even split); synthetic traces of seeds 0, 1 and 2",
+                  "backtest, which ranks the even split), or with --dispatch static SGLang's static dispatch "
+                  "replayed, which the backtest then ranks and ours plans for; synthetic traces of seeds 0, 1 and 2",
         "baseline": "ours + ema (the candidate `--policy ours` plans), every fixed candidate, and the best candidate "
                     "in hindsight, scored on the same windows",
-        "command": "python -m bench.eplb_auto [--seed N --out bench/results/eplb-auto-seedN.json]",
+        "command": "python -m bench.eplb_auto [--seed N --out bench/results/eplb-auto-seedN.json] [--dispatch static "
+                   "--out bench/results/eplb-auto-static.json]",
         "sources": [str(p.relative_to(RESULTS.parents[1])) for p in paths],
-        "columns": [["seed", "trace seed", "{}"], ["rule", "pick", "{}"],
+        "columns": [["seed", "trace seed", "{}"], ["dispatch", "judged by (--dispatch)", "{}"], ["rule", "pick", "{}"],
                     ["vs_ours", "held out - ours + ema (mean +- SE over re-plans)", "{}"],
                     ["first", "the same at 2-3 history windows", "{:+.4f}"],
                     ["vs_best", "- best in hindsight", "{:+.4f}"], ["nodes", "nodes/token - ours'", "{:+.3f}"],

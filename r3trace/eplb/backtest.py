@@ -20,9 +20,10 @@ per-fold shortfall); of the tied, the fewest nodes per token wins; remaining tie
 Why an incumbent: the best mean of 12 candidates over 1-4 folds is an upward-biased estimate, so ranking them all
 picks fold noise. bench/eplb_auto.py scores every pick held out (16 cells: the matrix's 3 main shapes x 4 synthetic
 traces (grouped slow, grouped fast at skew 1.2, clustered fast, SGLang-dump fast), and the sample model's 4; a fresh
-plan at 2-8 history windows, 10 re-plans a cell): ranking all 12 as equals scored 0.0035, 0.0012 and 0.0006 under
-ours + ema on trace seeds 0, 1 and 2 (behind in 13 of 16 cells on seed 0); this rule +0.0012, +0.0015 and +0.0010,
-with LEAD_SE anywhere in 1.5-3 within 0.0015 of that on seeds 0 and 1 (BENCHMARKS.md, "EPLB default policy").
+plan at 2-8 history windows, 10 re-plans a cell): ranking all 12 as equals scored 0.0077, 0.0054 and 0.0048 under
+ours + ema on trace seeds 0, 1 and 2; this rule 0.0021, 0.0019 and 0.0023 under it (about one standard error), and
+no other tie, lead or fold count scored from those files beats ours + ema on every seed (BENCHMARKS.md, "EPLB
+default policy"): the backtest adds nothing measurable there, and the incumbent bounds what its switches cost.
 TIE = 0.005: the held-out balancedness of one plan moves by 0.001-0.005 between seeds of the same synthetic
 workload (BENCHMARKS.md, EPLB), so smaller gaps do not rank policies. LEAD_SE = 2: a one-sided lead of two
 standard errors, which fold noise alone passes 1 time in 14 over 4 folds (Student's t, 3 degrees of freedom).
