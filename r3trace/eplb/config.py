@@ -116,8 +116,9 @@ class PlannerConfig:
     emax_node_slack: float = 0.05
     emax_step_drop: float = 1e-4
     # two nodes, spare slots, tokens: a fresh plan's layer takes DeepSeek global's layout where node-limited replay of
-    # the newest tokens gives it a max GPU load lower by more than replay_margin of ours' (dispatch_contest.py has the
-    # why and the figures); < 0: never
+    # the newest tokens gives it a max GPU load lower by more than replay_margin of ours', and a re-plan's layer whose
+    # replayed max load is more than replay_margin above the previous placement's keeps the previous layer
+    # (dispatch_contest.py has the why and the figures); < 0: neither
     replay_margin: float = 0.02
 
     def __post_init__(self) -> None:

@@ -10,17 +10,19 @@ over the nodes, and the other node's one-node tokens all went to its one replica
 0.675 against global's 0.891, where ours led global's even-split balancedness. Global's layout spreads hot experts
 over both nodes, so nearly every token reaches both and the work splits by replica counts.
 
-Rule: a layer takes global's layout (planned on the same forecast) where its replayed max GPU load on the newest
-tokens is below ours' by more than `margin` of ours'. The tokens are those ours placed its extra replicas by, so the
-comparison leans to ours; `margin` is PlannerConfig.replay_margin, 0.02: at 0.1 a fresh-plan probe (not committed)
-took fewer layers and gained less (16 / 2 / 320, s = 0.9: 0.863 against 0.895 held out). The contest runs in fresh
-plans (the cold plan, whose layout the seeded re-plans keep). Over bench/eplb_matrix.py's 118 cells the verdicts
-under node-limited replay went from 94 / 18 / 6 to 97 / 19 / 2 (the 2-node misses 5 -> 1: that cell 0.675 -> 0.829,
-global 0.891), under the even split they stayed 88 / 29 / 1, under SGLang's static dispatch 88 / 26 / 4 -> 89 / 25 /
-4, and nodes per token stayed under global's in every cell (the 2-node cells 0.03-0.11 under it). Two nodes only: a
-probe of the same rule on the re-plan protocol (not committed) moved 4-node cells' replay -0.02 .. +0.01 at
-0.05-0.24 more nodes per token and took no layer on 8 nodes; a 2-node replay is an exact cover over 3 node sets,
-cheap beside the plan.
+Rules: a fresh plan's layer takes global's layout (planned on the same forecast) where its replayed max GPU load on
+the newest tokens is below ours' by more than `margin` of ours' (replay_contest); a re-plan's layer keeps the
+previous placement's where its own replayed max load is above the previous one's by more than `margin`
+(replay_guard: the seeded re-plans level the even split and had undone the contest, below). The tokens are those
+ours placed its extra replicas by, so the contest leans to ours; `margin` is PlannerConfig.replay_margin, 0.02: at
+0.1 a fresh-plan probe (not committed) took fewer layers and gained less (16 / 2 / 320, s = 0.9: 0.863 against 0.895
+held out). Over bench/eplb_matrix.py's 118 cells the verdicts under node-limited replay went from 94 / 18 / 6 to 97
+/ 19 / 2 with the contest and to 99 / 18 / 1 with the guard too (that cell 0.675 -> 0.829 -> 0.896, global 0.891;
+the one left is the even split's own), under the even split they stayed 88 / 29 / 1, under SGLang's static dispatch
+88 / 26 / 4 (89 / 25 / 4 between), and nodes per token stayed under global's in every cell (the synthetic 2-node
+cells 0.03-0.09 under it). Two nodes only: a probe of the contest on the re-plan protocol (not committed) moved
+4-node cells' replay -0.02 .. +0.01 at 0.05-0.24 more nodes per token and took no layer on 8 nodes; a 2-node replay
+is an exact cover over 3 node sets, cheap beside the plan.
 Shape legend: T tokens, L layers, K top-k, E experts, P slots.
 """
 
@@ -48,3 +50,16 @@ def replay_contest(phy2log: np.ndarray, w: np.ndarray, cluster: Cluster, tokens:
     glob_max = node_limited(from_phy2log(glob, e), tokens, cluster).gpu_load.max(1)
     take = glob_max < ours_max * (1 - margin)
     return np.where(take[:, None], glob, phy2log)
+
+
+def replay_guard(phy2log: np.ndarray, prev: np.ndarray, cluster: Cluster, tokens: np.ndarray,
+                 margin: float) -> np.ndarray:
+    """A re-plan's phy2log [L, P], the previous placement's [L, P], newest tokens [T, L, K] -> phy2log [L, P]: per
+    layer the previous layer where the re-plan's replayed max GPU load on the tokens exceeds its by more than
+    `margin`, else the re-plan's. A seeded re-plan levels the even split; on grouped s = 1.2, 16 / 2 / 320 its first
+    step moved a layer that had taken global's layout from 1.07x to 1.55x the mean GPU load held out (node-limited),
+    and it stayed there (1.47-1.93x); keeping a layer moves no slot."""
+    e = int(phy2log.max()) + 1  # every expert holds a slot
+    new_max = node_limited(from_phy2log(phy2log, e), tokens, cluster).gpu_load.max(1)  # [L]
+    old_max = node_limited(from_phy2log(prev, e), tokens, cluster).gpu_load.max(1)
+    return np.where((new_max > old_max * (1 + margin))[:, None], prev, phy2log)

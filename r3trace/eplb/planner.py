@@ -25,8 +25,9 @@
    (P = E) each layer takes ours, DeepSeek global's or global's with GPUs grouped by expert group, whichever
    has the lowest forecast max GPU load, then the fewest nodes per token on the newest tokens (candidates.py). With
    spare slots on two nodes a layer takes global's layout where node-limited replay of the newest tokens gives it
-   a max GPU load lower by more than `replay_margin` (dispatch_contest.py: held-out node-limited replay 0.675 ->
-   0.829 on grouped s = 1.2, 16 / 2 / 320, global 0.891; one-node tokens had overloaded a hot expert's lone
+   a max GPU load lower by more than `replay_margin`, and a re-plan keeps the previous layer where its own replay
+   is that much worse (dispatch_contest.py: held-out node-limited replay 0.675 ->
+   0.896 on grouped s = 1.2, 16 / 2 / 320, global 0.891; one-node tokens had overloaded a hot expert's lone
    replica on the other node).
 4. Each node's replicas are packed onto its GPUs (balanced packing), then up to `fresh_swaps` swaps
    lower the hottest GPUs (refine.swap_refine; 0.925 -> 0.944 held out on 32 GPUs). In the multi-node layout
@@ -74,7 +75,7 @@ from r3trace.eplb.config import PlannerConfig
 from r3trace.eplb.deepseek import global_phy2log, group_nodes, pack_nodes, spread_replicas
 from r3trace.eplb.descent import hot_swaps
 from r3trace.eplb.dispatch_contest import applies as replays
-from r3trace.eplb.dispatch_contest import replay_contest
+from r3trace.eplb.dispatch_contest import replay_contest, replay_guard
 from r3trace.eplb.emax import still_noise
 from r3trace.eplb.forecast import backtest_errors, drifts, forecast, pick_alpha
 from r3trace.eplb.homing import capped_counts, expert_nodes
@@ -193,8 +194,20 @@ def plan(
     tokens [T, L, K] (the newest window's routes) place extra replicas by co-activation where groups do not
     fit nodes (affinity.py); elsewhere they are unused: packing by replayed dispatch over-fitted a
     2,048-token sample (0.887 vs 0.934 held out), and with one node per expert the dispatcher's load is
-    the even-split load anyway.
+    the even-split load anyway. On two nodes with spare slots they also pick layouts by node-limited replay
+    (dispatch_contest.py): a fresh plan's global layouts, and a re-plan's layers kept from `prev`.
     """
+    out = _plan(loads, cluster, prev, tokens, cfg)
+    e = out.logcnt.shape[1]
+    if (prev is None or tokens is None or not spreads(cluster, cfg) or cfg.keep_groups
+            or not replays(cluster, e, cfg.replay_margin)):
+        return out
+    return from_phy2log(replay_guard(out.phy2log, prev.phy2log, cluster, tokens, cfg.replay_margin), e)
+
+
+def _plan(loads: np.ndarray, cluster: Cluster, prev: Placement | None, tokens: np.ndarray | None,
+          cfg: PlannerConfig) -> Placement:
+    """plan() before the two-node replay guard."""
     err = backtest_errors(loads) if cfg.ema_alpha is None and prev is not None else None
     moving = drifts(loads, err, cfg.refresh_drift)
     w = forecast(loads, cfg.ema_alpha if err is None else pick_alpha(err, 0.0 if moving else cfg.alpha_tie))

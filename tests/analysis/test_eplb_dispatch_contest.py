@@ -12,6 +12,7 @@ import pytest
 
 from r3trace.eplb import Cluster, PlannerConfig, global_policy, layout, plan
 from r3trace.eplb.evaluate import plan_policy, planner_config
+from r3trace.eplb.planner import _plan
 from r3trace.eplb.score import balancedness, even_gpu_load, heat_of, node_limited
 
 E, GROUPS, K, LAYERS = 128, 8, 8, 2
@@ -86,3 +87,25 @@ def test_ours_plans_for_the_dispatch_asked_for(windows: tuple[np.ndarray, np.nda
     assert "dispatch_contest.py" in layout(two, planner_config("node-limited")).reason
     assert "dispatch_contest.py" not in layout(two, planner_config("static")).reason
     assert "dispatch_contest.py" not in layout(Cluster(32, 4, 160, num_groups=GROUPS)).reason
+
+
+def test_a_two_node_replan_keeps_layers_the_replay_says_it_worsened() -> None:
+    """replay_guard: a re-plan's layer whose node-limited replay of the newest tokens has a max GPU load more than
+    replay_margin above the previous placement's layer keeps the previous layer (no slot moves); every other layer is
+    the re-plan's. Held out on the next window of the same workload that pays here (0.940 -> 0.950)."""
+    two = Cluster(16, 2, 160, num_groups=GROUPS)
+    rng = np.random.default_rng(1)
+    rank, bias = rng.permutation(E), rng.normal(0, 0.5, (4, LAYERS, E))
+    wins = [grouped_routes(np.random.default_rng(10 + i), 2000, rank, bias) for i in range(4)]
+    heats = np.stack([heat_of(w, E) for w in wins])
+    prev = plan(heats[:2], two, tokens=wins[1])
+    raw = _plan(heats[:3], two, prev, wins[2], PlannerConfig())  # plan() before the guard
+    got = plan(heats[:3], two, prev, tokens=wins[2])
+    new_max = node_limited(raw, wins[2], two).gpu_load.max(1)
+    old_max = node_limited(prev, wins[2], two).gpu_load.max(1)
+    kept = new_max > 1.02 * old_max
+    assert kept.any() and not kept.all()
+    for li in range(LAYERS):
+        assert (got.phy2log[li] == (prev if kept[li] else raw).phy2log[li]).all()
+    held = wins[3]
+    assert balancedness(node_limited(got, held, two).gpu_load) > balancedness(node_limited(raw, held, two).gpu_load)
