@@ -30,9 +30,9 @@ DISPATCHES: tuple[DispatchName, ...] = ("node-limited", "static", "dynamic")
 
 
 def planner_config(dispatch: DispatchName) -> PlannerConfig:
-    """Ours plans for the dispatcher it will run under: the two-node replay contest (dispatch_contest.py) only for
-    node-limited dispatch; SGLang's static and dynamic dispatch never look at a token's other experts, so there the
-    even split is the load ours plans for."""
+    """Ours plans for the dispatcher it will run under: the two-node replay rules (dispatch_contest.py: the fresh plan's
+    contest, the re-plan's guard) only for node-limited dispatch; SGLang's static and dynamic dispatch never look at
+    a token's other experts, so there the even split is the load ours plans for."""
     return PlannerConfig() if dispatch == "node-limited" else PlannerConfig(replay_margin=-1.0)
 
 

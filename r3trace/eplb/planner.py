@@ -120,7 +120,8 @@ def layout(cluster: Cluster, cfg: PlannerConfig = PlannerConfig()) -> Layout:
               "the lightest nodes)")
     if n == 2 and cfg.replay_margin >= 0:
         extras += ("; with spare slots and routes, a layer takes DeepSeek global's layout where node-limited replay "
-                   "of the newest tokens gives it a lower max GPU load (dispatch_contest.py)")
+                   "of the newest tokens gives it a lower max GPU load, and a re-plan keeps a previous layer that "
+                   "replay favours (dispatch_contest.py)")
     if cfg.keep_groups:
         return Layout("groups_on_nodes", f"{g} groups on {n} nodes, keep_groups: first replicas stay on their "
                                          f"group's home nodes ({how}), so no token reaches more nodes than under "
