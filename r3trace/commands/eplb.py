@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 HELP = "plan an expert placement from a trace (policy chosen by backtest), score it held out, export it"
 POLICIES = ("auto", "ours", "global", "hierarchical", "cross_node")
 FORECASTS = ("ema", "mean", "newest")
-DISPATCHES = ("node-limited", "static", "dynamic")  # r3trace.eplb.evaluate.DISPATCHES, without importing numpy here
+DISPATCHES = ("node-limited", "static", "dynamic")  # evaluate.DISPATCHES, no numpy import (test_cli_choice_lists)
 WINDOW_HELP = "time=A..B (seconds from the run's start), forward=A..B or runs=ID,ID; [A, B), either end optional"
 
 
