@@ -171,6 +171,8 @@ def report_lines(rep: Report, cluster: object, layer_ids: tuple[int, ...], previ
             ("tokens replayed", rep.in_sample.tokens, h and h.tokens, ",")]
     out.append(f"{'':<28}{'in-sample':>12}{'held out':>12}")
     out += [f"{name:<28}{_f(a, spec):>12}{_f(b, spec) if h is not None else '-':>12}" for name, a, b, spec in rows]
+    if rep.in_sample.static is not None:
+        out.append(f"SGLang static dispatch: {rep.static_sources}")
     worst = h if h is not None else rep.in_sample
     layers = _worst(worst, layer_ids, rep.dispatch)
     if layers:

@@ -112,17 +112,20 @@ def fold_windows(num_windows: int, folds: int = FOLDS) -> list[int]:
 
 def backtest(history: np.ndarray, held: Sequence[int], fit_tokens: Sequence[np.ndarray | None],
              held_tokens: Sequence[np.ndarray | None], cluster: Cluster, policies: Sequence[PolicyName] = POLICIES,
-             forecasts: Sequence[Forecast] = FORECASTS, dispatch: DispatchName = "node-limited") -> list[Candidate]:
+             forecasts: Sequence[Forecast] = FORECASTS, dispatch: DispatchName = "node-limited",
+             held_ranks: Sequence[np.ndarray | None] | None = None) -> list[Candidate]:
     """history [W, L, E]; held: the windows t scored (fold_windows), each planned on history[:t] with fit_tokens[i]
     (the newest routes before t, for ours) and scored on history[t] replaying held_tokens[i] [T, L, K] (None: even
-    split only) -> every candidate's fold scores, in table order, judged under `dispatch`."""
+    split only), sent from held_ranks[i] [T] under static dispatch (None: token t from rank t mod G) -> every
+    candidate's fold scores, in table order, judged under `dispatch`."""
+    ranks = [None] * len(held) if held_ranks is None else held_ranks
     out = []
     for policy in policies:
         for how in forecasts:
             try:
                 scores = tuple(score_placement(plan_policy(policy, history[:t], how, cluster, ft,
-                                                           dispatch=dispatch), history[t], vt, cluster)
-                               for t, ft, vt in zip(held, fit_tokens, held_tokens, strict=True))
+                                                           dispatch=dispatch), history[t], vt, cluster, vr)
+                               for t, ft, vt, vr in zip(held, fit_tokens, held_tokens, ranks, strict=True))
             except PlacementError as e:  # hierarchical when groups do not divide over nodes
                 out.append(Candidate(policy, how, (), str(e), dispatch))
                 continue

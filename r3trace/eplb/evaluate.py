@@ -120,16 +120,19 @@ class Score(NamedTuple):
                 "over_node_limit": self.over_limit_share}
 
 
-def score_placement(pl: Placement, heat: np.ndarray, tokens: np.ndarray | None, cluster: Cluster) -> Score:
+def score_placement(pl: Placement, heat: np.ndarray, tokens: np.ndarray | None, cluster: Cluster,
+                    token_rank: np.ndarray | None = None) -> Score:
     """heat [L, E], tokens [T, L, K] or None -> Score. balancedness_even equals score.balancedness of the even
     split (SGLang's "dynamic" dispatch in expectation); the replay is score.node_limited (exact minimum node cover
-    up to 8 nodes); static is SGLang's default dispatch with a placement, token t sent from rank t mod G."""
+    up to 8 nodes); static is SGLang's default dispatch with a placement, each token sent from token_rank [T]
+    (static.token_sources; None: token t from rank t mod G)."""
     even = _per_layer(score.even_gpu_load(pl, heat, cluster))
     if tokens is None or not len(tokens):
         return Score(0, even, None, None, None)
     d = score.node_limited(pl, tokens, cluster)
     return Score(len(tokens), even, _per_layer(d.gpu_load), d.nodes.mean(0),
-                 (d.nodes > cluster.node_limit).mean(0), d.nodes, _per_layer(static_gpu_load(pl, tokens, cluster)))
+                 (d.nodes > cluster.node_limit).mean(0), d.nodes,
+                 _per_layer(static_gpu_load(pl, tokens, cluster, token_rank)))
 
 
 def evaluate_policy(policy: PolicyName, weight: np.ndarray, tokens: np.ndarray, cluster: Cluster) -> dict[str, Any]:

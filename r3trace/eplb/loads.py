@@ -11,7 +11,7 @@ layers (manifest order), E experts, T tokens, K top-k.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import duckdb
 import numpy as np
@@ -25,6 +25,14 @@ from r3trace.trace.reader import RunFiles
 from r3trace.trace.schema import Manifest, TraceSchemaError
 
 HeatSource = Literal["rollups", "routes"]
+
+
+class TokenSample(NamedTuple):
+    """A bounded sample of a window's tokens, in file order: their routes and the DP rank that served each."""
+
+    ids: np.ndarray  # [T, L, K] topk_ids
+    dp_rank: np.ndarray  # [T] int64
+    dp_size: int | None  # the capture's DP size where its manifest says (the engine's `parallel`), else None
 
 
 def run_facts(con: duckdb.DuckDBPyConnection, runs: Sequence[RunFiles]) -> dict[str, RunFacts]:
@@ -88,6 +96,13 @@ def span_tokens(runs: dict[str, RunFiles], spans: Sequence[Span], max_tokens: in
                 newest: bool = False) -> np.ndarray | None:
     """topk_ids [T <= max_tokens, L, K] of the tokens in `spans`: the first ones in file order, or the last ones
     (`newest`); None when the runs hold no routes (heat-only runs)."""
+    sample = span_sample(runs, spans, max_tokens, newest)
+    return None if sample is None else sample.ids
+
+
+def span_sample(runs: dict[str, RunFiles], spans: Sequence[Span], max_tokens: int,
+                newest: bool = False) -> TokenSample | None:
+    """span_tokens' tokens with each one's dp_rank; None when the runs hold no routes."""
     if max_tokens <= 0 or not spans:
         return None
     m = runs[spans[0].run_id].manifest
@@ -103,7 +118,7 @@ def span_tokens(runs: dict[str, RunFiles], spans: Sequence[Span], max_tokens: in
         mine = [s for s in spans if s.run_id == run_id]
         files = run.route_files
         for path in reversed(files) if newest else files:
-            t = pq.read_table(path, columns=["layer_id", "topk_ids"], filters=_filter(mine))
+            t = pq.read_table(path, columns=["layer_id", "dp_rank", "topk_ids"], filters=_filter(mine))
             if not t.num_rows:
                 continue
             parts.append(t)
@@ -123,7 +138,9 @@ def span_tokens(runs: dict[str, RunFiles], spans: Sequence[Span], max_tokens: in
     if not (layer == np.asarray(m.moe_layer_ids, dtype=layer.dtype)).all():
         raise TraceSchemaError(f"run {m.run_id}: rows not token-major over moe_layer_ids {m.moe_layer_ids}")
     ids = table.column("topk_ids").combine_chunks().flatten().to_numpy()
-    return ids.reshape(t_count, n_layers, m.top_k)
+    rank = table.column("dp_rank").to_numpy().reshape(t_count, n_layers)[:, 0].astype(np.int64)
+    dp_size = m.parallel.get("dp_size")
+    return TokenSample(ids.reshape(t_count, n_layers, m.top_k), rank, int(dp_size) if dp_size else None)
 
 
 def _filter(spans: Sequence[Span]) -> pc.Expression:

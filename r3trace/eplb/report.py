@@ -30,10 +30,11 @@ from r3trace.eplb.evaluate import (
     planner_config,
     score_placement,
 )
-from r3trace.eplb.loads import HeatSource, run_facts, span_heat, span_tokens
+from r3trace.eplb.loads import HeatSource, TokenSample, run_facts, span_heat, span_sample
 from r3trace.eplb.placement import Cluster, Placement, PlacementError, churn, from_phy2log
 from r3trace.eplb.planner import Layout, layout
 from r3trace.eplb.score import even_gpu_load, node_counts
+from r3trace.eplb.static import TokenSources, token_sources
 from r3trace.errors import StoreError
 from r3trace.trace.schema import Manifest
 
@@ -91,6 +92,7 @@ class Report:
     held_heat: np.ndarray | None = None
     held_tokens: np.ndarray | None = None
     dispatch: DispatchName = "node-limited"  # what the backtest and the worst layers judged balancedness by
+    static_sources: str = ""  # where SGLang's static replay sends tokens from (static.token_sources' rule)
 
     def to_dict(self) -> dict[str, Any]:
         """The figures as JSON-able data (`--out`'s meta.report)."""
@@ -109,7 +111,7 @@ class Report:
             "backtest": bt, "in_sample": self.in_sample.summary(),
             "held_out_scores": None if self.held is None else self.held.summary(), "churn": self.churn,
             "heat_source": self.source, "history_windows": self.history_windows, "seconds": self.seconds,
-            "dispatch": self.dispatch,
+            "dispatch": self.dispatch, "static_sources": self.static_sources,
         }
 
 
@@ -160,7 +162,9 @@ def make_report(store: TraceStore, req: PlanRequest, progress: bool | None = Fal
     train = win.Selection(train.spec, kept, win.describe(kept, facts) if not keep.all() else train.label)
     history = history[keep]
     seconds = {"heat": time.perf_counter() - t0}
-    train_tokens = span_tokens(runs, train.spans, req.replay_tokens, newest=True)
+    train_sample = span_sample(runs, train.spans, req.replay_tokens, newest=True)
+    train_tokens = None if train_sample is None else train_sample.ids
+    train_src = _sources(train_sample, req.cluster)
 
     t1 = time.perf_counter()
     bt = None
@@ -176,13 +180,15 @@ def make_report(store: TraceStore, req: PlanRequest, progress: bool | None = Fal
     pl = plan_policy(policy, history, how, req.cluster, train_tokens, req.previous, req.dispatch)
     seconds["plan"] = time.perf_counter() - t2
 
-    in_sample = score_placement(pl, history.sum(0), train_tokens, req.cluster)
-    scored, held_heat, held_tokens = None, None, None
+    in_sample = score_placement(pl, history.sum(0), train_tokens, req.cluster, train_src.rank)
+    scored, held_heat, held_tokens, held_src = None, None, None, None
     if held is not None:
         held_heat = span_heat(store.con, held.spans, m, source, progress, "held-out heat").sum(0)
         if held_heat.any():
-            held_tokens = span_tokens(runs, held.spans, req.replay_tokens)
-            scored = score_placement(pl, held_heat, held_tokens, req.cluster)
+            held_sample = span_sample(runs, held.spans, req.replay_tokens)
+            held_tokens = None if held_sample is None else held_sample.ids
+            held_src = _sources(held_sample, req.cluster)
+            scored = score_placement(pl, held_heat, held_tokens, req.cluster, held_src.rank)
         else:
             held_note = f"none: the held-out window {held.label} holds no routes"
             held_heat = None
@@ -192,7 +198,21 @@ def make_report(store: TraceStore, req: PlanRequest, progress: bool | None = Fal
     return Report(train, held, held_note, policy, how, pl, lay,
                   int(multi.any(1).sum()), bt, in_sample, scored,
                   None if req.previous is None else churn(req.previous, pl), source, len(history), seconds,
-                  history, train_tokens, held_heat, held_tokens, req.dispatch)
+                  history, train_tokens, held_heat, held_tokens, req.dispatch, _says(train_src, held_src))
+
+
+def _sources(sample: TokenSample | None, cluster: Cluster) -> TokenSources:
+    """Where static dispatch sends a sample's tokens from on the cluster (static.token_sources)."""
+    if sample is None:
+        return token_sources(None, None, cluster.num_gpus)
+    return token_sources(sample.dp_rank, sample.dp_size, cluster.num_gpus)
+
+
+def _says(train: TokenSources, held: TokenSources | None) -> str:
+    """The report's line on static dispatch's token sources: one rule, or the in-sample and held-out ones."""
+    if held is None or held.how == train.how:
+        return train.how
+    return f"in-sample {train.how}; held out {held.how}"
 
 
 def _backtest(runs: dict[str, Any], facts: dict[str, win.RunFacts], train: win.Selection, history: np.ndarray,
@@ -205,12 +225,17 @@ def _backtest(runs: dict[str, Any], facts: dict[str, win.RunFacts], train: win.S
         return Backtest("", "", [], None, note)
     spans = train.spans  # one per history window (empty windows were dropped from both)
     held = fold_windows(len(history))
-    fit_tokens = [span_tokens(runs, spans[:t], req.replay_tokens, newest=True) for t in held]
-    held_tokens = [span_tokens(runs, spans[t:t + 1], req.replay_tokens) for t in held]
+    fit_tokens = [_ids(span_sample(runs, spans[:t], req.replay_tokens, newest=True)) for t in held]
+    samples = [span_sample(runs, spans[t:t + 1], req.replay_tokens) for t in held]
     forecasts: Sequence[Forecast] = (req.forecast,) if req.forecast else FORECASTS
-    cands = backtest(history, held, fit_tokens, held_tokens, req.cluster, POLICIES, forecasts, req.dispatch)
+    cands = backtest(history, held, fit_tokens, [_ids(x) for x in samples], req.cluster, POLICIES, forecasts,
+                     req.dispatch, [_sources(x, req.cluster).rank for x in samples])
     return Backtest(win.describe(spans[:held[0]], facts), win.describe(spans[held[0]:], facts), cands,
                     choose(cands), rule=rule(req.dispatch))
+
+
+def _ids(sample: TokenSample | None) -> np.ndarray | None:
+    return None if sample is None else sample.ids
 
 
 def _one_shape(manifests: Sequence[Manifest]) -> Manifest:

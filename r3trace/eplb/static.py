@@ -12,13 +12,17 @@ SGLang's draw (m // c, or one more for m mod c of them); which replicas take the
 "dynamic" dispatch (a random replica per pair) is the even split in expectation.
 
 A GPU's load then depends on where each token comes from, not on which other experts it picked: each rank sends
-its own share of the tokens (DP attention; a trace's dp_rank where it has one, else token t from rank t mod G), and
-a replica's load is its own rank's pairs plus those of the ranks mapped to it. No node preference: with 1 replica of
+its own share of the tokens, and a replica's load is its own rank's pairs plus those of the ranks mapped to it. Where
+the trace says which DP rank served a token (token_sources), a DP group of D on G GPUs owns G / D consecutive
+ranks and its tokens go out from them in turn (D = G, DP attention on every rank: the token's own rank); else token
+t from rank t mod G. No node preference: with 1 replica of
 an expert on each of 2 nodes' 8 GPUs, 14 of 16 ranks send remotely either way.
 Shape legend: T tokens, L layers, K top-k, E experts, P slots, G GPUs (ranks), R max replicas.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 
@@ -56,3 +60,31 @@ def static_gpu_load(pl: Placement, topk_ids: np.ndarray, cluster: Cluster,
     out = np.zeros((n_layers, g))
     np.add.at(out, (np.arange(n_layers)[:, None, None], gpu), demand)
     return out
+
+
+class TokenSources(NamedTuple):
+    rank: np.ndarray | None  # [T] the rank each token is sent from; None: token t from rank t mod G
+    how: str  # the rule taken, for reports
+
+
+def token_sources(dp_rank: np.ndarray | None, dp_size: int | None, num_gpus: int) -> TokenSources:
+    """dp_rank [T] of sampled tokens in file order (None: no routes), the capture's DP size D (None: the highest
+    rank + 1) -> the ranks static dispatch sends them from on G GPUs: DP group d owns ranks d G / D .. (d + 1) G / D
+    - 1 and its tokens go out from them in turn. A D that does not divide G, or a rank >= D, gives token t from
+    rank t mod G, with the reason in `how`."""
+    default = f"token t from rank t mod {num_gpus}"
+    if dp_rank is None or not len(dp_rank):
+        return TokenSources(None, default)
+    r = np.asarray(dp_rank, dtype=np.int64)
+    d = int(r.max()) + 1 if dp_size is None else dp_size
+    if d <= 1:
+        return TokenSources(None, f"{default} (one DP rank in the trace)")
+    if num_gpus % d or r.min() < 0 or r.max() >= d:
+        return TokenSources(None, f"{default} (the trace's {d} DP ranks do not divide {num_gpus} GPUs)")
+    order = np.argsort(r, kind="stable")
+    turn = np.empty_like(r)
+    starts = np.searchsorted(r[order], r[order])  # each token's group start in the sorted order
+    turn[order] = np.arange(len(r)) - starts  # [T] the token's place among its group's tokens
+    per = num_gpus // d
+    src = "DP rank" if per == 1 else f"DP group's {per} ranks in turn"
+    return TokenSources(r * per + turn % per, f"each token from its {src} ({d} DP ranks on {num_gpus} GPUs)")
