@@ -62,6 +62,9 @@ if bt is not None and bt["chosen"] is not None:
 elif bt is not None:
     st.caption(f"auto: {bt['note']}")
 layout = f"; layout {rep['layout']['name']}: {rep['layout']['reason']}" if rep["layout"] else ""
+if rep.get("origins"):
+    o = rep["origins"]
+    layout += f"; layers: {o.count('ours')} ours, {o.count('global')} DeepSeek global's on the same forecast"
 st.caption(f"plan: {rep['policy']} + {rep['forecast']} forecast{layout}")
 
 

@@ -131,6 +131,7 @@ def _f(v: float | None, spec: str = ".4f") -> str:
 def report_lines(rep: Report, cluster: object, layer_ids: tuple[int, ...], previous: str | None) -> list[str]:
     """The printed report: windows, backtest, the plan, its layout, scores in-sample vs held out, worst layers,
     churn."""
+    from r3trace.eplb.origins import origins_line
     from r3trace.eplb.placement import Cluster
 
     assert isinstance(cluster, Cluster)
@@ -160,6 +161,8 @@ def report_lines(rep: Report, cluster: object, layer_ids: tuple[int, ...], previ
     if rep.layout is not None:
         out.append(f"layout: {rep.layout.name}: {rep.layout.reason}; {rep.spread_layers} of {n_layers} layers "
                    "have an expert with replicas on more than one node")
+    if rep.origins is not None:
+        out.append(origins_line(rep.origins, rep.churn is not None))
     h = rep.held
     rows = [("balancedness (even split)", rep.in_sample.balancedness_even, h and h.balancedness_even, ".4f"),
             ("balancedness (replayed)", rep.in_sample.balancedness_replay, h and h.balancedness_replay, ".4f"),

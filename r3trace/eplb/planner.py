@@ -206,12 +206,18 @@ def plan(
     return from_phy2log(replay_guard(out.phy2log, prev.phy2log, cluster, tokens, cfg.replay_margin), e)
 
 
+def planning_forecast(loads: np.ndarray, prev: Placement | None, cfg: PlannerConfig) -> tuple[np.ndarray, bool]:
+    """loads [W, L, E] or [L, E] -> (the forecast [L, E] plan() plans on, whether the backtest calls drift): a
+    re-plan picks the EMA weight by backtest (step 1), a fresh plan takes choose_alpha's."""
+    err = backtest_errors(loads) if cfg.ema_alpha is None and prev is not None else None
+    moving = drifts(loads, err, cfg.refresh_drift)
+    return forecast(loads, cfg.ema_alpha if err is None else pick_alpha(err, 0.0 if moving else cfg.alpha_tie)), moving
+
+
 def _plan(loads: np.ndarray, cluster: Cluster, prev: Placement | None, tokens: np.ndarray | None,
           cfg: PlannerConfig) -> Placement:
     """plan() before the two-node replay guard."""
-    err = backtest_errors(loads) if cfg.ema_alpha is None and prev is not None else None
-    moving = drifts(loads, err, cfg.refresh_drift)
-    w = forecast(loads, cfg.ema_alpha if err is None else pick_alpha(err, 0.0 if moving else cfg.alpha_tie))
+    w, moving = planning_forecast(loads, prev, cfg)
     if prev is not None and spreads(cluster, cfg) and not cfg.keep_groups:
         cap = spread_cap(cluster)
         if not moving:

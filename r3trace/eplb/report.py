@@ -26,11 +26,13 @@ from r3trace.eplb.evaluate import (
     Forecast,
     PolicyName,
     Score,
+    forecast_weight,
     plan_policy,
     planner_config,
     score_placement,
 )
 from r3trace.eplb.loads import HeatSource, TokenSample, run_facts, span_heat, span_sample
+from r3trace.eplb.origins import Origin, layer_origins
 from r3trace.eplb.placement import Cluster, Placement, PlacementError, churn, from_phy2log
 from r3trace.eplb.planner import Layout, layout
 from r3trace.eplb.score import even_gpu_load, node_counts
@@ -93,6 +95,7 @@ class Report:
     held_tokens: np.ndarray | None = None
     dispatch: DispatchName = "node-limited"  # what the backtest and the worst layers judged balancedness by
     static_sources: str = ""  # where SGLang's static replay sends tokens from (static.token_sources' rule)
+    origins: list[Origin] | None = None  # ours only: each layer's origin (origins.py)
 
     def to_dict(self) -> dict[str, Any]:
         """The figures as JSON-able data (`--out`'s meta.report)."""
@@ -111,7 +114,7 @@ class Report:
             "backtest": bt, "in_sample": self.in_sample.summary(),
             "held_out_scores": None if self.held is None else self.held.summary(), "churn": self.churn,
             "heat_source": self.source, "history_windows": self.history_windows, "seconds": self.seconds,
-            "dispatch": self.dispatch, "static_sources": self.static_sources,
+            "dispatch": self.dispatch, "static_sources": self.static_sources, "origins": self.origins,
         }
 
 
@@ -194,11 +197,16 @@ def make_report(store: TraceStore, req: PlanRequest, progress: bool | None = Fal
             held_heat = None
     multi = (node_counts(pl, req.cluster) > 0).sum(2) > 1  # [L, E] experts on more than one node
     seconds["total"] = time.perf_counter() - t0
-    lay = layout(req.cluster, planner_config(req.dispatch)) if policy == "ours" else None
+    lay, origins = None, None
+    if policy == "ours":
+        cfg = planner_config(req.dispatch)
+        lay = layout(req.cluster, cfg)
+        loads = history if how == "ema" else forecast_weight(history, how)  # what plan_policy gave the planner
+        origins = layer_origins(pl, loads, req.cluster, req.previous, cfg)
     return Report(train, held, held_note, policy, how, pl, lay,
                   int(multi.any(1).sum()), bt, in_sample, scored,
                   None if req.previous is None else churn(req.previous, pl), source, len(history), seconds,
-                  history, train_tokens, held_heat, held_tokens, req.dispatch, _says(train_src, held_src))
+                  history, train_tokens, held_heat, held_tokens, req.dispatch, _says(train_src, held_src), origins)
 
 
 def _sources(sample: TokenSample | None, cluster: Cluster) -> TokenSources:

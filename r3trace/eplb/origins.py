@@ -1,0 +1,48 @@
+"""Where each layer of ours' plan came from, read off the plan: its own layout, DeepSeek global's on the same
+forecast (the per-layer contests of candidates.py and dispatch_contest.py hand a layer global's GPUs), or the
+previous placement's layer unchanged (a re-plan that kept it: the budget left it alone, or replay_guard kept it).
+`r3trace eplb` prints the counts beside the layout line, so the line says what the planner did, not only what it may do.
+
+A layer is compared by what its GPUs hold, each GPU's experts as a set and the GPUs as a multiset: the contests
+may take global's GPUs in another order (candidates.by_group, regroup.py) and a re-plan aligns a layer to the
+previous one (alignment.py), neither of which changes any GPU's load.
+Shape legend: L layers, E experts, P slots, G GPUs.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+
+from r3trace.eplb.config import PlannerConfig
+from r3trace.eplb.deepseek import global_phy2log
+from r3trace.eplb.placement import Cluster, Placement
+from r3trace.eplb.planner import planning_forecast
+
+Origin = Literal["previous", "global", "ours"]
+
+
+def gpu_contents(phy2log: np.ndarray, cluster: Cluster) -> list[tuple[tuple[int, ...], ...]]:
+    """phy2log [L, P] -> per layer the sorted tuple of its GPUs' sorted expert tuples (GPU and slot order dropped)."""
+    gpus = np.sort(phy2log.reshape(phy2log.shape[0], cluster.num_gpus, cluster.slots_per_gpu), axis=2)
+    return [tuple(sorted(tuple(int(x) for x in g) for g in layer)) for layer in gpus]
+
+
+def layer_origins(pl: Placement, loads: np.ndarray, cluster: Cluster, prev: Placement | None = None,
+                  cfg: PlannerConfig = PlannerConfig()) -> list[Origin]:
+    """Ours' plan pl of loads [W, L, E] (or [L, E]) re-planned from prev -> [L] each layer's origin: "previous"
+    where its GPUs hold what prev's did, else "global" where they hold what DeepSeek global's plan on the same
+    forecast (planner.planning_forecast) does, else "ours"."""
+    w, _ = planning_forecast(loads, prev, cfg)
+    mine = gpu_contents(pl.phy2log, cluster)
+    glob = gpu_contents(global_phy2log(w, cluster), cluster)
+    old = gpu_contents(prev.phy2log, cluster) if prev is not None else [None] * len(mine)
+    return ["previous" if m == o else "global" if m == g else "ours" for m, g, o in zip(mine, glob, old, strict=True)]
+
+
+def origins_line(origins: list[Origin], previous: bool) -> str:
+    """'layers: 52 ours, 4 DeepSeek global's, 2 unchanged from --previous' (the last only for a re-plan)."""
+    n = {k: origins.count(k) for k in ("ours", "global", "previous")}
+    text = f"layers: {n['ours']} ours, {n['global']} DeepSeek global's on the same forecast"
+    return text + (f", {n['previous']} unchanged from --previous" if previous else "")
