@@ -76,6 +76,13 @@ def _smooth(rates: np.ndarray, alpha: float) -> np.ndarray:
     scored every weight that way, never picked the mean."""
     if alpha == 0:
         return rates.mean(0)
-    age = np.arange(len(rates))[::-1]
-    wt = alpha * (1 - alpha) ** age
-    return np.tensordot(wt / wt.sum(), rates, axes=1)
+    wt = [alpha * (1 - alpha) ** age for age in range(len(rates) - 1, -1, -1)]  # oldest first
+    total = sum(wt)
+    # window by window, not np.tensordot: BLAS (OpenBLAS's kernel is picked per CPU at run time) rounds the sum in
+    # another order on another machine, and the planner's swaps and contests break near-ties by those last bits: the
+    # same code and numpy build moved ours in 74 of bench/eplb_matrix.py's 124 cells (-0.004 .. +0.005) between an
+    # AVX-512 and an AVX2 kernel; summed here every machine gets the same forecast (tests/analysis/test_eplb_blas.py)
+    out = (wt[0] / total) * rates[0]
+    for k in range(1, len(rates)):
+        out += (wt[k] / total) * rates[k]
+    return out

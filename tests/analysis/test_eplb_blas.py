@@ -1,0 +1,51 @@
+"""Ours plans the same on every machine: no figure a plan depends on may come from a BLAS kernel, which OpenBLAS
+picks per CPU at run time and which rounds a sum in its own order. r3trace/eplb/forecast.py's EMA summed windows
+with np.tensordot, and the same code and numpy build planned 74 of bench/eplb_matrix.py's 124 cells differently on
+an AVX-512 machine than on an AVX2 one. Here the same history is forecast and planned (fresh, then re-planned from
+the first plan) in two processes that force two OpenBLAS kernels, and the bytes must match.
+
+Runs only where the CPU has AVX-512 (the SkylakeX kernel needs it; every x86-64 server runs Haswell's).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = """
+import numpy as np
+from r3trace.eplb import Cluster, plan
+from r3trace.eplb.forecast import choose_alpha, forecast
+rng = np.random.default_rng(0)
+rank = rng.permutation(256)
+rate = (1.0 + rank) ** -0.9 * rng.lognormal(0.0, 0.3, (8, 6, 256))  # [W, L, E] a drifting skewed router
+hist = np.stack([rng.multinomial(32768, r / r.sum()) for r in rate.reshape(-1, 256)]).reshape(8, 6, 256) * 1.0
+out = [forecast(hist, a) for a in (0.1, 0.35, 0.7)] + [np.array([choose_alpha(hist)])]
+cl = Cluster(32, 4, 288, num_groups=8)
+first = plan(hist[:6], cl)
+again = plan(hist, cl, prev=first)
+out += [first.phy2log, again.phy2log]
+print(''.join(a.tobytes().hex() for a in out))
+"""
+
+
+def digest(coretype: str) -> str:
+    env = {**os.environ, "OPENBLAS_CORETYPE": coretype}
+    done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300,
+                          check=True)
+    return hashlib.sha256(done.stdout.encode()).hexdigest()
+
+
+def avx512() -> bool:
+    info = Path("/proc/cpuinfo")
+    return info.exists() and " avx512f" in info.read_text()
+
+
+@pytest.mark.skipif(not avx512(), reason="OpenBLAS's SkylakeX kernel needs AVX-512")
+def test_forecast_and_plans_match_across_blas_kernels() -> None:
+    assert digest("Haswell") == digest("SkylakeX")
