@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import platform
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -114,6 +115,27 @@ def run_cell(cell: Cell, history: int = 8, variants: bool = False,
         out[name] = rows
     return {"cell": cell.name(), "spec": asdict(cell.spec), "gpus": cell.gpus, "nodes": cell.nodes,
             "slots": cell.slots, "policies": out, "seconds": time.perf_counter() - t0}
+
+
+def machine() -> dict[str, Any]:
+    """What a cell's figures could depend on besides the code, written beside them: greedy swaps and packings break
+    near-ties by float rounding, and DeepSeek's policies order tied weights by torch's sort. Ours' forecast once
+    summed windows through BLAS, whose kernel OpenBLAS picks per CPU: 74 of 124 cells changed between an AVX2 and an
+    AVX-512 machine until forecast._smooth summed them itself (tests/analysis/test_eplb_blas.py); a cell that differs
+    between two runs of one commit is read against this record first."""
+    import torch
+
+    try:
+        from numpy._core._multiarray_umath import __cpu_dispatch__, __cpu_features__
+        simd = [k for k, v in __cpu_features__.items() if v and k in __cpu_dispatch__]
+    except ImportError:  # numpy's private table moved: the version still says which kernels could run
+        simd = []
+    info = Path("/proc/cpuinfo")
+    names = [ln.split(":", 1)[1].strip() for ln in (info.read_text().splitlines() if info.exists() else [])
+             if ln.startswith("model name")]
+    cpu = names[0] if names else platform.processor()
+    return {"python": platform.python_version(), "numpy": np.__version__, "torch": torch.__version__, "cpu": cpu,
+            "numpy_simd": simd}
 
 
 def summary(res: dict[str, Any], base: str) -> dict[str, dict[str, list[float]]]:
@@ -321,7 +343,8 @@ def main() -> None:
         print("\n".join(table([res])[2:]), f"\n  {res['seconds']:.1f} s, {res['dominates']}", flush=True)
     out = Path(args.out) if args.out else RESULTS / f"eplb-matrix-{sweep}.json"
     if not args.smoke or args.out:
-        out.write_text(json.dumps({"sweep": sweep, "args": vars(args), "results": results}, indent=1))
+        out.write_text(json.dumps({"sweep": sweep, "args": vars(args), "machine": machine(), "results": results},
+                                  indent=1))
         print(f"wrote {out}")
 
 
