@@ -131,16 +131,16 @@ def layout(cluster: Cluster, cfg: PlannerConfig = PlannerConfig()) -> Layout:
 
 
 def fresh_plan(w: np.ndarray, home: np.ndarray | None, cluster: Cluster, cfg: PlannerConfig,
-               tokens: np.ndarray | None = None, compete: bool = False) -> Placement:
+               tokens: np.ndarray | None = None) -> Placement:
     """Forecast loads w [L, E], preferred nodes home [L, E] (None: group_nodes'), tokens [T, L, K] or None ->
     Placement with group homes plus co-activation replicas on several nodes, else one node per expert. On several
-    nodes global's layouts compete per layer (candidates.best_layout) without a spare slot, or when `compete`; with
-    spare slots on two nodes, global's layout by node-limited replay of the tokens (dispatch_contest.py)."""
+    nodes global's layouts compete per layer (candidates.best_layout) without a spare slot; with spare slots on two
+    nodes, global's layout by node-limited replay of the tokens (dispatch_contest.py)."""
     n_layers, e = w.shape
     if spreads(cluster, cfg):
         phy2log = spread_layout(w, cluster, cfg, tokens)
-        if (compete or cluster.num_slots == e) and not cfg.keep_groups:
-            if cluster.num_slots == e and not applies(cluster):  # ours' max load down to global's (contest_swaps;
+        if cluster.num_slots == e and not cfg.keep_groups:
+            if not applies(cluster):  # ours' max load down to global's (contest_swaps;
                 # where polish ran it already lowered the max load without costing nodes per token)
                 swaps = np.full(n_layers, cfg.contest_swaps)
                 phy2log = hot_swaps(phy2log, w, np.ones(w.shape, dtype=np.int64), cluster, swaps, 0.0, cfg.level_cold)

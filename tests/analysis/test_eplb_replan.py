@@ -8,9 +8,9 @@ import pytest
 
 from r3trace.eplb import Cluster, PlannerConfig, global_policy, plan, replan
 from r3trace.eplb.alignment import align
-from r3trace.eplb.candidates import Contest
+from r3trace.eplb.candidates import Contest, best_layout
 from r3trace.eplb.placement import Placement, from_phy2log
-from r3trace.eplb.planner import fresh_plan, spread_cap, spread_layout
+from r3trace.eplb.planner import spread_cap, spread_layout
 from r3trace.eplb.replan import floor_bound, max_load_floor, refreshed, seeded_counts, seeded_plan
 from r3trace.eplb.score import even_gpu_load
 
@@ -78,7 +78,7 @@ def test_a_drifting_replan_seeds_floor_bound_layers_only(seed: int, monkeypatch:
     hist[:, 0, 7] *= 400  # ... except in layer 0, where one expert far hotter than the rest sets it
     prev = plan(hist[:5], cl, tokens=tok)
     w = hist[5]
-    fresh = fresh_plan(w, None, cl, PlannerConfig(), tok, compete=True)
+    fresh = from_phy2log(best_layout(spread_layout(w, cl, PlannerConfig(), tok), w, cl, tok), E)  # eagerly, every layer
     contest = Contest(spread_layout(w, cl, PlannerConfig(), tok), w, cl, tok)  # the same fresh plan, chosen lazily
     exact = PlannerConfig(refresh_floor=-1.0)  # every layer seeded first
     np.testing.assert_array_equal(refreshed(contest, w, prev, cl, exact, spread_cap(cl), tok),
