@@ -13,7 +13,8 @@ import importlib.util
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -189,13 +190,39 @@ def _windows(s: float, n_windows: int, tokens_per_window: int, layers: int) -> t
     return wins, np.stack([heat_of(w, E) for w in wins])
 
 
-def _diff(a: list[float], b: list[float]) -> str:
+def _diff(a: Sequence[float] | np.ndarray, b: Sequence[float] | np.ndarray) -> str:
     """Paired difference of two per-window series: mean +- standard error."""
     d = np.asarray(a) - np.asarray(b)
     return f"{d.mean():+.3f} +- {d.std(ddof=1) / np.sqrt(len(d)):.3f}"
 
 
 CLUSTERS = "32/4/288,32/4/320,144/18/288"  # GPUs/nodes/slots: DeepSeek-V3's 4-node and 18-node deployments
+
+
+# (loads [W, L, E], previous placement, newest window's tokens [T, L, K]) -> placement
+Policy = Callable[[np.ndarray, Any, np.ndarray], Any]
+
+
+def _policies(cl: Cluster, ref: Any) -> dict[str, Policy]:
+    """The EPLB policies compared on cluster cl, in table order; ref: DeepSeek's eplb module, or None."""
+    import torch
+
+    def ref_plan(h: np.ndarray, groups: int = 1, nodes: int = 1) -> Any:
+        p2l, _, _ = ref.rebalance_experts(torch.tensor(h), cl.num_slots, groups, nodes, cl.num_gpus)
+        return from_phy2log(p2l.numpy(), E)
+
+    pols: dict[str, Policy] = {
+        "global (ours)": lambda h, p, t: global_policy(h[-1], cl),
+        "cross-node": lambda h, p, t: cross_node(h[-1], cl),
+        "r3 planner": lambda h, p, t: plan(h, cl, p, tokens=t),
+    }
+    if cl.num_groups % cl.num_nodes == 0:
+        pols["hierarchical (ours)"] = lambda h, p, t: hierarchical(h[-1], cl)
+    if ref is not None:
+        pols["DeepSeek ref global"] = lambda h, p, t: ref_plan(h[-1])
+        if cl.num_groups % cl.num_nodes == 0:
+            pols["DeepSeek ref hierarchical"] = lambda h, p, t: ref_plan(h[-1], 8, cl.num_nodes)
+    return pols
 
 
 def eplb_section(ref: Any, tokens_per_window: int, nodes: tuple[int, ...] = (), n_windows: int = 12,
@@ -206,8 +233,6 @@ def eplb_section(ref: Any, tokens_per_window: int, nodes: tuple[int, ...] = (), 
     balancedness moves by up to 0.09 from one window to the next at s = 0.3 on 18 nodes (the domain mix of
     the requests in flight), more than the gaps between policies, hence means over W - 3 windows and paired
     differences against the global policy with their standard errors."""
-    import torch
-
     cl_list = [Cluster(*(int(x) for x in c.split("/"))) for c in clusters.split(",")]
     lines = ["| s | GPUs/nodes/slots | policy | plan s | held-out bal. (even) | vs global | held-out bal. "
              "(node-limited) | vs global | nodes/token mean | > 4 nodes | churn per re-plan (max) |",
@@ -217,28 +242,13 @@ def eplb_section(ref: Any, tokens_per_window: int, nodes: tuple[int, ...] = (), 
     for s in skews:
         wins, heats = _windows(s, n_windows, tokens_per_window, layers)
         for cl in only:
-            def ref_plan(h: np.ndarray, c: Cluster = cl, groups: int = 1, nodes: int = 1) -> Any:
-                p2l, _, _ = ref.rebalance_experts(torch.tensor(h), c.num_slots, groups, nodes, c.num_gpus)
-                return from_phy2log(p2l.numpy(), E)
-
-            # (loads [W, L, E], previous placement, newest window's tokens [T, L, K]) -> placement
-            pols: dict[str, Callable[[np.ndarray, Any, np.ndarray], Any]] = {
-                "global (ours)": lambda h, p, t, c=cl: global_policy(h[-1], c),
-                "cross-node": lambda h, p, t, c=cl: cross_node(h[-1], c),
-                "r3 planner": lambda h, p, t, c=cl: plan(h, c, p, tokens=t),
-            }
-            if cl.num_groups % cl.num_nodes == 0:
-                pols["hierarchical (ours)"] = lambda h, p, t, c=cl: hierarchical(h[-1], c)
-            if ref is not None:
-                pols["DeepSeek ref global"] = lambda h, p, t, c=cl: ref_plan(h[-1], c)
-                if cl.num_groups % cl.num_nodes == 0:
-                    pols["DeepSeek ref hierarchical"] = lambda h, p, t, c=cl: ref_plan(h[-1], c, 8, c.num_nodes)
+            pols = _policies(cl, ref)
             scored: dict[bytes, tuple[float, float, float, float]] = {}  # placement -> scores on its window
             series: dict[str, np.ndarray] = {}
             for name, f in pols.items():
                 prev, rows, times, moved = None, [], [], []
                 for t in range(1, n_windows - 1):
-                    dt, pl_t = timed(lambda f=f, t=t, p=prev, h=heats, w=wins: f(h[:t + 1], p, w[t]))
+                    dt, pl_t = timed(partial(f, heats[:t + 1], prev, wins[t]))
                     if prev is not None:
                         times.append(dt)
                         moved.append(churn(prev, pl_t))

@@ -33,7 +33,7 @@ from r3trace.capture.capturer import CaptureConfig, RoutedExpertsCapturer
 from r3trace.capture.recorder import NullRecorder
 from r3trace.engine.engine_config import EngineConfig
 from r3trace.engine.forward_batch import ForwardBatch
-from r3trace.engine.model import build_model
+from r3trace.engine.model import DeepseekForCausalLM, build_model
 from r3trace.engine.model_config import ModelConfig
 from r3trace.engine.parallel import ParallelInfo
 
@@ -52,7 +52,7 @@ def v3_routing_config(layers: int, hidden: int = 2048, experts: int = 256) -> Mo
     ), name="bench-v3-routing")
 
 
-def random_model(cfg: ModelConfig, ecfg: EngineConfig, recorder: Any) -> torch.nn.Module:
+def random_model(cfg: ModelConfig, ecfg: EngineConfig, recorder: Any) -> DeepseekForCausalLM:
     model = build_model(cfg, ecfg, ParallelInfo(), recorder)
     gen = torch.Generator(device=ecfg.device).manual_seed(0)  # init where the weights live: GBs of them
     for name, p in model.named_parameters():
@@ -91,7 +91,7 @@ class _SyncChecked:
         self._guard(self.inner.on_forward_end, batch)
 
 
-def set_recorder(model: torch.nn.Module, recorder: Any) -> None:
+def set_recorder(model: DeepseekForCausalLM, recorder: Any) -> None:
     """Bench only: swap the injected recorder so one set of weights serves both runs."""
     model.recorder = recorder
     for layer in model.model.layers:

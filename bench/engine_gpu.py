@@ -103,7 +103,10 @@ def transformers_baseline(
 
     kw_load: dict[str, Any] = {} if experts == "default" else {"experts_implementation": experts}
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype, **kw_load).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype, **kw_load)
+    # PreTrainedModel.to is @functools.wraps(nn.Module.to): typeshed's _Wrapped is no descriptor, so mypy leaves
+    # self unbound and reads the device as the model argument
+    model = model.to(device).eval()  # type: ignore[arg-type]
     ids = torch.tensor(bench_prompts(batch, vocab_size(ckpt)), device=device)  # the engines' own prompts
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)

@@ -51,7 +51,8 @@ def write_rollup_run(root: Path, rows: float, tokens_per_s: int, seed: int = 0) 
     zipf = 1.0 / np.arange(1, E + 1) ** 0.8
     perm = np.stack([rng.permutation(E) for _ in range(n_layers)])  # [L, E] each layer's popularity order
     start = 1_767_225_600 * NS
-    files, total = [], 0
+    files: list[FileEntry] = []
+    total = 0
     for f0 in range(0, windows, WINDOWS_PER_FILE):
         parts = []
         for w in range(f0, min(f0 + WINDOWS_PER_FILE, windows)):

@@ -177,7 +177,7 @@ def sglang_row(
 ) -> None:  # fmt: skip
     """SGLang's pipeline at every candidate config (TMA weights too where BLOCK_M >= 64), the fastest kept."""
     T = x.shape[0]
-    variants: dict[str, tuple[tuple[int, ...], bool]] = {}
+    variants: dict[str, tuple[tuple[int, int, int, int, int, int], bool]] = {}  # key -> (CANDIDATES config, tma)
     for cfg in CANDIDATES[t_class(T)]:
         for tma in (False, True) if cfg[0] >= 64 else (False,):
             fns = [partial(sglang_call, sg, x, w13, w2, wts, cfg, tma, bufs, ids) for ids in ids_sets]

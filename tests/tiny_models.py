@@ -61,6 +61,7 @@ def make_checkpoint(out_dir: Path, name: str = "v3_noaux_groups", seed: int = 0,
 
     config = hf_config(name, **overrides)
     torch.manual_seed(seed)
+    model: DeepseekV2ForCausalLM | DeepseekV3ForCausalLM
     if CONFIGS[name][0] == "v3":
         model = DeepseekV3ForCausalLM(config)
         with torch.no_grad():  # a non-zero correction bias, so noaux_tc's bias path is exercised

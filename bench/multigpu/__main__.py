@@ -123,7 +123,7 @@ def run_matrix(cases: list[Case], args: argparse.Namespace, budget: Budget, resu
         if refusal is None and not budget.fits("case"):
             refusal = "not run: time budget"
         if refusal is not None:
-            rec = {"case": case.name, "gpus": case.gpus, "mode": case.mode, "status": refusal}
+            rec: dict[str, Any] = {"case": case.name, "gpus": case.gpus, "mode": case.mode, "status": refusal}
         else:
             rec = run_case(case, cfg, refs)
             budget.spent("case", rec["seconds"])
