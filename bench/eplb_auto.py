@@ -65,7 +65,7 @@ def cells(smoke: bool, seed: int = 0) -> list[Cell]:
 
 
 def _newest(routes: np.ndarray, upto: int) -> np.ndarray:
-    """The newest REPLAY tokens of windows [0, upto) -> [T, L, K] (report: span_tokens(newest=True))."""
+    """The newest REPLAY tokens of windows [0, upto) -> [T, L, K] (report: span_sample(newest=True))."""
     flat = routes[:upto].reshape(-1, *routes.shape[2:])
     return flat[-REPLAY:]
 

@@ -92,17 +92,10 @@ def span_heat(con: duckdb.DuckDBPyConnection, spans: Sequence[Span], m: Manifest
     return out
 
 
-def span_tokens(runs: dict[str, RunFiles], spans: Sequence[Span], max_tokens: int,
-                newest: bool = False) -> np.ndarray | None:
-    """topk_ids [T <= max_tokens, L, K] of the tokens in `spans`: the first ones in file order, or the last ones
-    (`newest`); None when the runs hold no routes (heat-only runs)."""
-    sample = span_sample(runs, spans, max_tokens, newest)
-    return None if sample is None else sample.ids
-
-
 def span_sample(runs: dict[str, RunFiles], spans: Sequence[Span], max_tokens: int,
                 newest: bool = False) -> TokenSample | None:
-    """span_tokens' tokens with each one's dp_rank; None when the runs hold no routes."""
+    """The tokens in `spans` (T <= max_tokens: the first ones in file order, or the last ones with `newest`), their
+    routes and DP ranks; None when the runs hold no routes (heat-only runs)."""
     if max_tokens <= 0 or not spans:
         return None
     m = runs[spans[0].run_id].manifest

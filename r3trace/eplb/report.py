@@ -166,7 +166,7 @@ def make_report(store: TraceStore, req: PlanRequest, progress: bool | None = Fal
     history = history[keep]
     seconds = {"heat": time.perf_counter() - t0}
     train_sample = span_sample(runs, train.spans, req.replay_tokens, newest=True)
-    train_tokens = None if train_sample is None else train_sample.ids
+    train_tokens = _ids(train_sample)
     train_src = _sources(train_sample, req.cluster)
 
     t1 = time.perf_counter()
@@ -189,7 +189,7 @@ def make_report(store: TraceStore, req: PlanRequest, progress: bool | None = Fal
         held_heat = span_heat(store.con, held.spans, m, source, progress, "held-out heat").sum(0)
         if held_heat.any():
             held_sample = span_sample(runs, held.spans, req.replay_tokens)
-            held_tokens = None if held_sample is None else held_sample.ids
+            held_tokens = _ids(held_sample)
             held_src = _sources(held_sample, req.cluster)
             scored = score_placement(pl, held_heat, held_tokens, req.cluster, held_src.rank)
         else:
