@@ -20,8 +20,8 @@ per-fold shortfall); of the tied, the fewest nodes per token wins; remaining tie
 Why an incumbent: the best mean of 12 candidates over 1-4 folds is an upward-biased estimate, so ranking them all
 picks fold noise. bench/eplb_auto.py scores every pick held out (16 cells: the matrix's 3 main shapes x 4 synthetic
 traces (grouped slow, grouped fast at skew 1.2, clustered fast, SGLang-dump fast), and the sample model's 4; a fresh
-plan at 2-8 history windows, 10 re-plans a cell): ranking all 12 as equals scored 0.0077, 0.0054 and 0.0048 under
-ours + ema on trace seeds 0, 1 and 2; this rule 0.0021, 0.0019 and 0.0023 under it (about one standard error), and
+plan at 2-8 history windows, 10 re-plans a cell): ranking all 12 as equals scored 0.0080, 0.0054 and 0.0048 under
+ours + ema on trace seeds 0, 1 and 2; this rule 0.0025, 0.0019 and 0.0023 under it (about one standard error), and
 no other tie, lead or fold count scored from those files beats ours + ema on every seed (BENCHMARKS.md, "EPLB
 default policy"): the backtest adds nothing measurable there, and the incumbent bounds what its switches cost.
 TIE = 0.005: the held-out balancedness of one plan moves by 0.001-0.005 between seeds of the same synthetic

@@ -67,9 +67,13 @@ def plan_policy(policy: PolicyName, history: np.ndarray, how: Forecast, cluster:
                 dispatch: DispatchName = "node-limited") -> Placement:
     """history [W, L, E] -> Placement of `policy` on the `how` forecast; ours takes the history itself for ema
     (its own EMA), the others the forecast weight; ours plans for `dispatch` (planner_config)."""
-    if policy == "ours" and how == "ema":
-        return make_placement(policy, history, cluster, tokens, prev, dispatch)
-    return make_placement(policy, forecast_weight(history, how), cluster, tokens, prev, dispatch)
+    return make_placement(policy, policy_input(policy, history, how), cluster, tokens, prev, dispatch)
+
+
+def policy_input(policy: PolicyName, history: np.ndarray, how: Forecast) -> np.ndarray:
+    """What plan_policy hands `policy`: the history [W, L, E] itself to ours on ema (it forecasts itself), else the
+    `how` forecast [L, E]."""
+    return history if policy == "ours" and how == "ema" else forecast_weight(history, how)
 
 
 class Score(NamedTuple):

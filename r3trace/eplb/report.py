@@ -26,9 +26,9 @@ from r3trace.eplb.evaluate import (
     Forecast,
     PolicyName,
     Score,
-    forecast_weight,
     plan_policy,
     planner_config,
+    policy_input,
     score_placement,
 )
 from r3trace.eplb.loads import HeatSource, TokenSample, run_facts, span_heat, span_sample
@@ -201,8 +201,7 @@ def make_report(store: TraceStore, req: PlanRequest, progress: bool | None = Fal
     if policy == "ours":
         cfg = planner_config(req.dispatch)
         lay = layout(req.cluster, cfg)
-        loads = history if how == "ema" else forecast_weight(history, how)  # what plan_policy gave the planner
-        origins = layer_origins(pl, loads, req.cluster, req.previous, cfg)
+        origins = layer_origins(pl, policy_input(policy, history, how), req.cluster, req.previous, cfg)
     return Report(train, held, held_note, policy, how, pl, lay,
                   int(multi.any(1).sum()), bt, in_sample, scored,
                   None if req.previous is None else churn(req.previous, pl), source, len(history), seconds,
