@@ -6,8 +6,8 @@ family hides them) and is scored on window t + 1, for t = 1 .. W - 2; the cold s
 number is a mean over W - 3 held-out windows. Scores per window: balancedness (mean over layers of mean / max GPU
 load) under the even split of each expert's load over its replicas (EPLB's own model) and under node-limited
 dispatch (score.node_limited: fewest nodes covering the token's experts, the work split over the replicas on them)
-and under SGLang's static dispatch (r3trace/eplb/static.py: a rank's own replica, else one spread over the replicas;
-token t from rank t mod G), nodes per token (the node-limited cover's size), the share of token-layers above the
+and under SGLang's static dispatch (r3trace/eplb/static.py: a rank's own replica, else its node's first, else one
+spread; token t from rank t mod G), nodes per token (the node-limited cover's size), the share of token-layers above the
 node limit of 4, and churn (share of slots whose expert changed from the policy's previous plan). "vs X" columns are
 paired differences over the same windows, mean +- standard error.
 

@@ -87,8 +87,9 @@ m[1].metric("Balancedness (SGLang static), in-sample", fmt(ins["balancedness_sta
 sources = rep.get("static_sources") or "token t from rank t mod G"
 st.caption(f"replayed {held.get('tokens') or 0:,} held-out and {ins['tokens']:,} in-sample tokens through "
            "node-limited dispatch (the fewest nodes covering a token's experts) and through SGLang's static dispatch "
-           f"(a rank's own replica, else one spread over the replicas; {sources}); the even split is "
-           "SGLang's dynamic dispatch in expectation; balancedness = mean/max GPU load, mean over layers")
+           "(a rank's own replica, else its node's first, else one spread over the replicas; "
+           f"{sources}); the even split is SGLang's dynamic dispatch in expectation; "
+           "balancedness = mean/max GPU load, mean over layers")
 
 series: dict[str, tuple[list[float], list[float], list[str]]] = {}
 for p in rep["tradeoff"]:

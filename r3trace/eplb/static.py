@@ -2,22 +2,28 @@
 GPU loads that follow. What `r3trace eplb` reports beside the even split and the node-limited replay.
 
 SGLang dispatches "static" whenever EPLB is on or an --init-expert-location is given and no --ep-dispatch-algorithm
-is (python/sglang/srt/server_args.py, _handle_eplb_and_dispatch, sgl-project/sglang@469c63e):
-compute_logical_to_rank_dispatch_physical_map (python/sglang/srt/eplb/expert_location.py,
-sgl-project/sglang@01fec5c) sends a rank's e-pairs to its own replica of expert e when it holds one; the m ranks
-without one are spread over e's c replicas by _fair_choices (each replica m // c of them, m mod c replicas drawn by
-random.Random(42) one more, then shuffled). Here (as in the engine's ExpertMap, engine/layers/expert_map.py) the
-i-th rank without one, in rank order, takes replica (i + e) mod c: each replica serves as many ranks as under
-SGLang's draw (m // c, or one more for m mod c of them); which replicas take the extra rank differs. SGLang's
-"dynamic" dispatch (a random replica per pair) is the even split in expectation.
+is (python/sglang/srt/server_args.py, _handle_eplb_and_dispatch, sgl-project/sglang@469c63e). Which replica a rank
+sends expert e's pairs to (compute_logical_to_rank_dispatch_physical_map and _find_nearest_expert in
+python/sglang/srt/eplb/expert_location.py; the rule as of character-tech/sglang@aa27354, a fork tracking upstream,
+from sgl-project/sglang PRs #9849 and #10874), replicas listed by ascending slot:
+  1. e has one replica: that one;
+  2. the rank holds a replica of e: its first one;
+  3. the rank's node holds some but not all of e's replicas: the node's first one (on by default; SGLang turns it
+     off under elastic EP's scale-up join, and SGLang before PR #9849 never had it: prefer_same_node=False);
+  4. else the m ranks left are spread over all c replicas by _fair_choices (each replica m // c of them, m mod c
+     replicas drawn by random.Random(42) one more, then shuffled). Here (as in the engine's ExpertMap,
+     engine/layers/expert_map.py) the i-th rank left, in rank order, takes replica (i + e) mod c: each replica serves
+     as many of them as under SGLang's draw; which replicas take the extra rank differs.
+Rule 3 makes a second replica on a node nearly idle: the node's other ranks all go to its first one (2 nodes x 8
+GPUs, e on GPUs 0, 1 and 8: GPU 0 serves 7 ranks, GPU 1 its own, GPU 8 all 8 of node 1's). On one node it never
+applies (every replica is on the rank's node), so a one-node cluster dispatches as before PR #9849.
 
 A GPU's load then depends on where each token comes from, not on which other experts it picked: each rank sends
 its own share of the tokens, and a replica's load is its own rank's pairs plus those of the ranks mapped to it. Where
 the trace says which DP rank served a token (token_sources), a DP group of D on G GPUs owns G / D consecutive
 ranks and its tokens go out from them in turn (D = G, DP attention on every rank: the token's own rank); else token
-t from rank t mod G. No node preference: with 1 replica of
-an expert on each of 2 nodes' 8 GPUs, 14 of 16 ranks send remotely either way.
-Shape legend: T tokens, L layers, K top-k, E experts, P slots, G GPUs (ranks), R max replicas.
+t from rank t mod G.
+Shape legend: T tokens, L layers, K top-k, E experts, P slots, G GPUs (ranks), N nodes, R max replicas.
 """
 
 from __future__ import annotations
@@ -29,34 +35,47 @@ import numpy as np
 from r3trace.eplb.placement import Cluster, Placement, from_phy2log
 
 
-def static_slots(pl: Placement, cluster: Cluster) -> np.ndarray:
-    """-> [L, G, E] the slot rank g sends expert e's pairs to: its first own replica, else the i-th rank without one
-    (rank order) takes replica (i + e) mod count[e]."""
+def static_slots(pl: Placement, cluster: Cluster, prefer_same_node: bool = True) -> np.ndarray:
+    """-> [L, G, E] the slot rank g sends expert e's pairs to (module doc's rules 1-4): its first own replica, else
+    (prefer_same_node, several nodes) its node's first where the node holds some but not all of e's replicas, else
+    the i-th rank left (rank order) takes replica (i + e) mod count[e]."""
     l2p = from_phy2log(pl.phy2log, pl.num_experts).log2phy  # [L, E, R] replicas by ascending slot, as SGLang
     # lists them (_compute_logical_to_all_physical_map), whatever order pl.log2phy has; -1 padded
     n_layers, e, r = l2p.shape
-    g = cluster.num_gpus
+    g, gpn = cluster.num_gpus, cluster.gpus_per_node
     valid = l2p >= 0
     owner = np.where(valid, l2p // cluster.slots_per_gpu, 0)  # [L, E, R] rank holding each replica
-    first = np.full((n_layers, g, e), r, dtype=np.int64)  # [L, G, E] replica index of rank g's own copy, r: none
     li, ei, ri = np.nonzero(valid)
+    first = np.full((n_layers, g, e), r, dtype=np.int64)  # [L, G, E] replica index of rank g's own copy, r: none
     np.minimum.at(first, (li, owner[li, ei, ri], ei), ri)
-    local = first < r
-    nth = np.cumsum(~local, axis=1) - 1  # [L, G, E] this rank's place among the ranks without a copy of e
-    remote = (nth + np.arange(e)[None, None, :]) % pl.logcnt[:, None, :]
-    pick = np.where(local, first, remote)  # [L, G, E] replica index
+    pick = first.copy()
+    if prefer_same_node and cluster.num_nodes > 1:
+        n = cluster.num_nodes
+        node = owner[li, ei, ri] // gpn
+        on_node = np.zeros((n_layers, n, e), dtype=np.int64)  # [L, N, E] replicas of e on node n
+        np.add.at(on_node, (li, node, ei), 1)
+        node_first = np.full((n_layers, n, e), r, dtype=np.int64)  # [L, N, E] the node's first replica index
+        np.minimum.at(node_first, (li, node, ei), ri)
+        narrows = (on_node > 0) & (on_node < pl.logcnt[:, None, :])  # [L, N, E] rule 3 applies
+        rank_node = np.arange(g) // gpn
+        pick = np.where((pick == r) & narrows[:, rank_node], node_first[:, rank_node], pick)
+    left = pick == r  # [L, G, E] ranks for the fair spread (rule 4)
+    nth = np.cumsum(left, axis=1) - 1  # [L, G, E] this rank's place among them
+    spread = (nth + np.arange(e)[None, None, :]) % pl.logcnt[:, None, :]
+    pick = np.where(left, spread, pick)
     return np.take_along_axis(l2p, pick.transpose(0, 2, 1), 2).transpose(0, 2, 1)  # [L, E, G] -> [L, G, E]
 
 
-def static_gpu_load(pl: Placement, topk_ids: np.ndarray, cluster: Cluster,
-                    token_rank: np.ndarray | None = None) -> np.ndarray:
-    """topk_ids [T, L, K], token_rank [T] (None: token t from rank t mod G) -> per-GPU load [L, G] in pairs."""
+def static_gpu_load(pl: Placement, topk_ids: np.ndarray, cluster: Cluster, token_rank: np.ndarray | None = None,
+                    prefer_same_node: bool = True) -> np.ndarray:
+    """topk_ids [T, L, K], token_rank [T] (None: token t from rank t mod G) -> per-GPU load [L, G] in pairs;
+    prefer_same_node: static_slots' rule 3."""
     t, n_layers, k = topk_ids.shape
     g, e = cluster.num_gpus, pl.logcnt.shape[1]
     rank = np.arange(t) % g if token_rank is None else np.asarray(token_rank, dtype=np.int64) % g
     cell = ((np.arange(n_layers)[None, :, None] * g + rank[:, None, None]) * e + topk_ids).ravel()
     demand = np.bincount(cell, minlength=n_layers * g * e).reshape(n_layers, g, e)  # [L, G, E] pairs sent
-    gpu = static_slots(pl, cluster) // cluster.slots_per_gpu  # [L, G, E] GPU receiving them
+    gpu = static_slots(pl, cluster, prefer_same_node) // cluster.slots_per_gpu  # [L, G, E] GPU receiving them
     out = np.zeros((n_layers, g))
     np.add.at(out, (np.arange(n_layers)[:, None, None], gpu), demand)
     return out

@@ -1,10 +1,13 @@
-"""SGLang's static dispatch replayed (r3trace/eplb/static.py) against the engine's ExpertMap, which runs it.
+"""SGLang's static dispatch replayed (r3trace/eplb/static.py) against SGLang's own map and the engine's ExpertMap.
 
-Contract, read from (not copied): compute_logical_to_rank_dispatch_physical_map in python/sglang/srt/eplb/
-expert_location.py at sgl-project/sglang@01fec5c2e61f9568c41a6e1d4fd5ac46c88504f1: a rank with its own replica of
-an expert sends there; the others are spread fairly over the replicas, which _compute_logical_to_all_physical_map
-lists by ascending slot. The engine's static_choice (engine/layers/expert_map.py) is the deterministic spread the
-analysis side must reproduce without importing the engine.
+Contract, read from (not copied): compute_logical_to_rank_dispatch_physical_map and _find_nearest_expert in
+python/sglang/srt/eplb/expert_location.py at character-tech/sglang@aa27354b1ae0325973baaa91c631ae03e2a0e341 (a fork
+tracking upstream; the node rule is sgl-project/sglang PR #9849): a rank with its own replica of an expert sends
+there; else, where its node holds some but not all replicas, to the node's first; the others are spread fairly over
+all replicas, which _compute_logical_to_all_physical_map lists by ascending slot. Before PR #9849
+(sgl-project/sglang@01fec5c2e61f9568c41a6e1d4fd5ac46c88504f1) there was no node rule. The engine's static_choice
+(engine/layers/expert_map.py, one node) is the deterministic spread the analysis side must reproduce without
+importing the engine.
 """
 
 from __future__ import annotations
@@ -70,8 +73,9 @@ def test_static_load_matches_pair_by_pair_loop() -> None:
         for i in range(t):
             for x in ids[i, layer]:
                 want[layer, maps[ranks[i]][x] // (p // g)] += 1
-    cl = Cluster(g, 2, p)
-    assert np.array_equal(static_gpu_load(from_phy2log(phy, e), ids, cl, ranks), want)
+    cl = Cluster(g, 2, p)  # the engine has no nodes: SGLang's rule before PR #9849
+    assert np.array_equal(static_gpu_load(from_phy2log(phy, e), ids, cl, ranks, prefer_same_node=False), want)
+    assert np.array_equal(static_gpu_load(from_phy2log(phy, e), ids, Cluster(g, 1, p), ranks), want)
     assert static_gpu_load(from_phy2log(phy, e), ids, cl, ranks).sum() == t * n_layers * k
 
 
@@ -86,17 +90,50 @@ def test_static_tracks_even_split_with_a_copy_per_rank() -> None:
 
 
 def test_static_balancedness_near_even_on_planned_layouts() -> None:
-    # planned placements on a skewed workload: static dispatch stays within a few points of the even split (a
-    # replica serves its own rank plus a whole number of others), never above 1, and ours is not worse than
-    # global's by more than that spread
+    # planned placements on a skewed workload, one node: static dispatch stays within a few points of the even
+    # split (a replica serves its own rank plus a whole number of others), never above 1; on two nodes the same
+    # holds for SGLang's rule before PR #9849, and the node rule (a node's ranks to its first replica) costs more
     rng = np.random.default_rng(11)
     e, n_layers, t, k = 64, 3, 4000, 4
     w = 1.0 / np.arange(1, e + 1) ** 0.9
     ids = np.stack([np.stack([rng.choice(e, k, replace=False, p=w / w.sum()) for _ in range(n_layers)])
                     for _ in range(t)])
     heat = heat_of(ids, e)
-    cl = Cluster(16, 2, 80)
-    for pl in (plan(heat, cl, tokens=ids), global_policy(heat, cl)):
-        even = balancedness(even_gpu_load(pl, heat, cl))
-        stat = balancedness(static_gpu_load(pl, ids, cl))
-        assert 0 < stat <= 1 and abs(stat - even) < 0.08, (stat, even)
+    for cl, legacy in ((Cluster(16, 1, 80), False), (Cluster(16, 2, 80), True)):
+        for pl in (plan(heat, cl, tokens=ids), global_policy(heat, cl)):
+            even = balancedness(even_gpu_load(pl, heat, cl))
+            stat = balancedness(static_gpu_load(pl, ids, cl, prefer_same_node=not legacy))
+            assert 0 < stat <= 1 and abs(stat - even) < 0.08, (stat, even)
+
+
+def test_node_rule_by_hand() -> None:
+    # 2 nodes x 4 GPUs, one slot each: expert 0 on GPUs 0, 1 (node 0) and 4 (node 1); one token from each rank
+    pl = from_phy2log(np.array([[0, 0, 1, 2, 0, 3, 4, 5]]), 6)
+    ids = np.array([[[0]]] * 8)  # [T=8, L=1, K=1]
+    cl = Cluster(8, 2, 8)
+    # ranks 0, 1 keep their own; 2, 3 take node 0's first (GPU 0); 5-7 take node 1's only one (GPU 4)
+    assert static_gpu_load(pl, ids, cl).tolist() == [[3.0, 1.0, 0, 0, 4.0, 0, 0, 0]]
+    # before PR #9849: ranks 2, 3, 5, 6, 7 spread over the 3 replicas in turn, (i + 0) % 3
+    assert static_gpu_load(pl, ids, cl, prefer_same_node=False).tolist() == [[3.0, 3.0, 0, 0, 2.0, 0, 0, 0]]
+
+
+# SGLang's own map for one layer: 3 nodes x 2 GPUs x 3 slots, 10 experts, random.Random(42), computed by
+# compute_logical_to_rank_dispatch_physical_map at character-tech/sglang@aa27354 (run beside this project, not
+# committed). NEAR: 1 where the rank's choice came from _find_nearest_expert (one replica, own GPU, or the node's
+# first where it narrows), 0 where from _fair_choices.
+SGLANG_PHY2LOG = [0, 0, 1, 2, 0, 3, 4, 5, 0, 6, 1, 7, 8, 9, 2, 1, 3, 3]
+SGLANG_MAP = [[0, 2, 3, 5, 6, 7, 9, 11, 12, 13], [4, 2, 3, 5, 6, 7, 9, 11, 12, 13],
+              [8, 10, 14, 17, 6, 7, 9, 11, 12, 13], [8, 10, 3, 5, 6, 7, 9, 11, 12, 13],
+              [0, 15, 14, 16, 6, 7, 9, 11, 12, 13], [8, 15, 14, 16, 6, 7, 9, 11, 12, 13]]
+SGLANG_NEAR = [[1] * 10, [1] * 10, [1, 1, 0, 0, 1, 1, 1, 1, 1, 1], [1, 1, 0, 0, 1, 1, 1, 1, 1, 1],
+               [0, 1, 1, 1, 1, 1, 1, 1, 1, 1], [0, 1, 1, 1, 1, 1, 1, 1, 1, 1]]
+
+
+def test_static_slots_match_sglang_map() -> None:
+    got = static_slots(from_phy2log(np.array([SGLANG_PHY2LOG]), 10), Cluster(6, 3, 18))[0]  # [G, E]
+    want, near = np.array(SGLANG_MAP), np.array(SGLANG_NEAR, dtype=bool)
+    assert np.array_equal(got[near], want[near])  # every nearest-replica choice, exactly
+    for x in range(10):  # the fair spread: the same number of ranks on each replica (which one may differ)
+        ranks = ~near[:, x]
+        assert sorted(np.unique(got[ranks, x], return_counts=True)[1]) == \
+            sorted(np.unique(want[ranks, x], return_counts=True)[1])

@@ -132,21 +132,31 @@ def test_held_out_scores_equal_an_independent_scorer(trace: dict[str, Any], tmp_
     assert worst.endswith("nodes per token " + ", ".join(f"layer {L_IDS[i]} {per_layer[i]:.3f}" for i in top))
 
 
-def static_balancedness(phy2log: np.ndarray, ids: np.ndarray, gpus: int) -> np.ndarray:
+def static_balancedness(phy2log: np.ndarray, ids: np.ndarray, gpus: int, nodes: int) -> np.ndarray:
     """[L] mean/max GPU load when token t comes from rank t mod G and each rank sends expert x's pair to its own
-    replica, else (the i-th rank without one) to the replica (i + x) mod count of x's slots in ascending order:
-    SGLang's static dispatch as r3trace/eplb/static.py and the engine's ExpertMap model it, pair by pair."""
+    replica, else to its node's first where the node holds some but not all of x's replicas, else (the i-th rank
+    left) to the replica (i + x) mod count of x's slots in ascending order: SGLang's static dispatch as
+    r3trace/eplb/static.py models it, pair by pair."""
     per_gpu = phy2log.shape[1] // gpus
+    per_node = gpus // nodes
     out = []
     for li in range(ids.shape[1]):
         load = np.zeros(gpus)
         slots = [np.flatnonzero(phy2log[li] == x) for x in range(E)]
         for x in range(E):
-            lacking = [g for g in range(gpus) if g not in set((slots[x] // per_gpu).tolist())]
+            mine = slots[x]
+            gpu_of = mine // per_gpu
+
+            def node_slot(g: int, mine: np.ndarray = mine, gpu_of: np.ndarray = gpu_of) -> int | None:
+                same = mine[gpu_of // per_node == g // per_node]
+                return int(same[0]) if 0 < len(same) < len(mine) else None
+
+            lacking = [g for g in range(gpus) if g not in set(gpu_of.tolist()) and node_slot(g) is None]
             for t in np.flatnonzero((ids[:, li] == x).any(1)):
                 g = t % gpus
-                own = slots[x][slots[x] // per_gpu == g]
-                slot = own[0] if len(own) else slots[x][(lacking.index(g) + x) % len(slots[x])]
+                own = slots[x][gpu_of == g]
+                near = own[0] if len(own) else node_slot(g)
+                slot = near if near is not None else slots[x][(lacking.index(g) + x) % len(slots[x])]
                 load[slot // per_gpu] += 1
         out.append(load.mean() / load.max())
     return np.array(out)
@@ -163,7 +173,7 @@ def test_static_dispatch_judges_the_backtest_and_worst_layers(trace: dict[str, A
     pl, _ = from_json(out.read_text())
     rep = doc["meta"]["report"]
     held = trace["ts"] >= T0 + 8 * 10**9
-    per_layer = static_balancedness(pl.phy2log, trace["ids"][held], 8)
+    per_layer = static_balancedness(pl.phy2log, trace["ids"][held], 8, 4)
     assert rep["dispatch"] == "static"
     assert rep["held_out_scores"]["balancedness_static"] == pytest.approx(per_layer.mean(), rel=1e-12)
     assert row(lines, "balancedness (SGLang static)")[1] == f"{per_layer.mean():.4f}"
