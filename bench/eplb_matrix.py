@@ -40,6 +40,7 @@ import numpy as np
 from bench.eplb_grace import grace_policy
 from bench.eplb_traces import TraceSpec, load_windows
 from r3trace.eplb import Cluster, PlannerConfig, churn, global_policy, hierarchical, plan
+from r3trace.eplb.evaluate import planner_config
 from r3trace.eplb.placement import Placement
 from r3trace.eplb.score import balancedness, even_gpu_load, heat_of, node_limited
 from r3trace.eplb.static import static_gpu_load
@@ -70,11 +71,14 @@ class Cell:
 def policies(cl: Cluster, variants: bool = False) -> dict[str, Policy]:
     """The compared policies; variants adds ours' other layouts (the trade-off sweep): one node per expert, and
     group homes kept whole (PlannerConfig.keep_groups)."""
+    static_cfg = planner_config("static")
     pols: dict[str, Policy] = {
         "global": lambda h, p, t: global_policy(h.sum(0), cl),
         "global-newest": lambda h, p, t: global_policy(h[-1], cl),
         "grace": lambda h, p, t: grace_policy(h[-1], cl, t),
         "ours": lambda h, p, t: plan(h, cl, p, tokens=t),
+        # what `r3trace eplb --dispatch static` plans: judged under SGLang's static dispatch (bench/eplb_report.py)
+        "ours-static": lambda h, p, t: plan(h, cl, p, tokens=t, cfg=static_cfg),
     }
     if cl.num_groups % cl.num_nodes == 0:
         pols["hierarchical"] = lambda h, p, t: hierarchical(h[-1], cl)

@@ -43,20 +43,25 @@ SWEEPS = {  # a result file's sweep -> what its cells vary (the summary's first 
 FIRST = 2
 
 
-def better_global(res: dict[str, Any], metric: str = "bal_even") -> tuple[str, np.ndarray]:
+def better_global(res: dict[str, Any], metric: str = "bal_even", ours: str = "ours") -> tuple[str, np.ndarray]:
     """-> (the global policy with the higher mean `metric` balancedness, ours - it per held-out window). metric:
     bal_even (the even split), bal_node_limited (node-limited replay of the window's tokens) or bal_static (SGLang's
-    static dispatch of them, r3trace/eplb/static.py)."""
+    static dispatch of them, r3trace/eplb/static.py); ours: the row judged (ours-static: `--dispatch static`)."""
     pols = res["policies"]
     base = max(("global", "global-newest"), key=lambda b: float(np.mean(pols[b][metric])))
-    return base, np.asarray(pols["ours"][metric]) - np.asarray(pols[base][metric])
+    return base, np.asarray(pols[ours][metric]) - np.asarray(pols[base][metric])
 
 
-def verdict(res: dict[str, Any], metric: str = "bal_even") -> str:
+def static_row(res: dict[str, Any]) -> str:
+    """The row judged under SGLang's static dispatch: ours planned for it where the cell has one (ours-static)."""
+    return "ours-static" if "ours-static" in res["policies"] else "ours"
+
+
+def verdict(res: dict[str, Any], metric: str = "bal_even", ours: str = "ours") -> str:
     pols = res["policies"]
-    base, d = better_global(res, metric)  # paired over the held-out windows
+    base, d = better_global(res, metric, ours)  # paired over the held-out windows
     se = float(d.std(ddof=1) / np.sqrt(len(d))) if len(d) > 1 else 0.0
-    nodes_ok = np.mean(pols["ours"]["nodes"]) <= np.mean(pols["global"]["nodes"]) + 1e-9
+    nodes_ok = np.mean(pols[ours]["nodes"]) <= np.mean(pols["global"]["nodes"]) + 1e-9
     miss = -float(d.mean())
     if miss <= 0 and nodes_ok:
         return "yes"
@@ -98,7 +103,7 @@ def summary_row(label: str, results: list[dict[str, Any]]) -> dict[str, Any]:
     """One row of the summary over `results`' cells: counts, and ours - global (all windows seen) per cell."""
     diff, nodes_diff, ge, ge_better, nodes_ok, churn, first, later = [], [], 0, 0, 0, [], [], []
     verdicts = {"yes": 0, "tie": 0, "no": 0}
-    replayed, static = dict(verdicts), dict(verdicts)
+    replayed, static, static_default = dict(verdicts), dict(verdicts), dict(verdicts)
     for res in results:
         s = summary(res, "global")
         ours = s["ours"]["bal_even"][0]
@@ -110,7 +115,8 @@ def summary_row(label: str, results: list[dict[str, Any]]) -> dict[str, Any]:
         churn.append((s["ours"]["churn"][0], s["global"]["churn"][0]))
         verdicts[verdict(res).split(" ")[0]] += 1
         replayed[verdict(res, "bal_node_limited").split(" ")[0]] += 1
-        static[verdict(res, "bal_static").split(" ")[0]] += 1
+        static[verdict(res, "bal_static", static_row(res)).split(" ")[0]] += 1
+        static_default[verdict(res, "bal_static").split(" ")[0]] += 1
         d = better_global(res)[1]
         first.append(float(d[:FIRST].mean()))
         if len(d) > FIRST:  # a cell of FIRST held-out windows or fewer has no later ones
@@ -120,6 +126,7 @@ def summary_row(label: str, results: list[dict[str, Any]]) -> dict[str, Any]:
             "verdicts": f"{verdicts['yes']} / {verdicts['tie']} / {verdicts['no']}", "nodes_le": f"{nodes_ok} of {n}",
             "replayed": f"{replayed['yes']} / {replayed['tie']} / {replayed['no']}",
             "static": f"{static['yes']} / {static['tie']} / {static['no']}",
+            "static_default": f"{static_default['yes']} / {static_default['tie']} / {static_default['no']}",
             "diff_median": float(np.median(diff)), "diff_worst": float(min(diff)),
             "nodes_diff_median": float(np.median(nodes_diff)),
             "first_later": f"{np.mean(first):+.4f} / " + (f"{np.mean(later):+.4f}" if later else "-"),
@@ -155,7 +162,8 @@ def matrix_claim(files: list[Path]) -> dict[str, Any]:
                     ["ge_better", ">= the better global", "{}"], ["verdicts", "yes / tie / no", "{}"],
                     ["nodes_le", "nodes/token <= global", "{}"],
                     ["replayed", "yes / tie / no, node-limited replay", "{}"],
-                    ["static", "yes / tie / no, SGLang static dispatch", "{}"],
+                    ["static_default", "yes / tie / no, SGLang static dispatch", "{}"],
+                    ["static", "the same, ours planned for it (--dispatch static)", "{}"],
                     ["diff_median", "ours - global, median", "{:+.3f}"],
                     ["diff_worst", "worst", "{:+.3f}"], ["nodes_diff_median", "nodes/token ours - global, median",
                                                           "{:+.2f}"],

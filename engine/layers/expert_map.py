@@ -16,7 +16,9 @@ never its value (up to the order of the fp32 sums, dispatcher.py).
 static is SGLang's ep_dispatch_algorithm="static" (compute_logical_to_rank_dispatch_physical_map in
 python/sglang/srt/eplb/expert_location.py, sgl-project/sglang@01fec5c): a same-rank replica when there is one. A
 rank without one there draws a shuffled fair choice with random.Random(42); here the i-th such rank in rank order
-takes replica (i + e) % count[e], so every replica serves about as many ranks without a Python RNG.
+takes replica (i + e) % count[e], so every replica serves about as many ranks without a Python RNG. SGLang since
+PR #9849 first sends such a rank to its node's first replica where the node holds some but not all of them
+(r3trace/eplb/static.py); the engine's ranks share one host, where that rule never applies.
 dynamic is SGLang's "dynamic" (_topk_ids_logical_to_physical_dynamic in expert_location_dispatch.py,
 sgl-project/sglang@032b6b8), which draws torch.randint per pair: that draw differs between ranks and runs. Here it
 is an integer hash of the pair's row and expert, so every rank that holds the same batch (attention TP, or an

@@ -46,7 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the dispatcher ours plans for and auto's backtest and the worst layers judge by: "
                         "node-limited (the fewest nodes covering a token's experts; the default), or SGLang's "
                         "--ep-dispatch-algorithm static (a rank's own replica, else its node's first, else one "
-                        "spread over the replicas) or "
+                        "spread over the replicas; ours then keeps each expert's replicas all on one node or one a "
+                        "node, which that dispatcher splits evenly) or "
                         "dynamic (a random replica: the even split). Every figure is printed either way")
     p.add_argument("--replay-tokens", type=positive_int, default=8192,
                    help="tokens replayed through node-limited dispatch per scored window")

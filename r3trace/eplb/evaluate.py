@@ -26,14 +26,24 @@ FORECASTS: tuple[Forecast, ...] = ("ema", "mean", "newest")
 # nodes covering a token's experts), static and dynamic (SGLang's ep_dispatch_algorithm: static.py; dynamic draws a
 # random replica per pair, which is the even split in expectation, so it is judged by the even split)
 DispatchName = Literal["node-limited", "static", "dynamic"]
+STATIC_EVEN_CHURN = 0.02  # of the re-plan budgets, left to static_spread.py under static dispatch (planner_config)
 DISPATCHES: tuple[DispatchName, ...] = ("node-limited", "static", "dynamic")
 
 
 def planner_config(dispatch: DispatchName) -> PlannerConfig:
     """Ours plans for the dispatcher it will run under: the two-node replay rules (dispatch_contest.py: the fresh plan's
     contest, the re-plan's guard) only for node-limited dispatch; SGLang's static and dynamic dispatch never look at
-    a token's other experts, so there the even split is the load ours plans for."""
-    return PlannerConfig() if dispatch == "node-limited" else PlannerConfig(replay_margin=-1.0)
+    a token's other experts, so there the even split is the load ours plans for; under static dispatch with every
+    expert's replicas static-even (static_spread.py) so that the even split is what static dispatch gives."""
+    if dispatch == "node-limited":
+        return PlannerConfig()
+    if dispatch == "dynamic":
+        return PlannerConfig(replay_margin=-1.0)
+    # static-even moves (its leveling up to 2% of slots, its fixes of experts the re-plan left mixed) come on top of
+    # the re-plan's own: with the default budgets slow-drift re-plans moved up to 11% of slots (goal <= 10%)
+    base = PlannerConfig()
+    return PlannerConfig(replay_margin=-1.0, static_even=True, churn_budget=base.churn_budget - STATIC_EVEN_CHURN,
+                         seeded_churn_budget=base.seeded_churn_budget - STATIC_EVEN_CHURN)
 
 
 def make_placement(policy: PolicyName, weight: np.ndarray, cluster: Cluster, tokens: np.ndarray | None,

@@ -64,6 +64,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Literal, NamedTuple
 
 import numpy as np
@@ -87,6 +88,7 @@ from r3trace.eplb.refine import swap_refine
 from r3trace.eplb.replan import max_load_floor, over, refreshed, seeded_counts, seeded_plan
 from r3trace.eplb.scenarios import spread
 from r3trace.eplb.score import even_gpu_load, node_counts, phy2log_gpu_load
+from r3trace.eplb.static_spread import static_even
 
 
 def spreads(cluster: Cluster, cfg: PlannerConfig) -> bool:
@@ -200,10 +202,29 @@ def plan(
     """
     out = _plan(loads, cluster, prev, tokens, cfg)
     e = out.logcnt.shape[1]
+    if cfg.static_even and cluster.num_nodes > 1:
+        return from_phy2log(_static_even_plan(out.phy2log, loads, cluster, prev, tokens, cfg), e)
     if (prev is None or tokens is None or not spreads(cluster, cfg) or cfg.keep_groups
             or not replays(cluster, e, cfg.replay_margin)):
         return out
     return from_phy2log(replay_guard(out.phy2log, prev.phy2log, cluster, tokens, cfg.replay_margin), e)
+
+
+def _static_even_plan(new: np.ndarray, loads: np.ndarray, cluster: Cluster, prev: Placement | None,
+                      tokens: np.ndarray | None, cfg: PlannerConfig) -> np.ndarray:
+    """new [L, P], plan()'s layout -> it made static-even (static_spread.py). A drifting re-plan refreshed the layers
+    whose fresh layout beat the seeded one on the forecast, but static-even costs the previous placement's seeded
+    layers some of that max load, so nearly every layer refreshed every time (85% of slots a re-plan on 32 GPUs /
+    4 nodes, independent router, s = 1.2, slow drift): there the still re-plan, made static-even too, is kept unless
+    the refreshed one's forecast max GPU load is lower by more than refresh_gain on average over layers."""
+    w, moving = planning_forecast(loads, prev, cfg)
+    out = static_even(new, w, cluster)
+    if prev is None or not moving:
+        return out
+    still = _plan(loads, cluster, prev, tokens, replace(cfg, refresh_drift=float("inf"))).phy2log
+    still = static_even(still, w, cluster)
+    gain = phy2log_gpu_load(still, w, cluster).max(1) / phy2log_gpu_load(out, w, cluster).max(1)  # [L]
+    return out if float(gain.mean()) > 1 + cfg.refresh_gain else still
 
 
 def planning_forecast(loads: np.ndarray, prev: Placement | None, cfg: PlannerConfig) -> tuple[np.ndarray, bool]:

@@ -1,0 +1,148 @@
+"""Static-even layouts: every expert's replicas all on one node, or at most one a node, so that SGLang's static
+dispatch splits an expert's load as the even split does.
+
+Why: under SGLang's node rule (static.py's rule 3) a rank without its own replica of expert e sends to its node's
+first replica whenever the node holds some but not all of e's replicas. With c replicas at most one a node, each
+serves its node's G / N ranks plus an even share of the ranks on nodes without one: G / c ranks each, the even
+split. All c on one node: the rule never applies and the G - c ranks without a copy are spread evenly over the c
+replicas: again G / c each. Any other layout is "mixed" (a node holding 2 .. c - 1 of them) and gives that node's
+first replica its node's ranks while the others serve their own rank alone (2 nodes x 8 GPUs, e on GPUs 0, 1 and 8:
+7 / 16, 1 / 16 and 8 / 16 of e's load against an even 1 / 3).
+
+When: plan() runs this last where ours plans for static dispatch (`r3trace eplb --dispatch static`,
+PlannerConfig.static_even) on a cluster of several nodes (one node never has a mixed layout).
+
+How, per layer, hottest expert first: a mixed expert moves one replica at a time by swapping it with a slot of
+another expert, towards one a node (when c <= N and that takes no more moves than gathering them) or onto the node
+holding most of them. Of the swaps whose other expert's layout stays static-even, the one whose two GPUs' higher
+even-split load after it is lowest; an expert with no such swap is left as it is. Then, as the moves raised some GPU
+loads, the hottest GPU's slots are swapped with any other slot while that lowers the higher of the two GPUs' loads
+below the hottest and keeps both experts static-even (at most LEVEL_SHARE of the slots a layer).
+Shape legend: L layers, P slots, E experts, N nodes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from r3trace.eplb.placement import Cluster
+
+LEVEL_SHARE = 0.02  # slots a layer the leveling may move (two a swap), as a share of P; the churn goal is 10%
+
+
+def mixed(node_count: np.ndarray) -> bool:
+    """node_count [N] one expert's replicas on each node -> whether its layout is mixed (module doc)."""
+    c = int(node_count.sum())
+    return bool(((node_count >= 2) & (node_count < c)).any())
+
+
+def static_even(phy2log: np.ndarray, weight: np.ndarray, cluster: Cluster) -> np.ndarray:
+    """phy2log [L, P], weight [L, E] (the forecast planned on) -> phy2log [L, P] with no mixed expert where a swap
+    could fix it (module doc); a new array, the input unchanged."""
+    out = phy2log.copy()
+    if cluster.num_nodes == 1:
+        return out
+    for layer in range(out.shape[0]):
+        _layer(out[layer], weight[layer], cluster)
+    return out
+
+
+def _layer(ph: np.ndarray, w: np.ndarray, cl: Cluster) -> None:
+    """ph [P] in place."""
+    e, n = len(w), cl.num_nodes
+    spg, slots_per_node = cl.slots_per_gpu, cl.slots_per_gpu * cl.gpus_per_node
+    node_of = np.arange(len(ph)) // slots_per_node  # [P]
+    cnt = np.bincount(ph, minlength=e)  # [E]
+    share = w / np.maximum(cnt, 1)  # [E] one replica's even-split load
+    per_node = np.zeros((e, n), dtype=np.int64)  # [E, N]
+    np.add.at(per_node, (ph, node_of), 1)
+    gpu_load = np.bincount(np.arange(len(ph)) // spg, weights=share[ph], minlength=cl.num_gpus)  # [G]
+    for x in np.argsort(-w, kind="stable"):
+        while mixed(per_node[x]):
+            k = per_node[x]
+            spread_moves = int(np.maximum(k - 1, 0).sum())
+            gather_moves = int(cnt[x] - k.max())
+            if cnt[x] <= n and spread_moves <= gather_moves:
+                src_nodes, dst_nodes = k >= 2, k == 0  # one a node
+            else:
+                home = int(np.argmax(k))
+                src_nodes, dst_nodes = np.arange(n) != home, np.arange(n) == home  # all on one node
+            if not _swap_one(ph, x, src_nodes & (k > 0), dst_nodes, node_of, per_node, share, gpu_load, spg):
+                break
+    _level(ph, share, per_node, gpu_load, node_of, spg, int(LEVEL_SHARE * len(ph) / 2))
+
+
+def _level(ph: np.ndarray, share: np.ndarray, per_node: np.ndarray, gpu_load: np.ndarray, node_of: np.ndarray,
+           spg: int, steps: int) -> None:
+    """Up to `steps` swaps off the hottest GPU that keep every expert they move static-even (module doc)."""
+    gpu_of = np.arange(len(ph)) // spg  # [P]
+    for _ in range(steps):
+        h = int(np.argmax(gpu_load))
+        top, pick = gpu_load[h], None
+        others = np.flatnonzero(gpu_of != h)
+        for s in np.flatnonzero(gpu_of == h):
+            x, f = ph[s], ph[others]
+            delta = share[f] - share[x]  # GPU h swaps x for f, the other GPU f for x
+            worst = np.maximum(top + delta, gpu_load[gpu_of[others]] - delta)
+            for i in np.argsort(worst, kind="stable"):
+                if worst[i] >= top * (1 - 1e-9):
+                    break
+                o = others[i]
+                if f[i] != x and (node_of[o] == node_of[s] or _stays_even(per_node, x, f[i], node_of[s], node_of[o])):
+                    top, pick = worst[i], (int(s), int(o))
+                    break
+        if pick is None:
+            return
+        _apply(ph, *pick, node_of, per_node, share, gpu_load, spg)
+
+
+def _stays_even(per_node: np.ndarray, x: int, f: int, a: int, b: int) -> bool:
+    """Whether moving a replica of x from node a to b and one of f from b to a leaves both static-even."""
+    kx, kf = per_node[x].copy(), per_node[f].copy()
+    kx[a] -= 1
+    kx[b] += 1
+    kf[b] -= 1
+    kf[a] += 1
+    return not mixed(kx) and not mixed(kf)
+
+
+def _swap_one(ph: np.ndarray, x: int, src_nodes: np.ndarray, dst_nodes: np.ndarray, node_of: np.ndarray,
+              per_node: np.ndarray, share: np.ndarray, gpu_load: np.ndarray, spg: int) -> bool:
+    """Swap one replica of x on a src node with another expert's slot on a dst node (module doc's choice); False
+    where none keeps that expert static-even."""
+    src = np.flatnonzero((ph == x) & src_nodes[node_of])
+    dst = np.flatnonzero((ph != x) & dst_nodes[node_of])
+    if not len(src) or not len(dst):
+        return False
+    best, pick = np.inf, None
+    for s in src:
+        f = ph[dst]  # [D] the experts that would move to s's node
+        gs, gd = s // spg, dst // spg
+        delta = share[f] - share[x]  # GPU gs gains f's share and loses x's; GPU gd the reverse
+        worst = np.maximum(gpu_load[gs] + delta, gpu_load[gd] - delta)  # src and dst sit on different nodes
+        for i in np.argsort(worst, kind="stable"):
+            if worst[i] >= best:
+                break
+            f_nodes = per_node[f[i]].copy()
+            f_nodes[node_of[dst[i]]] -= 1
+            f_nodes[node_of[s]] += 1
+            if not mixed(f_nodes):
+                best, pick = worst[i], (int(s), int(dst[i]))
+                break
+    if pick is None:
+        return False
+    _apply(ph, *pick, node_of, per_node, share, gpu_load, spg)
+    return True
+
+
+def _apply(ph: np.ndarray, s: int, d: int, node_of: np.ndarray, per_node: np.ndarray, share: np.ndarray,
+           gpu_load: np.ndarray, spg: int) -> None:
+    """Swap slots s and d in place, with the node counts and GPU loads kept."""
+    x, f = ph[s], ph[d]
+    gpu_load[s // spg] += share[f] - share[x]
+    gpu_load[d // spg] += share[x] - share[f]
+    per_node[x, node_of[s]] -= 1
+    per_node[x, node_of[d]] += 1
+    per_node[f, node_of[d]] -= 1
+    per_node[f, node_of[s]] += 1
+    ph[s], ph[d] = f, x
