@@ -124,6 +124,9 @@ def layout(cluster: Cluster, cfg: PlannerConfig = PlannerConfig()) -> Layout:
         extras += ("; with spare slots and routes, a layer takes DeepSeek global's layout where node-limited replay "
                    "of the newest tokens gives it a lower max GPU load, and a re-plan keeps a previous layer that "
                    "replay favours (dispatch_contest.py)")
+    if cfg.static_even:
+        extras += ("; then for SGLang's static dispatch each expert's replicas all on one node or at most one a node, "
+                   "which its node rule splits evenly (static_spread.py)")
     if cfg.keep_groups:
         return Layout("groups_on_nodes", f"{g} groups on {n} nodes, keep_groups: first replicas stay on their "
                                          f"group's home nodes ({how}), so no token reaches more nodes than under "

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from r3trace.eplb import Cluster, churn, global_policy, plan
+from r3trace.eplb import Cluster, churn, global_policy, layout, plan
 from r3trace.eplb.evaluate import planner_config
 from r3trace.eplb.placement import from_phy2log
 from r3trace.eplb.score import balancedness, even_gpu_load, heat_of
@@ -103,3 +103,9 @@ def test_unchanged_workload_replans_static_even_within_the_budget(nodes: int) ->
             moved.append(churn(prev, pl))
         prev = pl
     assert max(moved) <= 0.10, moved
+
+
+def test_layout_line_says_static_even_where_it_runs() -> None:
+    assert "static_spread.py" in layout(Cluster(16, 2, 160, num_groups=8), planner_config("static")).reason
+    assert "static_spread.py" not in layout(Cluster(16, 2, 160, num_groups=8), planner_config("node-limited")).reason
+    assert "static_spread.py" not in layout(Cluster(8, 1, 80, num_groups=8), planner_config("static")).reason
