@@ -24,7 +24,8 @@ Forecast = Literal["ema", "mean", "newest"]
 FORECASTS: tuple[Forecast, ...] = ("ema", "mean", "newest")
 # the dispatcher a placement is judged under (`r3trace eplb --dispatch`): node-limited (score.node_limited: the fewest
 # nodes covering a token's experts), static and dynamic (SGLang's ep_dispatch_algorithm: static.py; dynamic draws a
-# random replica per pair, which is the even split in expectation, so it is judged by the even split)
+# random replica per pair, which is the even split in expectation, so it is judged by the even split; SGLang since
+# PR #10874 first takes the rank's own replica or its node's, as static.py's rules 2-3, which that does not model)
 DispatchName = Literal["node-limited", "static", "dynamic"]
 STATIC_EVEN_CHURN = 0.02  # of the re-plan budgets, left to static_spread.py under static dispatch (planner_config)
 DISPATCHES: tuple[DispatchName, ...] = ("node-limited", "static", "dynamic")
