@@ -46,9 +46,8 @@ def static_slots(pl: Placement, cluster: Cluster, prefer_same_node: bool = True)
     valid = l2p >= 0
     owner = np.where(valid, l2p // cluster.slots_per_gpu, 0)  # [L, E, R] rank holding each replica
     li, ei, ri = np.nonzero(valid)
-    first = np.full((n_layers, g, e), r, dtype=np.int64)  # [L, G, E] replica index of rank g's own copy, r: none
-    np.minimum.at(first, (li, owner[li, ei, ri], ei), ri)
-    pick = first.copy()
+    pick = np.full((n_layers, g, e), r, dtype=np.int64)  # [L, G, E] replica index of rank g's own copy, r: none
+    np.minimum.at(pick, (li, owner[li, ei, ri], ei), ri)
     if prefer_same_node and cluster.num_nodes > 1:
         n = cluster.num_nodes
         node = owner[li, ei, ri] // gpn

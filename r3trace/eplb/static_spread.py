@@ -96,14 +96,17 @@ def _level(ph: np.ndarray, share: np.ndarray, per_node: np.ndarray, gpu_load: np
         _apply(ph, *pick, node_of, per_node, share, gpu_load, spg)
 
 
+def _moved(node_count: np.ndarray, a: int, b: int) -> np.ndarray:
+    """[N] one expert's replicas on each node after one of them moves from node a to b (a new array)."""
+    out = node_count.copy()
+    out[a] -= 1
+    out[b] += 1
+    return out
+
+
 def _stays_even(per_node: np.ndarray, x: int, f: int, a: int, b: int) -> bool:
     """Whether moving a replica of x from node a to b and one of f from b to a leaves both static-even."""
-    kx, kf = per_node[x].copy(), per_node[f].copy()
-    kx[a] -= 1
-    kx[b] += 1
-    kf[b] -= 1
-    kf[a] += 1
-    return not mixed(kx) and not mixed(kf)
+    return not mixed(_moved(per_node[x], a, b)) and not mixed(_moved(per_node[f], b, a))
 
 
 def _swap_one(ph: np.ndarray, x: int, src_nodes: np.ndarray, dst_nodes: np.ndarray, node_of: np.ndarray,
@@ -123,10 +126,7 @@ def _swap_one(ph: np.ndarray, x: int, src_nodes: np.ndarray, dst_nodes: np.ndarr
         for i in np.argsort(worst, kind="stable"):
             if worst[i] >= best:
                 break
-            f_nodes = per_node[f[i]].copy()
-            f_nodes[node_of[dst[i]]] -= 1
-            f_nodes[node_of[s]] += 1
-            if not mixed(f_nodes):
+            if not mixed(_moved(per_node[f[i]], node_of[dst[i]], node_of[s])):
                 best, pick = worst[i], (int(s), int(dst[i]))
                 break
     if pick is None:
