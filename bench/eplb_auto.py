@@ -200,6 +200,8 @@ def main() -> None:
                     help="an earlier results JSON of the same seed and dispatch: its cells are copied, except those "
                          "with --nodes, which run again (a planner change that only reaches those node counts)")
     ap.add_argument("--nodes", type=int, nargs="*", default=[], help="with --reuse: the node counts to run again")
+    ap.add_argument("--cell", action="append", default=[],
+                    help="with --reuse: a cell to run again, by its name (repeatable; runs cells apart in parallel)")
     args = ap.parse_args()
     earlier = {}
     if args.reuse:
@@ -209,7 +211,7 @@ def main() -> None:
         earlier = {r["cell"]: r for r in doc["results"]}
     results = []
     for cell in cells(args.smoke, args.seed):
-        if cell.name() in earlier and cell.nodes not in args.nodes:
+        if cell.name() in earlier and cell.nodes not in args.nodes and cell.name() not in args.cell:
             results.append(earlier[cell.name()])
             continue
         res = run_cell(cell, args.dispatch)

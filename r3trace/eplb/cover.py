@@ -65,6 +65,28 @@ def cover(masks: np.ndarray, tok: np.ndarray | None, cl: Cluster) -> np.ndarray:
     return np.where(covers, size, cl.num_nodes + 1).min(2).mean(1)
 
 
+def cover_sizes(masks: np.ndarray, tok: np.ndarray, n: int) -> np.ndarray:
+    """masks [L, E] node bits of each expert, tokens [T, L, K] (N <= 8 nodes) -> [T, L] the fewest nodes holding all
+    K of each token's experts: score.node_limited's cover size without its loads (2,048 tokens x 58 layers on 8
+    nodes: ~0.1 s against its 2.6 s). Which of the 2^N - 1 subsets meet each expert, packed into 64-bit words: a
+    token's covering subsets are the AND of its K experts' words, and its cover the smallest size among them."""
+    subsets = np.arange(1, 1 << n, dtype=np.int64)  # [S]
+    words = -(-len(subsets) // 64)
+    meets = (masks[..., None] & subsets) != 0  # [L, E, S]
+    packed = np.packbits(meets, axis=-1, bitorder="little")  # [L, E, ceil(S / 8)] bytes
+    packed = np.pad(packed, ((0, 0), (0, 0), (0, words * 8 - packed.shape[-1]))).view(np.uint64)  # [L, E, W]
+    size = np.bitwise_count(subsets)
+    layer = np.arange(tok.shape[1])[None, :]
+    acc = packed[layer, tok[:, :, 0]]  # [T, L, W]
+    for k in range(1, tok.shape[2]):
+        acc &= packed[layer, tok[:, :, k]]
+    out = np.full(tok.shape[:2], n, dtype=np.int64)  # the N nodes always cover
+    for s in range(n - 1, 0, -1):  # the smallest size that covers wins
+        of_size = np.pad(np.packbits(size == s, bitorder="little"), (0, words * 8 - -(-len(subsets) // 8)))
+        np.copyto(out, s, where=(acc & of_size.view(np.uint64)).any(-1))
+    return out
+
+
 def cover_rounds(cl: Cluster, n_layers: int, n_tokens: int) -> int:
     """Rounds each of a plan's n_layers layers gets: COVER_ROUNDS, or COVER_BUDGET's share where less, and none
     below COVER_MIN_ROUNDS."""

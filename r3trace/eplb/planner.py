@@ -88,6 +88,8 @@ from r3trace.eplb.refine import swap_refine
 from r3trace.eplb.replan import max_load_floor, over, refreshed, seeded_counts, seeded_plan
 from r3trace.eplb.scenarios import spread
 from r3trace.eplb.score import even_gpu_load, node_counts, phy2log_gpu_load
+from r3trace.eplb.static import static_expected_load
+from r3trace.eplb.static_choice import static_choice
 from r3trace.eplb.static_spread import static_even
 
 
@@ -125,8 +127,9 @@ def layout(cluster: Cluster, cfg: PlannerConfig = PlannerConfig()) -> Layout:
                    "of the newest tokens gives it a lower max GPU load, and a re-plan keeps a previous layer that "
                    "replay favours (dispatch_contest.py)")
     if cfg.static_even:
-        extras += ("; then for SGLang's static dispatch each expert's replicas all on one node or at most one a node, "
-                   "which its node rule splits evenly (static_spread.py)")
+        extras += ("; then for SGLang's static dispatch, hottest first, experts' replicas put all on one node or at "
+                   "most one a node, which its node rule splits evenly (static_spread.py), as far as DeepSeek "
+                   "global's nodes per token on the newest tokens allows (static_choice.py; without tokens all)")
     if cfg.keep_groups:
         return Layout("groups_on_nodes", f"{g} groups on {n} nodes, keep_groups: first replicas stay on their "
                                          f"group's home nodes ({how}), so no token reaches more nodes than under "
@@ -215,18 +218,26 @@ def plan(
 
 def _static_even_plan(new: np.ndarray, loads: np.ndarray, cluster: Cluster, prev: Placement | None,
                       tokens: np.ndarray | None, cfg: PlannerConfig) -> np.ndarray:
-    """new [L, P], plan()'s layout -> it made static-even (static_spread.py). A drifting re-plan refreshed the layers
+    """new [L, P], plan()'s layout -> it made static-even (static_spread.py), with tokens as far as DeepSeek global's
+    nodes per token allows (static_choice.py). A drifting re-plan refreshed the layers
     whose fresh layout beat the seeded one on the forecast, but static-even costs the previous placement's seeded
     layers some of that max load, so nearly every layer refreshed every time (85% of slots a re-plan on 32 GPUs /
     4 nodes, independent router, s = 1.2, slow drift): there the still re-plan, made static-even too, is kept unless
-    the refreshed one's forecast max GPU load is lower by more than refresh_gain on average over layers."""
+    the refreshed one's forecast max GPU load under static dispatch is lower by more than refresh_gain on average
+    over layers."""
     w, moving = planning_forecast(loads, prev, cfg)
-    out = static_even(new, w, cluster)
+    mean_loads = loads.sum(0) if loads.ndim == 3 else loads
+
+    def finish(phy2log: np.ndarray) -> np.ndarray:
+        if tokens is None:
+            return static_even(phy2log, w, cluster)
+        return static_choice(phy2log, w, cluster, tokens, mean_loads)
+
+    out = finish(new)
     if prev is None or not moving:
         return out
-    still = _plan(loads, cluster, prev, tokens, replace(cfg, refresh_drift=float("inf"))).phy2log
-    still = static_even(still, w, cluster)
-    gain = phy2log_gpu_load(still, w, cluster).max(1) / phy2log_gpu_load(out, w, cluster).max(1)  # [L]
+    still = finish(_plan(loads, cluster, prev, tokens, replace(cfg, refresh_drift=float("inf"))).phy2log)
+    gain = static_expected_load(still, w, cluster).max(1) / static_expected_load(out, w, cluster).max(1)  # [L]
     return out if float(gain.mean()) > 1 + cfg.refresh_gain else still
 
 

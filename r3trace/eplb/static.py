@@ -80,6 +80,18 @@ def static_gpu_load(pl: Placement, topk_ids: np.ndarray, cluster: Cluster, token
     return out
 
 
+def static_expected_load(phy2log: np.ndarray, weight: np.ndarray, cluster: Cluster,
+                         prefer_same_node: bool = True) -> np.ndarray:
+    """phy2log [L, P], weight [L, E] -> per-GPU load [L, G] under static dispatch when every rank sends 1 / G of each
+    expert's load (static_gpu_load's expectation over tokens spread evenly over the ranks)."""
+    n_layers, e = weight.shape
+    g = cluster.num_gpus
+    gpu = static_slots(from_phy2log(phy2log, e), cluster, prefer_same_node) // cluster.slots_per_gpu  # [L, G, E]
+    out = np.zeros((n_layers, g))
+    np.add.at(out, (np.arange(n_layers)[:, None, None], gpu), np.broadcast_to(weight[:, None, :] / g, gpu.shape))
+    return out
+
+
 class TokenSources(NamedTuple):
     rank: np.ndarray | None  # [T] the rank each token is sent from; None: token t from rank t mod G
     how: str  # the rule taken, for reports

@@ -36,19 +36,19 @@ def mixed(node_count: np.ndarray) -> bool:
     return bool(((node_count >= 2) & (node_count < c)).any())
 
 
-def static_even(phy2log: np.ndarray, weight: np.ndarray, cluster: Cluster) -> np.ndarray:
-    """phy2log [L, P], weight [L, E] (the forecast planned on) -> phy2log [L, P] with no mixed expert where a swap
-    could fix it (module doc); a new array, the input unchanged."""
+def static_even(phy2log: np.ndarray, weight: np.ndarray, cluster: Cluster, tau: float = 0.0) -> np.ndarray:
+    """phy2log [L, P], weight [L, E] (the forecast planned on) -> phy2log [L, P] with no mixed expert of load >=
+    tau x the mean GPU load where a swap could fix it (module doc); a new array, the input unchanged."""
     out = phy2log.copy()
     if cluster.num_nodes == 1:
         return out
     for layer in range(out.shape[0]):
-        _layer(out[layer], weight[layer], cluster)
+        _layer(out[layer], weight[layer], cluster, tau * float(weight[layer].sum()) / cluster.num_gpus)
     return out
 
 
-def _layer(ph: np.ndarray, w: np.ndarray, cl: Cluster) -> None:
-    """ph [P] in place."""
+def _layer(ph: np.ndarray, w: np.ndarray, cl: Cluster, floor: float) -> None:
+    """ph [P] in place; only experts of load >= floor are fixed."""
     e, n = len(w), cl.num_nodes
     spg, slots_per_node = cl.slots_per_gpu, cl.slots_per_gpu * cl.gpus_per_node
     node_of = np.arange(len(ph)) // slots_per_node  # [P]
@@ -57,8 +57,13 @@ def _layer(ph: np.ndarray, w: np.ndarray, cl: Cluster) -> None:
     per_node = np.zeros((e, n), dtype=np.int64)  # [E, N]
     np.add.at(per_node, (ph, node_of), 1)
     gpu_load = np.bincount(np.arange(len(ph)) // spg, weights=share[ph], minlength=cl.num_gpus)  # [G]
+    ok = even_moves(per_node)  # [E, N, N]
+    # a swap never leaves its other expert mixed (_swap_one), so only the experts mixed now can need a fix
+    was_mixed = ((per_node >= 2) & (per_node < cnt[:, None])).any(1)  # [E]
     for x in np.argsort(-w, kind="stable"):
-        while mixed(per_node[x]):
+        if w[x] < floor:
+            break
+        while was_mixed[x] and mixed(per_node[x]):
             k = per_node[x]
             spread_moves = int(np.maximum(k - 1, 0).sum())
             gather_moves = int(cnt[x] - k.max())
@@ -67,77 +72,64 @@ def _layer(ph: np.ndarray, w: np.ndarray, cl: Cluster) -> None:
             else:
                 home = int(np.argmax(k))
                 src_nodes, dst_nodes = np.arange(n) != home, np.arange(n) == home  # all on one node
-            if not _swap_one(ph, x, src_nodes & (k > 0), dst_nodes, node_of, per_node, share, gpu_load, spg):
+            if not _swap_one(ph, x, src_nodes & (k > 0), dst_nodes, node_of, per_node, share, gpu_load, spg, ok):
                 break
-    _level(ph, share, per_node, gpu_load, node_of, spg, int(LEVEL_SHARE * len(ph) / 2))
+    _level(ph, share, per_node, gpu_load, node_of, spg, int(LEVEL_SHARE * len(ph) / 2), ok)
 
 
 def _level(ph: np.ndarray, share: np.ndarray, per_node: np.ndarray, gpu_load: np.ndarray, node_of: np.ndarray,
-           spg: int, steps: int) -> None:
-    """Up to `steps` swaps off the hottest GPU that keep every expert they move static-even (module doc)."""
+           spg: int, steps: int, ok: np.ndarray) -> None:
+    """Up to `steps` swaps off the hottest GPU that keep every expert they move static-even (module doc): each the
+    swap of a slot of the hottest GPU h with a slot elsewhere whose two GPUs' higher load after it is lowest, taken
+    while that is below h's load. ok: even_moves of per_node, kept by each swap."""
     gpu_of = np.arange(len(ph)) // spg  # [P]
     for _ in range(steps):
         h = int(np.argmax(gpu_load))
-        top, pick = gpu_load[h], None
-        others = np.flatnonzero(gpu_of != h)
-        for s in np.flatnonzero(gpu_of == h):
-            x, f = ph[s], ph[others]
-            delta = share[f] - share[x]  # GPU h swaps x for f, the other GPU f for x
-            worst = np.maximum(top + delta, gpu_load[gpu_of[others]] - delta)
-            for i in np.argsort(worst, kind="stable"):
-                if worst[i] >= top * (1 - 1e-9):
-                    break
-                o = others[i]
-                if f[i] != x and (node_of[o] == node_of[s] or _stays_even(per_node, x, f[i], node_of[s], node_of[o])):
-                    top, pick = worst[i], (int(s), int(o))
-                    break
-        if pick is None:
+        top = gpu_load[h]
+        mine, others = np.flatnonzero(gpu_of == h), np.flatnonzero(gpu_of != h)
+        x, f = ph[mine][:, None], ph[others][None, :]  # [S, 1], [1, O]
+        a, b = node_of[mine][:, None], node_of[others][None, :]
+        delta = share[f] - share[x]  # [S, O]: GPU h swaps x for f, the other GPU f for x
+        worst = np.maximum(top + delta, gpu_load[gpu_of[others]][None, :] - delta)
+        legal = (f != x) & ((a == b) | (ok[x, a, b] & ok[f, b, a])) & (worst < top * (1 - 1e-9))
+        if not legal.any():
             return
-        _apply(ph, *pick, node_of, per_node, share, gpu_load, spg)
+        i, j = np.unravel_index(int(np.argmin(np.where(legal, worst, np.inf))), worst.shape)
+        _apply(ph, int(mine[i]), int(others[j]), node_of, per_node, share, gpu_load, spg, ok)
 
 
-def _moved(node_count: np.ndarray, a: int, b: int) -> np.ndarray:
-    """[N] one expert's replicas on each node after one of them moves from node a to b (a new array)."""
-    out = node_count.copy()
-    out[a] -= 1
-    out[b] += 1
-    return out
-
-
-def _stays_even(per_node: np.ndarray, x: int, f: int, a: int, b: int) -> bool:
-    """Whether moving a replica of x from node a to b and one of f from b to a leaves both static-even."""
-    return not mixed(_moved(per_node[x], a, b)) and not mixed(_moved(per_node[f], b, a))
+def even_moves(per_node: np.ndarray) -> np.ndarray:
+    """per_node [E, N] -> [E, N, N]: whether moving one replica of expert e from node a to node b leaves e's layout
+    not mixed (a read only where a holds one)."""
+    n = per_node.shape[1]
+    eye = np.eye(n, dtype=np.int64)
+    after = per_node[:, None, None, :] - eye[None, :, None, :] + eye[None, None, :, :]  # [E, A, B, N]
+    c = per_node.sum(1)[:, None, None, None]
+    return ~((after >= 2) & (after < c)).any(-1)
 
 
 def _swap_one(ph: np.ndarray, x: int, src_nodes: np.ndarray, dst_nodes: np.ndarray, node_of: np.ndarray,
-              per_node: np.ndarray, share: np.ndarray, gpu_load: np.ndarray, spg: int) -> bool:
+              per_node: np.ndarray, share: np.ndarray, gpu_load: np.ndarray, spg: int, ok: np.ndarray) -> bool:
     """Swap one replica of x on a src node with another expert's slot on a dst node (module doc's choice); False
-    where none keeps that expert static-even."""
+    where none keeps that expert static-even. ok: even_moves of per_node."""
     src = np.flatnonzero((ph == x) & src_nodes[node_of])
     dst = np.flatnonzero((ph != x) & dst_nodes[node_of])
     if not len(src) or not len(dst):
         return False
-    best, pick = np.inf, None
-    for s in src:
-        f = ph[dst]  # [D] the experts that would move to s's node
-        gs, gd = s // spg, dst // spg
-        delta = share[f] - share[x]  # GPU gs gains f's share and loses x's; GPU gd the reverse
-        worst = np.maximum(gpu_load[gs] + delta, gpu_load[gd] - delta)  # src and dst sit on different nodes
-        for i in np.argsort(worst, kind="stable"):
-            if worst[i] >= best:
-                break
-            if not mixed(_moved(per_node[f[i]], node_of[dst[i]], node_of[s])):
-                best, pick = worst[i], (int(s), int(dst[i]))
-                break
-    if pick is None:
+    f = ph[dst][None, :]  # [1, D] the experts that would move to a src slot's node
+    delta = share[f] - share[x]  # GPU of s gains f's share and loses x's; GPU of d the reverse
+    worst = np.maximum(gpu_load[src // spg][:, None] + delta, gpu_load[dst // spg][None, :] - delta)  # [S, D]
+    legal = ok[f, node_of[dst][None, :], node_of[src][:, None]]  # f moving from d's node to s's stays even
+    if not legal.any():
         return False
-    _apply(ph, *pick, node_of, per_node, share, gpu_load, spg)
+    i, j = np.unravel_index(int(np.argmin(np.where(legal, worst, np.inf))), worst.shape)
+    _apply(ph, int(src[i]), int(dst[j]), node_of, per_node, share, gpu_load, spg, ok)
     return True
 
 
 def _apply(ph: np.ndarray, s: int, d: int, node_of: np.ndarray, per_node: np.ndarray, share: np.ndarray,
-           gpu_load: np.ndarray, spg: int) -> None:
-    """Swap slots s and d in place, with the node counts and GPU loads kept."""
+           gpu_load: np.ndarray, spg: int, ok: np.ndarray) -> None:
+    """Swap slots s and d in place, with the node counts, GPU loads and even_moves table kept."""
     x, f = ph[s], ph[d]
     gpu_load[s // spg] += share[f] - share[x]
     gpu_load[d // spg] += share[x] - share[f]
@@ -145,4 +137,5 @@ def _apply(ph: np.ndarray, s: int, d: int, node_of: np.ndarray, per_node: np.nda
     per_node[x, node_of[d]] += 1
     per_node[f, node_of[d]] -= 1
     per_node[f, node_of[s]] += 1
+    ok[[x, f]] = even_moves(per_node[[x, f]])
     ph[s], ph[d] = f, x

@@ -1,0 +1,135 @@
+"""Static choice: per layer, how many of its mixed experts to make static-even, within a nodes-per-token budget.
+
+static_spread.py fixes every mixed expert (a node holding 2 .. c - 1 of its c replicas), so that SGLang's static
+dispatch splits each expert's load evenly; gathering an expert's replicas on one node or spreading them one a node
+changes which nodes hold it, and on 2-4 nodes that cost up to +0.27 nodes per token over DeepSeek global's layout.
+The plan before it (ours' default) sits under global's nodes per token but, mixed, loses up to 0.054 of static
+balancedness. Between them: fix only the experts of load >= tau x the mean GPU load (the hottest ones set the max
+GPU load; the lightest ones' moves buy little balance for the nodes they cost). Each layer gets the ladder TAUS of
+such layouts plus the default plan's, each scored on the forecast (static_expected_load's max GPU load) and on the
+newest tokens (nodes per token, the node-limited cover as score.node_limited counts it); then the layers' choices
+maximise the mean static balancedness while the mean nodes per token stays within the budget: DeepSeek global's
+layout of the same loads on the same tokens, less NODE_MARGIN (the goal of issue 25: balance at least global's at
+no more nodes per token). Greedy over the layers' upper hull, best balancedness gained per node per token first.
+
+When: plan()'s last step on 2-8 nodes under `--dispatch static` (PlannerConfig.static_even) where the plan has the
+newest tokens; without them no nodes per token can be counted, and on more nodes the exact cover would enumerate
+2^N node subsets, so there every mixed expert is fixed (static_even; on 16-18 nodes that plan is never behind
+global under static dispatch in bench/eplb_matrix.py's cells).
+Shape legend: V layouts a layer, L layers, P slots, E experts, T tokens, K top-k, G GPUs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from r3trace.eplb.cover import cover_sizes, node_masks
+from r3trace.eplb.deepseek import global_phy2log
+from r3trace.eplb.placement import Cluster
+from r3trace.eplb.score import EXACT_COVER_NODES
+from r3trace.eplb.static import static_expected_load
+from r3trace.eplb.static_spread import static_even
+
+TAUS = (4.0, 2.0, 1.0, 0.5, 0.25, 0.0)  # expert load over the mean GPU load from which mixed experts are fixed
+NODE_MARGIN = 0.01  # of global's nodes per token the choice leaves unspent, for the held-out window's noise
+CHOICE_TOKENS = 2048  # newest tokens nodes per token is counted on
+
+
+def static_choice(phy2log: np.ndarray, weight: np.ndarray, cluster: Cluster, tokens: np.ndarray,
+                  mean_loads: np.ndarray) -> np.ndarray:
+    """phy2log [L, P] (the default plan), weight [L, E] (the forecast), tokens [T, L, K] (the newest window),
+    mean_loads [L, E] (what DeepSeek global plans on: the windows' summed loads) -> phy2log [L, P] (module doc)."""
+    if not applies(cluster):
+        return static_even(phy2log, weight, cluster)
+    tok = np.asarray(tokens[-CHOICE_TOKENS:], dtype=np.int64)
+    ladder = np.stack([phy2log] + [static_even(phy2log, weight, cluster, tau) for tau in TAUS])  # [V, L, P]
+    # a layer's layout is often the same for several taus: score each distinct one once (pairs v, l whose layout
+    # differs from v - 1's), then copy the scores down the ladder
+    fresh = np.ones(ladder.shape[:2], dtype=bool)  # [V, L]
+    fresh[1:] = (ladder[1:] != ladder[:-1]).any(2)
+    vi, li = np.nonzero(fresh)
+    rows = ladder[vi, li]  # [M, P] the distinct layouts, each scored as a layer of its own
+    load = static_expected_load(rows, weight[li], cluster)  # [M, G]
+    e = weight.shape[1]
+    bal, nodes = np.zeros(fresh.shape), np.zeros(fresh.shape)  # [V, L]
+    bal[vi, li] = load.mean(1) / np.maximum(load.max(1), 1e-12)
+    nodes[vi, li] = _nodes(rows, tok[:, li], cluster, e)
+    src = np.maximum.accumulate(np.where(fresh, np.arange(len(ladder))[:, None], 0), axis=0)  # [V, L]
+    bal, nodes = np.take_along_axis(bal, src, 0), np.take_along_axis(nodes, src, 0)
+    budget = float(_nodes(global_phy2log(mean_loads, cluster), tok, cluster, e).sum()) * (1 - NODE_MARGIN)
+    pick = choose(bal, nodes, budget)  # [L]
+    return ladder[pick, np.arange(ladder.shape[1])]
+
+
+def applies(cluster: Cluster) -> bool:
+    """Several nodes, at most EXACT_COVER_NODES of them (cover_sizes enumerates node subsets)."""
+    return 1 < cluster.num_nodes <= EXACT_COVER_NODES
+
+
+def _nodes(phy2log: np.ndarray, tok: np.ndarray, cluster: Cluster, e: int) -> np.ndarray:
+    """phy2log [L, P], tok [T, L, K] -> [L] mean nodes per token of the node-limited cover (score.node_limited's)."""
+    return cover_sizes(node_masks(phy2log, e, cluster), tok, cluster.num_nodes).mean(0)
+
+
+def choose(bal: np.ndarray, nodes: np.ndarray, budget: float) -> np.ndarray:
+    """bal, nodes [V, L] per layout and layer (layout 0 the default) -> [L] the layout each layer takes: the most
+    summed balancedness with summed nodes <= budget, greedy along each layer's upper hull, then single-layer
+    changes that still fit (module doc); where the layers' fewest nodes already exceed the budget, each layer's
+    fewest-nodes layout."""
+    n_layers = bal.shape[1]
+    hulls = [_hull(bal[:, i], nodes[:, i]) for i in range(n_layers)]
+    at = [0] * n_layers  # position along each hull
+    spent = float(sum(nodes[h[0], i] for i, h in enumerate(hulls)))
+    while True:
+        best, step = 0.0, -1
+        for i, h in enumerate(hulls):
+            if at[i] + 1 >= len(h):
+                continue
+            a, b = h[at[i]], h[at[i] + 1]
+            dn, db = nodes[b, i] - nodes[a, i], bal[b, i] - bal[a, i]
+            if spent + dn > budget + 1e-12:
+                continue
+            rate = db / max(dn, 1e-12)
+            if rate > best:
+                best, step = rate, i
+        if step < 0:
+            return _fill(bal, nodes, np.array([h[at[i]] for i, h in enumerate(hulls)]), budget - spent)
+        a, b = hulls[step][at[step]], hulls[step][at[step] + 1]
+        spent += nodes[b, step] - nodes[a, step]
+        at[step] += 1
+
+
+def _fill(bal: np.ndarray, nodes: np.ndarray, pick: np.ndarray, left: float) -> np.ndarray:
+    """The hull walk stops where its next step does not fit; a layout under the chord (skipped by the hull) may
+    still: take the single-layer change of most balancedness that fits what is left, while one does."""
+    pick = pick.copy()
+    cols = np.arange(bal.shape[1])
+    while True:
+        dn = nodes - nodes[pick, cols]  # [V, L]
+        db = np.where(dn <= left + 1e-12, bal - bal[pick, cols], 0.0)
+        v, i = np.unravel_index(int(np.argmax(db)), db.shape)
+        if db[v, i] <= 1e-12:
+            return pick
+        left -= float(dn[v, i])
+        pick[i] = v
+
+
+def _hull(bal: np.ndarray, nodes: np.ndarray) -> list[int]:
+    """bal, nodes [V] -> the layouts on the upper concave hull of (nodes, balancedness), fewest nodes first: each
+    further one gains balancedness at a falling rate per node per token. Ties go to the lower layout index."""
+    order = sorted(range(len(bal)), key=lambda v: (nodes[v], -bal[v], v))
+    front: list[int] = []
+    for v in order:  # Pareto front: more nodes only for more balancedness
+        if not front or bal[v] > bal[front[-1]] + 1e-12:
+            front.append(v)
+    hull: list[int] = []
+    for v in front:
+        while len(hull) >= 2:
+            a, b = hull[-2], hull[-1]
+            # drop b where the chord a -> v lies above it
+            if (bal[b] - bal[a]) * (nodes[v] - nodes[a]) <= (bal[v] - bal[a]) * (nodes[b] - nodes[a]):
+                hull.pop()
+            else:
+                break
+        hull.append(v)
+    return hull
