@@ -59,7 +59,7 @@ def _layer(ph: np.ndarray, w: np.ndarray, cl: Cluster, floor: float) -> None:
     gpu_load = np.bincount(np.arange(len(ph)) // spg, weights=share[ph], minlength=cl.num_gpus)  # [G]
     ok = even_moves(per_node)  # [E, N, N]
     # a swap never leaves its other expert mixed (_swap_one), so only the experts mixed now can need a fix
-    was_mixed = ((per_node >= 2) & (per_node < cnt[:, None])).any(1)  # [E]
+    was_mixed = np.asarray(((per_node >= 2) & (per_node < cnt[:, None])).any(1))  # [E]
     for x in np.argsort(-w, kind="stable"):
         if w[x] < floor:
             break
