@@ -120,12 +120,13 @@ class PlannerConfig:
     # replayed max load is more than replay_margin above the previous placement's keeps the previous layer
     # (dispatch_contest.py has the why and the figures); < 0: neither
     replay_margin: float = 0.02
-    # the plan's last step on several nodes: every expert's replicas all on one node or at most one a node
+    # the plan's last step on several nodes: experts' replicas all on one node or at most one a node
     # (static_spread.py), so SGLang's static dispatch, whose node rule sends a node's ranks to its first replica,
-    # splits each expert's load evenly. Held out under that dispatcher (bench/eplb_matrix.py's ours-static rows) it
-    # leads the better DeepSeek global policy by up to 0.27 on 2-8 nodes (0.609-0.945 against 0.610-0.897 on 2),
-    # where ours' default plan trails it by up to 0.059; gathering the replicas of an expert with more replicas
-    # than nodes costs up to +0.27 nodes per token over global's. `--dispatch static` (evaluate.planner_config)
+    # splits their load evenly; per layer the hottest first, as many as keep nodes per token under DeepSeek global's
+    # on the newest tokens (static_ladder.py). Held out under that dispatcher (bench/eplb_matrix.py's ours-static
+    # rows) it leads the better global policy by 0.054 on average on 2-4 nodes at 0.11 fewer nodes per token (median),
+    # where ours' default plan trails it by up to 0.054 and fixing every expert costs up to +0.27 nodes per token
+    # over global's. `--dispatch static` (evaluate.planner_config)
     static_even: bool = False
 
     def __post_init__(self) -> None:

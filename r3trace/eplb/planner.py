@@ -89,7 +89,7 @@ from r3trace.eplb.replan import max_load_floor, over, refreshed, seeded_counts, 
 from r3trace.eplb.scenarios import spread
 from r3trace.eplb.score import even_gpu_load, node_counts, phy2log_gpu_load
 from r3trace.eplb.static import static_expected_load
-from r3trace.eplb.static_choice import static_choice
+from r3trace.eplb.static_ladder import static_ladder
 from r3trace.eplb.static_spread import static_even
 
 
@@ -129,7 +129,7 @@ def layout(cluster: Cluster, cfg: PlannerConfig = PlannerConfig()) -> Layout:
     if cfg.static_even:
         extras += ("; then for SGLang's static dispatch, hottest first, experts' replicas put all on one node or at "
                    "most one a node, which its node rule splits evenly (static_spread.py), as far as DeepSeek "
-                   "global's nodes per token on the newest tokens allows (static_choice.py; without tokens all)")
+                   "global's nodes per token on the newest tokens allows (static_ladder.py; without tokens all)")
     if cfg.keep_groups:
         return Layout("groups_on_nodes", f"{g} groups on {n} nodes, keep_groups: first replicas stay on their "
                                          f"group's home nodes ({how}), so no token reaches more nodes than under "
@@ -219,7 +219,7 @@ def plan(
 def _static_even_plan(new: np.ndarray, loads: np.ndarray, cluster: Cluster, prev: Placement | None,
                       tokens: np.ndarray | None, cfg: PlannerConfig) -> np.ndarray:
     """new [L, P], plan()'s layout -> it made static-even (static_spread.py), with tokens as far as DeepSeek global's
-    nodes per token allows (static_choice.py). A drifting re-plan refreshed the layers
+    nodes per token allows (static_ladder.py). A drifting re-plan refreshed the layers
     whose fresh layout beat the seeded one on the forecast, but static-even costs the previous placement's seeded
     layers some of that max load, so nearly every layer refreshed every time (85% of slots a re-plan on 32 GPUs /
     4 nodes, independent router, s = 1.2, slow drift): there the still re-plan, made static-even too, is kept unless
@@ -231,7 +231,7 @@ def _static_even_plan(new: np.ndarray, loads: np.ndarray, cluster: Cluster, prev
     def finish(phy2log: np.ndarray) -> np.ndarray:
         if tokens is None:
             return static_even(phy2log, w, cluster)
-        return static_choice(phy2log, w, cluster, tokens, mean_loads)
+        return static_ladder(phy2log, w, cluster, tokens, mean_loads)
 
     out = finish(new)
     if prev is None or not moving:

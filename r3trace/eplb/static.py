@@ -28,19 +28,33 @@ Shape legend: T tokens, L layers, K top-k, E experts, P slots, G GPUs (ranks), N
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import numpy as np
 
 from r3trace.eplb.placement import Cluster, Placement, from_phy2log
+
+SGLangDispatch = Literal["static", "dynamic"]
 
 
 def static_slots(pl: Placement, cluster: Cluster, prefer_same_node: bool = True) -> np.ndarray:
     """-> [L, G, E] the slot rank g sends expert e's pairs to (module doc's rules 1-4): its first own replica, else
     (prefer_same_node, several nodes) its node's first where the node holds some but not all of e's replicas, else
     the i-th rank left (rank order) takes replica (i + e) mod count[e]."""
-    l2p = from_phy2log(pl.phy2log, pl.num_experts).log2phy  # [L, E, R] replicas by ascending slot, as SGLang
-    # lists them (_compute_logical_to_all_physical_map), whatever order pl.log2phy has; -1 padded
+    l2p, pick = _nearest(pl, cluster, prefer_same_node)
+    e, r = l2p.shape[1], l2p.shape[2]
+    left = pick == r  # [L, G, E] ranks for the fair spread (rule 4)
+    nth = np.cumsum(left, axis=1) - 1  # [L, G, E] this rank's place among them
+    spread = (nth + np.arange(e)[None, None, :]) % pl.logcnt[:, None, :]
+    pick = np.where(left, spread, pick)
+    return np.take_along_axis(l2p, pick.transpose(0, 2, 1), 2).transpose(0, 2, 1)  # [L, E, G] -> [L, G, E]
+
+
+def _nearest(pl: Placement, cluster: Cluster, prefer_same_node: bool) -> tuple[np.ndarray, np.ndarray]:
+    """-> (log2phy [L, E, R] by ascending slot, -1 padded; [L, G, E] the replica index rules 1-3 give rank g for
+    expert e, R where they give none)."""
+    l2p = from_phy2log(pl.phy2log, pl.num_experts).log2phy  # replicas by ascending slot, as SGLang lists them
+    # (_compute_logical_to_all_physical_map), whatever order pl.log2phy has
     n_layers, e, r = l2p.shape
     g, gpn = cluster.num_gpus, cluster.gpus_per_node
     valid = l2p >= 0
@@ -48,6 +62,7 @@ def static_slots(pl: Placement, cluster: Cluster, prefer_same_node: bool = True)
     li, ei, ri = np.nonzero(valid)
     pick = np.full((n_layers, g, e), r, dtype=np.int64)  # [L, G, E] replica index of rank g's own copy, r: none
     np.minimum.at(pick, (li, owner[li, ei, ri], ei), ri)
+    pick[np.broadcast_to(pl.logcnt[:, None, :] == 1, pick.shape)] = 0  # rule 1: the one replica
     if prefer_same_node and cluster.num_nodes > 1:
         n = cluster.num_nodes
         node = owner[li, ei, ri] // gpn
@@ -58,38 +73,55 @@ def static_slots(pl: Placement, cluster: Cluster, prefer_same_node: bool = True)
         narrows = (on_node > 0) & (on_node < pl.logcnt[:, None, :])  # [L, N, E] rule 3 applies
         rank_node = np.arange(g) // gpn
         pick = np.where((pick == r) & narrows[:, rank_node], node_first[:, rank_node], pick)
-    left = pick == r  # [L, G, E] ranks for the fair spread (rule 4)
-    nth = np.cumsum(left, axis=1) - 1  # [L, G, E] this rank's place among them
-    spread = (nth + np.arange(e)[None, None, :]) % pl.logcnt[:, None, :]
-    pick = np.where(left, spread, pick)
-    return np.take_along_axis(l2p, pick.transpose(0, 2, 1), 2).transpose(0, 2, 1)  # [L, E, G] -> [L, G, E]
+    return l2p, pick
+
+
+def demand(topk_ids: np.ndarray, num_experts: int, num_gpus: int, token_rank: np.ndarray | None = None) -> np.ndarray:
+    """topk_ids [T, L, K], token_rank [T] (None: token t from rank t mod G) -> [L, G, E] the pairs each rank sends."""
+    t, n_layers, k = topk_ids.shape
+    g, e = num_gpus, num_experts
+    rank = np.arange(t) % g if token_rank is None else np.asarray(token_rank, dtype=np.int64) % g
+    cell = ((np.arange(n_layers)[None, :, None] * g + rank[:, None, None]) * e + topk_ids).ravel()
+    return np.bincount(cell, minlength=n_layers * g * e).reshape(n_layers, g, e).astype(np.float64)
+
+
+def dispatched_load(pl: Placement, sent: np.ndarray, cluster: Cluster, dispatch: SGLangDispatch = "static",
+                    prefer_same_node: bool = True) -> np.ndarray:
+    """sent [L, G, E] (demand, or an expectation) -> per-GPU load [L, G] under SGLang's static dispatch (rules 1-4)
+    or its dynamic dispatch in expectation (rules 1-3, then one of all c replicas drawn uniformly per pair: the
+    pairs of the ranks left split evenly over them)."""
+    n_layers, g = sent.shape[0], cluster.num_gpus
+    out = np.zeros((n_layers, g))
+    rows = np.arange(n_layers)[:, None, None]
+    if dispatch == "static":
+        np.add.at(out, (rows, static_slots(pl, cluster, prefer_same_node) // cluster.slots_per_gpu), sent)
+        return out
+    l2p, pick = _nearest(pl, cluster, prefer_same_node)
+    r = l2p.shape[2]
+    near = pick < r  # [L, G, E]
+    slot = np.take_along_axis(l2p, np.minimum(pick, r - 1).transpose(0, 2, 1), 2).transpose(0, 2, 1)
+    np.add.at(out, (rows, slot // cluster.slots_per_gpu), np.where(near, sent, 0.0))
+    far = np.where(near, 0.0, sent).sum(1) / pl.logcnt  # [L, E] each replica's share of the ranks left
+    li, ei, ri = np.nonzero(l2p >= 0)
+    np.add.at(out, (li, l2p[li, ei, ri] // cluster.slots_per_gpu), far[li, ei])
+    return out
 
 
 def static_gpu_load(pl: Placement, topk_ids: np.ndarray, cluster: Cluster, token_rank: np.ndarray | None = None,
-                    prefer_same_node: bool = True) -> np.ndarray:
-    """topk_ids [T, L, K], token_rank [T] (None: token t from rank t mod G) -> per-GPU load [L, G] in pairs;
-    prefer_same_node: static_slots' rule 3."""
-    t, n_layers, k = topk_ids.shape
-    g, e = cluster.num_gpus, pl.logcnt.shape[1]
-    rank = np.arange(t) % g if token_rank is None else np.asarray(token_rank, dtype=np.int64) % g
-    cell = ((np.arange(n_layers)[None, :, None] * g + rank[:, None, None]) * e + topk_ids).ravel()
-    demand = np.bincount(cell, minlength=n_layers * g * e).reshape(n_layers, g, e)  # [L, G, E] pairs sent
-    gpu = static_slots(pl, cluster, prefer_same_node) // cluster.slots_per_gpu  # [L, G, E] GPU receiving them
-    out = np.zeros((n_layers, g))
-    np.add.at(out, (np.arange(n_layers)[:, None, None], gpu), demand)
-    return out
+                    prefer_same_node: bool = True, dispatch: SGLangDispatch = "static") -> np.ndarray:
+    """topk_ids [T, L, K], token_rank [T] (None: token t from rank t mod G) -> per-GPU load [L, G] in pairs under
+    SGLang's static (or dynamic) dispatch; prefer_same_node: rule 3."""
+    sent = demand(topk_ids, pl.logcnt.shape[1], cluster.num_gpus, token_rank)
+    return dispatched_load(pl, sent, cluster, dispatch, prefer_same_node)
 
 
 def static_expected_load(phy2log: np.ndarray, weight: np.ndarray, cluster: Cluster,
-                         prefer_same_node: bool = True) -> np.ndarray:
-    """phy2log [L, P], weight [L, E] -> per-GPU load [L, G] under static dispatch when every rank sends 1 / G of each
-    expert's load (static_gpu_load's expectation over tokens spread evenly over the ranks)."""
-    n_layers, e = weight.shape
+                         prefer_same_node: bool = True, dispatch: SGLangDispatch = "static") -> np.ndarray:
+    """phy2log [L, P], weight [L, E] -> per-GPU load [L, G] under static (or dynamic) dispatch when every rank sends
+    1 / G of each expert's load (static_gpu_load's expectation over tokens spread evenly over the ranks)."""
     g = cluster.num_gpus
-    gpu = static_slots(from_phy2log(phy2log, e), cluster, prefer_same_node) // cluster.slots_per_gpu  # [L, G, E]
-    out = np.zeros((n_layers, g))
-    np.add.at(out, (np.arange(n_layers)[:, None, None], gpu), np.broadcast_to(weight[:, None, :] / g, gpu.shape))
-    return out
+    sent = np.broadcast_to(weight[:, None, :] / g, (weight.shape[0], g, weight.shape[1]))
+    return dispatched_load(from_phy2log(phy2log, weight.shape[1]), sent, cluster, dispatch, prefer_same_node)
 
 
 class TokenSources(NamedTuple):

@@ -20,7 +20,7 @@ from r3trace.engine.layers.expert_map import static_choice
 from r3trace.eplb import Cluster, global_policy, plan
 from r3trace.eplb.placement import from_phy2log
 from r3trace.eplb.score import balancedness, even_gpu_load, heat_of
-from r3trace.eplb.static import static_gpu_load, static_slots
+from r3trace.eplb.static import dispatched_load, static_gpu_load, static_slots
 
 
 def random_placement(rng: np.random.Generator, n_layers: int, e: int, p: int) -> np.ndarray:
@@ -137,3 +137,57 @@ def test_static_slots_match_sglang_map() -> None:
         ranks = ~near[:, x]
         assert sorted(np.unique(got[ranks, x], return_counts=True)[1]) == \
             sorted(np.unique(want[ranks, x], return_counts=True)[1])
+
+
+# SGLang's dynamic dispatch (ep_dispatch_algorithm="dynamic"): _compute_logical_to_all_physical_map at
+# character-tech/sglang@aa27354 collapses a rank's candidate list for an expert to [_find_nearest_expert's pick]
+# where there is one (SGLANG_NEAR above), else keeps all replicas; _topk_ids_logical_to_physical_dynamic
+# (python/sglang/srt/eplb/expert_location_dispatch.py) then draws one of the rank's candidates per pair, uniformly
+# (randint(0, 65536) % count: within 1 / 65536 of uniform). Expected per-GPU load of one pair from every rank:
+
+
+def test_dynamic_expectation_matches_sglang_collapse() -> None:
+    pl = from_phy2log(np.array([SGLANG_PHY2LOG]), 10)
+    cl = Cluster(6, 3, 18)
+    spg = 3
+    want = np.zeros(6)
+    for rank in range(6):
+        for x in range(10):
+            replicas = [s for s, v in enumerate(SGLANG_PHY2LOG) if v == x]
+            cands = [SGLANG_MAP[rank][x]] if SGLANG_NEAR[rank][x] else replicas
+            for s in cands:
+                want[s // spg] += 1 / len(cands)
+    got = dispatched_load(pl, np.ones((1, 6, 10)), cl, "dynamic")[0]
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+    assert not np.allclose(got, dispatched_load(pl, np.ones((1, 6, 10)), cl, "static")[0])  # the fair part differs
+
+
+def test_dynamic_by_hand_and_token_replay() -> None:
+    # test_node_rule_by_hand's layout: expert 0 on GPUs 0, 1 (node 0) and 4 (node 1), one token from each rank;
+    # every rank has its own copy or its node's, so dynamic equals static there
+    pl = from_phy2log(np.array([[0, 0, 1, 2, 0, 3, 4, 5]]), 6)
+    ids = np.array([[[0]]] * 8)
+    cl = Cluster(8, 2, 8)
+    assert static_gpu_load(pl, ids, cl, dispatch="dynamic").tolist() == [[3.0, 1.0, 0, 0, 4.0, 0, 0, 0]]
+    # without the node rule ranks 2, 3, 5, 6, 7 draw uniformly over the 3 replicas: 5 / 3 each on average
+    got = static_gpu_load(pl, ids, cl, prefer_same_node=False, dispatch="dynamic")[0]
+    np.testing.assert_allclose(got, [1 + 5 / 3, 1 + 5 / 3, 0, 0, 1 + 5 / 3, 0, 0, 0])
+    # a token replay of random routes against a pair-by-pair loop of the rule
+    rng = np.random.default_rng(7)
+    e, g, p = 12, 6, 18
+    ph = random_placement(rng, 2, e, p)
+    pl, cl = from_phy2log(ph, e), Cluster(g, 3, p)
+    ids = np.stack([np.stack([rng.choice(e, 3, replace=False) for _ in range(2)]) for _ in range(50)])
+    want = np.zeros((2, g))
+    for t in range(50):
+        rank = t % g
+        for layer in range(2):
+            for x in ids[t, layer]:
+                replicas = np.flatnonzero(ph[layer] == x)
+                own = [s for s in replicas if s // 3 == rank]
+                node = [s for s in replicas if s // 6 == rank // 2]
+                cands = ([replicas[0]] if len(replicas) == 1 else [own[0]] if own else
+                         [node[0]] if 0 < len(node) < len(replicas) else list(replicas))
+                for s in cands:
+                    want[layer, s // 3] += 1 / len(cands)
+    np.testing.assert_allclose(static_gpu_load(pl, ids, cl, dispatch="dynamic"), want, rtol=1e-12)

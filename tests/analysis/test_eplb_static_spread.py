@@ -1,7 +1,7 @@
 """Static-even layouts (r3trace/eplb/static_spread.py): after the pass no expert is mixed, and SGLang's static dispatch
 (static.py, with its node rule) then splits every expert's load as the even split does; ours planned for static
 dispatch (`--dispatch static`) from heat alone, every expert static-even, beats its node-limited plan and DeepSeek's
-global policy under that dispatcher (with the newest tokens: test_eplb_static_choice.py)."""
+global policy under that dispatcher (with the newest tokens: test_eplb_static_ladder.py)."""
 
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ def test_plan_for_static_dispatch_beats_node_limited_plan_and_global_held_out() 
     train, held = ids[:4000], ids[4000:]
     cl = Cluster(g, n, p, num_groups=8)
     heat = heat_of(train, e)
-    # without the newest tokens no nodes per token is counted and every mixed expert is fixed (static_choice.py)
+    # without the newest tokens no nodes per token is counted and every mixed expert is fixed (static_ladder.py)
     mine = plan(heat, cl, cfg=planner_config("static"))
     assert not any(mixed(x) for layer in per_node(mine.phy2log, e, cl) for x in layer)
     score = {name: balancedness(static_gpu_load(pl, held, cl)) for name, pl in (
@@ -93,7 +93,7 @@ def test_plan_for_static_dispatch_beats_node_limited_plan_and_global_held_out() 
 def test_unchanged_workload_replans_static_even_within_the_budget(nodes: int) -> None:
     # one router, 8 windows of 2,048 tokens: every re-plan for static dispatch moves <= 10% of slots (the issue's
     # churn goal), its own budget lowered by what static_even may add (planner_config); heat alone, every re-plan
-    # stays static-even, and with the tokens (static_choice.py) too
+    # stays static-even, and with the tokens (static_ladder.py) too
     e = 64
     routes = skewed(9, e, 3, 8 * 2048, 6, 1.0).reshape(8, 2048, 3, 6)
     heats = np.stack([heat_of(w, e) for w in routes])

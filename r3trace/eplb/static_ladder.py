@@ -1,4 +1,4 @@
-"""Static choice: per layer, how many of its mixed experts to make static-even, within a nodes-per-token budget.
+"""Static ladder: per layer, how many of its mixed experts to make static-even, within a nodes-per-token budget.
 
 static_spread.py fixes every mixed expert (a node holding 2 .. c - 1 of its c replicas), so that SGLang's static
 dispatch splits each expert's load evenly; gathering an expert's replicas on one node or spreading them one a node
@@ -35,7 +35,7 @@ NODE_MARGIN = 0.01  # of global's nodes per token the choice leaves unspent, for
 CHOICE_TOKENS = 2048  # newest tokens nodes per token is counted on
 
 
-def static_choice(phy2log: np.ndarray, weight: np.ndarray, cluster: Cluster, tokens: np.ndarray,
+def static_ladder(phy2log: np.ndarray, weight: np.ndarray, cluster: Cluster, tokens: np.ndarray,
                   mean_loads: np.ndarray) -> np.ndarray:
     """phy2log [L, P] (the default plan), weight [L, E] (the forecast), tokens [T, L, K] (the newest window),
     mean_loads [L, E] (what DeepSeek global plans on: the windows' summed loads) -> phy2log [L, P] (module doc)."""

@@ -1,4 +1,4 @@
-"""Static choice (r3trace/eplb/static_choice.py): per layer a layout from the ladder of static-even fixes, the most
+"""Static ladder (r3trace/eplb/static_ladder.py): per layer a layout from the ladder of static-even fixes, the most
 static balancedness within DeepSeek global's nodes per token; static_expected_load is static dispatch's expectation;
 static_even's tau leaves the lighter mixed experts as they are."""
 
@@ -14,7 +14,7 @@ from r3trace.eplb.evaluate import planner_config
 from r3trace.eplb.placement import from_phy2log
 from r3trace.eplb.score import balancedness, heat_of, node_limited
 from r3trace.eplb.static import static_expected_load, static_gpu_load
-from r3trace.eplb.static_choice import choose
+from r3trace.eplb.static_ladder import choose
 from r3trace.eplb.static_spread import mixed, static_even
 from tests.analysis.test_eplb_static_spread import per_node, skewed
 
