@@ -103,7 +103,7 @@ def summary_row(label: str, results: list[dict[str, Any]]) -> dict[str, Any]:
     """One row of the summary over `results`' cells: counts, and ours - global (all windows seen) per cell."""
     diff, nodes_diff, ge, ge_better, nodes_ok, churn, first, later = [], [], 0, 0, 0, [], [], []
     verdicts = {"yes": 0, "tie": 0, "no": 0}
-    replayed, static, static_default = dict(verdicts), dict(verdicts), dict(verdicts)
+    replayed, static, static_default, dynamic = dict(verdicts), dict(verdicts), dict(verdicts), dict(verdicts)
     for res in results:
         s = summary(res, "global")
         ours = s["ours"]["bal_even"][0]
@@ -117,6 +117,8 @@ def summary_row(label: str, results: list[dict[str, Any]]) -> dict[str, Any]:
         replayed[verdict(res, "bal_node_limited").split(" ")[0]] += 1
         static[verdict(res, "bal_static", static_row(res)).split(" ")[0]] += 1
         static_default[verdict(res, "bal_static").split(" ")[0]] += 1
+        if "ours-dynamic" in res["policies"]:
+            dynamic[verdict(res, "bal_dynamic", "ours-dynamic").split(" ")[0]] += 1
         d = better_global(res)[1]
         first.append(float(d[:FIRST].mean()))
         if len(d) > FIRST:  # a cell of FIRST held-out windows or fewer has no later ones
@@ -127,6 +129,7 @@ def summary_row(label: str, results: list[dict[str, Any]]) -> dict[str, Any]:
             "replayed": f"{replayed['yes']} / {replayed['tie']} / {replayed['no']}",
             "static": f"{static['yes']} / {static['tie']} / {static['no']}",
             "static_default": f"{static_default['yes']} / {static_default['tie']} / {static_default['no']}",
+            "dynamic": f"{dynamic['yes']} / {dynamic['tie']} / {dynamic['no']}",
             "diff_median": float(np.median(diff)), "diff_worst": float(min(diff)),
             "nodes_diff_median": float(np.median(nodes_diff)),
             "first_later": f"{np.mean(first):+.4f} / " + (f"{np.mean(later):+.4f}" if later else "-"),
@@ -164,6 +167,7 @@ def matrix_claim(files: list[Path]) -> dict[str, Any]:
                     ["replayed", "yes / tie / no, node-limited replay", "{}"],
                     ["static_default", "yes / tie / no, SGLang static dispatch", "{}"],
                     ["static", "the same, ours planned for it (--dispatch static)", "{}"],
+                    ["dynamic", "SGLang dynamic dispatch, ours planned for it (--dispatch dynamic)", "{}"],
                     ["diff_median", "ours - global, median", "{:+.3f}"],
                     ["diff_worst", "worst", "{:+.3f}"], ["nodes_diff_median", "nodes/token ours - global, median",
                                                           "{:+.2f}"],

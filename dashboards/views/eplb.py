@@ -84,11 +84,13 @@ m[2].metric(f"Over node limit ({node_limit}), held out", fmt(held.get("over_node
 m = st.columns(3)
 m[0].metric("Balancedness (SGLang static), held out", fmt(held.get("balancedness_static"), ".4f"))
 m[1].metric("Balancedness (SGLang static), in-sample", fmt(ins["balancedness_static"], ".4f"))
+m[2].metric("Balancedness (SGLang dynamic), held out", fmt(held.get("balancedness_dynamic"), ".4f"))
 sources = rep.get("static_sources") or "token t from rank t mod G"
 st.caption(f"replayed {held.get('tokens') or 0:,} held-out and {ins['tokens']:,} in-sample tokens through "
            "node-limited dispatch (the fewest nodes covering a token's experts) and through SGLang's static dispatch "
            "(a rank's own replica, else its node's first, else one spread over the replicas; "
-           f"{sources}); the even split is SGLang's dynamic dispatch in expectation; "
+           f"{sources}) and its dynamic dispatch (the same, but a random replica a pair for the spread; in "
+           "expectation); "
            "balancedness = mean/max GPU load, mean over layers")
 
 series: dict[str, tuple[list[float], list[float], list[str]]] = {}

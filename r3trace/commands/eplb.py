@@ -46,9 +46,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the dispatcher ours plans for and auto's backtest and the worst layers judge by: "
                         "node-limited (the fewest nodes covering a token's experts; the default), or SGLang's "
                         "--ep-dispatch-algorithm static (a rank's own replica, else its node's first, else one "
-                        "spread over the replicas; ours then keeps each expert's replicas all on one node or one a "
-                        "node, which that dispatcher splits evenly) or "
-                        "dynamic (a random replica: the even split). Every figure is printed either way")
+                        "spread over the replicas; ours then puts the hottest experts' replicas all on one node or "
+                        "one a node, which that dispatcher splits evenly, within DeepSeek global's nodes per token) "
+                        "or dynamic (the same first two rules, else a random replica a pair; planned for as static). "
+                        "Every figure is printed either way")
     p.add_argument("--replay-tokens", type=positive_int, default=8192,
                    help="tokens replayed through node-limited dispatch per scored window")
     p.add_argument("--previous", default=None, help="a placement JSON written by --out: report churn against it "
@@ -148,14 +149,14 @@ def report_lines(rep: Report, cluster: object, layer_ids: tuple[int, ...], previ
         out += [f"auto: backtest over {folds} folds: each history window of {bt.validate} scored from a plan on "
                 f"the windows before it (the first fit on {bt.fit}); means over the folds",
                 f"  {'policy':<13}{'forecast':<10}{'bal. even':>10}{'bal. replay':>13}{'bal. static':>13}"
-                f"{'nodes/token':>13}"]
+                f"{'bal. dynamic':>14}{'nodes/token':>13}"]
         for c in bt.candidates:
             if not c.folds:
                 out.append(f"  {c.policy:<13}{c.forecast:<10}  cannot plan: {c.note}")
                 continue
             out.append(f"  {c.policy:<13}{c.forecast:<10}{_f(c.mean('balancedness_even')):>10}"
                        f"{_f(c.mean('balancedness_replay')):>13}{_f(c.mean('balancedness_static')):>13}"
-                       f"{_f(c.mean('nodes_per_token'), '.3f'):>13}")
+                       f"{_f(c.mean('balancedness_dynamic')):>14}{_f(c.mean('nodes_per_token'), '.3f'):>13}")
         out += [f"  rule: {bt.rule}", f"auto chose {rep.policy} + {rep.forecast}"]
     out.append(f"{rep.policy} + {rep.forecast} forecast: P={cluster.num_slots} on {cluster.num_gpus} GPUs / "
                f"{cluster.num_nodes} nodes, max replicas {int(rep.placement.logcnt.max())}")
@@ -170,14 +171,16 @@ def report_lines(rep: Report, cluster: object, layer_ids: tuple[int, ...], previ
             ("balancedness (replayed)", rep.in_sample.balancedness_replay, h and h.balancedness_replay, ".4f"),
             ("balancedness (SGLang static)", rep.in_sample.balancedness_static, h and h.balancedness_static,
              ".4f"),
+            ("balancedness (SGLang dynamic)", rep.in_sample.balancedness_dynamic, h and h.balancedness_dynamic,
+             ".4f"),
             ("nodes per token", rep.in_sample.nodes_mean, h and h.nodes_mean, ".3f"),
             (f"over node limit ({cluster.node_limit})", rep.in_sample.over_limit_share, h and h.over_limit_share,
              ".2%"),
             ("tokens replayed", rep.in_sample.tokens, h and h.tokens, ",")]
-    out.append(f"{'':<28}{'in-sample':>12}{'held out':>12}")
-    out += [f"{name:<28}{_f(a, spec):>12}{_f(b, spec) if h is not None else '-':>12}" for name, a, b, spec in rows]
+    out.append(f"{'':<30}{'in-sample':>12}{'held out':>12}")
+    out += [f"{name:<30}{_f(a, spec):>12}{_f(b, spec) if h is not None else '-':>12}" for name, a, b, spec in rows]
     if rep.in_sample.static is not None:
-        out.append(f"SGLang static dispatch: {rep.static_sources}")
+        out.append(f"SGLang static and dynamic dispatch: {rep.static_sources}")
     worst = h if h is not None else rep.in_sample
     layers = _worst(worst, layer_ids, rep.dispatch)
     if layers:

@@ -52,7 +52,7 @@ TIE = 0.005
 LEAD_SE = 2.0
 FOLDS = 4  # newest history windows scored in turn: 4 x 12 plans at [58, 256] take ~2 s on 2 cores
 JUDGED = {"node-limited": "node-limited replay", "static": "SGLang's static dispatch replayed",
-          "dynamic": "the even split, SGLang's dynamic dispatch"}
+          "dynamic": "SGLang's dynamic dispatch replayed (in expectation)"}
 
 
 def rule(dispatch: DispatchName = "node-limited") -> str:
@@ -99,7 +99,7 @@ class Candidate(NamedTuple):
             return {}
         out: dict[str, float | int | None | list[float]] = {
             k: self.mean(k) for k in ("balancedness_even", "balancedness_replay", "balancedness_static",
-                                      "nodes_per_token", "over_node_limit")}
+                                      "balancedness_dynamic", "nodes_per_token", "over_node_limit")}
         out["tokens"] = sum(s.tokens for s in self.folds)
         out["folds"] = [float(b) for b in self.fold_balancedness]
         return out

@@ -6,6 +6,7 @@ Frozen and passed down: planner.plan and the re-plan helpers (replan.py) read it
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from r3trace.eplb.placement import PlacementError
 
@@ -128,6 +129,9 @@ class PlannerConfig:
     # where ours' default plan trails it by up to 0.054 and fixing every expert costs up to +0.27 nodes per token
     # over global's. `--dispatch static` (evaluate.planner_config)
     static_even: bool = False
+    # which SGLang dispatch static_even plans for (static.dispatched_load's expected loads): static (the ranks left
+    # without a near replica spread as whole ranks) or dynamic (each of their pairs drawn uniformly)
+    sglang_dispatch: Literal["static", "dynamic"] = "static"
 
     def __post_init__(self) -> None:
         bad_alpha = self.ema_alpha is not None and not 0 <= self.ema_alpha <= 1

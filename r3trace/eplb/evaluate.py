@@ -14,7 +14,7 @@ import numpy as np
 from r3trace.eplb import deepseek, forecast, planner, score
 from r3trace.eplb.config import PlannerConfig
 from r3trace.eplb.placement import Cluster, Placement
-from r3trace.eplb.static import static_gpu_load
+from r3trace.eplb.static import demand, dispatched_load
 
 PolicyName = Literal["ours", "global", "hierarchical", "cross_node"]
 POLICIES: tuple[PolicyName, ...] = ("ours", "global", "hierarchical", "cross_node")
@@ -23,9 +23,9 @@ POLICIES: tuple[PolicyName, ...] = ("ours", "global", "hierarchical", "cross_nod
 Forecast = Literal["ema", "mean", "newest"]
 FORECASTS: tuple[Forecast, ...] = ("ema", "mean", "newest")
 # the dispatcher a placement is judged under (`r3trace eplb --dispatch`): node-limited (score.node_limited: the fewest
-# nodes covering a token's experts), static and dynamic (SGLang's ep_dispatch_algorithm: static.py; dynamic draws a
-# random replica per pair, which is the even split in expectation, so it is judged by the even split; SGLang since
-# PR #10874 first takes the rank's own replica or its node's, as static.py's rules 2-3, which that does not model)
+# nodes covering a token's experts), static and dynamic (SGLang's ep_dispatch_algorithm, static.py: dynamic takes a
+# rank's own replica or its node's first as static does, and draws one of all replicas per pair otherwise; judged
+# in expectation)
 DispatchName = Literal["node-limited", "static", "dynamic"]
 STATIC_EVEN_CHURN = 0.02  # of the re-plan budgets, left to static_spread.py under static dispatch (planner_config)
 DISPATCHES: tuple[DispatchName, ...] = ("node-limited", "static", "dynamic")
@@ -34,17 +34,15 @@ DISPATCHES: tuple[DispatchName, ...] = ("node-limited", "static", "dynamic")
 def planner_config(dispatch: DispatchName) -> PlannerConfig:
     """Ours plans for the dispatcher it will run under: the two-node replay rules (dispatch_contest.py: the fresh plan's
     contest, the re-plan's guard) only for node-limited dispatch; SGLang's static and dynamic dispatch never look at
-    a token's other experts, so there the even split is the load ours plans for; under static dispatch with every
-    expert's replicas static-even (static_spread.py) so that the even split is what static dispatch gives."""
+    a token's other experts, so there the even split is the load ours plans for, with experts' replicas made
+    static-even (static_spread.py, static_ladder.py) so that the even split is what their node rule gives."""
     if dispatch == "node-limited":
         return PlannerConfig()
-    if dispatch == "dynamic":
-        return PlannerConfig(replay_margin=-1.0)
     # static-even moves (its leveling up to 2% of slots, its fixes of experts the re-plan left mixed) come on top of
     # the re-plan's own: with the default budgets slow-drift re-plans moved up to 11% of slots (goal <= 10%)
     base = PlannerConfig()
     return PlannerConfig(replay_margin=-1.0, static_even=True, churn_budget=base.churn_budget - STATIC_EVEN_CHURN,
-                         seeded_churn_budget=base.seeded_churn_budget - STATIC_EVEN_CHURN)
+                         seeded_churn_budget=base.seeded_churn_budget - STATIC_EVEN_CHURN, sglang_dispatch=dispatch)
 
 
 def make_placement(policy: PolicyName, weight: np.ndarray, cluster: Cluster, tokens: np.ndarray | None,
@@ -98,6 +96,7 @@ class Score(NamedTuple):
     over_limit: np.ndarray | None  # share of tokens reaching more nodes than the node limit
     token_nodes: np.ndarray | None = None  # [T, L] nodes each replayed token reaches
     static: np.ndarray | None = None  # mean/max GPU load under SGLang's static dispatch of the tokens (static.py)
+    dynamic: np.ndarray | None = None  # the same under its dynamic dispatch, in expectation
 
     @property
     def balancedness_even(self) -> float:
@@ -112,6 +111,10 @@ class Score(NamedTuple):
         return None if self.static is None else _mean(self.static)
 
     @property
+    def balancedness_dynamic(self) -> float | None:
+        return None if self.dynamic is None else _mean(self.dynamic)
+
+    @property
     def nodes_mean(self) -> float | None:
         return None if self.nodes is None else _mean(self.nodes)
 
@@ -121,7 +124,7 @@ class Score(NamedTuple):
 
     def per_layer(self, dispatch: DispatchName) -> np.ndarray:
         """[L] balancedness under `dispatch`; the even split where the window had no tokens to replay."""
-        got = {"node-limited": self.replay, "static": self.static, "dynamic": self.even}[dispatch]
+        got = {"node-limited": self.replay, "static": self.static, "dynamic": self.dynamic}[dispatch]
         return self.even if got is None else got
 
     def judged(self, dispatch: DispatchName) -> float:
@@ -131,23 +134,25 @@ class Score(NamedTuple):
     def summary(self) -> dict[str, float | int | None]:
         return {"tokens": self.tokens, "balancedness_even": self.balancedness_even,
                 "balancedness_replay": self.balancedness_replay, "balancedness_static": self.balancedness_static,
-                "nodes_per_token": self.nodes_mean,
+                "balancedness_dynamic": self.balancedness_dynamic, "nodes_per_token": self.nodes_mean,
                 "over_node_limit": self.over_limit_share}
 
 
 def score_placement(pl: Placement, heat: np.ndarray, tokens: np.ndarray | None, cluster: Cluster,
                     token_rank: np.ndarray | None = None) -> Score:
     """heat [L, E], tokens [T, L, K] or None -> Score. balancedness_even equals score.balancedness of the even
-    split (SGLang's "dynamic" dispatch in expectation); the replay is score.node_limited (exact minimum node cover
-    up to 8 nodes); static is SGLang's default dispatch with a placement, each token sent from token_rank [T]
+    split; the replay is score.node_limited (exact minimum node cover up to 8 nodes); static is SGLang's default
+    dispatch with a placement and dynamic its other (in expectation), each token sent from token_rank [T]
     (static.token_sources; None: token t from rank t mod G)."""
     even = _per_layer(score.even_gpu_load(pl, heat, cluster))
     if tokens is None or not len(tokens):
         return Score(0, even, None, None, None)
     d = score.node_limited(pl, tokens, cluster)
+    sent = demand(tokens, pl.logcnt.shape[1], cluster.num_gpus, token_rank)  # [L, G, E]
     return Score(len(tokens), even, _per_layer(d.gpu_load), d.nodes.mean(0),
                  (d.nodes > cluster.node_limit).mean(0), d.nodes,
-                 _per_layer(static_gpu_load(pl, tokens, cluster, token_rank)))
+                 _per_layer(dispatched_load(pl, sent, cluster, "static")),
+                 _per_layer(dispatched_load(pl, sent, cluster, "dynamic")))
 
 
 def evaluate_policy(policy: PolicyName, weight: np.ndarray, tokens: np.ndarray, cluster: Cluster) -> dict[str, Any]:

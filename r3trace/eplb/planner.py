@@ -231,13 +231,15 @@ def _static_even_plan(new: np.ndarray, loads: np.ndarray, cluster: Cluster, prev
     def finish(phy2log: np.ndarray) -> np.ndarray:
         if tokens is None:
             return static_even(phy2log, w, cluster)
-        return static_ladder(phy2log, w, cluster, tokens, mean_loads)
+        return static_ladder(phy2log, w, cluster, tokens, mean_loads, cfg.sglang_dispatch)
 
     out = finish(new)
     if prev is None or not moving:
         return out
     still = finish(_plan(loads, cluster, prev, tokens, replace(cfg, refresh_drift=float("inf"))).phy2log)
-    gain = static_expected_load(still, w, cluster).max(1) / static_expected_load(out, w, cluster).max(1)  # [L]
+    how = cfg.sglang_dispatch
+    gain = (static_expected_load(still, w, cluster, dispatch=how).max(1)
+            / static_expected_load(out, w, cluster, dispatch=how).max(1))  # [L]
     return out if float(gain.mean()) > 1 + cfg.refresh_gain else still
 
 

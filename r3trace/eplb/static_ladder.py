@@ -27,7 +27,7 @@ from r3trace.eplb.cover import cover_sizes, node_masks
 from r3trace.eplb.deepseek import global_phy2log
 from r3trace.eplb.placement import Cluster
 from r3trace.eplb.score import EXACT_COVER_NODES
-from r3trace.eplb.static import static_expected_load
+from r3trace.eplb.static import SGLangDispatch, static_expected_load
 from r3trace.eplb.static_spread import static_even
 
 TAUS = (4.0, 2.0, 1.0, 0.5, 0.25, 0.0)  # expert load over the mean GPU load from which mixed experts are fixed
@@ -36,9 +36,10 @@ CHOICE_TOKENS = 2048  # newest tokens nodes per token is counted on
 
 
 def static_ladder(phy2log: np.ndarray, weight: np.ndarray, cluster: Cluster, tokens: np.ndarray,
-                  mean_loads: np.ndarray) -> np.ndarray:
+                  mean_loads: np.ndarray, dispatch: SGLangDispatch = "static") -> np.ndarray:
     """phy2log [L, P] (the default plan), weight [L, E] (the forecast), tokens [T, L, K] (the newest window),
-    mean_loads [L, E] (what DeepSeek global plans on: the windows' summed loads) -> phy2log [L, P] (module doc)."""
+    mean_loads [L, E] (what DeepSeek global plans on: the windows' summed loads), dispatch: the SGLang dispatch whose
+    expected loads score the layouts -> phy2log [L, P] (module doc)."""
     if not applies(cluster):
         return static_even(phy2log, weight, cluster)
     tok = np.asarray(tokens[-CHOICE_TOKENS:], dtype=np.int64)
@@ -49,7 +50,7 @@ def static_ladder(phy2log: np.ndarray, weight: np.ndarray, cluster: Cluster, tok
     fresh[1:] = (ladder[1:] != ladder[:-1]).any(2)
     vi, li = np.nonzero(fresh)
     rows = ladder[vi, li]  # [M, P] the distinct layouts, each scored as a layer of its own
-    load = static_expected_load(rows, weight[li], cluster)  # [M, G]
+    load = static_expected_load(rows, weight[li], cluster, dispatch=dispatch)  # [M, G]
     e = weight.shape[1]
     bal, nodes = np.zeros(fresh.shape), np.zeros(fresh.shape)  # [V, L]
     bal[vi, li] = load.mean(1) / np.maximum(load.max(1), 1e-12)

@@ -132,11 +132,13 @@ def test_held_out_scores_equal_an_independent_scorer(trace: dict[str, Any], tmp_
     assert worst.endswith("nodes per token " + ", ".join(f"layer {L_IDS[i]} {per_layer[i]:.3f}" for i in top))
 
 
-def static_balancedness(phy2log: np.ndarray, ids: np.ndarray, gpus: int, nodes: int) -> np.ndarray:
+def static_balancedness(phy2log: np.ndarray, ids: np.ndarray, gpus: int, nodes: int,
+                        dynamic: bool = False) -> np.ndarray:
     """[L] mean/max GPU load when token t comes from rank t mod G and each rank sends expert x's pair to its own
     replica, else to its node's first where the node holds some but not all of x's replicas, else (the i-th rank
     left) to the replica (i + x) mod count of x's slots in ascending order: SGLang's static dispatch as
-    r3trace/eplb/static.py models it, pair by pair."""
+    r3trace/eplb/static.py models it, pair by pair; dynamic: a pair of a rank left goes 1 / count to every replica
+    (SGLang's dynamic dispatch in expectation)."""
     per_gpu = phy2log.shape[1] // gpus
     per_node = gpus // nodes
     out = []
@@ -156,6 +158,10 @@ def static_balancedness(phy2log: np.ndarray, ids: np.ndarray, gpus: int, nodes: 
                 g = t % gpus
                 own = slots[x][gpu_of == g]
                 near = own[0] if len(own) else node_slot(g)
+                if near is None and dynamic:
+                    for s in slots[x]:
+                        load[s // per_gpu] += 1 / len(slots[x])
+                    continue
                 slot = near if near is not None else slots[x][(lacking.index(g) + x) % len(slots[x])]
                 load[slot // per_gpu] += 1
         out.append(load.mean() / load.max())
@@ -186,6 +192,27 @@ def test_static_dispatch_judges_the_backtest_and_worst_layers(trace: dict[str, A
         if c.get("folds"):
             assert np.mean(c["folds"]) == pytest.approx(c["balancedness_static"], rel=1e-12)
             assert c["balancedness_static"] != pytest.approx(c["balancedness_replay"], abs=1e-6)
+
+
+def test_dynamic_dispatch_judges_the_backtest(trace: dict[str, Any], tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """--dispatch dynamic: the held-out SGLang-dynamic figure equals the pair-by-pair expectation, differs from the
+    static and even-split ones, and the backtest's folds are each candidate's dynamic figures."""
+    out = tmp_path / "dynamic.json"
+    lines = run_cli(capsys, str(trace["root"]), *CLUSTER, "--train", "time=..8", "--windows", "4", "--dispatch",
+                    "dynamic", "--replay-tokens", "100000", "--out", str(out))
+    rep = json.loads(out.read_text())["meta"]["report"]
+    pl, _ = from_json(out.read_text())
+    held = trace["ts"] >= T0 + 8 * 10**9
+    per_layer = static_balancedness(pl.phy2log, trace["ids"][held], 8, 4, dynamic=True)
+    scores = rep["held_out_scores"]
+    assert scores["balancedness_dynamic"] == pytest.approx(per_layer.mean(), rel=1e-12)
+    assert row(lines, "balancedness (SGLang dynamic)")[1] == f"{per_layer.mean():.4f}"
+    assert scores["balancedness_dynamic"] not in (scores["balancedness_static"], scores["balancedness_even"])
+    assert any("balancedness (SGLang's dynamic dispatch replayed (in expectation);" in x for x in lines)
+    for c in rep["backtest"]["candidates"]:
+        if c.get("folds"):
+            assert np.mean(c["folds"]) == pytest.approx(c["balancedness_dynamic"], rel=1e-12)
 
 
 def ema_forecast(hist: np.ndarray) -> np.ndarray:
