@@ -14,7 +14,7 @@ from r3trace.eplb import Cluster, PlannerConfig, global_policy, layout, plan
 from r3trace.eplb.evaluate import plan_policy, planner_config
 from r3trace.eplb.planner import _plan, planning_forecast
 from r3trace.eplb.score import balancedness, even_gpu_load, heat_of, node_limited
-from r3trace.eplb.static_spread import static_even
+from r3trace.eplb.static_ladder import static_ladder
 
 E, GROUPS, K, LAYERS = 128, 8, 8, 2
 OFF = PlannerConfig(replay_margin=-1.0)
@@ -76,16 +76,19 @@ def test_other_node_counts_and_margin_off_keep_ours(windows: tuple[np.ndarray, n
 
 def test_ours_plans_for_the_dispatch_asked_for(windows: tuple[np.ndarray, np.ndarray]) -> None:
     """`r3trace eplb --dispatch`: node-limited plans with the contest, SGLang's static and dynamic dispatch without
-    it (they never look at a token's other experts; static's layout then made static-even, static_spread.py), and
-    the layout line says so only where it runs."""
+    it (they never look at a token's other experts; their layout then made static-even as far as global's nodes per
+    token allows, static_ladder.py, each scored by its own dispatch's expected loads), and the layout line says so
+    only where it runs."""
     fit, _ = windows
     h = heat_of(fit, E)[None]
     two = Cluster(16, 2, 160, num_groups=GROUPS)
     with_contest, without = plan(h, two, tokens=fit), plan(h, two, tokens=fit, cfg=OFF)
     assert (with_contest.phy2log != without.phy2log).any()
-    even = static_even(without.phy2log, planning_forecast(h, None, planner_config("static"))[0], two)
-    assert (even != without.phy2log).any()
-    for dispatch, want in (("node-limited", with_contest.phy2log), ("static", even), ("dynamic", without.phy2log)):
+    w = planning_forecast(h, None, planner_config("static"))[0]
+    even = {how: static_ladder(without.phy2log, w, two, fit, h.sum(0), how) for how in ("static", "dynamic")}
+    assert (even["static"] != without.phy2log).any()
+    for dispatch, want in (("node-limited", with_contest.phy2log), ("static", even["static"]),
+                           ("dynamic", even["dynamic"])):
         got = plan_policy("ours", h, "ema", two, fit, dispatch=dispatch)  # type: ignore[arg-type]
         assert (got.phy2log == want).all(), dispatch
     assert "dispatch_contest.py" in layout(two, planner_config("node-limited")).reason
