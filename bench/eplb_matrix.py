@@ -149,12 +149,13 @@ def machine() -> dict[str, Any]:
 
 
 def summary(res: dict[str, Any], base: str) -> dict[str, dict[str, list[float]]]:
-    """{policy: {metric: [mean, standard error of the paired difference vs `base`]}}."""
+    """{policy: {metric: [mean, standard error of the paired difference vs `base`]}}, the metrics a row has (a row
+    reused from a run before a metric was added lacks it)."""
     pols = res["policies"]
     out: dict[str, dict[str, list[float]]] = {}
     for name, rows in pols.items():
         out[name] = {}
-        for m in METRICS:
+        for m in (m for m in METRICS if m in rows and m in pols[base]):
             a = np.asarray(rows[m])
             d = a - np.asarray(pols[base][m])
             se = float(d.std(ddof=1) / np.sqrt(len(d))) if len(d) > 1 else 0.0
