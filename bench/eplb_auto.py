@@ -14,11 +14,12 @@ A plan is fresh (no `--previous`), so ours here differs from the matrix's ours, 
 The JSON keeps every point's per-fold backtest balancedness and nodes per token and every candidate's held-out
 figures, so another pick rule is scored from the file without planning again (`rules` below).
 
-With --dispatch static (or dynamic) the backtest ranks, and every held-out figure is, SGLang's static dispatch
-replayed (the even split), as `r3trace eplb --dispatch` does.
+With --dispatch static (or dynamic) the backtest ranks, and every held-out figure is, SGLang's static (or dynamic,
+in expectation) dispatch replayed, as `r3trace eplb --dispatch` does.
 
 Run: .venv/bin/python -m bench.eplb_auto [--seed N] [--dispatch D] [--out FILE]   (16 cells, ~15 min on one core;
-     --smoke: one cell; --reuse FILE --nodes 2: run only the 2-node cells again, copy the others from FILE)
+     --smoke: one cell; --reuse FILE --nodes 2: run only the 2-node cells again, copy the others from FILE;
+     --cell NAME: that cell again (repeatable), the others from --reuse, or left out without it)
 """
 
 from __future__ import annotations
@@ -70,14 +71,14 @@ def _newest(routes: np.ndarray, upto: int) -> np.ndarray:
     return flat[-REPLAY:]
 
 
-# the held-out figure each dispatcher is judged by (evaluate.DISPATCHES): node-limited replay, SGLang's static
-# dispatch replayed, the even split
-FIGURE: dict[str, str] = {"node-limited": "replay", "static": "static", "dynamic": "even"}
+# the held-out figure each dispatcher is judged by (evaluate.DISPATCHES): node-limited replay, SGLang's static and
+# dynamic dispatch replayed
+FIGURE: dict[str, str] = {"node-limited": "replay", "static": "static", "dynamic": "dynamic"}
 
 
 def _figures(s: Score) -> dict[str, float | None]:
     return {"even": s.balancedness_even, "replay": s.balancedness_replay, "static": s.balancedness_static,
-            "nodes": s.nodes_mean}
+            "dynamic": s.balancedness_dynamic, "nodes": s.nodes_mean}
 
 
 def run_cell(cell: Cell, dispatch: DispatchName = "node-limited") -> dict[str, Any]:
@@ -201,7 +202,8 @@ def main() -> None:
                          "with --nodes, which run again (a planner change that only reaches those node counts)")
     ap.add_argument("--nodes", type=int, nargs="*", default=[], help="with --reuse: the node counts to run again")
     ap.add_argument("--cell", action="append", default=[],
-                    help="with --reuse: a cell to run again, by its name (repeatable; runs cells apart in parallel)")
+                    help="a cell to run again, by its name (repeatable; runs cells apart in parallel): the others "
+                         "are copied from --reuse, or left out without it")
     args = ap.parse_args()
     earlier = {}
     if args.reuse:
@@ -211,6 +213,8 @@ def main() -> None:
         earlier = {r["cell"]: r for r in doc["results"]}
     results = []
     for cell in cells(args.smoke, args.seed):
+        if args.cell and cell.name() not in args.cell and cell.name() not in earlier:
+            continue
         if cell.name() in earlier and cell.nodes not in args.nodes and cell.name() not in args.cell:
             results.append(earlier[cell.name()])
             continue

@@ -29,7 +29,7 @@ PLAN_TIME_FILE, MILP_FILE = RESULTS / "eplb-matrix-plan-time.json", RESULTS / "e
 CRAFT_FILE = RESULTS / "eplb-craft.json"
 # bench/eplb_auto.py on trace seeds 0, 1 and 2
 AUTO_FILES = [RESULTS / "eplb-auto.json", RESULTS / "eplb-auto-seed1.json", RESULTS / "eplb-auto-seed2.json",
-              RESULTS / "eplb-auto-static.json"]
+              RESULTS / "eplb-auto-static.json", RESULTS / "eplb-auto-dynamic.json"]
 SWEEPS = {  # a result file's sweep -> what its cells vary (the summary's first column)
     "shape": "shapes: slots x skew, grouped router, slow drift",
     "family": "trace families x drift",
@@ -308,12 +308,13 @@ def auto_claim(paths: list[Path] = AUTO_FILES) -> dict[str, Any]:
                   "1,221); at each re-plan the history is the newest 8 windows or fewer (2-8), the backtest's 4 "
                   "newest folds or fewer, every candidate planned fresh and scored on the next window: node-limited "
                   "replay of 8,192 tokens (SGLang-dump's too: its tokens are hidden from the planners and the "
-                  "backtest, which ranks the even split), or with --dispatch static SGLang's static dispatch "
-                  "replayed, which the backtest then ranks and ours plans for; synthetic traces of seeds 0, 1 and 2",
+                  "backtest, which ranks the even split), or with --dispatch static (dynamic) SGLang's static "
+                  "(dynamic, in expectation) dispatch replayed, which the backtest then ranks and ours plans for; "
+                  "synthetic traces of seeds 0, 1 and 2",
         "baseline": "ours + ema (the candidate `--policy ours` plans), every fixed candidate, and the best candidate "
                     "in hindsight, scored on the same windows",
-        "command": "python -m bench.eplb_auto [--seed N --out bench/results/eplb-auto-seedN.json] [--dispatch static "
-                   "--out bench/results/eplb-auto-static.json]",
+        "command": "python -m bench.eplb_auto [--seed N --out bench/results/eplb-auto-seedN.json] [--dispatch D "
+                   "--out bench/results/eplb-auto-D.json] (D: static, dynamic)",
         "sources": [str(p.relative_to(RESULTS.parents[1])) for p in paths],
         "columns": [["seed", "trace seed", "{}"], ["dispatch", "judged by (--dispatch)", "{}"], ["rule", "pick", "{}"],
                     ["vs_ours", "held out - ours + ema (mean +- SE over re-plans)", "{}"],
