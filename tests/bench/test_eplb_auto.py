@@ -52,13 +52,17 @@ def test_scores_against_ours_and_the_best_in_hindsight() -> None:
 
 
 def test_scores_read_the_dispatch_asked_for() -> None:
-    """dispatch="static" scores the held-out SGLang-static figure, "dynamic" the even split; each point's other
-    figures are set apart so reading the wrong one fails."""
+    """dispatch="static" scores the held-out SGLang-static figure, "dynamic" the SGLang-dynamic one (the even split
+    where a point has none); each point's other figures are set apart so reading the wrong one fails."""
     p = point(2, STEADY, {"ours/ema": 0.80, "global/mean": 0.70})
     for name, fig in p["held"].items():
         fig["static"] = {"ours/ema": 0.60, "global/mean": 0.66}[name]
         fig["even"] = {"ours/ema": 0.50, "global/mean": 0.58}[name]
+        fig["dynamic"] = {"ours/ema": 0.40, "global/mean": 0.43}[name]
     rules = {"global + mean": fixed("global/mean")}
     assert score_rules([{"points": [p]}], rules)["global + mean"]["vs_ours"][0] == pytest.approx(-0.10)
     assert score_rules([{"points": [p]}], rules, "static")["global + mean"]["vs_ours"][0] == pytest.approx(0.06)
+    assert score_rules([{"points": [p]}], rules, "dynamic")["global + mean"]["vs_ours"][0] == pytest.approx(0.03)
+    for fig in p["held"].values():  # a point without the figure (heat only): the even split
+        fig["dynamic"] = None
     assert score_rules([{"points": [p]}], rules, "dynamic")["global + mean"]["vs_ours"][0] == pytest.approx(0.08)
