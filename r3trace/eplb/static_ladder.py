@@ -7,8 +7,7 @@ The plan before it (ours' default) sits under global's nodes per token but, mixe
 balancedness. Between them: fix only the experts of load >= tau x the mean GPU load (the hottest ones set the max
 GPU load; the lightest ones' moves buy little balance for the nodes they cost). Each layer gets the ladder TAUS of
 such layouts plus the default plan's, each scored on the forecast (static_expected_load's max GPU load) and on the
-newest tokens the layout did not place replicas by (choice_tokens: nodes per token, the node-limited cover as
-score.node_limited counts it); then the layers' choices
+newest tokens (nodes per token, the node-limited cover as score.node_limited counts it); then the layers' choices
 maximise the mean static balancedness while the mean nodes per token stays within the budget: DeepSeek global's
 layout of the same loads on the same tokens, less NODE_MARGIN (the goal of issue 25: balance at least global's at
 no more nodes per token). Greedy over the layers' upper hull, best balancedness gained per node per token first.
@@ -24,7 +23,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from r3trace.eplb.affinity import COACT_TOKENS
 from r3trace.eplb.cover import cover_sizes, node_masks
 from r3trace.eplb.deepseek import global_phy2log
 from r3trace.eplb.placement import Cluster
@@ -34,8 +32,7 @@ from r3trace.eplb.static_spread import static_even
 
 TAUS = (4.0, 2.0, 1.0, 0.5, 0.25, 0.0)  # expert load over the mean GPU load from which mixed experts are fixed
 NODE_MARGIN = 0.01  # of global's nodes per token the choice leaves unspent, for the held-out window's noise
-CHOICE_TOKENS = 2048  # tokens nodes per token is counted on (choice_tokens)
-UNSEEN_MIN = 512  # fewest tokens the layout did not see that choice_tokens counts on
+CHOICE_TOKENS = 2048  # newest tokens nodes per token is counted on
 
 
 def static_ladder(phy2log: np.ndarray, weight: np.ndarray, cluster: Cluster, tokens: np.ndarray,
@@ -45,7 +42,7 @@ def static_ladder(phy2log: np.ndarray, weight: np.ndarray, cluster: Cluster, tok
     expected loads score the layouts -> phy2log [L, P] (module doc)."""
     if not applies(cluster):
         return static_even(phy2log, weight, cluster)
-    tok = np.asarray(choice_tokens(tokens), dtype=np.int64)
+    tok = np.asarray(tokens[-CHOICE_TOKENS:], dtype=np.int64)
     ladder = np.stack([phy2log] + [static_even(phy2log, weight, cluster, tau) for tau in TAUS])  # [V, L, P]
     # a layer's layout is often the same for several taus: score each distinct one once (pairs v, l whose layout
     # differs from v - 1's), then copy the scores down the ladder
@@ -63,17 +60,6 @@ def static_ladder(phy2log: np.ndarray, weight: np.ndarray, cluster: Cluster, tok
     budget = float(_nodes(global_phy2log(mean_loads, cluster), tok, cluster, e).sum()) * (1 - NODE_MARGIN)
     pick = choose(bal, nodes, budget)  # [L]
     return ladder[pick, np.arange(ladder.shape[1])]
-
-
-def choice_tokens(tokens: np.ndarray) -> np.ndarray:
-    """tokens [T, L, K] (the newest window) -> the CHOICE_TOKENS newest before the COACT_TOKENS newest, which ours'
-    layout placed replicas by (affinity.py, polish.py): counted on those, its nodes per token is biased low against
-    global's, which never sees tokens (on 7 cells of bench/eplb_matrix.py counting on unseen tokens moved held-out
-    static balancedness by -0.0005 .. +0.023, mean +0.007, and nodes per token by -0.006 .. +0.009); the newest
-    CHOICE_TOKENS where fewer than UNSEEN_MIN would be left (the sample model's windows: 1,221 tokens)."""
-    if len(tokens) - COACT_TOKENS >= UNSEEN_MIN:
-        return tokens[-(CHOICE_TOKENS + COACT_TOKENS):-COACT_TOKENS]
-    return tokens[-CHOICE_TOKENS:]
 
 
 def applies(cluster: Cluster) -> bool:
