@@ -72,9 +72,10 @@ def cover_sizes(masks: np.ndarray, tok: np.ndarray, n: int) -> np.ndarray:
     token's covering subsets are the AND of its K experts' words, and its cover the smallest size among them."""
     subsets = np.arange(1, 1 << n, dtype=np.int64)  # [S]
     words = -(-len(subsets) // 64)
-    meets = (masks[..., None] & subsets) != 0  # [L, E, S]
-    packed = np.packbits(meets, axis=-1, bitorder="little")  # [L, E, ceil(S / 8)] bytes
-    packed = np.pad(packed, ((0, 0), (0, 0), (0, words * 8 - packed.shape[-1]))).view(np.uint64)  # [L, E, W]
+    meets = (np.arange(1 << n)[:, None] & subsets) != 0  # [2^N, S]: which subsets meet each node mask
+    table = np.packbits(meets, axis=-1, bitorder="little")  # [2^N, ceil(S / 8)] bytes
+    table = np.pad(table, ((0, 0), (0, words * 8 - table.shape[-1]))).view(np.uint64)  # [2^N, W]
+    packed = table[masks]  # [L, E, W]
     size = np.bitwise_count(subsets)
     layer = np.arange(tok.shape[1])[None, :]
     acc = packed[layer, tok[:, :, 0]]  # [T, L, W]

@@ -43,7 +43,7 @@ def static_ladder(phy2log: np.ndarray, weight: np.ndarray, cluster: Cluster, tok
     if not applies(cluster):
         return static_even(phy2log, weight, cluster)
     tok = np.asarray(tokens[-CHOICE_TOKENS:], dtype=np.int64)
-    ladder = np.stack([phy2log] + [static_even(phy2log, weight, cluster, tau) for tau in TAUS])  # [V, L, P]
+    ladder = _ladder(phy2log, weight, cluster)  # [V, L, P]
     # a layer's layout is often the same for several taus: score each distinct one once (pairs v, l whose layout
     # differs from v - 1's), then copy the scores down the ladder
     fresh = np.ones(ladder.shape[:2], dtype=bool)  # [V, L]
@@ -60,6 +60,27 @@ def static_ladder(phy2log: np.ndarray, weight: np.ndarray, cluster: Cluster, tok
     budget = float(_nodes(global_phy2log(mean_loads, cluster), tok, cluster, e).sum()) * (1 - NODE_MARGIN)
     pick = choose(bal, nodes, budget)  # [L]
     return ladder[pick, np.arange(ladder.shape[1])]
+
+
+def _ladder(phy2log: np.ndarray, weight: np.ndarray, cluster: Cluster) -> np.ndarray:
+    """-> [V, L, P]: the default plan, then static_even at each of TAUS. A rung whose floor takes in no mixed expert
+    the rung before did not gives that layer the same layout (static_even is deterministic), so it is copied."""
+    n_layers, e = weight.shape
+    cnt = np.zeros((n_layers, e, cluster.num_nodes), dtype=np.int64)  # [L, E, N]
+    np.add.at(cnt, (np.arange(n_layers)[:, None], phy2log, cluster.slot_node()[None, :]), 1)
+    mixed = ((cnt >= 2) & (cnt < cnt.sum(2, keepdims=True))).any(2)  # [L, E]
+    out = np.empty((len(TAUS) + 1,) + phy2log.shape, dtype=phy2log.dtype)
+    out[0] = phy2log
+    taken = None
+    for i, tau in enumerate(TAUS, 1):
+        floor = tau * weight.sum(1, keepdims=True) / cluster.num_gpus  # [L, 1]
+        now = (mixed & (weight >= floor)).sum(1)  # [L] mixed experts this rung fixes
+        redo = np.ones(n_layers, dtype=bool) if taken is None else now != taken
+        out[i] = out[i - 1]
+        if redo.any():
+            out[i, redo] = static_even(phy2log[redo], weight[redo], cluster, tau)
+        taken = now
+    return out
 
 
 def applies(cluster: Cluster) -> bool:

@@ -57,13 +57,11 @@ def _layer(ph: np.ndarray, w: np.ndarray, cl: Cluster, floor: float) -> None:
     per_node = np.zeros((e, n), dtype=np.int64)  # [E, N]
     np.add.at(per_node, (ph, node_of), 1)
     gpu_load = np.bincount(np.arange(len(ph)) // spg, weights=share[ph], minlength=cl.num_gpus)  # [G]
-    ok = even_moves(per_node)  # [E, N, N]
-    # a swap never leaves its other expert mixed (_swap_one), so only the experts mixed now can need a fix
-    was_mixed = np.asarray(((per_node >= 2) & (per_node < cnt[:, None])).any(1))  # [E]
+    ok = EvenMoves(per_node, cnt)  # its bad-node counts say which experts are mixed, kept by every swap
     for x in np.argsort(-w, kind="stable"):
         if w[x] < floor:
             break
-        while was_mixed[x] and mixed(per_node[x]):
+        while ok.bad[x] > 0:
             k = per_node[x]
             spread_moves = int(np.maximum(k - 1, 0).sum())
             gather_moves = int(cnt[x] - k.max())
@@ -78,10 +76,10 @@ def _layer(ph: np.ndarray, w: np.ndarray, cl: Cluster, floor: float) -> None:
 
 
 def _level(ph: np.ndarray, share: np.ndarray, per_node: np.ndarray, gpu_load: np.ndarray, node_of: np.ndarray,
-           spg: int, steps: int, ok: np.ndarray) -> None:
+           spg: int, steps: int, ok: EvenMoves) -> None:
     """Up to `steps` swaps off the hottest GPU that keep every expert they move static-even (module doc): each the
     swap of a slot of the hottest GPU h with a slot elsewhere whose two GPUs' higher load after it is lowest, taken
-    while that is below h's load. ok: even_moves of per_node, kept by each swap."""
+    while that is below h's load. ok: per_node's EvenMoves, kept by each swap."""
     gpu_of = np.arange(len(ph)) // spg  # [P]
     for _ in range(steps):
         h = int(np.argmax(gpu_load))
@@ -91,27 +89,41 @@ def _level(ph: np.ndarray, share: np.ndarray, per_node: np.ndarray, gpu_load: np
         a, b = node_of[mine][:, None], node_of[others][None, :]
         delta = share[f] - share[x]  # [S, O]: GPU h swaps x for f, the other GPU f for x
         worst = np.maximum(top + delta, gpu_load[gpu_of[others]][None, :] - delta)
-        legal = (f != x) & ((a == b) | (ok[x, a, b] & ok[f, b, a])) & (worst < top * (1 - 1e-9))
+        legal = (f != x) & ((a == b) | (ok.after(x, a, b) & ok.after(f, b, a))) & (worst < top * (1 - 1e-9))
         if not legal.any():
             return
         i, j = np.unravel_index(int(np.argmin(np.where(legal, worst, np.inf))), worst.shape)
         _apply(ph, int(mine[i]), int(others[j]), node_of, per_node, share, gpu_load, spg, ok)
 
 
-def even_moves(per_node: np.ndarray) -> np.ndarray:
-    """per_node [E, N] -> [E, N, N]: whether moving one replica of expert e from node a to node b leaves e's layout
-    not mixed (a read only where a holds one)."""
-    n = per_node.shape[1]
-    eye = np.eye(n, dtype=np.int64)
-    after = per_node[:, None, None, :] - eye[None, :, None, :] + eye[None, None, :, :]  # [E, A, B, N]
-    c = per_node.sum(1)[:, None, None, None]
-    return ~((after >= 2) & (after < c)).any(-1)
+class EvenMoves:
+    """Whether moving one replica of an expert from node a to another node b leaves its layout not mixed: an expert
+    is mixed while some node holds 2 .. c - 1 of its c replicas ("bad" nodes), and a move changes only a's and b's
+    counts, so a count of bad nodes per expert answers it for any number of moves at once."""
+
+    def __init__(self, per_node: np.ndarray, count: np.ndarray) -> None:
+        self.per_node, self.count = per_node, count  # [E, N] (shared, kept by the caller's swaps), [E]
+        self.bad = self._bad(per_node, count[:, None]).sum(1)  # [E]
+
+    @staticmethod
+    def _bad(k: np.ndarray, c: np.ndarray) -> np.ndarray:
+        return (k >= 2) & (k < c)
+
+    def after(self, e: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """e, a, b broadcast together (a holding a replica of e, a != b) -> whether e stays not mixed."""
+        ka, kb, c = self.per_node[e, a], self.per_node[e, b], self.count[e]
+        bad = self._bad
+        return self.bad[e] - bad(ka, c) - bad(kb, c) + bad(ka - 1, c) + bad(kb + 1, c) == 0
+
+    def moved(self, experts: list[int]) -> None:
+        """Recount the bad nodes of `experts` after a swap changed their per_node rows."""
+        self.bad[experts] = self._bad(self.per_node[experts], self.count[experts][:, None]).sum(1)
 
 
 def _swap_one(ph: np.ndarray, x: int, src_nodes: np.ndarray, dst_nodes: np.ndarray, node_of: np.ndarray,
-              per_node: np.ndarray, share: np.ndarray, gpu_load: np.ndarray, spg: int, ok: np.ndarray) -> bool:
+              per_node: np.ndarray, share: np.ndarray, gpu_load: np.ndarray, spg: int, ok: EvenMoves) -> bool:
     """Swap one replica of x on a src node with another expert's slot on a dst node (module doc's choice); False
-    where none keeps that expert static-even. ok: even_moves of per_node."""
+    where none keeps that expert static-even. ok: per_node's EvenMoves."""
     src = np.flatnonzero((ph == x) & src_nodes[node_of])
     dst = np.flatnonzero((ph != x) & dst_nodes[node_of])
     if not len(src) or not len(dst):
@@ -119,7 +131,7 @@ def _swap_one(ph: np.ndarray, x: int, src_nodes: np.ndarray, dst_nodes: np.ndarr
     f = ph[dst][None, :]  # [1, D] the experts that would move to a src slot's node
     delta = share[f] - share[x]  # GPU of s gains f's share and loses x's; GPU of d the reverse
     worst = np.maximum(gpu_load[src // spg][:, None] + delta, gpu_load[dst // spg][None, :] - delta)  # [S, D]
-    legal = ok[f, node_of[dst][None, :], node_of[src][:, None]]  # f moving from d's node to s's stays even
+    legal = ok.after(f, node_of[dst][None, :], node_of[src][:, None])  # f moving from d's node to s's stays even
     if not legal.any():
         return False
     i, j = np.unravel_index(int(np.argmin(np.where(legal, worst, np.inf))), worst.shape)
@@ -128,8 +140,8 @@ def _swap_one(ph: np.ndarray, x: int, src_nodes: np.ndarray, dst_nodes: np.ndarr
 
 
 def _apply(ph: np.ndarray, s: int, d: int, node_of: np.ndarray, per_node: np.ndarray, share: np.ndarray,
-           gpu_load: np.ndarray, spg: int, ok: np.ndarray) -> None:
-    """Swap slots s and d in place, with the node counts, GPU loads and even_moves table kept."""
+           gpu_load: np.ndarray, spg: int, ok: EvenMoves) -> None:
+    """Swap slots s and d in place, with the node counts, GPU loads and ok's bad-node counts kept."""
     x, f = ph[s], ph[d]
     gpu_load[s // spg] += share[f] - share[x]
     gpu_load[d // spg] += share[x] - share[f]
@@ -137,5 +149,5 @@ def _apply(ph: np.ndarray, s: int, d: int, node_of: np.ndarray, per_node: np.nda
     per_node[x, node_of[d]] += 1
     per_node[f, node_of[d]] -= 1
     per_node[f, node_of[s]] += 1
-    ok[[x, f]] = even_moves(per_node[[x, f]])
+    ok.moved([int(x), int(f)])
     ph[s], ph[d] = f, x
