@@ -13,7 +13,7 @@ from r3trace.eplb.evaluate import planner_config
 from r3trace.eplb.placement import from_phy2log
 from r3trace.eplb.score import balancedness, even_gpu_load, heat_of
 from r3trace.eplb.static import static_gpu_load
-from r3trace.eplb.static_spread import mixed, static_even
+from r3trace.eplb.static_spread import EvenMoves, mixed, static_even
 
 
 def per_node(phy2log: np.ndarray, e: int, cl: Cluster) -> np.ndarray:
@@ -113,3 +113,25 @@ def test_layout_line_says_static_even_where_it_runs() -> None:
     assert "static_spread.py" in layout(Cluster(16, 2, 160, num_groups=8), planner_config("static")).reason
     assert "static_spread.py" not in layout(Cluster(16, 2, 160, num_groups=8), planner_config("node-limited")).reason
     assert "static_spread.py" not in layout(Cluster(8, 1, 80, num_groups=8), planner_config("static")).reason
+
+
+def test_even_moves_match_a_recount() -> None:
+    # the bad-node count's answer for every (expert, from, to) against recounting the moved layout
+    rng = np.random.default_rng(11)
+    per_node = rng.integers(0, 4, size=(40, 5))
+    per_node[per_node.sum(1) == 0, 0] = 1
+    ok = EvenMoves(per_node, per_node.sum(1))
+    e, a, b = np.meshgrid(np.arange(40), np.arange(5), np.arange(5), indexing="ij")
+    legal = (a != b) & (per_node[e, a] > 0)
+    got = ok.after(e[legal], a[legal], b[legal])
+    want = []
+    for x, i, j in zip(e[legal], a[legal], b[legal]):
+        k = per_node[x].copy()
+        k[i] -= 1
+        k[j] += 1
+        want.append(not mixed(k))
+    assert got.tolist() == want and 0 < sum(want) < len(want)
+    x = int(np.flatnonzero(per_node.sum(1) == 3)[0])  # swaps keep counts: an expert of 3 replicas moved to 2 + 1
+    per_node[x] = [2, 1, 0, 0, 0]
+    ok.moved([x])
+    assert ok.bad[x] == 1 and bool(ok.after(np.array(x), np.array(0), np.array(2)))  # -> 1 + 1 + 1: one a node
