@@ -125,7 +125,7 @@ def test_even_moves_match_a_recount() -> None:
     legal = (a != b) & (per_node[e, a] > 0)
     got = ok.after(e[legal], a[legal], b[legal])
     want = []
-    for x, i, j in zip(e[legal], a[legal], b[legal]):
+    for x, i, j in zip(e[legal], a[legal], b[legal], strict=True):
         k = per_node[x].copy()
         k[i] -= 1
         k[j] += 1
