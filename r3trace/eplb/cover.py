@@ -68,23 +68,31 @@ def cover(masks: np.ndarray, tok: np.ndarray | None, cl: Cluster) -> np.ndarray:
 def cover_sizes(masks: np.ndarray, tok: np.ndarray, n: int) -> np.ndarray:
     """masks [L, E] node bits of each expert, tokens [T, L, K] (N <= 8 nodes) -> [T, L] the fewest nodes holding all
     K of each token's experts: score.node_limited's cover size without its loads (2,048 tokens x 58 layers on 8
-    nodes: ~0.1 s against its 2.6 s). Which of the 2^N - 1 subsets meet each expert, packed into 64-bit words: a
-    token's covering subsets are the AND of its K experts' words, and its cover the smallest size among them."""
+    nodes: ~0.05 s against its 2.6 s). Which of the 2^N - 1 subsets meet each expert, packed into 64-bit words: a
+    token's covering subsets are the AND of its K experts' words, and its cover the smallest size among them. Word
+    by word, each a flat gather ([L, E, W] fancy-indexed per token took 1.6x as long)."""
     subsets = np.arange(1, 1 << n, dtype=np.int64)  # [S]
     words = -(-len(subsets) // 64)
     meets = (np.arange(1 << n)[:, None] & subsets) != 0  # [2^N, S]: which subsets meet each node mask
     table = np.packbits(meets, axis=-1, bitorder="little")  # [2^N, ceil(S / 8)] bytes
     table = np.pad(table, ((0, 0), (0, words * 8 - table.shape[-1]))).view(np.uint64)  # [2^N, W]
-    packed = table[masks]  # [L, E, W]
+    n_layers, e = masks.shape
+    packed = np.ascontiguousarray(table[masks.ravel()].T)  # [W, L E]
+    flat = tok + (np.arange(n_layers) * e)[None, :, None]  # [T, L, K] into L E
+    acc = np.empty((words,) + tok.shape[:2], dtype=np.uint64)  # [W, T, L] each token's covering subsets
+    for w in range(words):
+        acc[w] = np.take(packed[w], flat[:, :, 0])
+        for k in range(1, tok.shape[2]):
+            acc[w] &= np.take(packed[w], flat[:, :, k])
     size = np.bitwise_count(subsets)
-    layer = np.arange(tok.shape[1])[None, :]
-    acc = packed[layer, tok[:, :, 0]]  # [T, L, W]
-    for k in range(1, tok.shape[2]):
-        acc &= packed[layer, tok[:, :, k]]
     out = np.full(tok.shape[:2], n, dtype=np.int64)  # the N nodes always cover
     for s in range(n - 1, 0, -1):  # the smallest size that covers wins
         of_size = np.pad(np.packbits(size == s, bitorder="little"), (0, words * 8 - -(-len(subsets) // 8)))
-        np.copyto(out, s, where=(acc & of_size.view(np.uint64)).any(-1))
+        of_size = of_size.view(np.uint64)  # [W]
+        hit = (acc[0] & of_size[0]) != 0
+        for w in range(1, words):
+            hit |= (acc[w] & of_size[w]) != 0
+        np.copyto(out, s, where=hit)
     return out
 
 

@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 
 from r3trace.eplb import Cluster, global_policy, plan
+from r3trace.eplb.cover import cover_sizes
 from r3trace.eplb.evaluate import planner_config
 from r3trace.eplb.placement import from_phy2log
-from r3trace.eplb.score import balancedness, heat_of, node_limited
+from r3trace.eplb.score import balancedness, heat_of, node_counts, node_limited
 from r3trace.eplb.static import static_expected_load, static_gpu_load
 from r3trace.eplb.static_ladder import choose
 from r3trace.eplb.static_spread import mixed, static_even
@@ -112,3 +113,16 @@ def test_static_plan_dominates_global_held_out(g: int, n: int, p: int, s: float,
     assert not any(mixed(x) for layer in per_node(no_tokens.phy2log, e, cl) for x in layer)
     assert any(mixed(x) for layer in per_node(mine.phy2log, e, cl) for x in layer)  # the choice left some mixed
     assert from_phy2log(mine.phy2log, e).logcnt.sum() == cl.num_slots * 3
+
+
+@pytest.mark.parametrize("g, n, p, seed", [(8, 1, 80, 0), (16, 2, 288, 1), (24, 3, 168, 2), (32, 4, 288, 3),
+                                           (64, 8, 320, 4)])
+def test_cover_sizes_equal_the_node_limited_cover(g: int, n: int, p: int, seed: int) -> None:
+    e = 256 if p >= 256 else 128 if p > 100 else 64
+    ids = skewed(seed, e, 3, 1500, 8, 1.0)
+    cl = Cluster(g, n, p)
+    for pl in (global_policy(heat_of(ids, e), cl), plan(heat_of(ids, e), cl, tokens=ids)):
+        masks = ((node_counts(pl, cl) > 0) << np.arange(n)).sum(-1)  # [L, E]
+        got = cover_sizes(masks, ids, n)
+        assert np.array_equal(got, node_limited(pl, ids, cl).nodes)
+        assert n == 1 or len(np.unique(got)) > 1
