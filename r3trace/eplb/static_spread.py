@@ -31,7 +31,8 @@ LEVEL_SHARE = 0.02  # slots a layer the leveling may move (two a swap), as a sha
 
 
 def mixed(node_count: np.ndarray) -> bool:
-    """node_count [N] one expert's replicas on each node -> whether its layout is mixed (module doc)."""
+    """node_count [N] one expert's replicas on each node -> whether its layout is mixed (module doc); EvenMoves keeps
+    the same answer as counts, and is tested against this."""
     c = int(node_count.sum())
     return bool(((node_count >= 2) & (node_count < c)).any())
 
