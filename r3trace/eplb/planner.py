@@ -127,9 +127,10 @@ def layout(cluster: Cluster, cfg: PlannerConfig = PlannerConfig()) -> Layout:
                    "of the newest tokens gives it a lower max GPU load, and a re-plan keeps a previous layer that "
                    "replay favours (dispatch_contest.py)")
     if cfg.static_even:
-        extras += ("; then for SGLang's static dispatch, hottest first, experts' replicas put all on one node or at "
-                   "most one a node, which its node rule splits evenly (static_spread.py), as far as DeepSeek "
-                   "global's nodes per token on the newest tokens allows (static_ladder.py; without tokens all)")
+        extras += (f"; then for SGLang's {cfg.sglang_dispatch} dispatch, hottest first, experts' replicas put all on "
+                   "one node or at most one a node, which its node rule splits evenly (static_spread.py), as far as "
+                   "DeepSeek global's nodes per token on the newest tokens allows (static_ladder.py; without tokens "
+                   "all)")
     if cfg.keep_groups:
         return Layout("groups_on_nodes", f"{g} groups on {n} nodes, keep_groups: first replicas stay on their "
                                          f"group's home nodes ({how}), so no token reaches more nodes than under "

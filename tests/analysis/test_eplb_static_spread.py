@@ -111,6 +111,7 @@ def test_unchanged_workload_replans_static_even_within_the_budget(nodes: int) ->
 
 def test_layout_line_says_static_even_where_it_runs() -> None:
     assert "static_spread.py" in layout(Cluster(16, 2, 160, num_groups=8), planner_config("static")).reason
+    assert "SGLang's dynamic dispatch" in layout(Cluster(16, 2, 160, num_groups=8), planner_config("dynamic")).reason
     assert "static_spread.py" not in layout(Cluster(16, 2, 160, num_groups=8), planner_config("node-limited")).reason
     assert "static_spread.py" not in layout(Cluster(8, 1, 80, num_groups=8), planner_config("static")).reason
 
