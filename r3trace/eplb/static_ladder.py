@@ -25,10 +25,10 @@ import numpy as np
 
 from r3trace.eplb.cover import cover_sizes, node_masks
 from r3trace.eplb.deepseek import global_phy2log
-from r3trace.eplb.placement import Cluster
-from r3trace.eplb.score import EXACT_COVER_NODES
+from r3trace.eplb.placement import Cluster, from_phy2log
+from r3trace.eplb.score import EXACT_COVER_NODES, node_counts
 from r3trace.eplb.static import SGLangDispatch, static_expected_load
-from r3trace.eplb.static_spread import static_even
+from r3trace.eplb.static_spread import bad_nodes, static_even
 
 TAUS = (4.0, 2.0, 1.0, 0.5, 0.25, 0.0)  # expert load over the mean GPU load from which mixed experts are fixed
 NODE_MARGIN = 0.01  # of global's nodes per token the choice leaves unspent, for the held-out window's noise
@@ -66,9 +66,8 @@ def _ladder(phy2log: np.ndarray, weight: np.ndarray, cluster: Cluster) -> np.nda
     """-> [V, L, P]: the default plan, then static_even at each of TAUS. A rung whose floor takes in no mixed expert
     the rung before did not gives that layer the same layout (static_even is deterministic), so it is copied."""
     n_layers, e = weight.shape
-    cnt = np.zeros((n_layers, e, cluster.num_nodes), dtype=np.int64)  # [L, E, N]
-    np.add.at(cnt, (np.arange(n_layers)[:, None], phy2log, cluster.slot_node()[None, :]), 1)
-    mixed = ((cnt >= 2) & (cnt < cnt.sum(2, keepdims=True))).any(2)  # [L, E]
+    cnt = node_counts(from_phy2log(phy2log, e), cluster)  # [L, E, N]
+    mixed = bad_nodes(cnt, cnt.sum(2, keepdims=True)).any(2)  # [L, E]
     out = np.empty((len(TAUS) + 1,) + phy2log.shape, dtype=phy2log.dtype)
     out[0] = phy2log
     taken = None

@@ -30,11 +30,16 @@ from r3trace.eplb.placement import Cluster
 LEVEL_SHARE = 0.02  # slots a layer the leveling may move (two a swap), as a share of P; the churn goal is 10%
 
 
+def bad_nodes(node_count: np.ndarray, count: np.ndarray | int) -> np.ndarray:
+    """node_count [..., N] replicas of an expert on each node, count its replicas (broadcast) -> [..., N] the nodes
+    holding 2 .. c - 1 of them: an expert is mixed where any node is."""
+    return (node_count >= 2) & (node_count < count)
+
+
 def mixed(node_count: np.ndarray) -> bool:
     """node_count [N] one expert's replicas on each node -> whether its layout is mixed (module doc); EvenMoves keeps
     the same answer as counts, and is tested against this."""
-    c = int(node_count.sum())
-    return bool(((node_count >= 2) & (node_count < c)).any())
+    return bool(bad_nodes(node_count, int(node_count.sum())).any())
 
 
 def static_even(phy2log: np.ndarray, weight: np.ndarray, cluster: Cluster, tau: float = 0.0) -> np.ndarray:
@@ -104,21 +109,16 @@ class EvenMoves:
 
     def __init__(self, per_node: np.ndarray, count: np.ndarray) -> None:
         self.per_node, self.count = per_node, count  # [E, N] (shared, kept by the caller's swaps), [E]
-        self.bad = self._bad(per_node, count[:, None]).sum(1)  # [E]
-
-    @staticmethod
-    def _bad(k: np.ndarray, c: np.ndarray) -> np.ndarray:
-        return (k >= 2) & (k < c)
+        self.bad = bad_nodes(per_node, count[:, None]).sum(1)  # [E]
 
     def after(self, e: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         """e, a, b broadcast together (a holding a replica of e, a != b) -> whether e stays not mixed."""
         ka, kb, c = self.per_node[e, a], self.per_node[e, b], self.count[e]
-        bad = self._bad
-        return self.bad[e] - bad(ka, c) - bad(kb, c) + bad(ka - 1, c) + bad(kb + 1, c) == 0
+        return self.bad[e] - bad_nodes(ka, c) - bad_nodes(kb, c) + bad_nodes(ka - 1, c) + bad_nodes(kb + 1, c) == 0
 
     def moved(self, experts: list[int]) -> None:
         """Recount the bad nodes of `experts` after a swap changed their per_node rows."""
-        self.bad[experts] = self._bad(self.per_node[experts], self.count[experts][:, None]).sum(1)
+        self.bad[experts] = bad_nodes(self.per_node[experts], self.count[experts][:, None]).sum(1)
 
 
 def _swap_one(ph: np.ndarray, x: int, src_nodes: np.ndarray, dst_nodes: np.ndarray, node_of: np.ndarray,
