@@ -1,5 +1,5 @@
-"""SGLang's static dispatch replayed on a placement: the replica each rank sends an expert's tokens to, and the
-GPU loads that follow. What `r3trace eplb` reports beside the even split and the node-limited replay.
+"""SGLang's static and dynamic dispatch replayed on a placement: the replica each rank sends an expert's tokens to,
+and the GPU loads that follow. What `r3trace eplb` reports beside the even split and the node-limited replay.
 
 SGLang dispatches "static" whenever EPLB is on or an --init-expert-location is given and no --ep-dispatch-algorithm
 is (python/sglang/srt/server_args.py, _handle_eplb_and_dispatch, sgl-project/sglang@469c63e). Which replica a rank
@@ -17,6 +17,9 @@ from sgl-project/sglang PRs #9849 and #10874), replicas listed by ascending slot
 Rule 3 makes a second replica on a node nearly idle: the node's other ranks all go to its first one (2 nodes x 8
 GPUs, e on GPUs 0, 1 and 8: GPU 0 serves 7 ranks, GPU 1 its own, GPU 8 all 8 of node 1's). On one node it never
 applies (every replica is on the rank's node), so a one-node cluster dispatches as before PR #9849.
+Dynamic dispatch (--ep-dispatch-algorithm dynamic) collapses a rank's candidates to rules 1-3's replica where there is
+one (_compute_logical_to_all_physical_map, PR #10874) and otherwise draws one of all c replicas per pair
+(_topk_ids_logical_to_physical_dynamic in expert_location_dispatch.py); dispatched_load takes its expectation.
 
 A GPU's load then depends on where each token comes from, not on which other experts it picked: each rank sends
 its own share of the tokens, and a replica's load is its own rank's pairs plus those of the ranks mapped to it. Where

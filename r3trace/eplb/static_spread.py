@@ -76,16 +76,16 @@ def _layer(ph: np.ndarray, w: np.ndarray, cl: Cluster, floor: float) -> None:
             else:
                 home = int(np.argmax(k))
                 src_nodes, dst_nodes = np.arange(n) != home, np.arange(n) == home  # all on one node
-            if not _swap_one(ph, x, src_nodes & (k > 0), dst_nodes, node_of, per_node, share, gpu_load, spg, ok):
+            if not _swap_one(ph, x, src_nodes & (k > 0), dst_nodes, node_of, share, gpu_load, spg, ok):
                 break
-    _level(ph, share, per_node, gpu_load, node_of, spg, int(LEVEL_SHARE * len(ph) / 2), ok)
+    _level(ph, share, gpu_load, node_of, spg, int(LEVEL_SHARE * len(ph) / 2), ok)
 
 
-def _level(ph: np.ndarray, share: np.ndarray, per_node: np.ndarray, gpu_load: np.ndarray, node_of: np.ndarray,
-           spg: int, steps: int, ok: EvenMoves) -> None:
+def _level(ph: np.ndarray, share: np.ndarray, gpu_load: np.ndarray, node_of: np.ndarray, spg: int, steps: int,
+           ok: EvenMoves) -> None:
     """Up to `steps` swaps off the hottest GPU that keep every expert they move static-even (module doc): each the
     swap of a slot of the hottest GPU h with a slot elsewhere whose two GPUs' higher load after it is lowest, taken
-    while that is below h's load. ok: per_node's EvenMoves, kept by each swap."""
+    while that is below h's load. ok: the layer's node counts, kept by each swap."""
     gpu_of = np.arange(len(ph)) // spg  # [P]
     for _ in range(steps):
         h = int(np.argmax(gpu_load))
@@ -99,7 +99,7 @@ def _level(ph: np.ndarray, share: np.ndarray, per_node: np.ndarray, gpu_load: np
         if not legal.any():
             return
         i, j = np.unravel_index(int(np.argmin(np.where(legal, worst, np.inf))), worst.shape)
-        _apply(ph, int(mine[i]), int(others[j]), node_of, per_node, share, gpu_load, spg, ok)
+        _apply(ph, int(mine[i]), int(others[j]), node_of, share, gpu_load, spg, ok)
 
 
 class EvenMoves:
@@ -108,7 +108,7 @@ class EvenMoves:
     counts, so a count of bad nodes per expert answers it for any number of moves at once."""
 
     def __init__(self, per_node: np.ndarray, count: np.ndarray) -> None:
-        self.per_node, self.count = per_node, count  # [E, N] (shared, kept by the caller's swaps), [E]
+        self.per_node, self.count = per_node, count  # [E, N] (kept by _apply's swaps), [E]
         self.bad = bad_nodes(per_node, count[:, None]).sum(1)  # [E]
 
     def after(self, e: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -122,9 +122,9 @@ class EvenMoves:
 
 
 def _swap_one(ph: np.ndarray, x: int, src_nodes: np.ndarray, dst_nodes: np.ndarray, node_of: np.ndarray,
-              per_node: np.ndarray, share: np.ndarray, gpu_load: np.ndarray, spg: int, ok: EvenMoves) -> bool:
+              share: np.ndarray, gpu_load: np.ndarray, spg: int, ok: EvenMoves) -> bool:
     """Swap one replica of x on a src node with another expert's slot on a dst node (module doc's choice); False
-    where none keeps that expert static-even. ok: per_node's EvenMoves."""
+    where none keeps that expert static-even. ok: the layer's node counts."""
     src = np.flatnonzero((ph == x) & src_nodes[node_of])
     dst = np.flatnonzero((ph != x) & dst_nodes[node_of])
     if not len(src) or not len(dst):
@@ -136,14 +136,15 @@ def _swap_one(ph: np.ndarray, x: int, src_nodes: np.ndarray, dst_nodes: np.ndarr
     if not legal.any():
         return False
     i, j = np.unravel_index(int(np.argmin(np.where(legal, worst, np.inf))), worst.shape)
-    _apply(ph, int(src[i]), int(dst[j]), node_of, per_node, share, gpu_load, spg, ok)
+    _apply(ph, int(src[i]), int(dst[j]), node_of, share, gpu_load, spg, ok)
     return True
 
 
-def _apply(ph: np.ndarray, s: int, d: int, node_of: np.ndarray, per_node: np.ndarray, share: np.ndarray,
-           gpu_load: np.ndarray, spg: int, ok: EvenMoves) -> None:
-    """Swap slots s and d in place, with the node counts, GPU loads and ok's bad-node counts kept."""
+def _apply(ph: np.ndarray, s: int, d: int, node_of: np.ndarray, share: np.ndarray, gpu_load: np.ndarray, spg: int,
+           ok: EvenMoves) -> None:
+    """Swap slots s and d in place, with the GPU loads and ok's node and bad-node counts kept."""
     x, f = ph[s], ph[d]
+    per_node = ok.per_node
     gpu_load[s // spg] += share[f] - share[x]
     gpu_load[d // spg] += share[x] - share[f]
     per_node[x, node_of[s]] -= 1
