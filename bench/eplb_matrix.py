@@ -43,7 +43,7 @@ from r3trace.eplb import Cluster, PlannerConfig, churn, global_policy, hierarchi
 from r3trace.eplb.evaluate import planner_config
 from r3trace.eplb.placement import Placement
 from r3trace.eplb.score import balancedness, even_gpu_load, heat_of, node_limited
-from r3trace.eplb.static import static_gpu_load
+from r3trace.eplb.static import demand, dispatched_load
 
 Policy = Callable[[np.ndarray, Placement | None, np.ndarray | None], Placement]
 METRICS = ("bal_even", "bal_node_limited", "bal_static", "bal_dynamic", "nodes", "over_limit", "churn")
@@ -116,8 +116,9 @@ def run_cell(cell: Cell, history: int = 8, variants: bool = False,
                 d = node_limited(pl, routes[t + 1], cl)
                 rows["bal_even"].append(balancedness(even_gpu_load(pl, heats[t + 1], cl)))
                 rows["bal_node_limited"].append(balancedness(d.gpu_load))
-                rows["bal_static"].append(balancedness(static_gpu_load(pl, routes[t + 1], cl)))
-                rows["bal_dynamic"].append(balancedness(static_gpu_load(pl, routes[t + 1], cl, dispatch="dynamic")))
+                sent = demand(routes[t + 1], e, cl.num_gpus)  # [L, G, E] pairs each rank sends
+                rows["bal_static"].append(balancedness(dispatched_load(pl, sent, cl, "static")))
+                rows["bal_dynamic"].append(balancedness(dispatched_load(pl, sent, cl, "dynamic")))
                 rows["nodes"].append(float(d.nodes.mean()))
                 rows["over_limit"].append(float((d.nodes > NODE_LIMIT).mean()))
                 rows["churn"].append(churn(prev, pl))
