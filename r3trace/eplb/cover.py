@@ -65,34 +65,52 @@ def cover(masks: np.ndarray, tok: np.ndarray | None, cl: Cluster) -> np.ndarray:
     return np.where(covers, size, cl.num_nodes + 1).min(2).mean(1)
 
 
-def cover_sizes(masks: np.ndarray, tok: np.ndarray, n: int) -> np.ndarray:
-    """masks [L, E] node bits of each expert, tokens [T, L, K] (N <= 8 nodes) -> [T, L] the fewest nodes holding all
-    K of each token's experts: score.node_limited's cover size without its loads (2,048 tokens x 58 layers on 8
-    nodes: ~0.05 s against its 2.6 s). Which of the 2^N - 1 subsets meet each expert, packed into 64-bit words: a
-    token's covering subsets are the AND of its K experts' words, and its cover the smallest size among them. Word
-    by word, each a flat gather ([L, E, W] fancy-indexed per token took 1.6x as long)."""
+def cover_sizes(masks: np.ndarray, tok: np.ndarray, n: int, layer: np.ndarray | None = None) -> np.ndarray:
+    """masks [M, E] node bits of each expert, tokens [T, L, K] (N <= 8 nodes), layer [M] the token layer of each
+    mask row (None: row l is layer l, M = L) -> [T, M] the fewest nodes holding all K of each token's experts:
+    score.node_limited's cover size without its loads.
+
+    A node that is an expert's only one is in every cover (the forced nodes F), and where the experts F misses
+    share a node one more covers them; only the tokens left (two or more nodes beyond F) are solved over the 2^N - 1
+    subsets (_subset_cover). 84-92% of experts sit on one node in ours' layouts on 4-8 nodes, and one byte a mask
+    suffices: 172 layouts x 2,048 tokens on 4 nodes in ~0.015 s against 0.07 s solving every token by subsets."""
+    rows, e = masks.shape
+    layer = np.arange(rows) if layer is None else np.asarray(layer)
+    top_k = tok.shape[2]
+    table = masks.astype(np.uint8).ravel()  # [M E]
+    by_k = np.moveaxis(tok, 2, 0).astype(np.int32)  # [K, T, L] contiguous (strided gathers were 5x slower)
+    mk = np.empty((top_k, tok.shape[0], rows), dtype=np.uint8)  # [K, T, M] each token's experts' node masks
+    for k in range(top_k):
+        idx = np.take(by_k[k], layer, axis=1)
+        idx += np.arange(rows) * e
+        np.take(table, idx, out=mk[k])
+    one = (mk & (mk - 1)) == 0  # [K, T, M] expert on one node
+    forced = np.bitwise_or.reduce(mk * one, axis=0)  # [T, M] (multiplying: 6x np.where's speed on uint8)
+    missed = ~one & ((mk & forced) == 0)  # [K, T, M] experts no forced node holds
+    shared = np.bitwise_and.reduce(mk | np.uint8(0xFF) * ~missed, axis=0)  # [T, M] nodes holding every missed one
+    more = missed.any(0)
+    out = np.bitwise_count(forced).astype(np.int64) + more
+    hard = more & (shared == 0)
+    if hard.any():
+        out[hard] = _subset_cover(mk[:, hard], n)
+    return out
+
+
+def _subset_cover(mk: np.ndarray, n: int) -> np.ndarray:
+    """mk [K, H] node masks of each token's experts -> [H] the fewest nodes holding all K. Which of the 2^N - 1
+    subsets meet each mask, packed into 64-bit words: a token's covering subsets are the AND of its K experts'
+    words, and its cover the smallest size among them."""
     subsets = np.arange(1, 1 << n, dtype=np.int64)  # [S]
     words = -(-len(subsets) // 64)
     meets = (np.arange(1 << n)[:, None] & subsets) != 0  # [2^N, S]: which subsets meet each node mask
     table = np.packbits(meets, axis=-1, bitorder="little")  # [2^N, ceil(S / 8)] bytes
     table = np.pad(table, ((0, 0), (0, words * 8 - table.shape[-1]))).view(np.uint64)  # [2^N, W]
-    n_layers, e = masks.shape
-    packed = np.ascontiguousarray(table[masks.ravel()].T)  # [W, L E]
-    flat = tok + (np.arange(n_layers) * e)[None, :, None]  # [T, L, K] into L E
-    acc = np.empty((words,) + tok.shape[:2], dtype=np.uint64)  # [W, T, L] each token's covering subsets
-    for w in range(words):
-        acc[w] = np.take(packed[w], flat[:, :, 0])
-        for k in range(1, tok.shape[2]):
-            acc[w] &= np.take(packed[w], flat[:, :, k])
+    acc = np.bitwise_and.reduce(table[mk], axis=0)  # [H, W] each token's covering subsets
     size = np.bitwise_count(subsets)
-    out = np.full(tok.shape[:2], n, dtype=np.int64)  # the N nodes always cover
+    out = np.full(mk.shape[1], n, dtype=np.int64)  # the N nodes always cover
     for s in range(n - 1, 0, -1):  # the smallest size that covers wins
         of_size = np.pad(np.packbits(size == s, bitorder="little"), (0, words * 8 - -(-len(subsets) // 8)))
-        of_size = of_size.view(np.uint64)  # [W]
-        hit = (acc[0] & of_size[0]) != 0
-        for w in range(1, words):
-            hit |= (acc[w] & of_size[w]) != 0
-        np.copyto(out, s, where=hit)
+        np.copyto(out, s, where=(acc & of_size.view(np.uint64)).any(1))
     return out
 
 

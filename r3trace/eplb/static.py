@@ -122,10 +122,44 @@ def static_gpu_load(pl: Placement, topk_ids: np.ndarray, cluster: Cluster, token
 def static_expected_load(phy2log: np.ndarray, weight: np.ndarray, cluster: Cluster,
                          prefer_same_node: bool = True, dispatch: SGLangDispatch = "static") -> np.ndarray:
     """phy2log [L, P], weight [L, E] -> per-GPU load [L, G] under static (or dynamic) dispatch when every rank sends
-    1 / G of each expert's load (static_gpu_load's expectation over tokens spread evenly over the ranks)."""
-    g = cluster.num_gpus
-    sent = np.broadcast_to(weight[:, None, :] / g, (weight.shape[0], g, weight.shape[1]))
-    return dispatched_load(from_phy2log(phy2log, weight.shape[1]), sent, cluster, dispatch, prefer_same_node)
+    1 / G of each expert's load (static_gpu_load's expectation over tokens spread evenly over the ranks).
+
+    Counted per replica instead of per (rank, expert) pair: with every rank sending the same share, a replica's load
+    is the number of ranks rules 1-4 map to it times w / G, and those counts follow from each expert's replicas in
+    slot order (rank and node runs): [L, P] arrays where dispatched_load builds [L, G, E] ones (406 layouts of 320
+    slots on 64 GPUs: 0.004 s against 0.08 s). Equal to dispatched_load of the uniform demand up to float rounding
+    (tests/analysis/test_eplb_static_expected.py)."""
+    phy2log = np.asarray(phy2log, dtype=np.int64)
+    n_layers, p = phy2log.shape
+    e, g, gpn = weight.shape[1], cluster.num_gpus, cluster.gpus_per_node
+    order = np.argsort(phy2log, axis=1, kind="stable")  # [L, P] slots grouped by expert, ascending slot
+    x = np.take_along_axis(phy2log, order, 1).ravel() + np.repeat(np.arange(n_layers) * e, p)  # [L P] layer-expert
+    rank = (order // cluster.slots_per_gpu).ravel()  # [L P] the rank holding each replica
+    node = rank // gpn
+    new_x = np.ones(x.shape, dtype=bool)
+    new_x[1:] = x[1:] != x[:-1]  # first replica of its expert
+    first_rank, first_node = new_x.copy(), new_x.copy()
+    first_rank[1:] |= rank[1:] != rank[:-1]  # its expert's first replica on its rank (rule 2 serves that rank)
+    first_node[1:] |= node[1:] != node[:-1]  # its expert's first replica on its node (rule 3's target)
+    cnt = np.bincount(x, minlength=n_layers * e)  # [L E] replicas c
+    start = np.cumsum(cnt) - cnt  # [L E] each expert's first position
+    run = np.cumsum(first_node) - 1  # [L P] the (expert, node) run of each replica
+    run_len = np.bincount(run)  # replicas of the expert on that node
+    run_ranks = np.bincount(run, weights=first_rank).astype(np.int64)  # ranks of that node holding one
+    narrows = run_len < cnt[x[first_node]] if prefer_same_node and cluster.num_nodes > 1 else run_len < 0
+    node_extra = np.where(narrows, gpn - run_ranks, 0)  # rule 3: the node's other ranks, to its first replica
+    left = g - np.bincount(x, weights=first_rank, minlength=n_layers * e)  # [L E] ranks without their own
+    left -= np.bincount(x[first_node], weights=node_extra, minlength=n_layers * e)  # ... nor rule 3's
+    c, m = cnt[x], left[x]  # per replica: its expert's c and m
+    if dispatch == "static":  # rule 4: the i-th rank left takes replica (i + e) mod c
+        j = np.arange(len(x)) - start[x]  # replica index by ascending slot
+        far = m // c + ((j - x % e) % c < m % c)
+    else:  # a uniform draw per pair: m / c ranks' worth each
+        far = m / c
+    ranks = first_rank + np.where(first_node, node_extra[run], 0) + far  # [L P] ranks sending to each replica
+    share = weight.ravel()[x] / g
+    cell = np.repeat(np.arange(n_layers) * g, p) + rank
+    return np.bincount(cell, weights=ranks * share, minlength=n_layers * g).reshape(n_layers, g)
 
 
 class TokenSources(NamedTuple):

@@ -25,10 +25,10 @@ import numpy as np
 
 from r3trace.eplb.cover import cover_sizes, node_masks
 from r3trace.eplb.deepseek import global_phy2log
-from r3trace.eplb.placement import Cluster, from_phy2log
-from r3trace.eplb.score import EXACT_COVER_NODES, node_counts
+from r3trace.eplb.placement import Cluster
+from r3trace.eplb.score import EXACT_COVER_NODES
 from r3trace.eplb.static import SGLangDispatch, static_expected_load
-from r3trace.eplb.static_spread import bad_nodes, static_even
+from r3trace.eplb.static_spread import static_even, static_even_ladder
 
 TAUS = (4.0, 2.0, 1.0, 0.5, 0.25, 0.0)  # expert load over the mean GPU load from which mixed experts are fixed
 NODE_MARGIN = 0.01  # of global's nodes per token the choice leaves unspent, for the held-out window's noise
@@ -54,32 +54,21 @@ def static_ladder(phy2log: np.ndarray, weight: np.ndarray, cluster: Cluster, tok
     e = weight.shape[1]
     bal, nodes = np.zeros(fresh.shape), np.zeros(fresh.shape)  # [V, L]
     bal[vi, li] = load.mean(1) / np.maximum(load.max(1), 1e-12)
-    nodes[vi, li] = _nodes(rows, tok[:, li], cluster, e)
+    layers = np.arange(ladder.shape[1])
+    # global's layout counted in the same call: [M + L] rows
+    counted = _nodes(np.concatenate([rows, global_phy2log(mean_loads, cluster)]), tok, cluster, e,
+                     np.concatenate([li, layers]))
+    nodes[vi, li] = counted[:len(li)]
     src = np.maximum.accumulate(np.where(fresh, np.arange(len(ladder))[:, None], 0), axis=0)  # [V, L]
     bal, nodes = np.take_along_axis(bal, src, 0), np.take_along_axis(nodes, src, 0)
-    budget = float(_nodes(global_phy2log(mean_loads, cluster), tok, cluster, e).sum()) * (1 - NODE_MARGIN)
+    budget = float(counted[len(li):].sum()) * (1 - NODE_MARGIN)
     pick = choose(bal, nodes, budget)  # [L]
-    return ladder[pick, np.arange(ladder.shape[1])]
+    return ladder[pick, layers]
 
 
 def _ladder(phy2log: np.ndarray, weight: np.ndarray, cluster: Cluster) -> np.ndarray:
-    """-> [V, L, P]: the default plan, then static_even at each of TAUS. A rung whose floor takes in no mixed expert
-    the rung before did not gives that layer the same layout (static_even is deterministic), so it is copied."""
-    n_layers, e = weight.shape
-    cnt = node_counts(from_phy2log(phy2log, e), cluster)  # [L, E, N]
-    mixed = bad_nodes(cnt, cnt.sum(2, keepdims=True)).any(2)  # [L, E]
-    out = np.empty((len(TAUS) + 1,) + phy2log.shape, dtype=phy2log.dtype)
-    out[0] = phy2log
-    taken = None
-    for i, tau in enumerate(TAUS, 1):
-        floor = tau * weight.sum(1, keepdims=True) / cluster.num_gpus  # [L, 1]
-        now = (mixed & (weight >= floor)).sum(1)  # [L] mixed experts this rung fixes
-        redo = np.ones(n_layers, dtype=bool) if taken is None else now != taken
-        out[i] = out[i - 1]
-        if redo.any():
-            out[i, redo] = static_even(phy2log[redo], weight[redo], cluster, tau)
-        taken = now
-    return out
+    """-> [V, L, P]: the default plan, then static_even at each of TAUS."""
+    return np.concatenate([phy2log[None], static_even_ladder(phy2log, weight, cluster, TAUS)])
 
 
 def applies(cluster: Cluster) -> bool:
@@ -87,9 +76,11 @@ def applies(cluster: Cluster) -> bool:
     return 1 < cluster.num_nodes <= EXACT_COVER_NODES
 
 
-def _nodes(phy2log: np.ndarray, tok: np.ndarray, cluster: Cluster, e: int) -> np.ndarray:
-    """phy2log [L, P], tok [T, L, K] -> [L] mean nodes per token of the node-limited cover (score.node_limited's)."""
-    return cover_sizes(node_masks(phy2log, e, cluster), tok, cluster.num_nodes).mean(0)
+def _nodes(phy2log: np.ndarray, tok: np.ndarray, cluster: Cluster, e: int, layer: np.ndarray | None = None
+           ) -> np.ndarray:
+    """phy2log [M, P], tok [T, L, K], layer [M] each row's layer (None: row l is layer l) -> [M] mean nodes per
+    token of the node-limited cover (score.node_limited's)."""
+    return cover_sizes(node_masks(phy2log, e, cluster), tok, cluster.num_nodes, layer).mean(0)
 
 
 def choose(bal: np.ndarray, nodes: np.ndarray, budget: float) -> np.ndarray:
