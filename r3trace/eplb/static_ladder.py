@@ -48,6 +48,8 @@ def static_ladder(phy2log: np.ndarray, weight: np.ndarray, cluster: Cluster, tok
     # differs from v - 1's), then copy the scores down the ladder
     fresh = np.ones(ladder.shape[:2], dtype=bool)  # [V, L]
     fresh[1:] = (ladder[1:] != ladder[:-1]).any(2)
+    if not fresh[1:].any():  # no mixed expert anywhere: the default plan is every layer's only rung
+        return phy2log
     vi, li = np.nonzero(fresh)
     rows = ladder[vi, li]  # [M, P] the distinct layouts, each scored as a layer of its own
     load = static_expected_load(rows, weight[li], cluster, dispatch=dispatch)  # [M, G]

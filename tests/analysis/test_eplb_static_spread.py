@@ -75,6 +75,20 @@ def test_one_node_is_left_alone() -> None:
     assert np.array_equal(static_even(pl.phy2log, heat_of(ids, 64), Cluster(8, 1, 80)), pl.phy2log)
 
 
+def test_a_layer_without_a_mixed_expert_is_left_as_planned() -> None:
+    # layer 0: the hottest 32 experts twice, once on GPUs 0-1 and once on node 1 (one a node, so not mixed), the
+    # leveling's 2 swaps would move them; layer 1: DeepSeek's layout, with mixed experts
+    e, cl = 256, Cluster(16, 2, 288)
+    ids = skewed(6, e, 2, 4000, 8, 1.2)
+    heat = heat_of(ids, e)
+    ph = global_policy(heat, cl).phy2log.copy()
+    ph[0] = np.concatenate([np.argsort(-heat[0]), np.argsort(-heat[0])[:32][::-1]])
+    counts = per_node(ph, e, cl)
+    assert not any(mixed(k) for k in counts[0]) and any(mixed(k) for k in counts[1])
+    out = static_even(ph, heat, cl)
+    assert np.array_equal(out[0], ph[0]) and not np.array_equal(out[1], ph[1])
+
+
 def test_plan_for_static_dispatch_beats_node_limited_plan_and_global_held_out() -> None:
     e, g, n, p = 256, 16, 2, 288
     ids = skewed(5, e, 3, 8000, 8, 1.2)
