@@ -128,7 +128,7 @@ def static_expected_load(phy2log: np.ndarray, weight: np.ndarray, cluster: Clust
     is the number of ranks rules 1-4 map to it times w / G, and those counts follow from each expert's replicas in
     slot order (rank and node runs): [L, P] arrays where dispatched_load builds [L, G, E] ones (406 layouts of 320
     slots on 64 GPUs: 0.004 s against 0.08 s). Equal to dispatched_load of the uniform demand up to float rounding
-    (tests/analysis/test_eplb_static_expected.py)."""
+    (tests/analysis/test_eplb_static_twins.py)."""
     phy2log = np.asarray(phy2log, dtype=np.int64)
     n_layers, p = phy2log.shape
     e, g, gpn = weight.shape[1], cluster.num_gpus, cluster.gpus_per_node
