@@ -91,16 +91,17 @@ def choose(bal: np.ndarray, nodes: np.ndarray, budget: float) -> np.ndarray:
     changes that still fit (module doc); where the layers' fewest nodes already exceed the budget, each layer's
     fewest-nodes layout."""
     n_layers = bal.shape[1]
-    hulls = [_hull(bal[:, i], nodes[:, i]) for i in range(n_layers)]
+    bl, nl = bal.T.tolist(), nodes.T.tolist()  # [L][V] Python floats: the walk's scalar steps 4x faster, same values
+    hulls = [_hull(bl[i], nl[i]) for i in range(n_layers)]
     at = [0] * n_layers  # position along each hull
-    spent = float(sum(nodes[h[0], i] for i, h in enumerate(hulls)))
+    spent = float(sum(nl[i][h[0]] for i, h in enumerate(hulls)))
     while True:
         best, step = 0.0, -1
         for i, h in enumerate(hulls):
             if at[i] + 1 >= len(h):
                 continue
             a, b = h[at[i]], h[at[i] + 1]
-            dn, db = nodes[b, i] - nodes[a, i], bal[b, i] - bal[a, i]
+            dn, db = nl[i][b] - nl[i][a], bl[i][b] - bl[i][a]
             if spent + dn > budget + 1e-12:
                 continue
             rate = db / max(dn, 1e-12)
@@ -109,7 +110,7 @@ def choose(bal: np.ndarray, nodes: np.ndarray, budget: float) -> np.ndarray:
         if step < 0:
             return _fill(bal, nodes, np.array([h[at[i]] for i, h in enumerate(hulls)]), budget - spent)
         a, b = hulls[step][at[step]], hulls[step][at[step] + 1]
-        spent += nodes[b, step] - nodes[a, step]
+        spent += nl[step][b] - nl[step][a]
         at[step] += 1
 
 
@@ -128,7 +129,7 @@ def _fill(bal: np.ndarray, nodes: np.ndarray, pick: np.ndarray, left: float) -> 
         pick[i] = v
 
 
-def _hull(bal: np.ndarray, nodes: np.ndarray) -> list[int]:
+def _hull(bal: list[float], nodes: list[float]) -> list[int]:
     """bal, nodes [V] -> the layouts on the upper concave hull of (nodes, balancedness), fewest nodes first: each
     further one gains balancedness at a falling rate per node per token. Ties go to the lower layout index."""
     order = sorted(range(len(bal)), key=lambda v: (nodes[v], -bal[v], v))

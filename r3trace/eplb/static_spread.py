@@ -152,9 +152,13 @@ def _level(ph: np.ndarray, share: np.ndarray, gpu_load: np.ndarray, node_of: np.
         delta = share[f] - share[x]  # [B, S, O]: GPU h swaps x for f, the other GPU f for x
         worst = np.maximum(top + delta, gpu_load[live[:, None], gpu_of[others]][:, None, :] - delta)
         to = np.arange(ok.per_node.shape[1])  # [N]: whether x (f) stays not mixed moving to each node, gathered
-        # by node: [B, S, N] and [B, N, O] counts instead of two [B, S, O] ones
+        # by node: [B, S, N] and [Q, N] counts instead of two [B, S, O] ones
         x_ok = np.take_along_axis(ok.after(x, a, to), np.broadcast_to(b, worst.shape), 2)  # [B, S, O]
-        f_ok = np.take_along_axis(ok.after(f[:, 0, :, None], b[:, 0, :, None], to).transpose(0, 2, 1), a, 1)
+        f_ok = np.ones(worst.shape, dtype=bool)
+        bi, oi = np.nonzero(ok.count[f[:, 0, :]] >= 3)  # [Q]: no node holds 2 .. c - 1 of c < 3 replicas
+        if len(bi):
+            stays = ok.after(f[bi, 0, oi][:, None], b[bi, 0, oi][:, None], to)  # [Q, N]
+            f_ok[bi, :, oi] = np.take_along_axis(stays, a[bi, :, 0], 1)  # [Q, S]
         legal = (f != x) & ((a == b) | (x_ok & f_ok)) & (worst < top * (1 - 1e-9))
         legal = legal.reshape(len(live), -1)
         best = np.argmin(np.where(legal, worst.reshape(len(live), -1), np.inf), axis=1)  # [B] first of the least
@@ -179,9 +183,14 @@ class EvenMoves:
         ka, kb, c = self.per_node[e, a], self.per_node[e, b], self.count[e]
         return self.bad[e] - bad_nodes(ka, c) - bad_nodes(kb, c) + bad_nodes(ka - 1, c) + bad_nodes(kb + 1, c) == 0
 
-    def moved(self, experts: list[int]) -> None:
-        """Recount the bad nodes of `experts` after a swap changed their per_node rows."""
-        self.bad[experts] = bad_nodes(self.per_node[experts], self.count[experts][:, None]).sum(1)
+    def move(self, e: int, a: int, b: int) -> None:
+        """One replica of e from node a to node b, its node counts and bad-node count kept (Python ints: a swap's
+        two moves took 10 us as a numpy recount of the rows, most of static_spread's apply time)."""
+        if a == b:
+            return
+        c, ka, kb = int(self.count[e]), int(self.per_node[e, a]), int(self.per_node[e, b])
+        self.per_node[e, a], self.per_node[e, b] = ka - 1, kb + 1
+        self.bad[e] += (2 <= ka - 1 < c) - (2 <= ka < c) + (2 <= kb + 1 < c) - (2 <= kb < c)
 
 
 def _swap_one(ph: np.ndarray, x: int, src_nodes: np.ndarray, dst_nodes: np.ndarray, node_of: np.ndarray,
@@ -206,13 +215,10 @@ def _swap_one(ph: np.ndarray, x: int, src_nodes: np.ndarray, dst_nodes: np.ndarr
 def _apply(ph: np.ndarray, s: int, d: int, node_of: np.ndarray, share: np.ndarray, gpu_load: np.ndarray, spg: int,
            ok: EvenMoves) -> None:
     """Swap slots s and d in place, with the GPU loads and ok's node and bad-node counts kept."""
-    x, f = ph[s], ph[d]
-    per_node = ok.per_node
+    x, f = int(ph[s]), int(ph[d])
     gpu_load[s // spg] += share[f] - share[x]
     gpu_load[d // spg] += share[x] - share[f]
-    per_node[x, node_of[s]] -= 1
-    per_node[x, node_of[d]] += 1
-    per_node[f, node_of[d]] -= 1
-    per_node[f, node_of[s]] += 1
-    ok.moved([int(x), int(f)])
+    a, b = int(node_of[s]), int(node_of[d])
+    ok.move(x, a, b)
+    ok.move(f, b, a)
     ph[s], ph[d] = f, x

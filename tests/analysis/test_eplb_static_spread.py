@@ -13,7 +13,7 @@ from r3trace.eplb.evaluate import planner_config
 from r3trace.eplb.placement import from_phy2log
 from r3trace.eplb.score import balancedness, even_gpu_load, heat_of
 from r3trace.eplb.static import static_gpu_load
-from r3trace.eplb.static_spread import EvenMoves, mixed, static_even
+from r3trace.eplb.static_spread import EvenMoves, bad_nodes, mixed, static_even
 
 
 def per_node(phy2log: np.ndarray, e: int, cl: Cluster) -> np.ndarray:
@@ -146,7 +146,10 @@ def test_even_moves_match_a_recount() -> None:
         k[j] += 1
         want.append(not mixed(k))
     assert got.tolist() == want and 0 < sum(want) < len(want)
-    x = int(np.flatnonzero(per_node.sum(1) == 3)[0])  # swaps keep counts: an expert of 3 replicas moved to 2 + 1
-    per_node[x] = [2, 1, 0, 0, 0]
-    ok.moved([x])
-    assert ok.bad[x] == 1 and bool(ok.after(np.array(x), np.array(0), np.array(2)))  # -> 1 + 1 + 1: one a node
+    for _ in range(300):  # moves keep the counts: each against a recount
+        x = int(rng.integers(40))
+        i, j = int(rng.choice(np.flatnonzero(per_node[x] > 0))), int(rng.integers(5))
+        legal_after = bool(ok.after(np.array(x), np.array(i), np.array(j))) if i != j else not mixed(per_node[x])
+        ok.move(x, i, j)
+        assert (ok.bad == bad_nodes(per_node, per_node.sum(1)[:, None]).sum(1)).all()
+        assert legal_after == (ok.bad[x] == 0)
