@@ -115,7 +115,7 @@ def regrouped(phy2log: np.ndarray, tokens: np.ndarray, cluster: Cluster, layers:
     diff[:, todo] = token_nodes(trial[todo], newer[:, todo], cluster) - plain[:, todo]
     # fewer by more than REGROUP_Z standard errors of the paired mean (independent router: 1-3 layers of 12 were
     # a little lower by chance, and the next window's nodes per token rose 0.002-0.008 with them)
-    helps = diff.mean(0) < -REGROUP_Z * diff.std(0, ddof=1) / np.sqrt(len(diff))
+    helps = diff.mean(0) < -REGROUP_Z * paired_se(diff)
     out = phy2log.copy()
     if helps.any():  # refit on all the tokens, from the half's order (fewer swaps), in that order's GPU ids
         pick = helps[todo]
@@ -124,6 +124,19 @@ def regrouped(phy2log: np.ndarray, tokens: np.ndarray, cluster: Cluster, layers:
         a = np.take_along_axis(np.take_along_axis(a, o[:, :, None], 1), o[:, None, :], 2)
         out[helps] = reordered(trial[helps], node_order(a, cluster), cluster)
     return out, plain + np.where(helps, diff, 0)
+
+
+def paired_se(diff: np.ndarray) -> np.ndarray:
+    """diff [T, L] integer per-token differences -> [L] the standard error of each column's mean (NaN under 2
+    rows), from exact integer sums (T sum x^2 - (sum x)^2): a layer gets the same bits alone as in a stack, where
+    numpy's std sums a lone contiguous column pairwise and a stack's columns row by row (Contest chooses any subset
+    of layers as the whole stack does; the means of integer counts are exact either way)."""
+    n = len(diff)
+    if n < 2:
+        return np.full(diff.shape[1:], np.nan)
+    d = diff.astype(np.int64)
+    s1, s2 = d.sum(0), (d * d).sum(0)
+    return np.sqrt((n * s2 - s1 * s1) / (n * (n - 1) * n))
 
 
 def best_layout(phy2log: np.ndarray, w: np.ndarray, cluster: Cluster, tokens: np.ndarray | None) -> np.ndarray:
@@ -178,9 +191,6 @@ class Contest:
         todo = np.flatnonzero(~self.done[rows])
         if len(todo):
             need = np.unique(rows[todo])
-            if len(need) == 1 and len(self.done) > 1:  # numpy sums one column [T / 2, 1] over axis 0 pairwise,
-                # several row by row: a lone layer is chosen beside another so its statistics match the whole stack's
-                need = np.array([need[0], (need[0] + 1) % len(self.done)])
             self.won[need] = self._choose(need)
             self.done[need] = True
         return self.won[rows]
@@ -209,6 +219,6 @@ class Contest:
         # DeepSeek global's own layer where it ties on the max load and the pick's fewer nodes per token are within
         # GLOBAL_Z paired standard errors of its own (a pick that wins by noise lost to it on the next window)
         diff = per_token[pick, :, np.arange(n_layers)].T - own_nodes  # [T / 2, L]
-        noise = GLOBAL_Z * diff.std(0, ddof=1) / np.sqrt(max(len(diff), 1))
+        noise = GLOBAL_Z * paired_se(diff)
         own = tied[2] & (diff.mean(0) >= -noise)
         return np.where(own[:, None], glob, cands[pick, np.arange(n_layers)])

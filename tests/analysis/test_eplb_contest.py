@@ -8,7 +8,7 @@ import pytest
 
 from bench.eplb_traces import TraceSpec, load_windows
 from r3trace.eplb import Cluster, PlannerConfig, from_phy2log, global_policy, plan, planner
-from r3trace.eplb.candidates import Contest, best_layout, losing_load
+from r3trace.eplb.candidates import Contest, best_layout, losing_load, paired_se
 from r3trace.eplb.forecast import backtest_errors, drifts, forecast, pick_alpha
 from r3trace.eplb.planner import spread_cap, spread_layout
 from r3trace.eplb.replan import refreshed
@@ -79,3 +79,14 @@ def test_a_drifting_replan_equals_the_one_with_ours_leveled_in_every_layer(seed:
     assert (spread_layout(w, cl, PlannerConfig(), tok, bar) != spread_layout(w, cl, PlannerConfig(), tok)).any()
     monkeypatch.setattr(planner, "losing_load", lambda glob, w, cluster: np.full(len(w), np.inf))
     np.testing.assert_array_equal(got.phy2log, plan(heats, cl, prev, tokens=routes[4]).phy2log)
+
+
+def test_paired_se_gives_a_layer_alone_the_bits_it_gets_in_a_stack() -> None:
+    # the choice's noise figure: numpy's std sums a lone column pairwise and a stack's columns row by row, and on
+    # these counts the two differ in the last bits; the integer sums do not
+    d = np.random.default_rng(0).integers(-3, 4, size=(515, 6))
+    alone = np.array([paired_se(d[:, [i]])[0] for i in range(6)])
+    assert np.array_equal(paired_se(d), alone)
+    np.testing.assert_allclose(alone, d.std(0, ddof=1) / np.sqrt(515), rtol=1e-12)
+    assert not np.array_equal(d.std(0, ddof=1), [d[:, [i]].std(0, ddof=1)[0] for i in range(6)])
+    assert np.isnan(paired_se(d[:1])).all()
