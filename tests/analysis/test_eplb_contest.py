@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from bench.eplb_traces import TraceSpec, load_windows
-from r3trace.eplb import Cluster, PlannerConfig, from_phy2log, global_policy, plan, planner
+from r3trace.eplb import Cluster, PlannerConfig, candidates, from_phy2log, global_policy, plan, planner
 from r3trace.eplb.candidates import Contest, best_layout, losing_load, paired_se
 from r3trace.eplb.forecast import backtest_errors, drifts, forecast, pick_alpha
 from r3trace.eplb.planner import spread_cap, spread_layout
@@ -90,3 +90,17 @@ def test_paired_se_gives_a_layer_alone_the_bits_it_gets_in_a_stack() -> None:
     np.testing.assert_allclose(alone, d.std(0, ddof=1) / np.sqrt(515), rtol=1e-12)
     assert not np.array_equal(d.std(0, ddof=1), [d[:, [i]].std(0, ddof=1)[0] for i in range(6)])
     assert np.isnan(paired_se(d[:1])).all()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_regrouping_global_only_within_reach_changes_no_choice(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # REGROUP_REACH skips regrouping global's layer where its plain count is far above the best tied rival's; on
+    # these inputs regrouping it in every tied layer picks the same layouts, and a reach of 1.0 would not
+    heats, routes = _inputs(seed)
+    w, tok = forecast(heats, 0.5), routes[-1]
+    ours = spread_layout(w, CL, PlannerConfig(), tok)
+    got = best_layout(ours, w, CL, tok)
+    monkeypatch.setattr(candidates, "REGROUP_REACH", float("inf"))
+    np.testing.assert_array_equal(got, best_layout(ours, w, CL, tok))
+    monkeypatch.setattr(candidates, "REGROUP_REACH", 1.0)
+    assert not np.array_equal(got, best_layout(ours, w, CL, tok))
