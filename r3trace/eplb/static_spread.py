@@ -56,7 +56,8 @@ def static_even_ladder(phy2log: np.ndarray, weight: np.ndarray, cluster: Cluster
     """-> [V, L, P]: static_even at each of the V taus (descending). The fixes go hottest first and stop at the
     floor, so a lower tau's fixes continue a higher one's: one pass a layer keeps its state at each floor, and the
     states are leveled together, each layer's steps as static_even's alone (0.02 s of 0.03 at [58, 320] on 64 GPUs
-    was the leveling's per-layer numpy calls). A floor with no swap since the one before repeats its layout."""
+    was the leveling's per-layer numpy calls). A floor with no swap since the one before repeats its layout, and a
+    layer with no mixed expert keeps the input's at every floor (module doc)."""
     n_layers, p = phy2log.shape
     out = np.repeat(phy2log[None], len(taus), axis=0)
     if cluster.num_nodes == 1:
