@@ -90,6 +90,7 @@ from r3trace.eplb.scenarios import spread
 from r3trace.eplb.score import even_gpu_load, node_counts, phy2log_gpu_load
 from r3trace.eplb.static import static_expected_load
 from r3trace.eplb.static_ladder import static_ladder
+from r3trace.eplb.static_one_node import static_one_node
 from r3trace.eplb.static_spread import static_even
 
 
@@ -211,6 +212,8 @@ def plan(
     e = out.logcnt.shape[1]
     if cfg.static_even and cluster.num_nodes > 1:
         return from_phy2log(_static_even_plan(out.phy2log, loads, cluster, prev, tokens, cfg), e)
+    if cfg.static_even:  # one node: counts that divide the GPUs (static_one_node.py)
+        return from_phy2log(static_one_node(out.phy2log, planning_forecast(loads, prev, cfg)[0], cluster), e)
     if (prev is None or tokens is None or not spreads(cluster, cfg) or cfg.keep_groups
             or not replays(cluster, e, cfg.replay_margin)):
         return out
