@@ -116,7 +116,10 @@ def layout(cluster: Cluster, cfg: PlannerConfig = PlannerConfig()) -> Layout:
     """Which of fresh_plan's layouts this cluster gets, and why, in one line."""
     g, n = cluster.num_groups, cluster.num_nodes
     if n == 1:
-        return Layout("expert_per_node", "one node: every replica on it, GPUs balanced by packing and swaps")
+        static = (f"; for SGLang's static dispatch, each expert's replica count a divisor of the {cluster.num_gpus} "
+                  "GPUs, its replicas on distinct GPUs, so every replica serves as many ranks (static_one_node.py)"
+                  ) if cfg.static_even and cfg.sglang_dispatch == "static" else ""
+        return Layout("expert_per_node", f"one node: every replica on it, GPUs balanced by packing and swaps{static}")
     if not spreads(cluster, cfg):
         return Layout("expert_per_node", "spread_by_affinity off: each expert's replicas on one node, so the "
                                          "node-limited load equals the even split")
@@ -212,7 +215,8 @@ def plan(
     e = out.logcnt.shape[1]
     if cfg.static_even and cluster.num_nodes > 1:
         return from_phy2log(_static_even_plan(out.phy2log, loads, cluster, prev, tokens, cfg), e)
-    if cfg.static_even:  # one node: counts that divide the GPUs (static_one_node.py)
+    if cfg.static_even and cfg.sglang_dispatch == "static":  # one node: counts that divide the GPUs
+        # (static_one_node.py); dynamic dispatch's uniform draw already splits evenly there in expectation
         return from_phy2log(static_one_node(out.phy2log, planning_forecast(loads, prev, cfg)[0], cluster), e)
     if (prev is None or tokens is None or not spreads(cluster, cfg) or cfg.keep_groups
             or not replays(cluster, e, cfg.replay_margin)):

@@ -127,7 +127,10 @@ def test_layout_line_says_static_even_where_it_runs() -> None:
     assert "static_spread.py" in layout(Cluster(16, 2, 160, num_groups=8), planner_config("static")).reason
     assert "SGLang's dynamic dispatch" in layout(Cluster(16, 2, 160, num_groups=8), planner_config("dynamic")).reason
     assert "static_spread.py" not in layout(Cluster(16, 2, 160, num_groups=8), planner_config("node-limited")).reason
-    assert "static_spread.py" not in layout(Cluster(8, 1, 80, num_groups=8), planner_config("static")).reason
+    one_node = layout(Cluster(8, 1, 80, num_groups=8), planner_config("static")).reason
+    assert "static_spread.py" not in one_node and "static_one_node.py" in one_node
+    for other in ("node-limited", "dynamic"):
+        assert "static_one_node.py" not in layout(Cluster(8, 1, 80, num_groups=8), planner_config(other)).reason
 
 
 def test_even_moves_match_a_recount() -> None:
