@@ -21,8 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from r3trace.eplb.placement import Cluster
-
-LEVEL_SHARE = 0.02  # slots a layer the leveling may move (two a swap), as a share of P, as static_spread's
+from r3trace.eplb.static_spread import LEVEL_SHARE  # slots a layer the leveling may move, as a share of P
 
 
 def divisor_counts(count: np.ndarray, w: np.ndarray, g: int) -> np.ndarray:
