@@ -25,6 +25,7 @@ Shape legend: E experts, P slots, T tokens, K top-k, N nodes, C candidates.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import numpy as np
@@ -66,52 +67,69 @@ def cover(masks: np.ndarray, tok: np.ndarray | None, cl: Cluster) -> np.ndarray:
 
 
 def cover_sizes(masks: np.ndarray, tok: np.ndarray, n: int, layer: np.ndarray | None = None) -> np.ndarray:
-    """masks [M, E] node bits of each expert, tokens [T, L, K] (N <= 8 nodes), layer [M] the token layer of each
-    mask row (None: row l is layer l, M = L) -> [T, M] the fewest nodes holding all K of each token's experts:
-    score.node_limited's cover size without its loads.
+    """masks [M, E] node bits of each expert (every expert on some node), tokens [T, L, K] (N <= 8 nodes), layer
+    [M] the token layer of each mask row (None: row l is layer l, M = L) -> [M, T] the fewest nodes holding all K of
+    each token's experts: score.node_limited's cover size without its loads.
 
     A node that is an expert's only one is in every cover (the forced nodes F), and where the experts F misses
-    share a node one more covers them; only the tokens left (two or more nodes beyond F) are solved over the 2^N - 1
-    subsets (_subset_cover). 84-92% of experts sit on one node in ours' layouts on 4-8 nodes, and one byte a mask
-    suffices: 172 layouts x 2,048 tokens on 4 nodes in ~0.015 s against 0.07 s solving every token by subsets."""
+    share a node one more covers them; only the tokens left (two or more nodes beyond F) are solved by subsets
+    (_hitting_size). 84-92% of experts sit on one node in ours' layouts on 4-8 nodes, and one byte a mask
+    suffices: 222 layouts x 2,048 tokens on 4 nodes in ~0.009 s (0.07 s solving every token by subsets; 0.013 s
+    gathering [K, T, M] by token rows, where [K, M, T] copies each layer's token row whole)."""
     rows, e = masks.shape
     layer = np.arange(rows) if layer is None else np.asarray(layer)
     top_k = tok.shape[2]
     table = masks.astype(np.uint8).ravel()  # [M E]
-    by_k = np.moveaxis(tok, 2, 0).astype(np.int32)  # [K, T, L] contiguous (strided gathers were 5x slower)
-    mk = np.empty((top_k, tok.shape[0], rows), dtype=np.uint8)  # [K, T, M] each token's experts' node masks
+    index = np.intp if rows * e >= 1 << 31 else np.int32
+    by_k = np.ascontiguousarray(np.transpose(tok, (2, 1, 0)), dtype=index)  # [K, L, T]
+    offset = (np.arange(rows, dtype=index) * e)[:, None]  # [M, 1] each row's place in table
+    mk = np.empty((top_k, rows, tok.shape[0]), dtype=np.uint8)  # [K, M, T] each token's experts' node masks
     for k in range(top_k):
-        idx = np.take(by_k[k], layer, axis=1)
-        idx += np.arange(rows) * e
+        idx = by_k[k, layer]
+        idx += offset
         np.take(table, idx, out=mk[k])
-    one = (mk & (mk - 1)) == 0  # [K, T, M] expert on one node
-    forced = np.bitwise_or.reduce(mk * one, axis=0)  # [T, M] (multiplying: 6x np.where's speed on uint8)
-    missed = ~one & ((mk & forced) == 0)  # [K, T, M] experts no forced node holds
-    shared = np.bitwise_and.reduce(mk | np.uint8(0xFF) * ~missed, axis=0)  # [T, M] nodes holding every missed one
-    more = missed.any(0)
+    one = (mk & (mk - 1)) == 0  # [K, M, T] expert on one node
+    forced = np.bitwise_or.reduce(mk * one, axis=0)  # [M, T] (multiplying: 6x np.where's speed on uint8)
+    # the experts no forced node holds keep their masks, the rest (every one-node expert among them) read 0xFF
+    missed = mk | np.uint8(0xFF) * ((mk & forced) != 0)  # [K, M, T]
+    shared = np.bitwise_and.reduce(missed, axis=0)  # [M, T] nodes holding every missed one (0xFF: none missed)
+    # a missed expert holds no forced node, so its mask is below 0xFF where F is not empty
+    more = (forced == 0) | (shared != 0xFF)
     out = np.bitwise_count(forced).astype(np.int64) + more
     hard = more & (shared == 0)
     if hard.any():
-        out[hard] = _subset_cover(mk[:, hard], n)
+        out[hard] += _hitting_size(missed[:, hard], n) - 1
     return out
 
 
-def _subset_cover(mk: np.ndarray, n: int) -> np.ndarray:
-    """mk [K, H] node masks of each token's experts -> [H] the fewest nodes holding all K. Which of the 2^N - 1
-    subsets meet each mask, packed into 64-bit words: a token's covering subsets are the AND of its K experts'
-    words, and its cover the smallest size among them."""
-    subsets = np.arange(1, 1 << n, dtype=np.int64)  # [S]
-    words = -(-len(subsets) // 64)
-    meets = (np.arange(1 << n)[:, None] & subsets) != 0  # [2^N, S]: which subsets meet each node mask
-    table = np.packbits(meets, axis=-1, bitorder="little")  # [2^N, ceil(S / 8)] bytes
-    table = np.pad(table, ((0, 0), (0, words * 8 - table.shape[-1]))).view(np.uint64)  # [2^N, W]
-    acc = np.bitwise_and.reduce(table[mk], axis=0)  # [H, W] each token's covering subsets
-    size = np.bitwise_count(subsets)
-    out = np.full(mk.shape[1], n, dtype=np.int64)  # the N nodes always cover
-    for s in range(n - 1, 0, -1):  # the smallest size that covers wins
-        of_size = np.pad(np.packbits(size == s, bitorder="little"), (0, words * 8 - -(-len(subsets) // 8)))
-        np.copyto(out, s, where=(acc & of_size.view(np.uint64)).any(1))
+def _hitting_size(missed: np.ndarray, n: int) -> np.ndarray:
+    """missed [K, H] node masks of each token's experts outside its forced nodes (0xFF: held by one), no node
+    shared by all -> [H] the fewest nodes meeting every mask, from 2 up: which subsets of each size meet a mask
+    are packed into 64-bit words (_meeting), a token's the AND of its K masks' words; N where no smaller size
+    does (the N nodes always do)."""
+    out = np.full(missed.shape[1], n, dtype=np.int64)
+    left = np.arange(missed.shape[1])
+    for size, table in enumerate(_meeting(n), start=2):
+        met = np.bitwise_and.reduce(table[missed[:, left]], axis=0).any(-1)  # [H']
+        out[left[met]] = size
+        left = left[~met]
+        if not len(left):
+            break
     return out
+
+
+@functools.cache
+def _meeting(n: int) -> tuple[np.ndarray, ...]:
+    """Per subset size 2 .. N - 1: [256, W] uint64, bit j of a row set where the j-th node subset of that size
+    meets the row's node mask (every subset meets 0xFF)."""
+    tables = []
+    node_mask = np.arange(256)[:, None]
+    for size in range(2, n):
+        subsets = np.array([s for s in range(1, 1 << n) if bin(s).count("1") == size])
+        packed = np.packbits((node_mask & subsets) != 0, axis=-1, bitorder="little")  # [256, ceil(C / 8)]
+        words = -(-len(subsets) // 64)
+        tables.append(np.pad(packed, ((0, 0), (0, words * 8 - packed.shape[1]))).view(np.uint64))
+    return tuple(tables)
 
 
 def cover_rounds(cl: Cluster, n_layers: int, n_tokens: int) -> int:

@@ -38,6 +38,7 @@ import numpy as np
 from r3trace.eplb.affinity import CoChoices
 from r3trace.eplb.alignment import align
 from r3trace.eplb.candidates import nodes_per_token
+from r3trace.eplb.cover import cover_sizes, node_masks
 from r3trace.eplb.deepseek import global_phy2log
 from r3trace.eplb.descent import hot_swaps
 from r3trace.eplb.emax import emax_swaps
@@ -154,38 +155,12 @@ def crosses(cluster: Cluster, cfg: PlannerConfig) -> bool:
 
 def node_slack(ph: np.ndarray, glob: np.ndarray, tokens: np.ndarray, e: int, cluster: Cluster) -> np.ndarray:
     """phy2log [L, P], DeepSeek global's phy2log [L, P] on the same forecast, tokens [T, L, K] over e experts -> [L]
-    1 - nodes per token of ph / that of glob, both the dispatcher's exact node cover on the tokens (min_cover_nodes;
-    <= 8 nodes)."""
-    ours = min_cover_nodes(ph, tokens, e, cluster).mean(0)
-    return 1 - ours / min_cover_nodes(glob, tokens, e, cluster).mean(0)
-
-
-def min_cover_nodes(phy2log: np.ndarray, tokens: np.ndarray, e: int, cluster: Cluster) -> np.ndarray:
-    """phy2log [L, P], tokens [T, L, K], N <= 8 nodes -> [T, L] the fewest nodes holding all K of each token's
-    experts (score.node_limited's count without its loads: 512 tokens at [58, 256] on 8 nodes took 0.2 s there,
-    2-7 ms here).
-    The nodes of experts on one node are in every cover; the rest is the smallest node set, outside those, that
-    meets every expert they miss, tried by size only on the tokens still without one."""
-    n_layers, n = phy2log.shape[0], cluster.num_nodes
-    bits = np.zeros((n_layers, e), dtype=np.uint8)  # [L, E] node bitmask of each expert
-    np.bitwise_or.at(bits, (np.repeat(np.arange(n_layers), phy2log.shape[1]), phy2log.ravel()),
-                     np.tile((1 << cluster.slot_node()).astype(np.uint8), n_layers))
-    m = bits[np.arange(n_layers)[None, :, None], tokens]  # [T, L, K]
-    one = np.bitwise_count(m) == 1
-    forced = np.bitwise_or.reduce(np.where(one, m, np.uint8(0)), axis=2)  # [T, L]
-    miss = np.where((m & forced[..., None]) == 0, m, np.uint8(0))  # [T, L, K] masks no forced node meets (0: met)
-    count = np.bitwise_count(forced).astype(np.int64).ravel()  # [T L] in C order (tokens may come in another)
-    todo = np.flatnonzero(miss.reshape(-1, miss.shape[2]).any(1))
-    rest = miss.reshape(-1, miss.shape[2])[todo]  # [R, K]
-    subsets = np.arange(1, 1 << n, dtype=np.uint8)
-    for s in subsets[np.argsort(np.bitwise_count(subsets), kind="stable")]:
-        if not len(todo):
-            break
-        hit = ((rest & s) != 0) | (rest == 0)
-        done = hit.all(1)
-        count[todo[done]] += int(np.bitwise_count(s))
-        todo, rest = todo[~done], rest[~done]
-    return count.reshape(forced.shape)
+    1 - nodes per token of ph / that of glob, both the dispatcher's exact node cover on the tokens
+    (cover.cover_sizes, both layouts in one call; <= 8 nodes)."""
+    n_layers = len(ph)
+    masks = node_masks(np.concatenate([ph, glob]), e, cluster)  # [2 L, E]
+    nodes = cover_sizes(masks, tokens, cluster.num_nodes, np.tile(np.arange(n_layers), 2)).mean(1)  # [2 L]
+    return 1 - nodes[:n_layers] / nodes[n_layers:]
 
 
 def max_load_floor(w: np.ndarray, logcnt: np.ndarray, cluster: Cluster) -> np.ndarray:

@@ -82,7 +82,7 @@ def _nodes(phy2log: np.ndarray, tok: np.ndarray, cluster: Cluster, e: int, layer
            ) -> np.ndarray:
     """phy2log [M, P], tok [T, L, K], layer [M] each row's layer (None: row l is layer l) -> [M] mean nodes per
     token of the node-limited cover (score.node_limited's)."""
-    return cover_sizes(node_masks(phy2log, e, cluster), tok, cluster.num_nodes, layer).mean(0)
+    return cover_sizes(node_masks(phy2log, e, cluster), tok, cluster.num_nodes, layer).mean(1)
 
 
 def choose(bal: np.ndarray, nodes: np.ndarray, budget: float) -> np.ndarray:

@@ -7,9 +7,10 @@ from __future__ import annotations
 import numpy as np
 
 from r3trace.eplb import Cluster, PlannerConfig, churn, plan
+from r3trace.eplb.cover import cover_sizes, node_masks
 from r3trace.eplb.deepseek import global_phy2log
 from r3trace.eplb.placement import from_phy2log
-from r3trace.eplb.replan import crosses, min_cover_nodes, node_slack
+from r3trace.eplb.replan import crosses, node_slack
 from r3trace.eplb.score import heat_of, node_limited
 
 CL = Cluster(16, 4, 80, num_groups=8)  # 64 experts, 8 groups, 5 slots a GPU
@@ -85,7 +86,7 @@ def test_crosses_only_on_exact_cover_nodes_with_more_than_two_slots_a_gpu() -> N
     assert not crosses(Cluster(32, 4, 288), PlannerConfig(cross_slack=-1.0))
 
 
-def test_min_cover_nodes_equals_the_dispatchers_cover() -> None:
+def test_node_cover_equals_the_dispatchers_cover() -> None:
     # score.node_limited's exact cover, on ours' and global's layouts, with tokens sliced as seeded_plan slices them
     # (newest tokens, some layers: a non-contiguous array, whose raveled view is a copy, so in-place counts on it
     # were lost)
@@ -97,4 +98,8 @@ def test_min_cover_nodes_equals_the_dispatchers_cover() -> None:
     assert not tok.flags.c_contiguous
     for ph in (first.phy2log[rows], global_phy2log(heats[2][rows], CL)):
         want = node_limited(from_phy2log(ph, E), tok, CL).nodes
-        np.testing.assert_array_equal(min_cover_nodes(ph, tok, E, CL), want)
+        np.testing.assert_array_equal(cover_sizes(node_masks(ph, E, CL), tok, CL.num_nodes).T, want)
+    ours, theirs = (node_limited(from_phy2log(ph, E), tok, CL).nodes.mean(0)
+                    for ph in (first.phy2log[rows], global_phy2log(heats[2][rows], CL)))
+    np.testing.assert_allclose(node_slack(first.phy2log[rows], global_phy2log(heats[2][rows], CL), tok, E, CL),
+                               1 - ours / theirs, rtol=1e-12)

@@ -123,6 +123,6 @@ def test_cover_sizes_equal_the_node_limited_cover(g: int, n: int, p: int, seed: 
     cl = Cluster(g, n, p)
     for pl in (global_policy(heat_of(ids, e), cl), plan(heat_of(ids, e), cl, tokens=ids)):
         masks = ((node_counts(pl, cl) > 0) << np.arange(n)).sum(-1)  # [L, E]
-        got = cover_sizes(masks, ids, n)
+        got = cover_sizes(masks, ids, n).T  # [T, L]
         assert np.array_equal(got, node_limited(pl, ids, cl).nodes)
         assert n == 1 or len(np.unique(got)) > 1

@@ -74,7 +74,17 @@ def test_cover_sizes_equal_every_subset_tried(seed: int) -> None:
                          1 << rng.integers(0, n, (rows, e))).astype(np.int64)
         tok = rng.integers(0, e, (t, n_layers, k))
         layer = rng.integers(0, n_layers, rows)
-        assert np.array_equal(cover_sizes(masks, tok, n, layer), brute_cover(masks, tok, n, layer))
+        assert np.array_equal(cover_sizes(masks, tok, n, layer), brute_cover(masks, tok, n, layer).T)
+
+
+def test_cover_sizes_of_experts_on_every_node() -> None:
+    # no forced node and nothing missed by it: one node covers a token whose experts all sit on all 8 (0xFF)
+    masks = np.array([[0xFF, 0xFF, 0b11, 0b1100, 0b110000, 0b11000000]])  # [1, 6]
+    tok = np.array([[[0, 1]], [[0, 2]], [[2, 3]], [[3, 4]]])  # [4, 1, 2]
+    want = brute_cover(masks, tok, 8, np.zeros(1, dtype=np.int64)).T
+    assert np.array_equal(cover_sizes(masks, tok, 8), want) and want[0].tolist() == [1, 1, 2, 2]
+    tok4 = np.array([[[2, 3, 4, 5]], [[0, 1, 0, 1]]])  # four pairs of nodes: 4 nodes; all-node experts: 1
+    assert cover_sizes(masks, tok4, 8)[0].tolist() == [4, 1]
 
 
 @pytest.mark.parametrize("g, n, p, e, s, seed", [(16, 2, 288, 256, 1.2, 0), (32, 4, 288, 256, 0.9, 1),
