@@ -32,6 +32,7 @@ import numpy as np
 
 from r3trace.eplb.placement import Cluster
 
+COVER_BLOCK = 1 << 18  # bytes of node masks cover_sizes handles at once (L2-sized temporaries)
 COVER_ROUNDS = 200  # rounds a layer gets at most (synth-e64 went 2.250 after 50 rounds, 2.198 after 200)
 COVER_PATIENCE = 64  # rounds in a row without a lower cover that end them
 COVER_STEPS = 2  # perturbation steps a round (1: synth-e16 stays at 1.025; 3: no better, 1.6x the time)
@@ -74,32 +75,43 @@ def cover_sizes(masks: np.ndarray, tok: np.ndarray, n: int, layer: np.ndarray | 
     A node that is an expert's only one is in every cover (the forced nodes F), and where the experts F misses
     share a node one more covers them; only the tokens left (two or more nodes beyond F) are solved by subsets
     (_hitting_size). 84-92% of experts sit on one node in ours' layouts on 4-8 nodes, and one byte a mask
-    suffices: 222 layouts x 2,048 tokens on 4 nodes in ~0.009 s (0.07 s solving every token by subsets; 0.013 s
-    gathering [K, T, M] by token rows, where [K, M, T] copies each layer's token row whole)."""
+    suffices. Rows go COVER_BLOCK bytes of [K, rows, T] masks at a time (each layer's token row copied whole):
+    222 layouts x 2,048 tokens on 4 nodes in ~0.009 s, where all rows at once took 0.010-0.016 s by how the
+    allocator served its 3.6 MB temporaries (fresh pages: page faults), and 0.07 s solving every token by subsets."""
     rows, e = masks.shape
     layer = np.arange(rows) if layer is None else np.asarray(layer)
-    top_k = tok.shape[2]
+    top_k, n_tok = tok.shape[2], tok.shape[0]
     table = masks.astype(np.uint8).ravel()  # [M E]
     index = np.intp if rows * e >= 1 << 31 else np.int32
     by_k = np.ascontiguousarray(np.transpose(tok, (2, 1, 0)), dtype=index)  # [K, L, T]
     offset = (np.arange(rows, dtype=index) * e)[:, None]  # [M, 1] each row's place in table
-    mk = np.empty((top_k, rows, tok.shape[0]), dtype=np.uint8)  # [K, M, T] each token's experts' node masks
-    for k in range(top_k):
-        idx = by_k[k, layer]
-        idx += offset
-        np.take(table, idx, out=mk[k])
-    one = (mk & (mk - 1)) == 0  # [K, M, T] expert on one node
-    forced = np.bitwise_or.reduce(mk * one, axis=0)  # [M, T] (multiplying: 6x np.where's speed on uint8)
+    out = np.empty((rows, n_tok), dtype=np.int64)
+    block = max(1, COVER_BLOCK // max(top_k * n_tok, 1))
+    buf = np.empty((top_k, min(block, rows), n_tok), dtype=np.uint8)
+    for r0 in range(0, rows, block):
+        r1 = min(r0 + block, rows)
+        mk = buf[:, : r1 - r0]  # [K, R, T] each token's experts' node masks
+        for k in range(top_k):
+            idx = by_k[k, layer[r0:r1]]
+            idx += offset[r0:r1]
+            np.take(table, idx, out=mk[k])
+        _block_cover(mk, n, out[r0:r1])
+    return out
+
+
+def _block_cover(mk: np.ndarray, n: int, out: np.ndarray) -> None:
+    """mk [K, R, T] node masks -> out [R, T] the cover sizes (cover_sizes' doc)."""
+    one = (mk & (mk - 1)) == 0  # [K, R, T] expert on one node
+    forced = np.bitwise_or.reduce(mk * one, axis=0)  # [R, T] (multiplying: 6x np.where's speed on uint8)
     # the experts no forced node holds keep their masks, the rest (every one-node expert among them) read 0xFF
-    missed = mk | np.uint8(0xFF) * ((mk & forced) != 0)  # [K, M, T]
-    shared = np.bitwise_and.reduce(missed, axis=0)  # [M, T] nodes holding every missed one (0xFF: none missed)
+    missed = mk | np.uint8(0xFF) * ((mk & forced) != 0)  # [K, R, T]
+    shared = np.bitwise_and.reduce(missed, axis=0)  # [R, T] nodes holding every missed one (0xFF: none missed)
     # a missed expert holds no forced node, so its mask is below 0xFF where F is not empty
     more = (forced == 0) | (shared != 0xFF)
-    out = np.bitwise_count(forced).astype(np.int64) + more
+    np.add(np.bitwise_count(forced), more, out=out, casting="unsafe")
     hard = more & (shared == 0)
     if hard.any():
         out[hard] += _hitting_size(missed[:, hard], n) - 1
-    return out
 
 
 def _hitting_size(missed: np.ndarray, n: int) -> np.ndarray:
