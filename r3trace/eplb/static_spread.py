@@ -99,10 +99,11 @@ def _fixes(ph: np.ndarray, w: np.ndarray, share: np.ndarray, cnt: np.ndarray, cl
            ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray] | None]:
     """One layer ph [P] (not changed), floors descending -> per floor the state (ph [P], gpu_load [G], per_node
     [E, N]) once every mixed expert of load >= it is fixed, hottest first (module doc); None where no swap was
-    taken since the floor before, or at the first floor where no expert is mixed (the layout as planned)."""
-    e, n, spg = len(w), cl.num_nodes, cl.slots_per_gpu
+    taken since the floor before, or at the first floor where no expert is mixed (the layout as planned). A move's
+    choice of nodes is made on Python ints (N <= a few dozen): numpy calls on [N] arrays were half a swap's time."""
+    e, n, spg, spn = len(w), cl.num_nodes, cl.slots_per_gpu, cl.slots_per_node
     ph = ph.copy()
-    node_of = np.arange(len(ph)) // cl.slots_per_node  # [P]
+    node_of = np.arange(len(ph)) // spn  # [P]
     per_node = np.zeros((e, n), dtype=np.int64)  # [E, N]
     np.add.at(per_node, (ph, node_of), 1)
     gpu_load = np.bincount(np.arange(len(ph)) // spg, weights=share[ph], minlength=cl.num_gpus)  # [G]
@@ -114,16 +115,16 @@ def _fixes(ph: np.ndarray, w: np.ndarray, share: np.ndarray, cnt: np.ndarray, cl
     for floor in floors:
         moved = not out and bool(ok.bad.any())  # a layer with no mixed expert is left as planned
         while x is not None and w[x] >= floor:
+            c = int(cnt[x])
             while ok.bad[x] > 0:
-                k = per_node[x]
-                spread_moves = int(np.maximum(k - 1, 0).sum())
-                gather_moves = int(cnt[x] - k.max())
-                if cnt[x] <= n and spread_moves <= gather_moves:
-                    src_nodes, dst_nodes = k >= 2, k == 0  # one a node
-                else:
-                    home = int(np.argmax(k))
-                    src_nodes, dst_nodes = np.arange(n) != home, np.arange(n) == home  # all on one node
-                if not _swap_one(ph, x, src_nodes & (k > 0), dst_nodes, node_of, share, gpu_load, spg, ok):
+                k = per_node[x].tolist()
+                top = max(k)
+                if c <= n and sum(max(v - 1, 0) for v in k) <= c - top:  # one a node, in no more moves
+                    src, dst = [j for j in range(n) if k[j] >= 2], [j for j in range(n) if k[j] == 0]
+                else:  # all on the (first) node holding most of them
+                    home = k.index(top)
+                    src, dst = [j for j in range(n) if j != home and k[j] > 0], [home]
+                if not _swap_one(ph, x, src, dst, node_of, share, gpu_load, spg, spn, ok):
                     break
                 moved = True
             x = next(hot, None)
@@ -210,12 +211,16 @@ class EvenMoves:
         self.bad[e] += (2 <= ka - 1 < c) - (2 <= ka < c) + (2 <= kb + 1 < c) - (2 <= kb < c)
 
 
-def _swap_one(ph: np.ndarray, x: int, src_nodes: np.ndarray, dst_nodes: np.ndarray, node_of: np.ndarray,
-              share: np.ndarray, gpu_load: np.ndarray, spg: int, ok: EvenMoves) -> bool:
+def _swap_one(ph: np.ndarray, x: int, src_nodes: list[int], dst_nodes: list[int], node_of: np.ndarray,
+              share: np.ndarray, gpu_load: np.ndarray, spg: int, spn: int, ok: EvenMoves) -> bool:
     """Swap one replica of x on a src node with another expert's slot on a dst node (module doc's choice); False
-    where none keeps that expert static-even. ok: the layer's node counts."""
-    src = np.flatnonzero((ph == x) & src_nodes[node_of])
-    dst = np.flatnonzero((ph != x) & dst_nodes[node_of])
+    where none keeps that expert static-even. Nodes ascending; ok: the layer's node counts."""
+    src = np.array([s for s in np.flatnonzero(ph == x).tolist() if s // spn in src_nodes], dtype=np.int64)  # [S]
+    if len(dst_nodes) == 1:
+        dst = np.arange(dst_nodes[0] * spn, (dst_nodes[0] + 1) * spn)
+    else:
+        dst = (np.asarray(dst_nodes)[:, None] * spn + np.arange(spn)).ravel()  # [D] ascending
+    dst = dst[ph[dst] != x]
     if not len(src) or not len(dst):
         return False
     f = ph[dst][None, :]  # [1, D] the experts that would move to a src slot's node
