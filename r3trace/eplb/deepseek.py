@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from r3trace.eplb.packing import balanced_packing, replica_counts, replicate_experts, torch_order
-from r3trace.eplb.placement import Cluster, Placement, PlacementError, from_phy2log
+from r3trace.eplb.placement import Cluster, Placement, PlacementError, from_phy2log, slot_order
 
 
 def hierarchical(weight: np.ndarray, cluster: Cluster) -> Placement:
@@ -34,12 +34,12 @@ def _hierarchical(weight: np.ndarray, cluster: Cluster) -> tuple[np.ndarray, np.
     gw = w.reshape(n_layers, gr, gsize).sum(-1)  # [L, groups]
     gpack, grank = balanced_packing(gw, n, torch_order(gw))  # ties as the reference breaks them
     log2mlog = (((gpack * gpn + grank) * gsize)[:, :, None] + np.arange(gsize)).reshape(n_layers, e)
-    mlog2log = np.argsort(log2mlog, axis=1)
+    mlog2log = slot_order(log2mlog)  # a permutation per row: any sort's order
     w_mlog = np.take_along_axis(w, mlog2log, 1).reshape(n_layers * n, e // n)
     phy2mlog, phyrank, mlogcnt = replicate_experts(w_mlog, p // n)  # [L*N, P/N]
     w_phy = np.take_along_axis(w_mlog / mlogcnt, phy2mlog, 1)
     pack, rank = balanced_packing(w_phy, cluster.gpus_per_node, torch_order(w_phy))
-    pphy2phy = np.argsort(pack * cluster.slots_per_gpu + rank, axis=1)
+    pphy2phy = slot_order(pack * cluster.slots_per_gpu + rank)  # a permutation per row
     pphy2mlog = np.take_along_axis(phy2mlog, pphy2phy, 1).reshape(n_layers, n, -1)
     pphy2mlog = (pphy2mlog + (np.arange(n) * (e // n))[None, :, None]).reshape(n_layers, p)
     pphyrank = np.take_along_axis(phyrank, pphy2phy, 1).reshape(n_layers, p)  # replica rank of each slot

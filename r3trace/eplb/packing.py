@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from r3trace.eplb.placement import PlacementError
+from r3trace.eplb.placement import PlacementError, slot_order
 
 
 def torch_order(weight: np.ndarray) -> np.ndarray:
@@ -70,7 +70,7 @@ def balanced_packing(
             open_flat[full] = np.inf
     packs = packs.T  # [X, n]
     ranks = np.empty((x, n), dtype=np.int64)
-    np.put_along_axis(ranks, np.argsort(packs, axis=1, kind="stable"), np.arange(n) % cap, 1)
+    np.put_along_axis(ranks, slot_order(packs), np.arange(n) % cap, 1)
     pack_index = np.empty((x, n), dtype=np.int64)
     rank = np.empty((x, n), dtype=np.int64)
     np.put_along_axis(pack_index, order, packs, 1)

@@ -65,6 +65,16 @@ class Placement(NamedTuple):
         return int(self.logcnt.shape[1])
 
 
+def slot_order(keys: np.ndarray) -> np.ndarray:
+    """[X, n] integer keys -> their stable argsort along the last axis. Keys that fit int16 take numpy's radix sort
+    (0.13 ms against 1.4 at [164, 288]); a stable sort's indices depend only on the keys' order, so they are the
+    same, and so are an unstable sort's where no key repeats in a row."""
+    keys = np.asarray(keys)
+    if keys.size and keys.min() >= -(1 << 15) and keys.max() < 1 << 15:
+        keys = keys.astype(np.int16)
+    return np.argsort(keys, axis=-1, kind="stable")
+
+
 def from_phy2log(phy2log: np.ndarray, num_experts: int, rank: np.ndarray | None = None) -> Placement:
     """Builds log2phy [L, E, R] and logcnt [L, E] from phy2log [L, P]; every expert needs >= 1 replica.
 
@@ -86,7 +96,7 @@ def from_phy2log(phy2log: np.ndarray, num_experts: int, rank: np.ndarray | None 
     rows = np.arange(n_layers)[:, None]
     log2phy = np.full((n_layers, num_experts, r), -1, dtype=np.int64)
     if rank is None:
-        order = np.argsort(phy2log, axis=1, kind="stable")  # slots grouped by expert, ascending slot
+        order = slot_order(phy2log)  # slots grouped by expert, ascending slot
         sorted_log = np.take_along_axis(phy2log, order, 1)
         first = np.cumsum(logcnt, axis=1) - logcnt  # [L, E] start of each expert's run
         log2phy[rows, sorted_log, np.arange(p)[None, :] - np.take_along_axis(first, sorted_log, 1)] = order

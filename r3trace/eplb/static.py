@@ -35,7 +35,7 @@ from typing import Literal, NamedTuple
 
 import numpy as np
 
-from r3trace.eplb.placement import Cluster, Placement, from_phy2log
+from r3trace.eplb.placement import Cluster, Placement, from_phy2log, slot_order
 
 SGLangDispatch = Literal["static", "dynamic"]
 
@@ -132,7 +132,7 @@ def static_expected_load(phy2log: np.ndarray, weight: np.ndarray, cluster: Clust
     phy2log = np.asarray(phy2log, dtype=np.int64)
     n_layers, p = phy2log.shape
     e, g, gpn = weight.shape[1], cluster.num_gpus, cluster.gpus_per_node
-    order = np.argsort(phy2log, axis=1, kind="stable")  # [L, P] slots grouped by expert, ascending slot
+    order = slot_order(phy2log)  # [L, P] slots grouped by expert, ascending slot
     x = np.take_along_axis(phy2log, order, 1).ravel() + np.repeat(np.arange(n_layers) * e, p)  # [L P] layer-expert
     rank = (order // cluster.slots_per_gpu).ravel()  # [L P] the rank holding each replica
     node = rank // gpn
