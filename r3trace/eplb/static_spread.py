@@ -60,56 +60,58 @@ def static_even_ladder(phy2log: np.ndarray, weight: np.ndarray, cluster: Cluster
     was the leveling's per-layer numpy calls). A floor with no swap since the one before repeats its layout, and a
     layer with no mixed expert keeps the input's at every floor (module doc)."""
     n_layers, p = phy2log.shape
-    out = np.repeat(phy2log[None], len(taus), axis=0)
     if cluster.num_nodes == 1:
-        return out
-    e, g = weight.shape[1], cluster.num_gpus
-    cnt = np.stack([np.bincount(row, minlength=e) for row in phy2log])  # [L, E]
+        return np.repeat(phy2log[None], len(taus), axis=0)
+    e, g, n = weight.shape[1], cluster.num_gpus, cluster.num_nodes
+    key = phy2log + (np.arange(n_layers) * e)[:, None]  # [L, P] (layer, expert)
+    cnt = np.bincount(key.ravel(), minlength=n_layers * e).reshape(n_layers, e)  # [L, E]
     share = weight / np.maximum(cnt, 1)  # [L, E] one replica's even-split load
+    node_of = np.arange(p) // cluster.slots_per_node  # [P]
+    per_node = np.bincount((key * n + node_of).ravel(), minlength=n_layers * e * n).reshape(n_layers, e, n)
+    bad = bad_nodes(per_node, cnt[:, :, None]).sum(2)  # [L, E] each expert's bad nodes (EvenMoves.bad)
+    gpu_load = np.bincount((np.arange(n_layers)[:, None] * g + np.arange(p) // cluster.slots_per_gpu).ravel(),
+                           weights=np.take_along_axis(share, phy2log, 1).ravel(), minlength=n_layers * g)
+    gpu_load = gpu_load.reshape(n_layers, g)  # [L, G]
+    hot = np.argsort(-weight, axis=1, kind="stable")  # [L, E] hottest first
     at = np.full((len(taus), n_layers), -1)  # [V, L] each rung's state, -1: the rung before's layout
     states: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (ph [P], gpu_load [G], per_node [E, N]) to level
     of: list[int] = []  # each state's layer
-    for layer in range(n_layers):
+    for layer in np.flatnonzero(bad.any(1)).tolist():  # the others have no mixed expert: left as planned
         floors = np.asarray(taus) * float(weight[layer].sum()) / g
-        for rung, state in enumerate(_fixes(phy2log[layer], weight[layer], share[layer], cnt[layer], cluster, floors)):
+        ok = EvenMoves(per_node[layer].copy(), cnt[layer], bad[layer].copy())
+        mixed_hot = hot[layer][bad[layer, hot[layer]] > 0]  # swaps keep the others not mixed: only these get fixed
+        fixed = _fixes(phy2log[layer], weight[layer], share[layer], gpu_load[layer], cluster, floors, ok, mixed_hot)
+        for rung, state in enumerate(fixed):
             if state is not None:
                 at[rung, layer] = len(states)
                 states.append(state)
                 of.append(layer)
     b = len(states)
     if not b:
-        return out
+        return np.repeat(phy2log[None], len(taus), axis=0)
     ids = np.stack([s[0] for s in states]) + (np.arange(b) * e)[:, None]  # [B, P] expert ids unique per state
     ok = EvenMoves(np.concatenate([s[2] for s in states]), cnt[of].ravel())
-    gpu_load = np.stack([s[1] for s in states])  # [B, G]
-    _level(ids, share[of].ravel(), gpu_load, np.arange(p) // cluster.slots_per_node, cluster.slots_per_gpu,
+    _level(ids, share[of].ravel(), np.stack([s[1] for s in states]), node_of, cluster.slots_per_gpu,
            int(LEVEL_SHARE * p / 2), ok)
-    leveled = ids - (np.arange(b) * e)[:, None]
+    rows = np.concatenate([phy2log, ids - (np.arange(b) * e)[:, None]])  # [L + B, P] the input's, then the states
+    pick = np.empty((len(taus), n_layers), dtype=np.int64)  # [V, L] each rung's row
+    before = np.arange(n_layers)
     for rung in range(len(taus)):
-        for layer in range(n_layers):
-            state = at[rung, layer]
-            if state >= 0:
-                out[rung, layer] = leveled[state]
-            elif rung:
-                out[rung, layer] = out[rung - 1, layer]
-    return out
+        before = pick[rung] = np.where(at[rung] >= 0, n_layers + at[rung], before)
+    return rows[pick]
 
 
-def _fixes(ph: np.ndarray, w: np.ndarray, share: np.ndarray, cnt: np.ndarray, cl: Cluster, floors: np.ndarray
-           ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray] | None]:
-    """One layer ph [P] (not changed), floors descending -> per floor the state (ph [P], gpu_load [G], per_node
-    [E, N]) once every mixed expert of load >= it is fixed, hottest first (module doc); None where no swap was
-    taken since the floor before, or at the first floor where no expert is mixed (the layout as planned). A move's
-    choice of nodes is made on Python ints (N <= a few dozen): numpy calls on [N] arrays were half a swap's time."""
-    e, n, spg, spn = len(w), cl.num_nodes, cl.slots_per_gpu, cl.slots_per_node
-    ph = ph.copy()
+def _fixes(ph: np.ndarray, w: np.ndarray, share: np.ndarray, gpu_load: np.ndarray, cl: Cluster, floors: np.ndarray,
+           ok: EvenMoves, mixed_hot: np.ndarray) -> list[tuple[np.ndarray, np.ndarray, np.ndarray] | None]:
+    """One layer ph [P], gpu_load [G] (neither changed), floors descending, ok its node counts (changed), mixed_hot
+    its mixed experts hottest first -> per floor the state (ph [P], gpu_load [G], per_node [E, N]) once every mixed
+    expert of load >= it is fixed, hottest first (module doc); None where no swap was taken since the floor before,
+    or at the first floor where no expert is mixed (the layout as planned). A move's choice of nodes is made on
+    Python ints (N <= a few dozen): numpy calls on [N] arrays were half a swap's time."""
+    n, spg, spn = cl.num_nodes, cl.slots_per_gpu, cl.slots_per_node
+    ph, gpu_load, cnt, per_node = ph.copy(), gpu_load.copy(), ok.count, ok.per_node
     node_of = np.arange(len(ph)) // spn  # [P]
-    per_node = np.zeros((e, n), dtype=np.int64)  # [E, N]
-    np.add.at(per_node, (ph, node_of), 1)
-    gpu_load = np.bincount(np.arange(len(ph)) // spg, weights=share[ph], minlength=cl.num_gpus)  # [G]
-    ok = EvenMoves(per_node, cnt)  # its bad-node counts say which experts are mixed, kept by every swap
-    hot = np.argsort(-w, kind="stable")
-    hot = iter(hot[ok.bad[hot] > 0].tolist())  # swaps keep the others not mixed, so only these are ever fixed
+    hot = iter(mixed_hot.tolist())
     x = next(hot, None)
     out: list[tuple[np.ndarray, np.ndarray, np.ndarray] | None] = []
     for floor in floors:
@@ -192,9 +194,9 @@ class EvenMoves:
     is mixed while some node holds 2 .. c - 1 of its c replicas ("bad" nodes), and a move changes only a's and b's
     counts, so a count of bad nodes per expert answers it for any number of moves at once."""
 
-    def __init__(self, per_node: np.ndarray, count: np.ndarray) -> None:
+    def __init__(self, per_node: np.ndarray, count: np.ndarray, bad: np.ndarray | None = None) -> None:
         self.per_node, self.count = per_node, count  # [E, N] (kept by _apply's swaps), [E]
-        self.bad = bad_nodes(per_node, count[:, None]).sum(1)  # [E]
+        self.bad = bad_nodes(per_node, count[:, None]).sum(1) if bad is None else bad  # [E] (bad: already counted)
 
     def after(self, e: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         """e, a, b broadcast together (a holding a replica of e, a != b) -> whether e stays not mixed."""
