@@ -11,6 +11,7 @@ Shape legend: T tokens, L layers, K top-k, E experts, P slots, G GPUs, N nodes, 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -68,19 +69,68 @@ def node_limited(
                     np.concatenate([p.nodes for p in parts]), np.concatenate([p.remote for p in parts]))
 
 
+def node_limited_max(pl: Placement, topk_ids: np.ndarray, cluster: Cluster, seed: int = 0, chunk: int = 2048
+                     ) -> np.ndarray:
+    """topk_ids [T, L, K] -> [L] node_limited's max GPU load (token_node None), for N <= MAX_LOAD_NODES: the same
+    covers (the same draws), each (layer, expert) unit counted per cover node set and split once per set, instead of
+    [T, L, K, N] shares summed per token (2,048 tokens at [58, 288] on 2 nodes: ~0.01 s against 0.07). The same sums
+    in another order: equal up to float rounding (tests/analysis/test_eplb_replay_max.py)."""
+    n_layers, e = pl.logcnt.shape
+    n = cluster.num_nodes
+    if n > MAX_LOAD_NODES:
+        return node_limited(pl, topk_ids, cluster, seed=seed, chunk=chunk).gpu_load.max(1)
+    cnt = node_counts(pl, cluster)  # [L, E, N]
+    sets = 1 << n
+    key = _flat(topk_ids, e)  # [T, L, K] (layer, expert)
+    ebits = _expert_bits(cnt)
+    key *= sets
+    units = np.zeros(n_layers * e * sets)
+    for i in range(0, len(topk_ids), chunk):
+        flat = key[i:i + chunk]
+        code = _cover_codes(np.take(ebits, flat // sets), n, np.random.default_rng(seed + i))  # [T', L] node sets
+        flat += code[:, :, None]
+        units += np.bincount(flat.ravel(), minlength=len(units))
+    units = units.reshape(n_layers, e, sets)  # [L, E, 2^N] units of each expert served by each node set
+    member = ((np.arange(sets)[:, None] >> np.arange(n)) & 1).astype(float)  # [2^N, N]
+    per = np.einsum("les,sn->len", units / np.maximum(cnt @ member.T, 1), member)  # [L, E, N] per replica
+    slot_load = per[np.arange(n_layers)[:, None], pl.phy2log, cluster.slot_node()[None, :]]  # [L, P]
+    return slot_load.reshape(n_layers, cluster.num_gpus, -1).sum(-1).max(1)
+
+
+MAX_LOAD_NODES = 4  # node_limited_max counts per node set: 2^N sets per (layer, expert)
+
+
+def _flat(topk_ids: np.ndarray, e: int) -> np.ndarray:
+    """[T, L, K] expert ids -> [T, L, K] int64 (layer, expert) rows of an [L, E] table, raveled."""
+    flat = topk_ids.astype(np.int64)
+    flat += (np.arange(topk_ids.shape[1]) * e)[None, :, None]
+    return flat
+
+
+def _expert_bits(cnt: np.ndarray) -> np.ndarray:
+    """cnt [L, E, N] (N <= 8) -> [L E] uint8 node bitmask of each (layer, expert)."""
+    n = cnt.shape[2]
+    return ((cnt > 0).astype(np.uint16) << np.arange(n, dtype=np.uint16)).sum(-1, dtype=np.uint16).astype(
+        np.uint8).ravel()
+
+
+def _chosen(cnt: np.ndarray, flat: np.ndarray, n: int, rng: np.random.Generator) -> np.ndarray:
+    """cnt [L, E, N] replicas per node, flat [T, L, K] tokens' (layer, expert) rows -> chosen [T, L, N]: the cover
+    node_limited dispatches each token over (exact below EXACT_COVER_NODES, greedy above, ties by rng)."""
+    if n <= EXACT_COVER_NODES:  # node bitmask per (layer, expert), gathered per token: 1 byte, not N bools
+        code = _cover_codes(np.take(_expert_bits(cnt), flat), n, rng)
+        return ((code[..., None] >> np.arange(n)) & 1).astype(bool)
+    return _greedy_cover(np.take(cnt.reshape(-1, n), flat, axis=0) > 0, rng)  # has [T, L, K, N]
+
+
 def _node_limited(
     pl: Placement, topk_ids: np.ndarray, cluster: Cluster, token_node: np.ndarray | None, seed: int
 ) -> Dispatch:
     t, n_layers, k = topk_ids.shape
     n = cluster.num_nodes
-    rng = np.random.default_rng(seed)
     cnt = node_counts(pl, cluster)  # [L, E, N]
     lrow = np.arange(n_layers)[None, :, None]
-    if n <= EXACT_COVER_NODES:  # node bitmask per (layer, expert), gathered per token: 1 byte, not N bools
-        ebits = ((cnt > 0).astype(np.uint16) << np.arange(n, dtype=np.uint16)).sum(-1, dtype=np.uint16)
-        chosen = _min_cover(ebits.astype(np.uint8)[lrow, topk_ids], n, rng)
-    else:
-        chosen = _greedy_cover(cnt[lrow, topk_ids] > 0, rng)  # has [T, L, K, N]
+    chosen = _chosen(cnt, _flat(topk_ids, cnt.shape[1]), n, np.random.default_rng(seed))
     # split each (token, layer, k) unit evenly over its expert's replicas on the chosen nodes: each replica on a
     # chosen node gets 1/m of it, m = the expert's replicas there. Summed per (layer, expert, node) and read back
     # per slot: [T, L, K, N] arrays instead of [T, L, K, R] ones (R = 8 on V3 at 288 slots: 2-4x less work)
@@ -102,23 +152,42 @@ def _node_limited(
 EXACT_COVER_NODES = 8  # 255 subsets: exact; 18 nodes would be 262K subsets, so greedy there
 
 
-def _min_cover(bits: np.ndarray, n: int, rng: np.random.Generator) -> np.ndarray:
-    """bits [T, L, K] uint8 node bitmask of each expert (N <= 8 nodes) -> chosen [T, L, N]: a smallest node set
-    covering all K experts, ties broken by one random draw per (subset, token, layer)."""
+def _cover_codes(bits: np.ndarray, n: int, rng: np.random.Generator) -> np.ndarray:
+    """bits [T, L, K] uint8 node bitmask of each expert (N <= 8 nodes) -> [T, L] int64 the bitmask of a smallest
+    node set covering all K experts, ties broken by one random draw per (subset, token, layer)."""
     t, n_layers, k = bits.shape
-    masks = ((np.arange(1, 2**n)[:, None] >> np.arange(n)) & 1).astype(bool)  # [S, N]
-    size = masks.sum(1)
+    size = np.bitwise_count(np.arange(1, 2**n))  # [S]: subset s is the bitmask s + 1
     best = np.full((t, n_layers), -1)
     best_score = np.full((t, n_layers), np.inf)
-    hit = np.empty_like(bits, dtype=bool)
+    meets_all = _cover_test(bits, n)
     for s in np.argsort(size, kind="stable"):
-        np.not_equal(np.bitwise_and(bits, np.uint8(s + 1)), 0, out=hit)  # subset s is the bitmask s + 1
-        covers = hit.all(-1)  # [T, L]
+        covers = meets_all(s + 1)  # [T, L]
         score = np.where(covers, size[s] + rng.random((t, n_layers)) * 0.5, np.inf)
         better = score < best_score
         np.copyto(best, s, where=better)
         np.copyto(best_score, score, where=better)
-    return masks[np.maximum(best, 0)] & (best >= 0)[..., None]
+    return best + 1  # 0 where nothing covers (an expert on no node)
+
+
+def _cover_test(bits: np.ndarray, n: int) -> Callable[[int], np.ndarray]:
+    """bits [T, L, K] node bitmasks -> subset -> [T, L] whether it meets every one of a token's K masks. On <= 4
+    nodes the masks a token's experts have are kept as a 16-bit set, so a subset's test is one AND with the masks it
+    misses; above, one AND a top-k position ([T, L] passes: a reduce over the short K axis was 3x slower)."""
+    t, n_layers, k = bits.shape
+    if n <= 4:
+        seen = np.zeros((t, n_layers), dtype=np.uint16)
+        for j in range(k):
+            seen |= np.left_shift(np.uint16(1), bits[:, :, j], dtype=np.uint16)
+        missed_by = [sum(1 << v for v in range(1 << n) if not v & sub) for sub in range(1 << n)]
+        return lambda sub: (seen & np.uint16(missed_by[sub])) == 0
+    by_k = [bits[:, :, j] for j in range(k)]
+
+    def meets_all(sub: int) -> np.ndarray:
+        out = (by_k[0] & np.uint8(sub)) != 0
+        for b in by_k[1:]:
+            out &= (b & np.uint8(sub)) != 0
+        return out
+    return meets_all
 
 
 def _greedy_cover(has: np.ndarray, rng: np.random.Generator) -> np.ndarray:

@@ -30,7 +30,7 @@ import numpy as np
 
 from r3trace.eplb.placement import Cluster
 
-LEVEL_BLOCK = 1 << 18  # bytes of [S, P] float candidates _level handles at once (L2-sized temporaries)
+LEVEL_BLOCK = 1 << 20  # bytes of [S, P] float candidates _level handles at once (cache-sized temporaries)
 LEVEL_SHARE = 0.02  # slots a layer the leveling may move (two a swap), as a share of P; the churn goal is 10%
 
 
@@ -171,18 +171,18 @@ def _level_block(ph: np.ndarray, share: np.ndarray, gpu_load: np.ndarray, node_o
         x = np.take_along_axis(f, mine, 1)  # [B, S]
         a = node_of[h * spg]  # [B] h's node
         delta = share[f][:, None, :] - share[x][:, :, None]  # [B, S, P]: GPU h swaps x for f, the other GPU f for x
-        worst = np.maximum(top[:, None, None] + delta, gpu_load[live][:, gpu_of][:, None, :] - delta)
         x_ok = ok.after(x[:, :, None], a[:, None, None], to)  # [B, S, N] x stays not mixed moving to each node
         f_ok = np.ones((b, p), dtype=bool)  # [B, P] f stays not mixed moving to h's node
         bi, oi = np.nonzero(ok.count[f] >= 3)  # no node holds 2 .. c - 1 of c < 3 replicas
         if len(bi):
             f_ok[bi, oi] = ok.after(f[bi, oi], node_of[oi], a[bi])
         even = (to == a[:, None])[:, None, :, None] | (x_ok[..., None] & f_ok.reshape(b, 1, n, spn))  # [B, S, N, P/N]
-        legal = even.reshape(b, spg, p) & (f[:, None, :] != x[:, :, None]) & (worst < top[:, None, None] * (1 - 1e-9))
-        legal &= (gpu_of != h[:, None])[:, None, :]  # a slot of h itself is no swap
-        legal = legal.reshape(b, -1)
-        best = np.argmin(np.where(legal, worst.reshape(b, -1), np.inf), axis=1)  # [B] first of the least
-        go = legal.any(1)
+        # a pair that leaves an expert mixed moves +inf, so its worst is inf and argmin passes it over; a pair of one
+        # expert (delta 0) or on h itself (the other GPU is h) has worst >= h's load, so it is never taken either
+        np.copyto(delta, np.inf, where=~even.reshape(delta.shape))
+        worst = np.maximum(top[:, None, None] + delta, gpu_load[live][:, gpu_of][:, None, :] - delta)
+        best = np.argmin(worst.reshape(b, -1), axis=1)  # [B] first of the least
+        go = worst.reshape(b, -1)[np.arange(b), best] < top * (1 - 1e-9)
         for i in np.flatnonzero(go):
             s, o = divmod(int(best[i]), p)
             _apply(ph[live[i]], int(mine[i, s]), o, node_of, share, gpu_load[live[i]], spg, ok)

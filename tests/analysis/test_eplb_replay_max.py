@@ -1,0 +1,48 @@
+"""score.node_limited_max (each expert's units counted per cover node set) against node_limited's max GPU load (shares
+summed per token), on random layouts of odd shapes with the same seeds and chunks: the same covers, so equal up to
+float rounding. Run: .venv/bin/pytest tests/analysis/test_eplb_replay_max.py -q"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from r3trace.eplb import Cluster
+from r3trace.eplb.placement import from_phy2log
+from r3trace.eplb.score import MAX_LOAD_NODES, node_limited, node_limited_max
+
+
+def random_layout(rng: np.random.Generator, n_layers: int, e: int, p: int) -> np.ndarray:
+    """[L, P]: every expert once, the spare slots to a few hot experts (several replicas, some on one node)."""
+    hot = rng.integers(0, e, max(1, e // 4))
+    return np.stack([rng.permutation(np.concatenate([np.arange(e), rng.choice(hot, p - e)]))
+                     for _ in range(n_layers)])
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_node_limited_max_equals_the_per_token_split(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    for _ in range(12):
+        n = int(rng.integers(1, MAX_LOAD_NODES + 2))  # one above the counted path: the fallback
+        gpn, spg = int(rng.integers(1, 4)), int(rng.integers(1, 5))
+        p = n * gpn * spg
+        e = int(rng.integers(max(2, p // 2), p + 1))
+        n_layers, k, t = int(rng.integers(1, 4)), int(rng.integers(1, min(e, 6) + 1)), int(rng.integers(1, 300))
+        cl = Cluster(n * gpn, n, p)
+        pl = from_phy2log(random_layout(rng, n_layers, e, p), e)
+        tok = np.stack([np.stack([rng.choice(e, k, replace=False) for _ in range(n_layers)]) for _ in range(t)])
+        chunk = int(rng.integers(1, 120))  # several chunks: each its own draw of ties
+        want = node_limited(pl, tok, cl, seed=seed, chunk=chunk).gpu_load.max(1)
+        got = node_limited_max(pl, tok, cl, seed=seed, chunk=chunk)
+        np.testing.assert_allclose(got, want, rtol=1e-12)  # the same sums in another order
+
+
+def test_node_limited_max_by_hand() -> None:
+    # 2 nodes x 1 GPU x 2 slots; expert 0 on both nodes, 1 on node 0, 2 on node 1. Token (0, 1) is covered by node
+    # 0 alone (its replica of 0 takes the unit), token (0, 2) by node 1, token (1, 2) by both: GPU 0 gets 0's unit
+    # of the first token, 1's two units; GPU 1 the other 0 unit and 2's two
+    cl = Cluster(2, 2, 4)
+    pl = from_phy2log(np.array([[0, 1, 0, 2]]), 3)
+    tok = np.array([[[0, 1]], [[0, 2]], [[1, 2]]])
+    assert node_limited_max(pl, tok, cl).tolist() == [3.0]
+    assert node_limited(pl, tok, cl).gpu_load.tolist() == [[3.0, 3.0]]
