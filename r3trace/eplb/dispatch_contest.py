@@ -31,7 +31,7 @@ from __future__ import annotations
 import numpy as np
 
 from r3trace.eplb.deepseek import global_phy2log
-from r3trace.eplb.placement import Cluster, from_phy2log
+from r3trace.eplb.placement import Cluster
 from r3trace.eplb.score import node_limited_max
 
 
@@ -62,4 +62,4 @@ def replay_guard(phy2log: np.ndarray, prev: np.ndarray, cluster: Cluster, tokens
 
 def replayed_max(phy2log: np.ndarray, tokens: np.ndarray, cluster: Cluster) -> np.ndarray:
     """phy2log [L, P] holding every expert, tokens [T, L, K] -> [L] max GPU load under node-limited dispatch."""
-    return node_limited_max(from_phy2log(phy2log, int(phy2log.max()) + 1), tokens, cluster)
+    return node_limited_max(phy2log, int(phy2log.max()) + 1, tokens, cluster)

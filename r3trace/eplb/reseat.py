@@ -44,49 +44,54 @@ def reseat(phy2log: np.ndarray, logcnt: np.ndarray, weight: np.ndarray,
         raise PlacementError(f"logcnt must be [{n_layers}, {e}] with >= 1 replica each, summing to P={p}")
     out = prev.copy()
     slot_node, slot_gpu = cluster.slot_node(), cluster.slot_gpu()
+    node_of, gpu_of = slot_node.tolist(), slot_gpu.tolist()  # the per-slot steps below on Python ints and floats
+    n_nodes = cluster.num_nodes
     per_rep = weight / logcnt
     for layer in range(n_layers):
-        have = np.bincount(prev[layer], minlength=e)
-        xs = np.flatnonzero(have != logcnt[layer])  # [X] the experts whose count changes
+        have, want = np.bincount(prev[layer], minlength=e), logcnt[layer]
+        xs = np.flatnonzero(have != want)  # [X] the experts whose count changes
         if not len(xs):
             continue
-        at = np.full(e, -1)
-        at[xs] = np.arange(len(xs))
+        at = {x: i for i, x in enumerate(xs.tolist())}
         row = out[layer]
-        on = np.zeros((e, cluster.num_nodes))  # replicas of each expert per node
-        np.add.at(on, (row, slot_node), 1)
+        on = np.bincount(row * n_nodes + slot_node, minlength=e * n_nodes).reshape(e, n_nodes)  # replicas per node
         co = co_rows(layer, xs)  # [X, E]
         aff = node_affinity(co, on)  # [X, N] kept equal to node_affinity(co, on) as on changes below
-        slot_load = per_rep[layer, row]
+        slot_load = per_rep[layer, row].tolist()
         free: list[int] = []
-        for x in xs[have[xs] > logcnt[layer, xs]]:
-            slots = np.flatnonzero(row == x)
-            drop = slots[np.lexsort((-slot_load[slots], aff[at[x], slot_node[slots]]))][: have[x] - logcnt[layer, x]]
-            for s in drop:
-                free.append(int(s))
-                on[x, slot_node[s]] -= 1
-                if on[x, slot_node[s]] == 0:  # x left the node: its co-choices no longer count there
-                    aff[:, slot_node[s]] -= co[:, x]
+        for x in xs[have[xs] > want[xs]].tolist():
+            near = aff[at[x]].tolist()
+            # fewest co-choices with the slot's node first, then the heavier slot (np.lexsort's order, stable)
+            slots = sorted(np.flatnonzero(row == x).tolist(), key=lambda q: (near[node_of[q]], -slot_load[q]))
+            for q in slots[: have[x] - want[x]]:
+                free.append(q)
+                on[x, node_of[q]] -= 1
+                if on[x, node_of[q]] == 0:  # x left the node: its co-choices no longer count there
+                    aff[:, node_of[q]] -= co[:, x]
         row[free] = -1
         gpu_load = np.bincount(slot_gpu, weights=np.where(row >= 0, per_rep[layer, np.maximum(row, 0)], 0.0),
-                               minlength=cluster.num_gpus)
-        gains = np.repeat(np.arange(e), np.maximum(logcnt[layer] - have, 0))
+                               minlength=cluster.num_gpus).tolist()
+        gains = np.repeat(np.arange(e), np.maximum(want - have, 0))
         tie = 1e-6 / max(float(weight[layer].sum()), 1e-12)  # below one co-choice
-        for x in gains[np.argsort(-per_rep[layer, gains], kind="stable")]:
-            cand = np.asarray(free)
-            k = slot_node[cand]
-            score = aff[at[x], k] - tie * gpu_load[slot_gpu[cand]] - np.where(on[x, k] > 0, 1e18, 0.0)
-            s = int(cand[np.argmax(score)])
-            free.remove(s)
-            row[s] = x
-            gpu_load[slot_gpu[s]] += per_rep[layer, x]
-            if on[x, slot_node[s]] == 0:  # x joins the node
-                aff[:, slot_node[s]] += co[:, x]
-            on[x, slot_node[s]] += 1
+        for x in gains[np.argsort(-per_rep[layer, gains], kind="stable")].tolist():
+            near, held = aff[at[x]].tolist(), on[x].tolist()
+            # the free slot of most co-choices on a node without x, then the lighter GPU; the first of equals
+            best, score = -1, -np.inf
+            for q in free:
+                v = near[node_of[q]] - tie * gpu_load[gpu_of[q]] - (1e18 if held[node_of[q]] > 0 else 0.0)
+                if v > score:
+                    best, score = q, v
+            free.remove(best)
+            row[best] = x
+            gpu_load[gpu_of[best]] += float(per_rep[layer, x])
+            if on[x, node_of[best]] == 0:  # x joins the node
+                aff[:, node_of[best]] += co[:, x]
+            on[x, node_of[best]] += 1
     return out
 
 
 def node_affinity(co: np.ndarray, on: np.ndarray) -> np.ndarray:
     """co [X, E] co-choices of X experts, on [E, N] replicas per node -> [X, N] each one's co-choices with the
-    experts each node holds (elementwise: see the module doc for why not a BLAS product)."""
-    return (co[:, :, None] * (on > 0)[None]).sum(1)
+    experts each node holds (numpy's own einsum loop, not a BLAS product: see the module doc; integer counts, so
+    exact in any order)."""
+    return np.einsum("xe,en->xn", co, (on > 0).astype(co.dtype))

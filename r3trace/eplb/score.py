@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from r3trace.eplb.placement import Cluster, Placement
+from r3trace.eplb.placement import Cluster, Placement, from_phy2log
 
 
 def node_counts(pl: Placement, cluster: Cluster) -> np.ndarray:
@@ -69,31 +69,32 @@ def node_limited(
                     np.concatenate([p.nodes for p in parts]), np.concatenate([p.remote for p in parts]))
 
 
-def node_limited_max(pl: Placement, topk_ids: np.ndarray, cluster: Cluster, seed: int = 0, chunk: int = 2048
-                     ) -> np.ndarray:
-    """topk_ids [T, L, K] -> [L] node_limited's max GPU load (token_node None), for N <= MAX_LOAD_NODES: the same
-    covers (the same draws), each (layer, expert) unit counted per cover node set and split once per set, instead of
-    [T, L, K, N] shares summed per token (2,048 tokens at [58, 288] on 2 nodes: ~0.01 s against 0.07). The same sums
-    in another order: equal up to float rounding (tests/analysis/test_eplb_replay_max.py)."""
-    n_layers, e = pl.logcnt.shape
-    n = cluster.num_nodes
+def node_limited_max(phy2log: np.ndarray, num_experts: int, topk_ids: np.ndarray, cluster: Cluster, seed: int = 0,
+                     chunk: int = 2048) -> np.ndarray:
+    """phy2log [L, P] holding every one of num_experts, topk_ids [T, L, K] -> [L] node_limited's max GPU load
+    (token_node None), for N <= MAX_LOAD_NODES: the same covers (the same draws), each (layer, expert) unit counted
+    per cover node set and split once per set, instead of [T, L, K, N] shares summed per token (2,048 tokens at
+    [58, 288] on 2 nodes: ~0.006 s against 0.07). The same sums in another order: equal up to float rounding
+    (tests/analysis/test_eplb_replay_max.py)."""
+    n_layers, e, n = len(phy2log), num_experts, cluster.num_nodes
     if n > MAX_LOAD_NODES:
-        return node_limited(pl, topk_ids, cluster, seed=seed, chunk=chunk).gpu_load.max(1)
-    cnt = node_counts(pl, cluster)  # [L, E, N]
+        return node_limited(from_phy2log(phy2log, e), topk_ids, cluster, seed=seed, chunk=chunk).gpu_load.max(1)
+    node = cluster.slot_node()
+    cnt = np.bincount(((phy2log + (np.arange(n_layers) * e)[:, None]) * n + node).ravel(),
+                      minlength=n_layers * e * n).reshape(n_layers, e, n)  # [L, E, N] node_counts'
     sets = 1 << n
     key = _flat(topk_ids, e)  # [T, L, K] (layer, expert)
-    ebits = _expert_bits(cnt)
+    bits = np.take(_expert_bits(cnt), key)  # [T, L, K] node bitmask of each choice
     key *= sets
     units = np.zeros(n_layers * e * sets)
     for i in range(0, len(topk_ids), chunk):
         flat = key[i:i + chunk]
-        code = _cover_codes(np.take(ebits, flat // sets), n, np.random.default_rng(seed + i))  # [T', L] node sets
-        flat += code[:, :, None]
+        flat += _cover_codes(bits[i:i + chunk], n, np.random.default_rng(seed + i))[:, :, None]  # + node set
         units += np.bincount(flat.ravel(), minlength=len(units))
-    units = units.reshape(n_layers, e, sets)  # [L, E, 2^N] units of each expert served by each node set
+    by_set = units.reshape(n_layers, e, sets)  # [L, E, 2^N] units of each expert served by each node set
     member = ((np.arange(sets)[:, None] >> np.arange(n)) & 1).astype(float)  # [2^N, N]
-    per = np.einsum("les,sn->len", units / np.maximum(cnt @ member.T, 1), member)  # [L, E, N] per replica
-    slot_load = per[np.arange(n_layers)[:, None], pl.phy2log, cluster.slot_node()[None, :]]  # [L, P]
+    per = np.einsum("les,sn->len", by_set / np.maximum(cnt @ member.T, 1), member)  # [L, E, N] per replica
+    slot_load = per[np.arange(n_layers)[:, None], phy2log, node[None, :]]  # [L, P]
     return slot_load.reshape(n_layers, cluster.num_gpus, -1).sum(-1).max(1)
 
 

@@ -33,7 +33,7 @@ def test_node_limited_max_equals_the_per_token_split(seed: int) -> None:
         tok = np.stack([np.stack([rng.choice(e, k, replace=False) for _ in range(n_layers)]) for _ in range(t)])
         chunk = int(rng.integers(1, 120))  # several chunks: each its own draw of ties
         want = node_limited(pl, tok, cl, seed=seed, chunk=chunk).gpu_load.max(1)
-        got = node_limited_max(pl, tok, cl, seed=seed, chunk=chunk)
+        got = node_limited_max(pl.phy2log, e, tok, cl, seed=seed, chunk=chunk)
         np.testing.assert_allclose(got, want, rtol=1e-12)  # the same sums in another order
 
 
@@ -44,5 +44,5 @@ def test_node_limited_max_by_hand() -> None:
     cl = Cluster(2, 2, 4)
     pl = from_phy2log(np.array([[0, 1, 0, 2]]), 3)
     tok = np.array([[[0, 1]], [[0, 2]], [[1, 2]]])
-    assert node_limited_max(pl, tok, cl).tolist() == [3.0]
+    assert node_limited_max(pl.phy2log, 3, tok, cl).tolist() == [3.0]
     assert node_limited(pl, tok, cl).gpu_load.tolist() == [[3.0, 3.0]]
