@@ -45,7 +45,8 @@ def replay_contest(phy2log: np.ndarray, w: np.ndarray, cluster: Cluster, tokens:
     """Ours' phy2log [L, P], forecast w [L, E], newest tokens [T, L, K] -> phy2log [L, P]: per layer global's layout
     on w where node-limited replay of the tokens gives it a max GPU load below (1 - margin) x ours', else ours."""
     glob = global_phy2log(w, cluster)
-    take = replayed_max(glob, tokens, cluster) < replayed_max(phy2log, tokens, cluster) * (1 - margin)
+    theirs, ours = node_limited_max([glob, phy2log], w.shape[1], tokens, cluster)
+    take = theirs < ours * (1 - margin)
     return np.where(take[:, None], glob, phy2log)
 
 
@@ -56,10 +57,6 @@ def replay_guard(phy2log: np.ndarray, prev: np.ndarray, cluster: Cluster, tokens
     `margin`, else the re-plan's. A seeded re-plan levels the even split; on grouped s = 1.2, 16 / 2 / 320 its first
     step moved a layer that had taken global's layout from 1.07x to 1.55x the mean GPU load held out (node-limited),
     and it stayed there (1.47-1.93x); keeping a layer moves no slot."""
-    worse = replayed_max(phy2log, tokens, cluster) > replayed_max(prev, tokens, cluster) * (1 + margin)
+    new, old = node_limited_max([phy2log, prev], int(phy2log.max()) + 1, tokens, cluster)
+    worse = new > old * (1 + margin)
     return np.where(worse[:, None], prev, phy2log)
-
-
-def replayed_max(phy2log: np.ndarray, tokens: np.ndarray, cluster: Cluster) -> np.ndarray:
-    """phy2log [L, P] holding every expert, tokens [T, L, K] -> [L] max GPU load under node-limited dispatch."""
-    return node_limited_max(phy2log, int(phy2log.max()) + 1, tokens, cluster)

@@ -11,7 +11,7 @@ Shape legend: T tokens, L layers, K top-k, E experts, P slots, G GPUs, N nodes, 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -69,33 +69,39 @@ def node_limited(
                     np.concatenate([p.nodes for p in parts]), np.concatenate([p.remote for p in parts]))
 
 
-def node_limited_max(phy2log: np.ndarray, num_experts: int, topk_ids: np.ndarray, cluster: Cluster, seed: int = 0,
-                     chunk: int = 2048) -> np.ndarray:
-    """phy2log [L, P] holding every one of num_experts, topk_ids [T, L, K] -> [L] node_limited's max GPU load
-    (token_node None), for N <= MAX_LOAD_NODES: the same covers (the same draws), each (layer, expert) unit counted
-    per cover node set and split once per set, instead of [T, L, K, N] shares summed per token (2,048 tokens at
-    [58, 288] on 2 nodes: ~0.006 s against 0.07). The same sums in another order: equal up to float rounding
-    (tests/analysis/test_eplb_replay_max.py)."""
-    n_layers, e, n = len(phy2log), num_experts, cluster.num_nodes
+def node_limited_max(layouts: Sequence[np.ndarray], num_experts: int, topk_ids: np.ndarray, cluster: Cluster,
+                     seed: int = 0, chunk: int = 2048) -> np.ndarray:
+    """V layouts phy2log [L, P], each holding every one of num_experts, topk_ids [T, L, K] -> [V, L] node_limited's
+    max GPU load of each (token_node None), for N <= MAX_LOAD_NODES: the same covers (the same draws, made once for
+    all V), each (layer, expert) unit counted per cover node set and split once per set, instead of [T, L, K, N]
+    shares summed per token (2,048 tokens at [58, 288] on 2 nodes: ~0.006 s a layout against 0.07). The same sums in
+    another order: equal up to float rounding (tests/analysis/test_eplb_replay_max.py)."""
+    e, n = num_experts, cluster.num_nodes
     if n > MAX_LOAD_NODES:
-        return node_limited(from_phy2log(phy2log, e), topk_ids, cluster, seed=seed, chunk=chunk).gpu_load.max(1)
-    node = cluster.slot_node()
-    cnt = np.bincount(((phy2log + (np.arange(n_layers) * e)[:, None]) * n + node).ravel(),
-                      minlength=n_layers * e * n).reshape(n_layers, e, n)  # [L, E, N] node_counts'
+        return np.stack([node_limited(from_phy2log(ph, e), topk_ids, cluster, seed=seed, chunk=chunk).gpu_load.max(1)
+                         for ph in layouts])
+    n_layers = topk_ids.shape[1]
     sets = 1 << n
     key = _flat(topk_ids, e)  # [T, L, K] (layer, expert)
-    bits = np.take(_expert_bits(cnt), key)  # [T, L, K] node bitmask of each choice
-    key *= sets
-    units = np.zeros(n_layers * e * sets)
-    for i in range(0, len(topk_ids), chunk):
-        flat = key[i:i + chunk]
-        flat += _cover_codes(bits[i:i + chunk], n, np.random.default_rng(seed + i))[:, :, None]  # + node set
-        units += np.bincount(flat.ravel(), minlength=len(units))
-    by_set = units.reshape(n_layers, e, sets)  # [L, E, 2^N] units of each expert served by each node set
+    ties = [_tie_scores(np.random.default_rng(seed + i), n, len(topk_ids[i:i + chunk]), n_layers)
+            for i in range(0, len(topk_ids), chunk)]
     member = ((np.arange(sets)[:, None] >> np.arange(n)) & 1).astype(float)  # [2^N, N]
-    per = np.einsum("les,sn->len", by_set / np.maximum(cnt @ member.T, 1), member)  # [L, E, N] per replica
-    slot_load = per[np.arange(n_layers)[:, None], phy2log, node[None, :]]  # [L, P]
-    return slot_load.reshape(n_layers, cluster.num_gpus, -1).sum(-1).max(1)
+    node = cluster.slot_node()
+    out = []
+    for phy2log in layouts:
+        cnt = np.bincount(((phy2log + (np.arange(n_layers) * e)[:, None]) * n + node).ravel(),
+                          minlength=n_layers * e * n).reshape(n_layers, e, n)  # [L, E, N] node_counts'
+        bits = np.take(_expert_bits(cnt), key)  # [T, L, K] node bitmask of each choice
+        units = np.zeros(n_layers * e * sets)
+        for c, i in enumerate(range(0, len(topk_ids), chunk)):
+            flat = key[i:i + chunk] * sets
+            flat += _cover_codes(bits[i:i + chunk], n, ties[c])[:, :, None]  # + the cover's node set
+            units += np.bincount(flat.ravel(), minlength=len(units))
+        by_set = units.reshape(n_layers, e, sets)  # [L, E, 2^N] units of each expert served by each node set
+        per = np.einsum("les,sn->len", by_set / np.maximum(cnt @ member.T, 1), member)  # [L, E, N] per replica
+        slot_load = per[np.arange(n_layers)[:, None], phy2log, node[None, :]]  # [L, P]
+        out.append(slot_load.reshape(n_layers, cluster.num_gpus, -1).sum(-1).max(1))
+    return np.stack(out)
 
 
 MAX_LOAD_NODES = 4  # node_limited_max counts per node set: 2^N sets per (layer, expert)
@@ -119,7 +125,8 @@ def _chosen(cnt: np.ndarray, flat: np.ndarray, n: int, rng: np.random.Generator)
     """cnt [L, E, N] replicas per node, flat [T, L, K] tokens' (layer, expert) rows -> chosen [T, L, N]: the cover
     node_limited dispatches each token over (exact below EXACT_COVER_NODES, greedy above, ties by rng)."""
     if n <= EXACT_COVER_NODES:  # node bitmask per (layer, expert), gathered per token: 1 byte, not N bools
-        code = _cover_codes(np.take(_expert_bits(cnt), flat), n, rng)
+        t, n_layers = flat.shape[:2]
+        code = _cover_codes(np.take(_expert_bits(cnt), flat), n, _tie_scores(rng, n, t, n_layers))
         return ((code[..., None] >> np.arange(n)) & 1).astype(bool)
     return _greedy_cover(np.take(cnt.reshape(-1, n), flat, axis=0) > 0, rng)  # has [T, L, K, N]
 
@@ -153,17 +160,22 @@ def _node_limited(
 EXACT_COVER_NODES = 8  # 255 subsets: exact; 18 nodes would be 262K subsets, so greedy there
 
 
-def _cover_codes(bits: np.ndarray, n: int, rng: np.random.Generator) -> np.ndarray:
-    """bits [T, L, K] uint8 node bitmask of each expert (N <= 8 nodes) -> [T, L] int64 the bitmask of a smallest
-    node set covering all K experts, ties broken by one random draw per (subset, token, layer)."""
+def _tie_scores(rng: np.random.Generator, n: int, t: int, n_layers: int) -> list[tuple[int, np.ndarray]]:
+    """The cover search's order over node subsets (size, then subset; subset s is the bitmask s + 1) with each one's
+    score where it covers, [T, L]: its size plus one random draw x 0.5 per (token, layer), drawn in that order."""
+    size = np.bitwise_count(np.arange(1, 2**n))  # [S]
+    return [(int(s), size[s] + rng.random((t, n_layers)) * 0.5) for s in np.argsort(size, kind="stable")]
+
+
+def _cover_codes(bits: np.ndarray, n: int, ties: list[tuple[int, np.ndarray]]) -> np.ndarray:
+    """bits [T, L, K] uint8 node bitmask of each expert (N <= 8 nodes), ties (_tie_scores) -> [T, L] int64 the
+    bitmask of a smallest node set covering all K experts, ties broken by the draws."""
     t, n_layers, k = bits.shape
-    size = np.bitwise_count(np.arange(1, 2**n))  # [S]: subset s is the bitmask s + 1
     best = np.full((t, n_layers), -1)
     best_score = np.full((t, n_layers), np.inf)
     meets_all = _cover_test(bits, n)
-    for s in np.argsort(size, kind="stable"):
-        covers = meets_all(s + 1)  # [T, L]
-        score = np.where(covers, size[s] + rng.random((t, n_layers)) * 0.5, np.inf)
+    for s, tie in ties:
+        score = np.where(meets_all(s + 1), tie, np.inf)  # [T, L]
         better = score < best_score
         np.copyto(best, s, where=better)
         np.copyto(best_score, score, where=better)
