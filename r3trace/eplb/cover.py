@@ -103,6 +103,9 @@ def _block_cover(mk: np.ndarray, n: int, out: np.ndarray) -> None:
     """mk [K, R, T] node masks -> out [R, T] the cover sizes (cover_sizes' doc)."""
     one = (mk & (mk - 1)) == 0  # [K, R, T] expert on one node
     forced = np.bitwise_or.reduce(mk * one, axis=0)  # [R, T] (multiplying: 6x np.where's speed on uint8)
+    if n <= 2:  # an expert on both nodes meets any node: a token needs both only where each holds one of its own
+        np.add(forced == 3, 1, out=out, casting="unsafe")
+        return
     # the experts no forced node holds keep their masks, the rest (every one-node expert among them) read 0xFF
     missed = mk | np.uint8(0xFF) * ((mk & forced) != 0)  # [K, R, T]
     shared = np.bitwise_and.reduce(missed, axis=0)  # [R, T] nodes holding every missed one (0xFF: none missed)
