@@ -25,6 +25,8 @@ import numpy as np
 from r3trace.eplb.packing import balanced_packing
 from r3trace.eplb.placement import Cluster, PlacementError
 
+AFFINITY_BLOCK = 1 << 14  # choices node_affinity pairs at once: [16K, K] int64 keys, 1 MB at K = 8 (the [Q, K]
+# array at once, ~12 MB at [58, 256], cost page faults: 0.005-0.015 s a fresh plan by the allocator's mood)
 COACT_TOKENS = 1024  # newest tokens counted: 1024 x 58 layers x 28 pairs, 0.09 s of bincount on busy cores (2048: 0.22)
 
 
@@ -80,14 +82,18 @@ class CoChoices:
         if rows is None:
             mine = key.ravel()
             idx = (key * num_nodes)[:, :, :, None] + nd[:, :, None, :]  # [T, L, K, K]
+            aff = np.bincount(idx.ravel(), minlength=n_layers * e * num_nodes).reshape(n_layers, e, num_nodes)
         else:
             q = np.flatnonzero(np.take(rows, key))  # [Q] the choices whose expert's row is wanted
             mine = np.take(key, q)
-            # the token's K nodes per choice, rows gathered by np.take: with nd.reshape(-1, K)[q // K] the count
-            # took 15 ms at [58, 256] on 8 nodes, with np.take 8 ms
-            idx = np.take(nd.reshape(-1, k), q // k, axis=0)  # [Q, K]
-            idx += (mine * num_nodes)[:, None]
-        aff = np.bincount(idx.ravel(), minlength=n_layers * e * num_nodes).reshape(n_layers, e, num_nodes)
+            aff = np.zeros(n_layers * e * num_nodes, dtype=np.int64)
+            for lo in range(0, len(q), AFFINITY_BLOCK):  # 1 MB of pairs at a time (integer counts: exact)
+                # the token's K nodes per choice, rows gathered by np.take: with nd.reshape(-1, K)[q // K] the
+                # count took 15 ms at [58, 256] on 8 nodes, with np.take 8 ms
+                idx = np.take(nd.reshape(-1, k), q[lo:lo + AFFINITY_BLOCK] // k, axis=0)  # [Q', K]
+                idx += (mine[lo:lo + AFFINITY_BLOCK] * num_nodes)[:, None]
+                aff += np.bincount(idx.ravel(), minlength=len(aff))
+            aff = aff.reshape(n_layers, e, num_nodes)
         aff[np.arange(n_layers)[:, None], np.arange(e)[None, :], node] -= np.bincount(
             mine, minlength=n_layers * e).reshape(n_layers, e)  # a position paired with itself
         return aff.astype(np.float64)
