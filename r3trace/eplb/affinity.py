@@ -56,7 +56,8 @@ class CoChoices:
         self._given = None if tokens is None or not len(tokens) else tokens[-COACT_TOKENS:]
         self._tok: np.ndarray | None = None  # int64 copy of _given, made on first read: a seeded re-plan without
         # count changes (P = E) reads no co-choice at all
-        self._by_expert: tuple[np.ndarray, np.ndarray] | None = None  # row()'s index, built on its first call
+        self._by_expert: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # row()'s index, built on its
+        # first call: each choice's token in (layer, expert) order, each (layer, expert)'s start, the [L, T, K] keys
 
     @property
     def tok(self) -> np.ndarray | None:
@@ -112,18 +113,21 @@ class CoChoices:
             return np.zeros((len(xs), self.e))
         if self._by_expert is None:
             t, n_layers, k = self.tok.shape
-            key = (self.tok.transpose(1, 0, 2) + (np.arange(n_layers) * self.e)[:, None, None]).ravel()  # [L T K]
             # int16 keys (L x E < 2^15 at [58, 256]) take numpy's radix sort: 475K keys in a few ms
-            key = key.astype(np.int16) if n_layers * self.e < 2**15 else key
-            order = np.argsort(key, kind="stable")
-            start = np.r_[0, np.bincount(key, minlength=n_layers * self.e).cumsum()]
-            self._by_expert = ((order % (t * k)) // k, start)
-        tokens_of, start = self._by_expert
+            small = n_layers * self.e < 2**15
+            dtype = np.int16 if small else np.int64
+            key = self.tok.transpose(1, 0, 2).astype(dtype)  # [L, T, K] layer-major copy
+            np.add(key, (np.arange(n_layers) * self.e).astype(dtype)[:, None, None], out=key)
+            flat = key.reshape(-1)
+            order = np.argsort(flat, kind="stable")
+            start = np.r_[0, np.bincount(flat, minlength=n_layers * self.e).cumsum()]
+            self._by_expert = ((order % (t * k)) // k, start, key)
+        tokens_of, start, keys = self._by_expert
         lo, hi = start[layer * self.e + xs], start[layer * self.e + xs + 1]
         n = hi - lo  # [X] positions holding each x
         owner = np.repeat(np.arange(len(xs)), n)
         hits = tokens_of[np.arange(n.sum()) + np.repeat(lo - (np.cumsum(n) - n), n)]  # a token per position holding x
-        chosen = self.tok[hits, layer] + (owner * self.e)[:, None]  # [hits, K]
+        chosen = keys[layer][hits] + ((owner - layer) * self.e)[:, None]  # [hits, K] (owner, expert), layer-major rows
         out = np.bincount(chosen.ravel(), minlength=len(xs) * self.e).reshape(len(xs), self.e).astype(np.float64)
         out[np.arange(len(xs)), xs] -= n  # a position is not paired with itself
         return out
