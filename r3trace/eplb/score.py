@@ -74,7 +74,7 @@ def node_limited_max(layouts: Sequence[np.ndarray], num_experts: int, topk_ids: 
     """V layouts phy2log [L, P], each holding every one of num_experts, topk_ids [T, L, K] -> [V, L] node_limited's
     max GPU load of each (token_node None), for N <= MAX_LOAD_NODES: the same covers (the same draws, made once for
     all V), each (layer, expert) unit counted per cover node set and split once per set, instead of [T, L, K, N]
-    shares summed per token (2,048 tokens at [58, 288] on 2 nodes: ~0.006 s a layout against 0.07). The same sums in
+    shares summed per token (2,048 tokens at [58, 288] on 2 nodes: ~0.008 s a layout against 0.07). The same sums in
     another order: equal up to float rounding (tests/analysis/test_eplb_replay_max.py)."""
     e, n = num_experts, cluster.num_nodes
     if n > MAX_LOAD_NODES:
@@ -83,8 +83,9 @@ def node_limited_max(layouts: Sequence[np.ndarray], num_experts: int, topk_ids: 
     n_layers = topk_ids.shape[1]
     sets = 1 << n
     key = _flat(topk_ids, e)  # [T, L, K] (layer, expert)
-    ties = [_tie_scores(np.random.default_rng(seed + i), n, len(topk_ids[i:i + chunk]), n_layers)
-            for i in range(0, len(topk_ids), chunk)]
+    starts = range(0, len(topk_ids), chunk)
+    totals: dict[int, np.ndarray] = {}  # [L E] a chunk's units of each expert, counted where first needed
+    ties = [_tie_scores(np.random.default_rng(seed + i), n, len(topk_ids[i:i + chunk]), n_layers) for i in starts]
     member = ((np.arange(sets)[:, None] >> np.arange(n)) & 1).astype(float)  # [2^N, N]
     node = cluster.slot_node()
     out = []
@@ -93,10 +94,25 @@ def node_limited_max(layouts: Sequence[np.ndarray], num_experts: int, topk_ids: 
                           minlength=n_layers * e * n).reshape(n_layers, e, n)  # [L, E, N] node_counts'
         bits = np.take(_expert_bits(cnt), key)  # [T, L, K] node bitmask of each choice
         units = np.zeros(n_layers * e * sets)
-        for c, i in enumerate(range(0, len(topk_ids), chunk)):
-            flat = key[i:i + chunk] * sets
-            flat += _cover_codes(bits[i:i + chunk], n, ties[c])[:, :, None]  # + the cover's node set
-            units += np.bincount(flat.ravel(), minlength=len(units))
+        for c, i in enumerate(starts):
+            code = _cover_codes(bits[i:i + chunk], n, ties[c])  # [T', L] the cover's node set
+            # where one cover set holds most tokens (on two nodes 90-98% of a layer's reach both), its units are the
+            # rest of each expert's: only the others are counted (below COMMON_SHARE, as on four nodes at 50-60%,
+            # gathering the others cost more than it saved)
+            hist = np.bincount(code.ravel(), minlength=sets)
+            common = int(np.argmax(hist))
+            if hist[common] < COMMON_SHARE * code.size:
+                every = key[i:i + chunk] * sets
+                every += code[:, :, None]  # in place: a second [T', L, K] temporary cost page faults
+                units += np.bincount(every.ravel(), minlength=len(units))
+                continue
+            tt, ll = np.nonzero(code != common)
+            flat = key[i:i + chunk][tt, ll] * sets + code[tt, ll][:, None]  # [Q, K]
+            part = np.bincount(flat.ravel(), minlength=len(units))
+            if c not in totals:
+                totals[c] = np.bincount(key[i:i + chunk].ravel(), minlength=n_layers * e)
+            part[common::sets] = totals[c] - part.reshape(-1, sets).sum(1)  # integer counts: exact
+            units += part
         by_set = units.reshape(n_layers, e, sets)  # [L, E, 2^N] units of each expert served by each node set
         per = np.einsum("les,sn->len", by_set / np.maximum(cnt @ member.T, 1), member)  # [L, E, N] per replica
         slot_load = per[np.arange(n_layers)[:, None], phy2log, node[None, :]]  # [L, P]
@@ -105,6 +121,7 @@ def node_limited_max(layouts: Sequence[np.ndarray], num_experts: int, topk_ids: 
 
 
 MAX_LOAD_NODES = 4  # node_limited_max counts per node set: 2^N sets per (layer, expert)
+COMMON_SHARE = 0.75  # share of tokens one cover set needs for node_limited_max to count only the others
 
 
 def _flat(topk_ids: np.ndarray, e: int) -> np.ndarray:
