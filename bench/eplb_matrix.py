@@ -183,8 +183,8 @@ SHAPES = [(8, 1, 256), (8, 1, 288), (8, 1, 320), (16, 2, 256), (16, 2, 288), (16
           (32, 4, 288), (32, 4, 320), (64, 8, 256), (64, 8, 320), (128, 16, 256), (144, 18, 288)]
 MAIN_SHAPES = [(32, 4, 288), (64, 8, 320), (144, 18, 288)]
 # plan-time shapes: the main three, two without a spare slot (P = E: candidates.py's per-layer layout choice; on
-# 16 nodes, two slots a GPU, a still re-plan ends with E[max] swaps, emax.py), and one and two nodes (static_one_node.py;
-# the two-node replay contest and guard, dispatch_contest.py)
+# 16 nodes, two slots a GPU, a still re-plan ends with E[max] swaps, emax.py), and one and two nodes
+# (static_one_node.py; the two-node replay contest and guard, dispatch_contest.py)
 PLAN_TIME_SHAPES = [*MAIN_SHAPES, (64, 8, 256), (128, 16, 256), (8, 1, 288), (16, 2, 288)]
 SEED_ALL = PlannerConfig(refresh_floor=-1.0)  # a drifting re-plan seeds every layer before deciding (replan.py)
 SAMPLE_SHAPES = [(8, 2, 32), (8, 2, 40), (16, 4, 48), (16, 2, 64)]

@@ -211,13 +211,14 @@ def plan(
     the even-split load anyway. On two nodes with spare slots they also pick layouts by node-limited replay
     (dispatch_contest.py): a fresh plan's global layouts, and a re-plan's layers kept from `prev`.
     """
-    out = _plan(loads, cluster, prev, tokens, cfg)
+    fc = planning_forecast(loads, prev, cfg)
+    out = _plan(loads, cluster, prev, tokens, cfg, fc)
     e = out.logcnt.shape[1]
     if cfg.static_even and cluster.num_nodes > 1:
-        return from_phy2log(_static_even_plan(out.phy2log, loads, cluster, prev, tokens, cfg), e)
+        return from_phy2log(_static_even_plan(out.phy2log, loads, cluster, prev, tokens, cfg, fc), e)
     if cfg.static_even and cfg.sglang_dispatch == "static":  # one node: counts that divide the GPUs
         # (static_one_node.py); dynamic dispatch's uniform draw already splits evenly there in expectation
-        return from_phy2log(static_one_node(out.phy2log, planning_forecast(loads, prev, cfg)[0], cluster), e)
+        return from_phy2log(static_one_node(out.phy2log, fc[0], cluster), e)
     if (prev is None or tokens is None or not spreads(cluster, cfg) or cfg.keep_groups
             or not replays(cluster, e, cfg.replay_margin)):
         return out
@@ -225,15 +226,15 @@ def plan(
 
 
 def _static_even_plan(new: np.ndarray, loads: np.ndarray, cluster: Cluster, prev: Placement | None,
-                      tokens: np.ndarray | None, cfg: PlannerConfig) -> np.ndarray:
+                      tokens: np.ndarray | None, cfg: PlannerConfig, fc: tuple[np.ndarray, bool]) -> np.ndarray:
     """new [L, P], plan()'s layout -> it made static-even (static_spread.py), with tokens as far as DeepSeek global's
     nodes per token allows (static_ladder.py). A drifting re-plan refreshed the layers
     whose fresh layout beat the seeded one on the forecast, but static-even costs the previous placement's seeded
     layers some of that max load, so nearly every layer refreshed every time (85% of slots a re-plan on 32 GPUs /
     4 nodes, independent router, s = 1.2, slow drift): there the still re-plan, made static-even too, is kept unless
     the refreshed one's forecast max GPU load under static dispatch is lower by more than refresh_gain on average
-    over layers."""
-    w, moving = planning_forecast(loads, prev, cfg)
+    over layers. fc: planning_forecast's (w, moving) for cfg."""
+    w, moving = fc
     mean_loads = loads.sum(0) if loads.ndim == 3 else loads
 
     def finish(phy2log: np.ndarray) -> np.ndarray:
@@ -260,9 +261,9 @@ def planning_forecast(loads: np.ndarray, prev: Placement | None, cfg: PlannerCon
 
 
 def _plan(loads: np.ndarray, cluster: Cluster, prev: Placement | None, tokens: np.ndarray | None,
-          cfg: PlannerConfig) -> Placement:
-    """plan() before the two-node replay guard."""
-    w, moving = planning_forecast(loads, prev, cfg)
+          cfg: PlannerConfig, fc: tuple[np.ndarray, bool] | None = None) -> Placement:
+    """plan() before the two-node replay guard; fc: planning_forecast's (w, moving) for cfg, where made."""
+    w, moving = planning_forecast(loads, prev, cfg) if fc is None else fc
     if prev is not None and spreads(cluster, cfg) and not cfg.keep_groups:
         cap = spread_cap(cluster)
         if not moving:
