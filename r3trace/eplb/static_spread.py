@@ -31,6 +31,7 @@ import numpy as np
 from r3trace.eplb.placement import Cluster
 
 LEVEL_BLOCK = 1 << 20  # bytes of [S, P] float candidates _level handles at once (cache-sized temporaries)
+SWAP_TRIES = 4  # least pairs _swap_one checks one by one before checking every pair at once
 LEVEL_SHARE = 0.02  # slots a layer the leveling may move (two a swap), as a share of P; the churn goal is 10%
 
 
@@ -203,6 +204,14 @@ class EvenMoves:
         ka, kb, c = self.per_node[e, a], self.per_node[e, b], self.count[e]
         return self.bad[e] - bad_nodes(ka, c) - bad_nodes(kb, c) + bad_nodes(ka - 1, c) + bad_nodes(kb + 1, c) == 0
 
+    def stays(self, e: int, a: int, b: int) -> bool:
+        """after() for one move (a != b), on Python ints."""
+        c = int(self.count[e])
+        if c < 3:  # no node can hold 2 .. c - 1 of them
+            return True
+        ka, kb = int(self.per_node[e, a]), int(self.per_node[e, b])
+        return (int(self.bad[e]) - (2 <= ka < c) - (2 <= kb < c) + (2 <= ka - 1 < c) + (2 <= kb + 1 < c)) == 0
+
     def move(self, e: int, a: int, b: int) -> None:
         """One replica of e from node a to node b, its node counts and bad-node count kept (Python ints: a swap's
         two moves took 10 us as a numpy recount of the rows, most of static_spread's apply time)."""
@@ -228,11 +237,24 @@ def _swap_one(ph: np.ndarray, x: int, src_nodes: list[int], dst_nodes: list[int]
     f = ph[dst][None, :]  # [1, D] the experts that would move to a src slot's node
     delta = share[f] - share[x]  # GPU of s gains f's share and loses x's; GPU of d the reverse
     worst = np.maximum(gpu_load[src // spg][:, None] + delta, gpu_load[dst // spg][None, :] - delta)  # [S, D]
-    legal = ok.after(f, node_of[dst][None, :], node_of[src][:, None])  # f moving from d's node to s's stays even
-    if not legal.any():
+    # the least worst pair whose f stays even moving from d's node to s's (the first such in [S, D] order): the
+    # least pairs are tried one by one, each checked on Python ints, as the best pair is nearly always legal (the
+    # checks of every pair were half a swap's time); past SWAP_TRIES illegal ones, every pair is checked at once
+    flat = worst.ravel()
+    for _ in range(SWAP_TRIES):
+        k = int(np.argmin(flat))
+        if flat[k] == np.inf:
+            return False
+        i, j = divmod(k, len(dst))
+        if ok.stays(int(f[0, j]), int(node_of[dst[j]]), int(node_of[src[i]])):
+            _apply(ph, int(src[i]), int(dst[j]), node_of, share, gpu_load, spg, ok)
+            return True
+        flat[k] = np.inf
+    legal = ok.after(f, node_of[dst][None, :], node_of[src][:, None])
+    if not (legal & (worst < np.inf)).any():
         return False
-    i, j = np.unravel_index(int(np.argmin(np.where(legal, worst, np.inf))), worst.shape)
-    _apply(ph, int(src[i]), int(dst[j]), node_of, share, gpu_load, spg, ok)
+    si, dj = divmod(int(np.argmin(np.where(legal, worst, np.inf))), len(dst))
+    _apply(ph, int(src[si]), int(dst[dj]), node_of, share, gpu_load, spg, ok)
     return True
 
 

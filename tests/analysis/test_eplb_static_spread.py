@@ -149,6 +149,8 @@ def test_even_moves_match_a_recount() -> None:
         k[j] += 1
         want.append(not mixed(k))
     assert got.tolist() == want and 0 < sum(want) < len(want)
+    scalar = [ok.stays(int(x), int(i), int(j)) for x, i, j in zip(e[legal], a[legal], b[legal], strict=True)]
+    assert scalar == want  # the one-move check _swap_one tries first
     for _ in range(300):  # moves keep the counts: each against a recount
         x = int(rng.integers(40))
         i, j = int(rng.choice(np.flatnonzero(per_node[x] > 0))), int(rng.integers(5))
