@@ -11,7 +11,7 @@ Shape legend: T tokens, L layers, K top-k, E experts, P slots, G GPUs, N nodes, 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -85,7 +85,8 @@ def node_limited_max(layouts: Sequence[np.ndarray], num_experts: int, topk_ids: 
     key = _flat(topk_ids, e)  # [T, L, K] (layer, expert)
     starts = range(0, len(topk_ids), chunk)
     totals: dict[int, np.ndarray] = {}  # [L E] a chunk's units of each expert, counted where first needed
-    ties = [_tie_scores(np.random.default_rng(seed + i), n, len(topk_ids[i:i + chunk]), n_layers) for i in starts]
+    ties = [list(_tie_scores(np.random.default_rng(seed + i), n, len(topk_ids[i:i + chunk]), n_layers))
+            for i in starts]  # shared by the layouts: <= 15 subsets of [T', L] scores
     member = ((np.arange(sets)[:, None] >> np.arange(n)) & 1).astype(float)  # [2^N, N]
     node = cluster.slot_node()
     out = []
@@ -177,14 +178,16 @@ def _node_limited(
 EXACT_COVER_NODES = 8  # 255 subsets: exact; 18 nodes would be 262K subsets, so greedy there
 
 
-def _tie_scores(rng: np.random.Generator, n: int, t: int, n_layers: int) -> list[tuple[int, np.ndarray]]:
+def _tie_scores(rng: np.random.Generator, n: int, t: int, n_layers: int) -> Iterator[tuple[int, np.ndarray]]:
     """The cover search's order over node subsets (size, then subset; subset s is the bitmask s + 1) with each one's
-    score where it covers, [T, L]: its size plus one random draw x 0.5 per (token, layer), drawn in that order."""
+    score where it covers, [T, L]: its size plus one random draw x 0.5 per (token, layer), drawn in that order as
+    the search reads them (255 subsets of [2,048, 58] scores on 8 nodes would be 243 MB at once)."""
     size = np.bitwise_count(np.arange(1, 2**n))  # [S]
-    return [(int(s), size[s] + rng.random((t, n_layers)) * 0.5) for s in np.argsort(size, kind="stable")]
+    for s in np.argsort(size, kind="stable"):
+        yield int(s), size[s] + rng.random((t, n_layers)) * 0.5
 
 
-def _cover_codes(bits: np.ndarray, n: int, ties: list[tuple[int, np.ndarray]]) -> np.ndarray:
+def _cover_codes(bits: np.ndarray, n: int, ties: Iterable[tuple[int, np.ndarray]]) -> np.ndarray:
     """bits [T, L, K] uint8 node bitmask of each expert (N <= 8 nodes), ties (_tie_scores) -> [T, L] int64 the
     bitmask of a smallest node set covering all K experts, ties broken by the draws."""
     t, n_layers, k = bits.shape
