@@ -75,6 +75,14 @@ def slot_order(keys: np.ndarray) -> np.ndarray:
     return np.argsort(keys, axis=-1, kind="stable")
 
 
+def replicas_per_node(phy2log: np.ndarray, num_experts: int, cluster: Cluster) -> np.ndarray:
+    """phy2log [L, P] -> [L, E, N] int64 replicas of each expert on each node (one bincount: np.add.at took 0.48 ms,
+    this 0.13 at [58, 320])."""
+    n_layers, n = len(phy2log), cluster.num_nodes
+    key = (np.asarray(phy2log) + (np.arange(n_layers) * num_experts)[:, None]) * n + cluster.slot_node()  # [L, P]
+    return np.bincount(key.ravel(), minlength=n_layers * num_experts * n).reshape(n_layers, num_experts, n)
+
+
 def from_phy2log(phy2log: np.ndarray, num_experts: int, rank: np.ndarray | None = None) -> Placement:
     """Builds log2phy [L, E, R] and logcnt [L, E] from phy2log [L, P]; every expert needs >= 1 replica.
 

@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from r3trace.eplb.placement import Cluster, PlacementError
+from r3trace.eplb.placement import Cluster, PlacementError, replicas_per_node
 
 
 def reseat(phy2log: np.ndarray, logcnt: np.ndarray, weight: np.ndarray,
@@ -45,7 +45,6 @@ def reseat(phy2log: np.ndarray, logcnt: np.ndarray, weight: np.ndarray,
     out = prev.copy()
     slot_node, slot_gpu = cluster.slot_node(), cluster.slot_gpu()
     node_of, gpu_of = slot_node.tolist(), slot_gpu.tolist()  # the per-slot steps below on Python ints and floats
-    n_nodes = cluster.num_nodes
     per_rep = weight / logcnt
     for layer in range(n_layers):
         have, want = np.bincount(prev[layer], minlength=e), logcnt[layer]
@@ -54,7 +53,7 @@ def reseat(phy2log: np.ndarray, logcnt: np.ndarray, weight: np.ndarray,
             continue
         at = {x: i for i, x in enumerate(xs.tolist())}
         row = out[layer]
-        on = np.bincount(row * n_nodes + slot_node, minlength=e * n_nodes).reshape(e, n_nodes)  # replicas per node
+        on = replicas_per_node(row[None], e, cluster)[0]  # [E, N] replicas per node
         co = co_rows(layer, xs)  # [X, E]
         aff = node_affinity(co, on)  # [X, N] kept equal to node_affinity(co, on) as on changes below
         slot_load = per_rep[layer, row].tolist()

@@ -16,16 +16,12 @@ from typing import NamedTuple
 
 import numpy as np
 
-from r3trace.eplb.placement import Cluster, Placement, from_phy2log
+from r3trace.eplb.placement import Cluster, Placement, from_phy2log, replicas_per_node
 
 
 def node_counts(pl: Placement, cluster: Cluster) -> np.ndarray:
     """Replicas per (layer, expert, node): [L, E, N]."""
-    n_layers, e = pl.logcnt.shape
-    node = np.broadcast_to(cluster.slot_node(), pl.phy2log.shape)  # [L, P]
-    cnt = np.zeros((n_layers, e, cluster.num_nodes), dtype=np.int64)
-    np.add.at(cnt, (np.arange(n_layers)[:, None], pl.phy2log, node), 1)
-    return cnt
+    return replicas_per_node(pl.phy2log, pl.logcnt.shape[1], cluster)
 
 
 def even_gpu_load(pl: Placement, heat: np.ndarray, cluster: Cluster) -> np.ndarray:
@@ -91,8 +87,7 @@ def node_limited_max(layouts: Sequence[np.ndarray], num_experts: int, topk_ids: 
     node = cluster.slot_node()
     out = []
     for phy2log in layouts:
-        cnt = np.bincount(((phy2log + (np.arange(n_layers) * e)[:, None]) * n + node).ravel(),
-                          minlength=n_layers * e * n).reshape(n_layers, e, n)  # [L, E, N] node_counts'
+        cnt = replicas_per_node(phy2log, e, cluster)  # [L, E, N]
         bits = np.take(_expert_bits(cnt), key)  # [T, L, K] node bitmask of each choice
         units = np.zeros(n_layers * e * sets)
         for c, i in enumerate(starts):

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from r3trace.eplb.placement import Cluster
+from r3trace.eplb.placement import Cluster, replicas_per_node
 
 LEVEL_BLOCK = 1 << 20  # bytes of [S, P] float candidates _level handles at once (cache-sized temporaries)
 SWAP_TRIES = 4  # least pairs _swap_one checks one by one before checking every pair at once
@@ -63,12 +63,12 @@ def static_even_ladder(phy2log: np.ndarray, weight: np.ndarray, cluster: Cluster
     n_layers, p = phy2log.shape
     if cluster.num_nodes == 1:
         return np.repeat(phy2log[None], len(taus), axis=0)
-    e, g, n = weight.shape[1], cluster.num_gpus, cluster.num_nodes
+    e, g = weight.shape[1], cluster.num_gpus
     key = phy2log + (np.arange(n_layers) * e)[:, None]  # [L, P] (layer, expert)
     cnt = np.bincount(key.ravel(), minlength=n_layers * e).reshape(n_layers, e)  # [L, E]
     share = weight / np.maximum(cnt, 1)  # [L, E] one replica's even-split load
     node_of = np.arange(p) // cluster.slots_per_node  # [P]
-    per_node = np.bincount((key * n + node_of).ravel(), minlength=n_layers * e * n).reshape(n_layers, e, n)
+    per_node = replicas_per_node(phy2log, e, cluster)  # [L, E, N]
     bad = bad_nodes(per_node, cnt[:, :, None]).sum(2)  # [L, E] each expert's bad nodes (EvenMoves.bad)
     gpu_load = np.bincount((np.arange(n_layers)[:, None] * g + np.arange(p) // cluster.slots_per_gpu).ravel(),
                            weights=np.take_along_axis(share, phy2log, 1).ravel(), minlength=n_layers * g)
