@@ -25,8 +25,6 @@ import numpy as np
 from r3trace.eplb.packing import balanced_packing
 from r3trace.eplb.placement import Cluster, PlacementError
 
-AFFINITY_BLOCK = 1 << 14  # choices node_affinity pairs at once: [16K, K] int64 keys, 1 MB at K = 8 (the [Q, K]
-# array at once, ~12 MB at [58, 256], cost page faults: 0.005-0.015 s a fresh plan by the allocator's mood)
 COACT_TOKENS = 1024  # newest tokens counted: 1024 x 58 layers x 28 pairs, 0.09 s of bincount on busy cores (2048: 0.22)
 
 
@@ -49,88 +47,81 @@ class CoChoices:
     Equal to coactivation_counts' matrix C [L, E, E] (same integers), without building it: at [58, 256] the
     dense matrix (bincount into 3.8M bins, float32 conversion, transposed add) and its [E, E] @ [E, N] products
     were 0.06-0.15 s of a 0.13-0.23 s fresh plan; node_affinity reads the same pairs in one bincount over
-    L x E x N bins, and a re-plan reads only the rows of the few experts whose counts change."""
+    L x E x N bins, and a re-plan reads only the rows of the few experts whose counts change (rows)."""
 
     def __init__(self, tokens: np.ndarray | None, num_experts: int) -> None:
         self.e = num_experts
-        self._given = None if tokens is None or not len(tokens) else tokens[-COACT_TOKENS:]
-        self._tok: np.ndarray | None = None  # int64 copy of _given, made on first read: a seeded re-plan without
-        # count changes (P = E) reads no co-choice at all
-        self._by_expert: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # row()'s index, built on its
-        # first call: each choice's token in (layer, expert) order, each (layer, expert)'s start, the [L, T, K] keys
-
-    @property
-    def tok(self) -> np.ndarray | None:
-        """[T, L, K] int64: the newest COACT_TOKENS tokens, or None without tokens."""
-        if self._tok is None and self._given is not None:
-            self._tok = np.asarray(self._given, dtype=np.int64)
-        return self._tok
+        # [T, L, K] the newest COACT_TOKENS tokens as given (int16 from a trace), read in blocks of ROWS_BLOCK choices:
+        # int64 copies of all of them ([1024, 58, 8]: 3.8 MB each) were page-faulted in on every plan
+        self._given = None if tokens is None or not len(tokens) else np.asarray(tokens[-COACT_TOKENS:])
 
     def node_affinity(self, node: np.ndarray, num_nodes: int, rows: np.ndarray | None = None) -> np.ndarray:
         """node [L, E] (one node per expert) -> [L, E, N] = C @ onehot(node): the co-choices of each expert with
         the experts on each node, counted over ordered pairs of a token's K positions (i != j). rows [L, E] bool:
         only those experts' rows are counted, the others stay 0 (affinity_replicas reads only experts with extra
         replicas: 31-43% of the choices at [58, 256], 0.009-0.013 s instead of 0.020-0.025)."""
-        n_layers = node.shape[0]
-        if (rows is not None and not rows.any()) or self.tok is None:  # P = E: no expert has an extra replica
-            return np.zeros((n_layers, self.e, num_nodes))
-        e = self.e
-        key = self.tok + (np.arange(n_layers) * e)[None, :, None]  # [T, L, K] (layer, expert) of each choice
-        k = key.shape[2]
-        nd = np.take(node, key)  # [T, L, K] node of each choice (np.take: 2x faster than fancy indexing here)
-        # every ordered pair of a token's positions, the K pairs (i, i) included and taken back below; in int64
-        # (bincount's own index type): cheaper than gathering the K (K - 1) pairs (0.016 vs 0.021 s at 8 nodes)
-        if rows is None:
-            mine = key.ravel()
-            idx = (key * num_nodes)[:, :, :, None] + nd[:, :, None, :]  # [T, L, K, K]
-            aff = np.bincount(idx.ravel(), minlength=n_layers * e * num_nodes).reshape(n_layers, e, num_nodes)
-        else:
-            q = np.flatnonzero(np.take(rows, key))  # [Q] the choices whose expert's row is wanted
-            mine = np.take(key, q)
-            aff = np.zeros(n_layers * e * num_nodes, dtype=np.int64)
-            for lo in range(0, len(q), AFFINITY_BLOCK):  # 1 MB of pairs at a time (integer counts: exact)
-                # the token's K nodes per choice, rows gathered by np.take: with nd.reshape(-1, K)[q // K] the
-                # count took 15 ms at [58, 256] on 8 nodes, with np.take 8 ms
-                idx = np.take(nd.reshape(-1, k), q[lo:lo + AFFINITY_BLOCK] // k, axis=0)  # [Q', K]
-                idx += (mine[lo:lo + AFFINITY_BLOCK] * num_nodes)[:, None]
-                aff += np.bincount(idx.ravel(), minlength=len(aff))
-            aff = aff.reshape(n_layers, e, num_nodes)
-        aff[np.arange(n_layers)[:, None], np.arange(e)[None, :], node] -= np.bincount(
-            mine, minlength=n_layers * e).reshape(n_layers, e)  # a position paired with itself
-        return aff.astype(np.float64)
+        n_layers, e = node.shape[0], self.e
+        if (rows is not None and not rows.any()) or self._given is None:  # P = E: no expert has an extra replica
+            return np.zeros((n_layers, e, num_nodes))
+        wanted = np.ones(n_layers * e, dtype=bool) if rows is None else np.asarray(rows, dtype=bool).ravel()
+        row_of = np.where(wanted, np.arange(n_layers * e), -1)  # [L E] a (layer, expert) is its own row
+        node_of = np.asarray(node, dtype=np.int64).ravel()
+        return self._pairs(row_of, n_layers * e, node_of, num_nodes, node_of).reshape(n_layers, e, num_nodes)
 
-    def row(self, layer: int, x: int) -> np.ndarray:
-        """C[layer, x] [E]: per expert, the tokens that chose it with x (pairs of positions, as C counts)."""
-        return self.rows(layer, np.array([x]))[0]
+    def rows(self, want: np.ndarray) -> np.ndarray:
+        """want [L, E] bool -> C[want] [X, E]: the rows of the X wanted (layer, expert) pairs, in (layer, expert)
+        order (np.nonzero's).
 
-    def rows(self, layer: int, xs: np.ndarray) -> np.ndarray:
-        """C[layer, xs] [X, E] for the X experts xs, in one bincount.
+        A seeded re-plan wants ~13 experts a layer (the ones whose counts change) and reads ~1/4 of the choices. Per
+        layer from an index sorted by (layer, expert) this took 6.5 ms at [54, 256] on 1,024 tokens (the sort and its
+        3.5 MB of fresh pages), 2.1 ms in one pass."""
+        want = np.asarray(want, dtype=bool)
+        x = int(want.sum())
+        if self._given is None or not x:
+            return np.zeros((x, self.e))
+        row_of = np.full(want.size, -1, dtype=np.int64)  # [L E] each wanted pair's row, -1 elsewhere
+        row_of[want.ravel()] = np.arange(x)
+        return self._pairs(row_of, x, None, self.e, np.nonzero(want)[1]).reshape(x, self.e)
 
-        The first call sorts the L x T x K choices by (layer, expert) (one argsort), so a row reads only the
-        ~T K / E tokens that chose x: a re-plan reads ~500 rows, 0.08 s by scanning all T x K choices."""
-        xs = np.asarray(xs, dtype=np.int64)
-        if self.tok is None:
-            return np.zeros((len(xs), self.e))
-        if self._by_expert is None:
-            t, n_layers, k = self.tok.shape
-            # int16 keys (L x E < 2^15 at [58, 256]) take numpy's radix sort: 475K keys in a few ms
-            small = n_layers * self.e < 2**15
-            dtype = np.int16 if small else np.int64
-            key = self.tok.transpose(1, 0, 2).astype(dtype)  # [L, T, K] layer-major copy
-            np.add(key, (np.arange(n_layers) * self.e).astype(dtype)[:, None, None], out=key)
-            flat = key.reshape(-1)
-            order = np.argsort(flat, kind="stable")
-            start = np.r_[0, np.bincount(flat, minlength=n_layers * self.e).cumsum()]
-            self._by_expert = ((order % (t * k)) // k, start, key)
-        tokens_of, start, keys = self._by_expert
-        lo, hi = start[layer * self.e + xs], start[layer * self.e + xs + 1]
-        n = hi - lo  # [X] positions holding each x
-        owner = np.repeat(np.arange(len(xs)), n)
-        hits = tokens_of[np.arange(n.sum()) + np.repeat(lo - (np.cumsum(n) - n), n)]  # a token per position holding x
-        chosen = keys[layer][hits] + ((owner - layer) * self.e)[:, None]  # [hits, K] (owner, expert), layer-major rows
-        out = np.bincount(chosen.ravel(), minlength=len(xs) * self.e).reshape(len(xs), self.e).astype(np.float64)
-        out[np.arange(len(xs)), xs] -= n  # a position is not paired with itself
-        return out
+    def _pairs(self, row_of: np.ndarray, n_rows: int, value_of: np.ndarray | None, width: int,
+               own_value: np.ndarray) -> np.ndarray:
+        """The co-choice counts [n_rows * width] (float64) under row_of [L E] (each (layer, expert)'s row, -1: not
+        counted) and value_of [L E] (the column each choice adds to, per (layer, expert); None: its expert id).
+
+        Each choice of a counted (layer, expert) adds every choice of its token (itself included) to its row, at
+        that choice's value; then each row gives back one pair per choice at own_value [n_rows] (its own value): the
+        pair of a choice with itself. Tokens in blocks of ROWS_BLOCK choices, pairs in blocks of PAIR_BLOCK: integer
+        counts, exact in any order."""
+        given = self._given
+        assert given is not None  # the callers return zeros without tokens
+        t, n_layers, k = given.shape
+        off = (np.arange(n_layers) * self.e)[None, :, None]
+        out = np.zeros(n_rows * width, dtype=np.int64)
+        own = np.zeros(n_rows, dtype=np.int64)  # [rows] choices of each row's expert
+        step = max(1, ROWS_BLOCK // (n_layers * k))
+        for lo in range(0, t, step):
+            ids = given[lo:lo + step]  # [T', L, K] as given (int16 from a trace)
+            key = ids + off  # [T', L, K] (layer, expert) of each choice
+            row = np.take(row_of, key)
+            value = (ids if value_of is None else np.take(value_of, key)).reshape(-1, k)  # [T' L, K]
+            q = np.flatnonzero(row >= 0)  # [Q] the counted choices
+            for c in range(0, len(q), PAIR_BLOCK):
+                qc = q[c:c + PAIR_BLOCK]
+                r = np.take(row, qc)
+                # each choice's token's K values, gathered by np.take (nd.reshape(-1, K)[q // K] took 15 ms at
+                # [58, 256] on 8 nodes, np.take 8 ms)
+                idx = (r * width)[:, None] + np.take(value, qc // k, axis=0)  # [Q', K]
+                out += np.bincount(idx.ravel(), minlength=len(out))
+                own += np.bincount(r, minlength=n_rows)
+        counts = out.reshape(n_rows, width)
+        counts[np.arange(n_rows), own_value] -= own
+        return counts.ravel().astype(np.float64)
+
+
+ROWS_BLOCK = 1 << 17  # tokens' choices CoChoices reads at once: [T', L, K] int64 keys, 1 MB
+PAIR_BLOCK = 1 << 14  # choices it pairs at once: [16K, K] int64 keys, 1 MB at K = 8 (the [Q, K] array at once, ~12
+# MB at [58, 256], cost page faults: 0.005-0.015 s a fresh plan by the allocator's mood)
+
 
 def group_home_nodes(weight: np.ndarray, cluster: Cluster) -> tuple[np.ndarray, np.ndarray]:
     """weight [L, E] -> (first node [L, groups], node count [L, groups]): contiguous runs of whole nodes,

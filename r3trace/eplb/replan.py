@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from r3trace.eplb.affinity import CoChoices
+from r3trace.eplb.affinity import COACT_TOKENS, CoChoices
 from r3trace.eplb.alignment import align
 from r3trace.eplb.candidates import nodes_per_token
 from r3trace.eplb.cover import cover_sizes, node_masks
@@ -96,7 +96,7 @@ def seeded_plan(w: np.ndarray, prev: Placement, cluster: Cluster, cfg: PlannerCo
     rows = np.arange(len(w)) if layers is None else np.flatnonzero(layers)
     if not len(rows):
         return out
-    co = CoChoices(None if tokens is None else tokens[:, rows], e)  # the planned layers' tokens only
+    co = CoChoices(None if tokens is None else tokens[-COACT_TOKENS:, rows], e)  # the planned layers' tokens only
     ph = reseat(prev.phy2log[rows], logcnt[rows], w[rows], co.rows, cluster)
     if noise is not None and cluster.num_slots > e:
         out[rows] = emax_swaps(ph, w[rows], cluster, np.full(len(rows), swaps), noise[0][rows], noise[1][rows],

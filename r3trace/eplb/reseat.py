@@ -29,12 +29,13 @@ from r3trace.eplb.placement import Cluster, PlacementError, replicas_per_node
 
 
 def reseat(phy2log: np.ndarray, logcnt: np.ndarray, weight: np.ndarray,
-           co_rows: Callable[[int, np.ndarray], np.ndarray], cluster: Cluster) -> np.ndarray:
+           co_rows: Callable[[np.ndarray], np.ndarray], cluster: Cluster) -> np.ndarray:
     """phy2log [L, P] (previous) -> phy2log [L, P] holding logcnt [L, E] replicas of each expert.
 
     weight [L, E] forecast loads order the gaining replicas (highest load per replica first) and break
-    ties (lighter GPU partner first); co_rows(layer, xs) -> [X, E] experts xs's co-choices in the newest tokens
-    (affinity.CoChoices.rows; zeros: ties only), read only for the experts whose count changes.
+    ties (lighter GPU partner first); co_rows(changes [L, E] bool) -> [X, E] the co-choices in the newest tokens of
+    the X (layer, expert) pairs whose count changes, in (layer, expert) order (affinity.CoChoices.rows; zeros: ties
+    only), read once for every layer.
     Exactly sum(|logcnt - previous counts|) / 2 slots change; none when the counts are unchanged.
     """
     prev = np.asarray(phy2log, dtype=np.int64)
@@ -46,22 +47,31 @@ def reseat(phy2log: np.ndarray, logcnt: np.ndarray, weight: np.ndarray,
     slot_node, slot_gpu = cluster.slot_node(), cluster.slot_gpu()
     node_of, gpu_of = slot_node.tolist(), slot_gpu.tolist()  # the per-slot steps below on Python ints and floats
     per_rep = weight / logcnt
+    has = np.bincount((prev + (np.arange(n_layers) * e)[:, None]).ravel(), minlength=n_layers * e).reshape(n_layers, e)
+    changes = has != logcnt  # [L, E]
+    co_all = co_rows(changes)  # [X, E] every layer's changing experts' rows, layer by layer
+    ends = np.cumsum(changes.sum(1)).tolist()
+    on_all = replicas_per_node(prev, e, cluster)  # [L, E, N] replicas per node; a layer's rows change only in its turn
     for layer in range(n_layers):
-        have, want = np.bincount(prev[layer], minlength=e), logcnt[layer]
-        xs = np.flatnonzero(have != want)  # [X] the experts whose count changes
+        have, want = has[layer], logcnt[layer]
+        xs = np.flatnonzero(changes[layer])  # [X] the experts whose count changes
         if not len(xs):
             continue
         at = {x: i for i, x in enumerate(xs.tolist())}
         row = out[layer]
-        on = replicas_per_node(row[None], e, cluster)[0]  # [E, N] replicas per node
-        co = co_rows(layer, xs)  # [X, E]
+        on = on_all[layer]  # [E, N]
+        co = co_all[ends[layer] - len(xs):ends[layer]]  # [X, E]
         aff = node_affinity(co, on)  # [X, N] kept equal to node_affinity(co, on) as on changes below
         slot_load = per_rep[layer, row].tolist()
         free: list[int] = []
-        for x in xs[have[xs] > want[xs]].tolist():
+        losers = xs[have[xs] > want[xs]]
+        held_at = np.nonzero(row[None, :] == losers[:, None])[1].tolist()  # each loser's slots in turn, ascending
+        first = 0
+        for x in losers.tolist():
             near = aff[at[x]].tolist()
             # fewest co-choices with the slot's node first, then the heavier slot (np.lexsort's order, stable)
-            slots = sorted(np.flatnonzero(row == x).tolist(), key=lambda q: (near[node_of[q]], -slot_load[q]))
+            slots = sorted(held_at[first:first + have[x]], key=lambda q: (near[node_of[q]], -slot_load[q]))
+            first += have[x]
             for q in slots[: have[x] - want[x]]:
                 free.append(q)
                 on[x, node_of[q]] -= 1
@@ -70,7 +80,8 @@ def reseat(phy2log: np.ndarray, logcnt: np.ndarray, weight: np.ndarray,
         row[free] = -1
         gpu_load = np.bincount(slot_gpu, weights=np.where(row >= 0, per_rep[layer, np.maximum(row, 0)], 0.0),
                                minlength=cluster.num_gpus).tolist()
-        gains = np.repeat(np.arange(e), np.maximum(want - have, 0))
+        up = xs[want[xs] > have[xs]]
+        gains = np.repeat(up, (want - have)[up])  # each gaining replica, experts ascending
         tie = 1e-6 / max(float(weight[layer].sum()), 1e-12)  # below one co-choice
         for x in gains[np.argsort(-per_rep[layer, gains], kind="stable")].tolist():
             near, held = aff[at[x]].tolist(), on[x].tolist()

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
+from r3trace.eplb import affinity
 from r3trace.eplb.affinity import CoChoices, coactivation_counts
 
 
@@ -29,17 +31,27 @@ def test_node_affinity_and_rows_equal_the_dense_matrix() -> None:
     np.testing.assert_array_equal(co.node_affinity(node, n, rows), np.where(rows[:, :, None], dense @ onehot, 0))
     none = co.node_affinity(node, n, np.zeros((3, e), dtype=bool))  # P = E: no row wanted
     assert none.shape == (3, e, n) and none.dtype == np.float64 and not none.any()
-    for layer in range(3):
-        for x in range(e):
-            np.testing.assert_array_equal(co.row(layer, x), dense[layer, x])
-        xs = rng.choice(e, 7)  # repeats allowed
-        np.testing.assert_array_equal(co.rows(layer, xs), dense[layer, xs])
-    assert co.rows(1, np.zeros(0, dtype=np.int64)).shape == (0, e)
+    np.testing.assert_array_equal(co.rows(np.ones((3, e), dtype=bool)), dense.reshape(-1, e))
+    want = rng.random((3, e)) < 0.3
+    np.testing.assert_array_equal(co.rows(want), dense[want])
+    assert co.rows(np.zeros((3, e), dtype=bool)).shape == (0, e)
+
+
+def test_rows_over_many_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Blocks of a few tokens (the last one short) sum to the same rows."""
+    rng = np.random.default_rng(22)
+    tok = _tokens(rng, t=97, n_layers=4, e=19, k=3)
+    dense = coactivation_counts(tok, 19).astype(np.float64)
+    want = rng.random((4, 19)) < 0.4
+    monkeypatch.setattr(affinity, "ROWS_BLOCK", 4 * 3 * 5)  # 5 tokens a block: 20 blocks
+    np.testing.assert_array_equal(CoChoices(tok, 19).rows(want), dense[want])
 
 
 def test_without_tokens_everything_is_zero() -> None:
     co = CoChoices(None, 8)
     assert not co.node_affinity(np.zeros((2, 8), dtype=np.int64), 3).any()
     assert co.node_affinity(np.zeros((2, 8), dtype=np.int64), 3).shape == (2, 8, 3)
-    assert not co.row(1, 5).any()
-    assert co.rows(1, np.array([2, 5])).shape == (2, 8)
+    want = np.zeros((2, 8), dtype=bool)
+    want[1, [2, 5]] = True
+    rows = co.rows(want)
+    assert rows.shape == (2, 8) and not rows.any()

@@ -30,9 +30,9 @@ def _coact(rng: np.random.Generator) -> np.ndarray:
     return c
 
 
-def _rows(coact: np.ndarray) -> Callable[[int, np.ndarray], np.ndarray]:
+def _rows(coact: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
     """reseat's co_rows from a dense [L, E, E] matrix."""
-    return lambda layer, xs: coact[layer, xs]
+    return lambda changes: coact[changes]
 
 
 def test_reseat_moves_exactly_the_changed_counts() -> None:
