@@ -70,7 +70,7 @@ def cover(masks: np.ndarray, tok: np.ndarray | None, cl: Cluster) -> np.ndarray:
 def cover_sizes(masks: np.ndarray, tok: np.ndarray, n: int, layer: np.ndarray | None = None) -> np.ndarray:
     """masks [M, E] node bits of each expert (every expert on some node), tokens [T, L, K] (N <= 8 nodes), layer
     [M] the token layer of each mask row (None: row l is layer l, M = L) -> [M, T] the fewest nodes holding all K of
-    each token's experts: score.node_limited's cover size without its loads.
+    each token's experts (uint8): score.node_limited's cover size without its loads.
 
     A node that is an expert's only one is in every cover (the forced nodes F), and where the experts F misses
     share a node one more covers them; only the tokens left (two or more nodes beyond F) are solved by subsets
@@ -83,17 +83,16 @@ def cover_sizes(masks: np.ndarray, tok: np.ndarray, n: int, layer: np.ndarray | 
     top_k, n_tok = tok.shape[2], tok.shape[0]
     table = masks.astype(np.uint8).ravel()  # [M E]
     index = np.intp if rows * e >= 1 << 31 else np.int32
-    by_k = np.ascontiguousarray(np.transpose(tok, (2, 1, 0)), dtype=index)  # [K, L, T]
+    by_k = np.ascontiguousarray(np.transpose(tok, (2, 1, 0)))  # [K, L, T] in the tokens' dtype (int16 from a trace)
     offset = (np.arange(rows, dtype=index) * e)[:, None]  # [M, 1] each row's place in table
-    out = np.empty((rows, n_tok), dtype=np.int64)
+    out = np.empty((rows, n_tok), dtype=np.uint8)  # sizes <= 8 (int64: 4.7 MB of fresh pages at 290 x 2,048)
     block = max(1, COVER_BLOCK // max(top_k * n_tok, 1))
     buf = np.empty((top_k, min(block, rows), n_tok), dtype=np.uint8)
     for r0 in range(0, rows, block):
         r1 = min(r0 + block, rows)
         mk = buf[:, : r1 - r0]  # [K, R, T] each token's experts' node masks
         for k in range(top_k):
-            idx = by_k[k, layer[r0:r1]]
-            idx += offset[r0:r1]
+            idx = np.add(by_k[k, layer[r0:r1]], offset[r0:r1], dtype=index)
             np.take(table, idx, out=mk[k])
         _block_cover(mk, n, out[r0:r1])
     return out
@@ -114,7 +113,7 @@ def _block_cover(mk: np.ndarray, n: int, out: np.ndarray) -> None:
     np.add(np.bitwise_count(forced), more, out=out, casting="unsafe")
     hard = more & (shared == 0)
     if hard.any():
-        out[hard] += _hitting_size(missed[:, hard], n) - 1
+        out[hard] += (_hitting_size(missed[:, hard], n) - 1).astype(out.dtype)
 
 
 def _hitting_size(missed: np.ndarray, n: int) -> np.ndarray:

@@ -76,47 +76,58 @@ def node_limited_max(layouts: Sequence[np.ndarray], num_experts: int, topk_ids: 
     if n > MAX_LOAD_NODES:
         return np.stack([node_limited(from_phy2log(ph, e), topk_ids, cluster, seed=seed, chunk=chunk).gpu_load.max(1)
                          for ph in layouts])
-    n_layers = topk_ids.shape[1]
-    sets = 1 << n
-    key = _flat(topk_ids, e)  # [T, L, K] (layer, expert)
-    starts = range(0, len(topk_ids), chunk)
-    totals: dict[int, np.ndarray] = {}  # [L E] a chunk's units of each expert, counted where first needed
-    ties = [list(_tie_scores(np.random.default_rng(seed + i), n, len(topk_ids[i:i + chunk]), n_layers))
-            for i in starts]  # shared by the layouts: <= 15 subsets of [T', L] scores
-    member = ((np.arange(sets)[:, None] >> np.arange(n)) & 1).astype(float)  # [2^N, N]
-    node = cluster.slot_node()
-    out = []
-    for phy2log in layouts:
-        cnt = replicas_per_node(phy2log, e, cluster)  # [L, E, N]
-        bits = np.take(_expert_bits(cnt), key)  # [T, L, K] node bitmask of each choice
-        units = np.zeros(n_layers * e * sets)
-        for c, i in enumerate(starts):
-            code = _cover_codes(bits[i:i + chunk], n, ties[c])  # [T', L] the cover's node set
+    t, n_layers, k = topk_ids.shape
+    sets, n_lay = 1 << n, len(layouts)
+    cnts = [replicas_per_node(ph, e, cluster) for ph in layouts]  # [L, E, N] each
+    ebits = [_expert_bits(c) for c in cnts]  # [L E] node bitmask of each (layer, expert)
+    units = np.zeros((n_lay, n_layers * e * sets))
+    sub = max(1, LOAD_BLOCK // (n_layers * k))  # tokens a block: [T', L, K] int64 keys, 1 MB
+    for i in range(0, t, chunk):  # a chunk's ties are one draw, shared by the layouts
+        tc = min(chunk, t - i)
+        ties = list(_tie_scores(np.random.default_rng(seed + i), n, tc, n_layers))  # <= 15 subsets of [T', L] scores
+        codes = np.empty((n_lay, tc, n_layers), dtype=np.uint8)  # [V, T', L] the cover's node set
+        total = np.zeros(n_layers * e, dtype=np.int64)  # [L E] the chunk's units of each expert
+        for a in range(0, tc, sub):
+            key = _flat(topk_ids[i + a:i + min(a + sub, tc)], e)  # [T'', L, K] (layer, expert)
+            total += np.bincount(key.ravel(), minlength=len(total))
+            for v in range(n_lay):
+                codes[v, a:a + sub] = _cover_codes(np.take(ebits[v], key), n, ((s, tie[a:a + sub]) for s, tie in ties))
+        for v in range(n_lay):
             # where one cover set holds most tokens (on two nodes 90-98% of a layer's reach both), its units are the
             # rest of each expert's: only the others are counted (below COMMON_SHARE, as on four nodes at 50-60%,
             # gathering the others cost more than it saved)
-            hist = np.bincount(code.ravel(), minlength=sets)
+            hist = np.bincount(codes[v].ravel(), minlength=sets)
             common = int(np.argmax(hist))
-            if hist[common] < COMMON_SHARE * code.size:
-                every = key[i:i + chunk] * sets
-                every += code[:, :, None]  # in place: a second [T', L, K] temporary cost page faults
-                units += np.bincount(every.ravel(), minlength=len(units))
-                continue
-            tt, ll = np.nonzero(code != common)
-            flat = key[i:i + chunk][tt, ll] * sets + code[tt, ll][:, None]  # [Q, K]
-            part = np.bincount(flat.ravel(), minlength=len(units))
-            if c not in totals:
-                totals[c] = np.bincount(key[i:i + chunk].ravel(), minlength=n_layers * e)
-            part[common::sets] = totals[c] - part.reshape(-1, sets).sum(1)  # integer counts: exact
-            units += part
-        by_set = units.reshape(n_layers, e, sets)  # [L, E, 2^N] units of each expert served by each node set
-        per = np.einsum("les,sn->len", by_set / np.maximum(cnt @ member.T, 1), member)  # [L, E, N] per replica
+            part = np.zeros(len(units[v]), dtype=np.int64)
+            if hist[common] < COMMON_SHARE * codes[v].size:
+                common = -1
+                rest = np.ones((tc, n_layers), dtype=bool)
+            else:
+                rest = codes[v] != common
+            for a in range(0, tc, sub):
+                tt, ll = np.nonzero(rest[a:a + sub])
+                ids = topk_ids[i + a + tt, ll].astype(np.int64)  # [Q, K] the choices of the other tokens
+                ids += (ll * e)[:, None]
+                ids *= sets
+                ids += codes[v, a + tt, ll][:, None]
+                part += np.bincount(ids.ravel(), minlength=len(part))
+            if common >= 0:
+                part[common::sets] = total - part.reshape(-1, sets).sum(1)  # integer counts: exact
+            units[v] += part
+    out = []
+    member = ((np.arange(sets)[:, None] >> np.arange(n)) & 1).astype(float)  # [2^N, N]
+    node = cluster.slot_node()
+    for v, phy2log in enumerate(layouts):
+        by_set = units[v].reshape(n_layers, e, sets)  # [L, E, 2^N] units of each expert served by each node set
+        per = np.einsum("les,sn->len", by_set / np.maximum(cnts[v] @ member.T, 1), member)  # [L, E, N] per replica
         slot_load = per[np.arange(n_layers)[:, None], phy2log, node[None, :]]  # [L, P]
         out.append(slot_load.reshape(n_layers, cluster.num_gpus, -1).sum(-1).max(1))
     return np.stack(out)
 
 
 MAX_LOAD_NODES = 4  # node_limited_max counts per node set: 2^N sets per (layer, expert)
+LOAD_BLOCK = 1 << 17  # choices node_limited_max reads at once: [T', L, K] int64 keys, 1 MB (all 2,048 tokens' at once,
+# 7.6 MB at [58, 256], and the arrays around them peaked at 14 MB: fresh pages on every re-plan)
 COMMON_SHARE = 0.75  # share of tokens one cover set needs for node_limited_max to count only the others
 
 

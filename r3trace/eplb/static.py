@@ -128,8 +128,23 @@ def static_expected_load(phy2log: np.ndarray, weight: np.ndarray, cluster: Clust
     is the number of ranks rules 1-4 map to it times w / G, and those counts follow from each expert's replicas in
     slot order (rank and node runs): [L, P] arrays where dispatched_load builds [L, G, E] ones (406 layouts of 320
     slots on 64 GPUs: 0.004 s against 0.08 s). Equal to dispatched_load of the uniform demand up to float rounding
-    (tests/analysis/test_eplb_static_twins.py)."""
+    (tests/analysis/test_eplb_static_twins.py). Rows go EXPECTED_BLOCK slots at a time (each row's sums are its own)."""
     phy2log = np.asarray(phy2log, dtype=np.int64)
+    if not len(phy2log):
+        return np.zeros((0, cluster.num_gpus))
+    step = max(1, EXPECTED_BLOCK // phy2log.shape[1])
+    return np.concatenate([_expected_load(phy2log[a:a + step], weight[a:a + step], cluster, prefer_same_node, dispatch)
+                           for a in range(0, len(phy2log), step)])
+
+
+# slots static_expected_load handles at once: ~20 [rows, P] temporaries of 256 KB (the static ladder's ~290 layouts of
+# 288 slots at once peaked at 9.9 MB: fresh pages on every plan)
+EXPECTED_BLOCK = 1 << 15
+
+
+def _expected_load(phy2log: np.ndarray, weight: np.ndarray, cluster: Cluster, prefer_same_node: bool,
+                   dispatch: SGLangDispatch) -> np.ndarray:
+    """static_expected_load of rows phy2log [L, P] (int64), weight [L, E] -> [L, G]."""
     n_layers, p = phy2log.shape
     e, g, gpn = weight.shape[1], cluster.num_gpus, cluster.gpus_per_node
     order = slot_order(phy2log)  # [L, P] slots grouped by expert, ascending slot

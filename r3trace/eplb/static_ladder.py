@@ -42,7 +42,7 @@ def static_ladder(phy2log: np.ndarray, weight: np.ndarray, cluster: Cluster, tok
     expected loads score the layouts -> phy2log [L, P] (module doc)."""
     if not applies(cluster):
         return static_even(phy2log, weight, cluster)
-    tok = np.asarray(tokens[-CHOICE_TOKENS:], dtype=np.int64)
+    tok = np.asarray(tokens[-CHOICE_TOKENS:])  # as given (int16 from a trace): cover_sizes indexes by it
     ladder = _ladder(phy2log, weight, cluster)  # [V, L, P]
     # a layer's layout is often the same for several taus: score each distinct one once (pairs v, l whose layout
     # differs from v - 1's), then copy the scores down the ladder

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from r3trace.eplb import Cluster
+from r3trace.eplb import Cluster, score
 from r3trace.eplb.placement import from_phy2log
 from r3trace.eplb.score import MAX_LOAD_NODES, node_limited, node_limited_max
 
@@ -20,7 +20,11 @@ def random_layout(rng: np.random.Generator, n_layers: int, e: int, p: int) -> np
 
 
 @pytest.mark.parametrize("seed", range(5))
-def test_node_limited_max_equals_the_per_token_split(seed: int) -> None:
+@pytest.mark.parametrize("block", [None, 60])
+def test_node_limited_max_equals_the_per_token_split(seed: int, block: int | None,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    if block is not None:  # a few tokens a block (LOAD_BLOCK choices, the last block of a chunk short)
+        monkeypatch.setattr(score, "LOAD_BLOCK", block)
     rng = np.random.default_rng(seed)
     for _ in range(12):
         n = int(rng.integers(1, MAX_LOAD_NODES + 2))  # one above the counted path: the fallback

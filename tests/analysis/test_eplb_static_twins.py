@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from r3trace.eplb import Cluster, global_policy
+from r3trace.eplb import Cluster, global_policy, static
 from r3trace.eplb.cover import cover_sizes
 from r3trace.eplb.placement import from_phy2log
 from r3trace.eplb.score import heat_of
@@ -41,6 +41,19 @@ def test_expected_load_equals_the_uniform_demand_dispatched(seed: int) -> None:
                 got = static_expected_load(ph, w, cl, prefer, how)
                 # the same sums in another order: float rounding only
                 np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12 * w.sum())
+
+
+def test_expected_load_in_blocks_equals_one_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows in blocks of EXPECTED_BLOCK slots (one row, then two): each row's loads are its own, bit for bit."""
+    rng = np.random.default_rng(31)
+    cl = Cluster(12, 3, 36)
+    ph = random_layout(rng, 7, 29, 36)
+    w = rng.random((7, 29)) * 100
+    whole = static_expected_load(ph, w, cl)
+    for block in (36, 72):
+        monkeypatch.setattr(static, "EXPECTED_BLOCK", block)
+        assert np.array_equal(static_expected_load(ph, w, cl), whole)
+    assert static_expected_load(ph[:0], w[:0], cl).shape == (0, 12)
 
 
 def test_expected_load_by_hand() -> None:
