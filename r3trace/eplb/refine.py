@@ -15,6 +15,10 @@ import numpy as np
 
 from r3trace.eplb.placement import Cluster
 
+# candidate pairs ([layers, spg, P] float64 arrays) swap_refine handles at once, 1 MB: on one node (36 slots a GPU)
+# all 58 layers' were 4.8 MB a step and the re-plan at [58, 288] took ~5,000 page faults
+REFINE_BLOCK = 1 << 17
+
 
 def swap_refine(phy2log: np.ndarray, weight: np.ndarray, logcnt: np.ndarray, cluster: Cluster, max_swaps: int,
                 min_gain: float, cross_nodes: bool = True) -> np.ndarray:
@@ -24,11 +28,15 @@ def swap_refine(phy2log: np.ndarray, weight: np.ndarray, logcnt: np.ndarray, clu
     GPU with one slot of another GPU of the same node (or of any node when both slots hold an expert's only
     replica, so every expert still has one node; never with cross_nodes=False), choosing the pair that
     lowers the larger of the two GPUs' loads most; a layer stops once the best swap gains less than
-    min_gain x its mean GPU load.
+    min_gain x its mean GPU load. Layers are independent: they go REFINE_BLOCK candidate pairs at a time.
     """
+    n_layers, p = phy2log.shape
+    step = max(1, REFINE_BLOCK // (cluster.slots_per_gpu * p))
+    if n_layers > step:
+        return np.concatenate([swap_refine(phy2log[a:a + step], weight[a:a + step], logcnt[a:a + step], cluster,
+                                           max_swaps, min_gain, cross_nodes) for a in range(0, n_layers, step)])
     out = phy2log.copy()
-    n_layers = out.shape[0]
-    p, spg, gpn = out.shape[1], cluster.slots_per_gpu, cluster.gpus_per_node
+    spg, gpn = cluster.slots_per_gpu, cluster.gpus_per_node
     rows = np.arange(n_layers)
     slot_gpu, slot_node = cluster.slot_gpu(), cluster.slot_node()
     single = (np.take_along_axis(logcnt, out, 1) == 1) & cross_nodes  # [L, P]: a lone replica may change node

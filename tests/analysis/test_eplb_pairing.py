@@ -4,8 +4,9 @@ Run: .venv/bin/pytest tests/analysis/test_eplb_pairing.py -q"""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
-from r3trace.eplb import Cluster
+from r3trace.eplb import Cluster, pairing
 from r3trace.eplb.pairing import node_hits, pair, paired, peak_load
 
 CL = Cluster(36, 6, 72, num_groups=4)  # 2 slots per GPU, 6 GPUs a node
@@ -82,7 +83,11 @@ def test_other_shapes_are_left_as_they_are() -> None:
     assert (paired(ph, w, cl, None) == ph).all()
 
 
-def test_node_hits_counts_each_experts_tokens_with_another_expert_on_each_node() -> None:
+@pytest.mark.parametrize("block", [None, 7 * L * 4])
+def test_node_hits_counts_each_experts_tokens_with_another_expert_on_each_node(block: int | None,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    if block is not None:  # 7 tokens a block, the last one short
+        monkeypatch.setattr(pairing, "HITS_BLOCK", block)
     rng = np.random.default_rng(4)
     ph = _layout(rng)
     tokens = np.stack([np.stack([rng.choice(E, 4, replace=False) for _ in range(L)]) for _ in range(50)])  # [T, L, K]
