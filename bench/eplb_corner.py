@@ -25,9 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from bench.eplb_milp import INSTANCES, NoPlacement, bench_args, instance, placement_objectives, solve
+from bench.eplb_milp import EVEN_SPLIT, INSTANCES, NoPlacement, bench_args, instance, placement_objectives, solve
 from r3trace.eplb import Cluster, global_policy, hierarchical, plan
-from r3trace.eplb.evaluate import planner_config
 from r3trace.eplb.placement import Placement
 
 # shapes small enough for the nodes program to finish (the 32-expert ones of bench/eplb_milp.py find no placement
@@ -38,7 +37,7 @@ SMALL = {"synth-e12": (12, 2, 24, 4, 2, 16, 4), "synth-e16x4": (16, 2, 32, 8, 4,
 def policy_placements(load: np.ndarray, tokens: np.ndarray, cl: Cluster) -> dict[str, Placement]:
     """load [E], tokens [T, K] -> {policy: its placement of the one layer}."""
     # the even split's max load and nodes per token are the objectives: ours plans for the even split
-    pols: dict[str, Placement] = {"ours": plan(load[None], cl, tokens=tokens[:, None], cfg=planner_config("dynamic")),
+    pols: dict[str, Placement] = {"ours": plan(load[None], cl, tokens=tokens[:, None], cfg=EVEN_SPLIT),
                                   "global": global_policy(load[None], cl)}
     if cl.num_groups % cl.num_nodes == 0:
         pols["hierarchical"] = hierarchical(load[None], cl)

@@ -7,16 +7,13 @@ import numpy as np
 import pytest
 
 import r3trace.eplb.cover as cover_mod
-from bench.eplb_milp import instance, placement_objectives
+from bench.eplb_milp import EVEN_SPLIT, instance, placement_objectives
 from r3trace.eplb import Cluster, plan
 from r3trace.eplb.cover import cover, lower_cover, max_load, node_masks
-from r3trace.eplb.evaluate import planner_config
 from r3trace.eplb.placement import check_placement, from_phy2log
 from r3trace.eplb.polish import _layer
 
-# the MILP instances' objectives are the even split's max load and nodes per token: ours plans for the even split
-# (without the two-node replay contest, dispatch_contest.py)
-EVEN = planner_config("dynamic")
+EVEN = EVEN_SPLIT  # ours as bench/eplb_milp.py plans it, for the MILP's objective
 
 
 def test_synth_e16_reaches_one_node_per_token_at_its_max_load(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -136,3 +136,24 @@ def test_the_result_says_whose_placement_it_is() -> None:
                                           "milp_nodes_gap": cut.gap, "milp_nodes_seconds": cut.seconds}
     done = solve(load, tok, CL, "nodes", max_load_cap=mx, max_replicas=3, time_limit=60, incumbent=ours)
     assert (done.source, done.status, done.optimal, done.gap) == ("highs", "optimal", True, 0.0)
+
+
+def test_ours_within_one_percent_of_the_proven_optima() -> None:
+    """The issue's goal on bench/eplb_milp.py's four instances: ours' max GPU load (planned as that bench plans it)
+    within 1% of the balance optimum HiGHS proved there (bench/results/eplb-matrix-milp.json), and its nodes per
+    token no more than the row says. The bench once planned ours with SGLang's static-even ladder, which is not the
+    MILP's objective: synth-e64 then had 37.0 (+2.8%) against the file's 36.0."""
+    import json
+    from pathlib import Path
+
+    from bench.eplb_milp import EVEN_SPLIT, instance
+
+    doc = json.loads((Path(__file__).resolve().parents[2] / "bench/results/eplb-matrix-milp.json").read_text())
+    rows = [r for r in doc["rows"] if r["policy"] == "ours"]
+    assert {r["instance"] for r in rows} == {"synth-e16", "synth-e32", "sample-e32", "synth-e64"}
+    for r in rows:
+        load, tok, cl = instance(r["instance"])
+        mx, nodes = placement_objectives(plan(load[None], cl, tokens=tok[:, None], cfg=EVEN_SPLIT), load, tok, cl)
+        assert r["milp_balance_optimal"]
+        assert mx <= 1.01 * r["milp_max_load"], r["instance"]
+        assert mx == pytest.approx(r["max_load"]) and nodes == pytest.approx(r["nodes"]), r["instance"]
