@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from r3trace.eplb import portable
 from r3trace.eplb.placement import Cluster
 from r3trace.eplb.scenarios import deviations
 
@@ -71,8 +72,9 @@ def variance_model(dev: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarr
     expert's load varies about its forecast with variance ~ a w + b w^2, least squares over the layer's experts of
     the windows' squared deviations (over K - 1); where the best fit has a negative term, the other term alone."""
     var = (dev**2).sum(0) / (dev.shape[0] - 1)  # [L, E]
-    s11, s12, s22 = (w**2).sum(1), (w**3).sum(1), (w**4).sum(1)
-    r1, r2 = (w * var).sum(1), (w**2 * var).sum(1)
+    w2 = w * w  # products, not np.power (its kernel is picked per CPU: portable.py)
+    s11, s12, s22 = w2.sum(1), (w2 * w).sum(1), (w2 * w2).sum(1)
+    r1, r2 = (w * var).sum(1), (w2 * var).sum(1)
     det = np.maximum(s11 * s22 - s12**2, 1e-300)
     a, b = (s22 * r1 - s12 * r2) / det, (s11 * r2 - s12 * r1) / det
     only_b, only_a = a < 0, b < 0
@@ -86,7 +88,7 @@ def emax_bound(mu: np.ndarray, var: np.ndarray) -> tuple[np.ndarray, np.ndarray]
     E[max_g load], [L] its beta)."""
     q = BETAS[:, None, None] * mu[None] + BETAS[:, None, None] ** 2 * var[None] / 2  # [B, L, G]
     top = q.max(2)
-    bound = (top + np.log(np.exp(q - top[..., None]).sum(2))) / BETAS[:, None]  # [B, L]
+    bound = (top + portable.log(portable.exp(q - top[..., None]).sum(2))) / BETAS[:, None]  # [B, L]
     i = bound.argmin(0)
     return bound[i, np.arange(mu.shape[0])], BETAS[i]
 
@@ -121,8 +123,8 @@ def emax_swaps(phy2log: np.ndarray, w: np.ndarray, cluster: Cluster, swaps: np.n
     _, beta = emax_bound(ua + up, va + vp)
     big_a = beta[:, None] * ua + beta[:, None] ** 2 * va / 2
     big_p = beta[:, None] * up + beta[:, None] ** 2 * vp / 2
-    x = np.exp(big_a - big_a.max(1, keepdims=True))  # [L, G] each factor up to one per layer: the argmax is alike
-    y = np.exp(big_p - big_p.max(1, keepdims=True))
+    x = portable.exp(big_a - big_a.max(1, keepdims=True))  # [L, G] each factor up to one per layer: the argmax is
+    y = portable.exp(big_p - big_p.max(1, keepdims=True))  # alike
     scale = (x * y).sum(1)  # [L] the sum, as the swaps lower it
     start = scale.copy()
     node_of = np.arange(g) // cluster.gpus_per_node  # [G]
@@ -144,7 +146,7 @@ def emax_swaps(phy2log: np.ndarray, w: np.ndarray, cluster: Cluster, swaps: np.n
         best = flat.argmax(1)
         top = flat[np.arange(len(act)), best]
         # above the sum's rounding, and a drop of the bound, (1 / beta) log(sum), by more than step_drop
-        go = top > np.maximum(1e-12, -np.expm1(-beta[act] * step_drop)) * scale[act]
+        go = top > np.maximum(1e-12, -portable.expm1(-beta[act] * step_drop)) * scale[act]
         scale[act[go]] -= top[go]
         left[act[~go]] = 0
         for layer, k in zip(act[go], best[go], strict=True):
@@ -167,7 +169,7 @@ def emax_swaps(phy2log: np.ndarray, w: np.ndarray, cluster: Cluster, swaps: np.n
     res = two.copy()
     res[rows, gid, 1 - heavy] = px
     # the bound is (1 / beta) log(sum) + const: a layer whose swaps lower it by min_drop or less keeps its input
-    low = np.log(start / np.maximum(scale, 1e-300)) / beta <= min_drop
+    low = portable.log(start / np.maximum(scale, 1e-300)) / beta <= min_drop
     res[low] = two[low]
     return res.reshape(n_layers, p)
 

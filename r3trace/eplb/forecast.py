@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from r3trace.eplb import portable
+
 ALPHAS = (0.0, 0.1, 0.2, 0.35, 0.5, 0.7, 1.0)  # weights the backtest tries (1: the newest window, 0: plain mean)
 DEFAULT_ALPHA = 0.35  # with fewer than 3 windows there is nothing to backtest on
 # one backtest window is too noisy to call drift: a stationary synthetic trace (tests/analysis/test_eplb.py's
@@ -77,7 +79,7 @@ def _smooth(rates: np.ndarray, alpha: float) -> np.ndarray:
     if alpha == 0:
         return rates.mean(0)
     wt = [alpha * (1 - alpha) ** age for age in range(len(rates) - 1, -1, -1)]  # oldest first
-    total = sum(wt)
+    total = portable.left_sum(wt)  # not sum(): CPython 3.12's rounds another way (portable.left_sum)
     # window by window, not np.tensordot: BLAS (OpenBLAS's kernel is picked per CPU at run time) rounds the sum in
     # another order on another machine, and the planner's swaps and contests break near-ties by those last bits: the
     # same code and numpy build moved ours in 74 of bench/eplb_matrix.py's 124 cells (-0.004 .. +0.005) between an

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from r3trace.eplb import portable
 from r3trace.eplb.cover import cover_sizes, node_masks
 from r3trace.eplb.deepseek import global_phy2log
 from r3trace.eplb.placement import Cluster
@@ -94,7 +95,7 @@ def choose(bal: np.ndarray, nodes: np.ndarray, budget: float) -> np.ndarray:
     bl, nl = bal.T.tolist(), nodes.T.tolist()  # [L][V] Python floats: the walk's scalar steps 4x faster, same values
     hulls = [_hull(bl[i], nl[i]) for i in range(n_layers)]
     at = [0] * n_layers  # position along each hull
-    spent = float(sum(nl[i][h[0]] for i, h in enumerate(hulls)))
+    spent = portable.left_sum(nl[i][h[0]] for i, h in enumerate(hulls))  # as sum() before CPython 3.12
     while True:
         best, step = 0.0, -1
         for i, h in enumerate(hulls):
