@@ -47,11 +47,11 @@ def reseat(phy2log: np.ndarray, logcnt: np.ndarray, weight: np.ndarray,
     slot_node, slot_gpu = cluster.slot_node(), cluster.slot_gpu()
     node_of, gpu_of = slot_node.tolist(), slot_gpu.tolist()  # the per-slot steps below on Python ints and floats
     per_rep = weight / logcnt
-    has = np.bincount((prev + (np.arange(n_layers) * e)[:, None]).ravel(), minlength=n_layers * e).reshape(n_layers, e)
+    on_all = replicas_per_node(prev, e, cluster)  # [L, E, N] replicas per node; a layer's rows change only in its turn
+    has = on_all.sum(2)  # [L, E] the previous counts
     changes = has != logcnt  # [L, E]
     co_all = co_rows(changes)  # [X, E] every layer's changing experts' rows, layer by layer
     ends = np.cumsum(changes.sum(1)).tolist()
-    on_all = replicas_per_node(prev, e, cluster)  # [L, E, N] replicas per node; a layer's rows change only in its turn
     for layer in range(n_layers):
         have, want = has[layer], logcnt[layer]
         xs = np.flatnonzero(changes[layer])  # [X] the experts whose count changes

@@ -64,11 +64,10 @@ def static_even_ladder(phy2log: np.ndarray, weight: np.ndarray, cluster: Cluster
     if cluster.num_nodes == 1:
         return np.repeat(phy2log[None], len(taus), axis=0)
     e, g = weight.shape[1], cluster.num_gpus
-    key = phy2log + (np.arange(n_layers) * e)[:, None]  # [L, P] (layer, expert)
-    cnt = np.bincount(key.ravel(), minlength=n_layers * e).reshape(n_layers, e)  # [L, E]
+    per_node = replicas_per_node(phy2log, e, cluster)  # [L, E, N]
+    cnt = per_node.sum(2)  # [L, E]
     share = weight / np.maximum(cnt, 1)  # [L, E] one replica's even-split load
     node_of = np.arange(p) // cluster.slots_per_node  # [P]
-    per_node = replicas_per_node(phy2log, e, cluster)  # [L, E, N]
     bad = bad_nodes(per_node, cnt[:, :, None]).sum(2)  # [L, E] each expert's bad nodes (EvenMoves.bad)
     gpu_load = np.bincount((np.arange(n_layers)[:, None] * g + np.arange(p) // cluster.slots_per_gpu).ravel(),
                            weights=np.take_along_axis(share, phy2log, 1).ravel(), minlength=n_layers * g)

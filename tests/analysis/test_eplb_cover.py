@@ -13,8 +13,6 @@ from r3trace.eplb.cover import cover, lower_cover, max_load, node_masks
 from r3trace.eplb.placement import check_placement, from_phy2log
 from r3trace.eplb.polish import _layer
 
-EVEN = EVEN_SPLIT  # ours as bench/eplb_milp.py plans it, for the MILP's objective
-
 
 def test_synth_e16_reaches_one_node_per_token_at_its_max_load(monkeypatch: pytest.MonkeyPatch) -> None:
     """bench/eplb_milp.py's synth-e16: HiGHS proves 20.0 the least max GPU load and 1.000 nodes per token the
@@ -23,7 +21,7 @@ def test_synth_e16_reaches_one_node_per_token_at_its_max_load(monkeypatch: pytes
     got = {}
     for rounds in (0, cover_mod.COVER_ROUNDS):
         monkeypatch.setattr(cover_mod, "COVER_ROUNDS", rounds)
-        pl = plan(load[None], cl, tokens=tok[:, None], cfg=EVEN)
+        pl = plan(load[None], cl, tokens=tok[:, None], cfg=EVEN_SPLIT)
         check_placement(pl, cl)
         got[rounds] = placement_objectives(pl, load, tok, cl)
     assert got[0] == pytest.approx((20.0, 1.15))
@@ -34,7 +32,7 @@ def test_sample_e32_meets_the_milps_placement() -> None:
     """sample-e32 of bench/eplb_milp.py: HiGHS found 1.135 nodes per token at ours' max load of 48.17 (not
     proven in 300 s), polish alone had 1.281; with the search ours has 1.135 at 48.0, the proven least max load."""
     load, tok, cl = instance("sample-e32")
-    mx, nodes = placement_objectives(plan(load[None], cl, tokens=tok[:, None], cfg=EVEN), load, tok, cl)
+    mx, nodes = placement_objectives(plan(load[None], cl, tokens=tok[:, None], cfg=EVEN_SPLIT), load, tok, cl)
     assert mx == pytest.approx(48.0) and nodes <= 1.1355
 
 
