@@ -29,7 +29,6 @@ Shape legend: E experts, P slots, G GPUs, S slots per GPU, T tokens, K top-k, N 
 from __future__ import annotations
 
 from functools import partial
-from itertools import combinations
 from typing import Literal
 
 import numpy as np
@@ -37,6 +36,7 @@ import numpy as np
 from r3trace.eplb.affinity import COACT_TOKENS
 from r3trace.eplb.cover import cover, cover_rounds, lower_cover, node_masks
 from r3trace.eplb.placement import Cluster
+from r3trace.eplb.polish_moves import apply, layout_keys, move_keys, neighbours
 
 POLISH_SLOTS = 128  # slots of a layer the polish runs on (the MILP's instances: 20-80; the sample model's: 32-64)
 POLISH_NODES = 8  # exact node cover over 2^N subsets
@@ -90,12 +90,12 @@ def _layer(ph: np.ndarray, w: np.ndarray, tok: np.ndarray | None, cl: Cluster, s
            rule: NodeRule) -> np.ndarray:
     e, n_gpu = len(w), cl.num_gpus
     tol = 1e-9 * max(float(w.sum()) / n_gpu, 1e-12)
-    key = _keys(ph[None], w, cl, tol)[0]
+    key = layout_keys(ph[None], w, cl, tol)[0]
     mask = node_masks(ph[None], e, cl)[0]
     nodes = cover(mask[None], tok, cl)[0]
     for _ in range(steps):
-        cand = _neighbours(ph, w, cl)  # [C, P]
-        k = _keys(cand, w, cl, tol)  # [C, 2]: max GPU load, GPUs within tol of it
+        mv = neighbours(ph, w, cl)  # C moves
+        k = move_keys(ph, w, cl, tol, mv)  # [C, 2]: max GPU load, GPUs within tol of it
         better = (k[:, 0] < key[0] - tol) | ((k[:, 0] <= key[0] + tol) & (k[:, 1] < key[1]))
         idx = np.flatnonzero(better)
         if not len(idx):
@@ -104,7 +104,8 @@ def _layer(ph: np.ndarray, w: np.ndarray, tok: np.ndarray | None, cl: Cluster, s
         pick = None
         for start in range(0, len(idx), BATCH):
             part = idx[start:start + BATCH]
-            m = node_masks(cand[part], e, cl)  # [B, E]
+            cand = apply(ph, mv, part)  # [B, P]
+            m = node_masks(cand, e, cl)  # [B, E]
             if rule == "fixed":
                 ok = (m == mask).all(1)
                 nd = np.full(len(part), nodes)
@@ -119,57 +120,12 @@ def _layer(ph: np.ndarray, w: np.ndarray, tok: np.ndarray | None, cl: Cluster, s
             if ok.any():
                 j = np.flatnonzero(ok)
                 best = j[np.lexsort((nd[j], k[part[j], 1], k[part[j], 0]))[0]]
-                pick = (part[best], m[best], nd[best])
+                pick = (cand[best], k[part[best]], m[best], nd[best])
                 break
         if pick is None:
             break
-        c, mask, nodes = pick
-        ph, key = cand[c], k[c]
+        ph, key, mask, nodes = pick
     return ph
-
-
-def _neighbours(ph: np.ndarray, w: np.ndarray, cl: Cluster) -> np.ndarray:
-    """[C, P] every swap, recount and 2-for-2 exchange around the hottest GPU (module doc)."""
-    spg, p = cl.slots_per_gpu, len(ph)
-    cnt = np.bincount(ph, minlength=len(w))
-    gpu = (w[ph] / cnt[ph]).reshape(-1, spg).sum(1)
-    h = int(gpu.argmax())
-    mine = np.arange(h * spg, (h + 1) * spg)
-    other = np.setdiff1d(np.arange(p), mine)
-    a, b = np.repeat(mine, len(other)), np.tile(other, len(mine))
-    a, b = a[ph[a] != ph[b]], b[ph[a] != ph[b]]
-    swaps = np.tile(ph, (len(a), 1))
-    swaps[np.arange(len(a)), a], swaps[np.arange(len(a)), b] = ph[b], ph[a]
-    s_all = np.arange(p)
-    a, s = np.repeat(mine, p), np.tile(s_all, len(mine))
-    keep = (cnt[ph[s]] > 1) & (ph[s] != ph[a])
-    a, s = a[keep], s[keep]
-    recounts = np.tile(ph, (len(a), 1))
-    recounts[np.arange(len(a)), s] = ph[a]
-    pairs = np.array(list(combinations(range(spg), 2)), dtype=np.int64).reshape(-1, 2)  # [S(S-1)/2, 2]
-    rows = []
-    for g in range(cl.num_gpus):
-        if g == h or not len(pairs):
-            continue
-        a2 = h * spg + pairs  # [Q, 2]
-        b2 = g * spg + pairs
-        i, j = np.repeat(np.arange(len(pairs)), len(pairs)), np.tile(np.arange(len(pairs)), len(pairs))
-        q = np.tile(ph, (len(i), 1))
-        r = np.arange(len(i))
-        q[r, a2[i, 0]], q[r, a2[i, 1]] = ph[b2[j, 0]], ph[b2[j, 1]]
-        q[r, b2[j, 0]], q[r, b2[j, 1]] = ph[a2[i, 0]], ph[a2[i, 1]]
-        rows.append(q)
-    return np.concatenate([swaps, recounts, *rows]) if rows else np.concatenate([swaps, recounts])
-
-
-def _keys(cand: np.ndarray, w: np.ndarray, cl: Cluster, tol: float) -> np.ndarray:
-    """[C, P] -> [C, 2] (max GPU load under the even split, GPUs within tol of it)."""
-    c, e = len(cand), len(w)
-    cnt = np.bincount((cand + e * np.arange(c)[:, None]).ravel(), minlength=c * e).reshape(c, e)
-    u = w[cand] / np.maximum(np.take_along_axis(cnt, cand, 1), 1)
-    gpu = u.reshape(c, cl.num_gpus, cl.slots_per_gpu).sum(-1)
-    mx = gpu.max(1)
-    return np.stack([mx, (gpu > (mx - tol)[:, None]).sum(1)], 1)
 
 
 def _kicked(ph: np.ndarray, w: np.ndarray, tok: np.ndarray | None, cl: Cluster, steps: int, rule: NodeRule,
@@ -201,7 +157,7 @@ def _kicked(ph: np.ndarray, w: np.ndarray, tok: np.ndarray | None, cl: Cluster, 
         return nd <= n0 + 1e-12, nd
 
     best = _layer(ph, w, tok, cl, steps, rule)
-    key, nodes = _keys(best[None], w, cl, tol)[0], allowed(best)[1]
+    key, nodes = layout_keys(best[None], w, cl, tol)[0], allowed(best)[1]
     floor = float(w.sum()) / cl.num_gpus * (1 + KICK_GAP) + tol
     rng = np.random.default_rng(0)
     stale = 0
@@ -216,7 +172,7 @@ def _kicked(ph: np.ndarray, w: np.ndarray, tok: np.ndarray | None, cl: Cluster, 
             if allowed(y)[0]:
                 x = y
         x = _layer(x, w, tok, cl, steps, rule)
-        k, nd = _keys(x[None], w, cl, tol)[0], allowed(x)[1]
+        k, nd = layout_keys(x[None], w, cl, tol)[0], allowed(x)[1]
         lower = k[0] < key[0] - tol or (k[0] <= key[0] + tol and k[1] < key[1])
         if lower or (k[0] <= key[0] + tol and k[1] == key[1] and nd < nodes - 1e-12):
             best, key, nodes, stale = x, k, nd, 0

@@ -104,3 +104,28 @@ def test_kicks_reach_the_mean_where_the_descent_stops_above_it(monkeypatch: pyte
     n_before = float(cover(node_masks(before, len(load), cl), tok, cl)[0])
     assert got[0][0] == pytest.approx(36.5) and got[polish_mod.KICKS][0] == pytest.approx(load.sum() / 16)
     assert got[polish_mod.KICKS][1] <= got[0][1] <= n_before + 1e-12
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_move_keys_are_the_written_out_layouts_keys_bit_for_bit(seed: int) -> None:
+    """polish_moves.move_keys re-sums only the GPUs a count-keeping move touches; its keys must be the very bits of
+    layout_keys on every candidate written out (the descent compares them within 1e-9 of the mean GPU load, and a
+    different rounding would pick another move): odd shapes, 1-12 slots a GPU, 1-4 nodes."""
+    from r3trace.eplb.polish_moves import apply, layout_keys, move_keys, neighbours
+
+    rng = np.random.default_rng(seed)
+    for _ in range(6):
+        g = int(rng.choice([2, 3, 4, 6, 8]))
+        spg = int(rng.integers(1, 13))
+        p = g * spg
+        e = int(rng.integers(max(1, p // 3), p + 1))
+        ph = np.concatenate([np.arange(e), rng.integers(0, e, p - e)])
+        rng.shuffle(ph)
+        pick = rng.integers(3)  # integer loads (ties), gamma loads, or equal loads (every GPU at the max)
+        w = (rng.integers(0, 40, e).astype(float), rng.gamma(0.5, 10.0, e), np.full(e, 3.0))[pick]
+        cl = Cluster(g, int(rng.choice([n for n in (1, 2, 4) if g % n == 0])), p)
+        tol = 1e-9 * max(float(w.sum()) / g, 1e-12)
+        mv = neighbours(ph, w, cl)
+        written = apply(ph, mv, np.arange(len(mv.slots)))
+        assert (np.sort(written, 1) != np.sort(ph)).any(1).sum() <= (mv.partner < 0).sum()  # only recounts recount
+        np.testing.assert_array_equal(move_keys(ph, w, cl, tol, mv), layout_keys(written, w, cl, tol))
