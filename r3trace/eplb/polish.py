@@ -20,8 +20,9 @@ instances, against HiGHS' proven optima 20.0 / 48.0 / 48.0 / 36.0: synth-e16 20.
 Last, with tokens under the "cover" rule, cover.py searches for fewer nodes per token at the max load reached
 (synth-e16 1.15 -> 1.00, sample-e32 1.28 -> 1.135: cover.py has the figures).
 Where: layers of at most POLISH_SLOTS slots on at most 8 nodes, in fresh plans only (a re-plan's churn budget
-stays the leveling's). A step scores a few thousand candidate layouts; at [58, 288] that would be 30-60x the
-plan-time budget, and there the leveling swaps already leave the hottest GPU within noise of the next window.
+stays the leveling's). A step scores every move around the hottest GPU (polish_moves.py): 33K at 8 GPUs x 12
+slots, 2.8M at 8 x 36 ([58, 288] on one node), and there the leveling swaps already leave the hottest GPU within
+noise of the next window.
 
 Shape legend: E experts, P slots, G GPUs, S slots per GPU, T tokens, K top-k, N nodes, C candidates.
 """

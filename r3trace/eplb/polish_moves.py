@@ -1,7 +1,7 @@
 """The polish's candidate moves around the hottest GPU, described by the slots they write, and their keys.
 
 A step of polish.py scores every swap, recount and 2-for-2 exchange around the hottest GPU h: on one node of 8 GPUs
-with 12 slots each that is 30K candidates, of which 29K are exchanges (66 x 66 slot pairs with each other GPU).
+with 12 slots each that is 33K candidates, of which 30K are exchanges (66 x 66 slot pairs with each other GPU).
 Written out as [C, P] layouts and re-summed slot by slot, a step cost 35 ms of keys and 10 ms of layouts, and a
 plan of 3 such layers 5 s. Here a move is at most 4 slot writes, and the keys of those that keep every replica
 count (swaps and exchanges: a slot's share, load / count, moves with it) re-sum only h and the other GPU they
