@@ -17,7 +17,8 @@ def torch_order(weight: np.ndarray) -> np.ndarray:
     weights, descending. Its order among equal weights is torch's (not stable; it depends on n), and equal
     weights are common: every replica of one expert weighs the same. Sorting the same way puts tied replicas
     where the reference does, so DeepSeek's policies give its log2phy replica ranks, not just equal loads."""
-    import torch  # only DeepSeek's policies need it; the planner and the CLI's default stay torch-free
+    import torch  # on first use (about 2 s once a process): DeepSeek's policies, and ours wherever it weighs
+    # global's layout (planner.py, dispatch_contest.py, candidates.py, replan.py, static_ladder.py)
 
     w = torch.from_numpy(np.ascontiguousarray(weight, dtype=np.float32))
     return w.sort(-1, descending=True).indices.numpy()
