@@ -43,8 +43,8 @@ COVER_RECOUNT = 0.1  # share of the random moves that recount a replica instead 
 COVER_BUDGET = COVER_ROUNDS * 96 * 15  # token x node-subset covers a plan's rounds may cost, over its layers: 200
 # rounds of one layer of 96 tokens on 4 nodes (synth-e64), 93 of one layer of 1024 tokens on 2 nodes
 COVER_MIN_ROUNDS = 32  # a layer's share below this gets none: the sample model's 4 layers of 1024 tokens on 2 nodes
-# would get 23, and `r3trace eplb` on its traces (8 GPUs / 2 nodes / 40 slots) took 31 s with them, 4.3 s without
-# (--policy auto: a backtest plans many times; --policy ours 2.8 s against 0.96 s)
+# would get 23, and `r3trace eplb` on its traces (8 GPUs / 2 nodes / 40 slots) took 15.8 s with them, 4.5 s without
+# (--policy auto: a backtest plans many times; --policy ours 4.0 s against 3.2 s, 2.5 s of it imports)
 
 
 def node_masks(cand: np.ndarray, e: int, cl: Cluster) -> np.ndarray:
