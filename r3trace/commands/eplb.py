@@ -39,7 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "the whole run, or what precedes --eval)")
     p.add_argument("--eval", type=window_spec, default=None, dest="held_out",
                    help=f"held-out window: {WINDOW_HELP} (default: what follows --train)")
-    p.add_argument("--windows", type=positive_int, default=8, help="history windows the training window is cut into")
+    p.add_argument("--windows", type=positive_int, default=None,
+                   help="history windows the training window is cut into (default 8, or as many as it holds)")
     p.add_argument("--window-s", type=positive_float, default=None,
                    help="history windows of this many seconds instead (a multiple of the rollup window)")
     p.add_argument("--dispatch", choices=DISPATCHES, default="node-limited",
@@ -92,6 +93,12 @@ def run(args: argparse.Namespace) -> int:
     if args.slots < m.num_experts:
         raise UsageError(f"{flags}: fewer slots than run {m.run_id}'s {m.num_experts} experts; give --slots >= "
                          f"{m.num_experts}, a multiple of --gpus")
+    if args.windows is not None and args.window_s is not None:
+        raise UsageError(f"--windows {args.windows} --window-s {args.window_s:g}: give one (how many history windows, "
+                         "or how long each is)")
+    if args.groups is not None and m.num_experts % args.groups:
+        raise UsageError(f"--groups {args.groups}: does not divide run {m.run_id}'s {m.num_experts} experts (its "
+                         f"router has {m.num_groups} groups)")
     try:
         cluster = Cluster(args.gpus, args.nodes, args.slots, num_groups=args.groups or m.num_groups,
                           node_limit=args.node_limit)
@@ -108,13 +115,17 @@ def run(args: argparse.Namespace) -> int:
                              f"{prev_cluster.num_nodes} nodes / {prev_cluster.num_slots} slots, "
                              f"{previous.logcnt.shape[0]} layers x {previous.logcnt.shape[1]} experts; this plan is "
                              f"for {flags}, {m.num_moe_layers} x {m.num_experts}")
-    req = PlanRequest(cluster, args.policy, args.forecast, args.train, args.held_out, run_id, args.windows,
+    req = PlanRequest(cluster, args.policy, args.forecast, args.train, args.held_out, run_id, args.windows or 8,
                       args.window_s, args.replay_tokens, previous=previous, dispatch=args.dispatch)
     try:
         rep = make_report(store, req, progress_flag(args.progress))
     except WindowError as e:
         raise UsageError(str(e)) from e
-    print("\n".join(report_lines(rep, cluster, m.moe_layer_ids, args.previous)))
+    lines = report_lines(rep, cluster, m.moe_layer_ids, args.previous)
+    if args.windows is not None and rep.history_windows < args.windows:  # say why fewer than asked
+        lines[0] += (f" (of --windows {args.windows}: a history window is whole rollup windows, or forwards, and "
+                     "empty ones are dropped)")
+    print("\n".join(lines))
     if args.out:
         meta: dict[str, object] = {"policy": rep.policy, "forecast": rep.forecast, "run_id": rep.train.runs[0],
                 "moe_layer_ids": list(m.moe_layer_ids), "report": rep.to_dict()}
@@ -139,7 +150,8 @@ def report_lines(rep: Report, cluster: object, layer_ids: tuple[int, ...], previ
 
     assert isinstance(cluster, Cluster)
     held = rep.held_out.label if rep.held_out is not None else rep.held_out_note
-    out = [f"train: {rep.train.label}, heat from {rep.source} in {rep.history_windows} history windows",
+    plural = "" if rep.history_windows == 1 else "s"
+    out = [f"train: {rep.train.label}, heat from {rep.source} in {rep.history_windows} history window{plural}",
            f"held out: {held}"]
     bt = rep.backtest
     if bt is not None and bt.chosen is None:

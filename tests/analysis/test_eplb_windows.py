@@ -399,3 +399,15 @@ def test_runs_windows(trace: dict[str, Any], tmp_path: Path, capsys: pytest.Capt
     np.testing.assert_array_equal(pl.phy2log, expected)
     held = json.loads(out.read_text())["meta"]["report"]["held_out_scores"]
     assert held["balancedness_even"] == pytest.approx(even_balancedness(expected, heat(ids[1600:]), 8), rel=1e-12)
+
+
+def test_fewer_history_windows_than_asked_say_why(trace: dict[str, Any], capsys: pytest.CaptureFixture[str]) -> None:
+    """A history window is whole rollup windows (1 s here): [0, 2) s holds 2 of --windows 5, and the line says so;
+    without --windows the default asks for nothing, so nothing is said; one window is singular."""
+    root = str(trace["root"])
+    lines = run_cli(capsys, root, *CLUSTER, "--policy", "global", "--train", "time=..2", "--windows", "5")
+    assert lines[0] == ("train: time=0..2s of run a (2 windows), heat from rollups in 2 history windows (of --windows "
+                        "5: a history window is whole rollup windows, or forwards, and empty ones are dropped)")
+    assert run_cli(capsys, root, *CLUSTER, "--policy", "global", "--train", "time=..2")[0].endswith("2 history windows")
+    assert run_cli(capsys, root, *CLUSTER, "--policy", "global", "--train", "time=..1")[0].endswith(
+        "in 1 history window")
