@@ -6,3 +6,14 @@ Shared pieces: inputs.py (paged MLA decode inputs, MoE routes; the kernel tests 
 timing.py (timers and ceilings), decode_rate.py (the engine benches' checkpoint, prompts and decode rate),
 tables.py (BENCHMARKS.md's tables from bench/results/latest.json).
 """
+
+import os
+import sys
+
+# `python -m bench.<name>` puts the repository root first on sys.path, where kernels/ (imported as r3trace.kernels)
+# shadows Hugging Face's top-level `kernels`, which transformers >= 5.25 imports with its models: engine_gpu's
+# transformers baseline failed with "cannot import name 'CUDAProperties' from 'kernels'". The root goes last, where
+# pytest's --import-mode=append puts it (pyproject.toml), so `bench.*` and `tests.*` still resolve.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if sys.path and os.path.abspath(sys.path[0] or ".") == _ROOT:
+    sys.path.append(sys.path.pop(0))

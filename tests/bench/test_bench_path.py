@@ -1,0 +1,31 @@
+"""`python -m bench.<name>` from the repository root: Hugging Face's top-level `kernels` (which transformers >= 5.25
+imports with its models) must not resolve to this repository's kernels/ folder (bench/__init__.py)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PROBE = ("import importlib.util, sys{}; s = importlib.util.find_spec('kernels'); "
+         "print(s.origin if s else '-'); print(sys.path[0])")
+
+
+def probe(cwd: Path, import_bench: bool) -> list[str]:
+    code = PROBE.format(", bench" if import_bench else "")
+    env = {"PYTHONPATH": str(ROOT)} if not import_bench else None  # from elsewhere: bench found through PYTHONPATH
+    done = subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=120,
+                          check=True, env=env)
+    return done.stdout.split("\n")[:2]
+
+
+def test_the_root_goes_last_and_kernels_is_hugging_faces(tmp_path: Path) -> None:
+    ours = str(ROOT / "kernels" / "__init__.py")
+    assert probe(ROOT, import_bench=False)[0] == ours  # what python -c / -m from the root did before
+    origin, first = probe(ROOT, import_bench=True)
+    assert first not in ("", str(ROOT))
+    elsewhere = subprocess.run([sys.executable, "-c", PROBE.format("")], cwd=tmp_path, capture_output=True,
+                               text=True, timeout=120, check=True).stdout.split("\n")[0]
+    # with Hugging Face's kernels installed it is the one found; without, ours is found last on the path
+    assert origin == (elsewhere if elsewhere != "-" else ours)
