@@ -46,11 +46,13 @@ KICKS = 64  # perturbation rounds of a plan, shared by its layers (_kicked); ben
 # needs 33-50 (32: 48.5, 50: 48.17 over its proven 48.0), synth-e64 2 (36.5 -> its proven 36.0)
 KICK_COVERS = 64 * 96 * 3  # token x node-subset covers the rounds of one plan may score, over all its layers:
 # 64 rounds of one layer of 96 tokens on 2 nodes, 12 on 4 nodes, none for 1024 tokens on 8 nodes (the dashboard's
-# sample-trace EPLB page took 6 s before the kicks, 17 s with 64 rounds in every layer)
+# sample-trace EPLB page, 4 GPUs / 2 nodes / 36 slots, takes 1.9 s, where it gets none; 8.0 s with 64 rounds in
+# every layer)
 PATIENCE = 32  # rounds in a row without a better layout that end them
 KICK_SWAPS = 2  # random slot swaps per kick
 KICK_MIN_ROUNDS = 4  # a layer's share below this gets none: sample-e32 48.83 after 2 rounds, 48.5 after 4, and
-# one round a layer added 2 s to the dashboard's sample-trace EPLB page (8 plans of 4 layers of 1024 tokens)
+# one round a layer adds 0.4 s to the dashboard's sample-trace EPLB page (1.9 -> 2.3 s: 8 plans of 4 layers of 1024
+# tokens)
 KICK_GAP = 0.005  # no kicks once the hottest GPU is within 0.5% of the mean GPU load, a lower bound on it
 
 
