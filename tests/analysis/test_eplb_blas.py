@@ -7,7 +7,9 @@ products are BLAS calls; 16 nodes take the E[max] swaps) in processes that force
 the bytes must match.
 
 Any x86-64 CPU with AVX2 runs the Haswell, Sandybridge (AVX, no FMA) and Nehalem (SSE) kernels, so this runs in CI:
-with the EMA back on np.tensordot the three digests all differ. SkylakeX joins where the CPU has AVX-512.
+with the EMA back on np.tensordot the three digests all differ. SkylakeX joins where the CPU has AVX-512. The same
+plans with numpy's own SIMD kernels switched off (NPY_DISABLE_CPU_FEATURES=X86_V3) differ, from leveling.py's
+argsort: a known gap, marked xfail (strict, so the fix has to remove the mark).
 """
 
 from __future__ import annotations
@@ -38,8 +40,8 @@ print(''.join(a.tobytes().hex() for a in out))
 """
 
 
-def digest(coretype: str) -> str:
-    env = {**os.environ, "OPENBLAS_CORETYPE": coretype}
+def digest(coretype: str, **extra: str) -> str:
+    env = {**os.environ, "OPENBLAS_CORETYPE": coretype, **extra}
     done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300,
                           check=True)
     return hashlib.sha256(done.stdout.encode()).hexdigest()
@@ -58,3 +60,14 @@ def test_forecast_and_plans_match_across_blas_kernels() -> None:
     kernels = ["Haswell", "Sandybridge", "Nehalem"] + (["SkylakeX"] if "avx512f" in cpu_flags() else [])
     digests = {k: digest(k) for k in kernels}
     assert len(set(digests.values())) == 1, digests
+
+
+@pytest.mark.skipif("avx2" not in cpu_flags() or platform.machine() != "x86_64",
+                    reason="numpy's X86_V3 (AVX2) dispatch to switch off")
+@pytest.mark.xfail(strict=True, reason="leveling.py ranks GPUs with numpy's default argsort, whose order of tied loads "
+                   "follows its SIMD kernel; a stable sort gives the same bytes here but moves 110 of the 354 plan "
+                   "sequences of bench/eplb_matrix.py, so it waits for a re-measure of the EPLB tables")
+def test_plans_match_with_numpys_simd_kernels_switched_off() -> None:
+    """numpy's own per-CPU kernels (sort, argsort, ufuncs) with AVX2 and up switched off, as on a CPU without them or
+    another architecture's fallback: the same forecast and plan bytes."""
+    assert digest("Haswell") == digest("Haswell", NPY_DISABLE_CPU_FEATURES="X86_V3")
