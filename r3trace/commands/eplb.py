@@ -115,8 +115,9 @@ def run(args: argparse.Namespace) -> int:
                              f"{prev_cluster.num_nodes} nodes / {prev_cluster.num_slots} slots, "
                              f"{previous.logcnt.shape[0]} layers x {previous.logcnt.shape[1]} experts; this plan is "
                              f"for {flags}, {m.num_moe_layers} x {m.num_experts}")
-    req = PlanRequest(cluster, args.policy, args.forecast, args.train, args.held_out, run_id, args.windows or 8,
-                      args.window_s, args.replay_tokens, previous=previous, dispatch=args.dispatch)
+    asked = {} if args.windows is None else {"windows": args.windows}  # else PlanRequest's default
+    req = PlanRequest(cluster, args.policy, args.forecast, args.train, args.held_out, run_id, window_s=args.window_s,
+                      replay_tokens=args.replay_tokens, previous=previous, dispatch=args.dispatch, **asked)
     try:
         rep = make_report(store, req, progress_flag(args.progress))
     except WindowError as e:
