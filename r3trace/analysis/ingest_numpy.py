@@ -55,12 +55,28 @@ def ingest_numpy(
             with progress_bar(progress, total=t, desc="ingest numpy", unit="tok") as bar:
                 for lo in range(0, t, 16384):
                     sl = slice(lo, lo + 16384)
+                    distinct_experts(ids[sl], lo, str(path))
                     w.append_tokens(rid if isinstance(rid, str) else rid[sl], pos[sl], "decode", "computed",
                                     fwd[sl], stamps[sl], 0, ids[sl])
                     bar.update(len(ids[sl]))
         except TraceSchemaError as e:
             raise IngestError(f"{path}: {e}") from e
         return w.close(mark_unfinished=False)  # arrays carry no request summaries
+
+
+def distinct_experts(ids: np.ndarray, first: int, where: str) -> None:
+    """ids [T, L, K] of tokens first.. -> IngestError where one token's top-K on one layer repeats an expert: a router
+    picks K distinct experts, so a repeat marks a broken export (a layer axis and a top-k axis swapped gives one).
+    Other shapes and dtypes pass here for the writer to refuse by name."""
+    if ids.ndim != 3 or ids.shape[-1] < 2 or ids.dtype.kind not in "iu":
+        return
+    ranked = np.sort(ids, axis=-1)
+    repeats = ranked[..., 1:] == ranked[..., :-1]  # [T, L, K - 1]
+    if repeats.any():
+        t, layer, k = (int(v) for v in np.argwhere(repeats)[0])
+        raise IngestError(f"{where}: column topk_ids repeats expert {int(ranked[t, layer, k])} in token {first + t}'s "
+                          f"top-{ids.shape[-1]} on MoE layer {layer} (of {ids.shape[1]}); a router picks "
+                          f"{ids.shape[-1]} distinct experts (a layer axis and a top-k axis swapped?)")
 
 
 def numpy_times(ts: np.ndarray | None, window_id: np.ndarray | None, forward_id: np.ndarray, t: int,

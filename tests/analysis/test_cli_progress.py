@@ -60,7 +60,7 @@ def test_ingest_counts_files_and_tokens(store: Path, tmp_path: Path) -> None:
     assert len(copied) == files > 9  # 9 routes files and their rollups
     assert f"| {files}/{files} " in final_bar(proc.stderr, "ingest native")
 
-    ids = np.random.default_rng(0).integers(0, 16, (50, 3, 4)).astype(np.int32)
+    ids = np.argsort(np.random.default_rng(0).random((50, 3, 16)), axis=-1)[..., :4].astype(np.int32)  # distinct
     np.savez(tmp_path / "r.npz", topk_ids=ids)
     proc = cli("ingest", "r.npz", "--store", "np", "--format", "numpy", "--num-hidden-layers", "4", "--first-k-dense",
                "1", "--num-experts", "16", "--top-k", "4", "--num-groups", "4", "--progress", "on", cwd=tmp_path)

@@ -94,3 +94,19 @@ def test_expert_distribution_numpy_and_native(tmp_path: Path, tiny_trace: dict) 
     assert sorted(r.manifest.run_id for r in TraceStore(store).runs) == ["a", "heat", "np"]
     with pytest.raises(IngestError, match="already exists"):
         ingest_native(tiny_trace["root"], store)
+
+
+def test_numpy_top_k_repeating_an_expert_is_refused_and_nothing_lands(tmp_path: Path) -> None:
+    """A router picks K distinct experts: a token whose top-K repeats one is a broken export (here in the second
+    16,384-token slice, so the token index counts from the file's start), refused whole (all-or-nothing)."""
+    rng = np.random.default_rng(4)
+    ids = np.argsort(rng.random((16_390, 3, 16)), axis=-1)[..., :2]  # [T, L, K] distinct per token and layer
+    np.savez(tmp_path / "ok.npz", topk_ids=ids)
+    store = tmp_path / "store"
+    assert ingest_numpy(tmp_path / "ok.npz", store, SHAPE, run_id="ok").rows == ids.shape[0] * 3
+    ids[16_388, 1, 1] = ids[16_388, 1, 0]
+    np.savez(tmp_path / "bad.npz", topk_ids=ids)
+    with pytest.raises(IngestError, match=rf"repeats expert {ids[16_388, 1, 0]} in token 16388's top-2 on MoE "
+                                          r"layer 1 \(of 3\)"):
+        ingest_numpy(tmp_path / "bad.npz", store, SHAPE, run_id="bad")
+    assert [r.manifest.run_id for r in TraceStore(store).runs] == ["ok"]
