@@ -11,9 +11,9 @@ Accuracy: exp and log within 2 ulp of numpy's, expm1 within 4 (tests/analysis/te
 
 Still on per-CPU kernels (docs/analysis.md, "A plan is the same on every machine"): the leveling's default argsort,
 whose order of tied GPU loads follows numpy's SIMD kernel, and on slots > 2 a GPU scenarios.spread's eigh (LAPACK)
-and the leveling's product with it (BLAS), which move values by ~1e-16 of their size; whole re-plan sequences under
-two OpenBLAS kernels came out the same (tests/analysis/test_eplb_blas.py). A portable cyclic Jacobi eigh took 7 ms
-at [58, 8, 8] against LAPACK's 0.6.
+and the leveling's product with it (BLAS), which move values by ~1e-16 of their size; re-plans under OpenBLAS's
+Haswell, Sandybridge and Nehalem kernels come out the same, and the argsort's gap is a strict xfail there
+(tests/analysis/test_eplb_blas.py). A portable cyclic Jacobi eigh took 7 ms at [58, 8, 8] against LAPACK's 0.6.
 """
 
 from __future__ import annotations
