@@ -90,7 +90,7 @@ from r3trace.eplb.scenarios import spread
 from r3trace.eplb.score import even_gpu_load, node_counts, phy2log_gpu_load
 from r3trace.eplb.static import static_expected_load
 from r3trace.eplb.static_ladder import static_ladder
-from r3trace.eplb.static_one_node import static_one_node
+from r3trace.eplb.static_one_node import keep_lower, static_one_node
 from r3trace.eplb.static_spread import static_even
 
 
@@ -117,7 +117,8 @@ def layout(cluster: Cluster, cfg: PlannerConfig = PlannerConfig()) -> Layout:
     g, n = cluster.num_groups, cluster.num_nodes
     if n == 1:
         static = (f"; for SGLang's static dispatch, each expert's replica count a divisor of the {cluster.num_gpus} "
-                  "GPUs, its replicas on distinct GPUs, so every replica serves as many ranks (static_one_node.py)"
+                  "GPUs, its replicas on distinct GPUs, so every replica serves as many ranks, in the layers where "
+                  "that lowers the forecast max GPU load under it (static_one_node.py)"
                   ) if cfg.static_even and cfg.sglang_dispatch == "static" else ""
         return Layout("expert_per_node", f"one node: every replica on it, GPUs balanced by packing and swaps{static}")
     if not spreads(cluster, cfg):
@@ -218,7 +219,7 @@ def plan(
         return from_phy2log(_static_even_plan(out.phy2log, loads, cluster, prev, tokens, cfg, fc), e)
     if cfg.static_even and cfg.sglang_dispatch == "static":  # one node: counts that divide the GPUs
         # (static_one_node.py); dynamic dispatch's uniform draw already splits evenly there in expectation
-        return from_phy2log(static_one_node(out.phy2log, fc[0], cluster), e)
+        return from_phy2log(keep_lower(out.phy2log, static_one_node(out.phy2log, fc[0], cluster), fc[0], cluster), e)
     if (prev is None or tokens is None or not spreads(cluster, cfg) or cfg.keep_groups
             or not replays(cluster, e, cfg.replay_margin)):
         return out
