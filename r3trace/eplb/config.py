@@ -45,7 +45,7 @@ class PlannerConfig:
     # larger than under DeepSeek's hierarchical layout (the same group homes), extra replicas only add choices
     keep_groups: bool = False
     # polish moves per layer after a fresh plan, on layers of <= 128 slots and <= 8 nodes only (polish.py): the
-    # exact MILP's small instances 1.6-2.8% -> 0-0.5% above its proven optimum, in sample (polish.py has the figures)
+    # exact MILP's small instances 1.6-2.8% -> 0-0.9% above its proven optimum, in sample (polish.py has the figures)
     polish_steps: int = 64
     # a re-plan of a drifting workload (the plain mean's backtest error over the best EMA weight's > 1 + refresh_drift,
     # forecast.drifts) re-places every layer a fresh plan lowers, when it lowers the forecast max GPU load by more

@@ -113,7 +113,8 @@ def level_refine(phy2log: np.ndarray, weight: np.ndarray, logcnt: np.ndarray, cl
     for step in range(max_swaps):
         n = len(r)
         g_r = gpu_all if n == n_layers else gpu_all[r]
-        rank = np.argsort(-g_r, axis=1)
+        rank = np.argsort(-g_r, axis=1, kind="stable")  # tied GPU loads in GPU order on every CPU (numpy's
+        # default argsort orders ties by its per-CPU SIMD kernel)
         left = max_swaps - step  # swaps left, this one included
         if out_of_reach is not None and left < n_gpus:
             on = np.take_along_axis(g_r, rank[:, left, None], 1)[:, 0] <= out_of_reach[r]  # [n] still within reach

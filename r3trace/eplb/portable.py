@@ -9,11 +9,11 @@ swaps' factors. Here each function is a fixed sequence of IEEE-754 adds, multipl
 
 Accuracy: exp and log within 2 ulp of numpy's, expm1 within 4 (tests/analysis/test_eplb_portable.py).
 
-Still on per-CPU kernels (docs/analysis.md, "A plan is the same on every machine"): the leveling's default argsort,
-whose order of tied GPU loads follows numpy's SIMD kernel, and on slots > 2 a GPU scenarios.spread's eigh (LAPACK)
-and the leveling's product with it (BLAS), which move values by ~1e-16 of their size; re-plans under OpenBLAS's
-Haswell, Sandybridge and Nehalem kernels come out the same, and the argsort's gap is a strict xfail there
-(tests/analysis/test_eplb_blas.py). A portable cyclic Jacobi eigh took 7 ms at [58, 8, 8] against LAPACK's 0.6.
+Still on per-CPU kernels (docs/analysis.md, "A plan is the same on every machine"): on slots > 2 a GPU
+scenarios.spread's eigh (LAPACK) and the leveling's product with it (BLAS), which move values by ~1e-16 of their
+size; re-plans under OpenBLAS's Haswell, Sandybridge and Nehalem kernels, and with numpy's own SIMD kernels switched
+off, come out the same (tests/analysis/test_eplb_blas.py). A portable cyclic Jacobi eigh took 7 ms at [58, 8, 8]
+against LAPACK's 0.6.
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ the bytes must match.
 
 Any x86-64 CPU with AVX2 runs the Haswell, Sandybridge (AVX, no FMA) and Nehalem (SSE) kernels, so this runs in CI:
 with the EMA back on np.tensordot the three digests all differ. SkylakeX joins where the CPU has AVX-512. The same
-plans with numpy's own SIMD kernels switched off (NPY_DISABLE_CPU_FEATURES=X86_V3) differ, from leveling.py's
-argsort: a known gap, marked xfail (strict, so the fix has to remove the mark).
+plans with numpy's own SIMD kernels switched off (NPY_DISABLE_CPU_FEATURES=X86_V3) must match too: with
+leveling.py's GPU ranking back on numpy's default argsort (tie order per SIMD kernel) they differ.
 """
 
 from __future__ import annotations
@@ -64,9 +64,6 @@ def test_forecast_and_plans_match_across_blas_kernels() -> None:
 
 @pytest.mark.skipif("avx2" not in cpu_flags() or platform.machine() != "x86_64",
                     reason="numpy's X86_V3 (AVX2) dispatch to switch off")
-@pytest.mark.xfail(strict=True, reason="leveling.py ranks GPUs with numpy's default argsort, whose order of tied loads "
-                   "follows its SIMD kernel; a stable sort gives the same bytes here but moves 110 of the 354 plan "
-                   "sequences of bench/eplb_matrix.py, so it waits for a re-measure of the EPLB tables")
 def test_plans_match_with_numpys_simd_kernels_switched_off() -> None:
     """numpy's own per-CPU kernels (sort, argsort, ufuncs) with AVX2 and up switched off, as on a CPU without them or
     another architecture's fallback: the same forecast and plan bytes."""

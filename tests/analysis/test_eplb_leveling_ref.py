@@ -31,7 +31,7 @@ def reference(ph: np.ndarray, w: np.ndarray, logcnt: np.ndarray, cl: Cluster, sw
         for _ in range(swaps):
             u = per[row]
             gpu = u.reshape(cl.num_gpus, spg).sum(1)
-            rank = np.argsort(-gpu)
+            rank = np.argsort(-gpu, kind="stable")  # tied loads in GPU order, as leveling.py ranks them
             hot = rank[:hot_n]
             part = list(rank[-cold_n:]) + [hot[0] // gpn * gpn + i for i in range(gpn)]
             best, pick = -np.inf, None

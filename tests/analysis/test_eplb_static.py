@@ -90,9 +90,12 @@ def test_static_tracks_even_split_with_a_copy_per_rank() -> None:
 
 
 def test_static_balancedness_near_even_on_planned_layouts() -> None:
-    # planned placements on a skewed workload, one node: static dispatch stays within a few points of the even
-    # split (a replica serves its own rank plus a whole number of others), never above 1; on two nodes the same
-    # holds for SGLang's rule before PR #9849, and the node rule (a node's ranks to its first replica) costs more
+    # planned placements on a skewed workload, one node (and two under SGLang's rule before PR #9849): a replica
+    # serves whole ranks, so an expert with c replicas on G ranks gives one of them ceil(G / c) ranks where the even
+    # split gives each G / c: no GPU carries more than the largest such ratio times its even-split load, and static
+    # balancedness stays above the even split's over that ratio (less the tokens' sampling noise: 250 a rank), never
+    # above 1. The node rule on the two nodes (a node's ranks to its first replica) gives 0.844 there, under the bound's
+    # 0.863: the check tells the two rules apart.
     rng = np.random.default_rng(11)
     e, n_layers, t, k = 64, 3, 4000, 4
     w = 1.0 / np.arange(1, e + 1) ** 0.9
@@ -103,7 +106,9 @@ def test_static_balancedness_near_even_on_planned_layouts() -> None:
         for pl in (plan(heat, cl, tokens=ids), global_policy(heat, cl)):
             even = balancedness(even_gpu_load(pl, heat, cl))
             stat = balancedness(static_gpu_load(pl, ids, cl, prefer_same_node=not legacy))
-            assert 0 < stat <= 1 and abs(stat - even) < 0.08, (stat, even)
+            c = np.asarray(pl.logcnt, dtype=np.float64)  # [L, E]
+            ratio = float((np.ceil(cl.num_gpus / c) * c / cl.num_gpus).max())
+            assert 0 < stat <= 1 and stat >= even / ratio - 0.02, (stat, even, ratio)
 
 
 def test_node_rule_by_hand() -> None:
