@@ -17,7 +17,7 @@ random swaps were accepted on sample-e32); annealing with a penalty on the overl
 In sample on bench/eplb_milp.py's instances (nodes per token, max GPU load): synth-e16 1.150 -> 1.000 at 20.0
 (one node a token: nothing is lower), synth-e32 1.427 -> 1.323 at 48.25 -> 48.17, sample-e32 1.281 -> 1.135 at
 48.17 -> 48.0 (the proven least max load), synth-e64 2.333 -> 2.135 at 36.0; a plan of them took 0.01 / 1.0 /
-0.35 / 3.4 s.
+0.35 / 3.4 s. (Measured when the search was built; the plans' current figures: BENCHMARKS.md#eplb-placement-milp.)
 Seeded, so a plan is reproducible.
 
 Shape legend: E experts, P slots, T tokens, K top-k, N nodes, C candidates.

@@ -16,7 +16,8 @@ tokens, no expert leaving a node it was on. Ties go to fewer nodes per token. Wh
 random kicks and a descent again (_kicked) go on while they find a better layout. In sample on bench/eplb_milp.py's
 instances, against HiGHS' proven optima 20.0 / 48.0 / 48.0 / 36.0: synth-e16 20.5 -> 20.0, synth-e32 48.75 ->
 48.25, sample-e32 49.0 -> 48.17, synth-e64 37.0 -> 36.0, with nodes per token 1.15 / 1.68 / 1.40 / 2.58 -> 1.15 /
-1.43 / 1.28 / 2.33 (the descent alone: 20.0 / 48.25 / 48.83 / 36.5).
+1.43 / 1.28 / 2.33 (the descent alone: 20.0 / 48.25 / 48.83 / 36.5), measured when the polish was built; the
+plans' current figures: BENCHMARKS.md#eplb-placement-milp.
 Last, with tokens under the "cover" rule, cover.py searches for fewer nodes per token at the max load reached
 (synth-e16 1.15 -> 1.00, sample-e32 1.28 -> 1.135: cover.py has the figures).
 Where: layers of at most POLISH_SLOTS slots on at most 8 nodes, in fresh plans only (a re-plan's churn budget
