@@ -13,6 +13,10 @@ from collections.abc import Iterator
 
 import pytest
 
+# bench/__init__.py moves the repository root last on sys.path where `python -m pytest` put it first: there kernels/
+# shadowed Hugging Face's top-level `kernels`, which transformers imports with its models
+import bench  # noqa: F401
+
 STEP_LOGGER = "r3trace.engine.event_loop"
 
 
