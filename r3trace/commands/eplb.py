@@ -122,11 +122,7 @@ def run(args: argparse.Namespace) -> int:
         rep = make_report(store, req, progress_flag(args.progress))
     except WindowError as e:
         raise UsageError(str(e)) from e
-    lines = report_lines(rep, cluster, m.moe_layer_ids, args.previous)
-    if args.windows is not None and rep.history_windows < args.windows:  # say why fewer than asked
-        lines[0] += (f" (of --windows {args.windows}: a history window is whole rollup windows, or forwards, and "
-                     "empty ones are dropped)")
-    print("\n".join(lines))
+    print("\n".join(report_lines(rep, cluster, m.moe_layer_ids, args.previous, args.windows)))
     if args.out:
         meta: dict[str, object] = {"policy": rep.policy, "forecast": rep.forecast, "run_id": rep.train.runs[0],
                 "moe_layer_ids": list(m.moe_layer_ids), "report": rep.to_dict()}
@@ -143,16 +139,20 @@ def _f(v: float | None, spec: str = ".4f") -> str:
     return "-" if v is None else format(v, spec)
 
 
-def report_lines(rep: Report, cluster: object, layer_ids: tuple[int, ...], previous: str | None) -> list[str]:
-    """The printed report: windows, backtest, the plan, its layout, scores in-sample vs held out, worst layers,
-    churn."""
+def report_lines(rep: Report, cluster: object, layer_ids: tuple[int, ...], previous: str | None,
+                 asked_windows: int | None = None) -> list[str]:
+    """The printed report: windows (and why fewer than --windows asked), backtest, the plan, its layout, scores
+    in-sample vs held out, worst layers, churn."""
     from r3trace.eplb.origins import origins_line
     from r3trace.eplb.placement import Cluster
 
     assert isinstance(cluster, Cluster)
     held = rep.held_out.label if rep.held_out is not None else rep.held_out_note
     plural = "" if rep.history_windows == 1 else "s"
-    out = [f"train: {rep.train.label}, heat from {rep.source} in {rep.history_windows} history window{plural}",
+    fewer = "" if asked_windows is None or rep.history_windows >= asked_windows else (
+        f" (of --windows {asked_windows}: a history window is whole rollup windows, or forwards, and empty ones are "
+        "dropped)")
+    out = [f"train: {rep.train.label}, heat from {rep.source} in {rep.history_windows} history window{plural}{fewer}",
            f"held out: {held}"]
     bt = rep.backtest
     if bt is not None and bt.chosen is None:
