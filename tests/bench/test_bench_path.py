@@ -48,6 +48,8 @@ def _hugging_faces_installed() -> bool:
 
 def test_python_m_pytest_from_the_root_finds_hugging_faces_kernels() -> None:
     # `python -m pytest` puts the root first on sys.path (pytest's own script does not); tests/conftest.py moves it last
+    if not _hugging_faces_installed():  # the inner test would skip, and this one could not fail
+        pytest.skip("Hugging Face's kernels is not installed")
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
                            f"{Path(__file__).relative_to(ROOT)}::test_kernels_in_this_process_is_not_the_roots"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
