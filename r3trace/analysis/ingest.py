@@ -25,7 +25,7 @@ import re
 import shutil
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +35,7 @@ import numpy as np
 
 from r3trace.analysis.peer_formats import BodyError, Format, Routes, detect, moe_rows, routes_of
 from r3trace.progress import progress_bar
+from r3trace.trace.batch import repeated_experts
 from r3trace.trace.commit import write_heat_run
 from r3trace.trace.layout import TABLES
 from r3trace.trace.reader import RunFiles, open_dataset
@@ -44,6 +45,24 @@ from r3trace.trace.writer import TraceWriter
 
 class IngestError(ValueError):
     """Malformed input; the message names the file, the line and the field."""
+
+
+def unrepeated(ids: np.ndarray, first: int, where: str, field: str, layer_ids: Sequence[int], drop: bool) -> np.ndarray:
+    """ids [T, L, K] of tokens first.. (MoE layers layer_ids) -> keep [T]: the tokens whose top-K names K distinct
+    experts on every MoE layer. A repeat is a broken capture (trace/batch.py's repeated_experts): refused with an
+    IngestError naming the first one and counting the rest, or with drop (`--drop-repeated`) the token left out."""
+    bad = repeated_experts(ids)  # [T, L]
+    keep = np.logical_not(bad.any(axis=1))  # [T]
+    if drop or keep.all():
+        return keep
+    t, layer = (int(v) for v in np.argwhere(bad)[0])
+    row = np.sort(ids[t, layer])
+    zeros = int((~keep & (ids == 0).all(axis=(1, 2))).sum())
+    raise IngestError(f"{where}: {field} repeats expert {int(row[1:][row[1:] == row[:-1]][0])} in token {first + t}'s "
+                      f"top-{ids.shape[-1]} on MoE layer {layer} (of {ids.shape[1]}; model layer {layer_ids[layer]}): "
+                      f"a router picks {ids.shape[-1]} distinct experts; {int((~keep).sum())} of {len(ids)} tokens "
+                      f"here repeat one, {zeros} of them all zeros (SGLang returns zeros for KV slots its capturer "
+                      "never wrote; swapped layer and top-k axes repeat too); --drop-repeated ingests the others")
 
 
 @dataclass(frozen=True)
@@ -152,18 +171,21 @@ class _Request:
 
 def ingest_responses(
     path: str | Path, store: str | Path, shape: ModelShape, run_id: str | None = None,
-    progress: bool | None = True, fmt: Format | None = None, wire_dtype: str = "int32",
+    progress: bool | None = True, fmt: Format | None = None, wire_dtype: str = "int32", drop_repeated: bool = False,
 ) -> Manifest:
     """JSON lines of response bodies -> one run (r3trace/analysis/peer_formats.py: SGLang /generate, OpenAI-shaped
     with SGLang's sglext or r3trace's sgl_ext, vLLM's per-choice .npy). fmt None detects each line's format.
     Row i of a request is position start + i; positions below its prompt length are prefill, later ones
     decode (rows wait for a later line, such as a streamed usage chunk, when their own line lacks the prompt
     length). ts is the body's `created` (else the ingest start) and forward_id its line number: bodies do not
-    say which forward produced a row. `progress`: a bar of the bytes read (r3trace/progress.py).
+    say which forward produced a row. `progress`: a bar of the bytes read (r3trace/progress.py). A token whose
+    top-K repeats an expert on some MoE layer is refused (`unrepeated`), or with drop_repeated left out and counted
+    in the manifest's engine record (dropped_repeated_tokens).
     """
     path = Path(path)
     now = time.time_ns()
     reqs: dict[str, _Request] = {}
+    dropped = 0  # tokens left out for a repeated expert (drop_repeated)
     with staged(store) as stage, TraceWriter(  # closed on any exit, before the staging folder goes
         stage, model_name=shape.model_name, num_hidden_layers=shape.num_hidden_layers,
         moe_layer_ids=shape.moe_layer_ids, num_experts=shape.num_experts, top_k=shape.top_k, run_id=run_id,
@@ -193,22 +215,25 @@ def ingest_responses(
                 if r.ids is not None:
                     req.pending.append(_Rows(where, r, ts, lineno))
                 if req.prompt_tokens is not None:
-                    _write_rows(w, rid, req, shape)
+                    dropped += _write_rows(w, rid, req, shape, drop_repeated)
         for rid, req in reqs.items():
             if req.required and not (req.rows or req.pending):
                 raise IngestError(f"{req.first}: field {req.required} missing (was return_routed_experts set?)")
-            _write_rows(w, rid, req, shape)
+            dropped += _write_rows(w, rid, req, shape, drop_repeated)
             if req.rows:
                 w.add_request(rid, prompt_tokens=req.prompt_tokens, completion_tokens=req.completion_tokens,
                               finish_reason=req.finish_reason)
         if not any(req.rows for req in reqs.values()):
-            raise IngestError(f"{path}: no routes in any line (was return_routed_experts set?)")
-        manifest = w.close()
+            raise IngestError(f"{path}: no routes in any line (was return_routed_experts set?)"
+                              + (f"; --drop-repeated left out all {dropped} tokens" if dropped else ""))
+        manifest = w.close(engine={"dropped_repeated_tokens": dropped} if drop_repeated else None)
     return manifest
 
 
-def _write_rows(w: TraceWriter, rid: str, req: _Request, shape: ModelShape) -> None:
-    """Writes the request's pending rows; without a prompt length every row counts as prefill."""
+def _write_rows(w: TraceWriter, rid: str, req: _Request, shape: ModelShape, drop_repeated: bool) -> int:
+    """Writes the request's pending rows (a row is a token: its MoE layers' top-K); without a prompt length every
+    row counts as prefill. -> tokens left out for a repeated expert (drop_repeated; else refused: `unrepeated`)."""
+    dropped = 0
     for p in req.pending:
         r = p.routes
         try:
@@ -216,13 +241,17 @@ def _write_rows(w: TraceWriter, rid: str, req: _Request, shape: ModelShape) -> N
         except BodyError as e:
             raise IngestError(f"{p.where}: {e}") from e
         pos = r.start + np.arange(len(ids), dtype=np.int32)
-        prompt = req.prompt_tokens if req.prompt_tokens is not None else r.start + len(ids)
+        keep = unrepeated(ids, r.start, p.where, f"field {r.field}", shape.moe_layer_ids, drop_repeated)  # [rows]
+        ids, pos, dropped = ids[keep], pos[keep], dropped + int((~keep).sum())
+        prompt = req.prompt_tokens if req.prompt_tokens is not None else r.start + len(keep)
         try:
-            w.append_tokens(rid, pos, np.where(pos < prompt, 0, 1), "computed", p.forward_id, p.ts, 0, ids)
+            if len(ids):
+                w.append_tokens(rid, pos, np.where(pos < prompt, 0, 1), "computed", p.forward_id, p.ts, 0, ids)
         except TraceSchemaError as e:
             raise IngestError(f"{p.where}: {e}") from e
         req.rows += len(ids)
     req.pending.clear()
+    return dropped
 
 
 def ingest_expert_distribution(

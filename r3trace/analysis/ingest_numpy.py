@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from r3trace.analysis.ingest import IngestError, ModelShape, staged
+from r3trace.analysis.ingest import IngestError, ModelShape, staged, unrepeated
 from r3trace.progress import progress_bar
 from r3trace.trace.schema import Manifest, TraceSchemaError
 from r3trace.trace.writer import TraceWriter
@@ -23,11 +23,12 @@ WINDOW_ID_S = 1.0  # a numpy window id is one rollup window of the run it lands 
 def ingest_numpy(
     path: str | Path, store: str | Path, shape: ModelShape, run_id: str | None = None,
     request_ids: Sequence[str] | None = None, progress: bool | None = True, ts: np.ndarray | None = None,
-    window_id: np.ndarray | None = None,
+    window_id: np.ndarray | None = None, drop_repeated: bool = False,
 ) -> Manifest:
     """.npz with `topk_ids` [T, L, K] (optional request_id [T], token_pos [T], forward_id [T], and time: `ts` or
     `window_id`, per token [T] or per forward [F]) -> one run. `ts` / `window_id` given here replace the npz's
-    (numpy_times says how each is read).
+    (numpy_times says how each is read). A token whose top-K repeats an expert is refused, or with drop_repeated
+    left out and counted in the manifest's engine record (ingest.unrepeated).
 
     `progress`: a bar of the tokens written (r3trace/progress.py)."""
     try:
@@ -51,32 +52,39 @@ def ingest_numpy(
         num_groups=shape.num_groups, engine={"ingested_from": str(path), "ts_from": ts_from},
         flush_interval_s=None, rollup_window_s=WINDOW_ID_S,
     ) as w:
+        dropped = 0
         try:
             with progress_bar(progress, total=t, desc="ingest numpy", unit="tok") as bar:
                 for lo in range(0, t, 16384):
                     sl = slice(lo, lo + 16384)
-                    distinct_experts(ids[sl], lo, str(path))
-                    w.append_tokens(rid if isinstance(rid, str) else rid[sl], pos[sl], "decode", "computed",
-                                    fwd[sl], stamps[sl], 0, ids[sl])
+                    keep = _distinct(ids[sl], lo, str(path), shape.moe_layer_ids, drop_repeated)  # [T'], None: all
+                    dropped += 0 if keep is None else int((~keep).sum())
+                    if keep is None or keep.any():
+                        w.append_tokens(rid if isinstance(rid, str) else _take(rid, sl, keep), _take(pos, sl, keep),
+                                        "decode", "computed", _take(fwd, sl, keep), _take(stamps, sl, keep), 0,
+                                        _take(ids, sl, keep))
                     bar.update(len(ids[sl]))
         except TraceSchemaError as e:
             raise IngestError(f"{path}: {e}") from e
-        return w.close(mark_unfinished=False)  # arrays carry no request summaries
+        if t and dropped == t:
+            raise IngestError(f"{path}: --drop-repeated left out all {t} tokens: every one repeats an expert")
+        # arrays carry no request summaries
+        return w.close(mark_unfinished=False, engine={"dropped_repeated_tokens": dropped} if drop_repeated else None)
 
 
-def distinct_experts(ids: np.ndarray, first: int, where: str) -> None:
-    """ids [T, L, K] of tokens first.. -> IngestError where one token's top-K on one layer repeats an expert: a router
-    picks K distinct experts, so a repeat marks a broken export (a layer axis and a top-k axis swapped gives one).
-    Other shapes and dtypes pass here for the writer to refuse by name."""
-    if ids.ndim != 3 or ids.shape[-1] < 2 or ids.dtype.kind not in "iu":
-        return
-    ranked = np.sort(ids, axis=-1)
-    repeats = ranked[..., 1:] == ranked[..., :-1]  # [T, L, K - 1]
-    if repeats.any():
-        t, layer, k = (int(v) for v in np.argwhere(repeats)[0])
-        raise IngestError(f"{where}: column topk_ids repeats expert {int(ranked[t, layer, k])} in token {first + t}'s "
-                          f"top-{ids.shape[-1]} on MoE layer {layer} (of {ids.shape[1]}); a router picks "
-                          f"{ids.shape[-1]} distinct experts (a layer axis and a top-k axis swapped?)")
+def _take(column: np.ndarray, sl: slice, keep: np.ndarray | None) -> np.ndarray:
+    """A per-token column's slice sl, less the tokens keep leaves out; a slice of another length passes whole, for
+    the writer to refuse by name."""
+    part = np.asarray(column)[sl]
+    return part if keep is None or keep.all() or len(part) != len(keep) else part[keep]
+
+
+def _distinct(ids: np.ndarray, first: int, where: str, layer_ids: Sequence[int], drop: bool) -> np.ndarray | None:
+    """ids [T, L, K] of tokens first.. -> ingest.unrepeated's keep [T]; None where another shape or dtype leaves the
+    check to the writer, which refuses it by name."""
+    if ids.ndim != 3 or ids.dtype.kind not in "iu":
+        return None
+    return unrepeated(ids, first, where, "column topk_ids", layer_ids, drop)
 
 
 def numpy_times(ts: np.ndarray | None, window_id: np.ndarray | None, forward_id: np.ndarray, t: int,

@@ -39,6 +39,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="SGLang payload dtype for bodies that do not name it in routed_experts_dtype")
     p.add_argument("--ts", default=None, help="numpy: a .npy of timestamps, one per token or one per forward "
                    "(integers: ns since the epoch; floats: seconds; datetime64); replaces the npz's ts")
+    p.add_argument("--drop-repeated", action="store_true",
+                   help="response bodies and numpy: leave out the tokens whose top-K repeats an expert on some MoE "
+                        "layer (all-zero rows from KV slots SGLang never captured), instead of refusing the file; "
+                        "the run's manifest counts them (engine.dropped_repeated_tokens)")
     p.add_argument("--window-ids", default=None, help="numpy: a .npy of integer window ids, one per token or per "
                    "forward (window w starts at w seconds, one rollup window); replaces the npz's window_id")
 
@@ -112,6 +116,9 @@ def run(args: argparse.Namespace) -> int:
         if value is not None and args.format != "numpy":
             raise UsageError(f"{flag} {value}: only with --format numpy (native runs keep their ts; a response "
                              "body's rows take its `created`)")
+    if args.drop_repeated and args.format in ("native", "expert-dist"):
+        raise UsageError(f"--drop-repeated: only for response bodies and numpy (--format {args.format} holds "
+                         + ("runs r3trace already checked)" if args.format == "native" else "counts, not routes)"))
     if args.ts is not None and args.window_ids is not None:
         raise UsageError(f"--ts {args.ts} --window-ids {args.window_ids}: give one of them")
     if args.format == "native":
@@ -132,14 +139,16 @@ def run(args: argparse.Namespace) -> int:
         ts, windows = (_npy(v, flag) if v is not None else None
                        for v, flag in ((args.ts, "--ts"), (args.window_ids, "--window-ids")))
         out = ingest_numpy(src, args.store, shape, run_id=args.run_id, progress=progress, ts=ts,
-                           window_id=windows)
+                           window_id=windows, drop_repeated=args.drop_repeated)
         when = str(out.engine.get("ts_from"))
     else:  # response bodies; "responses" detects each line's format
         fmt = None if args.format == "responses" else args.format
         out = ing.ingest_responses(src, args.store, shape, run_id=args.run_id, progress=progress, fmt=fmt,
-                                   wire_dtype=args.wire_dtype)
+                                   wire_dtype=args.wire_dtype, drop_repeated=args.drop_repeated)
         when = "each body's `created` (else the ingest time); forward_id = the body's line number"
-    print(f"run {out.run_id}: {out.kind}, {out.rows} rows; time from {when}")
+    dropped = out.engine.get("dropped_repeated_tokens")
+    left_out = f"; left out {dropped} tokens repeating an expert (--drop-repeated)" if dropped else ""
+    print(f"run {out.run_id}: {out.kind}, {out.rows} rows; time from {when}{left_out}")
     return 0
 
 

@@ -17,6 +17,7 @@ def run(args: argparse.Namespace) -> int:
     import polars as pl
 
     from r3trace.analysis.heat import HeatSource, imbalance
+    from r3trace.analysis.integrity import repeated_rows
     from r3trace.analysis.locality import temporal_locality
     from r3trace.analysis.store import open_store
     from r3trace.commands.args import select_run
@@ -38,6 +39,9 @@ def run(args: argparse.Namespace) -> int:
         print(imb.select(pl.exclude("layer_id", "selections").mean()).with_columns(pl.lit("mean over layers")
               .alias("")))
         if m.kind == "routes":
+            bad = repeated_rows(store.con, m.run_id)
+            print(f"rows repeating an expert in their top-{m.top_k}: {bad.rows:,} of {bad.total:,}"
+                  + (f" ({bad.all_zero:,} all zeros: token slots the capture never wrote?)" if bad.rows else ""))
             loc = temporal_locality(store.con, m.run_id)
             ov, base = loc["mean_overlap"].to_numpy().mean(), loc["baseline"].to_numpy().mean()
             print(f"temporal locality: mean overlap {ov:.3f} (independent tokens: {base:.3f})")

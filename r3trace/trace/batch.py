@@ -81,6 +81,18 @@ def check_ids(topk_ids: np.ndarray, num_experts: int, k: int) -> np.ndarray:
     return ids.astype(np.int32, copy=False)
 
 
+def repeated_experts(ids: np.ndarray) -> np.ndarray:
+    """ids [..., K] -> bool [...]: the rows whose K ids name one expert twice. A router picks K distinct experts, so a
+    repeat marks a broken capture: SGLang's host buffer hands back zeros ([0] * K) for KV slots its capturer never
+    wrote, and an export with its layer and top-k axes swapped repeats ids too. One sort of the K ids a row: 14 ms
+    for 4,096 tokens x 58 layers x 8 on a 2-core CPU against check_ids' 1 ms, so ingest pays it, not the writer's
+    per-forward check."""
+    if ids.shape[-1] < 2:
+        return np.zeros(ids.shape[:-1], dtype=bool)
+    ranked = np.sort(ids, axis=-1)
+    return (ranked[..., 1:] == ranked[..., :-1]).any(-1)
+
+
 def check_physical_ids(physical_ids: np.ndarray | None, shape: tuple[int, ...]) -> np.ndarray:
     """physical_ids of the same shape as topk_ids -> int32, every slot >= 0 (the manifest does not hold P, so no
     upper bound is checked). Missing or misshapen is refused, as topk_weights are under with_weights."""

@@ -217,11 +217,12 @@ class TraceWriter:
             raise
         return self.manifest
 
-    def close(self, mark_unfinished: bool = True) -> Manifest:
+    def close(self, mark_unfinished: bool = True, engine: dict[str, Any] | None = None) -> Manifest:
         """Commit everything, merge the trailing small files, mark the run closed; returns the manifest.
         mark_unfinished: requests with rows and no add_request get a requests row with finish_reason
         "unfinished" (they were still running); False leaves them without one (offline tools whose input has
-        no request summaries). Idempotent."""
+        no request summaries). engine: keys added to the manifest's engine record (what an ingest left out).
+        Idempotent."""
         with self._lock:
             if self._closed:
                 return self.manifest
@@ -244,7 +245,8 @@ class TraceWriter:
         c = self._committer
         with self._committing:
             c.compact(final=True)
-            c.publish(replace(c.manifest, status="closed", open_requests=(), end_time=now_iso()))
+            c.publish(replace(c.manifest, status="closed", open_requests=(), end_time=now_iso(),
+                              engine={**c.manifest.engine, **(engine or {})}))
         self.manifest = c.manifest
         self._closed = True
         lifecycle.release_run_lock(self._run_lock)

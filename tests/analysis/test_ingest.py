@@ -29,7 +29,7 @@ def b64(a: np.ndarray) -> str:
 
 
 def response(rng: np.random.Generator, rid: str, rows: int, dense_fill: int) -> tuple[dict, np.ndarray]:
-    full = rng.integers(0, 16, (rows, 4, 2)).astype(np.int32)
+    full = np.argsort(rng.random((rows, 4, 16)), axis=-1)[..., :2].astype(np.int32)  # K distinct experts a layer
     full[:, 0] = dense_fill  # layer 0 dense: SGLang writes 0, we write -1
     meta = {"id": rid, "routed_experts": b64(full), "prompt_tokens": 3, "completion_tokens": rows - 2,
             "finish_reason": {"type": "length"}}
@@ -87,7 +87,7 @@ def test_expert_distribution_numpy_and_native(tmp_path: Path, tiny_trace: dict) 
     for lid, e, c in got.iter_rows():
         assert c == want[lid - 1, e]
     assert got["count"].sum() == want.sum()
-    ids = rng.integers(0, 16, (9, 3, 2))
+    ids = np.argsort(rng.random((9, 3, 16)), axis=-1)[..., :2]  # 2 distinct experts a layer
     np.savez(tmp_path / "a.npz", topk_ids=ids)
     assert ingest_numpy(tmp_path / "a.npz", store, SHAPE, run_id="np").rows == 27
     assert ingest_native(tiny_trace["root"], store) == ["a"]
@@ -107,6 +107,6 @@ def test_numpy_top_k_repeating_an_expert_is_refused_and_nothing_lands(tmp_path: 
     ids[16_388, 1, 1] = ids[16_388, 1, 0]
     np.savez(tmp_path / "bad.npz", topk_ids=ids)
     with pytest.raises(IngestError, match=rf"repeats expert {ids[16_388, 1, 0]} in token 16388's top-2 on MoE "
-                                          r"layer 1 \(of 3\)"):
+                                          r"layer 1 \(of 3; model layer 2\)"):
         ingest_numpy(tmp_path / "bad.npz", store, SHAPE, run_id="bad")
     assert [r.manifest.run_id for r in TraceStore(store).runs] == ["ok"]

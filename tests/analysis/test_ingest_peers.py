@@ -37,7 +37,7 @@ MOE = list(SHAPE.moe_layer_ids)
 
 def routes(rng: np.random.Generator, rows: int, experts: int = 16, dense: int = 0) -> np.ndarray:
     """[rows, 4, 2] as a peer's buffer holds them: MoE layers 1..3 routed, dense layer 0 never written."""
-    ids = rng.integers(0, experts, (rows, 4, 2))
+    ids = np.argsort(rng.random((rows, 4, experts)), axis=-1)[..., :2]  # 2 distinct experts a layer, as a router picks
     ids[:, 0] = dense
     return ids
 

@@ -50,7 +50,7 @@ def rollup_windows(store: Path, run_id: str) -> dict[int, int]:
 
 
 def npz(path: Path, **extra: np.ndarray) -> Path:
-    ids = np.random.default_rng(0).integers(0, 16, (T, 3, 2))
+    ids = np.argsort(np.random.default_rng(0).random((T, 3, 16)), axis=-1)[..., :2]  # 2 distinct experts a layer
     arrays = {"topk_ids": ids, "forward_id": np.arange(T) // PER_FORWARD, **extra}
     np.savez(path, **arrays)  # type: ignore[arg-type]
     return path
@@ -131,7 +131,7 @@ def test_time_flags_outside_numpy_are_one_line_errors(tmp_path: Path, capsys: py
 
 def test_response_bodies_keep_created_and_line_order(tmp_path: Path) -> None:
     rng = np.random.default_rng(2)
-    a = rng.integers(0, 16, (5, 4, 2))
+    a = np.argsort(rng.random((5, 4, 16)), axis=-1)[..., :2]  # 2 distinct experts a layer
     a[:, 0] = 0
     b = a.copy()
     openai = sglang_completion("ra", a, 3, 3)
