@@ -61,8 +61,9 @@ def unrepeated(ids: np.ndarray, first: int, where: str, field: str, layer_ids: S
     raise IngestError(f"{where}: {field} repeats expert {int(row[1:][row[1:] == row[:-1]][0])} in token {first + t}'s "
                       f"top-{ids.shape[-1]} on MoE layer {layer} (of {ids.shape[1]}; model layer {layer_ids[layer]}): "
                       f"a router picks {ids.shape[-1]} distinct experts; {int((~keep).sum())} of {len(ids)} tokens "
-                      f"here repeat one, {zeros} of them all zeros (SGLang returns zeros for KV slots its capturer "
-                      "never wrote; swapped layer and top-k axes repeat too); --drop-repeated ingests the others")
+                      f"here repeat one, {zeros} of them all zeros (SGLang's and vLLM's capture buffers return zeros "
+                      "for KV slots never written; swapped layer and top-k axes repeat too); --drop-repeated ingests "
+                      "the others")
 
 
 @dataclass(frozen=True)
