@@ -1,11 +1,13 @@
 """Tokens whose top-K repeats an expert (all-zero rows): ingest refuses them, or with --drop-repeated leaves them
 out; `r3trace stats` counts them in a trace written otherwise.
 
-SGLang's capturer (python/sglang/srt/layers/moe/routed_experts_capturer.py at sgl-project/sglang; the copy in
-shared/seeds/routed_experts.py.txt) answers get_routed_experts with host_cache.buffer[req_to_token[req][:seqlen - 1]]:
-rows indexed by KV slot, from a buffer that starts zeroed, so a slot its capturer never wrote comes back as
-[0] * K on every layer. A router picks K distinct experts (its top-k), so such a row is told apart from a real one
-by the repeat, never by the value 0 (expert 0 is a real expert).
+SGLang: python/sglang/srt/layers/topk_capturer_base.py at sgl-project/sglang commit
+e9680922582b1858b165fd7179ab413cb57e8f6e: BaseHostCache's buffer is torch.zeros([num_tokens, num_layers, K]), a
+forward writes host_cache.buffer[out_cache_loc] only, and get_topk answers a request with
+buffer[req_to_token[req][:seqlen - 1]]: rows indexed by KV slot, so a slot no forward wrote comes back as [0] * K
+on every layer (routed_experts_capturer.py builds on it; the copy in shared/seeds/routed_experts.py.txt too). A
+router picks K distinct experts (its top-k), so such a row is told apart from a real one by the repeat, never by
+the value 0 (expert 0 is a real expert).
 Run: .venv/bin/pytest tests/analysis/test_repeated_experts.py -q
 """
 
