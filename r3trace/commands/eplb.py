@@ -76,6 +76,11 @@ def run(args: argparse.Namespace) -> int:
     if args.sglang and not args.sglang.endswith((".json", ".pt")):  # refused before the trace is scanned
         raise UsageError(f"--sglang {args.sglang}: must end in .json or .pt (SGLang's --init-expert-location "
                          "parses any other value as inline JSON)")
+    for flag, out in (("--out", args.out), ("--sglang", args.sglang)):  # before the plan, not after its seconds
+        if out and not Path(out).parent.is_dir():
+            raise UsageError(f"{flag} {out}: folder {Path(out).parent} does not exist")
+        if out and Path(out).is_dir():
+            raise UsageError(f"{flag} {out}: is a folder; give a file path")
     by_runs = any(s is not None and s.kind == "runs" for s in (args.train, args.held_out))
     if by_runs and args.run_id:
         raise UsageError(f"--run-id {args.run_id}: not used with runs= windows (they name their runs)")

@@ -81,6 +81,8 @@ def test_sql_typo_and_refused_statement(store: Path) -> None:
     (["eplb", "S", *EPLB, "--sglang", "loc.txt"],
      ["--sglang loc.txt: must end in .json or .pt", "parses any other value as inline JSON"]),
     (["eplb", "S", *EPLB, "--groups", "3"], ["--groups 3: does not divide run a's 16 experts"]),
+    (["eplb", "S", *EPLB, "--out", "no/such/p.json"], ["--out no/such/p.json: folder no/such does not exist"]),
+    (["eplb", "S", *EPLB, "--out", "S"], ["is a folder; give a file path"]),
     (["eplb", "S", *EPLB, "--windows", "4", "--window-s", "1"], ["--windows 4 --window-s 1: give one"]),
     (["synth", "S", "--tokens", "0"], ["r3trace synth: argument --tokens: 0 must be >= 1"]),
     (["eplb", "S", "--gpus", "4"], ["the following arguments are required: --nodes, --slots"]),
