@@ -52,6 +52,14 @@ def select_run(ids: Sequence[str], run_id: str | None, where: str, flag: str = "
     return ids[0]
 
 
+def check_out_dir(path: str | Path, flag: str) -> Path:
+    """A folder runs are written into: missing is fine (created), a file is refused naming the flag."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise UsageError(f"{flag} {p} is a file; give a dataset folder (created when missing)")
+    return p
+
+
 def check_model_dir(path: str | Path, flag: str = "model") -> Path:
     """A checkpoint folder with config.json, checked before torch is imported."""
     p = Path(path)

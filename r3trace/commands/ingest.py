@@ -6,7 +6,7 @@ import argparse
 from typing import TYPE_CHECKING, Any
 
 from r3trace.analysis.peer_formats import WIRE_DTYPES
-from r3trace.commands.args import positive_int
+from r3trace.commands.args import check_out_dir, positive_int
 
 if TYPE_CHECKING:
     from r3trace.analysis.ingest import ModelShape
@@ -112,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
     from r3trace.progress import progress_flag
 
     progress = progress_flag(args.progress)
+    check_out_dir(args.store, "--store")
     for flag, value in (("--ts", args.ts), ("--window-ids", args.window_ids)):
         if value is not None and args.format != "numpy":
             raise UsageError(f"{flag} {value}: only with --format numpy (native runs keep their ts; a response "

@@ -22,8 +22,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from r3trace.analysis.synth import SynthConfig, write_synth
+    from r3trace.commands.args import check_out_dir
     from r3trace.progress import progress_flag
 
+    check_out_dir(args.out, "out")
     cfg = SynthConfig(zipf_s=args.zipf_s, locality=args.locality, num_domains=args.domains, seed=args.seed)
     w = write_synth(args.out, cfg, args.tokens, run_id=args.run_id, progress=progress_flag(args.progress))
     m = w.manifest

@@ -169,3 +169,14 @@ def test_store_errors_stay_value_errors(tmp_path: Path) -> None:
         TraceStore(tmp_path / "nope")
     with pytest.raises(ValueError, match="no r3trace runs under"):
         open_store(tmp_path)
+
+
+def test_output_folder_that_is_a_file(tmp_path: Path) -> None:
+    """ingest --store and synth's folder take a dataset folder (created when missing); a file there is refused
+    naming the flag, before anything is written (it failed on the staging folder, naming neither)."""
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "b.jsonl").write_text('{"meta_info": {"routed_experts": "AAAA"}}\n')
+    one_line(cli("ingest", "b.jsonl", "--store", "afile", "--format", "responses", cwd=tmp_path),
+             "r3trace ingest: --store afile is a file; give a dataset folder")
+    one_line(cli("synth", "afile", "--tokens", "8", cwd=tmp_path), "r3trace synth: out afile is a file")
+    assert (tmp_path / "afile").read_text() == "x"
