@@ -21,6 +21,11 @@ if not o["rows"]:
             "empty until it has some.")
 per_id = o["bytes"] / max(o["rows"] * o["top_k"], 1)
 st.caption(f"{o['rows']:,} route rows; {per_id:.2f} bytes per expert id on disk (routes, rollups, requests)")
+if o["repeated_rows"]:
+    st.warning(f"{o['repeated_rows']:,} of {o['rows']:,} route rows name an expert twice in their top-{o['top_k']} "
+               f"({o['all_zero_rows']:,} of them all zeros): a router picks {o['top_k']} distinct experts, so these "
+               "are broken captures, such as token slots the capture never wrote. Heat and placements count them "
+               "as routes; `r3trace ingest --drop-repeated` leaves them out.")
 imb = sc.imbalance(path, run_id)
 if imb.is_empty():
     if o["rows"]:  # without route rows the line above already said why

@@ -78,3 +78,22 @@ def test_crashed_run_recovered_under_the_app(tmp_path: Path, monkeypatch: pytest
     at.switch_page("views/requests.py").run()
     assert [c.value for c in at.caption][0] == ("1 of 2 requests had not finished when the trace was written "
                                                 "(1 with finish_reason 'unfinished': empty tag and lengths)")
+
+
+def test_overview_warns_of_rows_repeating_an_expert(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two tokens of all-zero rows (slots a capture never wrote) and one [3, 3] row: the overview counts them;
+    a run without any says nothing."""
+    rng = np.random.default_rng(8)
+    with TraceWriter(tmp_path, run_id="zeros", flush_interval_s=None, **SHAPE) as w:  # type: ignore[arg-type]
+        ids = np.stack([rng.permutation(8)[:2] for _ in range(6 * 3)]).reshape(6, 3, 2)
+        ids[[1, 4]] = 0
+        ids[2, 0] = 3
+        w.append_tokens("a", np.arange(6), "prefill", "computed", np.arange(6), 0, 0, ids)
+    monkeypatch.setenv("R3TRACE_STORE", str(tmp_path))
+    at = AppTest.from_file(APP, default_timeout=60)
+    m, warning = overview(at, warned=True)
+    assert m["Tokens"] == "6"
+    assert warning == ["7 of 18 route rows name an expert twice in their top-2 (6 of them all zeros): a router picks "
+                       "2 distinct experts, so these are broken captures, such as token slots the capture never "
+                       "wrote. Heat and placements count them as routes; `r3trace ingest --drop-repeated` leaves "
+                       "them out."]
