@@ -10,6 +10,8 @@ from r3trace.commands.args import positive_float, positive_int
 from r3trace.eplb.window import window_spec
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from r3trace.eplb.report import Report
 
 HELP = "plan an expert placement from a trace (policy chosen by backtest), score it held out, export it"
@@ -140,6 +142,22 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _repeated_line(tokens: np.ndarray | None, which: str) -> str:
+    """tokens [T, L, K] replayed from a window -> a warning where some repeat an expert in a top-K (a router picks K
+    distinct ones: broken captures, e.g. the all-zero rows of slots a capture never wrote), else ''."""
+    from r3trace.trace.batch import repeated_experts
+
+    if tokens is None:
+        return ""
+    bad = repeated_experts(tokens).any(1)  # [T]
+    if not bad.any():
+        return ""
+    zeros = int((bad & (tokens == 0).all(axis=(1, 2))).sum())
+    return (f"warning: {int(bad.sum()):,} of the {len(tokens):,} {which} tokens replayed repeat an expert in a "
+            f"top-{tokens.shape[2]} ({zeros:,} all zeros): broken captures, which the heat counts as routes "
+            "(`r3trace stats` counts such rows over the run; `r3trace ingest --drop-repeated` leaves them out)")
+
+
 def _f(v: float | None, spec: str = ".4f") -> str:
     return "-" if v is None else format(v, spec)
 
@@ -159,6 +177,8 @@ def report_lines(rep: Report, cluster: object, layer_ids: tuple[int, ...], previ
         "dropped)")
     out = [f"train: {rep.train.label}, heat from {rep.source} in {rep.history_windows} history window{plural}{fewer}",
            f"held out: {held}"]
+    out += [line for line in (_repeated_line(rep.train_tokens, "training"), _repeated_line(rep.held_tokens, "held-out"))
+            if line]
     bt = rep.backtest
     if bt is not None and bt.chosen is None:
         out.append(f"auto: {bt.note}")

@@ -140,3 +140,25 @@ def test_stats_counts_repeats_in_a_trace_the_writer_took(tmp_path: Path, capsys:
     assert repeated_rows(s.con, "w") == Repeated(rows=7, all_zero=6, total=30)
     assert main(["stats", str(tmp_path / "t")]) == 0
     assert "rows repeating an expert in their top-2: 7 of 30 (6 all zeros" in capsys.readouterr().out
+
+
+def test_eplb_warns_of_repeats_in_the_tokens_it_replays(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """3 of 40 tokens all zeros, in the training window: `r3trace eplb` says so on the line after the windows;
+    the same trace without them prints no warning."""
+    rng = np.random.default_rng(34)
+    ids = distinct(rng, (40, 3))
+    for name, broken in (("clean", []), ("zeros", [5, 17, 30])):
+        ids_run = ids.copy()
+        ids_run[broken] = 0
+        with TraceWriter(tmp_path / name, model_name="m", num_hidden_layers=4, moe_layer_ids=(1, 2, 3),
+                         num_experts=16, top_k=2, run_id=name, flush_interval_s=None) as w:
+            w.append_tokens("q", np.arange(40), "decode", "computed", np.arange(40),
+                            1_700_000_000_000_000_000 + np.arange(40) * 100_000_000, 0, ids_run)
+    flags = ["--gpus", "4", "--nodes", "2", "--slots", "16", "--policy", "ours"]
+    assert main(["eplb", str(tmp_path / "clean"), *flags]) == 0
+    assert "warning" not in capsys.readouterr().out
+    assert main(["eplb", str(tmp_path / "zeros"), *flags]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[2] == ("warning: 3 of the 40 training tokens replayed repeat an expert in a top-2 (3 all zeros): "
+                      "broken captures, which the heat counts as routes (`r3trace stats` counts such rows over the "
+                      "run; `r3trace ingest --drop-repeated` leaves them out)")
