@@ -63,6 +63,7 @@ class Model:
     lo: np.ndarray  # [X]
     hi: np.ndarray  # [X]
     u: np.ndarray  # [E, G, C] column ids
+    z: np.ndarray  # [E, C] column ids: z[e, c - 1] = 1 when expert e has c replicas
     m: int  # column of scale * M
     scale: int  # lcm(1 .. C) with integer loads, else 1 (M continuous)
     nodes_row: int | None  # row of the nodes-per-token cap (weight-sum units), when tokens are modelled
@@ -131,7 +132,7 @@ def build(load: np.ndarray, tokens: np.ndarray, cluster: Cluster, objective: str
     mat = coo_matrix((np.concatenate([f for _, f, _, _ in rows]), (r_idx, np.concatenate([c for c, _, _, _ in rows]))),
                      shape=(len(rows), var.n)).tocsr()
     return Model(cost, mat, np.array([r[2] for r in rows]), np.array([r[3] for r in rows]),
-                 np.asarray(var.integ), np.asarray(var.lo, float), np.asarray(var.hi, float), u, m, scale,
+                 np.asarray(var.integ), np.asarray(var.lo, float), np.asarray(var.hi, float), u, z, m, scale,
                  nodes_row, int(weight.sum()))
 
 

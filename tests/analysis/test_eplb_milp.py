@@ -77,6 +77,33 @@ def test_the_cuts_keep_the_brute_force_optimum(seed: int) -> None:
         assert got.bound == pytest.approx(got.nodes)
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_fixed_counts_give_the_brute_force_optimum_of_those_counts(seed: int) -> None:
+    """counts= (bench/eplb_milp.py --ours-counts): the fewest nodes among placements with exactly these replica
+    counts, equal to brute force over them, for the balance optimum's counts and for a worse count vector; the
+    whole program's optimum is at most each (a restriction)."""
+    rng = np.random.default_rng(seed)
+    pop = 1 / np.arange(1, 6) ** 1.2
+    tok = np.stack([rng.choice(5, 2, replace=False, p=pop / pop.sum()) for _ in range(9)])
+    load = np.bincount(tok.ravel(), minlength=5).astype(float)
+    best = solve(load, tok, TINY, "balance", max_replicas=4, time_limit=30)
+    cap = best.max_load * 1.5  # room for count vectors other than the optimum's
+    whole = solve(load, tok, TINY, "nodes", max_load_cap=cap, max_replicas=4, time_limit=30)
+    for counts in (np.bincount(best.placement.phy2log[0], minlength=5), np.array([1, 1, 1, 1, 4])):
+        pts = placement_points(load, tok, counts)
+        pts = pts[pts[:, 0] <= cap + 1e-9]
+        if not len(pts):
+            with pytest.raises(RuntimeError):
+                solve(load, tok, TINY, "nodes", max_load_cap=cap, max_replicas=4, time_limit=30, counts=counts)
+            continue
+        got = solve(load, tok, TINY, "nodes", max_load_cap=cap, max_replicas=4, time_limit=30, counts=counts)
+        np.testing.assert_array_equal(np.bincount(got.placement.phy2log[0], minlength=5), counts)
+        assert got.optimal and got.nodes == pytest.approx(pts[:, 1].min()) and got.max_load <= cap + 1e-9
+        assert whole.nodes <= got.nodes + 1e-9
+    with pytest.raises(ValueError, match="counts: 9 replicas"):
+        solve(load, tok, TINY, "nodes", max_load_cap=cap, counts=np.array([1, 1, 1, 2, 4]))
+
+
 def test_the_aimed_search_steps_its_bound_up_where_the_mean_is_out_of_reach() -> None:
     """The aimed search starts at max(mean GPU load, hottest load / 4) on the grid of twelfths; brute force:
     loads 9, 1, 1, 1, 1 reach it (3.25: 9 / 4 + 1 on every GPU); 7, 3, 1, 1, 1 are one step above it (3.25 ->
