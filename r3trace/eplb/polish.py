@@ -19,7 +19,8 @@ instances, against HiGHS' proven optima 20.0 / 48.0 / 48.0 / 36.0: synth-e16 20.
 1.43 / 1.28 / 2.33 (the descent alone: 20.0 / 48.25 / 48.83 / 36.5), measured when the polish was built; the
 plans' current figures: BENCHMARKS.md#eplb-placement-milp.
 Last, with tokens under the "cover" rule, cover.py searches for fewer nodes per token at the max load reached
-(synth-e16 1.15 -> 1.00, sample-e32 1.28 -> 1.135: cover.py has the figures).
+(synth-e16 1.15 -> 1.00, sample-e32 1.28 -> 1.135: cover.py has the figures), then exchange.py trades one-replica
+experts between nodes where both nodes repack under that max load (synth-e32 1.323 -> 1.3125).
 Where: layers of at most POLISH_SLOTS slots on at most 8 nodes, in fresh plans only (a re-plan's churn budget
 stays the leveling's). A step scores every move around the hottest GPU (polish_moves.py): 33K at 8 GPUs x 12
 slots, 2.8M at 8 x 36 ([58, 288] on one node), and there the leveling swaps already leave the hottest GPU within
@@ -37,6 +38,7 @@ import numpy as np
 
 from r3trace.eplb.affinity import COACT_TOKENS
 from r3trace.eplb.cover import cover, cover_rounds, lower_cover, node_masks
+from r3trace.eplb.exchange import exchanges
 from r3trace.eplb.placement import Cluster
 from r3trace.eplb.polish_moves import apply, layout_keys, move_keys, neighbours
 
@@ -87,6 +89,7 @@ def polish(phy2log: np.ndarray, weight: np.ndarray, cluster: Cluster, tokens: np
             cap = max(spread, int(np.bincount(out[layer]).max()))
             out[layer] = lower_cover(out[layer], w, tok, cluster, lowered, partial(
                 _layer, w=w, tok=tok, cl=cluster, steps=max_steps, rule=rule), cap)
+            out[layer] = exchanges(out[layer], w, tok, cluster)  # trades whose nodes only fit repacked
     return out
 
 
