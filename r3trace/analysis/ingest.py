@@ -35,7 +35,7 @@ import numpy as np
 
 from r3trace.analysis.peer_formats import BodyError, Format, Routes, detect, moe_rows, routes_of
 from r3trace.progress import progress_bar
-from r3trace.trace.batch import repeated_experts
+from r3trace.trace.batch import repeated_experts, repeated_tokens
 from r3trace.trace.commit import write_heat_run
 from r3trace.trace.layout import TABLES
 from r3trace.trace.reader import RunFiles, open_dataset
@@ -51,13 +51,14 @@ def unrepeated(ids: np.ndarray, first: int, where: str, field: str, layer_ids: S
     """ids [T, L, K] of tokens first.. (MoE layers layer_ids) -> keep [T]: the tokens whose top-K names K distinct
     experts on every MoE layer. A repeat is a broken capture (trace/batch.py's repeated_experts): refused with an
     IngestError naming the first one and counting the rest, or with drop (`--drop-repeated`) the token left out."""
-    bad = repeated_experts(ids)  # [T, L]
-    keep = np.logical_not(bad.any(axis=1))  # [T]
+    bad, zero = repeated_tokens(ids)  # [T], [T]
+    keep = np.logical_not(bad)
     if drop or keep.all():
         return keep
-    t, layer = (int(v) for v in np.argwhere(bad)[0])
+    t = int(np.flatnonzero(bad)[0])
+    layer = int(np.flatnonzero(repeated_experts(ids[t]))[0])
     row = np.sort(ids[t, layer])
-    zeros = int((~keep & (ids == 0).all(axis=(1, 2))).sum())
+    zeros = int(zero.sum())
     raise IngestError(f"{where}: {field} repeats expert {int(row[1:][row[1:] == row[:-1]][0])} in token {first + t}'s "
                       f"top-{ids.shape[-1]} on MoE layer {layer} (of {ids.shape[1]}; model layer {layer_ids[layer]}): "
                       f"a router picks {ids.shape[-1]} distinct experts; {int((~keep).sum())} of {len(ids)} tokens "

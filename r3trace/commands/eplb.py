@@ -145,14 +145,14 @@ def run(args: argparse.Namespace) -> int:
 def _repeated_line(tokens: np.ndarray | None, which: str) -> str:
     """tokens [T, L, K] replayed from a window -> a warning where some repeat an expert in a top-K (a router picks K
     distinct ones: broken captures, e.g. the all-zero rows of slots a capture never wrote), else ''."""
-    from r3trace.trace.batch import repeated_experts
+    from r3trace.trace.batch import repeated_tokens
 
     if tokens is None:
         return ""
-    bad = repeated_experts(tokens).any(1)  # [T]
+    bad, zero = repeated_tokens(tokens)  # [T], [T]
     if not bad.any():
         return ""
-    zeros = int((bad & (tokens == 0).all(axis=(1, 2))).sum())
+    zeros = int(zero.sum())
     return (f"warning: {int(bad.sum()):,} of the {len(tokens):,} {which} tokens replayed repeat an expert in a "
             f"top-{tokens.shape[2]} ({zeros:,} all zeros): broken captures, which the heat counts as routes "
             "(`r3trace stats` counts such rows over the run; `r3trace ingest --drop-repeated` leaves them out)")

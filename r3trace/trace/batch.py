@@ -93,6 +93,12 @@ def repeated_experts(ids: np.ndarray) -> np.ndarray:
     return (ranked[..., 1:] == ranked[..., :-1]).any(-1)
 
 
+def repeated_tokens(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """ids [T, L, K] -> (bool [T] the tokens repeating an expert on some layer, bool [T] those all zeros)."""
+    bad = repeated_experts(ids).any(axis=1).reshape(len(ids))  # [T]
+    return bad, bad & (ids == 0).all(axis=(1, 2))
+
+
 def check_physical_ids(physical_ids: np.ndarray | None, shape: tuple[int, ...]) -> np.ndarray:
     """physical_ids of the same shape as topk_ids -> int32, every slot >= 0 (the manifest does not hold P, so no
     upper bound is checked). Missing or misshapen is refused, as topk_weights are under with_weights."""
