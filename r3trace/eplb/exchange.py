@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from r3trace.eplb.cover import cover, node_masks
+from r3trace.eplb.cover import cover, max_load, node_masks
 from r3trace.eplb.placement import Cluster
 
 EXCHANGE_TRIES = 16  # trades a pass packs at most (the best by nodes per token first)
@@ -78,13 +78,13 @@ def exchanges(ph: np.ndarray, w: np.ndarray, tok: np.ndarray, cl: Cluster) -> np
     e, spn = len(w), cl.gpus_per_node * cl.slots_per_gpu
     node = cl.slot_node()
     cnt = np.bincount(ph, minlength=e)
-    cap = float((w[ph] / cnt[ph]).reshape(cl.num_gpus, -1).sum(1).max()) + 1e-9 * max(float(w.sum()), 1e-12)
-    best = float(cover(node_masks(ph[None], e, cl), tok, cl)[0])
+    cap = max_load(ph, w, cl) + 1e-9 * max(float(w.sum()), 1e-12)
+    base = node_masks(ph[None], e, cl)[0]  # [E]; a repack inside nodes leaves it as a trade's masks row says
+    best = float(cover(base[None], tok, cl)[0])
     for _ in range(EXCHANGE_PASSES):
         trades = _trades(ph, cnt, node, cl.num_nodes)  # [C, 4] experts a1, a2 (node a), b1, b2 (node b)
         if not len(trades):
             break
-        base = node_masks(ph[None], e, cl)[0]
         masks = np.tile(base, (len(trades), 1))
         rows = np.arange(len(trades))[:, None]
         masks[rows, trades[:, :2]] = base[trades[:, 2:3]]  # a's experts take b's node and the other way round
@@ -96,7 +96,7 @@ def exchanges(ph: np.ndarray, w: np.ndarray, tok: np.ndarray, cl: Cluster) -> np
                 break
             kept = _repacked(ph, trades[j], w, cnt, node, cl, cap, spn)
             if kept is not None:
-                ph, best = kept, float(nd[j])
+                ph, best, base = kept, float(nd[j]), masks[j]
                 break
         if kept is None:
             break
