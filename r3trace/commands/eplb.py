@@ -12,6 +12,7 @@ from r3trace.eplb.window import window_spec
 if TYPE_CHECKING:
     import numpy as np
 
+    from r3trace.eplb.evaluate import DispatchName
     from r3trace.eplb.report import Report
 
 HELP = "plan an expert placement from a trace (policy chosen by backtest), score it held out, export it"
@@ -45,9 +46,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="history windows the training window is cut into (default 8, or as many as it holds)")
     p.add_argument("--window-s", type=positive_float, default=None,
                    help="history windows of this many seconds instead (a multiple of the rollup window)")
-    p.add_argument("--dispatch", choices=DISPATCHES, default="node-limited",
+    p.add_argument("--dispatch", choices=DISPATCHES, default=None,
                    help="the dispatcher ours plans for and auto's backtest and the worst layers judge by: "
-                        "node-limited (the fewest nodes covering a token's experts; the default), or SGLang's "
+                        "node-limited (the fewest nodes covering a token's experts; the default without --sglang), "
+                        "or SGLang's (static: the default with --sglang, as SGLang dispatches once that file is "
+                        "loaded and no --ep-dispatch-algorithm is given) "
                         "--ep-dispatch-algorithm static (a rank's own replica, else its node's first, else one "
                         "spread over the replicas; ours then puts the hottest experts' replicas all on one node or "
                         "one a node, which that dispatcher splits evenly, within DeepSeek global's nodes per token) "
@@ -123,8 +126,9 @@ def run(args: argparse.Namespace) -> int:
                              f"{previous.logcnt.shape[0]} layers x {previous.logcnt.shape[1]} experts; this plan is "
                              f"for {flags}, {m.num_moe_layers} x {m.num_experts}")
     asked = {} if args.windows is None else {"windows": args.windows}  # else PlanRequest's default
+    dispatch: DispatchName = args.dispatch or ("static" if args.sglang else "node-limited")
     req = PlanRequest(cluster, args.policy, args.forecast, args.train, args.held_out, run_id, window_s=args.window_s,
-                      replay_tokens=args.replay_tokens, previous=previous, dispatch=args.dispatch, **asked)
+                      replay_tokens=args.replay_tokens, previous=previous, dispatch=dispatch, **asked)
     try:
         rep = make_report(store, req, progress_flag(args.progress))
     except WindowError as e:
@@ -136,10 +140,26 @@ def run(args: argparse.Namespace) -> int:
         Path(args.out).write_text(to_json(rep.placement, cluster, meta))
     if args.sglang:
         to_sglang(rep.placement, args.sglang, m.num_hidden_layers, m.moe_layer_ids)
-        # SGLang's slots are its logical experts plus --ep-num-redundant-experts, split over the EP ranks
-        print(f"SGLang: --init-expert-location {args.sglang} --expert-parallel-size {args.gpus} "
-              f"--ep-num-redundant-experts {args.slots - m.num_experts}")
+        print("\n".join(sglang_lines(args.sglang, args.gpus, args.slots - m.num_experts, dispatch,
+                                      args.dispatch is None)))
     return 0
+
+
+def sglang_lines(path: str, gpus: int, redundant: int, dispatch: str, implied: bool) -> list[str]:
+    """What `--sglang` prints after writing the file: the dispatcher the plan was made for (where --dispatch was not
+    given, static: SGLang's own choice once --init-expert-location is loaded with --ep-dispatch-algorithm unset,
+    python/sglang/srt/server_args.py _handle_eplb_and_dispatch) and SGLang's flags, the dispatcher named outright."""
+    out = []
+    if implied:
+        out.append("dispatch: planned for SGLang's static dispatch, what SGLang runs with this file and no "
+                   "--ep-dispatch-algorithm (--dispatch dynamic or node-limited plans for another)")
+    elif dispatch == "node-limited":
+        out.append("warning: planned for node-limited dispatch, which SGLang does not run: with this file it "
+                   "dispatches static unless --ep-dispatch-algorithm dynamic (--dispatch static plans for it)")
+    algo = f" --ep-dispatch-algorithm {dispatch}" if dispatch in ("static", "dynamic") else ""
+    # SGLang's slots are its logical experts plus --ep-num-redundant-experts, split over the EP ranks
+    return out + [f"SGLang: --init-expert-location {path} --expert-parallel-size {gpus} "
+                  f"--ep-num-redundant-experts {redundant}{algo}"]
 
 
 def _repeated_line(tokens: np.ndarray | None, which: str) -> str:

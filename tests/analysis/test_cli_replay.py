@@ -118,7 +118,20 @@ def test_cli_synth_stats_sql_eplb_diff(tmp_path: Path, capsys: pytest.CaptureFix
     assert [x.split()[-2:] for x in printed if x.startswith("balancedness (even split)")] == [[f"{bal:.4f}", "-"]]
     assert next(x for x in printed if "forecast: P=288 on 32 GPUs / 4 nodes" in x).endswith(f"max replicas {cnt.max()}")
     assert printed[-1] == (f"SGLang: --init-expert-location {tmp_path / 'p.json'} --expert-parallel-size 32 "
-                           f"--ep-num-redundant-experts {288 - e}")
+                           f"--ep-num-redundant-experts {288 - e} --ep-dispatch-algorithm static")
+    # SGLang dispatches static once --init-expert-location is loaded and --ep-dispatch-algorithm is unset
+    # (python/sglang/srt/server_args.py, _handle_eplb_and_dispatch, sgl-project/sglang@469c63e), so --sglang
+    # without --dispatch plans for that dispatcher: the map is --dispatch static's, not node-limited's
+    assert printed[-2].startswith("dispatch: planned for SGLang's static dispatch")
+    cluster = ["eplb", str(out), "--gpus", "32", "--nodes", "4", "--slots", "288"]
+    assert main([*cluster, "--dispatch", "static", "--out", str(tmp_path / "q.json")]) == 0
+    assert np.array_equal(np.asarray(json.loads((tmp_path / "q.json").read_text())["phy2log"]), p2l)
+    assert main([*cluster, "--dispatch", "node-limited", "--sglang", str(tmp_path / "n.json")]) == 0
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert not np.array_equal(np.asarray(json.loads((tmp_path / "n.json").read_text())["physical_to_logical_map"])[moe],
+                              p2l)
+    assert printed[-2].startswith("warning: planned for node-limited dispatch, which SGLang does not run")
+    assert printed[-1].endswith(f"--ep-num-redundant-experts {288 - e}")
 
     # diff against itself, and against a copy with one expert replaced in every 5th (token, layer) row
     assert main(["diff", str(out / "run_id=s"), str(out / "run_id=s")]) == 0
