@@ -235,7 +235,8 @@ class Counter:
 
     def install(self, model: Any) -> None:
         for name in WRAPPED:
-            setattr(dist, name, self._wrap(name, getattr(dist, name)))
+            if hasattr(dist, name):  # torch 2.11 has no all_gather_single (engine/distributed.all_gather_into)
+                setattr(dist, name, self._wrap(name, getattr(dist, name)))
         for layer in model.decoder_layers():
             layer.register_forward_pre_hook(lambda _m, _i, lid=layer.layer_id: setattr(self, "layer", lid))
             layer.register_forward_hook(lambda *_: setattr(self, "layer", None))

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from .distributed import all_gather_into
 from .dp_layout import DpLayout
 from .forward_batch import ForwardBatch, ReplayPlan
 from .layers.norm import RMSNorm
@@ -62,7 +63,7 @@ def all_gather_rows(x: torch.Tensor, group: object, size: int) -> torch.Tensor:
     if size == 1:
         return x
     out = x.new_empty(size * x.shape[0], *x.shape[1:])
-    dist.all_gather_single(out, x.contiguous(), group=group)  # type: ignore[arg-type]
+    all_gather_into(out, x.contiguous(), group)
     return out
 
 
@@ -237,7 +238,7 @@ class RouteCommunicator:
             raise RuntimeError(f"route gather: {rows} rows exceed the buffer of {self.gathered.shape[0]}")
         out = self.gathered[:rows]
         local = torch.cat([ids, weights.float().view(torch.int32)], dim=1)  # [n, 2K]
-        dist.all_gather_single(out, local, group=p.attn_tp_group)
+        all_gather_into(out, local, p.attn_tp_group)
         return out[:, :k], out[:, k:].view(torch.float32)
 
     def moe_batch(self, fb: ForwardBatch) -> ForwardBatch:

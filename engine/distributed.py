@@ -1,4 +1,5 @@
-"""init_parallel: the process groups of one rank, built once over an initialized default group.
+"""init_parallel: the process groups of one rank, built once over an initialized default group; all_gather_into:
+the one flat all-gather every caller goes through, whatever torch's name for it.
 
 The caller (a launcher, torchrun, a test) has run torch.distributed.init_process_group with world size
 tp_size; gloo on CPU and NCCL on CUDA go through this same code. One more group, cpu_group, is gloo over the
@@ -12,6 +13,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from .parallel import ParallelInfo, group_ranks
@@ -43,3 +45,12 @@ def init_parallel(
         tp_rank=rank, tp_size=tp_size, dp_size=dp_size, ep_size=ep_size, tp_group=groups["tp"],
         attn_tp_group=groups["attn_tp"], dp_group=groups["dp"], ep_group=groups["ep"], cpu_group=cpu_group,
     )
+
+
+def all_gather_into(out: torch.Tensor, x: torch.Tensor, group: Any) -> None:
+    """x [n, ...] on every rank of group -> out [size * n, ...] in group rank order. torch 2.13 calls it
+    all_gather_single and has all_gather_into_tensor warn a FutureWarning a call; torch 2.11 (the lent GPU
+    machine's) has only all_gather_into_tensor, and pyproject allows torch >= 2.4. Looked up when called, so a
+    wrapper installed on torch.distributed (bench/collective_bytes.py's counters) sees the call."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, x, group=group)

@@ -23,10 +23,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-import torch.distributed as dist
 
 from r3trace.capture.recorder import RowRange
 
+from .distributed import all_gather_into
 from .parallel import ParallelInfo
 
 DpMode = Literal["max", "sum"]
@@ -101,7 +101,7 @@ def gather_dp_layout(local_tokens: int, parallel: ParallelInfo, mode: DpMode, re
     every = mine
     if parallel.tp_size > 1:
         every = torch.empty(parallel.tp_size * 3, dtype=torch.int64)
-        dist.all_gather_single(every, mine, group=parallel.cpu_group)
+        all_gather_into(every, mine, parallel.cpu_group)
     rows = every.view(parallel.dp_size, parallel.attn_tp_size, 3).tolist()  # tp rank = dp rank * A + attn_tp rank
     counts = tuple(group[0][0] for group in rows)
     for d, group in enumerate(rows):

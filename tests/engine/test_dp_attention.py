@@ -67,7 +67,10 @@ CONFIGS = [  # (tp, dp, ep, backends)
     pytest.param(2, 2, 1, "ref", id="dp2"),
     pytest.param(2, 1, 2, "ref", id="ep2"),
     pytest.param(2, 2, 2, "ref", id="dp2_ep2"),
-    pytest.param(2, 2, 2, "triton", id="dp2_ep2_triton", marks=pytest.mark.slow),  # 110 s: the interpreter
+    # 110 s: the gloo ranks hold CPU tensors, which Triton runs only under its interpreter (a GPU machine without
+    # TRITON_INTERPRET=1 compiles for CUDA and refuses them)
+    pytest.param(2, 2, 2, "triton", id="dp2_ep2_triton", marks=[pytest.mark.slow, pytest.mark.skipif(
+        os.environ.get("TRITON_INTERPRET") != "1", reason="CPU ranks run Triton only under TRITON_INTERPRET=1")]),
     pytest.param(4, 2, 1, "ref", id="tp4_dp2", marks=pytest.mark.slow),  # FULL with attention TP 2
     pytest.param(4, 2, 2, "ref", id="tp4_dp2_ep2", marks=pytest.mark.slow),  # SCATTERED with attention TP 2
 ]
