@@ -49,11 +49,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dispatch", choices=DISPATCHES, default=None,
                    help="the dispatcher ours plans for and auto's backtest and the worst layers judge by: "
                         "node-limited (the fewest nodes covering a token's experts; the default without --sglang), "
-                        "or SGLang's (static: the default with --sglang, as SGLang dispatches once that file is "
-                        "loaded and no --ep-dispatch-algorithm is given) "
-                        "--ep-dispatch-algorithm static (a rank's own replica, else its node's first, else one "
-                        "spread over the replicas; ours then puts the hottest experts' replicas all on one node or "
-                        "one a node, which that dispatcher splits evenly, within DeepSeek global's nodes per token) "
+                        "or SGLang's --ep-dispatch-algorithm static (a rank's own replica, else its node's first, "
+                        "else one spread over the replicas; ours then puts the hottest experts' replicas all on one "
+                        "node or one a node, which that dispatcher splits evenly, within DeepSeek global's nodes per "
+                        "token; the default with --sglang, as SGLang runs it once that file is loaded and no "
+                        "--ep-dispatch-algorithm is given) "
                         "or dynamic (the same first two rules, else a random replica a pair; planned for as static). "
                         "Every figure is printed either way")
     p.add_argument("--replay-tokens", type=positive_int, default=8192,
