@@ -87,8 +87,9 @@ class PlannerConfig:
     # 0.051 s instead of 0.049 (--plan-time, 3 windows: one axis kept)
     spread_windows: int = 8
     # a seeded re-plan's hot swaps in layers whose hottest replicas alone set the max load (replan.floor_bound, > 2
-    # slots a GPU) take drops > floor_hot_drop x the mean GPU load, not hot_min_drop (descent.py has why and figures)
-    floor_hot_drop: float = 0.002
+    # slots a GPU) take drops > floor_hot_drop x the mean GPU load (0: any), not hot_min_drop (descent.py has why and
+    # figures)
+    floor_hot_drop: float = 0.0
     # P = E: up to contest_swaps swaps lowering ours' hottest GPU (any drop) before global's layouts compete, so ours
     # ties global's max load and wins layers on nodes per token (descent.py has why and figures); 0: none
     contest_swaps: int = 32

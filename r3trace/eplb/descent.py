@@ -15,8 +15,13 @@ skip them (after fresh plans they made two new "no"s; a drifting re-plan kept it
 DeepSeek's default call against 0.28x with them).
 
 Floor-bound layers (PlannerConfig.floor_hot_drop): where the hottest replicas alone set the max load
-(replan.floor_bound), a swap lowers it by < 1%, so their swaps take drops > 0.002 x the mean GPU load (min_gain's
-noise floor); only with > 2 slots a GPU (with two, pairing.py picks the hottest replica's companion).
+(replan.floor_bound), a swap lowers it by < 1%, so their swaps take any drop (floor_hot_drop 0): the rest of a hot GPU
+is its light partners, and a lighter one lowers the GPU's expected load in the next window by the whole difference
+(the forecast of a light expert is the mean of several windows; which of the hottest few GPUs is the max held out is
+a draw). Over bench/eplb_matrix.py's 118 cells, against drops > 0.002 x the mean GPU load (min_gain's noise floor): the
+9 cells it changed (P = E, > 2 slots a GPU) +0.0002 on average, 64 / 8 / 256 at s = 0.9 no -> tie (-0.00017 +-
+0.00006 -> -0.00005 +- 0.00004), no new "no", their churn up to 1.7 points more (at most 9.4% a re-plan). Only with
+> 2 slots a GPU (with two, pairing.py picks the hottest replica's companion).
 
 Before the P = E contest (PlannerConfig.contest_swaps, planner.fresh_plan): up to 32 swaps on ours' hottest GPU, any
 drop: the leveling lowers squared loads and leaves ours' max load 0.5-2% over global's; after them ours ties or

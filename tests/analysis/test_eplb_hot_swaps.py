@@ -78,7 +78,7 @@ def test_replans_spend_what_the_leveling_left_and_stay_within_the_budget() -> No
     cfg = PlannerConfig()
     off = plan(heats[:3], cl, first, cfg=PlannerConfig(hot_gpus=0))
     on = plan(heats[:3], cl, first)
-    assert churn(first, off) < churn(first, on) <= cfg.seeded_churn_budget  # measured: 0.023 -> 0.049
+    assert churn(first, off) < churn(first, on) <= cfg.seeded_churn_budget  # measured: 0.020 -> 0.075
     err = backtest_errors(heats[:3])
     assert err is not None
     w = forecast(heats[:3], pick_alpha(err, cfg.alpha_tie))
@@ -87,8 +87,15 @@ def test_replans_spend_what_the_leveling_left_and_stay_within_the_budget() -> No
     top_off = np.cumsum(-np.sort(-phy2log_gpu_load(off.phy2log, w, cl), 1), 1)
     top_on = np.cumsum(-np.sort(-phy2log_gpu_load(on.phy2log, w, cl), 1), 1)
     assert (top_on <= top_off + 1e-6).all()
-    # measured: the 8 hottest lower in 2 of 4 layers (by 545 and 107)
-    assert (top_on[:, cfg.hot_gpus - 1] < top_off[:, cfg.hot_gpus - 1] - 1).sum() >= 2
+    # every layer here is floor-bound (pareto loads: the hottest replicas alone set the max load), so the swaps take
+    # any drop of the hottest GPU (floor_hot_drop 0); measured: the max load lower in 3 of 4 layers (by 1.8-6.4)
+    assert (top_on[:, 0] < top_off[:, 0] - 1).sum() >= 3
+    # at the floor-bound drop before (0.002 x the mean GPU load) the hottest GPU kept its load and the budget went to
+    # the next ones: the 8 hottest's sum lower in every layer (by 10-427), the max in none
+    old = plan(heats[:3], cl, first, cfg=PlannerConfig(floor_hot_drop=0.002))
+    top_old = np.cumsum(-np.sort(-phy2log_gpu_load(old.phy2log, w, cl), 1), 1)
+    assert (top_old[:, cfg.hot_gpus - 1] < top_off[:, cfg.hot_gpus - 1] - 1).all()
+    np.testing.assert_allclose(top_old[:, 0], top_off[:, 0])
 
 
 def test_drifting_replans_take_no_hot_swaps(monkeypatch: pytest.MonkeyPatch) -> None:
