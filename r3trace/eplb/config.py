@@ -90,6 +90,15 @@ class PlannerConfig:
     # slots a GPU) take drops > floor_hot_drop x the mean GPU load (0: any), not hot_min_drop (descent.py has why and
     # figures)
     floor_hot_drop: float = 0.0
+    # a drifting re-plan's floor-bound layers of two slots a GPU that stay seeded at the max-load floor take the sorted
+    # pairs of all their replicas (replan.resorted, pairing.sorted_pairs) where nodes per token on the newest tokens
+    # stays emax_node_slack under DeepSeek global's: reseating leaves GPUs with two of the G heaviest replicas (up to
+    # 29 of 144), the GPUs after the hottest 1-2 tokens over global's sorted pairs. bench/eplb_matrix.py's 144 GPUs /
+    # 18 nodes / 288 slots, independent router, s = 1.2, fast drift: -0.0009 -> -0.0002 against global on the newest
+    # window (no -> tie); 10 cells of 16-18 nodes -0.0000 .. +0.0012 at +0.000 .. +0.018 nodes per token, churn 2-17
+    # points more in cells moving 48-74% a re-plan (drift called); without the node rule two one-group P = E cells
+    # went over global's nodes per token (+0.006, +0.010). False: the seeded layers as they are
+    resort_pairs: bool = True
     # P = E: up to contest_swaps swaps lowering ours' hottest GPU (any drop) before global's layouts compete, so ours
     # ties global's max load and wins layers on nodes per token (descent.py has why and figures); 0: none
     contest_swaps: int = 32

@@ -20,6 +20,8 @@ per token, and the bound alone (tol infinite) moved the plans before by -0.026 .
 window's max needs the sorted pairs, not only a lower max on the forecast.
 A re-plan may move few slots (the sorted pairs of a new forecast differ from the previous plan's on ~140 of 144
 GPUs), so there each layer takes the first of LADDER that fits its budget and lowers its max GPU load.
+sorted_pairs goes further where moves are cheap (a drifting re-plan, replan.resorted): it first makes every GPU's
+heavier replica one of the G heaviest (reanchored), so pair() at tol 0 reaches the sorted pairs of all 2G replicas.
 
 Shape legend: L layers, E experts, P slots, G GPUs, N nodes, T tokens, K top-k.
 """
@@ -195,4 +197,55 @@ def paired(phy2log: np.ndarray, weight: np.ndarray, cluster: Cluster, tokens: np
             take[fits] = peak_load(cand[fits], weight[rows[fits]], cluster) < best[rows[fits]] * (1 - 1e-9)
         out[rows[take]] = cand[take]
         todo[rows[take]] = False
+    return out
+
+
+def reanchored(phy2log: np.ndarray, weight: np.ndarray, cluster: Cluster) -> np.ndarray:
+    """phy2log [L, P] (2 slots per GPU), weight [L, E] -> phy2log [L, P] whose GPUs' heavier replicas are the G
+    heaviest: a GPU holding two of them gives its lighter one to a GPU holding none, in exchange for one of that
+    GPU's, on its own node where one has none, else the first node that holds no other replica of either expert.
+    pair() keeps every GPU's heavier replica, so only from here can it reach the sorted pairs of all 2G replicas."""
+    out = np.asarray(phy2log, dtype=np.int64).copy()
+    g, gpn = cluster.num_gpus, cluster.gpus_per_node
+    node_of = np.arange(g) // gpn
+    for layer in range(len(out)):
+        two = out[layer].reshape(g, 2)  # a view: swaps write out
+        cnt = np.bincount(two.ravel(), minlength=weight.shape[1])
+        u = (weight[layer] / np.maximum(cnt, 1))[two]  # [G, 2]
+        flag = np.zeros(2 * g, dtype=bool)
+        flag[np.argsort(-u.ravel(), kind="stable")[:g]] = True
+        top = flag.reshape(g, 2)  # [G, 2] the G heaviest replicas
+        both, none = np.flatnonzero(top.all(1)), list(np.flatnonzero(~top.any(1)))  # as many of each
+        for a in both[np.argsort(u[both].min(1), kind="stable")]:
+            ia = int(u[a].argmin())
+            x = two[a, ia]
+            for b, ib in [(c, i) for c in sorted(none, key=lambda c: node_of[c] != node_of[a])  # own node first
+                          for i in np.argsort(u[c], kind="stable")]:  # b's lighter replica first
+                y = two[b, ib]
+                cross = node_of[b] != node_of[a]
+                if cross and (y in two[node_of == node_of[a]] or x in two[node_of == node_of[b]]):
+                    continue  # never a second replica of an expert on a node (pair()'s rule)
+                if y == two[a, 1 - ia] or x == two[b, 1 - ib]:
+                    continue
+                two[a, ia], two[b, ib] = y, x
+                none.remove(b)
+                break
+    return out
+
+
+def sorted_pairs(phy2log: np.ndarray, weight: np.ndarray, cluster: Cluster, tokens: np.ndarray | None) -> np.ndarray:
+    """phy2log [L, P], forecast weight [L, E], tokens [T, L, K] or None -> phy2log [L, P]: with two slots per GPU,
+    per layer the sorted pairs of all its replicas (reanchored, then pair() at tol 0: the i-th heaviest with the
+    i-th lightest, ties by nodes per token) where they do not raise the max GPU load on weight, else the input.
+    Other shapes: the input."""
+    out = np.asarray(phy2log, dtype=np.int64).copy()
+    if cluster.slots_per_gpu != 2 or not len(out):
+        return out
+    ph = reanchored(out, weight, cluster)
+    hits = None
+    if tokens is not None and len(tokens) and cluster.num_nodes <= 64:
+        hits = node_hits(ph, tokens, weight.shape[1], cluster)
+    cand = pair(ph, weight, cluster, hits)
+    keep = peak_load(cand, weight, cluster) <= peak_load(out, weight, cluster) * (1 + 1e-9)
+    out[keep] = cand[keep]
     return out

@@ -44,10 +44,10 @@ from r3trace.eplb.descent import hot_swaps
 from r3trace.eplb.emax import emax_swaps
 from r3trace.eplb.homing import capped_counts
 from r3trace.eplb.leveling import level_refine
-from r3trace.eplb.pairing import paired
-from r3trace.eplb.placement import Cluster, Placement
+from r3trace.eplb.pairing import paired, sorted_pairs
+from r3trace.eplb.placement import Cluster, Placement, from_phy2log
 from r3trace.eplb.reseat import reseat
-from r3trace.eplb.score import EXACT_COVER_NODES, phy2log_gpu_load
+from r3trace.eplb.score import EXACT_COVER_NODES, node_limited, phy2log_gpu_load
 
 if TYPE_CHECKING:
     from r3trace.eplb.candidates import Contest
@@ -207,8 +207,10 @@ def refreshed(fresh: Contest, w: np.ndarray, prev: Placement, cluster: Cluster, 
     peak = fresh.peak()  # [L]
     counts = seeded_counts(w, prev, cluster, cfg, cap, capped)
     seed = floor_bound(w, counts[0], cluster, cfg.refresh_floor)  # [L]
-    # the gain a refresh needs, over layers: none in floor-bound ones with two slots a GPU (module doc)
-    gain = float(np.where(seed & (cluster.slots_per_gpu == 2), 0.0, cfg.refresh_gain).mean())
+    # the gain a refresh needs, over layers: none in floor-bound ones with two slots a GPU (module doc); those that
+    # stay seeded end in sorted pairs (resorted)
+    flat = seed & (cluster.slots_per_gpu == 2)  # [L]
+    gain = float(np.where(flat, 0.0, cfg.refresh_gain).mean())
     rest = np.flatnonzero(~seed)
     if len(rest):
         near = phy2log_gpu_load(prev.phy2log[rest], w[rest], cluster).max(1) / peak[rest]
@@ -221,12 +223,38 @@ def refreshed(fresh: Contest, w: np.ndarray, prev: Placement, cluster: Cluster, 
         if ratio[probe].min() > 1 and est.mean() > 1 + gain:
             take = np.flatnonzero(~seed | (ratio > 1))
             low[take] = align(fresh.layouts(take), prev.phy2log[take], cluster)
-            return low
+            return resorted(low, w, cluster, cfg, tokens, flat & (ratio <= 1), glob)
         low[~seed] = seeded_plan(w, prev, cluster, cfg, cap, tokens, ~seed, hot=False, counts=counts,
                                     glob=glob)[~seed]
         ratio = phy2log_gpu_load(low, w, cluster).max(1) / peak
     if ratio.mean() <= 1 + gain:
-        return low
+        return resorted(low, w, cluster, cfg, tokens, flat, glob)
     take = np.flatnonzero(ratio > 1)
     low[take] = align(fresh.layouts(take), prev.phy2log[take], cluster)
+    return resorted(low, w, cluster, cfg, tokens, flat & (ratio <= 1), glob)
+
+
+def resorted(low: np.ndarray, w: np.ndarray, cluster: Cluster, cfg: PlannerConfig, tokens: np.ndarray | None,
+             rows: np.ndarray, glob: np.ndarray | None) -> np.ndarray:
+    """A drifting re-plan's phy2log [L, P] on the forecast w [L, E], tokens [T, L, K] -> the same with the layers
+    rows [L] bool (the floor-bound ones of two slots a GPU that stayed seeded) in sorted pairs
+    (pairing.sorted_pairs) where their nodes per token on the newest tokens (the dispatcher's cover,
+    score.node_limited) stays more than emax_node_slack under DeepSeek global's plan on w (glob [L, P] where the
+    caller has it): the pairs move replicas across nodes. Without tokens: none (nodes per token unknown)."""
+    idx = np.flatnonzero(rows)
+    if not cfg.resort_pairs or tokens is None or not len(idx):
+        return low
+    cand = sorted_pairs(low[idx], w[idx], cluster, tokens[:, idx])
+    moved = (cand != low[idx]).any(1)
+    if not moved.any():
+        return low
+    idx, cand = idx[moved], cand[moved]
+    newest, e = tokens[-SLACK_TOKENS:, idx], w.shape[1]
+    ref = global_phy2log(w[idx], cluster) if glob is None else glob[idx]
+    if cluster.num_slots == e:  # every expert once: a token's nodes are its experts' (0.38 s a re-plan at [58, 256]
+        nodes = [nodes_per_token(ph, newest, cluster) for ph in (cand, ref)]  # on 16 nodes by the dispatcher's cover)
+    else:
+        nodes = [node_limited(from_phy2log(ph, e), newest, cluster).nodes.mean(0) for ph in (cand, ref)]  # [l] each
+    ok = nodes[0] < (1 - cfg.emax_node_slack) * nodes[1]
+    low[idx[ok]] = cand[ok]
     return low
