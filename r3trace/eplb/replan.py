@@ -130,8 +130,7 @@ def seeded_plan(w: np.ndarray, prev: Placement, cluster: Cluster, cfg: PlannerCo
         roam = np.full(len(rows), -np.inf)
         if tokens is not None:
             glob_rows = global_phy2log(w[rows], cluster) if glob is None else glob[rows]
-            newest = tokens[-SLACK_TOKENS:, rows]
-            slack = 1 - nodes_per_token(out[rows], newest, cluster) / nodes_per_token(glob_rows, newest, cluster)
+            slack = node_slack(out[rows], glob_rows, tokens[-SLACK_TOKENS:, rows], w.shape[1], cluster)
             roam = np.where(slack > cfg.emax_node_slack, cfg.level_cold / cluster.slots_per_gpu, -np.inf)
         out[rows] = emax_swaps(out[rows], w[rows], cluster, left // 2, noise[0][rows], noise[1][rows], 0.0, roam,
                                cfg.emax_step_drop)
@@ -155,12 +154,19 @@ def crosses(cluster: Cluster, cfg: PlannerConfig) -> bool:
 
 def node_slack(ph: np.ndarray, glob: np.ndarray, tokens: np.ndarray, e: int, cluster: Cluster) -> np.ndarray:
     """phy2log [L, P], DeepSeek global's phy2log [L, P] on the same forecast, tokens [T, L, K] over e experts -> [L]
-    1 - nodes per token of ph / that of glob, both the dispatcher's exact node cover on the tokens
-    (cover.cover_sizes, both layouts in one call; <= 8 nodes)."""
+    1 - nodes per token of ph / that of glob: on <= 8 nodes the dispatcher's exact node cover (cover.cover_sizes,
+    both layouts in one call); beyond, with every expert once (P = E) its experts' distinct nodes (the same count;
+    the greedy cover took 0.38 s more a drifting re-plan at [58, 256] on 16 nodes), else the greedy cover
+    (score.node_limited)."""
     n_layers = len(ph)
-    masks = node_masks(np.concatenate([ph, glob]), e, cluster)  # [2 L, E]
-    nodes = cover_sizes(masks, tokens, cluster.num_nodes, np.tile(np.arange(n_layers), 2)).mean(1)  # [2 L]
-    return 1 - nodes[:n_layers] / nodes[n_layers:]
+    if cluster.num_nodes <= EXACT_COVER_NODES:
+        masks = node_masks(np.concatenate([ph, glob]), e, cluster)  # [2 L, E]
+        nodes = cover_sizes(masks, tokens, cluster.num_nodes, np.tile(np.arange(n_layers), 2)).mean(1)  # [2 L]
+        return 1 - nodes[:n_layers] / nodes[n_layers:]
+    if cluster.num_slots == e:
+        return 1 - nodes_per_token(ph, tokens, cluster) / nodes_per_token(glob, tokens, cluster)
+    mine, theirs = (node_limited(from_phy2log(x, e), tokens, cluster).nodes.mean(0) for x in (ph, glob))
+    return 1 - mine / theirs
 
 
 def max_load_floor(w: np.ndarray, logcnt: np.ndarray, cluster: Cluster) -> np.ndarray:
@@ -238,9 +244,9 @@ def resorted(low: np.ndarray, w: np.ndarray, cluster: Cluster, cfg: PlannerConfi
              rows: np.ndarray, glob: np.ndarray | None) -> np.ndarray:
     """A drifting re-plan's phy2log [L, P] on the forecast w [L, E], tokens [T, L, K] -> the same with the layers
     rows [L] bool (the floor-bound ones of two slots a GPU that stayed seeded) in sorted pairs
-    (pairing.sorted_pairs) where their nodes per token on the newest tokens (the dispatcher's cover,
-    score.node_limited) stays more than emax_node_slack under DeepSeek global's plan on w (glob [L, P] where the
-    caller has it): the pairs move replicas across nodes. Without tokens: none (nodes per token unknown)."""
+    (pairing.sorted_pairs) where their nodes per token on the newest tokens (node_slack) stays more than
+    emax_node_slack under DeepSeek global's plan on w (glob [L, P] where the caller has it): the pairs move replicas
+    across nodes. Without tokens: none (nodes per token unknown)."""
     idx = np.flatnonzero(rows)
     if not cfg.resort_pairs or tokens is None or not len(idx):
         return low
@@ -249,12 +255,7 @@ def resorted(low: np.ndarray, w: np.ndarray, cluster: Cluster, cfg: PlannerConfi
     if not moved.any():
         return low
     idx, cand = idx[moved], cand[moved]
-    newest, e = tokens[-SLACK_TOKENS:, idx], w.shape[1]
     ref = global_phy2log(w[idx], cluster) if glob is None else glob[idx]
-    if cluster.num_slots == e:  # every expert once: a token's nodes are its experts' (0.38 s a re-plan at [58, 256]
-        nodes = [nodes_per_token(ph, newest, cluster) for ph in (cand, ref)]  # on 16 nodes by the dispatcher's cover)
-    else:
-        nodes = [node_limited(from_phy2log(ph, e), newest, cluster).nodes.mean(0) for ph in (cand, ref)]  # [l] each
-    ok = nodes[0] < (1 - cfg.emax_node_slack) * nodes[1]
+    ok = node_slack(cand, ref, tokens[-SLACK_TOKENS:, idx], w.shape[1], cluster) > cfg.emax_node_slack
     low[idx[ok]] = cand[ok]
     return low
