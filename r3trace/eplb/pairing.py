@@ -206,28 +206,34 @@ def reanchored(phy2log: np.ndarray, weight: np.ndarray, cluster: Cluster) -> np.
     GPU's, on its own node where one has none, else the first node that holds no other replica of either expert.
     pair() keeps every GPU's heavier replica, so only from here can it reach the sorted pairs of all 2G replicas."""
     out = np.asarray(phy2log, dtype=np.int64).copy()
-    g, gpn = cluster.num_gpus, cluster.gpus_per_node
+    g, gpn, e = cluster.num_gpus, cluster.gpus_per_node, weight.shape[1]
     node_of = np.arange(g) // gpn
     for layer in range(len(out)):
         two = out[layer].reshape(g, 2)  # a view: swaps write out
-        cnt = np.bincount(two.ravel(), minlength=weight.shape[1])
+        cnt = np.bincount(two.ravel(), minlength=e)
+        held = np.bincount((two * cluster.num_nodes + node_of[:, None]).ravel(),
+                           minlength=e * cluster.num_nodes).reshape(e, cluster.num_nodes)  # [E, N] replicas per node
         u = (weight[layer] / np.maximum(cnt, 1))[two]  # [G, 2]
         flag = np.zeros(2 * g, dtype=bool)
         flag[np.argsort(-u.ravel(), kind="stable")[:g]] = True
         top = flag.reshape(g, 2)  # [G, 2] the G heaviest replicas
         both, none = np.flatnonzero(top.all(1)), list(np.flatnonzero(~top.any(1)))  # as many of each
+        lighter = np.argsort(u, axis=1, kind="stable").tolist()  # [G, 2] each GPU's lighter replica first
         for a in both[np.argsort(u[both].min(1), kind="stable")]:
             ia = int(u[a].argmin())
-            x = two[a, ia]
-            for b, ib in [(c, i) for c in sorted(none, key=lambda c: node_of[c] != node_of[a])  # own node first
-                          for i in np.argsort(u[c], kind="stable")]:  # b's lighter replica first
-                y = two[b, ib]
-                cross = node_of[b] != node_of[a]
-                if cross and (y in two[node_of == node_of[a]] or x in two[node_of == node_of[b]]):
+            x, na = two[a, ia], node_of[a]
+            own = [c for c in none if node_of[c] == na]  # own node first, then the rest in order
+            for b, ib in ((c, i) for c in own + [c for c in none if node_of[c] != na] for i in lighter[c]):
+                y, nb = two[b, ib], node_of[b]
+                if nb != na and (held[y, na] or held[x, nb]):
                     continue  # never a second replica of an expert on a node (pair()'s rule)
                 if y == two[a, 1 - ia] or x == two[b, 1 - ib]:
                     continue
                 two[a, ia], two[b, ib] = y, x
+                held[x, na] -= 1
+                held[y, na] += 1
+                held[y, nb] -= 1
+                held[x, nb] += 1
                 none.remove(b)
                 break
     return out
