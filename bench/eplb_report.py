@@ -38,6 +38,9 @@ SWEEPS = {  # a result file's sweep -> what its cells vary (the summary's first 
 }
 
 
+# trace seeds of the synthetic cells (bench/eplb_traces.py TraceSpec.seed): the pooled verdict pairs ours and global
+# over the held-out windows of all of them (3 x 17 a cell); the sample model's cells have one trace
+SEEDS = (0, 1, 2)
 # the re-plans a cell's "first" column covers: the first two after the cold plan, where the backtest has one or two
 # windows to score forecasts on (forecast.MIN_DRIFT_FOLDS) and cannot call drift yet
 FIRST = 2
@@ -90,21 +93,44 @@ def rows(results: list[dict[str, Any]]) -> list[str]:
     return out
 
 
-def matrix_files() -> list[Path]:
-    """The result files of the held-out cells (the trade-off sweep, plan time and MILP are reported apart)."""
+def matrix_files(seed: int = 0) -> list[Path]:
+    """The result files of the held-out cells on trace seed `seed` (the trade-off sweep, plan time and MILP are
+    reported apart)."""
     docs = {f: json.loads(f.read_text()) for f in RESULTS.glob("eplb-matrix-*.json")}
-    held_out = {f: d for f, d in docs.items() if d.get("sweep") in SWEEPS}
+    held_out = {f: d for f, d in docs.items() if d.get("sweep") in SWEEPS and d["args"]["seed"] == seed}
     # the sweeps in SWEEPS' order, each by its fewest nodes
     return sorted(held_out, key=lambda f: (list(SWEEPS).index(held_out[f]["sweep"]),
                                            min(r["nodes"] for r in held_out[f]["results"])))
 
 
-def summary_row(label: str, results: list[dict[str, Any]]) -> dict[str, Any]:
-    """One row of the summary over `results`' cells: counts, and ours - global (all windows seen) per cell."""
+def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One cell's results on several trace seeds -> one result whose every policy's per-window lists are the
+    seeds' lists end to end (verdict() then pairs ours and global over all their held-out windows)."""
+    pols = {name: {m: [v for r in runs for v in r["policies"][name][m]] for m in runs[0]["policies"][name]}
+            for name in runs[0]["policies"]}
+    return {**runs[0], "policies": pols}
+
+
+def seed_runs(seeds: tuple[int, ...] = SEEDS) -> dict[str, list[dict[str, Any]]]:
+    """cell name -> its results on the trace seeds after 0 that have result files (matrix_files(seed))."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for seed in seeds[1:]:
+        for f in matrix_files(seed):
+            for r in json.loads(f.read_text())["results"]:
+                out.setdefault(r["cell"], []).append(r)
+    return out
+
+
+def summary_row(label: str, results: list[dict[str, Any]],
+                more: dict[str, list[dict[str, Any]]] | None = None) -> dict[str, Any]:
+    """One row of the summary over `results`' cells: counts, and ours - global (all windows seen) per cell; more:
+    the same cells on other trace seeds (seed_runs), whose windows the pooled verdict adds."""
     diff, nodes_diff, ge, ge_better, nodes_ok, churn, first, later = [], [], 0, 0, 0, [], [], []
     verdicts = {"yes": 0, "tie": 0, "no": 0}
     replayed, static, static_default, dynamic = dict(verdicts), dict(verdicts), dict(verdicts), dict(verdicts)
+    pool = dict(verdicts)
     for res in results:
+        pool[verdict(pooled([res, *(more or {}).get(res["cell"], [])])).split(" ")[0]] += 1
         s = summary(res, "global")
         ours = s["ours"]["bal_even"][0]
         diff.append(s["ours"]["bal_even"][1])
@@ -130,6 +156,7 @@ def summary_row(label: str, results: list[dict[str, Any]]) -> dict[str, Any]:
             "static": f"{static['yes']} / {static['tie']} / {static['no']}",
             "static_default": f"{static_default['yes']} / {static_default['tie']} / {static_default['no']}",
             "dynamic": f"{dynamic['yes']} / {dynamic['tie']} / {dynamic['no']}",
+            "pooled": f"{pool['yes']} / {pool['tie']} / {pool['no']}",
             "diff_median": float(np.median(diff)), "diff_worst": float(min(diff)),
             "nodes_diff_median": float(np.median(nodes_diff)),
             "first_later": f"{np.mean(first):+.4f} / " + (f"{np.mean(later):+.4f}" if later else "-"),
@@ -137,14 +164,14 @@ def summary_row(label: str, results: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def matrix_claim(files: list[Path]) -> dict[str, Any]:
-    table, every = [], []
+    table, every, more = [], [], seed_runs()
     for f in files:
         doc = json.loads(f.read_text())
         nodes = sorted({r["nodes"] for r in doc["results"]})
         span = f"{nodes[0]}" if len(nodes) == 1 else f"{nodes[0]}-{nodes[-1]}"
-        table.append(summary_row(f"{SWEEPS.get(doc['sweep'], doc['sweep'])}; {span} nodes", doc["results"]))
+        table.append(summary_row(f"{SWEEPS.get(doc['sweep'], doc['sweep'])}; {span} nodes", doc["results"], more))
         every += doc["results"]
-    table.append(summary_row("all cells", every))
+    table.append(summary_row("all cells", every, more))
     held = {r["spec"]["family"] == "sample": len(r["policies"]["ours"]["bal_even"]) for r in every}
     return {
         "id": SUMMARY_ID, "hardware": "cpu-2core",
@@ -158,9 +185,10 @@ def matrix_claim(files: list[Path]) -> dict[str, Any]:
         "baseline": "DeepSeek's global policy on all windows seen (r3trace/eplb/deepseek.py, equal to "
                     "deepseek-ai/EPLB eplb.py d52c72d) and on the newest window, hierarchical, a GRACE-MoE-style "
                     "baseline, in the same run on the same windows",
-        "command": "python -m bench.eplb_matrix --sweep SWEEP --nodes N --out FILE; python -m bench.eplb_report "
-                   "--latest",
-        "sources": [str(f.relative_to(RESULTS.parents[1])) for f in files],
+        "command": "python -m bench.eplb_matrix --sweep SWEEP --nodes N --out FILE (trace seeds 1 and 2: --seed S "
+                   "--out bench/results/eplb-matrix-SWEEP-seedS.json); python -m bench.eplb_report --latest",
+        "sources": [str(f.relative_to(RESULTS.parents[1])) for f in files + [g for seed in SEEDS[1:]
+                                                                                 for g in matrix_files(seed)]],
         "columns": [["cells", "cells", "{}"], ["n", "n", "{}"], ["ge_global", "ours >= global", "{}"],
                     ["ge_better", ">= the better global", "{}"], ["verdicts", "yes / tie / no", "{}"],
                     ["nodes_le", "nodes/token <= global", "{}"],
@@ -168,6 +196,7 @@ def matrix_claim(files: list[Path]) -> dict[str, Any]:
                     ["static_default", "yes / tie / no, SGLang static dispatch", "{}"],
                     ["static", "the same, ours planned for it (--dispatch static)", "{}"],
                     ["dynamic", "SGLang dynamic dispatch, ours planned for it (--dispatch dynamic)", "{}"],
+                    ["pooled", f"yes / tie / no, trace seeds {SEEDS[0]}-{SEEDS[-1]} pooled", "{}"],
                     ["diff_median", "ours - global, median", "{:+.3f}"],
                     ["diff_worst", "worst", "{:+.3f}"], ["nodes_diff_median", "nodes/token ours - global, median",
                                                           "{:+.2f}"],

@@ -65,3 +65,17 @@ def test_first_replans_apart_from_later_ones() -> None:
         _cell([0.70, 0.72, 0.74, 0.76], [0.70] * 4, [0.71, 0.71, 0.75, 0.75], 2.0, 3.0),
     ]
     assert summary_row("two", cells)["first_later"] == "-0.0250 / +0.0250"
+
+
+def test_pooled_verdict_pairs_the_windows_of_every_seed() -> None:
+    """Worked by hand, ours - global (the better global here) per window. Seed 0: -0.03, +0.02 (-0.005 +- 0.025: a
+    tie). With the cell on seed 1 at +0.01, +0.01: -0.03, +0.02, +0.01, +0.01 -> +0.0025, a yes. With two seeds at
+    -0.05, -0.05: six windows -> -0.035 +- 0.0115, a miss over two standard errors: a no. Another cell's runs are
+    not pooled."""
+    seed0 = _cell([0.77, 0.82], [0.80, 0.80], [0.70, 0.70], 2.0, 3.0)
+    up = _cell([0.81, 0.81], [0.80, 0.80], [0.70, 0.70], 2.0, 3.0)
+    down = _cell([0.75, 0.75], [0.80, 0.80], [0.70, 0.70], 2.0, 3.0)
+    assert summary_row("one", [seed0])["pooled"] == "0 / 1 / 0"
+    assert summary_row("one", [seed0], {"x": [up]})["pooled"] == "1 / 0 / 0"
+    assert summary_row("one", [seed0], {"x": [down, down]})["pooled"] == "0 / 0 / 1"
+    assert summary_row("one", [seed0], {"y": [down]})["pooled"] == "0 / 1 / 0"  # another cell's seeds: not pooled
