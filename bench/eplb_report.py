@@ -8,7 +8,9 @@ Run: .venv/bin/python -m bench.eplb_report            the summary table (one row
 
 Verdict per cell, on means over the held-out windows: "yes" when ours' even-split balancedness is >= both
 global policies' and its nodes per token <= global's; "tie" when it misses the better global policy by less than
-two standard errors of the paired difference (and wins on nodes); "no" otherwise, with the miss.
+two standard errors of the paired difference (and wins on nodes); "no" otherwise, with the miss. The pooled verdict
+(`pooled`) is the same rule over the held-out windows of the cell on every trace seed with a result file
+(eplb-matrix-SWEEP-seedS.json, SEEDS): one seed's verdicts flip on changes that should not matter within ~0.0005.
 """
 
 from __future__ import annotations
