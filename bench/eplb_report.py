@@ -95,11 +95,16 @@ def rows(results: list[dict[str, Any]]) -> list[str]:
     return out
 
 
-def matrix_files(seed: int = 0) -> list[Path]:
-    """The result files of the held-out cells on trace seed `seed` (the trade-off sweep, plan time and MILP are
-    reported apart)."""
+def held_out_docs() -> dict[Path, dict[str, Any]]:
+    """Every held-out result file (the trade-off sweep, plan time and MILP are reported apart), read once."""
     docs = {f: json.loads(f.read_text()) for f in RESULTS.glob("eplb-matrix-*.json")}
-    held_out = {f: d for f, d in docs.items() if d.get("sweep") in SWEEPS and d["args"]["seed"] == seed}
+    return {f: d for f, d in docs.items() if d.get("sweep") in SWEEPS}
+
+
+def matrix_files(seed: int = 0, docs: dict[Path, dict[str, Any]] | None = None) -> list[Path]:
+    """The result files of the held-out cells on trace seed `seed` (docs: held_out_docs(), where read)."""
+    docs = held_out_docs() if docs is None else docs
+    held_out = {f: d for f, d in docs.items() if d["args"]["seed"] == seed}
     # the sweeps in SWEEPS' order, each by its fewest nodes
     return sorted(held_out, key=lambda f: (list(SWEEPS).index(held_out[f]["sweep"]),
                                            min(r["nodes"] for r in held_out[f]["results"])))
@@ -113,12 +118,12 @@ def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return {**runs[0], "policies": pols}
 
 
-def seed_runs(seeds: tuple[int, ...] = SEEDS) -> dict[str, list[dict[str, Any]]]:
-    """cell name -> its results on the trace seeds after 0 that have result files (matrix_files(seed))."""
+def seed_runs(docs: dict[Path, dict[str, Any]], seeds: tuple[int, ...] = SEEDS) -> dict[str, list[dict[str, Any]]]:
+    """held_out_docs() -> cell name -> its results on the trace seeds after 0 that have result files."""
     out: dict[str, list[dict[str, Any]]] = {}
     for seed in seeds[1:]:
-        for f in matrix_files(seed):
-            for r in json.loads(f.read_text())["results"]:
+        for f in matrix_files(seed, docs):
+            for r in docs[f]["results"]:
                 out.setdefault(r["cell"], []).append(r)
     return out
 
@@ -166,9 +171,10 @@ def summary_row(label: str, results: list[dict[str, Any]],
 
 
 def matrix_claim(files: list[Path]) -> dict[str, Any]:
-    table, every, more = [], [], seed_runs()
+    docs = held_out_docs()
+    table, every, more = [], [], seed_runs(docs)
     for f in files:
-        doc = json.loads(f.read_text())
+        doc = docs[f] if f in docs else json.loads(f.read_text())
         nodes = sorted({r["nodes"] for r in doc["results"]})
         span = f"{nodes[0]}" if len(nodes) == 1 else f"{nodes[0]}-{nodes[-1]}"
         table.append(summary_row(f"{SWEEPS.get(doc['sweep'], doc['sweep'])}; {span} nodes", doc["results"], more))
@@ -190,7 +196,7 @@ def matrix_claim(files: list[Path]) -> dict[str, Any]:
         "command": "python -m bench.eplb_matrix --sweep SWEEP --nodes N --out FILE (trace seeds 1 and 2: --seed S "
                    "--out bench/results/eplb-matrix-SWEEP-seedS.json); python -m bench.eplb_report --latest",
         "sources": [str(f.relative_to(RESULTS.parents[1])) for f in files + [g for seed in SEEDS[1:]
-                                                                                 for g in matrix_files(seed)]],
+                                                                                 for g in matrix_files(seed, docs)]],
         "columns": [["cells", "cells", "{}"], ["n", "n", "{}"], ["ge_global", "ours >= global", "{}"],
                     ["ge_better", ">= the better global", "{}"], ["verdicts", "yes / tie / no", "{}"],
                     ["nodes_le", "nodes/token <= global", "{}"],
