@@ -31,7 +31,7 @@ from __future__ import annotations
 import numpy as np
 
 from r3trace.eplb.affinity import COACT_TOKENS
-from r3trace.eplb.placement import Cluster
+from r3trace.eplb.placement import Cluster, replicas_per_node
 
 MOVE_COST = 1e-3  # per moved replica, in token-nodes per token: among equally cheap choices, no move
 # a re-plan's (tol, slack) per layer, most sorted first, as shares of the mean GPU load: the first whose moves fit
@@ -208,11 +208,11 @@ def reanchored(phy2log: np.ndarray, weight: np.ndarray, cluster: Cluster) -> np.
     out = np.asarray(phy2log, dtype=np.int64).copy()
     g, gpn, e = cluster.num_gpus, cluster.gpus_per_node, weight.shape[1]
     node_of = np.arange(g) // gpn
+    per_node = replicas_per_node(out, e, cluster)  # [L, E, N], each layer's row kept up to date by its swaps
     for layer in range(len(out)):
         two = out[layer].reshape(g, 2)  # a view: swaps write out
         cnt = np.bincount(two.ravel(), minlength=e)
-        held = np.bincount((two * cluster.num_nodes + node_of[:, None]).ravel(),
-                           minlength=e * cluster.num_nodes).reshape(e, cluster.num_nodes)  # [E, N] replicas per node
+        held = per_node[layer]
         u = (weight[layer] / np.maximum(cnt, 1))[two]  # [G, 2]
         flag = np.zeros(2 * g, dtype=bool)
         flag[np.argsort(-u.ravel(), kind="stable")[:g]] = True
