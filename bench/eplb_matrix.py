@@ -336,7 +336,11 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="*", default=[], help="--plan-time: GxNxP shapes (default: PLAN_TIME_SHAPES)")
     ap.add_argument("--reuse", default=None, help="results JSON of the same cells: copy DeepSeek's and GRACE's rows "
                                                   "from it and re-run ours' policies only (their code unchanged)")
+    ap.add_argument("--update", default=None, help="results JSON of this sweep and seed: --reuse it for the cells the "
+                                                   "filters select, keep its other cells as they are, write it back")
     args = ap.parse_args()
+    if args.update:
+        args.reuse = args.out = args.update
     if args.plan_time:
         name = "eplb-matrix-plan-time" + ("-idle" if args.idle else "")
         out = Path(args.out) if args.out else RESULTS / f"{name}.json"
@@ -360,10 +364,26 @@ def main() -> None:
         results.append(res)
         print("\n".join(table([res])[2:]), f"\n  {res['seconds']:.1f} s, {res['dominates']}", flush=True)
     out = Path(args.out) if args.out else RESULTS / f"eplb-matrix-{sweep}.json"
+    doc = {"sweep": sweep, "args": vars(args), "machine": machine(), "results": results}
+    if args.update:
+        doc = updated(json.loads(out.read_text()), doc)
     if not args.smoke or args.out:
-        out.write_text(json.dumps({"sweep": sweep, "args": vars(args), "machine": machine(), "results": results},
-                                  indent=1))
+        out.write_text(json.dumps(doc, indent=1))
         print(f"wrote {out}")
+
+
+def updated(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """A results file and a run of some of its cells (the same sweep and trace) -> the file with those cells'
+    results replaced, in its own order; each update's args listed under "updates"."""
+    keys = ("layers", "windows", "window_tokens", "seed")
+    if old["sweep"] != new["sweep"] or any(old["args"][k] != new["args"][k] for k in keys):
+        raise SystemExit(f"--update: the file's sweep and {keys} differ from this run's")
+    fresh = {r["cell"]: r for r in new["results"]}
+    missing = set(fresh) - {r["cell"] for r in old["results"]}
+    if missing:
+        raise SystemExit(f"--update: cells not in the file: {sorted(missing)}")
+    return {**old, "results": [fresh.get(r["cell"], r) for r in old["results"]],
+            "updates": [*old.get("updates", []), {"args": new["args"], "machine": new["machine"]}]}
 
 
 if __name__ == "__main__":

@@ -107,6 +107,11 @@ class PlannerConfig:
     # and hot swaps (False: those). Over bench/eplb_matrix.py's 118 cells yes / tie / no 71 / 43 / 4 -> 75 / 43 / 0,
     # the 4 no's (144 GPUs / 18 nodes / 288 slots, slow drift) three ties and a yes (emax.py has why and figures)
     emax_swaps: bool = True
+    # a drifting re-plan with two slots per GPU and a spare slot: its layers that take the fresh layout get up to
+    # drift_emax_swaps E[max] swaps before alignment (emax.py; not churn-budgeted there, so this bounds time only),
+    # its seeded layers the still re-plan's (with emax_swaps). The fresh layout's pairing sets each GPU at or under
+    # global's max load on the forecast but crowds GPUs just under it. FIGURES; 0: none on fresh layers
+    drift_emax_swaps: int = 72
     # a still re-plan whose budgeted plan's forecast max GPU load is, averaged over layers, more than stale_gain above
     # a fresh plan's takes the fresh plan (aligned to the previous placement): the previous placement was made for
     # another workload (a `--previous` file, a traffic switch), which the backtest cannot tell with < 2 scored windows.

@@ -174,10 +174,10 @@ def emax_swaps(phy2log: np.ndarray, w: np.ndarray, cluster: Cluster, swaps: np.n
     return res.reshape(n_layers, p)
 
 
-def still_noise(loads: np.ndarray, w: np.ndarray, cluster: Cluster) -> tuple[np.ndarray, np.ndarray] | None:
+def replan_noise(loads: np.ndarray, w: np.ndarray, cluster: Cluster) -> tuple[np.ndarray, np.ndarray] | None:
     """history loads [W, L, E], forecast w [L, E] -> variance_model's (a, b) on the newest NOISE_WINDOWS windows,
-    where a still re-plan takes E[max] swaps (two slots per GPU) and at least scenarios.MIN_WINDOWS windows to fit
-    on; else None."""
+    where a re-plan takes E[max] swaps (two slots per GPU) and at least scenarios.MIN_WINDOWS windows to fit on;
+    else None."""
     if cluster.slots_per_gpu != 2:
         return None
     dev = deviations(loads, w, NOISE_WINDOWS)

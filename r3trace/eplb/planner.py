@@ -57,7 +57,9 @@
    multi-node layout per layer the best of ours and global's, candidates.py): on the fast-drift cells of
    bench/eplb_matrix.py a budgeted re-plan moved 9.5% of slots and trailed global on the newest window by up to
    0.04 (10 of 24 cells missed it); refreshed, 7-71% of slots a re-plan (mean per cell), 2 of 24 miss. There a
-   drifting re-plan seeds only the layers whose hottest replicas set their max load (replan.py says why). A still
+   drifting re-plan seeds only the layers whose hottest replicas set their max load (replan.py says why); with two
+   slots per GPU and a spare slot its seeded layers take E[max] swaps as a still re-plan's do, and the layers taking
+   the fresh layout up to `drift_emax_swaps` of them (its pairing crowds GPUs just under the max load). A still
    re-plan whose budgeted plan's forecast max load stays > `stale_gain` above a fresh plan's (the previous placement
    was made for another workload) takes the fresh plan, aligned to the previous placement.
 """
@@ -77,7 +79,7 @@ from r3trace.eplb.deepseek import global_phy2log, group_nodes, pack_nodes, sprea
 from r3trace.eplb.descent import hot_swaps
 from r3trace.eplb.dispatch_contest import applies as replays
 from r3trace.eplb.dispatch_contest import replay_contest, replay_guard
-from r3trace.eplb.emax import still_noise
+from r3trace.eplb.emax import replan_noise
 from r3trace.eplb.forecast import backtest_errors, drifts, forecast, pick_alpha
 from r3trace.eplb.homing import capped_counts, expert_nodes
 from r3trace.eplb.leveling import level_refine
@@ -269,7 +271,7 @@ def _plan(loads: np.ndarray, cluster: Cluster, prev: Placement | None, tokens: n
         cap = spread_cap(cluster)
         if not moving:
             dev = spread(loads, w, cfg.spread_windows) if cluster.slots_per_gpu > 2 else None
-            noise = still_noise(loads, w, cluster) if cfg.emax_swaps else None
+            noise = replan_noise(loads, w, cluster) if cfg.emax_swaps else None
             capped = capped_counts(w, cluster.num_slots, cap)  # the fresh counts: reseated, and the stale floor's
             seeded = seeded_plan(w, prev, cluster, cfg, cap, tokens, dev=dev, noise=noise,
                                  counts=seeded_counts(w, prev, cluster, cfg, cap, capped))
@@ -286,7 +288,8 @@ def _plan(loads: np.ndarray, cluster: Cluster, prev: Placement | None, tokens: n
         glob, capped = global_phy2log(w, cluster), capped_counts(w, cluster.num_slots, cap)
         ours = spread_layout(w, cluster, cfg, tokens, losing_load(glob, w, cluster), capped)
         anew = Contest(ours, w, cluster, tokens, glob=glob)
-        return from_phy2log(refreshed(anew, w, prev, cluster, cfg, cap, tokens, capped, glob), w.shape[1])
+        noise = replan_noise(loads, w, cluster) if cfg.emax_swaps and cluster.num_slots > w.shape[1] else None
+        return from_phy2log(refreshed(anew, w, prev, cluster, cfg, cap, tokens, capped, glob, noise), w.shape[1])
     home = group_nodes(w, cluster) if prev is None else node_counts(prev, cluster).argmax(2)
     fresh = fresh_plan(w, home, cluster, cfg, tokens)
     if prev is None:

@@ -197,7 +197,7 @@ def floor_bound(w: np.ndarray, logcnt: np.ndarray, cluster: Cluster, margin: flo
 
 def refreshed(fresh: Contest, w: np.ndarray, prev: Placement, cluster: Cluster, cfg: PlannerConfig, cap: int,
               tokens: np.ndarray | None = None, capped: np.ndarray | None = None,
-              glob: np.ndarray | None = None) -> np.ndarray:
+              glob: np.ndarray | None = None, noise: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
     """A drifting workload's re-plan: a fresh plan (its per-layer layout choice, candidates.Contest) and the
     previous placement on the forecast w [L, E] -> phy2log [L, P]. The seeded plan's layers (seeded_plan) stay,
     except that where the fresh plan's forecast max GPU load is lower by more than refresh_gain on average over
@@ -209,7 +209,17 @@ def refreshed(fresh: Contest, w: np.ndarray, prev: Placement, cluster: Cluster, 
     mean ratio, standing in for the unseeded layers', calls a refresh, those layers take the fresh layout unseeded;
     else every layer is seeded and the rule above decides (module doc). Seeded without hot swaps (descent.py says
     why). capped: the fresh counts (homing.capped_counts), glob: DeepSeek global's phy2log [L, P] on w, where the
-    caller has them."""
+    caller has them. noise (a [L], b [L]): with two slots per GPU and a spare slot, emax.variance_model's terms; the
+    seeded layers then take E[max] swaps within their budget in place of leveling and pairing (as a still re-plan's,
+    seeded_plan), and the layers that take the fresh layout up to drift_emax_swaps of them before alignment."""
+
+    def fresh_rows(take: np.ndarray) -> np.ndarray:  # [R] layers -> their fresh layouts [R, P], aligned to prev
+        ph = fresh.layouts(take)
+        if noise is not None:
+            ph = emax_swaps(ph, w[take], cluster, np.full(len(take), cfg.drift_emax_swaps), noise[0][take],
+                            noise[1][take], cfg.min_gain)
+        return align(ph, prev.phy2log[take], cluster)
+
     peak = fresh.peak()  # [L]
     counts = seeded_counts(w, prev, cluster, cfg, cap, capped)
     seed = floor_bound(w, counts[0], cluster, cfg.refresh_floor)  # [L]
@@ -222,21 +232,21 @@ def refreshed(fresh: Contest, w: np.ndarray, prev: Placement, cluster: Cluster, 
         near = phy2log_gpu_load(prev.phy2log[rest], w[rest], cluster).max(1) / peak[rest]
         probe = rest[np.argsort(near, kind="stable")[: -(-len(rest) // cfg.refresh_probe)]]
         seed[probe] = True
-    low = seeded_plan(w, prev, cluster, cfg, cap, tokens, seed, hot=False, counts=counts, glob=glob)
+    low = seeded_plan(w, prev, cluster, cfg, cap, tokens, seed, hot=False, counts=counts, glob=glob, noise=noise)
     ratio = phy2log_gpu_load(low, w, cluster).max(1) / peak  # [L] unseeded rows: prev's (not read)
     if len(rest):
         est = np.where(seed, ratio, ratio[probe].mean())
         if ratio[probe].min() > 1 and est.mean() > 1 + gain:
             take = np.flatnonzero(~seed | (ratio > 1))
-            low[take] = align(fresh.layouts(take), prev.phy2log[take], cluster)
+            low[take] = fresh_rows(take)
             return resorted(low, w, cluster, cfg, tokens, flat & (ratio <= 1), glob)
-        low[~seed] = seeded_plan(w, prev, cluster, cfg, cap, tokens, ~seed, hot=False, counts=counts,
+        low[~seed] = seeded_plan(w, prev, cluster, cfg, cap, tokens, ~seed, hot=False, counts=counts, noise=noise,
                                     glob=glob)[~seed]
         ratio = phy2log_gpu_load(low, w, cluster).max(1) / peak
     if ratio.mean() <= 1 + gain:
         return resorted(low, w, cluster, cfg, tokens, flat, glob)
     take = np.flatnonzero(ratio > 1)
-    low[take] = align(fresh.layouts(take), prev.phy2log[take], cluster)
+    low[take] = fresh_rows(take)
     return resorted(low, w, cluster, cfg, tokens, flat & (ratio <= 1), glob)
 
 

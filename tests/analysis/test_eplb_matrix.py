@@ -4,8 +4,9 @@ DeepSeek's hierarchical layout. Run: .venv/bin/pytest tests/analysis/test_eplb_m
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
-from bench.eplb_matrix import METRICS, TraceSpec, cells, dominates, run_cell, summary
+from bench.eplb_matrix import METRICS, TraceSpec, cells, dominates, run_cell, summary, updated
 from bench.eplb_traces import sglang_dump, synth_windows
 from r3trace.analysis.synth import SynthConfig, route_windows
 from r3trace.eplb import Cluster, PlannerConfig, churn, global_policy, hierarchical, plan
@@ -85,3 +86,19 @@ def test_ours_on_eight_nodes_beats_global_on_the_newest_window_and_the_old_hiera
     assert churn(prev, again) <= 0.10  # the goal for an unchanged workload
     keep = plan(heats[:5], cl, tokens=wins[4], cfg=PlannerConfig(keep_groups=True))
     assert node_limited(keep, wins[5], cl).nodes.max() <= cl.node_limit  # whole groups: the node limit holds
+
+
+def test_update_replaces_the_cells_it_ran_and_keeps_the_rest() -> None:
+    args = {"layers": 6, "windows": 20, "window_tokens": 4096, "seed": 1}
+    old = {"sweep": "shape", "args": {**args, "nodes": []}, "machine": {"cpu": "a"},
+           "results": [{"cell": c, "v": 0} for c in ("x", "y", "z")]}
+    new = {"sweep": "shape", "args": {**args, "nodes": [18]}, "machine": {"cpu": "b"},
+           "results": [{"cell": "y", "v": 1}]}
+    out = updated(old, new)
+    assert out["results"] == [{"cell": "x", "v": 0}, {"cell": "y", "v": 1}, {"cell": "z", "v": 0}]
+    assert out["args"] == old["args"] and out["updates"] == [{"args": new["args"], "machine": {"cpu": "b"}}]
+    assert updated(out, new)["updates"][1]["args"]["nodes"] == [18]  # a second update is listed after the first
+    for bad in ({**new, "args": {**new["args"], "seed": 2}}, {**new, "sweep": "family"},
+                {**new, "results": [{"cell": "w", "v": 1}]}):
+        with pytest.raises(SystemExit, match="--update"):
+            updated(old, bad)
