@@ -52,6 +52,17 @@ must lower the bound by more than emax_step_drop: with no floor the swaps spent 
 a re-plan against 1.2-6.8%) for 5 / 3 / 0; at 1e-3, 4 / 3 / 1. Paired standard errors there are ~0.0001, so which of
 these cells reads yes or tie is noise; the gains (+0.0000 .. +0.0005, none lower) are not.
 
+A drifting re-plan with a spare slot (replan.refreshed) takes them too: its seeded layers as a still re-plan's, and the
+layers that take the fresh layout up to PlannerConfig.drift_emax_swaps of them before alignment (the fresh plan's
+pairing, like the seeded plans above, sets GPUs at or under global's max load on the forecast with a crowd near it).
+Over the 22 cells of 144 / 18 / 288, trace seeds 0-2 pooled (ours' rows alone, the matrix's loop): on the fresh layers
+alone +0.00014 on average, with the seeded layers too +0.00027 (independent s = 0.6 fast drift no -> tie, SGLang-dump
+s = 0.6 slow tie -> yes; one cell down by more than 0.0003), nodes per token +0.02 at most; the same swaps on the
+finished re-plan, every layer unbudgeted, +0.00014 / +0.00021 / +0.00030 at 7 / 14 / 72 a layer, but a re-plan that
+keeps its seeded layers then moved 49% of slots (tests/analysis/test_eplb_floor_swaps.py's, against < 10%). They
+cost the drifting re-plan at [58, 288] on 144 GPUs 0.21 -> 0.56 s (0.34 s at 14 a layer; DeepSeek's default call
+3.7 s).
+
 Shape legend: L layers, E experts, P slots, G GPUs, K windows.
 """
 
