@@ -354,9 +354,10 @@ def main() -> None:
     base = TraceSpec(num_layers=args.layers, windows=args.windows, window_tokens=args.window_tokens, seed=args.seed)
     todo = [c for c in cells(sweep, base) if (not args.nodes or c.nodes in args.nodes)
             and (not args.skews or c.spec.zipf_s in args.skews)]
-    earlier = {}
+    earlier, source = {}, {}
     if args.reuse:
-        earlier = {r["cell"]: r["policies"] for r in json.loads(Path(args.reuse).read_text())["results"]}
+        source = json.loads(Path(args.reuse).read_text())
+        earlier = {r["cell"]: r["policies"] for r in source["results"]}
     results = []
     for c in todo:
         res = run_cell(c, variants=sweep == "tradeoff", reuse=earlier[c.name()] if args.reuse else None)
@@ -366,7 +367,7 @@ def main() -> None:
     out = Path(args.out) if args.out else RESULTS / f"eplb-matrix-{sweep}.json"
     doc = {"sweep": sweep, "args": vars(args), "machine": machine(), "results": results}
     if args.update:
-        doc = updated(json.loads(out.read_text()), doc)
+        doc = updated(source, doc)
     if not args.smoke or args.out:
         out.write_text(json.dumps(doc, indent=1))
         print(f"wrote {out}")
