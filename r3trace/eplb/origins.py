@@ -34,7 +34,7 @@ def layer_origins(pl: Placement, loads: np.ndarray, cluster: Cluster, prev: Plac
     """Ours' plan pl of loads [W, L, E] (or [L, E]) re-planned from prev -> [L] each layer's origin: "previous"
     where its GPUs hold what prev's did, else "global" where they hold what DeepSeek global's plan on the same
     forecast (planner.planning_forecast) does, else "ours"."""
-    w, _ = planning_forecast(loads, prev, cfg)
+    w, _ = planning_forecast(loads, prev, cfg, cluster)
     mine = gpu_contents(pl.phy2log, cluster)
     glob = gpu_contents(global_phy2log(w, cluster), cluster)
     old = gpu_contents(prev.phy2log, cluster) if prev is not None else [None] * len(mine)

@@ -84,6 +84,7 @@ from r3trace.eplb.forecast import backtest_errors, drifts, forecast, pick_alpha
 from r3trace.eplb.homing import capped_counts, expert_nodes
 from r3trace.eplb.leveling import level_refine
 from r3trace.eplb.pairing import paired
+from r3trace.eplb.partners import partner_forecast
 from r3trace.eplb.placement import Cluster, Placement, from_phy2log
 from r3trace.eplb.polish import NodeRule, applies, polish
 from r3trace.eplb.refine import swap_refine
@@ -214,7 +215,7 @@ def plan(
     the even-split load anyway. On two nodes with spare slots they also pick layouts by node-limited replay
     (dispatch_contest.py): a fresh plan's global layouts, and a re-plan's layers kept from `prev`.
     """
-    fc = planning_forecast(loads, prev, cfg)
+    fc = planning_forecast(loads, prev, cfg, cluster)
     out = _plan(loads, cluster, prev, tokens, cfg, fc)
     e = out.logcnt.shape[1]
     if cfg.static_even and cluster.num_nodes > 1:
@@ -255,18 +256,23 @@ def _static_even_plan(new: np.ndarray, loads: np.ndarray, cluster: Cluster, prev
     return out if float(gain.mean()) > 1 + cfg.refresh_gain else still
 
 
-def planning_forecast(loads: np.ndarray, prev: Placement | None, cfg: PlannerConfig) -> tuple[np.ndarray, bool]:
+def planning_forecast(loads: np.ndarray, prev: Placement | None, cfg: PlannerConfig,
+                      cluster: Cluster) -> tuple[np.ndarray, bool]:
     """loads [W, L, E] or [L, E] -> (the forecast [L, E] plan() plans on, whether the backtest calls drift): a
-    re-plan picks the EMA weight by backtest (step 1), a fresh plan takes choose_alpha's."""
+    re-plan picks the EMA weight by backtest (step 1), a fresh plan takes choose_alpha's; without spare slots the
+    floor-bound layers' light experts take the weight that picked the hot GPUs' partners best (partners.py)."""
     err = backtest_errors(loads) if cfg.ema_alpha is None and prev is not None else None
     moving = drifts(loads, err, cfg.refresh_drift)
-    return forecast(loads, cfg.ema_alpha if err is None else pick_alpha(err, 0.0 if moving else cfg.alpha_tie)), moving
+    w = forecast(loads, cfg.ema_alpha if err is None else pick_alpha(err, 0.0 if moving else cfg.alpha_tie))
+    if cfg.partner_backtest and cfg.ema_alpha is None:
+        w = partner_forecast(loads, w, cluster, cfg.refresh_floor)
+    return w, moving
 
 
 def _plan(loads: np.ndarray, cluster: Cluster, prev: Placement | None, tokens: np.ndarray | None,
           cfg: PlannerConfig, fc: tuple[np.ndarray, bool] | None = None) -> Placement:
     """plan() before the two-node replay guard; fc: planning_forecast's (w, moving) for cfg, where made."""
-    w, moving = planning_forecast(loads, prev, cfg) if fc is None else fc
+    w, moving = planning_forecast(loads, prev, cfg, cluster) if fc is None else fc
     if prev is not None and spreads(cluster, cfg) and not cfg.keep_groups:
         cap = spread_cap(cluster)
         if not moving:

@@ -84,7 +84,7 @@ def test_ours_plans_for_the_dispatch_asked_for(windows: tuple[np.ndarray, np.nda
     two = Cluster(16, 2, 160, num_groups=GROUPS)
     with_contest, without = plan(h, two, tokens=fit), plan(h, two, tokens=fit, cfg=OFF)
     assert (with_contest.phy2log != without.phy2log).any()
-    w = planning_forecast(h, None, planner_config("static"))[0]
+    w = planning_forecast(h, None, planner_config("static"), two)[0]
     even = {how: static_ladder(without.phy2log, w, two, fit, h.sum(0), how) for how in ("static", "dynamic")}
     assert (even["static"] != without.phy2log).any()
     for dispatch, want in (("node-limited", with_contest.phy2log), ("static", even["static"]),

@@ -165,7 +165,7 @@ def test_a_drifting_replan_with_a_spare_slot_ends_with_emax_swaps() -> None:
         prev = plan(h[:t], cl, prev, tokens=routes[t - 1])
     assert prev is not None
     cfg = PlannerConfig()
-    w, moving = planning_forecast(h, prev, cfg)
+    w, moving = planning_forecast(h, prev, cfg, cl)
     assert moving  # the backtest calls drift
     on = plan(h, cl, prev, tokens=routes[4])
     off = plan(h, cl, prev, tokens=routes[4], cfg=PlannerConfig(drift_emax_swaps=0))

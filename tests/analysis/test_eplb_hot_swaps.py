@@ -8,8 +8,9 @@ import pytest
 
 from r3trace.eplb import Cluster, PlannerConfig, churn, plan
 from r3trace.eplb.descent import hot_swaps
-from r3trace.eplb.forecast import backtest_errors, drifts, forecast, pick_alpha
+from r3trace.eplb.forecast import backtest_errors, drifts
 from r3trace.eplb.placement import from_phy2log
+from r3trace.eplb.planner import planning_forecast
 from r3trace.eplb.score import phy2log_gpu_load
 
 # 4 GPUs of 2 slots, 2 nodes (GPUs 0-1, 2-3), one replica per expert (P = E = 8)
@@ -79,23 +80,22 @@ def test_replans_spend_what_the_leveling_left_and_stay_within_the_budget() -> No
     off = plan(heats[:3], cl, first, cfg=PlannerConfig(hot_gpus=0))
     on = plan(heats[:3], cl, first)
     assert churn(first, off) < churn(first, on) <= cfg.seeded_churn_budget  # measured: 0.020 -> 0.075
-    err = backtest_errors(heats[:3])
-    assert err is not None
-    w = forecast(heats[:3], pick_alpha(err, cfg.alpha_tie))
+    w, _ = planning_forecast(heats[:3], first, cfg, cl)  # the plans' forecast
     # each swap moves load from a hot GPU to a cooler one, both ending below the hot one's old load, so the plan's
     # GPU loads are majorized by the leveled plan's: every sum of the k hottest is no higher
     top_off = np.cumsum(-np.sort(-phy2log_gpu_load(off.phy2log, w, cl), 1), 1)
     top_on = np.cumsum(-np.sort(-phy2log_gpu_load(on.phy2log, w, cl), 1), 1)
     assert (top_on <= top_off + 1e-6).all()
     # every layer here is floor-bound (pareto loads: the hottest replicas alone set the max load), so the swaps take
-    # any drop of the hottest GPU (floor_hot_drop 0); measured: the max load lower in 3 of 4 layers (by 1.8-6.4)
+    # any drop of the hottest GPU (floor_hot_drop 0); measured: the max load lower in every layer (by 1.6-9.2)
     assert (top_on[:, 0] < top_off[:, 0] - 1).sum() >= 3
-    # at the floor-bound drop before (0.002 x the mean GPU load) the hottest GPU kept its load and the budget went to
-    # the next ones: the 8 hottest's sum lower in every layer (by 10-427), the max in none
+    # at the floor-bound drop before (0.002 x the mean GPU load, 3.9-13.1 here) most of the budget went to the next
+    # GPUs: the 8 hottest's sum lower in every layer, the max lowered in one (by 6.6) and above any drop's in all four
+    # (measured: by 0.9, 1.6, 9.2, 1.8)
     old = plan(heats[:3], cl, first, cfg=PlannerConfig(floor_hot_drop=0.002))
     top_old = np.cumsum(-np.sort(-phy2log_gpu_load(old.phy2log, w, cl), 1), 1)
     assert (top_old[:, cfg.hot_gpus - 1] < top_off[:, cfg.hot_gpus - 1] - 1).all()
-    np.testing.assert_allclose(top_old[:, 0], top_off[:, 0])
+    assert (top_on[:, 0] < top_old[:, 0] - 0.5).all() and (top_on[:, 0] < top_old[:, 0] - 1).sum() >= 3
 
 
 def test_drifting_replans_take_no_hot_swaps(monkeypatch: pytest.MonkeyPatch) -> None:

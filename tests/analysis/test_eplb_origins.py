@@ -23,7 +23,7 @@ def history(seed: int) -> np.ndarray:
 
 def test_origins_by_gpu_contents() -> None:
     h = history(0)
-    w, _ = planning_forecast(h, None, PlannerConfig())
+    w, _ = planning_forecast(h, None, PlannerConfig(), CL)
     glob = global_phy2log(w, CL)  # [L, P], two slots a GPU
     mixed = glob.copy()
     # layer 0: global's GPUs in another order and slots swapped inside GPUs (nodes differ, loads do not)
