@@ -145,38 +145,34 @@ def emax_swaps(phy2log: np.ndarray, w: np.ndarray, cluster: Cluster, swaps: np.n
     roams = np.ones((n_layers, e), dtype=bool) if cross_below is None else (cnt == 1) & (per < cross_below[:, None])
     # gain[l, g, h]: the drop of layer l's sum from swapping g's and h's lighter replicas, -inf where not allowed;
     # symmetric, kept up to date on the rows and columns a swap changes
-    gain = np.empty((n_layers, g, g))
-    for layer in range(n_layers):
-        gain[layer] = _gains(x[layer], y[layer], px[layer], ax[layer], held[layer], roams[layer], node_of, gid[0])
+    pairs = (np.repeat(np.arange(n_layers), g), np.tile(np.arange(g), n_layers))  # every (layer, GPU)
+    gain = _gains(x, y, px, ax, held, roams, node_of, *pairs).reshape(n_layers, g, g)
     left = np.asarray(swaps, dtype=np.int64).copy()
     while True:
         act = np.flatnonzero(left > 0)
         if not len(act):
             break
-        flat = gain[act].reshape(len(act), -1)
+        flat = gain.reshape(n_layers, -1) if len(act) == n_layers else gain[act].reshape(len(act), -1)  # no copy
         best = flat.argmax(1)
         top = flat[np.arange(len(act)), best]
         # above the sum's rounding, and a drop of the bound, (1 / beta) log(sum), by more than step_drop
         go = top > np.maximum(1e-12, -portable.expm1(-beta[act] * step_drop)) * scale[act]
         scale[act[go]] -= top[go]
         left[act[~go]] = 0
-        for layer, k in zip(act[go], best[go], strict=True):
-            i, j = divmod(int(k), g)
-            xi, xj = px[layer, i], px[layer, j]
-            hl = held[layer]
-            hl[xi, node_of[i]] -= 1
-            hl[xj, node_of[j]] -= 1
-            hl[xi, node_of[j]] += 1
-            hl[xj, node_of[i]] += 1
-            px[layer, i], px[layer, j] = xj, xi
-            y[layer, i], y[layer, j] = y[layer, j], y[layer, i]
-            # the rows (and columns) that changed: the two GPUs, and the GPUs whose lighter replica is of either
-            # expert (its node set changed)
-            redo = np.flatnonzero((px[layer] == xi) | (px[layer] == xj))
-            part = _gains(x[layer], y[layer], px[layer], ax[layer], hl, roams[layer], node_of, redo)
-            gain[layer, redo, :] = part
-            gain[layer, :, redo] = part
-            left[layer] -= 1
+        ls = act[go]  # [A] the layers taking a swap this step, all at once (each its own rows of every array)
+        i, j = np.divmod(best[go], g)
+        xi, xj = px[ls, i], px[ls, j]
+        for e_, n_, d in ((xi, node_of[i], -1), (xj, node_of[j], -1), (xi, node_of[j], 1), (xj, node_of[i], 1)):
+            np.add.at(held, (ls, e_, n_), d)
+        px[ls, i], px[ls, j] = xj, xi
+        y[ls, i], y[ls, j] = y[ls, j], y[ls, i]
+        # the rows (and columns) that changed: the two GPUs, and the GPUs whose lighter replica is of either expert
+        # (its node set changed)
+        rl, rg = np.nonzero((px[ls] == xi[:, None]) | (px[ls] == xj[:, None]))
+        part = _gains(x, y, px, ax, held, roams, node_of, ls[rl], rg)  # [R, G]
+        gain[ls[rl], rg, :] = part
+        gain[ls[rl], :, rg] = part
+        left[ls] -= 1
     res = two.copy()
     res[rows, gid, 1 - heavy] = px
     # the bound is (1 / beta) log(sum) + const: a layer whose swaps lower it by min_drop or less keeps its input
@@ -196,15 +192,17 @@ def replan_noise(loads: np.ndarray, w: np.ndarray, cluster: Cluster) -> tuple[np
 
 
 def _gains(x: np.ndarray, y: np.ndarray, px: np.ndarray, ax: np.ndarray, held: np.ndarray, roams: np.ndarray,
-           node_of: np.ndarray, gpus: np.ndarray) -> np.ndarray:
-    """One layer's factors x, y [G], lighter and heavier experts px, ax [G], replicas per node held [E, N], experts
-    that may change node roams [E] -> [S, G] the drop (x_g - x_h)(y_g - y_h) from swapping the lighter replicas of
-    each g in gpus [S] with each h, -inf where either would sit beside its own expert on a GPU, join a node that holds
-    it or change node without roaming (or nothing changes)."""
-    gi = gpus[:, None]
-    gain = (x[gi] - x[None, :]) * (y[gi] - y[None, :])
-    ok = (px[gi] != ax[None, :]) & (px[None, :] != ax[gi]) & (px[gi] != px[None, :])
-    cross = node_of[gi] != node_of[None, :]
-    free = (held[px[None, :], node_of[gi]] == 0) & (held[px[gi], node_of[None, :]] == 0) & roams[px[gi]] & roams[px]
+           node_of: np.ndarray, layers: np.ndarray, gpus: np.ndarray) -> np.ndarray:
+    """Factors x, y [L, G], lighter and heavier experts px, ax [L, G], replicas per node held [L, E, N], experts that
+    may change node roams [L, E], rows (layers [R], gpus [R]) -> [R, G] the drop (x_g - x_h)(y_g - y_h) of layer l
+    from swapping the lighter replicas of g with each h, -inf where either would sit beside its own expert on a GPU,
+    join a node that holds it or change node without roaming (or nothing changes)."""
+    lc = layers[:, None]  # [R, 1]
+    gain = (x[layers, gpus][:, None] - x[layers]) * (y[layers, gpus][:, None] - y[layers])
+    pg, ph = px[layers, gpus][:, None], px[layers]  # [R, 1] g's lighter expert, [R, G] each h's
+    ok = (pg != ax[layers]) & (ph != ax[layers, gpus][:, None]) & (pg != ph)
+    ng = node_of[gpus][:, None]
+    cross = ng != node_of[None, :]
+    free = (held[lc, ph, ng] == 0) & (held[lc, pg, node_of[None, :]] == 0) & roams[lc, pg] & roams[lc, ph]
     ok &= ~cross | free
     return np.where(ok, gain, -np.inf)
