@@ -117,7 +117,7 @@ class PlannerConfig:
     # global's max load on the forecast but crowds GPUs just under it. bench/eplb_matrix.py's 22 cells of 144 GPUs /
     # 18 nodes / 288 slots, trace seeds 0-2 pooled: yes / tie / no 15 / 6 / 1 -> 16 / 6 / 0, mean +0.00027 (the fresh
     # layers' swaps alone +0.00014), nodes per token +0.02 at most (global's 1.2-1.5 more), the drifting re-plan at
-    # [58, 288] 0.21 -> 0.56 s (emax.py has the variants); 0: none on fresh layers
+    # [58, 288] 0.21 -> 0.38 s (emax.py has the variants); 0: none on fresh layers
     drift_emax_swaps: int = 72
     # a still re-plan whose budgeted plan's forecast max GPU load is, averaged over layers, more than stale_gain above
     # a fresh plan's takes the fresh plan (aligned to the previous placement): the previous placement was made for

@@ -60,8 +60,9 @@ alone +0.00014 on average, with the seeded layers too +0.00027 (independent s = 
 s = 0.6 slow tie -> yes; one cell down by more than 0.0003), nodes per token +0.02 at most; the same swaps on the
 finished re-plan, every layer unbudgeted, +0.00014 / +0.00021 / +0.00030 at 7 / 14 / 72 a layer, but a re-plan that
 keeps its seeded layers then moved 49% of slots (tests/analysis/test_eplb_floor_swaps.py's, against < 10%). They
-cost the drifting re-plan at [58, 288] on 144 GPUs 0.21 -> 0.56 s (DeepSeek's default call 3.7 s); at 14 a layer
-0.34 s and the same verdicts, -0.00008 held out (the fast-drift cells up to -0.0003).
+cost the drifting re-plan at [58, 288] on 144 GPUs 0.21 -> 0.38 s (DeepSeek's default call 3.7 s); 14 a layer gave
+the same verdicts, -0.00008 held out (the fast-drift cells up to -0.0003). Each step takes every layer's best swap at
+once: one layer at a time, emax_swaps at 58 layers x 144 GPUs x 72 swaps took 0.45 s instead of 0.15.
 
 Shape legend: L layers, E experts, P slots, G GPUs, K windows.
 """
