@@ -11,11 +11,12 @@ window t >= 2 from the windows before it, picks the n lightest experts of each f
 experts above the mean GPU load), and is scored by what those weigh in window t; the least total wins, and the
 layer's experts at or below the mean GPU load take that weight's forecast (the hot ones keep theirs).
 
-Over bench/eplb_matrix.py's 25 cells where every slot holds one expert, trace seeds 0-2 pooled (ours' rows; the
-hook changes only the 12 of > 2 slots a GPU on 2-8 nodes): the three "no"s of grouped s = 1.2 (16 / 2, 32 / 4,
-64 / 8 / 256) became ties (+0.00053, +0.00015, +0.00005), grouped s = 0.9 64 / 8 / 256 tie -> yes, mean +0.00011,
-no cell down by more than 0.0001. With two slots a GPU (16 nodes) pairing.py sets each hot GPU's one partner; there
-it moved clustered s = 0.6 128 / 16 / 256 by -0.0001 (tie -> no), so those layers keep the forecast.
+Over bench/eplb_matrix.py's 12 cells it changes (256 slots on 2, 4 and 8 nodes, grouped router, s = 0.3-1.2), trace
+seeds 0-2 pooled: mean +0.00023; the three "no"s at s = 1.2 became ties (+0.00053, +0.00015, +0.00005), s = 0.9 on
+64 / 8 / 256 tie -> yes, one cell down (s = 0.6 on 64 / 8 / 256, -0.0001, a tie either way), churn up 0.2 points and
+nodes per token up 0.01 at most (still under global's). With two slots a GPU (16 nodes) pairing.py sets each hot
+GPU's one partner; there the same rule moved clustered s = 0.6 128 / 16 / 256 by -0.0001 (tie -> no), so those
+layers keep the forecast.
 
 Shape legend: W windows, L layers, E experts, B floor-bound layers.
 """
