@@ -1,0 +1,72 @@
+"""Ours behind DeepSeek EPLB's entry point: swap `from eplb import rebalance_experts` for
+`from r3trace.eplb.dropin import rebalance_experts` and the caller gets ours' plan in the reference's contract.
+
+The contract, read from deepseek-ai/EPLB eplb.py at d52c72d (`rebalance_experts`, the function SGLang's deepseek
+algorithm and vLLM's rebalance_algo.py were written against): weight [L, E] loads (a torch tensor there; the
+reference takes weight.float().cpu()), num_replicas P (a multiple of num_gpus), num_groups, num_nodes, num_gpus (a
+multiple of num_nodes) -> (phy2log [L, P], log2phy [L, E, X], logcnt [L, E]), int64, on the CPU: log2phy[l, e, :c]
+the slots of expert e's c replicas, the rest -1, X the largest count anywhere (placement.from_phy2log builds the
+same). Where the reference falls back to its global policy (num_groups not a multiple of num_nodes), ours plans as
+usual (its layouts need no such divisibility).
+
+What the reference cannot take, keyword-only: `history` [W, L, E] (the windows weight came from, oldest first:
+ours' forecast, picked by backtest, plans on them; planner.py step 1), `previous` phy2log [L, P] (a re-plan moves at
+most ~9.5% of slots on an unchanged workload, where the reference moves 76-98%) and `tokens` [T, L, K] (the newest
+routes: extra replicas by co-activation). Without them ours plans on weight alone.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from r3trace.eplb.config import PlannerConfig
+from r3trace.eplb.placement import Cluster, PlacementError, from_phy2log
+from r3trace.eplb.planner import plan
+
+
+def rebalance_experts(weight: Any, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int, *,
+                      history: Any = None, previous: Any = None, tokens: Any = None,
+                      cfg: PlannerConfig = PlannerConfig()) -> tuple[Any, Any, Any]:
+    """weight [L, E] (torch tensor or array), the reference's four sizes -> (phy2log [L, P], log2phy [L, E, X],
+    logcnt [L, E]) int64, torch CPU tensors for a torch weight, else numpy arrays (module doc: the contract, and
+    what history, previous and tokens add)."""
+    w = _array(weight, np.float64)
+    if w.ndim != 2:
+        raise PlacementError(f"weight has shape {list(w.shape)}; rebalance_experts takes [layers, experts]")
+    n_layers, e = w.shape
+    if num_replicas < e:
+        raise PlacementError(f"num_replicas={num_replicas} is under the {e} experts: each needs a slot")
+    if num_groups < 1 or e % num_groups:
+        raise PlacementError(f"num_groups={num_groups} must divide the {e} experts")
+    cluster = Cluster(num_gpus, num_nodes, num_replicas, num_groups=num_groups)
+    loads = w
+    if history is not None:
+        loads = _array(history, np.float64)
+        if loads.ndim != 3 or loads.shape[1:] != w.shape:
+            raise PlacementError(f"history has shape {list(loads.shape)}; it must be [windows, {n_layers}, {e}]")
+    prev = None
+    if previous is not None:
+        old = _array(previous, np.int64)
+        if old.shape != (n_layers, num_replicas):
+            raise PlacementError(f"previous has shape {list(old.shape)}; it must be [{n_layers}, {num_replicas}]")
+        prev = from_phy2log(old, e)
+    pl = plan(loads, cluster, prev, None if tokens is None else _array(tokens, np.int64), cfg)
+    out = (pl.phy2log, pl.log2phy, pl.logcnt)
+    if not _is_torch(weight):
+        return out
+    import torch  # only where the caller handed a torch tensor: the analysis side runs without it
+
+    return tuple(torch.from_numpy(np.ascontiguousarray(x)) for x in out)  # type: ignore[return-value]
+
+
+def _is_torch(x: Any) -> bool:
+    return type(x).__module__.split(".")[0] == "torch"
+
+
+def _array(x: Any, dtype: type) -> np.ndarray:
+    """A torch tensor (any device) or array-like -> numpy array of dtype."""
+    if _is_torch(x):  # floats through float32 first, as the reference's weight.float() (numpy has no bfloat16)
+        x = (x.detach().float() if x.is_floating_point() else x.detach()).cpu().numpy()
+    return np.asarray(x, dtype=dtype)
