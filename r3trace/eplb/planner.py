@@ -5,7 +5,9 @@
    replicas: the global policy plans on the last window alone and loses 4-6 points of balancedness on the
    next one. Its weight is picked per plan by backtest on the history (forecast.py, choose_alpha: slow drift
    wants a long memory, fast drift a short one); the same backtest says whether the workload drifts (step 5), and
-   where it does not, the longest memory within `alpha_tie` of the best weight's error is taken.
+   where it does not, the longest memory within `alpha_tie` of the best weight's error is taken. Without spare
+   slots (> 2 a GPU) the light experts of layers whose hottest expert sets the max load take the weight that picked
+   the hot GPUs' lightest partners best in the same backtest (partners.py).
 2. Replica counts: the global policy's rule (each extra slot to the expert with the highest load per
    replica), capped at the GPUs of one node (homing.capped_counts).
 3. Layout (`layout` says which and why). On one node every replica sits on it. On several nodes
