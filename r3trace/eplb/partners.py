@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from r3trace.eplb.forecast import ALPHAS, _smooth
+from r3trace.eplb.forecast import ALPHAS, _smooth, forecast
 from r3trace.eplb.placement import Cluster
 
 
@@ -67,5 +67,5 @@ def partner_forecast(history: np.ndarray, w: np.ndarray, cluster: Cluster, margi
     alpha = ALPHAS[int(err.argmin())]
     light = bound[:, None] & ~hot
     out = w.copy()
-    out[light] = (_smooth(rates, alpha) * h[-1].sum(-1, keepdims=True))[light]
+    out[light] = forecast(h, alpha)[light]
     return out
