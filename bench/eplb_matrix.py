@@ -131,8 +131,8 @@ def run_cell(cell: Cell, history: int = 8, variants: bool = False,
 def machine() -> dict[str, Any]:
     """What a cell's figures could depend on besides the code, written beside them: greedy swaps and packings break
     near-ties by float rounding, and DeepSeek's policies order tied weights by torch's sort. Ours' forecast once
-    summed windows through BLAS, whose kernel OpenBLAS picks per CPU: 74 of 124 cells changed between an AVX2 and an
-    AVX-512 machine until forecast._smooth summed them itself (tests/analysis/test_eplb_blas.py); a cell that differs
+    summed windows through BLAS, whose kernel OpenBLAS picks per CPU: 74 of 124 cells changed between an AVX2 and
+    an AVX-512 machine until forecast.smooth_rates added them up (tests/analysis/test_eplb_blas.py); a cell that differs
     between two runs of one commit is read against this record first."""
     import torch
 

@@ -63,8 +63,8 @@ def make_placement(policy: PolicyName, weight: np.ndarray, cluster: Cluster, tok
 def forecast_weight(history: np.ndarray, how: Forecast) -> np.ndarray:
     """history [W, L, E] -> the [L, E] heat a policy plans on."""
     # ema: the weight ours' fresh plan uses (a re-plan of a still workload may take a longer memory, alpha_tie),
-    # picked by backtest on the history (forecast.choose_alpha; normalised over
-    # the windows, forecast._smooth). A fixed 0.35 was wrong for slow drift by rank swaps (bench/eplb_rollup_scale.py:
+    # picked by backtest on the history (forecast.choose_alpha; normalised over the windows, forecast.smooth_rates).
+    # A fixed 0.35 was wrong for slow drift by rank swaps (bench/eplb_rollup_scale.py:
     # the backtest picks 1.0 there, and global + ema at 0.35 scored 0.932 over 6 rolling folds vs 0.951 at 1.0)
     if how == "ema":
         return forecast.forecast(history, None)

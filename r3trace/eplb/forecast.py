@@ -27,7 +27,7 @@ def backtest_errors(history: np.ndarray) -> np.ndarray | None:
     err = np.zeros(len(ALPHAS))
     for i, a in enumerate(ALPHAS):
         for t in range(2, len(rates)):
-            err[i] += float(((rates[t] - _smooth(rates[:t], a)) ** 2).sum())
+            err[i] += float(((rates[t] - smooth_rates(rates[:t], a)) ** 2).sum())
     return err
 
 
@@ -65,10 +65,10 @@ def forecast(history: np.ndarray, alpha: float | None) -> np.ndarray:
         return h
     alpha = choose_alpha(h) if alpha is None else alpha
     rates = h / np.maximum(h.sum(-1, keepdims=True), 1e-12)
-    return _smooth(rates, alpha) * h[-1].sum(-1, keepdims=True)
+    return smooth_rates(rates, alpha) * h[-1].sum(-1, keepdims=True)
 
 
-def _smooth(rates: np.ndarray, alpha: float) -> np.ndarray:
+def smooth_rates(rates: np.ndarray, alpha: float) -> np.ndarray:
     """[W, L, E] -> [L, E]: weights alpha (1 - alpha)^age on the windows (age 0 = newest), normalised over the W
     windows there are, so alpha -> 0 is the plain mean and 1 the newest window.
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from r3trace.eplb.forecast import ALPHAS, _smooth, forecast
+from r3trace.eplb.forecast import ALPHAS, forecast, smooth_rates
 from r3trace.eplb.placement import Cluster
 
 
@@ -41,7 +41,7 @@ def partner_errors(rates: np.ndarray, n: np.ndarray) -> np.ndarray:
     out = np.zeros(len(ALPHAS))
     for i, a in enumerate(ALPHAS):
         for t in range(2, len(rates)):
-            order = np.argsort(_smooth(rates[:t], a), axis=1, kind="stable")  # [B, E] lightest first
+            order = np.argsort(smooth_rates(rates[:t], a), axis=1, kind="stable")  # [B, E] lightest first
             take = np.zeros(order.shape, dtype=bool)
             np.put_along_axis(take, order, np.arange(order.shape[1])[None, :] < n[:, None], axis=1)
             out[i] += float(rates[t][take].sum())

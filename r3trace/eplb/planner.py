@@ -1,7 +1,7 @@
 """Our placement planner: one node per expert, planned for the next window, migration-bounded.
 
 1. Forecast: an exponential moving average of the per-window loads [W, L, E] (each window normalised to
-   rates; weights normalised over the windows there are, _smooth), so one noisy window does not move
+   rates; weights normalised over the windows there are, smooth_rates), so one noisy window does not move
    replicas: the global policy plans on the last window alone and loses 4-6 points of balancedness on the
    next one. Its weight is picked per plan by backtest on the history (forecast.py, choose_alpha: slow drift
    wants a long memory, fast drift a short one); the same backtest says whether the workload drifts (step 5), and

@@ -1,4 +1,4 @@
-"""The planner's forecast: EMA weights normalised over the windows there are (forecast._smooth)."""
+"""The planner's forecast: EMA weights normalised over the windows there are (forecast.smooth_rates)."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from r3trace.eplb import Cluster, PlannerConfig, plan
-from r3trace.eplb.forecast import ALPHAS, _smooth, choose_alpha, forecast
+from r3trace.eplb.forecast import ALPHAS, choose_alpha, forecast, smooth_rates
 from r3trace.eplb.partners import partner_errors, partner_forecast
 
 E, W, HOT = 64, 7, 6  # experts, history windows, floor-bound layers
@@ -36,7 +36,7 @@ def test_partner_errors_score_each_weights_lightest_experts_in_the_next_window()
     want = np.zeros(len(ALPHAS))
     for i, a in enumerate(ALPHAS):
         for t in (2, 3):
-            f = _smooth(rates[:t], a)
+            f = smooth_rates(rates[:t], a)
             for b in range(2):
                 want[i] += rates[t, b, np.argsort(f[b], kind="stable")[: n[b]]].sum()
     np.testing.assert_allclose(partner_errors(rates, n), want, rtol=1e-12)
@@ -58,7 +58,7 @@ def test_floor_bound_light_experts_take_the_weight_that_picks_partners_best() ->
         picked = ALPHAS[int(partner_errors(r[:, :HOT], n).argmin())]
         light = ~hot
         light[HOT] = False
-        np.testing.assert_allclose(out[light], (_smooth(r, picked) * h[-1].sum(-1, keepdims=True))[light])
+        np.testing.assert_allclose(out[light], (smooth_rates(r, picked) * h[-1].sum(-1, keepdims=True))[light])
         assert picked < choose_alpha(h) == 1.0  # the hot experts' walk pulls the all-expert weight to the newest
         # what each layer's n lightest by either estimate truly weigh next window, summed over the layers
         by_out, by_w = (sum(rates[W, i, np.argsort(f[i], kind="stable")[: n[i]]].sum() for i in range(HOT))
