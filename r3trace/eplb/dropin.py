@@ -1,15 +1,17 @@
-"""Ours behind DeepSeek EPLB's entry point: swap `from eplb import rebalance_experts` for
+"""Ours behind the EPLB entry points other tools call: swap `from eplb import rebalance_experts` for
 `from r3trace.eplb.dropin import rebalance_experts` and the caller gets ours' plan in the reference's contract.
 
-The contract, read from deepseek-ai/EPLB eplb.py at d52c72d (`rebalance_experts`, the function SGLang's deepseek
-algorithm and vLLM's rebalance_algo.py were written against): weight [L, E] loads (a torch tensor there; the
-reference takes weight.float().cpu()), num_replicas P (a multiple of num_gpus), num_groups, num_nodes, num_gpus (a
-multiple of num_nodes) -> (phy2log [L, P], log2phy [L, E, X], logcnt [L, E]), int64, on the CPU: log2phy[l, e, :c]
-the slots of expert e's c replicas, the rest -1, X the largest count anywhere (placement.from_phy2log builds the
-same). Where the reference falls back to its global policy (num_groups not a multiple of num_nodes), ours plans as
-usual (its layouts need no such divisibility).
+rebalance_experts: deepseek-ai/EPLB eplb.py at d52c72d (the function SGLang's deepseek algorithm mirrors): weight
+[L, E] loads (a torch tensor there; it takes weight.float().cpu()), num_replicas P (a multiple of num_gpus),
+num_groups, num_nodes, num_gpus (a multiple of num_nodes) -> (phy2log [L, P], log2phy [L, E, X], logcnt [L, E]),
+int64, on the CPU: log2phy[l, e, :c] the slots of expert e's c replicas, the rest -1, X the largest count anywhere
+(placement.from_phy2log builds the same).
+vllm_rebalance_experts: vllm-project/vllm vllm/distributed/eplb/rebalance_algo.py at 07fb932, the same arguments and
+tensors but log2phy X = P - E + 1 wide (the buffer vLLM's EPLB state keeps), on weight's device.
+Where the references fall back to their global policy (num_groups not a multiple of num_nodes), ours plans as usual
+(its layouts need no such divisibility).
 
-What the reference cannot take, keyword-only: `history` [W, L, E] (the windows weight came from, oldest first:
+What the references cannot take, keyword-only: `history` [W, L, E] (the windows weight came from, oldest first:
 ours' forecast, picked by backtest, plans on them; planner.py step 1), `previous` phy2log [L, P] (a re-plan moves at
 most ~9.5% of slots on an unchanged workload, where the reference moves 76-98%) and `tokens` [T, L, K] (the newest
 routes: extra replicas by co-activation). Without them ours plans on weight alone.
@@ -29,9 +31,30 @@ from r3trace.eplb.planner import plan
 def rebalance_experts(weight: Any, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int, *,
                       history: Any = None, previous: Any = None, tokens: Any = None,
                       cfg: PlannerConfig = PlannerConfig()) -> tuple[Any, Any, Any]:
-    """weight [L, E] (torch tensor or array), the reference's four sizes -> (phy2log [L, P], log2phy [L, E, X],
-    logcnt [L, E]) int64, torch CPU tensors for a torch weight, else numpy arrays (module doc: the contract, and
-    what history, previous and tokens add)."""
+    """weight [L, E] (torch tensor or array), DeepSeek eplb.py's four sizes -> (phy2log [L, P], log2phy [L, E, X],
+    logcnt [L, E]) int64, torch CPU tensors for a torch weight, else numpy arrays (module doc: the contract, and what
+    history, previous and tokens add)."""
+    out = _planned(weight, num_replicas, num_groups, num_nodes, num_gpus, history, previous, tokens, cfg)
+    return _as_torch(out, "cpu") if _is_torch(weight) else out
+
+
+def vllm_rebalance_experts(weight: Any, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int, *,
+                           history: Any = None, previous: Any = None, tokens: Any = None,
+                           cfg: PlannerConfig = PlannerConfig()) -> tuple[Any, Any, Any]:
+    """As rebalance_experts, in vLLM rebalance_algo.py's contract: log2phy [L, E, P - E + 1] and, for a torch weight,
+    the tensors on its device."""
+    phy2log, log2phy, logcnt = _planned(weight, num_replicas, num_groups, num_nodes, num_gpus, history, previous,
+                                        tokens, cfg)
+    wide = np.full((*log2phy.shape[:2], num_replicas - log2phy.shape[1] + 1), -1, dtype=np.int64)
+    wide[:, :, :log2phy.shape[2]] = log2phy  # a count is at most 1 + the P - E spare slots
+    out = (phy2log, wide, logcnt)
+    return _as_torch(out, weight.device) if _is_torch(weight) else out
+
+
+def _planned(weight: Any, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int, history: Any,
+             previous: Any, tokens: Any, cfg: PlannerConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The entry points' arguments -> ours' Placement as numpy (phy2log, log2phy, logcnt); PlacementError names the
+    argument that does not fit."""
     w = _array(weight, np.float64)
     if w.ndim != 2:
         raise PlacementError(f"weight has shape {list(w.shape)}; rebalance_experts takes [layers, experts]")
@@ -53,12 +76,13 @@ def rebalance_experts(weight: Any, num_replicas: int, num_groups: int, num_nodes
             raise PlacementError(f"previous has shape {list(old.shape)}; it must be [{n_layers}, {num_replicas}]")
         prev = from_phy2log(old, e)
     pl = plan(loads, cluster, prev, None if tokens is None else _array(tokens, np.int64), cfg)
-    out = (pl.phy2log, pl.log2phy, pl.logcnt)
-    if not _is_torch(weight):
-        return out
+    return pl.phy2log, pl.log2phy, pl.logcnt
+
+
+def _as_torch(arrays: tuple[np.ndarray, ...], device: Any) -> tuple[Any, Any, Any]:
     import torch  # only where the caller handed a torch tensor: the analysis side runs without it
 
-    return tuple(torch.from_numpy(np.ascontiguousarray(x)) for x in out)  # type: ignore[return-value]
+    return tuple(torch.from_numpy(np.ascontiguousarray(x)).to(device) for x in arrays)  # type: ignore[return-value]
 
 
 def _is_torch(x: Any) -> bool:

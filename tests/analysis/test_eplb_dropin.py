@@ -1,7 +1,8 @@
-"""Ours behind DeepSeek EPLB's entry point (r3trace/eplb/dropin.py). The contract encoded here is
+"""Ours behind the EPLB entry points (r3trace/eplb/dropin.py). The contracts encoded here:
 deepseek-ai/EPLB eplb.py at d52c72d, `rebalance_experts(weight, num_replicas, num_groups, num_nodes, num_gpus)`:
 int64 CPU tensors phy2log [L, P], log2phy [L, E, X] (each expert's slots, then -1; X the largest count) and logcnt
-[L, E]. Run: .venv/bin/pytest tests/analysis/test_eplb_dropin.py -q"""
+[L, E]; vllm-project/vllm vllm/distributed/eplb/rebalance_algo.py at 07fb932: the same, but X = P - E + 1 and the
+tensors on weight's device. Run: .venv/bin/pytest tests/analysis/test_eplb_dropin.py -q"""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from r3trace.eplb import Cluster, PlacementError, churn, from_phy2log, global_policy, hierarchical, plan
-from r3trace.eplb.dropin import rebalance_experts
+from r3trace.eplb.dropin import rebalance_experts, vllm_rebalance_experts
 from r3trace.eplb.score import balancedness, even_gpu_load
 
 # (layers, experts, slots, groups, nodes, GPUs): odd sizes, groups that do and do not divide over nodes, P = E
@@ -45,6 +46,18 @@ def test_the_reference_contract_on_torch_and_numpy(shape: tuple[int, ...]) -> No
     assert all(isinstance(a, np.ndarray) for a in again)
     for a, b in zip(again, (ph, lp, cnt), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_vllms_contract_pads_log2phy_to_the_spare_slots_plus_one(shape: tuple[int, ...]) -> None:
+    n_layers, e, p, groups, nodes, gpus = shape
+    w = torch.tensor(loads(n_layers, e, sum(shape) + 1))
+    ph, lp, cnt = rebalance_experts(w, p, groups, nodes, gpus)
+    vph, vlp, vcnt = vllm_rebalance_experts(w, p, groups, nodes, gpus)
+    assert vlp.shape == (n_layers, e, p - e + 1) and vlp.dtype == torch.int64 and vlp.device == w.device
+    assert torch.equal(vph, ph) and torch.equal(vcnt, cnt) and torch.equal(vlp[:, :, : lp.shape[2]], lp)
+    assert (vlp[:, :, lp.shape[2]:] == -1).all()
+    assert isinstance(vllm_rebalance_experts(w.numpy(), p, groups, nodes, gpus)[1], np.ndarray)
 
 
 def test_bfloat16_weight_on_any_device_is_read_as_the_reference_reads_it() -> None:
