@@ -59,9 +59,10 @@ class PlannerConfig:
     # others; where those probes say the rest refresh, the rest take the fresh plan unseeded (replan.py); -1: seed all
     refresh_floor: float = 0.25
     refresh_probe: int = 16
-    # without spare slots and with > 2 slots a GPU, the floor-bound layers' (refresh_floor's) light experts take the
-    # EMA weight whose backtest picked the hot GPUs' lightest partners best (partners.py: the grouped s = 1.2 cells'
-    # three "no"s on 2-8 nodes became ties); only where ema_alpha is None (the weight left to the backtest)
+    # without spare slots and with > 2 slots a GPU, the light experts of layers whose hottest expert alone is over
+    # (1 + refresh_floor) x the mean GPU load take the EMA weight whose backtest picked the hot GPUs' lightest
+    # partners best (partners.py: the grouped s = 1.2 cells' three "no"s on 2-8 nodes became ties); only where
+    # ema_alpha is None (the weight left to the backtest)
     partner_backtest: bool = True
     # a seeded re-plan's last swaps, with what its leveling left of the churn budget: each lowers one of the
     # hot_gpus hottest GPUs by more than hot_min_drop x the mean GPU load, no GPU reaching its old load; over

@@ -1,15 +1,16 @@
 """The light partners of the hottest GPUs: where every slot holds one expert and the hottest experts alone set the max
 GPU load, the light experts' forecast comes from the EMA weight that, in backtest, picked the lightest ones best.
 
-Why: in such a layer (replan.floor_bound, every slot one expert, > 2 slots a GPU) each hot expert's GPU carries it
-and S - 1 of the lightest experts, so what the max GPU load is next window depends on which experts are truly light
-then. The forecast's EMA weight (forecast.py) is picked by its squared error over all experts, which the hot ones
-dominate: on grouped s = 1.2, 16 GPUs / 2 nodes / 256 slots, trace seed 1, windows 0 -> 2 moved enough that it
-picked the newest window alone, and the 15 lightest by that forecast weighed 0.0800 mean GPU loads in the next
-window, by the 8-window mean 0.0764 (truly lightest: 0.0552). Here each weight instead forecasts every backtest
-window t >= 2 from the windows before it, picks the n lightest experts of each floor-bound layer (n = (S - 1) x the
-experts above the mean GPU load), and is scored by what those weigh in window t; the least total wins, and the
-layer's experts at or below the mean GPU load take that weight's forecast (the hot ones keep theirs).
+Why: in such a layer (every slot one expert, > 2 slots a GPU, the hottest expert alone over (1 + refresh_floor) x
+the mean GPU load: the m = 1 term of replan.max_load_floor) each hot expert's GPU carries it and S - 1 of the
+lightest experts, so what the max GPU load is next window depends on which experts are truly light then. The
+forecast's EMA weight (forecast.py) is picked by its squared error over all experts, which the hot ones dominate: on
+grouped s = 1.2, 16 GPUs / 2 nodes / 256 slots, trace seed 1, windows 0 -> 2 moved enough that it picked the newest
+window alone, and the 15 lightest by that forecast weighed 0.0800 mean GPU loads in the next window, by the 8-window
+mean 0.0764 (truly lightest: 0.0552). Here each weight instead forecasts every backtest window t >= 2 from the
+windows before it, picks the n lightest experts of each floor-bound layer (n = (S - 1) x the experts above the mean
+GPU load), and is scored by what those weigh in window t; the least total wins, and the layer's experts at or below
+the mean GPU load take that weight's forecast (the hot ones keep theirs).
 
 Over bench/eplb_matrix.py's 12 cells it changes (256 slots on 2, 4 and 8 nodes, grouped router, s = 0.3-1.2), trace
 seeds 0-2 pooled: mean +0.00023; the three "no"s at s = 1.2 became ties (+0.00053, +0.00015, +0.00005), s = 0.9 on
@@ -49,10 +50,11 @@ def partner_errors(rates: np.ndarray, n: np.ndarray) -> np.ndarray:
 
 
 def partner_forecast(history: np.ndarray, w: np.ndarray, cluster: Cluster, margin: float) -> np.ndarray:
-    """history [W, L, E] loads, the plan's forecast w [L, E] -> w with the light experts of the floor-bound layers
-    (the hottest expert above (1 + margin) x the mean GPU load: replan.floor_bound's) forecast by the EMA weight
-    whose partners weighed least in backtest (module doc); w itself where the cluster has spare slots or <= 2 slots a
-    GPU, with < 3 windows, or without such a layer."""
+    """history [W, L, E] loads, the plan's forecast w [L, E] -> w with the light experts of the floor-bound layers (the
+    hottest expert alone above (1 + margin) x the mean GPU load; replan.floor_bound also counts the pigeonhole
+    terms of the layer's other replicas) forecast by the EMA weight whose partners weighed least in backtest
+    (module doc); w itself where the cluster has spare slots or <= 2 slots a GPU, with < 3 windows, or without
+    such a layer."""
     h = np.asarray(history, dtype=np.float64)
     if h.ndim != 3 or len(h) < 3 or not applies(cluster, w.shape[1]):
         return w
