@@ -7,7 +7,8 @@ num_groups, num_nodes, num_gpus (a multiple of num_nodes) -> (phy2log [L, P], lo
 int64, on the CPU: log2phy[l, e, :c] the slots of expert e's c replicas, the rest -1, X the largest count anywhere
 (placement.from_phy2log builds the same).
 vllm_rebalance_experts: vllm-project/vllm vllm/distributed/eplb/rebalance_algo.py at 07fb932, the same arguments and
-tensors but log2phy X = P - E + 1 wide (the buffer vLLM's EPLB state keeps), on weight's device.
+tensors but log2phy X = P - E + 1 wide (the buffer vLLM's EPLB state keeps), on weight's device. vLLM's policy
+classes (EPLB_POLICIES, 0.11 on): vllm_policy.py.
 Where the references fall back to their global policy (num_groups not a multiple of num_nodes), ours plans as usual
 (its layouts need no such divisibility).
 
@@ -34,7 +35,8 @@ def rebalance_experts(weight: Any, num_replicas: int, num_groups: int, num_nodes
     """weight [L, E] (torch tensor or array), DeepSeek eplb.py's four sizes -> (phy2log [L, P], log2phy [L, E, X],
     logcnt [L, E]) int64, torch CPU tensors for a torch weight, else numpy arrays (module doc: the contract, and what
     history, previous and tokens add)."""
-    out = _planned(weight, num_replicas, num_groups, num_nodes, num_gpus, history, previous, tokens, cfg)
+    out = planned_arrays(weight, num_replicas, num_groups, num_nodes, num_gpus, history=history, previous=previous,
+                         tokens=tokens, cfg=cfg)
     return _as_torch(out, "cpu") if _is_torch(weight) else out
 
 
@@ -43,16 +45,17 @@ def vllm_rebalance_experts(weight: Any, num_replicas: int, num_groups: int, num_
                            cfg: PlannerConfig = PlannerConfig()) -> tuple[Any, Any, Any]:
     """As rebalance_experts, in vLLM rebalance_algo.py's contract: log2phy [L, E, P - E + 1] and, for a torch weight,
     the tensors on its device."""
-    phy2log, log2phy, logcnt = _planned(weight, num_replicas, num_groups, num_nodes, num_gpus, history, previous,
-                                        tokens, cfg)
+    phy2log, log2phy, logcnt = planned_arrays(weight, num_replicas, num_groups, num_nodes, num_gpus, history=history,
+                                              previous=previous, tokens=tokens, cfg=cfg)
     wide = np.full((*log2phy.shape[:2], num_replicas - log2phy.shape[1] + 1), -1, dtype=np.int64)
     wide[:, :, :log2phy.shape[2]] = log2phy  # a count is at most 1 + the P - E spare slots
     out = (phy2log, wide, logcnt)
     return _as_torch(out, weight.device) if _is_torch(weight) else out
 
 
-def _planned(weight: Any, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int, history: Any,
-             previous: Any, tokens: Any, cfg: PlannerConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def planned_arrays(weight: Any, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int, *,
+                   history: Any = None, previous: Any = None, tokens: Any = None,
+                   cfg: PlannerConfig = PlannerConfig()) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The entry points' arguments -> ours' Placement as numpy (phy2log, log2phy, logcnt); PlacementError names the
     argument that does not fit."""
     w = _array(weight, np.float64)

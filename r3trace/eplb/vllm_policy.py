@@ -1,0 +1,110 @@
+"""Ours as vLLM's EPLB policy: `pip install r3trace` beside vLLM, set R3TRACE_VLLM_EPLB=1, and every vLLM process
+plans its expert rearrangements with ours in place of the built-in DefaultEplbPolicy.
+
+The contract (vLLM 0.33.0, vllm/distributed/eplb/policy/abstract.py, and its one caller, EplbState.rearrange in
+eplb_state.py): a class whose classmethod rebalance_experts(weight, num_replicas, num_groups, num_nodes, num_ranks,
+old_global_expert_indices=None) returns phy2log [L, P] (int64, CPU) alone; vLLM derives log2phy and the replica counts
+itself. weight is [L, E] expert loads summed over vLLM's load window (int32, CPU); old_global_expert_indices is the
+phy2log in service, whose width differs from P after an elastic scale-down and whose new slots hold -1 after a
+scale-up. num_groups is the model's num_expert_groups (0 or None where the config has no n_group). Older vLLM
+(vllm/distributed/eplb/policy/abstract.py at 0b79b64, and the 0.1x releases after vllm-project/vllm PR #29499)
+returns the triple (phy2log, log2phy [L, E, P - E + 1], logcnt) from the same call: `install` reads which from the
+abstract method's return annotation, once.
+
+What ours adds there: the old map as `previous`, so a re-plan on an unchanged workload moves <= ~10% of slots where
+the built-in policy re-packs from scratch and keeps only the experts that land on the same GPU again. vLLM hands one
+summed window, so ours' forecast over windows (dropin's `history`) is not used here.
+
+How it is wired: pyproject.toml registers `register` under vLLM's plugin group `vllm.general_plugins`, which vLLM
+loads in every process (API server, engine core, workers) before the EPLB state picks EPLB_POLICIES[policy]; it
+replaces the "default" entry (EPLBPolicyOption is a closed Literal, so a new name would not pass vLLM's config check)
+only when R3TRACE_VLLM_EPLB is set to 1, so installing r3trace beside vLLM changes nothing by itself.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, MutableMapping
+from typing import Any
+
+import numpy as np
+
+from r3trace.eplb.config import PlannerConfig
+from r3trace.eplb.dropin import planned_arrays, vllm_rebalance_experts
+
+ENV = "R3TRACE_VLLM_EPLB"
+
+
+def rebalance_phy2log(weight: Any, num_replicas: int, num_groups: int | None, num_nodes: int, num_ranks: int,
+                      old_global_expert_indices: Any = None, *, cfg: PlannerConfig = PlannerConfig()) -> Any:
+    """vLLM 0.33.0's rebalance_experts: phy2log [L, P] int64 on the CPU (module doc: the arguments). The old map is
+    ours' `previous` where it is a placement of this shape (every expert present, no -1); else ours plans fresh."""
+    import torch
+
+    groups, nodes = _sizes(num_groups, num_nodes, num_ranks)
+    previous = _previous(old_global_expert_indices, weight, num_replicas)
+    phy2log, _, _ = planned_arrays(weight, num_replicas, groups, nodes, num_ranks, previous=previous, cfg=cfg)
+    return torch.from_numpy(np.ascontiguousarray(phy2log))
+
+
+def rebalance_triple(weight: Any, num_replicas: int, num_groups: int | None, num_nodes: int, num_ranks: int,
+                     old_global_expert_indices: Any = None, *, cfg: PlannerConfig = PlannerConfig()) -> Any:
+    """The older policy contract: (phy2log, log2phy [L, E, P - E + 1], logcnt) on weight's device."""
+    groups, nodes = _sizes(num_groups, num_nodes, num_ranks)
+    previous = _previous(old_global_expert_indices, weight, num_replicas)
+    return vllm_rebalance_experts(weight, num_replicas, groups, nodes, num_ranks, previous=previous, cfg=cfg)
+
+
+def install(policies: MutableMapping[str, Any], abstract: type, env: Mapping[str, str]) -> type | None:
+    """Puts ours in policies["default"] as a subclass of vLLM's AbstractEplbPolicy when env[ENV] is "1"; returns the
+    class, or None (left alone) when the variable is unset or "0". Any other value is an error naming the variable."""
+    flag = env.get(ENV, "0")
+    if flag not in ("0", "1"):
+        raise ValueError(f"{ENV}={flag!r}: use 1 (ours plans vLLM's EPLB) or 0 (vLLM's default policy)")
+    if flag == "0":
+        return None
+    returns = str(getattr(getattr(abstract, "rebalance_experts", None), "__annotations__", {}).get("return", ""))
+    fn = rebalance_triple if "tuple" in returns else rebalance_phy2log
+
+    def rebalance_experts(cls: type, weight: Any, num_replicas: int, num_groups: int, num_nodes: int,
+                          num_ranks: int, old_global_expert_indices: Any = None) -> Any:
+        return fn(weight, num_replicas, num_groups, num_nodes, num_ranks, old_global_expert_indices)
+
+    policy = type("R3traceEplbPolicy", (abstract,), {
+        "rebalance_experts": classmethod(rebalance_experts), "__module__": __name__,
+        "__doc__": "r3trace's EPLB planner in vLLM's policy contract (r3trace/eplb/vllm_policy.py)."})
+    policies["default"] = policy
+    return policy
+
+
+def register() -> None:
+    """vLLM's general-plugin entry point: runs in every vLLM process; a no-op unless R3TRACE_VLLM_EPLB=1."""
+    if os.environ.get(ENV, "0") == "0":
+        return
+    try:
+        from vllm.distributed.eplb import policy as vllm_policies  # type: ignore[import-not-found]
+    except ImportError as exc:
+        raise ImportError(f"{ENV}=1 needs vLLM with vllm.distributed.eplb.policy (0.11 or later): {exc}") from exc
+    install(vllm_policies.EPLB_POLICIES, vllm_policies.AbstractEplbPolicy, os.environ)
+
+
+def _sizes(num_groups: int | None, num_nodes: int, num_ranks: int) -> tuple[int, int]:
+    """vLLM's num_expert_groups is 0 before a model sets it and None where the config has no n_group: one group.
+    Nodes that do not divide the ranks: one node, as vLLM's caller does."""
+    groups = num_groups if num_groups and num_groups > 0 else 1
+    nodes = num_nodes if num_nodes > 0 and num_ranks % num_nodes == 0 else 1
+    return groups, nodes
+
+
+def _previous(old: Any, weight: Any, num_replicas: int) -> np.ndarray | None:
+    """The old phy2log as ours' previous placement, or None where it cannot be one: another width (elastic scaling),
+    -1 slots (a scale-up's new slots) or an expert with no slot."""
+    if old is None:
+        return None
+    prev = np.asarray(old.cpu().numpy() if hasattr(old, "cpu") else old, dtype=np.int64)
+    n_layers, n_experts = weight.shape
+    if prev.shape != (n_layers, num_replicas) or prev.min() < 0 or prev.max() >= n_experts:
+        return None
+    offset = (np.arange(n_layers) * n_experts)[:, None]
+    counts = np.bincount((prev + offset).ravel(), minlength=n_layers * n_experts)
+    return prev if counts.min() > 0 else None
