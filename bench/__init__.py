@@ -4,7 +4,8 @@ Every script runs as `python -m bench.<name>` from the repository root and has a
 Triton kernels in the interpreter) that tests/bench/test_smoke.py runs in `make test`. bench/README.md lists them.
 Shared pieces: inputs.py (paged MLA decode inputs, MoE routes; the kernel tests build theirs with it too),
 timing.py (timers and ceilings), decode_rate.py (the engine benches' checkpoint, prompts and decode rate),
-tables.py (BENCHMARKS.md's tables from bench/results/latest.json).
+tables.py (BENCHMARKS.md's tables from bench/results/latest.json), spawn.py (rank processes and a free port; the
+tests spawn theirs with it too). Tests may import bench; bench never imports tests.
 """
 
 import os

@@ -372,9 +372,9 @@ CONFIGS: dict[str, tuple[int, int, int, dict[str, Any]]] = {  # name -> (tp, dp,
 
 
 def measure(tp: int, dp: int, ep: int, options: dict[str, Any], model_dir: Path, out_dir: Path) -> list[dict[str, Any]]:
-    """Spawn tp gloo ranks (tests/spawn.py) and return each rank's counted calls and routes."""
+    """Spawn tp gloo ranks (bench/spawn.py) and return each rank's counted calls and routes."""
     from bench.collective_bytes import measure_rank as rank_fn  # by module name: run as a script, this is __main__
-    from tests.spawn import free_port, spawn_ranks
+    from bench.spawn import free_port, spawn_ranks
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     out_dir.mkdir(parents=True, exist_ok=True)

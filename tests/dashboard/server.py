@@ -12,8 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench.spawn import free_port
 from tests.health import wait_healthy
-from tests.spawn import free_port
 
 TICK_S = 1 / os.sysconf("SC_CLK_TCK")
 

@@ -15,10 +15,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from bench.spawn import free_port
 from r3trace.trace import open_dataset
 from tests.durability.kill_harness import REPO
 from tests.health import wait_healthy
-from tests.spawn import free_port
 
 SAMPLE = REPO / "samples" / "model"
 GEN = {"text": "def fib(n):", "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}}

@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from bench.spawn import free_port, spawn_ranks
 from r3trace.engine.distributed import all_gather_into
-from tests.spawn import free_port, spawn_ranks
 
 
 def _worker(rank: int, port: int, old_torch: bool, out_dir: Path) -> None:

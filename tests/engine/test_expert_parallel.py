@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from bench.spawn import free_port, spawn_ranks
 from r3trace.capture.recorder import NullRecorder
 from r3trace.engine.expert_placement import apply_expert_location, update_expert_placement
 from r3trace.engine.forward_batch import ForwardBatch
@@ -47,7 +48,6 @@ from r3trace.engine.layers.moe import MoE, make_experts_fn
 from r3trace.engine.layers.router import make_routing_ops
 from r3trace.engine.model_config import ModelConfig
 from r3trace.kernels.moe.reference import fused_moe_ref
-from tests.spawn import free_port, spawn_ranks
 
 E, K = 8, 3
 

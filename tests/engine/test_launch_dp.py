@@ -21,13 +21,13 @@ from typing import Any
 import duckdb
 import torch
 
+from bench.spawn import free_port, spawn_ranks
 from r3trace.engine import Engine, model_runner
 from r3trace.engine.engine_config import EngineConfig
 from r3trace.engine.forward_batch import ForwardBatch
 from r3trace.engine.launch.config import LaunchConfig
 from r3trace.engine.launch.worker import WorkerSpec, run_rank
 from r3trace.engine.parallel import ParallelInfo
-from tests.spawn import free_port, spawn_ranks
 
 SAMPLE = Path(__file__).resolve().parents[2] / "samples" / "model"
 OPTIONS: dict[str, Any] = dict(deterministic=True, max_running_requests=8, kv_pool_tokens=2048, chunked_prefill_size=64)

@@ -14,10 +14,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from bench.spawn import free_port
 from r3trace.client import capture
 from r3trace.trace import open_dataset, read_token_routes
 from tests.health import wait_healthy
-from tests.spawn import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLE = ROOT / "samples" / "model"

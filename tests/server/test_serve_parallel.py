@@ -18,10 +18,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from bench.spawn import free_port
 from r3trace.trace.reader import open_dataset
 from tests.health import wait_healthy
 from tests.server.test_cli import ROOT, SAMPLE
-from tests.spawn import free_port
 
 pytestmark = pytest.mark.skipif(not (SAMPLE / "config.json").exists(), reason="samples/model is not in this checkout")
 

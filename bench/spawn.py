@@ -1,4 +1,7 @@
-"""Spawning rank processes from a test (torch.multiprocessing, start method spawn).
+"""Spawning rank processes from a bench script or a test (torch.multiprocessing, start method spawn).
+
+Shared by bench/collective_bytes.py and the engine, server, durability and dashboard tests; it lives in bench/
+because bench scripts must not depend on tests/ (tests may import bench).
 
 A spawned child first re-runs the parent's `__main__`; Streamlit's AppTest (tests/dashboard) leaves
 dashboards/app.py there, which fails on pytest's argv. The ranks need only the module that defines their
