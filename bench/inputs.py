@@ -4,7 +4,9 @@ Shape legend: B requests, H heads, C = kv_lora + rope latent columns, S cache sl
 
 One builder of paged decode inputs serves both: tests/kernels/conftest.py takes its req_to_token tables from here
 (mixed lengths, tiny heads, random data drawn on the host from one generator), the bench scripts their H200 cells
-(every request kv_len long, gigabytes of cache drawn on the device).
+(every request kv_len long, gigabytes of cache drawn on the device). MoE routes likewise: `routes` (distinct experts
+a token, some ids -1, drawn from the caller's generator) serves tests/kernels/moe_cases.py and
+bench/moe_verify_tiles.py.
 """
 
 from __future__ import annotations
@@ -123,3 +125,11 @@ def moe_routes(T: int, E: int, K: int, device: str, gen: torch.Generator | None 
     """topk_ids [T, K] int32: K distinct experts per token, uniform at random (the top-k of uniform scores)."""
     scores = torch.rand(T, E, generator=gen, device=gen.device if gen is not None else device)
     return scores.topk(K, dim=-1).indices.to(device=device, dtype=torch.int32)
+
+
+def routes(T: int, E: int, K: int, gen: torch.Generator, empty: tuple[int, ...] = ()) -> torch.Tensor:
+    """Distinct experts per token (as a top-k gives), never the experts in `empty`, some ids -1."""
+    allowed = torch.tensor([e for e in range(E) if e not in empty])
+    ids = torch.stack([allowed[torch.randperm(len(allowed), generator=gen)[:K]] for _ in range(T)])
+    off_rank = torch.rand(T, K, generator=gen) < 0.15  # experts on another EP rank
+    return torch.where(off_rank, -1, ids).to(torch.int32)

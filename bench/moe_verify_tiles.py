@@ -1,7 +1,7 @@
 """Fused MoE tiles at speculative-verify sizes on the 2.5B V3 shape (D 2048, I 512, E 64, top-6, bf16): the CUDA-graph
 time of one fused_moe call under the default plan (moe_config) and under 11 fixed tile sets, T = 4 .. 256 tokens
 (a batch-32 verify of d + 1 = 4 rows is T = 128: 12 rows per expert), with the weight-read floor of the experts the
-routes touch (3 x D x I bf16 each, at 4.8 TB/s). Routes: tests/kernels/moe_cases.routes (distinct uniform experts a
+routes touch (3 x D x I bf16 each, at 4.8 TB/s). Routes: bench/inputs.routes (distinct uniform experts a
 token, 15% off-rank ids mapped to expert 0). A tile set whose output leaves the default's by more than 1e-2 (relative
 norm) is reported as an error, not timed.
 
@@ -19,12 +19,12 @@ from pathlib import Path
 
 import torch
 
+from bench.inputs import routes
 from r3trace.kernels.moe import config as C
 from r3trace.kernels.moe.config import GemmTile as G
 from r3trace.kernels.moe.config import MoeConfig
 from r3trace.kernels.moe.fused_moe import fused_moe
 from r3trace.kernels.moe.reference import fused_moe_ref
-from tests.kernels.moe_cases import routes
 
 D, I, E, K = 2048, 512, 64, 6
 HBM_BYTES_S = 4.8e12  # the H200's HBM3e bandwidth

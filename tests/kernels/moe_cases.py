@@ -1,16 +1,13 @@
-"""Random MoE inputs shared by the fused MoE tests (CPU interpreter and GPU files)."""
+"""Random MoE inputs shared by the fused MoE tests (CPU interpreter and GPU files). Their routes come from
+bench/inputs.py's `routes`, which bench/moe_verify_tiles.py draws its routes with too."""
 
 from __future__ import annotations
 
 import torch
 
+from bench.inputs import routes
 
-def routes(T: int, E: int, K: int, gen: torch.Generator, empty: tuple[int, ...] = ()) -> torch.Tensor:
-    """Distinct experts per token (as a top-k gives), never the experts in `empty`, some ids -1."""
-    allowed = torch.tensor([e for e in range(E) if e not in empty])
-    ids = torch.stack([allowed[torch.randperm(len(allowed), generator=gen)[:K]] for _ in range(T)])
-    off_rank = torch.rand(T, K, generator=gen) < 0.15  # experts on another EP rank
-    return torch.where(off_rank, -1, ids).to(torch.int32)
+__all__ = ["moe_case", "routes"]  # routes: bench/inputs.py's, imported from here by the fused MoE tests
 
 
 def moe_case(
