@@ -37,7 +37,7 @@ test-all: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy r3trace engine kernels dashboards bench  # tests/: ruff only (bench/ imports tiny_models)
+	$(VENV)/bin/mypy r3trace engine kernels dashboards bench  # tests/: ruff only (shared helpers live in bench/)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

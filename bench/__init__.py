@@ -5,7 +5,8 @@ Triton kernels in the interpreter) that tests/bench/test_smoke.py runs in `make 
 Shared pieces: inputs.py (paged MLA decode inputs, MoE routes; the kernel tests build theirs with it too),
 timing.py (timers and ceilings), decode_rate.py (the engine benches' checkpoint, prompts and decode rate),
 tables.py (BENCHMARKS.md's tables from bench/results/latest.json), spawn.py (rank processes and a free port; the
-tests spawn theirs with it too). Tests may import bench; bench never imports tests.
+tests spawn theirs with it too), tiny_models.py (tiny random DeepSeek checkpoints and a direct forward; engine_gpu.py
+and the engine tests). Tests may import bench; bench never imports tests.
 """
 
 import os

@@ -34,8 +34,8 @@ from bench.decode_rate import (
     open_engine,
     vocab_size,
 )
+from bench.tiny_models import direct_forward, load_engine_model, make_checkpoint
 from r3trace.engine import Engine
-from tests.tiny_models import direct_forward, load_engine_model, make_checkpoint
 
 
 def exactness(tmp: Path, backend: str, device: str = "cuda", requests: int = 16) -> dict[str, Any]:

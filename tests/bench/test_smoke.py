@@ -25,7 +25,7 @@ TIMEOUT_S = 300  # one script on a loaded 2-core machine; alone they take 2-10 s
 
 # `python -m` puts the working directory first on sys.path, where `import kernels` finds this repository's kernels/
 # folder (r3trace.kernels once installed) before the Hugging Face `kernels` package that transformers >= 5.25 imports:
-# bench/engine_gpu.py's smoke builds its checkpoint with transformers. Last, the root still serves `bench` and `tests`.
+# bench/engine_gpu.py's smoke builds its checkpoint with transformers. Last, the root still serves `bench`.
 _RUN = ("import runpy, sys; root = sys.argv[1]; sys.path[:] = [p for p in sys.path if p not in ('', root)] + [root]; "
         "sys.argv = sys.argv[2:]; runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)")
 

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 import r3trace
-from tests.tiny_models import direct_forward, load_engine_model
+from bench.tiny_models import direct_forward, load_engine_model
 
 _MODELS: dict[Path, Any] = {}
 

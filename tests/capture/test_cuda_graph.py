@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.tiny_models import load_engine_model
 from r3trace.capture.capturer import CaptureConfig, RoutedExpertsCapturer
 from r3trace.engine.forward_batch import ForwardBatch
-from tests.tiny_models import load_engine_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

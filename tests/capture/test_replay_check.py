@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from bench.tiny_models import make_checkpoint
 from r3trace.engine import Engine
 from r3trace.engine.replay_check import replay_check
 from tests.engine.conftest import greedy, random_prompts
-from tests.tiny_models import make_checkpoint
 
 
 def test_replay_check_same_model_zero_flips_other_model_flips(tiny_ckpt: Path, tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ from r3trace.engine import InvalidRequestError
 from tests.capture.helpers import direct_routes, returned_routes
 from tests.engine.conftest import EngineFactory, greedy, random_prompts
 
-K, E, MOE = 3, 8, [1, 2]  # tests/tiny_models.py v3_noaux_groups: 3 layers, layer 0 dense
+K, E, MOE = 3, 8, [1, 2]  # bench/tiny_models.py v3_noaux_groups: 3 layers, layer 0 dense
 
 
 def random_routes(rows: int, seed: int) -> np.ndarray:

@@ -146,7 +146,7 @@ def test_overflowing_configuration_is_refused() -> None:
 
 def test_routed_weights_are_the_gate_weights(tiny_ckpt: Path, make_engine: EngineFactory) -> None:
     import r3trace
-    from tests.tiny_models import direct_forward, load_engine_model
+    from bench.tiny_models import direct_forward, load_engine_model
 
     engine = make_engine(capture_weights=True)
     p = random_prompts(1, 9, 9, seed=9)[0]

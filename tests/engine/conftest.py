@@ -1,6 +1,6 @@
 """Shared engine-test fixtures: one tiny random DeepSeek-V3 checkpoint per session, and Engine factories.
 
-The checkpoint is written once by transformers' save_pretrained (tests/tiny_models.py); engines are
+The checkpoint is written once by transformers' save_pretrained (bench/tiny_models.py); engines are
 cheap to build from it (about 0.1 s), so each test builds the configuration it needs.
 """
 
@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 
+from bench.tiny_models import make_checkpoint
 from r3trace.engine import Engine
-from tests.tiny_models import make_checkpoint
 
-VOCAB = 320  # tests/tiny_models.py _BASE vocab_size
-EOS = 1  # tests/tiny_models.py _BASE eos_token_id
+VOCAB = 320  # bench/tiny_models.py _BASE vocab_size
+EOS = 1  # bench/tiny_models.py _BASE eos_token_id
 
 EngineFactory = Callable[..., Engine]
 

@@ -77,8 +77,8 @@ def test_fused_shared_experts_match_separate(
     the sums may round differently in the last fp32 bits (2^-23 relative) per layer; 2e-5 on logprobs of
     order 1-6 leaves room for 3 layers of that and catches a wrongly split expert (errors of order 1e-1).
     n_shared = 2 (V2's layout): one MLP of 2 I split into two experts of I."""
+    from bench.tiny_models import make_checkpoint
     from r3trace.engine import Engine
-    from tests.tiny_models import make_checkpoint
 
     ckpt = make_checkpoint(tmp_path / "ck", "v3_noaux_groups", seed=5, n_shared_experts=n_shared)
     prompts = random_prompts(3, 4, 13, seed=31)

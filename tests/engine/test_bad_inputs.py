@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
+from bench.tiny_models import make_checkpoint
 from r3trace.engine import Engine, InvalidRequestError
 from tests.engine.conftest import VOCAB, EngineFactory, assert_pool_whole, greedy
-from tests.tiny_models import make_checkpoint
 
 GOOD = [5, 6, 7, 8]
 

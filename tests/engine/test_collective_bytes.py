@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from bench.collective_bytes import Layout, Shape, collective_bytes, compare, measure, reach_probability, worst_reach
+from bench.tiny_models import make_checkpoint
 from r3trace.engine.model_config import ModelConfig
-from tests.tiny_models import make_checkpoint
 
 
 @pytest.mark.parametrize(("tp", "dp", "ep", "options"), [(2, 2, 1, {}), (2, 1, 2, {"deepep_mode": "normal"})],

@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from bench.tiny_models import load_engine_model, make_checkpoint
 from r3trace.engine.model_config import ConfigError, ModelConfig
 from r3trace.engine.weights import WeightsError
-from tests.tiny_models import load_engine_model, make_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +137,7 @@ def test_corrupt_safetensors_is_a_clear_error(ckpt: Path, tmp_path: Path) -> Non
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_loads_and_runs(ckpt: Path, dtype: str) -> None:
-    from tests.tiny_models import direct_forward
+    from bench.tiny_models import direct_forward
 
     model = load_engine_model(ckpt, dtype=dtype)
     assert model.model.layers[1].mlp.w13.dtype == getattr(torch, dtype)

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from bench.tiny_models import make_checkpoint
 from r3trace.engine import Engine
 from tests.engine.conftest import VOCAB, EngineFactory, greedy, random_prompts
-from tests.tiny_models import make_checkpoint
 
 PROMPT = random_prompts(1, 4, 24, seed=2)[0]
 

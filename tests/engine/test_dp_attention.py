@@ -33,6 +33,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from bench.spawn import free_port, spawn_ranks
+from bench.tiny_models import load_engine_model, make_checkpoint
 from r3trace.capture.capturer import RoutedExpertsCapturer
 from r3trace.capture.recorder import ListRecorder
 from r3trace.engine.distributed import init_parallel
@@ -48,7 +49,6 @@ from tests.engine.dp_workload import (
     forced_ids,
     run_workload,
 )
-from tests.tiny_models import load_engine_model, make_checkpoint
 
 # fp32. Against one process only the order of fp32 additions differs: o_proj, the dense MLP and the shared experts
 # summed in halves and all-reduced, the EP combine adding expert ranks' rows, and GEMMs over other row counts (the

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 import r3trace
 from bench.spawn import spawn_ranks
+from bench.tiny_models import direct_forward, load_engine_model, make_checkpoint
 from r3trace.engine.distributed import init_parallel
 from r3trace.engine.engine_config import EngineConfig, EngineConfigError
 from r3trace.engine.layers.exact import (
@@ -36,7 +37,6 @@ from r3trace.engine.layers.exact import (
 from r3trace.engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 from r3trace.engine.parallel import ParallelInfo
 from tests.engine.conftest import EngineFactory, greedy, random_prompts
-from tests.tiny_models import direct_forward, load_engine_model, make_checkpoint
 
 # ---------------------------------------------------------------- (a) batch invariance through the Engine API
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch import nn
 
+from bench.tiny_models import direct_forward, load_engine_model, make_checkpoint
 from r3trace.capture.recorder import NullRecorder
 from r3trace.engine.expert_placement import apply_expert_location, moe_layers, update_chunks
 from r3trace.engine.layers.dispatcher import NullDispatcher
@@ -25,7 +26,6 @@ from r3trace.engine.layers.moe import MoE, make_experts_fn
 from r3trace.engine.layers.router import make_routing_ops
 from tests.engine.test_expert_location import LAYERS, PHY2LOG
 from tests.engine.test_expert_parallel import CFG, E, batch, full_moe
-from tests.tiny_models import direct_forward, load_engine_model, make_checkpoint
 
 
 def redundant_moe(full: MoE, loc: ExpertLocation, layer_id: int, mode: str) -> MoE:

@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 import torch
 
+from bench.tiny_models import direct_forward, load_engine_model, make_checkpoint
 from r3trace.engine import Engine, InvalidRequestError
 from r3trace.engine.engine_config import EngineConfigError
 from tests.engine.conftest import VOCAB, EngineFactory, assert_pool_whole, greedy, random_prompts
-from tests.tiny_models import direct_forward, load_engine_model, make_checkpoint
 
 PROMPTS = random_prompts(4, 4, 24, seed=2)
 SAMPLED = {"temperature": 0.9, "top_k": 40, "top_p": 0.95, "max_new_tokens": 12, "ignore_eos": True}

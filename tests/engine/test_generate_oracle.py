@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 import torch
 
+from bench.tiny_models import CONFIGS, load_hf, make_checkpoint
 from r3trace.engine import Engine
 from tests.engine.conftest import assert_pool_whole, random_prompts
 from tests.kernels.conftest import DEVICE, requires_triton
-from tests.tiny_models import CONFIGS, load_hf, make_checkpoint
 
 # fp32 end to end on both sides; only the order of reductions differs (absorbed MLA over the cache against
 # transformers' normal form, chunks against one pass, paged gathers). Measured worst case over these tests and

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
+from bench.tiny_models import make_checkpoint
 from r3trace.engine import Engine
 from r3trace.engine.layers.attention_backend import RefAttention
-from tests.tiny_models import make_checkpoint
 
 pytestmark = [
     pytest.mark.gpu,

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.tiny_models import CONFIGS, direct_forward, load_engine_model, load_hf, make_checkpoint
 from r3trace.engine.layers.router import RoutingParams, grouped_topk_ref
-from tests.tiny_models import CONFIGS, direct_forward, load_engine_model, load_hf, make_checkpoint
 
 # fp32 end to end; measured worst case over these configs and both MLA paths: 3.3e-6 (torch 2.13 CPU,
 # v3_dense2_yarn).

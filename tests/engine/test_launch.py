@@ -25,11 +25,11 @@ import numpy as np
 import pytest
 import torch
 
+from bench.tiny_models import direct_forward, load_engine_model
 from r3trace.capture.recorder import ListRecorder
 from r3trace.capture.wire import decode_routed_experts
 from r3trace.engine import Engine
 from r3trace.engine.near_tie import gap_hooks
-from tests.tiny_models import direct_forward, load_engine_model
 
 SAMPLE = Path(__file__).resolve().parents[2] / "samples" / "model"
 OPTIONS: dict[str, Any] = dict(max_running_requests=8, kv_pool_tokens=2048, chunked_prefill_size=64)

@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 import torch
 
+from bench.tiny_models import load_engine_model
 from r3trace.capture.recorder import ListRecorder
 from r3trace.engine.layers.router import Router, make_routing_ops
 from r3trace.engine.model_config import ModelConfig
 from r3trace.engine.near_tie import FlipCount, count_flips, forward_whole, neighbour_gaps, sequence_gaps
-from tests.tiny_models import load_engine_model
 
 SAMPLE = Path(__file__).resolve().parents[2] / "samples" / "model"
 

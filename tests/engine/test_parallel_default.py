@@ -19,12 +19,12 @@ from typing import Any
 import numpy as np
 import pytest
 
+from bench.tiny_models import load_engine_model
 from r3trace.capture.recorder import ListRecorder
 from r3trace.capture.wire import decode_routed_experts
 from r3trace.engine import Engine
 from r3trace.engine.model import DeepseekForCausalLM
 from r3trace.engine.near_tie import FlipCount, count_flips, sequence_gaps
-from tests.tiny_models import load_engine_model
 
 SAMPLE = Path(__file__).resolve().parents[2] / "samples" / "model"
 OPTIONS: dict[str, Any] = dict(max_running_requests=8, kv_pool_tokens=2048, chunked_prefill_size=16)

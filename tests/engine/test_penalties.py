@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 import torch
 
+from bench.tiny_models import direct_forward, load_engine_model, make_checkpoint
 from r3trace.engine import Engine, InvalidRequestError
 from r3trace.engine.host_staging import HostStaging
 from r3trace.engine.penalties import Penalties, PenaltyRow
@@ -34,7 +35,6 @@ from r3trace.engine.request import SamplingParams
 from r3trace.engine.sampling import Sampler
 from tests.engine.conftest import EngineFactory, greedy, random_prompts
 from tests.engine.test_sampling import P_REJECT, chi_square_p
-from tests.tiny_models import direct_forward, load_engine_model, make_checkpoint
 
 SAMPLE_MODEL = Path(__file__).resolve().parents[2] / "samples" / "model"
 V, EOS = 40, (3,)

@@ -36,11 +36,11 @@ import pytest
 import torch
 
 import r3trace
+from bench.tiny_models import load_hf, make_checkpoint
 from r3trace.engine import Engine
 from r3trace.engine.model_config import ModelConfig
 from tests.engine.conftest import greedy, random_prompts
 from tests.engine.hf_forced_routes import hf_logprobs
-from tests.tiny_models import load_hf, make_checkpoint
 
 ATOL = 1e-4
 NATURAL_GAP = 0.1  # every check's forced routes move some logprob by more than this from natural routing

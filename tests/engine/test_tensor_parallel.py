@@ -19,11 +19,11 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from bench.spawn import spawn_ranks
+from bench.tiny_models import direct_forward, load_engine_model, make_checkpoint
 from r3trace.engine.distributed import init_parallel
 from r3trace.engine.layers.linear import VocabParallelEmbedding, shards
 from r3trace.engine.parallel import ParallelInfo, group_ranks
 from r3trace.engine.weights import WeightsError
-from tests.tiny_models import direct_forward, load_engine_model, make_checkpoint
 
 # fp32. The one-process model sums o_proj's, the dense MLP's and the shared experts' inner products over all
 # heads / the whole intermediate in one GEMM; tp=2 sums two halves and adds them in the all-reduce. Only the

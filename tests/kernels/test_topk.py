@@ -10,12 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bench.tiny_models import CONFIGS as TINY_CONFIGS
+from bench.tiny_models import hf_config
 from r3trace.kernels.contract import KernelInputError
 from r3trace.kernels.router_logits import router_logits, router_logits_ref
 from r3trace.kernels.topk import grouped_topk, grouped_topk_ref, sum_partials
 from tests.kernels.conftest import DEVICE, gpu, requires_gpu, requires_triton
-from tests.tiny_models import CONFIGS as TINY_CONFIGS
-from tests.tiny_models import hf_config
 
 pytestmark = requires_triton
 

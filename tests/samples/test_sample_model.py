@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from bench.tiny_models import direct_forward, load_engine_model, load_hf
 from r3trace.engine.tokenizer import HFTokenizer
-from tests.tiny_models import direct_forward, load_engine_model, load_hf
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_DIR = Path(os.environ.get("SAMPLE_MODEL_DIR", ROOT / "samples" / "model"))

@@ -8,10 +8,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from bench.tiny_models import make_checkpoint
 from r3trace.engine import Engine
 from r3trace.server import ServerConfig, create_app
 from tests.server.live_server import LiveServer
-from tests.tiny_models import make_checkpoint
 
 MAX_BODY = 64 * 1024  # small, so the oversized-body case stays cheap
 

@@ -18,12 +18,12 @@ import pyarrow.parquet as pq
 import torch
 from fastapi import FastAPI
 
+from bench.tiny_models import direct_forward, load_engine_model
 from r3trace.capture.wire import encode_int32
 from r3trace.client import capture
 from r3trace.engine import Engine
 from r3trace.trace import Manifest, open_dataset, read_token_routes
 from tests.server.live_server import LiveServer
-from tests.tiny_models import direct_forward, load_engine_model
 
 PROMPTS: list[Any] = [[5, 6, 7, 8], [9, 10, 11], {"input_ids": [12, 13, 14, 15, 16], "tag": "code"}]
 SP = {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}

@@ -16,10 +16,10 @@ import httpx
 import numpy as np
 import torch
 
+from bench.tiny_models import direct_forward, load_engine_model
 from r3trace import decode_routed_experts
 from r3trace.engine import Engine
 from tests.server.live_server import LiveServer
-from tests.tiny_models import direct_forward, load_engine_model
 
 CLIENTS = 50
 

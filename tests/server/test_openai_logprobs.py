@@ -29,10 +29,10 @@ import httpx
 import pytest
 import torch
 
+from bench.tiny_models import load_hf
 from r3trace.engine import Engine
 from tests.server.conftest import SAMPLE
 from tests.server.sse import stream_json
-from tests.tiny_models import load_hf
 
 PROMPT = "def fib(n):"
 TOP = 3

@@ -16,7 +16,7 @@ from tests.engine.conftest import EngineFactory
 from tests.spec.mtp_checkpoint import make_mtp_checkpoint
 
 VOCAB = 64
-EOS = 1  # tests/tiny_models.py _BASE eos_token_id
+EOS = 1  # bench/tiny_models.py _BASE eos_token_id
 
 
 @pytest.fixture(scope="session")

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.tiny_models import make_checkpoint
+from bench.tiny_models import make_checkpoint
 
 
 def add_mtp_layer(ckpt: Path, seed: int = 0, noise: float = 0.05) -> Path:
@@ -54,6 +54,6 @@ def add_mtp_layer(ckpt: Path, seed: int = 0, noise: float = 0.05) -> Path:
 
 
 def make_mtp_checkpoint(out_dir: Path, seed: int = 0, noise: float = 0.05, **overrides: Any) -> Path:
-    """A tiny v3_noaux_groups checkpoint (tests/tiny_models.py) of 2 layers with an MTP layer."""
+    """A tiny v3_noaux_groups checkpoint (bench/tiny_models.py) of 2 layers with an MTP layer."""
     ckpt = make_checkpoint(out_dir, "v3_noaux_groups", seed=seed, num_hidden_layers=2, **overrides)
     return add_mtp_layer(ckpt, seed=seed, noise=noise)

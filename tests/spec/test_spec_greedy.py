@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 
 import r3trace
+from bench.tiny_models import direct_forward, load_engine_model
 from r3trace.engine import Engine
 from tests.engine.conftest import EngineFactory
 from tests.spec.conftest import VOCAB
-from tests.tiny_models import direct_forward, load_engine_model
 
 ASK: dict[str, Any] = dict(return_routed_experts=True, return_logprob=True, top_logprobs_num=2)
 

@@ -1,8 +1,10 @@
 """Tiny random DeepSeek-V2/V3 checkpoints written by transformers' save_pretrained, and a direct forward.
 
-Shared by the engine, capture and kernel tests. Each config exercises a different part of the spec:
-q_lora_rank null, softmax + greedy, sigmoid + noaux_tc with groups, several dense first layers,
-norm_topk_prob false, routed_scaling_factor != 1, YaRN scaling.
+Shared by bench scripts (bench/engine_gpu.py) and the engine, capture, server, spec, samples and kernel tests; it
+lives in bench/ because bench scripts must not depend on tests/ (tests may import bench).
+
+Each config exercises a different part of the spec: q_lora_rank null, softmax + greedy, sigmoid + noaux_tc with
+groups, several dense first layers, norm_topk_prob false, routed_scaling_factor != 1, YaRN scaling.
 """
 
 from __future__ import annotations
