@@ -5,7 +5,8 @@ gets the loads [L, E] summed over the load window (int32, CPU) and the phy2log i
 phy2log. Here window t's loads plan and window t + 1 scores: even-split balancedness held out (r3trace/eplb/score.py),
 churn (the share of slots whose expert changed: each one a weight transfer) and the call's seconds. vLLM's policy is
 its own class from the wheel; ours is whatever vLLM's plugin loader put in the registry with R3TRACE_VLLM_EPLB=1
-(r3trace/eplb/vllm_policy.py), so the run also checks that wiring. Each cell: 12 windows of 4,096 tokens from a
+(r3trace/eplb/vllm_policy.py), so the run also checks that wiring; it keeps the windows of its earlier calls (a fresh
+process per cell). Each cell: 12 windows of 4,096 tokens from a
 16-layer, 256-expert, top-8, 8-group router of bench/eplb_traces.py; 10 held-out re-plans a policy.
 
 Run:   .venv/bin/python -m bench.eplb_vllm --vllm-site DIR --vllm-deps DEPS [--out FILE] [--latest]
@@ -73,6 +74,8 @@ def run(policy: Any, spec: TraceSpec, shape: tuple[int, int, int]) -> dict[str, 
     e = spec.num_experts
     heats = np.stack([heat_of(w, e) for w in load_windows(spec)[0]])
     cl = Cluster(gpus, nodes, slots, num_groups=spec.num_groups)
+    if hasattr(policy, "history"):  # ours keeps its process's windows (vllm_policy.WindowHistory): a fresh process
+        policy.history.windows.clear()
     old = None
     rows: dict[str, list[float]] = {"bal": [], "churn": [], "seconds": []}
     for t in range(len(heats) - 1):

@@ -12,8 +12,10 @@ returns the triple (phy2log, log2phy [L, E, P - E + 1], logcnt) from the same ca
 abstract method's return annotation, once.
 
 What ours adds there: the old map as `previous`, so a re-plan on an unchanged workload moves <= ~10% of slots where
-the built-in policy re-packs from scratch and keeps only the experts that land on the same GPU again. vLLM hands one
-summed window, so ours' forecast over windows (dropin's `history`) is not used here.
+the built-in policy re-packs from scratch and keeps only the experts that land on the same GPU again; and the windows
+of earlier calls. vLLM hands one summed window a call and keeps none, so the installed class keeps the newest
+KEEP_WINDOWS of its process (WindowHistory) and plans on them as dropin's `history`: ours' forecast and drift test
+run as in `r3trace eplb` (measured beside vLLM's own policy: BENCHMARKS.md, "EPLB vLLM policy").
 
 How it is wired: pyproject.toml registers `register` under vLLM's plugin group `vllm.general_plugins`, which vLLM
 loads in every process (API server, engine core, workers) before the EPLB state picks EPLB_POLICIES[policy]; it
@@ -33,31 +35,58 @@ from r3trace.eplb.config import PlannerConfig
 from r3trace.eplb.dropin import planned_arrays, vllm_rebalance_experts
 
 ENV = "R3TRACE_VLLM_EPLB"
+KEEP_WINDOWS = 8  # the windows ours plans on, as the EPLB matrix's cells (bench/eplb_matrix.py, run_cell's history)
+
+
+class WindowHistory:
+    """The load windows [L, E] one process handed its policy, oldest first, the newest KEEP_WINDOWS of each [L, E]
+    shape (vLLM plans each model of an EplbState in turn: a draft model's layers are another shape). An all-zero
+    window is not kept: vLLM's profile run rearranges once on the empty load window before serving."""
+
+    def __init__(self, keep: int = KEEP_WINDOWS) -> None:
+        self.keep = keep
+        self.windows: dict[tuple[int, ...], list[np.ndarray]] = {}
+
+    def add(self, weight: Any) -> np.ndarray | None:
+        """Keeps weight; returns the kept windows [W, L, E] (weight last), or None for an all-zero weight."""
+        w = np.asarray(weight.float().cpu().numpy() if hasattr(weight, "cpu") else weight, dtype=np.float64)
+        if not w.any():
+            return None
+        kept = self.windows.setdefault(w.shape, [])
+        kept.append(w)
+        del kept[:-self.keep]
+        return np.stack(kept)
 
 
 def rebalance_phy2log(weight: Any, num_replicas: int, num_groups: int | None, num_nodes: int, num_ranks: int,
-                      old_global_expert_indices: Any = None, *, cfg: PlannerConfig = PlannerConfig()) -> Any:
+                      old_global_expert_indices: Any = None, *, history: Any = None,
+                      cfg: PlannerConfig = PlannerConfig()) -> Any:
     """vLLM 0.33.0's rebalance_experts: phy2log [L, P] int64 on the CPU (module doc: the arguments). The old map is
-    ours' `previous` where it is a placement of this shape (every expert present, no -1); else ours plans fresh."""
+    ours' `previous` where it is a placement of this shape (every expert present, no -1); else ours plans fresh.
+    history: the windows [W, L, E] weight ends (WindowHistory.add), else weight alone."""
     import torch
 
     groups, nodes = _sizes(num_groups, num_nodes, num_ranks)
     previous = _previous(old_global_expert_indices, weight, num_replicas)
-    phy2log, _, _ = planned_arrays(weight, num_replicas, groups, nodes, num_ranks, previous=previous, cfg=cfg)
+    phy2log, _, _ = planned_arrays(weight, num_replicas, groups, nodes, num_ranks, history=history,
+                                   previous=previous, cfg=cfg)
     return torch.from_numpy(np.ascontiguousarray(phy2log))
 
 
 def rebalance_triple(weight: Any, num_replicas: int, num_groups: int | None, num_nodes: int, num_ranks: int,
-                     old_global_expert_indices: Any = None, *, cfg: PlannerConfig = PlannerConfig()) -> Any:
+                     old_global_expert_indices: Any = None, *, history: Any = None,
+                     cfg: PlannerConfig = PlannerConfig()) -> Any:
     """The older policy contract: (phy2log, log2phy [L, E, P - E + 1], logcnt) on weight's device."""
     groups, nodes = _sizes(num_groups, num_nodes, num_ranks)
     previous = _previous(old_global_expert_indices, weight, num_replicas)
-    return vllm_rebalance_experts(weight, num_replicas, groups, nodes, num_ranks, previous=previous, cfg=cfg)
+    return vllm_rebalance_experts(weight, num_replicas, groups, nodes, num_ranks, history=history,
+                                  previous=previous, cfg=cfg)
 
 
 def install(policies: MutableMapping[str, Any], abstract: type, env: Mapping[str, str]) -> type | None:
     """Puts ours in policies["default"] as a subclass of vLLM's AbstractEplbPolicy when env[ENV] is "1"; returns the
-    class, or None (left alone) when the variable is unset or "0". Any other value is an error naming the variable."""
+    class (its `history`, a WindowHistory, holds the windows it was handed), or None (left alone) when the variable is
+    unset or "0". Any other value is an error naming the variable."""
     flag = env.get(ENV, "0")
     if flag not in ("0", "1"):
         raise ValueError(f"{ENV}={flag!r}: use 1 (ours plans vLLM's EPLB) or 0 (vLLM's default policy)")
@@ -66,12 +95,13 @@ def install(policies: MutableMapping[str, Any], abstract: type, env: Mapping[str
     returns = str(getattr(getattr(abstract, "rebalance_experts", None), "__annotations__", {}).get("return", ""))
     fn = rebalance_triple if "tuple" in returns else rebalance_phy2log
 
-    def rebalance_experts(cls: type, weight: Any, num_replicas: int, num_groups: int, num_nodes: int,
+    def rebalance_experts(cls: Any, weight: Any, num_replicas: int, num_groups: int, num_nodes: int,
                           num_ranks: int, old_global_expert_indices: Any = None) -> Any:
-        return fn(weight, num_replicas, num_groups, num_nodes, num_ranks, old_global_expert_indices)
+        return fn(weight, num_replicas, num_groups, num_nodes, num_ranks, old_global_expert_indices,
+                  history=cls.history.add(weight))
 
     policy = type("R3traceEplbPolicy", (abstract,), {
-        "rebalance_experts": classmethod(rebalance_experts), "__module__": __name__,
+        "rebalance_experts": classmethod(rebalance_experts), "history": WindowHistory(), "__module__": __name__,
         "__doc__": "r3trace's EPLB planner in vLLM's policy contract (r3trace/eplb/vllm_policy.py)."})
     policies["default"] = policy
     return policy

@@ -22,7 +22,7 @@ import torch
 from r3trace.eplb import Cluster, churn, from_phy2log, hierarchical
 from r3trace.eplb.dropin import rebalance_experts
 from r3trace.eplb.score import balancedness, even_gpu_load
-from r3trace.eplb.vllm_policy import ENV, install, register
+from r3trace.eplb.vllm_policy import ENV, KEEP_WINDOWS, install, register
 
 
 class AbstractEplbPolicy(ABC):  # vLLM 0.33.0's signature and return annotation, which install() reads
@@ -55,6 +55,12 @@ def logical_maps(phy2log: torch.Tensor, experts: int) -> torch.Tensor:
                                                                                   torch.ones_like(phy2log))
     assert int(counts.min()) >= 1
     return counts
+
+
+def alone(policy: type, *args: object) -> torch.Tensor:
+    """The policy's plan on one window, as a process's first call (the windows of earlier calls forgotten)."""
+    policy.history.windows.clear()  # type: ignore[attr-defined]
+    return policy.rebalance_experts(*args)  # type: ignore[attr-defined]
 
 
 @pytest.fixture
@@ -103,9 +109,9 @@ def test_the_map_in_service_bounds_the_weights_moved(policy: type) -> None:
     # 16 ranks / 2 nodes / 96 slots; vLLM 0.33.0's DefaultEplbPolicy on these sizes re-packs from scratch (its
     # preserve_intragpu_slots only reorders within a GPU): measured beside it at [58, 256] / 288 / 32 ranks, 64-66%
     # of slots moved a re-plan against ours' 3-4%
-    first = policy.rebalance_experts(window(4, 64, 1), 96, 8, 2, 16)
-    again = policy.rebalance_experts(window(4, 64, 2), 96, 8, 2, 16, first)
-    anew = policy.rebalance_experts(window(4, 64, 2), 96, 8, 2, 16)
+    first = alone(policy, window(4, 64, 1), 96, 8, 2, 16)
+    again = alone(policy, window(4, 64, 2), 96, 8, 2, 16, first)
+    anew = alone(policy, window(4, 64, 2), 96, 8, 2, 16)
     moved, unbound = (churn(from_phy2log(first.numpy(), 64), from_phy2log(x.numpy(), 64)) for x in (again, anew))
     assert moved <= 0.10 < 0.5 < unbound  # measured: 0.078 and 0.92
 
@@ -113,7 +119,7 @@ def test_the_map_in_service_bounds_the_weights_moved(policy: type) -> None:
 @pytest.mark.parametrize("case", ["scale-up", "scale-down", "missing expert"])
 def test_an_old_map_that_is_no_placement_of_these_sizes_plans_fresh(policy: type, case: str) -> None:
     w = window(3, 64, 3)
-    old = policy.rebalance_experts(window(3, 64, 4), 72, 8, 2, 8)
+    old = alone(policy, window(3, 64, 4), 72, 8, 2, 8)
     if case == "scale-up":  # the new ranks' slots hold -1 until the first rearrangement fills them
         old = torch.cat([old, torch.full((3, 8), -1, dtype=torch.int64)], 1)
         slots, ranks = 80, 10
@@ -124,18 +130,18 @@ def test_an_old_map_that_is_no_placement_of_these_sizes_plans_fresh(policy: type
         else:
             old = old.clone()
             old[0, old[0] == 5] = 6
-    got = policy.rebalance_experts(w, slots, 8, 1, ranks, old)
-    np.testing.assert_array_equal(got.numpy(), policy.rebalance_experts(w, slots, 8, 1, ranks).numpy())
+    got = alone(policy, w, slots, 8, 1, ranks, old)
+    np.testing.assert_array_equal(got.numpy(), alone(policy, w, slots, 8, 1, ranks).numpy())
     logical_maps(got, 64)
 
 
 def test_vllms_group_and_node_placeholders_mean_one_group_and_one_node(policy: type) -> None:
     w = window(2, 48, 5)
-    one_group = policy.rebalance_experts(w, 56, 1, 2, 8).numpy()
+    one_group = alone(policy, w, 56, 1, 2, 8).numpy()
     for groups in (0, None):  # num_expert_groups before a model sets it, and a config without n_group
-        np.testing.assert_array_equal(policy.rebalance_experts(w, 56, groups, 2, 8).numpy(), one_group)
-    one_node = policy.rebalance_experts(w, 56, 4, 1, 8).numpy()
-    np.testing.assert_array_equal(policy.rebalance_experts(w, 56, 4, 3, 8).numpy(), one_node)  # 3 nodes, 8 ranks
+        np.testing.assert_array_equal(alone(policy, w, 56, groups, 2, 8).numpy(), one_group)
+    one_node = alone(policy, w, 56, 4, 1, 8).numpy()
+    np.testing.assert_array_equal(alone(policy, w, 56, 4, 3, 8).numpy(), one_node)  # 3 nodes, 8 ranks
 
 
 def test_it_balances_better_than_the_built_in_policy_held_out(policy: type) -> None:
@@ -143,9 +149,21 @@ def test_it_balances_better_than_the_built_in_policy_held_out(policy: type) -> N
     cl = Cluster(16, 2, 80, num_groups=4)
     for seed in range(3):
         plan_on, held_out = window(6, 64, 2 * seed, seed), window(6, 64, 2 * seed + 1, seed).double().numpy()
-        ours = from_phy2log(policy.rebalance_experts(plan_on, 80, 4, 2, 16).numpy(), 64)
+        ours = from_phy2log(alone(policy, plan_on, 80, 4, 2, 16).numpy(), 64)
         theirs = hierarchical(plan_on.double().numpy(), cl)
         assert balancedness(even_gpu_load(ours, held_out, cl)) > balancedness(even_gpu_load(theirs, held_out, cl))
+
+
+def test_it_plans_on_the_windows_of_its_earlier_calls(policy: type) -> None:
+    # vLLM hands one summed window a call; the installed class keeps them, so ours' forecast plans on several
+    ws = [window(3, 64, s) for s in range(KEEP_WINDOWS + 2)]
+    policy.rebalance_experts(torch.zeros(3, 64, dtype=torch.int32), 72, 8, 2, 8)  # vLLM's profile run: not kept
+    policy.rebalance_experts(window(2, 64, 0), 72, 8, 2, 8)  # another model's layers: kept apart
+    for n, w in enumerate(ws, 1):
+        got = policy.rebalance_experts(w, 72, 8, 2, 8)
+        kept = torch.stack(ws[max(0, n - KEEP_WINDOWS):n])
+        np.testing.assert_array_equal(got.numpy(), rebalance_experts(w, 72, 8, 2, 8, history=kept)[0].numpy())
+    assert (got != alone(policy, ws[-1], 72, 8, 2, 8)).any()  # not the newest window's plan
 
 
 def test_older_vllm_gets_the_three_maps() -> None:
