@@ -75,7 +75,7 @@ def run(policy: Any, spec: TraceSpec, shape: tuple[int, int, int]) -> dict[str, 
     heats = np.stack([heat_of(w, e) for w in load_windows(spec)[0]])
     cl = Cluster(gpus, nodes, slots, num_groups=spec.num_groups)
     if hasattr(policy, "history"):  # ours keeps its process's windows (vllm_policy.WindowHistory): a fresh process
-        policy.history.windows.clear()
+        policy.history.clear()
     old = None
     rows: dict[str, list[float]] = {"bal": [], "churn": [], "seconds": []}
     for t in range(len(heats) - 1):

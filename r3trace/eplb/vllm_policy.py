@@ -40,19 +40,33 @@ KEEP_WINDOWS = 8  # the windows ours plans on, as the EPLB matrix's cells (bench
 
 class WindowHistory:
     """The load windows [L, E] one process handed its policy, oldest first, the newest KEEP_WINDOWS of each [L, E]
-    shape (vLLM plans each model of an EplbState in turn: a draft model's layers are another shape). An all-zero
-    window is not kept: vLLM's profile run rearranges once on the empty load window before serving."""
+    shape (vLLM plans each model of an EplbState in turn: a draft model's layers are another shape).
+
+    Every EP rank plans for itself (EplbState.rearrange calls the policy on each rank, then each moves weights by the
+    old and new maps), so the ranks' plans must agree: they do while every rank has seen the same calls, which holds
+    for vLLM's lockstep rearrangements. An elastic resize (other slot, rank, node or group counts) brings new ranks
+    with nothing kept, so every rank starts afresh there. An all-zero window is not kept: vLLM's profile run
+    rearranges once on the empty load window before serving."""
 
     def __init__(self, keep: int = KEEP_WINDOWS) -> None:
         self.keep = keep
         self.windows: dict[tuple[int, ...], list[np.ndarray]] = {}
+        self.sizes: dict[tuple[int, ...], tuple[int, ...]] = {}
 
-    def add(self, weight: Any) -> np.ndarray | None:
-        """Keeps weight; returns the kept windows [W, L, E] (weight last), or None for an all-zero weight."""
+    def clear(self) -> None:
+        """Forgets every window, as a fresh process."""
+        self.windows.clear()
+        self.sizes.clear()
+
+    def add(self, weight: Any, sizes: tuple[int, ...]) -> np.ndarray | None:
+        """Keeps weight, planned for `sizes` (slots, ranks, nodes, groups); returns the windows kept since those
+        sizes were first asked [W, L, E] (weight last), or None for an all-zero weight."""
         w = np.asarray(weight.float().cpu().numpy() if hasattr(weight, "cpu") else weight, dtype=np.float64)
         if not w.any():
             return None
-        kept = self.windows.setdefault(w.shape, [])
+        if self.sizes.get(w.shape) != sizes:
+            self.windows[w.shape], self.sizes[w.shape] = [], sizes
+        kept = self.windows[w.shape]
         kept.append(w)
         del kept[:-self.keep]
         return np.stack(kept)
@@ -97,8 +111,9 @@ def install(policies: MutableMapping[str, Any], abstract: type, env: Mapping[str
 
     def rebalance_experts(cls: Any, weight: Any, num_replicas: int, num_groups: int, num_nodes: int,
                           num_ranks: int, old_global_expert_indices: Any = None) -> Any:
+        sizes = (num_replicas, num_ranks, num_nodes, num_groups or 0)
         return fn(weight, num_replicas, num_groups, num_nodes, num_ranks, old_global_expert_indices,
-                  history=cls.history.add(weight))
+                  history=cls.history.add(weight, sizes))
 
     policy = type("R3traceEplbPolicy", (abstract,), {
         "rebalance_experts": classmethod(rebalance_experts), "history": WindowHistory(), "__module__": __name__,

@@ -59,7 +59,7 @@ def logical_maps(phy2log: torch.Tensor, experts: int) -> torch.Tensor:
 
 def alone(policy: type, *args: object) -> torch.Tensor:
     """The policy's plan on one window, as a process's first call (the windows of earlier calls forgotten)."""
-    policy.history.windows.clear()  # type: ignore[attr-defined]
+    policy.history.clear()  # type: ignore[attr-defined]
     return policy.rebalance_experts(*args)  # type: ignore[attr-defined]
 
 
@@ -164,6 +164,19 @@ def test_it_plans_on_the_windows_of_its_earlier_calls(policy: type) -> None:
         kept = torch.stack(ws[max(0, n - KEEP_WINDOWS):n])
         np.testing.assert_array_equal(got.numpy(), rebalance_experts(w, 72, 8, 2, 8, history=kept)[0].numpy())
     assert (got != alone(policy, ws[-1], 72, 8, 2, 8)).any()  # not the newest window's plan
+
+
+def test_an_elastic_resize_starts_every_ranks_windows_afresh(policy: type) -> None:
+    # the ranks plan for themselves and must agree; after a resize the new ranks have kept nothing, so none may
+    for s in range(3):
+        policy.rebalance_experts(window(3, 64, s), 72, 8, 2, 8)
+    w = window(3, 64, 3)
+    resized = policy.rebalance_experts(w, 80, 8, 2, 10)  # two ranks more
+    joined = install({}, AbstractEplbPolicy, {ENV: "1"})  # a new rank's process
+    assert joined is not None
+    np.testing.assert_array_equal(resized.numpy(), joined.rebalance_experts(w, 80, 8, 2, 10).numpy())
+    again = policy.rebalance_experts(window(3, 64, 4), 80, 8, 2, 10)
+    np.testing.assert_array_equal(again.numpy(), joined.rebalance_experts(window(3, 64, 4), 80, 8, 2, 10).numpy())
 
 
 def test_older_vllm_gets_the_three_maps() -> None:
