@@ -185,8 +185,10 @@ def max_load_floor(w: np.ndarray, logcnt: np.ndarray, cluster: Cluster) -> np.nd
 
 def over(phy2log: np.ndarray, w: np.ndarray, cluster: Cluster, bound: np.ndarray) -> float:
     """phy2log [L, P] on the forecast w [L, E], a max GPU load per layer bound [L] (max_load_floor's, or another
-    plan's) -> the mean over layers of phy2log's max GPU load (even split) / bound."""
-    return float((phy2log_gpu_load(phy2log, w, cluster).max(1) / bound).mean())
+    plan's) -> the mean over layers of phy2log's max GPU load (even split) / bound; a layer of no load (SGLang's
+    counts hold dense layers as zero rows) meets its bound of 0: ratio 1."""
+    top = phy2log_gpu_load(phy2log, w, cluster).max(1)
+    return float(np.divide(top, bound, out=np.ones_like(top, dtype=np.float64), where=bound > 0).mean())
 
 
 def floor_bound(w: np.ndarray, logcnt: np.ndarray, cluster: Cluster, margin: float) -> np.ndarray:

@@ -14,7 +14,7 @@ abstract method's return annotation, once.
 What ours adds there: the old map as `previous`, so a re-plan on an unchanged workload moves <= ~10% of slots where
 the built-in policy re-packs from scratch and keeps only the experts that land on the same GPU again; and the windows
 of earlier calls. vLLM hands one summed window a call and keeps none, so the installed class keeps the newest
-KEEP_WINDOWS of its process (WindowHistory) and plans on them as dropin's `history`: ours' forecast and drift test
+KEEP_WINDOWS of its process (window_history.py) and plans on them as dropin's `history`: ours' forecast and drift test
 run as in `r3trace eplb` (measured beside vLLM's own policy: BENCHMARKS.md, "EPLB vLLM policy").
 
 How it is wired: pyproject.toml registers `register` under vLLM's plugin group `vllm.general_plugins`, which vLLM
@@ -33,45 +33,9 @@ import numpy as np
 
 from r3trace.eplb.config import PlannerConfig
 from r3trace.eplb.dropin import planned_arrays, vllm_rebalance_experts
+from r3trace.eplb.window_history import WindowHistory
 
 ENV = "R3TRACE_VLLM_EPLB"
-KEEP_WINDOWS = 8  # the windows ours plans on, as the EPLB matrix's cells (bench/eplb_matrix.py, run_cell's history)
-
-
-class WindowHistory:
-    """The load windows [L, E] one process handed its policy, oldest first, the newest KEEP_WINDOWS of each [L, E]
-    shape (vLLM plans each model of an EplbState in turn: a draft model's layers are another shape).
-
-    Every EP rank plans for itself (EplbState.rearrange calls the policy on each rank, then each moves weights by the
-    old and new maps), so the ranks' plans must agree: they do while every rank has seen the same calls, which holds
-    for vLLM's lockstep rearrangements. An elastic resize (other slot, rank, node or group counts) brings new ranks
-    with nothing kept, so every rank starts afresh there. An all-zero window is not kept: vLLM's profile run
-    rearranges once on the empty load window before serving."""
-
-    def __init__(self, keep: int = KEEP_WINDOWS) -> None:
-        self.keep = keep
-        self.windows: dict[tuple[int, ...], list[np.ndarray]] = {}
-        self.sizes: dict[tuple[int, ...], tuple[int, ...]] = {}
-
-    def clear(self) -> None:
-        """Forgets every window, as a fresh process."""
-        self.windows.clear()
-        self.sizes.clear()
-
-    def add(self, weight: Any, sizes: tuple[int, ...]) -> np.ndarray | None:
-        """Keeps weight, planned for `sizes` (slots, ranks, nodes, groups); returns the windows kept since those
-        sizes were first asked [W, L, E] (weight last), or None for an all-zero weight."""
-        w = np.asarray(weight.float().cpu().numpy() if hasattr(weight, "cpu") else weight, dtype=np.float64)
-        if not w.any():
-            return None
-        if self.sizes.get(w.shape) != sizes:
-            self.windows[w.shape], self.sizes[w.shape] = [], sizes
-        kept = self.windows[w.shape]
-        kept.append(w)
-        del kept[:-self.keep]
-        return np.stack(kept)
-
-
 def rebalance_phy2log(weight: Any, num_replicas: int, num_groups: int | None, num_nodes: int, num_ranks: int,
                       old_global_expert_indices: Any = None, *, history: Any = None,
                       cfg: PlannerConfig = PlannerConfig()) -> Any:

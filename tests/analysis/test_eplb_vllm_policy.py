@@ -22,7 +22,8 @@ import torch
 from r3trace.eplb import Cluster, churn, from_phy2log, hierarchical
 from r3trace.eplb.dropin import rebalance_experts
 from r3trace.eplb.score import balancedness, even_gpu_load
-from r3trace.eplb.vllm_policy import ENV, KEEP_WINDOWS, install, register
+from r3trace.eplb.vllm_policy import ENV, install, register
+from r3trace.eplb.window_history import KEEP_WINDOWS
 
 
 class AbstractEplbPolicy(ABC):  # vLLM 0.33.0's signature and return annotation, which install() reads

@@ -1,0 +1,110 @@
+"""Ours as SGLang's EPLB algorithm: `pip install r3trace` beside SGLang, set R3TRACE_SGLANG_EPLB=1, and every
+rebalance of `--enable-eplb` (and a placement made from `--init-expert-location` counts) is planned by ours.
+
+The contract (SGLang 0.5.23's wheel): ExpertLocationMetadata.init_by_eplb (srt/eplb/expert_location.py) calls
+`sglang.srt.eplb.eplb_algorithms.rebalance_experts(tokens_per_expert, num_physical_experts,
+num_local_physical_experts, num_groups, num_nodes, algorithm)` with the recorder's logical counts [S, L, E] (a
+circular buffer of forward passes, all-reduced over ranks, on the device; L counts every hidden layer, dense ones
+all zero), num_groups None for a model without groups, and an EplbAlgorithm; it takes back (phy2log [L, P],
+log2phy [L, E, X], logcnt [L, E]) in DeepSeek eplb.py's contract (X the largest count; SGLang pads it to P and moves
+the maps to the device). That is dropin.rebalance_experts' contract.
+
+How it is wired: pyproject.toml registers `register` under SGLang's plugin group `sglang.srt.plugins`, which SGLang
+loads in every process (engine, schedulers, detokenizer); with the variable set it registers an AROUND hook on that
+function in SGLang's HookRegistry. The hook plans with ours unless the algorithm is an elasticity-aware one (its
+active-rank mask is SGLang's alone: the original runs). Unset or 0: nothing is registered.
+
+What ours adds there: the buffer's order is the circular buffer's (rotated), so its rows are summed into one window,
+and the hook keeps the windows of earlier rebalances (window_history.py) for ours' forecast, and its own last plan of
+those sizes as the map in service (init_by_eplb hands none): a re-plan on an unchanged workload moves <= ~10% of
+slots where DeepSeek's algorithm re-packs from scratch. SGLang dispatches a loaded placement by `ep_dispatch_algorithm`
+(static with an all-to-all backend, dynamic without); ours plans for the one read from SGLang's runtime context at the
+first call (evaluate.planner_config), the even split where it is another or cannot be read.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from r3trace.eplb.config import PlannerConfig
+from r3trace.eplb.dropin import rebalance_experts
+from r3trace.eplb.evaluate import planner_config
+from r3trace.eplb.window_history import WindowHistory
+
+ENV = "R3TRACE_SGLANG_EPLB"
+TARGET = "sglang.srt.eplb.eplb_algorithms.rebalance_experts"
+
+
+class SglangHook:
+    """The AROUND hook: hook(original, *args, **kwargs) with rebalance_experts' arguments. dispatch: SGLang's
+    ep_dispatch_algorithm, or a callable read once at the first call (SGLang's runtime context is set after plugins
+    load)."""
+
+    def __init__(self, dispatch: str | None | Callable[[], str | None]) -> None:
+        self.dispatch = dispatch
+        self.cfg: PlannerConfig | None = None
+        self.history = WindowHistory()
+        self.previous: dict[tuple[int, ...], Any] = {}
+
+    def clear(self) -> None:
+        """Forgets the windows and plans of earlier calls, as a fresh process."""
+        self.history.clear()
+        self.previous.clear()
+
+    def __call__(self, original: Callable[..., Any], tokens_per_expert: Any, num_physical_experts: int,
+                 num_local_physical_experts: int, num_groups: int | None, num_nodes: int, algorithm: Any) -> Any:
+        if getattr(algorithm, "name", str(algorithm)).startswith("elasticity_aware"):
+            return original(tokens_per_expert, num_physical_experts, num_local_physical_experts, num_groups,
+                            num_nodes, algorithm)
+        if self.cfg is None:
+            dispatch = self.dispatch() if callable(self.dispatch) else self.dispatch
+            self.cfg = planner_config("static" if dispatch == "static" else "dynamic") if dispatch in (
+                "static", "dynamic") else PlannerConfig()
+        counts = tokens_per_expert if tokens_per_expert.dim() == 3 else tokens_per_expert.unsqueeze(0)
+        weight = counts.sum(0)
+        gpus = num_physical_experts // num_local_physical_experts
+        groups = num_groups if num_groups and num_groups > 0 else 1
+        sizes = (num_physical_experts, gpus, num_nodes, groups)
+        history = self.history.add(weight, sizes)
+        key = (*weight.shape, *sizes)
+        out = rebalance_experts(weight, num_physical_experts, groups, num_nodes, gpus, history=history,
+                                previous=self.previous.get(key), cfg=self.cfg)
+        self.previous = {key: out[0].numpy()}
+        return out
+
+
+def install(register_hook: Callable[..., Any], around: Any, env: Mapping[str, str],
+            dispatch: str | None | Callable[[], str | None]) -> SglangHook | None:
+    """register_hook(TARGET, hook, around) when env[ENV] is "1" (SGLang: HookRegistry.register, HookType.AROUND);
+    returns the hook, or None when the variable is unset or "0". Any other value is an error naming the variable."""
+    flag = env.get(ENV, "0")
+    if flag not in ("0", "1"):
+        raise ValueError(f"{ENV}={flag!r}: use 1 (ours plans SGLang's EPLB) or 0 (SGLang's own algorithms)")
+    if flag == "0":
+        return None
+    hook = SglangHook(dispatch)
+    register_hook(TARGET, hook, around)
+    return hook
+
+
+def register() -> None:
+    """SGLang's general-plugin entry point: runs in every SGLang process; a no-op unless R3TRACE_SGLANG_EPLB=1."""
+    if os.environ.get(ENV, "0") == "0":
+        return
+    try:
+        from sglang.srt.plugins.hook_registry import HookRegistry, HookType  # type: ignore[import-not-found]
+    except ImportError as exc:
+        raise ImportError(f"{ENV}=1 needs SGLang with sglang.srt.plugins (0.5.23 or later): {exc}") from exc
+    install(HookRegistry.register, HookType.AROUND, os.environ, _sglang_dispatch)
+
+
+def _sglang_dispatch() -> str | None:
+    """SGLang's ep_dispatch_algorithm from its runtime context (0.5.23), or None where it cannot be read."""
+    try:
+        from sglang.srt.runtime_context import get_exec  # type: ignore[import-not-found]
+
+        return str(get_exec().moe.ep_dispatch_algorithm)
+    except Exception:  # an SGLang without that context: plan for the even split
+        return None
