@@ -11,9 +11,7 @@ Run: .venv/bin/pytest tests/analysis/test_eplb_vllm_policy.py -q"""
 from __future__ import annotations
 
 import inspect
-import sys
 from abc import ABC, abstractmethod
-from importlib.metadata import entry_points
 
 import numpy as np
 import pytest
@@ -82,17 +80,6 @@ def test_installed_beside_vllm_it_changes_nothing_until_asked(flag: str | None) 
 def test_a_bad_switch_names_the_variable() -> None:
     with pytest.raises(ValueError, match=f"^{ENV}='yes': use 1"):
         install({}, AbstractEplbPolicy, {ENV: "yes"})
-
-
-def test_vllms_plugin_group_points_at_register(monkeypatch: pytest.MonkeyPatch) -> None:
-    (ep,) = [ep for ep in entry_points(group="vllm.general_plugins") if ep.name == "r3trace_eplb"]
-    assert ep.load() is register
-    monkeypatch.delenv(ENV, raising=False)
-    monkeypatch.setitem(sys.modules, "vllm", None)  # no vLLM: unset, the plugin does nothing and imports nothing
-    register()
-    monkeypatch.setenv(ENV, "1")
-    with pytest.raises(ImportError, match=f"^{ENV}=1 needs vLLM"):
-        register()
 
 
 @pytest.mark.parametrize(("layers", "experts", "slots", "groups", "nodes", "ranks"),
