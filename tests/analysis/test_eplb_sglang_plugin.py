@@ -150,3 +150,17 @@ def test_beside_sglang_itself(monkeypatch: pytest.MonkeyPatch) -> None:
         algorithm=eplb_algorithms.compute_algorithm("auto", 8, 2))
     want = rebalance_experts(c.sum(0), 72, 8, 2, 8, history=c.sum(0, keepdim=True).double())
     np.testing.assert_array_equal(phy2log.numpy(), want[0].numpy())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_counts_on_the_gpu_plan_as_on_the_host() -> None:
+    # SGLang's recorder hands its counts on the device; the maps come back on the host, as DeepSeek's do
+    on_gpu, on_host = SglangHook(None), SglangHook(None)
+    for seed in range(3):
+        c = counts(3, 64, seed)
+        got = planned(on_gpu, c.cuda(), 72, 8, 8, 2)
+        want = planned(on_host, c, 72, 8, 8, 2)
+        for g, w in zip(got, want, strict=True):
+            assert g.device.type == "cpu"
+            np.testing.assert_array_equal(g.numpy(), w.numpy())
