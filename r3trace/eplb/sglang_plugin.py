@@ -20,6 +20,10 @@ those sizes as the map in service (init_by_eplb hands none): a re-plan on an unc
 slots where DeepSeek's algorithm re-packs from scratch. SGLang dispatches a loaded placement by `ep_dispatch_algorithm`
 (static with an all-to-all backend, dynamic without); ours plans for the one read from SGLang's runtime context at the
 first call (evaluate.planner_config), the even split where it is another or cannot be read.
+
+Every rank's hook sees the same calls, so the ranks' plans agree (window_history.py): SGLang's EPLBManager calls
+init_by_eplb on every rank with the all-reduced counts, and after an elastic scale only rank 0 plans (flat topology,
+other sizes: its windows and last plan start afresh) and broadcasts the map.
 """
 
 from __future__ import annotations

@@ -7,15 +7,15 @@ old_global_expert_indices=None) returns phy2log [L, P] (int64, CPU) alone; vLLM 
 itself. weight is [L, E] expert loads summed over vLLM's load window (int32, CPU); old_global_expert_indices is the
 phy2log in service, whose width differs from P after an elastic scale-down and whose new slots hold -1 after a
 scale-up. num_groups is the model's num_expert_groups (0 or None where the config has no n_group). Older vLLM
-(vllm/distributed/eplb/policy/abstract.py at 0b79b64, and the 0.1x releases after vllm-project/vllm PR #29499)
-returns the triple (phy2log, log2phy [L, E, P - E + 1], logcnt) from the same call: `install` reads which from the
-abstract method's return annotation, once.
+(vllm/distributed/eplb/policy/abstract.py at 0b79b64, five arguments; and after vllm-project/vllm PR #29499 added
+old_global_expert_indices) returns the triple (phy2log, log2phy [L, E, P - E + 1], logcnt) from the same call:
+`install` reads which from the abstract method's return annotation, once.
 
 What ours adds there: the old map as `previous`, so a re-plan on an unchanged workload moves <= ~10% of slots where
 the built-in policy re-packs from scratch and keeps only the experts that land on the same GPU again; and the windows
-of earlier calls. vLLM hands one summed window a call and keeps none, so the installed class keeps the newest
-KEEP_WINDOWS of its process (window_history.py) and plans on them as dropin's `history`: ours' forecast and drift test
-run as in `r3trace eplb` (measured beside vLLM's own policy: BENCHMARKS.md, "EPLB vLLM policy").
+of earlier calls. vLLM hands one summed window a call and keeps none, so the installed class keeps the newest 8
+of its process (window_history.py) and plans on them as dropin's `history`: ours' forecast and drift test
+run as in `r3trace eplb` (measured beside vLLM's own policy: BENCHMARKS.md, "EPLB inside vLLM").
 
 How it is wired: pyproject.toml registers `register` under vLLM's plugin group `vllm.general_plugins`, which vLLM
 loads in every process (API server, engine core, workers) before the EPLB state picks EPLB_POLICIES[policy]; it
@@ -36,6 +36,8 @@ from r3trace.eplb.dropin import planned_arrays, vllm_rebalance_experts
 from r3trace.eplb.window_history import WindowHistory
 
 ENV = "R3TRACE_VLLM_EPLB"
+
+
 def rebalance_phy2log(weight: Any, num_replicas: int, num_groups: int | None, num_nodes: int, num_ranks: int,
                       old_global_expert_indices: Any = None, *, history: Any = None,
                       cfg: PlannerConfig = PlannerConfig()) -> Any:
