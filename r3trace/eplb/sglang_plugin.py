@@ -39,6 +39,8 @@ from r3trace.eplb.window_history import WindowHistory
 
 ENV = "R3TRACE_SGLANG_EPLB"
 TARGET = "sglang.srt.eplb.eplb_algorithms.rebalance_experts"
+# SGLang's ep_dispatch_algorithm -> what ours plans for; "fake", "lp" and an unread one: the even split
+DISPATCH_CONFIGS = {"static": planner_config("static"), "dynamic": planner_config("dynamic")}
 
 
 class SglangHook:
@@ -64,8 +66,7 @@ class SglangHook:
                             num_nodes, algorithm)
         if self.cfg is None:
             dispatch = self.dispatch() if callable(self.dispatch) else self.dispatch
-            self.cfg = planner_config("static" if dispatch == "static" else "dynamic") if dispatch in (
-                "static", "dynamic") else PlannerConfig()
+            self.cfg = DISPATCH_CONFIGS.get(dispatch or "", PlannerConfig())
         counts = tokens_per_expert if tokens_per_expert.dim() == 3 else tokens_per_expert.unsqueeze(0)
         weight = counts.sum(0)
         gpus = num_physical_experts // num_local_physical_experts
