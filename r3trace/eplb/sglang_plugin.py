@@ -28,17 +28,21 @@ other sizes: its windows and last plan start afresh) and broadcasts the map.
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from r3trace.eplb.config import PlannerConfig
 from r3trace.eplb.dropin import rebalance_experts
 from r3trace.eplb.evaluate import planner_config
+from r3trace.eplb.served_log import plan_line
 from r3trace.eplb.window_history import WindowHistory
 
 ENV = "R3TRACE_SGLANG_EPLB"
 TARGET = "sglang.srt.eplb.eplb_algorithms.rebalance_experts"
+log = logging.getLogger("r3trace.eplb")  # SGLang configures the root logger, which prints it
 # SGLang's ep_dispatch_algorithm -> what ours plans for; "fake", "lp" and an unread one: the even split
 DISPATCH_CONFIGS = {"static": planner_config("static"), "dynamic": planner_config("dynamic")}
 
@@ -74,8 +78,13 @@ class SglangHook:
         sizes = (num_physical_experts, gpus, num_nodes, groups)
         history = self.history.add(weight, sizes)
         key = (*weight.shape, *sizes)
+        previous = self.previous.get(key)
+        t0 = time.perf_counter()
         out = rebalance_experts(weight, num_physical_experts, groups, num_nodes, gpus, history=history,
-                                previous=self.previous.get(key), cfg=self.cfg)
+                                previous=previous, cfg=self.cfg)
+        if log.isEnabledFor(logging.INFO):
+            log.info(plan_line("SGLang", weight, out[0], previous, 0 if history is None else len(history), gpus,
+                               num_nodes, time.perf_counter() - t0))
         self.previous = {key: out[0].numpy()}
         return out
 
@@ -91,6 +100,7 @@ def install(register_hook: Callable[..., Any], around: Any, env: Mapping[str, st
         return None
     hook = SglangHook(dispatch)
     register_hook(TARGET, hook, around)
+    log.info("r3trace EPLB: ours plans SGLang's EPLB rebalances (%s=1)", ENV)
     return hook
 
 

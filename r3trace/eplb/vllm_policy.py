@@ -25,7 +25,9 @@ only when R3TRACE_VLLM_EPLB is set to 1, so installing r3trace beside vLLM chang
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
@@ -33,9 +35,11 @@ import numpy as np
 
 from r3trace.eplb.config import PlannerConfig
 from r3trace.eplb.dropin import planned_arrays, vllm_rebalance_experts
+from r3trace.eplb.served_log import plan_line
 from r3trace.eplb.window_history import WindowHistory
 
 ENV = "R3TRACE_VLLM_EPLB"
+log = logging.getLogger("vllm.r3trace_eplb")  # under vLLM's "vllm" logger tree, the one vLLM's logging prints
 
 
 def rebalance_phy2log(weight: Any, num_replicas: int, num_groups: int | None, num_nodes: int, num_ranks: int,
@@ -78,13 +82,21 @@ def install(policies: MutableMapping[str, Any], abstract: type, env: Mapping[str
     def rebalance_experts(cls: Any, weight: Any, num_replicas: int, num_groups: int, num_nodes: int,
                           num_ranks: int, old_global_expert_indices: Any = None) -> Any:
         sizes = (num_replicas, num_ranks, num_nodes, num_groups or 0)
-        return fn(weight, num_replicas, num_groups, num_nodes, num_ranks, old_global_expert_indices,
-                  history=cls.history.add(weight, sizes))
+        history = cls.history.add(weight, sizes)
+        t0 = time.perf_counter()
+        out = fn(weight, num_replicas, num_groups, num_nodes, num_ranks, old_global_expert_indices, history=history)
+        if log.isEnabledFor(logging.INFO):
+            seconds, nodes = time.perf_counter() - t0, _sizes(num_groups, num_nodes, num_ranks)[1]
+            previous = _previous(old_global_expert_indices, weight, num_replicas)
+            log.info(plan_line("vLLM", weight, out[0] if isinstance(out, tuple) else out, previous,
+                               0 if history is None else len(history), num_ranks, nodes, seconds))
+        return out
 
     policy = type("R3traceEplbPolicy", (abstract,), {
         "rebalance_experts": classmethod(rebalance_experts), "history": WindowHistory(), "__module__": __name__,
         "__doc__": "r3trace's EPLB planner in vLLM's policy contract (r3trace/eplb/vllm_policy.py)."})
     policies["default"] = policy
+    log.info("r3trace EPLB: ours is vLLM's default EPLB policy (%s=1)", ENV)
     return policy
 
 

@@ -10,6 +10,7 @@ Run: .venv/bin/pytest tests/analysis/test_eplb_sglang_plugin.py -q"""
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections import defaultdict
 from enum import Enum, auto
@@ -23,6 +24,7 @@ from r3trace.eplb import Cluster, churn, from_phy2log, global_policy
 from r3trace.eplb.config import PlannerConfig
 from r3trace.eplb.dropin import rebalance_experts
 from r3trace.eplb.evaluate import planner_config
+from r3trace.eplb.score import balancedness, even_gpu_load
 from r3trace.eplb.sglang_plugin import ENV, TARGET, SglangHook, install, register
 
 
@@ -164,3 +166,19 @@ def test_counts_on_the_gpu_plan_as_on_the_host() -> None:
         for g, w in zip(got, want, strict=True):
             assert g.device.type == "cpu"
             np.testing.assert_array_equal(g.numpy(), w.numpy())
+
+
+def test_each_rebalance_says_in_sglangs_log_what_it_did(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="r3trace.eplb")  # SGLang configures the root logger, which prints it
+    hook = install(lambda *a: None, "AROUND", {ENV: "1"}, None)
+    assert hook is not None
+    first = planned(hook, counts(3, 64, 1), 72, 8, 8, 2)[0]
+    c = counts(3, 64, 2)
+    again = planned(hook, c, 72, 8, 8, 2)[0]
+    moved = float((again != first).double().mean())
+    cl = Cluster(8, 2, 72)
+    bal = balancedness(even_gpu_load(from_phy2log(again.numpy(), 64), c.sum(0).double().numpy(), cl))
+    lines = [r.getMessage() for r in caplog.records if r.name == "r3trace.eplb"]
+    assert lines[0] == f"r3trace EPLB: ours plans SGLang's EPLB rebalances ({ENV}=1)"
+    assert lines[1].startswith("r3trace EPLB in SGLang: 3 layers x 72 slots on 8 GPUs / 2 nodes, planned on 1 window")
+    assert "planned on 2 window(s)" in lines[2] and f"{moved:.1%} of slots moved, balancedness {bal:.3f}" in lines[2]

@@ -11,6 +11,7 @@ Run: .venv/bin/pytest tests/analysis/test_eplb_vllm_policy.py -q"""
 from __future__ import annotations
 
 import inspect
+import logging
 from abc import ABC, abstractmethod
 
 import numpy as np
@@ -190,3 +191,16 @@ def test_beside_vllm_itself(monkeypatch: pytest.MonkeyPatch) -> None:
     cls = vllm_policies.EPLB_POLICIES["default"]
     assert issubclass(cls, vllm_policies.AbstractEplbPolicy)
     logical_maps(cls.rebalance_experts(window(3, 64, 7), 72, 8, 2, 8, None), 64)
+
+
+def test_each_plan_says_in_vllms_log_what_it_did(policy: type, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="vllm.r3trace_eplb")  # under vLLM's logger tree, which vLLM prints
+    first = policy.rebalance_experts(window(3, 64, 1), 72, 8, 2, 8)
+    w = window(3, 64, 2)
+    again = policy.rebalance_experts(w, 72, 8, 2, 8, first)
+    moved = float((again != first).double().mean())
+    bal = balancedness(even_gpu_load(from_phy2log(again.numpy(), 64), w.double().numpy(), Cluster(8, 2, 72)))
+    lines = [r.getMessage() for r in caplog.records if r.name == "vllm.r3trace_eplb"]
+    assert lines[0].startswith("r3trace EPLB in vLLM: 3 layers x 72 slots on 8 GPUs / 2 nodes, planned on 1 window(s)")
+    assert "a fresh plan" in lines[0]
+    assert "planned on 2 window(s)" in lines[1] and f"{moved:.1%} of slots moved, balancedness {bal:.3f}" in lines[1]

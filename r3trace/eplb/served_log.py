@@ -1,0 +1,27 @@
+"""The line ours logs at INFO at each rearrangement it plans inside vLLM or SGLang, so the server's own log shows
+that ours planned and what it did: the sizes, the windows it planned on, the share of slots it moved from the map in
+service and the balancedness its plan gives the window it was handed. Each plugin logs under a name its server
+prints: vLLM configures only its "vllm" logger tree (vllm_policy.py: "vllm.r3trace_eplb"), SGLang the root logger
+(sglang_plugin.py: "r3trace.eplb")."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from r3trace.eplb.placement import Cluster
+from r3trace.eplb.score import balancedness, phy2log_gpu_load
+
+
+def plan_line(server: str, weight: Any, phy2log: Any, previous: np.ndarray | None, windows: int, gpus: int,
+              nodes: int, seconds: float) -> str:
+    """weight [L, E] (the window handed in), phy2log [L, P] planned, previous [L, P] (the map it came from, or None)
+    -> one line."""
+    w = np.asarray(weight.float().cpu().numpy() if hasattr(weight, "cpu") else weight, dtype=np.float64)
+    ph = np.asarray(phy2log.cpu().numpy() if hasattr(phy2log, "cpu") else phy2log, dtype=np.int64)
+    n_layers, slots = ph.shape
+    bal = balancedness(phy2log_gpu_load(ph, w, Cluster(gpus, nodes, slots)))
+    moved = "a fresh plan" if previous is None else f"{float((ph != previous).mean()):.1%} of slots moved"
+    return (f"r3trace EPLB in {server}: {n_layers} layers x {slots} slots on {gpus} GPUs / {nodes} nodes, planned on "
+            f"{windows} window(s) in {seconds:.3f} s: {moved}, balancedness {bal:.3f} on the window handed in")
