@@ -37,7 +37,7 @@ from typing import Any
 from r3trace.eplb.config import PlannerConfig
 from r3trace.eplb.dropin import rebalance_experts
 from r3trace.eplb.evaluate import planner_config
-from r3trace.eplb.served_log import plan_line
+from r3trace.eplb.served import plan_line, switched_on
 from r3trace.eplb.window_history import WindowHistory
 
 ENV = "R3TRACE_SGLANG_EPLB"
@@ -93,10 +93,7 @@ def install(register_hook: Callable[..., Any], around: Any, env: Mapping[str, st
             dispatch: str | None | Callable[[], str | None]) -> SglangHook | None:
     """register_hook(TARGET, hook, around) when env[ENV] is "1" (SGLang: HookRegistry.register, HookType.AROUND);
     returns the hook, or None when the variable is unset or "0". Any other value is an error naming the variable."""
-    flag = env.get(ENV, "0")
-    if flag not in ("0", "1"):
-        raise ValueError(f"{ENV}={flag!r}: use 1 (ours plans SGLang's EPLB) or 0 (SGLang's own algorithms)")
-    if flag == "0":
+    if not switched_on(env, ENV, "SGLang"):
         return None
     hook = SglangHook(dispatch)
     register_hook(TARGET, hook, around)
@@ -106,7 +103,7 @@ def install(register_hook: Callable[..., Any], around: Any, env: Mapping[str, st
 
 def register() -> None:
     """SGLang's general-plugin entry point: runs in every SGLang process; a no-op unless R3TRACE_SGLANG_EPLB=1."""
-    if os.environ.get(ENV, "0") == "0":
+    if not switched_on(os.environ, ENV, "SGLang"):
         return
     try:
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType  # type: ignore[import-not-found]

@@ -35,7 +35,7 @@ import numpy as np
 
 from r3trace.eplb.config import PlannerConfig
 from r3trace.eplb.dropin import planned_arrays, vllm_rebalance_experts
-from r3trace.eplb.served_log import plan_line
+from r3trace.eplb.served import plan_line, switched_on
 from r3trace.eplb.window_history import WindowHistory
 
 ENV = "R3TRACE_VLLM_EPLB"
@@ -71,10 +71,7 @@ def install(policies: MutableMapping[str, Any], abstract: type, env: Mapping[str
     """Puts ours in policies["default"] as a subclass of vLLM's AbstractEplbPolicy when env[ENV] is "1"; returns the
     class (its `history`, a WindowHistory, holds the windows it was handed), or None (left alone) when the variable is
     unset or "0". Any other value is an error naming the variable."""
-    flag = env.get(ENV, "0")
-    if flag not in ("0", "1"):
-        raise ValueError(f"{ENV}={flag!r}: use 1 (ours plans vLLM's EPLB) or 0 (vLLM's default policy)")
-    if flag == "0":
+    if not switched_on(env, ENV, "vLLM"):
         return None
     returns = str(getattr(getattr(abstract, "rebalance_experts", None), "__annotations__", {}).get("return", ""))
     fn = rebalance_triple if "tuple" in returns else rebalance_phy2log
@@ -102,7 +99,7 @@ def install(policies: MutableMapping[str, Any], abstract: type, env: Mapping[str
 
 def register() -> None:
     """vLLM's general-plugin entry point: runs in every vLLM process; a no-op unless R3TRACE_VLLM_EPLB=1."""
-    if os.environ.get(ENV, "0") == "0":
+    if not switched_on(os.environ, ENV, "vLLM"):
         return
     try:
         from vllm.distributed.eplb import policy as vllm_policies  # type: ignore[import-not-found]

@@ -1,11 +1,13 @@
-"""The line ours logs at INFO at each rearrangement it plans inside vLLM or SGLang, so the server's own log shows
-that ours planned and what it did: the sizes, the windows it planned on, the share of slots it moved from the map in
+"""What the vLLM and SGLang plugins share (vllm_policy.py, sglang_plugin.py): the reading of their switch variable,
+and the line ours logs at INFO at each rearrangement it plans inside a server, so the server's own log shows that
+ours planned and what it did: the sizes, the windows it planned on, the share of slots it moved from the map in
 service and the balancedness its plan gives the window it was handed. Each plugin logs under a name its server
 prints: vLLM configures only its "vllm" logger tree (vllm_policy.py: "vllm.r3trace_eplb"), SGLang the root logger
 (sglang_plugin.py: "r3trace.eplb")."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -25,3 +27,12 @@ def plan_line(server: str, weight: Any, phy2log: Any, previous: np.ndarray | Non
     moved = "a fresh plan" if previous is None else f"{float((ph != previous).mean()):.1%} of slots moved"
     return (f"r3trace EPLB in {server}: {n_layers} layers x {slots} slots on {gpus} GPUs / {nodes} nodes, planned on "
             f"{windows} window(s) in {seconds:.3f} s: {moved}, balancedness {bal:.3f} on the window handed in")
+
+
+def switched_on(env: Mapping[str, str], var: str, server: str) -> bool:
+    """env[var] "1": ours plans the server's EPLB; unset or "0": the server's own; any other value is an error naming
+    the variable."""
+    flag = env.get(var, "0")
+    if flag not in ("0", "1"):
+        raise ValueError(f"{var}={flag!r}: use 1 (ours plans {server}'s EPLB) or 0 ({server}'s own)")
+    return flag == "1"
