@@ -43,8 +43,8 @@ from r3trace.eplb import Cluster, churn, from_phy2log
 from r3trace.eplb.score import balancedness, even_gpu_load, heat_of
 from r3trace.eplb.vllm_policy import rebalance_phy2log
 
-# (GPUs, nodes, slots): 2, 4 and 8 nodes of 8 GPUs with 32-64 redundant slots per 256 experts
-SHAPES = [(16, 2, 288), (32, 4, 288), (64, 8, 320)]
+# (GPUs, nodes, slots): 1, 2, 4 and 8 nodes of 8 GPUs with 32-64 redundant slots per 256 experts
+SHAPES = [(8, 1, 288), (16, 2, 288), (32, 4, 288), (64, 8, 320)]
 TRACES = [TraceSpec(family="grouped", drift="slow", num_layers=16, windows=12),
           TraceSpec(family="independent", zipf_s=1.2, drift="fast", num_layers=16, windows=12)]
 RESULTS = Path(__file__).resolve().parent / "results"
