@@ -58,7 +58,7 @@ def planned_arrays(weight: Any, num_replicas: int, num_groups: int, num_nodes: i
                    cfg: PlannerConfig = PlannerConfig()) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The entry points' arguments -> ours' Placement as numpy (phy2log, log2phy, logcnt); PlacementError names the
     argument that does not fit."""
-    w = _array(weight, np.float64)
+    w = as_array(weight, np.float64)
     if w.ndim != 2:
         raise PlacementError(f"weight has shape {list(w.shape)}; rebalance_experts takes [layers, experts]")
     n_layers, e = w.shape
@@ -69,16 +69,16 @@ def planned_arrays(weight: Any, num_replicas: int, num_groups: int, num_nodes: i
     cluster = Cluster(num_gpus, num_nodes, num_replicas, num_groups=num_groups)
     loads = w
     if history is not None:
-        loads = _array(history, np.float64)
+        loads = as_array(history, np.float64)
         if loads.ndim != 3 or loads.shape[1:] != w.shape:
             raise PlacementError(f"history has shape {list(loads.shape)}; it must be [windows, {n_layers}, {e}]")
     prev = None
     if previous is not None:
-        old = _array(previous, np.int64)
+        old = as_array(previous, np.int64)
         if old.shape != (n_layers, num_replicas):
             raise PlacementError(f"previous has shape {list(old.shape)}; it must be [{n_layers}, {num_replicas}]")
         prev = from_phy2log(old, e)
-    pl = plan(loads, cluster, prev, None if tokens is None else _array(tokens, np.int64), cfg)
+    pl = plan(loads, cluster, prev, None if tokens is None else as_array(tokens, np.int64), cfg)
     return pl.phy2log, pl.log2phy, pl.logcnt
 
 
@@ -92,7 +92,7 @@ def _is_torch(x: Any) -> bool:
     return type(x).__module__.split(".")[0] == "torch"
 
 
-def _array(x: Any, dtype: type) -> np.ndarray:
+def as_array(x: Any, dtype: type) -> np.ndarray:
     """A torch tensor (any device) or array-like -> numpy array of dtype."""
     if _is_torch(x):  # floats through float32 first, as the reference's weight.float() (numpy has no bfloat16)
         x = (x.detach().float() if x.is_floating_point() else x.detach()).cpu().numpy()

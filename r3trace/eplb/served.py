@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from r3trace.eplb.dropin import as_array
 from r3trace.eplb.placement import Cluster
 from r3trace.eplb.score import balancedness, phy2log_gpu_load
 
@@ -20,8 +21,7 @@ def plan_line(server: str, weight: Any, phy2log: Any, previous: np.ndarray | Non
               nodes: int, seconds: float) -> str:
     """weight [L, E] (the window handed in), phy2log [L, P] planned, previous [L, P] (the map it came from, or None)
     -> one line."""
-    w = np.asarray(weight.float().cpu().numpy() if hasattr(weight, "cpu") else weight, dtype=np.float64)
-    ph = np.asarray(phy2log.cpu().numpy() if hasattr(phy2log, "cpu") else phy2log, dtype=np.int64)
+    w, ph = as_array(weight, np.float64), as_array(phy2log, np.int64)
     n_layers, slots = ph.shape
     bal = balancedness(phy2log_gpu_load(ph, w, Cluster(gpus, nodes, slots)))
     moved = "a fresh plan" if previous is None else f"{float((ph != previous).mean()):.1%} of slots moved"

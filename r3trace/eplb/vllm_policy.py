@@ -34,7 +34,8 @@ from typing import Any
 import numpy as np
 
 from r3trace.eplb.config import PlannerConfig
-from r3trace.eplb.dropin import planned_arrays, vllm_rebalance_experts
+from r3trace.eplb.dropin import as_array, planned_arrays, vllm_rebalance_experts
+from r3trace.eplb.placement import PlacementError, from_phy2log
 from r3trace.eplb.served import plan_line, switched_on
 from r3trace.eplb.window_history import WindowHistory
 
@@ -121,10 +122,11 @@ def _previous(old: Any, weight: Any, num_replicas: int) -> np.ndarray | None:
     -1 slots (a scale-up's new slots) or an expert with no slot."""
     if old is None:
         return None
-    prev = np.asarray(old.cpu().numpy() if hasattr(old, "cpu") else old, dtype=np.int64)
-    n_layers, n_experts = weight.shape
-    if prev.shape != (n_layers, num_replicas) or prev.min() < 0 or prev.max() >= n_experts:
+    prev = as_array(old, np.int64)
+    if prev.shape != (weight.shape[0], num_replicas):
         return None
-    offset = (np.arange(n_layers) * n_experts)[:, None]
-    counts = np.bincount((prev + offset).ravel(), minlength=n_layers * n_experts)
-    return prev if counts.min() > 0 else None
+    try:
+        from_phy2log(prev, weight.shape[1])  # its checks: every id an expert, every expert a slot
+    except PlacementError:
+        return None
+    return prev

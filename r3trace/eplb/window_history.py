@@ -9,6 +9,8 @@ from typing import Any
 
 import numpy as np
 
+from r3trace.eplb.dropin import as_array
+
 KEEP_WINDOWS = 8  # the windows ours plans on, as the EPLB matrix's cells (bench/eplb_matrix.py, run_cell's history)
 
 
@@ -35,7 +37,7 @@ class WindowHistory:
     def add(self, weight: Any, sizes: tuple[int, ...]) -> np.ndarray | None:
         """Keeps weight, planned for `sizes` (slots, ranks, nodes, groups); returns the windows kept since those
         sizes were first asked [W, L, E] (weight last), or None for an all-zero weight."""
-        w = np.asarray(weight.float().cpu().numpy() if hasattr(weight, "cpu") else weight, dtype=np.float64)
+        w = as_array(weight, np.float64)
         if not w.any():
             return None
         if self.sizes.get(w.shape) != sizes:
