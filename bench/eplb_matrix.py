@@ -185,6 +185,9 @@ MAIN_SHAPES = [(32, 4, 288), (64, 8, 320), (144, 18, 288)]
 # plan-time shapes: the main three, two without a spare slot (P = E: candidates.py's per-layer layout choice; on
 # 16 nodes, two slots a GPU, a still re-plan ends with E[max] swaps, emax.py), and one and two nodes
 # (static_one_node.py; the two-node replay contest and guard, dispatch_contest.py)
+# the family x drift sweep: the main three, and one, two and sixteen nodes (the node counts {1, 2, 16} under
+# fast drift; slow drift on them is the shape sweep's)
+FAMILY_SHAPES = [(8, 1, 288), (16, 2, 288), *MAIN_SHAPES, (128, 16, 256)]
 PLAN_TIME_SHAPES = [*MAIN_SHAPES, (64, 8, 256), (128, 16, 256), (8, 1, 288), (16, 2, 288)]
 SEED_ALL = PlannerConfig(refresh_floor=-1.0)  # a drifting re-plan seeds every layer before deciding (replan.py)
 SAMPLE_SHAPES = [(8, 2, 32), (8, 2, 40), (16, 4, 48), (16, 2, 64)]
@@ -205,10 +208,10 @@ def cells(sweep: str, base: TraceSpec) -> list[Cell]:
                 Cell(replace(spec, family="sample", num_experts=32, num_groups=4, top_k=4), 8, 2, 40)]
     if sweep == "shape":  # every shape x skew, grouped router, slow drift
         return [Cell(replace(base, zipf_s=s), g, n, p) for (g, n, p) in SHAPES for s in (0.3, 0.6, 0.9, 1.2)]
-    if sweep == "family":  # co-activation structure x drift on the three main shapes
+    if sweep == "family":  # co-activation structure x drift, one to eighteen nodes
         return [Cell(replace(base, family=f, drift=d, zipf_s=s), g, n, p)
                 for f in ("grouped", "clustered", "independent", "sglang-dump") for d in ("slow", "fast")
-                for s in (0.6, 1.2) for (g, n, p) in MAIN_SHAPES if not (f == "grouped" and d == "slow")]
+                for s in (0.6, 1.2) for (g, n, p) in FAMILY_SHAPES if not (f == "grouped" and d == "slow")]
     if sweep == "groups1":  # a router without groups
         return [Cell(replace(base, family=f, num_groups=1, zipf_s=s), g, n, p)
                 for f in ("independent", "clustered") for s in (0.6, 1.2)

@@ -54,6 +54,15 @@ class PlannerConfig:
     # re-plans keep the churn budgets
     refresh_drift: float = 0.1
     refresh_gain: float = 0.02
+    # a drifting re-plan with > 2 slots a GPU also re-places each layer whose next-window E[max] bound
+    # (emax.layout_bound, the even split under the windows' variance model) a fresh layout lowers by more than
+    # drift_bound_gain of it (one node: planner._plan; several: replan.held_refresh, global's layout a candidate too).
+    # There the forecast's max load sits at its floor in every layout (36 slots a GPU on one node: kept / fresh
+    # 1.001-1.004), so stale replica counts stayed: one node, fast drift, the family cells of trace seed 0 trailed
+    # global on the newest window by 0.005-0.017 at 4.6% of slots a re-plan; with this rule -0.001 .. +0.003 at
+    # 24-37%. At 0 the one-node slow-drift cells of seed 1 (drift called on noise) moved 52-66% of slots a re-plan
+    # instead of 3-6%; -1: off
+    drift_bound_gain: float = 0.002
     # a drifting re-plan seeds the layers whose max-load floor exceeds (1 + refresh_floor) x their mean GPU load (below
     # 1.5x every such layer lost to the fresh plan on the fast-drift cells, by >= 1.6%) and 1 / refresh_probe of the
     # others; where those probes say the rest refresh, the rest take the fresh plan unseeded (replan.py); -1: seed all

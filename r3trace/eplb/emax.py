@@ -105,6 +105,34 @@ def emax_bound(mu: np.ndarray, var: np.ndarray) -> tuple[np.ndarray, np.ndarray]
     return bound[i, np.arange(mu.shape[0])], BETAS[i]
 
 
+def layout_bound(phy2log: np.ndarray, w: np.ndarray, cluster: Cluster, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """phy2log [L, P] (any slots per GPU), forecast w [L, E], variance model a, b [L] (variance_model) -> [L]
+    emax_bound of each layer's next-window max GPU load, in mean GPU loads, under the even split: a replica carries
+    1 / c of its expert's load, so its variance is the expert's (a w + b w^2) over c^2 (emax_swaps' a u + b u^2 treats
+    a replica as an expert of load u = w / c: its Poisson part a w / c is then the same for every GPU of equal load,
+    and no layout of other counts scores apart); a GPU's replicas taken as independent. The bound needs only each
+    GPU's own distribution, so GPUs sharing an expert's replicas need no care."""
+    n_layers, g = w.shape[0], cluster.num_gpus
+    ph = np.asarray(phy2log, dtype=np.int64)
+    rows = np.arange(n_layers)[:, None]
+    cnt = np.zeros(w.shape, dtype=np.int64)
+    np.add.at(cnt, (rows, ph), 1)
+    mean = w.sum(1) / g  # [L]
+    per = w / np.maximum(cnt, 1) / mean[:, None]  # [L, E] one replica's load, in mean GPU loads
+    pv = a[:, None] * per / (np.maximum(cnt, 1) * mean[:, None]) + b[:, None] * per**2  # [L, E] its variance, in
+    # squared mean loads
+    mu = np.take_along_axis(per, ph, 1).reshape(n_layers, g, -1).sum(2)  # [L, G]
+    var = np.take_along_axis(pv, ph, 1).reshape(n_layers, g, -1).sum(2)
+    return emax_bound(mu, var)[0]
+
+
+def drift_noise(loads: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """history loads [W, L, E], forecast w [L, E] -> variance_model's (a, b) on the newest NOISE_WINDOWS windows,
+    any slots per GPU; None with fewer than scenarios.MIN_WINDOWS windows."""
+    dev = deviations(loads, w, NOISE_WINDOWS)
+    return None if dev is None else variance_model(dev, w)
+
+
 def emax_swaps(phy2log: np.ndarray, w: np.ndarray, cluster: Cluster, swaps: np.ndarray, a: np.ndarray,
                b: np.ndarray, min_drop: float = 0.0, cross_below: np.ndarray | None = None,
                step_drop: float = 0.0) -> np.ndarray:
@@ -186,10 +214,7 @@ def replan_noise(loads: np.ndarray, w: np.ndarray, cluster: Cluster) -> tuple[np
     """history loads [W, L, E], forecast w [L, E] -> variance_model's (a, b) on the newest NOISE_WINDOWS windows,
     where a re-plan takes E[max] swaps (two slots per GPU) and at least scenarios.MIN_WINDOWS windows to fit on;
     else None."""
-    if cluster.slots_per_gpu != 2:
-        return None
-    dev = deviations(loads, w, NOISE_WINDOWS)
-    return None if dev is None else variance_model(dev, w)
+    return drift_noise(loads, w) if cluster.slots_per_gpu == 2 else None
 
 
 def _gains(x: np.ndarray, y: np.ndarray, px: np.ndarray, ax: np.ndarray, held: np.ndarray, roams: np.ndarray,

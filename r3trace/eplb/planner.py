@@ -63,7 +63,11 @@
    slots per GPU and a spare slot its seeded layers take E[max] swaps as a still re-plan's do, and the layers taking
    the fresh layout up to `drift_emax_swaps` of them (its pairing crowds GPUs just under the max load). A still
    re-plan whose budgeted plan's forecast max load stays > `stale_gain` above a fresh plan's (the previous placement
-   was made for another workload) takes the fresh plan, aligned to the previous placement.
+   was made for another workload) takes the fresh plan, aligned to the previous placement. With more than two slots a
+   GPU a drifting re-plan judges layouts by a bound on the next window's expected max GPU load as well
+   (emax.layout_bound; PlannerConfig.drift_bound_gain has the figures): the forecast's max load is at its floor in
+   nearly every such layout, and stale replica counts, few heavy replicas of an expert that the drift made hot, show
+   only in the next window's spread.
 """
 
 from __future__ import annotations
@@ -81,7 +85,7 @@ from r3trace.eplb.deepseek import global_phy2log, group_nodes, pack_nodes, sprea
 from r3trace.eplb.descent import hot_swaps
 from r3trace.eplb.dispatch_contest import applies as replays
 from r3trace.eplb.dispatch_contest import replay_contest, replay_guard
-from r3trace.eplb.emax import replan_noise
+from r3trace.eplb.emax import drift_noise, layout_bound, replan_noise
 from r3trace.eplb.forecast import backtest_errors, drifts, forecast, pick_alpha
 from r3trace.eplb.homing import capped_counts, expert_nodes
 from r3trace.eplb.leveling import level_refine
@@ -90,7 +94,7 @@ from r3trace.eplb.partners import partner_forecast
 from r3trace.eplb.placement import Cluster, Placement, from_phy2log
 from r3trace.eplb.polish import NodeRule, applies, polish
 from r3trace.eplb.refine import swap_refine
-from r3trace.eplb.replan import max_load_floor, over, refreshed, seeded_counts, seeded_plan
+from r3trace.eplb.replan import held_refresh, max_load_floor, over, refreshed, seeded_counts, seeded_plan
 from r3trace.eplb.scenarios import spread
 from r3trace.eplb.score import even_gpu_load, node_counts, phy2log_gpu_load
 from r3trace.eplb.static import static_expected_load
@@ -297,7 +301,12 @@ def _plan(loads: np.ndarray, cluster: Cluster, prev: Placement | None, tokens: n
         ours = spread_layout(w, cluster, cfg, tokens, losing_load(glob, w, cluster), capped)
         anew = Contest(ours, w, cluster, tokens, glob=glob)
         noise = replan_noise(loads, w, cluster) if cfg.emax_swaps and cluster.num_slots > w.shape[1] else None
-        return from_phy2log(refreshed(anew, w, prev, cluster, cfg, cap, tokens, capped, glob, noise), w.shape[1])
+        out = refreshed(anew, w, prev, cluster, cfg, cap, tokens, capped, glob, noise)
+        # two slots a GPU: the forecast's max load tells layouts apart there, and E[max] swaps already run
+        drift = drift_noise(loads, w) if cfg.drift_bound_gain >= 0 and cluster.slots_per_gpu > 2 else None
+        if drift is not None:
+            out = held_refresh(out, anew, w, prev, cluster, cfg, drift, glob)
+        return from_phy2log(out, w.shape[1])
     home = group_nodes(w, cluster) if prev is None else node_counts(prev, cluster).argmax(2)
     fresh = fresh_plan(w, home, cluster, cfg, tokens)
     if prev is None:
@@ -312,8 +321,13 @@ def _plan(loads: np.ndarray, cluster: Cluster, prev: Placement | None, tokens: n
     share = 1.0 if moving or no_fit else cfg.churn_budget
     budget = int(share * kept.size) - int((kept != prev.phy2log).sum())
     gain = prev_max / new_max  # [L]
-    moves = np.zeros_like(kept)
     up = gain > 1 + cfg.keep_tolerance  # [L] the layers that may be re-placed, aligned at once
+    noise = drift_noise(loads, w) if moving and cfg.drift_bound_gain >= 0 else None
+    if noise is not None:  # drifting: also the layers whose next-window E[max] bound the fresh plan lowers
+        held = layout_bound(kept, w, cluster, *noise) / layout_bound(fresh.phy2log, w, cluster, *noise)
+        up |= held > 1 + cfg.drift_bound_gain
+        gain = np.maximum(gain, held)
+    moves = np.zeros_like(kept)
     moves[up] = align(fresh.phy2log[up], prev.phy2log[up], cluster)
     for layer in np.argsort(-gain, kind="stable"):  # biggest gains first, while the churn budget lasts
         if not up[layer]:

@@ -41,7 +41,7 @@ from r3trace.eplb.candidates import nodes_per_token
 from r3trace.eplb.cover import cover_sizes, node_masks
 from r3trace.eplb.deepseek import global_phy2log
 from r3trace.eplb.descent import hot_swaps
-from r3trace.eplb.emax import emax_swaps
+from r3trace.eplb.emax import emax_swaps, layout_bound
 from r3trace.eplb.homing import capped_counts
 from r3trace.eplb.leveling import level_refine
 from r3trace.eplb.pairing import paired, sorted_pairs
@@ -250,6 +250,27 @@ def refreshed(fresh: Contest, w: np.ndarray, prev: Placement, cluster: Cluster, 
     take = np.flatnonzero(ratio > 1)
     low[take] = fresh_rows(take)
     return resorted(low, w, cluster, cfg, tokens, flat & (ratio <= 1), glob)
+
+
+def held_refresh(low: np.ndarray, fresh: Contest, w: np.ndarray, prev: Placement, cluster: Cluster,
+                 cfg: PlannerConfig, noise: tuple[np.ndarray, np.ndarray],
+                 glob: np.ndarray | None = None) -> np.ndarray:
+    """A drifting re-plan's phy2log [L, P] (refreshed's) -> the same with each layer whose next-window E[max] bound
+    (emax.layout_bound under drift_noise's variance model) the fresh layout lowers by more than drift_bound_gain
+    taking it, aligned to prev. With many slots a GPU the forecast's max load is at its floor in nearly every layout,
+    so refreshed keeps stale replica counts whose few, heavy replicas swing with the drift next window."""
+    rows = np.arange(len(w))
+    new = fresh.layouts(rows)
+    bn = layout_bound(new, w, cluster, *noise)
+    if glob is not None:
+        bg = layout_bound(glob, w, cluster, *noise)
+        new = np.where((bg < bn)[:, None], glob, new)
+        bn = np.minimum(bg, bn)
+    held = layout_bound(low, w, cluster, *noise) / bn  # [L]
+    take = np.flatnonzero(held > 1 + cfg.drift_bound_gain)
+    out = low.copy()
+    out[take] = align(new[take], prev.phy2log[take], cluster)
+    return out
 
 
 def resorted(low: np.ndarray, w: np.ndarray, cluster: Cluster, cfg: PlannerConfig, tokens: np.ndarray | None,
