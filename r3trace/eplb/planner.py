@@ -94,7 +94,7 @@ from r3trace.eplb.partners import partner_forecast
 from r3trace.eplb.placement import Cluster, Placement, from_phy2log
 from r3trace.eplb.polish import NodeRule, applies, polish
 from r3trace.eplb.refine import swap_refine
-from r3trace.eplb.replan import held_refresh, max_load_floor, over, refreshed, seeded_counts, seeded_plan
+from r3trace.eplb.replan import held_refresh, locality_kept, max_load_floor, over, refreshed, seeded_counts, seeded_plan
 from r3trace.eplb.scenarios import spread
 from r3trace.eplb.score import even_gpu_load, node_counts, phy2log_gpu_load
 from r3trace.eplb.static import static_expected_load
@@ -290,7 +290,7 @@ def _plan(loads: np.ndarray, cluster: Cluster, prev: Placement | None, tokens: n
             limit = 1 + cfg.stale_gain
             floor = max_load_floor(w, capped, cluster)
             if cfg.stale_gain < 0 or over(seeded, w, cluster, floor) <= limit:
-                return from_phy2log(seeded, w.shape[1])
+                return from_phy2log(locality_kept(seeded, prev, w, cluster, cfg, tokens), w.shape[1])
             again = fresh_plan(w, None, cluster, cfg, tokens).phy2log
             if over(seeded, w, cluster, phy2log_gpu_load(again, w, cluster).max(1)) <= limit:
                 return from_phy2log(seeded, w.shape[1])
@@ -306,7 +306,7 @@ def _plan(loads: np.ndarray, cluster: Cluster, prev: Placement | None, tokens: n
         drift = drift_noise(loads, w) if cfg.drift_bound_gain >= 0 and cluster.slots_per_gpu > 2 else None
         if drift is not None:
             out = held_refresh(out, anew, w, prev, cluster, cfg, drift, glob)
-        return from_phy2log(out, w.shape[1])
+        return from_phy2log(locality_kept(out, prev, w, cluster, cfg, tokens, glob), w.shape[1])
     home = group_nodes(w, cluster) if prev is None else node_counts(prev, cluster).argmax(2)
     fresh = fresh_plan(w, home, cluster, cfg, tokens)
     if prev is None:
