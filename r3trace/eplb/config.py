@@ -151,8 +151,10 @@ class PlannerConfig:
     # P = E: a re-plan's layer that lowers the forecast max GPU load by <= min_gain of it and spreads the newest tokens
     # over more nodes than the previous layer goes back to the previous layer unless its nodes per token stays
     # locality_slack under DeepSeek global's (replan.locality_kept): the seeded swaps' node moves had added up over
-    # still re-plans (128 GPUs / 16 nodes, s = 1.2: 4.44 -> 4.98 nodes per token, global 4.72); float("-inf"): off
-    locality_slack: float = 0.05
+    # still re-plans (128 GPUs / 16 nodes, independent router, s = 1.2: 4.44 -> 4.98 nodes per token, global 4.72;
+    # with this 4.53). At 0.05 it also held back layers 1-5% under global's and three P = E cells lost -0.00001 ..
+    # -0.0001 of balancedness (two ties became "no"s); float("-inf"): off
+    locality_slack: float = 0.0
     # two nodes, spare slots, tokens: a fresh plan's layer takes DeepSeek global's layout where node-limited replay of
     # the newest tokens gives it a max GPU load lower by more than replay_margin of ours', and a re-plan's layer whose
     # replayed max load is more than replay_margin above the previous placement's keeps the previous layer
