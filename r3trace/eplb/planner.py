@@ -63,8 +63,9 @@
    slots per GPU and a spare slot its seeded layers take E[max] swaps as a still re-plan's do, and the layers taking
    the fresh layout up to `drift_emax_swaps` of them (its pairing crowds GPUs just under the max load). A still
    re-plan whose budgeted plan's forecast max load stays > `stale_gain` above a fresh plan's (the previous placement
-   was made for another workload) takes the fresh plan, aligned to the previous placement. With more than two slots a
-   GPU a drifting re-plan judges layouts by a bound on the next window's expected max GPU load as well
+   was made for another workload) takes the fresh plan, aligned to the previous placement. On one node, and with more
+   than BOUND_SLOTS_PER_GPU slots a GPU on several, a drifting re-plan judges layouts by a bound on the next window's
+   expected max GPU load as well
    (emax.layout_bound; PlannerConfig.drift_bound_gain has the figures): the forecast's max load is at its floor in
    nearly every such layout, and stale replica counts, few heavy replicas of an expert that the drift made hot, show
    only in the next window's spread.
@@ -101,6 +102,14 @@ from r3trace.eplb.static import static_expected_load
 from r3trace.eplb.static_ladder import static_ladder
 from r3trace.eplb.static_one_node import keep_lower, static_one_node
 from r3trace.eplb.static_spread import static_even
+
+# a drifting multi-node re-plan judges layouts by the next window's E[max] bound (replan.held_refresh) only with more
+# slots a GPU than this: on 2 nodes (16-18 a GPU) the forecast's max load sits at its floor in nearly every layout, on
+# 8 nodes (4-5 a GPU) it tells layouts apart (1.04-1.21 per layer under fast drift) and the bound moved the 8-node
+# fast-drift cells by -0.0006 .. +0.0013 (seed 0) while costing 0.035 s a drifting re-plan at [58, 256] on 64 GPUs
+# (0.044 -> 0.080 s, 0.27x the reference's 0.29 s call in that run; the plan-time goal is 0.2x); with 2 slots a GPU
+# E[max] swaps run instead
+BOUND_SLOTS_PER_GPU = 8
 
 
 def spreads(cluster: Cluster, cfg: PlannerConfig) -> bool:
@@ -302,8 +311,8 @@ def _plan(loads: np.ndarray, cluster: Cluster, prev: Placement | None, tokens: n
         anew = Contest(ours, w, cluster, tokens, glob=glob)
         noise = replan_noise(loads, w, cluster) if cfg.emax_swaps and cluster.num_slots > w.shape[1] else None
         out = refreshed(anew, w, prev, cluster, cfg, cap, tokens, capped, glob, noise)
-        # two slots a GPU: the forecast's max load tells layouts apart there, and E[max] swaps already run
-        drift = drift_noise(loads, w) if cfg.drift_bound_gain >= 0 and cluster.slots_per_gpu > 2 else None
+        drift = (drift_noise(loads, w) if cfg.drift_bound_gain >= 0 and cluster.slots_per_gpu > BOUND_SLOTS_PER_GPU
+                 else None)
         if drift is not None:
             out = held_refresh(out, anew, w, prev, cluster, cfg, drift, glob)
         return from_phy2log(locality_kept(out, prev, w, cluster, cfg, tokens, glob), w.shape[1])

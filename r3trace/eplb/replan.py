@@ -256,20 +256,29 @@ def held_refresh(low: np.ndarray, fresh: Contest, w: np.ndarray, prev: Placement
                  cfg: PlannerConfig, noise: tuple[np.ndarray, np.ndarray],
                  glob: np.ndarray | None = None) -> np.ndarray:
     """A drifting re-plan's phy2log [L, P] (refreshed's) -> the same with each layer whose next-window E[max] bound
-    (emax.layout_bound under drift_noise's variance model) the fresh layout lowers by more than drift_bound_gain
-    taking it, aligned to prev. With many slots a GPU the forecast's max load is at its floor in nearly every layout,
-    so refreshed keeps stale replica counts whose few, heavy replicas swing with the drift next window."""
-    rows = np.arange(len(w))
+    (emax.layout_bound under drift_noise's variance model) the fresh layout, or DeepSeek global's (glob [L, P]), lowers
+    by more than drift_bound_gain taking the lower, aligned to prev. With many slots a GPU the forecast's max load is
+    at its floor in nearly every layout, so refreshed keeps stale replica counts whose few, heavy replicas swing with
+    the drift next window. The fresh layout is chosen (Contest.layouts) only in the layers where one of its tied
+    candidates passes: its regroups move whole GPUs between nodes, so the chosen one has a candidate's bound."""
+    a, b = noise
+    mine = layout_bound(low, w, cluster, a, b)  # [L]
+    each = np.stack([layout_bound(c, w, cluster, a, b) for c in fresh.cands])  # [C, L]
+    best = np.where(fresh.tied, each, np.inf).min(0)
+    bg = None if glob is None else layout_bound(glob, w, cluster, a, b)
+    if bg is not None:
+        best = np.minimum(best, bg)
+    rows = np.flatnonzero(mine > best * (1 + cfg.drift_bound_gain))
+    if not len(rows):
+        return low
     new = fresh.layouts(rows)
-    bn = layout_bound(new, w, cluster, *noise)
-    if glob is not None:
-        bg = layout_bound(glob, w, cluster, *noise)
-        new = np.where((bg < bn)[:, None], glob, new)
-        bn = np.minimum(bg, bn)
-    held = layout_bound(low, w, cluster, *noise) / bn  # [L]
-    take = np.flatnonzero(held > 1 + cfg.drift_bound_gain)
+    bn = layout_bound(new, w[rows], cluster, a[rows], b[rows])
+    if glob is not None and bg is not None:
+        new = np.where((bg[rows] < bn)[:, None], glob[rows], new)
+        bn = np.minimum(bg[rows], bn)
+    take = rows[mine[rows] > bn * (1 + cfg.drift_bound_gain)]
     out = low.copy()
-    out[take] = align(new[take], prev.phy2log[take], cluster)
+    out[take] = align(new[np.isin(rows, take)], prev.phy2log[take], cluster)
     return out
 
 
