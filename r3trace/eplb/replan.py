@@ -265,7 +265,9 @@ def held_refresh(low: np.ndarray, fresh: Contest, w: np.ndarray, prev: Placement
     mine = layout_bound(low, w, cluster, a, b)  # [L]
     each = np.stack([layout_bound(c, w, cluster, a, b) for c in fresh.cands])  # [C, L]
     best = np.where(fresh.tied, each, np.inf).min(0)
-    bg = None if glob is None else layout_bound(glob, w, cluster, a, b)
+    # the Contest's last candidate is global's layout where it competes (candidates.Contest): its bound, not again
+    bg = (None if glob is None else each[-1] if len(fresh.cands) > 1 and np.array_equal(fresh.cands[-1], glob)
+          else layout_bound(glob, w, cluster, a, b))
     if bg is not None:
         best = np.minimum(best, bg)
     rows = np.flatnonzero(mine > best * (1 + cfg.drift_bound_gain))
