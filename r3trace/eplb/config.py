@@ -55,9 +55,9 @@ class PlannerConfig:
     refresh_drift: float = 0.1
     refresh_gain: float = 0.02
     # a drifting re-plan on one node, or with > 8 slots a GPU on several (planner.BOUND_SLOTS_PER_GPU), also re-places
-    # each layer whose next-window E[max] bound
-    # (emax.layout_bound, the even split under the windows' variance model) a fresh layout lowers by more than
-    # drift_bound_gain of it (one node: planner._plan; several: replan.held_refresh, global's layout a candidate too).
+    # each layer whose next-window E[max] bound (emax.layout_bound, the even split under the windows' variance model) a
+    # fresh layout lowers by more than drift_bound_gain of it (one node: planner._plan; several: replan.held_refresh,
+    # global's layout a candidate too).
     # There the forecast's max load sits at its floor in every layout (36 slots a GPU on one node: kept / fresh
     # 1.001-1.004), so stale replica counts stayed: one node, fast drift, the family cells of trace seed 0 trailed
     # global on the newest window by 0.005-0.017 at 4.6% of slots a re-plan; with this rule -0.001 .. +0.003 at

@@ -65,10 +65,9 @@
    re-plan whose budgeted plan's forecast max load stays > `stale_gain` above a fresh plan's (the previous placement
    was made for another workload) takes the fresh plan, aligned to the previous placement. On one node, and with more
    than BOUND_SLOTS_PER_GPU slots a GPU on several, a drifting re-plan judges layouts by a bound on the next window's
-   expected max GPU load as well
-   (emax.layout_bound; PlannerConfig.drift_bound_gain has the figures): the forecast's max load is at its floor in
-   nearly every such layout, and stale replica counts, few heavy replicas of an expert that the drift made hot, show
-   only in the next window's spread.
+   expected max GPU load as well (emax.layout_bound; PlannerConfig.drift_bound_gain has the figures): the forecast's
+   max load is at its floor in nearly every such layout, and stale replica counts, few heavy replicas of an expert that
+   the drift made hot, show only in the next window's spread.
 """
 
 from __future__ import annotations
