@@ -85,7 +85,13 @@ def level_refine(phy2log: np.ndarray, weight: np.ndarray, logcnt: np.ndarray, cl
     cold_gpus = min(n_gpus, max(1, 4 * hot_slots // spg))
     in_gpu, in_node = np.arange(spg), np.arange(gpn)
     slot_node16, slot_bit = slot_node.astype(np.int16), bit[slot_node]
-    buf_d, buf_gain = (np.empty((n_layers, hot_gpus * spg, (cold_gpus + gpn) * spg)) for _ in range(2))
+    # one hot GPU: b's near GPUs leave it out (a pair on one GPU never gains: ga = gb, gain -d d, so the same swaps),
+    # and they all share its node, so only the cold GPUs' columns need the node rule (16 GPUs / 2 nodes / 288 slots:
+    # 54 of 180 columns; with all 198 ruled the leveling there was a quarter of a drifting re-plan's time)
+    one_hot = hot_gpus == 1
+    n_near = gpn - 1 if one_hot else gpn
+    ruled = cold_gpus * spg if one_hot else (cold_gpus + gpn) * spg  # b's columns the node rule decides, first
+    buf_d, buf_gain = (np.empty((n_layers, hot_gpus * spg, (cold_gpus + n_near) * spg)) for _ in range(2))
     gpu_all = u.reshape(n_layers, n_gpus, spg).sum(-1)  # [L, G]; a swap re-sums its two GPUs' rows (same sums)
     # per-slot codes of the cross-node rule, kept up to date by each swap instead of re-derived each step:
     # flag bit 0: a cold slot, bit 1: a replica of an expert with several (both move with the expert);
@@ -126,6 +132,8 @@ def level_refine(phy2log: np.ndarray, weight: np.ndarray, logcnt: np.ndarray, cl
         # inside a node are always allowed); all P slots made each step [n, S, P] and a [58, 256] plan on 8
         # nodes take 1 s
         near = (rank[:, :1] // gpn) * gpn + in_node  # [n, gpn]
+        if one_hot:  # [n, gpn - 1] in the same order, the hot GPU left out
+            near = near[near != rank[:, :1]].reshape(n, n_near)
         gpus = np.concatenate([rank[:, :hot_gpus], rank[:, -cold_gpus:], near], 1)  # [n, (S + B) / spg]
         # per-slot values are gathered once for a's and b's slots together ([n, S + B]), straight from the [L, P]
         # arrays, and meet in [n, S, B] only by broadcasting, in the smallest dtypes: at [58, 320] a step is ~20
@@ -168,19 +176,20 @@ def level_refine(phy2log: np.ndarray, weight: np.ndarray, logcnt: np.ndarray, cl
             np.matmul(fac_a, fac_b, out=gain)
         # a pair on one GPU needs no mask: there ga = gb, so its gain is -d d <= 0 and never passes the floor (>= 0;
         # with a spread > 0, above the product's rounding)
-        node_ab = np.take(slot_node16, ab)
-        ok = node_ab[:, :ns, None] == node_ab[:, None, ns:]  # [n, S, B] inside one node: allowed
+        ab_r, flat_r = ab[:, : ns + ruled], flat_ab[:, : ns + ruled]  # a's slots and b's ruled ones
+        node_ab = np.take(slot_node16, ab_r)
+        ok = node_ab[:, :ns, None] == node_ab[:, None, ns:]  # [n, S, B'] inside one node: allowed
         if cross_nodes:  # across nodes as the module doc says
-            bit_ab = np.take(slot_bit, ab)
+            bit_ab = np.take(slot_bit, ab_r)
             bit_a, bit_b = bit_ab[:, :ns, None], bit_ab[:, None, ns:]
-            held = np.take(nodes_of, np.take(out, flat_ab) + (r * e)[:, None])  # [n, S + B] node bitmask of each expert
-            kin = np.take(grp_a, flat_ab[:, :ns])[:, :, None] == np.take(grp_b, flat_ab[:, ns:])[:, None, :]
-            f_ab = np.take(flag, flat_ab)
+            held = np.take(nodes_of, np.take(out, flat_r) + (r * e)[:, None])  # [n, S + B'] node bitmask of each expert
+            kin = np.take(grp_a, flat_r[:, :ns])[:, :, None] == np.take(grp_b, flat_r[:, ns:])[:, None, :]
+            f_ab = np.take(flag, flat_r)
             kin |= (f_ab[:, :ns, None] & f_ab[:, None, ns:]) != 0  # both cold or both not lone
             # ... and neither expert already on the other's node (the swap would merge its replicas)
             kin &= ((held[:, :ns, None] & bit_b) | (held[:, None, ns:] & bit_a)) == 0
             ok |= kin
-        gain *= ok
+        gain[:, :, :ruled] *= ok
         flat = gain.reshape(n, -1)
         best = np.argmax(flat, axis=1)
         keep = 2 * flat[np.arange(n), best] > floor[r]

