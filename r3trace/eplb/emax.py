@@ -72,7 +72,7 @@ from __future__ import annotations
 import numpy as np
 
 from r3trace.eplb import portable
-from r3trace.eplb.placement import Cluster
+from r3trace.eplb.placement import Cluster, replica_counts
 from r3trace.eplb.scenarios import deviations
 
 BETAS = np.geomspace(1.0, 200.0, 48)  # the temperatures tried, in 1 / mean GPU load
@@ -114,9 +114,7 @@ def layout_bound(phy2log: np.ndarray, w: np.ndarray, cluster: Cluster, a: np.nda
     GPU's own distribution, so GPUs sharing an expert's replicas need no care."""
     n_layers, g = w.shape[0], cluster.num_gpus
     ph = np.asarray(phy2log, dtype=np.int64)
-    rows = np.arange(n_layers)[:, None]
-    cnt = np.zeros(w.shape, dtype=np.int64)
-    np.add.at(cnt, (rows, ph), 1)
+    cnt = replica_counts(ph, w.shape[1])
     mean = w.sum(1) / g  # [L]
     per = w / np.maximum(cnt, 1) / mean[:, None]  # [L, E] one replica's load, in mean GPU loads
     pv = a[:, None] * per / (np.maximum(cnt, 1) * mean[:, None]) + b[:, None] * per**2  # [L, E] its variance, in
@@ -149,8 +147,7 @@ def emax_swaps(phy2log: np.ndarray, w: np.ndarray, cluster: Cluster, swaps: np.n
     if cluster.slots_per_gpu != 2 or not n_layers or int(np.max(swaps, initial=0)) <= 0:
         return out
     rows, gid = np.arange(n_layers)[:, None], np.arange(g)[None, :]
-    cnt = np.zeros((n_layers, e), dtype=np.int64)
-    np.add.at(cnt, (rows, out), 1)
+    cnt = replica_counts(out, e)
     mean = w.sum(1) / g  # [L]
     per = w / np.maximum(cnt, 1) / mean[:, None]  # [L, E] load of one replica, in mean GPU loads
     pv = (a[:, None] * per / mean[:, None] + b[:, None] * per**2)  # [L, E] its variance, in squared mean loads

@@ -31,7 +31,7 @@ from __future__ import annotations
 import numpy as np
 
 from r3trace.eplb.affinity import COACT_TOKENS
-from r3trace.eplb.placement import Cluster, replicas_per_node
+from r3trace.eplb.placement import Cluster, replica_counts, replicas_per_node
 
 MOVE_COST = 1e-3  # per moved replica, in token-nodes per token: among equally cheap choices, no move
 # a re-plan's (tol, slack) per layer, most sorted first, as shares of the mean GPU load: the first whose moves fit
@@ -83,8 +83,7 @@ def pair(phy2log: np.ndarray, weight: np.ndarray, cluster: Cluster, hits: np.nda
     out = np.asarray(phy2log, dtype=np.int64)
     n_layers, p = out.shape
     e, g, n, gpn = weight.shape[1], cluster.num_gpus, cluster.num_nodes, cluster.gpus_per_node
-    cnt = np.zeros((n_layers, e), dtype=np.int64)
-    np.add.at(cnt, (np.arange(n_layers)[:, None], out), 1)
+    cnt = replica_counts(out, e)
     u = np.take_along_axis(weight / cnt, out, 1).reshape(n_layers, g, 2)
     two = out.reshape(n_layers, g, 2)
     heavy = u.argmax(2)  # [L, G]

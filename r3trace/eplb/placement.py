@@ -83,6 +83,13 @@ def replicas_per_node(phy2log: np.ndarray, num_experts: int, cluster: Cluster) -
     return np.bincount(key.ravel(), minlength=n_layers * num_experts * n).reshape(n_layers, num_experts, n)
 
 
+def replica_counts(phy2log: np.ndarray, num_experts: int) -> np.ndarray:
+    """phy2log [L, P] -> [L, E] int64 replicas of each expert (one bincount; np.add.at took ~0.16 ms at [58, 288])."""
+    n_layers = len(phy2log)
+    key = np.asarray(phy2log, dtype=np.int64) + (np.arange(n_layers) * num_experts)[:, None]
+    return np.bincount(key.ravel(), minlength=n_layers * num_experts).reshape(n_layers, num_experts)
+
+
 def from_phy2log(phy2log: np.ndarray, num_experts: int, rank: np.ndarray | None = None) -> Placement:
     """Builds log2phy [L, E, R] and logcnt [L, E] from phy2log [L, P]; every expert needs >= 1 replica.
 
@@ -95,8 +102,7 @@ def from_phy2log(phy2log: np.ndarray, num_experts: int, rank: np.ndarray | None 
     n_layers, p = phy2log.shape
     if phy2log.min() < 0 or phy2log.max() >= num_experts:
         raise PlacementError(f"phy2log holds ids outside 0..{num_experts - 1}")
-    offset = (np.arange(n_layers) * num_experts)[:, None]
-    logcnt = np.bincount((phy2log + offset).ravel(), minlength=n_layers * num_experts).reshape(n_layers, -1)
+    logcnt = replica_counts(phy2log, num_experts)
     if (logcnt == 0).any():
         layer, expert = np.argwhere(logcnt == 0)[0]
         raise PlacementError(f"expert {expert} of layer {layer} has 0 replicas; every expert needs >= 1")
