@@ -328,6 +328,7 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, nargs="*", default=[], help="only cells with these node counts")
     ap.add_argument("--skews", type=float, nargs="*", default=[], help="only cells with these Zipf skews")
     ap.add_argument("--slots", type=int, nargs="*", default=[], help="only cells with these slot counts")
+    ap.add_argument("--families", nargs="*", default=[], help="only cells of these trace families")
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--windows", type=int, default=WINDOWS, help="windows a cell runs (the sample's: at most 8)")
     ap.add_argument("--window-tokens", type=int, default=4096)
@@ -357,7 +358,8 @@ def main() -> None:
         ap.error("give --smoke, --sweep or --plan-time")
     base = TraceSpec(num_layers=args.layers, windows=args.windows, window_tokens=args.window_tokens, seed=args.seed)
     todo = [c for c in cells(sweep, base) if (not args.nodes or c.nodes in args.nodes)
-            and (not args.skews or c.spec.zipf_s in args.skews) and (not args.slots or c.slots in args.slots)]
+            and (not args.skews or c.spec.zipf_s in args.skews) and (not args.slots or c.slots in args.slots)
+            and (not args.families or c.spec.family in args.families)]
     earlier, source = {}, {}
     if args.reuse:
         source = json.loads(Path(args.reuse).read_text())

@@ -30,6 +30,7 @@ from __future__ import annotations
 import numpy as np
 
 from r3trace.eplb.deepseek import global_phy2log
+from r3trace.eplb.node_model import expected_nodes
 from r3trace.eplb.placement import Cluster
 from r3trace.eplb.regroup import gpu_coactivation, node_order, reordered
 from r3trace.eplb.score import phy2log_gpu_load
@@ -139,10 +140,12 @@ def paired_se(diff: np.ndarray) -> np.ndarray:
     return np.sqrt((n * s2 - s1 * s1) / (n * (n - 1) * n))
 
 
-def best_layout(phy2log: np.ndarray, w: np.ndarray, cluster: Cluster, tokens: np.ndarray | None) -> np.ndarray:
+def best_layout(phy2log: np.ndarray, w: np.ndarray, cluster: Cluster, tokens: np.ndarray | None,
+                router: tuple[int, int] = (8, 0)) -> np.ndarray:
     """Ours' phy2log [L, P], forecast w [L, E], newest tokens [T, L, K] or None -> phy2log [L, P], per layer the
-    candidate of the module doc with the lowest max GPU load up to MAX_LOAD_TIE, then the fewest nodes per token."""
-    return Contest(phy2log, w, cluster, tokens).layouts(np.arange(len(phy2log)))
+    candidate of the module doc with the lowest max GPU load up to MAX_LOAD_TIE, then the fewest nodes per token.
+    router: (top_k, topk_group) for Contest without tokens."""
+    return Contest(phy2log, w, cluster, tokens, router=router).layouts(np.arange(len(phy2log)))
 
 
 def losing_load(glob: np.ndarray, w: np.ndarray, cluster: Cluster) -> np.ndarray:
@@ -163,9 +166,10 @@ class Contest:
     loads that the whole stack gets (tests/analysis/test_eplb_contest.py)."""
 
     def __init__(self, phy2log: np.ndarray, w: np.ndarray, cluster: Cluster, tokens: np.ndarray | None,
-                 compete: bool = True, glob: np.ndarray | None = None) -> None:
-        """glob: DeepSeek global's phy2log [L, P] on w where the caller has it."""
-        self.w, self.cluster, self.tokens = w, cluster, tokens
+                 compete: bool = True, glob: np.ndarray | None = None, router: tuple[int, int] = (8, 0)) -> None:
+        """glob: DeepSeek global's phy2log [L, P] on w where the caller has it. router: (top_k, topk_group) of
+        node_model.expected_nodes, which ranks the tied candidates where P = E and tokens is None."""
+        self.w, self.cluster, self.tokens, self.router = w, cluster, tokens, router
         if compete:
             glob = global_phy2log(w, cluster) if glob is None else glob
             self.cands = np.stack([phy2log, by_group(glob, w.shape[1], cluster), glob])  # [3, L, P]
@@ -197,6 +201,10 @@ class Contest:
 
     def _choose(self, rows: np.ndarray) -> np.ndarray:
         tied, e, cluster = self.tied[:, rows], self.w.shape[1], self.cluster
+        if len(self.cands) > 1 and self.tokens is None and cluster.num_slots == e:  # the fewest expected nodes per
+            # token from loads (node_model.py), the first of equals
+            est = np.stack([expected_nodes(c[rows], self.w[rows], cluster, *self.router) for c in self.cands])
+            return self.cands[np.argmin(np.where(tied, est, np.inf), axis=0), rows]
         if len(self.cands) == 1 or self.tokens is None or cluster.num_slots != e:  # the first tied candidate
             return self.cands[np.argmax(tied, axis=0), rows]
         # np.take: C-contiguous copies (x[:, rows] is not, and the token counts below ran 1.4x as long on it)

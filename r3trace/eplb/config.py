@@ -172,8 +172,17 @@ class PlannerConfig:
     # which SGLang dispatch static_even plans for (static.dispatched_load's expected loads): static (the ranks left
     # without a near replica spread as whole ranks) or dynamic (each of their pairs drawn uniformly)
     sglang_dispatch: Literal["static", "dynamic"] = "static"
+    # the router, where no token reaches the planner (an SGLang dump, the server plugins' load statistics): P = E,
+    # global's layouts compete per layer on expected nodes per token from loads (node_model.py), a group-limited
+    # router of router_top_k experts from router_topk_group groups (0: half the cluster's groups). DeepSeek V3's 8
+    # and 4 of 8; topk_group 2 or 8 picked layouts up to 0.7 nodes per token worse there
+    router_top_k: int = 8
+    router_topk_group: int = 0
 
     def __post_init__(self) -> None:
         bad_alpha = self.ema_alpha is not None and not 0 <= self.ema_alpha <= 1
         if bad_alpha or min(self.keep_tolerance, self.home_slack, self.min_gain, self.alpha_tie) < 0:
             raise PlacementError(f"ema_alpha={self.ema_alpha} must be in [0, 1] (0: mean); tolerances must be >= 0")
+        if self.router_top_k < 1 or self.router_topk_group < 0:
+            raise PlacementError(f"router_top_k={self.router_top_k} must be >= 1 and router_topk_group="
+                                 f"{self.router_topk_group} >= 0")
