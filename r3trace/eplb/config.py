@@ -151,11 +151,15 @@ class PlannerConfig:
     emax_step_drop: float = 1e-4
     # P = E: a re-plan's layer that lowers the forecast max GPU load by <= min_gain of it and spreads the newest tokens
     # over more nodes than the previous layer goes back to the previous layer unless its nodes per token stays
-    # locality_slack under DeepSeek global's (replan.locality_kept): the seeded swaps' node moves had added up over
+    # locality_slack under DeepSeek global's (locality.locality_kept): the seeded swaps' node moves had added up over
     # still re-plans (128 GPUs / 16 nodes, independent router, s = 1.2: 4.44 -> 4.98 nodes per token, global 4.72;
     # with this 4.53). At 0.05 it also held back layers 1-5% under global's and three P = E cells lost -0.00001 ..
     # -0.0001 of balancedness (two ties became "no"s); float("-inf"): off
     locality_slack: float = 0.0
+    # P = E, a drifting re-plan: a layer takes the fresh layout where that holds its max GPU load (within
+    # candidates.MAX_LOAD_TIE) with fewer nodes per token by more than locality_gain of the layer's
+    # (locality.locality_refresh); < 0: off
+    locality_gain: float = 0.01
     # two nodes, spare slots, tokens: a fresh plan's layer takes DeepSeek global's layout where node-limited replay of
     # the newest tokens gives it a max GPU load lower by more than replay_margin of ours', and a re-plan's layer whose
     # replayed max load is more than replay_margin above the previous placement's keeps the previous layer

@@ -89,12 +89,13 @@ from r3trace.eplb.emax import drift_noise, layout_bound, replan_noise
 from r3trace.eplb.forecast import backtest_errors, drifts, forecast, pick_alpha
 from r3trace.eplb.homing import capped_counts, expert_nodes
 from r3trace.eplb.leveling import level_refine
+from r3trace.eplb.locality import locality_kept, locality_refresh
 from r3trace.eplb.pairing import paired
 from r3trace.eplb.partners import partner_forecast
 from r3trace.eplb.placement import Cluster, Placement, from_phy2log
 from r3trace.eplb.polish import NodeRule, applies, polish
 from r3trace.eplb.refine import swap_refine
-from r3trace.eplb.replan import held_refresh, locality_kept, max_load_floor, over, refreshed, seeded_counts, seeded_plan
+from r3trace.eplb.replan import held_refresh, max_load_floor, over, refreshed, seeded_counts, seeded_plan
 from r3trace.eplb.scenarios import spread
 from r3trace.eplb.score import even_gpu_load, node_counts, phy2log_gpu_load
 from r3trace.eplb.static import static_expected_load
@@ -314,6 +315,7 @@ def _plan(loads: np.ndarray, cluster: Cluster, prev: Placement | None, tokens: n
                  else None)
         if drift is not None:
             out = held_refresh(out, anew, w, prev, cluster, cfg, drift, glob)
+        out = locality_refresh(out, anew, w, prev, cluster, cfg, tokens, glob)
         return from_phy2log(locality_kept(out, prev, w, cluster, cfg, tokens, glob), w.shape[1])
     home = group_nodes(w, cluster) if prev is None else node_counts(prev, cluster).argmax(2)
     fresh = fresh_plan(w, home, cluster, cfg, tokens)

@@ -284,32 +284,6 @@ def held_refresh(low: np.ndarray, fresh: Contest, w: np.ndarray, prev: Placement
     return out
 
 
-def locality_kept(new: np.ndarray, prev: Placement, w: np.ndarray, cluster: Cluster, cfg: PlannerConfig,
-                  tokens: np.ndarray | None, glob: np.ndarray | None = None) -> np.ndarray:
-    """Every slot one expert (P = E): a re-plan's phy2log [L, P] on the forecast w [L, E] -> the same with each layer
-    back to prev's where it lowers the forecast max GPU load by no more than min_gain of it, spreads the newest tokens
-    over more nodes than prev's layer, and is not locality_slack under DeepSeek global's plan on w (glob [L, P],
-    where the caller has it) in nodes per token. There the hottest expert alone sets the max load in most layers
-    (s = 1.2 on 128 GPUs / 16 nodes: 8-13x the mean), so the seeded re-plans' pairing, hot and E[max] swaps barely
-    lower it, but each moved a few replicas across nodes: nodes per token crept from 4.44 (global 4.72) to 4.98 over
-    17 still re-plans (independent router, s = 1.2, slow drift); with this, 4.53 on average."""
-    e = w.shape[1]
-    if tokens is None or cluster.num_slots != e:
-        return new
-    old = phy2log_gpu_load(prev.phy2log, w, cluster).max(1)  # [L]
-    same = phy2log_gpu_load(new, w, cluster).max(1) >= old * (1 - cfg.min_gain)  # [L] no lower max load
-    rows = np.flatnonzero(same & (new != prev.phy2log).any(1))
-    if not len(rows):
-        return new
-    recent = tokens[-SLACK_TOKENS:, rows]
-    ref = global_phy2log(w[rows], cluster) if glob is None else glob[rows]
-    worse = ((node_slack(new[rows], prev.phy2log[rows], recent, e, cluster) < 0)
-             & (node_slack(new[rows], ref, recent, e, cluster) <= cfg.locality_slack))
-    out = new.copy()
-    out[rows[worse]] = prev.phy2log[rows[worse]]
-    return out
-
-
 def resorted(low: np.ndarray, w: np.ndarray, cluster: Cluster, cfg: PlannerConfig, tokens: np.ndarray | None,
              rows: np.ndarray, glob: np.ndarray | None) -> np.ndarray:
     """A drifting re-plan's phy2log [L, P] on the forecast w [L, E], tokens [T, L, K] -> the same with the layers
