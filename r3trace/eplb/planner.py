@@ -262,7 +262,8 @@ def _static_even_plan(new: np.ndarray, loads: np.ndarray, cluster: Cluster, prev
         return static_ladder(phy2log, w, cluster, tokens, mean_loads, cfg.sglang_dispatch)
 
     out = finish(new)
-    if prev is None or not moving:
+    if prev is None or not moving or cluster.num_slots == loads.shape[-1]:  # P = E: nothing to make static-even, so
+        # the refreshed plan costs no max load (and keeps locality.locality_refresh's layers)
         return out
     still = finish(_plan(loads, cluster, prev, tokens, replace(cfg, refresh_drift=float("inf"))).phy2log)
     how = cfg.sglang_dispatch
