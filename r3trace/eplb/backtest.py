@@ -113,18 +113,18 @@ def fold_windows(num_windows: int, folds: int = FOLDS) -> list[int]:
 def backtest(history: np.ndarray, held: Sequence[int], fit_tokens: Sequence[np.ndarray | None],
              held_tokens: Sequence[np.ndarray | None], cluster: Cluster, policies: Sequence[PolicyName] = POLICIES,
              forecasts: Sequence[Forecast] = FORECASTS, dispatch: DispatchName = "node-limited",
-             held_ranks: Sequence[np.ndarray | None] | None = None) -> list[Candidate]:
+             held_ranks: Sequence[np.ndarray | None] | None = None, top_k: int | None = None) -> list[Candidate]:
     """history [W, L, E]; held: the windows t scored (fold_windows), each planned on history[:t] with fit_tokens[i]
     (the newest routes before t, for ours) and scored on history[t] replaying held_tokens[i] [T, L, K] (None: even
     split only), sent from held_ranks[i] [T] under static dispatch (None: token t from rank t mod G) -> every
-    candidate's fold scores, in table order, judged under `dispatch`."""
+    candidate's fold scores, in table order, judged under `dispatch`; top_k: the trace's, for ours (planner_config)."""
     ranks = [None] * len(held) if held_ranks is None else held_ranks
     out = []
     for policy in policies:
         for how in forecasts:
             try:
-                scores = tuple(score_placement(plan_policy(policy, history[:t], how, cluster, ft,
-                                                           dispatch=dispatch), history[t], vt, cluster, vr)
+                scores = tuple(score_placement(plan_policy(policy, history[:t], how, cluster, ft, dispatch=dispatch,
+                                                           top_k=top_k), history[t], vt, cluster, vr)
                                for t, ft, vt, vr in zip(held, fit_tokens, held_tokens, ranks, strict=True))
             except PlacementError as e:  # hierarchical when groups do not divide over nodes
                 out.append(Candidate(policy, how, (), str(e), dispatch))

@@ -7,6 +7,7 @@ topk_ids of the tokens to replay.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Literal, NamedTuple
 
 import numpy as np
@@ -31,26 +32,29 @@ STATIC_EVEN_CHURN = 0.02  # of the re-plan budgets, left to static_spread.py und
 DISPATCHES: tuple[DispatchName, ...] = ("node-limited", "static", "dynamic")
 
 
-def planner_config(dispatch: DispatchName) -> PlannerConfig:
+def planner_config(dispatch: DispatchName, top_k: int | None = None) -> PlannerConfig:
     """Ours plans for the dispatcher it will run under: the two-node replay rules (dispatch_contest.py: the fresh plan's
     contest, the re-plan's guard) only for node-limited dispatch; SGLang's static and dynamic dispatch never look at
     a token's other experts, so there the even split is the load ours plans for, with experts' replicas made
-    static-even (static_spread.py, static_ladder.py) so that the even split is what their node rule gives."""
+    static-even (static_spread.py, static_ladder.py) so that the even split is what their node rule gives. top_k:
+    the trace's experts a token, for the planner's expectation of nodes per token without tokens (router_top_k; None:
+    PlannerConfig's)."""
+    base = PlannerConfig() if top_k is None else PlannerConfig(router_top_k=top_k)
     if dispatch == "node-limited":
-        return PlannerConfig()
+        return base
     # static-even moves (its leveling up to 2% of slots, its fixes of experts the re-plan left mixed) come on top of
     # the re-plan's own: with the default budgets slow-drift re-plans moved up to 11% of slots (goal <= 10%)
-    base = PlannerConfig()
-    return PlannerConfig(replay_margin=-1.0, static_even=True, churn_budget=base.churn_budget - STATIC_EVEN_CHURN,
-                         seeded_churn_budget=base.seeded_churn_budget - STATIC_EVEN_CHURN, sglang_dispatch=dispatch)
+    return replace(base, replay_margin=-1.0, static_even=True, churn_budget=base.churn_budget - STATIC_EVEN_CHURN,
+                   seeded_churn_budget=base.seeded_churn_budget - STATIC_EVEN_CHURN, sglang_dispatch=dispatch)
 
 
 def make_placement(policy: PolicyName, weight: np.ndarray, cluster: Cluster, tokens: np.ndarray | None,
-                   prev: Placement | None = None, dispatch: DispatchName = "node-limited") -> Placement:
+                   prev: Placement | None = None, dispatch: DispatchName = "node-limited",
+                   top_k: int | None = None) -> Placement:
     """weight [L, E] (or, for ours, a history [W, L, E] it forecasts itself); prev: ours re-plans from it;
-    dispatch: what ours plans for (planner_config)."""
+    dispatch, top_k: what ours plans for (planner_config)."""
     if policy == "ours":
-        return planner.plan(weight, cluster, prev=prev, tokens=tokens, cfg=planner_config(dispatch))
+        return planner.plan(weight, cluster, prev=prev, tokens=tokens, cfg=planner_config(dispatch, top_k))
     if policy == "global":
         return deepseek.global_policy(weight, cluster)
     if policy == "hierarchical":
@@ -73,10 +77,10 @@ def forecast_weight(history: np.ndarray, how: Forecast) -> np.ndarray:
 
 def plan_policy(policy: PolicyName, history: np.ndarray, how: Forecast, cluster: Cluster,
                 tokens: np.ndarray | None = None, prev: Placement | None = None,
-                dispatch: DispatchName = "node-limited") -> Placement:
+                dispatch: DispatchName = "node-limited", top_k: int | None = None) -> Placement:
     """history [W, L, E] -> Placement of `policy` on the `how` forecast; ours takes the history itself for ema
-    (its own EMA), the others the forecast weight; ours plans for `dispatch` (planner_config)."""
-    return make_placement(policy, policy_input(policy, history, how), cluster, tokens, prev, dispatch)
+    (its own EMA), the others the forecast weight; ours plans for `dispatch` and the trace's top_k (planner_config)."""
+    return make_placement(policy, policy_input(policy, history, how), cluster, tokens, prev, dispatch, top_k)
 
 
 def policy_input(policy: PolicyName, history: np.ndarray, how: Forecast) -> np.ndarray:

@@ -96,6 +96,7 @@ class Report:
     dispatch: DispatchName = "node-limited"  # what the backtest and the worst layers judged balancedness by
     static_sources: str = ""  # where SGLang's static replay sends tokens from (static.token_sources' rule)
     origins: list[Origin] | None = None  # ours only: each layer's origin (origins.py)
+    top_k: int | None = None  # the trace's experts a token (ours' expectation of nodes per token without tokens)
 
     def to_dict(self) -> dict[str, Any]:
         """The figures as JSON-able data (`--out`'s meta.report)."""
@@ -172,7 +173,7 @@ def make_report(store: TraceStore, req: PlanRequest, progress: bool | None = Fal
     t1 = time.perf_counter()
     bt = None
     if req.policy == "auto":
-        bt = _backtest(runs, facts, train, history, req)
+        bt = _backtest(runs, facts, train, history, req, m.top_k)
         chosen = bt.chosen
         policy: PolicyName = chosen.policy if chosen else "ours"
         how: Forecast = chosen.forecast if chosen else (req.forecast or "ema")
@@ -180,7 +181,7 @@ def make_report(store: TraceStore, req: PlanRequest, progress: bool | None = Fal
         policy, how = req.policy, req.forecast or DEFAULT_FORECAST[req.policy]
     seconds["backtest"] = time.perf_counter() - t1
     t2 = time.perf_counter()
-    pl = plan_policy(policy, history, how, req.cluster, train_tokens, req.previous, req.dispatch)
+    pl = plan_policy(policy, history, how, req.cluster, train_tokens, req.previous, req.dispatch, m.top_k)
     seconds["plan"] = time.perf_counter() - t2
 
     in_sample = score_placement(pl, history.sum(0), train_tokens, req.cluster, train_src.rank)
@@ -198,14 +199,15 @@ def make_report(store: TraceStore, req: PlanRequest, progress: bool | None = Fal
     multi = (node_counts(pl, req.cluster) > 0).sum(2) > 1  # [L, E] experts on more than one node
     lay, origins = None, None
     if policy == "ours":
-        cfg = planner_config(req.dispatch)
+        cfg = planner_config(req.dispatch, m.top_k)
         lay = layout(req.cluster, cfg)
         origins = layer_origins(pl, policy_input(policy, history, how), req.cluster, req.previous, cfg)
     seconds["total"] = time.perf_counter() - t0  # the origins too: they plan DeepSeek global (and import torch)
     return Report(train, held, held_note, policy, how, pl, lay,
                   int(multi.any(1).sum()), bt, in_sample, scored,
                   None if req.previous is None else churn(req.previous, pl), source, len(history), seconds,
-                  history, train_tokens, held_heat, held_tokens, req.dispatch, _says(train_src, held_src), origins)
+                  history, train_tokens, held_heat, held_tokens, req.dispatch, _says(train_src, held_src), origins,
+                  m.top_k)
 
 
 def _sources(sample: TokenSample | None, cluster: Cluster) -> TokenSources:
@@ -223,9 +225,9 @@ def _says(train: TokenSources, held: TokenSources | None) -> str:
 
 
 def _backtest(runs: dict[str, Any], facts: dict[str, win.RunFacts], train: win.Selection, history: np.ndarray,
-              req: PlanRequest) -> Backtest:
+              req: PlanRequest, top_k: int) -> Backtest:
     """Rolling folds (backtest.py): each of the newest history windows scored from a plan on the windows before it,
-    replaying its first routes; ours gets the newest routes before it."""
+    replaying its first routes; ours gets the newest routes before it and the trace's top_k."""
     if len(history) < 2:
         note = (f"no backtest: the training window has {len(history)} history window (needs 2); "
                 f"planned with ours + {req.forecast or 'ema'}")
@@ -236,7 +238,7 @@ def _backtest(runs: dict[str, Any], facts: dict[str, win.RunFacts], train: win.S
     samples = [span_sample(runs, spans[t:t + 1], req.replay_tokens) for t in held]
     forecasts: Sequence[Forecast] = (req.forecast,) if req.forecast else FORECASTS
     cands = backtest(history, held, fit_tokens, [_ids(x) for x in samples], req.cluster, POLICIES, forecasts,
-                     req.dispatch, [_sources(x, req.cluster).rank for x in samples])
+                     req.dispatch, [_sources(x, req.cluster).rank for x in samples], top_k)
     return Backtest(win.describe(spans[:held[0]], facts), win.describe(spans[held[0]:], facts), cands,
                     choose(cands), rule=rule(req.dispatch))
 
@@ -275,7 +277,7 @@ def tradeoff(rep: Report, cluster: Cluster, node_limits: Sequence[int]) -> list[
             c = Cluster(cluster.num_gpus, cluster.num_nodes, cluster.num_slots, cluster.num_groups, limit)
             try:
                 pl = plan_policy(policy, rep.history, DEFAULT_FORECAST[policy], c, rep.train_tokens,
-                                 dispatch=rep.dispatch)
+                                 dispatch=rep.dispatch, top_k=rep.top_k)
             except PlacementError:  # hierarchical when groups do not divide over nodes
                 continue
             key = pl.phy2log.tobytes()

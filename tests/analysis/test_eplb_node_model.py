@@ -4,6 +4,8 @@ load compete on it. Run: .venv/bin/pytest tests/analysis/test_eplb_node_model.py
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -90,3 +92,31 @@ def test_a_plan_without_tokens_keeps_global_s_locality() -> None:
     ours = plan(heats[:2].astype(np.float64), cl)
     theirs = token_nodes(global_phy2log(heats[:2].sum(0).astype(np.float64), cl), routes[2], cl).mean()
     assert token_nodes(ours.phy2log, routes[2], cl).mean() <= theirs + 0.02
+
+
+def test_a_heat_only_trace_plans_with_its_own_top_k(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An SGLang dump ingested with its model's shape (top-2 here) is planned without tokens, so the planner's
+    expectation of nodes per token must take the trace's top_k, not PlannerConfig's default of 8: every plan the
+    report makes (ours and the origins' re-plans) gets router_top_k 2."""
+    torch = pytest.importorskip("torch")
+    from r3trace.analysis.ingest import ModelShape, ingest_expert_distribution
+    from r3trace.analysis.store import TraceStore
+    from r3trace.eplb import planner
+    from r3trace.eplb.report import PlanRequest, make_report
+
+    rng = np.random.default_rng(2)
+    counts = torch.from_numpy(rng.poisson(1000 / (1 + np.arange(32)), size=(2, 3, 32)))
+    torch.save({"logical_count": counts}, tmp_path / "dump.pt")
+    shape = ModelShape(num_hidden_layers=3, moe_layer_ids=(0, 1, 2), num_experts=32, top_k=2, num_groups=4)
+    ingest_expert_distribution(tmp_path / "dump.pt", tmp_path / "store", shape, run_id="heat")
+    seen: list[int] = []
+    real = planner.plan
+
+    def recorded(*args: object, **kwargs: object) -> object:
+        seen.append(kwargs["cfg"].router_top_k)  # type: ignore[attr-defined]
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(planner, "plan", recorded)
+    rep = make_report(TraceStore(tmp_path / "store"), PlanRequest(Cluster(16, 4, 32, num_groups=4), policy="ours",
+                                                                   run_id="heat"))
+    assert rep.train_tokens is None and rep.top_k == 2 and seen and set(seen) == {2}
