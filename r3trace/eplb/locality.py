@@ -25,7 +25,7 @@ from r3trace.eplb.candidates import MAX_LOAD_TIE, nodes_per_token
 from r3trace.eplb.deepseek import global_phy2log
 from r3trace.eplb.node_model import expected_nodes
 from r3trace.eplb.placement import Cluster, Placement
-from r3trace.eplb.replan import SLACK_TOKENS, node_slack
+from r3trace.eplb.replan import SLACK_TOKENS
 from r3trace.eplb.score import phy2log_gpu_load
 
 if TYPE_CHECKING:
@@ -61,14 +61,10 @@ def locality_kept(new: np.ndarray, prev: Placement, w: np.ndarray, cluster: Clus
     if not len(rows):
         return new
     ref = global_phy2log(w[rows], cluster) if glob is None else glob[rows]
-    if tokens is None:
-        mine = layer_nodes(new[rows], w[rows], cluster, cfg, None)
-        worse = ((mine > layer_nodes(prev.phy2log[rows], w[rows], cluster, cfg, None))
-                 & (1 - mine / layer_nodes(ref, w[rows], cluster, cfg, None) <= cfg.locality_slack))
-    else:
-        recent = tokens[-SLACK_TOKENS:, rows]
-        worse = ((node_slack(new[rows], prev.phy2log[rows], recent, e, cluster) < 0)
-                 & (node_slack(new[rows], ref, recent, e, cluster) <= cfg.locality_slack))
+    tok = None if tokens is None else tokens[-SLACK_TOKENS:, rows]
+    mine = layer_nodes(new[rows], w[rows], cluster, cfg, tok)  # [R]
+    worse = ((mine > layer_nodes(prev.phy2log[rows], w[rows], cluster, cfg, tok))
+             & (1 - mine / layer_nodes(ref, w[rows], cluster, cfg, tok) <= cfg.locality_slack))
     out = new.copy()
     out[rows[worse]] = prev.phy2log[rows[worse]]
     return out
