@@ -32,6 +32,7 @@ import numpy as np
 
 from r3trace.eplb.affinity import COACT_TOKENS
 from r3trace.eplb.placement import Cluster, replica_counts, replicas_per_node
+from r3trace.eplb.score import phy2log_gpu_load
 
 MOVE_COST = 1e-3  # per moved replica, in token-nodes per token: among equally cheap choices, no move
 # a re-plan's (tol, slack) per layer, most sorted first, as shares of the mean GPU load: the first whose moves fit
@@ -154,10 +155,7 @@ def pair(phy2log: np.ndarray, weight: np.ndarray, cluster: Cluster, hits: np.nda
 
 def peak_load(phy2log: np.ndarray, weight: np.ndarray, cluster: Cluster) -> np.ndarray:
     """phy2log [L, P], weight [L, E] -> [L] the max GPU load under the even split."""
-    n_layers, e = weight.shape
-    cnt = np.bincount((phy2log + (np.arange(n_layers) * e)[:, None]).ravel(), minlength=n_layers * e)
-    per_slot = np.take_along_axis(weight / cnt.reshape(n_layers, e), phy2log, 1)
-    return per_slot.reshape(n_layers, cluster.num_gpus, -1).sum(-1).max(1)
+    return phy2log_gpu_load(phy2log, weight, cluster).max(1)
 
 
 def paired(phy2log: np.ndarray, weight: np.ndarray, cluster: Cluster, tokens: np.ndarray | None,

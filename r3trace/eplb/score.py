@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from r3trace.eplb.placement import Cluster, Placement, from_phy2log, replicas_per_node
+from r3trace.eplb.placement import Cluster, Placement, from_phy2log, replica_counts, replicas_per_node
 
 
 def node_counts(pl: Placement, cluster: Cluster) -> np.ndarray:
@@ -36,8 +36,7 @@ def phy2log_gpu_load(phy2log: np.ndarray, heat: np.ndarray, cluster: Cluster) ->
     """phy2log [L, P], heat [L, E] -> per-GPU load [L, G] under the even split: even_gpu_load of
     from_phy2log(phy2log), the same numbers, without building log2phy (1 ms a call at [58, 256])."""
     n_layers, e = heat.shape
-    cnt = np.bincount((phy2log + (np.arange(n_layers) * e)[:, None]).ravel(), minlength=n_layers * e)
-    per_slot = np.take_along_axis(heat / cnt.reshape(n_layers, e), phy2log, 1)  # [L, P]
+    per_slot = np.take_along_axis(heat / replica_counts(phy2log, e), phy2log, 1)  # [L, P]
     return per_slot.reshape(n_layers, cluster.num_gpus, cluster.slots_per_gpu).sum(-1)
 
 
