@@ -182,11 +182,19 @@ class PlannerConfig:
     # and 4 of 8; topk_group 2 or 8 picked layouts up to 0.7 nodes per token worse there
     router_top_k: int = 8
     router_topk_group: int = 0
+    # P = E, no tokens, a fresh plan: after the candidates' contest, swaps of experts between nodes that lower the
+    # expected nodes per token (node_swaps.py) with every GPU's forecast load within node_swap_cap x the layer's max
+    # (the max GPU untouched). bench/eplb_matrix.py's SGLang-dump cells of 128 GPUs / 16 nodes / 256 slots, global's
+    # layout swapped each window: at 0.4 held-out balancedness the same on slow drift (s = 0.6 and 1.2) and nodes
+    # per token 6.28 -> 5.59, 4.77 -> 4.14; at 0.5 and 0.6 fast drift lost 0.0007-0.003 of balancedness; 0: off
+    node_swap_cap: float = 0.4
 
     def __post_init__(self) -> None:
         bad_alpha = self.ema_alpha is not None and not 0 <= self.ema_alpha <= 1
         if bad_alpha or min(self.keep_tolerance, self.home_slack, self.min_gain, self.alpha_tie) < 0:
             raise PlacementError(f"ema_alpha={self.ema_alpha} must be in [0, 1] (0: mean); tolerances must be >= 0")
+        if not 0 <= self.node_swap_cap < 1:
+            raise PlacementError(f"node_swap_cap={self.node_swap_cap} must be in [0, 1) (a share of the max GPU load)")
         if self.router_top_k < 1 or self.router_topk_group < 0:
             raise PlacementError(f"router_top_k={self.router_top_k} must be >= 1 and router_topk_group="
                                  f"{self.router_topk_group} >= 0")

@@ -90,6 +90,7 @@ from r3trace.eplb.forecast import backtest_errors, drifts, forecast, pick_alpha
 from r3trace.eplb.homing import capped_counts, expert_nodes
 from r3trace.eplb.leveling import level_refine
 from r3trace.eplb.locality import locality_kept, locality_refresh
+from r3trace.eplb.node_swaps import node_swaps
 from r3trace.eplb.pairing import paired
 from r3trace.eplb.partners import partner_forecast
 from r3trace.eplb.placement import Cluster, Placement, from_phy2log
@@ -177,6 +178,8 @@ def fresh_plan(w: np.ndarray, home: np.ndarray | None, cluster: Cluster, cfg: Pl
                 swaps = np.full(n_layers, cfg.contest_swaps)
                 phy2log = hot_swaps(phy2log, w, np.ones(w.shape, dtype=np.int64), cluster, swaps, 0.0, cfg.level_cold)
             phy2log = best_layout(phy2log, w, cluster, tokens, (cfg.router_top_k, cfg.router_topk_group))
+            if tokens is None:  # experts a token picks together onto fewer nodes, by loads alone (node_swaps.py)
+                phy2log = node_swaps(phy2log, w, cluster, cfg.router_top_k, cfg.router_topk_group, cfg.node_swap_cap)
         elif tokens is not None and not cfg.keep_groups and replays(cluster, e, cfg.replay_margin):
             phy2log = replay_contest(phy2log, w, cluster, tokens, cfg.replay_margin)  # two nodes: dispatch_contest.py
         return from_phy2log(phy2log, e)
