@@ -49,12 +49,26 @@ def test_one_round_is_the_best_swap(seed: int, groups: int, nodes: int) -> None:
     w = rng.gamma(0.6, size=18) * 100
     ph = rng.permutation(18)
     base, best = brute_best_swap(ph, w, cl, k, tg, 0.9)
-    got = node_swaps(ph[None], w[None], cl, k, tg, 0.9, max_rounds=1)
+    got = node_swaps(ph[None], w[None], cl, k, tg, 0.9, max_rounds=1, pair_swaps=1, candidates=18)
     after = expected_nodes(got, w[None], cl, k, tg)[0]
     assert best < base - 1e-3  # a swap that gains exists on these seeds
     # float32 gains: the chosen swap is the best within 1e-6 of the layer's nodes per token
     assert after == pytest.approx(best, abs=1e-6)
     assert sorted(got[0]) == list(range(18))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_swaps_inside_a_pair_are_rounds(seed: int) -> None:
+    """On two nodes a round's swaps inside its one node pair are what further rounds would do: one round of 4 swaps
+    gives the layout of 4 rounds of one."""
+    rng = np.random.default_rng(10 + seed)
+    cl = Cluster(6, 2, 18, num_groups=3)
+    w = rng.gamma(0.6, size=(2, 18)) * 100
+    ph = np.stack([rng.permutation(18) for _ in range(2)])
+    inside = node_swaps(ph, w, cl, 4, 2, 0.9, max_rounds=1, pair_swaps=4, candidates=18)
+    rounds = node_swaps(ph, w, cl, 4, 2, 0.9, max_rounds=4, pair_swaps=1, candidates=18)
+    np.testing.assert_array_equal(inside, rounds)
+    assert (inside != ph).sum(1).max() >= 6  # 3 or more swaps in a layer: the inner swaps ran
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -98,13 +112,13 @@ def test_plan_without_tokens() -> None:
     """The planner swaps where no token reaches it (P = E, an SGLang dump) and not where tokens do."""
     spec = TraceSpec(family="grouped", zipf_s=1.2, num_layers=2, windows=1, window_tokens=2048, seed=2)
     routes = synth_windows(spec)[0]
-    cl = Cluster(64, 8, 256, num_groups=8)
+    cl = Cluster(128, 16, 256, num_groups=8)
     heat = np.stack([np.bincount(routes[:, li].ravel().astype(np.int64), minlength=256) for li in range(2)])
     loads = heat[None].astype(np.float64)
     on, off = plan(loads, cl), plan(loads, cl, cfg=PlannerConfig(node_swap_cap=0.0))
     w = loads[0]
     lo, hi = expected_nodes(on.phy2log, w, cl, 8, 0), expected_nodes(off.phy2log, w, cl, 8, 0)
-    assert (lo < hi - 0.03).all() and (lo < hi - 0.2).any()  # measured: 3.52 -> 3.21, 3.38 -> 3.32
+    assert (lo < hi - 0.3).all(), (lo, hi)
     tok_on, tok_off = plan(loads, cl, tokens=routes), plan(loads, cl, tokens=routes,
                                                           cfg=PlannerConfig(node_swap_cap=0.0))
     np.testing.assert_array_equal(tok_on.phy2log, tok_off.phy2log)
