@@ -31,6 +31,7 @@ import numpy as np
 
 from r3trace.eplb.deepseek import global_phy2log
 from r3trace.eplb.node_model import expected_nodes
+from r3trace.eplb.node_swaps import node_swaps
 from r3trace.eplb.placement import Cluster
 from r3trace.eplb.regroup import gpu_coactivation, node_order, reordered
 from r3trace.eplb.score import phy2log_gpu_load
@@ -141,11 +142,11 @@ def paired_se(diff: np.ndarray) -> np.ndarray:
 
 
 def best_layout(phy2log: np.ndarray, w: np.ndarray, cluster: Cluster, tokens: np.ndarray | None,
-                router: tuple[int, int] = (8, 0)) -> np.ndarray:
+                router: tuple[int, int] = (8, 0), swap_cap: float = 0.0) -> np.ndarray:
     """Ours' phy2log [L, P], forecast w [L, E], newest tokens [T, L, K] or None -> phy2log [L, P], per layer the
     candidate of the module doc with the lowest max GPU load up to MAX_LOAD_TIE, then the fewest nodes per token.
-    router: (top_k, topk_group) for Contest without tokens."""
-    return Contest(phy2log, w, cluster, tokens, router=router).layouts(np.arange(len(phy2log)))
+    router, swap_cap: Contest's, without tokens."""
+    return Contest(phy2log, w, cluster, tokens, router=router, swap_cap=swap_cap).layouts(np.arange(len(phy2log)))
 
 
 def losing_load(glob: np.ndarray, w: np.ndarray, cluster: Cluster) -> np.ndarray:
@@ -166,10 +167,13 @@ class Contest:
     loads that the whole stack gets (tests/analysis/test_eplb_contest.py)."""
 
     def __init__(self, phy2log: np.ndarray, w: np.ndarray, cluster: Cluster, tokens: np.ndarray | None,
-                 compete: bool = True, glob: np.ndarray | None = None, router: tuple[int, int] = (8, 0)) -> None:
+                 compete: bool = True, glob: np.ndarray | None = None, router: tuple[int, int] = (8, 0),
+                 swap_cap: float = 0.0) -> None:
         """glob: DeepSeek global's phy2log [L, P] on w where the caller has it. router: (top_k, topk_group) of
-        node_model.expected_nodes, which ranks the tied candidates where P = E and tokens is None."""
-        self.w, self.cluster, self.tokens, self.router = w, cluster, tokens, router
+        node_model.expected_nodes, which ranks the tied candidates where P = E and tokens is None; there the chosen
+        layout's experts then swap between nodes under swap_cap (node_swaps.py; 0: not), which keeps every layer's
+        max GPU load (its GPU untouched, every other one under swap_cap of it), so peak() holds."""
+        self.w, self.cluster, self.tokens, self.router, self.swap_cap = w, cluster, tokens, router, swap_cap
         if compete:
             glob = global_phy2log(w, cluster) if glob is None else glob
             self.cands = np.stack([phy2log, by_group(glob, w.shape[1], cluster), glob])  # [3, L, P]
@@ -204,7 +208,8 @@ class Contest:
         if len(self.cands) > 1 and self.tokens is None and cluster.num_slots == e:  # the fewest expected nodes per
             # token from loads (node_model.py), the first of equals
             est = np.stack([expected_nodes(c[rows], self.w[rows], cluster, *self.router) for c in self.cands])
-            return self.cands[np.argmin(np.where(tied, est, np.inf), axis=0), rows]
+            won = self.cands[np.argmin(np.where(tied, est, np.inf), axis=0), rows]
+            return node_swaps(won, self.w[rows], cluster, *self.router, self.swap_cap)
         if len(self.cands) == 1 or self.tokens is None or cluster.num_slots != e:  # the first tied candidate
             return self.cands[np.argmax(tied, axis=0), rows]
         # np.take: C-contiguous copies (x[:, rows] is not, and the token counts below ran 1.4x as long on it)

@@ -182,13 +182,13 @@ class PlannerConfig:
     # and 4 of 8; topk_group 2 or 8 picked layouts up to 0.7 nodes per token worse there
     router_top_k: int = 8
     router_topk_group: int = 0
-    # P = E, no tokens, a fresh plan: after the candidates' contest, swaps of experts between nodes that lower the
-    # expected nodes per token (node_swaps.py) with every GPU's forecast load within node_swap_cap x the layer's max
-    # (the max GPU untouched). bench/eplb_matrix.py's SGLang-dump cells of 128 GPUs / 16 nodes / 256 slots: global's
-    # layout swapped each window kept held-out balancedness on slow drift at caps up to 0.5 (s = 0.6 and 1.2; nodes
-    # per token 6.28 -> 5.59, 4.77 -> 4.14 at 0.4), fast drift lost 0.0002-0.003 at 0.4-0.6; inside the planner (one
-    # fresh plan, then seeded re-plans) 0.4 lost 0.00005 +- 0.00001 on one trace seed (s = 1.2, slow), 0.3 nothing
-    # there (docs/analysis.md, "Nodes per token without tokens"); 0: off
+    # P = E, no tokens, fresh layouts (fresh plans, a drifting re-plan's): after the candidates' contest, swaps of
+    # experts between nodes that lower the expected nodes per token (node_swaps.py), every GPU's forecast load within
+    # node_swap_cap x the layer's max (the max GPU untouched). bench/eplb_matrix.py's SGLang-dump cells of 128 GPUs /
+    # 16 nodes / 256 slots, global's layout swapped each window: held-out balancedness the same at 0.3 on slow and
+    # fast drift (s = 0.6 and 1.2; nodes per token 6.28 -> 5.87, 4.77 -> 4.26 slow, 6.05 -> 5.56, 4.85 -> 4.29 fast);
+    # at 0.4-0.6 fast drift lost 0.0002-0.003 of it, and inside the planner 0.4 lost 0.00005 +- 0.00001 on one trace
+    # seed (s = 1.2, slow); 0: off
     node_swap_cap: float = 0.3
 
     def __post_init__(self) -> None:
