@@ -245,7 +245,8 @@ def plan_times(ref_dir: str | None, rounds: int = 7, idle_s: float = 0.0,
     """Median seconds per plan at [58, 256] (grouped router, s = 0.6): ours fresh, re-planned from its previous
     placement (with the newest 2048 tokens) on an unchanged workload and on a drifting one (fast drift, 5 windows:
     forecast.drifts calls it, so the re-plan may refresh layers; also with every layer seeded first, SEED_ALL),
-    ours for SGLang's static dispatch (`--dispatch static`: fresh and re-planned), the global policy of
+    ours for SGLang's static dispatch (`--dispatch static`: fresh and re-planned), ours without tokens (fresh, and
+    the drifting re-plan from a plan without them), the global policy of
     r3trace/eplb/deepseek.py,
     and DeepSeek's own eplb.py from ref_dir (rebalance_experts with the shape's groups and nodes, its default, and
     with one node). shapes: (GPUs, nodes, slots), default PLAN_TIME_SHAPES.
@@ -282,6 +283,7 @@ def plan_times(ref_dir: str | None, rounds: int = 7, idle_s: float = 0.0,
         cl = Cluster(g, n, p)
         first = plan(heats[:2], cl, tokens=routes[1])
         first_moved = plan(moved[:4], cl, tokens=moving[3])
+        first_moved_loads = plan(moved[:4], cl)
         static_cfg = planner_config("static")
         first_static = plan(heats[:2], cl, tokens=routes[1], cfg=static_cfg)
         calls: dict[str, Callable[[], object]] = {
@@ -292,6 +294,9 @@ def plan_times(ref_dir: str | None, rounds: int = 7, idle_s: float = 0.0,
             "ours_replan_drift_seed_all": partial(plan, moved, cl, first_moved, tokens=moving[4], cfg=SEED_ALL),
             "ours_static_fresh": partial(plan, heats, cl, tokens=routes[2], cfg=static_cfg),
             "ours_static_replan": partial(plan, heats, cl, first_static, tokens=routes[2], cfg=static_cfg),
+            # no tokens (an SGLang dump, the server plugins): P = E swaps experts between nodes (node_swaps.py)
+            "ours_fresh_no_tokens": partial(plan, heats, cl),
+            "ours_replan_drift_no_tokens": partial(plan, moved, cl, first_moved_loads),
             "global_numpy": partial(global_policy, heats[2], cl)}
         if ref is not None:
             import torch

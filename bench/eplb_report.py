@@ -229,7 +229,11 @@ def plan_time_claim(path: Path = PLAN_TIME_FILE) -> dict[str, Any]:
                     "static": (f"{r['ours_static_fresh']:.3f} / {r['ours_static_replan']:.3f} "
                                f"({r['ours_static_fresh'] / r['ref_default']:.2f}x / "
                                f"{r['ours_static_replan'] / r['ref_default']:.2f}x)") if "ours_static_fresh" in r
-                    else "-"})  # fmt: skip
+                    else "-",
+                    "no_tokens": (f"{r['ours_fresh_no_tokens']:.3f} / {r['ours_replan_drift_no_tokens']:.3f} "
+                                  f"({r['ours_fresh_no_tokens'] / r['ref_default']:.2f}x / "
+                                  f"{r['ours_replan_drift_no_tokens'] / r['ref_default']:.2f}x)")
+                    if "ours_fresh_no_tokens" in r else "-"})  # fmt: skip
     return {
         "id": PLAN_TIME_ID, "hardware": "cpu-2core",
         "shapes": "[58, 256] loads (58 MoE layers, E = 256, 8 groups); medians of 7 rounds, each calling ours and "
@@ -249,7 +253,8 @@ def plan_time_claim(path: Path = PLAN_TIME_FILE) -> dict[str, Any]:
                     ["replan_drift", "drifting re-plan s", "{:.3f}"],
                     ["replan_drift_ratio", "drifting / default", "{:.2f}x"],
                     ["numpy_global", "r3trace global (numpy) s", "{:.3f}"],
-                    ["static", "ours for static dispatch, fresh / re-plan s (/ default)", "{}"]],  # fmt: skip
+                    ["static", "ours for static dispatch, fresh / re-plan s (/ default)", "{}"],
+                    ["no_tokens", "ours without tokens, fresh / drifting re-plan s (/ default)", "{}"]],  # fmt: skip
         "rows": out,
     }
 
