@@ -190,6 +190,12 @@ class PlannerConfig:
     # at 0.4-0.6 fast drift lost 0.0002-0.003 of it, and inside the planner 0.4 lost 0.00005 +- 0.00001 on one trace
     # seed (s = 1.2, slow); 0: off
     node_swap_cap: float = 0.3
+    # ... and a still re-plan without tokens (P = E): one round of those swaps, each saving more than
+    # replan_swap_gain expected nodes per token (at most N / 2 swaps a layer): the seeded re-plans' moves had carried
+    # hot experts off the swapped nodes (SGLang-dump 128 / 16 / 256, s = 1.2, slow drift: 4.24-4.28 nodes per token
+    # in the first held-out windows, 4.57-4.61 in the last); with it the cells' means 4.50 / 4.42 / 4.58 -> 4.30 /
+    # 4.36 / 4.46 on trace seeds 0-2 at 0.1-0.6 points more churn; <= 0: none
+    replan_swap_gain: float = 0.005
 
     def __post_init__(self) -> None:
         bad_alpha = self.ema_alpha is not None and not 0 <= self.ema_alpha <= 1

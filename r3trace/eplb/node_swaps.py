@@ -16,8 +16,8 @@ The search: every round scores every pair of experts on different nodes at once 
 of their two nodes, exact under node_model's router), takes per layer the best swap of each of a set of node-disjoint
 node pairs (nodes add up independently in the expectation, so those swaps' gains add), then swaps again inside those
 node pairs, best first, up to PAIR_SWAPS a pair (a pair's gains depend on its two nodes alone, so each is scored on
-those S x S experts only, not the Q S^2 of a round); rounds end when no swap gains more than MIN_GAIN, or after
-max_rounds. Shape legend: L layers, E experts, P slots (= E), G groups, N nodes, S slots a node, Q node pairs,
+those S x S experts only, not the Q S^2 of a round); rounds end when no swap gains more than min_gain (MIN_GAIN), or
+after max_rounds. Shape legend: L layers, E experts, P slots (= E), G groups, N nodes, S slots a node, Q node pairs,
 M (layer, node pair) items.
 """
 
@@ -115,11 +115,12 @@ class _Layers:
 
 def node_swaps(phy2log: np.ndarray, w: np.ndarray, cluster: Cluster, top_k: int, topk_group: int, cap: float,
                max_rounds: int = MAX_ROUNDS, pair_swaps: int = PAIR_SWAPS,
-               candidates: int = CANDIDATES) -> np.ndarray:
+               candidates: int = CANDIDATES, min_gain: float = MIN_GAIN) -> np.ndarray:
     """phy2log [L, P] with every expert once, loads w [L, E] -> phy2log [L, P] after the module doc's swaps: no GPU
     over cap x the layer's max GPU load (the max GPU untouched), fewer expected nodes per token or the layer as it
     was. pair_swaps: swaps a matched node pair makes a round (1: the round's best swaps alone); candidates: the
-    slots a side of a node pair scored (>= S: every pair of slots, each round's best swap exact)."""
+    slots a side of a node pair scored (>= S: every pair of slots, each round's best swap exact); min_gain: expected
+    nodes per token a swap must save."""
     n_layers, e = w.shape
     if cluster.num_slots != e or cluster.num_nodes == 1 or n_layers == 0 or cap <= 0:
         return phy2log
@@ -133,7 +134,7 @@ def node_swaps(phy2log: np.ndarray, w: np.ndarray, cluster: Cluster, top_k: int,
         nq = len(pair_n)
         li, qq = np.repeat(np.arange(len(live)), nq), np.tile(np.arange(nq), len(live))  # every item
         gain, best = _best(sc, li, qq, pair_n, pair_m, spn, candidates)
-        picks = _disjoint(gain.reshape(len(live), nq), pair_n, pair_m, n).ravel()  # [l Q]
+        picks = _disjoint(gain.reshape(len(live), nq), pair_n, pair_m, n, min_gain).ravel()  # [l Q]
         if not picks.any():
             break
         li, qq, best = li[picks], qq[picks], best[picks]
@@ -147,7 +148,7 @@ def node_swaps(phy2log: np.ndarray, w: np.ndarray, cluster: Cluster, top_k: int,
             sc = st.scores(live[rows])
             sub = np.searchsorted(rows, li)  # the items' rows in sc
             gain, best = _best(sc, sub, qq, pair_n, pair_m, spn, candidates)
-            more = gain > MIN_GAIN
+            more = gain > min_gain
             if not more.any():
                 break
             li, qq, best = li[more], qq[more], best[more]
@@ -216,8 +217,8 @@ def _item_best(a_i: np.ndarray, a_j: np.ndarray, add_jn: np.ndarray, add_im: np.
     return flat[np.arange(len(a_i)), best].astype(np.float64), best
 
 
-def _disjoint(score: np.ndarray, pair_n: np.ndarray, pair_m: np.ndarray, n: int) -> np.ndarray:
-    """score [L, Q] each node pair's best swap gain -> [L, Q] the pairs taken: greedily by gain, over MIN_GAIN,
+def _disjoint(score: np.ndarray, pair_n: np.ndarray, pair_m: np.ndarray, n: int, min_gain: float) -> np.ndarray:
+    """score [L, Q] each node pair's best swap gain -> [L, Q] the pairs taken: greedily by gain, over min_gain,
     no node twice in a layer."""
     n_layers = score.shape[0]
     order = np.argsort(-score, axis=1, kind="stable")  # [L, Q]
@@ -227,9 +228,9 @@ def _disjoint(score: np.ndarray, pair_n: np.ndarray, pair_m: np.ndarray, n: int)
     for k in range(score.shape[1]):
         qk = order[:, k]
         s = score[lay, qk]
-        if not (s > MIN_GAIN).any():
+        if not (s > min_gain).any():
             break
-        free = (s > MIN_GAIN) & ~used[lay, pair_n[qk]] & ~used[lay, pair_m[qk]]
+        free = (s > min_gain) & ~used[lay, pair_n[qk]] & ~used[lay, pair_m[qk]]
         out[lay[free], qk[free]] = True
         used[lay[free], pair_n[qk[free]]] = True
         used[lay[free], pair_m[qk[free]]] = True

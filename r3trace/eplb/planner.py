@@ -90,6 +90,7 @@ from r3trace.eplb.forecast import backtest_errors, drifts, forecast, pick_alpha
 from r3trace.eplb.homing import capped_counts, expert_nodes
 from r3trace.eplb.leveling import level_refine
 from r3trace.eplb.locality import locality_kept, locality_refresh
+from r3trace.eplb.node_swaps import node_swaps
 from r3trace.eplb.pairing import paired
 from r3trace.eplb.partners import partner_forecast
 from r3trace.eplb.placement import Cluster, Placement, from_phy2log
@@ -301,7 +302,11 @@ def _plan(loads: np.ndarray, cluster: Cluster, prev: Placement | None, tokens: n
             limit = 1 + cfg.stale_gain
             floor = max_load_floor(w, capped, cluster)
             if cfg.stale_gain < 0 or over(seeded, w, cluster, floor) <= limit:
-                return from_phy2log(locality_kept(seeded, prev, w, cluster, cfg, tokens), w.shape[1])
+                kept = locality_kept(seeded, prev, w, cluster, cfg, tokens)
+                if tokens is None and cfg.replan_swap_gain > 0:  # the seeded moves' drift off the swapped nodes
+                    kept = node_swaps(kept, w, cluster, cfg.router_top_k, cfg.router_topk_group, cfg.node_swap_cap,
+                                      max_rounds=1, pair_swaps=1, min_gain=cfg.replan_swap_gain)
+                return from_phy2log(kept, w.shape[1])
             again = fresh_plan(w, None, cluster, cfg, tokens).phy2log
             if over(seeded, w, cluster, phy2log_gpu_load(again, w, cluster).max(1)) <= limit:
                 return from_phy2log(seeded, w.shape[1])

@@ -14,6 +14,7 @@ from r3trace.eplb.candidates import nodes_per_token
 from r3trace.eplb.deepseek import global_phy2log
 from r3trace.eplb.node_model import expected_nodes
 from r3trace.eplb.node_swaps import node_swaps
+from r3trace.eplb.planner import planning_forecast
 from r3trace.eplb.score import phy2log_gpu_load
 
 
@@ -122,6 +123,26 @@ def test_plan_without_tokens() -> None:
     tok_on, tok_off = plan(loads, cl, tokens=routes), plan(loads, cl, tokens=routes,
                                                           cfg=PlannerConfig(node_swap_cap=0.0))
     np.testing.assert_array_equal(tok_on.phy2log, tok_off.phy2log)
+
+
+def test_still_replan_swaps_a_few() -> None:
+    """A still re-plan without tokens takes one round of swaps saving > replan_swap_gain each: at most N / 2 swaps a
+    layer beyond the re-plan without them, never more expected nodes per token, the same max GPU load."""
+    spec = TraceSpec(family="grouped", zipf_s=1.2, num_layers=3, windows=4, window_tokens=2048, seed=4)
+    routes = synth_windows(spec).astype(np.int64)
+    cl = Cluster(128, 16, 256, num_groups=8)
+    heat = np.stack([np.stack([np.bincount(r[:, li].ravel(), minlength=256) for li in range(3)]) for r in routes])
+    loads = heat.astype(np.float64)
+    off_cfg = PlannerConfig(replan_swap_gain=0.0)
+    first = plan(loads[:2], cl, cfg=off_cfg)
+    on, off = plan(loads[:3], cl, first), plan(loads[:3], cl, first, cfg=off_cfg)
+    w, moving = planning_forecast(loads[:3], first, PlannerConfig(), cl)  # the plans' forecast
+    assert not moving  # a still re-plan
+    extra = (on.phy2log != off.phy2log).sum(1)
+    assert extra.max() <= 2 * cl.num_nodes // 2 and extra.sum() > 0, extra
+    lo, hi = expected_nodes(on.phy2log, w, cl, 8, 0), expected_nodes(off.phy2log, w, cl, 8, 0)
+    assert (lo <= hi + 1e-12).all() and (lo < hi - 0.005).any(), (lo, hi)
+    np.testing.assert_allclose(phy2log_gpu_load(on.phy2log, w, cl).max(1), phy2log_gpu_load(off.phy2log, w, cl).max(1))
 
 
 def test_cap_validated() -> None:
