@@ -7,10 +7,13 @@ nodes), left 4.77 nodes per token on bench/eplb_matrix.py's SGLang-dump cell of 
 s = 1.2, slow drift. A token's 8 experts sit mostly among the hottest few and in the 4 groups it takes, and global's
 layout spreads both: the hottest 16 experts on 8 nodes with the coldest 16, every group on every node. The swaps put
 the hottest experts onto one node where the cap lets them share GPUs, and a group's experts onto the same nodes.
+Used by candidates.Contest on its chosen layout (fresh plans, a drifting re-plan's fresh layers) and, one round of
+larger gains only, by a still re-plan (planner.py; PlannerConfig.node_swap_cap and replan_swap_gain).
 
-The cap: every GPU's load on the forecast stays at or under swap_cap x the layer's max GPU load, whose GPU is not
-touched. Held out the swapped GPUs must stay under the max GPU's load on the next window; a GPU filled to the max's
-level in sample was over it there (SGLang-dump, s = 1.2, fast drift: balancedness 0.0823 -> 0.0808).
+The cap: every GPU's load on the forecast stays at or under cap x the layer's max GPU load, whose GPU is not touched.
+Held out the swapped GPUs must stay under the max GPU's load on the next window; a GPU filled to 0.6 of the max's
+level in sample went over it there (SGLang-dump, s = 1.2, fast drift: balancedness 0.0823 -> 0.0808; at 0.3 the
+same).
 
 The search: every round scores every pair of experts on different nodes at once (the change in the expected nodes
 of their two nodes, exact under node_model's router), takes per layer the best swap of each of a set of node-disjoint
