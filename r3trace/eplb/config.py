@@ -194,7 +194,9 @@ class PlannerConfig:
     # replan_swap_gain expected nodes per token (at most N / 2 swaps a layer): the seeded re-plans' moves had carried
     # hot experts off the swapped nodes (SGLang-dump 128 / 16 / 256, s = 1.2, slow drift: 4.24-4.28 nodes per token
     # in the first held-out windows, 4.57-4.61 in the last); with it the cells' means 4.50 / 4.42 / 4.58 -> 4.30 /
-    # 4.36 / 4.46 on trace seeds 0-2 at 0.1-0.6 points more churn; <= 0: none
+    # 4.36 / 4.46 on trace seeds 0-2 at 0.1-0.6 points more churn. A drifting re-plan's seeded layers take the
+    # same round before locality.locality_refresh compares them with the fresh layouts (which had been taken for
+    # being another layout of the swaps: the s = 1.2 cells' churn 11-32% a re-plan -> 11-21%); <= 0: none
     replan_swap_gain: float = 0.005
 
     def __post_init__(self) -> None:

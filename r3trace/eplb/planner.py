@@ -274,6 +274,16 @@ def _static_even_plan(new: np.ndarray, loads: np.ndarray, cluster: Cluster, prev
     return out if float(gain.mean()) > 1 + cfg.refresh_gain else still
 
 
+def _replan_swaps(phy2log: np.ndarray, w: np.ndarray, cluster: Cluster, cfg: PlannerConfig,
+                  tokens: np.ndarray | None) -> np.ndarray:
+    """A re-plan's phy2log [L, P] without tokens (P = E) -> the same after one round of node swaps saving more than
+    replan_swap_gain each (node_swaps.py): the seeded moves' drift off the gathered nodes taken back."""
+    if tokens is not None or cfg.replan_swap_gain <= 0:
+        return phy2log
+    return node_swaps(phy2log, w, cluster, cfg.router_top_k, cfg.router_topk_group, cfg.node_swap_cap, max_rounds=1,
+                      pair_swaps=1, min_gain=cfg.replan_swap_gain)
+
+
 def planning_forecast(loads: np.ndarray, prev: Placement | None, cfg: PlannerConfig,
                       cluster: Cluster) -> tuple[np.ndarray, bool]:
     """loads [W, L, E] or [L, E] -> (the forecast [L, E] plan() plans on, whether the backtest calls drift): a
@@ -302,11 +312,8 @@ def _plan(loads: np.ndarray, cluster: Cluster, prev: Placement | None, tokens: n
             limit = 1 + cfg.stale_gain
             floor = max_load_floor(w, capped, cluster)
             if cfg.stale_gain < 0 or over(seeded, w, cluster, floor) <= limit:
-                kept = locality_kept(seeded, prev, w, cluster, cfg, tokens)
-                if tokens is None and cfg.replan_swap_gain > 0:  # the seeded moves' drift off the swapped nodes
-                    kept = node_swaps(kept, w, cluster, cfg.router_top_k, cfg.router_topk_group, cfg.node_swap_cap,
-                                      max_rounds=1, pair_swaps=1, min_gain=cfg.replan_swap_gain)
-                return from_phy2log(kept, w.shape[1])
+                return from_phy2log(_replan_swaps(locality_kept(seeded, prev, w, cluster, cfg, tokens), w, cluster,
+                                                  cfg, tokens), w.shape[1])
             again = fresh_plan(w, None, cluster, cfg, tokens).phy2log
             if over(seeded, w, cluster, phy2log_gpu_load(again, w, cluster).max(1)) <= limit:
                 return from_phy2log(seeded, w.shape[1])
@@ -323,7 +330,9 @@ def _plan(loads: np.ndarray, cluster: Cluster, prev: Placement | None, tokens: n
                  else None)
         if drift is not None:
             out = held_refresh(out, anew, w, prev, cluster, cfg, drift, glob)
-        out = locality_refresh(out, anew, w, prev, cluster, cfg, tokens, glob)
+        # the seeded layers' own few swaps first, so a fresh layout is taken for locality where it is better than
+        # they can be made, not for being another layout of the swaps
+        out = locality_refresh(_replan_swaps(out, w, cluster, cfg, tokens), anew, w, prev, cluster, cfg, tokens, glob)
         return from_phy2log(locality_kept(out, prev, w, cluster, cfg, tokens, glob), w.shape[1])
     home = group_nodes(w, cluster) if prev is None else node_counts(prev, cluster).argmax(2)
     fresh = fresh_plan(w, home, cluster, cfg, tokens)
