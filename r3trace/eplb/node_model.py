@@ -42,14 +42,10 @@ def expected_nodes(phy2log: np.ndarray, w: np.ndarray, cluster: Cluster, top_k: 
         raise PlacementError(f"phy2log {ph.shape} must be [{n_layers}, {e}]: one slot per expert")
     if top_k < 1:
         raise PlacementError(f"top_k={top_k} must be >= 1")
-    taken = topk_group if topk_group > 0 else max(1, n_gr // 2)
-    if taken > n_gr:
+    if (topk_group if topk_group > 0 else max(1, n_gr // 2)) > n_gr:
         raise PlacementError(f"topk_group={topk_group} must be <= num_groups={n_gr}")
     gsize = e // n_gr
-    total = np.maximum(w.sum(1, keepdims=True), 1e-300)  # [L, 1]
-    w_gr = w.reshape(n_layers, n_gr, gsize).sum(2)  # [L, G]
-    q = np.minimum(1.0, taken * w_gr / total)  # [L, G] a group taken
-    p = np.minimum(1.0, (top_k / taken) * w / np.repeat(np.maximum(w_gr, 1e-300), gsize, axis=1))  # [L, E]
+    q, p = router_odds(w, n_gr, top_k, topk_group)
     node_of = np.empty_like(ph)
     node_of[np.arange(n_layers)[:, None], ph] = cluster.slot_node()[None, :]  # [L, E]
     # log prod (1 - p_e) per (layer, group, node): a bincount sums in index order, the same on every CPU
@@ -62,3 +58,17 @@ def expected_nodes(phy2log: np.ndarray, w: np.ndarray, cluster: Cluster, top_k: 
     for g in range(n_gr):  # the product over groups in a fixed order
         out *= miss[:, g]
     return (1.0 - out).sum(1)
+
+
+def router_odds(w: np.ndarray, num_groups: int, top_k: int, topk_group: int,
+                sure: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """Loads w [L, E] -> the module doc's (q [L, G] a group taken, p [L, E] an expert picked in its taken group),
+    each at most `sure`. topk_group: 0 is half the groups, at least 1."""
+    n_layers, e = w.shape
+    taken = topk_group if topk_group > 0 else max(1, num_groups // 2)
+    gsize = e // num_groups
+    total = np.maximum(w.sum(1, keepdims=True), 1e-300)  # [L, 1]
+    w_gr = w.reshape(n_layers, num_groups, gsize).sum(2)  # [L, G]
+    q = np.minimum(sure, taken * w_gr / total)
+    p = np.minimum(sure, (top_k / taken) * w / np.repeat(np.maximum(w_gr, 1e-300), gsize, axis=1))
+    return q, p

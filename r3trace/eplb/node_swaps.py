@@ -29,7 +29,7 @@ from __future__ import annotations
 import numpy as np
 
 from r3trace.eplb import portable
-from r3trace.eplb.node_model import expected_nodes
+from r3trace.eplb.node_model import expected_nodes, router_odds
 from r3trace.eplb.placement import Cluster
 
 MIN_GAIN = 1e-4  # expected nodes per token a swap must save (4.77 -> 3.99 took ~160 swaps of 1e-4 .. 0.05 a layer)
@@ -54,12 +54,8 @@ class _Layers:
                  cap: float) -> None:
         n_layers, e = w.shape
         self.cluster, self.n_gr, self.gsize = cluster, cluster.num_groups, e // cluster.num_groups
-        taken = topk_group if topk_group > 0 else max(1, self.n_gr // 2)
         self.ph = np.array(phy2log, dtype=np.int64)
-        total = np.maximum(w.sum(1, keepdims=True), 1e-300)
-        w_gr = w.reshape(n_layers, self.n_gr, self.gsize).sum(2)  # [L, G]
-        self.q = np.minimum(SURE, taken * w_gr / total)  # [L, G] a group taken
-        self.p = np.minimum(SURE, (top_k / taken) * w / np.repeat(np.maximum(w_gr, 1e-300), self.gsize, axis=1))
+        self.q, self.p = router_odds(w, self.n_gr, top_k, topk_group, SURE)  # [L, G] a group taken, [L, E]
         self.ws = np.take_along_axis(w, self.ph, 1)  # [L, P] load of each slot's expert
         self.gpu_load = self.ws.reshape(n_layers, cluster.num_gpus, -1).sum(2)  # [L, GPUs]
         top = self.gpu_load.argmax(1)  # [L] the max GPU, never touched
