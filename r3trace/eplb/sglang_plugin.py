@@ -37,7 +37,7 @@ from typing import Any
 from r3trace.eplb.config import PlannerConfig
 from r3trace.eplb.dropin import rebalance_experts
 from r3trace.eplb.evaluate import planner_config
-from r3trace.eplb.served import plan_line, switched_on
+from r3trace.eplb.served import plan_line, router_config, switched_on
 from r3trace.eplb.window_history import WindowHistory
 
 ENV = "R3TRACE_SGLANG_EPLB"
@@ -52,8 +52,9 @@ class SglangHook:
     ep_dispatch_algorithm, or a callable read once at the first call (SGLang's runtime context is set after plugins
     load)."""
 
-    def __init__(self, dispatch: str | None | Callable[[], str | None]) -> None:
-        self.dispatch = dispatch
+    def __init__(self, dispatch: str | None | Callable[[], str | None], env: Mapping[str, str] | None = None) -> None:
+        self.dispatch, self.env = dispatch, {} if env is None else env
+        router_config(self.env, PlannerConfig())  # a bad router variable fails at install, not at the first rebalance
         self.cfg: PlannerConfig | None = None
         self.history = WindowHistory()
         self.previous: dict[tuple[int, ...], Any] = {}
@@ -70,7 +71,7 @@ class SglangHook:
                             num_nodes, algorithm)
         if self.cfg is None:
             dispatch = self.dispatch() if callable(self.dispatch) else self.dispatch
-            self.cfg = DISPATCH_CONFIGS.get(dispatch or "", PlannerConfig())
+            self.cfg = router_config(self.env, DISPATCH_CONFIGS.get(dispatch or "", PlannerConfig()))
         counts = tokens_per_expert if tokens_per_expert.dim() == 3 else tokens_per_expert.unsqueeze(0)
         weight = counts.sum(0)
         gpus = num_physical_experts // num_local_physical_experts
@@ -92,10 +93,11 @@ class SglangHook:
 def install(register_hook: Callable[..., Any], around: Any, env: Mapping[str, str],
             dispatch: str | None | Callable[[], str | None]) -> SglangHook | None:
     """register_hook(TARGET, hook, around) when env[ENV] is "1" (SGLang: HookRegistry.register, HookType.AROUND);
-    returns the hook, or None when the variable is unset or "0". Any other value is an error naming the variable."""
+    returns the hook, or None when the variable is unset or "0". Any other value is an error naming the variable; the
+    router variables (served.router_config) set the router ours assumes."""
     if not switched_on(env, ENV, "SGLang"):
         return None
-    hook = SglangHook(dispatch)
+    hook = SglangHook(dispatch, env)
     register_hook(TARGET, hook, around)
     log.info("r3trace EPLB: ours plans SGLang's EPLB rebalances (%s=1)", ENV)
     return hook

@@ -36,7 +36,7 @@ import numpy as np
 from r3trace.eplb.config import PlannerConfig
 from r3trace.eplb.dropin import as_array, planned_arrays, vllm_rebalance_experts
 from r3trace.eplb.placement import PlacementError, from_phy2log
-from r3trace.eplb.served import plan_line, switched_on
+from r3trace.eplb.served import plan_line, router_config, switched_on
 from r3trace.eplb.window_history import WindowHistory
 
 ENV = "R3TRACE_VLLM_EPLB"
@@ -71,9 +71,11 @@ def rebalance_triple(weight: Any, num_replicas: int, num_groups: int | None, num
 def install(policies: MutableMapping[str, Any], abstract: type, env: Mapping[str, str]) -> type | None:
     """Puts ours in policies["default"] as a subclass of vLLM's AbstractEplbPolicy when env[ENV] is "1"; returns the
     class (its `history`, a WindowHistory, holds the windows it was handed), or None (left alone) when the variable is
-    unset or "0". Any other value is an error naming the variable."""
+    unset or "0". Any other value is an error naming the variable; the router variables (served.router_config) set
+    the router ours assumes."""
     if not switched_on(env, ENV, "vLLM"):
         return None
+    cfg = router_config(env, PlannerConfig())
     returns = str(getattr(getattr(abstract, "rebalance_experts", None), "__annotations__", {}).get("return", ""))
     fn = rebalance_triple if "tuple" in returns else rebalance_phy2log
 
@@ -82,7 +84,8 @@ def install(policies: MutableMapping[str, Any], abstract: type, env: Mapping[str
         sizes = (num_replicas, num_ranks, num_nodes, num_groups or 0)
         history = cls.history.add(weight, sizes)
         t0 = time.perf_counter()
-        out = fn(weight, num_replicas, num_groups, num_nodes, num_ranks, old_global_expert_indices, history=history)
+        out = fn(weight, num_replicas, num_groups, num_nodes, num_ranks, old_global_expert_indices, history=history,
+                 cfg=cfg)
         if log.isEnabledFor(logging.INFO):
             seconds, nodes = time.perf_counter() - t0, _sizes(num_groups, num_nodes, num_ranks)[1]
             previous = _previous(old_global_expert_indices, weight, num_replicas)

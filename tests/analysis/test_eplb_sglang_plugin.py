@@ -25,6 +25,7 @@ from r3trace.eplb.config import PlannerConfig
 from r3trace.eplb.dropin import rebalance_experts
 from r3trace.eplb.evaluate import planner_config
 from r3trace.eplb.score import balancedness, even_gpu_load
+from r3trace.eplb.served import TOP_K_ENV, TOPK_GROUP_ENV
 from r3trace.eplb.sglang_plugin import ENV, TARGET, SglangHook, install, register
 
 
@@ -67,6 +68,21 @@ def test_asked_it_hooks_sglangs_function_around_and_a_bad_switch_is_named() -> N
     assert hooks == [(TARGET, hook, "AROUND")] and isinstance(hook, SglangHook)
     with pytest.raises(ValueError, match=f"^{ENV}='on': use 1"):
         install(lambda *a: None, "AROUND", {ENV: "on"}, None)
+
+
+def test_the_router_variables_reach_the_plan() -> None:
+    """R3TRACE_EPLB_TOP_K / _TOPK_GROUP: the router ours assumes without tokens (P = E on several nodes): the hook
+    plans as ours with that router, which here differs from ours with V3's; a bad value fails at install."""
+    c = counts(2, 64, 0)
+    hook = install(lambda *a: None, "AROUND", {ENV: "1", TOP_K_ENV: "2", TOPK_GROUP_ENV: "1"}, None)
+    assert hook is not None
+    got = planned(hook, c, 64, 32, 8, 2)[0]  # 32 GPUs on 2 nodes, two experts a GPU
+    want = rebalance_experts(c.sum(0), 64, 8, 2, 32, history=c.sum(0, keepdim=True).double(),
+                             cfg=PlannerConfig(router_top_k=2, router_topk_group=1))[0]
+    v3 = planned(SglangHook(None), c, 64, 32, 8, 2)[0]
+    assert torch.equal(got, want) and not torch.equal(got, v3)
+    with pytest.raises(ValueError, match=f"^{TOP_K_ENV}='0': must be an integer >= 1$"):
+        install(lambda *a: None, "AROUND", {ENV: "1", TOP_K_ENV: "0"}, None)
 
 
 @pytest.mark.parametrize(("layers", "experts", "slots", "groups", "nodes", "gpus"),

@@ -19,9 +19,11 @@ import pytest
 import torch
 
 from r3trace.eplb import Cluster, churn, from_phy2log, hierarchical
+from r3trace.eplb.config import PlannerConfig
 from r3trace.eplb.dropin import rebalance_experts
 from r3trace.eplb.score import balancedness, even_gpu_load
-from r3trace.eplb.vllm_policy import ENV, install, register
+from r3trace.eplb.served import TOP_K_ENV, TOPK_GROUP_ENV
+from r3trace.eplb.vllm_policy import ENV, install, rebalance_phy2log, register
 from r3trace.eplb.window_history import KEEP_WINDOWS
 
 
@@ -81,6 +83,27 @@ def test_installed_beside_vllm_it_changes_nothing_until_asked(flag: str | None) 
 def test_a_bad_switch_names_the_variable() -> None:
     with pytest.raises(ValueError, match=f"^{ENV}='yes': use 1"):
         install({}, AbstractEplbPolicy, {ENV: "yes"})
+
+
+def test_the_router_variables_reach_the_plan() -> None:
+    """R3TRACE_EPLB_TOP_K / _TOPK_GROUP: the router ours assumes where it ranks layouts by nodes per token expected
+    from loads (P = E on several nodes): the installed policy plans as ours with that router, which here differs
+    from ours with V3's (8 of 4 groups of 8)."""
+    w = window(2, 64, 0)
+    env = {ENV: "1", TOP_K_ENV: "2", TOPK_GROUP_ENV: "1"}
+    cls = install({}, AbstractEplbPolicy, env)
+    assert cls is not None
+    got = alone(cls, w, 64, 8, 4, 32)  # 32 GPUs on 4 nodes, two experts a GPU
+    want = rebalance_phy2log(w, 64, 8, 4, 32, cfg=PlannerConfig(router_top_k=2, router_topk_group=1))
+    v3 = rebalance_phy2log(w, 64, 8, 4, 32)
+    assert torch.equal(got, want) and not torch.equal(got, v3)
+
+
+@pytest.mark.parametrize(("var", "value", "low"), [(TOP_K_ENV, "0", 1), (TOP_K_ENV, "eight", 1),
+                                                   (TOPK_GROUP_ENV, "-1", 0)])
+def test_a_bad_router_variable_names_itself_and_its_limit(var: str, value: str, low: int) -> None:
+    with pytest.raises(ValueError, match=f"^{var}='{value}': must be an integer >= {low}$"):
+        install({}, AbstractEplbPolicy, {ENV: "1", var: value})
 
 
 @pytest.mark.parametrize(("layers", "experts", "slots", "groups", "nodes", "ranks"),
