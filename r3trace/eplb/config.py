@@ -199,6 +199,11 @@ class PlannerConfig:
     # being another layout of the swaps: the s = 1.2 cells' churn 11-32% a re-plan -> 11-21%); <= 0: none
     replan_swap_gain: float = 0.005
 
+    @property
+    def router(self) -> tuple[int, int]:
+        """(router_top_k, router_topk_group): node_model.expected_nodes' and node_swaps' router."""
+        return self.router_top_k, self.router_topk_group
+
     def __post_init__(self) -> None:
         bad_alpha = self.ema_alpha is not None and not 0 <= self.ema_alpha <= 1
         if bad_alpha or min(self.keep_tolerance, self.home_slack, self.min_gain, self.alpha_tie) < 0:

@@ -38,7 +38,7 @@ def layer_nodes(phy2log: np.ndarray, w: np.ndarray, cluster: Cluster, cfg: Plann
     """phy2log [L, P] with every expert once, forecast w [L, E], tokens [T, L, K] or None -> [L] nodes per token: the
     mean over the newest SLACK_TOKENS tokens, else node_model's expectation."""
     if tokens is None:
-        return expected_nodes(phy2log, w, cluster, cfg.router_top_k, cfg.router_topk_group)
+        return expected_nodes(phy2log, w, cluster, *cfg.router)
     return nodes_per_token(phy2log, tokens[-SLACK_TOKENS:], cluster)
 
 

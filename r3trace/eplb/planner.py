@@ -177,8 +177,7 @@ def fresh_plan(w: np.ndarray, home: np.ndarray | None, cluster: Cluster, cfg: Pl
                 # where polish ran it already lowered the max load without costing nodes per token)
                 swaps = np.full(n_layers, cfg.contest_swaps)
                 phy2log = hot_swaps(phy2log, w, np.ones(w.shape, dtype=np.int64), cluster, swaps, 0.0, cfg.level_cold)
-            phy2log = best_layout(phy2log, w, cluster, tokens, (cfg.router_top_k, cfg.router_topk_group),
-                                  cfg.node_swap_cap)
+            phy2log = best_layout(phy2log, w, cluster, tokens, cfg.router, cfg.node_swap_cap)
         elif tokens is not None and not cfg.keep_groups and replays(cluster, e, cfg.replay_margin):
             phy2log = replay_contest(phy2log, w, cluster, tokens, cfg.replay_margin)  # two nodes: dispatch_contest.py
         return from_phy2log(phy2log, e)
@@ -280,8 +279,8 @@ def _replan_swaps(phy2log: np.ndarray, w: np.ndarray, cluster: Cluster, cfg: Pla
     replan_swap_gain each (node_swaps.py): the seeded moves' drift off the gathered nodes taken back."""
     if tokens is not None or cfg.replan_swap_gain <= 0:
         return phy2log
-    return node_swaps(phy2log, w, cluster, cfg.router_top_k, cfg.router_topk_group, cfg.node_swap_cap, max_rounds=1,
-                      pair_swaps=1, min_gain=cfg.replan_swap_gain)
+    return node_swaps(phy2log, w, cluster, *cfg.router, cfg.node_swap_cap, max_rounds=1, pair_swaps=1,
+                      min_gain=cfg.replan_swap_gain)
 
 
 def planning_forecast(loads: np.ndarray, prev: Placement | None, cfg: PlannerConfig,
@@ -322,8 +321,7 @@ def _plan(loads: np.ndarray, cluster: Cluster, prev: Placement | None, tokens: n
         # each layer's choice made only where the re-plan needs it (candidates.Contest)
         glob, capped = global_phy2log(w, cluster), capped_counts(w, cluster.num_slots, cap)
         ours = spread_layout(w, cluster, cfg, tokens, losing_load(glob, w, cluster), capped)
-        anew = Contest(ours, w, cluster, tokens, glob=glob, router=(cfg.router_top_k, cfg.router_topk_group),
-                       swap_cap=cfg.node_swap_cap)
+        anew = Contest(ours, w, cluster, tokens, glob=glob, router=cfg.router, swap_cap=cfg.node_swap_cap)
         noise = replan_noise(loads, w, cluster) if cfg.emax_swaps and cluster.num_slots > w.shape[1] else None
         out = refreshed(anew, w, prev, cluster, cfg, cap, tokens, capped, glob, noise)
         drift = (drift_noise(loads, w) if cfg.drift_bound_gain >= 0 and cluster.slots_per_gpu > BOUND_SLOTS_PER_GPU
