@@ -60,15 +60,18 @@ def balanced_packing(
         packs[:start] = np.arange(start)[:, None]
         pack_n[:] = 1
         open_w[:] = w_seq[:, :start]  # cap >= 2: every pack still has room
+    # a step adds its item's weight plus closing[count after it]: inf where the pack is then full, else +0.0 (x + 0.0
+    # is x), one gather and two scatters a step instead of a count test and a masked write (272 steps of global's
+    # packing at [58, 288] on 16 GPUs: ~20% of its time)
+    closing = np.zeros(cap + 1)
+    closing[cap] = np.inf
     for step in range(start, n):
         p = np.argmin(open_w, axis=1)
         packs[step] = p
         i = flat + p
-        open_flat[i] += w_steps[step]
-        pack_n[i] += 1
-        full = i[pack_n[i] == cap]
-        if len(full):
-            open_flat[full] = np.inf
+        c = pack_n[i] + 1
+        pack_n[i] = c
+        open_flat[i] += w_steps[step] + closing[c]
     packs = packs.T  # [X, n]
     ranks = np.empty((x, n), dtype=np.int64)
     np.put_along_axis(ranks, slot_order(packs), np.arange(n) % cap, 1)
@@ -92,11 +95,14 @@ def replicate_experts(weight: np.ndarray, num_phy: int) -> tuple[np.ndarray, np.
     phy2log = np.tile(np.arange(num_phy), (x, 1))
     rank = np.zeros((x, num_phy), dtype=np.int64)
     logcnt = np.ones((x, n_log), dtype=np.int64)
+    per = weight / logcnt  # [X, n_log] load per replica; a step changes only its chosen expert's (the same division)
     for slot in range(n_log, num_phy):
-        e = np.argmax(weight / logcnt, axis=1)
+        e = np.argmax(per, axis=1)
         phy2log[:, slot] = e
-        rank[:, slot] = logcnt[rows, e]
-        logcnt[rows, e] += 1
+        c = logcnt[rows, e]
+        rank[:, slot] = c
+        logcnt[rows, e] = c + 1
+        per[rows, e] = weight[rows, e] / (c + 1)
     return phy2log, rank, logcnt
 
 

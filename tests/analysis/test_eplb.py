@@ -63,6 +63,21 @@ def test_balanced_packing_equals_a_plain_loop(packs: int) -> None:
                 count[p] += 1
 
 
+def test_replicate_experts_equals_a_plain_loop() -> None:
+    """Rows of tied, zero and random weights: each extra slot to the first expert of the highest load per replica,
+    its rank the replicas it had."""
+    rng = np.random.default_rng(11)
+    w = np.concatenate([rng.integers(0, 4, (5, 7)).astype(float), rng.random((3, 7)), np.zeros((1, 7))])
+    phy2log, rank, cnt = replicate_experts(w, 19)
+    for row, got_phy, got_rank, got_cnt in zip(w, phy2log, rank, cnt, strict=True):
+        count = np.ones(7, dtype=int)
+        for slot in range(7, 19):
+            x = int(np.argmax(row / count))
+            assert (got_phy[slot], got_rank[slot]) == (x, count[x])
+            count[x] += 1
+        assert got_cnt.tolist() == count.tolist() and got_phy[:7].tolist() == list(range(7))
+
+
 def test_node_limit_and_hierarchical_locality() -> None:
     rng = np.random.default_rng(7)
     e, groups, k = 32, 8, 4

@@ -17,10 +17,12 @@ def _tokens(rng: np.random.Generator, t: int = 300, n_layers: int = 3, e: int = 
     return tok
 
 
-def test_node_affinity_and_rows_equal_the_dense_matrix() -> None:
-    rng = np.random.default_rng(21)
+@pytest.mark.parametrize("n", [2, 4, 5])
+def test_node_affinity_and_rows_equal_the_dense_matrix(n: int) -> None:
+    """Two and four nodes: counts per node a token (_node_sums); five: pairs (_pairs)."""
+    rng = np.random.default_rng(21 + n)
     tok = _tokens(rng)
-    e, n = 24, 5
+    e = 24
     dense = coactivation_counts(tok, e).astype(np.float64)  # [L, E, E]
     co = CoChoices(tok, e)
     node = rng.integers(0, n, (3, e))
@@ -45,6 +47,11 @@ def test_rows_over_many_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     want = rng.random((4, 19)) < 0.4
     monkeypatch.setattr(affinity, "ROWS_BLOCK", 4 * 3 * 5)  # 5 tokens a block: 20 blocks
     np.testing.assert_array_equal(CoChoices(tok, 19).rows(want), dense[want])
+    for n in (3, 6):  # node_affinity's per-node sums and its pairs, over the same blocks
+        node = rng.integers(0, n, (4, 19))
+        onehot = (node[:, :, None] == np.arange(n)).astype(np.float64)
+        np.testing.assert_array_equal(CoChoices(tok, 19).node_affinity(node, n, want),
+                                      np.where(want[:, :, None], dense @ onehot, 0))
 
 
 def test_without_tokens_everything_is_zero() -> None:

@@ -31,9 +31,11 @@ def test_node_limited_max_equals_the_per_token_split(seed: int, block: int | Non
         gpn, spg = int(rng.integers(1, 4)), int(rng.integers(1, 5))
         p = n * gpn * spg
         e = int(rng.integers(max(1, p // 2), p + 1))
-        n_layers, k, t = int(rng.integers(1, 4)), int(rng.integers(1, min(e, 6) + 1)), int(rng.integers(1, 300))
+        # K up to 8: two nodes OR a token's 8 kinds as one uint64 (score._or_over_k), other K one by one
+        n_layers, k, t = int(rng.integers(1, 4)), int(rng.integers(1, min(e, 8) + 1)), int(rng.integers(1, 300))
         cl = Cluster(n * gpn, n, p)
-        pls = [from_phy2log(random_layout(rng, n_layers, e, p), e) for _ in range(2)]  # two layouts, one call
+        # one to three layouts, one call (two nodes gather two layouts' kinds at once: an odd one left over)
+        pls = [from_phy2log(random_layout(rng, n_layers, e, p), e) for _ in range(int(rng.integers(1, 4)))]
         tok = np.stack([np.stack([rng.choice(e, k, replace=False) for _ in range(n_layers)]) for _ in range(t)])
         chunk = int(rng.integers(1, 120))  # several chunks: each its own draw of ties
         want = [node_limited(pl, tok, cl, seed=seed, chunk=chunk).gpu_load.max(1) for pl in pls]
@@ -52,12 +54,13 @@ def test_node_limited_max_by_hand() -> None:
     assert node_limited(pl, tok, cl).gpu_load.tolist() == [[3.0, 3.0]]
 
 
-@pytest.mark.parametrize("seed", range(3))
-def test_two_node_covers_equal_the_subset_search(seed: int) -> None:
+@pytest.mark.parametrize(("seed", "k"), [(0, 2), (1, 3), (2, 8), (3, 8)])
+def test_two_node_covers_equal_the_subset_search(seed: int, k: int) -> None:
     """score._cover_codes on two nodes (its _two_node_codes) against the search written from _tie_scores' doc: each
-    covering subset in the draws' order, the first of the lowest scores; masks 0 (an expert on no node: code 0) to 3."""
+    covering subset in the draws' order, the first of the lowest scores; masks 0 (an expert on no node: code 0) to 3.
+    K = 8: the kinds ORed as one uint64 a token."""
     rng = np.random.default_rng(seed)
-    t, n_layers, k = 400, 3, int(rng.integers(1, 4))
+    t, n_layers = 400, 3
     bits = rng.choice(np.arange(4, dtype=np.uint8), size=(t, n_layers, k), p=[0.03, 0.2, 0.2, 0.57])
     got = score._cover_codes(bits, 2, score._tie_scores(np.random.default_rng(seed), 2, t, n_layers))
     ties = list(score._tie_scores(np.random.default_rng(seed), 2, t, n_layers))
