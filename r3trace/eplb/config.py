@@ -74,6 +74,11 @@ class PlannerConfig:
     # partners best (partners.py: the grouped s = 1.2 cells' three "no"s on 2-8 nodes became ties); only where
     # ema_alpha is None (the weight left to the backtest)
     partner_backtest: bool = True
+    # every slot one expert, two slots a GPU: the hot_partners hottest experts above the mean GPU load take the coldest
+    # experts as their GPU's partner, hottest with coldest, after every plan (partners.coldest_partners: the three
+    # "no"s of 128 GPUs / 16 nodes / 256 slots on trace seed 0 became a yes and two ties; one: no change there, 32:
+    # the same at +8-11 points of churn); 0: off
+    hot_partners: int = 3
     # a seeded re-plan's last swaps, with what its leveling left of the churn budget: each lowers one of the
     # hot_gpus hottest GPUs by more than hot_min_drop x the mean GPU load, no GPU reaching its old load; over
     # bench/eplb_matrix.py's 118 cells yes / tie / no 42 / 62 / 14 -> 48 / 59 / 11 (descent.py has the variants);
@@ -208,6 +213,8 @@ class PlannerConfig:
         bad_alpha = self.ema_alpha is not None and not 0 <= self.ema_alpha <= 1
         if bad_alpha or min(self.keep_tolerance, self.home_slack, self.min_gain, self.alpha_tie) < 0:
             raise PlacementError(f"ema_alpha={self.ema_alpha} must be in [0, 1] (0: mean); tolerances must be >= 0")
+        if self.hot_partners < 0:
+            raise PlacementError(f"hot_partners={self.hot_partners} must be >= 0 (0: off)")
         if not 0 <= self.node_swap_cap < 1:
             raise PlacementError(f"node_swap_cap={self.node_swap_cap} must be in [0, 1) (a share of the max GPU load)")
         if self.router_top_k < 1 or self.router_topk_group < 0:

@@ -19,7 +19,20 @@ nodes per token up 0.01 at most (still under global's). With two slots a GPU (16
 GPU's one partner; there the same rule moved clustered s = 0.6 128 / 16 / 256 by -0.0001 (tie -> no), so those
 layers keep the forecast.
 
-Shape legend: W windows, L layers, E experts, B floor-bound layers.
+With two slots a GPU and every slot one expert (128 GPUs / 16 nodes / 256 slots) a hot GPU holds its expert and one
+partner, and the next window's max GPU load is the hottest expert's (which one it is changes between windows) plus
+that partner's: coldest_partners gives the hot_partners hottest experts the coldest ones, hottest with coldest, as
+DeepSeek's packing pairs them (heaviest item with the lightest open pack). Ours' partners had been the coldest of
+what its node and churn rules left: 2nd-5th coldest by the summed history on the SGLang-dump s = 0.6 slow cell, whose
+held-out max GPUs then carried partners of 41-59 routed tokens against global's 18-38. Trace seed 0, held out, against
+the better global policy: SGLang-dump s = 0.6 slow -0.00020 +- 0.00008 -> +0.00001 +- 0.00001, clustered s = 0.6
+fast -0.0014 +- 0.0006 -> -0.0007 +- 0.0006, independent s = 0.6 fast -0.00017 +- 0.00007 -> -0.00004 +- 0.00004 at
++0.2 / +0.8 / +1.0 points of churn a re-plan and nodes per token the same or lower (5.675 -> 5.673, 5.736 -> 5.733,
+5.722 -> 5.700). One hot expert: no change on the SGLang cell (the forecast's hottest already had the coldest; the
+held-out max GPU was another's); the summed history or the newest window in place of the forecast: worse on the fast
+cells; 32 hot experts (every partner anti-sorted): the same ties at +8-11 points of churn.
+
+Shape legend: W windows, L layers, E experts, B floor-bound layers, P slots.
 """
 
 from __future__ import annotations
@@ -70,4 +83,34 @@ def partner_forecast(history: np.ndarray, w: np.ndarray, cluster: Cluster, margi
     light = bound[:, None] & ~hot
     out = w.copy()
     out[light] = forecast(h, alpha)[light]
+    return out
+
+
+def coldest_partners(phy2log: np.ndarray, w: np.ndarray, cluster: Cluster, hot: int) -> np.ndarray:
+    """phy2log [L, P] with P = E and two slots a GPU, forecast w [L, E] -> phy2log [L, P] where each of the layer's
+    `hot` hottest experts that weighs more than the mean GPU load shares its GPU with one of as many coldest other
+    experts, the hottest with the coldest (module doc): one swap of two slots where its partner is another; phy2log
+    itself on other shapes or with hot <= 0."""
+    n_layers, p = phy2log.shape
+    if hot <= 0 or cluster.slots_per_gpu != 2 or p != w.shape[1]:
+        return phy2log
+    out = phy2log.copy()
+    mean = w.sum(1) / cluster.num_gpus  # [L]
+    hottest = np.argsort(-w, axis=1, kind="stable")[:, :hot]  # [L, hot]
+    coldest = np.argsort(w, axis=1, kind="stable")  # [L, E] ties by expert id
+    for layer in range(n_layers):
+        hots = [x for x in hottest[layer].tolist() if w[layer, x] > mean[layer]]
+        if not hots:
+            continue
+        row = out[layer]
+        slot_of = np.empty(p, dtype=np.int64)
+        slot_of[row] = np.arange(p)
+        cold = [x for x in coldest[layer, : 2 * hot].tolist() if x not in hots][: len(hots)]
+        for x, c in zip(hots, cold, strict=False):
+            q = int(slot_of[x]) ^ 1  # the other slot of x's GPU (GPU g holds slots 2g, 2g + 1)
+            y = int(row[q])
+            if y != c:
+                qc = int(slot_of[c])
+                row[q], row[qc] = c, y
+                slot_of[c], slot_of[y] = q, qc
     return out

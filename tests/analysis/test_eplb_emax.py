@@ -3,6 +3,7 @@ load within its churn budget. Run: .venv/bin/pytest tests/analysis/test_eplb_ema
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import NamedTuple
 
 import numpy as np
@@ -82,9 +83,10 @@ def _still_replans(cl: Cluster, layers: int) -> _Replans:
     routes, _ = load_windows(TraceSpec(num_layers=layers, windows=5, window_tokens=4096, seed=1))
     h = np.stack([heat_of(r, 256) for r in routes])
     assert not drifts(h, backtest_errors(h), PlannerConfig().refresh_drift)  # a still re-plan
-    first = plan(h[:4], cl, tokens=routes[3])
-    on = plan(h, cl, first, tokens=routes[4])
-    off = plan(h, cl, first, tokens=routes[4], cfg=PlannerConfig(emax_swaps=False))
+    solo = PlannerConfig(hot_partners=0)  # the E[max] swaps alone: the hot partners (partners.py) take their place
+    first = plan(h[:4], cl, tokens=routes[3], cfg=solo)
+    on = plan(h, cl, first, tokens=routes[4], cfg=solo)
+    off = plan(h, cl, first, tokens=routes[4], cfg=replace(solo, emax_swaps=False))
     w = forecast(h, 0.0)
     dev = deviations(h, w, 8)
     assert dev is not None
@@ -144,7 +146,7 @@ def test_a_still_replan_without_a_spare_slot_spends_what_is_left_on_the_bound() 
     light = w / (w.sum(1, keepdims=True) / cl.num_slots) < PlannerConfig().level_cold
     assert crossed.any() and not (crossed & ~light).any()
     # no layer has 50% fewer nodes per token than global's: then every swap stays inside its node
-    tight = plan(r.h, cl, first, tokens=r.routes[4], cfg=PlannerConfig(emax_node_slack=0.5))
+    tight = plan(r.h, cl, first, tokens=r.routes[4], cfg=PlannerConfig(emax_node_slack=0.5, hot_partners=0))
     np.testing.assert_array_equal(_nodes(tight.phy2log, cl), _nodes(off.phy2log, cl))
 
 

@@ -4,10 +4,12 @@ weight that picked the lightest ones best in backtest. Run: .venv/bin/pytest tes
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from r3trace.eplb import Cluster, PlannerConfig, plan
 from r3trace.eplb.forecast import ALPHAS, choose_alpha, forecast, smooth_rates
-from r3trace.eplb.partners import partner_errors, partner_forecast
+from r3trace.eplb.partners import coldest_partners, partner_errors, partner_forecast
+from r3trace.eplb.placement import PlacementError
 
 E, W, HOT = 64, 7, 6  # experts, history windows, floor-bound layers
 CL = Cluster(16, 2, 64, num_groups=8)  # every slot one expert, 4 a GPU
@@ -77,3 +79,69 @@ def test_plans_give_the_hot_gpus_lighter_partners() -> None:
             true = np.take_along_axis(rates[W, :HOT], gpus.reshape(HOT, -1), 1).reshape(gpus.shape)
             sums.append(float((true * top).sum()))  # their true load next window, over the layers
         assert sums[0] < sums[1] - 0.002
+
+
+def test_coldest_partners_by_hand() -> None:
+    # 4 GPUs of 2 slots, one expert a slot. Mean GPU load 25: experts 0 (40) and 1 (30) are hot, 2 (24) is not, so
+    # with hot = 3 only two move: 0 takes the coldest (7: load 1), 1 the next (6: load 2). GPU 0 held [0, 5], GPU 1
+    # [1, 2], GPU 2 [3, 6], GPU 3 [4, 7]: 7 swaps with 5 (slots 1 and 7), then 6 with 2 (slots 3 and 5)
+    cl = Cluster(4, 1, 8)
+    w = np.array([[40.0, 30.0, 24.0, 3.0, 4.0, 3.0, 2.0, 1.0]])
+    ph = np.array([[0, 5, 1, 2, 3, 6, 4, 7]])
+    assert coldest_partners(ph, w, cl, 3).tolist() == [[0, 7, 1, 6, 3, 2, 4, 5]]
+    assert coldest_partners(ph, w, cl, 1).tolist() == [[0, 7, 1, 2, 3, 6, 4, 5]]
+    np.testing.assert_array_equal(coldest_partners(ph, w, cl, 0), ph)  # off
+    done = coldest_partners(ph, w, cl, 3)
+    np.testing.assert_array_equal(coldest_partners(done, w, cl, 3), done)  # already paired: no slot moves
+    # a hot expert's partner that is hot itself moves off its GPU: 0 and 1 shared GPU 0, so 1 goes to 7's slot (GPU
+    # 3), where 6 then replaces its partner 4
+    both = np.array([[0, 1, 5, 2, 3, 6, 4, 7]])
+    assert coldest_partners(both, w, cl, 3).tolist() == [[0, 7, 5, 2, 3, 4, 6, 1]]
+
+
+def test_coldest_partners_on_random_layouts() -> None:
+    """Each of the hot hottest experts above the mean GPU load shares its GPU with its rank among the coldest of the
+    others; every other expert keeps its slot unless it was moved to make room (at most 2 slots a hot expert)."""
+    rng = np.random.default_rng(5)
+    for _ in range(30):
+        g = int(rng.integers(2, 20))
+        cl = Cluster(2 * g, 1 if g % 2 else 2, 4 * g)
+        e, hot = 4 * g, int(rng.integers(1, 6))
+        w = rng.pareto(1.2, (3, e)) * 10 + rng.integers(0, 3, (3, e))  # heavy tails and ties
+        ph = np.stack([rng.permutation(e) for _ in range(3)])
+        out = coldest_partners(ph, w, cl, hot)
+        for layer in range(3):
+            assert sorted(out[layer].tolist()) == list(range(e))
+            mean = w[layer].sum() / cl.num_gpus
+            hots = [x for x in np.argsort(-w[layer], kind="stable")[:hot] if w[layer, x] > mean]
+            cold = [x for x in np.argsort(w[layer], kind="stable") if x not in hots][: len(hots)]
+            pairs = out[layer].reshape(-1, 2)
+            for x, c in zip(hots, cold, strict=True):
+                gpu = pairs[(pairs == x).any(1)][0]
+                assert set(gpu.tolist()) == {x, c}
+            assert (out[layer] != ph[layer]).sum() <= 2 * len(hots)
+
+
+def test_coldest_partners_leave_other_shapes_and_plans_take_them() -> None:
+    rng = np.random.default_rng(6)
+    w = rng.pareto(1.0, (2, 24)) * 10 + 1
+    ph = np.stack([rng.permutation(24) for _ in range(2)])
+    np.testing.assert_array_equal(coldest_partners(ph, w, Cluster(8, 2, 24), 3), ph)  # 3 slots a GPU
+    spare = np.concatenate([ph, ph[:, :4]], 1)  # 2 slots a GPU, 4 spare ones
+    np.testing.assert_array_equal(coldest_partners(spare, w, Cluster(14, 2, 28), 3), spare)
+    # the planner: 16 GPUs / 2 nodes / 32 slots, every slot one expert; its plans pair the forecast's hottest experts
+    # above the mean GPU load with the coldest (a flat history: the forecast is the mean window)
+    cl = Cluster(16, 2, 32, num_groups=8)
+    loads = np.stack([rng.pareto(1.0, (2, 32)) * 10 + 1] * 3)
+    for prev in (None, plan(loads, cl)):
+        got = plan(loads, cl, prev).phy2log
+        assert got.tolist() == coldest_partners(got, loads[0], cl, 3).tolist()
+        mean = loads[0].sum(1) / 16
+        pairs = got.reshape(2, -1, 2)
+        for layer in range(2):
+            x, c = int(np.argmax(loads[0, layer])), int(np.argmin(loads[0, layer]))
+            assert loads[0, layer, x] > mean[layer] and {x, c} in [set(p.tolist()) for p in pairs[layer]]
+    off = plan(loads, cl, cfg=PlannerConfig(hot_partners=0)).phy2log
+    assert (off != plan(loads, cl).phy2log).any()  # the rule moved something here
+    with pytest.raises(PlacementError, match="hot_partners=-1 must be >= 0"):
+        PlannerConfig(hot_partners=-1)
