@@ -91,7 +91,9 @@ def level_refine(phy2log: np.ndarray, weight: np.ndarray, logcnt: np.ndarray, cl
     one_hot = hot_gpus == 1
     n_near = gpn - 1 if one_hot else gpn
     ruled = cold_gpus * spg if one_hot else (cold_gpus + gpn) * spg  # b's columns the node rule decides, first
-    buf_d, buf_gain = (np.empty((n_layers, hot_gpus * spg, (cold_gpus + n_near) * spg)) for _ in range(2))
+    # [L, S, B] float buffers of the gains (one hot GPU: [L, S, cold GPUs' slots], _one_hot_best)
+    width = cold_gpus * spg if one_hot and spread is None else (cold_gpus + n_near) * spg
+    buf_d, buf_gain = (np.empty((n_layers, hot_gpus * spg, width)) for _ in range(2))
     gpu_all = u.reshape(n_layers, n_gpus, spg).sum(-1)  # [L, G]; a swap re-sums its two GPUs' rows (same sums)
     # per-slot codes of the cross-node rule, kept up to date by each swap instead of re-derived each step:
     # flag bit 0: a cold slot, bit 1: a replica of an expert with several (both move with the expert);
@@ -142,38 +144,6 @@ def level_refine(phy2log: np.ndarray, weight: np.ndarray, logcnt: np.ndarray, cl
         flat_ab = ab + (r * p)[:, None]  # [n, S + B] into the [L, P] arrays, raveled
         u_ab = np.take(u, flat_ab)
         g = np.take(gpu_all, gpus + (r * n_gpus)[:, None])  # [n, (S + B) / spg] GPU loads
-        gain = buf_gain[:n]
-        if spread is None:
-            # [n, hot GPUs, B] ga - gb: one value per (a's GPU, b's slot), broadcast over a's slots below; made at the
-            # [n, S, B] size it was two passes more there
-            x = g[:, :hot_gpus, None] - np.repeat(g[:, hot_gpus:], spg, axis=1)[:, None, :]
-            # the drop of ga^2 + gb^2 when d moves from a's GPU to b's is 2 (d (ga - gb) - d d); `gain` holds half of
-            # it (doubling is exact in binary floating point, so the comparisons below are those of the full drop). The
-            # [n, S, B] float arrays live in buffers made once: fresh ones were page-faulted in on every step
-            d = buf_d[:n]
-            # [n, S, B] load moved from a's GPU to b's; a's side copied in first (one broadcast operand per op: 25%
-            # faster)
-            np.copyto(d, u_ab[:, :ns, None])
-            d -= u_ab[:, None, ns:]
-            np.multiply(d.reshape(n, hot_gpus, spg, -1), x[:, :, None, :], out=gain.reshape(n, hot_gpus, spg, -1))
-            d *= d
-            gain -= d
-        else:  # the same half drop summed over the forecast and the deviations r: (ua - ub) (ga - gb) - (ua - ub)^2 is
-            # ua (ga - ua) + ub (gb - ub) + ua (2 ub - gb) - ga ub, one [n, S, 2R + 2] x [n, 2R + 2, B] product, its
-            # factors filled in buffers made once (per deviation as [n, S, B] arrays: 0.84 ms a step at [58, 320] with
-            # R = 3 against 0.2 here). Rounding: |error| ~1e-16 x the squared mean GPU load, under any floor > 0
-            ud = np.take(u_dev, flat_ab, axis=0)  # [n, S + B, R]
-            gd = np.repeat(np.take(g_dev, gpus + (r * n_gpus)[:, None], axis=0), spg, axis=1)  # each slot's GPU's
-            ua, ga = ud[:, :ns], gd[:, :ns]
-            ub, gb = ud[:, ns:].transpose(0, 2, 1), gd[:, ns:].transpose(0, 2, 1)  # [n, R, B]
-            fac_a, fac_b = buf_a[:n], buf_b[:n]
-            fac_a[:, :, :n_dev] = ua
-            np.negative(ga, out=fac_a[:, :, n_dev:-2])
-            fac_a[:, :, -2] = np.einsum("nsr,nsr->ns", ua, ga - ua)
-            np.subtract(2 * ub, gb, out=fac_b[:, :n_dev])
-            fac_b[:, n_dev:-2] = ub
-            fac_b[:, -1] = np.einsum("nrb,nrb->nb", ub, gb - ub)
-            np.matmul(fac_a, fac_b, out=gain)
         # a pair on one GPU needs no mask: there ga = gb, so its gain is -d d <= 0 and never passes the floor (>= 0;
         # with a spread > 0, above the product's rounding)
         ab_r, flat_r = ab[:, : ns + ruled], flat_ab[:, : ns + ruled]  # a's slots and b's ruled ones
@@ -189,10 +159,48 @@ def level_refine(phy2log: np.ndarray, weight: np.ndarray, logcnt: np.ndarray, cl
             # ... and neither expert already on the other's node (the swap would merge its replicas)
             kin &= ((held[:, :ns, None] & bit_b) | (held[:, None, ns:] & bit_a)) == 0
             ok |= kin
-        gain[:, :, :ruled] *= ok
-        flat = gain.reshape(n, -1)
-        best = np.argmax(flat, axis=1)
-        keep = 2 * flat[np.arange(n), best] > floor[r]
+        if spread is None and one_hot:  # the hot GPU's best swap, near GPUs only where they can win (_one_hot_best)
+            best, top = _one_hot_best(u_ab, g, ok, ns, cold_gpus, spg, buf_d[:n], buf_gain[:n])
+        else:
+            gain = buf_gain[:n]
+            if spread is None:
+                # [n, hot GPUs, B] ga - gb: one value per (a's GPU, b's slot), broadcast over a's slots below; made
+                # at the [n, S, B] size it was two passes more there
+                x = g[:, :hot_gpus, None] - np.repeat(g[:, hot_gpus:], spg, axis=1)[:, None, :]
+                # the drop of ga^2 + gb^2 when d moves from a's GPU to b's is 2 (d (ga - gb) - d d); `gain` holds half
+                # of it (doubling is exact in binary floating point, so the comparisons below are those of the full
+                # drop). The [n, S, B] float arrays live in buffers made once: fresh ones were page-faulted in on
+                # every step
+                d = buf_d[:n]
+                # [n, S, B] load moved from a's GPU to b's; a's side copied in first (one broadcast operand per op:
+                # 25% faster)
+                np.copyto(d, u_ab[:, :ns, None])
+                d -= u_ab[:, None, ns:]
+                np.multiply(d.reshape(n, hot_gpus, spg, -1), x[:, :, None, :], out=gain.reshape(n, hot_gpus, spg, -1))
+                d *= d
+                gain -= d
+            else:  # the same half drop summed over the forecast and the deviations r: (ua - ub) (ga - gb) -
+                # (ua - ub)^2 is ua (ga - ua) + ub (gb - ub) + ua (2 ub - gb) - ga ub, one [n, S, 2R + 2] x
+                # [n, 2R + 2, B] product, its factors filled in buffers made once (per deviation as [n, S, B] arrays:
+                # 0.84 ms a step at [58, 320] with R = 3 against 0.2 here). Rounding: |error| ~1e-16 x the squared mean
+                # GPU load, under any floor > 0
+                ud = np.take(u_dev, flat_ab, axis=0)  # [n, S + B, R]
+                gd = np.repeat(np.take(g_dev, gpus + (r * n_gpus)[:, None], axis=0), spg, axis=1)  # each slot's GPU's
+                ua, ga = ud[:, :ns], gd[:, :ns]
+                ub, gb = ud[:, ns:].transpose(0, 2, 1), gd[:, ns:].transpose(0, 2, 1)  # [n, R, B]
+                fac_a, fac_b = buf_a[:n], buf_b[:n]
+                fac_a[:, :, :n_dev] = ua
+                np.negative(ga, out=fac_a[:, :, n_dev:-2])
+                fac_a[:, :, -2] = np.einsum("nsr,nsr->ns", ua, ga - ua)
+                np.subtract(2 * ub, gb, out=fac_b[:, :n_dev])
+                fac_b[:, n_dev:-2] = ub
+                fac_b[:, -1] = np.einsum("nrb,nrb->nb", ub, gb - ub)
+                np.matmul(fac_a, fac_b, out=gain)
+            gain[:, :, :ruled] *= ok
+            flat = gain.reshape(n, -1)
+            best = np.argmax(flat, axis=1)
+            top = flat[np.arange(n), best]
+        keep = 2 * top > floor[r]
         if not keep.any():
             break
         i, j = np.divmod(best[keep], ab.shape[1] - ns)
@@ -228,3 +236,54 @@ def _home_group(expert: np.ndarray, node_bit: np.ndarray, group_nodes: np.ndarra
     grp = expert // gsize
     home = (group_nodes[layer, grp] & node_bit) != 0
     return np.where(home, grp, -1).astype(np.int16)
+
+
+# margin over (ga - gb)^2 / 4 of a swap's rounded gain d (x - d) - d d: with 0 < d / x < 1 each of the three roundings
+# errs by < 2^-53 x^2, so the rounded gain stays under x^2 / 4 (1 + 1e-15)
+BOUND_MARGIN = 1 + 1e-12
+
+
+def _one_hot_best(u_ab: np.ndarray, g: np.ndarray, ok: np.ndarray, ns: int, cold_gpus: int, spg: int,
+                  buf_d: np.ndarray, buf_gain: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """level_refine's step with one hot GPU: u_ab [n, S + B] slot loads (the hot GPU's S slots, then the cold GPUs'
+    and the near GPUs' slots, spg a GPU), g [n, 1 + B / spg] GPU loads, ok [n, S, cold GPUs' slots] the node rule ->
+    (flat index [n] into the [S, B] half drops, its drop [n]): the first largest, as np.argmax over all of them gives.
+
+    A swap with a GPU x = ga - gb lighter drops the half sum of squares by d (x - d) <= x^2 / 4 (d the slot loads'
+    difference), so the cold GPUs' columns (the largest x: the coldest GPUs) are scored first and a near GPU's only
+    where x^2 / 4 (BOUND_MARGIN) reaches their best: 16 GPUs / 2 nodes / 288 slots, 7 near GPUs a step, most never
+    scored. The same roundings in the same order as the full [n, S, B] product, so the same values and index."""
+    n, b_all = u_ab.shape[0], u_ab.shape[1] - ns
+    ruled = cold_gpus * spg
+    x = g[:, :1] - g[:, 1:]  # [n, B / spg] ga - gb, as the full product rounds it
+    d, gain = buf_d, buf_gain  # [n, S, ruled]
+    np.copyto(d, u_ab[:, :ns, None])
+    d -= u_ab[:, None, ns:ns + ruled]
+    np.multiply(d, np.repeat(x[:, :cold_gpus], spg, axis=1)[:, None, :], out=gain)
+    d *= d
+    gain -= d
+    gain *= ok
+    flat = gain.reshape(n, -1)
+    j = np.argmax(flat, axis=1)
+    top = flat[np.arange(n), j]
+    best = (j // ruled) * b_all + j % ruled  # [n] into [S, B]
+    near = x[:, cold_gpus:]  # [n, near GPUs]
+    li, bi = np.nonzero(near * near * (0.25 * BOUND_MARGIN) >= top[:, None])  # [K] (layer, near GPU) that can win
+    if not len(li):
+        return best, top
+    col = ns + ruled + (bi * spg)[:, None] + np.arange(spg)  # [K, spg] the near GPU's slots in u_ab
+    dk = u_ab[li, :ns][:, :, None] - u_ab[li[:, None], col][:, None, :]  # [K, S, spg]
+    gk = dk * near[li, bi][:, None, None]
+    dk *= dk
+    gk -= dk
+    flat_k = gk.reshape(len(li), -1)
+    jk = np.argmax(flat_k, axis=1)
+    top_k = flat_k[np.arange(len(li)), jk]
+    best_k = (jk // spg) * b_all + ruled + bi * spg + jk % spg
+    # per layer the largest drop, the first index among equals: blocks by layer, then drop descending, then index
+    order = np.lexsort((best_k, -top_k, li))
+    lead = order[np.r_[True, li[order][1:] != li[order][:-1]]]
+    rows, v, f = li[lead], top_k[lead], best_k[lead]
+    take = (v > top[rows]) | ((v == top[rows]) & (f < best[rows]))
+    best[rows[take]], top[rows[take]] = f[take], v[take]
+    return best, top

@@ -10,7 +10,7 @@ import pytest
 
 from r3trace.eplb import Cluster
 from r3trace.eplb.homing import capped_counts
-from r3trace.eplb.leveling import level_refine
+from r3trace.eplb.leveling import _one_hot_best, level_refine
 from r3trace.eplb.placement import PlacementError, from_phy2log
 from r3trace.eplb.score import even_gpu_load
 
@@ -201,3 +201,30 @@ def test_a_layer_stopped_out_of_reach_ends_above_the_bar_and_the_others_are_unch
     np.testing.assert_array_equal(got[~stopped], full[~stopped])
     never = np.full(n_layers, np.inf)
     np.testing.assert_array_equal(level_refine(ph, w, logcnt, cl, 12, 0.0, 1.0, out_of_reach=never), full)
+
+
+@pytest.mark.parametrize("ints", [True, False])
+def test_one_hot_best_equals_the_full_argmax(ints: bool) -> None:
+    """leveling._one_hot_best (near GPUs scored only where (ga - gb)^2 / 4 reaches the cold GPUs' best) against every
+    pair's half drop d (x - d) - ... as level_refine's full product rounds it, d x - d d, the node rule on the cold
+    GPUs' columns, np.argmax's first largest. Integer loads: many equal drops, within and across GPUs."""
+    rng = np.random.default_rng(8 if ints else 9)
+    for _ in range(200):
+        n, spg, cold, near = int(rng.integers(1, 6)), int(rng.integers(1, 6)), int(rng.integers(1, 4)), int(
+            rng.integers(0, 6))
+        ns, width = spg, (cold + near) * spg
+        u = rng.integers(0, 5, (n, ns + width)).astype(float) if ints else rng.pareto(1.0, (n, ns + width))
+        g = np.concatenate([u[:, :ns].sum(1, keepdims=True) + rng.integers(0, 8, (n, 1)),
+                            rng.integers(0, 12, (n, cold + near))], 1).astype(float)
+        if not ints:
+            g += rng.random(g.shape)
+        ok = rng.random((n, ns, cold * spg)) < 0.7
+        got = _one_hot_best(u, g, ok, ns, cold, spg, np.empty((n, ns, cold * spg)), np.empty((n, ns, cold * spg)))
+        x = g[:, :1, None] - np.repeat(g[:, 1:], spg, axis=1)[:, None, :]  # [n, 1, B]
+        d = u[:, :ns, None] - u[:, None, ns:]
+        gain = d * x - d * d
+        gain[:, :, : cold * spg] *= ok
+        flat = gain.reshape(n, -1)
+        best = np.argmax(flat, axis=1)
+        np.testing.assert_array_equal(got[0], best)
+        np.testing.assert_array_equal(got[1], flat[np.arange(n), best])
