@@ -41,7 +41,7 @@ from r3trace.eplb.candidates import nodes_per_token
 from r3trace.eplb.cover import cover_sizes, node_masks
 from r3trace.eplb.deepseek import global_phy2log
 from r3trace.eplb.descent import hot_swaps
-from r3trace.eplb.emax import emax_swaps, layout_bound
+from r3trace.eplb.emax import emax_swaps, layout_bound, layout_bounds
 from r3trace.eplb.homing import capped_counts
 from r3trace.eplb.leveling import level_refine
 from r3trace.eplb.pairing import paired, sorted_pairs
@@ -262,12 +262,12 @@ def held_refresh(low: np.ndarray, fresh: Contest, w: np.ndarray, prev: Placement
     the drift next window. The fresh layout is chosen (Contest.layouts) only in the layers where one of its tied
     candidates passes: its regroups move whole GPUs between nodes, so the chosen one has a candidate's bound."""
     a, b = noise
-    mine = layout_bound(low, w, cluster, a, b)  # [L]
-    each = np.stack([layout_bound(c, w, cluster, a, b) for c in fresh.cands])  # [C, L]
-    best = np.where(fresh.tied, each, np.inf).min(0)
     # the Contest's last candidate is global's layout where it competes (candidates.Contest): its bound, not again
-    bg = (None if glob is None else each[-1] if len(fresh.cands) > 1 and np.array_equal(fresh.cands[-1], glob)
-          else layout_bound(glob, w, cluster, a, b))
+    extra = [] if glob is None or (len(fresh.cands) > 1 and np.array_equal(fresh.cands[-1], glob)) else [glob]
+    bounds = layout_bounds([low, *fresh.cands, *extra], w, cluster, a, b)  # [1 + C (+ 1), L]
+    mine, each = bounds[0], bounds[1:1 + len(fresh.cands)]
+    best = np.where(fresh.tied, each, np.inf).min(0)
+    bg = None if glob is None else bounds[-1]
     if bg is not None:
         best = np.minimum(best, bg)
     rows = np.flatnonzero(mine > best * (1 + cfg.drift_bound_gain))

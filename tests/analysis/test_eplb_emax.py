@@ -10,7 +10,7 @@ import numpy as np
 
 from bench.eplb_traces import TraceSpec, load_windows
 from r3trace.eplb import Cluster, Placement, PlannerConfig, churn, plan
-from r3trace.eplb.emax import emax_bound, emax_swaps, replan_noise, variance_model
+from r3trace.eplb.emax import emax_bound, emax_swaps, layout_bound, layout_bounds, replan_noise, variance_model
 from r3trace.eplb.forecast import backtest_errors, drifts, forecast
 from r3trace.eplb.planner import planning_forecast
 from r3trace.eplb.scenarios import deviations
@@ -178,3 +178,18 @@ def test_a_drifting_replan_with_a_spare_slot_ends_with_emax_swaps() -> None:
     assert (low <= high + 1e-12).all() and (low < high - 0.01).any()
     # the layers whose bound fell under min_gain (0 and 2) keep the fresh layout as it was
     assert (on.phy2log != off.phy2log).any(1).tolist() == [False, True, False]
+
+
+def test_layout_bounds_equal_one_call_a_layout() -> None:
+    """emax.layout_bounds (V layouts in one call over V L rows) gives each layout's layout_bound, bit for bit."""
+    rng = np.random.default_rng(31)
+    for g, n, spg, e in [(16, 2, 18, 256), (8, 1, 4, 32), (128, 16, 2, 256)]:
+        cl = Cluster(g, n, g * spg)
+        w = rng.pareto(1.0, (5, e)) * 10 + 1
+        a, b = rng.random(5), rng.random(5) * 0.1
+        lays = [np.stack([rng.permutation(np.concatenate([np.arange(e), rng.integers(0, e, g * spg - e)]))
+                          for _ in range(5)]) for _ in range(3)]
+        got = layout_bounds(lays, w, cl, a, b)
+        want = np.stack([layout_bound(x, w, cl, a, b) for x in lays])
+        assert got.shape == (3, 5) and np.array_equal(got, want)
+        assert len(np.unique(got[:, 0])) == 3  # the layouts differ in bound
