@@ -30,7 +30,9 @@ fast -0.0014 +- 0.0006 -> -0.0007 +- 0.0006, independent s = 0.6 fast -0.00017 +
 +0.2 / +0.8 / +1.0 points of churn a re-plan and nodes per token the same or lower (5.675 -> 5.673, 5.736 -> 5.733,
 5.722 -> 5.700). One hot expert: no change on the SGLang cell (the forecast's hottest already had the coldest; the
 held-out max GPU was another's); the summed history or the newest window in place of the forecast: worse on the fast
-cells; 32 hot experts (every partner anti-sorted): the same ties at +8-11 points of churn.
+cells, and so were the history's mean unless the backtest calls drift, and the weight whose backtest picked the
+lightest best (partner_errors; docs/perf-history/benchmarks-log.md); 32 hot experts (every partner anti-sorted): the
+same ties at +8-11 points of churn.
 
 Shape legend: W windows, L layers, E experts, B floor-bound layers, P slots.
 """
