@@ -130,8 +130,10 @@ def test_cover_sizes_equal_the_node_limited_cover(g: int, n: int, p: int, seed: 
 
 def test_without_a_spare_slot_a_drifting_static_re_plan_is_the_refreshed_one() -> None:
     """P = E: every expert has one replica, so static-even fixes nothing and the drifting re-plan (its locality
-    refresh included) is the plan, not the still re-plan it would otherwise fall back to (planner._static_even_plan)."""
+    refresh included, then the hot experts' coldest partners: two slots a GPU) is the plan, not the still re-plan it
+    would otherwise fall back to (planner._static_even_plan)."""
     from bench.eplb_traces import TraceSpec, synth_windows
+    from r3trace.eplb.partners import coldest_partners
     from r3trace.eplb.planner import _plan, planning_forecast
 
     spec = TraceSpec(num_experts=64, num_groups=8, top_k=4, num_layers=3, windows=6, window_tokens=1024, drift="fast",
@@ -140,6 +142,8 @@ def test_without_a_spare_slot_a_drifting_static_re_plan_is_the_refreshed_one() -
     heats = np.stack([heat_of(r, 64) for r in routes]).astype(np.float64)
     cl, cfg = Cluster(32, 8, 64, num_groups=8), planner_config("static")
     prev = plan(heats[:5], cl, tokens=routes[4], cfg=cfg)
-    assert planning_forecast(heats, prev, cfg, cl)[1]  # the backtest calls drift
+    w, moving = planning_forecast(heats, prev, cfg, cl)
+    assert moving  # the backtest calls drift
     got = plan(heats, cl, prev, tokens=routes[5], cfg=cfg)
-    np.testing.assert_array_equal(got.phy2log, _plan(heats, cl, prev, routes[5], cfg).phy2log)
+    want = coldest_partners(_plan(heats, cl, prev, routes[5], cfg).phy2log, w, cl, cfg.hot_partners)
+    np.testing.assert_array_equal(got.phy2log, want)
