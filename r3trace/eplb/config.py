@@ -79,6 +79,9 @@ class PlannerConfig:
     # "no"s of 128 GPUs / 16 nodes / 256 slots on trace seed 0 became a yes and two ties; one: no change there, 32:
     # the same at +8-11 points of churn); 0: off
     hot_partners: int = 3
+    # ... the cold ones ranked by the EMA weight whose backtest picked each such layer's partner_light lightest experts
+    # best (partners.cold_forecast); 0: by the plan's forecast
+    partner_light: int = 16
     # a seeded re-plan's last swaps, with what its leveling left of the churn budget: each lowers one of the
     # hot_gpus hottest GPUs by more than hot_min_drop x the mean GPU load, no GPU reaching its old load; over
     # bench/eplb_matrix.py's 118 cells yes / tie / no 42 / 62 / 14 -> 48 / 59 / 11 (descent.py has the variants);

@@ -88,7 +88,25 @@ def partner_forecast(history: np.ndarray, w: np.ndarray, cluster: Cluster, margi
     return out
 
 
-def coldest_partners(phy2log: np.ndarray, w: np.ndarray, cluster: Cluster, hot: int) -> np.ndarray:
+def cold_forecast(history: np.ndarray, w: np.ndarray, cluster: Cluster, light: int) -> np.ndarray:
+    """history [W, L, E] loads, the plan's forecast w [L, E] -> [L, E] the forecast by the EMA weight whose `light`
+    lightest experts, in the layers with an expert above the mean GPU load, weighed least in the next window in
+    backtest (partner_errors): what coldest_partners ranks the cold experts by (module doc). w itself with < 3
+    windows, light <= 0, or no such layer."""
+    h = np.asarray(history, dtype=np.float64)
+    if h.ndim != 3 or len(h) < 3 or light <= 0:
+        return w
+    mean = w.sum(1) / cluster.num_gpus
+    rows = (w > mean[:, None]).any(1)
+    if not rows.any():
+        return w
+    rates = h / np.maximum(h.sum(-1, keepdims=True), 1e-12)
+    err = partner_errors(rates[:, rows], np.full(int(rows.sum()), light))
+    return forecast(h, ALPHAS[int(err.argmin())])
+
+
+def coldest_partners(phy2log: np.ndarray, w: np.ndarray, cluster: Cluster, hot: int,
+                     cold_w: np.ndarray | None = None) -> np.ndarray:
     """phy2log [L, P] with P = E and two slots a GPU, forecast w [L, E] -> phy2log [L, P] where each of the layer's
     `hot` hottest experts that weighs more than the mean GPU load shares its GPU with one of as many coldest other
     experts, the hottest with the coldest (module doc): one swap of two slots where its partner is another; phy2log
@@ -99,7 +117,7 @@ def coldest_partners(phy2log: np.ndarray, w: np.ndarray, cluster: Cluster, hot: 
     out = phy2log.copy()
     mean = w.sum(1) / cluster.num_gpus  # [L]
     hottest = np.argsort(-w, axis=1, kind="stable")[:, :hot]  # [L, hot]
-    coldest = np.argsort(w, axis=1, kind="stable")  # [L, E] ties by expert id
+    coldest = np.argsort(w if cold_w is None else cold_w, axis=1, kind="stable")  # [L, E] ties by expert id
     for layer in range(n_layers):
         hots = [x for x in hottest[layer].tolist() if w[layer, x] > mean[layer]]
         if not hots:

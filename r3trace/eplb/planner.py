@@ -92,7 +92,7 @@ from r3trace.eplb.leveling import level_refine
 from r3trace.eplb.locality import locality_kept, locality_refresh
 from r3trace.eplb.node_swaps import node_swaps
 from r3trace.eplb.pairing import paired
-from r3trace.eplb.partners import coldest_partners, partner_forecast
+from r3trace.eplb.partners import cold_forecast, coldest_partners, partner_forecast
 from r3trace.eplb.placement import Cluster, Placement, from_phy2log
 from r3trace.eplb.polish import NodeRule, applies, polish
 from r3trace.eplb.refine import swap_refine
@@ -235,7 +235,8 @@ def plan(
     out = _plan(loads, cluster, prev, tokens, cfg, fc)
     e = out.logcnt.shape[1]
     if cfg.hot_partners and cluster.slots_per_gpu == 2 and cluster.num_slots == e:  # partners.coldest_partners
-        out = from_phy2log(coldest_partners(out.phy2log, fc[0], cluster, cfg.hot_partners), e)
+        cold = cold_forecast(loads, fc[0], cluster, cfg.partner_light)
+        out = from_phy2log(coldest_partners(out.phy2log, fc[0], cluster, cfg.hot_partners, cold), e)
     if cfg.static_even and cluster.num_nodes > 1:
         return from_phy2log(_static_even_plan(out.phy2log, loads, cluster, prev, tokens, cfg, fc), e)
     if cfg.static_even and cfg.sglang_dispatch == "static":  # one node: counts that divide the GPUs
