@@ -8,7 +8,7 @@ import pytest
 
 from r3trace.eplb import Cluster, PlannerConfig, plan
 from r3trace.eplb.forecast import ALPHAS, choose_alpha, forecast, smooth_rates
-from r3trace.eplb.partners import coldest_partners, partner_errors, partner_forecast
+from r3trace.eplb.partners import cold_forecast, coldest_partners, partner_errors, partner_forecast
 from r3trace.eplb.placement import PlacementError
 
 E, W, HOT = 64, 7, 6  # experts, history windows, floor-bound layers
@@ -145,3 +145,29 @@ def test_coldest_partners_leave_other_shapes_and_plans_take_them() -> None:
     assert (off != plan(loads, cl).phy2log).any()  # the rule moved something here
     with pytest.raises(PlacementError, match="hot_partners=-1 must be >= 0"):
         PlannerConfig(hot_partners=-1)
+
+
+def test_cold_forecast_takes_the_weight_that_finds_the_lightest() -> None:
+    """partners.cold_forecast: the EMA weight whose backtest picked the `light` lightest experts best, over the layers
+    with an expert above the mean GPU load (two slots a GPU: 32 GPUs, 64 slots). The hot experts' walk pulls the
+    all-expert weight to the newest window; the light experts' fixed rates want a long memory."""
+    cl = Cluster(32, 2, 64, num_groups=8)
+    for seed in range(3):
+        loads, rates = workload(seed)
+        h = loads[:W]
+        w = forecast(h, None)
+        got = cold_forecast(h, w, cl, 16)
+        r = h / h.sum(-1, keepdims=True)
+        rows = (w > w.sum(1, keepdims=True) / cl.num_gpus).any(1)
+        assert rows[:HOT].all() and not rows[HOT]  # the flat layer has no hot expert: not backtested
+        picked = ALPHAS[int(partner_errors(r[:, rows], np.full(int(rows.sum()), 16)).argmin())]
+        np.testing.assert_allclose(got, forecast(h, picked), rtol=1e-12)
+        assert picked < choose_alpha(h) == 1.0
+        # the 3 lightest of each hot layer by either estimate: what they truly weigh next window
+        by_got, by_w = (sum(rates[W, i, np.argsort(f[i], kind="stable")[:3]].sum() for i in range(HOT))
+                        for f in (got, w))
+        assert by_got < by_w
+    np.testing.assert_array_equal(cold_forecast(h[:2], w, cl, 16), w)  # < 3 windows: nothing to backtest
+    np.testing.assert_array_equal(cold_forecast(h, w, cl, 0), w)  # off
+    flat = np.ones((4, 2, 64))
+    np.testing.assert_array_equal(cold_forecast(flat, flat[-1], cl, 16), flat[-1])  # no hot expert

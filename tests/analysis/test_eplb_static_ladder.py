@@ -133,7 +133,7 @@ def test_without_a_spare_slot_a_drifting_static_re_plan_is_the_refreshed_one() -
     refresh included, then the hot experts' coldest partners: two slots a GPU) is the plan, not the still re-plan it
     would otherwise fall back to (planner._static_even_plan)."""
     from bench.eplb_traces import TraceSpec, synth_windows
-    from r3trace.eplb.partners import coldest_partners
+    from r3trace.eplb.partners import cold_forecast, coldest_partners
     from r3trace.eplb.planner import _plan, planning_forecast
 
     spec = TraceSpec(num_experts=64, num_groups=8, top_k=4, num_layers=3, windows=6, window_tokens=1024, drift="fast",
@@ -145,5 +145,6 @@ def test_without_a_spare_slot_a_drifting_static_re_plan_is_the_refreshed_one() -
     w, moving = planning_forecast(heats, prev, cfg, cl)
     assert moving  # the backtest calls drift
     got = plan(heats, cl, prev, tokens=routes[5], cfg=cfg)
-    want = coldest_partners(_plan(heats, cl, prev, routes[5], cfg).phy2log, w, cl, cfg.hot_partners)
+    cold = cold_forecast(heats, w, cl, cfg.partner_light)
+    want = coldest_partners(_plan(heats, cl, prev, routes[5], cfg).phy2log, w, cl, cfg.hot_partners, cold)
     np.testing.assert_array_equal(got.phy2log, want)
