@@ -80,7 +80,8 @@ class PlannerConfig:
     # the same at +8-11 points of churn); 0: off
     hot_partners: int = 3
     # ... the cold ones ranked by the EMA weight whose backtest picked each such layer's partner_light lightest experts
-    # best (partners.cold_forecast); 0: by the plan's forecast
+    # best (partners.cold_forecast: 128 / 16 / 256's 22 cells pooled over trace seeds 0-2 8 / 13 / 1 -> 14 / 8 / 0
+    # against the plan's forecast; 3 lightest: too noisy); 0: by the plan's forecast
     partner_light: int = 16
     # a seeded re-plan's last swaps, with what its leveling left of the churn budget: each lowers one of the
     # hot_gpus hottest GPUs by more than hot_min_drop x the mean GPU load, no GPU reaching its old load; over

@@ -30,9 +30,14 @@ fast -0.0014 +- 0.0006 -> -0.0007 +- 0.0006, independent s = 0.6 fast -0.00017 +
 +0.2 / +0.8 / +1.0 points of churn a re-plan and nodes per token the same or lower (5.675 -> 5.673, 5.736 -> 5.733,
 5.722 -> 5.700). One hot expert: no change on the SGLang cell (the forecast's hottest already had the coldest; the
 held-out max GPU was another's); the summed history or the newest window in place of the forecast: worse on the fast
-cells, and so were the history's mean unless the backtest calls drift, and the weight whose backtest picked the
-lightest best (partner_errors; docs/perf-history/benchmarks-log.md); 32 hot experts (every partner anti-sorted): the
-same ties at +8-11 points of churn.
+cells, and so was the history's mean unless the backtest calls drift; 32 hot experts (every partner anti-sorted):
+the same ties at +8-11 points of churn. The cold ones are ranked by cold_forecast: the EMA weight whose backtest
+picked each such layer's 16 lightest experts best (partner_errors). The all-expert weight follows the hot experts:
+on the one-group independent router at s = 1.2, slow drift, the backtest calls drift and the forecast is mostly the
+newest window (partners 2nd-56th coldest by 8 windows; pooled over trace seeds 0-2 the matrix's last "no", -0.00001
+against global, -> +0.000007). Over the 22 cells of 128 / 16 / 256, seeds 0-2 pooled: 8 / 13 / 1 -> 14 / 8 / 0, 17
+cells up, 2 down; seed 0 alone 13 / 9 / 0 -> 12 / 8 / 2 (two fast-drift cells, -0.0003 .. -0.0004). Scored on each
+layer's 3 lightest instead (the partners it takes): the backtest was too noisy (fast cells -0.0002 .. -0.0006).
 
 Shape legend: W windows, L layers, E experts, B floor-bound layers, P slots.
 """
