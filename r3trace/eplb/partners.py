@@ -84,13 +84,17 @@ def partner_forecast(history: np.ndarray, w: np.ndarray, cluster: Cluster, margi
         return w
     hot = w > mean[:, None]  # [L, E] each alone on its GPU in any layout near the floor
     n = np.minimum(hot.sum(1) * (cluster.slots_per_gpu - 1), w.shape[1] - hot.sum(1))[bound]  # [B]
-    rates = h / np.maximum(h.sum(-1, keepdims=True), 1e-12)  # [W, L, E]
-    err = partner_errors(rates[:, bound], n)
-    alpha = ALPHAS[int(err.argmin())]
     light = bound[:, None] & ~hot
     out = w.copy()
-    out[light] = forecast(h, alpha)[light]
+    out[light] = forecast(h, _backtest_weight(h, bound, n))[light]
     return out
+
+
+def _backtest_weight(h: np.ndarray, rows: np.ndarray, n: np.ndarray) -> float:
+    """history [W, L, E], layers rows [L] bool, lightest experts n [B] per such layer -> the EMA weight of ALPHAS whose
+    n lightest weighed least in the next window in backtest (partner_errors)."""
+    rates = h / np.maximum(h.sum(-1, keepdims=True), 1e-12)  # [W, L, E]
+    return ALPHAS[int(partner_errors(rates[:, rows], n).argmin())]
 
 
 def cold_forecast(history: np.ndarray, w: np.ndarray, cluster: Cluster, light: int) -> np.ndarray:
@@ -105,9 +109,7 @@ def cold_forecast(history: np.ndarray, w: np.ndarray, cluster: Cluster, light: i
     rows = (w > mean[:, None]).any(1)
     if not rows.any():
         return w
-    rates = h / np.maximum(h.sum(-1, keepdims=True), 1e-12)
-    err = partner_errors(rates[:, rows], np.full(int(rows.sum()), light))
-    return forecast(h, ALPHAS[int(err.argmin())])
+    return forecast(h, _backtest_weight(h, rows, np.full(int(rows.sum()), light)))
 
 
 def coldest_partners(phy2log: np.ndarray, w: np.ndarray, cluster: Cluster, hot: int,
