@@ -174,11 +174,8 @@ def level_refine(phy2log: np.ndarray, weight: np.ndarray, logcnt: np.ndarray, cl
                 d = buf_d[:n]
                 # [n, S, B] load moved from a's GPU to b's; a's side copied in first (one broadcast operand per op:
                 # 25% faster)
-                np.copyto(d, u_ab[:, :ns, None])
-                d -= u_ab[:, None, ns:]
-                np.multiply(d.reshape(n, hot_gpus, spg, -1), x[:, :, None, :], out=gain.reshape(n, hot_gpus, spg, -1))
-                d *= d
-                gain -= d
+                _half_drops(d.reshape(n, hot_gpus, spg, -1), gain.reshape(n, hot_gpus, spg, -1),
+                            u_ab[:, :ns].reshape(n, hot_gpus, spg, 1), u_ab[:, None, None, ns:], x[:, :, None, :])
             else:  # the same half drop summed over the forecast and the deviations r: (ua - ub) (ga - gb) -
                 # (ua - ub)^2 is ua (ga - ua) + ub (gb - ub) + ua (2 ub - gb) - ga ub, one [n, S, 2R + 2] x
                 # [n, 2R + 2, B] product, its factors filled in buffers made once (per deviation as [n, S, B] arrays:
@@ -243,6 +240,16 @@ def _home_group(expert: np.ndarray, node_bit: np.ndarray, group_nodes: np.ndarra
 BOUND_MARGIN = 1 + 1e-12
 
 
+def _half_drops(d: np.ndarray, gain: np.ndarray, ua: np.ndarray, ub: np.ndarray, x: np.ndarray) -> None:
+    """gain = (ua - ub) x - (ua - ub)^2 into the buffers d and gain (broadcast shapes), rounded in this one order:
+    level_refine's full product and _one_hot_best's two passes share it, so their drops are the same bits."""
+    np.copyto(d, ua)
+    d -= ub
+    np.multiply(d, x, out=gain)
+    d *= d
+    gain -= d
+
+
 def _one_hot_best(u_ab: np.ndarray, g: np.ndarray, ok: np.ndarray, ns: int, cold_gpus: int, spg: int,
                   buf_d: np.ndarray, buf_gain: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """level_refine's step with one hot GPU: u_ab [n, S + B] slot loads (the hot GPU's S slots, then the cold GPUs'
@@ -257,11 +264,8 @@ def _one_hot_best(u_ab: np.ndarray, g: np.ndarray, ok: np.ndarray, ns: int, cold
     ruled = cold_gpus * spg
     x = g[:, :1] - g[:, 1:]  # [n, B / spg] ga - gb, as the full product rounds it
     d, gain = buf_d, buf_gain  # [n, S, ruled]
-    np.copyto(d, u_ab[:, :ns, None])
-    d -= u_ab[:, None, ns:ns + ruled]
-    np.multiply(d, np.repeat(x[:, :cold_gpus], spg, axis=1)[:, None, :], out=gain)
-    d *= d
-    gain -= d
+    _half_drops(d, gain, u_ab[:, :ns, None], u_ab[:, None, ns:ns + ruled],
+                np.repeat(x[:, :cold_gpus], spg, axis=1)[:, None, :])
     gain *= ok
     flat = gain.reshape(n, -1)
     j = np.argmax(flat, axis=1)
@@ -272,10 +276,8 @@ def _one_hot_best(u_ab: np.ndarray, g: np.ndarray, ok: np.ndarray, ns: int, cold
     if not len(li):
         return best, top
     col = ns + ruled + (bi * spg)[:, None] + np.arange(spg)  # [K, spg] the near GPU's slots in u_ab
-    dk = u_ab[li, :ns][:, :, None] - u_ab[li[:, None], col][:, None, :]  # [K, S, spg]
-    gk = dk * near[li, bi][:, None, None]
-    dk *= dk
-    gk -= dk
+    dk, gk = (np.empty((len(li), ns, spg)) for _ in range(2))  # [K, S, spg]
+    _half_drops(dk, gk, u_ab[li, :ns][:, :, None], u_ab[li[:, None], col][:, None, :], near[li, bi][:, None, None])
     flat_k = gk.reshape(len(li), -1)
     jk = np.argmax(flat_k, axis=1)
     top_k = flat_k[np.arange(len(li)), jk]
