@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from r3trace.eplb.alignment import align
 from r3trace.eplb.deepseek import global_phy2log
 from r3trace.eplb.placement import Cluster
 from r3trace.eplb.score import node_limited_max
@@ -41,12 +42,16 @@ def applies(cluster: Cluster, num_experts: int, margin: float) -> bool:
 
 
 def replay_contest(phy2log: np.ndarray, w: np.ndarray, cluster: Cluster, tokens: np.ndarray,
-                   margin: float) -> np.ndarray:
+                   margin: float, prev: np.ndarray | None = None) -> np.ndarray:
     """Ours' phy2log [L, P], forecast w [L, E], newest tokens [T, L, K] -> phy2log [L, P]: per layer global's layout
-    on w where node-limited replay of the tokens gives it a max GPU load below (1 - margin) x ours', else ours."""
+    on w where node-limited replay of the tokens gives it a max GPU load below (1 - margin) x ours', else ours.
+    prev [L, P]: a drifting re-plan's previous placement, to which the layers taking global's are aligned
+    (alignment.align; they still move ~83% of their slots: global's plan does not look at prev)."""
     glob = global_phy2log(w, cluster)
     theirs, ours = node_limited_max([glob, phy2log], w.shape[1], tokens, cluster)
     take = theirs < ours * (1 - margin)
+    if prev is not None and take.any():
+        glob[take] = align(glob[take], prev[take], cluster)
     return np.where(take[:, None], glob, phy2log)
 
 

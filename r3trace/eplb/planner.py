@@ -245,7 +245,10 @@ def plan(
     if (prev is None or tokens is None or not spreads(cluster, cfg) or cfg.keep_groups
             or not replays(cluster, e, cfg.replay_margin)):
         return out
-    return from_phy2log(replay_guard(out.phy2log, prev.phy2log, cluster, tokens, cfg.replay_margin), e)
+    phy2log = out.phy2log
+    if fc[1]:  # drifting: every layer replay-checked against global's, as a fresh plan's (dispatch_contest.py)
+        phy2log = replay_contest(phy2log, fc[0], cluster, tokens, cfg.replay_margin, prev.phy2log)
+    return from_phy2log(replay_guard(phy2log, prev.phy2log, cluster, tokens, cfg.replay_margin), e)
 
 
 def _static_even_plan(new: np.ndarray, loads: np.ndarray, cluster: Cluster, prev: Placement | None,
