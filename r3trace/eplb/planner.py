@@ -232,7 +232,10 @@ def plan(
     (dispatch_contest.py): a fresh plan's global layouts, and a re-plan's layers kept from `prev`.
     """
     fc = planning_forecast(loads, prev, cfg, cluster)
-    out = _plan(loads, cluster, prev, tokens, cfg, fc)
+    # a drifting multi-node re-plan's global layout: its layers' contest (_plan) and the two-node replay's (below)
+    drifting = fc[1] and prev is not None and spreads(cluster, cfg) and not cfg.keep_groups
+    glob = global_phy2log(fc[0], cluster) if drifting else None
+    out = _plan(loads, cluster, prev, tokens, cfg, fc, glob)
     e = out.logcnt.shape[1]
     if cfg.hot_partners and cluster.slots_per_gpu == 2 and cluster.num_slots == e:  # partners.coldest_partners
         cold = cold_forecast(loads, fc[0], cluster, cfg.partner_light)
@@ -245,10 +248,8 @@ def plan(
     if (prev is None or tokens is None or not spreads(cluster, cfg) or cfg.keep_groups
             or not replays(cluster, e, cfg.replay_margin)):
         return out
-    phy2log = out.phy2log
-    if fc[1]:  # drifting: every layer replay-checked against global's, as a fresh plan's (dispatch_contest.py)
-        phy2log = replay_contest(phy2log, fc[0], cluster, tokens, cfg.replay_margin, prev.phy2log)
-    return from_phy2log(replay_guard(phy2log, prev.phy2log, cluster, tokens, cfg.replay_margin), e)
+    # drifting: every layer also replay-checked against global's, as a fresh plan's (dispatch_contest.replay_guard)
+    return from_phy2log(replay_guard(out.phy2log, prev.phy2log, cluster, tokens, cfg.replay_margin, glob), e)
 
 
 def _static_even_plan(new: np.ndarray, loads: np.ndarray, cluster: Cluster, prev: Placement | None,
@@ -303,8 +304,9 @@ def planning_forecast(loads: np.ndarray, prev: Placement | None, cfg: PlannerCon
 
 
 def _plan(loads: np.ndarray, cluster: Cluster, prev: Placement | None, tokens: np.ndarray | None,
-          cfg: PlannerConfig, fc: tuple[np.ndarray, bool] | None = None) -> Placement:
-    """plan() before the two-node replay guard; fc: planning_forecast's (w, moving) for cfg, where made."""
+          cfg: PlannerConfig, fc: tuple[np.ndarray, bool] | None = None, glob: np.ndarray | None = None) -> Placement:
+    """plan() before the two-node replay guard; fc: planning_forecast's (w, moving) for cfg, where made; glob:
+    DeepSeek global's phy2log [L, P] on w, where made (a drifting re-plan's)."""
     w, moving = planning_forecast(loads, prev, cfg, cluster) if fc is None else fc
     if prev is not None and spreads(cluster, cfg) and not cfg.keep_groups:
         cap = spread_cap(cluster)
@@ -325,7 +327,8 @@ def _plan(loads: np.ndarray, cluster: Cluster, prev: Placement | None, tokens: n
             return from_phy2log(align(again, prev.phy2log, cluster), w.shape[1])
         # the fresh plan here is a full move anyway, so global's layout competes for every layer (candidates.py),
         # each layer's choice made only where the re-plan needs it (candidates.Contest)
-        glob, capped = global_phy2log(w, cluster), capped_counts(w, cluster.num_slots, cap)
+        glob = global_phy2log(w, cluster) if glob is None else glob
+        capped = capped_counts(w, cluster.num_slots, cap)
         ours = spread_layout(w, cluster, cfg, tokens, losing_load(glob, w, cluster), capped)
         anew = Contest(ours, w, cluster, tokens, glob=glob, router=cfg.router, swap_cap=cfg.node_swap_cap)
         noise = replan_noise(loads, w, cluster) if cfg.emax_swaps and cluster.num_slots > w.shape[1] else None
