@@ -67,9 +67,31 @@ def align(new: np.ndarray, prev: np.ndarray, cluster: Cluster) -> np.ndarray:
 
 def _copy_rank(x: np.ndarray) -> np.ndarray:
     """x [B, g, s] -> [B, g, s]: how many earlier slots of the same GPU hold the same expert."""
+    if x.shape[2] > SORTED_RANK_SLOTS:
+        return _copy_rank_sorted(x)
     out = np.zeros(x.shape, dtype=np.int64)
     for u in range(1, x.shape[2]):  # slot pairs v < u over [B, g] (an [B, g, s, s] compare summed over its short
         # trailing axis took 0.5 ms at [58, 320] on 8 nodes, these s (s - 1) / 2 small ones ~0.1)
         for v in range(u):
             out[:, :, u] += x[:, :, u] == x[:, :, v]
+    return out
+
+
+# above this many slots a GPU the pairs' loop (s (s - 1) / 2 steps) gives way to a stable sort of each GPU's slots:
+# at 18 slots (two nodes, 288 slots) 0.63 -> 0.07 ms for 10 GPU blocks of 8 and level (0.91 / 0.85 ms) at 116; at 5
+# slots the loop 0.11 ms against 1.1 over 464 blocks
+SORTED_RANK_SLOTS = 8
+
+
+def _copy_rank_sorted(x: np.ndarray) -> np.ndarray:
+    """_copy_rank by a stable sort of each GPU's slots: a slot's rank is its place in its run of equal experts."""
+    s = x.shape[2]
+    order = np.argsort(x, axis=2, kind="stable")  # [B, g, s] slots by expert, equal ones in slot order
+    runs = np.take_along_axis(x, order, 2)
+    at = np.broadcast_to(np.arange(s), x.shape)
+    start = np.ones(x.shape, dtype=bool)
+    start[:, :, 1:] = runs[:, :, 1:] != runs[:, :, :-1]
+    first = np.maximum.accumulate(np.where(start, at, 0), axis=2)  # [B, g, s] where each one's run starts
+    out = np.empty(x.shape, dtype=np.int64)
+    np.put_along_axis(out, order, at - first, 2)
     return out

@@ -33,7 +33,8 @@ import numpy as np
 from r3trace.eplb.alignment import align
 from r3trace.eplb.deepseek import global_phy2log
 from r3trace.eplb.placement import Cluster
-from r3trace.eplb.score import node_limited_max
+from r3trace.eplb.score import node_limited_max, node_limited_replay
+from r3trace.eplb.static_ladder import NODE_MARGIN
 
 
 def applies(cluster: Cluster, num_experts: int, margin: float) -> bool:
@@ -52,28 +53,55 @@ def replay_contest(phy2log: np.ndarray, w: np.ndarray, cluster: Cluster, tokens:
 
 
 def replay_guard(phy2log: np.ndarray, prev: np.ndarray, cluster: Cluster, tokens: np.ndarray,
-                 margin: float, glob: np.ndarray | None = None) -> np.ndarray:
+                 margin: float) -> np.ndarray:
     """A re-plan's phy2log [L, P], the previous placement's [L, P], newest tokens [T, L, K] -> phy2log [L, P]: per
     layer the previous layer where the re-plan's replayed max GPU load on the tokens exceeds its by more than
     `margin`, else the re-plan's. A seeded re-plan levels the even split; on grouped s = 1.2, 16 / 2 / 320 its first
     step moved a layer that had taken global's layout from 1.07x to 1.55x the mean GPU load held out (node-limited),
-    and it stayed there (1.47-1.93x); keeping a layer moves no slot.
-
-    glob [L, P]: a drifting re-plan's DeepSeek global layout on its forecast. Each layer is then contested first, as
-    a fresh plan's (replay_contest): global's layout, aligned to the previous layer (alignment.align; ~83% of its
-    slots still move), where its replayed max load is below (1 - margin) x the re-plan's. Every layer of a drifting
-    re-plan is a fresh choice, yet its refreshed layers had been picked by the even split (candidates.Contest) and its
-    seeded ones are the previous layout's: bench/eplb_matrix.py's two-node fast-drift cells trailed global on the
-    newest window under node-limited dispatch by up to 0.018 (pooled over trace seeds 0-2). All layouts replay in
-    one call (the same covers; a layer keeps its replayed max when its GPUs are relabelled)."""
-    layouts = [phy2log, prev] if glob is None else [phy2log, prev, glob]
-    maxes = node_limited_max(layouts, int(phy2log.max()) + 1, tokens, cluster)
-    new, old = maxes[0], maxes[1]
-    if glob is not None:
-        take = maxes[2] < new * (1 - margin)
-        if take.any():
-            phy2log = phy2log.copy()
-            phy2log[take] = align(glob[take], prev[take], cluster)
-            new = np.where(take, maxes[2], new)
+    and it stayed there (1.47-1.93x); keeping a layer moves no slot."""
+    new, old = node_limited_max([phy2log, prev], int(phy2log.max()) + 1, tokens, cluster)
     worse = new > old * (1 + margin)
     return np.where(worse[:, None], prev, phy2log)
+
+
+def drift_replay(phy2log: np.ndarray, glob: np.ndarray, prev: np.ndarray, cluster: Cluster, tokens: np.ndarray,
+                 margin: float) -> np.ndarray:
+    """A drifting re-plan's phy2log [L, P], DeepSeek global's on its forecast [L, P], the previous placement's [L, P],
+    newest tokens [T, L, K] -> phy2log [L, P]: the layers drift_contest picks take global's layout, aligned to the
+    previous layer (alignment.align; ~83% of their slots move anyway: global's plan does not look at prev). In place
+    of replay_guard: the previous placement was planned for windows the drift has left, and every layer here is
+    contested against a layout of the newest forecast instead (on bench/eplb_matrix.py's two-node cells that drift,
+    with the guard as well the held-out node-limited balancedness moved -0.004 .. +0.002 a cell, for one more
+    replayed layout)."""
+    (ours, theirs), nodes = node_limited_replay([phy2log, glob], int(phy2log.max()) + 1, tokens, cluster)
+    take = drift_contest(ours, theirs, nodes[0], nodes[1], margin)
+    if not take.any():
+        return phy2log
+    out = phy2log.copy()
+    out[take] = align(glob[take], prev[take], cluster)
+    return out
+
+
+def drift_contest(ours: np.ndarray, theirs: np.ndarray, ours_nodes: np.ndarray, their_nodes: np.ndarray,
+                  margin: float) -> np.ndarray:
+    """A drifting re-plan's and global's replayed max GPU loads [L] and nodes per token [L] on the newest tokens -> [L]
+    the layers that take global's layout: those whose max load it lowers below (1 - margin) x ours', biggest ratio
+    first, while the layers' summed nodes per token stay within global's less NODE_MARGIN (the goal's nodes per
+    token, as static_ladder.py keeps it); a layer where global's spends no more nodes is taken whatever is spent.
+
+    Why: every layer of a drifting re-plan is a fresh choice, but its refreshed layers were picked by the even split
+    (candidates.Contest) and its seeded ones keep the previous layout's co-location; bench/eplb_matrix.py's two-node
+    fast-drift cells trailed global on the newest window under node-limited dispatch by up to 0.018 (pooled over trace
+    seeds 0-2). Without the node budget, layers of the independent router (ours 1.94 nodes per token, global 1.98)
+    all went over to global's and ours' nodes per token passed global's (1.981 against 1.975)."""
+    better = theirs < ours * (1 - margin)
+    take = np.zeros(len(ours), dtype=bool)
+    spent, budget = float(ours_nodes.sum()), float(their_nodes.sum()) * (1 - NODE_MARGIN)
+    for layer in np.argsort(-(ours / np.maximum(theirs, 1e-12)), kind="stable"):
+        if not better[layer]:
+            continue
+        step = float(their_nodes[layer] - ours_nodes[layer])
+        if step <= 0 or spent + step <= budget + 1e-12:  # fewer nodes too: taken whatever is spent
+            take[layer] = True
+            spent += step
+    return take

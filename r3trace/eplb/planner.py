@@ -84,7 +84,7 @@ from r3trace.eplb.config import PlannerConfig
 from r3trace.eplb.deepseek import global_phy2log, group_nodes, pack_nodes, spread_replicas
 from r3trace.eplb.descent import hot_swaps
 from r3trace.eplb.dispatch_contest import applies as replays
-from r3trace.eplb.dispatch_contest import replay_contest, replay_guard
+from r3trace.eplb.dispatch_contest import drift_replay, replay_contest, replay_guard
 from r3trace.eplb.emax import drift_noise, layout_bound, replan_noise
 from r3trace.eplb.forecast import backtest_errors, drifts, forecast, pick_alpha
 from r3trace.eplb.homing import capped_counts, expert_nodes
@@ -248,8 +248,9 @@ def plan(
     if (prev is None or tokens is None or not spreads(cluster, cfg) or cfg.keep_groups
             or not replays(cluster, e, cfg.replay_margin)):
         return out
-    # drifting: every layer also replay-checked against global's, as a fresh plan's (dispatch_contest.replay_guard)
-    return from_phy2log(replay_guard(out.phy2log, prev.phy2log, cluster, tokens, cfg.replay_margin, glob), e)
+    if glob is not None:  # drifting: every layer contested against global's, as a fresh plan's layers are
+        return from_phy2log(drift_replay(out.phy2log, glob, prev.phy2log, cluster, tokens, cfg.replay_margin), e)
+    return from_phy2log(replay_guard(out.phy2log, prev.phy2log, cluster, tokens, cfg.replay_margin), e)
 
 
 def _static_even_plan(new: np.ndarray, loads: np.ndarray, cluster: Cluster, prev: Placement | None,

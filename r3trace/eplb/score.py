@@ -72,16 +72,31 @@ def node_limited_max(layouts: Sequence[np.ndarray], num_experts: int, topk_ids: 
     all V), each (layer, expert) unit counted per cover node set and split once per set, instead of [T, L, K, N]
     shares summed per token (2,048 tokens at [58, 288] on 2 nodes: ~0.008 s a layout against 0.07). The same sums in
     another order: equal up to float rounding (tests/analysis/test_eplb_replay_max.py)."""
+    return _replay(layouts, num_experts, topk_ids, cluster, seed, chunk, False)[0]
+
+
+def node_limited_replay(layouts: Sequence[np.ndarray], num_experts: int, topk_ids: np.ndarray, cluster: Cluster,
+                        seed: int = 0, chunk: int = 2048) -> tuple[np.ndarray, np.ndarray]:
+    """node_limited_max's [V, L] max GPU loads, and [V, L] each layer's mean nodes per token (the covers' sizes, as
+    node_limited's nodes count them) from the same covers."""
+    return _replay(layouts, num_experts, topk_ids, cluster, seed, chunk, True)
+
+
+def _replay(layouts: Sequence[np.ndarray], num_experts: int, topk_ids: np.ndarray, cluster: Cluster, seed: int,
+            chunk: int, count_nodes: bool) -> tuple[np.ndarray, np.ndarray]:
+    """node_limited_max, with the covers' sizes summed per layer where count_nodes (else [V, L] zeros)."""
     e, n = num_experts, cluster.num_nodes
-    if n > MAX_LOAD_NODES:
-        return np.stack([node_limited(from_phy2log(ph, e), topk_ids, cluster, seed=seed, chunk=chunk).gpu_load.max(1)
-                         for ph in layouts])
     t, n_layers, k = topk_ids.shape
+    if n > MAX_LOAD_NODES:
+        ds = [node_limited(from_phy2log(ph, e), topk_ids, cluster, seed=seed, chunk=chunk) for ph in layouts]
+        return np.stack([d.gpu_load.max(1) for d in ds]), np.stack([d.nodes.mean(0) for d in ds])
     sets, n_lay = 1 << n, len(layouts)
     cnts = [replicas_per_node(ph, e, cluster) for ph in layouts]  # [L, E, N] each
     ebits = [_expert_bits(c) for c in cnts]  # [L E] node bitmask of each (layer, expert)
     kinds = [_two_node_kinds(ebits[v:v + 2]) for v in range(0, n_lay, 2)] if n == 2 else []
     units = np.zeros((n_lay, n_layers * e * sets))
+    sizes = np.zeros((n_lay, n_layers), dtype=np.int64)  # [V, L] summed cover sizes (count_nodes)
+    size_of = ((np.arange(sets)[:, None] >> np.arange(n)) & 1).sum(1)  # [2^N] a cover code's node count
     sub = max(1, LOAD_BLOCK // (n_layers * k))  # tokens a block: [T', L, K] int64 keys, 1 MB
     for i in range(0, t, chunk):  # a chunk's ties are one draw, shared by the layouts
         tc = min(chunk, t - i)
@@ -103,6 +118,8 @@ def node_limited_max(layouts: Sequence[np.ndarray], num_experts: int, topk_ids: 
             for v in range(n_lay):
                 codes[v, a:a + sub] = _cover_codes(np.take(ebits[v], key), n, ((s, tie[a:a + sub]) for s, tie in ties))
         for v in range(n_lay):
+            if count_nodes:
+                sizes[v] += size_of[codes[v]].sum(0)
             # where one cover set holds most tokens (on two nodes 90-98% of a layer's reach both), its units are the
             # rest of each expert's: only the others are counted (below COMMON_SHARE, as on four nodes at 50-60%,
             # gathering the others cost more than it saved)
@@ -136,7 +153,7 @@ def node_limited_max(layouts: Sequence[np.ndarray], num_experts: int, topk_ids: 
             per = np.einsum("les,sn->len", share, member)  # [L, E, N] per replica
         slot_load = per[np.arange(n_layers)[:, None], phy2log, node[None, :]]  # [L, P]
         out.append(slot_load.reshape(n_layers, cluster.num_gpus, -1).sum(-1).max(1))
-    return np.stack(out)
+    return np.stack(out), sizes / max(t, 1)
 
 
 MAX_LOAD_NODES = 4  # node_limited_max counts per node set: 2^N sets per (layer, expert)

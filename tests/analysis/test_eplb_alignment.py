@@ -44,8 +44,10 @@ def reference(new: np.ndarray, prev: np.ndarray, cl: Cluster) -> np.ndarray:
     return out
 
 
+# slots a GPU 3, 3, 1, 9, 2, 18, 36 (above alignment.SORTED_RANK_SLOTS copies are ranked by a sort)
 @pytest.mark.parametrize("gpus,nodes,slots,experts", [(8, 2, 24, 16), (16, 4, 48, 8), (12, 3, 12, 12),
-                                                      (32, 4, 288, 256), (144, 18, 288, 256)])
+                                                      (32, 4, 288, 256), (144, 18, 288, 256), (16, 2, 288, 256),
+                                                      (8, 1, 288, 256)])
 def test_align_matches_the_loop(gpus: int, nodes: int, slots: int, experts: int) -> None:
     cl = Cluster(gpus, nodes, slots)
     rng = np.random.default_rng(gpus + slots)

@@ -1,6 +1,7 @@
 """score.node_limited_max (each expert's units counted per cover node set) against node_limited's max GPU load (shares
 summed per token), on random layouts of odd shapes with the same seeds and chunks: the same covers, so equal up to
-float rounding. Run: .venv/bin/pytest tests/analysis/test_eplb_replay_max.py -q"""
+float rounding; node_limited_replay's nodes per token equal to node_limited's. Run: .venv/bin/pytest
+tests/analysis/test_eplb_replay_max.py -q"""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 
 from r3trace.eplb import Cluster, score
 from r3trace.eplb.placement import from_phy2log
-from r3trace.eplb.score import MAX_LOAD_NODES, node_limited, node_limited_max
+from r3trace.eplb.score import MAX_LOAD_NODES, node_limited, node_limited_max, node_limited_replay
 
 
 def random_layout(rng: np.random.Generator, n_layers: int, e: int, p: int) -> np.ndarray:
@@ -38,9 +39,13 @@ def test_node_limited_max_equals_the_per_token_split(seed: int, block: int | Non
         pls = [from_phy2log(random_layout(rng, n_layers, e, p), e) for _ in range(int(rng.integers(1, 4)))]
         tok = np.stack([np.stack([rng.choice(e, k, replace=False) for _ in range(n_layers)]) for _ in range(t)])
         chunk = int(rng.integers(1, 120))  # several chunks: each its own draw of ties
-        want = [node_limited(pl, tok, cl, seed=seed, chunk=chunk).gpu_load.max(1) for pl in pls]
+        ds = [node_limited(pl, tok, cl, seed=seed, chunk=chunk) for pl in pls]
+        want = [d.gpu_load.max(1) for d in ds]
         got = node_limited_max([pl.phy2log for pl in pls], e, tok, cl, seed=seed, chunk=chunk)
         np.testing.assert_allclose(got, want, rtol=1e-12)  # the same sums in another order
+        both, nodes = node_limited_replay([pl.phy2log for pl in pls], e, tok, cl, seed=seed, chunk=chunk)
+        assert (both == got).all()
+        np.testing.assert_allclose(nodes, [d.nodes.mean(0) for d in ds], rtol=1e-12)  # the same covers' sizes
 
 
 def test_node_limited_max_by_hand() -> None:
