@@ -170,9 +170,10 @@ class PlannerConfig:
     # (locality.locality_refresh); < 0: off
     locality_gain: float = 0.01
     # two nodes, spare slots, tokens: a fresh plan's layer takes DeepSeek global's layout where node-limited replay of
-    # the newest tokens gives it a max GPU load lower by more than replay_margin of ours', and a re-plan's layer whose
-    # replayed max load is more than replay_margin above the previous placement's keeps the previous layer
-    # (dispatch_contest.py has the why and the figures); < 0: neither
+    # the newest tokens gives it a max GPU load lower by more than replay_margin of ours', a still re-plan's layer whose
+    # replayed max load is more than replay_margin above the previous placement's keeps the previous layer, and a
+    # drifting re-plan's layers take global's layout as a fresh plan's do, within global's nodes per token
+    # (dispatch_contest.py has the why and the figures); < 0: none of them
     replay_margin: float = 0.02
     # the plan's last step on several nodes: experts' replicas all on one node or at most one a node
     # (static_spread.py), so SGLang's static dispatch, whose node rule sends a node's ranks to its first replica,
