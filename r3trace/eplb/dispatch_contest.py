@@ -11,18 +11,22 @@ over the nodes, and the other node's one-node tokens all went to its one replica
 over both nodes, so nearly every token reaches both and the work splits by replica counts.
 
 Rules: a fresh plan's layer takes global's layout (planned on the same forecast) where its replayed max GPU load on
-the newest tokens is below ours' by more than `margin` of ours' (replay_contest); a re-plan's layer keeps the
+the newest tokens is below ours' by more than `margin` of ours' (replay_contest); a still re-plan's layer keeps the
 previous placement's where its own replayed max load is above the previous one's by more than `margin`
-(replay_guard: the seeded re-plans level the even split and had undone the contest, below). The tokens are those
-ours placed its extra replicas by, so the contest leans to ours; `margin` is PlannerConfig.replay_margin, 0.02: at
-0.1 a fresh-plan probe (not committed) took fewer layers and gained less (16 / 2 / 320, s = 0.9: 0.863 against 0.895
-held out). Over bench/eplb_matrix.py's 118 cells the verdicts under node-limited replay went from 94 / 18 / 6 to 97
-/ 19 / 2 with the contest and to 99 / 18 / 1 with the guard too (that cell 0.675 -> 0.829 -> 0.896, global 0.891;
-the one left is the even split's own), under the even split they stayed 88 / 29 / 1, under SGLang's static dispatch
-88 / 26 / 4 (89 / 25 / 4 between), and nodes per token stayed under global's in every cell (the synthetic 2-node
-cells 0.03-0.09 under it). Two nodes only: a probe of the contest on the re-plan protocol (not committed) moved
-4-node cells' replay -0.02 .. +0.01 at 0.05-0.24 more nodes per token and took no layer on 8 nodes; a 2-node replay
-is an exact cover over 3 node sets, cheap beside the plan.
+(replay_guard: the seeded re-plans level the even split and had undone the contest, below); a drifting re-plan's
+layers are contested as a fresh plan's, within global's nodes per token (drift_replay, drift_contest). The tokens
+are those ours placed its extra replicas by, so the contest leans to ours; `margin` is PlannerConfig.replay_margin,
+0.02: at 0.1 a fresh-plan probe (not committed) took fewer layers and gained less (16 / 2 / 320, s = 0.9: 0.863
+against 0.895 held out). Over bench/eplb_matrix.py's 118 cells the verdicts under node-limited replay went from 94 /
+18 / 6 to 97 / 19 / 2 with the contest and to 99 / 18 / 1 with the guard too (that cell 0.675 -> 0.829 -> 0.896,
+global 0.891; the one left is the even split's own), under the even split they stayed 88 / 29 / 1, under SGLang's
+static dispatch 88 / 26 / 4 (89 / 25 / 4 between), and nodes per token stayed under global's in every cell (the
+synthetic 2-node cells 0.03-0.09 under it). Two nodes only: a probe of the contest on the re-plan protocol (not
+committed) moved 4-node cells' replay -0.02 .. +0.01 at 0.05-0.24 more nodes per token and took no layer on 8 nodes;
+a 2-node replay is an exact cover over 3 node sets, cheap beside the plan. The drifting re-plan's contest, on the
+160-cell matrix's two-node cells over trace seeds 0-2 pooled: node-limited replay 124 / 28 / 8 -> 130 / 26 / 4 over
+all cells (the fast-drift "no"s of -0.015 .. -0.018 gone), the even split 123 / 37 / 0 -> 125 / 35 / 0, at 23-42% of
+slots a re-plan on fast drift (12-20% before) and 10-17% where the backtest calls a slow trace drifting (4-8%).
 Shape legend: T tokens, L layers, K top-k, E experts, P slots.
 """
 

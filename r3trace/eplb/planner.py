@@ -30,7 +30,8 @@
    a max GPU load lower by more than `replay_margin`, and a re-plan keeps the previous layer where its own replay
    is that much worse (dispatch_contest.py: held-out node-limited replay 0.675 ->
    0.896 on grouped s = 1.2, 16 / 2 / 320, global 0.891; one-node tokens had overloaded a hot expert's lone
-   replica on the other node).
+   replica on the other node); a drifting re-plan contests every layer so instead, biggest replay gains first while
+   nodes per token stay within global's less 1% (dispatch_contest.drift_replay).
 4. Each node's replicas are packed onto its GPUs (balanced packing), then up to `fresh_swaps` swaps
    lower the hottest GPUs (refine.swap_refine; 0.925 -> 0.944 held out on 32 GPUs). In the multi-node layout
    leveling swaps lower the sum of squared GPU loads instead (leveling.py: 0.835 / 0.744 / 0.535 ->
