@@ -149,8 +149,9 @@ def layout(cluster: Cluster, cfg: PlannerConfig = PlannerConfig()) -> Layout:
               "the lightest nodes)")
     if n == 2 and cfg.replay_margin >= 0:
         extras += ("; with spare slots and routes, a layer takes DeepSeek global's layout where node-limited replay "
-                   "of the newest tokens gives it a lower max GPU load, and a re-plan keeps a previous layer that "
-                   "replay favours (dispatch_contest.py)")
+                   "of the newest tokens gives it a lower max GPU load (a drifting re-plan's layers too, within "
+                   "global's nodes per token), and a still re-plan keeps a previous layer that replay favours "
+                   "(dispatch_contest.py)")
     if cfg.static_even:
         extras += (f"; then for SGLang's {cfg.sglang_dispatch} dispatch, hottest first, experts' replicas put all on "
                    "one node or at most one a node, which its node rule splits evenly (static_spread.py), as far as "
