@@ -321,13 +321,13 @@ def _plan(loads: np.ndarray, cluster: Cluster, prev: Placement | None, tokens: n
                                  counts=seeded_counts(w, prev, cluster, cfg, cap, capped))
             limit = 1 + cfg.stale_gain
             floor = max_load_floor(w, capped, cluster)
-            if cfg.stale_gain < 0 or over(seeded, w, cluster, floor) <= limit:
-                return from_phy2log(_replan_swaps(locality_kept(seeded, prev, w, cluster, cfg, tokens), w, cluster,
-                                                  cfg, tokens), w.shape[1])
-            again = fresh_plan(w, None, cluster, cfg, tokens).phy2log
-            if over(seeded, w, cluster, phy2log_gpu_load(again, w, cluster).max(1)) <= limit:
-                return from_phy2log(seeded, w.shape[1])
-            return from_phy2log(align(again, prev.phy2log, cluster), w.shape[1])
+            if cfg.stale_gain >= 0 and over(seeded, w, cluster, floor) > limit:  # a fresh plan only then
+                again = fresh_plan(w, None, cluster, cfg, tokens).phy2log
+                if over(seeded, w, cluster, phy2log_gpu_load(again, w, cluster).max(1)) > limit:
+                    return from_phy2log(align(again, prev.phy2log, cluster), w.shape[1])
+            # the seeded plan fits: finished as every still re-plan is
+            return from_phy2log(_replan_swaps(locality_kept(seeded, prev, w, cluster, cfg, tokens), w, cluster,
+                                              cfg, tokens), w.shape[1])
         # the fresh plan here is a full move anyway, so global's layout competes for every layer (candidates.py),
         # each layer's choice made only where the re-plan needs it (candidates.Contest)
         glob = global_phy2log(w, cluster) if glob is None else glob

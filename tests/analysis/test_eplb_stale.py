@@ -64,3 +64,21 @@ def test_the_same_workload_again_keeps_the_budget(seed: int) -> None:
         new = plan(hist, cl, prev)
         np.testing.assert_array_equal(new.phy2log, plan(hist, cl, prev, cfg=KEEP).phy2log)
         assert churn(prev, new) <= 0.10
+
+
+@pytest.mark.parametrize("seed", [1, 5])
+def test_a_seeded_plan_that_still_fits_is_finished_as_any_still_replan(seed: int) -> None:
+    """Every slot one expert, two nodes, no tokens, stale_gain 0: the seeded plan sits over the max-load floor (the
+    check plans fresh) but not over the fresh plan's max load, so it is kept, and finished as every still re-plan is
+    (locality.locality_kept, then the node swaps of planner._replan_swaps): the same plan as with the check off. Before,
+    that branch returned the seeded plan unfinished (here it differed from the check-off plan)."""
+    rng = np.random.default_rng(seed)
+    n_layers, e = 4, 64
+    order = np.stack([rng.permutation(e) for _ in range(n_layers)])
+    base = 1.0 / (1.0 + np.arange(e))
+    w = np.take_along_axis(np.broadcast_to(base, (n_layers, e)), np.argsort(order, axis=1), axis=1)
+    hist = np.stack([1e4 * w * (1 + 0.3 * rng.standard_normal((n_layers, e))).clip(0.1) for _ in range(3)])
+    cl = Cluster(16, 2, 64, num_groups=8)
+    prev = plan(hist[:2], cl)
+    got = plan(hist, cl, prev, cfg=PlannerConfig(stale_gain=0.0))
+    np.testing.assert_array_equal(got.phy2log, plan(hist, cl, prev, cfg=KEEP).phy2log)  # KEEP never plans fresh
