@@ -231,7 +231,8 @@ def plan(
     fit nodes (affinity.py); elsewhere they are unused: packing by replayed dispatch over-fitted a
     2,048-token sample (0.887 vs 0.934 held out), and with one node per expert the dispatcher's load is
     the even-split load anyway. On two nodes with spare slots they also pick layouts by node-limited replay
-    (dispatch_contest.py): a fresh plan's global layouts, and a re-plan's layers kept from `prev`.
+    (dispatch_contest.py): a fresh plan's and a drifting re-plan's global layouts, and a still re-plan's layers kept
+    from `prev`.
     """
     fc = planning_forecast(loads, prev, cfg, cluster)
     # a drifting multi-node re-plan's global layout: its layers' contest (_plan) and the two-node replay's (below)
@@ -308,8 +309,8 @@ def planning_forecast(loads: np.ndarray, prev: Placement | None, cfg: PlannerCon
 
 def _plan(loads: np.ndarray, cluster: Cluster, prev: Placement | None, tokens: np.ndarray | None,
           cfg: PlannerConfig, fc: tuple[np.ndarray, bool] | None = None, glob: np.ndarray | None = None) -> Placement:
-    """plan() before the two-node replay guard; fc: planning_forecast's (w, moving) for cfg, where made; glob:
-    DeepSeek global's phy2log [L, P] on w, where made (a drifting re-plan's)."""
+    """plan() before the two-node replay steps (guard, drift contest); fc: planning_forecast's (w, moving) for cfg,
+    where made; glob: DeepSeek global's phy2log [L, P] on w, where made (a drifting re-plan's)."""
     w, moving = planning_forecast(loads, prev, cfg, cluster) if fc is None else fc
     if prev is not None and spreads(cluster, cfg) and not cfg.keep_groups:
         cap = spread_cap(cluster)
