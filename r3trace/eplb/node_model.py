@@ -29,7 +29,7 @@ from __future__ import annotations
 import numpy as np
 
 from r3trace.eplb import portable
-from r3trace.eplb.placement import Cluster, PlacementError
+from r3trace.eplb.placement import Cluster, PlacementError, replicas_per_node
 
 
 def expected_nodes(phy2log: np.ndarray, w: np.ndarray, cluster: Cluster, top_k: int, topk_group: int) -> np.ndarray:
@@ -72,3 +72,49 @@ def router_odds(w: np.ndarray, num_groups: int, top_k: int, topk_group: int,
     q = np.minimum(sure, taken * w_gr / total)
     p = np.minimum(sure, (top_k / taken) * w / np.repeat(np.maximum(w_gr, 1e-300), gsize, axis=1))
     return q, p
+
+
+def two_node_dispatch(phy2log: np.ndarray, w: np.ndarray, cluster: Cluster, top_k: int,
+                      topk_group: int) -> tuple[np.ndarray, np.ndarray]:
+    """Two nodes, replicas anywhere: phy2log [M, P] (every expert at least once), loads w [M, E] -> (the expected GPU
+    loads [M, G] under node-limited dispatch (score.node_limited: the fewest nodes covering a token's experts, the work
+    split over the replicas there), the expected nodes per token [M]) under the module doc's router.
+
+    A token fits node n where every expert it chose has a replica there (A: node 0, B: node 1). Given expert e chosen
+    (its group taken), P(A | e) = prod over the other groups of (1 - q_g + q_g prod_{e' in g, not on 0} (1 - p_e')) x
+    prod over e's group's experts not on node 0 of (1 - p_e'), and 0 where e has no replica on node 0; the same for B
+    and for A and B (experts on both). e's load goes to node 0's replicas on A only, to node 1's on B only, to one
+    node's, either, on both (the dispatcher's tie draw: half each), else over all its replicas; nodes per token is 2 -
+    P(A) - P(B) + P(A and B). Why: without tokens (an SGLang dump, the server plugins) nothing can be replayed, and
+    ours' group homes let tokens fit one node, whose replicas of a hot expert then take them all."""
+    m, e = w.shape
+    n_gr = cluster.num_groups
+    q, p = router_odds(w, n_gr, top_k, topk_group)
+    cnt = replicas_per_node(np.asarray(phy2log, dtype=np.int64), e, cluster).astype(float)  # [M, E, 2]
+    on0, on1 = cnt[..., 0] > 0, cnt[..., 1] > 0
+    fit_a, given_a = _fits(on0, q, p, n_gr)
+    fit_b, given_b = _fits(on1, q, p, n_gr)
+    fit_ab, given_ab = _fits(on0 & on1, q, p, n_gr)
+    spread = (1.0 - given_a - given_b + given_ab) / cnt.sum(2)  # [M, E] a replica's share of e's two-node tokens
+    per0 = w * ((given_a - 0.5 * given_ab) / np.maximum(cnt[..., 0], 1) + spread)  # [M, E] a node-0 replica's load
+    per1 = w * ((given_b - 0.5 * given_ab) / np.maximum(cnt[..., 1], 1) + spread)
+    rows = np.arange(m)[:, None]
+    ph = np.asarray(phy2log, dtype=np.int64)
+    slot = np.where(cluster.slot_node()[None, :] == 0, per0[rows, ph], per1[rows, ph])  # [M, P]
+    return slot.reshape(m, cluster.num_gpus, -1).sum(-1), 2.0 - fit_a - fit_b + fit_ab
+
+
+def _fits(inside: np.ndarray, q: np.ndarray, p: np.ndarray, num_groups: int) -> tuple[np.ndarray, np.ndarray]:
+    """inside [M, E] (the experts a node set holds), router_odds' q [M, G] and p [M, E] -> (P(every chosen expert
+    inside) [M], P(every other chosen expert inside | e chosen) [M, E], 0 where e is outside)."""
+    m, e = inside.shape
+    gsize = e // num_groups
+    kept = np.where(inside, 1.0, 1.0 - p).reshape(m, num_groups, gsize).prod(2)  # [M, G] none outside, g taken
+    group = 1.0 - q + q * kept  # [M, G]
+    others = np.ones_like(group)  # [M, G] the product over the other groups, in a fixed order
+    for g in range(num_groups):
+        for h in range(num_groups):
+            if h != g:
+                others[:, g] *= group[:, h]
+    total = others[:, 0] * group[:, 0]
+    return total, np.repeat(others * kept, gsize, axis=1) * inside

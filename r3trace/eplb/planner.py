@@ -101,7 +101,7 @@ from r3trace.eplb.replan import held_refresh, max_load_floor, over, refreshed, s
 from r3trace.eplb.scenarios import spread
 from r3trace.eplb.score import even_gpu_load, node_counts, phy2log_gpu_load
 from r3trace.eplb.static import static_expected_load
-from r3trace.eplb.static_ladder import static_ladder
+from r3trace.eplb.static_ladder import replay_ladder, static_ladder
 from r3trace.eplb.static_one_node import keep_lower, static_one_node
 from r3trace.eplb.static_spread import static_even
 
@@ -248,8 +248,17 @@ def plan(
     if cfg.static_even and cfg.sglang_dispatch == "static":  # one node: counts that divide the GPUs
         # (static_one_node.py); dynamic dispatch's uniform draw already splits evenly there in expectation
         return from_phy2log(keep_lower(out.phy2log, static_one_node(out.phy2log, fc[0], cluster), fc[0], cluster), e)
-    if (prev is None or tokens is None or not spreads(cluster, cfg) or cfg.keep_groups
-            or not replays(cluster, e, cfg.replay_margin)):
+    if not spreads(cluster, cfg) or cfg.keep_groups or not replays(cluster, e, cfg.replay_margin):
+        return out
+    if tokens is None:  # nothing to replay: experts made static-even as far as global's nodes per token allows, by
+        # the router model's expected node-limited loads (static_ladder.replay_ladder); a drifting re-plan's layouts
+        # follow the forecast instead (the ladder cost fast-drift cells up to 0.007 of the even split)
+        if fc[1]:
+            return out
+        mean_loads = loads.sum(0) if loads.ndim == 3 else loads
+        return from_phy2log(replay_ladder(out.phy2log, fc[0], cluster, mean_loads, cfg.router,
+                                          None if prev is None else prev.phy2log, cfg.seeded_churn_budget), e)
+    if prev is None:
         return out
     if glob is not None:  # drifting: every layer contested against global's, as a fresh plan's layers are
         return from_phy2log(drift_replay(out.phy2log, glob, prev.phy2log, cluster, tokens, cfg.replay_margin), e)

@@ -21,11 +21,14 @@ Shape legend: V layouts a layer, L layers, P slots, E experts, T tokens, K top-k
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from r3trace.eplb import portable
 from r3trace.eplb.cover import cover_sizes, node_masks
 from r3trace.eplb.deepseek import global_phy2log
+from r3trace.eplb.node_model import two_node_dispatch
 from r3trace.eplb.placement import Cluster
 from r3trace.eplb.score import EXACT_COVER_NODES
 from r3trace.eplb.static import SGLangDispatch, static_expected_load
@@ -44,7 +47,70 @@ def static_ladder(phy2log: np.ndarray, weight: np.ndarray, cluster: Cluster, tok
     if not applies(cluster):
         return static_even(phy2log, weight, cluster)
     tok = np.asarray(tokens[-CHOICE_TOKENS:])  # as given (int16 from a trace): cover_sizes indexes by it
-    ladder = _ladder(phy2log, weight, cluster)  # [V, L, P]
+    e = weight.shape[1]
+
+    def score(rows: np.ndarray, li: np.ndarray, glob: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        load = static_expected_load(rows, weight[li], cluster, dispatch=dispatch)  # [M, G]
+        # global's layout counted in the same call: [M + L] rows
+        counted = _nodes(np.concatenate([rows, glob]), tok, cluster, e, np.concatenate([li, np.arange(len(glob))]))
+        return load.mean(1) / np.maximum(load.max(1), 1e-12), counted[:len(li)], counted[len(li):]
+
+    return _climb(phy2log, _ladder(phy2log, weight, cluster), global_phy2log(mean_loads, cluster), score)
+
+
+def replay_ladder(phy2log: np.ndarray, weight: np.ndarray, cluster: Cluster, mean_loads: np.ndarray,
+                  router: tuple[int, int], prev: np.ndarray | None = None, churn: float = 1.0) -> np.ndarray:
+    """Two nodes, no tokens, node-limited dispatch: the same ladder, each layout scored by node_model.two_node_dispatch
+    (its expected node-limited balancedness and nodes per token under the router model, router = (top_k, topk_group))
+    and global's layout's expected nodes per token the budget -> phy2log [L, P]. prev [L, P]: a re-plan's previous
+    placement; the laddered layers are then taken biggest expected gain first while the slots moved from prev stay
+    within `churn` of all slots (an unchanged workload's re-plans keep their budget).
+
+    Why: without tokens nothing replays (dispatch_contest.py), and ours' group homes let tokens fit one node, whose
+    few replicas of a hot expert then take all of them; an expert whose replicas are all on one node, or one a node,
+    cannot be skewed so. bench/eplb_matrix.py's SGLang-dump cells of 16 GPUs / 2 nodes / 288 slots (trace seed 0, on
+    still re-plans and fresh plans): s = 1.2, slow drift, node-limited replay 0.801 -> 0.900 (global 0.890) at the
+    even split 0.927 -> 0.924 and 1.81 -> 1.96 nodes per token (global 1.98). The same ladder scored by SGLang's static
+    dispatch reached 0.882 and cost the fast-drift cells 0.002-0.003 of the even split."""
+    w = weight
+
+    def score(rows: np.ndarray, li: np.ndarray, glob: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        load, nodes = two_node_dispatch(np.concatenate([rows, glob]), np.concatenate([w[li], w]), cluster, *router)
+        m = len(li)
+        return load[:m].mean(1) / np.maximum(load[:m].max(1), 1e-12), nodes[:m], nodes[m:]
+
+    out = _climb(phy2log, _ladder(phy2log, w, cluster), global_phy2log(mean_loads, cluster), score)
+    if prev is None:
+        return out
+    rows = np.flatnonzero((out != phy2log).any(1))  # the laddered layers
+    if not len(rows):
+        return out
+    load = two_node_dispatch(np.concatenate([out[rows], phy2log[rows]]), np.concatenate([w[rows], w[rows]]), cluster,
+                             *router)[0]
+    gain = phy2log_gpu_ratio(load[len(rows):]) / phy2log_gpu_ratio(load[:len(rows)])  # [R] expected max load ratio
+    kept = phy2log.copy()
+    left = int(churn * phy2log.size) - int((phy2log != prev).sum())
+    for i in np.argsort(-gain, kind="stable"):
+        layer = rows[i]
+        cost = int((out[layer] != prev[layer]).sum()) - int((phy2log[layer] != prev[layer]).sum())
+        if cost <= left:
+            kept[layer] = out[layer]
+            left -= cost
+    return kept
+
+
+def phy2log_gpu_ratio(load: np.ndarray) -> np.ndarray:
+    """GPU loads [M, G] -> [M] max over mean."""
+    return load.max(1) / np.maximum(load.mean(1), 1e-12)
+
+
+Score = Callable[[np.ndarray, np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]]
+
+
+def _climb(phy2log: np.ndarray, ladder: np.ndarray, glob: np.ndarray, score: Score) -> np.ndarray:
+    """The default plan [L, P], its ladder [V, L, P], global's layout [L, P], score(rows [M, P], their layers [M],
+    glob) -> (balancedness [M], nodes per token [M], global's nodes per token [L]) -> each layer's rung: the most
+    balancedness within global's nodes per token less NODE_MARGIN (choose)."""
     # a layer's layout is often the same for several taus: score each distinct one once (pairs v, l whose layout
     # differs from v - 1's), then copy the scores down the ladder
     fresh = np.ones(ladder.shape[:2], dtype=bool)  # [V, L]
@@ -52,21 +118,12 @@ def static_ladder(phy2log: np.ndarray, weight: np.ndarray, cluster: Cluster, tok
     if not fresh[1:].any():  # no mixed expert anywhere: the default plan is every layer's only rung
         return phy2log
     vi, li = np.nonzero(fresh)
-    rows = ladder[vi, li]  # [M, P] the distinct layouts, each scored as a layer of its own
-    load = static_expected_load(rows, weight[li], cluster, dispatch=dispatch)  # [M, G]
-    e = weight.shape[1]
     bal, nodes = np.zeros(fresh.shape), np.zeros(fresh.shape)  # [V, L]
-    bal[vi, li] = load.mean(1) / np.maximum(load.max(1), 1e-12)
-    layers = np.arange(ladder.shape[1])
-    # global's layout counted in the same call: [M + L] rows
-    counted = _nodes(np.concatenate([rows, global_phy2log(mean_loads, cluster)]), tok, cluster, e,
-                     np.concatenate([li, layers]))
-    nodes[vi, li] = counted[:len(li)]
+    bal[vi, li], nodes[vi, li], theirs = score(ladder[vi, li], li, glob)  # the distinct layouts, each as a layer
     src = np.maximum.accumulate(np.where(fresh, np.arange(len(ladder))[:, None], 0), axis=0)  # [V, L]
     bal, nodes = np.take_along_axis(bal, src, 0), np.take_along_axis(nodes, src, 0)
-    budget = float(counted[len(li):].sum()) * (1 - NODE_MARGIN)
-    pick = choose(bal, nodes, budget)  # [L]
-    return ladder[pick, layers]
+    pick = choose(bal, nodes, float(theirs.sum()) * (1 - NODE_MARGIN))  # [L]
+    return ladder[pick, np.arange(ladder.shape[1])]
 
 
 def _ladder(phy2log: np.ndarray, weight: np.ndarray, cluster: Cluster) -> np.ndarray:

@@ -18,7 +18,7 @@ from r3trace.eplb.evaluate import plan_policy, planner_config
 from r3trace.eplb.placement import from_phy2log
 from r3trace.eplb.planner import _plan, planning_forecast
 from r3trace.eplb.score import balancedness, even_gpu_load, heat_of, node_limited
-from r3trace.eplb.static_ladder import static_ladder
+from r3trace.eplb.static_ladder import replay_ladder, static_ladder
 
 E, GROUPS, K, LAYERS = 128, 8, 8, 2
 OFF = PlannerConfig(replay_margin=-1.0)
@@ -75,8 +75,10 @@ def test_other_node_counts_and_margin_off_keep_ours(windows: tuple[np.ndarray, n
     two = Cluster(16, 2, 160, num_groups=GROUPS)
     huge = PlannerConfig(replay_margin=0.99)  # global would need a max load under 1% of ours'
     assert (plan(h, two, tokens=fit, cfg=huge).phy2log == plan(h, two, tokens=fit, cfg=OFF).phy2log).all()
-    no_tokens = plan(h, two)  # heat only: nothing to replay
-    assert (no_tokens.phy2log == plan(h, two, cfg=OFF).phy2log).all()
+    # heat only: nothing to replay; the router model's ladder instead (test_eplb_replay_ladder.py)
+    w = planning_forecast(h, None, PlannerConfig(), two)[0]
+    ladder = replay_ladder(plan(h, two, cfg=OFF).phy2log, w, two, h, PlannerConfig().router)
+    assert (plan(h, two).phy2log == ladder).all()
 
 
 def test_ours_plans_for_the_dispatch_asked_for(windows: tuple[np.ndarray, np.ndarray]) -> None:
