@@ -151,7 +151,8 @@ def layout(cluster: Cluster, cfg: PlannerConfig = PlannerConfig()) -> Layout:
         extras += ("; with spare slots and routes, a layer takes DeepSeek global's layout where node-limited replay "
                    "of the newest tokens gives it a lower max GPU load (a drifting re-plan's layers too, within "
                    "global's nodes per token), and a still re-plan keeps a previous layer that replay favours "
-                   "(dispatch_contest.py)")
+                   "(dispatch_contest.py); without routes, a fresh or still plan's experts are made static-even as far "
+                   "as global's nodes per token allows, by a router model's node-limited loads (replay_ladder)")
     if cfg.static_even:
         extras += (f"; then for SGLang's {cfg.sglang_dispatch} dispatch, hottest first, experts' replicas put all on "
                    "one node or at most one a node, which its node rule splits evenly (static_spread.py), as far as "

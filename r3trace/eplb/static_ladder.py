@@ -16,6 +16,8 @@ When: plan()'s last step on 2-8 nodes under `--dispatch static` (PlannerConfig.s
 newest tokens; without them no nodes per token can be counted, and on more nodes the exact cover would enumerate
 2^N node subsets, so there every mixed expert is fixed (static_even; on 16-18 nodes that plan has fewer nodes per
 token than global in every one of bench/eplb_matrix.py's cells, and static balancedness at most 0.009 under it).
+Under node-limited dispatch (the default plan) on two nodes without tokens, replay_ladder climbs the same ladder with
+each layout scored by the router model's expected node-limited loads and nodes per token (node_model.two_node_dispatch).
 Shape legend: V layouts a layer, L layers, P slots, E experts, T tokens, K top-k, G GPUs.
 """
 
