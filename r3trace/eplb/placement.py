@@ -150,6 +150,19 @@ def churn(prev: Placement, new: Placement) -> float:
     return float((prev.phy2log != new.phy2log).mean())
 
 
+def within_churn(kept: np.ndarray, cand: np.ndarray, prev: np.ndarray, order: np.ndarray, budget: int) -> np.ndarray:
+    """kept [L, P] (a re-plan), cand [L, P] (other layouts), prev [L, P] (the previous placement), order [R] (layers,
+    the most wanted first) -> kept with each layer of `order` taken from cand while the slots moved from prev on top of
+    kept's own stay within `budget` (a layer that does not fit is skipped, later ones may)."""
+    out = kept.copy()
+    for layer in order:
+        cost = int((cand[layer] != prev[layer]).sum()) - int((out[layer] != prev[layer]).sum())
+        if cost <= budget:
+            out[layer] = cand[layer]
+            budget -= cost
+    return out
+
+
 def sglang_map(pl: Placement, num_hidden_layers: int, moe_layer_ids: tuple[int, ...]) -> np.ndarray:
     """[num_hidden_layers, P] physical_to_logical_map as SGLang indexes it: by real layer id, MoE rows from
     the plan, every other row the trivial map SGLang's init_trivial builds (slot p holds expert p % E)."""

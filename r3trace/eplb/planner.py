@@ -94,7 +94,7 @@ from r3trace.eplb.locality import locality_kept, locality_refresh
 from r3trace.eplb.node_swaps import node_swaps
 from r3trace.eplb.pairing import paired
 from r3trace.eplb.partners import cold_forecast, coldest_partners, partner_forecast
-from r3trace.eplb.placement import Cluster, Placement, from_phy2log
+from r3trace.eplb.placement import Cluster, Placement, from_phy2log, within_churn
 from r3trace.eplb.polish import NodeRule, applies, polish
 from r3trace.eplb.refine import swap_refine
 from r3trace.eplb.replan import held_refresh, max_load_floor, over, refreshed, seeded_counts, seeded_plan
@@ -377,13 +377,9 @@ def _plan(loads: np.ndarray, cluster: Cluster, prev: Placement | None, tokens: n
         gain = np.maximum(gain, held)
     moves = np.zeros_like(kept)
     moves[up] = align(fresh.phy2log[up], prev.phy2log[up], cluster)
-    for layer in np.argsort(-gain, kind="stable"):  # biggest gains first, while the churn budget lasts
-        if not up[layer]:
-            break
-        moved = moves[layer]
-        cost = int((moved != prev.phy2log[layer]).sum()) - int((kept[layer] != prev.phy2log[layer]).sum())
-        if cost <= budget:
-            kept[layer] = moved
-            budget -= cost
-    return from_phy2log(kept, w.shape[1])
+    order = np.argsort(-gain, kind="stable")  # biggest gains first, while the churn budget lasts, up to the first
+    # layer not up (with the E[max] bound's layers a gain above one not up's can come after it: not reached)
+    stop = np.flatnonzero(~up[order])
+    order = order[:stop[0]] if len(stop) else order
+    return from_phy2log(within_churn(kept, moves, prev.phy2log, order, budget), w.shape[1])
 

@@ -31,7 +31,7 @@ from r3trace.eplb import portable
 from r3trace.eplb.cover import cover_sizes, node_masks
 from r3trace.eplb.deepseek import global_phy2log
 from r3trace.eplb.node_model import two_node_dispatch
-from r3trace.eplb.placement import Cluster
+from r3trace.eplb.placement import Cluster, within_churn
 from r3trace.eplb.score import EXACT_COVER_NODES
 from r3trace.eplb.static import SGLangDispatch, static_expected_load
 from r3trace.eplb.static_spread import static_even, static_even_ladder
@@ -89,21 +89,10 @@ def replay_ladder(phy2log: np.ndarray, weight: np.ndarray, cluster: Cluster, mea
         return out
     load = two_node_dispatch(np.concatenate([out[rows], phy2log[rows]]), np.concatenate([w[rows], w[rows]]), cluster,
                              *router)[0]
-    gain = phy2log_gpu_ratio(load[len(rows):]) / phy2log_gpu_ratio(load[:len(rows)])  # [R] expected max load ratio
-    kept = phy2log.copy()
-    left = int(churn * phy2log.size) - int((phy2log != prev).sum())
-    for i in np.argsort(-gain, kind="stable"):
-        layer = rows[i]
-        cost = int((out[layer] != prev[layer]).sum()) - int((phy2log[layer] != prev[layer]).sum())
-        if cost <= left:
-            kept[layer] = out[layer]
-            left -= cost
-    return kept
-
-
-def phy2log_gpu_ratio(load: np.ndarray) -> np.ndarray:
-    """GPU loads [M, G] -> [M] max over mean."""
-    return load.max(1) / np.maximum(load.mean(1), 1e-12)
+    ratio = load.max(1) / np.maximum(load.mean(1), 1e-12)  # [2R] expected max over mean, laddered then not
+    gain = ratio[len(rows):] / ratio[:len(rows)]  # [R]
+    budget = int(churn * phy2log.size) - int((phy2log != prev).sum())
+    return within_churn(phy2log, out, prev, rows[np.argsort(-gain, kind="stable")], budget)
 
 
 Score = Callable[[np.ndarray, np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]]
