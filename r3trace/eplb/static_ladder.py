@@ -57,7 +57,7 @@ def static_ladder(phy2log: np.ndarray, weight: np.ndarray, cluster: Cluster, tok
         counted = _nodes(np.concatenate([rows, glob]), tok, cluster, e, np.concatenate([li, np.arange(len(glob))]))
         return load.mean(1) / np.maximum(load.max(1), 1e-12), counted[:len(li)], counted[len(li):]
 
-    return _climb(phy2log, _ladder(phy2log, weight, cluster), global_phy2log(mean_loads, cluster), score)
+    return _climb(phy2log, _ladder(phy2log, weight, cluster), global_phy2log(mean_loads, cluster), score)[0]
 
 
 def replay_ladder(phy2log: np.ndarray, weight: np.ndarray, cluster: Cluster, mean_loads: np.ndarray,
@@ -81,40 +81,36 @@ def replay_ladder(phy2log: np.ndarray, weight: np.ndarray, cluster: Cluster, mea
         m = len(li)
         return load[:m].mean(1) / np.maximum(load[:m].max(1), 1e-12), nodes[:m], nodes[m:]
 
-    out = _climb(phy2log, _ladder(phy2log, w, cluster), global_phy2log(mean_loads, cluster), score)
+    out, gain = _climb(phy2log, _ladder(phy2log, w, cluster), global_phy2log(mean_loads, cluster), score)
     if prev is None:
         return out
     rows = np.flatnonzero((out != phy2log).any(1))  # the laddered layers
-    if not len(rows):
-        return out
-    load = two_node_dispatch(np.concatenate([out[rows], phy2log[rows]]), np.concatenate([w[rows], w[rows]]), cluster,
-                             *router)[0]
-    ratio = load.max(1) / np.maximum(load.mean(1), 1e-12)  # [2R] expected max over mean, laddered then not
-    gain = ratio[len(rows):] / ratio[:len(rows)]  # [R]
     budget = int(churn * phy2log.size) - int((phy2log != prev).sum())
-    return within_churn(phy2log, out, prev, rows[np.argsort(-gain, kind="stable")], budget)
+    return within_churn(phy2log, out, prev, rows[np.argsort(-gain[rows], kind="stable")], budget)
 
 
 Score = Callable[[np.ndarray, np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]]
 
 
-def _climb(phy2log: np.ndarray, ladder: np.ndarray, glob: np.ndarray, score: Score) -> np.ndarray:
+def _climb(phy2log: np.ndarray, ladder: np.ndarray, glob: np.ndarray, score: Score) -> tuple[np.ndarray, np.ndarray]:
     """The default plan [L, P], its ladder [V, L, P], global's layout [L, P], score(rows [M, P], their layers [M],
-    glob) -> (balancedness [M], nodes per token [M], global's nodes per token [L]) -> each layer's rung: the most
-    balancedness within global's nodes per token less NODE_MARGIN (choose)."""
+    glob) -> (balancedness [M], nodes per token [M], global's nodes per token [L]) -> (each layer's rung [L, P]: the
+    most balancedness within global's nodes per token less NODE_MARGIN (choose), its balancedness over the default
+    plan's [L])."""
     # a layer's layout is often the same for several taus: score each distinct one once (pairs v, l whose layout
     # differs from v - 1's), then copy the scores down the ladder
     fresh = np.ones(ladder.shape[:2], dtype=bool)  # [V, L]
     fresh[1:] = (ladder[1:] != ladder[:-1]).any(2)
     if not fresh[1:].any():  # no mixed expert anywhere: the default plan is every layer's only rung
-        return phy2log
+        return phy2log, np.ones(len(phy2log))
     vi, li = np.nonzero(fresh)
     bal, nodes = np.zeros(fresh.shape), np.zeros(fresh.shape)  # [V, L]
     bal[vi, li], nodes[vi, li], theirs = score(ladder[vi, li], li, glob)  # the distinct layouts, each as a layer
     src = np.maximum.accumulate(np.where(fresh, np.arange(len(ladder))[:, None], 0), axis=0)  # [V, L]
     bal, nodes = np.take_along_axis(bal, src, 0), np.take_along_axis(nodes, src, 0)
     pick = choose(bal, nodes, float(theirs.sum()) * (1 - NODE_MARGIN))  # [L]
-    return ladder[pick, np.arange(ladder.shape[1])]
+    layers = np.arange(ladder.shape[1])
+    return ladder[pick, layers], bal[pick, layers] / np.maximum(bal[0], 1e-12)
 
 
 def _ladder(phy2log: np.ndarray, weight: np.ndarray, cluster: Cluster) -> np.ndarray:
