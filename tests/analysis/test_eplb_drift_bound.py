@@ -11,8 +11,9 @@ from bench.eplb_traces import TraceSpec, load_windows
 from r3trace.eplb import Cluster, Placement, PlannerConfig, plan
 from r3trace.eplb.emax import drift_noise, emax_bound, layout_bound
 from r3trace.eplb.homing import capped_counts
-from r3trace.eplb.planner import _plan, planning_forecast
-from r3trace.eplb.score import heat_of
+from r3trace.eplb.planner import _plan, fresh_plan, planning_forecast
+from r3trace.eplb.refine import swap_refine
+from r3trace.eplb.score import heat_of, node_counts, phy2log_gpu_load
 
 OFF = PlannerConfig(drift_bound_gain=-1.0)
 
@@ -90,3 +91,38 @@ def test_a_drifting_replan_re_places_the_layers_whose_bound_a_fresh_layout_lower
         np.testing.assert_array_equal(on.logcnt[moved], capped_counts(w, 288, 8)[moved])
     # the rule off: the same re-plan as the in-sample rule alone, which re-placed fewer slots
     assert (on.phy2log != prev.phy2log).sum() > (off.phy2log != prev.phy2log).sum()
+
+
+def test_a_drifting_one_node_replan_re_places_every_layer_up_whatever_its_gain_ranks() -> None:
+    # 8 GPUs / 1 node / 288 slots, clustered router, s = 1.2, fast drift, 6 layers: the bound calls layers 1, 2 and 5
+    # up while layers 3 and 4, not up (their forecast gain and bound ratio both under the thresholds), have a larger
+    # gain; a re-plan cut at the first layer not up in gain order kept all six layers
+    cl = Cluster(8, 1, 288)
+    spec = TraceSpec(family="clustered", zipf_s=1.2, drift="fast", num_layers=6, windows=8, seed=0,
+                     window_tokens=2048)
+    routes, _ = load_windows(spec)
+    h = np.stack([heat_of(r, 256) for r in routes[:7]])
+    prev = None
+    for t in range(1, 6):
+        prev = plan(h[:t + 1], cl, prev, tokens=routes[t])
+    assert prev is not None
+    cfg = PlannerConfig()
+    w, moving = planning_forecast(h, prev, cfg, cl)
+    assert moving
+    noise = drift_noise(h, w)
+    assert noise is not None
+    # the two sides of the rule, as _plan forms them: the previous placement after its swaps, and a fresh plan
+    kept = swap_refine(prev.phy2log, w, prev.logcnt, cl, int(cfg.replan_swap_share * 288 / 2), cfg.min_gain,
+                       cross_nodes=True)
+    fresh = fresh_plan(w, node_counts(prev, cl).argmax(2), cl, cfg, routes[6])
+    gain = phy2log_gpu_load(kept, w, cl).max(1) / phy2log_gpu_load(fresh.phy2log, w, cl).max(1)
+    held = layout_bound(kept, w, cl, *noise) / layout_bound(fresh.phy2log, w, cl, *noise)
+    up = (gain > 1 + cfg.keep_tolerance) | (held > 1 + cfg.drift_bound_gain)
+    assert up.tolist() == [False, True, True, False, False, True]
+    ranked = np.maximum(gain, held)
+    assert ranked[~up].max() > ranked[up].min()  # the case: a layer not up outranks one that is
+    out = plan(h, cl, prev, tokens=routes[6])
+    assert (out.phy2log != kept).any(1).tolist() == up.tolist()
+    # each re-placed layer is the fresh layout moved onto the previous GPUs: the same GPU loads, reordered
+    np.testing.assert_allclose(np.sort(phy2log_gpu_load(out.phy2log[up], w[up], cl), axis=1),
+                               np.sort(phy2log_gpu_load(fresh.phy2log[up], w[up], cl), axis=1), rtol=1e-12)
