@@ -151,8 +151,8 @@ def layout(cluster: Cluster, cfg: PlannerConfig = PlannerConfig()) -> Layout:
         extras += ("; with spare slots and routes, a layer takes DeepSeek global's layout where node-limited replay "
                    "of the newest tokens gives it a lower max GPU load (a drifting re-plan's layers too, within "
                    "global's nodes per token), and a still re-plan keeps a previous layer that replay favours "
-                   "(dispatch_contest.py); without routes, a fresh or still plan's experts are made static-even as far "
-                   "as global's nodes per token allows, by a router model's node-limited loads (replay_ladder)")
+                   "(dispatch_contest.py); without routes, each plan's experts are made static-even as far as "
+                   "global's nodes per token allows, by a router model's node-limited loads (replay_ladder)")
     if cfg.static_even:
         extras += (f"; then for SGLang's {cfg.sglang_dispatch} dispatch, hottest first, experts' replicas put all on "
                    "one node or at most one a node, which its node rule splits evenly (static_spread.py), as far as "
@@ -252,13 +252,12 @@ def plan(
     if not spreads(cluster, cfg) or cfg.keep_groups or not replays(cluster, e, cfg.replay_margin):
         return out
     if tokens is None:  # nothing to replay: experts made static-even as far as global's nodes per token allows, by
-        # the router model's expected node-limited loads (static_ladder.replay_ladder); a drifting re-plan's layouts
-        # follow the forecast instead (the ladder cost fast-drift cells up to 0.007 of the even split)
-        if fc[1]:
-            return out
+        # the router model's expected node-limited loads (static_ladder.replay_ladder); a still re-plan's laddered
+        # layers within its churn budget, a drifting one's (not churn-budgeted) all
         mean_loads = loads.sum(0) if loads.ndim == 3 else loads
-        return from_phy2log(replay_ladder(out.phy2log, fc[0], cluster, mean_loads, cfg.router,
-                                          None if prev is None else prev.phy2log, cfg.seeded_churn_budget), e)
+        churn_from = None if prev is None or fc[1] else prev.phy2log
+        return from_phy2log(replay_ladder(out.phy2log, fc[0], cluster, mean_loads, cfg.router, churn_from,
+                                          cfg.seeded_churn_budget), e)
     if prev is None:
         return out
     if glob is not None:  # drifting: every layer contested against global's, as a fresh plan's layers are

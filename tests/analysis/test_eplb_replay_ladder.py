@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from bench.eplb_traces import TraceSpec, load_windows
 from r3trace.eplb import Cluster, PlannerConfig, churn, plan
 from r3trace.eplb.deepseek import global_phy2log
 from r3trace.eplb.node_model import router_odds, two_node_dispatch
@@ -112,3 +113,26 @@ def test_a_two_node_plan_without_tokens_takes_the_ladder_within_global_nodes() -
     assert np.mean(held_new) > np.mean(held_old) + 0.002
     off = PlannerConfig(replay_margin=-1.0)
     np.testing.assert_array_equal(plan(heats[:2], two, cfg=off).phy2log, _plan(heats[:2], two, None, None, off).phy2log)
+
+
+def test_a_drifting_two_node_replan_without_tokens_takes_the_whole_ladder() -> None:
+    """Heat only, fast drift (bench/eplb_traces.py, s = 1.2): a re-plan the backtest calls drifting is replay_ladder of
+    the plan before it with no churn budget (drifting re-plans are not budgeted), and the ladder moves some of its
+    layers there; the held-out figures of bench/eplb_matrix.py's SGLang-dump cells are in the benchmarks log."""
+    cl = Cluster(16, 2, 288)
+    routes, _ = load_windows(TraceSpec(family="grouped", zipf_s=1.2, drift="fast", num_layers=4, windows=8, seed=0,
+                                       window_tokens=2048))
+    heats = np.stack([heat_of(r, 256) for r in routes])
+    cfg = PlannerConfig()
+    prev, drifting, laddered = None, 0, 0
+    for t in range(1, 8):
+        h = heats[:t + 1]
+        w, moving = planning_forecast(h, prev, cfg, cl)
+        raw, got = _plan(h, cl, prev, None, cfg), plan(h, cl, prev)
+        if moving:
+            drifting += 1
+            want = replay_ladder(raw.phy2log, w, cl, h.sum(0), cfg.router)
+            np.testing.assert_array_equal(got.phy2log, want)
+            laddered += int((got.phy2log != raw.phy2log).any(1).sum())
+        prev = got
+    assert drifting >= 3 and laddered >= 6
