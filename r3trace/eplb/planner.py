@@ -31,7 +31,10 @@
    is that much worse (dispatch_contest.py: held-out node-limited replay 0.675 ->
    0.896 on grouped s = 1.2, 16 / 2 / 320, global 0.891; one-node tokens had overloaded a hot expert's lone
    replica on the other node); a drifting re-plan contests every layer so instead, biggest replay gains first while
-   nodes per token stay within global's less 1% (dispatch_contest.drift_replay).
+   nodes per token stay within global's less 1% (dispatch_contest.drift_replay). Then the layers of a fresh or still
+   plan whose replayed max load sits over the even split's climb the static-even ladder scored by that replay, within
+   global's nodes per token (static_ladder.token_ladder); without tokens every plan's layers climb it scored by a
+   router model (replay_ladder).
 4. Each node's replicas are packed onto its GPUs (balanced packing), then up to `fresh_swaps` swaps
    lower the hottest GPUs (refine.swap_refine; 0.925 -> 0.944 held out on 32 GPUs). In the multi-node layout
    leveling swaps lower the sum of squared GPU loads instead (leveling.py: 0.835 / 0.744 / 0.535 ->
@@ -101,7 +104,7 @@ from r3trace.eplb.replan import held_refresh, max_load_floor, over, refreshed, s
 from r3trace.eplb.scenarios import spread
 from r3trace.eplb.score import even_gpu_load, node_counts, phy2log_gpu_load
 from r3trace.eplb.static import static_expected_load
-from r3trace.eplb.static_ladder import replay_ladder, static_ladder
+from r3trace.eplb.static_ladder import replay_ladder, static_ladder, token_ladder
 from r3trace.eplb.static_one_node import keep_lower, static_one_node
 from r3trace.eplb.static_spread import static_even
 
@@ -151,8 +154,10 @@ def layout(cluster: Cluster, cfg: PlannerConfig = PlannerConfig()) -> Layout:
         extras += ("; with spare slots and routes, a layer takes DeepSeek global's layout where node-limited replay "
                    "of the newest tokens gives it a lower max GPU load (a drifting re-plan's layers too, within "
                    "global's nodes per token), and a still re-plan keeps a previous layer that replay favours "
-                   "(dispatch_contest.py); without routes, each plan's experts are made static-even as far as "
-                   "global's nodes per token allows, by a router model's node-limited loads (replay_ladder)")
+                   "(dispatch_contest.py); then a fresh or still plan's experts are made static-even (all of an "
+                   "expert's replicas on one node or one a node) in the layers replay skews, as far as global's nodes "
+                   "per token allows (token_ladder); without routes, each plan's experts so by a router model's "
+                   "node-limited loads (replay_ladder)")
     if cfg.static_even:
         extras += (f"; then for SGLang's {cfg.sglang_dispatch} dispatch, hottest first, experts' replicas put all on "
                    "one node or at most one a node, which its node rule splits evenly (static_spread.py), as far as "
@@ -241,41 +246,46 @@ def plan(
     glob = global_phy2log(fc[0], cluster) if drifting else None
     out = _plan(loads, cluster, prev, tokens, cfg, fc, glob)
     e = out.logcnt.shape[1]
+    mean_loads = loads.sum(0) if loads.ndim == 3 else loads  # [L, E] what DeepSeek global plans on: the summed loads
     if cfg.hot_partners and cluster.slots_per_gpu == 2 and cluster.num_slots == e:  # partners.coldest_partners
         cold = cold_forecast(loads, fc[0], cluster, cfg.partner_light)
         out = from_phy2log(coldest_partners(out.phy2log, fc[0], cluster, cfg.hot_partners, cold), e)
     if cfg.static_even and cluster.num_nodes > 1:
-        return from_phy2log(_static_even_plan(out.phy2log, loads, cluster, prev, tokens, cfg, fc), e)
+        return from_phy2log(_static_even_plan(out.phy2log, loads, mean_loads, cluster, prev, tokens, cfg, fc), e)
     if cfg.static_even and cfg.sglang_dispatch == "static":  # one node: counts that divide the GPUs
         # (static_one_node.py); dynamic dispatch's uniform draw already splits evenly there in expectation
         return from_phy2log(keep_lower(out.phy2log, static_one_node(out.phy2log, fc[0], cluster), fc[0], cluster), e)
     if not spreads(cluster, cfg) or cfg.keep_groups or not replays(cluster, e, cfg.replay_margin):
         return out
-    if tokens is None:  # nothing to replay: experts made static-even as far as global's nodes per token allows, by
-        # the router model's expected node-limited loads (static_ladder.replay_ladder); a still re-plan's laddered
-        # layers within its churn budget, a drifting one's (not churn-budgeted) all
-        mean_loads = loads.sum(0) if loads.ndim == 3 else loads
-        churn_from = None if prev is None or fc[1] else prev.phy2log
+    # experts made static-even (an expert's replicas all on one node or one a node) as far as global's nodes per token
+    # allows, the ladder's layouts scored by node-limited replay of the newest tokens (static_ladder.token_ladder) or
+    # without them by a router model's expected node-limited loads (replay_ladder); a still re-plan's laddered layers
+    # within its churn budget, a fresh plan's and a drifting re-plan's (not churn-budgeted) all
+    churn_from = None if prev is None or fc[1] else prev.phy2log
+    if tokens is None:
         return from_phy2log(replay_ladder(out.phy2log, fc[0], cluster, mean_loads, cfg.router, churn_from,
                                           cfg.seeded_churn_budget), e)
     if prev is None:
-        return out
-    if glob is not None:  # drifting: every layer contested against global's, as a fresh plan's layers are
+        phy2log = out.phy2log
+    elif glob is not None:  # drifting: every layer contested against global's, as a fresh plan's layers are
         return from_phy2log(drift_replay(out.phy2log, glob, prev.phy2log, cluster, tokens, cfg.replay_margin), e)
-    return from_phy2log(replay_guard(out.phy2log, prev.phy2log, cluster, tokens, cfg.replay_margin), e)
+    else:
+        phy2log = replay_guard(out.phy2log, prev.phy2log, cluster, tokens, cfg.replay_margin)
+    return from_phy2log(token_ladder(phy2log, fc[0], cluster, tokens, mean_loads, churn_from,
+                                     cfg.seeded_churn_budget), e)
 
 
-def _static_even_plan(new: np.ndarray, loads: np.ndarray, cluster: Cluster, prev: Placement | None,
-                      tokens: np.ndarray | None, cfg: PlannerConfig, fc: tuple[np.ndarray, bool]) -> np.ndarray:
+def _static_even_plan(new: np.ndarray, loads: np.ndarray, mean_loads: np.ndarray, cluster: Cluster,
+                      prev: Placement | None, tokens: np.ndarray | None, cfg: PlannerConfig,
+                      fc: tuple[np.ndarray, bool]) -> np.ndarray:
     """new [L, P], plan()'s layout -> it made static-even (static_spread.py), with tokens as far as DeepSeek global's
     nodes per token allows (static_ladder.py). A drifting re-plan refreshed the layers
     whose fresh layout beat the seeded one on the forecast, but static-even costs the previous placement's seeded
     layers some of that max load, so nearly every layer refreshed every time (85% of slots a re-plan on 32 GPUs /
     4 nodes, independent router, s = 1.2, slow drift): there the still re-plan, made static-even too, is kept unless
     the refreshed one's forecast max GPU load under static dispatch is lower by more than refresh_gain on average
-    over layers. fc: planning_forecast's (w, moving) for cfg."""
+    over layers. mean_loads [L, E]: the windows' summed loads; fc: planning_forecast's (w, moving) for cfg."""
     w, moving = fc
-    mean_loads = loads.sum(0) if loads.ndim == 3 else loads
 
     def finish(phy2log: np.ndarray) -> np.ndarray:
         if tokens is None:

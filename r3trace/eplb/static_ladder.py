@@ -16,8 +16,10 @@ When: plan()'s last step on 2-8 nodes under `--dispatch static` (PlannerConfig.s
 newest tokens; without them no nodes per token can be counted, and on more nodes the exact cover would enumerate
 2^N node subsets, so there every mixed expert is fixed (static_even; on 16-18 nodes that plan has fewer nodes per
 token than global in every one of bench/eplb_matrix.py's cells, and static balancedness at most 0.009 under it).
-Under node-limited dispatch (the default plan) on two nodes without tokens, replay_ladder climbs the same ladder with
-each layout scored by the router model's expected node-limited loads and nodes per token (node_model.two_node_dispatch).
+Under node-limited dispatch (the default plan) on two nodes with spare slots the same ladder is climbed with each layout
+scored by node-limited replay of the newest tokens (token_ladder, in the layers whose replay is skewed), or without
+tokens by the router model's expected node-limited loads and nodes per token (replay_ladder,
+node_model.two_node_dispatch).
 Shape legend: V layouts a layer, L layers, P slots, E experts, T tokens, K top-k, G GPUs.
 """
 
@@ -32,13 +34,14 @@ from r3trace.eplb.cover import cover_sizes, node_masks
 from r3trace.eplb.deepseek import global_phy2log
 from r3trace.eplb.node_model import two_node_dispatch
 from r3trace.eplb.placement import Cluster, within_churn
-from r3trace.eplb.score import EXACT_COVER_NODES
+from r3trace.eplb.score import EXACT_COVER_NODES, heat_of, node_limited_replay, phy2log_gpu_load
 from r3trace.eplb.static import SGLangDispatch, static_expected_load
 from r3trace.eplb.static_spread import static_even, static_even_ladder
 
 TAUS = (4.0, 2.0, 1.0, 0.5, 0.25, 0.0)  # expert load over the mean GPU load from which mixed experts are fixed
 NODE_MARGIN = 0.01  # of global's nodes per token the choice leaves unspent, for the held-out window's noise
 CHOICE_TOKENS = 2048  # newest tokens nodes per token is counted on
+SKEW = 0.01  # token_ladder: replayed max GPU load over the even split's above which a layer climbs
 
 
 def static_ladder(phy2log: np.ndarray, weight: np.ndarray, cluster: Cluster, tokens: np.ndarray,
@@ -82,6 +85,14 @@ def replay_ladder(phy2log: np.ndarray, weight: np.ndarray, cluster: Cluster, mea
         return load[:m].mean(1) / np.maximum(load[:m].max(1), 1e-12), nodes[:m], nodes[m:]
 
     out, gain = _climb(phy2log, _ladder(phy2log, w, cluster), global_phy2log(mean_loads, cluster), score)
+    return _within(phy2log, out, gain, prev, churn)
+
+
+def _within(phy2log: np.ndarray, out: np.ndarray, gain: np.ndarray, prev: np.ndarray | None, churn: float
+            ) -> np.ndarray:
+    """The default plan [L, P], its laddered layout [L, P] and each layer's gain [L] (_climb's) -> out, or with prev
+    [L, P] (a re-plan's previous placement) the laddered layers biggest gain first while the slots moved from prev
+    stay within `churn` of all slots."""
     if prev is None:
         return out
     rows = np.flatnonzero((out != phy2log).any(1))  # the laddered layers
@@ -89,14 +100,62 @@ def replay_ladder(phy2log: np.ndarray, weight: np.ndarray, cluster: Cluster, mea
     return within_churn(phy2log, out, prev, rows[np.argsort(-gain[rows], kind="stable")], budget)
 
 
+def token_ladder(phy2log: np.ndarray, weight: np.ndarray, cluster: Cluster, tokens: np.ndarray,
+                 mean_loads: np.ndarray, prev: np.ndarray | None = None, churn: float = 1.0) -> np.ndarray:
+    """Two nodes with tokens, node-limited dispatch: the same ladder on the layers whose node-limited replay of the
+    newest CHOICE_TOKENS tokens puts their max GPU load more than SKEW over the even split's on the same tokens, each
+    layout scored by that replay (score.node_limited_replay: balancedness and nodes per token from the same covers),
+    within global's replayed nodes per token over all layers less NODE_MARGIN -> phy2log [L, P]; prev and churn as
+    replay_ladder's.
+
+    Why: the replay contest (dispatch_contest.py) takes global's whole layout or keeps ours', and a still re-plan only
+    guards its layers against the previous ones, so ours' co-location can keep a node's few replicas of a hot expert
+    under the tokens that fit that node. Why only skewed layers: over 60 two-node plans (bench/eplb_traces.py's
+    families, 16 / 2 / 288) the ladder changed 55 of the 137 layers under SKEW by 0.6% of replayed balancedness on
+    average, in-sample noise, and 26 of the 43 above by 2-6%; laddering every layer cost a fresh plan at [58, 256]
+    0.05 s (0.03 s without the ladder)."""
+    tok = np.asarray(tokens[-CHOICE_TOKENS:])
+    e = weight.shape[1]
+    glob = global_phy2log(mean_loads, cluster)
+    (top, _), (mine, theirs) = node_limited_replay([phy2log, glob], e, tok, cluster)  # [L] each
+    even = phy2log_gpu_load(phy2log, heat_of(tok, e), cluster).max(1)  # [L]
+    skewed = top > even * (1 + SKEW)
+    if not skewed.any():
+        return phy2log
+    rows = np.flatnonzero(skewed)
+    sub, tok = phy2log[rows], tok[:, rows]
+    mean = tok.shape[0] * tok.shape[2] / cluster.num_gpus  # every layer's mean GPU load: T K units over G
+    # the budget is the whole plan's, as the other ladders': global's nodes per token over every layer less the
+    # margin, less what the layers left as they are spend
+    budget = float(theirs.sum()) * (1 - NODE_MARGIN) - float(mine[~skewed].sum())
+
+    def score(layouts: np.ndarray, li: np.ndarray, _: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        # layouts of one layer go to distinct whole layouts (the k-th of a layer to layout k), each filled out with
+        # the default plan's other layers, replayed in one call
+        rank = np.zeros(len(li), dtype=np.int64)
+        for layer in np.unique(li):
+            at = np.flatnonzero(li == layer)
+            rank[at] = np.arange(len(at))
+        whole = np.repeat(sub[None], int(rank.max()) + 1, axis=0)  # [V', R, P]
+        whole[rank, li] = layouts
+        peak, nodes = node_limited_replay(list(whole), e, tok, cluster)  # [V', R]
+        return mean / np.maximum(peak[rank, li], 1e-12), nodes[rank, li], theirs[rows]
+
+    got, gain = _climb(sub, _ladder(sub, weight[rows], cluster), glob[rows], score, budget)
+    out, full = phy2log.copy(), np.ones(len(phy2log))
+    out[rows], full[rows] = got, gain
+    return _within(phy2log, out, full, prev, churn)
+
+
 Score = Callable[[np.ndarray, np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]]
 
 
-def _climb(phy2log: np.ndarray, ladder: np.ndarray, glob: np.ndarray, score: Score) -> tuple[np.ndarray, np.ndarray]:
+def _climb(phy2log: np.ndarray, ladder: np.ndarray, glob: np.ndarray, score: Score,
+           budget: float | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The default plan [L, P], its ladder [V, L, P], global's layout [L, P], score(rows [M, P], their layers [M],
     glob) -> (balancedness [M], nodes per token [M], global's nodes per token [L]) -> (each layer's rung [L, P]: the
     most balancedness within global's nodes per token less NODE_MARGIN (choose), its balancedness over the default
-    plan's [L])."""
+    plan's [L]). budget: the summed nodes per token the layers may spend, where not global's less NODE_MARGIN."""
     # a layer's layout is often the same for several taus: score each distinct one once (pairs v, l whose layout
     # differs from v - 1's), then copy the scores down the ladder
     fresh = np.ones(ladder.shape[:2], dtype=bool)  # [V, L]
@@ -108,7 +167,7 @@ def _climb(phy2log: np.ndarray, ladder: np.ndarray, glob: np.ndarray, score: Sco
     bal[vi, li], nodes[vi, li], theirs = score(ladder[vi, li], li, glob)  # the distinct layouts, each as a layer
     src = np.maximum.accumulate(np.where(fresh, np.arange(len(ladder))[:, None], 0), axis=0)  # [V, L]
     bal, nodes = np.take_along_axis(bal, src, 0), np.take_along_axis(nodes, src, 0)
-    pick = choose(bal, nodes, float(theirs.sum()) * (1 - NODE_MARGIN))  # [L]
+    pick = choose(bal, nodes, float(theirs.sum()) * (1 - NODE_MARGIN) if budget is None else budget)  # [L]
     layers = np.arange(ladder.shape[1])
     return ladder[pick, layers], bal[pick, layers] / np.maximum(bal[0], 1e-12)
 

@@ -18,7 +18,7 @@ from r3trace.eplb.evaluate import plan_policy, planner_config
 from r3trace.eplb.placement import from_phy2log
 from r3trace.eplb.planner import _plan, planning_forecast
 from r3trace.eplb.score import balancedness, even_gpu_load, heat_of, node_limited
-from r3trace.eplb.static_ladder import replay_ladder, static_ladder
+from r3trace.eplb.static_ladder import replay_ladder, static_ladder, token_ladder
 
 E, GROUPS, K, LAYERS = 128, 8, 8, 2
 OFF = PlannerConfig(replay_margin=-1.0)
@@ -73,10 +73,11 @@ def test_other_node_counts_and_margin_off_keep_ours(windows: tuple[np.ndarray, n
     four = Cluster(32, 4, 160, num_groups=GROUPS)
     assert (plan(h, four, tokens=fit).phy2log == plan(h, four, tokens=fit, cfg=OFF).phy2log).all()
     two = Cluster(16, 2, 160, num_groups=GROUPS)
-    huge = PlannerConfig(replay_margin=0.99)  # global would need a max load under 1% of ours'
-    assert (plan(h, two, tokens=fit, cfg=huge).phy2log == plan(h, two, tokens=fit, cfg=OFF).phy2log).all()
-    # heat only: nothing to replay; the router model's ladder instead (test_eplb_replay_ladder.py)
+    huge = PlannerConfig(replay_margin=0.99)  # global would need a max load under 1% of ours': only the ladder runs
     w = planning_forecast(h, None, PlannerConfig(), two)[0]
+    laddered = token_ladder(plan(h, two, tokens=fit, cfg=OFF).phy2log, w, two, fit, h)
+    assert (plan(h, two, tokens=fit, cfg=huge).phy2log == laddered).all()
+    # heat only: nothing to replay; the router model's ladder instead (test_eplb_replay_ladder.py)
     ladder = replay_ladder(plan(h, two, cfg=OFF).phy2log, w, two, h, PlannerConfig().router)
     assert (plan(h, two).phy2log == ladder).all()
 
@@ -156,8 +157,10 @@ def test_a_drifting_two_node_replan_takes_global_by_replay_too() -> None:
             if moving:
                 assert (got == np.where(take[:, None], align(glob, prev.phy2log, two), raw)).all()
                 took += int(take.sum())
-            else:
-                assert (got == old).all()
+            else:  # the guard, then the replayed static-even ladder within the churn budget (static_ladder.py)
+                want = token_ladder(old, w, two, wins[t], heats[:t + 1].sum(0), prev.phy2log,
+                                    PlannerConfig().seeded_churn_budget)
+                assert (got == want).all()
             held_new.append(balancedness(node_limited(from_phy2log(got, E), wins[t + 1], two).gpu_load))
             held_old.append(balancedness(node_limited(from_phy2log(old, E), wins[t + 1], two).gpu_load))
             prev = from_phy2log(got, E)
