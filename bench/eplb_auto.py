@@ -148,7 +148,7 @@ def fixed(name: str) -> Rule:
     return lambda point: name
 
 
-RULES: dict[str, Rule] = {"auto": rule_auto, "rank all (the rule before)": rule_rank_all,
+RULES: dict[str, Rule] = {"auto": rule_auto, "rank all (not shipped)": rule_rank_all,
                           "ours + ema": fixed("ours/ema"), "global + mean": fixed("global/mean"),
                           "global + newest": fixed("global/newest")}
 
