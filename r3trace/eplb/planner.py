@@ -104,7 +104,7 @@ from r3trace.eplb.replan import held_refresh, max_load_floor, over, refreshed, s
 from r3trace.eplb.scenarios import spread
 from r3trace.eplb.score import even_gpu_load, node_counts, phy2log_gpu_load
 from r3trace.eplb.static import static_expected_load
-from r3trace.eplb.static_ladder import replay_ladder, static_ladder, token_ladder
+from r3trace.eplb.static_ladder import model_static_ladder, replay_ladder, static_ladder, token_ladder
 from r3trace.eplb.static_one_node import keep_lower, static_one_node
 from r3trace.eplb.static_spread import static_even
 
@@ -288,6 +288,8 @@ def _static_even_plan(new: np.ndarray, loads: np.ndarray, mean_loads: np.ndarray
     w, moving = fc
 
     def finish(phy2log: np.ndarray) -> np.ndarray:
+        if tokens is None and cluster.num_nodes == 2:  # nodes per token from the router model
+            return model_static_ladder(phy2log, w, cluster, mean_loads, cfg.router, cfg.sglang_dispatch)
         if tokens is None:
             return static_even(phy2log, w, cluster)
         return static_ladder(phy2log, w, cluster, tokens, mean_loads, cfg.sglang_dispatch)

@@ -13,10 +13,12 @@ import pytest
 from r3trace.eplb import Cluster, global_policy, plan
 from r3trace.eplb.cover import cover_sizes
 from r3trace.eplb.evaluate import planner_config
+from r3trace.eplb.node_model import two_node_dispatch
 from r3trace.eplb.placement import from_phy2log
+from r3trace.eplb.planner import _plan, planning_forecast
 from r3trace.eplb.score import balancedness, heat_of, node_counts, node_limited
 from r3trace.eplb.static import static_expected_load, static_gpu_load
-from r3trace.eplb.static_ladder import choose
+from r3trace.eplb.static_ladder import NODE_MARGIN, choose, model_static_ladder
 from r3trace.eplb.static_spread import mixed, static_even
 from tests.analysis.test_eplb_static_spread import per_node, skewed
 
@@ -96,7 +98,7 @@ def test_choose_is_optimal_on_small_cases_within_a_hull_gap() -> None:
 def test_static_plan_dominates_global_held_out(g: int, n: int, p: int, s: float, seed: int,
                                                dispatch: Literal["static", "dynamic"]) -> None:
     # with the newest tokens the plan for static dispatch keeps nodes per token under DeepSeek global's and its
-    # static balancedness above it, held out; without tokens it fixes every mixed expert (static_even)
+    # static balancedness above it, held out
     e = 256
     ids = skewed(seed, e, 3, 8000, 8, s)
     train, held = ids[:4000], ids[4000:]
@@ -109,8 +111,17 @@ def test_static_plan_dominates_global_held_out(g: int, n: int, p: int, s: float,
     nodes = {k: float(node_limited(pl, held, cl).nodes.mean()) for k, pl in (("ours", mine), ("global", glob))}
     assert bal["ours"] > bal["global"] + 0.05, bal
     assert nodes["ours"] <= nodes["global"], nodes
-    no_tokens = plan(heat, cl, cfg=planner_config("static"))
-    assert not any(mixed(x) for layer in per_node(no_tokens.phy2log, e, cl) for x in layer)
+    cfg = planner_config("static")
+    no_tokens = plan(heat, cl, cfg=cfg)
+    if n == 2:  # without tokens the router model counts nodes per token (model_static_ladder), within global's
+        w = planning_forecast(heat, None, cfg, cl)[0]
+        want = model_static_ladder(_plan(heat, cl, None, None, cfg).phy2log, w, cl, heat, cfg.router)
+        np.testing.assert_array_equal(no_tokens.phy2log, want)
+        expected = [two_node_dispatch(pl.phy2log, w, cl, *cfg.router)[1].sum() for pl in (no_tokens, glob)]
+        assert expected[0] <= expected[1] * (1 - NODE_MARGIN) + 1e-9, expected
+        assert float(node_limited(no_tokens, held, cl).nodes.mean()) <= nodes["global"]
+    else:  # on more nodes it fixes every mixed expert (static_even)
+        assert not any(mixed(x) for layer in per_node(no_tokens.phy2log, e, cl) for x in layer)
     assert any(mixed(x) for layer in per_node(mine.phy2log, e, cl) for x in layer)  # the choice left some mixed
     assert from_phy2log(mine.phy2log, e).logcnt.sum() == cl.num_slots * 3
 
