@@ -13,9 +13,10 @@ layout of the same loads on the same tokens, less NODE_MARGIN (the goal of issue
 no more nodes per token). Greedy over the layers' upper hull, best balancedness gained per node per token first.
 
 When: plan()'s last step on 2-8 nodes under `--dispatch static` (PlannerConfig.static_even) where the plan has the
-newest tokens; without them no nodes per token can be counted, and on more nodes the exact cover would enumerate
-2^N node subsets, so there every mixed expert is fixed (static_even; on 16-18 nodes that plan has fewer nodes per
-token than global in every one of bench/eplb_matrix.py's cells, and static balancedness at most 0.009 under it).
+newest tokens; on two nodes without them, nodes per token expected under the router model (model_static_ladder); on
+more nodes without tokens, or beyond 8 nodes, where the exact cover would enumerate 2^N node subsets, every mixed
+expert is fixed (static_even; on 16-18 nodes that plan has fewer nodes per token than global in every one of
+bench/eplb_matrix.py's cells, and static balancedness at most 0.009 under it).
 Under node-limited dispatch (the default plan) on two nodes with spare slots the same ladder is climbed with each layout
 scored by node-limited replay of the newest tokens (token_ladder, in the layers whose replay is skewed), or without
 tokens by the router model's expected node-limited loads and nodes per token (replay_ladder,
