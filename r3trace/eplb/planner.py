@@ -237,8 +237,8 @@ def plan(
     fit nodes (affinity.py); elsewhere they are unused: packing by replayed dispatch over-fitted a
     2,048-token sample (0.887 vs 0.934 held out), and with one node per expert the dispatcher's load is
     the even-split load anyway. On two nodes with spare slots they also pick layouts by node-limited replay
-    (dispatch_contest.py): a fresh plan's and a drifting re-plan's global layouts, and a still re-plan's layers kept
-    from `prev`.
+    (dispatch_contest.py): a fresh plan's and a drifting re-plan's global layouts, a still re-plan's layers kept
+    from `prev`, and a fresh or still plan's static-even rungs in the layers replay skews (static_ladder.token_ladder).
     """
     fc = planning_forecast(loads, prev, cfg, cluster)
     # a drifting multi-node re-plan's global layout: its layers' contest (_plan) and the two-node replay's (below)
