@@ -16,6 +16,7 @@ from r3trace.eplb import deepseek, forecast, planner, score
 from r3trace.eplb.config import PlannerConfig
 from r3trace.eplb.placement import Cluster, Placement
 from r3trace.eplb.static import demand, dispatched_load
+from r3trace.eplb.static_spread import STATIC_EVEN_CHURN
 
 PolicyName = Literal["ours", "global", "hierarchical", "cross_node"]
 POLICIES: tuple[PolicyName, ...] = ("ours", "global", "hierarchical", "cross_node")
@@ -28,7 +29,6 @@ FORECASTS: tuple[Forecast, ...] = ("ema", "mean", "newest")
 # rank's own replica or its node's first as static does, and draws one of all replicas per pair otherwise; judged
 # in expectation)
 DispatchName = Literal["node-limited", "static", "dynamic"]
-STATIC_EVEN_CHURN = 0.02  # of the re-plan budgets, left to static_spread.py under static dispatch (planner_config)
 DISPATCHES: tuple[DispatchName, ...] = ("node-limited", "static", "dynamic")
 
 

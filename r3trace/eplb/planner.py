@@ -106,7 +106,7 @@ from r3trace.eplb.score import even_gpu_load, node_counts, phy2log_gpu_load
 from r3trace.eplb.static import static_expected_load
 from r3trace.eplb.static_ladder import model_static_ladder, replay_ladder, static_ladder, token_ladder
 from r3trace.eplb.static_one_node import keep_lower, static_one_node
-from r3trace.eplb.static_spread import static_even
+from r3trace.eplb.static_spread import STATIC_EVEN_CHURN, static_even
 
 # a drifting multi-node re-plan judges layouts by the next window's E[max] bound (replan.held_refresh) only with more
 # slots a GPU than this: on 2 nodes (16-18 a GPU) the forecast's max load sits at its floor in nearly every layout, on
@@ -287,18 +287,20 @@ def _static_even_plan(new: np.ndarray, loads: np.ndarray, mean_loads: np.ndarray
     over layers. mean_loads [L, E]: the windows' summed loads; fc: planning_forecast's (w, moving) for cfg."""
     w, moving = fc
 
-    def finish(phy2log: np.ndarray) -> np.ndarray:
+    def finish(phy2log: np.ndarray, still: bool) -> np.ndarray:  # still: a re-plan within the churn budget
         if tokens is None and cluster.num_nodes == 2:  # nodes per token from the router model
-            return model_static_ladder(phy2log, w, cluster, mean_loads, cfg.router, cfg.sglang_dispatch)
+            churn_from = prev.phy2log if still and prev is not None else None
+            return model_static_ladder(phy2log, w, cluster, mean_loads, cfg.router, cfg.sglang_dispatch, churn_from,
+                                       cfg.seeded_churn_budget + STATIC_EVEN_CHURN)
         if tokens is None:
             return static_even(phy2log, w, cluster)
         return static_ladder(phy2log, w, cluster, tokens, mean_loads, cfg.sglang_dispatch)
 
-    out = finish(new)
+    out = finish(new, not moving)
     if prev is None or not moving or cluster.num_slots == loads.shape[-1]:  # P = E: nothing to make static-even, so
         # the refreshed plan costs no max load (and keeps locality.locality_refresh's layers)
         return out
-    still = finish(_plan(loads, cluster, prev, tokens, replace(cfg, refresh_drift=float("inf"))).phy2log)
+    still = finish(_plan(loads, cluster, prev, tokens, replace(cfg, refresh_drift=float("inf"))).phy2log, True)
     how = cfg.sglang_dispatch
     gain = (static_expected_load(still, w, cluster, dispatch=how).max(1)
             / static_expected_load(out, w, cluster, dispatch=how).max(1))  # [L]

@@ -65,12 +65,15 @@ def static_ladder(phy2log: np.ndarray, weight: np.ndarray, cluster: Cluster, tok
 
 
 def model_static_ladder(phy2log: np.ndarray, weight: np.ndarray, cluster: Cluster, mean_loads: np.ndarray,
-                        router: tuple[int, int], dispatch: SGLangDispatch = "static") -> np.ndarray:
+                        router: tuple[int, int], dispatch: SGLangDispatch = "static", prev: np.ndarray | None = None,
+                        churn: float = 1.0) -> np.ndarray:
     """Two nodes without tokens, SGLang's dispatch: static_ladder's climb, each layout's nodes per token (and global's,
     the budget) expected under the router model (node_model.two_node_dispatch, router = (top_k, topk_group)) in
-    place of counted on tokens -> phy2log [L, P]. Fixing every mixed expert instead (static_even, what plans without
-    tokens on more nodes get) put bench/eplb_matrix.py's SGLang-dump two-node cells 0.017-0.018 nodes per token over
-    global's."""
+    place of counted on tokens -> phy2log [L, P]; prev and churn as replay_ladder's (a still re-plan's rungs change
+    between re-plans where fixing every mixed expert did not: unbudgeted, an unchanged workload's first re-plan moved
+    10.4% of slots, tests/analysis/test_eplb_static_spread.py). Fixing every mixed expert instead (static_even, what
+    plans without tokens on more nodes get) put bench/eplb_matrix.py's SGLang-dump two-node cells 0.017-0.018 nodes
+    per token over global's."""
 
     def score(rows: np.ndarray, li: np.ndarray, glob: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         load = static_expected_load(rows, weight[li], cluster, dispatch=dispatch)  # [M, G]
@@ -79,7 +82,8 @@ def model_static_ladder(phy2log: np.ndarray, weight: np.ndarray, cluster: Cluste
         m = len(li)
         return load.mean(1) / np.maximum(load.max(1), 1e-12), nodes[:m], nodes[m:]
 
-    return _climb(phy2log, _ladder(phy2log, weight, cluster), global_phy2log(mean_loads, cluster), score)[0]
+    out, gain = _climb(phy2log, _ladder(phy2log, weight, cluster), global_phy2log(mean_loads, cluster), score)
+    return _within(phy2log, out, gain, prev, churn)
 
 
 def replay_ladder(phy2log: np.ndarray, weight: np.ndarray, cluster: Cluster, mean_loads: np.ndarray,

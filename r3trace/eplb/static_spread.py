@@ -33,6 +33,8 @@ from r3trace.eplb.placement import Cluster, replicas_per_node
 LEVEL_BLOCK = 1 << 20  # bytes of [S, P] float candidates _level handles at once (cache-sized temporaries)
 SWAP_TRIES = 4  # least pairs _swap_one checks one by one before checking every pair at once
 LEVEL_SHARE = 0.02  # slots a layer the leveling may move (two a swap), as a share of P; the churn goal is 10%
+STATIC_EVEN_CHURN = 0.02  # of the re-plan budgets, left to the static-even moves under SGLang's dispatch
+# (evaluate.planner_config)
 
 
 def bad_nodes(node_count: np.ndarray, count: np.ndarray | int) -> np.ndarray:

@@ -11,7 +11,7 @@ import pytest
 from r3trace.eplb import Cluster, churn, global_policy, layout, plan
 from r3trace.eplb.evaluate import planner_config
 from r3trace.eplb.placement import from_phy2log
-from r3trace.eplb.score import balancedness, even_gpu_load, heat_of
+from r3trace.eplb.score import balancedness, even_gpu_load, heat_of, node_limited
 from r3trace.eplb.static import static_gpu_load
 from r3trace.eplb.static_spread import EvenMoves, bad_nodes, mixed, static_even
 
@@ -95,9 +95,11 @@ def test_plan_for_static_dispatch_beats_node_limited_plan_and_global_held_out() 
     train, held = ids[:4000], ids[4000:]
     cl = Cluster(g, n, p, num_groups=8)
     heat = heat_of(train, e)
-    # without the newest tokens no nodes per token is counted and every mixed expert is fixed (static_ladder.py)
+    # without the newest tokens two nodes count nodes per token under the router model (static_ladder's
+    # model_static_ladder): held out no more than global's
     mine = plan(heat, cl, cfg=planner_config("static"))
-    assert not any(mixed(x) for layer in per_node(mine.phy2log, e, cl) for x in layer)
+    glob_nodes = float(node_limited(global_policy(heat, cl), held, cl).nodes.mean())
+    assert float(node_limited(mine, held, cl).nodes.mean()) <= glob_nodes
     score = {name: balancedness(static_gpu_load(pl, held, cl)) for name, pl in (
         ("static", mine), ("node-limited", plan(heat, cl, tokens=train)), ("global", global_policy(heat, cl)))}
     assert score["static"] > max(score["node-limited"], score["global"]) + 0.05, score
@@ -106,8 +108,8 @@ def test_plan_for_static_dispatch_beats_node_limited_plan_and_global_held_out() 
 @pytest.mark.parametrize("nodes", [2, 4])
 def test_unchanged_workload_replans_static_even_within_the_budget(nodes: int) -> None:
     # one router, 8 windows of 2,048 tokens: every re-plan for static dispatch moves <= 10% of slots (the issue's
-    # churn goal), its own budget lowered by what static_even may add (planner_config); heat alone, every re-plan
-    # stays static-even, and with the tokens (static_ladder.py) too
+    # churn goal), its own budget lowered by what static_even may add (planner_config); heat alone on four nodes every
+    # re-plan stays static-even, and with the tokens (static_ladder.py) too
     e = 64
     routes = skewed(9, e, 3, 8 * 2048, 6, 1.0).reshape(8, 2048, 3, 6)
     heats = np.stack([heat_of(w, e) for w in routes])
@@ -116,7 +118,9 @@ def test_unchanged_workload_replans_static_even_within_the_budget(nodes: int) ->
         prev, moved = None, []
         for t in range(1, len(routes)):
             pl = plan(heats[:t + 1], cl, prev, tokens=routes[t] if with_tokens else None, cfg=cfg)
-            assert with_tokens or not any(mixed(x) for layer in per_node(pl.phy2log, e, cl) for x in layer)
+            # without tokens four nodes fix every mixed expert (two climb within the router model's nodes budget)
+            fixed = not any(mixed(x) for layer in per_node(pl.phy2log, e, cl) for x in layer)
+            assert with_tokens or nodes == 2 or fixed
             if prev is not None:
                 moved.append(churn(prev, pl))
             prev = pl
