@@ -77,10 +77,8 @@ def model_static_ladder(phy2log: np.ndarray, weight: np.ndarray, cluster: Cluste
 
     def score(rows: np.ndarray, li: np.ndarray, glob: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         load = static_expected_load(rows, weight[li], cluster, dispatch=dispatch)  # [M, G]
-        _, nodes = two_node_dispatch(np.concatenate([rows, glob]), np.concatenate([weight[li], weight]), cluster,
-                                     *router)
-        m = len(li)
-        return load.mean(1) / np.maximum(load.max(1), 1e-12), nodes[:m], nodes[m:]
+        _, nodes, theirs = _modelled(rows, li, glob, weight, cluster, router)
+        return load.mean(1) / np.maximum(load.max(1), 1e-12), nodes, theirs
 
     out, gain = _climb(phy2log, _ladder(phy2log, weight, cluster), global_phy2log(mean_loads, cluster), score)
     return _within(phy2log, out, gain, prev, churn)
@@ -100,15 +98,23 @@ def replay_ladder(phy2log: np.ndarray, weight: np.ndarray, cluster: Cluster, mea
     still re-plans and fresh plans): s = 1.2, slow drift, node-limited replay 0.801 -> 0.900 (global 0.890) at the
     even split 0.927 -> 0.924 and 1.81 -> 1.96 nodes per token (global 1.98). The same ladder scored by SGLang's static
     dispatch reached 0.882 and cost the fast-drift cells 0.002-0.003 of the even split."""
-    w = weight
 
     def score(rows: np.ndarray, li: np.ndarray, glob: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        load, nodes = two_node_dispatch(np.concatenate([rows, glob]), np.concatenate([w[li], w]), cluster, *router)
-        m = len(li)
-        return load[:m].mean(1) / np.maximum(load[:m].max(1), 1e-12), nodes[:m], nodes[m:]
+        load, nodes, theirs = _modelled(rows, li, glob, weight, cluster, router)
+        return load.mean(1) / np.maximum(load.max(1), 1e-12), nodes, theirs
 
-    out, gain = _climb(phy2log, _ladder(phy2log, w, cluster), global_phy2log(mean_loads, cluster), score)
+    out, gain = _climb(phy2log, _ladder(phy2log, weight, cluster), global_phy2log(mean_loads, cluster), score)
     return _within(phy2log, out, gain, prev, churn)
+
+
+def _modelled(rows: np.ndarray, li: np.ndarray, glob: np.ndarray, weight: np.ndarray, cluster: Cluster,
+              router: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Layouts rows [M, P] of layers li [M], global's layout [L, P] -> node_model.two_node_dispatch's expected
+    node-limited GPU loads [M, G] and nodes per token [M] of the rows, and global's nodes per token [L], in one call."""
+    load, nodes = two_node_dispatch(np.concatenate([rows, glob]), np.concatenate([weight[li], weight]), cluster,
+                                    *router)
+    m = len(li)
+    return load[:m], nodes[:m], nodes[m:]
 
 
 def _within(phy2log: np.ndarray, out: np.ndarray, gain: np.ndarray, prev: np.ndarray | None, churn: float
