@@ -4,6 +4,7 @@ node-limited dispatch (score.py) and trace replay (replay.py). Contract: weight 
 
 from r3trace.eplb.config import PlannerConfig
 from r3trace.eplb.deepseek import cross_node, global_policy, hierarchical
+from r3trace.eplb.fresh import Layout, layout
 from r3trace.eplb.placement import (
     Cluster,
     Placement,
@@ -14,7 +15,7 @@ from r3trace.eplb.placement import (
     to_json,
     to_sglang,
 )
-from r3trace.eplb.planner import Layout, layout, plan
+from r3trace.eplb.planner import plan
 
 __all__ = [
     "Cluster", "Layout", "Placement", "PlacementError", "PlannerConfig", "churn", "cross_node", "from_phy2log",

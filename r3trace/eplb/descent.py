@@ -23,7 +23,7 @@ a draw). Over bench/eplb_matrix.py's 118 cells, against drops > 0.002 x the mean
 0.00006 -> -0.00005 +- 0.00004), no new "no", their churn up to 1.7 points more (at most 9.4% a re-plan). Only with
 > 2 slots a GPU (with two, pairing.py picks the hottest replica's companion).
 
-Before the P = E contest (PlannerConfig.contest_swaps, planner.fresh_plan): up to 32 swaps on ours' hottest GPU, any
+Before the P = E contest (PlannerConfig.contest_swaps, fresh.fresh_plan): up to 32 swaps on ours' hottest GPU, any
 drop: the leveling lowers squared loads and leaves ours' max load 0.5-2% over global's; after them ours ties or
 beats global's max load in 95-100% of the layers at [58, 256] on 2-8 nodes, at 0.3-1.1 fewer nodes per token. They
 cost 0.002 s a plan on the hottest GPU alone; on the 8 hottest they doubled a fresh plan on 64 / 8 / 256 to 0.10 s

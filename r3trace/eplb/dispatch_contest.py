@@ -1,5 +1,5 @@
 """On two nodes, per layer of a fresh plan: ours' layout or DeepSeek global's, by node-limited replay of the newest
-tokens. Runs in planner.fresh_plan where replicas spread over nodes (spare slots, tokens given, not keep_groups),
+tokens. Runs in fresh.fresh_plan where replicas spread over nodes (spare slots, tokens given, not keep_groups),
 when ours plans for node-limited dispatch (evaluate.planner_config: `r3trace eplb --dispatch`'s default).
 
 Why: ours plans for the even split, and its co-located layout lets many tokens fit on one node. A dispatcher that
@@ -37,7 +37,7 @@ import numpy as np
 from r3trace.eplb.alignment import align
 from r3trace.eplb.deepseek import global_phy2log
 from r3trace.eplb.placement import Cluster
-from r3trace.eplb.score import node_limited_max, node_limited_replay
+from r3trace.eplb.replay_max import node_limited_max, node_limited_replay
 from r3trace.eplb.static_ladder import NODE_MARGIN
 
 

@@ -85,7 +85,7 @@ def polish(phy2log: np.ndarray, weight: np.ndarray, cluster: Cluster, tokens: np
     rounds = KICKS // out.shape[0] if not covers else min(KICKS, KICK_COVERS // covers) // out.shape[0]
     rounds = rounds if rounds >= KICK_MIN_ROUNDS else 0
     lowered = 0 if tokens is None or not covers else cover_rounds(cluster, out.shape[0], min(len(tokens), COACT_TOKENS))
-    spread = max(cluster.num_nodes, cluster.gpus_per_node)  # the planner's replica cap (planner.spread_cap)
+    spread = max(cluster.num_nodes, cluster.gpus_per_node)  # the planner's replica cap (fresh.spread_cap)
     for layer in range(out.shape[0]):
         tok = None if tokens is None or not len(tokens) else np.asarray(tokens[-COACT_TOKENS:, layer], dtype=np.int64)
         w = np.asarray(weight[layer], dtype=np.float64)

@@ -44,10 +44,11 @@ from r3trace.eplb.descent import hot_swaps
 from r3trace.eplb.emax import emax_swaps, layout_bound, layout_bounds
 from r3trace.eplb.homing import capped_counts
 from r3trace.eplb.leveling import level_refine
+from r3trace.eplb.node_cover import EXACT_COVER_NODES
 from r3trace.eplb.pairing import paired, sorted_pairs
 from r3trace.eplb.placement import Cluster, Placement, from_phy2log
 from r3trace.eplb.reseat import reseat
-from r3trace.eplb.score import EXACT_COVER_NODES, node_limited, phy2log_gpu_load
+from r3trace.eplb.score import node_limited, phy2log_gpu_load
 
 if TYPE_CHECKING:
     from r3trace.eplb.candidates import Contest
@@ -145,7 +146,7 @@ SLACK_TOKENS = 512
 
 def crosses(cluster: Cluster, cfg: PlannerConfig) -> bool:
     """True where a seeded re-plan's leveling may move any replica across nodes under slack (cross_slack): <= 8 nodes
-    (the dispatcher's exact cover, score.EXACT_COVER_NODES, so a layer's count is its own whatever other layers are
+    (the dispatcher's exact cover, node_cover.EXACT_COVER_NODES, so a layer's count is its own whatever other layers are
     planned) and > 2 slots per GPU. With two slots per GPU pairing.paired already re-picks every GPU's lighter
     replica over all nodes; there (bench/eplb_matrix.py's 16- and 18-node cells) the rule moved balancedness
     -0.0006 .. +0.0002 on average, 3-5 cells up and 1-4 down, noise."""

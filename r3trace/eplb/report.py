@@ -31,10 +31,10 @@ from r3trace.eplb.evaluate import (
     policy_input,
     score_placement,
 )
+from r3trace.eplb.fresh import Layout, layout
 from r3trace.eplb.loads import HeatSource, TokenSample, run_facts, span_heat, span_sample
 from r3trace.eplb.origins import Origin, layer_origins
 from r3trace.eplb.placement import Cluster, Placement, PlacementError, churn, from_phy2log
-from r3trace.eplb.planner import Layout, layout
 from r3trace.eplb.score import even_gpu_load, node_counts
 from r3trace.eplb.static import TokenSources, token_sources
 from r3trace.errors import StoreError

@@ -33,9 +33,11 @@ import numpy as np
 from r3trace.eplb import portable
 from r3trace.eplb.cover import cover_sizes, node_masks
 from r3trace.eplb.deepseek import global_phy2log
+from r3trace.eplb.node_cover import EXACT_COVER_NODES
 from r3trace.eplb.node_model import two_node_dispatch
 from r3trace.eplb.placement import Cluster, within_churn
-from r3trace.eplb.score import EXACT_COVER_NODES, heat_of, node_limited_replay, phy2log_gpu_load
+from r3trace.eplb.replay_max import node_limited_replay
+from r3trace.eplb.score import heat_of, phy2log_gpu_load
 from r3trace.eplb.static import SGLangDispatch, static_expected_load
 from r3trace.eplb.static_spread import static_even, static_even_ladder
 
@@ -133,7 +135,7 @@ def token_ladder(phy2log: np.ndarray, weight: np.ndarray, cluster: Cluster, toke
                  mean_loads: np.ndarray, prev: np.ndarray | None = None, churn: float = 1.0) -> np.ndarray:
     """Two nodes with tokens, node-limited dispatch: the same ladder on the layers whose node-limited replay of the
     newest CHOICE_TOKENS tokens puts their max GPU load more than SKEW over the even split's on the same tokens, each
-    layout scored by that replay (score.node_limited_replay: balancedness and nodes per token from the same covers),
+    layout scored by that replay (node_limited_replay: balancedness and nodes per token from the same covers),
     within global's replayed nodes per token over all layers less NODE_MARGIN -> phy2log [L, P]; prev and churn as
     replay_ladder's.
 

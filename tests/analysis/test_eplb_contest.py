@@ -10,7 +10,7 @@ from bench.eplb_traces import TraceSpec, load_windows
 from r3trace.eplb import Cluster, PlannerConfig, candidates, from_phy2log, global_policy, plan, planner
 from r3trace.eplb.candidates import Contest, best_layout, losing_load, paired_se
 from r3trace.eplb.forecast import backtest_errors, drifts, forecast, pick_alpha
-from r3trace.eplb.planner import spread_cap, spread_layout
+from r3trace.eplb.fresh import spread_cap, spread_layout
 from r3trace.eplb.replan import refreshed
 from r3trace.eplb.score import even_gpu_load, heat_of
 

@@ -10,8 +10,9 @@ import pytest
 from bench.eplb_traces import TraceSpec, load_windows
 from r3trace.eplb import Cluster, Placement, PlannerConfig, plan
 from r3trace.eplb.emax import drift_noise, emax_bound, layout_bound
+from r3trace.eplb.fresh import fresh_plan
 from r3trace.eplb.homing import capped_counts
-from r3trace.eplb.planner import _plan, fresh_plan, planning_forecast
+from r3trace.eplb.planner import _plan, planning_forecast
 from r3trace.eplb.refine import swap_refine
 from r3trace.eplb.score import heat_of, node_counts, phy2log_gpu_load
 

@@ -10,7 +10,7 @@ from bench.eplb_matrix import METRICS, TraceSpec, cells, dominates, run_cell, su
 from bench.eplb_traces import sglang_dump, synth_windows
 from r3trace.analysis.synth import SynthConfig, route_windows
 from r3trace.eplb import Cluster, PlannerConfig, churn, global_policy, hierarchical, plan
-from r3trace.eplb.planner import layout
+from r3trace.eplb.fresh import layout
 from r3trace.eplb.score import balancedness, even_gpu_load, heat_of, node_limited
 
 

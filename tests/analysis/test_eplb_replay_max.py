@@ -1,4 +1,4 @@
-"""score.node_limited_max (each expert's units counted per cover node set) against node_limited's max GPU load (shares
+"""node_limited_max (each expert's units counted per cover node set) against node_limited's max GPU load (shares
 summed per token), on random layouts of odd shapes with the same seeds and chunks: the same covers, so equal up to
 float rounding; node_limited_replay's nodes per token equal to node_limited's. Run: .venv/bin/pytest
 tests/analysis/test_eplb_replay_max.py -q"""
@@ -8,9 +8,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from r3trace.eplb import Cluster, score
+from r3trace.eplb import Cluster, node_cover, replay_max
 from r3trace.eplb.placement import from_phy2log
-from r3trace.eplb.score import MAX_LOAD_NODES, node_limited, node_limited_max, node_limited_replay
+from r3trace.eplb.replay_max import MAX_LOAD_NODES, node_limited_max, node_limited_replay
+from r3trace.eplb.score import node_limited
 
 
 def random_layout(rng: np.random.Generator, n_layers: int, e: int, p: int) -> np.ndarray:
@@ -25,14 +26,14 @@ def random_layout(rng: np.random.Generator, n_layers: int, e: int, p: int) -> np
 def test_node_limited_max_equals_the_per_token_split(seed: int, block: int | None,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     if block is not None:  # a few tokens a block (LOAD_BLOCK choices, the last block of a chunk short)
-        monkeypatch.setattr(score, "LOAD_BLOCK", block)
+        monkeypatch.setattr(replay_max, "LOAD_BLOCK", block)
     rng = np.random.default_rng(seed)
     for _ in range(12):
         n = int(rng.integers(1, MAX_LOAD_NODES + 2))  # one above the counted path: the fallback
         gpn, spg = int(rng.integers(1, 4)), int(rng.integers(1, 5))
         p = n * gpn * spg
         e = int(rng.integers(max(1, p // 2), p + 1))
-        # K up to 8: two nodes OR a token's 8 kinds as one uint64 (score._or_over_k), other K one by one
+        # K up to 8: two nodes OR a token's 8 kinds as one uint64 (node_cover.or_over_k), other K one by one
         n_layers, k, t = int(rng.integers(1, 4)), int(rng.integers(1, min(e, 8) + 1)), int(rng.integers(1, 300))
         cl = Cluster(n * gpn, n, p)
         # one to three layouts, one call (two nodes gather two layouts' kinds at once: an odd one left over)
@@ -61,14 +62,14 @@ def test_node_limited_max_by_hand() -> None:
 
 @pytest.mark.parametrize(("seed", "k"), [(0, 2), (1, 3), (2, 8), (3, 8)])
 def test_two_node_covers_equal_the_subset_search(seed: int, k: int) -> None:
-    """score._cover_codes on two nodes (its _two_node_codes) against the search written from _tie_scores' doc: each
+    """node_cover.cover_codes on two nodes (its _two_node_codes) against the search written from tie_scores' doc: each
     covering subset in the draws' order, the first of the lowest scores; masks 0 (an expert on no node: code 0) to 3.
     K = 8: the kinds ORed as one uint64 a token."""
     rng = np.random.default_rng(seed)
     t, n_layers = 400, 3
     bits = rng.choice(np.arange(4, dtype=np.uint8), size=(t, n_layers, k), p=[0.03, 0.2, 0.2, 0.57])
-    got = score._cover_codes(bits, 2, score._tie_scores(np.random.default_rng(seed), 2, t, n_layers))
-    ties = list(score._tie_scores(np.random.default_rng(seed), 2, t, n_layers))
+    got = node_cover.cover_codes(bits, 2, node_cover.tie_scores(np.random.default_rng(seed), 2, t, n_layers))
+    ties = list(node_cover.tie_scores(np.random.default_rng(seed), 2, t, n_layers))
     want = np.zeros((t, n_layers), dtype=np.int64)
     for i, j in np.ndindex(t, n_layers):
         low = np.inf

@@ -15,7 +15,8 @@ from r3trace.eplb import Cluster, PlannerConfig, churn, plan
 from r3trace.eplb.deepseek import global_phy2log
 from r3trace.eplb.dispatch_contest import replay_guard
 from r3trace.eplb.planner import _plan, planning_forecast
-from r3trace.eplb.score import heat_of, node_limited_replay, phy2log_gpu_load
+from r3trace.eplb.replay_max import node_limited_replay
+from r3trace.eplb.score import heat_of, phy2log_gpu_load
 from r3trace.eplb.static_ladder import CHOICE_TOKENS, NODE_MARGIN, SKEW, _ladder, choose, token_ladder
 
 CL = Cluster(16, 2, 288)
