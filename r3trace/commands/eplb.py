@@ -58,8 +58,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "Every figure is printed either way")
     p.add_argument("--replay-tokens", type=positive_int, default=8192,
                    help="tokens replayed through node-limited dispatch per scored window")
-    p.add_argument("--previous", default=None, help="a placement JSON written by --out: report churn against it "
-                   "(ours re-plans from it)")
+    p.add_argument("--previous", default=None,
+                   help="the placement the cluster runs: a JSON written by --out, or SGLang's --init-expert-location "
+                        "file (.json or .pt, as --sglang writes); ours re-plans from it, and the report prints churn "
+                        "against it and its own scores, kept as is, beside the plan's")
     p.add_argument("--out", default=None, help="placement JSON: DeepSeek EPLB's phy2log, log2phy, logcnt (MoE layers)"
                    " and the report's figures under meta.report")
     p.add_argument("--sglang", default=None,
@@ -72,7 +74,8 @@ def run(args: argparse.Namespace) -> int:
     from r3trace.analysis.store import open_store
     from r3trace.commands.args import select_run
     from r3trace.eplb import Cluster, to_json, to_sglang
-    from r3trace.eplb.placement import PlacementError, from_json
+    from r3trace.eplb.placement import PlacementError
+    from r3trace.eplb.previous import read_previous
     from r3trace.eplb.report import PlanRequest, make_report
     from r3trace.eplb.window import WindowError
     from r3trace.errors import StoreError, UsageError
@@ -117,14 +120,9 @@ def run(args: argparse.Namespace) -> int:
     previous = None
     if args.previous:
         try:
-            previous, prev_cluster = from_json(Path(args.previous).read_text())
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise StoreError(f"--previous {args.previous}: not a placement JSON written by --out ({e})") from e
-        if prev_cluster != cluster or previous.logcnt.shape != (m.num_moe_layers, m.num_experts):
-            raise UsageError(f"--previous {args.previous}: planned for {prev_cluster.num_gpus} GPUs / "
-                             f"{prev_cluster.num_nodes} nodes / {prev_cluster.num_slots} slots, "
-                             f"{previous.logcnt.shape[0]} layers x {previous.logcnt.shape[1]} experts; this plan is "
-                             f"for {flags}, {m.num_moe_layers} x {m.num_experts}")
+            previous = read_previous(args.previous, cluster, m.num_hidden_layers, m.moe_layer_ids, m.num_experts)
+        except PlacementError as e:
+            raise UsageError(f"--previous {e}") from e
     asked = {} if args.windows is None else {"windows": args.windows}  # else PlanRequest's default
     dispatch: DispatchName = args.dispatch or ("static" if args.sglang else "node-limited")
     req = PlanRequest(cluster, args.policy, args.forecast, args.train, args.held_out, run_id, window_s=args.window_s,
@@ -225,6 +223,7 @@ def report_lines(rep: Report, cluster: object, layer_ids: tuple[int, ...], previ
     if rep.origins is not None:
         out.append(origins_line(rep.origins, rep.churn is not None))
     h = rep.held
+    kept = _kept_rows(rep, cluster.node_limit)
     rows = [("balancedness (even split)", rep.in_sample.balancedness_even, h and h.balancedness_even, ".4f"),
             ("balancedness (replayed)", rep.in_sample.balancedness_replay, h and h.balancedness_replay, ".4f"),
             ("balancedness (SGLang static)", rep.in_sample.balancedness_static, h and h.balancedness_static,
@@ -235,8 +234,12 @@ def report_lines(rep: Report, cluster: object, layer_ids: tuple[int, ...], previ
             (f"over node limit ({cluster.node_limit})", rep.in_sample.over_limit_share, h and h.over_limit_share,
              ".2%"),
             ("tokens replayed", rep.in_sample.tokens, h and h.tokens, ",")]
-    out.append(f"{'':<30}{'in-sample':>12}{'held out':>12}")
-    out += [f"{name:<30}{_f(a, spec):>12}{_f(b, spec) if h is not None else '-':>12}" for name, a, b, spec in rows]
+    out.append(f"{'':<30}{'in-sample':>12}{'held out':>12}" + (f"{'--previous, kept as is':>26}" if kept else ""))
+    for i, (name, a, b, spec) in enumerate(rows):
+        line = f"{name:<30}{_f(a, spec):>12}{_f(b, spec) if h is not None else '-':>12}"
+        if kept:
+            line += f"{_f(kept[i][0], spec):>14}{_f(kept[i][1], spec) if h is not None else '-':>12}"
+        out.append(line)
     if rep.in_sample.static is not None:
         out.append(f"SGLang static and dynamic dispatch: {rep.static_sources}")
     worst = h if h is not None else rep.in_sample
@@ -249,6 +252,20 @@ def report_lines(rep: Report, cluster: object, layer_ids: tuple[int, ...], previ
         out.append(f"churn vs {previous}: {rep.churn:.2%} of {rep.placement.phy2log.size:,} slots changed expert "
                    f"({moved:,})")
     return out
+
+
+def _kept_rows(rep: Report, node_limit: int) -> list[tuple[float | int | None, float | int | None]] | None:
+    """The table's figures for the previous placement kept as is, (in-sample, held out) in the table's row order;
+    None without --previous."""
+    a, b = rep.kept_in_sample, rep.kept_held
+    if a is None:
+        return None
+
+    def pair(field: str) -> tuple[float | int | None, float | int | None]:
+        return getattr(a, field), None if b is None else getattr(b, field)
+
+    return [pair("balancedness_even"), pair("balancedness_replay"), pair("balancedness_static"),
+            pair("balancedness_dynamic"), pair("nodes_mean"), pair("over_limit_share"), pair("tokens")]
 
 
 def _worst(s: object, layer_ids: tuple[int, ...], dispatch: str, k: int = 3) -> str:

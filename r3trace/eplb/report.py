@@ -4,7 +4,8 @@ dashboard's EPLB page draws.
 Steps: resolve the training and held-out windows (window.py); read the training window's heat per history
 window (rollups unless the windows are forward ranges) and bounded token samples (loads.py); with policy
 "auto" pick the policy and forecast by backtest (backtest.py); plan on the whole training window; score the plan
-on the training window (in-sample) and on the held-out window.
+on the training window (in-sample) and on the held-out window; a previous placement (the one a cluster runs,
+previous.py) is scored beside it on the same windows and tokens, kept as is.
 """
 
 from __future__ import annotations
@@ -97,6 +98,9 @@ class Report:
     static_sources: str = ""  # where SGLang's static replay sends tokens from (static.token_sources' rule)
     origins: list[Origin] | None = None  # ours only: each layer's origin (origins.py)
     top_k: int | None = None  # the trace's experts a token (ours' expectation of nodes per token without tokens)
+    # the request's previous placement kept as is, scored on the same windows and tokens (None: no --previous)
+    kept_in_sample: Score | None = None
+    kept_held: Score | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The figures as JSON-able data (`--out`'s meta.report)."""
@@ -116,6 +120,8 @@ class Report:
             "held_out_scores": None if self.held is None else self.held.summary(), "churn": self.churn,
             "heat_source": self.source, "history_windows": self.history_windows, "seconds": self.seconds,
             "dispatch": self.dispatch, "static_sources": self.static_sources, "origins": self.origins,
+            "previous_in_sample": None if self.kept_in_sample is None else self.kept_in_sample.summary(),
+            "previous_held_out": None if self.kept_held is None else self.kept_held.summary(),
         }
 
 
@@ -185,7 +191,9 @@ def make_report(store: TraceStore, req: PlanRequest, progress: bool | None = Fal
     seconds["plan"] = time.perf_counter() - t2
 
     in_sample = score_placement(pl, history.sum(0), train_tokens, req.cluster, train_src.rank)
-    scored, held_heat, held_tokens, held_src = None, None, None, None
+    kept_in = None if req.previous is None else score_placement(req.previous, history.sum(0), train_tokens,
+                                                                req.cluster, train_src.rank)
+    scored, kept_held, held_heat, held_tokens, held_src = None, None, None, None, None
     if held is not None:
         held_heat = span_heat(store.con, held.spans, m, source, progress, "held-out heat").sum(0)
         if held_heat.any():
@@ -193,6 +201,8 @@ def make_report(store: TraceStore, req: PlanRequest, progress: bool | None = Fal
             held_tokens = _ids(held_sample)
             held_src = _sources(held_sample, req.cluster)
             scored = score_placement(pl, held_heat, held_tokens, req.cluster, held_src.rank)
+            if req.previous is not None:
+                kept_held = score_placement(req.previous, held_heat, held_tokens, req.cluster, held_src.rank)
         else:
             held_note = f"none: the held-out window {held.label} holds no routes"
             held_heat = None
@@ -207,7 +217,7 @@ def make_report(store: TraceStore, req: PlanRequest, progress: bool | None = Fal
                   int(multi.any(1).sum()), bt, in_sample, scored,
                   None if req.previous is None else churn(req.previous, pl), source, len(history), seconds,
                   history, train_tokens, held_heat, held_tokens, req.dispatch, _says(train_src, held_src), origins,
-                  m.top_k)
+                  m.top_k, kept_in, kept_held)
 
 
 def _sources(sample: TokenSample | None, cluster: Cluster) -> TokenSources:

@@ -1,0 +1,87 @@
+"""The placement a cluster runs now, read for `r3trace eplb --previous FILE`: ours re-plans from it (its churn budget)
+and the report scores it beside the plan, in-sample and held out, so a re-plan's gain over keeping it is printed.
+
+Two files are read:
+- the JSON `--out` writes (placement.to_json: phy2log, log2phy, logcnt and the cluster it was planned for);
+- SGLang's expert-location file, what its --init-expert-location loads and `--sglang` writes:
+  {"physical_to_logical_map": [num_hidden_layers][P]} as .json, or as .pt (a torch tensor, or nested lists). SGLang
+  indexes the map by real layer id, dense layers included (python/sglang/srt/eplb/expert_location.py,
+  ExpertLocationMetadata.init_by_mapping), so the trace's MoE layer ids pick its rows; the file holds no cluster, so
+  the flags' is taken, its slots checked against the map's width.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from r3trace.eplb.placement import Cluster, Placement, PlacementError, from_json, from_phy2log
+
+SGLANG_KEY = "physical_to_logical_map"
+
+
+def read_previous(path: str | Path, cluster: Cluster, num_hidden_layers: int, moe_layer_ids: tuple[int, ...],
+                  num_experts: int) -> Placement:
+    """The placement in `path` for this cluster and model shape; PlacementError naming what disagrees (a file of
+    neither kind, another cluster, other layer or expert counts, an expert with no slot)."""
+    path = Path(path)
+    doc = _load(path)
+    if isinstance(doc, dict) and SGLANG_KEY in doc:
+        return _from_sglang(doc[SGLANG_KEY], path, cluster, num_hidden_layers, moe_layer_ids, num_experts)
+    if not isinstance(doc, dict) or "cluster" not in doc:
+        keys = sorted(doc)[:5] if isinstance(doc, dict) else type(doc).__name__
+        raise PlacementError(f"{path}: neither a placement JSON written by --out (no 'cluster') nor SGLang's "
+                             f"expert-location file (no '{SGLANG_KEY}'); it holds {keys}")
+    try:
+        pl, planned = from_json(json.dumps(doc))
+    except (KeyError, TypeError, ValueError) as e:
+        raise PlacementError(f"{path}: not a placement JSON written by --out ({e})") from e
+    if planned != cluster or pl.logcnt.shape != (len(moe_layer_ids), num_experts):
+        raise PlacementError(f"{path}: planned for {planned.num_gpus} GPUs / {planned.num_nodes} nodes / "
+                             f"{planned.num_slots} slots, {pl.logcnt.shape[0]} layers x {pl.logcnt.shape[1]} "
+                             f"experts; this plan is for {cluster.num_gpus} / {cluster.num_nodes} / "
+                             f"{cluster.num_slots}, {len(moe_layer_ids)} x {num_experts}")
+    return pl
+
+
+def _load(path: Path) -> Any:
+    if path.suffix == ".pt":
+        import torch  # only SGLang's .pt needs torch
+
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 - torch raises pickle, zip and runtime errors alike
+            raise PlacementError(f"{path}: not a torch file SGLang's --init-expert-location loads ({e})") from e
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise PlacementError(f"{path}: not a JSON placement ({e})") from e
+
+
+def _from_sglang(table: Any, path: Path, cluster: Cluster, num_hidden_layers: int, moe_layer_ids: tuple[int, ...],
+                 num_experts: int) -> Placement:
+    """SGLang's [num_hidden_layers, P] map -> the MoE layers' Placement [L, P]."""
+    full = np.asarray(table.numpy() if hasattr(table, "numpy") else table)
+    if full.ndim != 2 or not np.issubdtype(full.dtype, np.integer):
+        raise PlacementError(f"{path}: {SGLANG_KEY} must be [layers][slots] integers; it is {full.dtype} of "
+                             f"shape {list(full.shape)}")
+    if full.shape[0] != num_hidden_layers:
+        raise PlacementError(f"{path}: {SGLANG_KEY} has {full.shape[0]} layers; the trace's model has "
+                             f"{num_hidden_layers} (SGLang indexes it by layer id, dense layers included)")
+    if full.shape[1] != cluster.num_slots:
+        raise PlacementError(f"{path}: {SGLANG_KEY} has {full.shape[1]} slots a layer; --slots is "
+                             f"{cluster.num_slots}")
+    phy2log = full[list(moe_layer_ids)]  # [L, P]
+    for row, layer_id in zip(phy2log, moe_layer_ids, strict=True):  # named by the row SGLang reads, its layer id
+        if row.min() < 0 or row.max() >= num_experts:
+            bad = int(row[(row < 0) | (row >= num_experts)][0])
+            raise PlacementError(f"{path}: {SGLANG_KEY} row {layer_id} (a MoE layer) holds expert id {bad}, "
+                                 f"outside 0..{num_experts - 1}")
+        missing = np.flatnonzero(np.bincount(row, minlength=num_experts) == 0)
+        if len(missing):
+            raise PlacementError(f"{path}: {SGLANG_KEY} row {layer_id} (a MoE layer) gives expert {missing[0]} no "
+                                 "slot; every expert needs one")
+    return from_phy2log(phy2log, num_experts)
