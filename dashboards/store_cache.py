@@ -242,10 +242,11 @@ def eplb_report(path: str, run_id: str, gpus: int, nodes: int, slots: int, polic
                 max_tokens: int, train: str, held_out: str) -> dict[str, Any]:
     """`r3trace eplb`'s report (r3trace/eplb/report.py) for the page: windows, the backtest, in-sample and
     held-out scores (per layer too), the trade-off over policies x node limits 1..min(N, 8), per-GPU loads
-    [L, G] before (trivial placement) and after the plan on the scored window, and phy2log [L, P] / logcnt."""
+    [L, G] before (trivial placement) and after the plan on the scored window, phy2log [L, P] / logcnt, and SGLang's
+    physical_to_logical_map [num_hidden_layers, P]."""
     import argparse
 
-    from r3trace.eplb.placement import Cluster
+    from r3trace.eplb.placement import Cluster, sglang_map
     from r3trace.eplb.report import PlanRequest, gpu_loads, make_report, tradeoff
     from r3trace.eplb.window import window_spec
 
@@ -265,6 +266,8 @@ def eplb_report(path: str, run_id: str, gpus: int, nodes: int, slots: int, polic
     return {
         **rep.to_dict(), "layers": list(run["moe_layer_ids"]), "slots_per_gpu": cluster.slots_per_gpu,
         "phy2log": rep.placement.phy2log, "logcnt": rep.placement.logcnt,
+        # SGLang's --init-expert-location rows: every layer by its id (`r3trace eplb --sglang`'s file)
+        "sglang_map": sglang_map(rep.placement, int(run["num_hidden_layers"]), tuple(run["moe_layer_ids"])),
         "scored_on": "held out" if held is not None else "in-sample",
         "per_layer": {"in_even": rep.in_sample.even, "in_replay": rep.in_sample.replay,
                       "held_even": None if held is None else held.even,

@@ -111,7 +111,9 @@ st.plotly_chart(figures.bars(list(range(gpus)), {"before: trivial placement": be
                                                   "after: the plan": after / after.mean()},
                              f"Layer {layer}, {rep['scored_on']}: per-GPU load / mean (even split)", "GPU",
                              "load / mean"), key="eplb_gpu_load")
-doc = {"physical_to_logical_map": np.asarray(rep["phy2log"]).tolist(),
-       "logical_count": np.asarray(rep["logcnt"]).tolist()}
+# the one key SGLang's init_by_mapping takes (another raises TypeError), a row per layer id: `r3trace eplb --sglang`
+doc = {"physical_to_logical_map": np.asarray(rep["sglang_map"]).tolist()}
 st.download_button("Download SGLang init-expert-location JSON", json.dumps(doc),
                    file_name=f"eplb-{run_id}-{rep['policy']}-{gpus}g{slots}s.json", mime="application/json")
+st.caption(f"SGLang: --init-expert-location FILE --expert-parallel-size {gpus} --ep-num-redundant-experts "
+           f"{slots - np.asarray(rep['logcnt']).shape[1]}")
