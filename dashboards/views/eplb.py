@@ -1,6 +1,7 @@
 """EPLB planner: `r3trace eplb` on this run. A plan on the training window (policy chosen by backtest with
 "auto"), scored in-sample and on the held-out window after it; the balancedness vs nodes-per-token trade-off over
-policies and node limits; per-GPU load before (SGLang's trivial placement) and after the plan; the SGLang file."""
+policies and node limits; per-GPU load before (the placement the cluster runs, given by path, else SGLang's trivial
+placement) and after the plan, with the running placement's own scores; the SGLang file."""
 
 from __future__ import annotations
 
@@ -47,8 +48,11 @@ w = st.columns(2)
 train = query_state.text("Training window (time=A..B s, forward=A..B or runs=ID,ID)", "train",
                          sc.eplb_default_train(path, run_id), where=w[0])
 held_out = query_state.text("Held-out window (empty: what follows the training window)", "eval", "", where=w[1])
+running = query_state.text("Placement the cluster runs (path: an `r3trace eplb --out` JSON or SGLang's "
+                           "--init-expert-location .json / .pt; empty: none, SGLang's trivial one)", "prev", "")
 try:
-    rep = sc.eplb_report(path, run_id, gpus, nodes, slots, str(policy), node_limit, max_tokens, train, held_out)
+    rep = sc.eplb_report(path, run_id, gpus, nodes, slots, str(policy), node_limit, max_tokens, train, held_out,
+                         running)
 except ValueError as exc:  # PlacementError, WindowError and friends name the field and the limit
     st.error(str(exc))
     st.stop()
@@ -85,6 +89,13 @@ m = st.columns(3)
 m[0].metric("Balancedness (SGLang static), held out", fmt(held.get("balancedness_static"), ".4f"))
 m[1].metric("Balancedness (SGLang static), in-sample", fmt(ins["balancedness_static"], ".4f"))
 m[2].metric("Balancedness (SGLang dynamic), held out", fmt(held.get("balancedness_dynamic"), ".4f"))
+kept = rep.get("previous_held_out") or rep.get("previous_in_sample")
+if kept is not None:
+    when = "held out" if rep.get("previous_held_out") else "in-sample"
+    m = st.columns(3)
+    m[0].metric(f"Balancedness (replayed), {when}, running placement kept", fmt(kept["balancedness_replay"], ".4f"))
+    m[1].metric(f"Balancedness (even split), {when}, running placement kept", fmt(kept["balancedness_even"], ".4f"))
+    m[2].metric("Slots the plan moves", fmt(rep["churn"], ".2%"))
 sources = rep.get("static_sources") or "token t from rank t mod G"
 st.caption(f"replayed {held.get('tokens') or 0:,} held-out and {ins['tokens']:,} in-sample tokens through "
            "node-limited dispatch (the fewest nodes covering a token's experts) and through SGLang's static dispatch "
@@ -107,7 +118,8 @@ worst = rep["per_layer"]["held_even"] if rep["per_layer"]["held_even"] is not No
 layer = query_state.select("Layer to show", layers, "pl", default=int(np.nanargmin(worst)))
 li = layers.index(layer)
 before, after = rep["gpu_before"][li], rep["gpu_after"][li]
-st.plotly_chart(figures.bars(list(range(gpus)), {"before: trivial placement": before / before.mean(),
+was = "before: the running placement" if running.strip() else "before: trivial placement"
+st.plotly_chart(figures.bars(list(range(gpus)), {was: before / before.mean(),
                                                   "after: the plan": after / after.mean()},
                              f"Layer {layer}, {rep['scored_on']}: per-GPU load / mean (even split)", "GPU",
                              "load / mean"), key="eplb_gpu_load")

@@ -298,11 +298,13 @@ def tradeoff(rep: Report, cluster: Cluster, node_limits: Sequence[int]) -> list[
     return out
 
 
-def gpu_loads(rep: Report, cluster: Cluster) -> tuple[np.ndarray, np.ndarray]:
+def gpu_loads(rep: Report, cluster: Cluster, before: Placement | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Per-GPU load [L, G] on the scored window (held out, else in-sample), each expert's heat split evenly over
-    its replicas: before the plan (SGLang's trivial placement, slot p holds expert p % E) and after it."""
+    its replicas: before the plan (`before`, the placement the cluster runs; None: SGLang's trivial placement, slot p
+    holds expert p % E) and after it."""
     assert rep.history is not None
     heat = rep.held_heat if rep.held_heat is not None else rep.history.sum(0)
     n_layers, e = heat.shape
-    trivial = from_phy2log(np.tile(np.arange(cluster.num_slots) % e, (n_layers, 1)), e)
-    return even_gpu_load(trivial, heat, cluster), even_gpu_load(rep.placement, heat, cluster)
+    if before is None:
+        before = from_phy2log(np.tile(np.arange(cluster.num_slots) % e, (n_layers, 1)), e)
+    return even_gpu_load(before, heat, cluster), even_gpu_load(rep.placement, heat, cluster)

@@ -195,7 +195,7 @@ def test_eplb_planner(app: AppTest, routes: Any) -> None:
     """Global on the training window's heat (its default forecast, the window's counts), scored on the 1 s after
     it: numbers recomputed with numpy from the routes (synth's clock: forward f at f x 40 ms from 00:00:00)."""
     at = open_page(app, "eplb", gpus="4", nodes="2", slots="20", policy="global", nlim="2")
-    assert [t.value for t in at.text_input] == ["time=..3s", ""]  # default: the first 3 of 4 rollup windows
+    assert [t.value for t in at.text_input] == ["time=..3s", "", ""]  # the first 3 of 4 rollup windows; no placement
     cluster = Cluster(num_gpus=4, num_nodes=2, num_slots=20, num_groups=CFG.num_groups, node_limit=2)
     train = routes.forward_id * FORWARD_NS < 3 * WINDOW_NS
     ids_in, ids_out = routes.topk_ids[train], routes.topk_ids[~train]
