@@ -1,4 +1,5 @@
-"""POST /update_expert_placement in front of an engine built with redundant expert slots (one process, exact mode).
+"""POST /update_expert_placement and GET /expert_placement in front of an engine built with redundant expert slots
+(one process, exact mode).
 
     TRITON_INTERPRET=1 .venv/bin/pytest -q tests/server/test_placement_http.py
 """
@@ -12,6 +13,8 @@ import httpx
 import torch
 
 from r3trace.engine import Engine
+from r3trace.eplb.placement import Cluster
+from r3trace.eplb.previous import read_previous
 from r3trace.server import ServerConfig, create_app
 from tests.server.live_server import LiveServer
 
@@ -47,6 +50,18 @@ def test_update_expert_placement_over_http(tmp_path: Path) -> None:
             err = r.json()["error"]
             assert err["param"] == "path" and err["message"].startswith("path: ") and says in err["message"]
         assert engine.expert_slots()[0]["held"][0] == phy[1].tolist()  # a refused file changed nothing
+        # GET /expert_placement: what runs, as SGLang's file (MoE rows as loaded, the dense row trivial), which
+        # `r3trace eplb --previous` reads back as the same placement
+        r = http.get("/expert_placement")
+        assert r.status_code == 200, r.text
+        running = torch.tensor(r.json()["physical_to_logical_map"])
+        moe = list(engine.model_config.moe_layer_ids)
+        assert moe == [1, 2, 3, 4] and torch.equal(running[moe], phy[moe])
+        assert torch.equal(running[0], torch.arange(40) % 32)
+        saved = tmp_path / "running.json"
+        saved.write_text(r.text)
+        pl = read_previous(saved, Cluster(1, 1, 40, num_groups=engine.model_config.n_group), 5, tuple(moe), 32)
+        assert torch.equal(torch.from_numpy(pl.phy2log), phy[moe])
 
 
 def test_serve_flags_reach_the_engine_config() -> None:
