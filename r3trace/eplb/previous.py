@@ -8,6 +8,7 @@ Two files are read:
   indexes the map by real layer id, dense layers included (python/sglang/srt/eplb/expert_location.py,
   ExpertLocationMetadata.init_by_mapping), so the trace's MoE layer ids pick its rows; the file holds no cluster, so
   the flags' is taken, its slots checked against the map's width.
+running_map writes SGLang's file from an engine's slot report (`r3trace serve`'s GET /expert_placement).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from r3trace.eplb.placement import Cluster, Placement, PlacementError, from_json, from_phy2log
+from r3trace.eplb.placement import Cluster, Placement, PlacementError, from_json, from_phy2log, sglang_map
 
 SGLANG_KEY = "physical_to_logical_map"
 
@@ -85,3 +86,18 @@ def _from_sglang(table: Any, path: Path, cluster: Cluster, num_hidden_layers: in
             raise PlacementError(f"{path}: {SGLANG_KEY} row {layer_id} (a MoE layer) gives expert {missing[0]} no "
                                  "slot; every expert needs one")
     return from_phy2log(phy2log, num_experts)
+
+
+def running_map(ranks: list[dict[str, Any]], num_hidden_layers: int, moe_layer_ids: tuple[int, ...],
+                num_experts: int) -> np.ndarray:
+    """Engine.expert_slots' ranks (per MoE layer the logical expert of each local slot, and the rank's ep_rank) ->
+    SGLang's physical_to_logical_map [num_hidden_layers, P]: a MoE layer's row the EP ranks' slots end to end (slot p
+    of EP rank r is global slot r P / G + p; ranks of one EP rank, attention-TP peers, hold the same slots and count
+    once), every other row the trivial map (placement.sglang_map)."""
+    if [list(r["layer_ids"]) for r in ranks] != [list(moe_layer_ids)] * len(ranks):
+        raise PlacementError(f"the ranks report MoE layers {[r['layer_ids'] for r in ranks]}, the model has "
+                             f"{list(moe_layer_ids)}")
+    by_ep = {r["ep_rank"]: r for r in reversed(ranks)}  # the first rank of each EP rank
+    ep = [by_ep[k] for k in sorted(by_ep)]
+    phy2log = np.array([[e for r in ep for e in r["held"][i]] for i in range(len(moe_layer_ids))])
+    return sglang_map(from_phy2log(phy2log, num_experts), num_hidden_layers, moe_layer_ids)

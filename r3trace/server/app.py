@@ -14,7 +14,6 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse, StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -121,20 +120,6 @@ def choices_per_prompt(req: GenerateRequest) -> int:
             raise ApiError(400, f"sampling_params[{i}].n: {n} differs from sampling_params[0].n={ns[0]}: one n for "
                                 "every prompt of a request", f"sampling_params[{i}].n")
     return ns[0]
-
-
-def running_map(ranks: list[dict[str, Any]], num_hidden_layers: int, moe_layer_ids: tuple[int, ...],
-                num_experts: int) -> np.ndarray:
-    """Engine.expert_slots' ranks (in rank order: per MoE layer the logical expert of each local slot) -> SGLang's
-    physical_to_logical_map [num_hidden_layers, P]: a MoE layer's row the ranks' slots end to end (slot p of rank r
-    is global slot r P / G + p), every other row the trivial map (placement.sglang_map)."""
-    from r3trace.eplb.placement import from_phy2log, sglang_map
-
-    if [list(r["layer_ids"]) for r in ranks] != [list(moe_layer_ids)] * len(ranks):
-        raise ApiError(500, f"expert_placement: the ranks report MoE layers {[r['layer_ids'] for r in ranks]}, the "
-                            f"model has {list(moe_layer_ids)}")
-    phy2log = np.array([[e for r in ranks for e in r["held"][i]] for i in range(len(moe_layer_ids))])
-    return sglang_map(from_phy2log(phy2log, num_experts), num_hidden_layers, moe_layer_ids)
 
 
 def routing_shape(engine: GenerateEngine) -> dict[str, Any]:
@@ -288,8 +273,15 @@ def create_app(engine: GenerateEngine, config: ServerConfig | None = None) -> Fa
         fn, mc = getattr(engine, "expert_slots", None), getattr(engine, "model_config", None)
         if fn is None or mc is None:
             raise ApiError(501, "expert_placement: this engine reports no expert placement")
-        return {"physical_to_logical_map": running_map(await service.call(fn), mc.num_hidden_layers,
-                                                       tuple(mc.moe_layer_ids), mc.n_routed_experts).tolist()}
+        from r3trace.eplb.placement import PlacementError
+        from r3trace.eplb.previous import running_map
+
+        try:
+            table = running_map(await service.call(fn), mc.num_hidden_layers, tuple(mc.moe_layer_ids),
+                                mc.n_routed_experts)
+        except PlacementError as exc:  # the ranks disagree with the model: an engine fault, not the request's
+            raise ApiError(500, f"expert_placement: {exc}") from exc
+        return {"physical_to_logical_map": table.tolist()}
 
     app.include_router(build_router(service, config.model_name, config.chat_template, config.model_names,
                                     token_text, cache_report=config.enable_cache_report))
