@@ -65,7 +65,10 @@ def _load(path: Path) -> Any:
 def _from_sglang(table: Any, path: Path, cluster: Cluster, num_hidden_layers: int, moe_layer_ids: tuple[int, ...],
                  num_experts: int) -> Placement:
     """SGLang's [num_hidden_layers, P] map -> the MoE layers' Placement [L, P]."""
-    full = np.asarray(table.numpy() if hasattr(table, "numpy") else table)
+    try:
+        full = np.asarray(table.numpy() if hasattr(table, "numpy") else table)
+    except ValueError as e:  # rows of different lengths
+        raise PlacementError(f"{path}: {SGLANG_KEY} must be [layers][slots] integers ({e})") from e
     if full.ndim != 2 or not np.issubdtype(full.dtype, np.integer):
         raise PlacementError(f"{path}: {SGLANG_KEY} must be [layers][slots] integers; it is {full.dtype} of "
                              f"shape {list(full.shape)}")

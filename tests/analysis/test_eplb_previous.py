@@ -103,11 +103,14 @@ def _sglang(path: Path, table: Any) -> Path:
     (lambda m: np.where(m == 7, 0, m), "physical_to_logical_map row 1 (a MoE layer) gives expert 7 no slot"),
     (lambda m: np.where(m == 7, 16, m), "row 1 (a MoE layer) holds expert id 16, outside 0..15"),
     (lambda m: m + 0.5, "physical_to_logical_map must be [layers][slots] integers"),
+    (lambda m: [list(r) for r in m[:, :23]] + [list(m[0])], "physical_to_logical_map must be [layers][slots]"),
 ])
 def test_a_bad_sglang_file_is_refused_in_one_line(trace: dict[str, Any], live: dict[str, Any], tmp_path: Path,
                                                   capsys: pytest.CaptureFixture[str], bad: Any, message: str) -> None:
     full = np.asarray(json.loads((live["dir"] / "s.json").read_text())["physical_to_logical_map"])
-    path = _sglang(tmp_path / "bad.json", bad(full).tolist())
+    table = bad(full)
+    path = _sglang(tmp_path / "bad.json", table.tolist() if isinstance(table, np.ndarray) else
+                   [[int(x) for x in r] for r in table])
     assert main(["eplb", str(trace["root"]), *CLUSTER, "--previous", str(path)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith(f"r3trace eplb: --previous {path}: ") and message in err
