@@ -65,7 +65,7 @@ def test_a_drifting_replan_equals_the_one_with_every_layer_chosen_first(seed: in
 @pytest.mark.parametrize("seed", [1, 3])  # seeds whose history calls drift
 def test_a_drifting_replan_equals_the_one_with_ours_leveled_in_every_layer(seed: int,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """Ours' leveling stops in layers out of reach of global's max load (planner.spread_layout, losing_load): the
+    """Ours' leveling stops in layers out of reach of global's max load (fresh.spread_layout, losing_load): the
     re-plan is the one with every layer leveled in full, though ours' layout differs in some layers."""
     cl = Cluster(64, 8, 320)  # 5 slots a GPU: neither polish nor pairing follows the leveling
     heats, routes = _inputs(seed)
