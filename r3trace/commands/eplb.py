@@ -251,7 +251,27 @@ def report_lines(rep: Report, cluster: object, layer_ids: tuple[int, ...], previ
         moved = round(rep.churn * rep.placement.phy2log.size)
         out.append(f"churn vs {previous}: {rep.churn:.2%} of {rep.placement.phy2log.size:,} slots changed expert "
                    f"({moved:,})")
+    gain = _replan_gain(rep)
+    if gain:
+        out.append(gain)
     return out
+
+
+def _replan_gain(rep: Report) -> str:
+    """The plan against --previous kept as is, on the held-out window (else in-sample), under the dispatch the report
+    judges by (the even split without tokens): what moving the churned slots buys; '' without --previous."""
+    import numpy as np
+
+    plan, kept = (rep.held, rep.kept_held) if rep.kept_held is not None else (rep.in_sample, rep.kept_in_sample)
+    if kept is None or plan is None:
+        return ""
+    when = "held out" if rep.kept_held is not None else "in-sample (no held-out window)"
+    got, was = plan.per_layer(rep.dispatch), kept.per_layer(rep.dispatch)
+    how = rep.dispatch if plan.replay is not None else "even split"
+    text = f"re-plan vs keeping --previous, {when}, {how}: balancedness {np.nanmean(got) - np.nanmean(was):+.4f}"
+    if plan.nodes_mean is not None and kept.nodes_mean is not None:
+        text += f", nodes per token {plan.nodes_mean - kept.nodes_mean:+.3f}"
+    return text
 
 
 def _kept_rows(rep: Report, node_limit: int) -> list[tuple[float | int | None, float | int | None]] | None:

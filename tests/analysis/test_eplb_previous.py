@@ -90,6 +90,10 @@ def test_previous_is_scored_as_when_it_was_the_plan(trace: dict[str, Any], live:
             "--out", str(out))
     report = json.loads(out.read_text())["meta"]["report"]
     assert f"{report['previous_held_out']['balancedness_even']:.4f}" == cells(kept, SCORES[0])[3]
+    plan, was = report["held_out_scores"], report["previous_held_out"]
+    assert kept[-1] == (f"re-plan vs keeping --previous, held out, node-limited: balancedness "
+                        f"{plan['balancedness_replay'] - was['balancedness_replay']:+.4f}, nodes per token "
+                        f"{plan['nodes_per_token'] - was['nodes_per_token']:+.3f}")
 
 
 def _sglang(path: Path, table: Any) -> Path:
