@@ -223,7 +223,7 @@ def report_lines(rep: Report, cluster: object, layer_ids: tuple[int, ...], previ
     if rep.origins is not None:
         out.append(origins_line(rep.origins, rep.churn is not None))
     h = rep.held
-    kept = _kept_rows(rep, cluster.node_limit)
+    kept = _kept_rows(rep)
     rows = [("balancedness (even split)", rep.in_sample.balancedness_even, h and h.balancedness_even, ".4f"),
             ("balancedness (replayed)", rep.in_sample.balancedness_replay, h and h.balancedness_replay, ".4f"),
             ("balancedness (SGLang static)", rep.in_sample.balancedness_static, h and h.balancedness_static,
@@ -260,21 +260,26 @@ def report_lines(rep: Report, cluster: object, layer_ids: tuple[int, ...], previ
 def _replan_gain(rep: Report) -> str:
     """The plan against --previous kept as is, on the held-out window (else in-sample), under the dispatch the report
     judges by (the even split without tokens): what moving the churned slots buys; '' without --previous."""
-    import numpy as np
+    from r3trace.eplb.evaluate import Score
 
     plan, kept = (rep.held, rep.kept_held) if rep.kept_held is not None else (rep.in_sample, rep.kept_in_sample)
     if kept is None or plan is None:
         return ""
+
+    def judged(s: Score) -> float:  # the table's figure under the report's dispatch (Score.per_layer's choice)
+        v = {"node-limited": s.balancedness_replay, "static": s.balancedness_static,
+             "dynamic": s.balancedness_dynamic}[rep.dispatch]
+        return s.balancedness_even if v is None else v
+
     when = "held out" if rep.kept_held is not None else "in-sample (no held-out window)"
-    got, was = plan.per_layer(rep.dispatch), kept.per_layer(rep.dispatch)
     how = rep.dispatch if plan.replay is not None else "even split"
-    text = f"re-plan vs keeping --previous, {when}, {how}: balancedness {np.nanmean(got) - np.nanmean(was):+.4f}"
+    text = f"re-plan vs keeping --previous, {when}, {how}: balancedness {judged(plan) - judged(kept):+.4f}"
     if plan.nodes_mean is not None and kept.nodes_mean is not None:
         text += f", nodes per token {plan.nodes_mean - kept.nodes_mean:+.3f}"
     return text
 
 
-def _kept_rows(rep: Report, node_limit: int) -> list[tuple[float | int | None, float | int | None]] | None:
+def _kept_rows(rep: Report) -> list[tuple[float | int | None, float | int | None]] | None:
     """The table's figures for the previous placement kept as is, (in-sample, held out) in the table's row order;
     None without --previous."""
     a, b = rep.kept_in_sample, rep.kept_held
