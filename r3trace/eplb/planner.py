@@ -45,6 +45,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TypeGuard
 
 import numpy as np
 
@@ -98,7 +99,7 @@ def plan(
     """
     fc = planning_forecast(loads, prev, cfg, cluster)
     # a drifting multi-node re-plan's global layout: its layers' contest (_plan) and the two-node replay's (below)
-    drifting = fc[1] and prev is not None and spreads(cluster, cfg) and not cfg.keep_groups
+    drifting = fc[1] and _reseeds(prev, cluster, cfg)
     glob = global_phy2log(fc[0], cluster) if drifting else None
     out = _plan(loads, cluster, prev, tokens, cfg, fc, glob)
     e = out.logcnt.shape[1]
@@ -173,6 +174,12 @@ def _replan_swaps(phy2log: np.ndarray, w: np.ndarray, cluster: Cluster, cfg: Pla
                       min_gain=cfg.replan_swap_gain)
 
 
+def _reseeds(prev: Placement | None, cluster: Cluster, cfg: PlannerConfig) -> TypeGuard[Placement]:
+    """Whether _plan re-plans multi-node style: from a previous placement in the spread layout (not keep_groups),
+    seeded when still and refreshed with global's layout contesting every layer when drifting."""
+    return prev is not None and spreads(cluster, cfg) and not cfg.keep_groups
+
+
 def planning_forecast(loads: np.ndarray, prev: Placement | None, cfg: PlannerConfig,
                       cluster: Cluster) -> tuple[np.ndarray, bool]:
     """loads [W, L, E] or [L, E] -> (the forecast [L, E] plan() plans on, whether the backtest calls drift): a
@@ -191,7 +198,7 @@ def _plan(loads: np.ndarray, cluster: Cluster, prev: Placement | None, tokens: n
     """plan() before the two-node replay steps (guard, drift contest); fc: planning_forecast's (w, moving) for cfg,
     where made; glob: DeepSeek global's phy2log [L, P] on w, where made (a drifting re-plan's)."""
     w, moving = planning_forecast(loads, prev, cfg, cluster) if fc is None else fc
-    if prev is not None and spreads(cluster, cfg) and not cfg.keep_groups:
+    if _reseeds(prev, cluster, cfg):
         cap = spread_cap(cluster)
         if not moving:
             dev = spread(loads, w, cfg.spread_windows) if cluster.slots_per_gpu > 2 else None
