@@ -19,6 +19,13 @@ HELP = "plan an expert placement from a trace (policy chosen by backtest), score
 POLICIES = ("auto", "ours", "global", "hierarchical", "cross_node")
 FORECASTS = ("ema", "mean", "newest")
 DISPATCHES = ("node-limited", "static", "dynamic")  # evaluate.DISPATCHES, no numpy import (test_cli_choice_lists)
+# the in-sample / held-out table's rows: label ({} the node limit), Score field, format
+SCORE_ROWS = (("balancedness (even split)", "balancedness_even", ".4f"),
+              ("balancedness (replayed)", "balancedness_replay", ".4f"),
+              ("balancedness (SGLang static)", "balancedness_static", ".4f"),
+              ("balancedness (SGLang dynamic)", "balancedness_dynamic", ".4f"),
+              ("nodes per token", "nodes_mean", ".3f"), ("over node limit ({})", "over_limit_share", ".2%"),
+              ("tokens replayed", "tokens", ","))
 WINDOW_HELP = "time=A..B (seconds from the run's start), forward=A..B or runs=ID,ID; [A, B), either end optional"
 
 
@@ -222,23 +229,15 @@ def report_lines(rep: Report, cluster: object, layer_ids: tuple[int, ...], previ
                    "have an expert with replicas on more than one node")
     if rep.origins is not None:
         out.append(origins_line(rep.origins, rep.churn is not None))
-    h = rep.held
-    kept = _kept_rows(rep)
-    rows = [("balancedness (even split)", rep.in_sample.balancedness_even, h and h.balancedness_even, ".4f"),
-            ("balancedness (replayed)", rep.in_sample.balancedness_replay, h and h.balancedness_replay, ".4f"),
-            ("balancedness (SGLang static)", rep.in_sample.balancedness_static, h and h.balancedness_static,
-             ".4f"),
-            ("balancedness (SGLang dynamic)", rep.in_sample.balancedness_dynamic, h and h.balancedness_dynamic,
-             ".4f"),
-            ("nodes per token", rep.in_sample.nodes_mean, h and h.nodes_mean, ".3f"),
-            (f"over node limit ({cluster.node_limit})", rep.in_sample.over_limit_share, h and h.over_limit_share,
-             ".2%"),
-            ("tokens replayed", rep.in_sample.tokens, h and h.tokens, ",")]
+    h, kept = rep.held, rep.kept_in_sample
     out.append(f"{'':<30}{'in-sample':>12}{'held out':>12}" + (f"{'--previous, kept as is':>26}" if kept else ""))
-    for i, (name, a, b, spec) in enumerate(rows):
-        line = f"{name:<30}{_f(a, spec):>12}{_f(b, spec) if h is not None else '-':>12}"
-        if kept:
-            line += f"{_f(kept[i][0], spec):>14}{_f(kept[i][1], spec) if h is not None else '-':>12}"
+    for name, field, spec in SCORE_ROWS:
+        def cell(score: object, width: int, field: str = field, spec: str = spec) -> str:
+            return format(_f(None if score is None else getattr(score, field), spec), f">{width}")
+
+        line = f"{name.format(cluster.node_limit):<30}{cell(rep.in_sample, 12)}{cell(h, 12)}"
+        if kept is not None:
+            line += f"{cell(kept, 14)}{cell(rep.kept_held, 12)}"
         out.append(line)
     if rep.in_sample.static is not None:
         out.append(f"SGLang static and dynamic dispatch: {rep.static_sources}")
@@ -260,37 +259,16 @@ def report_lines(rep: Report, cluster: object, layer_ids: tuple[int, ...], previ
 def _replan_gain(rep: Report) -> str:
     """The plan against --previous kept as is, on the held-out window (else in-sample), under the dispatch the report
     judges by (the even split without tokens): what moving the churned slots buys; '' without --previous."""
-    from r3trace.eplb.evaluate import Score
-
     plan, kept = (rep.held, rep.kept_held) if rep.kept_held is not None else (rep.in_sample, rep.kept_in_sample)
     if kept is None or plan is None:
         return ""
-
-    def judged(s: Score) -> float:  # the table's figure under the report's dispatch (Score.per_layer's choice)
-        v = {"node-limited": s.balancedness_replay, "static": s.balancedness_static,
-             "dynamic": s.balancedness_dynamic}[rep.dispatch]
-        return s.balancedness_even if v is None else v
-
     when = "held out" if rep.kept_held is not None else "in-sample (no held-out window)"
     how = rep.dispatch if plan.replay is not None else "even split"
-    text = f"re-plan vs keeping --previous, {when}, {how}: balancedness {judged(plan) - judged(kept):+.4f}"
+    gain = plan.judged(rep.dispatch) - kept.judged(rep.dispatch)
+    text = f"re-plan vs keeping --previous, {when}, {how}: balancedness {gain:+.4f}"
     if plan.nodes_mean is not None and kept.nodes_mean is not None:
         text += f", nodes per token {plan.nodes_mean - kept.nodes_mean:+.3f}"
     return text
-
-
-def _kept_rows(rep: Report) -> list[tuple[float | int | None, float | int | None]] | None:
-    """The table's figures for the previous placement kept as is, (in-sample, held out) in the table's row order;
-    None without --previous."""
-    a, b = rep.kept_in_sample, rep.kept_held
-    if a is None:
-        return None
-
-    def pair(field: str) -> tuple[float | int | None, float | int | None]:
-        return getattr(a, field), None if b is None else getattr(b, field)
-
-    return [pair("balancedness_even"), pair("balancedness_replay"), pair("balancedness_static"),
-            pair("balancedness_dynamic"), pair("nodes_mean"), pair("over_limit_share"), pair("tokens")]
 
 
 def _worst(s: object, layer_ids: tuple[int, ...], dispatch: str, k: int = 3) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -204,7 +204,12 @@ def to_json(pl: Placement, cluster: Cluster, meta: dict[str, object] | None = No
 
 
 def from_json(text: str) -> tuple[Placement, Cluster]:
-    doc = json.loads(text)
+    """to_json's text -> (Placement, its Cluster), checked (from_doc)."""
+    return from_doc(json.loads(text))
+
+
+def from_doc(doc: dict[str, Any]) -> tuple[Placement, Cluster]:
+    """to_json's document, already parsed -> (Placement, its Cluster), checked against each other."""
     cluster = Cluster(**doc["cluster"])
     log2phy = np.asarray(doc["log2phy"], dtype=np.int64)
     pl = Placement(np.asarray(doc["phy2log"], dtype=np.int64), log2phy, np.asarray(doc["logcnt"], dtype=np.int64))

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from r3trace.eplb.placement import Cluster, Placement, PlacementError, from_json, from_phy2log, sglang_map
+from r3trace.eplb.placement import Cluster, Placement, PlacementError, from_doc, from_phy2log, sglang_map
 
 SGLANG_KEY = "physical_to_logical_map"
 
@@ -37,7 +37,7 @@ def read_previous(path: str | Path, cluster: Cluster, num_hidden_layers: int, mo
         raise PlacementError(f"{path}: neither a placement JSON written by --out (no 'cluster') nor SGLang's "
                              f"expert-location file (no '{SGLANG_KEY}'); it holds {keys}")
     try:
-        pl, planned = from_json(json.dumps(doc))
+        pl, planned = from_doc(doc)
     except (KeyError, TypeError, ValueError) as e:
         raise PlacementError(f"{path}: not a placement JSON written by --out ({e})") from e
     if planned != cluster or pl.logcnt.shape != (len(moe_layer_ids), num_experts):
