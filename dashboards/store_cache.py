@@ -122,7 +122,7 @@ def overview(path: str, run_id: str) -> dict[str, Any]:
     counts = _q(path, "SELECT count(DISTINCT (request_id, token_pos)) AS tokens,"
                       " count(DISTINCT request_id) AS requests FROM routes WHERE run_id = ?", [run_id]).row(0)
     files = open_store(path).run(run_id)
-    size = sum(p.stat().st_size for p in [*files.route_files, *files.rollup_files, *files.request_files])
+    size = sum(p.stat().st_size for p in files.listed_files)
     bad = repeated_rows(open_store(path).con, run_id)
     return {"tokens": int(counts[0]), "requests": int(counts[1]), "layers": len(run["moe_layer_ids"]),
             "experts": int(run["num_experts"]), "top_k": int(run["top_k"]), "rows": int(run["rows"]),

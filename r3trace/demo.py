@@ -93,8 +93,7 @@ def run(args: argparse.Namespace) -> int:
     payload = next((ln.split()[-1] for ln in metrics.splitlines()
                     if ln.startswith("r3trace_capture_bytes_total")), "?")
     run_dir = out / f"run_id={run_id}"
-    size = sum(f.stat().st_size for r in open_dataset(run_dir) for f in [*r.route_files, *r.rollup_files,
-                                                                          *r.request_files])
+    size = sum(f.stat().st_size for r in open_dataset(run_dir) for f in r.listed_files)
     print(f"      {rows_checked} route rows returned and checked (shape, dense layers -1); "
           f"{payload} bytes of int32 ids returned (/metrics)")
     detail = (stopped.get("detail") or {}).get("result") or {}

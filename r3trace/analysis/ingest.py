@@ -107,13 +107,12 @@ def ingest_native(src: str | Path, store: str | Path, progress: bool | None = Tr
 
     `progress` (r3trace/progress.py): a bar of the files copied."""
     runs = open_dataset(src)
-    files = {r.run_dir: [*r.route_files, *r.rollup_files, *r.request_files] for r in runs}
+    files = {r.run_dir: r.listed_files for r in runs}
     with staged(store) as stage, progress_bar(progress, total=sum(map(len, files.values())), unit="file",
                                               desc="ingest native") as bar:
         for r in runs:
             dst = RunFiles(r.manifest, stage / run_dir_name(r.manifest.run_id))  # same layout, in the stage
-            for src, to in zip(files[r.run_dir], [*dst.route_files, *dst.rollup_files, *dst.request_files],
-                               strict=True):
+            for src, to in zip(files[r.run_dir], dst.listed_files, strict=True):
                 to.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(src, to)
                 bar.update()

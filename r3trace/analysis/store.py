@@ -6,6 +6,9 @@ Views (one row per ...):
   requests  (run_id, request_id): tag (domain), token counts, finish reason
   runs      (run_id): the manifest fields, moe_layer_ids as a list, engine/parallel as JSON text
   rollups   (run_id, window_start, layer_id, expert_id, phase): count
+  placements (run_id, from_forward_id, layer_id): phy2log, the map an engine ran from that forward on
+            (r3trace/trace/placements.py); a layer's map at forward f is its row with the largest
+            from_forward_id <= f
 
 Only files listed in manifests are read, so a live writer's open file is never visible. `open_store` is
 the constructor for callers that need runs (the CLI): a missing path, a file, an unreadable manifest or a
@@ -29,10 +32,12 @@ import pyarrow as pa
 from r3trace.errors import StoreError
 from r3trace.progress import duckdb_progress
 from r3trace.trace.layout import FIRST_TABLE_LAYOUT, TABLES, Table
+from r3trace.trace.placements import PLACEMENT_SCHEMA
 from r3trace.trace.reader import RunFiles, open_dataset
 from r3trace.trace.schema import MANIFEST_NAME, REQUEST_SCHEMA, ROLLUP_SCHEMA, Manifest, route_schema
 
-_FILES: dict[Table, str] = {"routes": "route_files", "rollups": "rollup_files", "requests": "request_files"}
+_FILES: dict[Table, str] = {"routes": "route_files", "rollups": "rollup_files", "requests": "request_files",
+                            "placements": "placement_files"}
 
 
 class StoreQueryError(PermissionError):
@@ -146,6 +151,7 @@ class TraceStore:
 
         c.execute(f"CREATE OR REPLACE VIEW routes AS {source('routes', route_schema(k, False))}")
         c.execute(f"CREATE OR REPLACE VIEW rollups AS {source('rollups', ROLLUP_SCHEMA)}")
+        c.execute(f"CREATE OR REPLACE VIEW placements AS {source('placements', PLACEMENT_SCHEMA)}")
         # Requests a crashed writer left in flight (reader.RunFiles.unfinished_requests) are rows too, with
         # finish_reason 'unfinished': their routes are in the files, their summary never was.
         unfinished = [row for r in self.runs for row in r.unfinished_requests()]

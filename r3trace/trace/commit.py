@@ -28,7 +28,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from r3trace.trace.layout import TABLES, Table, file_table, table_dir, tmp_path, without_partition
+from r3trace.trace.layout import GROUP_TABLES, Table, file_table, table_dir, tmp_path, without_partition
 from r3trace.trace.pending import Batch
 from r3trace.trace.rollup import RollupAccumulator
 from r3trace.trace.schema import (
@@ -124,7 +124,7 @@ class RunCommitter:
         self.manifest = manifest
         self.schema = schema
         self.file_schema = without_partition(schema)  # run_id is the files' folder name, not a column
-        self.dirs: dict[Table, Path] = {t: table_dir(run_dir, manifest.schema_version, t) for t in TABLES}
+        self.dirs: dict[Table, Path] = {t: table_dir(run_dir, manifest.schema_version, t) for t in GROUP_TABLES}
         for d in self.dirs.values():
             d.mkdir(parents=True, exist_ok=True)
         if fsync:  # the new folders' entries, so a power loss cannot drop a folder whose files were fsynced
@@ -192,6 +192,23 @@ class RunCommitter:
         self.compact(final=False)
         return self.manifest
 
+    def add_placement(self, table: pa.Table) -> Manifest:
+        """One placements file (placements.py), written and listed by one manifest write; its folder is made on the
+        first, so a run without placements has no empty folder for readers to meet."""
+        folder = table_dir(self.run_dir, self.manifest.schema_version, "placements")
+        if not folder.is_dir():
+            folder.mkdir(parents=True, exist_ok=True)
+            if self.fsync:
+                fsync_path(folder.parent)
+                fsync_path(folder.parent.parent)
+        m = self.manifest
+        path = folder / f"placement-{len(m.placements):05d}.parquet"
+        write_parquet_atomic(file_table(table, m), path, self.row_group_rows, self.fsync, self.run_dir)
+        if self.fsync:
+            fsync_path(folder)
+        self.publish(replace(m, placements=(*m.placements, path.name)))
+        return self.manifest
+
     def compact(self, final: bool) -> None:
         """Merge trailing small files into one of at most `max_rows` rows: `fanin` files of one level at a time
         while recording, or (final, at close) as many as fit."""
@@ -224,7 +241,7 @@ class RunCommitter:
         )
         self.publish(replace(m, files=(*m.files[:lo], entry, *m.files[hi:])))
         for f in group:  # no longer listed: readers that go by the manifest never open them again
-            for table, name in zip(TABLES, (f.name, f.rollup, f.requests), strict=True):
+            for table, name in zip(GROUP_TABLES, (f.name, f.rollup, f.requests), strict=True):
                 if name:
                     (d[table] / name).unlink(missing_ok=True)
         self.compactions += 1

@@ -10,6 +10,7 @@ DuckDB read_parquet('<root>/routes/**/*.parquet'), Spark's spark.read.parquet):
     <root>/routes/run_id=<id>/part-N.parquet       one row per (request, token position, MoE layer)
     <root>/rollups/run_id=<id>/rollup-N.parquet    per (window, layer, expert, phase): count
     <root>/requests/run_id=<id>/requests-N.parquet one row per finished request
+    <root>/placements/run_id=<id>/placement-N.parquet  the expert placement the engine ran (placements.py)
 
 run_id is the partition: it is in the path and not in the files, so readers that add it from the path never
 meet a second, differently typed copy (it used to be a dictionary column in the file and a string in the path).
@@ -32,8 +33,9 @@ import pyarrow.parquet as pq
 
 from r3trace.trace.schema import SCHEMA_VERSION, Manifest, TraceSchemaError
 
-Table = Literal["routes", "rollups", "requests"]
-TABLES: tuple[Table, ...] = ("routes", "rollups", "requests")
+Table = Literal["routes", "rollups", "requests", "placements"]
+TABLES: tuple[Table, ...] = ("routes", "rollups", "requests", "placements")
+GROUP_TABLES: tuple[Table, ...] = ("routes", "rollups", "requests")  # the files one group commit writes (FileEntry)
 PARTITION = "run_id"  # the hive partition column: a folder name, never a column inside a layout-2 file
 FIRST_TABLE_LAYOUT = 2  # the schema_version from which files live in per-table folders
 

@@ -65,10 +65,19 @@ class RunFiles:
     def request_files(self) -> list[Path]:
         return [self.table_dir("requests") / f.requests for f in self.manifest.files if f.requests]
 
+    @property
+    def placement_files(self) -> list[Path]:
+        return [self.table_dir("placements") / name for name in self.manifest.placements]
+
+    @property
+    def listed_files(self) -> list[Path]:
+        """Every file the manifest lists, table by table."""
+        return [*self.route_files, *self.rollup_files, *self.request_files, *self.placement_files]
+
     def unlisted_files(self) -> list[Path]:
         """Files in the run's folders that its manifest does not list: `.tmp` writes and `.parquet` files
         renamed before a kill could write the manifest, or a compaction's inputs or output."""
-        listed = {*self.route_files, *self.rollup_files, *self.request_files}
+        listed = set(self.listed_files)
         dirs = sorted({self.run_dir, *(self.table_dir(t) for t in TABLES)})
         return [p for d in dirs if d.is_dir() for p in sorted(d.iterdir()) if p.is_file() and (
             p.name.endswith(".tmp") or (p.suffix == ".parquet" and p not in listed))]

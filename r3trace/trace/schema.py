@@ -7,6 +7,7 @@ each run has one manifest, its commit point (layout.py has the layout and the ol
     <root>/routes/run_id=<id>/part-00000.parquet     routes: one row per (request, token position, MoE layer)
     <root>/rollups/run_id=<id>/rollup-00000.parquet  per (window, layer, expert, phase): count, heat without a scan
     <root>/requests/run_id=<id>/requests-00000.parquet one row per finished request: tag (domain), token counts
+    <root>/placements/run_id=<id>/placement-00000.parquet  the expert placement the engine ran (placements.py)
 
 The schemas below hold run_id; files store them without it (it is the partition, in the path).
 Routes are sorted token-major (all MoE layers of a token are adjacent, in `layer_id` order). The
@@ -145,6 +146,8 @@ class Manifest:
     flush_interval_s: float | None = None
     fsync: bool = True
     open_requests: tuple[str, ...] = ()
+    # placements.py: the files of the placements table, in the order written (each listed once written)
+    placements: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_experts <= 0 or self.top_k <= 0 or self.top_k > self.num_experts:
@@ -193,6 +196,7 @@ class Manifest:
         d["moe_layer_ids"] = tuple(d.get("moe_layer_ids", ()))
         d["files"] = tuple(FileEntry(**f) for f in d.get("files", ()))
         d["open_requests"] = tuple(d.get("open_requests", ()))
+        d["placements"] = tuple(d.get("placements", ()))
         return cls(**d)
 
     @classmethod

@@ -32,6 +32,7 @@ from r3trace.trace import lifecycle
 from r3trace.trace.batch import Labels, route_rows
 from r3trace.trace.commit import RunCommitter, now_iso, route_files
 from r3trace.trace.pending import Batch, Inbox, Taken
+from r3trace.trace.placements import placement_table
 from r3trace.trace.schema import (
     ROW_GROUP_ROWS,
     Manifest,
@@ -189,6 +190,18 @@ class TraceWriter:
             finish_ts=finish_ts, token_ids=None if token_ids is None else [int(t) for t in token_ids],
         )
         self._hand_in(lambda: self._inbox.add_request(row))
+
+    def add_placement(self, from_forward_id: int, layer_ids: Sequence[int], phy2log: Any,
+                      ts_ns: int | None = None) -> None:
+        """The expert placement the engine runs from forward from_forward_id on, for the MoE layers in layer_ids
+        (phy2log [n, P]): committed before it returns (placements.py), unlike rows, since a map is written once a
+        trace start or a rebalance chunk and a lost one would misattribute every later row's slots."""
+        table = placement_table(self.manifest, from_forward_id, time.time_ns() if ts_ns is None else ts_ns,
+                                layer_ids, phy2log)
+        with self._committing:  # close() marks closing before its last commit: checked under the same lock
+            with self._lock:
+                self._check_open()
+            self.manifest = self._committer.add_placement(table)
 
     def status(self) -> WriterStatus:
         with self._lock:

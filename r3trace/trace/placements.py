@@ -1,0 +1,103 @@
+"""The placements table: which logical expert each physical slot held, per MoE layer, from which forward on.
+
+An engine records the map in force when a trace starts (every MoE layer; the trivial map, slot e holds expert e,
+when it runs none) and, during a rebalance while serving, each chunk's new rows the moment its layers switch:
+
+    <root>/placements/run_id=<id>/placement-00000.parquet   one row per (from_forward_id, layer_id)
+
+The map of layer l at forward f is l's row with the largest from_forward_id <= f. A rebalance switches a layer
+between two forwards on every rank at once (engine/expert_placement.py), so a route row's physical_ids name slots of
+that map: for each row, phy2log[physical_id] == topk_id (tests/engine/test_trace_placements.py). SGLang's
+expert-distribution dump keeps one map, its last ("may change during recording": expert_distribution.py,
+_DetailAccumulator.dump); here every map a trace ran under is kept.
+
+A file is written (tmp, fsync, rename) and listed by a manifest write before TraceWriter.add_placement returns, so
+a kill never loses a recorded map; a rebalance writes one file a chunk (a few a minute at most), never compacted.
+Plain SQL reads it like every table: read_parquet('<root>/placements/**/*.parquet', hive_partitioning=true).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from r3trace.trace.schema import Manifest, TraceSchemaError
+
+PLACEMENT_SCHEMA = pa.schema([
+    pa.field("run_id", pa.string(), nullable=False),
+    pa.field("from_forward_id", pa.int64(), nullable=False),  # the first forward that ran under this row
+    pa.field("ts", pa.timestamp("ns"), nullable=False),  # when the engine switched (or the trace started)
+    pa.field("layer_id", pa.int16(), nullable=False),
+    pa.field("phy2log", pa.list_(pa.int32()), nullable=False),  # [P] the logical expert of each physical slot
+])
+
+
+def placement_table(m: Manifest, from_forward_id: int, ts_ns: int, layer_ids: Sequence[int], phy2log: Any) -> pa.Table:
+    """Rows of one switch: phy2log [n, P] for the n MoE layers in layer_ids. TraceSchemaError naming the field: a
+    layer outside the manifest's MoE layers, an expert id outside 0..E-1, a row that gives an expert no slot."""
+    ids = [int(x) for x in layer_ids]
+    table = np.asarray(phy2log)
+    if not isinstance(from_forward_id, (int, np.integer)) or from_forward_id < 0:
+        raise TraceSchemaError(f"placement from_forward_id={from_forward_id!r} must be an integer >= 0")
+    if table.ndim != 2 or not np.issubdtype(table.dtype, np.integer) or table.shape[0] != len(ids):
+        raise TraceSchemaError(f"placement phy2log must be [{len(ids)} layers, P slots] integers; it is "
+                               f"{table.dtype} of shape {list(table.shape)}")
+    outside = sorted(set(ids) - set(m.moe_layer_ids))
+    if outside or len(set(ids)) != len(ids) or not ids:
+        raise TraceSchemaError(f"placement layer_ids={ids} must be distinct MoE layers of {list(m.moe_layer_ids)}")
+    e = m.num_experts
+    for layer, row in zip(ids, table, strict=True):
+        if row.min() < 0 or row.max() >= e:
+            bad = int(row[(row < 0) | (row >= e)][0])
+            raise TraceSchemaError(f"placement phy2log row of layer {layer} holds expert {bad}, outside 0..{e - 1}")
+        missing = np.flatnonzero(np.bincount(row, minlength=e) == 0)
+        if len(missing):
+            raise TraceSchemaError(f"placement phy2log row of layer {layer} gives expert {int(missing[0])} no slot")
+    n = len(ids)
+    return pa.table({
+        "run_id": pa.array([m.run_id] * n, pa.string()),
+        "from_forward_id": pa.array([int(from_forward_id)] * n, pa.int64()),
+        "ts": pa.array([int(ts_ns)] * n, pa.int64()).cast(pa.timestamp("ns")),
+        "layer_id": pa.array(ids, pa.int16()),
+        "phy2log": pa.array(table.astype(np.int32).tolist(), pa.list_(pa.int32())),
+    }, schema=PLACEMENT_SCHEMA)
+
+
+def read_placements(run: Any) -> pa.Table:
+    """A run's placements rows (reader.RunFiles) by from_forward_id, rows of one forward in the order written (a
+    stable sort): the later of two rows for one layer and forward is the map that forward ran. None: zero rows."""
+    files = run.placement_files
+    if not files:
+        return PLACEMENT_SCHEMA.remove(0).empty_table()
+    t = pa.concat_tables([pq.read_table(p).cast(PLACEMENT_SCHEMA.remove(0)) for p in files])
+    return t.take(pc.sort_indices(t, [("from_forward_id", "ascending")]))  # Arrow's sort is stable
+
+
+def placement_at(run: Any, forward_id: int | None = None) -> np.ndarray:
+    """phy2log [L, P] over the manifest's MoE layers: each layer's map in force at forward_id (None: at the run's
+    end, each layer's last row). TraceSchemaError when the run records no placement or a layer none that early."""
+    m = run.manifest
+    t = read_placements(run)
+    if forward_id is not None:
+        t = t.filter(pc.less_equal(t.column("from_forward_id"), forward_id))
+    where = "" if forward_id is None else f" at forward {forward_id}"
+    if t.num_rows == 0:
+        raise TraceSchemaError(f"run {m.run_id} records no expert placement{where} (an r3trace engine writes one "
+                               "when a trace starts)")
+    layers = t.column("layer_id").to_numpy()
+    rows = t.column("phy2log").to_pylist()
+    last: dict[int, list[int]] = {}
+    for layer, row in zip(layers, rows, strict=True):  # sorted by forward: later rows win
+        last[int(layer)] = row
+    missing = [lid for lid in m.moe_layer_ids if lid not in last]
+    if missing:
+        raise TraceSchemaError(f"run {m.run_id} records no placement of MoE layer {missing[0]}{where}")
+    widths = {len(last[lid]) for lid in m.moe_layer_ids}
+    if len(widths) != 1:
+        raise TraceSchemaError(f"run {m.run_id}: the MoE layers' placements have {sorted(widths)} slots{where}")
+    return np.array([last[lid] for lid in m.moe_layer_ids], dtype=np.int64)
