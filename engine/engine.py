@@ -120,7 +120,7 @@ class Engine:
                 config_hash=config_hash(mc),
                 engine={k: getattr(cfg, k) for k in sorted(_OPTIONS) if k != "trace_dir"} | {"dtype": cfg.dtype},
                 parallel=self.launch.manifest(),
-            ))
+            ), placements=self._placement)
         lifecycle.register_producer(self)  # interpreter exit: shutdown() before any writer closes
         if cfg.trace_dir is not None:
             self.start_trace(cfg.trace_dir)
@@ -262,6 +262,12 @@ class Engine:
         if self._closed:
             raise RuntimeError("the engine has been shut down")
         return self._placement.update(source, chunk_layers)
+
+    def expert_placement(self) -> dict[str, Any]:
+        """The placement every rank runs from the next forward on: {"forward_id", "layer_ids" (the MoE layers),
+        "phy2log" [L][P]} (what a trace's placements table records; placement_control.running_map)."""
+        forward_id, layer_ids, phy2log = self._placement.running()
+        return {"forward_id": forward_id, "layer_ids": list(layer_ids), "phy2log": phy2log.tolist()}
 
     def expert_slots(self) -> list[dict[str, Any]]:
         """Per rank, in rank order: the logical expert each of its slots holds and a checksum of the weights there

@@ -160,7 +160,8 @@ class EngineCore:
         self._rebalance = update_chunks(self.model, location, weights, chunk_layers)
 
     def expert_placement_step(self) -> ChunkDone | None:
-        """One chunk: its layers' moved slots copied, then their maps switched. None once every layer has."""
+        """One chunk: its layers' moved slots copied, then their maps switched. None once every layer has. The
+        chunk's from_forward_id is the next forward's id, the first to run under the new maps (run between steps)."""
         if self._rebalance is None:
             return None
         try:
@@ -170,19 +171,23 @@ class EngineCore:
             raise
         if done is None:
             self._rebalance = None
-        return done
+            return None
+        return done._replace(from_forward_id=self.runner.forward_id)
+
+    def expert_map(self) -> dict[str, Any]:
+        """The placement this rank runs, between steps: per MoE layer the logical expert of each local slot, and
+        forward_id, the next forward's (every rank's alike), from which it holds until a rebalance switches a layer."""
+        held = [list(moe.dispatcher.experts) if moe.expert_map is None
+                else held_experts(moe.expert_map.location, moe.expert_map.layer_id, moe.expert_map.ep_rank)
+                for moe in moe_layers(self.model)]
+        return {"ep_rank": self.parallel.ep_rank, "forward_id": self.runner.forward_id,
+                "layer_ids": [moe.gate.layer_id for moe in moe_layers(self.model)], "held": held}
 
     def expert_slots(self) -> dict[str, Any]:
-        """What this rank's slots hold: per MoE layer the logical expert of each local slot (the map's placement)
-        and the float64 sum of each slot's w13 and w2 (which weights are really there)."""
-        out: dict[str, Any] = {"ep_rank": self.parallel.ep_rank, "layer_ids": [], "held": [], "w13_sum": [],
-                               "w2_sum": []}
-        for moe in moe_layers(self.model):
-            m = moe.expert_map
-            out["layer_ids"].append(moe.gate.layer_id)
-            out["held"].append(list(moe.dispatcher.experts) if m is None
-                               else held_experts(m.location, m.layer_id, m.ep_rank))
-            rows = len(out["held"][-1])
-            out["w13_sum"].append(moe.w13.data[:rows].double().sum((1, 2)).tolist())
-            out["w2_sum"].append(moe.w2.data[:rows].double().sum((1, 2)).tolist())
+        """expert_map's placement and the float64 sum of each slot's w13 and w2 (which weights are really there)."""
+        out = self.expert_map()
+        out["w13_sum"], out["w2_sum"] = [], []
+        for moe, held in zip(moe_layers(self.model), out["held"], strict=True):
+            out["w13_sum"].append(moe.w13.data[: len(held)].double().sum((1, 2)).tolist())
+            out["w2_sum"].append(moe.w2.data[: len(held)].double().sum((1, 2)).tolist())
         return out

@@ -110,6 +110,7 @@ def apply_expert_location(
 class ChunkDone(NamedTuple):
     layer_ids: tuple[int, ...]  # the layers this chunk switched
     slots_copied: int  # slots whose weights were rewritten on this rank
+    from_forward_id: int = -1  # the first forward under the new maps (EngineCore sets it; -1: not run by one)
 
 
 def update_chunks(

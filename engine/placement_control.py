@@ -5,16 +5,30 @@ first), so steps run between chunks. Several processes: named calls every rank r
 iteration (engine/launch/lockstep.py): expert_placement_begin hands every rank the ExpertLocation, then one
 expert_placement_step per chunk until every rank says done. Either way EngineCore.begin_expert_placement /
 expert_placement_step do the work (expert_placement.update_chunks: a chunk's moved slots copied, then its maps).
+
+While a trace records, the trace's placements table (r3trace/trace/placements.py) gets the map in force when the
+trace starts and each chunk's new rows as it switches, with the forward they apply from. One lock orders the two:
+a chunk never switches between the start's snapshot and the moment the trace's writer is set, so every row the
+trace holds ran under a map it records.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
+
 from r3trace.engine.engine_core import EngineCore
-from r3trace.engine.expert_placement import read_location
+from r3trace.engine.expert_placement import ChunkDone, read_location
+from r3trace.engine.layers.expert_location import ExpertLocation
 from r3trace.engine.model_config import ModelConfig
+from r3trace.trace.writer import TraceWriter
+
+log = logging.getLogger(__name__)
 
 
 class PlacementControl:
@@ -24,6 +38,8 @@ class PlacementControl:
         self.loop, self.core, self.model_config = loop, core, model_config
         self.ep_size, self.tp_size = ep_size, tp_size
         self._lock = threading.Lock()  # one rebalance at a time: a rank holds one update's chunk iterator
+        self._record = threading.Lock()  # a chunk's switch and its record, or a trace's snapshot and attach
+        self._writer: TraceWriter | None = None  # the recording trace's writer
 
     def update(self, source: Any, chunk_layers: int) -> dict[str, Any]:
         location = read_location(source, self.model_config, self.ep_size)
@@ -31,18 +47,74 @@ class PlacementControl:
             core = self.core
             if core is None:
                 self.loop.call("expert_placement_begin", location, chunk_layers)
-                copied, chunks = [0] * self.tp_size, 0
-                while (done := self.loop.call("expert_placement_step"))[0] is not None:
-                    copied = [c + d.slots_copied for c, d in zip(copied, done, strict=True)]
-                    chunks += 1
-                return {"chunks": chunks, "slots_copied": copied}
-            self.loop.call(lambda: core.begin_expert_placement(location, chunk_layers))
-            total = chunks = 0
-            while (one := self.loop.call(core.expert_placement_step)) is not None:
-                total, chunks = total + one.slots_copied, chunks + 1
-            return {"chunks": chunks, "slots_copied": [total]}
+            else:
+                self.loop.call(lambda: core.begin_expert_placement(location, chunk_layers))
+            copied, chunks = [0] * (self.tp_size if core is None else 1), 0
+            while (done := self._step(location)) is not None:
+                copied = [c + d.slots_copied for c, d in zip(copied, done, strict=True)]
+                chunks += 1
+            return {"chunks": chunks, "slots_copied": copied}
+
+    def _step(self, location: ExpertLocation) -> list[ChunkDone] | None:
+        """One chunk on every rank, recorded in the trace if one records: per rank its ChunkDone, None when done.
+        The record is written where the switch is first seen, before any row of a later forward reaches the
+        writer: on the scheduler thread (one process) or on the front end's receiver thread with the first rank's
+        answer (several), so a kill never commits rows whose map is not yet listed."""
+
+        def record(done: ChunkDone | None) -> None:
+            if done is None or self._writer is None:
+                return
+            rows = location.physical_to_logical[[location.row(i) for i in done.layer_ids]].numpy()
+            try:
+                self._writer.add_placement(done.from_forward_id, done.layer_ids, rows)
+            except Exception as exc:  # the switch happened: the rebalance goes on, the log says what the trace lacks
+                log.warning("trace %s: the placement of layers %s from forward %d was not recorded: %s",
+                            self._writer.run_id, list(done.layer_ids), done.from_forward_id, exc)
+
+        with self._record:
+            core = self.core
+            if core is None:
+                done = list(self.loop.call("expert_placement_step", on_first=record))
+            else:
+                def step() -> ChunkDone | None:
+                    one = core.expert_placement_step()
+                    record(one)
+                    return one
+
+                done = [self.loop.call(step)]
+            return None if done[0] is None else done
 
     def slots(self) -> list[dict[str, Any]]:
         if self.core is None:
             return list(self.loop.call("expert_slots"))
         return [self.loop.call(self.core.expert_slots)]
+
+    def running(self) -> tuple[int, tuple[int, ...], np.ndarray]:
+        """(forward_id, MoE layer ids, phy2log [L, P]): the map every rank runs from the next forward on."""
+        return running_map(list(self.loop.call("expert_map")) if self.core is None
+                           else [self.loop.call(self.core.expert_map)])
+
+    @contextmanager
+    def recording(self, writer: TraceWriter) -> Iterator[None]:
+        """Around a trace's attach: the map in force is written first, no chunk switches until the block ends, and
+        from then on each chunk's switch is recorded in `writer` (until stop_recording)."""
+        with self._record:
+            forward_id, layer_ids, phy2log = self.running()
+            writer.add_placement(forward_id, layer_ids, phy2log)
+            yield
+            self._writer = writer
+
+    def stop_recording(self) -> None:
+        with self._record:
+            self._writer = None
+
+
+def running_map(ranks: list[dict[str, Any]]) -> tuple[int, tuple[int, ...], np.ndarray]:
+    """EngineCore.expert_map of every rank -> (forward_id, MoE layer ids, phy2log [L, P]): the EP ranks' slots end to
+    end (slot p of EP rank r is global slot r P / G + p); attention-TP peers of one EP rank hold the same slots and
+    count once."""
+    by_ep = {r["ep_rank"]: r for r in reversed(ranks)}  # the first rank of each EP rank
+    ep = [by_ep[k] for k in sorted(by_ep)]
+    layer_ids = tuple(ep[0]["layer_ids"])
+    phy2log = np.array([[e for r in ep for e in r["held"][i]] for i in range(len(layer_ids))], dtype=np.int64)
+    return int(ep[0]["forward_id"]), layer_ids, phy2log

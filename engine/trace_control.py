@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import threading
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -34,6 +35,16 @@ class TraceTarget(Protocol):
     def trace_detach(self, after_loop: bool = False) -> None:
         """Drain and detach: every row captured so far has reached the sink when it returns. after_loop: the
         engine's loop (or ranks) has already stopped."""
+
+
+class PlacementLog(Protocol):
+    """What records the expert placement into a trace (placement_control.PlacementControl)."""
+
+    def recording(self, writer: TraceWriter) -> AbstractContextManager[None]:
+        """Around the attach: the map in force written first, then each rebalance chunk's switch."""
+
+    def stop_recording(self) -> None:
+        """Before the writer closes: no more placement rows go to it."""
 
 
 class LocalTrace:
@@ -65,8 +76,11 @@ class LocalTrace:
 
 
 class TraceControl:
-    def __init__(self, target: TraceTarget, writer_args: dict[str, Any]) -> None:
+    def __init__(self, target: TraceTarget, writer_args: dict[str, Any],
+                 placements: PlacementLog | None = None) -> None:
+        """placements: records the expert placement the engine runs into each trace (None: no placements table)."""
         self.target = target
+        self.placements = placements
         self.writer_args = writer_args  # model shape, engine options, hashes: the manifest's fixed fields
         # what start_trace's caller may set: TraceWriter's other keywords (file size, flush interval, fsync, ...)
         fixed = set(writer_args) | {"self", "root", "run_id"}
@@ -86,7 +100,8 @@ class TraceControl:
             stream = None
             try:
                 stream = None if stream_to is None else TraceStreamWriter(stream_to, writer.manifest)
-                self.target.trace_attach(writer if stream is None else TeeSink(writer, stream), writer)
+                with nullcontext() if self.placements is None else self.placements.recording(writer):
+                    self.target.trace_attach(writer if stream is None else TeeSink(writer, stream), writer)
             except BaseException:
                 if stream is not None:
                     stream.close()
@@ -100,6 +115,8 @@ class TraceControl:
             writer = self.writer
             if writer is None:
                 return None
+            if self.placements is not None:
+                self.placements.stop_recording()
             self.target.trace_detach(after_loop)
             self.writer = None
             if self._stream is not None:

@@ -23,7 +23,7 @@ import sys
 import tempfile
 import threading
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,6 +56,7 @@ class _Call:
     expected: int
     values: list[Any] = field(default_factory=list)
     done: threading.Event = field(default_factory=threading.Event)
+    on_first: Callable[[Any], None] | None = None  # run by the receiver on the first reply, before later items
 
 
 class WorkerGroup:
@@ -156,14 +157,16 @@ class WorkerGroup:
         if self.dead is None:
             self.inbox.put(("abort", rid))
 
-    def call(self, name: str, *args: Any) -> list[Any]:
+    def call(self, name: str, *args: Any, on_first: Callable[[Any], None] | None = None) -> list[Any]:
         """Run a named operation on every rank between steps; the reporting ranks' answers (every rank's for
-        ALL_RANK_CALLS), in rank order. A rank that refused it (CallRefused: the same on every rank) raises here."""
+        ALL_RANK_CALLS), in rank order. A rank that refused it (CallRefused: the same on every rank) raises here.
+        on_first(answer): run on the receiver thread with the first answer to arrive, before it hands on anything
+        the ranks sent after their answers (the rows of later forwards: a rank's items arrive in its order)."""
         expected = self.launch.tp_size if name in ALL_RANK_CALLS else self.reporting
         with self._lock:
             self._check_alive()
             call_id = next(self._call_ids)
-            pending = self._calls[call_id] = _Call(expected)
+            pending = self._calls[call_id] = _Call(expected, on_first=on_first)
             self.inbox.put(("call", call_id, name, args))
         pending.done.wait()
         if self.dead is not None and len(pending.values) < expected:
@@ -260,6 +263,11 @@ class WorkerGroup:
         elif kind == "reply":
             _, call_id, _rank, value = item
             call = self._calls[call_id]
+            if not call.values and call.on_first is not None and not isinstance(value, CallRefused):
+                try:
+                    call.on_first(value)
+                except Exception:  # the caller still gets its answers
+                    log.exception("front end: the first answer's hook failed")
             call.values.append(value)
             if len(call.values) == call.expected:
                 del self._calls[call_id]

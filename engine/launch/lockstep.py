@@ -34,7 +34,7 @@ from r3trace.engine.request import Req
 
 log = logging.getLogger(__name__)
 # Calls whose answer differs by rank (expert parallelism's slots): every rank replies, not only the reporting ones.
-ALL_RANK_CALLS = frozenset({"expert_placement_begin", "expert_placement_step", "expert_slots"})
+ALL_RANK_CALLS = frozenset({"expert_placement_begin", "expert_placement_step", "expert_slots", "expert_map"})
 
 
 class CallRefused(NamedTuple):
@@ -214,6 +214,8 @@ class RankLoop:
             return core.expert_placement_step()
         if name == "expert_slots":
             return core.expert_slots()
+        if name == "expert_map":
+            return core.expert_map()
         if name == "flush_cache":
             return core.loop.flush_if_idle()
         if name == "recompute_mismatches":
