@@ -243,12 +243,13 @@ def eplb_report(path: str, run_id: str, gpus: int, nodes: int, slots: int, polic
     """`r3trace eplb`'s report (r3trace/eplb/report.py) for the page: windows, the backtest, in-sample and
     held-out scores (per layer too), the trade-off over policies x node limits 1..min(N, 8), per-GPU loads
     [L, G] before (trivial placement) and after the plan on the scored window, phy2log [L, P] / logcnt, and SGLang's
-    physical_to_logical_map [num_hidden_layers, P]. previous: the path of the placement the cluster runs (`r3trace eplb
-    --previous`: an --out JSON or SGLang's location file; "": none), then the plan's "before" and its scores."""
+    physical_to_logical_map [num_hidden_layers, P]. previous: the placement the cluster runs (`r3trace eplb
+    --previous`: an --out JSON's or SGLang's location file's path, "recorded": the run's own placements table; "":
+    none), then the plan's "before" and its scores."""
     import argparse
 
     from r3trace.eplb.placement import Cluster, sglang_map
-    from r3trace.eplb.previous import read_previous
+    from r3trace.eplb.previous import RECORDED, read_previous, recorded_previous
     from r3trace.eplb.report import PlanRequest, gpu_loads, make_report, tradeoff
     from r3trace.eplb.window import window_spec
 
@@ -261,7 +262,9 @@ def eplb_report(path: str, run_id: str, gpus: int, nodes: int, slots: int, polic
         raise ValueError(str(e)) from e
     by_runs = any(sp is not None and sp.kind == "runs" for sp in specs)
     kept = None
-    if previous.strip():
+    if previous.strip() == RECORDED:
+        kept = recorded_previous(open_store(path).run(run_id), cluster)
+    elif previous.strip():
         kept = read_previous(previous.strip(), cluster, int(run["num_hidden_layers"]), tuple(run["moe_layer_ids"]),
                              int(run["num_experts"]))
     req = PlanRequest(cluster, policy, None, specs[0], specs[1], None if by_runs else run_id,  # type: ignore[arg-type]

@@ -66,9 +66,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replay-tokens", type=positive_int, default=8192,
                    help="tokens replayed through node-limited dispatch per scored window")
     p.add_argument("--previous", default=None,
-                   help="the placement the cluster runs: a JSON written by --out, or SGLang's --init-expert-location "
-                        "file (.json or .pt, as --sglang writes); ours re-plans from it, and the report prints churn "
-                        "against it and its own scores, kept as is, beside the plan's")
+                   help="the placement the cluster runs: a JSON written by --out, SGLang's --init-expert-location "
+                        "file (.json or .pt, as --sglang writes), or 'recorded': the map the run (with runs= "
+                        "windows, the last training run) ran at its end, from the trace's placements table (an "
+                        "r3trace engine records it); ours re-plans from it, and the report prints churn against it "
+                        "and its own scores, kept as is, beside the plan's")
     p.add_argument("--out", default=None, help="placement JSON: DeepSeek EPLB's phy2log, log2phy, logcnt (MoE layers)"
                    " and the report's figures under meta.report")
     p.add_argument("--sglang", default=None,
@@ -82,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     from r3trace.commands.args import select_run
     from r3trace.eplb import Cluster, to_json, to_sglang
     from r3trace.eplb.placement import PlacementError
-    from r3trace.eplb.previous import read_previous
+    from r3trace.eplb.previous import RECORDED, read_previous, recorded_previous
     from r3trace.eplb.report import PlanRequest, make_report
     from r3trace.eplb.window import WindowError
     from r3trace.errors import StoreError, UsageError
@@ -127,7 +129,10 @@ def run(args: argparse.Namespace) -> int:
     previous = None
     if args.previous:
         try:
-            previous = read_previous(args.previous, cluster, m.num_hidden_layers, m.moe_layer_ids, m.num_experts)
+            trained = args.train.runs if args.train is not None and args.train.kind == "runs" else named
+            ran = run_id or trained[-1]
+            previous = (recorded_previous(store.run(ran), cluster) if args.previous == RECORDED else
+                        read_previous(args.previous, cluster, m.num_hidden_layers, m.moe_layer_ids, m.num_experts))
         except PlacementError as e:
             raise UsageError(f"--previous {e}") from e
     asked = {} if args.windows is None else {"windows": args.windows}  # else PlanRequest's default
@@ -138,7 +143,8 @@ def run(args: argparse.Namespace) -> int:
         rep = make_report(store, req, progress_flag(args.progress))
     except WindowError as e:
         raise UsageError(str(e)) from e
-    print("\n".join(report_lines(rep, cluster, m.moe_layer_ids, args.previous, args.windows)))
+    label = f"run {ran}'s recorded placement" if args.previous == RECORDED else args.previous
+    print("\n".join(report_lines(rep, cluster, m.moe_layer_ids, label, args.windows)))
     if args.out:
         meta: dict[str, object] = {"policy": rep.policy, "forecast": rep.forecast, "run_id": rep.train.runs[0],
                 "moe_layer_ids": list(m.moe_layer_ids), "report": rep.to_dict()}

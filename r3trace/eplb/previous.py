@@ -8,7 +8,8 @@ Two files are read:
   indexes the map by real layer id, dense layers included (python/sglang/srt/eplb/expert_location.py,
   ExpertLocationMetadata.init_by_mapping), so the trace's MoE layer ids pick its rows; the file holds no cluster, so
   the flags' is taken, its slots checked against the map's width.
-running_map writes SGLang's file from an engine's slot report (`r3trace serve`'s GET /expert_placement).
+`--previous recorded` reads neither: the trace's own placements table (r3trace/trace/placements.py), the map each MoE
+layer ran at the run's end, which an r3trace engine writes when a trace starts and as a rebalance switches layers.
 """
 
 from __future__ import annotations
@@ -19,9 +20,13 @@ from typing import Any
 
 import numpy as np
 
-from r3trace.eplb.placement import Cluster, Placement, PlacementError, from_doc, from_phy2log, sglang_map
+from r3trace.eplb.placement import Cluster, Placement, PlacementError, from_doc, from_phy2log
+from r3trace.trace.placements import placement_at
+from r3trace.trace.reader import RunFiles
+from r3trace.trace.schema import TraceSchemaError
 
 SGLANG_KEY = "physical_to_logical_map"
+RECORDED = "recorded"  # --previous's word for the trace's own placements table
 
 
 def read_previous(path: str | Path, cluster: Cluster, num_hidden_layers: int, moe_layer_ids: tuple[int, ...],
@@ -46,6 +51,22 @@ def read_previous(path: str | Path, cluster: Cluster, num_hidden_layers: int, mo
                              f"experts; this plan is for {cluster.num_gpus} / {cluster.num_nodes} / "
                              f"{cluster.num_slots}, {len(moe_layer_ids)} x {num_experts}")
     return pl
+
+
+def recorded_previous(run: RunFiles, cluster: Cluster) -> Placement:
+    """The placement run ran at its end (each MoE layer's last recorded map) for this cluster; PlacementError when the
+    run records none, or ran another slot count or another expert-parallel size than the cluster's GPUs."""
+    m = run.manifest
+    try:
+        phy2log = placement_at(run)
+    except TraceSchemaError as e:
+        raise PlacementError(f"recorded: {e}") from e
+    ep = m.parallel.get("ep_size")
+    if phy2log.shape[1] != cluster.num_slots or (ep is not None and ep != cluster.num_gpus):
+        ran = f"{phy2log.shape[1]} slots" + ("" if ep is None else f" on ep_size={ep}")
+        raise PlacementError(f"recorded: run {m.run_id} ran {ran}; this plan is for {cluster.num_slots} slots on "
+                             f"{cluster.num_gpus} GPUs")
+    return from_phy2log(phy2log, m.num_experts)
 
 
 def _load(path: Path) -> Any:
@@ -89,18 +110,3 @@ def _from_sglang(table: Any, path: Path, cluster: Cluster, num_hidden_layers: in
             raise PlacementError(f"{path}: {SGLANG_KEY} row {layer_id} (a MoE layer) gives expert {missing[0]} no "
                                  "slot; every expert needs one")
     return from_phy2log(phy2log, num_experts)
-
-
-def running_map(ranks: list[dict[str, Any]], num_hidden_layers: int, moe_layer_ids: tuple[int, ...],
-                num_experts: int) -> np.ndarray:
-    """Engine.expert_slots' ranks (per MoE layer the logical expert of each local slot, and the rank's ep_rank) ->
-    SGLang's physical_to_logical_map [num_hidden_layers, P]: a MoE layer's row the EP ranks' slots end to end (slot p
-    of EP rank r is global slot r P / G + p; ranks of one EP rank, attention-TP peers, hold the same slots and count
-    once), every other row the trivial map (placement.sglang_map)."""
-    if [list(r["layer_ids"]) for r in ranks] != [list(moe_layer_ids)] * len(ranks):
-        raise PlacementError(f"the ranks report MoE layers {[r['layer_ids'] for r in ranks]}, the model has "
-                             f"{list(moe_layer_ids)}")
-    by_ep = {r["ep_rank"]: r for r in reversed(ranks)}  # the first rank of each EP rank
-    ep = [by_ep[k] for k in sorted(by_ep)]
-    phy2log = np.array([[e for r in ep for e in r["held"][i]] for i in range(len(moe_layer_ids))])
-    return sglang_map(from_phy2log(phy2log, num_experts), num_hidden_layers, moe_layer_ids)

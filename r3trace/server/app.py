@@ -270,16 +270,18 @@ def create_app(engine: GenerateEngine, config: ServerConfig | None = None) -> Fa
     async def expert_placement() -> dict[str, Any]:
         """The placement the engine runs, as SGLang's --init-expert-location file: save it for `r3trace eplb
         --previous` (its scores kept as is beside a plan's) or a later POST /update_expert_placement."""
-        fn, mc = getattr(engine, "expert_slots", None), getattr(engine, "model_config", None)
+        fn, mc = getattr(engine, "expert_placement", None), getattr(engine, "model_config", None)
         if fn is None or mc is None:
             raise ApiError(501, "expert_placement: this engine reports no expert placement")
-        from r3trace.eplb.placement import PlacementError
-        from r3trace.eplb.previous import running_map
+        import numpy as np
 
+        from r3trace.eplb.placement import PlacementError, from_phy2log, sglang_map
+
+        running = await service.call(fn)
         try:
-            table = running_map(await service.call(fn), mc.num_hidden_layers, tuple(mc.moe_layer_ids),
-                                mc.n_routed_experts)
-        except PlacementError as exc:  # the ranks disagree with the model: an engine fault, not the request's
+            table = sglang_map(from_phy2log(np.asarray(running["phy2log"]), mc.n_routed_experts),
+                               mc.num_hidden_layers, tuple(running["layer_ids"]))
+        except PlacementError as exc:  # a map that gives an expert no slot: an engine fault, not the request's
             raise ApiError(500, f"expert_placement: {exc}") from exc
         return {"physical_to_logical_map": table.tolist()}
 

@@ -128,3 +128,34 @@ def test_a_file_of_neither_kind_is_refused(trace: dict[str, Any], tmp_path: Path
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "neither a placement JSON written by --out" in err
     assert "['logical_count']" in err
+
+
+def test_recorded_is_the_map_the_run_ran_at_its_end(trace: dict[str, Any], live: dict[str, Any], tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """--previous recorded reads the trace's placements table (an engine's, written here by the real TraceWriter): the
+    map in force at the run's end, a shuffle first and global's plan from forward 100 on, gives every line that
+    --previous g.json gives but the label; a run without placements, or another slot count, is refused in one line."""
+    pl, _ = from_json((live["dir"] / "g.json").read_text())
+    shuffle = np.stack([np.random.default_rng(i).permutation(np.arange(24) % E) for i in range(len(L_IDS))])
+    with TraceWriter(tmp_path, model_name="m", num_hidden_layers=HIDDEN, moe_layer_ids=L_IDS, num_experts=E, top_k=K,
+                     run_id="a", num_groups=4, parallel={"ep_size": 8}) as w:
+        w.add_placement(0, L_IDS, shuffle)
+        w.append_tokens([f"r{i % 5}" for i in range(TOKENS)], np.arange(TOKENS), "decode", "computed",
+                        np.arange(TOKENS) // 8, trace["ts"], 0, trace["ids"])
+        w.add_placement(100, L_IDS[1:], pl.phy2log[1:])
+        w.add_placement(150, L_IDS[:1], pl.phy2log[:1])
+    flags = (*CLUSTER, "--train", "time=..9")
+    want = run_cli(capsys, str(trace["root"]), *flags, "--previous", str(live["dir"] / "g.json"))
+    got = run_cli(capsys, str(tmp_path), *flags, "--previous", "recorded")
+    label = "run a's recorded placement"
+    assert got == [x.replace(str(live["dir"] / "g.json"), label) for x in want]
+    assert any(line.startswith(f"churn vs {label}: ") for line in got)
+
+    assert main(["eplb", str(trace["root"]), *CLUSTER, "--previous", "recorded"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("r3trace eplb: --previous recorded: run a records no expert placement (an r3trace engine writes "
+                   "one when a trace starts)")
+    assert main(["eplb", str(tmp_path), "--gpus", "4", "--nodes", "2", "--slots", "24", "--previous", "recorded"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("r3trace eplb: --previous recorded: run a ran 24 slots on ep_size=8; this plan is for 24 slots on 4 "
+                   "GPUs")

@@ -19,7 +19,7 @@ from streamlit.runtime.memory_media_file_storage import MemoryMediaFileStorage
 from streamlit.testing.v1 import AppTest, app_test
 
 from r3trace.eplb import deepseek, to_sglang
-from r3trace.eplb.placement import Cluster
+from r3trace.eplb.placement import Cluster, from_phy2log
 from tests.analysis.test_eplb_export import sglang_load
 from tests.dashboard.conftest import CFG
 from tests.dashboard.test_pages import (  # noqa: F401 (app, routes: fixtures)
@@ -99,3 +99,26 @@ def test_a_running_placement_for_another_cluster_is_an_error_not_a_crash(app: Ap
     assert not at.exception
     [err] = at.error
     assert "physical_to_logical_map has 24 slots a layer; --slots is 20" in err.value
+
+
+def test_recorded_is_the_runs_own_placement(tmp_path: Path) -> None:
+    """prev=recorded reads the run's placements table: the same report as the path of a file holding that map."""
+    from dashboards import store_cache as sc
+    from r3trace.trace import TraceWriter
+
+    rng = np.random.default_rng(5)
+    n, moe, e = 600, CFG.moe_layer_ids, CFG.num_experts
+    ids = np.stack([np.stack([rng.choice(e, CFG.top_k, replace=False) for _ in moe]) for _ in range(n)])
+    ran = np.stack([np.random.default_rng(i).permutation(np.arange(20) % e) for i in range(len(moe))])
+    with TraceWriter(tmp_path / "s", model_name="m", num_hidden_layers=CFG.num_hidden_layers, moe_layer_ids=moe,
+                     num_experts=e, top_k=CFG.top_k, run_id="r", num_groups=CFG.num_groups) as w:
+        w.add_placement(0, moe, ran)
+        w.append_tokens([f"q{i % 3}" for i in range(n)], np.arange(n), "decode", "computed", np.arange(n),
+                        1_767_225_600 * 10**9 + np.arange(n) * 10**7, 0, ids.astype(np.int32))
+    path = tmp_path / "ran.json"
+    to_sglang(from_phy2log(ran, e), path, CFG.num_hidden_layers, moe)
+    args = (str(tmp_path / "s"), "r", 4, 2, 20, "ours", 2, 2000, "time=..3", "")
+    got, want = sc.eplb_report(*args, "recorded"), sc.eplb_report(*args, str(path))
+    assert got["previous_held_out"] == want["previous_held_out"] and got["previous_held_out"] is not None
+    np.testing.assert_array_equal(got["gpu_before"], want["gpu_before"])
+    np.testing.assert_array_equal(got["phy2log"], want["phy2log"])

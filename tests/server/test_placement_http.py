@@ -13,8 +13,9 @@ import httpx
 import torch
 
 from r3trace.engine import Engine
-from r3trace.eplb.placement import Cluster
-from r3trace.eplb.previous import read_previous, running_map
+from r3trace.engine.placement_control import running_map
+from r3trace.eplb.placement import Cluster, from_phy2log, sglang_map
+from r3trace.eplb.previous import read_previous
 from r3trace.server import ServerConfig, create_app
 from tests.server.live_server import LiveServer
 
@@ -82,9 +83,12 @@ def test_serve_flags_reach_the_engine_config() -> None:
 
 
 def test_running_map_puts_ep_ranks_end_to_end_and_counts_tp_peers_once() -> None:
-    """Engine.expert_slots of 2 EP ranks x 2 attention-TP peers (rank order 0, 1, 2, 3 = ep 0, 0, 1, 1 here given
-    out of order) -> SGLang's map: EP rank 0's slots then rank 1's, dense layer 0 trivial."""
+    """EngineCore.expert_map of 2 EP ranks x 2 attention-TP peers (rank order 0, 1, 2, 3 = ep 0, 0, 1, 1 here given
+    out of order) -> EP rank 0's slots then rank 1's; as SGLang's map, dense layer 0 trivial."""
     held = {0: [[0, 1, 2], [3, 2, 1]], 1: [[3, 0, 3], [0, 0, 2]]}  # ep_rank -> per MoE layer its 3 slots
-    ranks = [{"ep_rank": ep, "layer_ids": [1, 2], "held": held[ep]} for ep in (1, 0, 1, 0)]
-    got = running_map(ranks, 3, (1, 2), 4)
-    assert got.tolist() == [[0, 1, 2, 3, 0, 1], [0, 1, 2, 3, 0, 3], [3, 2, 1, 0, 0, 2]]
+    ranks = [{"ep_rank": ep, "forward_id": 9, "layer_ids": [1, 2], "held": held[ep]} for ep in (1, 0, 1, 0)]
+    forward_id, layer_ids, phy2log = running_map(ranks)
+    assert (forward_id, layer_ids) == (9, (1, 2))
+    assert phy2log.tolist() == [[0, 1, 2, 3, 0, 3], [3, 2, 1, 0, 0, 2]]
+    assert sglang_map(from_phy2log(phy2log, 4), 3, layer_ids).tolist() == [
+        [0, 1, 2, 3, 0, 1], [0, 1, 2, 3, 0, 3], [3, 2, 1, 0, 0, 2]]
