@@ -62,14 +62,15 @@ class PlacementControl:
         answer (several), so a kill never commits rows whose map is not yet listed."""
 
         def record(done: ChunkDone | None) -> None:
-            if done is None or self._writer is None:
+            writer = self._writer  # read once: stop_recording may clear it meanwhile
+            if done is None or writer is None:
                 return
             rows = location.physical_to_logical[[location.row(i) for i in done.layer_ids]].numpy()
             try:
-                self._writer.add_placement(done.from_forward_id, done.layer_ids, rows)
+                writer.add_placement(done.from_forward_id, done.layer_ids, rows)
             except Exception as exc:  # the switch happened: the rebalance goes on, the log says what the trace lacks
                 log.warning("trace %s: the placement of layers %s from forward %d was not recorded: %s",
-                            self._writer.run_id, list(done.layer_ids), done.from_forward_id, exc)
+                            writer.run_id, list(done.layer_ids), done.from_forward_id, exc)
 
         with self._record:
             core = self.core
@@ -105,8 +106,9 @@ class PlacementControl:
             self._writer = writer
 
     def stop_recording(self) -> None:
-        with self._record:
-            self._writer = None
+        """No lock: a shutdown must not wait on a rebalance stuck in a call its stopped loop never serves; a chunk
+        recorded while the writer closes is refused by it (TraceWriter.add_placement) and logged."""
+        self._writer = None
 
 
 def running_map(ranks: list[dict[str, Any]]) -> tuple[int, tuple[int, ...], np.ndarray]:
