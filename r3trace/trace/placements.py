@@ -26,6 +26,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from r3trace.trace.layout import without_partition
 from r3trace.trace.schema import Manifest, TraceSchemaError
 
 PLACEMENT_SCHEMA = pa.schema([
@@ -73,8 +74,8 @@ def read_placements(run: Any) -> pa.Table:
     stable sort): the later of two rows for one layer and forward is the map that forward ran. None: zero rows."""
     files = run.placement_files
     if not files:
-        return PLACEMENT_SCHEMA.remove(0).empty_table()
-    t = pa.concat_tables([pq.read_table(p).cast(PLACEMENT_SCHEMA.remove(0)) for p in files])
+        return without_partition(PLACEMENT_SCHEMA).empty_table()
+    t = pa.concat_tables([pq.read_table(p).cast(without_partition(PLACEMENT_SCHEMA)) for p in files])
     return t.take(pc.sort_indices(t, [("from_forward_id", "ascending")]))  # Arrow's sort is stable
 
 
