@@ -21,7 +21,6 @@ forward_id = the token's row (or the npz's forward_id).
 from __future__ import annotations
 
 import json
-import re
 import shutil
 import time
 import uuid
@@ -36,7 +35,6 @@ import numpy as np
 from r3trace.analysis.peer_formats import BodyError, Format, Routes, detect, moe_rows, routes_of
 from r3trace.progress import progress_bar
 from r3trace.trace.batch import repeated_experts, repeated_tokens
-from r3trace.trace.commit import write_heat_run
 from r3trace.trace.layout import TABLES
 from r3trace.trace.reader import RunFiles, open_dataset
 from r3trace.trace.schema import Manifest, TraceSchemaError, run_dir_name
@@ -253,45 +251,3 @@ def _write_rows(w: TraceWriter, rid: str, req: _Request, shape: ModelShape, drop
         req.rows += len(ids)
     req.pending.clear()
     return dropped
-
-
-def ingest_expert_distribution(
-    path: str | Path, store: str | Path, shape: ModelShape, run_id: str | None = None
-) -> Manifest:
-    """SGLang expert-distribution dump (.pt dict with `logical_count` [.., layers, E]) -> heat-only run."""
-    import torch  # only this source needs torch
-
-    try:
-        dump = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise IngestError(f"{path}: not a torch dump ({e})") from e
-    counts = dump.get("logical_count") if isinstance(dump, dict) else None
-    if counts is None:
-        keys = list(dump) if isinstance(dump, dict) else type(dump).__name__
-        raise IngestError(f"{path}: field logical_count missing (found {keys})")
-    c = np.asarray(counts, dtype=np.int64)
-    c = c.reshape(-1, *c.shape[-2:]).sum(0)  # per-pass dumps [passes, layers, E] sum to [layers, E]
-    if c.shape[-1] != shape.num_experts:
-        raise IngestError(f"{path}: field logical_count has {c.shape[-1]} experts, expected {shape.num_experts}")
-    if c.shape[0] == shape.num_hidden_layers:
-        c = c[list(shape.moe_layer_ids)]
-    elif c.shape[0] != len(shape.moe_layer_ids):
-        raise IngestError(f"{path}: field logical_count has {c.shape[0]} layers, expected "
-                          f"{shape.num_hidden_layers} (all) or {len(shape.moe_layer_ids)} (MoE)")
-    m = Manifest(run_id=run_id or f"heat-{uuid.uuid4().hex[:8]}", model_name=shape.model_name,
-                 num_hidden_layers=shape.num_hidden_layers, moe_layer_ids=shape.moe_layer_ids,
-                 num_experts=shape.num_experts, top_k=shape.top_k, num_groups=shape.num_groups, kind="heat",
-                 engine={"ingested_from": str(path)})
-    with staged(store) as stage:
-        out = write_heat_run(stage, m, c, window_start_ns=dump_time_ns(Path(path)))
-    return out
-
-
-DUMP_NAME = re.compile(r"expert_distribution_recorder_(\d+(?:\.\d+)?)\.pt$")
-
-
-def dump_time_ns(path: Path) -> int:
-    """When SGLang wrote a dump: the time.time() in its file name (expert_distribution.py's stat accumulator names
-    it expert_distribution_recorder_<time.time()>.pt), else the file's modification time."""
-    found = DUMP_NAME.search(path.name)
-    return int(float(found.group(1)) * 1_000_000_000) if found else path.stat().st_mtime_ns

@@ -107,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from r3trace.analysis import ingest as ing
+    from r3trace.analysis.ingest_dump import ingest_expert_distribution
     from r3trace.analysis.store import open_store
     from r3trace.errors import StoreError, UsageError
     from r3trace.progress import progress_flag
@@ -119,7 +120,8 @@ def run(args: argparse.Namespace) -> int:
                              "body's rows take its `created`)")
     if args.drop_repeated and args.format in ("native", "expert-dist"):
         raise UsageError(f"--drop-repeated: only for response bodies and numpy (--format {args.format} holds "
-                         + ("runs r3trace already checked)" if args.format == "native" else "counts, not routes)"))
+                         + ("runs r3trace already checked)" if args.format == "native" else
+                            "SGLang's recorder, whose every token is checked: a dump with a repeat is refused)"))
     if args.ts is not None and args.window_ids is not None:
         raise UsageError(f"--ts {args.ts} --window-ids {args.window_ids}: give one of them")
     if args.format == "native":
@@ -127,12 +129,12 @@ def run(args: argparse.Namespace) -> int:
         print("ingested runs:", ", ".join(ing.ingest_native(args.src, args.store, progress=progress)))
         return 0
     src = Path(args.src)
-    if not src.is_file():
+    if not src.is_file() and not (args.format == "expert-dist" and src.is_dir()):
         what = "does not exist" if not src.exists() else "is a folder, not a file"
-        raise StoreError(f"src {src} {what} (--format {args.format} reads one file)")
+        raise StoreError(f"src {src} {what} (--format {args.format} reads one file; expert-dist a file or a folder)")
     shape = _shape(args)
     if args.format == "expert-dist":  # one torch.load and one small write: nothing to count
-        out = ing.ingest_expert_distribution(src, args.store, shape, run_id=args.run_id)
+        out = ingest_expert_distribution(src, args.store, shape, run_id=args.run_id)
         when = "the time in the dump's file name, else its modification time"
     elif args.format == "numpy":
         from r3trace.analysis.ingest_numpy import ingest_numpy

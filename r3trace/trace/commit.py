@@ -248,13 +248,18 @@ class RunCommitter:
 
 
 def write_heat_run(
-    root: str | Path, manifest: Manifest, counts: np.ndarray, window_start_ns: int = 0, phase: str = "decode"
+    root: str | Path, manifest: Manifest, counts: np.ndarray, window_start_ns: int | Sequence[int] = 0,
+    phase: str = "decode",
 ) -> Manifest:
-    """A heat-only run (kind="heat"): counts [L, E] as one rollup file, no routes. Returns the manifest."""
+    """A heat-only run (kind="heat"): counts [L, E] at window_start_ns, or [W, L, E] at W starts (windows landing in
+    one rollup window add up), as one rollup file, no routes. Returns the manifest."""
     counts = np.asarray(counts)
+    starts = [window_start_ns] if isinstance(window_start_ns, (int, np.integer)) else list(window_start_ns)
     shape = (manifest.num_moe_layers, manifest.num_experts)
-    if counts.shape != shape:
-        raise TraceSchemaError(f"heat counts have shape {counts.shape}, manifest says {shape}")
+    stacked = counts if counts.ndim == 3 else counts[None]  # [W, L, E]
+    if stacked.ndim != 3 or stacked.shape[1:] != shape or len(stacked) != len(starts):
+        raise TraceSchemaError(f"heat counts have shape {counts.shape}, manifest says {shape} "
+                               f"({len(starts)} window starts)")
     if phase not in PHASES:
         raise TraceSchemaError(f"heat phase {phase!r} not in {PHASES}")
     run_dir = Path(root) / run_dir_name(manifest.run_id)
@@ -262,7 +267,9 @@ def write_heat_run(
     rollups = table_dir(run_dir, manifest.schema_version, "rollups")
     rollups.mkdir(parents=True, exist_ok=True)
     acc = RollupAccumulator(manifest.moe_layer_ids, manifest.num_experts, manifest.rollup_window_ns)
-    acc.counts[(window_start_ns // manifest.rollup_window_ns, PHASES.index(phase))] = counts.astype(np.int64)
+    for start, c in zip(starts, stacked, strict=True):
+        key = (start // manifest.rollup_window_ns, PHASES.index(phase))
+        acc.counts[key] = acc.counts.get(key, 0) + c.astype(np.int64)
     write_parquet_atomic(file_table(acc.table(manifest.run_id), manifest), rollups / "rollup-00000.parquet",
                          staging=run_dir)
     done = replace(manifest, kind="heat", files=(FileEntry(name="", rows=0, rollup="rollup-00000.parquet"),))

@@ -99,7 +99,8 @@ def test_a_heat_only_trace_plans_with_its_own_top_k(tmp_path: Path, monkeypatch:
     expectation of nodes per token must take the trace's top_k, not PlannerConfig's default of 8: every plan the
     report makes (ours and the origins' re-plans) gets router_top_k 2."""
     torch = pytest.importorskip("torch")
-    from r3trace.analysis.ingest import ModelShape, ingest_expert_distribution
+    from r3trace.analysis.ingest import ModelShape
+    from r3trace.analysis.ingest_dump import ingest_expert_distribution
     from r3trace.analysis.store import TraceStore
     from r3trace.eplb import planner
     from r3trace.eplb.report import PlanRequest, make_report

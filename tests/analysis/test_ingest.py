@@ -14,10 +14,10 @@ import torch
 from r3trace.analysis.ingest import (
     IngestError,
     ModelShape,
-    ingest_expert_distribution,
     ingest_native,
     ingest_responses,
 )
+from r3trace.analysis.ingest_dump import ingest_expert_distribution
 from r3trace.analysis.ingest_numpy import ingest_numpy
 from r3trace.analysis.store import TraceStore
 

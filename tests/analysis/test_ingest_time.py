@@ -153,7 +153,7 @@ def test_response_bodies_keep_created_and_line_order(tmp_path: Path) -> None:
 def test_expert_distribution_dump_keeps_its_time(tmp_path: Path) -> None:
     import torch
 
-    from r3trace.analysis.ingest import ingest_expert_distribution
+    from r3trace.analysis.ingest_dump import ingest_expert_distribution
 
     counts = torch.from_numpy(np.random.default_rng(3).integers(0, 9, (2, 4, 16)))
     named = tmp_path / "expert_distribution_recorder_1767225600.75.pt"  # SGLang's name: time.time() at the dump
