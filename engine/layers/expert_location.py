@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from r3trace.trace.placements import phy2log_fault
+
 from ..model_config import ModelConfig
 
 
@@ -104,9 +106,10 @@ class ExpertLocation:
         if phy.dim() != 2:
             raise ExpertLocationError(f"physical_to_logical has shape {tuple(phy.shape)}; expected [M, P]")
         m, p = phy.shape
-        if phy.numel() and (phy.min() < 0 or phy.max() >= num_experts):
-            bad = phy[(phy < 0) | (phy >= num_experts)][0]
-            raise ExpertLocationError(f"physical_to_logical holds id {int(bad)}; ids must lie in 0..{num_experts - 1}")
+        if len(layer_ids) != m:
+            raise ExpertLocationError(f"layer_ids has {len(layer_ids)} entries, physical_to_logical {m} rows")
+        if phy.numel() and (phy.min() < 0 or phy.max() >= num_experts):  # the scatter below indexes by these ids
+            _check_rows(phy, num_experts, layer_ids)  # the rest (P < E, an expert with no slot) waits for _validate
         count = torch.zeros(m, num_experts, dtype=torch.int64).scatter_add_(1, phy, torch.ones_like(phy))
         r = max(int(count.max()) if count.numel() else 1, 1)
         order = torch.argsort(phy * p + torch.arange(p), dim=1)  # [M, P] slots grouped by expert, ascending slot
@@ -173,6 +176,15 @@ def _read_json(source: str | Path) -> dict[str, Any]:
     return doc
 
 
+def _check_rows(phy: torch.Tensor, num_experts: int, layer_ids: tuple[int, ...]) -> None:
+    """Each row of physical_to_logical [M, P] holds ids in 0..E-1 and gives every expert a slot: the row check the
+    trace's placements table and `eplb --previous` run too (r3trace/trace/placements.py, phy2log_fault)."""
+    for row, (values, layer_id) in enumerate(zip(phy.cpu().numpy(), layer_ids, strict=True)):
+        fault = phy2log_fault(values, num_experts)
+        if fault is not None:
+            raise ExpertLocationError(f"physical_to_logical row {row} (layer {layer_id}): {fault}")
+
+
 def _validate(loc: ExpertLocation) -> None:
     """Every check names the field; all are on the host at construction, never per forward."""
     phy, l2p, cnt = loc.physical_to_logical, loc.logical_to_physical, loc.logical_count
@@ -196,18 +208,8 @@ def _validate(loc: ExpertLocation) -> None:
         raise ExpertLocationError(f"physical_to_logical has P={p} slots, fewer than E={e} logical experts")
     if m == 0:
         return
-    if phy.min() < 0 or phy.max() >= e:
-        row, slot = ((phy < 0) | (phy >= e)).nonzero()[0].tolist()
-        raise ExpertLocationError(
-            f"physical_to_logical[{row}, {slot}] = {int(phy[row, slot])}; ids must lie in 0..{e - 1}"
-        )
+    _check_rows(phy, e, loc.layer_ids)
     held = torch.zeros(m, e, dtype=torch.int64).scatter_add_(1, phy, torch.ones_like(phy))
-    if (held == 0).any():
-        row, expert = (held == 0).nonzero()[0].tolist()
-        raise ExpertLocationError(
-            f"physical_to_logical: logical expert {expert} of layer {loc.layer_ids[row]} has no replica; "
-            "every logical expert needs >= 1 slot"
-        )
     if not torch.equal(cnt, held):
         row, expert = (cnt != held).nonzero()[0].tolist()
         raise ExpertLocationError(

@@ -34,6 +34,7 @@ import numpy as np
 
 from r3trace.analysis.ingest import IngestError, ModelShape, staged, unrepeated
 from r3trace.trace.commit import write_heat_run
+from r3trace.trace.placements import phy2log_fault
 from r3trace.trace.schema import Manifest, TraceSchemaError
 from r3trace.trace.writer import TraceWriter
 
@@ -145,14 +146,13 @@ def _stat_counts(d: Dump, shape: ModelShape) -> np.ndarray:
 
 
 def _map(d: Dump, shape: ModelShape) -> np.ndarray:
-    """The dump's last_physical_to_logical_map over the MoE layers, [L, P], ids checked in 0..E-1."""
+    """The dump's last_physical_to_logical_map over the MoE layers [L, P]: each slot an expert, each expert a slot."""
     full = _array(d.body["last_physical_to_logical_map"], str(d.path), "last_physical_to_logical_map", 2)
     moe = full[_layers(len(full), shape, str(d.path), "last_physical_to_logical_map")]
-    bad = (moe < 0) | (moe >= shape.num_experts)
-    if bad.any():
-        layer, slot = (int(v) for v in np.argwhere(bad)[0])
-        raise IngestError(f"{d.path}: field last_physical_to_logical_map holds {int(moe[layer, slot])} at MoE layer "
-                          f"{layer}, slot {slot}: expert ids are 0..{shape.num_experts - 1}")
+    for row, layer_id in zip(moe, shape.moe_layer_ids, strict=True):
+        fault = phy2log_fault(row, shape.num_experts)
+        if fault is not None:
+            raise IngestError(f"{d.path}: field last_physical_to_logical_map row {layer_id} (a MoE layer): {fault}")
     return moe
 
 

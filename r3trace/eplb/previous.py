@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from r3trace.eplb.placement import Cluster, Placement, PlacementError, from_doc, from_phy2log
-from r3trace.trace.placements import placement_at
+from r3trace.trace.placements import phy2log_fault, placement_at
 from r3trace.trace.reader import RunFiles
 from r3trace.trace.schema import TraceSchemaError
 
@@ -101,12 +101,7 @@ def _from_sglang(table: Any, path: Path, cluster: Cluster, num_hidden_layers: in
                              f"{cluster.num_slots}")
     phy2log = full[list(moe_layer_ids)]  # [L, P]
     for row, layer_id in zip(phy2log, moe_layer_ids, strict=True):  # named by the row SGLang reads, its layer id
-        if row.min() < 0 or row.max() >= num_experts:
-            bad = int(row[(row < 0) | (row >= num_experts)][0])
-            raise PlacementError(f"{path}: {SGLANG_KEY} row {layer_id} (a MoE layer) holds expert id {bad}, "
-                                 f"outside 0..{num_experts - 1}")
-        missing = np.flatnonzero(np.bincount(row, minlength=num_experts) == 0)
-        if len(missing):
-            raise PlacementError(f"{path}: {SGLANG_KEY} row {layer_id} (a MoE layer) gives expert {missing[0]} no "
-                                 "slot; every expert needs one")
+        fault = phy2log_fault(row, num_experts)
+        if fault is not None:
+            raise PlacementError(f"{path}: {SGLANG_KEY} row {layer_id} (a MoE layer): {fault}")
     return from_phy2log(phy2log, num_experts)

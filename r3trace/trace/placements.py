@@ -38,6 +38,22 @@ PLACEMENT_SCHEMA = pa.schema([
 ])
 
 
+def phy2log_fault(row: Any, num_experts: int) -> str | None:
+    """The first fault of one layer's phy2log row [P] of integers over E = num_experts logical experts: the lowest slot
+    holding an id outside 0..E-1, else the lowest expert no slot holds; None when every slot holds an expert and every
+    expert a slot. The one check of a map's rows for the placements table, `eplb --previous`'s SGLang file
+    (r3trace/eplb/previous.py) and the engine's ExpertLocation (engine/layers/expert_location.py); each caller
+    prefixes the field and the layer to raise its own error."""
+    row = np.asarray(row)
+    bad = np.flatnonzero((row < 0) | (row >= num_experts))
+    if bad.size:
+        return f"slot {int(bad[0])} holds expert {int(row[bad[0]])}, outside 0..{num_experts - 1}"
+    missing = np.flatnonzero(np.bincount(row, minlength=num_experts) == 0)  # [E] slots per expert (ids checked above)
+    if missing.size:
+        return f"expert {int(missing[0])} of 0..{num_experts - 1} has no slot"
+    return None
+
+
 def placement_table(m: Manifest, from_forward_id: int, ts_ns: int, layer_ids: Sequence[int], phy2log: Any) -> pa.Table:
     """Rows of one switch: phy2log [n, P] for the n MoE layers in layer_ids. TraceSchemaError naming the field: a
     layer outside the manifest's MoE layers, an expert id outside 0..E-1, a row that gives an expert no slot."""
@@ -51,14 +67,10 @@ def placement_table(m: Manifest, from_forward_id: int, ts_ns: int, layer_ids: Se
     outside = sorted(set(ids) - set(m.moe_layer_ids))
     if outside or len(set(ids)) != len(ids) or not ids:
         raise TraceSchemaError(f"placement layer_ids={ids} must be distinct MoE layers of {list(m.moe_layer_ids)}")
-    e = m.num_experts
     for layer, row in zip(ids, table, strict=True):
-        if row.min() < 0 or row.max() >= e:
-            bad = int(row[(row < 0) | (row >= e)][0])
-            raise TraceSchemaError(f"placement phy2log row of layer {layer} holds expert {bad}, outside 0..{e - 1}")
-        missing = np.flatnonzero(np.bincount(row, minlength=e) == 0)
-        if len(missing):
-            raise TraceSchemaError(f"placement phy2log row of layer {layer} gives expert {int(missing[0])} no slot")
+        fault = phy2log_fault(row, m.num_experts)
+        if fault is not None:
+            raise TraceSchemaError(f"placement phy2log row of layer {layer}: {fault}")
     n = len(ids)
     return pa.table({
         "run_id": pa.array([m.run_id] * n, pa.string()),

@@ -104,8 +104,8 @@ def _sglang(path: Path, table: Any) -> Path:
 @pytest.mark.parametrize("bad, message", [
     (lambda m: m[:, :20], "physical_to_logical_map has 20 slots a layer; --slots is 24"),
     (lambda m: m[:3], "physical_to_logical_map has 3 layers; the trace's model has 5"),
-    (lambda m: np.where(m == 7, 0, m), "physical_to_logical_map row 1 (a MoE layer) gives expert 7 no slot"),
-    (lambda m: np.where(m == 7, 16, m), "row 1 (a MoE layer) holds expert id 16, outside 0..15"),
+    (lambda m: np.where(m == 7, 0, m), "physical_to_logical_map row 1 (a MoE layer): expert 7 of 0..15 has no slot"),
+    (lambda m: np.where(m == 7, 16, m), "row 1 (a MoE layer): slot 7 holds expert 16, outside 0..15"),
     (lambda m: m + 0.5, "physical_to_logical_map must be [layers][slots] integers"),
     (lambda m: [list(r) for r in m[:, :23]] + [list(m[0])], "physical_to_logical_map must be [layers][slots]"),
 ])

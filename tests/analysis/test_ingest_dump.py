@@ -193,6 +193,7 @@ def _tp_copy(src: Path) -> None:
     ("missing", "records[0]: field positions missing"),
     ("map", "field last_physical_to_logical_map differs from another rank's dump starting at forward_pass_id 0"),
     ("mixed", "dumps of 2 recorder modes (per_token, stat); ingest one mode at a time"),
+    ("noslot", "field last_physical_to_logical_map row 2 (a MoE layer): expert 0 of 0..15 has no slot"),
 ])
 def test_bad_dumps_are_refused_in_one_line_and_leave_nothing(dumps: dict[str, Any], tmp_path: Path, case: str,
                                                             message: str) -> None:
@@ -205,6 +206,12 @@ def test_bad_dumps_are_refused_in_one_line_and_leave_nothing(dumps: dict[str, An
         path = sorted(src.glob("*_1.pt"))[0]
         body = torch.load(path, weights_only=True)
         body["last_physical_to_logical_map"] = (body["last_physical_to_logical_map"] + 1) % 16  # experts relabelled
+        torch.save(body, path)
+    elif case == "noslot":
+        path = sorted(src.glob("*_0.pt"))[0]
+        body = torch.load(path, weights_only=True)
+        row = body["last_physical_to_logical_map"][2]
+        row[row == 0] = 1
         torch.save(body, path)
     elif case == "missing":
         path = sorted(src.glob("*_0.pt"))[0]

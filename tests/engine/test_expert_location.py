@@ -91,8 +91,10 @@ def test_trivial_and_deepseek_replica_order() -> None:
     "change, match",
     [
         (dict(phy=lambda p: p.__setitem__((0, 9), 1)), "logical_count"),  # expert 0 loses a slot, count says 3
-        (dict(phy=lambda p: p.__setitem__((0, 3), 8)), r"physical_to_logical\[0, 3\] = 8; ids must lie in 0..7"),
-        (dict(phy=lambda p: p.__setitem__((1, 0), -1)), r"physical_to_logical\[1, 0\] = -1"),
+        (dict(phy=lambda p: p.__setitem__((0, 3), 8)),
+         r"^physical_to_logical row 0 \(layer 1\): slot 3 holds expert 8, outside 0\.\.7$"),
+        (dict(phy=lambda p: p.__setitem__((1, 0), -1)),
+         r"^physical_to_logical row 1 \(layer 2\): slot 0 holds expert -1, outside 0\.\.7$"),
         (dict(l2p=lambda q: q.__setitem__((0, 0, 2), 12)), r"logical_to_physical has R=3 columns and ids -1..12"),
         (dict(l2p=lambda q: q.__setitem__((0, 1, 0), 2)), "logical_to_physical row 0"),  # slot 2 holds expert 2
         (dict(l2p=lambda q: q.__setitem__((1, 0, 1), 7)), "logical_to_physical row 1"),  # a padding entry set
@@ -108,13 +110,15 @@ def test_bad_maps_are_refused(change: dict, match: str) -> None:
 
 def test_bad_sources_are_refused() -> None:
     no_replica = [[0, 1, 2, 3, 0, 4, 5, 6, 0, 0, 3, 6], PHY2LOG[1]]  # expert 7 of layer 1 has no slot
-    with pytest.raises(ExpertLocationError, match="logical expert 7 of layer 1 has no replica"):
+    with pytest.raises(ExpertLocationError, match=r"^physical_to_logical row 0 \(layer 1\): expert 7 of 0\.\.7 has no "
+                       r"slot$"):
         ExpertLocation.from_physical_to_logical(no_replica, E, 2, LAYERS)
     with pytest.raises(ExpertLocationError, match="P=12 slots, not a multiple of ep_size=5"):
         ExpertLocation.from_physical_to_logical(PHY2LOG, E, 5, LAYERS)
     with pytest.raises(ExpertLocationError, match="P=6 slots, fewer than E=8"):
         ExpertLocation.trivial(E, 2, LAYERS, num_physical=6)
-    with pytest.raises(ExpertLocationError, match="holds id 8; ids must lie in 0..7"):
+    with pytest.raises(ExpertLocationError, match=r"^physical_to_logical row 0 \(layer 1\): slot 0 holds expert 8, "
+                       r"outside 0\.\.7$"):
         ExpertLocation.from_physical_to_logical([[8] * 12, PHY2LOG[1]], E, 2, LAYERS)
     with pytest.raises(ExpertLocationError, match=r"SGLang indexes rows by layer id: expected \[num_hidden_layers=3"):
         ExpertLocation.from_sglang({"physical_to_logical_map": PHY2LOG}, CFG3, 2)  # MoE rows only: ambiguous

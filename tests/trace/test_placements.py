@@ -19,7 +19,7 @@ import pytest
 from r3trace.analysis.ingest import ingest_native
 from r3trace.analysis.store import TraceStore
 from r3trace.trace import Manifest, TraceSchemaError, TraceWriter, open_dataset, recover_run
-from r3trace.trace.placements import placement_at, read_placements
+from r3trace.trace.placements import phy2log_fault, placement_at, read_placements
 
 REPO = Path(__file__).resolve().parents[2]
 MOE, E, K = (1, 2, 3), 6, 2  # MoE layers of a 4-layer model; P = 8 slots below
@@ -66,12 +66,24 @@ def test_a_run_without_placements_has_an_empty_view_and_says_so(tmp_path: Path) 
         placement_at(run)
 
 
+@pytest.mark.parametrize(("row", "fault"), [
+    ([2, 0, 1, 1], None),  # expert 1 in two slots
+    ([2, 0, 3, 1, 3], "slot 2 holds expert 3, outside 0..2"),  # id = E, the lowest such slot named
+    ([2, -1, 1, 0], "slot 1 holds expert -1, outside 0..2"),
+    ([-1, 0, 1, 3], "slot 0 holds expert -1, outside 0..2"),  # an id outside is named before a missing expert
+    ([0, 0, 0, 0], "expert 1 of 0..2 has no slot"),  # 1 and 2 have none: the lowest is named
+    ([], "expert 0 of 0..2 has no slot"),
+])
+def test_phy2log_fault_names_the_first_bad_slot_or_missing_expert(row: list[int], fault: str | None) -> None:
+    assert phy2log_fault(np.array(row, dtype=np.int64), 3) == fault
+
+
 @pytest.mark.parametrize(("layers", "table", "message"), [
     ((0, 1, 2), maps(0), r"layer_ids=\[0, 1, 2\] must be distinct MoE layers of \[1, 2, 3\]"),
     ((1, 1, 2), maps(0), r"layer_ids=\[1, 1, 2\] must be distinct"),
     (MOE, maps(0)[:2], r"phy2log must be \[3 layers, P slots\] integers; it is int64 of shape \[2, 8\]"),
-    (MOE, np.where(np.arange(8) == 7, 6, maps(0)), r"row of layer 1 holds expert 6, outside 0..5"),
-    (MOE, np.where(maps(0) == 4, 0, maps(0)), r"row of layer 1 gives expert 4 no slot"),
+    (MOE, np.where(np.arange(8) == 7, 6, maps(0)), r"phy2log row of layer 1: slot 7 holds expert 6, outside 0\.\.5$"),
+    (MOE, np.where(maps(0) == 4, 0, maps(0)), r"phy2log row of layer 1: expert 4 of 0\.\.5 has no slot$"),
 ])
 def test_what_is_not_a_placement_is_refused_in_one_line(tmp_path: Path, layers: tuple[int, ...], table: np.ndarray,
                                                         message: str) -> None:
