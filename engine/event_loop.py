@@ -19,7 +19,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -35,6 +35,7 @@ from r3trace.engine.tokenizer import TextTokenizer
 log = logging.getLogger(__name__)
 Sink = queue.Queue  # per request: result dicts (or stream chunks) back to the caller's thread
 _POLL_S = 0.5  # how often a waiting caller checks that the scheduler thread is still alive
+T = TypeVar("T")
 
 
 def stream_chunks(
@@ -96,10 +97,11 @@ class EventLoop:
         self._thread.join()
 
     def call(self, fn: Callable[[], Any]) -> Any:
-        """Run fn on the scheduler thread and return its result (or raise its exception here)."""
-        box: queue.Queue[Any] = queue.Queue()
+        """Run fn on the scheduler thread and return its result (or raise its exception here). RuntimeError if the
+        thread stopped without running it (a call queued behind shutdown: a placement update racing it)."""
+        box: queue.Queue[tuple[bool, Any]] = queue.Queue()
         self._inbox.put(("call", (fn, box)))
-        ok, value = box.get()
+        ok, value = self._get_while_alive(box)
         if not ok:
             raise value
         return value
@@ -108,12 +110,21 @@ class EventLoop:
         return bool(self.call(self.flush_if_idle))
 
     def wait(self, sink: Sink[dict[str, Any]]) -> dict[str, Any]:
+        return self._get_while_alive(sink)
+
+    def _get_while_alive(self, box: queue.Queue[T]) -> T:
+        """box's next item; RuntimeError once the scheduler thread has ended without putting one. The box is read
+        once more after the thread is seen dead: an item put just before it ended (shutdown's abort results, a
+        call's answer) is still returned."""
         while True:
             try:
-                return sink.get(timeout=_POLL_S)
+                return box.get(timeout=_POLL_S)
             except queue.Empty:
                 if not self._thread.is_alive():
-                    raise RuntimeError("the engine's scheduler thread has stopped") from None
+                    try:
+                        return box.get_nowait()
+                    except queue.Empty:
+                        raise RuntimeError("the engine's scheduler thread has stopped") from None
 
     def stream(self, rid: str, sink: Sink[dict[str, Any]]) -> Iterator[dict[str, Any]]:
         return stream_chunks(self.wait, self.abort, rid, sink)
