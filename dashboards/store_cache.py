@@ -22,7 +22,7 @@ import polars as pl
 import streamlit as st
 
 from r3trace.analysis import agreement, coactivation, heat
-from r3trace.analysis.integrity import repeated_rows
+from r3trace.analysis.integrity import repeated_rows, unplaced_rows
 from r3trace.analysis.limited_query import LimitedResult, run_limited
 from r3trace.analysis.store import TraceStore, query_frame
 from r3trace.trace.lifecycle import run_is_live
@@ -117,16 +117,20 @@ def run_row(path: str, run_id: str) -> dict[str, Any]:
 @st.cache_data(show_spinner=False)
 def overview(path: str, run_id: str) -> dict[str, Any]:
     """tokens, requests, layers, experts, top_k, rows, bytes on disk (of the files the manifest lists), and the
-    route rows whose top-K repeats an expert (analysis/integrity.py), all zeros among them."""
+    route rows whose top-K repeats an expert (analysis/integrity.py), all zeros among them, and with physical_ids and
+    placements the rows whose slots miss their experts under their forward's map, of the rows a map covers."""
     run = run_row(path, run_id)
     counts = _q(path, "SELECT count(DISTINCT (request_id, token_pos)) AS tokens,"
                       " count(DISTINCT request_id) AS requests FROM routes WHERE run_id = ?", [run_id]).row(0)
     files = open_store(path).run(run_id)
     size = sum(p.stat().st_size for p in files.listed_files)
     bad = repeated_rows(open_store(path).con, run_id)
+    m = files.manifest
+    off = unplaced_rows(open_store(path).con, run_id) if m.with_physical_ids and m.placements and m.rows else None
     return {"tokens": int(counts[0]), "requests": int(counts[1]), "layers": len(run["moe_layer_ids"]),
             "experts": int(run["num_experts"]), "top_k": int(run["top_k"]), "rows": int(run["rows"]),
-            "bytes": int(size), "repeated_rows": bad.rows, "all_zero_rows": bad.all_zero}
+            "bytes": int(size), "repeated_rows": bad.rows, "all_zero_rows": bad.all_zero,
+            "unplaced_rows": off.rows if off else 0, "placed_rows": off.total - off.unmapped if off else 0}
 
 
 @st.cache_data(show_spinner=False)

@@ -26,6 +26,11 @@ if o["repeated_rows"]:
                f"({o['all_zero_rows']:,} of them all zeros): a router picks {o['top_k']} distinct experts, so these "
                "are broken captures, such as token slots the capture never wrote. Heat and placements count them "
                "as routes; `r3trace ingest --drop-repeated` leaves them out.")
+if o["unplaced_rows"]:
+    st.warning(f"{o['unplaced_rows']:,} of {o['placed_rows']:,} route rows have physical_ids whose slots do not hold "
+               "their topk_ids under the placement in force at their forward: a rebalance the trace did not record, "
+               "or slots read through another map. Heat by expert is unaffected; per-GPU load from these slots is "
+               "wrong.")
 imb = sc.imbalance(path, run_id)
 if imb.is_empty():
     if o["rows"]:  # without route rows the line above already said why

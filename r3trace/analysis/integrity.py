@@ -1,10 +1,16 @@
-"""Rows no router could have produced: a top-K that names one expert twice.
+"""Rows no router could have produced: a top-K that names one expert twice, or slots that do not hold its experts.
 
 A router's top-k picks K distinct experts, so a routes row whose topk_ids repeat an id is a broken capture: the
 all-zero rows ([0] * K) a capture buffer hands back for token slots it never wrote (SGLang's host buffer, indexed
 by KV slot and zeroed at start), or an export with its layer and top-k axes swapped. Ingest refuses such tokens
 (analysis/ingest.py); a trace written some other way (our writer's per-forward check leaves the sort out, and a
 Parquet file written to the contract by hand) is counted here, by `r3trace stats`.
+
+A run with physical_ids and a placements table (an r3trace engine's with capture_physical_ids, an SGLang per_token
+dump's ingest) also says which slot served each expert: under the map in force at the row's forward (the layer's
+placement row with the largest from_forward_id <= forward_id), slot physical_ids[k] must hold topk_ids[k]. A row
+where it does not read a slot through the wrong map: a rebalance the trace did not record, or rows from another
+replica's slots.
 """
 
 from __future__ import annotations
@@ -32,3 +38,25 @@ def repeated_rows(con: duckdb.DuckDBPyConnection, run_id: str | None = None) -> 
     assert found is not None  # an aggregate without GROUP BY returns one row
     rows, zeros, total = (int(v) for v in found)
     return Repeated(rows, zeros if k > 1 else 0, total)
+
+
+class Unplaced(NamedTuple):
+    rows: int  # rows with a map whose physical_ids do not hold their topk_ids under it
+    unmapped: int  # rows of a forward before their layer's first placement row
+    total: int  # routes rows looked at
+
+
+def unplaced_rows(con: duckdb.DuckDBPyConnection, run_id: str) -> Unplaced:
+    """Counts over run_id's routes, which must have physical_ids: each row joined (ASOF) to its layer's map at its
+    forward; of two rows of one layer and forward the later written (larger ts) wins, as placements.placement_at."""
+    found = con.execute(
+        "WITH p AS (SELECT layer_id, from_forward_id, phy2log FROM placements WHERE run_id = $run"
+        "  QUALIFY row_number() OVER (PARTITION BY layer_id, from_forward_id ORDER BY ts DESC) = 1),"
+        " r AS (SELECT layer_id, forward_id, topk_ids::INTEGER[] AS ids, physical_ids FROM routes WHERE run_id = $run)"
+        " SELECT count(*) FILTER (WHERE p.phy2log IS NOT NULL AND"
+        "   list_transform(r.physical_ids::INTEGER[], lambda s: p.phy2log[s + 1]) IS DISTINCT FROM r.ids),"
+        " count(*) FILTER (WHERE p.phy2log IS NULL), count(*)"
+        " FROM r ASOF LEFT JOIN p ON r.layer_id = p.layer_id AND r.forward_id >= p.from_forward_id",
+        {"run": run_id}).fetchone()
+    assert found is not None  # an aggregate without GROUP BY returns one row
+    return Unplaced(*(int(v) for v in found))

@@ -17,7 +17,7 @@ def run(args: argparse.Namespace) -> int:
     import polars as pl
 
     from r3trace.analysis.heat import HeatSource, imbalance
-    from r3trace.analysis.integrity import repeated_rows
+    from r3trace.analysis.integrity import repeated_rows, unplaced_rows
     from r3trace.analysis.locality import temporal_locality
     from r3trace.analysis.store import open_store
     from r3trace.commands.args import select_run
@@ -42,6 +42,13 @@ def run(args: argparse.Namespace) -> int:
             bad = repeated_rows(store.con, m.run_id)
             print(f"rows repeating an expert in their top-{m.top_k}: {bad.rows:,} of {bad.total:,}"
                   + (f" ({bad.all_zero:,} all zeros: token slots the capture never wrote?)" if bad.rows else ""))
+            if m.with_physical_ids and m.placements:
+                off = unplaced_rows(store.con, m.run_id)
+                print(f"rows whose physical_ids miss their experts under their forward's placement: {off.rows:,} of "
+                      f"{off.total - off.unmapped:,}" + (f" ({off.unmapped:,} rows before the first map)"
+                                                          if off.unmapped else ""))
+            elif m.with_physical_ids:
+                print("physical_ids without a placements table: slots cannot be checked against experts")
             loc = temporal_locality(store.con, m.run_id)
             ov, base = loc["mean_overlap"].to_numpy().mean(), loc["baseline"].to_numpy().mean()
             print(f"temporal locality: mean overlap {ov:.3f} (independent tokens: {base:.3f})")

@@ -97,3 +97,25 @@ def test_overview_warns_of_rows_repeating_an_expert(tmp_path: Path, monkeypatch:
                        "2 distinct experts, so these are broken captures, such as token slots the capture never "
                        "wrote. Heat and placements count them as routes; `r3trace ingest --drop-repeated` leaves "
                        "them out."]
+
+
+def test_overview_warns_of_slots_read_through_another_map(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """physical_ids with a placements table: 2 tokens (6 rows) whose slots were picked under a map the trace did not
+    record are counted against the recorded one (analysis/integrity.py's unplaced_rows); the rows that agree are not."""
+    ran = np.stack([np.arange(10) % 8] * 3)  # [L, P]: slots 8, 9 hold experts 0, 1
+    moved = ran.copy()
+    moved[:, [1, 2]] = [2, 1]  # from forward 2 on slot 1 holds expert 2: the slot-1 rows of forwards 2, 3 miss
+    ids = np.tile(np.array([0, 1]), (4, 3, 1))  # [4, L, K] experts 0 and 1
+    slots = np.tile(np.array([0, 1]), (4, 3, 1))  # under `ran` slot 0 holds 0 and slot 1 holds 1: right
+    with TraceWriter(tmp_path, run_id="slots", flush_interval_s=None, with_physical_ids=True,
+                     **SHAPE) as w:  # type: ignore[arg-type]
+        w.add_placement(0, SHAPE["moe_layer_ids"], ran)  # type: ignore[arg-type]
+        w.add_placement(2, SHAPE["moe_layer_ids"], moved)  # type: ignore[arg-type]
+        w.append_tokens("a", np.arange(4), "decode", "computed", np.arange(4), 0, 0, ids, physical_ids=slots)
+    monkeypatch.setenv("R3TRACE_STORE", str(tmp_path))
+    at = AppTest.from_file(APP, default_timeout=60)
+    m, warning = overview(at, warned=True)
+    assert m["Tokens"] == "4"
+    assert warning == ["6 of 12 route rows have physical_ids whose slots do not hold their topk_ids under the "
+                       "placement in force at their forward: a rebalance the trace did not record, or slots read "
+                       "through another map. Heat by expert is unaffected; per-GPU load from these slots is wrong."]
