@@ -248,11 +248,12 @@ def eplb_report(path: str, run_id: str, gpus: int, nodes: int, slots: int, polic
     held-out scores (per layer too), the trade-off over policies x node limits 1..min(N, 8), per-GPU loads
     [L, G] before (trivial placement) and after the plan on the scored window, phy2log [L, P] / logcnt, and SGLang's
     physical_to_logical_map [num_hidden_layers, P]. previous: the placement the cluster runs (`r3trace eplb
-    --previous`: an --out JSON's or SGLang's location file's path, "recorded": the run's own placements table; "":
+    --previous`: an --out JSON's or SGLang's location file's path, "recorded": the run's own placements table, the
+    map in force at the training window's end; "":
     none), then the plan's "before" and its scores."""
     import argparse
 
-    from r3trace.eplb.placement import Cluster, sglang_map
+    from r3trace.eplb.placement import Cluster, Placement, sglang_map
     from r3trace.eplb.previous import RECORDED, read_previous, recorded_previous
     from r3trace.eplb.report import PlanRequest, gpu_loads, make_report, tradeoff
     from r3trace.eplb.window import window_spec
@@ -265,16 +266,17 @@ def eplb_report(path: str, run_id: str, gpus: int, nodes: int, slots: int, polic
     except argparse.ArgumentTypeError as e:
         raise ValueError(str(e)) from e
     by_runs = any(sp is not None and sp.kind == "runs" for sp in specs)
-    kept = None
-    if previous.strip() == RECORDED:
-        kept = recorded_previous(open_store(path).run(run_id), cluster)
+    kept: Placement | str | None = None
+    if previous.strip() == RECORDED:  # read at the training window's end by make_report; checked here first
+        recorded_previous(open_store(path).run(run_id), cluster)
+        kept = RECORDED
     elif previous.strip():
         kept = read_previous(previous.strip(), cluster, int(run["num_hidden_layers"]), tuple(run["moe_layer_ids"]),
                              int(run["num_experts"]))
     req = PlanRequest(cluster, policy, None, specs[0], specs[1], None if by_runs else run_id,  # type: ignore[arg-type]
                       replay_tokens=max_tokens, previous=kept)
     rep = make_report(open_store(path), req)
-    before, after = gpu_loads(rep, cluster, kept)
+    before, after = gpu_loads(rep, cluster, rep.previous)
     held = rep.held
     return {
         **rep.to_dict(), "layers": list(run["moe_layer_ids"]), "slots_per_gpu": cluster.slots_per_gpu,

@@ -49,8 +49,8 @@ train = query_state.text("Training window (time=A..B s, forward=A..B or runs=ID,
                          sc.eplb_default_train(path, run_id), where=w[0])
 held_out = query_state.text("Held-out window (empty: what follows the training window)", "eval", "", where=w[1])
 running = query_state.text("Placement the cluster runs (path: an `r3trace eplb --out` JSON or SGLang's "
-                           "--init-expert-location .json / .pt; `recorded`: the map the run's engine ran at its end; "
-                           "empty: none, SGLang's trivial one)", "prev", "")
+                           "--init-expert-location .json / .pt; `recorded`: the map the run's engine ran at the "
+                           "training window's end; empty: none, SGLang's trivial one)", "prev", "")
 try:
     rep = sc.eplb_report(path, run_id, gpus, nodes, slots, str(policy), node_limit, max_tokens, train, held_out,
                          running)

@@ -68,8 +68,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--previous", default=None,
                    help="the placement the cluster runs: a JSON written by --out, SGLang's --init-expert-location "
                         "file (.json or .pt, as --sglang writes), or 'recorded': the map the run (with runs= "
-                        "windows, the last training run) ran at its end, from the trace's placements table (an "
-                        "r3trace engine records it); ours re-plans from it, and the report prints churn against it "
+                        "windows, the last training run) ran at the training window's newest forward, from the "
+                        "trace's placements table (an r3trace engine records it; an SGLang per_token dump's ingest "
+                        "too); ours re-plans from it, and the report prints churn against it "
                         "and its own scores, kept as is, beside the plan's")
     p.add_argument("--out", default=None, help="placement JSON: DeepSeek EPLB's phy2log, log2phy, logcnt (MoE layers)"
                    " and the report's figures under meta.report")
@@ -131,7 +132,9 @@ def run(args: argparse.Namespace) -> int:
         try:
             trained = args.train.runs if args.train is not None and args.train.kind == "runs" else named
             ran = run_id or trained[-1]
-            previous = (recorded_previous(store.run(ran), cluster) if args.previous == RECORDED else
+            if args.previous == RECORDED:  # checked here, before the scan; read at the training window's end
+                recorded_previous(store.run(ran), cluster)
+            previous = (RECORDED if args.previous == RECORDED else
                         read_previous(args.previous, cluster, m.num_hidden_layers, m.moe_layer_ids, m.num_experts))
         except PlacementError as e:
             raise UsageError(f"--previous {e}") from e
@@ -143,7 +146,9 @@ def run(args: argparse.Namespace) -> int:
         rep = make_report(store, req, progress_flag(args.progress))
     except WindowError as e:
         raise UsageError(str(e)) from e
-    label = f"run {ran}'s recorded placement" if args.previous == RECORDED else args.previous
+    except PlacementError as e:  # a recorded map that starts after the training window's end
+        raise UsageError(f"--previous {e}") from e
+    label = rep.previous_at if args.previous == RECORDED else args.previous
     print("\n".join(report_lines(rep, cluster, m.moe_layer_ids, label, args.windows)))
     if args.out:
         meta: dict[str, object] = {"policy": rep.policy, "forecast": rep.forecast, "run_id": rep.train.runs[0],

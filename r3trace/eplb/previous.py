@@ -8,8 +8,10 @@ Two files are read:
   indexes the map by real layer id, dense layers included (python/sglang/srt/eplb/expert_location.py,
   ExpertLocationMetadata.init_by_mapping), so the trace's MoE layer ids pick its rows; the file holds no cluster, so
   the flags' is taken, its slots checked against the map's width.
-`--previous recorded` reads neither: the trace's own placements table (r3trace/trace/placements.py), the map each MoE
-layer ran at the run's end, which an r3trace engine writes when a trace starts and as a rebalance switches layers.
+`--previous recorded` reads neither: the trace's own placements table (r3trace/trace/placements.py), which an r3trace
+engine writes when a trace starts and as a rebalance switches layers (an SGLang per_token dump's ingest: each dump's
+map): each MoE layer's map in force at the training window's newest forward, what the cluster ran when the plan is
+made.
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+import duckdb
 import numpy as np
 
 from r3trace.eplb.placement import Cluster, Placement, PlacementError, from_doc, from_phy2log
+from r3trace.eplb.window import Selection
 from r3trace.trace.placements import phy2log_fault, placement_at
 from r3trace.trace.reader import RunFiles
 from r3trace.trace.schema import TraceSchemaError
@@ -53,12 +57,13 @@ def read_previous(path: str | Path, cluster: Cluster, num_hidden_layers: int, mo
     return pl
 
 
-def recorded_previous(run: RunFiles, cluster: Cluster) -> Placement:
-    """The placement run ran at its end (each MoE layer's last recorded map) for this cluster; PlacementError when the
-    run records none, or ran another slot count or another expert-parallel size than the cluster's GPUs."""
+def recorded_previous(run: RunFiles, cluster: Cluster, forward_id: int | None = None) -> Placement:
+    """The placement run ran at forward_id (None: at its end; each MoE layer's map in force there) for this cluster;
+    PlacementError when the run records none (or none that early), or ran another slot count or another
+    expert-parallel size than the cluster's GPUs."""
     m = run.manifest
     try:
-        phy2log = placement_at(run)
+        phy2log = placement_at(run, forward_id)
     except TraceSchemaError as e:
         raise PlacementError(f"recorded: {e}") from e
     ep = m.parallel.get("ep_size")
@@ -67,6 +72,22 @@ def recorded_previous(run: RunFiles, cluster: Cluster) -> Placement:
         raise PlacementError(f"recorded: run {m.run_id} ran {ran}; this plan is for {cluster.num_slots} slots on "
                              f"{cluster.num_gpus} GPUs")
     return from_phy2log(phy2log, m.num_experts)
+
+
+def recorded_at_end(con: duckdb.DuckDBPyConnection, runs: dict[str, RunFiles], train: Selection,
+                    cluster: Cluster) -> tuple[Placement, str]:
+    """The map the training window's last run ran at the window's newest forward (the placement the cluster ran when
+    the plan is made, a rebalance inside the later, held-out part of the run not yet seen), and where that was. A
+    heat-only run (no forwards) gives its map at its end."""
+    run_id = train.runs[-1]
+    x = [s for s in train.spans if s.run_id == run_id]
+    field = "forward_id" if x[0].field == "forward_id" else "epoch_ns(ts)"
+    inside = " OR ".join(f"({field} >= ? AND {field} < ?)" for _ in x)
+    found = con.execute(f"SELECT max(forward_id) FROM routes WHERE run_id = ? AND ({inside})",
+                        [run_id, *(v for s in x for v in (s.lo, s.hi))]).fetchone()
+    forward = None if found is None or found[0] is None else int(found[0])
+    at = f"run {run_id}'s recorded placement" + ("" if forward is None else f" at forward {forward}")
+    return recorded_previous(runs[run_id], cluster, forward), at
 
 
 def _load(path: Path) -> Any:

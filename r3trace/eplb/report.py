@@ -36,6 +36,7 @@ from r3trace.eplb.fresh import Layout, layout
 from r3trace.eplb.loads import HeatSource, TokenSample, run_facts, span_heat, span_sample
 from r3trace.eplb.origins import Origin, layer_origins
 from r3trace.eplb.placement import Cluster, Placement, PlacementError, churn, from_phy2log
+from r3trace.eplb.previous import recorded_at_end
 from r3trace.eplb.score import even_gpu_load, node_counts
 from r3trace.eplb.static import TokenSources, token_sources
 from r3trace.errors import StoreError
@@ -58,7 +59,7 @@ class PlanRequest:
     window_s: float | None = None  # or history windows of this length
     replay_tokens: int = 8192  # tokens replayed per scored window (first ones held out, newest ones in-sample)
     source: HeatSource | None = None  # None: rollups, routes for forward windows
-    previous: Placement | None = None
+    previous: Placement | str | None = None  # previous.RECORDED: the run's map at the training window's end
     dispatch: DispatchName = "node-limited"  # what auto's backtest and the worst layers judge balancedness by
 
 
@@ -101,6 +102,8 @@ class Report:
     # the request's previous placement kept as is, scored on the same windows and tokens (None: no --previous)
     kept_in_sample: Score | None = None
     kept_held: Score | None = None
+    previous: Placement | None = None  # the request's, or the map recorded at the training window's end
+    previous_at: str = ""  # where a recorded previous placement was read
 
     def to_dict(self) -> dict[str, Any]:
         """The figures as JSON-able data (`--out`'s meta.report)."""
@@ -171,6 +174,9 @@ def make_report(store: TraceStore, req: PlanRequest, progress: bool | None = Fal
     kept = tuple(s for s, k in zip(train.spans, keep, strict=True) if k)
     train = win.Selection(train.spec, kept, win.describe(kept, facts) if not keep.all() else train.label)
     history = history[keep]
+    previous, previous_at = req.previous, ""
+    if isinstance(previous, str):  # previous.RECORDED
+        previous, previous_at = recorded_at_end(store.con, runs, train, req.cluster)
     seconds = {"heat": time.perf_counter() - t0}
     train_sample = span_sample(runs, train.spans, req.replay_tokens, newest=True)
     train_tokens = _ids(train_sample)
@@ -187,11 +193,11 @@ def make_report(store: TraceStore, req: PlanRequest, progress: bool | None = Fal
         policy, how = req.policy, req.forecast or DEFAULT_FORECAST[req.policy]
     seconds["backtest"] = time.perf_counter() - t1
     t2 = time.perf_counter()
-    pl = plan_policy(policy, history, how, req.cluster, train_tokens, req.previous, req.dispatch, m.top_k)
+    pl = plan_policy(policy, history, how, req.cluster, train_tokens, previous, req.dispatch, m.top_k)
     seconds["plan"] = time.perf_counter() - t2
 
     in_sample = score_placement(pl, history.sum(0), train_tokens, req.cluster, train_src.rank)
-    kept_in = None if req.previous is None else score_placement(req.previous, history.sum(0), train_tokens,
+    kept_in = None if previous is None else score_placement(previous, history.sum(0), train_tokens,
                                                                 req.cluster, train_src.rank)
     scored, kept_held, held_heat, held_tokens, held_src = None, None, None, None, None
     if held is not None:
@@ -201,8 +207,8 @@ def make_report(store: TraceStore, req: PlanRequest, progress: bool | None = Fal
             held_tokens = _ids(held_sample)
             held_src = _sources(held_sample, req.cluster)
             scored = score_placement(pl, held_heat, held_tokens, req.cluster, held_src.rank)
-            if req.previous is not None:
-                kept_held = score_placement(req.previous, held_heat, held_tokens, req.cluster, held_src.rank)
+            if previous is not None:
+                kept_held = score_placement(previous, held_heat, held_tokens, req.cluster, held_src.rank)
         else:
             held_note = f"none: the held-out window {held.label} holds no routes"
             held_heat = None
@@ -211,13 +217,13 @@ def make_report(store: TraceStore, req: PlanRequest, progress: bool | None = Fal
     if policy == "ours":
         cfg = planner_config(req.dispatch, m.top_k)
         lay = layout(req.cluster, cfg)
-        origins = layer_origins(pl, policy_input(policy, history, how), req.cluster, req.previous, cfg)
+        origins = layer_origins(pl, policy_input(policy, history, how), req.cluster, previous, cfg)
     seconds["total"] = time.perf_counter() - t0  # the origins too: they plan DeepSeek global (and import torch)
     return Report(train, held, held_note, policy, how, pl, lay,
                   int(multi.any(1).sum()), bt, in_sample, scored,
-                  None if req.previous is None else churn(req.previous, pl), source, len(history), seconds,
+                  None if previous is None else churn(previous, pl), source, len(history), seconds,
                   history, train_tokens, held_heat, held_tokens, req.dispatch, _says(train_src, held_src), origins,
-                  m.top_k, kept_in, kept_held)
+                  m.top_k, kept_in, kept_held, previous, previous_at)
 
 
 def _sources(sample: TokenSample | None, cluster: Cluster) -> TokenSources:

@@ -130,11 +130,15 @@ def test_a_file_of_neither_kind_is_refused(trace: dict[str, Any], tmp_path: Path
     assert "['logical_count']" in err
 
 
-def test_recorded_is_the_map_the_run_ran_at_its_end(trace: dict[str, Any], live: dict[str, Any], tmp_path: Path,
-                                                    capsys: pytest.CaptureFixture[str]) -> None:
-    """--previous recorded reads the trace's placements table (an engine's, written here by the real TraceWriter): the
-    map in force at the run's end, a shuffle first and global's plan from forward 100 on, gives every line that
-    --previous g.json gives but the label; a run without placements, or another slot count, is refused in one line."""
+def test_recorded_is_the_map_in_force_at_the_training_windows_end(trace: dict[str, Any], live: dict[str, Any],
+                                                                  tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """--previous recorded reads the trace's placements table (an engine's, written here by the real TraceWriter): a
+    shuffle from forward 0, global's plan for layers 2 and 4 from forward 100 and for layer 1 from forward 150. With
+    --train time=..9 (forwards ..149) the cluster ran the shuffle on layer 1 and the plan on the others when the plan
+    was made: every line equals --previous given that map as SGLang's file, but the label; with the whole run as
+    training window, the plan on every layer: --previous g.json's lines. A run without placements, or another slot
+    count, is refused in one line."""
     pl, _ = from_json((live["dir"] / "g.json").read_text())
     shuffle = np.stack([np.random.default_rng(i).permutation(np.arange(24) % E) for i in range(len(L_IDS))])
     with TraceWriter(tmp_path, model_name="m", num_hidden_layers=HIDDEN, moe_layer_ids=L_IDS, num_experts=E, top_k=K,
@@ -144,12 +148,21 @@ def test_recorded_is_the_map_the_run_ran_at_its_end(trace: dict[str, Any], live:
                         np.arange(TOKENS) // 8, trace["ts"], 0, trace["ids"])
         w.add_placement(100, L_IDS[1:], pl.phy2log[1:])
         w.add_placement(150, L_IDS[:1], pl.phy2log[:1])
+    end = int(np.flatnonzero(trace["ts"] < T0 + 9 * 10**9)[-1]) // 8  # the training window's newest forward
+    assert end == 149
+    ran = np.tile(np.arange(24) % E, (HIDDEN, 1))  # SGLang's rows: every layer, dense ones trivial
+    ran[list(L_IDS)] = np.concatenate([shuffle[:1], pl.phy2log[1:]])
+    (tmp_path / "ran.json").write_text(json.dumps({"physical_to_logical_map": ran.tolist()}))
     flags = (*CLUSTER, "--train", "time=..9")
-    want = run_cli(capsys, str(trace["root"]), *flags, "--previous", str(live["dir"] / "g.json"))
+    want = run_cli(capsys, str(trace["root"]), *flags, "--previous", str(tmp_path / "ran.json"))
     got = run_cli(capsys, str(tmp_path), *flags, "--previous", "recorded")
-    label = "run a's recorded placement"
-    assert got == [x.replace(str(live["dir"] / "g.json"), label) for x in want]
+    label = "run a's recorded placement at forward 149"
+    assert got == [x.replace(str(tmp_path / "ran.json"), label) for x in want]
     assert any(line.startswith(f"churn vs {label}: ") for line in got)
+    whole = (*CLUSTER, "--train", "time=..12")
+    want = run_cli(capsys, str(trace["root"]), *whole, "--previous", str(live["dir"] / "g.json"))
+    got = run_cli(capsys, str(tmp_path), *whole, "--previous", "recorded")
+    assert got == [x.replace(str(live["dir"] / "g.json"), "run a's recorded placement at forward 199") for x in want]
 
     assert main(["eplb", str(trace["root"]), *CLUSTER, "--previous", "recorded"]) == 2
     err = capsys.readouterr().err.strip()

@@ -258,6 +258,6 @@ def test_cli_ingests_a_folder_and_eplb_takes_its_recorded_map(dumps: dict[str, A
     sglang.write_text(f'{{"physical_to_logical_map": {dumps["maps"][1].tolist()}}}')
     cluster = ["--gpus", "4", "--nodes", "2", "--slots", str(P)]
     assert main(["eplb", str(store), *cluster, "--previous", str(sglang)]) == 0
-    want = capsys.readouterr().out.replace(str(sglang), "run sg's recorded placement")
+    want = capsys.readouterr().out.replace(str(sglang), "run sg's recorded placement at forward 12")
     assert main(["eplb", str(store), *cluster, "--previous", "recorded"]) == 0
     assert capsys.readouterr().out == want
