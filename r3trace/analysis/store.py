@@ -23,10 +23,9 @@ import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import duckdb
-import polars as pl
 import pyarrow as pa
 
 from r3trace.errors import StoreError
@@ -35,6 +34,9 @@ from r3trace.trace.layout import FIRST_TABLE_LAYOUT, TABLES, Table
 from r3trace.trace.placements import PLACEMENT_SCHEMA
 from r3trace.trace.reader import RunFiles, open_dataset
 from r3trace.trace.schema import MANIFEST_NAME, REQUEST_SCHEMA, ROLLUP_SCHEMA, Manifest, route_schema
+
+if TYPE_CHECKING:  # polars is imported where a frame is built: the store's views and SQL need duckdb alone
+    import polars as pl
 
 _FILES: dict[Table, str] = {"routes": "route_files", "rollups": "rollup_files", "requests": "request_files",
                             "placements": "placement_files"}
@@ -60,6 +62,8 @@ def query_frame(
     """Runs `sql` with `?` parameters on a fresh cursor of `con`; the whole result as a DataFrame.
 
     `progress` (r3trace/progress.py): a percent bar on stderr labelled `desc`, from DuckDB's estimate."""
+    import polars as pl
+
     cur = con.cursor()
     try:
         with duckdb_progress(cur, progress, desc):
