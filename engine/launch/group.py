@@ -22,7 +22,6 @@ import shutil
 import sys
 import tempfile
 import threading
-import time
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -36,18 +35,13 @@ from r3trace.engine.event_loop import Sink, stream_chunks
 from r3trace.engine.launch.config import LaunchConfig
 from r3trace.engine.launch.controller import DpController
 from r3trace.engine.launch.lockstep import ALL_RANK_CALLS, CallRefused
-from r3trace.engine.launch.members import STOP_S, Member, ProcessMember, ThreadMember
+from r3trace.engine.launch.members import STOP_S, Member, ProcessMember, ThreadMember, failure_cause
 from r3trace.engine.launch.worker import WorkerSpec, rank_main
 from r3trace.engine.request import InvalidRequestError, Req
 from r3trace.engine.result import error_result
 
 log = logging.getLogger(__name__)
 WATCH_S = 0.2  # the watchdog's period: a dead rank fails its requests within about this long
-# A killed rank's exit shows only once the kernel has freed its memory (~0.1 s per GB on an idle 2-core host, more
-# under load), after its sockets closed: a peer's "fatal" report may come first, and waits this long for a peer's
-# exit. Only the failure path waits, in full only where no peer exits (the reporter failed on its own).
-FATAL_PEER_S = 2.0
-FATAL_POLL_S = 0.02  # a peer's exit is named within this long of showing
 
 
 @dataclass
@@ -284,19 +278,7 @@ class WorkerGroup:
         elif kind == "bye":
             self._byes += 1
         elif kind == "fatal":
-            self._fail(self._cause(self.members[item[1]], item[2]))
-
-    def _cause(self, reporter: Member, error: str) -> str:
-        """A peer that died is the cause of the reporter's failed collective: named first, with the reporter's error
-        (an exit code does not say which came first: a peer also exits, code 1, when the reporter fails)."""
-        peers = [m for m in self.members if m is not reporter]
-        deadline = time.monotonic() + FATAL_PEER_S
-        while peers:
-            gone = [m for m in peers if not m.is_alive()]
-            if gone or time.monotonic() > deadline:
-                return f"{gone[0].describe()}; {error}" if gone else error
-            time.sleep(FATAL_POLL_S)
-        return error
+            self._fail(failure_cause(self.members, self.members[item[1]], item[2]))
 
     def _fail(self, reason: str) -> None:
         """The ranks cannot go on: every request in flight gets an error result, every call returns, the other

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from r3trace.engine.launch import group as group_module
+from r3trace.engine.launch import members as members_module
 from r3trace.engine.launch.config import LaunchConfig
 from r3trace.engine.launch.group import WorkerGroup
 from r3trace.engine.launch.members import Member, ProcessMember
@@ -71,7 +71,7 @@ def test_fatal_report_names_the_peer_killed_before_its_exit_shows(ranks: list[An
         caller.start()
         group.from_ranks.put([("fatal", 0, RESET)])
         threading.Timer(KILL_AFTER_S, os.kill, (ranks[1].pid, signal.SIGKILL)).start()
-        dead = _wait_dead(group, KILL_AFTER_S + group_module.FATAL_PEER_S + 5)
+        dead = _wait_dead(group, KILL_AFTER_S + members_module.FATAL_PEER_S + 5)
         assert dead.startswith("rank 1 exited (killed by signal 9)"), dead
         assert RESET in dead  # the reporter's error is kept
         caller.join(5)
@@ -85,7 +85,7 @@ def test_fatal_report_names_the_peer_killed_before_its_exit_shows(ranks: list[An
 def test_fatal_report_without_a_dead_peer_names_the_reporter(ranks: list[Any],
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     wait_s = 0.3  # the bound is read on each report: a short one keeps the test quick
-    monkeypatch.setattr(group_module, "FATAL_PEER_S", wait_s)
+    monkeypatch.setattr(members_module, "FATAL_PEER_S", wait_s)
     group = _group(ranks)
     try:
         t0 = time.monotonic()
