@@ -33,13 +33,7 @@ from r3trace.trace.batch import Labels, route_rows
 from r3trace.trace.commit import RunCommitter, now_iso, route_files
 from r3trace.trace.pending import Batch, Inbox, Taken
 from r3trace.trace.placements import placement_table
-from r3trace.trace.schema import (
-    ROW_GROUP_ROWS,
-    Manifest,
-    TraceSchemaError,
-    route_schema,
-    run_dir_name,
-)
+from r3trace.trace.schema import ROW_GROUP_ROWS, Manifest, TraceSchemaError, route_schema, run_dir_name
 from r3trace.trace.status import WriterStatus
 from r3trace.trace.tokens import check_tokens, distinct
 
