@@ -32,6 +32,7 @@ COMMANDS: list[tuple[str, str]] = [
     ("diff", "r3trace.commands.diff"),
     ("synth", "r3trace.commands.synth"),
     ("ingest", "r3trace.commands.ingest"),
+    ("export", "r3trace.commands.export"),
     ("migrate", "r3trace.commands.migrate"),
     ("replay-check", "r3trace.commands.replay_check"),
     ("demo", "r3trace.demo"),

@@ -93,6 +93,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-launch-steps", type=int, default=None,
                    help="greedy speculative steps chained on the GPU per launch, 1..8 (default 4)")
     p.add_argument("--placement-root", default=".", help="POST /update_expert_placement reads only below this folder")
+    p.add_argument("--expert-distribution-recorder-mode", default="stat", choices=["stat", "per_pass"],
+                   help="what /dump_expert_distribution_record writes (SGLang's files; per_pass needs "
+                        "--capture-physical-ids with a placement)")
+    p.add_argument("--expert-distribution-recorder-dir", default=None,
+                   help="where dumps go (default: $SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR, else /tmp, as SGLang)")
     p.add_argument("--log-level", default="info")
 
 
@@ -163,6 +168,7 @@ def is_loopback(host: str) -> bool:
 
 def run(args: argparse.Namespace) -> int:
     import logging
+    import os
     from pathlib import Path
 
     from r3trace.commands.args import check_model_dir
@@ -188,6 +194,9 @@ def run(args: argparse.Namespace) -> int:
                            chat_template=load_chat_template(model),
                            model_aliases=(args.model, str(model), str(resolved), resolved.name),
                            enable_cache_report=args.enable_cache_report,
+                           expert_distribution_mode=args.expert_distribution_recorder_mode,
+                           expert_distribution_dir=Path(args.expert_distribution_recorder_dir or os.environ.get(
+                               "SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR", "/tmp")),
                            **({} if args.max_body_bytes is None else {"max_body_bytes": args.max_body_bytes}))
         if args.trace_dir:
             cfg.trace_root.mkdir(parents=True, exist_ok=True)

@@ -4,7 +4,8 @@ which checks values against the model) -> JSON, or server-sent events for a stre
 
 Endpoints: POST /generate (SGLang), /v1/completions, /v1/chat/completions, /v1/models (OpenAI),
 GET /health, /get_model_info, /metrics (Prometheus), /trace_status, POST /start_trace, /stop_trace (the
-engine's trace: one at a time, whoever started it, --trace-dir included).
+engine's trace: one at a time, whoever started it, --trace-dir included), SGLang's expert-distribution recorder
+(expert_distribution.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from .body_limit import BodyLimit
 from .choices import batch_call, choice_requests, merged
 from .config import ServerConfig
 from .errors import ERROR_RESPONSES, ApiError, install_handlers
+from .expert_distribution import Recorder, build_recorder_router
 from .logprobs import TokenText, with_token_texts
 from .metrics import ServerMetrics
 from .openai_api import build_router
@@ -285,6 +287,10 @@ def create_app(engine: GenerateEngine, config: ServerConfig | None = None) -> Fa
             raise ApiError(500, f"expert_placement: {exc}") from exc
         return {"physical_to_logical_map": table.tolist()}
 
+    if hasattr(engine, "start_trace"):  # SGLang's recorder endpoints, over the engine's trace
+        app.include_router(build_recorder_router(Recorder(engine, service, config.trace_root,
+                                                          config.expert_distribution_dir,
+                                                          config.expert_distribution_mode)))
     app.include_router(build_router(service, config.model_name, config.chat_template, config.model_names,
                                     token_text, cache_report=config.enable_cache_report))
     app.add_middleware(RequestCounter, metrics=metrics)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024  # 8 MiB: a 32k-token prompt as JSON ids is ~200 KB
 
@@ -27,6 +28,9 @@ class ServerConfig:
     model_aliases: tuple[str, ...] = ()
     # SGLang's --enable-cache-report: OpenAI usage carries prompt_tokens_details.cached_tokens when any token hit
     enable_cache_report: bool = False
+    # SGLang's expert-distribution recorder endpoints (expert_distribution.py): what a dump writes, and where
+    expert_distribution_mode: Literal["stat", "per_pass"] = "stat"
+    expert_distribution_dir: Path = Path("/tmp")  # SGLang's SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR default
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -35,6 +39,9 @@ class ServerConfig:
             raise ServerConfigError(f"max_body_bytes={self.max_body_bytes} must be >= 1024")
         if self.max_concurrency < 1:
             raise ServerConfigError(f"max_concurrency={self.max_concurrency} must be >= 1")
+        if self.expert_distribution_mode not in ("stat", "per_pass"):
+            raise ServerConfigError(f"expert_distribution_mode={self.expert_distribution_mode!r} must be stat or "
+                                    "per_pass (per_token records hold input_ids, which a trace does not keep)")
 
     @property
     def model_names(self) -> frozenset[str]:

@@ -1,0 +1,121 @@
+"""SGLang's expert-distribution recorder endpoints over the engine's trace: /start_expert_distribution_record,
+/stop_expert_distribution_record, /dump_expert_distribution_record (GET or POST, plain-text answers, as SGLang's
+python/sglang/srt/entrypoints/http_server.py), so scripts written against SGLang run unchanged.
+
+Start records a trace into `<trace_root>/.expert-distribution/`; dump writes it as SGLang's dump files
+(r3trace/analysis/export_dump.py: `--expert-distribution-recorder-mode` stat or per_pass) into
+`--expert-distribution-recorder-dir` (SGLang's SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR, default /tmp), then
+deletes the recording and, if it was still recording, starts a fresh one (SGLang's dump resets and records on).
+The engine records one trace at a time: start is refused (409) while a /start_trace run records, and
+/start_trace while this one does. A dump of nothing is refused (409) where SGLang writes zeros.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fastapi import APIRouter
+from fastapi.responses import PlainTextResponse
+
+from .errors import ERROR_RESPONSES, ApiError
+from .service import GenerateService
+
+if TYPE_CHECKING:
+    from r3trace.analysis.export_dump import Mode
+
+log = logging.getLogger("r3trace.server")
+FOLDER = ".expert-distribution"  # below --trace-root: the recorder's own trace, deleted by each dump
+PREFIX = "expert-distribution-"  # its run ids
+
+
+class Recorder:
+    """The recorder's state: the folder it records into and whether its run is the engine's trace."""
+
+    def __init__(self, engine: Any, service: GenerateService, trace_root: Path, out_dir: Path, mode: Mode) -> None:
+        self.engine, self.service = engine, service
+        self.folder = trace_root / FOLDER
+        self.out_dir, self.mode = out_dir, mode
+        self.run_id: str | None = None  # the run recorded since the last start or dump
+        self._lock = asyncio.Lock()  # one start, stop or dump at a time
+
+    def _recording(self) -> bool:
+        st = self.engine.trace_status()
+        return bool(st.get("tracing")) and self.run_id is not None and st.get("run_id") == self.run_id
+
+    async def start(self) -> None:
+        async with self._lock:
+            st = self.engine.trace_status()
+            if st.get("tracing") and not self._recording():
+                raise ApiError(409, f"start_expert_distribution_record: run {st.get('run_id')} is being traced "
+                                    "(the recorder records through the engine's one trace); POST /stop_trace first")
+            if self._recording():  # SGLang: start while recording warns and starts over
+                log.warning("expert distribution: already recording; starting over")
+                await self.service.call(self.engine.stop_trace)
+            await self._begin()
+
+    async def stop(self) -> None:
+        async with self._lock:
+            if not self._recording():
+                log.warning("expert distribution: not recording; POST /start_expert_distribution_record first")
+                return
+            await self.service.call(self.engine.stop_trace)
+
+    async def dump(self) -> list[Path]:
+        async with self._lock:
+            recording = self._recording()
+            if recording:
+                await self.service.call(self.engine.stop_trace)
+            if self.run_id is None:
+                raise ApiError(409, "dump_expert_distribution_record: nothing recorded; POST "
+                                    "/start_expert_distribution_record first")
+            try:
+                paths = await self.service.call(self._write, self.run_id)
+            finally:
+                shutil.rmtree(self.folder, ignore_errors=True)
+                self.run_id = None
+                if recording:
+                    await self._begin()
+            log.info("expert distribution: wrote %s", ", ".join(map(str, paths)))
+            return paths
+
+    async def _begin(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)  # a recording no dump took (a stop, then a start)
+        self.folder.mkdir(parents=True)
+        self.run_id = f"{PREFIX}{time.time_ns()}"
+        await self.service.call(self.engine.start_trace, str(self.folder), run_id=self.run_id)
+
+    def _write(self, run_id: str) -> list[Path]:
+        from r3trace.analysis.export_dump import export_expert_distribution
+        from r3trace.analysis.store import TraceStore
+        from r3trace.trace.schema import TraceSchemaError
+
+        try:
+            return export_expert_distribution(TraceStore(self.folder), run_id, self.out_dir, self.mode)
+        except TraceSchemaError as e:  # no rows yet, a per_pass dump of a run without slots
+            raise ApiError(409, f"dump_expert_distribution_record: {e}") from e
+
+
+def build_recorder_router(recorder: Recorder) -> APIRouter:
+    router = APIRouter(responses=ERROR_RESPONSES)
+
+    @router.api_route("/start_expert_distribution_record", methods=["GET", "POST"], response_class=PlainTextResponse)
+    async def start_record() -> str:
+        await recorder.start()
+        return "Start recording the expert distribution.\n"
+
+    @router.api_route("/stop_expert_distribution_record", methods=["GET", "POST"], response_class=PlainTextResponse)
+    async def stop_record() -> str:
+        await recorder.stop()
+        return "Stop recording the expert distribution.\n"
+
+    @router.api_route("/dump_expert_distribution_record", methods=["GET", "POST"], response_class=PlainTextResponse)
+    async def dump_record() -> str:
+        await recorder.dump()
+        return "Dump expert distribution record.\n"
+
+    return router
