@@ -19,7 +19,7 @@ Plain SQL reads it like every table: read_parquet('<root>/placements/**/*.parque
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -114,3 +114,31 @@ def placement_at(run: Any, forward_id: int | None = None) -> np.ndarray:
     if len(widths) != 1:
         raise TraceSchemaError(f"run {m.run_id}: the MoE layers' placements have {sorted(widths)} slots{where}")
     return np.array([last[lid] for lid in m.moe_layer_ids], dtype=np.int64)
+
+
+class Switch(NamedTuple):
+    from_forward_id: int
+    layers: int  # MoE layers with a row at this forward
+    slots: int  # those layers' slots
+    moved: int  # of them, slots whose expert differs from the layer's map before (all, for a layer's first map)
+
+
+def switches(run: Any) -> list[Switch]:
+    """The run's placement history, one entry a forward with rows: how many layers it switched and slots it moved
+    (the first entry is the map a trace started under: every slot counts as placed)."""
+    t = read_placements(run)
+    before: dict[int, np.ndarray] = {}
+    out: list[Switch] = []
+    at: dict[int, np.ndarray] = {}  # this forward's rows by layer, later rows winning
+    fwd = t.column("from_forward_id").to_pylist()
+    for i, (f, layer, row) in enumerate(zip(fwd, t.column("layer_id").to_pylist(), t.column("phy2log").to_pylist(),
+                                            strict=True)):
+        at[int(layer)] = np.asarray(row)
+        if i + 1 < len(fwd) and fwd[i + 1] == f:
+            continue
+        moved = sum(int((r != before[lid]).sum()) if lid in before and len(before[lid]) == len(r) else len(r)
+                    for lid, r in at.items())
+        out.append(Switch(int(f), len(at), sum(len(r) for r in at.values()), moved))
+        before.update(at)
+        at = {}
+    return out

@@ -81,7 +81,8 @@ def test_sql_count_equals_the_python_reader(tmp_path: Path, case: str) -> None:
         assert 0.7 * 20 * len(LAYERS) < got.rows <= 20 * len(LAYERS)
 
 
-def test_stats_prints_the_count(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_stats_prints_the_count_and_the_placement_history(tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
     write(tmp_path, "ok", [(0, maps(1)), (20, maps(2))], [(0, maps(1)), (20, maps(2))])
     write(tmp_path, "off", [(5, maps(1))], [(0, maps(1)), (20, maps(2))])
     with TraceWriter(tmp_path, model_name="m", num_hidden_layers=4, moe_layer_ids=LAYERS, num_experts=E, top_k=K,
@@ -91,6 +92,11 @@ def test_stats_prints_the_count(tmp_path: Path, capsys: pytest.CaptureFixture[st
     bad, _ = python_count(tmp_path, "off")
     assert main(["stats", str(tmp_path)]) == 0
     lines = capsys.readouterr().out.splitlines()
+    moved = int((maps(1) != maps(2)).sum())
+    assert [x for x in lines if x.startswith("placements:")] == [
+        "placements: a map of 3 layers from forward 5, never switched",
+        f"placements: a map of 3 layers from forward 0; 1 switch moving {moved} slots: forward 20 (3 layers, {moved} "
+        "of 60 slots moved)"]
     said = [x for x in lines if "physical_ids" in x]
     assert said == ["physical_ids without a placements table: slots cannot be checked against experts",
                     f"rows whose physical_ids miss their experts under their forward's placement: {bad:,} of 105 "
