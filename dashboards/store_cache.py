@@ -134,6 +134,15 @@ def overview(path: str, run_id: str) -> dict[str, Any]:
 
 
 @st.cache_data(show_spinner=False)
+def placement_history(path: str, run_id: str) -> str:
+    """The run's recorded placements in one line (placements.history_line), "" when it records none."""
+    from r3trace.trace.placements import history_line, switches
+
+    files = open_store(path).run(run_id)
+    return history_line(switches(files)) if files.manifest.placements else ""
+
+
+@st.cache_data(show_spinner=False)
 def heat_windows(path: str, run_id: str, window_s: float) -> pl.DataFrame:
     """[W*L*E] window_start, layer_id, expert_id, count, from the rollups (no scan of routes)."""
     return heat.heat_windows(open_store(path).con, window_s, run_id=run_id, source="rollups")

@@ -51,6 +51,8 @@ held_out = query_state.text("Held-out window (empty: what follows the training w
 running = query_state.text("Placement the cluster runs (path: an `r3trace eplb --out` JSON or SGLang's "
                            "--init-expert-location .json / .pt; `recorded`: the map the run's engine ran at the "
                            "training window's end; empty: none, SGLang's trivial one)", "prev", "")
+if history := sc.placement_history(path, run_id):
+    st.caption(f"This run's recorded {history}")
 try:
     rep = sc.eplb_report(path, run_id, gpus, nodes, slots, str(policy), node_limit, max_tokens, train, held_out,
                          running)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 HELP = "summarise a trace: rows, tokens, per-layer imbalance, temporal locality"
 
@@ -22,7 +21,7 @@ def run(args: argparse.Namespace) -> int:
     from r3trace.analysis.locality import temporal_locality
     from r3trace.analysis.store import open_store
     from r3trace.commands.args import select_run
-    from r3trace.trace.placements import switches
+    from r3trace.trace.placements import history_line, switches
 
     store = open_store(args.trace)
     if args.run_id is not None:
@@ -45,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"rows repeating an expert in their top-{m.top_k}: {bad.rows:,} of {bad.total:,}"
                   + (f" ({bad.all_zero:,} all zeros: token slots the capture never wrote?)" if bad.rows else ""))
             if m.placements:
-                print(placement_line(switches(r)))
+                print(history_line(switches(r)))
             if m.with_physical_ids and m.placements:
                 off = unplaced_rows(store.con, m.run_id)
                 print(f"rows whose physical_ids miss their experts under their forward's placement: {off.rows:,} of "
@@ -63,15 +62,3 @@ def run(args: argparse.Namespace) -> int:
                 print(imb)
     return 0
 
-
-def placement_line(history: list[Any], shown: int = 4) -> str:
-    """The run's recorded placements in one line: the map it started under, then each switch (placements.switches)."""
-    first, rest = history[0], history[1:]
-    line = f"placements: a map of {first.layers} layers from forward {first.from_forward_id}"
-    if not rest:
-        return line + ", never switched"
-    each = [f"forward {s.from_forward_id} ({s.layers} layer{'s' * (s.layers > 1)}, {s.moved} of {s.slots} slots "
-            "moved)" for s in rest[:shown]]
-    more = f", and {len(rest) - shown} more" if len(rest) > shown else ""
-    return (f"{line}; {len(rest)} switch{'es' * (len(rest) > 1)} moving {sum(s.moved for s in rest)} slots: "
-            + ", ".join(each) + more)

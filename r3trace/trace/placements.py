@@ -142,3 +142,16 @@ def switches(run: Any) -> list[Switch]:
         before.update(at)
         at = {}
     return out
+
+
+def history_line(history: list[Switch], shown: int = 4) -> str:
+    """The run's recorded placements in one line: the map it started under, then each switch (placements.switches)."""
+    first, rest = history[0], history[1:]
+    line = f"placements: a map of {first.layers} layers from forward {first.from_forward_id}"
+    if not rest:
+        return line + ", never switched"
+    each = [f"forward {s.from_forward_id} ({s.layers} layer{'s' * (s.layers > 1)}, {s.moved} of {s.slots} slots "
+            "moved)" for s in rest[:shown]]
+    more = f", and {len(rest) - shown} more" if len(rest) > shown else ""
+    return (f"{line}; {len(rest)} switch{'es' * (len(rest) > 1)} moving {sum(s.moved for s in rest)} slots: "
+            + ", ".join(each) + more)

@@ -101,8 +101,9 @@ def test_a_running_placement_for_another_cluster_is_an_error_not_a_crash(app: Ap
     assert "physical_to_logical_map has 24 slots a layer; --slots is 20" in err.value
 
 
-def test_recorded_is_the_runs_own_placement(tmp_path: Path) -> None:
-    """prev=recorded reads the run's placements table: the same report as the path of a file holding that map."""
+def test_recorded_is_the_runs_own_placement(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """prev=recorded reads the run's placements table: the same report as the path of a file holding that map; the
+    page says what the run recorded."""
     from dashboards import store_cache as sc
     from r3trace.trace import TraceWriter
 
@@ -122,3 +123,12 @@ def test_recorded_is_the_runs_own_placement(tmp_path: Path) -> None:
     assert got["previous_held_out"] == want["previous_held_out"] and got["previous_held_out"] is not None
     np.testing.assert_array_equal(got["gpu_before"], want["gpu_before"])
     np.testing.assert_array_equal(got["phy2log"], want["phy2log"])
+    from tests.dashboard.test_pages import APP
+
+    monkeypatch.setenv("R3TRACE_STORE", str(tmp_path / "s"))
+    at = AppTest.from_file(APP, default_timeout=120)
+    at.query_params.update(run="r", gpus="4", nodes="2", slots="20", policy="global", nlim="2", train="time=..3")
+    at = at.run().switch_page("views/eplb.py").run()
+    assert not at.exception and not at.error, [e.value for e in at.error]
+    assert f"This run's recorded placements: a map of {len(moe)} layers from forward 0, never switched" in [
+        c.value for c in at.caption]

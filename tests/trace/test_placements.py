@@ -19,7 +19,7 @@ import pytest
 from r3trace.analysis.ingest import ingest_native
 from r3trace.analysis.store import TraceStore
 from r3trace.trace import Manifest, TraceSchemaError, TraceWriter, open_dataset, recover_run
-from r3trace.trace.placements import Switch, phy2log_fault, placement_at, read_placements, switches
+from r3trace.trace.placements import Switch, history_line, phy2log_fault, placement_at, read_placements, switches
 
 REPO = Path(__file__).resolve().parents[2]
 MOE, E, K = (1, 2, 3), 6, 2  # MoE layers of a 4-layer model; P = 8 slots below
@@ -60,8 +60,6 @@ def test_a_map_holds_from_its_forward_until_the_next_row_of_its_layer(tmp_path: 
 def test_switches_count_each_forwards_layers_and_moved_slots(tmp_path: Path) -> None:
     """The history `r3trace stats` prints: the first map places every slot; a switch counts the slots whose expert
     differs from the layer's map before, the later of two rows of one layer and forward counting."""
-    from r3trace.commands.stats import placement_line
-
     a, b = maps(0), maps(1)
     with writer(tmp_path) as w:
         w.add_placement(3, MOE, a)
@@ -71,7 +69,7 @@ def test_switches_count_each_forwards_layers_and_moved_slots(tmp_path: Path) -> 
     got = switches(open_dataset(tmp_path)[0])
     moved = int((a[[0, 2]] != b[[0, 2]]).sum())
     assert got == [Switch(3, 3, 24, 24), Switch(10, 1, 8, 0), Switch(12, 2, 16, moved)]
-    assert placement_line(got, shown=1) == (f"placements: a map of 3 layers from forward 3; 2 switches moving {moved} "
+    assert history_line(got, shown=1) == (f"placements: a map of 3 layers from forward 3; 2 switches moving {moved} "
                                             "slots: forward 10 (1 layer, 0 of 8 slots moved), and 1 more")
 
 
