@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import streamlit as st
 
-from r3trace.dashboards import figures, query_state, store_health
+from r3trace.dashboards import eplb_cache, figures, query_state, store_health
 from r3trace.dashboards import store_cache as sc
 
 
@@ -46,15 +46,15 @@ node_limit = query_state.number("Node limit", "nlim", 4, 1, 512, where=c[4])
 max_tokens = query_state.number("Replay tokens", "ntok", 8192, 1, 10_000_000, where=c[5])
 w = st.columns(2)
 train = query_state.text("Training window (time=A..B s, forward=A..B or runs=ID,ID)", "train",
-                         sc.eplb_default_train(path, run_id), where=w[0])
+                         eplb_cache.eplb_default_train(path, run_id), where=w[0])
 held_out = query_state.text("Held-out window (empty: what follows the training window)", "eval", "", where=w[1])
 running = query_state.text("Placement the cluster runs (path: an `r3trace eplb --out` JSON or SGLang's "
                            "--init-expert-location .json / .pt; `recorded`: the map the run's engine ran at the "
                            "training window's end; empty: none, SGLang's trivial one)", "prev", "")
-if history := sc.placement_history(path, run_id):
+if history := eplb_cache.placement_history(path, run_id):
     st.caption(f"This run's recorded {history}")
 try:
-    rep = sc.eplb_report(path, run_id, gpus, nodes, slots, str(policy), node_limit, max_tokens, train, held_out,
+    rep = eplb_cache.eplb_report(path, run_id, gpus, nodes, slots, str(policy), node_limit, max_tokens, train, held_out,
                          running)
 except ValueError as exc:  # PlacementError, WindowError and friends name the field and the limit
     st.error(str(exc))

@@ -104,7 +104,7 @@ def test_a_running_placement_for_another_cluster_is_an_error_not_a_crash(app: Ap
 def test_recorded_is_the_runs_own_placement(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """prev=recorded reads the run's placements table: the same report as the path of a file holding that map; the
     page says what the run recorded."""
-    from dashboards import store_cache as sc
+    from dashboards import eplb_cache as sc
     from r3trace.trace import TraceWriter
 
     rng = np.random.default_rng(5)
