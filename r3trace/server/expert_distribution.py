@@ -5,7 +5,8 @@ python/sglang/srt/entrypoints/http_server.py), so scripts written against SGLang
 Start records a trace into `<trace_root>/.expert-distribution/`; dump writes it as SGLang's dump files
 (r3trace/analysis/export_dump.py: `--expert-distribution-recorder-mode` stat or per_pass) into
 `--expert-distribution-recorder-dir` (SGLang's SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR, default /tmp), then
-deletes the recording and, if it was still recording, starts a fresh one (SGLang's dump resets and records on).
+deletes the recording and, if it was still recording, starts a fresh one (SGLang's dump resets and records on); a dump
+that fails (a folder it cannot write) keeps the recording, stopped, for the next dump.
 The engine records one trace at a time: start is refused (409) while a /start_trace run records, and
 /start_trace while this one does. A dump of nothing is refused (409) where SGLang writes zeros.
 """
@@ -48,6 +49,10 @@ class Recorder:
         return bool(st.get("tracing")) and self.run_id is not None and st.get("run_id") == self.run_id
 
     async def start(self) -> None:
+        cfg = getattr(self.engine, "config", None)
+        if self.mode == "per_pass" and cfg is not None and cfg.has_placement and not cfg.capture_physical_ids:
+            raise ApiError(400, "start_expert_distribution_record: --expert-distribution-recorder-mode per_pass counts "
+                                "slots, and this engine runs a placement without --capture-physical-ids")
         async with self._lock:
             st = self.engine.trace_status()
             if st.get("tracing") and not self._recording():
@@ -73,19 +78,21 @@ class Recorder:
             if self.run_id is None:
                 raise ApiError(409, "dump_expert_distribution_record: nothing recorded; POST "
                                     "/start_expert_distribution_record first")
-            try:
-                paths = await self.service.call(self._write, self.run_id)
-            finally:
-                shutil.rmtree(self.folder, ignore_errors=True)
-                self.run_id = None
-                if recording:
-                    await self._begin()
+            paths = await self.service.call(self._write, self.run_id)  # a failure keeps the recording for a retry
+            shutil.rmtree(self.folder, ignore_errors=True)
+            self.run_id = None
+            if recording:
+                await self._begin()
             log.info("expert distribution: wrote %s", ", ".join(map(str, paths)))
             return paths
 
     async def _begin(self) -> None:
         shutil.rmtree(self.folder, ignore_errors=True)  # a recording no dump took (a stop, then a start)
-        self.folder.mkdir(parents=True)
+        try:
+            self.folder.mkdir(parents=True)
+        except OSError as e:
+            raise ApiError(500, f"start_expert_distribution_record: cannot make {self.folder} ({e.strerror or e}); "
+                                "check --trace-root") from e
         self.run_id = f"{PREFIX}{time.time_ns()}"
         await self.service.call(self.engine.start_trace, str(self.folder), run_id=self.run_id)
 
@@ -96,8 +103,12 @@ class Recorder:
 
         try:
             return export_expert_distribution(TraceStore(self.folder), run_id, self.out_dir, self.mode)
-        except TraceSchemaError as e:  # no rows yet, a per_pass dump of a run without slots
+        except TraceSchemaError as e:  # no rows yet
             raise ApiError(409, f"dump_expert_distribution_record: {e}") from e
+        except OSError as e:
+            raise ApiError(500, f"dump_expert_distribution_record: cannot write {self.out_dir} ({e.strerror or e}); "
+                                "check --expert-distribution-recorder-dir; the recording is kept for the next "
+                                "dump") from e
 
 
 def build_recorder_router(recorder: Recorder) -> APIRouter:

@@ -106,3 +106,26 @@ def test_per_pass_dump_reads_back_through_the_placement(tmp_path: Path) -> None:
     got = np.zeros((4, 32), dtype=np.int64)
     np.add.at(got, (r.layer_id.to_numpy() - 1, r.expert_id.to_numpy()), r["count"].to_numpy())
     assert np.array_equal(got, want)
+
+
+def test_a_failed_dump_keeps_the_recording_and_per_pass_needs_slots(tmp_path: Path) -> None:
+    """A dump into a folder it cannot make is a 500 naming the flag, and loses nothing: the next dump writes the
+    same counts. per_pass on an engine with a placement but no physical ids is refused at the start."""
+    out = tmp_path / "dumps"
+    out.write_text("a file where the folder should be")
+    cfg = ServerConfig(trace_root=tmp_path / "traces", expert_distribution_dir=out)
+    with Engine(MODEL, deterministic=True, ep_num_redundant_experts=8) as engine:
+        with LiveServer(create_app(engine, cfg)) as live, httpx.Client(base_url=live.url, timeout=60) as http:
+            post(http, "start")
+            want = generate(http, [3, 14, 15, 92, 65])
+            r = post(http, "dump")
+            assert r.status_code == 500 and "check --expert-distribution-recorder-dir" in r.json()["error"]["message"]
+            out.unlink()
+            assert post(http, "dump").status_code == 200
+            [path] = list(out.glob("*.pt"))
+            assert np.array_equal(counts(path), want)
+        per_pass = ServerConfig(trace_root=tmp_path / "traces", expert_distribution_dir=out,
+                                expert_distribution_mode="per_pass")
+        with LiveServer(create_app(engine, per_pass)) as live, httpx.Client(base_url=live.url, timeout=60) as http:
+            r = post(http, "start")
+            assert r.status_code == 400 and "without --capture-physical-ids" in r.json()["error"]["message"]
