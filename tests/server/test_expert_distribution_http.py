@@ -129,3 +129,32 @@ def test_a_failed_dump_keeps_the_recording_and_per_pass_needs_slots(tmp_path: Pa
         with LiveServer(create_app(engine, per_pass)) as live, httpx.Client(base_url=live.url, timeout=60) as http:
             r = post(http, "start")
             assert r.status_code == 400 and "without --capture-physical-ids" in r.json()["error"]["message"]
+
+
+def test_dp_ranks_each_dump_their_own_tokens(tmp_path: Path) -> None:
+    """tp_size=2, dp_size=2, ep_size=2 (two processes; DP attention): per_pass writes one file a dp rank holding only
+    that rank's tokens, counted once (not once per TP rank), which ingest reads back to the responses' routes."""
+    out = tmp_path / "dumps"
+    cfg = ServerConfig(trace_root=tmp_path / "traces", expert_distribution_dir=out, expert_distribution_mode="per_pass")
+    with Engine(MODEL, deterministic=True, tp_size=2, dp_size=2, ep_size=2, ep_num_redundant_experts=8,
+                capture_physical_ids=True) as engine, \
+            LiveServer(create_app(engine, cfg)) as live, httpx.Client(base_url=live.url, timeout=120) as http:
+        post(http, "start")
+        want = {}
+        for rank, ids in ((0, [3, 14, 15, 92, 65]), (1, [2, 7, 18, 28, 18, 28])):
+            r = http.post("/generate", json={"input_ids": ids, "return_routed_experts": True, "routed_dp_rank": rank,
+                                             "sampling_params": {"max_new_tokens": 4, "temperature": 0.0}})
+            assert r.status_code == 200, r.text
+            routes = decode_routed_experts(r.json()["meta_info"])
+            want[rank] = np.stack([np.bincount(routes[:, layer].ravel(), minlength=32) for layer in MOE])
+        assert post(http, "dump").status_code == 200
+    shape = ModelShape(num_hidden_layers=5, moe_layer_ids=tuple(MOE), num_experts=32, top_k=4)
+    import pyarrow.dataset as ds
+
+    for rank in (0, 1):
+        [path] = list(out.glob(f"expert_distribution_recorder_*_{rank}.pt"))
+        ingest_expert_distribution(path, tmp_path / "store", shape, run_id=f"r{rank}")
+        r = ds.dataset(tmp_path / "store" / "rollups" / f"run_id=r{rank}").to_table().to_pandas()
+        got = np.zeros((4, 32), dtype=np.int64)
+        np.add.at(got, (r.layer_id.to_numpy() - 1, r.expert_id.to_numpy()), r["count"].to_numpy())
+        assert np.array_equal(got, want[rank])
