@@ -17,6 +17,7 @@ import asyncio
 import logging
 import shutil
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -112,21 +113,21 @@ class Recorder:
 
 
 def build_recorder_router(recorder: Recorder) -> APIRouter:
+    """The three endpoints, each on GET and POST (one OpenAPI operation id a method)."""
     router = APIRouter(responses=ERROR_RESPONSES)
-
-    @router.api_route("/start_expert_distribution_record", methods=["GET", "POST"], response_class=PlainTextResponse)
-    async def start_record() -> str:
-        await recorder.start()
-        return "Start recording the expert distribution.\n"
-
-    @router.api_route("/stop_expert_distribution_record", methods=["GET", "POST"], response_class=PlainTextResponse)
-    async def stop_record() -> str:
-        await recorder.stop()
-        return "Stop recording the expert distribution.\n"
-
-    @router.api_route("/dump_expert_distribution_record", methods=["GET", "POST"], response_class=PlainTextResponse)
-    async def dump_record() -> str:
-        await recorder.dump()
-        return "Dump expert distribution record.\n"
-
+    answers = {"start": ("Start recording the expert distribution.\n", recorder.start),
+               "stop": ("Stop recording the expert distribution.\n", recorder.stop),
+               "dump": ("Dump expert distribution record.\n", recorder.dump)}
+    for name, (text, act) in answers.items():
+        for method in ("GET", "POST"):
+            router.add_api_route(f"/{name}_expert_distribution_record", _answer(act, text), methods=[method],
+                                 response_class=PlainTextResponse, operation_id=f"{name}_expert_distribution_{method}")
     return router
+
+
+def _answer(act: Callable[[], Awaitable[Any]], text: str) -> Callable[[], Awaitable[str]]:
+    async def endpoint() -> str:
+        await act()
+        return text
+
+    return endpoint
