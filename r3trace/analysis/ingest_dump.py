@@ -192,7 +192,8 @@ def _one_copy(passes: list[tuple[int, int, Any]], src: str | Path) -> None:
     by_pass: dict[int, list[tuple[int, bytes]]] = {}
     for rank, fp, value in passes:
         a = np.asarray(value.numpy() if hasattr(value, "numpy") else value)
-        by_pass.setdefault(int(fp), []).append((int(rank), a.tobytes() + str(a.shape).encode()))
+        if a.any():  # an idle DP rank's pass (all zeros) says nothing either way
+            by_pass.setdefault(int(fp), []).append((int(rank), a.tobytes() + str(a.shape).encode()))
     shared = [v for v in by_pass.values() if len(v) > 1]
     if shared and all(len({b for _, b in v}) == 1 for v in shared):
         ranks = sorted({r for v in shared for r, _ in v})
@@ -263,6 +264,8 @@ def _token_rows(r: dict[str, Any], where: str, shape: ModelShape, phy2log: np.nd
     topk = _array(r["topk_ids_of_layer"], where, "topk_ids_of_layer", 3)  # [layers, T, 8]
     pos = np.asarray(r["positions"], dtype=np.int64)
     t, k, p = topk.shape[1], shape.top_k, phy2log.shape[1]
+    if t == 0 and not len(pos):
+        return None  # a DP rank with no tokens this pass
     if len(pos) != t or topk.shape[2] < k:
         raise IngestError(f"{where}: field topk_ids_of_layer is {list(topk.shape)}: expected [layers, "
                           f"{len(pos)} positions, >= top_k {k}]")

@@ -163,6 +163,19 @@ def test_per_pass_and_stat_dumps_are_heat_windows(tmp_path: Path) -> None:
     for when, c in zip((1_767_225_600.5, 1_767_225_700.5), counts, strict=True):
         torch.save({"rank": 0, "logical_count": torch.from_numpy(c)}, stat / f"expert_distribution_recorder_{when}.pt")
     ingest_expert_distribution(stat, tmp_path / "s", SHAPE, run_id="st")
+
+    idle = tmp_path / "idle"  # two DP ranks idle in the passes they share, rank 0 busy in a third: not a TP copy
+    idle.mkdir()
+    for r in range(2):
+        recs = [record(rng, placement(1), fp, r, DECODE, None, 3 if fp == 2 else 0)[0] for fp in range(3 - r)]
+        save(idle, 1_767_225_600.5, r, recs, placement(1))
+    ingest_expert_distribution(idle, tmp_path / "s", SHAPE, run_id="idle_tokens")  # per_token, 0-token passes
+    for p in idle.glob("*.pt"):
+        body = torch.load(p, weights_only=True)
+        body["records"] = [{k: v for k, v in rec.items() if k in ("forward_pass_id", "rank", "gatherer_key",
+                                                                   "global_physical_count")} for rec in body["records"]]
+        torch.save(body, p)
+    ingest_expert_distribution(idle, tmp_path / "s", SHAPE, run_id="idle_passes")  # per_pass
     r = ds.dataset(tmp_path / "s" / "rollups" / "run_id=st").to_table().to_pandas()
     for start, c in zip((1_767_225_600 * NS, 1_767_225_700 * NS), counts, strict=True):
         w = r[r.window_start.astype("int64") == start]
