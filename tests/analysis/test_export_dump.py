@@ -137,3 +137,16 @@ def test_cli_writes_the_files_or_says_what_the_run_lacks(tmp_path: Path, capsys:
     write(bad, physical=case == "no map", placed=case == "no physical")
     assert main(["export", str(bad), "--out", str(tmp_path / "out2"), "--mode", "per_pass"]) == 2
     assert capsys.readouterr().err.strip() == f"r3trace export: {message}"
+
+
+def test_a_heat_run_exports_one_pass_of_its_counts(tmp_path: Path) -> None:
+    """A heat-only run (an ingested stat dump) has no forwards: stat writes its counts as one pass; per_pass refuses."""
+    ids = write(tmp_path / "s")
+    [path] = export_expert_distribution(TraceStore(tmp_path / "s"), "a", tmp_path / "out", "stat")
+    ingest_expert_distribution(path, tmp_path / "heat", SHAPE, run_id="h")
+    [again] = export_expert_distribution(TraceStore(tmp_path / "heat"), "h", tmp_path / "out2", "stat")
+    c = torch.load(again, weights_only=True)["logical_count"]
+    assert c.dtype == torch.int32 and tuple(c.shape) == (1, 4, E) and np.array_equal(c[0, 1:].numpy(), truth(ids))
+    assert again.name == f"expert_distribution_recorder_{T0 // 10**9 + 2}.000000000.pt"  # its rollup window's start
+    with pytest.raises(ValueError, match="run h is heat-only: per_pass needs each forward's slots"):
+        export_expert_distribution(TraceStore(tmp_path / "heat"), "h", tmp_path / "out3", "per_pass")
