@@ -19,8 +19,9 @@ counted in the forward that computed them.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import pyarrow as pa
@@ -46,8 +47,8 @@ def export_expert_distribution(store: TraceStore, run_id: str, out_dir: str | Pa
     if mode == "stat":
         counts, ts = _stat(store, m)
         path = out / f"expert_distribution_recorder_{_seconds(ts)}.pt"
-        torch.save({"rank": 0, "logical_count": torch.from_numpy(counts), "average_utilization_rate_over_window": None},
-                   path)
+        _save({"rank": 0, "logical_count": torch.from_numpy(counts), "average_utilization_rate_over_window": None},
+              path)
         return [path]
     written = []
     for phy2log, passes in _per_pass(store, run):
@@ -57,9 +58,18 @@ def export_expert_distribution(store: TraceStore, run_id: str, out_dir: str | Pa
             records = [{"forward_pass_id": int(f), "rank": rank, "gatherer_key": "primary",
                         "global_physical_count": torch.from_numpy(g)} for f, g in zip(fwd, gpc, strict=True)]
             path = out / f"expert_distribution_recorder_{_seconds(ts)}_{rank}.pt"
-            torch.save({"records": records, "last_physical_to_logical_map": torch.from_numpy(full)}, path)
+            _save({"records": records, "last_physical_to_logical_map": torch.from_numpy(full)}, path)
             written.append(path)
     return written
+
+
+def _save(body: dict[str, Any], path: Path) -> None:
+    """torch.save to a side name, then a rename: a reader globbing *.pt never sees a torn file."""
+    import torch
+
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(body, tmp)
+    os.replace(tmp, path)
 
 
 def _seconds(ts_ns: int) -> str:
