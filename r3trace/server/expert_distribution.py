@@ -7,6 +7,8 @@ Start records a trace into `<trace_root>/.expert-distribution/`; dump writes it 
 `--expert-distribution-recorder-dir` (SGLang's SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR, default /tmp), then
 deletes the recording and, if it was still recording, starts a fresh one (SGLang's dump resets and records on); a dump
 that fails (a folder it cannot write) keeps the recording, stopped, for the next dump.
+A recording an earlier server left undumped (killed while recording) is moved
+aside at start-up, not deleted: `<trace_root>/expert-distribution-left-<ns>/`, a store `r3trace export` reads.
 The engine records one trace at a time: start is refused (409) while a /start_trace run records, and
 /start_trace while this one does. A dump of nothing is refused (409) where SGLang writes zeros.
 """
@@ -44,6 +46,11 @@ class Recorder:
         self.out_dir, self.mode = out_dir, mode
         self.run_id: str | None = None  # the run recorded since the last start or dump
         self._lock = asyncio.Lock()  # one start, stop or dump at a time
+        if any(self.folder.glob("run_id=*")):  # a recording an earlier server left undumped (a crash, a kill)
+            kept = trace_root / f"expert-distribution-left-{time.time_ns()}"
+            self.folder.rename(kept)
+            log.warning("expert distribution: an earlier server's recording is kept in %s (r3trace export %s --out "
+                        "DIR writes its dumps)", kept, kept)
 
     def _recording(self) -> bool:
         st = self.engine.trace_status()

@@ -158,3 +158,27 @@ def test_dp_ranks_each_dump_their_own_tokens(tmp_path: Path) -> None:
         got = np.zeros((4, 32), dtype=np.int64)
         np.add.at(got, (r.layer_id.to_numpy() - 1, r.expert_id.to_numpy()), r["count"].to_numpy())
         assert np.array_equal(got, want[rank])
+
+
+def test_an_earlier_servers_recording_is_kept_aside_not_deleted(tmp_path: Path) -> None:
+    """A server stopped (or killed) while recording leaves its trace in .expert-distribution/; the next server moves
+    it aside at start-up, where `r3trace export` writes its dump, and records anew without touching it."""
+    from r3trace.cli import main
+    from r3trace.trace.writer import TraceWriter
+
+    folder = tmp_path / "traces" / ".expert-distribution"
+    ids = np.tile(np.arange(4), (3, 4, 1))  # [3 tokens, 4 MoE layers, K = 4]
+    with TraceWriter(folder, model_name="m", num_hidden_layers=5, moe_layer_ids=MOE, num_experts=32, top_k=4,
+                     run_id="expert-distribution-1", flush_interval_s=None) as w:  # an engine's shutdown closes it
+        w.append_tokens("r", np.arange(3), "decode", "computed", np.arange(3), 0, 0, ids)
+    cfg = ServerConfig(trace_root=tmp_path / "traces", expert_distribution_dir=tmp_path / "dumps")
+    with Engine(MODEL, deterministic=True) as engine, LiveServer(create_app(engine, cfg)) as live, \
+            httpx.Client(base_url=live.url, timeout=60) as http:
+        [kept] = list((tmp_path / "traces").glob("expert-distribution-left-*"))
+        assert not folder.exists()
+        post(http, "start")
+        generate(http, [3, 14, 15])
+        assert post(http, "dump").status_code == 200
+    assert main(["export", str(kept), "--out", str(tmp_path / "old")]) == 0
+    [path] = list((tmp_path / "old").glob("*.pt"))
+    assert counts(path)[:, :4].sum() == 3 * 4 * 4 and (counts(path)[:, :4] == 3).all()
