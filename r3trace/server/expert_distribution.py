@@ -101,8 +101,14 @@ class Recorder:
         except OSError as e:
             raise ApiError(500, f"start_expert_distribution_record: cannot make {self.folder} ({e.strerror or e}); "
                                 "check --trace-root") from e
-        self.run_id = f"{PREFIX}{time.time_ns()}"
-        await self.service.call(self.engine.start_trace, str(self.folder), run_id=self.run_id)
+        from r3trace.trace.schema import TraceStateError
+
+        run_id = f"{PREFIX}{time.time_ns()}"
+        try:
+            await self.service.call(self.engine.start_trace, str(self.folder), run_id=run_id)
+        except TraceStateError as e:  # a /start_trace that won the race
+            raise ApiError(409, f"start_expert_distribution_record: {e}") from e
+        self.run_id = run_id
 
     def _write(self, run_id: str) -> list[Path]:
         from r3trace.analysis.export_dump import export_expert_distribution
