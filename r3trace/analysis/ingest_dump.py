@@ -34,7 +34,7 @@ import numpy as np
 
 from r3trace.analysis.ingest import IngestError, ModelShape, staged, unrepeated
 from r3trace.trace.commit import write_heat_run
-from r3trace.trace.placements import phy2log_fault
+from r3trace.trace.placements import rows_fault
 from r3trace.trace.schema import Manifest, TraceSchemaError
 from r3trace.trace.writer import TraceWriter
 
@@ -149,10 +149,9 @@ def _map(d: Dump, shape: ModelShape) -> np.ndarray:
     """The dump's last_physical_to_logical_map over the MoE layers [L, P]: each slot an expert, each expert a slot."""
     full = _array(d.body["last_physical_to_logical_map"], str(d.path), "last_physical_to_logical_map", 2)
     moe = full[_layers(len(full), shape, str(d.path), "last_physical_to_logical_map")]
-    for row, layer_id in zip(moe, shape.moe_layer_ids, strict=True):
-        fault = phy2log_fault(row, shape.num_experts)
-        if fault is not None:
-            raise IngestError(f"{d.path}: field last_physical_to_logical_map row {layer_id} (a MoE layer): {fault}")
+    bad = rows_fault(moe, shape.moe_layer_ids, shape.num_experts)
+    if bad is not None:
+        raise IngestError(f"{d.path}: field last_physical_to_logical_map row {bad[1]} (a MoE layer): {bad[2]}")
     return moe
 
 

@@ -25,7 +25,7 @@ import numpy as np
 
 from r3trace.eplb.placement import Cluster, Placement, PlacementError, from_doc, from_phy2log
 from r3trace.eplb.window import Selection
-from r3trace.trace.placements import phy2log_fault, placement_at
+from r3trace.trace.placements import placement_at, rows_fault
 from r3trace.trace.reader import RunFiles
 from r3trace.trace.schema import TraceSchemaError
 
@@ -121,8 +121,7 @@ def _from_sglang(table: Any, path: Path, cluster: Cluster, num_hidden_layers: in
         raise PlacementError(f"{path}: {SGLANG_KEY} has {full.shape[1]} slots a layer; --slots is "
                              f"{cluster.num_slots}")
     phy2log = full[list(moe_layer_ids)]  # [L, P]
-    for row, layer_id in zip(phy2log, moe_layer_ids, strict=True):  # named by the row SGLang reads, its layer id
-        fault = phy2log_fault(row, num_experts)
-        if fault is not None:
-            raise PlacementError(f"{path}: {SGLANG_KEY} row {layer_id} (a MoE layer): {fault}")
+    bad = rows_fault(phy2log, moe_layer_ids, num_experts)
+    if bad is not None:  # named by the row SGLang reads, its layer id
+        raise PlacementError(f"{path}: {SGLANG_KEY} row {bad[1]} (a MoE layer): {bad[2]}")
     return from_phy2log(phy2log, num_experts)

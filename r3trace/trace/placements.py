@@ -41,9 +41,10 @@ PLACEMENT_SCHEMA = pa.schema([
 def phy2log_fault(row: Any, num_experts: int) -> str | None:
     """The first fault of one layer's phy2log row [P] of integers over E = num_experts logical experts: the lowest slot
     holding an id outside 0..E-1, else the lowest expert no slot holds; None when every slot holds an expert and every
-    expert a slot. The one check of a map's rows for the placements table, `eplb --previous`'s SGLang file
-    (r3trace/eplb/previous.py) and the engine's ExpertLocation (engine/layers/expert_location.py); each caller
-    prefixes the field and the layer to raise its own error."""
+    expert a slot. Through rows_fault, the one check of a map's rows for the placements table, `eplb --previous`'s
+    SGLang file (r3trace/eplb/previous.py), an SGLang dump's map (analysis/ingest_dump.py) and the engine's
+    ExpertLocation (engine/layers/expert_location.py); each caller prefixes the field and the layer to raise its own
+    error."""
     row = np.asarray(row)
     bad = np.flatnonzero((row < 0) | (row >= num_experts))
     if bad.size:
@@ -51,6 +52,16 @@ def phy2log_fault(row: Any, num_experts: int) -> str | None:
     missing = np.flatnonzero(np.bincount(row, minlength=num_experts) == 0)  # [E] slots per expert (ids checked above)
     if missing.size:
         return f"expert {int(missing[0])} of 0..{num_experts - 1} has no slot"
+    return None
+
+
+def rows_fault(table: Any, layer_ids: Sequence[int], num_experts: int) -> tuple[int, int, str] | None:
+    """The first faulty row of a map [n, P] over the MoE layers layer_ids: (its index, its layer id, phy2log_fault's
+    text); None when every row is a placement."""
+    for i, (row, layer) in enumerate(zip(np.asarray(table), layer_ids, strict=True)):
+        fault = phy2log_fault(row, num_experts)
+        if fault is not None:
+            return i, int(layer), fault
     return None
 
 
@@ -67,10 +78,9 @@ def placement_table(m: Manifest, from_forward_id: int, ts_ns: int, layer_ids: Se
     outside = sorted(set(ids) - set(m.moe_layer_ids))
     if outside or len(set(ids)) != len(ids) or not ids:
         raise TraceSchemaError(f"placement layer_ids={ids} must be distinct MoE layers of {list(m.moe_layer_ids)}")
-    for layer, row in zip(ids, table, strict=True):
-        fault = phy2log_fault(row, m.num_experts)
-        if fault is not None:
-            raise TraceSchemaError(f"placement phy2log row of layer {layer}: {fault}")
+    bad = rows_fault(table, ids, m.num_experts)
+    if bad is not None:
+        raise TraceSchemaError(f"placement phy2log row of layer {bad[1]}: {bad[2]}")
     n = len(ids)
     return pa.table({
         "run_id": pa.array([m.run_id] * n, pa.string()),
