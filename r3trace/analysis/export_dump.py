@@ -85,15 +85,10 @@ def _stat(store: TraceStore, m: Manifest) -> tuple[np.ndarray, int]:
         np.add.at(counts[0], (c["layer_id"].astype(np.int64), c["expert_id"].astype(np.int64)),
                   c["sum(count)"].astype(np.int32))
         return counts, int(c["max(epoch_ns(window_start))"].max()) if len(c["layer_id"]) else 0
-    c = store.con.execute("SELECT forward_id, layer_id, e, count(*)::INTEGER AS n, max(epoch_ns(ts)) AS ts FROM "
-                          "(SELECT forward_id, layer_id, ts, unnest(topk_ids) AS e FROM routes WHERE run_id = ? "
-                          "AND source = 'computed') "
-                          "GROUP BY ALL", [m.run_id]).fetchnumpy()
-    if not len(c["n"]):
-        raise TraceSchemaError(f"run {m.run_id} holds no route rows to write")
+    c = _counts(store, m.run_id, "topk_ids", "forward_id, layer_id")
     fwd, f = np.unique(c["forward_id"], return_inverse=True)
     counts = np.zeros((len(fwd), m.num_hidden_layers, m.num_experts), dtype=np.int32)
-    np.add.at(counts, (f, c["layer_id"].astype(np.int64), c["e"].astype(np.int64)), c["n"])
+    np.add.at(counts, (f, c["layer_id"].astype(np.int64), c["id"].astype(np.int64)), c["n"])
     return counts, int(c["ts"].max())
 
 
@@ -113,11 +108,7 @@ def _per_pass(store: TraceStore, run: RunFiles) -> list[tuple[np.ndarray, Passes
         raise TraceSchemaError(f"run {m.run_id} ran an expert placement without physical_ids: which slot served each "
                                "expert is unknown (serve with --capture-physical-ids)")
     slots = "physical_ids" if m.with_physical_ids else "topk_ids"  # without a placement slot e holds expert e
-    c = store.con.execute(f"SELECT dp_rank, forward_id, layer_id, s, count(*)::INTEGER AS n, max(epoch_ns(ts)) AS ts "
-                          f"FROM (SELECT dp_rank, forward_id, layer_id, ts, unnest({slots}) AS s FROM routes "
-                          "WHERE run_id = ? AND source = 'computed') GROUP BY ALL", [m.run_id]).fetchnumpy()
-    if not len(c["n"]):
-        raise TraceSchemaError(f"run {m.run_id} holds no route rows to write")
+    c = _counts(store, m.run_id, slots, "dp_rank, forward_id, layer_id")
     maps = _maps(t, m, int(c["forward_id"].min()))  # [(from forward, [L, P])]
     starts = np.array([f for f, _ in maps])
     seg = np.searchsorted(starts, c["forward_id"], side="right") - 1  # the map each row's forward ran
@@ -129,11 +120,22 @@ def _per_pass(store: TraceStore, run: RunFiles) -> list[tuple[np.ndarray, Passes
             sel = here & (c["dp_rank"] == rank)
             fwd, f = np.unique(c["forward_id"][sel], return_inverse=True)
             gpc = np.zeros((len(fwd), m.num_hidden_layers, phy2log.shape[1]), dtype=np.int32)
-            np.add.at(gpc, (f, c["layer_id"][sel].astype(np.int64), c["s"][sel].astype(np.int64)), c["n"][sel])
+            np.add.at(gpc, (f, c["layer_id"][sel].astype(np.int64), c["id"][sel].astype(np.int64)), c["n"][sel])
             passes[int(rank)] = (fwd, gpc, int(c["ts"][sel].max()))
         if passes:
             out.append((phy2log, passes))
     return out
+
+
+def _counts(store: TraceStore, run_id: str, ids: str, by: str) -> dict[str, np.ndarray]:
+    """Computed rows' ids (the column `ids`: topk_ids or physical_ids) counted per (`by`..., id): columns of `by`,
+    id, n and ts (the newest row's, ns). TraceSchemaError when the run has no computed row."""
+    c = store.con.execute(f"SELECT {by}, id, count(*)::INTEGER AS n, max(epoch_ns(ts)) AS ts FROM (SELECT {by}, ts, "
+                          f"unnest({ids}) AS id FROM routes WHERE run_id = ? AND source = 'computed') GROUP BY ALL",
+                          [run_id]).fetchnumpy()
+    if not len(c["n"]):
+        raise TraceSchemaError(f"run {run_id} holds no route rows to write")
+    return c
 
 
 def _maps(t: pa.Table, m: Manifest, first_forward: int) -> list[tuple[int, np.ndarray]]:
