@@ -156,7 +156,8 @@ class ExpertLocation:
         if "physical_to_logical_map" not in doc:
             raise ExpertLocationError(
                 f"SGLang expert location has fields {sorted(doc)}; only physical_to_logical_map is read "
-                "(logical_count alone asks SGLang to plan: plan it with r3trace eplb instead)"
+                "(logical_count alone asks SGLang to plan: `r3trace serve --init-expert-location` plans it as SGLang "
+                "does, r3trace eplb plans it held out)"
             )
         phy = torch.as_tensor(doc["physical_to_logical_map"], dtype=torch.int64)
         if phy.dim() != 2 or phy.shape[0] != cfg.num_hidden_layers:

@@ -9,7 +9,11 @@ from __future__ import annotations
 import argparse
 import errno
 import ipaddress
+import json
+import logging
 import socket
+import tempfile
+from pathlib import Path
 
 from r3trace.commands.args import port_number
 
@@ -81,6 +85,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="redundant expert slots: P = n_routed_experts + this, split over --ep (SGLang's name)")
     p.add_argument("--init-expert-location", default=None,
                    help="trivial, or an expert placement: `r3trace eplb --out` JSON or SGLang's JSON / .pt")
+    p.add_argument("--eplb-algorithm", default="auto", choices=["auto", "deepseek", "deepseek_hierarchical"],
+                   help="DeepSeek's policy an --init-expert-location of logical_count (a stat dump) is planned with, "
+                        "as SGLang's init_by_eplb (auto: hierarchical where the groups divide over the nodes)")
     p.add_argument("--ep-dispatch-algorithm", default="static", choices=["static", "dynamic"],
                    help="which replica of an expert a token's pair goes to (SGLang's name)")
     p.add_argument("--expert-dispatch-seed", type=int, default=0, help="dynamic dispatch's seed")
@@ -135,6 +142,33 @@ def engine_options(args: argparse.Namespace) -> dict[str, object]:
     }  # fmt: skip
 
 
+def init_location(args: argparse.Namespace, model: Path, log: logging.Logger) -> str | None:
+    """--init-expert-location as the engine reads it: a map as given; counts (`logical_count`, SGLang's stat dump)
+    planned first, as SGLang's init_by_eplb plans them (r3trace/eplb/sglang_init.py), into a map file."""
+    if args.init_expert_location is None:
+        return None
+    from r3trace.engine.model_config import ModelConfig
+    from r3trace.eplb.placement import PlacementError
+    from r3trace.eplb.sglang_init import logical_counts, plan_from_counts
+    from r3trace.errors import UsageError
+
+    flag = f"--init-expert-location {args.init_expert_location}"
+    try:
+        counts = logical_counts(args.init_expert_location)
+        if counts is None:
+            return str(args.init_expert_location)
+        mc = ModelConfig.from_hf(model)
+        full, algorithm = plan_from_counts(counts, mc.num_hidden_layers, tuple(mc.moe_layer_ids), mc.n_routed_experts,
+                                           mc.n_group or 1, mc.n_routed_experts + args.ep_num_redundant_experts,
+                                           args.ep_size, args.eplb_algorithm)
+    except PlacementError as e:
+        raise UsageError(f"{flag}: {e}") from e
+    out = Path(tempfile.mkdtemp(prefix="r3trace-init-")) / "physical_to_logical_map.json"
+    out.write_text(json.dumps({"physical_to_logical_map": full.tolist()}))
+    log.info("%s holds logical_count: planned with %s as SGLang's init_by_eplb; the map is %s", flag, algorithm, out)
+    return str(out)
+
+
 def launch_options(args: argparse.Namespace) -> dict[str, object]:
     """Engine's process-layout keywords (LaunchConfig validates them and names the field it rejects)."""
     return {"tp_size": args.tp_size, "dp_size": args.dp_size, "ep_size": args.ep_size,
@@ -167,9 +201,7 @@ def is_loopback(host: str) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    import logging
     import os
-    from pathlib import Path
 
     from r3trace.commands.args import check_model_dir
 
@@ -186,7 +218,8 @@ def run(args: argparse.Namespace) -> int:
     if not is_loopback(args.host):
         log.warning("binding %s: the API has no authentication; anyone who reaches this address can generate",
                     args.host)
-    engine = Engine(model, **engine_options(args), **launch_options(args))  # type: ignore[arg-type]
+    options = {**engine_options(args), "init_expert_location": init_location(args, model, log)}
+    engine = Engine(model, **options, **launch_options(args))  # type: ignore[arg-type]
     try:
         resolved = model.resolve()
         cfg = ServerConfig(model_name=args.served_model_name or resolved.name, host=args.host, port=args.port,
