@@ -11,6 +11,7 @@ import errno
 import ipaddress
 import json
 import logging
+import shutil
 import socket
 import tempfile
 from pathlib import Path
@@ -218,8 +219,13 @@ def run(args: argparse.Namespace) -> int:
     if not is_loopback(args.host):
         log.warning("binding %s: the API has no authentication; anyone who reaches this address can generate",
                     args.host)
-    options = {**engine_options(args), "init_expert_location": init_location(args, model, log)}
-    engine = Engine(model, **options, **launch_options(args))  # type: ignore[arg-type]
+    location = init_location(args, model, log)
+    try:
+        engine = Engine(model, **{**engine_options(args), "init_expert_location": location},  # type: ignore[arg-type]
+                        **launch_options(args))
+    finally:  # every rank has read a planned map once the engine is up (or has failed)
+        if location is not None and location != str(args.init_expert_location):
+            shutil.rmtree(Path(location).parent, ignore_errors=True)
     try:
         resolved = model.resolve()
         cfg = ServerConfig(model_name=args.served_model_name or resolved.name, host=args.host, port=args.port,

@@ -77,3 +77,43 @@ def test_a_map_passes_through_and_bad_counts_are_one_line(tmp_path: Path) -> Non
         serve.init_location(args("--init-expert-location", str(bad)), MODEL, LOG)
     assert str(e.value) == (f"--init-expert-location {bad}: logical_count is [5, 16]; the model has 5 layers (4 MoE) "
                             "of 32 experts")
+
+
+def test_the_cli_server_plans_a_dump_and_records_into_the_flagged_folder(tmp_path: Path) -> None:
+    """`r3trace serve` as a subprocess with SGLang's flags: --init-expert-location a stat dump (planned before the
+    engine loads: GET /expert_placement is DeepSeek's hierarchical plan of its counts) and
+    --expert-distribution-recorder-dir (a dump lands there)."""
+    import signal
+    import subprocess
+    import sys
+
+    from bench.spawn import free_port
+    from tests.health import wait_healthy
+
+    counts = torch.from_numpy(np.random.default_rng(4).integers(0, 50, (3, 5, E)))
+    torch.save({"rank": 0, "logical_count": counts}, tmp_path / "dump.pt")
+    port, log = free_port(), tmp_path / "serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "r3trace.cli", "serve", str(MODEL), "--port", str(port),
+                                 "--log-level", "warning", "--ep-num-redundant-experts", "8", "--init-expert-location",
+                                 str(tmp_path / "dump.pt"), "--trace-root", str(tmp_path / "traces"),
+                                 "--expert-distribution-recorder-dir", str(tmp_path / "dumps")],
+                                stdout=out, stderr=subprocess.STDOUT, cwd=MODEL.parents[1])
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_healthy(f"{url}/health", proc, 120, lambda: log.read_text()[-3000:])
+            running = np.array(httpx.get(f"{url}/expert_placement").json()["physical_to_logical_map"])
+            groups = ModelConfig.from_hf(MODEL).n_group
+            want = deepseek.hierarchical(counts.numpy().sum(0)[MOE], Cluster(1, 1, P, num_groups=groups)).phy2log
+            assert np.array_equal(running[MOE], want)
+            assert httpx.post(f"{url}/start_expert_distribution_record").status_code == 200
+            httpx.post(f"{url}/generate", json={"input_ids": [3, 14, 15], "sampling_params": {"max_new_tokens": 2}},
+                       timeout=60)
+            assert httpx.post(f"{url}/dump_expert_distribution_record", timeout=60).status_code == 200
+            assert len(list((tmp_path / "dumps").glob("expert_distribution_recorder_*.pt"))) == 1
+        finally:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
