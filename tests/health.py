@@ -21,3 +21,13 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float, describe: C
         if time.monotonic() > deadline or proc.poll() is not None:
             raise RuntimeError(f"{url} did not come up: {describe()}")
         time.sleep(0.2)
+
+
+def stop(proc: subprocess.Popen, sig: int, timeout_s: float) -> None:
+    """Send sig (the stop under test: SIGINT, SIGTERM), then kill the child if it has not exited after timeout_s."""
+    proc.send_signal(sig)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.health import wait_healthy
+from tests.health import stop, wait_healthy
 
 REPO = Path(__file__).resolve().parents[2]
 SOURCES = ("pyproject.toml", "README.md", "r3trace", "engine", "kernels", "dashboards")
@@ -111,9 +111,4 @@ def test_dashboard_serves_from_the_wheel(fresh: tuple[Path, dict[str, str]], tmp
     try:
         wait_healthy(f"http://127.0.0.1:{port}/_stcore/health", proc, 90, lambda: log.read_text()[-2000:])
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc, signal.SIGTERM, 15)

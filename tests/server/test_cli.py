@@ -17,7 +17,7 @@ import pytest
 from bench.spawn import free_port
 from r3trace.client import capture
 from r3trace.trace import open_dataset, read_token_routes
-from tests.health import wait_healthy
+from tests.health import stop, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLE = ROOT / "samples" / "model"
@@ -54,11 +54,7 @@ def test_serve_subprocess_and_capture(tmp_path: Path) -> None:
                 assert r.status_code == status, (model, r.text)
             assert r.json()["error"]["code"] == "model_not_found"
         finally:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop(proc, signal.SIGINT, 30)
 
 
 def test_serve_engine_flags_reach_engine_config() -> None:

@@ -88,7 +88,7 @@ def test_the_cli_server_plans_a_dump_and_records_into_the_flagged_folder(tmp_pat
     import sys
 
     from bench.spawn import free_port
-    from tests.health import wait_healthy
+    from tests.health import stop, wait_healthy
 
     counts = torch.from_numpy(np.random.default_rng(4).integers(0, 50, (3, 5, E)))
     torch.save({"rank": 0, "logical_count": counts}, tmp_path / "dump.pt")
@@ -112,8 +112,4 @@ def test_the_cli_server_plans_a_dump_and_records_into_the_flagged_folder(tmp_pat
             assert httpx.post(f"{url}/dump_expert_distribution_record", timeout=60).status_code == 200
             assert len(list((tmp_path / "dumps").glob("expert_distribution_recorder_*.pt"))) == 1
         finally:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop(proc, signal.SIGINT, 30)
