@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from r3trace.trace.placements import rows_fault
+from r3trace.phy2log import rows_fault
 
 from ..model_config import ModelConfig
 
@@ -179,7 +179,7 @@ def _read_json(source: str | Path) -> dict[str, Any]:
 
 def _check_rows(phy: torch.Tensor, num_experts: int, layer_ids: tuple[int, ...]) -> None:
     """Each row of physical_to_logical [M, P] holds ids in 0..E-1 and gives every expert a slot: the row check the
-    trace's placements table and `eplb --previous` run too (r3trace/trace/placements.py, rows_fault)."""
+    trace's placements table and `eplb --previous` run too (r3trace/phy2log.py)."""
     bad = rows_fault(phy.cpu().numpy(), layer_ids, num_experts)
     if bad is not None:
         raise ExpertLocationError(f"physical_to_logical row {bad[0]} (layer {bad[1]}): {bad[2]}")

@@ -33,8 +33,8 @@ from typing import Any
 import numpy as np
 
 from r3trace.analysis.ingest import IngestError, ModelShape, staged, unrepeated
+from r3trace.phy2log import rows_fault
 from r3trace.trace.commit import write_heat_run
-from r3trace.trace.placements import rows_fault
 from r3trace.trace.schema import Manifest, TraceSchemaError
 from r3trace.trace.writer import TraceWriter
 

@@ -13,6 +13,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from r3trace.phy2log import rows_fault
+
 
 class PlacementError(ValueError):
     """A placement or cluster shape breaks the contract; the message names the field and the limit."""
@@ -100,12 +102,12 @@ def from_phy2log(phy2log: np.ndarray, num_experts: int, rank: np.ndarray | None 
     """
     phy2log = np.asarray(phy2log, dtype=np.int64)
     n_layers, p = phy2log.shape
-    if phy2log.min() < 0 or phy2log.max() >= num_experts:
-        raise PlacementError(f"phy2log holds ids outside 0..{num_experts - 1}")
-    logcnt = replica_counts(phy2log, num_experts)
-    if (logcnt == 0).any():
-        layer, expert = np.argwhere(logcnt == 0)[0]
-        raise PlacementError(f"expert {expert} of layer {layer} has 0 replicas; every expert needs >= 1")
+    ids_ok = phy2log.min() >= 0 and phy2log.max() < num_experts  # whole-array checks: a plan's hot path
+    logcnt = replica_counts(phy2log, num_experts) if ids_ok else None
+    if logcnt is None or (logcnt == 0).any():  # the shared row check names the first fault
+        bad = rows_fault(phy2log, range(n_layers), num_experts)
+        assert bad is not None  # a row holds an id outside 0..E-1 or leaves an expert without a slot
+        raise PlacementError(f"phy2log row {bad[0]}: {bad[2]}")
     r = int(logcnt.max())
     rows = np.arange(n_layers)[:, None]
     log2phy = np.full((n_layers, num_experts, r), -1, dtype=np.int64)

@@ -25,7 +25,8 @@ import numpy as np
 
 from r3trace.eplb.placement import Cluster, Placement, PlacementError, from_doc, from_phy2log
 from r3trace.eplb.window import Selection
-from r3trace.trace.placements import placement_at, rows_fault
+from r3trace.phy2log import rows_fault
+from r3trace.trace.placements import placement_at
 from r3trace.trace.reader import RunFiles
 from r3trace.trace.schema import TraceSchemaError
 

@@ -174,3 +174,20 @@ def test_deepseek_export_orders_log2phy_by_replica_rank(gpus: int, nodes: int, s
     np.testing.assert_array_equal(pl.log2phy, log2phy)
     back, _ = from_json(to_json(pl, cl))  # the file keeps that order
     np.testing.assert_array_equal(back.log2phy, log2phy)
+
+
+def test_from_phy2log_names_the_first_bad_row() -> None:
+    """A map with an id outside 0..E-1, or an expert no slot holds, is refused naming the row and the fault (the shared
+    row check, r3trace/phy2log.py)."""
+    from r3trace.eplb.placement import from_phy2log
+
+    ok = np.tile(np.arange(6) % 4, (2, 1))  # [2 layers, 6 slots] over 4 experts
+    assert from_phy2log(ok, 4).logcnt.tolist() == [[2, 2, 1, 1]] * 2
+    bad = ok.copy()
+    bad[1, 3] = 4
+    with pytest.raises(PlacementError, match=r"^phy2log row 1: slot 3 holds expert 4, outside 0\.\.3$"):
+        from_phy2log(bad, 4)
+    gap = ok.copy()
+    gap[0] = [0, 1, 2, 0, 1, 2]
+    with pytest.raises(PlacementError, match=r"^phy2log row 0: expert 3 of 0\.\.3 has no slot$"):
+        from_phy2log(gap, 4)

@@ -18,8 +18,9 @@ import pytest
 
 from r3trace.analysis.ingest import ingest_native
 from r3trace.analysis.store import TraceStore
+from r3trace.phy2log import phy2log_fault
 from r3trace.trace import Manifest, TraceSchemaError, TraceWriter, open_dataset, recover_run
-from r3trace.trace.placements import Switch, history_line, phy2log_fault, placement_at, read_placements, switches
+from r3trace.trace.placements import Switch, history_line, placement_at, read_placements, switches
 
 REPO = Path(__file__).resolve().parents[2]
 MOE, E, K = (1, 2, 3), 6, 2  # MoE layers of a 4-layer model; P = 8 slots below
