@@ -24,10 +24,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-import pyarrow as pa
 
 from r3trace.analysis.store import TraceStore
-from r3trace.trace.placements import read_placements
+from r3trace.trace.placements import forward_rows
 from r3trace.trace.reader import RunFiles
 from r3trace.trace.schema import Manifest, TraceSchemaError
 
@@ -101,15 +100,15 @@ def _per_pass(store: TraceStore, run: RunFiles) -> list[tuple[np.ndarray, Passes
     m = run.manifest
     if m.kind == "heat":
         raise TraceSchemaError(f"run {m.run_id} is heat-only: per_pass needs each forward's slots")
-    t = read_placements(run)
-    if t.num_rows == 0 and m.with_physical_ids:
+    history = forward_rows(run)
+    if not history and m.with_physical_ids:
         raise TraceSchemaError(f"run {m.run_id} has physical_ids but no placements table: its slot count is unknown")
-    if t.num_rows and not m.with_physical_ids:
+    if history and not m.with_physical_ids:
         raise TraceSchemaError(f"run {m.run_id} ran an expert placement without physical_ids: which slot served each "
                                "expert is unknown (serve with --capture-physical-ids)")
     slots = "physical_ids" if m.with_physical_ids else "topk_ids"  # without a placement slot e holds expert e
     c = _counts(store, m.run_id, slots, "dp_rank, forward_id, layer_id")
-    maps = _maps(t, m, int(c["forward_id"].min()))  # [(from forward, [L, P])]
+    maps = _maps(history, m, int(c["forward_id"].min()))  # [(from forward, [L, P])]
     starts = np.array([f for f, _ in maps])
     seg = np.searchsorted(starts, c["forward_id"], side="right") - 1  # the map each row's forward ran
     out = []
@@ -138,28 +137,22 @@ def _counts(store: TraceStore, run_id: str, ids: str, by: str) -> dict[str, np.n
     return c
 
 
-def _maps(t: pa.Table, m: Manifest, first_forward: int) -> list[tuple[int, np.ndarray]]:
-    """Each distinct map in force over the run, from the forward it starts at: every layer's newest row at or before
-    each from_forward_id. Without placements, slot e = expert e from the first forward."""
-    if t.num_rows == 0:
+def _maps(history: list[tuple[int, dict[int, np.ndarray]]], m: Manifest, first_forward: int
+          ) -> list[tuple[int, np.ndarray]]:
+    """Each distinct map in force over the run, from the forward it starts at, from its rows by forward
+    (placements.forward_rows). Without placements, slot e = expert e from the first forward."""
+    if not history:
         return [(first_forward, np.tile(np.arange(m.num_experts), (m.num_moe_layers, 1)))]
-    fwd = t.column("from_forward_id").to_numpy()
-    layer = t.column("layer_id").to_numpy()
-    rows = t.column("phy2log").to_pylist()
-    if fwd.min() > first_forward:
+    if history[0][0] > first_forward:
         raise TraceSchemaError(f"run {m.run_id} has rows from forward {first_forward}, its first map from forward "
-                               f"{int(fwd.min())}")
-    index = {lid: i for i, lid in enumerate(m.moe_layer_ids)}
-    current: list[list[int] | None] = [None] * m.num_moe_layers
+                               f"{history[0][0]}")
+    current: dict[int, np.ndarray] = {}
     out: list[tuple[int, np.ndarray]] = []
-    for i, f in enumerate(fwd.tolist()):
-        current[index[int(layer[i])]] = rows[i]
-        if i + 1 < len(fwd) and fwd[i + 1] == f:
-            continue  # later rows of this forward win
-        if any(r is None for r in current):
+    for f, at in history:
+        current.update(at)
+        if len(current) < m.num_moe_layers:
             raise TraceSchemaError(f"run {m.run_id}: at forward {f} some MoE layer has no map yet")
-        phy2log = np.asarray(current, dtype=np.int64)
-        if out and np.array_equal(out[-1][1], phy2log):
-            continue
-        out.append((f, phy2log))
+        phy2log = np.array([current[lid] for lid in m.moe_layer_ids], dtype=np.int64)
+        if not out or not np.array_equal(out[-1][1], phy2log):
+            out.append((f, phy2log))
     return out

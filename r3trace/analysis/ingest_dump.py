@@ -176,13 +176,18 @@ def _pass_counts(d: Dump, shape: ModelShape) -> np.ndarray:
     phy2log = _map(d, shape)
     total = np.zeros(phy2log.shape, dtype=np.int64)
     for where, r in _records(d, ("forward_pass_id", "rank", "global_physical_count")):
-        gpc = _array(r["global_physical_count"], where, "global_physical_count", 2)
-        gpc = gpc[_layers(len(gpc), shape, where, "global_physical_count")]
+        gpc = _slot_counts(r, where, shape)
         if gpc.shape != total.shape:
             raise IngestError(f"{where}: field global_physical_count is {list(gpc.shape)}, the map's MoE layers "
                               f"{list(phy2log.shape)}")
         total += gpc
     return _logical(total, phy2log, shape.num_experts)
+
+
+def _slot_counts(r: dict[str, Any], where: str, shape: ModelShape) -> np.ndarray:
+    """A record's global_physical_count over the MoE layers [L, P]."""
+    gpc = _array(r["global_physical_count"], where, "global_physical_count", 2)
+    return gpc[_layers(len(gpc), shape, where, "global_physical_count")]
 
 
 def _one_copy(passes: list[tuple[int, int, Any]], src: str | Path) -> None:
@@ -275,11 +280,10 @@ def _token_rows(r: dict[str, Any], where: str, shape: ModelShape, phy2log: np.nd
         raise IngestError(f"{where}: field topk_ids_of_layer holds an expert on {what} (give --top-k and the layer "
                           "layout of the model SGLang ran)")
     phys = topk[rows][:, :, :k].transpose(1, 0, 2)  # [T, L, K]
-    if t and (phys.min() < 0 or phys.max() >= p):
+    if phys.min() < 0 or phys.max() >= p:  # t > 0 here
         slot = int(phys.min() if phys.min() < 0 else phys.max())
         raise IngestError(f"{where}: field topk_ids_of_layer holds slot {slot}: slots are 0..{p - 1} (the map's width)")
-    gpc = _array(r["global_physical_count"], where, "global_physical_count", 2)
-    gpc = gpc[_layers(len(gpc), shape, where, "global_physical_count")]
+    gpc = _slot_counts(r, where, shape)
     flat = (np.arange(len(rows))[None, :, None] * p + phys).ravel()
     if gpc.shape != phy2log.shape or not np.array_equal(np.bincount(flat, minlength=phy2log.size), gpc.ravel()):
         raise IngestError(f"{where}: field global_physical_count disagrees with topk_ids_of_layer (a torn record)")

@@ -79,18 +79,15 @@ def placement_at(run: Any, forward_id: int | None = None) -> np.ndarray:
     """phy2log [L, P] over the manifest's MoE layers: each layer's map in force at forward_id (None: at the run's
     end, each layer's last row). TraceSchemaError when the run records no placement or a layer none that early."""
     m = run.manifest
-    t = read_placements(run)
-    if forward_id is not None:
-        t = t.filter(pc.less_equal(t.column("from_forward_id"), forward_id))
+    last: dict[int, np.ndarray] = {}
+    for f, at in forward_rows(run):  # oldest first: later rows win
+        if forward_id is not None and f > forward_id:
+            break
+        last.update(at)
     where = "" if forward_id is None else f" at forward {forward_id}"
-    if t.num_rows == 0:
+    if not last:
         raise TraceSchemaError(f"run {m.run_id} records no expert placement{where} (an r3trace engine writes one "
                                "when a trace starts)")
-    layers = t.column("layer_id").to_numpy()
-    rows = t.column("phy2log").to_pylist()
-    last: dict[int, list[int]] = {}
-    for layer, row in zip(layers, rows, strict=True):  # sorted by forward: later rows win
-        last[int(layer)] = row
     missing = [lid for lid in m.moe_layer_ids if lid not in last]
     if missing:
         raise TraceSchemaError(f"run {m.run_id} records no placement of MoE layer {missing[0]}{where}")
@@ -107,24 +104,29 @@ class Switch(NamedTuple):
     moved: int  # of them, slots whose expert differs from the layer's map before (all, for a layer's first map)
 
 
+def forward_rows(run: Any) -> list[tuple[int, dict[int, np.ndarray]]]:
+    """The run's placement rows by forward, oldest first: (from_forward_id, {layer_id: phy2log [P]}), of two rows of
+    one layer and forward the later (read_placements' order)."""
+    t = read_placements(run)
+    out: list[tuple[int, dict[int, np.ndarray]]] = []
+    for f, layer, row in zip(t.column("from_forward_id").to_pylist(), t.column("layer_id").to_pylist(),
+                             t.column("phy2log").to_pylist(), strict=True):
+        if not out or out[-1][0] != f:
+            out.append((int(f), {}))
+        out[-1][1][int(layer)] = np.asarray(row)
+    return out
+
+
 def switches(run: Any) -> list[Switch]:
     """The run's placement history, one entry a forward with rows: how many layers it switched and slots it moved
     (the first entry is the map a trace started under: every slot counts as placed)."""
-    t = read_placements(run)
     before: dict[int, np.ndarray] = {}
     out: list[Switch] = []
-    at: dict[int, np.ndarray] = {}  # this forward's rows by layer, later rows winning
-    fwd = t.column("from_forward_id").to_pylist()
-    for i, (f, layer, row) in enumerate(zip(fwd, t.column("layer_id").to_pylist(), t.column("phy2log").to_pylist(),
-                                            strict=True)):
-        at[int(layer)] = np.asarray(row)
-        if i + 1 < len(fwd) and fwd[i + 1] == f:
-            continue
+    for f, at in forward_rows(run):
         moved = sum(int((r != before[lid]).sum()) if lid in before and len(before[lid]) == len(r) else len(r)
                     for lid, r in at.items())
-        out.append(Switch(int(f), len(at), sum(len(r) for r in at.values()), moved))
+        out.append(Switch(f, len(at), sum(len(r) for r in at.values()), moved))
         before.update(at)
-        at = {}
     return out
 
 
