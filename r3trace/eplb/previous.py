@@ -39,7 +39,7 @@ def read_previous(path: str | Path, cluster: Cluster, num_hidden_layers: int, mo
     """The placement in `path` for this cluster and model shape; PlacementError naming what disagrees (a file of
     neither kind, another cluster, other layer or expert counts, an expert with no slot)."""
     path = Path(path)
-    doc = _load(path)
+    doc = load_location(path)
     if isinstance(doc, dict) and SGLANG_KEY in doc:
         return _from_sglang(doc[SGLANG_KEY], path, cluster, num_hidden_layers, moe_layer_ids, num_experts)
     if not isinstance(doc, dict) or "cluster" not in doc:
@@ -91,7 +91,8 @@ def recorded_at_end(con: duckdb.DuckDBPyConnection, runs: dict[str, RunFiles], t
     return recorded_previous(runs[run_id], cluster, forward), at
 
 
-def _load(path: Path) -> Any:
+def load_location(path: Path) -> Any:
+    """A location file as SGLang's --init-expert-location loads it: a .pt by torch.load (weights only), else JSON."""
     if path.suffix == ".pt":
         import torch  # only SGLang's .pt needs torch
 

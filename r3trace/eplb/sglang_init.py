@@ -10,14 +10,13 @@ lines working.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from r3trace.eplb import deepseek
 from r3trace.eplb.placement import Cluster, PlacementError
+from r3trace.eplb.previous import load_location
 
 ALGORITHMS = ("auto", "deepseek", "deepseek_hierarchical")
 
@@ -28,15 +27,7 @@ def logical_counts(path: str | Path) -> np.ndarray | None:
     p = Path(path)
     if not p.is_file():
         return None
-    try:
-        if p.suffix == ".pt":
-            import torch  # SGLang's .pt files need torch
-
-            doc: Any = torch.load(p, map_location="cpu", weights_only=True)
-        else:
-            doc = json.loads(p.read_text())
-    except Exception as e:  # noqa: BLE001 - torch raises pickle, zip and runtime errors alike
-        raise PlacementError(f"{p}: not a location file SGLang's --init-expert-location loads ({e})") from e
+    doc = load_location(p)
     if not isinstance(doc, dict) or "logical_count" not in doc or "physical_to_logical_map" in doc:
         return None
     c = doc["logical_count"]
