@@ -52,8 +52,9 @@ class Recorder:
             log.warning("expert distribution: an earlier server's recording is kept in %s (r3trace export %s --out "
                         "DIR writes its dumps)", kept, kept)
 
-    def _recording(self) -> bool:
-        st = self.engine.trace_status()
+    def _recording(self, st: dict[str, Any] | None = None) -> bool:
+        """Whether the engine's trace (its status st, read when not given) is this recorder's run."""
+        st = self.engine.trace_status() if st is None else st
         return bool(st.get("tracing")) and self.run_id is not None and st.get("run_id") == self.run_id
 
     async def start(self) -> None:
@@ -63,10 +64,11 @@ class Recorder:
                                 "slots, and this engine runs a placement without --capture-physical-ids")
         async with self._lock:
             st = self.engine.trace_status()
-            if st.get("tracing") and not self._recording():
+            mine = self._recording(st)
+            if st.get("tracing") and not mine:
                 raise ApiError(409, f"start_expert_distribution_record: run {st.get('run_id')} is being traced "
                                     "(the recorder records through the engine's one trace); POST /stop_trace first")
-            if self._recording():  # SGLang: start while recording warns and starts over
+            if mine:  # SGLang: start while recording warns and starts over
                 log.warning("expert distribution: already recording; starting over")
                 await self.service.call(self.engine.stop_trace)
             await self._begin()
