@@ -75,10 +75,10 @@ def ingest_expert_distribution(
     engine = {"ingested_from": str(src), "sglang_recorder_mode": kind}
     if kind == "per_token":
         return _routes_run(dumps, store, shape, run_id, engine, src)
-    windows = [(d.ts_ns, _stat_counts(d, shape) if kind == "stat" else _pass_counts(d, shape)) for d in dumps]
+    copies: list[tuple[int, int, Any]] = []  # per_pass: (rank, forward_pass_id, slot counts) for _one_copy
+    windows = [(d.ts_ns, _stat_counts(d, shape) if kind == "stat" else _pass_counts(d, shape, copies)) for d in dumps]
     if kind == "per_pass":
-        _one_copy([(r["rank"], r["forward_pass_id"], r["global_physical_count"]) for d in dumps
-                   for _, r in _records(d, ("forward_pass_id", "rank", "global_physical_count"))], src)
+        _one_copy(copies, src)
     m = Manifest(run_id=run_id, model_name=shape.model_name, num_hidden_layers=shape.num_hidden_layers,
                  moe_layer_ids=shape.moe_layer_ids, num_experts=shape.num_experts, top_k=shape.top_k,
                  num_groups=shape.num_groups, kind="heat", engine=engine)
@@ -171,12 +171,14 @@ def _records(d: Dump, keys: tuple[str, ...]) -> Iterator[tuple[str, dict[str, An
         yield where, r
 
 
-def _pass_counts(d: Dump, shape: ModelShape) -> np.ndarray:
-    """A per_pass dump's global_physical_count summed over its passes, read through its map -> [L, E]."""
+def _pass_counts(d: Dump, shape: ModelShape, copies: list[tuple[int, int, Any]]) -> np.ndarray:
+    """A per_pass dump's global_physical_count summed over its passes, read through its map -> [L, E]; each pass's
+    (rank, forward_pass_id, counts) appended to copies."""
     phy2log = _map(d, shape)
     total = np.zeros(phy2log.shape, dtype=np.int64)
     for where, r in _records(d, ("forward_pass_id", "rank", "global_physical_count")):
         gpc = _slot_counts(r, where, shape)
+        copies.append((int(r["rank"]), int(r["forward_pass_id"]), gpc))
         if gpc.shape != total.shape:
             raise IngestError(f"{where}: field global_physical_count is {list(gpc.shape)}, the map's MoE layers "
                               f"{list(phy2log.shape)}")

@@ -176,6 +176,11 @@ def test_per_pass_and_stat_dumps_are_heat_windows(tmp_path: Path) -> None:
                                                                    "global_physical_count")} for rec in body["records"]]
         torch.save(body, p)
     ingest_expert_distribution(idle, tmp_path / "s", SHAPE, run_id="idle_passes")  # per_pass
+    body = torch.load(idle / "expert_distribution_recorder_1767225600.5_0.pt", weights_only=True)
+    body["records"] = [{**rec, "rank": 1} for rec in body["records"]]  # rank 1 holding rank 0's passes: a TP copy
+    torch.save(body, idle / "expert_distribution_recorder_1767225600.5_1.pt")
+    with pytest.raises(IngestError, match="ranks 0, 1 recorded the same tokens in all 1 passes they share"):
+        ingest_expert_distribution(idle, tmp_path / "s", SHAPE, run_id="tp_passes")
     r = ds.dataset(tmp_path / "s" / "rollups" / "run_id=st").to_table().to_pandas()
     for start, c in zip((1_767_225_600 * NS, 1_767_225_700 * NS), counts, strict=True):
         w = r[r.window_start.astype("int64") == start]
