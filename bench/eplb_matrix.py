@@ -93,10 +93,11 @@ def policies(cl: Cluster, variants: bool = False) -> dict[str, Policy]:
 
 
 def run_cell(cell: Cell, history: int = 8, variants: bool = False,
-             reuse: dict[str, dict[str, list[float]]] | None = None) -> dict[str, Any]:
+             reuse: dict[str, dict[str, list[float]]] | None = None,
+             only: tuple[str, ...] | None = None) -> dict[str, Any]:
     """One cell -> {cell fields, policies: {name: {metric: [per held-out window]}}, seconds}. reuse: the rows of
     policies other than ours' from an earlier run of this cell (their code unchanged), copied instead of re-run (the
-    BASELINES re-run where a metric is missing; other rows keep what they have)."""
+    BASELINES re-run where a metric is missing; other rows keep what they have). only: run these policies alone."""
     t0 = time.perf_counter()
     routes, sees_tokens = load_windows(cell.spec)
     e = cell.spec.num_experts
@@ -104,6 +105,8 @@ def run_cell(cell: Cell, history: int = 8, variants: bool = False,
     cl = cell.cluster
     out: dict[str, dict[str, list[float]]] = {}
     for name, f in policies(cl, variants).items():
+        if only is not None and name not in only:
+            continue
         if reuse is not None and not name.startswith("ours") and (
                 name not in BASELINES or all(m in reuse[name] for m in METRICS)):
             out[name] = reuse[name]

@@ -63,6 +63,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "--ep-dispatch-algorithm is given) "
                         "or dynamic (the same first two rules, else a random replica a pair; planned for as static). "
                         "Every figure is printed either way")
+    p.add_argument("--keep-groups", action="store_true",
+                   help="ours with every expert's first replica on its group's home node (whole groups on nodes, "
+                        "as DeepSeek's hierarchical policy places them): a token reaches no more nodes than it picks "
+                        "groups (V3: 4), as under that policy, extra replicas only add choices (BENCHMARKS.md, "
+                        "EPLB with groups kept); plans for node-limited dispatch, with no backtest")
     p.add_argument("--replay-tokens", type=positive_int, default=8192,
                    help="tokens replayed through node-limited dispatch per scored window")
     p.add_argument("--previous", default=None,
@@ -140,8 +145,15 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--previous {e}") from e
     asked = {} if args.windows is None else {"windows": args.windows}  # else PlanRequest's default
     dispatch: DispatchName = args.dispatch or ("static" if args.sglang else "node-limited")
+    if args.keep_groups and args.policy not in ("auto", "ours"):
+        raise UsageError(f"--keep-groups: a layout of --policy ours; --policy {args.policy} places by its own rule")
+    if args.keep_groups and dispatch != "node-limited":
+        implied = "" if args.dispatch else " (the default with --sglang)"
+        raise UsageError(f"--keep-groups: plans for node-limited dispatch (a token's cover within its groups' "
+                         f"nodes), not --dispatch {dispatch}{implied}; give --dispatch node-limited")
     req = PlanRequest(cluster, args.policy, args.forecast, args.train, args.held_out, run_id, window_s=args.window_s,
-                      replay_tokens=args.replay_tokens, previous=previous, dispatch=dispatch, **asked)
+                      replay_tokens=args.replay_tokens, previous=previous, dispatch=dispatch,
+                      keep_groups=args.keep_groups, **asked)
     try:
         rep = make_report(store, req, progress_flag(args.progress))
     except WindowError as e:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from r3trace.eplb.group_pairing import paired_groups
 from r3trace.eplb.packing import balanced_packing
 from r3trace.eplb.placement import Cluster, PlacementError
 
@@ -172,10 +173,13 @@ def group_home_nodes(weight: np.ndarray, cluster: Cluster) -> tuple[np.ndarray, 
     return np.cumsum(count, 1) - count, count
 
 
-def group_home_mask(weight: np.ndarray, cluster: Cluster) -> np.ndarray:
+def group_home_mask(weight: np.ndarray, cluster: Cluster, tokens: np.ndarray | None = None,
+                    pair_slack: float = 0.0) -> np.ndarray:
     """weight [L, E] -> [L, groups, N] the home nodes of each group: runs of whole nodes (group_home_nodes) when
     groups <= nodes; whole groups packed onto nodes by load (DeepSeek's balanced packing, groups / N per node)
-    when the nodes divide the groups; else the nodes its experts reach in contiguous order."""
+    when the nodes divide the groups, or with tokens [T, L, K] the even split whose tokens reach the fewest nodes
+    within pair_slack of that packing's heaviest node (group_pairing.py); else the nodes its experts reach in
+    contiguous order."""
     n_layers, e = weight.shape
     gr, n = cluster.num_groups, cluster.num_nodes
     if e % gr:
@@ -185,16 +189,19 @@ def group_home_mask(weight: np.ndarray, cluster: Cluster) -> np.ndarray:
         first, count = group_home_nodes(weight, cluster)
         return (nid >= first[:, :, None]) & (nid < (first + count)[:, :, None])
     if gr % n == 0:
-        pack, _ = balanced_packing(weight.reshape(n_layers, gr, e // gr).sum(-1), n)  # [L, groups]
-        return pack[:, :, None] == nid
+        paired = None if tokens is None else paired_groups(weight, cluster, tokens, pair_slack)
+        pack = balanced_packing(weight.reshape(n_layers, gr, e // gr).sum(-1), n)[0] if paired is None else paired
+        return pack[:, :, None] == nid  # [L, groups, N]
     mask = np.zeros((gr, n), dtype=bool)
     mask[np.arange(e) // (e // gr), np.arange(e) * n // e] = True
     return np.broadcast_to(mask, (n_layers, gr, n)).copy()
 
 
-def home_primaries(weight: np.ndarray, cluster: Cluster) -> np.ndarray:
+def home_primaries(weight: np.ndarray, cluster: Cluster, tokens: np.ndarray | None = None,
+                   pair_slack: float = 0.0) -> np.ndarray:
     """weight [L, E] -> node of each expert's first replica [L, E]: heaviest first onto the lightest home
-    node (group_home_mask) with a free primary slot, else the lightest node with one. Each node keeps room for
+    node (group_home_mask; tokens, pair_slack: its pairing of groups) with a free primary slot, else the lightest node
+    with one. Each node keeps room for
     its share of the P - E extra replicas, so nodes hold E primaries in all and the extras fill the rest exactly.
 
     Node loads are left unbalanced on purpose: the hottest replicas cap balancedness (0.54-0.84 on 144
@@ -202,7 +209,7 @@ def home_primaries(weight: np.ndarray, cluster: Cluster) -> np.ndarray:
     """
     n_layers, e = weight.shape
     n = cluster.num_nodes
-    homes = group_home_mask(weight, cluster)
+    homes = group_home_mask(weight, cluster, tokens, pair_slack)
     extra = cluster.num_slots - e
     cap = np.full(n, cluster.slots_per_node - extra // n)
     cap[: extra % n] -= 1

@@ -42,8 +42,11 @@ class PlannerConfig:
     level_cold: float = 0.5  # lone replicas below this x the mean slot load may leave their group's nodes
     seeded_churn_budget: float = 0.095  # spread layout: reseated counts + leveling swaps (goal: <= 10%)
     # every first replica stays on its group's home nodes and swaps stay inside nodes: a token's cover is never
-    # larger than under DeepSeek's hierarchical layout (the same group homes), extra replicas only add choices
+    # larger than its groups' home nodes, as under DeepSeek's hierarchical layout; extra replicas only add choices
     keep_groups: bool = False
+    # keep_groups with tokens: groups share nodes by the even split whose tokens reach the fewest nodes, its heaviest
+    # node within this share of DeepSeek's balanced packing's (group_pairing.py)
+    group_pair_slack: float = 0.0
     # polish moves per layer after a fresh plan, on layers of <= 128 slots and <= 8 nodes only (polish.py): the
     # exact MILP's small instances 1.6-2.8% -> 0-0.9% above its proven optimum, in sample (polish.py has the figures)
     polish_steps: int = 64

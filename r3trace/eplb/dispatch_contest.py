@@ -35,7 +35,8 @@ from __future__ import annotations
 import numpy as np
 
 from r3trace.eplb.alignment import align
-from r3trace.eplb.deepseek import global_phy2log
+from r3trace.eplb.deepseek import global_phy2log, hierarchical
+from r3trace.eplb.node_model import two_node_dispatch
 from r3trace.eplb.placement import Cluster
 from r3trace.eplb.replay_max import node_limited_max, node_limited_replay
 from r3trace.eplb.static_ladder import NODE_MARGIN
@@ -54,6 +55,40 @@ def replay_contest(phy2log: np.ndarray, w: np.ndarray, cluster: Cluster, tokens:
     theirs, ours = node_limited_max([glob, phy2log], w.shape[1], tokens, cluster)
     take = theirs < ours * (1 - margin)
     return np.where(take[:, None], glob, phy2log)
+
+
+def groups_apply(cluster: Cluster, margin: float, tokens: np.ndarray | None) -> bool:
+    """Whether keep_groups' plans hold the contest against DeepSeek's hierarchical layout: several nodes dividing the
+    groups (where that layout exists), margin >= 0 (node-limited dispatch), and tokens to replay or two nodes (the
+    router model's expected loads, node_model.two_node_dispatch)."""
+    return (margin >= 0 and cluster.num_nodes > 1 and cluster.num_groups % cluster.num_nodes == 0
+            and (tokens is not None or cluster.num_nodes == 2))
+
+
+def groups_contest(phy2log: np.ndarray, w: np.ndarray, cluster: Cluster, tokens: np.ndarray | None, margin: float,
+                   router: tuple[int, int]) -> np.ndarray:
+    """keep_groups' phy2log [L, P], forecast w [L, E], newest tokens [T, L, K] or None -> phy2log [L, P]: per layer
+    DeepSeek's hierarchical layout on w where node-limited dispatch gives it a max GPU load below (1 - margin) x ours',
+    else ours' (dispatch_max: the tokens replayed, without them the router model's expectation on two nodes).
+    keep_groups spreads extra replicas over nodes as choices for a token's cover; a dispatcher that covers a token
+    with its home node alone sends it to the home replicas, so on two nodes a hot expert's home replicas carried most
+    of its load (grouped s = 1.2, 16 / 2 / 320: node-limited balancedness 0.143 under hierarchical's held out, whose
+    replicas all sit on the group's node; with the contest +0.009). Either layout keeps every token's cover within
+    its groups' nodes, so keep_groups' bound holds per layer."""
+    hier = hierarchical(w, cluster).phy2log
+    theirs, ours = dispatch_max([hier, phy2log], w, cluster, tokens, router)
+    return np.where((theirs < ours * (1 - margin))[:, None], hier, phy2log)
+
+
+def dispatch_max(layouts: list[np.ndarray], w: np.ndarray, cluster: Cluster, tokens: np.ndarray | None,
+                 router: tuple[int, int]) -> np.ndarray:
+    """phy2log layouts [L, P] each, forecast w [L, E] -> [layouts, L] the max GPU loads under node-limited dispatch:
+    of the tokens [T, L, K] replayed, or without them (two nodes) expected under the router model (top_k,
+    topk_group) of node_model.two_node_dispatch."""
+    if tokens is not None:
+        return node_limited_max(layouts, w.shape[1], tokens, cluster)
+    load, _ = two_node_dispatch(np.concatenate(layouts), np.concatenate([w] * len(layouts)), cluster, *router)
+    return load.max(1).reshape(len(layouts), -1)
 
 
 def replay_guard(phy2log: np.ndarray, prev: np.ndarray, cluster: Cluster, tokens: np.ndarray,

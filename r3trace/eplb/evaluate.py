@@ -32,16 +32,20 @@ DispatchName = Literal["node-limited", "static", "dynamic"]
 DISPATCHES: tuple[DispatchName, ...] = ("node-limited", "static", "dynamic")
 
 
-def planner_config(dispatch: DispatchName, top_k: int | None = None) -> PlannerConfig:
+def planner_config(dispatch: DispatchName, top_k: int | None = None, keep_groups: bool = False) -> PlannerConfig:
     """Ours plans for the dispatcher it will run under: the two-node replay rules (dispatch_contest.py: the fresh plan's
     contest, the re-plan's guard) only for node-limited dispatch; SGLang's static and dynamic dispatch never look at
     a token's other experts, so there the even split is the load ours plans for, with experts' replicas made
     static-even (static_spread.py, static_ladder.py) so that the even split is what their node rule gives. top_k:
     the trace's experts a token, for the planner's expectation of nodes per token without tokens (router_top_k; None:
-    PlannerConfig's)."""
-    base = PlannerConfig() if top_k is None else PlannerConfig(router_top_k=top_k)
+    PlannerConfig's). keep_groups (`r3trace eplb --keep-groups`, node-limited dispatch only): every first replica on
+    its group's home node, so no token's cover reaches more nodes than under DeepSeek's hierarchical layout."""
+    base = PlannerConfig(keep_groups=keep_groups) if top_k is None else PlannerConfig(router_top_k=top_k,
+                                                                                     keep_groups=keep_groups)
     if dispatch == "node-limited":
         return base
+    if keep_groups:
+        raise ValueError(f"keep_groups plans for node-limited dispatch, not {dispatch!r}")
     # static-even moves (its leveling up to 2% of slots, its fixes of experts the re-plan left mixed) come on top of
     # the re-plan's own: with the default budgets slow-drift re-plans moved up to 11% of slots (goal <= 10%)
     return replace(base, replay_margin=-1.0, static_even=True, churn_budget=base.churn_budget - STATIC_EVEN_CHURN,
@@ -50,11 +54,12 @@ def planner_config(dispatch: DispatchName, top_k: int | None = None) -> PlannerC
 
 def make_placement(policy: PolicyName, weight: np.ndarray, cluster: Cluster, tokens: np.ndarray | None,
                    prev: Placement | None = None, dispatch: DispatchName = "node-limited",
-                   top_k: int | None = None) -> Placement:
+                   top_k: int | None = None, keep_groups: bool = False) -> Placement:
     """weight [L, E] (or, for ours, a history [W, L, E] it forecasts itself); prev: ours re-plans from it;
-    dispatch, top_k: what ours plans for (planner_config)."""
+    dispatch, top_k, keep_groups: what ours plans for (planner_config)."""
     if policy == "ours":
-        return planner.plan(weight, cluster, prev=prev, tokens=tokens, cfg=planner_config(dispatch, top_k))
+        return planner.plan(weight, cluster, prev=prev, tokens=tokens,
+                            cfg=planner_config(dispatch, top_k, keep_groups))
     if policy == "global":
         return deepseek.global_policy(weight, cluster)
     if policy == "hierarchical":
@@ -77,10 +82,13 @@ def forecast_weight(history: np.ndarray, how: Forecast) -> np.ndarray:
 
 def plan_policy(policy: PolicyName, history: np.ndarray, how: Forecast, cluster: Cluster,
                 tokens: np.ndarray | None = None, prev: Placement | None = None,
-                dispatch: DispatchName = "node-limited", top_k: int | None = None) -> Placement:
+                dispatch: DispatchName = "node-limited", top_k: int | None = None,
+                keep_groups: bool = False) -> Placement:
     """history [W, L, E] -> Placement of `policy` on the `how` forecast; ours takes the history itself for ema
-    (its own EMA), the others the forecast weight; ours plans for `dispatch` and the trace's top_k (planner_config)."""
-    return make_placement(policy, policy_input(policy, history, how), cluster, tokens, prev, dispatch, top_k)
+    (its own EMA), the others the forecast weight; ours plans for `dispatch` and the trace's top_k, with groups kept
+    on their nodes where keep_groups (planner_config)."""
+    return make_placement(policy, policy_input(policy, history, how), cluster, tokens, prev, dispatch, top_k,
+                          keep_groups)
 
 
 def policy_input(policy: PolicyName, history: np.ndarray, how: Forecast) -> np.ndarray:

@@ -13,7 +13,8 @@ with no previous placement to keep, and which layout `r3trace eplb` reports.
    nodes before, lost 0.05-0.38 there). Replicas on several nodes let the dispatcher's cover load some
    more than their even share, so node-limited balancedness sits below the even one. One node per expert
    (`spread_by_affinity` off, homing.py) keeps the two equal at more nodes per token; `keep_groups` keeps
-   every first replica on its group's home, so no token reaches more nodes than under the hierarchical layout.
+   every first replica on its group's home (whole groups on nodes), so a token reaches no more nodes than it picks
+   groups, as under DeepSeek's hierarchical layout.
    Counts follow the global policy's rule capped at max(N, GPUs per node) replicas. Without a spare slot
    (P = E) each layer takes ours, DeepSeek global's or global's with GPUs grouped by expert group, whichever
    has the lowest forecast max GPU load, then the fewest nodes per token on the newest tokens (candidates.py). With
@@ -49,7 +50,7 @@ from r3trace.eplb.config import PlannerConfig
 from r3trace.eplb.deepseek import group_nodes, pack_nodes, spread_replicas
 from r3trace.eplb.descent import hot_swaps
 from r3trace.eplb.dispatch_contest import applies as replays
-from r3trace.eplb.dispatch_contest import replay_contest
+from r3trace.eplb.dispatch_contest import groups_apply, groups_contest, replay_contest
 from r3trace.eplb.homing import capped_counts, expert_nodes
 from r3trace.eplb.leveling import level_refine
 from r3trace.eplb.pairing import paired
@@ -91,6 +92,17 @@ def layout(cluster: Cluster, cfg: PlannerConfig = PlannerConfig()) -> Layout:
     how = ("whole groups packed onto nodes by load" if g % n == 0 and g > n else "each group on a run of whole nodes")
     extras = ("extra replicas beside the experts they are chosen with in the newest tokens (without tokens: on "
               "the lightest nodes)")
+    if cfg.keep_groups:
+        pairing = ("; without a spare slot, groups share nodes by the even split whose newest tokens reach the "
+                   "fewest nodes, its heaviest node within balanced packing's (group_pairing.py)"
+                   ) if g % n == 0 and g > n else ""
+        contest = ("; with routes, a layer takes DeepSeek's hierarchical layout where node-limited replay of the "
+                   "newest tokens gives it a lower max GPU load, and a re-plan keeps a previous layer that replay "
+                   "favours (dispatch_contest.groups_contest)") if g % n == 0 and cfg.replay_margin >= 0 else ""
+        return Layout("groups_on_nodes", f"{g} groups on {n} nodes, keep_groups: first replicas stay on their "
+                                         f"group's home nodes ({how}), so a token reaches no more nodes than it "
+                                         f"picks groups, as under DeepSeek's hierarchical layout; "
+                                         f"{extras}{pairing}{contest}")
     if n == 2 and cfg.replay_margin >= 0:
         extras += ("; with spare slots and routes, a layer takes DeepSeek global's layout where node-limited replay "
                    "of the newest tokens gives it a lower max GPU load (a drifting re-plan's layers too, within "
@@ -104,10 +116,6 @@ def layout(cluster: Cluster, cfg: PlannerConfig = PlannerConfig()) -> Layout:
                    "one node or at most one a node, which its node rule splits evenly (static_spread.py), as far as "
                    "DeepSeek global's nodes per token on the newest tokens allows (static_ladder.py; without tokens "
                    "all)")
-    if cfg.keep_groups:
-        return Layout("groups_on_nodes", f"{g} groups on {n} nodes, keep_groups: first replicas stay on their "
-                                         f"group's home nodes ({how}), so no token reaches more nodes than under "
-                                         f"DeepSeek's hierarchical layout; {extras}")
     return Layout("spread", f"{g} groups on {n} nodes: first replicas on their group's home nodes ({how}), "
                             f"lone cold ones moved off for balance; {extras}")
 
@@ -129,6 +137,8 @@ def fresh_plan(w: np.ndarray, home: np.ndarray | None, cluster: Cluster, cfg: Pl
             phy2log = best_layout(phy2log, w, cluster, tokens, cfg.router, cfg.node_swap_cap)
         elif tokens is not None and not cfg.keep_groups and replays(cluster, e, cfg.replay_margin):
             phy2log = replay_contest(phy2log, w, cluster, tokens, cfg.replay_margin)  # two nodes: dispatch_contest.py
+        if cfg.keep_groups and groups_apply(cluster, cfg.replay_margin, tokens):
+            phy2log = groups_contest(phy2log, w, cluster, tokens, cfg.replay_margin, cfg.router)
         return from_phy2log(phy2log, e)
     logcnt = capped_counts(w, cluster.num_slots, cluster.gpus_per_node)
     node = expert_nodes(w, logcnt, group_nodes(w, cluster) if home is None else home, cluster, cfg.home_slack)
@@ -153,7 +163,12 @@ def spread_layout(w: np.ndarray, cluster: Cluster, cfg: PlannerConfig, tokens: n
     layout in 44 of 58 layers, and 42 of them stopped, 823 of 2746 layer-steps of leveling left out. logcnt: the
     capped counts where the caller has them."""
     logcnt = capped_counts(w, cluster.num_slots, spread_cap(cluster)) if logcnt is None else logcnt
-    cnt = affinity_replicas(w, logcnt, home_primaries(w, cluster), CoChoices(tokens, w.shape[1]), cluster)
+    # keep_groups without a spare slot: groups share nodes by their tokens (group_pairing.py); with spare slots the
+    # extra replicas set a token's cover, and the pairing cost independent s = 1.2, 32 / 4 / 288 0.08 nodes per
+    # token and 0.03 balancedness held out
+    pairs = tokens if cfg.keep_groups and cluster.num_slots == w.shape[1] else None
+    cnt = affinity_replicas(w, logcnt, home_primaries(w, cluster, pairs, cfg.group_pair_slack),
+                            CoChoices(tokens, w.shape[1]), cluster)
     final = not applies(cluster) and cluster.slots_per_gpu != 2  # the leveling's layout is the last (polish, paired)
     phy2log = level_refine(pack_nodes(w, logcnt, cnt, cluster), w, logcnt, cluster, cfg.level_swaps,
                            cfg.level_min_gain, cfg.level_cold, cross_nodes=not cfg.keep_groups,

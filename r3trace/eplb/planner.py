@@ -54,7 +54,7 @@ from r3trace.eplb.candidates import Contest, losing_load
 from r3trace.eplb.config import PlannerConfig
 from r3trace.eplb.deepseek import global_phy2log, group_nodes
 from r3trace.eplb.dispatch_contest import applies as replays
-from r3trace.eplb.dispatch_contest import drift_replay, replay_guard
+from r3trace.eplb.dispatch_contest import dispatch_max, drift_replay, groups_apply, replay_guard
 from r3trace.eplb.emax import drift_noise, layout_bound, replan_noise
 from r3trace.eplb.forecast import backtest_errors, drifts, forecast, pick_alpha
 from r3trace.eplb.fresh import fresh_plan, spread_cap, spread_layout, spreads
@@ -112,6 +112,12 @@ def plan(
     if cfg.static_even and cfg.sglang_dispatch == "static":  # one node: counts that divide the GPUs
         # (static_one_node.py); dynamic dispatch's uniform draw already splits evenly there in expectation
         return from_phy2log(keep_lower(out.phy2log, static_one_node(out.phy2log, fc[0], cluster), fc[0], cluster), e)
+    if cfg.keep_groups and prev is not None and groups_apply(cluster, cfg.replay_margin, tokens):
+        # a re-plan's layer whose node-limited max load is worse than the previous one's keeps the previous layer (it
+        # may hold hierarchical's layout from a fresh plan's groups_contest, which the even-split swaps would undo)
+        new, old = dispatch_max([out.phy2log, prev.phy2log], fc[0], cluster, tokens, cfg.router)
+        worse = new > old * (1 + cfg.replay_margin)
+        return from_phy2log(np.where(worse[:, None], prev.phy2log, out.phy2log), e)
     if not spreads(cluster, cfg) or cfg.keep_groups or not replays(cluster, e, cfg.replay_margin):
         return out
     # experts made static-even (an expert's replicas all on one node or one a node) as far as global's nodes per token

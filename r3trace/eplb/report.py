@@ -61,6 +61,8 @@ class PlanRequest:
     source: HeatSource | None = None  # None: rollups, routes for forward windows
     previous: Placement | str | None = None  # previous.RECORDED: the run's map at the training window's end
     dispatch: DispatchName = "node-limited"  # what auto's backtest and the worst layers judge balancedness by
+    # ours with every first replica on its group's home node (PlannerConfig.keep_groups): no backtest, ours planned
+    keep_groups: bool = False
 
 
 @dataclass(frozen=True)
@@ -184,16 +186,20 @@ def make_report(store: TraceStore, req: PlanRequest, progress: bool | None = Fal
 
     t1 = time.perf_counter()
     bt = None
-    if req.policy == "auto":
+    policy: PolicyName
+    how: Forecast
+    if req.keep_groups:  # a layout of ours: the backtest's other candidates would not keep the groups
+        policy, how = "ours", req.forecast or DEFAULT_FORECAST["ours"]
+    elif req.policy == "auto":
         bt = _backtest(runs, facts, train, history, req, m.top_k)
         chosen = bt.chosen
-        policy: PolicyName = chosen.policy if chosen else "ours"
-        how: Forecast = chosen.forecast if chosen else (req.forecast or "ema")
+        policy = chosen.policy if chosen else "ours"
+        how = chosen.forecast if chosen else (req.forecast or "ema")
     else:
         policy, how = req.policy, req.forecast or DEFAULT_FORECAST[req.policy]
     seconds["backtest"] = time.perf_counter() - t1
     t2 = time.perf_counter()
-    pl = plan_policy(policy, history, how, req.cluster, train_tokens, previous, req.dispatch, m.top_k)
+    pl = plan_policy(policy, history, how, req.cluster, train_tokens, previous, req.dispatch, m.top_k, req.keep_groups)
     seconds["plan"] = time.perf_counter() - t2
 
     in_sample = score_placement(pl, history.sum(0), train_tokens, req.cluster, train_src.rank)
@@ -215,7 +221,7 @@ def make_report(store: TraceStore, req: PlanRequest, progress: bool | None = Fal
     multi = (node_counts(pl, req.cluster) > 0).sum(2) > 1  # [L, E] experts on more than one node
     lay, origins = None, None
     if policy == "ours":
-        cfg = planner_config(req.dispatch, m.top_k)
+        cfg = planner_config(req.dispatch, m.top_k, req.keep_groups)
         lay = layout(req.cluster, cfg)
         origins = layer_origins(pl, policy_input(policy, history, how), req.cluster, previous, cfg)
     seconds["total"] = time.perf_counter() - t0  # the origins too: they plan DeepSeek global (and import torch)

@@ -13,9 +13,11 @@ from r3trace.eplb.placement import Cluster, Placement, PlacementError, from_phy2
 from r3trace.eplb.report import DEFAULT_FORECAST, Report
 from r3trace.eplb.score import even_gpu_load
 
+KEEP_GROUPS = "ours, groups kept"  # the trade-off's series of ours with PlannerConfig.keep_groups (--keep-groups)
+
 
 class TradeoffPoint(NamedTuple):
-    policy: PolicyName
+    policy: str  # a PolicyName, or KEEP_GROUPS
     node_limit: int
     balancedness: float  # replayed (even split when there are no tokens), on the scored window
     nodes_per_token: float | None
@@ -24,25 +26,29 @@ class TradeoffPoint(NamedTuple):
 
 def tradeoff(rep: Report, cluster: Cluster, node_limits: Sequence[int]) -> list[TradeoffPoint]:
     """Every policy (its default forecast) planned on the report's training window with each node limit, scored
-    on the held-out window (in-sample when there is none): the balancedness vs nodes-per-token trade-off."""
+    on the held-out window (in-sample when there is none): the balancedness vs nodes-per-token trade-off; on several
+    nodes under node-limited dispatch also ours with groups kept on their nodes (KEEP_GROUPS)."""
     assert rep.history is not None
     heat, tokens = ((rep.held_heat, rep.held_tokens) if rep.held_heat is not None
                     else (rep.history.sum(0), rep.train_tokens))
     out = []
     scored: dict[bytes, Score] = {}  # a placement is replayed once: DeepSeek's policies ignore the node limit
-    for policy in POLICIES:
+    series: list[tuple[str, PolicyName, bool]] = [(p, p, False) for p in POLICIES]
+    if cluster.num_nodes > 1 and rep.dispatch == "node-limited":
+        series.append((KEEP_GROUPS, "ours", True))
+    for name, policy, keep in series:
         for limit in node_limits:
             c = Cluster(cluster.num_gpus, cluster.num_nodes, cluster.num_slots, cluster.num_groups, limit)
             try:
                 pl = plan_policy(policy, rep.history, DEFAULT_FORECAST[policy], c, rep.train_tokens,
-                                 dispatch=rep.dispatch, top_k=rep.top_k)
+                                 dispatch=rep.dispatch, top_k=rep.top_k, keep_groups=keep)
             except PlacementError:  # hierarchical when groups do not divide over nodes
                 continue
             key = pl.phy2log.tobytes()
             s = scored[key] = scored[key] if key in scored else score_placement(pl, heat, tokens, c)
             r = s.balancedness_replay
             over = None if s.token_nodes is None else float((s.token_nodes > limit).mean())
-            out.append(TradeoffPoint(policy, limit, s.balancedness_even if r is None else r, s.nodes_mean, over))
+            out.append(TradeoffPoint(name, limit, s.balancedness_even if r is None else r, s.nodes_mean, over))
     return out
 
 

@@ -349,29 +349,54 @@ def test_previous_for_another_cluster_is_refused(trace: dict[str, Any], tmp_path
     assert len(err.splitlines()) == 1
 
 
+@pytest.mark.parametrize(("flags", "says"), [
+    (("--policy", "global"), "--keep-groups: a layout of --policy ours; --policy global places by its own rule"),
+    (("--dispatch", "static"), "--keep-groups: plans for node-limited dispatch (a token's cover within its groups' "
+                               "nodes), not --dispatch static; give --dispatch node-limited"),
+    (("--sglang", "SGL"), "--keep-groups: plans for node-limited dispatch (a token's cover within its groups' "
+                          "nodes), not --dispatch static (the default with --sglang); give --dispatch node-limited"),
+])
+def test_keep_groups_refusals(trace: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                              flags: tuple[str, ...], says: str) -> None:
+    """--keep-groups is ours' layout for node-limited dispatch: another policy or SGLang's dispatch is refused in one
+    line, nothing written."""
+    sgl = tmp_path / "sgl.json"
+    args = [str(sgl) if f == "SGL" else f for f in flags]
+    assert main(["eplb", str(trace["root"]), *CLUSTER, "--keep-groups", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"r3trace eplb: {says}"
+    assert not sgl.exists()
+
+
 @pytest.mark.parametrize("cluster, name", [
-    # ours spreads on every multi-node cluster (group homes + co-activation replicas, issue 25); groups_on_nodes
-    # (PlannerConfig.keep_groups) and expert_per_node (spread_by_affinity off) are not reachable from the CLI
+    # ours spreads on every multi-node cluster (group homes + co-activation replicas, issue 25); groups_on_nodes is
+    # --keep-groups (PlannerConfig.keep_groups); expert_per_node (spread_by_affinity off) is not reachable from the CLI
     (Cluster(8, 4, 24, num_groups=4, node_limit=2), "spread"),  # limit 2 < 4 nodes, 4 groups on 4 nodes
     (Cluster(8, 2, 24, num_groups=4, node_limit=4), "spread"),  # limit >= nodes
     (Cluster(8, 8, 24, num_groups=4, node_limit=4), "spread"),  # 4 groups cannot fill 8 nodes
+    (Cluster(8, 4, 24, num_groups=4, node_limit=2), "groups_on_nodes"),  # one group a node
+    (Cluster(8, 2, 24, num_groups=4, node_limit=4), "groups_on_nodes"),  # two groups a node
 ])
 def test_layout_line_says_what_ours_built(trace: dict[str, Any], capsys: pytest.CaptureFixture[str], cluster: Cluster,
                                           name: str) -> None:
-    """The printed layout is the one the placement shows: whole groups on one node each, every expert on one node,
-    or groups spread with replicas on several nodes."""
-    out = Path(str(trace["root"])).parent / f"layout-{name}.json"
+    """The printed layout is the one the placement shows: every expert's first replica on its group's one home node,
+    every expert on one node, or groups spread with replicas on several nodes."""
+    out = Path(str(trace["root"])).parent / f"layout-{name}-{cluster.num_nodes}.json"
+    keep = ("--keep-groups",) if name == "groups_on_nodes" else ()
     lines = run_cli(capsys, str(trace["root"]), "--gpus", "8", "--nodes", str(cluster.num_nodes), "--slots", "24",
-                    "--groups", "4", "--node-limit", str(cluster.node_limit), "--policy", "ours", "--out", str(out))
+                    "--groups", "4", "--node-limit", str(cluster.node_limit), "--policy", "ours", *keep,
+                    "--out", str(out))
     [line] = [x for x in lines if x.startswith("layout: ")]
     assert line.startswith(f"layout: {name}: ")
     pl, _ = from_json(out.read_text())
     node_of = np.arange(24) // (24 // cluster.num_nodes)
     nodes_of_expert = [[set(node_of[row == x].tolist()) for x in range(E)] for row in pl.phy2log]  # [L][E]
-    if name == "groups_on_nodes":  # each group of 4 experts on one node, groups on distinct nodes
+    if name == "groups_on_nodes":  # the 4 experts of a group share a home node, 4 / N groups a node
         for layer in nodes_of_expert:
-            homes = [set().union(*layer[g * 4:(g + 1) * 4]) for g in range(4)]
-            assert all(len(h) == 1 for h in homes) and len(set().union(*homes)) == 4
+            homes = [set.intersection(*layer[g * 4:(g + 1) * 4]) for g in range(4)]
+            assert all(homes), homes
+            per_node = np.bincount([min(h) for h in homes], minlength=cluster.num_nodes)
+            assert (per_node == 4 // cluster.num_nodes).all(), homes
     elif name == "expert_per_node":
         assert all(len(n) == 1 for layer in nodes_of_expert for n in layer)
     else:

@@ -214,8 +214,10 @@ def test_eplb_planner(app: AppTest, routes: Any) -> None:
     assert m["Balancedness (SGLang static), held out"] == f"{score.balancedness(static):.4f}"
     tradeoff, bars = charts(at)
     curves = {t["name"]: t for t in tradeoff["data"]}
-    assert set(curves) == {"ours", "global", "hierarchical", "cross_node"}
-    assert list(curves["global"]["text"]) == ["limit 1", "limit 2"]  # node limits 1..N
+    # ours with groups kept on their nodes (`r3trace eplb --keep-groups`): on 2 nodes under node-limited dispatch
+    assert set(curves) == {"ours", "global", "hierarchical", "cross_node", "ours, groups kept"}
+    assert list(curves["global"]["text"]) == list(curves["ours, groups kept"]["text"]) == ["limit 1", "limit 2"]
+    assert ((arr(curves["ours, groups kept"]["y"]) > 0) & (arr(curves["ours, groups kept"]["y"]) <= 1)).all()
     np.testing.assert_allclose(arr(curves["global"]["x"]), [nodes.mean()] * 2, rtol=1e-12)
     worst = int(np.argmin(load_out.mean(1) / load_out.max(1)))  # the layer shown first: the worst held out
     trivial = np.tile(np.arange(20) % CFG.num_experts, (len(CFG.moe_layer_ids), 1))
