@@ -379,7 +379,10 @@ def auto_claim(paths: list[Path] = AUTO_FILES) -> dict[str, Any]:
 
 def claims() -> list[dict[str, Any]]:
     """BENCHMARKS.md's EPLB tables as latest.json claims, computed from the result files."""
-    return [matrix_claim(matrix_files()), plan_time_claim(), milp_claim(), craft_claim(), auto_claim()]
+    from bench.eplb_keep_groups import keep_groups_claim
+
+    return [matrix_claim(matrix_files()), plan_time_claim(), milp_claim(), craft_claim(), keep_groups_claim(),
+            auto_claim()]
 
 
 def write_latest(new: list[dict[str, Any]], path: Path = LATEST) -> None:
