@@ -36,7 +36,7 @@ import numpy as np
 
 from r3trace.eplb.alignment import align
 from r3trace.eplb.deepseek import global_phy2log, hierarchical
-from r3trace.eplb.node_model import two_node_dispatch
+from r3trace.eplb.node_model import model_tokens, two_node_dispatch
 from r3trace.eplb.placement import Cluster
 from r3trace.eplb.replay_max import node_limited_max, node_limited_replay
 from r3trace.eplb.static_ladder import NODE_MARGIN
@@ -57,19 +57,25 @@ def replay_contest(phy2log: np.ndarray, w: np.ndarray, cluster: Cluster, tokens:
     return np.where(take[:, None], glob, phy2log)
 
 
-def groups_apply(cluster: Cluster, margin: float, tokens: np.ndarray | None) -> bool:
+# tokens a keep_groups contest replays without tokens on more than two nodes, drawn from the router model, and on more
+# than CAP_NODES nodes the newest of those given: a greedy cover per token, 2,048 tokens on 8 nodes at [58, 256] took
+# 0.42 s a layout; on 4 nodes the cap cost held-out node-limited balancedness (bench/eplb_keep_groups.py: 73 -> 69 of
+# 78 cells above hierarchical's) where all tokens cost 0.06-0.09 s a plan
+MODEL_TOKENS = 1024
+CAP_NODES = 4
+
+
+def groups_apply(cluster: Cluster, margin: float) -> bool:
     """Whether keep_groups' plans hold the contest against DeepSeek's hierarchical layout: several nodes dividing the
-    groups (where that layout exists), margin >= 0 (node-limited dispatch), and tokens to replay or two nodes (the
-    router model's expected loads, node_model.two_node_dispatch)."""
-    return (margin >= 0 and cluster.num_nodes > 1 and cluster.num_groups % cluster.num_nodes == 0
-            and (tokens is not None or cluster.num_nodes == 2))
+    groups (where that layout exists), margin >= 0 (node-limited dispatch)."""
+    return margin >= 0 and cluster.num_nodes > 1 and cluster.num_groups % cluster.num_nodes == 0
 
 
 def groups_contest(phy2log: np.ndarray, w: np.ndarray, cluster: Cluster, tokens: np.ndarray | None, margin: float,
                    router: tuple[int, int]) -> np.ndarray:
     """keep_groups' phy2log [L, P], forecast w [L, E], newest tokens [T, L, K] or None -> phy2log [L, P]: per layer
     DeepSeek's hierarchical layout on w where node-limited dispatch gives it a max GPU load below (1 - margin) x ours',
-    else ours' (dispatch_max: the tokens replayed, without them the router model's expectation on two nodes).
+    else ours' (dispatch_max: the tokens replayed, without them the router model's).
     keep_groups spreads extra replicas over nodes as choices for a token's cover; a dispatcher that covers a token
     with its home node alone sends it to the home replicas, so on two nodes a hot expert's home replicas carried most
     of its load (grouped s = 1.2, 16 / 2 / 320: node-limited balancedness 0.143 under hierarchical's held out, whose
@@ -83,8 +89,14 @@ def groups_contest(phy2log: np.ndarray, w: np.ndarray, cluster: Cluster, tokens:
 def dispatch_max(layouts: list[np.ndarray], w: np.ndarray, cluster: Cluster, tokens: np.ndarray | None,
                  router: tuple[int, int]) -> np.ndarray:
     """phy2log layouts [L, P] each, forecast w [L, E] -> [layouts, L] the max GPU loads under node-limited dispatch:
-    of the tokens [T, L, K] replayed, or without them (two nodes) expected under the router model (top_k,
-    topk_group) of node_model.two_node_dispatch."""
+    of the tokens [T, L, K] replayed; without them under the router model (top_k, topk_group) with loads w, expected
+    on two nodes (node_model.two_node_dispatch), else of MODEL_TOKENS tokens drawn from it (node_model.model_tokens:
+    the SGLang-dump cells of 32 GPUs / 4 nodes / 288 slots replayed 0.018-0.036 under hierarchical held out without a
+    contest)."""
+    if tokens is None and cluster.num_nodes != 2:
+        tokens = model_tokens(w, cluster.num_groups, *router, MODEL_TOKENS)
+    elif tokens is not None and cluster.num_nodes > CAP_NODES:
+        tokens = tokens[-MODEL_TOKENS:]
     if tokens is not None:
         return node_limited_max(layouts, w.shape[1], tokens, cluster)
     load, _ = two_node_dispatch(np.concatenate(layouts), np.concatenate([w] * len(layouts)), cluster, *router)

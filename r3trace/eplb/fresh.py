@@ -96,9 +96,10 @@ def layout(cluster: Cluster, cfg: PlannerConfig = PlannerConfig()) -> Layout:
         pairing = ("; without a spare slot, groups share nodes by the even split whose newest tokens reach the "
                    "fewest nodes, its heaviest node within balanced packing's (group_pairing.py)"
                    ) if g % n == 0 and g > n else ""
-        contest = ("; with routes, a layer takes DeepSeek's hierarchical layout where node-limited replay of the "
-                   "newest tokens gives it a lower max GPU load, and a re-plan keeps a previous layer that replay "
-                   "favours (dispatch_contest.groups_contest)") if g % n == 0 and cfg.replay_margin >= 0 else ""
+        contest = ("; a layer takes DeepSeek's hierarchical layout where node-limited dispatch (the newest tokens "
+                   "replayed; without routes, a router model of the loads) gives it a lower max GPU load, and a "
+                   "re-plan keeps a previous layer that dispatch favours (dispatch_contest.groups_contest)"
+                   ) if g % n == 0 and cfg.replay_margin >= 0 else ""
         return Layout("groups_on_nodes", f"{g} groups on {n} nodes, keep_groups: first replicas stay on their "
                                          f"group's home nodes ({how}), so a token reaches no more nodes than it "
                                          f"picks groups, as under DeepSeek's hierarchical layout; "
@@ -137,7 +138,7 @@ def fresh_plan(w: np.ndarray, home: np.ndarray | None, cluster: Cluster, cfg: Pl
             phy2log = best_layout(phy2log, w, cluster, tokens, cfg.router, cfg.node_swap_cap)
         elif tokens is not None and not cfg.keep_groups and replays(cluster, e, cfg.replay_margin):
             phy2log = replay_contest(phy2log, w, cluster, tokens, cfg.replay_margin)  # two nodes: dispatch_contest.py
-        if cfg.keep_groups and groups_apply(cluster, cfg.replay_margin, tokens):
+        if cfg.keep_groups and groups_apply(cluster, cfg.replay_margin):
             phy2log = groups_contest(phy2log, w, cluster, tokens, cfg.replay_margin, cfg.router)
         return from_phy2log(phy2log, e)
     logcnt = capped_counts(w, cluster.num_slots, cluster.gpus_per_node)

@@ -112,7 +112,7 @@ def plan(
     if cfg.static_even and cfg.sglang_dispatch == "static":  # one node: counts that divide the GPUs
         # (static_one_node.py); dynamic dispatch's uniform draw already splits evenly there in expectation
         return from_phy2log(keep_lower(out.phy2log, static_one_node(out.phy2log, fc[0], cluster), fc[0], cluster), e)
-    if cfg.keep_groups and prev is not None and groups_apply(cluster, cfg.replay_margin, tokens):
+    if cfg.keep_groups and prev is not None and groups_apply(cluster, cfg.replay_margin):
         # a re-plan's layer whose node-limited max load is worse than the previous one's keeps the previous layer (it
         # may hold hierarchical's layout from a fresh plan's groups_contest, which the even-split swaps would undo)
         new, old = dispatch_max([out.phy2log, prev.phy2log], fc[0], cluster, tokens, cfg.router)

@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 from r3trace.eplb import Cluster, PlannerConfig, hierarchical, plan
+from r3trace.eplb.dispatch_contest import CAP_NODES, MODEL_TOKENS
 from r3trace.eplb.group_pairing import even_splits, group_sets, paired_groups
-from r3trace.eplb.node_model import two_node_dispatch
+from r3trace.eplb.node_model import model_tokens, two_node_dispatch
 from r3trace.eplb.packing import balanced_packing
 from r3trace.eplb.replay_max import node_limited_max
 from r3trace.eplb.score import node_limited
@@ -134,7 +135,7 @@ def _skewed(seed: int, n_tokens: int = 2048, layers: int = 4, e: int = 64, k: in
     return tokens, heat
 
 
-@pytest.mark.parametrize(("gpus", "nodes", "slots"), [(16, 2, 80), (16, 4, 80), (8, 2, 64)])
+@pytest.mark.parametrize(("gpus", "nodes", "slots"), [(16, 2, 80), (16, 4, 80), (8, 2, 64), (32, 8, 96)])
 def test_keep_groups_contest_never_replays_worse_than_hierarchical(gpus: int, nodes: int, slots: int) -> None:
     """A fresh keep_groups plan with tokens: in every layer node-limited replay of those tokens gives a max GPU load
     at most hierarchical's / (1 - margin) (groups_contest takes hierarchical's layer otherwise), and every token's
@@ -143,7 +144,8 @@ def test_keep_groups_contest_never_replays_worse_than_hierarchical(gpus: int, no
     cl = Cluster(gpus, nodes, slots, num_groups=8, node_limit=nodes)
     cfg = PlannerConfig(keep_groups=True)
     pl = plan(heat, cl, tokens=tokens, cfg=cfg)
-    ours, hier = node_limited_max([pl.phy2log, hierarchical(heat, cl).phy2log], 64, tokens, cl)
+    seen = tokens if nodes <= CAP_NODES else tokens[-MODEL_TOKENS:]  # more nodes: the newest MODEL_TOKENS replayed
+    ours, hier = node_limited_max([pl.phy2log, hierarchical(heat, cl).phy2log], 64, seen, cl)
     assert (ours <= hier / (1 - cfg.replay_margin) + 1e-9).all(), (ours, hier)
     picked = np.array([[len(set((row // 8).tolist())) for row in tokens[:, li]] for li in range(tokens.shape[1])]).T
     assert (node_limited(pl, tokens, cl).nodes <= picked).all()
@@ -151,7 +153,7 @@ def test_keep_groups_contest_never_replays_worse_than_hierarchical(gpus: int, no
     # (replay_guard): without it, its swaps inside nodes for the even split replayed up to 1.38x worse here
     _, other = _skewed(13)
     again = plan(np.stack([heat, 0.7 * heat + 0.3 * other]), cl, pl, tokens=tokens, cfg=cfg)
-    mine, = node_limited_max([again.phy2log], 64, tokens, cl)
+    mine, = node_limited_max([again.phy2log], 64, seen, cl)
     assert (mine <= ours * (1 + cfg.replay_margin) + 1e-9).all(), mine / ours
 
 
@@ -166,3 +168,32 @@ def test_keep_groups_contest_without_tokens_on_two_nodes(gpus: int, slots: int) 
     ours, _ = two_node_dispatch(pl.phy2log, heat, cl, 4, 4)
     hier, _ = two_node_dispatch(hierarchical(heat, cl).phy2log, heat, cl, 4, 4)
     assert (ours.max(1) <= hier.max(1) / (1 - cfg.replay_margin) + 1e-9).all(), (ours.max(1), hier.max(1))
+
+
+@pytest.mark.parametrize(("gpus", "nodes", "slots"), [(16, 4, 80), (32, 8, 96)])
+def test_keep_groups_contest_without_tokens_on_more_nodes(gpus: int, nodes: int, slots: int) -> None:
+    """Heat alone on 4 and 8 nodes: the contest replays tokens drawn from the router model (node_model.model_tokens),
+    the same draw here: no layer's replayed max load above hierarchical's / (1 - margin)."""
+    _, heat = _skewed(6)
+    cl = Cluster(gpus, nodes, slots, num_groups=8, node_limit=nodes)
+    cfg = PlannerConfig(keep_groups=True, router_top_k=4, router_topk_group=4)
+    pl = plan(heat, cl, cfg=cfg)
+    drawn = model_tokens(heat, 8, 4, 4, MODEL_TOKENS)
+    ours, hier = node_limited_max([pl.phy2log, hierarchical(heat, cl).phy2log], 64, drawn, cl)
+    assert (ours <= hier / (1 - cfg.replay_margin) + 1e-9).all(), (ours, hier)
+
+
+def test_model_tokens_follow_the_router_model() -> None:
+    """Each drawn token: top_k distinct experts from at most topk_group groups; an expert without load is never drawn,
+    a group's share of draws follows its load, and the draw is the same for the same seed."""
+    rng = np.random.default_rng(8)
+    w = rng.gamma(0.7, 1.0, size=(3, E))
+    w[:, 5] = 0.0
+    tok = model_tokens(w, 8, 4, 2, 4000)
+    assert tok.shape == (4000, 3, 4)
+    assert all(len(set(row.tolist())) == 4 and len(set((row // 4).tolist())) <= 2 for row in tok.reshape(-1, 4))
+    assert not (tok == 5).any()
+    np.testing.assert_array_equal(tok, model_tokens(w, 8, 4, 2, 4000))
+    drawn = np.stack([np.bincount(tok[:, li].ravel() // 4, minlength=8) for li in range(3)]) / (4000 * 4)
+    load = w.reshape(3, 8, 4).sum(2) / w.sum(1, keepdims=True)
+    assert np.corrcoef(drawn.ravel(), load.ravel())[0, 1] > 0.9
