@@ -37,13 +37,13 @@ def tradeoff(rep: Report, cluster: Cluster, node_limits: Sequence[int]) -> list[
     if cluster.num_nodes > 1 and rep.dispatch == "node-limited":
         series.append((KEEP_GROUPS, "ours", True))
     for name, policy, keep in series:
+        try:  # no policy's plan reads the node limit (it only counts tokens over it): planned once
+            pl = plan_policy(policy, rep.history, DEFAULT_FORECAST[policy], cluster, rep.train_tokens,
+                             dispatch=rep.dispatch, top_k=rep.top_k, keep_groups=keep)
+        except PlacementError:  # hierarchical when groups do not divide over nodes
+            continue
         for limit in node_limits:
             c = Cluster(cluster.num_gpus, cluster.num_nodes, cluster.num_slots, cluster.num_groups, limit)
-            try:
-                pl = plan_policy(policy, rep.history, DEFAULT_FORECAST[policy], c, rep.train_tokens,
-                                 dispatch=rep.dispatch, top_k=rep.top_k, keep_groups=keep)
-            except PlacementError:  # hierarchical when groups do not divide over nodes
-                continue
             key = pl.phy2log.tobytes()
             s = scored[key] = scored[key] if key in scored else score_placement(pl, heat, tokens, c)
             r = s.balancedness_replay
