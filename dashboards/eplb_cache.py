@@ -9,6 +9,10 @@ import streamlit as st
 
 from r3trace.dashboards.store_cache import open_store, run_row
 
+# the page's policy for `r3trace eplb --keep-groups`: r3trace.eplb.report_figures.KEEP_GROUPS, the trade-off series of
+# the same plan (not imported here: the planner loads with the first plan, not with the page)
+KEEP_GROUPS = "ours, groups kept"
+
 
 @st.cache_data(show_spinner=False)
 def placement_history(path: str, run_id: str) -> str:
@@ -64,8 +68,9 @@ def eplb_report(path: str, run_id: str, gpus: int, nodes: int, slots: int, polic
     elif previous.strip():
         kept = read_previous(previous.strip(), cluster, int(run["num_hidden_layers"]), tuple(run["moe_layer_ids"]),
                              int(run["num_experts"]))
-    req = PlanRequest(cluster, policy, None, specs[0], specs[1], None if by_runs else run_id,  # type: ignore[arg-type]
-                      replay_tokens=max_tokens, previous=kept)
+    keep = policy == KEEP_GROUPS
+    req = PlanRequest(cluster, "ours" if keep else policy, None, specs[0], specs[1],  # type: ignore[arg-type]
+                      None if by_runs else run_id, replay_tokens=max_tokens, previous=kept, keep_groups=keep)
     rep = make_report(open_store(path), req)
     before, after = gpu_loads(rep, cluster, rep.previous)
     held = rep.held

@@ -230,6 +230,24 @@ def test_eplb_planner(app: AppTest, routes: Any) -> None:
     assert len(at.get("download_button")) == 1
 
 
+def test_eplb_planner_groups_kept(app: AppTest) -> None:
+    """The page's "ours, groups kept" is `r3trace eplb --keep-groups`: its layout line, and the trade-off's point of
+    the same plan (the same nodes per token held out)."""
+    from r3trace.dashboards.eplb_cache import KEEP_GROUPS
+    from r3trace.eplb.report_figures import KEEP_GROUPS as SERIES
+
+    assert KEEP_GROUPS == SERIES
+    at = open_page(app, "eplb", gpus="4", nodes="2", slots="20", policy=KEEP_GROUPS, nlim="2")
+    [plan] = [c.value for c in at.caption if c.value.startswith("plan: ")]
+    assert plan.startswith("plan: ours + ema forecast; layout groups_on_nodes: ")
+    tradeoff, _ = charts(at)
+    curves = {t["name"]: t for t in tradeoff["data"]}
+    # the page's plan is the trade-off's groups-kept plan: the same nodes per token on the same scored window
+    m = metrics(at)
+    np.testing.assert_allclose(arr(curves[KEEP_GROUPS]["x"]), float(m["Nodes per token, held out"]), atol=5e-4)
+    assert float(m["Nodes per token, held out"]) <= 2.0
+
+
 def test_eplb_planner_auto_shows_its_backtest(app: AppTest) -> None:
     """auto's backtest as a table: every candidate's balancedness per fold and their mean, one chosen row (the one the
     plan line names)."""
