@@ -114,10 +114,16 @@ def plan(
         return from_phy2log(keep_lower(out.phy2log, static_one_node(out.phy2log, fc[0], cluster), fc[0], cluster), e)
     if cfg.keep_groups and prev is not None and groups_apply(cluster, cfg.replay_margin):
         # a re-plan's layer whose node-limited max load is worse than the previous one's keeps the previous layer (it
-        # may hold hierarchical's layout from a fresh plan's groups_contest, which the even-split swaps would undo)
-        new, old = dispatch_max([out.phy2log, prev.phy2log], fc[0], cluster, tokens, cfg.router)
-        worse = new > old * (1 + cfg.replay_margin)
-        return from_phy2log(np.where(worse[:, None], prev.phy2log, out.phy2log), e)
+        # may hold hierarchical's layout from a fresh plan's groups_contest, which the even-split swaps would undo);
+        # only the layers the re-plan changed are dispatched (a budgeted re-plan moves <= 8% of slots)
+        moved = (out.phy2log != prev.phy2log).any(1)  # [L]
+        if not moved.any():
+            return out
+        new, old = dispatch_max([out.phy2log[moved], prev.phy2log[moved]], fc[0][moved], cluster,
+                                None if tokens is None else tokens[:, moved], cfg.router)
+        keep = np.zeros(len(moved), dtype=bool)
+        keep[moved] = new > old * (1 + cfg.replay_margin)
+        return from_phy2log(np.where(keep[:, None], prev.phy2log, out.phy2log), e)
     if not spreads(cluster, cfg) or cfg.keep_groups or not replays(cluster, e, cfg.replay_margin):
         return out
     # experts made static-even (an expert's replicas all on one node or one a node) as far as global's nodes per token
