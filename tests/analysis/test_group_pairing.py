@@ -155,6 +155,7 @@ def test_keep_groups_contest_never_replays_worse_than_hierarchical(gpus: int, no
     again = plan(np.stack([heat, 0.7 * heat + 0.3 * other]), cl, pl, tokens=tokens, cfg=cfg)
     mine, = node_limited_max([again.phy2log], 64, seen, cl)
     assert (mine <= ours * (1 + cfg.replay_margin) + 1e-9).all(), mine / ours
+    assert (node_limited(again, tokens, cl).nodes <= picked).all()  # the re-plan keeps the bound too
 
 
 @pytest.mark.parametrize(("gpus", "slots"), [(16, 80), (8, 64), (16, 96)])
