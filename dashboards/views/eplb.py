@@ -73,7 +73,8 @@ elif bt is not None:
 layout = f"; layout {rep['layout']['name']}: {rep['layout']['reason']}" if rep["layout"] else ""
 if rep.get("origins"):
     o = rep["origins"]
-    layout += f"; layers: {o.count('ours')} ours, {o.count('global')} DeepSeek global's on the same forecast"
+    theirs = "hierarchical" if "hierarchical" in o or rep["layout"]["name"] == "groups_on_nodes" else "global"
+    layout += f"; layers: {o.count('ours')} ours, {o.count(theirs)} DeepSeek {theirs}'s on the same forecast"
 st.caption(f"plan: {rep['policy']} + {rep['forecast']} forecast{layout}")
 
 

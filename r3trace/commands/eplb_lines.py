@@ -80,7 +80,8 @@ def report_lines(rep: Report, cluster: object, layer_ids: tuple[int, ...], previ
         out.append(f"layout: {rep.layout.name}: {rep.layout.reason}; {rep.spread_layers} of {n_layers} layers "
                    "have an expert with replicas on more than one node")
     if rep.origins is not None:
-        out.append(origins_line(rep.origins, rep.churn is not None))
+        keep = rep.layout is not None and rep.layout.name == "groups_on_nodes"
+        out.append(origins_line(rep.origins, rep.churn is not None, "hierarchical" if keep else "global"))
     h, kept = rep.held, rep.kept_in_sample
     out.append(f"{'':<30}{'in-sample':>12}{'held out':>12}" + (f"{'--previous, kept as is':>26}" if kept else ""))
     for name, field, spec in SCORE_ROWS:

@@ -391,6 +391,9 @@ def test_layout_line_says_what_ours_built(trace: dict[str, Any], capsys: pytest.
     pl, _ = from_json(out.read_text())
     node_of = np.arange(24) // (24 // cluster.num_nodes)
     nodes_of_expert = [[set(node_of[row == x].tolist()) for x in range(E)] for row in pl.phy2log]  # [L][E]
+    [origins] = [x for x in lines if x.startswith("layers: ")]  # contested against hierarchical with groups kept
+    assert origins.endswith(f"DeepSeek {'hierarchical' if name == 'groups_on_nodes' else 'global'}'s on the same "
+                            "forecast")
     if name == "groups_on_nodes":  # the 4 experts of a group share a home node, 4 / N groups a node
         for layer in nodes_of_expert:
             homes = [set.intersection(*layer[g * 4:(g + 1) * 4]) for g in range(4)]

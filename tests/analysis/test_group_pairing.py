@@ -198,3 +198,21 @@ def test_model_tokens_follow_the_router_model() -> None:
     drawn = np.stack([np.bincount(tok[:, li].ravel() // 4, minlength=8) for li in range(3)]) / (4000 * 4)
     load = w.reshape(3, 8, 4).sum(2) / w.sum(1, keepdims=True)
     assert np.corrcoef(drawn.ravel(), load.ravel())[0, 1] > 0.9
+
+
+def test_origins_name_the_layers_that_took_hierarchicals_layout() -> None:
+    """`r3trace eplb --keep-groups` prints how many layers took hierarchical's layout (origins.py): a layer is
+    "hierarchical" exactly where its GPUs hold what hierarchical's plan on the same forecast holds."""
+    from r3trace.eplb.origins import gpu_contents, layer_origins, origins_line
+
+    tokens, heat = _skewed(3)
+    cl = Cluster(16, 2, 80, num_groups=8, node_limit=2)
+    cfg = PlannerConfig(keep_groups=True)
+    pl = plan(heat, cl, tokens=tokens, cfg=cfg)  # the contest takes hierarchical's layout in some layers here
+    got = layer_origins(pl, heat, cl, cfg=cfg)
+    want = [m == h for m, h in zip(gpu_contents(pl.phy2log, cl), gpu_contents(hierarchical(heat, cl).phy2log, cl),
+                                   strict=True)]
+    assert [o == "hierarchical" for o in got] == want and any(want) and "global" not in got
+    n = got.count("hierarchical")
+    assert origins_line(got, False, "hierarchical") == (f"layers: {len(got) - n} ours, {n} DeepSeek hierarchical's "
+                                                        "on the same forecast")

@@ -240,6 +240,7 @@ def test_eplb_planner_groups_kept(app: AppTest) -> None:
     at = open_page(app, "eplb", gpus="4", nodes="2", slots="20", policy=KEEP_GROUPS, nlim="2")
     [plan] = [c.value for c in at.caption if c.value.startswith("plan: ")]
     assert plan.startswith("plan: ours + ema forecast; layout groups_on_nodes: ")
+    assert plan.endswith("DeepSeek hierarchical's on the same forecast")  # the layers' origins, contested against it
     tradeoff, _ = charts(at)
     curves = {t["name"]: t for t in tradeoff["data"]}
     # the page's plan is the trade-off's groups-kept plan: the same nodes per token on the same scored window
