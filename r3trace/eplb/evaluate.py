@@ -39,7 +39,8 @@ def planner_config(dispatch: DispatchName, top_k: int | None = None, keep_groups
     static-even (static_spread.py, static_ladder.py) so that the even split is what their node rule gives. top_k:
     the trace's experts a token, for the planner's expectation of nodes per token without tokens (router_top_k; None:
     PlannerConfig's). keep_groups (`r3trace eplb --keep-groups`, node-limited dispatch only): every first replica on
-    its group's home node, so no token's cover reaches more nodes than under DeepSeek's hierarchical layout."""
+    its group's home node, so a token reaches no more nodes than it picks groups, as under DeepSeek's hierarchical
+    layout (which groups share a node may differ from that layout's: group_pairing.py)."""
     base = PlannerConfig(keep_groups=keep_groups) if top_k is None else PlannerConfig(router_top_k=top_k,
                                                                                      keep_groups=keep_groups)
     if dispatch == "node-limited":
