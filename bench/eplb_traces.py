@@ -68,7 +68,23 @@ def _route(logits: np.ndarray, groups: int, k: int) -> np.ndarray:
 
 def synth_windows(spec: TraceSpec) -> np.ndarray:
     """-> [W, T, L, K] int16 routes of the synthetic families (module doc), deterministic in spec.seed."""
+    return _synth(spec, 0)[0]
+
+
+def oracle_heats(spec: TraceSpec, tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """-> (synth_windows(spec), [W, L, E] picks of `tokens` more tokens a window drawn from that window's router
+    (its drift) with the domains or topics in their long-run shares (equal: the mean of the Dirichlet(1) mix), not
+    the window's own mix. With W large, what the past tells of the next window: the drift is a random walk and the
+    mix is drawn afresh every window (bench/eplb_hindsight.py). The extra tokens come from their own generator,
+    seeded by (spec.seed, 1), so the windows are synth_windows' bytes."""
+    routes, heats = _synth(spec, tokens)
+    assert heats is not None
+    return routes, heats
+
+
+def _synth(spec: TraceSpec, oracle_tokens: int) -> tuple[np.ndarray, np.ndarray | None]:
     rng = np.random.default_rng(spec.seed)
+    orng = np.random.default_rng([spec.seed, 1])
     w_, t_, n_layers, e, k = spec.windows, spec.window_tokens, spec.num_layers, spec.num_experts, spec.top_k
     rank = np.argsort(rng.random((n_layers, e)), axis=1)
     base = (-spec.zipf_s * np.log1p(rank)).astype(np.float32)  # [L, E]
@@ -84,15 +100,25 @@ def synth_windows(spec: TraceSpec) -> np.ndarray:
         bias = np.zeros((1, n_layers, e), dtype=np.float32)
     drift = np.zeros((n_layers, e), dtype=np.float32)
     out = np.empty((w_, t_, n_layers, k), dtype=np.int16)
+    oracle = np.zeros((w_, n_layers, e)) if oracle_tokens else None
     for w in range(w_):
         mix = rng.dirichlet(np.ones(len(bias)))
         kind = rng.choice(len(bias), t_, p=mix)  # [T] domain or topic of each token
         for li in range(n_layers):
-            gumbel = -np.log(-np.log(rng.random((t_, e), dtype=np.float32) + 1e-20) + 1e-20)
-            logits = base[li] + drift[li] + bias[kind, li] + gumbel
+            logits = base[li] + drift[li] + bias[kind, li] + _gumbel(rng, t_, e)
             out[w, :, li] = _route(logits, spec.num_groups, k)
+        if oracle is not None:
+            okind = orng.integers(0, len(bias), oracle_tokens)
+            for li in range(n_layers):
+                picks = _route(base[li] + drift[li] + bias[okind, li] + _gumbel(orng, oracle_tokens, e),
+                               spec.num_groups, k)
+                oracle[w, li] = np.bincount(picks.ravel(), minlength=e)
         drift += rng.normal(0, DRIFT_SIGMA[spec.drift], drift.shape).astype(np.float32)
-    return out
+    return out, oracle
+
+
+def _gumbel(rng: np.random.Generator, t: int, e: int) -> np.ndarray:
+    return -np.log(-np.log(rng.random((t, e), dtype=np.float32) + 1e-20) + 1e-20)  # [T, E]
 
 
 def sample_windows(windows: int) -> tuple[np.ndarray, int, int]:

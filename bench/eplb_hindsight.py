@@ -1,0 +1,250 @@
+"""The held-out matrix's cells where every slot holds one expert (P = E), against the best any placement could do on
+the held-out window itself: how much room above DeepSeek's global policy there is for a planner to take.
+
+With P = E each GPU holds exactly S = E / G experts, one replica each, so the even split puts on a GPU the sum of its
+S experts' loads. For a layer's held-out loads x_1 >= x_2 >= ... >= x_E, every placement's max GPU load is at least
+- the mean, sum(x) / G;
+- for m = 0 .. S - 1: among the G m + 1 hottest experts some GPU holds m + 1 (pigeonhole), so its load is at least
+  the m + 1 lightest of them, x_{Gm-m+1} + ... + x_{Gm+1}, plus the S - m - 1 lightest of all (m = 0: the hottest
+  expert and the S - 1 coldest beside it);
+- for i = 1 .. E: the i hottest experts sit on some k GPUs, ceil(i / S) <= k <= min(i, G), which hold them and
+  k S - i others, so the hottest of those k carries at least (x_1 + ... + x_i + the k S - i coldest) / k; the
+  least of that over k bounds every placement;
+- with S = 2, for i = 1 .. G: x_i + x_{E+1-i} (the i hottest have i partners, at most i - 1 of them among the i - 1
+  coldest, so one of them sits beside an expert at least as hot as x_{E+1-i}). The largest of these is the
+  pairing of the i-th hottest with the i-th coldest, which reaches it: the bound is exact for pairs.
+Balancedness (mean / max, averaged over layers) is then at most `bound`, for every policy, even one that saw the
+held-out window. `found`: the best of DeepSeek's global policy and ours planned fresh on the held-out window's own
+loads, a placement that exists, so the hindsight optimum lies in [found, bound]. Where they meet the optimum is known.
+
+The hindsight optimum also knows the window's sampling noise, its domain mix and the drift's next step, which no
+forecast from the past can. `clairvoyant` (synthetic routers) is the forecaster that knows everything the past can
+tell: the router of the newest window seen (its drift), with the domains in their long-run shares, from ORACLE_TOKENS
+tokens (bench/eplb_traces.oracle_heats); on those loads DeepSeek's global policy and ours planned fresh, the one with
+the lower max GPU load there, scored on the next window. Between it and a policy planning on the windows seen lies
+that policy's estimation error (finite windows, a forecast that lags the drift); above it, what no plan made before
+the window can see coming.
+
+A cell's room above the better global policy is bound - that policy's held-out balancedness: no placement planned
+before the window beats that policy by more. Pooled over trace seeds 0-2 (bench/eplb_report.pooled), windows as the
+held-out matrix's (bench/eplb_matrix.py), read from its result files.
+
+Run: .venv/bin/python -m bench.eplb_hindsight [--jobs N] [--out FILE]   (the P = E cells of the matrix's result
+     files, 67 trace specs, ~35 min on one core)
+     .venv/bin/python -m bench.eplb_hindsight --smoke        (two small cells, seconds)
+
+Shape legend: L layers, E experts, G GPUs, S slots a GPU (E / G here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.eplb_matrix import Cell, machine
+from bench.eplb_report import held_out_docs, matrix_files, pooled, seed_runs, verdict
+from bench.eplb_traces import TraceSpec, load_windows, oracle_heats
+from r3trace.eplb import Cluster, global_policy, plan
+from r3trace.eplb.placement import Placement
+from r3trace.eplb.score import balancedness, even_gpu_load, heat_of
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+OUT = RESULTS / "eplb-hindsight.json"
+HINDSIGHT_ID = "eplb-hindsight-bound"
+FIRST_SCORED = 2  # bench/eplb_matrix.run_cell scores the plans made at the end of windows 2 .. W - 2
+# the clairvoyant's tokens a window: 8x a window's 4,096, so its loads' sampling noise is a third of the window's
+ORACLE_TOKENS = 32768
+
+
+def max_load_floor(heat: np.ndarray, gpus: int) -> np.ndarray:
+    """heat [L, E] with E = G S -> [L] a lower bound on every P = E placement's max GPU load under the even split
+    (module doc: the mean, the pigeonhole and averaging bounds, and for S = 2 the sorted pairing, which is exact)."""
+    n_layers, e = heat.shape
+    if e % gpus:
+        raise ValueError(f"num_experts={e} is not a multiple of gpus={gpus}: the bound is for one expert a slot")
+    s = e // gpus
+    x = -np.sort(-np.asarray(heat, dtype=np.float64), axis=1)  # [L, E] hottest first
+    if s == 2:
+        return (x[:, :gpus] + x[:, ::-1][:, :gpus]).max(1)
+    zero = np.zeros((n_layers, 1))
+    hot = np.concatenate([zero, np.cumsum(x, axis=1)], axis=1)  # [L, E + 1] sum of the j hottest
+    cold = np.concatenate([zero, np.cumsum(x[:, ::-1], axis=1)], axis=1)  # [L, E + 1] sum of the j coldest
+    floor = x.sum(1) / gpus
+    for m in range(s):
+        top = hot[:, gpus * m + 1] - hot[:, gpus * m - m]  # the m + 1 lightest of the G m + 1 hottest
+        floor = np.maximum(floor, top + cold[:, s - m - 1])
+    i = np.arange(1, e + 1)[:, None]  # [E, 1] the i hottest
+    k = np.arange(1, gpus + 1)[None, :]  # [1, G] on k GPUs
+    ok = (k >= -(-i // s)) & (k <= i)  # [E, G]
+    rest = np.clip(k * s - i, 0, e)  # [E, G] the others on those k GPUs
+    avg = (hot[:, i[:, 0]][:, :, None] + cold[:, rest]) / k  # [L, E, G]
+    avg = np.where(ok[None], avg, np.inf).min(2).max(1)  # the adversary's k, the strongest i
+    return np.maximum(floor, avg)
+
+
+def bound(heat: np.ndarray, gpus: int) -> float:
+    """heat [L, E] -> the most balancedness any P = E placement reaches on these loads (mean over loaded layers)."""
+    ok = heat.sum(1) > 0
+    return float((heat.sum(1)[ok] / gpus / max_load_floor(heat, gpus)[ok]).mean())
+
+
+def hindsight_spec(results: list[dict[str, Any]]) -> list[dict[str, list[float]]]:
+    """The P = E cells of one trace spec (one trace seed; their windows and oracle drawn once) -> per cell, per
+    held-out window: bound, found and (synthetic routers) clairvoyant (module doc)."""
+    spec = TraceSpec(**results[0]["spec"])
+    oracle = None
+    if spec.family == "sample":
+        routes = load_windows(spec)[0]
+    else:
+        routes, oracle = oracle_heats(spec, ORACLE_TOKENS)
+    heats = [heat_of(w, spec.num_experts) for w in routes]
+    outs = []
+    for res in results:
+        cl = Cell(spec, res["gpus"], res["nodes"], res["slots"]).cluster
+        out: dict[str, list[float]] = {"bound": [], "found": [], "clairvoyant": []}
+        for t in range(FIRST_SCORED, len(routes) - 1):
+            h = heats[t + 1]
+            out["bound"].append(bound(h, cl.num_gpus))
+            out["found"].append(max(balancedness(even_gpu_load(pl, h, cl)) for pl in fresh_plans(h, cl)))
+            if oracle is not None:
+                o = oracle[t]  # the newest window seen when the plan is made
+                pl = min(fresh_plans(o, cl), key=lambda p: float(even_gpu_load(p, o, cl).max(1).sum()))
+                out["clairvoyant"].append(balancedness(even_gpu_load(pl, h, cl)))
+        if len(out["bound"]) != len(res["policies"]["ours"]["bal_even"]):
+            raise ValueError(f"{res['cell']}: {len(out['bound'])} held-out windows, the result file has "
+                             f"{len(res['policies']['ours']['bal_even'])}")
+        outs.append(out)
+    return outs
+
+
+def fresh_plans(heat: np.ndarray, cl: Cluster) -> tuple[Placement, Placement]:
+    """heat [L, E] -> DeepSeek's global policy and ours planned fresh on it."""
+    return global_policy(heat, cl), plan(heat[None], cl)
+
+
+def is_pe(res: dict[str, Any]) -> bool:
+    return int(res["slots"]) == int(res["spec"]["num_experts"])
+
+
+def run(smoke: bool = False, jobs: int = 1) -> dict[str, Any]:
+    """Every P = E cell of the held-out result files, pooled over the trace seeds with result files -> {sweep, machine,
+    cells: [{cell, seeds, windows, pooled verdict, ours / global / global-newest, clairvoyant, found, bound}]} (means
+    over the held-out windows of every seed)."""
+    docs = held_out_docs()
+    more = seed_runs(docs)
+    firsts = [r for f in matrix_files(0, docs) for r in docs[f]["results"] if is_pe(r)]
+    if smoke:
+        firsts = [next(r for r in firsts if r["gpus"] == 128),
+                  next(r for r in firsts if r["spec"]["family"] == "sample")]
+    runs = {r0["cell"]: [r0, *more.get(r0["cell"], [])] for r0 in firsts}
+    by_spec: dict[str, list[dict[str, Any]]] = {}
+    for rs in runs.values():
+        for r in rs:
+            by_spec.setdefault(json.dumps(r["spec"], sort_keys=True), []).append(r)
+    groups = list(by_spec.values())
+    with ProcessPoolExecutor(jobs) as pool:
+        done = pool.map(hindsight_spec, groups)
+        hind = {(r["cell"], r["spec"]["seed"]): h
+                for g, hs in zip(groups, done, strict=True) for r, h in zip(g, hs, strict=True)}
+    cells = []
+    for name, rs in runs.items():
+        hs = [hind[name, r["spec"]["seed"]] for r in rs]
+        pols = pooled(rs)["policies"]
+
+        def mean(key: str, hs: list[dict[str, list[float]]] = hs) -> float | None:
+            vals = [v for h in hs for v in h[key]]
+            return float(np.mean(vals)) if vals else None
+
+        cells.append({
+            "cell": name, "gpus": rs[0]["gpus"], "nodes": rs[0]["nodes"], "slots": rs[0]["slots"],
+            "family": rs[0]["spec"]["family"], "seeds": [r["spec"]["seed"] for r in rs],
+            "windows": len(pols["ours"]["bal_even"]), "verdict": verdict(pooled(rs)).split(" ")[0],
+            **{p: float(np.mean(pols[p]["bal_even"])) for p in ("ours", "global", "global-newest")},
+            "clairvoyant": mean("clairvoyant"), "found": mean("found"), "bound": mean("bound"),
+            "tight_windows": int(sum(abs(b - f) <= 1e-9
+                                     for h in hs for b, f in zip(h["bound"], h["found"], strict=True))),
+        })
+        c = cells[-1]
+        print(f"{name}: ours {c['ours']:.5f} global {c['global']:.5f} newest {c['global-newest']:.5f} clairvoyant "
+              f"{c['clairvoyant'] or 0:.5f} found {c['found']:.5f} bound {c['bound']:.5f} ({c['verdict']})")
+    return {"sweep": "hindsight", "oracle_tokens": ORACLE_TOKENS, "machine": machine(), "cells": cells}
+
+
+def better(c: dict[str, Any]) -> float:
+    """The better of DeepSeek global's two forecasts held out (all windows seen, the newest), as the verdicts take."""
+    return max(c["global"], c["global-newest"])
+
+
+def hindsight_claim(path: Path = OUT) -> dict[str, Any]:
+    """BENCHMARKS.md's table: every P = E cell whose pooled verdict is a tie, then the medians of the others."""
+    doc = json.loads(path.read_text())
+    cells = doc["cells"]
+
+    def row(label: str, cs: list[dict[str, Any]]) -> dict[str, Any]:
+        def med(f: Callable[[dict[str, Any]], float]) -> float:
+            return float(np.median([f(c) for c in cs]))
+
+        clair = [c for c in cs if c["clairvoyant"] is not None]
+        seen = "-" if not clair else f"{float(np.median([c['clairvoyant'] for c in clair])):.5f}"
+        room = "-" if not clair else f"{float(np.median([c['clairvoyant'] - better(c) for c in clair])):+.5f}"
+        lo, hi = med(lambda c: c["found"]), med(lambda c: c["bound"])
+        tight = all(c["tight_windows"] == c["windows"] for c in cs)
+        counts = Counter(c["verdict"] for c in cs)
+        return {"cells": label, "verdict": ", ".join(f"{n} {v}" if len(cs) > 1 else v for v, n in counts.items()),
+                "ours": med(lambda c: c["ours"]), "better": med(better), "clairvoyant": seen,
+                "optimum": f"{hi:.5f}" if tight else f"{lo:.5f} - {hi:.5f}", "room_clair": room,
+                "room_bound": med(lambda c: c["bound"] - better(c)),
+                "room_share": med(lambda c: (c["bound"] - better(c)) / better(c)),
+                "ours_better": med(lambda c: c["ours"] - better(c))}
+
+    ties = [c for c in cells if c["verdict"] == "tie"]
+    rest = [c for c in cells if c["verdict"] != "tie"]
+    rows = [row(c["cell"], [c]) for c in ties]
+    if rest:
+        rows.append(row(f"the other {len(rest)} P = E cells, medians", rest))
+    seeds = sorted({s for c in cells for s in c["seeds"]})
+    return {
+        "id": HINDSIGHT_ID, "hardware": "cpu-2core",
+        "shapes": f"the held-out matrix's {len(cells)} cells where every slot holds one expert (256 slots for 256 "
+                  "experts on 8-128 GPUs; the sample model's 32 on 8), its windows (20 of 4,096 tokens, 6 layers, "
+                  f"top-8; the sample's 8), trace seeds {', '.join(map(str, seeds))} pooled (the sample: one "
+                  "recording); balancedness under the even split, means over the held-out windows; clairvoyant: "
+                  f"{doc['oracle_tokens']:,} tokens a window from the newest seen window's router",
+        "baseline": "DeepSeek's global policy held out (the better of all windows seen and the newest, from the "
+                    "matrix's result files), the same windows",
+        "command": "python -m bench.eplb_hindsight --jobs 2",
+        "sources": [str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)],
+        "columns": [["cells", "cell (pooled verdict tie)", "{}"], ["verdict", "pooled verdict", "{}"],
+                    ["ours", "ours", "{:.5f}"], ["better", "the better global", "{:.5f}"],
+                    ["clairvoyant", "clairvoyant", "{}"], ["optimum", "hindsight optimum", "{}"],
+                    ["room_clair", "clairvoyant - the better global", "{}"],
+                    ["room_bound", "hindsight bound - the better global", "{:+.5f}"],
+                    ["room_share", "the same, share", "{:.1%}"],
+                    ["ours_better", "ours - the better global", "{:+.5f}"]],
+        "rows": rows,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true", help="two cells, nothing written")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--jobs", type=int, default=1, help="trace specs drawn in parallel (one process each)")
+    args = ap.parse_args()
+    doc = run(args.smoke, args.jobs)
+    out = Path(args.out) if args.out else (None if args.smoke else OUT)
+    if out is not None:
+        out.write_text(json.dumps(doc, indent=1))
+        print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
