@@ -1,4 +1,4 @@
-"""BENCHMARKS.md's EPLB tables (bench/eplb_report.py) against the matrix's result files they summarise.
+"""BENCHMARKS.md's EPLB tables (bench/eplb_report.py, bench/eplb_claims.py) against the result files they summarise.
 
 Run: .venv/bin/pytest tests/bench/test_eplb_report.py -q   (CPU, about a second)
 """
@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from bench.eplb_report import MILP_ID, PLAN_TIME_ID, SUMMARY_ID, claims, summary_row
+from bench.eplb_claims import MILP_ID, PLAN_TIME_ID, claims
+from bench.eplb_report import SUMMARY_ID, summary_row
 from bench.tables import load
 
 
@@ -26,8 +27,8 @@ def _cell(ours: list[float], glob: list[float], newest: list[float], ours_nodes:
 
 
 def test_latest_json_holds_what_the_result_files_give() -> None:
-    """latest.json's three EPLB claims are what eplb_report computes from the committed result files: a result file
-    rewritten without `python -m bench.eplb_report --latest` fails here."""
+    """latest.json's EPLB claims are what bench/eplb_claims.py computes from the committed result files: a result
+    file rewritten without `python -m bench.eplb_report --latest` fails here."""
     latest = {c["id"]: c for c in load()["claims"]}
     for claim in claims():
         assert claim == latest[claim["id"]], f"{claim['id']}: run python -m bench.eplb_report --latest"
