@@ -1,5 +1,5 @@
-"""The held-out matrix's cells where every slot holds one expert (P = E), against the best any placement could do on
-the held-out window itself: how much room above DeepSeek's global policy there is for a planner to take.
+"""The held-out matrix's ties and every cell where each slot holds one expert (P = E), against what a plan could do
+with more knowledge than the windows seen: how much room above DeepSeek's global policy there is for a planner to take.
 
 With P = E each GPU holds exactly S = E / G experts, one replica each, so the even split puts on a GPU the sum of its
 S experts' loads. For a layer's held-out loads x_1 >= x_2 >= ... >= x_E, every placement's max GPU load is at least
@@ -16,6 +16,7 @@ S experts' loads. For a layer's held-out loads x_1 >= x_2 >= ... >= x_E, every p
 Balancedness (mean / max, averaged over layers) is then at most `bound`, for every policy, even one that saw the
 held-out window. `found`: the best of DeepSeek's global policy and ours planned fresh on the held-out window's own
 loads, a placement that exists, so the hindsight optimum lies in [found, bound]. Where they meet the optimum is known.
+With spare slots (replicas) no such bound is computed here: in sample a plan balances nearly anything.
 
 The hindsight optimum also knows the window's sampling noise, its domain mix and the drift's next step, which no
 forecast from the past can. `clairvoyant` (synthetic routers) is the forecaster that knows everything the past can
@@ -25,12 +26,12 @@ the lower max GPU load there, scored on the next window. Between it and a policy
 that policy's estimation error (finite windows, a forecast that lags the drift); above it, what no plan made before
 the window can see coming.
 
-A cell's room above the better global policy is bound - that policy's held-out balancedness: no placement planned
-before the window beats that policy by more. Pooled over trace seeds 0-2 (bench/eplb_report.pooled), windows as the
-held-out matrix's (bench/eplb_matrix.py), read from its result files.
+A P = E cell's room above the better global policy is bound - that policy's held-out balancedness: no placement
+planned before the window beats that policy by more. Pooled over trace seeds 0-2 (bench/eplb_report.pooled), windows
+as the held-out matrix's (bench/eplb_matrix.py), read from its result files.
 
-Run: .venv/bin/python -m bench.eplb_hindsight [--jobs N] [--out FILE]   (the P = E cells of the matrix's result
-     files, 67 trace specs, ~35 min on one core)
+Run: .venv/bin/python -m bench.eplb_hindsight [--jobs N] [--out FILE]   (the P = E cells and the other pooled ties of
+     the matrix's result files, ~100 trace specs, ~60 min on one core)
      .venv/bin/python -m bench.eplb_hindsight --smoke        (two cells, one seed, a small oracle: ~15 s)
 
 Shape legend: L layers, E experts, G GPUs, S slots a GPU (E / G here).
@@ -98,8 +99,8 @@ def bound(heat: np.ndarray, gpus: int) -> float:
 
 
 def hindsight_spec(results: list[dict[str, Any]], oracle_tokens: int = ORACLE_TOKENS) -> list[dict[str, list[float]]]:
-    """The P = E cells of one trace spec (one trace seed; their windows and oracle drawn once) -> per cell, per
-    held-out window: bound, found and (synthetic routers) clairvoyant (module doc)."""
+    """The cells of one trace spec (one trace seed; their windows and oracle drawn once) -> per cell, per held-out
+    window: bound (P = E), found (P = E) and clairvoyant (synthetic routers) (module doc)."""
     spec = TraceSpec(**results[0]["spec"])
     oracle = None
     if spec.family == "sample":
@@ -113,14 +114,16 @@ def hindsight_spec(results: list[dict[str, Any]], oracle_tokens: int = ORACLE_TO
         out: dict[str, list[float]] = {"bound": [], "found": [], "clairvoyant": []}
         for t in range(FIRST_SCORED, len(routes) - 1):
             h = heats[t + 1]
-            out["bound"].append(bound(h, cl.num_gpus))
-            out["found"].append(max(balancedness(even_gpu_load(pl, h, cl)) for pl in fresh_plans(h, cl)))
+            if is_pe(res):
+                out["bound"].append(bound(h, cl.num_gpus))
+                out["found"].append(max(balancedness(even_gpu_load(pl, h, cl)) for pl in fresh_plans(h, cl)))
             if oracle is not None:
                 o = oracle[t]  # the newest window seen when the plan is made
                 pl = min(fresh_plans(o, cl), key=lambda p: float(even_gpu_load(p, o, cl).max(1).sum()))
                 out["clairvoyant"].append(balancedness(even_gpu_load(pl, h, cl)))
-        if len(out["bound"]) != len(res["policies"]["ours"]["bal_even"]):
-            raise ValueError(f"{res['cell']}: {len(out['bound'])} held-out windows, the result file has "
+        n = len(range(FIRST_SCORED, len(routes) - 1))
+        if n != len(res["policies"]["ours"]["bal_even"]):
+            raise ValueError(f"{res['cell']}: {n} held-out windows, the result file has "
                              f"{len(res['policies']['ours']['bal_even'])}")
         outs.append(out)
     return outs
@@ -136,18 +139,20 @@ def is_pe(res: dict[str, Any]) -> bool:
 
 
 def run(smoke: bool = False, jobs: int = 1) -> dict[str, Any]:
-    """Every P = E cell of the held-out result files, pooled over the trace seeds with result files -> {sweep, machine,
-    cells: [{cell, seeds, windows, pooled verdict, ours / global / global-newest, clairvoyant, found, bound}]} (means
-    over the held-out windows of every seed)."""
+    """Every P = E cell and every other pooled tie of the held-out result files, pooled over the trace seeds with
+    result files -> {sweep, machine, cells: [{cell, seeds, windows, pooled verdict, ours / global / global-newest,
+    clairvoyant, found, bound}]} (means over the held-out windows of every seed; None where not computed)."""
     docs = held_out_docs()
     more = seed_runs(docs)
-    firsts = [r for f in matrix_files(0, docs) for r in docs[f]["results"] if is_pe(r)]
-    runs = {r0["cell"]: [r0, *more.get(r0["cell"], [])] for r0 in firsts}
+    every = {r["cell"]: [r, *more.get(r["cell"], [])] for f in matrix_files(0, docs) for r in docs[f]["results"]}
+    runs = {name: rs for name, rs in every.items() if is_pe(rs[0]) or verdict(pooled(rs)).startswith("tie")}
     oracle_tokens = ORACLE_TOKENS
     if smoke:  # one 128-GPU cell on one trace seed with a small oracle, and the sample model's (no oracle)
         runs = {name: rs[:1] for name, rs in runs.items()}
         runs = dict([next((n, rs) for n, rs in runs.items() if rs[0]["gpus"] == 128),
-                     next((n, rs) for n, rs in runs.items() if rs[0]["spec"]["family"] == "sample")])
+                     next((n, rs) for n, rs in runs.items() if rs[0]["spec"]["family"] == "sample"),
+                     next((n, rs) for n, rs in runs.items()
+                          if not is_pe(rs[0]) and rs[0]["spec"]["family"] != "sample")])
         oracle_tokens = 1024
     by_spec: dict[str, list[dict[str, Any]]] = {}
     for rs in runs.values():
@@ -178,7 +183,7 @@ def run(smoke: bool = False, jobs: int = 1) -> dict[str, Any]:
         })
         c = cells[-1]
         print(f"{name}: ours {c['ours']:.5f} global {c['global']:.5f} newest {c['global-newest']:.5f} clairvoyant "
-              f"{c['clairvoyant'] or 0:.5f} found {c['found']:.5f} bound {c['bound']:.5f} ({c['verdict']})")
+              f"{c['clairvoyant'] or 0:.5f} found {c['found'] or 0:.5f} bound {c['bound'] or 0:.5f} ({c['verdict']})")
     return {"sweep": "hindsight", "oracle_tokens": oracle_tokens, "machine": machine(), "cells": cells}
 
 
@@ -188,28 +193,29 @@ def better(c: dict[str, Any]) -> float:
 
 
 def hindsight_claim(path: Path = OUT) -> dict[str, Any]:
-    """BENCHMARKS.md's table: every P = E cell whose pooled verdict is a tie, then the medians of the others."""
+    """BENCHMARKS.md's table: every pooled tie (P = E first), then the medians of the other P = E cells."""
     doc = json.loads(path.read_text())
     cells = doc["cells"]
 
     def row(label: str, cs: list[dict[str, Any]]) -> dict[str, Any]:
-        def med(f: Callable[[dict[str, Any]], float]) -> float:
-            return float(np.median([f(c) for c in cs]))
+        def med(f: Callable[[dict[str, Any]], float], fmt: str, needs: str | None = None) -> str:
+            """The median of f over the cells that have `needs` ("-" if none has it), formatted."""
+            vals = [f(c) for c in cs if needs is None or c[needs] is not None]
+            return fmt.format(float(np.median(vals))) if vals else "-"
 
-        clair = [c for c in cs if c["clairvoyant"] is not None]
-        seen = "-" if not clair else f"{float(np.median([c['clairvoyant'] for c in clair])):.5f}"
-        room = "-" if not clair else f"{float(np.median([c['clairvoyant'] - better(c) for c in clair])):+.5f}"
-        lo, hi = med(lambda c: c["found"]), med(lambda c: c["bound"])
+        lo, hi = med(lambda c: c["found"], "{:.5f}", "found"), med(lambda c: c["bound"], "{:.5f}", "bound")
         tight = all(c["tight_windows"] == c["windows"] for c in cs)
         counts = Counter(c["verdict"] for c in cs)
         return {"cells": label, "verdict": ", ".join(f"{n} {v}" if len(cs) > 1 else v for v, n in counts.items()),
-                "ours": med(lambda c: c["ours"]), "better": med(better), "clairvoyant": seen,
-                "optimum": f"{hi:.5f}" if tight else f"{lo:.5f} - {hi:.5f}", "room_clair": room,
-                "room_bound": med(lambda c: c["bound"] - better(c)),
-                "room_share": med(lambda c: (c["bound"] - better(c)) / better(c)),
-                "ours_better": med(lambda c: c["ours"] - better(c))}
+                "ours": med(lambda c: c["ours"], "{:.5f}"), "better": med(better, "{:.5f}"),
+                "clairvoyant": med(lambda c: c["clairvoyant"], "{:.5f}", "clairvoyant"),
+                "optimum": "-" if lo == "-" else hi if tight else f"{lo} - {hi}",
+                "room_clair": med(lambda c: c["clairvoyant"] - better(c), "{:+.5f}", "clairvoyant"),
+                "room_bound": med(lambda c: c["bound"] - better(c), "{:+.5f}", "bound"),
+                "room_share": med(lambda c: (c["bound"] - better(c)) / better(c), "{:.1%}", "bound"),
+                "ours_better": med(lambda c: c["ours"] - better(c), "{:+.5f}")}
 
-    ties = [c for c in cells if c["verdict"] == "tie"]
+    ties = sorted((c for c in cells if c["verdict"] == "tie"), key=lambda c: c["bound"] is None)
     rest = [c for c in cells if c["verdict"] != "tie"]
     rows = [row(c["cell"], [c]) for c in ties]
     if rest:
@@ -217,22 +223,23 @@ def hindsight_claim(path: Path = OUT) -> dict[str, Any]:
     seeds = sorted({s for c in cells for s in c["seeds"]})
     return {
         "id": HINDSIGHT_ID, "hardware": "cpu-2core",
-        "shapes": f"the held-out matrix's {len(cells)} cells where every slot holds one expert (256 slots for 256 "
-                  "experts on 8-128 GPUs; the sample model's 32 on 8), its windows (20 of 4,096 tokens, 6 layers, "
-                  f"top-8; the sample's 8), trace seeds {', '.join(map(str, seeds))} pooled (the sample: one "
-                  "recording); balancedness under the even split, means over the held-out windows; clairvoyant: "
-                  f"{doc['oracle_tokens']:,} tokens a window from the newest seen window's router",
+        "shapes": f"the held-out matrix's pooled ties and its cells where every slot holds one expert ({len(cells)} "
+                  "cells: P = E is 256 slots for 256 experts on 8-128 GPUs, the sample model's 32 on 8), its windows "
+                  f"(20 of 4,096 tokens, 6 layers, top-8; the sample's 8), trace seeds {', '.join(map(str, seeds))} "
+                  "pooled (the sample: one recording); balancedness under the even split, means over the held-out "
+                  f"windows; clairvoyant: {doc['oracle_tokens']:,} tokens a window from the newest seen window's "
+                  "router, its domains in equal shares",
         "baseline": "DeepSeek's global policy held out (the better of all windows seen and the newest, from the "
                     "matrix's result files), the same windows",
         "command": "python -m bench.eplb_hindsight --jobs 2",
         "sources": [str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)],
         "columns": [["cells", "cell", "{}"], ["verdict", "pooled verdict", "{}"],
-                    ["ours", "ours", "{:.5f}"], ["better", "the better global", "{:.5f}"],
-                    ["clairvoyant", "clairvoyant", "{}"], ["optimum", "hindsight optimum", "{}"],
+                    ["ours", "ours", "{}"], ["better", "the better global", "{}"],
+                    ["clairvoyant", "clairvoyant", "{}"], ["optimum", "hindsight optimum (P = E)", "{}"],
                     ["room_clair", "clairvoyant - the better global", "{}"],
-                    ["room_bound", "hindsight bound - the better global", "{:+.5f}"],
-                    ["room_share", "the same, share", "{:.1%}"],
-                    ["ours_better", "ours - the better global", "{:+.5f}"]],
+                    ["room_bound", "hindsight bound - the better global", "{}"],
+                    ["room_share", "the same, share", "{}"],
+                    ["ours_better", "ours - the better global", "{}"]],
         "rows": rows,
     }
 

@@ -89,22 +89,34 @@ def test_a_cell_then_the_claims_rows(tmp_path: Path) -> None:
         assert out["clairvoyant"][i] <= out["bound"][i] + 1e-12
     assert cl.slots_per_gpu == 2
 
-    def cell(name: str, verdict: str, ours: float, clair: float | None, found: float, tight: int) -> dict:
+    def cell(name: str, verdict: str, ours: float, clair: float | None, found: float | None, tight: int) -> dict:
         return {"cell": name, "verdict": verdict, "ours": ours, "global": 0.5, "global-newest": 0.52,
-                "clairvoyant": clair, "found": found, "bound": 0.6, "windows": 3, "tight_windows": tight,
-                "seeds": [0, 1]}
+                "clairvoyant": clair, "found": found, "bound": None if found is None else 0.6, "windows": 3,
+                "tight_windows": tight, "seeds": [0, 1]}
 
-    doc = {"oracle_tokens": 32768, "cells": [cell("a", "tie", 0.51, 0.53, 0.6, 3),
+    doc = {"oracle_tokens": 32768, "cells": [cell("spare", "tie", 0.5, 0.57, None, 0),
+                                             cell("a", "tie", 0.51, 0.53, 0.6, 3),
                                              cell("b", "yes", 0.55, 0.56, 0.58, 1),
                                              cell("c", "yes", 0.57, None, 0.59, 0)]}
     path = tmp_path / "h.json"
     path.write_text(json.dumps(doc))
     rows = hindsight_claim(path)["rows"]
-    assert [r["cells"] for r in rows] == ["a", "the other 2 P = E cells, medians"]
-    a, rest = rows
-    assert (a["verdict"], a["better"], a["clairvoyant"], a["optimum"], a["room_clair"]) == \
-        ("tie", 0.52, "0.53000", "0.60000", "+0.01000")
-    assert a["room_bound"] == pytest.approx(0.08) and a["room_share"] == pytest.approx(0.08 / 0.52)
-    assert a["ours_better"] == pytest.approx(-0.01)
+    assert [r["cells"] for r in rows] == ["a", "spare", "the other 2 P = E cells, medians"]  # P = E ties first
+    a, spare, rest = rows
+    assert (a["verdict"], a["better"], a["clairvoyant"], a["optimum"], a["room_clair"], a["room_bound"],
+            a["room_share"], a["ours_better"]) == ("tie", "0.52000", "0.53000", "0.60000", "+0.01000", "+0.08000",
+                                                   "15.4%", "-0.01000")
+    # with spare slots: no bound, no hindsight optimum; the clairvoyant's room still
+    assert (spare["optimum"], spare["room_bound"], spare["room_share"]) == ("-", "-", "-")
+    assert spare["room_clair"] == "+0.05000"
     assert rest["verdict"] == "2 yes" and rest["optimum"] == "0.58500 - 0.60000"  # not tight: found - bound
-    assert rest["clairvoyant"] == "0.56000" and rest["ours_better"] == pytest.approx(0.04)
+    assert rest["clairvoyant"] == "0.56000" and rest["ours_better"] == "+0.04000"  # medians of the cells that have it
+
+
+def test_a_cell_with_spare_slots_gets_the_clairvoyant_only() -> None:
+    spec = TraceSpec(family="clustered", zipf_s=0.6, drift="fast", num_layers=2, windows=5, window_tokens=1024)
+    res = {"cell": "c", "spec": spec.__dict__, "gpus": 16, "nodes": 2, "slots": 288,
+           "policies": {"ours": {"bal_even": [0.1, 0.1]}}}
+    (out,) = hindsight_spec([res], oracle_tokens=4096)
+    assert out["bound"] == out["found"] == [] and len(out["clairvoyant"]) == 2
+    assert all(0.3 < v <= 1.0 for v in out["clairvoyant"])
