@@ -53,13 +53,12 @@ def read_location(source: Any, mc: ModelConfig, ep_size: int, field: str = "sour
     elif source == "trivial":
         loc = ExpertLocation.trivial(mc.n_routed_experts, ep_size, moe)
     else:
-        path = Path(str(source))
+        from r3trace.eplb.placement import PlacementError
+        from r3trace.eplb.previous import load_location  # read as SGLang's --init-expert-location reads it
+
         try:
-            if path.suffix == ".pt":
-                doc = torch.load(path, map_location="cpu", weights_only=True)
-            else:
-                doc = json.loads(path.read_text())
-        except (OSError, ValueError, RuntimeError) as e:
+            doc = load_location(Path(str(source)))
+        except PlacementError as e:
             raise ExpertLocationError(f"{field}={str(source)!r}: unreadable expert location ({e})") from e
         if not isinstance(doc, dict):
             raise ExpertLocationError(f"{field}={str(source)!r}: a {type(doc).__name__}; expected a JSON object")
