@@ -1,4 +1,4 @@
-"""bench/collective_bytes.py's formula against the bytes real gloo ranks hand to torch.distributed.
+"""bench/collective_model.py's formula against the bytes real gloo ranks hand to torch.distributed.
 
 Run: TRITON_INTERPRET=1 .venv/bin/pytest -q tests/engine/test_collective_bytes.py
 
@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.collective_bytes import Layout, Shape, collective_bytes, compare, measure, reach_probability, worst_reach
+from bench.collective_bytes import compare, measure
+from bench.collective_model import Layout, Shape, collective_bytes, reach_probability, worst_reach
 from bench.tiny_models import make_checkpoint
 from r3trace.engine.model_config import ModelConfig
 
