@@ -92,6 +92,9 @@ def report_lines(rep: Report, cluster: object, layer_ids: tuple[int, ...], previ
         if kept is not None:
             line += f"{cell(kept, 14)}{cell(rep.kept_held, 12)}"
         out.append(line)
+    if rep.held_bound is not None and h is not None:
+        out.append(f"best on the held-out window (every slot one expert): balancedness (even split) <= "
+                   f"{rep.held_bound:.4f} for any placement, in hindsight; this plan {h.balancedness_even:.4f}")
     if rep.in_sample.static is not None:
         out.append(f"SGLang static and dynamic dispatch: {rep.static_sources}")
     worst = h if h is not None else rep.in_sample

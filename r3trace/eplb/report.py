@@ -33,6 +33,7 @@ from r3trace.eplb.evaluate import (
     score_placement,
 )
 from r3trace.eplb.fresh import Layout, layout
+from r3trace.eplb.hindsight import bound
 from r3trace.eplb.loads import HeatSource, TokenSample, run_facts, span_heat, span_sample
 from r3trace.eplb.origins import Origin, layer_origins
 from r3trace.eplb.placement import Cluster, Placement, churn
@@ -106,6 +107,9 @@ class Report:
     kept_held: Score | None = None
     previous: Placement | None = None  # the request's, or the map recorded at the training window's end
     previous_at: str = ""  # where a recorded previous placement was read
+    # every slot one expert (P = E): the most even-split balancedness any placement reaches on the held-out window's
+    # loads (hindsight.bound; exact with two slots a GPU), None otherwise or without a held-out score
+    held_bound: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The figures as JSON-able data (`--out`'s meta.report)."""
@@ -127,6 +131,7 @@ class Report:
             "dispatch": self.dispatch, "static_sources": self.static_sources, "origins": self.origins,
             "previous_in_sample": None if self.kept_in_sample is None else self.kept_in_sample.summary(),
             "previous_held_out": None if self.kept_held is None else self.kept_held.summary(),
+            "held_out_bound": self.held_bound,
         }
 
 
@@ -229,7 +234,9 @@ def make_report(store: TraceStore, req: PlanRequest, progress: bool | None = Fal
                   int(multi.any(1).sum()), bt, in_sample, scored,
                   None if previous is None else churn(previous, pl), source, len(history), seconds,
                   history, train_tokens, held_heat, held_tokens, req.dispatch, _says(train_src, held_src), origins,
-                  m.top_k, kept_in, kept_held, previous, previous_at)
+                  m.top_k, kept_in, kept_held, previous, previous_at,
+                  bound(held_heat, req.cluster.num_gpus) if scored is not None and held_heat is not None
+                  and req.cluster.num_slots == m.num_experts else None)
 
 
 def _sources(sample: TokenSample | None, cluster: Cluster) -> TokenSources:

@@ -130,6 +130,28 @@ def test_held_out_scores_equal_an_independent_scorer(trace: dict[str, Any], tmp_
     per_layer = nodes.mean(0)
     top = np.argsort(-per_layer, kind="stable")[:3]
     assert worst.endswith("nodes per token " + ", ".join(f"layer {L_IDS[i]} {per_layer[i]:.3f}" for i in top))
+    assert rep["held_out_bound"] is None and not any(x.startswith("best on the held-out window") for x in lines)
+
+
+def test_every_slot_one_expert_prints_the_hindsight_bound(trace: dict[str, Any], tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """16 slots for 16 experts on 8 GPUs: two a GPU, where pairing the i-th hottest held-out expert with the i-th
+    coldest is the best placement there is; the report's bound is that pairing's balancedness, above the plan's."""
+    out = tmp_path / "p.json"
+    lines = run_cli(capsys, str(trace["root"]), "--gpus", "8", "--nodes", "4", "--slots", "16", "--groups", "4",
+                    "--policy", "global", "--train", "time=..8", "--out", str(out))
+    held = heat(trace["ids"][trace["ts"] >= T0 + 8 * 10**9])  # [L, E]
+    best = []
+    for h in held:
+        x = np.sort(h)[::-1]
+        pairs = x[:8] + x[::-1][:8]  # the i-th hottest beside the i-th coldest
+        best.append(pairs.mean() / pairs.max())
+    rep = json.loads(out.read_text())["meta"]["report"]
+    assert rep["held_out_bound"] == pytest.approx(float(np.mean(best)), rel=1e-12)
+    plan = rep["held_out_scores"]["balancedness_even"]
+    assert plan <= rep["held_out_bound"]
+    assert (f"best on the held-out window (every slot one expert): balancedness (even split) <= "
+            f"{np.mean(best):.4f} for any placement, in hindsight; this plan {plan:.4f}") in lines
 
 
 def static_balancedness(phy2log: np.ndarray, ids: np.ndarray, gpus: int, nodes: int,

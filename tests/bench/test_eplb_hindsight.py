@@ -1,6 +1,6 @@
-"""bench/eplb_hindsight.py: the P = E bound on max GPU load never exceeds the true optimum (brute force over every
-placement) and equals it for two slots a GPU; the clairvoyant's tokens come from the window's own router without
-touching the windows; a cell's figures and the claim's rows.
+"""r3trace/eplb/hindsight.py and bench/eplb_hindsight.py: the P = E bound on max GPU load never exceeds the true
+optimum (brute force over every placement) and equals it for two slots a GPU; the clairvoyant's tokens come from the
+window's own router without touching the windows; a cell's figures and the claim's rows.
 Run: .venv/bin/pytest tests/bench/test_eplb_hindsight.py -q"""
 
 from __future__ import annotations
@@ -12,9 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench.eplb_hindsight import bound, hindsight_claim, hindsight_spec, max_load_floor
+from bench.eplb_hindsight import hindsight_claim, hindsight_spec
 from bench.eplb_traces import TraceSpec, oracle_heats, synth_windows
 from r3trace.eplb import Cluster
+from r3trace.eplb.hindsight import bound, max_load_floor
 from r3trace.eplb.score import heat_of
 
 
