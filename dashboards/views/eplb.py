@@ -109,6 +109,10 @@ st.caption(f"replayed {held.get('tokens') or 0:,} held-out and {ins['tokens']:,}
            f"{sources}) and its dynamic dispatch (the same, but a random replica a pair for the spread; in "
            "expectation); "
            "balancedness = mean/max GPU load, mean over layers")
+if rep.get("held_out_bound") is not None:
+    st.caption(f"every slot holds one expert: no placement reaches more than {rep['held_out_bound']:.4f} "
+               "balancedness (even split) on the held-out window, known in hindsight (exact with two slots a GPU); "
+               f"this plan {fmt(held.get('balancedness_even'), '.4f')}")
 
 series: dict[str, tuple[list[float], list[float], list[str]]] = {}
 for p in rep["tradeoff"]:

@@ -228,6 +228,22 @@ def test_eplb_planner(app: AppTest, routes: Any) -> None:
     np.testing.assert_allclose(arr(a["y"]), load_out[worst] / load_out[worst].mean(), rtol=1e-12)
     assert f"Layer {CFG.moe_layer_ids[worst]}, held out" in bars["layout"]["title"]["text"]
     assert len(at.get("download_button")) == 1
+    assert not [c for c in at.caption if c.value.startswith("every slot holds one expert")]  # a spare slot: no bound
+
+
+def test_eplb_planner_every_slot_one_expert_shows_the_hindsight_bound(app: AppTest, routes: Any) -> None:
+    """16 slots for 16 experts on 4 GPUs: the caption's bound is r3trace/eplb/hindsight.py's on the held-out heat, at
+    or above the plan's held-out balancedness; with a spare slot (the test above) there is no such caption."""
+    from r3trace.eplb.hindsight import bound
+
+    at = open_page(app, "eplb", gpus="4", nodes="2", slots="16", policy="global", nlim="2")
+    held = routes.forward_id * FORWARD_NS >= 3 * WINDOW_NS
+    best = bound(heat_of(routes.topk_ids[held]).astype(float), 4)
+    plan = metrics(at)["Balancedness (even split), held out"]
+    assert float(plan) <= best + 5e-5
+    [line] = [c.value for c in at.caption if c.value.startswith("every slot holds one expert")]
+    assert line.endswith(f"more than {best:.4f} balancedness (even split) on the held-out window, known in "
+                         f"hindsight (exact with two slots a GPU); this plan {plan}")
 
 
 def test_eplb_planner_groups_kept(app: AppTest) -> None:
