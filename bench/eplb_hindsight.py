@@ -21,7 +21,7 @@ planned before the window beats that policy by more. Pooled over trace seeds 0-2
 as the held-out matrix's (bench/eplb_matrix.py), read from its result files.
 
 Run: .venv/bin/python -m bench.eplb_hindsight [--jobs N] [--out FILE]   (the P = E cells and the other pooled ties of
-     the matrix's result files, ~100 trace specs, ~60 min on one core)
+     the matrix's result files, 67 trace specs: ~20 min with --jobs 2 on the 2-core machine)
      .venv/bin/python -m bench.eplb_hindsight --smoke        (two cells, one seed, a small oracle: ~15 s)
 
 """
