@@ -124,8 +124,8 @@ def run(smoke: bool = False, jobs: int = 1) -> dict[str, Any]:
     cells = []
     for name, rs in runs.items():
         hs = [hind[name, r["spec"]["seed"]] for r in rs]
-        pool = pooled(rs)
-        pols = pool["policies"]
+        seeds_pooled = pooled(rs)
+        pols = seeds_pooled["policies"]
 
         def mean(key: str, hs: list[dict[str, list[float]]] = hs) -> float | None:
             vals = [v for h in hs for v in h[key]]
@@ -134,7 +134,7 @@ def run(smoke: bool = False, jobs: int = 1) -> dict[str, Any]:
         cells.append({
             "cell": name, "gpus": rs[0]["gpus"], "nodes": rs[0]["nodes"], "slots": rs[0]["slots"],
             "family": rs[0]["spec"]["family"], "seeds": [r["spec"]["seed"] for r in rs],
-            "windows": len(pols["ours"]["bal_even"]), "verdict": verdict(pool).split(" ")[0],
+            "windows": len(pols["ours"]["bal_even"]), "verdict": verdict(seeds_pooled).split(" ")[0],
             **{p: float(np.mean(pols[p]["bal_even"])) for p in ("ours", "global", "global-newest")},
             "clairvoyant": mean("clairvoyant"), "found": mean("found"), "bound": mean("bound"),
             "tight_windows": int(sum(abs(b - f) <= 1e-9
