@@ -13,7 +13,9 @@ paired differences over the same windows, mean +- standard error.
 
 Policies: global = DeepSeek's global policy on all windows seen (summed heat, what `r3trace eplb` plans on),
 global-newest = on the newest window only, hierarchical = DeepSeek's hierarchical (where groups % nodes == 0),
-grace = GRACE-MoE's affinity grouping + replication (bench/eplb_grace.py), ours = r3trace.eplb.plan.
+grace = GRACE-MoE's affinity grouping + replication (bench/eplb_grace.py), ours = r3trace.eplb.plan on the loads
+`r3trace eplb` gives it: with tokens, token_mix.planning_loads (the windows at the long-run mix of their kinds of token
+where a backtest says that forecasts better; each cell's picks in its results' "load_sources").
 DeepSeek's policies are r3trace/eplb/deepseek.py (equal to github.com/deepseek-ai/EPLB eplb.py at d52c72d,
 tests/analysis/test_eplb_export.py); --eplb-ref DIR times that file itself (never committed here).
 
@@ -26,11 +28,13 @@ Run: .venv/bin/python bench/eplb_matrix.py --smoke             (seconds; what te
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import platform
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +48,7 @@ from r3trace.eplb.evaluate import planner_config
 from r3trace.eplb.placement import Placement
 from r3trace.eplb.score import balancedness, even_gpu_load, heat_of, node_limited
 from r3trace.eplb.static import demand, dispatched_load
+from r3trace.eplb.token_mix import Source, planning_loads
 
 Policy = Callable[[np.ndarray, Placement | None, np.ndarray | None], Placement]
 METRICS = ("bal_even", "bal_node_limited", "bal_static", "bal_dynamic", "nodes", "over_limit", "churn")
@@ -94,16 +99,18 @@ def policies(cl: Cluster, variants: bool = False) -> dict[str, Policy]:
 
 def run_cell(cell: Cell, history: int = 8, variants: bool = False,
              reuse: dict[str, dict[str, list[float]]] | None = None,
-             only: tuple[str, ...] | None = None) -> dict[str, Any]:
+             only: tuple[str, ...] | None = None, mix_cache: Path | None = None) -> dict[str, Any]:
     """One cell -> {cell fields, policies: {name: {metric: [per held-out window]}}, seconds}. reuse: the rows of
     policies other than ours' from an earlier run of this cell (their code unchanged), copied instead of re-run (the
-    BASELINES re-run where a metric is missing; other rows keep what they have). only: run these policies alone."""
+    BASELINES re-run where a metric is missing; other rows keep what they have). only: run these policies alone.
+    mix_cache: ours_loads' folder."""
     t0 = time.perf_counter()
-    routes, sees_tokens = load_windows(cell.spec)
+    routes, sees_tokens = windows_of(cell.spec)
     e = cell.spec.num_experts
     heats = np.stack([heat_of(w, e) for w in routes])
     cl = cell.cluster
     out: dict[str, dict[str, list[float]]] = {}
+    sources: list[str] = []
     for name, f in policies(cl, variants).items():
         if only is not None and name not in only:
             continue
@@ -114,7 +121,13 @@ def run_cell(cell: Cell, history: int = 8, variants: bool = False,
         prev: Placement | None = None
         rows: dict[str, list[float]] = {m: [] for m in METRICS}
         for t in range(1, len(routes) - 1):
-            pl = f(heats[max(0, t + 1 - history):t + 1], prev, routes[t] if sees_tokens else None)
+            seen = heats[max(0, t + 1 - history):t + 1]
+            if name.startswith("ours") and sees_tokens:  # what `r3trace eplb` plans ours on (token_mix.py)
+                src = ours_loads(cell.spec, max(0, t + 1 - history), t + 1, mix_cache)
+                seen = src.loads
+                if name == "ours" and prev is not None:
+                    sources.append(src.name)
+            pl = f(seen, prev, routes[t] if sees_tokens else None)
             if prev is not None:
                 d = node_limited(pl, routes[t + 1], cl)
                 rows["bal_even"].append(balancedness(even_gpu_load(pl, heats[t + 1], cl)))
@@ -128,7 +141,37 @@ def run_cell(cell: Cell, history: int = 8, variants: bool = False,
             prev = pl
         out[name] = rows
     return {"cell": cell.name(), "spec": asdict(cell.spec), "gpus": cell.gpus, "nodes": cell.nodes,
-            "slots": cell.slots, "policies": out, "seconds": time.perf_counter() - t0}
+            "slots": cell.slots, "policies": out, "load_sources": sources, "seconds": time.perf_counter() - t0}
+
+
+@lru_cache(maxsize=8)
+def windows_of(spec: TraceSpec) -> tuple[np.ndarray, bool]:
+    """load_windows, generated once for the cells of a sweep that share a trace (read only)."""
+    return load_windows(spec)
+
+
+@lru_cache(maxsize=256)
+def ours_loads(spec: TraceSpec, lo: int, hi: int, cache: Path | None = None) -> Source:
+    """The loads ours plans on at the end of window hi - 1 from windows lo .. hi - 1 (token_mix.planning_loads),
+    fitted once for every cell and policy of ours on this trace (cells of a sweep share traces); cache: a folder
+    where runs of other sweeps' files (separate processes) find each other's fits."""
+    path = None
+    if cache is not None:
+        key = hashlib.sha256(json.dumps([asdict(spec), lo, hi], sort_keys=True).encode()).hexdigest()[:24]
+        path = cache / f"{key}.json"
+        if path.exists():
+            doc = json.loads(path.read_text())
+            return Source(np.array(doc["loads"]), doc["name"], doc["errors"],
+                          {int(k): v for k, v in doc["aic"].items()})
+    routes = windows_of(spec)[0]
+    src = planning_loads(np.stack([heat_of(w, spec.num_experts) for w in routes[lo:hi]]), list(routes[lo:hi]))
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"loads": src.loads.tolist(), "name": src.name, "errors": src.errors,
+                                   "aic": {str(k): v for k, v in src.aic.items()}}))
+        tmp.replace(path)
+    return src
 
 
 def machine() -> dict[str, Any]:
@@ -259,6 +302,7 @@ def main() -> None:
                     help="--plan-time: GxNxP shapes (default: eplb_plan_time.PLAN_TIME_SHAPES)")
     ap.add_argument("--reuse", default=None, help="results JSON of the same cells: copy DeepSeek's and GRACE's rows "
                                                   "from it and re-run ours' policies only (their code unchanged)")
+    ap.add_argument("--mix-cache", default=None, help="folder of ours' token-mix fits shared by runs of other files")
     ap.add_argument("--update", default=None, help="results JSON of this sweep and seed: --reuse it for the cells the "
                                                    "filters select, keep its other cells as they are, write it back")
     args = ap.parse_args()
@@ -284,7 +328,8 @@ def main() -> None:
         earlier = {r["cell"]: r["policies"] for r in source["results"]}
     results = []
     for c in todo:
-        res = run_cell(c, variants=sweep == "tradeoff", reuse=earlier[c.name()] if args.reuse else None)
+        res = run_cell(c, variants=sweep == "tradeoff", reuse=earlier[c.name()] if args.reuse else None,
+                       mix_cache=Path(args.mix_cache) if args.mix_cache else None)
         res["dominates"] = dominates(res)
         results.append(res)
         print("\n".join(table([res])[2:]), f"\n  {res['seconds']:.1f} s, {res['dominates']}", flush=True)

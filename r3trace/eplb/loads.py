@@ -136,6 +136,18 @@ def span_sample(runs: dict[str, RunFiles], spans: Sequence[Span], max_tokens: in
     return TokenSample(ids.reshape(t_count, n_layers, m.top_k), rank, int(dp_size) if dp_size else None)
 
 
+def window_routes(runs: dict[str, RunFiles], spans: Sequence[Span], max_tokens: int) -> list[np.ndarray] | None:
+    """Each span's first <= max_tokens tokens' routes [T, L, K] (token_mix.planning_loads' windows); None when a
+    span holds no routes (heat-only runs)."""
+    out = []
+    for s in spans:
+        sample = span_sample(runs, [s], max_tokens)
+        if sample is None or not len(sample.ids):
+            return None
+        out.append(sample.ids)
+    return out
+
+
 def _filter(spans: Sequence[Span]) -> pc.Expression:
     """Rows inside any of `spans` (one run's), as a pyarrow filter (row groups outside are skipped)."""
     expr = None

@@ -34,12 +34,13 @@ from r3trace.eplb.evaluate import (
 )
 from r3trace.eplb.fresh import Layout, layout
 from r3trace.eplb.hindsight import bound
-from r3trace.eplb.loads import HeatSource, TokenSample, run_facts, span_heat, span_sample
+from r3trace.eplb.loads import HeatSource, TokenSample, run_facts, span_heat, span_sample, window_routes
 from r3trace.eplb.origins import Origin, layer_origins
 from r3trace.eplb.placement import Cluster, Placement, churn
 from r3trace.eplb.previous import recorded_at_end
 from r3trace.eplb.score import node_counts
 from r3trace.eplb.static import TokenSources, token_sources
+from r3trace.eplb.token_mix import Source, planning_loads
 from r3trace.errors import StoreError
 from r3trace.trace.schema import Manifest
 
@@ -64,6 +65,8 @@ class PlanRequest:
     dispatch: DispatchName = "node-limited"  # what auto's backtest and the worst layers judge balancedness by
     # ours with every first replica on its group's home node (PlannerConfig.keep_groups): no backtest, ours planned
     keep_groups: bool = False
+    # tokens a history window the token-mix fit reads (token_mix.py; ours + ema, groups not kept); 0: the raw windows
+    mix_tokens: int = 2048
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,7 @@ class Report:
     # every slot one expert (P = E): the most even-split balancedness any placement reaches on the held-out window's
     # loads (hindsight.bound; exact with two slots a GPU), None otherwise or without a held-out score
     held_bound: float | None = None
+    load_source: Source | None = None  # the loads ours planned on (token_mix.planning_loads), None: not tried
 
     def to_dict(self) -> dict[str, Any]:
         """The figures as JSON-able data (`--out`'s meta.report)."""
@@ -132,6 +136,9 @@ class Report:
             "previous_in_sample": None if self.kept_in_sample is None else self.kept_in_sample.summary(),
             "previous_held_out": None if self.kept_held is None else self.kept_held.summary(),
             "held_out_bound": self.held_bound,
+            "load_source": None if self.load_source is None else {
+                "name": self.load_source.name, "backtest_errors": self.load_source.errors,
+                "aic": {str(k): v for k, v in self.load_source.aic.items()}},
         }
 
 
@@ -204,8 +211,15 @@ def make_report(store: TraceStore, req: PlanRequest, progress: bool | None = Fal
         policy, how = req.policy, req.forecast or DEFAULT_FORECAST[req.policy]
     seconds["backtest"] = time.perf_counter() - t1
     t2 = time.perf_counter()
-    pl = plan_policy(policy, history, how, req.cluster, train_tokens, previous, req.dispatch, m.top_k, req.keep_groups)
-    seconds["plan"] = time.perf_counter() - t2
+    src, planned_on = None, history
+    if policy == "ours" and how == "ema" and not req.keep_groups and req.mix_tokens > 0:
+        src = planning_loads(history, window_routes(runs, train.spans, req.mix_tokens))
+        planned_on = src.loads
+        seconds["token mix"] = time.perf_counter() - t2
+    t3 = time.perf_counter()
+    pl = plan_policy(policy, planned_on, how, req.cluster, train_tokens, previous, req.dispatch, m.top_k,
+                     req.keep_groups)
+    seconds["plan"] = time.perf_counter() - t3
 
     in_sample = score_placement(pl, history.sum(0), train_tokens, req.cluster, train_src.rank)
     kept_in = None if previous is None else score_placement(previous, history.sum(0), train_tokens,
@@ -228,7 +242,7 @@ def make_report(store: TraceStore, req: PlanRequest, progress: bool | None = Fal
     if policy == "ours":
         cfg = planner_config(req.dispatch, m.top_k, req.keep_groups)
         lay = layout(req.cluster, cfg)
-        origins = layer_origins(pl, policy_input(policy, history, how), req.cluster, previous, cfg)
+        origins = layer_origins(pl, policy_input(policy, planned_on, how), req.cluster, previous, cfg)
     seconds["total"] = time.perf_counter() - t0  # the origins too: they plan DeepSeek global (and import torch)
     return Report(train, held, held_note, policy, how, pl, lay,
                   int(multi.any(1).sum()), bt, in_sample, scored,
@@ -236,7 +250,7 @@ def make_report(store: TraceStore, req: PlanRequest, progress: bool | None = Fal
                   history, train_tokens, held_heat, held_tokens, req.dispatch, _says(train_src, held_src), origins,
                   m.top_k, kept_in, kept_held, previous, previous_at,
                   bound(held_heat, req.cluster.num_gpus) if scored is not None and held_heat is not None
-                  and req.cluster.num_slots == m.num_experts else None)
+                  and req.cluster.num_slots == m.num_experts else None, src)
 
 
 def _sources(sample: TokenSample | None, cluster: Cluster) -> TokenSources:
