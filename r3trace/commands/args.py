@@ -28,6 +28,14 @@ def positive_int(text: str) -> int:
     return int(value)
 
 
+def nonnegative_int(text: str) -> int:
+    """argparse type: an int >= 0."""
+    value = _parse(text, int, "int value")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
+    return int(value)
+
+
 def positive_float(text: str) -> float:
     """argparse type: a finite float > 0."""
     value = _parse(text, float, "float value")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from r3trace.commands.args import positive_float, positive_int
+from r3trace.commands.args import nonnegative_int, positive_float, positive_int
 from r3trace.eplb.window import window_spec
 
 if TYPE_CHECKING:
@@ -60,6 +60,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "EPLB with groups kept); plans for node-limited dispatch, with no backtest")
     p.add_argument("--replay-tokens", type=positive_int, default=8192,
                    help="tokens replayed through node-limited dispatch per scored window")
+    p.add_argument("--mix-tokens", type=nonnegative_int, default=2048,
+                   help="tokens a history window read to fit the kinds of token behind the windows (prompts' "
+                        "domains, topics): ours plans on the windows at their long-run mix where a backtest says "
+                        "that forecasts the next window better (docs/analysis.md, \"Token mix\"); 0: the raw windows")
     p.add_argument("--previous", default=None,
                    help="the placement the cluster runs: a JSON written by --out, SGLang's --init-expert-location "
                         "file (.json or .pt, as --sglang writes), or 'recorded': the map the run (with runs= "
@@ -144,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
                          f"nodes), not --dispatch {dispatch}{implied}; give --dispatch node-limited")
     req = PlanRequest(cluster, args.policy, args.forecast, args.train, args.held_out, run_id, window_s=args.window_s,
                       replay_tokens=args.replay_tokens, previous=previous, dispatch=dispatch,
-                      keep_groups=args.keep_groups, **asked)
+                      keep_groups=args.keep_groups, mix_tokens=args.mix_tokens, **asked)
     try:
         rep = make_report(store, req, progress_flag(args.progress))
     except WindowError as e:

@@ -55,7 +55,8 @@ class Mix(NamedTuple):
 
     def loads(self, raw: np.ndarray, shares: np.ndarray | None = None) -> np.ndarray:
         """raw [W, L, E] each window's loads (all its tokens; the fit may have seen a sample) -> the same at
-        `shares` [D] (None: equal): raw x rates at those shares / rates at the window's own shares."""
+        `shares` [D] or [W, D] (None: equal): raw x rates at those shares / rates at the window's own shares (not
+        renormalised: a window's picks move by the fit's noise, 0.2% in tests/analysis/test_eplb_token_mix.py)."""
         d = self.p.shape[1]
         to = self.at(np.full(d, 1.0 / d) if shares is None else shares)
         return raw * to / np.maximum(self.at(self.shares), 1e-12)

@@ -1,0 +1,179 @@
+"""token_mix: the fitted kinds of token, the windows at their long-run mix, the kinds AIC picks and the source the
+backtest picks, on windows drawn here from a known mixture with one pick a layer, where the model is exact: a token of
+kind d in window w picks expert e of layer l with probability softmax(a[w, l] + b[d, l])[e], its kind shared by its
+layers, each window's kind shares drawn Dirichlet(1).
+
+Run: .venv/bin/pytest tests/analysis/test_eplb_token_mix.py -q
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from r3trace.cli import main
+from r3trace.eplb import Cluster, token_mix
+from r3trace.eplb.evaluate import plan_policy
+from r3trace.eplb.forecast import backtest_errors
+from r3trace.eplb.placement import from_json
+from r3trace.trace import TraceWriter
+
+W, L, E, T = 6, 6, 16, 3000
+MIX = 2048  # r3trace eplb's --mix-tokens default
+T0 = 1_767_225_600 * 10**9  # 2026-01-01T00:00:00 in ns: a whole second, so rollup windows start on it
+
+
+def draw(kinds: int, lean: float, seed: int, drift: float = 0.6, windows: int = W) -> tuple[
+        list[np.ndarray], np.ndarray, np.ndarray, np.ndarray]:
+    """-> (W routes [T, L, 1], each token's kind [W, T], the windows' drawn shares [W, D], the expected loads at
+    equal shares [W, L, E] (T picks a layer))."""
+    rng = np.random.default_rng(seed)
+    a = np.cumsum(rng.normal(0, drift, (windows, L, E)), axis=0)  # the router drifts window to window
+    b = rng.normal(0, lean, (kinds, L, E))  # each kind's lean, the same in every window
+    p = np.exp(a[:, None] + b[None])  # [W, D, L, E]
+    p /= p.sum(-1, keepdims=True)
+    shares = rng.dirichlet(np.ones(kinds), windows)
+    routes, kind = [], np.empty((windows, T), dtype=np.int64)
+    for w in range(windows):
+        kind[w] = rng.choice(kinds, T, p=shares[w])
+        u = rng.random((T, L, 1))
+        cdf = np.cumsum(p[w, kind[w]], axis=-1)  # [T, L, E]
+        routes.append((u > cdf).sum(-1).clip(max=E - 1).astype(np.int16)[..., None])  # [T, L, 1]
+    return routes, kind, shares, p.mean(1) * T
+
+
+def heat(routes: list[np.ndarray]) -> np.ndarray:
+    return np.stack([np.stack([np.bincount(r[:, li].ravel(), minlength=E) for li in range(L)]) for r in routes]
+                    ).astype(np.float64)
+
+
+def test_fit_finds_each_tokens_kind_and_the_windows_shares() -> None:
+    routes, kind, shares, _ = draw(3, 1.5, seed=1)
+    mix = token_mix.fit(routes, E, 3)
+    flat = np.concatenate([np.argmax(token_mix._posterior(f, lp, s), 1) for f, lp, s in zip(
+        token_mix._flat(routes, E), np.log(mix.p.reshape(W, 3, -1)), mix.shares, strict=True)])
+    truth = kind.ravel()
+    agree = max(float((np.asarray(perm)[flat] == truth).mean()) for perm in itertools.permutations(range(3)))
+    assert agree > 0.95
+    perm = max(itertools.permutations(range(3)), key=lambda q: float((np.asarray(q)[flat] == truth).mean()))
+    fitted = mix.shares[:, np.argsort(perm)]  # fitted kind j is true kind perm[j]
+    drawn = np.stack([np.bincount(k, minlength=3) / T for k in kind])
+    assert np.abs(fitted - drawn).max() < 0.03
+    assert np.abs(drawn - shares).max() < 0.05  # the draw itself: shares of 3,000 tokens
+
+
+def test_windows_at_equal_shares_are_nearer_the_expected_loads_than_the_raw_windows() -> None:
+    routes, _, _, expected = draw(3, 1.5, seed=2)
+    raw = heat(routes)
+    at_equal = token_mix.fit(routes, E, 3).loads(raw)
+    # every window keeps its picks up to the fit's noise: the ratio of two fitted rates is not renormalised
+    assert np.allclose(at_equal.sum(-1), raw.sum(-1), rtol=0.005)
+    err_mix = float(((at_equal - expected) ** 2).sum())
+    err_raw = float(((raw - expected) ** 2).sum())
+    assert err_mix < 0.25 * err_raw
+
+
+def test_loads_at_the_windows_own_shares_are_the_raw_windows() -> None:
+    routes, _, _, _ = draw(3, 1.5, seed=3)
+    raw = heat(routes)
+    mix = token_mix.fit(routes, E, 3)
+    # the ratio form, raw x rates at the shares / rates at the window's own shares, each window at its own [W, D]
+    assert np.allclose(mix.loads(raw, mix.shares), raw, rtol=1e-12)
+    assert not np.allclose(mix.loads(raw), raw, rtol=1e-3)
+
+
+@pytest.mark.parametrize(("kinds", "lean", "chosen"), [(3, 1.5, 4), (1, 0.0, 1)])
+def test_aic_climbs_to_the_kinds_there_are(kinds: int, lean: float, chosen: int) -> None:
+    """Three kinds: AIC falls to 2 and 4 (the ladder has no 3) and rises at 8; none (every token one router): it rises
+    at 2, so the raw windows (1) stay."""
+    routes = draw(kinds, lean, seed=4)[0]
+    mix, aic = token_mix.choose_components(routes, E)
+    assert mix.p.shape[1] == chosen
+    assert min(aic, key=lambda d: aic[d]) == chosen
+    assert list(aic) == [d for d in token_mix.COMPONENTS if d <= 2 * chosen]
+
+
+def test_planning_loads_takes_the_mix_only_where_it_forecasts_better() -> None:
+    mixed = draw(3, 1.5, seed=5)[0]
+    src = token_mix.planning_loads(heat(mixed), mixed)
+    assert src.name.startswith("mix: ")
+    assert src.errors[src.name] < (1 - token_mix.MIN_GAIN) * src.errors["raw"]
+    plain = draw(1, 0.0, seed=5)[0]
+    src = token_mix.planning_loads(heat(plain), plain)
+    assert src.name == "raw" and np.array_equal(src.loads, heat(plain))
+    few = token_mix.planning_loads(heat(mixed)[:2], mixed[:2])
+    assert few.name == "raw" and few.aic == {}
+    assert token_mix.planning_loads(heat(mixed), None).name == "raw"
+
+
+def test_raw_backtest_error_is_the_forecast_backtests_least() -> None:
+    """backtest_error on the raw windows scored on themselves is forecast.backtest_errors' least (another sum)."""
+    raw = heat(draw(3, 1.5, seed=6)[0])
+    assert token_mix.backtest_error(lambda t: raw[:t], raw) == pytest.approx(float(backtest_errors(raw).min()),
+                                                                             rel=1e-12)
+
+
+def test_bad_input_names_the_field() -> None:
+    routes = draw(3, 1.5, seed=7)[0]
+    with pytest.raises(ValueError, match="components=0"):
+        token_mix.fit(routes, E, 0)
+    with pytest.raises(ValueError, match="windows: 5 routes for 6 windows"):
+        token_mix.planning_loads(heat(routes), routes[:5])
+
+
+def test_deterministic() -> None:
+    routes = draw(3, 1.5, seed=8)[0]
+    a, b = token_mix.planning_loads(heat(routes), routes), token_mix.planning_loads(heat(routes), routes)
+    assert a.name == b.name and np.array_equal(a.loads, b.loads)
+
+
+def test_a_mix_fitted_on_noise_does_not_plan() -> None:
+    """Four kinds forced on windows of one router: the fit finds kinds in the noise and its windows forecast a hair
+    better than the raw ones in the backtest (0.03% here), short of MIN_GAIN: the raw windows plan."""
+    plain = draw(1, 0.0, seed=5)[0]
+    src = token_mix.planning_loads(heat(plain), plain, components=(4,))
+    mixes = [v for k, v in src.errors.items() if k != "raw"]
+    assert (1 - token_mix.MIN_GAIN) * src.errors["raw"] < min(mixes) < src.errors["raw"]
+    assert src.name == "raw" and np.array_equal(src.loads, heat(plain))
+
+
+def test_r3trace_eplb_plans_ours_on_the_mix(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A trace of 7 one-second windows drawn from three kinds, trained on the first 6: `r3trace eplb --policy ours`
+    plans on token_mix.planning_loads of the windows' heat and their first --mix-tokens tokens, recomputed here from
+    the ids written, says so in a line and the JSON; --mix-tokens 0 plans on the raw windows, with no line."""
+    routes = draw(3, 1.5, seed=11, windows=W + 1)[0]
+    ids = np.concatenate(routes).astype(np.int64)  # [7 T, L, 1]
+    n = len(ids)
+    ts = T0 + (np.arange(n) * 10**9) // T  # window w is second w
+    with TraceWriter(tmp_path / "store", model_name="m", num_hidden_layers=L, moe_layer_ids=tuple(range(L)),
+                     num_experts=E, top_k=1, run_id="a", num_groups=4, rows_per_file=6000) as w:
+        w.append_tokens([f"r{i % 7}" for i in range(n)], np.arange(n), "decode", "computed", np.arange(n) // 8, ts, 0,
+                        ids)
+    cluster = Cluster(4, 2, 20, num_groups=4, node_limit=2)
+    args = [str(tmp_path / "store"), "--gpus", "4", "--nodes", "2", "--slots", "20", "--node-limit", "2", "--groups",
+            "4", "--policy", "ours", "--train", "time=..6", "--windows", "6"]
+    history = heat(routes[:W])
+    src = token_mix.planning_loads(history, [r[:MIX] for r in routes[:W]])
+    assert src.name.startswith("mix: ")
+    newest = ids[:W * T][-8192:]  # the in-sample replay sample ours' co-activation reads (--replay-tokens)
+    for mix_tokens, loads in ((MIX, src.loads), (0, history)):
+        capsys.readouterr()
+        out = tmp_path / f"p{mix_tokens}.json"
+        assert main(["eplb", *args, "--mix-tokens", str(mix_tokens), "--out", str(out)]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        expected = plan_policy("ours", loads, "ema", cluster, newest, None, "node-limited", 1)
+        np.testing.assert_array_equal(from_json(out.read_text())[0].phy2log, expected.phy2log)
+        rep = json.loads(out.read_text())["meta"]["report"]
+        said = [x for x in lines if x.startswith("planned on: ")]
+        if mix_tokens:
+            assert rep["load_source"]["name"] == src.name
+            assert rep["load_source"]["backtest_errors"] == pytest.approx(src.errors, rel=1e-12)
+            assert said == [f"planned on: each history window at the long-run mix of its kinds of token ({src.name}; "
+                            f"AIC over {', '.join(str(d) for d in src.aic)} kinds; backtest squared rate error: "
+                            + ", ".join(f"{k} {v:.4g}" for k, v in src.errors.items()) + ")"]
+        else:
+            assert rep["load_source"] is None and said == []
