@@ -28,30 +28,31 @@ Run: .venv/bin/python bench/eplb_matrix.py --smoke             (seconds; what te
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import platform
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from bench.eplb_grace import grace_policy
+from bench.eplb_ours_loads import ours_loads, windows_of
 from bench.eplb_plan_time import plan_times
-from bench.eplb_traces import TraceSpec, load_windows
+from bench.eplb_traces import TraceSpec
 from r3trace.eplb import Cluster, PlannerConfig, churn, global_policy, hierarchical, plan
 from r3trace.eplb.evaluate import planner_config
 from r3trace.eplb.placement import Placement
 from r3trace.eplb.score import balancedness, even_gpu_load, heat_of, node_limited
 from r3trace.eplb.static import demand, dispatched_load
-from r3trace.eplb.token_mix import Source, planning_loads
 
 Policy = Callable[[np.ndarray, Placement | None, np.ndarray | None], Placement]
 METRICS = ("bal_even", "bal_node_limited", "bal_static", "bal_dynamic", "nodes", "over_limit", "churn")
+# ours as `r3trace eplb` plans it: on token_mix.planning_loads (not with --keep-groups, nor the trade-off's one node
+# per expert, a layout no flag asks for)
+ON_MIX = ("ours", "ours-static", "ours-dynamic")
 BASELINES = ("global", "global-newest")  # the verdicts' baselines: re-run where a reused row lacks a metric
 RESULTS = Path(__file__).resolve().parent / "results"
 NODE_LIMIT = 4
@@ -122,7 +123,7 @@ def run_cell(cell: Cell, history: int = 8, variants: bool = False,
         rows: dict[str, list[float]] = {m: [] for m in METRICS}
         for t in range(1, len(routes) - 1):
             seen = heats[max(0, t + 1 - history):t + 1]
-            if name.startswith("ours") and sees_tokens:  # what `r3trace eplb` plans ours on (token_mix.py)
+            if name in ON_MIX and sees_tokens:  # what `r3trace eplb` plans ours on (token_mix.py)
                 src = ours_loads(cell.spec, max(0, t + 1 - history), t + 1, mix_cache)
                 seen = src.loads
                 if name == "ours" and prev is not None:
@@ -142,36 +143,6 @@ def run_cell(cell: Cell, history: int = 8, variants: bool = False,
         out[name] = rows
     return {"cell": cell.name(), "spec": asdict(cell.spec), "gpus": cell.gpus, "nodes": cell.nodes,
             "slots": cell.slots, "policies": out, "load_sources": sources, "seconds": time.perf_counter() - t0}
-
-
-@lru_cache(maxsize=8)
-def windows_of(spec: TraceSpec) -> tuple[np.ndarray, bool]:
-    """load_windows, generated once for the cells of a sweep that share a trace (read only)."""
-    return load_windows(spec)
-
-
-@lru_cache(maxsize=256)
-def ours_loads(spec: TraceSpec, lo: int, hi: int, cache: Path | None = None) -> Source:
-    """The loads ours plans on at the end of window hi - 1 from windows lo .. hi - 1 (token_mix.planning_loads),
-    fitted once for every cell and policy of ours on this trace (cells of a sweep share traces); cache: a folder
-    where runs of other sweeps' files (separate processes) find each other's fits."""
-    path = None
-    if cache is not None:
-        key = hashlib.sha256(json.dumps([asdict(spec), lo, hi], sort_keys=True).encode()).hexdigest()[:24]
-        path = cache / f"{key}.json"
-        if path.exists():
-            doc = json.loads(path.read_text())
-            return Source(np.array(doc["loads"]), doc["name"], doc["errors"],
-                          {int(k): v for k, v in doc["aic"].items()})
-    routes = windows_of(spec)[0]
-    src = planning_loads(np.stack([heat_of(w, spec.num_experts) for w in routes[lo:hi]]), list(routes[lo:hi]))
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"loads": src.loads.tolist(), "name": src.name, "errors": src.errors,
-                                   "aic": {str(k): v for k, v in src.aic.items()}}))
-        tmp.replace(path)
-    return src
 
 
 def machine() -> dict[str, Any]:

@@ -1,0 +1,33 @@
+"""bench/eplb_ours_loads.py: the matrix's ours plans on token_mix.planning_loads of the windows seen, and a fit read
+back from the shared cache folder is the fit itself.
+
+Run: .venv/bin/pytest tests/bench/test_eplb_ours_loads.py -q
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from bench.eplb_ours_loads import ours_loads, windows_of
+from bench.eplb_traces import TraceSpec
+from r3trace.eplb.score import heat_of
+from r3trace.eplb.token_mix import planning_loads
+
+SPEC = TraceSpec(family="grouped", drift="fast", num_layers=2, windows=5, window_tokens=512, seed=3)
+
+
+def test_ours_loads_are_planning_loads_and_the_cache_keeps_them(tmp_path: Path) -> None:
+    routes = windows_of(SPEC)[0]
+    direct = planning_loads(np.stack([heat_of(w, SPEC.num_experts) for w in routes[1:4]]), list(routes[1:4]))
+    ours_loads.cache_clear()
+    first = ours_loads(SPEC, 1, 4, tmp_path)
+    assert len(list(tmp_path.iterdir())) == 1
+    ours_loads.cache_clear()
+    again = ours_loads(SPEC, 1, 4, tmp_path)  # read from the folder: no fit
+    for got in (first, again):
+        assert got.name == direct.name and got.errors == direct.errors and got.aic == direct.aic
+        np.testing.assert_array_equal(got.loads, direct.loads)
+    assert ours_loads(SPEC, 0, 4, tmp_path).loads.shape[0] == 4  # another span: another entry
+    assert len(list(tmp_path.iterdir())) == 2
