@@ -76,6 +76,12 @@ if rep.get("origins"):
     theirs = "hierarchical" if "hierarchical" in o or rep["layout"]["name"] == "groups_on_nodes" else "global"
     layout += f"; layers: {o.count('ours')} ours, {o.count(theirs)} DeepSeek {theirs}'s on the same forecast"
 st.caption(f"plan: {rep['policy']} + {rep['forecast']} forecast{layout}")
+if rep.get("load_source"):  # ours on ema: what token_mix.planning_loads handed it
+    src = rep["load_source"]
+    on = "the raw windows" if src["name"] == "raw" else f"each history window at the long-run mix of its kinds of " \
+                                                        f"token ({src['name']})"
+    st.caption(f"planned on: {on}; backtest squared rate error: "
+               + ", ".join(f"{k} {v:.4g}" for k, v in src["backtest_errors"].items()))
 
 
 def fmt(v: float | None, spec: str) -> str:
