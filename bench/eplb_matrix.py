@@ -13,9 +13,9 @@ paired differences over the same windows, mean +- standard error.
 
 Policies: global = DeepSeek's global policy on all windows seen (summed heat, what `r3trace eplb` plans on),
 global-newest = on the newest window only, hierarchical = DeepSeek's hierarchical (where groups % nodes == 0),
-grace = GRACE-MoE's affinity grouping + replication (bench/eplb_grace.py), ours = r3trace.eplb.plan on the loads
-`r3trace eplb` gives it: with tokens, token_mix.planning_loads (the windows at the long-run mix of their kinds of token
-where a backtest says that forecasts better; each cell's picks in its results' "load_sources").
+grace = GRACE-MoE's affinity grouping + replication (bench/eplb_grace.py), ours = r3trace.eplb.plan as `r3trace eplb`
+calls it: with tokens, forecasting from token_mix.planning_loads' windows at the long-run mix of their kinds of token
+where a backtest says that forecasts better (plan(mixed=...); each cell's picks in its results' "load_sources").
 DeepSeek's policies are r3trace/eplb/deepseek.py (equal to github.com/deepseek-ai/EPLB eplb.py at d52c72d,
 tests/analysis/test_eplb_export.py); --eplb-ref DIR times that file itself (never committed here).
 
@@ -48,7 +48,8 @@ from r3trace.eplb.placement import Placement
 from r3trace.eplb.score import balancedness, even_gpu_load, heat_of, node_limited
 from r3trace.eplb.static import demand, dispatched_load
 
-Policy = Callable[[np.ndarray, Placement | None, np.ndarray | None], Placement]
+# (windows seen [W, L, E], the policy's previous placement, the newest tokens, ours' de-mixed windows) -> a placement
+Policy = Callable[[np.ndarray, Placement | None, np.ndarray | None, np.ndarray | None], Placement]
 METRICS = ("bal_even", "bal_node_limited", "bal_static", "bal_dynamic", "nodes", "over_limit", "churn")
 # ours as `r3trace eplb` plans it: on token_mix.planning_loads (not with --keep-groups, nor the trade-off's one node
 # per expert, a layout no flag asks for)
@@ -80,21 +81,21 @@ def policies(cl: Cluster, variants: bool = False) -> dict[str, Policy]:
     group homes kept whole (PlannerConfig.keep_groups)."""
     static_cfg, dynamic_cfg = planner_config("static"), planner_config("dynamic")
     pols: dict[str, Policy] = {
-        "global": lambda h, p, t: global_policy(h.sum(0), cl),
-        "global-newest": lambda h, p, t: global_policy(h[-1], cl),
-        "grace": lambda h, p, t: grace_policy(h[-1], cl, t),
-        "ours": lambda h, p, t: plan(h, cl, p, tokens=t),
+        "global": lambda h, p, t, m: global_policy(h.sum(0), cl),
+        "global-newest": lambda h, p, t, m: global_policy(h[-1], cl),
+        "grace": lambda h, p, t, m: grace_policy(h[-1], cl, t),
+        "ours": lambda h, p, t, m: plan(h, cl, p, tokens=t, mixed=m),
         # what `r3trace eplb --dispatch static` plans: judged under SGLang's static dispatch (bench/eplb_report.py)
-        "ours-static": lambda h, p, t: plan(h, cl, p, tokens=t, cfg=static_cfg),
+        "ours-static": lambda h, p, t, m: plan(h, cl, p, tokens=t, cfg=static_cfg, mixed=m),
         # `--dispatch dynamic`: the same layouts, scored by SGLang's dynamic dispatch's expected loads
-        "ours-dynamic": lambda h, p, t: plan(h, cl, p, tokens=t, cfg=dynamic_cfg),
+        "ours-dynamic": lambda h, p, t, m: plan(h, cl, p, tokens=t, cfg=dynamic_cfg, mixed=m),
     }
     if cl.num_groups % cl.num_nodes == 0:
-        pols["hierarchical"] = lambda h, p, t: hierarchical(h[-1], cl)
+        pols["hierarchical"] = lambda h, p, t, m: hierarchical(h[-1], cl)
     if variants:
         onpe, keep = PlannerConfig(spread_by_affinity=False), PlannerConfig(keep_groups=True)
-        pols["ours-one-node-per-expert"] = lambda h, p, t: plan(h, cl, p, tokens=t, cfg=onpe)
-        pols["ours-keep-groups"] = lambda h, p, t: plan(h, cl, p, tokens=t, cfg=keep)
+        pols["ours-one-node-per-expert"] = lambda h, p, t, m: plan(h, cl, p, tokens=t, cfg=onpe)
+        pols["ours-keep-groups"] = lambda h, p, t, m: plan(h, cl, p, tokens=t, cfg=keep)
     return pols
 
 
@@ -122,13 +123,13 @@ def run_cell(cell: Cell, history: int = 8, variants: bool = False,
         prev: Placement | None = None
         rows: dict[str, list[float]] = {m: [] for m in METRICS}
         for t in range(1, len(routes) - 1):
-            seen = heats[max(0, t + 1 - history):t + 1]
-            if name in ON_MIX and sees_tokens:  # what `r3trace eplb` plans ours on (token_mix.py)
+            mixed = None
+            if name in ON_MIX and sees_tokens:  # what `r3trace eplb` hands ours (token_mix.py)
                 src = ours_loads(cell.spec, max(0, t + 1 - history), t + 1, mix_cache)
-                seen = src.loads
+                mixed = src.mixed
                 if name == "ours" and prev is not None:
                     sources.append(src.name)
-            pl = f(seen, prev, routes[t] if sees_tokens else None)
+            pl = f(heats[max(0, t + 1 - history):t + 1], prev, routes[t] if sees_tokens else None, mixed)
             if prev is not None:
                 d = node_limited(pl, routes[t + 1], cl)
                 rows["bal_even"].append(balancedness(even_gpu_load(pl, heats[t + 1], cl)))

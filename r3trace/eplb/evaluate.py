@@ -55,12 +55,12 @@ def planner_config(dispatch: DispatchName, top_k: int | None = None, keep_groups
 
 def make_placement(policy: PolicyName, weight: np.ndarray, cluster: Cluster, tokens: np.ndarray | None,
                    prev: Placement | None = None, dispatch: DispatchName = "node-limited",
-                   top_k: int | None = None, keep_groups: bool = False) -> Placement:
+                   top_k: int | None = None, keep_groups: bool = False, mixed: np.ndarray | None = None) -> Placement:
     """weight [L, E] (or, for ours, a history [W, L, E] it forecasts itself); prev: ours re-plans from it;
-    dispatch, top_k, keep_groups: what ours plans for (planner_config)."""
+    dispatch, top_k, keep_groups: what ours plans for (planner_config); mixed: ours' de-mixed history (planner.plan)."""
     if policy == "ours":
         return planner.plan(weight, cluster, prev=prev, tokens=tokens,
-                            cfg=planner_config(dispatch, top_k, keep_groups))
+                            cfg=planner_config(dispatch, top_k, keep_groups), mixed=mixed)
     if policy == "global":
         return deepseek.global_policy(weight, cluster)
     if policy == "hierarchical":
@@ -84,12 +84,12 @@ def forecast_weight(history: np.ndarray, how: Forecast) -> np.ndarray:
 def plan_policy(policy: PolicyName, history: np.ndarray, how: Forecast, cluster: Cluster,
                 tokens: np.ndarray | None = None, prev: Placement | None = None,
                 dispatch: DispatchName = "node-limited", top_k: int | None = None,
-                keep_groups: bool = False) -> Placement:
+                keep_groups: bool = False, mixed: np.ndarray | None = None) -> Placement:
     """history [W, L, E] -> Placement of `policy` on the `how` forecast; ours takes the history itself for ema
     (its own EMA), the others the forecast weight; ours plans for `dispatch` and the trace's top_k, with groups kept
-    on their nodes where keep_groups (planner_config)."""
+    on their nodes where keep_groups (planner_config); mixed: ours on ema forecasts from it (planner.plan)."""
     return make_placement(policy, policy_input(policy, history, how), cluster, tokens, prev, dispatch, top_k,
-                          keep_groups)
+                          keep_groups, mixed if policy == "ours" and how == "ema" else None)
 
 
 def policy_input(policy: PolicyName, history: np.ndarray, how: Forecast) -> np.ndarray:

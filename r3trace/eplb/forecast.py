@@ -17,17 +17,20 @@ DEFAULT_ALPHA = 0.35  # with fewer than 3 windows there is nothing to backtest o
 MIN_DRIFT_FOLDS = 2
 
 
-def backtest_errors(history: np.ndarray) -> np.ndarray | None:
+def backtest_errors(history: np.ndarray, targets: np.ndarray | None = None) -> np.ndarray | None:
     """[W, L, E] loads -> [len(ALPHAS)] squared error in rates of each EMA weight's one-window-ahead forecasts of
-    windows 2 .. W - 1 (each from the windows before it), summed over layers and windows; None with < 3 windows."""
+    windows 2 .. W - 1 (each from the windows before it), summed over layers and windows; None with < 3 windows.
+    targets [W, L, E]: the windows scored, when not the history itself (the raw windows behind a de-mixed history,
+    token_mix.py)."""
     h = np.asarray(history, dtype=np.float64)
     if h.ndim == 2 or len(h) < 3:
         return None
     rates = h / np.maximum(h.sum(-1, keepdims=True), 1e-12)  # [W, L, E]
+    g = rates if targets is None else targets / np.maximum(targets.sum(-1, keepdims=True), 1e-12)
     err = np.zeros(len(ALPHAS))
     for i, a in enumerate(ALPHAS):
         for t in range(2, len(rates)):
-            err[i] += float(((rates[t] - smooth_rates(rates[:t], a)) ** 2).sum())
+            err[i] += float(((g[t] - smooth_rates(rates[:t], a)) ** 2).sum())
     return err
 
 

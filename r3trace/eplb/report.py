@@ -211,14 +211,14 @@ def make_report(store: TraceStore, req: PlanRequest, progress: bool | None = Fal
         policy, how = req.policy, req.forecast or DEFAULT_FORECAST[req.policy]
     seconds["backtest"] = time.perf_counter() - t1
     t2 = time.perf_counter()
-    src, planned_on = None, history
+    src = None
     if policy == "ours" and how == "ema" and not req.keep_groups and req.mix_tokens > 0:
         src = planning_loads(history, window_routes(runs, train.spans, req.mix_tokens))
-        planned_on = src.loads
         seconds["token mix"] = time.perf_counter() - t2
+    mixed = None if src is None else src.mixed
     t3 = time.perf_counter()
-    pl = plan_policy(policy, planned_on, how, req.cluster, train_tokens, previous, req.dispatch, m.top_k,
-                     req.keep_groups)
+    pl = plan_policy(policy, history, how, req.cluster, train_tokens, previous, req.dispatch, m.top_k,
+                     req.keep_groups, mixed)
     seconds["plan"] = time.perf_counter() - t3
 
     in_sample = score_placement(pl, history.sum(0), train_tokens, req.cluster, train_src.rank)
@@ -242,7 +242,7 @@ def make_report(store: TraceStore, req: PlanRequest, progress: bool | None = Fal
     if policy == "ours":
         cfg = planner_config(req.dispatch, m.top_k, req.keep_groups)
         lay = layout(req.cluster, cfg)
-        origins = layer_origins(pl, policy_input(policy, planned_on, how), req.cluster, previous, cfg)
+        origins = layer_origins(pl, policy_input(policy, history, how), req.cluster, previous, cfg, mixed)
     seconds["total"] = time.perf_counter() - t0  # the origins too: they plan DeepSeek global (and import torch)
     return Report(train, held, held_note, policy, how, pl, lay,
                   int(multi.any(1).sum()), bt, in_sample, scored,

@@ -182,6 +182,11 @@ class Source(NamedTuple):
     errors: dict[str, float]  # every source's backtest error
     aic: dict[int, float]  # kinds of token tried -> the mixture's AIC (choose_components)
 
+    @property
+    def mixed(self) -> np.ndarray | None:
+        """What planner.plan takes as `mixed`: these loads where they are not the raw windows."""
+        return None if self.name == "raw" else self.loads
+
 
 def planning_loads(loads: np.ndarray, windows: Sequence[np.ndarray] | None,
                    components: Sequence[int] = COMPONENTS) -> Source:

@@ -16,10 +16,11 @@ import numpy as np
 import pytest
 
 from r3trace.cli import main
-from r3trace.eplb import Cluster, token_mix
+from r3trace.eplb import Cluster, PlannerConfig, plan, token_mix
 from r3trace.eplb.evaluate import plan_policy
-from r3trace.eplb.forecast import backtest_errors
+from r3trace.eplb.forecast import backtest_errors, drifts, forecast, pick_alpha
 from r3trace.eplb.placement import from_json
+from r3trace.eplb.planner import planning_forecast
 from r3trace.trace import TraceWriter
 
 W, L, E, T = 6, 6, 16, 3000
@@ -143,9 +144,10 @@ def test_a_mix_fitted_on_noise_does_not_plan() -> None:
 
 def test_r3trace_eplb_plans_ours_on_the_mix(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A trace of 7 one-second windows drawn from three kinds, trained on the first 6: `r3trace eplb --policy ours`
-    plans on token_mix.planning_loads of the windows' heat and their first --mix-tokens tokens, recomputed here from
-    the ids written, says so in a line and the JSON; --mix-tokens 0 plans on the raw windows, with no line."""
-    routes = draw(3, 1.5, seed=11, windows=W + 1)[0]
+    forecasts from token_mix.planning_loads of the windows' heat and their first --mix-tokens tokens, recomputed here
+    from the ids written (the router drifts: planner.plan's mixed), says so in a line and the JSON; --mix-tokens 0
+    plans on the raw windows, with no line."""
+    routes = draw(3, 1.5, seed=11, windows=W + 1, drift=1.5)[0]  # drift the backtest calls (forecast.drifts)
     ids = np.concatenate(routes).astype(np.int64)  # [7 T, L, 1]
     n = len(ids)
     ts = T0 + (np.arange(n) * 10**9) // T  # window w is second w
@@ -160,12 +162,14 @@ def test_r3trace_eplb_plans_ours_on_the_mix(tmp_path: Path, capsys: pytest.Captu
     src = token_mix.planning_loads(history, [r[:MIX] for r in routes[:W]])
     assert src.name.startswith("mix: ")
     newest = ids[:W * T][-8192:]  # the in-sample replay sample ours' co-activation reads (--replay-tokens)
-    for mix_tokens, loads in ((MIX, src.loads), (0, history)):
+    plans = []
+    for mix_tokens, mixed in ((MIX, src.mixed), (0, None)):
         capsys.readouterr()
         out = tmp_path / f"p{mix_tokens}.json"
         assert main(["eplb", *args, "--mix-tokens", str(mix_tokens), "--out", str(out)]) == 0
         lines = capsys.readouterr().out.splitlines()
-        expected = plan_policy("ours", loads, "ema", cluster, newest, None, "node-limited", 1)
+        expected = plan_policy("ours", history, "ema", cluster, newest, None, "node-limited", 1, mixed=mixed)
+        plans.append(expected.phy2log)
         np.testing.assert_array_equal(from_json(out.read_text())[0].phy2log, expected.phy2log)
         rep = json.loads(out.read_text())["meta"]["report"]
         said = [x for x in lines if x.startswith("planned on: ")]
@@ -177,3 +181,28 @@ def test_r3trace_eplb_plans_ours_on_the_mix(tmp_path: Path, capsys: pytest.Captu
                             + ", ".join(f"{k} {v:.4g}" for k, v in src.errors.items()) + ")"]
         else:
             assert rep["load_source"] is None and said == []
+    assert not np.array_equal(*plans)  # the windows drift: the fresh plan forecasts from the de-mixed ones
+
+
+def test_the_planner_forecasts_from_the_mix_only_where_the_history_drifts() -> None:
+    """planner.planning_forecast with the de-mixed windows: on windows of one unchanged router (only the mix moves:
+    no drift called) the forecast is the raw windows' to the bit; on a drifting router it is the de-mixed windows'
+    EMA at the weight that forecast the raw windows best."""
+    cl = Cluster(4, 2, 20, num_groups=4, node_limit=2)
+    still = draw(3, 1.5, seed=13, drift=0.0)[0]
+    h = heat(still)
+    src = token_mix.planning_loads(h, still)
+    assert src.mixed is not None and not drifts(h, backtest_errors(h), PlannerConfig().refresh_drift)
+    prev = plan(h[:3], cl)
+    np.testing.assert_array_equal(planning_forecast(h, prev, PlannerConfig(), cl, src.mixed)[0],
+                                  planning_forecast(h, prev, PlannerConfig(), cl)[0])
+    moving = draw(3, 1.5, seed=11, drift=1.5)[0]
+    h = heat(moving)
+    src = token_mix.planning_loads(h, moving)
+    assert src.mixed is not None and drifts(h, backtest_errors(h), PlannerConfig().refresh_drift)
+    err = backtest_errors(src.mixed, h)
+    assert err is not None
+    expected = forecast(src.mixed, pick_alpha(err))
+    for p in (None, prev):  # a fresh plan tests drift too
+        got = planning_forecast(h, p, PlannerConfig(partner_backtest=False), cl, src.mixed)[0]
+        np.testing.assert_allclose(got, expected, rtol=1e-12)
