@@ -78,9 +78,9 @@ if rep.get("origins"):
 st.caption(f"plan: {rep['policy']} + {rep['forecast']} forecast{layout}")
 if rep.get("load_source"):  # ours on ema: what token_mix.planning_loads handed it
     src = rep["load_source"]
-    on = "the raw windows" if src["name"] == "raw" else f"each history window at the long-run mix of its kinds of " \
-                                                        f"token ({src['name']})"
-    st.caption(f"planned on: {on}; backtest squared rate error: "
+    on = f"each history window at the long-run mix of its kinds of token ({src['name']})" if src["used"] else \
+        "the raw windows"
+    st.caption(f"forecast from: {on}; backtest squared rate error: "
                + ", ".join(f"{k} {v:.4g}" for k, v in src["backtest_errors"].items()))
 
 

@@ -77,7 +77,7 @@ def report_lines(rep: Report, cluster: object, layer_ids: tuple[int, ...], previ
     out.append(f"{rep.policy} + {rep.forecast} forecast: P={cluster.num_slots} on {cluster.num_gpus} GPUs / "
                f"{cluster.num_nodes} nodes, max replicas {int(rep.placement.logcnt.max())}")
     if rep.load_source is not None:
-        out.append(load_source_line(rep.load_source))
+        out.append(load_source_line(rep.load_source, rep.mix_used))
     n_layers = rep.placement.phy2log.shape[0]
     if rep.layout is not None:
         out.append(f"layout: {rep.layout.name}: {rep.layout.reason}; {rep.spread_layers} of {n_layers} layers "
@@ -147,15 +147,19 @@ def _worst(s: object, layer_ids: tuple[int, ...], dispatch: str, k: int = 3) -> 
     return text
 
 
-def load_source_line(src: Source) -> str:
-    """What ours planned on (token_mix.planning_loads), the kinds of token AIC found and the backtest's errors."""
+def load_source_line(src: Source, used: bool) -> str:
+    """What ours forecast from (token_mix.planning_loads, planner.forecasts_from_mix), the kinds of token AIC found
+    and the backtest's errors."""
     from r3trace.eplb.token_mix import MIN_GAIN
     if not src.aic:
-        return "planned on: the raw windows (fewer than 3 history windows with routes: no token mix to fit)"
+        return "forecast from: the raw windows (fewer than 3 history windows with routes: no token mix to fit)"
     kinds = min(src.aic, key=lambda d: src.aic[d])
-    errs = ", ".join(f"{k} {v:.4g}" for k, v in src.errors.items())
+    errs = f"AIC over {', '.join(str(d) for d in src.aic)} kinds; backtest squared rate error: " + ", ".join(
+        f"{k} {v:.4g}" for k, v in src.errors.items())
     if src.name == "raw":
         why = "one kind of token by AIC" if kinds == 1 else f"no mix forecast the next window > {MIN_GAIN:.0%} better"
-        return f"planned on: the raw windows ({why}; backtest squared rate error: {errs})"
-    return (f"planned on: each history window at the long-run mix of its kinds of token ({src.name}; AIC over "
-            f"{', '.join(str(d) for d in src.aic)} kinds; backtest squared rate error: {errs})")
+        return f"forecast from: the raw windows ({why}; {errs})"
+    if not used:
+        return (f"forecast from: the raw windows (the history does not drift, and a long memory averages the windows' "
+                f"mixes out; {src.name} would forecast where it drifts; {errs})")
+    return f"forecast from: each history window at the long-run mix of its kinds of token ({src.name}; {errs})"

@@ -201,6 +201,14 @@ def _reseeds(prev: Placement | None, cluster: Cluster, cfg: PlannerConfig) -> Ty
     return prev is not None and spreads(cluster, cfg) and not cfg.keep_groups
 
 
+def forecasts_from_mix(loads: np.ndarray, mixed: np.ndarray | None, cfg: PlannerConfig,
+                       err: np.ndarray | None = None) -> bool:
+    """Whether planning_forecast forecasts from the de-mixed windows `mixed`: given, no fixed EMA weight, and the raw
+    history [W, L, E] drifts (forecast.drifts on its backtest_errors, `err` where already computed)."""
+    return mixed is not None and cfg.ema_alpha is None and drifts(loads, backtest_errors(loads) if err is None else err,
+                                                                  cfg.refresh_drift)
+
+
 def planning_forecast(loads: np.ndarray, prev: Placement | None, cfg: PlannerConfig,
                       cluster: Cluster, mixed: np.ndarray | None = None) -> tuple[np.ndarray, bool]:
     """loads [W, L, E] or [L, E] -> (the forecast [L, E] plan() plans on, whether the backtest calls drift): a
@@ -208,8 +216,7 @@ def planning_forecast(loads: np.ndarray, prev: Placement | None, cfg: PlannerCon
     floor-bound layers' light experts take the weight that picked the hot GPUs' partners best (partners.py)."""
     err = backtest_errors(loads) if cfg.ema_alpha is None and prev is not None else None
     moving = drifts(loads, err, cfg.refresh_drift)
-    if mixed is not None and cfg.ema_alpha is None and drifts(loads, backtest_errors(loads) if err is None else err,
-                                                              cfg.refresh_drift):
+    if mixed is not None and forecasts_from_mix(loads, mixed, cfg, err):
         # where the history drifts (a fresh plan tests it too), the forecast is the de-mixed windows' EMA, its weight
         # the one that forecast the raw windows best: a short memory follows the router but keeps the newest windows'
         # mix. Only then: the drift test stays on the raw windows (on the de-mixed ones a slow drift, sigma 0.05, is

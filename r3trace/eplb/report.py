@@ -37,6 +37,7 @@ from r3trace.eplb.hindsight import bound
 from r3trace.eplb.loads import HeatSource, TokenSample, run_facts, span_heat, span_sample, window_routes
 from r3trace.eplb.origins import Origin, layer_origins
 from r3trace.eplb.placement import Cluster, Placement, churn
+from r3trace.eplb.planner import forecasts_from_mix
 from r3trace.eplb.previous import recorded_at_end
 from r3trace.eplb.score import node_counts
 from r3trace.eplb.static import TokenSources, token_sources
@@ -113,7 +114,8 @@ class Report:
     # every slot one expert (P = E): the most even-split balancedness any placement reaches on the held-out window's
     # loads (hindsight.bound; exact with two slots a GPU), None otherwise or without a held-out score
     held_bound: float | None = None
-    load_source: Source | None = None  # the loads ours planned on (token_mix.planning_loads), None: not tried
+    load_source: Source | None = None  # what ours could forecast from (token_mix.planning_loads), None: not tried
+    mix_used: bool = False  # whether it did (planner.forecasts_from_mix: the history drifts)
 
     def to_dict(self) -> dict[str, Any]:
         """The figures as JSON-able data (`--out`'s meta.report)."""
@@ -137,7 +139,7 @@ class Report:
             "previous_held_out": None if self.kept_held is None else self.kept_held.summary(),
             "held_out_bound": self.held_bound,
             "load_source": None if self.load_source is None else {
-                "name": self.load_source.name, "backtest_errors": self.load_source.errors,
+                "name": self.load_source.name, "used": self.mix_used, "backtest_errors": self.load_source.errors,
                 "aic": {str(k): v for k, v in self.load_source.aic.items()}},
         }
 
@@ -250,7 +252,8 @@ def make_report(store: TraceStore, req: PlanRequest, progress: bool | None = Fal
                   history, train_tokens, held_heat, held_tokens, req.dispatch, _says(train_src, held_src), origins,
                   m.top_k, kept_in, kept_held, previous, previous_at,
                   bound(held_heat, req.cluster.num_gpus) if scored is not None and held_heat is not None
-                  and req.cluster.num_slots == m.num_experts else None, src)
+                  and req.cluster.num_slots == m.num_experts else None, src,
+                  src is not None and forecasts_from_mix(history, src.mixed, planner_config(req.dispatch, m.top_k)))
 
 
 def _sources(sample: TokenSample | None, cluster: Cluster) -> TokenSources:

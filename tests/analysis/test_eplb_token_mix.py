@@ -172,13 +172,14 @@ def test_r3trace_eplb_plans_ours_on_the_mix(tmp_path: Path, capsys: pytest.Captu
         plans.append(expected.phy2log)
         np.testing.assert_array_equal(from_json(out.read_text())[0].phy2log, expected.phy2log)
         rep = json.loads(out.read_text())["meta"]["report"]
-        said = [x for x in lines if x.startswith("planned on: ")]
+        said = [x for x in lines if x.startswith("forecast from: ")]
         if mix_tokens:
-            assert rep["load_source"]["name"] == src.name
+            assert rep["load_source"]["name"] == src.name and rep["load_source"]["used"] is True
             assert rep["load_source"]["backtest_errors"] == pytest.approx(src.errors, rel=1e-12)
-            assert said == [f"planned on: each history window at the long-run mix of its kinds of token ({src.name}; "
-                            f"AIC over {', '.join(str(d) for d in src.aic)} kinds; backtest squared rate error: "
-                            + ", ".join(f"{k} {v:.4g}" for k, v in src.errors.items()) + ")"]
+            errs = ", ".join(f"{k} {v:.4g}" for k, v in src.errors.items())
+            assert said == [f"forecast from: each history window at the long-run mix of its kinds of token "
+                            f"({src.name}; AIC over {', '.join(str(d) for d in src.aic)} kinds; "
+                            f"backtest squared rate error: {errs})"]
         else:
             assert rep["load_source"] is None and said == []
     assert not np.array_equal(*plans)  # the windows drift: the fresh plan forecasts from the de-mixed ones

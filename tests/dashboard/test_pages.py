@@ -278,11 +278,11 @@ def test_eplb_planner_auto_shows_its_backtest(app: AppTest) -> None:
     [chosen] = table.index[table["chosen"]].tolist()
     policy, forecast = table.loc[chosen, "policy"], table.loc[chosen, "forecast"]
     assert any(f"plan: {policy} + {forecast} forecast" in c.value for c in at.caption)
-    on = [c.value for c in at.caption if c.value.startswith("planned on: ")]  # ours on ema only (token_mix.py)
+    on = [c.value for c in at.caption if c.value.startswith("forecast from: ")]  # ours on ema only (token_mix.py)
     assert len(on) == (policy == "ours" and forecast == "ema"), on
     if on:
-        assert on[0].startswith(("planned on: the raw windows; backtest squared rate error: raw ",
-                                 "planned on: each history window at the long-run mix"))
+        assert on[0].startswith(("forecast from: the raw windows; backtest squared rate error: raw ",
+                                 "forecast from: each history window at the long-run mix"))
 
 
 def test_eplb_planner_bad_cluster_is_an_error_not_a_crash(app: AppTest) -> None:
