@@ -19,6 +19,8 @@ Which loads plan: the number of kinds D by AIC (choose_components); then the raw
 shares or at the windows' mean shares, whichever forecasts the next raw window best in a one-window-ahead backtest
 over the history (forecast.py's EMA weights, the least squared rate error; the raw windows unless another errs less
 by over MIN_GAIN). On windows from one router (no mix) the raw windows win: the demixed ones add estimation noise.
+planner.plan(mixed=...) forecasts from them only where the raw history drifts (planner.forecasts_from_mix); a long
+memory over the raw windows averages the mixes out by itself.
 
 Shape legend: W windows, T tokens, L layers, E experts, K top-k, D kinds of token.
 """
