@@ -21,7 +21,8 @@ planned before the window beats that policy by more. Pooled over trace seeds 0-2
 as the held-out matrix's (bench/eplb_matrix.py), read from its result files.
 
 Run: .venv/bin/python -m bench.eplb_hindsight [--jobs N] [--out FILE]   (the P = E cells and the other pooled ties of
-     the matrix's result files, 67 trace specs: ~20 min with --jobs 2 on the 2-core machine)
+     the matrix's result files, 67 trace specs: ~20 min with --jobs 2 on the 2-core machine; --reuse FILE keeps an
+     earlier file's oracle figures and draws only the cells it lacks)
      .venv/bin/python -m bench.eplb_hindsight --smoke        (two cells, one seed, a small oracle: ~15 s)
 
 """
@@ -96,10 +97,12 @@ def is_pe(res: dict[str, Any]) -> bool:
     return int(res["slots"]) == int(res["spec"]["num_experts"])
 
 
-def run(smoke: bool = False, jobs: int = 1) -> dict[str, Any]:
+def run(smoke: bool = False, jobs: int = 1, reuse: dict[str, Any] | None = None) -> dict[str, Any]:
     """Every P = E cell and every other pooled tie of the held-out result files, pooled over the trace seeds with
     result files -> {sweep, machine, cells: [{cell, seeds, windows, pooled verdict, ours / global / global-newest,
-    clairvoyant, found, bound}]} (means over the held-out windows of every seed; None where not computed)."""
+    clairvoyant, found, bound}]} (means over the held-out windows of every seed; None where not computed).
+    reuse: an earlier run's document with the same oracle tokens: its cells' clairvoyant, found, bound and tight
+    windows are taken as they are (they depend on the traces alone, not on ours), only cells it lacks are drawn."""
     docs = held_out_docs()
     more = seed_runs(docs)
     every = {r["cell"]: [r, *more.get(r["cell"], [])] for f in matrix_files(0, docs) for r in docs[f]["results"]}
@@ -112,8 +115,12 @@ def run(smoke: bool = False, jobs: int = 1) -> dict[str, Any]:
                      next((n, rs) for n, rs in runs.items()
                           if not is_pe(rs[0]) and rs[0]["spec"]["family"] != "sample")])
         oracle_tokens = 1024
+    kept = {c["cell"]: c for c in (reuse or {}).get("cells", [])
+            if (reuse or {}).get("oracle_tokens") == oracle_tokens}
     by_spec: dict[str, list[dict[str, Any]]] = {}
-    for rs in runs.values():
+    for name, rs in runs.items():
+        if name in kept:
+            continue
         for r in rs:
             by_spec.setdefault(json.dumps(r["spec"], sort_keys=True), []).append(r)
     groups = list(by_spec.values())
@@ -123,7 +130,7 @@ def run(smoke: bool = False, jobs: int = 1) -> dict[str, Any]:
                 for g, hs in zip(groups, done, strict=True) for r, h in zip(g, hs, strict=True)}
     cells = []
     for name, rs in runs.items():
-        hs = [hind[name, r["spec"]["seed"]] for r in rs]
+        hs = [hind[name, r["spec"]["seed"]] for r in rs] if name not in kept else []
         seeds_pooled = pooled(rs)
         pols = seeds_pooled["policies"]
 
@@ -140,6 +147,8 @@ def run(smoke: bool = False, jobs: int = 1) -> dict[str, Any]:
             "tight_windows": int(sum(abs(b - f) <= 1e-9
                                      for h in hs for b, f in zip(h["bound"], h["found"], strict=True))),
         })
+        if name in kept:
+            cells[-1].update({k: kept[name][k] for k in ("clairvoyant", "found", "bound", "tight_windows")})
         c = cells[-1]
         print(f"{name}: ours {c['ours']:.5f} global {c['global']:.5f} newest {c['global-newest']:.5f} clairvoyant "
               f"{c['clairvoyant'] or 0:.5f} found {c['found'] or 0:.5f} bound {c['bound'] or 0:.5f} ({c['verdict']})")
@@ -208,8 +217,10 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="two cells, nothing written")
     ap.add_argument("--out", default=None)
     ap.add_argument("--jobs", type=int, default=1, help="trace specs drawn in parallel (one process each)")
+    ap.add_argument("--reuse", default=None, help="an earlier result file: its cells' oracle figures kept, only the "
+                                                  "cells it lacks drawn (ours' rows come from the matrix either way)")
     args = ap.parse_args()
-    doc = run(args.smoke, args.jobs)
+    doc = run(args.smoke, args.jobs, json.loads(Path(args.reuse).read_text()) if args.reuse else None)
     out = Path(args.out) if args.out else (None if args.smoke else OUT)
     if out is not None:
         out.write_text(json.dumps(doc, indent=1))

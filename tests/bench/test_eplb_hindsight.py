@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench.eplb_hindsight import hindsight_claim, hindsight_spec
+from bench import eplb_hindsight
+from bench.eplb_hindsight import hindsight_claim, hindsight_spec, run
 from bench.eplb_traces import TraceSpec, oracle_heats, synth_windows
 from r3trace.eplb import Cluster
 from r3trace.eplb.hindsight import bound, max_load_floor
@@ -121,3 +122,25 @@ def test_a_cell_with_spare_slots_gets_the_clairvoyant_only() -> None:
     (out,) = hindsight_spec([res], oracle_tokens=4096)
     assert out["bound"] == out["found"] == [] and len(out["clairvoyant"]) == 2
     assert all(0.3 < v <= 1.0 for v in out["clairvoyant"])
+
+
+def test_reuse_keeps_an_earlier_runs_oracle_figures(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--reuse: cells of an earlier file with the same oracle tokens keep its clairvoyant, found, bound and tight
+    windows and draw nothing; ours' rows come from the matrix files again; another oracle size draws afresh."""
+    first = run(smoke=True)
+    earlier = {**first, "cells": [{**c, "clairvoyant": 0.123, "found": 0.456 if c["found"] is not None else None}
+                                  for c in first["cells"]]}
+
+    def no_draw(results: list[dict], oracle_tokens: int = 0) -> list[dict]:
+        raise AssertionError(f"drew {[r['cell'] for r in results]}")
+
+    monkeypatch.setattr(eplb_hindsight, "hindsight_spec", no_draw)
+    again = run(smoke=True, reuse=earlier)
+    assert [c["cell"] for c in again["cells"]] == [c["cell"] for c in first["cells"]]
+    for a, e, f in zip(again["cells"], earlier["cells"], first["cells"], strict=True):
+        assert (a["clairvoyant"], a["found"], a["bound"], a["tight_windows"]) == (
+            e["clairvoyant"], e["found"], e["bound"], e["tight_windows"])
+        assert (a["ours"], a["verdict"]) == (f["ours"], f["verdict"])
+    monkeypatch.undo()
+    fresh = run(smoke=True, reuse={**earlier, "oracle_tokens": 7})  # drawn again: the first run's figures
+    assert [c["clairvoyant"] for c in fresh["cells"]] == [c["clairvoyant"] for c in first["cells"]]
