@@ -197,12 +197,13 @@ def test_the_planner_forecasts_from_the_mix_only_where_the_history_drifts() -> N
     prev = plan(h[:3], cl)
     np.testing.assert_array_equal(planning_forecast(h, prev, PlannerConfig(), cl, src.mixed)[0],
                                   planning_forecast(h, prev, PlannerConfig(), cl)[0])
-    moving = draw(3, 1.5, seed=11, drift=1.5)[0]
+    moving = draw(3, 1.5, seed=15, drift=1.5)[0]
     h = heat(moving)
     src = token_mix.planning_loads(h, moving)
     assert src.mixed is not None and drifts(h, backtest_errors(h), PlannerConfig().refresh_drift)
-    err = backtest_errors(src.mixed, h)
-    assert err is not None
+    err, own = backtest_errors(src.mixed, h), backtest_errors(src.mixed)
+    assert err is not None and own is not None
+    assert pick_alpha(err) != pick_alpha(own)  # scored on the raw windows, another weight wins (1.0, not 0.7)
     expected = forecast(src.mixed, pick_alpha(err))
     for p in (None, prev):  # a fresh plan tests drift too
         got = planning_forecast(h, p, PlannerConfig(partner_backtest=False), cl, src.mixed)[0]
