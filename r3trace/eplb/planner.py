@@ -7,9 +7,9 @@
    wants a long memory, fast drift a short one); the same backtest says whether the workload drifts (step 5), and
    where it does not, the longest memory within `alpha_tie` of the best weight's error is taken. Without spare
    slots (> 2 a GPU) the light experts of layers whose hottest expert sets the max load take the weight that picked
-   the hot GPUs' lightest partners best in the same backtest (partners.py). `r3trace eplb` hands plan() each window
-   at the long-run mix of the kinds of token behind the windows where a backtest says that forecasts better
-   (token_mix.py); plan() itself reads whatever loads it is given.
+   the hot GPUs' lightest partners best in the same backtest (partners.py). `r3trace eplb` also hands plan() the
+   windows at the long-run mix of the kinds of token behind them (`mixed`, token_mix.py) where a backtest says they
+   forecast better; the forecast takes them only where the raw history drifts (forecasts_from_mix).
 2. Replica counts: the global policy's rule (each extra slot to the expert with the highest load per
    replica), capped at the GPUs of one node (homing.capped_counts).
 3. Layout and 4. packing: fresh.py (one node; group homes and co-activation replicas on several; global's layouts
