@@ -6,6 +6,8 @@ Shape legend: W windows, L layers, E experts.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from r3trace.eplb import portable
@@ -25,13 +27,23 @@ def backtest_errors(history: np.ndarray, targets: np.ndarray | None = None) -> n
     h = np.asarray(history, dtype=np.float64)
     if h.ndim == 2 or len(h) < 3:
         return None
-    rates = h / np.maximum(h.sum(-1, keepdims=True), 1e-12)  # [W, L, E]
-    g = rates if targets is None else targets / np.maximum(targets.sum(-1, keepdims=True), 1e-12)
+    rates = rates_of(h)  # [W, L, E]
+    return ema_errors([rates[:t] for t in range(2, len(rates))], rates if targets is None else rates_of(targets))
+
+
+def ema_errors(seen: Sequence[np.ndarray], targets: np.ndarray) -> np.ndarray:
+    """seen[k]: the rates [t, L, E] a forecaster has before window t = k + 2; targets: rates [W, L, E] -> [len(ALPHAS)]
+    squared error of each EMA weight's forecast of targets[t], summed over layers and windows in order."""
     err = np.zeros(len(ALPHAS))
     for i, a in enumerate(ALPHAS):
-        for t in range(2, len(rates)):
-            err[i] += float(((g[t] - smooth_rates(rates[:t], a)) ** 2).sum())
+        for t, h in enumerate(seen, 2):
+            err[i] += float(((targets[t] - smooth_rates(h, a)) ** 2).sum())
     return err
+
+
+def rates_of(loads: np.ndarray) -> np.ndarray:
+    """[..., E] loads -> each row's share of its total (0 where a row is empty)."""
+    return loads / np.maximum(loads.sum(-1, keepdims=True), 1e-12)
 
 
 def choose_alpha(history: np.ndarray) -> float:
@@ -67,8 +79,7 @@ def forecast(history: np.ndarray, alpha: float | None) -> np.ndarray:
     if h.ndim == 2:
         return h
     alpha = choose_alpha(h) if alpha is None else alpha
-    rates = h / np.maximum(h.sum(-1, keepdims=True), 1e-12)
-    return smooth_rates(rates, alpha) * h[-1].sum(-1, keepdims=True)
+    return smooth_rates(rates_of(h), alpha) * h[-1].sum(-1, keepdims=True)
 
 
 def smooth_rates(rates: np.ndarray, alpha: float) -> np.ndarray:

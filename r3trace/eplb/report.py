@@ -240,11 +240,12 @@ def make_report(store: TraceStore, req: PlanRequest, progress: bool | None = Fal
             held_note = f"none: the held-out window {held.label} holds no routes"
             held_heat = None
     multi = (node_counts(pl, req.cluster) > 0).sum(2) > 1  # [L, E] experts on more than one node
-    lay, origins = None, None
+    lay, origins, mix_used = None, None, False
     if policy == "ours":
         cfg = planner_config(req.dispatch, m.top_k, req.keep_groups)
         lay = layout(req.cluster, cfg)
         origins = layer_origins(pl, policy_input(policy, history, how), req.cluster, previous, cfg, mixed)
+        mix_used = forecasts_from_mix(history, mixed, cfg)
     seconds["total"] = time.perf_counter() - t0  # the origins too: they plan DeepSeek global (and import torch)
     return Report(train, held, held_note, policy, how, pl, lay,
                   int(multi.any(1).sum()), bt, in_sample, scored,
@@ -252,8 +253,7 @@ def make_report(store: TraceStore, req: PlanRequest, progress: bool | None = Fal
                   history, train_tokens, held_heat, held_tokens, req.dispatch, _says(train_src, held_src), origins,
                   m.top_k, kept_in, kept_held, previous, previous_at,
                   bound(held_heat, req.cluster.num_gpus) if scored is not None and held_heat is not None
-                  and req.cluster.num_slots == m.num_experts else None, src,
-                  src is not None and forecasts_from_mix(history, src.mixed, planner_config(req.dispatch, m.top_k)))
+                  and req.cluster.num_slots == m.num_experts else None, src, mix_used)
 
 
 def _sources(sample: TokenSample | None, cluster: Cluster) -> TokenSources:

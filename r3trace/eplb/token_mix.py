@@ -32,7 +32,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from r3trace.eplb.forecast import ALPHAS, smooth_rates
+from r3trace.eplb.forecast import ema_errors, rates_of
 
 COMPONENTS = (1, 2, 4, 8, 16)  # kinds of token tried, climbed while AIC falls (choose_components)
 ITERS = 25  # EM rounds: on bench/eplb_traces.py's grouped windows (4 kinds) the posteriors stop moving by ~20
@@ -167,13 +167,8 @@ def backtest_error(history: Callable[[int], np.ndarray], targets: np.ndarray) ->
     """history(t) -> [t, L, E] the loads of windows 0 .. t - 1 as a source sees them before window t; targets
     [W, L, E] -> the least over forecast.ALPHAS of the squared rate error of the EMA of history(t) against
     targets[t], t = 2 .. W - 1 (forecast.backtest_errors, scored on the raw windows)."""
-    g = _rates(targets)
-    seen = [_rates(history(t)) for t in range(2, len(g))]
-    return min(sum(float(((g[t] - smooth_rates(h, a)) ** 2).sum()) for t, h in enumerate(seen, 2)) for a in ALPHAS)
-
-
-def _rates(x: np.ndarray) -> np.ndarray:
-    return x / np.maximum(x.sum(-1, keepdims=True), 1e-12)
+    g = rates_of(targets)
+    return float(ema_errors([rates_of(history(t)) for t in range(2, len(g))], g).min())
 
 
 class Source(NamedTuple):
