@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from bench.eplb_grace import grace_policy
-from bench.eplb_ours_loads import ours_loads, windows_of
+from bench.eplb_ours_loads import HISTORY, ours_loads, windows_of
 from bench.eplb_plan_time import plan_times
 from bench.eplb_traces import TraceSpec
 from r3trace.eplb import Cluster, PlannerConfig, churn, global_policy, hierarchical, plan
@@ -99,7 +99,7 @@ def policies(cl: Cluster, variants: bool = False) -> dict[str, Policy]:
     return pols
 
 
-def run_cell(cell: Cell, history: int = 8, variants: bool = False,
+def run_cell(cell: Cell, history: int = HISTORY, variants: bool = False,
              reuse: dict[str, dict[str, list[float]]] | None = None,
              only: tuple[str, ...] | None = None, mix_cache: Path | None = None) -> dict[str, Any]:
     """One cell -> {cell fields, policies: {name: {metric: [per held-out window]}}, seconds}. reuse: the rows of
