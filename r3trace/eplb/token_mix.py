@@ -18,7 +18,7 @@ its raw loads times sum_d s[d] p[w, d, l, e] / sum_d shares[w, d] p[w, d, l, e]
 Which loads plan: the number of kinds D by AIC (choose_components); then the raw windows, or these at equal kind
 shares or at the windows' mean shares, whichever forecasts the next raw window best in a one-window-ahead backtest
 over the history (forecast.py's EMA weights, the least squared rate error; the raw windows unless another errs less
-by over MIN_GAIN). On windows from one router (no mix) the raw windows win: the demixed ones add estimation noise.
+by over MIN_GAIN), each window scored with a mixture fitted on the windows before it (held_out_errors). On windows from one router (no mix) the raw windows win: the demixed ones add estimation noise.
 planner.plan(mixed=...) forecasts from them only where the raw history drifts (planner.forecasts_from_mix); a long
 memory over the raw windows averages the mixes out by itself.
 
@@ -232,9 +232,10 @@ def held_out_errors(raw: np.ndarray, windows: Sequence[np.ndarray], d: int) -> d
     """-> each source's backtest_error, window t forecast from a d-kind mixture fitted on windows < t alone.
 
     Why: on the sample model's trace (samples/traces; each window brings a new domain of prompt) the in-sample
-    backtest ranked the equal shares 8-16% better than the raw windows one window ahead, held out 1-4% better or
-    5% worse, and planned on them ours lost 0.007-0.012 balancedness to itself on the raw windows; on the grouped
-    and clustered routers' fast drift (bench/eplb_traces.py) the held-out gain stays 5-23%."""
+    backtest ranked the equal shares 8-16% better than the raw windows one window ahead, held out 5% worse to 3.5%
+    better (history spans 0-3 .. 0-6), and planned on them ours lost 0.007-0.012 balancedness to itself on the raw
+    windows; on the grouped and clustered routers' fast drift (bench/eplb_traces.py, skew 0.6 and 1.2, 8 windows)
+    the held-out gain stays 5-23% (in-sample 12-30%)."""
     folds = {t: fit(windows[:t], raw.shape[2], d) for t in range(2, len(raw))}
     return {"raw": backtest_error(lambda t: raw[:t], raw),
             equal_name(d): backtest_error(lambda t: folds[t].loads(raw[:t]), raw),
