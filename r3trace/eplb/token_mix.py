@@ -18,7 +18,8 @@ its raw loads times sum_d s[d] p[w, d, l, e] / sum_d shares[w, d] p[w, d, l, e]
 Which loads plan: the number of kinds D by AIC (choose_components); then the raw windows, or these at equal kind
 shares or at the windows' mean shares, whichever forecasts the next raw window best in a one-window-ahead backtest
 over the history (forecast.py's EMA weights, the least squared rate error; the raw windows unless another errs less
-by over MIN_GAIN), each window scored with a mixture fitted on the windows before it (held_out_errors). On windows from one router (no mix) the raw windows win: the demixed ones add estimation noise.
+by over MIN_GAIN), each window scored with a mixture fitted on the windows before it (held_out_errors). On windows
+from one router (no mix) the raw windows win: the demixed ones add estimation noise.
 planner.plan(mixed=...) forecasts from them only where the raw history drifts (planner.forecasts_from_mix); a long
 memory over the raw windows averages the mixes out by itself.
 
