@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from bench.eplb_grace import grace_policy
-from bench.eplb_ours_loads import HISTORY, ours_loads, windows_of
+from bench.eplb_ours_loads import HISTORY, ours_loads, spans, windows_of
 from bench.eplb_plan_time import plan_times
 from bench.eplb_traces import TraceSpec
 from r3trace.eplb import Cluster, PlannerConfig, churn, global_policy, hierarchical, plan
@@ -122,14 +122,14 @@ def run_cell(cell: Cell, history: int = HISTORY, variants: bool = False,
             continue
         prev: Placement | None = None
         rows: dict[str, list[float]] = {m: [] for m in METRICS}
-        for t in range(1, len(routes) - 1):
-            mixed = None
+        for lo, hi in spans(len(routes), history):  # planned at the end of window t = hi - 1, scored on hi
+            t, mixed = hi - 1, None
             if name in ON_MIX and sees_tokens:  # what `r3trace eplb` hands ours (token_mix.py)
-                src = ours_loads(cell.spec, max(0, t + 1 - history), t + 1, mix_cache)
+                src = ours_loads(cell.spec, lo, hi, mix_cache)
                 mixed = src.mixed
                 if name == "ours" and prev is not None:
                     sources.append(src.name)
-            pl = f(heats[max(0, t + 1 - history):t + 1], prev, routes[t] if sees_tokens else None, mixed)
+            pl = f(heats[lo:hi], prev, routes[t] if sees_tokens else None, mixed)
             if prev is not None:
                 d = node_limited(pl, routes[t + 1], cl)
                 rows["bal_even"].append(balancedness(even_gpu_load(pl, heats[t + 1], cl)))

@@ -86,13 +86,13 @@ def _fit(job: tuple[TraceSpec, int, int, Path]) -> str:
     return ours_loads(*job).name
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("files", nargs="*", help="matrix result files (default: bench/results/eplb-matrix-*.json)")
     ap.add_argument("--mix-cache", required=True, help="folder the fits are written to")
     ap.add_argument("--jobs", type=int, default=1, help="processes fitting at once")
     ap.add_argument("--budget-s", type=float, default=float("inf"), help="start no fit after this many seconds")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     cache = Path(args.mix_cache)
     files = [Path(f) for f in args.files] or sorted(RESULTS.glob("eplb-matrix-*.json"))
     todo = [(s, lo, hi, cache) for s, lo, hi in matrix_spans(files) if not cache_path(s, lo, hi, cache).exists()]

@@ -6,11 +6,13 @@ Run: .venv/bin/pytest tests/bench/test_eplb_ours_loads.py -q
 
 from __future__ import annotations
 
+import json
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
 
-from bench.eplb_ours_loads import ours_loads, windows_of
+from bench.eplb_ours_loads import cache_path, main, ours_loads, spans, windows_of
 from bench.eplb_traces import TraceSpec
 from r3trace.eplb.score import heat_of
 from r3trace.eplb.token_mix import planning_loads
@@ -31,3 +33,21 @@ def test_ours_loads_are_planning_loads_and_the_cache_keeps_them(tmp_path: Path) 
         np.testing.assert_array_equal(got.loads, direct.loads)
     assert ours_loads(SPEC, 0, 4, tmp_path).loads.shape[0] == 4  # another span: another entry
     assert len(list(tmp_path.iterdir())) == 2
+
+
+def test_main_fits_every_span_a_matrix_cell_plans_from(tmp_path: Path) -> None:
+    """The precompute fits what run_cell asks ours_loads for, t = 1 .. W - 2 on the newest HISTORY windows up to t,
+    of the cells whose planners see tokens (an SGLang dump's do not), each span once, and nothing else."""
+    dump = replace(SPEC, family="sglang-dump")
+    results = tmp_path / "eplb-matrix-x.json"
+    results.write_text(json.dumps({"results": [{"spec": asdict(s)} for s in (SPEC, SPEC, dump)]}))
+    assert spans(5) == [(0, 2), (0, 3), (0, 4)] and spans(12)[-1] == (3, 11)
+    cache = tmp_path / "cache"
+    main(["--mix-cache", str(cache), "--jobs", "1", str(results)])
+    assert sorted(cache.iterdir()) == sorted(cache_path(SPEC, lo, hi, cache) for lo, hi in spans(5))
+    routes = windows_of(SPEC)[0]
+    for lo, hi in spans(5):
+        doc = json.loads(cache_path(SPEC, lo, hi, cache).read_text())
+        direct = planning_loads(np.stack([heat_of(w, SPEC.num_experts) for w in routes[lo:hi]]), list(routes[lo:hi]))
+        assert doc["name"] == direct.name
+        np.testing.assert_array_equal(np.array(doc["loads"]), direct.loads)
