@@ -18,8 +18,12 @@ its raw loads times sum_d s[d] p[w, d, l, e] / sum_d shares[w, d] p[w, d, l, e]
 Which loads plan: the number of kinds D by AIC (choose_components); then the raw windows, or these at equal kind
 shares or at the windows' mean shares, whichever forecasts the next raw window best in a one-window-ahead backtest
 over the history (forecast.py's EMA weights, the least squared rate error; the raw windows unless another errs less
-by over MIN_GAIN), each window scored with a mixture fitted on the windows before it (held_out_errors). On windows
-from one router (no mix) the raw windows win: the demixed ones add estimation noise.
+by over MIN_GAIN). On windows from one router (no mix) the raw windows win: the demixed ones add estimation noise.
+The mixture scored is the one fitted on all the windows, the scored ones too, so a kind of token first seen in the
+scored window is already among those re-weighted to forecast it (on the sample model's trace, where each window brings
+a new domain of prompt, the equal shares backtest 8-16% better than the raw windows, fitted on each window's past alone
+5% worse to 3.5% better); choosing by refits on each window's past instead planned worse on average in every trace
+family of bench/eplb_matrix.py (docs/perf-history/benchmarks-log.md, "the token mix's source chosen held out").
 planner.plan(mixed=...) forecasts from them only where the raw history drifts (planner.forecasts_from_mix); a long
 memory over the raw windows averages the mixes out by itself.
 
@@ -189,8 +193,8 @@ class Source(NamedTuple):
 def planning_loads(loads: np.ndarray, windows: Sequence[np.ndarray] | None,
                    components: Sequence[int] = COMPONENTS) -> Source:
     """loads [W, L, E] and the routes behind them (W x [T_w, L, K], or None) -> the loads to plan on (module doc).
-    Mean shares are the mean over the windows seen. The backtest scores each window t with a mixture fitted on the
-    windows before it (held_out_errors); the fit on all windows only screens first (in_sample_errors)."""
+    Mean shares are the mean over the windows seen; in the backtest, over the windows before the one scored (the
+    scored window's own share would lean the forecast its way)."""
     raw = np.asarray(loads, dtype=np.float64)
     if windows is None or raw.ndim != 3 or len(raw) < MIN_WINDOWS:
         return Source(raw, "raw", {}, {})
@@ -198,52 +202,14 @@ def planning_loads(loads: np.ndarray, windows: Sequence[np.ndarray] | None,
         raise ValueError(f"windows: {len(windows)} routes for {len(raw)} windows of loads")
     mix, scores = choose_components(windows, raw.shape[2], components)
     d = mix.p.shape[1]
-    errors = in_sample_errors(raw, mix)
-    if _best(errors) != "raw":
-        errors = held_out_errors(raw, windows, d)
-    best = _best(errors)
-    final = {"raw": raw, equal_name(d): mix.loads(raw), mean_name(d): mix.loads(raw, mix.shares.mean(0))}
-    # 1e-3 picks: the EM's exp / log round by the CPU's SIMD kernels; rounded, every machine plans on the same loads
-    return Source(np.round(final[best], 3), best, errors, scores)
-
-
-def equal_name(d: int) -> str:
-    return f"mix: {d} kinds, equal shares"
-
-
-def mean_name(d: int) -> str:
-    return f"mix: {d} kinds, mean shares"
-
-
-def in_sample_errors(raw: np.ndarray, mix: Mix) -> dict[str, float]:
-    """raw [W, L, E] and the mixture fitted on all W windows -> each source's backtest_error, window t forecast from
-    windows < t of that fit (at the mean shares of the windows before t). Optimistic for the mixture: it was fitted
-    to the windows it scores (a kind seen only in window t is already among those re-weighted to forecast it), so
-    where even this keeps the raw windows they stand, and the refits of held_out_errors are skipped."""
-    d = mix.p.shape[1]
     cands: dict[str, Callable[[int], np.ndarray]] = {"raw": lambda t: raw[:t]}
     if d > 1:
         equal = mix.loads(raw)
-        cands[equal_name(d)] = lambda t: equal[:t]
-        cands[mean_name(d)] = lambda t: mix.loads(raw, mix.shares[:t].mean(0))[:t]
-    return {k: backtest_error(f, raw) for k, f in cands.items()}
-
-
-def held_out_errors(raw: np.ndarray, windows: Sequence[np.ndarray], d: int) -> dict[str, float]:
-    """-> each source's backtest_error, window t forecast from a d-kind mixture fitted on windows < t alone.
-
-    Why: on the sample model's trace (samples/traces; each window brings a new domain of prompt) the in-sample
-    backtest ranked the equal shares 8-16% better than the raw windows one window ahead, held out 5% worse to 3.5%
-    better (history spans 0-3 .. 0-6), and planned on them ours lost 0.007-0.012 balancedness to itself on the raw
-    windows; on the grouped and clustered routers' fast drift (bench/eplb_traces.py, skew 0.6 and 1.2, 8 windows)
-    the held-out gain stays 5-23% (in-sample 12-30%)."""
-    folds = {t: fit(windows[:t], raw.shape[2], d) for t in range(2, len(raw))}
-    return {"raw": backtest_error(lambda t: raw[:t], raw),
-            equal_name(d): backtest_error(lambda t: folds[t].loads(raw[:t]), raw),
-            mean_name(d): backtest_error(lambda t: folds[t].loads(raw[:t], folds[t].shares.mean(0)), raw)}
-
-
-def _best(errors: dict[str, float]) -> str:
-    """The source of least backtest error, the raw windows unless another errs less by over MIN_GAIN."""
+        cands[f"mix: {d} kinds, equal shares"] = lambda t: equal[:t]
+        cands[f"mix: {d} kinds, mean shares"] = lambda t: mix.loads(raw, mix.shares[:t].mean(0))[:t]
+    errors = {k: backtest_error(f, raw) for k, f in cands.items()}
     best = min(errors, key=lambda k: errors[k])
-    return "raw" if errors[best] >= errors["raw"] * (1 - MIN_GAIN) else best
+    if errors[best] >= errors["raw"] * (1 - MIN_GAIN):
+        best = "raw"
+    # 1e-3 picks: the EM's exp / log round by the CPU's SIMD kernels; rounded, every machine plans on the same loads
+    return Source(np.round(cands[best](len(raw)), 3), best, errors, scores)
