@@ -3,7 +3,8 @@ as `r3trace eplb` hands them to ours, fitted once a trace and history span for e
 
 Run: .venv/bin/python -m bench.eplb_ours_loads --mix-cache DIR --jobs N [FILE ...]
      fits every span the matrix's ours reads for the cells of the result files (default: every held-out one) into
-     DIR, N processes at a time; then bench/eplb_matrix.py --mix-cache DIR reads them instead of fitting.
+     DIR, N processes at a time; then bench/eplb_matrix.py --mix-cache DIR reads them instead of fitting
+     (--smoke: one small trace, a temporary folder).
 
 Shape legend: W windows, T tokens, L layers, E experts, K top-k.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import tempfile
 import time
 from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
@@ -89,10 +91,18 @@ def _fit(job: tuple[TraceSpec, int, int, Path]) -> str:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("files", nargs="*", help="matrix result files (default: bench/results/eplb-matrix-*.json)")
-    ap.add_argument("--mix-cache", required=True, help="folder the fits are written to")
+    ap.add_argument("--mix-cache", help="folder the fits are written to")
     ap.add_argument("--jobs", type=int, default=1, help="processes fitting at once")
     ap.add_argument("--budget-s", type=float, default=float("inf"), help="start no fit after this many seconds")
+    ap.add_argument("--smoke", action="store_true", help="one small trace's spans into a temporary folder: make test")
     args = ap.parse_args(argv)
+    if args.smoke:
+        with tempfile.TemporaryDirectory() as tmp:
+            spec = TraceSpec(family="grouped", drift="fast", num_layers=2, windows=5, window_tokens=512)
+            (Path(tmp) / "eplb-matrix-smoke.json").write_text(json.dumps({"results": [{"spec": asdict(spec)}]}))
+            return main(["--mix-cache", str(Path(tmp) / "cache"), str(Path(tmp) / "eplb-matrix-smoke.json")])
+    if args.mix_cache is None:
+        ap.error("give --mix-cache DIR (or --smoke)")
     cache = Path(args.mix_cache)
     files = [Path(f) for f in args.files] or sorted(RESULTS.glob("eplb-matrix-*.json"))
     todo = [(s, lo, hi, cache) for s, lo, hi in matrix_spans(files) if not cache_path(s, lo, hi, cache).exists()]
