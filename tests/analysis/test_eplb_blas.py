@@ -40,10 +40,25 @@ print(''.join(a.tobytes().hex() for a in out))
 """
 
 
-def digest(coretype: str, **extra: str) -> str:
+# token_mix.planning_loads on windows of three kinds of token (tests/analysis/test_eplb_token_mix.py's draw): its EM
+# takes numpy's exp / log, whose SIMD kernels round by CPU (its mixture's bytes differ with X86_V3 off), so the loads
+# a plan reads are rounded to 1e-3; those and the source picked must match
+MIX_SCRIPT = """
+import sys
+import numpy as np
+sys.path.insert(0, "tests/analysis")
+from test_eplb_token_mix import draw, heat
+from r3trace.eplb import token_mix
+routes = draw(3, 1.5, seed=5)[0]
+src = token_mix.planning_loads(heat(routes), routes)
+print(src.name, sorted(src.aic), src.loads.tobytes().hex())
+"""
+
+
+def digest(coretype: str, script: str = SCRIPT, **extra: str) -> str:
     env = {**os.environ, "OPENBLAS_CORETYPE": coretype, **extra}
-    done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300,
-                          check=True)
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300,
+                          check=True, cwd=Path(__file__).resolve().parents[2])
     return hashlib.sha256(done.stdout.encode()).hexdigest()
 
 
@@ -68,3 +83,12 @@ def test_plans_match_with_numpys_simd_kernels_switched_off() -> None:
     """numpy's own per-CPU kernels (sort, argsort, ufuncs) with AVX2 and up switched off, as on a CPU without them or
     another architecture's fallback: the same forecast and plan bytes."""
     assert digest("Haswell") == digest("Haswell", NPY_DISABLE_CPU_FEATURES="X86_V3")
+
+
+@pytest.mark.skipif("avx2" not in cpu_flags() or platform.machine() != "x86_64",
+                    reason="numpy's X86_V3 (AVX2) dispatch to switch off")
+def test_token_mix_loads_match_with_numpys_simd_kernels_switched_off() -> None:
+    """The token mix's loads and source (what plan(mixed=...) reads) across OpenBLAS kernels and with numpy's AVX2
+    kernels off; the mixture itself differs in its last bits there."""
+    base = digest("Haswell", MIX_SCRIPT)
+    assert base == digest("Nehalem", MIX_SCRIPT) == digest("Haswell", MIX_SCRIPT, NPY_DISABLE_CPU_FEATURES="X86_V3")
