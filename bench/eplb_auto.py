@@ -5,7 +5,9 @@ CLI cuts its training window into: 8 by default, fewer on a short trace). As `r3
 the backtest scores every policy x forecast on the newest FOLDS history windows in turn, each planned from the
 windows before it with the newest REPLAY tokens before it, replaying the scored window's first REPLAY tokens (none
 for the sglang-dump family: heat-only, the rule ranks the even split); backtest.choose picks one, which plans fresh on
-the whole history. Every candidate also plans fresh on the whole history and is scored on window t + 1 by node-limited
+the whole history. Every candidate also plans fresh on the whole history (ours on ema as the CLI plans it: handed
+the windows at the long-run mix of their kinds of token, fitted on each history window's first MIX_TOKENS routes,
+token_mix.planning_loads; a point's "load_source" names what that picked) and is scored on window t + 1 by node-limited
 replay of its first REPLAY tokens (in every cell: the sglang-dump family's tokens exist, hidden from its planners and
 its backtest): the held-out figure of each fixed choice (`--policy X --forecast Y`) beside auto's pick, and the one
 that was best in hindsight.
@@ -29,6 +31,7 @@ import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
 
@@ -40,11 +43,13 @@ from r3trace.eplb.backtest import TIE, Candidate, backtest, choose, fold_windows
 from r3trace.eplb.evaluate import FORECASTS, POLICIES, DispatchName, Score, plan_policy, score_placement
 from r3trace.eplb.placement import PlacementError
 from r3trace.eplb.score import heat_of
+from r3trace.eplb.token_mix import Source, planning_loads
 
 RESULTS = Path(__file__).parent / "results"
 OUT = RESULTS / "eplb-auto.json"
 HISTORY = 8  # PlanRequest.windows: the history windows the CLI cuts its training window into
 REPLAY = 8192  # PlanRequest.replay_tokens
+MIX_TOKENS = 2048  # PlanRequest.mix_tokens: each history window's first tokens fit the token mix (token_mix.py)
 WINDOWS = 12  # windows a synthetic cell runs: re-plans at 2 .. 8 history windows, then four at 8
 DEFAULT = "ours/ema"  # what auto falls back to without a backtest (report._backtest)
 # the synthetic traces: (family, drift, Zipf skew)
@@ -81,6 +86,15 @@ def _figures(s: Score) -> dict[str, float | None]:
             "dynamic": s.balancedness_dynamic, "nodes": s.nodes_mean}
 
 
+@lru_cache(maxsize=64)
+def mix_source(spec: TraceSpec, lo: int, hi: int) -> Source:
+    """What `r3trace eplb` hands ours on ema from history windows lo .. hi - 1: token_mix.planning_loads of their
+    heat and each one's first MIX_TOKENS routes (report.make_report, loads.window_routes); once per trace and span
+    for every cell sharing the trace."""
+    routes = load_windows(spec)[0][lo:hi]
+    return planning_loads(np.stack([heat_of(w, spec.num_experts) for w in routes]), [w[:MIX_TOKENS] for w in routes])
+
+
 def run_cell(cell: Cell, dispatch: DispatchName = "node-limited") -> dict[str, Any]:
     t0 = time.perf_counter()
     routes, sees = load_windows(cell.spec)
@@ -96,15 +110,17 @@ def run_cell(cell: Cell, dispatch: DispatchName = "node-limited") -> dict[str, A
         cands = backtest(hist, held, fit, val, cl, dispatch=dispatch)
         chosen = choose(cands)
         toks = _newest(win, len(win)) if sees else None
+        mixed = mix_source(cell.spec, lo, t + 1).mixed if sees else None  # ours on ema only (plan_policy)
         after: dict[str, dict[str, float | None]] = {}
         for policy in POLICIES:
             for how in FORECASTS:
                 try:
-                    pl = plan_policy(policy, hist, how, cl, toks, dispatch=dispatch)
+                    pl = plan_policy(policy, hist, how, cl, toks, dispatch=dispatch, mixed=mixed)
                 except PlacementError:
                     continue
                 after[f"{policy}/{how}"] = _figures(score_placement(pl, heats[t + 1], routes[t + 1][:REPLAY], cl))
         points.append({"t": t, "history": len(hist), "chosen": f"{chosen.policy}/{chosen.forecast}",
+                       "load_source": mix_source(cell.spec, lo, t + 1).name if sees else None,
                        "backtest": {f"{c.policy}/{c.forecast}": {"folds": c.fold_balancedness.tolist(),
                                                                  "nodes": [f.nodes_mean for f in c.folds]}
                                     for c in cands if c.folds},

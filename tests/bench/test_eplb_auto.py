@@ -6,6 +6,7 @@ Run: .venv/bin/pytest -q tests/bench/test_eplb_auto.py
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -66,3 +67,40 @@ def test_scores_read_the_dispatch_asked_for() -> None:
     for fig in p["held"].values():  # a point without the figure (heat only): the even split
         fig["dynamic"] = None
     assert score_rules([{"points": [p]}], rules, "dynamic")["global + mean"]["vs_ours"][0] == pytest.approx(0.08)
+
+
+def test_ours_on_ema_plans_on_the_token_mix_the_cli_hands_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each point's ours + ema plan gets token_mix.planning_loads of its history windows' heat and first MIX_TOKENS
+    routes, as report.make_report hands it (the grouped router's fast drift: the newest point's history takes the
+    mix, the earlier ones the raw windows, mixed None)."""
+    import numpy as np
+
+    from bench import eplb_auto
+    from bench.eplb_traces import load_windows
+    from r3trace.eplb.score import heat_of
+    from r3trace.eplb.token_mix import planning_loads
+
+    cell = eplb_auto.cells(True)[0]
+    cell = replace(cell, spec=replace(cell.spec, family="grouped", windows=6))
+    seen: list[Any] = []
+    real = eplb_auto.plan_policy
+
+    def spy(policy: str, history: Any, how: str, *args: Any, **kw: Any) -> Any:
+        if (policy, how) == ("ours", "ema"):
+            seen.append(kw["mixed"])
+        return real(policy, history, how, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(eplb_auto, "plan_policy", spy)
+    res = eplb_auto.run_cell(cell)
+    routes = load_windows(cell.spec)[0]
+    heats = np.stack([heat_of(w, cell.spec.num_experts) for w in routes])
+    assert [p["load_source"] for p in res["points"]][-1].startswith("mix: ")
+    assert len(seen) == len(res["points"])
+    for got, p in zip(seen, res["points"], strict=True):
+        lo, hi = max(0, p["t"] + 1 - eplb_auto.HISTORY), p["t"] + 1
+        want = planning_loads(heats[lo:hi], [w[:eplb_auto.MIX_TOKENS] for w in routes[lo:hi]])
+        assert want.name == p["load_source"]
+        if want.mixed is None:
+            assert got is None
+        else:
+            np.testing.assert_array_equal(got, want.mixed)
