@@ -177,8 +177,9 @@ def auto_claim(paths: list[Path] = AUTO_FILES) -> dict[str, Any]:
                   "backtest, which ranks the even split), or with --dispatch static (dynamic) SGLang's static "
                   "(dynamic, in expectation) dispatch replayed, which the backtest then ranks and ours plans for; "
                   "synthetic traces of seeds 0, 1 and 2",
-        "baseline": "ours + ema (the candidate `--policy ours` plans), every fixed candidate, and the best candidate "
-                    "in hindsight, scored on the same windows",
+        "baseline": "ours + ema (the candidate `--policy ours` plans: where the history drifts, on the windows at "
+                    "the long-run mix of their kinds of token, fitted on each window's first 2,048 routes), every "
+                    "fixed candidate, and the best candidate in hindsight, scored on the same windows",
         "command": "python -m bench.eplb_auto [--seed N --out bench/results/eplb-auto-seedN.json] [--dispatch D "
                    "--out bench/results/eplb-auto-D.json] (D: static, dynamic)",
         "sources": [str(p.relative_to(RESULTS.parents[1])) for p in paths],
