@@ -38,6 +38,7 @@ from typing import Any, Literal
 import numpy as np
 
 from bench.eplb_matrix import MAIN_SHAPES, SAMPLE_SHAPES, SAMPLE_WINDOWS, Cell
+from bench.eplb_ours_loads import windows_of
 from bench.eplb_traces import Family, TraceSpec, load_windows
 from r3trace.eplb.backtest import TIE, Candidate, backtest, choose, fold_windows, rank
 from r3trace.eplb.evaluate import FORECASTS, POLICIES, DispatchName, Score, plan_policy, score_placement
@@ -91,7 +92,7 @@ def mix_source(spec: TraceSpec, lo: int, hi: int) -> Source:
     """What `r3trace eplb` hands ours on ema from history windows lo .. hi - 1: token_mix.planning_loads of their
     heat and each one's first MIX_TOKENS routes (report.make_report, loads.window_routes); once per trace and span
     for every cell sharing the trace."""
-    routes = load_windows(spec)[0][lo:hi]
+    routes = windows_of(spec)[0][lo:hi]
     return planning_loads(np.stack([heat_of(w, spec.num_experts) for w in routes]), [w[:MIX_TOKENS] for w in routes])
 
 
@@ -110,7 +111,8 @@ def run_cell(cell: Cell, dispatch: DispatchName = "node-limited") -> dict[str, A
         cands = backtest(hist, held, fit, val, cl, dispatch=dispatch)
         chosen = choose(cands)
         toks = _newest(win, len(win)) if sees else None
-        mixed = mix_source(cell.spec, lo, t + 1).mixed if sees else None  # ours on ema only (plan_policy)
+        src = mix_source(cell.spec, lo, t + 1) if sees else None
+        mixed = None if src is None else src.mixed  # ours on ema only (plan_policy)
         after: dict[str, dict[str, float | None]] = {}
         for policy in POLICIES:
             for how in FORECASTS:
@@ -120,7 +122,7 @@ def run_cell(cell: Cell, dispatch: DispatchName = "node-limited") -> dict[str, A
                     continue
                 after[f"{policy}/{how}"] = _figures(score_placement(pl, heats[t + 1], routes[t + 1][:REPLAY], cl))
         points.append({"t": t, "history": len(hist), "chosen": f"{chosen.policy}/{chosen.forecast}",
-                       "load_source": mix_source(cell.spec, lo, t + 1).name if sees else None,
+                       "load_source": None if src is None else src.name,
                        "backtest": {f"{c.policy}/{c.forecast}": {"folds": c.fold_balancedness.tolist(),
                                                                  "nodes": [f.nodes_mean for f in c.folds]}
                                     for c in cands if c.folds},
