@@ -31,20 +31,18 @@ import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
-from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 
 from bench.eplb_matrix import MAIN_SHAPES, SAMPLE_SHAPES, SAMPLE_WINDOWS, Cell
-from bench.eplb_ours_loads import windows_of
-from bench.eplb_traces import Family, TraceSpec, load_windows
+from bench.eplb_ours_loads import ours_loads, windows_of
+from bench.eplb_traces import Family, TraceSpec
 from r3trace.eplb.backtest import TIE, Candidate, backtest, choose, fold_windows, rank
 from r3trace.eplb.evaluate import FORECASTS, POLICIES, DispatchName, Score, plan_policy, score_placement
 from r3trace.eplb.placement import PlacementError
 from r3trace.eplb.score import heat_of
-from r3trace.eplb.token_mix import Source, planning_loads
 
 RESULTS = Path(__file__).parent / "results"
 OUT = RESULTS / "eplb-auto.json"
@@ -87,18 +85,9 @@ def _figures(s: Score) -> dict[str, float | None]:
             "dynamic": s.balancedness_dynamic, "nodes": s.nodes_mean}
 
 
-@lru_cache(maxsize=64)
-def mix_source(spec: TraceSpec, lo: int, hi: int) -> Source:
-    """What `r3trace eplb` hands ours on ema from history windows lo .. hi - 1: token_mix.planning_loads of their
-    heat and each one's first MIX_TOKENS routes (report.make_report, loads.window_routes); once per trace and span
-    for every cell sharing the trace."""
-    routes = windows_of(spec)[0][lo:hi]
-    return planning_loads(np.stack([heat_of(w, spec.num_experts) for w in routes]), [w[:MIX_TOKENS] for w in routes])
-
-
 def run_cell(cell: Cell, dispatch: DispatchName = "node-limited") -> dict[str, Any]:
     t0 = time.perf_counter()
-    routes, sees = load_windows(cell.spec)
+    routes, sees = windows_of(cell.spec)
     heats = np.stack([heat_of(w, cell.spec.num_experts) for w in routes])
     cl = cell.cluster
     points = []
@@ -111,7 +100,9 @@ def run_cell(cell: Cell, dispatch: DispatchName = "node-limited") -> dict[str, A
         cands = backtest(hist, held, fit, val, cl, dispatch=dispatch)
         chosen = choose(cands)
         toks = _newest(win, len(win)) if sees else None
-        src = mix_source(cell.spec, lo, t + 1) if sees else None
+        # what `r3trace eplb` hands ours on ema (report.make_report, loads.window_routes): each history window's
+        # first MIX_TOKENS routes fit the token mix; fitted once a trace and span for the cells sharing the trace
+        src = ours_loads(cell.spec, lo, t + 1, tokens=MIX_TOKENS) if sees else None
         mixed = None if src is None else src.mixed  # ours on ema only (plan_policy)
         after: dict[str, dict[str, float | None]] = {}
         for policy in POLICIES:

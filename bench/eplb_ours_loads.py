@@ -39,16 +39,17 @@ def windows_of(spec: TraceSpec) -> tuple[np.ndarray, bool]:
 
 
 @lru_cache(maxsize=256)
-def ours_loads(spec: TraceSpec, lo: int, hi: int, cache: Path | None = None) -> Source:
+def ours_loads(spec: TraceSpec, lo: int, hi: int, cache: Path | None = None, tokens: int | None = None) -> Source:
     """The loads ours plans on at the end of window hi - 1 from windows lo .. hi - 1 (token_mix.planning_loads),
     fitted once for every cell and policy of ours on this trace (cells of a sweep share traces); cache: a folder
-    where runs of other sweeps' files (separate processes) find each other's fits."""
-    path = None if cache is None else cache_path(spec, lo, hi, cache)
+    where runs of other sweeps' files (separate processes) find each other's fits. tokens: fit on each window's
+    first `tokens` routes (`r3trace eplb --mix-tokens`; the heat stays the whole window's), None: all of them."""
+    path = None if cache is None else cache_path(spec, lo, hi, cache, tokens)
     if path is not None and path.exists():
         doc = json.loads(path.read_text())
         return Source(np.array(doc["loads"]), doc["name"], doc["errors"], {int(k): v for k, v in doc["aic"].items()})
-    routes = windows_of(spec)[0]
-    src = planning_loads(np.stack([heat_of(w, spec.num_experts) for w in routes[lo:hi]]), list(routes[lo:hi]))
+    routes = windows_of(spec)[0][lo:hi]
+    src = planning_loads(np.stack([heat_of(w, spec.num_experts) for w in routes]), [w[:tokens] for w in routes])
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
@@ -58,9 +59,10 @@ def ours_loads(spec: TraceSpec, lo: int, hi: int, cache: Path | None = None) -> 
     return src
 
 
-def cache_path(spec: TraceSpec, lo: int, hi: int, cache: Path) -> Path:
-    """The file in `cache` holding ours_loads(spec, lo, hi)."""
-    key = hashlib.sha256(json.dumps([asdict(spec), lo, hi], sort_keys=True).encode()).hexdigest()[:24]
+def cache_path(spec: TraceSpec, lo: int, hi: int, cache: Path, tokens: int | None = None) -> Path:
+    """The file in `cache` holding ours_loads(spec, lo, hi, tokens=tokens) (all tokens: the key without them)."""
+    fields = [asdict(spec), lo, hi] + ([] if tokens is None else [tokens])
+    key = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:24]
     return cache / f"{key}.json"
 
 
