@@ -236,7 +236,10 @@ def cells(sweep: str, base: TraceSpec) -> list[Cell]:
         spec = replace(base, family="sample", num_experts=32, num_groups=4, top_k=4, num_layers=4,
                        windows=min(base.windows, SAMPLE_WINDOWS))
         return [Cell(spec, g, n, p) for (g, n, p) in SAMPLE_SHAPES]
-    raise ValueError(f"sweep={sweep!r}: expected smoke, shape, family, groups1, tradeoff or sample")
+    if sweep == "sample-mix":  # the sample model's router under a serving stream whose domain mix drifts
+        spec = replace(base, family="sample-mix", num_experts=32, num_groups=4, top_k=4, num_layers=4)
+        return [Cell(replace(spec, drift=d), g, n, p) for d in ("slow", "fast") for (g, n, p) in SAMPLE_SHAPES]
+    raise ValueError(f"sweep={sweep!r}: expected smoke, shape, family, groups1, tradeoff, sample or sample-mix")
 
 
 def table(results: list[dict[str, Any]]) -> list[str]:
@@ -256,7 +259,8 @@ def table(results: list[dict[str, Any]]) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="three small cells, seconds on CPU")
-    ap.add_argument("--sweep", choices=("shape", "family", "groups1", "tradeoff", "sample"), default=None)
+    ap.add_argument("--sweep", choices=("shape", "family", "groups1", "tradeoff", "sample", "sample-mix"),
+                    default=None)
     ap.add_argument("--nodes", type=int, nargs="*", default=[], help="only cells with these node counts")
     ap.add_argument("--skews", type=float, nargs="*", default=[], help="only cells with these Zipf skews")
     ap.add_argument("--slots", type=int, nargs="*", default=[], help="only cells with these slot counts")

@@ -31,6 +31,7 @@ SWEEPS = {  # a result file's sweep -> what its cells vary (the summary's first 
     "family": "trace families x drift",
     "groups1": "a router without groups",
     "sample": "the sample model's traces",
+    "sample-mix": "the sample model's router, a serving stream of held-out text",
 }
 
 
@@ -179,7 +180,9 @@ def matrix_claim(files: list[Path]) -> dict[str, Any]:
         "id": SUMMARY_ID, "hardware": "cpu-2core",
         "shapes": f"each cell {held.get(False, 0) + 3} consecutive windows of 4,096 tokens from a 6-layer, "
                   f"256-expert, top-8 router (bench/eplb_traces.py; the sample model's cells: {held.get(True, 0) + 3} "
-                  "windows of its traces, 4 MoE layers, 32 experts, top-4); every policy plans at the end of window t "
+                  "windows of its traces, 4 MoE layers, 32 experts, top-4; the sample-mix cells: windows of 32 "
+                  "requests of 128 tokens of its routes on held-out text, each request's domain from shares that "
+                  "drift, bench/sample_routes.py); every policy plans at the end of window t "
                   f"and is scored on window t + 1 from t = 2 on, {held.get(False, 0)} held-out windows a cell (the "
                   f"sample's {held.get(True, 0)}); "
                   "balancedness = mean over layers of mean / max GPU load, the even split of each expert's load "

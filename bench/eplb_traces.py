@@ -12,6 +12,13 @@ group-limited routing: 4 of 8) and takes the top K experts inside them. Families
 Drift: drift_{w+1} = drift_w + N(0, sigma) per (layer, expert), sigma 0.05 (slow) or 0.3 (fast) logits
 per window; Zipf s = 1 puts the top two experts log 2 = 0.69 apart.
 
+sample-mix: the sample model's trained router (a fixed checkpoint) under a serving stream of held-out text whose mix
+of domains moves: samples/heldout_routes.npz (bench/sample_routes.py: 305 requests of 512 tokens, 5 domains) cut into
+requests of PIECE tokens; a window draws window_tokens / PIECE of them, each request's domain from the window's
+shares softmax(z_w), z_{w+1} = z_w + N(0, sigma) per domain (sigma as the drift above, z_0 = 0: equal shares), a
+request of that domain at random (with replacement across windows). The router's domains differ: half the L1
+distance between two domains' loads is 0.22-0.56 a layer.
+
 sglang-dump: SGLang's `/dump_expert_distribution_record` in stat mode writes `logical_count`
 [forward passes, L, E] (sglang python/sglang/srt/eplb/expert_distribution.py, _StatAccumulator.dump,
 commit dd780ab): counts only, no tokens. The matrix gives the planners of that family the grouped windows'
@@ -28,10 +35,12 @@ from typing import Literal
 
 import numpy as np
 
-Family = Literal["grouped", "clustered", "independent", "sglang-dump", "sample"]
+Family = Literal["grouped", "clustered", "independent", "sglang-dump", "sample", "sample-mix"]
 SYNTH: tuple[Family, ...] = ("grouped", "clustered", "independent", "sglang-dump")
 DRIFT_SIGMA = {"slow": 0.05, "fast": 0.3}
 SAMPLE_DIR = Path(__file__).resolve().parent.parent / "samples" / "traces"
+SAMPLE_ROUTES = SAMPLE_DIR.parent / "heldout_routes.npz"
+PIECE = 128  # tokens a request of the sample-mix stream: 32 requests a 4,096-token window
 
 
 @dataclass(frozen=True)
@@ -50,8 +59,8 @@ class TraceSpec:
     def __post_init__(self) -> None:
         if self.num_experts % self.num_groups:
             raise ValueError(f"num_groups={self.num_groups} does not divide num_experts={self.num_experts}")
-        if self.family not in (*SYNTH, "sample"):
-            raise ValueError(f"family={self.family!r}: expected one of {(*SYNTH, 'sample')}")
+        if self.family not in (*SYNTH, "sample", "sample-mix"):
+            raise ValueError(f"family={self.family!r}: expected one of {(*SYNTH, 'sample', 'sample-mix')}")
 
 
 def _route(logits: np.ndarray, groups: int, k: int) -> np.ndarray:
@@ -132,10 +141,35 @@ def sample_windows(windows: int) -> tuple[np.ndarray, int, int]:
     return ids[: t * windows].reshape(windows, t, *ids.shape[1:]), run.manifest.num_experts, run.manifest.num_groups
 
 
+def sample_mix_windows(spec: TraceSpec) -> np.ndarray:
+    """-> [W, T, L, K] int16 routes of the sample-mix family (module doc), deterministic in spec.seed."""
+    z = np.load(SAMPLE_ROUTES)
+    ids, domain = z["ids"], z["domain"]  # [N, S, L, K], [N]
+    shape = (int(z["num_experts"]), int(z["num_groups"]), ids.shape[3], ids.shape[2])
+    if (spec.num_experts, spec.num_groups, spec.top_k, spec.num_layers) != shape or spec.window_tokens % PIECE:
+        raise ValueError(f"sample-mix: (num_experts, num_groups, top_k, num_layers) must be {shape} and "
+                         f"window_tokens a multiple of {PIECE}; got {spec}")
+    per = ids.shape[1] // PIECE
+    pieces = ids[:, : per * PIECE].reshape(len(ids) * per, PIECE, *ids.shape[2:])  # [N per, PIECE, L, K]
+    owners = [np.flatnonzero(np.repeat(domain, per) == d) for d in range(int(domain.max()) + 1)]
+    rng = np.random.default_rng(spec.seed)
+    z_mix = np.zeros(len(owners))
+    n = spec.window_tokens // PIECE
+    out = np.empty((spec.windows, n * PIECE, *ids.shape[2:]), dtype=np.int16)
+    for w in range(spec.windows):
+        shares = np.exp(z_mix - z_mix.max())
+        for j, d in enumerate(rng.choice(len(owners), n, p=shares / shares.sum())):
+            out[w, j * PIECE: (j + 1) * PIECE] = pieces[rng.choice(owners[d])]
+        z_mix += rng.normal(0, DRIFT_SIGMA[spec.drift], len(owners))
+    return out
+
+
 def load_windows(spec: TraceSpec) -> tuple[np.ndarray, bool]:
     """-> (routes [W, T, L, K], planners see tokens): every family's windows; sglang-dump hides the tokens."""
     if spec.family == "sample":
         return sample_windows(spec.windows)[0], True
+    if spec.family == "sample-mix":
+        return sample_mix_windows(spec), True
     return synth_windows(spec), spec.family != "sglang-dump"
 
 
