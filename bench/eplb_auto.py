@@ -20,6 +20,7 @@ With --dispatch static (or dynamic) the backtest ranks, and every held-out figur
 in expectation) dispatch replayed, as `r3trace eplb --dispatch` does.
 
 Run: .venv/bin/python -m bench.eplb_auto [--seed N] [--dispatch D] [--out FILE]   (16 cells, ~15 min on one core;
+     --sweep sample-mix: the sample model's router on a serving stream, 8 cells, ~8 min;
      --smoke: one cell; --reuse FILE --nodes 2: run only the 2-node cells again, copy the others from FILE;
      --cell NAME: that cell again (repeatable), the others from --reuse, or left out without it)
 """
@@ -56,9 +57,14 @@ TRACES: list[tuple[Family, Literal["slow", "fast"], float]] = [
     ("grouped", "slow", 0.6), ("grouped", "fast", 1.2), ("clustered", "fast", 0.6), ("sglang-dump", "fast", 0.6)]
 
 
-def cells(smoke: bool, seed: int = 0) -> list[Cell]:
-    """The synthetic cells of trace seed `seed`, then the sample model's (one trace: the same every seed)."""
+def cells(smoke: bool, seed: int = 0, sweep: str = "main") -> list[Cell]:
+    """The synthetic cells of trace seed `seed`, then the sample model's (one trace: the same every seed); sweep
+    "sample-mix": the sample model's router on a serving stream (bench/eplb_traces.py) instead, slow and fast drift
+    on the sample's four shapes."""
     base = TraceSpec(windows=WINDOWS, seed=seed)
+    if sweep == "sample-mix":
+        mix = replace(base, family="sample-mix", num_experts=32, num_groups=4, top_k=4, num_layers=4)
+        return [Cell(replace(mix, drift=d), g, n, p) for d in ("slow", "fast") for (g, n, p) in SAMPLE_SHAPES]
     if smoke:
         spec = replace(base, num_layers=2, windows=5, window_tokens=512)
         return [Cell(replace(spec, family="clustered", drift="fast"), 16, 2, 288)]
@@ -204,6 +210,8 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="one small cell, nothing written")
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--seed", type=int, default=0, help="the synthetic traces' seed (bench/eplb_traces.TraceSpec)")
+    ap.add_argument("--sweep", choices=("main", "sample-mix"), default="main",
+                    help="the cells: the 16 of the module doc, or the sample model's router on a serving stream")
     ap.add_argument("--dispatch", choices=tuple(FIGURE), default="node-limited",
                     help="what the backtest ranks and the held-out figures judge by (`r3trace eplb --dispatch`)")
     ap.add_argument("--reuse", type=Path, default=None,
@@ -221,7 +229,7 @@ def main() -> None:
             ap.error(f"--reuse {args.reuse}: judged by {doc.get('dispatch', 'node-limited')}, not {args.dispatch}")
         earlier = {r["cell"]: r for r in doc["results"]}
     results = []
-    for cell in cells(args.smoke, args.seed):
+    for cell in cells(args.smoke, args.seed, args.sweep):
         if args.cell and cell.name() not in args.cell and cell.name() not in earlier:
             continue
         if cell.name() in earlier and cell.nodes not in args.nodes and cell.name() not in args.cell:
@@ -238,6 +246,7 @@ def main() -> None:
               f"of ours + ema beyond 2 SE {v['cells_behind']} / {v['cells_ahead']} of {len(results)}")
     if not args.smoke:
         args.out.write_text(json.dumps({"tie": TIE, "history": HISTORY, "replay": REPLAY, "dispatch": args.dispatch,
+                                        "sweep": args.sweep,
                                         "results": results, "rules": scored}, indent=1) + "\n")
         print(f"wrote {args.out}")
 

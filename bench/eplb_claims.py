@@ -26,7 +26,9 @@ PLAN_TIME_FILE, MILP_FILE = RESULTS / "eplb-matrix-plan-time.json", RESULTS / "e
 CRAFT_FILE = RESULTS / "eplb-craft.json"
 # bench/eplb_auto.py on trace seeds 0, 1 and 2
 AUTO_FILES = [RESULTS / "eplb-auto.json", RESULTS / "eplb-auto-seed1.json", RESULTS / "eplb-auto-seed2.json",
-              RESULTS / "eplb-auto-static.json", RESULTS / "eplb-auto-dynamic.json"]
+              RESULTS / "eplb-auto-static.json", RESULTS / "eplb-auto-dynamic.json",
+              RESULTS / "eplb-auto-sample-mix.json", RESULTS / "eplb-auto-sample-mix-seed1.json",
+              RESULTS / "eplb-auto-sample-mix-seed2.json"]
 
 
 def plan_time_claim(path: Path = PLAN_TIME_FILE) -> dict[str, Any]:
@@ -161,7 +163,8 @@ def auto_claim(paths: list[Path] = AUTO_FILES) -> dict[str, Any]:
         seed, dispatch = doc["results"][0]["spec"]["seed"], doc.get("dispatch", "node-limited")
         for name, v in score_rules(doc["results"], dispatch=dispatch).items():
             first = np.mean([m for h, (m, _) in v["by_history"].items() if int(h) <= 3])
-            out.append({"seed": seed, "dispatch": dispatch, "rule": name,
+            cells = "sample-mix" if doc["results"][0]["spec"]["family"] == "sample-mix" else "main"
+            out.append({"sweep": cells, "seed": seed, "dispatch": dispatch, "rule": name,
                         "vs_ours": f"{v['vs_ours'][0]:+.4f} +- {v['vs_ours'][1]:.4f}",
                         "first": float(first), "vs_best": v["vs_best"], "nodes": v["nodes_vs_ours"] or 0.0,
                         "ours": v["ours_share"], "cells": f"{v['cells_behind']} / {v['cells_ahead']}"})
@@ -176,14 +179,17 @@ def auto_claim(paths: list[Path] = AUTO_FILES) -> dict[str, Any]:
                   "replay of 8,192 tokens (SGLang-dump's too: its tokens are hidden from the planners and the "
                   "backtest, which ranks the even split), or with --dispatch static (dynamic) SGLang's static "
                   "(dynamic, in expectation) dispatch replayed, which the backtest then ranks and ours plans for; "
-                  "synthetic traces of seeds 0, 1 and 2",
+                  "synthetic traces of seeds 0, 1 and 2; sample-mix: the sample model's router on a serving stream of "
+                  "held-out text (bench/eplb_traces.py), its four shapes x slow and fast drift, 12 windows",
         "baseline": "ours + ema (the candidate `--policy ours` plans: where the history drifts, on the windows at "
                     "the long-run mix of their kinds of token, fitted on each window's first 2,048 routes), every "
                     "fixed candidate, and the best candidate in hindsight, scored on the same windows",
         "command": "python -m bench.eplb_auto [--seed N --out bench/results/eplb-auto-seedN.json] [--dispatch D "
-                   "--out bench/results/eplb-auto-D.json] (D: static, dynamic)",
+                   "--out bench/results/eplb-auto-D.json] (D: static, dynamic) [--sweep sample-mix --out "
+                   "bench/results/eplb-auto-sample-mix[-seedN].json]",
         "sources": [str(p.relative_to(RESULTS.parents[1])) for p in paths],
-        "columns": [["seed", "trace seed", "{}"], ["dispatch", "judged by (--dispatch)", "{}"], ["rule", "pick", "{}"],
+        "columns": [["sweep", "cells", "{}"], ["seed", "trace seed", "{}"],
+                    ["dispatch", "judged by (--dispatch)", "{}"], ["rule", "pick", "{}"],
                     ["vs_ours", "held out - ours + ema (mean +- SE over re-plans)", "{}"],
                     ["first", "the same at 2-3 history windows", "{:+.4f}"],
                     ["vs_best", "- best in hindsight", "{:+.4f}"], ["nodes", "nodes/token - ours'", "{:+.3f}"],
