@@ -28,28 +28,28 @@ MIX = 2048  # r3trace eplb's --mix-tokens default
 T0 = 1_767_225_600 * 10**9  # 2026-01-01T00:00:00 in ns: a whole second, so rollup windows start on it
 
 
-def draw(kinds: int, lean: float, seed: int, drift: float = 0.6, windows: int = W) -> tuple[
+def draw(kinds: int, lean: float, seed: int, drift: float = 0.6, windows: int = W, layers: int = L) -> tuple[
         list[np.ndarray], np.ndarray, np.ndarray, np.ndarray]:
     """-> (W routes [T, L, 1], each token's kind [W, T], the windows' drawn shares [W, D], the expected loads at
     equal shares [W, L, E] (T picks a layer))."""
     rng = np.random.default_rng(seed)
-    a = np.cumsum(rng.normal(0, drift, (windows, L, E)), axis=0)  # the router drifts window to window
-    b = rng.normal(0, lean, (kinds, L, E))  # each kind's lean, the same in every window
+    a = np.cumsum(rng.normal(0, drift, (windows, layers, E)), axis=0)  # the router drifts window to window
+    b = rng.normal(0, lean, (kinds, layers, E))  # each kind's lean, the same in every window
     p = np.exp(a[:, None] + b[None])  # [W, D, L, E]
     p /= p.sum(-1, keepdims=True)
     shares = rng.dirichlet(np.ones(kinds), windows)
     routes, kind = [], np.empty((windows, T), dtype=np.int64)
     for w in range(windows):
         kind[w] = rng.choice(kinds, T, p=shares[w])
-        u = rng.random((T, L, 1))
+        u = rng.random((T, layers, 1))
         cdf = np.cumsum(p[w, kind[w]], axis=-1)  # [T, L, E]
         routes.append((u > cdf).sum(-1).clip(max=E - 1).astype(np.int16)[..., None])  # [T, L, 1]
     return routes, kind, shares, p.mean(1) * T
 
 
 def heat(routes: list[np.ndarray]) -> np.ndarray:
-    return np.stack([np.stack([np.bincount(r[:, li].ravel(), minlength=E) for li in range(L)]) for r in routes]
-                    ).astype(np.float64)
+    return np.stack([np.stack([np.bincount(r[:, li].ravel(), minlength=E) for li in range(r.shape[1])])
+                     for r in routes]).astype(np.float64)
 
 
 def test_fit_finds_each_tokens_kind_and_the_windows_shares() -> None:
@@ -65,6 +65,25 @@ def test_fit_finds_each_tokens_kind_and_the_windows_shares() -> None:
     drawn = np.stack([np.bincount(k, minlength=3) / T for k in kind])
     assert np.abs(fitted - drawn).max() < 0.03
     assert np.abs(drawn - shares).max() < 0.05  # the draw itself: shares of 3,000 tokens
+
+
+def test_many_layers_fit_the_kinds_on_a_subset_then_every_layer() -> None:
+    # 20 layers, one pick each: the EM reads EM_LAYERS = 8 of them (8 picks a token), then every layer is fitted to
+    # those posteriors; the windows at equal shares come out as near the expected loads as with the EM on all 20
+    layers = 20
+    routes, _, _, expected = draw(3, 1.5, seed=4, layers=layers)
+    raw = heat(routes)
+    sub = token_mix.fit(routes, E, 3)
+    every = token_mix.fit(routes, E, 3, layers=layers)
+    assert sub.p.shape == every.p.shape == (W, 3, layers, E)
+
+    def err(mix: token_mix.Mix) -> np.ndarray:  # [L] each layer's error against the expected loads
+        return np.abs(mix.loads(raw) - expected).sum((0, 2))
+
+    raw_err = np.abs(raw - expected).sum((0, 2))
+    # every layer, those the EM did not read too (1-2, 4-5, ...), is de-mixed: nearer than the raw windows
+    assert (err(sub) < 0.3 * raw_err).all()
+    assert err(sub).sum() < 1.05 * err(every).sum()
 
 
 def test_windows_at_equal_shares_are_nearer_the_expected_loads_than_the_raw_windows() -> None:
