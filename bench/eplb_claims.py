@@ -17,6 +17,7 @@ import numpy as np
 from bench.eplb_hindsight import hindsight_claim
 from bench.eplb_keep_groups import keep_groups_claim
 from bench.eplb_matrix import RESULTS
+from bench.eplb_mix_time import mix_time_claim
 from bench.eplb_report import matrix_claim, matrix_files
 from bench.tables import LATEST
 
@@ -200,8 +201,8 @@ def auto_claim(paths: list[Path] = AUTO_FILES) -> dict[str, Any]:
 
 def claims() -> list[dict[str, Any]]:
     """BENCHMARKS.md's EPLB tables as latest.json claims, computed from the result files."""
-    return [matrix_claim(matrix_files()), plan_time_claim(), milp_claim(), craft_claim(), keep_groups_claim(),
-            hindsight_claim(), auto_claim()]
+    return [matrix_claim(matrix_files()), plan_time_claim(), mix_time_claim(), milp_claim(), craft_claim(),
+            keep_groups_claim(), hindsight_claim(), auto_claim()]
 
 
 def write_latest(new: list[dict[str, Any]], path: Path = LATEST) -> None:
