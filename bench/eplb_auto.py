@@ -246,7 +246,6 @@ def main() -> None:
               f"of ours + ema beyond 2 SE {v['cells_behind']} / {v['cells_ahead']} of {len(results)}")
     if not args.smoke:
         args.out.write_text(json.dumps({"tie": TIE, "history": HISTORY, "replay": REPLAY, "dispatch": args.dispatch,
-                                        "sweep": args.sweep,
                                         "results": results, "rules": scored}, indent=1) + "\n")
         print(f"wrote {args.out}")
 

@@ -162,9 +162,9 @@ def auto_claim(paths: list[Path] = AUTO_FILES) -> dict[str, Any]:
     for path in paths:
         doc = json.loads(path.read_text())
         seed, dispatch = doc["results"][0]["spec"]["seed"], doc.get("dispatch", "node-limited")
+        cells = "sample-mix" if doc["results"][0]["spec"]["family"] == "sample-mix" else "main"
         for name, v in score_rules(doc["results"], dispatch=dispatch).items():
             first = np.mean([m for h, (m, _) in v["by_history"].items() if int(h) <= 3])
-            cells = "sample-mix" if doc["results"][0]["spec"]["family"] == "sample-mix" else "main"
             out.append({"sweep": cells, "seed": seed, "dispatch": dispatch, "rule": name,
                         "vs_ours": f"{v['vs_ours'][0]:+.4f} +- {v['vs_ours'][1]:.4f}",
                         "first": float(first), "vs_best": v["vs_best"], "nodes": v["nodes_vs_ours"] or 0.0,

@@ -46,11 +46,10 @@ MIN_GAIN = 0.01  # a demixed source plans only when its backtest error is > 1% u
 MIN_WINDOWS = 3  # the backtest needs two windows to forecast from and one to score
 # layers the EM reads (evenly spaced; then one M-step fits every layer): a token's kind is shared by its layers, and 8
 # layers of top-8 picks (64 a token) identify it as the 6-layer windows of bench/eplb_matrix.py (48) do. On 58-layer
-# synthetic windows (bench/eplb_traces.py, 8 of 2,048 tokens, E = 256; grouped / clustered / independent routers, slow
-# and fast drift, trace seeds 0-2) the fit took 0.16-0.22x the time of the EM on all 58 (2.6-4.4 s against 13-27 s),
-# chose the same source and number of kinds in all seven traces, and forecast the next raw window one window ahead
-# within -21% .. +12% of its squared error (mean -2%; the spread the clustered router's, whose all-layer EM sharpens
-# the posteriors on 464 picks a token in its first rounds; bench/eplb_mix_time.py)
+# synthetic windows (bench/eplb_mix_time.py: 8 of 2,048 tokens, E = 256; grouped / clustered / independent routers,
+# slow and fast drift) the fit took 0.16-0.22x the time of the EM on all 58 (0.8-4.4 s against 3.6-27 s), chose the
+# same source and number of kinds on all five traces, and forecast the next raw window one window ahead within
+# -6% .. +12% of its squared error (both ends the clustered router's 16 kinds; the others within 1.2%)
 EM_LAYERS = 8
 
 
