@@ -11,6 +11,7 @@ replay of the newest tokens favours it (dispatch_contest.groups_contest). Protoc
 window t + 1; 17 held-out windows a synthetic cell, the sample's 5).
 
 Run: .venv/bin/python -m bench.eplb_keep_groups [--seed S] [--out FILE]   (78 cells, ~15 min on one core)
+     .venv/bin/python -m bench.eplb_keep_groups --sweep sample-mix [--seed S] (8 cells, ~1 min)
      .venv/bin/python -m bench.eplb_keep_groups --smoke                   (two cells, seconds)
 """
 
@@ -33,21 +34,22 @@ POLICIES = ("hierarchical", "ours-keep-groups")
 KEEP_ID = "eplb-with-groups-kept"
 
 
-def keep_cells(base: TraceSpec) -> list[Cell]:
-    """The matrix's shape, family and sample cells on more than one node where the nodes divide the groups (the
-    sample's on trace seed 0 only: its traces are one recording, the same on every seed)."""
-    out = [c for sweep in ("shape", "family", "sample") if sweep != "sample" or base.seed == 0
-           for c in cells(sweep, base)]
+def keep_cells(base: TraceSpec, sweeps: tuple[str, ...] = ("shape", "family", "sample")) -> list[Cell]:
+    """The matrix's cells of `sweeps` on more than one node where the nodes divide the groups (the sample's on trace
+    seed 0 only: its traces are one recording, the same on every seed)."""
+    out = [c for sweep in sweeps if sweep != "sample" or base.seed == 0 for c in cells(sweep, base)]
     return [c for c in out if c.nodes > 1 and c.spec.num_groups % c.nodes == 0]
 
 
-def out_file(seed: int) -> Path:
-    return RESULTS / ("eplb-keep-groups.json" if seed == 0 else f"eplb-keep-groups-seed{seed}.json")
+def out_file(seed: int, sweep: str = "main") -> Path:
+    stem = "eplb-keep-groups" + ("" if sweep == "main" else f"-{sweep}")
+    return RESULTS / (f"{stem}.json" if seed == 0 else f"{stem}-seed{seed}.json")
 
 
 def group_of(cell: dict[str, Any]) -> str:
     """The claim's row a cell counts in: its trace kind and node count."""
-    kind = {"sample": "the sample model's traces"}.get(cell["spec"]["family"], "synthetic routers")
+    kind = {"sample": "the sample model's traces", "sample-mix": "the sample model's router, serving"}.get(
+        cell["spec"]["family"], "synthetic routers")
     return f"{kind}; {cell['nodes']} nodes"
 
 
@@ -63,7 +65,8 @@ def verdicts(res: dict[str, Any]) -> dict[str, float]:
 def keep_groups_claim(paths: list[Path] | None = None) -> dict[str, Any]:
     """BENCHMARKS.md's table: per node count, how many cells keep-groups wins on each count, pooled over the trace
     seeds with result files (each seed's cell counted once)."""
-    paths = paths or [p for p in (out_file(s) for s in (0, 1, 2)) if p.exists()]
+    paths = paths or [p for sweep in ("main", "sample-mix") for p in (out_file(s, sweep) for s in (0, 1, 2))
+                      if p.exists()]
     docs = [json.loads(p.read_text()) for p in paths]
     groups: dict[str, list[dict[str, float]]] = {}
     seen = set()
@@ -74,7 +77,8 @@ def keep_groups_claim(paths: list[Path] | None = None) -> dict[str, Any]:
             seen.add(res["cell"])
             groups.setdefault(group_of(res), []).append(verdicts(res))
     rows = []
-    for name in sorted(groups, key=lambda g: (g.startswith("the sample"), int(g.split("; ")[1].split()[0]))):
+    for name in sorted(groups, key=lambda g: (g.startswith("the sample"), g.split("; ")[0],
+                                              int(g.split("; ")[1].split()[0]))):
         v = groups[name]
         col = {m: np.array([x[m] for x in v]) for m in v[0]}
         rows.append({"cells": name, "n": len(v),
@@ -95,12 +99,13 @@ def keep_groups_claim(paths: list[Path] | None = None) -> dict[str, Any]:
                   f"model's 4 groups: 2 and 4): slots x skew 0.3-1.2 (grouped router, slow drift) and the trace "
                   f"families x drift x skew 0.6 / 1.2 on 16 / 2 / 288, 32 / 4 / 288, 64 / 8 / 320, {windows} "
                   f"windows of 4,096 tokens, 6 layers, E = 256, top-8; the sample model's 8 windows (E = 32, "
-                  f"top-4, one recording); synthetic trace seeds {', '.join(map(str, seeds))} (a cell on each "
+                  f"top-4, one recording) and its router on a serving stream (sample-mix: 20 windows of 32 requests "
+                  f"of held-out text, slow and fast drift); trace seeds {', '.join(map(str, seeds))} (a cell on each "
                   "seed counted once); planned at the end of window t on the windows seen, scored on window t + 1, "
                   "means over the held-out windows",
         "baseline": "DeepSeek's hierarchical policy (r3trace/eplb/deepseek.py, equal to deepseek-ai/EPLB eplb.py "
                     "d52c72d) on the newest window, as the held-out matrix's hierarchical rows, same windows",
-        "command": "python -m bench.eplb_keep_groups [--seed S]",
+        "command": "python -m bench.eplb_keep_groups [--seed S] [--sweep sample-mix]",
         "sources": [str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(p) for p in paths],
         "columns": [["cells", "cells", "{}"], ["n", "n", "{}"],
                     ["nodes_fewer", "nodes/token below / equal to / above hierarchical's", "{}"],
@@ -118,11 +123,13 @@ def keep_groups_claim(paths: list[Path] | None = None) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--sweep", choices=("main", "sample-mix"), default="main",
+                    help="the matrix's shape, family and sample cells, or its sample-mix ones")
     ap.add_argument("--smoke", action="store_true", help="two small cells")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     base = TraceSpec(windows=WINDOWS, seed=args.seed)
-    todo = keep_cells(base)
+    todo = keep_cells(base, ("sample-mix",) if args.sweep == "sample-mix" else ("shape", "family", "sample"))
     if args.smoke:
         todo = [Cell(replace(c.spec, num_layers=2, windows=5, window_tokens=1024), c.gpus, c.nodes, c.slots)
                 for c in (todo[0], todo[-1])]
@@ -136,7 +143,7 @@ def main() -> None:
               flush=True)
     doc = {"sweep": "keep-groups", "args": {**vars(args), "windows": base.windows}, "machine": machine(),
            "results": results}
-    out = Path(args.out) if args.out else (None if args.smoke else out_file(args.seed))
+    out = Path(args.out) if args.out else (None if args.smoke else out_file(args.seed, args.sweep))
     if out is not None:
         out.write_text(json.dumps(doc, indent=1))
         print(f"wrote {out}")
