@@ -43,13 +43,14 @@ from bench.eplb_traces import Family, TraceSpec
 from r3trace.eplb.backtest import TIE, Candidate, backtest, choose, fold_windows, rank
 from r3trace.eplb.evaluate import FORECASTS, POLICIES, DispatchName, Score, plan_policy, score_placement
 from r3trace.eplb.placement import PlacementError
+from r3trace.eplb.report import PlanRequest
 from r3trace.eplb.score import heat_of
 
 RESULTS = Path(__file__).parent / "results"
 OUT = RESULTS / "eplb-auto.json"
-HISTORY = 8  # PlanRequest.windows: the history windows the CLI cuts its training window into
-REPLAY = 8192  # PlanRequest.replay_tokens
-MIX_TOKENS = 2048  # PlanRequest.mix_tokens: each history window's first tokens fit the token mix (token_mix.py)
+# what `r3trace eplb` does by default: the history windows it cuts its training window into, the tokens it replays a
+# scored window, each history window's first tokens the token mix is fitted on (token_mix.py)
+HISTORY, REPLAY, MIX_TOKENS = PlanRequest.windows, PlanRequest.replay_tokens, PlanRequest.mix_tokens
 WINDOWS = 12  # windows a synthetic cell runs: re-plans at 2 .. 8 history windows, then four at 8
 DEFAULT = "ours/ema"  # what auto falls back to without a backtest (report._backtest)
 # the synthetic traces: (family, drift, Zipf skew)

@@ -28,11 +28,12 @@ from bench.eplb_matrix import machine
 from bench.eplb_traces import TraceSpec, synth_windows
 from r3trace.eplb import Cluster, global_policy
 from r3trace.eplb.forecast import ALPHAS, rates_of, smooth_rates
+from r3trace.eplb.report import PlanRequest
 from r3trace.eplb.score import heat_of
 from r3trace.eplb.token_mix import EM_LAYERS, Source, planning_loads
 
 OUT = Path(__file__).resolve().parent / "results" / "eplb-mix-time.json"
-HISTORY = 8  # windows the CLI's training window is cut into (report.PlanRequest.windows)
+HISTORY, MIX_TOKENS = PlanRequest.windows, PlanRequest.mix_tokens  # `r3trace eplb`'s defaults
 TRACES = [("grouped", "fast"), ("grouped", "slow"), ("clustered", "fast"), ("clustered", "slow"),
           ("independent", "fast")]
 
@@ -75,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args(argv)
-    base = TraceSpec(zipf_s=0.6, num_layers=58, windows=HISTORY + 1, window_tokens=2048, seed=0)
+    base = TraceSpec(zipf_s=0.6, num_layers=58, windows=HISTORY + 1, window_tokens=MIX_TOKENS, seed=0)
     traces = TRACES
     if args.smoke:
         base, traces, args.rounds = replace(base, num_layers=10, num_experts=64, window_tokens=256), TRACES[:1], 1
