@@ -38,6 +38,7 @@ from typing import Any, Literal
 import numpy as np
 
 from bench.eplb_matrix import MAIN_SHAPES, SAMPLE_SHAPES, SAMPLE_WINDOWS, Cell
+from bench.eplb_matrix import cells as matrix_cells
 from bench.eplb_ours_loads import ours_loads, windows_of
 from bench.eplb_traces import Family, TraceSpec
 from r3trace.eplb.backtest import TIE, Candidate, backtest, choose, fold_windows, rank
@@ -64,8 +65,7 @@ def cells(smoke: bool, seed: int = 0, sweep: str = "main") -> list[Cell]:
     on the sample's four shapes."""
     base = TraceSpec(windows=WINDOWS, seed=seed)
     if sweep == "sample-mix":
-        mix = replace(base, family="sample-mix", num_experts=32, num_groups=4, top_k=4, num_layers=4)
-        return [Cell(replace(mix, drift=d), g, n, p) for d in ("slow", "fast") for (g, n, p) in SAMPLE_SHAPES]
+        return matrix_cells("sample-mix", base)
     if smoke:
         spec = replace(base, num_layers=2, windows=5, window_tokens=512)
         return [Cell(replace(spec, family="clustered", drift="fast"), 16, 2, 288)]

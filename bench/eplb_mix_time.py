@@ -70,6 +70,36 @@ def run_trace(spec: TraceSpec, rounds: int) -> dict[str, Any]:
     return out
 
 
+MIX_TIME_ID = "eplb-mix-time"
+
+
+def mix_time_claim(path: Path = OUT) -> dict[str, Any]:
+    """BENCHMARKS.md's table from the result file."""
+    doc = json.loads(path.read_text())
+    rows = [{"trace": r["trace"], "subset": r["em_subset"]["s"], "all": r["em_all"]["s"],
+             "ratio": r["em_subset"]["s"] / r["em_all"]["s"], "global": r["global_s"],
+             "sources": f"{r['em_subset']['source']} / {r['em_all']['source']}",
+             "error": f"{r['em_subset']['held_out_error']:.5f} / {r['em_all']['held_out_error']:.5f} "
+                      f"({r['em_subset']['held_out_error'] / r['em_all']['held_out_error'] - 1:+.1%})"}
+            for r in doc["rows"]]
+    return {
+        "id": MIX_TIME_ID, "hardware": "cpu-2core",
+        "shapes": f"58 MoE layers, E = 256, top-8, 8 groups (bench/eplb_traces.py, skew 0.6, trace seed 0): {HISTORY} "
+                  f"history windows of {MIX_TOKENS:,} tokens (r3trace eplb's --mix-tokens) and the next one held out; "
+                  f"token_mix.planning_loads, medians of {doc['rounds']} calls a side, alternating which runs first",
+        "baseline": f"the same fit with its EM on all 58 layers instead of {doc['em_layers']} (token_mix.EM_LAYERS), "
+                    "in the same run; r3trace's numpy DeepSeek global policy on the same history (32 / 4 / 288) for "
+                    "scale",
+        "command": "python -m bench.eplb_mix_time",
+        "sources": [str(path.relative_to(path.parents[2]))],
+        "columns": [["trace", "router / drift", "{}"], ["subset", f"EM on {doc['em_layers']} layers s", "{:.2f}"],
+                    ["all", "EM on 58 s", "{:.2f}"], ["ratio", "ratio", "{:.2f}x"],
+                    ["global", "DeepSeek global (numpy) s", "{:.3f}"], ["sources", "source picked", "{}"],
+                    ["error", "held-out one-window-ahead error (vs all)", "{}"]],
+        "rows": rows,
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="10 layers, 64 experts, 256 tokens, one trace; no file")
@@ -93,33 +123,3 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
-
-
-MIX_TIME_ID = "eplb-mix-time"
-
-
-def mix_time_claim(path: Path = OUT) -> dict[str, Any]:
-    """BENCHMARKS.md's table from the result file."""
-    doc = json.loads(path.read_text())
-    rows = [{"trace": r["trace"], "subset": r["em_subset"]["s"], "all": r["em_all"]["s"],
-             "ratio": r["em_subset"]["s"] / r["em_all"]["s"], "global": r["global_s"],
-             "sources": f"{r['em_subset']['source']} / {r['em_all']['source']}",
-             "error": f"{r['em_subset']['held_out_error']:.5f} / {r['em_all']['held_out_error']:.5f} "
-                      f"({r['em_subset']['held_out_error'] / r['em_all']['held_out_error'] - 1:+.1%})"}
-            for r in doc["rows"]]
-    return {
-        "id": MIX_TIME_ID, "hardware": "cpu-2core",
-        "shapes": f"58 MoE layers, E = 256, top-8, 8 groups (bench/eplb_traces.py, skew 0.6, trace seed 0): {HISTORY} "
-                  "history windows of 2,048 tokens (r3trace eplb's --mix-tokens) and the next one held out; "
-                  f"token_mix.planning_loads, medians of {doc['rounds']} calls a side, alternating which runs first",
-        "baseline": f"the same fit with its EM on all 58 layers instead of {doc['em_layers']} (token_mix.EM_LAYERS), "
-                    "in the same run; r3trace's numpy DeepSeek global policy on the same history (32 / 4 / 288) for "
-                    "scale",
-        "command": "python -m bench.eplb_mix_time",
-        "sources": [str(path.relative_to(path.parents[2]))],
-        "columns": [["trace", "router / drift", "{}"], ["subset", f"EM on {doc['em_layers']} layers s", "{:.2f}"],
-                    ["all", "EM on 58 s", "{:.2f}"], ["ratio", "ratio", "{:.2f}x"],
-                    ["global", "DeepSeek global (numpy) s", "{:.3f}"], ["sources", "source picked", "{}"],
-                    ["error", "held-out one-window-ahead error (vs all)", "{}"]],
-        "rows": rows,
-    }
