@@ -101,11 +101,13 @@ def policies(cl: Cluster, variants: bool = False) -> dict[str, Policy]:
 
 def run_cell(cell: Cell, history: int = HISTORY, variants: bool = False,
              reuse: dict[str, dict[str, list[float]]] | None = None,
-             only: tuple[str, ...] | None = None, mix_cache: Path | None = None) -> dict[str, Any]:
+             only: tuple[str, ...] | None = None, mix_cache: Path | None = None,
+             extra: Callable[[Cluster], dict[str, Policy]] | None = None) -> dict[str, Any]:
     """One cell -> {cell fields, policies: {name: {metric: [per held-out window]}}, seconds}. reuse: the rows of
     policies other than ours' from an earlier run of this cell (their code unchanged), copied instead of re-run (the
-    BASELINES re-run where a metric is missing; other rows keep what they have). only: run these policies alone.
-    mix_cache: ours_loads' folder."""
+    BASELINES re-run where a metric is missing; other rows keep what they have). only: run these policies alone (and
+    the extra ones). mix_cache: ours_loads' folder. extra: more policies for the cell's cluster (ours' variants), run
+    after these and handed the de-mixed windows as ours is."""
     t0 = time.perf_counter()
     routes, sees_tokens = windows_of(cell.spec)
     e = cell.spec.num_experts
@@ -113,8 +115,9 @@ def run_cell(cell: Cell, history: int = HISTORY, variants: bool = False,
     cl = cell.cluster
     out: dict[str, dict[str, list[float]]] = {}
     sources: list[str] = []
-    for name, f in policies(cl, variants).items():
-        if only is not None and name not in only:
+    more = {} if extra is None else extra(cl)
+    for name, f in {**policies(cl, variants), **more}.items():
+        if only is not None and name not in only and name not in more:
             continue
         if reuse is not None and not name.startswith("ours") and (
                 name not in BASELINES or all(m in reuse[name] for m in METRICS)):
@@ -124,7 +127,7 @@ def run_cell(cell: Cell, history: int = HISTORY, variants: bool = False,
         rows: dict[str, list[float]] = {m: [] for m in METRICS}
         for lo, hi in spans(len(routes), history):  # planned at the end of window t = hi - 1, scored on hi
             t, mixed = hi - 1, None
-            if name in ON_MIX and sees_tokens:  # what `r3trace eplb` hands ours (token_mix.py)
+            if (name in ON_MIX or name in more) and sees_tokens:  # what `r3trace eplb` hands ours (token_mix.py)
                 src = ours_loads(cell.spec, lo, hi, mix_cache)
                 mixed = src.mixed
                 if name == "ours" and prev is not None:

@@ -10,7 +10,8 @@ group-limited routing: 4 of 8) and takes the top K experts inside them. Families
   choose together across groups, a structure groups do not reveal;
 - independent: no bias: experts co-occur only through popularity and the group limit.
 Drift: drift_{w+1} = drift_w + N(0, sigma) per (layer, expert), sigma 0.05 (slow) or 0.3 (fast) logits
-per window; Zipf s = 1 puts the top two experts log 2 = 0.69 apart.
+per window, or 0 (none: an unchanged workload, windows that differ by sampling alone); Zipf s = 1 puts the top
+two experts log 2 = 0.69 apart.
 
 sample-mix: the sample model's trained router (a fixed checkpoint) under a serving stream of held-out text whose mix
 of domains moves: samples/heldout_routes.npz (bench/sample_routes.py: 305 requests of 512 tokens, 5 domains) cut into
@@ -36,8 +37,9 @@ from typing import Literal
 import numpy as np
 
 Family = Literal["grouped", "clustered", "independent", "sglang-dump", "sample", "sample-mix"]
+Drift = Literal["none", "slow", "fast"]
 SYNTH: tuple[Family, ...] = ("grouped", "clustered", "independent", "sglang-dump")
-DRIFT_SIGMA = {"slow": 0.05, "fast": 0.3}
+DRIFT_SIGMA = {"none": 0.0, "slow": 0.05, "fast": 0.3}
 SAMPLE_DIR = Path(__file__).resolve().parent.parent / "samples" / "traces"
 SAMPLE_ROUTES = SAMPLE_DIR.parent / "heldout_routes.npz"
 PIECE = 128  # tokens a request of the sample-mix stream: 32 requests a 4,096-token window
@@ -47,7 +49,7 @@ PIECE = 128  # tokens a request of the sample-mix stream: 32 requests a 4,096-to
 class TraceSpec:
     family: Family = "grouped"
     zipf_s: float = 0.6
-    drift: Literal["slow", "fast"] = "slow"
+    drift: Drift = "slow"
     num_groups: int = 8
     num_experts: int = 256
     top_k: int = 8
