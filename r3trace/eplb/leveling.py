@@ -30,10 +30,12 @@ import numpy as np
 from r3trace.eplb.placement import Cluster, PlacementError, replicas_per_node
 
 
-def level_refine(phy2log: np.ndarray, weight: np.ndarray, logcnt: np.ndarray, cluster: Cluster, max_swaps: int,
+def level_refine(phy2log: np.ndarray, weight: np.ndarray, logcnt: np.ndarray, cluster: Cluster,
+                 max_swaps: int | np.ndarray,
                  min_gain: float, cold: float | np.ndarray = 0.5, hot_slots: int = 16, cross_nodes: bool = True,
                  out_of_reach: np.ndarray | None = None, spread: np.ndarray | None = None) -> np.ndarray:
-    """phy2log [L, P] -> phy2log [L, P] after at most max_swaps swaps per layer (2 moved slots each).
+    """phy2log [L, P] -> phy2log [L, P] after at most max_swaps swaps per layer (2 moved slots each): one for every
+    layer, or [L] each layer's own (a layer's swaps are the same as in a call with its count for every layer).
 
     weight [L, E] forecast loads, logcnt [L, E] replicas (counts do not change); cold: the module doc's factor, or
     [L] one per layer (inf: every replica counts as cold, so any two may cross nodes). Each step swaps a slot of
@@ -118,14 +120,20 @@ def level_refine(phy2log: np.ndarray, weight: np.ndarray, logcnt: np.ndarray, cl
         buf_a = np.empty((n_layers, hot_gpus * spg, 2 * n_dev + 2))  # [ua, -ga, ua (ga - ua), 1]
         buf_b = np.empty((n_layers, 2 * n_dev + 2, buf_d.shape[2]))  # [2 ub - gb, ub, 1, ub (gb - ub)]
         buf_a[:, :, -1], buf_b[:, -2] = 1.0, 1.0
-    for step in range(max_swaps):
+    caps = np.broadcast_to(np.asarray(max_swaps, dtype=np.int64), (n_layers,))  # [L] swaps each layer may take
+    for step in range(int(caps.max(initial=0))):
+        if caps[r].min() <= step:  # layers whose swaps are spent leave
+            r = r[caps[r] > step]
         n = len(r)
+        if not n:
+            break
         g_r = gpu_all if n == n_layers else gpu_all[r]
         rank = np.argsort(-g_r, axis=1, kind="stable")  # tied GPU loads in GPU order on every CPU (numpy's
         # default argsort orders ties by its per-CPU SIMD kernel)
-        left = max_swaps - step  # swaps left, this one included
-        if out_of_reach is not None and left < n_gpus:
-            on = np.take_along_axis(g_r, rank[:, left, None], 1)[:, 0] <= out_of_reach[r]  # [n] still within reach
+        left = caps[r] - step  # [n] swaps left, this one included
+        if out_of_reach is not None and (left < n_gpus).any():
+            floor_gpu = np.take_along_axis(g_r, rank[np.arange(n), np.minimum(left, n_gpus - 1)][:, None], 1)[:, 0]
+            on = (left >= n_gpus) | (floor_gpu <= out_of_reach[r])  # [n] still within reach
             if not on.all():
                 r, rank, n = r[on], rank[on], int(on.sum())
                 if not n:

@@ -228,3 +228,28 @@ def test_one_hot_best_equals_the_full_argmax(ints: bool) -> None:
         best = np.argmax(flat, axis=1)
         np.testing.assert_array_equal(got[0], best)
         np.testing.assert_array_equal(got[1], flat[np.arange(n), best])
+
+
+@pytest.mark.parametrize("case", range(3))
+def test_per_layer_swap_caps_give_each_layer_its_own_run(case: int) -> None:
+    """max_swaps [L]: each layer's row is that of a call giving every layer its count, and the reference loop's;
+    with out_of_reach too (the floor reads each layer's own swaps left)."""
+    rng = np.random.default_rng(800 + case)
+    cl = [Cluster(16, 2, 48, num_groups=4), Cluster(24, 6, 72, num_groups=4), Cluster(32, 4, 96, num_groups=4)][case]
+    e, n_layers = 32, 7
+    w = rng.pareto(1.0, (n_layers, e)) + 0.05
+    logcnt = capped_counts(w, cl.num_slots, max(cl.num_nodes, cl.gpus_per_node))
+    ph = np.stack([rng.permutation(np.repeat(np.arange(e), logcnt[i])) for i in range(n_layers)])
+    caps = rng.integers(0, 9, n_layers)
+    caps[0] = 0
+    got = level_refine(ph, w, logcnt, cl, caps, 0.0, 0.5)
+    np.testing.assert_array_equal(got[0], ph[0])
+    for li in range(n_layers):
+        np.testing.assert_array_equal(got[li], level_refine(ph, w, logcnt, cl, int(caps[li]), 0.0, 0.5)[li])
+        np.testing.assert_array_equal(got[li], reference(ph[li:li + 1], w[li:li + 1], logcnt[li:li + 1], cl,
+                                                         int(caps[li]), 0.0, 0.5, True)[0])
+    bar = even_gpu_load(from_phy2log(got, e), w, cl).max(1) * rng.choice([0.999, 2.0], n_layers)
+    reach = level_refine(ph, w, logcnt, cl, caps, 0.0, 0.5, out_of_reach=bar)
+    for li in range(n_layers):
+        np.testing.assert_array_equal(reach[li], level_refine(ph, w, logcnt, cl, int(caps[li]), 0.0, 0.5,
+                                                              out_of_reach=bar)[li])

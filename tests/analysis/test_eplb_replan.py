@@ -11,7 +11,7 @@ from r3trace.eplb.alignment import align
 from r3trace.eplb.candidates import Contest, best_layout
 from r3trace.eplb.fresh import spread_cap, spread_layout
 from r3trace.eplb.placement import Placement, from_phy2log
-from r3trace.eplb.replan import floor_bound, max_load_floor, refreshed, seeded_counts, seeded_plan
+from r3trace.eplb.replan import floor_bound, max_load_floor, refreshed, seeded_counts, seeded_plan, swap_shares
 from r3trace.eplb.score import even_gpu_load
 
 CL = Cluster(72, 18, 144, num_groups=8)  # 144/18/288 scaled down: 128 experts, 2 slots per GPU
@@ -106,7 +106,31 @@ def test_a_drifting_replan_seeds_floor_bound_layers_only(seed: int, monkeypatch:
                                             tok),
                                   old)
     # a "fresh" plan no better than the seeded one: the probes keep theirs, so every layer is seeded (none left at
-    # prev's) and none refreshed
-    seeded = seeded_plan(w, prev, cl, cfg, spread_cap(cl), tok)
+    # prev's) and none refreshed; seeded as refreshed seeds, without hot swaps (layer 0's fifth swap would be one)
+    seeded = seeded_plan(w, prev, cl, cfg, spread_cap(cl), tok, hot=False)
     alone = Contest(seeded, w, cl, tok, compete=False)
     np.testing.assert_array_equal(refreshed(alone, w, prev, cl, cfg, spread_cap(cl), tok), seeded)
+
+
+def test_swap_shares_split_evenly_and_give_the_remainder_to_the_least_balanced_layers() -> None:
+    # hottest GPU over the mean: 1.1, 1.5, 1.0, 1.3, and a layer of no load (SGLang's dense rows): 0
+    loads = np.array([[1.1, 0.9], [1.5, 0.5], [1.0, 1.0], [1.3, 0.7], [0.0, 0.0]])
+    np.testing.assert_array_equal(swap_shares(13, loads), [3, 3, 2, 3, 2])
+    np.testing.assert_array_equal(swap_shares(11, loads), [2, 3, 2, 2, 2])
+    np.testing.assert_array_equal(swap_shares(4, loads), [1, 1, 1, 1, 0])
+    np.testing.assert_array_equal(swap_shares(0, loads), [0] * 5)
+
+
+def test_seeded_counts_hand_out_the_whole_budget_left_after_reseating() -> None:
+    # the swaps [L] sum to the budget's slots left after the reseated counts, halved (2 slots a swap): an even split
+    # alone left up to L - 1 of them unspent
+    hist, tok = _history(5, 0.3)
+    cfg = PlannerConfig()
+    prev = plan(hist[:3], CL, tokens=tok)
+    w = hist[3:].sum(0)
+    logcnt, swaps = seeded_counts(w, prev, CL, cfg, spread_cap(CL))
+    moved = int(np.abs(logcnt - prev.logcnt).sum()) // 2
+    budget = int(cfg.seeded_churn_budget * prev.phy2log.size)
+    assert swaps.sum() == (budget - moved) // 2 and swaps.max() - swaps.min() <= 1
+    out = seeded_plan(w, prev, CL, cfg, spread_cap(CL), tok)
+    assert (out != prev.phy2log).sum() <= budget
