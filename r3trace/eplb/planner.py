@@ -53,6 +53,7 @@ import numpy as np
 
 from r3trace.eplb.alignment import align
 from r3trace.eplb.candidates import Contest, losing_load
+from r3trace.eplb.churn_budget import seeded_counts
 from r3trace.eplb.config import PlannerConfig
 from r3trace.eplb.deepseek import global_phy2log, group_nodes
 from r3trace.eplb.dispatch_contest import applies as replays
@@ -66,7 +67,7 @@ from r3trace.eplb.node_swaps import node_swaps
 from r3trace.eplb.partners import cold_forecast, coldest_partners, partner_forecast
 from r3trace.eplb.placement import Cluster, Placement, from_phy2log, within_churn
 from r3trace.eplb.refine import swap_refine
-from r3trace.eplb.replan import held_refresh, max_load_floor, over, refreshed, seeded_counts, seeded_plan
+from r3trace.eplb.replan import held_refresh, max_load_floor, over, refreshed, seeded_plan
 from r3trace.eplb.scenarios import spread
 from r3trace.eplb.score import even_gpu_load, node_counts, phy2log_gpu_load
 from r3trace.eplb.static import static_expected_load

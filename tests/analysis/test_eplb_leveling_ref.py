@@ -70,6 +70,15 @@ def reference(ph: np.ndarray, w: np.ndarray, logcnt: np.ndarray, cl: Cluster, sw
     return out
 
 
+def _shuffled(rng: np.random.Generator, cl: Cluster, e: int,
+              n_layers: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """-> (Pareto loads [L, E], their capped counts [L, E], a random layout of those counts [L, P])."""
+    w = rng.pareto(1.0, (n_layers, e)) + 0.05
+    logcnt = capped_counts(w, cl.num_slots, max(cl.num_nodes, cl.gpus_per_node))
+    ph = np.stack([rng.permutation(np.repeat(np.arange(e), logcnt[i])) for i in range(n_layers)])
+    return w, logcnt, ph
+
+
 @pytest.mark.parametrize("case", range(6))
 def test_level_refine_equals_the_reference_loop(case: int) -> None:
     rng = np.random.default_rng(100 + case)
@@ -183,9 +192,7 @@ def test_a_layer_stopped_out_of_reach_ends_above_the_bar_and_the_others_are_unch
     rng = np.random.default_rng(700 + case)
     cl = [Cluster(32, 4, 96, num_groups=4), Cluster(24, 6, 72, num_groups=4), Cluster(32, 8, 128, num_groups=4)][case]
     e, n_layers = 32, 8
-    w = rng.pareto(1.0, (n_layers, e)) + 0.05
-    logcnt = capped_counts(w, cl.num_slots, max(cl.num_nodes, cl.gpus_per_node))
-    ph = np.stack([rng.permutation(np.repeat(np.arange(e), logcnt[i])) for i in range(n_layers)])
+    w, logcnt, ph = _shuffled(rng, cl, e, n_layers)
     full = level_refine(ph, w, logcnt, cl, 12, 0.0, 1.0)  # 12 swaps: fewer than the GPUs
     peak = even_gpu_load(from_phy2log(full, e), w, cl).max(1)
     mean = w.sum(1) / cl.num_gpus
@@ -237,9 +244,7 @@ def test_per_layer_swap_caps_give_each_layer_its_own_run(case: int) -> None:
     rng = np.random.default_rng(800 + case)
     cl = [Cluster(16, 2, 48, num_groups=4), Cluster(24, 6, 72, num_groups=4), Cluster(32, 4, 96, num_groups=4)][case]
     e, n_layers = 32, 7
-    w = rng.pareto(1.0, (n_layers, e)) + 0.05
-    logcnt = capped_counts(w, cl.num_slots, max(cl.num_nodes, cl.gpus_per_node))
-    ph = np.stack([rng.permutation(np.repeat(np.arange(e), logcnt[i])) for i in range(n_layers)])
+    w, logcnt, ph = _shuffled(rng, cl, e, n_layers)
     caps = rng.integers(0, 9, n_layers)
     caps[0] = 0
     got = level_refine(ph, w, logcnt, cl, caps, 0.0, 0.5)

@@ -9,9 +9,10 @@ import pytest
 from r3trace.eplb import Cluster, PlannerConfig, global_policy, plan, replan
 from r3trace.eplb.alignment import align
 from r3trace.eplb.candidates import Contest, best_layout
+from r3trace.eplb.churn_budget import seeded_counts, swap_shares
 from r3trace.eplb.fresh import spread_cap, spread_layout
 from r3trace.eplb.placement import Placement, from_phy2log
-from r3trace.eplb.replan import floor_bound, max_load_floor, refreshed, seeded_counts, seeded_plan, swap_shares
+from r3trace.eplb.replan import floor_bound, max_load_floor, refreshed, seeded_plan
 from r3trace.eplb.score import even_gpu_load
 
 CL = Cluster(72, 18, 144, num_groups=8)  # 144/18/288 scaled down: 128 experts, 2 slots per GPU
