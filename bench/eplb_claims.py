@@ -137,7 +137,9 @@ def craft_claim(path: Path = CRAFT_FILE) -> dict[str, Any]:
         "id": CRAFT_ID, "hardware": "cpu-2core",
         "shapes": f"the held-out matrix's cells with spare slots on 4 and 8 nodes (grouped router, slow drift, "
                   f"{doc['windows']} windows of 4,096 tokens, 6 layers, E = 256) and the sample model's (4 layers, "
-                  "E = 32, 8 windows); planned at the end of window t on the windows seen, scored on window t + 1, "
+                  "E = 32, 8 windows) and its router serving held-out text (the sample-mix cells: slow and fast "
+                  f"drift, {doc['windows']} windows); planned at the end of window t on the windows seen, scored on "
+                  "window t + 1, "
                   "even split, mean over layers and held-out windows. CRAFT-style (arXiv 2603.28768; "
                   "bench/eplb_craft.py): each layer's extra slots a GPU (0-4) split over layers exactly, by the "
                   "summed in-sample balancedness of DeepSeek global's plan at each level, within the cell's "

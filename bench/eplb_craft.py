@@ -11,7 +11,7 @@ layers. Two budgets: the uniform cell's redundant slots (the memory global and o
 claim: as balanced with fewer replicas). Per-layer slot counts do not fit SGLang's or DeepSeek's [layers, slots]
 maps, which hold one count for every layer, so neither ours nor any `r3trace eplb` export can take such a plan.
 
-Run: .venv/bin/python -m bench.eplb_craft [--out FILE]   (15 cells, ~3 min on 2 cores; --smoke: one, seconds)
+Run: .venv/bin/python -m bench.eplb_craft [--out FILE]   (21 cells, ~4 min on 2 cores; --smoke: one, seconds)
 """
 
 from __future__ import annotations
@@ -103,6 +103,8 @@ def main(argv: list[str] | None = None) -> None:
     base = TraceSpec(windows=5 if args.smoke else args.windows)
     chosen = [] if args.smoke else [c for c in cells("shape", base) if (c.gpus, c.nodes, c.slots) in SHAPES]
     chosen += [c for c in cells("sample", base) if c.slots > c.spec.num_experts]  # 4 layers, each its own skew
+    # the sample model's router serving held-out text, slow and fast drift
+    chosen += [] if args.smoke else [c for c in cells("sample-mix", base) if c.slots > c.spec.num_experts]
     chosen = chosen[:1] if args.smoke else chosen
     results = []
     for c in chosen:
