@@ -62,7 +62,7 @@ def hindsight_spec(results: list[dict[str, Any]], oracle_tokens: int = ORACLE_TO
     window: bound (P = E), found (P = E) and clairvoyant (synthetic routers) (module doc)."""
     spec = TraceSpec(**results[0]["spec"])
     oracle = None
-    if spec.family == "sample":
+    if spec.family in ("sample", "sample-mix"):  # recorded routes: no router to draw a clairvoyant forecast from
         routes = load_windows(spec)[0]
     else:
         routes, oracle = oracle_heats(spec, oracle_tokens)
@@ -192,11 +192,12 @@ def hindsight_claim(path: Path = OUT) -> dict[str, Any]:
     return {
         "id": HINDSIGHT_ID, "hardware": "cpu-2core",
         "shapes": f"the held-out matrix's pooled ties and its cells where every slot holds one expert ({len(cells)} "
-                  "cells: P = E is 256 slots for 256 experts on 8-128 GPUs, the sample model's 32 on 8), its windows "
-                  f"(20 of 4,096 tokens, 6 layers, top-8; the sample's 8), trace seeds {', '.join(map(str, seeds))} "
-                  "pooled (the sample: one recording); balancedness under the even split, means over the held-out "
-                  f"windows; clairvoyant: {doc['oracle_tokens']:,} tokens a window from the newest seen window's "
-                  "router, its domains in equal shares",
+                  "cells: P = E is 256 slots for 256 experts on 8-128 GPUs, the sample model's 32 on 8 and its "
+                  "router's serving stream's, sample-mix, 32 on 8), its windows (20 of 4,096 tokens, 6 layers, top-8; "
+                  "the sample's 8; sample-mix: 20 of 4,096, 4 layers, top-4), trace seeds "
+                  f"{', '.join(map(str, seeds))} pooled (the sample: one recording); balancedness under the even "
+                  f"split, means over the held-out windows; clairvoyant (synthetic routers): {doc['oracle_tokens']:,} "
+                  "tokens a window from the newest seen window's router, its domains in equal shares",
         "baseline": "DeepSeek's global policy held out (the better of all windows seen and the newest, from the "
                     "matrix's result files), the same windows",
         "command": "python -m bench.eplb_hindsight --jobs 2",

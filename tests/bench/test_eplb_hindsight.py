@@ -144,3 +144,23 @@ def test_reuse_keeps_an_earlier_runs_oracle_figures(monkeypatch: pytest.MonkeyPa
     monkeypatch.undo()
     fresh = run(smoke=True, reuse={**earlier, "oracle_tokens": 7})  # drawn again: the first run's figures
     assert [c["clairvoyant"] for c in fresh["cells"]] == [c["clairvoyant"] for c in first["cells"]]
+
+
+def test_a_sample_mix_cell_is_scored_on_its_own_recorded_windows() -> None:
+    # sample-mix windows are the sample model's recorded routes (bench/eplb_traces.py), not a synthetic router: the
+    # P = E cell's bound and found come from those windows' heat, and there is no clairvoyant forecast to draw
+    from bench.eplb_hindsight import FIRST_SCORED, fresh_plans
+    from bench.eplb_traces import load_windows
+    from r3trace.eplb.score import balancedness, even_gpu_load
+
+    spec = TraceSpec(family="sample-mix", num_experts=32, num_groups=4, top_k=4, num_layers=4, windows=5)
+    n = spec.windows - 1 - FIRST_SCORED
+    res = {"cell": "sample-mix/8x2x32", "spec": spec.__dict__, "gpus": 8, "nodes": 2, "slots": 32,
+           "policies": {"ours": {"bal_even": [0.0] * n}}}
+    out = hindsight_spec([res])[0]
+    assert out["clairvoyant"] == [] and len(out["found"]) == n
+    routes = load_windows(spec)[0]
+    cl = Cluster(8, 2, 32, num_groups=4, node_limit=4)
+    h = heat_of(routes[FIRST_SCORED + 1], 32)
+    assert out["found"][0] == max(balancedness(even_gpu_load(pl, h, cl)) for pl in fresh_plans(h, cl))
+    assert out["bound"][0] == pytest.approx(bound(h, cl.num_gpus))
