@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 
 from bench import eplb_hindsight
-from bench.eplb_hindsight import hindsight_claim, hindsight_spec, run
-from bench.eplb_traces import TraceSpec, oracle_heats, synth_windows
+from bench.eplb_hindsight import FIRST_SCORED, fresh_plans, hindsight_claim, hindsight_spec, run
+from bench.eplb_traces import TraceSpec, load_windows, oracle_heats, synth_windows
 from r3trace.eplb import Cluster
 from r3trace.eplb.hindsight import bound, max_load_floor
-from r3trace.eplb.score import heat_of
+from r3trace.eplb.score import balancedness, even_gpu_load, heat_of
 
 
 def optimum(x: np.ndarray, gpus: int) -> float:
@@ -149,10 +149,6 @@ def test_reuse_keeps_an_earlier_runs_oracle_figures(monkeypatch: pytest.MonkeyPa
 def test_a_sample_mix_cell_is_scored_on_its_own_recorded_windows() -> None:
     # sample-mix windows are the sample model's recorded routes (bench/eplb_traces.py), not a synthetic router: the
     # P = E cell's bound and found come from those windows' heat, and there is no clairvoyant forecast to draw
-    from bench.eplb_hindsight import FIRST_SCORED, fresh_plans
-    from bench.eplb_traces import load_windows
-    from r3trace.eplb.score import balancedness, even_gpu_load
-
     spec = TraceSpec(family="sample-mix", num_experts=32, num_groups=4, top_k=4, num_layers=4, windows=5)
     n = spec.windows - 1 - FIRST_SCORED
     res = {"cell": "sample-mix/8x2x32", "spec": spec.__dict__, "gpus": 8, "nodes": 2, "slots": 32,
