@@ -110,12 +110,12 @@ def run_cell(cell: Cell, dispatch: DispatchName = "node-limited") -> dict[str, A
         # what `r3trace eplb` hands ours on ema (report.make_report, loads.window_routes): each history window's
         # first MIX_TOKENS routes fit the token mix; fitted once a trace and span for the cells sharing the trace
         src = ours_loads(cell.spec, lo, t + 1, tokens=MIX_TOKENS) if sees else None
-        mixed = None if src is None else src.mixed  # ours on ema only (plan_policy)
+        mixed, demixed = (None, None) if src is None else (src.mixed, src.demixed)  # ours on ema only (plan_policy)
         after: dict[str, dict[str, float | None]] = {}
         for policy in POLICIES:
             for how in FORECASTS:
                 try:
-                    pl = plan_policy(policy, hist, how, cl, toks, dispatch=dispatch, mixed=mixed)
+                    pl = plan_policy(policy, hist, how, cl, toks, dispatch=dispatch, mixed=mixed, demixed=demixed)
                 except PlacementError:
                     continue
                 after[f"{policy}/{how}"] = _figures(score_placement(pl, heats[t + 1], routes[t + 1][:REPLAY], cl))

@@ -25,11 +25,13 @@ from typing import Any
 import numpy as np
 
 from bench.eplb_matrix import WINDOWS, Cell, Policy, cells, machine, run_cell
+from bench.eplb_ours_loads import ours_policy
 from bench.eplb_report import better_global, pooled, verdict
 from bench.eplb_traces import Drift, TraceSpec
-from r3trace.eplb import Cluster, PlannerConfig, plan
+from r3trace.eplb import Cluster, PlannerConfig
 from r3trace.eplb.alignment import align
 from r3trace.eplb.placement import from_phy2log
+from r3trace.eplb.token_mix import Source
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "results" / "eplb-churn-curve.json"
@@ -50,11 +52,10 @@ def variants(cl: Cluster) -> dict[str, Policy]:
     """Ours at the budgets other than the default, and ours planned fresh every window, its GPUs and slots aligned to
     its previous placement (alignment.align), so its churn is what a fresh plan must move."""
     def budgeted(b: float) -> Policy:
-        cfg = PlannerConfig(seeded_churn_budget=b)
-        return lambda h, p, t, m: plan(h, cl, p, tokens=t, cfg=cfg, mixed=m)
+        return ours_policy(cl, PlannerConfig(seeded_churn_budget=b))
 
-    def fresh(h: np.ndarray, p: Any, t: np.ndarray | None, m: np.ndarray | None) -> Any:
-        new = plan(h, cl, None, tokens=t, mixed=m)
+    def fresh(h: np.ndarray, p: Any, t: np.ndarray | None, m: Source | None) -> Any:
+        new = ours_policy(cl)(h, None, t, m)
         return new if p is None else from_phy2log(align(new.phy2log, p.phy2log, cl), h.shape[-1])
 
     out = {budget_name(b): budgeted(b) for b in BUDGETS if b != DEFAULT_BUDGET}

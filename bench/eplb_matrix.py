@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from bench.eplb_grace import grace_policy
-from bench.eplb_ours_loads import HISTORY, ours_loads, spans, windows_of
+from bench.eplb_ours_loads import HISTORY, ours_loads, ours_policy, spans, windows_of
 from bench.eplb_plan_time import plan_times
 from bench.eplb_traces import TraceSpec
 from r3trace.eplb import Cluster, PlannerConfig, churn, global_policy, hierarchical, plan
@@ -47,9 +47,11 @@ from r3trace.eplb.evaluate import planner_config
 from r3trace.eplb.placement import Placement
 from r3trace.eplb.score import balancedness, even_gpu_load, heat_of, node_limited
 from r3trace.eplb.static import demand, dispatched_load
+from r3trace.eplb.token_mix import Source
 
-# (windows seen [W, L, E], the policy's previous placement, the newest tokens, ours' de-mixed windows) -> a placement
-Policy = Callable[[np.ndarray, Placement | None, np.ndarray | None, np.ndarray | None], Placement]
+# (windows seen [W, L, E], the policy's previous placement, the newest tokens, what ours plans on: token_mix's
+# Source, None without tokens) -> a placement
+Policy = Callable[[np.ndarray, Placement | None, np.ndarray | None, Source | None], Placement]
 METRICS = ("bal_even", "bal_node_limited", "bal_static", "bal_dynamic", "nodes", "over_limit", "churn")
 # ours as `r3trace eplb` plans it: on token_mix.planning_loads (not with --keep-groups, nor the trade-off's one node
 # per expert, a layout no flag asks for)
@@ -84,11 +86,11 @@ def policies(cl: Cluster, variants: bool = False) -> dict[str, Policy]:
         "global": lambda h, p, t, m: global_policy(h.sum(0), cl),
         "global-newest": lambda h, p, t, m: global_policy(h[-1], cl),
         "grace": lambda h, p, t, m: grace_policy(h[-1], cl, t),
-        "ours": lambda h, p, t, m: plan(h, cl, p, tokens=t, mixed=m),
+        "ours": ours_policy(cl),
         # what `r3trace eplb --dispatch static` plans: judged under SGLang's static dispatch (bench/eplb_report.py)
-        "ours-static": lambda h, p, t, m: plan(h, cl, p, tokens=t, cfg=static_cfg, mixed=m),
+        "ours-static": ours_policy(cl, static_cfg),
         # `--dispatch dynamic`: the same layouts, scored by SGLang's dynamic dispatch's expected loads
-        "ours-dynamic": lambda h, p, t, m: plan(h, cl, p, tokens=t, cfg=dynamic_cfg, mixed=m),
+        "ours-dynamic": ours_policy(cl, dynamic_cfg),
     }
     if cl.num_groups % cl.num_nodes == 0:
         pols["hierarchical"] = lambda h, p, t, m: hierarchical(h[-1], cl)
@@ -126,13 +128,12 @@ def run_cell(cell: Cell, history: int = HISTORY, variants: bool = False,
         prev: Placement | None = None
         rows: dict[str, list[float]] = {m: [] for m in METRICS}
         for lo, hi in spans(len(routes), history):  # planned at the end of window t = hi - 1, scored on hi
-            t, mixed = hi - 1, None
+            t, src = hi - 1, None
             if (name in ON_MIX or name in more) and sees_tokens:  # what `r3trace eplb` hands ours (token_mix.py)
                 src = ours_loads(cell.spec, lo, hi, mix_cache)
-                mixed = src.mixed
                 if name == "ours" and prev is not None:
                     sources.append(src.name)
-            pl = f(heats[lo:hi], prev, routes[t] if sees_tokens else None, mixed)
+            pl = f(heats[lo:hi], prev, routes[t] if sees_tokens else None, src)
             if prev is not None:
                 d = node_limited(pl, routes[t + 1], cl)
                 rows["bal_even"].append(balancedness(even_gpu_load(pl, heats[t + 1], cl)))

@@ -16,7 +16,7 @@ import hashlib
 import json
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import asdict
 from functools import lru_cache
@@ -25,6 +25,10 @@ from pathlib import Path
 import numpy as np
 
 from bench.eplb_traces import TraceSpec, load_windows
+from r3trace.eplb import Cluster, plan
+from r3trace.eplb.config import PlannerConfig
+from r3trace.eplb.early_drift import EARLY_WINDOWS
+from r3trace.eplb.placement import Placement
 from r3trace.eplb.score import heat_of
 from r3trace.eplb.token_mix import Source, planning_loads
 
@@ -45,18 +49,34 @@ def ours_loads(spec: TraceSpec, lo: int, hi: int, cache: Path | None = None, tok
     where runs of other sweeps' files (separate processes) find each other's fits. tokens: fit on each window's
     first `tokens` routes (`r3trace eplb --mix-tokens`; the heat stays the whole window's), None: all of them."""
     path = None if cache is None else cache_path(spec, lo, hi, cache, tokens)
-    if path is not None and path.exists():
-        doc = json.loads(path.read_text())
-        return Source(np.array(doc["loads"]), doc["name"], doc["errors"], {int(k): v for k, v in doc["aic"].items()})
+    doc = json.loads(path.read_text()) if path is not None and path.exists() else None
+    # histories of <= EARLY_WINDOWS windows read Source.demixed, which every fit sets there: one cached without it
+    # (before it existed, or None where the fit found one kind) is fitted again
+    if doc is not None and (doc.get("demixed") is not None or hi - lo > EARLY_WINDOWS):
+        demixed = None if doc.get("demixed") is None else np.array(doc["demixed"])
+        return Source(np.array(doc["loads"]), doc["name"], doc["errors"], {int(k): v for k, v in doc["aic"].items()},
+                      demixed)
     routes = windows_of(spec)[0][lo:hi]
     src = planning_loads(np.stack([heat_of(w, spec.num_experts) for w in routes]), [w[:tokens] for w in routes])
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"loads": src.loads.tolist(), "name": src.name, "errors": src.errors,
-                                   "aic": {str(k): v for k, v in src.aic.items()}}))
+                                   "aic": {str(k): v for k, v in src.aic.items()},
+                                   "demixed": None if src.demixed is None else src.demixed.tolist()}))
         tmp.replace(path)
     return src
+
+
+def ours_policy(cluster: Cluster, cfg: PlannerConfig = PlannerConfig()
+                ) -> Callable[[np.ndarray, Placement | None, np.ndarray | None, Source | None], Placement]:
+    """Ours as `r3trace eplb` plans it on the cluster: (windows seen [W, L, E], its previous placement, the newest
+    tokens, what ours_loads gave (None without tokens)) -> a placement, the Source's mixed and demixed windows
+    handed to plan()."""
+    def ours(h: np.ndarray, prev: Placement | None, tokens: np.ndarray | None, src: Source | None) -> Placement:
+        return plan(h, cluster, prev, tokens=tokens, cfg=cfg, mixed=None if src is None else src.mixed,
+                    demixed=None if src is None else src.demixed)
+    return ours
 
 
 def cache_path(spec: TraceSpec, lo: int, hi: int, cache: Path, tokens: int | None = None) -> Path:

@@ -109,6 +109,8 @@ def report_lines(rep: Report, cluster: object, layer_ids: tuple[int, ...], previ
         moved = round(rep.churn * rep.placement.phy2log.size)
         out.append(f"churn vs {previous}: {rep.churn:.2%} of {rep.placement.phy2log.size:,} slots changed expert "
                    f"({moved:,})")
+    if rep.replan:
+        out.append(f"re-plan: {rep.replan}")
     gain = _replan_gain(rep)
     if gain:
         out.append(gain)

@@ -55,12 +55,14 @@ def planner_config(dispatch: DispatchName, top_k: int | None = None, keep_groups
 
 def make_placement(policy: PolicyName, weight: np.ndarray, cluster: Cluster, tokens: np.ndarray | None,
                    prev: Placement | None = None, dispatch: DispatchName = "node-limited",
-                   top_k: int | None = None, keep_groups: bool = False, mixed: np.ndarray | None = None) -> Placement:
+                   top_k: int | None = None, keep_groups: bool = False, mixed: np.ndarray | None = None,
+                   demixed: np.ndarray | None = None) -> Placement:
     """weight [L, E] (or, for ours, a history [W, L, E] it forecasts itself); prev: ours re-plans from it;
-    dispatch, top_k, keep_groups: what ours plans for (planner_config); mixed: ours' de-mixed history (planner.plan)."""
+    dispatch, top_k, keep_groups: what ours plans for (planner_config); mixed, demixed: ours' de-mixed history
+    (planner.plan)."""
     if policy == "ours":
         return planner.plan(weight, cluster, prev=prev, tokens=tokens,
-                            cfg=planner_config(dispatch, top_k, keep_groups), mixed=mixed)
+                            cfg=planner_config(dispatch, top_k, keep_groups), mixed=mixed, demixed=demixed)
     if policy == "global":
         return deepseek.global_policy(weight, cluster)
     if policy == "hierarchical":
@@ -84,12 +86,15 @@ def forecast_weight(history: np.ndarray, how: Forecast) -> np.ndarray:
 def plan_policy(policy: PolicyName, history: np.ndarray, how: Forecast, cluster: Cluster,
                 tokens: np.ndarray | None = None, prev: Placement | None = None,
                 dispatch: DispatchName = "node-limited", top_k: int | None = None,
-                keep_groups: bool = False, mixed: np.ndarray | None = None) -> Placement:
+                keep_groups: bool = False, mixed: np.ndarray | None = None,
+                demixed: np.ndarray | None = None) -> Placement:
     """history [W, L, E] -> Placement of `policy` on the `how` forecast; ours takes the history itself for ema
     (its own EMA), the others the forecast weight; ours plans for `dispatch` and the trace's top_k, with groups kept
-    on their nodes where keep_groups (planner_config); mixed: ours on ema forecasts from it (planner.plan)."""
+    on their nodes where keep_groups (planner_config); mixed, demixed: ours on ema forecasts from them and tests
+    early drift on them (planner.plan)."""
+    ema = policy == "ours" and how == "ema"
     return make_placement(policy, policy_input(policy, history, how), cluster, tokens, prev, dispatch, top_k,
-                          keep_groups, mixed if policy == "ours" and how == "ema" else None)
+                          keep_groups, mixed if ema else None, demixed if ema else None)
 
 
 def policy_input(policy: PolicyName, history: np.ndarray, how: Forecast) -> np.ndarray:

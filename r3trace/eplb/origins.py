@@ -32,11 +32,12 @@ def gpu_contents(phy2log: np.ndarray, cluster: Cluster) -> list[tuple[tuple[int,
 
 
 def layer_origins(pl: Placement, loads: np.ndarray, cluster: Cluster, prev: Placement | None = None,
-                  cfg: PlannerConfig = PlannerConfig(), mixed: np.ndarray | None = None) -> list[Origin]:
+                  cfg: PlannerConfig = PlannerConfig(), mixed: np.ndarray | None = None,
+                  tokens: np.ndarray | None = None, demixed: np.ndarray | None = None) -> list[Origin]:
     """Ours' plan pl of loads [W, L, E] (or [L, E]) re-planned from prev -> [L] each layer's origin: "previous"
     where its GPUs hold what prev's did, else "global" ("hierarchical" with cfg.keep_groups, where that layout
     exists) where they hold what DeepSeek's plan on the same forecast (planner.planning_forecast) does, else "ours"."""
-    w, _ = planning_forecast(loads, prev, cfg, cluster, mixed)
+    w, _ = planning_forecast(loads, prev, cfg, cluster, mixed, tokens, demixed)
     mine = gpu_contents(pl.phy2log, cluster)
     groups = cfg.keep_groups and groups_apply(cluster, cfg.replay_margin)
     name: Origin = "hierarchical" if groups else "global"

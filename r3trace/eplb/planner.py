@@ -28,7 +28,8 @@
    the next window's expected max GPU load, not the forecast's max (emax.py, `emax_swaps`); without a spare slot
    what is left of the budget after the hot swaps does.
    These budgets hold for an unchanged workload; a drifting one (the backtest's plain
-   mean erred > `refresh_drift` more than its best weight, over >= 2 windows) re-plans fresh on every layer
+   mean erred > `refresh_drift` more than its best weight, over >= 2 windows; with one, the newest window moved
+   more than `early_drift` x its tokens' sampling noise, early_drift.py) re-plans fresh on every layer
    that lowers the forecast max GPU load, when they lower it by > `refresh_gain` on average (refreshed; in the
    multi-node layout per layer the best of ours and global's, candidates.py): on the fast-drift cells of
    bench/eplb_matrix.py a budgeted re-plan moved 9.5% of slots and trailed global on the newest window by up to
@@ -58,6 +59,7 @@ from r3trace.eplb.config import PlannerConfig
 from r3trace.eplb.deepseek import global_phy2log, group_nodes
 from r3trace.eplb.dispatch_contest import applies as replays
 from r3trace.eplb.dispatch_contest import dispatch_max, drift_replay, groups_apply, replay_guard
+from r3trace.eplb.early_drift import early_drift
 from r3trace.eplb.emax import drift_noise, layout_bound, replan_noise
 from r3trace.eplb.forecast import backtest_errors, drifts, forecast, pick_alpha
 from r3trace.eplb.fresh import fresh_plan, spread_cap, spread_layout, spreads
@@ -91,12 +93,16 @@ def plan(
     tokens: np.ndarray | None = None,
     cfg: PlannerConfig = PlannerConfig(),
     mixed: np.ndarray | None = None,
+    demixed: np.ndarray | None = None,
 ) -> Placement:
     """loads [W, L, E] (oldest first) or [L, E]; prev Placement or None -> Placement.
 
     mixed [W, L, E]: the same windows at the long-run mix of their kinds of token (token_mix.planning_loads); where the
     backtest calls drift the forecast is the EMA of these, its weight picked by how well it forecast the raw windows;
     the drift test and every other use of the history read the raw `loads` (planning_forecast says why).
+    demixed [W, L, E]: the windows at their long-run mix whichever source the caller's backtest picked
+    (token_mix.Source.demixed); a re-plan on three windows tests drift on them against the tokens' noise
+    (early_drift.py), not without them.
 
     tokens [T, L, K] (the newest window's routes) place extra replicas by co-activation where groups do not
     fit nodes (affinity.py); elsewhere they are unused: packing by replayed dispatch over-fitted a
@@ -105,7 +111,7 @@ def plan(
     (dispatch_contest.py): a fresh plan's and a drifting re-plan's global layouts, a still re-plan's layers kept
     from `prev`, and a fresh or still plan's static-even rungs in the layers replay skews (static_ladder.token_ladder).
     """
-    fc = planning_forecast(loads, prev, cfg, cluster, mixed)
+    fc = planning_forecast(loads, prev, cfg, cluster, mixed, tokens, demixed)
     # a drifting multi-node re-plan's global layout: its layers' contest (_plan) and the two-node replay's (below)
     drifting = fc[1] and _reseeds(prev, cluster, cfg)
     glob = global_phy2log(fc[0], cluster) if drifting else None
@@ -178,8 +184,8 @@ def _static_even_plan(new: np.ndarray, loads: np.ndarray, mean_loads: np.ndarray
     if prev is None or not moving or cluster.num_slots == loads.shape[-1]:  # P = E: nothing to make static-even, so
         # the refreshed plan costs no max load (and keeps locality.locality_refresh's layers)
         return out
-    still = finish(_plan(loads, cluster, prev, tokens, replace(cfg, refresh_drift=float("inf")), mixed=mixed).phy2log,
-                   True)
+    still_cfg = replace(cfg, refresh_drift=float("inf"), early_drift=0.0)
+    still = finish(_plan(loads, cluster, prev, tokens, still_cfg, mixed=mixed).phy2log, True)
     how = cfg.sglang_dispatch
     gain = (static_expected_load(still, w, cluster, dispatch=how).max(1)
             / static_expected_load(out, w, cluster, dispatch=how).max(1))  # [L]
@@ -210,14 +216,30 @@ def forecasts_from_mix(loads: np.ndarray, mixed: np.ndarray | None, cfg: Planner
                                                                   cfg.refresh_drift)
 
 
-def planning_forecast(loads: np.ndarray, prev: Placement | None, cfg: PlannerConfig,
-                      cluster: Cluster, mixed: np.ndarray | None = None) -> tuple[np.ndarray, bool]:
+def early_moving(loads: np.ndarray, prev: Placement | None, cfg: PlannerConfig, tokens: np.ndarray | None,
+                 demixed: np.ndarray | None = None) -> bool:
+    """Whether a re-plan (prev given, no fixed EMA weight) on three windows calls drift from its one scored window
+    against the newest tokens' noise (early_drift.py, PlannerConfig.early_drift)."""
+    return prev is not None and cfg.ema_alpha is None and early_drift(loads, tokens, cfg.early_drift, demixed)
+
+
+def planning_forecast(loads: np.ndarray, prev: Placement | None, cfg: PlannerConfig, cluster: Cluster,
+                      mixed: np.ndarray | None = None, tokens: np.ndarray | None = None,
+                      demixed: np.ndarray | None = None) -> tuple[np.ndarray, bool]:
     """loads [W, L, E] or [L, E] -> (the forecast [L, E] plan() plans on, whether the backtest calls drift): a
     re-plan picks the EMA weight by backtest (step 1), a fresh plan takes choose_alpha's; without spare slots the
-    floor-bound layers' light experts take the weight that picked the hot GPUs' partners best (partners.py)."""
+    floor-bound layers' light experts take the weight that picked the hot GPUs' partners best (partners.py). A
+    re-plan on three windows may call drift from the newest tokens' noise instead (early_moving; tokens [T, L, K],
+    demixed: plan()'s), and then plans on the newest window."""
     err = backtest_errors(loads) if cfg.ema_alpha is None and prev is not None else None
-    moving = drifts(loads, err, cfg.refresh_drift)
-    if mixed is not None and forecasts_from_mix(loads, mixed, cfg, err):
+    early = early_moving(loads, prev, cfg, tokens, demixed)
+    moving = early or drifts(loads, err, cfg.refresh_drift)
+    if early:
+        # one scored window picks no EMA weight (the backtest's weight on it lost the first held-out window there:
+        # grouped s = 1.2 fast, 32 / 4 / 288, 0.712 against the newest window's 0.749); the test says the newest window
+        # moved far beyond its noise, so the windows before it are stale
+        w = forecast(loads, 1.0)
+    elif mixed is not None and forecasts_from_mix(loads, mixed, cfg, err):
         # where the history drifts (a fresh plan tests it too), the forecast is the de-mixed windows' EMA, its weight
         # the one that forecast the raw windows best: a short memory follows the router but keeps the newest windows'
         # mix. Only then: the drift test stays on the raw windows (on the de-mixed ones a slow drift, sigma 0.05, is
@@ -226,7 +248,7 @@ def planning_forecast(loads: np.ndarray, prev: Placement | None, cfg: PlannerCon
         # re-plan on the de-mixed windows' long-memory EMA lost 0.002-0.015 there to the same on the raw ones (which
         # averages the mixes out itself) though it erred 3-40% less one window ahead
         mixed_err = backtest_errors(mixed, loads)
-        assert mixed_err is not None  # drift needs >= 4 windows (forecast.MIN_DRIFT_FOLDS)
+        assert mixed_err is not None  # drift needs >= 3 windows (forecast.MIN_DRIFT_FOLDS, early_drift.py)
         w = forecast(mixed, pick_alpha(mixed_err))
     else:
         w = forecast(loads, cfg.ema_alpha if err is None else pick_alpha(err, 0.0 if moving else cfg.alpha_tie))
@@ -240,7 +262,7 @@ def _plan(loads: np.ndarray, cluster: Cluster, prev: Placement | None, tokens: n
           mixed: np.ndarray | None = None) -> Placement:
     """plan() before the two-node replay steps (guard, drift contest); fc: planning_forecast's (w, moving) for cfg,
     where made; glob: DeepSeek global's phy2log [L, P] on w, where made (a drifting re-plan's); mixed: plan()'s."""
-    w, moving = planning_forecast(loads, prev, cfg, cluster, mixed) if fc is None else fc
+    w, moving = planning_forecast(loads, prev, cfg, cluster, mixed, tokens) if fc is None else fc
     if _reseeds(prev, cluster, cfg):
         cap = spread_cap(cluster)
         if not moving:

@@ -20,6 +20,7 @@ import numpy as np
 from r3trace.analysis.store import TraceStore
 from r3trace.eplb import window as win
 from r3trace.eplb.backtest import RULE, Candidate, backtest, choose, fold_windows, rule
+from r3trace.eplb.early_drift import drift_note
 from r3trace.eplb.evaluate import (
     FORECASTS,
     POLICIES,
@@ -37,7 +38,7 @@ from r3trace.eplb.hindsight import bound
 from r3trace.eplb.loads import HeatSource, TokenSample, run_facts, span_heat, span_sample, window_routes
 from r3trace.eplb.origins import Origin, layer_origins
 from r3trace.eplb.placement import Cluster, Placement, churn
-from r3trace.eplb.planner import forecasts_from_mix
+from r3trace.eplb.planner import early_moving, forecasts_from_mix
 from r3trace.eplb.previous import recorded_at_end
 from r3trace.eplb.score import node_counts
 from r3trace.eplb.static import TokenSources, token_sources
@@ -116,6 +117,7 @@ class Report:
     held_bound: float | None = None
     load_source: Source | None = None  # what ours could forecast from (token_mix.planning_loads), None: not tried
     mix_used: bool = False  # whether it did (planner.forecasts_from_mix: the history drifts)
+    replan: str = ""  # ours re-planned from --previous: its drift call in words (early_drift.drift_note), else ''
 
     def to_dict(self) -> dict[str, Any]:
         """The figures as JSON-able data (`--out`'s meta.report)."""
@@ -141,6 +143,7 @@ class Report:
             "load_source": None if self.load_source is None else {
                 "name": self.load_source.name, "used": self.mix_used, "backtest_errors": self.load_source.errors,
                 "aic": {str(k): v for k, v in self.load_source.aic.items()}},
+            "replan": self.replan,
         }
 
 
@@ -217,10 +220,10 @@ def make_report(store: TraceStore, req: PlanRequest, progress: bool | None = Fal
     if policy == "ours" and how == "ema" and not req.keep_groups and req.mix_tokens > 0:
         src = planning_loads(history, window_routes(runs, train.spans, req.mix_tokens))
         seconds["token mix"] = time.perf_counter() - t2
-    mixed = None if src is None else src.mixed
+    mixed, demixed = (None, None) if src is None else (src.mixed, src.demixed)
     t3 = time.perf_counter()
     pl = plan_policy(policy, history, how, req.cluster, train_tokens, previous, req.dispatch, m.top_k,
-                     req.keep_groups, mixed)
+                     req.keep_groups, mixed, demixed)
     seconds["plan"] = time.perf_counter() - t3
 
     in_sample = score_placement(pl, history.sum(0), train_tokens, req.cluster, train_src.rank)
@@ -240,12 +243,15 @@ def make_report(store: TraceStore, req: PlanRequest, progress: bool | None = Fal
             held_note = f"none: the held-out window {held.label} holds no routes"
             held_heat = None
     multi = (node_counts(pl, req.cluster) > 0).sum(2) > 1  # [L, E] experts on more than one node
-    lay, origins, mix_used = None, None, False
+    lay, origins, mix_used, note = None, None, False, ""
     if policy == "ours":
         cfg = planner_config(req.dispatch, m.top_k, req.keep_groups)
         lay = layout(req.cluster, cfg)
-        origins = layer_origins(pl, policy_input(policy, history, how), req.cluster, previous, cfg, mixed)
-        mix_used = forecasts_from_mix(history, mixed, cfg)
+        ours_in = policy_input(policy, history, how)
+        origins = layer_origins(pl, ours_in, req.cluster, previous, cfg, mixed, train_tokens, demixed)
+        early = early_moving(ours_in, previous, cfg, train_tokens, demixed)
+        mix_used = not early and forecasts_from_mix(history, mixed, cfg)
+        note = "" if previous is None else drift_note(ours_in, cfg, train_tokens, demixed)
     seconds["total"] = time.perf_counter() - t0  # the origins too: they plan DeepSeek global (and import torch)
     return Report(train, held, held_note, policy, how, pl, lay,
                   int(multi.any(1).sum()), bt, in_sample, scored,
@@ -253,7 +259,7 @@ def make_report(store: TraceStore, req: PlanRequest, progress: bool | None = Fal
                   history, train_tokens, held_heat, held_tokens, req.dispatch, _says(train_src, held_src), origins,
                   m.top_k, kept_in, kept_held, previous, previous_at,
                   bound(held_heat, req.cluster.num_gpus) if scored is not None and held_heat is not None
-                  and req.cluster.num_slots == m.num_experts else None, src, mix_used)
+                  and req.cluster.num_slots == m.num_experts else None, src, mix_used, note)
 
 
 def _sources(sample: TokenSample | None, cluster: Cluster) -> TokenSources:

@@ -37,6 +37,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from r3trace.eplb.early_drift import EARLY_WINDOWS
 from r3trace.eplb.forecast import ema_errors, rates_of
 
 COMPONENTS = (1, 2, 4, 8, 16)  # kinds of token tried, climbed while AIC falls (choose_components)
@@ -199,6 +200,10 @@ class Source(NamedTuple):
     name: str  # "raw", or "mix: D kinds, equal shares" / "mix: D kinds, mean shares"
     errors: dict[str, float]  # every source's backtest error
     aic: dict[int, float]  # kinds of token tried -> the mixture's AIC (choose_components)
+    # [W, L, E] the windows at equal kind shares whichever source was picked (the raw ones where the fit found one
+    # kind), where the windows are few enough for planner.plan's early drift test to read them (early_drift.py); None
+    # without a fit (no routes, too few windows) or with more windows
+    demixed: np.ndarray | None = None
 
     @property
     def mixed(self) -> np.ndarray | None:
@@ -228,4 +233,5 @@ def planning_loads(loads: np.ndarray, windows: Sequence[np.ndarray] | None,
     if errors[best] >= errors["raw"] * (1 - MIN_GAIN):
         best = "raw"
     # 1e-3 picks: the EM's exp / log round by the CPU's SIMD kernels; rounded, every machine plans on the same loads
-    return Source(np.round(cands[best](len(raw)), 3), best, errors, scores)
+    demixed = np.round(equal if d > 1 else raw, 3) if len(raw) <= EARLY_WINDOWS else None
+    return Source(np.round(cands[best](len(raw)), 3), best, errors, scores, demixed)

@@ -227,3 +227,18 @@ def test_the_planner_forecasts_from_the_mix_only_where_the_history_drifts() -> N
     for p in (None, prev):  # a fresh plan tests drift too
         got = planning_forecast(h, p, PlannerConfig(partner_backtest=False), cl, src.mixed)[0]
         np.testing.assert_allclose(got, expected, rtol=1e-12)
+
+
+def test_three_windows_keep_the_equal_share_windows_for_the_early_drift_test() -> None:
+    """Source.demixed: with three windows, the windows at equal kind shares whichever source the backtest picked
+    (token_mix.loads of the fit), the raw ones where AIC finds one kind; None with more windows or without a fit."""
+    routes = draw(3, 1.5, seed=5)[0][:3]
+    src = token_mix.planning_loads(heat(routes), routes)
+    mix, _ = token_mix.choose_components(routes, E)
+    assert mix.p.shape[1] > 1 and src.demixed is not None
+    np.testing.assert_array_equal(src.demixed, np.round(mix.loads(heat(routes)), 3))
+    plain = draw(1, 0.0, seed=5)[0][:3]
+    one = token_mix.planning_loads(heat(plain), plain)
+    assert one.demixed is not None and np.array_equal(one.demixed, heat(plain))
+    assert token_mix.planning_loads(heat(draw(3, 1.5, seed=5)[0]), draw(3, 1.5, seed=5)[0]).demixed is None
+    assert token_mix.planning_loads(heat(routes), None).demixed is None

@@ -321,6 +321,21 @@ def test_churn_against_previous(trace: dict[str, Any], tmp_path: Path, capsys: p
     assert lines[-2] == f"churn vs {prev}: {moved / 72:.2%} of 72 slots changed expert ({moved})"
 
 
+def test_ours_says_how_it_re_planned(trace: dict[str, Any], tmp_path: Path,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """ours re-planned from --previous prints its drift call (early_drift.drift_note), and --out keeps it; global's
+    report has none (it plans afresh)."""
+    first = tmp_path / "first.json"
+    flags = (str(trace["root"]), *CLUSTER, "--train", "time=..8")
+    run_cli(capsys, *flags, "--policy", "ours", "--out", str(first))
+    out = tmp_path / "again.json"
+    lines = run_cli(capsys, *flags, "--policy", "ours", "--previous", str(first), "--out", str(out))
+    note = json.loads(out.read_text())["meta"]["report"]["replan"]
+    assert note.startswith(("still: ", "drifting: ")) and f"re-plan: {note}" in lines
+    lines = run_cli(capsys, *flags, "--policy", "global", "--previous", str(first))
+    assert not any(line.startswith("re-plan: ") for line in lines)
+
+
 @pytest.mark.parametrize("policy", ["ours", "global", "hierarchical", "cross_node"])
 @pytest.mark.parametrize("cluster", [Cluster(8, 4, 24, num_groups=4, node_limit=2),  # 4 groups on 4 nodes
                                      Cluster(8, 8, 24, num_groups=4, node_limit=4)])  # spread layout (ours)

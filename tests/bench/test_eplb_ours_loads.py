@@ -51,3 +51,23 @@ def test_main_fits_every_span_a_matrix_cell_plans_from(tmp_path: Path) -> None:
         direct = planning_loads(np.stack([heat_of(w, SPEC.num_experts) for w in routes[lo:hi]]), list(routes[lo:hi]))
         assert doc["name"] == direct.name
         np.testing.assert_array_equal(np.array(doc["loads"]), direct.loads)
+
+
+def test_a_three_window_fit_keeps_its_demixed_windows_and_a_stale_one_is_fitted_again(tmp_path: Path) -> None:
+    """Source.demixed (the early drift test's windows) round-trips through the cache on a three-window span, and a doc
+    cached without it there (before it existed) is fitted again rather than read as None."""
+    routes = windows_of(SPEC)[0]
+    direct = planning_loads(np.stack([heat_of(w, SPEC.num_experts) for w in routes[1:4]]), list(routes[1:4]))
+    assert direct.demixed is not None and direct.demixed.shape == direct.loads.shape
+    ours_loads.cache_clear()
+    path = cache_path(SPEC, 1, 4, tmp_path)
+    path.write_text(json.dumps({"loads": direct.loads.tolist(), "name": direct.name, "errors": direct.errors,
+                                "aic": {str(k): v for k, v in direct.aic.items()}}))  # as cached before
+    got = ours_loads(SPEC, 1, 4, tmp_path)
+    assert got.demixed is not None
+    np.testing.assert_array_equal(got.demixed, direct.demixed)
+    assert json.loads(path.read_text())["demixed"] == direct.demixed.tolist()  # written back
+    ours_loads.cache_clear()
+    np.testing.assert_array_equal(ours_loads(SPEC, 1, 4, tmp_path).demixed, direct.demixed)
+    ours_loads.cache_clear()
+    assert ours_loads(SPEC, 0, 4, tmp_path).demixed is None  # four windows: the backtest's own drift test
