@@ -111,5 +111,7 @@ def drift_note(history: np.ndarray, cfg: PlannerConfig, tokens: np.ndarray | Non
     elif len(h) == EARLY_WINDOWS:
         why = "one scored window, without routes and their kinds of token (or the early test) to judge it by"
     else:
-        why = "the backtest does not call drift"
+        assert err is not None
+        why = (f"over {len(h) - 2} scored windows the plain mean erred {err[0] / err.min():.2f}x the best EMA weight "
+               f"(<= {1 + cfg.refresh_drift:.2f})")
     return f"still: {why}; {budget}"

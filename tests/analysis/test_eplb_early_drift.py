@@ -104,5 +104,6 @@ def test_the_drift_call_in_words():
     assert drift_note(h[:3], cfg, None, None).startswith("still: one scored window, without routes")
     err4 = backtest_errors(h[:4])
     assert err4 is not None
-    want = "drifting: over 2" if err4[0] > err4.min() * 1.1 else "still: the backtest does not call drift"
+    ratio = f"over 2 scored windows the plain mean erred {err4[0] / err4.min():.2f}x the best EMA weight"
+    want = f"drifting: {ratio}" if err4[0] > err4.min() * 1.1 else f"still: {ratio} (<= 1.10)"
     assert drift_note(h[:4], cfg, routes[3], h[:4]).startswith(want)
