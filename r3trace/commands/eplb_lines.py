@@ -150,8 +150,8 @@ def _worst(s: object, layer_ids: tuple[int, ...], dispatch: str, k: int = 3) -> 
 
 
 def load_source_line(src: Source, used: bool) -> str:
-    """What ours forecast from (token_mix.planning_loads, planner.forecasts_from_mix), the kinds of token AIC found
-    and the backtest's errors."""
+    """What ours forecast from (token_mix.planning_loads, plan_forecast.forecasts_from_mix), the kinds of token AIC
+    found and the backtest's errors."""
     from r3trace.eplb.token_mix import MIN_GAIN
     if not src.aic:
         return "forecast from: the raw windows (fewer than 3 history windows with routes: no token mix to fit)"

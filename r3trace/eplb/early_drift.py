@@ -88,7 +88,7 @@ def early_drift(history: np.ndarray, tokens: np.ndarray | None, threshold: float
 def drift_note(history: np.ndarray, cfg: PlannerConfig, tokens: np.ndarray | None,
                demixed: np.ndarray | None = None) -> str:
     """A re-plan's drift call on history [W, L, E] in words (`r3trace eplb --previous`): drifting, by the backtest or
-    by early_ratio (planner.early_moving's), or still, within the churn budget."""
+    by early_ratio (plan_forecast.early_moving's), or still, within the churn budget."""
     h = np.asarray(history, dtype=np.float64)
     budget = f"within the churn budget ({cfg.seeded_churn_budget:.1%} of slots in the multi-node layout)"
     if h.ndim != 3 or cfg.ema_alpha is not None:

@@ -20,7 +20,7 @@ from r3trace.eplb.config import PlannerConfig
 from r3trace.eplb.deepseek import global_phy2log, hierarchical
 from r3trace.eplb.dispatch_contest import groups_apply
 from r3trace.eplb.placement import Cluster, Placement
-from r3trace.eplb.planner import planning_forecast
+from r3trace.eplb.plan_forecast import planning_forecast
 
 Origin = Literal["previous", "global", "hierarchical", "ours"]
 
@@ -36,7 +36,8 @@ def layer_origins(pl: Placement, loads: np.ndarray, cluster: Cluster, prev: Plac
                   tokens: np.ndarray | None = None, demixed: np.ndarray | None = None) -> list[Origin]:
     """Ours' plan pl of loads [W, L, E] (or [L, E]) re-planned from prev -> [L] each layer's origin: "previous"
     where its GPUs hold what prev's did, else "global" ("hierarchical" with cfg.keep_groups, where that layout
-    exists) where they hold what DeepSeek's plan on the same forecast (planner.planning_forecast) does, else "ours"."""
+    exists) where they hold what DeepSeek's plan on the same forecast (plan_forecast.planning_forecast) does, else
+    "ours"."""
     w, _ = planning_forecast(loads, prev, cfg, cluster, mixed, tokens, demixed)
     mine = gpu_contents(pl.phy2log, cluster)
     groups = cfg.keep_groups and groups_apply(cluster, cfg.replay_margin)

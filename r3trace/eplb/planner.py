@@ -9,7 +9,7 @@
    slots (> 2 a GPU) the light experts of layers whose hottest expert sets the max load take the weight that picked
    the hot GPUs' lightest partners best in the same backtest (partners.py). `r3trace eplb` also hands plan() the
    windows at the long-run mix of the kinds of token behind them (`mixed`, token_mix.py) where a backtest says they
-   forecast better; the forecast takes them only where the raw history drifts (forecasts_from_mix).
+   forecast better; the forecast takes them only where the raw history drifts (plan_forecast.py).
 2. Replica counts: the global policy's rule (each extra slot to the expert with the highest load per
    replica), capped at the GPUs of one node (homing.capped_counts).
 3. Layout and 4. packing: fresh.py (one node; group homes and co-activation replicas on several; global's layouts
@@ -59,15 +59,14 @@ from r3trace.eplb.config import PlannerConfig
 from r3trace.eplb.deepseek import global_phy2log, group_nodes
 from r3trace.eplb.dispatch_contest import applies as replays
 from r3trace.eplb.dispatch_contest import dispatch_max, drift_replay, groups_apply, replay_guard
-from r3trace.eplb.early_drift import early_drift
 from r3trace.eplb.emax import drift_noise, layout_bound, replan_noise
-from r3trace.eplb.forecast import backtest_errors, drifts, forecast, pick_alpha
 from r3trace.eplb.fresh import fresh_plan, spread_cap, spread_layout, spreads
 from r3trace.eplb.homing import capped_counts
 from r3trace.eplb.locality import locality_kept, locality_refresh
 from r3trace.eplb.node_swaps import node_swaps
-from r3trace.eplb.partners import cold_forecast, coldest_partners, partner_forecast
+from r3trace.eplb.partners import cold_forecast, coldest_partners
 from r3trace.eplb.placement import Cluster, Placement, from_phy2log, within_churn
+from r3trace.eplb.plan_forecast import planning_forecast
 from r3trace.eplb.refine import swap_refine
 from r3trace.eplb.replan import held_refresh, max_load_floor, over, refreshed, seeded_plan
 from r3trace.eplb.scenarios import spread
@@ -206,55 +205,6 @@ def _reseeds(prev: Placement | None, cluster: Cluster, cfg: PlannerConfig) -> Ty
     """Whether _plan re-plans multi-node style: from a previous placement in the spread layout (not keep_groups),
     seeded when still and refreshed with global's layout contesting every layer when drifting."""
     return prev is not None and spreads(cluster, cfg) and not cfg.keep_groups
-
-
-def forecasts_from_mix(loads: np.ndarray, mixed: np.ndarray | None, cfg: PlannerConfig,
-                       err: np.ndarray | None = None) -> bool:
-    """Whether planning_forecast forecasts from the de-mixed windows `mixed`: given, no fixed EMA weight, and the raw
-    history [W, L, E] drifts (forecast.drifts on its backtest_errors, `err` where already computed)."""
-    return mixed is not None and cfg.ema_alpha is None and drifts(loads, backtest_errors(loads) if err is None else err,
-                                                                  cfg.refresh_drift)
-
-
-def early_moving(loads: np.ndarray, prev: Placement | None, cfg: PlannerConfig, tokens: np.ndarray | None,
-                 demixed: np.ndarray | None = None) -> bool:
-    """Whether a re-plan (prev given, no fixed EMA weight) on three windows calls drift from its one scored window
-    against the newest tokens' noise (early_drift.py, PlannerConfig.early_drift)."""
-    return prev is not None and cfg.ema_alpha is None and early_drift(loads, tokens, cfg.early_drift, demixed)
-
-
-def planning_forecast(loads: np.ndarray, prev: Placement | None, cfg: PlannerConfig, cluster: Cluster,
-                      mixed: np.ndarray | None = None, tokens: np.ndarray | None = None,
-                      demixed: np.ndarray | None = None) -> tuple[np.ndarray, bool]:
-    """loads [W, L, E] or [L, E] -> (the forecast [L, E] plan() plans on, whether the backtest calls drift): a
-    re-plan picks the EMA weight by backtest (step 1), a fresh plan takes choose_alpha's; without spare slots the
-    floor-bound layers' light experts take the weight that picked the hot GPUs' partners best (partners.py). A
-    re-plan on three windows may call drift from the newest tokens' noise instead (early_moving; tokens [T, L, K],
-    demixed: plan()'s), and then plans on the newest window."""
-    err = backtest_errors(loads) if cfg.ema_alpha is None and prev is not None else None
-    early = early_moving(loads, prev, cfg, tokens, demixed)
-    moving = early or drifts(loads, err, cfg.refresh_drift)
-    if early:
-        # one scored window picks no EMA weight (the backtest's weight on it lost the first held-out window there:
-        # grouped s = 1.2 fast, 32 / 4 / 288, 0.712 against the newest window's 0.749); the test says the newest window
-        # moved far beyond its noise, so the windows before it are stale
-        w = forecast(loads, 1.0)
-    elif mixed is not None and forecasts_from_mix(loads, mixed, cfg, err):
-        # where the history drifts (a fresh plan tests it too), the forecast is the de-mixed windows' EMA, its weight
-        # the one that forecast the raw windows best: a short memory follows the router but keeps the newest windows'
-        # mix. Only then: the drift test stays on the raw windows (on the de-mixed ones a slow drift, sigma 0.05, is
-        # no longer hidden under the mix: the 10% margin called it in 13 of 17 re-plans of bench/eplb_matrix.py's
-        # grouped s = 1.2 slow 32 / 4 / 288, whose fresh re-plans moved up to 86% of slots and lost 0.04), and a still
-        # re-plan on the de-mixed windows' long-memory EMA lost 0.002-0.015 there to the same on the raw ones (which
-        # averages the mixes out itself) though it erred 3-40% less one window ahead
-        mixed_err = backtest_errors(mixed, loads)
-        assert mixed_err is not None  # drift needs >= 3 windows (forecast.MIN_DRIFT_FOLDS, early_drift.py)
-        w = forecast(mixed, pick_alpha(mixed_err))
-    else:
-        w = forecast(loads, cfg.ema_alpha if err is None else pick_alpha(err, 0.0 if moving else cfg.alpha_tie))
-    if cfg.partner_backtest and cfg.ema_alpha is None:
-        w = partner_forecast(loads, w, cluster, cfg.refresh_floor)
-    return w, moving
 
 
 def _plan(loads: np.ndarray, cluster: Cluster, prev: Placement | None, tokens: np.ndarray | None,

@@ -38,7 +38,7 @@ from r3trace.eplb.hindsight import bound
 from r3trace.eplb.loads import HeatSource, TokenSample, run_facts, span_heat, span_sample, window_routes
 from r3trace.eplb.origins import Origin, layer_origins
 from r3trace.eplb.placement import Cluster, Placement, churn
-from r3trace.eplb.planner import early_moving, forecasts_from_mix
+from r3trace.eplb.plan_forecast import early_moving, forecasts_from_mix
 from r3trace.eplb.previous import recorded_at_end
 from r3trace.eplb.score import node_counts
 from r3trace.eplb.static import TokenSources, token_sources
@@ -116,7 +116,7 @@ class Report:
     # loads (hindsight.bound; exact with two slots a GPU), None otherwise or without a held-out score
     held_bound: float | None = None
     load_source: Source | None = None  # what ours could forecast from (token_mix.planning_loads), None: not tried
-    mix_used: bool = False  # whether it did (planner.forecasts_from_mix: the history drifts)
+    mix_used: bool = False  # whether it did (plan_forecast.forecasts_from_mix: the history drifts)
     replan: str = ""  # ours re-planned from --previous: its drift call in words (early_drift.drift_note), else ''
 
     def to_dict(self) -> dict[str, Any]:

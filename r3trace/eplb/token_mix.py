@@ -24,7 +24,7 @@ scored window is already among those re-weighted to forecast it (on the sample m
 a new domain of prompt, the equal shares backtest 8-16% better than the raw windows, fitted on each window's past alone
 5% worse to 3.5% better); choosing by refits on each window's past instead planned worse on average in every trace
 family of bench/eplb_matrix.py (docs/perf-history/benchmarks-log.md, "the token mix's source chosen held out").
-planner.plan(mixed=...) forecasts from them only where the raw history drifts (planner.forecasts_from_mix); a long
+planner.plan(mixed=...) forecasts from them only where the raw history drifts (plan_forecast.forecasts_from_mix); a long
 memory over the raw windows averages the mixes out by itself.
 
 Shape legend: W windows, T tokens, L layers, E experts, K top-k, D kinds of token.
