@@ -58,8 +58,10 @@ class PlannerConfig:
     refresh_drift: float = 0.1
     refresh_gain: float = 0.02
     # a re-plan with one scored window (three windows seen) calls drift where the plain mean's error on the newest
-    # window is more than early_drift x what the newest tokens' own sampling noise gives it (early_drift.py: 1.4-4.4
-    # slow drift, 15-46 fast over bench/eplb_early_drift.py's traces); needs the tokens; <= 0: off
+    # window is more than early_drift x what the newest tokens' own sampling noise gives it, and plans on the newest
+    # window (early_drift.py: 1.4-4.4 slow drift, 15-46 fast over bench/eplb_early_drift.py's traces). Over
+    # bench/eplb_matrix.py's 104 fast-drift and sample cells with routes, trace seeds 0-2: +0.0011 a cell, the first
+    # held-out window +0.011, the sample's 8 / 2 / 40 "no" a tie; needs the routes and a token-mix fit; <= 0: off
     early_drift: float = 8.0
     # a drifting re-plan on one node, or with > 8 slots a GPU on several (planner.BOUND_SLOTS_PER_GPU), also re-places
     # each layer whose next-window E[max] bound (emax.layout_bound, the even split under the windows' variance model) a

@@ -18,7 +18,7 @@ or topic mix afresh, which the raw windows' ratio counts as change (slow drift 4
 the matrix's traces with tokens, trace seeds 0-2, three windows: slow drift 1.4-4.4 (grouped <= 3.2, clustered <=
 4.4, the independent router <= 2.3), fast drift 15.3-46 (four windows: <= 7.1 against >= 22.8); the sample model's
 traces (windows of different prompt sets) 53; the sample-mix stream 0.2-0.7. PlannerConfig.early_drift is the
-threshold.
+threshold; what it moved in the held-out matrix: docs/perf-history/benchmarks-log.md, "fast drift at three windows".
 Shape legend: W windows, T tokens, L layers, K top-k, E experts.
 """
 
