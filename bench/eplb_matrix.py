@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from bench.eplb_grace import grace_policy
-from bench.eplb_ours_loads import HISTORY, ours_loads, ours_policy, spans, windows_of
+from bench.eplb_ours_loads import HISTORY, Policy, ours_loads, ours_policy, spans, windows_of
 from bench.eplb_plan_time import plan_times
 from bench.eplb_traces import TraceSpec
 from r3trace.eplb import Cluster, PlannerConfig, churn, global_policy, hierarchical, plan
@@ -47,11 +47,7 @@ from r3trace.eplb.evaluate import planner_config
 from r3trace.eplb.placement import Placement
 from r3trace.eplb.score import balancedness, even_gpu_load, heat_of, node_limited
 from r3trace.eplb.static import demand, dispatched_load
-from r3trace.eplb.token_mix import Source
 
-# (windows seen [W, L, E], the policy's previous placement, the newest tokens, what ours plans on: token_mix's
-# Source, None without tokens) -> a placement
-Policy = Callable[[np.ndarray, Placement | None, np.ndarray | None, Source | None], Placement]
 METRICS = ("bal_even", "bal_node_limited", "bal_static", "bal_dynamic", "nodes", "over_limit", "churn")
 # ours as `r3trace eplb` plans it: on token_mix.planning_loads (not with --keep-groups, nor the trade-off's one node
 # per expert, a layout no flag asks for)

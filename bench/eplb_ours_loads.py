@@ -68,8 +68,12 @@ def ours_loads(spec: TraceSpec, lo: int, hi: int, cache: Path | None = None, tok
     return src
 
 
-def ours_policy(cluster: Cluster, cfg: PlannerConfig = PlannerConfig()
-                ) -> Callable[[np.ndarray, Placement | None, np.ndarray | None, Source | None], Placement]:
+# (windows seen [W, L, E], the policy's previous placement, the newest tokens, what ours plans on: ours_loads' Source,
+# None without tokens) -> a placement: a policy of bench/eplb_matrix.py's cells
+Policy = Callable[[np.ndarray, Placement | None, np.ndarray | None, Source | None], Placement]
+
+
+def ours_policy(cluster: Cluster, cfg: PlannerConfig = PlannerConfig()) -> Policy:
     """Ours as `r3trace eplb` plans it on the cluster: (windows seen [W, L, E], its previous placement, the newest
     tokens, what ours_loads gave (None without tokens)) -> a placement, the Source's mixed and demixed windows
     handed to plan()."""

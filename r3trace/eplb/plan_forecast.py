@@ -57,7 +57,7 @@ def planning_forecast(loads: np.ndarray, prev: Placement | None, cfg: PlannerCon
         # re-plan on the de-mixed windows' long-memory EMA lost 0.002-0.015 there to the same on the raw ones (which
         # averages the mixes out itself) though it erred 3-40% less one window ahead
         mixed_err = backtest_errors(mixed, loads)
-        assert mixed_err is not None  # drift needs >= 3 windows (forecast.MIN_DRIFT_FOLDS, early_drift.py)
+        assert mixed_err is not None  # drift needs >= 4 windows (forecast.MIN_DRIFT_FOLDS)
         w = forecast(mixed, pick_alpha(mixed_err))
     else:
         w = forecast(loads, cfg.ema_alpha if err is None else pick_alpha(err, 0.0 if moving else cfg.alpha_tie))
