@@ -6,6 +6,7 @@ tokens and of alternate contiguous blocks (the planner's). What set PlannerConfi
 
 Run: .venv/bin/python -m bench.eplb_early_drift [--out FILE]   (every trace with tokens in the matrix's result files,
      seed 0-2: ~10 min on the 2-core machine, the token-mix fits most of it)
+     .venv/bin/python -m bench.eplb_early_drift --smoke           (two small traces, nothing written: a few seconds)
 """
 
 from __future__ import annotations
@@ -77,14 +78,21 @@ def ranges(rows: list[dict[str, Any]]) -> dict[str, dict[str, list[float]]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(OUT))
+    ap.add_argument("--smoke", action="store_true", help="two small traces (one fast, one still), nothing written")
     args = ap.parse_args()
-    files = sorted(p for p in RESULTS.glob("eplb-matrix-*.json") if "plan-time" not in p.name and "milp" not in p.name)
+    if args.smoke:
+        todo = [TraceSpec(family="grouped", drift=d, num_layers=2, windows=4, window_tokens=2048)
+                for d in ("none", "fast")]
+    else:
+        todo = specs(sorted(p for p in RESULTS.glob("eplb-matrix-*.json")
+                            if "plan-time" not in p.name and "milp" not in p.name))
     rows = []
-    for spec in specs(files):
+    for spec in todo:
         rows.append(measure(spec))
         print(rows[-1], flush=True)
-    Path(args.out).write_text(json.dumps({"rows": rows, "ranges": ranges(rows)}, indent=1))
-    print(f"wrote {args.out}")
+    if not args.smoke:
+        Path(args.out).write_text(json.dumps({"rows": rows, "ranges": ranges(rows)}, indent=1))
+        print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":
