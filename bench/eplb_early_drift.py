@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from bench.eplb_ours_loads import RESULTS, windows_of
+from bench.eplb_report import held_out_docs
 from bench.eplb_traces import TraceSpec
 from r3trace.eplb.early_drift import NOISE_BLOCKS, change_ratio, half_noise
 from r3trace.eplb.score import heat_of
@@ -49,11 +50,12 @@ def measure(spec: TraceSpec, demix: bool = True) -> dict[str, Any]:
     return row
 
 
-def specs(files: list[Path]) -> list[TraceSpec]:
-    """The distinct traces with tokens (not SGLang dumps) in these matrix result files, in file order."""
+def specs(docs: dict[Path, dict[str, Any]]) -> list[TraceSpec]:
+    """The distinct traces with tokens (not SGLang dumps) in these matrix result files (bench/eplb_report's
+    held_out_docs), in file order."""
     out: list[TraceSpec] = []
-    for f in files:
-        for r in json.loads(f.read_text()).get("results", []):
+    for f in sorted(docs):
+        for r in docs[f].get("results", []):
             spec = TraceSpec(**r["spec"])
             if spec.family != "sglang-dump" and spec not in out:
                 out.append(spec)
@@ -84,8 +86,7 @@ def main() -> None:
         todo = [TraceSpec(family="grouped", drift=d, num_layers=2, windows=4, window_tokens=2048)
                 for d in ("none", "fast")]
     else:
-        todo = specs(sorted(p for p in RESULTS.glob("eplb-matrix-*.json")
-                            if "plan-time" not in p.name and "milp" not in p.name))
+        todo = specs(held_out_docs())
     rows = []
     for spec in todo:
         rows.append(measure(spec))
