@@ -24,15 +24,10 @@ Shape legend: W windows, T tokens, L layers, K top-k, E experts.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
-from r3trace.eplb.forecast import MIN_DRIFT_FOLDS, backtest_errors, drifts, rates_of
+from r3trace.eplb.forecast import MIN_DRIFT_FOLDS, rates_of
 from r3trace.eplb.score import heat_of
-
-if TYPE_CHECKING:
-    from r3trace.eplb.config import PlannerConfig
 
 NOISE_BLOCKS = 16  # contiguous blocks of the newest tokens, alternate ones to each half (128 tokens of 2,048)
 EARLY_WINDOWS = MIN_DRIFT_FOLDS + 1  # the windows a history has when the backtest scores one and cannot call drift
@@ -75,43 +70,3 @@ def early_ratio(history: np.ndarray, tokens: np.ndarray | None, demixed: np.ndar
     v = half_noise(tokens, h.shape[2]) * len(tokens) / window  # v of the whole window, from the T tokens given
     return change_ratio(demixed, v)
 
-
-def early_drift(history: np.ndarray, tokens: np.ndarray | None, threshold: float,
-                demixed: np.ndarray | None) -> bool:
-    """Whether early_ratio exceeds threshold (module doc); threshold <= 0: never."""
-    if threshold <= 0:
-        return False
-    r = early_ratio(history, tokens, demixed)
-    return r is not None and r > threshold
-
-
-def drift_note(history: np.ndarray, cfg: PlannerConfig, tokens: np.ndarray | None,
-               demixed: np.ndarray | None = None) -> str:
-    """A re-plan's drift call on history [W, L, E] in words (`r3trace eplb --previous`): drifting, by the backtest or
-    by early_ratio (plan_forecast.early_moving's), or still, within the churn budget."""
-    h = np.asarray(history, dtype=np.float64)
-    budget = f"within the churn budget ({cfg.seeded_churn_budget:.1%} of slots in the multi-node layout)"
-    if h.ndim != 3 or cfg.ema_alpha is not None:
-        return f"still: no backtest on {'one window' if h.ndim != 3 else 'a fixed EMA weight'}; {budget}"
-    err = backtest_errors(h)
-    if drifts(h, err, cfg.refresh_drift):
-        assert err is not None
-        return (f"drifting: over {len(h) - 2} scored windows the plain mean erred {err[0] / err.min():.2f}x the best "
-                f"EMA weight (> {1 + cfg.refresh_drift:.2f}); layers a fresh plan lowers may move, past the churn "
-                f"budget")
-    r = early_ratio(h, tokens, demixed) if cfg.early_drift > 0 else None
-    if r is not None and r > cfg.early_drift:
-        return (f"drifting: one scored window, the newest moved {r:.1f}x its tokens' sampling noise (> "
-                f"{cfg.early_drift:g}); planned on the newest window, layers a fresh plan lowers may move, past the "
-                f"churn budget")
-    if r is not None:
-        why = f"the newest window moved {r:.1f}x its tokens' sampling noise (<= {cfg.early_drift:g})"
-    elif err is None:
-        why = "fewer than 3 windows to backtest"
-    elif len(h) == EARLY_WINDOWS:
-        why = "one scored window, without routes and their kinds of token (or the early test) to judge it by"
-    else:
-        assert err is not None
-        why = (f"over {len(h) - 2} scored windows the plain mean erred {err[0] / err.min():.2f}x the best EMA weight "
-               f"(<= {1 + cfg.refresh_drift:.2f})")
-    return f"still: {why}; {budget}"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from r3trace.eplb.config import PlannerConfig
-from r3trace.eplb.early_drift import early_drift
+from r3trace.eplb.drift_call import drift_call
 from r3trace.eplb.forecast import backtest_errors, drifts, forecast, pick_alpha
 from r3trace.eplb.partners import partner_forecast
 from r3trace.eplb.placement import Cluster, Placement
@@ -25,25 +25,17 @@ def forecasts_from_mix(loads: np.ndarray, mixed: np.ndarray | None, cfg: Planner
                                                                   cfg.refresh_drift)
 
 
-def early_moving(loads: np.ndarray, prev: Placement | None, cfg: PlannerConfig, tokens: np.ndarray | None,
-                 demixed: np.ndarray | None = None) -> bool:
-    """Whether a re-plan (prev given, no fixed EMA weight) on three windows calls drift from its one scored window
-    against the newest tokens' noise (early_drift.py, PlannerConfig.early_drift)."""
-    return prev is not None and cfg.ema_alpha is None and early_drift(loads, tokens, cfg.early_drift, demixed)
-
-
 def planning_forecast(loads: np.ndarray, prev: Placement | None, cfg: PlannerConfig, cluster: Cluster,
                       mixed: np.ndarray | None = None, tokens: np.ndarray | None = None,
                       demixed: np.ndarray | None = None) -> tuple[np.ndarray, bool]:
     """loads [W, L, E] or [L, E] -> (the forecast [L, E] plan() plans on, whether the backtest calls drift): a
     re-plan picks the EMA weight by backtest (step 1), a fresh plan takes choose_alpha's; without spare slots the
     floor-bound layers' light experts take the weight that picked the hot GPUs' partners best (partners.py). A
-    re-plan on three windows may call drift from the newest tokens' noise instead (early_moving; tokens [T, L, K],
-    demixed: plan()'s), and then plans on the newest window."""
-    err = backtest_errors(loads) if cfg.ema_alpha is None and prev is not None else None
-    early = early_moving(loads, prev, cfg, tokens, demixed)
-    moving = early or drifts(loads, err, cfg.refresh_drift)
-    if early:
+    re-plan on three windows may call drift from the newest tokens' noise instead (tokens [T, L, K],
+    demixed: plan()'s), and then plans on the newest window (drift_call.py)."""
+    call = drift_call(loads, prev is not None, cfg, tokens, demixed)
+    err, moving = call.err, call.moving
+    if call.early:
         # one scored window picks no EMA weight (the backtest's weight on it lost the first held-out window there:
         # grouped s = 1.2 fast, 32 / 4 / 288, 0.712 against the newest window's 0.749); the test says the newest window
         # moved far beyond its noise, so the windows before it are stale

@@ -20,7 +20,7 @@ import numpy as np
 from r3trace.analysis.store import TraceStore
 from r3trace.eplb import window as win
 from r3trace.eplb.backtest import RULE, Candidate, backtest, choose, fold_windows, rule
-from r3trace.eplb.early_drift import drift_note
+from r3trace.eplb.drift_call import drift_call
 from r3trace.eplb.evaluate import (
     FORECASTS,
     POLICIES,
@@ -38,7 +38,7 @@ from r3trace.eplb.hindsight import bound
 from r3trace.eplb.loads import HeatSource, TokenSample, run_facts, span_heat, span_sample, window_routes
 from r3trace.eplb.origins import Origin, layer_origins
 from r3trace.eplb.placement import Cluster, Placement, churn
-from r3trace.eplb.plan_forecast import early_moving, forecasts_from_mix
+from r3trace.eplb.plan_forecast import forecasts_from_mix
 from r3trace.eplb.previous import recorded_at_end
 from r3trace.eplb.score import node_counts
 from r3trace.eplb.static import TokenSources, token_sources
@@ -117,7 +117,7 @@ class Report:
     held_bound: float | None = None
     load_source: Source | None = None  # what ours could forecast from (token_mix.planning_loads), None: not tried
     mix_used: bool = False  # whether it did (plan_forecast.forecasts_from_mix: the history drifts)
-    replan: str = ""  # ours re-planned from --previous: its drift call in words (early_drift.drift_note), else ''
+    replan: str = ""  # ours re-planned from --previous: its drift call in words (drift_call.DriftCall.note), else ''
 
     def to_dict(self) -> dict[str, Any]:
         """The figures as JSON-able data (`--out`'s meta.report)."""
@@ -249,9 +249,9 @@ def make_report(store: TraceStore, req: PlanRequest, progress: bool | None = Fal
         lay = layout(req.cluster, cfg)
         ours_in = policy_input(policy, history, how)
         origins = layer_origins(pl, ours_in, req.cluster, previous, cfg, mixed, train_tokens, demixed)
-        early = early_moving(ours_in, previous, cfg, train_tokens, demixed)
-        mix_used = not early and forecasts_from_mix(history, mixed, cfg)
-        note = "" if previous is None else drift_note(ours_in, cfg, train_tokens, demixed)
+        call = drift_call(ours_in, previous is not None, cfg, train_tokens, demixed)  # plan()'s, once more
+        mix_used = not call.early and forecasts_from_mix(history, mixed, cfg, call.err)
+        note = "" if previous is None else call.note()
     seconds["total"] = time.perf_counter() - t0  # the origins too: they plan DeepSeek global (and import torch)
     return Report(train, held, held_note, policy, how, pl, lay,
                   int(multi.any(1).sum()), bt, in_sample, scored,

@@ -1,5 +1,5 @@
-"""early_drift.py: a re-plan on three windows calls drift where the newest window moved far beyond its tokens' own
-sampling noise, never on an unchanged router, and the planner then re-plans past its churn budget."""
+"""early_drift.py and drift_call.py: a re-plan on three windows calls drift where the newest window moved far beyond
+its tokens' own sampling noise, never on an unchanged router, and the planner then re-plans past its churn budget."""
 
 from __future__ import annotations
 
@@ -8,12 +8,23 @@ import pytest
 
 from bench.eplb_traces import TraceSpec, load_windows
 from r3trace.eplb import Cluster, PlannerConfig, churn, plan
-from r3trace.eplb.early_drift import change_ratio, drift_note, early_drift, early_ratio, half_noise
+from r3trace.eplb.drift_call import drift_call
+from r3trace.eplb.early_drift import change_ratio, early_ratio, half_noise
 from r3trace.eplb.forecast import backtest_errors
 from r3trace.eplb.planner import planning_forecast
 from r3trace.eplb.score import heat_of
 
-THRESHOLD = PlannerConfig().early_drift
+DEFAULT = PlannerConfig()
+
+
+def _early(h: np.ndarray, tokens: np.ndarray | None, demixed: np.ndarray | None,
+           cfg: PlannerConfig = DEFAULT) -> bool:
+    """Whether a re-plan on loads h [W, L, E] calls drift by the early test (drift_call.DriftCall.early)."""
+    return drift_call(h, True, cfg, tokens, demixed).early
+
+
+def _note(h: np.ndarray, cfg: PlannerConfig, tokens: np.ndarray | None, demixed: np.ndarray | None) -> str:
+    return drift_call(h, True, cfg, tokens, demixed).note()
 
 
 def _windows(drift: str, windows: int = 3) -> tuple[np.ndarray, np.ndarray]:
@@ -49,20 +60,23 @@ def test_change_ratio_is_the_plain_means_error_over_its_noise():
 @pytest.mark.parametrize("drift, called", [("none", False), ("slow", False), ("fast", True)])
 def test_three_windows_call_drift_only_where_the_router_moves(drift, called):
     h, routes = _windows(drift)
-    assert early_drift(h, routes[-1], THRESHOLD, h) is called
+    assert _early(h, routes[-1], h) is called
     # a sample of the newest window's tokens (`r3trace eplb --replay-tokens`) scales its noise to the whole window
-    assert early_drift(h, routes[-1][-1024:], THRESHOLD, h) is called
+    assert _early(h, routes[-1][-1024:], h) is called
 
 
 def test_only_three_windows_with_tokens_and_a_threshold():
     h, routes = _windows("fast", windows=4)
-    assert early_drift(h[:3], routes[2], THRESHOLD, h[:3])
-    assert not early_drift(h, routes[3], THRESHOLD, h)  # four windows: the backtest's own test (forecast.drifts)
-    assert not early_drift(h[:3], None, THRESHOLD, h[:3])  # no tokens, no noise
-    assert not early_drift(h[:3], routes[2], THRESHOLD, None)  # no token-mix fit: a drawn mix would count as drift
-    assert not early_drift(h[:3], routes[2], 0.0, h[:3])  # off
+    assert _early(h[:3], routes[2], h[:3])
+    assert not _early(h, routes[3], h)  # four windows: the backtest's own test (forecast.drifts)
+    assert not _early(h[:3], None, h[:3])  # no tokens, no noise
+    assert not _early(h[:3], routes[2], None)  # no token-mix fit: a drawn mix would count as drift
+    assert not _early(h[:3], routes[2], h[:3], PlannerConfig(early_drift=0.0))  # off
     still = np.repeat(h[:1], 3, axis=0)  # de-mixed windows that did not move: they decide, not the raw ones
-    assert not early_drift(h[:3], routes[2], THRESHOLD, still)
+    assert not _early(h[:3], routes[2], still)
+    fresh = drift_call(h[:3], False, PlannerConfig(), routes[2], h[:3])  # a fresh plan has no budget to lift
+    assert (fresh.moving, fresh.err, fresh.ratio) == (False, None, None)
+    assert not drift_call(h[:3], True, PlannerConfig(ema_alpha=0.5), routes[2], h[:3]).moving  # a fixed weight
 
 
 @pytest.mark.parametrize("drift", ["none", "fast"])
@@ -88,22 +102,22 @@ def test_the_drift_call_in_words():
     cfg = PlannerConfig()
     r = early_ratio(h[:3], routes[2], h[:3])
     assert r is not None and r > cfg.early_drift
-    assert drift_note(h[:3], cfg, routes[2], h[:3]) == (
+    assert _note(h[:3], cfg, routes[2], h[:3]) == (
         f"drifting: one scored window, the newest moved {r:.1f}x its tokens' sampling noise (> 8); planned on the "
         f"newest window, layers a fresh plan lowers may move, past the churn budget")
     err = backtest_errors(h)
-    assert drift_note(h, cfg, routes[4], h).startswith(
+    assert _note(h, cfg, routes[4], h).startswith(
         f"drifting: over 3 scored windows the plain mean erred {err[0] / err.min():.2f}x the best EMA weight (> 1.10)")
     still, quiet = _windows("none")
     q = early_ratio(still, quiet[2], still)
     assert q is not None and q <= cfg.early_drift
-    assert drift_note(still, cfg, quiet[2], still) == (
+    assert _note(still, cfg, quiet[2], still) == (
         f"still: the newest window moved {q:.1f}x its tokens' sampling noise (<= 8); within the churn budget (9.5% of "
         f"slots in the multi-node layout)")
-    assert drift_note(h[:2], cfg, routes[1], h[:2]).startswith("still: fewer than 3 windows to backtest")
-    assert drift_note(h[:3], cfg, None, None).startswith("still: one scored window, without routes")
+    assert _note(h[:2], cfg, routes[1], h[:2]).startswith("still: fewer than 3 windows to backtest")
+    assert _note(h[:3], cfg, None, None).startswith("still: one scored window, without routes")
     err4 = backtest_errors(h[:4])
     assert err4 is not None
     ratio = f"over 2 scored windows the plain mean erred {err4[0] / err4.min():.2f}x the best EMA weight"
     want = f"drifting: {ratio}" if err4[0] > err4.min() * 1.1 else f"still: {ratio} (<= 1.10)"
-    assert drift_note(h[:4], cfg, routes[3], h[:4]).startswith(want)
+    assert _note(h[:4], cfg, routes[3], h[:4]).startswith(want)

@@ -323,7 +323,7 @@ def test_churn_against_previous(trace: dict[str, Any], tmp_path: Path, capsys: p
 
 def test_ours_says_how_it_re_planned(trace: dict[str, Any], tmp_path: Path,
                                      capsys: pytest.CaptureFixture[str]) -> None:
-    """ours re-planned from --previous prints its drift call (early_drift.drift_note), and --out keeps it; global's
+    """ours re-planned from --previous prints its drift call (drift_call.DriftCall.note), and --out keeps it; global's
     report has none (it plans afresh)."""
     first = tmp_path / "first.json"
     flags = (str(trace["root"]), *CLUSTER, "--train", "time=..8")
