@@ -28,6 +28,7 @@ from bench.eplb_matrix import WINDOWS, Cell, Policy, cells, machine, run_cell
 from bench.eplb_ours_loads import ours_policy
 from bench.eplb_report import better_global, pooled, verdict
 from bench.eplb_traces import Drift, TraceSpec
+from bench.result_file import write_result
 from r3trace.eplb import Cluster, PlannerConfig
 from r3trace.eplb.alignment import align
 from r3trace.eplb.placement import from_phy2log
@@ -150,10 +151,7 @@ def main() -> None:
             f"{n} {np.mean(p[n]['bal_even']):.4f} ({np.mean(p[n]['churn']):.1%})" for n in p), flush=True)
     doc = {"sweep": "churn-curve", "args": {**vars(args), "windows": todo[0].spec.windows}, "machine": machine(),
            "results": results}
-    out = Path(args.out) if args.out else (None if args.smoke else OUT)
-    if out is not None:
-        out.write_text(json.dumps(doc, indent=1))
-        print(f"wrote {out}")
+    write_result(doc, args.out, args.smoke, OUT)
     for row in rows_of(results):
         print(row)
 

@@ -43,6 +43,7 @@ import numpy as np
 from bench.eplb_matrix import Cell, machine
 from bench.eplb_report import held_out_docs, matrix_files, pooled, seed_runs, verdict
 from bench.eplb_traces import TraceSpec, load_windows, oracle_heats
+from bench.result_file import write_result
 from r3trace.eplb import Cluster, global_policy, plan
 from r3trace.eplb.hindsight import bound
 from r3trace.eplb.placement import Placement
@@ -222,10 +223,7 @@ def main() -> None:
                                                   "cells it lacks drawn (ours' rows come from the matrix either way)")
     args = ap.parse_args()
     doc = run(args.smoke, args.jobs, json.loads(Path(args.reuse).read_text()) if args.reuse else None)
-    out = Path(args.out) if args.out else (None if args.smoke else OUT)
-    if out is not None:
-        out.write_text(json.dumps(doc, indent=1))
-        print(f"wrote {out}")
+    write_result(doc, args.out, args.smoke, OUT)
 
 
 if __name__ == "__main__":

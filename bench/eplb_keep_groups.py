@@ -27,6 +27,7 @@ import numpy as np
 
 from bench.eplb_matrix import WINDOWS, Cell, cells, machine, run_cell
 from bench.eplb_traces import TraceSpec
+from bench.result_file import write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -143,10 +144,7 @@ def main() -> None:
               flush=True)
     doc = {"sweep": "keep-groups", "args": {**vars(args), "windows": base.windows}, "machine": machine(),
            "results": results}
-    out = Path(args.out) if args.out else (None if args.smoke else out_file(args.seed, args.sweep))
-    if out is not None:
-        out.write_text(json.dumps(doc, indent=1))
-        print(f"wrote {out}")
+    write_result(doc, args.out, args.smoke, out_file(args.seed, args.sweep))
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ from bench.eplb_grace import grace_policy
 from bench.eplb_ours_loads import HISTORY, Policy, ours_loads, ours_policy, spans, windows_of
 from bench.eplb_plan_time import plan_times
 from bench.eplb_traces import TraceSpec
+from bench.result_file import write_result
 from r3trace.eplb import Cluster, PlannerConfig, churn, global_policy, hierarchical, plan
 from r3trace.eplb.evaluate import planner_config
 from r3trace.eplb.placement import Placement
@@ -309,13 +310,10 @@ def main() -> None:
         res["dominates"] = dominates(res)
         results.append(res)
         print("\n".join(table([res])[2:]), f"\n  {res['seconds']:.1f} s, {res['dominates']}", flush=True)
-    out = Path(args.out) if args.out else RESULTS / f"eplb-matrix-{sweep}.json"
     doc = {"sweep": sweep, "args": vars(args), "machine": machine(), "results": results}
     if args.update:
         doc = updated(source, doc)
-    if not args.smoke or args.out:
-        out.write_text(json.dumps(doc, indent=1))
-        print(f"wrote {out}")
+    write_result(doc, args.out, args.smoke, RESULTS / f"eplb-matrix-{sweep}.json")
 
 
 def updated(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
