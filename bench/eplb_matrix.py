@@ -280,8 +280,9 @@ def main() -> None:
     ap.add_argument("--reuse", default=None, help="results JSON of the same cells: copy DeepSeek's and GRACE's rows "
                                                   "from it and re-run ours' policies only (their code unchanged)")
     ap.add_argument("--mix-cache", default=None, help="folder of ours' token-mix fits shared by runs of other files")
-    ap.add_argument("--update", default=None, help="results JSON of this sweep and seed: --reuse it for the cells the "
-                                                   "filters select, keep its other cells as they are, write it back")
+    ap.add_argument("--update", default=None, help="results JSON of this sweep and seed: --reuse it for those of its "
+                                                   "cells the filters select, keep its other cells as they are, write "
+                                                   "it back")
     args = ap.parse_args()
     if args.update:
         args.reuse = args.out = args.update
@@ -303,6 +304,8 @@ def main() -> None:
     if args.reuse:
         source = json.loads(Path(args.reuse).read_text())
         earlier = {r["cell"]: r["policies"] for r in source["results"]}
+    if args.update:  # the file's own cells of those the filters select (a sweep's cells may span several files)
+        todo = [c for c in todo if c.name() in earlier]
     results = []
     for c in todo:
         res = run_cell(c, variants=sweep == "tradeoff", reuse=earlier[c.name()] if args.reuse else None,

@@ -192,7 +192,8 @@ def matrix_claim(files: list[Path]) -> dict[str, Any]:
                     "baseline, in the same run on the same windows",
         "command": "python -m bench.eplb_matrix --sweep SWEEP --nodes N --out FILE (trace seeds 1 and 2: --seed S "
                    "--out bench/results/eplb-matrix-SWEEP-seedS.json; ours' rows of some cells of a file: --nodes N "
-                   "--update FILE); python -m bench.eplb_report --latest",
+                   "--update FILE; ours' rows of every file: python -m bench.eplb_rerun); python -m bench.eplb_report "
+                   "--latest",
         "sources": [str(f.relative_to(RESULTS.parents[1])) for f in files + [g for seed in SEEDS[1:]
                                                                                  for g in matrix_files(seed, docs)]],
         "columns": [["cells", "cells", "{}"], ["n", "n", "{}"], ["ge_global", "ours >= global", "{}"],
