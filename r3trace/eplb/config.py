@@ -63,6 +63,10 @@ class PlannerConfig:
     # bench/eplb_matrix.py's 104 fast-drift and sample cells with routes, trace seeds 0-2: +0.0011 a cell, the first
     # held-out window +0.011, the sample's 8 / 2 / 40 "no" a tie; needs the routes and a token-mix fit; <= 0: off
     early_drift: float = 8.0
+    # two nodes with spare slots and no routes (an SGLang dump, a server plugin's counts): a re-plan the backtest calls
+    # drifting is held to a still re-plan (its forecast and churn-budgeted seeded layout), whose static-even ladder
+    # then climbs unbudgeted (drift_call.py has the figures); False: it re-plans as a drifting one
+    hold_two_node_drift: bool = True
     # a drifting re-plan on one node, or with > 8 slots a GPU on several (planner.BOUND_SLOTS_PER_GPU), also re-places
     # each layer whose next-window E[max] bound (emax.layout_bound, the even split under the windows' variance model) a
     # fresh layout lowers by more than drift_bound_gain of it (one node: planner._plan; several: replan.held_refresh,

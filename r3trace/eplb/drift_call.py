@@ -5,6 +5,22 @@ Two tests, on the raw history [W, L, E]: the backtest's (forecast.drifts: over >
 plain mean erred more than refresh_drift over the best EMA weight), and on three windows, where the backtest scores
 one, the newest window's move against its tokens' sampling noise (early_drift.py). A fresh plan calls neither: it
 has no budget to lift.
+
+Held (PlannerConfig.hold_two_node_drift): on two nodes with spare slots and no routes, a backtest's call is not acted
+on. The re-plan is a still one, on the still forecast (the longest memory within alpha_tie of the best weight) and the
+seeded layout within the churn budget, and only its static-even ladder (static_ladder.replay_ladder, by the router
+model's node-limited loads) climbs unbudgeted, as a drifting re-plan's does. Without routes nothing de-mixes the
+windows (token_mix.py), and a drifting re-plan's best weight chases each window's own mix; on 18 slots a GPU the
+seeded re-plan's reseating follows the counts that move. Over bench/eplb_matrix.py's SGLang-dump cells of 16 GPUs /
+2 nodes / 288 slots, trace seeds 0-2 (the backtest called drift in the 6 fast-drift cells and 4 of the 6 slow-drift
+ones), ours against the better global: fast drift -0.0056 -> +0.0048 a cell under the even split (every cell up,
++0.004 .. +0.016) and -0.0074 -> +0.0012 node-limited; slow drift (the 4) +0.0151 -> +0.0248 and +0.0098 -> +0.0128
+(one cell -0.009 node-limited); slots moved a re-plan 17-39% -> 10-11% (fast), nodes per token up to +0.013, still
+0.010 under global's. Not elsewhere: with routes the same hold lost 0.0047 a cell over the 18 fast-drift two-node cells
+(their de-mixed forecast and replay contest follow the drift), and a still re-plan without routes on 4-18 nodes lost
+0.0059 a cell over the 18 fast-drift cells (down to -0.020; 2-5 slots a GPU move in whole replicas) though it gained
+0.01-0.02 on the slow ones whose backtest called drift (seeds 1-2: the plain mean erred up to 1.75x the best weight
+there, as much as under fast drift).
 Shape legend: W windows, L layers, E experts, T tokens, K top-k.
 """
 
@@ -15,8 +31,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from r3trace.eplb.config import PlannerConfig
+from r3trace.eplb.dispatch_contest import applies as replays
 from r3trace.eplb.early_drift import EARLY_WINDOWS, early_ratio
 from r3trace.eplb.forecast import backtest_errors, drifts
+from r3trace.eplb.fresh import spreads
+from r3trace.eplb.placement import Cluster
 
 
 @dataclass(frozen=True)
@@ -27,11 +46,12 @@ class DriftCall:
     backtest: bool  # forecast.drifts on err
     ratio: float | None  # early_drift.early_ratio where the early test applies (a re-plan, early_drift > 0)
     early: bool  # ratio > cfg.early_drift
+    held: bool = False  # the backtest's call held to a still re-plan (module doc: two nodes, no routes)
 
     @property
     def moving(self) -> bool:
         """Whether the re-plan may move past its churn budget."""
-        return self.backtest or self.early
+        return (self.backtest or self.early) and not self.held
 
     def note(self) -> str:
         """The call in words: drifting, by the backtest or by the early ratio, or still, and why."""
@@ -41,9 +61,12 @@ class DriftCall:
             return f"still: no backtest on {'one window' if w == 0 else 'a fixed EMA weight'}; {budget}"
         if self.backtest:
             assert err is not None
-            return (f"drifting: over {w - 2} scored windows the plain mean erred {err[0] / err.min():.2f}x the best "
-                    f"EMA weight (> {1 + cfg.refresh_drift:.2f}); layers a fresh plan lowers may move, past the churn "
-                    f"budget")
+            called = (f"over {w - 2} scored windows the plain mean erred {err[0] / err.min():.2f}x the best EMA weight "
+                      f"(> {1 + cfg.refresh_drift:.2f})")
+            if self.held:
+                return (f"held: {called}, but on two nodes without routes a still re-plan {budget}, its static-even "
+                        f"ladder unbudgeted")
+            return f"drifting: {called}; layers a fresh plan lowers may move, past the churn budget"
         if self.early:
             return (f"drifting: one scored window, the newest moved {self.ratio:.1f}x its tokens' sampling noise (> "
                     f"{cfg.early_drift:g}); planned on the newest window, layers a fresh plan lowers may move, past "
@@ -61,13 +84,23 @@ class DriftCall:
 
 
 def drift_call(loads: np.ndarray, replan: bool, cfg: PlannerConfig, tokens: np.ndarray | None = None,
-               demixed: np.ndarray | None = None) -> DriftCall:
+               demixed: np.ndarray | None = None, cluster: Cluster | None = None) -> DriftCall:
     """loads [W, L, E] or [L, E]; replan: a previous placement is given; tokens [T, L, K] the newest window's, demixed
-    [W, L, E] the windows at their long-run mix (token_mix.Source.demixed) -> the call (module doc). Only a re-plan with
-    no fixed EMA weight is tested."""
+    [W, L, E] the windows at their long-run mix (token_mix.Source.demixed); cluster: the plan's (None: no hold) -> the
+    call (module doc). Only a re-plan with no fixed EMA weight is tested."""
     h = np.asarray(loads, dtype=np.float64)
     tested = replan and cfg.ema_alpha is None
     err = backtest_errors(h) if tested else None
     ratio = early_ratio(h, tokens, demixed) if tested and cfg.early_drift > 0 else None
-    return DriftCall(cfg, len(h) if h.ndim == 3 else 0, err, drifts(h, err, cfg.refresh_drift), ratio,
-                     ratio is not None and ratio > cfg.early_drift)
+    backtest = drifts(h, err, cfg.refresh_drift)
+    held = backtest and tokens is None and cluster is not None and holds(cluster, h.shape[-1], cfg)
+    return DriftCall(cfg, len(h) if h.ndim == 3 else 0, err, backtest, ratio,
+                     ratio is not None and ratio > cfg.early_drift, held)
+
+
+def holds(cluster: Cluster, num_experts: int, cfg: PlannerConfig) -> bool:
+    """Whether a backtest's drift call without routes is held on this cluster (module doc): hold_two_node_drift, the
+    multi-node layout (not keep_groups) and the two-node replay steps (dispatch_contest.applies: two nodes, spare
+    slots, node-limited dispatch)."""
+    return (cfg.hold_two_node_drift and spreads(cluster, cfg) and not cfg.keep_groups
+            and replays(cluster, num_experts, cfg.replay_margin))

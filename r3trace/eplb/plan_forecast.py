@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from r3trace.eplb.config import PlannerConfig
-from r3trace.eplb.drift_call import drift_call
+from r3trace.eplb.drift_call import DriftCall, drift_call
 from r3trace.eplb.forecast import backtest_errors, drifts, forecast, pick_alpha
 from r3trace.eplb.partners import partner_forecast
 from r3trace.eplb.placement import Cluster, Placement
@@ -27,13 +27,14 @@ def forecasts_from_mix(loads: np.ndarray, mixed: np.ndarray | None, cfg: Planner
 
 def planning_forecast(loads: np.ndarray, prev: Placement | None, cfg: PlannerConfig, cluster: Cluster,
                       mixed: np.ndarray | None = None, tokens: np.ndarray | None = None,
-                      demixed: np.ndarray | None = None) -> tuple[np.ndarray, bool]:
+                      demixed: np.ndarray | None = None, call: DriftCall | None = None) -> tuple[np.ndarray, bool]:
     """loads [W, L, E] or [L, E] -> (the forecast [L, E] plan() plans on, whether the backtest calls drift): a
     re-plan picks the EMA weight by backtest (step 1), a fresh plan takes choose_alpha's; without spare slots the
     floor-bound layers' light experts take the weight that picked the hot GPUs' partners best (partners.py). A
     re-plan on three windows may call drift from the newest tokens' noise instead (tokens [T, L, K],
-    demixed: plan()'s), and then plans on the newest window (drift_call.py)."""
-    call = drift_call(loads, prev is not None, cfg, tokens, demixed)
+    demixed: plan()'s), and then plans on the newest window; a held call (two nodes without routes) plans as a still
+    re-plan (drift_call.py). call: drift_call's for these arguments, where the caller made it."""
+    call = drift_call(loads, prev is not None, cfg, tokens, demixed, cluster) if call is None else call
     err, moving = call.err, call.moving
     if call.early:
         # one scored window picks no EMA weight (the backtest's weight on it lost the first held-out window there:

@@ -29,7 +29,8 @@
    what is left of the budget after the hot swaps does.
    These budgets hold for an unchanged workload; a drifting one (the backtest's plain
    mean erred > `refresh_drift` more than its best weight, over >= 2 windows; with one, the newest window moved
-   more than `early_drift` x its tokens' sampling noise, early_drift.py) re-plans fresh on every layer
+   more than `early_drift` x its tokens' sampling noise, early_drift.py; on two nodes without routes the backtest's
+   call is held to a still re-plan with an unbudgeted static-even ladder, drift_call.py) re-plans fresh on every layer
    that lowers the forecast max GPU load, when they lower it by > `refresh_gain` on average (refreshed; in the
    multi-node layout per layer the best of ours and global's, candidates.py): on the fast-drift cells of
    bench/eplb_matrix.py a budgeted re-plan moved 9.5% of slots and trailed global on the newest window by up to
@@ -59,6 +60,7 @@ from r3trace.eplb.config import PlannerConfig
 from r3trace.eplb.deepseek import global_phy2log, group_nodes
 from r3trace.eplb.dispatch_contest import applies as replays
 from r3trace.eplb.dispatch_contest import dispatch_max, drift_replay, groups_apply, replay_guard
+from r3trace.eplb.drift_call import drift_call
 from r3trace.eplb.emax import drift_noise, layout_bound, replan_noise
 from r3trace.eplb.fresh import fresh_plan, spread_cap, spread_layout, spreads
 from r3trace.eplb.homing import capped_counts
@@ -110,7 +112,8 @@ def plan(
     (dispatch_contest.py): a fresh plan's and a drifting re-plan's global layouts, a still re-plan's layers kept
     from `prev`, and a fresh or still plan's static-even rungs in the layers replay skews (static_ladder.token_ladder).
     """
-    fc = planning_forecast(loads, prev, cfg, cluster, mixed, tokens, demixed)
+    call = drift_call(loads, prev is not None, cfg, tokens, demixed, cluster)
+    fc = planning_forecast(loads, prev, cfg, cluster, mixed, tokens, demixed, call)
     # a drifting multi-node re-plan's global layout: its layers' contest (_plan) and the two-node replay's (below)
     drifting = fc[1] and _reseeds(prev, cluster, cfg)
     glob = global_phy2log(fc[0], cluster) if drifting else None
@@ -143,8 +146,8 @@ def plan(
     # experts made static-even (an expert's replicas all on one node or one a node) as far as global's nodes per token
     # allows, the ladder's layouts scored by node-limited replay of the newest tokens (static_ladder.token_ladder) or
     # without them by a router model's expected node-limited loads (replay_ladder); a still re-plan's laddered layers
-    # within its churn budget, a fresh plan's and a drifting re-plan's (not churn-budgeted) all
-    churn_from = None if prev is None or fc[1] else prev.phy2log
+    # within its churn budget, a fresh plan's, a drifting re-plan's and a held one's (not churn-budgeted) all
+    churn_from = None if prev is None or fc[1] or call.held else prev.phy2log
     if tokens is None:
         return from_phy2log(replay_ladder(out.phy2log, fc[0], cluster, mean_loads, cfg.router, churn_from,
                                           cfg.seeded_churn_budget), e)

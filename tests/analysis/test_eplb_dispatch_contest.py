@@ -145,7 +145,7 @@ def test_a_drifting_two_node_replan_takes_global_by_replay_too() -> None:
         heats = np.stack([heat_of(w, E) for w in wins])
         prev = plan(heats[:2], two, tokens=wins[1])
         for t in range(2, 6):
-            w, moving = planning_forecast(heats[:t + 1], prev, PlannerConfig(), two)
+            w, moving = planning_forecast(heats[:t + 1], prev, PlannerConfig(), two, tokens=wins[t])  # as plan() has it
             raw = _plan(heats[:t + 1], two, prev, wins[t], PlannerConfig()).phy2log  # before the contest, the guard
             got = plan(heats[:t + 1], two, prev, tokens=wins[t]).phy2log
             glob = global_phy2log(w, two)

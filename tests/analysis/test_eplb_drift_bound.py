@@ -78,7 +78,7 @@ def test_a_drifting_replan_re_places_the_layers_whose_bound_a_fresh_layout_lower
     cl = Cluster(gpus, nodes, 288)
     h, routes, prev = _history(cl, family, seed)
     cfg = PlannerConfig()
-    w, moving = planning_forecast(h, prev, cfg, cl)
+    w, moving = planning_forecast(h, prev, cfg, cl, tokens=routes[5])  # as _plan below has it
     assert moving
     noise = drift_noise(h, w)
     assert noise is not None

@@ -8,12 +8,16 @@ Run: .venv/bin/pytest -q tests/analysis/test_eplb_replay_ladder.py
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
 from bench.eplb_traces import TraceSpec, load_windows
 from r3trace.eplb import Cluster, PlannerConfig, churn, plan
 from r3trace.eplb.deepseek import global_phy2log
+from r3trace.eplb.drift_call import drift_call
+from r3trace.eplb.evaluate import planner_config
 from r3trace.eplb.node_model import router_odds, two_node_dispatch
 from r3trace.eplb.placement import replicas_per_node
 from r3trace.eplb.planner import _plan, planning_forecast
@@ -115,24 +119,49 @@ def test_a_two_node_plan_without_tokens_takes_the_ladder_within_global_nodes() -
     np.testing.assert_array_equal(plan(heats[:2], two, cfg=off).phy2log, _plan(heats[:2], two, None, None, off).phy2log)
 
 
-def test_a_drifting_two_node_replan_without_tokens_takes_the_whole_ladder() -> None:
-    """Heat only, fast drift (bench/eplb_traces.py, s = 1.2): a re-plan the backtest calls drifting is replay_ladder of
-    the plan before it with no churn budget (drifting re-plans are not budgeted), and the ladder moves some of its
-    layers there; the held-out figures of bench/eplb_matrix.py's SGLang-dump cells are in the benchmarks log."""
+def test_a_drift_call_on_two_nodes_without_tokens_is_held_and_takes_the_whole_ladder() -> None:
+    """Heat only, fast drift (bench/eplb_traces.py, s = 1.2): where the backtest calls drift the call is held
+    (drift_call.py): the re-plan is the still one, on the still forecast and the seeded layout, then replay_ladder with
+    no churn budget; with hold_two_node_drift off the same history re-plans drifting. The held-out figures of
+    bench/eplb_matrix.py's SGLang-dump cells are in drift_call.py's doc."""
     cl = Cluster(16, 2, 288)
     routes, _ = load_windows(TraceSpec(family="grouped", zipf_s=1.2, drift="fast", num_layers=4, windows=8, seed=0,
                                        window_tokens=2048))
     heats = np.stack([heat_of(r, 256) for r in routes])
     cfg = PlannerConfig()
-    prev, drifting, laddered = None, 0, 0
+    still, acted = replace(cfg, refresh_drift=float("inf")), replace(cfg, hold_two_node_drift=False)
+    prev, held, laddered = None, 0, 0
     for t in range(1, 8):
         h = heats[:t + 1]
+        call = drift_call(h, prev is not None, cfg, None, None, cl)
         w, moving = planning_forecast(h, prev, cfg, cl)
         raw, got = _plan(h, cl, prev, None, cfg), plan(h, cl, prev)
-        if moving:
-            drifting += 1
+        assert not moving
+        if call.held:
+            held += 1
+            assert call.backtest and planning_forecast(h, prev, acted, cl)[1]
+            np.testing.assert_array_equal(w, planning_forecast(h, prev, still, cl)[0])
+            np.testing.assert_array_equal(raw.phy2log, _plan(h, cl, prev, None, still).phy2log)
             want = replay_ladder(raw.phy2log, w, cl, h.sum(0), cfg.router)
             np.testing.assert_array_equal(got.phy2log, want)
             laddered += int((got.phy2log != raw.phy2log).any(1).sum())
+            assert call.note().startswith(f"held: over {t - 1} scored windows the plain mean erred")
         prev = got
-    assert drifting >= 3 and laddered >= 6
+    assert held >= 3 and laddered >= 6
+
+
+def test_only_two_nodes_with_spare_slots_and_no_tokens_hold_a_drift_call() -> None:
+    """drift_call.holds: the backtest's call stands with routes, on four nodes, without a spare slot, under SGLang's
+    dispatch (no replay steps) and with hold_two_node_drift off."""
+    routes, _ = load_windows(TraceSpec(family="grouped", zipf_s=1.2, drift="fast", num_layers=4, windows=8, seed=0,
+                                       window_tokens=2048))
+    h = np.stack([heat_of(r, 256) for r in routes])
+    cfg, two = PlannerConfig(), Cluster(16, 2, 288)
+    call = drift_call(h, True, cfg, None, None, two)
+    assert call.backtest and call.held and not call.moving
+    assert drift_call(h, True, cfg, routes[-1], None, two).moving  # routes
+    assert drift_call(h, True, cfg, None, None, Cluster(32, 4, 288)).moving  # four nodes
+    assert drift_call(h, True, cfg, None, None, Cluster(16, 2, 256)).moving  # every slot one expert
+    assert drift_call(h, True, planner_config("static"), None, None, two).moving
+    assert drift_call(h, True, replace(cfg, hold_two_node_drift=False), None, None, two).moving
+    assert drift_call(h, True, cfg).moving  # no cluster given
