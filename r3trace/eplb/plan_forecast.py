@@ -28,7 +28,7 @@ def forecasts_from_mix(loads: np.ndarray, mixed: np.ndarray | None, cfg: Planner
 def planning_forecast(loads: np.ndarray, prev: Placement | None, cfg: PlannerConfig, cluster: Cluster,
                       mixed: np.ndarray | None = None, tokens: np.ndarray | None = None,
                       demixed: np.ndarray | None = None, call: DriftCall | None = None) -> tuple[np.ndarray, bool]:
-    """loads [W, L, E] or [L, E] -> (the forecast [L, E] plan() plans on, whether the backtest calls drift): a
+    """loads [W, L, E] or [L, E] -> (the forecast [L, E] plan() plans on, whether drift is called and acted on): a
     re-plan picks the EMA weight by backtest (step 1), a fresh plan takes choose_alpha's; without spare slots the
     floor-bound layers' light experts take the weight that picked the hot GPUs' partners best (partners.py). A
     re-plan on three windows may call drift from the newest tokens' noise instead (tokens [T, L, K],
