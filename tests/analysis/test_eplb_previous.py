@@ -19,7 +19,7 @@ import pytest
 from r3trace.cli import main
 from r3trace.eplb.placement import from_json
 from r3trace.trace import TraceWriter
-from tests.analysis.test_eplb_windows import CLUSTER, L_IDS, E, K, drifting_routes, even_balancedness, heat, run_cli
+from tests.analysis.eplb_cli_trace import CLUSTER, L_IDS, E, K, drifting_routes, even_balancedness, heat, run_cli
 
 TOKENS, SECONDS, HIDDEN = 1600, 12, 5
 T0 = 1_767_225_600 * 10**9
