@@ -24,11 +24,11 @@ from typing import Any
 
 import numpy as np
 
-from bench.eplb_matrix import WINDOWS, Cell, Policy, cells, machine, run_cell
+from bench.eplb_matrix import WINDOWS, Cell, Policy, cells, run_cell
 from bench.eplb_ours_loads import ours_policy
 from bench.eplb_report import better_global, pooled, verdict
 from bench.eplb_traces import Drift, TraceSpec
-from bench.result_file import write_result
+from bench.result_file import machine, write_result
 from r3trace.eplb import Cluster, PlannerConfig
 from r3trace.eplb.alignment import align
 from r3trace.eplb.placement import from_phy2log

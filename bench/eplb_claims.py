@@ -17,7 +17,7 @@ import numpy as np
 from bench.eplb_churn_curve import churn_claim
 from bench.eplb_hindsight import hindsight_claim
 from bench.eplb_keep_groups import keep_groups_claim
-from bench.eplb_matrix import RESULTS
+from bench.eplb_matrix_results import RESULTS
 from bench.eplb_mix_time import mix_time_claim
 from bench.eplb_report import matrix_claim, matrix_files
 from bench.tables import LATEST

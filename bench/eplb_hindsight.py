@@ -40,10 +40,10 @@ from typing import Any
 
 import numpy as np
 
-from bench.eplb_matrix import Cell, machine
+from bench.eplb_matrix import Cell
 from bench.eplb_report import held_out_docs, matrix_files, pooled, seed_runs, verdict
 from bench.eplb_traces import TraceSpec, load_windows, oracle_heats
-from bench.result_file import write_result
+from bench.result_file import machine, write_result
 from r3trace.eplb import Cluster, global_policy, plan
 from r3trace.eplb.hindsight import bound
 from r3trace.eplb.placement import Placement

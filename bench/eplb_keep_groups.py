@@ -25,9 +25,9 @@ from typing import Any
 
 import numpy as np
 
-from bench.eplb_matrix import WINDOWS, Cell, cells, machine, run_cell
+from bench.eplb_matrix import WINDOWS, Cell, cells, run_cell
 from bench.eplb_traces import TraceSpec
-from bench.result_file import write_result
+from bench.result_file import machine, write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -39,22 +38,21 @@ from typing import Any
 import numpy as np
 
 from bench.eplb_grace import grace_policy
+from bench.eplb_matrix_results import METRICS, RESULTS, dominates, table, updated
 from bench.eplb_ours_loads import HISTORY, Policy, ours_loads, ours_policy, spans, windows_of
 from bench.eplb_plan_time import plan_times
 from bench.eplb_traces import TraceSpec
-from bench.result_file import write_result
+from bench.result_file import machine, write_result
 from r3trace.eplb import Cluster, PlannerConfig, churn, global_policy, hierarchical, plan
 from r3trace.eplb.evaluate import planner_config
 from r3trace.eplb.placement import Placement
 from r3trace.eplb.score import balancedness, even_gpu_load, heat_of, node_limited
 from r3trace.eplb.static import demand, dispatched_load
 
-METRICS = ("bal_even", "bal_node_limited", "bal_static", "bal_dynamic", "nodes", "over_limit", "churn")
 # ours as `r3trace eplb` plans it: on token_mix.planning_loads (not with --keep-groups, nor the trade-off's one node
 # per expert, a layout no flag asks for)
 ON_MIX = ("ours", "ours-static", "ours-dynamic")
 BASELINES = ("global", "global-newest")  # the verdicts' baselines: re-run where a reused row lacks a metric
-RESULTS = Path(__file__).resolve().parent / "results"
 NODE_LIMIT = 4
 
 
@@ -147,57 +145,6 @@ def run_cell(cell: Cell, history: int = HISTORY, variants: bool = False,
             "slots": cell.slots, "policies": out, "load_sources": sources, "seconds": time.perf_counter() - t0}
 
 
-def machine() -> dict[str, Any]:
-    """What a cell's figures could depend on besides the code, written beside them: greedy swaps and packings break
-    near-ties by float rounding, and DeepSeek's policies order tied weights by torch's sort. Ours' forecast once
-    summed windows through BLAS, whose kernel OpenBLAS picks per CPU: 74 of 124 cells changed between an AVX2 and
-    an AVX-512 machine until forecast.smooth_rates added them up (tests/analysis/test_eplb_blas.py); a cell that differs
-    between two runs of one commit is read against this record first."""
-    import torch
-
-    try:
-        from numpy._core._multiarray_umath import __cpu_dispatch__, __cpu_features__
-        simd = [k for k, v in __cpu_features__.items() if v and k in __cpu_dispatch__]
-    except ImportError:  # numpy's private table moved: the version still says which kernels could run
-        simd = []
-    info = Path("/proc/cpuinfo")
-    names = [ln.split(":", 1)[1].strip() for ln in (info.read_text().splitlines() if info.exists() else [])
-             if ln.startswith("model name")]
-    cpu = names[0] if names else platform.processor()
-    return {"python": platform.python_version(), "numpy": np.__version__, "torch": torch.__version__, "cpu": cpu,
-            "numpy_simd": simd}
-
-
-def summary(res: dict[str, Any], base: str) -> dict[str, dict[str, list[float]]]:
-    """{policy: {metric: [mean, standard error of the paired difference vs `base`]}}, the metrics a row has (a row
-    reused from a run before a metric was added lacks it)."""
-    pols = res["policies"]
-    out: dict[str, dict[str, list[float]]] = {}
-    for name, rows in pols.items():
-        out[name] = {}
-        for m in (m for m in METRICS if m in rows and m in pols[base]):
-            a = np.asarray(rows[m])
-            d = a - np.asarray(pols[base][m])
-            se = float(d.std(ddof=1) / np.sqrt(len(d))) if len(d) > 1 else 0.0
-            out[name][m] = [float(a.mean()), float(d.mean()), se]
-    return out
-
-
-def dominates(res: dict[str, Any]) -> dict[str, bool]:
-    """Ours >= global and global-newest on both balancedness models, and <= global's nodes per token (means)."""
-    s = summary(res, "global")
-    o = s["ours"]
-    ok = {f"bal_even>={b}": o["bal_even"][0] >= s[b]["bal_even"][0] for b in ("global", "global-newest")}
-    ok |= {f"bal_nl>={b}": o["bal_node_limited"][0] >= s[b]["bal_node_limited"][0]
-           for b in ("global", "global-newest")}
-    ok["nodes<=global"] = o["nodes"][0] <= min(s["global"]["nodes"][0], s["global-newest"]["nodes"][0])
-    if "hierarchical" in s:
-        h = s["hierarchical"]
-        ok["nodes<=hier"] = o["nodes"][0] <= h["nodes"][0]
-        ok["bal_even>hier"] = o["bal_even"][0] > h["bal_even"][0]
-    return ok
-
-
 SHAPES = [(8, 1, 256), (8, 1, 288), (8, 1, 320), (16, 2, 256), (16, 2, 288), (16, 2, 320), (32, 4, 256),
           (32, 4, 288), (32, 4, 320), (64, 8, 256), (64, 8, 320), (128, 16, 256), (144, 18, 288)]
 MAIN_SHAPES = [(32, 4, 288), (64, 8, 320), (144, 18, 288)]
@@ -241,20 +188,6 @@ def cells(sweep: str, base: TraceSpec) -> list[Cell]:
         spec = replace(base, family="sample-mix", num_experts=32, num_groups=4, top_k=4, num_layers=4)
         return [Cell(replace(spec, drift=d), g, n, p) for d in ("slow", "fast") for (g, n, p) in SAMPLE_SHAPES]
     raise ValueError(f"sweep={sweep!r}: expected smoke, shape, family, groups1, tradeoff, sample or sample-mix")
-
-
-def table(results: list[dict[str, Any]]) -> list[str]:
-    lines = ["| cell | policy | bal. even | vs global | bal. node-limited | vs global | nodes/token | vs global | "
-             "> 4 nodes | churn |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for res in results:
-        s = summary(res, "global")
-        for name, m in s.items():
-            be, bn, nd = m["bal_even"], m["bal_node_limited"], m["nodes"]
-            lines.append(
-                f"| {res['cell']} | {name} | {be[0]:.3f} | {be[1]:+.3f} +- {be[2]:.3f} | {bn[0]:.3f} | "
-                f"{bn[1]:+.3f} +- {bn[2]:.3f} | {nd[0]:.2f} | {nd[1]:+.2f} +- {nd[2]:.2f} | "
-                f"{m['over_limit'][0]:.1%} | {m['churn'][0]:.1%} |")
-    return lines
 
 
 def main() -> None:
@@ -317,20 +250,6 @@ def main() -> None:
     if args.update:
         doc = updated(source, doc)
     write_result(doc, args.out, args.smoke, RESULTS / f"eplb-matrix-{sweep}.json")
-
-
-def updated(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
-    """A results file and a run of some of its cells (the same sweep and trace) -> the file with those cells'
-    results replaced, in its own order; each update's args listed under "updates"."""
-    keys = ("layers", "windows", "window_tokens", "seed")
-    if old["sweep"] != new["sweep"] or any(old["args"][k] != new["args"][k] for k in keys):
-        raise SystemExit(f"--update: the file's sweep and {keys} differ from this run's")
-    fresh = {r["cell"]: r for r in new["results"]}
-    missing = set(fresh) - {r["cell"] for r in old["results"]}
-    if missing:
-        raise SystemExit(f"--update: cells not in the file: {sorted(missing)}")
-    return {**old, "results": [fresh.get(r["cell"], r) for r in old["results"]],
-            "updates": [*old.get("updates", []), {"args": new["args"], "machine": new["machine"]}]}
 
 
 if __name__ == "__main__":

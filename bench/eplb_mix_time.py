@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from bench.eplb_matrix import machine
 from bench.eplb_traces import TraceSpec, synth_windows
+from bench.result_file import machine
 from r3trace.eplb import Cluster, global_policy
 from r3trace.eplb.forecast import ALPHAS, rates_of, smooth_rates
 from r3trace.eplb.report import PlanRequest

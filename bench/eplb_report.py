@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.eplb_matrix import RESULTS, summary
+from bench.eplb_matrix_results import RESULTS, summary
 from bench.tables import LATEST
 
 SUMMARY_ID = "eplb-held-out-matrix"

@@ -37,8 +37,8 @@ from typing import Any
 
 import numpy as np
 
-from bench.eplb_matrix import machine
 from bench.eplb_traces import TraceSpec, load_windows
+from bench.result_file import machine
 from r3trace.eplb import Cluster, churn, from_phy2log
 from r3trace.eplb.score import balancedness, even_gpu_load, heat_of
 from r3trace.eplb.vllm_policy import rebalance_phy2log

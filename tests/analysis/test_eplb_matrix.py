@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bench.eplb_matrix import METRICS, TraceSpec, cells, dominates, run_cell, summary, updated
+from bench.eplb_matrix import TraceSpec, cells, run_cell
+from bench.eplb_matrix_results import METRICS, dominates, summary, updated
 from bench.eplb_traces import sglang_dump, synth_windows
 from r3trace.analysis.synth import SynthConfig, route_windows
 from r3trace.eplb import Cluster, PlannerConfig, churn, global_policy, hierarchical, plan
