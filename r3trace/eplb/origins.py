@@ -19,6 +19,7 @@ import numpy as np
 from r3trace.eplb.config import PlannerConfig
 from r3trace.eplb.deepseek import global_phy2log, hierarchical
 from r3trace.eplb.dispatch_contest import groups_apply
+from r3trace.eplb.drift_call import DriftCall
 from r3trace.eplb.placement import Cluster, Placement
 from r3trace.eplb.plan_forecast import planning_forecast
 
@@ -33,12 +34,13 @@ def gpu_contents(phy2log: np.ndarray, cluster: Cluster) -> list[tuple[tuple[int,
 
 def layer_origins(pl: Placement, loads: np.ndarray, cluster: Cluster, prev: Placement | None = None,
                   cfg: PlannerConfig = PlannerConfig(), mixed: np.ndarray | None = None,
-                  tokens: np.ndarray | None = None, demixed: np.ndarray | None = None) -> list[Origin]:
+                  tokens: np.ndarray | None = None, demixed: np.ndarray | None = None,
+                  call: DriftCall | None = None) -> list[Origin]:
     """Ours' plan pl of loads [W, L, E] (or [L, E]) re-planned from prev -> [L] each layer's origin: "previous"
     where its GPUs hold what prev's did, else "global" ("hierarchical" with cfg.keep_groups, where that layout
     exists) where they hold what DeepSeek's plan on the same forecast (plan_forecast.planning_forecast) does, else
-    "ours"."""
-    w, _ = planning_forecast(loads, prev, cfg, cluster, mixed, tokens, demixed)
+    "ours". call: the plan's drift call (drift_call.py), where the caller made it."""
+    w, _ = planning_forecast(loads, prev, cfg, cluster, mixed, tokens, demixed, call)
     mine = gpu_contents(pl.phy2log, cluster)
     groups = cfg.keep_groups and groups_apply(cluster, cfg.replay_margin)
     name: Origin = "hierarchical" if groups else "global"
