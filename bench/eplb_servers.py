@@ -53,10 +53,12 @@ Call = Callable[[Any, int, int, int, int, Any], Any]
 
 
 def on_path(site: str, deps: str | None) -> None:
-    """The server's unpacked wheel first on sys.path; deps last, so this environment's torch and numpy stay."""
-    sys.path.insert(0, site)
-    if deps:
-        sys.path.append(deps)
+    """The server's unpacked wheel first on sys.path; deps last, so this environment's torch and numpy stay; the
+    repository's root after them: its kernels/ folder would shadow Hugging Face's `kernels` package, which
+    transformers (imported by vLLM) imports (`python -m` and PYTHONPATH=. put the root first)."""
+    root = Path(__file__).resolve().parents[1]
+    here = [p for p in sys.path if Path(p or ".").resolve() == root]
+    sys.path[:] = [site, *(p for p in sys.path if p not in here), *([deps] if deps else []), str(root)]
 
 
 def vllm_calls(site: str, deps: str | None) -> tuple[Call, Call, Callable[[], None], str]:
