@@ -45,8 +45,12 @@ class DriftCall:
     err: np.ndarray | None  # a re-plan's forecast.backtest_errors of the raw history (None: < 3 windows, fixed weight)
     backtest: bool  # forecast.drifts on err
     ratio: float | None  # early_drift.early_ratio where the early test applies (a re-plan, early_drift > 0)
-    early: bool  # ratio > cfg.early_drift
     held: bool = False  # the backtest's call held to a still re-plan (module doc: two nodes, no routes)
+
+    @property
+    def early(self) -> bool:
+        """Whether the early test calls drift: its ratio over cfg.early_drift."""
+        return self.ratio is not None and self.ratio > self.cfg.early_drift
 
     @property
     def moving(self) -> bool:
@@ -94,8 +98,7 @@ def drift_call(loads: np.ndarray, replan: bool, cfg: PlannerConfig, tokens: np.n
     ratio = early_ratio(h, tokens, demixed) if tested and cfg.early_drift > 0 else None
     backtest = drifts(h, err, cfg.refresh_drift)
     held = backtest and tokens is None and cluster is not None and holds(cluster, h.shape[-1], cfg)
-    return DriftCall(cfg, len(h) if h.ndim == 3 else 0, err, backtest, ratio,
-                     ratio is not None and ratio > cfg.early_drift, held)
+    return DriftCall(cfg, len(h) if h.ndim == 3 else 0, err, backtest, ratio, held)
 
 
 def holds(cluster: Cluster, num_experts: int, cfg: PlannerConfig) -> bool:
