@@ -56,6 +56,15 @@ class PlannerConfig:
     # 1.04-1.21 per layer at 8 nodes, slow drift 0.97-1.05; an unchanged workload never calls drift, so its
     # re-plans keep the churn budgets
     refresh_drift: float = 0.1
+    # ... and, without routes and over >= 4 scored windows (drift_call.MIN_T_FOLDS), only where the plain mean's excess
+    # error a scored window is at least drift_t standard errors above 0 (forecast.excess_t, DriftCall.called: counts
+    # cannot be de-mixed, and a mix drawn afresh each window looks like drift on a few windows). Over
+    # bench/eplb_matrix.py's SGLang-dump cells, trace seeds 0-2: slow drift on 4-18 nodes +0.0049 a cell (24 cells,
+    # -0.0001 .. +0.018; against the better global +0.010 -> +0.015), slots moved a re-plan 19% -> 9.6% on average (the
+    # worst cell 54% -> 18%); fast drift and one node within +-0.0002 (two nodes hold their calls). On every scored
+    # window count: slow +0.0041 but fast -0.0004 (first re-plans). With routes: the sample model's 16 / 2 / 64 -0.079
+    # and sample-mix fast -0.010 .. -0.025 though grouped slow +0.0036, so there the ratio decides. <= 0: off
+    drift_t: float = 2.0
     refresh_gain: float = 0.02
     # a re-plan with one scored window (three windows seen) calls drift where the plain mean's error on the newest
     # window is more than early_drift x what the newest tokens' own sampling noise gives it, and plans on the newest

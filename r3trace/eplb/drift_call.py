@@ -6,6 +6,14 @@ plain mean erred more than refresh_drift over the best EMA weight), and on three
 one, the newest window's move against its tokens' sampling noise (early_drift.py). A fresh plan calls neither: it
 has no budget to lift.
 
+Without routes the backtest's call also needs its excess to hold window by window (`called`: forecast.excess_t >=
+PlannerConfig.drift_t). Counts alone cannot be de-mixed (token_mix.py), and the grouped router draws each window's
+mix of domains afresh: on a few windows the plain mean errs far more than a short memory by chance, which the summed
+ratio counts as drift. Over bench/eplb_matrix.py's SGLang-dump re-plans (8-window histories, s = 0.6 and 1.2, trace
+seeds 0-2; 108 a drift): slow drift (sigma 0.05) 26 ratio calls, every one at t = 0.4-1.9; fast drift (0.3) 93, 9 of
+them under 2 (0.9-1.95, 8 of the 9 on 2-5 scored windows), the rest up to 17. With routes the call stands on the
+ratio (PlannerConfig.drift_t has why and the held-out figures).
+
 Held (PlannerConfig.hold_two_node_drift): on two nodes with spare slots and no routes, a backtest's call is not acted
 on. The re-plan is a still one, on the still forecast (the longest memory within alpha_tie of the best weight) and the
 seeded layout within the churn budget, and only its static-even ladder (static_ladder.replay_ladder, by the router
@@ -33,9 +41,14 @@ import numpy as np
 from r3trace.eplb.config import PlannerConfig
 from r3trace.eplb.dispatch_contest import applies as replays
 from r3trace.eplb.early_drift import EARLY_WINDOWS, early_ratio
-from r3trace.eplb.forecast import backtest_errors, drifts
+from r3trace.eplb.forecast import backtest_errors, drifts, excess_t
 from r3trace.eplb.fresh import spreads
 from r3trace.eplb.placement import Cluster
+
+# scored windows the t test needs (fewer: the ratio alone). On 2-3 of them the SGLang-dump re-plans' t overlapped
+# (slow drift 0.5-1.9, fast 0.9-17, 5 fast calls under 2) and holding them lost the fast cells' first re-plans (up to
+# -0.053 a window on 144 / 18 / 288); from 4 on, 22 of the 26 slow calls are held and 4 of the 93 fast ones
+MIN_T_FOLDS = 4
 
 
 @dataclass(frozen=True)
@@ -46,6 +59,13 @@ class DriftCall:
     backtest: bool  # forecast.drifts on err
     ratio: float | None  # early_drift.early_ratio where the early test applies (a re-plan, early_drift > 0)
     held: bool = False  # the backtest's call held to a still re-plan (module doc: two nodes, no routes)
+    t: float | None = None  # forecast.excess_t of a ratio call without routes (drift_t > 0, not held), else None
+
+    @property
+    def called(self) -> bool:
+        """Whether the backtest calls drift: its ratio test, by at least cfg.drift_t standard errors of the per-window
+        excess (module doc)."""
+        return self.backtest and (self.t is None or self.t >= self.cfg.drift_t)
 
     @property
     def early(self) -> bool:
@@ -55,7 +75,7 @@ class DriftCall:
     @property
     def moving(self) -> bool:
         """Whether the re-plan may move past its churn budget."""
-        return (self.backtest or self.early) and not self.held
+        return (self.called or self.early) and not self.held
 
     def note(self) -> str:
         """The call in words: drifting, by the backtest or by the early ratio, or still, and why."""
@@ -70,7 +90,10 @@ class DriftCall:
             if self.held:
                 return (f"held: {called}, but on two nodes without routes a still re-plan {budget}, its static-even "
                         f"ladder unbudgeted")
-            return f"drifting: {called}; layers a fresh plan lowers may move, past the churn budget"
+            if self.called:
+                return f"drifting: {called}; layers a fresh plan lowers may move, past the churn budget"
+            return (f"still: {called}, but by {self.t:.1f} standard errors of its excess a window (< "
+                    f"{cfg.drift_t:g}); {budget}")
         if self.early:
             return (f"drifting: one scored window, the newest moved {self.ratio:.1f}x its tokens' sampling noise (> "
                     f"{cfg.early_drift:g}); planned on the newest window, layers a fresh plan lowers may move, past "
@@ -98,7 +121,9 @@ def drift_call(loads: np.ndarray, replan: bool, cfg: PlannerConfig, tokens: np.n
     ratio = early_ratio(h, tokens, demixed) if tested and cfg.early_drift > 0 else None
     backtest = drifts(h, err, cfg.refresh_drift)
     held = backtest and tokens is None and cluster is not None and holds(cluster, h.shape[-1], cfg)
-    return DriftCall(cfg, len(h) if h.ndim == 3 else 0, err, backtest, ratio, held)
+    tested_t = not held and tokens is None and cfg.drift_t > 0 and len(h) - 2 >= MIN_T_FOLDS
+    t = excess_t(h, err) if backtest and err is not None and tested_t else None
+    return DriftCall(cfg, len(h) if h.ndim == 3 else 0, err, backtest, ratio, held, t)
 
 
 def holds(cluster: Cluster, num_experts: int, cfg: PlannerConfig) -> bool:

@@ -72,6 +72,24 @@ def drifts(history: np.ndarray, err: np.ndarray | None, threshold: float) -> boo
     return err is not None and folds >= MIN_DRIFT_FOLDS and bool(err[0] > err.min() * (1 + threshold))
 
 
+def excess_t(history: np.ndarray, err: np.ndarray) -> float:
+    """[W, L, E] loads (>= 4 windows) and their backtest_errors -> how surely the best EMA weight beats the plain mean:
+    the plain mean's squared error in rates less the best weight's, per scored window 2 .. W - 1, its mean over its
+    standard error (a paired t statistic over the windows; inf where every window's excess is the same and > 0).
+    The ratio test (drifts) sums the windows, so one or two windows the mean forecast badly can carry it: a window
+    mix drawn afresh each window (bench/eplb_traces.py's grouped router) looks like drift on a few of them, and
+    under slow drift (sigma 0.05) the ratio reached 1.75 where fast drift (0.3) gave 1.1-1.8 (PlannerConfig.drift_t
+    has the figures)."""
+    rates = rates_of(np.asarray(history, dtype=np.float64))
+    best = ALPHAS[int(np.argmin(err))]
+    d = np.array([float(((rates[t] - smooth_rates(rates[:t], 0.0)) ** 2).sum())
+                  - float(((rates[t] - smooth_rates(rates[:t], best)) ** 2).sum()) for t in range(2, len(rates))])
+    sd = float(d.std(ddof=1))
+    if sd == 0:
+        return float("inf") if d.mean() > 0 else 0.0
+    return float(d.mean() / (sd / np.sqrt(len(d))))
+
+
 def forecast(history: np.ndarray, alpha: float | None) -> np.ndarray:
     """[W, L, E] or [L, E] loads -> [L, E] EMA forecast of the next window (in the last window's scale);
     alpha None: choose_alpha's."""

@@ -129,7 +129,7 @@ def test_a_drift_call_on_two_nodes_without_tokens_is_held_and_takes_the_whole_la
                                        window_tokens=2048))
     heats = np.stack([heat_of(r, 256) for r in routes])
     cfg = PlannerConfig()
-    still, acted = replace(cfg, refresh_drift=float("inf")), replace(cfg, hold_two_node_drift=False)
+    still, acted = replace(cfg, refresh_drift=float("inf")), replace(cfg, hold_two_node_drift=False, drift_t=0.0)
     prev, held, laddered = None, 0, 0
     for t in range(1, 8):
         h = heats[:t + 1]

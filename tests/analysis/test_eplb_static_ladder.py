@@ -153,7 +153,7 @@ def test_without_a_spare_slot_a_drifting_static_re_plan_is_the_refreshed_one() -
     heats = np.stack([heat_of(r, 64) for r in routes]).astype(np.float64)
     cl, cfg = Cluster(32, 8, 64, num_groups=8), planner_config("static")
     prev = plan(heats[:5], cl, tokens=routes[4], cfg=cfg)
-    w, moving = planning_forecast(heats, prev, cfg, cl)
+    w, moving = planning_forecast(heats, prev, cfg, cl, tokens=routes[5])  # as plan() below makes the call
     assert moving  # the backtest calls drift
     got = plan(heats, cl, prev, tokens=routes[5], cfg=cfg)
     cold = cold_forecast(heats, w, cl, cfg.partner_light)
