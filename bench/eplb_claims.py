@@ -58,7 +58,8 @@ def plan_time_claim(path: Path = PLAN_TIME_FILE) -> dict[str, Any]:
                   "the reference in turn, in reverse order every other round, every timed call (both sides) right "
                   "after an untimed call of the same function; the CPU shared with other jobs; "
                   "a re-plan starts from ours' previous placement with the newest 2,048 tokens; a drifting re-plan "
-                  "from 4 windows of fast drift (sigma 0.3 logits a window) to 5, the backtest calling drift",
+                  "from 4 windows of fast drift (sigma 0.3 logits a window) to 5, the backtest calling drift "
+                  "(without tokens from 5 to 6: on 3 scored windows the call would not hold, PlannerConfig.drift_t)",
         "baseline": "DeepSeek's eplb.py (deepseek-ai/EPLB d52c72d, never committed) in the same process: "
                     "`rebalance_experts` with 8 groups and the shape's nodes (default: hierarchical where the nodes "
                     "divide the groups) and with one group and one node (global)",

@@ -33,7 +33,7 @@ def plan_times(ref_dir: str | None, rounds: int = 7, idle_s: float = 0.0,
     placement (with the newest 2048 tokens) on an unchanged workload and on a drifting one (fast drift, 5 windows:
     forecast.drifts calls it, so the re-plan may refresh layers; also with every layer seeded first, SEED_ALL),
     ours for SGLang's static dispatch (`--dispatch static`: fresh and re-planned), ours without tokens (fresh, and
-    the drifting re-plan from a plan without them), the global policy of
+    the drifting re-plan from a plan without them, on 6 windows), the global policy of
     r3trace/eplb/deepseek.py,
     and DeepSeek's own eplb.py from ref_dir (rebalance_experts with the shape's groups and nodes, its default, and
     with one node). shapes: (GPUs, nodes, slots), default PLAN_TIME_SHAPES.
@@ -50,6 +50,7 @@ def plan_times(ref_dir: str | None, rounds: int = 7, idle_s: float = 0.0,
     import importlib.util
     import statistics
 
+    from r3trace.eplb.drift_call import drift_call
     from r3trace.eplb.forecast import backtest_errors, drifts
 
     ref = None
@@ -60,8 +61,11 @@ def plan_times(ref_dir: str | None, rounds: int = 7, idle_s: float = 0.0,
         spec_.loader.exec_module(ref)
     routes = load_windows(TraceSpec(num_layers=58, windows=3, window_tokens=2048))[0]
     heats = np.stack([heat_of(w, 256) for w in routes])
-    moving = load_windows(TraceSpec(num_layers=58, windows=5, window_tokens=2048, drift="fast"))[0]
-    moved = np.stack([heat_of(w, 256) for w in moving])
+    # 6 windows: the first 5 (with tokens) and all 6 (without: 3 scored windows are too few for drift_t there, t =
+    # 1.6, where 4 give 2.5, so a 5-window re-plan without tokens would be a still one)
+    moving6 = load_windows(TraceSpec(num_layers=58, windows=6, window_tokens=2048, drift="fast"))[0]
+    moved6 = np.stack([heat_of(w, 256) for w in moving6])
+    moving, moved = moving6[:5], moved6[:5]
     if not drifts(moved, backtest_errors(moved), PlannerConfig().refresh_drift):
         raise RuntimeError("the fast-drift history no longer drifts (forecast.drifts): the drifting re-plan is untimed")
 
@@ -70,7 +74,10 @@ def plan_times(ref_dir: str | None, rounds: int = 7, idle_s: float = 0.0,
         cl = Cluster(g, n, p)
         first = plan(heats[:2], cl, tokens=routes[1])
         first_moved = plan(moved[:4], cl, tokens=moving[3])
-        first_moved_loads = plan(moved[:4], cl)
+        first_moved_loads = plan(moved6[:5], cl)
+        call = drift_call(moved6, True, PlannerConfig(), cluster=cl)
+        if not (call.moving or call.held):  # held: two nodes without routes (drift_call.py), timed as such
+            raise RuntimeError(f"{g}x{n}x{p}: the re-plan without tokens no longer drifts ({call.note()})")
         static_cfg = planner_config("static")
         first_static = plan(heats[:2], cl, tokens=routes[1], cfg=static_cfg)
         calls: dict[str, Callable[[], object]] = {
@@ -83,7 +90,7 @@ def plan_times(ref_dir: str | None, rounds: int = 7, idle_s: float = 0.0,
             "ours_static_replan": partial(plan, heats, cl, first_static, tokens=routes[2], cfg=static_cfg),
             # no tokens (an SGLang dump, the server plugins): P = E swaps experts between nodes (node_swaps.py)
             "ours_fresh_no_tokens": partial(plan, heats, cl),
-            "ours_replan_drift_no_tokens": partial(plan, moved, cl, first_moved_loads),
+            "ours_replan_drift_no_tokens": partial(plan, moved6, cl, first_moved_loads),
             "global_numpy": partial(global_policy, heats[2], cl)}
         if ref is not None:
             import torch
