@@ -41,7 +41,7 @@ import numpy as np
 from r3trace.eplb.config import PlannerConfig
 from r3trace.eplb.dispatch_contest import applies as replays
 from r3trace.eplb.early_drift import EARLY_WINDOWS, early_ratio
-from r3trace.eplb.forecast import backtest_errors, drifts, excess_t
+from r3trace.eplb.forecast import drifts, excess_t, summed, window_errors
 from r3trace.eplb.fresh import spreads
 from r3trace.eplb.placement import Cluster
 
@@ -117,12 +117,13 @@ def drift_call(loads: np.ndarray, replan: bool, cfg: PlannerConfig, tokens: np.n
     call (module doc). Only a re-plan with no fixed EMA weight is tested."""
     h = np.asarray(loads, dtype=np.float64)
     tested = replan and cfg.ema_alpha is None
-    err = backtest_errors(h) if tested else None
+    per = window_errors(h) if tested else None  # [W - 2, len(ALPHAS)]
+    err = None if per is None else summed(per)
     ratio = early_ratio(h, tokens, demixed) if tested and cfg.early_drift > 0 else None
     backtest = drifts(h, err, cfg.refresh_drift)
     held = backtest and tokens is None and cluster is not None and holds(cluster, h.shape[-1], cfg)
     tested_t = not held and tokens is None and cfg.drift_t > 0 and len(h) - 2 >= MIN_T_FOLDS
-    t = excess_t(h, err) if backtest and err is not None and tested_t else None
+    t = excess_t(per) if backtest and per is not None and tested_t else None
     return DriftCall(cfg, len(h) if h.ndim == 3 else 0, err, backtest, ratio, held, t)
 
 

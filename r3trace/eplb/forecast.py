@@ -24,20 +24,37 @@ def backtest_errors(history: np.ndarray, targets: np.ndarray | None = None) -> n
     windows 2 .. W - 1 (each from the windows before it), summed over layers and windows; None with < 3 windows.
     targets [W, L, E]: the windows scored, when not the history itself (the raw windows behind a de-mixed history,
     token_mix.py)."""
+    per = window_errors(history, targets)
+    return None if per is None else summed(per)
+
+
+def window_errors(history: np.ndarray, targets: np.ndarray | None = None) -> np.ndarray | None:
+    """backtest_errors before the sum over windows: [W - 2, len(ALPHAS)], one row a scored window (None with < 3)."""
     h = np.asarray(history, dtype=np.float64)
     if h.ndim == 2 or len(h) < 3:
         return None
     rates = rates_of(h)  # [W, L, E]
-    return ema_errors([rates[:t] for t in range(2, len(rates))], rates if targets is None else rates_of(targets))
+    return ema_window_errors([rates[:t] for t in range(2, len(rates))], rates if targets is None else rates_of(targets))
 
 
 def ema_errors(seen: Sequence[np.ndarray], targets: np.ndarray) -> np.ndarray:
     """seen[k]: the rates [t, L, E] a forecaster has before window t = k + 2; targets: rates [W, L, E] -> [len(ALPHAS)]
     squared error of each EMA weight's forecast of targets[t], summed over layers and windows in order."""
-    err = np.zeros(len(ALPHAS))
-    for i, a in enumerate(ALPHAS):
-        for t, h in enumerate(seen, 2):
-            err[i] += float(((targets[t] - smooth_rates(h, a)) ** 2).sum())
+    return summed(ema_window_errors(seen, targets))
+
+
+def ema_window_errors(seen: Sequence[np.ndarray], targets: np.ndarray) -> np.ndarray:
+    """ema_errors per scored window: [len(seen), len(ALPHAS)], row k the errors on targets[k + 2]."""
+    return np.array([[float(((targets[t] - smooth_rates(h, a)) ** 2).sum()) for a in ALPHAS]
+                     for t, h in enumerate(seen, 2)]).reshape(len(seen), len(ALPHAS))
+
+
+def summed(per: np.ndarray) -> np.ndarray:
+    """[F, A] per-window errors -> [A], added window by window in order (each weight's total rounds as one running
+    sum from 0, the order the backtest has always summed in, so picks that tie to the last bit stay as they were)."""
+    err = np.zeros(per.shape[1])
+    for row in per:
+        err += row
     return err
 
 
@@ -72,18 +89,15 @@ def drifts(history: np.ndarray, err: np.ndarray | None, threshold: float) -> boo
     return err is not None and folds >= MIN_DRIFT_FOLDS and bool(err[0] > err.min() * (1 + threshold))
 
 
-def excess_t(history: np.ndarray, err: np.ndarray) -> float:
-    """[W, L, E] loads (>= 4 windows) and their backtest_errors -> how surely the best EMA weight beats the plain mean:
-    the plain mean's squared error in rates less the best weight's, per scored window 2 .. W - 1, its mean over its
-    standard error (a paired t statistic over the windows; inf where every window's excess is the same and > 0).
+def excess_t(per: np.ndarray) -> float:
+    """window_errors [F, len(ALPHAS)] (F >= 2) -> how surely the best EMA weight (by the summed errors) beats the
+    plain mean: the mean's error less the best weight's, per scored window, its mean over its standard error (a paired
+    t statistic over the windows; inf where every window's excess is the same and > 0).
     The ratio test (drifts) sums the windows, so one or two windows the mean forecast badly can carry it: a window
     mix drawn afresh each window (bench/eplb_traces.py's grouped router) looks like drift on a few of them, and
     under slow drift (sigma 0.05) the ratio reached 1.75 where fast drift (0.3) gave 1.1-1.8 (PlannerConfig.drift_t
     has the figures)."""
-    rates = rates_of(np.asarray(history, dtype=np.float64))
-    best = ALPHAS[int(np.argmin(err))]
-    d = np.array([float(((rates[t] - smooth_rates(rates[:t], 0.0)) ** 2).sum())
-                  - float(((rates[t] - smooth_rates(rates[:t], best)) ** 2).sum()) for t in range(2, len(rates))])
+    d = per[:, 0] - per[:, int(np.argmin(summed(per)))]
     sd = float(d.std(ddof=1))
     if sd == 0:
         return float("inf") if d.mean() > 0 else 0.0

@@ -12,7 +12,7 @@ import numpy as np
 from bench.eplb_traces import TraceSpec, load_windows
 from r3trace.eplb import Cluster, PlannerConfig, churn, plan
 from r3trace.eplb.drift_call import drift_call
-from r3trace.eplb.forecast import ALPHAS, backtest_errors, drifts, excess_t
+from r3trace.eplb.forecast import ALPHAS, backtest_errors, drifts, excess_t, window_errors
 from r3trace.eplb.score import heat_of
 
 HISTORY = 8  # windows a re-plan sees, as bench/eplb_matrix.py's
@@ -39,9 +39,15 @@ def test_excess_t_is_the_paired_t_of_the_mean_against_the_best_weight() -> None:
         d.append(((r[t] - mean) ** 2).sum() - ((r[t] - ema) ** 2).sum())
     d = np.asarray(d)
     want = d.mean() / (d.std(ddof=1) / np.sqrt(len(d)))
-    assert abs(excess_t(h, err) - want) <= 1e-9 * max(1.0, abs(want))
+    per = window_errors(h)
+    assert per is not None and per.shape == (5, len(ALPHAS))
+    assert abs(excess_t(per) - want) <= 1e-9 * max(1.0, abs(want))
     np.testing.assert_allclose(err[int(err.argmin())] + d.sum(), err[0], rtol=1e-12)  # the same windows as the ratio
-    assert excess_t(np.repeat(h[:1], 5, 0), np.array([1.0, *[2.0] * 6])) == 0.0  # no excess at all: never significant
+    running = [0.0] * len(ALPHAS)  # the backtest's sum: each weight's windows added in order, from 0
+    for row in per:
+        running = [r + float(v) for r, v in zip(running, row, strict=True)]
+    np.testing.assert_array_equal(err, running)  # to the last bit: near-tied weights are picked as before
+    assert excess_t(np.ones((5, len(ALPHAS)))) == 0.0  # no excess at all: never significant
 
 
 def test_a_mix_that_looks_like_drift_on_a_few_windows_is_not_called() -> None:
@@ -57,7 +63,7 @@ def test_a_mix_that_looks_like_drift_on_a_few_windows_is_not_called() -> None:
         assert err is not None
         if drifts(h, err, cfg.refresh_drift):
             ratio_calls += 1
-            t_slow.append(excess_t(h, err))
+            t_slow.append(excess_t(window_errors(h)))
         hf = fast[max(0, hi - HISTORY):hi]
         call = drift_call(hf, True, cfg)
         if len(hf) >= 6:  # four scored windows
