@@ -59,7 +59,7 @@ class DriftCall:
     backtest: bool  # forecast.drifts on err
     ratio: float | None  # early_drift.early_ratio where the early test applies (a re-plan, early_drift > 0)
     held: bool = False  # the backtest's call held to a still re-plan (module doc: two nodes, no routes)
-    t: float | None = None  # forecast.excess_t of a ratio call without routes (drift_t > 0, not held), else None
+    t: float | None = None  # forecast.excess_t of a ratio call without routes (drift_t > 0, MIN_T_FOLDS, not held)
 
     @property
     def called(self) -> bool:
