@@ -10,7 +10,8 @@ replay of the newest tokens favours it (dispatch_contest.groups_contest). Protoc
 (each policy plans at the end of window t on the windows seen, ours from its previous placement, and is scored on
 window t + 1; 17 held-out windows a synthetic cell, the sample's 5).
 
-Run: .venv/bin/python -m bench.eplb_keep_groups [--seed S] [--out FILE]   (78 cells, ~15 min on one core)
+Run: .venv/bin/python -m bench.eplb_keep_groups [--seed S] [--out FILE] [--mix-cache DIR]   (78 cells, ~15 min on
+     one core with the token-mix fits cached, e.g. bench/eplb_rerun.py's .mixcache)
      .venv/bin/python -m bench.eplb_keep_groups --sweep sample-mix [--seed S] (8 cells, ~1 min)
      .venv/bin/python -m bench.eplb_keep_groups --smoke                   (two cells, seconds)
 """
@@ -128,6 +129,7 @@ def main() -> None:
                     help="the matrix's shape, family and sample cells, or its sample-mix ones")
     ap.add_argument("--smoke", action="store_true", help="two small cells")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--mix-cache", default=None, help="folder of ours' token-mix fits (bench/eplb_rerun.py's)")
     args = ap.parse_args()
     base = TraceSpec(windows=WINDOWS, seed=args.seed)
     todo = keep_cells(base, ("sample-mix",) if args.sweep == "sample-mix" else ("shape", "family", "sample"))
@@ -136,7 +138,7 @@ def main() -> None:
                 for c in (todo[0], todo[-1])]
     results = []
     for c in todo:
-        res = run_cell(c, variants=True, only=POLICIES)
+        res = run_cell(c, variants=True, only=POLICIES, mix_cache=Path(args.mix_cache) if args.mix_cache else None)
         results.append(res)
         v = verdicts(res)
         print(f"{res['cell']}: nodes {v['nodes']:+.3f}, even {v['bal_even']:+.4f}, node-limited "

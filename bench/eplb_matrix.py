@@ -49,9 +49,9 @@ from r3trace.eplb.placement import Placement
 from r3trace.eplb.score import balancedness, even_gpu_load, heat_of, node_limited
 from r3trace.eplb.static import demand, dispatched_load
 
-# ours as `r3trace eplb` plans it: on token_mix.planning_loads (not with --keep-groups, nor the trade-off's one node
-# per expert, a layout no flag asks for)
-ON_MIX = ("ours", "ours-static", "ours-dynamic")
+# ours as `r3trace eplb` plans it: handed token_mix.planning_loads (with --keep-groups for the early drift test alone,
+# plan_forecast.forecasts_from_mix; not the trade-off's one node per expert, a layout no flag asks for)
+ON_MIX = ("ours", "ours-static", "ours-dynamic", "ours-keep-groups")
 BASELINES = ("global", "global-newest")  # the verdicts' baselines: re-run where a reused row lacks a metric
 NODE_LIMIT = 4
 
@@ -92,7 +92,7 @@ def policies(cl: Cluster, variants: bool = False) -> dict[str, Policy]:
     if variants:
         onpe, keep = PlannerConfig(spread_by_affinity=False), PlannerConfig(keep_groups=True)
         pols["ours-one-node-per-expert"] = lambda h, p, t, m: plan(h, cl, p, tokens=t, cfg=onpe)
-        pols["ours-keep-groups"] = lambda h, p, t, m: plan(h, cl, p, tokens=t, cfg=keep)
+        pols["ours-keep-groups"] = ours_policy(cl, keep)
     return pols
 
 

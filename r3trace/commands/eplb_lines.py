@@ -76,14 +76,14 @@ def report_lines(rep: Report, cluster: object, layer_ids: tuple[int, ...], previ
         out += [f"  rule: {bt.rule}", f"auto chose {rep.policy} + {rep.forecast}"]
     out.append(f"{rep.policy} + {rep.forecast} forecast: P={cluster.num_slots} on {cluster.num_gpus} GPUs / "
                f"{cluster.num_nodes} nodes, max replicas {int(rep.placement.logcnt.max())}")
+    keep = rep.layout is not None and rep.layout.name == "groups_on_nodes"  # --keep-groups
     if rep.load_source is not None:
-        out.append(load_source_line(rep.load_source, rep.mix_used))
+        out.append(load_source_line(rep.load_source, rep.mix_used, keep))
     n_layers = rep.placement.phy2log.shape[0]
     if rep.layout is not None:
         out.append(f"layout: {rep.layout.name}: {rep.layout.reason}; {rep.spread_layers} of {n_layers} layers "
                    "have an expert with replicas on more than one node")
     if rep.origins is not None:
-        keep = rep.layout is not None and rep.layout.name == "groups_on_nodes"
         out.append(origins_line(rep.origins, rep.churn is not None, "hierarchical" if keep else "global"))
     h, kept = rep.held, rep.kept_in_sample
     out.append(f"{'':<30}{'in-sample':>12}{'held out':>12}" + (f"{'--previous, kept as is':>26}" if kept else ""))
@@ -149,9 +149,9 @@ def _worst(s: object, layer_ids: tuple[int, ...], dispatch: str, k: int = 3) -> 
     return text
 
 
-def load_source_line(src: Source, used: bool) -> str:
+def load_source_line(src: Source, used: bool, keep_groups: bool = False) -> str:
     """What ours forecast from (token_mix.planning_loads, plan_forecast.forecasts_from_mix), the kinds of token AIC
-    found and the backtest's errors."""
+    found and the backtest's errors; keep_groups: `--keep-groups`, whose forecast never reads the mix."""
     from r3trace.eplb.token_mix import MIN_GAIN
     if not src.aic:
         return "forecast from: the raw windows (fewer than 3 history windows with routes: no token mix to fit)"
@@ -161,6 +161,9 @@ def load_source_line(src: Source, used: bool) -> str:
     if src.name == "raw":
         why = "one kind of token by AIC" if kinds == 1 else f"no mix forecast the next window > {MIN_GAIN:.0%} better"
         return f"forecast from: the raw windows ({why}; {errs})"
+    if keep_groups:
+        return (f"forecast from: the raw windows (groups kept: {src.name} serves only the early drift test on three "
+                f"windows; {errs})")
     if not used:
         return (f"forecast from: the raw windows (the history does not drift, and a long memory averages the windows' "
                 f"mixes out; {src.name} would forecast where it drifts; {errs})")

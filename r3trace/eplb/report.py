@@ -67,7 +67,8 @@ class PlanRequest:
     dispatch: DispatchName = "node-limited"  # what auto's backtest and the worst layers judge balancedness by
     # ours with every first replica on its group's home node (PlannerConfig.keep_groups): no backtest, ours planned
     keep_groups: bool = False
-    # tokens a history window the token-mix fit reads (token_mix.py; ours + ema, groups not kept); 0: the raw windows
+    # tokens a history window the token-mix fit reads (token_mix.py; ours + ema; with groups kept only for the early
+    # drift test); 0: the raw windows
     mix_tokens: int = 2048
 
 
@@ -217,7 +218,7 @@ def make_report(store: TraceStore, req: PlanRequest, progress: bool | None = Fal
     seconds["backtest"] = time.perf_counter() - t1
     t2 = time.perf_counter()
     src = None
-    if policy == "ours" and how == "ema" and not req.keep_groups and req.mix_tokens > 0:
+    if policy == "ours" and how == "ema" and req.mix_tokens > 0:
         src = planning_loads(history, window_routes(runs, train.spans, req.mix_tokens))
         seconds["token mix"] = time.perf_counter() - t2
     mixed, demixed = (None, None) if src is None else (src.mixed, src.demixed)

@@ -11,6 +11,7 @@ from r3trace.eplb import Cluster, PlannerConfig, churn, plan
 from r3trace.eplb.drift_call import drift_call
 from r3trace.eplb.early_drift import change_ratio, early_ratio, half_noise
 from r3trace.eplb.forecast import backtest_errors
+from r3trace.eplb.plan_forecast import forecasts_from_mix
 from r3trace.eplb.planner import planning_forecast
 from r3trace.eplb.score import heat_of
 
@@ -121,3 +122,22 @@ def test_the_drift_call_in_words():
     ratio = f"over 2 scored windows the plain mean erred {err4[0] / err4.min():.2f}x the best EMA weight"
     want = f"drifting: {ratio}" if err4[0] > err4.min() * 1.1 else f"still: {ratio} (<= 1.10)"
     assert _note(h[:4], cfg, routes[3], h[:4]).startswith(want)
+
+
+def test_groups_kept_take_the_early_call_but_forecast_from_the_raw_windows():
+    """PlannerConfig.keep_groups (`r3trace eplb --keep-groups`): the de-mixed windows serve the early drift test (a
+    re-plan on three windows of a fast-drifting router moves past its churn budget, as ours' default does) but never
+    the forecast (plan_forecast.forecasts_from_mix), which ours' default takes from them where the history drifts."""
+    keep = PlannerConfig(keep_groups=True)
+    h, routes = _windows("fast", windows=6)
+    other = np.ascontiguousarray(h[:, :, ::-1])  # de-mixed windows unlike the raw ones: the expert order reversed
+    assert forecasts_from_mix(h, other, DEFAULT) and not forecasts_from_mix(h, other, keep)
+    cl = Cluster(32, 4, 288)
+    first = plan(h[:2], cl, tokens=routes[1], cfg=keep)
+    assert drift_call(h[:3], True, keep, routes[2], h[:3]).early
+    assert churn(first, plan(h[:3], cl, first, tokens=routes[2], cfg=keep, demixed=h[:3])) > keep.seeded_churn_budget
+    assert churn(first, plan(h[:3], cl, first, tokens=routes[2], cfg=keep)) <= keep.seeded_churn_budget
+    raw = plan(h, cl, first, tokens=routes[5], cfg=keep, demixed=h).phy2log
+    assert np.array_equal(plan(h, cl, first, tokens=routes[5], cfg=keep, mixed=other, demixed=h).phy2log, raw)
+    ours = plan(h, cl, first, tokens=routes[5], demixed=h).phy2log
+    assert not np.array_equal(plan(h, cl, first, tokens=routes[5], mixed=other, demixed=h).phy2log, ours)
