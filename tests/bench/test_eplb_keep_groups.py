@@ -42,13 +42,14 @@ def test_a_cell_scores_both_policies_and_the_claim_counts_signs(tmp_path: Path) 
                 "policies": {"hierarchical": rows, "ours-keep-groups": mine}}
 
     doc = {"args": {"seed": 0, "windows": 20},
-           "results": [cell(2, -0.5, 0.01), cell(2, 0.0, -0.02), cell(2, 0.25, 0.03), cell(4, -0.1, 0.0, "sample")]}
+           "results": [cell(2, -0.5, 0.01), cell(2, 0.0, -0.02), cell(2, 0.25, 0.03), cell(4, -0.1, 1e-12, "sample")]}
     path = tmp_path / "kg.json"
     path.write_text(json.dumps(doc))
     rows = {r["cells"]: r for r in keep_groups_claim([path])["rows"]}
     two = rows["synthetic routers; 2 nodes"]
-    assert (two["n"], two["nodes_fewer"], two["even_above"], two["nl_above"]) == (3, "1 / 1 / 1", "2 of 3", "1 of 3")
+    assert (two["n"], two["nodes_fewer"], two["even_above"], two["nl_above"]) == (3, "1 / 1 / 1", "2 / 0 / 1",
+                                                                                  "1 / 0 / 2")
     assert two["nodes_median"] == 0.0 and two["nodes_worst"] == 0.25
     assert abs(two["even_median"] - 0.01) < 1e-12 and abs(two["even_worst"] + 0.02) < 1e-12
     assert abs(two["nl_worst"] + 0.03) < 1e-12 and two["over"] == 0.1
-    assert rows["the sample model's traces; 4 nodes"]["even_above"] == "0 of 1"
+    assert rows["the sample model's traces; 4 nodes"]["even_above"] == "0 / 1 / 0"  # level within 1e-9 (float rounding)
