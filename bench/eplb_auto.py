@@ -44,7 +44,7 @@ from bench.eplb_traces import Family, TraceSpec
 from r3trace.eplb.backtest import TIE, Candidate, backtest, choose, fold_windows, rank
 from r3trace.eplb.evaluate import FORECASTS, POLICIES, DispatchName, Score, plan_policy, score_placement
 from r3trace.eplb.placement import PlacementError
-from r3trace.eplb.report import PlanRequest
+from r3trace.eplb.plan_request import PlanRequest
 from r3trace.eplb.score import heat_of
 
 RESULTS = Path(__file__).parent / "results"

@@ -28,7 +28,7 @@ from bench.eplb_traces import TraceSpec, synth_windows
 from bench.result_file import machine
 from r3trace.eplb import Cluster, global_policy
 from r3trace.eplb.forecast import ALPHAS, rates_of, smooth_rates
-from r3trace.eplb.report import PlanRequest
+from r3trace.eplb.plan_request import PlanRequest
 from r3trace.eplb.score import heat_of
 from r3trace.eplb.token_mix import EM_LAYERS, Source, planning_loads
 

@@ -26,7 +26,8 @@ import pyarrow as pa
 
 from r3trace.analysis.store import TraceStore
 from r3trace.eplb.placement import Cluster
-from r3trace.eplb.report import PlanRequest, make_report
+from r3trace.eplb.plan_request import PlanRequest
+from r3trace.eplb.report import make_report
 from r3trace.trace.commit import write_parquet_atomic
 from r3trace.trace.layout import file_table, table_dir
 from r3trace.trace.schema import ROLLUP_SCHEMA, FileEntry, Manifest, run_dir_name

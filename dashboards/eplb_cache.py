@@ -48,8 +48,9 @@ def eplb_report(path: str, run_id: str, gpus: int, nodes: int, slots: int, polic
     import argparse
 
     from r3trace.eplb.placement import Cluster, Placement, sglang_map
+    from r3trace.eplb.plan_request import PlanRequest
     from r3trace.eplb.previous import RECORDED, read_previous, recorded_previous
-    from r3trace.eplb.report import PlanRequest, make_report
+    from r3trace.eplb.report import make_report
     from r3trace.eplb.report_figures import gpu_loads, tradeoff
     from r3trace.eplb.window import window_spec
 

@@ -85,8 +85,9 @@ def run(args: argparse.Namespace) -> int:
     from r3trace.commands.eplb_lines import report_lines
     from r3trace.eplb import Cluster, to_json, to_sglang
     from r3trace.eplb.placement import PlacementError
+    from r3trace.eplb.plan_request import PlanRequest
     from r3trace.eplb.previous import RECORDED, read_previous, recorded_previous
-    from r3trace.eplb.report import PlanRequest, make_report
+    from r3trace.eplb.report import make_report
     from r3trace.eplb.window import WindowError
     from r3trace.errors import StoreError, UsageError
     from r3trace.progress import progress_flag

@@ -10,7 +10,8 @@ import numpy as np
 
 from r3trace.eplb.evaluate import POLICIES, PolicyName, Score, plan_policy, score_placement
 from r3trace.eplb.placement import Cluster, Placement, PlacementError, from_phy2log
-from r3trace.eplb.report import DEFAULT_FORECAST, Report
+from r3trace.eplb.plan_request import DEFAULT_FORECAST
+from r3trace.eplb.report import Report
 from r3trace.eplb.score import even_gpu_load
 
 KEEP_GROUPS = "ours, groups kept"  # the trade-off's series of ours with PlannerConfig.keep_groups (--keep-groups)

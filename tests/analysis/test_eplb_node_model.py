@@ -103,7 +103,8 @@ def test_a_heat_only_trace_plans_with_its_own_top_k(tmp_path: Path, monkeypatch:
     from r3trace.analysis.ingest_dump import ingest_expert_distribution
     from r3trace.analysis.store import TraceStore
     from r3trace.eplb import planner
-    from r3trace.eplb.report import PlanRequest, make_report
+    from r3trace.eplb.plan_request import PlanRequest
+    from r3trace.eplb.report import make_report
 
     rng = np.random.default_rng(2)
     counts = torch.from_numpy(rng.poisson(1000 / (1 + np.arange(32)), size=(2, 3, 32)))

@@ -21,7 +21,8 @@ from r3trace.engine.layers.expert_map import static_choice
 from r3trace.eplb import Cluster
 from r3trace.eplb.backtest import backtest
 from r3trace.eplb.evaluate import plan_policy
-from r3trace.eplb.report import PlanRequest, make_report
+from r3trace.eplb.plan_request import PlanRequest
+from r3trace.eplb.report import make_report
 from r3trace.eplb.score import balancedness, heat_of
 from r3trace.eplb.static import static_gpu_load, token_sources
 from r3trace.eplb.window import WindowSpec

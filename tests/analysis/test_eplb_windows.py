@@ -17,7 +17,8 @@ import pytest
 from r3trace.analysis.store import TraceStore
 from r3trace.eplb import Cluster, deepseek
 from r3trace.eplb.placement import from_json
-from r3trace.eplb.report import PlanRequest, make_report
+from r3trace.eplb.plan_request import PlanRequest
+from r3trace.eplb.report import make_report
 from r3trace.eplb.window import WindowSpec
 from tests.analysis.eplb_cli_trace import (
     CLUSTER,
