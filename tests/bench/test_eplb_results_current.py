@@ -4,10 +4,11 @@ tables made from them) are measured again: `python -m bench.eplb_rerun` for the 
 each table's command for the others.
 
 The cells are the smallest: the sample model's traces (E = 32, 4 MoE layers, 5 held-out re-plans; ~15 s in all on the
-2-core CPU machine, where one cell of its serving stream, 17 re-plans on the token mix, takes ~20 s): the held-out
-matrix's four, ours for SGLang's static and dynamic dispatch beside the default, and the same four with groups kept
-(BENCHMARKS.md "EPLB with groups kept"). Rows are compared to 1e-9: a plan that moved one slot
-shifts a window's balancedness by 1e-4 or more here. Run: .venv/bin/pytest tests/bench/test_eplb_results_current.py -q
+2-core CPU machine): the held-out matrix's four, ours for SGLang's static and dynamic dispatch beside the default, and
+the same four with groups kept (BENCHMARKS.md "EPLB with groups kept"); two SGLang-dump cells (no routes); and, marked
+slow (`make test-all`, ~20 s), one cell of its router on a serving stream whose re-plans spend the churn budget. Rows
+are compared to 1e-9: a plan that moved one slot shifts a window's balancedness by 1e-4 or more here.
+Run: .venv/bin/pytest tests/bench/test_eplb_results_current.py -q
 """
 
 from __future__ import annotations
@@ -63,3 +64,11 @@ def test_cells_without_routes_are_the_planners(name: str, cell: str, policy: str
     (row,) = _cells(name, cell)
     got = _rerun(row, (policy,), variants=policy != "ours")
     _same(got[policy], row["policies"][policy], f"{name} {cell}")
+
+
+@pytest.mark.slow
+def test_the_churn_corner_cell_is_the_planners() -> None:
+    """sample-mix 16 / 4 / 48 under slow drift, trace seed 0 (17 re-plans on the token mix, ~20 s): its still
+    re-plans spend the whole churn budget, which the cells above never bind (PlannerConfig.seeded_churn_budget)."""
+    (row,) = _cells("eplb-matrix-sample-mix.json", "sample-mix/s=0.6/slow/g4/16x4x48")
+    _same(_rerun(row, ("ours",))["ours"], row["policies"]["ours"], row["cell"])
