@@ -21,6 +21,7 @@ from r3trace.analysis.store import TraceStore
 from r3trace.eplb import window as win
 from r3trace.eplb.backtest import RULE, Candidate, backtest, choose, fold_windows, rule
 from r3trace.eplb.drift_call import drift_call
+from r3trace.eplb.early_drift import EARLY_WINDOWS
 from r3trace.eplb.evaluate import (
     FORECASTS,
     POLICIES,
@@ -194,7 +195,9 @@ def make_report(store: TraceStore, req: PlanRequest, progress: bool | None = Fal
     seconds["backtest"] = time.perf_counter() - t1
     t2 = time.perf_counter()
     src = None
-    if policy == "ours" and how == "ema" and req.mix_tokens > 0:
+    # with groups kept the fit serves the early drift test alone: a re-plan on EARLY_WINDOWS history windows
+    fits = not req.keep_groups or (previous is not None and len(history) == EARLY_WINDOWS)
+    if policy == "ours" and how == "ema" and req.mix_tokens > 0 and fits:
         src = planning_loads(history, window_routes(runs, train.spans, req.mix_tokens))
         seconds["token mix"] = time.perf_counter() - t2
     mixed, demixed = (None, None) if src is None else (src.mixed, src.demixed)

@@ -165,7 +165,8 @@ def test_r3trace_eplb_plans_ours_on_the_mix(tmp_path: Path, capsys: pytest.Captu
     """A trace of 7 one-second windows drawn from three kinds, trained on the first 6: `r3trace eplb --policy ours`
     forecasts from token_mix.planning_loads of the windows' heat and their first --mix-tokens tokens, recomputed here
     from the ids written (the router drifts: planner.plan's mixed), says so in a line and the JSON; --mix-tokens 0
-    plans on the raw windows, with no line; --keep-groups fits the mix but plans on the raw windows, and says so."""
+    plans on the raw windows, with no line; --keep-groups fits the mix only for a re-plan's early drift test on three
+    windows, says so, and forecasts from the raw windows."""
     routes = draw(3, 1.5, seed=11, windows=W + 1, drift=1.5)[0]  # drift the backtest calls (forecast.drifts)
     ids = np.concatenate(routes).astype(np.int64)  # [7 T, L, 1]
     n = len(ids)
@@ -202,17 +203,29 @@ def test_r3trace_eplb_plans_ours_on_the_mix(tmp_path: Path, capsys: pytest.Captu
         else:
             assert rep["load_source"] is None and said == []
     assert not np.array_equal(*plans)  # the windows drift: the fresh plan forecasts from the de-mixed ones
-    # --keep-groups: the mix is fitted (the early drift test reads it) but the forecast stays on the raw windows
-    out = tmp_path / "keep.json"
-    assert main(["eplb", *args, "--keep-groups", "--out", str(out)]) == 0
+    # --keep-groups: a fresh plan fits no mix (it would serve only the early drift test); a re-plan on three windows
+    # fits it for that test, says so, and plans with the raw windows' forecast
+    keep_args = [*args[:-4], "--keep-groups", "--windows", "3", "--train", "time=..3"]
+    first, again = tmp_path / "keep.json", tmp_path / "keep_replan.json"
+    assert main(["eplb", *keep_args, "--out", str(first)]) == 0
+    three, newest3 = heat(routes[:3]), ids[:3 * T][-8192:]
+    fresh = plan_policy("ours", three, "ema", cluster, newest3, None, "node-limited", 1, keep_groups=True)
+    np.testing.assert_array_equal(from_json(first.read_text())[0].phy2log, fresh.phy2log)
+    assert json.loads(first.read_text())["meta"]["report"]["load_source"] is None
+    capsys.readouterr()
+    assert main(["eplb", *keep_args, "--previous", str(first), "--out", str(again)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    keep = plan_policy("ours", history, "ema", cluster, newest, None, "node-limited", 1, keep_groups=True)
-    np.testing.assert_array_equal(from_json(out.read_text())[0].phy2log, keep.phy2log)
-    rep = json.loads(out.read_text())["meta"]["report"]
-    assert rep["load_source"]["name"] == src.name and rep["load_source"]["used"] is False
+    src3 = token_mix.planning_loads(three, [r[:MIX] for r in routes[:3]])
+    assert src3.name.startswith("mix: ")
+    keep = plan_policy("ours", three, "ema", cluster, newest3, fresh, "node-limited", 1, keep_groups=True,
+                       mixed=src3.mixed, demixed=src3.demixed)
+    np.testing.assert_array_equal(from_json(again.read_text())[0].phy2log, keep.phy2log)
+    rep = json.loads(again.read_text())["meta"]["report"]
+    assert rep["load_source"]["name"] == src3.name and rep["load_source"]["used"] is False
+    errs3 = ", ".join(f"{k} {v:.4g}" for k, v in src3.errors.items())
     assert [x for x in lines if x.startswith("forecast from: ")] == [
-        f"forecast from: the raw windows (groups kept: {src.name} serves only the early drift test on three windows; "
-        f"AIC over {', '.join(str(d) for d in src.aic)} kinds; backtest squared rate error: {errs})"]
+        f"forecast from: the raw windows (groups kept: {src3.name} serves only the early drift test on three windows; "
+        f"AIC over {', '.join(str(d) for d in src3.aic)} kinds; backtest squared rate error: {errs3})"]
 
 
 def test_the_planner_forecasts_from_the_mix_only_where_the_history_drifts() -> None:
