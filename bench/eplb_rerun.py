@@ -6,6 +6,12 @@ rebuild the claims.
 
 The 22 files take ~25 minutes on the 2-core CPU machine with two jobs and a warm --mix-cache (the token-mix fits,
 token_mix.py, are most of a cold run: ~1.5 hours). Largest files first, so the two jobs end together.
+
+--others: the other result files with ours' plans in them as well, each re-run whole by its own bench into its own
+file: `--keep-groups` against hierarchical (6 files, ~8 min a main seed and ~1 min a sample-mix one on one core), the
+churn trade-off (1, ~7 min) and the default policy's backtest (8, ~14 min a main file and ~2 min a sample-mix one).
+Their ours rows go stale as the matrix's do (the keep-groups SGLang-dump cells once missed a drift-call change for a
+day); tests/bench/test_eplb_results_current.py re-runs a few small cells of each kind.
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from bench.eplb_keep_groups import out_file as keep_file
+from bench.eplb_matrix_results import RESULTS
 from bench.eplb_report import held_out_docs
 
 MIX_CACHE = Path(".mixcache")  # git-ignored
@@ -34,12 +42,36 @@ def command(path: Path, doc: dict, mix_cache: Path, nodes: list[int] | None = No
     return cmd + (["--nodes", *map(str, nodes)] if nodes else [])
 
 
+def other_commands(mix_cache: Path) -> list[tuple[Path, list[str]]]:
+    """(result file, the bench call that writes it again) for --others: the keep-groups, churn-curve and default-policy
+    files of bench/results, each with the arguments its name says (trace seed, sweep, dispatch)."""
+    py = [sys.executable, "-m"]
+    out: list[tuple[Path, list[str]]] = []
+    for sweep in ("main", "sample-mix"):
+        for seed in (0, 1, 2):
+            path = keep_file(seed, sweep)
+            out.append((path, [*py, "bench.eplb_keep_groups", "--seed", str(seed), "--sweep", sweep, "--mix-cache",
+                               str(mix_cache), "--out", str(path)]))
+    out.append((RESULTS / "eplb-churn-curve.json", [*py, "bench.eplb_churn_curve", "--jobs", "1", "--out",
+                                                    str(RESULTS / "eplb-churn-curve.json")]))
+    autos = [("", []), ("-seed1", ["--seed", "1"]), ("-seed2", ["--seed", "2"]), ("-static", ["--dispatch", "static"]),
+             ("-dynamic", ["--dispatch", "dynamic"]), ("-sample-mix", ["--sweep", "sample-mix"]),
+             ("-sample-mix-seed1", ["--sweep", "sample-mix", "--seed", "1"]),
+             ("-sample-mix-seed2", ["--sweep", "sample-mix", "--seed", "2"])]
+    for tail, flags in autos:
+        path = RESULTS / f"eplb-auto{tail}.json"
+        out.append((path, [*py, "bench.eplb_auto", *flags, "--out", str(path)]))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--mix-cache", default=str(MIX_CACHE), help="folder of ours' token-mix fits, kept across runs")
     ap.add_argument("--smoke", action="store_true",
                     help="the sample model's file, its two-node cells, re-measured in a copy (nothing written here)")
+    ap.add_argument("--others", action="store_true",
+                    help="also the keep-groups, churn-curve and default-policy files, each by its own bench")
     args = ap.parse_args()
     docs = held_out_docs()
     if args.smoke:
@@ -57,11 +89,12 @@ def main() -> None:
         return
     mix = Path(args.mix_cache)
     mix.mkdir(parents=True, exist_ok=True)
-    todo = sorted(docs, key=lambda f: -len(docs[f]["results"]))
+    calls = [(f, command(f, docs[f], mix)) for f in sorted(docs, key=lambda f: -len(docs[f]["results"]))]
+    todo = calls + (other_commands(mix) if args.others else [])
 
-    def run(path: Path) -> tuple[Path, int, str]:
-        done = subprocess.run(command(path, docs[path], mix), capture_output=True, text=True)
-        return path, done.returncode, done.stderr[-2000:]
+    def run(call: tuple[Path, list[str]]) -> tuple[Path, int, str]:
+        done = subprocess.run(call[1], capture_output=True, text=True)
+        return call[0], done.returncode, done.stderr[-2000:]
 
     failed = []
     with ThreadPoolExecutor(args.jobs) as ex:

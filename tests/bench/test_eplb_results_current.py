@@ -1,7 +1,7 @@
 """BENCHMARKS.md's EPLB tables stay the current planner's: a few committed cells' ours rows re-run here must come out
 as the result files hold them. A change to the planner that moves a plan fails this until the result files (and the
-tables made from them) are measured again: `python -m bench.eplb_rerun` for the held-out matrix, the bench named in
-each table's command for the others.
+tables made from them) are measured again: `python -m bench.eplb_rerun --others` (the held-out matrix's files, then the
+keep-groups, churn-curve and default-policy ones, each by its own bench).
 
 The cells are the smallest: the sample model's traces (E = 32, 4 MoE layers, 5 held-out re-plans; ~15 s in all on the
 2-core CPU machine): the held-out matrix's four, ours for SGLang's static and dynamic dispatch beside the default, and
