@@ -14,14 +14,12 @@ Run: .venv/bin/pytest tests/bench/test_eplb_results_current.py -q
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 from bench.eplb_matrix import Cell, run_cell
+from bench.eplb_matrix_results import RESULTS
 from bench.eplb_traces import TraceSpec
-
-RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 
 
 def _cells(name: str, pick: str = "") -> list[dict]:
@@ -45,7 +43,6 @@ def test_the_matrix_sample_cells_are_the_planners(row: dict) -> None:
     got = _rerun(row, ours)
     for name in ours:
         _same(got[name], row["policies"][name], f"{row['cell']} {name}")
-
 
 
 @pytest.mark.parametrize("row", _cells("eplb-keep-groups.json", "sample/"), ids=lambda r: r["cell"])
