@@ -41,6 +41,9 @@ class PlannerConfig:
     replan_min_drop: float = 0.0
     level_cold: float = 0.5  # lone replicas below this x the mean slot load may leave their group's nodes
     seeded_churn_budget: float = 0.095  # spread layout: reseated counts + leveling swaps (goal: <= 10%)
+    # where a node's slots hold every expert (P / N >= E), every node takes the same one-node plan (node_copies.py):
+    # nodes per token 1.0 and node-limited dispatch the even split
+    node_copies: bool = False
     # every first replica stays on its group's home nodes and swaps stay inside nodes: a token's cover is never
     # larger than its groups' home nodes, as under DeepSeek's hierarchical layout; extra replicas only add choices
     keep_groups: bool = False
