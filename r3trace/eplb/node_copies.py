@@ -3,14 +3,22 @@ same one-node plan, so any one node covers every token (nodes per token 1.0, the
 splits each expert's load evenly over the nodes, as the even split does.
 
 The one-node plan is plan() itself on one node's slice of the cluster (its forecast, drift call, churn budget and
-swaps), so a re-plan moves the same replicas on every node and its churn is the slice's. A previous placement that
-is not such a copy (another planner's, another layout's) is re-planned in the spread layout instead: moving it to
-copies would spend more than the churn budget.
+swaps), so a re-plan moves the same replicas on every node and its churn is the slice's. Each expert then has one
+replica a node, so a layer whose hottest expert's load over N is above a GPU's mean load has that replica for its max
+GPU, where the spread layout splits the expert over up to max(N, GPUs a node) replicas: such a layer (its newest
+window's loads) is planned in the spread layout instead, and stays there. On the sample model's router at 16 GPUs / 2
+nodes / 64 slots under fast drift (bench/eplb_matrix.py's sample-mix cells) one layer's hottest expert took 2-3.2x a
+GPU's mean load in the later windows, and copies there trailed DeepSeek global by 0.14-0.25 balancedness in that
+layer. A layer whose previous placement is not a copy (the spread layout's, another planner's) stays in the spread
+layout too: moving it to copies would move most of its slots, more than the churn budget.
 
 Shape legend: L layers, E experts, P slots, N nodes.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
 
 import numpy as np
 
@@ -31,17 +39,39 @@ def node_slice(cluster: Cluster) -> Cluster:
     return Cluster(cluster.gpus_per_node, 1, cluster.slots_per_node, cluster.num_groups, cluster.node_limit)
 
 
-def sliced(prev: Placement | None, cluster: Cluster) -> tuple[bool, Placement | None]:
-    """prev -> (whether every node copies its first node's placement, that placement); (True, None) for no
-    previous placement."""
-    if prev is None:
-        return True, None
-    nodes = prev.phy2log.reshape(prev.phy2log.shape[0], cluster.num_nodes, cluster.slots_per_node)  # [L, N, P / N]
-    if not (nodes == nodes[:, :1]).all():
-        return False, None
-    return True, from_phy2log(nodes[:, 0], prev.logcnt.shape[1])
+def copy_layers(loads: np.ndarray, prev: Placement | None, cluster: Cluster) -> np.ndarray:
+    """loads [W, L, E] or [L, E], prev -> [L] the layers planned as node copies: no expert of the newest window
+    heavier over N than a GPU's mean load, and (re-plans) a previous layer that every node copies."""
+    newest = loads[-1] if loads.ndim == 3 else loads  # [L, E]
+    total = newest.sum(1)  # [L]
+    ok = newest.max(1) * cluster.num_gpus <= cluster.num_nodes * total
+    if prev is not None:
+        nodes = prev.phy2log.reshape(len(ok), cluster.num_nodes, cluster.slots_per_node)  # [L, N, P / N]
+        ok &= (nodes == nodes[:, :1]).all((1, 2))
+    return ok
 
 
-def tiled(one: Placement, cluster: Cluster) -> Placement:
-    """One node's placement [L, P / N] -> the cluster's, every node holding it."""
-    return from_phy2log(np.tile(one.phy2log, (1, cluster.num_nodes)), one.logcnt.shape[1])
+Planner = Callable[..., Placement]
+
+
+def copies_plan(plan: Planner, loads: np.ndarray, cluster: Cluster, prev: Placement | None,
+                tokens: np.ndarray | None, cfg: PlannerConfig, mixed: np.ndarray | None,
+                demixed: np.ndarray | None) -> Placement:
+    """planner.plan's arguments -> its placement with copy_layers' layers planned by `plan` on one node's slice and
+    tiled over the nodes, the others by `plan` on the cluster with node copies off."""
+    keep = copy_layers(loads, prev, cluster)  # [L]
+    e = loads.shape[-1]
+    out = np.zeros((len(keep), cluster.num_slots), dtype=np.int64)  # [L, P]
+    for part, one in ((keep, True), (~keep, False)):
+        if not part.any():
+            continue
+        sub = node_slice(cluster) if one else cluster
+        old = None
+        if prev is not None:
+            rows = prev.phy2log[part]
+            old = from_phy2log(rows[:, :cluster.slots_per_node] if one else rows, e)
+        pl = plan(loads[..., part, :], sub, old, None if tokens is None else tokens[:, part],
+                  cfg if one else replace(cfg, node_copies=False),
+                  None if mixed is None else mixed[:, part], None if demixed is None else demixed[:, part])
+        out[part] = np.tile(pl.phy2log, (1, cluster.num_nodes)) if one else pl.phy2log
+    return from_phy2log(out, e)

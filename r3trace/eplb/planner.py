@@ -65,7 +65,7 @@ from r3trace.eplb.emax import drift_noise, layout_bound, replan_noise
 from r3trace.eplb.fresh import fresh_plan, spread_cap, spread_layout, spreads
 from r3trace.eplb.homing import capped_counts
 from r3trace.eplb.locality import locality_kept, locality_refresh
-from r3trace.eplb.node_copies import copies_fit, node_slice, sliced, tiled
+from r3trace.eplb.node_copies import copies_fit, copies_plan
 from r3trace.eplb.node_swaps import node_swaps
 from r3trace.eplb.partners import cold_forecast, coldest_partners
 from r3trace.eplb.placement import Cluster, Placement, from_phy2log, within_churn
@@ -113,10 +113,8 @@ def plan(
     (dispatch_contest.py): a fresh plan's and a drifting re-plan's global layouts, a still re-plan's layers kept
     from `prev`, and a fresh or still plan's static-even rungs in the layers replay skews (static_ladder.token_ladder).
     """
-    if copies_fit(cluster, loads.shape[-1], cfg):
-        copies, one = sliced(prev, cluster)
-        if copies:  # every node the same one-node plan (node_copies.py)
-            return tiled(plan(loads, node_slice(cluster), one, tokens, cfg, mixed, demixed), cluster)
+    if copies_fit(cluster, loads.shape[-1], cfg):  # every node the same one-node plan (node_copies.py)
+        return copies_plan(plan, loads, cluster, prev, tokens, cfg, mixed, demixed)
     call = drift_call(loads, prev is not None, cfg, tokens, demixed, cluster)
     fc = planning_forecast(loads, prev, cfg, cluster, mixed, tokens, demixed, call)
     # a drifting multi-node re-plan's global layout: its layers' contest (_plan) and the two-node replay's (below)
