@@ -44,6 +44,9 @@ class PlannerConfig:
     # where a node's slots hold every expert (P / N >= E), every node takes the same one-node plan (node_copies.py):
     # nodes per token 1.0 and node-limited dispatch the even split
     node_copies: bool = False
+    # ... a layer whose newest window's hottest expert carries more than copies_hot x N x a GPU's mean load takes the
+    # spread layout instead (one replica a node would set the max GPU); inf: every layer copies
+    copies_hot: float = 1.0
     # every first replica stays on its group's home nodes and swaps stay inside nodes: a token's cover is never
     # larger than its groups' home nodes, as under DeepSeek's hierarchical layout; extra replicas only add choices
     keep_groups: bool = False

@@ -28,10 +28,11 @@ from r3trace.eplb.placement import Cluster, Placement, from_phy2log
 
 def copies_fit(cluster: Cluster, num_experts: int, cfg: PlannerConfig) -> bool:
     """Whether plan() gives this cluster node copies: several nodes, each with a slot for every expert, in the
-    spread layout's place (not with spread_by_affinity off, keep_groups or a static-even plan, whose layouts their
-    own flags ask for)."""
+    spread layout's place (not with spread_by_affinity off or keep_groups, whose layouts their own flags ask for).
+    A static-even plan (SGLang's dispatch) takes them too: a rank's tokens stay on its node's copy there, so each
+    node is the one-node case that the slice's plan makes static-even (static_one_node.py)."""
     return (cfg.node_copies and cluster.num_nodes > 1 and cluster.slots_per_node >= num_experts
-            and cfg.spread_by_affinity and not cfg.keep_groups and not cfg.static_even)
+            and cfg.spread_by_affinity and not cfg.keep_groups)
 
 
 def node_slice(cluster: Cluster) -> Cluster:
@@ -39,12 +40,12 @@ def node_slice(cluster: Cluster) -> Cluster:
     return Cluster(cluster.gpus_per_node, 1, cluster.slots_per_node, cluster.num_groups, cluster.node_limit)
 
 
-def copy_layers(loads: np.ndarray, prev: Placement | None, cluster: Cluster) -> np.ndarray:
+def copy_layers(loads: np.ndarray, prev: Placement | None, cluster: Cluster, hot: float = 1.0) -> np.ndarray:
     """loads [W, L, E] or [L, E], prev -> [L] the layers planned as node copies: no expert of the newest window
     heavier over N than a GPU's mean load, and (re-plans) a previous layer that every node copies."""
     newest = loads[-1] if loads.ndim == 3 else loads  # [L, E]
     total = newest.sum(1)  # [L]
-    ok = newest.max(1) * cluster.num_gpus <= cluster.num_nodes * total
+    ok = newest.max(1) * cluster.num_gpus <= hot * cluster.num_nodes * total
     if prev is not None:
         nodes = prev.phy2log.reshape(len(ok), cluster.num_nodes, cluster.slots_per_node)  # [L, N, P / N]
         ok &= (nodes == nodes[:, :1]).all((1, 2))
@@ -59,7 +60,7 @@ def copies_plan(plan: Planner, loads: np.ndarray, cluster: Cluster, prev: Placem
                 demixed: np.ndarray | None) -> Placement:
     """planner.plan's arguments -> its placement with copy_layers' layers planned by `plan` on one node's slice and
     tiled over the nodes, the others by `plan` on the cluster with node copies off."""
-    keep = copy_layers(loads, prev, cluster)  # [L]
+    keep = copy_layers(loads, prev, cluster, cfg.copies_hot)  # [L]
     e = loads.shape[-1]
     out = np.zeros((len(keep), cluster.num_slots), dtype=np.int64)  # [L, P]
     for part, one in ((keep, True), (~keep, False)):
