@@ -42,10 +42,17 @@ class PlannerConfig:
     level_cold: float = 0.5  # lone replicas below this x the mean slot load may leave their group's nodes
     seeded_churn_budget: float = 0.095  # spread layout: reseated counts + leveling swaps (goal: <= 10%)
     # where a node's slots hold every expert (P / N >= E), every node takes the same one-node plan (node_copies.py):
-    # nodes per token 1.0 and node-limited dispatch the even split
-    node_copies: bool = False
+    # nodes per token 1.0 and node-limited dispatch the even split in expectation. bench/eplb_matrix.py's 16 / 2 / 64
+    # cells (the sample model, E = 32), pooled over trace seeds 0-2 against the better global: sample-mix slow drift
+    # -0.0035 -> +0.0006 even split, -0.023 -> -0.001 node-limited; fast -0.0004 -> +0.008, -0.009 -> -0.001; the
+    # sample's traces +0.0003 -> +0.065, -0.012 -> +0.054; nodes per token 1.36-1.61 -> 1.00-1.05 (global's 1.75-1.82)
+    node_copies: bool = True
     # ... a layer whose newest window's hottest expert carries more than copies_hot x N x a GPU's mean load takes the
-    # spread layout instead (one replica a node would set the max GPU); inf: every layer copies
+    # spread layout instead (its one replica a node would set the max GPU; with top-K of K >= GPUs a node never). On
+    # the sample-mix fast-drift cells above (K = 4, 8 GPUs a node) one layer's hottest expert reached 1.6x that in
+    # the later windows: at inf (every layer copies) seed 0 trailed global by 0.024 +- 0.008 under the even split
+    # (-0.004 node-limited), at 1.0 by 0.005 (-0.028 +- 0.011 node-limited, the switched layer's replicas uneven over
+    # the nodes a token's cover picks between at random); pooled fast +0.009 / +0.025 at inf, +0.008 / -0.001 at 1.0
     copies_hot: float = 1.0
     # every first replica stays on its group's home nodes and swaps stay inside nodes: a token's cover is never
     # larger than its groups' home nodes, as under DeepSeek's hierarchical layout; extra replicas only add choices

@@ -53,6 +53,7 @@ from r3trace.eplb.dispatch_contest import applies as replays
 from r3trace.eplb.dispatch_contest import groups_apply, groups_contest, replay_contest
 from r3trace.eplb.homing import capped_counts, expert_nodes
 from r3trace.eplb.leveling import level_refine
+from r3trace.eplb.node_copies import copies_fit
 from r3trace.eplb.pairing import paired
 from r3trace.eplb.placement import Cluster, Placement, from_phy2log
 from r3trace.eplb.polish import NodeRule, applies, polish
@@ -73,13 +74,21 @@ def spread_cap(cluster: Cluster) -> int:
 class Layout(NamedTuple):
     """The layout fresh_plan builds on a cluster, and why, for reports (`r3trace eplb` prints it)."""
 
-    name: Literal["spread", "groups_on_nodes", "expert_per_node"]
+    name: Literal["spread", "groups_on_nodes", "expert_per_node", "node_copies"]
     reason: str
 
 
-def layout(cluster: Cluster, cfg: PlannerConfig = PlannerConfig()) -> Layout:
-    """Which of fresh_plan's layouts this cluster gets, and why, in one line."""
+def layout(cluster: Cluster, cfg: PlannerConfig = PlannerConfig(), num_experts: int | None = None) -> Layout:
+    """Which of fresh_plan's layouts this cluster gets, and why, in one line (num_experts: where known, whether
+    node copies fit)."""
     g, n = cluster.num_groups, cluster.num_nodes
+    if num_experts is not None and copies_fit(cluster, num_experts, cfg):
+        return Layout("node_copies", f"{cluster.slots_per_node} slots a node hold all {num_experts} experts: every "
+                                     f"node the same one-node plan, so a token reaches one node and node-limited "
+                                     f"dispatch splits every expert evenly over the {n} nodes (node_copies.py); a "
+                                     f"layer whose newest window's hottest expert would put more than "
+                                     f"{cfg.copies_hot:g}x a GPU's mean load on each of its {n} copies, or whose "
+                                     f"previous layer is no copy, is planned in the spread layout")
     if n == 1:
         static = (f"; for SGLang's static dispatch, each expert's replica count a divisor of the {cluster.num_gpus} "
                   "GPUs, its replicas on distinct GPUs, so every replica serves as many ranks, in the layers where "

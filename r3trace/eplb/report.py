@@ -226,7 +226,7 @@ def make_report(store: TraceStore, req: PlanRequest, progress: bool | None = Fal
     lay, origins, mix_used, note = None, None, False, ""
     if policy == "ours":
         cfg = planner_config(req.dispatch, m.top_k, req.keep_groups)
-        lay = layout(req.cluster, cfg)
+        lay = layout(req.cluster, cfg, m.num_experts)
         ours_in = policy_input(policy, history, how)
         call = drift_call(ours_in, previous is not None, cfg, train_tokens, demixed, req.cluster)  # plan()'s again
         origins = layer_origins(pl, ours_in, req.cluster, previous, cfg, mixed, train_tokens, demixed, call)
