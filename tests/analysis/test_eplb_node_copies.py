@@ -16,7 +16,8 @@ from r3trace.eplb.score import even_gpu_load, heat_of, node_limited
 
 CL = Cluster(16, 2, 64, num_groups=4)  # the sample model's 16 / 2 / 64: 32 slots a node, E = 32
 E, LAYERS, K = 32, 3, 4
-ON = replace(PlannerConfig(), node_copies=True)
+ON = PlannerConfig()  # node copies on by default
+OFF = replace(ON, node_copies=False)
 ALL = replace(ON, copies_hot=float("inf"))
 
 
@@ -62,7 +63,7 @@ def test_every_node_holds_the_one_node_plan_and_a_token_reaches_one_node() -> No
     even = even_gpu_load(pl, heat_of(held, E), CL)
     assert np.abs(d.gpu_load - even).max() < 0.06 * even.mean()
     # the spread layout of the same windows spreads tokens over both nodes
-    assert node_limited(plan(loads, CL, tokens=toks), held, CL).nodes.mean() > 1.2
+    assert node_limited(plan(loads, CL, tokens=toks, cfg=OFF), held, CL).nodes.mean() > 1.2
 
 
 def test_a_layer_whose_hot_expert_one_replica_a_node_cannot_carry_takes_the_spread_layout() -> None:
@@ -75,7 +76,7 @@ def test_a_layer_whose_hot_expert_one_replica_a_node_cannot_carry_takes_the_spre
     nodes = _nodes(pl.phy2log)
     assert (nodes[[0, 2], 0] == nodes[[0, 2], 1]).all()
     assert pl.logcnt[1, 0] > 2  # spread: the hot expert split over more than one replica a node
-    alone = plan(loads[:, 1:2], CL, tokens=toks[:, 1:2], cfg=PlannerConfig())  # the layer as the spread planner has it
+    alone = plan(loads[:, 1:2], CL, tokens=toks[:, 1:2], cfg=OFF)  # the layer as the spread planner has it
     np.testing.assert_array_equal(pl.phy2log[1:2], alone.phy2log)
     # every layer copies at copies_hot = inf: the hot layer's max GPU load is then at least half the hot expert's
     forced = plan(loads, CL, tokens=toks, cfg=ALL)
@@ -99,20 +100,20 @@ def test_a_replan_moves_the_same_replicas_on_every_node_within_the_churn_budget(
 
 def test_a_previous_placement_that_is_no_copy_is_re_planned_in_the_spread_layout() -> None:
     loads, toks = _windows(3)
-    spread = plan(loads[:2], CL, tokens=_tokens(30))  # node copies off: the spread layout
+    spread = plan(loads[:2], CL, tokens=_tokens(30), cfg=OFF)  # the spread layout
     assert not copy_layers(loads, spread, CL).any()
     np.testing.assert_array_equal(plan(loads, CL, spread, tokens=toks, cfg=ON).phy2log,
-                                  plan(loads, CL, spread, tokens=toks).phy2log)
+                                  plan(loads, CL, spread, tokens=toks, cfg=OFF).phy2log)
 
 
 @pytest.mark.parametrize(("cluster", "cfg", "fits"), [
     (CL, ON, True),
-    (CL, PlannerConfig(), False),  # off
+    (CL, OFF, False),
     (Cluster(16, 2, 48, num_groups=4), ON, False),  # 24 slots a node < 32 experts
     (Cluster(8, 1, 32, num_groups=4), ON, False),  # one node: nothing to copy
     (CL, replace(ON, keep_groups=True), False),
     (CL, replace(ON, spread_by_affinity=False), False),
-    (CL, replace(planner_config("static"), node_copies=True), True),
+    (CL, planner_config("static"), True),
 ])
 def test_where_node_copies_apply(cluster: Cluster, cfg: PlannerConfig, fits: bool) -> None:
     assert copies_fit(cluster, E, cfg) is fits
@@ -120,6 +121,6 @@ def test_where_node_copies_apply(cluster: Cluster, cfg: PlannerConfig, fits: boo
 
 def test_sglang_static_dispatch_plans_each_node_as_its_one_node_case() -> None:
     loads, toks = _windows(4)
-    st = replace(planner_config("static"), node_copies=True, copies_hot=float("inf"))
+    st = replace(planner_config("static"), copies_hot=float("inf"))
     np.testing.assert_array_equal(plan(loads, CL, tokens=toks, cfg=st).phy2log,
                                   np.tile(plan(loads, node_slice(CL), tokens=toks, cfg=st).phy2log, (1, 2)))
