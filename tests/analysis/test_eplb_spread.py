@@ -87,10 +87,11 @@ def _expected_squares(ph: np.ndarray, w: np.ndarray, sp: np.ndarray, cl: Cluster
 @pytest.mark.parametrize("seed", [0, 1])
 def test_a_seeded_replan_lowers_the_expected_squares_within_its_budget(seed: int) -> None:
     cl = Cluster(16, 2, 160, num_groups=4)  # 10 slots a GPU, 96 spare slots (> 128 slots: no polish, fast)
+    spread_layout = PlannerConfig(node_copies=False)  # 80 slots a node hold all 64 experts: node copies otherwise
     h = _windows(10 + seed, 6, 3, True)
-    first = plan(h[:3], cl)
-    off = plan(h, cl, first, cfg=PlannerConfig(spread_windows=0))
-    on = plan(h, cl, first)
+    first = plan(h[:3], cl, cfg=spread_layout)
+    off = plan(h, cl, first, cfg=PlannerConfig(spread_windows=0, node_copies=False))
+    on = plan(h, cl, first, cfg=spread_layout)
     w = forecast(h, 0.0)  # the still workload's forecast: the longest memory (alpha_tie)
     sp = spread(h, w, 8)
     assert sp is not None
