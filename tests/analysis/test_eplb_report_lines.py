@@ -198,3 +198,28 @@ def test_fewer_history_windows_than_asked_say_why(trace: dict[str, Any], capsys:
     assert run_cli(capsys, root, *CLUSTER, "--policy", "global", "--train", "time=..2")[0].endswith("2 history windows")
     assert run_cli(capsys, root, *CLUSTER, "--policy", "global", "--train", "time=..1")[0].endswith(
         "in 1 history window")
+
+
+@pytest.mark.parametrize("gpus", [4, 8])
+def test_node_copies_where_a_node_holds_every_expert(trace: dict[str, Any], capsys: pytest.CaptureFixture[str],
+                                                     gpus: int) -> None:
+    """16 slots a node for the 16 experts: the layout line says node_copies. On 4 GPUs (2 a node, top-2) no expert can
+    put more than a GPU's mean load on one replica a node, so every layer is the same on both nodes and every token
+    reaches one node; on 8 the trace's Zipf(1.1) hottest expert (~27% of picks, 2.2x a GPU's mean over 2 copies)
+    sends the layers to the spread layout (node_copies.copy_layers), that expert on more than one replica a node."""
+    out = Path(str(trace["root"])).parent / f"layout-node-copies-{gpus}.json"
+    lines = run_cli(capsys, str(trace["root"]), "--gpus", str(gpus), "--nodes", "2", "--slots", "32", "--groups", "4",
+                    "--policy", "ours", "--out", str(out))
+    [line] = [x for x in lines if x.startswith("layout: ")]
+    assert line.startswith("layout: node_copies: 16 slots a node hold all 16 experts: every node the same one-node")
+    pl, _ = from_json(out.read_text())
+    halves = pl.phy2log.reshape(len(pl.phy2log), 2, 16)  # [L, N, P / N]
+    copies = (halves[:, 0] == halves[:, 1]).all(1)  # [L]
+    [nodes] = [x for x in lines if x.startswith("nodes per token")]
+    if gpus == 4:
+        assert copies.all() and (pl.logcnt == 2).all()
+        assert nodes.split()[3] == "1.000"  # in-sample (the whole trace trains: nothing held out)
+    else:
+        assert not copies.any()
+        assert (pl.logcnt.max(1) > 2).all()
+        assert float(nodes.split()[3]) > 1.0
