@@ -7,10 +7,11 @@ swaps), so a re-plan moves the same replicas on every node and its churn is the 
 replica a node, so a layer whose hottest expert's load over N is above a GPU's mean load has that replica for its max
 GPU, where the spread layout splits the expert over up to max(N, GPUs a node) replicas: such a layer (its newest
 window's loads) is planned in the spread layout instead, and stays there. On the sample model's router at 16 GPUs / 2
-nodes / 64 slots under fast drift (bench/eplb_matrix.py's sample-mix cells) one layer's hottest expert took 2-3.2x a
-GPU's mean load in the later windows, and copies there trailed DeepSeek global by 0.14-0.25 balancedness in that
-layer. A layer whose previous placement is not a copy (the spread layout's, another planner's) stays in the spread
-layout too: moving it to copies would move most of its slots, more than the churn budget.
+nodes / 64 slots under fast drift (bench/eplb_matrix.py's sample-mix cells) one layer's hottest expert carried
+2.1-3.2x a GPU's mean load in the later windows (1.0-1.6x on each of its two copies), and copies there trailed the
+spread layout by 0.14-0.25 balancedness in that layer. A layer whose previous placement is not a copy (the spread
+layout's, another planner's) stays in the spread layout too: moving it to copies would move most of its slots, more
+than the churn budget.
 
 Shape legend: L layers, E experts, P slots, N nodes.
 """
