@@ -47,8 +47,9 @@ class PlannerConfig:
     # -0.0035 -> +0.0006 even split, -0.023 -> -0.001 node-limited; fast -0.0004 -> +0.008, -0.009 -> -0.001; the
     # sample's traces +0.0003 -> +0.065, -0.012 -> +0.054; nodes per token 1.36-1.61 -> 1.00-1.05 (global's 1.75-1.82)
     node_copies: bool = True
-    # ... a layer whose newest window's hottest expert carries more than copies_hot x N x a GPU's mean load takes the
-    # spread layout instead (its one replica a node would set the max GPU; with top-K of K >= GPUs a node never). On
+    # ... a layer with an expert of the newest window whose replicas (N x its one-node count) would each carry more than
+    # copies_hot x a GPU's mean load takes the spread layout instead (that replica would set the max GPU; with one
+    # replica a node and top-K of K >= GPUs a node, never). On
     # the sample-mix fast-drift cells above (K = 4, 8 GPUs a node) one layer's hottest expert reached 1.6x that in
     # the later windows: at inf (every layer copies) seed 0 trailed global by 0.024 +- 0.008 under the even split
     # (-0.004 node-limited), at 1.0 by 0.005 (-0.028 +- 0.011 node-limited, the switched layer's replicas uneven over

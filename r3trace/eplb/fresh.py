@@ -87,7 +87,7 @@ def layout(cluster: Cluster, cfg: PlannerConfig = PlannerConfig(), num_experts: 
                                      f"node the same one-node plan, so a token reaches one node and node-limited "
                                      f"dispatch splits every expert evenly over the {n} nodes (node_copies.py); a "
                                      f"layer whose newest window's hottest expert would put more than "
-                                     f"{cfg.copies_hot:g}x a GPU's mean load on each of its {n} copies, or whose "
+                                     f"{cfg.copies_hot:g}x a GPU's mean load on each of its replicas, or whose "
                                      f"previous layer is no copy, is planned in the spread layout")
     if n == 1:
         static = (f"; for SGLang's static dispatch, each expert's replica count a divisor of the {cluster.num_gpus} "

@@ -3,10 +3,11 @@ same one-node plan, so any one node covers every token (nodes per token 1.0, the
 splits each expert's load evenly over the nodes, as the even split does.
 
 The one-node plan is plan() itself on one node's slice of the cluster (its forecast, drift call, churn budget and
-swaps), so a re-plan moves the same replicas on every node and its churn is the slice's. Each expert then has one
-replica a node, so a layer whose hottest expert's load over N is above a GPU's mean load has that replica for its max
-GPU, where the spread layout splits the expert over up to max(N, GPUs a node) replicas: such a layer (its newest
-window's loads) is planned in the spread layout instead, and stays there. On the sample model's router at 16 GPUs / 2
+swaps), so a re-plan moves the same replicas on every node and its churn is the slice's. Each expert then has c
+replicas a node (the one-node plan's count: 1 where P / N = E), so a layer with an expert whose load over N c is above
+a GPU's mean load has that replica for its max GPU, where the spread layout splits the expert over up to
+max(N, GPUs a node) replicas: such a layer (its newest window's loads) is planned in the spread layout instead, and
+stays there. On the sample model's router at 16 GPUs / 2
 nodes / 64 slots under fast drift (bench/eplb_matrix.py's sample-mix cells) one layer's hottest expert carried
 2.1-3.2x a GPU's mean load in the later windows (1.0-1.6x on each of its two copies), and copies there trailed the
 spread layout by 0.14-0.25 balancedness in that layer. A layer whose previous placement is not a copy (the spread
@@ -24,6 +25,7 @@ from dataclasses import replace
 import numpy as np
 
 from r3trace.eplb.config import PlannerConfig
+from r3trace.eplb.homing import capped_counts
 from r3trace.eplb.placement import Cluster, Placement, from_phy2log
 
 
@@ -42,11 +44,14 @@ def node_slice(cluster: Cluster) -> Cluster:
 
 
 def copy_layers(loads: np.ndarray, prev: Placement | None, cluster: Cluster, hot: float = 1.0) -> np.ndarray:
-    """loads [W, L, E] or [L, E], prev -> [L] the layers planned as node copies: no expert of the newest window
-    heavier over N than a GPU's mean load, and (re-plans) a previous layer that every node copies."""
+    """loads [W, L, E] or [L, E], prev -> [L] the layers planned as node copies: no replica of the newest window's
+    experts heavier than `hot` x a GPU's mean load (an expert's load over N x its one-node count, DeepSeek's
+    replication rule on a node's slots), and (re-plans) a previous layer that every node copies."""
     newest = loads[-1] if loads.ndim == 3 else loads  # [L, E]
     total = newest.sum(1)  # [L]
-    ok = newest.max(1) * cluster.num_gpus <= hot * cluster.num_nodes * total
+    per_node = capped_counts(newest, cluster.slots_per_node, cluster.gpus_per_node)  # [L, E]
+    heaviest = (newest / per_node).max(1)  # [L] one replica's load on each of the N nodes, times N
+    ok = heaviest * cluster.num_gpus <= hot * cluster.num_nodes * total
     if prev is not None:
         nodes = prev.phy2log.reshape(len(ok), cluster.num_nodes, cluster.slots_per_node)  # [L, N, P / N]
         ok &= (nodes == nodes[:, :1]).all((1, 2))

@@ -124,3 +124,18 @@ def test_sglang_static_dispatch_plans_each_node_as_its_one_node_case() -> None:
     st = replace(planner_config("static"), copies_hot=float("inf"))
     np.testing.assert_array_equal(plan(loads, CL, tokens=toks, cfg=st).phy2log,
                                   np.tile(plan(loads, node_slice(CL), tokens=toks, cfg=st).phy2log, (1, 2)))
+
+
+def test_the_hot_test_counts_the_replicas_a_node_gives_an_expert() -> None:
+    """Expert 0 carries 12 of a layer's 43 units (31 others 1 each). At 32 slots a node (one replica each) its copy on
+    each of 2 nodes carries 6, over 2x a GPU's mean of 43 / 16: spread. At 40 slots a node DeepSeek's rule gives it 8
+    replicas a node (12 / 8 = 1.5 each until the cap of 8 GPUs), 0.75 a replica: copies, and the plan's nodes match."""
+    w = np.ones((1, E))
+    w[0, 0] = 12.0
+    np.testing.assert_array_equal(copy_layers(w, None, CL), [False])
+    wide = Cluster(16, 2, 80, num_groups=4)
+    np.testing.assert_array_equal(copy_layers(w, None, wide), [True])
+    pl = plan(w, wide, cfg=ON)
+    halves = pl.phy2log.reshape(1, 2, 40)
+    np.testing.assert_array_equal(halves[:, 0], halves[:, 1])
+    assert pl.logcnt[0, 0] == 16  # 8 a node
