@@ -43,6 +43,7 @@ from r3trace.eplb.dispatch_contest import applies as replays
 from r3trace.eplb.early_drift import EARLY_WINDOWS, early_ratio
 from r3trace.eplb.forecast import drifts, excess_t, summed, window_errors
 from r3trace.eplb.fresh import spreads
+from r3trace.eplb.node_copies import copies_fit
 from r3trace.eplb.placement import Cluster
 
 # scored windows the t test needs (fewer: the ratio alone). On 2-3 of them the SGLang-dump re-plans' t overlapped
@@ -129,7 +130,7 @@ def drift_call(loads: np.ndarray, replan: bool, cfg: PlannerConfig, tokens: np.n
 
 def holds(cluster: Cluster, num_experts: int, cfg: PlannerConfig) -> bool:
     """Whether a backtest's drift call without routes is held on this cluster (module doc): hold_two_node_drift, the
-    multi-node layout (not keep_groups) and the two-node replay steps (dispatch_contest.applies: two nodes, spare
-    slots, node-limited dispatch)."""
+    multi-node layout (not keep_groups, not node copies, whose layers plan on one node's slice and act on the call)
+    and the two-node replay steps (dispatch_contest.applies: two nodes, spare slots, node-limited dispatch)."""
     return (cfg.hold_two_node_drift and spreads(cluster, cfg) and not cfg.keep_groups
-            and replays(cluster, num_experts, cfg.replay_margin))
+            and not copies_fit(cluster, num_experts, cfg) and replays(cluster, num_experts, cfg.replay_margin))

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from r3trace.eplb import Cluster, PlannerConfig, churn, plan
+from r3trace.eplb.drift_call import holds
 from r3trace.eplb.evaluate import planner_config
 from r3trace.eplb.node_copies import copies_fit, copy_layers, node_slice
 from r3trace.eplb.score import even_gpu_load, heat_of, node_limited
@@ -139,3 +140,11 @@ def test_the_hot_test_counts_the_replicas_a_node_gives_an_expert() -> None:
     halves = pl.phy2log.reshape(1, 2, 40)
     np.testing.assert_array_equal(halves[:, 0], halves[:, 1])
     assert pl.logcnt[0, 0] == 16  # 8 a node
+
+
+def test_a_drift_call_without_routes_is_not_held_where_nodes_copy() -> None:
+    """drift_call.holds: the two-node hold of a heat-only drift call is the spread layout's; copies plan on one node's
+    slice, where the call acts, and `r3trace eplb`'s re-plan line reads the same call."""
+    assert not holds(CL, E, ON)
+    assert holds(CL, E, OFF)
+    assert holds(Cluster(16, 2, 48, num_groups=4), E, ON)  # 24 slots a node: no copies, the spread layout's hold
