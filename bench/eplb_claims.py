@@ -1,7 +1,8 @@
 """BENCHMARKS.md's EPLB tables as claims of bench/results/latest.json, each computed from its result files: the
 held-out matrix (bench/eplb_report.py), plan time and the MILP (bench/eplb_matrix.py --plan-time, bench/eplb_milp.py),
 the replica budget (bench/eplb_craft.py), groups kept (bench/eplb_keep_groups.py), the hindsight bound
-(bench/eplb_hindsight.py), the default policy (bench/eplb_auto.py) and the churn trade-off (bench/eplb_churn_curve.py).
+(bench/eplb_hindsight.py), the default policy (bench/eplb_auto.py), the churn trade-off (bench/eplb_churn_curve.py) and
+node copies (bench/eplb_node_copies.py).
 
 Run: .venv/bin/python -m bench.eplb_report --latest   (writes them; then python -m bench.tables rewrites BENCHMARKS.md)
 """
@@ -19,6 +20,7 @@ from bench.eplb_hindsight import hindsight_claim
 from bench.eplb_keep_groups import keep_groups_claim
 from bench.eplb_matrix_results import RESULTS
 from bench.eplb_mix_time import mix_time_claim
+from bench.eplb_node_copies import copies_claim
 from bench.eplb_report import matrix_claim, matrix_files
 from bench.tables import LATEST
 
@@ -206,7 +208,7 @@ def auto_claim(paths: list[Path] = AUTO_FILES) -> dict[str, Any]:
 def claims() -> list[dict[str, Any]]:
     """BENCHMARKS.md's EPLB tables as latest.json claims, computed from the result files."""
     return [matrix_claim(matrix_files()), plan_time_claim(), mix_time_claim(), milp_claim(), craft_claim(),
-            keep_groups_claim(), hindsight_claim(), auto_claim(), churn_claim()]
+            keep_groups_claim(), hindsight_claim(), auto_claim(), churn_claim(), copies_claim()]
 
 
 def write_latest(new: list[dict[str, Any]], path: Path = LATEST) -> None:

@@ -9,7 +9,8 @@ token_mix.py, are most of a cold run: ~1.5 hours). Largest files first, so the t
 
 --others: the other result files with ours' plans in them as well, each re-run whole by its own bench into its own
 file: `--keep-groups` against hierarchical (6 files, ~8 min a main seed and ~1 min a sample-mix one on one core), the
-churn trade-off (1, ~7 min) and the default policy's backtest (8, ~14 min a main file and ~2 min a sample-mix one).
+churn trade-off (1, ~7 min), node copies (1, ~25 min) and the default policy's backtest (8, ~14 min a main file and ~2
+min a sample-mix one).
 Their ours rows go stale as the matrix's do (the keep-groups SGLang-dump cells once missed a drift-call change for a
 day); tests/bench/test_eplb_results_current.py re-runs a few small cells of each kind.
 """
@@ -54,6 +55,8 @@ def other_commands(mix_cache: Path) -> list[tuple[Path, list[str]]]:
                                str(mix_cache), "--out", str(path)]))
     out.append((RESULTS / "eplb-churn-curve.json", [*py, "bench.eplb_churn_curve", "--jobs", "1", "--out",
                                                     str(RESULTS / "eplb-churn-curve.json")]))
+    out.append((RESULTS / "eplb-node-copies.json", [*py, "bench.eplb_node_copies", "--jobs", "1", "--out",
+                                                    str(RESULTS / "eplb-node-copies.json")]))
     autos = [("", []), ("-seed1", ["--seed", "1"]), ("-seed2", ["--seed", "2"]), ("-static", ["--dispatch", "static"]),
              ("-dynamic", ["--dispatch", "dynamic"]), ("-sample-mix", ["--sweep", "sample-mix"]),
              ("-sample-mix-seed1", ["--sweep", "sample-mix", "--seed", "1"]),
@@ -71,7 +74,8 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true",
                     help="the sample model's file, its two-node cells, re-measured in a copy (nothing written here)")
     ap.add_argument("--others", action="store_true",
-                    help="also the keep-groups, churn-curve and default-policy files, each by its own bench")
+                    help="also the keep-groups, churn-curve, node-copies and default-policy files, each by its own "
+                         "bench")
     args = ap.parse_args()
     docs = held_out_docs()
     if args.smoke:

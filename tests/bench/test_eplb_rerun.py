@@ -1,5 +1,6 @@
-"""bench/eplb_rerun.py --others: every committed result file of the keep-groups, churn-curve and default-policy benches
-is written again by a call of its own bench whose arguments match the file (a file added without a call fails here).
+"""bench/eplb_rerun.py --others: every committed result file of the keep-groups, churn-curve, node-copies and
+default-policy benches is written again by a call of its own bench whose arguments match the file (a file added without
+a call fails here).
 Run: .venv/bin/pytest tests/bench/test_eplb_rerun.py -q"""
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ def test_others_write_every_such_file_with_its_own_arguments(tmp_path: Path) -> 
     calls = other_commands(tmp_path / "mix")
     paths = [p for p, _ in calls]
     want = {*RESULTS.glob("eplb-keep-groups*.json"), *RESULTS.glob("eplb-auto*.json"),
-            RESULTS / "eplb-churn-curve.json"}
-    assert len(paths) == len(set(paths)) == 15 and set(paths) == want
+            RESULTS / "eplb-churn-curve.json", RESULTS / "eplb-node-copies.json"}
+    assert len(paths) == len(set(paths)) == 16 and set(paths) == want
     for path, cmd in calls:
         assert cmd[cmd.index("--out") + 1] == str(path)
         doc = json.loads(path.read_text())
@@ -34,5 +35,7 @@ def test_others_write_every_such_file_with_its_own_arguments(tmp_path: Path) -> 
             mix = {r["spec"]["family"] for r in doc["results"]} == {"sample-mix"}
             assert (_flag(cmd, "--sweep", "main") == "sample-mix") == mix
             assert {r["spec"]["seed"] for r in doc["results"]} == {int(_flag(cmd, "--seed", "0"))}
+        elif "node-copies" in path.name:
+            assert cmd[2] == "bench.eplb_node_copies"
         else:
             assert cmd[2] == "bench.eplb_churn_curve"
