@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +43,7 @@ def copies_cells(smoke: bool = False) -> list[Cell]:
            for f in ("grouped", "independent") for s in (0.6, 1.2) for d in ("slow", "fast") for p in (128, 160)]
     if smoke:
         c = out[0]
-        return [Cell(TraceSpec(**{**c.spec.__dict__, "windows": 5, "window_tokens": 2048}), c.gpus, c.nodes, c.slots)]
+        return [Cell(replace(c.spec, windows=5, window_tokens=2048), c.gpus, c.nodes, c.slots)]
     return out
 
 

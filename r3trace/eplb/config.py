@@ -49,11 +49,11 @@ class PlannerConfig:
     node_copies: bool = True
     # ... a layer with an expert of the newest window whose replicas (N x its one-node count) would each carry more than
     # copies_hot x a GPU's mean load takes the spread layout instead (that replica would set the max GPU; with one
-    # replica a node and top-K of K >= GPUs a node, never). On
-    # the sample-mix fast-drift cells above (K = 4, 8 GPUs a node) one layer's hottest expert reached 1.6x that in
-    # the later windows: at inf (every layer copies) seed 0 trailed global by 0.024 +- 0.008 under the even split
-    # (-0.004 node-limited), at 1.0 by 0.005 (-0.028 +- 0.011 node-limited, the switched layer's replicas uneven over
-    # the nodes a token's cover picks between at random); pooled fast +0.009 / +0.025 at inf, +0.008 / -0.001 at 1.0
+    # replica a node and top-K of K >= GPUs a node, never). On the sample-mix fast-drift cells above (K = 4, 8 GPUs a
+    # node) one layer's hottest expert reached 1.6x that in the later windows: at inf (every layer copies) seed 0
+    # trailed global by 0.024 +- 0.008 under the even split (-0.004 node-limited), at 1.0 by 0.005 (-0.028 +- 0.011
+    # node-limited, the switched layer's replicas uneven over the nodes a token's cover picks between at random); pooled
+    # fast +0.009 / +0.025 at inf, +0.008 / -0.001 at 1.0
     copies_hot: float = 1.0
     # every first replica stays on its group's home nodes and swaps stay inside nodes: a token's cover is never
     # larger than its groups' home nodes, as under DeepSeek's hierarchical layout; extra replicas only add choices

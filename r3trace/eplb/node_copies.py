@@ -3,16 +3,15 @@ same one-node plan, so any one node covers every token (nodes per token 1.0, the
 splits each expert's load evenly over the nodes, as the even split does.
 
 The one-node plan is plan() itself on one node's slice of the cluster (its forecast, drift call, churn budget and
-swaps), so a re-plan moves the same replicas on every node and its churn is the slice's. Each expert then has c
-replicas a node (the one-node plan's count: 1 where P / N = E), so a layer with an expert whose load over N c is above
-a GPU's mean load has that replica for its max GPU, where the spread layout splits the expert over up to
-max(N, GPUs a node) replicas: such a layer (its newest window's loads) is planned in the spread layout instead, and
-stays there. On the sample model's router at 16 GPUs / 2
-nodes / 64 slots under fast drift (bench/eplb_matrix.py's sample-mix cells) one layer's hottest expert carried
-2.1-3.2x a GPU's mean load in the later windows (1.0-1.6x on each of its two copies), and copies there trailed the
-spread layout by 0.14-0.25 balancedness in that layer. A layer whose previous placement is not a copy (the spread
-layout's, another planner's) stays in the spread layout too: moving it to copies would move most of its slots, more
-than the churn budget.
+swaps), so a re-plan moves the same replicas on every node and its churn is the slice's. Each expert then has c replicas
+a node (the one-node plan's count: 1 where P / N = E), so a layer with an expert whose load over N c is above a GPU's
+mean load has that replica for its max GPU, where the spread layout splits the expert over up to max(N, GPUs a node)
+replicas: such a layer (its newest window's loads) is planned in the spread layout instead, and stays there. On the
+sample model's router at 16 GPUs / 2 nodes / 64 slots under fast drift (bench/eplb_matrix.py's sample-mix cells) one
+layer's hottest expert carried 2.1-3.2x a GPU's mean load in the later windows (1.0-1.6x on each of its two copies), and
+copies there trailed the spread layout by 0.14-0.25 balancedness in that layer. A layer whose previous placement is not
+a copy (the spread layout's, another planner's) stays in the spread layout too: moving it to copies would move most of
+its slots, more than the churn budget.
 
 Shape legend: L layers, E experts, P slots, N nodes.
 """
