@@ -15,9 +15,7 @@ Run: .venv/bin/python -m bench.eplb_churn_curve [--jobs N]   (8 cells x 3 trace 
 
 from __future__ import annotations
 
-import argparse
 import json
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -28,7 +26,7 @@ from bench.eplb_matrix import WINDOWS, Cell, Policy, cells, run_cell
 from bench.eplb_ours_loads import ours_policy
 from bench.eplb_report import better_global, pooled, verdict
 from bench.eplb_traces import Drift, TraceSpec
-from bench.result_file import machine, write_result
+from bench.result_file import run_cells
 from r3trace.eplb import Cluster, PlannerConfig
 from r3trace.eplb.alignment import align
 from r3trace.eplb.placement import from_phy2log
@@ -137,21 +135,12 @@ def churn_claim(path: Path = OUT) -> dict[str, Any]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--jobs", type=int, default=2)
-    ap.add_argument("--smoke", action="store_true", help="one small cell, no file written")
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
-    todo = [c for s in ((0,) if args.smoke else SEEDS) for c in curve_cells(s, args.smoke)]
-    with ProcessPoolExecutor(args.jobs) as ex:
-        results = list(ex.map(_run, todo))
+    results = run_cells(__doc__, "churn-curve",
+                        lambda smoke: [c for s in ((0,) if smoke else SEEDS) for c in curve_cells(s, smoke)], _run, OUT)
     for res in results:
         p = res["policies"]
         print(f"{res['cell']} seed {res['spec']['seed']}: " + ", ".join(
             f"{n} {np.mean(p[n]['bal_even']):.4f} ({np.mean(p[n]['churn']):.1%})" for n in p), flush=True)
-    doc = {"sweep": "churn-curve", "args": {**vars(args), "windows": todo[0].spec.windows}, "machine": machine(),
-           "results": results}
-    write_result(doc, args.out, args.smoke, OUT)
     for row in rows_of(results):
         print(row)
 

@@ -14,9 +14,7 @@ Run: .venv/bin/python -m bench.eplb_node_copies [--jobs N]   (16 cells, ~10 min 
 
 from __future__ import annotations
 
-import argparse
 import json
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -27,7 +25,7 @@ from bench.eplb_matrix import WINDOWS, Cell, Policy, run_cell
 from bench.eplb_ours_loads import ours_policy
 from bench.eplb_report import better_global, verdict
 from bench.eplb_traces import TraceSpec
-from bench.result_file import machine, write_result
+from bench.result_file import run_cells
 from r3trace.eplb import Cluster, PlannerConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,18 +98,7 @@ def copies_claim(path: Path = OUT) -> dict[str, Any]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--jobs", type=int, default=2)
-    ap.add_argument("--smoke", action="store_true", help="one small cell, no file written")
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
-    todo = copies_cells(args.smoke)
-    with ProcessPoolExecutor(args.jobs) as ex:
-        results = list(ex.map(_run, todo))
-    doc = {"sweep": "node-copies", "args": {**vars(args), "windows": todo[0].spec.windows}, "machine": machine(),
-           "results": results}
-    write_result(doc, args.out, args.smoke, OUT)
-    for row in rows_of(results):
+    for row in rows_of(run_cells(__doc__, "node-copies", copies_cells, _run, OUT)):
         print(row, flush=True)
 
 

@@ -4,8 +4,11 @@ the record of the machine written beside its figures."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +23,25 @@ def write_result(doc: dict[str, Any], out: str | None, smoke: bool, default: Pat
         path.write_text(json.dumps(doc, indent=1))
         print(f"wrote {path}")
     return path
+
+
+def run_cells(description: str | None, sweep: str, cells_of: Callable[[bool], Sequence[Any]],
+              run: Callable[[Any], dict[str, Any]], default: Path) -> list[dict[str, Any]]:
+    """A cell bench's command line (`--jobs`, `--smoke`, `--out`): cells_of(smoke)'s cells through run (a module-level
+    function: the cells go to `--jobs` processes) -> their results, written as {sweep, args (with the cells' window
+    count), machine, results} by write_result."""
+    ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--smoke", action="store_true", help="one small cell, no file written")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    todo = list(cells_of(args.smoke))
+    with ProcessPoolExecutor(args.jobs) as ex:
+        results = list(ex.map(run, todo))
+    doc = {"sweep": sweep, "args": {**vars(args), "windows": todo[0].spec.windows}, "machine": machine(),
+           "results": results}
+    write_result(doc, args.out, args.smoke, default)
+    return results
 
 
 def machine() -> dict[str, Any]:
