@@ -30,9 +30,8 @@ from r3trace.engine.model_config import ModelConfig
 from r3trace.engine.parallel import ParallelInfo
 from r3trace.engine.penalties import Penalties, penalty_rows
 from r3trace.engine.replay import replay_plan
-from r3trace.engine.request import LogprobEntry
 from r3trace.engine.sampling import Sampler
-from r3trace.engine.step import ReqOutput, ScheduledReq
+from r3trace.engine.step import ReqOutput, ScheduledReq, fill_input_logprobs, listed_entries, top_entries
 
 
 class CausalLM(Protocol):
@@ -236,35 +235,23 @@ def _split(
     items: list[ScheduledReq], host: dict[str, list], lp_rows: list[int], sample_rows: list[int]
 ) -> list[ReqOutput]:
     """Hand each request its rows of the step's results."""
-
-    def tops(row: int, k: int) -> list[LogprobEntry]:
-        return [(v, i, None) for v, i in zip(host["top_v"][row][:k], host["top_i"][row][:k], strict=True)]
-
-    def listed(row: int, ids: tuple[int, ...]) -> list[LogprobEntry]:
-        return [(v, i, None) for v, i in zip(host["ids_lp"][row][: len(ids)], ids, strict=True)]
-
     outs: list[ReqOutput] = []
     lp_pos = sample_pos = 0
     for it in items:
         out = ReqOutput()
-        k = it.req.logprob.top_num if it.req.logprob is not None else 0
-        ids = it.req.logprob.token_ids if it.req.logprob is not None else ()
-        n_lp = len(it.logprob_positions)
-        if n_lp:
-            out.input_logprobs = host["in_lp"][lp_pos : lp_pos + n_lp]
-            if k:
-                out.input_tops = [tops(lp_rows[j], k) for j in range(lp_pos, lp_pos + n_lp)]
-            if ids:
-                out.input_ids_lps = [listed(lp_rows[j], ids) for j in range(lp_pos, lp_pos + n_lp)]
-            lp_pos += n_lp
+        lp_pos += fill_input_logprobs(out, it, host.get("in_lp", []), lp_pos,
+                                      lambda j: (host["top_v"][lp_rows[j]], host["top_i"][lp_rows[j]]),
+                                      lambda j: host["ids_lp"][lp_rows[j]])
         if it.sample:
             out.next_token = int(host["next"][sample_pos])
-            if it.req.logprob is not None:
+            lp = it.req.logprob
+            if lp is not None:
+                row = sample_rows[sample_pos]
                 out.next_logprob = host["next_lp"][sample_pos]
-                if k:
-                    out.next_top = tops(sample_rows[sample_pos], k)
-                if ids:
-                    out.next_ids_lp = listed(sample_rows[sample_pos], ids)
+                if lp.top_num:
+                    out.next_top = top_entries(host["top_v"][row], host["top_i"][row], lp.top_num)
+                if lp.token_ids:
+                    out.next_ids_lp = listed_entries(host["ids_lp"][row], lp.token_ids)
             sample_pos += 1
         outs.append(out)
     return outs

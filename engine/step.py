@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,3 +57,32 @@ class ReqOutput:
     next_logprobs: list[float] | None = None
     next_tops: list[list[LogprobEntry]] | None = None
     next_ids_lps: list[list[LogprobEntry]] | None = None
+
+
+def top_entries(values: Sequence[float], ids: Sequence[int], k: int) -> list[LogprobEntry]:
+    """A logits row's k top logprobs (values and token ids, best first) as (logprob, token id, None) entries."""
+    return [(v, i, None) for v, i in zip(values[:k], ids[:k], strict=True)]
+
+
+def listed_entries(values: Sequence[float], ids: tuple[int, ...]) -> list[LogprobEntry]:
+    """A logits row's logprobs of a request's listed token ids (token_ids_logprob) as entries, in the list's order."""
+    return [(v, i, None) for v, i in zip(values[: len(ids)], ids, strict=True)]
+
+
+def fill_input_logprobs(out: ReqOutput, it: ScheduledReq, in_lp: list, lp_pos: int,
+                        top_row: Callable[[int], tuple[Sequence[float], Sequence[int]]],
+                        ids_row: Callable[[int], Sequence[float]]) -> int:
+    """out's input logprobs for it's logprob positions, the step's logprob rows lp_pos .. lp_pos + n: their values
+    from in_lp, the top entries where the request asks for them (row j's values and ids: top_row(j)) and its listed
+    ids' (row j's values: ids_row(j)) -> n. The runner and the speculative runner keep these rows apart."""
+    n = len(it.logprob_positions)
+    if not n:
+        return 0
+    lp = it.req.logprob
+    k, ids = (lp.top_num, lp.token_ids) if lp is not None else (0, ())
+    out.input_logprobs = in_lp[lp_pos : lp_pos + n]
+    if k:
+        out.input_tops = [top_entries(*top_row(j), k) for j in range(lp_pos, lp_pos + n)]
+    if ids:
+        out.input_ids_lps = [listed_entries(ids_row(j), ids) for j in range(lp_pos, lp_pos + n)]
+    return n
