@@ -142,6 +142,30 @@ def test_stats_counts_repeats_in_a_trace_the_writer_took(tmp_path: Path, capsys:
     assert "rows repeating an expert in their top-2: 7 of 30 (6 all zeros" in capsys.readouterr().out
 
 
+def test_repeated_rows_finds_a_repeat_at_any_two_positions_of_a_wider_top_k(tmp_path: Path) -> None:
+    """top-4: repeats at every pair of positions (adjacent or not), rows of K zeros, expert 0 picked once; the counts
+    equal numpy's over the same rows, and a top-1 run counts none."""
+    rng = np.random.default_rng(35)
+    ids = distinct(rng, (24, 3), k=4)  # [T, L, 4]
+    pairs = [(i, j) for i in range(4) for j in range(i + 1, 4)]
+    for t, (i, j) in enumerate(pairs):  # six tokens, one pair each, on layer t % 3
+        ids[t, t % 3, j] = ids[t, t % 3, i]
+    ids[[9, 15]] = 0  # two tokens never written: K zeros on every layer
+    ids[20, 1] = [0, 3, 7, 11]  # expert 0 once: a real row
+    with TraceWriter(tmp_path / "t", model_name="m", num_hidden_layers=4, moe_layer_ids=(1, 2, 3), num_experts=16,
+                     top_k=4, run_id="w", flush_interval_s=None) as w:
+        w.append_tokens("q", np.arange(24), "decode", "computed", np.arange(24), 1_700_000_000_000_000_000, 0, ids)
+    rows = ids.reshape(-1, 4)
+    want = int((np.sort(rows, axis=1)[:, 1:] == np.sort(rows, axis=1)[:, :-1]).any(1).sum())
+    assert want == 6 + 6
+    assert repeated_rows(TraceStore(tmp_path / "t").con, "w") == Repeated(rows=want, all_zero=6, total=72)
+    with TraceWriter(tmp_path / "one", model_name="m", num_hidden_layers=4, moe_layer_ids=(1, 2, 3), num_experts=16,
+                     top_k=1, run_id="o", flush_interval_s=None) as w:
+        w.append_tokens("q", np.arange(5), "decode", "computed", np.arange(5), 1_700_000_000_000_000_000, 0,
+                        np.zeros((5, 3, 1), dtype=np.int32))
+    assert repeated_rows(TraceStore(tmp_path / "one").con, "o") == Repeated(rows=0, all_zero=0, total=15)
+
+
 def test_eplb_warns_of_repeats_in_the_tokens_it_replays(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """3 of 40 tokens all zeros, in the training window: `r3trace eplb` says so on the line after the windows;
     the same trace without them prints no warning."""
