@@ -96,6 +96,8 @@ def test_locality_specialisation_phase(tiny_trace: dict) -> None:
         assert row["pairs"] == len(ov) and row["mean_overlap"] == pytest.approx(np.mean(ov))
         pi = np.bincount(ids[:, li].ravel(), minlength=E) / len(ids)
         assert row["baseline"] == pytest.approx((pi**2).sum() / K)
+    one = locality.temporal_locality(s.con, "a", layer_id=4)  # the layer filter reaches every part of the query
+    assert one.to_dicts() == [r for r in loc.to_dicts() if r["layer_id"] == 4]
     spec = locality.specialisation(s.con, "tag", "a", layer_id=4)
     tag_of = np.array([tiny_trace["tags"][r] for r in req])
     glob = np.bincount(ids[:, 2].ravel(), minlength=E) / (len(ids) * K)
