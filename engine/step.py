@@ -72,9 +72,9 @@ def listed_entries(values: Sequence[float], ids: tuple[int, ...]) -> list[Logpro
 def fill_input_logprobs(out: ReqOutput, it: ScheduledReq, in_lp: list, lp_pos: int,
                         top_row: Callable[[int], tuple[Sequence[float], Sequence[int]]],
                         ids_row: Callable[[int], Sequence[float]]) -> int:
-    """out's input logprobs for it's logprob positions, the step's logprob rows lp_pos .. lp_pos + n: their values
-    from in_lp, the top entries where the request asks for them (row j's values and ids: top_row(j)) and its listed
-    ids' (row j's values: ids_row(j)) -> n. The runner and the speculative runner keep these rows apart."""
+    """out's input logprobs at the logprob positions of item `it`, the step's logprob rows lp_pos .. lp_pos + n: their
+    values from in_lp, the top entries where the request asks for them (row j's values and ids: top_row(j)) and its
+    listed ids' (row j's values: ids_row(j)) -> n. The runner and the speculative runner keep these rows apart."""
     n = len(it.logprob_positions)
     if not n:
         return 0
