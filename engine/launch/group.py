@@ -86,7 +86,7 @@ class WorkerGroup:
               ) -> WorkerGroup:
         """tp_size rank processes (start method spawn), each building its shard; returns once all are ready."""
         ctx = mp.get_context("spawn")
-        store = Path(tempfile.mkdtemp(prefix="r3trace-ranks-"))
+        store = Path(tempfile.mkdtemp(prefix=f"r3trace-ranks-{os.getpid()}-"))  # named for its front end: tests find it
         cuda = config.device.startswith("cuda")
         threads = 0 if cuda else max(1, (os.cpu_count() or 1) // launch.tp_size)  # ranks share the cores
         spec = WorkerSpec(Path(model_path), config, launch, f"file://{store / 'store'}", threads, os.getpid())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import sys
 import threading
 import traceback
@@ -51,15 +52,16 @@ def parent_gone(parent_pid: int) -> bool:
     return os.getppid() != parent_pid
 
 
-def exit_without_parent(rank: int, parent_pid: int, done: threading.Event) -> None:
+def exit_without_parent(rank: int, parent_pid: int, done: threading.Event, folder: Path) -> None:
     """Until `done` (the rank is in its loop, which checks the parent itself): exit the process with one line on
-    stderr once the front end is gone. init_process_group waits for every rank and the model load takes minutes;
-    neither returns when the front end dies, so without this a rank would wait for its collective timeout or
-    forever."""
+    stderr once the front end is gone, removing the rendezvous `folder` the dead front end would have.
+    init_process_group waits for every rank and the model load takes minutes; neither returns when the front end
+    dies, so without this a rank would wait for its collective timeout or forever."""
     while not done.wait(PARENT_POLL_S):
         if parent_gone(parent_pid):
             print(f"r3trace rank {rank}: the front end (pid {parent_pid}) exited while the rank started",
                   file=sys.stderr, flush=True)  # fmt: skip
+            shutil.rmtree(folder, ignore_errors=True)
             os._exit(1)
 
 
@@ -109,6 +111,16 @@ def rank_main(rank: int, spec: WorkerSpec, inbox: Any, to_front: Any) -> None:
     end's pid; while the rank starts, a watcher thread exits the process once the front end is gone."""
     parent = spec.parent_pid if spec.parent_pid is not None else os.getppid()
     started = threading.Event()
-    threading.Thread(target=exit_without_parent, args=(rank, parent, started), name="r3trace-parent-watch",
+    folder = rendezvous_folder(spec.init_method)
+    threading.Thread(target=exit_without_parent, args=(rank, parent, started, folder), name="r3trace-parent-watch",
                      daemon=True).start()  # fmt: skip
-    run_rank(spec, rank, inbox if rank == 0 else None, to_front if rank == 0 else None, parent, started)
+    try:
+        run_rank(spec, rank, inbox if rank == 0 else None, to_front if rank == 0 else None, parent, started)
+    finally:
+        if parent_gone(parent):  # the front end, which removes the rendezvous folder on shutdown, was killed
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def rendezvous_folder(init_method: str) -> Path:
+    """The folder of a file:// rendezvous (WorkerGroup.spawn's mkdtemp)."""
+    return Path(init_method.removeprefix("file://")).parent

@@ -11,7 +11,6 @@ import errno
 import ipaddress
 import json
 import logging
-import shutil
 import socket
 import tempfile
 from pathlib import Path
@@ -143,9 +142,10 @@ def engine_options(args: argparse.Namespace) -> dict[str, object]:
     }  # fmt: skip
 
 
-def init_location(args: argparse.Namespace, model: Path, log: logging.Logger) -> str | None:
+def init_location(args: argparse.Namespace, model: Path, log: logging.Logger, folder: Path) -> str | None:
     """--init-expert-location as the engine reads it: a map as given; counts (`logical_count`, SGLang's stat dump)
-    planned first, as SGLang's init_by_eplb plans them (r3trace/eplb/sglang_init.py), into a map file."""
+    planned first, as SGLang's init_by_eplb plans them (r3trace/eplb/sglang_init.py), into a map file in `folder`
+    (the caller's, removed once every rank has read it)."""
     if args.init_expert_location is None:
         return None
     from r3trace.engine.model_config import ModelConfig
@@ -164,7 +164,7 @@ def init_location(args: argparse.Namespace, model: Path, log: logging.Logger) ->
                                            args.ep_size, args.eplb_algorithm)
     except PlacementError as e:
         raise UsageError(f"{flag}: {e}") from e
-    out = Path(tempfile.mkdtemp(prefix="r3trace-init-")) / "physical_to_logical_map.json"
+    out = folder / "physical_to_logical_map.json"
     out.write_text(json.dumps({"physical_to_logical_map": full.tolist()}))
     log.info("%s holds logical_count: planned with %s as SGLang's init_by_eplb; the map is %s", flag, algorithm, out)
     return str(out)
@@ -219,13 +219,11 @@ def run(args: argparse.Namespace) -> int:
     if not is_loopback(args.host):
         log.warning("binding %s: the API has no authentication; anyone who reaches this address can generate",
                     args.host)
-    location = init_location(args, model, log)
-    try:
+    # a map planned from counts lives until the engine is up (every rank has read it) or has failed
+    with tempfile.TemporaryDirectory(prefix="r3trace-init-") as planned:
+        location = init_location(args, model, log, Path(planned))
         engine = Engine(model, **{**engine_options(args), "init_expert_location": location},  # type: ignore[arg-type]
                         **launch_options(args))
-    finally:  # every rank has read a planned map once the engine is up (or has failed)
-        if location is not None and location != str(args.init_expert_location):
-            shutil.rmtree(Path(location).parent, ignore_errors=True)
     try:
         resolved = model.resolve()
         cfg = ServerConfig(model_name=args.served_model_name or resolved.name, host=args.host, port=args.port,

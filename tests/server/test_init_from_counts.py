@@ -51,7 +51,7 @@ def test_a_recorded_stat_dump_starts_the_next_engine_with_deepseeks_plan(tmp_pat
     [dump] = list((tmp_path / "dumps").glob("*.pt"))
     counts = torch.load(dump, weights_only=True)["logical_count"].numpy().sum(0)  # [5, 32]: init_by_eplb's weight
 
-    path = serve.init_location(args("--init-expert-location", str(dump)), MODEL, LOG)
+    path = serve.init_location(args("--init-expert-location", str(dump)), MODEL, LOG, tmp_path)
     assert path is not None and path != str(dump)
     planned = np.array(json.loads(Path(path).read_text())["physical_to_logical_map"])  # [5, 40]
     groups = ModelConfig.from_hf(MODEL).n_group  # the sample model's router groups: they divide over one node
@@ -61,7 +61,8 @@ def test_a_recorded_stat_dump_starts_the_next_engine_with_deepseeks_plan(tmp_pat
         held = engine.expert_slots()[0]["held"]
         assert [held[i] for i in range(len(MOE))] == want.tolist()
 
-    flat = serve.init_location(args("--init-expert-location", str(dump), "--eplb-algorithm", "deepseek"), MODEL, LOG)
+    flat = serve.init_location(args("--init-expert-location", str(dump), "--eplb-algorithm", "deepseek"), MODEL, LOG,
+                                tmp_path)
     assert flat is not None
     glob = deepseek.global_policy(counts[MOE], Cluster(1, 1, P, num_groups=groups)).phy2log
     assert np.array_equal(np.array(json.loads(Path(flat).read_text())["physical_to_logical_map"])[MOE], glob)
@@ -70,11 +71,11 @@ def test_a_recorded_stat_dump_starts_the_next_engine_with_deepseeks_plan(tmp_pat
 def test_a_map_passes_through_and_bad_counts_are_one_line(tmp_path: Path) -> None:
     mapped = tmp_path / "map.json"
     mapped.write_text(json.dumps({"physical_to_logical_map": [[p % E for p in range(P)]] * 5}))
-    assert serve.init_location(args("--init-expert-location", str(mapped)), MODEL, LOG) == str(mapped)
+    assert serve.init_location(args("--init-expert-location", str(mapped)), MODEL, LOG, tmp_path) == str(mapped)
     bad = tmp_path / "bad.pt"
     torch.save({"logical_count": torch.zeros(3, 5, 16)}, bad)
     with pytest.raises(UsageError) as e:
-        serve.init_location(args("--init-expert-location", str(bad)), MODEL, LOG)
+        serve.init_location(args("--init-expert-location", str(bad)), MODEL, LOG, tmp_path)
     assert str(e.value) == (f"--init-expert-location {bad}: logical_count is [5, 16]; the model has 5 layers (4 MoE) "
                             "of 32 experts")
 

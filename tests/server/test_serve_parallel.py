@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -61,7 +62,7 @@ def _wait_gone(sid: int, timeout_s: float) -> list[int]:
 @pytest.mark.parametrize("stop", ["sigint", "sigkill"])
 def test_serve_tp2_answers_and_leaves_no_rank(tmp_path: Path, stop: str) -> None:
     """SIGINT: the graceful path (engine.shutdown), which closes the trace with every request in it. SIGKILL of the
-    server: the ranks notice their front end is gone and exit on their own."""
+    server: the ranks notice their front end is gone and exit on their own. Neither leaves a folder behind."""
     proc, url, log = _serve(tmp_path, "--tp", "2", "--load-balance-method", "shortest_queue",
                             "--trace-root", str(tmp_path / "traces"), "--trace-dir", "run")
     try:
@@ -74,6 +75,9 @@ def test_serve_tp2_answers_and_leaves_no_rank(tmp_path: Path, stop: str) -> None
         proc.send_signal(signal.SIGINT if stop == "sigint" else signal.SIGKILL)
         proc.wait(timeout=30)
         assert _wait_gone(proc.pid, 15) == [], log.read_text()[-3000:]
+        # the ranks' rendezvous folder (engine/launch/group.py, named for the server's pid) is gone either way:
+        # removed by the server's shutdown, or by the ranks once they found the server killed
+        assert list(Path(tempfile.gettempdir()).glob(f"r3trace-ranks-{proc.pid}-*")) == []
         if stop == "sigint":  # the graceful stop commits and closes the front end's trace
             [run] = open_dataset(tmp_path / "traces" / "run")
             assert run.state == "closed" and run.manifest.rows == 7 * 4  # 7 computed positions, 4 MoE layers
@@ -111,6 +115,9 @@ def test_torchrun_two_ranks_serve(tmp_path: Path) -> None:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
         assert _wait_gone(proc.pid, 15) == [], log.read_text()[-3000:]
+        # the ranks' rendezvous folder (engine/launch/group.py, named for the server's pid) is gone either way:
+        # removed by the server's shutdown, or by the ranks once they found the server killed
+        assert list(Path(tempfile.gettempdir()).glob(f"r3trace-ranks-{proc.pid}-*")) == []
     finally:
         if session_pids(proc.pid):
             os.killpg(proc.pid, signal.SIGKILL)
