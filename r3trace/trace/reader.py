@@ -62,6 +62,12 @@ class RunFiles:
         return [self.table_dir("rollups") / f.rollup for f in self.manifest.files if f.rollup]
 
     @property
+    def rollups_complete(self) -> bool:
+        """Every routes file listed with its rollup (as TraceWriter commits them), so the rollups' heat is the
+        routes' heat; a trace written to the Parquet contract by another tool may list routes files alone."""
+        return all(f.rollup for f in self.manifest.files if f.name)
+
+    @property
     def request_files(self) -> list[Path]:
         return [self.table_dir("requests") / f.requests for f in self.manifest.files if f.requests]
 
