@@ -51,16 +51,27 @@ class Unplaced(NamedTuple):
 
 
 def unplaced_rows(con: duckdb.DuckDBPyConnection, run_id: str) -> Unplaced:
-    """Counts over run_id's routes, which must have physical_ids: each row joined (ASOF) to its layer's map at its
-    forward; of two rows of one layer and forward the later written (larger ts) wins, as placements.placement_at."""
+    """Counts over run_id's routes, which must have physical_ids: each row's map is its layer's at its forward (an
+    ASOF join); of two rows of one layer and forward the later written (larger ts) wins, as placements.placement_at.
+
+    The ASOF join runs over the run's distinct (layer, forward) pairs, and the routes reach their map through two
+    hash joins (pair -> map number -> map); each slot is read and compared position by position. A 17M-row trace (58
+    layers, top-8, two maps of 288 slots, 64 tokens a forward) on 2 cores: 4.5 s, where the ASOF join of every row and
+    a list_transform of its slots took 11.3 s."""
+    k = top_k(con, run_id)
+    wrong = " OR ".join(f"p.phy2log[r.physical_ids[{i}] + 1] IS DISTINCT FROM r.topk_ids[{i}]" for i in range(1, k + 1))
     found = con.execute(
-        "WITH p AS (SELECT layer_id, from_forward_id, phy2log FROM placements WHERE run_id = $run"
+        "WITH p AS (SELECT row_number() OVER () AS map, layer_id, from_forward_id, phy2log FROM placements"
+        "  WHERE run_id = $run"
         "  QUALIFY row_number() OVER (PARTITION BY layer_id, from_forward_id ORDER BY ts DESC) = 1),"
-        " r AS (SELECT layer_id, forward_id, topk_ids::INTEGER[] AS ids, physical_ids FROM routes WHERE run_id = $run)"
-        " SELECT count(*) FILTER (WHERE p.phy2log IS NOT NULL AND"
-        "   list_transform(r.physical_ids::INTEGER[], lambda s: p.phy2log[s + 1]) IS DISTINCT FROM r.ids),"
+        " f AS (SELECT DISTINCT layer_id, forward_id FROM routes WHERE run_id = $run),"
+        " fm AS (SELECT f.layer_id, f.forward_id, p.map FROM f"
+        "  ASOF LEFT JOIN p ON f.layer_id = p.layer_id AND f.forward_id >= p.from_forward_id),"
+        " r AS (SELECT layer_id, forward_id, topk_ids, physical_ids FROM routes WHERE run_id = $run)"
+        f" SELECT count(*) FILTER (WHERE p.phy2log IS NOT NULL AND ({wrong})),"
         " count(*) FILTER (WHERE p.phy2log IS NULL), count(*)"
-        " FROM r ASOF LEFT JOIN p ON r.layer_id = p.layer_id AND r.forward_id >= p.from_forward_id",
+        " FROM r LEFT JOIN fm ON r.layer_id = fm.layer_id AND r.forward_id = fm.forward_id"
+        " LEFT JOIN p ON fm.map = p.map",
         {"run": run_id}).fetchone()
     assert found is not None  # an aggregate without GROUP BY returns one row
     return Unplaced(*(int(v) for v in found))
