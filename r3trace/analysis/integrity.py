@@ -29,15 +29,18 @@ class Repeated(NamedTuple):
 
 
 def repeated_rows(con: duckdb.DuckDBPyConnection, run_id: str | None = None) -> Repeated:
-    """Counts over the routes of run_id (None: every run): one scan, ~25 ms for the sample's 39,100 rows, 14.5 s for
-    a 116M-row trace (2M tokens x 58 layers, top-8) on 2 cores. A row repeats an id where two of its K positions are
-    equal (K (K - 1) / 2 comparisons of list elements) or it holds fewer than K; on that trace a per-row
-    len(list_distinct(topk_ids)) took 38.6 s and the whole count 47.7 s (a list built per row)."""
+    """Counts over the routes of run_id (None: every run): one scan, ~25 ms for the sample's 39,100 rows. A row repeats
+    an id where two of its K positions are equal (K (K - 1) / 2 comparisons of its ids, each read out of the list once
+    into a column) or it holds fewer than K. On a 116M-row trace (2M tokens x 58 layers, top-8) on 2 cores: 7.4 s,
+    where the same comparisons on list elements took 14.4 s and a per-row len(list_distinct(topk_ids)) 34.6 s
+    (BENCHMARKS.md, "r3trace stats on a big trace")."""
     k = top_k(con, run_id)
-    pairs = "".join(f" OR topk_ids[{i}] = topk_ids[{j}]" for i in range(1, k + 1) for j in range(i + 1, k + 1))
+    ids = ", ".join(f"topk_ids[{i}] AS a{i}" for i in range(1, k + 1))
+    pairs = "".join(f" OR a{i} = a{j}" for i in range(1, k + 1) for j in range(i + 1, k + 1))
     found = con.execute(
         "SELECT count(*) FILTER (WHERE rep), count(*) FILTER (WHERE rep AND list_max(topk_ids) = 0), count(*) "
-        f"FROM (SELECT topk_ids, len(topk_ids) < $k{pairs} AS rep FROM routes WHERE run_id = coalesce($run, run_id))",
+        f"FROM (SELECT topk_ids, n < $k{pairs} AS rep "
+        f"      FROM (SELECT topk_ids, len(topk_ids) AS n, {ids} FROM routes WHERE run_id = coalesce($run, run_id)))",
         {"k": k, "run": run_id}).fetchone()
     assert found is not None  # an aggregate without GROUP BY returns one row
     rows, zeros, total = (int(v) for v in found)
