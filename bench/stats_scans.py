@@ -5,9 +5,9 @@ Run:   .venv/bin/python -m bench.stats_scans --tokens 2000000 --work /tmp/stats-
 Smoke: .venv/bin/python -m bench.stats_scans --smoke   (6 layers, 3,000 tokens; no file written)
 
 Per scan: the baseline (the routes' heat; the list_distinct repeat test; the window partitioned by request string and
-layer with the routes' heat), what `r3trace stats` runs now (the rollups where every routes file has one; the pairwise
-position compare; the packed sort key), both timed once in this process after one untimed warm-up read of the files,
-their results checked equal before a time is reported.
+layer with the routes' heat), what `r3trace stats` runs now (the rollups where every routes file has one; a row's K ids
+as columns compared pairwise; the packed sort key), both timed once in this process after one untimed warm-up read of
+the files, their results checked equal before a time is reported.
 """
 
 from __future__ import annotations
@@ -72,7 +72,8 @@ def measure(root: Path) -> dict[str, Any]:
     row("imbalance (per layer): the routes' heat -> the rollups'", b, o, b[1].equals(o[1]))
     b = timed(lambda: repeated_by_list_distinct(store, rid, m.top_k))
     o = timed(lambda: repeated_rows(store.con, rid))
-    row("rows repeating an expert: list_distinct a row -> K(K-1)/2 position compares", b, o, b[1] == o[1].rows)
+    row("rows repeating an expert: list_distinct a row -> its K ids as columns, compared pairwise", b, o,
+        b[1] == o[1].rows)
     b = timed(lambda: temporal_locality(store.con, rid, source="routes", packed_key=False))
     o = timed(lambda: temporal_locality(store.con, rid, source="rollups"))
     same = (b[1]["pairs"].to_list() == o[1]["pairs"].to_list()
