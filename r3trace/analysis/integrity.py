@@ -31,8 +31,8 @@ class Repeated(NamedTuple):
 def repeated_rows(con: duckdb.DuckDBPyConnection, run_id: str | None = None) -> Repeated:
     """Counts over the routes of run_id (None: every run): one scan, ~25 ms for the sample's 39,100 rows. A row repeats
     an id where two of its K positions are equal (K (K - 1) / 2 comparisons of its ids, each read out of the list once
-    into a column) or it holds fewer than K. On a 116M-row trace (2M tokens x 58 layers, top-8) on 2 cores: 7.4 s,
-    where the same comparisons on list elements took 14.4 s and a per-row len(list_distinct(topk_ids)) 34.6 s
+    into a column) or it holds fewer than K. On a 116M-row trace (2M tokens x 58 layers, top-8) on 2 cores: 7.3 s,
+    where the same comparisons on list elements took 14.4 s and a per-row len(list_distinct(topk_ids)) 37.0 s
     (BENCHMARKS.md, "r3trace stats on a big trace")."""
     k = top_k(con, run_id)
     ids = ", ".join(f"topk_ids[{i}] AS a{i}" for i in range(1, k + 1))
