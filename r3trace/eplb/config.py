@@ -34,6 +34,11 @@ class PlannerConfig:
     # 0.776, 32 0.789, 150 0.794 (8 nodes, 0.8 s of a 1.7 s plan at 150)
     level_swaps: int = 48
     level_min_gain: float = 1e-4  # of the squared mean GPU load; 1e-3 lost 0.002-0.004 held out
+    # selections a GPU serves in a layer's forecast window up to which the leveling stops at its min gain
+    # (level_min_gain, replan_level_min_gain); above it the gain shrinks as count / m, a GPU load's squared relative
+    # sampling noise (leveling.noise_gain). 2,048: the held-out matrix's largest count where the leveling runs (4,096
+    # tokens x 8 picks on 16 GPUs), so its cells keep the tuned gain
+    level_gain_count: float = 2048.0
     # a re-plan's leveling swaps: the fresh plan's gain floor, kept where they lower a layer's hottest GPU by more
     # than replan_min_drop. Held out (32/4/288, s = 0.3): floor 1e-3 and a 3% drop 0.841, floor 1e-4 and any drop
     # 0.857 (global on 8 windows 0.859), at 4.0% -> 7.3% of slots moved per re-plan

@@ -52,7 +52,7 @@ from r3trace.eplb.descent import hot_swaps
 from r3trace.eplb.dispatch_contest import applies as replays
 from r3trace.eplb.dispatch_contest import groups_apply, groups_contest, replay_contest
 from r3trace.eplb.homing import capped_counts, expert_nodes
-from r3trace.eplb.leveling import level_refine
+from r3trace.eplb.leveling import level_refine, noise_gain
 from r3trace.eplb.node_copies import copies_fit
 from r3trace.eplb.pairing import paired
 from r3trace.eplb.placement import Cluster, Placement, from_phy2log
@@ -180,8 +180,9 @@ def spread_layout(w: np.ndarray, cluster: Cluster, cfg: PlannerConfig, tokens: n
     cnt = affinity_replicas(w, logcnt, home_primaries(w, cluster, pairs, cfg.group_pair_slack),
                             CoChoices(tokens, w.shape[1]), cluster)
     final = not applies(cluster) and cluster.slots_per_gpu != 2  # the leveling's layout is the last (polish, paired)
-    phy2log = level_refine(pack_nodes(w, logcnt, cnt, cluster), w, logcnt, cluster, cfg.level_swaps,
-                           cfg.level_min_gain, cfg.level_cold, cross_nodes=not cfg.keep_groups,
+    gain = noise_gain(cfg.level_min_gain, w, cluster, cfg.level_gain_count)
+    phy2log = level_refine(pack_nodes(w, logcnt, cnt, cluster), w, logcnt, cluster, cfg.level_swaps, gain,
+                           cfg.level_cold, cross_nodes=not cfg.keep_groups,
                            out_of_reach=losing if final else None)
     rule: NodeRule = "keep" if cfg.keep_groups else "cover"
     phy2log = polish(phy2log, w, cluster, tokens, cfg.polish_steps, rule)

@@ -234,6 +234,16 @@ def level_refine(phy2log: np.ndarray, weight: np.ndarray, logcnt: np.ndarray, cl
     return out
 
 
+def noise_gain(min_gain: float, weight: np.ndarray, cluster: Cluster, count: float) -> float:
+    """The leveling's stopping gain for forecast loads weight [L, E] in selections a window: min_gain where a GPU serves
+    at most `count` selections a layer and window (PlannerConfig.level_gain_count: the windows it was tuned on), else
+    min_gain x count / m for m selections a GPU. A GPU load's sampling noise, as a share of the squared mean load, is
+    ~1 / m, and a swap whose gain is below that noise's share is noise in the next window; where m is larger, smaller
+    gains are real. Loads not in selections (rates summing to 1) give m << count: min_gain."""
+    m = float(weight.sum()) / max(weight.shape[0] * cluster.num_gpus, 1)
+    return min_gain * min(1.0, count / m) if m > 0 else min_gain
+
+
 def _home_group(expert: np.ndarray, node_bit: np.ndarray, group_nodes: np.ndarray, gsize: int,
                 layer: np.ndarray) -> np.ndarray:
     """Group of each expert where its group held that node (node_bit) in the input, else -1 (int16); arrays

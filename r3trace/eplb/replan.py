@@ -43,7 +43,7 @@ from r3trace.eplb.cover import cover_sizes, node_masks
 from r3trace.eplb.deepseek import global_phy2log
 from r3trace.eplb.descent import hot_swaps
 from r3trace.eplb.emax import emax_swaps, layout_bound, layout_bounds
-from r3trace.eplb.leveling import level_refine
+from r3trace.eplb.leveling import level_refine, noise_gain
 from r3trace.eplb.node_cover import EXACT_COVER_NODES
 from r3trace.eplb.pairing import paired, sorted_pairs
 from r3trace.eplb.placement import Cluster, Placement, from_phy2log
@@ -87,7 +87,8 @@ def seeded_plan(w: np.ndarray, prev: Placement, cluster: Cluster, cfg: PlannerCo
         glob_rows = global_phy2log(w[rows], cluster) if glob is None else glob[rows]  # a layer's own: rows alike
         slack = node_slack(ph, glob_rows, tokens[-SLACK_TOKENS:, rows], w.shape[1], cluster)
         cold = np.where(slack > cfg.cross_slack, np.inf, cold)
-    leveled = level_refine(ph, w[rows], logcnt[rows], cluster, swaps, cfg.replan_level_min_gain, cold,
+    gain = noise_gain(cfg.replan_level_min_gain, w, cluster, cfg.level_gain_count)
+    leveled = level_refine(ph, w[rows], logcnt[rows], cluster, swaps, gain, cold,
                            spread=None if dev is None else dev[:, rows])
     before = phy2log_gpu_load(ph, w[rows], cluster).max(1)
     after = phy2log_gpu_load(leveled, w[rows], cluster).max(1)
