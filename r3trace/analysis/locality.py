@@ -44,8 +44,8 @@ def temporal_locality(
     sizes = con.execute(f"SELECT (SELECT count(*) FROM (SELECT DISTINCT run_id, request_id {rows})), max(layer_id), "
                         f"min(token_pos), max(token_pos) {rows}", [*scan, *scan]).fetchone()
     n_req, max_layer, min_pos, max_pos = sizes if sizes is not None else (0, None, None, None)
-    packed = (packed_key and max_layer is not None and min_pos >= 0
-              and n_req * (max_layer + 1) * (max_pos + 2) < PACKED_KEY_LIMIT)
+    packed = (packed_key and max_layer is not None and min_pos is not None and min_pos >= 0
+              and n_req * (max_layer + 1) * (max_pos + 2) < PACKED_KEY_LIMIT)  # no rows or no positions: the window
     if packed:
         # one BIGINT key (request number, layer, position) sorted once: the previous row is the previous position of
         # the same request and layer iff its key is this key - 1 (position max_pos + 1, which a borrow from the layer
