@@ -47,6 +47,7 @@ from r3trace.eplb.evaluate import (
     score_placement,
 )
 from r3trace.eplb.placement import Cluster, PlacementError
+from r3trace.eplb.static import demand
 
 TIE = 0.005
 LEAD_SE = 2.0
@@ -119,13 +120,17 @@ def backtest(history: np.ndarray, held: Sequence[int], fit_tokens: Sequence[np.n
     split only), sent from held_ranks[i] [T] under static dispatch (None: token t from rank t mod G) -> every
     candidate's fold scores, in table order, judged under `dispatch`; top_k: the trace's, for ours (planner_config)."""
     ranks = [None] * len(held) if held_ranks is None else held_ranks
+    e = history.shape[-1]
+    # each fold's static-dispatch demand [L, G, E], made once for its candidates
+    sent = [None if vt is None or not len(vt) else demand(vt, e, cluster.num_gpus, vr)
+            for vt, vr in zip(held_tokens, ranks, strict=True)]
     out = []
     for policy in policies:
         for how in forecasts:
             try:
                 scores = tuple(score_placement(plan_policy(policy, history[:t], how, cluster, ft, dispatch=dispatch,
-                                                           top_k=top_k), history[t], vt, cluster, vr)
-                               for t, ft, vt, vr in zip(held, fit_tokens, held_tokens, ranks, strict=True))
+                                                           top_k=top_k), history[t], vt, cluster, vr, vs)
+                               for t, ft, vt, vr, vs in zip(held, fit_tokens, held_tokens, ranks, sent, strict=True))
             except PlacementError as e:  # hierarchical when groups do not divide over nodes
                 out.append(Candidate(policy, how, (), str(e), dispatch))
                 continue

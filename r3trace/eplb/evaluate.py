@@ -15,6 +15,7 @@ import numpy as np
 from r3trace.eplb import deepseek, forecast, planner, score
 from r3trace.eplb.config import PlannerConfig
 from r3trace.eplb.placement import Cluster, Placement
+from r3trace.eplb.replay_max import node_limited_loads
 from r3trace.eplb.static import demand, dispatched_load
 from r3trace.eplb.static_spread import STATIC_EVEN_CHURN
 
@@ -157,18 +158,20 @@ class Score(NamedTuple):
 
 
 def score_placement(pl: Placement, heat: np.ndarray, tokens: np.ndarray | None, cluster: Cluster,
-                    token_rank: np.ndarray | None = None) -> Score:
+                    token_rank: np.ndarray | None = None, sent: np.ndarray | None = None) -> Score:
     """heat [L, E], tokens [T, L, K] or None -> Score. balancedness_even equals score.balancedness of the even
-    split; the replay is score.node_limited (exact minimum node cover up to 8 nodes); static is SGLang's default
+    split; the replay is score.node_limited's dispatch (exact minimum node cover up to 8 nodes), counted by
+    replay_max.node_limited_loads (its covers and draws, 3-8x faster up to 4 nodes); static is SGLang's default
     dispatch with a placement and dynamic its other (in expectation), each token sent from token_rank [T]
-    (static.token_sources; None: token t from rank t mod G)."""
+    (static.token_sources; None: token t from rank t mod G); sent: static.demand of those tokens and ranks where the
+    caller scores several placements on them (the backtest: 12 candidates a fold), else computed here."""
     even = _per_layer(score.even_gpu_load(pl, heat, cluster))
     if tokens is None or not len(tokens):
         return Score(0, even, None, None, None)
-    d = score.node_limited(pl, tokens, cluster)
-    sent = demand(tokens, pl.logcnt.shape[1], cluster.num_gpus, token_rank)  # [L, G, E]
-    return Score(len(tokens), even, _per_layer(d.gpu_load), d.nodes.mean(0),
-                 (d.nodes > cluster.node_limit).mean(0), d.nodes,
+    gpu_load, nodes = node_limited_loads(pl.phy2log, pl.logcnt.shape[1], tokens, cluster)  # score.node_limited's
+    if sent is None:
+        sent = demand(tokens, pl.logcnt.shape[1], cluster.num_gpus, token_rank)  # [L, G, E]
+    return Score(len(tokens), even, _per_layer(gpu_load), nodes.mean(0), (nodes > cluster.node_limit).mean(0), nodes,
                  _per_layer(dispatched_load(pl, sent, cluster, "static")),
                  _per_layer(dispatched_load(pl, sent, cluster, "dynamic")))
 

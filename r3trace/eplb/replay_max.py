@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from itertools import islice
+from typing import NamedTuple
 
 import numpy as np
 
@@ -23,30 +24,52 @@ def node_limited_max(layouts: Sequence[np.ndarray], num_experts: int, topk_ids: 
     all V), each (layer, expert) unit counted per cover node set and split once per set, instead of [T, L, K, N]
     shares summed per token (2,048 tokens at [58, 288] on 2 nodes: ~0.008 s a layout against 0.07). The same sums in
     another order: equal up to float rounding (tests/analysis/test_eplb_replay_max.py)."""
-    return _replay(layouts, num_experts, topk_ids, cluster, seed, chunk, False)[0]
+    return _replay(layouts, num_experts, topk_ids, cluster, seed, chunk, False).gpu_load.max(2)
 
 
 def node_limited_replay(layouts: Sequence[np.ndarray], num_experts: int, topk_ids: np.ndarray, cluster: Cluster,
                         seed: int = 0, chunk: int = 2048) -> tuple[np.ndarray, np.ndarray]:
     """node_limited_max's [V, L] max GPU loads, and [V, L] each layer's mean nodes per token (the covers' sizes, as
     node_limited's nodes count them) from the same covers."""
-    return _replay(layouts, num_experts, topk_ids, cluster, seed, chunk, True)
+    got = _replay(layouts, num_experts, topk_ids, cluster, seed, chunk, True)
+    return got.gpu_load.max(2), got.nodes
+
+
+def node_limited_loads(phy2log: np.ndarray, num_experts: int, topk_ids: np.ndarray, cluster: Cluster,
+                       seed: int = 0, chunk: int = 2048) -> tuple[np.ndarray, np.ndarray]:
+    """One layout's [L, G] GPU loads and [T, L] nodes each token reaches under node_limited's dispatch (its covers,
+    its draws), by node_limited_max's counting: what the report's and the backtest's scores read (evaluate.
+    score_placement). 8,192 tokens at [58, 288] on a busy 2-core machine: 4 nodes 0.12-0.15 s against node_limited's
+    0.48-0.51 s, 2 nodes 0.03 against 0.27; above MAX_LOAD_NODES node_limited itself. Equal to node_limited's to
+    float rounding (GPU loads within 4e-15 of the max), its node counts exactly."""
+    got = _replay([phy2log], num_experts, topk_ids, cluster, seed, chunk, True, per_token=True)
+    assert got.token_nodes is not None
+    return got.gpu_load[0], got.token_nodes[0]
+
+
+class Replayed(NamedTuple):
+    gpu_load: np.ndarray  # [V, L, G]
+    nodes: np.ndarray  # [V, L] mean nodes per token (zeros unless counted)
+    token_nodes: np.ndarray | None  # [V, T, L] nodes each token reaches (per_token), else None
 
 
 def _replay(layouts: Sequence[np.ndarray], num_experts: int, topk_ids: np.ndarray, cluster: Cluster, seed: int,
-            chunk: int, count_nodes: bool) -> tuple[np.ndarray, np.ndarray]:
-    """node_limited_max, with the covers' sizes summed per layer where count_nodes (else [V, L] zeros)."""
+            chunk: int, count_nodes: bool, per_token: bool = False) -> Replayed:
+    """The layouts' GPU loads, with the covers' sizes per layer where count_nodes (else [V, L] zeros) and per token
+    where per_token."""
     e, n = num_experts, cluster.num_nodes
     t, n_layers, k = topk_ids.shape
     if n > MAX_LOAD_NODES:
         ds = [node_limited(from_phy2log(ph, e), topk_ids, cluster, seed=seed, chunk=chunk) for ph in layouts]
-        return np.stack([d.gpu_load.max(1) for d in ds]), np.stack([d.nodes.mean(0) for d in ds])
+        return Replayed(np.stack([d.gpu_load for d in ds]), np.stack([d.nodes.mean(0) for d in ds]),
+                        np.stack([d.nodes for d in ds]) if per_token else None)
     sets, n_lay = 1 << n, len(layouts)
     cnts = [replicas_per_node(ph, e, cluster) for ph in layouts]  # [L, E, N] each
     ebits = [expert_bits(c) for c in cnts]  # [L E] node bitmask of each (layer, expert)
     kinds = [_two_node_kinds(ebits[v:v + 2]) for v in range(0, n_lay, 2)] if n == 2 else []
     units = np.zeros((n_lay, n_layers * e * sets))
     sizes = np.zeros((n_lay, n_layers), dtype=np.int64)  # [V, L] summed cover sizes (count_nodes)
+    token_nodes = np.zeros((n_lay, t, n_layers), dtype=np.int64) if per_token else None  # [V, T, L]
     size_of = ((np.arange(sets)[:, None] >> np.arange(n)) & 1).sum(1)  # [2^N] a cover code's node count
     sub = max(1, LOAD_BLOCK // (n_layers * k))  # tokens a block: [T', L, K] int64 keys, 1 MB
     for i in range(0, t, chunk):  # a chunk's ties are one draw, shared by the layouts
@@ -71,6 +94,8 @@ def _replay(layouts: Sequence[np.ndarray], num_experts: int, topk_ids: np.ndarra
         for v in range(n_lay):
             if count_nodes:
                 sizes[v] += size_of[codes[v]].sum(0)
+            if token_nodes is not None:
+                token_nodes[v, i:i + tc] = size_of[codes[v]]
             # where one cover set holds most tokens (on two nodes 90-98% of a layer's reach both), its units are the
             # rest of each expert's: only the others are counted (below COMMON_SHARE, as on four nodes at 50-60%,
             # gathering the others cost more than it saved)
@@ -103,8 +128,8 @@ def _replay(layouts: Sequence[np.ndarray], num_experts: int, topk_ids: np.ndarra
         else:
             per = np.einsum("les,sn->len", share, member)  # [L, E, N] per replica
         slot_load = per[np.arange(n_layers)[:, None], phy2log, node[None, :]]  # [L, P]
-        out.append(slot_load.reshape(n_layers, cluster.num_gpus, -1).sum(-1).max(1))
-    return np.stack(out), sizes / max(t, 1)
+        out.append(slot_load.reshape(n_layers, cluster.num_gpus, -1).sum(-1))
+    return Replayed(np.stack(out), sizes / max(t, 1), token_nodes)
 
 
 MAX_LOAD_NODES = 4  # node_limited_max counts per node set: 2^N sets per (layer, expert)

@@ -1,6 +1,7 @@
 """node_limited_max (each expert's units counted per cover node set) against node_limited's max GPU load (shares
 summed per token), on random layouts of odd shapes with the same seeds and chunks: the same covers, so equal up to
-float rounding; node_limited_replay's nodes per token equal to node_limited's. Run: .venv/bin/pytest
+float rounding; node_limited_replay's nodes per token and node_limited_loads' GPU loads and nodes of every token
+equal to node_limited's. Run: .venv/bin/pytest
 tests/analysis/test_eplb_replay_max.py -q"""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import pytest
 
 from r3trace.eplb import Cluster, node_cover, replay_max
 from r3trace.eplb.placement import from_phy2log
-from r3trace.eplb.replay_max import MAX_LOAD_NODES, node_limited_max, node_limited_replay
+from r3trace.eplb.replay_max import MAX_LOAD_NODES, node_limited_loads, node_limited_max, node_limited_replay
 from r3trace.eplb.score import node_limited
 
 
@@ -47,6 +48,10 @@ def test_node_limited_max_equals_the_per_token_split(seed: int, block: int | Non
         both, nodes = node_limited_replay([pl.phy2log for pl in pls], e, tok, cl, seed=seed, chunk=chunk)
         assert (both == got).all()
         np.testing.assert_allclose(nodes, [d.nodes.mean(0) for d in ds], rtol=1e-12)  # the same covers' sizes
+        for pl, d in zip(pls, ds, strict=True):  # one layout's GPU loads and every token's nodes (the report's scores)
+            gpu, per_token = node_limited_loads(pl.phy2log, e, tok, cl, seed=seed, chunk=chunk)
+            np.testing.assert_allclose(gpu, d.gpu_load, rtol=1e-12, atol=1e-12 * max(1.0, float(d.gpu_load.max())))
+            assert np.array_equal(per_token, d.nodes)
 
 
 def test_node_limited_max_by_hand() -> None:
