@@ -181,13 +181,13 @@ def evaluate_policy(policy: PolicyName, weight: np.ndarray, tokens: np.ndarray, 
     over its replicas and replayed through node-limited dispatch (mean/max GPU load), nodes per token
     (mean, max), tokens replayed."""
     placement = make_placement(policy, weight, cluster, tokens)
-    dispatch = score.node_limited(placement, tokens, cluster)
+    gpu_load, nodes = node_limited_loads(placement.phy2log, placement.logcnt.shape[1], tokens, cluster)
     return {
         "policy": policy, "placement": placement, "phy2log": placement.phy2log, "logcnt": placement.logcnt,
         "balancedness_even": score.balancedness(score.even_gpu_load(placement, weight, cluster)),
-        "balancedness_replay": score.balancedness(dispatch.gpu_load),
-        "nodes_mean": float(dispatch.nodes.mean()) if dispatch.nodes.size else 0.0,
-        "nodes_max": int(dispatch.nodes.max()) if dispatch.nodes.size else 0,
+        "balancedness_replay": score.balancedness(gpu_load),
+        "nodes_mean": float(nodes.mean()) if nodes.size else 0.0,
+        "nodes_max": int(nodes.max()) if nodes.size else 0,
         "tokens": int(tokens.shape[0]), "slots_per_gpu": cluster.slots_per_gpu,
     }
 
