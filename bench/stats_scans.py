@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from bench.analysis import timed
 from bench.result_file import machine, write_result
 from r3trace.analysis.heat import imbalance
 from r3trace.analysis.integrity import repeated_rows
@@ -29,12 +28,6 @@ from r3trace.analysis.store import TraceStore
 from r3trace.analysis.synth import SynthConfig, write_synth
 
 RESULT = Path(__file__).resolve().parent / "results" / "stats_scans.json"
-
-
-def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
-    t = time.perf_counter()
-    out = fn()
-    return time.perf_counter() - t, out
 
 
 def trace(work: Path, tokens: int, layers: int) -> Path:
